@@ -1,0 +1,167 @@
+//! The one error type of the OpenAI surface.
+//!
+//! Every error a client can see is an [`ApiError`]. It knows its HTTP status, the OpenAI
+//! `type`, a stable machine-readable `code`, the `param` path it is about, its JSON body and
+//! its mid-stream SSE frame. Nothing else in llmserve builds an error body.
+
+use serde_json::json;
+use std::fmt;
+
+/// An error as the client sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ApiError {
+    /// 400: malformed JSON, wrong type, missing field, out-of-range or conflicting values.
+    InvalidRequest { message: String, param: Option<String>, code: &'static str },
+    /// 400: prompt (plus requested tokens) does not fit the context window.
+    ContextLengthExceeded { message: String, param: Option<String> },
+    /// 404: a `model` that is not served.
+    ModelNotFound { model: String },
+    /// 404: a route or resource that does not exist.
+    NotFound { message: String },
+    /// 401: missing or wrong API key.
+    Unauthorized { message: String },
+    /// 413: request body over the size limit.
+    PayloadTooLarge { limit: usize },
+    /// 503: queue full, loading or draining. `retry_after` is in seconds.
+    Unavailable { message: String, retry_after: u32 },
+    /// 500: the engine failed. The message is meant for clients: no internal detail.
+    Internal { message: String },
+}
+
+impl ApiError {
+    /// 400 `invalid_value` for `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest { message: message.into(), param: Some(param.into()), code: "invalid_value" }
+    }
+
+    /// 400 with an explicit `code` (`missing_required_parameter`, `invalid_type`,
+    /// `unsupported_parameter`, `invalid_json`, ...).
+    pub fn with_code(code: &'static str, param: Option<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest { message: message.into(), param, code }
+    }
+
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::InvalidRequest { .. } | Self::ContextLengthExceeded { .. } => 400,
+            Self::Unauthorized { .. } => 401,
+            Self::ModelNotFound { .. } | Self::NotFound { .. } => 404,
+            Self::PayloadTooLarge { .. } => 413,
+            Self::Internal { .. } => 500,
+            Self::Unavailable { .. } => 503,
+        }
+    }
+
+    /// The OpenAI error `type`.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            Self::InvalidRequest { .. } | Self::ContextLengthExceeded { .. } | Self::PayloadTooLarge { .. } => {
+                "invalid_request_error"
+            }
+            Self::Unauthorized { .. } => "authentication_error",
+            Self::ModelNotFound { .. } | Self::NotFound { .. } => "not_found_error",
+            Self::Internal { .. } => "server_error",
+            Self::Unavailable { .. } => "service_unavailable_error",
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::InvalidRequest { code, .. } => code,
+            Self::ContextLengthExceeded { .. } => "context_length_exceeded",
+            Self::ModelNotFound { .. } => "model_not_found",
+            Self::NotFound { .. } => "not_found",
+            Self::Unauthorized { .. } => "invalid_api_key",
+            Self::PayloadTooLarge { .. } => "request_too_large",
+            Self::Internal { .. } => "internal_error",
+            Self::Unavailable { .. } => "service_unavailable",
+        }
+    }
+
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            Self::InvalidRequest { param, .. } | Self::ContextLengthExceeded { param, .. } => param.as_deref(),
+            Self::ModelNotFound { .. } => Some("model"),
+            _ => None,
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            Self::InvalidRequest { message, .. }
+            | Self::ContextLengthExceeded { message, .. }
+            | Self::NotFound { message }
+            | Self::Unauthorized { message }
+            | Self::Unavailable { message, .. }
+            | Self::Internal { message } => message.clone(),
+            Self::ModelNotFound { model } => format!("The model `{model}` does not exist."),
+            Self::PayloadTooLarge { limit } => format!("Request body is larger than the limit of {limit} bytes."),
+        }
+    }
+
+    /// Seconds for the `Retry-After` header, for 503s.
+    pub fn retry_after(&self) -> Option<u32> {
+        match self {
+            Self::Unavailable { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    pub fn to_value(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message(),
+            "type": self.error_type(),
+            "param": self.param(),
+            "code": self.code(),
+        }})
+    }
+
+    /// The response body: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.to_value()).expect("error body serializes")
+    }
+
+    /// The frame sent when an error happens after streaming began: the error, then `[DONE]`.
+    pub fn to_sse(&self) -> Vec<u8> {
+        let mut out = b"data: ".to_vec();
+        out.extend_from_slice(&self.to_json());
+        out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        out
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.status(), self.code(), self.message())
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_openai_shape() {
+        let e = ApiError::invalid("messages[2].content", "bad");
+        let v: serde_json::Value = serde_json::from_slice(&e.to_json()).unwrap();
+        assert_eq!(v["error"]["param"], "messages[2].content");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "invalid_value");
+        assert_eq!(e.status(), 400);
+    }
+
+    #[test]
+    fn sse_frame_ends_with_done() {
+        let e = ApiError::Internal { message: "engine failed".into() };
+        let s = String::from_utf8(e.to_sse()).unwrap();
+        assert!(s.starts_with("data: {\"error\""));
+        assert!(s.ends_with("\n\ndata: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn model_not_found_is_404_with_param() {
+        let e = ApiError::ModelNotFound { model: "x:y".into() };
+        assert_eq!((e.status(), e.code(), e.param()), (404, "model_not_found", Some("model")));
+    }
+}

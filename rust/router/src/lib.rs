@@ -1,0 +1,18 @@
+//! llmserve-router: the OpenAI protocol crate of llmserve.
+//!
+//! "Router" here means the protocol layer, not a load balancer. This crate owns everything
+//! between the bytes a client sends and the bytes it receives, except running the model:
+//! request types and validation (`protocol`), the one error type (`error`), tokenization
+//! (`tokenizer`), chat templates (`template`), incremental detokenization with stop strings
+//! (`detokenizer`) and response/SSE building (`response`). It knows no PyO3 and no HTTP
+//! server; `cargo test` exercises all of it.
+
+pub mod detokenizer;
+pub mod error;
+pub mod protocol;
+pub mod response;
+pub mod router;
+pub mod template;
+pub mod tokenizer;
+
+pub use error::ApiError;
