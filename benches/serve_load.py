@@ -1,0 +1,169 @@
+"""Serving load generator: what `vllm bench serve` reports, for the workloads of BENCH.md.
+
+    python benches/serve_load.py --workload load --concurrency 1 16 64          # starts a server
+    python benches/serve_load.py --url http://127.0.0.1:8000 --workload single  # uses yours
+    python benches/serve_load.py --workload offline --num-prompts 64            # LLM.generate
+
+Streams completions with `include_usage` and `ignore_eos` (fixed output lengths); output
+tokens are counted from `usage`. Prompts differ from each other (prefix caching would
+otherwise flatter the numbers). Prints request throughput, output and total token
+throughput, and TTFT / TPOT / ITL / E2EL as mean, median and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week "
+         "case point government company number group problem fact river mountain ocean city music "
+         "garden window light story answer science history market language energy").split()
+
+WORKLOADS = {
+    # name: (prompt words, output tokens, default number of requests)
+    "single": (24, 256, 3),
+    "prefill": (750, 1, 3),
+    "load": (96, 128, 64),
+}
+
+
+def prompts(n: int, words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(name: str, results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["completion_tokens"] for r in ok)
+    in_tokens = sum(r["prompt_tokens"] for r in ok)
+    row = {"workload": name, "requests": len(ok), "failed": len(results) - len(ok),
+           "req_s": len(ok) / wall, "out_tok_s": out_tokens / wall,
+           "total_tok_s": (in_tokens + out_tokens) / wall}
+    metrics = {"ttft": [r["ttft"] for r in ok],
+               "tpot": [r["tpot"] for r in ok if r["tpot"] is not None],
+               "itl": [x for r in ok for x in r["itl"]],
+               "e2el": [r["e2el"] for r in ok]}
+    for key, vals in metrics.items():
+        row[f"{key}_mean_ms"] = statistics.fmean(vals) * 1000 if vals else float("nan")
+        row[f"{key}_p50_ms"] = pct(vals, 50) * 1000
+        row[f"{key}_p99_ms"] = pct(vals, 99) * 1000
+    return row
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = None
+    itl: list[float] = []
+    usage = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"ok": False}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = orjson.loads(line[6:])
+            if chunk.get("usage") and not chunk.get("choices"):
+                usage = chunk["usage"]
+                continue
+            if first is None:
+                first = now
+            else:
+                itl.append(now - last)
+            last = now
+    end = time.perf_counter()
+    if usage is None or first is None:
+        return {"ok": False}
+    n = usage["completion_tokens"]
+    return {"ok": True, "ttft": first - start, "e2el": end - start, "itl": itl,
+            "tpot": (end - start - (first - start)) / (n - 1) if n > 1 else None,
+            "completion_tokens": n, "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def run_http(url: str, model: str, texts: list[str], max_tokens: int, concurrency: int) -> tuple:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        async def bounded(p):
+            async with sem:
+                return await one_request(client, model, p, max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in texts))
+        return results, time.perf_counter() - start
+
+
+def run_offline(model: str | None, texts: list[str], max_tokens: int, threads: int | None) -> dict:
+    from llmserve import LLM
+
+    llm = LLM(model, threads=threads, max_model_len=2048, kv_cache_memory="1GiB")
+    start = time.perf_counter()
+    results = llm.generate(texts, {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    wall = time.perf_counter() - start
+    out = sum(r.usage["completion_tokens"] for r in results)
+    inp = sum(r.usage["prompt_tokens"] for r in results)
+    return {"workload": "offline", "requests": len(results), "req_s": len(results) / wall,
+            "out_tok_s": out / wall, "total_tok_s": (out + inp) / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="an already running server (default: start one)")
+    ap.add_argument("--model", default=None, help="model for the started server (default model)")
+    ap.add_argument("--served-name", default=None)
+    ap.add_argument("--workload", choices=[*WORKLOADS, "offline"], default="load")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="engine torch threads")
+    args = ap.parse_args()
+
+    words, max_tokens, default_n = WORKLOADS.get(args.workload, WORKLOADS["load"])
+    n = args.num_prompts or default_n
+    texts = prompts(n, words)
+    if args.workload == "offline":
+        print(orjson.dumps(run_offline(args.model, texts, max_tokens, args.threads),
+                           option=orjson.OPT_INDENT_2).decode())
+        return
+
+    server = None
+    url = args.url
+    if url is None:
+        from server import ServerProcess
+
+        extra = ["--threads", str(args.threads)] if args.threads else []
+        server = ServerProcess(args.model, "--max-model-len", "2048", "--kv-cache-memory", "1GiB",
+                               "--max-num-seqs", str(max(args.concurrency)), *extra)
+        url = server.url
+    try:
+        model = args.served_name or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        for c in args.concurrency:
+            results, wall = asyncio.run(run_http(url, model, texts, max_tokens, c))
+            row = summarize(f"{args.workload}@c{c}", results, wall)
+            print(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode(), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

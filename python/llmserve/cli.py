@@ -1,0 +1,100 @@
+"""`llmserve run [MODEL]`: the command line, generated from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import types
+import typing
+
+from llmserve.config import Config
+
+_ENV_API_KEY = "LLMSERVE_API_KEY"
+_ENV_LOG_LEVEL = "LLMSERVE_LOG_LEVEL"
+
+
+def _base_type(tp):
+    """int | None -> int; tuple[str, ...] -> str."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is tuple:
+        return typing.get_args(tp)[0]
+    return tp
+
+
+def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
+    group = parser.add_argument_group(section)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        tp = _base_type(hints[f.name])
+        dest = f"{section}.{f.name}"
+        help_text = meta.get("help", "")
+        if meta.get("positional"):
+            group.add_argument(dest, nargs="?", default=f.default, metavar=f.name.upper(), help=help_text)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if tp is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=help_text)
+        elif meta.get("append"):
+            group.add_argument(flag, dest=dest, action="append", type=tp, default=None,
+                               help=help_text)
+        else:
+            default_text = "" if f.default is None else f" (default: {f.default})"
+            group.add_argument(flag, dest=dest, type=tp, default=f.default,
+                               help=help_text + default_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        _add_section(run, f.name, hints[f.name])
+    return parser
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    values = vars(ns)
+    hints = typing.get_type_hints(Config)
+    sections = {}
+    for f in dataclasses.fields(Config):
+        cls = hints[f.name]
+        kwargs = {}
+        for sf in dataclasses.fields(cls):
+            v = values.get(f"{f.name}.{sf.name}", sf.default)
+            if sf.metadata.get("append"):
+                v = tuple(v) if v else sf.default
+            kwargs[sf.name] = v
+        sections[f.name] = cls(**kwargs)
+    cfg = Config(**sections)
+    env_keys = os.environ.get(_ENV_API_KEY, "")
+    if env_keys and not cfg.server.api_key:
+        keys = tuple(k.strip() for k in env_keys.split(",") if k.strip())
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get(_ENV_LOG_LEVEL, "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "run":
+        from llmserve.server.app import serve
+
+        return serve(config_from_args(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

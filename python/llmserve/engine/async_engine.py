@@ -1,0 +1,227 @@
+"""AsyncEngine: submit request bytes, iterate response bytes.
+
+The asyncio side never touches the Core: it validates through the Router (Rust, GIL
+released), posts the prepared request to the engine thread, and receives each step's bytes
+once per step through `call_soon_threadsafe`. Closing a stream before it finished (client
+gone, task cancelled) aborts the request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from llmserve._core import ApiError, Router
+from llmserve.config import Config
+from llmserve.engine.build import Engine, build_engine
+from llmserve.engine.loop import EngineThread
+from llmserve.engine.metrics import Metrics
+
+log = logging.getLogger("llmserve.engine")
+
+# Bodies larger than this are validated on a worker thread so the event loop keeps serving.
+_INLINE_BODY_BYTES = 64 * 1024
+_END = object()
+
+
+class RequestStream:
+    """One generation request's output, as an async iterator of wire-ready bytes."""
+
+    def __init__(self, engine: AsyncEngine, prepared) -> None:
+        self._engine = engine
+        self.id: str = prepared.id
+        self.stream: bool = prepared.stream
+        self.headers: list[tuple[str, str]] = prepared.headers
+        self.user: str | None = prepared.user
+        self.prompt_tokens: int = prepared.prompt_tokens
+        self.submitted = time.perf_counter()
+        self.first_token: float | None = None
+        self.generated = 0
+        self.finished = False
+        self.started = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _push(self, data, finished: bool, error: bool, ntok: int) -> None:
+        if ntok and self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.generated += ntok
+        if error and not isinstance(data, (bytes, bytearray)):
+            data = data if isinstance(data, ApiError) else self._engine.internal_error()
+        self._queue.put_nowait(data)
+        if finished:
+            self.finished = True
+            self._queue.put_nowait(_END)
+            self._engine._finished(self, "error" if error else "finished")
+
+    async def next(self, timeout: float | None = None) -> bytes | None:
+        """The next bytes; None at the end. Raises the request's ApiError if it failed before
+        anything was sent, and TimeoutError after `timeout` seconds without output."""
+        item = await asyncio.wait_for(self._queue.get(), timeout) if timeout else await self._queue.get()
+        if item is _END:
+            return None
+        if isinstance(item, ApiError):
+            if not self.started:
+                raise item
+            item = item.sse
+        self.started = True
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            while (item := await self.next()) is not None:
+                yield item
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self)
+
+    async def read_all(self) -> bytes:
+        """Every byte of the response (the JSON body of a non-streamed request)."""
+        parts = []
+        try:
+            while (item := await self.next()) is not None:
+                parts.append(item)
+        finally:
+            await self.aclose()
+        return b"".join(parts)
+
+
+class AsyncEngine:
+    """The serving engine: load once, then submit requests from asyncio."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.state = "loading"  # loading -> ready -> draining -> stopped | failed
+        self.engine: Engine | None = None
+        self.metrics = Metrics()
+        self._thread: EngineThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: set[RequestStream] = set()
+        self._load_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the model on a worker thread (the server answers /ready 503 meanwhile)."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            engine = await asyncio.to_thread(build_engine, self.config)
+        except BaseException as exc:
+            self._load_error = exc
+            self.state = "failed"
+            log.exception("loading failed")
+            raise
+        self._attach(engine)
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step)
+        self._thread.start()
+        self.state = "ready"
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish (up to `timeout`), stop the loop."""
+        if self.state == "ready":
+            self.state = "draining"
+        deadline = time.monotonic() + timeout
+        while self._open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
+        self.state = "stopped"
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine loop has died (or loading failed)."""
+        if self.state == "failed":
+            return False
+        return self._thread is None or self._thread.alive or self.state == "stopped"
+
+    @property
+    def router(self) -> Router:
+        if self.engine is None:
+            raise self.unavailable("The model is still loading.", retry_after=5)
+        return self.engine.router
+
+    def load(self) -> dict:
+        stats = self._thread.stats if self._thread else {}
+        return {
+            "state": self.state,
+            "running": stats.get("running", 0),
+            "waiting": stats.get("waiting", 0) + (self._thread.pending() if self._thread else 0),
+            "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+            "kv_blocks_used": stats.get("used_blocks", 0),
+            "kv_blocks_total": stats.get("num_blocks", 0),
+            "requests": len(self._open),
+        }
+
+    # -- errors ------------------------------------------------------------------------
+    @staticmethod
+    def unavailable(message: str, retry_after: int = 1) -> ApiError:
+        return Router.error("unavailable", message, retry_after=retry_after)
+
+    @staticmethod
+    def internal_error() -> ApiError:
+        return Router.error("internal", "The engine failed while running this request.")
+
+    # -- requests ----------------------------------------------------------------------
+    def _check_serving(self) -> None:
+        if self.state == "loading":
+            raise self.unavailable("The model is still loading.", retry_after=5)
+        if self.state != "ready" or not self.alive:
+            raise self.unavailable("The server is not taking requests.", retry_after=5)
+
+    async def submit(self, endpoint: str, body: bytes) -> RequestStream:
+        """Validate and queue a chat ("chat") or completion ("completion") request."""
+        self._check_serving()
+        router = self.router
+        if len(body) > _INLINE_BODY_BYTES:
+            prepared = await asyncio.to_thread(router.prepare, endpoint, body)
+        else:
+            prepared = router.prepare(endpoint, body)
+        self._check_serving()
+        waiting = self.load()["waiting"]
+        if waiting >= self.config.scheduler.max_waiting:
+            raise self.unavailable(f"{waiting} requests are waiting; try again shortly.")
+        stream = RequestStream(self, prepared)
+        self._open.add(stream)
+        self._thread.post(("add", prepared, stream))
+        return stream
+
+    async def handle(self, endpoint: str, body: bytes) -> bytes:
+        """tokenize / detokenize / render routes: no generation, no engine thread."""
+        router = self.router
+        if len(body) > _INLINE_BODY_BYTES:
+            return await asyncio.to_thread(router.handle, endpoint, body)
+        return router.handle(endpoint, body)
+
+    def abort(self, stream: RequestStream) -> None:
+        if stream in self._open:
+            self._finished(stream, "abort")
+            self._thread.post(("abort", stream))
+
+    def _finished(self, stream: RequestStream, reason: str) -> None:
+        if stream not in self._open:
+            return
+        self._open.discard(stream)
+        self.metrics.on_finish(reason=reason, prompt_tokens=stream.prompt_tokens,
+                               generated=stream.generated, submitted=stream.submitted,
+                               first_token=stream.first_token, finished=time.perf_counter())
+
+    # -- engine thread -> asyncio --------------------------------------------------------
+    def _deliver(self, items: list) -> None:
+        """Engine thread: hand one step's outputs to the event loop, once."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, items)
+
+    @staticmethod
+    def _dispatch(items: list) -> None:
+        for stream, data, finished, error, ntok in items:
+            stream._push(data, finished, error, ntok)

@@ -1,0 +1,155 @@
+"""Turn a Config into the three things the engine loop drives: Router, Core and ModelRunner.
+
+Loading order: checkpoint (weights, tokenizer, templates) -> torch model -> KV cache sizing ->
+Rust router and core. Every decision that changes what clients see (context length, sampling
+defaults, template origin) is logged once here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llmserve._core import Core, Router
+from llmserve.config import Config, parse_bytes
+
+log = logging.getLogger("llmserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# generation_config.json keys -> our defaults (vLLM applies the same set).
+_GEN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass
+class Engine:
+    """Everything the loop needs, built once."""
+
+    router: Router
+    core: Core
+    runner: object
+    config: Config
+    model_name: str
+    max_model_len: int
+    num_blocks: int
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was given but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # NOTE: fp32 is the only fast GEMM path on AVX2 CPUs (BENCH.md); bf16 on GPUs.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown --dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def _generation_defaults(cfg: Config, gen: dict) -> dict:
+    if cfg.model.generation_config == "none":
+        return {}
+    out = {ours: gen[theirs] for theirs, ours in _GEN_KEYS.items() if gen.get(theirs) is not None}
+    if out:
+        log.info("sampling defaults from generation_config.json (request values win): %s", out)
+    return out
+
+
+def _template_sources(cfg: Config, sources: dict) -> dict:
+    sources = dict(sources)
+    cli = cfg.model.chat_template
+    if cli is not None:
+        sources["cli"] = open(cli, encoding="utf-8").read() if os.path.isfile(cli) else cli
+    return sources
+
+
+def kv_block_bytes(hf_config: dict, block_size: int, dtype: torch.dtype) -> int:
+    layers = hf_config["num_hidden_layers"]
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    return 2 * layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def build_engine(cfg: Config) -> Engine:
+    from llmserve.loaders import load_checkpoint
+    from llmserve.models import build_model
+    from llmserve.worker.runner import ModelRunner
+
+    start = time.perf_counter()
+    device = resolve_device(cfg.device.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.device.threads:
+        torch.set_num_threads(cfg.device.threads)
+    torch.manual_seed(cfg.device.seed)
+
+    ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision)
+    hf = ck.hf_config
+    model = build_model(hf, ck.weights, dtype, device)
+    log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
+
+    native_len = int(hf.get("max_position_embeddings") or 2048)
+    max_model_len = cfg.model.max_model_len or native_len
+    if max_model_len > native_len:
+        log.warning("--max-model-len %d exceeds the model's %d positions", max_model_len, native_len)
+
+    block_size = cfg.cache.block_size
+    per_block = kv_block_bytes(hf, block_size, dtype)
+    if cfg.cache.num_kv_blocks:
+        num_blocks = cfg.cache.num_kv_blocks
+    else:
+        num_blocks = parse_bytes(cfg.cache.kv_cache_memory) // per_block
+    needed = math.ceil(max_model_len / block_size)
+    if num_blocks - 1 < needed:
+        raise RuntimeError(
+            f"the KV cache holds {(num_blocks - 1) * block_size} tokens, less than one request of "
+            f"--max-model-len {max_model_len}: raise --kv-cache-memory or lower --max-model-len"
+        )
+    log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d",
+             num_blocks, block_size, num_blocks * per_block / 2**20, max_model_len)
+
+    names = list(cfg.model.served_model_name) or [ck.name]
+    router_config = {
+        "served_model_names": names,
+        "max_model_len": max_model_len,
+        "strict_fields": cfg.server.strict_fields,
+        "bos_token": ck.bos_token,
+        "eos_token": ck.eos_token,
+        "eos_token_ids": list(ck.eos_token_ids),
+        "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
+    }
+    router = Router(
+        ck.tokenizer_json,
+        json.dumps(ck.gguf_vocab) if ck.gguf_vocab is not None else None,
+        json.dumps(_template_sources(cfg, ck.template_sources)),
+        json.dumps(router_config),
+    )
+    info = router.template_info()
+    if info:
+        log.info("chat template: %s %s", *info)
+    else:
+        log.warning("no chat template: chat routes answer 400 until --chat-template is given")
+    core = Core(router, json.dumps({
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "max_num_batched_tokens": max(cfg.scheduler.max_num_batched_tokens, block_size),
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+        "policy": cfg.scheduler.scheduling_policy,
+    }))
+    runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+    log.info("engine ready in %.1f s (served as %s)", time.perf_counter() - start, ", ".join(names))
+    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device)

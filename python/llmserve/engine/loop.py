@@ -1,0 +1,144 @@
+"""The engine loop: schedule -> execute -> commit, on one dedicated thread.
+
+`step()` is the whole loop body and is shared by the serving thread and the offline `LLM`.
+A step that raises fails only the requests it touched (each gets a 500, or an SSE error
+frame if its stream had begun); the loop goes on. If the loop itself dies, `alive` turns
+false and /health answers 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+log = logging.getLogger("llmserve.engine")
+
+# (handle, bytes, finished, error, new_tokens), as Core.commit returns them.
+Output = tuple[int, bytes, bool, bool, int]
+
+
+def step(core, runner) -> tuple[list[Output], bool]:
+    """Run one step. Returns the outputs and whether any work was scheduled."""
+    plan = core.schedule()
+    if plan is None:
+        return [], False
+    try:
+        out = runner.execute(plan)
+    except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
+        log.exception("model step failed; failing the %d sequences it held", plan.num_seqs)
+        return core.fail_plan("The engine failed while running this request."), True
+    return core.commit(
+        np.ascontiguousarray(out.tokens, dtype=np.int64),
+        np.ascontiguousarray(out.logprobs, dtype=np.float32),
+        np.ascontiguousarray(out.top_ids, dtype=np.int64),
+        np.ascontiguousarray(out.top_logprobs, dtype=np.float32),
+    ), True
+
+
+class EngineThread:
+    """Owns the Core and the runner; everything else talks to it through `post`.
+
+    `post(op)` queues ("add", prepared, token) or ("abort", token); the thread applies them
+    between steps, so the Core is only ever touched from this thread. `deliver` receives each
+    step's outputs as a list of (token, bytes, finished, error, new_tokens), once per step.
+    """
+
+    def __init__(self, core, runner, deliver: Callable[[list], None],
+                 on_stats: Callable[[dict, float], None] | None = None):
+        self._core = core
+        self._runner = runner
+        self._deliver = deliver
+        self._on_stats = on_stats
+        self._inbox: list[tuple] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._handles: dict[object, int] = {}
+        self._tokens: dict[int, object] = {}
+        self.alive = False
+        self.stats: dict = core.stats()
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def post(self, op: tuple) -> None:
+        with self._cv:
+            self._inbox.append(op)
+            self._cv.notify()
+
+    def pending(self) -> int:
+        return len(self._inbox)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _apply(self, ops: list[tuple]) -> list:
+        failed = []
+        for op in ops:
+            if op[0] == "add":
+                _, prepared, token = op
+                try:
+                    handle = self._core.add(prepared)
+                except Exception as exc:  # an ApiError from Core.add (e.g. priority under fcfs)
+                    failed.append((token, exc, True, True, 0))
+                    continue
+                self._handles[token] = handle
+                self._tokens[handle] = token
+            else:
+                handle = self._handles.pop(op[1], None)
+                if handle is not None:
+                    self._tokens.pop(handle, None)
+                    self._core.abort(handle)
+        return failed
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._inbox or self._stopping or self._core.has_work()):
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    ops, self._inbox = self._inbox, []
+                failed = self._apply(ops)
+                if failed:
+                    self._deliver(failed)
+                t0 = time.perf_counter()
+                outputs, ran = step(self._core, self._runner)
+                if not ran:
+                    # Work exists but none could be scheduled this instant; don't spin.
+                    time.sleep(0.001)
+                    continue
+                mapped = []
+                for handle, data, finished, error, ntok in outputs:
+                    token = self._tokens.get(handle)
+                    if token is None:
+                        continue
+                    if finished:
+                        del self._tokens[handle]
+                        self._handles.pop(token, None)
+                    mapped.append((token, data, finished, error, ntok))
+                if mapped:
+                    self._deliver(mapped)
+                self.stats = self._core.stats()
+                if self._on_stats is not None:
+                    self._on_stats(self.stats, time.perf_counter() - t0)
+        except BaseException:
+            log.exception("the engine loop died")
+            raise
+        finally:
+            self.alive = False
+            with self._cv:
+                orphans = list(self._tokens.values()) + [op[2] for op in self._inbox if op[0] == "add"]
+                self._inbox = []
+            died = RuntimeError("the engine loop stopped")
+            if orphans:
+                self._deliver([(t, died, True, True, 0) for t in orphans])

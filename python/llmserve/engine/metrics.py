@@ -1,0 +1,75 @@
+"""Prometheus metrics, named after vLLM's under the `llmserve:` prefix so dashboards map over.
+
+Each engine has its own registry (several apps can live in one process, as in tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class Metrics:
+    def __init__(self, model_name: str = "") -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("llmserve:num_requests_running", "Sequences in the running batch.",
+                             registry=r)
+        self.waiting = Gauge("llmserve:num_requests_waiting", "Sequences waiting to start.",
+                             registry=r)
+        self.kv_usage = Gauge("llmserve:kv_cache_usage_perc",
+                              "KV-cache blocks in use, as a fraction (1 = full).", registry=r)
+        self.preemptions = Counter("llmserve:num_preemptions", "Sequences preempted.", registry=r)
+        self.prefix_hits = Counter("llmserve:prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache.", registry=r)
+        self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens processed.",
+                                     registry=r)
+        self.generation_tokens = Counter("llmserve:generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.requests = Counter("llmserve:request_success", "Requests finished, by outcome.",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("llmserve:time_per_output_token_seconds",
+                              "Mean time per output token after the first.", buckets=_TPOT,
+                              registry=r)
+        self.e2e = Histogram("llmserve:e2e_request_latency_seconds", "End-to-end latency.",
+                             buckets=_LATENCY, registry=r)
+        self.request_prompt = Histogram("llmserve:request_prompt_tokens",
+                                        "Prompt tokens per request.", buckets=_TOKENS, registry=r)
+        self.request_generation = Histogram("llmserve:request_generation_tokens",
+                                            "Generated tokens per request.", buckets=_TOKENS,
+                                            registry=r)
+        self.step_time = Histogram("llmserve:engine_step_seconds", "One engine step.",
+                                   buckets=_TPOT, registry=r)
+        self._last_preemptions = 0
+        self._last_hits = 0
+
+    def on_step(self, stats: dict, seconds: float) -> None:
+        """Engine thread: once per step."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["kv_cache_usage"])
+        self.preemptions.inc(max(0, stats["preemptions"] - self._last_preemptions))
+        self._last_preemptions = stats["preemptions"]
+        self.prefix_hits.inc(max(0, stats["prefix_hit_tokens"] - self._last_hits))
+        self._last_hits = stats["prefix_hit_tokens"]
+        self.step_time.observe(seconds)
+
+    def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
+                  first_token: float | None, finished: float) -> None:
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.request_prompt.observe(prompt_tokens)
+        self.request_generation.observe(generated)
+        self.e2e.observe(finished - submitted)
+        if first_token is not None:
+            self.ttft.observe(first_token - submitted)
+            if generated > 1:
+                self.tpot.observe((finished - first_token) / (generated - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""The HTTP shell: a Starlette app factory with thin routes that pass bytes through."""

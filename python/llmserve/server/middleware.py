@@ -1,0 +1,80 @@
+"""Pure-ASGI middleware: API keys and the access log.
+
+Both sit outside Starlette's routing so a rejected request costs one header lookup.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from llmserve._core import Router
+
+access_log = logging.getLogger("llmserve.access")
+
+# Probes and scrapes stay open so load balancers and Prometheus need no key.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>` with one of `keys`."""
+
+    def __init__(self, app, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return False
+                token = token.strip()
+                # NOTE: compare against every key (no early exit) so timing says nothing
+                # about which key, or how much of one, matched.
+                ok = False
+                for key in self.keys:
+                    ok |= hmac.compare_digest(token, key)
+                return ok
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self._authorized(scope):
+            return await self.app(scope, receive, send)
+        err = Router.error("unauthorized", "Invalid or missing API key (send `Authorization: Bearer <key>`).")
+        await send({"type": "http.response.start", "status": err.status, "headers": [
+            (b"content-type", b"application/json"),
+            (b"www-authenticate", b"Bearer"),
+        ]})
+        await send({"type": "http.response.body", "body": err.body})
+
+
+class AccessLogMiddleware:
+    """One line per request: client, method, path, status, `user` when sent, duration."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 0
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            user = (scope.get("state") or {}).get("user")
+            access_log.info('%s:%s "%s %s" %d%s %.1fms', client[0], client[1], scope["method"],
+                            scope["path"], status, f" user={user!r}" if user else "",
+                            (time.perf_counter() - start) * 1000)

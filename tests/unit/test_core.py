@@ -1,0 +1,148 @@
+"""llmserve._core from Python: a request round-trips Router -> Core -> commit -> bytes,
+driven by a deterministic fake runner (no model, no torch)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import orjson
+import pytest
+
+from llmserve import _core
+from tiny import CHATML, SPECIALS, build_tokenizer
+
+EOS = SPECIALS.index("<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_tokenizer(path)
+    config = {"served_model_names": ["m"], "max_model_len": 256, "eos_token": "<|im_end|>",
+              "eos_token_ids": [EOS]}
+    sources = {"cli": None, "folder_jinja": None, "tokenizer_config": CHATML, "gguf": None}
+    return _core.Router(str(path), None, json.dumps(sources), json.dumps(config))
+
+
+def make_core(router, **overrides):
+    config = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+              "max_model_len": 256, "enable_prefix_caching": True, "policy": "priority", **overrides}
+    return _core.Core(router, json.dumps(config))
+
+
+class FakeRunner:
+    """Deterministic tokens: a function of the sequence and its position; never eos."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.steps = []
+
+    def execute(self, plan):
+        self.steps.append(plan)
+        rows = plan.num_rows
+        tokens = (plan.row_req_ids.astype(np.int64) * 31 + plan.gen_index * 7) % (self.vocab - 10) + 10
+        return (tokens.astype(np.int64), np.full(rows, -0.5, np.float32),
+                np.zeros((rows, 0), np.int64), np.zeros((rows, 0), np.float32))
+
+
+def run(core, runner, max_steps=500):
+    out = {}
+    order = []
+    for _ in range(max_steps):
+        plan = core.schedule()
+        if plan is None:
+            break
+        tokens, lps, tids, tlps = runner.execute(plan)
+        for handle, data, finished, error, ntok in core.commit(tokens, lps, tids, tlps):
+            assert not error
+            if handle not in order:
+                order.append(handle)
+            out.setdefault(handle, []).append(data)
+    return out, order
+
+
+def test_round_trip_chat(router):
+    core = make_core(router)
+    prepared = router.prepare("chat", orjson.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5}))
+    assert prepared.id.startswith("chatcmpl-") and not prepared.stream
+    handle = core.add(prepared)
+    out, _ = run(core, FakeRunner(router.vocab_size))
+    body = orjson.loads(b"".join(out[handle]))
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    stats = core.stats()
+    assert stats["running"] == 0 and stats["used_blocks"] == 0 and stats["requests"] == 0
+
+
+def test_plan_columns_are_numpy(router):
+    core = make_core(router)
+    core.add(router.prepare("completion", orjson.dumps({"model": "m", "prompt": "Hello world",
+                                                         "max_tokens": 2})))
+    plan = core.schedule()
+    assert isinstance(plan.input_ids, np.ndarray) and plan.input_ids.dtype == np.int64
+    assert plan.block_tables.shape == (plan.num_seqs, plan.block_table_width)
+    assert plan.query_start_loc[-1] == plan.num_tokens == len(plan.slot_mapping)
+
+
+def test_abort_frees_blocks(router):
+    core = make_core(router)
+    handle = core.add(router.prepare("completion", orjson.dumps(
+        {"model": "m", "prompt": "The quick brown fox " * 5, "max_tokens": 50})))
+    runner = FakeRunner(router.vocab_size)
+    plan = core.schedule()
+    core.commit(*runner.execute(plan))
+    assert core.stats()["used_blocks"] > 0
+    assert core.abort(handle)
+    assert core.stats()["used_blocks"] == 0 and not core.has_work()
+
+
+def test_errors_carry_openai_fields(router):
+    with pytest.raises(_core.NotFoundError) as e:
+        router.prepare("chat", b'{"model": "x", "messages": [{"role": "user", "content": "a"}]}')
+    assert (e.value.status, e.value.code, e.value.param) == (404, "model_not_found", "model")
+    assert orjson.loads(e.value.body)["error"]["code"] == "model_not_found"
+    with pytest.raises(_core.BadRequestError) as e:
+        router.prepare("chat", b"{")
+    assert e.value.status == 400 and isinstance(e.value, _core.ApiError)
+    err = _core.Router.error("unavailable", "busy", retry_after=3)
+    assert isinstance(err, _core.ServiceUnavailableError) and err.retry_after == 3 and err.status == 503
+
+
+def test_priority_orders_the_queue(router):
+    core = make_core(router, max_num_seqs=1)
+
+    def add(priority):
+        return core.add(router.prepare("completion", orjson.dumps(
+            {"model": "m", "prompt": "Hello", "max_tokens": 3, "priority": priority})))
+
+    first = add(0)
+    runner = FakeRunner(router.vocab_size)
+    core.commit(*runner.execute(core.schedule()))  # `first` is running now
+    low = add(5)
+    high = add(-1)
+    _, order = run(core, runner)
+    assert order.index(high) < order.index(low)
+    assert order[0] == first
+
+
+def test_fcfs_rejects_priority(router):
+    core = make_core(router, policy="fcfs")
+    with pytest.raises(_core.BadRequestError):
+        core.add(router.prepare("completion", orjson.dumps(
+            {"model": "m", "prompt": "Hello", "max_tokens": 3, "priority": 2})))
+
+
+def test_stream_bytes_are_sse(router):
+    core = make_core(router)
+    handle = core.add(router.prepare("chat", orjson.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})))
+    out, _ = run(core, FakeRunner(router.vocab_size))
+    text = b"".join(out[handle]).decode()
+    frames = [f for f in text.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    usage = json.loads(frames[-2].removeprefix("data: "))
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
