@@ -1,1 +1,480 @@
-//! (in progress)
+//! [`ResponseBuilder`]: the bytes a generation request sends back, streamed as SSE chunks or
+//! as one JSON body, for chat and completions.
+//!
+//! Invariants (streaming): every chunk shares the request's `id`, `created` and `model`; a
+//! chat choice's first chunk carries `delta.role = "assistant"`; each choice ends with
+//! exactly one chunk holding its `finish_reason` (pushes after that are dropped); the stream
+//! ends with `data: [DONE]`. Bodies are written by serde (f32 logprobs keep their short
+//! form); only the SSE framing is written by hand.
+
+use std::sync::Arc;
+
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
+
+use crate::protocol::{Endpoint, Prepared};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    ToolCalls,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::ToolCalls => "tool_calls",
+            Self::Abort => "abort",
+        }
+    }
+}
+
+/// One generated token. `logprob`, `top` and `text_offset` are read only when the request
+/// asked for logprobs; the count of tokens always feeds `usage`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOut {
+    pub id: u32,
+    pub logprob: f32,
+    /// The top alternatives, most likely first.
+    pub top: Vec<(u32, f32)>,
+    /// Chars of the choice's text emitted before this token (completions `text_offset`).
+    pub text_offset: usize,
+}
+
+/// One choice's progress in a step: the text now safe to send, the tokens generated, and
+/// the finish when the choice ended. `stop_reason` is the stop string (or stop token id, as
+/// text) that ended it.
+#[derive(Clone, Copy, Debug)]
+pub struct ChoiceDelta<'a> {
+    pub text: &'a str,
+    pub tokens: &'a [TokenOut],
+    pub finish: Option<FinishReason>,
+    pub stop_reason: Option<&'a str>,
+}
+
+/// A logprob as the wire shows it: -inf (a banned token) becomes -9999, as vLLM does, since
+/// JSON has no infinity.
+fn wire_lp(x: f32) -> f32 {
+    if x.is_finite() {
+        x
+    } else {
+        -9999.0
+    }
+}
+
+#[derive(Serialize, Clone, Debug)]
+struct ChatTop {
+    token: String,
+    logprob: f32,
+    bytes: Vec<u8>,
+}
+
+#[derive(Serialize, Clone, Debug)]
+struct ChatLogprob {
+    token: String,
+    logprob: f32,
+    bytes: Vec<u8>,
+    top_logprobs: Vec<ChatTop>,
+}
+
+#[derive(Serialize, Clone, Debug, Default)]
+struct ChatLogprobs {
+    content: Vec<ChatLogprob>,
+}
+
+/// Completions' `top_logprobs` entry: token text -> logprob, most likely first. Two ids with
+/// one text keep the first (likelier) value.
+#[derive(Clone, Debug, Default)]
+struct TopMap(Vec<(String, f32)>);
+
+impl Serialize for TopMap {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+#[derive(Serialize, Clone, Debug, Default)]
+struct CompletionLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top_logprobs: Vec<TopMap>,
+    text_offset: Vec<usize>,
+}
+
+#[derive(Serialize, Clone, Copy, Debug, Default)]
+struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+}
+
+#[derive(Serialize)]
+struct Chunk<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<C>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Usage>,
+}
+
+#[derive(Serialize, Default)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+/// `stop_reason` appears on the finishing chunk only (null when no stop string matched).
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: u32,
+    delta: Delta<'a>,
+    logprobs: Option<ChatLogprobs>,
+    finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_reason: Option<Option<&'a str>>,
+}
+
+#[derive(Serialize)]
+struct CompletionChunkChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: Option<CompletionLogprobs>,
+    finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_reason: Option<Option<&'a str>>,
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: Message<'a>,
+    logprobs: Option<&'a ChatLogprobs>,
+    finish_reason: Option<&'static str>,
+    stop_reason: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: Option<&'a CompletionLogprobs>,
+    finish_reason: Option<&'static str>,
+    stop_reason: Option<&'a str>,
+}
+
+#[derive(Default)]
+struct ChoiceState {
+    /// A chunk (role, or echo) has gone out for this choice.
+    started: bool,
+    /// Non-streaming: the generated text so far (echo is prepended by `finish`).
+    text: String,
+    chat_lp: ChatLogprobs,
+    comp_lp: CompletionLogprobs,
+    completion_tokens: u64,
+    finish: Option<FinishReason>,
+    stop_reason: Option<String>,
+}
+
+/// One per request, covering all its choices (`prompts.len() * n`; choice index =
+/// prompt_index * n + j).
+pub struct ResponseBuilder {
+    tokenizer: Arc<Tokenizer>,
+    chat: bool,
+    id: String,
+    created: u64,
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    continuous_usage_stats: bool,
+    echo: bool,
+    logprobs: bool,
+    n: u32,
+    prompt_texts: Vec<String>,
+    prompt_tokens: u64,
+    choices: Vec<ChoiceState>,
+    pending: Vec<u8>,
+    done: bool,
+}
+
+impl ResponseBuilder {
+    pub fn new(prepared: &Prepared, tokenizer: Arc<Tokenizer>) -> Self {
+        let n = prepared.params.n.max(1);
+        let count = prepared.prompts.len() * n as usize;
+        Self {
+            tokenizer,
+            chat: prepared.endpoint != Endpoint::Completion && prepared.endpoint != Endpoint::CompletionRender,
+            id: prepared.id.clone(),
+            created: prepared.created,
+            model: prepared.model.clone(),
+            stream: prepared.stream,
+            include_usage: prepared.include_usage,
+            continuous_usage_stats: prepared.continuous_usage_stats,
+            echo: prepared.echo,
+            logprobs: prepared.params.logprobs.is_some(),
+            n,
+            prompt_texts: prepared.prompt_texts.clone(),
+            // Each prompt counts once, however many choices it has.
+            prompt_tokens: prepared.prompts.iter().map(|p| p.len() as u64).sum(),
+            choices: (0..count).map(|_| ChoiceState::default()).collect(),
+            pending: Vec::new(),
+            done: false,
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        let completion_tokens = self.choices.iter().map(|c| c.completion_tokens).sum();
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.prompt_tokens + completion_tokens,
+        }
+    }
+
+    fn chunk_usage(&self) -> Option<Usage> {
+        self.continuous_usage_stats.then(|| self.usage())
+    }
+
+    fn frame<C: Serialize>(&mut self, choices: Vec<C>, usage: Option<Usage>) {
+        let chunk = Chunk {
+            id: &self.id,
+            object: if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+        };
+        let json = serde_json::to_vec(&chunk).expect("chunks serialize");
+        self.pending.extend_from_slice(b"data: ");
+        self.pending.extend_from_slice(&json);
+        self.pending.extend_from_slice(b"\n\n");
+    }
+
+    fn chat_logprobs(&self, tokens: &[TokenOut]) -> Vec<ChatLogprob> {
+        let t = &self.tokenizer;
+        tokens
+            .iter()
+            .map(|tok| ChatLogprob {
+                token: t.token_str(tok.id),
+                logprob: wire_lp(tok.logprob),
+                bytes: t.token_bytes(tok.id),
+                top_logprobs: tok
+                    .top
+                    .iter()
+                    .map(|&(id, lp)| ChatTop { token: t.token_str(id), logprob: wire_lp(lp), bytes: t.token_bytes(id) })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn completion_logprobs(&self, tokens: &[TokenOut], offset_shift: usize) -> CompletionLogprobs {
+        let t = &self.tokenizer;
+        let mut out = CompletionLogprobs::default();
+        for tok in tokens {
+            out.tokens.push(t.token_str(tok.id));
+            out.token_logprobs.push(wire_lp(tok.logprob));
+            let mut top = TopMap::default();
+            for &(id, lp) in &tok.top {
+                let s = t.token_str(id);
+                if !top.0.iter().any(|(k, _)| *k == s) {
+                    top.0.push((s, wire_lp(lp)));
+                }
+            }
+            out.top_logprobs.push(top);
+            out.text_offset.push(tok.text_offset + offset_shift);
+        }
+        out
+    }
+
+    /// Records one choice's progress; when streaming, queues its chunks for [`Self::take`].
+    /// Pushes for an unknown or already finished choice are dropped.
+    pub fn push(&mut self, choice: u32, delta: &ChoiceDelta) {
+        let idx = choice as usize;
+        if idx >= self.choices.len() || self.choices[idx].finish.is_some() {
+            return;
+        }
+        let first = !self.choices[idx].started;
+        self.choices[idx].started = true;
+        self.choices[idx].completion_tokens += delta.tokens.len() as u64;
+        self.choices[idx].finish = delta.finish;
+        self.choices[idx].stop_reason = delta.stop_reason.map(str::to_string);
+        let echo_text =
+            if self.echo && !self.chat && first { self.prompt_texts.get(idx / self.n as usize).cloned() } else { None };
+        // text_offset counts from the start of the returned text, echo included.
+        let shift = if self.echo && !self.chat {
+            self.prompt_texts.get(idx / self.n as usize).map_or(0, |p| p.chars().count())
+        } else {
+            0
+        };
+        let finish = delta.finish.map(FinishReason::as_str);
+        let stop_reason = delta.finish.map(|_| delta.stop_reason);
+        let has_lp = self.logprobs && !delta.tokens.is_empty();
+
+        if !self.stream {
+            self.choices[idx].text.push_str(delta.text);
+            if has_lp {
+                if self.chat {
+                    let lps = self.chat_logprobs(delta.tokens);
+                    self.choices[idx].chat_lp.content.extend(lps);
+                } else {
+                    let lps = self.completion_logprobs(delta.tokens, shift);
+                    let acc = &mut self.choices[idx].comp_lp;
+                    acc.tokens.extend(lps.tokens);
+                    acc.token_logprobs.extend(lps.token_logprobs);
+                    acc.top_logprobs.extend(lps.top_logprobs);
+                    acc.text_offset.extend(lps.text_offset);
+                }
+            }
+            return;
+        }
+
+        if self.chat {
+            if first {
+                let role = ChatChunkChoice {
+                    index: choice,
+                    delta: Delta { role: Some("assistant"), content: Some("") },
+                    logprobs: None,
+                    finish_reason: None,
+                    stop_reason: None,
+                };
+                let usage = self.chunk_usage();
+                self.frame(vec![role], usage);
+            }
+            if delta.text.is_empty() && finish.is_none() && !has_lp {
+                return;
+            }
+            let logprobs = has_lp.then(|| ChatLogprobs { content: self.chat_logprobs(delta.tokens) });
+            let c = ChatChunkChoice {
+                index: choice,
+                delta: Delta { role: None, content: (!delta.text.is_empty()).then_some(delta.text) },
+                logprobs,
+                finish_reason: finish,
+                stop_reason,
+            };
+            let usage = self.chunk_usage();
+            self.frame(vec![c], usage);
+        } else {
+            let text = match &echo_text {
+                Some(e) => format!("{e}{}", delta.text),
+                None => delta.text.to_string(),
+            };
+            if text.is_empty() && finish.is_none() && !has_lp {
+                return;
+            }
+            let logprobs = has_lp.then(|| self.completion_logprobs(delta.tokens, shift));
+            let c = CompletionChunkChoice { index: choice, text: &text, logprobs, finish_reason: finish, stop_reason };
+            let usage = self.chunk_usage();
+            self.frame(vec![c], usage);
+        }
+    }
+
+    /// SSE frames ready now (streaming); empty when not streaming.
+    pub fn take(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+
+    pub fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    /// Streaming: anything not yet taken, the usage chunk (`include_usage`) and
+    /// `data: [DONE]` (once; later calls return nothing). Not streaming: the JSON body.
+    pub fn finish(&mut self) -> Vec<u8> {
+        if self.stream {
+            if self.done {
+                return Vec::new();
+            }
+            self.done = true;
+            if self.include_usage {
+                let usage = self.usage();
+                self.frame::<ChatChunkChoice>(Vec::new(), Some(usage));
+            }
+            let mut out = self.take();
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return out;
+        }
+        let usage = self.usage();
+        let body = if self.chat {
+            let choices: Vec<ChatChoice> = self
+                .choices
+                .iter()
+                .enumerate()
+                .map(|(i, c)| ChatChoice {
+                    index: i as u32,
+                    message: Message { role: "assistant", content: &c.text },
+                    logprobs: self.logprobs.then_some(&c.chat_lp),
+                    finish_reason: c.finish.map(FinishReason::as_str),
+                    stop_reason: c.stop_reason.as_deref(),
+                })
+                .collect();
+            serde_json::to_vec(&Body {
+                id: &self.id,
+                object: "chat.completion",
+                created: self.created,
+                model: &self.model,
+                choices,
+                usage,
+            })
+        } else {
+            let texts: Vec<String> = self
+                .choices
+                .iter()
+                .enumerate()
+                .map(|(i, c)| match self.echo.then(|| self.prompt_texts.get(i / self.n as usize)).flatten() {
+                    Some(prompt) => format!("{prompt}{}", c.text),
+                    None => c.text.clone(),
+                })
+                .collect();
+            let choices: Vec<CompletionChoice> = self
+                .choices
+                .iter()
+                .zip(&texts)
+                .enumerate()
+                .map(|(i, (c, text))| CompletionChoice {
+                    index: i as u32,
+                    text,
+                    logprobs: self.logprobs.then_some(&c.comp_lp),
+                    finish_reason: c.finish.map(FinishReason::as_str),
+                    stop_reason: c.stop_reason.as_deref(),
+                })
+                .collect();
+            serde_json::to_vec(&Body {
+                id: &self.id,
+                object: "text_completion",
+                created: self.created,
+                model: &self.model,
+                choices,
+                usage,
+            })
+        };
+        body.expect("bodies serialize")
+    }
+}
+
+#[derive(Serialize)]
+struct Body<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<C>,
+    usage: Usage,
+}

@@ -1,1 +1,136 @@
-//! (in progress)
+//! [`Router`]: the protocol layer's one entry point. It owns the tokenizer, the chat
+//! templates and the serving configuration, and speaks four verbs: `prepare` a generation
+//! request, `handle` the routes answered at once (tokenize, detokenize, render), and list
+//! the `models`. It is `Send + Sync`; every method takes `&self`.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::protocol::{chat, common::unix_now, completion, tokenize, Endpoint, Prepared};
+use crate::template::TemplateSet;
+use crate::tokenizer::Tokenizer;
+
+/// generation_config.json, applied between the request and OpenAI's defaults.
+#[derive(Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct GenerationDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub max_tokens: Option<u32>,
+}
+
+fn default_max_logprobs() -> u32 {
+    20
+}
+
+/// Enough for long conversations through large templates; stops a runaway template.
+fn default_template_fuel() -> u64 {
+    50_000_000
+}
+
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    /// Every alias the model answers to; the first is its root name.
+    pub served_model_names: Vec<String>,
+    pub max_model_len: u32,
+    /// Unknown and inert fields are a 400 instead of a header.
+    #[serde(default)]
+    pub strict_fields: bool,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    #[serde(default)]
+    pub eos_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub generation_defaults: GenerationDefaults,
+    #[serde(default = "default_max_logprobs")]
+    pub max_logprobs: u32,
+    #[serde(default = "default_template_fuel")]
+    pub template_fuel: u64,
+}
+
+pub struct Router {
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) templates: TemplateSet,
+    pub(crate) config: RouterConfig,
+    /// `created` of the model objects: when this router started serving.
+    created: u64,
+}
+
+impl Router {
+    pub fn new(tokenizer: Tokenizer, templates: TemplateSet, config: RouterConfig) -> Self {
+        Self { tokenizer: Arc::new(tokenizer), templates, config, created: unix_now() }
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn templates(&self) -> &TemplateSet {
+        &self.templates
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Validates a `Chat` or `Completion` request into a [`Prepared`] one.
+    pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
+        match endpoint {
+            Endpoint::Chat => chat::prepare(self, body).map(|c| c.prepared),
+            Endpoint::Completion => completion::prepare(self, body).map(|c| c.prepared),
+            other => Err(ApiError::Internal {
+                message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
+            }),
+        }
+    }
+
+    /// Answers `Tokenize`, `Detokenize`, `ChatRender` and `CompletionRender` with a JSON body.
+    pub fn handle(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u8>, ApiError> {
+        match endpoint {
+            Endpoint::Tokenize => tokenize::tokenize(self, body),
+            Endpoint::Detokenize => tokenize::detokenize(self, body),
+            Endpoint::ChatRender => tokenize::chat_render(self, body),
+            Endpoint::CompletionRender => tokenize::completion_render(self, body),
+            other => Err(ApiError::Internal {
+                message: format!("The `{}` route generates; it goes through `prepare`.", other.name()),
+            }),
+        }
+    }
+
+    /// The `GET /v1/models` body: one object per served name.
+    pub fn models(&self) -> Vec<u8> {
+        let data: Vec<Value> = self.config.served_model_names.iter().map(|n| self.model_object(n)).collect();
+        serde_json::to_vec(&json!({"object": "list", "data": data})).expect("JSON values serialize")
+    }
+
+    /// The `GET /v1/models/{id}` body, or 404.
+    pub fn model(&self, id: &str) -> Result<Vec<u8>, ApiError> {
+        self.check_model(id)?;
+        Ok(serde_json::to_vec(&self.model_object(id)).expect("JSON values serialize"))
+    }
+
+    fn model_object(&self, id: &str) -> Value {
+        json!({
+            "id": id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmserve",
+            "root": self.config.served_model_names.first(),
+            "max_model_len": self.config.max_model_len,
+        })
+    }
+
+    /// A served name, exactly as configured (no LoRA or revision guessing from a colon).
+    pub(crate) fn check_model(&self, name: &str) -> Result<(), ApiError> {
+        if self.config.served_model_names.iter().any(|n| n == name) {
+            Ok(())
+        } else {
+            Err(ApiError::ModelNotFound { model: name.to_string() })
+        }
+    }
+}

@@ -1,1 +1,826 @@
-//! (in progress)
+//! Chat templates: which template a model uses, and rendering it as transformers does.
+//!
+//! Owns template resolution (`--chat-template` -> `chat_template.jinja` -> tokenizer_config
+//! `chat_template`, named templates included -> GGUF metadata) and rendering with minijinja +
+//! pycompat, matching `transformers.apply_chat_template` byte for byte:
+//! - trim_blocks and lstrip_blocks on, the template's single trailing newline dropped
+//!   (Jinja2's defaults, which transformers keeps), loop controls on;
+//! - `raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson` filter that writes what
+//!   Python's `json.dumps(x, ensure_ascii=False, ...)` writes (see [`pyjson`]);
+//! - values print as Python prints them (`True`, `None`, `1e+20`, `['a']`);
+//! - `continue_final_message` by transformers' tag trick: mark the final message's text,
+//!   render without a generation prompt, cut right after the mark.
+//!
+//! The template text is never rewritten. Every render runs under a fuel limit, since
+//! templates may arrive with requests.
+
+use crate::error::ApiError;
+use minijinja::value::{Kwargs, Rest};
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde_json::{Map, Value as Json};
+use sha2::{Digest, Sha256};
+
+
+/// File contents read by Python; resolution happens here.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct TemplateSources {
+    /// `--chat-template` (already read if it was a file)
+    pub cli: Option<String>,
+    /// chat_template.jinja
+    pub folder_jinja: Option<String>,
+    /// tokenizer_config.json "chat_template": string or [{name, template}]
+    pub tokenizer_config: Option<serde_json::Value>,
+    /// tokenizer.chat_template
+    pub gguf: Option<String>,
+}
+
+/// The templates a model offers, by name ("default", "tool_use", ...).
+pub struct TemplateSet {
+    templates: Vec<(String, ChatTemplate)>,
+}
+
+impl TemplateSet {
+    /// Resolution: cli -> folder_jinja -> tokenizer_config (named: "default", "tool_use") -> gguf.
+    /// The first source present wins whole; an empty set means chat routes answer 400.
+    pub fn resolve(sources: TemplateSources) -> Result<Self, String> {
+        let present = |s: &Option<String>| s.as_ref().filter(|t| !t.trim().is_empty()).cloned();
+        if let Some(cli) = &sources.cli {
+            if cli.trim().is_empty() {
+                return Err("--chat-template is empty".into());
+            }
+            return Self::single(cli, "--chat-template");
+        }
+        if let Some(text) = present(&sources.folder_jinja) {
+            return Self::single(&text, "chat_template.jinja");
+        }
+        match &sources.tokenizer_config {
+            None | Some(Json::Null) => {}
+            Some(Json::String(s)) if s.trim().is_empty() => {}
+            Some(Json::String(s)) => return Self::single(s, "tokenizer_config.json"),
+            Some(Json::Array(items)) => {
+                let mut templates = Vec::new();
+                for item in items {
+                    let (Some(name), Some(text)) = (item["name"].as_str(), item["template"].as_str()) else {
+                        return Err("tokenizer_config.json chat_template entries need `name` and `template`".into());
+                    };
+                    let origin = if name == "default" {
+                        "tokenizer_config.json".to_string()
+                    } else {
+                        format!("tokenizer_config.json:{name}")
+                    };
+                    templates.push((name.to_string(), ChatTemplate::new(text, &origin)?));
+                }
+                if !templates.is_empty() {
+                    return Ok(Self { templates });
+                }
+            }
+            Some(other) => return Err(format!("tokenizer_config.json chat_template must be a string or a list, not {other}")),
+        }
+        if let Some(text) = present(&sources.gguf) {
+            return Self::single(&text, "gguf");
+        }
+        Ok(Self { templates: Vec::new() })
+    }
+
+    fn single(text: &str, origin: &str) -> Result<Self, String> {
+        Ok(Self { templates: vec![("default".into(), ChatTemplate::new(text, origin)?)] })
+    }
+
+    /// "tool_use" when tools are sent and the model has one, else "default", as transformers.
+    pub fn select(&self, has_tools: bool) -> Option<&ChatTemplate> {
+        let by_name = |n: &str| self.templates.iter().find(|(name, _)| name == n).map(|(_, t)| t);
+        if has_tools {
+            if let Some(t) = by_name("tool_use") {
+                return Some(t);
+            }
+        }
+        by_name("default")
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.templates.is_empty()
+    }
+}
+
+/// One compiled template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    origin: String,
+    hash: String,
+    /// Names the template reads but never sets: what chat_template_kwargs can reach.
+    declared: std::collections::HashSet<String>,
+    /// transformers refuses continue_final_message for templates that never say "content".
+    mentions_content: bool,
+}
+
+const NAME: &str = "chat_template";
+/// transformers' marker for the end of the message to continue (trailing space included).
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+/// Names the renderer itself sets; chat_template_kwargs may not replace them.
+const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
+/// The error `raise_exception` carries, so a render error can be told apart from a bug in
+/// the template.
+#[derive(Debug)]
+struct Raised(String);
+
+impl std::fmt::Display for Raised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Raised {}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg.clone()).with_source(Raised(msg)))
+}
+
+fn strftime_now(fmt: String) -> String {
+    chrono::Local::now().format(&fmt).to_string()
+}
+
+/// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
+fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let mut opts = pyjson::JsonOptions::default();
+    let mut positional = args.iter();
+    let arg = |name: &str, pos: Option<&Value>| -> Result<Option<Value>, Error> {
+        let kw: Option<Value> = kwargs.get(name)?;
+        Ok(kw.or_else(|| pos.cloned()))
+    };
+    if let Some(v) = arg("ensure_ascii", positional.next())? {
+        opts.ensure_ascii = v.is_true();
+    }
+    if let Some(v) = arg("indent", positional.next())? {
+        opts.indent = pyjson::indent_from(&v)?;
+    }
+    if let Some(v) = arg("separators", positional.next())? {
+        opts.separators = pyjson::separators_from(&v)?;
+    }
+    if let Some(v) = arg("sort_keys", positional.next())? {
+        opts.sort_keys = v.is_true();
+    }
+    kwargs.assert_all_used()?;
+    Ok(Value::from_safe_string(pyjson::dumps(&value, &opts)?))
+}
+
+impl ChatTemplate {
+    /// origin: "--chat-template", "chat_template.jinja", "tokenizer_config.json",
+    /// "tokenizer_config.json:tool_use", "gguf"
+    pub fn new(source: &str, origin: &str) -> Result<Self, String> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_formatter(pyjson::format_value);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source.to_string()).map_err(|e| format!("chat template from {origin} does not parse: {e:#}"))?;
+        let declared = env.get_template(NAME).map_err(|e| e.to_string())?.undeclared_variables(false);
+        let digest = Sha256::digest(source.as_bytes());
+        let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        Ok(Self {
+            env,
+            origin: origin.to_string(),
+            hash: format!("sha256:{hex}"),
+            declared,
+            mentions_content: source.contains("content"),
+        })
+    }
+
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// "sha256:" + first 16 hex chars of the template text's sha256
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    pub fn render(&self, input: &RenderInput) -> Result<Rendered, ApiError> {
+        let mut messages = alias_reasoning(input.messages);
+        let continued = if input.continue_final_message { Some(self.mark_final_message(&mut messages)?) } else { None };
+
+        let mut ctx = Map::new();
+        ctx.insert("bos_token".into(), input.bos_token.map_or(Json::Null, |s| Json::String(s.into())));
+        ctx.insert("eos_token".into(), input.eos_token.map_or(Json::Null, |s| Json::String(s.into())));
+        let mut unused_kwargs = Vec::new();
+        if let Some(kwargs) = input.kwargs {
+            for (k, v) in kwargs {
+                if RESERVED.contains(&k.as_str()) {
+                    return Err(ApiError::invalid(
+                        "chat_template_kwargs",
+                        format!("chat_template_kwargs may not set `{k}`; send it as a request field"),
+                    ));
+                }
+                if !self.declared.contains(k) {
+                    unused_kwargs.push(k.clone());
+                }
+                ctx.insert(k.clone(), v.clone());
+            }
+        }
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert("tools".into(), input.tools.cloned().unwrap_or(Json::Null));
+        ctx.insert("documents".into(), input.documents.cloned().unwrap_or(Json::Null));
+        // transformers renders continue_final_message with the prompt flag as given; both
+        // set is rejected upstream (400), so this is the caller's flag.
+        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
+
+        let mut env = self.env.clone();
+        env.set_fuel(input.fuel);
+        let tmpl = env.get_template(NAME).map_err(template_error)?;
+        let text = tmpl.render(Value::from_serialize(&ctx)).map_err(template_error)?;
+        let text = match continued {
+            Some(final_text) => cut_after_final_message(text, &final_text)?,
+            None => text,
+        };
+        Ok(Rendered { text, unused_kwargs })
+    }
+
+    /// Append transformers' tag to the final message's text; returns that text (untagged).
+    fn mark_final_message(&self, messages: &mut Json) -> Result<String, ApiError> {
+        let bad = |m: &str| ApiError::invalid("messages", m);
+        let last = messages
+            .as_array_mut()
+            .and_then(|a| a.last_mut())
+            .ok_or_else(|| bad("continue_final_message is set but the conversation is empty"))?;
+        if !self.mentions_content {
+            return Err(bad("continue_final_message is set but the chat template never reads `content`"));
+        }
+        match last.get_mut("content") {
+            Some(Json::String(s)) => {
+                let original = s.clone();
+                s.push_str(CONTINUE_TAG);
+                Ok(original)
+            }
+            Some(Json::Array(parts)) => {
+                // The last part that has text, as transformers picks it.
+                for part in parts.iter_mut().rev() {
+                    if let Some(Json::String(s)) = part.get_mut("text") {
+                        let original = s.clone();
+                        s.push_str(CONTINUE_TAG);
+                        return Ok(original);
+                    }
+                }
+                Err(bad("continue_final_message is set but the final message has no text to continue"))
+            }
+            _ => Err(bad("continue_final_message is set but the final message has no content to continue")),
+        }
+    }
+}
+
+/// Cut the render right after the final message's text (where the tag landed).
+fn cut_after_final_message(text: String, final_text: &str) -> Result<String, ApiError> {
+    let tag = CONTINUE_TAG.trim();
+    if !text.contains(final_text.trim()) || !text.contains(tag) {
+        return Err(ApiError::invalid(
+            "messages",
+            "continue_final_message is set but the final message does not appear in the rendered chat; \
+             the chat template drops or rewrites part of it",
+        ));
+    }
+    let at = text.rfind(tag).expect("checked above");
+    if text[at..].starts_with(CONTINUE_TAG) {
+        Ok(text[..at].to_string())
+    } else {
+        // The template trimmed the message's trailing space, and the tag's with it.
+        Ok(text[..at].trim_end().to_string())
+    }
+}
+
+/// transformers fills `reasoning_content` from older names for it, and `thinking` for
+/// templates that read that, before rendering.
+fn alias_reasoning(messages: &Json) -> Json {
+    const FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+    let Some(list) = messages.as_array() else { return messages.clone() };
+    let out = list
+        .iter()
+        .map(|m| {
+            let Some(obj) = m.as_object() else { return m.clone() };
+            let Some(r) = FIELDS.iter().find_map(|f| obj.get(*f).filter(|v| !v.is_null())) else {
+                return m.clone();
+            };
+            let mut new = Map::new();
+            new.insert("thinking".into(), r.clone());
+            for (k, v) in obj {
+                new.insert(k.clone(), v.clone());
+            }
+            new.insert("reasoning_content".into(), r.clone());
+            Json::Object(new)
+        })
+        .collect();
+    Json::Array(out)
+}
+
+fn template_error(e: Error) -> ApiError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(err) = source {
+        if let Some(Raised(msg)) = err.downcast_ref::<Raised>() {
+            return ApiError::invalid("messages", msg.clone());
+        }
+        source = err.source();
+    }
+    if e.kind() == ErrorKind::OutOfFuel {
+        return ApiError::with_code("template_error", None, "chat template rendering exceeded its fuel limit");
+    }
+    ApiError::with_code("template_error", None, format!("chat template failed to render: {e}"))
+}
+
+pub struct RenderInput<'a> {
+    /// array of message objects, as sent
+    pub messages: &'a serde_json::Value,
+    /// array of tool objects as sent (rendered through the template's `tools`)
+    pub tools: Option<&'a serde_json::Value>,
+    pub documents: Option<&'a serde_json::Value>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    /// chat_template_kwargs
+    pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
+    pub bos_token: Option<&'a str>,
+    pub eos_token: Option<&'a str>,
+    pub fuel: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    pub text: String,
+    /// chat_template_kwargs keys the template never reads
+    pub unused_kwargs: Vec<String>,
+}
+
+/// Python's view of values: `json.dumps` for `tojson`, `str()` for `{{ value }}`.
+mod pyjson {
+    use minijinja::value::ValueKind;
+    use minijinja::{Error, ErrorKind, Output, State, Value};
+    use std::fmt::Write;
+
+    pub struct JsonOptions {
+        pub ensure_ascii: bool,
+        pub indent: Option<String>,
+        pub separators: Option<(String, String)>,
+        pub sort_keys: bool,
+    }
+
+    impl Default for JsonOptions {
+        /// transformers' defaults (note `ensure_ascii=False`, unlike json.dumps).
+        fn default() -> Self {
+            Self { ensure_ascii: false, indent: None, separators: None, sort_keys: false }
+        }
+    }
+
+    /// `indent=`: an int (spaces; negative means none, as Python) or a string.
+    pub fn indent_from(v: &Value) -> Result<Option<String>, Error> {
+        if v.is_none() || v.is_undefined() {
+            Ok(None)
+        } else if let Some(s) = v.as_str() {
+            Ok(Some(s.to_string()))
+        } else if let Some(n) = v.as_i64() {
+            Ok(Some(" ".repeat(n.max(0) as usize)))
+        } else {
+            Err(Error::new(ErrorKind::InvalidOperation, "tojson indent must be an integer or a string"))
+        }
+    }
+
+    /// `separators=(item_sep, key_sep)`.
+    pub fn separators_from(v: &Value) -> Result<Option<(String, String)>, Error> {
+        if v.is_none() || v.is_undefined() {
+            return Ok(None);
+        }
+        let parts: Vec<Value> = v.try_iter()?.collect();
+        match parts.as_slice() {
+            [a, b] if a.as_str().is_some() && b.as_str().is_some() => {
+                Ok(Some((a.as_str().unwrap_or_default().into(), b.as_str().unwrap_or_default().into())))
+            }
+            _ => Err(Error::new(ErrorKind::InvalidOperation, "tojson separators must be two strings")),
+        }
+    }
+
+    pub fn dumps(v: &Value, opts: &JsonOptions) -> Result<String, Error> {
+        let (item, key) = match (&opts.separators, &opts.indent) {
+            (Some((i, k)), _) => (i.clone(), k.clone()),
+            (None, None) => (", ".into(), ": ".into()),
+            (None, Some(_)) => (",".into(), ": ".into()),
+        };
+        let mut out = String::new();
+        Dumper { opts, item: &item, key: &key }.value(v, 0, &mut out)?;
+        Ok(out)
+    }
+
+    struct Dumper<'a> {
+        opts: &'a JsonOptions,
+        item: &'a str,
+        key: &'a str,
+    }
+
+    impl Dumper<'_> {
+        fn newline(&self, level: usize, out: &mut String) {
+            if let Some(ind) = &self.opts.indent {
+                out.push('\n');
+                for _ in 0..level {
+                    out.push_str(ind);
+                }
+            }
+        }
+
+        fn value(&self, v: &Value, level: usize, out: &mut String) -> Result<(), Error> {
+            match v.kind() {
+                ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+                ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+                ValueKind::Number => out.push_str(&json_number(v)),
+                ValueKind::String => string(v.as_str().unwrap_or_default(), self.opts.ensure_ascii, out),
+                ValueKind::Map => {
+                    let mut entries: Vec<(String, Value)> = Vec::new();
+                    for k in v.try_iter()? {
+                        let item = v.get_item(&k)?;
+                        entries.push((json_key(&k), item));
+                    }
+                    if self.opts.sort_keys {
+                        entries.sort_by(|a, b| a.0.cmp(&b.0));
+                    }
+                    if entries.is_empty() {
+                        out.push_str("{}");
+                        return Ok(());
+                    }
+                    out.push('{');
+                    for (i, (k, item)) in entries.iter().enumerate() {
+                        if i > 0 {
+                            out.push_str(self.item);
+                        }
+                        self.newline(level + 1, out);
+                        string(k, self.opts.ensure_ascii, out);
+                        out.push_str(self.key);
+                        self.value(item, level + 1, out)?;
+                    }
+                    self.newline(level, out);
+                    out.push('}');
+                }
+                ValueKind::Seq | ValueKind::Iterable => {
+                    let items: Vec<Value> = v.try_iter()?.collect();
+                    if items.is_empty() {
+                        out.push_str("[]");
+                        return Ok(());
+                    }
+                    out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        if i > 0 {
+                            out.push_str(self.item);
+                        }
+                        self.newline(level + 1, out);
+                        self.value(item, level + 1, out)?;
+                    }
+                    self.newline(level, out);
+                    out.push(']');
+                }
+                _ => string(&v.to_string(), self.opts.ensure_ascii, out),
+            }
+            Ok(())
+        }
+    }
+
+    /// Python turns non-string keys into strings: `1` -> "1", `True` -> "true", `None` -> "null".
+    fn json_key(k: &Value) -> String {
+        match k.kind() {
+            ValueKind::String => k.as_str().unwrap_or_default().to_string(),
+            ValueKind::Bool => (if k.is_true() { "true" } else { "false" }).into(),
+            ValueKind::None | ValueKind::Undefined => "null".into(),
+            ValueKind::Number => json_number(k),
+            _ => k.to_string(),
+        }
+    }
+
+    fn json_number(v: &Value) -> String {
+        if v.is_integer() {
+            return v.to_string();
+        }
+        let f = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+        if f.is_nan() {
+            "NaN".into()
+        } else if f.is_infinite() {
+            (if f > 0.0 { "Infinity" } else { "-Infinity" }).into()
+        } else {
+            float_repr(f)
+        }
+    }
+
+    /// Python's `repr(float)`: shortest round-trip digits, fixed notation for exponents in
+    /// [-4, 16), else `d.ddde+XX`.
+    pub fn float_repr(f: f64) -> String {
+        if f.is_nan() {
+            return "nan".into();
+        }
+        if f.is_infinite() {
+            return (if f > 0.0 { "inf" } else { "-inf" }).into();
+        }
+        let sci = format!("{:e}", f.abs());
+        let (mant, exp) = sci.split_once('e').expect("{:e} has an exponent");
+        let exp: i32 = exp.parse().expect("exponent is an integer");
+        let digits: String = mant.chars().filter(|c| c.is_ascii_digit()).collect();
+        let sign = if f.is_sign_negative() { "-" } else { "" };
+        if (-4..16).contains(&exp) {
+            if exp >= 0 {
+                let int_len = exp as usize + 1;
+                let (int, frac) = if digits.len() > int_len {
+                    (digits[..int_len].to_string(), digits[int_len..].to_string())
+                } else {
+                    (format!("{digits:0<int_len$}"), "0".to_string())
+                };
+                format!("{sign}{int}.{frac}")
+            } else {
+                format!("{sign}0.{}{digits}", "0".repeat((-exp - 1) as usize))
+            }
+        } else {
+            let (first, rest) = digits.split_at(1);
+            let frac = if rest.is_empty() { String::new() } else { format!(".{rest}") };
+            let esign = if exp < 0 { '-' } else { '+' };
+            format!("{sign}{first}{frac}e{esign}{:02}", exp.abs())
+        }
+    }
+
+    /// A JSON string as Python's json module writes it.
+    fn string(s: &str, ensure_ascii: bool, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => {
+                    let _ = write!(out, "\\u{:04x}", c as u32);
+                }
+                c if ensure_ascii && !(' '..='~').contains(&c) => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        let _ = write!(out, "\\u{:04x}", unit);
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+
+    /// Python's `repr()` for values inside containers.
+    fn repr(v: &Value, out: &mut String) -> Result<(), Error> {
+        match v.kind() {
+            ValueKind::String => {
+                let s = v.as_str().unwrap_or_default();
+                let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+                out.push(quote);
+                for c in s.chars() {
+                    match c {
+                        '\\' => out.push_str("\\\\"),
+                        '\n' => out.push_str("\\n"),
+                        '\r' => out.push_str("\\r"),
+                        '\t' => out.push_str("\\t"),
+                        c if c == quote => {
+                            out.push('\\');
+                            out.push(c);
+                        }
+                        c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                            let _ = write!(out, "\\x{:02x}", c as u32);
+                        }
+                        c => out.push(c),
+                    }
+                }
+                out.push(quote);
+            }
+            ValueKind::Map => {
+                out.push('{');
+                for (i, k) in v.try_iter()?.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    repr(&k, out)?;
+                    out.push_str(": ");
+                    repr(&v.get_item(&k)?, out)?;
+                }
+                out.push('}');
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                out.push('[');
+                for (i, item) in v.try_iter()?.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    repr(&item, out)?;
+                }
+                out.push(']');
+            }
+            _ => out.push_str(&py_str(v)?),
+        }
+        Ok(())
+    }
+
+    /// Python's `str()`, which is what Jinja2 prints.
+    fn py_str(v: &Value) -> Result<String, Error> {
+        Ok(match v.kind() {
+            ValueKind::Undefined => String::new(),
+            ValueKind::None => "None".into(),
+            ValueKind::Bool => (if v.is_true() { "True" } else { "False" }).into(),
+            ValueKind::Number if !v.is_integer() => float_repr(f64::try_from(v.clone()).unwrap_or(f64::NAN)),
+            ValueKind::Map | ValueKind::Seq => {
+                let mut s = String::new();
+                repr(v, &mut s)?;
+                s
+            }
+            _ => v.to_string(),
+        })
+    }
+
+    /// The formatter for `{{ ... }}`: print values as Jinja2 under Python would.
+    pub fn format_value(out: &mut Output, _state: &State, v: &Value) -> Result<(), Error> {
+        let s = py_str(v)?;
+        out.write_str(&s).map_err(|_| Error::new(ErrorKind::WriteFailure, "cannot write output"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(tmpl: &str, messages: Json) -> Result<Rendered, ApiError> {
+        let t = ChatTemplate::new(tmpl, "test").unwrap();
+        t.render(&RenderInput {
+            messages: &messages,
+            tools: None,
+            documents: None,
+            add_generation_prompt: false,
+            continue_final_message: false,
+            kwargs: None,
+            bos_token: Some("<s>"),
+            eos_token: Some("</s>"),
+            fuel: Some(100_000),
+        })
+    }
+
+    #[test]
+    fn python_float_repr() {
+        let cases = [
+            (1.0, "1.0"),
+            (2.5, "2.5"),
+            (1e20, "1e+20"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (-3.25e-7, "-3.25e-07"),
+            (123456789.125, "123456789.125"),
+            (0.1, "0.1"),
+            (-0.0, "-0.0"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(pyjson::float_repr(f), want, "{f}");
+        }
+    }
+
+    #[test]
+    fn prints_values_as_python() {
+        let out = render("{{ true }} {{ none }} {{ [1, 'a', \"it's\"] }} {{ {'k': false} }} {{ 1.5 }} {{ x }}", json!([])).unwrap();
+        assert_eq!(out.text, "True None [1, 'a', \"it's\"] {'k': False} 1.5 ");
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let msgs = json!([{"b": [1, 2.0, {}], "a": "é\"\n\u{1F600}"}]);
+        let t = "{{ messages[0] | tojson }}|{{ messages[0] | tojson(sort_keys=true, separators=(',', ':')) }}|{{ messages[0].a | tojson(ensure_ascii=true) }}|{{ messages[0].b | tojson(indent=1) }}";
+        let out = render(t, msgs).unwrap();
+        assert_eq!(
+            out.text,
+            "{\"b\": [1, 2.0, {}], \"a\": \"é\\\"\\n\u{1F600}\"}|{\"a\":\"é\\\"\\n\u{1F600}\",\"b\":[1,2.0,{}]}|\"\\u00e9\\\"\\n\\ud83d\\ude00\"|[\n 1,\n 2.0,\n {}\n]"
+        );
+    }
+
+    #[test]
+    fn trims_blocks_and_drops_trailing_newline() {
+        let t = "{% for m in messages %}\n  {% if m.role %}\n{{ m.role }}\n  {% endif %}\n{% endfor %}\n";
+        let out = render(t, json!([{"role": "user"}, {"role": "assistant"}])).unwrap();
+        assert_eq!(out.text, "user\nassistant\n");
+    }
+
+    #[test]
+    fn loop_controls_and_pycompat_methods() {
+        let t = "{% for m in messages %}{% if loop.index0 == 1 %}{% continue %}{% endif %}{% if loop.index0 > 2 %}{% break %}{% endif %}{{ m.content.strip().upper() }}{% for k, v in m.items() %}{{ k }}{% endfor %};{% endfor %}";
+        let msgs = json!([{"content": " a "}, {"content": "b"}, {"content": "c"}, {"content": "d"}]);
+        assert_eq!(render(t, msgs).unwrap().text, "Acontent;Ccontent;");
+    }
+
+    #[test]
+    fn raise_exception_is_a_400_on_messages() {
+        let err = render("{{ raise_exception('roles must alternate') }}", json!([])).unwrap_err();
+        assert_eq!(err, ApiError::invalid("messages", "roles must alternate"));
+    }
+
+    #[test]
+    fn broken_templates_and_fuel() {
+        assert!(ChatTemplate::new("{% for %}", "test").is_err());
+        let err = render("{{ messages.nope() }}", json!([])).unwrap_err();
+        assert_eq!(err.code(), "template_error");
+        let err = render("{% for i in range(10000) %}{% for j in range(10000) %}{{ j }}{% endfor %}{% endfor %}", json!([])).unwrap_err();
+        assert_eq!(err.code(), "template_error");
+        assert!(err.message().contains("fuel"), "{err}");
+    }
+
+    #[test]
+    fn kwargs_reach_the_template_and_unused_ones_are_reported() {
+        let t = ChatTemplate::new("{{ greeting }} {{ bos_token }}", "test").unwrap();
+        let msgs = json!([]);
+        let kwargs = json!({"greeting": "hi", "bos_token": "<B>", "extra": 1});
+        let mut input = RenderInput {
+            messages: &msgs,
+            tools: None,
+            documents: None,
+            add_generation_prompt: false,
+            continue_final_message: false,
+            kwargs: kwargs.as_object(),
+            bos_token: Some("<s>"),
+            eos_token: None,
+            fuel: None,
+        };
+        let out = t.render(&input).unwrap();
+        assert_eq!(out.text, "hi <B>");
+        assert_eq!(out.unused_kwargs, vec!["extra".to_string()]);
+        let bad = json!({"messages": []});
+        input.kwargs = bad.as_object();
+        assert_eq!(t.render(&input).unwrap_err().param(), Some("chat_template_kwargs"));
+    }
+
+    #[test]
+    fn continue_final_message_cuts_after_the_final_text() {
+        let tmpl = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}";
+        let t = ChatTemplate::new(tmpl, "test").unwrap();
+        let msgs = json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "partial ans "}]);
+        let out = t
+            .render(&RenderInput {
+                messages: &msgs,
+                tools: None,
+                documents: None,
+                add_generation_prompt: false,
+                continue_final_message: true,
+                kwargs: None,
+                bos_token: None,
+                eos_token: None,
+                fuel: None,
+            })
+            .unwrap();
+        // trim ate the message's trailing space and the tag's: cut, then rstrip, as transformers.
+        assert_eq!(out.text, "<user>q</user>\n<assistant>partial ans");
+        let empty = json!([]);
+        let err = t
+            .render(&RenderInput {
+                messages: &empty,
+                tools: None,
+                documents: None,
+                add_generation_prompt: false,
+                continue_final_message: true,
+                kwargs: None,
+                bos_token: None,
+                eos_token: None,
+                fuel: None,
+            })
+            .unwrap_err();
+        assert_eq!(err.param(), Some("messages"));
+    }
+
+    #[test]
+    fn resolution_order_and_named_templates() {
+        let named = json!([{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]);
+        let set = TemplateSet::resolve(TemplateSources {
+            cli: None,
+            folder_jinja: None,
+            tokenizer_config: Some(named),
+            gguf: Some("G".into()),
+        })
+        .unwrap();
+        assert_eq!(set.select(false).unwrap().origin(), "tokenizer_config.json");
+        assert_eq!(set.select(true).unwrap().origin(), "tokenizer_config.json:tool_use");
+
+        let set = TemplateSet::resolve(TemplateSources { gguf: Some("G".into()), ..Default::default() }).unwrap();
+        assert_eq!(set.select(true).unwrap().origin(), "gguf");
+        let set = TemplateSet::resolve(TemplateSources {
+            cli: Some("C".into()),
+            folder_jinja: Some("F".into()),
+            gguf: Some("G".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(set.select(false).unwrap().origin(), "--chat-template");
+        let set = TemplateSet::resolve(TemplateSources { folder_jinja: Some("F".into()), gguf: Some("G".into()), ..Default::default() }).unwrap();
+        assert_eq!(set.select(false).unwrap().origin(), "chat_template.jinja");
+        assert!(TemplateSet::resolve(TemplateSources::default()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn hash_is_sha256_prefix() {
+        let t = ChatTemplate::new("abc", "test").unwrap();
+        // sha256("abc") = ba7816bf8f01cfea...
+        assert_eq!(t.hash(), "sha256:ba7816bf8f01cfea");
+    }
+}

@@ -1,1 +1,147 @@
-//! (in progress)
+//! The OpenAI request protocol: typed request bodies per endpoint, and their validation
+//! into a [`Prepared`] request the engine can run.
+//!
+//! Every rule of the API contract that can be decided before generation is decided here:
+//! types, ranges, conflicting fields, the served model name, the chat template, the
+//! tokenized prompt and the context budget. The rule is that an accepted field either does
+//! what it says or the client is told: fields that have no effect are named in the
+//! `llmserve-ignored-fields` header (or rejected with `strict_fields`), unused
+//! `chat_template_kwargs` keys in `llmserve-unused-template-kwargs`, and features that are
+//! not implemented yet (`json_schema`, `tool_choice: "required"`, `suffix`, ...) are a 400
+//! `unsupported_parameter`, never silently dropped.
+//!
+//! Parsing is two-staged: the body is read as JSON (`invalid_json` otherwise), then each
+//! endpoint's typed structs are filled with serde through `serde_path_to_error`, so that a
+//! wrong type or a missing field is reported with its field path (`messages[2].content`).
+//! Polymorphic fields (`stop`, `seed`, `prompt`, `messages`, `tools`, `tool_choice`,
+//! `response_format`) are kept as JSON values and checked by hand, again with paths.
+//!
+//! Layout: `common` (parsing, sampling parameters, ignored fields), `budget` (context
+//! checks), `chat`, `completion`, `tokenize` (the tokenize/detokenize/render bodies).
+//!
+//! Decisions: `tool_choice: "none"` keeps the tools out of the template (the model must not
+//! call them, so it is not shown them); `parallel_tool_calls` is accepted and honoured
+//! trivially, since no tool calls are parsed yet; `continue_final_message: true` turns the
+//! default `add_generation_prompt` off (both sent as true is a 400); `user` is kept in
+//! [`Prepared::user`] for the log and is not reported as ignored.
+
+pub mod budget;
+pub mod chat;
+pub mod common;
+pub mod completion;
+pub mod tokenize;
+
+/// The routes the router understands. `Chat` and `Completion` generate (see
+/// [`crate::router::Router::prepare`]); the others are answered at once
+/// ([`crate::router::Router::handle`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+    Tokenize,
+    Detokenize,
+    ChatRender,
+    CompletionRender,
+}
+
+impl Endpoint {
+    /// The names the bindings use: "chat", "completion", "tokenize", "detokenize",
+    /// "chat_render", "completion_render".
+    pub fn from_name(s: &str) -> Option<Self> {
+        Some(match s {
+            "chat" => Self::Chat,
+            "completion" => Self::Completion,
+            "tokenize" => Self::Tokenize,
+            "detokenize" => Self::Detokenize,
+            "chat_render" => Self::ChatRender,
+            "completion_render" => Self::CompletionRender,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::Completion => "completion",
+            Self::Tokenize => "tokenize",
+            Self::Detokenize => "detokenize",
+            Self::ChatRender => "chat_render",
+            Self::CompletionRender => "completion_render",
+        }
+    }
+}
+
+/// A validated generation request, ready for the engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prepared {
+    /// `Chat` or `Completion`.
+    pub endpoint: Endpoint,
+    /// "chatcmpl-<uuid hex>" / "cmpl-<uuid hex>", or the client's `request_id`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served name the client sent (an alias is echoed as sent).
+    pub model: String,
+    /// Chat: exactly one. Completions: one per prompt, in order.
+    pub prompts: Vec<Vec<u32>>,
+    /// The text of each prompt (the rendered template for chat; decoded ids for token
+    /// prompts), for `echo`.
+    pub prompt_texts: Vec<String>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub continuous_usage_stats: bool,
+    /// Completions only: prepend the prompt text to each choice.
+    pub echo: bool,
+    /// Lower runs first (vLLM's convention); 0 when not sent.
+    pub priority: i32,
+    pub cache_salt: Option<String>,
+    /// Logged by the server; has no other effect.
+    pub user: Option<String>,
+    /// Response headers: `llmserve-ignored-fields`, `llmserve-chat-template`,
+    /// `llmserve-unused-template-kwargs`.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Sampling and stopping parameters, defaults already resolved (request ->
+/// generation_config.json -> OpenAI).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Choices per prompt, 1..=128.
+    pub n: u32,
+    /// 0 is greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = off (the request's -1 and 0 both mean off).
+    pub top_k: i32,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// Any JSON integer; negative seeds keep their bits (`i64 as u64`).
+    pub seed: Option<u64>,
+    /// None: the remaining context of each prompt. Some: fits every prompt (a request's value
+    /// is checked, a generation_config.json default shrinks to the room the longest prompt
+    /// leaves).
+    pub max_tokens: Option<u32>,
+    pub min_tokens: u32,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub include_stop_str_in_output: bool,
+    pub skip_special_tokens: bool,
+    /// Sorted by token id, ids unique and < vocab size, biases in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
+    /// None: no logprobs; Some(k): chosen token + k top alternatives.
+    pub logprobs: Option<u32>,
+}
+
+/// What validation produced beyond [`Prepared`]: the render routes report it in their body.
+#[derive(Clone, Debug)]
+pub(crate) struct Checked {
+    pub prepared: Prepared,
+    /// (origin, hash) of the chat template used.
+    pub template: Option<(String, String)>,
+    pub unused_kwargs: Vec<String>,
+    pub ignored: Vec<String>,
+}

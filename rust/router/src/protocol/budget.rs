@@ -1,0 +1,70 @@
+//! The context budget: a prompt must leave room for the completion, and what the request
+//! asks for (`max_tokens`, `min_tokens`) must fit in `max_model_len` with every prompt.
+
+use super::SamplingParams;
+use crate::error::ApiError;
+
+/// The context budget of one prompt: the prompt must leave room for at least one token, and
+/// with an explicit `max_tokens` the two must fit together.
+pub fn check_context(
+    prompt_len: usize,
+    max_tokens: Option<u32>,
+    max_tokens_param: Option<&'static str>,
+    max_model_len: u32,
+    prompt_param: &str,
+) -> Result<(), ApiError> {
+    let limit = max_model_len as u64;
+    let p = prompt_len as u64;
+    if p >= limit {
+        return Err(ApiError::ContextLengthExceeded {
+            message: format!(
+                "This model's maximum context length is {limit} tokens, but the {prompt_param} \
+                 has {p} tokens, which leaves no room for the completion. Please shorten the {prompt_param}."
+            ),
+            param: Some(prompt_param.to_string()),
+        });
+    }
+    if let (Some(m), Some(param)) = (max_tokens, max_tokens_param) {
+        let m = m as u64;
+        if p + m > limit {
+            return Err(ApiError::ContextLengthExceeded {
+                message: format!(
+                    "This model's maximum context length is {limit} tokens. However, you requested {} \
+                     tokens ({p} in the {prompt_param}, {m} in the completion via `{param}`). Please \
+                     reduce the length of the {prompt_param} or of the completion.",
+                    p + m
+                ),
+                param: Some(param.to_string()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// After `check_context`: the budget questions that involve the room every prompt leaves.
+/// `min_tokens` must fit that room. A `max_tokens` from generation_config.json is the
+/// server's choice, not the client's, so it shrinks to the room (at least 1 after
+/// `check_context`); thus a `Some` in [`SamplingParams::max_tokens`] always fits every prompt.
+pub fn settle_budget(
+    params: &mut SamplingParams,
+    max_tokens_param: Option<&'static str>,
+    prompt_lens: impl Iterator<Item = usize>,
+    max_model_len: u32,
+) -> Result<(), ApiError> {
+    let room = prompt_lens.map(|l| (max_model_len as usize).saturating_sub(l)).min().unwrap_or(0);
+    let room = room.min(u32::MAX as usize) as u32;
+    if params.min_tokens > room {
+        return Err(ApiError::ContextLengthExceeded {
+            message: format!(
+                "This model's maximum context length is {max_model_len} tokens; the prompt leaves room for \
+                 {room} tokens, fewer than `min_tokens` ({}).",
+                params.min_tokens
+            ),
+            param: Some("min_tokens".into()),
+        });
+    }
+    if max_tokens_param.is_none() {
+        params.max_tokens = params.max_tokens.map(|m| m.min(room).max(1));
+    }
+    Ok(())
+}

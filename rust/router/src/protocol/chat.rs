@@ -1,0 +1,455 @@
+//! `POST /v1/chat/completions`: the chat-only fields, message and tool validation, template
+//! rendering and tokenization of the one prompt.
+//!
+//! Messages go to the template as the JSON the client sent (content parts included): chat
+//! templates differ in what they expect, and the template layer owns that difference.
+
+use std::collections::BTreeMap;
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::budget::{check_context, settle_budget};
+use super::common::{
+    from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, unix_now, unknown_keys,
+    unsupported, CommonFields,
+};
+use super::{Checked, Endpoint, Prepared};
+use crate::error::ApiError;
+use crate::router::Router;
+use crate::template::{ChatTemplate, RenderInput, Rendered};
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+#[derive(Deserialize, Debug)]
+pub struct ChatFields {
+    pub messages: Vec<Value>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    /// Honoured trivially: tool calls are not parsed yet, so no response carries more than
+    /// one (it carries none).
+    pub parallel_tool_calls: Option<bool>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub documents: Option<Vec<Value>>,
+    /// Per-request templates are refused (see `prepare`).
+    pub chat_template: Option<Value>,
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, IgnoredAny>,
+}
+
+/// What the template gets, borrowed from the request body.
+pub(crate) struct ChatRender<'a> {
+    pub messages: &'a Value,
+    pub tools: Option<&'a Value>,
+    pub documents: Option<&'a Value>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    pub kwargs: Option<&'a Map<String, Value>>,
+}
+
+/// `add_generation_prompt` defaults to true unless `continue_final_message` is set (then
+/// false); both true is a contradiction.
+pub(crate) fn generation_flags(add: Option<bool>, cont: Option<bool>) -> Result<(bool, bool), ApiError> {
+    let cont = cont.unwrap_or(false);
+    let add = add.unwrap_or(!cont);
+    if add && cont {
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "`continue_final_message` and `add_generation_prompt` cannot both be true: the first \
+             continues the last message, the second starts a new one.",
+        ));
+    }
+    Ok((add, cont))
+}
+
+/// Renders through the template chosen by whether tools are rendered.
+pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rendered, &'r ChatTemplate), ApiError> {
+    let template = router.templates.select(input.tools.is_some()).ok_or_else(|| {
+        ApiError::with_code(
+            "chat_template_missing",
+            None,
+            "This model has no chat template, so chat requests cannot be rendered. Start the server \
+             with `--chat-template <file or template text>`, or send a raw prompt to /v1/completions.",
+        )
+    })?;
+    let config = &router.config;
+    let rendered = template.render(&RenderInput {
+        messages: input.messages,
+        tools: input.tools,
+        documents: input.documents,
+        add_generation_prompt: input.add_generation_prompt,
+        continue_final_message: input.continue_final_message,
+        kwargs: input.kwargs,
+        bos_token: config.bos_token.as_deref(),
+        eos_token: config.eos_token.as_deref(),
+        fuel: Some(config.template_fuel),
+    })?;
+    Ok((rendered, template))
+}
+
+pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must contain at least one message."));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        validate_message(i, m)?;
+    }
+    Ok(())
+}
+
+fn missing(param: String) -> ApiError {
+    ApiError::with_code(
+        "missing_required_parameter",
+        Some(param.clone()),
+        format!("Missing required parameter: `{param}`."),
+    )
+}
+
+fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
+    let p = format!("messages[{i}]");
+    let obj = m
+        .as_object()
+        .ok_or_else(|| invalid_type(p.clone(), format!("Each message must be an object, not {}.", kind_of(m))))?;
+    let role = match obj.get("role") {
+        None => return Err(missing(format!("{p}.role"))),
+        Some(Value::String(r)) => r.as_str(),
+        Some(other) => {
+            return Err(invalid_type(format!("{p}.role"), format!("`role` must be a string, not {}.", kind_of(other))))
+        }
+    };
+    if !ROLES.contains(&role) {
+        return Err(ApiError::invalid(
+            format!("{p}.role"),
+            format!("Unknown role {role:?}: expected one of {}.", ROLES.join(", ")),
+        ));
+    }
+    // Assistant turns may be content-less (a tool call, or an empty turn to continue).
+    match obj.get("content") {
+        None | Some(Value::Null) if role == "assistant" => {}
+        None | Some(Value::Null) => return Err(missing(format!("{p}.content"))),
+        Some(content) => validate_content(&format!("{p}.content"), content)?,
+    }
+    if let Some(name) = obj.get("name") {
+        if !name.is_string() && !name.is_null() {
+            return Err(invalid_type(format!("{p}.name"), "`name` must be a string."));
+        }
+    }
+    match obj.get("tool_calls") {
+        None | Some(Value::Null) => {}
+        Some(_) if role != "assistant" => {
+            return Err(ApiError::invalid(format!("{p}.tool_calls"), "Only assistant messages may carry `tool_calls`."))
+        }
+        Some(Value::Array(calls)) => {
+            for (j, call) in calls.iter().enumerate() {
+                validate_tool_call(&format!("{p}.tool_calls[{j}]"), call)?;
+            }
+        }
+        Some(other) => {
+            return Err(invalid_type(
+                format!("{p}.tool_calls"),
+                format!("`tool_calls` must be an array, not {}.", kind_of(other)),
+            ))
+        }
+    }
+    if role == "tool" {
+        match obj.get("tool_call_id") {
+            Some(Value::String(_)) => {}
+            None | Some(Value::Null) => return Err(missing(format!("{p}.tool_call_id"))),
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{p}.tool_call_id"),
+                    format!("`tool_call_id` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A string, or a list of `{"type": "text", "text": ...}` parts.
+fn validate_content(p: &str, content: &Value) -> Result<(), ApiError> {
+    match content {
+        Value::String(_) => Ok(()),
+        Value::Array(parts) => {
+            for (j, part) in parts.iter().enumerate() {
+                let pp = format!("{p}[{j}]");
+                let obj = part.as_object().ok_or_else(|| {
+                    invalid_type(pp.clone(), format!("Content parts must be objects, not {}.", kind_of(part)))
+                })?;
+                match obj.get("type") {
+                    None => return Err(missing(format!("{pp}.type"))),
+                    Some(Value::String(t)) if t == "text" => {}
+                    Some(Value::String(t)) => {
+                        return Err(unsupported(
+                            format!("{pp}.type"),
+                            format!(
+                                "Content parts of type {t:?} are not supported: this server accepts text parts only."
+                            ),
+                        ))
+                    }
+                    Some(other) => {
+                        return Err(invalid_type(
+                            format!("{pp}.type"),
+                            format!("`type` must be a string, not {}.", kind_of(other)),
+                        ))
+                    }
+                }
+                match obj.get("text") {
+                    Some(Value::String(_)) => {}
+                    None | Some(Value::Null) => return Err(missing(format!("{pp}.text"))),
+                    Some(other) => {
+                        return Err(invalid_type(
+                            format!("{pp}.text"),
+                            format!("`text` must be a string, not {}.", kind_of(other)),
+                        ))
+                    }
+                }
+            }
+            Ok(())
+        }
+        other => Err(invalid_type(
+            p.to_string(),
+            format!("`content` must be a string or an array of text parts, not {}.", kind_of(other)),
+        )),
+    }
+}
+
+fn validate_tool_call(p: &str, call: &Value) -> Result<(), ApiError> {
+    let obj = call
+        .as_object()
+        .ok_or_else(|| invalid_type(p.to_string(), format!("A tool call must be an object, not {}.", kind_of(call))))?;
+    match obj.get("type") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if t == "function" => {}
+        Some(_) => return Err(ApiError::invalid(format!("{p}.type"), "Tool calls must have type \"function\".")),
+    }
+    let f = match obj.get("function") {
+        Some(Value::Object(f)) => f,
+        None | Some(Value::Null) => return Err(missing(format!("{p}.function"))),
+        Some(other) => {
+            return Err(invalid_type(
+                format!("{p}.function"),
+                format!("`function` must be an object, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    match f.get("name") {
+        Some(Value::String(_)) => {}
+        None | Some(Value::Null) => return Err(missing(format!("{p}.function.name"))),
+        Some(_) => return Err(invalid_type(format!("{p}.function.name"), "`name` must be a string.")),
+    }
+    // OpenAI sends arguments as a JSON string; an object is also unambiguous, so both pass.
+    match f.get("arguments") {
+        None | Some(Value::Null) | Some(Value::String(_)) | Some(Value::Object(_)) => Ok(()),
+        Some(_) => Err(invalid_type(format!("{p}.function.arguments"), "`arguments` must be a JSON string.")),
+    }
+}
+
+/// Checks `tools`; returns the function names.
+pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
+    if tools.is_empty() {
+        return Err(ApiError::invalid("tools", "`tools` must not be empty; leave it out when there are no tools."));
+    }
+    let mut names = Vec::with_capacity(tools.len());
+    for (i, tool) in tools.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let obj = tool
+            .as_object()
+            .ok_or_else(|| invalid_type(p.clone(), format!("Each tool must be an object, not {}.", kind_of(tool))))?;
+        match obj.get("type") {
+            None => return Err(missing(format!("{p}.type"))),
+            Some(Value::String(t)) if t == "function" => {}
+            Some(_) => {
+                return Err(ApiError::invalid(format!("{p}.type"), "Only tools of type \"function\" are supported."))
+            }
+        }
+        let f = match obj.get("function") {
+            Some(Value::Object(f)) => f,
+            None | Some(Value::Null) => return Err(missing(format!("{p}.function"))),
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{p}.function"),
+                    format!("`function` must be an object, not {}.", kind_of(other)),
+                ))
+            }
+        };
+        match f.get("name") {
+            Some(Value::String(n)) if !n.is_empty() => names.push(n.clone()),
+            Some(Value::String(_)) => {
+                return Err(ApiError::invalid(format!("{p}.function.name"), "Function names must not be empty."))
+            }
+            None | Some(Value::Null) => return Err(missing(format!("{p}.function.name"))),
+            Some(_) => return Err(invalid_type(format!("{p}.function.name"), "`name` must be a string.")),
+        }
+        if let Some(params) = f.get("parameters") {
+            if !params.is_object() && !params.is_null() {
+                return Err(invalid_type(
+                    format!("{p}.function.parameters"),
+                    "`parameters` must be a JSON Schema object.",
+                ));
+            }
+        }
+        if let Some(d) = f.get("description") {
+            if !d.is_string() && !d.is_null() {
+                return Err(invalid_type(format!("{p}.function.description"), "`description` must be a string."));
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// Whether the tools are rendered through the template.
+///
+/// NOTE: with `tool_choice: "none"` the tools are not passed to the template (vLLM's
+/// `--exclude-tools-when-tool-choice-none` behaviour, made the default): showing a model tools
+/// it must not call invites tool-call text we would return as content.
+fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Result<bool, ApiError> {
+    let choice = tool_choice.filter(|v| !v.is_null());
+    let Some(tools) = tools else {
+        return match choice {
+            None => Ok(false),
+            Some(_) => Err(ApiError::invalid("tool_choice", "`tool_choice` is only allowed when `tools` are given.")),
+        };
+    };
+    let names = validate_tools(tools)?;
+    match choice {
+        None => Ok(true),
+        Some(Value::String(s)) if s == "auto" => Ok(true),
+        Some(Value::String(s)) if s == "none" => Ok(false),
+        Some(Value::String(s)) if s == "required" => Err(unsupported(
+            "tool_choice",
+            "`tool_choice: \"required\"` is not supported yet: forcing a valid tool call needs \
+             grammar-constrained decoding. Use \"auto\" or \"none\".",
+        )),
+        Some(Value::String(s)) => Err(ApiError::invalid(
+            "tool_choice",
+            format!("Unknown `tool_choice` {s:?}: expected \"none\", \"auto\", \"required\" or a named function."),
+        )),
+        Some(Value::Object(o)) => {
+            match o.get("type") {
+                Some(Value::String(t)) if t == "function" => {}
+                None => return Err(missing("tool_choice.type".into())),
+                Some(_) => {
+                    return Err(ApiError::invalid("tool_choice.type", "`tool_choice.type` must be \"function\"."))
+                }
+            }
+            let name = match o.get("function").and_then(|f| f.as_object()).map(|f| f.get("name")) {
+                None => return Err(missing("tool_choice.function".into())),
+                Some(None) => return Err(missing("tool_choice.function.name".into())),
+                Some(Some(Value::String(n))) => n,
+                Some(Some(_)) => return Err(invalid_type("tool_choice.function.name", "`name` must be a string.")),
+            };
+            if !names.iter().any(|n| n == name) {
+                return Err(ApiError::invalid(
+                    "tool_choice.function.name",
+                    format!("`tool_choice` names the function {name:?}, which is not in `tools`."),
+                ));
+            }
+            Err(unsupported(
+                "tool_choice",
+                "A named `tool_choice` is not supported yet: forcing a valid tool call needs \
+                 grammar-constrained decoding. Use \"auto\" or \"none\".",
+            ))
+        }
+        Some(other) => Err(invalid_type(
+            "tool_choice",
+            format!("`tool_choice` must be a string or an object, not {}.", kind_of(other)),
+        )),
+    }
+}
+
+/// Validates a chat request and renders + tokenizes its prompt.
+pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError> {
+    let value = parse_body(body)?;
+    let common: CommonFields = from_value(&value)?;
+    let chat: ChatFields = from_value(&value)?;
+    router.check_model(&common.model)?;
+    let config = &router.config;
+    let vocab_size = router.tokenizer.vocab_size();
+
+    let mut ignored: Vec<String> = unknown_keys(&common.extra, &chat.extra).cloned().collect();
+    let c = common.resolve(config, vocab_size)?;
+    ignored.extend(c.inert.iter().cloned());
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
+
+    if chat.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
+        return Err(unsupported(
+            "chat_template",
+            "Per-request chat templates are not accepted: a request must not inject template code. \
+             The server's template is set with `--chat-template`.",
+        ));
+    }
+    validate_messages(&chat.messages)?;
+
+    let mut params = c.params;
+    params.logprobs = match (chat.logprobs, chat.top_logprobs) {
+        (Some(true), k) => {
+            let k = k.unwrap_or(0);
+            if k > config.max_logprobs {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be between 0 and {}, got {k}.", config.max_logprobs),
+                ));
+            }
+            Some(k)
+        }
+        (_, Some(_)) => {
+            return Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs` to be true."))
+        }
+        (_, None) => None,
+    };
+
+    let with_tools = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
+    let (add_generation_prompt, continue_final_message) =
+        generation_flags(chat.add_generation_prompt, chat.continue_final_message)?;
+    let input = ChatRender {
+        messages: &value["messages"],
+        tools: if with_tools { value.get("tools") } else { None },
+        documents: value.get("documents").filter(|d| !d.is_null()),
+        add_generation_prompt,
+        continue_final_message,
+        kwargs: chat.chat_template_kwargs.as_ref(),
+    };
+    let (rendered, template) = render(router, &input)?;
+    let prompt = router.tokenizer.encode(&rendered.text, false);
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("messages", "The messages render to an empty prompt."));
+    }
+    check_context(prompt.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, "messages")?;
+    settle_budget(&mut params, c.max_tokens_param, std::iter::once(prompt.len()), config.max_model_len)?;
+
+    let mut headers = Vec::new();
+    headers.extend(ignored_header(&ignored));
+    headers.push(("llmserve-chat-template".into(), format!("{} {}", template.origin(), template.hash())));
+    if !rendered.unused_kwargs.is_empty() {
+        headers.push(("llmserve-unused-template-kwargs".into(), rendered.unused_kwargs.join(", ")));
+    }
+    let prepared = Prepared {
+        endpoint: Endpoint::Chat,
+        id: c.request_id.unwrap_or_else(|| new_id("chatcmpl")),
+        created: unix_now(),
+        model: c.model,
+        prompts: vec![prompt],
+        prompt_texts: vec![rendered.text],
+        params,
+        stream: c.stream,
+        include_usage: c.include_usage,
+        continuous_usage_stats: c.continuous_usage_stats,
+        echo: false,
+        priority: c.priority,
+        cache_salt: c.cache_salt,
+        user: c.user,
+        headers,
+    };
+    Ok(Checked {
+        prepared,
+        template: Some((template.origin().to_string(), template.hash().to_string())),
+        unused_kwargs: rendered.unused_kwargs,
+        ignored,
+    })
+}

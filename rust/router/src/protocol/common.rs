@@ -1,0 +1,460 @@
+//! What chat and completions share: reading the body, serde errors as `ApiError`s with
+//! field paths, the sampling/stopping fields and their defaults, and ignored-field reporting.
+
+use std::collections::BTreeMap;
+
+use serde::de::{DeserializeOwned, IgnoredAny};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::SamplingParams;
+use crate::error::ApiError;
+use crate::router::RouterConfig;
+
+/// Largest `n` accepted: more choices than this per prompt is almost surely a mistake and
+/// would let one request occupy the whole batch.
+pub const MAX_N: u32 = 128;
+
+/// Parses the raw body: malformed JSON is `invalid_json`, anything but an object is
+/// `invalid_type`.
+pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::with_code("invalid_json", None, format!("The request body is not valid JSON: {e}.")))?;
+    if !value.is_object() {
+        return Err(ApiError::with_code(
+            "invalid_type",
+            None,
+            format!("The request body must be a JSON object, not {}.", kind_of(&value)),
+        ));
+    }
+    Ok(value)
+}
+
+/// Fills a typed struct from the body, turning serde's error into a 400 whose `param` is the
+/// field path: `missing_required_parameter`, `invalid_type` or `invalid_value`.
+pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let path = if path == "." { String::new() } else { path };
+        let inner = e.inner().to_string();
+        if let Some(field) = inner.strip_prefix("missing field `").and_then(|s| s.strip_suffix('`')) {
+            let param = join_path(&path, field);
+            return ApiError::with_code(
+                "missing_required_parameter",
+                Some(param.clone()),
+                format!("Missing required parameter: `{param}`."),
+            );
+        }
+        let code = if inner.starts_with("invalid type") { "invalid_type" } else { "invalid_value" };
+        let what = if code == "invalid_type" { "Invalid type" } else { "Invalid value" };
+        let param = if path.is_empty() { None } else { Some(path) };
+        let name = param.as_deref().unwrap_or("the request body");
+        ApiError::with_code(code, param.clone(), format!("{what} for `{name}`: {}.", plain_serde(&inner)))
+    })
+}
+
+fn join_path(parent: &str, field: &str) -> String {
+    if parent.is_empty() {
+        field.to_string()
+    } else {
+        format!("{parent}.{field}")
+    }
+}
+
+/// Serde names Rust types ("expected u32"); clients think in JSON.
+fn plain_serde(msg: &str) -> String {
+    const NAMES: [(&str, &str); 10] = [
+        ("expected u32", "expected a non-negative integer that fits in 32 bits"),
+        ("expected u64", "expected a non-negative integer"),
+        ("expected i32", "expected an integer that fits in 32 bits"),
+        ("expected i64", "expected an integer"),
+        ("expected f64", "expected a number"),
+        ("expected f32", "expected a number"),
+        ("expected a sequence", "expected an array"),
+        ("expected a map", "expected an object"),
+        ("expected struct StreamOptions", "expected an object"),
+        ("expected a boolean", "expected a boolean (true or false)"),
+    ];
+    for (rust, json) in NAMES {
+        if let Some(head) = msg.strip_suffix(rust) {
+            return format!("{head}{json}");
+        }
+    }
+    msg.to_string()
+}
+
+/// A short JSON type name for messages.
+pub fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+pub fn invalid_type(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+    ApiError::with_code("invalid_type", Some(param.into()), message)
+}
+
+pub fn unsupported(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+    ApiError::with_code("unsupported_parameter", Some(param.into()), message)
+}
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+    pub continuous_usage_stats: Option<bool>,
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, IgnoredAny>,
+}
+
+/// The fields chat and completions share (OpenAI's and the top-level extensions).
+/// `extra` collects the keys this struct does not know; a key is unknown to the request
+/// when neither this struct nor the endpoint's own struct knows it.
+#[derive(Deserialize, Debug)]
+pub struct CommonFields {
+    pub model: String,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub n: Option<u32>,
+    pub seed: Option<Value>,
+    pub stop: Option<Value>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub min_tokens: Option<u32>,
+    pub ignore_eos: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub logit_bias: Option<BTreeMap<String, f64>>,
+    pub response_format: Option<Value>,
+    pub priority: Option<i32>,
+    pub request_id: Option<String>,
+    pub cache_salt: Option<String>,
+    pub user: Option<String>,
+    // Accepted without effect; reported in `llmserve-ignored-fields`.
+    pub store: Option<bool>,
+    pub metadata: Option<Map<String, Value>>,
+    pub service_tier: Option<String>,
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, IgnoredAny>,
+}
+
+/// The resolved common part of a generation request.
+pub struct Common {
+    pub model: String,
+    pub params: SamplingParams,
+    /// Which field `max_tokens` came from ("max_tokens" / "max_completion_tokens"), when the
+    /// request set it: the context check names it.
+    pub max_tokens_param: Option<&'static str>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub continuous_usage_stats: bool,
+    pub priority: i32,
+    pub request_id: Option<String>,
+    pub cache_salt: Option<String>,
+    pub user: Option<String>,
+    /// Inert fields that were sent (store, metadata, service_tier, stream_options.*).
+    pub inert: Vec<String>,
+}
+
+fn ranged(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(x) if x >= lo && x <= hi => Ok(Some(x as f32)),
+        Some(x) => Err(ApiError::invalid(param, format!("`{param}` must be between {lo} and {hi}, got {x}."))),
+    }
+}
+
+impl CommonFields {
+    /// Validates and resolves defaults. `logprobs` is left None: its shape differs per
+    /// endpoint.
+    pub fn resolve(self, config: &RouterConfig, vocab_size: usize) -> Result<Common, ApiError> {
+        let d = &config.generation_defaults;
+        let stream = self.stream.unwrap_or(false);
+        let mut inert = Vec::new();
+        let (include_usage, continuous_usage_stats) = match self.stream_options {
+            None => (false, false),
+            Some(_) if !stream => {
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    "`stream_options` is only allowed when `stream` is true.",
+                ))
+            }
+            Some(o) => {
+                inert.extend(o.extra.keys().map(|k| format!("stream_options.{k}")));
+                (o.include_usage.unwrap_or(false), o.continuous_usage_stats.unwrap_or(false))
+            }
+        };
+
+        // NOTE: OpenAI deprecated max_tokens for max_completion_tokens; the newer one wins.
+        let (max_tokens, max_tokens_param) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => (Some(m), Some("max_completion_tokens")),
+            (None, Some(m)) => (Some(m), Some("max_tokens")),
+            (None, None) => (None, None),
+        };
+        if let (Some(0), Some(p)) = (max_tokens, max_tokens_param) {
+            return Err(ApiError::invalid(p, format!("`{p}` must be at least 1, got 0.")));
+        }
+        let min_tokens = self.min_tokens.unwrap_or(0);
+        if let (Some(m), Some(p)) = (max_tokens, max_tokens_param) {
+            if min_tokens > m {
+                return Err(ApiError::invalid(
+                    "min_tokens",
+                    format!("`min_tokens` ({min_tokens}) must not exceed `{p}` ({m})."),
+                ));
+            }
+        }
+        let max_tokens = max_tokens.or(d.max_tokens.filter(|&m| m > 0));
+
+        let n = self.n.unwrap_or(1);
+        if n == 0 || n > MAX_N {
+            return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_N}, got {n}.")));
+        }
+
+        let temperature = ranged("temperature", self.temperature, 0.0, 2.0)?;
+        let top_p = ranged("top_p", self.top_p, 0.0, 1.0)?;
+        let min_p = ranged("min_p", self.min_p, 0.0, 1.0)?;
+        let presence_penalty = ranged("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
+        let frequency_penalty = ranged("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
+        let repetition_penalty = match self.repetition_penalty {
+            None => None,
+            Some(x) if x > 0.0 && (x as f32).is_finite() => Some(x as f32),
+            Some(x) => {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    format!("`repetition_penalty` must be a finite number greater than 0, got {x}."),
+                ))
+            }
+        };
+        let top_k = match self.top_k {
+            None => None,
+            Some(-1) | Some(0) => Some(0),
+            Some(k) if k > 0 && k <= i32::MAX as i64 => Some(k as i32),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("`top_k` must be -1 (off) or a non-negative 32-bit integer, got {k}."),
+                ))
+            }
+        };
+
+        let seed = match self.seed {
+            None | Some(Value::Null) => None,
+            Some(Value::Number(num)) => match (num.as_u64(), num.as_i64()) {
+                (Some(u), _) => Some(u),
+                (None, Some(i)) => Some(i as u64),
+                _ => return Err(invalid_type("seed", format!("`seed` must be an integer, got {num}."))),
+            },
+            Some(other) => {
+                return Err(invalid_type("seed", format!("`seed` must be an integer, not {}.", kind_of(&other))))
+            }
+        };
+
+        let stop = parse_stop(self.stop.as_ref())?;
+        let stop_token_ids = self.stop_token_ids.unwrap_or_default();
+        for (i, &id) in stop_token_ids.iter().enumerate() {
+            check_token_id(&format!("stop_token_ids[{i}]"), id as u64, vocab_size)?;
+        }
+        let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
+        check_response_format(self.response_format.as_ref())?;
+
+        if let Some(id) = &self.request_id {
+            if id.is_empty() {
+                return Err(ApiError::invalid("request_id", "`request_id` must not be empty."));
+            }
+        }
+        if let Some(salt) = &self.cache_salt {
+            if salt.is_empty() {
+                return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
+            }
+        }
+        if self.store.is_some() {
+            inert.push("store".into());
+        }
+        if self.metadata.is_some() {
+            inert.push("metadata".into());
+        }
+        if self.service_tier.is_some() {
+            inert.push("service_tier".into());
+        }
+
+        let params = SamplingParams {
+            n,
+            temperature: temperature.or(d.temperature).unwrap_or(1.0),
+            top_p: top_p.or(d.top_p).unwrap_or(1.0),
+            top_k: top_k.or(d.top_k.map(|k| k.max(0))).unwrap_or(0),
+            min_p: min_p.or(d.min_p).unwrap_or(0.0),
+            presence_penalty: presence_penalty.unwrap_or(0.0),
+            frequency_penalty: frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: repetition_penalty.or(d.repetition_penalty).unwrap_or(1.0),
+            seed,
+            max_tokens,
+            min_tokens,
+            stop,
+            stop_token_ids,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            logit_bias,
+            logprobs: None,
+        };
+        Ok(Common {
+            model: self.model,
+            params,
+            max_tokens_param,
+            stream,
+            include_usage,
+            continuous_usage_stats,
+            priority: self.priority.unwrap_or(0),
+            request_id: self.request_id,
+            cache_salt: self.cache_salt,
+            user: self.user,
+            inert,
+        })
+    }
+}
+
+pub fn check_token_id(param: &str, id: u64, vocab_size: usize) -> Result<u32, ApiError> {
+    if id < vocab_size as u64 {
+        Ok(id as u32)
+    } else {
+        Err(ApiError::invalid(param, format!("Token id {id} is out of range: the vocabulary has {vocab_size} tokens.")))
+    }
+}
+
+/// `stop`: a string or an array of non-empty strings (more than OpenAI's 4 is an extension).
+fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let empty = |p: String| ApiError::invalid(p, "Stop strings must not be empty.");
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) if s.is_empty() => Err(empty("stop".into())),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) if s.is_empty() => Err(empty(format!("stop[{i}]"))),
+                Value::String(s) => Ok(s.clone()),
+                other => Err(invalid_type(
+                    format!("stop[{i}]"),
+                    format!("Stop strings must be strings, not {}.", kind_of(other)),
+                )),
+            })
+            .collect(),
+        Some(other) => Err(invalid_type(
+            "stop",
+            format!("`stop` must be a string or an array of strings, not {}.", kind_of(other)),
+        )),
+    }
+}
+
+/// `logit_bias`: canonical decimal token ids below the vocabulary size -> bias in [-100, 100].
+fn parse_logit_bias(map: BTreeMap<String, f64>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::with_capacity(map.len());
+    for (key, bias) in map {
+        let param = format!("logit_bias.{key}");
+        // Canonical form only, so "01" and "1" cannot name one token twice.
+        let id = key.parse::<u64>().ok().filter(|id| id.to_string() == key).ok_or_else(|| {
+            ApiError::invalid(param.clone(), format!("`logit_bias` keys must be token ids, got {key:?}."))
+        })?;
+        let id = check_token_id(&param, id, vocab_size)?;
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(ApiError::invalid(
+                param,
+                format!("Logit bias values must be between -100 and 100, got {bias}."),
+            ));
+        }
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
+/// `response_format`: only `text` for now. JSON modes need grammar-constrained decoding,
+/// which is not implemented yet; refusing is better than returning unvalidated text.
+fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
+    let obj = match v {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Object(o)) => o,
+        Some(other) => {
+            return Err(invalid_type(
+                "response_format",
+                format!("`response_format` must be an object, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    match obj.get("type") {
+        None => Err(ApiError::with_code(
+            "missing_required_parameter",
+            Some("response_format.type".into()),
+            "Missing required parameter: `response_format.type`.",
+        )),
+        Some(Value::String(t)) if t == "text" => Ok(()),
+        Some(Value::String(t)) if t == "json_object" || t == "json_schema" => Err(unsupported(
+            "response_format.type",
+            format!(
+                "`response_format` of type `{t}` is not supported yet: it needs grammar-constrained \
+                 decoding, which this server does not implement. Only `text` is accepted."
+            ),
+        )),
+        Some(Value::String(t)) => Err(ApiError::invalid(
+            "response_format.type",
+            format!("Unknown `response_format.type` {t:?}: expected `text`, `json_object` or `json_schema`."),
+        )),
+        Some(other) => Err(invalid_type(
+            "response_format.type",
+            format!("`response_format.type` must be a string, not {}.", kind_of(other)),
+        )),
+    }
+}
+
+/// Unknown keys of a request: those that no struct of the endpoint knows.
+pub fn unknown_keys<'a>(
+    a: &'a BTreeMap<String, IgnoredAny>,
+    b: &'a BTreeMap<String, IgnoredAny>,
+) -> impl Iterator<Item = &'a String> {
+    a.keys().filter(move |k| b.contains_key(*k))
+}
+
+/// Sorts the ignored fields, and with `strict_fields` turns the first into a 400.
+pub fn settle_ignored(mut ignored: Vec<String>, strict: bool) -> Result<Vec<String>, ApiError> {
+    ignored.sort();
+    ignored.dedup();
+    if strict {
+        if let Some(first) = ignored.first() {
+            return Err(unsupported(
+                first.clone(),
+                format!(
+                    "`{first}` is not supported by this server and would have no effect \
+                     (strict field checking is on)."
+                ),
+            ));
+        }
+    }
+    Ok(ignored)
+}
+
+/// A fresh response id: `<prefix>-<uuid v4 as 32 hex chars>`.
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Builds the `llmserve-ignored-fields` header, if any.
+pub fn ignored_header(ignored: &[String]) -> Option<(String, String)> {
+    (!ignored.is_empty()).then(|| ("llmserve-ignored-fields".to_string(), ignored.join(", ")))
+}

@@ -1,0 +1,177 @@
+//! `POST /v1/completions`: the completion-only fields and the four prompt shapes (a string,
+//! a list of strings, token ids, a list of token-id lists), each tokenized and checked
+//! against the context budget.
+
+use std::collections::BTreeMap;
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::budget::{check_context, settle_budget};
+use super::common::{
+    check_token_id, from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, unix_now,
+    unknown_keys, unsupported, CommonFields,
+};
+use super::{Checked, Endpoint, Prepared};
+use crate::error::ApiError;
+use crate::router::Router;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Deserialize, Debug)]
+pub struct CompletionFields {
+    pub prompt: Value,
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<Value>,
+    pub best_of: Option<u32>,
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, IgnoredAny>,
+}
+
+/// One prompt as sent.
+#[derive(Debug, PartialEq)]
+pub(crate) enum PromptIn {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// The prompt field's shapes, each prompt with the `param` path that names it.
+pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptIn, String)>, ApiError> {
+    let shape_err = |p: String| {
+        invalid_type(
+            p,
+            "`prompt` must be a string, an array of strings, an array of token ids, or an array of \
+             token-id arrays.",
+        )
+    };
+    let empty = |p: String| ApiError::invalid(p, "Prompts must not be empty.");
+    let ids = |items: &[Value], p: &str| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(j, t)| {
+                let pj = format!("{p}[{j}]");
+                match t.as_u64() {
+                    Some(id) => check_token_id(&pj, id, vocab_size),
+                    None if t.is_i64() => Err(ApiError::invalid(pj, "Token ids must not be negative.")),
+                    None => Err(invalid_type(pj, format!("Token ids must be integers, not {}.", kind_of(t)))),
+                }
+            })
+            .collect()
+    };
+    match v {
+        Value::String(s) if s.is_empty() => Err(empty("prompt".into())),
+        Value::String(s) => Ok(vec![(PromptIn::Text(s.clone()), "prompt".into())]),
+        Value::Array(items) if items.is_empty() => Err(empty("prompt".into())),
+        // A flat list of numbers is one token-id prompt.
+        Value::Array(items) if items[0].is_number() => {
+            Ok(vec![(PromptIn::Ids(ids(items, "prompt")?), "prompt".into())])
+        }
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let p = format!("prompt[{i}]");
+                match item {
+                    Value::String(s) if s.is_empty() => Err(empty(p)),
+                    Value::String(s) => Ok((PromptIn::Text(s.clone()), p)),
+                    Value::Array(inner) if inner.is_empty() => Err(empty(p)),
+                    Value::Array(inner) => Ok((PromptIn::Ids(ids(inner, &p)?), p)),
+                    _ => Err(shape_err(p)),
+                }
+            })
+            .collect(),
+        _ => Err(shape_err("prompt".into())),
+    }
+}
+
+/// Token ids and text of each prompt. Strings get the tokenizer's special tokens (its
+/// post-processor, e.g. BOS), as a raw completion prompt does in `transformers`.
+pub(crate) fn tokenize_prompts(
+    tokenizer: &Tokenizer,
+    prompts: Vec<(PromptIn, String)>,
+) -> Result<Vec<(Vec<u32>, String, String)>, ApiError> {
+    prompts
+        .into_iter()
+        .map(|(p, param)| match p {
+            PromptIn::Text(text) => {
+                let ids = tokenizer.encode(&text, true);
+                if ids.is_empty() {
+                    return Err(ApiError::invalid(param, "The prompt tokenizes to no tokens."));
+                }
+                Ok((ids, text, param))
+            }
+            PromptIn::Ids(ids) => {
+                let text = tokenizer.decode(&ids, false);
+                Ok((ids, text, param))
+            }
+        })
+        .collect()
+}
+
+pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError> {
+    let value = parse_body(body)?;
+    let common: CommonFields = from_value(&value)?;
+    let comp: CompletionFields = from_value(&value)?;
+    router.check_model(&common.model)?;
+    let config = &router.config;
+    let vocab_size = router.tokenizer.vocab_size();
+
+    let mut ignored: Vec<String> = unknown_keys(&common.extra, &comp.extra).cloned().collect();
+    let c = common.resolve(config, vocab_size)?;
+    ignored.extend(c.inert.iter().cloned());
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
+
+    if comp.suffix.as_ref().is_some_and(|s| !s.is_null()) {
+        return Err(unsupported("suffix", "`suffix` (fill-in-the-middle) is not supported for this model."));
+    }
+    let mut params = c.params;
+    if let Some(best_of) = comp.best_of {
+        if best_of != params.n {
+            return Err(unsupported(
+                "best_of",
+                format!(
+                    "`best_of` other than `n` is not supported (got best_of={best_of}, n={}): the server \
+                     returns every choice it generates.",
+                    params.n
+                ),
+            ));
+        }
+    }
+    if let Some(k) = comp.logprobs {
+        if k > config.max_logprobs {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {}, got {k}.", config.max_logprobs),
+            ));
+        }
+    }
+    params.logprobs = comp.logprobs;
+
+    let prompts = tokenize_prompts(&router.tokenizer, parse_prompts(&comp.prompt, vocab_size)?)?;
+    for (ids, _, param) in &prompts {
+        check_context(ids.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, param)?;
+    }
+    settle_budget(&mut params, c.max_tokens_param, prompts.iter().map(|p| p.0.len()), config.max_model_len)?;
+    let (prompt_ids, prompt_texts): (Vec<_>, Vec<_>) = prompts.into_iter().map(|(ids, text, _)| (ids, text)).unzip();
+
+    let prepared = Prepared {
+        endpoint: Endpoint::Completion,
+        id: c.request_id.unwrap_or_else(|| new_id("cmpl")),
+        created: unix_now(),
+        model: c.model,
+        prompts: prompt_ids,
+        prompt_texts,
+        params,
+        stream: c.stream,
+        include_usage: c.include_usage,
+        continuous_usage_stats: c.continuous_usage_stats,
+        echo: comp.echo.unwrap_or(false),
+        priority: c.priority,
+        cache_salt: c.cache_salt,
+        user: c.user,
+        headers: ignored_header(&ignored).into_iter().collect(),
+    };
+    Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
+}

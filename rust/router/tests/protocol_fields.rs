@@ -1,0 +1,246 @@
+//! Ignored-field reporting and strict mode, defaults resolution, ids, and the routes
+//! answered at once (tokenize, detokenize, render, models).
+
+mod protocol_fixture;
+
+use llmserve_router::protocol::Endpoint;
+use protocol_fixture::*;
+use serde_json::{json, Value};
+
+fn body_json(bytes: Vec<u8>) -> Value {
+    serde_json::from_slice(&bytes).expect("handle returns JSON")
+}
+
+#[test]
+fn unknown_and_inert_fields_are_named_in_a_header() {
+    let r = router();
+    let p = chat(
+        &r,
+        json!({"foo": 1, "bar": [1], "store": true, "metadata": {"k": "v"}, "service_tier": "auto",
+               "user": "alice", "echo": true}),
+    )
+    .unwrap();
+    // `user` is logged, not ignored; chat has no `echo`.
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("bar, echo, foo, metadata, service_tier, store"));
+    assert_eq!(p.user.as_deref(), Some("alice"));
+
+    let p =
+        completion(&r, json!({"messages": [], "stream": true, "stream_options": {"include_usage": true, "zzz": 1}}))
+            .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("messages, stream_options.zzz"));
+
+    // Known fields of either struct are not unknown: `logprobs` is chat's and completions'.
+    let p = completion(&r, json!({"logprobs": 1, "top_k": 5, "stop": "a"})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let p = chat(&r, json!({})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+}
+
+#[test]
+fn strict_fields_turn_ignored_fields_into_400() {
+    let r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let got = shape(chat(&r, json!({"zeta": 1, "beta": 2})));
+    assert_eq!(got, (400, "unsupported_parameter", Some("beta".to_string())));
+    assert_eq!(shape(chat(&r, json!({"store": false}))).2.as_deref(), Some("store"));
+    assert_eq!(shape(completion(&r, json!({"metadata": {}}))).2.as_deref(), Some("metadata"));
+    // `user` and known extensions stay fine.
+    chat(&r, json!({"user": "u", "top_k": 3, "priority": -1, "cache_salt": "s"})).unwrap();
+}
+
+#[test]
+fn unused_template_kwargs_are_reported() {
+    let r = router();
+    let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": true, "foo": 1}})).unwrap();
+    assert!(p.prompt_texts[0].ends_with("assistant : think"), "{}", p.prompt_texts[0]);
+    assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("foo"));
+    let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": false}})).unwrap();
+    assert_eq!(header(&p, "llmserve-unused-template-kwargs"), None);
+}
+
+#[test]
+fn openai_defaults() {
+    let r = router();
+    let p = chat(&r, json!({})).unwrap();
+    let s = &p.params;
+    assert_eq!((s.n, s.temperature, s.top_p, s.top_k, s.min_p), (1, 1.0, 1.0, 0, 0.0));
+    assert_eq!((s.presence_penalty, s.frequency_penalty, s.repetition_penalty), (0.0, 0.0, 1.0));
+    assert_eq!((s.seed, s.max_tokens, s.min_tokens), (None, None, 0));
+    assert!(s.stop.is_empty() && s.stop_token_ids.is_empty() && s.logit_bias.is_empty());
+    assert!(!s.ignore_eos && !s.include_stop_str_in_output && s.skip_special_tokens);
+    assert!(!p.stream && !p.include_usage && !p.continuous_usage_stats && !p.echo);
+    assert_eq!((p.priority, p.cache_salt.clone(), p.user.clone()), (0, None, None));
+}
+
+#[test]
+fn generation_config_sits_between_request_and_openai_defaults() {
+    let r = router_with(
+        json!({"generation_defaults": {"temperature": 0.6, "top_p": 0.9, "top_k": 50, "min_p": 0.05,
+                                        "repetition_penalty": 1.1, "max_tokens": 7}}),
+        Some(TEMPLATE),
+    );
+    let s = chat(&r, json!({})).unwrap().params;
+    assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty), (0.6, 0.9, 50, 0.05, 1.1));
+    assert_eq!(s.max_tokens, Some(7));
+    // The request wins, including temperature 0 (greedy) and top_k -1 (off).
+    let s = chat(&r, json!({"temperature": 0, "top_k": -1, "top_p": 1, "max_tokens": 3})).unwrap().params;
+    assert_eq!((s.temperature, s.top_k, s.top_p, s.max_tokens), (0.0, 0, 1.0, Some(3)));
+    // A default max_tokens is not the client's request: no context error for it; it shrinks
+    // to the room the longest prompt leaves (32 - 27 = 5 here), so a Some always fits.
+    let long = vec!["hello"; 26].join(" ");
+    let p = completion(&r, json!({"prompt": ["hello", long]})).unwrap();
+    assert_eq!(p.params.max_tokens, Some(5));
+    assert_eq!(completion(&r, json!({"prompt": "hello"})).unwrap().params.max_tokens, Some(7));
+    // An explicit value is checked instead (3 + 29 = 32 fits).
+    assert_eq!(completion(&r, json!({"max_tokens": 29})).unwrap().params.max_tokens, Some(29));
+}
+
+#[test]
+fn request_values_are_resolved() {
+    let r = router();
+    let p = completion(
+        &r,
+        json!({"n": 3, "temperature": 0.5, "top_k": 0, "seed": -1, "stop": "a", "stop_token_ids": [1, 19],
+               "max_tokens": 5, "max_completion_tokens": 9, "min_tokens": 2, "logit_bias": {"10": -100, "9": 5.5, "13": 100},
+               "ignore_eos": true, "include_stop_str_in_output": true, "skip_special_tokens": false,
+               "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+               "echo": true, "priority": -3, "cache_salt": "salt", "request_id": "req-1"}),
+    )
+    .unwrap();
+    let s = &p.params;
+    assert_eq!((s.n, s.temperature, s.top_k), (3, 0.5, 0));
+    assert_eq!(s.seed, Some(u64::MAX));
+    assert_eq!(s.stop, vec!["a".to_string()]);
+    assert_eq!(s.stop_token_ids, vec![1, 19]);
+    assert_eq!((s.max_tokens, s.min_tokens), (Some(9), 2));
+    assert_eq!(s.logit_bias, vec![(9, 5.5), (10, -100.0), (13, 100.0)]);
+    assert!(s.ignore_eos && s.include_stop_str_in_output && !s.skip_special_tokens);
+    assert!(p.stream && p.include_usage && p.continuous_usage_stats && p.echo);
+    assert_eq!((p.priority, p.cache_salt.as_deref(), p.id.as_str()), (-3, Some("salt"), "req-1"));
+    let big = completion(&r, json!({"seed": 18446744073709551615u64, "stop": ["a", "b", "c", "d", "e"]})).unwrap();
+    assert_eq!(big.params.seed, Some(u64::MAX));
+    assert_eq!(big.params.stop.len(), 5);
+    assert_eq!(completion(&r, json!({"top_k": 7})).unwrap().params.top_k, 7);
+}
+
+#[test]
+fn ids_and_created() {
+    let r = router();
+    let a = chat(&r, json!({})).unwrap();
+    let b = chat(&r, json!({})).unwrap();
+    let hex = |s: &str| s.len() == 32 && s.chars().all(|c| c.is_ascii_hexdigit());
+    assert!(a.id.starts_with("chatcmpl-") && hex(&a.id["chatcmpl-".len()..]), "{}", a.id);
+    assert_ne!(a.id, b.id);
+    let c = completion(&r, json!({})).unwrap();
+    assert!(c.id.starts_with("cmpl-") && hex(&c.id["cmpl-".len()..]), "{}", c.id);
+    assert!(a.created > 1_700_000_000);
+    assert_eq!(chat(&r, json!({"request_id": "mine"})).unwrap().id, "mine");
+}
+
+#[test]
+fn tokenize_route() {
+    let r = router();
+    let v = body_json(r.handle(Endpoint::Tokenize, br#"{"prompt": "hello world"}"#).unwrap());
+    assert_eq!(v, json!({"tokens": [0, 9, 10], "count": 3, "max_model_len": 32}));
+    let v = body_json(
+        r.handle(Endpoint::Tokenize, br#"{"model": "tiny-alias", "prompt": "hello", "add_special_tokens": false}"#)
+            .unwrap(),
+    );
+    assert_eq!(v["tokens"], json!([9]));
+    let v = body_json(
+        r.handle(Endpoint::Tokenize, br#"{"messages": [{"role": "user", "content": "hello world"}]}"#).unwrap(),
+    );
+    assert_eq!(v["tokens"], json!([0, 3, 8, 9, 10, 1, 4, 8]));
+    let v = body_json(
+        r.handle(
+            Endpoint::Tokenize,
+            br#"{"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": false}"#,
+        )
+        .unwrap(),
+    );
+    assert_eq!(v["tokens"], json!([0, 3, 8, 13, 1]));
+
+    let t = |b: &[u8]| shape(r.handle(Endpoint::Tokenize, b));
+    assert_eq!(t(br#"{"model": "x", "prompt": "a"}"#), (404, "model_not_found", Some("model".into())));
+    assert_eq!(
+        t(br#"{"prompt": "a", "return_token_strs": true}"#),
+        (400, "unsupported_parameter", Some("return_token_strs".into()))
+    );
+    assert_eq!(t(br#"{}"#), (400, "missing_required_parameter", Some("prompt".into())));
+    assert_eq!(t(br#"{"prompt": "a", "messages": []}"#).0, 400);
+    assert_eq!(t(br#"{"prompt": 5}"#), (400, "invalid_type", Some("prompt".into())));
+    assert_eq!(t(br#"{"messages": []}"#), (400, "invalid_value", Some("messages".into())));
+    assert_eq!(
+        t(br#"{"messages": [{"role": "user", "content": "a"}], "tools": []}"#),
+        (400, "invalid_value", Some("tools".into()))
+    );
+    assert_eq!(t(b"{"), (400, "invalid_json", None));
+}
+
+#[test]
+fn detokenize_route() {
+    let r = router();
+    let v = body_json(r.handle(Endpoint::Detokenize, br#"{"model": "tiny", "tokens": [9, 10]}"#).unwrap());
+    assert_eq!(v, json!({"prompt": r.tokenizer().decode(&[9, 10], false)}));
+    let d = |b: &[u8]| shape(r.handle(Endpoint::Detokenize, b));
+    assert_eq!(d(br#"{"tokens": [9, 20]}"#), (400, "invalid_value", Some("tokens[1]".into())));
+    assert_eq!(d(br#"{"tokens": [-1]}"#), (400, "invalid_value", Some("tokens[0]".into())));
+    assert_eq!(d(br#"{"tokens": ["a"]}"#), (400, "invalid_type", Some("tokens[0]".into())));
+    assert_eq!(d(br#"{}"#), (400, "missing_required_parameter", Some("tokens".into())));
+    assert_eq!(d(br#"{"tokens": [], "x": 1}"#), (400, "unsupported_parameter", Some("x".into())));
+    assert_eq!(d(br#"{"model": "no", "tokens": []}"#).0, 404);
+}
+
+#[test]
+fn chat_render_route() {
+    let r = router();
+    let body = chat_body(json!({"chat_template_kwargs": {"foo": 1}, "weird": true}));
+    let v = body_json(r.handle(Endpoint::ChatRender, &body).unwrap());
+    assert_eq!(v["prompt"], "<s>user : hello world </s> assistant :");
+    assert_eq!(v["prompt_token_ids"], json!([0, 3, 8, 9, 10, 1, 4, 8]));
+    assert_eq!(v["template"]["origin"], "--chat-template");
+    assert!(v["template"]["hash"].as_str().unwrap().starts_with("sha256:"));
+    assert_eq!(v["unused_template_kwargs"], json!(["foo"]));
+    assert_eq!(v["ignored_fields"], json!(["weird"]));
+    // Validated as a generation request would be.
+    assert_eq!(shape(r.handle(Endpoint::ChatRender, &chat_body(json!({"n": 0})))).2.as_deref(), Some("n"));
+    assert_eq!(shape(r.handle(Endpoint::ChatRender, &chat_body(json!({"model": "z"})))).0, 404);
+}
+
+#[test]
+fn completion_render_route() {
+    let r = router();
+    let v = body_json(
+        r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": ["hello", [10, 9]]}))).unwrap(),
+    );
+    let d = r.tokenizer().decode(&[10, 9], false);
+    assert_eq!(
+        v,
+        json!({"prompts": [{"prompt": "hello", "prompt_token_ids": [0, 9]}, {"prompt": d, "prompt_token_ids": [10, 9]}],
+               "ignored_fields": []})
+    );
+    assert_eq!(
+        shape(r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": ""})))).2.as_deref(),
+        Some("prompt")
+    );
+}
+
+#[test]
+fn models_routes() {
+    let r = router();
+    let v = body_json(r.models());
+    assert_eq!(v["object"], "list");
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    for (m, id) in data.iter().zip(["tiny", "tiny-alias"]) {
+        assert_eq!(m["id"], id);
+        assert_eq!(m["object"], "model");
+        assert_eq!(m["owned_by"], "llmserve");
+        assert_eq!(m["root"], "tiny");
+        assert_eq!(m["max_model_len"], 32);
+        assert!(m["created"].as_u64().unwrap() > 1_700_000_000);
+    }
+    let one = body_json(r.model("tiny-alias").unwrap());
+    assert_eq!(one, data[1]);
+    let e = r.model("tiny:latest").unwrap_err();
+    assert_eq!((e.status(), e.code()), (404, "model_not_found"));
+}

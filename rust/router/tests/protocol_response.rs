@@ -1,0 +1,311 @@
+//! ResponseBuilder: golden SSE bytes (chat and completions, with usage), non-stream bodies,
+//! choice indices with n > 1 and several prompts, and logprob shapes.
+
+mod protocol_fixture;
+
+use std::sync::Arc;
+
+use llmserve_router::protocol::{Endpoint, Prepared, SamplingParams};
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
+use protocol_fixture::*;
+use serde_json::{json, Value};
+
+fn params(n: u32, logprobs: Option<u32>) -> SamplingParams {
+    SamplingParams {
+        n,
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        repetition_penalty: 1.0,
+        seed: None,
+        max_tokens: None,
+        min_tokens: 0,
+        stop: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        include_stop_str_in_output: false,
+        skip_special_tokens: true,
+        logit_bias: vec![],
+        logprobs,
+    }
+}
+
+fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, logprobs: Option<u32>) -> Prepared {
+    Prepared {
+        endpoint,
+        id: if endpoint == Endpoint::Chat { "chatcmpl-1".into() } else { "cmpl-1".into() },
+        created: 100,
+        model: "tiny".into(),
+        prompts,
+        prompt_texts: texts.iter().map(|s| s.to_string()).collect(),
+        params: params(n, logprobs),
+        stream: false,
+        include_usage: false,
+        continuous_usage_stats: false,
+        echo: false,
+        priority: 0,
+        cache_salt: None,
+        user: None,
+        headers: vec![],
+    }
+}
+
+fn tok(id: u32) -> TokenOut {
+    TokenOut { id, logprob: -0.5, top: vec![], text_offset: 0 }
+}
+
+fn delta<'a>(text: &'a str, tokens: &'a [TokenOut], finish: Option<FinishReason>) -> ChoiceDelta<'a> {
+    ChoiceDelta { text, tokens, finish, stop_reason: None }
+}
+
+fn builder(p: &Prepared) -> ResponseBuilder {
+    ResponseBuilder::new(p, Arc::new(tokenizer()))
+}
+
+fn frames(bytes: &[u8]) -> Vec<Value> {
+    let s = std::str::from_utf8(bytes).unwrap();
+    assert!(s.ends_with("data: [DONE]\n\n"), "{s}");
+    s.split("\n\n")
+        .filter(|f| !f.is_empty() && *f != "data: [DONE]")
+        .map(|f| serde_json::from_str(f.strip_prefix("data: ").expect("data frame")).unwrap())
+        .collect()
+}
+
+#[test]
+fn chat_stream_golden_bytes() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);
+    p.stream = true;
+    p.include_usage = true;
+    let mut b = builder(&p);
+    b.push(0, &delta("hel", &[tok(9)], None));
+    b.push(0, &delta("", &[tok(10)], None)); // held-back text: no chunk
+    let mut out = b.take();
+    b.push(
+        0,
+        &ChoiceDelta { text: "lo", tokens: &[tok(1)], finish: Some(FinishReason::Stop), stop_reason: Some("</s>") },
+    );
+    assert!(b.all_finished());
+    out.extend(b.take());
+    out.extend(b.finish());
+    let head = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":100,"model":"tiny","#;
+    let expected = format!(
+        "data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"lo\"}},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":\"</s>\"}}]}}\n\n\
+         data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}}}\n\n\
+         data: [DONE]\n\n"
+    );
+    assert_eq!(String::from_utf8(out).unwrap(), expected);
+    assert!(b.finish().is_empty(), "[DONE] goes out once");
+}
+
+#[test]
+fn completion_stream_golden_bytes_with_echo_and_continuous_usage() {
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, None);
+    p.stream = true;
+    p.include_usage = true;
+    p.continuous_usage_stats = true;
+    p.echo = true;
+    let mut b = builder(&p);
+    b.push(0, &delta(" world", &[tok(10)], None));
+    b.push(0, &delta("", &[tok(2)], Some(FinishReason::Length)));
+    let out = [b.take(), b.finish()].concat();
+    let head = r#"{"id":"cmpl-1","object":"text_completion","created":100,"model":"tiny","#;
+    let expected = format!(
+        "data: {head}\"choices\":[{{\"index\":0,\"text\":\"hello world\",\"logprobs\":null,\"finish_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":1,\"total_tokens\":3}}}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4}}}}\n\n\
+         data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4}}}}\n\n\
+         data: [DONE]\n\n"
+    );
+    assert_eq!(String::from_utf8(out).unwrap(), expected);
+}
+
+#[test]
+fn stream_without_usage_ends_with_done_only() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0]], &["x"], 1, None);
+    p.stream = true;
+    let mut b = builder(&p);
+    b.push(0, &delta("a", &[tok(13)], Some(FinishReason::Stop)));
+    let all = [b.take(), b.finish()].concat();
+    let f = frames(&all);
+    assert_eq!(f.len(), 2);
+    assert!(f.iter().all(|c| c.get("usage").is_none()));
+    assert_eq!(f[1]["choices"][0]["delta"], json!({"content": "a"}));
+}
+
+#[test]
+fn chat_stream_n2_each_choice_starts_with_role_and_finishes_once() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 2, None);
+    p.stream = true;
+    let mut b = builder(&p);
+    b.push(1, &delta("b", &[tok(14)], None));
+    b.push(0, &delta("a", &[tok(13)], None));
+    b.push(0, &delta("", &[tok(1)], Some(FinishReason::Stop)));
+    assert!(!b.all_finished());
+    b.push(0, &delta("late", &[tok(13)], None)); // after its finish: dropped
+    b.push(7, &delta("nope", &[tok(13)], None)); // no such choice: dropped
+    b.push(1, &delta("c", &[tok(15)], Some(FinishReason::Length)));
+    assert!(b.all_finished());
+    let f = frames(&[b.take(), b.finish()].concat());
+    for idx in 0..2u64 {
+        let mine: Vec<&Value> = f.iter().filter(|c| c["choices"][0]["index"] == idx).collect();
+        assert_eq!(mine[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+        let finishes = mine.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count();
+        assert_eq!(finishes, 1);
+        assert!(!mine[mine.len() - 1]["choices"][0]["finish_reason"].is_null());
+    }
+    let text0: String = f
+        .iter()
+        .filter(|c| c["choices"][0]["index"] == 0)
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text0, "a");
+    assert!(f.iter().all(|c| c["id"] == "chatcmpl-1" && c["created"] == 100 && c["model"] == "tiny"));
+    // Empty finishing delta is `{}`.
+    let fin0 = f.iter().find(|c| c["choices"][0]["index"] == 0 && c["choices"][0]["finish_reason"] == "stop").unwrap();
+    assert_eq!(fin0["choices"][0]["delta"], json!({}));
+}
+
+#[test]
+fn chat_non_stream_body() {
+    let p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);
+    let mut b = builder(&p);
+    b.push(0, &delta("hello", &[tok(9)], None));
+    assert!(b.take().is_empty(), "nothing streams when not streaming");
+    b.push(
+        0,
+        &ChoiceDelta {
+            text: " world",
+            tokens: &[tok(10), tok(19)],
+            finish: Some(FinishReason::Stop),
+            stop_reason: Some("z"),
+        },
+    );
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(
+        v,
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "tiny",
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world"}, "logprobs": null,
+                            "finish_reason": "stop", "stop_reason": "z"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+    );
+}
+
+#[test]
+fn completion_choices_are_prompt_major_and_usage_counts_each_prompt_once() {
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9], vec![0, 10, 10]], &["hello", "world world"], 2, None);
+    p.echo = true;
+    let mut b = builder(&p);
+    // choice = prompt_index * n + j
+    for (choice, text) in [(3u32, "d"), (0, "a"), (2, "c"), (1, "b")] {
+        b.push(choice, &delta(text, &[tok(13), tok(14)], Some(FinishReason::Length)));
+    }
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    let choices = v["choices"].as_array().unwrap();
+    let got: Vec<(u64, &str)> =
+        choices.iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
+    assert_eq!(got, vec![(0, "helloa"), (1, "hellob"), (2, "world worldc"), (3, "world worldd")]);
+    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}));
+    assert!(choices.iter().all(|c| c["logprobs"].is_null() && c["finish_reason"] == "length"));
+}
+
+#[test]
+fn chat_logprobs_shape() {
+    let t = tokenizer();
+    let p = prepared(Endpoint::Chat, vec![vec![0]], &["x"], 1, Some(2));
+    let mut b = builder(&p);
+    let toks = [
+        TokenOut { id: 9, logprob: -0.25, top: vec![(9, -0.25), (10, -1.5)], text_offset: 0 },
+        TokenOut { id: 10, logprob: f32::NEG_INFINITY, top: vec![(13, -0.1), (10, f32::NEG_INFINITY)], text_offset: 5 },
+    ];
+    b.push(0, &ChoiceDelta { text: "hello world", tokens: &toks, finish: Some(FinishReason::Stop), stop_reason: None });
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 2);
+    let bytes = |id: u32| json!(t.token_bytes(id));
+    assert_eq!(
+        content[0],
+        json!({"token": t.token_str(9), "logprob": -0.25, "bytes": bytes(9),
+               "top_logprobs": [{"token": t.token_str(9), "logprob": -0.25, "bytes": bytes(9)},
+                                {"token": t.token_str(10), "logprob": -1.5, "bytes": bytes(10)}]})
+    );
+    assert_eq!(content[1]["logprob"], -9999.0);
+    assert_eq!(content[1]["top_logprobs"][1]["logprob"], -9999.0);
+    // f32 logprobs keep their short form on the wire.
+    assert!(String::from_utf8(b.finish()).unwrap().contains("\"logprob\":-0.25,"));
+}
+
+#[test]
+fn chat_stream_logprobs_ride_on_empty_deltas() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0]], &["x"], 1, Some(0));
+    p.stream = true;
+    let mut b = builder(&p);
+    b.push(0, &delta("", &[TokenOut { id: 9, logprob: -1.0, top: vec![], text_offset: 0 }], None));
+    let f = frames(&[b.take(), b.finish()].concat());
+    assert_eq!(f.len(), 2, "role chunk, then the logprobs chunk");
+    assert_eq!(f[1]["choices"][0]["delta"], json!({}));
+    assert_eq!(f[1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"], json!([]));
+}
+
+#[test]
+fn completion_logprobs_shape_with_echo_offsets() {
+    let t = tokenizer();
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(2));
+    p.echo = true;
+    let mut b = builder(&p);
+    let toks = [
+        TokenOut { id: 10, logprob: -0.5, top: vec![(10, -0.5), (9, -2.0)], text_offset: 0 },
+        TokenOut { id: 9, logprob: -0.75, top: vec![(9, -0.75), (9, -3.0)], text_offset: 6 },
+    ];
+    b.push(
+        0,
+        &ChoiceDelta { text: " world hello", tokens: &toks, finish: Some(FinishReason::Length), stop_reason: None },
+    );
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(v["choices"][0]["text"], "hello world hello");
+    assert_eq!(lp["tokens"], json!([t.token_str(10), t.token_str(9)]));
+    assert_eq!(lp["token_logprobs"], json!([-0.5, -0.75]));
+    let mut top0 = serde_json::Map::new();
+    top0.insert(t.token_str(10), json!(-0.5));
+    top0.insert(t.token_str(9), json!(-2.0));
+    assert_eq!(lp["top_logprobs"][0], Value::Object(top0));
+    // Two alternatives with one text keep the likelier.
+    assert_eq!(lp["top_logprobs"][1], json!({t.token_str(9): -0.75}));
+    // Offsets count from the start of the returned text, echoed prompt ("hello") included.
+    assert_eq!(lp["text_offset"], json!([5, 11]));
+}
+
+#[test]
+fn abort_finishes_a_choice() {
+    let p = prepared(Endpoint::Completion, vec![vec![0]], &["x"], 1, None);
+    let mut b = builder(&p);
+    b.push(0, &delta("", &[], Some(FinishReason::Abort)));
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "abort");
+    assert_eq!(FinishReason::ToolCalls.as_str(), "tool_calls");
+}
+
+#[test]
+fn builder_round_trips_a_prepared_request() {
+    // The Prepared a real request produces drives the builder end to end.
+    let r = router();
+    let p = completion(
+        &r,
+        json!({"prompt": ["hello", "world"], "n": 2, "stream": true,
+                                  "stream_options": {"include_usage": true}}),
+    )
+    .unwrap();
+    let mut b = ResponseBuilder::new(&p, r.tokenizer().clone());
+    for c in 0..4 {
+        b.push(c, &delta("a", &[tok(13)], Some(FinishReason::Stop)));
+    }
+    let f = frames(&[b.take(), b.finish()].concat());
+    assert_eq!(f.len(), 5);
+    assert_eq!(f[4]["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}));
+    assert!(f.iter().all(|c| c["id"] == p.id.as_str()));
+}

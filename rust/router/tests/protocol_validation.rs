@@ -1,0 +1,448 @@
+//! Every validation rule of the contract that is decided before generation: status, code
+//! and `param` of each rejection, for chat and completions.
+
+mod protocol_fixture;
+
+use llmserve_router::protocol::Endpoint;
+use protocol_fixture::*;
+use serde_json::{json, Value};
+
+fn p(s: &str) -> Option<String> {
+    Some(s.to_string())
+}
+
+fn check_chat(cases: Vec<(Value, u16, &str, Option<String>)>) {
+    let r = router();
+    for (extra, status, code, param) in cases {
+        let got = shape(chat(&r, extra.clone()));
+        assert_eq!(got, (status, code, param.clone()), "chat case {extra}");
+    }
+}
+
+fn check_completion(cases: Vec<(Value, u16, &str, Option<String>)>) {
+    let r = router();
+    for (extra, status, code, param) in cases {
+        let got = shape(completion(&r, extra.clone()));
+        assert_eq!(got, (status, code, param.clone()), "completion case {extra}");
+    }
+}
+
+#[test]
+fn body_must_be_a_json_object() {
+    let r = router();
+    for ep in [Endpoint::Chat, Endpoint::Completion] {
+        assert_eq!(shape(r.prepare(ep, b"{\"model\":")), (400, "invalid_json", None));
+        assert_eq!(shape(r.prepare(ep, b"")), (400, "invalid_json", None));
+        assert_eq!(shape(r.prepare(ep, b"\xff\xfe")), (400, "invalid_json", None));
+        assert_eq!(shape(r.prepare(ep, b"[1]")), (400, "invalid_type", None));
+        assert_eq!(shape(r.prepare(ep, b"null")), (400, "invalid_type", None));
+    }
+}
+
+#[test]
+fn model_is_required_and_must_be_served() {
+    check_chat(vec![
+        (json!({"model": null}), 400, "missing_required_parameter", p("model")),
+        (json!({"model": 3}), 400, "invalid_type", p("model")),
+        (json!({"model": "nope"}), 404, "model_not_found", p("model")),
+        // No LoRA / revision guessing from a colon.
+        (json!({"model": "tiny:lora"}), 404, "model_not_found", p("model")),
+    ]);
+    check_completion(vec![(json!({"model": "TINY"}), 404, "model_not_found", p("model"))]);
+    let r = router();
+    assert_eq!(chat(&r, json!({"model": "tiny-alias"})).unwrap().model, "tiny-alias");
+}
+
+#[test]
+fn messages_shape() {
+    let m = |v: Value| json!({ "messages": v });
+    check_chat(vec![
+        (json!({"messages": null}), 400, "missing_required_parameter", p("messages")),
+        (m(json!("hello")), 400, "invalid_type", p("messages")),
+        (m(json!([])), 400, "invalid_value", p("messages")),
+        (m(json!(["hello"])), 400, "invalid_type", p("messages[0]")),
+        (m(json!([{"content": "x"}])), 400, "missing_required_parameter", p("messages[0].role")),
+        (m(json!([{"role": 1, "content": "x"}])), 400, "invalid_type", p("messages[0].role")),
+        (m(json!([{"role": "robot", "content": "x"}])), 400, "invalid_value", p("messages[0].role")),
+        (m(json!([{"role": "user"}])), 400, "missing_required_parameter", p("messages[0].content")),
+        (m(json!([{"role": "user", "content": 5}])), 400, "invalid_type", p("messages[0].content")),
+        (
+            m(json!([{"role": "system", "content": "a"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}])),
+            400,
+            "unsupported_parameter",
+            p("messages[1].content[1].type"),
+        ),
+        (
+            m(json!([{"role": "user", "content": [{"type": "text"}]}])),
+            400,
+            "missing_required_parameter",
+            p("messages[0].content[0].text"),
+        ),
+        (
+            m(json!([{"role": "user", "content": [{"text": "a"}]}])),
+            400,
+            "missing_required_parameter",
+            p("messages[0].content[0].type"),
+        ),
+        (m(json!([{"role": "user", "content": ["a"]}])), 400, "invalid_type", p("messages[0].content[0]")),
+        (
+            m(json!([{"role": "user", "content": "a"}, {"role": "tool", "content": "42"}])),
+            400,
+            "missing_required_parameter",
+            p("messages[1].tool_call_id"),
+        ),
+        (
+            m(json!([{"role": "user", "content": "a", "tool_calls": []}])),
+            400,
+            "invalid_value",
+            p("messages[0].tool_calls"),
+        ),
+        (
+            m(
+                json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function", "function": {"arguments": "{}"}}]}]),
+            ),
+            400,
+            "missing_required_parameter",
+            p("messages[1].tool_calls[0].function.name"),
+        ),
+    ]);
+}
+
+#[test]
+fn valid_message_forms_are_accepted() {
+    let r = router();
+    let ok = json!({"messages": [
+        {"role": "system", "content": "a"},
+        {"role": "developer", "content": [{"type": "text", "text": "b"}]},
+        {"role": "user", "content": "hello", "name": "bob"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+    ]});
+    chat(&r, ok).expect("valid conversation");
+}
+
+#[test]
+fn sampling_ranges() {
+    let cases = vec![
+        (json!({"temperature": "hot"}), 400, "invalid_type", p("temperature")),
+        (json!({"temperature": 2.5}), 400, "invalid_value", p("temperature")),
+        (json!({"temperature": -0.1}), 400, "invalid_value", p("temperature")),
+        (json!({"top_p": 1.5}), 400, "invalid_value", p("top_p")),
+        (json!({"top_p": -0.5}), 400, "invalid_value", p("top_p")),
+        (json!({"min_p": -0.1}), 400, "invalid_value", p("min_p")),
+        (json!({"min_p": 1.1}), 400, "invalid_value", p("min_p")),
+        (json!({"presence_penalty": 3}), 400, "invalid_value", p("presence_penalty")),
+        (json!({"frequency_penalty": -2.5}), 400, "invalid_value", p("frequency_penalty")),
+        (json!({"repetition_penalty": 0}), 400, "invalid_value", p("repetition_penalty")),
+        (json!({"repetition_penalty": -1}), 400, "invalid_value", p("repetition_penalty")),
+        (json!({"top_k": -2}), 400, "invalid_value", p("top_k")),
+        (json!({"top_k": 1.5}), 400, "invalid_type", p("top_k")),
+        (json!({"top_k": 3000000000u64}), 400, "invalid_value", p("top_k")),
+        (json!({"n": 0}), 400, "invalid_value", p("n")),
+        (json!({"n": 129}), 400, "invalid_value", p("n")),
+        (json!({"n": -1}), 400, "invalid_value", p("n")),
+        (json!({"n": "2"}), 400, "invalid_type", p("n")),
+        (json!({"max_tokens": 0}), 400, "invalid_value", p("max_tokens")),
+        (json!({"max_tokens": -1}), 400, "invalid_value", p("max_tokens")),
+        (json!({"max_tokens": 1.5}), 400, "invalid_type", p("max_tokens")),
+        (json!({"max_completion_tokens": 0, "max_tokens": 5}), 400, "invalid_value", p("max_completion_tokens")),
+        (json!({"min_tokens": 6, "max_tokens": 5}), 400, "invalid_value", p("min_tokens")),
+        (json!({"min_tokens": -1}), 400, "invalid_value", p("min_tokens")),
+        (json!({"seed": 1.5}), 400, "invalid_type", p("seed")),
+        (json!({"seed": "42"}), 400, "invalid_type", p("seed")),
+        (json!({"stop": ""}), 400, "invalid_value", p("stop")),
+        (json!({"stop": ["a", ""]}), 400, "invalid_value", p("stop[1]")),
+        (json!({"stop": [1]}), 400, "invalid_type", p("stop[0]")),
+        (json!({"stop": 5}), 400, "invalid_type", p("stop")),
+        (json!({"stop_token_ids": [1, 999]}), 400, "invalid_value", p("stop_token_ids[1]")),
+        (json!({"stop_token_ids": ["1"]}), 400, "invalid_type", p("stop_token_ids[0]")),
+        (json!({"logit_bias": {"999": 1}}), 400, "invalid_value", p("logit_bias.999")),
+        (json!({"logit_bias": {"3": 101}}), 400, "invalid_value", p("logit_bias.3")),
+        (json!({"logit_bias": {"3": -100.5}}), 400, "invalid_value", p("logit_bias.3")),
+        (json!({"logit_bias": {"abc": 1}}), 400, "invalid_value", p("logit_bias.abc")),
+        (json!({"logit_bias": {"03": 1}}), 400, "invalid_value", p("logit_bias.03")),
+        (json!({"logit_bias": {"3": "x"}}), 400, "invalid_type", p("logit_bias.3")),
+        (json!({"logit_bias": [1]}), 400, "invalid_type", p("logit_bias")),
+        (json!({"stream": "yes"}), 400, "invalid_type", p("stream")),
+        (json!({"stream_options": {"include_usage": true}}), 400, "invalid_value", p("stream_options")),
+        (
+            json!({"stream": false, "stream_options": {"include_usage": true}}),
+            400,
+            "invalid_value",
+            p("stream_options"),
+        ),
+        (
+            json!({"stream": true, "stream_options": {"include_usage": 1}}),
+            400,
+            "invalid_type",
+            p("stream_options.include_usage"),
+        ),
+        (json!({"priority": "high"}), 400, "invalid_type", p("priority")),
+        (json!({"request_id": ""}), 400, "invalid_value", p("request_id")),
+        (json!({"request_id": 5}), 400, "invalid_type", p("request_id")),
+        (json!({"cache_salt": ""}), 400, "invalid_value", p("cache_salt")),
+        (json!({"user": 5}), 400, "invalid_type", p("user")),
+        (json!({"ignore_eos": "no"}), 400, "invalid_type", p("ignore_eos")),
+        (json!({"skip_special_tokens": 0}), 400, "invalid_type", p("skip_special_tokens")),
+        (json!({"store": "yes"}), 400, "invalid_type", p("store")),
+    ];
+    check_chat(cases.clone());
+    check_completion(cases);
+}
+
+#[test]
+fn response_format_json_modes_are_refused_not_ignored() {
+    let cases = vec![
+        (json!({"response_format": {"type": "json_object"}}), 400, "unsupported_parameter", p("response_format.type")),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            400,
+            "unsupported_parameter",
+            p("response_format.type"),
+        ),
+        (json!({"response_format": {"type": "xml"}}), 400, "invalid_value", p("response_format.type")),
+        (json!({"response_format": {}}), 400, "missing_required_parameter", p("response_format.type")),
+        (json!({"response_format": "text"}), 400, "invalid_type", p("response_format")),
+    ];
+    check_chat(cases.clone());
+    check_completion(cases);
+    let r = router();
+    chat(&r, json!({"response_format": {"type": "text"}})).unwrap();
+    let e = chat(&r, json!({"response_format": {"type": "json_object"}})).unwrap_err();
+    assert!(e.message().contains("grammar"), "{}", e.message());
+}
+
+#[test]
+fn chat_logprobs() {
+    check_chat(vec![
+        (json!({"logprobs": true, "top_logprobs": 21}), 400, "invalid_value", p("top_logprobs")),
+        (json!({"top_logprobs": 2}), 400, "invalid_value", p("top_logprobs")),
+        (json!({"logprobs": false, "top_logprobs": 0}), 400, "invalid_value", p("top_logprobs")),
+        (json!({"logprobs": "yes"}), 400, "invalid_type", p("logprobs")),
+        (json!({"logprobs": 3}), 400, "invalid_type", p("logprobs")),
+    ]);
+    let r = router();
+    assert_eq!(chat(&r, json!({})).unwrap().params.logprobs, None);
+    assert_eq!(chat(&r, json!({"logprobs": false})).unwrap().params.logprobs, None);
+    assert_eq!(chat(&r, json!({"logprobs": true})).unwrap().params.logprobs, Some(0));
+    assert_eq!(chat(&r, json!({"logprobs": true, "top_logprobs": 20})).unwrap().params.logprobs, Some(20));
+    let r5 = router_with(json!({"max_logprobs": 5}), Some(TEMPLATE));
+    assert_eq!(shape(chat(&r5, json!({"logprobs": true, "top_logprobs": 6}))).2, p("top_logprobs"));
+}
+
+#[test]
+fn tools_and_tool_choice() {
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+    check_chat(vec![
+        (json!({"tools": []}), 400, "invalid_value", p("tools")),
+        (json!({"tools": {}}), 400, "invalid_type", p("tools")),
+        (json!({"tool_choice": "auto"}), 400, "invalid_value", p("tool_choice")),
+        (json!({"tool_choice": "none"}), 400, "invalid_value", p("tool_choice")),
+        (json!({"tools": [tool], "tool_choice": "sometimes"}), 400, "invalid_value", p("tool_choice")),
+        (json!({"tools": [tool], "tool_choice": 1}), 400, "invalid_type", p("tool_choice")),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            400,
+            "invalid_value",
+            p("tool_choice.function.name"),
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            400,
+            "unsupported_parameter",
+            p("tool_choice"),
+        ),
+        (json!({"tools": [tool], "tool_choice": "required"}), 400, "unsupported_parameter", p("tool_choice")),
+        (
+            json!({"tools": [{"type": "function", "function": {}}]}),
+            400,
+            "missing_required_parameter",
+            p("tools[0].function.name"),
+        ),
+        (json!({"tools": [{"type": "function"}]}), 400, "missing_required_parameter", p("tools[0].function")),
+        (json!({"tools": [tool, {"function": {"name": "b"}}]}), 400, "missing_required_parameter", p("tools[1].type")),
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "b"}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].type"),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "b", "parameters": "x"}}]}),
+            400,
+            "invalid_type",
+            p("tools[0].function.parameters"),
+        ),
+        (json!({"tools": [tool], "parallel_tool_calls": "no"}), 400, "invalid_type", p("parallel_tool_calls")),
+    ]);
+    let r = router();
+    // auto (the default with tools) renders them; none does not.
+    let auto = chat(&r, json!({"tools": [tool], "parallel_tool_calls": false})).unwrap();
+    assert!(auto.prompt_texts[0].contains("tools : get_weather"), "{}", auto.prompt_texts[0]);
+    assert_eq!(header(&auto, "llmserve-ignored-fields"), None);
+    let none = chat(&r, json!({"tools": [tool], "tool_choice": "none"})).unwrap();
+    assert!(!none.prompt_texts[0].contains("tools"), "{}", none.prompt_texts[0]);
+}
+
+#[test]
+fn chat_extensions() {
+    check_chat(vec![
+        (json!({"chat_template": "{{ messages }}"}), 400, "unsupported_parameter", p("chat_template")),
+        (
+            json!({"add_generation_prompt": true, "continue_final_message": true}),
+            400,
+            "invalid_value",
+            p("continue_final_message"),
+        ),
+        (json!({"chat_template_kwargs": "x"}), 400, "invalid_type", p("chat_template_kwargs")),
+        (json!({"documents": {}}), 400, "invalid_type", p("documents")),
+        (json!({"add_generation_prompt": "yes"}), 400, "invalid_type", p("add_generation_prompt")),
+    ]);
+    let r = router();
+    let e = chat(&r, json!({"chat_template": "x"})).unwrap_err();
+    assert!(e.message().contains("--chat-template"));
+    // continue_final_message alone turns the generation prompt off rather than failing.
+    let body = json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                      "continue_final_message": true});
+    let p = chat(&r, body).unwrap();
+    assert!(!p.prompt_texts[0].ends_with("assistant :"), "{}", p.prompt_texts[0]);
+    let p = chat(&r, json!({"add_generation_prompt": false})).unwrap();
+    assert!(!p.prompt_texts[0].contains("assistant"));
+}
+
+#[test]
+fn completion_prompts() {
+    check_completion(vec![
+        (json!({"prompt": null}), 400, "missing_required_parameter", p("prompt")),
+        (json!({"prompt": ""}), 400, "invalid_value", p("prompt")),
+        (json!({"prompt": []}), 400, "invalid_value", p("prompt")),
+        (json!({"prompt": ["a", ""]}), 400, "invalid_value", p("prompt[1]")),
+        (json!({"prompt": [[]]}), 400, "invalid_value", p("prompt[0]")),
+        (json!({"prompt": [1, 999]}), 400, "invalid_value", p("prompt[1]")),
+        (json!({"prompt": [1, 20]}), 400, "invalid_value", p("prompt[1]")),
+        (json!({"prompt": [[1], [2, 999]]}), 400, "invalid_value", p("prompt[1][1]")),
+        (json!({"prompt": [1.5]}), 400, "invalid_type", p("prompt[0]")),
+        (json!({"prompt": [-1]}), 400, "invalid_value", p("prompt[0]")),
+        (json!({"prompt": [1, "a"]}), 400, "invalid_type", p("prompt[1]")),
+        (json!({"prompt": ["a", 1]}), 400, "invalid_type", p("prompt[1]")),
+        (json!({"prompt": [["a"]]}), 400, "invalid_type", p("prompt[0][0]")),
+        (json!({"prompt": {"a": 1}}), 400, "invalid_type", p("prompt")),
+        (json!({"prompt": 5}), 400, "invalid_type", p("prompt")),
+        (json!({"suffix": "x"}), 400, "unsupported_parameter", p("suffix")),
+        (json!({"best_of": 2}), 400, "unsupported_parameter", p("best_of")),
+        (json!({"best_of": 0}), 400, "unsupported_parameter", p("best_of")),
+        (json!({"logprobs": 21}), 400, "invalid_value", p("logprobs")),
+        (json!({"logprobs": true}), 400, "invalid_type", p("logprobs")),
+        (json!({"logprobs": -1}), 400, "invalid_value", p("logprobs")),
+        (json!({"echo": "yes"}), 400, "invalid_type", p("echo")),
+    ]);
+    let r = router();
+    completion(&r, json!({"best_of": 2, "n": 2})).unwrap();
+    completion(&r, json!({"best_of": null, "suffix": null})).unwrap();
+    assert_eq!(completion(&r, json!({"logprobs": 3})).unwrap().params.logprobs, Some(3));
+    assert_eq!(completion(&r, json!({"logprobs": null})).unwrap().params.logprobs, None);
+}
+
+#[test]
+fn completion_prompt_shapes_tokenize() {
+    let r = router();
+    // Strings get the tokenizer's post-processor (BOS); ids go through as sent.
+    let s = completion(&r, json!({"prompt": "hello world"})).unwrap();
+    assert_eq!(s.prompts, vec![vec![0, 9, 10]]);
+    assert_eq!(s.prompt_texts, vec!["hello world".to_string()]);
+    let l = completion(&r, json!({"prompt": ["hello", "world"]})).unwrap();
+    assert_eq!(l.prompts, vec![vec![0, 9], vec![0, 10]]);
+    let ids = completion(&r, json!({"prompt": [9, 10]})).unwrap();
+    assert_eq!(ids.prompts, vec![vec![9, 10]]);
+    assert_eq!(ids.prompt_texts, vec![r.tokenizer().decode(&[9, 10], false)]);
+    let lists = completion(&r, json!({"prompt": [[9], [10, 9]]})).unwrap();
+    assert_eq!(lists.prompts, vec![vec![9], vec![10, 9]]);
+    assert_eq!(lists.endpoint, Endpoint::Completion);
+}
+
+#[test]
+fn chat_prompt_is_rendered_then_tokenized_without_extra_specials() {
+    let r = router();
+    let p = chat(&r, json!({})).unwrap();
+    assert_eq!(p.prompt_texts, vec!["<s>user : hello world </s> assistant :".to_string()]);
+    // One BOS: the template's, not the post-processor's as well.
+    assert_eq!(p.prompts, vec![vec![0, 3, 8, 9, 10, 1, 4, 8]]);
+    assert_eq!(p.endpoint, Endpoint::Chat);
+    let h = header(&p, "llmserve-chat-template").unwrap();
+    assert!(h.starts_with("--chat-template sha256:"), "{h}");
+}
+
+#[test]
+fn missing_template_names_the_flag() {
+    let r = router_with(json!({}), None);
+    let e = chat(&r, json!({})).unwrap_err();
+    assert_eq!((e.status(), e.code()), (400, "chat_template_missing"));
+    assert!(e.message().contains("--chat-template"), "{}", e.message());
+    // Completions need no template.
+    completion(&r, json!({})).unwrap();
+}
+
+#[test]
+fn context_budget() {
+    let r = router();
+    // "hello world" is 3 tokens with BOS; the context is 32.
+    completion(&r, json!({"max_tokens": 29})).unwrap();
+    let e = completion(&r, json!({"max_tokens": 30})).unwrap_err();
+    assert_eq!((e.status(), e.code(), e.param()), (400, "context_length_exceeded", Some("max_tokens")));
+    let m = e.message();
+    assert!(m.contains("is 32 tokens") && m.contains("33 tokens") && m.contains("(3 in the prompt"), "{m}");
+    assert!(m.contains("30 in the completion via `max_tokens`"), "{m}");
+    let e = completion(&r, json!({"max_completion_tokens": 30, "max_tokens": 1})).unwrap_err();
+    assert_eq!(e.param(), Some("max_completion_tokens"));
+
+    let long = vec!["hello"; 31].join(" "); // 31 + BOS = 32 tokens: no room left
+    let e = completion(&r, json!({"prompt": long})).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("context_length_exceeded", Some("prompt")));
+    let e = completion(&r, json!({"prompt": ["hello", long]})).unwrap_err();
+    assert_eq!(e.param(), Some("prompt[1]"));
+    let just_fits = vec!["hello"; 30].join(" ");
+    completion(&r, json!({"prompt": just_fits})).unwrap();
+    // Every prompt of a list is checked against max_tokens.
+    let e = completion(&r, json!({"prompt": ["hello", vec!["hello"; 20].join(" ")], "max_tokens": 12})).unwrap_err();
+    assert_eq!(e.param(), Some("max_tokens"));
+
+    // min_tokens must fit the room the prompt leaves (32 - 3).
+    completion(&r, json!({"min_tokens": 29})).unwrap();
+    let e = completion(&r, json!({"min_tokens": 30})).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("context_length_exceeded", Some("min_tokens")));
+
+    // Chat: 8 prompt tokens.
+    chat(&r, json!({"max_tokens": 24})).unwrap();
+    let e = chat(&r, json!({"max_tokens": 25})).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("context_length_exceeded", Some("max_tokens")));
+    let e = chat(&r, json!({"messages": [{"role": "user", "content": vec!["hello"; 30].join(" ")}]})).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("context_length_exceeded", Some("messages")));
+}
+
+#[test]
+fn prepare_and_handle_refuse_the_other_kind_of_route() {
+    let r = router();
+    for ep in [Endpoint::Tokenize, Endpoint::Detokenize, Endpoint::ChatRender, Endpoint::CompletionRender] {
+        assert_eq!(r.prepare(ep, &chat_body(json!({}))).unwrap_err().status(), 500);
+    }
+    for ep in [Endpoint::Chat, Endpoint::Completion] {
+        assert_eq!(r.handle(ep, &chat_body(json!({}))).unwrap_err().status(), 500);
+    }
+}
+
+#[test]
+fn endpoint_names_round_trip() {
+    for ep in [
+        Endpoint::Chat,
+        Endpoint::Completion,
+        Endpoint::Tokenize,
+        Endpoint::Detokenize,
+        Endpoint::ChatRender,
+        Endpoint::CompletionRender,
+    ] {
+        assert_eq!(Endpoint::from_name(ep.name()), Some(ep));
+    }
+    assert_eq!(Endpoint::from_name("embeddings"), None);
+}

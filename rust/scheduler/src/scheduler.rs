@@ -1,0 +1,430 @@
+//! Scheduler: request and sequence state, the waiting queue, the running set, and the
+//! verbs that are not a step: `add`, `abort`, `finish_seq`, `stats`. The step itself
+//! (`schedule` / `commit`) lives in `step.rs`, the invariant check in `invariants.rs`.
+//!
+//! Invariants (checked by `validate`):
+//! - a live sequence is either waiting (no blocks, nothing computed) or running (its blocks
+//!   cover exactly its computed tokens, plus whatever this step will compute);
+//! - every block's ref count equals the number of live sequences holding it plus pending
+//!   fork copies reading it; finished and aborted sequences hold nothing;
+//! - `running` is sorted by `Key` (policy order), so the preemption victim is its last
+//!   element and the sequences served first are never preempted for later ones.
+//!
+//! Costs: `add` O(log W) (W = waiting), `abort`/`finish_seq` O(B) (B = running, a Vec
+//! removal), `stats` O(1). Sequences and requests live in slabs indexed by slot, so a step
+//! touches no hash map except the prefix cache's.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::block_pool::{root_hash, BlockPool};
+use crate::types::{NewRequest, Policy, SchedulerConfig, SeqSampling, Stats, StopRules};
+
+/// Policy order of a sequence: lower runs first, higher is preempted first. Under Fcfs the
+/// priority is always 0. `slot` makes keys unique.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Key {
+    pub priority: i32,
+    pub arrival: u64,
+    pub index: u32,
+    pub slot: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    Free,
+    Waiting,
+    Running,
+}
+
+/// One sequence of a request (n > 1 gives several after the fork).
+#[derive(Debug)]
+pub(crate) struct Seq {
+    /// Bumped when the slot is released, so a Plan row never touches a reused slot.
+    pub gen: u32,
+    pub state: State,
+    pub req: u32,
+    pub index: u32,
+    /// Prompt followed by outputs.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub num_computed: usize,
+    pub blocks: Vec<u32>,
+    /// Leading blocks already passed to the prefix cache, and the hash of the last one
+    /// (the request's root hash when none).
+    pub num_hashed: usize,
+    pub last_hash: u64,
+    /// n > 1 and the prompt has not completed: the step that completes it samples n rows.
+    pub fork_pending: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct Req {
+    pub id: u64,
+    pub n: u32,
+    pub sampling: SeqSampling,
+    pub penalized: bool,
+    pub stop: StopRules,
+    /// Tokens banned (bias -inf) while a sequence has fewer than min_tokens outputs.
+    pub bans: Vec<u32>,
+    /// logit_bias without the banned tokens, used while bans apply (one entry per token).
+    pub bias_unbanned: Vec<(u32, f32)>,
+    pub priority: i32,
+    pub arrival: u64,
+    pub root: u64,
+    /// Slots of live sequences.
+    pub seqs: Vec<u32>,
+    /// Sequences not yet finished, counting unborn forks.
+    pub unfinished: u32,
+}
+
+/// A fork's partial last block to copy before the next forward. The copy holds a reference
+/// on `src` until the Plan carrying it is built.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PendingCopy {
+    pub slot: u32,
+    pub src: u32,
+    pub dst: u32,
+}
+
+/// One sampling row of the last Plan. `fork_n` is n on the first row of a fork group (the
+/// next n - 1 rows belong to it and carry 0), 1 on an ordinary row.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Row {
+    pub slot: u32,
+    pub gen: u32,
+    pub fork_n: u32,
+}
+
+pub struct Scheduler {
+    pub(crate) cfg: SchedulerConfig,
+    pub(crate) pool: BlockPool,
+    pub(crate) seqs: Vec<Seq>,
+    free_seqs: Vec<u32>,
+    pub(crate) reqs: Vec<Option<Req>>,
+    free_reqs: Vec<u32>,
+    pub(crate) req_index: HashMap<u64, u32>,
+    pub(crate) waiting: BTreeSet<Key>,
+    pub(crate) running: Vec<Key>,
+    next_arrival: u64,
+    pub(crate) pending_copies: Vec<PendingCopy>,
+    // Per-step scratch, kept to avoid reallocating every step.
+    pub(crate) scheduled: Vec<(u32, usize)>,
+    /// Sequences the last Plan computes into (scheduled ones and fork copy targets) and the
+    /// blocks it registered in the prefix cache: what `discard_plan` must undo.
+    pub(crate) planned: Vec<(u32, u32)>,
+    pub(crate) registered: Vec<u32>,
+    pub(crate) rows: Vec<Row>,
+    pub(crate) hits: Vec<u32>,
+    pub(crate) awaiting_commit: bool,
+    pub(crate) last_num_tokens: usize,
+    pub(crate) prefix_hit_tokens: u64,
+    pub(crate) preemptions: u64,
+}
+
+pub(crate) fn blocks_for(tokens: usize, block_size: usize) -> usize {
+    tokens.div_ceil(block_size)
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        assert!(config.max_num_seqs > 0, "max_num_seqs must be positive");
+        assert!(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive");
+        assert!(config.max_model_len > 1, "max_model_len must leave room for one output");
+        // NOTE: one sequence of max_model_len tokens must fit in the pool on its own,
+        // otherwise it would preempt itself forever; this is what guarantees progress.
+        assert!(
+            (config.num_blocks.saturating_sub(1)) * config.block_size >= config.max_model_len,
+            "{} usable blocks of {} tokens cannot hold one sequence of max_model_len {}",
+            config.num_blocks.saturating_sub(1),
+            config.block_size,
+            config.max_model_len
+        );
+        Scheduler {
+            pool: BlockPool::new(config.num_blocks, config.block_size),
+            cfg: config,
+            seqs: Vec::new(),
+            free_seqs: Vec::new(),
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            req_index: HashMap::new(),
+            waiting: BTreeSet::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            pending_copies: Vec::new(),
+            scheduled: Vec::new(),
+            planned: Vec::new(),
+            registered: Vec::new(),
+            rows: Vec::new(),
+            hits: Vec::new(),
+            awaiting_commit: false,
+            last_num_tokens: 0,
+            prefix_hit_tokens: 0,
+            preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Queue a request. Its prefix-cache lookup happens when it is admitted (so waiting
+    /// requests pin no blocks, and a preempted sequence finds its own cached blocks again).
+    ///
+    /// Panics on a usage error: empty prompt, a prompt that leaves no room under
+    /// max_model_len, n == 0, or an id that is already live (the router rules these out).
+    pub fn add(&mut self, req: NewRequest) {
+        assert!(!req.prompt.is_empty(), "request {}: empty prompt", req.id);
+        assert!(
+            req.prompt.len() < self.cfg.max_model_len,
+            "request {}: a prompt of {} tokens leaves no room under max_model_len {}",
+            req.id,
+            req.prompt.len(),
+            self.cfg.max_model_len
+        );
+        assert!(req.n >= 1, "request {}: n must be at least 1", req.id);
+        assert!(!self.req_index.contains_key(&req.id), "request id {} is already live", req.id);
+
+        let mut bans = Vec::new();
+        if req.stop.min_tokens > 0 {
+            let eos: &[u32] = if req.stop.ignore_eos { &[] } else { &req.stop.eos_token_ids };
+            for &t in eos.iter().chain(&req.stop.stop_token_ids) {
+                if !bans.contains(&t) {
+                    bans.push(t);
+                }
+            }
+        }
+        let bias_unbanned = req.sampling.logit_bias.iter().copied().filter(|(t, _)| !bans.contains(t)).collect();
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let root = if self.cfg.enable_prefix_caching { root_hash(req.cache_salt.as_deref()) } else { 0 };
+        let record = Req {
+            id: req.id,
+            n: req.n,
+            penalized: req.sampling.is_penalized(),
+            sampling: req.sampling,
+            stop: req.stop,
+            bans,
+            bias_unbanned,
+            priority: match self.cfg.policy {
+                Policy::Fcfs => 0,
+                Policy::Priority => req.priority,
+            },
+            arrival,
+            root,
+            seqs: Vec::with_capacity(req.n as usize),
+            unfinished: req.n,
+        };
+        let req_slot = match self.free_reqs.pop() {
+            Some(s) => {
+                self.reqs[s as usize] = Some(record);
+                s
+            }
+            None => {
+                self.reqs.push(Some(record));
+                (self.reqs.len() - 1) as u32
+            }
+        };
+        self.req_index.insert(req.id, req_slot);
+        let prompt_len = req.prompt.len();
+        let slot = self.alloc_seq(req_slot, 0, req.prompt, prompt_len);
+        self.seqs[slot as usize].fork_pending = req.n > 1;
+        self.enqueue_waiting(slot);
+    }
+
+    /// Remove a whole request now, freeing every block it holds. False if it is not live.
+    pub fn abort(&mut self, req_id: u64) -> bool {
+        let Some(&req_slot) = self.req_index.get(&req_id) else {
+            return false;
+        };
+        let slots = std::mem::take(&mut self.req_mut(req_slot).seqs);
+        for slot in slots {
+            self.drop_seq(slot);
+        }
+        self.remove_req(req_slot);
+        true
+    }
+
+    /// Finish one sequence (the router matched a stop string). Unknown ids are ignored: the
+    /// sequence may have finished in the same step.
+    pub fn finish_seq(&mut self, req_id: u64, seq_index: u32) {
+        let Some(&req_slot) = self.req_index.get(&req_id) else {
+            return;
+        };
+        let found = self.req(req_slot).seqs.iter().copied().find(|&s| self.seqs[s as usize].index == seq_index);
+        if let Some(slot) = found {
+            self.retire(slot);
+        }
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            num_blocks: self.cfg.num_blocks,
+            used_blocks: self.pool.num_used(),
+            cached_blocks: self.pool.num_cached_free(),
+            prefix_hit_tokens: self.prefix_hit_tokens,
+            preemptions: self.preemptions,
+        }
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Live requests (not yet finished or aborted).
+    pub fn num_requests(&self) -> usize {
+        self.req_index.len()
+    }
+
+    /// The blocks a live sequence holds (empty while waiting); None if it is not live.
+    pub fn seq_blocks(&self, req_id: u64, seq_index: u32) -> Option<&[u32]> {
+        self.find_seq(req_id, seq_index).map(|s| self.seqs[s as usize].blocks.as_slice())
+    }
+
+    /// (tokens, num_computed) of a live sequence.
+    pub fn seq_progress(&self, req_id: u64, seq_index: u32) -> Option<(usize, usize)> {
+        self.find_seq(req_id, seq_index).map(|s| {
+            let seq = &self.seqs[s as usize];
+            (seq.tokens.len(), seq.num_computed)
+        })
+    }
+
+    fn find_seq(&self, req_id: u64, seq_index: u32) -> Option<u32> {
+        let &req_slot = self.req_index.get(&req_id)?;
+        self.req(req_slot).seqs.iter().copied().find(|&s| self.seqs[s as usize].index == seq_index)
+    }
+
+    pub(crate) fn req(&self, req_slot: u32) -> &Req {
+        self.reqs[req_slot as usize].as_ref().expect("live request slot")
+    }
+
+    pub(crate) fn req_mut(&mut self, req_slot: u32) -> &mut Req {
+        self.reqs[req_slot as usize].as_mut().expect("live request slot")
+    }
+
+    pub(crate) fn key(&self, slot: u32) -> Key {
+        let seq = &self.seqs[slot as usize];
+        let req = self.req(seq.req);
+        Key { priority: req.priority, arrival: req.arrival, index: seq.index, slot }
+    }
+
+    /// A fresh live sequence in state Free (the caller queues it).
+    pub(crate) fn alloc_seq(&mut self, req_slot: u32, index: u32, tokens: Vec<u32>, prompt_len: usize) -> u32 {
+        let root = self.req(req_slot).root;
+        let slot = match self.free_seqs.pop() {
+            Some(s) => s,
+            None => {
+                self.seqs.push(Seq {
+                    gen: 0,
+                    state: State::Free,
+                    req: 0,
+                    index: 0,
+                    tokens: Vec::new(),
+                    prompt_len: 0,
+                    num_computed: 0,
+                    blocks: Vec::new(),
+                    num_hashed: 0,
+                    last_hash: 0,
+                    fork_pending: false,
+                });
+                (self.seqs.len() - 1) as u32
+            }
+        };
+        let seq = &mut self.seqs[slot as usize];
+        debug_assert!(seq.state == State::Free && seq.blocks.is_empty());
+        seq.req = req_slot;
+        seq.index = index;
+        seq.tokens = tokens;
+        seq.prompt_len = prompt_len;
+        seq.num_computed = 0;
+        seq.num_hashed = 0;
+        seq.last_hash = root;
+        seq.fork_pending = false;
+        self.req_mut(req_slot).seqs.push(slot);
+        slot
+    }
+
+    pub(crate) fn enqueue_waiting(&mut self, slot: u32) {
+        let key = self.key(slot);
+        self.seqs[slot as usize].state = State::Waiting;
+        self.waiting.insert(key);
+    }
+
+    pub(crate) fn enqueue_running(&mut self, slot: u32) {
+        let key = self.key(slot);
+        self.seqs[slot as usize].state = State::Running;
+        let pos = self.running.binary_search(&key).unwrap_err();
+        self.running.insert(pos, key);
+    }
+
+    fn dequeue(&mut self, slot: u32) {
+        let key = self.key(slot);
+        match self.seqs[slot as usize].state {
+            State::Waiting => {
+                self.waiting.remove(&key);
+            }
+            State::Running => {
+                let pos = self.running.binary_search(&key).expect("running sequence is in the running list");
+                self.running.remove(pos);
+            }
+            State::Free => unreachable!("dequeue of a free slot"),
+        }
+    }
+
+    /// Free a sequence's blocks, tail first: freed cached blocks join the LRU tail in this
+    /// order, so a sequence's last blocks are evicted before its (more shareable) first ones.
+    pub(crate) fn free_blocks(&mut self, slot: u32) {
+        let seq = &mut self.seqs[slot as usize];
+        for &b in seq.blocks.iter().rev() {
+            self.pool.free(b);
+        }
+        seq.blocks.clear();
+        seq.num_computed = 0;
+        seq.num_hashed = 0;
+        seq.last_hash = self.reqs[seq.req as usize].as_ref().map_or(0, |r| r.root);
+    }
+
+    /// Dequeue, free and release a sequence; the caller fixes up its request.
+    fn drop_seq(&mut self, slot: u32) {
+        self.dequeue(slot);
+        self.free_blocks(slot);
+        let pool = &mut self.pool;
+        self.pending_copies.retain(|c| {
+            if c.slot == slot {
+                pool.free(c.src);
+            }
+            c.slot != slot
+        });
+        let seq = &mut self.seqs[slot as usize];
+        seq.state = State::Free;
+        seq.gen = seq.gen.wrapping_add(1);
+        seq.tokens = Vec::new();
+        self.free_seqs.push(slot);
+    }
+
+    /// A sequence finished: release it, and the request once none is left.
+    pub(crate) fn retire(&mut self, slot: u32) {
+        let req_slot = self.seqs[slot as usize].req;
+        // A parent finished before its fork takes its unborn children with it.
+        let group = if self.seqs[slot as usize].fork_pending { self.req(req_slot).n } else { 1 };
+        self.drop_seq(slot);
+        let req = self.req_mut(req_slot);
+        req.seqs.retain(|&s| s != slot);
+        req.unfinished -= group;
+        if req.unfinished == 0 {
+            self.remove_req(req_slot);
+        }
+    }
+
+    pub(crate) fn remove_req(&mut self, req_slot: u32) {
+        let req = self.reqs[req_slot as usize].take().expect("live request slot");
+        debug_assert!(req.seqs.is_empty());
+        self.req_index.remove(&req.id);
+        self.free_reqs.push(req_slot);
+    }
+}

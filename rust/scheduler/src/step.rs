@@ -1,0 +1,421 @@
+//! One step: `schedule` builds a Plan, `commit` applies its sampled tokens.
+//!
+//! There are no prefill and decode phases. Each sequence has `tokens` and `num_computed`;
+//! a step gives each running sequence up to `tokens - num_computed` new tokens within the
+//! budget (long prompts are chunked), then admits waiting sequences in policy order while
+//! the budget and the free blocks allow. A sequence samples only in the step where its
+//! computed tokens reach its full length.
+//!
+//! Cost per step: O(B + T + R) for B running sequences, T tokens and R rows, plus the
+//! prefix-cache hashing of blocks that became full and the hist_* copies of penalized rows.
+
+use crate::block_pool::{hash_block, BlockPool};
+use crate::plan::{mix_seed, Plan};
+use crate::scheduler::{blocks_for, Key, PendingCopy, Req, Row, Scheduler, Seq, State};
+use crate::types::{FinishReason, SeqUpdate, StopRules};
+
+impl Scheduler {
+    /// The next batch; empty (`is_empty()`) when there is nothing to run. A non-empty Plan
+    /// is answered by `commit` (`commit(&[])` for a plan without rows).
+    ///
+    /// NOTE: calling `schedule` again without committing discards the previous Plan exactly
+    /// as `discard_plan` does (its sequences recompute). This is the recovery path when a
+    /// forward fails, and it keeps a missed commit from corrupting state or panicking the
+    /// engine thread.
+    pub fn schedule(&mut self) -> Plan {
+        self.discard_plan();
+        let mut plan = Plan::with_capacity(self.last_num_tokens, self.running.len() + 1, self.running.len() + 1);
+        // Forks from the last commit: the runner copies before the forward, so the source
+        // reference can be dropped now even if the block is reallocated in this step.
+        self.planned.clear();
+        self.registered.clear();
+        for c in self.pending_copies.drain(..) {
+            self.planned.push((c.slot, self.seqs[c.slot as usize].gen));
+            plan.copy_src.push(i64::from(c.src));
+            plan.copy_dst.push(i64::from(c.dst));
+            self.pool.free(c.src);
+        }
+        self.scheduled.clear();
+        self.rows.clear();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let preempted = self.schedule_running(&mut budget);
+        // NOTE: as vLLM, admit nothing in a step that had to preempt: memory is short, and a
+        // just-preempted sequence must not bounce straight back in.
+        if !preempted {
+            self.schedule_waiting(&mut budget);
+        }
+        self.build_plan(&mut plan);
+        self.last_num_tokens = plan.num_tokens;
+        self.awaiting_commit = !plan.is_empty();
+        plan
+    }
+
+    /// Serve running sequences in policy order, preempting from the back when blocks run
+    /// out. Returns whether anything was preempted.
+    fn schedule_running(&mut self, budget: &mut usize) -> bool {
+        let bs = self.cfg.block_size;
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 && self.scheduled.len() < self.cfg.max_num_seqs {
+            let slot = self.running[i].slot;
+            let seq = &self.seqs[slot as usize];
+            let num_new = (seq.tokens.len() - seq.num_computed).min(*budget);
+            debug_assert!(num_new > 0, "a running sequence always has a token to compute");
+            let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
+            let mut lost_self = false;
+            while self.pool.num_free() < need {
+                let victim = *self.running.last().expect("the current sequence is running");
+                self.preempt(victim);
+                preempted = true;
+                if victim.slot == slot {
+                    lost_self = true;
+                    break;
+                }
+            }
+            if lost_self {
+                break;
+            }
+            self.grow(slot, need);
+            self.scheduled.push((slot, num_new));
+            *budget -= num_new;
+            i += 1;
+        }
+        preempted
+    }
+
+    fn schedule_waiting(&mut self, budget: &mut usize) {
+        while let Some(&key) = self.waiting.first() {
+            if *budget == 0 || self.scheduled.len() >= self.cfg.max_num_seqs {
+                break;
+            }
+            let seq = &self.seqs[key.slot as usize];
+            // A fork parent brings n sequences into the running set when its prompt ends.
+            let width = if seq.fork_pending { self.req(seq.req).n as usize } else { 1 };
+            if !self.running.is_empty() && self.running.len() + width > self.cfg.max_num_seqs {
+                break;
+            }
+            match self.admit(key, *budget) {
+                Some(num_new) => {
+                    self.scheduled.push((key.slot, num_new));
+                    *budget -= num_new;
+                }
+                // Policy order is strict: a sequence that does not fit blocks the ones
+                // behind it (this is what keeps fcfs free of starvation).
+                None => break,
+            }
+        }
+    }
+
+    /// Move a waiting sequence to running, reusing cached prefix blocks. None when its
+    /// first chunk does not fit in the free blocks.
+    fn admit(&mut self, key: Key, budget: usize) -> Option<usize> {
+        let bs = self.cfg.block_size;
+        let slot = key.slot as usize;
+        let mut parent = self.req(self.seqs[slot].req).root;
+        self.hits.clear();
+        if self.cfg.enable_prefix_caching {
+            let tokens = &self.seqs[slot].tokens;
+            // Never the block holding the last token: at least one token is computed, so
+            // the step that samples never writes into a shared block.
+            for chunk in tokens[..tokens.len() - 1].chunks_exact(bs) {
+                let h = hash_block(parent, chunk);
+                match self.pool.lookup(h, parent, chunk) {
+                    Some(b) => {
+                        self.hits.push(b);
+                        parent = h;
+                    }
+                    None => break,
+                }
+            }
+        }
+        let len = self.seqs[slot].tokens.len();
+        let computed = self.hits.len() * bs;
+        let num_new = (len - computed).min(budget);
+        let need = blocks_for(computed + num_new, bs) - self.hits.len();
+        let revived = self.hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        if self.pool.num_free() < revived + need {
+            return None;
+        }
+        for &b in &self.hits {
+            self.pool.touch(b);
+        }
+        let seq = &mut self.seqs[slot];
+        seq.blocks.extend_from_slice(&self.hits);
+        seq.num_computed = computed;
+        seq.num_hashed = self.hits.len();
+        seq.last_hash = parent;
+        self.prefix_hit_tokens += computed as u64;
+        self.grow(key.slot, need);
+        self.waiting.remove(&key);
+        self.enqueue_running(key.slot);
+        Some(num_new)
+    }
+
+    fn grow(&mut self, slot: u32, need: usize) {
+        let seq = &mut self.seqs[slot as usize];
+        for _ in 0..need {
+            seq.blocks.push(self.pool.allocate().expect("caller checked num_free"));
+        }
+    }
+
+    /// Preemption by recompute: drop the KV, keep the tokens (outputs included).
+    fn preempt(&mut self, victim: Key) {
+        let popped = self.running.pop();
+        debug_assert_eq!(popped, Some(victim));
+        self.free_blocks(victim.slot);
+        self.enqueue_waiting(victim.slot);
+        self.preemptions += 1;
+    }
+
+    fn build_plan(&mut self, plan: &mut Plan) {
+        let bs = self.cfg.block_size;
+        let width = self.scheduled.iter().map(|&(s, _)| self.seqs[s as usize].blocks.len()).max().unwrap_or(0);
+        plan.block_table_width = width;
+        plan.block_tables = vec![0; self.scheduled.len() * width];
+        plan.query_start_loc.push(0);
+        plan.bias_offsets.push(0);
+        plan.hist_offsets.push(0);
+        for (s, &(slot, num_new)) in self.scheduled.iter().enumerate() {
+            let seq = &mut self.seqs[slot as usize];
+            let req = self.reqs[seq.req as usize].as_ref().expect("live request slot");
+            let (start, end) = (seq.num_computed, seq.num_computed + num_new);
+            for pos in start..end {
+                plan.input_ids.push(i64::from(seq.tokens[pos]));
+                plan.positions.push(pos as i64);
+                plan.slot_mapping.push(i64::from(seq.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
+            }
+            plan.query_start_loc.push(plan.input_ids.len() as i32);
+            plan.seq_lens.push(end as i32);
+            for (j, &b) in seq.blocks.iter().enumerate() {
+                plan.block_tables[s * width + j] = b as i32;
+            }
+            plan.seq_req_ids.push(req.id);
+            plan.seq_indices.push(seq.index);
+            self.planned.push((slot, seq.gen));
+            seq.num_computed = end;
+            if self.cfg.enable_prefix_caching {
+                register_full_blocks(&mut self.pool, seq, bs, &mut self.registered);
+            }
+            if end == seq.tokens.len() {
+                let logits_index = plan.input_ids.len() as i64 - 1;
+                let n = if seq.fork_pending { req.n } else { 1 };
+                for k in 0..n {
+                    let index = if seq.fork_pending { k } else { seq.index };
+                    push_row(plan, req, seq, index, logits_index);
+                    let fork_n = if k == 0 { n } else { 0 };
+                    self.rows.push(Row { slot, gen: seq.gen, fork_n });
+                }
+            }
+        }
+        plan.num_tokens = plan.input_ids.len();
+        plan.num_seqs = self.scheduled.len();
+        plan.num_rows = self.rows.len();
+    }
+
+    /// Apply one sampled token per row of the last Plan, in row order: append, check stop
+    /// rules, free finished sequences, fork n > 1 prompts. Rows whose sequence was aborted
+    /// or finished since `schedule` produce no update.
+    ///
+    /// Panics unless `tokens.len()` equals the last Plan's `num_rows`.
+    pub fn commit(&mut self, tokens: &[u32]) -> Vec<SeqUpdate> {
+        if !self.awaiting_commit {
+            assert!(tokens.is_empty(), "Scheduler::commit called with tokens but no Plan is awaiting them");
+            return Vec::new();
+        }
+        assert_eq!(tokens.len(), self.rows.len(), "commit takes exactly one token per Plan row");
+        self.awaiting_commit = false;
+        let rows = std::mem::take(&mut self.rows);
+        let mut out = Vec::with_capacity(rows.len());
+        let mut i = 0;
+        while i < rows.len() {
+            let row = rows[i];
+            let group = row.fork_n.max(1) as usize;
+            let seq = &self.seqs[row.slot as usize];
+            if seq.gen == row.gen && seq.state == State::Running {
+                let mark = out.len();
+                if row.fork_n > 1 {
+                    self.fork(row.slot, &tokens[i..i + group], i, &mut out);
+                }
+                self.append(row.slot, tokens[i], i, &mut out);
+                // The parent's update was pushed after its children's: restore row order.
+                out[mark..].rotate_right(1);
+            }
+            i += group;
+        }
+        self.rows = rows;
+        out
+    }
+
+    /// The last Plan will never run (its forward failed): forget the prefix-cache entries it
+    /// registered (their K/V was never written) and send every live sequence it touched
+    /// back to waiting, to recompute from scratch. Its rows get no updates. A no-op when no
+    /// Plan awaits commit. The caller usually aborts the affected requests as well.
+    pub fn discard_plan(&mut self) {
+        if !self.awaiting_commit {
+            return;
+        }
+        self.awaiting_commit = false;
+        self.rows.clear();
+        for &b in &self.registered {
+            self.pool.forget(b);
+        }
+        self.registered.clear();
+        let planned = std::mem::take(&mut self.planned);
+        for &(slot, gen) in &planned {
+            let seq = &self.seqs[slot as usize];
+            if seq.gen == gen && seq.state == State::Running {
+                let key = self.key(slot);
+                let pos = self.running.binary_search(&key).expect("running sequence is in the running list");
+                self.running.remove(pos);
+                self.free_blocks(slot);
+                self.enqueue_waiting(slot);
+            }
+        }
+        self.planned = planned;
+    }
+
+    fn append(&mut self, slot: u32, token: u32, row: usize, out: &mut Vec<SeqUpdate>) {
+        let seq = &mut self.seqs[slot as usize];
+        seq.tokens.push(token);
+        let req = self.reqs[seq.req as usize].as_ref().expect("live request slot");
+        let finish = stop_reason(&req.stop, seq.tokens.len(), seq.prompt_len, token, self.cfg.max_model_len);
+        out.push(SeqUpdate { req_id: req.id, seq_index: seq.index, token, finish, sample_row: row });
+        if finish.is_some() {
+            self.retire(slot);
+        }
+    }
+
+    /// Create the n - 1 children of a parent whose prompt just completed. Each shares the
+    /// parent's full blocks and gets a private copy of the partial last one (copied by the
+    /// runner before the next forward).
+    fn fork(&mut self, parent: u32, tokens: &[u32], base_row: usize, out: &mut Vec<SeqUpdate>) {
+        let bs = self.cfg.block_size;
+        let p = &mut self.seqs[parent as usize];
+        p.fork_pending = false;
+        let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
+        debug_assert_eq!(computed, prompt_len, "a fork happens when the prompt completes");
+        let (full, partial) = (computed / bs, computed % bs != 0);
+        for (k, &token) in tokens.iter().enumerate().skip(1) {
+            let req = self.req(req_slot);
+            let finish = stop_reason(&req.stop, prompt_len + 1, prompt_len, token, self.cfg.max_model_len);
+            out.push(SeqUpdate { req_id: req.id, seq_index: k as u32, token, finish, sample_row: base_row + k });
+            if finish.is_some() {
+                self.req_mut(req_slot).unfinished -= 1;
+                continue;
+            }
+            let mut child_tokens = Vec::with_capacity(prompt_len + 1 + bs);
+            child_tokens.extend_from_slice(&self.seqs[parent as usize].tokens[..prompt_len]);
+            child_tokens.push(token);
+            let child = self.alloc_seq(req_slot, k as u32, child_tokens, prompt_len);
+            let dst = if partial { self.pool.allocate() } else { None };
+            if partial && dst.is_none() {
+                // No block for the copy: the child recomputes its prompt when admitted
+                // (with prefix caching it finds the parent's full blocks).
+                self.enqueue_waiting(child);
+                continue;
+            }
+            let (p, c) = two_mut(&mut self.seqs, parent as usize, child as usize);
+            for &b in &p.blocks[..full] {
+                self.pool.touch(b);
+                c.blocks.push(b);
+            }
+            if let Some(dst) = dst {
+                let src = p.blocks[full];
+                self.pool.touch(src);
+                self.pending_copies.push(PendingCopy { slot: child, src, dst });
+                c.blocks.push(dst);
+            }
+            c.num_computed = computed;
+            c.num_hashed = p.num_hashed;
+            c.last_hash = p.last_hash;
+            self.enqueue_running(child);
+        }
+    }
+}
+
+/// Why a sequence of `len` tokens whose last is `token` stops, if it does. A stop token
+/// wins over the length limit, and neither stop tokens nor eos count before min_tokens.
+pub(crate) fn stop_reason(
+    stop: &StopRules,
+    len: usize,
+    prompt_len: usize,
+    token: u32,
+    max_model_len: usize,
+) -> Option<FinishReason> {
+    let out_len = len - prompt_len;
+    if out_len >= stop.min_tokens as usize
+        && (stop.stop_token_ids.contains(&token) || (!stop.ignore_eos && stop.eos_token_ids.contains(&token)))
+    {
+        return Some(FinishReason::Stop);
+    }
+    if out_len >= stop.max_tokens as usize || len >= max_model_len {
+        return Some(FinishReason::Length);
+    }
+    None
+}
+
+/// Pass every block that is now full of computed tokens to the prefix cache.
+fn register_full_blocks(pool: &mut BlockPool, seq: &mut Seq, bs: usize, registered: &mut Vec<u32>) {
+    while seq.num_hashed < seq.num_computed / bs {
+        let i = seq.num_hashed;
+        let chunk = &seq.tokens[i * bs..(i + 1) * bs];
+        let h = hash_block(seq.last_hash, chunk);
+        if pool.register(seq.blocks[i], h, seq.last_hash, chunk) {
+            registered.push(seq.blocks[i]);
+        }
+        seq.last_hash = h;
+        seq.num_hashed += 1;
+    }
+}
+
+fn push_row(plan: &mut Plan, req: &Req, seq: &Seq, index: u32, logits_index: i64) {
+    let s = &req.sampling;
+    let gen = seq.tokens.len() - seq.prompt_len;
+    plan.logits_indices.push(logits_index);
+    plan.temperature.push(s.temperature);
+    plan.top_p.push(s.top_p);
+    plan.min_p.push(s.min_p);
+    plan.presence_penalty.push(s.presence_penalty);
+    plan.frequency_penalty.push(s.frequency_penalty);
+    plan.repetition_penalty.push(s.repetition_penalty);
+    plan.top_k.push(s.top_k);
+    plan.seeds.push(mix_seed(s.seed, index));
+    plan.gen_index.push(gen as i64);
+    plan.num_logprobs.push(s.num_logprobs);
+    if gen < req.stop.min_tokens as usize && !req.bans.is_empty() {
+        for &(t, v) in &req.bias_unbanned {
+            plan.bias_token_ids.push(i64::from(t));
+            plan.bias_values.push(v);
+        }
+        for &t in &req.bans {
+            plan.bias_token_ids.push(i64::from(t));
+            plan.bias_values.push(f32::NEG_INFINITY);
+        }
+    } else {
+        for &(t, v) in &s.logit_bias {
+            plan.bias_token_ids.push(i64::from(t));
+            plan.bias_values.push(v);
+        }
+    }
+    plan.bias_offsets.push(plan.bias_token_ids.len() as i32);
+    if req.penalized {
+        plan.hist_tokens.extend(seq.tokens.iter().map(|&t| i64::from(t)));
+        plan.hist_prompt_lens.push(seq.prompt_len as i32);
+    } else {
+        plan.hist_prompt_lens.push(0);
+    }
+    plan.hist_offsets.push(plan.hist_tokens.len() as i32);
+    plan.row_req_ids.push(req.id);
+    plan.row_seq_index.push(index);
+}
+
+fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    assert_ne!(a, b);
+    if a < b {
+        let (x, y) = v.split_at_mut(b);
+        (&mut x[a], &mut y[0])
+    } else {
+        let (x, y) = v.split_at_mut(a);
+        (&mut y[0], &mut x[b])
+    }
+}

@@ -1,0 +1,142 @@
+//! The scheduler's public value types: configuration, the request it is given, and what it
+//! reports back (per-row updates and stats). Plain data, no behaviour beyond defaults.
+
+/// Order in which waiting sequences are admitted and running ones are preempted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Arrival order; preemption takes the latest arrival. Nothing starves.
+    Fcfs,
+    /// Lower `priority` value first (as vLLM), ties by arrival; preemption takes the
+    /// lowest-priority (highest value), latest-arriving running sequence.
+    Priority,
+}
+
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Total KV blocks including the null block 0, which is never allocated.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Most sequences in one step.
+    pub max_num_seqs: usize,
+    /// Most tokens (over all sequences) in one step; long prompts are chunked to fit.
+    pub max_num_batched_tokens: usize,
+    /// Longest a sequence (prompt + output) may grow; reaching it finishes with `Length`.
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    pub policy: Policy,
+}
+
+/// Per-sequence sampling parameters, copied into the Plan's sampling columns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqSampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = off.
+    pub top_k: i32,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    pub seed: Option<u64>,
+    /// -1: no logprobs; else how many top alternatives.
+    pub num_logprobs: i32,
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for SeqSampling {
+    /// Neutral sampling: temperature 1, no truncation, no penalties, unseeded.
+    fn default() -> Self {
+        SeqSampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            num_logprobs: -1,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl SeqSampling {
+    /// Whether the sampler needs this row's token history (hist_* columns).
+    pub fn is_penalized(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+}
+
+/// When a sequence stops, applied in `commit`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StopRules {
+    pub max_tokens: u32,
+    /// Neither eos nor stop_token_ids end a sequence before this many outputs; the Plan
+    /// bans them (bias -inf) until then.
+    pub min_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+impl Default for StopRules {
+    /// No limit but max_model_len, no stop tokens.
+    fn default() -> Self {
+        StopRules {
+            max_tokens: u32::MAX,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            eos_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct NewRequest {
+    /// Caller-chosen, unique among live requests.
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    /// Sequences sampled from this prompt (the prompt runs once, then forks).
+    pub n: u32,
+    pub sampling: SeqSampling,
+    pub stop: StopRules,
+    pub priority: i32,
+    /// Separates prefix-cache namespaces: blocks are shared only between equal salts.
+    pub cache_salt: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+/// One sampled token applied by `commit`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqUpdate {
+    pub req_id: u64,
+    pub seq_index: u32,
+    pub token: u32,
+    pub finish: Option<FinishReason>,
+    /// The Plan row (index into the sampling columns / commit tokens) this came from.
+    pub sample_row: usize,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub running: usize,
+    pub waiting: usize,
+    /// As configured, including the null block.
+    pub num_blocks: usize,
+    /// Blocks with ref count > 0.
+    pub used_blocks: usize,
+    /// Free blocks that still hold a prefix hash (reusable until evicted).
+    pub cached_blocks: usize,
+    /// Prompt (or resumed) tokens whose KV was found in the prefix cache.
+    pub prefix_hit_tokens: u64,
+    pub preemptions: u64,
+}

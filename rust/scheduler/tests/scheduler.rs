@@ -1,0 +1,537 @@
+//! Behaviour of the scheduler through its public API: chunking, prefix reuse, preemption,
+//! policies, abort, fork, stop rules and the sampling columns.
+
+mod common;
+
+use common::{check_plan, config, prompt, request, step};
+use llmserve_scheduler::*;
+
+#[test]
+fn long_prompt_is_chunked_and_samples_only_at_the_end() {
+    let mut s = Scheduler::new(config(101, 16, 8, 256));
+    s.add(request(1, prompt(1000, 1), 4));
+    let mut computed = 0;
+    for k in 0..4 {
+        let (plan, updates) = step(&mut s, 7);
+        let expect = if k < 3 { 256 } else { 1000 - 768 };
+        assert_eq!(plan.num_tokens, expect);
+        assert_eq!(plan.positions[0], computed as i64);
+        computed += expect;
+        assert_eq!(plan.seq_lens, vec![computed as i32]);
+        if k < 3 {
+            assert_eq!(plan.num_rows, 0);
+            assert!(updates.is_empty());
+        } else {
+            assert_eq!(plan.logits_indices, vec![expect as i64 - 1]);
+            assert_eq!(plan.gen_index, vec![0]);
+            assert_eq!(updates.len(), 1);
+        }
+    }
+    // Then one token per step.
+    let (plan, _) = step(&mut s, 7);
+    assert_eq!((plan.num_tokens, plan.positions[0], plan.gen_index[0]), (1, 1000, 1));
+    assert_eq!(plan.input_ids, vec![7]);
+}
+
+#[test]
+fn decode_runs_to_max_tokens_and_frees_blocks() {
+    let mut s = Scheduler::new(config(17, 4, 8, 64));
+    s.add(request(1, prompt(6, 1), 3));
+    let mut finishes = vec![];
+    for _ in 0..3 {
+        let (_, u) = step(&mut s, 9);
+        finishes.push(u[0].finish);
+    }
+    assert_eq!(finishes, vec![None, None, Some(FinishReason::Length)]);
+    assert!(!s.has_work());
+    assert_eq!(s.stats().used_blocks, 0);
+    assert_eq!(s.num_requests(), 0);
+    assert!(s.schedule().is_empty());
+}
+
+#[test]
+fn identical_prompt_computes_only_the_tail() {
+    let mut cfg = config(33, 16, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(40, 1), 1));
+    let (plan_a, u) = step(&mut s, 5);
+    assert_eq!(plan_a.num_tokens, 40);
+    assert_eq!(u[0].finish, Some(FinishReason::Length));
+    // A finished: its two full blocks stay cached in the LRU, the partial one is plain.
+    assert_eq!(s.stats().used_blocks, 0);
+    assert_eq!(s.stats().cached_blocks, 2);
+
+    s.add(request(2, prompt(40, 1), 2));
+    let (plan_b, _) = step(&mut s, 5);
+    assert_eq!(plan_b.num_tokens, 8, "only the tail after two cached blocks");
+    assert_eq!(plan_b.positions[0], 32);
+    assert_eq!(s.stats().prefix_hit_tokens, 32);
+    assert_eq!(&plan_b.block_table(0)[..2], &plan_a.block_table(0)[..2]);
+
+    // While B runs, C with the same prompt shares B's blocks (ref count 2).
+    s.add(request(3, prompt(40, 1), 1));
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!(plan.num_tokens, 1 + 8);
+    let shared = plan.block_table(1)[0] as u32;
+    assert_eq!(plan.block_table(0)[0] as u32, shared);
+    assert_eq!(s.stats().prefix_hit_tokens, 64);
+}
+
+#[test]
+fn block_with_the_last_prompt_token_is_never_reused() {
+    let mut cfg = config(33, 16, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(32, 1), 1));
+    step(&mut s, 5);
+    s.add(request(2, prompt(32, 1), 1));
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!(plan.num_tokens, 16, "the second full block holds the last token: recomputed");
+}
+
+#[test]
+fn cache_salt_prevents_sharing() {
+    let mut cfg = config(33, 16, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    let salted =
+        |id, salt: Option<&str>| NewRequest { cache_salt: salt.map(String::from), ..request(id, prompt(40, 1), 1) };
+    s.add(salted(1, Some("alice")));
+    step(&mut s, 5);
+    s.add(salted(2, Some("bob")));
+    assert_eq!(step(&mut s, 5).0.num_tokens, 40);
+    s.add(salted(3, None));
+    assert_eq!(step(&mut s, 5).0.num_tokens, 40);
+    s.add(salted(4, Some("alice")));
+    assert_eq!(step(&mut s, 5).0.num_tokens, 8);
+}
+
+#[test]
+fn output_blocks_are_cached_too() {
+    let mut cfg = config(33, 4, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, vec![1, 2, 3, 4, 5, 6], 4));
+    for _ in 0..4 {
+        step(&mut s, 9);
+    }
+    // Tokens were 1..6 then 9 9 9 9: blocks [1 2 3 4] [5 6 9 9] are full and cached.
+    s.add(request(2, vec![1, 2, 3, 4, 5, 6, 9, 9, 9], 1));
+    assert_eq!(step(&mut s, 9).0.num_tokens, 1);
+}
+
+#[test]
+fn no_caching_means_no_hits() {
+    let mut s = Scheduler::new(config(33, 16, 8, 256));
+    s.add(request(1, prompt(40, 1), 1));
+    step(&mut s, 5);
+    s.add(request(2, prompt(40, 1), 1));
+    assert_eq!(step(&mut s, 5).0.num_tokens, 40);
+    assert_eq!(s.stats().cached_blocks, 0);
+}
+
+#[test]
+fn preempted_sequence_recomputes_and_keeps_outputs() {
+    // 6 usable blocks of 4 tokens; two sequences of 8-token prompts outgrow them.
+    let mut s = Scheduler::new(config(7, 4, 8, 64));
+    s.add(request(1, prompt(8, 1), 12));
+    s.add(request(2, prompt(8, 2), 12));
+    let mut outputs: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut resumed_plan_tokens = None;
+    let mut tok = 0;
+    for _ in 0..100 {
+        if !s.has_work() {
+            break;
+        }
+        let before = s.stats().preemptions;
+        tok += 1;
+        let (plan, updates) = step(&mut s, tok);
+        for u in &updates {
+            outputs.entry(u.req_id).or_default().push(u.token);
+        }
+        if before > 0 && resumed_plan_tokens.is_none() && plan.seq_req_ids.contains(&2) && plan.num_tokens > 2 {
+            let k = plan.seq_req_ids.iter().position(|&r| r == 2).unwrap();
+            resumed_plan_tokens = Some((plan.token_range(k).len(), plan.positions[plan.token_range(k).start]));
+        }
+        // Request 1 is the earliest arrival: under fcfs it is never the victim.
+        if let Some(blocks) = s.seq_blocks(1, 0) {
+            assert!(!blocks.is_empty());
+        }
+    }
+    assert!(s.stats().preemptions >= 1);
+    let (n, start) = resumed_plan_tokens.expect("request 2 resumed");
+    assert_eq!(start, 0, "recompute starts from position 0");
+    assert!(n > 8, "prompt and the outputs it already had are recomputed");
+    assert_eq!(outputs[&1].len(), 12);
+    assert_eq!(outputs[&2].len(), 12, "outputs survive preemption");
+    assert_eq!(s.stats().used_blocks, 0);
+}
+
+fn full_batch_order(policy: Policy) -> Vec<u64> {
+    let mut cfg = config(65, 4, 1, 64);
+    cfg.policy = policy;
+    let mut s = Scheduler::new(cfg);
+    let with_prio = |id, p| NewRequest { priority: p, ..request(id, prompt(5, id as u32), 2) };
+    s.add(with_prio(1, 0));
+    step(&mut s, 3);
+    s.add(with_prio(2, 5));
+    s.add(with_prio(3, 9));
+    s.add(with_prio(4, 1));
+    let mut order = vec![];
+    while s.has_work() {
+        let (plan, _) = step(&mut s, 3);
+        for &r in &plan.seq_req_ids {
+            if !order.contains(&r) {
+                order.push(r);
+            }
+        }
+    }
+    order
+}
+
+#[test]
+fn priority_admits_higher_priority_waiting_first() {
+    assert_eq!(full_batch_order(Policy::Priority), vec![1, 4, 2, 3]);
+}
+
+#[test]
+fn fcfs_admits_in_arrival_order() {
+    assert_eq!(full_batch_order(Policy::Fcfs), vec![1, 2, 3, 4]);
+}
+
+#[test]
+fn priority_preempts_the_lowest_priority_running() {
+    let mut cfg = config(9, 4, 8, 64);
+    cfg.policy = Policy::Priority;
+    let mut s = Scheduler::new(cfg);
+    // Low priority arrives first; high priority second; both grow until blocks run out.
+    s.add(NewRequest { priority: 10, ..request(1, prompt(8, 1), 20) });
+    s.add(NewRequest { priority: -1, ..request(2, prompt(8, 2), 20) });
+    while s.stats().preemptions == 0 {
+        step(&mut s, 1);
+    }
+    assert_eq!(s.seq_blocks(1, 0), Some(&[][..]), "the low-priority request was preempted");
+    assert!(!s.seq_blocks(2, 0).unwrap().is_empty());
+    while s.has_work() {
+        step(&mut s, 1);
+    }
+}
+
+#[test]
+fn abort_frees_blocks_at_once() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(request(1, prompt(10, 1), 50));
+    s.add(request(2, prompt(10, 2), 50));
+    step(&mut s, 1);
+    let used = s.stats().used_blocks;
+    assert_eq!(used, 6);
+    let plan = s.schedule();
+    assert!(s.abort(1));
+    assert_eq!(s.stats().used_blocks, 3);
+    assert_eq!(s.seq_blocks(1, 0), None);
+    // The aborted request's row yields no update.
+    let updates = s.commit(&vec![4; plan.num_rows]);
+    assert_eq!(updates.iter().map(|u| u.req_id).collect::<Vec<_>>(), vec![2]);
+    assert!(!s.abort(1));
+    assert!(!s.abort(99));
+    s.add(request(3, prompt(10, 3), 50));
+    assert!(s.abort(3), "waiting requests abort too");
+    s.validate().unwrap();
+}
+
+#[test]
+fn finish_seq_stops_one_sequence() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(request(1, prompt(10, 1), 50));
+    step(&mut s, 1);
+    s.finish_seq(1, 0);
+    assert_eq!(s.stats().used_blocks, 0);
+    assert_eq!(s.num_requests(), 0);
+    s.finish_seq(1, 0); // unknown: ignored
+    s.validate().unwrap();
+}
+
+fn fork_request(id: u64, prompt_len: usize, n: u32, max_tokens: u32) -> NewRequest {
+    NewRequest {
+        n,
+        sampling: SeqSampling { seed: Some(1234), ..SeqSampling::default() },
+        ..request(id, prompt(prompt_len, 1), max_tokens)
+    }
+}
+
+#[test]
+fn fork_runs_the_prompt_once_and_shares_blocks() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(fork_request(1, 10, 3, 4));
+    let plan = s.schedule();
+    check_plan(&s, &plan);
+    assert_eq!(plan.num_tokens, 10);
+    assert_eq!(plan.num_seqs, 1);
+    assert_eq!(plan.logits_indices, vec![9, 9, 9]);
+    assert_eq!(plan.row_seq_index, vec![0, 1, 2]);
+    assert_eq!(plan.row_req_ids, vec![1, 1, 1]);
+    assert_eq!(plan.seeds[0], 1234);
+    assert!(plan.seeds[1] != plan.seeds[0] && plan.seeds[2] != plan.seeds[1]);
+    let updates = s.commit(&[11, 12, 13]);
+    assert_eq!(
+        updates.iter().map(|u| (u.seq_index, u.token, u.sample_row)).collect::<Vec<_>>(),
+        vec![(0, 11, 0), (1, 12, 1), (2, 13, 2)]
+    );
+    s.validate().unwrap();
+
+    let parent = s.seq_blocks(1, 0).unwrap().to_vec();
+    for k in 1..3 {
+        let child = s.seq_blocks(1, k).unwrap();
+        assert_eq!(&child[..2], &parent[..2], "full blocks are shared");
+        assert_ne!(child[2], parent[2], "the partial block is private");
+    }
+    assert_eq!(s.block_pool().ref_count(parent[0]), 3);
+
+    let (plan, _) = step(&mut s, 7);
+    assert_eq!(plan.copy_src, vec![parent[2] as i64; 2]);
+    assert_eq!(plan.copy_dst, vec![s.seq_blocks(1, 1).unwrap()[2] as i64, s.seq_blocks(1, 2).unwrap()[2] as i64]);
+    assert_eq!(plan.num_tokens, 3, "each sequence computes only its own token");
+    assert_eq!(plan.input_ids, vec![11, 12, 13]);
+    assert_eq!(plan.positions, vec![10, 10, 10]);
+    assert_eq!(plan.gen_index, vec![1, 1, 1]);
+    assert_eq!(plan.seeds[1], llmserve_scheduler::plan::mix_seed(Some(1234), 1));
+    // The next plan has no copies left.
+    let (plan, _) = step(&mut s, 7);
+    assert!(plan.copy_src.is_empty());
+    let (_, updates) = step(&mut s, 7);
+    assert_eq!(updates.len(), 3);
+    assert!(updates.iter().all(|u| u.finish == Some(FinishReason::Length)));
+    assert_eq!(s.num_requests(), 0);
+    assert_eq!(s.stats().used_blocks, 0);
+}
+
+#[test]
+fn fork_of_block_aligned_prompt_needs_no_copy() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(fork_request(1, 8, 2, 3));
+    step(&mut s, 1);
+    let (plan, _) = step(&mut s, 1);
+    assert!(plan.copy_src.is_empty());
+    assert_eq!(plan.positions, vec![8, 8]);
+    assert_ne!(plan.block_table(0)[2], plan.block_table(1)[2]);
+}
+
+#[test]
+fn forks_finish_independently_and_the_request_when_all_do() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    let mut r = fork_request(1, 6, 3, 10);
+    r.stop.eos_token_ids = vec![2];
+    s.add(r);
+    s.schedule();
+    // Child 1 draws eos at once; the parent and child 2 continue.
+    let updates = s.commit(&[5, 2, 5]);
+    assert_eq!(updates[1].finish, Some(FinishReason::Stop));
+    assert!(s.seq_blocks(1, 1).is_none());
+    s.validate().unwrap();
+    let plan = s.schedule();
+    assert_eq!(plan.copy_src.len(), 1);
+    assert_eq!(plan.row_seq_index, vec![0, 2]);
+    let updates = s.commit(&[2, 5]);
+    assert_eq!(updates[0].finish, Some(FinishReason::Stop));
+    assert_eq!(s.num_requests(), 1);
+    let (_, updates) = step(&mut s, 2);
+    assert_eq!(updates[0].finish, Some(FinishReason::Stop));
+    assert_eq!(s.num_requests(), 0);
+    assert_eq!(s.stats().used_blocks, 0);
+}
+
+#[test]
+fn abort_of_a_forked_request_frees_everything() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(fork_request(1, 10, 4, 10));
+    step(&mut s, 3);
+    assert!(s.stats().used_blocks > 3);
+    assert!(s.abort(1));
+    assert_eq!(s.stats().used_blocks, 0, "pending copies release their source too");
+    s.validate().unwrap();
+    assert!(s.schedule().is_empty());
+}
+
+#[test]
+fn min_tokens_bans_eos_and_stop_ids() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    let mut r = request(1, prompt(5, 1), 10);
+    r.stop = StopRules {
+        max_tokens: 10,
+        min_tokens: 2,
+        stop_token_ids: vec![5, 2],
+        eos_token_ids: vec![2],
+        ignore_eos: false,
+    };
+    r.sampling.logit_bias = vec![(2, 1.0), (7, 0.5)];
+    s.add(r);
+    let plan = s.schedule();
+    assert_eq!(plan.bias_token_ids, vec![7, 2, 5]);
+    assert_eq!(plan.bias_values, vec![0.5, f32::NEG_INFINITY, f32::NEG_INFINITY]);
+    assert_eq!(plan.bias_offsets, vec![0, 3]);
+    // Even if eos comes out (a runner bug), it does not stop before min_tokens.
+    assert_eq!(s.commit(&[2])[0].finish, None);
+    let plan = s.schedule();
+    assert_eq!(plan.gen_index, vec![1]);
+    assert_eq!(plan.bias_token_ids.len(), 3);
+    assert_eq!(s.commit(&[8])[0].finish, None);
+    let plan = s.schedule();
+    assert_eq!(plan.bias_token_ids, vec![2, 7], "only the request's own bias after min_tokens");
+    assert_eq!(plan.bias_values, vec![1.0, 0.5]);
+    assert_eq!(s.commit(&[5])[0].finish, Some(FinishReason::Stop));
+}
+
+#[test]
+fn stop_rules() {
+    let run = |stop: StopRules, tokens: &[u32]| -> Vec<Option<FinishReason>> {
+        let mut s = Scheduler::new(config(33, 4, 8, 64));
+        s.add(NewRequest { stop, ..request(1, prompt(5, 1), 0) });
+        let mut out = vec![];
+        for &t in tokens {
+            s.schedule();
+            let u = s.commit(&[t]);
+            out.push(u[0].finish);
+            if u[0].finish.is_some() {
+                break;
+            }
+        }
+        out
+    };
+    let base =
+        StopRules { max_tokens: 5, min_tokens: 0, stop_token_ids: vec![7], eos_token_ids: vec![2], ignore_eos: false };
+    assert_eq!(run(base.clone(), &[1, 2, 1]), vec![None, Some(FinishReason::Stop)]);
+    assert_eq!(run(base.clone(), &[1, 7]), vec![None, Some(FinishReason::Stop)]);
+    let ignore = StopRules { ignore_eos: true, ..base.clone() };
+    assert_eq!(run(ignore, &[2, 2, 2, 2, 2]), vec![None, None, None, None, Some(FinishReason::Length)]);
+    // A stop token on the last allowed output reports Stop.
+    let two = StopRules { max_tokens: 2, ..base.clone() };
+    assert_eq!(run(two.clone(), &[1, 2]), vec![None, Some(FinishReason::Stop)]);
+    assert_eq!(run(two, &[1, 1]), vec![None, Some(FinishReason::Length)]);
+}
+
+#[test]
+fn max_model_len_finishes_with_length() {
+    let mut cfg = config(33, 4, 8, 64);
+    cfg.max_model_len = 8;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(6, 1), 100));
+    assert_eq!(step(&mut s, 1).1[0].finish, None);
+    assert_eq!(step(&mut s, 1).1[0].finish, Some(FinishReason::Length));
+}
+
+#[test]
+fn sampling_columns_and_history() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    let penalized = SeqSampling {
+        temperature: 0.5,
+        top_p: 0.9,
+        top_k: 40,
+        min_p: 0.1,
+        repetition_penalty: 1.2,
+        num_logprobs: 3,
+        ..SeqSampling::default()
+    };
+    s.add(NewRequest { sampling: penalized, ..request(1, vec![10, 11, 12], 5) });
+    s.add(request(2, vec![20, 21], 5));
+    step(&mut s, 30);
+    let plan = s.schedule();
+    assert_eq!(plan.row_req_ids, vec![1, 2]);
+    assert_eq!(plan.temperature, vec![0.5, 1.0]);
+    assert_eq!(plan.top_k, vec![40, 0]);
+    assert_eq!(plan.num_logprobs, vec![3, -1]);
+    assert_eq!(plan.seeds, vec![-1, -1]);
+    assert_eq!(plan.hist_offsets, vec![0, 4, 4]);
+    assert_eq!(plan.hist_tokens, vec![10, 11, 12, 30]);
+    assert_eq!(plan.hist_prompt_lens, vec![3, 0]);
+    s.commit(&[1, 1]);
+}
+
+#[test]
+fn max_num_seqs_caps_the_batch() {
+    let mut s = Scheduler::new(config(65, 4, 2, 64));
+    for id in 0..5 {
+        s.add(request(id, prompt(3, id as u32), 3));
+    }
+    let (plan, _) = step(&mut s, 1);
+    assert_eq!(plan.num_seqs, 2);
+    assert_eq!(s.stats().waiting, 3);
+    while s.has_work() {
+        assert!(step(&mut s, 1).0.num_seqs <= 2);
+    }
+}
+
+#[test]
+fn token_budget_is_shared_running_first() {
+    let mut s = Scheduler::new(config(65, 4, 8, 10));
+    s.add(request(1, prompt(4, 1), 5));
+    step(&mut s, 1);
+    s.add(request(2, prompt(30, 2), 5));
+    let (plan, _) = step(&mut s, 1);
+    assert_eq!(plan.seq_req_ids, vec![1, 2]);
+    assert_eq!(plan.token_range(0).len(), 1);
+    assert_eq!(plan.token_range(1).len(), 9, "the rest of the budget chunks the new prompt");
+}
+
+#[test]
+fn scheduling_again_without_commit_discards_the_plan() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(request(1, prompt(5, 1), 5));
+    let first = s.schedule();
+    let second = s.schedule();
+    assert_eq!(second.positions, first.positions, "the uncommitted work is planned again");
+    assert_eq!(s.commit(&[1]).len(), 1);
+    s.validate().unwrap();
+}
+
+#[test]
+#[should_panic(expected = "one token per Plan row")]
+fn commit_needs_one_token_per_row() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(request(1, prompt(5, 1), 5));
+    s.schedule();
+    s.commit(&[1, 2]);
+}
+
+#[test]
+fn discarded_plan_leaves_no_poisoned_cache_and_recomputes() {
+    let mut cfg = config(33, 4, 8, 64);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(10, 1), 3));
+    let plan = s.schedule();
+    assert_eq!(plan.num_tokens, 10);
+    // The forward failed: nothing of this plan was written.
+    s.discard_plan();
+    s.validate().unwrap();
+    assert_eq!(s.stats().used_blocks, 0);
+    assert_eq!(s.stats().cached_blocks, 0, "blocks registered by the failed step are forgotten");
+    assert_eq!(s.seq_progress(1, 0), Some((10, 0)));
+    // A new identical prompt finds nothing cached; the discarded request runs again.
+    s.add(request(2, prompt(10, 1), 3));
+    let (plan, updates) = step(&mut s, 4);
+    assert_eq!(plan.num_tokens, 20);
+    assert_eq!(updates.len(), 2);
+    s.discard_plan(); // no plan awaiting commit: a no-op
+    while s.has_work() {
+        step(&mut s, 4);
+    }
+}
+
+#[test]
+fn discard_after_a_fork_resets_the_children() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(fork_request(1, 10, 3, 4));
+    step(&mut s, 3);
+    let plan = s.schedule();
+    assert_eq!(plan.copy_src.len(), 2);
+    s.discard_plan();
+    s.validate().unwrap();
+    assert_eq!(s.stats().used_blocks, 0);
+    assert_eq!(s.seq_progress(1, 2), Some((11, 0)), "the child keeps its token and recomputes");
+    let mut finished = 0;
+    while s.has_work() {
+        finished += step(&mut s, 3).1.iter().filter(|u| u.finish.is_some()).count();
+    }
+    assert_eq!(finished, 3);
+}
