@@ -26,7 +26,7 @@ def router(tmp_path_factory):
 
 
 def make_core(router, **overrides):
-    config = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+    config = {"num_blocks": 128, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64,
               "max_model_len": 256, "enable_prefix_caching": True, "policy": "priority", **overrides}
     return _core.Core(router, json.dumps(config))
 

@@ -1,1 +1,25 @@
-//! placeholder
+//! llmserve._core: the only PyO3 crate.
+//!
+//! It exports the whole Rust surface from this one place: `Router` (protocol: prepare,
+//! tokenize, render), `Prepared` (a validated request on its way to the engine), `Core` (the
+//! scheduler plus each request's output state: add / abort / schedule / commit / stats),
+//! `Plan` (one step's flat columns as numpy arrays) and the `ApiError` exception hierarchy.
+//! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
+
+mod core;
+mod errors;
+mod plan;
+mod router;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<router::PyRouter>()?;
+    m.add_class::<router::PyPrepared>()?;
+    m.add_class::<core::PyCore>()?;
+    m.add_class::<plan::PyPlan>()?;
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

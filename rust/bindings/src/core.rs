@@ -1,0 +1,383 @@
+//! `Core`: the scheduler plus every request's output state, driven by the engine thread.
+//!
+//! A request (one HTTP call) becomes one scheduler request per prompt, each with `n`
+//! sequences (greedy `n > 1` runs one sequence and fans its output out to `n` choices).
+//! `commit` feeds each sampled token to its sequence's detokenizer, ends sequences whose
+//! stop string matched, and lets the request's `ResponseBuilder` produce wire bytes.
+//! Invariant: a handle is in `requests` exactly while some of its sequences may still
+//! produce output; when its last choice finishes (or it is aborted/failed) its state and all
+//! its scheduler requests are gone.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use llmserve_router::detokenizer::{Detokenizer, StopConfig};
+use llmserve_router::protocol::Prepared;
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
+use llmserve_router::router::Router;
+use llmserve_router::ApiError;
+use llmserve_scheduler::{
+    FinishReason as SeqFinish, NewRequest, Plan, Policy, Scheduler, SchedulerConfig, SeqSampling, StopRules,
+};
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use serde::Deserialize;
+
+use crate::errors;
+use crate::plan::PyPlan;
+use crate::router::{PyPrepared, PyRouter};
+
+/// `SchedulerConfig` as Python sends it (JSON).
+#[derive(Deserialize)]
+struct CoreConfig {
+    num_blocks: usize,
+    block_size: usize,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    max_model_len: usize,
+    #[serde(default = "yes")]
+    enable_prefix_caching: bool,
+    #[serde(default = "priority")]
+    policy: String,
+}
+
+fn yes() -> bool {
+    true
+}
+fn priority() -> String {
+    "priority".into()
+}
+
+struct RequestState {
+    builder: ResponseBuilder,
+    /// Scheduler request id per prompt.
+    sched_ids: Vec<u64>,
+    /// Sequences the scheduler runs per prompt (1 when greedy output is fanned out).
+    seqs_per_prompt: u32,
+    /// Choices per prompt (`n`).
+    n: u32,
+    /// One detokenizer per (prompt, sequence), indexed prompt * seqs_per_prompt + seq.
+    detoks: Vec<Detokenizer>,
+    started: bool,
+    new_tokens: u32,
+}
+
+/// One item of a step's output: (handle, bytes, finished, error, new completion tokens).
+type Output = (u64, Vec<u8>, bool, bool, u32);
+
+struct CoreState {
+    router: Arc<Router>,
+    scheduler: Scheduler,
+    policy: Policy,
+    requests: HashMap<u64, RequestState>,
+    /// Scheduler request id -> (handle, prompt index).
+    owners: HashMap<u64, (u64, u32)>,
+    next_handle: u64,
+    next_sched_id: u64,
+    max_model_len: u32,
+    /// Scheduler request ids in the last plan (to fail them if the step fails).
+    last_plan_reqs: Vec<u64>,
+}
+
+fn finish_reason(f: SeqFinish) -> FinishReason {
+    match f {
+        SeqFinish::Stop => FinishReason::Stop,
+        SeqFinish::Length => FinishReason::Length,
+        SeqFinish::Abort => FinishReason::Abort,
+    }
+}
+
+impl CoreState {
+    fn add(&mut self, prepared: Prepared) -> Result<u64, ApiError> {
+        let p = &prepared.params;
+        if self.policy == Policy::Fcfs && prepared.priority != 0 {
+            return Err(ApiError::with_code(
+                "unsupported_parameter",
+                Some("priority".into()),
+                "`priority` needs the server started with --scheduling-policy priority",
+            ));
+        }
+        let handle = self.next_handle;
+        self.next_handle += 1;
+        let fan_out = p.temperature == 0.0 && p.n > 1;
+        let seqs_per_prompt = if fan_out { 1 } else { p.n };
+        let tokenizer = self.router.tokenizer().clone();
+        let stop = StopConfig {
+            stop: p.stop.clone(),
+            include_stop_str_in_output: p.include_stop_str_in_output,
+            skip_special_tokens: p.skip_special_tokens,
+        };
+        let mut sched_ids = Vec::with_capacity(prepared.prompts.len());
+        let mut detoks = Vec::new();
+        for (i, prompt) in prepared.prompts.iter().enumerate() {
+            let id = self.next_sched_id;
+            self.next_sched_id += 1;
+            let max_tokens = p.max_tokens.unwrap_or(self.max_model_len.saturating_sub(prompt.len() as u32));
+            for _ in 0..seqs_per_prompt {
+                detoks.push(Detokenizer::new(tokenizer.clone(), prompt, stop.clone()));
+            }
+            self.scheduler.add(NewRequest {
+                id,
+                prompt: prompt.clone(),
+                n: seqs_per_prompt,
+                sampling: SeqSampling {
+                    temperature: p.temperature,
+                    top_p: p.top_p,
+                    top_k: p.top_k,
+                    min_p: p.min_p,
+                    presence_penalty: p.presence_penalty,
+                    frequency_penalty: p.frequency_penalty,
+                    repetition_penalty: p.repetition_penalty,
+                    seed: p.seed,
+                    num_logprobs: p.logprobs.map_or(-1, |k| k as i32),
+                    logit_bias: p.logit_bias.clone(),
+                },
+                stop: StopRules {
+                    max_tokens,
+                    min_tokens: p.min_tokens,
+                    stop_token_ids: p.stop_token_ids.clone(),
+                    eos_token_ids: self.router.config().eos_token_ids.clone(),
+                    ignore_eos: p.ignore_eos,
+                },
+                priority: prepared.priority,
+                cache_salt: prepared.cache_salt.clone(),
+            });
+            self.owners.insert(id, (handle, i as u32));
+            sched_ids.push(id);
+        }
+        let builder = ResponseBuilder::new(&prepared, tokenizer);
+        self.requests.insert(
+            handle,
+            RequestState { builder, sched_ids, seqs_per_prompt, n: p.n, detoks, started: false, new_tokens: 0 },
+        );
+        Ok(handle)
+    }
+
+    fn forget(&mut self, handle: u64) -> Option<RequestState> {
+        let state = self.requests.remove(&handle)?;
+        for id in &state.sched_ids {
+            self.scheduler.abort(*id);
+            self.owners.remove(id);
+        }
+        Some(state)
+    }
+
+    fn schedule(&mut self) -> Option<Plan> {
+        let plan = self.scheduler.schedule();
+        if plan.is_empty() {
+            return None;
+        }
+        self.last_plan_reqs = plan.seq_req_ids.clone();
+        Some(plan)
+    }
+
+    fn commit(&mut self, tokens: &[u32], logprobs: &[f32], top_ids: &[i64], top_lps: &[f32], k: usize) -> Vec<Output> {
+        let updates = self.scheduler.commit(tokens);
+        let mut touched: Vec<u64> = Vec::new();
+        for u in updates {
+            let Some(&(handle, prompt_idx)) = self.owners.get(&u.req_id) else { continue };
+            let Some(state) = self.requests.get_mut(&handle) else { continue };
+            let d = (prompt_idx * state.seqs_per_prompt + u.seq_index) as usize;
+            let detok = &mut state.detoks[d];
+            let text_offset = detok.emitted_len();
+            let row = u.sample_row;
+            let top = (0..k)
+                .map(|j| (top_ids[row * k + j], top_lps[row * k + j]))
+                .filter(|(id, _)| *id >= 0)
+                .map(|(id, lp)| (id as u32, lp))
+                .collect();
+            let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };
+            let mut finish = u.finish.map(finish_reason);
+            // NOTE: a token that ends the sequence by id (eos, stop_token_ids) is counted but
+            // not shown, as in vLLM; its text would be the stop marker itself.
+            let by_token = finish == Some(FinishReason::Stop);
+            let mut text = String::new();
+            let mut stop_reason = None;
+            if !by_token {
+                let step = detok.push(u.token);
+                text = step.text;
+                if let Some(s) = step.stop {
+                    if finish.is_none() {
+                        self.scheduler.finish_seq(u.req_id, u.seq_index);
+                    }
+                    finish = Some(FinishReason::Stop);
+                    stop_reason = Some(s);
+                } else if finish.is_some() {
+                    text.push_str(&detok.flush());
+                }
+            }
+            let tokens_out = [token];
+            let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason: stop_reason.as_deref() };
+            if state.seqs_per_prompt == state.n {
+                state.builder.push(prompt_idx * state.n + u.seq_index, &delta);
+            } else {
+                for j in 0..state.n {
+                    state.builder.push(prompt_idx * state.n + j, &delta);
+                }
+            }
+            state.new_tokens += 1;
+            if !touched.contains(&handle) {
+                touched.push(handle);
+            }
+        }
+        let mut out = Vec::with_capacity(touched.len());
+        for handle in touched {
+            let state = self.requests.get_mut(&handle).expect("touched requests exist");
+            let mut bytes = state.builder.take();
+            let finished = state.builder.all_finished();
+            if finished {
+                bytes.extend_from_slice(&state.builder.finish());
+            }
+            state.started |= !bytes.is_empty();
+            let new_tokens = std::mem::take(&mut state.new_tokens);
+            if finished {
+                self.forget(handle);
+            }
+            out.push((handle, bytes, finished, false, new_tokens));
+        }
+        out
+    }
+
+    /// Fail every request of the last plan: the step that ran it raised.
+    fn fail_plan(&mut self, message: &str) -> Vec<Output> {
+        // Drop what the failed step registered (its K/V was never written).
+        self.scheduler.discard_plan();
+        let err = ApiError::Internal { message: message.to_string() };
+        let mut handles: Vec<u64> =
+            self.last_plan_reqs.iter().filter_map(|id| self.owners.get(id).map(|&(h, _)| h)).collect();
+        handles.sort_unstable();
+        handles.dedup();
+        handles
+            .into_iter()
+            .filter_map(|h| self.forget(h).map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, true, true, 0)))
+            .collect()
+    }
+}
+
+/// The engine core: owned by the engine thread.
+#[pyclass(name = "Core", module = "llmserve._core")]
+pub struct PyCore {
+    state: CoreState,
+}
+
+fn outputs(py: Python<'_>, out: Vec<Output>) -> Vec<(u64, Py<PyBytes>, bool, bool, u32)> {
+    out.into_iter().map(|(h, b, f, e, n)| (h, PyBytes::new(py, &b).unbind(), f, e, n)).collect()
+}
+
+#[pymethods]
+impl PyCore {
+    #[new]
+    fn new(router: &PyRouter, config_json: &str) -> PyResult<Self> {
+        let c: CoreConfig =
+            serde_json::from_str(config_json).map_err(|e| PyValueError::new_err(format!("core config: {e}")))?;
+        let policy = match c.policy.as_str() {
+            "fcfs" => Policy::Fcfs,
+            "priority" => Policy::Priority,
+            other => return Err(PyValueError::new_err(format!("unknown scheduling policy {other:?}"))),
+        };
+        if c.block_size == 0 || c.num_blocks.saturating_sub(1) * c.block_size < c.max_model_len {
+            return Err(PyValueError::new_err(format!(
+                "{} KV blocks of {} tokens cannot hold one sequence of max_model_len {}",
+                c.num_blocks.saturating_sub(1),
+                c.block_size,
+                c.max_model_len
+            )));
+        }
+        let max_model_len = c.max_model_len as u32;
+        let scheduler = Scheduler::new(SchedulerConfig {
+            num_blocks: c.num_blocks,
+            block_size: c.block_size,
+            max_num_seqs: c.max_num_seqs,
+            max_num_batched_tokens: c.max_num_batched_tokens,
+            max_model_len: c.max_model_len,
+            enable_prefix_caching: c.enable_prefix_caching,
+            policy,
+        });
+        Ok(Self {
+            state: CoreState {
+                router: router.inner.clone(),
+                scheduler,
+                policy,
+                requests: HashMap::new(),
+                owners: HashMap::new(),
+                next_handle: 1,
+                next_sched_id: 1,
+                max_model_len,
+                last_plan_reqs: Vec::new(),
+            },
+        })
+    }
+
+    /// Queue a prepared request; returns its handle.
+    fn add(&mut self, py: Python<'_>, prepared: &mut PyPrepared) -> PyResult<u64> {
+        let p = prepared.inner.take().ok_or_else(|| PyValueError::new_err("this request was already added"))?;
+        let state = &mut self.state;
+        py.detach(|| state.add(p)).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Drop a request (client gone): its blocks are freed now. Unknown handles are ignored.
+    fn abort(&mut self, handle: u64) -> bool {
+        self.state.forget(handle).is_some()
+    }
+
+    /// The next step's plan, or None when nothing can run.
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<PyPlan>> {
+        let state = &mut self.state;
+        match py.detach(|| state.schedule()) {
+            Some(plan) => Ok(Some(PyPlan::new(py, plan)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Apply one step's samples (one per plan row). Returns, per request touched,
+    /// `(handle, bytes, finished, error, new_tokens)`.
+    fn commit(
+        &mut self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, i64>,
+        logprobs: PyReadonlyArray1<'_, f32>,
+        top_ids: PyReadonlyArray2<'_, i64>,
+        top_logprobs: PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<Vec<(u64, Py<PyBytes>, bool, bool, u32)>> {
+        let toks: Vec<u32> = tokens.as_array().iter().map(|&t| t as u32).collect();
+        let lps: Vec<f32> = logprobs.as_array().iter().copied().collect();
+        let k = top_ids.shape()[1];
+        if top_logprobs.shape()[1] != k {
+            return Err(PyValueError::new_err("top_ids and top_logprobs differ in width"));
+        }
+        let tids: Vec<i64> = top_ids.as_array().iter().copied().collect();
+        let tlps: Vec<f32> = top_logprobs.as_array().iter().copied().collect();
+        let state = &mut self.state;
+        let out = py.detach(|| state.commit(&toks, &lps, &tids, &tlps, k));
+        Ok(outputs(py, out))
+    }
+
+    /// The last step failed: end each request it touched with a 500 (or an SSE error frame
+    /// if its stream had begun).
+    fn fail_plan(&mut self, py: Python<'_>, message: &str) -> Vec<(u64, Py<PyBytes>, bool, bool, u32)> {
+        let out = self.state.fail_plan(message);
+        outputs(py, out)
+    }
+
+    fn has_work(&self) -> bool {
+        self.state.scheduler.has_work()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.state.scheduler.stats();
+        let d = PyDict::new(py);
+        let usable = s.num_blocks.saturating_sub(1).max(1);
+        d.set_item("running", s.running)?;
+        d.set_item("waiting", s.waiting)?;
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("used_blocks", s.used_blocks)?;
+        d.set_item("cached_blocks", s.cached_blocks)?;
+        d.set_item("kv_cache_usage", s.used_blocks as f64 / usable as f64)?;
+        d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+        d.set_item("preemptions", s.preemptions)?;
+        d.set_item("requests", self.state.requests.len())?;
+        Ok(d)
+    }
+}

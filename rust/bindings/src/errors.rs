@@ -1,0 +1,80 @@
+//! The Python mirror of `ApiError`: one exception class per HTTP status family, each
+//! instance carrying `status`, `type`, `code`, `param`, `message`, `retry_after`, the
+//! ready JSON `body` and its SSE frame `sse`, so the server never rebuilds an error body itself.
+
+use llmserve_router::ApiError;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+create_exception!(_core, ApiErrorBase, PyException, "An error in the OpenAI error shape.");
+create_exception!(_core, BadRequestError, ApiErrorBase, "400: the request is invalid.");
+create_exception!(_core, AuthenticationError, ApiErrorBase, "401: missing or wrong API key.");
+create_exception!(_core, NotFoundError, ApiErrorBase, "404: unknown model or resource.");
+create_exception!(_core, PayloadTooLargeError, ApiErrorBase, "413: request body too large.");
+create_exception!(_core, InternalServerError, ApiErrorBase, "500: the engine failed.");
+create_exception!(_core, ServiceUnavailableError, ApiErrorBase, "503: try again later.");
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("ApiError", py.get_type::<ApiErrorBase>())?;
+    m.add("BadRequestError", py.get_type::<BadRequestError>())?;
+    m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
+    m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("PayloadTooLargeError", py.get_type::<PayloadTooLargeError>())?;
+    m.add("InternalServerError", py.get_type::<InternalServerError>())?;
+    m.add("ServiceUnavailableError", py.get_type::<ServiceUnavailableError>())?;
+    Ok(())
+}
+
+/// Convert an `ApiError` into the matching Python exception with its fields attached.
+pub fn to_py(py: Python<'_>, e: &ApiError) -> PyErr {
+    let msg = e.message();
+    let err = match e.status() {
+        400 => BadRequestError::new_err(msg.clone()),
+        401 => AuthenticationError::new_err(msg.clone()),
+        404 => NotFoundError::new_err(msg.clone()),
+        413 => PayloadTooLargeError::new_err(msg.clone()),
+        503 => ServiceUnavailableError::new_err(msg.clone()),
+        _ => InternalServerError::new_err(msg.clone()),
+    };
+    let value = err.value(py);
+    let set = || -> PyResult<()> {
+        value.setattr("status", e.status())?;
+        value.setattr("type", e.error_type())?;
+        value.setattr("code", e.code())?;
+        value.setattr("param", e.param())?;
+        value.setattr("message", msg.clone())?;
+        value.setattr("retry_after", e.retry_after())?;
+        value.setattr("body", PyBytes::new(py, &e.to_json()))?;
+        value.setattr("sse", PyBytes::new(py, &e.to_sse()))?;
+        Ok(())
+    };
+    if let Err(inner) = set() {
+        return inner;
+    }
+    err
+}
+
+/// Build an `ApiError` of a named kind from Python (the engine's 503s and 500s, the
+/// server's 401/404/413), so that every body is still made here.
+pub fn from_kind(
+    kind: &str,
+    message: String,
+    param: Option<String>,
+    retry_after: Option<u32>,
+    limit: Option<usize>,
+) -> Option<ApiError> {
+    Some(match kind {
+        "invalid_request" => ApiError::InvalidRequest { message, param, code: "invalid_value" },
+        "unsupported_parameter" => ApiError::with_code("unsupported_parameter", param, message),
+        "unauthorized" => ApiError::Unauthorized { message },
+        "not_found" => ApiError::NotFound { message },
+        "model_not_found" => ApiError::ModelNotFound { model: message },
+        "payload_too_large" => ApiError::PayloadTooLarge { limit: limit.unwrap_or_default() },
+        "unavailable" => ApiError::Unavailable { message, retry_after: retry_after.unwrap_or(1) },
+        "internal" => ApiError::Internal { message },
+        _ => return None,
+    })
+}

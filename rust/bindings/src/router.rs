@@ -1,0 +1,181 @@
+//! `Router` and `Prepared`: the protocol side as Python sees it.
+
+use std::sync::Arc;
+
+use llmserve_router::protocol::{Endpoint, Prepared};
+use llmserve_router::router::{Router, RouterConfig};
+use llmserve_router::template::{TemplateSet, TemplateSources};
+use llmserve_router::tokenizer::{GgufVocab, Tokenizer};
+use llmserve_router::ApiError;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors;
+
+fn endpoint(name: &str) -> PyResult<Endpoint> {
+    Endpoint::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown endpoint {name:?}")))
+}
+
+fn config_err(what: &str, e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{what}: {e}"))
+}
+
+/// The OpenAI protocol: validation, templates, tokenization, response bodies.
+#[pyclass(name = "Router", module = "llmserve._core", frozen)]
+pub struct PyRouter {
+    pub inner: Arc<Router>,
+}
+
+#[pymethods]
+impl PyRouter {
+    /// Exactly one of `tokenizer_json` (a path) and `gguf_vocab_json` (GgufVocab as JSON)
+    /// names the tokenizer. `template_sources_json` and `config_json` are the JSON forms of
+    /// `TemplateSources` and `RouterConfig`.
+    #[new]
+    #[pyo3(signature = (tokenizer_json, gguf_vocab_json, template_sources_json, config_json))]
+    fn new(
+        py: Python<'_>,
+        tokenizer_json: Option<String>,
+        gguf_vocab_json: Option<String>,
+        template_sources_json: &str,
+        config_json: &str,
+    ) -> PyResult<Self> {
+        let config: RouterConfig = serde_json::from_str(config_json).map_err(|e| config_err("router config", e))?;
+        let sources: TemplateSources =
+            serde_json::from_str(template_sources_json).map_err(|e| config_err("template sources", e))?;
+        let router = py.detach(move || -> Result<Router, String> {
+            let tokenizer = match (tokenizer_json, gguf_vocab_json) {
+                (Some(path), None) => Tokenizer::from_file(std::path::Path::new(&path))?,
+                (None, Some(vocab)) => {
+                    let vocab: GgufVocab = serde_json::from_str(&vocab).map_err(|e| e.to_string())?;
+                    Tokenizer::from_gguf(&vocab)?
+                }
+                _ => return Err("give exactly one of tokenizer_json and gguf_vocab_json".into()),
+            };
+            let templates = TemplateSet::resolve(sources)?;
+            Ok(Router::new(tokenizer, templates, config))
+        });
+        Ok(Self { inner: Arc::new(router.map_err(|e| config_err("tokenizer or chat template", e))?) })
+    }
+
+    /// Validate, render and tokenize a chat or completion request.
+    fn prepare(&self, py: Python<'_>, endpoint_name: &str, body: &[u8]) -> PyResult<PyPrepared> {
+        let ep = endpoint(endpoint_name)?;
+        let router = self.inner.clone();
+        let body = body.to_vec();
+        match py.detach(move || router.prepare(ep, &body)) {
+            Ok(p) => Ok(PyPrepared { inner: Some(p) }),
+            Err(e) => Err(errors::to_py(py, &e)),
+        }
+    }
+
+    /// Answer tokenize, detokenize and the render routes: the JSON response body.
+    fn handle<'py>(&self, py: Python<'py>, endpoint_name: &str, body: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        let ep = endpoint(endpoint_name)?;
+        let router = self.inner.clone();
+        let body = body.to_vec();
+        match py.detach(move || router.handle(ep, &body)) {
+            Ok(out) => Ok(PyBytes::new(py, &out)),
+            Err(e) => Err(errors::to_py(py, &e)),
+        }
+    }
+
+    /// `GET /v1/models` body.
+    fn models<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.models())
+    }
+
+    /// `GET /v1/models/{id}` body.
+    fn model<'py>(&self, py: Python<'py>, id: &str) -> PyResult<Bound<'py, PyBytes>> {
+        self.inner.model(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// (origin, hash) of the template chat requests use, or None.
+    fn template_info(&self) -> Option<(String, String)> {
+        self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.tokenizer().vocab_size()
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> u32 {
+        self.inner.config().max_model_len
+    }
+
+    #[getter]
+    fn served_model_names(&self) -> Vec<String> {
+        self.inner.config().served_model_names.clone()
+    }
+
+    /// An `ApiError` exception of a named kind (`unavailable`, `internal`, `unauthorized`,
+    /// `not_found`, `model_not_found`, `payload_too_large`, `invalid_request`,
+    /// `unsupported_parameter`), with its body built here like every other error.
+    #[staticmethod]
+    #[pyo3(signature = (kind, message = String::new(), param = None, retry_after = None, limit = None))]
+    fn error(
+        py: Python<'_>,
+        kind: &str,
+        message: String,
+        param: Option<String>,
+        retry_after: Option<u32>,
+        limit: Option<usize>,
+    ) -> PyResult<Py<PyAny>> {
+        let e: ApiError = errors::from_kind(kind, message, param, retry_after, limit)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown error kind {kind:?}")))?;
+        Ok(errors::to_py(py, &e).into_value(py).into_any())
+    }
+}
+
+/// A validated request, consumed by `Core.add`.
+#[pyclass(name = "Prepared", module = "llmserve._core")]
+pub struct PyPrepared {
+    pub inner: Option<Prepared>,
+}
+
+impl PyPrepared {
+    fn get(&self) -> PyResult<&Prepared> {
+        self.inner.as_ref().ok_or_else(|| PyValueError::new_err("this request was already added to the engine"))
+    }
+}
+
+#[pymethods]
+impl PyPrepared {
+    #[getter]
+    fn id(&self) -> PyResult<String> {
+        Ok(self.get()?.id.clone())
+    }
+    #[getter]
+    fn stream(&self) -> PyResult<bool> {
+        Ok(self.get()?.stream)
+    }
+    #[getter]
+    fn model(&self) -> PyResult<String> {
+        Ok(self.get()?.model.clone())
+    }
+    #[getter]
+    fn user(&self) -> PyResult<Option<String>> {
+        Ok(self.get()?.user.clone())
+    }
+    #[getter]
+    fn priority(&self) -> PyResult<i32> {
+        Ok(self.get()?.priority)
+    }
+    /// Response headers the request earned (`llmserve-ignored-fields`, `llmserve-chat-template`).
+    #[getter]
+    fn headers(&self) -> PyResult<Vec<(String, String)>> {
+        Ok(self.get()?.headers.clone())
+    }
+    /// Prompt tokens over every prompt of the request.
+    #[getter]
+    fn prompt_tokens(&self) -> PyResult<usize> {
+        Ok(self.get()?.prompts.iter().map(Vec::len).sum())
+    }
+    #[getter]
+    fn prompt_token_ids(&self) -> PyResult<Vec<Vec<u32>>> {
+        Ok(self.get()?.prompts.clone())
+    }
+}
