@@ -111,6 +111,12 @@ class EngineThread:
                 failed = self._apply(ops)
                 if failed:
                     self._deliver(failed)
+                if ops and not self._core.has_work():
+                    # Aborts can empty the engine without another step: refresh /load now.
+                    self.stats = self._core.stats()
+                    if self._on_stats is not None:
+                        self._on_stats(self.stats, 0.0)
+                    continue
                 t0 = time.perf_counter()
                 outputs, ran = step(self._core, self._runner)
                 if not ran:

@@ -56,7 +56,8 @@ class Metrics:
         self._last_preemptions = stats["preemptions"]
         self.prefix_hits.inc(max(0, stats["prefix_hit_tokens"] - self._last_hits))
         self._last_hits = stats["prefix_hit_tokens"]
-        self.step_time.observe(seconds)
+        if seconds > 0:
+            self.step_time.observe(seconds)
 
     def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
                   first_token: float | None, finished: float) -> None:

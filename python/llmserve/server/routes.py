@@ -11,7 +11,7 @@ import asyncio
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 import llmserve
 from llmserve._core import Router
@@ -41,8 +41,7 @@ async def read_body(request: Request) -> bytes:
 
 
 async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _until_disconnect_raw(request.receive)
 
 
 async def _whole(request: Request, stream: RequestStream) -> bytes | None:
@@ -75,30 +74,60 @@ async def _generate(request: Request, endpoint: str) -> Response:
         # 4xx), not a 200 with an error frame; keep-alive still bounds the silent wait.
         first = await stream.next(timeout=keep_alive)
     except TimeoutError:
-        first = b": keep-alive\n\n"
+        first = KEEP_ALIVE
     except BaseException:
         await stream.aclose()
         raise
-
-    async def frames():
-        try:
-            if first is None:
-                return
-            yield first
-            while True:
-                try:
-                    item = await stream.next(timeout=keep_alive)
-                except TimeoutError:
-                    yield b": keep-alive\n\n"
-                    continue
-                if item is None:
-                    return
-                yield item
-        finally:
-            await stream.aclose()
-
     headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-    return StreamingResponse(frames(), media_type="text/event-stream", headers=headers)
+    return EventStreamResponse(stream, first, keep_alive, headers)
+
+
+KEEP_ALIVE = b": keep-alive\n\n"
+
+
+class EventStreamResponse(Response):
+    """Writes a request's SSE bytes as they come and aborts the request the moment the
+    client goes away (disconnect or failed write), so its KV blocks are freed at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: RequestStream, first: bytes | None, keep_alive: float | None,
+                 headers: dict) -> None:
+        # NOTE: no content-length: the body's size is unknown until the stream ends.
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
+        self.stream, self.first, self.keep_alive = stream, first, keep_alive
+
+    async def _pump(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        item = self.first
+        while item is not None:
+            await send({"type": "http.response.body", "body": item, "more_body": True})
+            try:
+                item = await self.stream.next(timeout=self.keep_alive)
+            except TimeoutError:
+                item = KEEP_ALIVE
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_until_disconnect_raw(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await self.stream.aclose()
+        if pump.done() and not pump.cancelled() and pump.exception() is not None:
+            exc = pump.exception()
+            if not isinstance(exc, OSError):  # a client gone mid-write is not our error
+                raise exc
+
+
+async def _until_disconnect_raw(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def chat_completions(request: Request) -> Response:
