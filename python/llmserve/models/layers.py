@@ -1,0 +1,136 @@
+"""Layers shared by every decoder family: RMSNorm, rotary embedding, fused QKV projection,
+fused gate|up SiLU MLP, and the paged-attention call.
+
+Shapes use T for the flat tokens of a step (sequences are concatenated, no padding), H for the
+hidden size, and `heads x head_dim` for attention. Weights are fused at load time (one GEMM for
+Q, K and V; one for gate and up) because on CPU each extra GEMM and op dispatch costs real time
+(see BENCH.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.worker.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm that always accumulates in float32, then casts back (HF's convention: the
+    normalized activations are cast to the input dtype before the weight multiply)."""
+
+    def __init__(self, dim: int | tuple[int, ...], eps: float):
+        super().__init__()
+        self.shape = (dim,) if isinstance(dim, int) else tuple(dim)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(self.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # NOTE: one fused op on the fp32 path; batch-1 decode is bound by op dispatch.
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.shape, None, self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent rescaling of the rotary frequencies."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    # long wavelengths are slowed down by `factor`, short ones kept, the band between blended
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, blended, out)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding with HF's rotate-half layout (pairs are (i, i + d/2)).
+
+    cos/sin tables are precomputed in float32 and grown on demand; the model looks them up once
+    per forward (`cos_sin`) and every layer reuses them (`apply`).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
+                 device: torch.device):
+        self.head_dim = head_dim
+        self.device = device
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+        self.inv_freq = inv_freq
+        self._build(max(max_positions, 1))
+
+    def _build(self, n: int) -> None:
+        freqs = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq)
+        self.cos = freqs.cos().float().to(self.device)   # [n, head_dim / 2]
+        self.sin = freqs.sin().float().to(self.device)
+
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim / 2] (broadcast over heads)."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return cos.to(dtype), sin.to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated copy:
+        (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class QKVLinear(nn.Linear):
+    """Q, K and V projections fused into one GEMM: output [T, (heads + 2 kv_heads) * head_dim]."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
+        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    @staticmethod
+    def fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat((q, k, v), dim=0)
+
+
+class GateUpMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one GEMM: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the paged cache and attends over each sequence's context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,200 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral without sliding window) and the decoder that
+Qwen2 and Qwen3 reuse with two switches: QKV bias and per-head q/k RMSNorm.
+
+Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
+one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
+loading never pays for a random init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.models.layers import GateUpMLP, PagedAttention, QKVLinear, RMSNorm, RotaryEmbedding
+from llmserve.models.registry import register
+from llmserve.worker.attention import AttentionMetadata
+
+KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    @staticmethod
+    def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
+        heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes rope settings as `rope_parameters`; older files use
+        # `rope_theta` + `rope_scaling`.
+        rope_params = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = rope_params
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias is not supported")
+        fields = dict(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=scaling, max_positions=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
+        )
+        fields.update(overrides)
+        return DecoderConfig(**fields)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv(x).split(((nh + nkv) * d, nkv * d), dim=-1)
+        qk = qk.view(-1, nh + nkv, d)               # q heads then k heads: RoPE both in one go
+        if self.q_norm is not None:                 # Qwen3: per-head RMSNorm before RoPE
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+        q, k = RotaryEmbedding.apply(qk, cos, sin).split((nh, nkv), dim=1)
+        o = self.attn(q, k, v.view(-1, nkv, d), attn, kv_cache)
+        return self.o_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = DecoderAttention(c)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, attn, kv_cache)
+        return h + self.mlp(self.post_norm(h))
+
+
+@register("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer: embed -> layers -> norm; `compute_logits` applies the LM head."""
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DecoderConfig:
+        window = hf_config.get("sliding_window")
+        if window is not None and window < hf_config.get("max_position_embeddings", 0):
+            raise ValueError(f"sliding-window attention (window {window}) is not supported")
+        return DecoderConfig.from_hf(hf_config)
+
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.config = c
+        self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
+        self.vocab_size = c.vocab_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = (None if c.tie_word_embeddings
+                        else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
+        self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
+
+    @classmethod
+    def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> "LlamaForCausalLM":
+        c = cls.parse_config(hf_config)
+        if not c.tie_word_embeddings and "lm_head.weight" not in weights:
+            # NOTE: checkpoints that ship no LM head (GGUF without `output.weight`) tie it.
+            c = DecoderConfig(**{**c.__dict__, "tie_word_embeddings": True})
+        with torch.device("meta"):
+            model = cls(c)
+        state = {k: t.to(device=device, dtype=dtype).contiguous()
+                 for k, t in fuse_hf_weights(c, weights).items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
+                                     device)
+        model.requires_grad_(False)
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: Sequence[KVPair]) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-normed hidden [T, H]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rope.cos_sin(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, attn, kv_cache)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits [R, V]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF parameter names -> this module's names, with q|k|v and gate|up concatenated.
+    Raises on a missing or unexpected tensor, so a wrong mapping never loads silently."""
+    left = dict(weights)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in left:
+            raise ValueError(f"checkpoint is missing {name!r}")
+        return left.pop(name)
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"),
+           "norm.weight": take("model.norm.weight")}
+    for i in range(c.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        sa = hf + "self_attn."
+        out[ours + "attn.qkv.weight"] = QKVLinear.fuse(
+            take(sa + "q_proj.weight"), take(sa + "k_proj.weight"), take(sa + "v_proj.weight"))
+        if c.qkv_bias:
+            out[ours + "attn.qkv.bias"] = QKVLinear.fuse(
+                take(sa + "q_proj.bias"), take(sa + "k_proj.bias"), take(sa + "v_proj.bias"))
+        out[ours + "attn.o_proj.weight"] = take(sa + "o_proj.weight")
+        if c.o_bias:
+            out[ours + "attn.o_proj.bias"] = take(sa + "o_proj.bias")
+        if c.qk_norm:
+            out[ours + "attn.q_norm.weight"] = take(sa + "q_norm.weight")
+            out[ours + "attn.k_norm.weight"] = take(sa + "k_norm.weight")
+        out[ours + "mlp.gate_up.weight"] = torch.cat(
+            (take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")), dim=0)
+        out[ours + "mlp.down.weight"] = take(hf + "mlp.down_proj.weight")
+        out[ours + "input_norm.weight"] = take(hf + "input_layernorm.weight")
+        out[ours + "post_norm.weight"] = take(hf + "post_attention_layernorm.weight")
+    if c.tie_word_embeddings:
+        left.pop("lm_head.weight", None)   # some tied checkpoints still ship a copy
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    unexpected = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:8]}")
+    return out

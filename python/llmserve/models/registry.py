@@ -1,0 +1,61 @@
+"""Model registry: families register themselves by HF `architectures[0]`; `build_model` looks
+them up. There is no central dispatch table: adding a family means adding one module that uses
+`@register(...)` and importing it from `llmserve.models`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+_REGISTRY: dict[str, type] = {}
+
+
+class CausalLM(Protocol):
+    """What the runner needs from a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
+                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids/positions [T] int64 -> final-normed hidden [T, H]."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits [R, V]."""
+
+
+def register(*architectures: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        for arch in architectures:
+            if arch in _REGISTRY and _REGISTRY[arch] is not cls:
+                raise ValueError(f"architecture {arch!r} registered twice")
+            _REGISTRY[arch] = cls
+        return cls
+    return deco
+
+
+def supported_architectures() -> list[str]:
+    _import_families()
+    return sorted(_REGISTRY)
+
+
+def _import_families() -> None:
+    # Importing the package imports every family module, which registers it.
+    import llmserve.models  # noqa: F401
+
+
+def build_model(hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str) -> CausalLM:
+    """Build the model for `hf_config["architectures"][0]` and load HF-named `weights`."""
+    _import_families()
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no `architectures`; cannot pick a model family")
+    cls = _REGISTRY.get(archs[0])
+    if cls is None:
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {sorted(_REGISTRY)}")
+    return cls.from_hf(hf_config, weights, dtype, torch.device(device))

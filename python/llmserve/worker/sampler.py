@@ -1,0 +1,263 @@
+"""Sampling: one vectorized float32 pass over the R rows of a step.
+
+Order (vLLM's): logprobs of the RAW logits -> logit_bias and min_tokens bans -> repetition /
+presence / frequency penalties -> greedy rows take the argmax; the others: temperature ->
+min_p -> top_k -> top_p -> exponential race (argmax(probs / Exponential(1) noise)).
+
+Cost rules: bias is a flat index_put_ (cost ~ nnz); only penalized rows get a [Rp, V] count
+tensor; top_p never sorts the vocabulary (top candidates, else a radix select);
+Python loops run only over seeded rows (one generator each, seeded from (seed, gen_index),
+so a seeded row's tokens do not depend on the rest of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+# top_p first looks for its set among this many top candidates (cheap for peaked rows).
+_TOP_P_WINDOW = 128
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    tokens: np.ndarray          # int64 [R]
+    logprobs: np.ndarray        # float32 [R]: raw logprob of the chosen token (0.0 where not asked)
+    top_ids: np.ndarray         # int64 [R, K], K = max(num_logprobs) (0 if none), sorted by logprob
+    top_logprobs: np.ndarray    # float32 [R, K]
+
+    @staticmethod
+    def empty() -> "SampleOutput":
+        return SampleOutput(np.zeros(0, np.int64), np.zeros(0, np.float32),
+                            np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32))
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The Plan's per-row sampling columns as tensors (same names, see ARCHITECTURE.md)."""
+
+    temperature: torch.Tensor        # f32 [R]
+    top_p: torch.Tensor              # f32 [R]
+    top_k: torch.Tensor              # i64 [R], 0 = off
+    min_p: torch.Tensor              # f32 [R]
+    presence_penalty: torch.Tensor   # f32 [R]
+    frequency_penalty: torch.Tensor  # f32 [R]
+    repetition_penalty: torch.Tensor # f32 [R]
+    seeds: torch.Tensor              # i64 [R], -1 unseeded
+    gen_index: torch.Tensor          # i64 [R]
+    num_logprobs: torch.Tensor       # i64 [R], -1 none
+    bias_offsets: torch.Tensor       # i64 [R + 1]
+    bias_token_ids: torch.Tensor     # i64 [nnz]
+    bias_values: torch.Tensor        # f32 [nnz]
+    hist_offsets: torch.Tensor       # i64 [R + 1]
+    hist_tokens: torch.Tensor        # i64 [nh]
+    hist_prompt_lens: torch.Tensor   # i64 [R]
+
+    @classmethod
+    def from_plan(cls, plan) -> "SamplingBatch":
+        f32, i64 = torch.float32, torch.int64
+        spec = dict(temperature=f32, top_p=f32, top_k=i64, min_p=f32, presence_penalty=f32,
+                    frequency_penalty=f32, repetition_penalty=f32, seeds=i64, gen_index=i64,
+                    num_logprobs=i64, bias_offsets=i64, bias_token_ids=i64, bias_values=f32,
+                    hist_offsets=i64, hist_tokens=i64, hist_prompt_lens=i64)
+        return cls(**{name: as_tensor(getattr(plan, name), dt) for name, dt in spec.items()})
+
+
+def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A numpy column as a CPU tensor of `dtype`, zero-copy when it already has that dtype.
+    Read-only arrays (the Rust Plan's) are copied: torch refuses to alias them silently."""
+    array = np.asarray(array)
+    if array.flags.writeable and array.flags.c_contiguous:
+        t = torch.from_numpy(array)
+    else:
+        t = torch.tensor(array)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _row_of_each(offsets: torch.Tensor) -> torch.Tensor:
+    """CSR offsets [R + 1] -> the row index of every entry [nnz]."""
+    counts = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
+
+def _mix_seed(seed: int, gen_index: int) -> int:
+    """(seed, gen_index) -> a well-spread 63-bit generator seed (splitmix64 finalizer)."""
+    z = (seed * 0x9E3779B97F4A7C15 + gen_index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        """seed: the shared generator of unseeded rows. None draws it from torch's global RNG,
+        so `torch.manual_seed(...)` before building the engine also fixes unseeded sampling."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
+        """logits float32 [R, V] (raw model output; modified in place) -> SampleOutput."""
+        num_rows, vocab = logits.shape
+        if num_rows == 0:
+            return SampleOutput.empty()
+        wants = torch.nonzero(b.num_logprobs >= 0).squeeze(1)
+        raw_logprobs = torch.log_softmax(logits[wants], dim=-1) if wants.numel() else None
+
+        self._apply_bias(logits, b)
+        self._apply_penalties(logits, b)
+        tokens = logits.argmax(dim=-1)
+        random_rows = torch.nonzero(b.temperature > 0).squeeze(1)
+        if random_rows.numel():
+            tokens[random_rows] = self._sample_random(logits, b, random_rows)
+
+        chosen_lp = np.zeros(num_rows, np.float32)
+        k = max(int(b.num_logprobs.max()), 0)
+        top_ids = np.zeros((num_rows, k), np.int64)
+        top_lp = np.zeros((num_rows, k), np.float32)
+        if raw_logprobs is not None:
+            rows = wants.numpy()
+            chosen_lp[rows] = raw_logprobs.gather(1, tokens[wants].unsqueeze(1)).squeeze(1).numpy()
+            if k:
+                top = raw_logprobs.topk(min(k, vocab), dim=-1)   # sorted, largest first
+                top_ids[rows, :top.indices.shape[1]] = top.indices.numpy()
+                top_lp[rows, :top.values.shape[1]] = top.values.numpy()
+        return SampleOutput(tokens.numpy().astype(np.int64, copy=False), chosen_lp, top_ids, top_lp)
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, b: SamplingBatch) -> None:
+        """logit_bias and min_tokens bans (-inf) from the CSR columns: O(nnz)."""
+        if b.bias_token_ids.numel() == 0:
+            return
+        rows = _row_of_each(b.bias_offsets)
+        logits.index_put_((rows, b.bias_token_ids), b.bias_values, accumulate=True)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
+        """Repetition penalty over prompt + output tokens (HF/vLLM: divide positive logits,
+        multiply negative ones); presence and frequency penalties over output tokens only."""
+        if b.hist_tokens.numel() == 0:
+            return
+        hist_lens = b.hist_offsets[1:] - b.hist_offsets[:-1]
+        pen_rows = torch.nonzero(hist_lens > 0).squeeze(1)                # [Rp]
+        compact = torch.cumsum(hist_lens > 0, 0) - 1                      # row -> index in Rp
+        row = _row_of_each(b.hist_offsets)                                # [nh]
+        pos_in_row = torch.arange(row.numel()) - b.hist_offsets[row]
+        is_output = pos_in_row >= b.hist_prompt_lens[row]
+        prow = compact[row]
+
+        num_pen, vocab = pen_rows.numel(), logits.shape[1]
+        seen = torch.zeros(num_pen, vocab, dtype=torch.bool)
+        seen[prow, b.hist_tokens] = True
+        counts = torch.zeros(num_pen, vocab, dtype=torch.float32)
+        counts.index_put_((prow[is_output], b.hist_tokens[is_output]),
+                          torch.ones(int(is_output.sum())), accumulate=True)
+
+        sub = logits[pen_rows]
+        rep = b.repetition_penalty[pen_rows].unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub -= b.frequency_penalty[pen_rows].unsqueeze(1) * counts
+        sub -= b.presence_penalty[pen_rows].unsqueeze(1) * (counts > 0).float()
+        logits[pen_rows] = sub
+
+    def _sample_random(self, logits: torch.Tensor, b: SamplingBatch,
+                       rows: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] (processed) -> sampled ids [Rs] for `rows` (temperature > 0).
+        Greedy tokens are already taken, so `logits` is reused as scratch."""
+        x = logits if rows.numel() == logits.shape[0] else logits[rows]
+        temp = b.temperature[rows].unsqueeze(1)
+        # Weights exp((x - max) / T): the row's probabilities up to a constant factor, which
+        # neither min_p / top_k nor the race needs. NOTE: shifting by the max first keeps tiny
+        # temperatures finite in float32 (the best token's weight is exactly 1, bans exactly 0).
+        w = x.sub_(x.max(dim=-1, keepdim=True).values).div_(temp).exp_()
+
+        min_p = b.min_p[rows]
+        if bool((min_p > 0).any()):
+            w.masked_fill_(w < min_p.unsqueeze(1), 0.0)      # max weight is 1: p / p_max = w
+
+        top_k = b.top_k[rows]
+        k_rows = torch.nonzero((top_k > 0) & (top_k < w.shape[1])).squeeze(1)
+        if k_rows.numel():
+            ks = top_k[k_rows]
+            sub = w[k_rows]
+            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+            w[k_rows] = sub.masked_fill_(sub < kth, 0.0)
+
+        top_p = b.top_p[rows]
+        p_rows = torch.nonzero(top_p < 1.0).squeeze(1)
+        if p_rows.numel():
+            w[p_rows] = _top_p_filter(w[p_rows], top_p[p_rows])
+
+        noise = self._exponential_noise(w.shape, b.seeds[rows], b.gen_index[rows])
+        return w.div_(noise).argmax(dim=-1)
+
+    def _exponential_noise(self, shape: torch.Size, seeds: torch.Tensor,
+                           gen_index: torch.Tensor) -> torch.Tensor:
+        """Exponential(1) noise [Rs, V]: unseeded rows from the shared generator, each seeded
+        row from its own generator seeded by (seed, gen_index)."""
+        # NOTE: -log(u) with u uniform in [0, 1) is Exponential(1) and ~2x cheaper on CPU than
+        # exponential_(); u == 0 gives +inf noise, which only makes that token lose.
+        u = torch.empty(shape)
+        seeded = torch.nonzero(seeds >= 0).squeeze(1)
+        if seeded.numel() < shape[0]:
+            u.uniform_(generator=self.generator)
+        for i, seed, g in zip(seeded.tolist(), seeds[seeded].tolist(), gen_index[seeded].tolist()):
+            u[i].uniform_(generator=torch.Generator().manual_seed(_mix_seed(seed, g)))
+        return u.log_().neg_()
+
+
+def _top_p_filter(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero all but the smallest set of most likely tokens whose probability mass exceeds top_p
+    (over what survived top_k / min_p; ties at the boundary are kept); top_p == 0 keeps only
+    the most likely token. w [Rp, V] non-negative weights; returns them filtered (in place).
+
+    No vocabulary sort: the set is first looked for among the top candidates (enough for a
+    peaked distribution); rows whose candidates hold too little mass use a radix select."""
+    probs = w / w.sum(dim=-1, keepdim=True)
+    n = min(_TOP_P_WINDOW, probs.shape[1])
+    cand = probs.topk(n, dim=-1).values                           # sorted, largest first
+    mass_before = cand.cumsum(dim=-1) - cand
+    p = top_p.unsqueeze(1)
+    last_kept = (mass_before <= p).sum(dim=-1, keepdim=True) - 1    # the first always survives
+    threshold = cand.gather(1, last_kept)
+    flat = torch.nonzero((mass_before[:, -1:] + cand[:, -1:] <= p).squeeze(1)).squeeze(1)
+    if flat.numel() and n < probs.shape[1]:
+        threshold[flat] = _radix_threshold(probs[flat], top_p[flat])
+    return w.masked_fill_(probs < threshold, 0.0)
+
+
+def _radix_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest kept probability per row [R, 1], exactly, in O(V) per row without sorting.
+
+    Non-negative float32 values order like their int32 bit patterns. A histogram of the mass
+    over the high 16 bits finds the bucket holding the boundary; a second one over the low 16
+    bits of that bucket's tokens pins the boundary value."""
+    bits = probs.view(torch.int32)
+    p = top_p.unsqueeze(1)
+    high = bits >> 16                                             # 0 .. 2^15 - 1 (sign bit is 0)
+    b_high, mass_above = _boundary_bucket(high, 1 << 15, probs, p, None)
+    in_bucket = probs.masked_fill(high != b_high, 0.0)
+    b_low, _ = _boundary_bucket(bits & 0xFFFF, 1 << 16, in_bucket, p, mass_above)
+    return ((b_high << 16) | b_low).to(torch.int32).view(torch.float32)
+
+
+def _boundary_bucket(keys: torch.Tensor, num_bins: int, probs: torch.Tensor, p: torch.Tensor,
+                     base: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the bucket (key value) holding the last kept token, and the mass in the buckets
+    above it plus `base`; both [R, 1]."""
+    rows = probs.shape[0]
+    # bins in descending key order, so a forward cumsum is the mass at or above each bucket
+    top_bin = torch.arange(rows).unsqueeze(1) * num_bins + (num_bins - 1)
+    hist = torch.zeros(rows * num_bins).index_add_(0, (top_bin - keys).flatten(), probs.flatten())
+    at_or_above = hist.view(rows, num_bins).cumsum(dim=1)
+    if base is not None:
+        at_or_above += base
+    # like the candidate window: the first bin whose cumulative mass exceeds p holds the last
+    # kept token (it cannot be empty: its mass moved the sum past p)
+    n = (at_or_above <= p).sum(dim=1, keepdim=True).clamp_(max=num_bins - 1)
+    above = torch.where(n > 0, at_or_above.gather(1, (n - 1).clamp_(min=0)),
+                        base if base is not None else torch.zeros_like(p))
+    return (num_bins - 1) - n, above

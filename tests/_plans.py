@@ -1,0 +1,171 @@
+"""Pure-Python Plans for worker tests: the same column names as the Rust Plan
+(ARCHITECTURE.md, Seam 2), built by a simple reference block allocator.
+
+`Row` holds one sampling row's parameters; `Paged` tracks sequences, hands out blocks from a
+free list (block 0 is the null block) and emits a `Plan` per step from {seq_id: new tokens}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Row:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = -1
+    gen_index: int = 0
+    num_logprobs: int = -1
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bans: list[int] = field(default_factory=list)        # min_tokens: eos/stop ids -> -inf
+    prompt: list[int] = field(default_factory=list)      # history, used only when penalized
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class Plan:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+    logits_indices: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    top_k: np.ndarray
+    seeds: np.ndarray
+    gen_index: np.ndarray
+    num_logprobs: np.ndarray
+    bias_offsets: np.ndarray
+    bias_token_ids: np.ndarray
+    bias_values: np.ndarray
+    hist_offsets: np.ndarray
+    hist_tokens: np.ndarray
+    hist_prompt_lens: np.ndarray
+    row_req_ids: np.ndarray
+    row_seq_index: np.ndarray
+
+
+def sampling_columns(rows: list[Row]) -> dict[str, np.ndarray]:
+    def col(name, dtype):
+        return np.array([getattr(r, name) for r in rows], dtype=dtype)
+
+    bias_ids, bias_vals, bias_off = [], [], [0]
+    hist, hist_off, prompt_lens = [], [0], []
+    for r in rows:
+        entries = list(r.logit_bias.items()) + [(t, float("-inf")) for t in r.bans]
+        bias_ids += [t for t, _ in entries]
+        bias_vals += [v for _, v in entries]
+        bias_off.append(len(bias_ids))
+        if r.penalized:
+            hist += r.prompt + r.output
+        hist_off.append(len(hist))
+        prompt_lens.append(len(r.prompt) if r.penalized else 0)
+    return dict(
+        temperature=col("temperature", np.float32), top_p=col("top_p", np.float32),
+        min_p=col("min_p", np.float32), presence_penalty=col("presence_penalty", np.float32),
+        frequency_penalty=col("frequency_penalty", np.float32),
+        repetition_penalty=col("repetition_penalty", np.float32), top_k=col("top_k", np.int32),
+        seeds=col("seed", np.int64), gen_index=col("gen_index", np.int64),
+        num_logprobs=col("num_logprobs", np.int32),
+        bias_offsets=np.array(bias_off, np.int32), bias_token_ids=np.array(bias_ids, np.int64),
+        bias_values=np.array(bias_vals, np.float32), hist_offsets=np.array(hist_off, np.int32),
+        hist_tokens=np.array(hist, np.int64), hist_prompt_lens=np.array(prompt_lens, np.int32),
+        row_req_ids=np.arange(len(rows), dtype=np.uint64),
+        row_seq_index=np.zeros(len(rows), np.uint32),
+    )
+
+
+def sampling_plan(rows: list[Row]) -> Plan:
+    """A Plan carrying only sampling columns (no tokens): for sampler tests."""
+    e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+    return Plan(input_ids=e64, positions=e64, query_start_loc=np.zeros(1, np.int32), seq_lens=e32,
+                block_tables=np.zeros((0, 0), np.int32), slot_mapping=e64, copy_src=e64,
+                copy_dst=e64, logits_indices=np.arange(len(rows), dtype=np.int64),
+                **sampling_columns(rows))
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class Paged:
+    """Reference allocator: sequences own blocks from a free list; no prefix sharing."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free = list(range(1, num_blocks))   # block 0 is the null block
+        self.seqs: dict[int, _Seq] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+
+    def add(self, seq_id: int, prompt: list[int]) -> None:
+        self.seqs[seq_id] = _Seq(list(prompt))
+
+    def append(self, seq_id: int, token: int) -> None:
+        self.seqs[seq_id].tokens.append(int(token))
+
+    def fork(self, src_id: int, new_id: int) -> None:
+        """New sequence with the same tokens; its KV arrives by block copies in the next plan."""
+        src = self.seqs[src_id]
+        dst = _Seq(list(src.tokens), src.num_computed, [self.free.pop(0) for _ in src.blocks])
+        self.pending_copies += list(zip(src.blocks, dst.blocks))
+        self.seqs[new_id] = dst
+
+    def step(self, schedule: dict[int, int], rows: dict[int, Row] | None = None) -> Plan:
+        """schedule: seq_id -> how many of its uncomputed tokens to run this step. A sequence
+        samples (gets a row) when the step reaches the end of its tokens."""
+        rows = rows or {}
+        ids, pos, slots, qsl, lens, tables, logit_rows, row_specs = [], [], [], [0], [], [], [], []
+        for sid, n in schedule.items():
+            s = self.seqs[sid]
+            start, end = s.num_computed, s.num_computed + n
+            assert 0 < n and end <= len(s.tokens)
+            while len(s.blocks) * self.block_size < end:
+                s.blocks.append(self.free.pop(0))
+            for p in range(start, end):
+                ids.append(s.tokens[p])
+                pos.append(p)
+                slots.append(s.blocks[p // self.block_size] * self.block_size + p % self.block_size)
+            qsl.append(len(ids))
+            lens.append(end)
+            tables.append(list(s.blocks))
+            s.num_computed = end
+            if end == len(s.tokens):
+                logit_rows.append(len(ids) - 1)
+                row_specs.append(rows.get(sid, Row()))
+        width = max((len(t) for t in tables), default=0)
+        bt = np.zeros((len(tables), width), np.int32)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = t
+        copies = self.pending_copies
+        self.pending_copies = []
+        return Plan(
+            input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
+            query_start_loc=np.array(qsl, np.int32), seq_lens=np.array(lens, np.int32),
+            block_tables=bt, slot_mapping=np.array(slots, np.int64),
+            copy_src=np.array([c[0] for c in copies], np.int64),
+            copy_dst=np.array([c[1] for c in copies], np.int64),
+            logits_indices=np.array(logit_rows, np.int64), **sampling_columns(row_specs))
