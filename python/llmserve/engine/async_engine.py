@@ -27,6 +27,11 @@ _INLINE_BODY_BYTES = 64 * 1024
 _END = object()
 
 
+def _is_sse_frame(data) -> bool:
+    """Whether `data` is wire-ready SSE (the mid-stream error frame), not an error body."""
+    return isinstance(data, (bytes, bytearray)) and data.startswith(b"data: ")
+
+
 class RequestStream:
     """One generation request's output, as an async iterator of wire-ready bytes."""
 
@@ -48,9 +53,14 @@ class RequestStream:
         if ntok and self.first_token is None:
             self.first_token = time.perf_counter()
         self.generated += ntok
-        if error and not isinstance(data, (bytes, bytearray)):
-            data = data if isinstance(data, ApiError) else self._engine.internal_error()
-        self._queue.put_nowait(data)
+        if error and not isinstance(data, ApiError) and not (self.stream and _is_sse_frame(data)):
+            # NOTE: the Core hands over its error as bytes (a body, or an SSE frame once it
+            # thinks the stream began); passed through, a body would go out as a 200. As an
+            # ApiError it becomes a real 500, or its SSE frame if the stream began meanwhile.
+            # Only a streamed request can ever carry the frame.
+            data = self._engine.internal_error()
+        if data:  # NOTE: steps that produced no bytes (held-back text, non-streamed) wake nobody
+            self._queue.put_nowait(data)
         if finished:
             self.finished = True
             self._queue.put_nowait(_END)
@@ -63,7 +73,8 @@ class RequestStream:
         if item is _END:
             return None
         if isinstance(item, ApiError):
-            if not self.started:
+            # A non-streamed body can't hold a frame; a stream that sent nothing can still 500.
+            if not (self.stream and self.started):
                 raise item
             item = item.sse
         self.started = True

@@ -1,0 +1,174 @@
+"""The contract's error table over HTTP on the tiny model: the exact body shape, `type`,
+`code` and `param` of every 4xx a request can earn before generation.
+
+(503 while loading/draining, the queue-full 503 and the engine-failure rows are tested in
+test_contract_lifecycle.py and test_contract_queue.py.)
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+MSG = [{"role": "user", "content": "x"}]
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def _post(server, path, body) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+CHAT_400 = [
+    ({"messages": MSG}, "missing_required_parameter", "model"),
+    ({"model": "tiny"}, "missing_required_parameter", "messages"),
+    ({"model": "tiny", "messages": []}, "invalid_value", "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "invalid_value", "messages[0].role"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, "missing_required_parameter", "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}]},
+     "invalid_type", "messages[1].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "unsupported_parameter", "messages[0].content[0].type"),
+    ({"model": "tiny", "messages": MSG, "n": 0}, "invalid_value", "n"),
+    ({"model": "tiny", "messages": MSG, "n": "two"}, "invalid_type", "n"),
+    ({"model": "tiny", "messages": MSG, "max_tokens": 0}, "invalid_value", "max_tokens"),
+    ({"model": "tiny", "messages": MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
+    ({"model": "tiny", "messages": MSG, "temperature": 2.5}, "invalid_value", "temperature"),
+    ({"model": "tiny", "messages": MSG, "stop": ["a", ""]}, "invalid_value", "stop[1]"),
+    ({"model": "tiny", "messages": MSG, "stop": 3}, "invalid_type", "stop"),
+    ({"model": "tiny", "messages": MSG, "stop_token_ids": [99999]}, "invalid_value", "stop_token_ids[0]"),
+    ({"model": "tiny", "messages": MSG, "seed": "abc"}, "invalid_type", "seed"),
+    ({"model": "tiny", "messages": MSG, "stream_options": {"include_usage": True}}, "invalid_value",
+     "stream_options"),
+    ({"model": "tiny", "messages": MSG, "tools": []}, "invalid_value", "tools"),
+    ({"model": "tiny", "messages": MSG, "tool_choice": "auto"}, "invalid_value", "tool_choice"),
+    ({"model": "tiny", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "invalid_value",
+     "tool_choice.function.name"),
+    ({"model": "tiny", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                     "parameters": 3}}]},
+     "invalid_type", "tools[0].function.parameters"),
+    ({"model": "tiny", "messages": MSG, "response_format": {"type": "xml"}}, "invalid_value",
+     "response_format.type"),
+    ({"model": "tiny", "messages": MSG, "chat_template": "{{ x }}"}, "unsupported_parameter", "chat_template"),
+    ({"model": "tiny", "messages": MSG, "min_tokens": 5, "max_tokens": 2}, "invalid_value", "min_tokens"),
+    ({"model": "tiny", "messages": MSG, "add_generation_prompt": True, "continue_final_message": True},
+     "invalid_value", "continue_final_message"),
+]
+
+COMPLETION_400 = [
+    ({"model": "tiny"}, "missing_required_parameter", "prompt"),
+    ({"model": "tiny", "prompt": ""}, "invalid_value", "prompt"),
+    ({"model": "tiny", "prompt": ["ok", ""]}, "invalid_value", "prompt[1]"),
+    ({"model": "tiny", "prompt": [[1, 2], [3, -1]]}, "invalid_value", "prompt[1][1]"),
+    ({"model": "tiny", "prompt": [1, 99999]}, "invalid_value", "prompt[1]"),
+    ({"model": "tiny", "prompt": {"a": 1}}, "invalid_type", "prompt"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, "unsupported_parameter", "suffix"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, "unsupported_parameter", "best_of"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 30}, "invalid_value", "logprobs"),
+]
+
+
+@pytest.mark.parametrize("body,code,param", CHAT_400, ids=[c[2] for c in CHAT_400])
+def test_chat_400_names_param(tiny_server, body, code, param):
+    err = _error(_post(tiny_server, "/v1/chat/completions", body), 400)
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param)
+
+
+@pytest.mark.parametrize("body,code,param", COMPLETION_400, ids=[c[2] for c in COMPLETION_400])
+def test_completion_400_names_param(tiny_server, body, code, param):
+    err = _error(_post(tiny_server, "/v1/completions", body), 400)
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param)
+
+
+def test_malformed_and_non_object_bodies(tiny_server):
+    for raw, code in ((b"{not json", "invalid_json"), (b"[1, 2]", "invalid_type")):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            r = httpx.post(tiny_server.url + path, content=raw, headers={"content-type": "application/json"})
+            err = _error(r, 400)
+            assert err["code"] == code and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": MSG}),
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions/render", {"messages": MSG}),
+    ("/v1/completions/render", {"prompt": "x"}),
+    ("/tokenize", {"prompt": "x"}),
+    ("/detokenize", {"tokens": [5]}),
+])
+def test_unknown_model_is_404_everywhere(tiny_server, path, body):
+    for model in ("nope", "tiny:my-lora", "tiny/alias"):
+        err = _error(_post(tiny_server, path, {"model": model, **body}), 404)
+        assert (err["type"], err["code"], err["param"]) == ("not_found_error", "model_not_found", "model")
+        assert model in err["message"]
+
+
+def test_unknown_model_via_sdk_and_models_route(tiny_server):
+    with openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="tiny-lora", messages=MSG)
+        assert e.value.body["code"] == "model_not_found"
+    err = _error(httpx.get(tiny_server.url + "/v1/models/nope"), 404)
+    assert err["code"] == "model_not_found"
+    err = _error(httpx.get(tiny_server.url + "/v2/nothing"), 404)
+    assert err["type"] == "not_found_error"
+
+
+def _numbers(text: str) -> set[int]:
+    return {int(n) for n in re.findall(r"\d+", text)}
+
+
+def test_context_length_exceeded_names_counts_and_limit(tiny_server):
+    rendered = _post(tiny_server, "/v1/completions/render", {"model": "tiny", "prompt": "Hello world"}).json()
+    n_prompt = len(rendered["prompts"][0]["prompt_token_ids"])
+    for field in ("max_tokens", "max_completion_tokens"):
+        err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": "Hello world", field: 510}),
+                     400)
+        assert (err["code"], err["param"], err["type"]) == ("context_length_exceeded", field, "invalid_request_error")
+        assert {n_prompt, 510, n_prompt + 510, 512} <= _numbers(err["message"])
+    chat_ids = _post(tiny_server, "/v1/chat/completions/render", {"model": "tiny", "messages": MSG}).json()
+    n_chat = len(chat_ids["prompt_token_ids"])
+    err = _error(_post(tiny_server, "/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 505}),
+                 400)
+    assert err["code"] == "context_length_exceeded"
+    assert {n_chat, 505, 512} <= _numbers(err["message"])
+    # Exactly at the limit is fine.
+    ok = _post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": "Hello world",
+                                                "max_tokens": 512 - n_prompt, "ignore_eos": True,
+                                                "logit_bias": {"2": 100}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_prompt_alone_over_the_context(tiny_server):
+    long_ids = [5] * 600
+    err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": long_ids}), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
+    assert {600, 512} <= _numbers(err["message"])
+    err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": ["ok", long_ids]}), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt[1]")
+    # Exactly max_model_len prompt tokens leave no room for one token.
+    err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": [5] * 512}), 400)
+    assert err["code"] == "context_length_exceeded"
+    err = _error(_post(tiny_server, "/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "Hello world " * 400}]}), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+
+
+def test_body_over_limit_is_413_on_both_routes(tiny_server):
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}'
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        err = _error(httpx.post(tiny_server.url + path, content=big,
+                                headers={"content-type": "application/json"}, timeout=60), 413)
+        assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "request_too_large", None)

@@ -1,0 +1,200 @@
+"""The contract's 503 and 500 rows, in process: `create_app` over an `AsyncEngine` whose
+life cycle the test drives (held-back load, drain) and whose model runner fails on purpose.
+
+The app runs through `httpx.ASGITransport` (no lifespan: the test starts and drains the
+engine itself), so the engine's states can be observed at exact moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+import llmserve.engine.async_engine as async_engine_mod
+from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig, SchedulerConfig, ServerConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.build import build_engine
+from llmserve.server.app import create_app
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}
+
+
+def _config(model) -> Config:
+    return Config(
+        model=ModelConfig(model=str(model), served_model_name=("tiny",)),
+        cache=CacheConfig(num_kv_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+        device=DeviceConfig(device="cpu", threads=1),
+        server=ServerConfig(access_log=False),
+    )
+
+
+class FailingRunner:
+    """Wraps the real runner; `fail_in(k)` makes the k-th `execute` from now raise."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.countdown: int | None = None
+
+    def fail_in(self, k: int) -> None:
+        self.countdown = k
+
+    def execute(self, plan):
+        if self.countdown is not None:
+            self.countdown -= 1
+            if self.countdown == 0:
+                self.countdown = None
+                raise RuntimeError("injected model failure (secret detail)")
+        return self.inner.execute(plan)
+
+
+@pytest.fixture
+def failing_engine(tiny_model, monkeypatch):
+    """An AsyncEngine (not started) whose runner is a FailingRunner."""
+    runners = []
+
+    def build(cfg):
+        engine = build_engine(cfg)
+        engine.runner = FailingRunner(engine.runner)
+        runners.append(engine.runner)
+        return engine
+
+    monkeypatch.setattr(async_engine_mod, "build_engine", build)
+    engine = AsyncEngine(_config(tiny_model))
+    return engine, runners
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://llmserve.test",
+                             timeout=60)
+
+
+def _assert_error(r: httpx.Response, status: int, type_: str, code: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["code"]) == (type_, code)
+    return err
+
+
+def _sse_frames(text: str) -> list[str]:
+    return [f.removeprefix("data: ") for f in text.split("\n\n") if f.startswith("data: ")]
+
+
+def test_503_while_loading(tiny_model):
+    engine = AsyncEngine(_config(tiny_model))  # never started: the load is held back
+
+    async def main():
+        async with _client(create_app(engine=engine)) as c:
+            for path, body in (("/v1/chat/completions", CHAT),
+                               ("/v1/completions", {"model": "tiny", "prompt": "x"}),
+                               ("/tokenize", {"prompt": "x"})):
+                r = await c.post(path, json=body)
+                _assert_error(r, 503, "service_unavailable_error", "service_unavailable")
+                assert int(r.headers["retry-after"]) >= 1
+            ready = await c.get("/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "loading"
+            assert "retry-after" in ready.headers
+            assert (await c.get("/health")).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_503_while_draining_and_running_requests_finish(tiny_model):
+    engine = AsyncEngine(_config(tiny_model))
+
+    async def main():
+        await engine.start()
+        async with _client(create_app(engine=engine)) as c:
+            assert (await c.get("/ready")).status_code == 200
+            long = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 120}))
+            while engine.load()["running"] == 0:
+                await asyncio.sleep(0.01)
+            draining = asyncio.ensure_future(engine.drain())
+            while engine.state != "draining":
+                await asyncio.sleep(0.01)
+            r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            _assert_error(r, 503, "service_unavailable_error", "service_unavailable")
+            assert int(r.headers["retry-after"]) >= 1
+            ready = await c.get("/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "draining"
+            done = await long
+            assert done.status_code == 200
+            assert done.json()["usage"]["completion_tokens"] == 120
+            await draining
+            assert engine.state == "stopped"
+
+    asyncio.run(main())
+
+
+def test_engine_failure_after_streaming_began_is_error_frame_then_done(failing_engine):
+    engine, runners = failing_engine
+
+    async def main():
+        await engine.start()
+        try:
+            async with _client(create_app(engine=engine)) as c:
+                runners[0].fail_in(4)  # prefill + 2 decode steps succeed, then the model fails
+                r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 30, "stream": True})
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                frames = _sse_frames(r.text)
+                assert frames[-1] == "[DONE]"
+                assert frames.count("[DONE]") == 1
+                err = json.loads(frames[-2])
+                assert set(err) == {"error"}
+                assert set(err["error"]) == {"message", "type", "param", "code"}
+                assert err["error"]["type"] == "server_error"
+                assert "secret detail" not in err["error"]["message"]
+                chunks = [json.loads(f) for f in frames[:-2]]
+                assert chunks and all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+                assert not any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in chunks)
+                # The engine survives a failed step: the next request is served.
+                ok = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+                assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+                assert (await c.get("/health")).status_code == 200
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failure_before_first_byte_is_500(failing_engine, stream):
+    engine, runners = failing_engine
+
+    async def main():
+        await engine.start()
+        try:
+            async with _client(create_app(engine=engine)) as c:
+                runners[0].fail_in(1)  # the very first step (prefill) fails
+                r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "stream": stream})
+                err = _assert_error(r, 500, "server_error", "internal_error")
+                assert "secret detail" not in err["message"]
+                assert r.headers["content-type"].startswith("application/json")
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
+def test_non_streamed_failure_mid_generation_is_500(failing_engine):
+    engine, runners = failing_engine
+
+    async def main():
+        await engine.start()
+        try:
+            async with _client(create_app(engine=engine)) as c:
+                runners[0].fail_in(5)  # tokens were generated, but none were sent
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 20,
+                                                          "ignore_eos": True})
+                _assert_error(r, 500, "server_error", "internal_error")
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())

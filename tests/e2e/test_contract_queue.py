@@ -1,0 +1,209 @@
+"""Behaviour that needs a full batch, on one server with --max-num-seqs 1 --max-waiting 2:
+`priority` really schedules, a full queue answers 503 + Retry-After, idle streams get
+keep-alive comments; plus the access log (`user`) and /metrics counters moving.
+
+A long request (ignore_eos, hundreds of tokens) holds the only batch slot; the test closes
+it when done, which aborts it on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from server import ServerProcess
+
+LONG = {"model": "tiny", "prompt": "Hold the slot", "max_tokens": 480, "ignore_eos": True, "priority": 0}
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_model):
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--served-model-name", "tiny-b",
+                           "--num-kv-blocks", "96", "--max-num-seqs", "1", "--max-waiting", "2",
+                           "--sse-keep-alive", "0.2", env={"LLMSERVE_LOG_LEVEL": "INFO"})
+    yield server
+    server.stop()
+
+
+def _load(server) -> dict:
+    return httpx.get(server.url + "/load").json()
+
+
+async def _until(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _wait_load(server, key: str, value: int):
+    async with httpx.AsyncClient(base_url=server.url) as c:
+        deadline = time.monotonic() + 30
+        while (await c.get("/load")).json()[key] != value:
+            assert time.monotonic() < deadline, f"{key} never reached {value}"
+            await asyncio.sleep(0.02)
+
+
+async def _hold_slot(c: httpx.AsyncClient, server) -> asyncio.Task:
+    """Start the long request (streamed, so cancelling it aborts it) and wait till it runs."""
+    async def run():
+        async with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                pass
+
+    task = asyncio.ensure_future(run())
+    await _wait_load(server, "running", 1)
+    return task
+
+
+async def _release(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def _wait_idle(server):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = _load(server)
+        if load["running"] == 0 and load["waiting"] == 0 and load["requests"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"server never went idle: {_load(server)}")
+
+
+def test_priority_lower_value_starts_first(one_slot):
+    order: list[str] = []
+
+    async def short(c, name, priority):
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": name, "max_tokens": 4,
+                                                  "ignore_eos": True, "priority": priority})
+        assert r.status_code == 200, r.text
+        order.append(name)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
+            hold = await _hold_slot(c, one_slot)
+            low = asyncio.ensure_future(short(c, "low", 10))
+            await _wait_load(one_slot, "waiting", 1)
+            high = asyncio.ensure_future(short(c, "high", 5))
+            await _wait_load(one_slot, "waiting", 2)
+            await _release(hold)
+            await asyncio.gather(low, high)
+
+    asyncio.run(main())
+    _wait_idle(one_slot)
+    assert order == ["high", "low"]
+
+
+def test_full_queue_is_503_with_retry_after(one_slot):
+    async def main():
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
+            hold = await _hold_slot(c, one_slot)
+            waiters = [asyncio.ensure_future(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": f"wait {i}", "max_tokens": 2})) for i in range(2)]
+            await _wait_load(one_slot, "waiting", 2)
+            r = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            assert r.status_code == 503
+            assert int(r.headers["retry-after"]) >= 1
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert (err["type"], err["code"]) == ("service_unavailable_error", "service_unavailable")
+            await _release(hold)
+            done = await asyncio.gather(*waiters)
+            assert [w.status_code for w in done] == [200, 200]
+
+    asyncio.run(main())
+    _wait_idle(one_slot)
+
+
+def test_keep_alive_comments_on_a_waiting_stream(one_slot):
+    async def main():
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
+            hold = await _hold_slot(c, one_slot)
+            lines: list[str] = []
+            async with c.stream("POST", "/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                    "stream": True, "ignore_eos": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if line.startswith(":") and lines.count(line) == 2:
+                        await _release(hold)  # two comments seen: let the stream run
+            comments = [ln for ln in lines if ln.startswith(":")]
+            data = [ln for ln in lines if ln.startswith("data: ")]
+            assert len(comments) >= 2
+            assert lines.index(comments[0]) < lines.index(data[0])
+            assert data[-1] == "data: [DONE]"
+            await _release(hold)
+
+    asyncio.run(main())
+    _wait_idle(one_slot)
+
+
+def test_user_is_in_the_access_log(one_slot):
+    r = httpx.post(one_slot.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "user": "alice-4711"})
+    assert r.status_code == 200
+    assert "user" not in r.headers.get("llmserve-ignored-fields", "")
+    deadline = time.monotonic() + 5
+    while "alice-4711" not in one_slot.logs():
+        assert time.monotonic() < deadline, one_slot.logs()
+        time.sleep(0.05)
+    line = next(ln for ln in one_slot.logs().splitlines() if "alice-4711" in ln)
+    assert "POST /v1/chat/completions" in line and " 200 " in line
+
+
+def _scrape(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(llmserve:[^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def _sum(metrics: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+
+def test_metrics_names_and_counters_move(one_slot):
+    _wait_idle(one_slot)
+    before = _scrape(one_slot)
+    for name in ("llmserve:num_requests_running", "llmserve:num_requests_waiting", "llmserve:kv_cache_usage_perc",
+                 "llmserve:time_to_first_token_seconds_count", "llmserve:time_per_output_token_seconds_count",
+                 "llmserve:e2e_request_latency_seconds_count", "llmserve:prompt_tokens_total",
+                 "llmserve:generation_tokens_total"):
+        assert name in before, name
+    r = httpx.post(one_slot.url + "/v1/completions", json={"model": "tiny", "prompt": "count me",
+                                                           "max_tokens": 7, "ignore_eos": True}).json()
+    deadline = time.monotonic() + 5
+    while _sum(_scrape(one_slot), "llmserve:request_success_total") == _sum(before, "llmserve:request_success_total"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = _scrape(one_slot)
+    assert _sum(after, "llmserve:request_success_total") - _sum(before, "llmserve:request_success_total") == 1
+    assert after["llmserve:prompt_tokens_total"] - before["llmserve:prompt_tokens_total"] == r["usage"]["prompt_tokens"]
+    assert after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"] == 7
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"llmserve:{h}_count"] - before[f"llmserve:{h}_count"] == 1, h
+    assert after["llmserve:num_requests_running"] == 0 and after["llmserve:num_requests_waiting"] == 0
+
+
+def test_models_lists_every_alias_with_max_model_len(one_slot):
+    body = httpx.get(one_slot.url + "/v1/models").json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["tiny", "tiny-b"]
+    for m in body["data"]:
+        assert m["object"] == "model" and m["max_model_len"] == 512
+    one = httpx.get(one_slot.url + "/v1/models/tiny-b").json()
+    assert one["id"] == "tiny-b" and one["max_model_len"] == 512

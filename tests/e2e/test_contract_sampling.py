@@ -1,0 +1,300 @@
+"""The contract's request semantics over HTTP on the tiny random model: n, seed, penalties,
+top_k / top_p / min_p, min_tokens, ignore_eos, logit_bias, stop strings and stop token ids,
+special tokens, logprobs in both shapes, echo, prompt shapes and streaming usage.
+
+The model is random, so assertions are about structure and accounting, or compare one
+request against another (greedy vs. a setting that must equal or must change greedy).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+EOS = 2  # <|im_end|> in tests/tiny.py
+IM_START = 1
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    with openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
+
+
+def _ok(server, path: str, body: dict) -> dict:
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _tokenize(server, text: str) -> list[int]:
+    return _ok(server, "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={"model": "tiny", "stream": True, **body},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    frames = [f.removeprefix("data: ") for f in text.split("\n\n") if f.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+def _greedy_chat(server, **extra) -> dict:
+    return _ok(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16, "temperature": 0,
+        "ignore_eos": True, "logprobs": True, **extra})
+
+
+def _token_bytes(chat_body: dict) -> list[tuple]:
+    return [tuple(e["bytes"]) for e in chat_body["choices"][0]["logprobs"]["content"]]
+
+
+# -- n and seed ----------------------------------------------------------------------------
+
+def test_n_streams_end_each_choice_with_exactly_one_finish_chunk(tiny_server):
+    chunks = _stream_chunks(tiny_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "n": 3, "max_tokens": 5, "temperature": 0.9,
+        "ignore_eos": True, "stream_options": {"include_usage": True}})
+    finishes: dict[int, list[str]] = {}
+    roles: dict[int, int] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            if c["finish_reason"]:
+                finishes.setdefault(c["index"], []).append(c["finish_reason"])
+            if c["delta"].get("role") == "assistant":
+                roles[c["index"]] = roles.get(c["index"], 0) + 1
+    assert finishes == {0: ["length"], 1: ["length"], 2: ["length"]}
+    assert roles == {0: 1, 1: 1, 2: 1}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 15
+    comp = _stream_chunks(tiny_server, "/v1/completions", {
+        "prompt": ["Hello", "Numbers"], "n": 2, "max_tokens": 4, "ignore_eos": True})
+    ends = sorted(c["index"] for ch in comp for c in ch["choices"] if c["finish_reason"])
+    assert ends == [0, 1, 2, 3]
+
+
+def test_seed_reproducible_in_chat_with_n(tiny_server):
+    body = {"messages": [{"role": "user", "content": "Tell"}], "n": 2, "max_tokens": 12, "temperature": 1.0,
+            "seed": 77, "ignore_eos": True, "logprobs": True}
+    a = _ok(tiny_server, "/v1/chat/completions", body)
+    b = _ok(tiny_server, "/v1/chat/completions", body)
+    runs = [[tuple(e["bytes"]) for c in r["choices"] for e in c["logprobs"]["content"]] for r in (a, b)]
+    assert runs[0] == runs[1]
+    # The forks of one seeded request draw different streams.
+    assert a["choices"][0]["logprobs"]["content"] != a["choices"][1]["logprobs"]["content"]
+
+
+# -- penalties and truncation --------------------------------------------------------------
+
+@pytest.mark.parametrize("field,bad,good", [
+    ("presence_penalty", 2.5, 1.5), ("frequency_penalty", -2.5, -1.0), ("repetition_penalty", 0, 1.3),
+    ("top_k", -2, 5), ("min_p", 1.5, 0.1), ("top_p", 1.1, 0.0), ("temperature", -0.1, 0.0),
+])
+def test_sampling_ranges_are_validated(tiny_server, field, bad, good):
+    base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = _post(tiny_server, "/v1/chat/completions", {**base, field: bad})
+    assert r.status_code == 400
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, "invalid_value")
+    assert _post(tiny_server, "/v1/chat/completions", {**base, field: good}).status_code == 200
+
+
+def test_penalties_change_greedy_output(tiny_server):
+    plain = _token_bytes(_greedy_chat(tiny_server))
+    assert len(set(plain)) < len(plain), "the greedy baseline repeats a token"
+    # A penalty of 2 outweighs the tiny model's logit spread: no token may come twice.
+    for field in ("frequency_penalty", "presence_penalty"):
+        toks = _token_bytes(_greedy_chat(tiny_server, **{field: 2.0}))
+        assert len(set(toks)) == len(toks), field
+    assert _token_bytes(_greedy_chat(tiny_server, repetition_penalty=50.0)) != plain
+
+
+def test_top_k_1_min_p_1_and_top_p_0_are_greedy(tiny_server):
+    greedy = _token_bytes(_greedy_chat(tiny_server))
+    hot = _token_bytes(_greedy_chat(tiny_server, temperature=1.5))
+    assert hot != greedy  # sampling at 1.5 on a flat distribution really samples
+    for extra in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 0.0}):
+        assert _token_bytes(_greedy_chat(tiny_server, temperature=1.5, **extra)) == greedy, extra
+
+
+# -- stopping ------------------------------------------------------------------------------
+
+def test_eos_ignore_eos_and_min_tokens(tiny_server):
+    force_eos = {"logit_bias": {str(EOS): 100}, "max_tokens": 10}
+    msgs = {"messages": [{"role": "user", "content": "Hi"}]}
+    r = _ok(tiny_server, "/v1/chat/completions", {**msgs, **force_eos})
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1
+    r = _ok(tiny_server, "/v1/chat/completions", {**msgs, **force_eos, "ignore_eos": True})
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 10
+    # min_tokens bans eos (even a +100-biased one) until 4 tokens exist; then it fires.
+    r = _ok(tiny_server, "/v1/chat/completions", {**msgs, **force_eos, "min_tokens": 4})
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 5
+
+
+def test_stop_token_ids_and_min_tokens(tiny_server):
+    tok = _tokenize(tiny_server, "Hello")[0]
+    body = {"prompt": "Numbers", "logit_bias": {str(tok): 100}, "stop_token_ids": [tok], "max_tokens": 10,
+            "ignore_eos": True}
+    r = _ok(tiny_server, "/v1/completions", body)
+    c = r["choices"][0]
+    assert (c["finish_reason"], r["usage"]["completion_tokens"]) == ("stop", 1)
+    assert c["text"] == ""  # a stop token's text is not output
+    r = _ok(tiny_server, "/v1/completions", {**body, "min_tokens": 3})
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 4
+
+
+def _spanning_stop(server, prompt: str) -> tuple[str, str]:
+    """The greedy text of `prompt` and a 2-character stop string made of the last character of
+    one token and the first of the next (so it spans tokens and is really hit)."""
+    r = _ok(server, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                        "ignore_eos": True, "logprobs": 0})
+    text = r["choices"][0]["text"]
+    lp = r["choices"][0]["logprobs"]
+    toks, offs = lp["tokens"], lp["text_offset"]
+    for i in range(1, len(toks)):
+        a, b = toks[i - 1], toks[i]
+        clean = all(s and s.isascii() and s.isprintable() for s in (a, b))
+        if clean and offs[i] == offs[i - 1] + len(a) and text[offs[i]:offs[i] + len(b)] == b:
+            return text, a[-1] + b[0]
+    raise AssertionError(f"no clean token boundary in {toks!r}")
+
+
+@pytest.mark.parametrize("prompt", ["Hello world", "Numbers: 1 2", "def add"])
+def test_stop_string_spanning_tokens(tiny_server, prompt):
+    text, stop = _spanning_stop(tiny_server, prompt)
+    cut = text.index(stop)
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    c = _ok(tiny_server, "/v1/completions", body)["choices"][0]
+    assert (c["text"], c["finish_reason"], c["stop_reason"]) == (text[:cut], "stop", stop)
+    chunks = _stream_chunks(tiny_server, "/v1/completions", body)
+    pieces = [ch["choices"][0]["text"] for ch in chunks if ch["choices"]]
+    assert "".join(pieces) == text[:cut]
+    assert not any(stop[0] in p and stop in p for p in pieces)
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "stop"
+    kept = _ok(tiny_server, "/v1/completions", {**body, "include_stop_str_in_output": True})
+    assert kept["choices"][0]["text"] == text[:cut] + stop
+    kept_stream = _stream_chunks(tiny_server, "/v1/completions", {**body, "include_stop_str_in_output": True})
+    assert "".join(ch["choices"][0]["text"] for ch in kept_stream if ch["choices"]) == text[:cut] + stop
+
+
+def test_skip_special_tokens(tiny_server):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logit_bias": {str(IM_START): 100}}
+    shown = _ok(tiny_server, "/v1/chat/completions", {**body, "skip_special_tokens": False})
+    assert shown["choices"][0]["message"]["content"] == "<|im_start|>" * 3
+    hidden = _ok(tiny_server, "/v1/chat/completions", body)
+    assert hidden["choices"][0]["message"]["content"] == ""
+    assert hidden["usage"]["completion_tokens"] == 3
+
+
+# -- logit_bias ----------------------------------------------------------------------------
+
+def test_logit_bias_bans_and_forces(tiny_server):
+    # Find a prompt whose greedy first token is a clean single token we can name by id.
+    for prompt in ("Hello world", "The quick brown fox", "Numbers: 1 2", "def add", "user assistant"):
+        first = _ok(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                     "logprobs": 0})["choices"][0]["logprobs"]["tokens"][0]
+        ids = _tokenize(tiny_server, first) if first.isascii() and first.isprintable() else []
+        if len(ids) == 1:
+            break
+    else:
+        raise AssertionError("no prompt with a clean greedy first token")
+    banned = _ok(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                  "logprobs": 0, "logit_bias": {str(ids[0]): -100}})
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != first
+    forced_id = _tokenize(tiny_server, "fox")[0]
+    forced_text = _ok(tiny_server, "/detokenize", {"tokens": [forced_id]})["prompt"]
+    forced = _ok(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 1.0,
+                                                  "ignore_eos": True, "logit_bias": {str(forced_id): 100}})
+    assert forced["choices"][0]["text"] == forced_text * 4
+    for bad, param in (({"5": 101}, "logit_bias.5"), ({"99999": 1}, "logit_bias.99999"),
+                       ({"x": 1}, "logit_bias.x")):
+        r = _post(tiny_server, "/v1/completions", {"prompt": "x", "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+# -- logprobs, echo and prompt shapes --------------------------------------------------------
+
+def test_chat_logprobs_limits(tiny_server):
+    base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = _ok(tiny_server, "/v1/chat/completions", {**base, "logprobs": True, "top_logprobs": 20})
+    for e in r["choices"][0]["logprobs"]["content"]:
+        assert len(e["top_logprobs"]) == 20
+        assert {"token", "logprob", "bytes", "top_logprobs"} <= set(e)
+        lps = [t["logprob"] for t in e["top_logprobs"]]
+        assert lps == sorted(lps, reverse=True)
+    for extra, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"),
+                         ({"logprobs": False, "top_logprobs": 2}, "top_logprobs")):
+        e = _post(tiny_server, "/v1/chat/completions", {**base, **extra})
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, extra
+    plain = _ok(tiny_server, "/v1/chat/completions", base)
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_shape_and_text_offset(tiny_server):
+    r = _ok(tiny_server, "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "logprobs": 3,
+                                             "ignore_eos": True})
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
+    assert lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(c["text"])
+    assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
+    e = _post(tiny_server, "/v1/completions", {"prompt": "x", "logprobs": 21})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "logprobs"
+
+
+def test_echo_prepends_prompt_and_refuses_logprobs(tiny_server):
+    r = _ok(tiny_server, "/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "echo": True,
+                                             "ignore_eos": True})
+    assert r["choices"][0]["text"].startswith("Hello world")
+    # Prompt logprobs are not computed: refused rather than half-answered.
+    e = _post(tiny_server, "/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "echo": True,
+                                               "logprobs": 1})
+    assert e.status_code == 400
+    assert (e.json()["error"]["code"], e.json()["error"]["param"]) == ("unsupported_parameter", "echo")
+
+
+def test_list_of_token_id_prompts_usage(client, tiny_server):
+    a, b = _tokenize(tiny_server, "Hello world"), _tokenize(tiny_server, "def add(a, b)")
+    r = client.completions.create(model="tiny", prompt=[a, b], max_tokens=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.prompt_tokens == len(a) + len(b)
+    assert r.usage.completion_tokens == 6
+
+
+# -- streaming -----------------------------------------------------------------------------
+
+def test_continuous_usage_stats(tiny_server):
+    chunks = _stream_chunks(tiny_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert all(ch.get("usage") for ch in chunks)
+    prompt = {ch["usage"]["prompt_tokens"] for ch in chunks}
+    assert len(prompt) == 1
+    done = [ch["usage"]["completion_tokens"] for ch in chunks]
+    assert done == sorted(done) and done[-1] == 6
+    assert all(ch["usage"]["total_tokens"] == ch["usage"]["prompt_tokens"] + ch["usage"]["completion_tokens"]
+               for ch in chunks)
+    assert chunks[-1]["choices"] == []
+    no_usage = _stream_chunks(tiny_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert not any(ch.get("usage") for ch in no_usage)
+
+
+def test_completion_stream_equals_non_stream_greedy_with_n(tiny_server):
+    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 0, "n": 2, "ignore_eos": True}
+    whole = _ok(tiny_server, "/v1/completions", body)
+    texts = {c["index"]: c["text"] for c in whole["choices"]}
+    streamed: dict[int, str] = {0: "", 1: ""}
+    for ch in _stream_chunks(tiny_server, "/v1/completions", body):
+        for c in ch["choices"]:
+            streamed[c["index"]] += c["text"]
+    assert streamed == texts
