@@ -41,7 +41,7 @@ def default_router(max_model_len: int = 4096) -> tuple[Router, list[int]]:
 
 def bench_prepare(router: Router) -> None:
     words = "the quick brown fox jumps over the lazy dog while numbers 1234 and café 東京 pass by "
-    text = words * 60
+    text = words * 40
     body = orjson.dumps({"model": "m", "max_tokens": 16,
                          "messages": [{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": text}]})
@@ -56,7 +56,7 @@ def bench_step(router: Router, eos: list[int], seqs: int = 256) -> None:
     vocab = router.vocab_size
     for i in range(seqs):
         core.add(router.prepare("completion", orjson.dumps(
-            {"model": "m", "prompt": f"request {i} " + "word " * 120, "max_tokens": 4000,
+            {"model": "m", "prompt": f"request {i} " + "word " * 120, "max_tokens": 3000,
              "ignore_eos": True, "temperature": 0.7})))
     rng = np.random.default_rng(0)
 
