@@ -42,6 +42,13 @@ class ModelConfig:
         "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' ignores it.",
     )
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
+    tool_call_format: str | None = _f(
+        None,
+        "How the model writes tool calls: 'hermes' (<tool_call>{json}</tool_call>) or 'json' "
+        "(a bare {\"name\", \"arguments\"} object, or an array of them). Default: 'hermes' when "
+        "the chat template mentions <tool_call>, else 'json' for forced tool_choice and plain "
+        "text under 'auto'.",
+    )
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,11 @@ class CacheConfig:
         "2GiB", "Memory for the KV cache (e.g. 512MiB, 4GiB) when --num-kv-blocks is not given."
     )
     num_kv_blocks: int | None = _f(None, "KV-cache blocks (overrides --kv-cache-memory).")
+    gpu_memory_utilization: float = _f(
+        0.9,
+        "CUDA only: fraction of the GPU's memory this server may use (weights, activations, "
+        "KV cache); the KV cache gets what is left. --num-kv-blocks overrides.",
+    )
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.")
 
 

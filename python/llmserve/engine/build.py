@@ -129,6 +129,7 @@ def build_engine(cfg: Config) -> Engine:
         "eos_token": ck.eos_token,
         "eos_token_ids": list(ck.eos_token_ids),
         "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
+        "tool_call_format": cfg.model.tool_call_format,
     }
     router = Router(
         ck.tokenizer_json,

@@ -1,10 +1,14 @@
 """Sampling: one vectorized float32 pass over the R rows of a step.
 
-Order (vLLM's): logprobs of the RAW logits -> logit_bias and min_tokens bans -> repetition /
+Order (vLLM's): logprobs of the RAW logits -> grammar masks (constrained rows only) -> logit_bias and min_tokens bans -> repetition /
 presence / frequency penalties -> greedy rows take the argmax; the others: temperature ->
 min_p -> top_k -> top_p -> exponential race (argmax(probs / Exponential(1) noise)).
 
-Cost rules: bias is a flat index_put_ (cost ~ nnz); only penalized rows get a [Rp, V] count
+NOTE: logprobs stay those of the raw logits, also on grammar-constrained rows: they say what
+the model believed, not what the grammar allowed (vLLM does the same).
+
+Cost rules: grammar masks touch only the Rm constrained rows (one unpack, one masked_fill);
+bias is a flat index_put_ (cost ~ nnz); only penalized rows get a [Rp, V] count
 tensor; top_p never sorts the vocabulary (top candidates, else a radix select);
 Python loops run only over seeded rows (one generator each, seeded from (seed, gen_index),
 so a seeded row's tokens do not depend on the rest of the batch).
@@ -55,6 +59,8 @@ class SamplingBatch:
     hist_offsets: torch.Tensor       # i64 [R + 1]
     hist_tokens: torch.Tensor        # i64 [nh]
     hist_prompt_lens: torch.Tensor   # i64 [R]
+    mask_rows: torch.Tensor          # i64 [Rm]: the grammar-constrained rows
+    token_bitmask: torch.Tensor      # i32 [Rm, ceil(V/32)]: allowed tokens, bit t%32 of word t/32
 
     @classmethod
     def from_plan(cls, plan) -> "SamplingBatch":
@@ -63,7 +69,14 @@ class SamplingBatch:
                     frequency_penalty=f32, repetition_penalty=f32, seeds=i64, gen_index=i64,
                     num_logprobs=i64, bias_offsets=i64, bias_token_ids=i64, bias_values=f32,
                     hist_offsets=i64, hist_tokens=i64, hist_prompt_lens=i64)
-        return cls(**{name: as_tensor(getattr(plan, name), dt) for name, dt in spec.items()})
+        cols = {name: as_tensor(getattr(plan, name), dt) for name, dt in spec.items()}
+        # Plans without the grammar columns (test doubles) constrain nothing.
+        rows = getattr(plan, "mask_rows", None)
+        bits = getattr(plan, "token_bitmask", None)
+        cols["mask_rows"] = as_tensor(rows, i64) if rows is not None else torch.zeros(0, dtype=i64)
+        cols["token_bitmask"] = (as_tensor(bits, torch.int32) if bits is not None
+                                 else torch.zeros((0, 0), dtype=torch.int32))
+        return cls(**cols)
 
 
 def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -75,6 +88,28 @@ def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     else:
         t = torch.tensor(array)
     return t if t.dtype == dtype else t.to(dtype)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets the logits of tokens a grammar forbids to -inf, in place.
+
+    logits [R, V]; rows i64 [Rm]; bitmask i32 [Rm, W] (bit t % 32 of word t / 32 allows token
+    t). Columns past W * 32 (a model vocabulary padded beyond the tokenizer's) are forbidden."""
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    bitmask = bitmask.to(logits.device)
+    rows = rows.to(logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT.to(logits.device)) & 1).bool().flatten(1)   # [Rm, W*32]
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=logits.device)
+        allowed = torch.cat([allowed, pad], dim=1)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _row_of_each(offsets: torch.Tensor) -> torch.Tensor:
@@ -107,6 +142,7 @@ class Sampler:
         wants = torch.nonzero(b.num_logprobs >= 0).squeeze(1)
         raw_logprobs = torch.log_softmax(logits[wants], dim=-1) if wants.numel() else None
 
+        apply_token_bitmask(logits, b.mask_rows, b.token_bitmask)
         self._apply_bias(logits, b)
         self._apply_penalties(logits, b)
         tokens = logits.argmax(dim=-1)

@@ -4,6 +4,10 @@
 //! sequences (greedy `n > 1` runs one sequence and fans its output out to `n` choices).
 //! `commit` feeds each sampled token to its sequence's detokenizer, ends sequences whose
 //! stop string matched, and lets the request's `ResponseBuilder` produce wire bytes.
+//! Constrained requests (a grammar on `Prepared`) hold one llguidance matcher per sequence:
+//! `schedule` computes a packed token mask for each sampling row that has one (rows without
+//! a grammar cost nothing), `commit` feeds each sampled token to its matcher and ends the
+//! sequence with "stop" as soon as the grammar is complete.
 //! Invariant: a handle is in `requests` exactly while some of its sequences may still
 //! produce output; when its last choice finishes (or it is aborted/failed) its state and all
 //! its scheduler requests are gone.
@@ -12,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
+use llmserve_router::structured::Matcher;
 use llmserve_router::protocol::Prepared;
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
 use llmserve_router::router::Router;
@@ -26,7 +31,7 @@ use pyo3::types::{PyBytes, PyDict};
 use serde::Deserialize;
 
 use crate::errors;
-use crate::plan::PyPlan;
+use crate::plan::{Masks, PyPlan};
 use crate::router::{PyPrepared, PyRouter};
 
 /// `SchedulerConfig` as Python sends it (JSON).
@@ -60,6 +65,8 @@ struct RequestState {
     n: u32,
     /// One detokenizer per (prompt, sequence), indexed prompt * seqs_per_prompt + seq.
     detoks: Vec<Detokenizer>,
+    /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
+    matchers: Vec<Matcher>,
     started: bool,
     new_tokens: u32,
 }
@@ -79,6 +86,10 @@ struct CoreState {
     max_model_len: u32,
     /// Scheduler request ids in the last plan (to fail them if the step fails).
     last_plan_reqs: Vec<u64>,
+    /// Tokens a mask covers (the tokenizer's vocabulary).
+    mask_vocab: usize,
+    /// The EOS id allowed when a matcher has failed, so its sequence ends.
+    eos: Option<u32>,
 }
 
 fn finish_reason(f: SeqFinish) -> FinishReason {
@@ -111,12 +122,16 @@ impl CoreState {
         };
         let mut sched_ids = Vec::with_capacity(prepared.prompts.len());
         let mut detoks = Vec::new();
+        let mut matchers = Vec::new();
         for (i, prompt) in prepared.prompts.iter().enumerate() {
             let id = self.next_sched_id;
             self.next_sched_id += 1;
             let max_tokens = p.max_tokens.unwrap_or(self.max_model_len.saturating_sub(prompt.len() as u32));
             for _ in 0..seqs_per_prompt {
                 detoks.push(Detokenizer::new(tokenizer.clone(), prompt, stop.clone()));
+                if let Some(g) = &prepared.grammar {
+                    matchers.push(g.matcher());
+                }
             }
             self.scheduler.add(NewRequest {
                 id,
@@ -150,7 +165,7 @@ impl CoreState {
         let builder = ResponseBuilder::new(&prepared, tokenizer);
         self.requests.insert(
             handle,
-            RequestState { builder, sched_ids, seqs_per_prompt, n: p.n, detoks, started: false, new_tokens: 0 },
+            RequestState { builder, sched_ids, seqs_per_prompt, n: p.n, detoks, matchers, started: false, new_tokens: 0 },
         );
         Ok(handle)
     }
@@ -164,13 +179,47 @@ impl CoreState {
         Some(state)
     }
 
-    fn schedule(&mut self) -> Option<Plan> {
+    fn schedule(&mut self) -> Option<(Plan, Masks)> {
         let plan = self.scheduler.schedule();
         if plan.is_empty() {
             return None;
         }
         self.last_plan_reqs = plan.seq_req_ids.clone();
-        Some(plan)
+        let masks = self.masks(&plan);
+        Some((plan, masks))
+    }
+
+    /// The packed allowed-token masks of the plan's constrained rows: bit `t % 32` of word
+    /// `t / 32` of a row is set when token `t` may be sampled.
+    fn masks(&mut self, plan: &Plan) -> Masks {
+        let width = self.mask_vocab.div_ceil(32);
+        let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
+        for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
+            let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
+            let Some(state) = self.requests.get_mut(&handle) else { continue };
+            let Some(matcher) = state.matchers.get_mut((prompt_idx * state.seqs_per_prompt + seq) as usize) else {
+                continue;
+            };
+            let start = masks.bits.len();
+            masks.bits.resize(start + width, 0);
+            let out = &mut masks.bits[start..];
+            match matcher.compute_mask_or_eos() {
+                Ok(vob) => {
+                    for (dst, &src) in out.iter_mut().zip(vob.as_slice()) {
+                        *dst = src as i32;
+                    }
+                }
+                // NOTE: a failed matcher (it cannot happen for tokens its own masks allowed)
+                // lets only EOS through, so its sequence ends instead of running unconstrained.
+                Err(_) => {
+                    if let Some(eos) = self.eos {
+                        out[eos as usize / 32] |= 1 << (eos % 32);
+                    }
+                }
+            }
+            masks.rows.push(row as i64);
+        }
+        masks
     }
 
     fn commit(&mut self, tokens: &[u32], logprobs: &[f32], top_ids: &[i64], top_lps: &[f32], k: usize) -> Vec<Output> {
@@ -190,6 +239,11 @@ impl CoreState {
                 .collect();
             let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };
             let mut finish = u.finish.map(finish_reason);
+            // The grammar is complete once its matcher stops: the sequence ends here.
+            let grammar_done = match state.matchers.get_mut(d) {
+                Some(m) if finish.is_none() => m.consume_token(u.token).is_err() || m.is_stopped(),
+                _ => false,
+            };
             // NOTE: a token that ends the sequence by id (eos, stop_token_ids) is counted but
             // not shown, as in vLLM; its text would be the stop marker itself.
             let by_token = finish == Some(FinishReason::Stop);
@@ -206,16 +260,25 @@ impl CoreState {
                     stop_reason = Some(s);
                 } else if finish.is_some() {
                     text.push_str(&detok.flush());
+                } else if grammar_done {
+                    self.scheduler.finish_seq(u.req_id, u.seq_index);
+                    finish = Some(FinishReason::Stop);
+                    text.push_str(&detok.flush());
                 }
             }
             let tokens_out = [token];
             let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason: stop_reason.as_deref() };
+            let first_choice = if state.seqs_per_prompt == state.n { prompt_idx * state.n + u.seq_index } else { prompt_idx * state.n };
             if state.seqs_per_prompt == state.n {
-                state.builder.push(prompt_idx * state.n + u.seq_index, &delta);
+                state.builder.push(first_choice, &delta);
             } else {
                 for j in 0..state.n {
                     state.builder.push(prompt_idx * state.n + j, &delta);
                 }
+            }
+            // The builder ended the choice itself (its one allowed tool call is complete).
+            if finish.is_none() && state.builder.choice_finished(first_choice) {
+                self.scheduler.finish_seq(u.req_id, u.seq_index);
             }
             state.new_tokens += 1;
             if !touched.contains(&handle) {
@@ -286,6 +349,8 @@ impl PyCore {
             )));
         }
         let max_model_len = c.max_model_len as u32;
+        let mask_vocab = router.inner.grammars().vocab_size();
+        let eos = router.inner.config().eos_token_ids.first().copied();
         let scheduler = Scheduler::new(SchedulerConfig {
             num_blocks: c.num_blocks,
             block_size: c.block_size,
@@ -306,6 +371,8 @@ impl PyCore {
                 next_sched_id: 1,
                 max_model_len,
                 last_plan_reqs: Vec::new(),
+                mask_vocab,
+                eos,
             },
         })
     }
@@ -326,7 +393,7 @@ impl PyCore {
     fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<PyPlan>> {
         let state = &mut self.state;
         match py.detach(|| state.schedule()) {
-            Some(plan) => Ok(Some(PyPlan::new(py, plan)?)),
+            Some((plan, masks)) => Ok(Some(PyPlan::new(py, plan, masks)?)),
             None => Ok(None),
         }
     }

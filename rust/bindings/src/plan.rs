@@ -1,7 +1,11 @@
 //! `Plan`: one step's flat columns handed to the model runner as numpy arrays.
 //!
 //! The vectors move into numpy without a copy (`PyArray1::from_vec`); nothing crosses per
-//! token. Column names and meanings are the table in ARCHITECTURE.md.
+//! token. Column names and meanings are the table in ARCHITECTURE.md, plus two columns of
+//! grammar-constrained decoding that the scheduler never sees (Core computes them):
+//! `mask_rows` i64 [Rm], the sampling rows that are constrained, and `token_bitmask`
+//! i32 [Rm, ceil(V/32)], each row's allowed tokens packed 32 to a word (bit t % 32 of word
+//! t / 32; V = the tokenizer's vocabulary, logits beyond it are never allowed).
 
 use llmserve_scheduler::Plan;
 use numpy::{PyArray1, PyArrayMethods};
@@ -71,6 +75,18 @@ pub struct PyPlan {
     row_req_ids: Py<PyAny>,
     #[pyo3(get)]
     row_seq_index: Py<PyAny>,
+    #[pyo3(get)]
+    mask_rows: Py<PyAny>,
+    #[pyo3(get)]
+    token_bitmask: Py<PyAny>,
+}
+
+/// The constrained rows of a step and their packed masks (`bits` is rows.len() x width).
+#[derive(Default)]
+pub struct Masks {
+    pub rows: Vec<i64>,
+    pub bits: Vec<i32>,
+    pub width: usize,
 }
 
 fn arr<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyAny> {
@@ -78,8 +94,10 @@ fn arr<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyAny> {
 }
 
 impl PyPlan {
-    pub fn new(py: Python<'_>, p: Plan) -> PyResult<Self> {
+    pub fn new(py: Python<'_>, p: Plan, masks: Masks) -> PyResult<Self> {
         let (s, w) = (p.num_seqs, p.block_table_width);
+        let token_bitmask =
+            PyArray1::from_vec(py, masks.bits).reshape([masks.rows.len(), masks.width])?.into_any().unbind();
         let block_tables = PyArray1::from_vec(py, p.block_tables).reshape([s, w])?.into_any().unbind();
         Ok(Self {
             num_tokens: p.num_tokens,
@@ -113,6 +131,8 @@ impl PyPlan {
             hist_prompt_lens: arr(py, p.hist_prompt_lens),
             row_req_ids: arr(py, p.row_req_ids),
             row_seq_index: arr(py, p.row_seq_index),
+            mask_rows: arr(py, masks.rows),
+            token_bitmask,
         })
     }
 }

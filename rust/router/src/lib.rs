@@ -12,7 +12,9 @@ pub mod error;
 pub mod protocol;
 pub mod response;
 pub mod router;
+pub mod structured;
 pub mod template;
 pub mod tokenizer;
+pub mod tools;
 
 pub use error::ApiError;

@@ -6,6 +6,12 @@
 //! exactly one chunk holding its `finish_reason` (pushes after that are dropped); the stream
 //! ends with `data: [DONE]`. Bodies are written by serde (f32 logprobs keep their short
 //! form); only the SSE framing is written by hand.
+//!
+//! Tool calls (chat with `tools`): each choice's text goes through a
+//! [`ToolCallParser`]; content is only the text outside calls, calls become
+//! `message.tool_calls` (or, streamed, a `delta.tool_calls` chunk with `index`, `id` and
+//! `function.name`, then one with the `function.arguments`), and a choice that made a call
+//! and ended normally finishes with `"tool_calls"`.
 
 use std::sync::Arc;
 
@@ -14,6 +20,7 @@ use serde::{Serialize, Serializer};
 
 use crate::protocol::{Endpoint, Prepared};
 use crate::tokenizer::Tokenizer;
+use crate::tools::{ToolCall, ToolCallParser, ToolParsing};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -134,6 +141,41 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<ToolCallDelta<'a>>>,
+}
+
+#[derive(Serialize)]
+struct FunctionDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    arguments: &'a str,
+}
+
+/// A streamed piece of a call: the first carries `id`, `type` and the name, the next the
+/// arguments.
+#[derive(Serialize)]
+struct ToolCallDelta<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    function: FunctionDelta<'a>,
+}
+
+#[derive(Serialize)]
+struct Function<'a> {
+    name: &'a str,
+    arguments: &'a str,
+}
+
+#[derive(Serialize)]
+struct ToolCallOut<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: Function<'a>,
 }
 
 /// `stop_reason` appears on the finishing chunk only (null when no stop string matched).
@@ -157,10 +199,13 @@ struct CompletionChunkChoice<'a> {
     stop_reason: Option<Option<&'a str>>,
 }
 
+/// `content` is null only when the message is tool calls and nothing else.
 #[derive(Serialize)]
 struct Message<'a> {
     role: &'static str,
-    content: &'a str,
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ToolCallOut<'a>>,
 }
 
 #[derive(Serialize)]
@@ -192,6 +237,10 @@ struct ChoiceState {
     completion_tokens: u64,
     finish: Option<FinishReason>,
     stop_reason: Option<String>,
+    /// Chat with tools: splits the text into content and calls.
+    parser: Option<ToolCallParser>,
+    /// Non-streaming: the calls parsed so far.
+    tool_calls: Vec<ToolCall>,
 }
 
 /// One per request, covering all its choices (`prompts.len() * n`; choice index =
@@ -213,6 +262,7 @@ pub struct ResponseBuilder {
     choices: Vec<ChoiceState>,
     pending: Vec<u8>,
     done: bool,
+    tools: Option<ToolParsing>,
 }
 
 impl ResponseBuilder {
@@ -234,9 +284,15 @@ impl ResponseBuilder {
             prompt_texts: prepared.prompt_texts.clone(),
             // Each prompt counts once, however many choices it has.
             prompt_tokens: prepared.prompts.iter().map(|p| p.len() as u64).sum(),
-            choices: (0..count).map(|_| ChoiceState::default()).collect(),
+            choices: (0..count)
+                .map(|_| ChoiceState {
+                    parser: prepared.tools.map(|t| ToolCallParser::new(t.format)),
+                    ..ChoiceState::default()
+                })
+                .collect(),
             pending: Vec::new(),
             done: false,
+            tools: prepared.tools,
         }
     }
 
@@ -311,6 +367,15 @@ impl ResponseBuilder {
         if idx >= self.choices.len() || self.choices[idx].finish.is_some() {
             return;
         }
+        if self.choices[idx].parser.is_some() {
+            return self.push_with_tools(choice, delta);
+        }
+        self.push_plain(choice, delta);
+    }
+
+    /// Records text, tokens and finish of one choice (no tool-call parsing).
+    fn push_plain(&mut self, choice: u32, delta: &ChoiceDelta) {
+        let idx = choice as usize;
         let first = !self.choices[idx].started;
         self.choices[idx].started = true;
         self.choices[idx].completion_tokens += delta.tokens.len() as u64;
@@ -350,7 +415,7 @@ impl ResponseBuilder {
             if first {
                 let role = ChatChunkChoice {
                     index: choice,
-                    delta: Delta { role: Some("assistant"), content: Some("") },
+                    delta: Delta { role: Some("assistant"), content: Some(""), tool_calls: None },
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
@@ -364,7 +429,7 @@ impl ResponseBuilder {
             let logprobs = has_lp.then(|| ChatLogprobs { content: self.chat_logprobs(delta.tokens) });
             let c = ChatChunkChoice {
                 index: choice,
-                delta: Delta { role: None, content: (!delta.text.is_empty()).then_some(delta.text) },
+                delta: Delta { role: None, content: (!delta.text.is_empty()).then_some(delta.text), tool_calls: None },
                 logprobs,
                 finish_reason: finish,
                 stop_reason,
@@ -384,6 +449,89 @@ impl ResponseBuilder {
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
         }
+    }
+
+    /// `push` for a chat choice whose text may hold tool calls.
+    fn push_with_tools(&mut self, choice: u32, delta: &ChoiceDelta) {
+        let idx = choice as usize;
+        let parallel = self.tools.is_some_and(|t| t.parallel);
+        let state = &mut self.choices[idx];
+        let parser = state.parser.as_mut().expect("checked by push");
+        let mut parsed = parser.push(delta.text);
+        let mut finish = delta.finish;
+        let mut stop_reason = delta.stop_reason;
+        // NOTE: without parallel calls the choice ends as its first call completes; the
+        // engine stops its sequence when it sees `choice_finished`.
+        let cut = !parallel && !parsed.calls.is_empty();
+        if cut {
+            parsed.calls.truncate(1);
+            finish = Some(FinishReason::ToolCalls);
+            stop_reason = None;
+        } else if finish.is_some() {
+            let rest = parser.finish();
+            parsed.content.push_str(&rest.content);
+            parsed.calls.extend(rest.calls);
+            if !parallel {
+                parsed.calls.truncate(1);
+            }
+        }
+        let made_calls = parser.calls_found() > 0;
+        if finish == Some(FinishReason::Stop) && made_calls {
+            finish = Some(FinishReason::ToolCalls);
+            stop_reason = None;
+        }
+        let text = parsed.content;
+        let plain = ChoiceDelta { text: &text, tokens: delta.tokens, finish: None, stop_reason: None };
+        if self.stream {
+            // Content (and logprobs) first, then each call, then the finish on its own chunk.
+            self.push_plain(choice, &plain);
+            let first = self.choices[idx].tool_calls.len();
+            for (j, call) in parsed.calls.iter().enumerate() {
+                let index = first + j;
+                let head = ToolCallDelta {
+                    index,
+                    id: Some(&call.id),
+                    kind: Some("function"),
+                    function: FunctionDelta { name: Some(&call.name), arguments: "" },
+                };
+                let args = ToolCallDelta { index, id: None, kind: None, function: FunctionDelta { name: None, arguments: &call.arguments } };
+                for d in [head, args] {
+                    let c = ChatChunkChoice {
+                        index: choice,
+                        delta: Delta { tool_calls: Some(vec![d]), ..Delta::default() },
+                        logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                    };
+                    let usage = self.chunk_usage();
+                    self.frame(vec![c], usage);
+                }
+            }
+            self.choices[idx].tool_calls.extend(parsed.calls);
+            if let Some(f) = finish {
+                let c = ChatChunkChoice {
+                    index: choice,
+                    delta: Delta::default(),
+                    logprobs: None,
+                    finish_reason: Some(f.as_str()),
+                    stop_reason: Some(stop_reason),
+                };
+                let usage = self.chunk_usage();
+                self.frame(vec![c], usage);
+            }
+        } else {
+            self.push_plain(choice, &plain);
+            self.choices[idx].tool_calls.extend(parsed.calls);
+        }
+        let state = &mut self.choices[idx];
+        state.finish = finish;
+        state.stop_reason = stop_reason.map(str::to_string);
+    }
+
+    /// Whether a choice has ended (the builder may end one itself: a completed tool call
+    /// under `parallel_tool_calls: false`).
+    pub fn choice_finished(&self, choice: u32) -> bool {
+        self.choices.get(choice as usize).is_some_and(|c| c.finish.is_some())
     }
 
     /// SSE frames ready now (streaming); empty when not streaming.
@@ -419,7 +567,19 @@ impl ResponseBuilder {
                 .enumerate()
                 .map(|(i, c)| ChatChoice {
                     index: i as u32,
-                    message: Message { role: "assistant", content: &c.text },
+                    message: Message {
+                        role: "assistant",
+                        content: (!c.text.is_empty() || c.tool_calls.is_empty()).then_some(c.text.as_str()),
+                        tool_calls: c
+                            .tool_calls
+                            .iter()
+                            .map(|t| ToolCallOut {
+                                id: &t.id,
+                                kind: "function",
+                                function: Function { name: &t.name, arguments: &t.arguments },
+                            })
+                            .collect(),
+                    },
                     logprobs: self.logprobs.then_some(&c.chat_lp),
                     finish_reason: c.finish.map(FinishReason::as_str),
                     stop_reason: c.stop_reason.as_deref(),

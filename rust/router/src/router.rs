@@ -51,19 +51,26 @@ pub struct RouterConfig {
     pub max_logprobs: u32,
     #[serde(default = "default_template_fuel")]
     pub template_fuel: u64,
+    /// `--tool-call-format`: "json" or "hermes"; None detects it from the chat template.
+    #[serde(default)]
+    pub tool_call_format: Option<crate::tools::ToolCallFormat>,
 }
 
 pub struct Router {
     pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) templates: TemplateSet,
     pub(crate) config: RouterConfig,
+    /// Compiled grammars (response_format, forced tool calls), cached by source hash.
+    pub(crate) grammars: crate::structured::Grammars,
     /// `created` of the model objects: when this router started serving.
     created: u64,
 }
 
 impl Router {
     pub fn new(tokenizer: Tokenizer, templates: TemplateSet, config: RouterConfig) -> Self {
-        Self { tokenizer: Arc::new(tokenizer), templates, config, created: unix_now() }
+        let tokenizer = Arc::new(tokenizer);
+        let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
+        Self { tokenizer, templates, config, grammars, created: unix_now() }
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -76,6 +83,11 @@ impl Router {
 
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// The grammar compiler (Core builds per-sequence matchers from its grammars).
+    pub fn grammars(&self) -> &crate::structured::Grammars {
+        &self.grammars
     }
 
     /// Validates a `Chat` or `Completion` request into a [`Prepared`] one.

@@ -112,6 +112,7 @@ pub struct ChatTemplate {
     declared: std::collections::HashSet<String>,
     /// transformers refuses continue_final_message for templates that never say "content".
     mentions_content: bool,
+    source: String,
 }
 
 const NAME: &str = "chat_template";
@@ -188,11 +189,17 @@ impl ChatTemplate {
             hash: format!("sha256:{hex}"),
             declared,
             mentions_content: source.contains("content"),
+            source: source.to_string(),
         })
     }
 
     pub fn origin(&self) -> &str {
         &self.origin
+    }
+
+    /// The template text (tool-call format detection reads it).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// "sha256:" + first 16 hex chars of the template text's sha256

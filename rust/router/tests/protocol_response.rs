@@ -50,6 +50,8 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         cache_salt: None,
         user: None,
         headers: vec![],
+        grammar: None,
+        tools: None,
     }
 }
 

@@ -193,15 +193,22 @@ fn sampling_ranges() {
 }
 
 #[test]
-fn response_format_json_modes_are_refused_not_ignored() {
+fn response_format_json_modes_compile_to_grammars() {
+    let schema = |s: serde_json::Value| json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}});
     let cases = vec![
-        (json!({"response_format": {"type": "json_object"}}), 400, "unsupported_parameter", p("response_format.type")),
+        (schema(json!({"type": "array", "uniqueItems": true})), 400, "invalid_value", p("response_format.json_schema.schema")),
+        (schema(json!([1])), 400, "invalid_type", p("response_format.json_schema.schema")),
         (
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),
             400,
-            "unsupported_parameter",
-            p("response_format.type"),
+            "missing_required_parameter",
+            p("response_format.json_schema.name"),
         ),
+        (json!({"response_format": {"type": "json_schema"}}), 400, "missing_required_parameter", p("response_format.json_schema")),
+        (json!({"response_format": {"type": "json_object"}, "ignore_eos": true}), 400, "invalid_value", p("ignore_eos")),
+        (json!({"response_format": {"type": "json_object"}, "min_tokens": 3}), 400, "invalid_value", p("min_tokens")),
+        (json!({"response_format": {"type": "regex", "regex": "("}}), 400, "invalid_value", p("response_format.regex")),
+        (json!({"response_format": {"type": "grammar"}}), 400, "missing_required_parameter", p("response_format.grammar")),
         (json!({"response_format": {"type": "xml"}}), 400, "invalid_value", p("response_format.type")),
         (json!({"response_format": {}}), 400, "missing_required_parameter", p("response_format.type")),
         (json!({"response_format": "text"}), 400, "invalid_type", p("response_format")),
@@ -209,9 +216,19 @@ fn response_format_json_modes_are_refused_not_ignored() {
     check_chat(cases.clone());
     check_completion(cases);
     let r = router();
-    chat(&r, json!({"response_format": {"type": "text"}})).unwrap();
-    let e = chat(&r, json!({"response_format": {"type": "json_object"}})).unwrap_err();
-    assert!(e.message().contains("grammar"), "{}", e.message());
+    assert_eq!(chat(&r, json!({"response_format": {"type": "text"}})).unwrap().grammar, None);
+    let a = chat(&r, json!({"response_format": {"type": "json_object"}})).unwrap();
+    assert!(a.grammar.as_ref().unwrap().key().starts_with("json_schema:"));
+    let b = chat(&r, schema(json!({"type": "object", "properties": {"a": {"enum": [1, 2]}}}))).unwrap();
+    let c = chat(&r, schema(json!({"type": "object", "properties": {"a": {"enum": [1, 2]}}}))).unwrap();
+    assert_eq!(b.grammar, c.grammar);
+    assert_ne!(a.grammar, b.grammar);
+    let e = chat(&r, schema(json!({"type": "object", "properties": {"a": {"not": {}}}}))).unwrap_err();
+    assert!(e.message().contains("not"), "{}", e.message());
+    let rx = chat(&r, json!({"response_format": {"type": "regex", "regex": "[a-z]+"}})).unwrap();
+    assert!(rx.grammar.unwrap().key().starts_with("regex:"));
+    let g = chat(&r, json!({"response_format": {"type": "grammar", "grammar": "start: \"a\" | \"b\""}})).unwrap();
+    assert!(g.grammar.unwrap().key().starts_with("lark:"));
 }
 
 #[test]
@@ -249,12 +266,11 @@ fn tools_and_tool_choice() {
             p("tool_choice.function.name"),
         ),
         (
-            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            json!({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}}),
             400,
-            "unsupported_parameter",
-            p("tool_choice"),
+            "invalid_value",
+            p("response_format"),
         ),
-        (json!({"tools": [tool], "tool_choice": "required"}), 400, "unsupported_parameter", p("tool_choice")),
         (
             json!({"tools": [{"type": "function", "function": {}}]}),
             400,
@@ -284,6 +300,19 @@ fn tools_and_tool_choice() {
     assert_eq!(header(&auto, "llmserve-ignored-fields"), None);
     let none = chat(&r, json!({"tools": [tool], "tool_choice": "none"})).unwrap();
     assert!(!none.prompt_texts[0].contains("tools"), "{}", none.prompt_texts[0]);
+    assert_eq!((none.grammar.is_some(), none.tools), (false, None));
+    // This template knows no tool format: "auto" is text, forced calls use the json format.
+    assert_eq!(auto.tools, None);
+    let required = chat(&r, json!({"tools": [tool], "tool_choice": "required"})).unwrap();
+    assert!(required.grammar.is_some());
+    let t = required.tools.unwrap();
+    assert_eq!((t.format.name(), t.parallel), ("json", true));
+    let named = chat(&r, json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+        .unwrap();
+    assert_eq!(named.tools.unwrap().parallel, false);
+    let bad = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}});
+    let e = chat(&r, json!({"tools": [bad], "tool_choice": "required"})).unwrap_err();
+    assert_eq!(e.param(), Some("tools"));
 }
 
 #[test]
@@ -445,4 +474,16 @@ fn endpoint_names_round_trip() {
         assert_eq!(Endpoint::from_name(ep.name()), Some(ep));
     }
     assert_eq!(Endpoint::from_name("embeddings"), None);
+}
+
+#[test]
+fn echo_with_logprobs_is_refused_not_half_answered() {
+    // Prompt-token logprobs are not computed, so echo + logprobs would be silently wrong.
+    check_completion(vec![
+        (json!({"echo": true, "logprobs": 1}), 400, "unsupported_parameter", p("echo")),
+        (json!({"echo": true, "logprobs": 0}), 400, "unsupported_parameter", p("echo")),
+    ]);
+    let r = router();
+    assert!(completion(&r, json!({"echo": true})).is_ok());
+    assert!(completion(&r, json!({"echo": false, "logprobs": 2})).is_ok());
 }

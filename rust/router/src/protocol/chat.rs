@@ -15,10 +15,12 @@ use super::common::{
     from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, unix_now, unknown_keys,
     unsupported, CommonFields,
 };
-use super::{Checked, Endpoint, Prepared};
+use super::{constrained, Checked, Endpoint, Prepared};
 use crate::error::ApiError;
 use crate::router::Router;
+use crate::structured::GrammarSource;
 use crate::template::{ChatTemplate, RenderInput, Rendered};
+use crate::tools::{ToolCallFormat, ToolParsing};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
@@ -29,8 +31,8 @@ pub struct ChatFields {
     pub top_logprobs: Option<u32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
-    /// Honoured trivially: tool calls are not parsed yet, so no response carries more than
-    /// one (it carries none).
+    /// false: at most one call (grammar-enforced when forced; else the choice ends after
+    /// its first call).
     pub parallel_tool_calls: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub add_generation_prompt: Option<bool>,
@@ -303,29 +305,65 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
     Ok(names)
 }
 
-/// Whether the tools are rendered through the template.
+/// What `tool_choice` forces: nothing, a call to any tool, or a call to the named one.
+#[derive(Clone, Debug, PartialEq)]
+enum Forced {
+    No,
+    Any,
+    Named(String),
+}
+
+/// How the output is read for tool calls, and the grammar a forced `tool_choice` imposes.
+fn tool_plan(
+    router: &Router,
+    chat: &ChatFields,
+    template: &ChatTemplate,
+    forced: &Forced,
+) -> (Option<ToolParsing>, Option<(GrammarSource, &'static str)>) {
+    let detected = router.config.tool_call_format.or_else(|| ToolCallFormat::detect(template.source()));
+    let tools = chat.tools.as_deref().unwrap_or_default();
+    let functions = |only: Option<&str>| -> Vec<&Value> {
+        tools
+            .iter()
+            .filter_map(|t| t.get("function"))
+            .filter(|f| only.is_none_or(|n| f.get("name").and_then(Value::as_str) == Some(n)))
+            .collect()
+    };
+    let parallel = chat.parallel_tool_calls.unwrap_or(true);
+    match forced {
+        Forced::No => (detected.map(|format| ToolParsing { format, parallel }), None),
+        Forced::Any | Forced::Named(_) => {
+            let format = detected.unwrap_or(ToolCallFormat::Json);
+            // NOTE: a named function is called exactly once, as OpenAI does.
+            let (fns, parallel) = match forced {
+                Forced::Named(n) => (functions(Some(n)), false),
+                _ => (functions(None), parallel),
+            };
+            let source = format.forced_grammar(&fns, parallel);
+            (Some(ToolParsing { format, parallel }), Some((source, "tools")))
+        }
+    }
+}
+
+/// Whether the tools are rendered through the template, and what `tool_choice` forces.
 ///
 /// NOTE: with `tool_choice: "none"` the tools are not passed to the template (vLLM's
 /// `--exclude-tools-when-tool-choice-none` behaviour, made the default): showing a model tools
 /// it must not call invites tool-call text we would return as content.
-fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Result<bool, ApiError> {
+fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Result<(bool, Forced), ApiError> {
     let choice = tool_choice.filter(|v| !v.is_null());
     let Some(tools) = tools else {
         return match choice {
-            None => Ok(false),
+            None => Ok((false, Forced::No)),
             Some(_) => Err(ApiError::invalid("tool_choice", "`tool_choice` is only allowed when `tools` are given.")),
         };
     };
     let names = validate_tools(tools)?;
     match choice {
-        None => Ok(true),
-        Some(Value::String(s)) if s == "auto" => Ok(true),
-        Some(Value::String(s)) if s == "none" => Ok(false),
-        Some(Value::String(s)) if s == "required" => Err(unsupported(
-            "tool_choice",
-            "`tool_choice: \"required\"` is not supported yet: forcing a valid tool call needs \
-             grammar-constrained decoding. Use \"auto\" or \"none\".",
-        )),
+        None => Ok((true, Forced::No)),
+        Some(Value::String(s)) if s == "auto" => Ok((true, Forced::No)),
+        Some(Value::String(s)) if s == "none" => Ok((false, Forced::No)),
+        Some(Value::String(s)) if s == "required" => Ok((true, Forced::Any)),
         Some(Value::String(s)) => Err(ApiError::invalid(
             "tool_choice",
             format!("Unknown `tool_choice` {s:?}: expected \"none\", \"auto\", \"required\" or a named function."),
@@ -350,11 +388,7 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
                     format!("`tool_choice` names the function {name:?}, which is not in `tools`."),
                 ));
             }
-            Err(unsupported(
-                "tool_choice",
-                "A named `tool_choice` is not supported yet: forcing a valid tool call needs \
-                 grammar-constrained decoding. Use \"auto\" or \"none\".",
-            ))
+            Ok((true, Forced::Named(name.clone())))
         }
         Some(other) => Err(invalid_type(
             "tool_choice",
@@ -404,7 +438,13 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
         (_, None) => None,
     };
 
-    let with_tools = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
+    let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
+    if forced != Forced::No && c.response_format.is_some() {
+        return Err(ApiError::invalid(
+            "response_format",
+            "`response_format` cannot be combined with a forced `tool_choice`: the output is the tool call.",
+        ));
+    }
     let (add_generation_prompt, continue_final_message) =
         generation_flags(chat.add_generation_prompt, chat.continue_final_message)?;
     let input = ChatRender {
@@ -416,6 +456,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
         kwargs: chat.chat_template_kwargs.as_ref(),
     };
     let (rendered, template) = render(router, &input)?;
+    let (tools, tool_grammar) = if with_tools { tool_plan(router, &chat, template, &forced) } else { (None, None) };
+    let grammar = constrained::compile(router, tool_grammar.or(c.response_format), &params)?;
     let prompt = router.tokenizer.encode(&rendered.text, false);
     if prompt.is_empty() {
         return Err(ApiError::invalid("messages", "The messages render to an empty prompt."));
@@ -445,6 +487,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
         cache_salt: c.cache_salt,
         user: c.user,
         headers,
+        grammar,
+        tools,
     };
     Ok(Checked {
         prepared,

@@ -166,6 +166,9 @@ pub struct Common {
     pub user: Option<String>,
     /// Inert fields that were sent (store, metadata, service_tier, stream_options.*).
     pub inert: Vec<String>,
+    /// What `response_format` constrains the output to (None: free text), and the param
+    /// path of the source (for compile errors).
+    pub response_format: Option<(crate::structured::GrammarSource, &'static str)>,
 }
 
 fn ranged(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
@@ -267,7 +270,7 @@ impl CommonFields {
             check_token_id(&format!("stop_token_ids[{i}]"), id as u64, vocab_size)?;
         }
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
-        check_response_format(self.response_format.as_ref())?;
+        let response_format = super::constrained::response_format_source(self.response_format.as_ref())?;
 
         if let Some(id) = &self.request_id {
             if id.is_empty() {
@@ -321,6 +324,7 @@ impl CommonFields {
             cache_salt: self.cache_salt,
             user: self.user,
             inert,
+            response_format,
         })
     }
 }
@@ -379,44 +383,6 @@ fn parse_logit_bias(map: BTreeMap<String, f64>, vocab_size: usize) -> Result<Vec
     }
     out.sort_by_key(|&(id, _)| id);
     Ok(out)
-}
-
-/// `response_format`: only `text` for now. JSON modes need grammar-constrained decoding,
-/// which is not implemented yet; refusing is better than returning unvalidated text.
-fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
-    let obj = match v {
-        None | Some(Value::Null) => return Ok(()),
-        Some(Value::Object(o)) => o,
-        Some(other) => {
-            return Err(invalid_type(
-                "response_format",
-                format!("`response_format` must be an object, not {}.", kind_of(other)),
-            ))
-        }
-    };
-    match obj.get("type") {
-        None => Err(ApiError::with_code(
-            "missing_required_parameter",
-            Some("response_format.type".into()),
-            "Missing required parameter: `response_format.type`.",
-        )),
-        Some(Value::String(t)) if t == "text" => Ok(()),
-        Some(Value::String(t)) if t == "json_object" || t == "json_schema" => Err(unsupported(
-            "response_format.type",
-            format!(
-                "`response_format` of type `{t}` is not supported yet: it needs grammar-constrained \
-                 decoding, which this server does not implement. Only `text` is accepted."
-            ),
-        )),
-        Some(Value::String(t)) => Err(ApiError::invalid(
-            "response_format.type",
-            format!("Unknown `response_format.type` {t:?}: expected `text`, `json_object` or `json_schema`."),
-        )),
-        Some(other) => Err(invalid_type(
-            "response_format.type",
-            format!("`response_format.type` must be a string, not {}.", kind_of(other)),
-        )),
-    }
 }
 
 /// Unknown keys of a request: those that no struct of the endpoint knows.

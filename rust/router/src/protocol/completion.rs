@@ -147,8 +147,19 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
             ));
         }
     }
+    // NOTE: OpenAI's `echo` with `logprobs` returns the prompt tokens' logprobs too; the model
+    // runner computes none for prompts, and generated-only logprobs under an echoed text
+    // would be silently wrong, so the combination is refused.
+    if comp.echo == Some(true) && comp.logprobs.is_some() {
+        return Err(unsupported(
+            "echo",
+            "`echo` together with `logprobs` is not supported: this server does not compute the \
+             prompt tokens' logprobs. Send one of the two.",
+        ));
+    }
     params.logprobs = comp.logprobs;
 
+    let grammar = super::constrained::compile(router, c.response_format, &params)?;
     let prompts = tokenize_prompts(&router.tokenizer, parse_prompts(&comp.prompt, vocab_size)?)?;
     for (ids, _, param) in &prompts {
         check_context(ids.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, param)?;
@@ -172,6 +183,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
         cache_salt: c.cache_salt,
         user: c.user,
         headers: ignored_header(&ignored).into_iter().collect(),
+        grammar,
+        tools: None,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -7,8 +7,9 @@
 //! what it says or the client is told: fields that have no effect are named in the
 //! `llmserve-ignored-fields` header (or rejected with `strict_fields`), unused
 //! `chat_template_kwargs` keys in `llmserve-unused-template-kwargs`, and features that are
-//! not implemented yet (`json_schema`, `tool_choice: "required"`, `suffix`, ...) are a 400
-//! `unsupported_parameter`, never silently dropped.
+//! not implemented (`suffix`, ...) are a 400 `unsupported_parameter`, never silently dropped.
+//! `response_format` and forced `tool_choice` compile to grammars here (see
+//! [`crate::structured`]), so a schema the engine cannot enforce is a 400 before generation.
 //!
 //! Parsing is two-staged: the body is read as JSON (`invalid_json` otherwise), then each
 //! endpoint's typed structs are filled with serde through `serde_path_to_error`, so that a
@@ -20,8 +21,9 @@
 //! checks), `chat`, `completion`, `tokenize` (the tokenize/detokenize/render bodies).
 //!
 //! Decisions: `tool_choice: "none"` keeps the tools out of the template (the model must not
-//! call them, so it is not shown them); `parallel_tool_calls` is accepted and honoured
-//! trivially, since no tool calls are parsed yet; `continue_final_message: true` turns the
+//! call them, so it is not shown them); `parallel_tool_calls: false` is enforced by the grammar
+//! under a forced `tool_choice`, and under `"auto"` by ending the choice as its first call
+//! completes; `continue_final_message: true` turns the
 //! default `add_generation_prompt` off (both sent as true is a 400); `user` is kept in
 //! [`Prepared::user`] for the log and is not reported as ignored.
 
@@ -29,6 +31,7 @@ pub mod budget;
 pub mod chat;
 pub mod common;
 pub mod completion;
+pub mod constrained;
 pub mod tokenize;
 
 /// The routes the router understands. `Chat` and `Completion` generate (see
@@ -101,6 +104,11 @@ pub struct Prepared {
     /// Response headers: `llmserve-ignored-fields`, `llmserve-chat-template`,
     /// `llmserve-unused-template-kwargs`.
     pub headers: Vec<(String, String)>,
+    /// The grammar every sequence's tokens must follow (`response_format` json/regex/grammar,
+    /// or a forced `tool_choice`); None: unconstrained.
+    pub grammar: Option<crate::structured::Grammar>,
+    /// Chat with tools the model may call: how tool calls are parsed from the output.
+    pub tools: Option<crate::tools::ToolParsing>,
 }
 
 /// Sampling and stopping parameters, defaults already resolved (request ->

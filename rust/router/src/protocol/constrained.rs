@@ -1,0 +1,138 @@
+//! `response_format` and forced `tool_choice`: the grammar a request's output must follow.
+//!
+//! Accepted formats: `text`; `json_object`; `json_schema` (`name`, `schema`, `strict`,
+//! `description`); and two extensions, `{"type": "regex", "regex": ...}` and
+//! `{"type": "grammar", "grammar": <Lark>}`. Every constrained format is compiled here, at
+//! prepare time (see [`crate::structured`]), so what the engine cannot enforce is a 400.
+//!
+//! NOTE: `strict` is accepted either way and changes nothing: the grammar enforces the
+//! schema in both cases, which is what `strict: true` promises and more than `false` asks.
+//! `ignore_eos` and `min_tokens` are refused alongside a grammar: the grammar decides when
+//! the output is complete, and both would have to be silently overridden.
+
+use serde_json::{json, Value};
+
+use super::common::{invalid_type, kind_of};
+use super::SamplingParams;
+use crate::error::ApiError;
+use crate::router::Router;
+use crate::structured::{Grammar, GrammarSource};
+
+fn missing(param: &str) -> ApiError {
+    ApiError::with_code(
+        "missing_required_parameter",
+        Some(param.to_string()),
+        format!("Missing required parameter: `{param}`."),
+    )
+}
+
+fn string_field(obj: &serde_json::Map<String, Value>, key: &str, param: &'static str) -> Result<String, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Err(missing(param)),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(invalid_type(param, format!("`{param}` must be a string, not {}.", kind_of(other)))),
+    }
+}
+
+/// Validates `response_format`; returns the grammar source it asks for (None: free text)
+/// and the param path the source came from.
+pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
+    let obj = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(other) => {
+            return Err(invalid_type(
+                "response_format",
+                format!("`response_format` must be an object, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    let kind = match obj.get("type") {
+        None => return Err(missing("response_format.type")),
+        Some(Value::String(t)) => t.as_str(),
+        Some(other) => {
+            return Err(invalid_type(
+                "response_format.type",
+                format!("`response_format.type` must be a string, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some((GrammarSource::JsonSchema(json!({"type": "object"})), "response_format"))),
+        "json_schema" => {
+            let js = match obj.get("json_schema") {
+                None | Some(Value::Null) => return Err(missing("response_format.json_schema")),
+                Some(Value::Object(o)) => o,
+                Some(other) => {
+                    return Err(invalid_type(
+                        "response_format.json_schema",
+                        format!("`response_format.json_schema` must be an object, not {}.", kind_of(other)),
+                    ))
+                }
+            };
+            let name = string_field(js, "name", "response_format.json_schema.name")?;
+            if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.name",
+                    "`name` must be 1 to 64 characters of a-z, A-Z, 0-9, `_` and `-`.",
+                ));
+            }
+            match js.get("strict") {
+                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+                Some(other) => {
+                    return Err(invalid_type(
+                        "response_format.json_schema.strict",
+                        format!("`strict` must be a boolean, not {}.", kind_of(other)),
+                    ))
+                }
+            }
+            let param = "response_format.json_schema.schema";
+            let schema = match js.get("schema") {
+                // OpenAI makes `schema` optional: without one, any JSON object.
+                None | Some(Value::Null) => json!({"type": "object"}),
+                Some(s @ Value::Object(_)) => s.clone(),
+                Some(other) => {
+                    return Err(invalid_type(param, format!("`schema` must be an object, not {}.", kind_of(other))))
+                }
+            };
+            Ok(Some((GrammarSource::JsonSchema(schema), param)))
+        }
+        "regex" => Ok(Some((GrammarSource::Regex(string_field(obj, "regex", "response_format.regex")?), "response_format.regex"))),
+        "grammar" => {
+            let g = string_field(obj, "grammar", "response_format.grammar")?;
+            Ok(Some((GrammarSource::Lark(g), "response_format.grammar")))
+        }
+        other => Err(ApiError::invalid(
+            "response_format.type",
+            format!(
+                "Unknown `response_format.type` {other:?}: expected `text`, `json_object`, `json_schema`, \
+                 `regex` or `grammar`."
+            ),
+        )),
+    }
+}
+
+/// Compiles a request's grammar, after refusing the sampling fields that would fight it.
+pub(crate) fn compile(
+    router: &Router,
+    source: Option<(GrammarSource, &'static str)>,
+    params: &SamplingParams,
+) -> Result<Option<Grammar>, ApiError> {
+    let Some((source, param)) = source else { return Ok(None) };
+    if params.ignore_eos {
+        return Err(ApiError::invalid(
+            "ignore_eos",
+            "`ignore_eos` cannot be combined with a constrained output (response_format or a forced \
+             tool_choice): the grammar decides where the output ends.",
+        ));
+    }
+    if params.min_tokens > 0 {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            "`min_tokens` cannot be combined with a constrained output (response_format or a forced \
+             tool_choice): the grammar decides where the output ends.",
+        ));
+    }
+    router.grammars.compile(&source, param).map(Some)
+}

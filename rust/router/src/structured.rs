@@ -1,0 +1,306 @@
+//! Structured outputs: compiling `response_format` (json_object, json_schema, and the `regex`
+//! / `grammar` extensions) and forced tool calls into grammars that constrain decoding.
+//!
+//! The grammar engine is `llguidance`. One [`ParserFactory`] is built (lazily, on the first
+//! constrained request) from the tokenizer's token bytes; each distinct grammar is compiled
+//! once at prepare time into a fresh [`Matcher`] kept in a cache keyed by the grammar's
+//! sha256, and each constrained sequence gets its own clone of it (see [`Grammar::matcher`]).
+//! Compiling at prepare time means a schema the engine cannot handle is a 400 naming the
+//! offending keyword before any generation, and a malformed regex or Lark grammar likewise.
+//!
+//! Invariants: a [`Grammar`] always holds a matcher that compiled without error; two
+//! grammars are equal exactly when their keys (kind + canonical source hash) are equal.
+//!
+//! NOTE: JSON is generated with fixed separators (`", "`, `": "`) and no free whitespace
+//! (`x-guidance` options merged into the schema): a small model given free whitespace can
+//! loop on newlines until `max_tokens`; fixed separators are also what it most often writes.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
+pub use llguidance::Matcher;
+use llguidance::ParserFactory;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::error::ApiError;
+use crate::tokenizer::Tokenizer;
+
+/// Compiled grammars kept at most; beyond it the cache is cleared (schemas repeat in
+/// practice, so a rare full reset costs less than LRU bookkeeping).
+const CACHE_CAPACITY: usize = 256;
+
+/// What a request asks the output to match.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GrammarSource {
+    /// A JSON schema (json_object is `{"type": "object"}`).
+    JsonSchema(Value),
+    /// A regular expression the whole output must match (extension).
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect (extension).
+    Lark(String),
+}
+
+impl GrammarSource {
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::JsonSchema(_) => "json_schema",
+            Self::Regex(_) => "regex",
+            Self::Lark(_) => "lark",
+        }
+    }
+
+    fn key(&self) -> String {
+        let text = match self {
+            Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
+            Self::Regex(s) | Self::Lark(s) => s.clone(),
+        };
+        let digest = Sha256::digest(text.as_bytes());
+        let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
+        format!("{}:{hex}", self.kind())
+    }
+
+    fn to_top_level(&self) -> TopLevelGrammar {
+        match self {
+            Self::JsonSchema(schema) => {
+                let mut schema = schema.clone();
+                if let Value::Object(obj) = &mut schema {
+                    let mut opts = json!({
+                        "whitespace_flexible": false,
+                        "item_separator": ", ",
+                        "key_separator": ": ",
+                    });
+                    if let Some(user) = obj.get("x-guidance") {
+                        llguidance::json_merge(&mut opts, user);
+                    }
+                    obj.insert("x-guidance".into(), opts);
+                }
+                TopLevelGrammar::from_json_schema(schema)
+            }
+            Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Self::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        }
+    }
+}
+
+/// A compiled grammar: cheap to clone, shared by every request that sends the same source.
+#[derive(Clone)]
+pub struct Grammar {
+    key: Arc<str>,
+    template: Arc<Mutex<Matcher>>,
+}
+
+impl Grammar {
+    /// "<kind>:<first 32 hex chars of the source's sha256>".
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// A fresh matcher for one sequence, at the grammar's start.
+    pub fn matcher(&self) -> Matcher {
+        self.template.lock().expect("grammar lock").clone()
+    }
+}
+
+impl fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Grammar").field(&self.key).finish()
+    }
+}
+
+impl PartialEq for Grammar {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
+/// The grammar compiler and cache of one served tokenizer. `Send + Sync`.
+pub struct Grammars {
+    tokenizer: Arc<Tokenizer>,
+    eos_token_ids: Vec<u32>,
+    factory: OnceLock<Result<ParserFactory, String>>,
+    cache: Mutex<HashMap<String, Grammar>>,
+}
+
+impl Grammars {
+    pub fn new(tokenizer: Arc<Tokenizer>, eos_token_ids: Vec<u32>) -> Self {
+        Self { tokenizer, eos_token_ids, factory: OnceLock::new(), cache: Mutex::new(HashMap::new()) }
+    }
+
+    /// The token count masks are computed over (the tokenizer's vocabulary).
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.vocab_size()
+    }
+
+    fn factory(&self) -> Result<&ParserFactory, ApiError> {
+        self.factory
+            .get_or_init(|| build_factory(&self.tokenizer, &self.eos_token_ids))
+            .as_ref()
+            .map_err(|e| ApiError::Internal { message: format!("grammar engine: {e}") })
+    }
+
+    /// Compiles `source` (or finds it in the cache). `param` names the request field the
+    /// source came from, for the 400 when it does not compile.
+    pub fn compile(&self, source: &GrammarSource, param: &str) -> Result<Grammar, ApiError> {
+        let key = source.key();
+        if let Some(g) = self.cache.lock().expect("grammar cache").get(&key) {
+            return Ok(g.clone());
+        }
+        let factory = self.factory()?;
+        let parser = factory.create_parser(source.to_top_level());
+        let matcher = Matcher::new(parser);
+        if let Some(err) = matcher.get_error() {
+            return Err(ApiError::invalid(
+                param,
+                format!("The {} cannot be used to constrain generation: {}", describe(source), first_line(&err)),
+            ));
+        }
+        let grammar = Grammar { key: key.as_str().into(), template: Arc::new(Mutex::new(matcher)) };
+        let mut cache = self.cache.lock().expect("grammar cache");
+        if cache.len() >= CACHE_CAPACITY {
+            cache.clear();
+        }
+        cache.insert(key, grammar.clone());
+        Ok(grammar)
+    }
+
+    /// Compiled grammars now cached.
+    pub fn cached(&self) -> usize {
+        self.cache.lock().expect("grammar cache").len()
+    }
+}
+
+fn describe(source: &GrammarSource) -> &'static str {
+    match source {
+        GrammarSource::JsonSchema(_) => "JSON schema",
+        GrammarSource::Regex(_) => "regular expression",
+        GrammarSource::Lark(_) => "grammar",
+    }
+}
+
+/// llguidance errors can carry a multi-line context dump; the first lines name the cause.
+fn first_line(err: &str) -> String {
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).take(3).collect();
+    lines.join(" ")
+}
+
+/// The token trie: each token's bytes; special tokens get toktrie's 0xFF marker before
+/// their text so that grammar text can never match them by accident.
+fn build_factory(tokenizer: &Tokenizer, eos_token_ids: &[u32]) -> Result<ParserFactory, String> {
+    let vocab = tokenizer.vocab_size();
+    let words: Vec<Vec<u8>> = (0..vocab as u32)
+        .map(|id| {
+            if tokenizer.is_special(id) {
+                let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                w.extend_from_slice(tokenizer.id_to_token(id).unwrap_or_default().as_bytes());
+                w
+            } else {
+                tokenizer.token_bytes(id)
+            }
+        })
+        .collect();
+    let eos = eos_token_ids.first().copied().unwrap_or(0);
+    let mut info = TokRxInfo::new(vocab as u32, eos);
+    info.tok_end_of_turn = eos_token_ids.get(1).copied();
+    let trie = TokTrie::from(&info, &words);
+    let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+    let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+    factory.quiet();
+    Ok(factory)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn byte_tokenizer() -> Arc<Tokenizer> {
+        // A tiny char-level vocabulary: newline, every printable ASCII char, and an EOS.
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("<eos>".into(), json!(0));
+        for (i, c) in std::iter::once(b'\n').chain(32u8..127).enumerate() {
+            vocab.insert((c as char).to_string(), json!(i + 1));
+        }
+        let tj = json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 0, "content": "<eos>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
+        });
+        Arc::new(Tokenizer::from_json_str(&tj.to_string()).expect("tokenizer"))
+    }
+
+    fn drive(g: &Grammar, tok: &Tokenizer, text: &str) -> Matcher {
+        let mut m = g.matcher();
+        for id in tok.encode(text, false) {
+            let mask = m.compute_mask().expect("mask");
+            assert!(mask.is_allowed(id), "token {id:?} of {text:?} not allowed");
+            m.consume_token(id).expect("consume");
+        }
+        m
+    }
+
+    #[test]
+    fn json_schema_accepts_valid_and_stops_when_complete() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                            "additionalProperties": false});
+        let grammar = g.compile(&GrammarSource::JsonSchema(schema.clone()), "p").unwrap();
+        let m = drive(&grammar, &tok, "{\"a\": 12}");
+        assert!(m.is_stopped());
+        // A second compile of the same schema is served from the cache.
+        let again = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+        assert_eq!(again, grammar);
+        assert_eq!(g.cached(), 1);
+    }
+
+    #[test]
+    fn json_schema_masks_wrong_tokens() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let schema = json!({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]});
+        let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+        let mut m = drive(&grammar, &tok, "{\"a\": \"");
+        let mask = m.compute_mask().unwrap();
+        let allowed: Vec<String> = mask.to_list().iter().map(|&id| tok.decode(&[id], false)).collect();
+        assert_eq!(allowed, vec!["x".to_string(), "y".to_string()]);
+    }
+
+    #[test]
+    fn bad_schema_is_a_400_naming_the_keyword() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let schema = json!({"type": "object", "properties": {"a": {"type": "string", "uniqueItems": true}}});
+        let err = g.compile(&GrammarSource::JsonSchema(schema), "response_format.json_schema.schema").unwrap_err();
+        assert_eq!(err.status(), 400);
+        assert_eq!(err.param(), Some("response_format.json_schema.schema"));
+        assert!(err.message().contains("uniqueItems"), "{}", err.message());
+    }
+
+    #[test]
+    fn hermes_forced_call_grammar_compiles_and_accepts_a_call() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                   "required": ["a"], "additionalProperties": false}});
+        let src = crate::tools::ToolCallFormat::Hermes.forced_grammar(&[&f], false);
+        let grammar = g.compile(&src, "tools").unwrap();
+        let m = drive(&grammar, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>");
+        assert!(m.is_stopped());
+    }
+
+    #[test]
+    fn regex_and_lark() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let rx = g.compile(&GrammarSource::Regex("[0-9]{3}-ok".into()), "p").unwrap();
+        assert!(drive(&rx, &tok, "123-ok").is_stopped());
+        let lark = g.compile(&GrammarSource::Lark("start: \"yes\" | \"no\"".into()), "p").unwrap();
+        assert!(drive(&lark, &tok, "no").is_stopped());
+        assert!(g.compile(&GrammarSource::Regex("(".into()), "p").is_err());
+        assert!(g.compile(&GrammarSource::Lark("start: ???".into()), "p").is_err());
+    }
+}

@@ -1,0 +1,229 @@
+"""Structured outputs and forced tool calls over HTTP on the default SmolLM2-135M model.
+
+A 135M model does not write valid JSON for a schema on its own; these tests pass only
+because decoding is grammar-constrained. Schemas bound every string, array and number so
+that each answer completes within a small `max_tokens` (the suite generates well under
+1,500 tokens); requests run concurrently so the server batches them.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from server import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol():
+    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smol):
+    with openai.OpenAI(base_url=smol.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _name(n: int) -> str:
+    return f"s{n}"
+
+
+def _s(max_len: int = 12) -> dict:
+    return {"type": "string", "maxLength": max_len}
+
+
+def _obj(props: dict, required: list[str] | None = None) -> dict:
+    return {"type": "object", "properties": props, "required": required or list(props),
+            "additionalProperties": False}
+
+
+SCHEMAS: list[tuple[str, dict]] = [
+    ("Describe a person named Alice who is 30.", _obj({"name": _s(), "age": {"type": "integer", "minimum": 0, "maximum": 120}})),
+    ("Is the sky blue?", _obj({"answer": {"type": "boolean"}})),
+    ("Pick a color.", _obj({"color": {"enum": ["red", "green", "blue"]}})),
+    ("List up to three fruits.", _obj({"fruits": {"type": "array", "items": _s(10), "minItems": 1, "maxItems": 3}})),
+    ("Give a city and its country.", _obj({"city": _s(), "country": _s()})),
+    ("Rate this movie from 1 to 5.", _obj({"stars": {"type": "integer", "minimum": 1, "maximum": 5}, "ok": {"type": "boolean"}})),
+    ("Describe a book.", _obj({"book": _obj({"title": _s(), "year": {"type": "integer", "minimum": 1000, "maximum": 2100}})})),
+    ("Give a point.", _obj({"x": {"type": "number", "minimum": -10, "maximum": 10}, "y": {"type": "number", "minimum": -10, "maximum": 10}})),
+    ("Status?", _obj({"status": {"const": "ok"}, "code": {"type": "integer", "enum": [200, 404]}})),
+    ("A user record.", _obj({"id": {"type": "integer", "minimum": 1, "maximum": 99}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}})),
+    ("Optional fields.", _obj({"name": _s(8), "nick": _s(8)}, required=["name"])),
+    ("A value that is a number or null.", _obj({"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]}})),
+    ("Nested list of pairs.", _obj({"pairs": {"type": "array", "maxItems": 2, "items": _obj({"k": _s(4), "v": {"type": "integer", "minimum": 0, "maximum": 9}})}})),
+    ("A top-level array of small integers.", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 3}),
+]
+
+
+def _ask(client, prompt: str, schema: dict, i: int, max_tokens: int = 64):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": prompt + " Answer in JSON."}],
+        max_tokens=max_tokens, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": _name(i), "schema": schema, "strict": True}},
+    )
+
+
+def test_json_schema_outputs_validate(client):
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+        futures = [pool.submit(_ask, client, p, s, i) for i, (p, s) in enumerate(SCHEMAS)]
+        results = [f.result() for f in futures]
+    for (prompt, schema), r in zip(SCHEMAS, results):
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", (prompt, choice.message.content)
+        value = json.loads(choice.message.content)
+        jsonschema.validate(value, schema)
+
+
+def test_json_object_parses(client):
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give a JSON object with a key name set to Bob."}],
+        max_tokens=48, temperature=0, response_format={"type": "json_object"},
+    )
+    choice = r.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:   # the object did not close in time: what came is still a JSON object's prefix
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+
+
+def test_length_inside_the_object_is_length(client):
+    r = _ask(client, "Describe a person.", _obj({"name": _s(40), "bio": _s(200)}), 99, max_tokens=6)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content.startswith("{")
+    assert r.usage.completion_tokens == 6
+
+
+def test_streamed_json_equals_non_streamed(client):
+    prompt, schema = SCHEMAS[0]
+    model = client.models.list().data[0].id
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    msgs = [{"role": "user", "content": prompt + " Answer in JSON."}]
+    whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=64, temperature=0,
+                                           response_format=rf).choices[0].message.content
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=64, temperature=0,
+                                                response_format=rf, stream=True):
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(parts) == whole and finish == "stop"
+    jsonschema.validate(json.loads(whole), schema)
+
+
+def test_regex_and_grammar_extensions(client):
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give a phone number."}], max_tokens=20, temperature=0,
+        response_format={"type": "regex", "regex": "[0-9]{3}-[0-9]{4}"},
+    )
+    import re
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model=model, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+        extra_body={"response_format": {"type": "grammar", "grammar": 'start: " yes" | " no"'}},
+    )
+    assert r.choices[0].text in (" yes", " no")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format.regex"),
+])
+def test_bad_schema_is_400(smol, body, param):
+    model = httpx.get(smol.url + "/v1/models").json()["data"][0]["id"]
+    r = httpx.post(smol.url + "/v1/chat/completions",
+                   json={"model": model, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param
+    keyword = {"uniqueItems": "uniqueItems", "not": "not"}
+    for k in keyword:
+        if k in json.dumps(body):
+            assert k in err["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": _obj({"city": _s(16), "unit": {"enum": ["c", "f"]}})}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": _obj({"tz": _s(12)})}}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def _check_calls(calls, names: set[str]):
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_and_named(client):
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def call(**kw):
+        return client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME],
+                                              max_tokens=60, temperature=0, **kw)
+
+    with ThreadPoolExecutor(3) as pool:
+        req, named, single = pool.map(lambda kw: call(**kw), [
+            {"tool_choice": "required"},
+            {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+            {"tool_choice": "required", "parallel_tool_calls": False},
+        ])
+    for r in (req, named, single):
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        assert not r.choices[0].message.content
+    _check_calls(req.choices[0].message.tool_calls, {"get_weather", "get_time"})
+    _check_calls(named.choices[0].message.tool_calls, {"get_time"})
+    assert len(named.choices[0].message.tool_calls) == 1
+    _check_calls(single.choices[0].message.tool_calls, {"get_weather", "get_time"})
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_tool_calls_streamed(client):
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0,
+        stream=True,
+    )
+    pieces, finish, content = [], None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            pieces.extend(c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    head = pieces[0]
+    assert head.index == 0 and head.id.startswith("call_") and head.function.name == "get_weather"
+    args = "".join(p.function.arguments or "" for p in pieces)
+    jsonschema.validate(json.loads(args), TOOL_SCHEMAS["get_weather"])
+    assert all(p.index == 0 for p in pieces)
+
+
+def test_auto_without_a_format_is_text(client):
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       tools=[WEATHER], max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason in ("stop", "length")
