@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# The GPU check, in ONE call of a few minutes on a CUDA machine (an H200 when the device tool
+# lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark, and
+# serve benches/serve_load.py's `load` workload with `llmserve run --device cuda` at
+# concurrency 1 / 64 / 256; print one summary table. `make gpu-check` runs it.
+#
+# Two modes:
+#   bash benches/gpu_check.sh prepare   HERE (network, no GPU): fill target/gpu-carry with what
+#                                       the GPU machine lacks: wheels for starlette, uvicorn and
+#                                       orjson (Python 3.12), and a SmolLM2-135M-shaped model
+#                                       folder without weights (config, tokenizer, template).
+#   bash benches/gpu_check.sh           THERE. With the device tool:
+#       run(command="bash benches/gpu_check.sh", timeout_s=600,
+#           carry=["target/gpu-carry", "python/llmserve/_core.abi3.so"])
+#     The Rust core travels as the abi3 extension built here (one build serves 3.11 and 3.12).
+#
+# The GPU machine reaches no network, and the default model (a 98 MB GGUF) does not fit the
+# 64 MiB a call may carry, so the serving benchmark uses SmolLM2-135M's exact shapes with
+# random bf16 weights generated there: same FLOPs and bytes per token; `ignore_eos` fixes the
+# output lengths, so the figures do not depend on the weights. Without the wheels the HTTP
+# part is skipped with a message. Results also land in $OUT (when set) or target/gpu-check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+CARRY=target/gpu-carry
+
+if [ "${1:-}" = prepare ]; then
+  set -e
+  mkdir -p "$CARRY/wheels"
+  rm -f "$CARRY"/wheels/*.whl
+  # pure-Python or manylinux wheels for the GPU image's Python 3.12; the rest of their
+  # dependencies (anyio, h11, click, typing-extensions) are already there (KINDS.md)
+  for pkg in starlette==1.10.0 uvicorn==0.54.0 orjson==3.13.0; do
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$CARRY/wheels" "$pkg"
+  done
+  PYTHONPATH=python $PY - "$CARRY/smollm2-shape" <<'EOF'
+import json, sys
+from pathlib import Path
+
+from llmserve.loaders import load_checkpoint
+
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+ck = load_checkpoint(None)                       # the default SmolLM2-135M-Instruct GGUF
+cfg = dict(ck.hf_config, torch_dtype="bfloat16")
+(out / "config.json").write_text(json.dumps(cfg, indent=1))
+(out / "generation_config.json").write_text(json.dumps(ck.generation_config or {}))
+# tokenizer.json from the GGUF vocabulary (transformers converts GGUF tokenizers)
+from transformers import AutoTokenizer
+from llmserve.loaders.load import default_model_path
+gguf = Path(default_model_path())
+tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+tok.save_pretrained(str(out))
+tc = json.loads((out / "tokenizer_config.json").read_text())
+tc["chat_template"] = ck.template_sources.get("gguf") or tc.get("chat_template")
+tc["eos_token"] = ck.eos_token
+(out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
+print("model folder (no weights):", out, sorted(p.name for p in out.iterdir()))
+EOF
+  du -sh "$CARRY"
+  [ -f python/llmserve/_core.abi3.so ] || echo "NOTE: build the Rust core first (make build): python/llmserve/_core.abi3.so is carried"
+  echo "prepared. On the GPU machine: bash benches/gpu_check.sh (carry target/gpu-carry and python/llmserve/_core.abi3.so)"
+  exit 0
+fi
+
+RESULTS=${OUT:-target/gpu-check}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+T0=$(date +%s)
+stamp() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
+
+stamp "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+command -v nvcc >/dev/null && nvcc --version | tail -n 2 | head -n 1
+$PY -c "import llmserve._core" 2>/dev/null || echo "WARNING: llmserve._core is missing: carry python/llmserve/_core.abi3.so (the serving part needs it)"
+
+stamp "build the CUDA extension (cached after the first build)"
+if timeout 420 $PY -c "
+import time; t = time.time()
+from llmserve import kernels
+kernels.load()
+print(f'kernels loaded in {time.time() - t:.0f} s')" 2>&1 | tee "$RESULTS/build.log" | tail -n 30; then BUILD=ok; else BUILD=FAILED; fi
+grep -q "kernels loaded" "$RESULTS/build.log" || BUILD=FAILED
+
+TESTS=skipped
+if [ "$BUILD" = ok ]; then
+  stamp "gpu tests"
+  timeout 200 $PY -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$RESULTS/tests.log" | tail -n 25
+  TESTS=$(grep -E "^[0-9]+ (passed|failed)|passed|failed" "$RESULTS/tests.log" | tail -n 1)
+  stamp "kernel micro-benchmark"
+  STEP=()
+  [ -f "$CARRY/smollm2-shape/config.json" ] && STEP=(--step-config "$CARRY/smollm2-shape/config.json")
+  timeout 180 $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1 | tee "$RESULTS/kernel_bench.log"
+fi
+
+SERVE=skipped
+if [ -d "$CARRY/wheels" ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/wheels/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if ! $PY -c "import starlette, uvicorn, orjson, llmserve._core" 2>/dev/null; then
+  echo "SKIP serving benchmark: starlette/uvicorn/orjson or llmserve._core missing (run 'bash benches/gpu_check.sh prepare' here and carry target/gpu-carry + python/llmserve/_core.abi3.so)"
+elif [ ! -f "$CARRY/smollm2-shape/config.json" ]; then
+  echo "SKIP serving benchmark: $CARRY/smollm2-shape is missing (bash benches/gpu_check.sh prepare)"
+elif [ "$BUILD" != ok ]; then
+  echo "SKIP serving benchmark: the kernels did not build"
+else
+  stamp "random bf16 weights with SmolLM2-135M's shapes"
+  MODEL=/tmp/smollm2-shape
+  rm -rf "$MODEL"; cp -r "$CARRY/smollm2-shape" "$MODEL"
+  $PY - "$MODEL" <<'EOF'
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from llmserve.models.llama import DecoderConfig
+
+folder = Path(sys.argv[1])
+cfg = json.loads((folder / "config.json").read_text())
+c = DecoderConfig.from_hf(cfg)
+g = torch.Generator(device="cuda").manual_seed(0)
+def r(*shape, s=0.02):
+    return (torch.randn(shape, generator=g, device="cuda") * s).to(torch.bfloat16).cpu()
+h, i, d, nh, nkv = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads, c.num_kv_heads
+w = {"model.embed_tokens.weight": r(c.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+for l in range(c.num_layers):
+    p, a = f"model.layers.{l}.", f"model.layers.{l}.self_attn."
+    w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h), a + "v_proj.weight": r(nkv * d, h),
+              a + "o_proj.weight": r(h, nh * d), p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
+              p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+              p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+if not c.tie_word_embeddings:
+    w["lm_head.weight"] = r(c.vocab_size, h)
+save_file(w, str(folder / "model.safetensors"))
+print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
+EOF
+  PORT=18123
+  stamp "llmserve run --device cuda (max-num-seqs 256)"
+  $PY -m llmserve.cli run "$MODEL" --device cuda --host 127.0.0.1 --port $PORT --max-num-seqs 256 \
+    --max-model-len 2048 --served-model-name smollm2-shape > "$RESULTS/server.log" 2>&1 &
+  SERVER=$!
+  ready() { $PY -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null; }
+  for _ in $(seq 180); do   # weights load, KV allocation and graph capture: well under 90 s
+    ready && break
+    kill -0 $SERVER 2>/dev/null || break
+    sleep 0.5
+  done
+  if ready; then
+    SERVE=ok
+    : > "$RESULTS/serve_load.jsonl"
+    for spec in 1:32 64:512 256:1000; do
+      c=${spec%%:*}; n=${spec##*:}
+      stamp "load workload: concurrency $c, $n prompts"
+      timeout 150 $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
+        --workload load --concurrency "$c" --num-prompts "$n" | tee -a "$RESULTS/serve_load.jsonl" || SERVE=partial
+    done
+  else
+    echo "server did not become ready:"; tail -n 40 "$RESULTS/server.log"; SERVE=FAILED
+  fi
+  kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
+fi
+
+stamp "summary"
+# how the server ran: KV-cache size, graphs captured, or why the kernels were not used
+[ -f "$RESULTS/server.log" ] && grep -E "KV cache:|captured|CUDA kernels not used|capture failed|Traceback" \
+  "$RESULTS/server.log" | head -n 6
+$PY - "$RESULTS" "$BUILD" "$TESTS" "$SERVE" <<'EOF'
+import json, sys
+from pathlib import Path
+res, build, tests, serve = Path(sys.argv[1]), *sys.argv[2:5]
+print("=" * 78)
+print(f"{'extension build':28} {build}")
+print(f"{'gpu tests':28} {tests}")
+kb = res / "kernel_bench.json"
+if kb.is_file():
+    data = json.loads(kb.read_text())
+    print(f"{'copy bandwidth (measured)':28} {data['copy_tbs']:.2f} TB/s")
+    for r in data["rows"]:
+        goal = "  goal >= 65% peak" if r["batch"] * r["ctx"] >= 64 * 1024 else ""
+        print(f"decode {r['shape']:13} {r['batch']:4d}x{r['ctx']:<5d} {r['us']:8.1f} us {r['tbs']:5.2f} TB/s "
+              f"{r['pct_peak']:5.1f}% peak {r['pct_copy']:5.1f}% copy{goal}")
+    for r in data.get("steps", []):
+        goal = "  goal <= 1.3 ms" if r["batch"] == 1 and r["graphs"] else ""
+        print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
+              f"{r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
+sl = res / "serve_load.jsonl"
+if sl.is_file():
+    text, dec, pos = sl.read_text(), json.JSONDecoder(), 0
+    while True:
+        pos = text.find("{", pos)
+        if pos < 0:
+            break
+        row, pos = dec.raw_decode(text, pos)
+        print(f"serve {row['workload']:10} out {row['out_tok_s']:9.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
+              f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  failed {row.get('failed', 0)}")
+    print("goals: load@c256 >= 30k out tok/s; batch-1 step (TPOT @c1) <= 1.3 ms")
+else:
+    print(f"{'serving benchmark':28} {serve}")
+print("=" * 78)
+EOF

@@ -1,0 +1,34 @@
+// The torch op registry of llmserve's CUDA extension: schemas (namespace `llmserve`) and their
+// CUDA implementations. `Tensor!` marks what an op writes; every op returns nothing, so CUDA
+// graphs can capture them and torch.compile sees the mutation. Fake (meta) implementations
+// live in python/llmserve/kernels/__init__.py (torch.library.register_fake).
+#include <torch/all.h>
+#include <torch/library.h>
+
+namespace llmserve {
+
+void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& seq_lens, double scale, int64_t partition_size);
+
+void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
+                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+
+}  // namespace llmserve
+
+TORCH_LIBRARY(llmserve, m) {
+  // out [S, H, D] <- attention of query [S, H, D] over caches [N, 16, KVH, D] through
+  // block_tables [S, W] int32 and seq_lens [S] int32.
+  m.def(
+      "paged_attention_decode(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale, int partition_size) -> ()");
+  // key/value [T, KVH, D] -> caches [N, block_size, KVH, D] at slot_mapping [T] int64 (-1 skips).
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
+      "Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CUDA, m) {
+  m.impl("paged_attention_decode", &llmserve::paged_attention_decode);
+  m.impl("write_kv_cache", &llmserve::write_kv_cache);
+}

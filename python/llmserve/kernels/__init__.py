@@ -1,0 +1,189 @@
+"""llmserve's CUDA ops (csrc/) as Python functions: the one wrapper module.
+
+    from llmserve import kernels
+    if kernels.available():            # CUDA device + nvcc + ninja; builds nothing
+        kernels.load()                 # compile on first use (cached), register the ops
+        kernels.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        kernels.paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+The ops live in the `llmserve` torch namespace (torch.ops.llmserve.*) with schemas in
+csrc/ops.cpp and fake implementations here, so they trace under torch.compile and capture in
+CUDA graphs. Importing this module imports torch but builds and loads nothing.
+
+Served sizes: fp16/bf16, head_dim 64/128, block_size 16, at most 8 query heads per kv head.
+`supports(...)` answers whether a model fits; the ops reject everything else with a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from llmserve.kernels.build import KernelsUnavailable, missing_toolchain
+
+__all__ = ["KernelsUnavailable", "available", "load", "load_library", "supports",
+           "paged_attention_decode", "write_kv_cache", "choose_partition_size", "check_fake_impls"]
+
+HEAD_DIMS = (64, 128)
+BLOCK_SIZE = 16
+MAX_GROUP_SIZE = 8
+DTYPES = (torch.float16, torch.bfloat16)
+PARTITION_MULTIPLE = 64
+
+_lock = threading.Lock()
+_loaded = False
+_fakes_registered = False
+
+
+def available() -> bool:
+    """True when the extension can be built and run here (it may still need compiling)."""
+    return missing_toolchain() is None
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+             dtype: torch.dtype) -> str | None:
+    """None when the kernels serve this shape, else the reason they do not."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (served: {HEAD_DIMS})"
+    if block_size != BLOCK_SIZE:
+        return f"block_size {block_size} (served: {BLOCK_SIZE})"
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (served: float16, bfloat16)"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"{num_heads} heads over {num_kv_heads} kv heads"
+    if num_heads // num_kv_heads > MAX_GROUP_SIZE:
+        return f"{num_heads // num_kv_heads} query heads per kv head (served: up to {MAX_GROUP_SIZE})"
+    return None
+
+
+def load(verbose: bool = False) -> None:
+    """Build (first time on this machine) and load the extension; idempotent and thread-safe."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from llmserve.kernels.build import build_and_load
+
+        build_and_load(verbose=verbose)
+        _register_fakes()
+        _loaded = True
+
+
+def load_library(path: str) -> None:
+    """Load an already built extension library (benches/compile_check.sh builds one by hand)."""
+    global _loaded
+    with _lock:
+        torch.ops.load_library(path)
+        _register_fakes()
+        _loaded = True
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations for FakeTensor / meta tracing. Both ops write in place and
+    return nothing, so the fakes only check what the CUDA side would check first."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("llmserve::paged_attention_decode")
+    def _paged_attention_decode_fake(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                     scale, partition_size):
+        torch._check(query.dim() == 3 and out.shape == query.shape,
+                     lambda: "paged_attention_decode: out must be shaped like query [S, H, D]")
+        torch._check(key_cache.dim() == 4 and key_cache.shape == value_cache.shape,
+                     lambda: "paged_attention_decode: caches must be [N, block_size, KVH, D]")
+        torch._check(block_tables.dim() == 2 and block_tables.shape[0] == query.shape[0],
+                     lambda: "paged_attention_decode: block_tables must be [S, W]")
+        return None
+
+    @torch.library.register_fake("llmserve::write_kv_cache")
+    def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+        torch._check(key.shape == value.shape and key.dim() == 3,
+                     lambda: "write_kv_cache: key/value must be [T, KVH, D]")
+        torch._check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+                     lambda: "write_kv_cache: slot_mapping must be [T]")
+        return None
+
+    _fakes_registered = True
+
+
+def _require_loaded() -> None:
+    if not _loaded:
+        load()
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, KVH, D] -> key_cache/value_cache [N, 16, KVH, D] at slot_mapping [T]
+    (int64, block * block_size + offset; -1 skips the row)."""
+    _require_loaded()
+    torch.ops.llmserve.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           partition_size: int | None = None) -> torch.Tensor:
+    """One query token per sequence over its paged context; writes and returns `out`.
+
+    out, query [S, H, D]; caches [N, 16, KVH, D]; block_tables [S, W] int32; seq_lens [S] int32
+    (tokens of context including this step's, <= W * 16; 0 marks a padding row, whose output is
+    zeros). partition_size: split-K partition in tokens (a multiple of 64; 0: no split); None
+    picks one from the batch shape (`choose_partition_size`)."""
+    _require_loaded()
+    if partition_size is None:
+        partition_size = choose_partition_size(query.shape[0], key_cache.shape[2],
+                                               block_tables.shape[1] * key_cache.shape[1])
+    torch.ops.llmserve.paged_attention_decode(out, query, key_cache, value_cache, block_tables,
+                                              seq_lens, float(scale), int(partition_size))
+    return out
+
+
+_num_sms: int | None = None
+
+
+def _sm_count() -> int:
+    global _num_sms
+    if _num_sms is None:
+        _num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return _num_sms
+
+
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int,
+                          num_sms: int | None = None) -> int:
+    """Split-K partition (tokens) so that num_seqs * num_kv_heads * partitions CTAs fill about
+    two waves of the GPU; 0 (no split) when the batch alone does, or the context is short.
+
+    NOTE: depends only on the batch shape and the block-table width, never on the current
+    lengths, so a CUDA graph captured for a batch size stays valid for every context."""
+    sms = num_sms if num_sms is not None else _sm_count()
+    ctas = max(1, num_seqs * num_kv_heads)
+    target = 2 * sms
+    if ctas >= target or max_context <= 2 * PARTITION_MULTIPLE:
+        return 0
+    splits = -(-target // ctas)
+    part = -(-max_context // splits)
+    part = max(PARTITION_MULTIPLE, -(-part // PARTITION_MULTIPLE) * PARTITION_MULTIPLE)
+    return 0 if part >= max_context else part
+
+
+def check_fake_impls() -> None:
+    """Call both ops on meta tensors (no GPU needed): schemas and fakes must agree."""
+    meta = torch.device("meta")
+    s, h, kvh, d, n, w, t = 3, 8, 2, 128, 10, 4, 5
+    cache = torch.empty(n, BLOCK_SIZE, kvh, d, dtype=torch.bfloat16, device=meta)
+    q = torch.empty(s, h, d, dtype=torch.bfloat16, device=meta)
+    out = torch.empty_like(q)
+    tables = torch.empty(s, w, dtype=torch.int32, device=meta)
+    lens = torch.empty(s, dtype=torch.int32, device=meta)
+    torch.ops.llmserve.paged_attention_decode(out, q, cache, cache.clone(), tables, lens, 0.1, 0)
+    kv = torch.empty(t, kvh, d, dtype=torch.bfloat16, device=meta)
+    slots = torch.empty(t, dtype=torch.int64, device=meta)
+    torch.ops.llmserve.write_kv_cache(kv, kv.clone(), cache, cache.clone(), slots)
+    try:
+        torch.ops.llmserve.write_kv_cache(kv, kv.clone(), cache, cache.clone(), slots[:2])
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("write_kv_cache's fake accepted a slot_mapping of the wrong length")

@@ -1,0 +1,76 @@
+"""Find csrc/ and build it into a torch extension on first use (torch.utils.cpp_extension.load).
+
+The extension is compiled on the machine that runs it, for that machine's GPU, and cached by
+torch (~/.cache/torch_extensions): the first call on a fresh machine takes about a minute, later
+processes load the cached library. Nothing here runs at `import llmserve`; a machine without a
+GPU or nvcc never gets here (see `llmserve.kernels.available`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+log = logging.getLogger("llmserve.kernels")
+
+EXTENSION_NAME = "llmserve_kernels"
+# NOTE: the same flags as benches/compile_check.sh, so the CPU-side compile check builds what
+# a GPU machine builds. The __CUDA_NO_HALF* defines are added by torch itself.
+CUDA_FLAGS = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr"]
+CXX_FLAGS = ["-O3"]
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CUDA extension cannot be built or loaded here (no GPU, no nvcc, no ninja, no sources)."""
+
+
+def source_dir() -> Path:
+    """csrc/: packaged beside this module (wheel builds) or at the repository root (checkouts)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "csrc", here.parents[2] / "csrc"):
+        if (candidate / "ops.cpp").is_file():
+            return candidate
+    raise KernelsUnavailable(f"llmserve's CUDA sources (csrc/) were not found near {here}")
+
+
+def sources() -> list[Path]:
+    src = source_dir()
+    return sorted(src.glob("*.cpp")) + sorted(src.glob("*.cu"))
+
+
+def missing_toolchain() -> str | None:
+    """Why the extension cannot be built here, or None when it can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA support"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None or not (Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc").exists():
+        return ("nvcc (the CUDA compiler) was not found: install the CUDA toolkit matching torch "
+                f"(CUDA {torch.version.cuda}) and set CUDA_HOME, or `pip install nvidia-cuda-nvcc`")
+    if shutil.which("ninja") is None:
+        return "ninja was not found: `pip install ninja` (torch builds extensions with it)"
+    return None
+
+
+def build_and_load(verbose: bool = False) -> Path:
+    """Compile (or reuse the cached build of) csrc/ and load it into this process.
+    Returns the shared library's path. Raises KernelsUnavailable with the reason."""
+    reason = missing_toolchain()
+    if reason is not None:
+        raise KernelsUnavailable(f"cannot build llmserve's CUDA kernels: {reason}")
+    from torch.utils import cpp_extension
+
+    srcs = [str(p) for p in sources()]
+    log.info("building/loading CUDA kernels from %s (the first build takes about a minute)", source_dir())
+    try:
+        cpp_extension.load(name=EXTENSION_NAME, sources=srcs, extra_cflags=CXX_FLAGS,
+                           extra_cuda_cflags=CUDA_FLAGS, is_python_module=False, verbose=verbose)
+    except Exception as e:  # compiler output is in the message; keep it
+        raise KernelsUnavailable(f"building llmserve's CUDA kernels failed: {e}") from e
+    build_dir = Path(cpp_extension._get_build_directory(EXTENSION_NAME, verbose=False))
+    return build_dir / f"{EXTENSION_NAME}.so"

@@ -1,0 +1,46 @@
+"""Plain-torch versions of the csrc ops with the same signatures and semantics: the oracle the
+CUDA kernels are tested against (tests/gpu), and a stand-in `ops` provider that lets the CUDA
+attention dispatch run on a CPU in tests. Slow on purpose (a loop over sequences, fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, KVH, D] -> caches [N, bs, KVH, D] at slot_mapping [T]; -1 skips."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kvh, d = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, kvh, d).index_copy_(0, slots, key[keep].to(key_cache.dtype))
+    value_cache.view(-1, kvh, d).index_copy_(0, slots, value[keep].to(value_cache.dtype))
+
+
+def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           partition_size: int | None = None) -> torch.Tensor:
+    """out, query [S, H, D]; caches [N, bs, KVH, D]; block_tables [S, W]; seq_lens [S]
+    (0 -> zeros). partition_size is accepted and ignored (it changes no result)."""
+    num_seqs, heads, d = query.shape
+    bs, kvh = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kvh
+    lens = seq_lens.tolist()
+    for s in range(num_seqs):
+        n = int(lens[s])
+        if n == 0:
+            out[s].zero_()
+            continue
+        blocks = block_tables[s, :-(-n // bs)].long()
+        k = key_cache[blocks].reshape(-1, kvh, d)[:n].float()          # [n, kvh, d]
+        v = value_cache[blocks].reshape(-1, kvh, d)[:n].float()
+        q = query[s].float().view(kvh, group, d)                        # [kvh, G, d]
+        scores = torch.einsum("hgd,nhd->hgn", q, k) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[s] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(heads, d).to(out.dtype)
+    return out
+
+
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+    return 0

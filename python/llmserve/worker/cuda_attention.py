@@ -1,0 +1,150 @@
+"""Paged attention on CUDA: our csrc ops for the KV-cache write and the decode tokens, torch
+SDPA for prefill chunks.
+
+`CudaAttentionMetadata` plays the role of attention.py's AttentionMetadata on a GPU; the
+shared `paged_attention` entry point hands the work to its `attend` method. Per layer and step:
+
+1. `write_kv_cache` scatters the step's K/V rows by slot mapping (-1 = padding row, skipped).
+2. Decode group (one query token each): ONE `paged_attention_decode` call over all of them,
+   reading the paged cache through int32 block tables: no gather, no repeated KV heads.
+3. Prefill group (several query tokens): one SDPA per sequence, exactly like the CPU path: a
+   fresh prompt is plain causal over its own K/V; a chunk continuing a cached prefix gathers
+   its blocks and uses the lower-right causal alignment (query i at absolute position
+   context_len + i sees keys 0..context_len + i). Prefill is compute-bound, where torch's
+   flash / memory-efficient kernels are already good; no kernel of ours has been measured
+   faster yet.
+
+Everything here is built from the Plan's host-side columns once per step, so a decode-only
+step issues no host sync in attention. The op module is injectable (`ops`) so the dispatch
+logic can be tested against a torch reference on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence with several query tokens: rows start:end of the flat step tokens."""
+
+    start: int
+    end: int
+    context_len: int              # tokens cached before this step
+    seq_len: int                  # context_len + (end - start)
+    block_ids: torch.Tensor       # [ceil(seq_len / block_size)] int64 (device)
+
+
+def default_ops() -> Any:
+    """The compiled ops (built on first use); imported lazily so CPU machines never need them."""
+    from llmserve import kernels
+
+    kernels.load()
+    return kernels
+
+
+@dataclass(frozen=True)
+class CudaAttentionMetadata:
+    """Everything attention needs for one step on CUDA (tensors on the device)."""
+
+    slot_mapping: torch.Tensor              # [T] int64; -1 = padding row (not written)
+    num_decode: int                         # Sd
+    decode_token_idx: torch.Tensor | None   # [Sd] int64 rows of the decode tokens; None: rows 0..T-1, all decode
+    block_tables: torch.Tensor              # [Sd, W] int32 (decode sequences)
+    seq_lens: torch.Tensor                  # [Sd] int32, 0 = padding row (output zeros)
+    partition_size: int                     # split-K partition for the decode kernel (0: none)
+    prefills: tuple[PrefillChunk, ...]
+    ops: Any                                # write_kv_cache / paged_attention_decode provider
+
+    @classmethod
+    def build(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+              slot_mapping: torch.Tensor, block_size: int, device: torch.device,
+              num_kv_heads: int, ops: Any = None) -> "CudaAttentionMetadata":
+        """From the Plan columns: query_start_loc [S+1], seq_lens [S], block_tables [S, W]."""
+        ops = default_ops() if ops is None else ops
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        tables = np.asarray(block_tables).reshape(len(lens), -1)
+        q_lens = np.diff(qsl)
+        dec = np.flatnonzero(q_lens == 1)
+        num_tokens = int(qsl[-1]) if len(qsl) else 0
+        all_decode = len(dec) == len(lens) and num_tokens == len(dec)
+
+        dec_lens = lens[dec]
+        width = int(-(-dec_lens.max() // block_size)) if len(dec) else 0
+        # NOTE: non_blocking: host->device copies of pageable memory are staged at once, so the
+        # step's only host sync stays the read-back of the sampled tokens.
+        dec_tables = torch.from_numpy(np.ascontiguousarray(tables[dec, :width], dtype=np.int32)).to(
+            device, non_blocking=True)
+        dec_seq_lens = torch.from_numpy(dec_lens.astype(np.int32)).to(device, non_blocking=True)
+        dec_idx = None if all_decode else torch.from_numpy(qsl[dec]).to(device, non_blocking=True)
+        partition = _choose_partition(ops, len(dec), num_kv_heads, width * block_size)
+
+        prefills = []
+        for s in np.flatnonzero(q_lens > 1):
+            start, end, seq_len = int(qsl[s]), int(qsl[s + 1]), int(lens[s])
+            nblk = -(-seq_len // block_size)
+            ids = torch.from_numpy(np.ascontiguousarray(tables[s, :nblk], dtype=np.int64)).to(
+                device, non_blocking=True)
+            prefills.append(PrefillChunk(start, end, seq_len - (end - start), seq_len, ids))
+        return cls(slot_mapping=slot_mapping, num_decode=len(dec), decode_token_idx=dec_idx,
+                   block_tables=dec_tables, seq_lens=dec_seq_lens, partition_size=partition,
+                   prefills=tuple(prefills), ops=ops)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d] -> [T, heads, d]."""
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.num_decode:
+            idx = self.decode_token_idx
+            if idx is None:       # every row is a decode token (CUDA-graph batches always are)
+                self.ops.paged_attention_decode(out, q, k_cache, v_cache, self.block_tables,
+                                                self.seq_lens, scale, self.partition_size)
+                return out
+            od = torch.empty((idx.numel(), *q.shape[1:]), dtype=q.dtype, device=q.device)
+            self.ops.paged_attention_decode(od, q[idx], k_cache, v_cache, self.block_tables,
+                                            self.seq_lens, scale, self.partition_size)
+            out[idx] = od
+        for p in self.prefills:
+            out[p.start:p.end] = _prefill(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
+                                          k_cache, v_cache, p, scale)
+        return out
+
+
+def _choose_partition(ops: Any, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+    choose = getattr(ops, "choose_partition_size", None)
+    return 0 if choose is None or num_seqs == 0 else int(choose(num_seqs, num_kv_heads, max_context))
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, p: PrefillChunk, scale: float) -> torch.Tensor:
+    """q [Tq, heads, d], this chunk's k/v [Tq, kvh, d] -> [Tq, heads, d] (model dtype)."""
+    heads, kvh = q.shape[1], k_cache.shape[2]
+    if p.context_len > 0:
+        # the cached prefix plus this chunk, read back through the block table
+        k = k_cache.index_select(0, p.block_ids).view(-1, kvh, k_cache.shape[3])[:p.seq_len]
+        v = v_cache.index_select(0, p.block_ids).view(-1, kvh, v_cache.shape[3])[:p.seq_len]
+    qp = q.transpose(0, 1).unsqueeze(0)                       # [1, heads, Tq, d]
+    kp = k.transpose(0, 1).unsqueeze(0)                       # [1, kvh, L, d]
+    vp = v.transpose(0, 1).unsqueeze(0)
+    if heads != kvh:
+        # NOTE: flash / memory-efficient SDPA want equal head counts; on a GPU repeating K/V
+        # for one prefill chunk costs far less than falling back to the math kernel.
+        kp = kp.repeat_interleave(heads // kvh, dim=1)
+        vp = vp.repeat_interleave(heads // kvh, dim=1)
+    if p.context_len == 0:
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(qp.shape[2], kp.shape[2])
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+    return o.squeeze(0).transpose(0, 1)

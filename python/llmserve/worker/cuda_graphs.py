@@ -1,0 +1,265 @@
+"""The CUDA model runner: decode steps replayed as CUDA graphs, KV cache sized from free GPU
+memory, greedy sampling on the GPU.
+
+Why graphs: a decode step of a small model is hundreds of tiny kernels; launched one by one
+from Python, the GPU idles between them (BENCH.md: a batch-1 step of SmolLM2-135M should take
+<= 1.3 ms, its weights read in ~63 us). A graph replays the whole forward with one launch.
+
+How: `DecodeGraphs` owns static input buffers sized for the largest captured batch
+(token ids, positions, slot mapping [B]; block tables [B, W] int32 with W covering
+max_model_len; seq lens [B] int32). For each captured size b it records the model forward on
+the first b rows. A decode-only step of n sequences is padded to the smallest captured b >= n:
+padding rows get slot -1 (their K/V is not written) and seq_len 0 (their attention output is
+zero), and their hidden states are dropped. The split-K partition of each graph depends only
+on b and W, so one graph serves every context length. Steps with prefill chunks run eagerly
+with the same CUDA attention path.
+
+Per step the host copies the step's columns in, replays, and reads back the sampled tokens:
+one device-to-host sync (greedy rows sample on the GPU; other sampling still runs in the CPU
+sampler on the step's logits).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from llmserve.worker.cuda_attention import CudaAttentionMetadata
+from llmserve.worker.runner import ModelRunner
+from llmserve.worker.sampler import SampleOutput, SamplingBatch, as_tensor
+
+log = logging.getLogger("llmserve.worker")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_num_seqs (padding wastes at most 15 rows)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    """Captured decode forwards for padded batch sizes. With `use_graphs=False` the same
+    padded static-buffer path runs eagerly (the reference the graphs are tested against)."""
+
+    def __init__(self, model, kv_cache, block_size: int, max_model_len: int, sizes: Sequence[int],
+                 device: torch.device, ops: Any, use_graphs: bool = True):
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.sizes = sorted(set(int(b) for b in sizes))
+        self.max_size = self.sizes[-1]
+        self.width = -(-max_model_len // block_size)   # block-table columns: any context fits
+        self.device, self.ops, self.use_graphs = device, ops, use_graphs
+        b, i64, i32 = self.max_size, torch.int64, torch.int32
+        self.input_ids = torch.zeros(b, dtype=i64, device=device)
+        self.positions = torch.zeros(b, dtype=i64, device=device)
+        self.slot_mapping = torch.full((b,), -1, dtype=i64, device=device)
+        self.block_tables = torch.zeros(b, self.width, dtype=i32, device=device)
+        self.seq_lens = torch.zeros(b, dtype=i32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def metadata(self, b: int) -> CudaAttentionMetadata:
+        """Attention metadata over the first b static rows (all decode, padded)."""
+        choose = getattr(self.ops, "choose_partition_size", None)
+        part = int(choose(b, self.model.num_kv_heads, self.width * self.block_size)) if choose else 0
+        return CudaAttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], num_decode=b, decode_token_idx=None,
+            block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b], partition_size=part,
+            prefills=(), ops=self.ops)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model.forward(self.input_ids[:b], self.positions[:b], self.metadata(b),
+                                  self.kv_cache)
+
+    def capture(self) -> None:
+        """Record one graph per size, largest first, sharing one memory pool. The static
+        buffers hold padding only (slot -1, seq_len 0), so the warm-up runs write nothing."""
+        if not self.use_graphs:
+            return
+        rope = getattr(self.model, "rope", None)
+        if rope is not None and rope.cos.shape[0] < self.width * self.block_size:
+            # NOTE: the tables must cover every position before capture: a graph keeps
+            # reading the tensors it was captured with, and growing them during capture would
+            # need a host sync.
+            rope._build(self.width * self.block_size)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode():
+            with torch.cuda.stream(stream):      # warm-up off the default stream, as torch advises
+                for b in self.sizes:
+                    self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            for b in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self._forward(b)
+                self.graphs[b] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
+
+    def padded_size(self, plan) -> int | None:
+        """The captured size this plan runs at, or None if it must run eagerly."""
+        n = len(plan.seq_lens)
+        if n == 0 or n > self.max_size or len(plan.input_ids) != n:
+            return None                      # not decode-only, or too large
+        tables = np.asarray(plan.block_tables).reshape(n, -1)
+        if int(np.asarray(plan.seq_lens).max()) > self.width * self.block_size:
+            return None
+        if tables.shape[1] > self.width and tables[:, self.width:].any():
+            return None
+        return next(b for b in self.sizes if b >= n)
+
+    def run(self, plan, b: int) -> torch.Tensor:
+        """Fill the static buffers from a decode-only plan padded to b rows; returns the
+        final hidden states of the plan's n rows [n, H] (a view of the graph's output)."""
+        n = len(plan.seq_lens)
+        w = min(self.width, np.asarray(plan.block_tables).reshape(n, -1).shape[1])
+        self.input_ids[:b].copy_(_padded(plan.input_ids, b, 0, np.int64), non_blocking=True)
+        self.positions[:b].copy_(_padded(plan.positions, b, 0, np.int64), non_blocking=True)
+        self.slot_mapping[:b].copy_(_padded(plan.slot_mapping, b, -1, np.int64), non_blocking=True)
+        self.seq_lens[:b].copy_(_padded(plan.seq_lens, b, 0, np.int32), non_blocking=True)
+        tables = np.asarray(plan.block_tables).reshape(n, -1)[:, :w]
+        self.block_tables[:n, :w].copy_(torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
+                                        non_blocking=True)
+        if self.use_graphs:
+            graph, hidden = self.graphs[b]
+            graph.replay()
+        else:
+            hidden = self._forward(b)
+        return hidden[:n]
+
+
+def _padded(column, b: int, fill: int, dtype) -> torch.Tensor:
+    out = np.full(b, fill, dtype=dtype)
+    col = np.asarray(column)
+    out[:len(col)] = col
+    return torch.from_numpy(out)
+
+
+def is_greedy_only(plan) -> bool:
+    """True when every row takes the plain argmax: no temperature, penalties, bias, grammar
+    mask or logprobs."""
+    return (not np.any(np.asarray(plan.temperature) > 0)
+            and not np.any(np.asarray(plan.num_logprobs) >= 0)
+            and len(plan.bias_token_ids) == 0 and len(plan.hist_tokens) == 0
+            and len(getattr(plan, "mask_rows", ())) == 0)
+
+
+class CudaModelRunner(ModelRunner):
+    """ModelRunner on a CUDA device with our kernels: same `execute(plan) -> SampleOutput`."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, *, seed: int | None = None, max_num_seqs: int = 64,
+                 max_model_len: int = 2048, cuda_graphs: bool = True,
+                 capture_sizes: Sequence[int] | None = None, ops: Any = None):
+        """ops: the op provider (default: the compiled llmserve.kernels; tests pass
+        llmserve.kernels.reference). cuda_graphs: capture decode graphs (needs a CUDA device)."""
+        super().__init__(model, num_blocks, block_size, dtype, device, seed=seed)
+        if ops is None:
+            from llmserve.worker.cuda_attention import default_ops
+
+            ops = default_ops()
+        self.ops = ops
+        sizes = list(capture_sizes) if capture_sizes else default_capture_sizes(max_num_seqs)
+        self.graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len, sizes,
+                                   self.device, ops, use_graphs=cuda_graphs)
+        try:
+            self.graphs.capture()
+        except RuntimeError as e:
+            # NOTE: serving eagerly is slower but correct; the gpu tests fail loudly instead
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+            self.graphs.graphs.clear()
+            self.graphs.use_graphs = False
+
+    def run_model(self, plan) -> torch.Tensor:
+        b = self.graphs.padded_size(plan)
+        if b is not None:
+            return self.graphs.run(plan, b)
+        dev = self.device
+        input_ids = as_tensor(plan.input_ids, torch.int64).to(dev, non_blocking=True)
+        positions = as_tensor(plan.positions, torch.int64).to(dev, non_blocking=True)
+        slot_mapping = as_tensor(plan.slot_mapping, torch.int64).to(dev, non_blocking=True)
+        seq_lens = np.asarray(plan.seq_lens)
+        meta = CudaAttentionMetadata.build(
+            np.asarray(plan.query_start_loc), seq_lens,
+            np.asarray(plan.block_tables).reshape(len(seq_lens), -1), slot_mapping,
+            self.block_size, dev, self.model.num_kv_heads, ops=self.ops)
+        return self.model.forward(input_ids, positions, meta, self.kv_cache)
+
+    def execute(self, plan) -> SampleOutput:
+        with torch.inference_mode():
+            copy_src = as_tensor(plan.copy_src, torch.int64)
+            if copy_src.numel():
+                self.kv_cache.copy_blocks(copy_src.to(self.device),
+                                          as_tensor(plan.copy_dst, torch.int64).to(self.device))
+            if len(plan.input_ids) == 0:
+                return SampleOutput.empty()
+            hidden = self.run_model(plan)
+            num_rows = len(plan.logits_indices)
+            if num_rows == 0:
+                return SampleOutput.empty()
+            rows = as_tensor(plan.logits_indices, torch.int64).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])            # fp32 [R, V] on the GPU
+            if is_greedy_only(plan):
+                tokens = logits.argmax(dim=-1).cpu().numpy()             # the step's one sync
+                return SampleOutput(tokens.astype(np.int64, copy=False), np.zeros(num_rows, np.float32),
+                                    np.zeros((num_rows, 0), np.int64), np.zeros((num_rows, 0), np.float32))
+            return self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
+
+
+def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device, *, max_num_seqs: int, max_model_len: int,
+                     seed: int | None = None) -> ModelRunner:
+    """The runner for a CUDA device: CudaModelRunner when our kernels serve this model here,
+    else (with a warning saying why) the torch reference path, which runs on CUDA too."""
+    from llmserve import kernels
+
+    why = kernels.supports(model.config.num_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
+    if why is None:
+        why = kernels.missing_toolchain()
+    if why is None:
+        try:
+            kernels.load()
+        except kernels.KernelsUnavailable as e:
+            why = str(e)
+    if why is not None:
+        log.warning("CUDA kernels not used (%s): serving with the torch attention path, no CUDA graphs", why)
+        return ModelRunner(model, num_blocks, block_size, dtype, device, seed=seed)
+    return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, ops=kernels)
+
+
+def activation_reserve_bytes(hidden_size: int, intermediate_size: int, vocab_size: int,
+                             max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """GPU memory kept free for one step's activations, the graphs' pool and cuBLAS: the
+    largest live tensors are the fused gate|up output [T, 2I] with its SiLU product and the
+    fp32 logits [R, V] (plus their copy for sampling)."""
+    per_token = (3 * intermediate_size + 8 * hidden_size) * 4
+    return 512 * 2**20 + max_num_batched_tokens * per_token + 3 * max_num_seqs * vocab_size * 4
+
+
+def kv_blocks_from_free_memory(device: torch.device, block_bytes: int, utilization: float,
+                               reserve_bytes: int) -> int:
+    """Blocks that fit in `utilization` of the GPU's memory after what is already in use (the
+    weights, other processes) and `reserve_bytes` for activations. Call after loading the model."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_blocks_for_budget(free, total, block_bytes, utilization, reserve_bytes)
+
+
+def kv_blocks_for_budget(free: int, total: int, block_bytes: int, utilization: float,
+                         reserve_bytes: int) -> int:
+    """The arithmetic of `kv_blocks_from_free_memory`: of `utilization * total`, what is
+    already used (total - free) and the activation reserve are taken first."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    budget = total * utilization - (total - free) - reserve_bytes
+    if budget < block_bytes * 2:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+            f"utilization {utilization}, {reserve_bytes / 2**30:.1f} GiB kept for activations: "
+            "raise --gpu-memory-utilization or free the GPU")
+    return int(budget // block_bytes)

@@ -1,0 +1,162 @@
+"""The CUDA runner's Python side on a CPU, with the torch reference ops standing in for the
+compiled kernels: metadata for mixed prefill/decode steps, chunked prefill over a cached
+prefix (lower-right causal), decode batches padded to captured sizes (slot -1, seq_len 0),
+the partition and capture-size choices. Runs everywhere; the kernels themselves are tested in
+test_kernels.py on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _scenario import BLOCK, scenario_plans
+
+from llmserve import kernels
+from llmserve.kernels import reference
+from llmserve.models import build_model
+from llmserve.worker import ModelRunner
+from llmserve.worker.cuda_graphs import CudaModelRunner, default_capture_sizes, is_greedy_only
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
+              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=128,
+              rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    c = CONFIG
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+
+    def r(*shape):
+        return torch.randn(shape, generator=g) * 0.2
+
+    w = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
+    for layer in range(c["num_hidden_layers"]):
+        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
+                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
+                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
+                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
+                  p + "post_attention_layernorm.weight": 1 + r(h)})
+    return w
+
+
+def runners():
+    model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+    cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
+    cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
+                                max_model_len=128, cuda_graphs=False, ops=reference)
+    return cpu, cuda_path
+
+
+def test_cuda_path_matches_cpu_path_step_by_step():
+    cpu, cuda_path = runners()
+    padded = 0
+    for plan in scenario_plans(CONFIG["vocab_size"]):
+        padded += cuda_path.graphs.padded_size(plan) is not None
+        with torch.inference_mode():
+            want = cpu.run_model(plan)
+            got = cuda_path.run_model(plan)
+        rows = plan.logits_indices
+        assert got.shape == want.shape
+        torch.testing.assert_close(got[rows], want[rows], atol=1e-4, rtol=1e-4)
+        # the K/V each path wrote are the same
+        for a, b in zip(cpu.kv_cache.key + cpu.kv_cache.value, cuda_path.kv_cache.key + cuda_path.kv_cache.value):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert padded >= 15          # the decode-only steps went through the padded static buffers
+
+
+def test_padding_rows_write_nothing():
+    _, cuda_path = runners()
+    plans = scenario_plans(CONFIG["vocab_size"])
+    with torch.inference_mode():
+        for plan in plans[:3]:
+            cuda_path.run_model(plan)
+    used = set()
+    for plan in plans[:3]:
+        used |= set((np.asarray(plan.slot_mapping) // BLOCK).tolist())
+    key = cuda_path.kv_cache.key[0]
+    untouched = [b for b in range(key.shape[0]) if b not in used]
+    assert untouched and all(not key[b].any() for b in untouched)
+
+
+def test_execute_greedy_fast_path_equals_sampler():
+    cpu, cuda_path = runners()
+    for plan in scenario_plans(CONFIG["vocab_size"], decode_steps=6):
+        assert is_greedy_only(plan)
+        a, b = cpu.execute(plan), cuda_path.execute(plan)
+        assert np.array_equal(a.tokens, b.tokens)
+        assert b.top_ids.shape == (len(plan.logits_indices), 0)
+
+
+def test_capture_sizes_and_partitions():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_capture_sizes(40)[-2:] == [32, 40]
+    # 132 SMs: batch 1 splits its context; a big batch fills the GPU without splitting
+    assert kernels.choose_partition_size(1, 8, 8192, num_sms=132) == 256   # 32 x 8 CTAs ~ 2 waves
+    assert kernels.choose_partition_size(1, 3, 2048, num_sms=132) == 64     # as split as allowed
+    assert kernels.choose_partition_size(64, 3, 1024, num_sms=132) == 512
+    assert kernels.choose_partition_size(256, 3, 2048, num_sms=132) == 0
+    assert kernels.choose_partition_size(4, 2, 64, num_sms=132) == 0
+
+
+def test_supports_names_the_unserved_dimension():
+    assert kernels.supports(9, 3, 64, 16, torch.bfloat16) is None
+    assert "head_dim" in kernels.supports(4, 2, 16, 16, torch.bfloat16)
+    assert "block_size" in kernels.supports(4, 2, 64, 32, torch.bfloat16)
+    assert "dtype" in kernels.supports(4, 2, 64, 16, torch.float32)
+    assert "per kv head" in kernels.supports(32, 2, 64, 16, torch.float16)
+
+
+def test_without_a_gpu_the_factory_falls_back_to_the_torch_path(caplog):
+    from llmserve.worker.cuda_graphs import make_cuda_runner
+
+    model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="llmserve.worker"):
+        runner = make_cuda_runner(model, 16, BLOCK, torch.float32, torch.device("cpu"),
+                                  max_num_seqs=4, max_model_len=64)
+    assert type(runner) is ModelRunner
+    assert "CUDA kernels not used" in caplog.text
+
+
+def test_importing_the_package_builds_nothing():
+    import subprocess
+    import sys
+
+    # the extension is built by torch.utils.cpp_extension, on first use only
+    code = ("import sys, llmserve, llmserve.kernels, llmserve.worker.cuda_attention, "
+            "llmserve.worker.cuda_graphs; "
+            "assert 'torch.utils.cpp_extension' not in sys.modules; "
+            "assert not llmserve.kernels._loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_greedy_fast_path_only_for_plain_argmax_rows():
+    from types import SimpleNamespace
+
+    plan = scenario_plans(CONFIG["vocab_size"])[1]
+    assert is_greedy_only(plan)
+    for name, value in [("temperature", np.array([0, 0.7, 0, 0], np.float32)),
+                        ("num_logprobs", np.array([-1, -1, 2, -1], np.int32)),
+                        ("bias_token_ids", np.array([3], np.int64)),
+                        ("hist_tokens", np.array([1, 2], np.int64)),
+                        ("mask_rows", np.array([0], np.int64))]:
+        assert not is_greedy_only(SimpleNamespace(**{**vars(plan), name: value})), name
+
+
+def test_kv_cache_sizing_from_free_memory():
+    from llmserve.worker.cuda_graphs import activation_reserve_bytes, kv_blocks_for_budget
+
+    gib = 2**30
+    # 140 GiB card, 1 GiB used (weights), 90%: 126 - 1 - 2 (reserve) = 123 GiB of blocks
+    assert kv_blocks_for_budget(139 * gib, 140 * gib, gib // 4, 0.9, 2 * gib) == 123 * 4
+    with pytest.raises(RuntimeError, match="no GPU memory left"):
+        kv_blocks_for_budget(10 * gib, 140 * gib, gib // 4, 0.9, 2 * gib)   # another process holds it
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        kv_blocks_for_budget(139 * gib, 140 * gib, gib // 4, 1.5, 0)
+    # SmolLM2-135M at 2048 batched tokens and 256 sequences keeps well under 1 GiB back
+    assert 512 * 2**20 < activation_reserve_bytes(576, 1536, 49152, 2048, 256) < gib

@@ -1,0 +1,131 @@
+"""csrc ops against their torch reference (llmserve.kernels.reference): decode attention over
+dtype x head size x GQA ratio x split-K partition, with context lengths that are not multiples
+of the block size, mixed lengths in one batch, padding rows, strided inputs and CUDA-graph
+capture; the KV-cache write by slot mapping; and the checks that reject unserved shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import kernels
+from llmserve.kernels import reference
+
+pytestmark = pytest.mark.gpu
+
+BS = 16
+TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    kernels.load()
+
+
+def paged_case(lens: list[int], kv_heads: int, group: int, head_dim: int, dtype, extra_cols: int = 2,
+               seed: int = 0):
+    """Random caches and shuffled block tables for sequences of `lens` tokens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    need = [-(-n // BS) for n in lens]
+    num_blocks = sum(need) + 8
+    width = max(need) + extra_cols
+    k_cache = torch.randn(num_blocks, BS, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+    v_cache = torch.randn(num_blocks, BS, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=g, device="cuda") + 1).tolist()   # never block 0
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g, device="cuda").to(dtype)
+    return q, k_cache, v_cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("partition", [None, 0, 128])
+def test_decode_matches_reference(dtype, head_dim, group, partition):
+    lens = [1, 15, 17, 100, 333, 1000, 0, 64]     # 0: a padding row (zeros out)
+    q, kc, vc, tables, seq_lens = paged_case(lens, kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, scale, partition)
+    want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    assert torch.all(out[6] == 0)
+
+
+@pytest.mark.parametrize("group", [3, 7])
+def test_decode_group_sizes_between_buckets(group):
+    # SmolLM2-135M has 3 query heads per kv head, Qwen2.5-0.5B 7: rounded up inside the kernel
+    q, kc, vc, tables, seq_lens = paged_case([5, 300, 129], kv_heads=3, group=group, head_dim=64,
+                                             dtype=torch.bfloat16)
+    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125)
+    want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+
+
+def test_decode_large_batch_and_strided_query():
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(1, 1100, (64,), generator=gen).tolist()
+    q, kc, vc, tables, seq_lens = paged_case(lens, kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16)
+    # the model hands over q as a view of the fused q|k projection: rows are strided
+    fused = torch.randn(64, 9 + 3, 64, device="cuda").to(torch.bfloat16)
+    fused[:, :9] = q
+    qv = fused[:, :9]
+    assert not qv.is_contiguous()
+    out = kernels.paged_attention_decode(torch.empty_like(q), qv, kc, vc, tables, seq_lens, 0.125)
+    want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+
+
+def test_decode_in_cuda_graph_follows_new_inputs():
+    q, kc, vc, tables, seq_lens = paged_case([40, 700, 3, 0], kv_heads=2, group=4, head_dim=128,
+                                             dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    part = kernels.choose_partition_size(4, 2, tables.shape[1] * BS)
+    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.1, part)   # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.1, part)
+    q.copy_(torch.randn_like(q.float()).to(q.dtype))
+    seq_lens.copy_(torch.tensor([41, 12, 650, 1], dtype=torch.int32))
+    graph.replay()
+    want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.1)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_write_kv_cache_matches_reference(dtype, head_dim):
+    kvh, n_blocks, t = 3, 12, 37
+    g = torch.Generator(device="cuda").manual_seed(2)
+    fused = torch.randn(t, 4 + 2 * kvh, head_dim, generator=g, device="cuda").to(dtype)
+    key, value = fused[:, 4:4 + kvh], fused[:, 4 + kvh:]           # strided views, as in the model
+    slots = torch.randperm(n_blocks * BS, generator=g, device="cuda")[:t]
+    slots[::5] = -1                                                 # padding rows: not written
+    caches = [torch.zeros(n_blocks, BS, kvh, head_dim, dtype=dtype, device="cuda") for _ in range(4)]
+    kernels.write_kv_cache(key, value, caches[0], caches[1], slots)
+    reference.write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_unserved_shapes_are_rejected_clearly():
+    q, kc, vc, tables, lens = paged_case([20], kv_heads=1, group=1, head_dim=64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.paged_attention_decode(q.float(), q.float(), kc.float(), vc.float(), tables, lens, 0.1)
+    q96 = torch.zeros(1, 1, 96, dtype=torch.bfloat16, device="cuda")
+    c96 = torch.zeros(4, BS, 1, 96, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="head_dim 96"):
+        kernels.paged_attention_decode(torch.empty_like(q96), q96, c96, c96, tables, lens, 0.1)
+    c8 = torch.zeros(8, 8, 1, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="block_size 8"):
+        kernels.paged_attention_decode(torch.empty_like(q), q, c8, c8, tables, lens, 0.1)
+    q16 = torch.zeros(1, 16, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="query heads per kv head"):
+        kernels.paged_attention_decode(torch.empty_like(q16), q16, kc, vc, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="partition_size"):
+        kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, 100)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables.long(), lens, 0.1)
