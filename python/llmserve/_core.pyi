@@ -153,3 +153,23 @@ class Core:
     def fail_plan(self, message: str) -> list[StepOutput]: ...
     def has_work(self) -> bool: ...
     def stats(self) -> dict[str, int | float]: ...
+
+def paged_decode_attention(
+    out: npt.NDArray[np.float32],
+    q: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32],
+    v_cache: npt.NDArray[np.float32],
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    scale: float,
+    num_threads: int,
+) -> None: ...
+def quant_matmul(
+    out: npt.NDArray[np.float32],
+    x: npt.NDArray[np.float32],
+    w_raw: npt.NDArray[np.uint8],
+    ggml_type: int,
+    rows: int,
+    cols: int,
+    num_threads: int,
+) -> None: ...

@@ -49,6 +49,12 @@ class ModelConfig:
         "the chat template mentions <tool_call>, else 'json' for forced tool_choice and plain "
         "text under 'auto'.",
     )
+    quantized_decode: bool = _f(
+        True,
+        "GGUF models on CPU in float32: steps of at most 8 tokens (decode) read the file's "
+        "Q8_0/Q4_0/Q4_1 weights directly instead of their float32 copies (about 6x less memory "
+        "traffic per token); larger steps always use float32.",
+    )
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,8 @@ def build_engine(cfg: Config) -> Engine:
 
     ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision)
     hf = ck.hf_config
-    model = build_model(hf, ck.weights, dtype, device)
+    quantized = ck.quantized if cfg.model.quantized_decode else None
+    model = build_model(hf, ck.weights, dtype, device, quantized=quantized)
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
 
     native_len = int(hf.get("max_position_embeddings") or 2048)
@@ -109,6 +110,14 @@ def build_engine(cfg: Config) -> Engine:
     per_block = kv_block_bytes(hf, block_size, dtype)
     if cfg.cache.num_kv_blocks:
         num_blocks = cfg.cache.num_kv_blocks
+    elif device.type == "cuda":
+        from llmserve.worker.cuda_graphs import activation_reserve_bytes, kv_blocks_from_free_memory
+
+        reserve = activation_reserve_bytes(
+            hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"],
+            cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+        num_blocks = kv_blocks_from_free_memory(device, per_block, cfg.cache.gpu_memory_utilization,
+                                                reserve)
     else:
         num_blocks = parse_bytes(cfg.cache.kv_cache_memory) // per_block
     needed = math.ceil(max_model_len / block_size)
@@ -151,6 +160,12 @@ def build_engine(cfg: Config) -> Engine:
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         "policy": cfg.scheduler.scheduling_policy,
     }))
-    runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+    if device.type == "cuda":
+        from llmserve.worker.cuda_graphs import make_cuda_runner
+
+        runner = make_cuda_runner(model, num_blocks, block_size, dtype, device,
+                                  max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len)
+    else:
+        runner = ModelRunner(model, num_blocks, block_size, dtype, device)
     log.info("engine ready in %.1f s (served as %s)", time.perf_counter() - start, ", ".join(names))
     return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device)

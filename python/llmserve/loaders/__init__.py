@@ -4,7 +4,7 @@
 an HF config, the tokenizer source and chat template sources; every failure is a `LoadError`.
 """
 
-from .checkpoint import Checkpoint, LoadError
+from .checkpoint import Checkpoint, LoadError, QuantTensor
 from .load import DEFAULT_MODEL_NAME, load_checkpoint
 
-__all__ = ["Checkpoint", "LoadError", "load_checkpoint", "DEFAULT_MODEL_NAME"]
+__all__ = ["Checkpoint", "LoadError", "QuantTensor", "load_checkpoint", "DEFAULT_MODEL_NAME"]

@@ -11,11 +11,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
 class LoadError(Exception):
     """A model could not be loaded; the message says what is wrong and what to do about it."""
+
+
+# ggml block formats llmserve's quantized GEMV reads (rust/kernels quant.rs): type id ->
+# (name, bytes per block of 32 weights).
+QUANT_FORMATS: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A linear weight kept in its GGUF block format, next to its dequantized copy.
+
+    `data` holds the raw blocks row by row (uint8 [rows, cols / 32 * block bytes]); rows are
+    independent in these formats, so row permutations and concatenations of fused weights
+    apply to whole rows of bytes.
+    """
+
+    data: np.ndarray   # uint8 [rows, bytes per row], C-contiguous
+    ggml_type: int     # key of QUANT_FORMATS
+    rows: int          # torch's [out, in] shape of the weight
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.ggml_type not in QUANT_FORMATS:
+            raise ValueError(f"ggml type {self.ggml_type} is not one of {sorted(QUANT_FORMATS)}")
+        row_bytes = self.cols // 32 * QUANT_FORMATS[self.ggml_type][1]
+        if self.cols % 32 or self.data.dtype != np.uint8 or self.data.shape != (self.rows, row_bytes):
+            raise ValueError(f"{QUANT_FORMATS[self.ggml_type][0]} [{self.rows}, {self.cols}] needs "
+                             f"uint8 [{self.rows}, {row_bytes}], got {self.data.dtype} {self.data.shape}")
+
+    @staticmethod
+    def concat(parts: "list[QuantTensor]") -> "QuantTensor | None":
+        """Rows of `parts` stacked (a fused weight); None when their formats or widths differ."""
+        first = parts[0]
+        if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
+            return None
+        data = np.ascontiguousarray(np.concatenate([p.data for p in parts], axis=0))
+        return QuantTensor(data, first.ggml_type, sum(p.rows for p in parts), first.cols)
 
 
 @dataclass(frozen=True)
@@ -30,6 +68,9 @@ class Checkpoint:
     eos_token: str | None
     eos_token_ids: list[int]
     generation_config: dict = field(default_factory=dict)
+    # GGUF linear weights in Q8_0/Q4_0/Q4_1, by HF name, Q/K rows un-permuted like `weights`;
+    # read by the quantized GEMV of few-token steps. `weights` stays the source of truth.
+    quantized: dict[str, QuantTensor] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         # The default repr would print every tensor; this is what a log line wants.

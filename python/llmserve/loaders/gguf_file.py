@@ -12,7 +12,9 @@ tests/parity/test_gguf_vs_transformers.py:
   (2i, 2i + 1). HF-style models would then rotate the wrong pairs and the output is silent
   garbage, so we undo it here. qwen2/qwen3 files are written unpermuted (NEOX RoPE).
 
-Every tensor type the file holds is dequantized to float32 with gguf's `dequantize`.
+Every tensor type the file holds is dequantized to float32 with gguf's `dequantize`. Matrices
+in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`, rows un-permuted
+the same way) for the quantized GEMV of few-token decode steps.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, LoadError, empty_template_sources
+from .checkpoint import QUANT_FORMATS, Checkpoint, LoadError, QuantTensor, empty_template_sources
 
 # GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
 _ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -202,6 +204,25 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(shape))
 
 
+def _raw_blocks(tensor) -> QuantTensor | None:
+    """A matrix's raw blocks when its format is one the quantized GEMV reads, else None."""
+    ggml_type = int(tensor.tensor_type)
+    if ggml_type not in QUANT_FORMATS or len(tensor.shape) != 2:
+        return None
+    cols, rows = (int(d) for d in tensor.shape.tolist())   # innermost first
+    # The reader gives [rows, bytes per row] uint8 views of the mmap: copy, so the checkpoint
+    # does not pin the file.
+    data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
+    return QuantTensor(data, ggml_type, rows, cols)
+
+
+def _unpermute_raw(q: QuantTensor, n_heads: int) -> QuantTensor:
+    # Blocks never straddle rows, so undoing the permutation on whole rows of bytes matches
+    # undoing it on the dequantized rows.
+    rows = unpermute_qk(torch.from_numpy(q.data), n_heads).numpy()
+    return QuantTensor(rows, q.ggml_type, q.rows, q.cols)
+
+
 def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
     from gguf import GGUFReader
 
@@ -231,14 +252,21 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
     types = Counter(t.tensor_type.name for t in reader.tensors)
     permuted = _ARCHS[arch][2]
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantTensor] = {}
     for tensor in reader.tensors:
         key = names[tensor.name]
-        w = _dequantize(tensor)
+        w, raw = _dequantize(tensor), _raw_blocks(tensor)
+        heads = None
         if permuted and ".self_attn.q_proj." in key:
-            w = unpermute_qk(w, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif permuted and ".self_attn.k_proj." in key:
-            w = unpermute_qk(w, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+            raw = None if raw is None else _unpermute_raw(raw, heads)
         weights[key] = w
+        if raw is not None:
+            quantized[key] = raw
     log.info(
         "GGUF %s: dequantized %d tensors (%s) to float32 in %.2f s",
         path.name, len(weights), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
@@ -272,4 +300,5 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
         eos_token=token(vocab["eos_token_id"]),
         eos_token_ids=eos_ids,
         generation_config={},
+        quantized=quantized,
     )

@@ -1,5 +1,6 @@
 """Layers shared by every decoder family: RMSNorm, rotary embedding, fused QKV projection,
-fused gate|up SiLU MLP, and the paged-attention call.
+fused gate|up SiLU MLP, the paged-attention call, and the linear that reads GGUF-quantized
+weights in few-token steps.
 
 Shapes use T for the flat tokens of a step (sequences are concatenated, no padding), H for the
 hidden size, and `heads x head_dim` for attention. Weights are fused at load time (one GEMM for
@@ -15,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve import _core
+from llmserve.loaders.checkpoint import QuantTensor
 from llmserve.worker.attention import AttentionMetadata, paged_attention
+
+# Steps of at most this many tokens (decode) read a linear's GGUF blocks when it has them:
+# they are bound by reading weights (BENCH.md), and Q4_1 is ~6x smaller than fp32. Larger
+# steps are bound by compute, where MKL's fp32 GEMM on the dequantized copy wins.
+QUANT_MAX_TOKENS = 8
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +90,10 @@ class RotaryEmbedding:
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, head_dim / 2] (broadcast over heads)."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+        # NOTE: no host sync while a CUDA graph is being captured (cuda_graphs.py sizes the
+        # tables for max_model_len before capturing).
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if positions.numel() and not capturing and int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)
@@ -95,7 +106,29 @@ class RotaryEmbedding:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class QKVLinear(nn.Linear):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           quant: QuantTensor | None) -> torch.Tensor:
+    """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels quant.rs) for few-token float32
+    CPU steps when `quant` holds the weight's blocks, else F.linear on the fp32 weight."""
+    if (quant is None or x.dim() != 2 or x.shape[0] > QUANT_MAX_TOKENS
+            or x.dtype != torch.float32 or x.device.type != "cpu"):
+        return F.linear(x, weight, bias)
+    out = torch.empty((x.shape[0], quant.rows), dtype=torch.float32)
+    _core.quant_matmul(out.numpy(), x.contiguous().numpy(), quant.data, quant.ggml_type,
+                       quant.rows, quant.cols, torch.get_num_threads())
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that may also hold its weight as GGUF blocks (`quant`, set after loading)."""
+
+    quant: QuantTensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.quant)
+
+
+class QKVLinear(Linear):
     """Q, K and V projections fused into one GEMM: output [T, (heads + 2 kv_heads) * head_dim]."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
@@ -113,8 +146,8 @@ class GateUpMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = Linear(hidden, 2 * intermediate, bias=False)
+        self.down = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)

@@ -3,7 +3,8 @@ Qwen2 and Qwen3 reuse with two switches: QKV bias and per-head q/k RMSNorm.
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
-loading never pays for a random init.
+loading never pays for a random init. GGUF checkpoints' quantized blocks, fused the same way
+(whole rows concatenated), are attached to the linears for few-token float32 CPU steps.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llmserve.models.layers import GateUpMLP, PagedAttention, QKVLinear, RMSNorm, RotaryEmbedding
+from llmserve.loaders.checkpoint import QuantTensor
+from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
+                                    RotaryEmbedding, linear)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
 
@@ -72,7 +74,7 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
@@ -126,10 +128,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if c.tie_word_embeddings
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
+        self.lm_quant: QuantTensor | None = None   # the LM head's GGUF blocks, if any
 
     @classmethod
     def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> "LlamaForCausalLM":
+                device: torch.device,
+                quantized: dict[str, QuantTensor] | None = None) -> "LlamaForCausalLM":
         c = cls.parse_config(hf_config)
         if not c.tie_word_embeddings and "lm_head.weight" not in weights:
             # NOTE: checkpoints that ship no LM head (GGUF without `output.weight`) tie it.
@@ -141,8 +145,23 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
                                      device)
+        if quantized and dtype == torch.float32 and device.type == "cpu":
+            model.attach_quantized(fuse_quantized(c, quantized))
         model.requires_grad_(False)
         return model.eval()
+
+    def attach_quantized(self, fused: dict[str, QuantTensor]) -> None:
+        """Give linears (names as `fuse_quantized` returns) their quantized blocks."""
+        for name, q in fused.items():
+            weight = self.embed_tokens.weight if name == "lm_head" and self.lm_head is None \
+                else self.get_submodule(name).weight
+            if (q.rows, q.cols) != tuple(weight.shape):
+                raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its weight "
+                                 f"{list(weight.shape)}")
+            if name == "lm_head":
+                self.lm_quant = q
+            else:
+                self.get_submodule(name).quant = q
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[KVPair]) -> torch.Tensor:
@@ -156,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> float32 logits [R, V]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.lm_quant).float()
 
 
 def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -198,3 +217,25 @@ def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:8]}")
     return out
+
+
+def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor]) -> dict[str, QuantTensor]:
+    """HF-named quantized weights -> this module's linear names (`layers.0.attn.qkv`, ...,
+    `lm_head`), fused like `fuse_hf_weights`. A linear gets none when one of its parts is not
+    quantized or the parts' formats differ: it then always runs the fp32 matmul."""
+    def get(*names: str) -> QuantTensor | None:
+        parts = [quantized.get(n) for n in names]
+        if any(p is None for p in parts):
+            return None
+        return parts[0] if len(parts) == 1 else QuantTensor.concat(parts)
+
+    out = {"lm_head": get("model.embed_tokens.weight" if c.tie_word_embeddings
+                          else "lm_head.weight")}
+    for i in range(c.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        sa = hf + "self_attn."
+        out[ours + "attn.qkv"] = get(sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
+        out[ours + "attn.o_proj"] = get(sa + "o_proj.weight")
+        out[ours + "mlp.gate_up"] = get(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        out[ours + "mlp.down"] = get(hf + "mlp.down_proj.weight")
+    return {k: v for k, v in out.items() if v is not None}

@@ -11,6 +11,12 @@ its block table. Two groups, decided once per step in `AttentionMetadata.build`:
   per sequence; a chunk that continues a cached prefix uses the lower-right causal alignment
   (query i at absolute position p sees keys 0..p).
 
+On CPU, float32 decode rows skip the gather: the Rust kernel `llmserve._core.
+paged_decode_attention` (rust/kernels) reads K/V in place through the block tables, one work
+item per (sequence, kv head), online softmax in f32 (BENCH.md: the gather + padded SDPA read KV
+at ~5 GB/s). The torch path stays the reference and the fallback (other dtypes or devices,
+prefill rows, an extension without the kernel); `USE_CPU_DECODE_KERNEL = False` forces it.
+
 KV heads are never repeated: SDPA's `enable_gqa` handles grouped-query attention (BENCH.md:
 repeat_interleave makes batch-64 decode ~5x slower). Softmax runs in float32 whatever the
 model dtype.
@@ -25,6 +31,21 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.worker.kv_cache import write_kv
+
+try:
+    from llmserve._core import paged_decode_attention as _cpu_decode
+except ImportError:     # an extension built before the kernel existed: torch path only
+    _cpu_decode = None
+
+# Tests flip this to compare the kernel with the torch reference in one process.
+USE_CPU_DECODE_KERNEL = True
+# Threads of the kernel; None: torch's intra-op thread count.
+# NOTE: torch's OpenMP workers spin for a while after each parallel op (libgomp's default wait
+# policy), so a second kernel thread shares its core with a spinning worker: at batch 64 x 256
+# tokens, 2 torch threads (benches/cpu_decode_attention.py), attention alone is ~1.9x faster
+# than the torch path with 2 kernel threads (~1.15x with 1), but whole steps gain only ~3-7%
+# either way; with OMP_WAIT_POLICY=passive, 2 kernel threads made the step ~18% faster.
+CPU_DECODE_THREADS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,8 @@ class AttentionMetadata:
     decode_key_mask: torch.Tensor           # [Sd, 1, 1, Wd * block_size] bool: key j < seq_len
     prefills: tuple[PrefillSeq, ...]
     workspace: GatherWorkspace | None = None    # None: gathers allocate fresh tensors
+    decode_tables_np: np.ndarray | None = None  # [Sd, Wd] int32, the CPU kernel's block tables
+    decode_lens_np: np.ndarray | None = None    # [Sd] int32
 
     @classmethod
     def build(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -111,7 +134,9 @@ class AttentionMetadata:
         return cls(slot_mapping=slot_mapping, block_size=block_size, num_decode=len(dec),
                    decode_token_idx=dec_idx, decode_block_tables=dec_tables,
                    decode_key_mask=dec_mask[:, None, None, :], prefills=tuple(prefills),
-                   workspace=workspace)
+                   workspace=workspace,
+                   decode_tables_np=np.ascontiguousarray(tables[dec, :width], dtype=np.int32),
+                   decode_lens_np=dec_lens.astype(np.int32))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: GatherWorkspace | None,
@@ -128,22 +153,46 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: GatherWorks
     return g.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
 
+def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> bool:
+    return (USE_CPU_DECODE_KERNEL and _cpu_decode is not None and meta.decode_lens_np is not None
+            and q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [Sd, heads, d] fp32 -> [Sd, heads, d], K/V read in place (numpy views, no copy)."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), meta.decode_tables_np,
+                meta.decode_lens_np, scale, CPU_DECODE_THREADS or torch.get_num_threads())
+    return out
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d]
     -> [T, heads, d]."""
+    if not isinstance(meta, AttentionMetadata):
+        # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops
+        return meta.attend(q, k, v, k_cache, v_cache, scale)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     out_dtype = q.dtype
     # NOTE: softmax in float32 whatever the model dtype (a no-op for fp32 models).
     q, k, v = q.float(), k.float(), v.float()
     if meta.num_decode:
         idx = meta.decode_token_idx
-        qd = (q if idx is None else q[idx]).unsqueeze(2)                    # [Sd, heads, 1, d]
-        tables, ws = meta.decode_block_tables, meta.workspace
-        kd = _gather(k_cache, tables, ws, "k").float().transpose(1, 2)     # [Sd, kvh, L, d]
-        vd = _gather(v_cache, tables, ws, "v").float().transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask,
-                                            scale=scale, enable_gqa=True).squeeze(2)
+        if _kernel_serves(q, k_cache, v_cache, meta):
+            od = _decode_kernel(q if idx is None else q[idx], k_cache, v_cache, meta, scale)
+        else:
+            qd = (q if idx is None else q[idx]).unsqueeze(2)                # [Sd, heads, 1, d]
+            tables, ws = meta.decode_block_tables, meta.workspace
+            kd = _gather(k_cache, tables, ws, "k").float().transpose(1, 2)  # [Sd, kvh, L, d]
+            vd = _gather(v_cache, tables, ws, "v").float().transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask,
+                                                scale=scale, enable_gqa=True).squeeze(2)
         if idx is None:          # every token of the step is a decode token, in order
             return od.to(out_dtype)
     out = q.new_empty(q.shape)

@@ -3,12 +3,15 @@
 //! It exports the whole Rust surface from this one place: `Router` (protocol: prepare,
 //! tokenize, render), `Prepared` (a validated request on its way to the engine), `Core` (the
 //! scheduler plus each request's output state: add / abort / schedule / commit / stats),
-//! `Plan` (one step's flat columns as numpy arrays) and the `ApiError` exception hierarchy.
+//! `Plan` (one step's flat columns as numpy arrays), the `ApiError` exception hierarchy and
+//! `paged_decode_attention` (the CPU decode-attention kernel over numpy views).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
 
 mod core;
 mod errors;
+mod kernels;
 mod plan;
+mod quant;
 mod router;
 
 use pyo3::prelude::*;
@@ -19,6 +22,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyPrepared>()?;
     m.add_class::<core::PyCore>()?;
     m.add_class::<plan::PyPlan>()?;
+    m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quant_matmul, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

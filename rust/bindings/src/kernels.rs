@@ -1,0 +1,67 @@
+//! `paged_decode_attention`: the CPU paged-attention decode kernel (llmserve-kernels) over
+//! numpy arrays. torch CPU tensors reach it as zero-copy views (`tensor.numpy()`); the GIL is
+//! released while it computes.
+//!
+//! Shapes: out, q [S, heads, head_dim] f32; k_cache, v_cache [num_blocks, block_size,
+//! kv_heads, head_dim] f32; block_tables [S, W] i32; seq_lens [S] i32. Every array must be
+//! C-contiguous. A shape mismatch, a non-contiguous array, a bad length or block id is a
+//! ValueError (nothing written); a wrong dtype is numpy's TypeError.
+
+use llmserve_kernels::DecodeShape;
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+fn contiguous<T>(r: Result<T, numpy::NotContiguousError>, name: &str) -> PyResult<T> {
+    r.map_err(|_| PyValueError::new_err(format!("paged_decode_attention: {name} must be C-contiguous")))
+}
+
+/// out = softmax(scale * q k^T) v for one query token per sequence, read through the block
+/// tables; `num_threads` threads (the engine passes torch's thread count).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention(
+    py: Python<'_>,
+    mut out: PyReadwriteArray3<'_, f32>,
+    q: PyReadonlyArray3<'_, f32>,
+    k_cache: PyReadonlyArray4<'_, f32>,
+    v_cache: PyReadonlyArray4<'_, f32>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
+    scale: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
+    let bad = |what: String| Err(PyValueError::new_err(format!("paged_decode_attention: {what}")));
+    if out.shape() != qs.as_slice() {
+        return bad(format!("out {:?} must have q's shape {qs:?}", out.shape()));
+    }
+    if v_cache.shape() != ks.as_slice() {
+        return bad(format!("v_cache {:?} must have k_cache's shape {ks:?}", v_cache.shape()));
+    }
+    if ks[3] != qs[2] {
+        return bad(format!("head_dim differs: q {qs:?}, k_cache {ks:?}"));
+    }
+    if ts[0] != qs[0] {
+        return bad(format!("block_tables {ts:?} must have one row per sequence of q {qs:?}"));
+    }
+    let shape = DecodeShape {
+        num_seqs: qs[0],
+        num_heads: qs[1],
+        num_kv_heads: ks[2],
+        head_dim: qs[2],
+        block_size: ks[1],
+        block_table_width: ts[1],
+        scale,
+    };
+    let out = contiguous(out.as_slice_mut(), "out")?;
+    let q = contiguous(q.as_slice(), "q")?;
+    let k = contiguous(k_cache.as_slice(), "k_cache")?;
+    let v = contiguous(v_cache.as_slice(), "v_cache")?;
+    let tables = contiguous(block_tables.as_slice(), "block_tables")?;
+    let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
+    py.detach(|| llmserve_kernels::paged_decode_attention(out, q, k, v, tables, lens, shape, num_threads))
+        .map_err(|e| PyValueError::new_err(format!("paged_decode_attention: {e}")))
+}

@@ -1,0 +1,60 @@
+//! `quant_matmul`: llmserve-kernels' quantized GEMV over numpy arrays, for decode steps of a
+//! few tokens that read a GGUF's Q8_0 / Q4_0 / Q4_1 weights in place (the GIL is released
+//! while it computes).
+//!
+//! Shapes: out f32 [T, R] (written), x f32 [T, K], w_raw u8 [R, K / 32 * block_bytes] (the
+//! GGUF tensor's raw rows). Every array must be C-contiguous. A shape mismatch, an unknown
+//! ggml type, a non-contiguous array or num_threads == 0 is a ValueError (nothing written); a
+//! wrong dtype is numpy's TypeError.
+
+use llmserve_kernels::quant::{QuantType, QuantWeights};
+use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
+    Err(PyValueError::new_err(format!("quant_matmul: {what}")))
+}
+
+/// out[t, r] = sum_k x[t, k] * w[r, k], with w's rows read as ggml blocks of `ggml_type`
+/// (2 = Q4_0, 3 = Q4_1, 8 = Q8_0); at most `num_threads` threads.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the Python signature the brief fixes
+pub fn quant_matmul(
+    py: Python<'_>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    x: PyReadonlyArray2<'_, f32>,
+    w_raw: PyReadonlyArray2<'_, u8>,
+    ggml_type: u32,
+    rows: usize,
+    cols: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let Some(ty) = QuantType::from_ggml(ggml_type) else {
+        return bad(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    };
+    let row_bytes = match ty.row_bytes(cols) {
+        Ok(n) => n,
+        Err(e) => return bad(e),
+    };
+    let (xs, ws, os) = (x.shape().to_vec(), w_raw.shape().to_vec(), out.shape().to_vec());
+    if ws != [rows, row_bytes] {
+        return bad(format!("w_raw {ws:?} must be [rows {rows}, {row_bytes} bytes] for {ty:?} x {cols}"));
+    }
+    if xs[1] != cols {
+        return bad(format!("x {xs:?} must have {cols} columns"));
+    }
+    if os != [xs[0], rows] {
+        return bad(format!("out {os:?} must be [{}, {rows}]", xs[0]));
+    }
+    let Ok(out) = out.as_slice_mut() else { return bad("out must be C-contiguous") };
+    let Ok(x) = x.as_slice() else { return bad("x must be C-contiguous") };
+    let Ok(data) = w_raw.as_slice() else { return bad("w_raw must be C-contiguous") };
+    let w = match QuantWeights::new(ty, rows, cols, data) {
+        Ok(w) => w,
+        Err(e) => return bad(e),
+    };
+    let tokens = xs[0];
+    py.detach(|| llmserve_kernels::quant::quant_matmul(out, x, tokens, &w, num_threads))
+        .or_else(bad)
+}

@@ -1,0 +1,326 @@
+//! Paged-attention decode: one query token per sequence, keys and values read in place
+//! through the block tables.
+//!
+//! Shapes (all row-major f32 / i32 slices):
+//!   q, out        [num_seqs, num_heads, head_dim]
+//!   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+//!   block_tables  [num_seqs, block_table_width]   (only the first ceil(seq_len / block_size)
+//!                                                  entries of a row are read)
+//!   seq_lens      [num_seqs]                      (tokens to attend over, >= 1)
+//!
+//! Work item: one (sequence, kv head) with all `num_heads / num_kv_heads` query heads of its
+//! group, so every K/V row is read from memory once per group. A block of keys is one softmax
+//! tile: the scores of the tile are computed for every query head of the group, the running max
+//! and sum are updated once per tile (online softmax, f32), and V rows are accumulated with the
+//! tile's weights. Threads of a `std::thread::scope` take items a few at a time from a shared
+//! queue; an item is always computed whole by one thread, so the result does not depend on the
+//! thread count.
+
+use std::sync::Mutex;
+
+use crate::simd;
+
+/// How many blocks ahead of the one being computed to prefetch.
+const AHEAD: usize = 2;
+
+/// The sizes of one decode call (see the module doc for the layouts they describe).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeShape {
+    pub num_seqs: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub block_table_width: usize,
+    /// Multiplies q . k before the softmax (usually head_dim^-0.5).
+    pub scale: f32,
+}
+
+/// Which code the CPU runs: chosen once per call from `is_x86_feature_detected!`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    Generic,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+}
+
+impl Isa {
+    pub(crate) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Isa::Avx2Fma;
+        }
+        Isa::Generic
+    }
+}
+
+/// out = softmax(scale * q k^T) v per (sequence, query head), over the sequence's first
+/// `seq_lens[s]` cached tokens. `num_threads` (>= 1; 0 counts as 1) threads share the work;
+/// the result is the same for any thread count.
+///
+/// Errors (nothing is written): any slice whose length does not match `shape`, heads not a
+/// multiple of kv heads, a zero size, a non-finite scale, a seq_len of 0 or beyond the block
+/// table, a block id outside `0..num_blocks`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention(
+    out: &mut [f32],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_tables: &[i32],
+    seq_lens: &[i32],
+    shape: DecodeShape,
+    num_threads: usize,
+) -> Result<(), String> {
+    run(out, q, k_cache, v_cache, block_tables, seq_lens, shape, num_threads, Isa::detect())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    out: &mut [f32],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_tables: &[i32],
+    seq_lens: &[i32],
+    shape: DecodeShape,
+    num_threads: usize,
+    isa: Isa,
+) -> Result<(), String> {
+    let ctx = Ctx::validate(q, k_cache, v_cache, block_tables, seq_lens, shape)?;
+    if out.len() != q.len() {
+        return Err(format!("out has {} elements, q has {}", out.len(), q.len()));
+    }
+    let items = shape.num_seqs * shape.num_kv_heads;
+    if items == 0 {
+        return Ok(());
+    }
+    let item_len = ctx.group * shape.head_dim; // out elements of one work item
+    let threads = num_threads.clamp(1, items);
+    if threads == 1 {
+        run_items(&ctx, 0, out, isa);
+        return Ok(());
+    }
+    // NOTE: items are handed out a few at a time from a shared queue rather than split in
+    // fixed ranges: on a shared machine one thread can be descheduled mid-call (or start
+    // late), and a static split would make the whole call wait for it.
+    let grain = (items / (threads * 8)).max(1);
+    let queue = Mutex::new(out.chunks_mut(grain * item_len).enumerate());
+    let work = || loop {
+        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+        let Some((i, chunk)) = next else { break };
+        run_items(&ctx, i * grain, chunk, isa);
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(work);
+        }
+        work(); // the calling thread works too
+    });
+    Ok(())
+}
+
+/// Validated views of one call's arguments.
+struct Ctx<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    tables: &'a [i32],
+    seq_lens: Vec<usize>,
+    shape: DecodeShape,
+    group: usize,
+}
+
+fn mul(a: usize, b: usize, what: &str) -> Result<usize, String> {
+    a.checked_mul(b).ok_or_else(|| format!("{what} overflows"))
+}
+
+impl<'a> Ctx<'a> {
+    // NOTE: `is_multiple_of` is newer than the workspace's rust-version (1.80)
+    #[allow(clippy::manual_is_multiple_of)]
+    fn validate(
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        tables: &'a [i32],
+        seq_lens: &[i32],
+        s: DecodeShape,
+    ) -> Result<Self, String> {
+        if s.num_heads == 0 || s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
+            return Err(format!("num_heads, num_kv_heads, head_dim and block_size must be > 0: {s:?}"));
+        }
+        if s.num_heads % s.num_kv_heads != 0 {
+            return Err(format!("num_heads ({}) must be a multiple of num_kv_heads ({})", s.num_heads, s.num_kv_heads));
+        }
+        if !s.scale.is_finite() {
+            return Err(format!("scale must be finite, got {}", s.scale));
+        }
+        let q_len = mul(mul(s.num_seqs, s.num_heads, "q size")?, s.head_dim, "q size")?;
+        if q.len() != q_len {
+            return Err(format!("q has {} elements, expected num_seqs x num_heads x head_dim = {q_len}", q.len()));
+        }
+        let block_len = mul(mul(s.block_size, s.num_kv_heads, "block size")?, s.head_dim, "block size")?;
+        if k.len() % block_len != 0 || k.len() != v.len() {
+            return Err(format!(
+                "k_cache ({}) and v_cache ({}) must hold the same whole number of blocks of \
+                 block_size x num_kv_heads x head_dim = {block_len} elements",
+                k.len(),
+                v.len()
+            ));
+        }
+        let num_blocks = k.len() / block_len;
+        if tables.len() != mul(s.num_seqs, s.block_table_width, "block_tables size")? {
+            return Err(format!(
+                "block_tables has {} entries, expected num_seqs x block_table_width = {} x {}",
+                tables.len(),
+                s.num_seqs,
+                s.block_table_width
+            ));
+        }
+        if seq_lens.len() != s.num_seqs {
+            return Err(format!("seq_lens has {} entries, expected num_seqs = {}", seq_lens.len(), s.num_seqs));
+        }
+        let max_len = mul(s.block_table_width, s.block_size, "block table capacity")?;
+        let mut lens = Vec::with_capacity(s.num_seqs);
+        for (i, &len) in seq_lens.iter().enumerate() {
+            if len < 1 || len as usize > max_len {
+                return Err(format!("seq_lens[{i}] = {len} is outside 1..={max_len} (block_table_width x block_size)"));
+            }
+            let len = len as usize;
+            let row = &tables[i * s.block_table_width..][..len.div_ceil(s.block_size)];
+            if let Some(&b) = row.iter().find(|&&b| b < 0 || b as usize >= num_blocks) {
+                return Err(format!("block_tables[{i}] holds block id {b}, outside 0..{num_blocks}"));
+            }
+            lens.push(len);
+        }
+        Ok(Ctx { q, k, v, tables, seq_lens: lens, shape: s, group: s.num_heads / s.num_kv_heads })
+    }
+}
+
+fn run_items(ctx: &Ctx<'_>, first: usize, out: &mut [f32], isa: Isa) {
+    match isa {
+        Isa::Generic => items_impl::<false>(ctx, first, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx2Fma is only constructed after is_x86_feature_detected! found both.
+        Isa::Avx2Fma => unsafe { items_avx2(ctx, first, out) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn items_avx2(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
+    items_impl::<true>(ctx, first, out)
+}
+
+/// Work items first.. (as many as `out` holds), out = their [group, head_dim] outputs.
+///
+/// Consecutive items of one sequence (its kv heads h0..h1) are computed together, block by
+/// block: a token's K (and V) rows of those heads are adjacent in the cache, so each block is
+/// read as one contiguous stretch the hardware prefetchers follow, instead of 256-byte pieces
+/// at a 768-byte stride once per kv head. Each item's arithmetic, in token order, is the same
+/// whichever items share its run, so the result still does not depend on the threads.
+#[inline(always)]
+fn items_impl<const FMA: bool>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
+    let s = &ctx.shape;
+    let item_len = ctx.group * s.head_dim;
+    // per-thread scratch, sized for all heads of a sequence and reused across runs
+    let mut scratch = Scratch {
+        qs: vec![0f32; s.num_heads * s.head_dim],
+        acc: vec![0f32; s.num_heads * s.head_dim],
+        scores: vec![0f32; s.num_heads * s.block_size],
+        m: vec![0f32; s.num_heads],
+        l: vec![0f32; s.num_heads],
+    };
+    let items = out.len() / item_len;
+    let mut i = 0;
+    while i < items {
+        let (seq, h0) = ((first + i) / s.num_kv_heads, (first + i) % s.num_kv_heads);
+        let h1 = s.num_kv_heads.min(h0 + items - i);
+        let o = &mut out[i * item_len..(i + h1 - h0) * item_len];
+        attend_run::<FMA>(ctx, seq, h0, h1, o, &mut scratch);
+        i += h1 - h0;
+    }
+}
+
+struct Scratch {
+    qs: Vec<f32>,     // [heads, d] the run's queries, pre-scaled
+    acc: Vec<f32>,    // [heads, d] unnormalized outputs
+    scores: Vec<f32>, // [heads, block_size] one tile's scores, then weights
+    m: Vec<f32>,      // [heads] running max
+    l: Vec<f32>,      // [heads] running sum of weights
+}
+
+/// Sequence `seq`, kv heads h0..h1 with their query heads; out = [(h1 - h0) * group, d].
+#[inline(always)]
+fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, out: &mut [f32], sc: &mut Scratch) {
+    let s = &ctx.shape;
+    let (d, g, bs) = (s.head_dim, ctx.group, s.block_size);
+    let nh = (h1 - h0) * g; // query heads in the run
+    let row_stride = s.num_kv_heads * d; // between tokens of a block
+    let block_stride = bs * row_stride;
+    let len = ctx.seq_lens[seq];
+    let (qs, acc, scores) = (&mut sc.qs[..nh * d], &mut sc.acc[..nh * d], &mut sc.scores[..nh * bs]);
+    let (m, l) = (&mut sc.m[..nh], &mut sc.l[..nh]);
+    let q0 = (seq * s.num_heads + h0 * g) * d; // the run's query heads are contiguous
+    for (dst, src) in qs.iter_mut().zip(&ctx.q[q0..q0 + nh * d]) {
+        *dst = src * s.scale;
+    }
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let table = &ctx.tables[seq * s.block_table_width..][..len.div_ceil(bs)];
+    // block b: its valid rows and the span of the cache they cover (heads h0..h1)
+    let rows = |b: usize| {
+        let n = bs.min(len - b * bs);
+        let base = table[b] as usize * block_stride + h0 * d;
+        (n, base..base + (n - 1) * row_stride + (h1 - h0) * d)
+    };
+    let prefetch = |b: usize| {
+        if b < table.len() {
+            for r in rows(b).1.step_by(row_stride) {
+                simd::prefetch(&ctx.k[r..r + (h1 - h0) * d]);
+                simd::prefetch(&ctx.v[r..r + (h1 - h0) * d]);
+            }
+        }
+    };
+    (0..AHEAD).for_each(prefetch);
+    for b in 0..table.len() {
+        prefetch(b + AHEAD);
+        let (n, span) = rows(b);
+        let (keys, vals) = (&ctx.k[span.clone()], &ctx.v[span]);
+        for t in 0..n {
+            for kv in 0..h1 - h0 {
+                let k_row = &keys[t * row_stride + kv * d..][..d];
+                for j in kv * g..(kv + 1) * g {
+                    scores[j * bs + t] = simd::dot::<FMA>(&qs[j * d..(j + 1) * d], k_row);
+                }
+            }
+        }
+        for j in 0..nh {
+            let tile = &mut scores[j * bs..j * bs + n];
+            let new_m = m[j].max(simd::max(tile));
+            if new_m > m[j] {
+                // rescale what was accumulated under the old max (0 on the first tile)
+                let c = simd::exp_neg(m[j] - new_m);
+                l[j] *= c;
+                simd::scale(&mut acc[j * d..(j + 1) * d], c);
+                m[j] = new_m;
+            }
+            l[j] += simd::exp_sub_sum(tile, new_m);
+        }
+        for t in 0..n {
+            for kv in 0..h1 - h0 {
+                let v_row = &vals[t * row_stride + kv * d..][..d];
+                for j in kv * g..(kv + 1) * g {
+                    simd::axpy::<FMA>(&mut acc[j * d..(j + 1) * d], scores[j * bs + t], v_row);
+                }
+            }
+        }
+    }
+    for j in 0..nh {
+        let inv = 1.0 / l[j];
+        for (dst, a) in out[j * d..(j + 1) * d].iter_mut().zip(&acc[j * d..(j + 1) * d]) {
+            *dst = a * inv;
+        }
+    }
+}

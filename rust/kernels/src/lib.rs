@@ -1,0 +1,25 @@
+//! llmserve-kernels: CPU compute kernels of llmserve, in pure Rust (no PyO3, no torch).
+//!
+//! - [`paged_decode_attention`]: attention of one query token per sequence over that
+//!   sequence's keys and values, read in place through its block table from the paged KV cache
+//!   (no gather copy); bound in `rust/bindings/src/kernels.rs`.
+//! - [`quant`]: matrix-vector products over GGUF quantized blocks (see its module doc).
+//!
+//! The binding crate hands these numpy views of torch's CPU tensors.
+//!
+//! Invariants:
+//! - Every length, shape and block id is validated before any work starts; a bad argument is an
+//!   `Err(String)`, never a panic or an out-of-bounds read.
+//! - The result does not depend on the thread count (each (sequence, kv head) work item is
+//!   computed by one thread, in token order).
+//! - SIMD is chosen at run time: the crate is built for generic x86_64 and uses its AVX2+FMA
+//!   code only where `is_x86_feature_detected!` says the CPU has both.
+
+mod decode;
+pub mod quant;
+mod simd;
+
+pub use decode::{paged_decode_attention, DecodeShape};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,243 @@
+//! Kernel vs a naive f64 reference (gather the sequence's rows, softmax, weighted sum), on both
+//! instruction-set paths and several thread counts; and the argument checks.
+
+use crate::decode::{run, DecodeShape, Isa};
+
+/// Deterministic xorshift numbers in [-1, 1): no rand dependency for the unit tests.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * amp).collect()
+    }
+}
+
+pub(crate) struct Case {
+    pub shape: DecodeShape,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub tables: Vec<i32>,
+    pub lens: Vec<i32>,
+}
+
+/// Sequences of the given lengths, blocks handed out in a shuffled order (block 0 unused, as
+/// the scheduler's null block), padded table entries left 0.
+pub(crate) fn make_case(seed: u64, heads: usize, kv_heads: usize, d: usize, bs: usize, lens: &[i32]) -> Case {
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let width = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(0) + 1;
+    let used: usize = lens.iter().map(|&l| (l as usize).div_ceil(bs)).sum();
+    let num_blocks = used + 3;
+    let mut ids: Vec<i32> = (1..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.next() as usize % (i + 1));
+    }
+    let mut tables = vec![0i32; lens.len() * width];
+    let mut next = 0;
+    for (s, &l) in lens.iter().enumerate() {
+        for b in 0..(l as usize).div_ceil(bs) {
+            tables[s * width + b] = ids[next];
+            next += 1;
+        }
+    }
+    let block = bs * kv_heads * d;
+    let shape = DecodeShape {
+        num_seqs: lens.len(),
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: d,
+        block_size: bs,
+        block_table_width: width,
+        scale: (d as f32).powf(-0.5),
+    };
+    Case {
+        shape,
+        q: rng.vec(lens.len() * heads * d, 2.0),
+        k: rng.vec(num_blocks * block, 2.0),
+        v: rng.vec(num_blocks * block, 1.0),
+        tables,
+        lens: lens.to_vec(),
+    }
+}
+
+pub(crate) fn reference(c: &Case) -> Vec<f32> {
+    let s = c.shape;
+    let (d, g) = (s.head_dim, s.num_heads / s.num_kv_heads);
+    let mut out = vec![0f32; c.q.len()];
+    for seq in 0..s.num_seqs {
+        let len = c.lens[seq] as usize;
+        for h in 0..s.num_heads {
+            let kvh = h / g;
+            let q = &c.q[(seq * s.num_heads + h) * d..][..d];
+            let row = |t: usize| {
+                let blk = c.tables[seq * s.block_table_width + t / s.block_size] as usize;
+                ((blk * s.block_size + t % s.block_size) * s.num_kv_heads + kvh) * d
+            };
+            let scores: Vec<f64> = (0..len)
+                .map(|t| {
+                    let k = &c.k[row(t)..][..d];
+                    q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            for i in 0..d {
+                let acc: f64 = (0..len).map(|t| w[t] * c.v[row(t) + i] as f64).sum();
+                out[(seq * s.num_heads + h) * d + i] = (acc / sum) as f32;
+            }
+        }
+    }
+    out
+}
+
+pub(crate) fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Generic];
+    if Isa::detect() != Isa::Generic {
+        v.push(Isa::detect());
+    }
+    v
+}
+
+fn run_case(c: &Case, threads: usize, isa: Isa) -> Vec<f32> {
+    let mut out = vec![f32::NAN; c.q.len()];
+    run(&mut out, &c.q, &c.k, &c.v, &c.tables, &c.lens, c.shape, threads, isa).unwrap();
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn matches_reference_across_gqa_head_dims_and_lengths() {
+    let lens = [1, 5, 16, 17, 33, 64, 100, 255];
+    for (heads, kv_heads) in [(4, 4), (9, 3), (16, 2)] {
+        for d in [64, 128] {
+            let c = make_case((heads * 1000 + d) as u64, heads, kv_heads, d, 16, &lens);
+            let want = reference(&c);
+            for isa in isas() {
+                let got = run_case(&c, 1, isa);
+                let err = max_abs_diff(&got, &want);
+                assert!(err < 2e-5, "heads {heads}/{kv_heads} d {d} {isa:?}: max diff {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn odd_sizes_block_sizes_and_head_dims() {
+    for (bs, d) in [(1, 8), (3, 13), (7, 40), (32, 80), (256, 64)] {
+        let c = make_case((bs * 31 + d) as u64, 6, 2, d, bs, &[1, 2, 9, 70, 300]);
+        let want = reference(&c);
+        for isa in isas() {
+            let err = max_abs_diff(&run_case(&c, 2, isa), &want);
+            assert!(err < 2e-5, "bs {bs} d {d} {isa:?}: {err}");
+        }
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_the_result() {
+    let c = make_case(7, 9, 3, 64, 16, &[300, 1, 17, 64, 5, 250, 128, 2, 99]);
+    for isa in isas() {
+        let one = run_case(&c, 1, isa);
+        for threads in [0, 2, 3, 7, 64, 1000] {
+            assert_eq!(run_case(&c, threads, isa), one, "threads {threads} {isa:?}");
+        }
+    }
+}
+
+#[test]
+fn large_scores_do_not_overflow() {
+    // scores in the hundreds: a softmax without the running max would overflow e^x
+    let mut c = make_case(3, 2, 1, 16, 4, &[37]);
+    c.q.iter_mut().for_each(|x| *x *= 100.0);
+    let want = reference(&c);
+    for isa in isas() {
+        let got = run_case(&c, 1, isa);
+        assert!(got.iter().all(|x| x.is_finite()));
+        assert!(max_abs_diff(&got, &want) < 1e-4);
+    }
+}
+
+#[test]
+fn empty_batch_is_a_no_op() {
+    let c = make_case(1, 4, 2, 8, 4, &[]);
+    let mut out: Vec<f32> = vec![];
+    run(&mut out, &c.q, &c.k, &c.v, &c.tables, &c.lens, c.shape, 4, Isa::Generic).unwrap();
+}
+
+#[test]
+fn rejects_bad_arguments_without_writing() {
+    let base = make_case(11, 4, 2, 8, 4, &[5, 9]);
+    let check = |f: &dyn Fn(&mut Case, &mut Vec<f32>), needle: &str| {
+        let mut c = make_case(11, 4, 2, 8, 4, &[5, 9]);
+        let mut out = vec![7.0f32; c.q.len()];
+        f(&mut c, &mut out);
+        let err = run(&mut out, &c.q, &c.k, &c.v, &c.tables, &c.lens, c.shape, 2, Isa::Generic).expect_err(needle);
+        assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        assert!(out.iter().all(|&x| x == 7.0), "written before failing: {needle}");
+    };
+    let w = base.shape.block_table_width;
+    let num_blocks = (base.k.len() / (4 * 2 * 8)) as i32;
+    check(&|c, _| c.shape.num_kv_heads = 3, "multiple of num_kv_heads");
+    check(&|c, _| c.shape.head_dim = 0, "must be > 0");
+    check(&|c, _| c.shape.block_size = 0, "must be > 0");
+    check(&|c, _| c.shape.scale = f32::NAN, "scale");
+    check(
+        &|c, _| {
+            c.q.pop();
+        },
+        "q has",
+    );
+    check(
+        &|_, o| {
+            o.pop();
+        },
+        "out has",
+    );
+    check(
+        &|c, _| {
+            c.k.pop();
+        },
+        "k_cache",
+    );
+    check(&|c, _| c.v.truncate(c.v.len() - 64), "k_cache");
+    check(
+        &|c, _| {
+            c.tables.pop();
+        },
+        "block_tables has",
+    );
+    check(
+        &|c, _| {
+            c.lens.pop();
+        },
+        "seq_lens has",
+    );
+    check(&|c, _| c.lens[1] = 0, "seq_lens[1]");
+    check(&|c, _| c.lens[0] = -3, "seq_lens[0]");
+    check(&move |c, _| c.lens[0] = (w * 4 + 1) as i32, "seq_lens[0]");
+    check(&move |c, _| c.tables[w] = num_blocks, "block id");
+    check(&|c, _| c.tables[1] = -1, "block id");
+    check(&|c, _| c.shape.num_seqs = usize::MAX / 2, "overflows");
+}
+
+#[test]
+fn padded_table_entries_beyond_the_length_are_not_read() {
+    // an out-of-range id past ceil(len / block_size) is never dereferenced, so it is allowed
+    let mut c = make_case(5, 2, 2, 8, 4, &[6]);
+    let w = c.shape.block_table_width;
+    c.tables[w - 1] = i32::MAX;
+    let want = reference(&c);
+    assert!(max_abs_diff(&run_case(&c, 1, Isa::Generic), &want) < 1e-5);
+}

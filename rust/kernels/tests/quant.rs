@@ -1,0 +1,204 @@
+//! Tests of `llmserve_kernels::quant`: every format and instruction set against
+//! dequantize-then-matmul (in f64), hand-decoded blocks, shape errors, and a property test
+//! over random shapes, token counts and thread counts.
+
+use llmserve_kernels::quant::{
+    dequantize_row, f16_to_f32, quant_matmul, quant_matmul_with, Isa, QuantType, QuantWeights,
+};
+use proptest::prelude::*;
+
+const TYPES: [QuantType; 3] = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1];
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // xorshift64*: enough randomness for test data, no dependency
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    /// A finite f16 of magnitude about 2^-6 .. 2^1, either sign.
+    fn f16(&mut self) -> [u8; 2] {
+        let r = self.next();
+        let exp = 9 + (r % 8) as u16;
+        let bits = ((r >> 8) as u16 & 0x8000) | (exp << 10) | ((r >> 20) as u16 & 0x3ff);
+        bits.to_le_bytes()
+    }
+}
+
+fn random_weights(rng: &mut Rng, ty: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut data = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        data.extend(rng.f16());
+        if ty == QuantType::Q4_1 {
+            data.extend(rng.f16());
+        }
+        let n = if ty == QuantType::Q8_0 { 32 } else { 16 };
+        data.extend((0..n).map(|_| rng.next() as u8));
+    }
+    data
+}
+
+/// out [t, r] in f64 from the dequantized rows, plus the scale sum |x| |w| for tolerances.
+fn reference(ty: QuantType, data: &[u8], x: &[f32], tokens: usize, rows: usize, cols: usize) -> (Vec<f64>, Vec<f64>) {
+    let rb = ty.row_bytes(cols).unwrap();
+    let mut w = vec![0f32; rows * cols];
+    for (row, o) in data.chunks_exact(rb).zip(w.chunks_exact_mut(cols)) {
+        dequantize_row(ty, row, o).unwrap();
+    }
+    let (mut out, mut mag) = (vec![0f64; tokens * rows], vec![0f64; tokens * rows]);
+    for t in 0..tokens {
+        for r in 0..rows {
+            for k in 0..cols {
+                let p = x[t * cols + k] as f64 * w[r * cols + k] as f64;
+                out[t * rows + r] += p;
+                mag[t * rows + r] += p.abs();
+            }
+        }
+    }
+    (out, mag)
+}
+
+fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Portable];
+    if Isa::detect() != Isa::Portable {
+        v.push(Isa::detect());
+    }
+    v
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(seed: u64, ty: QuantType, tokens: usize, rows: usize, cols: usize, threads: usize, isa: Isa) -> Vec<f32> {
+    let mut rng = Rng(seed | 1);
+    let data = random_weights(&mut rng, ty, rows, cols);
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+    let w = QuantWeights::new(ty, rows, cols, &data).unwrap();
+    let mut out = vec![f32::NAN; tokens * rows];
+    quant_matmul_with(&mut out, &x, tokens, &w, threads, isa).unwrap();
+    let (want, mag) = reference(ty, &data, &x, tokens, rows, cols);
+    for i in 0..out.len() {
+        let err = (out[i] as f64 - want[i]).abs();
+        assert!(
+            err <= 1e-5 * mag[i] + 1e-6,
+            "{ty:?} {isa:?} T={tokens} R={rows} K={cols} threads={threads}: [{}, {}] = {} want {} (err {err:e})",
+            i / rows, i % rows, out[i], want[i]
+        );
+    }
+    out
+}
+
+#[test]
+fn every_format_matches_dequantize_then_matmul() {
+    for ty in TYPES {
+        for isa in isas() {
+            for tokens in 1..=4 {
+                for (rows, cols) in [(1, 32), (7, 64), (33, 96), (129, 576)] {
+                    check(rows as u64 * 31 + tokens as u64, ty, tokens, rows, cols, 1, isa);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn many_tokens_take_several_passes() {
+    for ty in TYPES {
+        for isa in isas() {
+            for tokens in [5, 8, 9] {
+                check(tokens as u64, ty, tokens, 11, 160, 2, isa);
+            }
+        }
+    }
+}
+
+#[test]
+fn threads_do_not_change_results() {
+    // Each row is computed whole by one thread, so the bits are the same for any split.
+    for ty in TYPES {
+        let one = check(7, ty, 3, 4099, 64, 1, Isa::detect());
+        for threads in [2, 3, 8] {
+            assert_eq!(one, check(7, ty, 3, 4099, 64, threads, Isa::detect()), "{ty:?} x{threads}");
+        }
+    }
+}
+
+#[test]
+fn hand_decoded_blocks() {
+    // d = 0.5 (0x3800), m = -1.0 (0xbc00)
+    let mut q8 = vec![0x00, 0x38];
+    q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
+    let mut out = [0f32; 32];
+    dequantize_row(QuantType::Q8_0, &q8, &mut out).unwrap();
+    assert_eq!(out[0], -8.0);
+    assert_eq!(out[31], 7.5);
+
+    // byte i = (hi << 4) | lo with lo = i, hi = 15 - i: element i is i, element i + 16 is 15 - i
+    let nibbles: Vec<u8> = (0..16u8).map(|i| ((15 - i) << 4) | i).collect();
+    let q4_0: Vec<u8> = [0x00, 0x38].into_iter().chain(nibbles.iter().copied()).collect();
+    dequantize_row(QuantType::Q4_0, &q4_0, &mut out).unwrap();
+    assert_eq!((out[0], out[15], out[16], out[31]), (-4.0, 3.5, 3.5, -4.0));
+
+    let q4_1: Vec<u8> = [0x00, 0x38, 0x00, 0xbc].into_iter().chain(nibbles).collect();
+    dequantize_row(QuantType::Q4_1, &q4_1, &mut out).unwrap();
+    assert_eq!((out[0], out[15], out[16], out[31]), (-1.0, 6.5, 6.5, -1.0));
+
+    // and the kernel agrees on a one-hot x
+    let w = QuantWeights::new(QuantType::Q4_1, 1, 32, &q4_1).unwrap();
+    for isa in isas() {
+        let mut x = [0f32; 32];
+        x[16] = 1.0;
+        let mut y = [0f32; 1];
+        quant_matmul_with(&mut y, &x, 1, &w, 1, isa).unwrap();
+        assert_eq!(y[0], 6.5, "{isa:?}");
+    }
+}
+
+#[test]
+fn f16_conversion_covers_special_values() {
+    assert_eq!(f16_to_f32(0x3c00), 1.0);
+    assert_eq!(f16_to_f32(0xc000), -2.0);
+    assert_eq!(f16_to_f32(0x7bff), 65504.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0x8000).to_bits(), 0x8000_0000);
+    assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
+    assert!(f16_to_f32(0x7e00).is_nan());
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let data = vec![0u8; 2 * 20];
+    assert!(QuantWeights::new(QuantType::Q4_1, 2, 48, &data).is_err()); // cols not a multiple of 32
+    assert!(QuantWeights::new(QuantType::Q4_1, 3, 32, &data).is_err()); // too few bytes
+    assert!(QuantWeights::new(QuantType::Q4_0, 2, 32, &data).is_err()); // wrong block size
+    assert!(QuantWeights::new(QuantType::Q4_1, 2, 0, &data).is_err());
+    let w = QuantWeights::new(QuantType::Q4_1, 2, 32, &data).unwrap();
+    let x = vec![0f32; 64];
+    let mut out = vec![0f32; 4];
+    assert!(quant_matmul(&mut out, &x[..63], 2, &w, 1).is_err());
+    assert!(quant_matmul(&mut out[..3], &x, 2, &w, 1).is_err());
+    assert!(quant_matmul(&mut out, &x, 2, &w, 0).is_err());
+    assert!(quant_matmul(&mut out, &x, usize::MAX, &w, 1).is_err());
+    quant_matmul(&mut out, &x, 2, &w, 1).unwrap();
+    assert!(quant_matmul(&mut [], &[], 0, &w, 1).is_ok());
+    assert_eq!(QuantType::from_ggml(3), Some(QuantType::Q4_1));
+    assert_eq!(QuantType::from_ggml(1), None); // F16 is not a block format here
+    for ty in TYPES {
+        assert_eq!(QuantType::from_ggml(ty.ggml_id()), Some(ty));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn prop_matches_reference(
+        seed in any::<u64>(), ty in 0usize..3, tokens in 1usize..10, rows in 1usize..70,
+        blocks in 1usize..6, threads in 1usize..5, portable in any::<bool>(),
+    ) {
+        let isa = if portable { Isa::Portable } else { Isa::detect() };
+        check(seed, TYPES[ty], tokens, rows, blocks * 32, threads, isa);
+    }
+}

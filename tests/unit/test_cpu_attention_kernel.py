@@ -1,0 +1,199 @@
+"""The Rust CPU decode kernel (`llmserve._core.paged_decode_attention`, rust/kernels) against
+the torch path of worker/attention.py, its reference: one attention call on random paged
+caches, and whole mixed (prefill + chunk + decode) steps through ModelRunner. Also the
+binding's argument checks."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from _plans import Paged
+
+from llmserve import _core
+from llmserve.models import build_model
+from llmserve.worker import ModelRunner, attention
+from llmserve.worker.attention import AttentionMetadata, paged_attention
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[int]:
+    """Counts the kernel's calls, so a test knows the kernel path really ran."""
+    calls: list[int] = []
+
+    def counted(*args):
+        calls.append(args[1].shape[0])
+        return _core.paged_decode_attention(*args)
+
+    monkeypatch.setattr(attention, "_cpu_decode", counted)
+    return calls
+
+
+def _random_step(rng: np.random.Generator, heads: int, kv_heads: int, d: int, bs: int,
+                 q_lens: list[int], ctx_lens: list[int]):
+    """A step over sequences with `ctx_lens` cached tokens and `q_lens` new ones, blocks handed
+    out in a shuffled order; returns (metadata, q, k, v, k_cache, v_cache)."""
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    nblk = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(nblk) + 2
+    ids = rng.permutation(np.arange(1, num_blocks))
+    width = max(nblk)
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    slots, used = [], 0
+    for i, (c, s) in enumerate(zip(ctx_lens, seq_lens)):
+        tables[i, :nblk[i]] = ids[used:used + nblk[i]]
+        used += nblk[i]
+        slots += [int(tables[i, p // bs]) * bs + p % bs for p in range(c, s)]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = AttentionMetadata.build(qsl, np.array(seq_lens, np.int32), tables,
+                                   torch.tensor(slots, dtype=torch.int64), bs,
+                                   torch.device("cpu"))
+    t = int(qsl[-1])
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=gen)
+    q = torch.randn(t, heads, d, generator=gen) * 2
+    k = torch.randn(t, kv_heads, d, generator=gen)
+    v = torch.randn(t, kv_heads, d, generator=gen)
+    return meta, q, k, v, k_cache, v_cache
+
+
+def _both_ways(monkeypatch, meta, q, k, v, k_cache, v_cache, scale):
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", on)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(paged_attention(q, k, v, kc, vc, meta, scale))
+    return outs
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernel_matches_torch_on_decode_batches(monkeypatch, kernel_calls, heads, kv_heads, d):
+    rng = np.random.default_rng(heads * 1000 + d)
+    ctx = [0, 4, 15, 16, 31, 100, 257]          # 1 + ctx keys: lengths not multiples of 16
+    meta, *tensors = _random_step(rng, heads, kv_heads, d, 16, [1] * len(ctx), ctx)
+    ref, got = _both_ways(monkeypatch, meta, *tensors, d ** -0.5)
+    assert kernel_calls == [len(ctx)]
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_kernel_matches_torch_on_mixed_steps(monkeypatch, kernel_calls):
+    """Decode rows interleaved with a prompt and a chunk continuing a cached prefix: the kernel
+    takes only the decode rows (`decode_token_idx`), torch the rest."""
+    rng = np.random.default_rng(7)
+    q_lens, ctx = [1, 9, 1, 5, 1], [40, 0, 3, 20, 70]
+    meta, *tensors = _random_step(rng, 6, 2, 32, 8, q_lens, ctx)
+    assert meta.decode_token_idx is not None
+    ref, got = _both_ways(monkeypatch, meta, *tensors, 0.2)
+    assert kernel_calls == [3]
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_torch_path_when_switched_off_or_not_float32(monkeypatch, kernel_calls):
+    rng = np.random.default_rng(3)
+    meta, q, k, v, kc, vc = _random_step(rng, 4, 2, 16, 4, [1, 1], [5, 9])
+    monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", False)
+    paged_attention(q, k, v, kc, vc, meta, 0.25)
+    monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", True)
+    paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.bfloat16(), vc.bfloat16(),
+                    meta, 0.25)
+    assert kernel_calls == []
+
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=96, hidden_size=96,
+              intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256,
+              rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def _weights(c: dict = CONFIG) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    h, i = c["hidden_size"], c["intermediate_size"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // nh
+
+    def r(*shape):
+        return torch.randn(shape, generator=g) * 0.3
+
+    w = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
+                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
+                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
+                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
+                  p + "post_attention_layernorm.weight": 1 + r(h)})
+    return w
+
+
+def test_runner_logits_match_with_and_without_kernel(monkeypatch, kernel_calls):
+    """Several steps mixing prompts, chunks and decodes give the same logits both ways."""
+    model = build_model(CONFIG, _weights(), torch.float32, "cpu")
+    prompts = {0: list(range(3, 24)), 1: [5, 7, 9], 2: list(range(40, 77))}
+    schedule = [{0: 21, 1: 3, 2: 10}, {0: 1, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 10},
+                {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
+    logits = []
+    for on in (False, True):
+        monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", on)
+        runner = ModelRunner(model, 40, 4, torch.float32, "cpu", seed=0)
+        paged = Paged(40, 4)
+        random.Random(1).shuffle(paged.free)        # blocks out of order
+        for sid, p in prompts.items():
+            paged.add(sid, p)
+        steps = []
+        with torch.inference_mode():
+            for n, sched in enumerate(schedule):
+                if n:
+                    for sid, count in sched.items():
+                        s = paged.seqs[sid]
+                        if count == 1 and s.num_computed == len(s.tokens):
+                            paged.append(sid, 11 + n + sid)
+                steps.append(model.compute_logits(runner.run_model(paged.step(sched))))
+        logits.append(steps)
+    # per layer (2 layers): steps 2-3 decode seqs 0 and 1 (seq 2 still in chunks), 4-5 all three
+    assert kernel_calls == [2] * 4 + [3] * 4
+    for ref, got in zip(*logits):
+        assert (got - ref).abs().max().item() < 1e-4
+
+
+def _args(s=2, heads=4, kvh=2, d=8, bs=4, nblocks=6, width=3):
+    out = np.zeros((s, heads, d), np.float32)
+    q = np.ones((s, heads, d), np.float32)
+    kc = np.random.default_rng(0).standard_normal((nblocks, bs, kvh, d)).astype(np.float32)
+    tables = np.array([[1, 2, 0], [3, 4, 5]][:s], np.int32)[:, :width]
+    return [out, q, kc, kc.copy(), tables, np.array([5, 12][:s], np.int32), 0.5, 2]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda a: a.__setitem__(0, np.zeros((2, 4, 4), np.float32)), "out"),
+    (lambda a: a.__setitem__(3, a[3][:5]), "v_cache"),
+    (lambda a: a.__setitem__(slice(2, 4), [np.zeros((6, 4, 2, 4), np.float32)] * 2), "head_dim"),
+    (lambda a: a.__setitem__(4, a[4][:1]), "block_tables"),
+    (lambda a: a.__setitem__(5, np.array([5], np.int32)), "seq_lens"),
+    (lambda a: a.__setitem__(5, np.array([5, 13], np.int32)), "seq_lens[1]"),
+    (lambda a: a[4].__setitem__((1, 2), 6), "block id"),
+    (lambda a: a.__setitem__(1, np.ones((2, 8, 4), np.float32).transpose(0, 2, 1)), "contiguous"),
+    (lambda a: a.__setitem__(slice(2, 4), [np.zeros((6, 4, 3, 8), np.float32)] * 2), "multiple"),
+])
+def test_binding_rejects_bad_arguments(edit, needle):
+    args = _args()
+    edit(args)
+    args[0] = np.full(args[1].shape, 7.0, np.float32) if args[0].shape == args[1].shape else args[0]
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        _core.paged_decode_attention(*args)
+    if args[0].shape == args[1].shape:
+        assert (args[0] == 7.0).all()
+
+
+def test_binding_rejects_other_dtypes():
+    args = _args()
+    args[2] = args[2].astype(np.float64)
+    with pytest.raises(TypeError):
+        _core.paged_decode_attention(*args)
