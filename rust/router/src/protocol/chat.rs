@@ -159,18 +159,20 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
         }
     }
     if role == "tool" {
-        match obj.get("tool_call_id") {
-            Some(Value::String(_)) => {}
-            None | Some(Value::Null) => return Err(missing(format!("{p}.tool_call_id"))),
-            Some(other) => {
-                return Err(invalid_type(
-                    format!("{p}.tool_call_id"),
-                    format!("`tool_call_id` must be a string, not {}.", kind_of(other)),
-                ))
-            }
-        }
+        require_str(obj, "tool_call_id", &p)?;
     }
     Ok(())
+}
+
+/// `obj[key]` must be a string; `p` is the path of `obj`.
+fn require_str(obj: &Map<String, Value>, key: &str, p: &str) -> Result<(), ApiError> {
+    match obj.get(key) {
+        Some(Value::String(_)) => Ok(()),
+        None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
+        Some(other) => {
+            Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string, not {}.", kind_of(other))))
+        }
+    }
 }
 
 /// A string, or a list of `{"type": "text", "text": ...}` parts.
@@ -201,16 +203,7 @@ fn validate_content(p: &str, content: &Value) -> Result<(), ApiError> {
                         ))
                     }
                 }
-                match obj.get("text") {
-                    Some(Value::String(_)) => {}
-                    None | Some(Value::Null) => return Err(missing(format!("{pp}.text"))),
-                    Some(other) => {
-                        return Err(invalid_type(
-                            format!("{pp}.text"),
-                            format!("`text` must be a string, not {}.", kind_of(other)),
-                        ))
-                    }
-                }
+                require_str(obj, "text", &pp)?;
             }
             Ok(())
         }
