@@ -251,15 +251,19 @@ def test_completion_logprobs_shape_and_text_offset(tiny_server):
     assert e.status_code == 400 and e.json()["error"]["param"] == "logprobs"
 
 
-def test_echo_prepends_prompt_and_refuses_logprobs(tiny_server):
+def test_echo_prepends_prompt_with_prompt_logprobs(tiny_server):
     r = _ok(tiny_server, "/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "echo": True,
                                              "ignore_eos": True})
     assert r["choices"][0]["text"].startswith("Hello world")
-    # Prompt logprobs are not computed: refused rather than half-answered.
-    e = _post(tiny_server, "/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "echo": True,
-                                               "logprobs": 1})
-    assert e.status_code == 400
-    assert (e.json()["error"]["code"], e.json()["error"]["param"]) == ("unsupported_parameter", "echo")
+    # With logprobs the prompt tokens come first (the first one without a logprob), as OpenAI.
+    n = len(_tokenize(tiny_server, "Hello world"))
+    r = _ok(tiny_server, "/v1/completions", {"prompt": "Hello world", "max_tokens": 3, "echo": True,
+                                             "logprobs": 1, "ignore_eos": True})
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == n + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][:n]) == "Hello world"
 
 
 def test_list_of_token_id_prompts_usage(client, tiny_server):

@@ -31,11 +31,18 @@ def step(core, runner) -> tuple[list[Output], bool]:
     except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
         log.exception("model step failed; failing the %d sequences it held", plan.num_seqs)
         return core.fail_plan("The engine failed while running this request."), True
+    prompt: tuple[np.ndarray, ...] = ()
+    if getattr(out, "prompt_logprobs", None) is not None:
+        # Prompt-token logprobs (completions echo with logprobs): the plan listed them.
+        prompt = (np.ascontiguousarray(out.prompt_logprobs, dtype=np.float32),
+                  np.ascontiguousarray(out.prompt_top_ids, dtype=np.int64),
+                  np.ascontiguousarray(out.prompt_top_logprobs, dtype=np.float32))
     return core.commit(
         np.ascontiguousarray(out.tokens, dtype=np.int64),
         np.ascontiguousarray(out.logprobs, dtype=np.float32),
         np.ascontiguousarray(out.top_ids, dtype=np.int64),
         np.ascontiguousarray(out.top_logprobs, dtype=np.float32),
+        *prompt,
     ), True
 
 

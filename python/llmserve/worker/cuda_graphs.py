@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
-from llmserve.worker.runner import ModelRunner
+from llmserve.worker.runner import ModelRunner, with_prompt_logprobs
 from llmserve.worker.sampler import SampleOutput, SamplingBatch, as_tensor
 
 log = logging.getLogger("llmserve.worker")
@@ -198,16 +198,22 @@ class CudaModelRunner(ModelRunner):
             if len(plan.input_ids) == 0:
                 return SampleOutput.empty()
             hidden = self.run_model(plan)
-            num_rows = len(plan.logits_indices)
-            if num_rows == 0:
-                return SampleOutput.empty()
-            rows = as_tensor(plan.logits_indices, torch.int64).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows])            # fp32 [R, V] on the GPU
-            if is_greedy_only(plan):
-                tokens = logits.argmax(dim=-1).cpu().numpy()             # the step's one sync
-                return SampleOutput(tokens.astype(np.int64, copy=False), np.zeros(num_rows, np.float32),
-                                    np.zeros((num_rows, 0), np.int64), np.zeros((num_rows, 0), np.float32))
-            return self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
+            # Prompt logprobs (echo with logprobs) only come with prompt chunks, never graphs.
+            prompt_lp = self.prompt_logprobs(hidden, plan)
+            return with_prompt_logprobs(self._sample(hidden, plan), prompt_lp)
+
+    def _sample(self, hidden: torch.Tensor, plan) -> SampleOutput:
+        """The plan's sampling rows; greedy-only steps take the argmax on the GPU."""
+        num_rows = len(plan.logits_indices)
+        if num_rows == 0:
+            return SampleOutput.empty()
+        rows = as_tensor(plan.logits_indices, torch.int64).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows])            # fp32 [R, V] on the GPU
+        if is_greedy_only(plan):
+            tokens = logits.argmax(dim=-1).cpu().numpy()             # the step's one sync
+            return SampleOutput(tokens.astype(np.int64, copy=False), np.zeros(num_rows, np.float32),
+                                np.zeros((num_rows, 0), np.int64), np.zeros((num_rows, 0), np.float32))
+        return self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
 
 
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,

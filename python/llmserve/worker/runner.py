@@ -2,13 +2,16 @@
 
 `execute(plan)` is the whole per-step contract with the engine: block copies for forked
 sequences, the forward over the flat tokens (writing their K/V into the paged cache), logits
-for the sampled rows only, and sampling. The plan is any object exposing ARCHITECTURE.md's
-Plan columns as numpy arrays; they become tensors without per-token Python.
+for the sampled rows only, and sampling; plus, for the Plan's prompt-logprob entries
+(completions `echo` with `logprobs`), the raw logprob of each next prompt token and its top
+alternatives. The plan is any object exposing ARCHITECTURE.md's Plan columns as numpy arrays;
+they become tensors without per-token Python.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import sys
 
 import numpy as np
@@ -20,6 +23,9 @@ from llmserve.worker.sampler import Sampler, SampleOutput, SamplingBatch, as_ten
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters
+# Prompt-logprob rows per log_softmax: bounds the [rows, V] fp32 temporaries (256 x 49152
+# x 4 B = 48 MiB) however long the prompt chunk is.
+PROMPT_LP_CHUNK = 256
 
 
 def retain_freed_memory() -> bool:
@@ -38,6 +44,14 @@ def retain_freed_memory() -> bool:
                     and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
+
+
+def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
+    """`out` carrying a step's prompt logprobs (as `ModelRunner.prompt_logprobs` returns them)."""
+    if prompt_lp is None:
+        return out
+    lp, ids, tops = prompt_lp
+    return dataclasses.replace(out, prompt_logprobs=lp, prompt_top_ids=ids, prompt_top_logprobs=tops)
 
 
 class ModelRunner:
@@ -65,13 +79,44 @@ class ModelRunner:
             if num_tokens == 0:
                 return SampleOutput.empty()
             hidden = self.run_model(plan)
+            prompt_lp = self.prompt_logprobs(hidden, plan)
             # NOTE: a chunk that does not reach the end of its prompt samples nothing, but its
             # forward above still had to run to fill the KV cache.
             if num_rows == 0:
-                return SampleOutput.empty()
-            rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
-            logits = self.model.compute_logits(hidden[rows]).cpu()
-            return self.sampler.sample(logits, SamplingBatch.from_plan(plan))
+                out = SampleOutput.empty()
+            else:
+                rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
+                logits = self.model.compute_logits(hidden[rows]).cpu()
+                out = self.sampler.sample(logits, SamplingBatch.from_plan(plan))
+            return with_prompt_logprobs(out, prompt_lp)
+
+    def prompt_logprobs(self, hidden: torch.Tensor, plan):
+        """The Plan's prompt-logprob entries from the final hidden states [T, H]:
+        (logprob of each target f32 [P], top ids i64 [P, K], top logprobs f32 [P, K]) from
+        the raw log-softmax, K = the most alternatives any entry wants (ids -1 past an entry's
+        own k); None when the Plan lists none. Runs PROMPT_LP_CHUNK rows at a time."""
+        indices = getattr(plan, "prompt_lp_indices", None)
+        if indices is None or len(indices) == 0:
+            return None
+        num = np.asarray(plan.prompt_lp_num, np.int64)
+        p, k = len(indices), max(int(num.max()), 0)
+        rows = as_tensor(indices, torch.int64).to(self.device)
+        targets = as_tensor(plan.prompt_lp_targets, torch.int64).to(self.device)
+        chosen = np.empty(p, np.float32)
+        top_ids = np.full((p, k), -1, np.int64)
+        top_lp = np.zeros((p, k), np.float32)
+        for start in range(0, p, PROMPT_LP_CHUNK):
+            end = min(start + PROMPT_LP_CHUNK, p)
+            logits = self.model.compute_logits(hidden[rows[start:end]]).float()
+            lp = torch.log_softmax(logits, dim=-1)
+            chosen[start:end] = lp.gather(1, targets[start:end].unsqueeze(1)).squeeze(1).cpu().numpy()
+            if k:
+                top = lp.topk(min(k, lp.shape[1]), dim=-1)   # sorted, largest first
+                top_ids[start:end, :top.indices.shape[1]] = top.indices.cpu().numpy()
+                top_lp[start:end, :top.values.shape[1]] = top.values.cpu().numpy()
+        # An entry that wants fewer alternatives than K gets padding ids (Core drops them).
+        top_ids[np.arange(k)[None, :] >= num[:, None]] = -1
+        return chosen, top_ids, top_lp
 
     def run_model(self, plan) -> torch.Tensor:
         """The forward alone (K/V written to the cache): final hidden states [T, H].

@@ -32,6 +32,12 @@ class SampleOutput:
     logprobs: np.ndarray        # float32 [R]: raw logprob of the chosen token (0.0 where not asked)
     top_ids: np.ndarray         # int64 [R, K], K = max(num_logprobs) (0 if none), sorted by logprob
     top_logprobs: np.ndarray    # float32 [R, K]
+    # The Plan's prompt-logprob entries (None when it listed none): the raw logprob of each
+    # entry's target prompt token [P], and the top alternatives [P, Kp] (ids -1 past an
+    # entry's own k), sorted by logprob.
+    prompt_logprobs: np.ndarray | None = None       # float32 [P]
+    prompt_top_ids: np.ndarray | None = None        # int64 [P, Kp]
+    prompt_top_logprobs: np.ndarray | None = None   # float32 [P, Kp]
 
     @staticmethod
     def empty() -> "SampleOutput":

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
 use llmserve_router::structured::Matcher;
-use llmserve_router::protocol::Prepared;
+use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::ApiError;
@@ -86,6 +86,8 @@ struct CoreState {
     max_model_len: u32,
     /// Scheduler request ids in the last plan (to fail them if the step fails).
     last_plan_reqs: Vec<u64>,
+    /// The last plan's prompt-logprob entries: (scheduler request id, prompt token).
+    last_prompt_lp: Vec<(u64, u32)>,
     /// Tokens a mask covers (the tokenizer's vocabulary).
     mask_vocab: usize,
     /// The EOS id allowed when a matcher has failed, so its sequence ends.
@@ -158,6 +160,12 @@ impl CoreState {
                 },
                 priority: prepared.priority,
                 cache_salt: prepared.cache_salt.clone(),
+                // Completions' echo with logprobs also returns the prompt tokens' logprobs.
+                prompt_logprobs: if prepared.echo && prepared.endpoint == Endpoint::Completion {
+                    p.logprobs
+                } else {
+                    None
+                },
             });
             self.owners.insert(id, (handle, i as u32));
             sched_ids.push(id);
@@ -185,6 +193,9 @@ impl CoreState {
             return None;
         }
         self.last_plan_reqs = plan.seq_req_ids.clone();
+        self.last_prompt_lp.clear();
+        self.last_prompt_lp
+            .extend(plan.prompt_lp_req_ids.iter().zip(&plan.prompt_lp_targets).map(|(&id, &t)| (id, t as u32)));
         let masks = self.masks(&plan);
         Some((plan, masks))
     }
@@ -222,6 +233,31 @@ impl CoreState {
         masks
     }
 
+    /// Hand the last plan's prompt logprobs to their requests' builders, in plan order
+    /// (before the step's first sampled tokens, which the builder puts after them).
+    fn push_prompt_logprobs(&mut self, lp: &PromptLogprobs) {
+        let entries = std::mem::take(&mut self.last_prompt_lp);
+        let mut start = 0;
+        while start < entries.len() {
+            let req_id = entries[start].0;
+            let end = start + entries[start..].iter().take_while(|e| e.0 == req_id).count();
+            if let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) {
+                if let Some(state) = self.requests.get_mut(&handle) {
+                    let toks: Vec<TokenOut> = (start..end)
+                        .map(|i| TokenOut {
+                            id: entries[i].1,
+                            logprob: lp.logprobs[i],
+                            top: top_of(&lp.top_ids, &lp.top_lps, lp.k, i),
+                            text_offset: 0,
+                        })
+                        .collect();
+                    state.builder.push_prompt_logprobs(prompt_idx, &toks);
+                }
+            }
+            start = end;
+        }
+    }
+
     fn commit(&mut self, tokens: &[u32], logprobs: &[f32], top_ids: &[i64], top_lps: &[f32], k: usize) -> Vec<Output> {
         let updates = self.scheduler.commit(tokens);
         let mut touched: Vec<u64> = Vec::new();
@@ -232,11 +268,7 @@ impl CoreState {
             let detok = &mut state.detoks[d];
             let text_offset = detok.emitted_len();
             let row = u.sample_row;
-            let top = (0..k)
-                .map(|j| (top_ids[row * k + j], top_lps[row * k + j]))
-                .filter(|(id, _)| *id >= 0)
-                .map(|(id, lp)| (id as u32, lp))
-                .collect();
+            let top = top_of(top_ids, top_lps, k, row);
             let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };
             let mut finish = u.finish.map(finish_reason);
             // The grammar is complete once its matcher stops: the sequence ends here.
@@ -319,6 +351,23 @@ impl CoreState {
     }
 }
 
+/// Row `row` of a `[_, k]` top-k pair of arrays, without the padding (negative ids).
+fn top_of(top_ids: &[i64], top_lps: &[f32], k: usize, row: usize) -> Vec<(u32, f32)> {
+    (0..k)
+        .map(|j| (top_ids[row * k + j], top_lps[row * k + j]))
+        .filter(|(id, _)| *id >= 0)
+        .map(|(id, lp)| (id as u32, lp))
+        .collect()
+}
+
+/// One step's prompt logprobs, one entry per Plan prompt-logprob entry (`[P]`, `[P, k]`).
+struct PromptLogprobs {
+    logprobs: Vec<f32>,
+    top_ids: Vec<i64>,
+    top_lps: Vec<f32>,
+    k: usize,
+}
+
 /// The engine core: owned by the engine thread.
 #[pyclass(name = "Core", module = "llmserve._core")]
 pub struct PyCore {
@@ -371,6 +420,7 @@ impl PyCore {
                 next_sched_id: 1,
                 max_model_len,
                 last_plan_reqs: Vec::new(),
+                last_prompt_lp: Vec::new(),
                 mask_vocab,
                 eos,
             },
@@ -398,8 +448,11 @@ impl PyCore {
         }
     }
 
-    /// Apply one step's samples (one per plan row). Returns, per request touched,
-    /// `(handle, bytes, finished, error, new_tokens)`.
+    /// Apply one step's samples (one per plan row) and, when the plan listed prompt-logprob
+    /// entries, their logprobs (`[P]`) and top alternatives (`[P, K]`; ids < 0 are padding).
+    /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens)`.
+    #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
         py: Python<'_>,
@@ -407,7 +460,36 @@ impl PyCore {
         logprobs: PyReadonlyArray1<'_, f32>,
         top_ids: PyReadonlyArray2<'_, i64>,
         top_logprobs: PyReadonlyArray2<'_, f32>,
+        prompt_logprobs: Option<PyReadonlyArray1<'_, f32>>,
+        prompt_top_ids: Option<PyReadonlyArray2<'_, i64>>,
+        prompt_top_logprobs: Option<PyReadonlyArray2<'_, f32>>,
     ) -> PyResult<Vec<(u64, Py<PyBytes>, bool, bool, u32)>> {
+        let prompt = match (prompt_logprobs, prompt_top_ids, prompt_top_logprobs) {
+            (Some(lp), Some(ids), Some(tlp)) => {
+                let (p, k) = (ids.shape()[0], ids.shape()[1]);
+                if lp.len() != self.state.last_prompt_lp.len() || p != lp.len() || tlp.shape() != ids.shape() {
+                    return Err(PyValueError::new_err(format!(
+                        "prompt logprobs: the plan listed {} entries; got logprobs {:?}, top_ids {:?}, top_logprobs {:?}",
+                        self.state.last_prompt_lp.len(),
+                        lp.shape(),
+                        ids.shape(),
+                        tlp.shape()
+                    )));
+                }
+                Some(PromptLogprobs {
+                    logprobs: lp.as_array().iter().copied().collect(),
+                    top_ids: ids.as_array().iter().copied().collect(),
+                    top_lps: tlp.as_array().iter().copied().collect(),
+                    k,
+                })
+            }
+            (None, None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "prompt_logprobs, prompt_top_ids and prompt_top_logprobs go together",
+                ))
+            }
+        };
         let toks: Vec<u32> = tokens.as_array().iter().map(|&t| t as u32).collect();
         let lps: Vec<f32> = logprobs.as_array().iter().copied().collect();
         let k = top_ids.shape()[1];
@@ -417,7 +499,12 @@ impl PyCore {
         let tids: Vec<i64> = top_ids.as_array().iter().copied().collect();
         let tlps: Vec<f32> = top_logprobs.as_array().iter().copied().collect();
         let state = &mut self.state;
-        let out = py.detach(|| state.commit(&toks, &lps, &tids, &tlps, k));
+        let out = py.detach(|| {
+            if let Some(p) = &prompt {
+                state.push_prompt_logprobs(p);
+            }
+            state.commit(&toks, &lps, &tids, &tlps, k)
+        });
         Ok(outputs(py, out))
     }
 

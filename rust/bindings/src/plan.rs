@@ -76,6 +76,14 @@ pub struct PyPlan {
     #[pyo3(get)]
     row_seq_index: Py<PyAny>,
     #[pyo3(get)]
+    prompt_lp_indices: Py<PyAny>,
+    #[pyo3(get)]
+    prompt_lp_targets: Py<PyAny>,
+    #[pyo3(get)]
+    prompt_lp_req_ids: Py<PyAny>,
+    #[pyo3(get)]
+    prompt_lp_num: Py<PyAny>,
+    #[pyo3(get)]
     mask_rows: Py<PyAny>,
     #[pyo3(get)]
     token_bitmask: Py<PyAny>,
@@ -131,6 +139,10 @@ impl PyPlan {
             hist_prompt_lens: arr(py, p.hist_prompt_lens),
             row_req_ids: arr(py, p.row_req_ids),
             row_seq_index: arr(py, p.row_seq_index),
+            prompt_lp_indices: arr(py, p.prompt_lp_indices),
+            prompt_lp_targets: arr(py, p.prompt_lp_targets),
+            prompt_lp_req_ids: arr(py, p.prompt_lp_req_ids),
+            prompt_lp_num: arr(py, p.prompt_lp_num),
             mask_rows: arr(py, masks.rows),
             token_bitmask,
         })

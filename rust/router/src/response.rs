@@ -112,9 +112,19 @@ impl Serialize for TopMap {
 #[derive(Serialize, Clone, Debug, Default)]
 struct CompletionLogprobs {
     tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
-    top_logprobs: Vec<TopMap>,
+    /// None (null) only for the first token of an echoed prompt, which has no context.
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Option<TopMap>>,
     text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    fn extend(&mut self, other: CompletionLogprobs) {
+        self.tokens.extend(other.tokens);
+        self.token_logprobs.extend(other.token_logprobs);
+        self.top_logprobs.extend(other.top_logprobs);
+        self.text_offset.extend(other.text_offset);
+    }
 }
 
 #[derive(Serialize, Clone, Copy, Debug, Default)]
@@ -259,6 +269,10 @@ pub struct ResponseBuilder {
     n: u32,
     prompt_texts: Vec<String>,
     prompt_tokens: u64,
+    /// Completions with `echo` and `logprobs`: per prompt, its tokens' logprobs so far (the
+    /// first has none) and the char offset the next prompt token starts at. Prepended to
+    /// each of the prompt's choices when it first produces output. Empty otherwise.
+    prompt_lp: Vec<(CompletionLogprobs, usize)>,
     choices: Vec<ChoiceState>,
     pending: Vec<u8>,
     done: bool,
@@ -268,9 +282,11 @@ pub struct ResponseBuilder {
 impl ResponseBuilder {
     pub fn new(prepared: &Prepared, tokenizer: Arc<Tokenizer>) -> Self {
         let n = prepared.params.n.max(1);
+        let tokenizer_ref = tokenizer.clone();
+        let tokenizer = &tokenizer_ref;
         let count = prepared.prompts.len() * n as usize;
         Self {
-            tokenizer,
+            tokenizer: tokenizer.clone(),
             chat: prepared.endpoint != Endpoint::Completion && prepared.endpoint != Endpoint::CompletionRender,
             id: prepared.id.clone(),
             created: prepared.created,
@@ -284,6 +300,25 @@ impl ResponseBuilder {
             prompt_texts: prepared.prompt_texts.clone(),
             // Each prompt counts once, however many choices it has.
             prompt_tokens: prepared.prompts.iter().map(|p| p.len() as u64).sum(),
+            prompt_lp: if echo_logprobs(prepared) {
+                prepared
+                    .prompts
+                    .iter()
+                    .map(|p| {
+                        let first = p.first().map(|&id| tokenizer.token_str(id)).unwrap_or_default();
+                        let offset = first.chars().count();
+                        let lp = CompletionLogprobs {
+                            tokens: vec![first],
+                            token_logprobs: vec![None],
+                            top_logprobs: vec![None],
+                            text_offset: vec![0],
+                        };
+                        (lp, offset)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
             choices: (0..count)
                 .map(|_| ChoiceState {
                     parser: prepared.tools.map(|t| ToolCallParser::new(t.format)),
@@ -341,23 +376,48 @@ impl ResponseBuilder {
             .collect()
     }
 
+    fn top_map(&self, top: &[(u32, f32)]) -> TopMap {
+        let mut map = TopMap::default();
+        for &(id, lp) in top {
+            let s = self.tokenizer.token_str(id);
+            if !map.0.iter().any(|(k, _)| *k == s) {
+                map.0.push((s, wire_lp(lp)));
+            }
+        }
+        map
+    }
+
     fn completion_logprobs(&self, tokens: &[TokenOut], offset_shift: usize) -> CompletionLogprobs {
-        let t = &self.tokenizer;
         let mut out = CompletionLogprobs::default();
         for tok in tokens {
-            out.tokens.push(t.token_str(tok.id));
-            out.token_logprobs.push(wire_lp(tok.logprob));
-            let mut top = TopMap::default();
-            for &(id, lp) in &tok.top {
-                let s = t.token_str(id);
-                if !top.0.iter().any(|(k, _)| *k == s) {
-                    top.0.push((s, wire_lp(lp)));
-                }
-            }
-            out.top_logprobs.push(top);
+            out.tokens.push(self.tokenizer.token_str(tok.id));
+            out.token_logprobs.push(Some(wire_lp(tok.logprob)));
+            out.top_logprobs.push(Some(self.top_map(&tok.top)));
             out.text_offset.push(tok.text_offset + offset_shift);
         }
         out
+    }
+
+    /// Completions with `echo` and `logprobs`: the next prompt tokens of prompt `prompt`, in
+    /// order from its second token, each with its logprob given the tokens before it (`id`
+    /// is the prompt token; `text_offset` is ignored: the builder counts it from the start
+    /// of the prompt). Must arrive before the prompt's choices first push. Ignored for any
+    /// other request.
+    pub fn push_prompt_logprobs(&mut self, prompt: u32, tokens: &[TokenOut]) {
+        let Some(p) = self.prompt_lp.get(prompt as usize) else { return };
+        let mut offset = p.1;
+        let mut add = CompletionLogprobs::default();
+        for tok in tokens {
+            let text = self.tokenizer.token_str(tok.id);
+            add.text_offset.push(offset);
+            offset += text.chars().count();
+            add.tokens.push(text);
+            add.token_logprobs.push(Some(wire_lp(tok.logprob)));
+            add.top_logprobs.push(Some(self.top_map(&tok.top)));
+        }
+        let p = &mut self.prompt_lp[prompt as usize];
+        p.0.extend(add);
+        p.1 = offset;
     }
 
     /// Records one choice's progress; when streaming, queues its chunks for [`Self::take`].
@@ -391,7 +451,9 @@ impl ResponseBuilder {
         };
         let finish = delta.finish.map(FinishReason::as_str);
         let stop_reason = delta.finish.map(|_| delta.stop_reason);
-        let has_lp = self.logprobs && !delta.tokens.is_empty();
+        // The prompt's logprobs go first, with the echoed prompt.
+        let prompt_lp = if first { self.prompt_lp.get(idx / self.n as usize).map(|p| p.0.clone()) } else { None };
+        let has_lp = self.logprobs && (!delta.tokens.is_empty() || prompt_lp.is_some());
 
         if !self.stream {
             self.choices[idx].text.push_str(delta.text);
@@ -402,10 +464,10 @@ impl ResponseBuilder {
                 } else {
                     let lps = self.completion_logprobs(delta.tokens, shift);
                     let acc = &mut self.choices[idx].comp_lp;
-                    acc.tokens.extend(lps.tokens);
-                    acc.token_logprobs.extend(lps.token_logprobs);
-                    acc.top_logprobs.extend(lps.top_logprobs);
-                    acc.text_offset.extend(lps.text_offset);
+                    if let Some(p) = prompt_lp {
+                        acc.extend(p);
+                    }
+                    acc.extend(lps);
                 }
             }
             return;
@@ -444,7 +506,11 @@ impl ResponseBuilder {
             if text.is_empty() && finish.is_none() && !has_lp {
                 return;
             }
-            let logprobs = has_lp.then(|| self.completion_logprobs(delta.tokens, shift));
+            let logprobs = has_lp.then(|| {
+                let mut lps = prompt_lp.unwrap_or_default();
+                lps.extend(self.completion_logprobs(delta.tokens, shift));
+                lps
+            });
             let c = CompletionChunkChoice { index: choice, text: &text, logprobs, finish_reason: finish, stop_reason };
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
@@ -627,6 +693,11 @@ impl ResponseBuilder {
         };
         body.expect("bodies serialize")
     }
+}
+
+/// Completions that echo the prompt with logprobs also return the prompt's logprobs.
+fn echo_logprobs(prepared: &Prepared) -> bool {
+    prepared.echo && prepared.params.logprobs.is_some() && prepared.endpoint == Endpoint::Completion
 }
 
 #[derive(Serialize)]

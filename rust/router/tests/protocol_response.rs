@@ -259,6 +259,8 @@ fn completion_logprobs_shape_with_echo_offsets() {
     let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(2));
     p.echo = true;
     let mut b = builder(&p);
+    // The prompt's second token, given the first (its text_offset is the builder's to count).
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 99 }]);
     let toks = [
         TokenOut { id: 10, logprob: -0.5, top: vec![(10, -0.5), (9, -2.0)], text_offset: 0 },
         TokenOut { id: 9, logprob: -0.75, top: vec![(9, -0.75), (9, -3.0)], text_offset: 6 },
@@ -270,16 +272,44 @@ fn completion_logprobs_shape_with_echo_offsets() {
     let v: Value = serde_json::from_slice(&b.finish()).unwrap();
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(v["choices"][0]["text"], "hello world hello");
-    assert_eq!(lp["tokens"], json!([t.token_str(10), t.token_str(9)]));
-    assert_eq!(lp["token_logprobs"], json!([-0.5, -0.75]));
+    // The prompt's tokens come first; the first has no logprob (nothing precedes it).
+    assert_eq!(lp["tokens"], json!([t.token_str(0), t.token_str(9), t.token_str(10), t.token_str(9)]));
+    assert_eq!(lp["token_logprobs"], json!([null, -1.5, -0.5, -0.75]));
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][1], json!({t.token_str(10): -0.25}));
     let mut top0 = serde_json::Map::new();
     top0.insert(t.token_str(10), json!(-0.5));
     top0.insert(t.token_str(9), json!(-2.0));
-    assert_eq!(lp["top_logprobs"][0], Value::Object(top0));
+    assert_eq!(lp["top_logprobs"][2], Value::Object(top0));
     // Two alternatives with one text keep the likelier.
-    assert_eq!(lp["top_logprobs"][1], json!({t.token_str(9): -0.75}));
-    // Offsets count from the start of the returned text, echoed prompt ("hello") included.
-    assert_eq!(lp["text_offset"], json!([5, 11]));
+    assert_eq!(lp["top_logprobs"][3], json!({t.token_str(9): -0.75}));
+    // Offsets count from the start of the returned text: prompt tokens by their texts, then
+    // the completion's after the echoed prompt ("hello").
+    assert_eq!(lp["text_offset"], json!([0, t.token_str(0).chars().count(), 5, 11]));
+}
+
+#[test]
+fn completion_stream_sends_prompt_logprobs_with_the_echo() {
+    let t = tokenizer();
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 2, Some(1));
+    p.echo = true;
+    p.stream = true;
+    let mut b = builder(&p);
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 0 }]);
+    let tok = [TokenOut { id: 10, logprob: -0.5, top: vec![(10, -0.5)], text_offset: 0 }];
+    for choice in 0..2 {
+        b.push(choice, &ChoiceDelta { text: " world", tokens: &tok, finish: None, stop_reason: None });
+        b.push(choice, &ChoiceDelta { text: "!", tokens: &tok, finish: Some(FinishReason::Length), stop_reason: None });
+    }
+    let f = frames(&[b.take(), b.finish()].concat());
+    assert_eq!(f.len(), 4);
+    for first in [&f[0], &f[2]] {
+        let c = &first["choices"][0];
+        assert_eq!(c["text"], "hello world");
+        assert_eq!(c["logprobs"]["tokens"], json!([t.token_str(0), t.token_str(9), t.token_str(10)]));
+        assert_eq!(c["logprobs"]["token_logprobs"], json!([null, -1.5, -0.5]));
+    }
+    assert_eq!(f[1]["choices"][0]["logprobs"]["token_logprobs"], json!([-0.5]), "the prompt goes out once");
 }
 
 #[test]

@@ -477,13 +477,13 @@ fn endpoint_names_round_trip() {
 }
 
 #[test]
-fn echo_with_logprobs_is_refused_not_half_answered() {
-    // Prompt-token logprobs are not computed, so echo + logprobs would be silently wrong.
-    check_completion(vec![
-        (json!({"echo": true, "logprobs": 1}), 400, "unsupported_parameter", p("echo")),
-        (json!({"echo": true, "logprobs": 0}), 400, "unsupported_parameter", p("echo")),
-    ]);
+fn echo_with_logprobs_is_accepted() {
+    // Prompt-token logprobs are computed, so echo + logprobs is answered in full.
     let r = router();
+    let both = completion(&r, json!({"echo": true, "logprobs": 1})).unwrap();
+    assert!(both.echo);
+    assert_eq!(both.params.logprobs, Some(1));
+    assert!(completion(&r, json!({"echo": true, "logprobs": 0})).is_ok());
     assert!(completion(&r, json!({"echo": true})).is_ok());
     assert!(completion(&r, json!({"echo": false, "logprobs": 2})).is_ok());
 }

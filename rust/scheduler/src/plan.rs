@@ -63,6 +63,15 @@ pub struct Plan {
     pub row_req_ids: Vec<u64>,
     pub row_seq_index: Vec<u32>,
 
+    /// `[P]` prompt-logprob entries (requests with `prompt_logprobs`): the row of the flat T
+    /// tokens whose logits predict the next prompt token, that token, the request, and how
+    /// many alternatives it wants. Each prompt position is listed once over the request's
+    /// life, in position order (not again after preemption or a fork's recompute).
+    pub prompt_lp_indices: Vec<i64>,
+    pub prompt_lp_targets: Vec<i64>,
+    pub prompt_lp_req_ids: Vec<u64>,
+    pub prompt_lp_num: Vec<i32>,
+
     /// `[S]` the sequence each scheduled slot belongs to (not in ARCHITECTURE's table; for
     /// metrics, debugging and tests).
     pub seq_req_ids: Vec<u64>,

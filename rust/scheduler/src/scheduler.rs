@@ -75,6 +75,18 @@ pub(crate) struct Req {
     pub seqs: Vec<u32>,
     /// Sequences not yet finished, counting unborn forks.
     pub unfinished: u32,
+    /// Alternatives wanted per prompt logprob; None when prompt logprobs are not asked.
+    pub prompt_logprobs: Option<u32>,
+    /// Prompt positions below this have had their logprob row planned.
+    pub prompt_lp_next: usize,
+    pub prompt_len: usize,
+}
+
+impl Req {
+    /// Prompt positions still owe a logprob row (so their K/V must be computed, not reused).
+    pub fn owes_prompt_logprobs(&self) -> bool {
+        self.prompt_logprobs.is_some() && self.prompt_lp_next + 1 < self.prompt_len
+    }
 }
 
 /// A fork's partial last block to copy before the next forward. The copy holds a reference
@@ -114,6 +126,9 @@ pub struct Scheduler {
     pub(crate) planned: Vec<(u32, u32)>,
     pub(crate) registered: Vec<u32>,
     pub(crate) rows: Vec<Row>,
+    /// (request slot, request id, its prompt_lp_next before the last Plan): what
+    /// `discard_plan` restores.
+    pub(crate) lp_undo: Vec<(u32, u64, usize)>,
     pub(crate) hits: Vec<u32>,
     pub(crate) awaiting_commit: bool,
     pub(crate) last_num_tokens: usize,
@@ -155,6 +170,7 @@ impl Scheduler {
             planned: Vec::new(),
             registered: Vec::new(),
             rows: Vec::new(),
+            lp_undo: Vec::new(),
             hits: Vec::new(),
             awaiting_commit: false,
             last_num_tokens: 0,
@@ -217,6 +233,9 @@ impl Scheduler {
             root,
             seqs: Vec::with_capacity(req.n as usize),
             unfinished: req.n,
+            prompt_logprobs: req.prompt_logprobs,
+            prompt_lp_next: 0,
+            prompt_len: req.prompt.len(),
         };
         let req_slot = match self.free_reqs.pop() {
             Some(s) => {

@@ -37,6 +37,7 @@ impl Scheduler {
         }
         self.scheduled.clear();
         self.rows.clear();
+        self.lp_undo.clear();
         let mut budget = self.cfg.max_num_batched_tokens;
         let preempted = self.schedule_running(&mut budget);
         // NOTE: as vLLM, admit nothing in a step that had to preempt: memory is short, and a
@@ -113,7 +114,8 @@ impl Scheduler {
         let slot = key.slot as usize;
         let mut parent = self.req(self.seqs[slot].req).root;
         self.hits.clear();
-        if self.cfg.enable_prefix_caching {
+        // A prompt that owes logprob rows computes every position itself.
+        if self.cfg.enable_prefix_caching && !self.req(self.seqs[slot].req).owes_prompt_logprobs() {
             let tokens = &self.seqs[slot].tokens;
             // Never the block holding the last token: at least one token is computed, so
             // the step that samples never writes into a shared block.
@@ -177,8 +179,25 @@ impl Scheduler {
         plan.hist_offsets.push(0);
         for (s, &(slot, num_new)) in self.scheduled.iter().enumerate() {
             let seq = &mut self.seqs[slot as usize];
-            let req = self.reqs[seq.req as usize].as_ref().expect("live request slot");
             let (start, end) = (seq.num_computed, seq.num_computed + num_new);
+            let req = self.reqs[seq.req as usize].as_mut().expect("live request slot");
+            if let Some(k) = req.prompt_logprobs {
+                // Positions whose next token is still prompt, not yet planned for this request.
+                let first = start.max(req.prompt_lp_next);
+                let last = end.min(seq.prompt_len - 1);
+                if first < last {
+                    self.lp_undo.push((seq.req, req.id, req.prompt_lp_next));
+                    let base = plan.input_ids.len() as i64 - start as i64;
+                    for pos in first..last {
+                        plan.prompt_lp_indices.push(base + pos as i64);
+                        plan.prompt_lp_targets.push(i64::from(seq.tokens[pos + 1]));
+                        plan.prompt_lp_req_ids.push(req.id);
+                        plan.prompt_lp_num.push(k as i32);
+                    }
+                    req.prompt_lp_next = last;
+                }
+            }
+            let req = &*req;
             for pos in start..end {
                 plan.input_ids.push(i64::from(seq.tokens[pos]));
                 plan.positions.push(pos as i64);
@@ -256,6 +275,13 @@ impl Scheduler {
         }
         self.awaiting_commit = false;
         self.rows.clear();
+        // Prompt positions this Plan listed are listed again when their sequence recomputes
+        // (a request aborted since, whose slot may be reused, is left alone).
+        for (req_slot, id, next) in std::mem::take(&mut self.lp_undo) {
+            if let Some(req) = self.reqs[req_slot as usize].as_mut().filter(|r| r.id == id) {
+                req.prompt_lp_next = next;
+            }
+        }
         for &b in &self.registered {
             self.pool.forget(b);
         }

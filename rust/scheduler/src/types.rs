@@ -106,6 +106,10 @@ pub struct NewRequest {
     pub priority: i32,
     /// Separates prefix-cache namespaces: blocks are shared only between equal salts.
     pub cache_salt: Option<String>,
+    /// Some(k): the Plan asks for the logprob of every prompt token after the first given
+    /// the ones before it, plus k alternatives (completions `echo` with `logprobs`). Such a
+    /// prompt does not reuse prefix-cache blocks until each of those positions has run.
+    pub prompt_logprobs: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -123,6 +123,7 @@ impl Harness {
                         ignore_eos: false,
                     },
                     priority,
+                    prompt_logprobs: id.is_multiple_of(3).then_some(2),
                     cache_salt: salt.map(|x| x.to_string()),
                 });
                 self.ids.push(id);

@@ -535,3 +535,65 @@ fn discard_after_a_fork_resets_the_children() {
     }
     assert_eq!(finished, 3);
 }
+
+#[test]
+fn prompt_logprobs_list_each_prompt_position_once_across_chunks() {
+    let mut cfg = config(101, 4, 8, 8);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    let p = prompt(20, 3);
+    // A first request fills the prefix cache with the same prompt.
+    s.add(request(1, p.clone(), 1));
+    while s.has_work() {
+        step(&mut s, 5);
+    }
+    s.add(NewRequest { prompt_logprobs: Some(2), ..request(2, p.clone(), 2) });
+    let mut targets = Vec::new();
+    let mut computed = 0;
+    while s.has_work() {
+        let (plan, _) = step(&mut s, 5);
+        assert_eq!(plan.positions[0], computed as i64, "no prefix-cache reuse while logprobs are owed");
+        computed += plan.num_tokens;
+        for (j, &row) in plan.prompt_lp_indices.iter().enumerate() {
+            let pos = plan.positions[row as usize] as usize;
+            assert_eq!(plan.input_ids[row as usize], i64::from(p[pos]));
+            assert_eq!(plan.prompt_lp_targets[j], i64::from(p[pos + 1]));
+            assert_eq!((plan.prompt_lp_req_ids[j], plan.prompt_lp_num[j]), (2, 2));
+            targets.push(plan.prompt_lp_targets[j]);
+        }
+    }
+    let expect: Vec<i64> = p[1..].iter().map(|&t| i64::from(t)).collect();
+    assert_eq!(targets, expect, "every position after the first, once, in order");
+}
+
+#[test]
+fn prompt_logprobs_are_listed_again_after_a_discarded_plan_but_not_after_preemption() {
+    let mut s = Scheduler::new(config(101, 4, 8, 64));
+    s.add(NewRequest { prompt_logprobs: Some(1), ..request(1, prompt(6, 1), 3) });
+    let plan = s.schedule();
+    assert_eq!(plan.prompt_lp_indices, vec![0, 1, 2, 3, 4]);
+    s.discard_plan();
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!(plan.prompt_lp_indices.len(), 5, "the discarded step's positions come back");
+    // Later steps (decode) list nothing.
+    let (plan, _) = step(&mut s, 5);
+    assert!(plan.prompt_lp_indices.is_empty());
+}
+
+#[test]
+fn prompt_logprobs_are_not_repeated_when_a_preempted_sequence_recomputes() {
+    // 3 usable blocks of 4: two 5-token prompts fit, growing both forces a preemption.
+    let mut s = Scheduler::new(config(5, 4, 8, 64));
+    s.add(NewRequest { prompt_logprobs: Some(1), ..request(1, prompt(5, 1), 8) });
+    s.add(NewRequest { prompt_logprobs: Some(1), ..request(2, prompt(5, 2), 8) });
+    let mut listed = std::collections::HashMap::<u64, usize>::new();
+    while s.has_work() {
+        let (plan, _) = step(&mut s, 5);
+        for &id in &plan.prompt_lp_req_ids {
+            *listed.entry(id).or_default() += 1;
+        }
+    }
+    assert!(s.stats().preemptions > 0, "the test needs a preemption");
+    assert_eq!(listed.get(&1), Some(&4));
+    assert_eq!(listed.get(&2), Some(&4));
+}

@@ -147,16 +147,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
             ));
         }
     }
-    // NOTE: OpenAI's `echo` with `logprobs` returns the prompt tokens' logprobs too; the model
-    // runner computes none for prompts, and generated-only logprobs under an echoed text
-    // would be silently wrong, so the combination is refused.
-    if comp.echo == Some(true) && comp.logprobs.is_some() {
-        return Err(unsupported(
-            "echo",
-            "`echo` together with `logprobs` is not supported: this server does not compute the \
-             prompt tokens' logprobs. Send one of the two.",
-        ));
-    }
+    // NOTE: `echo` with `logprobs` returns the prompt tokens' logprobs too, as OpenAI does
+    // (the first prompt token's is null): Core asks the scheduler for prompt logprob rows.
     params.logprobs = comp.logprobs;
 
     let grammar = super::constrained::compile(router, c.response_format, &params)?;

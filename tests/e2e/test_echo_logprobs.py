@@ -1,0 +1,142 @@
+"""Completions `echo` with `logprobs` returns the prompt tokens' logprobs too (OpenAI's shape):
+the first prompt token has null logprob and null top_logprobs, every later one the log-softmax
+of the model's raw logits given the tokens before it. Checked against an independent
+computation: transformers' LlamaForCausalLM on the tiny model folder's weights."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Hello, world!"
+K = 2
+MAX_TOKENS = 3
+
+
+def _post(server, body: dict) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _tokenize(server, text: str) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": text, "add_special_tokens": False},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tiny_server):
+    """(prompt ids, logprob of each prompt token given the ones before it, top-K logprobs per
+    position) from transformers, in float32."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    ids = _tokenize(tiny_server, PROMPT)
+    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    target = lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    top = lp[:-1].topk(K, dim=-1).values
+    return ids, target.tolist(), top.tolist()
+
+
+def _body(prompt, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "echo": True, "logprobs": K,
+            "ignore_eos": True, **extra}
+
+
+def _check_against_reference(lp: dict, reference) -> None:
+    ids, target, top = reference
+    n = len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + MAX_TOKENS
+    assert len(lp["text_offset"]) == n + MAX_TOKENS
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == pytest.approx(target, abs=1e-4)
+    for i in range(1, n + MAX_TOKENS):
+        alts = lp["top_logprobs"][i]
+        # Same shape as the generated tokens': at most K alternatives, most likely first.
+        assert 1 <= len(alts) <= K
+        values = list(alts.values())
+        assert values == sorted(values, reverse=True)
+        if i < n:
+            # Two ids with one text keep the likelier one, so compare the best alternative.
+            assert values[0] == pytest.approx(top[i - 1][0], abs=1e-4)
+            assert lp["token_logprobs"][i] <= values[0] + 1e-4
+    # The generated tokens keep their logprobs.
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][n:])
+
+
+def test_prompt_logprobs_match_transformers(tiny_server, reference):
+    ids = reference[0]
+    r = _post(tiny_server, _body(ids))
+    _check_against_reference(r["choices"][0]["logprobs"], reference)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    assert r["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_text_prompt_offsets_count_from_the_prompt_start(tiny_server, reference):
+    ids = reference[0]
+    n = len(ids)
+    c = _post(tiny_server, _body(PROMPT))["choices"][0]
+    lp = c["logprobs"]
+    _check_against_reference(lp, reference)
+    assert c["text"].startswith(PROMPT)
+    assert "".join(lp["tokens"][:n]) == PROMPT
+    assert lp["text_offset"][0] == 0
+    for i in range(n):
+        assert c["text"][lp["text_offset"][i]:].startswith(lp["tokens"][i])
+    assert lp["text_offset"][n] == len(PROMPT), "completion offsets continue after the prompt"
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_prompt_logprobs_survive_the_prefix_cache_and_n(tiny_server, reference):
+    # The same prompt again: its blocks are in the prefix cache, but the logprobs must still
+    # cover every position (and n > 1 repeats them for each choice).
+    r = _post(tiny_server, _body(reference[0], n=2))
+    assert len(r["choices"]) == 2
+    for c in r["choices"]:
+        _check_against_reference(c["logprobs"], reference)
+
+
+def test_streamed_prompt_logprobs_come_with_the_echo(tiny_server, reference):
+    ids = reference[0]
+    n = len(ids)
+    plain = _post(tiny_server, _body(PROMPT))["choices"][0]
+    with httpx.stream("POST", tiny_server.url + "/v1/completions",
+                      json={"model": "tiny", "stream": True, **_body(PROMPT)}, timeout=60) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    frames = [f.removeprefix("data: ") for f in text.split("\n\n") if f.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f)["choices"][0] for f in frames[:-1]]
+    first = chunks[0]
+    assert first["text"].startswith(PROMPT)
+    assert len(first["logprobs"]["tokens"]) >= n
+    assert first["logprobs"]["token_logprobs"][0] is None
+    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if c.get("logprobs"):
+            for key in merged:
+                merged[key].extend(c["logprobs"][key])
+    assert merged == plain["logprobs"]
+    assert "".join(c["text"] for c in chunks) == plain["text"]
+
+
+def test_chunked_prompt_lists_every_position_once(tiny_model, reference):
+    # In process, with a small token budget: the prompt runs in several chunks, each giving the
+    # logprobs of its own positions (the last one predicts the first chunk of the next).
+    from llmserve.engine.offline import LLM
+
+    llm = LLM(str(tiny_model), num_kv_blocks=64, max_num_batched_tokens=8)
+    ids = reference[0]
+    assert len(ids) > 16, "the prompt must span several chunks"
+    params = {k: v for k, v in _body(ids).items() if k != "prompt"}
+    out = llm.generate([ids, ids[:5]], params)
+    _check_against_reference(out[0].body["choices"][0]["logprobs"], reference)
+    short = out[1].body["choices"][0]["logprobs"]
+    assert short["token_logprobs"][1:5] == pytest.approx(reference[1][:4], abs=1e-4)
