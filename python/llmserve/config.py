@@ -87,6 +87,13 @@ class DeviceConfig:
     device: str = _f("auto", "auto, cpu or cuda.")
     threads: int | None = _f(None, "Torch CPU threads for the engine (default: all cores).")
     seed: int = _f(0, "Seed of the engine's random stream (requests without `seed`).")
+    batch_invariant: bool = _f(
+        False,
+        "CPU float32 only: a request's output no longer depends on what else is in the batch "
+        "(other requests, its row, how its prompt is chunked). Costs prompt throughput: every "
+        "linear runs row by row and every prompt token attends alone (README.md: measured "
+        "cost).",
+    )
 
 
 @dataclass(frozen=True)

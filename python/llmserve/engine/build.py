@@ -83,6 +83,20 @@ def kv_block_bytes(hf_config: dict, block_size: int, dtype: torch.dtype) -> int:
     return 2 * layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def _check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
+    """--batch-invariant is only implemented where it can be kept: fail now, not silently."""
+    from llmserve.worker import attention
+
+    if device.type != "cpu" or dtype != torch.float32:
+        raise RuntimeError(
+            f"--batch-invariant needs --device cpu and --dtype float32 (got {device.type}, "
+            f"{str(dtype).removeprefix('torch.')}): the CUDA and reduced-precision kernels "
+            "are not batch-invariant")
+    if attention._cpu_decode is None or not attention.USE_CPU_DECODE_KERNEL:
+        raise RuntimeError("--batch-invariant needs the CPU decode kernel "
+                           "(llmserve._core.paged_decode_attention): rebuild the extension")
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model
@@ -100,6 +114,10 @@ def build_engine(cfg: Config) -> Engine:
     quantized = ck.quantized if cfg.model.quantized_decode else None
     model = build_model(hf, ck.weights, dtype, device, quantized=quantized)
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
+    if cfg.device.batch_invariant:
+        _check_batch_invariant(device, dtype)
+        model.set_batch_invariant(True)
+        log.info("batch-invariant: linears run row by row, every token attends alone")
 
     native_len = int(hf.get("max_position_embeddings") or 2048)
     max_model_len = cfg.model.max_model_len or native_len

@@ -107,12 +107,27 @@ class RotaryEmbedding:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           quant: QuantTensor | None) -> torch.Tensor:
+           quant: QuantTensor | None, row_invariant: bool = False) -> torch.Tensor:
     """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels quant.rs) for few-token float32
-    CPU steps when `quant` holds the weight's blocks, else F.linear on the fp32 weight."""
-    if (quant is None or x.dim() != 2 or x.shape[0] > QUANT_MAX_TOKENS
-            or x.dtype != torch.float32 or x.device.type != "cpu"):
+    CPU steps when `quant` holds the weight's blocks, else F.linear on the fp32 weight.
+
+    `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
+    wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
+    change with the batch; the quantized GEMV computes each row alone, so it runs in chunks of
+    QUANT_MAX_TOKENS for any T, and without blocks F.linear runs one row at a time."""
+    quant_ok = (quant is not None and x.dim() == 2 and x.dtype == torch.float32
+                and x.device.type == "cpu")
+    if row_invariant and x.dim() == 2:
+        if quant_ok:
+            return torch.cat([_quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
+                              for i in range(0, x.shape[0], QUANT_MAX_TOKENS)])
+        return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+    if not quant_ok or x.shape[0] > QUANT_MAX_TOKENS:
         return F.linear(x, weight, bias)
+    return _quant_linear(x, bias, quant)
+
+
+def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: QuantTensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], quant.rows), dtype=torch.float32)
     _core.quant_matmul(out.numpy(), x.contiguous().numpy(), quant.data, quant.ggml_type,
                        quant.rows, quant.cols, torch.get_num_threads())
@@ -123,9 +138,10 @@ class Linear(nn.Linear):
     """nn.Linear that may also hold its weight as GGUF blocks (`quant`, set after loading)."""
 
     quant: QuantTensor | None = None
+    batch_invariant: bool = False    # set by the model's set_batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.quant)
+        return linear(x, self.weight, self.bias, self.quant, self.batch_invariant)
 
 
 class QKVLinear(Linear):
@@ -161,9 +177,11 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.batch_invariant = False    # set by the model's set_batch_invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale,
+                              batch_invariant=self.batch_invariant)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

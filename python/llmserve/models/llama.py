@@ -129,6 +129,16 @@ class LlamaForCausalLM(nn.Module):
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
         self.lm_quant: QuantTensor | None = None   # the LM head's GGUF blocks, if any
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """--batch-invariant: every linear (LM head included) row by row and every token's
+        attention alone (layers.linear, attention.paged_attention), so a row's result does
+        not depend on the rest of the step. CPU float32 only (build.py checks)."""
+        self.batch_invariant = on
+        for module in self.modules():
+            if isinstance(module, (Linear, PagedAttention)):
+                module.batch_invariant = on
 
     @classmethod
     def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -175,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> float32 logits [R, V]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.lm_quant).float()
+        return linear(hidden, weight, None, self.lm_quant, self.batch_invariant).float()
 
 
 def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

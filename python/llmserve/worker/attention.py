@@ -17,6 +17,11 @@ item per (sequence, kv head), online softmax in f32 (BENCH.md: the gather + padd
 at ~5 GB/s). The torch path stays the reference and the fallback (other dtypes or devices,
 prefill rows, an extension without the kernel); `USE_CPU_DECODE_KERNEL = False` forces it.
 
+Batch-invariant mode (--batch-invariant): SDPA over a chunk multiplies Q [chunk, d] by K^T, so a
+prompt token's result depends on how its prompt was chunked. Instead every query token (prompt
+or decode) is its own row of the Rust kernel, which computes each (row, kv head) whole in one
+thread: the token's own sequence's block table, seq_len = its position + 1.
+
 KV heads are never repeated: SDPA's `enable_gqa` handles grouped-query attention (BENCH.md:
 repeat_interleave makes batch-64 decode ~5x slower). Softmax runs in float32 whatever the
 model dtype.
@@ -25,6 +30,7 @@ model dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -95,6 +101,23 @@ class AttentionMetadata:
     workspace: GatherWorkspace | None = None    # None: gathers allocate fresh tensors
     decode_tables_np: np.ndarray | None = None  # [Sd, Wd] int32, the CPU kernel's block tables
     decode_lens_np: np.ndarray | None = None    # [Sd] int32
+    query_start_loc_np: np.ndarray | None = None    # [S+1] int64, for the per-token tables
+    seq_lens_np: np.ndarray | None = None           # [S] int64
+    block_tables_np: np.ndarray | None = None       # [S, W] int64
+
+    @cached_property
+    def per_token_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Batch-invariant mode: every query token as a kernel row -> (block tables [T, W]
+        int32, its sequence's block table; seq lens [T] int32, its position + 1)."""
+        qsl, lens = self.query_start_loc_np, self.seq_lens_np
+        q_lens = np.diff(qsl)
+        seq_of = np.repeat(np.arange(len(lens)), q_lens)
+        # token j of sequence s (rows qsl[s]..qsl[s+1]) sits at lens[s] - (qsl[s+1] - j)
+        token_lens = lens[seq_of] - (qsl[1:][seq_of] - np.arange(int(qsl[-1])) - 1)
+        width = int(-(-token_lens.max() // self.block_size)) if len(token_lens) else 0
+        tables = self.block_tables_np[seq_of, :width]
+        return (np.ascontiguousarray(tables, dtype=np.int32),
+                np.ascontiguousarray(token_lens, dtype=np.int32))
 
     @classmethod
     def build(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -136,7 +159,8 @@ class AttentionMetadata:
                    decode_key_mask=dec_mask[:, None, None, :], prefills=tuple(prefills),
                    workspace=workspace,
                    decode_tables_np=np.ascontiguousarray(tables[dec, :width], dtype=np.int32),
-                   decode_lens_np=dec_lens.astype(np.int32))
+                   decode_lens_np=dec_lens.astype(np.int32), query_start_loc_np=qsl,
+                   seq_lens_np=lens, block_tables_np=tables)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: GatherWorkspace | None,
@@ -162,30 +186,38 @@ def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [Sd, heads, d] fp32 -> [Sd, heads, d], K/V read in place (numpy views, no copy)."""
+                   tables: np.ndarray, lens: np.ndarray, scale: float) -> torch.Tensor:
+    """q [R, heads, d] fp32 -> [R, heads, d], K/V read in place (numpy views, no copy); row r
+    attends over the first lens[r] tokens of block table tables[r]."""
     q = q.contiguous()
     out = torch.empty_like(q)
-    _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), meta.decode_tables_np,
-                meta.decode_lens_np, scale, CPU_DECODE_THREADS or torch.get_num_threads())
+    _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), tables, lens, scale,
+                CPU_DECODE_THREADS or torch.get_num_threads())
     return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                    batch_invariant: bool = False) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d]
-    -> [T, heads, d]."""
+    -> [T, heads, d]. `batch_invariant`: every token through the CPU kernel (module doc)."""
     if not isinstance(meta, AttentionMetadata):
         # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops
         return meta.attend(q, k, v, k_cache, v_cache, scale)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    if batch_invariant:
+        if not _kernel_serves(q, k_cache, v_cache, meta):
+            raise RuntimeError("batch-invariant attention needs the CPU decode kernel "
+                               "(float32 on CPU)")
+        return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
     out_dtype = q.dtype
     # NOTE: softmax in float32 whatever the model dtype (a no-op for fp32 models).
     q, k, v = q.float(), k.float(), v.float()
     if meta.num_decode:
         idx = meta.decode_token_idx
         if _kernel_serves(q, k_cache, v_cache, meta):
-            od = _decode_kernel(q if idx is None else q[idx], k_cache, v_cache, meta, scale)
+            od = _decode_kernel(q if idx is None else q[idx], k_cache, v_cache,
+                                meta.decode_tables_np, meta.decode_lens_np, scale)
         else:
             qd = (q if idx is None else q[idx]).unsqueeze(2)                # [Sd, heads, 1, d]
             tables, ws = meta.decode_block_tables, meta.workspace
