@@ -37,6 +37,11 @@ class ModelConfig:
     chat_template: str | None = _f(
         None, "Chat template: a file path or the template text; overrides the model's own."
     )
+    chat_template_content_format: str = _f(
+        "auto",
+        "Message content shape the template expects: 'string' (list-of-parts content is joined "
+        "with newlines), 'openai' (parts passed as sent), or 'auto' (detected from the template).",
+    )
     generation_config: str = _f(
         "auto",
         "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' ignores it.",

@@ -65,6 +65,18 @@ def test_render_matches_apply_chat_template(smol_server, hf_tokenizer):
     assert ours["prompt"] == ref
 
 
+def test_text_parts_join_for_a_string_template(smol_server):
+    # SmolLM2's template concatenates `content`: list-of-parts content is joined with "\n"
+    # (detected from the template), not printed as a list.
+    def render(content):
+        return httpx.post(smol_server.url + "/v1/chat/completions/render", json={
+            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}]}).json()
+
+    parts = render([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
+    assert parts["prompt"] == render("Hello\nworld")["prompt"]
+    assert "'type'" not in parts["prompt"]
+
+
 def test_chat_answers(smol_server):
     with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,

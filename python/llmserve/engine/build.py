@@ -75,6 +75,12 @@ def _template_sources(cfg: Config, sources: dict) -> dict:
     return sources
 
 
+def _content_format(name: str) -> str | None:
+    if name not in ("auto", "string", "openai"):
+        raise ValueError(f"--chat-template-content-format must be auto, string or openai, not {name!r}")
+    return None if name == "auto" else name
+
+
 def kv_block_bytes(hf_config: dict, block_size: int, dtype: torch.dtype) -> int:
     layers = hf_config["num_hidden_layers"]
     heads = hf_config["num_attention_heads"]
@@ -157,6 +163,7 @@ def build_engine(cfg: Config) -> Engine:
         "eos_token_ids": list(ck.eos_token_ids),
         "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
         "tool_call_format": cfg.model.tool_call_format,
+        "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
     }
     router = Router(
         ck.tokenizer_json,

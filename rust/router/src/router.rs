@@ -54,6 +54,9 @@ pub struct RouterConfig {
     /// `--tool-call-format`: "json" or "hermes"; None detects it from the chat template.
     #[serde(default)]
     pub tool_call_format: Option<crate::tools::ToolCallFormat>,
+    /// Overrides the detected message-content format of the template (`--chat-template-content-format`).
+    #[serde(default)]
+    pub chat_template_content_format: Option<crate::content_format::ContentFormat>,
 }
 
 pub struct Router {

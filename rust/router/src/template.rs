@@ -112,6 +112,8 @@ pub struct ChatTemplate {
     declared: std::collections::HashSet<String>,
     /// transformers refuses continue_final_message for templates that never say "content".
     mentions_content: bool,
+    /// Whether the template walks list-of-parts content or concatenates strings.
+    content_format: crate::content_format::ContentFormat,
     source: String,
 }
 
@@ -189,8 +191,14 @@ impl ChatTemplate {
             hash: format!("sha256:{hex}"),
             declared,
             mentions_content: source.contains("content"),
+            content_format: crate::content_format::ContentFormat::detect(source),
             source: source.to_string(),
         })
+    }
+
+    /// The message-content shape this template expects (detected from its text).
+    pub fn content_format(&self) -> crate::content_format::ContentFormat {
+        self.content_format
     }
 
     pub fn origin(&self) -> &str {

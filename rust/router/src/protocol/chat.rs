@@ -80,8 +80,10 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         )
     })?;
     let config = &router.config;
+    let format = config.chat_template_content_format.unwrap_or_else(|| template.content_format());
+    let messages = crate::content_format::normalize(input.messages, format);
     let rendered = template.render(&RenderInput {
-        messages: input.messages,
+        messages: &messages,
         tools: input.tools,
         documents: input.documents,
         add_generation_prompt: input.add_generation_prompt,

@@ -1,0 +1,95 @@
+//! Which shape of message `content` a chat template expects.
+//!
+//! Clients may send `content` as a string or as a list of text parts. Templates differ: some
+//! loop over the parts (`{% for part in message['content'] %}`), most concatenate
+//! `message['content']` as a string and would print a list's repr. So each template's format is
+//! detected from its text (`OpenAi`: it walks the parts; `String`: it does not) and can be
+//! overridden (`--chat-template-content-format`). For `String` templates, text parts are joined
+//! with "\n" before rendering, as vLLM does; string content passes through untouched.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContentFormat {
+    /// The template concatenates `content` as a string.
+    String,
+    /// The template iterates `content` as OpenAI's list of parts.
+    OpenAi,
+}
+
+impl ContentFormat {
+    /// Detect from the template text: a `{% for ... %}` tag over something named `content`, or
+    /// indexing into `content` (`content[0]`, `content'][0]`), means the template walks parts.
+    pub fn detect(source: &str) -> Self {
+        let compact: String = source.chars().filter(|c| !c.is_whitespace()).collect();
+        let indexes_parts = ["content'][0]", "content\"][0]", "content[0]"].iter().any(|p| compact.contains(p));
+        let loops_parts = source.split("{%").skip(1).any(|tag| {
+            let tag = tag.split("%}").next().unwrap_or("").trim_start_matches(['-', '+']).trim_start();
+            tag.starts_with("for ") && tag.split(" in ").nth(1).is_some_and(|iterable| iterable.contains("content"))
+        });
+        if indexes_parts || loops_parts {
+            Self::OpenAi
+        } else {
+            Self::String
+        }
+    }
+}
+
+/// The messages as the template should see them: unchanged unless the template wants strings
+/// and some message sent a list of text parts.
+pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
+    let has_parts =
+        |m: &Value| m.get("content").is_some_and(Value::is_array);
+    let Some(list) = messages.as_array() else { return Cow::Borrowed(messages) };
+    if format == ContentFormat::OpenAi || !list.iter().any(has_parts) {
+        return Cow::Borrowed(messages);
+    }
+    let joined = list
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            if let Some(Value::Array(parts)) = m.get("content") {
+                let text: Vec<&str> = parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
+                m["content"] = Value::String(text.join("\n"));
+            }
+            m
+        })
+        .collect();
+    Cow::Owned(Value::Array(joined))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn detects_templates_that_walk_parts() {
+        let walks = "{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}";
+        assert_eq!(ContentFormat::detect(walks), ContentFormat::OpenAi);
+        let walks_dot = "{%- for p in message.content -%}{{ p.text }}{%- endfor -%}";
+        assert_eq!(ContentFormat::detect(walks_dot), ContentFormat::OpenAi);
+        let indexes = "{{ message['content'][0]['text'] }}";
+        assert_eq!(ContentFormat::detect(indexes), ContentFormat::OpenAi);
+        let concatenates = "{% for message in messages %}{{ '<|im_start|>' + message['content'] }}{% endfor %}";
+        assert_eq!(ContentFormat::detect(concatenates), ContentFormat::String);
+    }
+
+    #[test]
+    fn joins_parts_for_string_templates_only() {
+        let messages = json!([
+            {"role": "system", "content": "plain"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ]);
+        let joined = normalize(&messages, ContentFormat::String);
+        assert_eq!(joined[1]["content"], "a\nb");
+        assert_eq!(joined[0]["content"], "plain");
+        assert!(matches!(normalize(&messages, ContentFormat::OpenAi), Cow::Borrowed(_)));
+        let strings = json!([{"role": "user", "content": "x"}]);
+        assert!(matches!(normalize(&strings, ContentFormat::String), Cow::Borrowed(_)));
+    }
+}
