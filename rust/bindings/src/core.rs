@@ -16,10 +16,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
-use llmserve_router::structured::Matcher;
 use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
 use llmserve_router::router::Router;
+use llmserve_router::structured::Matcher;
 use llmserve_router::ApiError;
 use llmserve_scheduler::{
     FinishReason as SeqFinish, NewRequest, Plan, Policy, Scheduler, SchedulerConfig, SeqSampling, StopRules,
@@ -173,7 +173,16 @@ impl CoreState {
         let builder = ResponseBuilder::new(&prepared, tokenizer);
         self.requests.insert(
             handle,
-            RequestState { builder, sched_ids, seqs_per_prompt, n: p.n, detoks, matchers, started: false, new_tokens: 0 },
+            RequestState {
+                builder,
+                sched_ids,
+                seqs_per_prompt,
+                n: p.n,
+                detoks,
+                matchers,
+                started: false,
+                new_tokens: 0,
+            },
         );
         Ok(handle)
     }
@@ -300,7 +309,11 @@ impl CoreState {
             }
             let tokens_out = [token];
             let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason: stop_reason.as_deref() };
-            let first_choice = if state.seqs_per_prompt == state.n { prompt_idx * state.n + u.seq_index } else { prompt_idx * state.n };
+            let first_choice = if state.seqs_per_prompt == state.n {
+                prompt_idx * state.n + u.seq_index
+            } else {
+                prompt_idx * state.n
+            };
             if state.seqs_per_prompt == state.n {
                 state.builder.push(first_choice, &delta);
             } else {
@@ -346,7 +359,9 @@ impl CoreState {
         handles.dedup();
         handles
             .into_iter()
-            .filter_map(|h| self.forget(h).map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, true, true, 0)))
+            .filter_map(|h| {
+                self.forget(h).map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, true, true, 0))
+            })
             .collect()
     }
 }
@@ -374,7 +389,10 @@ pub struct PyCore {
     state: CoreState,
 }
 
-fn outputs(py: Python<'_>, out: Vec<Output>) -> Vec<(u64, Py<PyBytes>, bool, bool, u32)> {
+/// One step's output as Python sees it: (handle, bytes, finished, error, new_tokens).
+type PyOutput = (u64, Py<PyBytes>, bool, bool, u32);
+
+fn outputs(py: Python<'_>, out: Vec<Output>) -> Vec<PyOutput> {
     out.into_iter().map(|(h, b, f, e, n)| (h, PyBytes::new(py, &b).unbind(), f, e, n)).collect()
 }
 
@@ -463,7 +481,7 @@ impl PyCore {
         prompt_logprobs: Option<PyReadonlyArray1<'_, f32>>,
         prompt_top_ids: Option<PyReadonlyArray2<'_, i64>>,
         prompt_top_logprobs: Option<PyReadonlyArray2<'_, f32>>,
-    ) -> PyResult<Vec<(u64, Py<PyBytes>, bool, bool, u32)>> {
+    ) -> PyResult<Vec<PyOutput>> {
         let prompt = match (prompt_logprobs, prompt_top_ids, prompt_top_logprobs) {
             (Some(lp), Some(ids), Some(tlp)) => {
                 let (p, k) = (ids.shape()[0], ids.shape()[1]);
@@ -510,7 +528,7 @@ impl PyCore {
 
     /// The last step failed: end each request it touched with a 500 (or an SSE error frame
     /// if its stream had begun).
-    fn fail_plan(&mut self, py: Python<'_>, message: &str) -> Vec<(u64, Py<PyBytes>, bool, bool, u32)> {
+    fn fail_plan(&mut self, py: Python<'_>, message: &str) -> Vec<PyOutput> {
         let out = self.state.fail_plan(message);
         outputs(py, out)
     }

@@ -55,6 +55,5 @@ pub fn quant_matmul(
         Err(e) => return bad(e),
     };
     let tokens = xs[0];
-    py.detach(|| llmserve_kernels::quant::quant_matmul(out, x, tokens, &w, num_threads))
-        .or_else(bad)
+    py.detach(|| llmserve_kernels::quant::quant_matmul(out, x, tokens, &w, num_threads)).or_else(bad)
 }

@@ -96,14 +96,10 @@ impl<'a> QuantWeights<'a> {
     /// Checks that `data` holds exactly `rows` rows of `cols` weights of type `ty`.
     pub fn new(ty: QuantType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, String> {
         let row_bytes = ty.row_bytes(cols)?;
-        let expected = rows
-            .checked_mul(row_bytes)
-            .ok_or_else(|| format!("{rows} rows of {row_bytes} bytes overflow"))?;
+        let expected =
+            rows.checked_mul(row_bytes).ok_or_else(|| format!("{rows} rows of {row_bytes} bytes overflow"))?;
         if data.len() != expected {
-            return Err(format!(
-                "{ty:?} weights of {rows} x {cols} take {expected} bytes, got {}",
-                data.len()
-            ));
+            return Err(format!("{ty:?} weights of {rows} x {cols} take {expected} bytes, got {}", data.len()));
         }
         Ok(Self { ty, rows, cols, data })
     }
@@ -134,10 +130,7 @@ impl Isa {
     /// The fastest path this CPU supports.
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             return Self::Avx2;
         }
         Self::Portable

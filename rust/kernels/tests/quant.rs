@@ -85,7 +85,10 @@ fn check(seed: u64, ty: QuantType, tokens: usize, rows: usize, cols: usize, thre
         assert!(
             err <= 1e-5 * mag[i] + 1e-6,
             "{ty:?} {isa:?} T={tokens} R={rows} K={cols} threads={threads}: [{}, {}] = {} want {} (err {err:e})",
-            i / rows, i % rows, out[i], want[i]
+            i / rows,
+            i % rows,
+            out[i],
+            want[i]
         );
     }
     out

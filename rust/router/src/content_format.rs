@@ -42,8 +42,7 @@ impl ContentFormat {
 /// The messages as the template should see them: unchanged unless the template wants strings
 /// and some message sent a list of text parts.
 pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
-    let has_parts =
-        |m: &Value| m.get("content").is_some_and(Value::is_array);
+    let has_parts = |m: &Value| m.get("content").is_some_and(Value::is_array);
     let Some(list) = messages.as_array() else { return Cow::Borrowed(messages) };
     if format == ContentFormat::OpenAi || !list.iter().any(has_parts) {
         return Cow::Borrowed(messages);

@@ -228,7 +228,11 @@ mod tests {
     }
 
     fn stops(list: &[&str], include: bool) -> StopConfig {
-        StopConfig { stop: list.iter().map(|s| s.to_string()).collect(), include_stop_str_in_output: include, skip_special_tokens: true }
+        StopConfig {
+            stop: list.iter().map(|s| s.to_string()).collect(),
+            include_stop_str_in_output: include,
+            skip_special_tokens: true,
+        }
     }
 
     #[test]
@@ -282,7 +286,8 @@ mod tests {
         let out: String = ids("abxc").iter().map(|&i| d.push(i).text).collect();
         assert_eq!(out, "abx");
 
-        let mut keep = Detokenizer::new(t.clone(), &[], StopConfig { skip_special_tokens: false, ..Default::default() });
+        let mut keep =
+            Detokenizer::new(t.clone(), &[], StopConfig { skip_special_tokens: false, ..Default::default() });
         let mut skip = Detokenizer::new(t, &[], StopConfig { skip_special_tokens: true, ..Default::default() });
         for id in [ids("a")[0], 1, ids("b")[0]] {
             keep.push(id);

@@ -560,7 +560,12 @@ impl ResponseBuilder {
                     kind: Some("function"),
                     function: FunctionDelta { name: Some(&call.name), arguments: "" },
                 };
-                let args = ToolCallDelta { index, id: None, kind: None, function: FunctionDelta { name: None, arguments: &call.arguments } };
+                let args = ToolCallDelta {
+                    index,
+                    id: None,
+                    kind: None,
+                    function: FunctionDelta { name: None, arguments: &call.arguments },
+                };
                 for d in [head, args] {
                     let c = ChatChunkChoice {
                         index: choice,

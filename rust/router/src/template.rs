@@ -20,7 +20,6 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::{Map, Value as Json};
 use sha2::{Digest, Sha256};
 
-
 /// File contents read by Python; resolution happens here.
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(default)]
@@ -75,7 +74,9 @@ impl TemplateSet {
                     return Ok(Self { templates });
                 }
             }
-            Some(other) => return Err(format!("tokenizer_config.json chat_template must be a string or a list, not {other}")),
+            Some(other) => {
+                return Err(format!("tokenizer_config.json chat_template must be a string or a list, not {other}"))
+            }
         }
         if let Some(text) = present(&sources.gguf) {
             return Self::single(&text, "gguf");
@@ -181,7 +182,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.to_string()).map_err(|e| format!("chat template from {origin} does not parse: {e:#}"))?;
+        env.add_template_owned(NAME, source.to_string())
+            .map_err(|e| format!("chat template from {origin} does not parse: {e:#}"))?;
         let declared = env.get_template(NAME).map_err(|e| e.to_string())?.undeclared_variables(false);
         let digest = Sha256::digest(source.as_bytes());
         let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
@@ -698,7 +700,9 @@ mod tests {
 
     #[test]
     fn prints_values_as_python() {
-        let out = render("{{ true }} {{ none }} {{ [1, 'a', \"it's\"] }} {{ {'k': false} }} {{ 1.5 }} {{ x }}", json!([])).unwrap();
+        let out =
+            render("{{ true }} {{ none }} {{ [1, 'a', \"it's\"] }} {{ {'k': false} }} {{ 1.5 }} {{ x }}", json!([]))
+                .unwrap();
         assert_eq!(out.text, "True None [1, 'a', \"it's\"] {'k': False} 1.5 ");
     }
 
@@ -738,7 +742,9 @@ mod tests {
         assert!(ChatTemplate::new("{% for %}", "test").is_err());
         let err = render("{{ messages.nope() }}", json!([])).unwrap_err();
         assert_eq!(err.code(), "template_error");
-        let err = render("{% for i in range(10000) %}{% for j in range(10000) %}{{ j }}{% endfor %}{% endfor %}", json!([])).unwrap_err();
+        let err =
+            render("{% for i in range(10000) %}{% for j in range(10000) %}{{ j }}{% endfor %}{% endfor %}", json!([]))
+                .unwrap_err();
         assert_eq!(err.code(), "template_error");
         assert!(err.message().contains("fuel"), "{err}");
     }
@@ -827,7 +833,12 @@ mod tests {
         })
         .unwrap();
         assert_eq!(set.select(false).unwrap().origin(), "--chat-template");
-        let set = TemplateSet::resolve(TemplateSources { folder_jinja: Some("F".into()), gguf: Some("G".into()), ..Default::default() }).unwrap();
+        let set = TemplateSet::resolve(TemplateSources {
+            folder_jinja: Some("F".into()),
+            gguf: Some("G".into()),
+            ..Default::default()
+        })
+        .unwrap();
         assert_eq!(set.select(false).unwrap().origin(), "chat_template.jinja");
         assert!(TemplateSet::resolve(TemplateSources::default()).unwrap().is_empty());
     }

@@ -185,10 +185,8 @@ fn spelling_of(decoder: &Value) -> Spelling {
         Some("ByteLevel") => Spelling::ByteLevel,
         Some("ByteFallback") | Some("Metaspace") => Spelling::SentencePiece,
         Some("Sequence") => {
-            let parts: Vec<Spelling> = decoder["decoders"]
-                .as_array()
-                .map(|a| a.iter().map(spelling_of).collect())
-                .unwrap_or_default();
+            let parts: Vec<Spelling> =
+                decoder["decoders"].as_array().map(|a| a.iter().map(spelling_of).collect()).unwrap_or_default();
             if parts.contains(&Spelling::ByteLevel) {
                 Spelling::ByteLevel
             } else if parts.contains(&Spelling::SentencePiece) {
@@ -202,7 +200,8 @@ fn spelling_of(decoder: &Value) -> Spelling {
 }
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn byte_level(use_regex: bool) -> Value {
     json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
@@ -279,7 +278,8 @@ fn gguf_to_tokenizer_json(vocab: &GgufVocab) -> Result<Value, String> {
                 "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": false,
                 "byte_fallback": false, "ignore_merges": false,
                 "vocab": byte_level_vocab(&vocab.tokens, &alphabet), "merges": merges});
-            let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+            let decoder =
+                json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
             (model, pre_tokenizer_for(vocab.pre.as_deref()), decoder, Value::Null, Some(alphabet))
         }
         "llama" => {
@@ -292,7 +292,8 @@ fn gguf_to_tokenizer_json(vocab: &GgufVocab) -> Result<Value, String> {
                 "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
                 "byte_fallback": true, "ignore_merges": false,
                 "vocab": index, "merges": sentencepiece_merges(vocab)});
-            let pre = json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false});
+            let pre =
+                json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false});
             let decoder = json!({"type": "Sequence", "decoders": [
                 {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
                 {"type": "ByteFallback"}, {"type": "Fuse"},
@@ -333,11 +334,8 @@ fn byte_level_vocab(tokens: &[String], alphabet: &HashSet<char>) -> Value {
     let table: HashMap<u8, char> = byte_to_char().into_iter().collect();
     let mut out = serde_json::Map::new();
     for (i, t) in tokens.iter().enumerate() {
-        let key = if t.chars().all(|c| alphabet.contains(&c)) {
-            t.clone()
-        } else {
-            t.bytes().map(|b| table[&b]).collect()
-        };
+        let key =
+            if t.chars().all(|c| alphabet.contains(&c)) { t.clone() } else { t.bytes().map(|b| table[&b]).collect() };
         out.insert(key, json!(i));
     }
     Value::Object(out)

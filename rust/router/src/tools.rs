@@ -156,7 +156,10 @@ impl ToolCallParser {
                 // Keep back the longest tail that may still grow into `<tool_call>`.
                 let keep = (1..OPEN.len().min(self.buf.len() + 1))
                     .rev()
-                    .find(|&k| self.buf.is_char_boundary(self.buf.len() - k) && OPEN.starts_with(&self.buf[self.buf.len() - k..]))
+                    .find(|&k| {
+                        self.buf.is_char_boundary(self.buf.len() - k)
+                            && OPEN.starts_with(&self.buf[self.buf.len() - k..])
+                    })
                     .unwrap_or(0);
                 let emit: String = self.buf.drain(..self.buf.len() - keep).collect();
                 self.content(&emit, &mut out);
@@ -206,7 +209,11 @@ impl ToolCallParser {
     fn call(&mut self, (name, arguments): (String, String), out: &mut Parsed) {
         self.held_ws.clear();
         self.found += 1;
-        out.calls.push(ToolCall { id: format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]), name, arguments });
+        out.calls.push(ToolCall {
+            id: format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
+            name,
+            arguments,
+        });
     }
 }
 
@@ -257,7 +264,13 @@ mod tests {
 
     #[test]
     fn hermes_calls_split_across_pieces() {
-        let pieces = ["Let me check.", "\n<tool", "_call>\n{\"name\": \"get\", \"argu", "ments\": {\"city\": \"Paris\"}}\n</tool_call>", "\n"];
+        let pieces = [
+            "Let me check.",
+            "\n<tool",
+            "_call>\n{\"name\": \"get\", \"argu",
+            "ments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            "\n",
+        ];
         let (content, calls) = run(ToolCallFormat::Hermes, &pieces);
         assert_eq!(content, "Let me check.");
         assert_eq!(calls, vec![("get".to_string(), "{\"city\":\"Paris\"}".to_string())]);
@@ -280,7 +293,10 @@ mod tests {
     fn json_format_object_array_and_truncated() {
         let (c, calls) = run(ToolCallFormat::Json, &["{\"name\": \"f\", ", "\"arguments\": {\"a\": [1, 2]}}"]);
         assert_eq!((c.as_str(), calls), ("", vec![("f".into(), "{\"a\":[1,2]}".into())]));
-        let (_, calls) = run(ToolCallFormat::Json, &["[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"arguments\": {}}]"]);
+        let (_, calls) = run(
+            ToolCallFormat::Json,
+            &["[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"arguments\": {}}]"],
+        );
         assert_eq!(calls.len(), 2);
         let (c, calls) = run(ToolCallFormat::Json, &["{\"name\": \"f\", \"argum"]);
         assert!(calls.is_empty());

@@ -35,7 +35,8 @@ fn load(name: &str) -> Option<Value> {
 fn tokenizer() -> Option<Arc<Tokenizer>> {
     static TOK: OnceLock<Option<Arc<Tokenizer>>> = OnceLock::new();
     TOK.get_or_init(|| {
-        let vocab: GgufVocab = serde_json::from_value(load("gguf_vocab.json")?).expect("gguf_vocab.json is a GgufVocab");
+        let vocab: GgufVocab =
+            serde_json::from_value(load("gguf_vocab.json")?).expect("gguf_vocab.json is a GgufVocab");
         Some(Arc::new(Tokenizer::from_gguf(&vocab).expect("GGUF vocabulary builds")))
     })
     .clone()
@@ -146,7 +147,9 @@ fn renders_match_transformers() {
                     failures.push(format!("{name}: error {e}, want 400 {msg:?}"));
                 }
             }
-            (got, _, _) => failures.push(format!("{name}: got {got:?}, want {:?} / error {:?}", case["expected"], case["error"])),
+            (got, _, _) => {
+                failures.push(format!("{name}: got {got:?}, want {:?} / error {:?}", case["expected"], case["error"]))
+            }
         }
     }
     assert!(failures.is_empty(), "{} render mismatches:\n{}", failures.len(), failures.join("\n\n"));

@@ -196,7 +196,12 @@ fn sampling_ranges() {
 fn response_format_json_modes_compile_to_grammars() {
     let schema = |s: serde_json::Value| json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}});
     let cases = vec![
-        (schema(json!({"type": "array", "uniqueItems": true})), 400, "invalid_value", p("response_format.json_schema.schema")),
+        (
+            schema(json!({"type": "array", "uniqueItems": true})),
+            400,
+            "invalid_value",
+            p("response_format.json_schema.schema"),
+        ),
         (schema(json!([1])), 400, "invalid_type", p("response_format.json_schema.schema")),
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),
@@ -204,11 +209,26 @@ fn response_format_json_modes_compile_to_grammars() {
             "missing_required_parameter",
             p("response_format.json_schema.name"),
         ),
-        (json!({"response_format": {"type": "json_schema"}}), 400, "missing_required_parameter", p("response_format.json_schema")),
-        (json!({"response_format": {"type": "json_object"}, "ignore_eos": true}), 400, "invalid_value", p("ignore_eos")),
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            400,
+            "missing_required_parameter",
+            p("response_format.json_schema"),
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}, "ignore_eos": true}),
+            400,
+            "invalid_value",
+            p("ignore_eos"),
+        ),
         (json!({"response_format": {"type": "json_object"}, "min_tokens": 3}), 400, "invalid_value", p("min_tokens")),
         (json!({"response_format": {"type": "regex", "regex": "("}}), 400, "invalid_value", p("response_format.regex")),
-        (json!({"response_format": {"type": "grammar"}}), 400, "missing_required_parameter", p("response_format.grammar")),
+        (
+            json!({"response_format": {"type": "grammar"}}),
+            400,
+            "missing_required_parameter",
+            p("response_format.grammar"),
+        ),
         (json!({"response_format": {"type": "xml"}}), 400, "invalid_value", p("response_format.type")),
         (json!({"response_format": {}}), 400, "missing_required_parameter", p("response_format.type")),
         (json!({"response_format": "text"}), 400, "invalid_type", p("response_format")),
@@ -307,9 +327,10 @@ fn tools_and_tool_choice() {
     assert!(required.grammar.is_some());
     let t = required.tools.unwrap();
     assert_eq!((t.format.name(), t.parallel), ("json", true));
-    let named = chat(&r, json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
-        .unwrap();
-    assert_eq!(named.tools.unwrap().parallel, false);
+    let named =
+        chat(&r, json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+            .unwrap();
+    assert!(!named.tools.unwrap().parallel);
     let bad = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}});
     let e = chat(&r, json!({"tools": [bad], "tool_choice": "required"})).unwrap_err();
     assert_eq!(e.param(), Some("tools"));

@@ -15,7 +15,11 @@ fn tiny() -> Arc<Tokenizer> {
 }
 
 fn config(stop: &[&str], include: bool, skip: bool) -> StopConfig {
-    StopConfig { stop: stop.iter().map(|s| s.to_string()).collect(), include_stop_str_in_output: include, skip_special_tokens: skip }
+    StopConfig {
+        stop: stop.iter().map(|s| s.to_string()).collect(),
+        include_stop_str_in_output: include,
+        skip_special_tokens: skip,
+    }
 }
 
 /// Push every id; returns each step's text, the stop that matched (if any) and the flush.

@@ -72,7 +72,10 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
                 }
             };
             let name = string_field(js, "name", "response_format.json_schema.name")?;
-            if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            if name.is_empty()
+                || name.len() > 64
+                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
                 return Err(ApiError::invalid(
                     "response_format.json_schema.name",
                     "`name` must be 1 to 64 characters of a-z, A-Z, 0-9, `_` and `-`.",
@@ -98,7 +101,10 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
             };
             Ok(Some((GrammarSource::JsonSchema(schema), param)))
         }
-        "regex" => Ok(Some((GrammarSource::Regex(string_field(obj, "regex", "response_format.regex")?), "response_format.regex"))),
+        "regex" => Ok(Some((
+            GrammarSource::Regex(string_field(obj, "regex", "response_format.regex")?),
+            "response_format.regex",
+        ))),
         "grammar" => {
             let g = string_field(obj, "grammar", "response_format.grammar")?;
             Ok(Some((GrammarSource::Lark(g), "response_format.grammar")))
