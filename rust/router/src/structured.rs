@@ -213,10 +213,10 @@ fn build_factory(tokenizer: &Tokenizer, eos_token_ids: &[u32]) -> Result<ParserF
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn byte_tokenizer() -> Arc<Tokenizer> {
+    pub(crate) fn byte_tokenizer() -> Arc<Tokenizer> {
         // A tiny char-level vocabulary: newline, every printable ASCII char, and an EOS.
         let mut vocab = serde_json::Map::new();
         vocab.insert("<eos>".into(), json!(0));
@@ -233,7 +233,7 @@ mod tests {
         Arc::new(Tokenizer::from_json_str(&tj.to_string()).expect("tokenizer"))
     }
 
-    fn drive(g: &Grammar, tok: &Tokenizer, text: &str) -> Matcher {
+    pub(crate) fn drive(g: &Grammar, tok: &Tokenizer, text: &str) -> Matcher {
         let mut m = g.matcher();
         for id in tok.encode(text, false) {
             let mask = m.compute_mask().expect("mask");
