@@ -49,10 +49,19 @@ class ModelConfig:
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
     tool_call_format: str | None = _f(
         None,
-        "How the model writes tool calls: 'hermes' (<tool_call>{json}</tool_call>) or 'json' "
-        "(a bare {\"name\", \"arguments\"} object, or an array of them). Default: 'hermes' when "
-        "the chat template mentions <tool_call>, else 'json' for forced tool_choice and plain "
-        "text under 'auto'.",
+        "How the model writes tool calls: 'hermes' (<tool_call>{json}</tool_call>), "
+        "'llama3_json' ([<|python_tag|>]{\"name\", \"parameters\"}, several joined by '; '), "
+        "'mistral' ([TOOL_CALLS][{\"name\", \"arguments\"}, ...]) or 'json' (a bare "
+        "{\"name\", \"arguments\"} object, or an array of them). Default: detected from the chat "
+        "template ('hermes' if it mentions <tool_call>, else 'mistral' for [TOOL_CALLS], else "
+        "'llama3_json' for <|python_tag|>, 'Environment: ipython' or '\"parameters\": '); "
+        "otherwise 'json' for forced tool_choice and plain text under 'auto'.",
+    )
+    reasoning_parser: str | None = _f(
+        None,
+        "How chat output's reasoning is split out: 'think' (text between <think> and </think> "
+        "goes to reasoning_content, not content) or 'none'. Default: 'think' when the chat "
+        "template mentions <think>, else none.",
     )
     quantized_decode: bool = _f(
         True,

@@ -163,6 +163,7 @@ def build_engine(cfg: Config) -> Engine:
         "eos_token_ids": list(ck.eos_token_ids),
         "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
         "tool_call_format": cfg.model.tool_call_format,
+        "reasoning_parser": cfg.model.reasoning_parser,
         "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
     }
     router = Router(

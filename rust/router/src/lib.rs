@@ -11,6 +11,7 @@ pub mod content_format;
 pub mod detokenizer;
 pub mod error;
 pub mod protocol;
+pub mod reasoning;
 pub mod response;
 pub mod router;
 pub mod structured;

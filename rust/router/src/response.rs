@@ -12,6 +12,11 @@
 //! `message.tool_calls` (or, streamed, a `delta.tool_calls` chunk with `index`, `id` and
 //! `function.name`, then one with the `function.arguments`), and a choice that made a call
 //! and ended normally finishes with `"tool_calls"`.
+//!
+//! Reasoning (chat with a reasoning parser, [`Prepared::reasoning`]): each choice's text first
+//! goes through a [`ReasoningSplitter`]; its thinking becomes `message.reasoning_content`
+//! (streamed: `delta.reasoning_content` chunks), and only the rest is content (and read for
+//! tool calls). Reasoning tokens count as completion tokens.
 
 use std::sync::Arc;
 
@@ -19,6 +24,7 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use crate::protocol::{Endpoint, Prepared};
+use crate::reasoning::ReasoningSplitter;
 use crate::tokenizer::Tokenizer;
 use crate::tools::{ToolCall, ToolCallParser, ToolParsing};
 
@@ -152,6 +158,8 @@ struct Delta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<ToolCallDelta<'a>>>,
 }
 
@@ -214,6 +222,9 @@ struct CompletionChunkChoice<'a> {
 struct Message<'a> {
     role: &'static str,
     content: Option<&'a str>,
+    /// Present (null when empty) only when a reasoning parser is active.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tool_calls: Vec<ToolCallOut<'a>>,
 }
@@ -251,6 +262,10 @@ struct ChoiceState {
     parser: Option<ToolCallParser>,
     /// Non-streaming: the calls parsed so far.
     tool_calls: Vec<ToolCall>,
+    /// Chat with a reasoning parser: splits thinking from content.
+    reasoning: Option<ReasoningSplitter>,
+    /// Non-streaming: the reasoning text so far.
+    reasoning_text: String,
 }
 
 /// One per request, covering all its choices (`prompts.len() * n`; choice index =
@@ -285,9 +300,10 @@ impl ResponseBuilder {
         let tokenizer_ref = tokenizer.clone();
         let tokenizer = &tokenizer_ref;
         let count = prepared.prompts.len() * n as usize;
+        let chat = prepared.endpoint != Endpoint::Completion && prepared.endpoint != Endpoint::CompletionRender;
         Self {
             tokenizer: tokenizer.clone(),
-            chat: prepared.endpoint != Endpoint::Completion && prepared.endpoint != Endpoint::CompletionRender,
+            chat,
             id: prepared.id.clone(),
             created: prepared.created,
             model: prepared.model.clone(),
@@ -322,6 +338,7 @@ impl ResponseBuilder {
             choices: (0..count)
                 .map(|_| ChoiceState {
                     parser: prepared.tools.map(|t| ToolCallParser::new(t.format)),
+                    reasoning: prepared.reasoning.filter(|_| chat).map(ReasoningSplitter::new),
                     ..ChoiceState::default()
                 })
                 .collect(),
@@ -427,10 +444,52 @@ impl ResponseBuilder {
         if idx >= self.choices.len() || self.choices[idx].finish.is_some() {
             return;
         }
+        let split = self.choices[idx].reasoning.as_mut().map(|r| {
+            let mut split = r.push(delta.text);
+            if delta.finish.is_some() {
+                let rest = r.finish();
+                split.reasoning.push_str(&rest.reasoning);
+                split.content.push_str(&rest.content);
+            }
+            split
+        });
+        let content_delta;
+        let delta = match &split {
+            Some(split) => {
+                if !split.reasoning.is_empty() {
+                    self.push_reasoning(choice, &split.reasoning);
+                }
+                content_delta = ChoiceDelta { text: &split.content, ..*delta };
+                &content_delta
+            }
+            None => delta,
+        };
         if self.choices[idx].parser.is_some() {
             return self.push_with_tools(choice, delta);
         }
         self.push_plain(choice, delta);
+    }
+
+    /// Records a chat choice's reasoning text; streamed, it goes out as its own
+    /// `delta.reasoning_content` chunk (after the role chunk when it is the first output).
+    fn push_reasoning(&mut self, choice: u32, text: &str) {
+        let idx = choice as usize;
+        if !self.stream {
+            self.choices[idx].reasoning_text.push_str(text);
+            return;
+        }
+        let first = !self.choices[idx].started;
+        self.choices[idx].started = true;
+        let role = first.then_some("assistant");
+        let c = ChatChunkChoice {
+            index: choice,
+            delta: Delta { role, content: first.then_some(""), reasoning_content: Some(text), tool_calls: None },
+            logprobs: None,
+            finish_reason: None,
+            stop_reason: None,
+        };
+        let usage = self.chunk_usage();
+        self.frame(vec![c], usage);
     }
 
     /// Records text, tokens and finish of one choice (no tool-call parsing).
@@ -477,7 +536,7 @@ impl ResponseBuilder {
             if first {
                 let role = ChatChunkChoice {
                     index: choice,
-                    delta: Delta { role: Some("assistant"), content: Some(""), tool_calls: None },
+                    delta: Delta { role: Some("assistant"), content: Some(""), ..Delta::default() },
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
@@ -491,7 +550,7 @@ impl ResponseBuilder {
             let logprobs = has_lp.then(|| ChatLogprobs { content: self.chat_logprobs(delta.tokens) });
             let c = ChatChunkChoice {
                 index: choice,
-                delta: Delta { role: None, content: (!delta.text.is_empty()).then_some(delta.text), tool_calls: None },
+                delta: Delta { content: (!delta.text.is_empty()).then_some(delta.text), ..Delta::default() },
                 logprobs,
                 finish_reason: finish,
                 stop_reason,
@@ -641,6 +700,10 @@ impl ResponseBuilder {
                     message: Message {
                         role: "assistant",
                         content: (!c.text.is_empty() || c.tool_calls.is_empty()).then_some(c.text.as_str()),
+                        reasoning_content: c
+                            .reasoning
+                            .is_some()
+                            .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str())),
                         tool_calls: c
                             .tool_calls
                             .iter()

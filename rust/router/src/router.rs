@@ -51,12 +51,15 @@ pub struct RouterConfig {
     pub max_logprobs: u32,
     #[serde(default = "default_template_fuel")]
     pub template_fuel: u64,
-    /// `--tool-call-format`: "json" or "hermes"; None detects it from the chat template.
+    /// `--tool-call-format`: "json", "hermes", "llama3_json" or "mistral"; None detects it from the chat template.
     #[serde(default)]
     pub tool_call_format: Option<crate::tools::ToolCallFormat>,
     /// Overrides the detected message-content format of the template (`--chat-template-content-format`).
     #[serde(default)]
     pub chat_template_content_format: Option<crate::content_format::ContentFormat>,
+    /// `--reasoning-parser`: "think" or "none"; None detects it from the chat template.
+    #[serde(default)]
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
 }
 
 pub struct Router {

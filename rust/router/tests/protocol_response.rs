@@ -52,6 +52,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         headers: vec![],
         grammar: None,
         tools: None,
+        reasoning: None,
     }
 }
 

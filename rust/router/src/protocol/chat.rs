@@ -466,6 +466,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     if !rendered.unused_kwargs.is_empty() {
         headers.push(("llmserve-unused-template-kwargs".into(), rendered.unused_kwargs.join(", ")));
     }
+    let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
         id: c.request_id.unwrap_or_else(|| new_id("chatcmpl")),
@@ -484,6 +485,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
         headers,
         grammar,
         tools,
+        reasoning,
     };
     Ok(Checked {
         prepared,

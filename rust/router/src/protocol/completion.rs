@@ -177,6 +177,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
         headers: ignored_header(&ignored).into_iter().collect(),
         grammar,
         tools: None,
+        reasoning: None,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -109,6 +109,9 @@ pub struct Prepared {
     pub grammar: Option<crate::structured::Grammar>,
     /// Chat with tools the model may call: how tool calls are parsed from the output.
     pub tools: Option<crate::tools::ToolParsing>,
+    /// Chat with a reasoning parser active: how the output's thinking is split from its
+    /// content (and whether the prompt already opened the think block). None otherwise.
+    pub reasoning: Option<crate::reasoning::ReasoningPlan>,
 }
 
 /// Sampling and stopping parameters, defaults already resolved (request ->

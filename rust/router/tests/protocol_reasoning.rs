@@ -1,0 +1,133 @@
+//! Reasoning output through the protocol layer: `prepare` picks the parser (setting or
+//! template) and sees whether the prompt opened the think block; the builder splits
+//! thinking into `reasoning_content`, streamed and not, with the same result.
+
+mod protocol_fixture;
+
+use std::sync::Arc;
+
+use llmserve_router::reasoning::{ReasoningParser, ReasoningPlan};
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
+use protocol_fixture::*;
+use serde_json::{json, Value};
+
+/// Opens the think block in the generation prompt unless `enable_thinking` is false.
+const THINK_TEMPLATE: &str = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}{% if add_generation_prompt %}assistant :{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+
+fn plan(opened: bool) -> Option<ReasoningPlan> {
+    Some(ReasoningPlan { parser: ReasoningParser::Think, prompt_opened: opened })
+}
+
+#[test]
+fn prepare_detects_the_parser_and_an_opened_block() {
+    let r = router_with(json!({}), Some(THINK_TEMPLATE));
+    assert_eq!(chat(&r, json!({})).unwrap().reasoning, plan(true));
+    // enable_thinking reaches the template: the block is closed in the prompt.
+    let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": false}})).unwrap();
+    assert!(p.prompt_texts[0].ends_with("</think>\n\n"), "{:?}", p.prompt_texts[0]);
+    assert_eq!(p.reasoning, plan(false));
+    let off = router_with(json!({"reasoning_parser": "none"}), Some(THINK_TEMPLATE));
+    assert_eq!(chat(&off, json!({})).unwrap().reasoning, None);
+    // A template that knows no think block: no parser unless configured.
+    assert_eq!(chat(&router(), json!({})).unwrap().reasoning, None);
+    let forced = router_with(json!({"reasoning_parser": "think"}), Some(TEMPLATE));
+    assert_eq!(chat(&forced, json!({})).unwrap().reasoning, plan(false));
+    // Completions are never parsed.
+    assert_eq!(completion(&r, json!({})).unwrap().reasoning, None);
+}
+
+fn tok(id: u32) -> TokenOut {
+    TokenOut { id, logprob: -0.5, top: vec![], text_offset: 0 }
+}
+
+/// Runs `pieces` (one token each; the last finishes) through a builder for a request.
+fn run(stream: bool, opened: bool, pieces: &[&str]) -> Vec<u8> {
+    let r = router_with(json!({"reasoning_parser": "think"}), Some(TEMPLATE));
+    let mut p = chat(
+        &r,
+        json!({"stream": stream, "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null }}),
+    )
+    .unwrap();
+    p.reasoning = plan(opened);
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    let mut out = Vec::new();
+    for (i, piece) in pieces.iter().enumerate() {
+        let finish = (i + 1 == pieces.len()).then_some(FinishReason::Stop);
+        b.push(0, &ChoiceDelta { text: piece, tokens: &[tok(9)], finish, stop_reason: None });
+        out.extend(b.take());
+    }
+    out.extend(b.finish());
+    out
+}
+
+/// (reasoning, content, completion_tokens) of a streamed response, with its chunks.
+fn streamed(bytes: &[u8]) -> (String, String, u64, Vec<Value>) {
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    let chunks: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|f| f.strip_prefix("data: "))
+        .filter(|f| *f != "[DONE]")
+        .map(|f| serde_json::from_str(f).unwrap())
+        .collect();
+    let (mut reasoning, mut content, mut tokens) = (String::new(), String::new(), 0);
+    for c in &chunks {
+        for ch in c["choices"].as_array().unwrap() {
+            reasoning.push_str(ch["delta"]["reasoning_content"].as_str().unwrap_or(""));
+            content.push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+        }
+        if let Some(n) = c["usage"]["completion_tokens"].as_u64() {
+            tokens = n;
+        }
+    }
+    (reasoning, content, tokens, chunks)
+}
+
+#[test]
+fn thinking_goes_to_reasoning_content_streamed_or_not() {
+    let pieces = ["<th", "ink>let me", " see</", "think>", "\n\nIt is 4."];
+    let body: Value = serde_json::from_slice(&run(false, false, &pieces)).unwrap();
+    let msg = &body["choices"][0]["message"];
+    assert_eq!(msg["reasoning_content"], "let me see");
+    assert_eq!(msg["content"], "\n\nIt is 4.");
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+    let (reasoning, content, tokens, chunks) = streamed(&run(true, false, &pieces));
+    assert_eq!((reasoning.as_str(), content.as_str(), tokens), ("let me see", "\n\nIt is 4.", 5));
+    // The first chunk carries the role; no chunk carries any piece of a marker.
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    for c in &chunks {
+        assert!(!c.to_string().contains("think"), "{c}");
+    }
+}
+
+#[test]
+fn an_opened_prompt_makes_output_reasoning_until_the_close() {
+    let pieces = ["hmm", "</think>", "ok"];
+    let body: Value = serde_json::from_slice(&run(false, true, &pieces)).unwrap();
+    assert_eq!(body["choices"][0]["message"]["reasoning_content"], "hmm");
+    assert_eq!(body["choices"][0]["message"]["content"], "ok");
+    // Unterminated: everything is reasoning, content is empty.
+    let body: Value = serde_json::from_slice(&run(false, true, &["still", " going"])).unwrap();
+    assert_eq!(body["choices"][0]["message"]["reasoning_content"], "still going");
+    assert_eq!(body["choices"][0]["message"]["content"], "");
+    let (reasoning, content, _, _) = streamed(&run(true, true, &["still", " going"]));
+    assert_eq!((reasoning.as_str(), content.as_str()), ("still going", ""));
+}
+
+#[test]
+fn without_a_parser_the_message_has_no_reasoning_field() {
+    let r = router();
+    let p = chat(&r, json!({})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    b.push(
+        0,
+        &ChoiceDelta {
+            text: "<think>a</think>b",
+            tokens: &[tok(9)],
+            finish: Some(FinishReason::Stop),
+            stop_reason: None,
+        },
+    );
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert!(body["choices"][0]["message"].get("reasoning_content").is_none());
+    assert_eq!(body["choices"][0]["message"]["content"], "<think>a</think>b");
+}

@@ -1,0 +1,128 @@
+"""Reasoning output end to end: a tiny model whose template opens a `<think>` block and whose
+tokenizer has `<think>`/`</think>` as single tokens. Its thinking must come back as
+`reasoning_content` and only the rest as `content`, streamed and not alike, and exactly the
+split of the raw text the same sampling produces on /v1/completions (which is unaffected).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server import ServerProcess
+from tiny import CHATML, build_tokenizer
+
+# Qwen3's shape: the generation prompt opens the think block unless enable_thinking is false,
+# which closes an empty one instead.
+THINK_TEMPLATE = CHATML.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}",
+)
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def _build(folder):
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    build_tokenizer(path)
+    tok = Tokenizer.from_file(str(path))
+    # Not special: like Qwen3's, they stay in the text with skip_special_tokens.
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                    AddedToken("</think>", special=False, normalized=False)])
+    tok.save(str(path))
+    eos = tok.token_to_id("<|im_end|>")
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": THINK_TEMPLATE,
+    }))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return folder, tok.token_to_id("</think>")
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory):
+    folder, close_id = _build(tmp_path_factory.mktemp("tiny-think"))
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--num-kv-blocks", "100")
+    server.close_id = close_id
+    yield server
+    server.stop()
+
+
+def _post(server, route, body):
+    r = httpx.post(server.url + route, json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _stream(server, body):
+    reasoning, content, usage = "", "", None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "stream": True,
+                            "stream_options": {"include_usage": True}, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                reasoning += c["delta"].get("reasoning_content") or ""
+                content += c["delta"].get("content") or ""
+            usage = chunk.get("usage") or usage
+    return reasoning, content, usage
+
+
+def test_thinking_is_split_from_content(think_server):
+    prompt = _post(think_server, "/v1/chat/completions/render", {"messages": MESSAGES}).json()["prompt"]
+    assert prompt.endswith("<think>\n")
+    sampling = {"max_tokens": 12, "temperature": 1.0, "ignore_eos": True,
+                "logit_bias": {str(think_server.close_id): 5}}
+    # A seed whose raw output closes the block with text on both sides (the model is random).
+    for seed in range(40):
+        raw = _post(think_server, "/v1/completions",
+                    {"prompt": prompt, "seed": seed, **sampling}).json()["choices"][0]["text"]
+        before, sep, after = raw.partition("</think>")
+        if sep and before and after:
+            break
+    else:
+        pytest.fail("no seed closed the think block")
+    body = {"messages": MESSAGES, "seed": seed, **sampling}
+    r = _post(think_server, "/v1/chat/completions", body).json()
+    msg = r["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == (before, after)
+    assert r["usage"]["completion_tokens"] == 12
+    reasoning, content, usage = _stream(think_server, body)
+    assert (reasoning, content) == (before, after)
+    assert usage["completion_tokens"] == 12
+
+
+def test_unterminated_thinking_is_all_reasoning(think_server):
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(think_server.close_id): -100}}
+    msg = _post(think_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] and msg["content"] == ""
+    assert _stream(think_server, body)[:2] == (msg["reasoning_content"], "")
+
+
+def test_enable_thinking_false_reaches_the_template(think_server):
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = _post(think_server, "/v1/chat/completions/render", body).json()["prompt"]
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    # The block is closed in the prompt: output is content (no <think> can open one here).
+    gen = {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+           "logit_bias": {str(think_server.close_id - 1): -100}}
+    msg = _post(think_server, "/v1/chat/completions", gen).json()["choices"][0]["message"]
+    assert msg["content"] and msg["reasoning_content"] is None
