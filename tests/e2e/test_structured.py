@@ -62,6 +62,12 @@ SCHEMAS: list[tuple[str, dict]] = [
     ("A value that is a number or null.", _obj({"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]}})),
     ("Nested list of pairs.", _obj({"pairs": {"type": "array", "maxItems": 2, "items": _obj({"k": _s(4), "v": {"type": "integer", "minimum": 0, "maximum": 9}})}})),
     ("A top-level array of small integers.", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 3}),
+    ("Name a planet.", _obj({"planet": {"enum": ["Mercury", "Venus", "Earth", "Mars"]}, "moons": {"type": "integer", "minimum": 0, "maximum": 99}})),
+    ("An address.", _obj({"address": _obj({"street": _s(12), "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})})),
+    ("A temperature reading.", _obj({"celsius": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"const": "C"}})),
+    ("Two short words.", _obj({"words": {"type": "array", "items": _s(6), "minItems": 2, "maxItems": 2}})),
+    ("A flag and a note.", _obj({"flag": {"type": "boolean"}, "note": {"anyOf": [_s(10), {"type": "null"}]}})),
+    ("A matrix of digits.", _obj({"rows": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}})),
 ]
 
 
