@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from _plans import Paged
+from test_runner import tiny_weights
 
 from llmserve import _core
 from llmserve.models import build_model
@@ -112,30 +113,9 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=96, hidden_size=96,
               rope_theta=10000.0, tie_word_embeddings=True)
 
 
-def _weights(c: dict = CONFIG) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    h, i = c["hidden_size"], c["intermediate_size"]
-    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
-    d = h // nh
-
-    def r(*shape):
-        return torch.randn(shape, generator=g) * 0.3
-
-    w = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        a = p + "self_attn."
-        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
-                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
-                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
-                  p + "post_attention_layernorm.weight": 1 + r(h)})
-    return w
-
-
 def test_runner_logits_match_with_and_without_kernel(monkeypatch, kernel_calls):
     """Several steps mixing prompts, chunks and decodes give the same logits both ways."""
-    model = build_model(CONFIG, _weights(), torch.float32, "cpu")
+    model = build_model(CONFIG, tiny_weights(CONFIG, scale=0.3), torch.float32, "cpu")
     prompts = {0: list(range(3, 24)), 1: [5, 7, 9], 2: list(range(40, 77))}
     schedule = [{0: 21, 1: 3, 2: 10}, {0: 1, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 10},
                 {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]

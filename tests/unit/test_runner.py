@@ -23,13 +23,14 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
               rope_theta=10000.0, tie_word_embeddings=True)
 
 
-def tiny_weights(c: dict = CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+def tiny_weights(c: dict = CONFIG, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Random HF-named Llama weights for config `c` (shared by the runner and kernel tests)."""
     g = torch.Generator().manual_seed(seed)
     h, i, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
 
     def r(*shape):
-        return torch.randn(shape, generator=g) * 0.2
+        return torch.randn(shape, generator=g) * scale
 
     w = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
     for layer in range(c["num_hidden_layers"]):

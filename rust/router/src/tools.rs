@@ -95,8 +95,7 @@ impl ToolCallFormat {
         let calls: Vec<Value> = functions.iter().map(|f| call_schema(f, args_key)).collect();
         let one = if calls.len() == 1 { calls[0].clone() } else { json!({"anyOf": calls}) };
         let fixed_ws = |mut schema: Value| {
-            schema["x-guidance"] =
-                json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+            schema["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
             serde_json::to_string(&schema).expect("JSON values serialize")
         };
         match self {
@@ -493,7 +492,10 @@ mod tests {
     }
 
     /// Recorded-style outputs: (format, text, expected content, expected (name, arguments)).
-    fn recorded() -> Vec<(ToolCallFormat, &'static str, &'static str, Vec<(&'static str, &'static str)>)> {
+    /// (format, label, recorded output, expected (name, arguments) calls)
+    type Recorded = (ToolCallFormat, &'static str, &'static str, Vec<(&'static str, &'static str)>);
+
+    fn recorded() -> Vec<Recorded> {
         use ToolCallFormat::*;
         vec![
             (
@@ -596,9 +598,17 @@ mod tests {
                                                    "required": ["a"], "additionalProperties": false}});
         let cases = [
             (ToolCallFormat::Llama3Json, false, "{\"name\": \"f\", \"parameters\": {\"a\": 7}}"),
-            (ToolCallFormat::Llama3Json, true, "{\"name\": \"f\", \"parameters\": {\"a\": 7}}; {\"name\": \"f\", \"parameters\": {\"a\": 8}}"),
+            (
+                ToolCallFormat::Llama3Json,
+                true,
+                "{\"name\": \"f\", \"parameters\": {\"a\": 7}}; {\"name\": \"f\", \"parameters\": {\"a\": 8}}",
+            ),
             (ToolCallFormat::Mistral, false, "[{\"name\": \"f\", \"arguments\": {\"a\": 7}}]"),
-            (ToolCallFormat::Mistral, true, "[{\"name\": \"f\", \"arguments\": {\"a\": 7}}, {\"name\": \"f\", \"arguments\": {\"a\": 8}}]"),
+            (
+                ToolCallFormat::Mistral,
+                true,
+                "[{\"name\": \"f\", \"arguments\": {\"a\": 7}}, {\"name\": \"f\", \"arguments\": {\"a\": 8}}]",
+            ),
         ];
         for (format, parallel, text) in cases {
             let grammar = g.compile(&format.forced_grammar(&[&f], parallel), "tools").unwrap();

@@ -166,6 +166,17 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// `obj[key]` must be an object; `p` is the path of `obj`.
+fn require_object<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result<&'a Map<String, Value>, ApiError> {
+    match obj.get(key) {
+        Some(Value::Object(o)) => Ok(o),
+        None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
+        Some(other) => {
+            Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be an object, not {}.", kind_of(other))))
+        }
+    }
+}
+
 /// `obj[key]` must be a string; `p` is the path of `obj`.
 fn require_str(obj: &Map<String, Value>, key: &str, p: &str) -> Result<(), ApiError> {
     match obj.get(key) {
@@ -225,16 +236,7 @@ fn validate_tool_call(p: &str, call: &Value) -> Result<(), ApiError> {
         Some(Value::String(t)) if t == "function" => {}
         Some(_) => return Err(ApiError::invalid(format!("{p}.type"), "Tool calls must have type \"function\".")),
     }
-    let f = match obj.get("function") {
-        Some(Value::Object(f)) => f,
-        None | Some(Value::Null) => return Err(missing(format!("{p}.function"))),
-        Some(other) => {
-            return Err(invalid_type(
-                format!("{p}.function"),
-                format!("`function` must be an object, not {}.", kind_of(other)),
-            ))
-        }
-    };
+    let f = require_object(obj, "function", p)?;
     match f.get("name") {
         Some(Value::String(_)) => {}
         None | Some(Value::Null) => return Err(missing(format!("{p}.function.name"))),
@@ -265,16 +267,7 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                 return Err(ApiError::invalid(format!("{p}.type"), "Only tools of type \"function\" are supported."))
             }
         }
-        let f = match obj.get("function") {
-            Some(Value::Object(f)) => f,
-            None | Some(Value::Null) => return Err(missing(format!("{p}.function"))),
-            Some(other) => {
-                return Err(invalid_type(
-                    format!("{p}.function"),
-                    format!("`function` must be an object, not {}.", kind_of(other)),
-                ))
-            }
-        };
+        let f = require_object(obj, "function", &p)?;
         match f.get("name") {
             Some(Value::String(n)) if !n.is_empty() => names.push(n.clone()),
             Some(Value::String(_)) => {
