@@ -10,8 +10,10 @@
 //! Tool calls (chat with `tools`): each choice's text goes through a
 //! [`ToolCallParser`]; content is only the text outside calls, calls become
 //! `message.tool_calls` (or, streamed, a `delta.tool_calls` chunk with `index`, `id` and
-//! `function.name`, then one with the `function.arguments`), and a choice that made a call
-//! and ended normally finishes with `"tool_calls"`.
+//! `function.name` as soon as the name is known, then `function.arguments` fragments as they
+//! are generated), and a choice that made a call and ended normally finishes with
+//! `"tool_calls"`. Streamed and not, the calls are the same events, so the arguments a
+//! client concatenates equal the non-streamed ones.
 //!
 //! Reasoning (chat with a reasoning parser, [`Prepared::reasoning`]): each choice's text first
 //! goes through a [`ReasoningSplitter`]; its thinking becomes `message.reasoning_content`
@@ -26,7 +28,7 @@ use serde::{Serialize, Serializer};
 use crate::protocol::{Endpoint, Prepared};
 use crate::reasoning::ReasoningSplitter;
 use crate::tokenizer::Tokenizer;
-use crate::tools::{ToolCall, ToolCallParser, ToolParsing};
+use crate::tools::{ToolCallParser, ToolEvent, ToolParsing};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -337,14 +339,14 @@ impl ResponseBuilder {
             },
             choices: (0..count)
                 .map(|_| ChoiceState {
-                    parser: prepared.tools.map(|t| ToolCallParser::new(t.format)),
+                    parser: prepared.tools.as_ref().map(|t| ToolCallParser::new(t.format, t.parameters.clone())),
                     reasoning: prepared.reasoning.filter(|_| chat).map(ReasoningSplitter::new),
                     ..ChoiceState::default()
                 })
                 .collect(),
             pending: Vec::new(),
             done: false,
-            tools: prepared.tools,
+            tools: prepared.tools.clone(),
         }
     }
 
@@ -579,79 +581,85 @@ impl ResponseBuilder {
     /// `push` for a chat choice whose text may hold tool calls.
     fn push_with_tools(&mut self, choice: u32, delta: &ChoiceDelta) {
         let idx = choice as usize;
-        let parallel = self.tools.is_some_and(|t| t.parallel);
-        let state = &mut self.choices[idx];
-        let parser = state.parser.as_mut().expect("checked by push");
-        let mut parsed = parser.push(delta.text);
+        let parallel = self.tools.as_ref().is_some_and(|t| t.parallel);
+        let parser = self.choices[idx].parser.as_mut().expect("checked by push");
+        let mut events = parser.push(delta.text);
         let mut finish = delta.finish;
         let mut stop_reason = delta.stop_reason;
         // NOTE: without parallel calls the choice ends as its first call completes; the
         // engine stops its sequence when it sees `choice_finished`.
-        let cut = !parallel && !parsed.calls.is_empty();
-        if cut {
-            parsed.calls.truncate(1);
+        let first_end = |events: &[ToolEvent]| events.iter().position(|e| *e == ToolEvent::End);
+        if let Some(end) = first_end(&events).filter(|_| !parallel) {
+            events.truncate(end + 1);
             finish = Some(FinishReason::ToolCalls);
             stop_reason = None;
         } else if finish.is_some() {
-            let rest = parser.finish();
-            parsed.content.push_str(&rest.content);
-            parsed.calls.extend(rest.calls);
-            if !parallel {
-                parsed.calls.truncate(1);
+            events.extend(parser.finish());
+            if let Some(end) = first_end(&events).filter(|_| !parallel) {
+                events.truncate(end + 1);
             }
         }
-        let made_calls = parser.calls_found() > 0;
-        if finish == Some(FinishReason::Stop) && made_calls {
+        if finish == Some(FinishReason::Stop) && parser.calls_started() > 0 {
             finish = Some(FinishReason::ToolCalls);
             stop_reason = None;
         }
-        let text = parsed.content;
-        let plain = ChoiceDelta { text: &text, tokens: delta.tokens, finish: None, stop_reason: None };
-        if self.stream {
-            // Content (and logprobs) first, then each call, then the finish on its own chunk.
-            self.push_plain(choice, &plain);
-            let first = self.choices[idx].tool_calls.len();
-            for (j, call) in parsed.calls.iter().enumerate() {
-                let index = first + j;
-                let head = ToolCallDelta {
-                    index,
-                    id: Some(&call.id),
-                    kind: Some("function"),
-                    function: FunctionDelta { name: Some(&call.name), arguments: "" },
-                };
-                let args = ToolCallDelta {
-                    index,
-                    id: None,
-                    kind: None,
-                    function: FunctionDelta { name: None, arguments: &call.arguments },
-                };
-                for d in [head, args] {
-                    let c = ChatChunkChoice {
-                        index: choice,
-                        delta: Delta { tool_calls: Some(vec![d]), ..Delta::default() },
-                        logprobs: None,
-                        finish_reason: None,
-                        stop_reason: None,
-                    };
-                    let usage = self.chunk_usage();
-                    self.frame(vec![c], usage);
+        let text: String = events
+            .iter()
+            .filter_map(|e| match e {
+                ToolEvent::Content(c) => Some(c.as_str()),
+                _ => None,
+            })
+            .collect();
+        // Content (and logprobs) first, then the calls' pieces, then the finish on its own chunk.
+        self.push_plain(choice, &ChoiceDelta { text: &text, tokens: delta.tokens, finish: None, stop_reason: None });
+        for event in merge_args(events) {
+            let state = &mut self.choices[idx];
+            match &event {
+                ToolEvent::Content(_) | ToolEvent::End => continue,
+                ToolEvent::Start { id, name } => {
+                    state.tool_calls.push(ToolCall { id: id.clone(), name: name.clone(), arguments: String::new() })
                 }
+                ToolEvent::Args(a) => match state.tool_calls.last_mut() {
+                    Some(call) => call.arguments.push_str(a),
+                    None => continue,
+                },
             }
-            self.choices[idx].tool_calls.extend(parsed.calls);
-            if let Some(f) = finish {
-                let c = ChatChunkChoice {
-                    index: choice,
-                    delta: Delta::default(),
-                    logprobs: None,
-                    finish_reason: Some(f.as_str()),
-                    stop_reason: Some(stop_reason),
-                };
-                let usage = self.chunk_usage();
-                self.frame(vec![c], usage);
+            if !self.stream {
+                continue;
             }
-        } else {
-            self.push_plain(choice, &plain);
-            self.choices[idx].tool_calls.extend(parsed.calls);
+            let index = self.choices[idx].tool_calls.len() - 1;
+            let d = match &event {
+                ToolEvent::Start { id, name } => ToolCallDelta {
+                    index,
+                    id: Some(id),
+                    kind: Some("function"),
+                    function: FunctionDelta { name: Some(name), arguments: "" },
+                },
+                ToolEvent::Args(a) => {
+                    ToolCallDelta { index, id: None, kind: None, function: FunctionDelta { name: None, arguments: a } }
+                }
+                _ => unreachable!("skipped above"),
+            };
+            let c = ChatChunkChoice {
+                index: choice,
+                delta: Delta { tool_calls: Some(vec![d]), ..Delta::default() },
+                logprobs: None,
+                finish_reason: None,
+                stop_reason: None,
+            };
+            let usage = self.chunk_usage();
+            self.frame(vec![c], usage);
+        }
+        if let (true, Some(f)) = (self.stream, finish) {
+            let c = ChatChunkChoice {
+                index: choice,
+                delta: Delta::default(),
+                logprobs: None,
+                finish_reason: Some(f.as_str()),
+                stop_reason: Some(stop_reason),
+            };
+            let usage = self.chunk_usage();
+            self.frame(vec![c], usage);
         }
         let state = &mut self.choices[idx];
         state.finish = finish;
@@ -761,6 +769,26 @@ impl ResponseBuilder {
         };
         body.expect("bodies serialize")
     }
+}
+
+/// One call of a choice; `arguments` is the JSON text of its arguments.
+#[derive(Debug)]
+struct ToolCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// Consecutive argument fragments as one (fewer stream chunks, same concatenation).
+fn merge_args(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
+    let mut out: Vec<ToolEvent> = Vec::with_capacity(events.len());
+    for e in events {
+        match (out.last_mut(), e) {
+            (Some(ToolEvent::Args(prev)), ToolEvent::Args(a)) => prev.push_str(&a),
+            (_, e) => out.push(e),
+        }
+    }
+    out
 }
 
 /// Completions that echo the prompt with logprobs also return the prompt's logprobs.

@@ -243,6 +243,18 @@ pub(crate) mod tests {
         m
     }
 
+    /// Whether the grammar refuses some token of `text` (consumed up to that point).
+    pub(crate) fn refuses(g: &Grammar, tok: &Tokenizer, text: &str) -> bool {
+        let mut m = g.matcher();
+        for id in tok.encode(text, false) {
+            if !m.compute_mask().expect("mask").is_allowed(id) {
+                return true;
+            }
+            m.consume_token(id).expect("consume");
+        }
+        false
+    }
+
     #[test]
     fn json_schema_accepts_valid_and_stops_when_complete() {
         let tok = byte_tokenizer();

@@ -319,7 +319,7 @@ fn tool_plan(
     };
     let parallel = chat.parallel_tool_calls.unwrap_or(true);
     match forced {
-        Forced::No => (detected.map(|format| ToolParsing { format, parallel }), None),
+        Forced::No => (detected.map(|format| ToolParsing::new(format, parallel, &functions(None))), None),
         Forced::Any | Forced::Named(_) => {
             let format = detected.unwrap_or(ToolCallFormat::Json);
             // NOTE: a named function is called exactly once, as OpenAI does.
@@ -328,7 +328,7 @@ fn tool_plan(
                 _ => (functions(None), parallel),
             };
             let source = format.forced_grammar(&fns, parallel);
-            (Some(ToolParsing { format, parallel }), Some((source, "tools")))
+            (Some(ToolParsing::new(format, parallel, &fns)), Some((source, "tools")))
         }
     }
 }

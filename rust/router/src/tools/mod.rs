@@ -1,0 +1,291 @@
+//! Tool calls: the text format a model writes them in, the grammar that forces them
+//! (`tool_choice: "required"` or a named function), and the parser that turns generated
+//! text back into `tool_calls` as it streams ([`parser`]).
+//!
+//! Formats:
+//! - `hermes`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per
+//!   call; chosen when the chat template's text mentions `<tool_call>` (Hermes, Qwen2.5+).
+//! - `qwen3_xml` (alias `qwen3_coder`): Qwen3-Coder's XML blocks,
+//!   `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
+//!   values typed by the function's schema ([`xml`]); chosen when the template mentions
+//!   `<function=` (checked before Hermes, whose marker it shares).
+//! - `json`: llmserve's default for templates that know no tool format (SmolLM2): the whole
+//!   output is one call object `{"name": ..., "arguments": {...}}`, or, when parallel calls
+//!   are allowed, a JSON array of them. It is only used under a forced `tool_choice`: with
+//!   `"auto"` and no known format, a model's JSON-looking text stays text.
+//! - `llama3_json`: Llama 3.1/3.2: `{"name": ..., "parameters": {...}}`, optionally after
+//!   `<|python_tag|>`, several calls separated by `; `; chosen when the template mentions
+//!   `<|python_tag|>`, `Environment: ipython` or `"parameters": ` (its tool instructions).
+//! - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; chosen when the
+//!   template mentions `[TOOL_CALLS]`. A bare array at the very start of the output is read
+//!   the same way, because `[TOOL_CALLS]` is a special token that detokenizing may drop.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::structured::GrammarSource;
+
+pub mod parser;
+pub mod xml;
+
+pub use parser::{ToolCallParser, ToolEvent};
+
+pub(crate) const OPEN: &str = "<tool_call>";
+pub(crate) const CLOSE: &str = "</tool_call>";
+pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
+pub(crate) const MISTRAL_TAG: &str = "[TOOL_CALLS]";
+
+/// How a chat request's output is read for tool calls.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolParsing {
+    pub format: ToolCallFormat,
+    /// false: the choice ends when its first call completes.
+    pub parallel: bool,
+    /// Each function's `parameters` schema by name: the XML format types its values by it.
+    pub parameters: Arc<HashMap<String, Value>>,
+}
+
+impl ToolParsing {
+    /// `functions` are the `function` objects of the request's tools.
+    pub fn new(format: ToolCallFormat, parallel: bool, functions: &[&Value]) -> Self {
+        let parameters = functions
+            .iter()
+            .filter_map(|f| {
+                let name = f.get("name")?.as_str()?.to_string();
+                Some((name, f.get("parameters").cloned().unwrap_or(Value::Null)))
+            })
+            .collect();
+        Self { format, parallel, parameters: Arc::new(parameters) }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallFormat {
+    Json,
+    Hermes,
+    #[serde(rename = "llama3_json")]
+    Llama3Json,
+    Mistral,
+    #[serde(rename = "qwen3_xml", alias = "qwen3_coder")]
+    Qwen3Xml,
+}
+
+impl ToolCallFormat {
+    /// `--tool-call-format` values: "json", "hermes", "llama3_json", "mistral", "qwen3_xml"
+    /// (also "qwen3_coder", vLLM's name for it).
+    pub fn from_name(s: &str) -> Option<Self> {
+        match s {
+            "json" => Some(Self::Json),
+            "hermes" => Some(Self::Hermes),
+            "llama3_json" => Some(Self::Llama3Json),
+            "mistral" => Some(Self::Mistral),
+            "qwen3_xml" | "qwen3_coder" => Some(Self::Qwen3Xml),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Json => "json",
+            Self::Hermes => "hermes",
+            Self::Llama3Json => "llama3_json",
+            Self::Mistral => "mistral",
+            Self::Qwen3Xml => "qwen3_xml",
+        }
+    }
+
+    /// The format a chat template teaches its model, if it teaches one we parse.
+    /// Qwen3's XML goes first (its blocks are also `<tool_call>`), then Hermes: some
+    /// templates mention several formats' markers in passing.
+    pub fn detect(template_source: &str) -> Option<Self> {
+        let t = template_source;
+        if t.contains(xml::FUNCTION) {
+            Some(Self::Qwen3Xml)
+        } else if t.contains(OPEN) {
+            Some(Self::Hermes)
+        } else if t.contains(MISTRAL_TAG) {
+            Some(Self::Mistral)
+        } else if t.contains(PYTHON_TAG) || t.contains("Environment: ipython") || t.contains("\"parameters\": ") {
+            Some(Self::Llama3Json)
+        } else {
+            None
+        }
+    }
+
+    /// The grammar forcing at least one call (exactly one unless `parallel`) to one of
+    /// `functions` (each the `function` object of a tool as sent), with arguments that
+    /// match that function's `parameters` schema.
+    ///
+    /// The llama3 and mistral grammars leave out their special-token markers (a grammar
+    /// literal would be spelled in text tokens the model never saw); the parsers read the
+    /// bare JSON the same way.
+    pub fn forced_grammar(self, functions: &[&Value], parallel: bool) -> GrammarSource {
+        if self == Self::Qwen3Xml {
+            return xml::forced_grammar(functions, parallel);
+        }
+        let args_key = if self == Self::Llama3Json { "parameters" } else { "arguments" };
+        let calls: Vec<Value> = functions.iter().map(|f| call_schema(f, args_key)).collect();
+        let one = if calls.len() == 1 { calls[0].clone() } else { json!({"anyOf": calls}) };
+        let fixed_ws = |mut schema: Value| {
+            schema["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+            serde_json::to_string(&schema).expect("JSON values serialize")
+        };
+        let call = format!("call: %json {}\n", fixed_ws(one.clone()));
+        match self {
+            Self::Llama3Json => {
+                let start = if parallel { "start: call (\"; \" call)*" } else { "start: call" };
+                GrammarSource::Lark(format!("{start}\n{call}"))
+            }
+            Self::Mistral => {
+                let start = if parallel { "start: \"[\" call (\", \" call)* \"]\"" } else { "start: \"[\" call \"]\"" };
+                GrammarSource::Lark(format!("{start}\n{call}"))
+            }
+            Self::Json if parallel => GrammarSource::JsonSchema(json!({"type": "array", "items": one, "minItems": 1})),
+            Self::Json => GrammarSource::JsonSchema(one),
+            Self::Hermes => {
+                let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
+                GrammarSource::Lark(format!("{start}\nblock: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\n{call}"))
+            }
+            Self::Qwen3Xml => unreachable!("handled above"),
+        }
+    }
+}
+
+/// The schema of one call to `function`, its arguments under `args_key`.
+fn call_schema(function: &Value, args_key: &str) -> Value {
+    let name = function.get("name").cloned().unwrap_or(Value::Null);
+    let params = match function.get("parameters") {
+        Some(p @ Value::Object(_)) => p.clone(),
+        _ => json!({"type": "object", "properties": {}}),
+    };
+    json!({
+        "type": "object",
+        "properties": {"name": {"const": name}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": false,
+    })
+}
+
+/// A new call id: `call_` and 24 hex digits.
+pub(crate) fn call_id() -> String {
+    format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parser::tests::run_with;
+    use super::*;
+
+    #[test]
+    fn detect_and_grammar_shapes() {
+        assert_eq!(ToolCallFormat::detect("{% if tools %}<tool_call>{% endif %}"), Some(ToolCallFormat::Hermes));
+        assert_eq!(ToolCallFormat::detect("{{ messages }}"), None);
+        let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
+        match ToolCallFormat::Json.forced_grammar(&[&f], false) {
+            GrammarSource::JsonSchema(s) => assert_eq!(s["properties"]["name"]["const"], "f"),
+            other => panic!("{other:?}"),
+        }
+        match ToolCallFormat::Json.forced_grammar(&[&f, &f], true) {
+            GrammarSource::JsonSchema(s) => assert_eq!(s["type"], "array"),
+            other => panic!("{other:?}"),
+        }
+        match ToolCallFormat::Hermes.forced_grammar(&[&f], true) {
+            GrammarSource::Lark(g) => assert!(g.contains("%json") && g.contains("block (")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn formats_detect_and_name() {
+        let llama = "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.";
+        assert_eq!(ToolCallFormat::detect(llama), Some(ToolCallFormat::Llama3Json));
+        assert_eq!(ToolCallFormat::detect("{{- \"Environment: ipython\\n\" }}"), Some(ToolCallFormat::Llama3Json));
+        assert_eq!(ToolCallFormat::detect("{{ '[TOOL_CALLS]' }}"), Some(ToolCallFormat::Mistral));
+        assert_eq!(ToolCallFormat::detect("<tool_call> <|python_tag|> [TOOL_CALLS]"), Some(ToolCallFormat::Hermes));
+        let qwen3_coder = "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n\
+                           </parameter>\n</function>\n</tool_call>";
+        assert_eq!(ToolCallFormat::detect(qwen3_coder), Some(ToolCallFormat::Qwen3Xml));
+        let all = [
+            ToolCallFormat::Json,
+            ToolCallFormat::Hermes,
+            ToolCallFormat::Llama3Json,
+            ToolCallFormat::Mistral,
+            ToolCallFormat::Qwen3Xml,
+        ];
+        for f in all {
+            assert_eq!(ToolCallFormat::from_name(f.name()), Some(f));
+            let via_serde: ToolCallFormat = serde_json::from_value(json!(f.name())).unwrap();
+            assert_eq!(via_serde, f);
+        }
+        assert_eq!(ToolCallFormat::from_name("qwen3_coder"), Some(ToolCallFormat::Qwen3Xml));
+        let alias: ToolCallFormat = serde_json::from_value(json!("qwen3_coder")).unwrap();
+        assert_eq!(alias, ToolCallFormat::Qwen3Xml);
+        let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
+        match ToolCallFormat::Llama3Json.forced_grammar(&[&f], true) {
+            GrammarSource::Lark(g) => assert!(g.contains("\"parameters\"") && g.contains("\"; \" call")),
+            other => panic!("{other:?}"),
+        }
+        match ToolCallFormat::Mistral.forced_grammar(&[&f], false) {
+            GrammarSource::Lark(g) => assert!(g.starts_with("start: \"[\" call \"]\"") && g.contains("\"arguments\"")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The forced grammars accept exactly what the parsers read back as calls, and only
+    /// that: a wrong function name or an argument of the wrong type is refused.
+    #[test]
+    fn forced_grammars_accept_what_the_parsers_read() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let f = json!({"name": "f", "parameters": {"type": "object",
+            "properties": {"a": {"type": "integer"}, "note": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["a"], "additionalProperties": false}});
+        let xml_one = "<tool_call>\n<function=f>\n<parameter=a>\n7\n</parameter>\n<parameter=note>\nx < y\nand z\n\
+                       </parameter>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>";
+        let xml_two = "<tool_call>\n<function=f>\n<parameter=a>\n7\n</parameter>\n</function>\n</tool_call>\n\
+                       <tool_call>\n<function=f>\n<parameter=a>\n8\n</parameter>\n</function>\n</tool_call>";
+        let cases = [
+            (ToolCallFormat::Llama3Json, false, "{\"name\": \"f\", \"parameters\": {\"a\": 7}}".to_string()),
+            (
+                ToolCallFormat::Llama3Json,
+                true,
+                "{\"name\": \"f\", \"parameters\": {\"a\": 7}}; {\"name\": \"f\", \"parameters\": {\"a\": 8}}".into(),
+            ),
+            (ToolCallFormat::Mistral, false, "[{\"name\": \"f\", \"arguments\": {\"a\": 7}}]".into()),
+            (
+                ToolCallFormat::Mistral,
+                true,
+                "[{\"name\": \"f\", \"arguments\": {\"a\": 7}}, {\"name\": \"f\", \"arguments\": {\"a\": 8}}]".into(),
+            ),
+            (
+                ToolCallFormat::Hermes,
+                false,
+                "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>".into(),
+            ),
+            (ToolCallFormat::Json, false, "{\"name\": \"f\", \"arguments\": {\"a\": 7}}".into()),
+            (ToolCallFormat::Qwen3Xml, false, xml_one.into()),
+            (ToolCallFormat::Qwen3Xml, true, xml_two.into()),
+        ];
+        for (format, parallel, text) in cases {
+            let grammar = g.compile(&format.forced_grammar(&[&f], parallel), "tools").unwrap();
+            let mut m = drive(&grammar, &tok, &text);
+            assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
+            let parsing = ToolParsing::new(format, parallel, &[&f]);
+            let (content, calls) = run_with(format, parsing.parameters, &[&text]);
+            assert_eq!(content, "", "{format:?}");
+            assert_eq!(calls.len(), if parallel { 2 } else { 1 }, "{format:?}");
+            assert_eq!(calls[0].0, "f");
+            let args: Value = serde_json::from_str(&calls[0].1).unwrap();
+            assert_eq!(args["a"], 7, "{format:?} {}", calls[0].1);
+        }
+        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false), "tools").unwrap();
+        assert!(refuses(&xml, &tok, "<tool_call>\n<function=g>"));
+        assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\nseven"));
+        assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n</function>"), "a is required");
+        assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=unit>\nk"));
+    }
+}

@@ -1,0 +1,241 @@
+//! Qwen3-Coder's XML tool calls: reading a block as it streams, typing each parameter's
+//! text by the function's schema, and the grammar that forces a block.
+//!
+//! A block, after `<tool_call>`:
+//! ```text
+//! <function=get_weather>
+//! <parameter=city>
+//! Paris
+//! </parameter>
+//! <parameter=days>
+//! 3
+//! </parameter>
+//! </function>
+//! </tool_call>
+//! ```
+//! Values are raw text (one newline after the opening tag and one before the closing tag
+//! belong to the markup). The arguments are JSON built by us: `{` goes out with the first
+//! parameter, each parameter as it closes (`"city": "Paris"`, then `, "days": 3`), and `}`
+//! when the function closes, so the fragments always concatenate to a JSON prefix.
+//!
+//! Typing (the schema of the parameter under the function's `parameters.properties`): a
+//! value is a JSON string unless the schema allows a non-string type and the text parses
+//! as JSON of an allowed type (`3` for an integer, `true` for a boolean, `[1, 2]` for an
+//! array). Unknown functions or parameters give strings.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use super::{call_id, ToolEvent, CLOSE, OPEN};
+use crate::structured::GrammarSource;
+
+pub(crate) const FUNCTION: &str = "<function=";
+const FUNCTION_END: &str = "</function>";
+const PARAMETER: &str = "<parameter=";
+const PARAMETER_END: &str = "</parameter>";
+
+/// What an XML block's reader made of the text so far.
+pub(crate) enum XmlProgress {
+    NeedMore,
+    /// The block is not a call (nothing was committed): give its text back.
+    NotACall,
+    /// The function closed: the call is complete; what follows is back in the buffer.
+    Done,
+}
+
+/// Reads one block's body (after `<tool_call>`).
+#[derive(Default)]
+pub(crate) struct XmlReader {
+    /// The body's text so far.
+    text: String,
+    /// Read up to here.
+    at: usize,
+    /// The function's name, once `<function=NAME>` is complete (the call is committed).
+    name: Option<String>,
+    params: usize,
+}
+
+impl XmlReader {
+    pub(crate) fn committed(&self) -> bool {
+        self.name.is_some()
+    }
+
+    pub(crate) fn text(&self) -> &str {
+        &self.text
+    }
+
+    pub(crate) fn feed(
+        &mut self,
+        buf: &mut String,
+        out: &mut Vec<ToolEvent>,
+        parameters: &HashMap<String, Value>,
+    ) -> XmlProgress {
+        self.text.push_str(buf);
+        buf.clear();
+        if self.name.is_none() {
+            let rest = self.text.trim_start();
+            let lead = self.text.len() - rest.len();
+            if !rest.starts_with(FUNCTION) {
+                return if FUNCTION.starts_with(rest) { XmlProgress::NeedMore } else { XmlProgress::NotACall };
+            }
+            let after = &rest[FUNCTION.len()..];
+            let Some(end) = after.find('>') else {
+                return if after.contains(['<', '\n']) { XmlProgress::NotACall } else { XmlProgress::NeedMore };
+            };
+            let name = after[..end].trim();
+            if name.is_empty() || name.contains(['<', '\n']) {
+                return XmlProgress::NotACall;
+            }
+            out.push(ToolEvent::Start { id: call_id(), name: name.to_string() });
+            self.name = Some(name.to_string());
+            self.at = lead + FUNCTION.len() + end + 1;
+        }
+        loop {
+            let rest = &self.text[self.at..];
+            let body = rest.trim_start();
+            let ws = rest.len() - body.len();
+            if let Some(tag) = body.strip_prefix(PARAMETER) {
+                let Some(key_end) = tag.find('>') else { return XmlProgress::NeedMore };
+                let value_from = &tag[key_end + 1..];
+                let Some(value_end) = value_from.find(PARAMETER_END) else { return XmlProgress::NeedMore };
+                let key = tag[..key_end].trim();
+                let raw = value_from[..value_end].strip_prefix('\n').unwrap_or(&value_from[..value_end]);
+                let raw = raw.strip_suffix('\n').unwrap_or(raw);
+                let schema = self.name.as_ref().and_then(|f| parameters.get(f)).and_then(|p| p.get("properties"));
+                let value = typed_value(raw, schema.and_then(|p| p.get(key)));
+                let sep = if self.params == 0 { "{" } else { ", " };
+                let key_json = serde_json::to_string(key).expect("strings serialize");
+                out.push(ToolEvent::Args(format!("{sep}{key_json}: {value}")));
+                self.params += 1;
+                self.at += ws + PARAMETER.len() + key_end + 1 + value_end + PARAMETER_END.len();
+                continue;
+            }
+            if body.starts_with(FUNCTION_END) || !(PARAMETER.starts_with(body) || FUNCTION_END.starts_with(body)) {
+                // The function closed, or text that is neither a parameter nor the close:
+                // the call ends here and that text is read after it.
+                out.push(ToolEvent::Args(if self.params == 0 { "{}" } else { "}" }.to_string()));
+                let skip = if body.starts_with(FUNCTION_END) { ws + FUNCTION_END.len() } else { 0 };
+                buf.push_str(&self.text[self.at + skip..]);
+                self.text.truncate(self.at + skip);
+                return XmlProgress::Done;
+            }
+            return XmlProgress::NeedMore;
+        }
+    }
+}
+
+/// The JSON a parameter's text stands for, given the parameter's schema.
+pub(crate) fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
+    let mut types = Vec::new();
+    if let Some(s) = schema {
+        schema_types(s, &mut types);
+    }
+    let as_string = || Value::String(raw.to_string());
+    if types.is_empty() || types.iter().all(|t| t == "string") {
+        return as_string();
+    }
+    let text = raw.trim();
+    if types.iter().any(|t| t == "boolean") {
+        for (word, b) in [("true", true), ("false", false)] {
+            if text.eq_ignore_ascii_case(word) {
+                return Value::Bool(b);
+            }
+        }
+    }
+    match serde_json::from_str::<Value>(text) {
+        Ok(v) if types.iter().any(|t| json_type_fits(&v, t)) => v,
+        _ => as_string(),
+    }
+}
+
+/// The JSON types a schema allows, from `type`, `enum`, `const`, `anyOf` and `oneOf`.
+fn schema_types(schema: &Value, types: &mut Vec<String>) {
+    match schema.get("type") {
+        Some(Value::String(t)) => types.push(t.clone()),
+        Some(Value::Array(ts)) => types.extend(ts.iter().filter_map(Value::as_str).map(str::to_string)),
+        _ => {}
+    }
+    let values = schema.get("enum").and_then(Value::as_array).into_iter().flatten().chain(schema.get("const"));
+    for v in values {
+        types.push(type_name(v).to_string());
+    }
+    for key in ["anyOf", "oneOf"] {
+        for sub in schema.get(key).and_then(Value::as_array).into_iter().flatten() {
+            schema_types(sub, types);
+        }
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+fn json_type_fits(v: &Value, t: &str) -> bool {
+    let actual = type_name(v);
+    actual == t || (t == "number" && actual == "integer")
+}
+
+/// The grammar forcing XML blocks calling one of `functions`: each function's parameters in
+/// schema order (the required ones always, the others optionally), string values as free
+/// text without `</`, enums as their literals, other types as compact JSON.
+pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> GrammarSource {
+    let lit = |s: &str| serde_json::to_string(s).expect("strings serialize");
+    let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
+    let mut rules = vec![start.to_string(), format!("block: {} function {}", lit(&format!("{OPEN}\n")), lit(CLOSE))];
+    let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
+    rules.push(format!("function: {}", names.join(" | ")));
+    for (i, f) in functions.iter().enumerate() {
+        let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+        let params = f.get("parameters");
+        let props = params.and_then(|p| p.get("properties")).and_then(Value::as_object);
+        let required: Vec<&str> = params
+            .and_then(|p| p.get("required"))
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut body = vec![lit(&format!("{FUNCTION}{name}>\n"))];
+        for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
+            let rule = format!("f{i}_p{j}");
+            let open = lit(&format!("{PARAMETER}{key}>\n"));
+            rules.push(format!("{rule}: {open} {}", value_grammar(schema)));
+            body.push(if required.contains(&key.as_str()) { rule } else { format!("{rule}?") });
+        }
+        body.push(lit(&format!("{FUNCTION_END}\n")));
+        rules.push(format!("f{i}: {}", body.join(" ")));
+    }
+    rules.push(r"TEXT_VALUE: /([^<]|<[^\/])*\n<\/parameter>\n/".to_string());
+    GrammarSource::Lark(rules.join("\n") + "\n")
+}
+
+/// A parameter's value and its closing tag.
+fn value_grammar(schema: &Value) -> String {
+    let close = serde_json::to_string(&format!("\n{PARAMETER_END}\n")).expect("strings serialize");
+    let enum_strings: Option<Vec<String>> = schema.get("enum").and_then(Value::as_array).and_then(|vs| {
+        vs.iter().map(|v| v.as_str().map(|s| serde_json::to_string(s).expect("strings serialize"))).collect()
+    });
+    if let Some(options) = enum_strings.filter(|o| !o.is_empty()) {
+        return format!("({}) {close}", options.join(" | "));
+    }
+    let mut types = Vec::new();
+    schema_types(schema, &mut types);
+    if types.is_empty() || types.iter().all(|t| t == "string") {
+        return "TEXT_VALUE".to_string();
+    }
+    let mut schema = schema.clone();
+    if let Value::Object(obj) = &mut schema {
+        obj.insert(
+            "x-guidance".into(),
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    format!("%json {} {close}", serde_json::to_string(&schema).expect("JSON values serialize"))
+}
