@@ -8,9 +8,11 @@ decode steps of `--seqs` concurrent chat requests, twice: unconstrained, then ea
 - `schedule`: Core.schedule(); the constrained run includes computing every row's token
   mask (llguidance), so the difference is the mask computation;
 - `execute`: ModelRunner.execute(plan) (forward + sampling; the constrained run includes
-  the sampler's bitmask unpack and masked_fill);
+  the sampler's bitmask apply);
 - `commit`: Core.commit() (the constrained run includes each matcher consuming its token);
-- the mask work's share of the whole step.
+- the mask work's share of the whole step;
+- the sampler's bitmask apply alone on [seqs, V] random masks: the path CPU logits take
+  (the Rust kernel `_core.apply_token_bitmask`) and the torch path (what CUDA logits take).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig, SchedulerConfig
 from llmserve.engine.build import build_engine
-from llmserve.worker.sampler import apply_token_bitmask
+from llmserve.worker.sampler import apply_token_bitmask, apply_token_bitmask_torch
 
 SCHEMA = {
     "type": "object",
@@ -87,17 +89,22 @@ def main() -> None:
     base = run(engine, model, args.seqs, args.steps, constrained=False)
     cons = run(engine, model, args.seqs, args.steps, constrained=True)
 
-    # The sampler's share alone: unpack + masked_fill over [seqs, V].
-    vocab = router_vocab = engine.router.vocab_size
-    logits = torch.randn(args.seqs, router_vocab)
+    # The sampler's share alone: the mask applied to [seqs, V] logits, both paths.
+    vocab = engine.router.vocab_size
     rows = torch.arange(args.seqs)
     bits = torch.randint(-2**31, 2**31 - 1, (args.seqs, (vocab + 31) // 32), dtype=torch.int32)
-    samples = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        apply_token_bitmask(logits, rows, bits)
-        samples.append(time.perf_counter() - t0)
-    apply = statistics.median(samples)
+
+    def time_apply(fn) -> float:
+        logits = torch.randn(args.seqs, vocab)
+        samples = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            fn(logits, rows, bits)
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    apply = time_apply(apply_token_bitmask)
+    apply_torch = time_apply(apply_token_bitmask_torch)
 
     def total(r): return r["schedule"] + r["execute"] + r["commit"]
     print(f"device {engine.device}, {args.seqs} sequences, vocab {vocab}, {args.steps} decode steps (medians)")
@@ -110,7 +117,8 @@ def main() -> None:
           f"= {mask / total(cons) * 100:.1f}% of a constrained step ({mask / args.seqs * 1e6:.0f} us/sequence)")
     print(f"  matcher consume (Core.commit delta):    {consume * 1e3:.2f} ms/step")
     print(f"  sampler bitmask apply [{args.seqs}, {vocab}]: {apply * 1e3:.2f} ms/step "
-          f"= {apply / total(cons) * 100:.1f}% of a constrained step")
+          f"= {apply / total(cons) * 100:.1f}% of a constrained step "
+          f"(torch path: {apply_torch * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":

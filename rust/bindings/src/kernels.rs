@@ -1,21 +1,30 @@
-//! `paged_decode_attention`: the CPU paged-attention decode kernel (llmserve-kernels) over
-//! numpy arrays. torch CPU tensors reach it as zero-copy views (`tensor.numpy()`); the GIL is
-//! released while it computes.
+//! The CPU kernels of llmserve-kernels over numpy arrays: `paged_decode_attention` (paged-
+//! attention decode) and `apply_token_bitmask` (a grammar's token mask on the sampler's logits).
+//! torch CPU tensors reach them as zero-copy views (`tensor.numpy()`); the GIL is released while
+//! they compute.
 //!
-//! Shapes: out, q [S, heads, head_dim] f32; k_cache, v_cache [num_blocks, block_size,
-//! kv_heads, head_dim] f32; block_tables [S, W] i32; seq_lens [S] i32. Every array must be
-//! C-contiguous. A shape mismatch, a non-contiguous array, a bad length or block id is a
-//! ValueError (nothing written); a wrong dtype is numpy's TypeError.
+//! Shapes of paged_decode_attention: out, q [S, heads, head_dim] f32; k_cache, v_cache
+//! [num_blocks, block_size, kv_heads, head_dim] f32; block_tables [S, W] i32; seq_lens [S] i32.
+//! Shapes of apply_token_bitmask: logits [R, V] f32 (written in place); rows [Rm] i64; bitmask
+//! [Rm, W] i32.
+//!
+//! Every array must be C-contiguous. A shape mismatch, a non-contiguous array, a bad length,
+//! block id or row index is a ValueError (nothing written); a wrong dtype is numpy's TypeError.
 
 use llmserve_kernels::DecodeShape;
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3, PyUntypedArrayMethods,
+    PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4,
+    PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 fn contiguous<T>(r: Result<T, numpy::NotContiguousError>, name: &str) -> PyResult<T> {
-    r.map_err(|_| PyValueError::new_err(format!("paged_decode_attention: {name} must be C-contiguous")))
+    contiguous_in(r, "paged_decode_attention", name)
+}
+
+fn contiguous_in<T>(r: Result<T, numpy::NotContiguousError>, func: &str, name: &str) -> PyResult<T> {
+    r.map_err(|_| PyValueError::new_err(format!("{func}: {name} must be C-contiguous")))
 }
 
 /// out = softmax(scale * q k^T) v for one query token per sequence, read through the block
@@ -64,4 +73,32 @@ pub fn paged_decode_attention(
     let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
     py.detach(|| llmserve_kernels::paged_decode_attention(out, q, k, v, tables, lens, shape, num_threads))
         .map_err(|e| PyValueError::new_err(format!("paged_decode_attention: {e}")))
+}
+
+/// Sets logits[rows[i], t] = -inf for every token t that bitmask row i forbids (bit t % 32 of
+/// word t / 32 is 0, or t >= W * 32), in place. A row outside 0..R, or a bitmask whose row
+/// count is not len(rows), is a ValueError (nothing written).
+#[pyfunction]
+pub fn apply_token_bitmask(
+    py: Python<'_>,
+    logits: &Bound<'_, PyArray2<f32>>,
+    rows: PyReadonlyArray1<'_, i64>,
+    bitmask: PyReadonlyArray2<'_, i32>,
+) -> PyResult<()> {
+    const NAME: &str = "apply_token_bitmask";
+    // NOTE: borrowed here rather than extracted as a PyReadwriteArray2, whose extraction panics
+    // on a read-only array; this way it is a ValueError.
+    let mut logits = logits
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("{NAME}: logits must be writeable and not aliased: {e}")))?;
+    let num_rows = logits.shape()[0];
+    if bitmask.shape()[0] != rows.len() {
+        let what = format!("bitmask {:?} must have one row per entry of rows ({})", bitmask.shape(), rows.len());
+        return Err(PyValueError::new_err(format!("{NAME}: {what}")));
+    }
+    let logits = contiguous_in(logits.as_slice_mut(), NAME, "logits")?;
+    let rows = contiguous_in(rows.as_slice(), NAME, "rows")?;
+    let bitmask = contiguous_in(bitmask.as_slice(), NAME, "bitmask")?;
+    py.detach(|| llmserve_kernels::apply_token_bitmask(logits, num_rows, rows, bitmask))
+        .map_err(|e| PyValueError::new_err(format!("{NAME}: {e}")))
 }

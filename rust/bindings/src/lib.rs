@@ -4,7 +4,8 @@
 //! tokenize, render), `Prepared` (a validated request on its way to the engine), `Core` (the
 //! scheduler plus each request's output state: add / abort / schedule / commit / stats),
 //! `Plan` (one step's flat columns as numpy arrays), the `ApiError` exception hierarchy and
-//! `paged_decode_attention` (the CPU decode-attention kernel over numpy views).
+//! the CPU kernels over numpy views: `paged_decode_attention` (decode attention),
+//! `quant_matmul` (quantized GEMV) and `apply_token_bitmask` (a grammar's mask on logits).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
 
 mod core;
@@ -24,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::PyPlan>()?;
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

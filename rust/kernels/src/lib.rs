@@ -3,6 +3,8 @@
 //! - [`paged_decode_attention`]: attention of one query token per sequence over that
 //!   sequence's keys and values, read in place through its block table from the paged KV cache
 //!   (no gather copy); bound in `rust/bindings/src/kernels.rs`.
+//! - [`apply_token_bitmask`]: a grammar's packed token bitmask applied to logits rows in place
+//!   (forbidden tokens -> -inf); bound in `rust/bindings/src/kernels.rs`.
 //! - [`quant`]: matrix-vector products over GGUF quantized blocks (see its module doc).
 //!
 //! The binding crate hands these numpy views of torch's CPU tensors.
@@ -15,10 +17,12 @@
 //! - SIMD is chosen at run time: the crate is built for generic x86_64 and uses its AVX2+FMA
 //!   code only where `is_x86_feature_detected!` says the CPU has both.
 
+mod bitmask;
 mod decode;
 pub mod quant;
 mod simd;
 
+pub use bitmask::apply_token_bitmask;
 pub use decode::{paged_decode_attention, DecodeShape};
 
 #[cfg(test)]
