@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 
 from server import ServerProcess
@@ -126,3 +127,35 @@ def test_enable_thinking_false_reaches_the_template(think_server):
            "logit_bias": {str(think_server.close_id - 1): -100}}
     msg = _post(think_server, "/v1/chat/completions", gen).json()["choices"][0]["message"]
     assert msg["content"] and msg["reasoning_content"] is None
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_grammar_applies_after_the_reasoning(think_server, thinking):
+    # The schema has no strings, so `</think>` can only close the thinking; the bias makes
+    # the random model close it within a few tokens. The thinking is free text, the answer
+    # after it must validate. Several seeds: some think for a while, some close at once.
+    thought = False
+    for seed in range(4):
+        body = {"messages": MESSAGES, "max_tokens": 96, "temperature": 1.0, "seed": seed,
+                "logit_bias": {str(think_server.close_id): 3},
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+        if not thinking:
+            # The prompt closed an empty block; the model may not open another.
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+            body["logit_bias"][str(think_server.close_id - 1)] = -100
+        r = _post(think_server, "/v1/chat/completions", body).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        msg = choice["message"]
+        jsonschema.validate(json.loads(msg["content"]), SCHEMA)
+        if not thinking:
+            assert msg["reasoning_content"] is None
+        thought = thought or bool(msg["reasoning_content"])
+        reasoning, content, _ = _stream(think_server, body)
+        assert (reasoning or None, content) == (msg["reasoning_content"], msg["content"])
+    assert thought == thinking

@@ -25,6 +25,13 @@ pub enum ReasoningParser {
 }
 
 impl ReasoningParser {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Think => "think",
+            Self::Off => "none",
+        }
+    }
+
     pub fn from_name(s: &str) -> Option<Self> {
         match s {
             "think" => Some(Self::Think),
@@ -50,6 +57,12 @@ impl ReasoningParser {
             parser @ Self::Think => Some(ReasoningPlan { parser, prompt_opened: prompt_opens(prompt) }),
         }
     }
+}
+
+/// Whether the prompt ends with a closed think block (Qwen3 with `enable_thinking: false`
+/// renders an empty one): the answer comes next.
+pub fn prompt_closes(prompt: &str) -> bool {
+    prompt.trim_end().ends_with(CLOSE)
 }
 
 /// Whether the prompt ends inside an open think block (ignoring trailing whitespace).

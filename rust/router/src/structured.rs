@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
 pub use llguidance::Matcher;
 use llguidance::ParserFactory;
@@ -42,6 +42,10 @@ pub enum GrammarSource {
     Regex(String),
     /// A grammar in llguidance's Lark dialect (extension).
     Lark(String),
+    /// `body`, after the model's reasoning: free text up to `</think>` (and whitespace)
+    /// comes first, opened by `<think>` unless the prompt `opened` the block; a model that
+    /// does not think starts `body` at once (only when the prompt did not open the block).
+    AfterThinking { opened: bool, body: Box<GrammarSource> },
 }
 
 impl GrammarSource {
@@ -50,6 +54,15 @@ impl GrammarSource {
             Self::JsonSchema(_) => "json_schema",
             Self::Regex(_) => "regex",
             Self::Lark(_) => "lark",
+            Self::AfterThinking { .. } => "after_thinking",
+        }
+    }
+
+    /// The grammar `self` becomes for a request with this reasoning plan.
+    pub fn after_reasoning(self, reasoning: Option<crate::reasoning::ReasoningPlan>) -> Self {
+        match reasoning {
+            Some(plan) => Self::AfterThinking { opened: plan.prompt_opened, body: Box::new(self) },
+            None => self,
         }
     }
 
@@ -57,6 +70,7 @@ impl GrammarSource {
         let text = match self {
             Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
             Self::Regex(s) | Self::Lark(s) => s.clone(),
+            Self::AfterThinking { opened, body } => format!("{opened}:{}", body.key()),
         };
         let digest = Sha256::digest(text.as_bytes());
         let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
@@ -82,6 +96,18 @@ impl GrammarSource {
             }
             Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Self::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+            Self::AfterThinking { opened, body } => {
+                let mut body = body.to_top_level();
+                for g in &mut body.grammars[..1] {
+                    g.name = Some("body".into());
+                }
+                // NOTE: the thinking is a lazy `gen`: it ends at the first `</think>`.
+                let start = if *opened { "start: think ws? @body" } else { "start: (\"<think>\" think ws?)? @body" };
+                let wrapper = format!("{start}\nthink[suffix=\"</think>\"]: /(.|\\n)*/\nws: /[ \\t\\r\\n]+/\n");
+                let mut grammars = vec![GrammarWithLexer::from_lark(wrapper)];
+                grammars.extend(body.grammars);
+                TopLevelGrammar { grammars, max_tokens: None }
+            }
         }
     }
 }
@@ -178,6 +204,7 @@ fn describe(source: &GrammarSource) -> &'static str {
         GrammarSource::JsonSchema(_) => "JSON schema",
         GrammarSource::Regex(_) => "regular expression",
         GrammarSource::Lark(_) => "grammar",
+        GrammarSource::AfterThinking { body, .. } => describe(body),
     }
 }
 
@@ -302,6 +329,28 @@ pub(crate) mod tests {
         let grammar = g.compile(&src, "tools").unwrap();
         let m = drive(&grammar, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>");
         assert!(m.is_stopped());
+    }
+
+    #[test]
+    fn grammars_start_after_the_reasoning() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                            "additionalProperties": false});
+        let body = GrammarSource::JsonSchema(schema);
+        let wrap = |opened| GrammarSource::AfterThinking { opened, body: Box::new(body.clone()) };
+        let opened = g.compile(&wrap(true), "p").unwrap();
+        assert!(drive(&opened, &tok, "Let me think: {a} < 3\n</think>\n {\"a\": 2}").is_stopped());
+        // Inside the open block any text goes (even the answer's), but not the end.
+        let mut m = drive(&opened, &tok, "{\"a\": 2}");
+        assert!(!m.compute_mask().unwrap().is_allowed(0));
+        let closed = g.compile(&wrap(false), "p").unwrap();
+        assert!(drive(&closed, &tok, "<think>hmm</think>{\"a\": 1}").is_stopped());
+        assert!(drive(&closed, &tok, "{\"a\": 1}").is_stopped());
+        assert!(refuses(&closed, &tok, "Sure: {"));
+        assert_ne!(opened.key(), closed.key());
+        let rx = GrammarSource::Regex("[0-9]+".into()).after_reasoning(None);
+        assert_eq!(rx, GrammarSource::Regex("[0-9]+".into()));
     }
 
     #[test]

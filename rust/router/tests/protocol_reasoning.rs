@@ -36,6 +36,20 @@ fn prepare_detects_the_parser_and_an_opened_block() {
     assert_eq!(completion(&r, json!({})).unwrap().reasoning, None);
 }
 
+#[test]
+fn grammars_start_after_the_thinking_unless_the_prompt_closed_it() {
+    let r = router_with(json!({}), Some(THINK_TEMPLATE));
+    let json_object = json!({"response_format": {"type": "json_object"}});
+    let key = |p: &llmserve_router::protocol::Prepared| p.grammar.as_ref().unwrap().key().to_string();
+    let thinking = chat(&r, json_object.clone()).unwrap();
+    assert!(key(&thinking).starts_with("after_thinking:"), "{}", key(&thinking));
+    let mut closed = json_object.clone();
+    closed["chat_template_kwargs"] = json!({"enable_thinking": false});
+    assert!(key(&chat(&r, closed).unwrap()).starts_with("json_schema:"));
+    // No reasoning parser: the grammar starts at the first token.
+    assert!(key(&chat(&router(), json_object).unwrap()).starts_with("json_schema:"));
+}
+
 fn tok(id: u32) -> TokenOut {
     TokenOut { id, logprob: -0.5, top: vec![], text_offset: 0 }
 }

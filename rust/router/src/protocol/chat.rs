@@ -445,7 +445,12 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     };
     let (rendered, template) = render(router, &input)?;
     let (tools, tool_grammar) = if with_tools { tool_plan(router, &chat, template, &forced) } else { (None, None) };
-    let grammar = constrained::compile(router, tool_grammar.or(c.response_format), &params)?;
+    let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
+    // A grammar constrains the answer, not the thinking before it (none comes when the
+    // prompt already closed the thinking).
+    let thinking = reasoning.filter(|_| !crate::reasoning::prompt_closes(&rendered.text));
+    let constraint = tool_grammar.or(c.response_format).map(|(g, param)| (g.after_reasoning(thinking), param));
+    let grammar = constrained::compile(router, constraint, &params)?;
     let prompt = router.tokenizer.encode(&rendered.text, false);
     if prompt.is_empty() {
         return Err(ApiError::invalid("messages", "The messages render to an empty prompt."));
@@ -459,7 +464,6 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     if !rendered.unused_kwargs.is_empty() {
         headers.push(("llmserve-unused-template-kwargs".into(), rendered.unused_kwargs.join(", ")));
     }
-    let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
         id: c.request_id.unwrap_or_else(|| new_id("chatcmpl")),
