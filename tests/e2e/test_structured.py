@@ -222,9 +222,16 @@ def test_tool_calls_streamed(client):
     assert finish == "tool_calls" and content == ""
     head = pieces[0]
     assert head.index == 0 and head.id.startswith("call_") and head.function.name == "get_weather"
-    args = "".join(p.function.arguments or "" for p in pieces)
+    fragments = [p.function.arguments for p in pieces[1:]]
+    assert len(fragments) > 1, "arguments should stream as they are generated"
+    args = "".join(fragments)
     jsonschema.validate(json.loads(args), TOOL_SCHEMAS["get_weather"])
     assert all(p.index == 0 for p in pieces)
+    whole = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0,
+    )
+    assert whole.choices[0].message.tool_calls[0].function.arguments == args
 
 
 def test_auto_without_a_format_is_text(client):

@@ -175,6 +175,9 @@ def build_engine(cfg: Config) -> Engine:
     info = router.template_info()
     if info:
         log.info("chat template: %s %s", *info)
+        tool_format, reasoning = router.output_parsing()
+        log.info("tool calls: %s; reasoning parser: %s",
+                 tool_format or "forced only (json format; 'auto' answers in text)", reasoning)
     else:
         log.warning("no chat template: chat routes answer 400 until --chat-template is given")
     core = Core(router, json.dumps({

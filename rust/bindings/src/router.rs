@@ -96,6 +96,12 @@ impl PyRouter {
         self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))
     }
 
+    /// (tool-call format or None, reasoning parser) chat output is read with.
+    fn output_parsing(&self) -> (Option<&'static str>, &'static str) {
+        let (tools, reasoning) = self.inner.output_parsing();
+        (tools.map(|t| t.name()), reasoning.name())
+    }
+
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.tokenizer().vocab_size()

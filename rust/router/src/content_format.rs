@@ -6,6 +6,11 @@
 //! detected from its text (`OpenAi`: it walks the parts; `String`: it does not) and can be
 //! overridden (`--chat-template-content-format`). For `String` templates, text parts are joined
 //! with "\n" before rendering, as vLLM does; string content passes through untouched.
+//!
+//! Assistant `tool_calls` arrive with `function.arguments` as a JSON string (OpenAI's wire
+//! shape), but templates read it as a mapping (`arguments | tojson`, Qwen3-Coder's
+//! `arguments | items`). A string that holds a JSON object is given to the template as that
+//! object, as vLLM does; any other string is left as it is.
 
 use std::borrow::Cow;
 
@@ -40,25 +45,45 @@ impl ContentFormat {
 }
 
 /// The messages as the template should see them: unchanged unless the template wants strings
-/// and some message sent a list of text parts.
+/// and some message sent a list of text parts, or an assistant message carries tool calls
+/// whose arguments are a JSON object in a string.
 pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
-    let has_parts = |m: &Value| m.get("content").is_some_and(Value::is_array);
+    let joins = |m: &Value| format == ContentFormat::String && m.get("content").is_some_and(Value::is_array);
     let Some(list) = messages.as_array() else { return Cow::Borrowed(messages) };
-    if format == ContentFormat::OpenAi || !list.iter().any(has_parts) {
+    if !list.iter().any(|m| joins(m) || string_arguments(m).next().is_some()) {
         return Cow::Borrowed(messages);
     }
-    let joined = list
+    let normalized = list
         .iter()
         .map(|m| {
             let mut m = m.clone();
-            if let Some(Value::Array(parts)) = m.get("content") {
-                let text: Vec<&str> = parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
+            if joins(&m) {
+                let parts = m["content"].as_array().into_iter().flatten();
+                let text: Vec<&str> = parts.filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
                 m["content"] = Value::String(text.join("\n"));
+            }
+            if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
+                for call in calls {
+                    let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) else { continue };
+                    if let Some(object) = args.as_str().and_then(json_object) {
+                        *args = object;
+                    }
+                }
             }
             m
         })
         .collect();
-    Cow::Owned(Value::Array(joined))
+    Cow::Owned(Value::Array(normalized))
+}
+
+/// An assistant message's tool-call arguments sent as strings holding a JSON object.
+fn string_arguments(message: &Value) -> impl Iterator<Item = Value> + '_ {
+    let calls = message.get("tool_calls").and_then(Value::as_array).into_iter().flatten();
+    calls.filter_map(|c| c.get("function")?.get("arguments")?.as_str().and_then(json_object))
+}
+
+fn json_object(text: &str) -> Option<Value> {
+    serde_json::from_str::<Value>(text).ok().filter(Value::is_object)
 }
 
 #[cfg(test)]
@@ -90,5 +115,24 @@ mod tests {
         assert!(matches!(normalize(&messages, ContentFormat::OpenAi), Cow::Borrowed(_)));
         let strings = json!([{"role": "user", "content": "x"}]);
         assert!(matches!(normalize(&strings, ContentFormat::String), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn tool_call_arguments_reach_templates_as_objects() {
+        let messages = json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+                {"id": "call_3", "type": "function", "function": {"name": "h", "arguments": {"a": 1}}}
+            ]}
+        ]);
+        let out = normalize(&messages, ContentFormat::OpenAi);
+        let calls = &out[1]["tool_calls"];
+        assert_eq!(calls[0]["function"]["arguments"], json!({"city": "Paris"}));
+        assert_eq!(calls[1]["function"]["arguments"], "not json");
+        assert_eq!(calls[2]["function"]["arguments"], json!({"a": 1}));
+        let objects_only = json!([{"role": "assistant", "tool_calls": [{"function": {"name": "h", "arguments": {}}}]}]);
+        assert!(matches!(normalize(&objects_only, ContentFormat::String), Cow::Borrowed(_)));
     }
 }

@@ -96,6 +96,21 @@ impl Router {
         &self.grammars
     }
 
+    /// How chat output is read: the tool-call format (configured, or detected from the
+    /// template tool requests render with; None: only forced calls, in the json format) and
+    /// the reasoning parser (configured, or detected from the default template).
+    pub fn output_parsing(&self) -> (Option<crate::tools::ToolCallFormat>, crate::reasoning::ReasoningParser) {
+        let tools = self
+            .config
+            .tool_call_format
+            .or_else(|| self.templates.select(true).and_then(|t| crate::tools::ToolCallFormat::detect(t.source())));
+        let reasoning = self.config.reasoning_parser.unwrap_or_else(|| match self.templates.select(false) {
+            Some(t) => crate::reasoning::ReasoningParser::detect(t.source()),
+            None => crate::reasoning::ReasoningParser::Off,
+        });
+        (tools, reasoning)
+    }
+
     /// Validates a `Chat` or `Completion` request into a [`Prepared`] one.
     pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
         match endpoint {

@@ -121,6 +121,9 @@ pub(crate) fn chat_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiEr
         "prompt": p.prompt_texts[0],
         "prompt_token_ids": p.prompts[0],
         "template": {"origin": origin, "hash": hash},
+        "tool_call_format": p.tools.as_ref().map(|t| t.format.name()),
+        "reasoning_parser": p.reasoning.map(|r| r.parser.name()),
+        "grammar": p.grammar.as_ref().map(|g| g.key()),
         "unused_template_kwargs": checked.unused_kwargs,
         "ignored_fields": checked.ignored,
     })))

@@ -1,0 +1,160 @@
+"""Tool-call formats end to end on a tiny random model, with templates we write in the
+shapes of Hermes (Qwen2.5) and Qwen3-Coder (XML). The format is detected from each
+template's text; forced calls are grammar-constrained into that format, parsed back into
+`tool_calls`, and streamed as a name chunk then argument fragments that concatenate to the
+non-streamed arguments. History with assistant tool calls and tool results renders through
+each template (arguments sent as JSON strings reach the template as objects).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from server import ServerProcess
+from tiny import build_tiny_llama
+
+_TURNS = (
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\n' }}{% for call in message.tool_calls %}CALL{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+HERMES = (
+    "{% if tools %}{{ '<|im_start|>system\nFor each call write <tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>\n<tools>' }}"
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}{{ '</tools><|im_end|>\n' }}{% endif %}"
+    + _TURNS.replace("CALL", "{{ '<tool_call>\n{\"name\": ' + call.function.name | tojson + ', \"arguments\": ' "
+                             "+ call.function.arguments | tojson + '}\n</tool_call>' }}")
+)
+XML = (
+    "{% if tools %}{{ '<|im_start|>system\nCall a function as <tool_call>\n<function=NAME>\n"
+    "<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>\n<tools>' }}"
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}{{ '</tools><|im_end|>\n' }}{% endif %}"
+    + _TURNS.replace("CALL", "{{ '<tool_call>\n<function=' + call.function.name + '>\n' }}"
+                             "{% for k, v in call.function.arguments | items %}"
+                             "{{ '<parameter=' + k + '>\n' + v | string + '\n</parameter>\n' }}{% endfor %}"
+                             "{{ '</function>\n</tool_call>' }}")
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # Tool definitions render long in the tiny tokenizer: room for them.
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-tools"), max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module", params=[("hermes", HERMES), ("qwen3_xml", XML)], ids=["hermes", "qwen3_xml"])
+def fmt_server(request, model_dir, tmp_path_factory):
+    name, template = request.param
+    path = tmp_path_factory.mktemp("tpl") / f"{name}.jinja"
+    path.write_text(template)
+    server = ServerProcess(str(model_dir), "--served-model-name", "tiny", "--chat-template", str(path),
+                           "--num-kv-blocks", "400")
+    server.format = name
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(fmt_server):
+    with OpenAI(base_url=fmt_server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _valid(calls, names):
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_format_is_detected_from_the_template(fmt_server):
+    r = httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30,
+                   json={"model": "tiny", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tool_call_format"] == fmt_server.format
+    assert body["grammar"].startswith("lark:")
+    assert '"get_weather"' in body["prompt"]
+
+
+def test_forced_calls_stream_as_they_are_generated(client):
+    req = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**req)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content
+    _valid(choice.message.tool_calls, {"get_weather"})
+    assert len(choice.message.tool_calls) == 1
+
+    pieces, content, finish = [], "", None
+    for chunk in client.chat.completions.create(**req, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            pieces.extend(c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    head, rest = pieces[0], pieces[1:]
+    assert head.index == 0 and head.id.startswith("call_") and head.function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None for p in rest)
+    fragments = [p.function.arguments for p in rest]
+    assert len(fragments) > 1, "arguments should arrive as they are generated"
+    assert "".join(fragments) == choice.message.tool_calls[0].function.arguments
+
+
+def test_required_calls_validate(client):
+    for parallel in (True, False):
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=300,
+                                           temperature=1.0, seed=7, tool_choice="required",
+                                           parallel_tool_calls=parallel)
+        choice = r.choices[0]
+        assert choice.finish_reason in ("tool_calls", "length"), choice
+        if choice.finish_reason == "tool_calls":
+            _valid(choice.message.tool_calls, {"get_weather", "get_time"})
+        if not parallel:
+            assert choice.finish_reason == "tool_calls"
+            assert len(choice.message.tool_calls) == 1
+
+
+def test_history_with_tool_calls_renders_through_the_template(fmt_server, client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30,
+                   json={"model": "tiny", "messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    if fmt_server.format == "hermes":
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    else:
+        call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+    assert call in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    # The model answers the tool result (any text or call; the server keeps serving).
+    out = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                         max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
