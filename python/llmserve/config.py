@@ -51,9 +51,11 @@ class ModelConfig:
         None,
         "How the model writes tool calls: 'hermes' (<tool_call>{json}</tool_call>), "
         "'llama3_json' ([<|python_tag|>]{\"name\", \"parameters\"}, several joined by '; '), "
-        "'mistral' ([TOOL_CALLS][{\"name\", \"arguments\"}, ...]) or 'json' (a bare "
-        "{\"name\", \"arguments\"} object, or an array of them). Default: detected from the chat "
-        "template ('hermes' if it mentions <tool_call>, else 'mistral' for [TOOL_CALLS], else "
+        "'mistral' ([TOOL_CALLS][{\"name\", \"arguments\"}, ...]), 'qwen3_xml' (alias "
+        "'qwen3_coder': <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function>"
+        "</tool_call>) or 'json' (a bare {\"name\", \"arguments\"} object, or an array of them). "
+        "Default: detected from the chat template ('qwen3_xml' if it mentions <function=, else "
+        "'hermes' for <tool_call>, else 'mistral' for [TOOL_CALLS], else "
         "'llama3_json' for <|python_tag|>, 'Environment: ipython' or '\"parameters\": '); "
         "otherwise 'json' for forced tool_choice and plain text under 'auto'.",
     )
