@@ -51,11 +51,37 @@ def test_kernel_matches_gguf_dequantize_then_matmul(qtype, tokens, rows, cols):
 
 def test_thread_count_does_not_change_bits():
     rng = np.random.default_rng(0)
-    raw = _blocks(rng, GT.Q4_1, 4001, 64)   # > 96 KiB, so it does split
+    raw = _blocks(rng, GT.Q4_1, 4001, 64)   # > 32 KiB a thread, so it does split
     x = rng.standard_normal((3, 64)).astype(np.float32)
     one = _run(raw, GT.Q4_1, x, 1)
     for threads in (2, 5):
         np.testing.assert_array_equal(one, _run(raw, GT.Q4_1, x, threads))
+
+
+def test_kernel_threads_work_in_a_forked_child():
+    # The kernels' worker pool lives in the parent; a forked child (multiprocessing's default
+    # on Linux) must get its own workers instead of waiting for threads it does not have.
+    import os
+    import time
+
+    rng = np.random.default_rng(1)
+    raw = _blocks(rng, GT.Q4_1, 4001, 64)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    want = _run(raw, GT.Q4_1, x, 2)    # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:
+        ok = np.array_equal(_run(raw, GT.Q4_1, x, 2), want)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child's kernel call hung")
 
 
 def test_bad_input_is_value_error():

@@ -19,11 +19,7 @@ from torch import nn
 from llmserve import _core
 from llmserve.loaders.checkpoint import QuantTensor
 from llmserve.worker.attention import AttentionMetadata, paged_attention
-
-# Steps of at most this many tokens (decode) read a linear's GGUF blocks when it has them:
-# they are bound by reading weights (BENCH.md), and Q4_1 is ~6x smaller than fp32. Larger
-# steps are bound by compute, where MKL's fp32 GEMM on the dequantized copy wins.
-QUANT_MAX_TOKENS = 8
+from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads
 
 
 class RMSNorm(nn.Module):
@@ -130,7 +126,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: QuantTensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], quant.rows), dtype=torch.float32)
     _core.quant_matmul(out.numpy(), x.contiguous().numpy(), quant.data, quant.ggml_type,
-                       quant.rows, quant.cols, torch.get_num_threads())
+                       quant.rows, quant.cols, kernel_threads())
     return out if bias is None else out.add_(bias)
 
 

@@ -129,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
         self.lm_quant: QuantTensor | None = None   # the LM head's GGUF blocks, if any
+        self.quantized = False                     # some linear has GGUF blocks
         self.batch_invariant = False
 
     def set_batch_invariant(self, on: bool) -> None:
@@ -172,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_quant = q
             else:
                 self.get_submodule(name).quant = q
+            self.quantized = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[KVPair]) -> torch.Tensor:

@@ -19,6 +19,8 @@ class CausalLM(Protocol):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # Few-token CPU steps read GGUF-quantized blocks (the Rust GEMV) for some linears.
+    quantized: bool
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

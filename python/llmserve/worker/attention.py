@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.worker.kv_cache import write_kv
+from llmserve.worker.threads import kernel_threads
 
 try:
     from llmserve._core import paged_decode_attention as _cpu_decode
@@ -45,7 +46,7 @@ except ImportError:     # an extension built before the kernel existed: torch pa
 
 # Tests flip this to compare the kernel with the torch reference in one process.
 USE_CPU_DECODE_KERNEL = True
-# Threads of the kernel; None: torch's intra-op thread count.
+# Threads of the kernel; None: the engine's (worker/threads.py).
 # NOTE: torch's OpenMP workers spin for a while after each parallel op (libgomp's default wait
 # policy), so a second kernel thread shares its core with a spinning worker: at batch 64 x 256
 # tokens, 2 torch threads (benches/cpu_decode_attention.py), attention alone is ~1.9x faster
@@ -192,7 +193,7 @@ def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     q = q.contiguous()
     out = torch.empty_like(q)
     _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), tables, lens, scale,
-                CPU_DECODE_THREADS or torch.get_num_threads())
+                CPU_DECODE_THREADS or kernel_threads())
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 from llmserve.worker.attention import AttentionMetadata, GatherWorkspace
 from llmserve.worker.kv_cache import KVCache
 from llmserve.worker.sampler import Sampler, SampleOutput, SamplingBatch, as_tensor
+from llmserve.worker.threads import QUANT_MAX_TOKENS, set_engine_threads, torch_on_one_thread
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters
@@ -63,6 +64,10 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             retain_freed_memory()
+            set_engine_threads(torch.get_num_threads())
+        # Few-token CPU steps run on the Rust kernels: torch goes single-threaded for them
+        # (worker/threads.py says why).
+        self.kernel_steps = self.device.type == "cpu" and getattr(model, "quantized", False)
         self.kv_cache = KVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads,
                                 model.head_dim, dtype, self.device)
         self.sampler = Sampler(seed)
@@ -78,17 +83,22 @@ class ModelRunner:
             num_rows = len(plan.logits_indices)
             if num_tokens == 0:
                 return SampleOutput.empty()
-            hidden = self.run_model(plan)
-            prompt_lp = self.prompt_logprobs(hidden, plan)
-            # NOTE: a chunk that does not reach the end of its prompt samples nothing, but its
-            # forward above still had to run to fill the KV cache.
-            if num_rows == 0:
-                out = SampleOutput.empty()
-            else:
-                rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
-                logits = self.model.compute_logits(hidden[rows]).cpu()
-                out = self.sampler.sample(logits, SamplingBatch.from_plan(plan))
-            return with_prompt_logprobs(out, prompt_lp)
+            with torch_on_one_thread(self.kernel_steps and num_tokens <= QUANT_MAX_TOKENS):
+                return self._execute(plan, num_rows)
+
+    def _execute(self, plan, num_rows: int) -> SampleOutput:
+        """Forward, prompt logprobs and sampling of a non-empty plan."""
+        hidden = self.run_model(plan)
+        prompt_lp = self.prompt_logprobs(hidden, plan)
+        # NOTE: a chunk that does not reach the end of its prompt samples nothing, but its
+        # forward above still had to run to fill the KV cache.
+        if num_rows == 0:
+            out = SampleOutput.empty()
+        else:
+            rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
+            logits = self.model.compute_logits(hidden[rows]).cpu()
+            out = self.sampler.sample(logits, SamplingBatch.from_plan(plan))
+        return with_prompt_logprobs(out, prompt_lp)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan):
         """The Plan's prompt-logprob entries from the final hidden states [T, H]:

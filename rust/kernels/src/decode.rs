@@ -12,7 +12,7 @@
 //! group, so every K/V row is read from memory once per group. A block of keys is one softmax
 //! tile: the scores of the tile are computed for every query head of the group, the running max
 //! and sum are updated once per tile (online softmax, f32), and V rows are accumulated with the
-//! tile's weights. Threads of a `std::thread::scope` take items a few at a time from a shared
+//! tile's weights. Threads of the kernels' pool (`pool.rs`) take items a few at a time from a shared
 //! queue; an item is always computed whole by one thread, so the result does not depend on the
 //! thread count.
 
@@ -111,12 +111,7 @@ pub(crate) fn run(
         let Some((i, chunk)) = next else { break };
         run_items(&ctx, i * grain, chunk, isa);
     };
-    std::thread::scope(|scope| {
-        for _ in 1..threads {
-            scope.spawn(work);
-        }
-        work(); // the calling thread works too
-    });
+    crate::pool::parallel(threads, &|_| work()); // the calling thread works too
     Ok(())
 }
 

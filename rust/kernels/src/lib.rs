@@ -19,6 +19,7 @@
 
 mod bitmask;
 mod decode;
+mod pool;
 pub mod quant;
 mod simd;
 

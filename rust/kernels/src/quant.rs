@@ -22,17 +22,18 @@
 //! Invariants: every input is checked before any work (`Err(String)`, never a panic or an
 //! out-of-bounds read); the AVX2/FMA/F16C path is taken only when the CPU reports those
 //! features at runtime (the wheel targets generic x86_64), else a portable path whose loops
-//! auto-vectorize; rows are split into contiguous ranges over `num_threads` scoped threads,
-//! the caller's thread taking the first range.
+//! auto-vectorize; rows are split into contiguous ranges over `num_threads` threads of the
+//! kernels' persistent pool, the caller's thread taking the first range.
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 /// Weights per block in every format here.
 pub const BLOCK: usize = 32;
 
-/// Rows of weights below this many bytes are not worth another thread: spawning one costs
-/// about as much as reading this much memory.
-const MIN_BYTES_PER_THREAD: usize = 96 * 1024;
+/// Rows of weights below this many bytes are not worth another thread: handing a part to a
+/// pool worker costs about as much as reading this much memory.
+const MIN_BYTES_PER_THREAD: usize = 32 * 1024;
 
 /// Tokens handled by one pass over a row; more tokens make more passes over the (then
 /// L1-resident) row. Four accumulators plus four unpacked vectors fit the 16 AVX registers.
@@ -206,15 +207,12 @@ pub fn quant_matmul_with(
     }
     let data_of = |r: &Range<usize>| &w.data[r.start * row_bytes..r.end * row_bytes];
 
-    let mut jobs = ranges.iter().zip(parts.iter_mut());
-    let (first_range, first_part) = jobs.next().expect("at least one range");
-    std::thread::scope(|s| {
-        for (range, part) in jobs {
-            let data = data_of(range);
-            let call = &call;
-            s.spawn(move || call.rows(data, part));
-        }
-        call.rows(data_of(first_range), first_part);
+    // Each part's slices are taken by exactly one thread; the mutex only makes that visible
+    // to the borrow checker (never contended).
+    let parts: Vec<Mutex<Vec<&mut [f32]>>> = parts.into_iter().map(Mutex::new).collect();
+    crate::pool::parallel(ranges.len(), &|i| {
+        let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+        call.rows(data_of(&ranges[i]), &mut part);
     });
     Ok(())
 }
