@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=[*WORKLOADS, "offline"], default="load")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
     ap.add_argument("--num-prompts", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="engine torch threads")
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     args = ap.parse_args()
 
     words, max_tokens, default_n = WORKLOADS.get(args.workload, WORKLOADS["load"])
@@ -150,7 +151,9 @@ def main() -> None:
     if url is None:
         from server import ServerProcess
 
-        extra = ["--threads", str(args.threads)] if args.threads else []
+        # NOTE: ServerProcess pins tests' servers to one thread; a benchmark measures the
+        # server as users run it, on every core (the load generator mostly waits).
+        extra = ["--threads", str(args.threads or os.cpu_count() or 1)]
         server = ServerProcess(args.model, "--max-model-len", "2048", "--kv-cache-memory", "1GiB",
                                "--max-num-seqs", str(max(args.concurrency)), *extra)
         url = server.url
