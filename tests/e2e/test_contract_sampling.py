@@ -146,8 +146,15 @@ def test_stop_token_ids_and_min_tokens(tiny_server):
     c = r["choices"][0]
     assert (c["finish_reason"], r["usage"]["completion_tokens"]) == ("stop", 1)
     assert c["text"] == ""  # a stop token's text is not output
+    assert c["stop_reason"] == tok  # the id, as vLLM reports it
     r = _ok(tiny_server, "/v1/completions", {**body, "min_tokens": 3})
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 4
+    assert r["choices"][0]["stop_reason"] == tok
+    # eos ends a sequence without a stop_reason, even when also listed.
+    eos = _tokenize(tiny_server, "<|im_end|>")[0]
+    r = _ok(tiny_server, "/v1/completions", {"prompt": "Numbers", "logit_bias": {str(eos): 100},
+                                             "stop_token_ids": [eos], "max_tokens": 10})
+    assert (r["choices"][0]["finish_reason"], r["choices"][0]["stop_reason"]) == ("stop", None)
 
 
 def _spanning_stop(server, prompt: str) -> tuple[str, str]:

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
 use llmserve_router::protocol::{Endpoint, Prepared};
-use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
 use llmserve_router::ApiError;
@@ -67,6 +67,9 @@ struct RequestState {
     detoks: Vec<Detokenizer>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
+    /// `stop_token_ids` that are not also an ending eos: a finish by one of these names it
+    /// in `stop_reason` (vLLM's rule: eos checks first and gives none).
+    stop_token_reasons: Vec<u32>,
     started: bool,
     new_tokens: u32,
 }
@@ -180,6 +183,10 @@ impl CoreState {
                 n: p.n,
                 detoks,
                 matchers,
+                stop_token_reasons: {
+                    let eos = &self.router.config().eos_token_ids;
+                    p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
+                },
                 started: false,
                 new_tokens: 0,
             },
@@ -290,6 +297,10 @@ impl CoreState {
             let by_token = finish == Some(FinishReason::Stop);
             let mut text = String::new();
             let mut stop_reason = None;
+            let mut stop_text = None;
+            if by_token && state.stop_token_reasons.contains(&u.token) {
+                stop_reason = Some(StopReason::Token(u.token));
+            }
             if !by_token {
                 let step = detok.push(u.token);
                 text = step.text;
@@ -298,7 +309,7 @@ impl CoreState {
                         self.scheduler.finish_seq(u.req_id, u.seq_index);
                     }
                     finish = Some(FinishReason::Stop);
-                    stop_reason = Some(s);
+                    stop_text = Some(s);
                 } else if finish.is_some() {
                     text.push_str(&detok.flush());
                 } else if grammar_done {
@@ -308,7 +319,8 @@ impl CoreState {
                 }
             }
             let tokens_out = [token];
-            let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason: stop_reason.as_deref() };
+            let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
+            let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason };
             let first_choice = if state.seqs_per_prompt == state.n {
                 prompt_idx * state.n + u.seq_index
             } else {

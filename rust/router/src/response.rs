@@ -62,14 +62,46 @@ pub struct TokenOut {
 }
 
 /// One choice's progress in a step: the text now safe to send, the tokens generated, and
-/// the finish when the choice ended. `stop_reason` is the stop string (or stop token id, as
-/// text) that ended it.
+/// the finish when the choice ended. `stop_reason` is the stop string or stop token id that
+/// ended it (None for eos, length, or a grammar that completed).
 #[derive(Clone, Copy, Debug)]
 pub struct ChoiceDelta<'a> {
     pub text: &'a str,
     pub tokens: &'a [TokenOut],
     pub finish: Option<FinishReason>,
-    pub stop_reason: Option<&'a str>,
+    pub stop_reason: Option<StopReason<'a>>,
+}
+
+/// What matched a stop rule: on the wire a string (`stop`) or an integer (`stop_token_ids`),
+/// as vLLM sends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum StopReason<'a> {
+    Text(&'a str),
+    Token(u32),
+}
+
+/// A [`StopReason`] kept past its push.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum OwnedStop {
+    Text(String),
+    Token(u32),
+}
+
+impl OwnedStop {
+    fn of(r: StopReason) -> Self {
+        match r {
+            StopReason::Text(s) => Self::Text(s.to_string()),
+            StopReason::Token(t) => Self::Token(t),
+        }
+    }
+
+    fn as_ref(&self) -> StopReason<'_> {
+        match self {
+            Self::Text(s) => StopReason::Text(s),
+            Self::Token(t) => StopReason::Token(*t),
+        }
+    }
 }
 
 /// A logprob as the wire shows it: -inf (a banned token) becomes -9999, as vLLM does, since
@@ -206,7 +238,7 @@ struct ChatChunkChoice<'a> {
     logprobs: Option<ChatLogprobs>,
     finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    stop_reason: Option<Option<&'a str>>,
+    stop_reason: Option<Option<StopReason<'a>>>,
 }
 
 #[derive(Serialize)]
@@ -216,7 +248,7 @@ struct CompletionChunkChoice<'a> {
     logprobs: Option<CompletionLogprobs>,
     finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    stop_reason: Option<Option<&'a str>>,
+    stop_reason: Option<Option<StopReason<'a>>>,
 }
 
 /// `content` is null only when the message is tool calls and nothing else.
@@ -237,7 +269,7 @@ struct ChatChoice<'a> {
     message: Message<'a>,
     logprobs: Option<&'a ChatLogprobs>,
     finish_reason: Option<&'static str>,
-    stop_reason: Option<&'a str>,
+    stop_reason: Option<StopReason<'a>>,
 }
 
 #[derive(Serialize)]
@@ -246,7 +278,7 @@ struct CompletionChoice<'a> {
     text: &'a str,
     logprobs: Option<&'a CompletionLogprobs>,
     finish_reason: Option<&'static str>,
-    stop_reason: Option<&'a str>,
+    stop_reason: Option<StopReason<'a>>,
 }
 
 #[derive(Default)]
@@ -259,7 +291,7 @@ struct ChoiceState {
     comp_lp: CompletionLogprobs,
     completion_tokens: u64,
     finish: Option<FinishReason>,
-    stop_reason: Option<String>,
+    stop_reason: Option<OwnedStop>,
     /// Chat with tools: splits the text into content and calls.
     parser: Option<ToolCallParser>,
     /// Non-streaming: the calls parsed so far.
@@ -501,7 +533,7 @@ impl ResponseBuilder {
         self.choices[idx].started = true;
         self.choices[idx].completion_tokens += delta.tokens.len() as u64;
         self.choices[idx].finish = delta.finish;
-        self.choices[idx].stop_reason = delta.stop_reason.map(str::to_string);
+        self.choices[idx].stop_reason = delta.stop_reason.map(OwnedStop::of);
         let echo_text =
             if self.echo && !self.chat && first { self.prompt_texts.get(idx / self.n as usize).cloned() } else { None };
         // text_offset counts from the start of the returned text, echo included.
@@ -663,7 +695,7 @@ impl ResponseBuilder {
         }
         let state = &mut self.choices[idx];
         state.finish = finish;
-        state.stop_reason = stop_reason.map(str::to_string);
+        state.stop_reason = stop_reason.map(OwnedStop::of);
     }
 
     /// Whether a choice has ended (the builder may end one itself: a completed tool call
@@ -724,7 +756,7 @@ impl ResponseBuilder {
                     },
                     logprobs: self.logprobs.then_some(&c.chat_lp),
                     finish_reason: c.finish.map(FinishReason::as_str),
-                    stop_reason: c.stop_reason.as_deref(),
+                    stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
                 })
                 .collect();
             serde_json::to_vec(&Body {
@@ -755,7 +787,7 @@ impl ResponseBuilder {
                     text,
                     logprobs: self.logprobs.then_some(&c.comp_lp),
                     finish_reason: c.finish.map(FinishReason::as_str),
-                    stop_reason: c.stop_reason.as_deref(),
+                    stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
                 })
                 .collect();
             serde_json::to_vec(&Body {

@@ -6,7 +6,7 @@ mod protocol_fixture;
 use std::sync::Arc;
 
 use llmserve_router::protocol::{Endpoint, Prepared, SamplingParams};
-use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, TokenOut};
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -88,7 +88,12 @@ fn chat_stream_golden_bytes() {
     let mut out = b.take();
     b.push(
         0,
-        &ChoiceDelta { text: "lo", tokens: &[tok(1)], finish: Some(FinishReason::Stop), stop_reason: Some("</s>") },
+        &ChoiceDelta {
+            text: "lo",
+            tokens: &[tok(1)],
+            finish: Some(FinishReason::Stop),
+            stop_reason: Some(StopReason::Token(7)),
+        },
     );
     assert!(b.all_finished());
     out.extend(b.take());
@@ -97,7 +102,7 @@ fn chat_stream_golden_bytes() {
     let expected = format!(
         "data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n\
          data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n\
-         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"lo\"}},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":\"</s>\"}}]}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"lo\"}},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":7}}]}}\n\n\
          data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}}}\n\n\
          data: [DONE]\n\n"
     );
@@ -184,7 +189,7 @@ fn chat_non_stream_body() {
             text: " world",
             tokens: &[tok(10), tok(19)],
             finish: Some(FinishReason::Stop),
-            stop_reason: Some("z"),
+            stop_reason: Some(StopReason::Text("z")),
         },
     );
     let v: Value = serde_json::from_slice(&b.finish()).unwrap();
