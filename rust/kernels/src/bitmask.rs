@@ -111,14 +111,9 @@ mod tests {
         }
     }
 
-    struct Rng(u64);
+    use crate::tests::Rng;
+
     impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
         /// Words that are all ones, all zeros or random, in about equal shares: each of the
         /// kernel's three word paths is taken.
         fn word(&mut self) -> i32 {

@@ -4,9 +4,9 @@
 use crate::decode::{run, DecodeShape, Isa};
 
 /// Deterministic xorshift numbers in [-1, 1): no rand dependency for the unit tests.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
