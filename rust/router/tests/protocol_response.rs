@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use llmserve_router::protocol::{Endpoint, Prepared, SamplingParams};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
+use llmserve_router::tools::{ToolCallFormat, ToolParsing};
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -346,4 +347,93 @@ fn builder_round_trips_a_prepared_request() {
     assert_eq!(f.len(), 5);
     assert_eq!(f[4]["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}));
     assert!(f.iter().all(|c| c["id"] == p.id.as_str()));
+}
+
+/// A builder for a chat with one tool in the Hermes format (`tool_choice: auto`).
+fn hermes_chat(stream: bool, parallel: bool) -> ResponseBuilder {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, None);
+    p.stream = stream;
+    let f = json!({"name": "get", "parameters": {"type": "object"}});
+    p.tools = Some(ToolParsing::new(ToolCallFormat::Hermes, parallel, &[&f]));
+    builder(&p)
+}
+
+const TWO_CALLS: [&str; 6] = [
+    "Checking. <tool_call>\n{\"name\": \"get\", \"argu",
+    "ments\": {\"city\": \"Pa",
+    "ris\"}}\n</tool_call>\n",
+    "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>",
+    " bye",
+    "",
+];
+
+fn push_all(b: &mut ResponseBuilder) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, piece) in TWO_CALLS.iter().enumerate() {
+        let finish = (i + 1 == TWO_CALLS.len()).then_some(FinishReason::Stop);
+        b.push(0, &delta(piece, &[tok(9)], finish));
+        out.extend(b.take());
+    }
+    out.extend(b.finish());
+    out
+}
+
+#[test]
+fn streamed_tool_calls_equal_the_body_and_arguments_arrive_in_pieces() {
+    let body: Value = serde_json::from_slice(&push_all(&mut hermes_chat(false, true))).unwrap();
+    let msg = &body["choices"][0]["message"];
+    // Whitespace around calls belongs to the markup: the text on either side is joined as is.
+    assert_eq!(msg["content"], "Checking.bye");
+    assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    let calls = msg["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+
+    let chunks = frames(&push_all(&mut hermes_chat(true, true)));
+    let mut content = String::new();
+    let mut args = vec![String::new(); 2];
+    let mut pieces = [0; 2];
+    for c in &chunks {
+        let d = &c["choices"][0]["delta"];
+        content.push_str(d["content"].as_str().unwrap_or_default());
+        for t in d["tool_calls"].as_array().into_iter().flatten() {
+            let i = t["index"].as_u64().unwrap() as usize;
+            if let Some(id) = t["id"].as_str() {
+                assert!(id.starts_with("call_") && t["type"] == "function", "{t}");
+                assert_eq!(t["function"]["name"], "get");
+            } else {
+                pieces[i] += 1;
+            }
+            args[i].push_str(t["function"]["arguments"].as_str().unwrap());
+        }
+    }
+    assert_eq!(content, "Checking.bye");
+    assert_eq!(args[0], calls[0]["function"]["arguments"].as_str().unwrap());
+    assert_eq!(args[1], calls[1]["function"]["arguments"].as_str().unwrap());
+    assert_eq!(pieces[0], 2, "the first call's arguments came in the 2 pushes after its name");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+}
+
+#[test]
+fn without_parallel_calls_the_choice_ends_with_its_first_call() {
+    let mut b = hermes_chat(true, false);
+    let mut out = Vec::new();
+    for piece in &TWO_CALLS[..3] {
+        assert!(!b.choice_finished(0));
+        b.push(0, &delta(piece, &[tok(9)], None));
+        out.extend(b.take());
+    }
+    assert!(b.choice_finished(0), "the engine stops the sequence here");
+    b.push(0, &delta(TWO_CALLS[3], &[tok(9)], Some(FinishReason::Stop))); // dropped
+    out.extend(b.finish());
+    let chunks = frames(&out);
+    let indices: Vec<u64> = chunks
+        .iter()
+        .flat_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array().cloned().unwrap_or_default())
+        .map(|t| t["index"].as_u64().unwrap())
+        .collect();
+    assert!(indices.iter().all(|&i| i == 0), "{indices:?}");
+    let finishes: Vec<&Value> =
+        chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finishes, vec![&json!("tool_calls")]);
 }
