@@ -1,10 +1,12 @@
 """Chat templates and field reporting: the `llmserve-chat-template` header, unused
 `chat_template_kwargs`, add_generation_prompt / continue_final_message, content as a string
-or text parts, a model without a template, `llmserve-ignored-fields` and `--strict-fields`,
+or text parts (and `--chat-template-content-format` overriding the detected shape), a model
+without a template, `llmserve-ignored-fields` and `--strict-fields`,
 and constant-time API-key comparison.
 
 Template and field behaviour goes over HTTP to the shared tiny server; the two configurations
-that need their own engine (no template, strict fields) run in process through `create_app`.
+that need their own engine (no template, strict fields, a content format) run in process
+through `create_app`.
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ def untemplated_model(tiny_model, tmp_path_factory):
     return folder
 
 
-def _run(model, strict: bool, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
-    config = Config(model=ModelConfig(model=str(model), served_model_name=("tiny",)),
+def _run(model, strict: bool, requests: list[tuple[str, dict]], **model_options) -> list[httpx.Response]:
+    config = Config(model=ModelConfig(model=str(model), served_model_name=("tiny",), **model_options),
                     cache=CacheConfig(num_kv_blocks=64), scheduler=SchedulerConfig(max_num_seqs=2),
                     device=DeviceConfig(device="cpu", threads=1),
                     server=ServerConfig(access_log=False, strict_fields=strict))
@@ -180,3 +182,15 @@ def test_api_keys_compare_in_constant_time(monkeypatch):
     calls.clear()
     assert not mw._authorized({"headers": [(b"authorization", b"Bearer k")]})
     assert len(calls) == 3
+
+
+def test_content_format_flag_overrides_the_detected_one(tiny_model, tiny_server):
+    # The tiny template walks text parts (detected "openai"): parts render back to back.
+    # Forced to "string", parts are joined with "\n" before the template sees them.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    detected = _render(tiny_server, messages=parts)["prompt"]
+    assert "Hellothere" in detected
+    (forced,) = _run(tiny_model, False, [("/v1/chat/completions/render", {"messages": parts})],
+                     chat_template_content_format="string")
+    assert forced.status_code == 200, forced.text
+    assert "Hello\nthere" in forced.json()["prompt"]
