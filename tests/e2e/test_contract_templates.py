@@ -4,7 +4,7 @@ or text parts (and `--chat-template-content-format` overriding the detected shap
 without a template, `llmserve-ignored-fields` and `--strict-fields`,
 and constant-time API-key comparison.
 
-Template and field behaviour goes over HTTP to the shared tiny server; the two configurations
+Template and field behaviour goes over HTTP to the shared tiny server; the configurations
 that need their own engine (no template, strict fields, a content format) run in process
 through `create_app`.
 """
