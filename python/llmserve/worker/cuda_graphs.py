@@ -189,18 +189,12 @@ class CudaModelRunner(ModelRunner):
             self.block_size, dev, self.model.num_kv_heads, ops=self.ops)
         return self.model.forward(input_ids, positions, meta, self.kv_cache)
 
-    def execute(self, plan) -> SampleOutput:
-        with torch.inference_mode():
-            copy_src = as_tensor(plan.copy_src, torch.int64)
-            if copy_src.numel():
-                self.kv_cache.copy_blocks(copy_src.to(self.device),
-                                          as_tensor(plan.copy_dst, torch.int64).to(self.device))
-            if len(plan.input_ids) == 0:
-                return SampleOutput.empty()
-            hidden = self.run_model(plan)
-            # Prompt logprobs (echo with logprobs) only come with prompt chunks, never graphs.
-            prompt_lp = self.prompt_logprobs(hidden, plan)
-            return with_prompt_logprobs(self._sample(hidden, plan), prompt_lp)
+    def _execute(self, plan, num_rows: int) -> SampleOutput:
+        """ModelRunner.execute's forward and sampling, with sampling on the GPU."""
+        hidden = self.run_model(plan)
+        # Prompt logprobs (echo with logprobs) only come with prompt chunks, never graphs.
+        prompt_lp = self.prompt_logprobs(hidden, plan)
+        return with_prompt_logprobs(self._sample(hidden, plan), prompt_lp)
 
     def _sample(self, hidden: torch.Tensor, plan) -> SampleOutput:
         """The plan's sampling rows; greedy-only steps take the argmax on the GPU."""
