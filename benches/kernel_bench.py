@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from llmserve import kernels  # noqa: E402
+from tiny import random_llama_weights  # noqa: E402
 
 PEAK_TBS = 4.8
 BS = 16
@@ -86,25 +88,14 @@ def torch_path(q, k, v, tables, lens, scale):
 def random_weights(cfg: dict, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """HF-named random weights for a Llama-family config (the step figures do not depend on
     the values)."""
-    from llmserve.models.llama import DecoderConfig
-
-    c = DecoderConfig.from_hf(cfg)
-    h, i, d, nh, nkv = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads, c.num_kv_heads
-
     def r(*shape):
         return (torch.randn(shape, device="cuda") * 0.02).to(dtype)
 
-    w = {"model.embed_tokens.weight": r(c.vocab_size, h), "model.norm.weight": 1 + r(h)}
-    for layer in range(c.num_layers):
-        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
-        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
-                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
-                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
-                  p + "post_attention_layernorm.weight": 1 + r(h)})
-    if not c.tie_word_embeddings:
-        w["lm_head.weight"] = r(c.vocab_size, h)
-    return w
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    top = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h)}
+    if not cfg.get("tie_word_embeddings", False):
+        top["lm_head.weight"] = r(v, h)
+    return random_llama_weights(cfg, r, top)
 
 
 def step_bench(config_path: str, steps: int = 40) -> list[dict]:

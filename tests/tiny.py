@@ -42,6 +42,24 @@ def build_tokenizer(path: Path, vocab_size: int = 384) -> int:
     return tok.get_vocab_size()
 
 
+def random_llama_weights(c: dict, draw, top: dict) -> dict:
+    """HF-named weights of the Llama-shaped config `c` (an HF config.json dict): `top` (the
+    embeddings, final norm and any lm_head, drawn by the caller in its own way) then every
+    layer's tensors from `draw(*shape)`, norm weights as 1 + draw."""
+    h, i = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    w = dict(top)
+    for layer in range(c["num_hidden_layers"]):
+        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+        w.update({a + "q_proj.weight": draw(nh * d, h), a + "k_proj.weight": draw(nkv * d, h),
+                  a + "v_proj.weight": draw(nkv * d, h), a + "o_proj.weight": draw(h, nh * d),
+                  p + "mlp.gate_proj.weight": draw(i, h), p + "mlp.up_proj.weight": draw(i, h),
+                  p + "mlp.down_proj.weight": draw(h, i), p + "input_layernorm.weight": 1 + draw(h),
+                  p + "post_attention_layernorm.weight": 1 + draw(h)})
+    return w
+
+
 def build_tiny_llama(folder: Path, *, max_position_embeddings: int = 512, seed: int = 0) -> Path:
     """A complete HF model folder: config, safetensors, tokenizer, template, generation config."""
     import torch

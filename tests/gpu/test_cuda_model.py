@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _scenario import BLOCK, scenario_plans
+from tiny import random_llama_weights
 
 from llmserve.kernels import reference
 from llmserve.models import build_model
@@ -28,23 +29,14 @@ NUM_BLOCKS = 64
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    c = CONFIG
-    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
 
     def r(*shape, s=0.06):
         return (torch.randn(shape, generator=g) * s).to(torch.bfloat16).float()   # bf16-exact
 
-    w = {"model.embed_tokens.weight": r(c["vocab_size"], h, s=1.0), "model.norm.weight": 1 + r(h),
-         "lm_head.weight": r(c["vocab_size"], h, s=0.2)}
-    for layer in range(c["num_hidden_layers"]):
-        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
-        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
-                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
-                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
-                  p + "post_attention_layernorm.weight": 1 + r(h)})
-    return w
+    h, v = CONFIG["hidden_size"], CONFIG["vocab_size"]
+    top = {"model.embed_tokens.weight": r(v, h, s=1.0), "model.norm.weight": 1 + r(h),
+           "lm_head.weight": r(v, h, s=0.2)}
+    return random_llama_weights(CONFIG, r, top)
 
 
 def cuda_runner(graphs: bool, ops=None) -> CudaModelRunner:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from _scenario import BLOCK, scenario_plans
+from tiny import random_llama_weights
 
 from llmserve import kernels
 from llmserve.kernels import reference
@@ -26,22 +27,13 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
 
 def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    c = CONFIG
-    h, i, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
-    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
 
     def r(*shape):
         return torch.randn(shape, generator=g) * 0.2
 
-    w = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
-    for layer in range(c["num_hidden_layers"]):
-        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
-        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
-                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
-                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
-                  p + "post_attention_layernorm.weight": 1 + r(h)})
-    return w
+    h = CONFIG["hidden_size"]
+    top = {"model.embed_tokens.weight": r(CONFIG["vocab_size"], h), "model.norm.weight": 1 + r(h)}
+    return random_llama_weights(CONFIG, r, top)
 
 
 def runners():

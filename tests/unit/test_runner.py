@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from _plans import Paged, Row
+from tiny import random_llama_weights
 
 from llmserve.models import build_model
 from llmserve.models.layers import RotaryEmbedding
@@ -26,22 +27,13 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
 def tiny_weights(c: dict = CONFIG, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
     """Random HF-named Llama weights for config `c` (shared by the runner and kernel tests)."""
     g = torch.Generator().manual_seed(seed)
-    h, i, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
-    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
 
     def r(*shape):
         return torch.randn(shape, generator=g) * scale
 
-    w = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        a = p + "self_attn."
-        w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h),
-                  a + "v_proj.weight": r(nkv * d, h), a + "o_proj.weight": r(h, nh * d),
-                  p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-                  p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": 1 + r(h),
-                  p + "post_attention_layernorm.weight": 1 + r(h)})
-    return w
+    h = c["hidden_size"]
+    top = {"model.embed_tokens.weight": r(c["vocab_size"], h), "model.norm.weight": 1 + r(h)}
+    return random_llama_weights(c, r, top)
 
 
 def make_runner(seed: int | None = 0) -> ModelRunner:
