@@ -26,12 +26,12 @@ class KernelsUnavailable(RuntimeError):
 
 
 def source_dir() -> Path:
-    """csrc/: packaged beside this module (wheel builds) or at the repository root (checkouts)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "csrc", here.parents[2] / "csrc"):
-        if (candidate / "ops.cpp").is_file():
-            return candidate
-    raise KernelsUnavailable(f"llmserve's CUDA sources (csrc/) were not found near {here}")
+    """llmserve/csrc/: the CUDA sources live inside the package, so that an installed wheel can
+    build them on a GPU machine (the repository's top-level csrc/ is a link to it)."""
+    src = Path(__file__).resolve().parent.parent / "csrc"
+    if not (src / "ops.cpp").is_file():
+        raise KernelsUnavailable(f"llmserve's CUDA sources were not found at {src}")
+    return src
 
 
 def sources() -> list[Path]:
