@@ -172,6 +172,13 @@ def test_binding_rejects_bad_arguments(edit, needle):
         assert (args[0] == 7.0).all()
 
 
+def test_binding_refuses_a_read_only_out():
+    args = _args()
+    args[0].flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writeable"):
+        _core.paged_decode_attention(*args)
+
+
 def test_binding_rejects_other_dtypes():
     args = _args()
     args[2] = args[2].astype(np.float64)

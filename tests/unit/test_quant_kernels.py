@@ -100,6 +100,9 @@ def test_bad_input_is_value_error():
         (out, np.ones((2, 128), np.float32)[:, ::2], raw, q4_1, 5, 64, 1),  # not contiguous
         (out, x, raw, q4_1, 5, 64, 0),
     ]
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    cases.append((frozen, x, raw, q4_1, 5, 64, 1))  # read-only out
     for args in cases:
         with pytest.raises(ValueError, match="quant_matmul"):
             _core.quant_matmul(*args)

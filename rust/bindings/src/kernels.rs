@@ -13,8 +13,8 @@
 
 use llmserve_kernels::DecodeShape;
 use numpy::{
-    PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4,
-    PyReadwriteArray3, PyUntypedArrayMethods,
+    Element, PyArray, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
+    PyReadonlyArray4, PyReadwriteArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -27,13 +27,25 @@ fn contiguous_in<T>(r: Result<T, numpy::NotContiguousError>, func: &str, name: &
     r.map_err(|_| PyValueError::new_err(format!("{func}: {name} must be C-contiguous")))
 }
 
+/// Borrows an output array for writing. Extracting a `PyReadwriteArray` argument directly
+/// panics on a read-only or aliased array; borrowing here makes that a ValueError instead.
+pub(crate) fn writeable<'py, T: Element, D: numpy::ndarray::Dimension>(
+    array: &Bound<'py, PyArray<T, D>>,
+    func: &str,
+    name: &str,
+) -> PyResult<PyReadwriteArray<'py, T, D>> {
+    array
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("{func}: {name} must be writeable and not aliased: {e}")))
+}
+
 /// out = softmax(scale * q k^T) v for one query token per sequence, read through the block
 /// tables; `num_threads` threads (the engine passes torch's thread count).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
-    mut out: PyReadwriteArray3<'_, f32>,
+    out: &Bound<'_, PyArray3<f32>>,
     q: PyReadonlyArray3<'_, f32>,
     k_cache: PyReadonlyArray4<'_, f32>,
     v_cache: PyReadonlyArray4<'_, f32>,
@@ -42,6 +54,7 @@ pub fn paged_decode_attention(
     scale: f32,
     num_threads: usize,
 ) -> PyResult<()> {
+    let mut out = writeable(out, "paged_decode_attention", "out")?;
     let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
     let bad = |what: String| Err(PyValueError::new_err(format!("paged_decode_attention: {what}")));
     if out.shape() != qs.as_slice() {
@@ -86,11 +99,7 @@ pub fn apply_token_bitmask(
     bitmask: PyReadonlyArray2<'_, i32>,
 ) -> PyResult<()> {
     const NAME: &str = "apply_token_bitmask";
-    // NOTE: borrowed here rather than extracted as a PyReadwriteArray2, whose extraction panics
-    // on a read-only array; this way it is a ValueError.
-    let mut logits = logits
-        .try_readwrite()
-        .map_err(|e| PyValueError::new_err(format!("{NAME}: logits must be writeable and not aliased: {e}")))?;
+    let mut logits = writeable(logits, NAME, "logits")?;
     let num_rows = logits.shape()[0];
     if bitmask.shape()[0] != rows.len() {
         let what = format!("bitmask {:?} must have one row per entry of rows ({})", bitmask.shape(), rows.len());

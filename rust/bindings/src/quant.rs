@@ -8,7 +8,7 @@
 //! wrong dtype is numpy's TypeError.
 
 use llmserve_kernels::quant::{QuantType, QuantWeights};
-use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -22,7 +22,7 @@ fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
 #[allow(clippy::too_many_arguments)] // the Python signature the brief fixes
 pub fn quant_matmul(
     py: Python<'_>,
-    mut out: PyReadwriteArray2<'_, f32>,
+    out: &Bound<'_, PyArray2<f32>>,
     x: PyReadonlyArray2<'_, f32>,
     w_raw: PyReadonlyArray2<'_, u8>,
     ggml_type: u32,
@@ -30,6 +30,7 @@ pub fn quant_matmul(
     cols: usize,
     num_threads: usize,
 ) -> PyResult<()> {
+    let mut out = crate::kernels::writeable(out, "quant_matmul", "out")?;
     let Some(ty) = QuantType::from_ggml(ggml_type) else {
         return bad(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
     };
