@@ -192,6 +192,9 @@ def test_metrics_names_and_counters_move(one_slot):
         time.sleep(0.05)
     after = _scrape(one_slot)
     assert _sum(after, "llmserve:request_success_total") - _sum(before, "llmserve:request_success_total") == 1
+    # labelled by finish reason, as vLLM's vllm:request_success_total
+    length = 'llmserve:request_success_total{finished_reason="length"}'
+    assert after[length] - before.get(length, 0.0) == 1
     assert after["llmserve:prompt_tokens_total"] - before["llmserve:prompt_tokens_total"] == r["usage"]["prompt_tokens"]
     assert after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"] == 7
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):

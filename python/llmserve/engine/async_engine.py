@@ -49,7 +49,7 @@ class RequestStream:
         self.started = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def _push(self, data, finished: bool, error: bool, ntok: int) -> None:
+    def _push(self, data, finished: str | None, error: bool, ntok: int) -> None:
         if ntok and self.first_token is None:
             self.first_token = time.perf_counter()
         self.generated += ntok
@@ -64,7 +64,7 @@ class RequestStream:
         if finished:
             self.finished = True
             self._queue.put_nowait(_END)
-            self._engine._finished(self, "error" if error else "finished")
+            self._engine._finished(self, "error" if error else finished)
 
     async def next(self, timeout: float | None = None) -> bytes | None:
         """The next bytes; None at the end. Raises the request's ApiError if it failed before

@@ -17,8 +17,9 @@ import numpy as np
 
 log = logging.getLogger("llmserve.engine")
 
-# (handle, bytes, finished, error, new_tokens), as Core.commit returns them.
-Output = tuple[int, bytes, bool, bool, int]
+# (handle, bytes, finished, error, new_tokens), as Core.commit returns them; `finished` is None
+# while the request runs, then how it ended ("stop", "length", "tool_calls", "error", ...).
+Output = tuple[int, bytes, str | None, bool, int]
 
 
 def step(core, runner) -> tuple[list[Output], bool]:
@@ -95,7 +96,7 @@ class EngineThread:
                 try:
                     handle = self._core.add(prepared)
                 except Exception as exc:  # an ApiError from Core.add (e.g. priority under fcfs)
-                    failed.append((token, exc, True, True, 0))
+                    failed.append((token, exc, "error", True, 0))
                     continue
                 self._handles[token] = handle
                 self._tokens[handle] = token
@@ -154,4 +155,4 @@ class EngineThread:
                 self._inbox = []
             died = RuntimeError("the engine loop stopped")
             if orphans:
-                self._deliver([(t, died, True, True, 0) for t in orphans])
+                self._deliver([(t, died, "error", True, 0) for t in orphans])

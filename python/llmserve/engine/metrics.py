@@ -28,7 +28,9 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("llmserve:generation_tokens", "Tokens generated.",
                                          registry=r)
-        self.requests = Counter("llmserve:request_success", "Requests finished, by outcome.",
+        # NOTE: labelled as vLLM labels it, by finish reason ("stop", "length", "tool_calls";
+        # also "abort" and "error"); a request with n > 1 counts by its first choice.
+        self.requests = Counter("llmserve:request_success", "Requests finished, by finish reason.",
                                 ["finished_reason"], registry=r)
         self.ttft = Histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY, registry=r)

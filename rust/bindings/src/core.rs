@@ -75,7 +75,9 @@ struct RequestState {
 }
 
 /// One item of a step's output: (handle, bytes, finished, error, new completion tokens).
-type Output = (u64, Vec<u8>, bool, bool, u32);
+/// `finished` is how the request ended (its first choice's finish reason, or "error"), for
+/// the metrics; None while it runs.
+type Output = (u64, Vec<u8>, Option<&'static str>, bool, u32);
 
 struct CoreState {
     router: Arc<Router>,
@@ -352,10 +354,11 @@ impl CoreState {
             }
             state.started |= !bytes.is_empty();
             let new_tokens = std::mem::take(&mut state.new_tokens);
+            let reason = finished.then(|| state.builder.finish_reason(0).map_or("stop", FinishReason::as_str));
             if finished {
                 self.forget(handle);
             }
-            out.push((handle, bytes, finished, false, new_tokens));
+            out.push((handle, bytes, reason, false, new_tokens));
         }
         out
     }
@@ -372,7 +375,7 @@ impl CoreState {
         handles
             .into_iter()
             .filter_map(|h| {
-                self.forget(h).map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, true, true, 0))
+                self.forget(h).map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, Some("error"), true, 0))
             })
             .collect()
     }
@@ -401,8 +404,10 @@ pub struct PyCore {
     state: CoreState,
 }
 
-/// One step's output as Python sees it: (handle, bytes, finished, error, new_tokens).
-type PyOutput = (u64, Py<PyBytes>, bool, bool, u32);
+/// One step's output as Python sees it: (handle, bytes, finished, error, new_tokens), where
+/// `finished` is None or how the request ended ("stop", "length", "tool_calls", "abort",
+/// "error": its first choice's finish reason).
+type PyOutput = (u64, Py<PyBytes>, Option<&'static str>, bool, u32);
 
 fn outputs(py: Python<'_>, out: Vec<Output>) -> Vec<PyOutput> {
     out.into_iter().map(|(h, b, f, e, n)| (h, PyBytes::new(py, &b).unbind(), f, e, n)).collect()

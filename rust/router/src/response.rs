@@ -709,6 +709,11 @@ impl ResponseBuilder {
         std::mem::take(&mut self.pending)
     }
 
+    /// How a choice ended, once it has.
+    pub fn finish_reason(&self, choice: u32) -> Option<FinishReason> {
+        self.choices.get(choice as usize).and_then(|c| c.finish)
+    }
+
     pub fn all_finished(&self) -> bool {
         self.choices.iter().all(|c| c.finish.is_some())
     }
