@@ -795,6 +795,13 @@ pub(crate) mod tests {
                 "Done.",
                 vec![("get_weather", "{\"city\": \"line 1\\n<b>line 2</b>\\n\", \"days\": \"three\", \"other\": \"4\"}")],
             ),
+            // Multi-byte characters next to the closing tag (its search resumes mid-value).
+            (
+                Qwen3Xml,
+                "<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich </東京>\n</parameter>\n</function>\n</tool_call>",
+                "",
+                vec![("get_weather", "{\"city\": \"Zürich </東京>\"}")],
+            ),
             (
                 Qwen3Xml,
                 "<tool_call>\n<function name=x>\n</tool_call> and <tool_call>",

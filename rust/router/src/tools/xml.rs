@@ -54,6 +54,9 @@ pub(crate) struct XmlReader {
     /// The function's name, once `<function=NAME>` is complete (the call is committed).
     name: Option<String>,
     params: usize,
+    /// No `</parameter>` starts before this offset of `text`: a long value is searched once,
+    /// not again from its start on every push.
+    searched: usize,
 }
 
 impl XmlReader {
@@ -98,7 +101,12 @@ impl XmlReader {
             if let Some(tag) = body.strip_prefix(PARAMETER) {
                 let Some(key_end) = tag.find('>') else { return XmlProgress::NeedMore };
                 let value_from = &tag[key_end + 1..];
-                let Some(value_end) = value_from.find(PARAMETER_END) else { return XmlProgress::NeedMore };
+                let value_at = self.text.len() - value_from.len();
+                let Some(value_end) = find_from(&self.text, self.searched.max(value_at), PARAMETER_END) else {
+                    self.searched = self.text.len().saturating_sub(PARAMETER_END.len() - 1).max(value_at);
+                    return XmlProgress::NeedMore;
+                };
+                let value_end = value_end - value_at;
                 let key = tag[..key_end].trim();
                 let raw = value_from[..value_end].strip_prefix('\n').unwrap_or(&value_from[..value_end]);
                 let raw = raw.strip_suffix('\n').unwrap_or(raw);
@@ -123,6 +131,13 @@ impl XmlReader {
             return XmlProgress::NeedMore;
         }
     }
+}
+
+/// The offset of `needle` (ASCII) in `hay` at or after byte `from`, which need not be a char
+/// boundary: the match is by bytes, and an ASCII match always starts on one.
+fn find_from(hay: &str, from: usize, needle: &str) -> Option<usize> {
+    let bytes = hay.as_bytes().get(from..)?;
+    bytes.windows(needle.len()).position(|w| w == needle.as_bytes()).map(|i| from + i)
 }
 
 /// The JSON a parameter's text stands for, given the parameter's schema.
