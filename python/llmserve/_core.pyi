@@ -1,5 +1,7 @@
 """Type stubs of the Rust extension (checked against the built module by mypy.stubtest)."""
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -145,7 +147,7 @@ class Plan:
     @property
     def token_bitmask(self) -> npt.NDArray[np.int32]: ...
 
-StepOutput = tuple[int, bytes, bool, bool, int]
+StepOutput = tuple[int, bytes, str | None, bool, int]
 
 class Core:
     def __new__(cls, router: Router, config_json: str) -> Core: ...
@@ -185,6 +187,23 @@ def quant_matmul(
     cols: int,
     num_threads: int,
 ) -> None: ...
+class CpuDecoder:
+    def __new__(cls, shape: dict[str, Any], layers: list[dict[str, Any]]) -> CpuDecoder: ...
+    @property
+    def num_layers(self) -> int: ...
+    def forward(
+        self,
+        h: npt.NDArray[np.float32],
+        cos: npt.NDArray[np.float32],
+        sin: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int64],
+        block_tables: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+        k_caches: list[npt.NDArray[np.float32]],
+        v_caches: list[npt.NDArray[np.float32]],
+        num_threads: int,
+    ) -> None: ...
+
 def apply_token_bitmask(
     logits: npt.NDArray[np.float32],
     rows: npt.NDArray[np.int64],

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmserve.loaders.checkpoint import QuantTensor
+from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
                                     RotaryEmbedding, linear)
 from llmserve.models.registry import register
@@ -131,6 +132,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_quant: QuantTensor | None = None   # the LM head's GGUF blocks, if any
         self.quantized = False                     # some linear has GGUF blocks
         self.batch_invariant = False
+        # The Rust path of few-token decode steps (cpu_decoder.py); built on first use,
+        # False when the model cannot take it.
+        self._cpu_path: CpuDecodePath | bool | None = None
 
     def set_batch_invariant(self, on: bool) -> None:
         """--batch-invariant: every linear (LM head included) row by row and every token's
@@ -174,15 +178,25 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.get_submodule(name).quant = q
             self.quantized = True
+        self._cpu_path = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[KVPair]) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden [T, H]."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope.cos_sin(positions, h.dtype)
+        path = self.cpu_decode_path()
+        if path and path.serves(h, attn, self.batch_invariant):
+            return self.norm(path.forward(h, cos, sin, attn, kv_caches))
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, attn, kv_cache)
         return self.norm(h)
+
+    def cpu_decode_path(self) -> CpuDecodePath | None:
+        """The Rust path of few-token decode steps, when this model can take it."""
+        if self._cpu_path is None:
+            self._cpu_path = CpuDecodePath.available(self) and CpuDecodePath(self)
+        return self._cpu_path or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> float32 logits [R, V]."""

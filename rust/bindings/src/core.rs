@@ -375,7 +375,8 @@ impl CoreState {
         handles
             .into_iter()
             .filter_map(|h| {
-                self.forget(h).map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, Some("error"), true, 0))
+                self.forget(h)
+                    .map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, Some("error"), true, 0))
             })
             .collect()
     }

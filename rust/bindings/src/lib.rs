@@ -5,10 +5,12 @@
 //! scheduler plus each request's output state: add / abort / schedule / commit / stats),
 //! `Plan` (one step's flat columns as numpy arrays), the `ApiError` exception hierarchy and
 //! the CPU kernels over numpy views: `paged_decode_attention` (decode attention),
-//! `quant_matmul` (quantized GEMV) and `apply_token_bitmask` (a grammar's mask on logits).
+//! `quant_matmul` (quantized GEMV), `apply_token_bitmask` (a grammar's mask on logits) and
+//! `CpuDecoder` (every decoder layer of a few-token decode step in one call).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
 
 mod core;
+mod decoder;
 mod errors;
 mod kernels;
 mod plan;
@@ -23,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyPrepared>()?;
     m.add_class::<core::PyCore>()?;
     m.add_class::<plan::PyPlan>()?;
+    m.add_class::<decoder::PyCpuDecoder>()?;
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;

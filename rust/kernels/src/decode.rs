@@ -75,6 +75,18 @@ pub fn paged_decode_attention(
     run(out, q, k_cache, v_cache, block_tables, seq_lens, shape, num_threads, Isa::detect())
 }
 
+/// The argument checks of [`paged_decode_attention`] alone (nothing is computed).
+pub(crate) fn check(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_tables: &[i32],
+    seq_lens: &[i32],
+    shape: DecodeShape,
+) -> Result<(), String> {
+    Ctx::validate(q, k_cache, v_cache, block_tables, seq_lens, shape).map(|_| ())
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     out: &mut [f32],

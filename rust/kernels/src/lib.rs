@@ -6,6 +6,7 @@
 //! - [`apply_token_bitmask`]: a grammar's packed token bitmask applied to logits rows in place
 //!   (forbidden tokens -> -inf); bound in `rust/bindings/src/kernels.rs`.
 //! - [`quant`]: matrix-vector products over GGUF quantized blocks (see its module doc).
+//! - [`layer`]: a whole decoder layer for a step of decode tokens over quantized weights.
 //!
 //! The binding crate hands these numpy views of torch's CPU tensors.
 //!
@@ -19,6 +20,7 @@
 
 mod bitmask;
 mod decode;
+pub mod layer;
 mod pool;
 pub mod quant;
 mod simd;

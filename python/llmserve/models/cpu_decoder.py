@@ -1,0 +1,98 @@
+"""Few-token decode steps on CPU in one Rust call for all the decoder layers.
+
+At batch 1 a decoder layer is ~35 small torch ops around its four GEMVs, and each op costs a
+few microseconds of dispatch: for SmolLM2-135M that is several milliseconds of a ~16 ms token.
+`llmserve._core.CpuDecoder` (rust/kernels/src/layer.rs) runs the whole layer stack of such a
+step instead: norms, RoPE, the KV write, paged attention, SiLU and residuals in Rust, the
+linears through the same quantized GEMV the torch path calls.
+
+It serves a step when all of these hold, else the torch layers run (they stay the reference
+that tests compare this path with):
+- a float32 model on CPU whose every layer holds GGUF blocks for all four linears;
+- every token of the step is the only new token of its sequence (a pure decode step), and
+  there are at most QUANT_MAX_TOKENS of them;
+- not --batch-invariant (that mode promises the torch path's chunked numerics at any size).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmserve import _core
+from llmserve.worker.attention import AttentionMetadata
+from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads
+
+# Tests flip this to compare the two paths in one process.
+USE_CPU_DECODER = True
+
+
+def _vector(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().contiguous().numpy()
+
+
+def _quant(linear) -> tuple:
+    q = linear.quant
+    return (q.data, q.ggml_type, q.rows, q.cols)
+
+
+class CpuDecodePath:
+    """The Rust decoder of one model, and the numpy views of the KV cache it was last given."""
+
+    def __init__(self, model) -> None:
+        c = model.config
+        layers = []
+        for layer in model.layers:
+            a = layer.attn
+            layers.append({
+                "input_norm": _vector(layer.input_norm.weight),
+                "post_norm": _vector(layer.post_norm.weight),
+                "qkv": _quant(a.qkv), "qkv_bias": _vector(a.qkv.bias),
+                "q_norm": _vector(a.q_norm.weight) if a.q_norm is not None else None,
+                "k_norm": _vector(a.k_norm.weight) if a.k_norm is not None else None,
+                "o_proj": _quant(a.o_proj), "o_bias": _vector(a.o_proj.bias),
+                "gate_up": _quant(layer.mlp.gate_up), "down": _quant(layer.mlp.down),
+            })
+        shape = {"hidden": c.hidden_size, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+                 "head_dim": c.head_dim, "intermediate": c.intermediate_size,
+                 "eps": c.rms_norm_eps, "scale": model.layers[0].attn.attn.scale}
+        self.decoder = _core.CpuDecoder(shape, layers)
+        self._caches = None   # (the kv_caches object, [K views], [V views])
+
+    @staticmethod
+    def available(model) -> bool:
+        """Whether the model can take this path at all (see the module doc)."""
+        if not hasattr(_core, "CpuDecoder") or not getattr(model, "quantized", False):
+            return False
+        return all(lin.quant is not None
+                   for layer in model.layers
+                   for lin in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down))
+
+    @staticmethod
+    def serves(h: torch.Tensor, attn, batch_invariant: bool) -> bool:
+        """Whether this step is one the path serves (given the model can take it)."""
+        return (USE_CPU_DECODER and not batch_invariant and isinstance(attn, AttentionMetadata)
+                and h.device.type == "cpu" and h.dtype == torch.float32
+                and 0 < h.shape[0] <= QUANT_MAX_TOKENS
+                and attn.num_decode == h.shape[0] and attn.decode_token_idx is None
+                and attn.decode_tables_np is not None)
+
+    def _views(self, kv_caches) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        # NOTE: the runner's KV cache lives as long as the runner; its numpy views are made
+        # once, not 2 x layers times per step.
+        if self._caches is None or self._caches[0] is not kv_caches:
+            pairs = [kv_caches[i] for i in range(len(kv_caches))]
+            self._caches = (kv_caches, [k.numpy() for k, _ in pairs], [v.numpy() for _, v in pairs])
+        return self._caches[1], self._caches[2]
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata, kv_caches) -> torch.Tensor:
+        """h [T, H] (the embeddings) -> the last layer's output [T, H]; K/V written."""
+        h = h.contiguous()
+        t = h.shape[0]
+        ks, vs = self._views(kv_caches)
+        self.decoder.forward(h.numpy(), cos.reshape(t, -1).contiguous().numpy(),
+                             sin.reshape(t, -1).contiguous().numpy(),
+                             attn.slot_mapping.numpy(), attn.decode_tables_np, attn.decode_lens_np,
+                             ks, vs, kernel_threads())
+        return h

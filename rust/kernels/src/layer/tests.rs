@@ -1,0 +1,299 @@
+//! `decoder_layer` against a naive reference: f64 norms, RoPE, SiLU and softmax attention over
+//! the sequences' gathered context, with the linears through `quant_matmul` (its own tests
+//! check it against dequantize-then-matmul). Llama, Qwen2 (qkv bias) and Qwen3 (q/k norms)
+//! variants, mixed context lengths, two thread counts, and the argument checks.
+
+use super::*;
+use crate::quant::QuantType;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// In [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * amp).collect()
+    }
+}
+
+/// Random Q8_0 rows: scale 2^-6 (exact in f16: 0x2400) and int8 values.
+fn q8_0(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        out.extend_from_slice(&0x2400u16.to_le_bytes());
+        out.extend((0..32).map(|_| (rng.next() % 255) as u8));
+    }
+    out
+}
+
+struct Model {
+    s: LayerShape,
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    qkv: Vec<u8>,
+    qkv_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    o_proj: Vec<u8>,
+    gate_up: Vec<u8>,
+    down: Vec<u8>,
+}
+
+const SHAPE: LayerShape = LayerShape {
+    hidden: 64,
+    num_heads: 4,
+    num_kv_heads: 2,
+    head_dim: 16,
+    intermediate: 96,
+    eps: 1e-5,
+    block_size: 4,
+    scale: 0.25,
+};
+
+fn model(seed: u64, bias: bool, qk_norm: bool) -> Model {
+    let mut rng = Rng(seed | 1);
+    let s = SHAPE;
+    let width = s.qkv_width();
+    let mut norm = |n: usize| (0..n).map(|_| 1.0 + 0.2 * rng.f32()).collect::<Vec<f32>>();
+    let (input_norm, post_norm) = (norm(s.hidden), norm(s.hidden));
+    let (q_norm, k_norm) = if qk_norm { (Some(norm(s.head_dim)), Some(norm(s.head_dim))) } else { (None, None) };
+    Model {
+        input_norm,
+        post_norm,
+        q_norm,
+        k_norm,
+        qkv: q8_0(&mut rng, width, s.hidden),
+        qkv_bias: bias.then(|| rng.vec(width, 0.5)),
+        o_proj: q8_0(&mut rng, s.hidden, s.num_heads * s.head_dim),
+        gate_up: q8_0(&mut rng, 2 * s.intermediate, s.hidden),
+        down: q8_0(&mut rng, s.hidden, s.intermediate),
+        s,
+    }
+}
+
+fn q(data: &[u8], rows: usize, cols: usize) -> QuantWeights<'_> {
+    QuantWeights::new(QuantType::Q8_0, rows, cols, data).unwrap()
+}
+
+impl Model {
+    fn weights(&self) -> LayerWeights<'_> {
+        let s = &self.s;
+        LayerWeights {
+            input_norm: &self.input_norm,
+            post_norm: &self.post_norm,
+            qkv: q(&self.qkv, s.qkv_width(), s.hidden),
+            qkv_bias: self.qkv_bias.as_deref(),
+            q_norm: self.q_norm.as_deref(),
+            k_norm: self.k_norm.as_deref(),
+            o_proj: q(&self.o_proj, s.hidden, s.num_heads * s.head_dim),
+            o_bias: None,
+            gate_up: q(&self.gate_up, 2 * s.intermediate, s.hidden),
+            down: q(&self.down, s.hidden, s.intermediate),
+        }
+    }
+}
+
+struct Step {
+    h: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    slots: Vec<i64>,
+    tables: Vec<i32>,
+    lens: Vec<i32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Sequences of `lens` tokens (this step's token last), blocks in a shuffled order, earlier
+/// tokens' K/V random.
+fn step(seed: u64, lens: &[i32]) -> Step {
+    let s = SHAPE;
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let bs = s.block_size;
+    let width = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap() + 1;
+    let num_blocks = lens.iter().map(|&l| (l as usize).div_ceil(bs)).sum::<usize>() + 2;
+    let mut ids: Vec<i32> = (1..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.next() as usize % (i + 1));
+    }
+    let mut tables = vec![0; lens.len() * width];
+    let mut next = ids.into_iter();
+    let mut slots = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let len = len as usize;
+        for b in 0..len.div_ceil(bs) {
+            tables[i * width + b] = next.next().unwrap();
+        }
+        slots.push(tables[i * width + (len - 1) / bs] as i64 * bs as i64 + ((len - 1) % bs) as i64);
+    }
+    let t = lens.len();
+    let half = s.head_dim / 2;
+    let angles: Vec<f32> =
+        (0..t * half).map(|i| (lens[i / half] as f32 - 1.0) * 0.3f32.powi((i % half) as i32)).collect();
+    let cache = num_blocks * bs * s.num_kv_heads * s.head_dim;
+    Step {
+        h: rng.vec(t * s.hidden, 1.0),
+        cos: angles.iter().map(|a| a.cos()).collect(),
+        sin: angles.iter().map(|a| a.sin()).collect(),
+        slots,
+        tables,
+        lens: lens.to_vec(),
+        k: rng.vec(cache, 1.0),
+        v: rng.vec(cache, 1.0),
+    }
+}
+
+fn matmul(x: &[f32], tokens: usize, w: &QuantWeights) -> Vec<f32> {
+    let mut out = vec![0.0; tokens * w.rows()];
+    quant_matmul(&mut out, x, tokens, w, 1).unwrap();
+    out
+}
+
+fn norm_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps as f64).sqrt();
+    x.iter().zip(w).map(|(&v, &g)| (v as f64 * inv) as f32 * g).collect()
+}
+
+/// The layer written out plainly, one token at a time.
+fn reference(m: &Model, st: &mut Step) -> Vec<f32> {
+    let s = m.s;
+    let w = m.weights();
+    let (hd, d, nh, nkv) = (s.hidden, s.head_dim, s.num_heads, s.num_kv_heads);
+    let half = d / 2;
+    let t_count = st.lens.len();
+    let width = st.tables.len() / t_count;
+    let mut h = st.h.clone();
+    for t in 0..t_count {
+        let ht = &mut h[t * hd..][..hd];
+        let x = norm_ref(ht, &m.input_norm, s.eps);
+        let mut qkv = matmul(&x, 1, &w.qkv);
+        if let Some(b) = &m.qkv_bias {
+            qkv.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+        }
+        let mut heads: Vec<Vec<f32>> = qkv.chunks(d).map(<[f32]>::to_vec).collect();
+        for (j, head) in heads.iter_mut().enumerate().take(nh + nkv) {
+            if let Some(n) = if j < nh { &m.q_norm } else { &m.k_norm } {
+                *head = norm_ref(head, n, s.eps);
+            }
+            let rot: Vec<f32> = (0..d)
+                .map(|i| {
+                    let (c, sn) = (st.cos[t * half + i % half], st.sin[t * half + i % half]);
+                    if i < half {
+                        head[i] * c - head[i + half] * sn
+                    } else {
+                        head[i] * c + head[i - half] * sn
+                    }
+                })
+                .collect();
+            *head = rot;
+        }
+        let slot = st.slots[t] as usize;
+        for j in 0..nkv {
+            st.k[(slot * nkv + j) * d..][..d].copy_from_slice(&heads[nh + j]);
+            st.v[(slot * nkv + j) * d..][..d].copy_from_slice(&heads[nh + nkv + j]);
+        }
+        let len = st.lens[t] as usize;
+        let mut attn = vec![0f32; nh * d];
+        for qh in 0..nh {
+            let kvh = qh / (nh / nkv);
+            let at = |p: usize| {
+                let block = st.tables[t * width + p / s.block_size] as usize;
+                ((block * s.block_size + p % s.block_size) * nkv + kvh) * d
+            };
+            let scores: Vec<f64> = (0..len)
+                .map(|p| (0..d).map(|i| heads[qh][i] as f64 * st.k[at(p) + i] as f64).sum::<f64>() * s.scale as f64)
+                .collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for i in 0..d {
+                attn[qh * d + i] = ((0..len).map(|p| e[p] * st.v[at(p) + i] as f64).sum::<f64>() / z) as f32;
+            }
+        }
+        let o = matmul(&attn, 1, &w.o_proj);
+        ht.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let x = norm_ref(ht, &m.post_norm, s.eps);
+        let gu = matmul(&x, 1, &w.gate_up);
+        let act: Vec<f32> = (0..s.intermediate)
+            .map(|i| {
+                let g = gu[i] as f64;
+                (g / (1.0 + (-g).exp()) * gu[s.intermediate + i] as f64) as f32
+            })
+            .collect();
+        let dn = matmul(&act, 1, &w.down);
+        ht.iter_mut().zip(&dn).for_each(|(a, b)| *a += b);
+    }
+    h
+}
+
+fn run(m: &Model, st: &mut Step, threads: usize) -> Result<(), String> {
+    let tokens = st.lens.len();
+    let step =
+        DecodeTokens { cos: &st.cos, sin: &st.sin, slots: &st.slots, block_tables: &st.tables, seq_lens: &st.lens };
+    decoder_layer(&mut st.h, tokens, &m.weights(), &m.s, &step, &mut st.k, &mut st.v, &mut Scratch::default(), threads)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn matches_the_reference_for_each_family() {
+    for (seed, bias, qk_norm) in [(1, false, false), (2, true, false), (3, false, true)] {
+        let m = model(seed, bias, qk_norm);
+        let lens = [1, 6, 13];
+        let mut want = step(seed, &lens);
+        let expect_h = reference(&m, &mut want);
+        for threads in [1, 3] {
+            let mut got = step(seed, &lens);
+            run(&m, &mut got, threads).unwrap();
+            assert!(
+                max_rel(&got.h, &expect_h) < 1e-4,
+                "h, bias {bias} qk_norm {qk_norm}: {}",
+                max_rel(&got.h, &expect_h)
+            );
+            assert!(max_rel(&got.k, &want.k) < 1e-5 && max_rel(&got.v, &want.v) < 1e-5, "caches");
+        }
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_bits() {
+    let m = model(4, true, true);
+    let (mut a, mut b) = (step(9, &[3, 8, 17, 2]), step(9, &[3, 8, 17, 2]));
+    run(&m, &mut a, 1).unwrap();
+    run(&m, &mut b, 4).unwrap();
+    assert_eq!(a.h, b.h);
+    assert_eq!(a.k, b.k);
+}
+
+#[test]
+fn bad_arguments_write_nothing() {
+    let m = model(5, false, false);
+    type Edit = fn(&mut Step);
+    let cases: [(Edit, &str); 5] = [
+        (|s| s.slots[1] = 10_000, "slot"),
+        (|s| s.tables[0] = 999, "block id"),
+        (|s| s.lens[0] = 0, "seq_lens"),
+        (|s| s.cos.pop().map(drop).unwrap_or(()), "cos"),
+        (|s| s.k.truncate(s.k.len() - 1), "k_cache"),
+    ];
+    for (edit, needle) in cases {
+        let mut st = step(5, &[2, 5]);
+        edit(&mut st);
+        let (k_before, h_before) = (st.k.clone(), st.h.clone());
+        let err = run(&m, &mut st, 2).unwrap_err();
+        assert!(err.contains(needle), "{needle}: {err}");
+        assert_eq!(st.h, h_before);
+        assert_eq!(st.k, k_before);
+    }
+}

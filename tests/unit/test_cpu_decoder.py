@@ -1,0 +1,191 @@
+"""The Rust decoder of few-token decode steps (models/cpu_decoder.py, rust/kernels/src/layer.rs)
+against the torch layers, its reference: tiny quantized Llama, Qwen2 (qkv bias) and Qwen3 (q/k
+norms, o bias) models run the same steps both ways through ModelRunner, and the logits and the
+KV cache must agree. Also: which steps take the path, and the binding's checks.
+
+How close "agree" is: both paths feed the same int8-activation GEMV, but their norms round
+differently in the last bit, and now and then that moves one activation across an int8
+rounding boundary: that token's outputs then differ by up to a quantization step (~1-3% of
+the logits' scale, measured), and the difference carries into its later steps through the KV
+cache. Everything else agrees to ~1e-7. So the check is: most values within 1e-5 of the
+scale (the median), none beyond 5% of it. A real mistake (a RoPE sign, a missing bias or
+norm, a wrong head order) moves nearly every value by a large fraction of the scale; the
+exact, per-op comparison is the Rust test beside layer.rs."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+from gguf.quants import dequantize, quantize
+
+from _plans import Paged
+from tiny import random_llama_weights
+
+from llmserve.loaders import QuantTensor
+from llmserve.models import build_model, cpu_decoder
+from llmserve.models.cpu_decoder import CpuDecodePath
+from llmserve.worker import ModelRunner
+
+torch.set_num_threads(1)
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+            max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
+FAMILIES = {
+    "llama": dict(BASE, architectures=["LlamaForCausalLM"]),
+    "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"]),
+    "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], attention_bias=True),
+}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0):
+    """A tiny model whose linears are GGUF blocks of `fmt`; its fp32 weights are those blocks
+    dequantized, as the GGUF loader gives them."""
+    c = FAMILIES[family]
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(shape, generator=g) * 0.3
+
+    h, d = c["hidden_size"], c["head_dim"]
+    weights = random_llama_weights(c, r, {"model.embed_tokens.weight": r(c["vocab_size"], h),
+                                          "model.norm.weight": 1 + r(h)})
+    quant = {}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for lin in LINEARS:
+            name = p + lin + ".weight"
+            raw = np.ascontiguousarray(quantize(weights[name].numpy(), fmt))
+            quant[name] = QuantTensor(raw, int(fmt), *weights[name].shape)
+            weights[name] = torch.from_numpy(dequantize(raw, fmt).copy())
+        if family in ("qwen2", "qwen3"):
+            for proj, n in (("q", c["num_attention_heads"]), ("k", 2), ("v", 2)):
+                weights[p + f"self_attn.{proj}_proj.bias"] = r(n * d)
+        if family == "qwen3":
+            weights[p + "self_attn.o_proj.bias"] = r(h)
+            weights[p + "self_attn.q_norm.weight"] = 1 + r(d)
+            weights[p + "self_attn.k_norm.weight"] = 1 + r(d)
+    return build_model(c, weights, torch.float32, "cpu", quantized=quant)
+
+
+@pytest.fixture
+def path_calls(monkeypatch) -> list[int]:
+    """Tokens of each step the Rust decoder served."""
+    calls: list[int] = []
+    real = CpuDecodePath.forward
+
+    def counted(self, h, *args):
+        calls.append(h.shape[0])
+        return real(self, h, *args)
+
+    monkeypatch.setattr(CpuDecodePath, "forward", counted)
+    return calls
+
+
+PROMPTS = {0: list(range(3, 24)), 1: [5, 7, 9], 2: list(range(40, 77))}
+# prompts in chunks, then decode steps of 2 and 3 sequences; step 2 mixes decodes and a chunk
+SCHEDULE = [{0: 21, 1: 3, 2: 10}, {0: 1, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 10},
+            {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
+
+
+def _run_steps(model, on: bool, monkeypatch):
+    """Logits of every step and the final K caches, with the Rust decoder on or off."""
+    monkeypatch.setattr(cpu_decoder, "USE_CPU_DECODER", on)
+    runner = ModelRunner(model, 40, 4, torch.float32, "cpu", seed=0)
+    paged = Paged(40, 4)
+    random.Random(1).shuffle(paged.free)          # blocks out of order
+    for sid, p in PROMPTS.items():
+        paged.add(sid, p)
+    steps = []
+    with torch.inference_mode():
+        for n, sched in enumerate(SCHEDULE):
+            if n:
+                for sid, count in sched.items():
+                    s = paged.seqs[sid]
+                    if count == 1 and s.num_computed == len(s.tokens):
+                        paged.append(sid, 11 + n + sid)
+            steps.append(model.compute_logits(runner.run_model(paged.step(sched))))
+    return steps, [k.clone() for k in runner.kv_cache.key]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("fmt", [GT.Q4_1, GT.Q8_0])
+def test_logits_and_cache_match_the_torch_layers(monkeypatch, path_calls, family, fmt):
+    model = quantized_model(family, fmt)
+    ref_logits, ref_cache = _run_steps(model, False, monkeypatch)
+    assert path_calls == []
+    got_logits, got_cache = _run_steps(model, True, monkeypatch)
+    # steps 1-2 hold a prompt chunk (torch layers); steps 3-5 decode three sequences
+    assert path_calls == [3, 3, 3]
+    for n, (ref, got) in enumerate(zip(ref_logits, got_logits)):
+        _agree(got, ref, f"logits of step {n}")
+    for layer, (ref, got) in enumerate(zip(ref_cache, got_cache)):
+        _agree(got, ref, f"K cache of layer {layer}")
+
+
+def _agree(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """See the module doc."""
+    scale = ref.abs().max().item()
+    diff = (got - ref).abs()
+    assert diff.median().item() <= 1e-5 * scale, what
+    assert diff.max().item() <= 5e-2 * scale, what
+
+
+def test_models_without_every_block_keep_the_torch_layers():
+    model = quantized_model("llama")
+    assert CpuDecodePath.available(model)
+    model.layers[1].mlp.down.quant = None
+    assert not CpuDecodePath.available(model)
+    c = FAMILIES["llama"]
+    g = torch.Generator().manual_seed(1)
+    weights = random_llama_weights(c, lambda *s: torch.randn(s, generator=g) * 0.3, {
+        "model.embed_tokens.weight": torch.randn(c["vocab_size"], c["hidden_size"]),
+        "model.norm.weight": torch.ones(c["hidden_size"])})
+    assert not CpuDecodePath.available(build_model(c, weights, torch.float32, "cpu"))
+
+
+def test_batch_invariant_mode_keeps_the_torch_layers(monkeypatch, path_calls):
+    model = quantized_model("llama")
+    model.set_batch_invariant(True)
+    _run_steps(model, True, monkeypatch)
+    assert path_calls == []
+
+
+def test_binding_refuses_bad_arguments_and_writes_nothing():
+    model = quantized_model("llama")
+    path = model.cpu_decode_path()
+    c = model.config
+    t, bs, blocks = 2, 4, 6
+    h = np.random.default_rng(0).standard_normal((t, c.hidden_size)).astype(np.float32)
+    cos = np.ones((t, c.head_dim // 2), np.float32)
+    sin = np.zeros((t, c.head_dim // 2), np.float32)
+    caches = [np.zeros((blocks, bs, c.num_kv_heads, c.head_dim), np.float32) for _ in range(4)]
+    ks, vs = caches[:2], caches[2:]
+    good = dict(slots=np.array([4, 9], np.int64), tables=np.array([[1, 0], [2, 0]], np.int32),
+                lens=np.array([1, 2], np.int32))
+    bad = [
+        (dict(slots=np.array([4, 99], np.int64)), "slot 99"),
+        (dict(tables=np.array([[1, 0], [7, 0]], np.int32)), "block id 7"),
+        (dict(lens=np.array([1, 9], np.int32)), "seq_lens"),
+    ]
+    for change, needle in bad:
+        args = {**good, **change}
+        before = h.copy()
+        with pytest.raises(ValueError, match=needle):
+            path.decoder.forward(h, cos, sin, args["slots"], args["tables"], args["lens"], ks, vs, 1)
+        np.testing.assert_array_equal(h, before)
+        assert not any(c.any() for c in caches)
+    with pytest.raises(ValueError, match="2 layers"):
+        path.decoder.forward(h, cos, sin, good["slots"], good["tables"], good["lens"], ks[:1], vs, 1)
+    frozen = h.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="h must be writeable"):
+        path.decoder.forward(frozen, cos, sin, good["slots"], good["tables"], good["lens"], ks, vs, 1)
+    path.decoder.forward(h, cos, sin, good["slots"], good["tables"], good["lens"], ks, vs, 1)
+    assert np.isfinite(h).all() and ks[0].any()
