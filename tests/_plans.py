@@ -110,6 +110,7 @@ class _Seq:
     tokens: list[int]
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    prompt_len: int = 0
 
 
 class Paged:
@@ -122,7 +123,7 @@ class Paged:
         self.pending_copies: list[tuple[int, int]] = []
 
     def add(self, seq_id: int, prompt: list[int]) -> None:
-        self.seqs[seq_id] = _Seq(list(prompt))
+        self.seqs[seq_id] = _Seq(list(prompt), prompt_len=len(prompt))
 
     def append(self, seq_id: int, token: int) -> None:
         self.seqs[seq_id].tokens.append(int(token))
@@ -130,7 +131,8 @@ class Paged:
     def fork(self, src_id: int, new_id: int) -> None:
         """New sequence with the same tokens; its KV arrives by block copies in the next plan."""
         src = self.seqs[src_id]
-        dst = _Seq(list(src.tokens), src.num_computed, [self.free.pop(0) for _ in src.blocks])
+        dst = _Seq(list(src.tokens), src.num_computed, [self.free.pop(0) for _ in src.blocks],
+                   src.prompt_len)
         self.pending_copies += list(zip(src.blocks, dst.blocks))
         self.seqs[new_id] = dst
 
@@ -155,7 +157,8 @@ class Paged:
             s.num_computed = end
             if end == len(s.tokens):
                 logit_rows.append(len(ids) - 1)
-                row_specs.append(rows.get(sid, Row()))
+                # as the scheduler fills it: output tokens the sequence had before this step
+                row_specs.append(rows.get(sid, Row(gen_index=len(s.tokens) - s.prompt_len)))
         width = max((len(t) for t in tables), default=0)
         bt = np.zeros((len(tables), width), np.int32)
         for i, t in enumerate(tables):

@@ -88,3 +88,27 @@ def test_chat_answers(smol_server):
             model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24, stream=True,
             messages=[{"role": "user", "content": "What is the capital of France?"}]) if ch.choices]
         assert "".join(parts) == text
+
+
+def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
+    """CONTRACT: the same prompt and parameters give the same tokens run after run. The second
+    and third runs find the prompt's first block in the prefix cache and compute only its
+    short tail: that tail must take the same (fp32) path as the whole prompt did, not the
+    quantized path of decode steps, or the answer changes."""
+    prompt = "In a quiet village by the sea, an old fisherman named Tobias told stories every night about"
+    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+        runs = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8,
+                                     temperature=0, logprobs=1) for _ in range(3)]
+        chats = [c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8, logprobs=True,
+            messages=[{"role": "user", "content": "Name three rivers of Europe, please."}])
+            for _ in range(2)]
+    assert runs[0].usage.prompt_tokens > 16        # at least one whole block can be cached
+    first = runs[0].choices[0]
+    for r in runs[1:]:
+        assert r.choices[0].text == first.text
+        assert r.choices[0].logprobs.token_logprobs == pytest.approx(first.logprobs.token_logprobs, abs=1e-4)
+    assert chats[0].usage.prompt_tokens > 16
+    assert chats[1].choices[0].message.content == chats[0].choices[0].message.content
+    lp = [[t.logprob for t in ch.choices[0].logprobs.content] for ch in chats]
+    assert lp[1] == pytest.approx(lp[0], abs=1e-4)

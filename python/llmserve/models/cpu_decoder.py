@@ -9,8 +9,9 @@ linears through the same quantized GEMV the torch path calls.
 It serves a step when all of these hold, else the torch layers run (they stay the reference
 that tests compare this path with):
 - a float32 model on CPU whose every layer holds GGUF blocks for all four linears;
-- every token of the step is the only new token of its sequence (a pure decode step), and
-  there are at most QUANT_MAX_TOKENS of them;
+- every token of the step is the only new token of its sequence (a pure decode step), there
+  are at most QUANT_MAX_TOKENS of them, and the runner marked the step as one that reads GGUF
+  blocks (worker/threads.py: generated tokens only, never prompt tokens);
 - not --batch-invariant (that mode promises the torch path's chunked numerics at any size).
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from llmserve import _core
 from llmserve.worker.attention import AttentionMetadata
-from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads
+from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads, quantized_step_allowed
 
 # Tests flip this to compare the two paths in one process.
 USE_CPU_DECODER = True
@@ -73,7 +74,7 @@ class CpuDecodePath:
         """Whether this step is one the path serves (given the model can take it)."""
         return (USE_CPU_DECODER and not batch_invariant and isinstance(attn, AttentionMetadata)
                 and h.device.type == "cpu" and h.dtype == torch.float32
-                and 0 < h.shape[0] <= QUANT_MAX_TOKENS
+                and 0 < h.shape[0] <= QUANT_MAX_TOKENS and quantized_step_allowed(h.shape[0])
                 and attn.num_decode == h.shape[0] and attn.decode_token_idx is None
                 and attn.decode_tables_np is not None)
 

@@ -19,7 +19,7 @@ from torch import nn
 from llmserve import _core
 from llmserve.loaders.checkpoint import QuantTensor
 from llmserve.worker.attention import AttentionMetadata, paged_attention
-from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads
+from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads, quantized_step_allowed
 
 
 class RMSNorm(nn.Module):
@@ -104,8 +104,9 @@ class RotaryEmbedding:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            quant: QuantTensor | None, row_invariant: bool = False) -> torch.Tensor:
-    """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels quant.rs) for few-token float32
-    CPU steps when `quant` holds the weight's blocks, else F.linear on the fp32 weight.
+    """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels/src/quant/) in float32 CPU
+    decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
+    weight's blocks, else F.linear on the fp32 weight.
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
@@ -118,7 +119,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return torch.cat([_quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
                               for i in range(0, x.shape[0], QUANT_MAX_TOKENS)])
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
-    if not quant_ok or x.shape[0] > QUANT_MAX_TOKENS:
+    if not quant_ok or not quantized_step_allowed(x.shape[0]):
         return F.linear(x, weight, bias)
     return _quant_linear(x, bias, quant)
 

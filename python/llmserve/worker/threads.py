@@ -1,4 +1,12 @@
-"""How the engine's CPU threads are shared between torch and llmserve's Rust kernels.
+"""Which CPU steps read GGUF blocks, and how the engine's CPU threads are shared between torch
+and llmserve's Rust kernels.
+
+A step reads a quantized model's GGUF blocks (the quantized GEMV, and the whole-layer Rust
+decoder of models/cpu_decoder.py) only when it is a decode step of generated tokens: at most
+QUANT_MAX_TOKENS sequences, each computing the one token it sampled last. Prompt tokens always
+run the fp32 path, however few: a prompt's numerics must not depend on how much of it the
+prefix cache held (a cache hit leaves a short tail that would otherwise take the quantized
+path, and the same greedy request would answer differently on its second run).
 
 The Rust kernels (quantized GEMV, paged decode attention) run on their own persistent
 thread pool (rust/kernels/src/pool.rs). torch's OpenMP workers spin for a while after every
@@ -27,6 +35,26 @@ QUANT_MAX_TOKENS = 8
 # The engine's CPU thread count (torch's at startup); None until a ModelRunner is built.
 _engine_threads: int | None = None
 
+# Whether the running step may read GGUF blocks (set by the runner for each step); None
+# outside a runner's step: a linear called alone then decides by its token count.
+_quantized_step: bool | None = None
+
+
+def is_generated_decode(plan) -> bool:
+    """Whether every token of `plan` is its sequence's only new token and was sampled by an
+    earlier step (not a prompt token), and there are at most QUANT_MAX_TOKENS of them."""
+    n = len(plan.input_ids)
+    gen = plan.gen_index
+    return (0 < n <= QUANT_MAX_TOKENS and len(plan.query_start_loc) == n + 1
+            and len(plan.logits_indices) == n and len(gen) == n and int(min(gen)) >= 1)
+
+
+def quantized_step_allowed(num_tokens: int) -> bool:
+    """Whether a linear over `num_tokens` rows may read its GGUF blocks in the current step."""
+    if _quantized_step is None:
+        return num_tokens <= QUANT_MAX_TOKENS
+    return _quantized_step and num_tokens <= QUANT_MAX_TOKENS
+
 
 def set_engine_threads(n: int) -> None:
     global _engine_threads
@@ -39,14 +67,17 @@ def kernel_threads() -> int:
 
 
 @contextmanager
-def torch_on_one_thread(active: bool) -> Iterator[None]:
-    """Runs the block with torch single-threaded (when `active`), restoring its count after."""
-    if not active or torch.get_num_threads() == 1:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def quantized_step(active: bool) -> Iterator[None]:
+    """Runs one step: with `active`, its linears read GGUF blocks and torch runs on one thread
+    (the kernels get the engine's threads); without, everything takes the fp32 path."""
+    global _quantized_step
+    before_step, before_threads = _quantized_step, torch.get_num_threads()
+    _quantized_step = active
+    if active and before_threads > 1:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        _quantized_step = before_step
+        if torch.get_num_threads() != before_threads:
+            torch.set_num_threads(before_threads)
