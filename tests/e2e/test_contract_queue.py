@@ -163,12 +163,17 @@ def test_user_is_in_the_access_log(one_slot):
 
 
 def _scrape(server) -> dict[str, float]:
+    """Samples by name and labels; every sample must carry the served model's name (as vLLM's
+    do, for dashboards that select on it), which is then left out of the key."""
     text = httpx.get(server.url + "/metrics").text
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(llmserve:[^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
         if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            assert labels.pop("model_name", None) == "tiny", line
+            key = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[m.group(1) + (f"{{{key}}}" if key else "")] = float(m.group(3))
     return out
 
 

@@ -132,6 +132,7 @@ class AsyncEngine:
 
     def _attach(self, engine: Engine) -> None:
         self.engine = engine
+        self.metrics.bind(engine.router.served_model_names[0])
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step)
         self._thread.start()
         self.state = "ready"

@@ -1,11 +1,18 @@
 """Prometheus metrics, named after vLLM's under the `llmserve:` prefix so dashboards map over.
 
-Each engine has its own registry (several apps can live in one process, as in tests).
+Every series carries a `model_name` label (the first served name), as vLLM's do: dashboards
+select on it. Each engine has its own registry (several apps can live in one process, as in
+tests).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+# NOTE: no `*_created` series (each series' creation time): one more series per metric that
+# no dashboard of vLLM's metrics reads.
+disable_created_metrics()
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -13,41 +20,54 @@ _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768
 
 
 class Metrics:
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("llmserve:num_requests_running", "Sequences in the running batch.",
-                             registry=r)
-        self.waiting = Gauge("llmserve:num_requests_waiting", "Sequences waiting to start.",
-                             registry=r)
-        self.kv_usage = Gauge("llmserve:kv_cache_usage_perc",
-                              "KV-cache blocks in use, as a fraction (1 = full).", registry=r)
-        self.preemptions = Counter("llmserve:num_preemptions", "Sequences preempted.", registry=r)
-        self.prefix_hits = Counter("llmserve:prefix_cache_hits",
-                                   "Prompt tokens served from the prefix cache.", registry=r)
-        self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens processed.",
-                                     registry=r)
-        self.generation_tokens = Counter("llmserve:generation_tokens", "Tokens generated.",
-                                         registry=r)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self._families = {
+            "running": gauge("llmserve:num_requests_running", "Sequences in the running batch."),
+            "waiting": gauge("llmserve:num_requests_waiting", "Sequences waiting to start."),
+            "kv_usage": gauge("llmserve:kv_cache_usage_perc",
+                              "KV-cache blocks in use, as a fraction (1 = full)."),
+            "preemptions": counter("llmserve:num_preemptions", "Sequences preempted."),
+            "prefix_hits": counter("llmserve:prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache."),
+            "prompt_tokens": counter("llmserve:prompt_tokens", "Prompt tokens processed."),
+            "generation_tokens": counter("llmserve:generation_tokens", "Tokens generated."),
+            "ttft": histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
+                              _LATENCY),
+            "tpot": histogram("llmserve:time_per_output_token_seconds",
+                              "Mean time per output token after the first.", _TPOT),
+            "e2e": histogram("llmserve:e2e_request_latency_seconds", "End-to-end latency.",
+                             _LATENCY),
+            "request_prompt": histogram("llmserve:request_prompt_tokens",
+                                        "Prompt tokens per request.", _TOKENS),
+            "request_generation": histogram("llmserve:request_generation_tokens",
+                                            "Generated tokens per request.", _TOKENS),
+            "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _TPOT),
+        }
         # NOTE: labelled as vLLM labels it, by finish reason ("stop", "length", "tool_calls";
         # also "abort" and "error"); a request with n > 1 counts by its first choice.
-        self.requests = Counter("llmserve:request_success", "Requests finished, by finish reason.",
-                                ["finished_reason"], registry=r)
-        self.ttft = Histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY, registry=r)
-        self.tpot = Histogram("llmserve:time_per_output_token_seconds",
-                              "Mean time per output token after the first.", buckets=_TPOT,
-                              registry=r)
-        self.e2e = Histogram("llmserve:e2e_request_latency_seconds", "End-to-end latency.",
-                             buckets=_LATENCY, registry=r)
-        self.request_prompt = Histogram("llmserve:request_prompt_tokens",
-                                        "Prompt tokens per request.", buckets=_TOKENS, registry=r)
-        self.request_generation = Histogram("llmserve:request_generation_tokens",
-                                            "Generated tokens per request.", buckets=_TOKENS,
-                                            registry=r)
-        self.step_time = Histogram("llmserve:engine_step_seconds", "One engine step.",
-                                   buckets=_TPOT, registry=r)
+        self._requests = Counter("llmserve:request_success", "Requests finished, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.model_name = ""
         self._last_preemptions = 0
         self._last_hits = 0
+
+    def bind(self, model_name: str) -> None:
+        """Once the model is loaded: every series gets its `model_name` (none exist before)."""
+        self.model_name = model_name
+        for attr, family in self._families.items():
+            setattr(self, attr, family.labels(model_name))
 
     def on_step(self, stats: dict, seconds: float) -> None:
         """Engine thread: once per step."""
@@ -63,7 +83,7 @@ class Metrics:
 
     def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
                   first_token: float | None, finished: float) -> None:
-        self.requests.labels(reason).inc()
+        self._requests.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         self.request_prompt.observe(prompt_tokens)
