@@ -137,13 +137,19 @@ class AsyncEngine:
         self._thread.start()
         self.state = "ready"
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, let running ones finish (up to `timeout`), stop the loop."""
+    async def wait_drained(self, timeout: float = 30.0) -> bool:
+        """Stop taking requests (503 with Retry-After; /ready says "draining") and wait up to
+        `timeout` seconds for the running ones to finish. True when none is left."""
         if self.state == "ready":
             self.state = "draining"
         deadline = time.monotonic() + timeout
         while self._open and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        return not self._open
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish (up to `timeout`), stop the loop."""
+        await self.wait_drained(timeout)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
         self.state = "stopped"

@@ -103,10 +103,51 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     return app
 
 
+# How long a stop signal waits for running requests before the server closes anyway.
+DRAIN_TIMEOUT_S = 30.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before it stops listening.
+
+    On SIGTERM or SIGINT uvicorn closes its sockets at once, so a load balancer probing /ready
+    sees a refused connection, not a drain. Here the first signal keeps the listener open:
+    /ready answers 503 "draining", new requests get 503 with Retry-After, running ones finish
+    (up to DRAIN_TIMEOUT_S); then uvicorn's own shutdown runs. A second signal skips the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self._drain: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain is not None or self._loop is None or self.engine.state != "ready":
+            super().handle_exit(sig, frame)
+            return
+        log.info("signal %d: draining (%d requests running)", sig, self.engine.load()["requests"])
+        # NOTE: a signal handler runs between bytecodes of the loop's thread: hand the work
+        # to the loop instead of starting it here.
+        self._drain = self._loop.create_task(self._drain_then_exit(sig))
+
+    async def _drain_then_exit(self, sig: int) -> None:
+        if not await self.engine.wait_drained(DRAIN_TIMEOUT_S):
+            log.warning("drain timed out after %.0f s; closing with requests running", DRAIN_TIMEOUT_S)
+        super().handle_exit(sig, None)
+
+
 def serve(config: Config) -> int:
     """Run `llmserve run`: bind, load, serve until interrupted, drain."""
     app = create_app(config)
     log.info("listening on http://%s:%d (OpenAI API under /v1)", config.server.host, config.server.port)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, access_log=False,
-                log_level="warning", timeout_graceful_shutdown=30)
-    return 0
+    server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                           access_log=False, log_level="warning",
+                                           timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S)),
+                            app.state.engine)
+    server.run()
+    return 0 if server.started else 3

@@ -1,0 +1,66 @@
+"""`llmserve run` on SIGTERM: it drains before it stops listening (CONTRACT: /ready is 503
+while draining; new requests get 503 with Retry-After) and the running stream finishes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server import ServerProcess
+from tiny import build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory):
+    # room for a stream long enough to still be running while the test probes the drain
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=8192)
+
+
+def test_sigterm_drains_then_exits(long_context_model):
+    server = ServerProcess(str(long_context_model), "--served-model-name", "tiny",
+                           "--max-model-len", "8192")
+    try:
+        first_chunk = threading.Event()
+        result: dict = {}
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            frames = []
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line[6:])
+                        first_chunk.set()
+            result["frames"] = frames
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first_chunk.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+
+        deadline = time.monotonic() + 10
+        while True:
+            ready = httpx.get(server.url + "/ready", timeout=5)
+            if ready.status_code == 503:
+                break
+            assert time.monotonic() < deadline, "never saw /ready turn 503"
+            time.sleep(0.02)
+        assert ready.json()["status"] == "draining"
+        refused = httpx.post(server.url + "/v1/completions", timeout=5,
+                             json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers.get("retry-after")
+        assert refused.json()["error"]["type"] == "service_unavailable_error"
+        assert server.proc.poll() is None       # still up: the stream is still running
+
+        reader.join(120)
+        frames = result["frames"]
+        assert frames[-1] == "[DONE]"
+        assert '"finish_reason":"length"' in frames[-2].replace(" ", "")
+        server.proc.wait(60)                    # then it exits by itself
+    finally:
+        server.stop()
