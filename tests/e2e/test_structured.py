@@ -196,8 +196,9 @@ def test_tool_choice_required_and_named(client):
             {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
             {"tool_choice": "required", "parallel_tool_calls": False},
         ])
-    for r in (req, named, single):
-        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    # A named function forced finishes "stop", as OpenAI's; required finishes "tool_calls".
+    for r, want in ((req, "tool_calls"), (named, "stop"), (single, "tool_calls")):
+        assert r.choices[0].finish_reason == want, r.choices[0].message
         assert not r.choices[0].message.content
     _check_calls(req.choices[0].message.tool_calls, {"get_weather", "get_time"})
     _check_calls(named.choices[0].message.tool_calls, {"get_time"})
@@ -219,7 +220,7 @@ def test_tool_calls_streamed(client):
             content += c.delta.content or ""
             pieces.extend(c.delta.tool_calls or [])
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and content == ""
+    assert finish == "stop" and content == ""
     head = pieces[0]
     assert head.index == 0 and head.id.startswith("call_") and head.function.name == "get_weather"
     fragments = [p.function.arguments for p in pieces[1:]]

@@ -12,7 +12,7 @@
 //! `message.tool_calls` (or, streamed, a `delta.tool_calls` chunk with `index`, `id` and
 //! `function.name` as soon as the name is known, then `function.arguments` fragments as they
 //! are generated), and a choice that made a call and ended normally finishes with
-//! `"tool_calls"`. Streamed and not, the calls are the same events, so the arguments a
+//! `"tool_calls"` (`"stop"` under a named `tool_choice`, as OpenAI's). Streamed and not, the calls are the same events, so the arguments a
 //! client concatenates equal the non-streamed ones.
 //!
 //! Reasoning (chat with a reasoning parser, [`Prepared::reasoning`]): each choice's text first
@@ -28,7 +28,7 @@ use serde::{Serialize, Serializer};
 use crate::protocol::{Endpoint, Prepared};
 use crate::reasoning::ReasoningSplitter;
 use crate::tokenizer::Tokenizer;
-use crate::tools::{ToolCallParser, ToolEvent, ToolParsing};
+use crate::tools::{ToolCallParser, ToolChoice, ToolEvent, ToolParsing};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -371,7 +371,7 @@ impl ResponseBuilder {
             },
             choices: (0..count)
                 .map(|_| ChoiceState {
-                    parser: prepared.tools.as_ref().map(|t| ToolCallParser::new(t.format, t.parameters.clone())),
+                    parser: prepared.tools.as_ref().map(ToolParsing::parser),
                     reasoning: prepared.reasoning.filter(|_| chat).map(ReasoningSplitter::new),
                     ..ChoiceState::default()
                 })
@@ -614,6 +614,10 @@ impl ResponseBuilder {
     fn push_with_tools(&mut self, choice: u32, delta: &ChoiceDelta) {
         let idx = choice as usize;
         let parallel = self.tools.as_ref().is_some_and(|t| t.parallel);
+        // NOTE: a named tool_choice finishes "stop" as OpenAI's does (the function was
+        // forced, the model did not choose to call); auto and required finish "tool_calls".
+        let named = self.tools.as_ref().is_some_and(|t| t.choice == ToolChoice::Named);
+        let call_finish = if named { FinishReason::Stop } else { FinishReason::ToolCalls };
         let parser = self.choices[idx].parser.as_mut().expect("checked by push");
         let mut events = parser.push(delta.text);
         let mut finish = delta.finish;
@@ -623,7 +627,7 @@ impl ResponseBuilder {
         let first_end = |events: &[ToolEvent]| events.iter().position(|e| *e == ToolEvent::End);
         if let Some(end) = first_end(&events).filter(|_| !parallel) {
             events.truncate(end + 1);
-            finish = Some(FinishReason::ToolCalls);
+            finish = Some(call_finish);
             stop_reason = None;
         } else if finish.is_some() {
             events.extend(parser.finish());
@@ -632,7 +636,7 @@ impl ResponseBuilder {
             }
         }
         if finish == Some(FinishReason::Stop) && parser.calls_started() > 0 {
-            finish = Some(FinishReason::ToolCalls);
+            finish = Some(call_finish);
             stop_reason = None;
         }
         let text: String = events

@@ -184,6 +184,24 @@ impl Grammars {
                 format!("The {} cannot be used to constrain generation: {}", describe(source), first_line(&err)),
             ));
         }
+        if let Err(err) = self.probe(&matcher) {
+            let (what, hint) = if param == "tools" {
+                (
+                    "forced tool call",
+                    " A forced call can choose between about 2000 tools at most (llguidance allows 2000 parser \
+                     items per step); send fewer tools, or `tool_choice` \"auto\".",
+                )
+            } else {
+                (describe(source), "")
+            };
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "The {what} is beyond what the grammar engine can follow while generating: {}.{hint}",
+                    first_line(&err)
+                ),
+            ));
+        }
         let grammar = Grammar { key: key.as_str().into(), template: Arc::new(Mutex::new(matcher)) };
         let mut cache = self.cache.lock().expect("grammar cache");
         if cache.len() >= CACHE_CAPACITY {
@@ -191,6 +209,33 @@ impl Grammars {
         }
         cache.insert(key, grammar.clone());
         Ok(grammar)
+    }
+
+    /// Walks the text the grammar forces at its start (`[{"name": "` before a forced call's
+    /// name), token by token as generation will. A grammar past one of the engine's limits
+    /// fails here, at prepare time, instead of at its first token: llguidance allows 2000
+    /// Earley items per row, and a choice between ~2000 tools needs one per tool (the row
+    /// is built when the token before the choice is consumed).
+    ///
+    /// Only a token the grammar's own mask allowed and then refused is a failure: a mask
+    /// that cannot be computed, or that refuses our tokenization of the text (a special
+    /// token, a vocabulary that cannot spell it), leaves the grammar to generation as before.
+    fn probe(&self, matcher: &Matcher) -> Result<(), String> {
+        // NOTE: the forced bytes come from a clone of their own: a matcher that computed
+        // them takes them as given and would not build the rows generation builds.
+        let forced = matcher.clone().compute_ff_bytes();
+        let text = match std::str::from_utf8(&forced) {
+            Ok(s) => s,
+            Err(e) => std::str::from_utf8(&forced[..e.valid_up_to()]).expect("valid up to here"),
+        };
+        let mut m = matcher.clone();
+        for id in self.tokenizer.encode(text, false) {
+            if !m.compute_mask().is_ok_and(|mask| mask.is_allowed(id)) {
+                return Ok(());
+            }
+            m.consume_token(id).map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     /// Compiled grammars now cached.
@@ -329,6 +374,30 @@ pub(crate) mod tests {
         let grammar = g.compile(&src, "tools").unwrap();
         let m = drive(&grammar, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>");
         assert!(m.is_stopped());
+    }
+
+    /// A forced call among too many tools overflows llguidance's row limit at the call's
+    /// first token: a 400 at prepare time, not an output cut short by the failed matcher.
+    #[test]
+    fn too_many_tools_are_refused_up_front() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let tools = |n: usize| -> Vec<Value> {
+            (0..n)
+                .map(|i| {
+                    json!({"name": format!("f{i}"), "parameters": {"type": "object",
+                                 "properties": {"a": {"type": "string"}}}})
+                })
+                .collect()
+        };
+        let json = crate::tools::ToolCallFormat::Json;
+        let fns = tools(2000);
+        let err = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true), "tools").unwrap_err();
+        assert_eq!((err.status(), err.param(), err.code()), (400, Some("tools"), "invalid_value"));
+        assert!(err.message().contains("max is 2000"), "{}", err.message());
+        let fns = tools(1500);
+        let ok = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true), "tools").unwrap();
+        assert!(drive(&ok, &tok, "[{\"name\": \"f1499\", \"arguments\": {\"a\": \"x\"}}]").is_stopped());
     }
 
     #[test]

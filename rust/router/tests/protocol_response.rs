@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use llmserve_router::protocol::{Endpoint, Prepared, SamplingParams};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
-use llmserve_router::tools::{ToolCallFormat, ToolParsing};
+use llmserve_router::tools::{ToolCallFormat, ToolChoice, ToolParsing};
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -436,4 +436,150 @@ fn without_parallel_calls_the_choice_ends_with_its_first_call() {
     let finishes: Vec<&Value> =
         chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
     assert_eq!(finishes, vec![&json!("tool_calls")]);
+}
+
+/// A chat whose `tool_choice` forces calls to `f0`..`f19` (same `parameters`), read in
+/// `format`; named: only `f1`, exactly once.
+fn forced_chat(format: ToolCallFormat, choice: ToolChoice, stream: bool, parallel: bool) -> ResponseBuilder {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, None);
+    p.stream = stream;
+    let fns: Vec<Value> = (0..20)
+        .map(|i| json!({"name": format!("f{i}"), "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}))
+        .filter(|f| choice != ToolChoice::Named || f["name"] == "f1")
+        .collect();
+    let fns: Vec<&Value> = fns.iter().collect();
+    p.tools = Some(ToolParsing::new(format, parallel, &fns).with_choice(choice));
+    builder(&p)
+}
+
+/// Pushes `pieces` (the last one finishing with `finish`); the body or the SSE bytes.
+fn push_pieces(b: &mut ResponseBuilder, pieces: &[&str], finish: FinishReason) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, piece) in pieces.iter().enumerate() {
+        let f = (i + 1 == pieces.len()).then_some(finish);
+        b.push(0, &delta(piece, &[tok(9)], f));
+        out.extend(b.take());
+    }
+    out.extend(b.finish());
+    out
+}
+
+/// (content, [(id, name, arguments)], finish_reason) from the streamed chunks.
+fn streamed(chunks: &[Value]) -> (String, Vec<(String, String, String)>, Value) {
+    let mut content = String::new();
+    let mut calls: Vec<(String, String, String)> = Vec::new();
+    let mut finish = Value::Null;
+    for c in chunks {
+        let ch = &c["choices"][0];
+        content.push_str(ch["delta"]["content"].as_str().unwrap_or_default());
+        for t in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = t["index"].as_u64().unwrap() as usize;
+            if let Some(id) = t["id"].as_str() {
+                assert_eq!(i, calls.len());
+                calls.push((id.into(), t["function"]["name"].as_str().unwrap().into(), String::new()));
+            }
+            calls[i].2.push_str(t["function"]["arguments"].as_str().unwrap());
+        }
+        if !ch["finish_reason"].is_null() {
+            assert!(finish.is_null(), "one finishing chunk");
+            finish = ch["finish_reason"].clone();
+        }
+    }
+    (content, calls, finish)
+}
+
+/// A forced call cut off by max_tokens right after its name keeps the call (arguments so
+/// far, here none) instead of returning its JSON as content; streamed, the name goes out
+/// as soon as it is complete.
+#[test]
+fn forced_call_cut_off_after_its_name_is_a_call() {
+    let cases = [
+        (ToolChoice::Required, true, vec!["[{\"name\": \"f", "2\"", ", \"arguments"], "f2", ""),
+        (ToolChoice::Named, false, vec!["{\"name\": \"f1\", \""], "f1", ""),
+        (ToolChoice::Required, false, vec!["{\"name\": \"f7\", \"arguments\": {\"a\": ", "\"xy"], "f7", "{\"a\": \"xy"),
+    ];
+    for (choice, parallel, pieces, name, args) in cases {
+        let body =
+            push_pieces(&mut forced_chat(ToolCallFormat::Json, choice, false, parallel), &pieces, FinishReason::Length);
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        let choice0 = &body["choices"][0];
+        assert_eq!(choice0["finish_reason"], "length", "{body}");
+        assert_eq!(choice0["message"]["content"], Value::Null, "{body}");
+        let calls = choice0["message"]["tool_calls"].as_array().expect("a call");
+        assert_eq!(calls.len(), 1, "{body}");
+        assert_eq!(calls[0]["function"], json!({"name": name, "arguments": args}));
+
+        let mut b = forced_chat(ToolCallFormat::Json, choice, true, parallel);
+        let chunks = frames(&push_pieces(&mut b, &pieces, FinishReason::Length));
+        let (content, calls, finish) = streamed(&chunks);
+        assert_eq!((content.as_str(), finish), ("", json!("length")));
+        assert_eq!(calls.len(), 1);
+        assert_eq!((calls[0].1.as_str(), calls[0].2.as_str()), (name, args));
+    }
+    // Streamed, the id and name go out with the push that completes the name.
+    let mut b = forced_chat(ToolCallFormat::Json, ToolChoice::Required, true, true);
+    b.push(0, &delta("[{\"name\": \"f", &[tok(9)], None));
+    assert!(!String::from_utf8(b.take()).unwrap().contains("tool_calls"));
+    b.push(0, &delta("12\"", &[tok(9)], None));
+    let sent = String::from_utf8(b.take()).unwrap();
+    assert!(sent.contains("\"name\":\"f12\"") && sent.contains("\"id\":\"call_"), "{sent}");
+}
+
+/// Hermes, required, parallel: a second call cut off before its name is complete is
+/// dropped: no `<tool_call>` in content and no empty call.
+#[test]
+fn forced_second_call_cut_off_before_its_name_is_dropped() {
+    let first = "<tool_call>\n{\"name\": \"f3\", \"arguments\": {\"a\": \"b\"}}\n</tool_call>";
+    for tail in ["\n<tool_call>", "\n<tool_call>\n{\"na", "\n<tool_call>\n{\"name\": \"f1"] {
+        let pieces = [first, tail];
+        let body = push_pieces(
+            &mut forced_chat(ToolCallFormat::Hermes, ToolChoice::Required, false, true),
+            &pieces,
+            FinishReason::Length,
+        );
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        let choice0 = &body["choices"][0];
+        assert_eq!(choice0["finish_reason"], "length");
+        assert_eq!(choice0["message"]["content"], Value::Null, "{tail:?}: {body}");
+        assert_eq!(choice0["message"]["tool_calls"].as_array().unwrap().len(), 1, "{tail:?}");
+
+        let mut b = forced_chat(ToolCallFormat::Hermes, ToolChoice::Required, true, true);
+        let (content, calls, finish) = streamed(&frames(&push_pieces(&mut b, &pieces, FinishReason::Length)));
+        assert_eq!((content.as_str(), calls.len(), finish), ("", 1, json!("length")), "{tail:?}");
+        assert_eq!(calls[0].2, "{\"a\": \"b\"}");
+    }
+}
+
+/// A named tool_choice that produced its call finishes "stop" (OpenAI's behaviour when a
+/// specific function is forced); required and auto calls finish "tool_calls".
+#[test]
+fn named_tool_choice_finishes_stop() {
+    let call = ["{\"name\": \"f1\", \"arguments\": {\"a\": \"x\"}}"];
+    for (choice, parallel, want) in [
+        (ToolChoice::Named, false, "stop"),
+        (ToolChoice::Required, false, "tool_calls"),
+        (ToolChoice::Required, true, "tool_calls"),
+    ] {
+        let body =
+            push_pieces(&mut forced_chat(ToolCallFormat::Json, choice, false, parallel), &call, FinishReason::Stop);
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["choices"][0]["finish_reason"], want, "{choice:?}");
+        assert_eq!(body["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "f1");
+        let mut b = forced_chat(ToolCallFormat::Json, choice, true, parallel);
+        let (_, calls, finish) = streamed(&frames(&push_pieces(&mut b, &call, FinishReason::Stop)));
+        assert_eq!((calls.len(), finish), (1, json!(want)), "{choice:?}");
+    }
+    // Hermes named: the builder ends the choice at the call's end (no parallel calls).
+    let mut b = forced_chat(ToolCallFormat::Hermes, ToolChoice::Named, true, false);
+    b.push(0, &delta("<tool_call>\n{\"name\": \"f1\", \"arguments\": {}}\n</tool_call>", &[tok(9)], None));
+    assert!(b.choice_finished(0));
+    assert_eq!(b.finish_reason(0), Some(FinishReason::Stop));
+    // Cut off, it is still "length".
+    let body = push_pieces(
+        &mut forced_chat(ToolCallFormat::Json, ToolChoice::Named, false, false),
+        &["{\"name\": \"f1\", \"arguments\": {\"a\""],
+        FinishReason::Length,
+    );
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
 }

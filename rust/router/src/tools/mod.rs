@@ -45,6 +45,29 @@ pub struct ToolParsing {
     pub parallel: bool,
     /// Each function's `parameters` schema by name: the XML format types its values by it.
     pub parameters: Arc<HashMap<String, Value>>,
+    /// What `tool_choice` forces: a forced output is calls only (the grammar allows nothing
+    /// else), which changes where a call commits and how the choice finishes.
+    pub choice: ToolChoice,
+}
+
+/// What a request's `tool_choice` forces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// `"auto"` (or absent): the text may or may not hold calls.
+    #[default]
+    Auto,
+    /// `"required"`: at least one call to any tool.
+    Required,
+    /// A named function: exactly one call to it; the choice then finishes `"stop"`, as
+    /// OpenAI's does when it forces a specific function.
+    Named,
+}
+
+impl ToolChoice {
+    /// The grammar constrains the output to calls.
+    pub fn is_forced(self) -> bool {
+        self != Self::Auto
+    }
 }
 
 impl ToolParsing {
@@ -57,7 +80,18 @@ impl ToolParsing {
                 Some((name, f.get("parameters").cloned().unwrap_or(Value::Null)))
             })
             .collect();
-        Self { format, parallel, parameters: Arc::new(parameters) }
+        Self { format, parallel, parameters: Arc::new(parameters), choice: ToolChoice::Auto }
+    }
+
+    /// The same parsing for output that `choice` forces.
+    pub fn with_choice(mut self, choice: ToolChoice) -> Self {
+        self.choice = choice;
+        self
+    }
+
+    /// A parser for one choice's output.
+    pub fn parser(&self) -> ToolCallParser {
+        ToolCallParser::new(self.format, self.parameters.clone()).forced(self.choice.is_forced())
     }
 }
 
@@ -176,7 +210,7 @@ pub(crate) fn call_id() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::parser::tests::run_with;
+    use super::parser::tests::{run_parser, run_with};
     use super::*;
 
     #[test]
@@ -275,7 +309,10 @@ mod tests {
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
             let parsing = ToolParsing::new(format, parallel, &[&f]);
-            let (content, calls) = run_with(format, parsing.parameters, &[&text]);
+            let (content, calls) = run_with(format, parsing.parameters.clone(), &[&text]);
+            // Forced, the same complete output reads the same.
+            let forced = parsing.with_choice(ToolChoice::Required).parser();
+            assert_eq!(run_parser(forced, &[&text]), (content.clone(), calls.clone()), "{format:?} forced");
             assert_eq!(content, "", "{format:?}");
             assert_eq!(calls.len(), if parallel { 2 } else { 1 }, "{format:?}");
             assert_eq!(calls[0].0, "f");

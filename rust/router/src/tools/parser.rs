@@ -6,13 +6,20 @@
 //! arguments object have been read (`{"name": "f", "arguments": {`, or `<function=f>` in
 //! XML); from then on it is a call whatever follows, and its arguments are the model's own
 //! argument text, fragment by fragment. Before that point, text that turns out not to be a
-//! call is given back as content. A call whose JSON puts `arguments` before `name`, or
+//! call is given back as content.
+//!
+//! Under a forced `tool_choice` ([`ToolCallParser::forced`]) the grammar lets the output be
+//! nothing but calls, so there is nothing to give back: a call commits as soon as its name
+//! is complete (the closing quote of the name string; `<function=f>` in XML), and markup
+//! left unfinished when the output ends (a call cut off before its name, a dangling
+//! `<tool_call>`) is dropped, never returned as content. A call whose JSON puts `arguments` before `name`, or
 //! sends arguments as a JSON string, cannot be streamed: it is read whole and sent in one
 //! piece when it closes (arguments then re-serialized compactly).
 //!
 //! Invariants:
 //! - The parser never loses text: what is not part of a call is content; only whitespace
-//!   (and `;` between llama3 calls) around calls is dropped.
+//!   (and `;` between llama3 calls) around calls is dropped, and, forced, call markup the
+//!   output ended inside.
 //! - The events' meaning does not depend on how the text was split into pushes: the
 //!   content, and each call's name and concatenated arguments, are the same.
 //! - A call that ends complete has arguments that concatenate to the JSON of an object; one
@@ -42,6 +49,8 @@ pub enum ToolEvent {
 /// Splits one choice's generated text into content and tool calls, incrementally.
 pub struct ToolCallParser {
     format: ToolCallFormat,
+    /// The grammar forces calls: commit at the name, drop unfinished markup at the end.
+    forced: bool,
     parameters: Arc<HashMap<String, Value>>,
     /// Text not yet consumed.
     buf: String,
@@ -105,6 +114,7 @@ impl ToolCallParser {
     pub fn new(format: ToolCallFormat, parameters: Arc<HashMap<String, Value>>) -> Self {
         Self {
             format,
+            forced: false,
             parameters,
             buf: String::new(),
             state: State::Text,
@@ -115,6 +125,12 @@ impl ToolCallParser {
             ended: 0,
             out: Vec::new(),
         }
+    }
+
+    /// A parser for output that a forced `tool_choice` grammar constrains to calls only.
+    pub fn forced(mut self, forced: bool) -> Self {
+        self.forced = forced;
+        self
     }
 
     /// Calls completed so far.
@@ -137,7 +153,12 @@ impl ToolCallParser {
     pub fn finish(&mut self) -> Vec<ToolEvent> {
         while self.step() {}
         let rest = std::mem::take(&mut self.buf);
-        match std::mem::replace(&mut self.state, State::Text) {
+        let state = std::mem::replace(&mut self.state, State::Text);
+        if self.forced {
+            self.finish_forced(state, &rest);
+            return std::mem::take(&mut self.out);
+        }
+        match state {
             State::Text => self.content(&rest),
             State::Open { given, .. } => self.content(&format!("{given}{rest}")),
             State::Call { given, reader, .. } if !reader.committed() => {
@@ -164,6 +185,25 @@ impl ToolCallParser {
         std::mem::take(&mut self.out)
     }
 
+    /// `finish` under a forced choice: the output can only have been calls, so whatever
+    /// call markup it ended inside is dropped rather than returned as content.
+    fn finish_forced(&mut self, state: State, rest: &str) {
+        match state {
+            // A call cut off after its arguments object closed is complete.
+            State::Call { reader, .. } if reader.args_done() => self.end_call(),
+            // Text the grammar allowed outside calls (none in the built-in formats): content.
+            State::Closing { tag } if tag.starts_with(rest.trim()) => {}
+            State::Text | State::Between | State::Closing { .. } => {
+                let held_marker = self.markers().iter().any(|m| m.starts_with(rest.trim()));
+                if !held_marker {
+                    self.content(rest);
+                }
+            }
+            // A call cut off before its name, or after it (its arguments so far stay).
+            State::Open { .. } | State::Call { .. } | State::Xml { .. } => {}
+        }
+    }
+
     /// Advances one state transition; false when it needs more text.
     fn step(&mut self) -> bool {
         match std::mem::replace(&mut self.state, State::Text) {
@@ -183,7 +223,8 @@ impl ToolCallParser {
                         true
                     }
                     Some(c) if c == want => {
-                        self.state = State::Call { given, reader: CallReader::default(), then };
+                        let reader = CallReader { forced: self.forced, ..CallReader::default() };
+                        self.state = State::Call { given, reader, then };
                         true
                     }
                     Some(_) => {
@@ -438,6 +479,10 @@ struct CallReader {
     text: String,
     scan: Brackets,
     phase: Phase,
+    /// Forced choice: the call's Start goes out once its name is complete.
+    forced: bool,
+    /// Start has gone out (at the name, forced; else at the arguments' `{`).
+    started: bool,
 }
 
 #[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
@@ -455,7 +500,7 @@ enum Phase {
 
 impl CallReader {
     fn committed(&self) -> bool {
-        matches!(self.phase, Phase::Args { .. } | Phase::Tail)
+        self.started
     }
 
     fn args_done(&self) -> bool {
@@ -469,11 +514,19 @@ impl CallReader {
         self.text.push_str(buf);
         buf.clear();
         if self.phase == Phase::Head {
-            match head(&self.text) {
+            let (head, name) = head(&self.text);
+            if let (true, false, Some(name)) = (self.forced, self.started, name) {
+                out.push(ToolEvent::Start { id: call_id(), name });
+                self.started = true;
+            }
+            match head {
                 Head::Pending => {}
                 Head::Whole => self.phase = Phase::Whole,
                 Head::Commit { name, args_at } => {
-                    out.push(ToolEvent::Start { id: call_id(), name });
+                    if !self.started {
+                        out.push(ToolEvent::Start { id: call_id(), name });
+                        self.started = true;
+                    }
                     self.phase = Phase::Args { sent: args_at };
                 }
             }
@@ -497,6 +550,12 @@ impl CallReader {
         if let Some(end) = closed {
             buf.push_str(&self.text[end..]);
             self.text.truncate(end);
+            // Started at its name but read whole: the arguments go out in one piece.
+            if self.phase == Phase::Whole && self.started {
+                if let Some((_, arguments)) = self.whole_call() {
+                    out.push(ToolEvent::Args(arguments));
+                }
+            }
         }
         if let Phase::Args { sent } = self.phase {
             let upto = args_end.unwrap_or(self.text.len());
@@ -561,16 +620,19 @@ enum Head {
     Whole,
 }
 
-fn head(text: &str) -> Head {
-    let mut c = Cursor { text, at: 0 };
+/// The start of a call object read as far as it goes, and its name once the name string
+/// (the object's first key) is complete.
+fn head(text: &str) -> (Head, Option<String>) {
+    let mut c = Cursor { text, at: 0, name: None };
     match c.call_head() {
-        Ok(head) | Err(head) => head,
+        Ok(head) | Err(head) => (head, c.name),
     }
 }
 
 struct Cursor<'a> {
     text: &'a str,
     at: usize,
+    name: Option<String>,
 }
 
 impl Cursor<'_> {
@@ -585,6 +647,7 @@ impl Cursor<'_> {
         self.lit(":")?;
         self.ws();
         let name = self.string()?;
+        self.name = Some(name.clone());
         self.ws();
         self.lit(",")?;
         self.ws();
@@ -678,7 +741,10 @@ pub(crate) mod tests {
         parameters: Arc<HashMap<String, Value>>,
         pieces: &[&str],
     ) -> (String, Vec<(String, String)>) {
-        let mut p = ToolCallParser::new(format, parameters);
+        run_parser(ToolCallParser::new(format, parameters), pieces)
+    }
+
+    pub(crate) fn run_parser(mut p: ToolCallParser, pieces: &[&str]) -> (String, Vec<(String, String)>) {
         let mut events = Vec::new();
         for piece in pieces {
             events.extend(p.push(piece));
@@ -867,6 +933,97 @@ pub(crate) mod tests {
         let (content, calls) =
             run(ToolCallFormat::Qwen3Xml, &["<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<par"]);
         assert_eq!((content.as_str(), calls), ("", vec![("f".to_string(), "{\"a\": \"1\"".to_string())]));
+    }
+
+    /// Recorded outputs of forced `tool_choice` requests cut off by `max_tokens` (the first
+    /// two from SmolLM2 with 20 and 2000 tools), and the calls they keep.
+    fn recorded_forced() -> Vec<Recorded> {
+        use ToolCallFormat::*;
+        let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let leak = |tail: &str| -> &'static str { Box::leak(format!("{call}{tail}").into_boxed_str()) };
+        vec![
+            (Json, "[{\"name\": \"f2\", \"arguments", "", vec![("f2", "")]),
+            (Json, "{\"name\": \"f1999\", \"", "", vec![("f1999", "")]),
+            (Json, "{\"name\": \"f1999\", \"arguments\": {\"a\": \"x", "", vec![("f1999", "{\"a\": \"x")]),
+            (Json, "[{\"name\": \"f1\", \"arguments\": {}}, {\"name\": \"f", "", vec![("f1", "{}")]),
+            // Cut off inside the name: no call, and the markup is not content either.
+            (Json, "{\"name\": \"f19", "", vec![]),
+            (Json, "[", "", vec![]),
+            (Hermes, leak("\n<tool_call>"), "", vec![("get_weather", "{\"city\": \"Paris\"}")]),
+            (Hermes, leak("\n<tool_"), "", vec![("get_weather", "{\"city\": \"Paris\"}")]),
+            (Hermes, leak("\n<tool_call>\n{\"name\": \"get_w"), "", vec![("get_weather", "{\"city\": \"Paris\"}")]),
+            (
+                Hermes,
+                leak("\n<tool_call>\n{\"name\": \"get_time\", \"argu"),
+                "",
+                vec![("get_weather", "{\"city\": \"Paris\"}"), ("get_time", "")],
+            ),
+            (
+                Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa",
+                "",
+                vec![("get_weather", "{\"city\": \"Pa")],
+            ),
+            (
+                Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool",
+                "",
+                vec![("get_weather", "{}")],
+            ),
+            (Qwen3Xml, "<tool_call>\n<function=get_weather>\n<para", "", vec![("get_weather", "")]),
+            (Qwen3Xml, "<tool_call>\n<function=get_wea", "", vec![]),
+            (Mistral, "[{\"name\": \"f\", \"arguments\": {}}, {\"na", "", vec![("f", "{}")]),
+            (Mistral, "[", "", vec![]),
+            (Llama3Json, "{\"name\": \"f\", \"parameters\": {\"a", "", vec![("f", "{\"a")]),
+        ]
+    }
+
+    /// Forced: a call commits at its name and keeps what was generated when cut off; call
+    /// markup never reaches content; however the text is split.
+    #[test]
+    fn forced_calls_cut_off_keep_their_name_and_arguments() {
+        let forced = |format| ToolCallParser::new(format, params()).forced(true);
+        for (format, text, content, calls) in recorded_forced() {
+            let whole = run_parser(forced(format), &[text]);
+            assert_eq!(whole.0, content, "{format:?} {text}");
+            let names_args: Vec<(&str, &str)> = whole.1.iter().map(|(n, a)| (n.as_str(), a.as_str())).collect();
+            assert_eq!(names_args, calls, "{format:?} {text}");
+            for at in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+                assert_eq!(run_parser(forced(format), &[&text[..at], &text[at..]]), whole, "{format:?} split at {at}");
+            }
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
+            assert_eq!(run_parser(forced(format), &chars), whole, "{format:?} char by char");
+        }
+        // Auto mode keeps the old commit point: the same text may still turn out not to be
+        // a call, so it stays content.
+        let (content, calls) = run(ToolCallFormat::Json, &["{\"name\": \"f1999\", \""]);
+        assert_eq!((content.as_str(), calls.len()), ("{\"name\": \"f1999\", \"", 0));
+        let (content, _) = run(
+            ToolCallFormat::Hermes,
+            &["<tool_call>\n{\"name\": \"f\", \"arguments\": {}}</tool_call>\n<tool_call>"],
+        );
+        assert_eq!(content, "<tool_call>", "auto: a dangling marker is text, as today");
+    }
+
+    /// Forced: the id and name go out as soon as the name's closing quote arrives.
+    #[test]
+    fn forced_calls_start_at_the_name() {
+        let mut p = ToolCallParser::new(ToolCallFormat::Json, params()).forced(true);
+        assert_eq!(p.push("[{\"name\": \"f2"), vec![]);
+        let events = p.push("\"");
+        assert!(matches!(&events[..], [ToolEvent::Start { name, .. }] if name == "f2"), "{events:?}");
+        assert_eq!(p.push(", \"arguments\": "), vec![]);
+        assert_eq!(p.push("{\"a\": \"b"), vec![ToolEvent::Args("{\"a\": \"b".into())]);
+        assert_eq!(p.push("\"}}"), vec![ToolEvent::Args("\"}".into()), ToolEvent::End]);
+        assert_eq!(p.calls_started(), 1);
+        // Arguments sent as a string (not streamable): the call started at its name gets
+        // them whole when the object closes.
+        let (content, calls) = run_parser(
+            ToolCallParser::new(ToolCallFormat::Hermes, params()).forced(true),
+            &["<tool_call>{\"name\": \"b\", \"arguments\": \"{\\\"x\\\": 1}\"}</tool_call>"],
+        );
+        assert_eq!((content.as_str(), calls), ("", vec![("b".to_string(), "{\"x\":1}".to_string())]));
     }
 
     #[test]
