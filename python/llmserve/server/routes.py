@@ -141,7 +141,15 @@ async def completions(request: Request) -> Response:
 def _handler(endpoint: str):
     async def handle(request: Request) -> Response:
         body = await read_body(request)
-        return Response(await _engine(request).handle(endpoint, body), media_type=JSON)
+        out = await _engine(request).handle(endpoint, body)
+        # The router reports ignored fields in these bodies (it returns no headers); the
+        # header is the same one the generation routes send.
+        headers = {}
+        if b'"ignored_fields"' in out:
+            ignored = orjson.loads(out).get("ignored_fields")
+            if ignored:
+                headers["llmserve-ignored-fields"] = ", ".join(ignored)
+        return Response(out, media_type=JSON, headers=headers)
 
     handle.__name__ = endpoint
     return handle

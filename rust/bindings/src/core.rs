@@ -126,6 +126,7 @@ impl CoreState {
             stop: p.stop.clone(),
             include_stop_str_in_output: p.include_stop_str_in_output,
             skip_special_tokens: p.skip_special_tokens,
+            min_tokens: p.min_tokens,
         };
         let mut sched_ids = Vec::with_capacity(prepared.prompts.len());
         let mut detoks = Vec::new();
@@ -295,7 +296,8 @@ impl CoreState {
                 _ => false,
             };
             // NOTE: a token that ends the sequence by id (eos, stop_token_ids) is counted but
-            // not shown, as in vLLM; its text would be the stop marker itself.
+            // not shown unless `include_stop_str_in_output`, as in vLLM (a special eos shows
+            // nothing under skip_special_tokens); text held back for stop strings is released.
             let by_token = finish == Some(FinishReason::Stop);
             let mut text = String::new();
             let mut stop_reason = None;
@@ -303,7 +305,9 @@ impl CoreState {
             if by_token && state.stop_token_reasons.contains(&u.token) {
                 stop_reason = Some(StopReason::Token(u.token));
             }
-            if !by_token {
+            if by_token {
+                text = detok.finish_on_token(u.token);
+            } else {
                 let step = detok.push(u.token);
                 text = step.text;
                 if let Some(s) = step.stop {

@@ -7,6 +7,10 @@
 //! overridden (`--chat-template-content-format`). For `String` templates, text parts are joined
 //! with "\n" before rendering, as vLLM does; string content passes through untouched.
 //!
+//! A message without content (`content: null` or absent: an assistant turn that only calls
+//! tools) reaches the template as `""` for `String` templates and as `[]` for `OpenAi` ones, as
+//! vLLM renders it: templates concatenate or loop over `content` without checking for none.
+//!
 //! Assistant `tool_calls` arrive with `function.arguments` as a JSON string (OpenAI's wire
 //! shape), but templates read it as a mapping (`arguments | tojson`, Qwen3-Coder's
 //! `arguments | items`). A string that holds a JSON object is given to the template as that
@@ -45,18 +49,24 @@ impl ContentFormat {
 }
 
 /// The messages as the template should see them: unchanged unless the template wants strings
-/// and some message sent a list of text parts, or an assistant message carries tool calls
-/// whose arguments are a JSON object in a string.
+/// and some message sent a list of text parts, some message has no content, or an assistant
+/// message carries tool calls whose arguments are a JSON object in a string.
 pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
     let joins = |m: &Value| format == ContentFormat::String && m.get("content").is_some_and(Value::is_array);
     let Some(list) = messages.as_array() else { return Cow::Borrowed(messages) };
-    if !list.iter().any(|m| joins(m) || string_arguments(m).next().is_some()) {
+    if !list.iter().any(|m| joins(m) || lacks_content(m) || string_arguments(m).next().is_some()) {
         return Cow::Borrowed(messages);
     }
     let normalized = list
         .iter()
         .map(|m| {
             let mut m = m.clone();
+            if lacks_content(&m) {
+                m["content"] = match format {
+                    ContentFormat::String => Value::String(String::new()),
+                    ContentFormat::OpenAi => Value::Array(Vec::new()),
+                };
+            }
             if joins(&m) {
                 let parts = m["content"].as_array().into_iter().flatten();
                 let text: Vec<&str> = parts.filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
@@ -74,6 +84,11 @@ pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
         })
         .collect();
     Cow::Owned(Value::Array(normalized))
+}
+
+/// A message object whose `content` is null or absent.
+fn lacks_content(message: &Value) -> bool {
+    message.as_object().is_some_and(|o| o.get("content").is_none_or(Value::is_null))
 }
 
 /// An assistant message's tool-call arguments sent as strings holding a JSON object.
@@ -132,7 +147,22 @@ mod tests {
         assert_eq!(calls[0]["function"]["arguments"], json!({"city": "Paris"}));
         assert_eq!(calls[1]["function"]["arguments"], "not json");
         assert_eq!(calls[2]["function"]["arguments"], json!({"a": 1}));
-        let objects_only = json!([{"role": "assistant", "tool_calls": [{"function": {"name": "h", "arguments": {}}}]}]);
+        let objects_only =
+            json!([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "h", "arguments": {}}}]}]);
         assert!(matches!(normalize(&objects_only, ContentFormat::String), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn missing_content_is_empty_in_the_templates_shape() {
+        let messages = json!([
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": null, "tool_calls": []},
+            {"role": "assistant"}
+        ]);
+        let strings = normalize(&messages, ContentFormat::String);
+        assert_eq!((&strings[1]["content"], &strings[2]["content"]), (&json!(""), &json!("")));
+        assert_eq!(strings[0]["content"], "x");
+        let parts = normalize(&messages, ContentFormat::OpenAi);
+        assert_eq!((&parts[1]["content"], &parts[2]["content"]), (&json!([]), &json!([])));
     }
 }

@@ -7,7 +7,11 @@
 //! - never text a stop string could still claim: the longest suffix of pending text that is a
 //!   prefix of some stop string is withheld until it is resolved;
 //! - nothing after a matched stop string, ever; the stop string itself only with
-//!   `include_stop_str_in_output`.
+//!   `include_stop_str_in_output`;
+//! - with `min_tokens`, a stop string counts only when it ends in the text of a token after
+//!   the first `min_tokens` (as vLLM: eos and stop ids are banned that long, stop strings are
+//!   not looked for). Earlier text is still held back while it may begin a stop string that
+//!   ends later, and released once it cannot.
 //!
 //! Without stop strings, the concatenation of every `push` and the final `flush` equals
 //! `tokenizer.decode(generated ids)` (checked by a property test).
@@ -24,6 +28,8 @@ pub struct StopConfig {
     pub stop: Vec<String>,
     pub include_stop_str_in_output: bool,
     pub skip_special_tokens: bool,
+    /// Stop strings are not matched in the text of the first `min_tokens` generated tokens.
+    pub min_tokens: u32,
 }
 
 /// One sequence's decoder. Holds `Arc<Tokenizer>`.
@@ -40,6 +46,11 @@ pub struct Detokenizer {
     emitted_chars: usize,
     stopped: bool,
     longest_stop: usize,
+    /// Tokens pushed so far.
+    generated: u32,
+    /// Byte offset in `pending` where text that may end a stop string begins (text of the
+    /// first `min_tokens` tokens lies before it).
+    armed_from: usize,
 }
 
 /// Text now safe to send, and the stop string that matched (then generation must end).
@@ -68,6 +79,8 @@ impl Detokenizer {
             emitted_chars: 0,
             stopped: false,
             longest_stop,
+            generated: 0,
+            armed_from: 0,
         }
     }
 
@@ -78,8 +91,9 @@ impl Detokenizer {
             return DetokStep::default();
         }
         self.ids.push(id);
+        self.generated = self.generated.saturating_add(1);
         let new = self.decode_new(false);
-        self.pending.push_str(&new);
+        self.append(&new);
         self.release(false)
     }
 
@@ -89,10 +103,38 @@ impl Detokenizer {
             return String::new();
         }
         let rest = self.decode_new(true);
-        self.pending.push_str(&rest);
+        self.append(&rest);
         let step = self.release(true);
         self.stopped = true;
         step.text
+    }
+
+    /// Generation ended on a token id (eos or a `stop_token_ids` entry): the held-back text,
+    /// and with `include_stop_str_in_output` the token's own text too (none for a special
+    /// token under `skip_special_tokens`), as vLLM's detokenizer keeps it.
+    pub fn finish_on_token(&mut self, id: u32) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let mut text = String::new();
+        if self.config.include_stop_str_in_output {
+            let step = self.push(id);
+            text = step.text;
+            if step.stop.is_some() {
+                return text;
+            }
+        }
+        text.push_str(&self.flush());
+        text
+    }
+
+    /// Appends decoded text to `pending`; within the first `min_tokens` tokens it cannot end
+    /// a stop string.
+    fn append(&mut self, text: &str) {
+        self.pending.push_str(text);
+        if self.generated <= self.config.min_tokens {
+            self.armed_from = self.pending.len();
+        }
     }
 
     /// Chars sent so far (completions `text_offset`).
@@ -131,7 +173,7 @@ impl Detokenizer {
 
     /// Send what no stop string can claim; stop at the earliest match.
     fn release(&mut self, at_end: bool) -> DetokStep {
-        if let Some((start, stop)) = self.find_stop() {
+        if let Some((start, stop)) = self.find_stop(self.armed_from) {
             let end = if self.config.include_stop_str_in_output { start + stop.len() } else { start };
             let text = self.pending[..end].to_string();
             self.pending.clear();
@@ -143,15 +185,18 @@ impl Detokenizer {
         let cut = self.pending.len() - keep;
         let text = self.pending[..cut].to_string();
         self.pending.drain(..cut);
+        self.armed_from = self.armed_from.saturating_sub(cut);
         self.emitted_chars += text.chars().count();
         DetokStep { text, stop: None }
     }
 
-    /// Earliest stop string in the pending text (ties: the longer one).
-    fn find_stop(&self) -> Option<(usize, String)> {
+    /// Earliest stop string in the pending text that ends past byte `min_end` (ties: the
+    /// longer one).
+    fn find_stop(&self, min_end: usize) -> Option<(usize, String)> {
         let mut best: Option<(usize, &String)> = None;
         for s in &self.config.stop {
-            if let Some(at) = self.pending.find(s.as_str()) {
+            let mut hits = self.pending.match_indices(s.as_str()).map(|(at, _)| at);
+            if let Some(at) = hits.find(|&at| at + s.len() > min_end) {
                 let better = match best {
                     None => true,
                     Some((b, bs)) => at < b || (at == b && s.len() > bs.len()),
@@ -164,14 +209,16 @@ impl Detokenizer {
         best.map(|(at, s)| (at, s.clone()))
     }
 
-    /// Length in bytes of the longest suffix of pending that begins some stop string.
+    /// Length in bytes of the longest suffix of pending that begins some stop string and is
+    /// shorter than it (a whole stop string there was either matched or, within `min_tokens`,
+    /// does not count).
     fn partial_stop_len(&self) -> usize {
         let p = &self.pending;
         let lo = p.len().saturating_sub(self.longest_stop);
         // Try the longest candidate suffix first; suffixes start on char boundaries.
         for start in (lo..p.len()).filter(|&i| p.is_char_boundary(i)) {
             let suffix = &p[start..];
-            if self.config.stop.iter().any(|s| s.starts_with(suffix)) {
+            if self.config.stop.iter().any(|s| s.len() > suffix.len() && s.starts_with(suffix)) {
                 return p.len() - start;
             }
         }
@@ -232,7 +279,94 @@ mod tests {
             stop: list.iter().map(|s| s.to_string()).collect(),
             include_stop_str_in_output: include,
             skip_special_tokens: true,
+            min_tokens: 0,
         }
+    }
+
+    /// Pushes `text` byte by byte; the concatenated output, and the stop that ended it.
+    fn run(d: &mut Detokenizer, text: &str) -> (String, Option<String>) {
+        let mut out = String::new();
+        for id in ids(text) {
+            let step = d.push(id);
+            out.push_str(&step.text);
+            if step.stop.is_some() {
+                return (out, step.stop);
+            }
+        }
+        (out, None)
+    }
+
+    #[test]
+    fn min_tokens_hold_stop_strings_back() {
+        let t = bytes_tokenizer();
+        let cfg = |min_tokens| StopConfig { min_tokens, ..stops(&["."], false) };
+        // "a.b.c": the first "." is token 2, within min_tokens 3; the second (token 4) stops.
+        let mut d = Detokenizer::new(t.clone(), &[], cfg(3));
+        assert_eq!(run(&mut d, "a.b.cd"), ("a.b".to_string(), Some(".".to_string())));
+        // A stop ending in token min_tokens still does not count; one after it does.
+        let mut d = Detokenizer::new(t.clone(), &[], cfg(2));
+        assert_eq!(run(&mut d, "a.b.c"), ("a.b".to_string(), Some(".".to_string())));
+        let mut d = Detokenizer::new(t.clone(), &[], cfg(1));
+        assert_eq!(run(&mut d, "a.b"), ("a".to_string(), Some(".".to_string())));
+        // Without a later stop, everything comes out, the ignored stop text included.
+        let mut d = Detokenizer::new(t.clone(), &[], cfg(9));
+        let (out, stop) = run(&mut d, "x.y.");
+        assert_eq!((out + &d.flush(), stop), ("x.y.".to_string(), None));
+    }
+
+    #[test]
+    fn min_tokens_stop_spanning_the_boundary_is_never_sent() {
+        let t = bytes_tokenizer();
+        // "END" starts within the first 2 tokens and ends after them: it stops, and none of
+        // it was streamed.
+        let mut d = Detokenizer::new(t.clone(), &[], StopConfig { min_tokens: 2, ..stops(&["END"], false) });
+        let mut streamed = Vec::new();
+        let mut stop = None;
+        for id in ids("xEND!") {
+            let step = d.push(id);
+            streamed.push(step.text);
+            if step.stop.is_some() {
+                stop = step.stop;
+                break;
+            }
+        }
+        assert_eq!(streamed, ["x", "", "", ""]);
+        assert_eq!(stop.as_deref(), Some("END"));
+        // Text held as a possible stop is released once it cannot be one: "EN" waits for a
+        // "D", "ENx" goes out.
+        let mut d = Detokenizer::new(t.clone(), &[], StopConfig { min_tokens: 3, ..stops(&["END"], false) });
+        let streamed: Vec<String> = ids("ENxE").into_iter().map(|id| d.push(id).text).collect();
+        assert_eq!(streamed, ["", "", "ENx", ""]);
+        // The "N" of token 2 is within min_tokens 3; the one of token 5 stops.
+        let mut d = Detokenizer::new(t.clone(), &[], StopConfig { min_tokens: 3, ..stops(&["END", "N"], false) });
+        assert_eq!(run(&mut d, "ENDEND"), ("ENDE".to_string(), Some("N".to_string())));
+        // Included stop text comes out once, with the stop.
+        let mut d = Detokenizer::new(t, &[], StopConfig { min_tokens: 2, ..stops(&["."], true) });
+        assert_eq!(run(&mut d, "..x."), ("..x.".to_string(), Some(".".to_string())));
+    }
+
+    #[test]
+    fn finishing_on_a_token_releases_held_text() {
+        let t = bytes_tokenizer();
+        // Held back as a possible "</s>", then the sequence ends on eos (id 0, special).
+        let mut d = Detokenizer::new(t.clone(), &[], stops(&["</s>"], false));
+        assert_eq!(run(&mut d, "ok </").0, "ok ");
+        assert_eq!(d.finish_on_token(0), "</");
+        assert_eq!(d.finish_on_token(0), "");
+        // include_stop_str_in_output keeps the stopping token's text; a skipped special has none.
+        let mut d = Detokenizer::new(t.clone(), &[], stops(&[], true));
+        assert_eq!(run(&mut d, "Paris").0, "Paris");
+        assert_eq!(d.finish_on_token(ids(".")[0]), ".");
+        let mut d = Detokenizer::new(t.clone(), &[], stops(&[], true));
+        d.push(ids("a")[0]);
+        assert_eq!(d.finish_on_token(0), "");
+        let mut d = Detokenizer::new(t, &[], StopConfig { skip_special_tokens: false, ..stops(&[], true) });
+        d.push(ids("a")[0]);
+        assert_eq!(d.finish_on_token(1), "<|im_end|>");
+        // Without it, the token's text is left out.
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], stops(&[], false));
+        assert_eq!(run(&mut d, "Paris").0, "Paris");
+        assert_eq!(d.finish_on_token(ids(".")[0]), "");
     }
 
     #[test]

@@ -198,6 +198,25 @@ impl ChatTemplate {
         })
     }
 
+    /// Whether the template reads the top-level variable `name` (`tools`, `documents`, a
+    /// kwarg): a request field rendered through a variable the template never reads has no
+    /// effect.
+    pub fn reads(&self, name: &str) -> bool {
+        self.declared.contains(name)
+    }
+
+    /// Whether the template text names `key` as an attribute or item (`.key`, `['key']`,
+    /// `["key"]`, or a `'key'` / `"key"` string anywhere): the message keys it may read.
+    pub fn mentions_key(&self, key: &str) -> bool {
+        let src = &self.source;
+        let quoted = src.contains(&format!("'{key}'")) || src.contains(&format!("\"{key}\""));
+        quoted
+            || src.match_indices(&format!(".{key}")).any(|(at, m)| {
+                let next = src[at + m.len()..].chars().next();
+                !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+    }
+
     /// The message-content shape this template expects (detected from its text).
     pub fn content_format(&self) -> crate::content_format::ContentFormat {
         self.content_format
@@ -341,9 +360,14 @@ fn template_error(e: Error) -> ApiError {
         source = err.source();
     }
     if e.kind() == ErrorKind::OutOfFuel {
-        return ApiError::with_code("template_error", None, "chat template rendering exceeded its fuel limit");
+        return ApiError::with_code(
+            "template_error",
+            Some("messages".into()),
+            "chat template rendering exceeded its fuel limit",
+        );
     }
-    ApiError::with_code("template_error", None, format!("chat template failed to render: {e}"))
+    // The template is the server's, but what it failed on is the request's messages.
+    ApiError::with_code("template_error", Some("messages".into()), format!("chat template failed to render: {e}"))
 }
 
 pub struct RenderInput<'a> {
@@ -738,10 +762,23 @@ mod tests {
     }
 
     #[test]
+    fn what_the_template_reads() {
+        let t = ChatTemplate::new(
+            "{% if tools %}T{% endif %}{% for m in messages %}{{ m.role }}{{ m['weight'] }}{{ m.names }}{% endfor %}",
+            "test",
+        )
+        .unwrap();
+        assert!(t.reads("tools") && t.reads("messages") && !t.reads("documents"));
+        assert!(t.mentions_key("role") && t.mentions_key("weight") && t.mentions_key("names"));
+        assert!(!t.mentions_key("name") && !t.mentions_key("weird"));
+    }
+
+    #[test]
     fn broken_templates_and_fuel() {
         assert!(ChatTemplate::new("{% for %}", "test").is_err());
         let err = render("{{ messages.nope() }}", json!([])).unwrap_err();
         assert_eq!(err.code(), "template_error");
+        assert_eq!(err.param(), Some("messages"));
         let err =
             render("{% for i in range(10000) %}{% for j in range(10000) %}{{ j }}{% endfor %}{% endfor %}", json!([]))
                 .unwrap_err();

@@ -508,3 +508,81 @@ fn echo_with_logprobs_is_accepted() {
     assert!(completion(&r, json!({"echo": true})).is_ok());
     assert!(completion(&r, json!({"echo": false, "logprobs": 2})).is_ok());
 }
+
+/// A template that concatenates `content` as a string, as SmolLM2's does.
+const CONCAT: &str = "{% for m in messages %}{{ m.role + ' : ' + m['content'] + ' </s> ' }}{% endfor %}\
+                      {% if add_generation_prompt %}assistant :{% endif %}";
+
+#[test]
+fn tool_round_trip_with_null_content_renders_on_string_templates() {
+    let r = router_with(json!({}), Some(CONCAT));
+    let msgs = json!([
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "assistant", "tool_calls": []},
+        {"role": "tool", "tool_call_id": "c", "content": "z"}
+    ]);
+    let p = chat(&r, json!({"messages": msgs})).expect("null content renders as an empty string");
+    assert_eq!(p.prompt_texts[0], "user : x </s> assistant :  </s> assistant :  </s> tool : z </s> assistant :");
+    // A template that walks parts sees an empty list.
+    let walks =
+        "{% for m in messages %}{{ m.role }}:{% for part in m.content %}{{ part.text }}{% endfor %};{% endfor %}";
+    let r = router_with(json!({}), Some(walks));
+    let user = json!({"role": "user", "content": [{"type": "text", "text": "x"}]});
+    let p = chat(
+        &r,
+        json!({"messages": [user, {"role": "assistant", "content": null}],
+                            "add_generation_prompt": false}),
+    )
+    .unwrap();
+    assert_eq!(p.prompt_texts[0], "user:x;assistant:;");
+}
+
+#[test]
+fn template_failures_name_messages() {
+    let r = router_with(json!({}), Some("{{ messages[0].content + 1 }}"));
+    assert_eq!(shape(chat(&r, json!({}))), (400, "template_error", p("messages")));
+}
+
+#[test]
+fn empty_content_parts_are_rejected_except_on_assistant_turns() {
+    check_chat(vec![
+        (json!({"messages": [{"role": "user", "content": []}]}), 400, "invalid_value", p("messages[0].content")),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": []}]}),
+            400,
+            "invalid_value",
+            p("messages[1].content"),
+        ),
+    ]);
+    let r = router();
+    chat(&r, json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": []}]})).unwrap();
+}
+
+#[test]
+fn out_of_range_integers_say_so() {
+    let r = router();
+    let raw = |extra: &str| {
+        let body = format!(r#"{{"model": "tiny", "messages": [{{"role": "user", "content": "a"}}], {extra}}}"#);
+        r.prepare(Endpoint::Chat, body.as_bytes()).unwrap_err()
+    };
+    let e = raw(r#""seed": 1180591620717411303424"#);
+    assert_eq!((e.code(), e.param()), ("invalid_value", Some("seed")));
+    assert!(e.message().contains("fit in 64 bits"), "{}", e.message());
+    // The accepted range: -2^63 ..= 2^64 - 1.
+    for seed in ["18446744073709551615", "-9223372036854775808", "0"] {
+        let body = format!(r#"{{"model": "tiny", "messages": [{{"role": "user", "content": "a"}}], "seed": {seed}}}"#);
+        r.prepare(Endpoint::Chat, body.as_bytes()).unwrap();
+    }
+    assert_eq!(raw(r#""seed": -9223372036854775809"#).code(), "invalid_value");
+    let e = raw(r#""max_tokens": 1000000000000000000000000000000"#);
+    assert_eq!((e.code(), e.param()), ("invalid_value", Some("max_tokens")));
+    assert!(e.message().contains("must be an integer between 0 and 4294967295"), "{}", e.message());
+    assert!(!e.message().contains("floating point"), "{}", e.message());
+    let e = raw(r#""n": 5000000000"#);
+    assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
+    assert!(e.message().contains("between 0 and 4294967295, got 5000000000"), "{}", e.message());
+    // A fraction is still the wrong type.
+    assert_eq!(raw(r#""max_tokens": 1.5"#).code(), "invalid_type");
+}

@@ -19,6 +19,7 @@ fn config(stop: &[&str], include: bool, skip: bool) -> StopConfig {
         stop: stop.iter().map(|s| s.to_string()).collect(),
         include_stop_str_in_output: include,
         skip_special_tokens: skip,
+        min_tokens: 0,
     }
 }
 

@@ -15,11 +15,17 @@ pub fn check_context(
 ) -> Result<(), ApiError> {
     let limit = max_model_len as u64;
     let p = prompt_len as u64;
+    // "the messages have", "the prompt has", "the prompt `prompt[1]` has".
+    let (noun, verb) = match prompt_param {
+        "messages" => ("messages".to_string(), "have"),
+        "prompt" => ("prompt".to_string(), "has"),
+        other => (format!("prompt `{other}`"), "has"),
+    };
     if p >= limit {
         return Err(ApiError::ContextLengthExceeded {
             message: format!(
-                "This model's maximum context length is {limit} tokens, but the {prompt_param} \
-                 has {p} tokens, which leaves no room for the completion. Please shorten the {prompt_param}."
+                "This model's maximum context length is {limit} tokens, but the {noun} {verb} {p} tokens, \
+                 which leaves no room for the completion. Please shorten the {noun}."
             ),
             param: Some(prompt_param.to_string()),
         });
@@ -30,8 +36,8 @@ pub fn check_context(
             return Err(ApiError::ContextLengthExceeded {
                 message: format!(
                     "This model's maximum context length is {limit} tokens. However, you requested {} \
-                     tokens ({p} in the {prompt_param}, {m} in the completion via `{param}`). Please \
-                     reduce the length of the {prompt_param} or of the completion.",
+                     tokens ({p} in the {noun}, {m} in the completion via `{param}`). Please \
+                     reduce the length of the {noun} or of the completion.",
                     p + m
                 ),
                 param: Some(param.to_string()),
@@ -67,4 +73,19 @@ pub fn settle_budget(
         params.max_tokens = params.max_tokens.map(|m| m.min(room).max(1));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_messages_read_as_english() {
+        let msg = |param| check_context(40, None, None, 32, param).unwrap_err().message().to_string();
+        assert!(msg("messages").contains("but the messages have 40 tokens"), "{}", msg("messages"));
+        assert!(msg("prompt").contains("but the prompt has 40 tokens"), "{}", msg("prompt"));
+        assert!(msg("prompt[1]").contains("but the prompt `prompt[1]` has 40 tokens"), "{}", msg("prompt[1]"));
+        let over = check_context(10, Some(30), Some("max_tokens"), 32, "messages").unwrap_err();
+        assert!(over.message().contains("(10 in the messages, 30 in the completion"), "{}", over.message());
+    }
 }

@@ -20,9 +20,15 @@ use crate::error::ApiError;
 use crate::router::Router;
 use crate::structured::GrammarSource;
 use crate::template::{ChatTemplate, RenderInput, Rendered};
-use crate::tools::{ToolCallFormat, ToolParsing};
+use crate::tools::{ToolCallFormat, ToolChoice, ToolParsing};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// Message keys with a meaning of their own (OpenAI's, and the reasoning names transformers
+/// aliases): passed to every template, never reported. Other keys count as used only when the
+/// template names them.
+const MESSAGE_KEYS: [&str; 8] =
+    ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning", "thinking"];
 
 #[derive(Deserialize, Debug)]
 pub struct ChatFields {
@@ -106,6 +112,22 @@ pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Message keys that reach the template but that it never reads, as `messages[i].key`
+/// (null values are as good as absent: clients echo back `refusal: null` and the like).
+pub(crate) fn unread_message_keys(messages: &[Value], template: Option<&ChatTemplate>) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        let Some(obj) = m.as_object() else { continue };
+        for (k, v) in obj {
+            let read = MESSAGE_KEYS.contains(&k.as_str()) || template.is_some_and(|t| t.mentions_key(k));
+            if !read && !v.is_null() {
+                out.push(format!("messages[{i}].{k}"));
+            }
+        }
+    }
+    out
+}
+
 fn missing(param: String) -> ApiError {
     ApiError::with_code(
         "missing_required_parameter",
@@ -136,6 +158,13 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
     match obj.get("content") {
         None | Some(Value::Null) if role == "assistant" => {}
         None | Some(Value::Null) => return Err(missing(format!("{p}.content"))),
+        // NOTE: OpenAI refuses an empty parts list; only an assistant turn may be empty.
+        Some(Value::Array(parts)) if parts.is_empty() && role != "assistant" => {
+            return Err(ApiError::invalid(
+                format!("{p}.content"),
+                "`content` must not be an empty array: send at least one text part.",
+            ))
+        }
         Some(content) => validate_content(&format!("{p}.content"), content)?,
     }
     if let Some(name) = obj.get("name") {
@@ -323,12 +352,12 @@ fn tool_plan(
         Forced::Any | Forced::Named(_) => {
             let format = detected.unwrap_or(ToolCallFormat::Json);
             // NOTE: a named function is called exactly once, as OpenAI does.
-            let (fns, parallel) = match forced {
-                Forced::Named(n) => (functions(Some(n)), false),
-                _ => (functions(None), parallel),
+            let (fns, parallel, choice) = match forced {
+                Forced::Named(n) => (functions(Some(n)), false, ToolChoice::Named),
+                _ => (functions(None), parallel, ToolChoice::Required),
             };
             let source = format.forced_grammar(&fns, parallel);
-            (Some(ToolParsing::new(format, parallel, &fns)), Some((source, "tools")))
+            (Some(ToolParsing::new(format, parallel, &fns).with_choice(choice)), Some((source, "tools")))
         }
     }
 }
@@ -385,6 +414,22 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
     }
 }
 
+/// Whether the request's `tools` have no effect: not forced by a grammar, and the template
+/// they would render through never reads `tools`, while nothing parses calls from the output
+/// either (no tool-call format, or `tool_choice: "none"`).
+fn tools_unused(router: &Router, with_tools: bool, forced: &Forced) -> bool {
+    if *forced != Forced::No {
+        return false;
+    }
+    let Some(template) = router.templates.select(true) else { return false };
+    if template.reads("tools") {
+        return false;
+    }
+    let parsed =
+        with_tools && router.config.tool_call_format.or_else(|| ToolCallFormat::detect(template.source())).is_some();
+    !parsed
+}
+
 /// Validates a chat request and renders + tokenizes its prompt.
 pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
@@ -397,7 +442,6 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     let mut ignored: Vec<String> = unknown_keys(&common.extra, &chat.extra).cloned().collect();
     let c = common.resolve(config, vocab_size)?;
     ignored.extend(c.inert.iter().cloned());
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
 
     if chat.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(unsupported(
@@ -427,6 +471,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     };
 
     let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
+    ignored.extend(unread_message_keys(&chat.messages, router.templates.select(with_tools)));
+    if chat.tools.is_some() && tools_unused(router, with_tools, &forced) {
+        ignored.push("tools".into());
+    }
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
     if forced != Forced::No && c.response_format.is_some() {
         return Err(ApiError::invalid(
             "response_format",

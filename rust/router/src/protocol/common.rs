@@ -45,12 +45,37 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
                 format!("Missing required parameter: `{param}`."),
             );
         }
-        let code = if inner.starts_with("invalid type") { "invalid_type" } else { "invalid_value" };
-        let what = if code == "invalid_type" { "Invalid type" } else { "Invalid value" };
         let param = if path.is_empty() { None } else { Some(path) };
         let name = param.as_deref().unwrap_or("the request body");
+        if let Some(range) = integer_out_of_range(&inner) {
+            return ApiError::with_code("invalid_value", param.clone(), format!("`{name}` must be {range}."));
+        }
+        let code = if inner.starts_with("invalid type") { "invalid_type" } else { "invalid_value" };
+        let what = if code == "invalid_type" { "Invalid type" } else { "Invalid value" };
         ApiError::with_code(code, param.clone(), format!("{what} for `{name}`: {}.", plain_serde(&inner)))
     })
+}
+
+/// An integer field sent a whole number it cannot hold (`1e30`, or `10**30`, which JSON
+/// parsing turns into a float): "an integer between 0 and 4294967295, got 1e30". A
+/// fractional number stays a type error.
+fn integer_out_of_range(inner: &str) -> Option<String> {
+    const RANGES: [(&str, &str); 4] = [
+        ("u32", "between 0 and 4294967295"),
+        ("u64", "between 0 and 18446744073709551615"),
+        ("i32", "between -2147483648 and 2147483647"),
+        ("i64", "between -9223372036854775808 and 9223372036854775807"),
+    ];
+    let (head, range) =
+        RANGES.iter().find_map(|(t, r)| inner.strip_suffix(&format!("`, expected {t}")).map(|h| (h, r)))?;
+    let (whole, got) = if let Some(f) = head.strip_prefix("invalid type: floating point `") {
+        (f.parse::<f64>().ok().is_some_and(|x| x.is_finite() && x.fract() == 0.0), f)
+    } else if let Some(i) = head.strip_prefix("invalid value: integer `") {
+        (true, i)
+    } else {
+        return None;
+    };
+    whole.then(|| format!("an integer {range}, got {got}"))
 }
 
 fn join_path(parent: &str, field: &str) -> String {
@@ -254,9 +279,20 @@ impl CommonFields {
 
         let seed = match self.seed {
             None | Some(Value::Null) => None,
-            Some(Value::Number(num)) => match (num.as_u64(), num.as_i64()) {
-                (Some(u), _) => Some(u),
-                (None, Some(i)) => Some(i as u64),
+            // Accepted: -2^63 ..= 2^64 - 1 (a negative seed keeps its bits).
+            Some(Value::Number(num)) => match (num.as_u64(), num.as_i64(), num.as_f64()) {
+                (Some(u), _, _) => Some(u),
+                (None, Some(i), _) => Some(i as u64),
+                // JSON integers past 64 bits parse as floats: a whole one is out of range.
+                (None, None, Some(x)) if x.is_finite() && x.fract() == 0.0 => {
+                    return Err(ApiError::invalid(
+                        "seed",
+                        format!(
+                            "`seed` must fit in 64 bits: an integer between -9223372036854775808 and \
+                             18446744073709551615, got {num}."
+                        ),
+                    ))
+                }
                 _ => return Err(invalid_type("seed", format!("`seed` must be an integer, got {num}."))),
             },
             Some(other) => {

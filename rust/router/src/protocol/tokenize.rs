@@ -1,8 +1,11 @@
 //! The routes answered without generating: `/tokenize`, `/detokenize` and the two render
 //! routes. Their bodies are JSON built here.
 //!
-//! NOTE: tokenize/detokenize have no header to report ignored fields in, so unknown fields
-//! are a 400 there. The render routes report them in the body (`ignored_fields`).
+//! Unknown fields (and message keys the template never reads) follow the generation routes'
+//! rule: reported, or a 400 under `strict_fields`. `Router::handle` returns a body only, so
+//! they are reported in it as `ignored_fields` (the render routes always, tokenize/detokenize
+//! when there are any), and the HTTP layer copies them into the `llmserve-ignored-fields`
+//! header.
 
 use std::collections::BTreeMap;
 
@@ -10,8 +13,9 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::chat::unread_message_keys;
 use super::chat::{generation_flags, render, validate_messages, validate_tools, ChatRender};
-use super::common::{check_token_id, from_value, parse_body, unsupported};
+use super::common::{check_token_id, from_value, parse_body, settle_ignored};
 use crate::error::ApiError;
 use crate::router::Router;
 
@@ -25,6 +29,8 @@ struct TokenizeBody {
     continue_final_message: Option<bool>,
     chat_template_kwargs: Option<Map<String, Value>>,
     tools: Option<Vec<Value>>,
+    /// Adds `token_strs` (the vocabulary pieces of the ids) to the response, as vLLM does.
+    return_token_strs: Option<bool>,
     #[allow(dead_code)] // type-checked here; the template gets it from the body as sent
     documents: Option<Vec<Value>>,
     #[serde(flatten)]
@@ -35,29 +41,31 @@ struct TokenizeBody {
 struct DetokenizeBody {
     model: Option<String>,
     tokens: Vec<u32>,
+    skip_special_tokens: Option<bool>,
     #[serde(flatten)]
     extra: BTreeMap<String, IgnoredAny>,
-}
-
-fn reject_unknown(extra: &BTreeMap<String, IgnoredAny>) -> Result<(), ApiError> {
-    match extra.keys().next() {
-        None => Ok(()),
-        Some(k) => Err(unsupported(k.clone(), format!("Unknown field `{k}` for this route."))),
-    }
 }
 
 fn to_body(v: &Value) -> Vec<u8> {
     serde_json::to_vec(v).expect("JSON values serialize")
 }
 
+/// Adds `ignored_fields` to a tokenize/detokenize body when some were ignored.
+fn with_ignored(mut body: Value, ignored: Vec<String>) -> Value {
+    if !ignored.is_empty() {
+        body["ignored_fields"] = json!(ignored);
+    }
+    body
+}
+
 /// `{prompt}` or `{messages, ...}` -> `{"tokens", "count", "max_model_len"}`.
 pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
     let value = parse_body(body)?;
     let req: TokenizeBody = from_value(&value)?;
-    reject_unknown(&req.extra)?;
     if let Some(m) = &req.model {
         router.check_model(m)?;
     }
+    let mut ignored: Vec<String> = req.extra.keys().cloned().collect();
     let tokens = match (&req.prompt, &req.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid("messages", "Send either `prompt` or `messages`, not both."))
@@ -75,6 +83,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
             if let Some(tools) = &req.tools {
                 validate_tools(tools)?;
             }
+            ignored.extend(unread_message_keys(messages, router.templates.select(req.tools.is_some())));
             let (add_generation_prompt, continue_final_message) =
                 generation_flags(req.add_generation_prompt, req.continue_final_message)?;
             let input = ChatRender {
@@ -90,18 +99,25 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
             router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false))
         }
     };
-    Ok(to_body(&json!({
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+    let mut out = json!({
         "tokens": tokens,
         "count": tokens.len(),
         "max_model_len": router.config.max_model_len,
-    })))
+    });
+    if req.return_token_strs == Some(true) {
+        let strs: Vec<String> = tokens.iter().map(|&id| router.tokenizer.id_to_token(id).unwrap_or_default()).collect();
+        out["token_strs"] = json!(strs);
+    }
+    Ok(to_body(&with_ignored(out, ignored)))
 }
 
-/// `{tokens}` -> `{"prompt": text}` (special tokens kept: this shows what the ids are).
+/// `{tokens}` -> `{"prompt": text}` (special tokens kept unless `skip_special_tokens`: this
+/// shows what the ids are).
 pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
     let value = parse_body(body)?;
     let req: DetokenizeBody = from_value(&value)?;
-    reject_unknown(&req.extra)?;
+    let ignored = settle_ignored(req.extra.keys().cloned().collect(), router.config.strict_fields)?;
     if let Some(m) = &req.model {
         router.check_model(m)?;
     }
@@ -109,7 +125,8 @@ pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiErr
     for (i, &id) in req.tokens.iter().enumerate() {
         check_token_id(&format!("tokens[{i}]"), id as u64, vocab_size)?;
     }
-    Ok(to_body(&json!({ "prompt": router.tokenizer.decode(&req.tokens, false) })))
+    let text = router.tokenizer.decode(&req.tokens, req.skip_special_tokens.unwrap_or(false));
+    Ok(to_body(&with_ignored(json!({ "prompt": text }), ignored)))
 }
 
 /// A chat request, validated as for generation -> what it renders to.
