@@ -93,8 +93,8 @@ def test_chat_answers(smol_server):
 def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
     """CONTRACT: the same prompt and parameters give the same tokens run after run. The second
     and third runs find the prompt's first block in the prefix cache and compute only its
-    short tail: that tail must take the same (fp32) path as the whole prompt did, not the
-    quantized path of decode steps, or the answer changes."""
+    short tail: every prompt token must compute to the same bits either way (worker/
+    threads.py), or the int8-activation decode steps amplify the difference."""
     prompt = "In a quiet village by the sea, an old fisherman named Tobias told stories every night about"
     with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
         runs = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8,
@@ -107,8 +107,8 @@ def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
     first = runs[0].choices[0]
     for r in runs[1:]:
         assert r.choices[0].text == first.text
-        assert r.choices[0].logprobs.token_logprobs == pytest.approx(first.logprobs.token_logprobs, abs=1e-4)
+        assert r.choices[0].logprobs.token_logprobs == first.logprobs.token_logprobs
     assert chats[0].usage.prompt_tokens > 16
     assert chats[1].choices[0].message.content == chats[0].choices[0].message.content
     lp = [[t.logprob for t in ch.choices[0].logprobs.content] for ch in chats]
-    assert lp[1] == pytest.approx(lp[0], abs=1e-4)
+    assert lp[1] == lp[0]

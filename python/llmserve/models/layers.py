@@ -19,7 +19,8 @@ from torch import nn
 from llmserve import _core
 from llmserve.loaders.checkpoint import QuantTensor
 from llmserve.worker.attention import AttentionMetadata, paged_attention
-from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads, quantized_step_allowed
+from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, kernel_threads,
+                                    pads_small_gemms, quantized_step_allowed)
 
 
 class RMSNorm(nn.Module):
@@ -120,8 +121,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               for i in range(0, x.shape[0], QUANT_MAX_TOKENS)])
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if not quant_ok or not quantized_step_allowed(x.shape[0]):
-        return F.linear(x, weight, bias)
+        return _fp32_linear(x, weight, bias)
     return _quant_linear(x, bias, quant)
+
+
+def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; in steps with prompt tokens, a float32 CPU matmul runs padded with zero rows to
+    a multiple of GEMM_ROW_MULTIPLE rows, so each row's sums do not depend on how many rows
+    the step had (worker/threads.py says why that matters)."""
+    n = x.shape[0] if x.dim() == 2 else 0
+    extra = -n % GEMM_ROW_MULTIPLE
+    if extra and x.dtype == torch.float32 and x.device.type == "cpu" and pads_small_gemms():
+        padded = torch.cat((x, x.new_zeros(extra, x.shape[1])))
+        return F.linear(padded, weight, bias)[:n]
+    return F.linear(x, weight, bias)
 
 
 def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: QuantTensor) -> torch.Tensor:

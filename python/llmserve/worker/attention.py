@@ -11,16 +11,18 @@ its block table. Two groups, decided once per step in `AttentionMetadata.build`:
   per sequence; a chunk that continues a cached prefix uses the lower-right causal alignment
   (query i at absolute position p sees keys 0..p).
 
-On CPU, float32 decode rows skip the gather: the Rust kernel `llmserve._core.
-paged_decode_attention` (rust/kernels) reads K/V in place through the block tables, one work
-item per (sequence, kv head), online softmax in f32 (BENCH.md: the gather + padded SDPA read KV
-at ~5 GB/s). The torch path stays the reference and the fallback (other dtypes or devices,
-prefill rows, an extension without the kernel); `USE_CPU_DECODE_KERNEL = False` forces it.
+On CPU, float32 rows skip the gather: the Rust kernel `llmserve._core.paged_decode_attention`
+(rust/kernels) reads K/V in place through the block tables, one work item per (row, kv head),
+online softmax in f32 (BENCH.md: the gather + padded SDPA read KV at ~5 GB/s). Decode rows
+use it always; in a step with prompt rows, every token is its own row of it (each with its
+sequence's block table and its own position + 1 as length), because its result for a token
+depends only on that token and its context, while SDPA's shifts in the last bits with the
+query count: a prompt must compute the same whether or not the prefix cache held its start
+(worker/threads.py). The torch path stays the reference and the fallback (other dtypes or
+devices, an extension without the kernel); `USE_CPU_DECODE_KERNEL = False` forces it.
 
-Batch-invariant mode (--batch-invariant): SDPA over a chunk multiplies Q [chunk, d] by K^T, so a
-prompt token's result depends on how its prompt was chunked. Instead every query token (prompt
-or decode) is its own row of the Rust kernel, which computes each (row, kv head) whole in one
-thread: the token's own sequence's block table, seq_len = its position + 1.
+Batch-invariant mode (--batch-invariant) uses the same per-token rows, and refuses to run
+without the kernel.
 
 KV heads are never repeated: SDPA's `enable_gqa` handles grouped-query attention (BENCH.md:
 repeat_interleave makes batch-64 decode ~5x slower). Softmax runs in float32 whatever the
@@ -210,6 +212,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if not _kernel_serves(q, k_cache, v_cache, meta):
             raise RuntimeError("batch-invariant attention needs the CPU decode kernel "
                                "(float32 on CPU)")
+        return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
+    if meta.prefills and _kernel_serves(q, k_cache, v_cache, meta):
+        # Prompt rows on CPU float32: every token as its own kernel row, so a prompt token's
+        # result does not depend on how its prompt was split into steps (a prefix-cache hit
+        # computes only the tail; worker/threads.py). SDPA's results shift in the last bits
+        # with the query count.
         return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
     out_dtype = q.dtype
     # NOTE: softmax in float32 whatever the model dtype (a no-op for fp32 models).

@@ -1,12 +1,21 @@
-"""Which CPU steps read GGUF blocks, and how the engine's CPU threads are shared between torch
-and llmserve's Rust kernels.
+"""How a CPU step computes: which steps read GGUF blocks, how prompt tokens keep the same
+numerics whatever the prefix cache held, and how the engine's CPU threads are shared between
+torch and llmserve's Rust kernels.
 
-A step reads a quantized model's GGUF blocks (the quantized GEMV, and the whole-layer Rust
-decoder of models/cpu_decoder.py) only when it is a decode step of generated tokens: at most
-QUANT_MAX_TOKENS sequences, each computing the one token it sampled last. Prompt tokens always
-run the fp32 path, however few: a prompt's numerics must not depend on how much of it the
-prefix cache held (a cache hit leaves a short tail that would otherwise take the quantized
-path, and the same greedy request would answer differently on its second run).
+CONTRACT: the same prompt and parameters give the same tokens run after run. The second run
+of a prompt finds its first blocks in the prefix cache and computes only the tail, in a step
+of another shape; and since the quantized GEMV rounds activations to int8, a last-bit
+difference anywhere upstream can move a rounded value by a whole step and change the answer.
+So every prompt token must be computed bit-identically however its prompt was split:
+- Prompt tokens never read GGUF blocks, however few: only decode steps of generated tokens
+  (at most QUANT_MAX_TOKENS sequences, each computing the one token it sampled last) do.
+- In steps that hold prompt tokens, fp32 matmuls are padded with zero rows to a multiple of
+  GEMM_ROW_MULTIPLE rows: MKL computes a row of an fp32 GEMM to the same bits for any M that
+  is a multiple of 4, but other M (below a threshold that grows with the thread count: 3 rows
+  at 1 thread, 11 at 2, 27 at 16) take kernels whose sums differ in the last bits
+  (tests/unit/test_row_invariance.py checks this property of the installed BLAS).
+- Attention on CPU float32 runs every token as its own row of the Rust kernel (worker/
+  attention.py), whose result depends only on that token and its context.
 
 The Rust kernels (quantized GEMV, paged decode attention) run on their own persistent
 thread pool (rust/kernels/src/pool.rs). torch's OpenMP workers spin for a while after every
@@ -35,9 +44,12 @@ QUANT_MAX_TOKENS = 8
 # The engine's CPU thread count (torch's at startup); None until a ModelRunner is built.
 _engine_threads: int | None = None
 
-# Whether the running step may read GGUF blocks (set by the runner for each step); None
-# outside a runner's step: a linear called alone then decides by its token count.
-_quantized_step: bool | None = None
+# fp32 matmuls in steps with prompt tokens get a multiple of this many rows (module doc).
+GEMM_ROW_MULTIPLE = 4
+
+# (generated_decode, quantized) of the running step, set by the runner; None outside a
+# runner's step: a linear called alone then decides by its token count and pads nothing.
+_step: tuple[bool, bool] | None = None
 
 
 def is_generated_decode(plan) -> bool:
@@ -51,9 +63,15 @@ def is_generated_decode(plan) -> bool:
 
 def quantized_step_allowed(num_tokens: int) -> bool:
     """Whether a linear over `num_tokens` rows may read its GGUF blocks in the current step."""
-    if _quantized_step is None:
+    if _step is None:
         return num_tokens <= QUANT_MAX_TOKENS
-    return _quantized_step and num_tokens <= QUANT_MAX_TOKENS
+    return _step[1] and num_tokens <= QUANT_MAX_TOKENS
+
+
+def pads_small_gemms() -> bool:
+    """Whether the current step holds prompt tokens, whose fp32 matmuls are padded to a
+    multiple of GEMM_ROW_MULTIPLE rows."""
+    return _step is not None and not _step[0]
 
 
 def set_engine_threads(n: int) -> None:
@@ -67,17 +85,18 @@ def kernel_threads() -> int:
 
 
 @contextmanager
-def quantized_step(active: bool) -> Iterator[None]:
-    """Runs one step: with `active`, its linears read GGUF blocks and torch runs on one thread
-    (the kernels get the engine's threads); without, everything takes the fp32 path."""
-    global _quantized_step
-    before_step, before_threads = _quantized_step, torch.get_num_threads()
-    _quantized_step = active
-    if active and before_threads > 1:
+def cpu_step(generated_decode: bool, quantized: bool) -> Iterator[None]:
+    """Runs one step. `generated_decode`: every token is a sampled token of its sequence (no
+    prompt token; see is_generated_decode). `quantized`: its linears read GGUF blocks and torch
+    runs on one thread (the kernels get the engine's threads)."""
+    global _step
+    before_step, before_threads = _step, torch.get_num_threads()
+    _step = (generated_decode, quantized)
+    if quantized and before_threads > 1:
         torch.set_num_threads(1)
     try:
         yield
     finally:
-        _quantized_step = before_step
+        _step = before_step
         if torch.get_num_threads() != before_threads:
             torch.set_num_threads(before_threads)

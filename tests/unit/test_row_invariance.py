@@ -1,0 +1,80 @@
+"""A prompt computes bit-identically however it is split into steps (worker/threads.py): the
+second run of a request finds the prompt's start in the prefix cache and computes only the
+tail, and CONTRACT promises the same tokens run after run. Checked on a quantized tiny model
+through ModelRunner.execute (prompt steps in fp32, decode steps on the int8 GEMV), and the
+BLAS property it rests on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _plans import Paged, Row
+from test_cpu_decoder import quantized_model
+
+from llmserve.worker import ModelRunner
+from llmserve.worker.threads import GEMM_ROW_MULTIPLE
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_blas_computes_gemm_rows_independently_of_m(threads):
+    """MKL's fp32 GEMM: row r of x @ w^T is the same bits for any M that is a multiple of
+    GEMM_ROW_MULTIPLE, wherever the row sits. If this fails, the installed BLAS breaks the
+    premise of the padding in models/layers.py, and a warm prefix cache can change answers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for rows, cols in ((960, 576), (576, 1536), (1000, 64)):
+            w = torch.randn(rows, cols, generator=g)
+            x = torch.randn(320, cols, generator=g)
+            whole = F.linear(x, w)
+            for start in (0, 1, 16, 37):
+                for n in range(GEMM_ROW_MULTIPLE, 64, GEMM_ROW_MULTIPLE):
+                    part = F.linear(x[start:start + n], w)
+                    assert torch.equal(part, whole[start:start + n]), (rows, cols, start, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+PROMPT = [(7 * i + 3) % 90 + 1 for i in range(29)]
+SPLITS = [[29], [16, 13], [4, 4, 21], [28, 1], [5, 2, 9, 13]]
+
+
+def _run(model, split: list[int], decode_steps: int = 4):
+    """Logprobs (top 5) of the prompt's sampled token and of `decode_steps` greedy tokens after
+    it, and the K cache, with the prompt computed in steps of `split` tokens."""
+    runner = ModelRunner(model, 64, 4, torch.float32, "cpu", seed=0)
+    paged = Paged(64, 4)
+    paged.add(0, PROMPT)
+    for n in split:
+        out = runner.execute(paged.step({0: n}, rows={0: Row(num_logprobs=5)}))
+    tokens, lps = [int(out.tokens[0])], [out.top_logprobs[0].copy()]
+    for i in range(1, decode_steps + 1):
+        paged.append(0, tokens[-1])
+        out = runner.execute(paged.step({0: 1}, rows={0: Row(num_logprobs=5, gen_index=i)}))
+        tokens.append(int(out.tokens[0]))
+        lps.append(out.top_logprobs[0].copy())
+    return tokens, lps, [k.clone() for k in runner.kv_cache.key]
+
+
+@pytest.mark.parametrize("family,threads", [("llama", 1), ("llama", 2), ("qwen3", 2)])
+def test_a_prompt_computes_the_same_however_it_is_split(family, threads):
+    model = quantized_model(family)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tokens, lps, cache = _run(model, SPLITS[0])
+        for split in SPLITS[1:]:
+            t, l, c = _run(model, split)
+            assert t == tokens, split
+            for a, b in zip(l, lps):
+                np.testing.assert_array_equal(a, b, err_msg=str(split))
+            for a, b in zip(c, cache):
+                assert torch.equal(a, b), split
+    finally:
+        torch.set_num_threads(before)
