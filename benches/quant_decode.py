@@ -2,12 +2,18 @@
 tok/s with `quantized_decode` on vs off, measured in the same run (BENCH.md).
 
     python benches/quant_decode.py [--threads 2] [--tokens 128] [--repeats 3] [--skip-decode]
+                                   [--baseline OTHER/_core.abi3.so]
 
 Part 1 times `_core.quant_matmul` on SmolLM2's layer shapes (random weights quantized with
 gguf: fused QKV, o, gate|up, down in Q4_1; the tied LM head in Q8_0) against torch's fp32
-F.linear on the same shapes. Part 2 builds two offline LLMs from the default GGUF, one per
-setting, and alternates them: one prompt, `--tokens` output tokens with ignore_eos; the
-figure is output tokens / (end-to-end time - time of a 1-token request), i.e. decode only.
+F.linear on the same shapes, and sums them into the GEMV time of one decode token (30 layers
++ LM head). `--baseline` loads another build of the extension (e.g. a copy of the .so from
+before a kernel change) and times its `quant_matmul` on the same inputs, interleaved with
+this build's, so old and new are compared in one run. The kernels are all timed before any
+torch call: torch's OpenMP threads keep spinning after each op and would steal the cores.
+Part 2 builds two offline LLMs from the default GGUF, one per setting, and alternates them:
+one prompt, `--tokens` output tokens with ignore_eos; the figure is output tokens /
+(end-to-end time - time of a 1-token request), i.e. decode only.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ SHAPES = [("qkv", 960, 576, GT.Q4_1), ("o_proj", 576, 576, GT.Q4_1),
           ("lm_head", 49152, 576, GT.Q8_0)]
 
 
+LAYERS = 30   # SmolLM2-135M: every shape but the LM head runs once per layer per token
+
+
 def _median_time(fn, repeats: int, inner: int) -> float:
     fn()
     times = []
@@ -41,25 +50,71 @@ def _median_time(fn, repeats: int, inner: int) -> float:
     return statistics.median(times)
 
 
-def bench_gemv(threads: int, repeats: int) -> None:
+def _load_baseline(path: str):
+    """Another build of the extension, loaded beside this one (its init function is
+    PyInit__core, so the module must be called `_core`; a different file is a separate copy)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader("_core", path)
+    spec = importlib.util.spec_from_file_location("_core", path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def bench_gemv(threads: int, repeats: int, baseline: str | None) -> None:
     rng = np.random.default_rng(0)
-    print(f"GEMV, {threads} threads, median of {repeats} (us per call; GB/s of weight bytes read)")
-    print(f"{'shape':>8} {'T':>2} {'quant us':>9} {'quant GB/s':>10} {'fp32 us':>9} {'fp32 GB/s':>9} {'speedup':>7}")
+    kernels = {"new": _core.quant_matmul}
+    if baseline:
+        kernels["old"] = _load_baseline(baseline).quant_matmul
+    cases = []
     for name, rows, cols, qtype in SHAPES:
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
         raw = np.ascontiguousarray(quantize(w, qtype))
-        wt = torch.from_numpy(w)
-        inner = max(3, int(2e8 // w.nbytes))
         for tokens in (1, 4):
-            x = torch.randn(tokens, cols)
-            out = torch.empty(tokens, rows)
-            xn, on = x.numpy(), out.numpy()
-            tq = _median_time(lambda: _core.quant_matmul(on, xn, raw, int(qtype), rows, cols, threads),
-                              repeats, inner)
-            with torch.inference_mode():
-                tf = _median_time(lambda: F.linear(x, wt), repeats, inner)
-            print(f"{name:>8} {tokens:>2} {tq * 1e6:9.1f} {raw.nbytes / tq / 1e9:10.1f} "
-                  f"{tf * 1e6:9.1f} {w.nbytes / tf / 1e9:9.1f} {tf / tq:6.2f}x", flush=True)
+            x = rng.standard_normal((tokens, cols)).astype(np.float32)
+            cases.append((name, rows, cols, qtype, tokens, w, raw, x))
+
+    # the kernels first, each case's variants interleaved repeat by repeat
+    times: dict[tuple[str, int, str], list[float]] = {}
+    inner_of = {}
+    for name, rows, cols, qtype, tokens, w, raw, x in cases:
+        inner_of[name] = inner = max(3, int(2e8 // w.nbytes))
+        out = np.empty((tokens, rows), np.float32)
+        for _ in range(repeats):
+            for label, kernel in kernels.items():
+                t = _median_time(lambda: kernel(out, x, raw, int(qtype), rows, cols, threads), 1, inner)
+                times.setdefault((name, tokens, label), []).append(t)
+    fp32 = {}
+    with torch.inference_mode():
+        for name, rows, cols, qtype, tokens, w, raw, x in cases:
+            xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+            fp32[name, tokens] = _median_time(lambda: F.linear(xt, wt), repeats, inner_of[name])
+
+    labels = list(kernels)
+    print(f"GEMV, {threads} threads, median of {repeats} (us per call; GB/s of weight bytes read)")
+    head = f"{'shape':>8} {'T':>2}" + "".join(f" {k + ' us':>9} {k + ' GB/s':>9}" for k in labels)
+    head += f" {'fp32 us':>9}" + (" new/old" if baseline else "")
+    print(head)
+    per_token: dict[tuple[str, int], float] = {}
+    for name, rows, cols, qtype, tokens, w, raw, x in cases:
+        med = {k: statistics.median(times[name, tokens, k]) for k in labels}
+        line = f"{name:>8} {tokens:>2}"
+        per_step = 1 if name == "lm_head" else LAYERS
+        for k in labels:
+            line += f" {med[k] * 1e6:9.1f} {raw.nbytes / med[k] / 1e9:9.1f}"
+            per_token[k, tokens] = per_token.get((k, tokens), 0.0) + med[k] * per_step
+        line += f" {fp32[name, tokens] * 1e6:9.1f}"
+        if baseline:
+            line += f" {med['old'] / med['new']:6.2f}x"
+        print(line, flush=True)
+    total_bytes = sum(raw.nbytes * (1 if name == "lm_head" else LAYERS)
+                      for name, _, _, _, tokens, _, raw, _ in cases if tokens == 1)
+    for tokens in (1, 4):
+        parts = [f"{k} {per_token[k, tokens] * 1e3:6.2f} ms "
+                 f"({total_bytes / per_token[k, tokens] / 1e9:4.1f} GB/s)" for k in labels]
+        print(f"one decode step of SmolLM2 (30 layers + LM head), T={tokens}: " + ", ".join(parts))
 
 
 def bench_decode(threads: int, tokens: int, repeats: int) -> None:
@@ -99,9 +154,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--baseline", help="another build's _core.abi3.so to time beside this one")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    bench_gemv(args.threads, args.repeats)
+    bench_gemv(args.threads, args.repeats, args.baseline)
     if not args.skip_decode:
         bench_decode(args.threads, args.tokens, args.repeats)
 

@@ -6,6 +6,10 @@
 //! GGUF tensor's raw rows). Every array must be C-contiguous. A shape mismatch, an unknown
 //! ggml type, a non-contiguous array or num_threads == 0 is a ValueError (nothing written); a
 //! wrong dtype is numpy's TypeError.
+//!
+//! Numerics: each token's x is rounded to int8 blocks of 32 (one scale per block) before the
+//! integer dot products, as llama.cpp does, so the result is the dequantized weights times
+//! that rounded x (see `llmserve_kernels::quant`), not exactly the fp32 matmul.
 
 use llmserve_kernels::quant::{QuantType, QuantWeights};
 use numpy::{PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -17,7 +21,7 @@ fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
 }
 
 /// out[t, r] = sum_k x[t, k] * w[r, k], with w's rows read as ggml blocks of `ggml_type`
-/// (2 = Q4_0, 3 = Q4_1, 8 = Q8_0); at most `num_threads` threads.
+/// (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) and x rounded to int8 blocks; at most `num_threads` threads.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // the Python signature the brief fixes
 pub fn quant_matmul(
