@@ -84,8 +84,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 continue
             now = time.perf_counter()
             chunk = orjson.loads(line[6:])
-            if chunk.get("usage") and not chunk.get("choices"):
+            # NOTE: llama-server sends usage on its last content chunk, we (as OpenAI) on a
+            # chunk of its own with no choices
+            if chunk.get("usage"):
                 usage = chunk["usage"]
+            if not chunk.get("choices"):
                 continue
             if first is None:
                 first = now
