@@ -312,6 +312,21 @@ fn tools_and_tool_choice() {
             p("tools[0].function.parameters"),
         ),
         (json!({"tools": [tool], "parallel_tool_calls": "no"}), 400, "invalid_type", p("parallel_tool_calls")),
+        // a malformed schema is refused even when nothing compiles it (tool_choice auto)
+        (
+            json!({"tools": [tool, {"type": "function", "function": {"name": "b", "parameters": {"type": "objekt"}}}]}),
+            400,
+            "invalid_value",
+            p("tools[1].function.parameters"),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "b",
+                    "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}],
+                   "tool_choice": "none"}),
+            400,
+            "invalid_value",
+            p("tools[0].function.parameters"),
+        ),
     ]);
     let r = router();
     // auto (the default with tools) renders them; none does not.

@@ -312,6 +312,11 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                     "`parameters` must be a JSON Schema object.",
                 ));
             }
+            if params.is_object() {
+                super::schema_check::check_schema(params).map_err(|e| {
+                    ApiError::invalid(format!("{p}.function.parameters"), format!("Invalid JSON Schema: {e}."))
+                })?;
+            }
         }
         if let Some(d) = f.get("description") {
             if !d.is_string() && !d.is_null() {

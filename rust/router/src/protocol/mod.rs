@@ -32,6 +32,7 @@ pub mod chat;
 pub mod common;
 pub mod completion;
 pub mod constrained;
+mod schema_check;
 pub mod tokenize;
 
 /// The routes the router understands. `Chat` and `Completion` generate (see
