@@ -2,6 +2,9 @@
 
 Both sides get the same prompt token ids (the reference tokenizer's), so this checks the
 model path alone: loading, dequantization, RoPE, attention over the paged cache, sampling.
+It runs our fp32 path (`quantized_decode=False`): the default decode path reads the GGUF
+blocks with int8-rounded activations, as llama.cpp does, and parts from fp32 greedy output
+at near-ties; tests/unit/test_quant_kernels.py bounds how far.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def reference():
 def test_greedy_continuations_equal_transformers(reference):
     from llmserve import LLM
 
-    llm = LLM(None, max_model_len=512, num_kv_blocks=64)
+    llm = LLM(None, max_model_len=512, num_kv_blocks=64, quantized_decode=False)
     results = llm.generate([ids for ids, _ in reference],
                            {"max_tokens": N, "min_tokens": N, "temperature": 0})
     for (ids, ref_text), r in zip(reference, results):
