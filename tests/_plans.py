@@ -172,3 +172,32 @@ class Paged:
             copy_src=np.array([c[0] for c in copies], np.int64),
             copy_dst=np.array([c[1] for c in copies], np.int64),
             logits_indices=np.array(logit_rows, np.int64), **sampling_columns(row_specs))
+
+
+def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]],
+                 num_blocks: int = 40, block_size: int = 4):
+    """Runs `schedule` (seq_id -> tokens per step) on `model` through a fresh ModelRunner, blocks
+    handed out in a shuffled order. Before each later step, a sequence scheduled for 1 token
+    that has computed all its tokens gets a new one (11 + step + seq_id). Returns every step's
+    logits and the runner."""
+    import random
+
+    import torch
+
+    from llmserve.worker import ModelRunner
+
+    runner = ModelRunner(model, num_blocks, block_size, torch.float32, "cpu", seed=0)
+    paged = Paged(num_blocks, block_size)
+    random.Random(1).shuffle(paged.free)          # blocks out of order
+    for sid, p in prompts.items():
+        paged.add(sid, p)
+    steps = []
+    with torch.inference_mode():
+        for n, sched in enumerate(schedule):
+            if n:
+                for sid, count in sched.items():
+                    s = paged.seqs[sid]
+                    if count == 1 and s.num_computed == len(s.tokens):
+                        paged.append(sid, 11 + n + sid)
+            steps.append(model.compute_logits(runner.run_model(paged.step(sched))))
+    return steps, runner

@@ -16,17 +16,14 @@ model serves the tool round trip; `--strict-fields` runs in process.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import openai
 import pytest
 
-from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig, SchedulerConfig, ServerConfig
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.server.app import create_app
 from server import ServerProcess
+from test_contract_templates import _run
 
 MSG = [{"role": "user", "content": "Hello"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -214,27 +211,8 @@ def test_tokenize_and_detokenize_take_vllms_fields(tiny_server, tiny_model):
 
 # -- --strict-fields, in process -----------------------------------------------------------------
 
-def _run_strict(model, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
-    config = Config(model=ModelConfig(model=str(model), served_model_name=("tiny",)),
-                    cache=CacheConfig(num_kv_blocks=64), scheduler=SchedulerConfig(max_num_seqs=2),
-                    device=DeviceConfig(device="cpu", threads=1),
-                    server=ServerConfig(access_log=False, strict_fields=True))
-    engine = AsyncEngine(config)
-
-    async def main():
-        await engine.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(engine=engine))
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-                return [await c.post(path, json={"model": "tiny", **body}) for path, body in requests]
-        finally:
-            await engine.drain()
-
-    return asyncio.run(main())
-
-
 def test_strict_fields_refuse_what_would_be_ignored(tiny_model):
-    results = _run_strict(tiny_model, [
+    results = _run(tiny_model, True, [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "weird": 1}], "max_tokens": 1}),
         ("/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "max_tokens": 1}),
         ("/tokenize", {"prompt": "Hi", "wibble": 1}),

@@ -5,18 +5,16 @@ binding's argument checks."""
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 
-from _plans import Paged
+from _plans import run_schedule
 from test_runner import tiny_weights
 
 from llmserve import _core
 from llmserve.models import build_model
-from llmserve.worker import ModelRunner, attention
+from llmserve.worker import attention
 from llmserve.worker.attention import AttentionMetadata, paged_attention
 
 torch.set_num_threads(1)
@@ -122,21 +120,7 @@ def test_runner_logits_match_with_and_without_kernel(monkeypatch, kernel_calls):
     logits = []
     for on in (False, True):
         monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", on)
-        runner = ModelRunner(model, 40, 4, torch.float32, "cpu", seed=0)
-        paged = Paged(40, 4)
-        random.Random(1).shuffle(paged.free)        # blocks out of order
-        for sid, p in prompts.items():
-            paged.add(sid, p)
-        steps = []
-        with torch.inference_mode():
-            for n, sched in enumerate(schedule):
-                if n:
-                    for sid, count in sched.items():
-                        s = paged.seqs[sid]
-                        if count == 1 and s.num_computed == len(s.tokens):
-                            paged.append(sid, 11 + n + sid)
-                steps.append(model.compute_logits(runner.run_model(paged.step(sched))))
-        logits.append(steps)
+        logits.append(run_schedule(model, prompts, schedule)[0])
     # per layer (2 layers): every token of every step, prompt chunks included (34, 19, 12, 3, 3)
     assert kernel_calls == [34] * 2 + [19] * 2 + [12] * 2 + [3] * 4
     for ref, got in zip(*logits):

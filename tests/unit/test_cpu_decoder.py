@@ -14,21 +14,18 @@ exact, per-op comparison is the Rust test beside layer.rs."""
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 from gguf.quants import dequantize, quantize
 
-from _plans import Paged
+from _plans import run_schedule
 from tiny import random_llama_weights
 
 from llmserve.loaders import QuantTensor
 from llmserve.models import build_model, cpu_decoder
 from llmserve.models.cpu_decoder import CpuDecodePath
-from llmserve.worker import ModelRunner
 
 torch.set_num_threads(1)
 
@@ -97,20 +94,7 @@ SCHEDULE = [{0: 21, 1: 3, 2: 10}, {0: 1, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 10},
 def _run_steps(model, on: bool, monkeypatch):
     """Logits of every step and the final K caches, with the Rust decoder on or off."""
     monkeypatch.setattr(cpu_decoder, "USE_CPU_DECODER", on)
-    runner = ModelRunner(model, 40, 4, torch.float32, "cpu", seed=0)
-    paged = Paged(40, 4)
-    random.Random(1).shuffle(paged.free)          # blocks out of order
-    for sid, p in PROMPTS.items():
-        paged.add(sid, p)
-    steps = []
-    with torch.inference_mode():
-        for n, sched in enumerate(SCHEDULE):
-            if n:
-                for sid, count in sched.items():
-                    s = paged.seqs[sid]
-                    if count == 1 and s.num_computed == len(s.tokens):
-                        paged.append(sid, 11 + n + sid)
-            steps.append(model.compute_logits(runner.run_model(paged.step(sched))))
+    steps, runner = run_schedule(model, PROMPTS, SCHEDULE)
     return steps, [k.clone() for k in runner.kv_cache.key]
 
 

@@ -12,10 +12,10 @@ impl Rng {
         self.0 ^= self.0 << 17;
         self.0
     }
-    fn f32(&mut self) -> f32 {
+    pub(crate) fn f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
-    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
+    pub(crate) fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
         (0..n).map(|_| self.f32() * amp).collect()
     }
 }

@@ -5,23 +5,7 @@
 
 use super::*;
 use crate::quant::QuantType;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// In [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32() * amp).collect()
-    }
-}
+use crate::tests::Rng;
 
 /// Random Q8_0 rows: scale 2^-6 (exact in f16: 0x2400) and int8 values.
 fn q8_0(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
