@@ -22,7 +22,7 @@ import torch
 
 from llmserve import _core
 from llmserve.worker.attention import AttentionMetadata
-from llmserve.worker.threads import QUANT_MAX_TOKENS, kernel_threads, quantized_step_allowed
+from llmserve.worker.threads import kernel_threads, quantized_step_allowed
 
 # Tests flip this to compare the two paths in one process.
 USE_CPU_DECODER = True
@@ -73,8 +73,7 @@ class CpuDecodePath:
     def serves(h: torch.Tensor, attn, batch_invariant: bool) -> bool:
         """Whether this step is one the path serves (given the model can take it)."""
         return (USE_CPU_DECODER and not batch_invariant and isinstance(attn, AttentionMetadata)
-                and h.device.type == "cpu" and h.dtype == torch.float32
-                and 0 < h.shape[0] <= QUANT_MAX_TOKENS and quantized_step_allowed(h.shape[0])
+                and 0 < h.shape[0] and quantized_step_allowed(h.shape[0])
                 and attn.num_decode == h.shape[0] and attn.decode_token_idx is None
                 and attn.decode_tables_np is not None)
 

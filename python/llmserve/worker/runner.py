@@ -20,7 +20,7 @@ import torch
 from llmserve.worker.attention import AttentionMetadata, GatherWorkspace
 from llmserve.worker.kv_cache import KVCache
 from llmserve.worker.sampler import Sampler, SampleOutput, SamplingBatch, as_tensor
-from llmserve.worker.threads import cpu_step, is_generated_decode, set_engine_threads
+from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens, set_engine_threads
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters
@@ -83,8 +83,9 @@ class ModelRunner:
             num_rows = len(plan.logits_indices)
             if num_tokens == 0:
                 return SampleOutput.empty()
-            decode = is_generated_decode(plan)
-            with cpu_step(decode, self.kernel_steps and decode):
+            prompt = holds_prompt_tokens(plan)
+            quantized = self.kernel_steps and not prompt and num_tokens <= QUANT_MAX_TOKENS
+            with cpu_step(prompt, quantized):
                 return self._execute(plan, num_rows)
 
     def _execute(self, plan, num_rows: int) -> SampleOutput:

@@ -23,14 +23,19 @@ parallel op, so when a step interleaves many small torch ops with kernel calls, 
 pools' workers fight for the same cores: on 2 cores, SmolLM2 single-stream decode with
 2 torch threads and 2 kernel threads ran several times slower than with 1 and 1.
 
-So few-token CPU steps (at most QUANT_MAX_TOKENS tokens, where the quantized GEMV carries
-the linears) run torch single-threaded and give the kernels all the engine's threads:
-`benches/quant_decode.py` measures the effect. Larger steps keep torch at full width (its
-fp32 GEMMs dominate) and the attention kernel shares the cores with it.
+So the steps that read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS generated
+tokens, where the quantized GEMV carries the linears) run torch single-threaded and give the
+kernels all the engine's threads: `benches/quant_decode.py` measures the effect. Other steps
+keep torch at full width (its fp32 GEMMs dominate) and the attention kernel shares the cores
+with it.
+
+The running step's flags are per thread (each engine runs its steps on its own thread; several
+engines can share a process).
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -47,31 +52,36 @@ _engine_threads: int | None = None
 # fp32 matmuls in steps with prompt tokens get a multiple of this many rows (module doc).
 GEMM_ROW_MULTIPLE = 4
 
-# (generated_decode, quantized) of the running step, set by the runner; None outside a
-# runner's step: a linear called alone then decides by its token count and pads nothing.
-_step: tuple[bool, bool] | None = None
+# `.flags` = (holds_prompt_tokens, quantized) of the step this thread is running; absent
+# outside a runner's step: a linear called alone then decides by its token count and pads
+# nothing.
+_step = threading.local()
 
 
-def is_generated_decode(plan) -> bool:
-    """Whether every token of `plan` is its sequence's only new token and was sampled by an
-    earlier step (not a prompt token), and there are at most QUANT_MAX_TOKENS of them."""
+def holds_prompt_tokens(plan) -> bool:
+    """Whether some token of `plan` is a prompt token: anything but every sequence computing
+    the one token it sampled in an earlier step."""
     n = len(plan.input_ids)
     gen = plan.gen_index
-    return (0 < n <= QUANT_MAX_TOKENS and len(plan.query_start_loc) == n + 1
-            and len(plan.logits_indices) == n and len(gen) == n and int(min(gen)) >= 1)
+    return not (n > 0 and len(plan.query_start_loc) == n + 1 and len(plan.logits_indices) == n
+                and len(gen) == n and int(min(gen)) >= 1)
+
+
+def _flags() -> tuple[bool, bool] | None:
+    return getattr(_step, "flags", None)
 
 
 def quantized_step_allowed(num_tokens: int) -> bool:
     """Whether a linear over `num_tokens` rows may read its GGUF blocks in the current step."""
-    if _step is None:
-        return num_tokens <= QUANT_MAX_TOKENS
-    return _step[1] and num_tokens <= QUANT_MAX_TOKENS
+    flags = _flags()
+    return num_tokens <= QUANT_MAX_TOKENS and (flags is None or flags[1])
 
 
 def pads_small_gemms() -> bool:
     """Whether the current step holds prompt tokens, whose fp32 matmuls are padded to a
     multiple of GEMM_ROW_MULTIPLE rows."""
-    return _step is not None and not _step[0]
+    flags = _flags()
+    return flags is not None and flags[0]
 
 
 def set_engine_threads(n: int) -> None:
@@ -85,18 +95,17 @@ def kernel_threads() -> int:
 
 
 @contextmanager
-def cpu_step(generated_decode: bool, quantized: bool) -> Iterator[None]:
-    """Runs one step. `generated_decode`: every token is a sampled token of its sequence (no
-    prompt token; see is_generated_decode). `quantized`: its linears read GGUF blocks and torch
-    runs on one thread (the kernels get the engine's threads)."""
-    global _step
-    before_step, before_threads = _step, torch.get_num_threads()
-    _step = (generated_decode, quantized)
+def cpu_step(prompt_tokens: bool, quantized: bool) -> Iterator[None]:
+    """Runs one step. `prompt_tokens`: the step holds prompt tokens (holds_prompt_tokens).
+    `quantized`: its linears read GGUF blocks and torch runs on one thread (the kernels get
+    the engine's threads)."""
+    before_step, before_threads = _flags(), torch.get_num_threads()
+    _step.flags = (prompt_tokens, quantized)
     if quantized and before_threads > 1:
         torch.set_num_threads(1)
     try:
         yield
     finally:
-        _step = before_step
+        _step.flags = before_step
         if torch.get_num_threads() != before_threads:
             torch.set_num_threads(before_threads)
