@@ -110,8 +110,9 @@ class AttentionMetadata:
 
     @cached_property
     def per_token_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """Batch-invariant mode: every query token as a kernel row -> (block tables [T, W]
-        int32, its sequence's block table; seq lens [T] int32, its position + 1)."""
+        """Every query token as a kernel row (steps with prompt rows, batch-invariant mode) ->
+        (block tables [T, W] int32, its sequence's block table; seq lens [T] int32, its
+        position + 1)."""
         qsl, lens = self.query_start_loc_np, self.seq_lens_np
         q_lens = np.diff(qsl)
         seq_of = np.repeat(np.arange(len(lens)), q_lens)
@@ -208,17 +209,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops
         return meta.attend(q, k, v, k_cache, v_cache, scale)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-    if batch_invariant:
-        if not _kernel_serves(q, k_cache, v_cache, meta):
+    if batch_invariant or meta.prefills:
+        # Every token as its own kernel row, so a token's result does not depend on the rest of
+        # the step: a prompt computes the same however it was split into steps (a prefix-cache
+        # hit computes only the tail; worker/threads.py). SDPA's results shift in the last bits
+        # with the query count.
+        if _kernel_serves(q, k_cache, v_cache, meta):
+            return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
+        if batch_invariant:
             raise RuntimeError("batch-invariant attention needs the CPU decode kernel "
                                "(float32 on CPU)")
-        return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
-    if meta.prefills and _kernel_serves(q, k_cache, v_cache, meta):
-        # Prompt rows on CPU float32: every token as its own kernel row, so a prompt token's
-        # result does not depend on how its prompt was split into steps (a prefix-cache hit
-        # computes only the tail; worker/threads.py). SDPA's results shift in the last bits
-        # with the query count.
-        return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
     out_dtype = q.dtype
     # NOTE: softmax in float32 whatever the model dtype (a no-op for fp32 models).
     q, k, v = q.float(), k.float(), v.float()
