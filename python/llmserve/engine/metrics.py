@@ -7,12 +7,7 @@ tests).
 
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
-
-# NOTE: no `*_created` series (each series' creation time): one more series per metric that
-# no dashboard of vLLM's metrics reads.
-disable_created_metrics()
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -64,7 +59,8 @@ class Metrics:
         self._last_hits = 0
 
     def bind(self, model_name: str) -> None:
-        """Once the model is loaded: every series gets its `model_name` (none exist before)."""
+        """Once the model is loaded: every series gets its `model_name`. Before, /metrics lists
+        the metrics with no samples, and nothing calls on_step or on_finish (no engine runs)."""
         self.model_name = model_name
         for attr, family in self._families.items():
             setattr(self, attr, family.labels(model_name))
