@@ -116,6 +116,7 @@ class AsyncEngine:
         self._open: set[RequestStream] = set()
         self._load_error: BaseException | None = None
         self._lock = threading.Lock()
+        self._drain_deadline: float | None = None   # set when a drain begins
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,12 +139,14 @@ class AsyncEngine:
         self.state = "ready"
 
     async def wait_drained(self, timeout: float = 30.0) -> bool:
-        """Stop taking requests (503 with Retry-After; /ready says "draining") and wait up to
-        `timeout` seconds for the running ones to finish. True when none is left."""
+        """Stop taking requests (503 with Retry-After; /ready says "draining") and wait for the
+        running ones to finish, up to `timeout` seconds after the drain began (a later call
+        does not start the clock again). True when none is left."""
         if self.state == "ready":
             self.state = "draining"
-        deadline = time.monotonic() + timeout
-        while self._open and time.monotonic() < deadline:
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout
+        while self._open and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.05)
         return not self._open
 

@@ -105,6 +105,8 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
 
 # How long a stop signal waits for running requests before the server closes anyway.
 DRAIN_TIMEOUT_S = 30.0
+# After the drain: how long uvicorn waits for open connections to finish sending.
+CLOSE_TIMEOUT_S = 5
 
 
 class DrainingServer(uvicorn.Server):
@@ -113,7 +115,9 @@ class DrainingServer(uvicorn.Server):
     On SIGTERM or SIGINT uvicorn closes its sockets at once, so a load balancer probing /ready
     sees a refused connection, not a drain. Here the first signal keeps the listener open:
     /ready answers 503 "draining", new requests get 503 with Retry-After, running ones finish
-    (up to DRAIN_TIMEOUT_S); then uvicorn's own shutdown runs. A second signal skips the wait.
+    (up to DRAIN_TIMEOUT_S); then uvicorn's own shutdown runs: it gives open connections
+    CLOSE_TIMEOUT_S to finish sending, and the lifespan's drain waits no longer than what
+    is left of the first one. A second signal skips the wait.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
@@ -147,7 +151,7 @@ def serve(config: Config) -> int:
     log.info("listening on http://%s:%d (OpenAI API under /v1)", config.server.host, config.server.port)
     server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                            access_log=False, log_level="warning",
-                                           timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S)),
+                                           timeout_graceful_shutdown=CLOSE_TIMEOUT_S),
                             app.state.engine)
     server.run()
     return 0 if server.started else 3
