@@ -21,7 +21,9 @@ const MAPS: [&str; 4] = ["properties", "patternProperties", "$defs", "definition
 /// Keywords whose value is a non-negative integer.
 const COUNTS: [&str; 6] = ["minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"];
 /// Keywords whose value is a number.
-const NUMBERS: [&str; 5] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"];
+const NUMBERS: [&str; 3] = ["minimum", "maximum", "multipleOf"];
+/// A number, or (draft 4, OpenAPI 3.0) a boolean.
+const BOUNDS: [&str; 2] = ["exclusiveMinimum", "exclusiveMaximum"];
 
 /// Ok, or what is wrong and where (a JSON-pointer-like path inside the schema).
 pub(crate) fn check_schema(root: &Value) -> Result<(), String> {
@@ -48,7 +50,9 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
     }
     for key in COUNTS {
         if let Some(v) = obj.get(key) {
-            if v.as_u64().is_none() {
+            // NOTE: 10.0 is an integer since draft 6 (and what Python writers emit)
+            let whole = v.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0);
+            if !whole {
                 return Err(format!("{}/{key} must be a non-negative integer", here(at)));
             }
         }
@@ -60,6 +64,13 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
             }
         }
     }
+    for key in BOUNDS {
+        if let Some(v) = obj.get(key) {
+            if !v.is_number() && !v.is_boolean() {
+                return Err(format!("{}/{key} must be a number (or, draft 4, a boolean)", here(at)));
+            }
+        }
+    }
     if let Some(p) = obj.get("pattern") {
         if !p.is_string() {
             return Err(format!("{}/pattern must be a string", here(at)));
@@ -67,8 +78,10 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
     }
     if let Some(r) = obj.get("$ref") {
         let Some(r) = r.as_str() else { return Err(format!("{}/$ref must be a string", here(at))) };
-        if let Some(pointer) = r.strip_prefix('#') {
-            if root.pointer(pointer).is_none() {
+        // Only JSON-pointer fragments are checked ("#foo" names an $anchor; other documents are
+        // not fetched).
+        if r == "#" || r.starts_with("#/") {
+            if root.pointer(&percent_decoded(&r[1..])).is_none() {
                 return Err(format!("{}/$ref {r:?} points at nothing in the schema", here(at)));
             }
         }
@@ -99,6 +112,27 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A URI fragment with its %XX escapes decoded (invalid escapes are kept as they are).
+fn percent_decoded(fragment: &str) -> String {
+    let bytes = fragment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1).copied().and_then(hex), bytes.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn each(items: &[Value], root: &Value, at: &str) -> Result<(), String> {
@@ -144,6 +178,10 @@ mod tests {
             json!({"items": [{"type": "string"}, {"type": "number"}], "additionalProperties": false}),
             json!({"anyOf": [{"type": "string"}, {"type": "object", "x-vendor": 1}], "uniqueItems": true}),
             json!({"$ref": "https://example.com/s.json"}),
+            // draft 4 / OpenAPI 3.0 bounds, float counts, anchors, escaped pointers
+            json!({"type": "number", "minimum": 0, "exclusiveMinimum": true, "maxLength": 10.0}),
+            json!({"$defs": {"a b": {"$anchor": "x"}}, "anyOf": [{"$ref": "#x"}, {"$ref": "#/$defs/a%20b"}]}),
+            json!({"items": true, "const": 3, "format": "date-time", "default": null, "type": ["string", "null"]}),
         ] {
             assert_eq!(check_schema(&s), Ok(()), "{s}");
         }
@@ -161,6 +199,8 @@ mod tests {
             (json!({"items": {"type": ["string", "text"]}}), "#/items/type \"text\""),
             (json!({"properties": {"a": "string"}}), "#/properties/a must be a schema"),
             (json!({"maxLength": -1}), "maxLength must be a non-negative integer"),
+            (json!({"maxItems": 2.5}), "maxItems must be a non-negative integer"),
+            (json!({"exclusiveMinimum": "0"}), "exclusiveMinimum must be a number"),
             (json!("object"), "the schema must be a schema"),
         ] {
             let err = check_schema(&s).unwrap_err();
