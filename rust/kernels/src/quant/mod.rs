@@ -193,9 +193,13 @@ impl Call<'_> {
         match self.isa {
             Isa::Portable => portable::dot_row(self.ty, row, &pass, acc),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: Isa::Avx2 is only used after Isa::detect() confirmed the features; the
-            // pass's slices are checked by Pass::check, row holds nb blocks.
-            Isa::Avx2 => unsafe { avx2::dot_row(self.ty, row, &pass, acc) },
+            Isa::Avx2 => {
+                // A few comparisons per row: the unchecked reads below rely on these bounds.
+                assert!(pass.check(row.len(), self.ty), "quantized pass layout");
+                // SAFETY: Isa::Avx2 is only used after Isa::detect() confirmed the features,
+                // and the assert above checked the bounds the kernel reads within.
+                unsafe { avx2::dot_row(self.ty, row, &pass, acc) }
+            }
         }
     }
 }
