@@ -101,6 +101,12 @@ def test_503_while_loading(tiny_model):
             assert ready.status_code == 503 and ready.json()["status"] == "loading"
             assert "retry-after" in ready.headers
             assert (await c.get("/health")).status_code == 200
+            # /metrics answers while loading: the metrics are listed, with no series until the
+            # model (and so its model_name label) is known
+            metrics = await c.get("/metrics")
+            assert metrics.status_code == 200
+            assert "# TYPE llmserve:num_requests_running gauge" in metrics.text
+            assert "llmserve:num_requests_running{" not in metrics.text
 
     asyncio.run(main())
 

@@ -64,3 +64,41 @@ def test_sigterm_drains_then_exits(long_context_model):
         server.proc.wait(60)                    # then it exits by itself
     finally:
         server.stop()
+
+
+def test_a_second_signal_skips_the_drain(long_context_model):
+    server = ServerProcess(str(long_context_model), "--served-model-name", "tiny",
+                           "--max-model-len", "8192")
+    try:
+        first_chunk = threading.Event()
+        done = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 8000, "ignore_eos": True,
+                    "stream": True}
+            try:
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                    for line in r.iter_lines():
+                        first_chunk.set()
+                        if line == "data: [DONE]":
+                            done.set()
+            except httpx.HTTPError:
+                pass    # the server closed the stream: what this test expects
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first_chunk.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "never saw /ready turn 503"
+            time.sleep(0.02)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        # it exits without waiting for the stream (8000 tokens take far longer here)
+        assert time.monotonic() - signalled < 20
+        reader.join(30)
+        assert not done.is_set()
+    finally:
+        server.stop()
