@@ -312,6 +312,8 @@ fn tools_and_tool_choice() {
             p("tools[0].function.parameters"),
         ),
         (json!({"tools": [tool], "parallel_tool_calls": "no"}), 400, "invalid_type", p("parallel_tool_calls")),
+        // two definitions of one name would leave a named tool_choice, and the calls, ambiguous
+        (json!({"tools": [tool, tool]}), 400, "invalid_value", p("tools[1].function.name")),
         // a malformed schema is refused even when nothing compiles it (tool_choice auto)
         (
             json!({"tools": [tool, {"type": "function", "function": {"name": "b", "parameters": {"type": "objekt"}}}]}),

@@ -298,6 +298,14 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
         }
         let f = require_object(obj, "function", &p)?;
         match f.get("name") {
+            // A repeated name would make a named `tool_choice`, and the calls the model writes,
+            // ambiguous about which definition they mean.
+            Some(Value::String(n)) if names.contains(n) => {
+                return Err(ApiError::invalid(
+                    format!("{p}.function.name"),
+                    format!("Function names must be unique; `{n}` is defined more than once."),
+                ))
+            }
             Some(Value::String(n)) if !n.is_empty() => names.push(n.clone()),
             Some(Value::String(_)) => {
                 return Err(ApiError::invalid(format!("{p}.function.name"), "Function names must not be empty."))
