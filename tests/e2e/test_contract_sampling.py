@@ -189,6 +189,13 @@ def test_stop_string_spanning_tokens(tiny_server, prompt):
     assert kept["choices"][0]["text"] == text[:cut] + stop
     kept_stream = _stream_chunks(tiny_server, "/v1/completions", {**body, "include_stop_str_in_output": True})
     assert "".join(ch["choices"][0]["text"] for ch in kept_stream if ch["choices"]) == text[:cut] + stop
+    # text_offset counts the untrimmed text, as vLLM does: the same tokens get the same
+    # offsets whether or not a stop string held their text back or trimmed it.
+    full = _ok(tiny_server, "/v1/completions", {**body, "stop": None, "logprobs": 0})["choices"][0]["logprobs"]
+    cut_lp = _ok(tiny_server, "/v1/completions", {**body, "logprobs": 0})["choices"][0]["logprobs"]
+    n = len(cut_lp["tokens"])
+    assert cut_lp["tokens"] == full["tokens"][:n]
+    assert cut_lp["text_offset"] == full["text_offset"][:n]
 
 
 def test_skip_special_tokens(tiny_server):

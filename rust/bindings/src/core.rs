@@ -285,7 +285,7 @@ impl CoreState {
             let Some(state) = self.requests.get_mut(&handle) else { continue };
             let d = (prompt_idx * state.seqs_per_prompt + u.seq_index) as usize;
             let detok = &mut state.detoks[d];
-            let text_offset = detok.emitted_len();
+            let text_offset = detok.decoded_len();
             let row = u.sample_row;
             let top = top_of(top_ids, top_lps, k, row);
             let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };

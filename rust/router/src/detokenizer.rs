@@ -137,9 +137,17 @@ impl Detokenizer {
         }
     }
 
-    /// Chars sent so far (completions `text_offset`).
+    /// Chars sent so far.
     pub fn emitted_len(&self) -> usize {
         self.emitted_chars
+    }
+
+    /// Chars decoded so far, sent or held back for a possible stop string: where the next
+    /// token's text starts in the untrimmed output (completions `text_offset`, counted as
+    /// vLLM counts it, so a trimmed stop string's tokens point past the returned text
+    /// rather than into it).
+    pub fn decoded_len(&self) -> usize {
+        self.emitted_chars + self.pending.chars().count()
     }
 
     /// The text the ids after `read` add, once it is whole (or at the end, whatever it is).
@@ -398,6 +406,18 @@ mod tests {
         assert_eq!(out, "abENx");
         assert_eq!(d.flush(), "");
         assert_eq!(d.push(ids("z")[0]), DetokStep::default());
+    }
+
+    #[test]
+    fn decoded_len_counts_text_held_back_for_a_stop() {
+        // Each byte token starts where the untrimmed text has its char, though "EN" and
+        // "END" are held back (and "END" never sent).
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], stops(&["END"], false));
+        for (i, &id) in ids("abENxEND").iter().enumerate() {
+            assert_eq!(d.decoded_len(), i, "before token {i}");
+            d.push(id);
+        }
+        assert_eq!(d.emitted_len(), "abENx".len());
     }
 
     #[test]
