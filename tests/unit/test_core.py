@@ -146,3 +146,32 @@ def test_stream_bytes_are_sse(router):
     assert frames[-1] == "data: [DONE]"
     usage = json.loads(frames[-2].removeprefix("data: "))
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_a_token_the_grammar_rejects_fails_the_request(router):
+    """The mask keeps sampled tokens inside the grammar; if one gets past it anyway (here a
+    runner that ignores the mask), the request ends in a server error, not in "stop" with
+    output the grammar does not accept, and its blocks are freed."""
+    core = make_core(router)
+    body = {"model": "m", "prompt": "Give JSON", "max_tokens": 8,
+            "response_format": {"type": "json_object"}}
+    runner = FakeRunner(router.vocab_size)
+    ids = [router.prepare("completion", orjson.dumps({"model": "m", "prompt": t})).prompt_token_ids[0][-1]
+           for t in ("{", "x")]
+    outs = []
+    for stream in (False, True):
+        handle = core.add(router.prepare("completion", orjson.dumps({**body, "stream": stream})))
+        for step in range(20):
+            plan = core.schedule()
+            if plan is None:
+                break
+            tokens, lps, tids, tlps = runner.execute(plan)
+            tokens[:] = ids[min(step, 1)]  # "{" then "x": no JSON object goes on so
+            outs += [o for o in core.commit(tokens, lps, tids, tlps) if o[0] == handle and o[2]]
+    (_, body_bytes, finished, error, _), (_, sse, finished2, error2, _) = outs
+    assert (finished, error, finished2, error2) == ("error", True, "error", True)
+    err = orjson.loads(body_bytes)["error"]
+    assert err["type"] == "server_error" and "Constrained decoding failed" in err["message"]
+    assert sse.startswith(b"data: {\"error\"") and sse.endswith(b"data: [DONE]\n\n")
+    stats = core.stats()
+    assert stats["used_blocks"] == 0 and stats["requests"] == 0

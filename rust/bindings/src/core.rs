@@ -280,8 +280,12 @@ impl CoreState {
     fn commit(&mut self, tokens: &[u32], logprobs: &[f32], top_ids: &[i64], top_lps: &[f32], k: usize) -> Vec<Output> {
         let updates = self.scheduler.commit(tokens);
         let mut touched: Vec<u64> = Vec::new();
+        let mut failed: Vec<(u64, String)> = Vec::new();
         for u in updates {
             let Some(&(handle, prompt_idx)) = self.owners.get(&u.req_id) else { continue };
+            if failed.iter().any(|(h, _)| *h == handle) {
+                continue;
+            }
             let Some(state) = self.requests.get_mut(&handle) else { continue };
             let d = (prompt_idx * state.seqs_per_prompt + u.seq_index) as usize;
             let detok = &mut state.detoks[d];
@@ -292,14 +296,26 @@ impl CoreState {
             let mut finish = u.finish.map(finish_reason);
             // The grammar is complete once its matcher stops: the sequence ends here.
             let grammar_done = match state.matchers.get_mut(d) {
-                Some(m) if finish.is_none() => m.consume_token(u.token).is_err() || m.is_stopped(),
+                Some(m) if finish.is_none() => match m.consume_token(u.token) {
+                    Ok(_) => m.is_stopped(),
+                    // The mask allowed the token, so this is our fault, not the client's:
+                    // the request fails rather than ending "stop" on output the grammar
+                    // does not accept.
+                    Err(e) => {
+                        // llguidance appends its parser state after the first line.
+                        let why = e.to_string();
+                        let why = why.lines().next().unwrap_or_default();
+                        failed.push((handle, format!("Constrained decoding failed at token {}: {why}", u.token)));
+                        continue;
+                    }
+                },
                 _ => false,
             };
             // NOTE: a token that ends the sequence by id (eos, stop_token_ids) is counted but
             // not shown unless `include_stop_str_in_output`, as in vLLM (a special eos shows
             // nothing under skip_special_tokens); text held back for stop strings is released.
             let by_token = finish == Some(FinishReason::Stop);
-            let mut text = String::new();
+            let mut text;
             let mut stop_reason = None;
             let mut stop_text = None;
             if by_token && state.stop_token_reasons.contains(&u.token) {
@@ -348,7 +364,14 @@ impl CoreState {
                 touched.push(handle);
             }
         }
-        let mut out = Vec::with_capacity(touched.len());
+        let mut out = Vec::with_capacity(touched.len() + failed.len());
+        for (handle, message) in failed {
+            touched.retain(|&h| h != handle);
+            if let Some(state) = self.forget(handle) {
+                let err = ApiError::Internal { message };
+                out.push((handle, if state.started { err.to_sse() } else { err.to_json() }, Some("error"), true, 0));
+            }
+        }
         for handle in touched {
             let state = self.requests.get_mut(&handle).expect("touched requests exist");
             let mut bytes = state.builder.take();
