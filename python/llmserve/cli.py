@@ -44,18 +44,18 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
                                default=f.default, help=help_text)
         elif meta.get("append"):
             group.add_argument(flag, dest=dest, action="append", type=tp, default=None,
-                               help=help_text)
+                               metavar=f.name.upper(), help=help_text)
         else:
             default_text = "" if f.default is None else f" (default: {f.default})"
-            group.add_argument(flag, dest=dest, type=tp, default=f.default,
+            group.add_argument(flag, dest=dest, type=tp, default=f.default, metavar=f.name.upper(),
                                help=help_text + default_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Defaults are written into each flag's help (none for flags without one).
+    run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).")
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         _add_section(run, f.name, hints[f.name])
