@@ -193,7 +193,10 @@ mod tests {
             (json!({"type": "objekt"}), "the schema/type \"objekt\""),
             (json!({"type": "object", "properties": {"a": {"type": 5}}}), "#/properties/a/type 5"),
             (json!({"type": "object", "required": 5}), "required must be an array"),
-            (json!({"properties": {"a": {"$ref": "#/nowhere"}}}), "#/properties/a/$ref \"#/nowhere\" points at nothing"),
+            (
+                json!({"properties": {"a": {"$ref": "#/nowhere"}}}),
+                "#/properties/a/$ref \"#/nowhere\" points at nothing",
+            ),
             (json!({"properties": []}), "properties must be an object"),
             (json!({"anyOf": {"type": "string"}}), "anyOf must be an array"),
             (json!({"items": {"type": ["string", "text"]}}), "#/items/type \"text\""),
