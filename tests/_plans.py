@@ -175,16 +175,19 @@ class Paged:
 
 
 def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]],
-                 num_blocks: int = 40, block_size: int = 4):
+                 num_blocks: int = 40, block_size: int = 4, step_flags: bool = False):
     """Runs `schedule` (seq_id -> tokens per step) on `model` through a fresh ModelRunner, blocks
     handed out in a shuffled order. Before each later step, a sequence scheduled for 1 token
     that has computed all its tokens gets a new one (11 + step + seq_id). Returns every step's
-    logits and the runner."""
+    logits and the runner. `step_flags`: each step runs under the flags ModelRunner.execute
+    gives it (worker/threads.py: cpu_step); without, linears decide by their row count alone."""
+    import contextlib
     import random
 
     import torch
 
     from llmserve.worker import ModelRunner
+    from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens
 
     runner = ModelRunner(model, num_blocks, block_size, torch.float32, "cpu", seed=0)
     paged = Paged(num_blocks, block_size)
@@ -199,5 +202,10 @@ def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, 
                     s = paged.seqs[sid]
                     if count == 1 and s.num_computed == len(s.tokens):
                         paged.append(sid, 11 + n + sid)
-            steps.append(model.compute_logits(runner.run_model(paged.step(sched))))
+            plan = paged.step(sched)
+            prompt = holds_prompt_tokens(plan)
+            flags = (cpu_step(prompt, not prompt and len(plan.input_ids) <= QUANT_MAX_TOKENS)
+                     if step_flags else contextlib.nullcontext())
+            with flags:
+                steps.append(model.compute_logits(runner.run_model(plan)))
     return steps, runner

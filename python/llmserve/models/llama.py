@@ -21,6 +21,7 @@ from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear
                                     RotaryEmbedding, linear)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
+from llmserve.worker.threads import native_bf16
 
 KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
 
@@ -165,8 +166,13 @@ class LlamaForCausalLM(nn.Module):
         model.requires_grad_(False)
         return model.eval()
 
-    def attach_quantized(self, fused: dict[str, QuantTensor]) -> None:
-        """Give linears (names as `fuse_quantized` returns) their quantized blocks."""
+    def attach_quantized(self, fused: dict[str, QuantTensor], bf16: bool | None = None) -> None:
+        """Give linears (names as `fuse_quantized` returns) their quantized blocks, and with
+        `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for big
+        decode steps (layers.Linear.bf16_weight; the LM head keeps fp32, so logits and
+        logprobs do not round to bf16)."""
+        if bf16 is None:
+            bf16 = native_bf16()
         for name, q in fused.items():
             weight = self.embed_tokens.weight if name == "lm_head" and self.lm_head is None \
                 else self.get_submodule(name).weight
@@ -176,7 +182,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head":
                 self.lm_quant = q
             else:
-                self.get_submodule(name).quant = q
+                module = self.get_submodule(name)
+                module.quant = q
+                module.bf16_weight = module.weight.to(torch.bfloat16) if bf16 else None
             self.quantized = True
         self._cpu_path = None
 

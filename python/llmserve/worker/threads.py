@@ -29,12 +29,19 @@ kernels all the engine's threads: `benches/quant_decode.py` measures the effect.
 keep torch at full width (its fp32 GEMMs dominate) and the attention kernel shares the cores
 with it.
 
+Decode steps of more than QUANT_MAX_TOKENS sequences are bound by compute. On a CPU with
+native bf16 (`native_bf16`), a GGUF model's layer matmuls in those steps run in bfloat16
+(layers.Linear.bf16_weight), about 2x faster than fp32; prompt steps never do (their tokens
+must keep the numerics above), and the LM head stays fp32.
+
 The running step's flags are per thread (each engine runs its steps on its own thread; several
 engines can share a process).
 """
 
 from __future__ import annotations
 
+import functools
+import platform
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -75,6 +82,33 @@ def quantized_step_allowed(num_tokens: int) -> bool:
     """Whether a linear over `num_tokens` rows may read its GGUF blocks in the current step."""
     flags = _flags()
     return num_tokens <= QUANT_MAX_TOKENS and (flags is None or flags[1])
+
+
+def decode_only_step() -> bool:
+    """Whether this thread is running a runner's step without prompt tokens (layers.linear
+    may then run a GGUF model's matmuls in bfloat16: see `native_bf16`)."""
+    flags = _flags()
+    return flags is not None and not flags[0]
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512_BF16 or AMX).
+
+    With them oneDNN's bf16 GEMM is ~2x MKL's fp32 one at SmolLM2's layer shapes for 8-128 rows
+    (`benches/bf16_gemm.py`); without them torch emulates bf16 and its GEMMs are many times
+    slower than fp32 (BENCH.md), so nothing runs in bf16 there."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def pads_small_gemms() -> bool:
