@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from _plans import Paged, Row
 from test_cpu_decoder import quantized_model
 
+import llmserve.models.llama as llama
 from llmserve.worker import ModelRunner
-from llmserve.worker.threads import GEMM_ROW_MULTIPLE
+from llmserve.worker.threads import GEMM_ROW_MULTIPLE, native_bf16
 
 torch.set_num_threads(1)
 
@@ -41,6 +42,27 @@ def test_blas_computes_gemm_rows_independently_of_m(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not native_bf16(), reason="bf16 matmuls run only on CPUs with native bf16")
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_bf16_gemm_computes_rows_independently_of_m(threads):
+    """oneDNN's bf16 GEMM, which GGUF models' prompt steps use on such CPUs: row r of
+    x @ w^T is the same bits for any M >= 2 (layers._bf16_linear pads a lone row to two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for rows, cols in ((960, 576), (576, 1536), (3072, 576), (1000, 64)):
+            w = torch.randn(rows, cols, generator=g).bfloat16()
+            x = torch.randn(700, cols, generator=g).bfloat16()
+            whole = F.linear(x, w)
+            for start in (0, 1, 16, 37):
+                for n in (*range(2, 40), 64, 127, 300, 663):
+                    assert torch.equal(F.linear(x[start:start + n], w), whole[start:start + n]), \
+                        (rows, cols, start, n)
+    finally:
+        torch.set_num_threads(before)
+
+
 PROMPT = [(7 * i + 3) % 90 + 1 for i in range(29)]
 SPLITS = [[29], [16, 13], [4, 4, 21], [28, 1], [5, 2, 9, 13]]
 
@@ -62,9 +84,14 @@ def _run(model, split: list[int], decode_steps: int = 4):
     return tokens, lps, [k.clone() for k in runner.kv_cache.key]
 
 
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not native_bf16(), reason="bf16 matmuls run only on CPUs with native bf16"))])
 @pytest.mark.parametrize("family,threads", [("llama", 1), ("llama", 2), ("qwen3", 2)])
-def test_a_prompt_computes_the_same_however_it_is_split(family, threads):
+def test_a_prompt_computes_the_same_however_it_is_split(family, threads, bf16, monkeypatch):
+    """Prompt steps in fp32 (padded GEMMs) or, with native bf16, in bf16."""
+    monkeypatch.setattr(llama, "native_bf16", lambda: bf16)
     model = quantized_model(family)
+    assert (model.layers[0].attn.qkv.bf16_weight is not None) == bf16
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

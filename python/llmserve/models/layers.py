@@ -19,7 +19,7 @@ from torch import nn
 from llmserve import _core
 from llmserve.loaders.checkpoint import QuantTensor
 from llmserve.worker.attention import AttentionMetadata, paged_attention
-from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, decode_only_step,
+from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, in_runner_step,
                                     kernel_threads, pads_small_gemms, quantized_step_allowed)
 
 
@@ -108,9 +108,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            bf16_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels/src/quant/) in float32 CPU
     decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
-    weight's blocks; a bfloat16 matmul on `bf16_weight` in larger decode steps when there is
-    one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`); else F.linear on
-    the fp32 weight.
+    weight's blocks; in the runner's other steps, a bfloat16 matmul on `bf16_weight` when
+    there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`); else
+    F.linear on the fp32 weight.
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
@@ -125,10 +125,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if quant_ok and quantized_step_allowed(x.shape[0]):
         return _quant_linear(x, bias, quant)
-    if bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and decode_only_step():
-        out = F.linear(x.to(torch.bfloat16), bf16_weight).float()
-        return out if bias is None else out.add_(bias)
+    if bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and in_runner_step():
+        return _bf16_linear(x, bf16_weight, bias)
     return _fp32_linear(x, weight, bias)
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear in bfloat16, float32 in and out. A lone row is padded to two: oneDNN computes
+    a row to the same bits for any M >= 2, but M = 1 takes a GEMV whose sums differ
+    (worker/threads.py says why rows must not depend on M)."""
+    xb = x.to(torch.bfloat16)
+    if xb.shape[0] == 1:
+        out = F.linear(torch.cat((xb, xb.new_zeros(1, xb.shape[1]))), weight)[:1].float()
+    else:
+        out = F.linear(xb, weight).float()
+    return out if bias is None else out.add_(bias)
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,9 +166,9 @@ class Linear(nn.Linear):
 
     quant: QuantTensor | None = None
     batch_invariant: bool = False    # set by the model's set_batch_invariant
-    # A bfloat16 copy of the weight for decode steps too big for the quantized GEMV: set with
-    # `quant` on CPUs with native bf16 (worker/threads.py: native_bf16), where it computes
-    # those steps' matmuls ~2x faster than fp32. Its rounding (inputs and outputs to 8
+    # A bfloat16 copy of the weight for steps the quantized GEMV does not take (prompts, big
+    # decode batches): set with `quant` on CPUs with native bf16 (worker/threads.py:
+    # native_bf16), where it computes those steps' matmuls ~2x faster than fp32. Its rounding (inputs and outputs to 8
     # significant bits, fp32 accumulation) is of the order of the int8 activations the
     # quantized GEMV already uses, and far below the GGUF weights' own quantization error.
     bf16_weight: torch.Tensor | None = None

@@ -168,9 +168,9 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_quantized(self, fused: dict[str, QuantTensor], bf16: bool | None = None) -> None:
         """Give linears (names as `fuse_quantized` returns) their quantized blocks, and with
-        `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for big
-        decode steps (layers.Linear.bf16_weight; the LM head keeps fp32, so logits and
-        logprobs do not round to bf16)."""
+        `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for the
+        steps the quantized GEMV does not take (layers.Linear.bf16_weight; the LM head keeps
+        fp32, so logits and logprobs do not round to bf16)."""
         if bf16 is None:
             bf16 = native_bf16()
         for name, q in fused.items():

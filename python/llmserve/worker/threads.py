@@ -9,8 +9,8 @@ difference anywhere upstream can move a rounded value by a whole step and change
 So every prompt token must be computed bit-identically however its prompt was split:
 - Prompt tokens never read GGUF blocks, however few: only decode steps of generated tokens
   (at most QUANT_MAX_TOKENS sequences, each computing the one token it sampled last) do.
-- In steps that hold prompt tokens, fp32 matmuls are padded with zero rows to a multiple of
-  GEMM_ROW_MULTIPLE rows: MKL computes a row of an fp32 GEMM to the same bits for any M that
+- In steps that hold prompt tokens, fp32 matmuls (those not run in bf16, below) are padded
+  with zero rows to a multiple of GEMM_ROW_MULTIPLE rows: MKL computes a row of an fp32 GEMM to the same bits for any M that
   is a multiple of 4, but other M (below a threshold that grows with the thread count: 3 rows
   at 1 thread, 11 at 2, 27 at 16) take kernels whose sums differ in the last bits
   (tests/unit/test_row_invariance.py checks this property of the installed BLAS).
@@ -29,10 +29,13 @@ kernels all the engine's threads: `benches/quant_decode.py` measures the effect.
 keep torch at full width (its fp32 GEMMs dominate) and the attention kernel shares the cores
 with it.
 
-Decode steps of more than QUANT_MAX_TOKENS sequences are bound by compute. On a CPU with
-native bf16 (`native_bf16`), a GGUF model's layer matmuls in those steps run in bfloat16
-(layers.Linear.bf16_weight), about 2x faster than fp32; prompt steps never do (their tokens
-must keep the numerics above), and the LM head stays fp32.
+Steps the quantized GEMV does not take (prompts, decode steps of more than QUANT_MAX_TOKENS
+sequences) are bound by compute. On a CPU with native bf16 (`native_bf16`), a GGUF model's
+layer matmuls in those steps run in bfloat16 (layers.Linear.bf16_weight), about 2x faster
+than fp32. oneDNN computes a row of a bf16 GEMM to the same bits for any M >= 2 (M = 1 takes
+a GEMV whose sums differ), so a lone row is padded to two and prompt tokens keep the
+invariance above (test_row_invariance.py checks both the property and the model). The LM
+head stays fp32, so logits and logprobs do not round to bf16.
 
 The running step's flags are per thread (each engine runs its steps on its own thread; several
 engines can share a process).
@@ -84,11 +87,10 @@ def quantized_step_allowed(num_tokens: int) -> bool:
     return num_tokens <= QUANT_MAX_TOKENS and (flags is None or flags[1])
 
 
-def decode_only_step() -> bool:
-    """Whether this thread is running a runner's step without prompt tokens (layers.linear
-    may then run a GGUF model's matmuls in bfloat16: see `native_bf16`)."""
-    flags = _flags()
-    return flags is not None and not flags[0]
+def in_runner_step() -> bool:
+    """Whether this thread is running a runner's step (layers.linear may then run a GGUF
+    model's matmuls in bfloat16: see `native_bf16`)."""
+    return _flags() is not None
 
 
 @functools.cache

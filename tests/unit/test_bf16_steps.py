@@ -1,0 +1,86 @@
+"""Steps of a GGUF model in bfloat16 (layers.Linear.bf16_weight): on a CPU with native bf16
+the layer matmuls of the steps the quantized GEMV does not take (prompts, decode steps of
+more than QUANT_MAX_TOKENS sequences) run on a bf16 copy of the weights. Checked on a tiny
+quantized Llama, against the same model without the copies: which steps take bf16 (never a
+few-sequence decode step, never the LM head), and that the logits stay close. That prompts
+stay invariant to their split is test_row_invariance.py's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from _plans import run_schedule
+from test_cpu_decoder import quantized_model
+
+import llmserve.models.llama as llama
+from llmserve.worker.threads import QUANT_MAX_TOKENS
+
+torch.set_num_threads(1)
+
+SEQS = QUANT_MAX_TOKENS + 4
+PROMPTS = {s: [3 + (7 * s + i) % 90 for i in range(5 + s)] for s in range(SEQS)}
+# all prompts in one step; three decode steps of every sequence; then one of a few
+SCHEDULE = [{s: len(p) for s, p in PROMPTS.items()}, *[{s: 1 for s in PROMPTS}] * 3,
+            {s: 1 for s in range(3)}]
+
+
+def _model(monkeypatch, bf16: bool):
+    monkeypatch.setattr(llama, "native_bf16", lambda: bf16)
+    return quantized_model("llama", seed=3)
+
+
+def test_prompt_and_big_decode_steps_run_in_bf16(monkeypatch):
+    off = _model(monkeypatch, False)
+    on = _model(monkeypatch, True)
+    assert off.layers[0].attn.qkv.bf16_weight is None
+    assert on.layers[0].mlp.gate_up.bf16_weight.dtype == torch.bfloat16
+    ref, _ = run_schedule(off, PROMPTS, SCHEDULE, num_blocks=80, step_flags=True)
+
+    bf16_calls: list[int] = []           # rows of each bf16 matmul
+    real = F.linear
+
+    def counted(x, w, *args):
+        if x.dtype == torch.bfloat16:
+            bf16_calls.append(x.shape[0])
+        return real(x, w, *args)
+
+    monkeypatch.setattr(F, "linear", counted)
+    prompt_tokens = sum(map(len, PROMPTS.values()))
+    # rows of each step's bf16 matmuls: every layer linear (qkv, o, gate|up, down) of both
+    # layers; none in the last step (3 sequences: the quantized GEMV); the LM head stays fp32
+    want = [[prompt_tokens] * 8, [SEQS] * 8, [SEQS] * 8, [SEQS] * 8, []]
+    got = []
+    for n in range(len(SCHEDULE)):       # one step more each time: count each step's calls
+        bf16_calls.clear()
+        got.append(run_schedule(on, PROMPTS, SCHEDULE[:n + 1], num_blocks=80, step_flags=True)[0][-1])
+        assert bf16_calls == sum(want[:n + 1], []), (n, bf16_calls)
+    # bf16 rounds each matmul's inputs and outputs to 8 significant bits (~0.4%); this random
+    # model amplifies that to a few % of its logits (measured: max 2-6% of the largest, median
+    # 1-2% of the median). A wrong weight or row would move them by ~100%.
+    for step in range(len(SCHEDULE)):
+        diff = (got[step] - ref[step]).abs()
+        assert diff.max() > 0
+        assert diff.max() < 0.1 * ref[step].abs().max(), step
+        assert diff.median() < 0.05 * ref[step].abs().median(), step
+
+
+def test_a_lone_row_is_padded_to_two(monkeypatch):
+    """oneDNN's bf16 GEMV (M = 1) sums differently from its GEMM: a one-token prompt step
+    pads, so its row is the same bits as in a bigger step."""
+    on = _model(monkeypatch, True)
+    rows: list[int] = []
+    real = F.linear
+    def counted(x, w, *args):
+        if x.dtype == torch.bfloat16:
+            rows.append(x.shape[0])
+        return real(x, w, *args)
+
+    monkeypatch.setattr(F, "linear", counted)
+    run_schedule(on, {0: [5, 6, 7, 8, 9]}, [{0: 4}, {0: 1}], step_flags=True)
+    assert rows == [4] * 8 + [2] * 8
+
+
+def test_without_native_bf16_nothing_is_copied(monkeypatch):
+    model = _model(monkeypatch, False)
+    assert all(m.bf16_weight is None for m in model.modules() if hasattr(m, "bf16_weight"))
