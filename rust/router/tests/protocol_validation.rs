@@ -106,6 +106,14 @@ fn messages_shape() {
             "missing_required_parameter",
             p("messages[1].tool_calls[0].function.name"),
         ),
+        (
+            m(
+                json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]),
+            ),
+            400,
+            "missing_required_parameter",
+            p("messages[1].tool_calls[0].function.arguments"),
+        ),
     ]);
 }
 
@@ -312,6 +320,26 @@ fn tools_and_tool_choice() {
             p("tools[0].function.parameters"),
         ),
         (json!({"tools": [tool], "parallel_tool_calls": "no"}), 400, "invalid_type", p("parallel_tool_calls")),
+        // OpenAI's function names: ^[a-zA-Z0-9_-]{1,64}$
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.name"),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "x".repeat(65)}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.name"),
+        ),
+        // arguments are a JSON object: another root type cannot be honoured
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "b", "parameters": {"type": "array"}}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.parameters"),
+        ),
         // two definitions of one name would leave a named tool_choice, and the calls, ambiguous
         (json!({"tools": [tool, tool]}), 400, "invalid_value", p("tools[1].function.name")),
         // a malformed schema is refused even when nothing compiles it (tool_choice auto)

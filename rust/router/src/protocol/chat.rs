@@ -271,11 +271,18 @@ fn validate_tool_call(p: &str, call: &Value) -> Result<(), ApiError> {
         None | Some(Value::Null) => return Err(missing(format!("{p}.function.name"))),
         Some(_) => return Err(invalid_type(format!("{p}.function.name"), "`name` must be a string.")),
     }
-    // OpenAI sends arguments as a JSON string; an object is also unambiguous, so both pass.
+    // OpenAI sends arguments as a JSON string (and requires them); an object is also
+    // unambiguous, so both pass.
     match f.get("arguments") {
-        None | Some(Value::Null) | Some(Value::String(_)) | Some(Value::Object(_)) => Ok(()),
+        Some(Value::String(_)) | Some(Value::Object(_)) => Ok(()),
+        None | Some(Value::Null) => Err(missing(format!("{p}.function.arguments"))),
         Some(_) => Err(invalid_type(format!("{p}.function.arguments"), "`arguments` must be a JSON string.")),
     }
+}
+
+/// OpenAI's rule for function names: `^[a-zA-Z0-9_-]{1,64}$`.
+fn valid_function_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// Checks `tools`; returns the function names.
@@ -306,10 +313,14 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                     format!("Function names must be unique; `{n}` is defined more than once."),
                 ))
             }
-            Some(Value::String(n)) if !n.is_empty() => names.push(n.clone()),
-            Some(Value::String(_)) => {
-                return Err(ApiError::invalid(format!("{p}.function.name"), "Function names must not be empty."))
-            }
+            Some(Value::String(n)) if valid_function_name(n) => names.push(n.clone()),
+            Some(Value::String(n)) => return Err(ApiError::invalid(
+                format!("{p}.function.name"),
+                format!(
+                    "Function names are 1 to 64 letters, digits, underscores or dashes, as in OpenAI's API; got {:?}.",
+                    n
+                ),
+            )),
             None | Some(Value::Null) => return Err(missing(format!("{p}.function.name"))),
             Some(_) => return Err(invalid_type(format!("{p}.function.name"), "`name` must be a string.")),
         }
@@ -318,6 +329,14 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                 return Err(invalid_type(
                     format!("{p}.function.parameters"),
                     "`parameters` must be a JSON Schema object.",
+                ));
+            }
+            if let Some(t) = params.get("type").filter(|t| t.as_str() != Some("object")) {
+                return Err(ApiError::invalid(
+                    format!("{p}.function.parameters"),
+                    format!(
+                        "`parameters` must be a JSON Schema of type \"object\", not {t}: arguments are a JSON object."
+                    ),
                 ));
             }
             if params.is_object() {

@@ -191,9 +191,16 @@ impl ToolCallFormat {
 /// The schema of one call to `function`, its arguments under `args_key`.
 fn call_schema(function: &Value, args_key: &str) -> Value {
     let name = function.get("name").cloned().unwrap_or(Value::Null);
+    // Arguments are always a JSON object (clients `json.loads` them into keyword arguments):
+    // a schema without a `type` gets "object" (validation refuses any other root type), and
+    // no `parameters` at all is OpenAI's empty parameter list, `{}`.
     let params = match function.get("parameters") {
-        Some(p @ Value::Object(_)) => p.clone(),
-        _ => json!({"type": "object", "properties": {}}),
+        Some(Value::Object(p)) => {
+            let mut p = p.clone();
+            p.entry("type").or_insert_with(|| json!("object"));
+            Value::Object(p)
+        }
+        _ => json!({"type": "object", "properties": {}, "additionalProperties": false}),
     };
     json!({
         "type": "object",
@@ -324,5 +331,23 @@ mod tests {
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\nseven"));
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n</function>"), "a is required");
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=unit>\nk"));
+    }
+
+    /// Arguments are a JSON object whatever the schema leaves open: `parameters: {}` is any
+    /// object, and no `parameters` is the empty parameter list.
+    #[test]
+    fn forced_arguments_are_always_an_object() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let open = json!({"name": "f", "parameters": {}});
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&open], false), "tools").unwrap();
+        assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": \"x"));
+        assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": ["));
+        assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\"when\": 1}}").is_stopped());
+        let none = json!({"name": "f"});
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false), "tools").unwrap();
+        assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\""));
+        assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {}}").is_stopped());
     }
 }
