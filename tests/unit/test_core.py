@@ -175,3 +175,39 @@ def test_a_token_the_grammar_rejects_fails_the_request(router):
     assert sse.startswith(b"data: {\"error\"") and sse.endswith(b"data: [DONE]\n\n")
     stats = core.stats()
     assert stats["used_blocks"] == 0 and stats["requests"] == 0
+
+
+def test_load_counts_a_request_while_its_first_step_runs(router):
+    """/load and the gauges read EngineThread.stats: they are refreshed once a step is
+    planned, so a request in a long first prefill counts as running, not as nothing."""
+    import threading
+    from types import SimpleNamespace
+
+    from llmserve.engine.loop import EngineThread
+
+    class BlockingRunner(FakeRunner):
+        def __init__(self, vocab):
+            super().__init__(vocab)
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def execute(self, plan):
+            self.entered.set()
+            assert self.release.wait(10)
+            tokens, lps, tids, tlps = super().execute(plan)
+            return SimpleNamespace(tokens=tokens, logprobs=lps, top_ids=tids, top_logprobs=tlps)
+
+    core = make_core(router)
+    runner = BlockingRunner(router.vocab_size)
+    done = threading.Event()
+    thread = EngineThread(core, runner, lambda outs: any(o[2] for o in outs) and done.set())
+    thread.start()
+    try:
+        thread.post(("add", router.prepare("completion", orjson.dumps(
+            {"model": "m", "prompt": "Hello world", "max_tokens": 1})), "t"))
+        assert runner.entered.wait(10)
+        assert (thread.stats["running"], thread.stats["waiting"]) == (1, 0)
+        runner.release.set()
+        assert done.wait(10)
+    finally:
+        runner.release.set()
+        thread.stop()

@@ -22,11 +22,14 @@ log = logging.getLogger("llmserve.engine")
 Output = tuple[int, bytes, str | None, bool, int]
 
 
-def step(core, runner) -> tuple[list[Output], bool]:
-    """Run one step. Returns the outputs and whether any work was scheduled."""
+def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[list[Output], bool]:
+    """Run one step. Returns the outputs and whether any work was scheduled. `on_scheduled`
+    runs once the step's plan is made, before the model runs it."""
     plan = core.schedule()
     if plan is None:
         return [], False
+    if on_scheduled is not None:
+        on_scheduled()
     try:
         out = runner.execute(plan)
     except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
@@ -107,6 +110,12 @@ class EngineThread:
                     self._core.abort(handle)
         return failed
 
+    def _publish(self, step_seconds: float) -> None:
+        """Refresh the counts /load reads, and the metrics (`step_seconds` 0: no step time)."""
+        self.stats = self._core.stats()
+        if self._on_stats is not None:
+            self._on_stats(self.stats, step_seconds)
+
     def _run(self) -> None:
         try:
             while True:
@@ -121,12 +130,12 @@ class EngineThread:
                     self._deliver(failed)
                 if ops and not self._core.has_work():
                     # Aborts can empty the engine without another step: refresh /load now.
-                    self.stats = self._core.stats()
-                    if self._on_stats is not None:
-                        self._on_stats(self.stats, 0.0)
+                    self._publish(0.0)
                     continue
                 t0 = time.perf_counter()
-                outputs, ran = step(self._core, self._runner)
+                # The counts as scheduled, before the model runs: a request in its (maybe
+                # long) first prefill step is running, not missing from /load and /metrics.
+                outputs, ran = step(self._core, self._runner, lambda: self._publish(0.0))
                 if not ran:
                     # Work exists but none could be scheduled this instant; don't spin.
                     time.sleep(0.001)
@@ -142,9 +151,7 @@ class EngineThread:
                     mapped.append((token, data, finished, error, ntok))
                 if mapped:
                     self._deliver(mapped)
-                self.stats = self._core.stats()
-                if self._on_stats is not None:
-                    self._on_stats(self.stats, time.perf_counter() - t0)
+                self._publish(time.perf_counter() - t0)
         except BaseException:
             log.exception("the engine loop died")
             raise
