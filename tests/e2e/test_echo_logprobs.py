@@ -140,3 +140,33 @@ def test_chunked_prompt_lists_every_position_once(tiny_model, reference):
     _check_against_reference(out[0].body["choices"][0]["logprobs"], reference)
     short = out[1].body["choices"][0]["logprobs"]
     assert short["token_logprobs"][1:5] == pytest.approx(reference[1][:4], abs=1e-4)
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(tiny_server, reference):
+    """Prompt scoring (vLLM, OpenAI's legacy API): `echo` and `max_tokens: 0` give the prompt,
+    its logprobs when asked, and no completion; without `echo` (or on chat) 0 is a 400."""
+    ids, target, _ = reference
+    n = len(ids)
+    r = _post(tiny_server, _body(PROMPT, max_tokens=0))
+    c = r["choices"][0]
+    assert (c["text"], c["finish_reason"]) == (PROMPT, "length")
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == len(lp["text_offset"]) == n and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(target, abs=1e-4)
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (n, 0)
+    with httpx.stream("POST", tiny_server.url + "/v1/completions",
+                      json={"model": "tiny", "stream": True, **_body(PROMPT, max_tokens=0, n=2)},
+                      timeout=60) as s:
+        frames = [f.removeprefix("data: ") for f in s.read().decode().split("\n\n") if f.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f)["choices"][0] for f in frames[:-1]]
+    for i in (0, 1):
+        mine = [ch for ch in chunks if ch["index"] == i]
+        assert "".join(ch["text"] for ch in mine) == PROMPT
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
+    plain = _post(tiny_server, {"prompt": PROMPT, "echo": True, "max_tokens": 0})
+    assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None
+    for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})):
+        e = httpx.post(tiny_server.url + path, json={"model": "tiny", **body}, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["param"] == "max_tokens", e.text

@@ -72,6 +72,9 @@ struct RequestState {
     stop_token_reasons: Vec<u32>,
     started: bool,
     new_tokens: u32,
+    /// `max_tokens: 0` (completions with `echo`): the answer is the prompt alone; the token
+    /// its prefill step samples is dropped.
+    prompt_only: bool,
 }
 
 /// One item of a step's output: (handle, bytes, finished, error, new completion tokens).
@@ -192,6 +195,7 @@ impl CoreState {
                 },
                 started: false,
                 new_tokens: 0,
+                prompt_only: p.max_tokens == Some(0),
             },
         );
         Ok(handle)
@@ -287,6 +291,24 @@ impl CoreState {
                 continue;
             }
             let Some(state) = self.requests.get_mut(&handle) else { continue };
+            if !touched.contains(&handle) {
+                touched.push(handle);
+            }
+            if state.prompt_only {
+                // The scheduler ended the sequence at its first token (max_tokens 0).
+                let delta =
+                    ChoiceDelta { text: "", tokens: &[], finish: Some(FinishReason::Length), stop_reason: None };
+                let choices = if state.seqs_per_prompt == state.n {
+                    let c = prompt_idx * state.n + u.seq_index;
+                    c..c + 1
+                } else {
+                    prompt_idx * state.n..(prompt_idx + 1) * state.n
+                };
+                for c in choices {
+                    state.builder.push(c, &delta);
+                }
+                continue;
+            }
             let d = (prompt_idx * state.seqs_per_prompt + u.seq_index) as usize;
             let detok = &mut state.detoks[d];
             let text_offset = detok.decoded_len();
@@ -360,9 +382,6 @@ impl CoreState {
                 self.scheduler.finish_seq(u.req_id, u.seq_index);
             }
             state.new_tokens += 1;
-            if !touched.contains(&handle) {
-                touched.push(handle);
-            }
         }
         let mut out = Vec::with_capacity(touched.len() + failed.len());
         for (handle, message) in failed {

@@ -314,13 +314,15 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                 ))
             }
             Some(Value::String(n)) if valid_function_name(n) => names.push(n.clone()),
-            Some(Value::String(n)) => return Err(ApiError::invalid(
-                format!("{p}.function.name"),
-                format!(
+            Some(Value::String(n)) => {
+                return Err(ApiError::invalid(
+                    format!("{p}.function.name"),
+                    format!(
                     "Function names are 1 to 64 letters, digits, underscores or dashes, as in OpenAI's API; got {:?}.",
                     n
                 ),
-            )),
+                ))
+            }
             None | Some(Value::Null) => return Err(missing(format!("{p}.function.name"))),
             Some(_) => return Err(invalid_type(format!("{p}.function.name"), "`name` must be a string.")),
         }
@@ -472,7 +474,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     let vocab_size = router.tokenizer.vocab_size();
 
     let mut ignored: Vec<String> = unknown_keys(&common.extra, &chat.extra).cloned().collect();
-    let c = common.resolve(config, vocab_size)?;
+    let c = common.resolve(config, vocab_size, false)?;
     ignored.extend(c.inert.iter().cloned());
 
     if chat.chat_template.as_ref().is_some_and(|t| !t.is_null()) {

@@ -207,7 +207,9 @@ fn ranged(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f32>, 
 impl CommonFields {
     /// Validates and resolves defaults. `logprobs` is left None: its shape differs per
     /// endpoint.
-    pub fn resolve(self, config: &RouterConfig, vocab_size: usize) -> Result<Common, ApiError> {
+    /// `prompt_only_ok`: `max_tokens: 0` is allowed (completions with `echo`, which then return
+    /// the prompt alone, as vLLM does for prompt scoring).
+    pub fn resolve(self, config: &RouterConfig, vocab_size: usize, prompt_only_ok: bool) -> Result<Common, ApiError> {
         let d = &config.generation_defaults;
         let stream = self.stream.unwrap_or(false);
         let mut inert = Vec::new();
@@ -232,7 +234,9 @@ impl CommonFields {
             (None, None) => (None, None),
         };
         if let (Some(0), Some(p)) = (max_tokens, max_tokens_param) {
-            return Err(ApiError::invalid(p, format!("`{p}` must be at least 1, got 0.")));
+            if !prompt_only_ok {
+                return Err(ApiError::invalid(p, format!("`{p}` must be at least 1, got 0.")));
+            }
         }
         let min_tokens = self.min_tokens.unwrap_or(0);
         if let (Some(m), Some(p)) = (max_tokens, max_tokens_param) {
