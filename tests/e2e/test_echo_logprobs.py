@@ -170,3 +170,22 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(tiny_server, reference)
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})):
         e = httpx.post(tiny_server.url + path, json={"model": "tiny", **body}, timeout=60)
         assert e.status_code == 400 and e.json()["error"]["param"] == "max_tokens", e.text
+
+
+def test_prompt_offsets_of_multibyte_characters(tiny_server):
+    """A character that takes several byte-level tokens: each of its tokens starts where the
+    character does (its text is decoded only once whole), so the offsets index the echoed
+    text and never go backwards."""
+    prompt = "a😀🎉 日本語 b"
+    ids = _tokenize(tiny_server, prompt)
+    assert len(ids) > len(prompt), "the characters must span several tokens"
+    c = _post(tiny_server, {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 2, "ignore_eos": True})["choices"][0]
+    offsets = c["logprobs"]["text_offset"]
+    assert len(offsets) == len(ids) + 2
+    assert offsets == sorted(offsets)
+    assert all(o < len(prompt) for o in offsets[:len(ids)])
+    assert offsets[len(ids)] == len(prompt)
+    # whole-character tokens sit where their text is
+    tokens = c["logprobs"]["tokens"][:len(ids)]
+    whole = [(t, o) for t, o in zip(tokens, offsets) if "\ufffd" not in t]
+    assert len(whole) >= 3 and all(c["text"][o:].startswith(t) for t, o in whole), list(zip(tokens, offsets))

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
+use crate::detokenizer::{Detokenizer, StopConfig};
 use crate::protocol::{Endpoint, Prepared};
 use crate::reasoning::ReasoningSplitter;
 use crate::tokenizer::Tokenizer;
@@ -321,7 +322,7 @@ pub struct ResponseBuilder {
     /// Completions with `echo` and `logprobs`: per prompt, its tokens' logprobs so far (the
     /// first has none) and the char offset the next prompt token starts at. Prepended to
     /// each of the prompt's choices when it first produces output. Empty otherwise.
-    prompt_lp: Vec<(CompletionLogprobs, usize)>,
+    prompt_lp: Vec<(CompletionLogprobs, Vec<usize>)>,
     choices: Vec<ChoiceState>,
     pending: Vec<u8>,
     done: bool,
@@ -356,14 +357,13 @@ impl ResponseBuilder {
                     .iter()
                     .map(|p| {
                         let first = p.first().map(|&id| tokenizer.token_str(id)).unwrap_or_default();
-                        let offset = first.chars().count();
                         let lp = CompletionLogprobs {
                             tokens: vec![first],
                             token_logprobs: vec![None],
                             top_logprobs: vec![None],
                             text_offset: vec![0],
                         };
-                        (lp, offset)
+                        (lp, prompt_offsets(&tokenizer, p))
                     })
                     .collect()
             } else {
@@ -455,20 +455,16 @@ impl ResponseBuilder {
     /// of the prompt). Must arrive before the prompt's choices first push. Ignored for any
     /// other request.
     pub fn push_prompt_logprobs(&mut self, prompt: u32, tokens: &[TokenOut]) {
-        let Some(p) = self.prompt_lp.get(prompt as usize) else { return };
-        let mut offset = p.1;
+        let Some((lp, offsets)) = self.prompt_lp.get(prompt as usize) else { return };
+        let next = lp.tokens.len();
         let mut add = CompletionLogprobs::default();
-        for tok in tokens {
-            let text = self.tokenizer.token_str(tok.id);
-            add.text_offset.push(offset);
-            offset += text.chars().count();
-            add.tokens.push(text);
+        for (i, tok) in tokens.iter().enumerate() {
+            add.text_offset.push(offsets.get(next + i).copied().unwrap_or_default());
+            add.tokens.push(self.tokenizer.token_str(tok.id));
             add.token_logprobs.push(Some(wire_lp(tok.logprob)));
             add.top_logprobs.push(Some(self.top_map(&tok.top)));
         }
-        let p = &mut self.prompt_lp[prompt as usize];
-        p.0.extend(add);
-        p.1 = offset;
+        self.prompt_lp[prompt as usize].0.extend(add);
     }
 
     /// Records one choice's progress; when streaming, queues its chunks for [`Self::take`].
@@ -830,6 +826,20 @@ fn merge_args(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
         }
     }
     out
+}
+
+/// Where each prompt token's text starts in the echoed prompt, in chars: the text decoded
+/// before it, so the bytes of one multi-byte character (several byte-level tokens) all
+/// start where that character does, and offsets never run past the text or go backwards.
+fn prompt_offsets(tokenizer: &Arc<Tokenizer>, ids: &[u32]) -> Vec<usize> {
+    let mut d = Detokenizer::new(tokenizer.clone(), &[], StopConfig::default());
+    ids.iter()
+        .map(|&id| {
+            let at = d.decoded_len();
+            d.push(id);
+            at
+        })
+        .collect()
 }
 
 /// Completions that echo the prompt with logprobs also return the prompt's logprobs.
