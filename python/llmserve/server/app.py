@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 
 import uvicorn
 from starlette.applications import Starlette
@@ -41,8 +42,11 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         err = Router.error("not_found", f"No route {request.method} {request.url.path}.")
         return _error_response(err)
-    err = Router.error("invalid_request", f"{request.method} is not allowed on {request.url.path}.")
-    return Response(err.body, status_code=exc.status_code, media_type="application/json")
+    # Starlette's only other routing error is 405, raised with the route's `Allow` header
+    # (RFC 9110 requires it on a 405); keep whatever headers it carries.
+    err = Router.error("method_not_allowed", f"{request.method} is not allowed on {request.url.path}.")
+    return Response(err.body, status_code=exc.status_code, media_type="application/json",
+                    headers=exc.headers)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
@@ -108,10 +112,13 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
 DRAIN_TIMEOUT_S = 25.0
 # After the drain: how long uvicorn waits for open connections to finish sending.
 CLOSE_TIMEOUT_S = 5
+# Exit status of `llmserve run` when it never served: the address could not be bound or the
+# model failed to load (uvicorn's own code for a failed startup).
+STARTUP_FAILURE = 3
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, with a drain before it stops listening.
+    """uvicorn, with a drain before it stops listening, and an exit when loading fails.
 
     On SIGTERM or SIGINT uvicorn closes its sockets at once, so a load balancer probing /ready
     sees a refused connection, not a drain. Here the first signal keeps the listener open:
@@ -119,17 +126,33 @@ class DrainingServer(uvicorn.Server):
     (up to DRAIN_TIMEOUT_S); then uvicorn's own shutdown runs: it gives open connections
     CLOSE_TIMEOUT_S to finish sending, and the lifespan's drain waits no longer than what
     is left of the first one. A second signal skips the wait.
+
+    The model loads in the background after the socket is open. If loading fails the
+    server can never become ready, so it shuts down (`load_failed` is then True) instead of
+    answering 503 + Retry-After forever: a supervisor or a shell sees the exit.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
         super().__init__(config)
         self.engine = engine
+        self.load_failed = False
         self._drain: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop calls this every 0.1 s; a load failure ends the loop like a
+        # signal would (the lifespan's drain then finds nothing to wait for).
+        # NOTE: only while the loop runs: a shutdown that cancels the load also leaves the
+        # engine "failed", and that is not a load failure.
+        if self.engine.state == "failed" and not self.should_exit:
+            log.error("the model failed to load (see the error above); exiting")
+            self.load_failed = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain is not None or self._loop is None or self.engine.state != "ready":
@@ -146,13 +169,43 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn starts listening on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config: Config) -> int:
-    """Run `llmserve run`: bind, load, serve until interrupted, drain."""
+    """Run `llmserve run`: bind, load, serve until interrupted, drain. Returns the exit
+    status: 0 after a normal stop, STARTUP_FAILURE if the address could not be bound or the
+    model failed to load."""
+    host, port = config.server.host, config.server.port
+    # Bind before anything loads: a taken port fails in milliseconds, not after loading the
+    # model (uvicorn binds only after the lifespan has started the load, and the process
+    # would then wait for the loading thread before it could exit).
+    try:
+        sock = _listen(host, port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        return STARTUP_FAILURE
     app = create_app(config)
-    log.info("listening on http://%s:%d (OpenAI API under /v1)", config.server.host, config.server.port)
-    server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+    log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level="warning",
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S),
                             app.state.engine)
-    server.run()
-    return 0 if server.started else 3
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if server.load_failed or not server.started:
+        return STARTUP_FAILURE
+    return 0

@@ -12,6 +12,7 @@ create_exception!(_core, ApiErrorBase, PyException, "An error in the OpenAI erro
 create_exception!(_core, BadRequestError, ApiErrorBase, "400: the request is invalid.");
 create_exception!(_core, AuthenticationError, ApiErrorBase, "401: missing or wrong API key.");
 create_exception!(_core, NotFoundError, ApiErrorBase, "404: unknown model or resource.");
+create_exception!(_core, MethodNotAllowedError, ApiErrorBase, "405: the route does not serve this method.");
 create_exception!(_core, PayloadTooLargeError, ApiErrorBase, "413: request body too large.");
 create_exception!(_core, InternalServerError, ApiErrorBase, "500: the engine failed.");
 create_exception!(_core, ServiceUnavailableError, ApiErrorBase, "503: try again later.");
@@ -22,6 +23,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BadRequestError", py.get_type::<BadRequestError>())?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("MethodNotAllowedError", py.get_type::<MethodNotAllowedError>())?;
     m.add("PayloadTooLargeError", py.get_type::<PayloadTooLargeError>())?;
     m.add("InternalServerError", py.get_type::<InternalServerError>())?;
     m.add("ServiceUnavailableError", py.get_type::<ServiceUnavailableError>())?;
@@ -35,6 +37,7 @@ pub fn to_py(py: Python<'_>, e: &ApiError) -> PyErr {
         400 => BadRequestError::new_err(msg.clone()),
         401 => AuthenticationError::new_err(msg.clone()),
         404 => NotFoundError::new_err(msg.clone()),
+        405 => MethodNotAllowedError::new_err(msg.clone()),
         413 => PayloadTooLargeError::new_err(msg.clone()),
         503 => ServiceUnavailableError::new_err(msg.clone()),
         _ => InternalServerError::new_err(msg.clone()),
@@ -71,6 +74,7 @@ pub fn from_kind(
         "unsupported_parameter" => ApiError::with_code("unsupported_parameter", param, message),
         "unauthorized" => ApiError::Unauthorized { message },
         "not_found" => ApiError::NotFound { message },
+        "method_not_allowed" => ApiError::MethodNotAllowed { message },
         "model_not_found" => ApiError::ModelNotFound { model: message },
         "payload_too_large" => ApiError::PayloadTooLarge { limit: limit.unwrap_or_default() },
         "unavailable" => ApiError::Unavailable { message, retry_after: retry_after.unwrap_or(1) },

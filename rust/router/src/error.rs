@@ -18,6 +18,8 @@ pub enum ApiError {
     ModelNotFound { model: String },
     /// 404: a route or resource that does not exist.
     NotFound { message: String },
+    /// 405: a route that exists, called with a method it does not serve.
+    MethodNotAllowed { message: String },
     /// 401: missing or wrong API key.
     Unauthorized { message: String },
     /// 413: request body over the size limit.
@@ -45,6 +47,7 @@ impl ApiError {
             Self::InvalidRequest { .. } | Self::ContextLengthExceeded { .. } => 400,
             Self::Unauthorized { .. } => 401,
             Self::ModelNotFound { .. } | Self::NotFound { .. } => 404,
+            Self::MethodNotAllowed { .. } => 405,
             Self::PayloadTooLarge { .. } => 413,
             Self::Internal { .. } => 500,
             Self::Unavailable { .. } => 503,
@@ -54,9 +57,10 @@ impl ApiError {
     /// The OpenAI error `type`.
     pub fn error_type(&self) -> &'static str {
         match self {
-            Self::InvalidRequest { .. } | Self::ContextLengthExceeded { .. } | Self::PayloadTooLarge { .. } => {
-                "invalid_request_error"
-            }
+            Self::InvalidRequest { .. }
+            | Self::ContextLengthExceeded { .. }
+            | Self::PayloadTooLarge { .. }
+            | Self::MethodNotAllowed { .. } => "invalid_request_error",
             Self::Unauthorized { .. } => "authentication_error",
             Self::ModelNotFound { .. } | Self::NotFound { .. } => "not_found_error",
             Self::Internal { .. } => "server_error",
@@ -70,6 +74,7 @@ impl ApiError {
             Self::ContextLengthExceeded { .. } => "context_length_exceeded",
             Self::ModelNotFound { .. } => "model_not_found",
             Self::NotFound { .. } => "not_found",
+            Self::MethodNotAllowed { .. } => "method_not_allowed",
             Self::Unauthorized { .. } => "invalid_api_key",
             Self::PayloadTooLarge { .. } => "request_too_large",
             Self::Internal { .. } => "internal_error",
@@ -90,6 +95,7 @@ impl ApiError {
             Self::InvalidRequest { message, .. }
             | Self::ContextLengthExceeded { message, .. }
             | Self::NotFound { message }
+            | Self::MethodNotAllowed { message }
             | Self::Unauthorized { message }
             | Self::Unavailable { message, .. }
             | Self::Internal { message } => message.clone(),

@@ -1,0 +1,102 @@
+"""`llmserve run`'s start-up failures and the 405 response.
+
+A server that cannot load its model, or cannot bind its port, exits non-zero at once (a
+supervisor or shell sees the failure) instead of listening forever with a dead engine. A
+wrong method on a known route is a 405 with the OpenAI error shape and an `Allow` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+from server import free_port
+
+from llmserve.config import Config, ServerConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.server.app import STARTUP_FAILURE, create_app
+
+EXIT_WITHIN_S = 60
+
+
+def _run(model, port: int, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "llmserve.cli", "run", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--threads", "1", *args]
+    env = {**os.environ, "LLMSERVE_LOG_LEVEL": "INFO"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(proc: subprocess.Popen) -> tuple[int, str]:
+    """Exit status and output; a server still running after EXIT_WITHIN_S is killed and fails."""
+    try:
+        out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"server still running after {EXIT_WITHIN_S} s:\n{out.decode(errors='replace')[-3000:]}")
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_load_failure_exits_nonzero_and_frees_the_port(tiny_model):
+    # 2 blocks of 16 tokens cannot hold one request of 256 tokens: the engine refuses to build.
+    port = free_port()
+    proc = _run(tiny_model, port, "--num-kv-blocks", "2", "--max-model-len", "256")
+    code, out = _wait(proc)
+    assert code == STARTUP_FAILURE, out
+    assert "less than one request of --max-model-len 256" in out, out
+    assert "failed to load" in out, out
+    assert _port_closed(port)
+
+
+def test_port_in_use_exits_before_loading_the_model(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out = _wait(_run(tiny_model, port))
+    assert code == STARTUP_FAILURE, out
+    assert "cannot listen on 127.0.0.1" in out and "in use" in out, out
+    # the bind is checked first: the model was never read
+    assert "llmserve.loaders" not in out and "llmserve.engine" not in out, out
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://llmserve.test")
+
+
+def test_405_names_allowed_methods_in_openai_error_shape():
+    # Routing needs no model: the engine is never started.
+    app = create_app(engine=AsyncEngine(Config(server=ServerConfig(access_log=False))))
+
+    async def main():
+        async with _client(app) as c:
+            cases = (("POST", "/v1/models", {"GET", "HEAD"}),
+                     ("DELETE", "/v1/models/tiny", {"GET", "HEAD"}),
+                     ("GET", "/v1/chat/completions", {"POST"}),
+                     ("PUT", "/health", {"GET", "HEAD"}))
+            for method, path, allowed in cases:
+                r = await c.request(method, path)
+                assert r.status_code == 405, (method, path, r.text)
+                assert {m.strip() for m in r.headers["allow"].split(",")} == allowed
+                assert r.headers["content-type"] == "application/json"
+                assert r.json() == {"error": {
+                    "message": f"{method} is not allowed on {path}.",
+                    "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}}
+            # every method the header lists is served (HEAD included)
+            assert (await c.head("/health")).status_code == 200
+            # an unknown route stays a 404 without Allow
+            r = await c.post("/v1/nope")
+            assert r.status_code == 404 and "allow" not in r.headers
+            assert r.json()["error"]["code"] == "not_found"
+
+    asyncio.run(main())
