@@ -166,7 +166,8 @@ def test_unknown_message_keys_are_reported(tiny_server):
     msgs = [{"role": "system", "content": "Be brief", "name": "sys", "refusal": None},
             {"role": "user", "content": "Hi", "weird": 1}]
     r = _ok(tiny_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
-    assert _ignored(r) == {"messages[1].weird"}
+    # ChatML never reads `name` either: OpenAI's key, but here it changes nothing (audit 2)
+    assert _ignored(r) == {"messages[0].name", "messages[1].weird"}
     err = _error(_post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}))
     assert (err["code"], err["param"]) == ("invalid_value", "messages[0].content")
 

@@ -287,7 +287,41 @@ fn unread_message_keys_are_reported() {
         {"role": "tool", "tool_call_id": "c1", "content": "d"}
     ]);
     let p = chat(&r, json!({"messages": msgs, "store": true})).unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("messages[1].weird, messages[2].refusal, store"));
+    // (this template reads `name` but not `tool_call_id`: a tool result's id is dropped)
+    assert_eq!(
+        header(&p, "llmserve-ignored-fields"),
+        Some("messages[1].weird, messages[2].refusal, messages[3].tool_call_id, store")
+    );
+    // Nested keys with no meaning: in content parts, tools and response_format (vLLM-style
+    // `schema` beside `json_object` would be dropped silently otherwise); unread documents.
+    let p = chat(
+        &r,
+        json!({
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "foo": 1}]}],
+            "tools": [{"type": "function", "bar": 2,
+                       "function": {"name": "f", "strict": true, "baz": 3, "parameters": {"type": "object"}}}],
+            "tool_choice": "required",
+            "documents": [{"title": "t", "text": "x"}],
+        }),
+    )
+    .unwrap();
+    assert_eq!(
+        header(&p, "llmserve-ignored-fields"),
+        Some("documents, messages[0].content[0].foo, tools[0].bar, tools[0].function.baz")
+    );
+    let p = chat(
+        &r,
+        json!({"messages": msgs, "response_format": {"type": "json_object", "schema": {"type": "object"}}}),
+    )
+    .unwrap();
+    assert!(header(&p, "llmserve-ignored-fields").unwrap().ends_with("response_format.schema"));
+    let p = chat(
+        &r,
+        json!({"messages": [{"role": "user", "content": "a"}],
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}}),
+    )
+    .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("response_format.json_schema.extra"));
     // A key the template names is read.
     let t = "{% for m in messages %}{{ m.content }}{{ m.weird }}{% endfor %}";
     let r2 = router_with(json!({}), Some(t));

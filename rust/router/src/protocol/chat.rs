@@ -24,11 +24,18 @@ use crate::tools::{ToolCallFormat, ToolChoice, ToolParsing};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-/// Message keys with a meaning of their own (OpenAI's, and the reasoning names transformers
-/// aliases): passed to every template, never reported. Other keys count as used only when the
-/// template names them.
-const MESSAGE_KEYS: [&str; 8] =
-    ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning", "thinking"];
+/// Message keys every template reads (`role`, `content`) or that it may leave out by design:
+/// the reasoning of earlier turns, under the names transformers aliases, which most templates
+/// drop on purpose. Never reported. Other keys (OpenAI's `name`, `tool_calls`, `tool_call_id`
+/// included) count as used only when the template names them: a template without tool
+/// support drops a tool call from the history, and the client is told.
+const ALWAYS_READ_KEYS: [&str; 5] = ["role", "content", "reasoning_content", "reasoning", "thinking"];
+
+/// The keys of a text content part, of a tool and of its function, and of
+/// `response_format` and its `json_schema`: any other key there is reported.
+const PART_KEYS: [&str; 2] = ["type", "text"];
+const TOOL_KEYS: [&str; 2] = ["type", "function"];
+const FUNCTION_KEYS: [&str; 4] = ["name", "description", "parameters", "strict"];
 
 #[derive(Deserialize, Debug)]
 pub struct ChatFields {
@@ -119,10 +126,37 @@ pub(crate) fn unread_message_keys(messages: &[Value], template: Option<&ChatTemp
     for (i, m) in messages.iter().enumerate() {
         let Some(obj) = m.as_object() else { continue };
         for (k, v) in obj {
-            let read = MESSAGE_KEYS.contains(&k.as_str()) || template.is_some_and(|t| t.mentions_key(k));
+            let read = ALWAYS_READ_KEYS.contains(&k.as_str()) || template.is_some_and(|t| t.mentions_key(k));
             if !read && !v.is_null() {
                 out.push(format!("messages[{i}].{k}"));
             }
+        }
+        if let Some(parts) = obj.get("content").and_then(Value::as_array) {
+            for (j, part) in parts.iter().enumerate() {
+                out.extend(unknown_keys_of(part, &PART_KEYS, &format!("messages[{i}].content[{j}]")));
+            }
+        }
+    }
+    out
+}
+
+/// `prefix.key` for each non-null key of `v` (an object) outside `known`.
+pub(crate) fn unknown_keys_of(v: &Value, known: &[&str], prefix: &str) -> Vec<String> {
+    v.as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, v)| !known.contains(&k.as_str()) && !v.is_null())
+        .map(|(k, _)| format!("{prefix}.{k}"))
+        .collect()
+}
+
+/// Keys of `tools[i]` and `tools[i].function` that mean nothing to the server.
+fn unknown_tool_keys(tools: &[Value]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        out.extend(unknown_keys_of(tool, &TOOL_KEYS, &format!("tools[{i}]")));
+        if let Some(f) = tool.get("function") {
+            out.extend(unknown_keys_of(f, &FUNCTION_KEYS, &format!("tools[{i}].function")));
         }
     }
     out
@@ -505,9 +539,16 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     };
 
     let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
-    ignored.extend(unread_message_keys(&chat.messages, router.templates.select(with_tools)));
-    if chat.tools.is_some() && tools_unused(router, with_tools, &forced) {
-        ignored.push("tools".into());
+    let template = router.templates.select(with_tools);
+    ignored.extend(unread_message_keys(&chat.messages, template));
+    if let Some(tools) = &chat.tools {
+        ignored.extend(unknown_tool_keys(tools));
+        if tools_unused(router, with_tools, &forced) {
+            ignored.push("tools".into());
+        }
+    }
+    if chat.documents.is_some() && !template.is_some_and(|t| t.reads("documents")) {
+        ignored.push("documents".into());
     }
     let ignored = settle_ignored(ignored, config.strict_fields)?;
     if forced != Forced::No && c.response_format.is_some() {

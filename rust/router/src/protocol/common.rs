@@ -311,6 +311,7 @@ impl CommonFields {
         }
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
         let response_format = super::constrained::response_format_source(self.response_format.as_ref())?;
+        inert.extend(super::constrained::response_format_unknown_keys(self.response_format.as_ref()));
 
         if let Some(id) = &self.request_id {
             if id.is_empty() {

@@ -36,6 +36,22 @@ fn string_field(obj: &serde_json::Map<String, Value>, key: &str, param: &'static
 
 /// Validates `response_format`; returns the grammar source it asks for (None: free text)
 /// and the param path the source came from.
+/// Keys of `response_format` and of its `json_schema` that mean nothing to the server (e.g.
+/// vLLM-style `{"type": "json_object", "schema": ...}`, whose schema would otherwise be
+/// dropped without a word).
+pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
+    let Some(rf) = v else { return Vec::new() };
+    let mut out = super::chat::unknown_keys_of(rf, &["type", "json_schema"], "response_format");
+    if let Some(js) = rf.get("json_schema") {
+        out.extend(super::chat::unknown_keys_of(
+            js,
+            &["name", "description", "schema", "strict"],
+            "response_format.json_schema",
+        ));
+    }
+    out
+}
+
 pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
     let obj = match v {
         None | Some(Value::Null) => return Ok(None),

@@ -83,7 +83,17 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
             if let Some(tools) = &req.tools {
                 validate_tools(tools)?;
             }
-            ignored.extend(unread_message_keys(messages, router.templates.select(req.tools.is_some())));
+            let template = router.templates.select(req.tools.is_some());
+            ignored.extend(unread_message_keys(messages, template));
+            // Rendered for the count alone: what the template never reads is reported, as
+            // on the chat route.
+            for (field, sent) in
+                [("tools", req.tools.is_some()), ("documents", value.get("documents").is_some_and(|d| !d.is_null()))]
+            {
+                if sent && !template.is_some_and(|t| t.reads(field)) {
+                    ignored.push(field.into());
+                }
+            }
             let (add_generation_prompt, continue_final_message) =
                 generation_flags(req.add_generation_prompt, req.continue_final_message)?;
             let input = ChatRender {
