@@ -153,6 +153,21 @@ def test_penalties_match_direct_formula():
     assert not torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])
 
 
+def test_a_tiny_repetition_penalty_stays_finite():
+    """The smallest penalty the router takes (float32's smallest normal) divides a positive
+    logit past float32's range: it stays the largest float, so sampling sees no inf or NaN
+    and still picks among the seen tokens."""
+    logits = torch.tensor([[30.0, 25.0, 5.0, -1.0]] * 2)
+    rows = [Row(repetition_penalty=torch.finfo(torch.float32).tiny, prompt=[2], output=[1]),
+            Row(repetition_penalty=torch.finfo(torch.float32).tiny, prompt=[2], output=[1],
+                temperature=1.0, seed=3)]
+    got = logits.clone()
+    Sampler._apply_penalties(got, SamplingBatch.from_plan(sampling_plan(rows)))
+    assert torch.isfinite(got).all()
+    out = run(logits, rows)
+    assert set(out.tokens.tolist()) <= {1, 2}
+
+
 def test_presence_penalty_steers_greedy_away_from_repeats():
     logits = torch.tensor([[3.0, 2.5, 0.0]])
     out = run(logits, [Row(presence_penalty=2.0, prompt=[2], output=[0])])

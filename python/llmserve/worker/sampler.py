@@ -230,7 +230,10 @@ class Sampler:
 
         sub = logits[pen_rows]
         rep = b.repetition_penalty[pen_rows].unsqueeze(1)
+        # NOTE: a tiny penalty can push a positive logit past float32's range: keep it finite
+        # (the largest float), so the row never holds +inf, which softmax turns into NaN.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub.clamp_(max=torch.finfo(torch.float32).max)
         sub -= b.frequency_penalty[pen_rows].unsqueeze(1) * counts
         sub -= b.presence_penalty[pen_rows].unsqueeze(1) * (counts > 0).float()
         logits[pen_rows] = sub

@@ -309,11 +309,9 @@ fn unread_message_keys_are_reported() {
         header(&p, "llmserve-ignored-fields"),
         Some("documents, messages[0].content[0].foo, tools[0].bar, tools[0].function.baz")
     );
-    let p = chat(
-        &r,
-        json!({"messages": msgs, "response_format": {"type": "json_object", "schema": {"type": "object"}}}),
-    )
-    .unwrap();
+    let p =
+        chat(&r, json!({"messages": msgs, "response_format": {"type": "json_object", "schema": {"type": "object"}}}))
+            .unwrap();
     assert!(header(&p, "llmserve-ignored-fields").unwrap().ends_with("response_format.schema"));
     let p = chat(
         &r,

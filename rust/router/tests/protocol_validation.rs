@@ -145,6 +145,9 @@ fn sampling_ranges() {
         (json!({"frequency_penalty": -2.5}), 400, "invalid_value", p("frequency_penalty")),
         (json!({"repetition_penalty": 0}), 400, "invalid_value", p("repetition_penalty")),
         (json!({"repetition_penalty": -1}), 400, "invalid_value", p("repetition_penalty")),
+        // applied in float32: 1e-40 would round to a denormal, 1e300 to infinity
+        (json!({"repetition_penalty": 1e-40}), 400, "invalid_value", p("repetition_penalty")),
+        (json!({"repetition_penalty": 1e300}), 400, "invalid_value", p("repetition_penalty")),
         (json!({"top_k": -2}), 400, "invalid_value", p("top_k")),
         (json!({"top_k": 1.5}), 400, "invalid_type", p("top_k")),
         (json!({"top_k": 3000000000u64}), 400, "invalid_value", p("top_k")),
@@ -630,4 +633,8 @@ fn out_of_range_integers_say_so() {
     assert!(e.message().contains("between 0 and 4294967295, got 5000000000"), "{}", e.message());
     // A fraction is still the wrong type.
     assert_eq!(raw(r#""max_tokens": 1.5"#).code(), "invalid_type");
+    // A negative count names no range the field does not have (n is 1..=128, not 0..2^32).
+    let e = raw(r#""n": -1"#);
+    assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
+    assert_eq!(e.message(), "`n` must be a non-negative integer, got -1.");
 }

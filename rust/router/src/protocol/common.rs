@@ -75,6 +75,11 @@ fn integer_out_of_range(inner: &str) -> Option<String> {
     } else {
         return None;
     };
+    // A negative number for an unsigned field: the field's own bound (max_tokens >= 1,
+    // n <= 128, ...) is checked later, so name only what is certain.
+    if whole && got.starts_with('-') && range.starts_with("between 0 ") {
+        return Some(format!("a non-negative integer, got {got}"));
+    }
     whole.then(|| format!("an integer {range}, got {got}"))
 }
 
@@ -261,11 +266,18 @@ impl CommonFields {
         let frequency_penalty = ranged("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
         let repetition_penalty = match self.repetition_penalty {
             None => None,
-            Some(x) if x > 0.0 && (x as f32).is_finite() => Some(x as f32),
+            // NOTE: applied in float32: outside its normal range the value rounds to 0 or
+            // infinity, and the penalty would divide by zero.
+            Some(x) if x > 0.0 && (x as f32).is_normal() => Some(x as f32),
             Some(x) => {
                 return Err(ApiError::invalid(
                     "repetition_penalty",
-                    format!("`repetition_penalty` must be a finite number greater than 0, got {x}."),
+                    format!(
+                        "`repetition_penalty` must be greater than 0, between {:e} and {:e} (it is applied \
+                         in float32), got {x}.",
+                        f32::MIN_POSITIVE,
+                        f32::MAX
+                    ),
                 ))
             }
         };
