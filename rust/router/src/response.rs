@@ -571,7 +571,14 @@ impl ResponseBuilder {
                     finish_reason: None,
                     stop_reason: None,
                 };
-                let usage = self.chunk_usage();
+                // The role chunk comes before the first token (as in vLLM): its usage does
+                // not count the tokens of the chunk after it.
+                let before = delta.tokens.len() as u64;
+                let usage = self.chunk_usage().map(|u| Usage {
+                    completion_tokens: u.completion_tokens - before,
+                    total_tokens: u.total_tokens - before,
+                    ..u
+                });
                 self.frame(vec![role], usage);
             }
             if delta.text.is_empty() && finish.is_none() && !has_lp {

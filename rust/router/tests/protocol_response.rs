@@ -133,6 +133,20 @@ fn completion_stream_golden_bytes_with_echo_and_continuous_usage() {
 }
 
 #[test]
+fn chat_role_chunk_usage_counts_no_completion_tokens() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 9]], &["x"], 1, None);
+    p.stream = true;
+    p.continuous_usage_stats = true;
+    let mut b = builder(&p);
+    b.push(0, &delta("a", &[tok(13)], None));
+    b.push(0, &delta("b", &[tok(14)], Some(FinishReason::Stop)));
+    let all = [b.take(), b.finish()].concat();
+    let used: Vec<u64> = frames(&all).iter().map(|c| c["usage"]["completion_tokens"].as_u64().unwrap()).collect();
+    // role chunk (before any token), "a", "b" + finish
+    assert_eq!(used, [0, 1, 2]);
+}
+
+#[test]
 fn stream_without_usage_ends_with_done_only() {
     let mut p = prepared(Endpoint::Chat, vec![vec![0]], &["x"], 1, None);
     p.stream = true;
