@@ -7,6 +7,8 @@
 //! overridden (`--chat-template-content-format`). For `String` templates, text parts are joined
 //! with "\n" before rendering, as vLLM does; string content passes through untouched.
 //!
+//! An assistant's `{"type": "refusal", "refusal": ...}` part becomes a text part of that text.
+//!
 //! A message without content (`content: null` or absent: an assistant turn that only calls
 //! tools) reaches the template as `""` for `String` templates and as `[]` for `OpenAi` ones, as
 //! vLLM renders it: templates concatenate or loop over `content` without checking for none.
@@ -54,13 +56,20 @@ impl ContentFormat {
 pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
     let joins = |m: &Value| format == ContentFormat::String && m.get("content").is_some_and(Value::is_array);
     let Some(list) = messages.as_array() else { return Cow::Borrowed(messages) };
-    if !list.iter().any(|m| joins(m) || lacks_content(m) || string_arguments(m).next().is_some()) {
+    if !list.iter().any(|m| joins(m) || lacks_content(m) || has_refusal(m) || string_arguments(m).next().is_some()) {
         return Cow::Borrowed(messages);
     }
     let normalized = list
         .iter()
         .map(|m| {
             let mut m = m.clone();
+            if let Some(Value::Array(parts)) = m.get_mut("content") {
+                // An assistant's refusal is its text, as vLLM renders it.
+                for part in parts.iter_mut().filter(|p| is_refusal(p)) {
+                    let text = part.get("refusal").cloned().unwrap_or_default();
+                    *part = serde_json::json!({"type": "text", "text": text});
+                }
+            }
             if lacks_content(&m) {
                 m["content"] = match format {
                     ContentFormat::String => Value::String(String::new()),
@@ -84,6 +93,15 @@ pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
         })
         .collect();
     Cow::Owned(Value::Array(normalized))
+}
+
+fn is_refusal(part: &Value) -> bool {
+    part.get("type").and_then(Value::as_str) == Some("refusal")
+}
+
+/// A message with a refusal part in its content.
+fn has_refusal(message: &Value) -> bool {
+    message.get("content").and_then(Value::as_array).is_some_and(|parts| parts.iter().any(is_refusal))
 }
 
 /// A message object whose `content` is null or absent.
@@ -130,6 +148,19 @@ mod tests {
         assert!(matches!(normalize(&messages, ContentFormat::OpenAi), Cow::Borrowed(_)));
         let strings = json!([{"role": "user", "content": "x"}]);
         assert!(matches!(normalize(&strings, ContentFormat::String), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn refusal_parts_render_as_text() {
+        let messages = json!([
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+        ]);
+        assert_eq!(normalize(&messages, ContentFormat::String)[1]["content"], "I can't.");
+        assert_eq!(
+            normalize(&messages, ContentFormat::OpenAi)[1]["content"],
+            json!([{"type": "text", "text": "I can't."}])
+        );
     }
 
     #[test]

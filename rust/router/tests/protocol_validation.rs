@@ -106,6 +106,19 @@ fn messages_shape() {
             "missing_required_parameter",
             p("messages[1].tool_calls[0].function.name"),
         ),
+        // refusal parts are an assistant's only
+        (
+            m(json!([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])),
+            400,
+            "unsupported_parameter",
+            p("messages[0].content[0].type"),
+        ),
+        (
+            m(json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "refusal"}]}])),
+            400,
+            "missing_required_parameter",
+            p("messages[1].content[0].refusal"),
+        ),
         (
             m(
                 json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]),
@@ -127,8 +140,10 @@ fn valid_message_forms_are_accepted() {
         {"role": "assistant", "content": null, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
     ]});
-    chat(&r, ok).expect("valid conversation");
+    let p = chat(&r, ok).expect("valid conversation");
+    assert!(p.prompt_texts[0].contains("No."), "{}", p.prompt_texts[0]);
 }
 
 #[test]

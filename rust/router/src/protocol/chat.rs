@@ -34,6 +34,7 @@ const ALWAYS_READ_KEYS: [&str; 5] = ["role", "content", "reasoning_content", "re
 /// The keys of a text content part, of a tool and of its function, and of
 /// `response_format` and its `json_schema`: any other key there is reported.
 const PART_KEYS: [&str; 2] = ["type", "text"];
+const REFUSAL_PART_KEYS: [&str; 2] = ["type", "refusal"];
 const TOOL_KEYS: [&str; 2] = ["type", "function"];
 const FUNCTION_KEYS: [&str; 4] = ["name", "description", "parameters", "strict"];
 
@@ -133,7 +134,12 @@ pub(crate) fn unread_message_keys(messages: &[Value], template: Option<&ChatTemp
         }
         if let Some(parts) = obj.get("content").and_then(Value::as_array) {
             for (j, part) in parts.iter().enumerate() {
-                out.extend(unknown_keys_of(part, &PART_KEYS, &format!("messages[{i}].content[{j}]")));
+                let known: &[&str] = if part.get("type").and_then(Value::as_str) == Some("refusal") {
+                    &REFUSAL_PART_KEYS
+                } else {
+                    &PART_KEYS
+                };
+                out.extend(unknown_keys_of(part, known, &format!("messages[{i}].content[{j}]")));
             }
         }
     }
@@ -199,7 +205,7 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
                 "`content` must not be an empty array: send at least one text part.",
             ))
         }
-        Some(content) => validate_content(&format!("{p}.content"), content)?,
+        Some(content) => validate_content(&format!("{p}.content"), content, role == "assistant")?,
     }
     if let Some(name) = obj.get("name") {
         if !name.is_string() && !name.is_null() {
@@ -251,8 +257,10 @@ fn require_str(obj: &Map<String, Value>, key: &str, p: &str) -> Result<(), ApiEr
     }
 }
 
-/// A string, or a list of `{"type": "text", "text": ...}` parts.
-fn validate_content(p: &str, content: &Value) -> Result<(), ApiError> {
+/// A string, or a list of `{"type": "text", "text": ...}` parts; an assistant turn may also
+/// hold OpenAI's `{"type": "refusal", "refusal": ...}` parts (an assistant reply echoed back),
+/// which the template sees as text (content_format.rs).
+fn validate_content(p: &str, content: &Value, assistant: bool) -> Result<(), ApiError> {
     match content {
         Value::String(_) => Ok(()),
         Value::Array(parts) => {
@@ -264,11 +272,16 @@ fn validate_content(p: &str, content: &Value) -> Result<(), ApiError> {
                 match obj.get("type") {
                     None => return Err(missing(format!("{pp}.type"))),
                     Some(Value::String(t)) if t == "text" => {}
+                    Some(Value::String(t)) if t == "refusal" && assistant => {
+                        require_str(obj, "refusal", &pp)?;
+                        continue;
+                    }
                     Some(Value::String(t)) => {
                         return Err(unsupported(
                             format!("{pp}.type"),
                             format!(
-                                "Content parts of type {t:?} are not supported: this server accepts text parts only."
+                                "Content parts of type {t:?} are not supported: this server accepts text parts \
+                                 (and refusal parts in assistant turns) only."
                             ),
                         ))
                     }
