@@ -83,6 +83,20 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return cfg
 
 
+def _short_openmp_spin() -> None:
+    """Before torch loads: torch's OpenMP workers wait ~10k spins (not libgomp's default
+    300k) before sleeping after each parallel op, unless the environment says otherwise.
+
+    NOTE: the Rust kernels (attention, the quantized GEMV) run between torch's ops on their
+    own threads, and a worker still spinning holds the core one of them needs. On SmolLM2,
+    64 requests x 128 tokens offline on 2 cores went from ~265 to ~300 tok/s, prompts ~9%
+    faster, single-stream decode unchanged within noise; 1k spins, 0 and 100k were all
+    slower than 10k. Only the CLI sets it: an embedding application owns its process's
+    environment (and has usually loaded torch already)."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -90,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "run":
+        _short_openmp_spin()
         from llmserve.server.app import serve
 
         return serve(config_from_args(args))

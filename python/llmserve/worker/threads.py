@@ -23,6 +23,9 @@ parallel op, so when a step interleaves many small torch ops with kernel calls, 
 pools' workers fight for the same cores: on 2 cores, SmolLM2 single-stream decode with
 2 torch threads and 2 kernel threads ran several times slower than with 1 and 1.
 
+`llmserve run` also shortens how long those workers spin before sleeping (cli.py:
+_short_openmp_spin), which gave the kernels their cores back sooner.
+
 So the steps that read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS generated
 tokens, where the quantized GEMV carries the linears) run torch single-threaded and give the
 kernels all the engine's threads: `benches/quant_decode.py` measures the effect. Other steps
