@@ -67,7 +67,7 @@ class ModelConfig:
     )
     quantized_decode: bool = _f(
         True,
-        "GGUF models on CPU in float32: steps of at most 8 tokens (decode) read the file's "
+        "GGUF models on CPU in float32: decode steps of at most 24 sequences read the file's "
         "Q8_0/Q4_0/Q4_1 weights directly instead of their float32 copies (about 6x less memory "
         "traffic per token); other steps (prompts, bigger decode batches) run their layer "
         "matmuls in bfloat16 on CPUs with native bf16 (AVX512_BF16 or AMX: about 2x faster; "

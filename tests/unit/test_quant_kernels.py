@@ -8,7 +8,7 @@ its result is the dequantized weights times the *rounded* x, not exactly the fp3
   (tight), and with x as it is (within the most that rounding can move it), every format,
   1-9 tokens;
 - bad input is a ValueError, never a crash;
-- a model's linears take the quantized path for steps of <= 8 fp32 CPU tokens, fp32 above;
+- a model's linears take the quantized path for steps of <= QUANT_MAX_TOKENS fp32 CPU tokens, fp32 above;
 - the SmolLM2 GGUF: raw blocks kept by the loader (Q/K rows un-permuted) dequantize to exactly
   the fp32 weights, and decoding with `quantized_decode` on stays close to it off.
 """
