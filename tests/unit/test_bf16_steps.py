@@ -30,22 +30,27 @@ def _model(monkeypatch, bf16: bool):
     return quantized_model("llama", seed=3)
 
 
+def _bf16_rows(monkeypatch) -> list[int]:
+    """From now on, the row count of every bf16 matmul, in call order."""
+    rows: list[int] = []
+    real = F.linear
+
+    def counted(x, w, *args):
+        if x.dtype == torch.bfloat16:
+            rows.append(x.shape[0])
+        return real(x, w, *args)
+
+    monkeypatch.setattr(F, "linear", counted)
+    return rows
+
+
 def test_prompt_and_big_decode_steps_run_in_bf16(monkeypatch):
     off = _model(monkeypatch, False)
     on = _model(monkeypatch, True)
     assert off.layers[0].attn.qkv.bf16_weight is None
     assert on.layers[0].mlp.gate_up.bf16_weight.dtype == torch.bfloat16
     ref, _ = run_schedule(off, PROMPTS, SCHEDULE, num_blocks=160, step_flags=True)
-
-    bf16_calls: list[int] = []           # rows of each bf16 matmul
-    real = F.linear
-
-    def counted(x, w, *args):
-        if x.dtype == torch.bfloat16:
-            bf16_calls.append(x.shape[0])
-        return real(x, w, *args)
-
-    monkeypatch.setattr(F, "linear", counted)
+    bf16_calls = _bf16_rows(monkeypatch)
     prompt_tokens = sum(map(len, PROMPTS.values()))
     # rows of each step's bf16 matmuls: every layer linear (qkv, o, gate|up, down) of both
     # layers; none in the last step (3 sequences: the quantized GEMV); the LM head stays fp32
@@ -69,14 +74,7 @@ def test_a_lone_row_is_padded_to_two(monkeypatch):
     """oneDNN's bf16 GEMV (M = 1) sums differently from its GEMM: a one-token prompt step
     pads, so its row is the same bits as in a bigger step."""
     on = _model(monkeypatch, True)
-    rows: list[int] = []
-    real = F.linear
-    def counted(x, w, *args):
-        if x.dtype == torch.bfloat16:
-            rows.append(x.shape[0])
-        return real(x, w, *args)
-
-    monkeypatch.setattr(F, "linear", counted)
+    rows = _bf16_rows(monkeypatch)
     run_schedule(on, {0: [5, 6, 7, 8, 9]}, [{0: 4}, {0: 1}], step_flags=True)
     assert rows == [4] * 8 + [2] * 8
 
