@@ -77,6 +77,29 @@ struct RequestState {
     prompt_only: bool,
 }
 
+impl RequestState {
+    /// The choices sequence `seq` of prompt `prompt` answers: its own, or all `n` of the
+    /// prompt when greedy output is computed once and fanned out.
+    fn choices_of(&self, prompt: u32, seq: u32) -> std::ops::Range<u32> {
+        if self.seqs_per_prompt == self.n {
+            let c = prompt * self.n + seq;
+            c..c + 1
+        } else {
+            prompt * self.n..(prompt + 1) * self.n
+        }
+    }
+
+    /// The bytes that end this request with `err`: a JSON body, or an SSE error frame once
+    /// its stream has begun.
+    fn error_bytes(&self, err: &ApiError) -> Vec<u8> {
+        if self.started {
+            err.to_sse()
+        } else {
+            err.to_json()
+        }
+    }
+}
+
 /// One item of a step's output: (handle, bytes, finished, error, new completion tokens).
 /// `finished` is how the request ended (its first choice's finish reason, or "error"), for
 /// the metrics; None while it runs.
@@ -298,13 +321,7 @@ impl CoreState {
                 // The scheduler ended the sequence at its first token (max_tokens 0).
                 let delta =
                     ChoiceDelta { text: "", tokens: &[], finish: Some(FinishReason::Length), stop_reason: None };
-                let choices = if state.seqs_per_prompt == state.n {
-                    let c = prompt_idx * state.n + u.seq_index;
-                    c..c + 1
-                } else {
-                    prompt_idx * state.n..(prompt_idx + 1) * state.n
-                };
-                for c in choices {
+                for c in state.choices_of(prompt_idx, u.seq_index) {
                     state.builder.push(c, &delta);
                 }
                 continue;
@@ -365,17 +382,10 @@ impl CoreState {
             let tokens_out = [token];
             let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
             let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason };
-            let first_choice = if state.seqs_per_prompt == state.n {
-                prompt_idx * state.n + u.seq_index
-            } else {
-                prompt_idx * state.n
-            };
-            if state.seqs_per_prompt == state.n {
-                state.builder.push(first_choice, &delta);
-            } else {
-                for j in 0..state.n {
-                    state.builder.push(prompt_idx * state.n + j, &delta);
-                }
+            let choices = state.choices_of(prompt_idx, u.seq_index);
+            let first_choice = choices.start;
+            for c in choices {
+                state.builder.push(c, &delta);
             }
             // The builder ended the choice itself (its one allowed tool call is complete).
             if finish.is_none() && state.builder.choice_finished(first_choice) {
@@ -387,8 +397,7 @@ impl CoreState {
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
             if let Some(state) = self.forget(handle) {
-                let err = ApiError::Internal { message };
-                out.push((handle, if state.started { err.to_sse() } else { err.to_json() }, Some("error"), true, 0));
+                out.push((handle, state.error_bytes(&ApiError::Internal { message }), Some("error"), true, 0));
             }
         }
         for handle in touched {
@@ -420,10 +429,7 @@ impl CoreState {
         handles.dedup();
         handles
             .into_iter()
-            .filter_map(|h| {
-                self.forget(h)
-                    .map(|s| (h, if s.started { err.to_sse() } else { err.to_json() }, Some("error"), true, 0))
-            })
+            .filter_map(|h| self.forget(h).map(|s| (h, s.error_bytes(&err), Some("error"), true, 0)))
             .collect()
     }
 }
