@@ -300,17 +300,8 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
         prefetch(b + AHEAD);
         let (n, span) = rows(b);
         let (keys, vals) = (&ctx.k[span.clone()], &ctx.v[span]);
-        let tile = avx2::Tile { n, row_stride, d };
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: FMA is true only inside `items_avx2`, run after AVX2 and FMA were detected;
-        // `rows` gave the span of the tile's n rows of these kv heads.
-        if FMA && d % 64 == 0 {
-            unsafe { avx2::scores(qs, keys, tile, h1 - h0, g, bs, scores) };
-        } else {
-            tile_scores::<FMA>(qs, keys, tile, h1 - h0, g, bs, scores);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        tile_scores::<FMA>(qs, keys, tile, h1 - h0, g, bs, scores);
+        let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
+        tile_scores::<FMA>(qs, keys, tile, scores);
         for j in 0..nh {
             let tile = &mut scores[j * bs..j * bs + n];
             let new_m = m[j].max(simd::max(tile));
@@ -323,15 +314,7 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
             }
             l[j] += simd::exp_sub_sum(tile, new_m);
         }
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as for the scores
-        if FMA && d % 64 == 0 {
-            unsafe { avx2::accumulate(scores, vals, tile, h1 - h0, g, bs, acc) };
-        } else {
-            tile_accumulate::<FMA>(scores, vals, tile, h1 - h0, g, bs, acc);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        tile_accumulate::<FMA>(scores, vals, tile, h1 - h0, g, bs, acc);
+        tile_accumulate::<FMA>(scores, vals, tile, acc);
     }
     for j in 0..nh {
         let inv = 1.0 / l[j];
@@ -341,18 +324,18 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
     }
 }
 
-/// The portable form of `avx2::scores`: one dot product per (key, query head).
+/// `scores[j * bs + t] = qs[j] . k_t` for the tile's keys and every query head of its kv
+/// heads: the AVX2 loops where they apply (FMA is true only inside `items_avx2`, run after
+/// AVX2 and FMA were detected), else one dot product per (key, query head).
 #[inline(always)]
-fn tile_scores<const FMA: bool>(
-    qs: &[f32],
-    keys: &[f32],
-    tile: avx2::Tile,
-    kvs: usize,
-    g: usize,
-    bs: usize,
-    scores: &mut [f32],
-) {
-    let avx2::Tile { n, row_stride, d } = tile;
+fn tile_scores<const FMA: bool>(qs: &[f32], keys: &[f32], tile: avx2::Tile, scores: &mut [f32]) {
+    let avx2::Tile { n, row_stride, d, kvs, g, bs } = tile;
+    #[cfg(target_arch = "x86_64")]
+    if FMA && d % 64 == 0 {
+        // SAFETY: see above; `keys` spans the tile's n rows of these kv heads.
+        unsafe { avx2::scores(qs, keys, tile, scores) };
+        return;
+    }
     for t in 0..n {
         for kv in 0..kvs {
             let k_row = &keys[t * row_stride + kv * d..][..d];
@@ -363,18 +346,17 @@ fn tile_scores<const FMA: bool>(
     }
 }
 
-/// The portable form of `avx2::accumulate`: one axpy per (key, query head).
+/// `acc[j] += sum_t weights[j * bs + t] * v_t`, in key order: the AVX2 loops where they
+/// apply (as for `tile_scores`), else one axpy per (key, query head).
 #[inline(always)]
-fn tile_accumulate<const FMA: bool>(
-    weights: &[f32],
-    vals: &[f32],
-    tile: avx2::Tile,
-    kvs: usize,
-    g: usize,
-    bs: usize,
-    acc: &mut [f32],
-) {
-    let avx2::Tile { n, row_stride, d } = tile;
+fn tile_accumulate<const FMA: bool>(weights: &[f32], vals: &[f32], tile: avx2::Tile, acc: &mut [f32]) {
+    let avx2::Tile { n, row_stride, d, kvs, g, bs } = tile;
+    #[cfg(target_arch = "x86_64")]
+    if FMA && d % 64 == 0 {
+        // SAFETY: as for the scores, with `vals` spanning the tile's rows.
+        unsafe { avx2::accumulate(weights, vals, tile, acc) };
+        return;
+    }
     for t in 0..n {
         for kv in 0..kvs {
             let v_row = &vals[t * row_stride + kv * d..][..d];

@@ -11,13 +11,17 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Where the tile's keys or values are: row `t` of kv head `kv` starts at
-/// `t * row_stride + kv * d`, for `t < n`.
+/// One tile: `n` keys (or values) of `kvs` kv heads, each with `g` query heads; row `t` of kv
+/// head `kv` starts at `t * row_stride + kv * d`, and query head `j`'s scores at
+/// `j * bs` (`n <= bs`).
 #[derive(Clone, Copy)]
 pub(super) struct Tile {
     pub n: usize,
     pub row_stride: usize,
     pub d: usize,
+    pub kvs: usize,
+    pub g: usize,
+    pub bs: usize,
 }
 
 /// `scores[j * bs + t] = qs[j] . keys[t, j / g]` for the query heads `j` of `kvs` kv heads
@@ -28,8 +32,8 @@ pub(super) struct Tile {
 /// kvs * d` elements at least), `scores` `kvs * g * bs` with `n <= bs`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn scores(qs: &[f32], keys: &[f32], tile: Tile, kvs: usize, g: usize, bs: usize, scores: &mut [f32]) {
-    let Tile { n, row_stride, d } = tile;
+pub(super) unsafe fn scores(qs: &[f32], keys: &[f32], tile: Tile, scores: &mut [f32]) {
+    let Tile { n, row_stride, d, kvs, g, bs } = tile;
     debug_assert!(d % 64 == 0 && n >= 1 && n <= bs);
     assert!(keys.len() >= (n - 1) * row_stride + kvs * d && qs.len() >= kvs * g * d && scores.len() >= kvs * g * bs);
     for kv in 0..kvs {
@@ -86,16 +90,8 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
 /// As [`scores`], with `vals` for `keys` and `acc` holding `kvs * g * d` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn accumulate(
-    weights: &[f32],
-    vals: &[f32],
-    tile: Tile,
-    kvs: usize,
-    g: usize,
-    bs: usize,
-    acc: &mut [f32],
-) {
-    let Tile { n, row_stride, d } = tile;
+pub(super) unsafe fn accumulate(weights: &[f32], vals: &[f32], tile: Tile, acc: &mut [f32]) {
+    let Tile { n, row_stride, d, kvs, g, bs } = tile;
     debug_assert!(d % 64 == 0 && n >= 1 && n <= bs);
     assert!(vals.len() >= (n - 1) * row_stride + kvs * d && acc.len() >= kvs * g * d && weights.len() >= kvs * g * bs);
     for j in 0..kvs * g {
