@@ -363,7 +363,7 @@ impl ResponseBuilder {
                             top_logprobs: vec![None],
                             text_offset: vec![0],
                         };
-                        (lp, prompt_offsets(&tokenizer, p))
+                        (lp, prompt_offsets(tokenizer, p))
                     })
                     .collect()
             } else {
