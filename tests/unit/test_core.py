@@ -211,3 +211,62 @@ def test_load_counts_a_request_while_its_first_step_runs(router):
     finally:
         runner.release.set()
         thread.stop()
+
+
+class ScriptRunner(FakeRunner):
+    """Every sequence generates the same scripted ids, in order."""
+
+    def __init__(self, vocab: int, script: list[int]):
+        super().__init__(vocab)
+        self.script = script
+
+    def execute(self, plan):
+        tokens, lps, tids, tlps = super().execute(plan)
+        tokens[:] = [self.script[min(g, len(self.script) - 1)] for g in plan.gen_index]
+        return tokens, lps, tids, tlps
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_never_show_text_a_stop_string_trimmed(router, stream):
+    """The stop string's tokens are generated (and counted in usage), but their logprobs do
+    not go out: the logprob tokens spell the returned text. Streamed, a token's logprobs go
+    out with the last of its text, never ahead of it."""
+    text = " the cat sat. on the mat"
+    script = router.prepare("completion", orjson.dumps({"model": "m", "prompt": text})).prompt_token_ids[0]
+    core = make_core(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30,
+            "logprobs": True, "stop": ["at. o"], "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    handle = core.add(router.prepare("chat", orjson.dumps(body)))
+    out, _ = run(core, ScriptRunner(router.vocab_size, script))
+    if stream:
+        chunks = [json.loads(f.removeprefix("data: ")) for f in b"".join(out[handle]).decode().split("\n\n")
+                  if f.startswith("data: {")]
+        content, shown = "", ""
+        for chunk in chunks[:-1]:
+            choice = chunk["choices"][0]
+            content += choice["delta"].get("content") or ""
+            shown += "".join(t["token"] for t in (choice["logprobs"] or {}).get("content", []))
+            assert content.startswith(shown)
+        usage = chunks[-1]["usage"]
+    else:
+        response = orjson.loads(b"".join(out[handle]))
+        content = response["choices"][0]["message"]["content"]
+        shown = "".join(t["token"] for t in response["choices"][0]["logprobs"]["content"])
+        usage = response["usage"]
+    assert content == shown == " the cat s"
+    assert usage["completion_tokens"] == len(script[:script.index(81) + 1])  # through the "o"
+
+
+def test_a_token_the_stop_string_begins_inside_keeps_its_logprobs(router):
+    """A token that holds text before the stop string as well as some of it is shown: its
+    logprobs are part of the answer."""
+    script = router.prepare("completion", orjson.dumps({"model": "m", "prompt": " the cat"})).prompt_token_ids[0]
+    core = make_core(router)
+    handle = core.add(router.prepare("completion", orjson.dumps(
+        {"model": "m", "prompt": "Hi", "max_tokens": 10, "logprobs": 0, "stop": ["he c"]})))
+    out, _ = run(core, ScriptRunner(router.vocab_size, script))
+    choice = orjson.loads(b"".join(out[handle]))["choices"][0]
+    assert choice["text"] == " t"
+    assert choice["logprobs"]["tokens"] == [" the"] and choice["logprobs"]["text_offset"] == [0]

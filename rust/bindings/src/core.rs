@@ -65,6 +65,8 @@ struct RequestState {
     n: u32,
     /// One detokenizer per (prompt, sequence), indexed prompt * seqs_per_prompt + seq.
     detoks: Vec<Detokenizer>,
+    /// Tokens whose text each detokenizer still holds back, indexed as `detoks`.
+    held: Vec<HeldTokens>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
     /// `stop_token_ids` that are not also an ending eos: a finish by one of these names it
@@ -97,6 +99,32 @@ impl RequestState {
         } else {
             err.to_json()
         }
+    }
+}
+
+/// One sequence's tokens whose text its detokenizer still holds back for a possible stop
+/// string, each with the char offset where its text ends. A token's logprobs go out with the
+/// last of its text, and a token whose text a stop string trimmed away entirely never goes
+/// out: no stop text reaches the client through logprobs either. `usage` still counts every
+/// generated token.
+#[derive(Default)]
+struct HeldTokens(Vec<(TokenOut, usize)>);
+
+impl HeldTokens {
+    /// Queues `token` (its text ends at char `end`); returns the queued tokens whose text has
+    /// all been sent (the first `sent` chars).
+    fn push(&mut self, token: TokenOut, end: usize, sent: usize) -> Vec<TokenOut> {
+        self.0.push((token, end));
+        let ready = self.0.iter().take_while(|(_, end)| *end <= sent).count();
+        self.0.drain(..ready).map(|(t, _)| t).collect()
+    }
+
+    /// The sequence ended: every queued token, or after a stop string only those whose text
+    /// begins before `cut` (the length of the returned text).
+    fn finish(&mut self, token: TokenOut, cut: Option<usize>) -> Vec<TokenOut> {
+        self.0.push((token, 0));
+        let cut = cut.unwrap_or(usize::MAX);
+        self.0.drain(..).map(|(t, _)| t).filter(|t| t.text_offset < cut).collect()
     }
 }
 
@@ -156,6 +184,7 @@ impl CoreState {
         };
         let mut sched_ids = Vec::with_capacity(prepared.prompts.len());
         let mut detoks = Vec::new();
+        let mut held = Vec::new();
         let mut matchers = Vec::new();
         for (i, prompt) in prepared.prompts.iter().enumerate() {
             let id = self.next_sched_id;
@@ -163,6 +192,7 @@ impl CoreState {
             let max_tokens = p.max_tokens.unwrap_or(self.max_model_len.saturating_sub(prompt.len() as u32));
             for _ in 0..seqs_per_prompt {
                 detoks.push(Detokenizer::new(tokenizer.clone(), prompt, stop.clone()));
+                held.push(HeldTokens::default());
                 if let Some(g) = &prepared.grammar {
                     matchers.push(g.matcher());
                 }
@@ -211,6 +241,7 @@ impl CoreState {
                 seqs_per_prompt,
                 n: p.n,
                 detoks,
+                held,
                 matchers,
                 stop_token_reasons: {
                     let eos = &self.router.config().eos_token_ids;
@@ -319,8 +350,13 @@ impl CoreState {
             }
             if state.prompt_only {
                 // The scheduler ended the sequence at its first token (max_tokens 0).
-                let delta =
-                    ChoiceDelta { text: "", tokens: &[], finish: Some(FinishReason::Length), stop_reason: None };
+                let delta = ChoiceDelta {
+                    text: "",
+                    tokens: &[],
+                    generated: 0,
+                    finish: Some(FinishReason::Length),
+                    stop_reason: None,
+                };
                 for c in state.choices_of(prompt_idx, u.seq_index) {
                     state.builder.push(c, &delta);
                 }
@@ -379,9 +415,13 @@ impl CoreState {
                     text.push_str(&detok.flush());
                 }
             }
-            let tokens_out = [token];
+            let tokens_out = if finish.is_some() {
+                state.held[d].finish(token, stop_text.as_ref().map(|_| detok.emitted_len()))
+            } else {
+                state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
+            };
             let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
-            let delta = ChoiceDelta { text: &text, tokens: &tokens_out, finish, stop_reason };
+            let delta = ChoiceDelta { text: &text, tokens: &tokens_out, generated: 1, finish, stop_reason };
             let choices = state.choices_of(prompt_idx, u.seq_index);
             let first_choice = choices.start;
             for c in choices {

@@ -50,8 +50,7 @@ impl FinishReason {
     }
 }
 
-/// One generated token. `logprob`, `top` and `text_offset` are read only when the request
-/// asked for logprobs; the count of tokens always feeds `usage`.
+/// One generated token's logprobs entry, read only when the request asked for logprobs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenOut {
     pub id: u32,
@@ -62,13 +61,17 @@ pub struct TokenOut {
     pub text_offset: usize,
 }
 
-/// One choice's progress in a step: the text now safe to send, the tokens generated, and
-/// the finish when the choice ended. `stop_reason` is the stop string or stop token id that
-/// ended it (None for eos, length, or a grammar that completed).
+/// One choice's progress in a step: the text now safe to send, the tokens whose logprobs go
+/// with it, how many tokens were generated (for `usage`), and the finish when the choice
+/// ended. `tokens` and `generated` differ when a token's text is held back for a possible
+/// stop string (its logprobs follow its text) or was trimmed away with one (they never go
+/// out). `stop_reason` is the stop string or stop token id that ended it (None for eos,
+/// length, or a grammar that completed).
 #[derive(Clone, Copy, Debug)]
 pub struct ChoiceDelta<'a> {
     pub text: &'a str,
     pub tokens: &'a [TokenOut],
+    pub generated: u32,
     pub finish: Option<FinishReason>,
     pub stop_reason: Option<StopReason<'a>>,
 }
@@ -527,7 +530,7 @@ impl ResponseBuilder {
         let idx = choice as usize;
         let first = !self.choices[idx].started;
         self.choices[idx].started = true;
-        self.choices[idx].completion_tokens += delta.tokens.len() as u64;
+        self.choices[idx].completion_tokens += u64::from(delta.generated);
         self.choices[idx].finish = delta.finish;
         self.choices[idx].stop_reason = delta.stop_reason.map(OwnedStop::of);
         let echo_text =
@@ -573,7 +576,7 @@ impl ResponseBuilder {
                 };
                 // The role chunk comes before the first token (as in vLLM): its usage does
                 // not count the tokens of the chunk after it.
-                let before = delta.tokens.len() as u64;
+                let before = u64::from(delta.generated);
                 let usage = self.chunk_usage().map(|u| Usage {
                     completion_tokens: u.completion_tokens - before,
                     total_tokens: u.total_tokens - before,
@@ -650,7 +653,7 @@ impl ResponseBuilder {
             })
             .collect();
         // Content (and logprobs) first, then the calls' pieces, then the finish on its own chunk.
-        self.push_plain(choice, &ChoiceDelta { text: &text, tokens: delta.tokens, finish: None, stop_reason: None });
+        self.push_plain(choice, &ChoiceDelta { text: &text, finish: None, stop_reason: None, ..*delta });
         for event in merge_args(events) {
             let state = &mut self.choices[idx];
             match &event {

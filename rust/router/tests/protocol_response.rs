@@ -62,7 +62,7 @@ fn tok(id: u32) -> TokenOut {
 }
 
 fn delta<'a>(text: &'a str, tokens: &'a [TokenOut], finish: Option<FinishReason>) -> ChoiceDelta<'a> {
-    ChoiceDelta { text, tokens, finish, stop_reason: None }
+    ChoiceDelta { text, tokens, generated: tokens.len() as u32, finish, stop_reason: None }
 }
 
 fn builder(p: &Prepared) -> ResponseBuilder {
@@ -92,6 +92,7 @@ fn chat_stream_golden_bytes() {
         &ChoiceDelta {
             text: "lo",
             tokens: &[tok(1)],
+            generated: 1,
             finish: Some(FinishReason::Stop),
             stop_reason: Some(StopReason::Token(7)),
         },
@@ -203,6 +204,7 @@ fn chat_non_stream_body() {
         &ChoiceDelta {
             text: " world",
             tokens: &[tok(10), tok(19)],
+            generated: 2,
             finish: Some(FinishReason::Stop),
             stop_reason: Some(StopReason::Text("z")),
         },
@@ -245,7 +247,16 @@ fn chat_logprobs_shape() {
         TokenOut { id: 9, logprob: -0.25, top: vec![(9, -0.25), (10, -1.5)], text_offset: 0 },
         TokenOut { id: 10, logprob: f32::NEG_INFINITY, top: vec![(13, -0.1), (10, f32::NEG_INFINITY)], text_offset: 5 },
     ];
-    b.push(0, &ChoiceDelta { text: "hello world", tokens: &toks, finish: Some(FinishReason::Stop), stop_reason: None });
+    b.push(
+        0,
+        &ChoiceDelta {
+            text: "hello world",
+            tokens: &toks,
+            generated: toks.len() as u32,
+            finish: Some(FinishReason::Stop),
+            stop_reason: None,
+        },
+    );
     let v: Value = serde_json::from_slice(&b.finish()).unwrap();
     let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert_eq!(content.len(), 2);
@@ -288,7 +299,13 @@ fn completion_logprobs_shape_with_echo_offsets() {
     ];
     b.push(
         0,
-        &ChoiceDelta { text: " world hello", tokens: &toks, finish: Some(FinishReason::Length), stop_reason: None },
+        &ChoiceDelta {
+            text: " world hello",
+            tokens: &toks,
+            generated: toks.len() as u32,
+            finish: Some(FinishReason::Length),
+            stop_reason: None,
+        },
     );
     let v: Value = serde_json::from_slice(&b.finish()).unwrap();
     let lp = &v["choices"][0]["logprobs"];
@@ -319,8 +336,20 @@ fn completion_stream_sends_prompt_logprobs_with_the_echo() {
     b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 0 }]);
     let tok = [TokenOut { id: 10, logprob: -0.5, top: vec![(10, -0.5)], text_offset: 0 }];
     for choice in 0..2 {
-        b.push(choice, &ChoiceDelta { text: " world", tokens: &tok, finish: None, stop_reason: None });
-        b.push(choice, &ChoiceDelta { text: "!", tokens: &tok, finish: Some(FinishReason::Length), stop_reason: None });
+        b.push(
+            choice,
+            &ChoiceDelta { text: " world", tokens: &tok, generated: tok.len() as u32, finish: None, stop_reason: None },
+        );
+        b.push(
+            choice,
+            &ChoiceDelta {
+                text: "!",
+                tokens: &tok,
+                generated: tok.len() as u32,
+                finish: Some(FinishReason::Length),
+                stop_reason: None,
+            },
+        );
     }
     let f = frames(&[b.take(), b.finish()].concat());
     assert_eq!(f.len(), 4);
