@@ -1,17 +1,20 @@
-"""`llmserve run`'s start-up failures and the 405 response.
+"""`llmserve run`'s start-up failures, a stop during loading, and the 405 response.
 
 A server that cannot load its model, or cannot bind its port, exits non-zero at once (a
 supervisor or shell sees the failure) instead of listening forever with a dead engine. A
-wrong method on a known route is a 405 with the OpenAI error shape and an `Allow` header.
+stop signal during a load ends the process without waiting for the load. A wrong method on
+a known route is a 405 with the OpenAI error shape and an `Allow` header.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -68,6 +71,38 @@ def test_port_in_use_exits_before_loading_the_model(tiny_model):
     assert "cannot listen on 127.0.0.1" in out and "in use" in out, out
     # the bind is checked first: the model was never read
     assert "llmserve.loaders" not in out and "llmserve.engine" not in out, out
+
+
+# `llmserve run` whose model load never ends.
+_HANGING_LOAD = """
+import sys, time
+import llmserve.engine.async_engine as ae
+ae.build_engine = lambda config: time.sleep(3600)
+from llmserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_during_loading_exits_without_waiting_for_the_load(sig):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HANGING_LOAD, "run", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "LLMSERVE_LOG_LEVEL": "INFO"})
+    # uvicorn takes over the signals once it serves: /ready answers (503, loading) from then on
+    deadline = time.monotonic() + EXIT_WITHIN_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 503:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.send_signal(sig)
+    _, out = _wait(proc)
+    # a stop is not a load failure: no traceback, no "loading failed"
+    assert "Traceback" not in out and "loading failed" not in out, out
+    assert _port_closed(port)
 
 
 def _client(app) -> httpx.AsyncClient:

@@ -103,6 +103,31 @@ class RequestStream:
         return b"".join(parts)
 
 
+async def _on_daemon_thread(fn, *args):
+    """`fn(*args)` on a daemon thread. Unlike `asyncio.to_thread`'s pool, whose threads the
+    interpreter joins at exit, nothing waits for it: a stop signal during a long model load
+    ends the process at once instead of after the load."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():   # cancelled meanwhile: nobody wants the result
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        try:
+            outcome = (True, fn(*args))
+        except BaseException as exc:
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass                # the loop has closed: the server is gone
+
+    threading.Thread(target=work, name="llmserve-load", daemon=True).start()
+    return await future
+
+
 class AsyncEngine:
     """The serving engine: load once, then submit requests from asyncio."""
 
@@ -123,7 +148,10 @@ class AsyncEngine:
         """Load the model on a worker thread (the server answers /ready 503 meanwhile)."""
         self._loop = asyncio.get_running_loop()
         try:
-            engine = await asyncio.to_thread(build_engine, self.config)
+            engine = await _on_daemon_thread(build_engine, self.config)
+        except asyncio.CancelledError:
+            self.state = "failed"   # the server stopped while loading
+            raise
         except BaseException as exc:
             self._load_error = exc
             self.state = "failed"

@@ -204,6 +204,8 @@ def serve(config: Config) -> int:
                             app.state.engine)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it captured once it has shut down: the asked-for stop
     finally:
         sock.close()
     if server.load_failed or not server.started:
