@@ -124,7 +124,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = c
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # NOTE: from_hf assigns the weights; an uninitialized tensor skips the embedding's
+        # random init, whose normal_ on the meta device first imports torch's decompositions
+        # (~1.2 s of every start).
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = (None if c.tie_word_embeddings
