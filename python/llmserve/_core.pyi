@@ -188,6 +188,11 @@ def quant_matmul(
     cols: int,
     num_threads: int,
 ) -> None: ...
+def dequantize(
+    out: npt.NDArray[np.float32],
+    w_raw: npt.NDArray[np.uint8],
+    ggml_type: int,
+) -> None: ...
 class CpuDecoder:
     def __new__(cls, shape: dict[str, Any], layers: list[dict[str, Any]]) -> CpuDecoder: ...
     @property

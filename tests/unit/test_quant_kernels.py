@@ -161,6 +161,27 @@ def test_bad_input_is_value_error():
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_dequantize_gives_gguf_s_float32_values_exactly(qtype):
+    """The loader dequantizes these formats in Rust: the same bits as the gguf package
+    (special scales included: 0, a subnormal, inf and nan halves)."""
+    rng = np.random.default_rng(7)
+    raw = _blocks(rng, qtype, 37, 96)
+    bb = raw.shape[1] // 3
+    for i, half in enumerate((0x0000, 0x0001, 0x7C00, 0x7E00, 0x8400)):   # the block scale d
+        raw[i, :2] = np.frombuffer(np.uint16(half).tobytes(), np.uint8)
+        raw[i, bb:bb + 2] = raw[i, :2]
+    out = np.full((37, 96), np.nan, np.float32)
+    _core.dequantize(out, raw, int(qtype))
+    with np.errstate(invalid="ignore"):   # inf * 0
+        want = dequantize(raw, qtype).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="dequantize"):
+        _core.dequantize(np.zeros((37, 64), np.float32), raw, int(qtype))
+    with pytest.raises(ValueError, match="dequantize"):
+        _core.dequantize(out, raw, int(GT.Q5_0))
+
+
 def test_quant_tensor_checks_and_concat():
     rng = np.random.default_rng(2)
     a = QuantTensor(_blocks(rng, GT.Q4_1, 3, 64), int(GT.Q4_1), 3, 64)

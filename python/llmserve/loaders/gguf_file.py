@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import _core
 from .checkpoint import QUANT_FORMATS, Checkpoint, LoadError, QuantTensor, empty_template_sources
 
 # GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
@@ -196,9 +197,15 @@ def _vocab(meta: _Meta) -> dict:
 def _dequantize(tensor) -> torch.Tensor:
     from gguf.quants import dequantize
 
-    arr = dequantize(tensor.data, tensor.tensor_type)
     # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if int(tensor.tensor_type) in QUANT_FORMATS and len(shape) == 2:
+        # The formats the quantized GEMV reads: Rust computes the same float32 values as the
+        # gguf package, ~10x faster (most of a GGUF model's load time otherwise).
+        out = np.empty(shape, dtype=np.float32)
+        _core.dequantize(out, np.asarray(tensor.data).reshape(shape[0], -1), int(tensor.tensor_type))
+        return torch.from_numpy(out)
+    arr = dequantize(tensor.data, tensor.tensor_type)
     if arr.dtype != np.float32 or not arr.flags.writeable:
         arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
     return torch.from_numpy(arr.reshape(shape))

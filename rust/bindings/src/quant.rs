@@ -1,6 +1,6 @@
 //! `quant_matmul`: llmserve-kernels' quantized GEMV over numpy arrays, for decode steps of a
 //! few tokens that read a GGUF's Q8_0 / Q4_0 / Q4_1 weights in place (the GIL is released
-//! while it computes).
+//! while it computes); `dequantize`: such a matrix to float32, as the loader needs it.
 //!
 //! Shapes: out f32 [T, R] (written), x f32 [T, K], w_raw u8 [R, K / 32 * block_bytes] (the
 //! GGUF tensor's raw rows). Every array must be C-contiguous. A shape mismatch, an unknown
@@ -11,13 +11,43 @@
 //! integer dot products, as llama.cpp does, so the result is the dequantized weights times
 //! that rounded x (see `llmserve_kernels::quant`), not exactly the fp32 matmul.
 
-use llmserve_kernels::quant::{QuantType, QuantWeights};
+use llmserve_kernels::quant::{dequantize_row, QuantType, QuantWeights};
 use numpy::{PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
     Err(PyValueError::new_err(format!("quant_matmul: {what}")))
+}
+
+/// out[r, :] = row r of `w_raw` read as ggml blocks of `ggml_type`, dequantized exactly as
+/// ggml defines the format (the same float32 values as the `gguf` package's `dequantize`).
+/// Shapes: out f32 [rows, cols] (written), w_raw u8 [rows, cols / 32 * block_bytes].
+#[pyfunction]
+pub fn dequantize(
+    py: Python<'_>,
+    out: &Bound<'_, PyArray2<f32>>,
+    w_raw: PyReadonlyArray2<'_, u8>,
+    ggml_type: u32,
+) -> PyResult<()> {
+    let err = |what: String| Err(PyValueError::new_err(format!("dequantize: {what}")));
+    let mut out = crate::kernels::writeable(out, "dequantize", "out")?;
+    let Some(ty) = QuantType::from_ggml(ggml_type) else {
+        return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    };
+    let (ws, os) = (w_raw.shape().to_vec(), out.shape().to_vec());
+    match ty.row_bytes(os[1]) {
+        Ok(row_bytes) if ws == [os[0], row_bytes] => {}
+        Ok(row_bytes) => return err(format!("w_raw {ws:?} must be [{}, {row_bytes}] for out {os:?}", os[0])),
+        Err(e) => return err(e),
+    }
+    let Ok(out) = out.as_slice_mut() else { return err("out must be C-contiguous".into()) };
+    let Ok(data) = w_raw.as_slice() else { return err("w_raw must be C-contiguous".into()) };
+    let (row_bytes, cols) = (ws[1], os[1]);
+    py.detach(|| {
+        data.chunks_exact(row_bytes).zip(out.chunks_exact_mut(cols)).try_for_each(|(row, o)| dequantize_row(ty, row, o))
+    })
+    .or_else(err)
 }
 
 /// out[t, r] = sum_k x[t, k] * w[r, k], with w's rows read as ggml blocks of `ggml_type`

@@ -80,10 +80,8 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
         let Some(r) = r.as_str() else { return Err(format!("{}/$ref must be a string", here(at))) };
         // Only JSON-pointer fragments are checked ("#foo" names an $anchor; other documents are
         // not fetched).
-        if r == "#" || r.starts_with("#/") {
-            if root.pointer(&percent_decoded(&r[1..])).is_none() {
-                return Err(format!("{}/$ref {r:?} points at nothing in the schema", here(at)));
-            }
+        if (r == "#" || r.starts_with("#/")) && root.pointer(&percent_decoded(&r[1..])).is_none() {
+            return Err(format!("{}/$ref {r:?} points at nothing in the schema", here(at)));
         }
     }
     for key in ONE {
