@@ -41,10 +41,32 @@ fn strict_fields_turn_ignored_fields_into_400() {
     let r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     let got = shape(chat(&r, json!({"zeta": 1, "beta": 2})));
     assert_eq!(got, (400, "unsupported_parameter", Some("beta".to_string())));
-    assert_eq!(shape(chat(&r, json!({"store": false}))).2.as_deref(), Some("store"));
+    assert_eq!(shape(chat(&r, json!({"store": true}))).2.as_deref(), Some("store"));
     assert_eq!(shape(completion(&r, json!({"metadata": {}}))).2.as_deref(), Some("metadata"));
     // `user` and known extensions stay fine.
     chat(&r, json!({"user": "u", "top_k": 3, "priority": -1, "cache_salt": "s"})).unwrap();
+}
+
+#[test]
+fn null_and_what_every_request_gets_are_not_reported() {
+    // OpenAI reads null as "not set"; clients that serialize every optional field send them.
+    let r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let nulls = json!({"reasoning_effort": null, "functions": null, "function_call": null, "modalities": null,
+                       "audio": null, "prediction": null, "verbosity": null, "echo": null, "store": null,
+                       "metadata": null, "service_tier": null, "web_search_options": null});
+    let p = chat(&r, nulls.clone()).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let mut body = nulls;
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true, "include_obfuscation": false, "zzz": null});
+    body["store"] = json!(false); // nothing is ever stored
+    completion(&r, body).unwrap();
+    let got = shape(chat(&r, json!({"stream": true, "stream_options": {"include_obfuscation": true}})));
+    assert_eq!(got, (400, "unsupported_parameter", Some("stream_options.include_obfuscation".to_string())));
+    assert_eq!(shape(chat(&r, json!({"reasoning_effort": "low"}))).2.as_deref(), Some("reasoning_effort"));
+    // tokenize's unknown keys too
+    let ok = r.handle(Endpoint::Tokenize, br#"{"prompt": "a", "foo": null}"#).unwrap();
+    assert!(body_json(ok).get("ignored_fields").is_none());
 }
 
 #[test]

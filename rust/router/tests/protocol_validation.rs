@@ -646,8 +646,13 @@ fn out_of_range_integers_say_so() {
     let e = raw(r#""n": 5000000000"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
     assert!(e.message().contains("between 0 and 4294967295, got 5000000000"), "{}", e.message());
-    // A fraction is still the wrong type.
+    // A fraction is still the wrong type, and so is a whole number written as a decimal
+    // (OpenAI rejects it too), without naming a range it is inside of.
     assert_eq!(raw(r#""max_tokens": 1.5"#).code(), "invalid_type");
+    let e = raw(r#""n": 2.0"#);
+    assert_eq!((e.code(), e.param()), ("invalid_type", Some("n")));
+    assert_eq!(e.message(), "`n` must be an integer, not a decimal number, got 2.0.");
+    assert_eq!(raw(r#""max_tokens": 1e3"#).code(), "invalid_type");
     // A negative count names no range the field does not have (n is 1..=128, not 0..2^32).
     let e = raw(r#""n": -1"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));

@@ -520,7 +520,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
-    let mut ignored: Vec<String> = unknown_keys(&common.extra, &chat.extra).cloned().collect();
+    let mut ignored: Vec<String> = unknown_keys(&common.extra, &chat.extra, &value).cloned().collect();
     let c = common.resolve(config, vocab_size, false)?;
     ignored.extend(c.inert.iter().cloned());
 

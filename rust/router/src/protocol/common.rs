@@ -47,8 +47,8 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
         }
         let param = if path.is_empty() { None } else { Some(path) };
         let name = param.as_deref().unwrap_or("the request body");
-        if let Some(range) = integer_out_of_range(&inner) {
-            return ApiError::with_code("invalid_value", param.clone(), format!("`{name}` must be {range}."));
+        if let Some((code, what)) = integer_out_of_range(&inner) {
+            return ApiError::with_code(code, param.clone(), format!("`{name}` must be {what}."));
         }
         let code = if inner.starts_with("invalid type") { "invalid_type" } else { "invalid_value" };
         let what = if code == "invalid_type" { "Invalid type" } else { "Invalid value" };
@@ -56,20 +56,26 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
     })
 }
 
-/// An integer field sent a whole number it cannot hold (`1e30`, or `10**30`, which JSON
-/// parsing turns into a float): "an integer between 0 and 4294967295, got 1e30". A
-/// fractional number stays a type error.
-fn integer_out_of_range(inner: &str) -> Option<String> {
-    const RANGES: [(&str, &str); 4] = [
-        ("u32", "between 0 and 4294967295"),
-        ("u64", "between 0 and 18446744073709551615"),
-        ("i32", "between -2147483648 and 2147483647"),
-        ("i64", "between -9223372036854775808 and 9223372036854775807"),
+/// An integer field sent a whole number it cannot take: one it cannot hold (`1e30`, or
+/// `10**30`, which JSON parsing turns into a float): "an integer between 0 and 4294967295,
+/// got 1e30"; or one written as a decimal (`2.0`), which OpenAI rejects too: "an integer,
+/// not a decimal number, got 2.0" (a type error, as a fraction is). Returns the error code
+/// and what the field must be.
+fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
+    const RANGES: [(&str, &str, f64, f64); 4] = [
+        ("u32", "between 0 and 4294967295", 0.0, 4294967295.0),
+        ("u64", "between 0 and 18446744073709551615", 0.0, 18446744073709551615.0),
+        ("i32", "between -2147483648 and 2147483647", -2147483648.0, 2147483647.0),
+        ("i64", "between -9223372036854775808 and 9223372036854775807", -9223372036854775808.0, 9223372036854775807.0),
     ];
-    let (head, range) =
-        RANGES.iter().find_map(|(t, r)| inner.strip_suffix(&format!("`, expected {t}")).map(|h| (h, r)))?;
+    let (head, (_, range, lo, hi)) =
+        RANGES.iter().find_map(|r| inner.strip_suffix(&format!("`, expected {}", r.0)).map(|h| (h, r)))?;
     let (whole, got) = if let Some(f) = head.strip_prefix("invalid type: floating point `") {
-        (f.parse::<f64>().ok().is_some_and(|x| x.is_finite() && x.fract() == 0.0), f)
+        let x = f.parse::<f64>().ok().filter(|x| x.is_finite() && x.fract() == 0.0);
+        if x.is_some_and(|x| x >= *lo && x <= *hi) {
+            return Some(("invalid_type", format!("an integer, not a decimal number, got {f}")));
+        }
+        (x.is_some(), f)
     } else if let Some(i) = head.strip_prefix("invalid value: integer `") {
         (true, i)
     } else {
@@ -78,9 +84,9 @@ fn integer_out_of_range(inner: &str) -> Option<String> {
     // A negative number for an unsigned field: the field's own bound (max_tokens >= 1,
     // n <= 128, ...) is checked later, so name only what is certain.
     if whole && got.starts_with('-') && range.starts_with("between 0 ") {
-        return Some(format!("a non-negative integer, got {got}"));
+        return Some(("invalid_value", format!("a non-negative integer, got {got}")));
     }
-    whole.then(|| format!("an integer {range}, got {got}"))
+    whole.then(|| ("invalid_value", format!("an integer {range}, got {got}")))
 }
 
 fn join_path(parent: &str, field: &str) -> String {
@@ -138,7 +144,19 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
     pub continuous_usage_stats: Option<bool>,
     #[serde(flatten)]
-    pub extra: BTreeMap<String, IgnoredAny>,
+    pub extra: BTreeMap<String, Value>,
+}
+
+impl StreamOptions {
+    /// Keys that ask for something this server does not do: unknown ones that are set, and
+    /// OpenAI's `include_obfuscation` unless false (streams are never obfuscated, so false
+    /// is what every stream gets).
+    fn ignored(&self) -> impl Iterator<Item = String> + '_ {
+        self.extra
+            .iter()
+            .filter(|(k, v)| !v.is_null() && !(k.as_str() == "include_obfuscation" && **v == Value::Bool(false)))
+            .map(|(k, _)| format!("stream_options.{k}"))
+    }
 }
 
 /// The fields chat and completions share (OpenAI's and the top-level extensions).
@@ -227,7 +245,7 @@ impl CommonFields {
                 ))
             }
             Some(o) => {
-                inert.extend(o.extra.keys().map(|k| format!("stream_options.{k}")));
+                inert.extend(o.ignored());
                 (o.include_usage.unwrap_or(false), o.continuous_usage_stats.unwrap_or(false))
             }
         };
@@ -335,7 +353,8 @@ impl CommonFields {
                 return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
             }
         }
-        if self.store.is_some() {
+        // NOTE: `store: false` asks for what every request gets (nothing is stored).
+        if self.store == Some(true) {
             inert.push("store".into());
         }
         if self.metadata.is_some() {
@@ -438,12 +457,21 @@ fn parse_logit_bias(map: BTreeMap<String, f64>, vocab_size: usize) -> Result<Vec
     Ok(out)
 }
 
-/// Unknown keys of a request: those that no struct of the endpoint knows.
+/// The keys of `extra` (a struct's unknown keys) that `body` sets. OpenAI reads an explicit
+/// `null` as "not set": a client that serializes every optional field sends nulls that ask
+/// for nothing, so they are not reported.
+pub fn set_keys<'a>(extra: &'a BTreeMap<String, IgnoredAny>, body: &'a Value) -> impl Iterator<Item = &'a String> {
+    extra.keys().filter(move |k| body.get(k.as_str()).is_some_and(|v| !v.is_null()))
+}
+
+/// Unknown keys of a request (`body`): those that no struct of the endpoint knows, and that
+/// are set.
 pub fn unknown_keys<'a>(
     a: &'a BTreeMap<String, IgnoredAny>,
     b: &'a BTreeMap<String, IgnoredAny>,
+    body: &'a Value,
 ) -> impl Iterator<Item = &'a String> {
-    a.keys().filter(move |k| b.contains_key(*k))
+    set_keys(a, body).filter(move |k| b.contains_key(*k))
 }
 
 /// Sorts the ignored fields, and with `strict_fields` turns the first into a 400.

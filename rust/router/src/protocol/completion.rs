@@ -118,7 +118,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
-    let mut ignored: Vec<String> = unknown_keys(&common.extra, &comp.extra).cloned().collect();
+    let mut ignored: Vec<String> = unknown_keys(&common.extra, &comp.extra, &value).cloned().collect();
     // NOTE: `echo` with `max_tokens: 0` returns the prompt alone (with its logprobs when
     // asked): how clients score a text's likelihood (vLLM and OpenAI's legacy API take it).
     let c = common.resolve(config, vocab_size, comp.echo == Some(true))?;

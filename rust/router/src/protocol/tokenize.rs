@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 
 use super::chat::unread_message_keys;
 use super::chat::{generation_flags, render, validate_messages, validate_tools, ChatRender};
-use super::common::{check_token_id, from_value, parse_body, settle_ignored};
+use super::common::{check_token_id, from_value, parse_body, set_keys, settle_ignored};
 use crate::error::ApiError;
 use crate::router::Router;
 
@@ -65,7 +65,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
     if let Some(m) = &req.model {
         router.check_model(m)?;
     }
-    let mut ignored: Vec<String> = req.extra.keys().cloned().collect();
+    let mut ignored: Vec<String> = set_keys(&req.extra, &value).cloned().collect();
     let tokens = match (&req.prompt, &req.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid("messages", "Send either `prompt` or `messages`, not both."))
@@ -127,7 +127,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
 pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
     let value = parse_body(body)?;
     let req: DetokenizeBody = from_value(&value)?;
-    let ignored = settle_ignored(req.extra.keys().cloned().collect(), router.config.strict_fields)?;
+    let ignored = settle_ignored(set_keys(&req.extra, &value).cloned().collect(), router.config.strict_fields)?;
     if let Some(m) = &req.model {
         router.check_model(m)?;
     }
