@@ -440,6 +440,8 @@ fn completion_prompts() {
         (json!({"prompt": [-1]}), 400, "invalid_value", p("prompt[0]")),
         (json!({"prompt": [1, "a"]}), 400, "invalid_type", p("prompt[1]")),
         (json!({"prompt": ["a", 1]}), 400, "invalid_type", p("prompt[1]")),
+        (json!({"prompt": ["a", [1, 2]]}), 400, "invalid_type", p("prompt[1]")),
+        (json!({"prompt": [[1, 2], "a"]}), 400, "invalid_type", p("prompt[1]")),
         (json!({"prompt": [["a"]]}), 400, "invalid_type", p("prompt[0][0]")),
         (json!({"prompt": {"a": 1}}), 400, "invalid_type", p("prompt")),
         (json!({"prompt": 5}), 400, "invalid_type", p("prompt")),

@@ -73,6 +73,10 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptI
             .enumerate()
             .map(|(i, item)| {
                 let p = format!("prompt[{i}]");
+                // OpenAI's shapes are a list of strings or a list of token-id lists, not a mix.
+                if item.is_string() != items[0].is_string() {
+                    return Err(invalid_type(p, "`prompt` must not mix strings and token-id arrays."));
+                }
                 match item {
                     Value::String(s) if s.is_empty() => Err(empty(p)),
                     Value::String(s) => Ok((PromptIn::Text(s.clone()), p)),
