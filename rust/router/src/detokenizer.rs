@@ -162,12 +162,18 @@ impl Detokenizer {
             // Half a character (or nothing visible yet): wait for the next token.
             return String::new();
         }
-        let new = match full_text.strip_prefix(prefix_text.as_str()) {
+        let mut new = match full_text.strip_prefix(prefix_text.as_str()) {
             Some(rest) => rest.to_string(),
             // The decoder rewrote the context (a completed character replacing U+FFFD):
             // fall back to counting chars.
             None => full_text.chars().skip(prefix_text.chars().count()).collect(),
         };
+        // At the end, the first bytes of a character the output stops inside (max_tokens cut
+        // it off) decode to U+FFFD: drop it, as vLLM does. The model never wrote that
+        // character; a U+FFFD it did write is whole and stays.
+        if at_end && new.ends_with('\u{FFFD}') && self.ends_inside_a_char() {
+            new.pop();
+        }
         // Slide the window: what was just decoded becomes the context for the next token.
         self.prefix = self.read;
         self.read = self.ids.len();
@@ -177,6 +183,12 @@ impl Detokenizer {
             self.prefix = 0;
         }
         new
+    }
+
+    /// Whether the bytes of the ids not yet decoded end inside a UTF-8 character.
+    fn ends_inside_a_char(&self) -> bool {
+        let bytes: Vec<u8> = self.ids[self.read..].iter().flat_map(|&id| self.tokenizer.token_bytes(id)).collect();
+        std::str::from_utf8(&bytes).is_err_and(|e| e.error_len().is_none())
     }
 
     /// Send what no stop string can claim; stop at the earliest match.
@@ -388,6 +400,25 @@ mod tests {
         }
         assert_eq!(d.push(emoji[3]).text, "\u{1F600}");
         assert_eq!(d.emitted_len(), 1);
+    }
+
+    #[test]
+    fn output_that_ends_inside_a_character_drops_it() {
+        // max_tokens cut the second emoji after 2 of its 4 bytes: no U+FFFD the model never
+        // wrote reaches the client.
+        let emoji = ids("\u{1F600}");
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
+        assert_eq!(run(&mut d, "a\u{1F600}b").0, "a\u{1F600}b");
+        assert_eq!(d.push(emoji[0]).text + &d.push(emoji[1]).text, "");
+        assert_eq!(d.flush(), "");
+        // Bytes that can no longer complete a character (text follows them) stay visible.
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
+        assert_eq!(d.push(emoji[0]).text, "");
+        assert_eq!(d.push(ids("z")[0]).text + &d.flush(), "\u{FFFD}z");
+        // A U+FFFD the model wrote is whole, and stays.
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
+        let (text, _) = run(&mut d, "x\u{FFFD}");
+        assert_eq!(text + &d.flush(), "x\u{FFFD}");
     }
 
     #[test]
