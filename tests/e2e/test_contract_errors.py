@@ -7,6 +7,7 @@ test_contract_lifecycle.py and test_contract_queue.py.)
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -100,6 +101,22 @@ def test_malformed_and_non_object_bodies(tiny_server):
             assert err["code"] == code and err["type"] == "invalid_request_error"
 
 
+def test_a_body_declared_as_not_json_is_refused(tiny_server):
+    """A browser page can POST text/plain or a form to localhost without a CORS preflight;
+    JSON is read only when the request says JSON (or says nothing), as vLLM does."""
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1})
+    for path in ("/v1/completions", "/tokenize"):
+        for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x"):
+            err = _error(httpx.post(tiny_server.url + path, content=body, headers={"content-type": ctype}), 400)
+            assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "unsupported_media_type", None)
+            assert "application/json" in err["message"]
+        for ctype in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+            headers = {"content-type": ctype} if ctype else {}
+            r = httpx.post(tiny_server.url + path, content=body, headers=headers)
+            assert r.status_code == 200, (ctype, r.text)
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": MSG}),
     ("/v1/completions", {"prompt": "x"}),
@@ -156,7 +173,7 @@ def test_prompt_alone_over_the_context(tiny_server):
     err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": long_ids}), 400)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
     assert {600, 512} <= _numbers(err["message"])
-    err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": ["ok", long_ids]}), 400)
+    err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": [[5, 6], long_ids]}), 400)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt[1]")
     # Exactly max_model_len prompt tokens leave no room for one token.
     err = _error(_post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": [5] * 512}), 400)

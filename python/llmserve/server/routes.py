@@ -25,8 +25,24 @@ def _engine(request: Request) -> AsyncEngine:
     return request.app.state.engine
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == JSON or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def read_body(request: Request) -> bytes:
-    """The request body, refused with 413 past --max-body-bytes (before reading it all)."""
+    """The request body, refused with 413 past --max-body-bytes (before reading it all), and
+    with 400 when its Content-Type says it is not JSON.
+
+    NOTE: as vLLM does. A web page may POST `text/plain` or a form to any origin without a
+    CORS preflight: without this check, any page a local user opens could make a keyless
+    llmserve on localhost generate. A request without a Content-Type is still read as JSON
+    (clients that send raw bytes)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json(content_type):
+        raise Router.error("unsupported_media_type",
+                           f"Unsupported media type {content_type!r}: the body must be JSON "
+                           f"(Content-Type: {JSON}).")
     limit = request.app.state.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:

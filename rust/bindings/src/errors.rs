@@ -72,6 +72,7 @@ pub fn from_kind(
     Some(match kind {
         "invalid_request" => ApiError::InvalidRequest { message, param, code: "invalid_value" },
         "unsupported_parameter" => ApiError::with_code("unsupported_parameter", param, message),
+        "unsupported_media_type" => ApiError::with_code("unsupported_media_type", None, message),
         "unauthorized" => ApiError::Unauthorized { message },
         "not_found" => ApiError::NotFound { message },
         "method_not_allowed" => ApiError::MethodNotAllowed { message },

@@ -119,7 +119,8 @@ impl PyRouter {
 
     /// An `ApiError` exception of a named kind (`unavailable`, `internal`, `unauthorized`,
     /// `not_found`, `model_not_found`, `payload_too_large`, `invalid_request`,
-    /// `unsupported_parameter`), with its body built here like every other error.
+    /// `unsupported_parameter`, `unsupported_media_type`), with its body built here like every
+    /// other error.
     #[staticmethod]
     #[pyo3(signature = (kind, message = String::new(), param = None, retry_after = None, limit = None))]
     fn error(
