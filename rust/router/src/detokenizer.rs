@@ -188,7 +188,7 @@ impl Detokenizer {
     /// Whether the bytes of the ids not yet decoded end inside a UTF-8 character.
     fn ends_inside_a_char(&self) -> bool {
         let bytes: Vec<u8> = self.ids[self.read..].iter().flat_map(|&id| self.tokenizer.token_bytes(id)).collect();
-        std::str::from_utf8(&bytes).is_err_and(|e| e.error_len().is_none())
+        ends_inside_a_char(&bytes)
     }
 
     /// Send what no stop string can claim; stop at the earliest match.
@@ -244,6 +244,15 @@ impl Detokenizer {
         }
         0
     }
+}
+
+/// Whether `bytes` end with the first bytes of a UTF-8 character (not with bytes no
+/// character can start with).
+pub fn ends_inside_a_char(bytes: &[u8]) -> bool {
+    bytes.utf8_chunks().last().is_some_and(|c| {
+        let tail = c.invalid();
+        !tail.is_empty() && std::str::from_utf8(tail).is_err_and(|e| e.error_len().is_none())
+    })
 }
 
 #[cfg(test)]
@@ -400,6 +409,16 @@ mod tests {
         }
         assert_eq!(d.push(emoji[3]).text, "\u{1F600}");
         assert_eq!(d.emitted_len(), 1);
+    }
+
+    #[test]
+    fn ends_inside_a_char_only_for_the_start_of_a_character() {
+        assert!(ends_inside_a_char(b"a\xf0\x9f"));
+        assert!(ends_inside_a_char(b"\x80\xe6"), "a stray byte before it");
+        assert!(!ends_inside_a_char(b"a\xf0\x9f\x98\x80"), "whole");
+        assert!(!ends_inside_a_char(b"a\x80"), "no character starts with a continuation byte");
+        assert!(!ends_inside_a_char(b"\xf0\x9fz"), "text after it");
+        assert!(!ends_inside_a_char(b""));
     }
 
     #[test]

@@ -154,7 +154,10 @@ impl StreamOptions {
     fn ignored(&self) -> impl Iterator<Item = String> + '_ {
         self.extra
             .iter()
-            .filter(|(k, v)| !v.is_null() && !(k.as_str() == "include_obfuscation" && **v == Value::Bool(false)))
+            .filter(|(k, v)| {
+                let asks_nothing = v.is_null() || (k.as_str() == "include_obfuscation" && **v == Value::Bool(false));
+                !asks_nothing
+            })
             .map(|(k, _)| format!("stream_options.{k}"))
     }
 }
