@@ -94,7 +94,7 @@ def test_string_and_text_parts_render_alike(tiny_server):
 
 
 def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
-    body = {"prompt": "x", "max_tokens": 2, "service_tier": "auto", "store": False, "wibble": [1],
+    body = {"prompt": "x", "max_tokens": 2, "service_tier": "auto", "store": True, "wibble": [1],
             "stream": True, "stream_options": {"include_usage": True, "flux": 1}, "user": "bob"}
     r = _post(tiny_server, "/v1/completions", body)
     assert r.status_code == 200
@@ -103,7 +103,7 @@ def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
     clean = _post(tiny_server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "top_k": 3, "min_p": 0.1,
                                                    "priority": 0, "request_id": "r-1", "cache_salt": "s"})
     assert "llmserve-ignored-fields" not in clean.headers
-    assert clean.json()["id"] == "r-1"
+    assert clean.json()["id"] == clean.headers["x-request-id"] == "cmpl-r-1"
 
 
 # -- in process: a model without a template, and --strict-fields ----------------------------

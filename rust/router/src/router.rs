@@ -113,13 +113,17 @@ impl Router {
 
     /// Validates a `Chat` or `Completion` request into a [`Prepared`] one.
     pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
-        match endpoint {
+        let mut prepared = match endpoint {
             Endpoint::Chat => chat::prepare(self, body).map(|c| c.prepared),
             Endpoint::Completion => completion::prepare(self, body).map(|c| c.prepared),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
             }),
-        }
+        }?;
+        // The response's id also names it in a header, as OpenAI's `x-request-id` does (the
+        // SDK's `response._request_id`; logs and proxies read it without parsing the body).
+        prepared.headers.push(("x-request-id".into(), prepared.id.clone()));
+        Ok(prepared)
     }
 
     /// Answers `Tokenize`, `Detokenize`, `ChatRender` and `CompletionRender` with a JSON body.

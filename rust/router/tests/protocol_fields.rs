@@ -137,7 +137,7 @@ fn request_values_are_resolved() {
     assert_eq!(s.logit_bias, vec![(9, 5.5), (10, -100.0), (13, 100.0)]);
     assert!(s.ignore_eos && s.include_stop_str_in_output && !s.skip_special_tokens);
     assert!(p.stream && p.include_usage && p.continuous_usage_stats && p.echo);
-    assert_eq!((p.priority, p.cache_salt.as_deref(), p.id.as_str()), (-3, Some("salt"), "req-1"));
+    assert_eq!((p.priority, p.cache_salt.as_deref(), p.id.as_str()), (-3, Some("salt"), "cmpl-req-1"));
     let big = completion(&r, json!({"seed": 18446744073709551615u64, "stop": ["a", "b", "c", "d", "e"]})).unwrap();
     assert_eq!(big.params.seed, Some(u64::MAX));
     assert_eq!(big.params.stop.len(), 5);
@@ -155,7 +155,12 @@ fn ids_and_created() {
     let c = completion(&r, json!({})).unwrap();
     assert!(c.id.starts_with("cmpl-") && hex(&c.id["cmpl-".len()..]), "{}", c.id);
     assert!(a.created > 1_700_000_000);
-    assert_eq!(chat(&r, json!({"request_id": "mine"})).unwrap().id, "mine");
+    // vLLM's ids for a request_id; the header carries the id either way.
+    let mine = chat(&r, json!({"request_id": "mine"})).unwrap();
+    assert_eq!(mine.id, "chatcmpl-mine");
+    assert_eq!(header(&mine, "x-request-id"), Some("chatcmpl-mine"));
+    assert_eq!(completion(&r, json!({"request_id": "mine"})).unwrap().id, "cmpl-mine");
+    assert_eq!(header(&a, "x-request-id"), Some(a.id.as_str()));
 }
 
 #[test]
@@ -227,12 +232,17 @@ fn chat_render_route() {
 fn completion_render_route() {
     let r = router();
     let v = body_json(
-        r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": ["hello", [10, 9]]}))).unwrap(),
+        r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": ["hello", "hello"]}))).unwrap(),
     );
-    let d = r.tokenizer().decode(&[10, 9], false);
+    let hello = json!({"prompt": "hello", "prompt_token_ids": [0, 9]});
+    assert_eq!(v, json!({"prompts": [hello, hello], "ignored_fields": []}));
+    let v = body_json(
+        r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": [[0, 9], [10, 9]]}))).unwrap(),
+    );
+    let (bos_hello, d) = (r.tokenizer().decode(&[0, 9], false), r.tokenizer().decode(&[10, 9], false));
     assert_eq!(
         v,
-        json!({"prompts": [{"prompt": "hello", "prompt_token_ids": [0, 9]}, {"prompt": d, "prompt_token_ids": [10, 9]}],
+        json!({"prompts": [{"prompt": bos_hello, "prompt_token_ids": [0, 9]}, {"prompt": d, "prompt_token_ids": [10, 9]}],
                "ignored_fields": []})
     );
     assert_eq!(

@@ -603,7 +603,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     }
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
-        id: c.request_id.unwrap_or_else(|| new_id("chatcmpl")),
+        id: c.request_id.map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}")),
         created: unix_now(),
         model: c.model,
         prompts: vec![prompt],

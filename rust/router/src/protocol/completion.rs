@@ -167,7 +167,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
 
     let prepared = Prepared {
         endpoint: Endpoint::Completion,
-        id: c.request_id.unwrap_or_else(|| new_id("cmpl")),
+        id: c.request_id.map_or_else(|| new_id("cmpl"), |id| format!("cmpl-{id}")),
         created: unix_now(),
         model: c.model,
         prompts: prompt_ids,

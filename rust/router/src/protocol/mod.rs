@@ -103,7 +103,7 @@ pub struct Prepared {
     /// Logged by the server; has no other effect.
     pub user: Option<String>,
     /// Response headers: `llmserve-ignored-fields`, `llmserve-chat-template`,
-    /// `llmserve-unused-template-kwargs`.
+    /// `llmserve-unused-template-kwargs`, `x-request-id` (the response id).
     pub headers: Vec<(String, String)>,
     /// The grammar every sequence's tokens must follow (`response_format` json/regex/grammar,
     /// or a forced `tool_choice`); None: unconstrained.
