@@ -75,6 +75,8 @@ def test_n_streams_end_each_choice_with_exactly_one_finish_chunk(tiny_server):
     assert finishes == {0: ["length"], 1: ["length"], 2: ["length"]}
     assert roles == {0: 1, 1: 1, 2: 1}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 15
+    # OpenAI documents `usage: null` on every chunk before the usage chunk
+    assert all("usage" in ch and ch["usage"] is None for ch in chunks[:-1])
     comp = _stream_chunks(tiny_server, "/v1/completions", {
         "prompt": ["Hello", "Numbers"], "n": 2, "max_tokens": 4, "ignore_eos": True})
     ends = sorted(c["index"] for ch in comp for c in ch["choices"] if c["finish_reason"])

@@ -185,8 +185,10 @@ struct Chunk<'a, C> {
     created: u64,
     model: &'a str,
     choices: Vec<C>,
+    /// Absent, or (with `include_usage`) null until the final usage chunk, as OpenAI
+    /// documents it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<Usage>,
+    usage: Option<Option<Usage>>,
 }
 
 #[derive(Serialize, Default)]
@@ -405,7 +407,7 @@ impl ResponseBuilder {
             created: self.created,
             model: &self.model,
             choices,
-            usage,
+            usage: if usage.is_some() || self.include_usage { Some(usage) } else { None },
         };
         let json = serde_json::to_vec(&chunk).expect("chunks serialize");
         self.pending.extend_from_slice(b"data: ");

@@ -82,6 +82,7 @@ fn frames(bytes: &[u8]) -> Vec<Value> {
 fn chat_stream_golden_bytes() {
     let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);
     p.stream = true;
+    // With include_usage, chunks before the usage chunk carry `usage: null` (OpenAI's docs).
     p.include_usage = true;
     let mut b = builder(&p);
     b.push(0, &delta("hel", &[tok(9)], None));
@@ -102,9 +103,9 @@ fn chat_stream_golden_bytes() {
     out.extend(b.finish());
     let head = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":100,"model":"tiny","#;
     let expected = format!(
-        "data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n\
-         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n\
-         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"lo\"}},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":7}}]}}\n\n\
+        "data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"lo\"}},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":7}}],\"usage\":null}}\n\n\
          data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}}}\n\n\
          data: [DONE]\n\n"
     );
