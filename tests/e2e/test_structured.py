@@ -214,13 +214,15 @@ def test_tool_calls_streamed(client):
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0,
         stream=True,
     )
-    pieces, finish, content = [], None, ""
+    pieces, finish, content = [], None, None
     for chunk in stream:
         for c in chunk.choices:
-            content += c.delta.content or ""
+            if c.delta.content is not None:
+                content = (content or "") + c.delta.content
             pieces.extend(c.delta.tool_calls or [])
             finish = c.finish_reason or finish
-    assert finish == "stop" and content == ""
+    # forced calls have no content: none streams, not even the role chunk's "" (as non-streamed)
+    assert finish == "stop" and content is None
     head = pieces[0]
     assert head.index == 0 and head.id.startswith("call_") and head.function.name == "get_weather"
     fragments = [p.function.arguments for p in pieces[1:]]
@@ -233,6 +235,7 @@ def test_tool_calls_streamed(client):
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0,
     )
     assert whole.choices[0].message.tool_calls[0].function.arguments == args
+    assert whole.choices[0].message.content is None
 
 
 def test_auto_without_a_format_is_text(client):

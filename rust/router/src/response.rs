@@ -569,9 +569,12 @@ impl ResponseBuilder {
 
         if self.chat {
             if first {
+                // NOTE: output forced to be calls has no content: the role chunk starts none,
+                // so a client that sums deltas ends with `content` null, as non-streamed.
+                let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
                 let role = ChatChunkChoice {
                     index: choice,
-                    delta: Delta { role: Some("assistant"), content: Some(""), ..Delta::default() },
+                    delta: Delta { role: Some("assistant"), content: (!forced).then_some(""), ..Delta::default() },
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
