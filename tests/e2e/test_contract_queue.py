@@ -202,6 +202,10 @@ def test_metrics_names_and_counters_move(one_slot):
     assert after[length] - before.get(length, 0.0) == 1
     assert after["llmserve:prompt_tokens_total"] - before["llmserve:prompt_tokens_total"] == r["usage"]["prompt_tokens"]
     assert after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"] == 7
+    # vLLM's prefix-cache hit rate is hits / queries, both in prompt tokens
+    queries = "llmserve:prefix_cache_queries_total"
+    assert _sum(after, queries) - _sum(before, queries) == r["usage"]["prompt_tokens"]
+    assert "llmserve:prefix_cache_hits_total" in after
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"llmserve:{h}_count"] - before[f"llmserve:{h}_count"] == 1, h
     assert after["llmserve:num_requests_running"] == 0 and after["llmserve:num_requests_waiting"] == 0

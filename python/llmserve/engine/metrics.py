@@ -36,6 +36,9 @@ class Metrics:
             "preemptions": counter("llmserve:num_preemptions", "Sequences preempted."),
             "prefix_hits": counter("llmserve:prefix_cache_hits",
                                    "Prompt tokens served from the prefix cache."),
+            "prefix_queries": counter("llmserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (the hit "
+                                      "rate is hits / queries)."),
             "prompt_tokens": counter("llmserve:prompt_tokens", "Prompt tokens processed."),
             "generation_tokens": counter("llmserve:generation_tokens", "Tokens generated."),
             "ttft": histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
@@ -57,6 +60,7 @@ class Metrics:
         self.model_name = ""
         self._last_preemptions = 0
         self._last_hits = 0
+        self._last_queries = 0
 
     def bind(self, model_name: str) -> None:
         """Once the model is loaded: every series gets its `model_name`. Before, /metrics lists
@@ -74,6 +78,8 @@ class Metrics:
         self._last_preemptions = stats["preemptions"]
         self.prefix_hits.inc(max(0, stats["prefix_hit_tokens"] - self._last_hits))
         self._last_hits = stats["prefix_hit_tokens"]
+        self.prefix_queries.inc(max(0, stats["prefix_query_tokens"] - self._last_queries))
+        self._last_queries = stats["prefix_query_tokens"]
         if seconds > 0:
             self.step_time.observe(seconds)
 

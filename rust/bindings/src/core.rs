@@ -658,6 +658,7 @@ impl PyCore {
         d.set_item("cached_blocks", s.cached_blocks)?;
         d.set_item("kv_cache_usage", s.used_blocks as f64 / usable as f64)?;
         d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+        d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
         d.set_item("preemptions", s.preemptions)?;
         d.set_item("requests", self.state.requests.len())?;
         Ok(d)

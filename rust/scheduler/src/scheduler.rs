@@ -133,6 +133,7 @@ pub struct Scheduler {
     pub(crate) awaiting_commit: bool,
     pub(crate) last_num_tokens: usize,
     pub(crate) prefix_hit_tokens: u64,
+    pub(crate) prefix_query_tokens: u64,
     pub(crate) preemptions: u64,
 }
 
@@ -175,6 +176,7 @@ impl Scheduler {
             awaiting_commit: false,
             last_num_tokens: 0,
             prefix_hit_tokens: 0,
+            prefix_query_tokens: 0,
             preemptions: 0,
         }
     }
@@ -287,6 +289,7 @@ impl Scheduler {
             used_blocks: self.pool.num_used(),
             cached_blocks: self.pool.num_cached_free(),
             prefix_hit_tokens: self.prefix_hit_tokens,
+            prefix_query_tokens: self.prefix_query_tokens,
             preemptions: self.preemptions,
         }
     }

@@ -147,6 +147,7 @@ impl Scheduler {
         seq.num_hashed = self.hits.len();
         seq.last_hash = parent;
         self.prefix_hit_tokens += computed as u64;
+        self.prefix_query_tokens += len as u64;
         self.grow(key.slot, need);
         self.waiting.remove(&key);
         self.enqueue_running(key.slot);

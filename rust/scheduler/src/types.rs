@@ -142,5 +142,8 @@ pub struct Stats {
     pub cached_blocks: usize,
     /// Prompt (or resumed) tokens whose KV was found in the prefix cache.
     pub prefix_hit_tokens: u64,
+    /// Prompt (or resumed) tokens looked up in the prefix cache (the hit rate's denominator,
+    /// as vLLM's `prefix_cache_queries`).
+    pub prefix_query_tokens: u64,
     pub preemptions: u64,
 }

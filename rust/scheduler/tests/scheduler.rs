@@ -67,6 +67,7 @@ fn identical_prompt_computes_only_the_tail() {
     assert_eq!(plan_b.num_tokens, 8, "only the tail after two cached blocks");
     assert_eq!(plan_b.positions[0], 32);
     assert_eq!(s.stats().prefix_hit_tokens, 32);
+    assert_eq!(s.stats().prefix_query_tokens, 40 + 40, "A's prompt and B's");
     assert_eq!(&plan_b.block_table(0)[..2], &plan_a.block_table(0)[..2]);
 
     // While B runs, C with the same prompt shares B's blocks (ref count 2).
@@ -76,6 +77,7 @@ fn identical_prompt_computes_only_the_tail() {
     let shared = plan.block_table(1)[0] as u32;
     assert_eq!(plan.block_table(0)[0] as u32, shared);
     assert_eq!(s.stats().prefix_hit_tokens, 64);
+    assert_eq!(s.stats().prefix_query_tokens, 3 * 40);
 }
 
 #[test]
