@@ -248,7 +248,7 @@ impl ChatTemplate {
             for (k, v) in kwargs {
                 if RESERVED.contains(&k.as_str()) {
                     return Err(ApiError::invalid(
-                        "chat_template_kwargs",
+                        format!("chat_template_kwargs.{k}"),
                         format!("chat_template_kwargs may not set `{k}`; send it as a request field"),
                     ));
                 }
@@ -807,7 +807,7 @@ mod tests {
         assert_eq!(out.unused_kwargs, vec!["extra".to_string()]);
         let bad = json!({"messages": []});
         input.kwargs = bad.as_object();
-        assert_eq!(t.render(&input).unwrap_err().param(), Some("chat_template_kwargs"));
+        assert_eq!(t.render(&input).unwrap_err().param(), Some("chat_template_kwargs.messages"));
     }
 
     #[test]

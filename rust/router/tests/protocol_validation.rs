@@ -410,6 +410,12 @@ fn chat_extensions() {
             p("continue_final_message"),
         ),
         (json!({"chat_template_kwargs": "x"}), 400, "invalid_type", p("chat_template_kwargs")),
+        (
+            json!({"chat_template_kwargs": {"add_generation_prompt": false}}),
+            400,
+            "invalid_value",
+            p("chat_template_kwargs.add_generation_prompt"),
+        ),
         (json!({"documents": {}}), 400, "invalid_type", p("documents")),
         (json!({"add_generation_prompt": "yes"}), 400, "invalid_type", p("add_generation_prompt")),
     ]);
