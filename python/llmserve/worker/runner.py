@@ -55,6 +55,45 @@ def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
     return dataclasses.replace(out, prompt_logprobs=lp, prompt_top_ids=ids, prompt_top_logprobs=tops)
 
 
+def decode_sequences(plan) -> np.ndarray:
+    """Indices of the plan's sequences that compute one generated token (the one they
+    sampled in an earlier step), as opposed to prompt tokens."""
+    qsl = np.asarray(plan.query_start_loc, np.int64)
+    rows = np.asarray(plan.logits_indices, np.int64)
+    gen = np.asarray(plan.gen_index, np.int64)
+    seq = np.searchsorted(qsl, rows, side="right") - 1
+    one_token = (qsl[seq + 1] - qsl[seq]) == 1
+    return np.unique(seq[one_token & (gen >= 1)])
+
+
+def sub_plan(plan, seqs: np.ndarray):
+    """The forward columns of the plan's sequences `seqs` (sorted), and the indices of their
+    tokens in the plan's token order."""
+    qsl = np.asarray(plan.query_start_loc, np.int64)
+    lens = np.asarray(plan.seq_lens)
+    q_lens = np.diff(qsl)[seqs]
+    tokens = (np.concatenate([np.arange(qsl[s], qsl[s + 1]) for s in seqs]) if len(seqs)
+              else np.zeros(0, np.int64))
+    tables = np.asarray(plan.block_tables).reshape(len(lens), -1)
+    sub = _Forward(input_ids=np.asarray(plan.input_ids)[tokens],
+                   positions=np.asarray(plan.positions)[tokens],
+                   slot_mapping=np.asarray(plan.slot_mapping)[tokens],
+                   query_start_loc=np.concatenate(([0], np.cumsum(q_lens))),
+                   seq_lens=lens[seqs], block_tables=tables[seqs])
+    return sub, tokens
+
+
+@dataclasses.dataclass
+class _Forward:
+    """The Plan columns `ModelRunner.run_model` reads."""
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, *, seed: int | None = None):
@@ -84,9 +123,47 @@ class ModelRunner:
             if num_tokens == 0:
                 return SampleOutput.empty()
             prompt = holds_prompt_tokens(plan)
+            if prompt and self.kernel_steps and not getattr(self.model, "batch_invariant", False):
+                decode = decode_sequences(plan)
+                if 0 < len(decode) <= QUANT_MAX_TOKENS:
+                    return self._execute_split(plan, decode)
             quantized = self.kernel_steps and not prompt and num_tokens <= QUANT_MAX_TOKENS
             with cpu_step(prompt, quantized):
                 return self._execute(plan, num_rows)
+
+    def _execute_split(self, plan, decode: np.ndarray) -> SampleOutput:
+        """A step that holds prompt tokens and up to QUANT_MAX_TOKENS generated ones: the
+        generated tokens run (forward and logits) as the decode step they would be alone,
+        the prompt tokens as the prompt step they would be alone.
+
+        NOTE: so a generated token computes the same bits whatever else the step holds (a
+        request arriving mid-generation no longer moves its neighbours' tokens onto the bf16
+        path, where a near-tie could flip): with up to QUANT_MAX_TOKENS sequences decoding,
+        greedy and seeded output does not depend on the rest of the batch. Each part reads
+        its own copy of the weights; the prompt part dominates such steps."""
+        seqs = np.arange(len(plan.seq_lens))
+        parts = ((decode, False, True), (np.setdiff1d(seqs, decode), True, False))
+        rows = np.asarray(plan.logits_indices, np.int64)
+        row_seq = np.searchsorted(np.asarray(plan.query_start_loc, np.int64), rows, side="right") - 1
+        hidden, logits = None, None
+        for part_seqs, prompt, quantized in parts:
+            sub, tokens = sub_plan(plan, part_seqs)
+            part_rows = np.flatnonzero(np.isin(row_seq, part_seqs))
+            with cpu_step(prompt, quantized):
+                h = self.run_model(sub)
+                if hidden is None:
+                    hidden = h.new_empty((len(plan.input_ids), h.shape[1]))
+                hidden[torch.from_numpy(tokens)] = h
+                if len(part_rows):
+                    lg = self.model.compute_logits(hidden[torch.from_numpy(rows[part_rows])])
+                    if logits is None:
+                        logits = lg.new_empty((len(rows), lg.shape[1]))
+                    logits[torch.from_numpy(part_rows)] = lg
+        # the decode part always has rows: logits is set
+        with cpu_step(True, False):
+            prompt_lp = self.prompt_logprobs(hidden, plan)
+            out = self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
+        return with_prompt_logprobs(out, prompt_lp)
 
     def _execute(self, plan, num_rows: int) -> SampleOutput:
         """Forward, prompt logprobs and sampling of a non-empty plan."""

@@ -26,6 +26,12 @@ pools' workers fight for the same cores: on 2 cores, SmolLM2 single-stream decod
 `llmserve run` also shortens how long those workers spin before sleeping (cli.py:
 _short_openmp_spin), which gave the kernels their cores back sooner.
 
+A step that holds prompt tokens and at most QUANT_MAX_TOKENS generated ones (a request
+arriving while others generate) runs as two: the generated tokens as the decode step they
+would be alone, the prompt tokens as a prompt step (runner.py: ModelRunner._execute_split).
+So while at most QUANT_MAX_TOKENS sequences decode, a generated token computes the same bits
+whatever else the server is doing, and greedy or seeded output does not depend on it.
+
 So the steps that read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS generated
 tokens, where the quantized GEMV carries the linears) run torch single-threaded and give the
 kernels all the engine's threads: `benches/quant_decode.py` measures the effect. Other steps

@@ -1,0 +1,76 @@
+"""A step that holds prompt tokens and generated ones (a request arriving while others
+generate) computes the generated ones exactly as a decode step without the prompt would
+(worker/runner.py: ModelRunner._execute_split): a sequence's greedy or seeded output does
+not depend on what else the server is doing, up to QUANT_MAX_TOKENS sequences decoding.
+
+Checked through ModelRunner.execute on a tiny quantized Llama: two sequences generate alone,
+then again while a third prompt is computed in the same steps; their tokens and logprobs must
+be bit-identical."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _plans import Paged, Row
+from test_cpu_decoder import quantized_model
+
+import llmserve.models.llama as llama
+from llmserve.worker import ModelRunner
+from llmserve.worker.runner import decode_sequences
+
+torch.set_num_threads(1)
+
+PROMPTS = {0: [3 + i % 50 for i in range(9)], 1: [7, 8, 9, 10, 11], 2: list(range(20, 33))}
+ALONE = [{0: 9, 1: 5}, *[{0: 1, 1: 1}] * 4]
+# seq 2's prompt arrives in two chunks beside the decode steps, then it decodes too
+MIXED = [{0: 9, 1: 5}, {0: 1, 1: 1, 2: 6}, {0: 1, 1: 1, 2: 7}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
+
+
+def _generate(model, schedule) -> dict[int, list[tuple[int, float]]]:
+    """Every sampled (token, logprob) of each sequence; sampled tokens are fed back."""
+    runner = ModelRunner(model, 64, 4, torch.float32, "cpu", seed=0)
+    paged = Paged(64, 4)
+    for sid in schedule[0]:
+        paged.add(sid, PROMPTS[sid])
+    out: dict[int, list[tuple[int, float]]] = {}
+    with torch.inference_mode():
+        for sched in schedule:
+            for sid in sched:
+                if sid not in paged.seqs:
+                    paged.add(sid, PROMPTS[sid])
+            rows = {sid: Row(gen_index=len(s.tokens) - s.prompt_len, num_logprobs=0)
+                    for sid, s in paged.seqs.items()}
+            plan = paged.step(sched, rows)
+            sampled = runner.execute(plan)
+            ending = [sid for sid, n in sched.items()
+                      if paged.seqs[sid].num_computed == len(paged.seqs[sid].tokens)]
+            for sid, tok, lp in zip(ending, sampled.tokens, sampled.logprobs):
+                out.setdefault(sid, []).append((int(tok), float(lp)))
+                paged.append(sid, int(tok))
+    return out
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_generated_tokens_do_not_depend_on_a_prompt_in_the_same_step(monkeypatch, bf16):
+    monkeypatch.setattr(llama, "native_bf16", lambda: bf16)
+    model = quantized_model("llama", seed=5)
+    alone = _generate(model, ALONE)
+    mixed = _generate(model, MIXED)
+    for sid in (0, 1):
+        assert mixed[sid] == alone[sid], f"sequence {sid}"
+    assert len(mixed[2]) == 3
+
+
+def test_decode_sequences_are_those_computing_a_generated_token():
+    paged = Paged(64, 4)
+    for sid, p in PROMPTS.items():
+        paged.add(sid, p)
+    paged.step({0: 9, 1: 5})
+    paged.append(0, 40)
+    paged.append(1, 41)
+    # seq 0 decodes, seq 2 starts its prompt with one token: only seq 0 is a decode sequence
+    plan = paged.step({2: 1, 0: 1}, {0: Row(gen_index=1)})
+    assert list(decode_sequences(plan)) == [1]
+    assert decode_sequences(plan).dtype == np.int64
