@@ -104,6 +104,9 @@ def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
                                                    "priority": 0, "request_id": "r-1", "cache_salt": "s"})
     assert "llmserve-ignored-fields" not in clean.headers
     assert clean.json()["id"] == clean.headers["x-request-id"] == "cmpl-r-1"
+    traced = httpx.post(tiny_server.url + "/v1/chat/completions", headers={"x-request-id": "trace-9"},
+                        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    assert traced.json()["id"] == traced.headers["x-request-id"] == "chatcmpl-trace-9"
 
 
 # -- in process: a model without a template, and --strict-fields ----------------------------

@@ -226,14 +226,15 @@ class AsyncEngine:
         if self.state != "ready" or not self.alive:
             raise self.unavailable("The server is not taking requests.", retry_after=5)
 
-    async def submit(self, endpoint: str, body: bytes) -> RequestStream:
-        """Validate and queue a chat ("chat") or completion ("completion") request."""
+    async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
+        """Validate and queue a chat ("chat") or completion ("completion") request.
+        `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         self._check_serving()
         router = self.router
         if len(body) > _INLINE_BODY_BYTES:
-            prepared = await asyncio.to_thread(router.prepare, endpoint, body)
+            prepared = await asyncio.to_thread(router.prepare, endpoint, body, request_id)
         else:
-            prepared = router.prepare(endpoint, body)
+            prepared = router.prepare(endpoint, body, request_id)
         self._check_serving()
         waiting = self.load()["waiting"]
         if waiting >= self.config.scheduler.max_waiting:

@@ -77,7 +77,7 @@ async def _whole(request: Request, stream: RequestStream) -> bytes | None:
 async def _generate(request: Request, endpoint: str) -> Response:
     engine = _engine(request)
     body = await read_body(request)
-    stream = await engine.submit(endpoint, body)
+    stream = await engine.submit(endpoint, body, request.headers.get("x-request-id"))
     request.state.user = stream.user
     headers = dict(stream.headers)
     if not stream.stream:

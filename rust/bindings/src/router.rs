@@ -59,12 +59,20 @@ impl PyRouter {
         Ok(Self { inner: Arc::new(router.map_err(|e| config_err("tokenizer or chat template", e))?) })
     }
 
-    /// Validate, render and tokenize a chat or completion request.
-    fn prepare(&self, py: Python<'_>, endpoint_name: &str, body: &[u8]) -> PyResult<PyPrepared> {
+    /// Validate, render and tokenize a chat or completion request. `request_id` (the
+    /// `X-Request-Id` header) names it when the body's `request_id` does not.
+    #[pyo3(signature = (endpoint_name, body, request_id = None))]
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        endpoint_name: &str,
+        body: &[u8],
+        request_id: Option<String>,
+    ) -> PyResult<PyPrepared> {
         let ep = endpoint(endpoint_name)?;
         let router = self.inner.clone();
         let body = body.to_vec();
-        match py.detach(move || router.prepare(ep, &body)) {
+        match py.detach(move || router.prepare_as(ep, &body, request_id.as_deref())) {
             Ok(p) => Ok(PyPrepared { inner: Some(p) }),
             Err(e) => Err(errors::to_py(py, &e)),
         }

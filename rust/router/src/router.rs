@@ -113,9 +113,16 @@ impl Router {
 
     /// Validates a `Chat` or `Completion` request into a [`Prepared`] one.
     pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
+        self.prepare_as(endpoint, body, None)
+    }
+
+    /// `prepare`, with the request's `X-Request-Id` header (`header_id`): it names the
+    /// request when the body's `request_id` does not, as in vLLM (`chatcmpl-<id>`).
+    pub fn prepare_as(&self, endpoint: Endpoint, body: &[u8], header_id: Option<&str>) -> Result<Prepared, ApiError> {
+        let header_id = header_id.filter(|id| !id.is_empty());
         let mut prepared = match endpoint {
-            Endpoint::Chat => chat::prepare(self, body).map(|c| c.prepared),
-            Endpoint::Completion => completion::prepare(self, body).map(|c| c.prepared),
+            Endpoint::Chat => chat::prepare(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Completion => completion::prepare(self, body, header_id).map(|c| c.prepared),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
             }),

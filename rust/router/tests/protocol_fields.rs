@@ -161,6 +161,11 @@ fn ids_and_created() {
     assert_eq!(header(&mine, "x-request-id"), Some("chatcmpl-mine"));
     assert_eq!(completion(&r, json!({"request_id": "mine"})).unwrap().id, "cmpl-mine");
     assert_eq!(header(&a, "x-request-id"), Some(a.id.as_str()));
+    // An X-Request-Id header names it when the body does not (vLLM); the body wins.
+    let named = |body: Value, hdr: Option<&str>| r.prepare_as(Endpoint::Chat, &chat_body(body), hdr).unwrap().id;
+    assert_eq!(named(json!({}), Some("trace-7")), "chatcmpl-trace-7");
+    assert_eq!(named(json!({"request_id": "mine"}), Some("trace-7")), "chatcmpl-mine");
+    assert!(named(json!({}), Some("")).len() > "chatcmpl-".len() + 30, "an empty header names nothing");
 }
 
 #[test]

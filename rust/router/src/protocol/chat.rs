@@ -512,7 +512,9 @@ fn tools_unused(router: &Router, with_tools: bool, forced: &Forced) -> bool {
 }
 
 /// Validates a chat request and renders + tokenizes its prompt.
-pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError> {
+/// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
+/// does not.
+pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
     let common: CommonFields = from_value(&value)?;
     let chat: ChatFields = from_value(&value)?;
@@ -603,7 +605,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
     }
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
-        id: c.request_id.map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}")),
+        id: c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}")),
         created: unix_now(),
         model: c.model,
         prompts: vec![prompt],

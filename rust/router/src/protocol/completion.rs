@@ -114,7 +114,9 @@ pub(crate) fn tokenize_prompts(
         .collect()
 }
 
-pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError> {
+/// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
+/// does not.
+pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
     let common: CommonFields = from_value(&value)?;
     let comp: CompletionFields = from_value(&value)?;
@@ -167,7 +169,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8]) -> Result<Checked, ApiError>
 
     let prepared = Prepared {
         endpoint: Endpoint::Completion,
-        id: c.request_id.map_or_else(|| new_id("cmpl"), |id| format!("cmpl-{id}")),
+        id: c.request_id.as_deref().or(header_id).map_or_else(|| new_id("cmpl"), |id| format!("cmpl-{id}")),
         created: unix_now(),
         model: c.model,
         prompts: prompt_ids,

@@ -141,7 +141,7 @@ pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiErr
 
 /// A chat request, validated as for generation -> what it renders to.
 pub(crate) fn chat_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
-    let checked = super::chat::prepare(router, body)?;
+    let checked = super::chat::prepare(router, body, None)?;
     let p = &checked.prepared;
     let (origin, hash) = checked.template.clone().unwrap_or_default();
     Ok(to_body(&json!({
@@ -158,7 +158,7 @@ pub(crate) fn chat_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiEr
 
 /// A completions request, validated as for generation -> each prompt's text and ids.
 pub(crate) fn completion_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
-    let checked = super::completion::prepare(router, body)?;
+    let checked = super::completion::prepare(router, body, None)?;
     let p = &checked.prepared;
     let prompts: Vec<Value> = p
         .prompt_texts
