@@ -79,6 +79,9 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     env_keys = os.environ.get(_ENV_API_KEY, "")
     if env_keys and not cfg.server.api_key:
         keys = tuple(k.strip() for k in env_keys.split(",") if k.strip())
+        if not keys:
+            # NOTE: an operator who set it asked for keys: serving without any would be open.
+            raise ValueError(f"{_ENV_API_KEY} is set but holds no key (keys are comma separated)")
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
     return cfg
 
@@ -98,16 +101,23 @@ def _short_openmp_spin() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get(_ENV_LOG_LEVEL, "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Exit status: 2 for a bad flag or environment value (before anything binds or loads),
+    else what `serve` returns."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = os.environ.get(_ENV_LOG_LEVEL, "INFO").upper()
+    if level not in logging.getLevelNamesMapping():
+        parser.error(f"{_ENV_LOG_LEVEL} must be one of debug, info, warning, error, critical; got {level!r}")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "run":
+        try:
+            cfg = config_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
         _short_openmp_spin()
         from llmserve.server.app import serve
 
-        return serve(config_from_args(args))
+        return serve(cfg)
     return 2
 
 

@@ -8,19 +8,56 @@ variables are read for two things only: the API key (LLMSERVE_API_KEY) and the l
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
 
 def _f(default, help: str, **meta):
-    """A dataclass field whose metadata carries its CLI help."""
+    """A dataclass field whose metadata carries its CLI help, and what a value must be:
+    `choices`, `min` (inclusive), `max` (inclusive), `above` (exclusive lower bound);
+    tuples' items must not be empty. None (not set) is always allowed where it is the
+    default."""
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
 
 
+class _Checked:
+    """Checks each field against its metadata when a section is built (from the CLI or by an
+    embedding application), so a bad value fails at once with the flag's name instead of
+    leaving a server that reports ready and fails every request."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, tuple):
+                if any(not str(v).strip() for v in value):
+                    raise ValueError(f"{flag} must not be empty")
+                continue
+            choices = meta.get("choices")
+            if choices is not None and value not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
+            if meta.get("memory"):
+                try:
+                    value = parse_bytes(value)
+                except ValueError as exc:
+                    raise ValueError(f"{flag}: {exc}") from None
+            low, high, above = meta.get("min"), meta.get("max"), meta.get("above")
+            if ((low is not None and value < low) or (high is not None and value > high)
+                    or (above is not None and not value > above)):
+                bounds = [f"at least {low}"] if low is not None else []
+                bounds += [f"greater than {above}"] if above is not None else []
+                bounds += [f"at most {high}"] if high is not None else []
+                raise ValueError(f"{flag} must be {' and '.join(bounds)}; got {getattr(self, f.name)}")
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Checked):
     model: str | None = _f(
         None,
         "Model to serve: a Hugging Face model folder, a .gguf file, or a hub id. "
@@ -30,9 +67,11 @@ class ModelConfig:
     served_model_name: tuple[str, ...] = _f(
         (), "Name(s) clients use in `model` (repeatable; every one is an alias).", append=True
     )
-    max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's.")
+    max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's.",
+                                    min=1)
     dtype: str = _f(
-        "auto", "Weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."
+        "auto", "Weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
+        choices=("auto", "float32", "bfloat16", "float16"),
     )
     chat_template: str | None = _f(
         None, "Chat template: a file path or the template text; overrides the model's own."
@@ -41,10 +80,12 @@ class ModelConfig:
         "auto",
         "Message content shape the template expects: 'string' (list-of-parts content is joined "
         "with newlines), 'openai' (parts passed as sent), or 'auto' (detected from the template).",
+        choices=("auto", "string", "openai"),
     )
     generation_config: str = _f(
         "auto",
         "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' ignores it.",
+        choices=("auto", "none"),
     )
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
     tool_call_format: str | None = _f(
@@ -74,36 +115,47 @@ class ModelConfig:
         "the LM head stays float32), else in float32.",
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        t = self.chat_template
+        # NOTE: text without any Jinja markup would render every conversation as that text:
+        # it is a path that does not exist (a typo), not a template.
+        if t is not None and not os.path.isfile(t) and not any(m in t for m in ("{{", "{%", "{#")):
+            raise ValueError(f"--chat-template {t!r} is neither a readable file nor a Jinja template")
+
 
 @dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = _f(16, "Tokens per KV-cache block.")
+class CacheConfig(_Checked):
+    block_size: int = _f(16, "Tokens per KV-cache block.", min=1)
     kv_cache_memory: str = _f(
-        "2GiB", "Memory for the KV cache (e.g. 512MiB, 4GiB) when --num-kv-blocks is not given."
+        "2GiB", "Memory for the KV cache (e.g. 512MiB, 4GiB) when --num-kv-blocks is not given.",
+        memory=True, above=0,
     )
-    num_kv_blocks: int | None = _f(None, "KV-cache blocks (overrides --kv-cache-memory).")
+    num_kv_blocks: int | None = _f(None, "KV-cache blocks (overrides --kv-cache-memory).", min=1)
     gpu_memory_utilization: float = _f(
         0.9,
         "CUDA only: fraction of the GPU's memory this server may use (weights, activations, "
         "KV cache); the KV cache gets what is left. --num-kv-blocks overrides.",
+        above=0, max=1,
     )
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.")
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = _f(64, "Most sequences in one step.")
-    max_num_batched_tokens: int = _f(2048, "Most tokens in one step (long prompts are chunked).")
-    max_waiting: int = _f(1024, "Waiting requests beyond which new ones get 503 + Retry-After.")
+class SchedulerConfig(_Checked):
+    max_num_seqs: int = _f(64, "Most sequences in one step.", min=1)
+    max_num_batched_tokens: int = _f(2048, "Most tokens in one step (long prompts are chunked).", min=1)
+    max_waiting: int = _f(1024, "Waiting requests beyond which new ones get 503 + Retry-After.", min=1)
     scheduling_policy: str = _f(
-        "priority", "fcfs or priority (the request field `priority`; lower runs first)."
+        "priority", "fcfs or priority (the request field `priority`; lower runs first).",
+        choices=("fcfs", "priority"),
     )
 
 
 @dataclass(frozen=True)
-class DeviceConfig:
-    device: str = _f("auto", "auto, cpu or cuda.")
-    threads: int | None = _f(None, "Torch CPU threads for the engine (default: all cores).")
+class DeviceConfig(_Checked):
+    device: str = _f("auto", "auto, cpu or cuda.", choices=("auto", "cpu", "cuda"))
+    threads: int | None = _f(None, "Torch CPU threads for the engine (default: all cores).", min=1)
     seed: int = _f(0, "Seed of the engine's random stream (requests without `seed`).")
     batch_invariant: bool = _f(
         False,
@@ -115,17 +167,17 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(_Checked):
     host: str = _f("127.0.0.1", "Address to bind.")
-    port: int = _f(8000, "Port to bind.")
+    port: int = _f(8000, "Port to bind (0: any free port).", min=0, max=65535)
     api_key: tuple[str, ...] = _f(
         (), "API key(s) required on every route but /health, /ready, /metrics (repeatable).",
         append=True,
     )
-    max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 above).")
+    max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 above).", min=1)
     strict_fields: bool = _f(False, "Reject accepted-but-inert and unknown fields with 400.")
     sse_keep_alive: float | None = _f(
-        None, "Send an SSE comment on a stream idle this many seconds."
+        None, "Send an SSE comment on a stream idle this many seconds.", above=0
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).")
 

@@ -1,12 +1,17 @@
 """`llmserve run`'s process set-up: the OpenMP spin default is set before torch loads (it is
-read once, when libgomp loads), and never over what the environment already says."""
+read once, when libgomp loads), and never over what the environment already says; a bad flag
+or environment value stops it with status 2 and a one-line message, before it binds or loads
+anything (the config sections check their values, for embedding applications too)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 from llmserve import cli
+from llmserve.config import CacheConfig, Config, ModelConfig, ServerConfig
 
 
 def test_the_cli_module_does_not_load_torch():
@@ -27,3 +32,44 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     cli._short_openmp_spin()
     assert "GOMP_SPINCOUNT" not in cli.os.environ
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--block-size", "0"], {}, "--block-size must be at least 1; got 0"),
+    (["--max-waiting", "-1"], {}, "--max-waiting must be at least 1"),
+    (["--max-body-bytes", "0"], {}, "--max-body-bytes must be at least 1"),
+    (["--max-model-len", "0"], {}, "--max-model-len must be at least 1"),
+    (["--num-kv-blocks", "0"], {}, "--num-kv-blocks must be at least 1"),
+    (["--threads", "0"], {}, "--threads must be at least 1"),
+    (["--port", "99999"], {}, "--port must be at least 0 and at most 65535"),
+    (["--sse-keep-alive", "-1"], {}, "--sse-keep-alive must be greater than 0"),
+    (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization must be greater than 0 and at most 1"),
+    (["--kv-cache-memory", "0"], {}, "--kv-cache-memory must be greater than 0"),
+    (["--kv-cache-memory", "12XB"], {}, "--kv-cache-memory: not a memory size"),
+    (["--device", "tpu"], {}, "--device must be one of auto, cpu, cuda"),
+    (["--generation-config", "foo"], {}, "--generation-config must be one of auto, none"),
+    (["--scheduling-policy", "lifo"], {}, "--scheduling-policy must be one of fcfs, priority"),
+    (["--api-key", ""], {}, "--api-key must not be empty"),
+    (["--served-model-name", " "], {}, "--served-model-name must not be empty"),
+    (["--chat-template", "/no/such/template.jinja"], {}, "neither a readable file nor a Jinja template"),
+    ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
+    ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
+])
+def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_good_values_and_templates_pass(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    ModelConfig(chat_template=str(template))
+    ModelConfig(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    CacheConfig(gpu_memory_utilization=1.0, kv_cache_memory="512MiB")
+    ServerConfig(port=0, sse_keep_alive=0.5, api_key=("k1", "k2"))
+    Config()
