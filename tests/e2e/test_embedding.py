@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import httpx
 import pytest
@@ -70,5 +71,35 @@ def test_mounted_app_shares_a_started_engine(tiny_model):
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 3
                 assert (await c.get("/llm/ready")).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_mounted_app_loads_on_its_first_request_and_keeps_probes_open(tiny_model):
+    """Starlette does not run a mounted app's lifespan: the first request starts the load
+    (503 "loading" until it is done), and the open probes stay open under the mount prefix
+    while the API routes need the key."""
+    cfg = make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64)
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=("k",), access_log=False))
+    inner = create_app(cfg)
+    host = Starlette(routes=[Mount("/llm", app=inner)])
+
+    async def main():
+        transport = httpx.ASGITransport(app=host)
+        async with httpx.AsyncClient(transport=transport, base_url="http://host") as c:
+            assert (await c.get("/llm/health")).status_code == 200
+            first = await c.get("/llm/ready")
+            assert first.status_code == 503 and first.headers["retry-after"]
+            for _ in range(600):
+                if (await c.get("/llm/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await c.get("/llm/metrics")).status_code == 200
+            assert (await c.get("/llm/v1/models")).status_code == 401
+            r = await c.post("/llm/v1/chat/completions", headers={"authorization": "Bearer k"}, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        await inner.state.engine.drain()
 
     asyncio.run(main())

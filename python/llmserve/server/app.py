@@ -2,7 +2,10 @@
 
 `create_app(config)` gives an ASGI app that loads the model at startup (answering /ready
 503 meanwhile) and drains on shutdown. Another Starlette or FastAPI service can mount it;
-pass `engine=` to share an AsyncEngine it already started.
+pass `engine=` to share an AsyncEngine it already started. A mounted app's lifespan does not
+run (Starlette runs the outer app's only): its first request then starts the load, and the
+host drains nothing at shutdown unless its own lifespan enters the mounted app's
+(`async with inner.router.lifespan_context(inner): yield`), which also loads at startup.
 """
 
 from __future__ import annotations
@@ -77,20 +80,24 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     config = config or (engine.config if engine else Config())
     owns_engine = engine is None
     engine = engine or AsyncEngine(config)
+    loading: list[asyncio.Future] = []   # the load, once started
+
+    def start_loading() -> None:
+        # Load in the background: the server answers /health and /ready (503) meanwhile.
+        if owns_engine and not loading:
+            task = asyncio.ensure_future(engine.start())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            loading.append(task)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = None
-        if owns_engine:
-            # Load in the background: the server answers /health and /ready (503) meanwhile.
-            loading = asyncio.ensure_future(engine.start())
-            loading.add_done_callback(lambda t: t.cancelled() or t.exception())
+        start_loading()
         try:
             yield
         finally:
             if owns_engine:
-                if loading is not None and not loading.done():
-                    loading.cancel()
+                if not loading[0].done():
+                    loading[0].cancel()
                 await engine.drain()
 
     app = Starlette(
@@ -101,10 +108,26 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     )
     app.state.engine = engine
     app.state.max_body_bytes = config.server.max_body_bytes
+    app.add_middleware(StartOnFirstRequest, start=start_loading)
     app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key)
     if config.server.access_log:
         app.add_middleware(AccessLogMiddleware)
     return app
+
+
+class StartOnFirstRequest:
+    """Calls `start` (idempotent) before each HTTP request: where no lifespan started the
+    model load (the app is mounted inside another), the first request starts it and gets
+    the 503 "loading" any request gets until it is done."""
+
+    def __init__(self, app, start) -> None:
+        self.app = app
+        self.start = start
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.start()
+        await self.app(scope, receive, send)
 
 
 # How long a stop signal waits for running requests before the server closes anyway; with

@@ -17,6 +17,13 @@ access_log = logging.getLogger("llmserve.access")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
+def route_path(scope) -> str:
+    """The request's path inside this app: mounted under a prefix, the ASGI `path` keeps
+    the prefix, which `root_path` names."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class ApiKeyMiddleware:
     """Every route but OPEN_PATHS needs `Authorization: Bearer <key>` with one of `keys`."""
 
@@ -40,7 +47,7 @@ class ApiKeyMiddleware:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.keys or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self._authorized(scope):
             return await self.app(scope, receive, send)
