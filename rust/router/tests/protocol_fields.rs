@@ -45,6 +45,9 @@ fn strict_fields_turn_ignored_fields_into_400() {
     assert_eq!(shape(completion(&r, json!({"metadata": {}}))).2.as_deref(), Some("metadata"));
     // `user` and known extensions stay fine.
     chat(&r, json!({"user": "u", "top_k": 3, "priority": -1, "cache_salt": "s"})).unwrap();
+    // a template kwarg the template never reads has no effect either
+    let got = shape(chat(&r, json!({"chat_template_kwargs": {"zzz": 1}})));
+    assert_eq!(got, (400, "unsupported_parameter", Some("chat_template_kwargs.zzz".to_string())));
 }
 
 #[test]

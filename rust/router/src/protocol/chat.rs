@@ -583,6 +583,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         kwargs: chat.chat_template_kwargs.as_ref(),
     };
     let (rendered, template) = render(router, &input)?;
+    if let Some(key) = rendered.unused_kwargs.first().filter(|_| config.strict_fields) {
+        return Err(unsupported(
+            format!("chat_template_kwargs.{key}"),
+            format!(
+                "The chat template does not read `{key}`, so it would have no effect (strict field checking is on)."
+            ),
+        ));
+    }
     let (tools, tool_grammar) = if with_tools { tool_plan(router, &chat, template, &forced) } else { (None, None) };
     let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     // A grammar constrains the answer, not the thinking before it (none comes when the
