@@ -518,7 +518,9 @@ impl ResponseBuilder {
         let role = first.then_some("assistant");
         let c = ChatChunkChoice {
             index: choice,
-            delta: Delta { role, content: first.then_some(""), reasoning_content: Some(text), tool_calls: None },
+            // NOTE: no `content: ""` here: an answer cut off while thinking has no content,
+            // and a client summing deltas should end with null, as the non-streamed body has.
+            delta: Delta { role, content: None, reasoning_content: Some(text), tool_calls: None },
             logprobs: None,
             finish_reason: None,
             stop_reason: None,
@@ -759,7 +761,9 @@ impl ResponseBuilder {
                     index: i as u32,
                     message: Message {
                         role: "assistant",
-                        content: (!c.text.is_empty() || c.tool_calls.is_empty()).then_some(c.text.as_str()),
+                        // null when the output was only calls or only thinking (as vLLM)
+                        content: (!c.text.is_empty() || (c.tool_calls.is_empty() && c.reasoning_text.is_empty()))
+                            .then_some(c.text.as_str()),
                         reasoning_content: c
                             .reasoning
                             .is_some()

@@ -119,12 +119,14 @@ fn an_opened_prompt_makes_output_reasoning_until_the_close() {
     let body: Value = serde_json::from_slice(&run(false, true, &pieces)).unwrap();
     assert_eq!(body["choices"][0]["message"]["reasoning_content"], "hmm");
     assert_eq!(body["choices"][0]["message"]["content"], "ok");
-    // Unterminated: everything is reasoning, content is empty.
+    // Unterminated: everything is reasoning; there is no content (null, as vLLM), and no
+    // streamed chunk carries any, not even the first one's "".
     let body: Value = serde_json::from_slice(&run(false, true, &["still", " going"])).unwrap();
     assert_eq!(body["choices"][0]["message"]["reasoning_content"], "still going");
-    assert_eq!(body["choices"][0]["message"]["content"], "");
-    let (reasoning, content, _, _) = streamed(&run(true, true, &["still", " going"]));
+    assert_eq!(body["choices"][0]["message"]["content"], Value::Null);
+    let (reasoning, content, _, chunks) = streamed(&run(true, true, &["still", " going"]));
     assert_eq!((reasoning.as_str(), content.as_str()), ("still going", ""));
+    assert!(chunks.iter().all(|c| c["choices"][0]["delta"].get("content").is_none()), "{chunks:?}");
 }
 
 #[test]
