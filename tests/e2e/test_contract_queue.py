@@ -208,6 +208,9 @@ def test_metrics_names_and_counters_move(one_slot):
     assert "llmserve:prefix_cache_hits_total" in after
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"llmserve:{h}_count"] - before[f"llmserve:{h}_count"] == 1, h
+    # one gap between each pair of successive outputs: 6 after the first of 7 tokens
+    itl = "llmserve:inter_token_latency_seconds_count"
+    assert after[itl] - before.get(itl, 0.0) == 6
     assert after["llmserve:num_requests_running"] == 0 and after["llmserve:num_requests_waiting"] == 0
 
 

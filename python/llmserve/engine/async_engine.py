@@ -44,14 +44,20 @@ class RequestStream:
         self.prompt_tokens: int = prepared.prompt_tokens
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
+        self._last_token = 0.0
         self.generated = 0
         self.finished = False
         self.started = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _push(self, data, finished: str | None, error: bool, ntok: int) -> None:
-        if ntok and self.first_token is None:
-            self.first_token = time.perf_counter()
+        if ntok:
+            now = time.perf_counter()
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self._engine.metrics.on_tokens(now - self._last_token)
+            self._last_token = now
         self.generated += ntok
         if error and not isinstance(data, ApiError) and not (self.stream and _is_sse_frame(data)):
             # NOTE: the Core hands over its error as bytes (a body, or an SSE frame once it

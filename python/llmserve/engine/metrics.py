@@ -45,6 +45,8 @@ class Metrics:
                               _LATENCY),
             "tpot": histogram("llmserve:time_per_output_token_seconds",
                               "Mean time per output token after the first.", _TPOT),
+            "itl": histogram("llmserve:inter_token_latency_seconds",
+                             "Time between a request's successive outputs of new tokens.", _TPOT),
             "e2e": histogram("llmserve:e2e_request_latency_seconds", "End-to-end latency.",
                              _LATENCY),
             "request_prompt": histogram("llmserve:request_prompt_tokens",
@@ -82,6 +84,10 @@ class Metrics:
         self._last_queries = stats["prefix_query_tokens"]
         if seconds > 0:
             self.step_time.observe(seconds)
+
+    def on_tokens(self, since_last: float) -> None:
+        """Event loop: a request got new tokens, `since_last` seconds after its previous ones."""
+        self.itl.observe(since_last)
 
     def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
                   first_token: float | None, finished: float) -> None:
