@@ -112,7 +112,7 @@ class ModelConfig(_Checked):
         "Q8_0/Q4_0/Q4_1 weights directly instead of their float32 copies (about 6x less memory "
         "traffic per token); other steps (prompts, bigger decode batches) run their layer "
         "matmuls in bfloat16 on CPUs with native bf16 (AVX512_BF16 or AMX: about 2x faster; "
-        "the LM head stays float32), else in float32.",
+        "the LM head too in those decode batches, float32 in prompt steps), else in float32.",
     )
 
     def __post_init__(self) -> None:

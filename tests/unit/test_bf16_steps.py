@@ -1,8 +1,9 @@
 """Steps of a GGUF model in bfloat16 (layers.Linear.bf16_weight): on a CPU with native bf16
 the layer matmuls of the steps the quantized GEMV does not take (prompts, decode steps of
-more than QUANT_MAX_TOKENS sequences) run on a bf16 copy of the weights. Checked on a tiny
-quantized Llama, against the same model without the copies: which steps take bf16 (never a
-few-sequence decode step, never the LM head), and that the logits stay close. That prompts
+more than QUANT_MAX_TOKENS sequences) run on a bf16 copy of the weights, and so does the LM
+head of those decode steps. Checked on a tiny quantized Llama, against the same model
+without the copies: which steps take bf16 (never a few-sequence decode step, never a prompt
+step's LM head), and that the logits stay close. That prompts
 stay invariant to their split is test_row_invariance.py's."""
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def test_prompt_and_big_decode_steps_run_in_bf16(monkeypatch):
     bf16_calls = _bf16_rows(monkeypatch)
     prompt_tokens = sum(map(len, PROMPTS.values()))
     # rows of each step's bf16 matmuls: every layer linear (qkv, o, gate|up, down) of both
-    # layers; none in the last step (3 sequences: the quantized GEMV); the LM head stays fp32
-    want = [[prompt_tokens] * 8, [SEQS] * 8, [SEQS] * 8, [SEQS] * 8, []]
+    # layers, and in the big decode steps the LM head too (a prompt step keeps it fp32);
+    # none in the last step (3 sequences: the quantized GEMV)
+    want = [[prompt_tokens] * 8, [SEQS] * 9, [SEQS] * 9, [SEQS] * 9, []]
     got = []
     for n in range(len(SCHEDULE)):       # one step more each time: count each step's calls
         bf16_calls.clear()
@@ -82,3 +84,4 @@ def test_a_lone_row_is_padded_to_two(monkeypatch):
 def test_without_native_bf16_nothing_is_copied(monkeypatch):
     model = _model(monkeypatch, False)
     assert all(m.bf16_weight is None for m in model.modules() if hasattr(m, "bf16_weight"))
+    assert model.lm_bf16 is None

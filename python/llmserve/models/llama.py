@@ -21,7 +21,7 @@ from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear
                                     RotaryEmbedding, linear)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
-from llmserve.worker.threads import native_bf16
+from llmserve.worker.threads import in_big_decode_step, native_bf16
 
 KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
 
@@ -135,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
         self.lm_quant: QuantTensor | None = None   # the LM head's GGUF blocks, if any
+        # Its bfloat16 copy for decode steps the quantized GEMV does not take (compute_logits).
+        self.lm_bf16: torch.Tensor | None = None
         self.quantized = False                     # some linear has GGUF blocks
         self.batch_invariant = False
         # The Rust path of few-token decode steps (cpu_decoder.py); built on first use,
@@ -173,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
     def attach_quantized(self, fused: dict[str, QuantTensor], bf16: bool | None = None) -> None:
         """Give linears (names as `fuse_quantized` returns) their quantized blocks, and with
         `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for the
-        steps the quantized GEMV does not take (layers.Linear.bf16_weight; the LM head keeps
-        fp32, so logits and logprobs do not round to bf16)."""
+        steps the quantized GEMV does not take (layers.Linear.bf16_weight), and of the LM head
+        for such decode steps (`compute_logits`: prompt steps keep it fp32)."""
         if bf16 is None:
             bf16 = native_bf16()
         for name, q in fused.items():
@@ -190,6 +192,8 @@ class LlamaForCausalLM(nn.Module):
                 module.quant = q
                 module.bf16_weight = module.weight.to(torch.bfloat16) if bf16 else None
             self.quantized = True
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_bf16 = head.to(torch.bfloat16) if bf16 and self.quantized else None
         self._cpu_path = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -213,7 +217,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> float32 logits [R, V]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.lm_quant, self.batch_invariant).float()
+        # NOTE: bf16 only in decode steps of more than QUANT_MAX_TOKENS sequences (fewer read
+        # the Q8_0 blocks with int8 activations, which round as much). Prompt steps keep fp32:
+        # prompt logprobs and each prompt's first token do not round to bf16.
+        bf16 = self.lm_bf16 if in_big_decode_step() else None
+        return linear(hidden, weight, None, self.lm_quant, self.batch_invariant, bf16).float()
 
 
 def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
