@@ -55,15 +55,19 @@ def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
     return dataclasses.replace(out, prompt_logprobs=lp, prompt_top_ids=ids, prompt_top_logprobs=tops)
 
 
+def row_sequences(plan) -> np.ndarray:
+    """The plan's sequence index of each sampled row."""
+    qsl = np.asarray(plan.query_start_loc, np.int64)
+    return np.searchsorted(qsl, np.asarray(plan.logits_indices, np.int64), side="right") - 1
+
+
 def decode_sequences(plan) -> np.ndarray:
     """Indices of the plan's sequences that compute one generated token (the one they
     sampled in an earlier step), as opposed to prompt tokens."""
     qsl = np.asarray(plan.query_start_loc, np.int64)
-    rows = np.asarray(plan.logits_indices, np.int64)
-    gen = np.asarray(plan.gen_index, np.int64)
-    seq = np.searchsorted(qsl, rows, side="right") - 1
+    seq = row_sequences(plan)
     one_token = (qsl[seq + 1] - qsl[seq]) == 1
-    return np.unique(seq[one_token & (gen >= 1)])
+    return np.unique(seq[one_token & (np.asarray(plan.gen_index, np.int64) >= 1)])
 
 
 def sub_plan(plan, seqs: np.ndarray):
@@ -144,7 +148,7 @@ class ModelRunner:
         seqs = np.arange(len(plan.seq_lens))
         parts = ((decode, False, True), (np.setdiff1d(seqs, decode), True, False))
         rows = np.asarray(plan.logits_indices, np.int64)
-        row_seq = np.searchsorted(np.asarray(plan.query_start_loc, np.int64), rows, side="right") - 1
+        row_seq = row_sequences(plan)
         hidden, logits = None, None
         for part_seqs, prompt, quantized in parts:
             sub, tokens = sub_plan(plan, part_seqs)
