@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 def _f(default, help: str, **meta):
     """A dataclass field whose metadata carries its CLI help, and what a value must be:
-    `choices`, `min` (inclusive), `max` (inclusive), `above` (exclusive lower bound);
-    tuples' items must not be empty. None (not set) is always allowed where it is the
+    `choices`, `min` (inclusive), `max` (inclusive), `above` (exclusive lower bound), with
+    `memory` the bounds apply to the size the text names (`parse_bytes`); tuples' items
+    must not be empty. None (not set) is always allowed where it is the
     default."""
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata={"help": help, **meta})

@@ -122,9 +122,8 @@ impl HeldTokens {
     /// The sequence ended: every queued token, or after a stop string only those whose text
     /// begins before `cut` (the length of the returned text).
     fn finish(&mut self, token: TokenOut, cut: Option<usize>) -> Vec<TokenOut> {
-        self.0.push((token, 0));
         let cut = cut.unwrap_or(usize::MAX);
-        self.0.drain(..).map(|(t, _)| t).filter(|t| t.text_offset < cut).collect()
+        self.0.drain(..).map(|(t, _)| t).chain([token]).filter(|t| t.text_offset < cut).collect()
     }
 }
 
