@@ -206,8 +206,22 @@ def test_metrics_names_and_counters_move(one_slot):
     queries = "llmserve:prefix_cache_queries_total"
     assert _sum(after, queries) - _sum(before, queries) == r["usage"]["prompt_tokens"]
     assert "llmserve:prefix_cache_hits_total" in after
-    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+              "request_inference_time_seconds"):
         assert after[f"llmserve:{h}_count"] - before[f"llmserve:{h}_count"] == 1, h
+
+    def spent(h: str) -> float:
+        return after[f"llmserve:{h}_sum"] - before[f"llmserve:{h}_sum"]
+    # vLLM's phases: queue then inference make up the whole request, prefill then decode the
+    # inference, and TTFT is queue then prefill
+    assert spent("request_queue_time_seconds") > 0
+    assert abs(spent("request_queue_time_seconds") + spent("request_inference_time_seconds")
+               - spent("e2e_request_latency_seconds")) < 1e-6
+    assert abs(spent("request_prefill_time_seconds") + spent("request_decode_time_seconds")
+               - spent("request_inference_time_seconds")) < 1e-6
+    assert abs(spent("request_queue_time_seconds") + spent("request_prefill_time_seconds")
+               - spent("time_to_first_token_seconds")) < 1e-6
     # one gap between each pair of successive outputs: 6 after the first of 7 tokens
     itl = "llmserve:inter_token_latency_seconds_count"
     assert after[itl] - before.get(itl, 0.0) == 6

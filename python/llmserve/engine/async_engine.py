@@ -43,6 +43,9 @@ class RequestStream:
         self.user: str | None = prepared.user
         self.prompt_tokens: int = prepared.prompt_tokens
         self.submitted = time.perf_counter()
+        # Set by the engine thread when a step first holds the request (before the event
+        # loop learns of any output of that step).
+        self.scheduled: float | None = None
         self.first_token: float | None = None
         self._last_token = 0.0
         self.generated = 0
@@ -168,7 +171,8 @@ class AsyncEngine:
     def _attach(self, engine: Engine) -> None:
         self.engine = engine
         self.metrics.bind(engine.router.served_model_names[0])
-        self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step)
+        self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
+                                    self._first_scheduled)
         self._thread.start()
         self.state = "ready"
 
@@ -268,7 +272,14 @@ class AsyncEngine:
         self._open.discard(stream)
         self.metrics.on_finish(reason=reason, prompt_tokens=stream.prompt_tokens,
                                generated=stream.generated, submitted=stream.submitted,
-                               first_token=stream.first_token, finished=time.perf_counter())
+                               scheduled=stream.scheduled, first_token=stream.first_token,
+                               finished=time.perf_counter())
+
+    @staticmethod
+    def _first_scheduled(streams: list, when: float) -> None:
+        """Engine thread: these requests' first step was just planned."""
+        for stream in streams:
+            stream.scheduled = when
 
     # -- engine thread -> asyncio --------------------------------------------------------
     def _deliver(self, items: list) -> None:

@@ -55,15 +55,18 @@ class EngineThread:
 
     `post(op)` queues ("add", prepared, token) or ("abort", token); the thread applies them
     between steps, so the Core is only ever touched from this thread. `deliver` receives each
-    step's outputs as a list of (token, bytes, finished, error, new_tokens), once per step.
+    step's outputs as a list of (token, bytes, finished, error, new_tokens), once per step;
+    `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
     """
 
     def __init__(self, core, runner, deliver: Callable[[list], None],
-                 on_stats: Callable[[dict, float], None] | None = None):
+                 on_stats: Callable[[dict, float], None] | None = None,
+                 on_first_scheduled: Callable[[list, float], None] | None = None):
         self._core = core
         self._runner = runner
         self._deliver = deliver
         self._on_stats = on_stats
+        self._on_first_scheduled = on_first_scheduled
         self._inbox: list[tuple] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -110,6 +113,14 @@ class EngineThread:
                     self._core.abort(handle)
         return failed
 
+    def _scheduled(self) -> None:
+        """A plan was made: refresh the counts, and say which requests it started."""
+        self._publish(0.0)
+        if self._on_first_scheduled is not None:
+            started = [t for h in self._core.first_scheduled() if (t := self._tokens.get(h)) is not None]
+            if started:
+                self._on_first_scheduled(started, time.perf_counter())
+
     def _publish(self, step_seconds: float) -> None:
         """Refresh the counts /load reads, and the metrics (`step_seconds` 0: no step time)."""
         self.stats = self._core.stats()
@@ -135,7 +146,7 @@ class EngineThread:
                 t0 = time.perf_counter()
                 # The counts as scheduled, before the model runs: a request in its (maybe
                 # long) first prefill step is running, not missing from /load and /metrics.
-                outputs, ran = step(self._core, self._runner, lambda: self._publish(0.0))
+                outputs, ran = step(self._core, self._runner, self._scheduled)
                 if not ran:
                     # Work exists but none could be scheduled this instant; don't spin.
                     time.sleep(0.001)

@@ -49,6 +49,17 @@ class Metrics:
                              "Time between a request's successive outputs of new tokens.", _TPOT),
             "e2e": histogram("llmserve:e2e_request_latency_seconds", "End-to-end latency.",
                              _LATENCY),
+            "queue": histogram("llmserve:request_queue_time_seconds",
+                               "Time from arrival to the first step that holds the request.",
+                               _LATENCY),
+            "prefill": histogram("llmserve:request_prefill_time_seconds",
+                                 "Time from the first step that holds the request to its first "
+                                 "token.", _LATENCY),
+            "decode": histogram("llmserve:request_decode_time_seconds",
+                                "Time from the first token to the last.", _LATENCY),
+            "inference": histogram("llmserve:request_inference_time_seconds",
+                                   "Time from the first step that holds the request to its end.",
+                                   _LATENCY),
             "request_prompt": histogram("llmserve:request_prompt_tokens",
                                         "Prompt tokens per request.", _TOKENS),
             "request_generation": histogram("llmserve:request_generation_tokens",
@@ -90,15 +101,23 @@ class Metrics:
         self.itl.observe(since_last)
 
     def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
-                  first_token: float | None, finished: float) -> None:
+                  scheduled: float | None, first_token: float | None, finished: float) -> None:
+        """A request ended. `scheduled` is None when no step ever held it (aborted in the
+        queue); `first_token` None when it produced none."""
         self._requests.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         self.request_prompt.observe(prompt_tokens)
         self.request_generation.observe(generated)
         self.e2e.observe(finished - submitted)
+        if scheduled is not None:
+            self.queue.observe(scheduled - submitted)
+            self.inference.observe(finished - scheduled)
         if first_token is not None:
             self.ttft.observe(first_token - submitted)
+            self.decode.observe(finished - first_token)
+            if scheduled is not None:
+                self.prefill.observe(first_token - scheduled)
             if generated > 1:
                 self.tpot.observe((finished - first_token) / (generated - 1))
 

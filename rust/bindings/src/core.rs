@@ -73,6 +73,8 @@ struct RequestState {
     /// in `stop_reason` (vLLM's rule: eos checks first and gives none).
     stop_token_reasons: Vec<u32>,
     started: bool,
+    /// Whether a plan has held this request yet (for the queue-time metric).
+    scheduled: bool,
     new_tokens: u32,
     /// `max_tokens: 0` (completions with `echo`): the answer is the prompt alone; the token
     /// its prefill step samples is dropped.
@@ -146,6 +148,8 @@ struct CoreState {
     last_plan_reqs: Vec<u64>,
     /// The last plan's prompt-logprob entries: (scheduler request id, prompt token).
     last_prompt_lp: Vec<(u64, u32)>,
+    /// Handles of the requests the last plan held for the first time.
+    first_scheduled: Vec<u64>,
     /// Tokens a mask covers (the tokenizer's vocabulary).
     mask_vocab: usize,
     /// The EOS id allowed when a matcher has failed, so its sequence ends.
@@ -247,6 +251,7 @@ impl CoreState {
                     p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
                 },
                 started: false,
+                scheduled: false,
                 new_tokens: 0,
                 prompt_only: p.max_tokens == Some(0),
             },
@@ -269,6 +274,16 @@ impl CoreState {
             return None;
         }
         self.last_plan_reqs = plan.seq_req_ids.clone();
+        self.first_scheduled.clear();
+        for id in &plan.seq_req_ids {
+            let Some(&(handle, _)) = self.owners.get(id) else { continue };
+            if let Some(state) = self.requests.get_mut(&handle) {
+                if !state.scheduled {
+                    state.scheduled = true;
+                    self.first_scheduled.push(handle);
+                }
+            }
+        }
         self.last_prompt_lp.clear();
         self.last_prompt_lp
             .extend(plan.prompt_lp_req_ids.iter().zip(&plan.prompt_lp_targets).map(|(&id, &t)| (id, t as u32)));
@@ -548,6 +563,7 @@ impl PyCore {
                 max_model_len,
                 last_plan_reqs: Vec::new(),
                 last_prompt_lp: Vec::new(),
+                first_scheduled: Vec::new(),
                 mask_vocab,
                 eos,
             },
@@ -640,6 +656,12 @@ impl PyCore {
     fn fail_plan(&mut self, py: Python<'_>, message: &str) -> Vec<PyOutput> {
         let out = self.state.fail_plan(message);
         outputs(py, out)
+    }
+
+    /// Handles of the requests the last plan held for the first time (each handle is listed
+    /// by one plan in its life): the engine times how long each waited in the queue.
+    fn first_scheduled(&self) -> Vec<u64> {
+        self.state.first_scheduled.clone()
     }
 
     fn has_work(&self) -> bool {
