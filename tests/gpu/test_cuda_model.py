@@ -1,7 +1,8 @@
 """The whole model on CUDA: bf16 greedy tokens agree with the CPU path (teacher-forced over a
 schedule with chunked prefill, mixed steps and padded decode batches), CUDA-graph replay is
-bit-identical to eager execution of the same padded batches, and greedy sampling on the GPU
-returns the logits' argmax."""
+bit-identical to eager execution of the same padded batches, and sampling on the GPU (greedy,
+and the whole sampler with bias and logprobs) gives what the CPU sampler gives on the same
+logits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from _plans import Paged, Row
 from _scenario import BLOCK, scenario_plans
 from tiny import random_llama_weights
 
@@ -16,6 +18,7 @@ from llmserve.kernels import reference
 from llmserve.models import build_model
 from llmserve.worker import ModelRunner
 from llmserve.worker.cuda_graphs import CudaModelRunner
+from llmserve.worker.sampler import Sampler, SamplingBatch
 
 pytestmark = pytest.mark.gpu
 
@@ -92,3 +95,24 @@ def test_execute_samples_greedy_on_gpu():
         # running the step again rewrites the same K/V, so it sees the same context
         logits = step_logits(runner, plan)
         assert np.array_equal(out.tokens, logits.argmax(-1).numpy())
+
+
+def test_execute_runs_the_sampler_on_gpu_logits():
+    runner = cuda_runner(graphs=True)
+    paged = Paged(NUM_BLOCKS, BLOCK)
+    rng = np.random.default_rng(3)
+    for sid, n in ((0, 21), (1, 9), (2, 33)):
+        paged.add(sid, [int(t) for t in rng.integers(0, CONFIG["vocab_size"], n)])
+    row = Row(num_logprobs=3, logit_bias={5: 2.0})
+    schedule = {0: 21, 1: 9, 2: 33}
+    for _ in range(5):
+        plan = paged.step(schedule, {sid: row for sid in schedule})
+        out = runner.execute(plan)
+        with torch.inference_mode():
+            ref = Sampler(seed=0).sample(step_logits(runner, plan), SamplingBatch.from_plan(plan))
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
+        np.testing.assert_array_equal(out.top_ids, ref.top_ids)
+        for sid, tok in zip(schedule, out.tokens):
+            paged.append(sid, int(tok))
+        schedule = {sid: 1 for sid in schedule}        # then decode steps (graphs)

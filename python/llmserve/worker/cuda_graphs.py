@@ -15,8 +15,9 @@ on b and W, so one graph serves every context length. Steps with prefill chunks 
 with the same CUDA attention path.
 
 Per step the host copies the step's columns in, replays, and reads back the sampled tokens:
-one device-to-host sync (greedy rows sample on the GPU; other sampling still runs in the CPU
-sampler on the step's logits).
+one device-to-host sync for greedy-only steps. Other steps run the sampler on the GPU's logits
+too (worker/sampler.py), which reads back the tokens and any logprobs; top_p rows whose
+top candidates hold too little mass add one sync for the radix select.
 """
 
 from __future__ import annotations
@@ -197,7 +198,9 @@ class CudaModelRunner(ModelRunner):
         return with_prompt_logprobs(self._sample(hidden, plan), prompt_lp)
 
     def _sample(self, hidden: torch.Tensor, plan) -> SampleOutput:
-        """The plan's sampling rows; greedy-only steps take the argmax on the GPU."""
+        """The plan's sampling rows, sampled on the GPU: greedy-only steps take the argmax
+        alone; others run the whole sampler on the GPU's logits (only the sampled tokens and
+        any logprobs come back, never the [R, V] logits)."""
         num_rows = len(plan.logits_indices)
         if num_rows == 0:
             return SampleOutput.empty()
@@ -207,7 +210,7 @@ class CudaModelRunner(ModelRunner):
             tokens = logits.argmax(dim=-1).cpu().numpy()             # the step's one sync
             return SampleOutput(tokens.astype(np.int64, copy=False), np.zeros(num_rows, np.float32),
                                 np.zeros((num_rows, 0), np.int64), np.zeros((num_rows, 0), np.float32))
-        return self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
+        return self.sampler.sample(logits, SamplingBatch.from_plan(plan))
 
 
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,

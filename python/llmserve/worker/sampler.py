@@ -7,6 +7,11 @@ min_p -> top_k -> top_p -> exponential race (argmax(probs / Exponential(1) noise
 NOTE: logprobs stay those of the raw logits, also on grammar-constrained rows: they say what
 the model believed, not what the grammar allowed (vLLM does the same).
 
+Devices: `logits` may live on the GPU; the SamplingBatch columns stay on the CPU. Which rows
+take which path is decided from those CPU columns, so finding them never waits for the GPU;
+only index and parameter vectors travel to the logits' device, and the results come back
+once at the end (on CPU every move is a no-op).
+
 Cost rules: grammar masks touch only the Rm constrained rows (on CPU one Rust pass over the
 packed words; on GPU one unpack, one masked_fill);
 bias is a flat index_put_ (cost ~ nnz); only penalized rows get a [Rp, V] count
@@ -149,7 +154,7 @@ def apply_token_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask:
 
 
 def _row_of_each(offsets: torch.Tensor) -> torch.Tensor:
-    """CSR offsets [R + 1] -> the row index of every entry [nnz]."""
+    """CSR offsets [R + 1] (CPU) -> the row index of every entry [nnz] (CPU)."""
     counts = offsets[1:] - offsets[:-1]
     return torch.repeat_interleave(torch.arange(counts.numel()), counts)
 
@@ -168,15 +173,30 @@ class Sampler:
         so `torch.manual_seed(...)` before building the engine also fixes unseeded sampling."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The shared generator of unseeded rows for logits on `device` (the CPU one, or one
+        per accelerator seeded alike)."""
+        if device.type == "cpu":
+            return self.generator
+        g = self._device_generators.get(device)
+        if g is None:
+            g = self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return g
 
     def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
-        """logits float32 [R, V] (raw model output; modified in place) -> SampleOutput."""
+        """logits float32 [R, V] on any device (raw model output; modified in place) ->
+        SampleOutput (numpy, on the host)."""
         num_rows, vocab = logits.shape
         if num_rows == 0:
             return SampleOutput.empty()
+        dev = logits.device
         wants = torch.nonzero(b.num_logprobs >= 0).squeeze(1)
-        raw_logprobs = torch.log_softmax(logits[wants], dim=-1) if wants.numel() else None
+        wants_dev = wants.to(dev)
+        raw_logprobs = torch.log_softmax(logits[wants_dev], dim=-1) if wants.numel() else None
 
         apply_token_bitmask(logits, b.mask_rows, b.token_bitmask)
         self._apply_bias(logits, b)
@@ -184,7 +204,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = torch.nonzero(b.temperature > 0).squeeze(1)
         if random_rows.numel():
-            tokens[random_rows] = self._sample_random(logits, b, random_rows)
+            tokens[random_rows.to(dev)] = self._sample_random(logits, b, random_rows)
 
         chosen_lp = np.zeros(num_rows, np.float32)
         k = max(int(b.num_logprobs.max()), 0)
@@ -192,20 +212,23 @@ class Sampler:
         top_lp = np.zeros((num_rows, k), np.float32)
         if raw_logprobs is not None:
             rows = wants.numpy()
-            chosen_lp[rows] = raw_logprobs.gather(1, tokens[wants].unsqueeze(1)).squeeze(1).numpy()
+            chosen = raw_logprobs.gather(1, tokens[wants_dev].unsqueeze(1)).squeeze(1)
+            chosen_lp[rows] = chosen.cpu().numpy()
             if k:
                 top = raw_logprobs.topk(min(k, vocab), dim=-1)   # sorted, largest first
-                top_ids[rows, :top.indices.shape[1]] = top.indices.numpy()
-                top_lp[rows, :top.values.shape[1]] = top.values.numpy()
-        return SampleOutput(tokens.numpy().astype(np.int64, copy=False), chosen_lp, top_ids, top_lp)
+                top_ids[rows, :top.indices.shape[1]] = top.indices.cpu().numpy()
+                top_lp[rows, :top.values.shape[1]] = top.values.cpu().numpy()
+        return SampleOutput(tokens.cpu().numpy().astype(np.int64, copy=False), chosen_lp, top_ids, top_lp)
 
     @staticmethod
     def _apply_bias(logits: torch.Tensor, b: SamplingBatch) -> None:
         """logit_bias and min_tokens bans (-inf) from the CSR columns: O(nnz)."""
         if b.bias_token_ids.numel() == 0:
             return
+        dev = logits.device
         rows = _row_of_each(b.bias_offsets)
-        logits.index_put_((rows, b.bias_token_ids), b.bias_values, accumulate=True)
+        logits.index_put_((rows.to(dev), b.bias_token_ids.to(dev)), b.bias_values.to(dev),
+                          accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -221,29 +244,33 @@ class Sampler:
         is_output = pos_in_row >= b.hist_prompt_lens[row]
         prow = compact[row]
 
+        dev = logits.device
         num_pen, vocab = pen_rows.numel(), logits.shape[1]
-        seen = torch.zeros(num_pen, vocab, dtype=torch.bool)
-        seen[prow, b.hist_tokens] = True
-        counts = torch.zeros(num_pen, vocab, dtype=torch.float32)
-        counts.index_put_((prow[is_output], b.hist_tokens[is_output]),
-                          torch.ones(int(is_output.sum())), accumulate=True)
+        hist = b.hist_tokens.to(dev)
+        seen = torch.zeros(num_pen, vocab, dtype=torch.bool, device=dev)
+        seen[prow.to(dev), hist] = True
+        counts = torch.zeros(num_pen, vocab, dtype=torch.float32, device=dev)
+        counts.index_put_((prow[is_output].to(dev), b.hist_tokens[is_output].to(dev)),
+                          torch.ones(int(is_output.sum()), device=dev), accumulate=True)
 
-        sub = logits[pen_rows]
-        rep = b.repetition_penalty[pen_rows].unsqueeze(1)
+        pen_rows_dev = pen_rows.to(dev)
+        sub = logits[pen_rows_dev]
+        rep = b.repetition_penalty[pen_rows].unsqueeze(1).to(dev)
         # NOTE: a tiny penalty can push a positive logit past float32's range: keep it finite
         # (the largest float), so the row never holds +inf, which softmax turns into NaN.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub.clamp_(max=torch.finfo(torch.float32).max)
-        sub -= b.frequency_penalty[pen_rows].unsqueeze(1) * counts
-        sub -= b.presence_penalty[pen_rows].unsqueeze(1) * (counts > 0).float()
-        logits[pen_rows] = sub
+        sub -= b.frequency_penalty[pen_rows].unsqueeze(1).to(dev) * counts
+        sub -= b.presence_penalty[pen_rows].unsqueeze(1).to(dev) * (counts > 0).float()
+        logits[pen_rows_dev] = sub
 
     def _sample_random(self, logits: torch.Tensor, b: SamplingBatch,
                        rows: torch.Tensor) -> torch.Tensor:
-        """logits [R, V] (processed) -> sampled ids [Rs] for `rows` (temperature > 0).
-        Greedy tokens are already taken, so `logits` is reused as scratch."""
-        x = logits if rows.numel() == logits.shape[0] else logits[rows]
-        temp = b.temperature[rows].unsqueeze(1)
+        """logits [R, V] (processed) -> sampled ids [Rs] (on logits' device) for `rows` (CPU,
+        temperature > 0). Greedy tokens are already taken, so `logits` is reused as scratch."""
+        dev = logits.device
+        x = logits if rows.numel() == logits.shape[0] else logits[rows.to(dev)]
+        temp = b.temperature[rows].unsqueeze(1).to(dev)
         # Weights exp((x - max) / T): the row's probabilities up to a constant factor, which
         # neither min_p / top_k nor the race needs. NOTE: shifting by the max first keeps tiny
         # temperatures finite in float32 (the best token's weight is exactly 1, bans exactly 0).
@@ -251,36 +278,40 @@ class Sampler:
 
         min_p = b.min_p[rows]
         if bool((min_p > 0).any()):
-            w.masked_fill_(w < min_p.unsqueeze(1), 0.0)      # max weight is 1: p / p_max = w
+            w.masked_fill_(w < min_p.unsqueeze(1).to(dev), 0.0)   # max weight is 1: p / p_max = w
 
         top_k = b.top_k[rows]
         k_rows = torch.nonzero((top_k > 0) & (top_k < w.shape[1])).squeeze(1)
         if k_rows.numel():
             ks = top_k[k_rows]
+            k_rows = k_rows.to(dev)
             sub = w[k_rows]
-            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1).to(dev))
             w[k_rows] = sub.masked_fill_(sub < kth, 0.0)
 
         top_p = b.top_p[rows]
         p_rows = torch.nonzero(top_p < 1.0).squeeze(1)
         if p_rows.numel():
-            w[p_rows] = _top_p_filter(w[p_rows], top_p[p_rows])
+            p_rows_dev = p_rows.to(dev)
+            w[p_rows_dev] = _top_p_filter(w[p_rows_dev], top_p[p_rows].to(dev))
 
-        noise = self._exponential_noise(w.shape, b.seeds[rows], b.gen_index[rows])
+        noise = self._exponential_noise(w.shape, b.seeds[rows], b.gen_index[rows], dev)
         return w.div_(noise).argmax(dim=-1)
 
     def _exponential_noise(self, shape: torch.Size, seeds: torch.Tensor,
-                           gen_index: torch.Tensor) -> torch.Tensor:
-        """Exponential(1) noise [Rs, V]: unseeded rows from the shared generator, each seeded
-        row from its own generator seeded by (seed, gen_index)."""
+                           gen_index: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Exponential(1) noise [Rs, V] on `device`: unseeded rows from the shared generator,
+        each seeded row from its own generator seeded by (seed, gen_index). (A seed gives other
+        tokens on a GPU than on the CPU: the generators differ; each is the same run to run.)"""
         # NOTE: -log(u) with u uniform in [0, 1) is Exponential(1) and ~2x cheaper on CPU than
         # exponential_(); u == 0 gives +inf noise, which only makes that token lose.
-        u = torch.empty(shape)
+        u = torch.empty(shape, device=device)
         seeded = torch.nonzero(seeds >= 0).squeeze(1)
         if seeded.numel() < shape[0]:
-            u.uniform_(generator=self.generator)
+            u.uniform_(generator=self.generator_on(device))
         for i, seed, g in zip(seeded.tolist(), seeds[seeded].tolist(), gen_index[seeded].tolist()):
-            u[i].uniform_(generator=torch.Generator().manual_seed(_mix_seed(seed, g)))
+            gen = torch.Generator(device=device).manual_seed(_mix_seed(seed, g))
+            u[i].uniform_(generator=gen)
         return u.log_().neg_()
 
 
@@ -323,10 +354,11 @@ def _boundary_bucket(keys: torch.Tensor, num_bins: int, probs: torch.Tensor, p: 
                      base: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the bucket (key value) holding the last kept token, and the mass in the buckets
     above it plus `base`; both [R, 1]."""
-    rows = probs.shape[0]
+    rows, dev = probs.shape[0], probs.device
     # bins in descending key order, so a forward cumsum is the mass at or above each bucket
-    top_bin = torch.arange(rows).unsqueeze(1) * num_bins + (num_bins - 1)
-    hist = torch.zeros(rows * num_bins).index_add_(0, (top_bin - keys).flatten(), probs.flatten())
+    top_bin = torch.arange(rows, device=dev).unsqueeze(1) * num_bins + (num_bins - 1)
+    hist = torch.zeros(rows * num_bins, device=dev).index_add_(0, (top_bin - keys).flatten(),
+                                                               probs.flatten())
     at_or_above = hist.view(rows, num_bins).cumsum(dim=1)
     if base is not None:
         at_or_above += base
