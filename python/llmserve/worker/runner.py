@@ -179,7 +179,8 @@ class ModelRunner:
             out = SampleOutput.empty()
         else:
             rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
-            logits = self.model.compute_logits(hidden[rows]).cpu()
+            # (on an accelerator the sampler runs there too: worker/sampler.py)
+            logits = self.model.compute_logits(hidden[rows])
             out = self.sampler.sample(logits, SamplingBatch.from_plan(plan))
         return with_prompt_logprobs(out, prompt_lp)
 
