@@ -14,6 +14,7 @@ from tiny import random_llama_weights
 from llmserve.models import build_model
 from llmserve.models.layers import RotaryEmbedding
 from llmserve.worker import ModelRunner
+from llmserve.worker.kv_cache import KVCache
 
 torch.set_num_threads(1)
 
@@ -49,6 +50,23 @@ def test_empty_plan_returns_empty_arrays():
     assert out.logprobs.shape == (0,) and out.logprobs.dtype == np.float32
     assert out.top_ids.shape == (0, 0) and out.top_logprobs.shape == (0, 0)
     assert all(not k.any() for k in runner.kv_cache.key)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_cpu_kv_cache_is_zero_and_takes_memory_only_where_written():
+    before = _resident_bytes()
+    cache = KVCache(2, 4096, 16, 4, 128, torch.float32, "cpu")       # 512 MiB
+    assert cache.nbytes() == 512 * 2**20
+    assert _resident_bytes() - before < 64 * 2**20
+    for t in (*cache.key, *cache.value):
+        assert t.shape == (4096, 16, 4, 128) and t.is_contiguous() and not t[::97].any()
+    cache.value[1][7].fill_(3.0)                # layers and K/V do not alias each other
+    assert cache.value[1][7].eq(3.0).all() and not cache.value[1][6].any()
+    assert not cache.key[1][7].any() and not cache.value[0][7].any()
 
 
 def test_slot_mapping_writes_rotated_keys_and_values():

@@ -5,11 +5,27 @@ A token's K/V lives at slot `block * block_size + offset` (the Plan's slot_mappi
 the scheduler's null block, used to pad block tables; it is never written by a real token.
 Tensors start zeroed so that padded (masked) keys read finite values: a masked NaN would still
 poison the attention output (0 * NaN = NaN).
+
+On the CPU the whole cache is one anonymous memory mapping: the OS hands out zeroed pages on
+first touch, so building a 2 GiB cache costs nothing up front (torch.zeros wrote every page,
+1-3 s of each start on 2 cores) and blocks no request ever reaches never take memory.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor backed by an anonymous mmap (pages mapped lazily, on first touch)."""
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(numel * itemsize, 1))
+    # the tensor keeps `buf` alive; the mapping goes when the last view of it does
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -27,8 +43,12 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type == "cpu":
+            both = zeroed_host_tensor((2, num_layers, *shape), dtype)
+            self.key, self.value = list(both[0]), list(both[1])
+        else:
+            self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def __len__(self) -> int:
         return len(self.key)
