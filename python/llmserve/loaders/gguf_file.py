@@ -30,6 +30,7 @@ import torch
 
 from .. import _core
 from .checkpoint import QUANT_FORMATS, Checkpoint, LoadError, QuantTensor, empty_template_sources
+from .gguf_header import read_gguf
 
 # GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
 _ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -92,20 +93,18 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class _Meta:
-    """Typed access to a GGUFReader's key-value metadata."""
+    """Access to a GGUF file's key-value metadata (gguf_header.read_gguf's dict)."""
 
-    def __init__(self, reader) -> None:
-        self._fields = reader.fields
+    def __init__(self, values: dict) -> None:
+        self._values = values
 
     def get(self, key: str, default=None):
-        f = self._fields.get(key)
-        return default if f is None else f.contents()
+        return self._values.get(key, default)
 
     def require(self, key: str):
-        f = self._fields.get(key)
-        if f is None:
+        if key not in self._values:
             raise LoadError(f"GGUF metadata lacks {key!r}")
-        return f.contents()
+        return self._values[key]
 
 
 def _int_scalar(meta: _Meta, key: str, default=None) -> int | None:
@@ -231,14 +230,12 @@ def _unpermute_raw(q: QuantTensor, n_heads: int) -> QuantTensor:
 
 
 def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
-    from gguf import GGUFReader
-
     t0 = time.perf_counter()
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader raises bare ValueErrors/struct errors on bad files
+        values, tensors = read_gguf(path)
+    except Exception as e:  # bad files raise bare ValueErrors/struct errors (ours and gguf's)
         raise LoadError(f"{path} is not a readable GGUF file: {e}") from e
-    meta = _Meta(reader)
+    meta = _Meta(values)
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise LoadError(
@@ -246,21 +243,21 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
         )
     vocab = _vocab(meta)
     # Config and names first: a file we cannot serve fails before the slow dequantization.
-    names = {t.name: hf_name(t.name) for t in reader.tensors}
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    names = {t.name: hf_name(t.name) for t in tensors}
+    embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise LoadError(f"GGUF file {path} has no token_embd tensor")
     tied = "output.weight" not in names
     vocab_size = _int_scalar(meta, f"{arch}.vocab_size") or int(embd.shape[-1])
     config = _hf_config(meta, arch, vocab_size, tied, vocab)
     t1 = time.perf_counter()
-    log.info("GGUF %s: %s, %d tensors, metadata read in %.2f s", path.name, arch, len(reader.tensors), t1 - t0)
+    log.info("GGUF %s: %s, %d tensors, metadata read in %.2f s", path.name, arch, len(tensors), t1 - t0)
 
-    types = Counter(t.tensor_type.name for t in reader.tensors)
+    types = Counter(t.tensor_type.name for t in tensors)
     permuted = _ARCHS[arch][2]
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantTensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         key = names[tensor.name]
         w, raw = _dequantize(tensor), _raw_blocks(tensor)
         heads = None
