@@ -117,9 +117,11 @@ impl Router {
     }
 
     /// `prepare`, with the request's `X-Request-Id` header (`header_id`): it names the
-    /// request when the body's `request_id` does not, as in vLLM (`chatcmpl-<id>`).
+    /// request when the body's `request_id` does not, as in vLLM (`chatcmpl-<id>`), if it is
+    /// a valid `request_id` (else the request gets its own id).
     pub fn prepare_as(&self, endpoint: Endpoint, body: &[u8], header_id: Option<&str>) -> Result<Prepared, ApiError> {
-        let header_id = header_id.filter(|id| !id.is_empty());
+        // A header id a response header could not carry back as it is names nothing.
+        let header_id = header_id.filter(|id| crate::protocol::common::check_request_id(id).is_ok());
         let mut prepared = match endpoint {
             Endpoint::Chat => chat::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Completion => completion::prepare(self, body, header_id).map(|c| c.prepared),

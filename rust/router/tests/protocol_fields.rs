@@ -169,6 +169,15 @@ fn ids_and_created() {
     assert_eq!(named(json!({}), Some("trace-7")), "chatcmpl-trace-7");
     assert_eq!(named(json!({"request_id": "mine"}), Some("trace-7")), "chatcmpl-mine");
     assert!(named(json!({}), Some("")).len() > "chatcmpl-".len() + 30, "an empty header names nothing");
+    // Ids travel back in a header: what a header cannot carry as it is is refused (body) or
+    // ignored (header).
+    for bad in ["a\r\nX-Evil: 1", "smile \u{1F600}", "tab\there", &"x".repeat(257), ""] {
+        let err = chat(&r, json!({"request_id": bad})).unwrap_err();
+        assert_eq!((err.status(), err.param()), (400, Some("request_id")), "{bad:?}");
+        assert!(!named(json!({}), Some(bad)).contains(bad) || bad.is_empty(), "{bad:?}");
+    }
+    assert_eq!(chat(&r, json!({"request_id": "a b~!"})).unwrap().id, "chatcmpl-a b~!");
+    assert_eq!(chat(&r, json!({"request_id": "x".repeat(256)})).unwrap().id.len(), 9 + 256);
 }
 
 #[test]

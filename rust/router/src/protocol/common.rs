@@ -347,9 +347,7 @@ impl CommonFields {
         inert.extend(super::constrained::response_format_unknown_keys(self.response_format.as_ref()));
 
         if let Some(id) = &self.request_id {
-            if id.is_empty() {
-                return Err(ApiError::invalid("request_id", "`request_id` must not be empty."));
-            }
+            check_request_id(id)?;
         }
         if let Some(salt) = &self.cache_salt {
             if salt.is_empty() {
@@ -410,6 +408,23 @@ pub fn check_token_id(param: &str, id: u64, vocab_size: usize) -> Result<u32, Ap
     } else {
         Err(ApiError::invalid(param, format!("Token id {id} is out of range: the vocabulary has {vocab_size} tokens.")))
     }
+}
+
+/// Longest `request_id` accepted: it names the response in its body and its `x-request-id`
+/// header.
+const MAX_REQUEST_ID_LEN: usize = 256;
+
+/// A `request_id` must be something a response header can carry as it is: 1 to
+/// MAX_REQUEST_ID_LEN printable ASCII characters (a CR/LF could otherwise forge headers, and
+/// other characters have no header encoding).
+pub(crate) fn check_request_id(id: &str) -> Result<(), ApiError> {
+    if id.is_empty() || id.len() > MAX_REQUEST_ID_LEN || !id.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(ApiError::invalid(
+            "request_id",
+            format!("`request_id` must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters."),
+        ));
+    }
+    Ok(())
 }
 
 /// `stop`: a string or an array of non-empty strings (more than OpenAI's 4 is an extension).
