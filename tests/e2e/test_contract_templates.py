@@ -107,6 +107,12 @@ def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
     traced = httpx.post(tiny_server.url + "/v1/chat/completions", headers={"x-request-id": "trace-9"},
                         json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
     assert traced.json()["id"] == traced.headers["x-request-id"] == "chatcmpl-trace-9"
+    # the id goes back in a header: one a header cannot carry is a 400, and the server goes on
+    for bad in ("a\r\nX-Evil: 1", "smile \U0001F600"):
+        r = _post(tiny_server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+        assert "x-evil" not in r.headers
+    assert _post(tiny_server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 # -- in process: a model without a template, and --strict-fields ----------------------------
