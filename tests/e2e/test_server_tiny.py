@@ -176,6 +176,20 @@ def test_body_too_large_is_413(tiny_server):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_client_gone_mid_body_is_not_a_server_error(tiny_server):
+    import socket
+
+    logged = tiny_server.logs().count("Traceback")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", tiny_server.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500\r\n\r\n{\"model\": \"tiny\"")
+    r = httpx.post(tiny_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200
+    time.sleep(0.2)
+    assert tiny_server.logs().count("Traceback") == logged, tiny_server.logs()[-2000:]
+
+
 def test_ignored_fields_header(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,

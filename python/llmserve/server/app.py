@@ -18,7 +18,7 @@ import socket
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -50,6 +50,12 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     err = Router.error("method_not_allowed", f"{request.method} is not allowed on {request.url.path}.")
     return Response(err.body, status_code=exc.status_code, media_type="application/json",
                     headers=exc.headers)
+
+
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    # The client left while sending its body: nobody reads an answer, and nothing failed
+    # here. 499 (nginx's "client closed request") is what the access log shows.
+    return Response(status_code=499)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
@@ -104,7 +110,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
         routes=ROUTES,
         lifespan=lifespan,
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
-                            Exception: _on_unexpected},
+                            ClientDisconnect: _on_client_gone, Exception: _on_unexpected},
     )
     app.state.engine = engine
     app.state.max_body_bytes = config.server.max_body_bytes
