@@ -206,6 +206,13 @@ def test_load_counts_a_request_while_its_first_step_runs(router):
             {"model": "m", "prompt": "Hello world", "max_tokens": 1})), "t"))
         assert runner.entered.wait(10)
         assert (thread.stats["running"], thread.stats["waiting"]) == (1, 0)
+        # while the step runs, posted requests wait; queued aborts (clients gone) are not
+        # requests and must not count against --max-waiting
+        for i in range(3):
+            thread.post(("abort", f"gone-{i}"))
+        thread.post(("add", router.prepare("completion", orjson.dumps(
+            {"model": "m", "prompt": "next", "max_tokens": 1})), "t2"))
+        assert thread.pending() == 1
         runner.release.set()
         assert done.wait(10)
     finally:

@@ -86,7 +86,9 @@ class EngineThread:
             self._cv.notify()
 
     def pending(self) -> int:
-        return len(self._inbox)
+        """Requests posted and not yet handed to the Core (they wait too); queued aborts are
+        not requests and do not count."""
+        return sum(1 for op in list(self._inbox) if op[0] == "add")
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
