@@ -108,7 +108,7 @@ def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
                         json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
     assert traced.json()["id"] == traced.headers["x-request-id"] == "chatcmpl-trace-9"
     # the id goes back in a header: one a header cannot carry is a 400, and the server goes on
-    for bad in ("a\r\nX-Evil: 1", "smile \U0001F600"):
+    for bad in ("a\r\nX-Evil: 1", "smile \U0001F600", "abc "):
         r = _post(tiny_server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
         assert "x-evil" not in r.headers

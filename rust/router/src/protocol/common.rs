@@ -415,13 +415,18 @@ pub fn check_token_id(param: &str, id: u64, vocab_size: usize) -> Result<u32, Ap
 const MAX_REQUEST_ID_LEN: usize = 256;
 
 /// A `request_id` must be something a response header can carry as it is: 1 to
-/// MAX_REQUEST_ID_LEN printable ASCII characters (a CR/LF could otherwise forge headers, and
-/// other characters have no header encoding).
+/// MAX_REQUEST_ID_LEN printable ASCII characters, the last not a space (a CR/LF could
+/// otherwise forge headers, other characters have no header encoding, and HTTP strips or
+/// refuses trailing whitespace in a header value).
 pub(crate) fn check_request_id(id: &str) -> Result<(), ApiError> {
-    if id.is_empty() || id.len() > MAX_REQUEST_ID_LEN || !id.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+    if id.is_empty()
+        || id.len() > MAX_REQUEST_ID_LEN
+        || id.ends_with(' ')
+        || !id.bytes().all(|b| (0x20..0x7f).contains(&b))
+    {
         return Err(ApiError::invalid(
             "request_id",
-            format!("`request_id` must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters."),
+            format!("`request_id` must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters, not ending in a space."),
         ));
     }
     Ok(())
