@@ -369,6 +369,17 @@ fn unread_message_keys_are_reported() {
     )
     .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("response_format.json_schema.extra"));
+    // The extensions' own keys are read, not reported; another type's key is.
+    let msgs = json!([{"role": "user", "content": "a"}]);
+    for rf in [json!({"type": "regex", "regex": "[0-9]+"}), json!({"type": "grammar", "grammar": "start: \"a\""})] {
+        let p = chat(&r, json!({"messages": msgs, "response_format": rf})).unwrap();
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None, "{rf}");
+    }
+    let p = chat(&r, json!({"messages": msgs, "response_format": {"type": "json_object", "json_schema": {"name": "x"}}}))
+        .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("response_format.json_schema"));
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    assert!(chat(&strict, json!({"messages": msgs, "response_format": {"type": "regex", "regex": "a+"}})).is_ok());
     // A key the template names is read.
     let t = "{% for m in messages %}{{ m.content }}{{ m.weird }}{% endfor %}";
     let r2 = router_with(json!({}), Some(t));

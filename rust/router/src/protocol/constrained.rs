@@ -41,8 +41,16 @@ fn string_field(obj: &serde_json::Map<String, Value>, key: &str, param: &'static
 /// dropped without a word).
 pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
     let Some(rf) = v else { return Vec::new() };
-    let mut out = super::chat::unknown_keys_of(rf, &["type", "json_schema"], "response_format");
-    if let Some(js) = rf.get("json_schema") {
+    // Each type reads its own key: `regex` with type "regex", and so on; a key of another
+    // type (a `json_schema` next to type "json_object") has no effect and is reported.
+    let known: &[&str] = match rf.get("type").and_then(Value::as_str) {
+        Some("json_schema") => &["type", "json_schema"],
+        Some("regex") => &["type", "regex"],
+        Some("grammar") => &["type", "grammar"],
+        _ => &["type"],
+    };
+    let mut out = super::chat::unknown_keys_of(rf, known, "response_format");
+    if let (Some(js), Some("json_schema")) = (rf.get("json_schema"), rf.get("type").and_then(Value::as_str)) {
         out.extend(super::chat::unknown_keys_of(
             js,
             &["name", "description", "schema", "strict"],
