@@ -214,6 +214,15 @@ fn tokenize_route() {
         (400, "invalid_value", Some("tools".into()))
     );
     assert_eq!(t(b"{"), (400, "invalid_json", None));
+    // The chat-only fields do nothing to a prompt: reported (null means unset).
+    let v = body_json(
+        r.handle(
+            Endpoint::Tokenize,
+            br#"{"prompt": "hello", "tools": [null], "continue_final_message": true, "documents": null}"#,
+        )
+        .unwrap(),
+    );
+    assert_eq!(v["ignored_fields"], json!(["continue_final_message", "tools"]));
 }
 
 #[test]

@@ -46,6 +46,10 @@ struct DetokenizeBody {
     extra: BTreeMap<String, IgnoredAny>,
 }
 
+/// Tokenize fields that only shape a `messages` render.
+const CHAT_ONLY: [&str; 5] =
+    ["add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "documents"];
+
 fn to_body(v: &Value) -> Vec<u8> {
     serde_json::to_vec(v).expect("JSON values serialize")
 }
@@ -77,7 +81,13 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
                 "Missing required parameter: `prompt` (or `messages`).",
             ))
         }
-        (Some(prompt), None) => router.tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true)),
+        (Some(prompt), None) => {
+            // The chat-only fields do nothing to a prompt: reported, as any inert field.
+            ignored.extend(
+                CHAT_ONLY.iter().filter(|f| value.get(**f).is_some_and(|v| !v.is_null())).map(|f| f.to_string()),
+            );
+            router.tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true))
+        }
         (None, Some(messages)) => {
             validate_messages(messages)?;
             if let Some(tools) = &req.tools {
