@@ -36,6 +36,12 @@ fn body_must_be_a_json_object() {
         assert_eq!(shape(r.prepare(ep, b"\xff\xfe")), (400, "invalid_json", None));
         assert_eq!(shape(r.prepare(ep, b"[1]")), (400, "invalid_type", None));
         assert_eq!(shape(r.prepare(ep, b"null")), (400, "invalid_type", None));
+        // a lone surrogate is named as such, not as serde's "unexpected end of hex escape"
+        for body in [&br#"{"prompt": "\ud800"}"#[..], br#"{"prompt": "\udc00x"}"#] {
+            let err = r.prepare(ep, body).unwrap_err();
+            assert_eq!((err.status(), err.code()), (400, "invalid_json"));
+            assert!(err.message().contains("lone UTF-16 surrogate"), "{}", err.message());
+        }
     }
 }
 
@@ -444,6 +450,10 @@ fn completion_prompts() {
         (json!({"prompt": [[1], [2, 999]]}), 400, "invalid_value", p("prompt[1][1]")),
         (json!({"prompt": [1.5]}), 400, "invalid_type", p("prompt[0]")),
         (json!({"prompt": [-1]}), 400, "invalid_value", p("prompt[0]")),
+        (json!({"prompt": [5.0]}), 400, "invalid_type", p("prompt[0]")),
+        // whole numbers past 64 bits arrive as floats: still a range error
+        (json!({"prompt": [18446744073709551616.0f64]}), 400, "invalid_value", p("prompt[0]")),
+        (json!({"prompt": [-1e30]}), 400, "invalid_value", p("prompt[0]")),
         (json!({"prompt": [1, "a"]}), 400, "invalid_type", p("prompt[1]")),
         (json!({"prompt": ["a", 1]}), 400, "invalid_type", p("prompt[1]")),
         (json!({"prompt": ["a", [1, 2]]}), 400, "invalid_type", p("prompt[1]")),

@@ -18,8 +18,17 @@ pub const MAX_N: u32 = 128;
 /// Parses the raw body: malformed JSON is `invalid_json`, anything but an object is
 /// `invalid_type`.
 pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::with_code("invalid_json", None, format!("The request body is not valid JSON: {e}.")))?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        // serde_json names a lone UTF-16 surrogate (`"\ud800"` with no partner) by what it
+        // found after it; say what is wrong instead.
+        let msg = e.to_string();
+        let why = if msg.contains("hex escape") || msg.contains("surrogate") {
+            format!("a \\u escape is not a character (a lone UTF-16 surrogate, \\ud800-\\udfff, has no text) ({msg})")
+        } else {
+            msg
+        };
+        ApiError::with_code("invalid_json", None, format!("The request body is not valid JSON: {why}."))
+    })?;
     if !value.is_object() {
         return Err(ApiError::with_code(
             "invalid_type",

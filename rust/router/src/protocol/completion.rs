@@ -52,10 +52,19 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptI
             .enumerate()
             .map(|(j, t)| {
                 let pj = format!("{p}[{j}]");
-                match t.as_u64() {
-                    Some(id) => check_token_id(&pj, id, vocab_size),
-                    None if t.is_i64() => Err(ApiError::invalid(pj, "Token ids must not be negative.")),
-                    None => Err(invalid_type(pj, format!("Token ids must be integers, not {}.", kind_of(t)))),
+                // A whole number too big for 64 bits arrives as a float (`2**64`): a range
+                // error, as for any integer field; `5.0` is a type error (OpenAI's rule).
+                let huge = t.as_f64().filter(|f| t.is_f64() && f.fract() == 0.0 && f.abs() >= 2f64.powi(63));
+                match (t.as_u64(), huge) {
+                    (Some(id), _) => check_token_id(&pj, id, vocab_size),
+                    (None, Some(f)) if f > 0.0 => Err(ApiError::invalid(
+                        pj,
+                        format!("Token id {t} is out of range: the vocabulary has {vocab_size} tokens."),
+                    )),
+                    (None, _) if t.is_i64() || huge.is_some() => {
+                        Err(ApiError::invalid(pj, "Token ids must not be negative."))
+                    }
+                    (None, _) => Err(invalid_type(pj, format!("Token ids must be integers, not {}.", kind_of(t)))),
                 }
             })
             .collect()
