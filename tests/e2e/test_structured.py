@@ -151,6 +151,10 @@ def test_regex_and_grammar_extensions(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format.regex"),
+    # they compile, but admit no text at all
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "grammar", "grammar": "start: a\na: a"}}, "response_format.grammar"),
 ])
 def test_bad_schema_is_400(smol, body, param):
     model = httpx.get(smol.url + "/v1/models").json()["data"][0]["id"]
@@ -163,6 +167,19 @@ def test_bad_schema_is_400(smol, body, param):
     for k in keyword:
         if k in json.dumps(body):
             assert k in err["message"]
+
+
+def test_grammar_the_engine_gives_up_on_fails_the_request_visibly(smol):
+    # the lexer runs out of room at the first generated token: never a silent "stop"
+    model = httpx.get(smol.url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "response_format": {"type": "regex", "regex": "a{1000000}"}}
+    r = httpx.post(smol.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 500 and "Constrained decoding failed" in r.json()["error"]["message"]
+    # streamed, it fails before the first byte: a 500 as well (CONTRACT)
+    r = httpx.post(smol.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 500 and "Constrained decoding failed" in r.json()["error"]["message"]
+    assert httpx.get(smol.url + "/load").json()["running"] == 0
 
 
 WEATHER = {"type": "function", "function": {

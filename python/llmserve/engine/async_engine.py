@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import orjson
+
 from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.build import Engine, build_engine
@@ -30,6 +32,15 @@ _END = object()
 def _is_sse_frame(data) -> bool:
     """Whether `data` is wire-ready SSE (the mid-stream error frame), not an error body."""
     return isinstance(data, (bytes, bytearray)) and data.startswith(b"data: ")
+
+
+def _error_message(body) -> str | None:
+    """The message of an OpenAI error body (bytes), or None if it is not one."""
+    try:
+        message = orjson.loads(body)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return message if isinstance(message, str) else None
 
 
 class RequestStream:
@@ -66,8 +77,8 @@ class RequestStream:
             # NOTE: the Core hands over its error as bytes (a body, or an SSE frame once it
             # thinks the stream began); passed through, a body would go out as a 200. As an
             # ApiError it becomes a real 500, or its SSE frame if the stream began meanwhile.
-            # Only a streamed request can ever carry the frame.
-            data = self._engine.internal_error()
+            # Only a streamed request can ever carry the frame. The Core's message stays.
+            data = self._engine.internal_error(_error_message(data))
         if data:  # NOTE: steps that produced no bytes (held-back text, non-streamed) wake nobody
             self._queue.put_nowait(data)
         if finished:
@@ -226,8 +237,8 @@ class AsyncEngine:
         return Router.error("unavailable", message, retry_after=retry_after)
 
     @staticmethod
-    def internal_error() -> ApiError:
-        return Router.error("internal", "The engine failed while running this request.")
+    def internal_error(message: str | None = None) -> ApiError:
+        return Router.error("internal", message or "The engine failed while running this request.")
 
     # -- requests ----------------------------------------------------------------------
     def _check_serving(self) -> None:

@@ -150,6 +150,9 @@ struct CoreState {
     last_prompt_lp: Vec<(u64, u32)>,
     /// Handles of the requests the last plan held for the first time.
     first_scheduled: Vec<u64>,
+    /// Requests whose grammar could not compute a mask for the last plan, with why: the
+    /// step lets only EOS through on their rows, and commit fails them.
+    mask_failures: Vec<(u64, String)>,
     /// Tokens a mask covers (the tokenizer's vocabulary).
     mask_vocab: usize,
     /// The EOS id allowed when a matcher has failed, so its sequence ends.
@@ -296,6 +299,7 @@ impl CoreState {
     fn masks(&mut self, plan: &Plan) -> Masks {
         let width = self.mask_vocab.div_ceil(32);
         let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
+        self.mask_failures.clear();
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
@@ -311,12 +315,17 @@ impl CoreState {
                         *dst = src as i32;
                     }
                 }
-                // NOTE: a failed matcher (it cannot happen for tokens its own masks allowed)
-                // lets only EOS through, so its sequence ends instead of running unconstrained.
-                Err(_) => {
+                // NOTE: a matcher that cannot compute a mask (compile() computed the first, so
+                // a grammar the engine gives up on later) lets only EOS through, so its row
+                // cannot run unconstrained, and commit fails the request: output that stops
+                // short of the grammar must not read as a normal "stop".
+                Err(e) => {
                     if let Some(eos) = self.eos {
                         out[eos as usize / 32] |= 1 << (eos % 32);
                     }
+                    let why = e.to_string();
+                    let why = why.lines().next().unwrap_or_default().to_string();
+                    self.mask_failures.push((handle, format!("Constrained decoding failed: {why}")));
                 }
             }
             masks.rows.push(row as i64);
@@ -352,7 +361,7 @@ impl CoreState {
     fn commit(&mut self, tokens: &[u32], logprobs: &[f32], top_ids: &[i64], top_lps: &[f32], k: usize) -> Vec<Output> {
         let updates = self.scheduler.commit(tokens);
         let mut touched: Vec<u64> = Vec::new();
-        let mut failed: Vec<(u64, String)> = Vec::new();
+        let mut failed: Vec<(u64, String)> = std::mem::take(&mut self.mask_failures);
         for u in updates {
             let Some(&(handle, prompt_idx)) = self.owners.get(&u.req_id) else { continue };
             if failed.iter().any(|(h, _)| *h == handle) {
@@ -476,6 +485,7 @@ impl CoreState {
     fn fail_plan(&mut self, message: &str) -> Vec<Output> {
         // Drop what the failed step registered (its K/V was never written).
         self.scheduler.discard_plan();
+        self.mask_failures.clear();
         let err = ApiError::Internal { message: message.to_string() };
         let mut handles: Vec<u64> =
             self.last_plan_reqs.iter().filter_map(|id| self.owners.get(id).map(|&(h, _)| h)).collect();
@@ -564,6 +574,7 @@ impl PyCore {
                 last_plan_reqs: Vec::new(),
                 last_prompt_lp: Vec::new(),
                 first_scheduled: Vec::new(),
+                mask_failures: Vec::new(),
                 mask_vocab,
                 eos,
             },

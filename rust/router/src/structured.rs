@@ -148,12 +148,20 @@ pub struct Grammars {
     tokenizer: Arc<Tokenizer>,
     eos_token_ids: Vec<u32>,
     factory: OnceLock<Result<ParserFactory, String>>,
+    /// Over single bytes: whether a grammar admits any text at all, whatever the vocabulary.
+    byte_factory: OnceLock<Result<ParserFactory, String>>,
     cache: Mutex<HashMap<String, Grammar>>,
 }
 
 impl Grammars {
     pub fn new(tokenizer: Arc<Tokenizer>, eos_token_ids: Vec<u32>) -> Self {
-        Self { tokenizer, eos_token_ids, factory: OnceLock::new(), cache: Mutex::new(HashMap::new()) }
+        Self {
+            tokenizer,
+            eos_token_ids,
+            factory: OnceLock::new(),
+            byte_factory: OnceLock::new(),
+            cache: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The token count masks are computed over (the tokenizer's vocabulary).
@@ -184,7 +192,7 @@ impl Grammars {
                 format!("The {} cannot be used to constrain generation: {}", describe(source), first_line(&err)),
             ));
         }
-        if let Err(err) = self.probe(&matcher) {
+        if let Err(err) = self.probe(source, &matcher) {
             let (what, hint) = if param == "tools" {
                 (
                     "forced tool call",
@@ -217,10 +225,19 @@ impl Grammars {
     /// Earley items per row, and a choice between ~2000 tools needs one per tool (the row
     /// is built when the token before the choice is consumed).
     ///
-    /// Only a token the grammar's own mask allowed and then refused is a failure: a mask
-    /// that cannot be computed, or that refuses our tokenization of the text (a special
-    /// token, a vocabulary that cannot spell it), leaves the grammar to generation as before.
-    fn probe(&self, matcher: &Matcher) -> Result<(), String> {
+    /// A first mask that cannot be computed fails when the grammar admits no text at all
+    /// (`{"$ref": "#"}`, a grammar with no finite string): generation could only end every
+    /// choice at once. Past that, only a token the grammar's own mask allowed and then
+    /// refused is a failure: a mask that cannot be computed because this vocabulary cannot
+    /// spell the grammar's text, or one that refuses our tokenization of the text (a special
+    /// token), leaves the grammar to generation (which fails the request if it cannot go on).
+    fn probe(&self, source: &GrammarSource, matcher: &Matcher) -> Result<(), String> {
+        if let Err(e) = matcher.clone().compute_mask() {
+            if !self.admits_text(source) {
+                return Err(e.to_string());
+            }
+            return Ok(());
+        }
         // NOTE: the forced bytes come from a clone of their own: a matcher that computed
         // them takes them as given and would not build the rows generation builds.
         let forced = matcher.clone().compute_ff_bytes();
@@ -236,6 +253,13 @@ impl Grammars {
             m.consume_token(id).map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// Whether `source` can start some text when every byte is a token of its own.
+    fn admits_text(&self, source: &GrammarSource) -> bool {
+        let Ok(factory) = self.byte_factory.get_or_init(byte_factory).as_ref() else { return true };
+        let m = Matcher::new(factory.create_parser(source.to_top_level()));
+        m.get_error().is_none() && m.clone().compute_mask().is_ok()
     }
 
     /// Compiled grammars now cached.
@@ -259,6 +283,13 @@ fn first_line(err: &str) -> String {
     lines.join(" ")
 }
 
+/// A factory over 256 one-byte tokens and an EOS (id 256): any text can be spelled.
+fn byte_factory() -> Result<ParserFactory, String> {
+    let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    words.push(vec![TokTrie::SPECIAL_TOKEN_MARKER, b'e']);
+    factory_over(&words, &[256])
+}
+
 /// The token trie: each token's bytes; special tokens get toktrie's 0xFF marker before
 /// their text so that grammar text can never match them by accident.
 fn build_factory(tokenizer: &Tokenizer, eos_token_ids: &[u32]) -> Result<ParserFactory, String> {
@@ -274,10 +305,14 @@ fn build_factory(tokenizer: &Tokenizer, eos_token_ids: &[u32]) -> Result<ParserF
             }
         })
         .collect();
+    factory_over(&words, eos_token_ids)
+}
+
+fn factory_over(words: &[Vec<u8>], eos_token_ids: &[u32]) -> Result<ParserFactory, String> {
     let eos = eos_token_ids.first().copied().unwrap_or(0);
-    let mut info = TokRxInfo::new(vocab as u32, eos);
+    let mut info = TokRxInfo::new(words.len() as u32, eos);
     info.tok_end_of_turn = eos_token_ids.get(1).copied();
-    let trie = TokTrie::from(&info, &words);
+    let trie = TokTrie::from(&info, words);
     let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
     let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
     factory.quiet();

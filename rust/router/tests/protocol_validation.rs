@@ -261,6 +261,19 @@ fn response_format_json_modes_compile_to_grammars() {
             "missing_required_parameter",
             p("response_format.grammar"),
         ),
+        // compile but admit no text at all: refused here, not ended at once later
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}),
+            400,
+            "invalid_value",
+            p("response_format.json_schema.schema"),
+        ),
+        (
+            json!({"response_format": {"type": "grammar", "grammar": "start: a\na: a"}}),
+            400,
+            "invalid_value",
+            p("response_format.grammar"),
+        ),
         (json!({"response_format": {"type": "xml"}}), 400, "invalid_value", p("response_format.type")),
         (json!({"response_format": {}}), 400, "missing_required_parameter", p("response_format.type")),
         (json!({"response_format": "text"}), 400, "invalid_type", p("response_format")),
