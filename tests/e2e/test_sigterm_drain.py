@@ -66,27 +66,31 @@ def test_sigterm_drains_then_exits(long_context_model):
         server.stop()
 
 
-def test_a_second_signal_skips_the_drain(long_context_model):
+def test_a_second_signal_skips_the_drain_and_ends_what_runs_properly(long_context_model):
     server = ServerProcess(str(long_context_model), "--served-model-name", "tiny",
                            "--max-model-len", "8192")
     try:
         first_chunk = threading.Event()
-        done = threading.Event()
+        result: dict = {}
 
         def stream() -> None:
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 8000, "ignore_eos": True,
                     "stream": True}
-            try:
-                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-                    for line in r.iter_lines():
+            frames = []
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line[6:])
                         first_chunk.set()
-                        if line == "data: [DONE]":
-                            done.set()
-            except httpx.HTTPError:
-                pass    # the server closed the stream: what this test expects
+            result["frames"] = frames
 
-        reader = threading.Thread(target=stream)
-        reader.start()
+        def plain() -> None:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 8000, "ignore_eos": True}
+            result["plain"] = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+        readers = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in readers:
+            t.start()
         assert first_chunk.wait(60)
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -96,9 +100,16 @@ def test_a_second_signal_skips_the_drain(long_context_model):
         signalled = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(30)
-        # it exits without waiting for the stream (8000 tokens take far longer here)
+        # it exits without waiting for the requests (8000 tokens take far longer here)...
         assert time.monotonic() - signalled < 20
-        reader.join(30)
-        assert not done.is_set()
+        for t in readers:
+            t.join(30)
+        # ...but ends them in the OpenAI shape: an error frame then [DONE], a 503 to retry
+        frames = result["frames"]
+        assert frames[-1] == "[DONE]"
+        assert '"service_unavailable_error"' in frames[-2] and "finish_reason" not in frames[-2]
+        plain = result["plain"]
+        assert plain.status_code == 503 and plain.headers.get("retry-after")
+        assert plain.json()["error"]["type"] == "service_unavailable_error"
     finally:
         server.stop()

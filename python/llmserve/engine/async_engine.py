@@ -199,6 +199,20 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         return not self._open
 
+    def end_all(self, message: str = "The server is shutting down before this request "
+                                      "finished; retry it.") -> int:
+        """End every open request now with a 503 (Retry-After) in the OpenAI shape, or, for a
+        stream that has begun, an error frame and `[DONE]`; their sequences are aborted (KV
+        blocks freed). For a drain that ran out of time: uvicorn would otherwise cancel the
+        handlers, and clients would get a plain-text 500 or a cut-off stream. Returns how
+        many requests it ended. Event loop only."""
+        streams = list(self._open)
+        for stream in streams:
+            stream._push(self.unavailable(message), "abort", False, 0)
+            if self._thread is not None:
+                self._thread.post(("abort", stream))
+        return len(streams)
+
     async def drain(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let running ones finish (up to `timeout`), stop the loop."""
         await self.wait_drained(timeout)

@@ -184,6 +184,9 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self._drain is not None and self._loop is not None:
+            # A second signal: stop now, but answer what still runs first (below).
+            self._loop.call_soon_threadsafe(self._end_running)
         if self._drain is not None or self._loop is None or self.engine.state != "ready":
             super().handle_exit(sig, frame)
             return
@@ -195,7 +198,17 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self, sig: int) -> None:
         if not await self.engine.wait_drained(DRAIN_TIMEOUT_S):
             log.warning("drain timed out after %.0f s; closing with requests running", DRAIN_TIMEOUT_S)
+            self._end_running()
+            # let the handlers write those endings before uvicorn closes the connections
+            await asyncio.sleep(0.2)
         super().handle_exit(sig, None)
+
+    def _end_running(self) -> None:
+        """Requests still running when the server must stop get a proper ending (503 with
+        Retry-After, or an error frame and [DONE]) instead of being cut off."""
+        ended = self.engine.end_all()
+        if ended:
+            log.warning("ended %d running requests with 503: the server is stopping", ended)
 
 
 def _listen(host: str, port: int) -> socket.socket:
