@@ -204,3 +204,44 @@ def test_non_streamed_failure_mid_generation_is_500(failing_engine):
             await engine.drain()
 
     asyncio.run(main())
+
+
+def test_a_body_that_stops_arriving_is_408(tiny_model, monkeypatch):
+    """uvicorn has no body timeout: a client that declares more than it sends gets a 408 in
+    the OpenAI shape once nothing arrives for BODY_IDLE_TIMEOUT_S, instead of holding its
+    connection forever."""
+    from llmserve.server import routes
+
+    monkeypatch.setattr(routes, "BODY_IDLE_TIMEOUT_S", 0.3)
+    engine = AsyncEngine(_config(tiny_model))
+
+    async def main():
+        await engine.start()
+        app = create_app(engine=engine)
+        chunks = [{"type": "http.request", "body": b'{"model": "tiny", ', "more_body": True}]
+        stalled = asyncio.Event()
+
+        async def receive():
+            if chunks:
+                return chunks.pop(0)
+            await stalled.wait()           # never set: the rest of the body never comes
+            return {"type": "http.disconnect"}
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "root_path": "", "scheme": "http", "query_string": b"", "server": ("test", 80),
+                 "client": ("127.0.0.1", 1), "http_version": "1.1",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")]}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        assert start["status"] == 408
+        err = json.loads(body)["error"]
+        assert (err["type"], err["code"]) == ("invalid_request_error", "request_timeout")
+        await engine.drain()
+
+    asyncio.run(main())

@@ -19,6 +19,8 @@ from llmserve._core import __version__ as core_version
 from llmserve.engine.async_engine import AsyncEngine, RequestStream
 
 JSON = "application/json"
+# A body that stops arriving for this long is a 408 (the client keeps nothing of ours busy).
+BODY_IDLE_TIMEOUT_S = 30.0
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -31,8 +33,9 @@ def _is_json(content_type: str) -> bool:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request body, refused with 413 past --max-body-bytes (before reading it all), and
-    with 400 when its Content-Type says it is not JSON.
+    """The request body, refused with 413 past --max-body-bytes (before reading it all),
+    with 400 when its Content-Type says it is not JSON, and with 408 when it stops arriving
+    for BODY_IDLE_TIMEOUT_S.
 
     NOTE: as vLLM does. A web page may POST `text/plain` or a form to any origin without a
     CORS preflight: without this check, any page a local user opens could make a keyless
@@ -48,7 +51,16 @@ async def read_body(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise Router.error("payload_too_large", limit=limit)
     parts, size = [], 0
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    while True:
+        # NOTE: uvicorn has no body timeout: a client that declares more than it sends would
+        # hold its connection (and this handler) forever.
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), BODY_IDLE_TIMEOUT_S)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise Router.error("request_timeout", limit=int(BODY_IDLE_TIMEOUT_S)) from None
         size += len(chunk)
         if size > limit:
             raise Router.error("payload_too_large", limit=limit)

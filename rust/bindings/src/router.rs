@@ -126,9 +126,9 @@ impl PyRouter {
     }
 
     /// An `ApiError` exception of a named kind (`unavailable`, `internal`, `unauthorized`,
-    /// `not_found`, `model_not_found`, `payload_too_large`, `invalid_request`,
-    /// `unsupported_parameter`, `unsupported_media_type`), with its body built here like every
-    /// other error.
+    /// `not_found`, `model_not_found`, `payload_too_large`, `request_timeout` (`limit` is its
+    /// seconds), `invalid_request`, `unsupported_parameter`, `unsupported_media_type`), with
+    /// its body built here like every other error.
     #[staticmethod]
     #[pyo3(signature = (kind, message = String::new(), param = None, retry_after = None, limit = None))]
     fn error(

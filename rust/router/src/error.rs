@@ -22,6 +22,8 @@ pub enum ApiError {
     MethodNotAllowed { message: String },
     /// 401: missing or wrong API key.
     Unauthorized { message: String },
+    /// 408: the client stopped sending its body for `seconds`.
+    RequestTimeout { seconds: u32 },
     /// 413: request body over the size limit.
     PayloadTooLarge { limit: usize },
     /// 503: queue full, loading or draining. `retry_after` is in seconds.
@@ -48,6 +50,7 @@ impl ApiError {
             Self::Unauthorized { .. } => 401,
             Self::ModelNotFound { .. } | Self::NotFound { .. } => 404,
             Self::MethodNotAllowed { .. } => 405,
+            Self::RequestTimeout { .. } => 408,
             Self::PayloadTooLarge { .. } => 413,
             Self::Internal { .. } => 500,
             Self::Unavailable { .. } => 503,
@@ -60,6 +63,7 @@ impl ApiError {
             Self::InvalidRequest { .. }
             | Self::ContextLengthExceeded { .. }
             | Self::PayloadTooLarge { .. }
+            | Self::RequestTimeout { .. }
             | Self::MethodNotAllowed { .. } => "invalid_request_error",
             Self::Unauthorized { .. } => "authentication_error",
             Self::ModelNotFound { .. } | Self::NotFound { .. } => "not_found_error",
@@ -77,6 +81,7 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => "method_not_allowed",
             Self::Unauthorized { .. } => "invalid_api_key",
             Self::PayloadTooLarge { .. } => "request_too_large",
+            Self::RequestTimeout { .. } => "request_timeout",
             Self::Internal { .. } => "internal_error",
             Self::Unavailable { .. } => "service_unavailable",
         }
@@ -101,6 +106,9 @@ impl ApiError {
             | Self::Internal { message } => message.clone(),
             Self::ModelNotFound { model } => format!("The model `{model}` does not exist."),
             Self::PayloadTooLarge { limit } => format!("Request body is larger than the limit of {limit} bytes."),
+            Self::RequestTimeout { seconds } => {
+                format!("The request body stopped arriving: nothing came for {seconds} s.")
+            }
         }
     }
 
