@@ -23,7 +23,8 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     """A zeroed CPU tensor backed by an anonymous mmap (pages mapped lazily, on first touch)."""
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(numel * itemsize, 1))
+    # private, as malloc'd memory is: a forked child gets copy-on-write pages, not shared ones
+    buf = mmap.mmap(-1, max(numel * itemsize, 1), flags=mmap.MAP_PRIVATE)
     # the tensor keeps `buf` alive; the mapping goes when the last view of it does
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
