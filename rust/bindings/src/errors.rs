@@ -79,7 +79,9 @@ pub fn from_kind(
         "model_not_found" => ApiError::ModelNotFound { model: message },
         "payload_too_large" => ApiError::PayloadTooLarge { limit: limit.unwrap_or_default() },
         // `limit`: the seconds the body was awaited
-        "request_timeout" => ApiError::RequestTimeout { seconds: limit.unwrap_or_default().min(u32::MAX as usize) as u32 },
+        "request_timeout" => {
+            ApiError::RequestTimeout { seconds: limit.unwrap_or_default().min(u32::MAX as usize) as u32 }
+        }
         "unavailable" => ApiError::Unavailable { message, retry_after: retry_after.unwrap_or(1) },
         "internal" => ApiError::Internal { message },
         _ => return None,

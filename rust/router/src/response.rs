@@ -138,8 +138,9 @@ struct ChatLogprobs {
     content: Vec<ChatLogprob>,
 }
 
-/// Completions' `top_logprobs` entry: token text -> logprob, most likely first. Two ids with
-/// one text keep the first (likelier) value.
+/// Completions' `top_logprobs` entry: token text -> logprob, most likely first, and the
+/// token itself when it is not among them (OpenAI: "up to `logprobs + 1` elements"; `logprobs:
+/// 0` gives the token alone). Two ids with one text keep the first (likelier) value.
 #[derive(Clone, Debug, Default)]
 struct TopMap(Vec<(String, f32)>);
 
@@ -432,9 +433,9 @@ impl ResponseBuilder {
             .collect()
     }
 
-    fn top_map(&self, top: &[(u32, f32)]) -> TopMap {
+    fn top_map(&self, tok: &TokenOut) -> TopMap {
         let mut map = TopMap::default();
-        for &(id, lp) in top {
+        for &(id, lp) in tok.top.iter().chain(std::iter::once(&(tok.id, tok.logprob))) {
             let s = self.tokenizer.token_str(id);
             if !map.0.iter().any(|(k, _)| *k == s) {
                 map.0.push((s, wire_lp(lp)));
@@ -448,7 +449,7 @@ impl ResponseBuilder {
         for tok in tokens {
             out.tokens.push(self.tokenizer.token_str(tok.id));
             out.token_logprobs.push(Some(wire_lp(tok.logprob)));
-            out.top_logprobs.push(Some(self.top_map(&tok.top)));
+            out.top_logprobs.push(Some(self.top_map(tok)));
             out.text_offset.push(tok.text_offset + offset_shift);
         }
         out
@@ -467,7 +468,7 @@ impl ResponseBuilder {
             add.text_offset.push(offsets.get(next + i).copied().unwrap_or_default());
             add.tokens.push(self.tokenizer.token_str(tok.id));
             add.token_logprobs.push(Some(wire_lp(tok.logprob)));
-            add.top_logprobs.push(Some(self.top_map(&tok.top)));
+            add.top_logprobs.push(Some(self.top_map(tok)));
         }
         self.prompt_lp[prompt as usize].0.extend(add);
     }

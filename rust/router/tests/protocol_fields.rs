@@ -384,8 +384,9 @@ fn unread_message_keys_are_reported() {
         let p = chat(&r, json!({"messages": msgs, "response_format": rf})).unwrap();
         assert_eq!(header(&p, "llmserve-ignored-fields"), None, "{rf}");
     }
-    let p = chat(&r, json!({"messages": msgs, "response_format": {"type": "json_object", "json_schema": {"name": "x"}}}))
-        .unwrap();
+    let p =
+        chat(&r, json!({"messages": msgs, "response_format": {"type": "json_object", "json_schema": {"name": "x"}}}))
+            .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("response_format.json_schema"));
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     assert!(chat(&strict, json!({"messages": msgs, "response_format": {"type": "regex", "regex": "a+"}})).is_ok());

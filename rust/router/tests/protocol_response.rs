@@ -287,6 +287,32 @@ fn chat_stream_logprobs_ride_on_empty_deltas() {
 }
 
 #[test]
+fn completion_top_logprobs_always_hold_the_token() {
+    // `logprobs: 0` gives the token alone; with k alternatives that miss it, k + 1 entries
+    let t = tokenizer();
+    let p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(0));
+    let mut b = builder(&p);
+    let toks = [
+        TokenOut { id: 10, logprob: -0.5, top: vec![], text_offset: 0 },
+        TokenOut { id: 9, logprob: -2.5, top: vec![(10, -0.1)], text_offset: 6 },
+    ];
+    b.push(
+        0,
+        &ChoiceDelta {
+            text: " world hello",
+            tokens: &toks,
+            generated: 2,
+            finish: Some(FinishReason::Length),
+            stop_reason: None,
+        },
+    );
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let tops = &v["choices"][0]["logprobs"]["top_logprobs"];
+    assert_eq!(tops[0], json!({t.token_str(10): -0.5}));
+    assert_eq!(tops[1], json!({t.token_str(10): -0.1, t.token_str(9): -2.5}));
+}
+
+#[test]
 fn completion_logprobs_shape_with_echo_offsets() {
     let t = tokenizer();
     let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(2));
@@ -315,7 +341,8 @@ fn completion_logprobs_shape_with_echo_offsets() {
     assert_eq!(lp["tokens"], json!([t.token_str(0), t.token_str(9), t.token_str(10), t.token_str(9)]));
     assert_eq!(lp["token_logprobs"], json!([null, -1.5, -0.5, -0.75]));
     assert_eq!(lp["top_logprobs"][0], Value::Null);
-    assert_eq!(lp["top_logprobs"][1], json!({t.token_str(10): -0.25}));
+    // the token itself joins its alternatives when they lack it (OpenAI: up to logprobs + 1)
+    assert_eq!(lp["top_logprobs"][1], json!({t.token_str(10): -0.25, t.token_str(9): -1.5}));
     let mut top0 = serde_json::Map::new();
     top0.insert(t.token_str(10), json!(-0.5));
     top0.insert(t.token_str(9), json!(-2.0));

@@ -435,7 +435,9 @@ pub(crate) fn check_request_id(id: &str) -> Result<(), ApiError> {
     {
         return Err(ApiError::invalid(
             "request_id",
-            format!("`request_id` must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters, not ending in a space."),
+            format!(
+                "`request_id` must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters, not ending in a space."
+            ),
         ));
     }
     Ok(())
