@@ -266,6 +266,25 @@ def test_logprobs_never_show_text_a_stop_string_trimmed(router, stream):
     assert usage["completion_tokens"] == len(script[:script.index(81) + 1])  # through the "o"
 
 
+@pytest.mark.parametrize("shown", [False, True])
+def test_a_stopping_token_is_listed_only_when_its_text_is_shown(router, shown):
+    """EOS (or a stop_token_ids token) ends the choice: counted in usage, but listed in
+    logprobs only with include_stop_str_in_output, so the listed tokens spell the content."""
+    words = router.prepare("completion", orjson.dumps({"model": "m", "prompt": " the cat"})).prompt_token_ids[0]
+    core = make_core(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10,
+            "logprobs": True, "include_stop_str_in_output": shown, "skip_special_tokens": False}
+    handle = core.add(router.prepare("chat", orjson.dumps(body)))
+    out, _ = run(core, ScriptRunner(router.vocab_size, [*words, EOS]))
+    response = orjson.loads(b"".join(out[handle]))
+    choice = response["choices"][0]
+    listed = "".join(t["token"] for t in choice["logprobs"]["content"])
+    assert choice["finish_reason"] == "stop"
+    assert response["usage"]["completion_tokens"] == len(words) + 1
+    assert listed == choice["message"]["content"]
+    assert listed == (" the cat<|im_end|>" if shown else " the cat")
+
+
 def test_a_token_the_stop_string_begins_inside_keeps_its_logprobs(router):
     """A token that holds text before the stop string as well as some of it is shown: its
     logprobs are part of the answer."""

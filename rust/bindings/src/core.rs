@@ -72,6 +72,9 @@ struct RequestState {
     /// `stop_token_ids` that are not also an ending eos: a finish by one of these names it
     /// in `stop_reason` (vLLM's rule: eos checks first and gives none).
     stop_token_reasons: Vec<u32>,
+    /// `include_stop_str_in_output`: a token that ends a choice by id (eos, stop_token_ids)
+    /// shows its text, and so is listed in logprobs; otherwise it is only counted.
+    show_stop_tokens: bool,
     started: bool,
     /// Whether a plan has held this request yet (for the queue-time metric).
     scheduled: bool,
@@ -253,6 +256,7 @@ impl CoreState {
                     let eos = &self.router.config().eos_token_ids;
                     p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
                 },
+                show_stop_tokens: p.include_stop_str_in_output,
                 started: false,
                 scheduled: false,
                 new_tokens: 0,
@@ -439,7 +443,13 @@ impl CoreState {
                 }
             }
             let tokens_out = if finish.is_some() {
-                state.held[d].finish(token, stop_text.as_ref().map(|_| detok.emitted_len()))
+                let mut out = state.held[d].finish(token, stop_text.as_ref().map(|_| detok.emitted_len()));
+                // As for stop strings: a stopping token whose text is left out is counted in
+                // usage but not listed, so the listed tokens spell the content.
+                if by_token && !state.show_stop_tokens {
+                    out.pop();
+                }
+                out
             } else {
                 state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
             };
