@@ -402,6 +402,8 @@ fn tools_and_tool_choice() {
     assert_eq!(header(&auto, "llmserve-ignored-fields"), None);
     let none = chat(&r, json!({"tools": [tool], "tool_choice": "none"})).unwrap();
     assert!(!none.prompt_texts[0].contains("tools"), "{}", none.prompt_texts[0]);
+    // so under "none" the tools have no effect: reported, even by a template that reads them
+    assert_eq!(header(&none, "llmserve-ignored-fields"), Some("tools"));
     assert_eq!((none.grammar.is_some(), none.tools), (false, None));
     // This template knows no tool format: "auto" is text, forced calls use the json format.
     assert_eq!(auto.tools, None);

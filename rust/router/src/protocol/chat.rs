@@ -495,12 +495,15 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
     }
 }
 
-/// Whether the request's `tools` have no effect: not forced by a grammar, and the template
-/// they would render through never reads `tools`, while nothing parses calls from the output
-/// either (no tool-call format, or `tool_choice: "none"`).
+/// Whether the request's `tools` have no effect: under `tool_choice: "none"` (not rendered,
+/// nothing parsed), or not forced by a grammar while the template they would render through
+/// never reads `tools` and nothing parses calls from the output (no tool-call format).
 fn tools_unused(router: &Router, with_tools: bool, forced: &Forced) -> bool {
     if *forced != Forced::No {
         return false;
+    }
+    if !with_tools {
+        return true;
     }
     let Some(template) = router.templates.select(true) else { return false };
     if template.reads("tools") {
