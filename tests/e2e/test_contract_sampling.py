@@ -262,7 +262,12 @@ def test_completion_logprobs_shape_and_text_offset(tiny_server):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
     assert lp["text_offset"][0] == 0
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(c["text"])
-    assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
+    # the 3 likeliest, and the token itself when it is not among them (OpenAI: logprobs + 1)
+    assert all(1 <= len(t) <= 4 for t in lp["top_logprobs"])
+    assert all(tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"]))
+    zero = _ok(tiny_server, "/v1/completions", {"prompt": "The quick", "max_tokens": 4, "logprobs": 0,
+                                                "ignore_eos": True})["choices"][0]["logprobs"]
+    assert [list(t) for t in zero["top_logprobs"]] == [[tok] for tok in zero["tokens"]]
     e = _post(tiny_server, "/v1/completions", {"prompt": "x", "logprobs": 21})
     assert e.status_code == 400 and e.json()["error"]["param"] == "logprobs"
 

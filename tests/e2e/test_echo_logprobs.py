@@ -59,8 +59,9 @@ def _check_against_reference(lp: dict, reference) -> None:
     assert lp["token_logprobs"][1:n] == pytest.approx(target, abs=1e-4)
     for i in range(1, n + MAX_TOKENS):
         alts = lp["top_logprobs"][i]
-        # Same shape as the generated tokens': at most K alternatives, most likely first.
-        assert 1 <= len(alts) <= K
+        # Same shape as the generated tokens': at most K alternatives, most likely first, and
+        # the token itself when they lack it (OpenAI: up to K + 1 entries).
+        assert 1 <= len(alts) <= K + 1 and lp["tokens"][i] in alts
         values = list(alts.values())
         assert values == sorted(values, reverse=True)
         if i < n:

@@ -263,6 +263,8 @@ struct CompletionChunkChoice<'a> {
 struct Message<'a> {
     role: &'static str,
     content: Option<&'a str>,
+    /// Always null (no model here refuses through a separate channel); OpenAI always sends it.
+    refusal: Option<&'a str>,
     /// Present (null when empty) only when a reasoning parser is active.
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<Option<&'a str>>,
@@ -765,6 +767,7 @@ impl ResponseBuilder {
                         // null when the output was only calls or only thinking (as vLLM)
                         content: (!c.text.is_empty() || (c.tool_calls.is_empty() && c.reasoning_text.is_empty()))
                             .then_some(c.text.as_str()),
+                        refusal: None,
                         reasoning_content: c
                             .reasoning
                             .is_some()

@@ -214,7 +214,7 @@ fn chat_non_stream_body() {
     assert_eq!(
         v,
         json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "tiny",
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world"}, "logprobs": null,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world", "refusal": null}, "logprobs": null,
                             "finish_reason": "stop", "stop_reason": "z"}],
                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
     );
