@@ -154,7 +154,9 @@ class DrainingServer(uvicorn.Server):
     /ready answers 503 "draining", new requests get 503 with Retry-After, running ones finish
     (up to DRAIN_TIMEOUT_S); then uvicorn's own shutdown runs: it gives open connections
     CLOSE_TIMEOUT_S to finish sending, and the lifespan's drain waits no longer than what
-    is left of the first one. A second signal skips the wait.
+    is left of the first one. A second signal skips the wait. Requests still running when the
+    wait ends (or at the second signal) get a proper ending first: a 503 with Retry-After, or
+    an error frame and [DONE] (`_end_running`), never a cut-off stream.
 
     The model loads in the background after the socket is open. If loading fails the
     server can never become ready, so it shuts down (`load_failed` is then True) instead of
