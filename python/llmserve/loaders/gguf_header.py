@@ -29,6 +29,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?",
           10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+# Tensor types stored as plain elements (the rest are blocks, read as bytes)
+_PLAIN_TENSORS = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4",
+                  "I64": "<i8"}
 
 
 class Unsupported(Exception):
@@ -121,8 +124,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
         n_elems = int(np.prod(dims, dtype=np.int64))
         block, type_size = GGML_QUANT_SIZES[ggml_type]
         np_dims = tuple(reversed(dims))
-        plain = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2",
-                 "I32": "<i4", "I64": "<i8"}.get(ggml_type.name)
+        plain = _PLAIN_TENSORS.get(ggml_type.name)
         if plain is not None:
             dtype, count = np.dtype(plain), n_elems
         else:
