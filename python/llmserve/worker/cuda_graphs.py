@@ -15,9 +15,9 @@ on b and W, so one graph serves every context length. Steps with prefill chunks 
 with the same CUDA attention path.
 
 Per step the host copies the step's columns in, replays, and reads back the sampled tokens:
-one device-to-host sync for greedy-only steps. Other steps run the sampler on the GPU's logits
-too (worker/sampler.py), which reads back the tokens and any logprobs; top_p rows whose
-top candidates hold too little mass add one sync for the radix select.
+sampling runs on the GPU's logits (ModelRunner._execute with worker/sampler.py), so only the
+tokens and any logprobs come back (a greedy-only step: one device-to-host sync); top_p rows
+whose top candidates hold too little mass add one sync for the radix select.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
-from llmserve.worker.runner import ModelRunner, with_prompt_logprobs
-from llmserve.worker.sampler import SampleOutput, SamplingBatch, as_tensor
+from llmserve.worker.runner import ModelRunner
+from llmserve.worker.sampler import as_tensor
 
 log = logging.getLogger("llmserve.worker")
 
@@ -140,15 +140,6 @@ def _padded(column, b: int, fill: int, dtype) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def is_greedy_only(plan) -> bool:
-    """True when every row takes the plain argmax: no temperature, penalties, bias, grammar
-    mask or logprobs."""
-    return (not np.any(np.asarray(plan.temperature) > 0)
-            and not np.any(np.asarray(plan.num_logprobs) >= 0)
-            and len(plan.bias_token_ids) == 0 and len(plan.hist_tokens) == 0
-            and len(getattr(plan, "mask_rows", ())) == 0)
-
-
 class CudaModelRunner(ModelRunner):
     """ModelRunner on a CUDA device with our kernels: same `execute(plan) -> SampleOutput`."""
 
@@ -189,28 +180,6 @@ class CudaModelRunner(ModelRunner):
             np.asarray(plan.block_tables).reshape(len(seq_lens), -1), slot_mapping,
             self.block_size, dev, self.model.num_kv_heads, ops=self.ops)
         return self.model.forward(input_ids, positions, meta, self.kv_cache)
-
-    def _execute(self, plan, num_rows: int) -> SampleOutput:
-        """ModelRunner.execute's forward and sampling, with sampling on the GPU."""
-        hidden = self.run_model(plan)
-        # Prompt logprobs (echo with logprobs) only come with prompt chunks, never graphs.
-        prompt_lp = self.prompt_logprobs(hidden, plan)
-        return with_prompt_logprobs(self._sample(hidden, plan), prompt_lp)
-
-    def _sample(self, hidden: torch.Tensor, plan) -> SampleOutput:
-        """The plan's sampling rows, sampled on the GPU: greedy-only steps take the argmax
-        alone; others run the whole sampler on the GPU's logits (only the sampled tokens and
-        any logprobs come back, never the [R, V] logits)."""
-        num_rows = len(plan.logits_indices)
-        if num_rows == 0:
-            return SampleOutput.empty()
-        rows = as_tensor(plan.logits_indices, torch.int64).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows])            # fp32 [R, V] on the GPU
-        if is_greedy_only(plan):
-            tokens = logits.argmax(dim=-1).cpu().numpy()             # the step's one sync
-            return SampleOutput(tokens.astype(np.int64, copy=False), np.zeros(num_rows, np.float32),
-                                np.zeros((num_rows, 0), np.int64), np.zeros((num_rows, 0), np.float32))
-        return self.sampler.sample(logits, SamplingBatch.from_plan(plan))
 
 
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,
