@@ -319,8 +319,8 @@ impl CoreState {
                         *dst = src as i32;
                     }
                 }
-                // NOTE: a matcher that cannot compute a mask (compile() computed the first, so
-                // a grammar the engine gives up on later) lets only EOS through, so its row
+                // NOTE: a matcher that cannot compute a mask (a grammar the engine gives up on
+                // mid-way, or whose text this vocabulary cannot spell) lets only EOS through, so its row
                 // cannot run unconstrained, and commit fails the request: output that stops
                 // short of the grammar must not read as a normal "stop".
                 Err(e) => {

@@ -225,9 +225,10 @@ impl Grammars {
     /// Earley items per row, and a choice between ~2000 tools needs one per tool (the row
     /// is built when the token before the choice is consumed).
     ///
-    /// A first mask that cannot be computed fails when the grammar admits no text at all
-    /// (`{"$ref": "#"}`, a grammar with no finite string): generation could only end every
-    /// choice at once. Past that, only a token the grammar's own mask allowed and then
+    /// A first mask that cannot be computed fails when the grammar admits no text at all, not
+    /// even a first byte (`{"$ref": "#"}`, Lark `a: a`: rules that never reach a terminal):
+    /// generation could only end every choice at once. (A grammar that starts but can never
+    /// end, such as `a: "x" a`, passes: it runs to `max_tokens`, which reports `length`.) Past that, only a token the grammar's own mask allowed and then
     /// refused is a failure: a mask that cannot be computed because this vocabulary cannot
     /// spell the grammar's text, or one that refuses our tokenization of the text (a special
     /// token), leaves the grammar to generation (which fails the request if it cannot go on).
