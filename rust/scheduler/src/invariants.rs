@@ -1,7 +1,7 @@
 //! `Scheduler::validate`: checks every invariant the scheduler promises (see the
 //! `scheduler` module doc) by walking all of its state. O(everything); for tests and fuzzing.
 
-use crate::scheduler::{blocks_for, Scheduler, State};
+use crate::scheduler::{blocks_for, Scheduler, State, PLACEHOLDER};
 
 impl Scheduler {
     /// Check every invariant in the module doc. O(everything); for tests.
@@ -41,6 +41,17 @@ impl Scheduler {
                     }
                 }
             }
+            if let Some(r) = seq.pending {
+                let row = self.inflight.front().and_then(|p| p.rows.get(r as usize));
+                if seq.state != State::Running
+                    || seq.tokens.last() != Some(&PLACEHOLDER)
+                    || row.is_none_or(|row| row.slot != slot as u32 || row.gen != seq.gen)
+                {
+                    return Err(format!("slot {slot}: a placeholder without its awaiting row"));
+                }
+            } else if seq.tokens.contains(&PLACEHOLDER) {
+                return Err(format!("slot {slot}: a placeholder token that nothing replaces"));
+            }
             let Some(req) = self.reqs[seq.req as usize].as_ref() else {
                 return Err(format!("slot {slot} belongs to a dead request"));
             };
@@ -64,6 +75,9 @@ impl Scheduler {
         }
         if n_wait != self.waiting.len() || n_run != self.running.len() {
             return Err("queue lengths disagree with sequence states".into());
+        }
+        if self.inflight.len() > 2 {
+            return Err(format!("{} plans await commit", self.inflight.len()));
         }
         if self.running.windows(2).any(|w| w[0] >= w[1]) {
             return Err("running list is not in policy order".into());

@@ -3,9 +3,11 @@
 //! The engine speaks four verbs: `add` a request, `schedule` the next step (a [`Plan`] of
 //! flat columns), `commit` the tokens the model sampled for it, `abort` a request (plus
 //! `finish_seq` for a stop string the router matched, and `discard_plan` when a forward
-//! failed). Every non-empty Plan is committed or discarded before the next. There are
-//! no prefill or decode phases: each sequence's computed tokens catch up with its tokens,
-//! which covers chunked prompts, prefix-cache hits and recompute after preemption alike.
+//! failed). Every non-empty Plan is committed or discarded before the next `schedule`;
+//! `schedule_ahead` makes one more while one awaits commit, and commits answer them in
+//! order. There are no prefill or decode phases: each sequence's computed tokens catch up
+//! with its tokens, which covers chunked prompts, prefix-cache hits and recompute after
+//! preemption alike.
 //!
 //! Owns: request and sequence state, the waiting queue (fcfs or priority), the running set,
 //! the [`BlockPool`] (ref-counted blocks, LRU free list, chained block hashes for prefix

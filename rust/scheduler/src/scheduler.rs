@@ -8,13 +8,15 @@
 //! - every block's ref count equals the number of live sequences holding it plus pending
 //!   fork copies reading it; finished and aborted sequences hold nothing;
 //! - `running` is sorted by `Key` (policy order), so the preemption victim is its last
-//!   element and the sequences served first are never preempted for later ones.
+//!   element and the sequences served first are never preempted for later ones;
+//! - a sequence's last token is a placeholder (`pending`) only while the plan whose row
+//!   samples it awaits commit, and such a sequence is running.
 //!
 //! Costs: `add` O(log W) (W = waiting), `abort`/`finish_seq` O(B) (B = running, a Vec
 //! removal), `stats` O(1). Sequences and requests live in slabs indexed by slot, so a step
 //! touches no hash map except the prefix cache's.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use crate::block_pool::{root_hash, BlockPool};
 use crate::types::{NewRequest, Policy, SchedulerConfig, SeqSampling, Stats, StopRules};
@@ -55,6 +57,9 @@ pub(crate) struct Seq {
     pub last_hash: u64,
     /// n > 1 and the prompt has not completed: the step that completes it samples n rows.
     pub fork_pending: bool,
+    /// The last token is a placeholder for what row `r` of the plan awaiting commit samples
+    /// (set by `schedule_ahead`, replaced by `commit`).
+    pub pending: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -107,6 +112,27 @@ pub(crate) struct Row {
     pub fork_n: u32,
 }
 
+/// A Plan handed out and not yet committed: its rows, which `commit` answers, and what
+/// `discard_plan` must undo (the sequences it computes into, scheduled ones and fork copy
+/// targets; the blocks it registered in the prefix cache; each request's prompt_lp_next
+/// before it, as (request slot, request id, value)).
+#[derive(Debug, Default)]
+pub(crate) struct Inflight {
+    pub rows: Vec<Row>,
+    pub planned: Vec<(u32, u32)>,
+    pub registered: Vec<u32>,
+    pub lp_undo: Vec<(u32, u64, usize)>,
+}
+
+impl Inflight {
+    pub(crate) fn clear(&mut self) {
+        self.rows.clear();
+        self.planned.clear();
+        self.registered.clear();
+        self.lp_undo.clear();
+    }
+}
+
 pub struct Scheduler {
     pub(crate) cfg: SchedulerConfig,
     pub(crate) pool: BlockPool,
@@ -119,23 +145,21 @@ pub struct Scheduler {
     pub(crate) running: Vec<Key>,
     next_arrival: u64,
     pub(crate) pending_copies: Vec<PendingCopy>,
+    /// Plans awaiting commit, oldest first: one, or two after `schedule_ahead`.
+    pub(crate) inflight: VecDeque<Inflight>,
+    /// A committed plan's buffers, kept to avoid reallocating every step.
+    pub(crate) spare: Inflight,
     // Per-step scratch, kept to avoid reallocating every step.
     pub(crate) scheduled: Vec<(u32, usize)>,
-    /// Sequences the last Plan computes into (scheduled ones and fork copy targets) and the
-    /// blocks it registered in the prefix cache: what `discard_plan` must undo.
-    pub(crate) planned: Vec<(u32, u32)>,
-    pub(crate) registered: Vec<u32>,
-    pub(crate) rows: Vec<Row>,
-    /// (request slot, request id, its prompt_lp_next before the last Plan): what
-    /// `discard_plan` restores.
-    pub(crate) lp_undo: Vec<(u32, u64, usize)>,
     pub(crate) hits: Vec<u32>,
-    pub(crate) awaiting_commit: bool,
     pub(crate) last_num_tokens: usize,
     pub(crate) prefix_hit_tokens: u64,
     pub(crate) prefix_query_tokens: u64,
     pub(crate) preemptions: u64,
 }
+
+/// The token id a placeholder holds until `commit` replaces it (never a vocabulary id).
+pub(crate) const PLACEHOLDER: u32 = u32::MAX;
 
 pub(crate) fn blocks_for(tokens: usize, block_size: usize) -> usize {
     tokens.div_ceil(block_size)
@@ -167,13 +191,10 @@ impl Scheduler {
             running: Vec::new(),
             next_arrival: 0,
             pending_copies: Vec::new(),
+            inflight: VecDeque::new(),
+            spare: Inflight::default(),
             scheduled: Vec::new(),
-            planned: Vec::new(),
-            registered: Vec::new(),
-            rows: Vec::new(),
-            lp_undo: Vec::new(),
             hits: Vec::new(),
-            awaiting_commit: false,
             last_num_tokens: 0,
             prefix_hit_tokens: 0,
             prefix_query_tokens: 0,
@@ -353,6 +374,7 @@ impl Scheduler {
                     num_hashed: 0,
                     last_hash: 0,
                     fork_pending: false,
+                    pending: None,
                 });
                 (self.seqs.len() - 1) as u32
             }
@@ -367,6 +389,7 @@ impl Scheduler {
         seq.num_hashed = 0;
         seq.last_hash = root;
         seq.fork_pending = false;
+        seq.pending = None;
         self.req_mut(req_slot).seqs.push(slot);
         slot
     }
@@ -426,6 +449,7 @@ impl Scheduler {
         seq.state = State::Free;
         seq.gen = seq.gen.wrapping_add(1);
         seq.tokens = Vec::new();
+        seq.pending = None;
         self.free_seqs.push(slot);
     }
 

@@ -11,58 +11,162 @@
 
 use crate::block_pool::{hash_block, BlockPool};
 use crate::plan::{mix_seed, Plan};
-use crate::scheduler::{blocks_for, Key, PendingCopy, Req, Row, Scheduler, Seq, State};
+use crate::scheduler::{blocks_for, Inflight, Key, PendingCopy, Req, Row, Scheduler, Seq, State, PLACEHOLDER};
 use crate::types::{FinishReason, SeqUpdate, StopRules};
 
 impl Scheduler {
     /// The next batch; empty (`is_empty()`) when there is nothing to run. A non-empty Plan
     /// is answered by `commit` (`commit(&[])` for a plan without rows).
     ///
-    /// NOTE: calling `schedule` again without committing discards the previous Plan exactly
-    /// as `discard_plan` does (its sequences recompute). This is the recovery path when a
+    /// NOTE: calling `schedule` while plans await commit discards them exactly as
+    /// `discard_plan` does (their sequences recompute). This is the recovery path when a
     /// forward fails, and it keeps a missed commit from corrupting state or panicking the
     /// engine thread.
     pub fn schedule(&mut self) -> Plan {
         self.discard_plan();
+        self.plan_step(true)
+    }
+
+    /// The batch after the one awaiting commit, planned before its tokens are known, so the
+    /// engine can build it while the model runs that one. Empty when it cannot be planned
+    /// ahead; the engine then commits and calls `schedule`.
+    ///
+    /// Each sequence that samples in the awaiting plan gets a placeholder last token: its
+    /// input id in this plan is `-1 - r`, for row `r` of the awaiting plan (the runner
+    /// substitutes the token sampled there), and `commit` of the awaiting plan replaces it.
+    /// A sequence that then finishes has computed one token for nothing: its row in this
+    /// plan gets no update. One whose placeholder reaches max_tokens or max_model_len is not
+    /// scheduled at all.
+    ///
+    /// Not planned ahead (empty): unless exactly one plan awaits commit; when one of its rows
+    /// forks (n > 1) or has penalties (their next rows need the token itself); when the
+    /// running sequences would not fit in the free blocks (this never preempts).
+    pub fn schedule_ahead(&mut self) -> Plan {
+        if self.inflight.len() != 1 || !self.rows_plan_ahead() {
+            return Plan::default();
+        }
+        let rows = std::mem::take(&mut self.inflight[0].rows);
+        for (r, row) in rows.iter().enumerate() {
+            let seq = &mut self.seqs[row.slot as usize];
+            // (a sequence may hold its placeholder from an earlier call that planned nothing)
+            if seq.gen == row.gen && seq.state == State::Running && seq.pending.is_none() {
+                seq.tokens.push(PLACEHOLDER);
+                seq.pending = Some(r as u32);
+            }
+        }
+        self.inflight[0].rows = rows;
+        if !self.fits_without_preemption() {
+            self.drop_placeholders(0);
+            return Plan::default();
+        }
+        self.plan_step(false)
+    }
+
+    /// Whether every live row of the plan awaiting commit can be followed before its token
+    /// is known.
+    fn rows_plan_ahead(&self) -> bool {
+        self.inflight[0].rows.iter().all(|row| {
+            let seq = &self.seqs[row.slot as usize];
+            let live = seq.gen == row.gen && seq.state == State::Running;
+            !live || (row.fork_n <= 1 && !self.req(seq.req).penalized)
+        })
+    }
+
+    /// A placeholder that already ends its sequence by length: nothing follows it.
+    fn ends_by_length(&self, seq: &Seq) -> bool {
+        let req = self.req(seq.req);
+        seq.pending.is_some()
+            && (seq.tokens.len() - seq.prompt_len >= req.stop.max_tokens as usize
+                || seq.tokens.len() >= self.cfg.max_model_len)
+    }
+
+    /// Whether `schedule_running` would find the blocks for every running sequence it
+    /// serves without preempting.
+    fn fits_without_preemption(&self) -> bool {
+        let bs = self.cfg.block_size;
+        let (mut budget, mut free, mut served) = (self.cfg.max_num_batched_tokens, self.pool.num_free(), 0);
+        for key in &self.running {
+            if budget == 0 || served >= self.cfg.max_num_seqs {
+                break;
+            }
+            let seq = &self.seqs[key.slot as usize];
+            if self.ends_by_length(seq) {
+                continue;
+            }
+            let num_new = (seq.tokens.len() - seq.num_computed).min(budget);
+            let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
+            if need > free {
+                return false;
+            }
+            free -= need;
+            budget -= num_new;
+            served += 1;
+        }
+        true
+    }
+
+    /// Undo `schedule_ahead`'s placeholders for the rows of in-flight plan `i` (they are
+    /// only ever the oldest plan's).
+    fn drop_placeholders(&mut self, i: usize) {
+        for (r, row) in self.inflight[i].rows.iter().enumerate() {
+            let seq = &mut self.seqs[row.slot as usize];
+            if seq.gen == row.gen && seq.pending == Some(r as u32) {
+                seq.tokens.pop();
+                seq.pending = None;
+            }
+        }
+    }
+
+    fn plan_step(&mut self, may_preempt: bool) -> Plan {
         let mut plan = Plan::with_capacity(self.last_num_tokens, self.running.len() + 1, self.running.len() + 1);
+        let mut cur = std::mem::take(&mut self.spare);
+        cur.clear();
         // Forks from the last commit: the runner copies before the forward, so the source
         // reference can be dropped now even if the block is reallocated in this step.
-        self.planned.clear();
-        self.registered.clear();
         for c in self.pending_copies.drain(..) {
-            self.planned.push((c.slot, self.seqs[c.slot as usize].gen));
+            cur.planned.push((c.slot, self.seqs[c.slot as usize].gen));
             plan.copy_src.push(i64::from(c.src));
             plan.copy_dst.push(i64::from(c.dst));
             self.pool.free(c.src);
         }
         self.scheduled.clear();
-        self.rows.clear();
-        self.lp_undo.clear();
         let mut budget = self.cfg.max_num_batched_tokens;
-        let preempted = self.schedule_running(&mut budget);
+        let preempted = self.schedule_running(&mut budget, may_preempt);
         // NOTE: as vLLM, admit nothing in a step that had to preempt: memory is short, and a
         // just-preempted sequence must not bounce straight back in.
         if !preempted {
             self.schedule_waiting(&mut budget);
         }
-        self.build_plan(&mut plan);
+        self.build_plan(&mut plan, &mut cur);
         self.last_num_tokens = plan.num_tokens;
-        self.awaiting_commit = !plan.is_empty();
+        if plan.is_empty() {
+            self.spare = cur;
+        } else {
+            self.inflight.push_back(cur);
+        }
         plan
     }
 
     /// Serve running sequences in policy order, preempting from the back when blocks run
-    /// out. Returns whether anything was preempted.
-    fn schedule_running(&mut self, budget: &mut usize) -> bool {
+    /// out (or, without `may_preempt`, stopping there). Returns whether anything was
+    /// preempted.
+    fn schedule_running(&mut self, budget: &mut usize, may_preempt: bool) -> bool {
         let bs = self.cfg.block_size;
         let mut preempted = false;
         let mut i = 0;
         while i < self.running.len() && *budget > 0 && self.scheduled.len() < self.cfg.max_num_seqs {
             let slot = self.running[i].slot;
             let seq = &self.seqs[slot as usize];
+            if self.ends_by_length(seq) {
+                i += 1;
+                continue;
+            }
             let num_new = (seq.tokens.len() - seq.num_computed).min(*budget);
             debug_assert!(num_new > 0, "a running sequence always has a token to compute");
             let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
+            if !may_preempt && self.pool.num_free() < need {
+                break;
+            }
             let mut lost_self = false;
             while self.pool.num_free() < need {
                 let victim = *self.running.last().expect("the current sequence is running");
@@ -170,7 +274,7 @@ impl Scheduler {
         self.preemptions += 1;
     }
 
-    fn build_plan(&mut self, plan: &mut Plan) {
+    fn build_plan(&mut self, plan: &mut Plan, cur: &mut Inflight) {
         let bs = self.cfg.block_size;
         let width = self.scheduled.iter().map(|&(s, _)| self.seqs[s as usize].blocks.len()).max().unwrap_or(0);
         plan.block_table_width = width;
@@ -187,7 +291,7 @@ impl Scheduler {
                 let first = start.max(req.prompt_lp_next);
                 let last = end.min(seq.prompt_len - 1);
                 if first < last {
-                    self.lp_undo.push((seq.req, req.id, req.prompt_lp_next));
+                    cur.lp_undo.push((seq.req, req.id, req.prompt_lp_next));
                     let base = plan.input_ids.len() as i64 - start as i64;
                     for pos in first..last {
                         plan.prompt_lp_indices.push(base + pos as i64);
@@ -200,7 +304,11 @@ impl Scheduler {
             }
             let req = &*req;
             for pos in start..end {
-                plan.input_ids.push(i64::from(seq.tokens[pos]));
+                let id = match seq.pending {
+                    Some(r) if pos + 1 == seq.tokens.len() => -1 - i64::from(r),
+                    _ => i64::from(seq.tokens[pos]),
+                };
+                plan.input_ids.push(id);
                 plan.positions.push(pos as i64);
                 plan.slot_mapping.push(i64::from(seq.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
             }
@@ -211,10 +319,10 @@ impl Scheduler {
             }
             plan.seq_req_ids.push(req.id);
             plan.seq_indices.push(seq.index);
-            self.planned.push((slot, seq.gen));
+            cur.planned.push((slot, seq.gen));
             seq.num_computed = end;
             if self.cfg.enable_prefix_caching {
-                register_full_blocks(&mut self.pool, seq, bs, &mut self.registered);
+                register_full_blocks(&mut self.pool, seq, bs, &mut cur.registered);
             }
             if end == seq.tokens.len() {
                 let logits_index = plan.input_ids.len() as i64 - 1;
@@ -223,28 +331,28 @@ impl Scheduler {
                     let index = if seq.fork_pending { k } else { seq.index };
                     push_row(plan, req, seq, index, logits_index);
                     let fork_n = if k == 0 { n } else { 0 };
-                    self.rows.push(Row { slot, gen: seq.gen, fork_n });
+                    cur.rows.push(Row { slot, gen: seq.gen, fork_n });
                 }
             }
         }
         plan.num_tokens = plan.input_ids.len();
         plan.num_seqs = self.scheduled.len();
-        plan.num_rows = self.rows.len();
+        plan.num_rows = cur.rows.len();
     }
 
-    /// Apply one sampled token per row of the last Plan, in row order: append, check stop
-    /// rules, free finished sequences, fork n > 1 prompts. Rows whose sequence was aborted
-    /// or finished since `schedule` produce no update.
+    /// Apply one sampled token per row of the oldest Plan awaiting commit, in row order:
+    /// append (or replace the placeholder `schedule_ahead` gave it), check stop rules, free
+    /// finished sequences, fork n > 1 prompts. Rows whose sequence was aborted or finished
+    /// since `schedule` produce no update.
     ///
-    /// Panics unless `tokens.len()` equals the last Plan's `num_rows`.
+    /// Panics unless `tokens.len()` equals that Plan's `num_rows`.
     pub fn commit(&mut self, tokens: &[u32]) -> Vec<SeqUpdate> {
-        if !self.awaiting_commit {
+        let Some(mut done) = self.inflight.pop_front() else {
             assert!(tokens.is_empty(), "Scheduler::commit called with tokens but no Plan is awaiting them");
             return Vec::new();
-        }
-        assert_eq!(tokens.len(), self.rows.len(), "commit takes exactly one token per Plan row");
-        self.awaiting_commit = false;
-        let rows = std::mem::take(&mut self.rows);
+        };
+        assert_eq!(tokens.len(), done.rows.len(), "commit takes exactly one token per Plan row");
+        let rows = std::mem::take(&mut done.rows);
         let mut out = Vec::with_capacity(rows.len());
         let mut i = 0;
         while i < rows.len() {
@@ -262,48 +370,53 @@ impl Scheduler {
             }
             i += group;
         }
-        self.rows = rows;
+        done.rows = rows;
+        self.spare = done;
         out
     }
 
-    /// The last Plan will never run (its forward failed): forget the prefix-cache entries it
-    /// registered (their K/V was never written) and send every live sequence it touched
-    /// back to waiting, to recompute from scratch. Its rows get no updates. A no-op when no
-    /// Plan awaits commit. The caller usually aborts the affected requests as well.
+    /// The Plans awaiting commit will never run (a forward failed): forget the prefix-cache
+    /// entries they registered (their K/V was never written), drop placeholders, and send
+    /// every live sequence they touched back to waiting, to recompute from scratch. Their
+    /// rows get no updates. A no-op when no Plan awaits commit. The caller usually aborts
+    /// the affected requests as well.
     pub fn discard_plan(&mut self) {
-        if !self.awaiting_commit {
-            return;
+        if !self.inflight.is_empty() {
+            self.drop_placeholders(0);
         }
-        self.awaiting_commit = false;
-        self.rows.clear();
-        // Prompt positions this Plan listed are listed again when their sequence recomputes
-        // (a request aborted since, whose slot may be reused, is left alone).
-        for (req_slot, id, next) in std::mem::take(&mut self.lp_undo) {
-            if let Some(req) = self.reqs[req_slot as usize].as_mut().filter(|r| r.id == id) {
-                req.prompt_lp_next = next;
+        while let Some(mut plan) = self.inflight.pop_back() {
+            // Prompt positions this Plan listed are listed again when their sequence
+            // recomputes (a request aborted since, whose slot may be reused, is left alone).
+            for &(req_slot, id, next) in plan.lp_undo.iter().rev() {
+                if let Some(req) = self.reqs[req_slot as usize].as_mut().filter(|r| r.id == id) {
+                    req.prompt_lp_next = next;
+                }
             }
-        }
-        for &b in &self.registered {
-            self.pool.forget(b);
-        }
-        self.registered.clear();
-        let planned = std::mem::take(&mut self.planned);
-        for &(slot, gen) in &planned {
-            let seq = &self.seqs[slot as usize];
-            if seq.gen == gen && seq.state == State::Running {
-                let key = self.key(slot);
-                let pos = self.running.binary_search(&key).expect("running sequence is in the running list");
-                self.running.remove(pos);
-                self.free_blocks(slot);
-                self.enqueue_waiting(slot);
+            for &b in &plan.registered {
+                self.pool.forget(b);
             }
+            for &(slot, gen) in &plan.planned {
+                let seq = &self.seqs[slot as usize];
+                if seq.gen == gen && seq.state == State::Running {
+                    let key = self.key(slot);
+                    let pos = self.running.binary_search(&key).expect("running sequence is in the running list");
+                    self.running.remove(pos);
+                    self.free_blocks(slot);
+                    self.enqueue_waiting(slot);
+                }
+            }
+            plan.clear();
+            self.spare = plan;
         }
-        self.planned = planned;
     }
 
     fn append(&mut self, slot: u32, token: u32, row: usize, out: &mut Vec<SeqUpdate>) {
         let seq = &mut self.seqs[slot as usize];
-        seq.tokens.push(token);
+        if seq.pending.take().is_some() {
+            *seq.tokens.last_mut().expect("a placeholder follows the prompt") = token;
+        } else {
+            seq.tokens.push(token);
+        }
         let req = self.reqs[seq.req as usize].as_ref().expect("live request slot");
         let finish = stop_reason(&req.stop, seq.tokens.len(), seq.prompt_len, token, self.cfg.max_model_len);
         out.push(SeqUpdate { req_id: req.id, seq_index: seq.index, token, finish, sample_row: row });
@@ -381,9 +494,11 @@ pub(crate) fn stop_reason(
     None
 }
 
-/// Pass every block that is now full of computed tokens to the prefix cache.
+/// Pass every block that is now full of computed tokens to the prefix cache (not one that
+/// holds a placeholder: its hash is not known yet; it is passed once the token is).
 fn register_full_blocks(pool: &mut BlockPool, seq: &mut Seq, bs: usize, registered: &mut Vec<u32>) {
-    while seq.num_hashed < seq.num_computed / bs {
+    let known = seq.tokens.len() - usize::from(seq.pending.is_some());
+    while seq.num_hashed < seq.num_computed.min(known) / bs {
         let i = seq.num_hashed;
         let chunk = &seq.tokens[i * bs..(i + 1) * bs];
         let h = hash_block(seq.last_hash, chunk);
