@@ -12,7 +12,7 @@
 //! produce output; when its last choice finishes (or it is aborted/failed) its state and all
 //! its scheduler requests are gone.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
@@ -147,19 +147,28 @@ struct CoreState {
     next_handle: u64,
     next_sched_id: u64,
     max_model_len: u32,
-    /// Scheduler request ids in the last plan (to fail them if the step fails).
-    last_plan_reqs: Vec<u64>,
-    /// The last plan's prompt-logprob entries: (scheduler request id, prompt token).
-    last_prompt_lp: Vec<(u64, u32)>,
+    /// The plans awaiting commit, oldest first (two after `schedule_ahead`).
+    inflight: VecDeque<PlanState>,
     /// Handles of the requests the last plan held for the first time.
     first_scheduled: Vec<u64>,
-    /// Requests whose grammar could not compute a mask for the last plan, with why: the
-    /// step lets only EOS through on their rows, and commit fails them.
-    mask_failures: Vec<(u64, String)>,
     /// Tokens a mask covers (the tokenizer's vocabulary).
     mask_vocab: usize,
     /// The EOS id allowed when a matcher has failed, so its sequence ends.
     eos: Option<u32>,
+}
+
+/// What `commit` (or `fail_plan`) needs of a plan awaiting commit.
+#[derive(Default)]
+struct PlanState {
+    /// Scheduler request ids in the plan (to fail them if the step fails).
+    reqs: Vec<u64>,
+    /// Its prompt-logprob entries: (scheduler request id, prompt token).
+    prompt_lp: Vec<(u64, u32)>,
+    /// Requests whose grammar could not compute a mask for it, with why: the step lets
+    /// only EOS through on their rows, and commit fails them.
+    mask_failures: Vec<(u64, String)>,
+    /// Some row has a grammar mask: the next plan cannot be made before its tokens are known.
+    masked: bool,
 }
 
 fn finish_reason(f: SeqFinish) -> FinishReason {
@@ -276,11 +285,27 @@ impl CoreState {
     }
 
     fn schedule(&mut self) -> Option<(Plan, Masks)> {
+        // (the scheduler discards any plan still awaiting commit)
+        self.inflight.clear();
         let plan = self.scheduler.schedule();
+        self.begin(plan)
+    }
+
+    /// The plan after the one awaiting commit, made before its tokens are known
+    /// (`Scheduler::schedule_ahead`); None when it cannot be, which includes an awaiting
+    /// plan with grammar rows (their next masks need the tokens).
+    fn schedule_ahead(&mut self) -> Option<(Plan, Masks)> {
+        if self.inflight.len() != 1 || self.inflight[0].masked {
+            return None;
+        }
+        let plan = self.scheduler.schedule_ahead();
+        self.begin(plan)
+    }
+
+    fn begin(&mut self, plan: Plan) -> Option<(Plan, Masks)> {
         if plan.is_empty() {
             return None;
         }
-        self.last_plan_reqs = plan.seq_req_ids.clone();
         self.first_scheduled.clear();
         for id in &plan.seq_req_ids {
             let Some(&(handle, _)) = self.owners.get(id) else { continue };
@@ -291,19 +316,28 @@ impl CoreState {
                 }
             }
         }
-        self.last_prompt_lp.clear();
-        self.last_prompt_lp
-            .extend(plan.prompt_lp_req_ids.iter().zip(&plan.prompt_lp_targets).map(|(&id, &t)| (id, t as u32)));
-        let masks = self.masks(&plan);
+        let (masks, mask_failures) = self.masks(&plan);
+        self.inflight.push_back(PlanState {
+            reqs: plan.seq_req_ids.clone(),
+            prompt_lp: plan
+                .prompt_lp_req_ids
+                .iter()
+                .zip(&plan.prompt_lp_targets)
+                .map(|(&id, &t)| (id, t as u32))
+                .collect(),
+            mask_failures,
+            masked: !masks.rows.is_empty(),
+        });
         Some((plan, masks))
     }
 
     /// The packed allowed-token masks of the plan's constrained rows: bit `t % 32` of word
-    /// `t / 32` of a row is set when token `t` may be sampled.
-    fn masks(&mut self, plan: &Plan) -> Masks {
+    /// `t / 32` of a row is set when token `t` may be sampled. Also the requests whose
+    /// matcher could not compute one, with why.
+    fn masks(&mut self, plan: &Plan) -> (Masks, Vec<(u64, String)>) {
         let width = self.mask_vocab.div_ceil(32);
         let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
-        self.mask_failures.clear();
+        let mut failures = Vec::new();
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
@@ -329,18 +363,18 @@ impl CoreState {
                     }
                     let why = e.to_string();
                     let why = why.lines().next().unwrap_or_default().to_string();
-                    self.mask_failures.push((handle, format!("Constrained decoding failed: {why}")));
+                    failures.push((handle, format!("Constrained decoding failed: {why}")));
                 }
             }
             masks.rows.push(row as i64);
         }
-        masks
+        (masks, failures)
     }
 
-    /// Hand the last plan's prompt logprobs to their requests' builders, in plan order
-    /// (before the step's first sampled tokens, which the builder puts after them).
-    fn push_prompt_logprobs(&mut self, lp: &PromptLogprobs) {
-        let entries = std::mem::take(&mut self.last_prompt_lp);
+    /// Hand a plan's prompt logprobs (`entries`, as `PlanState::prompt_lp`) to their
+    /// requests' builders, in plan order (before the step's first sampled tokens, which the
+    /// builder puts after them).
+    fn push_prompt_logprobs(&mut self, entries: &[(u64, u32)], lp: &PromptLogprobs) {
         let mut start = 0;
         while start < entries.len() {
             let req_id = entries[start].0;
@@ -362,10 +396,23 @@ impl CoreState {
         }
     }
 
-    fn commit(&mut self, tokens: &[u32], logprobs: &[f32], top_ids: &[i64], top_lps: &[f32], k: usize) -> Vec<Output> {
+    /// Apply the oldest awaiting plan's samples (and its prompt logprobs, when it listed any).
+    fn commit(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[f32],
+        top_ids: &[i64],
+        top_lps: &[f32],
+        k: usize,
+        prompt: Option<&PromptLogprobs>,
+    ) -> Vec<Output> {
+        let plan = self.inflight.pop_front().unwrap_or_default();
+        if let Some(p) = prompt {
+            self.push_prompt_logprobs(&plan.prompt_lp, p);
+        }
         let updates = self.scheduler.commit(tokens);
         let mut touched: Vec<u64> = Vec::new();
-        let mut failed: Vec<(u64, String)> = std::mem::take(&mut self.mask_failures);
+        let mut failed: Vec<(u64, String)> = plan.mask_failures;
         for u in updates {
             let Some(&(handle, prompt_idx)) = self.owners.get(&u.req_id) else { continue };
             if failed.iter().any(|(h, _)| *h == handle) {
@@ -491,14 +538,14 @@ impl CoreState {
         out
     }
 
-    /// Fail every request of the last plan: the step that ran it raised.
+    /// Fail every request of the plans awaiting commit: the step that ran one raised.
     fn fail_plan(&mut self, message: &str) -> Vec<Output> {
-        // Drop what the failed step registered (its K/V was never written).
+        // Drop what the failed steps registered (their K/V was never written).
         self.scheduler.discard_plan();
-        self.mask_failures.clear();
+        let plans = std::mem::take(&mut self.inflight);
         let err = ApiError::Internal { message: message.to_string() };
         let mut handles: Vec<u64> =
-            self.last_plan_reqs.iter().filter_map(|id| self.owners.get(id).map(|&(h, _)| h)).collect();
+            plans.iter().flat_map(|p| &p.reqs).filter_map(|id| self.owners.get(id).map(|&(h, _)| h)).collect();
         handles.sort_unstable();
         handles.dedup();
         handles
@@ -581,10 +628,8 @@ impl PyCore {
                 next_handle: 1,
                 next_sched_id: 1,
                 max_model_len,
-                last_plan_reqs: Vec::new(),
-                last_prompt_lp: Vec::new(),
+                inflight: VecDeque::new(),
                 first_scheduled: Vec::new(),
-                mask_failures: Vec::new(),
                 mask_vocab,
                 eos,
             },
@@ -603,7 +648,8 @@ impl PyCore {
         self.state.forget(handle).is_some()
     }
 
-    /// The next step's plan, or None when nothing can run.
+    /// The next step's plan, or None when nothing can run. Discards any plan still awaiting
+    /// commit.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<PyPlan>> {
         let state = &mut self.state;
         match py.detach(|| state.schedule()) {
@@ -612,7 +658,19 @@ impl PyCore {
         }
     }
 
-    /// Apply one step's samples (one per plan row) and, when the plan listed prompt-logprob
+    /// The plan after the one awaiting commit, made while the model runs that one, or None
+    /// when it cannot be made before that plan's tokens are known (commit, then `schedule`).
+    /// Its `input_ids` hold `-1 - r` where a sequence's token is the one row `r` of the
+    /// awaiting plan samples. Commits answer the plans in order.
+    fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<PyPlan>> {
+        let state = &mut self.state;
+        match py.detach(|| state.schedule_ahead()) {
+            Some((plan, masks)) => Ok(Some(PyPlan::new(py, plan, masks)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Apply the oldest awaiting plan's samples (one per plan row) and, when it listed prompt-logprob
     /// entries, their logprobs (`[P]`) and top alternatives (`[P, K]`; ids < 0 are padding).
     /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens)`.
     #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None))]
@@ -631,10 +689,11 @@ impl PyCore {
         let prompt = match (prompt_logprobs, prompt_top_ids, prompt_top_logprobs) {
             (Some(lp), Some(ids), Some(tlp)) => {
                 let (p, k) = (ids.shape()[0], ids.shape()[1]);
-                if lp.len() != self.state.last_prompt_lp.len() || p != lp.len() || tlp.shape() != ids.shape() {
+                let listed = self.state.inflight.front().map_or(0, |plan| plan.prompt_lp.len());
+                if lp.len() != listed || p != lp.len() || tlp.shape() != ids.shape() {
                     return Err(PyValueError::new_err(format!(
                         "prompt logprobs: the plan listed {} entries; got logprobs {:?}, top_ids {:?}, top_logprobs {:?}",
-                        self.state.last_prompt_lp.len(),
+                        listed,
                         lp.shape(),
                         ids.shape(),
                         tlp.shape()
@@ -663,17 +722,12 @@ impl PyCore {
         let tids: Vec<i64> = top_ids.as_array().iter().copied().collect();
         let tlps: Vec<f32> = top_logprobs.as_array().iter().copied().collect();
         let state = &mut self.state;
-        let out = py.detach(|| {
-            if let Some(p) = &prompt {
-                state.push_prompt_logprobs(p);
-            }
-            state.commit(&toks, &lps, &tids, &tlps, k)
-        });
+        let out = py.detach(|| state.commit(&toks, &lps, &tids, &tlps, k, prompt.as_ref()));
         Ok(outputs(py, out))
     }
 
-    /// The last step failed: end each request it touched with a 500 (or an SSE error frame
-    /// if its stream had begun).
+    /// A step failed: end each request the plans awaiting commit touched with a 500 (or an
+    /// SSE error frame if its stream had begun), and discard those plans.
     fn fail_plan(&mut self, py: Python<'_>, message: &str) -> Vec<PyOutput> {
         let out = self.state.fail_plan(message);
         outputs(py, out)
