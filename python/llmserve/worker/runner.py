@@ -19,7 +19,7 @@ import torch
 
 from llmserve.worker.attention import AttentionMetadata, GatherWorkspace
 from llmserve.worker.kv_cache import KVCache
-from llmserve.worker.sampler import Sampler, SampleOutput, SamplingBatch, as_tensor
+from llmserve.worker.sampler import DeviceSample, Sampler, SampleOutput, SamplingBatch, as_tensor
 from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens, set_engine_threads
 
 
@@ -53,6 +53,47 @@ def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
         return out
     lp, ids, tops = prompt_lp
     return dataclasses.replace(out, prompt_logprobs=lp, prompt_top_ids=ids, prompt_top_logprobs=tops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step `ModelRunner.launch` started: `result()` waits for its samples and returns them
+    on the host."""
+    sample: DeviceSample
+    prompt_lp: tuple | None = None
+
+    def result(self) -> SampleOutput:
+        return with_prompt_logprobs(self.sample.to_host(), self.prompt_lp)
+
+
+def finished(out: SampleOutput) -> Launched:
+    return Launched(DeviceSample(out))
+
+
+class _Resolved:
+    """A plan read through, with its placeholder input ids filled in."""
+
+    def __init__(self, plan, input_ids: np.ndarray):
+        self._plan = plan
+        self.input_ids = input_ids
+
+    def __getattr__(self, name: str):
+        return getattr(self._plan, name)
+
+
+def resolve_placeholders(plan, prev_tokens: np.ndarray | None):
+    """`plan` with each placeholder input id (`-1 - r`, in a plan made by
+    `Core.schedule_ahead`) replaced by `prev_tokens[r]`, the token row r of the previous
+    step sampled. The plan itself when it has none."""
+    ids = np.asarray(plan.input_ids)
+    if len(ids) == 0 or ids.min() >= 0:
+        return plan
+    if prev_tokens is None:
+        raise ValueError("this plan was made ahead: pass the previous step's sampled tokens")
+    ids = ids.copy()
+    holes = ids < 0
+    ids[holes] = np.asarray(prev_tokens, np.int64)[-1 - ids[holes]]
+    return _Resolved(plan, ids)
 
 
 def row_sequences(plan) -> np.ndarray:
@@ -116,7 +157,16 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.workspace = GatherWorkspace()
 
-    def execute(self, plan) -> SampleOutput:
+    def execute(self, plan, prev_tokens: np.ndarray | None = None) -> SampleOutput:
+        """Run one step and return its samples on the host. `prev_tokens`: the previous
+        step's sampled tokens, which a plan made ahead refers to (`resolve_placeholders`)."""
+        return self.launch(plan, prev_tokens).result()
+
+    def launch(self, plan, prev_tokens: np.ndarray | None = None) -> Launched:
+        """Start one step; `result()` of the returned object waits for its samples. On an
+        accelerator the forward and the sampling are queued, so the engine can plan the next
+        step meanwhile; on the CPU the step has run when this returns."""
+        plan = resolve_placeholders(plan, prev_tokens)
         with torch.inference_mode():
             copy_src = as_tensor(plan.copy_src, torch.int64)
             if copy_src.numel():
@@ -125,12 +175,12 @@ class ModelRunner:
             num_tokens = len(plan.input_ids)
             num_rows = len(plan.logits_indices)
             if num_tokens == 0:
-                return SampleOutput.empty()
+                return finished(SampleOutput.empty())
             prompt = holds_prompt_tokens(plan)
             if prompt and self.kernel_steps and not getattr(self.model, "batch_invariant", False):
                 decode = decode_sequences(plan)
                 if 0 < len(decode) <= QUANT_MAX_TOKENS:
-                    return self._execute_split(plan, decode)
+                    return finished(self._execute_split(plan, decode))
             quantized = self.kernel_steps and not prompt and num_tokens <= QUANT_MAX_TOKENS
             with cpu_step(prompt, quantized):
                 return self._execute(plan, num_rows)
@@ -169,20 +219,18 @@ class ModelRunner:
             out = self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
         return with_prompt_logprobs(out, prompt_lp)
 
-    def _execute(self, plan, num_rows: int) -> SampleOutput:
+    def _execute(self, plan, num_rows: int) -> Launched:
         """Forward, prompt logprobs and sampling of a non-empty plan."""
         hidden = self.run_model(plan)
         prompt_lp = self.prompt_logprobs(hidden, plan)
         # NOTE: a chunk that does not reach the end of its prompt samples nothing, but its
         # forward above still had to run to fill the KV cache.
         if num_rows == 0:
-            out = SampleOutput.empty()
-        else:
-            rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
-            # (on an accelerator the sampler runs there too: worker/sampler.py)
-            logits = self.model.compute_logits(hidden[rows])
-            out = self.sampler.sample(logits, SamplingBatch.from_plan(plan))
-        return with_prompt_logprobs(out, prompt_lp)
+            return Launched(DeviceSample(SampleOutput.empty()), prompt_lp)
+        rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
+        # (on an accelerator the sampler runs there too: worker/sampler.py)
+        logits = self.model.compute_logits(hidden[rows])
+        return Launched(self.sampler.sample_on_device(logits, SamplingBatch.from_plan(plan)), prompt_lp)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan):
         """The Plan's prompt-logprob entries from the final hidden states [T, H]:

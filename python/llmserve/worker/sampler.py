@@ -23,6 +23,7 @@ so a seeded row's tokens do not depend on the rest of the batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +50,37 @@ class SampleOutput:
     def empty() -> "SampleOutput":
         return SampleOutput(np.zeros(0, np.int64), np.zeros(0, np.float32),
                             np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32))
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's samples where the sampler left them (`Sampler.sample_on_device`): the
+    chosen tokens [R], and for the rows in `wants` (on the host) the chosen tokens' raw
+    logprobs and the top `k`. `done` instead when there is nothing to copy."""
+
+    done: SampleOutput | None
+    tokens: torch.Tensor | None = None
+    wants: torch.Tensor | None = None
+    chosen: torch.Tensor | None = None
+    top: Any = None                      # torch.return_types.topk, or None
+    num_rows: int = 0
+    k: int = 0
+
+    def to_host(self) -> SampleOutput:
+        """Wait for the samples and copy them to the host (numpy)."""
+        if self.done is not None:
+            return self.done
+        tokens = self.tokens.cpu().numpy().astype(np.int64, copy=False)
+        chosen_lp = np.zeros(self.num_rows, np.float32)
+        top_ids = np.zeros((self.num_rows, self.k), np.int64)
+        top_lp = np.zeros((self.num_rows, self.k), np.float32)
+        if self.chosen is not None:
+            rows = self.wants.numpy()
+            chosen_lp[rows] = self.chosen.cpu().numpy()
+            if self.top is not None:
+                top_ids[rows, :self.top.indices.shape[1]] = self.top.indices.cpu().numpy()
+                top_lp[rows, :self.top.values.shape[1]] = self.top.values.cpu().numpy()
+        return SampleOutput(tokens, chosen_lp, top_ids, top_lp)
 
 
 @dataclass(frozen=True)
@@ -190,9 +222,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
         """logits float32 [R, V] on any device (raw model output; modified in place) ->
         SampleOutput (numpy, on the host)."""
+        return self.sample_on_device(logits, b).to_host()
+
+    def sample_on_device(self, logits: torch.Tensor, b: SamplingBatch) -> "DeviceSample":
+        """`sample` up to the copy to the host: on an accelerator the work is queued, and
+        `DeviceSample.to_host()` waits for it."""
         num_rows, vocab = logits.shape
         if num_rows == 0:
-            return SampleOutput.empty()
+            return DeviceSample(SampleOutput.empty())
         dev = logits.device
         wants = torch.nonzero(b.num_logprobs >= 0).squeeze(1)
         wants_dev = wants.to(dev)
@@ -206,19 +243,13 @@ class Sampler:
         if random_rows.numel():
             tokens[random_rows.to(dev)] = self._sample_random(logits, b, random_rows)
 
-        chosen_lp = np.zeros(num_rows, np.float32)
         k = max(int(b.num_logprobs.max()), 0)
-        top_ids = np.zeros((num_rows, k), np.int64)
-        top_lp = np.zeros((num_rows, k), np.float32)
+        chosen = top = None
         if raw_logprobs is not None:
-            rows = wants.numpy()
             chosen = raw_logprobs.gather(1, tokens[wants_dev].unsqueeze(1)).squeeze(1)
-            chosen_lp[rows] = chosen.cpu().numpy()
             if k:
                 top = raw_logprobs.topk(min(k, vocab), dim=-1)   # sorted, largest first
-                top_ids[rows, :top.indices.shape[1]] = top.indices.cpu().numpy()
-                top_lp[rows, :top.values.shape[1]] = top.values.cpu().numpy()
-        return SampleOutput(tokens.cpu().numpy().astype(np.int64, copy=False), chosen_lp, top_ids, top_lp)
+        return DeviceSample(None, tokens, wants, chosen, top, num_rows, k)
 
     @staticmethod
     def _apply_bias(logits: torch.Tensor, b: SamplingBatch) -> None:
