@@ -151,6 +151,13 @@ class SchedulerConfig(_Checked):
         "priority", "fcfs or priority (the request field `priority`; lower runs first).",
         choices=("fcfs", "priority"),
     )
+    async_scheduling: str = _f(
+        "auto",
+        "Plan each step while the model runs the one before, and commit it while the next "
+        "runs: on, off, or auto (on for CUDA; off on CPU, where the model already has the "
+        "cores and there is nothing to overlap).",
+        choices=("auto", "on", "off"),
+    )
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics.bind(engine.router.served_model_names[0])
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
-                                    self._first_scheduled)
+                                    self._first_scheduled, plan_ahead=engine.plan_ahead)
         self._thread.start()
         self.state = "ready"
 

@@ -39,6 +39,8 @@ class Engine:
     max_model_len: int
     num_blocks: int
     device: torch.device
+    # Plan step N+1 while the model runs step N (--async-scheduling).
+    plan_ahead: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -195,4 +197,5 @@ def build_engine(cfg: Config) -> Engine:
     else:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
     log.info("engine ready in %.1f s (served as %s)", time.perf_counter() - start, ", ".join(names))
-    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device)
+    plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")
+    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead)

@@ -1,6 +1,9 @@
 """The engine loop: schedule -> execute -> commit, on one dedicated thread.
 
 `step()` is the whole loop body and is shared by the serving thread and the offline `LLM`.
+With `plan_ahead` the serving thread overlaps instead (`EngineThread._step_ahead`): while
+the model runs step N it plans step N+1 (`Core.schedule_ahead`), launches N+1 as soon as N's
+tokens are back, and commits N while N+1 runs.
 A step that raises fails only the requests it touched (each gets a 500, or an SSE error
 frame if its stream had begun); the loop goes on. If the loop itself dies, `alive` turns
 false and /health answers 503.
@@ -22,6 +25,9 @@ log = logging.getLogger("llmserve.engine")
 Output = tuple[int, bytes, str | None, bool, int]
 
 
+FAILED = "The engine failed while running this request."
+
+
 def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[list[Output], bool]:
     """Run one step. Returns the outputs and whether any work was scheduled. `on_scheduled`
     runs once the step's plan is made, before the model runs it."""
@@ -34,7 +40,12 @@ def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[
         out = runner.execute(plan)
     except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
         log.exception("model step failed; failing the %d sequences it held", plan.num_seqs)
-        return core.fail_plan("The engine failed while running this request."), True
+        return core.fail_plan(FAILED), True
+    return commit(core, out), True
+
+
+def commit(core, out) -> list[Output]:
+    """Hand a step's samples (a SampleOutput) to the Core: the oldest plan awaiting commit."""
     prompt: tuple[np.ndarray, ...] = ()
     if getattr(out, "prompt_logprobs", None) is not None:
         # Prompt-token logprobs (completions echo with logprobs): the plan listed them.
@@ -47,7 +58,7 @@ def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[
         np.ascontiguousarray(out.top_ids, dtype=np.int64),
         np.ascontiguousarray(out.top_logprobs, dtype=np.float32),
         *prompt,
-    ), True
+    )
 
 
 class EngineThread:
@@ -57,11 +68,14 @@ class EngineThread:
     between steps, so the Core is only ever touched from this thread. `deliver` receives each
     step's outputs as a list of (token, bytes, finished, error, new_tokens), once per step;
     `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
+    `plan_ahead`: overlap planning and committing with the model (the runner must have
+    `launch`, as ModelRunner does).
     """
 
     def __init__(self, core, runner, deliver: Callable[[list], None],
                  on_stats: Callable[[dict, float], None] | None = None,
-                 on_first_scheduled: Callable[[list, float], None] | None = None):
+                 on_first_scheduled: Callable[[list, float], None] | None = None,
+                 plan_ahead: bool = False):
         self._core = core
         self._runner = runner
         self._deliver = deliver
@@ -73,6 +87,9 @@ class EngineThread:
         self._handles: dict[object, int] = {}
         self._tokens: dict[int, object] = {}
         self.alive = False
+        self.plan_ahead = plan_ahead
+        # The step launched and not yet committed (plan_ahead only).
+        self._launched = None
         self.stats: dict = core.stats()
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
 
@@ -129,11 +146,48 @@ class EngineThread:
         if self._on_stats is not None:
             self._on_stats(self.stats, step_seconds)
 
+    def _step_ahead(self) -> tuple[list[Output], bool]:
+        """One step, overlapped: plan step N+1 while the model runs step N, launch N+1 once
+        N's tokens are back, then commit N while N+1 runs. Falls back to `step`'s order
+        whenever the Core cannot plan ahead (Core.schedule_ahead says when)."""
+        core, runner = self._core, self._runner
+        if self._launched is None:
+            plan = core.schedule()
+            if plan is None:
+                return [], False
+            self._scheduled()
+            try:
+                self._launched = runner.launch(plan)
+            except Exception:  # noqa: BLE001 - as in step()
+                log.exception("model step failed; failing the %d sequences it held", plan.num_seqs)
+                return core.fail_plan(FAILED), True
+        launched, self._launched = self._launched, None
+        following = core.schedule_ahead()
+        if following is not None:
+            self._scheduled()
+        try:
+            out = launched.result()
+        except Exception:  # noqa: BLE001 - fails this step's requests and the next's
+            log.exception("model step failed; failing the sequences of the steps in flight")
+            return core.fail_plan(FAILED), True
+        failed_next = False
+        if following is not None:
+            try:
+                self._launched = runner.launch(following, out.tokens)
+            except Exception:  # noqa: BLE001
+                log.exception("model step failed; failing the %d sequences it held", following.num_seqs)
+                failed_next = True
+        outputs = commit(core, out)
+        if failed_next:
+            outputs += core.fail_plan(FAILED)
+        return outputs, True
+
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
-                    while not (self._inbox or self._stopping or self._core.has_work()):
+                    while not (self._inbox or self._stopping or self._core.has_work()
+                               or self._launched is not None):
                         self._cv.wait()
                     if self._stopping:
                         return
@@ -141,14 +195,17 @@ class EngineThread:
                 failed = self._apply(ops)
                 if failed:
                     self._deliver(failed)
-                if ops and not self._core.has_work():
+                if ops and not self._core.has_work() and self._launched is None:
                     # Aborts can empty the engine without another step: refresh /load now.
                     self._publish(0.0)
                     continue
                 t0 = time.perf_counter()
                 # The counts as scheduled, before the model runs: a request in its (maybe
                 # long) first prefill step is running, not missing from /load and /metrics.
-                outputs, ran = step(self._core, self._runner, self._scheduled)
+                if self.plan_ahead:
+                    outputs, ran = self._step_ahead()
+                else:
+                    outputs, ran = step(self._core, self._runner, self._scheduled)
                 if not ran:
                     # Work exists but none could be scheduled this instant; don't spin.
                     time.sleep(0.001)
