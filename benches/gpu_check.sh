@@ -2,7 +2,8 @@
 # The GPU check, in ONE call of a few minutes on a CUDA machine (an H200 when the device tool
 # lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark, and
 # serve benches/serve_load.py's `load` workload with `llmserve run --device cuda` at
-# concurrency 1 / 64 / 256; print one summary table. `make gpu-check` runs it.
+# concurrency 1 / 64 / 256 (then 256 again with --async-scheduling off, side by side); print
+# one summary table. `make gpu-check` runs it.
 #
 # Two modes:
 #   bash benches/gpu_check.sh prepare   HERE (network, no GPU): fill target/gpu-carry with what
@@ -139,29 +140,37 @@ save_file(w, str(folder / "model.safetensors"))
 print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
 EOF
   PORT=18123
-  stamp "llmserve run --device cuda (max-num-seqs 256)"
-  $PY -m llmserve.cli run "$MODEL" --device cuda --host 127.0.0.1 --port $PORT --max-num-seqs 256 \
-    --max-model-len 2048 --served-model-name smollm2-shape > "$RESULTS/server.log" 2>&1 &
-  SERVER=$!
   ready() { $PY -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null; }
-  for _ in $(seq 180); do   # weights load, KV allocation and graph capture: well under 90 s
-    ready && break
-    kill -0 $SERVER 2>/dev/null || break
-    sleep 0.5
-  done
-  if ready; then
-    SERVE=ok
-    : > "$RESULTS/serve_load.jsonl"
-    for spec in 1:32 64:512 256:1000; do
-      c=${spec%%:*}; n=${spec##*:}
-      stamp "load workload: concurrency $c, $n prompts"
-      timeout 150 $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
-        --workload load --concurrency "$c" --num-prompts "$n" | tee -a "$RESULTS/serve_load.jsonl" || SERVE=partial
+  # serve_runs OUT.jsonl "c:n ..." [server flags]: one server, the load workload at each
+  # concurrency c with n prompts, rows appended to OUT.jsonl
+  serve_runs() {
+    local out=$1 specs=$2; shift 2
+    stamp "llmserve run --device cuda --max-num-seqs 256 $*"
+    $PY -m llmserve.cli run "$MODEL" --device cuda --host 127.0.0.1 --port $PORT --max-num-seqs 256 \
+      --max-model-len 2048 --served-model-name smollm2-shape "$@" >> "$RESULTS/server.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 180); do   # weights load, KV allocation and graph capture: well under 90 s
+      ready && break
+      kill -0 $SERVER 2>/dev/null || break
+      sleep 0.5
     done
-  else
-    echo "server did not become ready:"; tail -n 40 "$RESULTS/server.log"; SERVE=FAILED
-  fi
-  kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
+    if ready; then
+      [ "$SERVE" = skipped ] && SERVE=ok
+      for spec in $specs; do
+        c=${spec%%:*}; n=${spec##*:}
+        stamp "load workload: concurrency $c, $n prompts"
+        timeout 150 $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
+          --workload load --concurrency "$c" --num-prompts "$n" | tee -a "$out" || SERVE=partial
+      done
+    else
+      echo "server did not become ready:"; tail -n 40 "$RESULTS/server.log"; SERVE=FAILED
+    fi
+    kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
+  }
+  : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_sync.jsonl"
+  serve_runs "$RESULTS/serve_load.jsonl" "1:32 64:512 256:1000"
+  # the same server planning each step only after the last one's tokens are back, side by side
+  [ "$SERVE" = ok ] && serve_runs "$RESULTS/serve_load_sync.jsonl" "256:1000" --async-scheduling off
 fi
 
 stamp "summary"
@@ -187,16 +196,19 @@ if kb.is_file():
         goal = "  goal <= 1.3 ms" if r["batch"] == 1 and r["graphs"] else ""
         print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
               f"{r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
-sl = res / "serve_load.jsonl"
-if sl.is_file():
+for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sync")):
+    sl = res / name
+    if not sl.is_file():
+        continue
     text, dec, pos = sl.read_text(), json.JSONDecoder(), 0
     while True:
         pos = text.find("{", pos)
         if pos < 0:
             break
         row, pos = dec.raw_decode(text, pos)
-        print(f"serve {row['workload']:10} out {row['out_tok_s']:9.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
+        print(f"serve {label:5} {row['workload']:10} out {row['out_tok_s']:9.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
               f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  failed {row.get('failed', 0)}")
+if (res / "serve_load.jsonl").is_file():
     print("goals: load@c256 >= 30k out tok/s; batch-1 step (TPOT @c1) <= 1.3 ms")
 else:
     print(f"{'serving benchmark':28} {serve}")
