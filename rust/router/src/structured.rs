@@ -228,26 +228,31 @@ impl Grammars {
     /// A first mask that cannot be computed fails when the grammar admits no text at all, not
     /// even a first byte (`{"$ref": "#"}`, Lark `a: a`: rules that never reach a terminal):
     /// generation could only end every choice at once. (A grammar that starts but can never
-    /// end, such as `a: "x" a`, passes: it runs to `max_tokens`, which reports `length`.) Past that, only a token the grammar's own mask allowed and then
-    /// refused is a failure: a mask that cannot be computed because this vocabulary cannot
-    /// spell the grammar's text, or one that refuses our tokenization of the text (a special
-    /// token), leaves the grammar to generation (which fails the request if it cannot go on).
+    /// end, such as `a: "x" a`, passes: it runs to `max_tokens`, which reports `length`.)
+    /// Past that, only a token the grammar's own mask allowed and then refused is a failure:
+    /// a mask that cannot be computed because this vocabulary cannot spell the grammar's
+    /// text, or one that refuses our tokenization of the text (a special token), leaves the
+    /// grammar to generation (which fails the request if it cannot go on).
     fn probe(&self, source: &GrammarSource, matcher: &Matcher) -> Result<(), String> {
-        if let Err(e) = matcher.clone().compute_mask() {
+        // NOTE: deep clones only. A clone shares its lexer with the template (llguidance
+        // caches lexer states across a grammar's matchers), and a probe that runs out of
+        // lexer budget (the forced bytes of `a{1000000}`) would leave the lexer failed for
+        // every request of this grammar.
+        if let Err(e) = matcher.deep_clone().compute_mask() {
             if !self.admits_text(source) {
                 return Err(e.to_string());
             }
             return Ok(());
         }
-        // NOTE: the forced bytes come from a clone of their own: a matcher that computed
-        // them takes them as given and would not build the rows generation builds.
-        let forced = matcher.clone().compute_ff_bytes();
+        // The forced bytes come from a clone of their own: a matcher that computed them
+        // takes them as given and would not build the rows generation builds.
+        let forced = matcher.deep_clone().compute_ff_bytes();
         let text = match std::str::from_utf8(&forced) {
             Ok(s) => s,
             Err(e) => std::str::from_utf8(&forced[..e.valid_up_to()]).expect("valid up to here"),
         };
-        let mut m = matcher.clone();
-        for id in self.tokenizer.encode(text, false) {
+        let mut m = matcher.deep_clone();
+        for id in self.tokenizer.encode(text, false).into_iter().take(MAX_PROBE_TOKENS) {
             if !m.compute_mask().is_ok_and(|mask| mask.is_allowed(id)) {
                 return Ok(());
             }
@@ -263,11 +268,22 @@ impl Grammars {
         m.get_error().is_none() && m.clone().compute_mask().is_ok()
     }
 
+    /// Drop `key` from the cache: one of its matchers failed, and its matchers share one
+    /// lexer (llguidance caches lexer states across them), which may now fail them all.
+    /// The next request with the same grammar compiles it afresh.
+    pub fn evict(&self, key: &str) {
+        self.cache.lock().expect("grammar cache").remove(key);
+    }
+
     /// Compiled grammars now cached.
     pub fn cached(&self) -> usize {
         self.cache.lock().expect("grammar cache").len()
     }
 }
+
+/// Forced tokens `probe` walks: the start of a forced call (`[{"name": "`) is a few; a
+/// forced text of thousands (`a{100000}`) is left to generation.
+const MAX_PROBE_TOKENS: usize = 64;
 
 fn describe(source: &GrammarSource) -> &'static str {
     match source {
@@ -434,6 +450,36 @@ pub(crate) mod tests {
         let fns = tools(1500);
         let ok = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true), "tools").unwrap();
         assert!(drive(&ok, &tok, "[{\"name\": \"f1499\", \"arguments\": {\"a\": \"x\"}}]").is_stopped());
+    }
+
+    /// Compiling must not spend the lexer budget its requests share: the forced bytes of
+    /// `a{1000000}` run llguidance's lexer out of fuel, and a probe on a shallow clone left
+    /// every matcher of the grammar failing at its first mask.
+    #[test]
+    fn probing_leaves_the_shared_lexer_usable() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let grammar = g.compile(&GrammarSource::Regex("a{1000000}".into()), "response_format.regex").unwrap();
+        let m = drive(&grammar, &tok, "aaaaaaaaaa");
+        assert!(!m.is_stopped() && !m.is_error());
+        assert!(grammar.matcher().compute_mask().unwrap().is_allowed(tok.encode("a", false)[0]));
+    }
+
+    /// A lexer failure in one matcher fails the grammar's other matchers (they share the
+    /// lexer); eviction makes the next compile a fresh one.
+    #[test]
+    fn a_failed_grammar_is_compiled_afresh_after_eviction() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let src = GrammarSource::Regex("[a-z]+".into());
+        let grammar = g.compile(&src, "p").unwrap();
+        let mut broken = grammar.matcher();
+        broken.test_trigger_lexer_error().unwrap_err();
+        assert!(grammar.matcher().compute_mask().is_err(), "matchers share the failed lexer");
+        assert!(g.compile(&src, "p").unwrap().matcher().compute_mask().is_err(), "still cached");
+        g.evict(grammar.key());
+        assert_eq!(g.cached(), 0);
+        assert!(g.compile(&src, "p").unwrap().matcher().compute_mask().is_ok());
     }
 
     #[test]
