@@ -69,6 +69,8 @@ struct RequestState {
     held: Vec<HeldTokens>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
+    /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
+    grammar_key: Option<String>,
     /// `stop_token_ids` that are not also an ending eos: a finish by one of these names it
     /// in `stop_reason` (vLLM's rule: eos checks first and gives none).
     stop_token_reasons: Vec<u32>,
@@ -261,6 +263,7 @@ impl CoreState {
                 detoks,
                 held,
                 matchers,
+                grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
                 stop_token_reasons: {
                     let eos = &self.router.config().eos_token_ids;
                     p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
@@ -364,6 +367,9 @@ impl CoreState {
                     let why = e.to_string();
                     let why = why.lines().next().unwrap_or_default().to_string();
                     failures.push((handle, format!("Constrained decoding failed: {why}")));
+                    if let Some(key) = &state.grammar_key {
+                        self.router.grammars().evict(key);
+                    }
                 }
             }
             masks.rows.push(row as i64);
@@ -455,6 +461,9 @@ impl CoreState {
                         let why = e.to_string();
                         let why = why.lines().next().unwrap_or_default();
                         failed.push((handle, format!("Constrained decoding failed at token {}: {why}", u.token)));
+                        if let Some(key) = &state.grammar_key {
+                            self.router.grammars().evict(key);
+                        }
                         continue;
                     }
                 },
