@@ -170,8 +170,8 @@ class ModelRunner:
         with torch.inference_mode():
             copy_src = as_tensor(plan.copy_src, torch.int64)
             if copy_src.numel():
-                self.kv_cache.copy_blocks(copy_src.to(self.device),
-                                          as_tensor(plan.copy_dst, torch.int64).to(self.device))
+                self.kv_cache.copy_blocks(copy_src.to(self.device, non_blocking=True),
+                                          as_tensor(plan.copy_dst, torch.int64).to(self.device, non_blocking=True))
             num_tokens = len(plan.input_ids)
             num_rows = len(plan.logits_indices)
             if num_tokens == 0:
@@ -227,7 +227,7 @@ class ModelRunner:
         # forward above still had to run to fill the KV cache.
         if num_rows == 0:
             return Launched(DeviceSample(SampleOutput.empty()), prompt_lp)
-        rows = as_tensor(plan.logits_indices, torch.int64).to(self.device)
+        rows = as_tensor(plan.logits_indices, torch.int64).to(self.device, non_blocking=True)
         # (on an accelerator the sampler runs there too: worker/sampler.py)
         logits = self.model.compute_logits(hidden[rows])
         return Launched(self.sampler.sample_on_device(logits, SamplingBatch.from_plan(plan)), prompt_lp)
@@ -242,8 +242,8 @@ class ModelRunner:
             return None
         num = np.asarray(plan.prompt_lp_num, np.int64)
         p, k = len(indices), max(int(num.max()), 0)
-        rows = as_tensor(indices, torch.int64).to(self.device)
-        targets = as_tensor(plan.prompt_lp_targets, torch.int64).to(self.device)
+        rows = as_tensor(indices, torch.int64).to(self.device, non_blocking=True)
+        targets = as_tensor(plan.prompt_lp_targets, torch.int64).to(self.device, non_blocking=True)
         chosen = np.empty(p, np.float32)
         top_ids = np.full((p, k), -1, np.int64)
         top_lp = np.zeros((p, k), np.float32)

@@ -10,7 +10,9 @@ the model believed, not what the grammar allowed (vLLM does the same).
 Devices: `logits` may live on the GPU; the SamplingBatch columns stay on the CPU. Which rows
 take which path is decided from those CPU columns, so finding them never waits for the GPU;
 only index and parameter vectors travel to the logits' device, and the results come back
-once at the end (on CPU every move is a no-op).
+once at the end (on CPU every move is a no-op). Every copy to the device is non_blocking:
+a blocking one would wait for the forward queued before it, and `sample_on_device` would
+no longer return while the GPU works (the engine plans the next step meanwhile).
 
 Cost rules: grammar masks touch only the Rm constrained rows (on CPU one Rust pass over the
 packed words; on GPU one unpack, one masked_fill);
@@ -174,9 +176,9 @@ def apply_token_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask:
         return
     vocab = logits.shape[1]
     device = logits.device
-    bitmask = bitmask.to(device=device, dtype=torch.int32)
-    rows = rows.to(device)
-    forbidden = ((bitmask.unsqueeze(-1) & _BIT_WORDS.to(device)) == 0).flatten(1)   # [Rm, W*32]
+    bitmask = bitmask.to(device=device, dtype=torch.int32, non_blocking=True)
+    rows = rows.to(device, non_blocking=True)
+    forbidden = ((bitmask.unsqueeze(-1) & _BIT_WORDS.to(device, non_blocking=True)) == 0).flatten(1)   # [Rm, W*32]
     if forbidden.shape[1] >= vocab:
         forbidden = forbidden[:, :vocab]
     else:
@@ -232,7 +234,7 @@ class Sampler:
             return DeviceSample(SampleOutput.empty())
         dev = logits.device
         wants = torch.nonzero(b.num_logprobs >= 0).squeeze(1)
-        wants_dev = wants.to(dev)
+        wants_dev = wants.to(dev, non_blocking=True)
         raw_logprobs = torch.log_softmax(logits[wants_dev], dim=-1) if wants.numel() else None
 
         apply_token_bitmask(logits, b.mask_rows, b.token_bitmask)
@@ -241,7 +243,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = torch.nonzero(b.temperature > 0).squeeze(1)
         if random_rows.numel():
-            tokens[random_rows.to(dev)] = self._sample_random(logits, b, random_rows)
+            tokens[random_rows.to(dev, non_blocking=True)] = self._sample_random(logits, b, random_rows)
 
         k = max(int(b.num_logprobs.max()), 0)
         chosen = top = None
@@ -258,7 +260,7 @@ class Sampler:
             return
         dev = logits.device
         rows = _row_of_each(b.bias_offsets)
-        logits.index_put_((rows.to(dev), b.bias_token_ids.to(dev)), b.bias_values.to(dev),
+        logits.index_put_((rows.to(dev, non_blocking=True), b.bias_token_ids.to(dev, non_blocking=True)), b.bias_values.to(dev, non_blocking=True),
                           accumulate=True)
 
     @staticmethod
@@ -277,22 +279,22 @@ class Sampler:
 
         dev = logits.device
         num_pen, vocab = pen_rows.numel(), logits.shape[1]
-        hist = b.hist_tokens.to(dev)
+        hist = b.hist_tokens.to(dev, non_blocking=True)
         seen = torch.zeros(num_pen, vocab, dtype=torch.bool, device=dev)
-        seen[prow.to(dev), hist] = True
+        seen[prow.to(dev, non_blocking=True), hist] = True
         counts = torch.zeros(num_pen, vocab, dtype=torch.float32, device=dev)
-        counts.index_put_((prow[is_output].to(dev), b.hist_tokens[is_output].to(dev)),
+        counts.index_put_((prow[is_output].to(dev, non_blocking=True), b.hist_tokens[is_output].to(dev, non_blocking=True)),
                           torch.ones(int(is_output.sum()), device=dev), accumulate=True)
 
-        pen_rows_dev = pen_rows.to(dev)
+        pen_rows_dev = pen_rows.to(dev, non_blocking=True)
         sub = logits[pen_rows_dev]
-        rep = b.repetition_penalty[pen_rows].unsqueeze(1).to(dev)
+        rep = b.repetition_penalty[pen_rows].unsqueeze(1).to(dev, non_blocking=True)
         # NOTE: a tiny penalty can push a positive logit past float32's range: keep it finite
         # (the largest float), so the row never holds +inf, which softmax turns into NaN.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub.clamp_(max=torch.finfo(torch.float32).max)
-        sub -= b.frequency_penalty[pen_rows].unsqueeze(1).to(dev) * counts
-        sub -= b.presence_penalty[pen_rows].unsqueeze(1).to(dev) * (counts > 0).float()
+        sub -= b.frequency_penalty[pen_rows].unsqueeze(1).to(dev, non_blocking=True) * counts
+        sub -= b.presence_penalty[pen_rows].unsqueeze(1).to(dev, non_blocking=True) * (counts > 0).float()
         logits[pen_rows_dev] = sub
 
     def _sample_random(self, logits: torch.Tensor, b: SamplingBatch,
@@ -300,8 +302,8 @@ class Sampler:
         """logits [R, V] (processed) -> sampled ids [Rs] (on logits' device) for `rows` (CPU,
         temperature > 0). Greedy tokens are already taken, so `logits` is reused as scratch."""
         dev = logits.device
-        x = logits if rows.numel() == logits.shape[0] else logits[rows.to(dev)]
-        temp = b.temperature[rows].unsqueeze(1).to(dev)
+        x = logits if rows.numel() == logits.shape[0] else logits[rows.to(dev, non_blocking=True)]
+        temp = b.temperature[rows].unsqueeze(1).to(dev, non_blocking=True)
         # Weights exp((x - max) / T): the row's probabilities up to a constant factor, which
         # neither min_p / top_k nor the race needs. NOTE: shifting by the max first keeps tiny
         # temperatures finite in float32 (the best token's weight is exactly 1, bans exactly 0).
@@ -309,22 +311,22 @@ class Sampler:
 
         min_p = b.min_p[rows]
         if bool((min_p > 0).any()):
-            w.masked_fill_(w < min_p.unsqueeze(1).to(dev), 0.0)   # max weight is 1: p / p_max = w
+            w.masked_fill_(w < min_p.unsqueeze(1).to(dev, non_blocking=True), 0.0)   # max weight is 1: p / p_max = w
 
         top_k = b.top_k[rows]
         k_rows = torch.nonzero((top_k > 0) & (top_k < w.shape[1])).squeeze(1)
         if k_rows.numel():
             ks = top_k[k_rows]
-            k_rows = k_rows.to(dev)
+            k_rows = k_rows.to(dev, non_blocking=True)
             sub = w[k_rows]
-            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1).to(dev))
+            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1).to(dev, non_blocking=True))
             w[k_rows] = sub.masked_fill_(sub < kth, 0.0)
 
         top_p = b.top_p[rows]
         p_rows = torch.nonzero(top_p < 1.0).squeeze(1)
         if p_rows.numel():
-            p_rows_dev = p_rows.to(dev)
-            w[p_rows_dev] = _top_p_filter(w[p_rows_dev], top_p[p_rows].to(dev))
+            p_rows_dev = p_rows.to(dev, non_blocking=True)
+            w[p_rows_dev] = _top_p_filter(w[p_rows_dev], top_p[p_rows].to(dev, non_blocking=True))
 
         noise = self._exponential_noise(w.shape, b.seeds[rows], b.gen_index[rows], dev)
         return w.div_(noise).argmax(dim=-1)
