@@ -143,3 +143,27 @@ def test_planning_ahead_on_cuda_gives_the_same_tokens(tiny_model):
     out, spy = serve(ahead, BODIES)
     assert len(out) == len(BODIES) and spy.ahead > 0
     assert ahead.core.stats()["used_blocks"] == 0
+
+
+def test_launch_queues_a_decode_step_without_waiting_for_the_gpu():
+    """What --async-scheduling overlaps: launch() of a decode step (graphs, greedy, seeded and
+    logprob rows) only queues work, so the engine plans the next step while the GPU runs.
+    CUDA's sync debug mode raises on any host sync inside launch(); result() is the wait."""
+    runner = cuda_runner(graphs=True)
+    paged = Paged(NUM_BLOCKS, BLOCK)
+    rng = np.random.default_rng(5)
+    for sid, n in ((0, 17), (1, 8), (2, 30)):
+        paged.add(sid, [int(t) for t in rng.integers(0, CONFIG["vocab_size"], n)])
+    rows = {0: Row(), 1: Row(temperature=0.8, seed=11), 2: Row(num_logprobs=2)}
+    out = runner.execute(paged.step({0: 17, 1: 8, 2: 30}, rows))
+    for sid, tok in zip(rows, out.tokens):
+        paged.append(sid, int(tok))
+    plan = paged.step({sid: 1 for sid in rows}, rows)
+    assert runner.graphs.padded_size(plan) is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = runner.launch(plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert launched.result().tokens.shape == (3,)
