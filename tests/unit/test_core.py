@@ -296,3 +296,35 @@ def test_a_token_the_stop_string_begins_inside_keeps_its_logprobs(router):
     choice = orjson.loads(b"".join(out[handle]))["choices"][0]
     assert choice["text"] == " t"
     assert choice["logprobs"]["tokens"] == [" the"] and choice["logprobs"]["text_offset"] == [0]
+
+
+def test_each_request_gets_its_own_number_of_alternatives(router):
+    """The runner returns as many alternatives per row as the most any row of the step
+    wants; a request lists only its own `top_logprobs` (chat; none when absent) or its own
+    `logprobs` (completions, plus the sampled token), whatever shares its step."""
+    letters = np.array([router.prepare("completion", orjson.dumps({"model": "m", "prompt": c}))
+                        .prompt_token_ids[0][-1] for c in "qwxyz"], np.int64)
+
+    class TopRunner(FakeRunner):
+        def execute(self, plan):
+            tokens, lps, _, _ = super().execute(plan)
+            k = max(int(plan.num_logprobs.max()), 0)
+            ids = np.tile(letters[:k], (len(tokens), 1))        # distinct texts
+            return tokens, lps, ids, np.full((len(tokens), k), -1.0, np.float32)
+
+    core = make_core(router)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    handles = {
+        "chat5": core.add(router.prepare("chat", orjson.dumps({**chat, "logprobs": True, "top_logprobs": 5}))),
+        "chat1": core.add(router.prepare("chat", orjson.dumps({**chat, "logprobs": True, "top_logprobs": 1}))),
+        "chat0": core.add(router.prepare("chat", orjson.dumps({**chat, "logprobs": True}))),
+        "comp2": core.add(router.prepare("completion", orjson.dumps(
+            {"model": "m", "prompt": "Hi", "max_tokens": 3, "logprobs": 2}))),
+    }
+    out, _ = run(core, TopRunner(router.vocab_size))
+    body = {name: json.loads(b"".join(out[h])) for name, h in handles.items()}
+    for name, want in (("chat5", 5), ("chat1", 1), ("chat0", 0)):
+        entries = body[name]["choices"][0]["logprobs"]["content"]
+        assert [len(e["top_logprobs"]) for e in entries] == [want] * 3, name
+    tops = body["comp2"]["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(set(t) - {"q", "w"} <= {e} for t, e in zip(tops, body["comp2"]["choices"][0]["logprobs"]["tokens"])), tops

@@ -71,6 +71,9 @@ struct RequestState {
     matchers: Vec<Matcher>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
     grammar_key: Option<String>,
+    /// Alternatives this request wants per token (`top_logprobs`, completions' `logprobs`):
+    /// the runner returns as many as the most any row of the step wants.
+    num_top: usize,
     /// `stop_token_ids` that are not also an ending eos: a finish by one of these names it
     /// in `stop_reason` (vLLM's rule: eos checks first and gives none).
     stop_token_reasons: Vec<u32>,
@@ -264,6 +267,7 @@ impl CoreState {
                 held,
                 matchers,
                 grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
+                num_top: p.logprobs.unwrap_or(0) as usize,
                 stop_token_reasons: {
                     let eos = &self.router.config().eos_token_ids;
                     p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
@@ -446,7 +450,8 @@ impl CoreState {
             let detok = &mut state.detoks[d];
             let text_offset = detok.decoded_len();
             let row = u.sample_row;
-            let top = top_of(top_ids, top_lps, k, row);
+            let mut top = top_of(top_ids, top_lps, k, row);
+            top.truncate(state.num_top);
             let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };
             let mut finish = u.finish.map(finish_reason);
             // The grammar is complete once its matcher stops: the sequence ends here.
