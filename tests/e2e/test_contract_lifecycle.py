@@ -245,3 +245,74 @@ def test_a_body_that_stops_arriving_is_408(tiny_model, monkeypatch):
         await engine.drain()
 
     asyncio.run(main())
+
+
+class HeldRunner:
+    """Wraps the real runner; every step waits until `release` is set (a long prefill)."""
+
+    def __init__(self, inner) -> None:
+        import threading
+
+        self.inner = inner
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def execute(self, plan):
+        self.entered.set()
+        assert self.release.wait(30)
+        return self.inner.execute(plan)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_any_output_aborts_at_once(tiny_model, monkeypatch, stream):
+    """A request whose client goes away while its first step runs (or while it waits in the
+    queue) is aborted then, not after the step: the handler returns (499 in the access log)
+    while the step is still held, and the request never reaches the client or the queue."""
+    held = []
+
+    def build(cfg):
+        engine = build_engine(cfg)
+        engine.runner = HeldRunner(engine.runner)
+        held.append(engine.runner)
+        return engine
+
+    monkeypatch.setattr(async_engine_mod, "build_engine", build)
+    engine = AsyncEngine(_config(tiny_model))
+
+    async def main():
+        await engine.start()
+        app = create_app(engine=engine)
+        body = json.dumps({**CHAT, "max_tokens": 4, "stream": stream}).encode()
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "raw_path": b"/v1/chat/completions", "root_path": "", "scheme": "http",
+                 "query_string": b"", "server": ("test", 80), "client": ("127.0.0.1", 1),
+                 "http_version": "1.1", "headers": [(b"content-type", b"application/json")]}
+        handler = asyncio.ensure_future(app(scope, receive, send))
+        assert await asyncio.to_thread(held[0].entered.wait, 10)   # its first step runs
+        gone.set()
+        await asyncio.wait_for(handler, 5)                          # while the step is held
+        assert not held[0].release.is_set()
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        assert start["status"] == 499
+        held[0].release.set()
+        for _ in range(100):
+            if engine.load()["requests"] == 0 and engine.load()["kv_blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.load()["requests"] == 0 and engine.load()["kv_blocks_used"] == 0
+        await engine.drain()
+
+    asyncio.run(main())

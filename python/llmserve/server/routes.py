@@ -74,7 +74,24 @@ async def _until_disconnect(request: Request) -> None:
 
 async def _whole(request: Request, stream: RequestStream) -> bytes | None:
     """A non-streamed response; None if the client left first (the request is aborted)."""
-    reading = asyncio.ensure_future(stream.read_all())
+    return await _unless_client_leaves(request, stream, stream.read_all())
+
+
+async def _first_frame(request: Request, stream: RequestStream, keep_alive: float | None) -> bytes | None:
+    """A stream's first bytes (a keep-alive comment after `keep_alive` seconds without any);
+    None if the client left first (the request is aborted: a long prompt's prefill, or
+    the wait in the queue, is not worked through for nobody)."""
+    async def first() -> bytes | None:
+        try:
+            return await stream.next(timeout=keep_alive)
+        except TimeoutError:
+            return KEEP_ALIVE
+    return await _unless_client_leaves(request, stream, first())
+
+
+async def _unless_client_leaves(request: Request, stream: RequestStream, work) -> bytes | None:
+    """`work`'s result, or None (and the request aborted) if the client disconnects first."""
+    reading = asyncio.ensure_future(work)
     leaving = asyncio.ensure_future(_until_disconnect(request))
     try:
         done, _ = await asyncio.wait({reading, leaving}, return_when=asyncio.FIRST_COMPLETED)
@@ -94,23 +111,27 @@ async def _generate(request: Request, endpoint: str) -> Response:
     headers = dict(stream.headers)
     if not stream.stream:
         data = await _whole(request, stream)
-        return Response(data or b"", media_type=JSON, headers=headers)
+        if data is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return Response(data, media_type=JSON, headers=headers)
 
     keep_alive = engine.config.server.sse_keep_alive
     try:
         # NOTE: wait for the first bytes so a failure before any output is a real 500 (or
         # 4xx), not a 200 with an error frame; keep-alive still bounds the silent wait.
-        first = await stream.next(timeout=keep_alive)
-    except TimeoutError:
-        first = KEEP_ALIVE
+        first = await _first_frame(request, stream, keep_alive)
     except BaseException:
         await stream.aclose()
         raise
+    if first is None:
+        return Response(status_code=CLIENT_CLOSED)
     headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
     return EventStreamResponse(stream, first, keep_alive, headers)
 
 
 KEEP_ALIVE = b": keep-alive\n\n"
+# What the access log shows for a request whose client left before its answer (nginx's 499).
+CLIENT_CLOSED = 499
 
 
 class EventStreamResponse(Response):
