@@ -196,6 +196,7 @@ def build_engine(cfg: Config) -> Engine:
                                   max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len)
     else:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
-    log.info("engine ready in %.1f s (served as %s)", time.perf_counter() - start, ", ".join(names))
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")
+    log.info("engine ready in %.1f s (served as %s; async scheduling %s)", time.perf_counter() - start,
+             ", ".join(names), "on" if plan_ahead else "off")
     return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead)
