@@ -38,12 +38,12 @@ class Spy:
         self.runner, self.fail_at = runner, fail_at
         self.launches = self.ahead = 0
 
-    def launch(self, plan, prev_tokens=None):
+    def launch(self, plan, prev=None):
         self.launches += 1
         self.ahead += int((plan.input_ids < 0).any())
         if self.launches == self.fail_at:
             raise RuntimeError("injected step failure")
-        return self.runner.launch(plan, prev_tokens)
+        return self.runner.launch(plan, prev)
 
     def execute(self, plan):
         return self.launch(plan).result()

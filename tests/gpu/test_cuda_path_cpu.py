@@ -138,3 +138,44 @@ def test_kv_cache_sizing_from_free_memory():
         kv_blocks_for_budget(139 * gib, 140 * gib, gib // 4, 1.5, 0)
     # SmolLM2-135M at 2048 batched tokens and 256 sequences keeps well under 1 GiB back
     assert 512 * 2**20 < activation_reserve_bytes(576, 1536, 49152, 2048, 256) < gib
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed):
+    """--async-scheduling on the CUDA runner: a plan whose decode tokens are placeholders
+    for the previous step's rows (-1 - r) computes what the same plan with the tokens
+    computes: filled on the device from that step's samples (padded decode batch, and an
+    eager mixed step with a prompt in it)."""
+    import dataclasses
+
+    from _plans import Paged, Row
+
+    def cuda_runner():
+        model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+        return CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
+                               max_model_len=128, cuda_graphs=False, ops=reference)
+
+    known, ahead = cuda_runner(), cuda_runner()
+    paged = Paged(64, BLOCK)
+    rng = np.random.default_rng(2)
+    for sid, n in ((0, 9), (1, 21), (2, 5)):
+        paged.add(sid, [int(t) for t in rng.integers(0, CONFIG["vocab_size"], n)])
+    rows = {0: Row(), 1: Row(temperature=0.9, seed=4), 2: Row()}
+    first = paged.step({0: 9, 1: 21, 2: 5}, rows)
+    launched = ahead.launch(first)
+    out = known.execute(first)
+    for sid, tok in zip(rows, out.tokens):
+        paged.append(sid, int(tok))
+    schedule = {sid: 1 for sid in rows}
+    if mixed:
+        paged.add(3, [int(t) for t in rng.integers(0, CONFIG["vocab_size"], 11)])
+        schedule[3] = 11
+    plan = paged.step(schedule, {**rows, 3: Row()})
+    assert (ahead.graphs.padded_size(plan) is None) == mixed
+    ids = np.array(plan.input_ids)
+    ids[:3] = [-1, -2, -3]                       # rows 0..2 of `first` sample these tokens
+    made_ahead = dataclasses.replace(plan, input_ids=ids)
+    want, got = known.execute(plan), ahead.execute(made_ahead, launched)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    for a, b in zip(known.kv_cache.key + known.kv_cache.value, ahead.kv_cache.key + ahead.kv_cache.value):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -63,3 +63,26 @@ def test_a_failing_step_fails_only_the_steps_in_flight(engines, fail_at):
     for i in set(out) - set(errors):
         assert out[i] == expected[i]
     assert ahead.core.stats()["used_blocks"] == 0 and not ahead.core.has_work()
+
+
+def test_placeholders_are_filled_from_the_step_before():
+    """A plan made ahead names the previous step's rows; the CPU runner fills them on the
+    host, the CUDA runner on the device (fill_placeholders_, checked here on CPU tensors)."""
+    import numpy as np
+    import torch
+
+    from llmserve.worker.runner import fill_placeholders_, has_placeholders, resolve_placeholders
+
+    class Plan:
+        input_ids = np.array([7, -2, 9, -1, -3], np.int64)
+        positions = np.arange(5)
+
+    prev = np.array([40, 41, 42], np.int64)
+    assert has_placeholders(Plan) and not has_placeholders(type("P", (), {"input_ids": np.array([1, 0])}))
+    resolved = resolve_placeholders(Plan, prev)
+    assert resolved.input_ids.tolist() == [7, 41, 9, 40, 42]
+    assert resolved.positions is Plan.positions           # every other column read through
+    ids = torch.from_numpy(Plan.input_ids.copy())
+    assert fill_placeholders_(ids, torch.from_numpy(prev)).tolist() == [7, 41, 9, 40, 42]
+    with pytest.raises(ValueError):
+        resolve_placeholders(Plan, None)

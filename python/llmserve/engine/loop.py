@@ -2,8 +2,8 @@
 
 `step()` is the whole loop body and is shared by the serving thread and the offline `LLM`.
 With `plan_ahead` the serving thread overlaps instead (`EngineThread._step_ahead`): while
-the model runs step N it plans step N+1 (`Core.schedule_ahead`), launches N+1 as soon as N's
-tokens are back, and commits N while N+1 runs.
+the model runs step N it plans step N+1 (`Core.schedule_ahead`) and queues it behind N, then
+waits for N alone and commits it while N+1 runs.
 A step that raises fails only the requests it touched (each gets a 500, or an SSE error
 frame if its stream had begun); the loop goes on. If the loop itself dies, `alive` turns
 false and /health answers 503.
@@ -147,9 +147,10 @@ class EngineThread:
             self._on_stats(self.stats, step_seconds)
 
     def _step_ahead(self) -> tuple[list[Output], bool]:
-        """One step, overlapped: plan step N+1 while the model runs step N, launch N+1 once
-        N's tokens are back, then commit N while N+1 runs. Falls back to `step`'s order
-        whenever the Core cannot plan ahead (Core.schedule_ahead says when)."""
+        """One step, overlapped: while the model runs step N, plan step N+1 and queue it
+        behind N (its placeholder tokens are read from N's samples where they are); then wait
+        for N alone and commit it while N+1 runs. Falls back to `step`'s order whenever the
+        Core cannot plan ahead (Core.schedule_ahead says when)."""
         core, runner = self._core, self._runner
         if self._launched is None:
             plan = core.schedule()
@@ -163,23 +164,23 @@ class EngineThread:
                 return core.fail_plan(FAILED), True
         launched, self._launched = self._launched, None
         following = core.schedule_ahead()
+        queued, failed_next = None, False
         if following is not None:
             self._scheduled()
+            try:
+                queued = runner.launch(following, launched)
+            except Exception:  # noqa: BLE001
+                log.exception("model step failed; failing the %d sequences it held", following.num_seqs)
+                failed_next = True
         try:
             out = launched.result()
         except Exception:  # noqa: BLE001 - fails this step's requests and the next's
             log.exception("model step failed; failing the sequences of the steps in flight")
             return core.fail_plan(FAILED), True
-        failed_next = False
-        if following is not None:
-            try:
-                self._launched = runner.launch(following, out.tokens)
-            except Exception:  # noqa: BLE001
-                log.exception("model step failed; failing the %d sequences it held", following.num_seqs)
-                failed_next = True
         outputs = commit(core, out)
         if failed_next:
             outputs += core.fail_plan(FAILED)
+        self._launched = queued
         return outputs, True
 
     def _run(self) -> None:

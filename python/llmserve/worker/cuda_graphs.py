@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
-from llmserve.worker.runner import ModelRunner
+from llmserve.worker.runner import Launched, ModelRunner, Resolved, fill_placeholders_, has_placeholders
 from llmserve.worker.sampler import as_tensor
 
 log = logging.getLogger("llmserve.worker")
@@ -119,6 +119,8 @@ class DecodeGraphs:
         n = len(plan.seq_lens)
         w = min(self.width, np.asarray(plan.block_tables).reshape(n, -1).shape[1])
         self.input_ids[:b].copy_(_padded(plan.input_ids, b, 0, np.int64), non_blocking=True)
+        if getattr(plan, "prev_tokens", None) is not None:
+            fill_placeholders_(self.input_ids[:b], plan.prev_tokens)
         self.positions[:b].copy_(_padded(plan.positions, b, 0, np.int64), non_blocking=True)
         self.slot_mapping[:b].copy_(_padded(plan.slot_mapping, b, -1, np.int64), non_blocking=True)
         self.seq_lens[:b].copy_(_padded(plan.seq_lens, b, 0, np.int32), non_blocking=True)
@@ -166,12 +168,23 @@ class CudaModelRunner(ModelRunner):
             self.graphs.graphs.clear()
             self.graphs.use_graphs = False
 
+    def with_inputs_from(self, plan, prev: Launched | None):
+        """Placeholders are filled on the GPU from `prev`'s sampled tokens (run_model), so a
+        plan made ahead is queued behind its step without waiting for it."""
+        if not has_placeholders(plan):
+            return plan
+        if prev is None:
+            raise ValueError("this plan was made ahead: pass the step before it")
+        return Resolved(plan, np.asarray(plan.input_ids), prev.device_tokens().to(self.device))
+
     def run_model(self, plan) -> torch.Tensor:
         b = self.graphs.padded_size(plan)
         if b is not None:
             return self.graphs.run(plan, b)
         dev = self.device
         input_ids = as_tensor(plan.input_ids, torch.int64).to(dev, non_blocking=True)
+        if getattr(plan, "prev_tokens", None) is not None:
+            fill_placeholders_(input_ids, plan.prev_tokens)
         positions = as_tensor(plan.positions, torch.int64).to(dev, non_blocking=True)
         slot_mapping = as_tensor(plan.slot_mapping, torch.int64).to(dev, non_blocking=True)
         seq_lens = np.asarray(plan.seq_lens)

@@ -58,42 +58,62 @@ def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
 @dataclasses.dataclass(frozen=True)
 class Launched:
     """A step `ModelRunner.launch` started: `result()` waits for its samples and returns them
-    on the host."""
+    on the host; `device_tokens()` are the sampled tokens where they were sampled, which the
+    next step's placeholders read without waiting."""
     sample: DeviceSample
     prompt_lp: tuple | None = None
 
     def result(self) -> SampleOutput:
         return with_prompt_logprobs(self.sample.to_host(), self.prompt_lp)
 
+    def device_tokens(self) -> torch.Tensor:
+        if self.sample.tokens is not None:
+            return self.sample.tokens
+        return torch.from_numpy(self.sample.done.tokens)
+
 
 def finished(out: SampleOutput) -> Launched:
     return Launched(DeviceSample(out))
 
 
-class _Resolved:
-    """A plan read through, with its placeholder input ids filled in."""
+class Resolved:
+    """A plan read through, with its placeholder input ids filled in on the host
+    (`input_ids`), or left for the device to fill from `prev_tokens`."""
 
-    def __init__(self, plan, input_ids: np.ndarray):
+    def __init__(self, plan, input_ids: np.ndarray, prev_tokens: torch.Tensor | None = None):
         self._plan = plan
         self.input_ids = input_ids
+        self.prev_tokens = prev_tokens
 
     def __getattr__(self, name: str):
         return getattr(self._plan, name)
 
 
-def resolve_placeholders(plan, prev_tokens: np.ndarray | None):
-    """`plan` with each placeholder input id (`-1 - r`, in a plan made by
-    `Core.schedule_ahead`) replaced by `prev_tokens[r]`, the token row r of the previous
-    step sampled. The plan itself when it has none."""
+def has_placeholders(plan) -> bool:
+    """Whether `plan` was made ahead (`Core.schedule_ahead`) with placeholder input ids
+    (`-1 - r`: the token row r of the step before samples)."""
     ids = np.asarray(plan.input_ids)
-    if len(ids) == 0 or ids.min() >= 0:
+    return len(ids) > 0 and ids.min() < 0
+
+
+def resolve_placeholders(plan, prev_tokens: np.ndarray | None):
+    """`plan` with each placeholder input id `-1 - r` replaced by `prev_tokens[r]`, on the
+    host. The plan itself when it has none."""
+    if not has_placeholders(plan):
         return plan
     if prev_tokens is None:
-        raise ValueError("this plan was made ahead: pass the previous step's sampled tokens")
-    ids = ids.copy()
+        raise ValueError("this plan was made ahead: pass the step before it")
+    ids = np.array(plan.input_ids, np.int64)
     holes = ids < 0
     ids[holes] = np.asarray(prev_tokens, np.int64)[-1 - ids[holes]]
-    return _Resolved(plan, ids)
+    return Resolved(plan, ids)
+
+
+def fill_placeholders_(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """In place, on the ids' device and without a host sync: each placeholder `-1 - r`
+    becomes `prev_tokens[r]`."""
+    rows = (-1 - ids).clamp_(min=0)
+    return ids.copy_(torch.where(ids < 0, prev_tokens.index_select(0, rows), ids))
 
 
 def row_sequences(plan) -> np.ndarray:
@@ -157,16 +177,17 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.workspace = GatherWorkspace()
 
-    def execute(self, plan, prev_tokens: np.ndarray | None = None) -> SampleOutput:
-        """Run one step and return its samples on the host. `prev_tokens`: the previous
-        step's sampled tokens, which a plan made ahead refers to (`resolve_placeholders`)."""
-        return self.launch(plan, prev_tokens).result()
+    def execute(self, plan, prev: Launched | None = None) -> SampleOutput:
+        """Run one step and return its samples on the host. `prev`: the step before, whose
+        tokens a plan made ahead refers to."""
+        return self.launch(plan, prev).result()
 
-    def launch(self, plan, prev_tokens: np.ndarray | None = None) -> Launched:
+    def launch(self, plan, prev: Launched | None = None) -> Launched:
         """Start one step; `result()` of the returned object waits for its samples. On an
-        accelerator the forward and the sampling are queued, so the engine can plan the next
-        step meanwhile; on the CPU the step has run when this returns."""
-        plan = resolve_placeholders(plan, prev_tokens)
+        accelerator the forward and the sampling are queued (also behind a `prev` step that
+        is still running), so the engine can plan the next step meanwhile; on the CPU the
+        step has run when this returns."""
+        plan = self.with_inputs_from(plan, prev)
         with torch.inference_mode():
             copy_src = as_tensor(plan.copy_src, torch.int64)
             if copy_src.numel():
@@ -184,6 +205,10 @@ class ModelRunner:
             quantized = self.kernel_steps and not prompt and num_tokens <= QUANT_MAX_TOKENS
             with cpu_step(prompt, quantized):
                 return self._execute(plan, num_rows)
+
+    def with_inputs_from(self, plan, prev: Launched | None):
+        """`plan` with its placeholders filled from `prev`'s tokens (here on the host)."""
+        return resolve_placeholders(plan, None if prev is None else prev.result().tokens)
 
     def _execute_split(self, plan, decode: np.ndarray) -> SampleOutput:
         """A step that holds prompt tokens and up to QUANT_MAX_TOKENS generated ones: the

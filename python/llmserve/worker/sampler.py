@@ -54,35 +54,60 @@ class SampleOutput:
                             np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32))
 
 
-@dataclass(frozen=True)
+@dataclass
 class DeviceSample:
     """A step's samples where the sampler left them (`Sampler.sample_on_device`): the
     chosen tokens [R], and for the rows in `wants` (on the host) the chosen tokens' raw
-    logprobs and the top `k`. `done` instead when there is nothing to copy."""
+    logprobs and the top `k`. `done` instead when there is nothing to copy.
+
+    On an accelerator `start_copy()` queues their copy to pinned host memory and records an
+    event: `to_host()` then waits for this step alone, not for steps queued after it."""
 
     done: SampleOutput | None
     tokens: torch.Tensor | None = None
     wants: torch.Tensor | None = None
     chosen: torch.Tensor | None = None
-    top: Any = None                      # torch.return_types.topk, or None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
     num_rows: int = 0
     k: int = 0
+    _host: dict | None = None            # pinned host copies, by field name
+    _copied: Any = None                  # the event they are complete at
+
+    def start_copy(self) -> None:
+        """Queue the copies to the host (no-op on CPU, or when nothing is left to copy)."""
+        if self.done is not None or self.tokens.device.type == "cpu":
+            return
+        self._host = {}
+        for name in ("tokens", "chosen", "top_ids", "top_values"):
+            t = getattr(self, name)
+            if t is not None:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self._host[name] = host.copy_(t, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def to_host(self) -> SampleOutput:
         """Wait for the samples and copy them to the host (numpy)."""
         if self.done is not None:
             return self.done
-        tokens = self.tokens.cpu().numpy().astype(np.int64, copy=False)
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host or {}
+        tokens, chosen, top_ids_t, top_values = (host.get(n, getattr(self, n))
+                                                 for n in ("tokens", "chosen", "top_ids", "top_values"))
+        tokens = tokens.cpu().numpy().astype(np.int64, copy=False)
         chosen_lp = np.zeros(self.num_rows, np.float32)
         top_ids = np.zeros((self.num_rows, self.k), np.int64)
         top_lp = np.zeros((self.num_rows, self.k), np.float32)
-        if self.chosen is not None:
+        if chosen is not None:
             rows = self.wants.numpy()
-            chosen_lp[rows] = self.chosen.cpu().numpy()
-            if self.top is not None:
-                top_ids[rows, :self.top.indices.shape[1]] = self.top.indices.cpu().numpy()
-                top_lp[rows, :self.top.values.shape[1]] = self.top.values.cpu().numpy()
-        return SampleOutput(tokens, chosen_lp, top_ids, top_lp)
+            chosen_lp[rows] = chosen.cpu().numpy()
+            if top_ids_t is not None:
+                top_ids[rows, :top_ids_t.shape[1]] = top_ids_t.cpu().numpy()
+                top_lp[rows, :top_values.shape[1]] = top_values.cpu().numpy()
+        self.done = SampleOutput(tokens, chosen_lp, top_ids, top_lp)
+        return self.done
 
 
 @dataclass(frozen=True)
@@ -246,12 +271,14 @@ class Sampler:
             tokens[random_rows.to(dev, non_blocking=True)] = self._sample_random(logits, b, random_rows)
 
         k = max(int(b.num_logprobs.max()), 0)
-        chosen = top = None
+        chosen = top_ids = top_values = None
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, tokens[wants_dev].unsqueeze(1)).squeeze(1)
             if k:
-                top = raw_logprobs.topk(min(k, vocab), dim=-1)   # sorted, largest first
-        return DeviceSample(None, tokens, wants, chosen, top, num_rows, k)
+                top_values, top_ids = raw_logprobs.topk(min(k, vocab), dim=-1)   # sorted, largest first
+        sample = DeviceSample(None, tokens, wants, chosen, top_ids, top_values, num_rows, k)
+        sample.start_copy()
+        return sample
 
     @staticmethod
     def _apply_bias(logits: torch.Tensor, b: SamplingBatch) -> None:
