@@ -6,6 +6,8 @@ logits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -160,10 +162,16 @@ def test_launch_queues_a_decode_step_without_waiting_for_the_gpu():
         paged.append(sid, int(tok))
     plan = paged.step({sid: 1 for sid in rows}, rows)
     assert runner.graphs.padded_size(plan) is not None
+    # the step after, made ahead: its tokens are the first step's rows 0..2 (placeholders)
+    for sid in rows:
+        paged.append(sid, 0)
+    ahead = dataclasses.replace(paged.step({sid: 1 for sid in rows}, rows), input_ids=np.array([-1, -2, -3]))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         launched = runner.launch(plan)
+        queued = runner.launch(ahead, launched)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert launched.result().tokens.shape == (3,)
+    first, second = launched.result(), queued.result()
+    assert first.tokens.shape == second.tokens.shape == (3,)
