@@ -56,7 +56,7 @@ impl Scheduler {
         }
         self.inflight[0].rows = rows;
         if !self.fits_without_preemption() {
-            self.drop_placeholders(0);
+            self.drop_placeholders();
             return Plan::default();
         }
         self.plan_step(false)
@@ -105,10 +105,10 @@ impl Scheduler {
         true
     }
 
-    /// Undo `schedule_ahead`'s placeholders for the rows of in-flight plan `i` (they are
-    /// only ever the oldest plan's).
-    fn drop_placeholders(&mut self, i: usize) {
-        for (r, row) in self.inflight[i].rows.iter().enumerate() {
+    /// Undo `schedule_ahead`'s placeholders (they are only ever for the oldest plan's rows).
+    fn drop_placeholders(&mut self) {
+        let Some(oldest) = self.inflight.front() else { return };
+        for (r, row) in oldest.rows.iter().enumerate() {
             let seq = &mut self.seqs[row.slot as usize];
             if seq.gen == row.gen && seq.pending == Some(r as u32) {
                 seq.tokens.pop();
@@ -381,9 +381,7 @@ impl Scheduler {
     /// rows get no updates. A no-op when no Plan awaits commit. The caller usually aborts
     /// the affected requests as well.
     pub fn discard_plan(&mut self) {
-        if !self.inflight.is_empty() {
-            self.drop_placeholders(0);
-        }
+        self.drop_placeholders();
         while let Some(mut plan) = self.inflight.pop_back() {
             // Prompt positions this Plan listed are listed again when their sequence
             // recomputes (a request aborted since, whose slot may be reused, is left alone).
