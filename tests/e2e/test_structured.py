@@ -138,6 +138,12 @@ def test_regex_and_grammar_extensions(client):
     import re
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
     assert r.choices[0].finish_reason == "stop"
+    # \d is [0-9], as in a JSON schema's pattern (Rust's Unicode \d gave "🯸🯸🯸-🯸🯸🯸" here)
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Phone number?"}], max_tokens=20, temperature=0,
+        response_format={"type": "regex", "regex": r"\d{3}-\d{4}"},
+    )
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content), r.choices[0].message.content
     r = client.completions.create(
         model=model, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
         extra_body={"response_format": {"type": "grammar", "grammar": 'start: " yes" | " no"'}},

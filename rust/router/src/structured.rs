@@ -94,7 +94,14 @@ impl GrammarSource {
                 }
                 TopLevelGrammar::from_json_schema(schema)
             }
-            Self::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            // NOTE: JSON Schema's (JavaScript's) classes, as for a schema's `pattern`: `\d` is
+            // [0-9] and `\w` [0-9a-zA-Z_]. With Rust's Unicode classes `\d{3}` let a small
+            // model write 🯸🯸🯸 (audit 8), which is never what a regex for a number means.
+            Self::Regex(rx) => {
+                let mut g = GrammarWithLexer::from_lark(format!("start: /{}/", llguidance::regex_to_lark(rx, "dw")));
+                g.name = Some("regex".into());
+                TopLevelGrammar::from_grammar(g)
+            }
             Self::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
             Self::AfterThinking { opened, body } => {
                 let mut body = body.to_top_level();
@@ -480,6 +487,35 @@ pub(crate) mod tests {
         g.evict(grammar.key());
         assert_eq!(g.cached(), 0);
         assert!(g.compile(&src, "p").unwrap().matcher().compute_mask().is_ok());
+    }
+
+    /// `\d` and `\w` in a regex are ASCII classes (JSON Schema's semantics), `\s` stays
+    /// Unicode whitespace.
+    #[test]
+    fn regex_classes_are_ascii() {
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("<eos>".into(), json!(0));
+        for (i, t) in ["1", "٣", "🯸", "a", "é", "_", " ", "\u{3000}"].iter().enumerate() {
+            vocab.insert((*t).to_string(), json!(i + 1));
+        }
+        let tj = json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 0, "content": "<eos>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
+        });
+        let tok = Arc::new(Tokenizer::from_json_str(&tj.to_string()).expect("tokenizer"));
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let allowed = |rx: &str| -> Vec<String> {
+            let grammar = g.compile(&GrammarSource::Regex(rx.into()), "p").unwrap();
+            let mask = grammar.matcher().compute_mask().unwrap();
+            mask.to_list().iter().filter(|&&t| t != 0).map(|&t| tok.decode(&[t], false)).collect()
+        };
+        assert_eq!(allowed("\\d+"), vec!["1"]);
+        assert_eq!(allowed("\\w+"), vec!["1", "a", "_"]);
+        assert_eq!(allowed("\\s+"), vec![" ", "\u{3000}"]);
+        assert_eq!(allowed("[^\\d]"), vec!["٣", "🯸", "a", "é", "_", " ", "\u{3000}"]);
     }
 
     #[test]
