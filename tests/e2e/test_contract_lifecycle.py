@@ -51,20 +51,25 @@ class FailingRunner:
         return self.inner.execute(plan)
 
 
-@pytest.fixture
-def failing_engine(tiny_model, monkeypatch):
-    """An AsyncEngine (not started) whose runner is a FailingRunner."""
+def _engine_wrapping(tiny_model, monkeypatch, wrapper):
+    """An AsyncEngine (not started) whose runner is wrapped by `wrapper`, and the list the
+    wrappers it builds go to (one per engine build)."""
     runners = []
 
     def build(cfg):
         engine = build_engine(cfg)
-        engine.runner = FailingRunner(engine.runner)
+        engine.runner = wrapper(engine.runner)
         runners.append(engine.runner)
         return engine
 
     monkeypatch.setattr(async_engine_mod, "build_engine", build)
-    engine = AsyncEngine(_config(tiny_model))
-    return engine, runners
+    return AsyncEngine(_config(tiny_model)), runners
+
+
+@pytest.fixture
+def failing_engine(tiny_model, monkeypatch):
+    """An AsyncEngine (not started) whose runner is a FailingRunner."""
+    return _engine_wrapping(tiny_model, monkeypatch, FailingRunner)
 
 
 def _client(app) -> httpx.AsyncClient:
@@ -267,16 +272,7 @@ def test_a_client_that_leaves_before_any_output_aborts_at_once(tiny_model, monke
     """A request whose client goes away while its first step runs (or while it waits in the
     queue) is aborted then, not after the step: the handler returns (499 in the access log)
     while the step is still held, and the request never reaches the client or the queue."""
-    held = []
-
-    def build(cfg):
-        engine = build_engine(cfg)
-        engine.runner = HeldRunner(engine.runner)
-        held.append(engine.runner)
-        return engine
-
-    monkeypatch.setattr(async_engine_mod, "build_engine", build)
-    engine = AsyncEngine(_config(tiny_model))
+    engine, held = _engine_wrapping(tiny_model, monkeypatch, HeldRunner)
 
     async def main():
         await engine.start()

@@ -349,10 +349,16 @@ pub(crate) mod tests {
 
     pub(crate) fn byte_tokenizer() -> Arc<Tokenizer> {
         // A tiny char-level vocabulary: newline, every printable ASCII char, and an EOS.
+        let chars: Vec<String> = std::iter::once(b'\n').chain(32u8..127).map(|c| (c as char).to_string()).collect();
+        char_tokenizer(&chars)
+    }
+
+    /// A vocabulary of an EOS (id 0) and one token per character of `chars` (ids from 1).
+    fn char_tokenizer(chars: &[String]) -> Arc<Tokenizer> {
         let mut vocab = serde_json::Map::new();
         vocab.insert("<eos>".into(), json!(0));
-        for (i, c) in std::iter::once(b'\n').chain(32u8..127).enumerate() {
-            vocab.insert((c as char).to_string(), json!(i + 1));
+        for (i, c) in chars.iter().enumerate() {
+            vocab.insert(c.clone(), json!(i + 1));
         }
         let tj = json!({
             "version": "1.0",
@@ -493,19 +499,8 @@ pub(crate) mod tests {
     /// Unicode whitespace.
     #[test]
     fn regex_classes_are_ascii() {
-        let mut vocab = serde_json::Map::new();
-        vocab.insert("<eos>".into(), json!(0));
-        for (i, t) in ["1", "٣", "🯸", "a", "é", "_", " ", "\u{3000}"].iter().enumerate() {
-            vocab.insert((*t).to_string(), json!(i + 1));
-        }
-        let tj = json!({
-            "version": "1.0",
-            "added_tokens": [{"id": 0, "content": "<eos>", "single_word": false, "lstrip": false,
-                              "rstrip": false, "normalized": false, "special": true}],
-            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
-            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
-        });
-        let tok = Arc::new(Tokenizer::from_json_str(&tj.to_string()).expect("tokenizer"));
+        let chars: Vec<String> = ["1", "٣", "🯸", "a", "é", "_", " ", "\u{3000}"].map(String::from).to_vec();
+        let tok = char_tokenizer(&chars);
         let g = Grammars::new(tok.clone(), vec![0]);
         let allowed = |rx: &str| -> Vec<String> {
             let grammar = g.compile(&GrammarSource::Regex(rx.into()), "p").unwrap();
