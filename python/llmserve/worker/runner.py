@@ -191,8 +191,9 @@ class ModelRunner:
         with torch.inference_mode():
             copy_src = as_tensor(plan.copy_src, torch.int64)
             if copy_src.numel():
+                copy_dst = as_tensor(plan.copy_dst, torch.int64)
                 self.kv_cache.copy_blocks(copy_src.to(self.device, non_blocking=True),
-                                          as_tensor(plan.copy_dst, torch.int64).to(self.device, non_blocking=True))
+                                          copy_dst.to(self.device, non_blocking=True))
             num_tokens = len(plan.input_ids)
             num_rows = len(plan.logits_indices)
             if num_tokens == 0:

@@ -203,7 +203,8 @@ def apply_token_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask:
     device = logits.device
     bitmask = bitmask.to(device=device, dtype=torch.int32, non_blocking=True)
     rows = rows.to(device, non_blocking=True)
-    forbidden = ((bitmask.unsqueeze(-1) & _BIT_WORDS.to(device, non_blocking=True)) == 0).flatten(1)   # [Rm, W*32]
+    words = _BIT_WORDS.to(device, non_blocking=True)
+    forbidden = ((bitmask.unsqueeze(-1) & words) == 0).flatten(1)   # [Rm, W*32]
     if forbidden.shape[1] >= vocab:
         forbidden = forbidden[:, :vocab]
     else:
@@ -287,8 +288,8 @@ class Sampler:
             return
         dev = logits.device
         rows = _row_of_each(b.bias_offsets)
-        logits.index_put_((rows.to(dev, non_blocking=True), b.bias_token_ids.to(dev, non_blocking=True)), b.bias_values.to(dev, non_blocking=True),
-                          accumulate=True)
+        logits.index_put_((rows.to(dev, non_blocking=True), b.bias_token_ids.to(dev, non_blocking=True)),
+                          b.bias_values.to(dev, non_blocking=True), accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -310,7 +311,8 @@ class Sampler:
         seen = torch.zeros(num_pen, vocab, dtype=torch.bool, device=dev)
         seen[prow.to(dev, non_blocking=True), hist] = True
         counts = torch.zeros(num_pen, vocab, dtype=torch.float32, device=dev)
-        counts.index_put_((prow[is_output].to(dev, non_blocking=True), b.hist_tokens[is_output].to(dev, non_blocking=True)),
+        counts.index_put_((prow[is_output].to(dev, non_blocking=True),
+                           b.hist_tokens[is_output].to(dev, non_blocking=True)),
                           torch.ones(int(is_output.sum()), device=dev), accumulate=True)
 
         pen_rows_dev = pen_rows.to(dev, non_blocking=True)
@@ -338,7 +340,8 @@ class Sampler:
 
         min_p = b.min_p[rows]
         if bool((min_p > 0).any()):
-            w.masked_fill_(w < min_p.unsqueeze(1).to(dev, non_blocking=True), 0.0)   # max weight is 1: p / p_max = w
+            # max weight is 1: p / p_max = w
+            w.masked_fill_(w < min_p.unsqueeze(1).to(dev, non_blocking=True), 0.0)
 
         top_k = b.top_k[rows]
         k_rows = torch.nonzero((top_k > 0) & (top_k < w.shape[1])).squeeze(1)
@@ -346,7 +349,8 @@ class Sampler:
             ks = top_k[k_rows]
             k_rows = k_rows.to(dev, non_blocking=True)
             sub = w[k_rows]
-            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1).to(dev, non_blocking=True))
+            kth_index = (ks - 1).unsqueeze(1).to(dev, non_blocking=True)
+            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, kth_index)
             w[k_rows] = sub.masked_fill_(sub < kth, 0.0)
 
         top_p = b.top_p[rows]
