@@ -55,7 +55,7 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 async def _on_client_gone(request: Request, exc: Exception) -> Response:
     # The client left while sending its body: nobody reads an answer, and nothing failed
     # here. 499 (nginx's "client closed request") is what the access log shows.
-    return Response(status_code=499)
+    return Response(status_code=routes.CLIENT_CLOSED)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:

@@ -597,6 +597,10 @@ pub struct PyCore {
 /// "error": its first choice's finish reason).
 type PyOutput = (u64, Py<PyBytes>, Option<&'static str>, bool, u32);
 
+fn py_plan(py: Python<'_>, plan: Option<(Plan, Masks)>) -> PyResult<Option<PyPlan>> {
+    plan.map(|(plan, masks)| PyPlan::new(py, plan, masks)).transpose()
+}
+
 fn outputs(py: Python<'_>, out: Vec<Output>) -> Vec<PyOutput> {
     out.into_iter().map(|(h, b, f, e, n)| (h, PyBytes::new(py, &b).unbind(), f, e, n)).collect()
 }
@@ -666,10 +670,7 @@ impl PyCore {
     /// commit.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<PyPlan>> {
         let state = &mut self.state;
-        match py.detach(|| state.schedule()) {
-            Some((plan, masks)) => Ok(Some(PyPlan::new(py, plan, masks)?)),
-            None => Ok(None),
-        }
+        py_plan(py, py.detach(|| state.schedule()))
     }
 
     /// The plan after the one awaiting commit, made while the model runs that one, or None
@@ -678,10 +679,7 @@ impl PyCore {
     /// awaiting plan samples. Commits answer the plans in order.
     fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<PyPlan>> {
         let state = &mut self.state;
-        match py.detach(|| state.schedule_ahead()) {
-            Some((plan, masks)) => Ok(Some(PyPlan::new(py, plan, masks)?)),
-            None => Ok(None),
-        }
+        py_plan(py, py.detach(|| state.schedule_ahead()))
     }
 
     /// Apply the oldest awaiting plan's samples (one per plan row) and, when it listed prompt-logprob
