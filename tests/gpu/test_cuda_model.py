@@ -148,16 +148,17 @@ def test_planning_ahead_on_cuda_gives_the_same_tokens(tiny_model):
 
 
 def test_launch_queues_a_decode_step_without_waiting_for_the_gpu():
-    """What --async-scheduling overlaps: launch() of a decode step (graphs, greedy, seeded and
-    logprob rows) only queues work, so the engine plans the next step while the GPU runs.
+    """What --async-scheduling overlaps: launch() of a decode step (graphs, greedy, seeded,
+    logprob and filtered rows: top_p's radix select included) only queues work, so the engine plans the next step while the GPU runs.
     CUDA's sync debug mode raises on any host sync inside launch(); result() is the wait."""
     runner = cuda_runner(graphs=True)
     paged = Paged(NUM_BLOCKS, BLOCK)
     rng = np.random.default_rng(5)
-    for sid, n in ((0, 17), (1, 8), (2, 30)):
+    for sid, n in ((0, 17), (1, 8), (2, 30), (3, 5)):
         paged.add(sid, [int(t) for t in rng.integers(0, CONFIG["vocab_size"], n)])
-    rows = {0: Row(), 1: Row(temperature=0.8, seed=11), 2: Row(num_logprobs=2)}
-    out = runner.execute(paged.step({0: 17, 1: 8, 2: 30}, rows))
+    rows = {0: Row(), 1: Row(temperature=0.8, seed=11), 2: Row(num_logprobs=2),
+            3: Row(temperature=5.0, top_p=0.99, top_k=200, min_p=0.001, logit_bias={7: 3.0})}
+    out = runner.execute(paged.step({0: 17, 1: 8, 2: 30, 3: 5}, rows))
     for sid, tok in zip(rows, out.tokens):
         paged.append(sid, int(tok))
     plan = paged.step({sid: 1 for sid in rows}, rows)
@@ -165,7 +166,7 @@ def test_launch_queues_a_decode_step_without_waiting_for_the_gpu():
     # the step after, made ahead: its tokens are the first step's rows 0..2 (placeholders)
     for sid in rows:
         paged.append(sid, 0)
-    ahead = dataclasses.replace(paged.step({sid: 1 for sid in rows}, rows), input_ids=np.array([-1, -2, -3]))
+    ahead = dataclasses.replace(paged.step({sid: 1 for sid in rows}, rows), input_ids=np.array([-1, -2, -3, -4]))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -174,4 +175,4 @@ def test_launch_queues_a_decode_step_without_waiting_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     first, second = launched.result(), queued.result()
-    assert first.tokens.shape == second.tokens.shape == (3,)
+    assert first.tokens.shape == second.tokens.shape == (4,)

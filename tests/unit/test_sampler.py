@@ -105,14 +105,16 @@ def test_top_p_on_a_flat_vocabulary_beyond_the_candidate_window():
     assert (out.tokens >= 1024).any()    # the survivors past the first candidates are reachable
 
 
+@pytest.mark.parametrize("sync_free", [False, True])
 @pytest.mark.parametrize("scale", [0.1, 1.0, 3.0, 10.0])
-def test_top_p_kept_sets_equal_a_full_sort(scale):
-    """The candidate window and the radix select agree with the sort-based definition."""
+def test_top_p_kept_sets_equal_a_full_sort(scale, sync_free):
+    """The candidate window and the radix select agree with the sort-based definition, both
+    ways of choosing the rows that need the select (the accelerator's runs it on every row)."""
     g = torch.Generator().manual_seed(int(scale * 10))
     probs = torch.softmax(torch.randn(16, 5000, generator=g) * scale, -1)
     top_p = torch.rand(16, generator=g) * 0.99
     top_p[0] = 0.0
-    kept = _top_p_filter(probs.clone(), top_p) > 0
+    kept = _top_p_filter(probs.clone(), top_p, sync_free) > 0
     ordered = probs.sort(-1, descending=True).values
     mass_before = ordered.cumsum(-1) - ordered
     count = (mass_before <= top_p[:, None]).sum(-1, keepdim=True)

@@ -379,13 +379,18 @@ class Sampler:
         return u.log_().neg_()
 
 
-def _top_p_filter(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_filter(w: torch.Tensor, top_p: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor:
     """Zero all but the smallest set of most likely tokens whose probability mass exceeds top_p
     (over what survived top_k / min_p; ties at the boundary are kept); top_p == 0 keeps only
     the most likely token. w [Rp, V] non-negative weights; returns them filtered (in place).
 
     No vocabulary sort: the set is first looked for among the top candidates (enough for a
-    peaked distribution); rows whose candidates hold too little mass use a radix select."""
+    peaked distribution); rows whose candidates hold too little mass use a radix select.
+    `sync_free` (default: on an accelerator) runs the radix select on every row and keeps it
+    where needed, instead of asking the device which rows need it: that question is a host
+    sync, and a sync per step would stall a step queued ahead."""
+    if sync_free is None:
+        sync_free = w.device.type != "cpu"
     probs = w / w.sum(dim=-1, keepdim=True)
     n = min(_TOP_P_WINDOW, probs.shape[1])
     cand = probs.topk(n, dim=-1).values                           # sorted, largest first
@@ -393,9 +398,14 @@ def _top_p_filter(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     p = top_p.unsqueeze(1)
     last_kept = (mass_before <= p).sum(dim=-1, keepdim=True) - 1    # the first always survives
     threshold = cand.gather(1, last_kept)
-    flat = torch.nonzero((mass_before[:, -1:] + cand[:, -1:] <= p).squeeze(1)).squeeze(1)
-    if flat.numel() and n < probs.shape[1]:
-        threshold[flat] = _radix_threshold(probs[flat], top_p[flat])
+    if n < probs.shape[1]:
+        beyond = mass_before[:, -1:] + cand[:, -1:] <= p            # [Rp, 1] window too small
+        if sync_free:
+            threshold = torch.where(beyond, _radix_threshold(probs, top_p), threshold)
+        else:
+            flat = torch.nonzero(beyond.squeeze(1)).squeeze(1)
+            if flat.numel():
+                threshold[flat] = _radix_threshold(probs[flat], top_p[flat])
     return w.masked_fill_(probs < threshold, 0.0)
 
 
