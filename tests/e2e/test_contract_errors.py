@@ -7,8 +7,10 @@ test_contract_lifecycle.py and test_contract_queue.py.)
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 
 import httpx
 import openai
@@ -189,3 +191,30 @@ def test_body_over_limit_is_413_on_both_routes(tiny_server):
         err = _error(httpx.post(tiny_server.url + path, content=big,
                                 headers={"content-type": "application/json"}, timeout=60), 413)
         assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "request_too_large", None)
+
+
+def test_compressed_bodies_are_decoded_and_bounded_after_decoding(tiny_server):
+    """Content-Encoding gzip and deflate (zlib-wrapped, or raw as some clients send it) are
+    undone; other codings and corrupt data are a 400 that says so; --max-body-bytes (8 MiB
+    here) bounds the decoded size, so a 9 MiB body that compresses to a few KiB is a 413."""
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1}).encode()
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    encoded = {"gzip": gzip.compress(body), "deflate": zlib.compress(body),
+               "Deflate": raw.compress(body) + raw.flush(), "identity, gzip": gzip.compress(body),
+               "gzip, gzip": gzip.compress(gzip.compress(body))}
+    for coding, data in encoded.items():
+        r = httpx.post(tiny_server.url + "/v1/completions", content=data,
+                       headers={"content-type": "application/json", "content-encoding": coding})
+        assert r.status_code == 200, (coding, r.text)
+        assert r.json()["usage"]["prompt_tokens"] >= 1
+    for coding, data, code in (("br", body, "unsupported_media_type"),
+                               ("gzip", body, "invalid_value"),
+                               ("gzip", gzip.compress(body)[:-6], "invalid_value")):
+        err = _error(httpx.post(tiny_server.url + "/v1/completions", content=data,
+                                headers={"content-type": "application/json", "content-encoding": coding}), 400)
+        assert err["code"] == code and coding in err["message"]
+    bomb = gzip.compress(b'{"model": "tiny", "prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}')
+    assert len(bomb) < 64 * 1024
+    err = _error(httpx.post(tiny_server.url + "/tokenize", content=bomb,
+                            headers={"content-type": "application/json", "content-encoding": "gzip"}), 413)
+    assert err["code"] == "request_too_large"
