@@ -8,6 +8,7 @@ that each answer completes within a small `max_tokens` (the suite generates well
 
 from __future__ import annotations
 
+import enum
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from server import ServerProcess
 
@@ -267,3 +269,57 @@ def test_auto_without_a_format_is_text(client):
                                        tools=[WEATHER], max_tokens=8, temperature=0)
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+class Unit(str, enum.Enum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+    country: str = Field(max_length=12)
+
+
+class GetForecast(BaseModel):
+    """The forecast for a place."""
+    place: Place
+    unit: Unit
+    days: int = Field(ge=1, le=7)
+
+
+def test_sdk_pydantic_tool_with_refs_parses(client):
+    """openai.pydantic_function_tool puts nested models and enums under `$defs`, referred to by
+    `$ref`: a forced call follows them (they once failed to compile inside the call object),
+    and the SDK's parse() fills `parsed_arguments`."""
+    model = client.models.list().data[0].id
+    tool = openai.pydantic_function_tool(GetForecast)
+    assert "$defs" in tool["function"]["parameters"]
+    for choice in ({"type": "function", "function": {"name": "GetForecast"}}, "required"):
+        r = client.chat.completions.parse(
+            model=model, messages=[{"role": "user", "content": "Forecast for Oslo, Norway, 3 days."}],
+            tools=[tool], tool_choice=choice, parallel_tool_calls=False, max_tokens=120, temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        assert isinstance(call.function.parsed_arguments, GetForecast), call.function.arguments
+
+
+def test_forced_arguments_hold_only_listed_keys(client):
+    """A schema that lists its properties and says nothing of others gets only those (as
+    vLLM's default grammar backend does): JSON Schema would let the model invent keys the
+    function cannot take. Likewise for response_format."""
+    model = client.models.list().data[0].id
+    params = {"type": "object", "properties": {"city": _s(), "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": params}}
+    prompts = ["Weather in Paris, and also the season, country and wind?", "Forecast for Rome, in detail."]
+    for prompt in prompts:
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "forecast"}}, max_tokens=60, temperature=0.7, seed=1)
+        args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        assert set(args) <= {"city", "days"} and "city" in args, args
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt + " Answer in JSON."}], max_tokens=60,
+            temperature=0.7, seed=1, response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": params}})
+        value = json.loads(r.choices[0].message.content)
+        assert set(value) <= {"city", "days"} and "city" in value, value

@@ -115,7 +115,7 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
                 }
             }
             let param = "response_format.json_schema.schema";
-            let schema = match js.get("schema") {
+            let mut schema = match js.get("schema") {
                 // OpenAI makes `schema` optional: without one, any JSON object.
                 None | Some(Value::Null) => json!({"type": "object"}),
                 Some(s @ Value::Object(_)) => s.clone(),
@@ -123,6 +123,7 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
                     return Err(invalid_type(param, format!("`schema` must be an object, not {}.", kind_of(other))))
                 }
             };
+            super::schema_edit::close_objects(&mut schema);
             Ok(Some((GrammarSource::JsonSchema(schema), param)))
         }
         "regex" => Ok(Some((

@@ -33,6 +33,7 @@ pub mod common;
 pub mod completion;
 pub mod constrained;
 mod schema_check;
+pub(crate) mod schema_edit;
 pub mod tokenize;
 
 /// The routes the router understands. `Chat` and `Completion` generate (see

@@ -23,8 +23,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
+use crate::protocol::schema_edit;
 use crate::structured::GrammarSource;
 
 pub mod parser;
@@ -161,8 +162,19 @@ impl ToolCallFormat {
             return xml::forced_grammar(functions, parallel);
         }
         let args_key = if self == Self::Llama3Json { "parameters" } else { "arguments" };
-        let calls: Vec<Value> = functions.iter().map(|f| call_schema(f, args_key)).collect();
-        let one = if calls.len() == 1 { calls[0].clone() } else { json!({"anyOf": calls}) };
+        let mut defs = Map::new();
+        let calls: Vec<Value> = functions.iter().map(|f| call_schema(f, args_key, &mut defs)).collect();
+        let mut one = if calls.len() == 1 { calls[0].clone() } else { json!({"anyOf": calls}) };
+        let with_defs = |mut root: Value| {
+            if !defs.is_empty() {
+                root["$defs"] = Value::Object(defs.clone());
+            }
+            root
+        };
+        let parallel_json = self == Self::Json && parallel;
+        if !parallel_json {
+            one = with_defs(one);
+        }
         let fixed_ws = |mut schema: Value| {
             schema["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
             serde_json::to_string(&schema).expect("JSON values serialize")
@@ -177,7 +189,9 @@ impl ToolCallFormat {
                 let start = if parallel { "start: \"[\" call (\", \" call)* \"]\"" } else { "start: \"[\" call \"]\"" };
                 GrammarSource::Lark(format!("{start}\n{call}"))
             }
-            Self::Json if parallel => GrammarSource::JsonSchema(json!({"type": "array", "items": one, "minItems": 1})),
+            Self::Json if parallel => {
+                GrammarSource::JsonSchema(with_defs(json!({"type": "array", "items": one, "minItems": 1})))
+            }
             Self::Json => GrammarSource::JsonSchema(one),
             Self::Hermes => {
                 let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
@@ -188,13 +202,15 @@ impl ToolCallFormat {
     }
 }
 
-/// The schema of one call to `function`, its arguments under `args_key`.
-fn call_schema(function: &Value, args_key: &str) -> Value {
+/// The schema of one call to `function`, its arguments under `args_key`. Parameters that
+/// use local `$ref`s move to `defs` (to become the root's `$defs`), with their refs rewritten,
+/// since inside the call object they would resolve against the wrong root.
+fn call_schema(function: &Value, args_key: &str, defs: &mut Map<String, Value>) -> Value {
     let name = function.get("name").cloned().unwrap_or(Value::Null);
     // Arguments are always a JSON object (clients `json.loads` them into keyword arguments):
     // a schema without a `type` gets "object" (validation refuses any other root type), and
     // no `parameters` at all is OpenAI's empty parameter list, `{}`.
-    let params = match function.get("parameters") {
+    let mut params = match function.get("parameters") {
         Some(Value::Object(p)) => {
             let mut p = p.clone();
             p.entry("type").or_insert_with(|| json!("object"));
@@ -202,6 +218,13 @@ fn call_schema(function: &Value, args_key: &str) -> Value {
         }
         _ => json!({"type": "object", "properties": {}, "additionalProperties": false}),
     };
+    schema_edit::close_objects(&mut params);
+    if schema_edit::has_local_ref(&params) {
+        let key = format!("args{}", defs.len());
+        schema_edit::rebase_refs(&mut params, &format!("/$defs/{key}"));
+        defs.insert(key.clone(), params);
+        params = json!({"$ref": format!("#/$defs/{key}")});
+    }
     json!({
         "type": "object",
         "properties": {"name": {"const": name}, args_key: params},
@@ -349,5 +372,68 @@ mod tests {
         let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\""));
         assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {}}").is_stopped());
+    }
+
+    /// Parameters with local `$ref`s (what pydantic writes for nested models and enums, and a
+    /// recursive `#`) keep their meaning inside the call, in every format, beside a second
+    /// function with refs of its own; keys a schema does not list are refused.
+    #[test]
+    fn forced_calls_follow_refs_and_listed_keys() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let weather = json!({"name": "w", "parameters": {
+            "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"},
+                      "Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"},
+                           "days": {"anyOf": [{"$ref": "#/$defs/Days"}, {"type": "null"}]}},
+            "required": ["place", "unit"]}});
+        let mut weather = weather;
+        weather["parameters"]["$defs"]["Days"] = json!({"type": "integer"});
+        let tree = json!({"name": "t", "parameters": {"type": "object",
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v"]}});
+        let args = "{\"place\": {\"city\": \"Oslo\"}, \"unit\": \"c\", \"days\": 3}";
+        let kids = "{\"v\": 1, \"kids\": [{\"v\": 2}]}";
+        let cases = [
+            (
+                ToolCallFormat::Hermes,
+                false,
+                format!("<tool_call>\n{{\"name\": \"w\", \"arguments\": {args}}}\n</tool_call>"),
+            ),
+            (ToolCallFormat::Json, false, format!("{{\"name\": \"t\", \"arguments\": {kids}}}")),
+            (
+                ToolCallFormat::Json,
+                true,
+                format!("[{{\"name\": \"t\", \"arguments\": {kids}}}, {{\"name\": \"w\", \"arguments\": {args}}}]"),
+            ),
+            (ToolCallFormat::Llama3Json, false, format!("{{\"name\": \"w\", \"parameters\": {args}}}")),
+            (ToolCallFormat::Mistral, false, format!("[{{\"name\": \"t\", \"arguments\": {kids}}}]")),
+        ];
+        for (format, parallel, text) in cases {
+            let grammar = g.compile(&format.forced_grammar(&[&weather, &tree], parallel), "tools").unwrap();
+            let mut m = drive(&grammar, &tok, &text);
+            assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
+            let cut = text.find("\"c\"").or(text.find("[{\"v\": 2")).unwrap();
+            let wrong = if text[cut..].starts_with("\"c\"") { "\"k\"" } else { "[{\"v\": \"two\"" };
+            assert!(refuses(&grammar, &tok, &format!("{}{wrong}", &text[..cut])), "{format:?}");
+        }
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&weather], false), "tools").unwrap();
+        assert!(refuses(&grammar, &tok, "{\"name\": \"w\", \"arguments\": {\"place\": {\"city\": \"x\", \"co"));
+        assert!(refuses(&grammar, &tok, "{\"name\": \"w\", \"arguments\": {\"season"));
+        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&weather], false), "tools").unwrap();
+        let call = "<tool_call>\n<function=w>\n<parameter=place>\n{\"city\": \"Oslo\"}\n</parameter>\n\
+                    <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>";
+        assert!(drive(&xml, &tok, call).is_stopped());
+        assert!(refuses(
+            &xml,
+            &tok,
+            "<tool_call>\n<function=w>\n<parameter=place>\n{\"city\": \"Oslo\"}\n</parameter>\n<parameter=unit>\nk"
+        ));
+        let parsing = ToolParsing::new(ToolCallFormat::Qwen3Xml, false, &[&weather]);
+        let xml_days = "<tool_call>\n<function=w>\n<parameter=days>\n4\n</parameter>\n</function>\n</tool_call>";
+        let (_, calls) = run_with(ToolCallFormat::Qwen3Xml, parsing.parameters.clone(), &[xml_days]);
+        assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), json!({"days": 4}), "typed through the ref");
     }
 }

@@ -1029,7 +1029,7 @@ pub(crate) mod tests {
     #[test]
     fn xml_values_are_typed_by_schema() {
         use super::super::xml::typed_value;
-        let t = |raw: &str, schema: Value| typed_value(raw, Some(&schema));
+        let t = |raw: &str, schema: Value| typed_value(raw, Some(&schema), &Value::Null);
         assert_eq!(t("3", json!({"type": "integer"})), json!(3));
         assert_eq!(t("3.5", json!({"type": "integer"})), json!("3.5"));
         assert_eq!(t("3.5", json!({"type": "number"})), json!(3.5));
@@ -1039,6 +1039,6 @@ pub(crate) mod tests {
         assert_eq!(t("{\"a\": 1}", json!({"type": "object"})), json!({"a": 1}));
         assert_eq!(t("2", json!({"enum": [1, 2, "x"]})), json!(2));
         assert_eq!(t("x", json!({"anyOf": [{"type": "integer"}, {"type": "string"}]})), json!("x"));
-        assert_eq!(typed_value("5", None), json!("5"));
+        assert_eq!(typed_value("5", None, &Value::Null), json!("5"));
     }
 }

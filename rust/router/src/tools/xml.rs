@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 use super::{call_id, ToolEvent, CLOSE, OPEN};
+use crate::protocol::schema_edit;
 use crate::structured::GrammarSource;
 
 pub(crate) const FUNCTION: &str = "<function=";
@@ -110,8 +111,9 @@ impl XmlReader {
                 let key = tag[..key_end].trim();
                 let raw = value_from[..value_end].strip_prefix('\n').unwrap_or(&value_from[..value_end]);
                 let raw = raw.strip_suffix('\n').unwrap_or(raw);
-                let schema = self.name.as_ref().and_then(|f| parameters.get(f)).and_then(|p| p.get("properties"));
-                let value = typed_value(raw, schema.and_then(|p| p.get(key)));
+                let root = self.name.as_ref().and_then(|f| parameters.get(f));
+                let schema = root.and_then(|p| p.get("properties")).and_then(|p| p.get(key));
+                let value = typed_value(raw, schema, root.unwrap_or(&Value::Null));
                 let sep = if self.params == 0 { "{" } else { ", " };
                 let key_json = serde_json::to_string(key).expect("strings serialize");
                 out.push(ToolEvent::Args(format!("{sep}{key_json}: {value}")));
@@ -140,11 +142,12 @@ fn find_from(hay: &str, from: usize, needle: &str) -> Option<usize> {
     bytes.windows(needle.len()).position(|w| w == needle.as_bytes()).map(|i| from + i)
 }
 
-/// The JSON a parameter's text stands for, given the parameter's schema.
-pub(crate) fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
+/// The JSON a parameter's text stands for, given the parameter's schema (and the function's
+/// `parameters`, which its local `$ref`s point into).
+pub(crate) fn typed_value(raw: &str, schema: Option<&Value>, root: &Value) -> Value {
     let mut types = Vec::new();
     if let Some(s) = schema {
-        schema_types(s, &mut types);
+        schema_types(s, root, &mut types);
     }
     let as_string = || Value::String(raw.to_string());
     if types.is_empty() || types.iter().all(|t| t == "string") {
@@ -165,7 +168,8 @@ pub(crate) fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
 }
 
 /// The JSON types a schema allows, from `type`, `enum`, `const`, `anyOf` and `oneOf`.
-fn schema_types(schema: &Value, types: &mut Vec<String>) {
+fn schema_types(schema: &Value, root: &Value, types: &mut Vec<String>) {
+    let schema = schema_edit::resolve(root, schema);
     match schema.get("type") {
         Some(Value::String(t)) => types.push(t.clone()),
         Some(Value::Array(ts)) => types.extend(ts.iter().filter_map(Value::as_str).map(str::to_string)),
@@ -177,7 +181,7 @@ fn schema_types(schema: &Value, types: &mut Vec<String>) {
     }
     for key in ["anyOf", "oneOf"] {
         for sub in schema.get(key).and_then(Value::as_array).into_iter().flatten() {
-            schema_types(sub, types);
+            schema_types(sub, root, types);
         }
     }
 }
@@ -210,7 +214,9 @@ pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> GrammarSou
     rules.push(format!("function: {}", names.join(" | ")));
     for (i, f) in functions.iter().enumerate() {
         let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
-        let params = f.get("parameters");
+        let mut closed = f.get("parameters").cloned().unwrap_or(Value::Null);
+        schema_edit::close_objects(&mut closed);
+        let params = Some(&closed).filter(|p| !p.is_null());
         let props = params.and_then(|p| p.get("properties")).and_then(Value::as_object);
         let required: Vec<&str> = params
             .and_then(|p| p.get("required"))
@@ -221,7 +227,7 @@ pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> GrammarSou
         for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
             let rule = format!("f{i}_p{j}");
             let open = lit(&format!("{PARAMETER}{key}>\n"));
-            rules.push(format!("{rule}: {open} {}", value_grammar(schema)));
+            rules.push(format!("{rule}: {open} {}", value_grammar(schema, &closed)));
             body.push(if required.contains(&key.as_str()) { rule } else { format!("{rule}?") });
         }
         body.push(lit(&format!("{FUNCTION_END}\n")));
@@ -231,21 +237,34 @@ pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> GrammarSou
     GrammarSource::Lark(rules.join("\n") + "\n")
 }
 
-/// A parameter's value and its closing tag.
-fn value_grammar(schema: &Value) -> String {
+/// A parameter's value and its closing tag; `root` is the function's `parameters`, which the
+/// value's local `$ref`s point into.
+fn value_grammar(schema: &Value, root: &Value) -> String {
     let close = serde_json::to_string(&format!("\n{PARAMETER_END}\n")).expect("strings serialize");
-    let enum_strings: Option<Vec<String>> = schema.get("enum").and_then(Value::as_array).and_then(|vs| {
+    let resolved = schema_edit::resolve(root, schema);
+    let enum_strings: Option<Vec<String>> = resolved.get("enum").and_then(Value::as_array).and_then(|vs| {
         vs.iter().map(|v| v.as_str().map(|s| serde_json::to_string(s).expect("strings serialize"))).collect()
     });
     if let Some(options) = enum_strings.filter(|o| !o.is_empty()) {
         return format!("({}) {close}", options.join(" | "));
     }
     let mut types = Vec::new();
-    schema_types(schema, &mut types);
+    schema_types(resolved, root, &mut types);
     if types.is_empty() || types.iter().all(|t| t == "string") {
         return "TEXT_VALUE".to_string();
     }
     let mut schema = schema.clone();
+    if schema_edit::has_local_ref(&schema) {
+        // the value becomes its own root: the parameters it refers into come along
+        const BASE: &str = "/$defs/llmserve_parameters";
+        let mut params = root.clone();
+        schema_edit::rebase_refs(&mut params, BASE);
+        schema_edit::rebase_refs(&mut schema, BASE);
+        if !schema.get("$defs").is_some_and(Value::is_object) {
+            schema["$defs"] = serde_json::json!({});
+        }
+        schema["$defs"]["llmserve_parameters"] = params;
+    }
     if let Value::Object(obj) = &mut schema {
         obj.insert(
             "x-guidance".into(),
