@@ -112,3 +112,22 @@ def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
     assert chats[1].choices[0].message.content == chats[0].choices[0].message.content
     lp = [[t.logprob for t in ch.choices[0].logprobs.content] for ch in chats]
     assert lp[1] == lp[0]
+
+
+def test_the_next_turn_answers_the_same_whatever_the_cache_holds(smol_server):
+    """A prompt that holds an earlier request's answer (a chat's next turn) gets the same tokens
+    whether that answer's K/V is still cached or not: on CPU a decode step computes K/V with
+    other numerics than a prompt step, so blocks a decode step computed are not reused (audit
+    10 saw turn 2 flip from "Carrots" to "Tomatoes"). `cache_salt` gives the uncached run."""
+    model = "SmolLM2-135M-Instruct"
+    prompt = "The engineers met on Monday to discuss the broken bridge. First, they"
+    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+        first = c.completions.create(model=model, prompt=prompt, max_tokens=64, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        follow = prompt + first.choices[0].text + " Then"
+        runs = [c.completions.create(model=model, prompt=follow, max_tokens=16, temperature=0, logprobs=1,
+                                     extra_body={"cache_salt": salt} if salt else {})
+                for salt in (None, "fresh")]
+    assert runs[0].usage.prompt_tokens > 64
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+    assert runs[0].choices[0].logprobs.token_logprobs == runs[1].choices[0].logprobs.token_logprobs

@@ -187,6 +187,9 @@ def build_engine(cfg: Config) -> Engine:
         "max_num_batched_tokens": max(cfg.scheduler.max_num_batched_tokens, block_size),
         "max_model_len": max_model_len,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+        # NOTE: on CPU a decode step computes K/V with other numerics than a prompt step
+        # (worker/threads.py); batch-invariant mode computes both alike.
+        "cache_decoded_blocks": device.type != "cpu" or cfg.device.batch_invariant,
         "policy": cfg.scheduler.scheduling_policy,
     }))
     if device.type == "cuda":

@@ -44,6 +44,8 @@ struct CoreConfig {
     max_model_len: usize,
     #[serde(default = "yes")]
     enable_prefix_caching: bool,
+    #[serde(default = "yes")]
+    cache_decoded_blocks: bool,
     #[serde(default = "priority")]
     policy: String,
 }
@@ -634,6 +636,7 @@ impl PyCore {
             max_num_batched_tokens: c.max_num_batched_tokens,
             max_model_len: c.max_model_len,
             enable_prefix_caching: c.enable_prefix_caching,
+            cache_decoded_blocks: c.cache_decoded_blocks,
             policy,
         });
         Ok(Self {

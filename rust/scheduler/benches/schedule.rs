@@ -19,6 +19,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
         max_num_batched_tokens: 8192,
         max_model_len: 4096,
         enable_prefix_caching: prefix_caching,
+        cache_decoded_blocks: true,
         policy: Policy::Fcfs,
     });
     for id in 0..SEQS as u64 {

@@ -57,6 +57,10 @@ pub(crate) struct Seq {
     pub last_hash: u64,
     /// n > 1 and the prompt has not completed: the step that completes it samples n rows.
     pub fork_pending: bool,
+    /// The first position whose K/V a decode step computed since the blocks were last
+    /// freed (usize::MAX: none); without `cache_decoded_blocks`, blocks from there on are
+    /// not passed to the prefix cache.
+    pub decoded_from: usize,
     /// The last token is a placeholder for what row `r` of the plan awaiting commit samples
     /// (set by `schedule_ahead`, replaced by `commit`).
     pub pending: Option<u32>,
@@ -374,6 +378,7 @@ impl Scheduler {
                     num_hashed: 0,
                     last_hash: 0,
                     fork_pending: false,
+                    decoded_from: usize::MAX,
                     pending: None,
                 });
                 (self.seqs.len() - 1) as u32
@@ -389,6 +394,7 @@ impl Scheduler {
         seq.num_hashed = 0;
         seq.last_hash = root;
         seq.fork_pending = false;
+        seq.decoded_from = usize::MAX;
         seq.pending = None;
         self.req_mut(req_slot).seqs.push(slot);
         slot
@@ -430,6 +436,7 @@ impl Scheduler {
         }
         seq.blocks.clear();
         seq.num_computed = 0;
+        seq.decoded_from = usize::MAX;
         seq.num_hashed = 0;
         seq.last_hash = self.reqs[seq.req as usize].as_ref().map_or(0, |r| r.root);
     }

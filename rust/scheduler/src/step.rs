@@ -321,8 +321,13 @@ impl Scheduler {
             plan.seq_indices.push(seq.index);
             cur.planned.push((slot, seq.gen));
             seq.num_computed = end;
+            // NOTE: the runner's test for a decode step (worker/runner.py: decode_sequences)
+            if num_new == 1 && start >= seq.prompt_len && end == seq.tokens.len() {
+                seq.decoded_from = seq.decoded_from.min(start);
+            }
             if self.cfg.enable_prefix_caching {
-                register_full_blocks(&mut self.pool, seq, bs, &mut cur.registered);
+                let cacheable = if self.cfg.cache_decoded_blocks { usize::MAX } else { seq.decoded_from };
+                register_full_blocks(&mut self.pool, seq, bs, cacheable, &mut cur.registered);
             }
             if end == seq.tokens.len() {
                 let logits_index = plan.input_ids.len() as i64 - 1;
@@ -492,11 +497,12 @@ pub(crate) fn stop_reason(
     None
 }
 
-/// Pass every block that is now full of computed tokens to the prefix cache (not one that
-/// holds a placeholder: its hash is not known yet; it is passed once the token is).
-fn register_full_blocks(pool: &mut BlockPool, seq: &mut Seq, bs: usize, registered: &mut Vec<u32>) {
+/// Pass every block that is now full of computed tokens, all before position `cacheable`, to
+/// the prefix cache (not one that holds a placeholder: its hash is not known yet; it is
+/// passed once the token is).
+fn register_full_blocks(pool: &mut BlockPool, seq: &mut Seq, bs: usize, cacheable: usize, registered: &mut Vec<u32>) {
     let known = seq.tokens.len() - usize::from(seq.pending.is_some());
-    while seq.num_hashed < seq.num_computed.min(known) / bs {
+    while seq.num_hashed < seq.num_computed.min(known).min(cacheable) / bs {
         let i = seq.num_hashed;
         let chunk = &seq.tokens[i * bs..(i + 1) * bs];
         let h = hash_block(seq.last_hash, chunk);

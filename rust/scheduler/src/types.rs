@@ -24,6 +24,12 @@ pub struct SchedulerConfig {
     /// Longest a sequence (prompt + output) may grow; reaching it finishes with `Length`.
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
+    /// Pass blocks holding tokens whose K/V a decode step computed (one generated token of
+    /// a sequence per step) to the prefix cache too. Off where a decode step computes K/V
+    /// with other numerics than a prompt step (CPU outside batch-invariant mode): a later
+    /// prompt holding those tokens (the next turn of a chat) would then read other K/V than
+    /// its own prefill computes, and its answer would depend on what ran before.
+    pub cache_decoded_blocks: bool,
     pub policy: Policy,
 }
 

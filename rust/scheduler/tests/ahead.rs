@@ -381,6 +381,7 @@ proptest! {
             max_num_batched_tokens: budget,
             max_model_len: 32,
             enable_prefix_caching: caching,
+            cache_decoded_blocks: true,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
         };
         let sync = run(cfg.clone(), &arrivals, false);
@@ -453,6 +454,7 @@ proptest! {
             max_num_batched_tokens: budget,
             max_model_len: 32,
             enable_prefix_caching: caching,
+            cache_decoded_blocks: true,
             policy: Policy::Priority,
         };
         let mut s = Scheduler::new(cfg);

@@ -58,14 +58,15 @@ fn op(allow_abort: bool) -> impl Strategy<Value = Op> {
 }
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
-    (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>()).prop_map(
-        |(num_blocks, seqs, tokens, caching, prio)| SchedulerConfig {
+    (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
+        |(num_blocks, seqs, tokens, caching, prio, decoded)| SchedulerConfig {
             num_blocks,
             block_size: BS,
             max_num_seqs: seqs,
             max_num_batched_tokens: tokens,
             max_model_len: 32,
             enable_prefix_caching: caching,
+            cache_decoded_blocks: decoded,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
         },
     )
@@ -272,6 +273,7 @@ proptest! {
             max_num_batched_tokens: 64,
             max_model_len: 32,
             enable_prefix_caching: caching,
+            cache_decoded_blocks: true,
             policy: Policy::Fcfs,
         };
         let mut h = Harness::new(cfg);
@@ -303,6 +305,7 @@ fn fcfs_does_not_starve_under_constant_arrivals() {
         max_num_batched_tokens: 16,
         max_model_len: 32,
         enable_prefix_caching: false,
+        cache_decoded_blocks: true,
         policy: Policy::Fcfs,
     };
     let mut h = Harness::new(cfg);

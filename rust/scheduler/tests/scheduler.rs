@@ -124,6 +124,56 @@ fn output_blocks_are_cached_too() {
 }
 
 #[test]
+fn blocks_a_decode_step_computed_are_cached_only_when_asked() {
+    // Prompt 1..6, then 9 9 9 9: block [5 6 9 9] holds K/V of two decode steps. Without
+    // cache_decoded_blocks only the prompt's block [1 2 3 4] is reused.
+    let mut cfg = config(33, 4, 8, 256);
+    cfg.enable_prefix_caching = true;
+    cfg.cache_decoded_blocks = false;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, vec![1, 2, 3, 4, 5, 6], 4));
+    for _ in 0..4 {
+        step(&mut s, 9);
+    }
+    assert_eq!(s.stats().cached_blocks, 1);
+    s.add(request(2, vec![1, 2, 3, 4, 5, 6, 9, 9, 9], 1));
+    assert_eq!(step(&mut s, 9).0.num_tokens, 5);
+    // That prompt computed 5 6 9 9 as prompt tokens: its block is cached now.
+    assert_eq!(s.stats().cached_blocks, 2);
+    s.add(request(3, vec![1, 2, 3, 4, 5, 6, 9, 9, 9], 1));
+    assert_eq!(step(&mut s, 9).0.num_tokens, 1);
+}
+
+#[test]
+fn a_preempted_sequence_caches_what_it_recomputes_as_a_prompt() {
+    // 6 usable blocks of 4 tokens: two 8-token prompts that generate 12 outgrow them, and one
+    // is preempted. Its generated tokens are recomputed in one prompt step, and then its
+    // blocks up to its last decoded position may be cached.
+    let mut cfg = config(7, 4, 8, 64);
+    cfg.enable_prefix_caching = true;
+    cfg.cache_decoded_blocks = false;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(8, 1), 12));
+    s.add(request(2, prompt(8, 2), 12));
+    let mut recomputed = false;
+    for _ in 0..40 {
+        let (plan, _) = step(&mut s, 9);
+        let qsl = &plan.query_start_loc;
+        recomputed |= (0..plan.num_seqs).any(|q| qsl[q + 1] - qsl[q] > 8);
+        if plan.is_empty() {
+            break;
+        }
+    }
+    assert!(recomputed && s.stats().preemptions > 0);
+    // prompt(8, 2) + 9s: the preempted one's generated blocks came from its recompute
+    let mut tokens = prompt(8, 2);
+    tokens.extend([9; 8]);
+    s.add(request(3, tokens.clone(), 1));
+    let (plan, _) = step(&mut s, 9);
+    assert!(plan.num_tokens < tokens.len() - 8, "hit past the prompt: {}", plan.num_tokens);
+}
+
+#[test]
 fn no_caching_means_no_hits() {
     let mut s = Scheduler::new(config(33, 16, 8, 256));
     s.add(request(1, prompt(40, 1), 1));

@@ -11,6 +11,7 @@ pub fn config(num_blocks: usize, block_size: usize, max_num_seqs: usize, max_bat
         max_num_batched_tokens: max_batched,
         max_model_len: (num_blocks - 1) * block_size,
         enable_prefix_caching: false,
+        cache_decoded_blocks: true,
         policy: Policy::Fcfs,
     }
 }
