@@ -31,8 +31,9 @@ def test_missing_and_wrong_key_are_401(keyed_server):
     err = r.json()["error"]
     assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
     with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="wrong", max_retries=0) as c:
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError) as e:
             c.models.list()
+        assert e.value.request_id.startswith("req_")
     with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="k1", max_retries=0) as c:
         assert [m.id for m in c.models.list().data] == ["tiny"]
 

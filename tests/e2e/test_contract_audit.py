@@ -186,6 +186,28 @@ def test_tools_the_template_never_reads_are_reported(tiny_server):
         assert r.json()["ignored_fields"] == [] and "llmserve-ignored-fields" not in r.headers
 
 
+def test_tool_fields_without_effect_are_reported(tiny_server):
+    """`parallel_tool_calls` without tools (or with tool_choice "none") calls nothing; a
+    response_format beside a forced tool_choice shapes no text, since the output is the call.
+    OpenAI accepts both: they are reported, not refused."""
+    r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": False, "max_tokens": 1})
+    assert _ignored(r) == {"parallel_tool_calls"}
+    r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "none",
+                                                  "parallel_tool_calls": True, "max_tokens": 1})
+    assert _ignored(r) == {"tools", "parallel_tool_calls"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "required",
+                                                  "parallel_tool_calls": False, "response_format": fmt,
+                                                  "max_tokens": 40, "temperature": 0})
+    assert _ignored(r) == {"response_format"}
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    # still validated: a malformed one is a 400
+    err = _error(_post(tiny_server, "/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "required",
+                                                             "response_format": {"type": "json_schema"}}))
+    assert err["param"] == "response_format.json_schema"
+
+
 # -- 7. /tokenize and /detokenize ----------------------------------------------------------------
 
 def test_tokenize_and_detokenize_take_vllms_fields(tiny_server, tiny_model):

@@ -139,10 +139,17 @@ def test_unknown_model_via_sdk_and_models_route(tiny_server):
         with pytest.raises(openai.NotFoundError) as e:
             c.chat.completions.create(model="tiny-lora", messages=MSG)
         assert e.value.body["code"] == "model_not_found"
+        # errors are named too (the SDK's error.request_id): the client's id, else a fresh one
+        assert re.fullmatch(r"req_[0-9a-f]{32}", e.value.request_id)
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="tiny-lora", messages=MSG, extra_headers={"x-request-id": "mine-7"})
+        assert e.value.request_id == "mine-7"
     err = _error(httpx.get(tiny_server.url + "/v1/models/nope"), 404)
     assert err["code"] == "model_not_found"
-    err = _error(httpx.get(tiny_server.url + "/v2/nothing"), 404)
-    assert err["type"] == "not_found_error"
+    r = httpx.get(tiny_server.url + "/v2/nothing")
+    assert _error(r, 404)["type"] == "not_found_error" and r.headers["x-request-id"].startswith("req_")
+    r = httpx.get(tiny_server.url + "/v1/completions")
+    assert _error(r, 405) and r.headers["allow"] == "POST" and r.headers["x-request-id"].startswith("req_")
 
 
 def _numbers(text: str) -> set[int]:

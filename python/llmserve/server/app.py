@@ -26,30 +26,32 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
-from llmserve.server.middleware import AccessLogMiddleware, ApiKeyMiddleware
+from llmserve.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, error_request_id
 
 log = logging.getLogger("llmserve.server")
 
 
-def _error_response(err: ApiError) -> Response:
-    headers = {"retry-after": str(err.retry_after)} if err.retry_after else None
+def _error_response(err: ApiError, request: Request, headers=None) -> Response:
+    headers = dict(headers or {})
+    headers["x-request-id"] = error_request_id(request.headers.get("x-request-id"))
+    if err.retry_after:
+        headers["retry-after"] = str(err.retry_after)
     return Response(err.body, status_code=err.status, media_type="application/json", headers=headers)
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
-    return _error_response(exc)
+    return _error_response(exc, request)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         err = Router.error("not_found", f"No route {request.method} {request.url.path}.")
-        return _error_response(err)
+        return _error_response(err, request)
     # Starlette's only other routing error is 405, raised with the route's `Allow` header
     # (RFC 9110 requires it on a 405); keep whatever headers it carries.
     err = Router.error("method_not_allowed", f"{request.method} is not allowed on {request.url.path}.")
-    return Response(err.body, status_code=exc.status_code, media_type="application/json",
-                    headers=exc.headers)
+    return _error_response(err, request, exc.headers)
 
 
 async def _on_client_gone(request: Request, exc: Exception) -> Response:
@@ -61,7 +63,7 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     # NOTE: the client gets a generic 500; the detail goes to the log only.
     log.exception("unhandled error on %s", request.url.path)
-    return _error_response(Router.error("internal", "Internal server error."))
+    return _error_response(Router.error("internal", "Internal server error."), request)
 
 
 ROUTES = [

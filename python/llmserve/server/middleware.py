@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+import uuid
 
 from llmserve._core import Router
 
@@ -15,6 +16,22 @@ access_log = logging.getLogger("llmserve.access")
 
 # Probes and scrapes stay open so load balancers and Prometheus need no key.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+def error_request_id(sent: str | None) -> str:
+    """The `x-request-id` of an error response: the client's own id if it sent a plain one,
+    else a fresh one (a successful response is named by its response id instead), so the
+    SDKs' `error.request_id` always names the failed call in logs."""
+    if sent and len(sent) <= 256 and sent.isascii() and sent.isprintable():
+        return sent
+    return f"req_{uuid.uuid4().hex}"
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def route_path(scope) -> str:
@@ -52,9 +69,11 @@ class ApiKeyMiddleware:
         if self._authorized(scope):
             return await self.app(scope, receive, send)
         err = Router.error("unauthorized", "Invalid or missing API key (send `Authorization: Bearer <key>`).")
+        request_id = error_request_id(_header(scope, b"x-request-id"))
         await send({"type": "http.response.start", "status": err.status, "headers": [
             (b"content-type", b"application/json"),
             (b"www-authenticate", b"Bearer"),
+            (b"x-request-id", request_id.encode()),
         ]})
         await send({"type": "http.response.body", "body": err.body})
 

@@ -568,13 +568,15 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     if chat.documents.is_some() && !template.is_some_and(|t| t.reads("documents")) {
         ignored.push("documents".into());
     }
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
-    if forced != Forced::No && c.response_format.is_some() {
-        return Err(ApiError::invalid(
-            "response_format",
-            "`response_format` cannot be combined with a forced `tool_choice`: the output is the tool call.",
-        ));
+    // Inert here: without tools nothing is called; under a forced `tool_choice` the output
+    // is the call, never the text a response_format shapes (OpenAI accepts both).
+    if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools) {
+        ignored.push("parallel_tool_calls".into());
     }
+    if forced != Forced::No && c.response_format.is_some() {
+        ignored.push("response_format".into());
+    }
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
     let (add_generation_prompt, continue_final_message) =
         generation_flags(chat.add_generation_prompt, chat.continue_final_message)?;
     let input = ChatRender {
@@ -599,7 +601,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).
     let thinking = reasoning.filter(|_| !crate::reasoning::prompt_closes(&rendered.text));
-    let constraint = tool_grammar.or(c.response_format).map(|(g, param)| (g.after_reasoning(thinking), param));
+    let response_format = c.response_format.filter(|_| forced == Forced::No);
+    let constraint = tool_grammar.or(response_format).map(|(g, param)| (g.after_reasoning(thinking), param));
     let grammar = constrained::compile(router, constraint, &params)?;
     let prompt = router.tokenizer.encode(&rendered.text, false);
     if prompt.is_empty() {
