@@ -66,8 +66,8 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
 }
 
 /// An integer field sent a whole number it cannot take: one it cannot hold (`1e30`, or
-/// `10**30`, which JSON parsing turns into a float): "an integer between 0 and 4294967295,
-/// got 1e30"; or one written as a decimal (`2.0`), which OpenAI rejects too: "an integer,
+/// `10**30`, which JSON parsing turns into a float): "an integer of at most 4294967295, got
+/// 1e30"; or one written as a decimal (`2.0`), which OpenAI rejects too: "an integer,
 /// not a decimal number, got 2.0" (a type error, as a fraction is). Returns the error code
 /// and what the field must be.
 fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
@@ -90,10 +90,15 @@ fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
     } else {
         return None;
     };
-    // A negative number for an unsigned field: the field's own bound (max_tokens >= 1,
-    // n <= 128, ...) is checked later, so name only what is certain.
-    if whole && got.starts_with('-') && range.starts_with("between 0 ") {
-        return Some(("invalid_value", format!("a non-negative integer, got {got}")));
+    // An unsigned field: its own bounds (max_tokens >= 1, n <= 128, ...) are checked later,
+    // so name only what is certain, the side the value is out of.
+    if let Some(max) = range.strip_prefix("between 0 and ").filter(|_| whole) {
+        let what = if got.starts_with('-') {
+            "a non-negative integer".to_string()
+        } else {
+            format!("an integer of at most {max}")
+        };
+        return Some(("invalid_value", format!("{what}, got {got}")));
     }
     whole.then(|| ("invalid_value", format!("an integer {range}, got {got}")))
 }
