@@ -228,6 +228,21 @@ def test_metrics_names_and_counters_move(one_slot):
     assert after["llmserve:num_requests_running"] == 0 and after["llmserve:num_requests_waiting"] == 0
 
 
+def test_generated_tokens_count_every_choice(one_slot):
+    """`generation_tokens` adds what usage reports: n choices of greedy n > 1 count n times,
+    though the engine computes them once (sampled n > 1 runs n sequences)."""
+    key = "llmserve:generation_tokens_total"
+    for temperature in (0.0, 1.0):
+        _wait_idle(one_slot)
+        before = _scrape(one_slot)[key]
+        r = httpx.post(one_slot.url + "/v1/completions", json={
+            "model": "tiny", "prompt": "count me", "max_tokens": 4, "ignore_eos": True, "n": 3,
+            "temperature": temperature, "seed": 1}).json()
+        assert r["usage"]["completion_tokens"] == 12
+        _wait_idle(one_slot)
+        assert _scrape(one_slot)[key] - before == 12, temperature
+
+
 def test_models_lists_every_alias_with_max_model_len(one_slot):
     body = httpx.get(one_slot.url + "/v1/models").json()
     assert body["object"] == "list"

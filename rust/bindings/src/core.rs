@@ -520,6 +520,9 @@ impl CoreState {
             let delta = ChoiceDelta { text: &text, tokens: &tokens_out, generated: 1, finish, stop_reason };
             let choices = state.choices_of(prompt_idx, u.seq_index);
             let first_choice = choices.start;
+            // NOTE: greedy n > 1 computes one sequence for n choices: each choice's token
+            // counts, as in usage (and as vLLM, which runs n sequences, counts them).
+            state.new_tokens += choices.len() as u32;
             for c in choices {
                 state.builder.push(c, &delta);
             }
@@ -527,7 +530,6 @@ impl CoreState {
             if finish.is_none() && state.builder.choice_finished(first_choice) {
                 self.scheduler.finish_seq(u.req_id, u.seq_index);
             }
-            state.new_tokens += 1;
         }
         let mut out = Vec::with_capacity(touched.len() + failed.len());
         for (handle, message) in failed {
