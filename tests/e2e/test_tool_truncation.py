@@ -78,9 +78,10 @@ def test_forced_call_cut_off_keeps_its_name(smol, choice):
     named = isinstance(choice, dict)
     req = dict(model=model_of(smol), messages=[{"role": "user", "content": "Call a function."}],
                tools=tools(20), tool_choice=choice, temperature=0)
-    # Cut before the name is complete: nothing at all (the JSON is not content either).
+    # Cut before the name is complete: nothing at all (the JSON is not content either), and
+    # content null as for any forced turn, as the stream's deltas (none) sum to.
     early = smol.chat.completions.create(**req, max_tokens=2).choices[0]
-    assert (early.finish_reason, early.message.content or "", early.message.tool_calls) == ("length", "", None)
+    assert (early.finish_reason, early.message.content, early.message.tool_calls) == ("length", None, None)
     req["max_tokens"] = 16  # the audit's cut: just after the name
     whole = smol.chat.completions.create(**req).choices[0]
     assert whole.finish_reason == "length", whole

@@ -258,7 +258,7 @@ struct CompletionChunkChoice<'a> {
     stop_reason: Option<Option<StopReason<'a>>>,
 }
 
-/// `content` is null only when the message is tool calls and nothing else.
+/// `content` is null only when the message is tool calls (or could only be) and nothing else.
 #[derive(Serialize)]
 struct Message<'a> {
     role: &'static str,
@@ -756,6 +756,7 @@ impl ResponseBuilder {
         }
         let usage = self.usage();
         let body = if self.chat {
+            let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
             let choices: Vec<ChatChoice> = self
                 .choices
                 .iter()
@@ -764,8 +765,11 @@ impl ResponseBuilder {
                     index: i as u32,
                     message: Message {
                         role: "assistant",
-                        // null when the output was only calls or only thinking (as vLLM)
-                        content: (!c.text.is_empty() || (c.tool_calls.is_empty() && c.reasoning_text.is_empty()))
+                        // null when the output was only calls or only thinking (as vLLM), and
+                        // when it could only be calls (forced; cut off before one was whole),
+                        // as the stream's deltas sum to
+                        content: (!c.text.is_empty()
+                            || (c.tool_calls.is_empty() && c.reasoning_text.is_empty() && !forced))
                             .then_some(c.text.as_str()),
                         refusal: None,
                         reasoning_content: c
