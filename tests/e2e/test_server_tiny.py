@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -104,6 +105,29 @@ def test_seed_reproducible(client):
     a = client.completions.create(**kwargs).choices[0].text
     b = client.completions.create(**kwargs).choices[0].text
     assert a == b
+
+
+def test_system_fingerprint_names_the_setup(client, tiny_server):
+    """OpenAI's `system_fingerprint`, in every body and chunk: the same for every response of
+    a server, and another for other weights or numerics (build, device, dtype, compute paths,
+    threads: engine/build.py)."""
+    import torch
+
+    from llmserve.engine.build import system_fingerprint
+
+    kwargs = dict(model="tiny", max_tokens=3, temperature=0)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs)
+    done = client.completions.create(prompt="Once", **kwargs)
+    chunks = list(client.completions.create(prompt="Once", stream=True, **kwargs))
+    prints = {chat.system_fingerprint, done.system_fingerprint, *(c.system_fingerprint for c in chunks)}
+    assert len(prints) == 1 and re.fullmatch(r"fp_[0-9a-f]{10}", prints.pop())
+    w = {"a": torch.arange(1000.0).reshape(10, 100)}
+    base = system_fingerprint(w, "cpu", torch.float32)
+    assert system_fingerprint({"a": w["a"].clone()}, "cpu", torch.float32) == base
+    w2 = {"a": w["a"].clone()}
+    w2["a"][0, 0] = 7.0
+    assert system_fingerprint(w2, "cpu", torch.float32) != base
+    assert system_fingerprint(w, "cpu", torch.bfloat16) != base
 
 
 def test_logprobs_shapes(client):

@@ -7,6 +7,7 @@ defaults, template origin) is logged once here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve._core import Core, Router
+from llmserve._core import __version__ as core_version
 from llmserve.config import Config, parse_bytes
 
 log = logging.getLogger("llmserve.engine")
@@ -103,6 +105,21 @@ def _check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
                            "(llmserve._core.paged_decode_attention): rebuild the extension")
 
 
+def system_fingerprint(weights: dict[str, torch.Tensor], *numerics) -> str:
+    """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits that change with what a seeded
+    output depends on besides the request: the build, the weights (names, shapes and a strided
+    sample of each tensor's values: cheap, yet another checkpoint differs) and `numerics` (device,
+    dtype, compute paths, threads)."""
+    h = hashlib.sha256(json.dumps([core_version, *map(str, numerics)]).encode())
+    for name in sorted(weights):
+        t = weights[name].detach()
+        flat = t.reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.float32)
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return "fp_" + h.hexdigest()[:10]
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model
@@ -118,6 +135,9 @@ def build_engine(cfg: Config) -> Engine:
     ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision)
     hf = ck.hf_config
     quantized = ck.quantized if cfg.model.quantized_decode else None
+    # (before build_model, which may take the tensors over)
+    fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
+                                     torch.get_num_threads())
     model = build_model(hf, ck.weights, dtype, device, quantized=quantized)
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
@@ -165,6 +185,7 @@ def build_engine(cfg: Config) -> Engine:
         "tool_call_format": cfg.model.tool_call_format,
         "reasoning_parser": cfg.model.reasoning_parser,
         "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
+        "system_fingerprint": fingerprint,
     }
     router = Router(
         ck.tokenizer_json,

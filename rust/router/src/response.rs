@@ -185,6 +185,7 @@ struct Chunk<'a, C> {
     object: &'static str,
     created: u64,
     model: &'a str,
+    system_fingerprint: Option<&'a str>,
     choices: Vec<C>,
     /// Absent, or (with `include_usage`) null until the final usage chunk, as OpenAI
     /// documents it.
@@ -319,6 +320,7 @@ pub struct ResponseBuilder {
     id: String,
     created: u64,
     model: String,
+    system_fingerprint: Option<String>,
     stream: bool,
     include_usage: bool,
     continuous_usage_stats: bool,
@@ -350,6 +352,7 @@ impl ResponseBuilder {
             id: prepared.id.clone(),
             created: prepared.created,
             model: prepared.model.clone(),
+            system_fingerprint: prepared.system_fingerprint.clone(),
             stream: prepared.stream,
             include_usage: prepared.include_usage,
             continuous_usage_stats: prepared.continuous_usage_stats,
@@ -409,6 +412,7 @@ impl ResponseBuilder {
             object: if self.chat { "chat.completion.chunk" } else { "text_completion" },
             created: self.created,
             model: &self.model,
+            system_fingerprint: self.system_fingerprint.as_deref(),
             choices,
             usage: if usage.is_some() || self.include_usage { Some(usage) } else { None },
         };
@@ -796,6 +800,7 @@ impl ResponseBuilder {
                 object: "chat.completion",
                 created: self.created,
                 model: &self.model,
+                system_fingerprint: self.system_fingerprint.as_deref(),
                 choices,
                 usage,
             })
@@ -827,6 +832,7 @@ impl ResponseBuilder {
                 object: "text_completion",
                 created: self.created,
                 model: &self.model,
+                system_fingerprint: self.system_fingerprint.as_deref(),
                 choices,
                 usage,
             })
@@ -880,6 +886,7 @@ struct Body<'a, C> {
     object: &'static str,
     created: u64,
     model: &'a str,
+    system_fingerprint: Option<&'a str>,
     choices: Vec<C>,
     usage: Usage,
 }

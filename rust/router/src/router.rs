@@ -60,6 +60,11 @@ pub struct RouterConfig {
     /// `--reasoning-parser`: "think" or "none"; None detects it from the chat template.
     #[serde(default)]
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// OpenAI's `system_fingerprint`: names what the output depends on besides the request
+    /// (build, weights, device, numerics), so a client can tell why a seed's output moved.
+    /// None: sent as null.
+    #[serde(default)]
+    pub system_fingerprint: Option<String>,
 }
 
 pub struct Router {

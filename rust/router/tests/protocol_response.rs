@@ -39,6 +39,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         endpoint,
         id: if endpoint == Endpoint::Chat { "chatcmpl-1".into() } else { "cmpl-1".into() },
         created: 100,
+        system_fingerprint: Some("fp_test".into()),
         model: "tiny".into(),
         prompts,
         prompt_texts: texts.iter().map(|s| s.to_string()).collect(),
@@ -101,7 +102,7 @@ fn chat_stream_golden_bytes() {
     assert!(b.all_finished());
     out.extend(b.take());
     out.extend(b.finish());
-    let head = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":100,"model":"tiny","#;
+    let head = r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":100,"model":"tiny","system_fingerprint":"fp_test","#;
     let expected = format!(
         "data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n\
          data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n\
@@ -124,7 +125,8 @@ fn completion_stream_golden_bytes_with_echo_and_continuous_usage() {
     b.push(0, &delta(" world", &[tok(10)], None));
     b.push(0, &delta("", &[tok(2)], Some(FinishReason::Length)));
     let out = [b.take(), b.finish()].concat();
-    let head = r#"{"id":"cmpl-1","object":"text_completion","created":100,"model":"tiny","#;
+    let head =
+        r#"{"id":"cmpl-1","object":"text_completion","created":100,"model":"tiny","system_fingerprint":"fp_test","#;
     let expected = format!(
         "data: {head}\"choices\":[{{\"index\":0,\"text\":\"hello world\",\"logprobs\":null,\"finish_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":1,\"total_tokens\":3}}}}\n\n\
          data: {head}\"choices\":[{{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4}}}}\n\n\
@@ -213,7 +215,7 @@ fn chat_non_stream_body() {
     let v: Value = serde_json::from_slice(&b.finish()).unwrap();
     assert_eq!(
         v,
-        json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "tiny",
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "tiny", "system_fingerprint": "fp_test",
                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world", "refusal": null}, "logprobs": null,
                             "finish_reason": "stop", "stop_reason": "z"}],
                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})

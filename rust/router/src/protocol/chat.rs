@@ -621,6 +621,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         endpoint: Endpoint::Chat,
         id: c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}")),
         created: unix_now(),
+        system_fingerprint: config.system_fingerprint.clone(),
         model: c.model,
         prompts: vec![prompt],
         prompt_texts: vec![rendered.text],

@@ -87,6 +87,8 @@ pub struct Prepared {
     pub created: u64,
     /// The served name the client sent (an alias is echoed as sent).
     pub model: String,
+    /// `RouterConfig::system_fingerprint`, echoed in every body and chunk.
+    pub system_fingerprint: Option<String>,
     /// Chat: exactly one. Completions: one per prompt, in order.
     pub prompts: Vec<Vec<u32>>,
     /// The text of each prompt (the rendered template for chat; decoded ids for token
