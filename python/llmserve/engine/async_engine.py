@@ -65,6 +65,10 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _push(self, data, finished: str | None, error: bool, ntok: int) -> None:
+        if self not in self._engine._open:
+            # aborted (its client left) while a step that held it was in flight: nobody
+            # reads this, and its metrics were taken when it was aborted
+            return
         if ntok:
             now = time.perf_counter()
             if self.first_token is None:
