@@ -173,6 +173,21 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(tiny_server, reference)
         assert e.status_code == 400 and e.json()["error"]["param"] == "max_tokens", e.text
 
 
+def test_prompt_scoring_may_fill_the_context(tiny_server):
+    """`echo` + `max_tokens: 0` asks for no completion, so a prompt of exactly max_model_len
+    (512 here) tokens is scored; one token more, or any completion, is over the limit."""
+    ids = [(7 * i) % 200 + 10 for i in range(512)]
+    r = _post(tiny_server, {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1})
+    c = r["choices"][0]
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"], c["finish_reason"]) == (512, 0, "length")
+    assert len(c["logprobs"]["token_logprobs"]) == 512 and c["logprobs"]["token_logprobs"][0] is None
+    for prompt, max_tokens in ((ids, 1), (ids + [10], 0)):
+        e = httpx.post(tiny_server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "echo": True, "max_tokens": max_tokens})
+        assert e.status_code == 400 and e.json()["error"]["code"] == "context_length_exceeded", e.text
+    assert httpx.get(tiny_server.url + "/load").json()["running"] == 0
+
+
 def test_prompt_offsets_of_multibyte_characters(tiny_server):
     """A character that takes several byte-level tokens: each of its tokens starts where the
     character does (its text is decoded only once whole), so the offsets index the echoed

@@ -218,11 +218,13 @@ impl Scheduler {
     /// requests pin no blocks, and a preempted sequence finds its own cached blocks again).
     ///
     /// Panics on a usage error: empty prompt, a prompt that leaves no room under
-    /// max_model_len, n == 0, or an id that is already live (the router rules these out).
+    /// max_model_len (unless it asks for none: `max_tokens` 0, prompt scoring), n == 0, or an
+    /// id that is already live (the router rules these out).
     pub fn add(&mut self, req: NewRequest) {
         assert!(!req.prompt.is_empty(), "request {}: empty prompt", req.id);
         assert!(
-            req.prompt.len() < self.cfg.max_model_len,
+            req.prompt.len() < self.cfg.max_model_len
+                || (req.prompt.len() == self.cfg.max_model_len && req.stop.max_tokens == 0),
             "request {}: a prompt of {} tokens leaves no room under max_model_len {}",
             req.id,
             req.prompt.len(),

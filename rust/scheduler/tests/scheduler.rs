@@ -174,6 +174,18 @@ fn a_preempted_sequence_caches_what_it_recomputes_as_a_prompt() {
 }
 
 #[test]
+fn a_prompt_that_fills_the_context_is_scored_when_it_asks_for_nothing() {
+    // max_model_len 32 (8 usable blocks of 4): max_tokens 0 computes the prompt's logits only
+    let mut s = Scheduler::new(config(9, 4, 8, 64));
+    s.add(request(1, prompt(32, 1), 0));
+    let (plan, updates) = step(&mut s, 5);
+    assert_eq!((plan.num_tokens, plan.num_rows), (32, 1));
+    assert_eq!(updates[0].finish, Some(FinishReason::Length));
+    assert_eq!(s.stats().used_blocks, 0);
+    assert!(step(&mut s, 5).0.is_empty());
+}
+
+#[test]
 fn no_caching_means_no_hits() {
     let mut s = Scheduler::new(config(33, 16, 8, 256));
     s.add(request(1, prompt(40, 1), 1));

@@ -4,7 +4,8 @@
 use super::SamplingParams;
 use crate::error::ApiError;
 
-/// The context budget of one prompt: the prompt must leave room for at least one token, and
+/// The context budget of one prompt: the prompt must leave room for at least one token (or
+/// fill the context exactly when it asks for none, `max_tokens` 0), and
 /// with an explicit `max_tokens` the two must fit together.
 pub fn check_context(
     prompt_len: usize,
@@ -21,7 +22,9 @@ pub fn check_context(
         "prompt" => ("prompt".to_string(), "has"),
         other => (format!("prompt `{other}`"), "has"),
     };
-    if p >= limit {
+    // A prompt may fill the context only when it asks for no completion (`echo` with
+    // `max_tokens` 0: prompt scoring).
+    if p > limit || (p == limit && max_tokens != Some(0)) {
         return Err(ApiError::ContextLengthExceeded {
             message: format!(
                 "This model's maximum context length is {limit} tokens, but the {noun} {verb} {p} tokens, \
