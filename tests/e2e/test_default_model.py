@@ -63,6 +63,12 @@ def test_render_matches_apply_chat_template(smol_server, hf_tokenizer):
                       json={"model": "SmolLM2-135M-Instruct", "messages": messages}).json()
     ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours["prompt"] == ref
+    # OpenAI's `developer` role is system instructions: SmolLM2's template never names it, so
+    # it renders as `system` (replacing the default system prompt), not as a role of its own
+    developer = [{"role": "developer", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
+    ours = httpx.post(smol_server.url + "/v1/chat/completions/render",
+                      json={"model": "SmolLM2-135M-Instruct", "messages": developer}).json()
+    assert ours["prompt"] == ref
 
 
 def test_text_parts_join_for_a_string_template(smol_server):

@@ -148,8 +148,14 @@ fn valid_message_forms_are_accepted() {
         {"role": "tool", "tool_call_id": "call_1", "content": "x"},
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
     ]});
-    let p = chat(&r, ok).expect("valid conversation");
+    let p = chat(&r, ok.clone()).expect("valid conversation");
     assert!(p.prompt_texts[0].contains("No."), "{}", p.prompt_texts[0]);
+    // `developer` is OpenAI's name for system instructions: a template that never names the
+    // role gets `system`; one that does gets the role as sent.
+    assert!(p.prompt_texts[0].contains("system : b"), "{}", p.prompt_texts[0]);
+    let knows = format!("{{# developer #}}{TEMPLATE}");
+    let p = chat(&router_with(json!({}), Some(&knows)), ok).expect("valid conversation");
+    assert!(p.prompt_texts[0].contains("developer : b"), "{}", p.prompt_texts[0]);
 }
 
 #[test]

@@ -95,7 +95,10 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
     })?;
     let config = &router.config;
     let format = config.chat_template_content_format.unwrap_or_else(|| template.content_format());
-    let messages = crate::content_format::normalize(input.messages, format);
+    let mut messages = crate::content_format::normalize(input.messages, format);
+    if !template.source().contains("developer") {
+        developer_as_system(&mut messages);
+    }
     let rendered = template.render(&RenderInput {
         messages: &messages,
         tools: input.tools,
@@ -108,6 +111,19 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         fuel: Some(config.template_fuel),
     })?;
     Ok((rendered, template))
+}
+
+/// OpenAI's `developer` role is its newer name for system instructions. A template that never
+/// names it would render a turn of a role its model never saw (SmolLM2's, after its own
+/// default system prompt): it gets `system`, as OpenAI's older models read it.
+fn developer_as_system(messages: &mut std::borrow::Cow<'_, Value>) {
+    let is_developer = |m: &Value| m.get("role").and_then(Value::as_str) == Some("developer");
+    if !messages.as_array().is_some_and(|list| list.iter().any(is_developer)) {
+        return;
+    }
+    for m in messages.to_mut().as_array_mut().into_iter().flatten().filter(|m| is_developer(m)) {
+        m["role"] = Value::String("system".into());
+    }
 }
 
 pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
