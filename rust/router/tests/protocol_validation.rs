@@ -344,6 +344,13 @@ fn tools_and_tool_choice() {
             p("response_format.json_schema"),
         ),
         (
+            json!({"tools": [tool], "tool_choice": "required",
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}),
+            400,
+            "invalid_value",
+            p("response_format.json_schema.schema"),
+        ),
+        (
             json!({"tools": [{"type": "function", "function": {}}]}),
             400,
             "missing_required_parameter",
@@ -681,11 +688,11 @@ fn out_of_range_integers_say_so() {
     assert_eq!(raw(r#""seed": -9223372036854775809"#).code(), "invalid_value");
     let e = raw(r#""max_tokens": 1000000000000000000000000000000"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("max_tokens")));
-    assert!(e.message().contains("must be an integer of at most 4294967295"), "{}", e.message());
+    assert!(e.message().contains("must be an integer that fits in 32 bits"), "{}", e.message());
     assert!(!e.message().contains("floating point"), "{}", e.message());
     let e = raw(r#""n": 5000000000"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
-    assert_eq!(e.message(), "`n` must be an integer of at most 4294967295, got 5000000000.");
+    assert_eq!(e.message(), "`n` must be an integer that fits in 32 bits, got 5000000000.");
     // A fraction is still the wrong type, and so is a whole number written as a decimal
     // (OpenAI rejects it too), without naming a range it is inside of.
     assert_eq!(raw(r#""max_tokens": 1.5"#).code(), "invalid_type");

@@ -617,7 +617,12 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).
     let thinking = reasoning.filter(|_| !crate::reasoning::prompt_closes(&rendered.text));
-    let response_format = c.response_format.filter(|_| forced == Forced::No);
+    let mut response_format = c.response_format;
+    if forced != Forced::No {
+        // without effect beside a forced call (reported above), yet checked as it would be
+        // alone: a schema that cannot compile is still the client's error
+        constrained::compile(router, response_format.take(), &params)?;
+    }
     let constraint = tool_grammar.or(response_format).map(|(g, param)| (g.after_reasoning(thinking), param));
     let grammar = constrained::compile(router, constraint, &params)?;
     let prompt = router.tokenizer.encode(&rendered.text, false);

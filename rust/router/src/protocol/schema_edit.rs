@@ -8,50 +8,74 @@
 //!   others gets `additionalProperties: false`, as vLLM's default grammar backend (xgrammar)
 //!   and OpenAI's strict mode treat it. JSON Schema would allow extra keys there, and a small
 //!   model fills them with invented ones, which the function the arguments are meant for
-//!   cannot take. Every output still validates against the schema as sent.
+//!   cannot take. Only an object that alone decides its instance's keys is closed: one that
+//!   is combined with other schemas on the same instance (an `allOf` part, a base a `$ref`
+//!   extends, a union branch beside `properties`) is left as sent, so every schema that was
+//!   satisfiable stays so, and every output still validates against the schema as sent.
+
+use std::collections::HashSet;
 
 use serde_json::{Map, Value};
 
 /// Keys whose values are data, not schemas: a `$ref` inside them is not a reference.
 const DATA: [&str; 4] = ["const", "enum", "default", "examples"];
-
-/// Keywords that hold one schema (or a map or array of them) whose objects may be closed:
-/// the ones an instance must match. Not `not`, `if` or `contains` (closing inside them would
-/// change what they accept), and not `allOf`, whose branches each see the whole object.
-const CLOSABLE_ONE: [&str; 2] = ["items", "additionalProperties"];
-const CLOSABLE_MANY: [&str; 3] = ["anyOf", "oneOf", "prefixItems"];
-const CLOSABLE_MAPS: [&str; 4] = ["properties", "patternProperties", "$defs", "definitions"];
+/// Keywords whose value maps names to schemas (the names are not keywords).
+const MAPS: [&str; 5] = ["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"];
+/// Keywords that shape which keys an object instance has: a schema holding one of them
+/// beside `$ref` or a union extends what the ref or union branches say about the same object.
+const SHAPES_KEYS: [&str; 12] = [
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "required",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "dependentSchemas",
+    "dependentRequired",
+    "if",
+    "not",
+];
 
 /// Whether `schema` holds a local `$ref` (one starting with `#`).
 pub fn has_local_ref(schema: &Value) -> bool {
-    match schema {
-        Value::Object(obj) => obj.iter().any(|(key, v)| match (key.as_str(), v) {
-            ("$ref", Value::String(r)) => r.starts_with('#'),
-            (k, _) if DATA.contains(&k) => false,
-            _ => has_local_ref(v),
-        }),
-        Value::Array(items) => items.iter().any(has_local_ref),
-        _ => false,
-    }
+    let mut found = false;
+    visit_refs(&mut schema.clone(), &mut |r| found |= r.starts_with('#'));
+    found
 }
 
 /// Rewrite every local `$ref` in `schema` for the schema moving to the JSON pointer `base`
 /// (`"/$defs/args0"`) of a new root: `#` becomes `#/$defs/args0`, `#/x` becomes
-/// `#/$defs/args0/x`. Other refs (remote, anchors) are left alone.
+/// `#/$defs/args0/x`. Other refs (remote, anchors) are left alone. The schema's own `$id`
+/// and `$schema` go: under its new root, `$id` would make its refs resolve against itself.
 pub fn rebase_refs(schema: &mut Value, base: &str) {
+    if let Value::Object(obj) = schema {
+        obj.remove("$id");
+        obj.remove("$schema");
+    }
+    visit_refs(schema, &mut |r| {
+        if r == "#" || r.starts_with("#/") {
+            *r = format!("#{base}{}", &r[1..]);
+        }
+    });
+}
+
+/// Calls `f` on every `$ref` of `schema` and its subschemas: the names in a `properties`
+/// (or other) map are names, so a property called `default` or `$ref` is still walked.
+fn visit_refs(schema: &mut Value, f: &mut impl FnMut(&mut String)) {
     match schema {
         Value::Object(obj) => {
             for (key, v) in obj.iter_mut() {
                 match (key.as_str(), v) {
-                    ("$ref", Value::String(r)) if r == "#" || r.starts_with("#/") => {
-                        *r = format!("#{base}{}", &r[1..]);
-                    }
+                    ("$ref", Value::String(r)) => f(r),
                     (k, _) if DATA.contains(&k) => {}
-                    (_, v) => rebase_refs(v, base),
+                    (k, Value::Object(map)) if MAPS.contains(&k) => map.values_mut().for_each(|s| visit_refs(s, f)),
+                    (_, v) => visit_refs(v, f),
                 }
             }
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, base)),
+        Value::Array(items) => items.iter_mut().for_each(|v| visit_refs(v, f)),
         _ => {}
     }
 }
@@ -71,39 +95,142 @@ pub fn resolve<'a>(root: &'a Value, mut schema: &'a Value) -> &'a Value {
     schema
 }
 
-/// Give every object schema in `schema` that lists `properties`, leaves `additionalProperties`,
-/// `patternProperties` and `unevaluatedProperties` unsaid, and requires only listed names,
-/// `additionalProperties: false` (see the module note).
+/// Give every object schema in `schema` that alone decides its instance's keys (see the
+/// module note) and lists `properties`, `additionalProperties: false`.
 pub fn close_objects(schema: &mut Value) {
+    let composed = composed_targets(schema);
+    close_at(schema, &mut String::new(), &composed);
+}
+
+fn close_at(schema: &mut Value, path: &mut String, composed: &HashSet<String>) {
     let Value::Object(obj) = schema else { return };
-    if should_close(obj) {
+    if should_close(obj) && !composed.contains(path.as_str()) {
         obj.insert("additionalProperties".into(), Value::Bool(false));
     }
-    for key in CLOSABLE_ONE {
-        if let Some(sub) = obj.get_mut(key) {
-            close_objects(sub);
+    // A union branch is the whole constraint only when nothing beside the union shapes the
+    // same object: `Optional[Model]`, not `{"properties", "anyOf": [...]}`.
+    let alone = |union: &str| !obj.keys().any(|k| k != union && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
+    let (any_alone, one_alone) = (alone("anyOf"), alone("oneOf"));
+    // (one `allOf` part and nothing beside it: the part alone, as pydantic v1 wraps a `$ref`)
+    let single_part = alone("allOf") && obj.get("allOf").and_then(Value::as_array).is_some_and(|a| a.len() == 1);
+    let len = path.len();
+    for (key, sub) in obj.iter_mut() {
+        match (key.as_str(), sub) {
+            ("items" | "additionalProperties", s @ Value::Object(_)) => {
+                push(path, key);
+                close_at(s, path, composed);
+            }
+            ("items" | "prefixItems", Value::Array(subs)) => each(subs, key, path, composed),
+            ("anyOf", Value::Array(subs)) if any_alone => each(subs, key, path, composed),
+            ("oneOf", Value::Array(subs)) if one_alone => each(subs, key, path, composed),
+            ("allOf", Value::Array(subs)) if single_part => each(subs, key, path, composed),
+            ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(map)) => {
+                for (name, s) in map.iter_mut() {
+                    push(path, key);
+                    push(path, name);
+                    close_at(s, path, composed);
+                    path.truncate(len);
+                }
+            }
+            _ => {}
         }
+        path.truncate(len);
     }
-    for key in CLOSABLE_MANY {
-        if let Some(Value::Array(subs)) = obj.get_mut(key) {
-            subs.iter_mut().for_each(close_objects);
-        }
+}
+
+fn each(subs: &mut [Value], key: &str, path: &mut String, composed: &HashSet<String>) {
+    let len = path.len();
+    for (i, s) in subs.iter_mut().enumerate() {
+        push(path, key);
+        push(path, &i.to_string());
+        close_at(s, path, composed);
+        path.truncate(len);
     }
-    for key in CLOSABLE_MAPS {
-        if let Some(Value::Object(subs)) = obj.get_mut(key) {
-            subs.values_mut().for_each(close_objects);
-        }
-    }
+}
+
+/// Appends a JSON pointer segment (RFC 6901 escapes).
+fn push(path: &mut String, segment: &str) {
+    path.push('/');
+    path.push_str(&segment.replace('~', "~0").replace('/', "~1"));
 }
 
 fn should_close(obj: &Map<String, Value>) -> bool {
     let Some(Value::Object(props)) = obj.get("properties") else { return false };
-    let open = ["additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"];
+    let open = [
+        "additionalProperties",
+        "patternProperties",
+        "unevaluatedProperties",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "$ref",
+        "if",
+        "then",
+        "else",
+        "not",
+        "dependentSchemas",
+        "dependentRequired",
+    ];
     if open.iter().any(|k| obj.contains_key(*k)) {
+        return false;
+    }
+    if obj.get("minProperties").and_then(Value::as_u64).is_some_and(|m| m > props.len() as u64) {
         return false;
     }
     let required = obj.get("required").and_then(Value::as_array).into_iter().flatten();
     required.filter_map(Value::as_str).all(|name| props.contains_key(name))
+}
+
+/// The JSON pointers (`/$defs/Base`) of the schemas that some `$ref` combines with other
+/// schemas on the same instance: one in an `allOf` part, one beside keywords that shape the
+/// object, one in a union branch beside such keywords; and what those refer to in turn.
+fn composed_targets(root: &Value) -> HashSet<String> {
+    let mut found = HashSet::new();
+    collect_composed(root, false, &mut found);
+    // a composed schema that is itself a ref makes its target composed too
+    let mut frontier: Vec<String> = found.iter().cloned().collect();
+    while let Some(p) = frontier.pop() {
+        let target = root.pointer(&p).and_then(|s| s.get("$ref")).and_then(Value::as_str);
+        if let Some(next) = target.and_then(|r| r.strip_prefix('#')).map(str::to_string) {
+            if found.insert(next.clone()) {
+                frontier.push(next);
+            }
+        }
+    }
+    found
+}
+
+/// `combined`: this schema applies to an instance together with others (an `allOf` part, a
+/// union branch beside shaping keywords).
+fn collect_composed(schema: &Value, combined: bool, found: &mut HashSet<String>) {
+    let Value::Object(obj) = schema else {
+        if let Value::Array(items) = schema {
+            items.iter().for_each(|s| collect_composed(s, false, found));
+        }
+        return;
+    };
+    let shapes = obj.keys().any(|k| SHAPES_KEYS.contains(&k.as_str()));
+    if let Some(target) = obj.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
+        if combined || shapes {
+            found.insert(target.to_string());
+        }
+    }
+    for (key, v) in obj {
+        match key.as_str() {
+            k if DATA.contains(&k) => {}
+            "allOf" | "anyOf" | "oneOf" => {
+                let beside = obj.keys().any(|k| k != key && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
+                let parts = v.as_array().map_or(&[][..], Vec::as_slice);
+                // every part of an `allOf` sees the same instance, unless it is the only one
+                let together = beside || combined || (key == "allOf" && parts.len() > 1);
+                parts.iter().for_each(|s| collect_composed(s, together, found));
+            }
+            k if MAPS.contains(&k) => {
+                v.as_object().into_iter().flatten().for_each(|(_, s)| collect_composed(s, false, found))
+            }
+            _ => collect_composed(v, false, found),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -114,12 +241,14 @@ mod tests {
     #[test]
     fn refs_move_with_the_schema_and_data_is_untouched() {
         let mut s = json!({
+            "$id": "https://example.com/args.json",
             "type": "object",
             "properties": {
                 "unit": {"$ref": "#/$defs/Unit"},
                 "child": {"$ref": "#"},
                 "remote": {"$ref": "https://example.com/s.json"},
                 "fixed": {"const": {"$ref": "#/$defs/Unit"}},
+                "default": {"$ref": "#/$defs/Unit"},
             },
             "$defs": {"Unit": {"enum": ["c", "f"]}},
         });
@@ -129,7 +258,10 @@ mod tests {
         assert_eq!(s["properties"]["child"]["$ref"], "#/$defs/args0");
         assert_eq!(s["properties"]["remote"]["$ref"], "https://example.com/s.json");
         assert_eq!(s["properties"]["fixed"]["const"]["$ref"], "#/$defs/Unit");
+        assert_eq!(s["properties"]["default"]["$ref"], "#/$defs/args0/$defs/Unit", "a property named default");
+        assert!(s.get("$id").is_none());
         assert!(!has_local_ref(&json!({"enum": [{"$ref": "#"}], "properties": {"$ref": {"type": "string"}}})));
+        assert!(has_local_ref(&json!({"properties": {"enum": {"$ref": "#/$defs/E"}}})));
     }
 
     #[test]
@@ -139,6 +271,10 @@ mod tests {
         assert_eq!(resolve(&root, &json!({"type": "string"})), &json!({"type": "string"}));
         assert_eq!(resolve(&root, &json!({"$ref": "#/$defs/L"})), &json!({"$ref": "#/$defs/L"}));
         assert_eq!(resolve(&root, &json!({"$ref": "#/nope"})), &json!({"$ref": "#/nope"}));
+    }
+
+    fn closed(v: &Value) -> bool {
+        v.get("additionalProperties") == Some(&json!(false))
     }
 
     #[test]
@@ -153,6 +289,7 @@ mod tests {
                 "open": {"properties": {"x": {}}, "additionalProperties": true},
                 "patterned": {"properties": {"x": {}}, "patternProperties": {"^p": {}}},
                 "needs_more": {"properties": {"x": {}}, "required": ["x", "y"]},
+                "too_few": {"properties": {"x": {}}, "minProperties": 2},
                 "composed": {"allOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]},
                 "negated": {"not": {"properties": {"x": {}}}},
             },
@@ -160,12 +297,51 @@ mod tests {
             "$defs": {"D": {"properties": {"d": {}}}},
         });
         close_objects(&mut s);
-        let closed = |v: &Value| v.get("additionalProperties") == Some(&json!(false));
         let p = &s["properties"];
         assert!(closed(&s) && closed(&p["a"]) && closed(&p["list"]["items"]));
         assert!(closed(&p["either"]["anyOf"][0]) && closed(&s["$defs"]["D"]));
-        assert!(!closed(&p["any"]) && !closed(&p["patterned"]) && !closed(&p["needs_more"]));
+        assert!(!closed(&p["any"]) && !closed(&p["patterned"]) && !closed(&p["needs_more"]) && !closed(&p["too_few"]));
         assert_eq!(p["open"]["additionalProperties"], json!(true));
         assert!(!closed(&p["composed"]["allOf"][0]) && !closed(&p["negated"]["not"]));
+    }
+
+    /// A schema combined with others on the same instance stays open (audit 11: closing
+    /// these made satisfiable schemas "Unsatisfiable").
+    #[test]
+    fn combined_schemas_stay_open() {
+        let mut s = json!({
+            "type": "object",
+            "$defs": {
+                "Base": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+                "Alias": {"$ref": "#/$defs/Root"},
+                "Root": {"properties": {"r": {}}},
+                "Plain": {"properties": {"p": {}}},
+                "a/b": {"properties": {"q": {}}},
+                "Wrapped": {"properties": {"w": {}}},
+            },
+            "properties": {
+                "dog": {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"bark": {}}, "required": ["bark"]}]},
+                "cat": {"$ref": "#/$defs/Base", "properties": {"meow": {}}},
+                "alias": {"allOf": [{"$ref": "#/$defs/Alias"}, {"properties": {"extra": {}}}]},
+                "plain": {"$ref": "#/$defs/Plain"},
+                "maybe": {"anyOf": [{"$ref": "#/$defs/Plain"}, {"type": "null"}]},
+                "escaped": {"allOf": [{"$ref": "#/$defs/a~1b"}, {"required": ["q"]}]},
+                "v1": {"title": "V1", "allOf": [{"$ref": "#/$defs/Wrapped"}]},
+                "kind": {
+                    "properties": {"kind": {"enum": ["i", "s"]}, "size": {"type": "integer"}},
+                    "required": ["kind", "size"],
+                    "anyOf": [{"properties": {"kind": {"const": "i"}}}, {"properties": {"kind": {"const": "s"}}}],
+                },
+                "adds": {"properties": {"kind": {}}, "oneOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]},
+            },
+        });
+        close_objects(&mut s);
+        let (d, p) = (&s["$defs"], &s["properties"]);
+        assert!(!closed(&d["Base"]) && !closed(&d["Root"]) && !closed(&d["a/b"]));
+        assert!(!closed(&p["cat"]) && !closed(&p["kind"]) && !closed(&p["adds"]));
+        assert!(!closed(&p["kind"]["anyOf"][0]) && !closed(&p["adds"]["oneOf"][1]));
+        assert!(closed(&d["Plain"]), "used alone, or as a union branch that is the whole constraint");
+        assert!(closed(&d["Wrapped"]), "an allOf of one part is that part");
+        assert!(closed(&s));
     }
 }

@@ -436,4 +436,90 @@ mod tests {
         let (_, calls) = run_with(ToolCallFormat::Qwen3Xml, parsing.parameters.clone(), &[xml_days]);
         assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), json!({"days": 4}), "typed through the ref");
     }
+
+    /// Schemas audit 11 found broken by the ref rewrite or the closing of objects: a base
+    /// extended through `allOf` or a `$ref` with sibling keywords, a union beside
+    /// `properties`, a property named like a keyword, an `$id`, pydantic v1's `allOf` wrapper,
+    /// and parameters that are a `$ref`. Each compiles in every format and takes a valid call.
+    #[test]
+    fn forced_calls_take_composed_schemas() {
+        use crate::structured::tests::{byte_tokenizer, drive};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let base = json!({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]});
+        let cases = [
+            (
+                json!({"type": "object", "$defs": {"Base": base},
+                       "properties": {"dog": {"allOf": [{"$ref": "#/$defs/Base"},
+                                                        {"properties": {"bark": {"type": "boolean"}}, "required": ["bark"]}]}},
+                       "required": ["dog"]}),
+                json!({"dog": {"name": "rex", "bark": true}}),
+            ),
+            (
+                json!({"type": "object", "$defs": {"Base": base},
+                       "properties": {"cat": {"$ref": "#/$defs/Base", "properties": {"meow": {"type": "integer"}}}},
+                       "required": ["cat"]}),
+                json!({"cat": {"name": "tom", "meow": 2}}),
+            ),
+            (
+                json!({"type": "object", "properties": {"kind": {"enum": ["i", "s"]}, "size": {"type": "integer"}},
+                       "required": ["kind", "size"],
+                       "anyOf": [{"properties": {"kind": {"const": "i"}}}, {"properties": {"kind": {"const": "s"}}}]}),
+                json!({"kind": "i", "size": 3}),
+            ),
+            (
+                json!({"type": "object", "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"}},
+                       "properties": {"default": {"$ref": "#/$defs/Color"}, "enum": {"$ref": "#/$defs/Color"}},
+                       "required": ["default", "enum"]}),
+                json!({"default": "red", "enum": "blue"}),
+            ),
+            (
+                json!({"$id": "https://example.com/args.json", "type": "object",
+                       "$defs": {"U": {"type": "integer"}}, "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]}),
+                json!({"u": 4}),
+            ),
+            (
+                json!({"type": "object", "definitions": {"Inner": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+                       "properties": {"inner": {"title": "Inner", "allOf": [{"$ref": "#/definitions/Inner"}]}},
+                       "required": ["inner"]}),
+                json!({"inner": {"x": 1}}),
+            ),
+            (
+                json!({"$ref": "#/$defs/Args", "$defs": {"Args": {"type": "object", "properties": {"z": {"type": "integer"}}, "required": ["z"]}}}),
+                json!({"z": 1}),
+            ),
+        ];
+        for (params, args) in cases {
+            let f = json!({"name": "f", "parameters": params});
+            let text = serde_json::to_string(&json!({"name": "f", "arguments": args}))
+                .unwrap()
+                .replace(",", ", ")
+                .replace(":", ": ");
+            let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&f], false), "tools");
+            let grammar = grammar.unwrap_or_else(|e| panic!("{params}: {}", e.message()));
+            let mut m = drive(&grammar, &tok, &text);
+            assert!(m.is_stopped() || m.is_accepting().unwrap(), "{params}: {text}");
+            for format in
+                [ToolCallFormat::Hermes, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral, ToolCallFormat::Qwen3Xml]
+            {
+                g.compile(&format.forced_grammar(&[&f], false), "tools")
+                    .unwrap_or_else(|e| panic!("{format:?} {params}: {}", e.message()));
+            }
+            // XML: every parameter as its grammar and the parser read it
+            let mut xml = String::from("<tool_call>\n<function=f>\n");
+            for (key, value) in args.as_object().unwrap() {
+                let raw = value.as_str().map_or_else(
+                    || serde_json::to_string(value).unwrap().replace(",", ", ").replace(":", ": "),
+                    str::to_string,
+                );
+                xml.push_str(&format!("<parameter={key}>\n{raw}\n</parameter>\n"));
+            }
+            xml.push_str("</function>\n</tool_call>");
+            let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false), "tools").unwrap();
+            assert!(drive(&grammar, &tok, &xml).is_stopped(), "{params}: {xml}");
+            let parsing = ToolParsing::new(ToolCallFormat::Qwen3Xml, false, &[&f]);
+            let (_, calls) = run_with(ToolCallFormat::Qwen3Xml, parsing.parameters.clone(), &[&xml]);
+            assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), args, "{xml}");
+        }
+    }
 }

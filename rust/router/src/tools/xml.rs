@@ -112,7 +112,8 @@ impl XmlReader {
                 let raw = value_from[..value_end].strip_prefix('\n').unwrap_or(&value_from[..value_end]);
                 let raw = raw.strip_suffix('\n').unwrap_or(raw);
                 let root = self.name.as_ref().and_then(|f| parameters.get(f));
-                let schema = root.and_then(|p| p.get("properties")).and_then(|p| p.get(key));
+                let body = root.map(|r| schema_edit::resolve(r, r));
+                let schema = body.and_then(|p| p.get("properties")).and_then(|p| p.get(key));
                 let value = typed_value(raw, schema, root.unwrap_or(&Value::Null));
                 let sep = if self.params == 0 { "{" } else { ", " };
                 let key_json = serde_json::to_string(key).expect("strings serialize");
@@ -167,8 +168,13 @@ pub(crate) fn typed_value(raw: &str, schema: Option<&Value>, root: &Value) -> Va
     }
 }
 
-/// The JSON types a schema allows, from `type`, `enum`, `const`, `anyOf` and `oneOf`.
+/// The JSON types a schema allows, from `type`, `enum`, `const`, `anyOf`, `oneOf` and `allOf`
+/// (pydantic v1 wraps a `$ref` in one), following local refs.
 fn schema_types(schema: &Value, root: &Value, types: &mut Vec<String>) {
+    schema_types_within(schema, root, types, 8);
+}
+
+fn schema_types_within(schema: &Value, root: &Value, types: &mut Vec<String>, depth: u32) {
     let schema = schema_edit::resolve(root, schema);
     match schema.get("type") {
         Some(Value::String(t)) => types.push(t.clone()),
@@ -179,9 +185,9 @@ fn schema_types(schema: &Value, root: &Value, types: &mut Vec<String>) {
     for v in values {
         types.push(type_name(v).to_string());
     }
-    for key in ["anyOf", "oneOf"] {
-        for sub in schema.get(key).and_then(Value::as_array).into_iter().flatten() {
-            schema_types(sub, root, types);
+    for key in ["anyOf", "oneOf", "allOf"] {
+        for sub in schema.get(key).and_then(Value::as_array).into_iter().flatten().filter(|_| depth > 0) {
+            schema_types_within(sub, root, types, depth - 1);
         }
     }
 }
@@ -216,7 +222,8 @@ pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> GrammarSou
         let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
         let mut closed = f.get("parameters").cloned().unwrap_or(Value::Null);
         schema_edit::close_objects(&mut closed);
-        let params = Some(&closed).filter(|p| !p.is_null());
+        // (parameters that are a `$ref` to the object schema read as that schema)
+        let params = Some(schema_edit::resolve(&closed, &closed)).filter(|p| !p.is_null());
         let props = params.and_then(|p| p.get("properties")).and_then(Value::as_object);
         let required: Vec<&str> = params
             .and_then(|p| p.get("required"))
