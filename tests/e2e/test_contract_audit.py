@@ -152,7 +152,7 @@ def test_out_of_range_integers_and_context_wording(tiny_server):
         _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "seed": seed, "max_tokens": 1})
     err = _error(_post(tiny_server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 10**30}))
     assert (err["code"], err["param"]) == ("invalid_value", "max_tokens")
-    assert "must be an integer of at most 4294967295" in err["message"] and "floating" not in err["message"]
+    assert "must be an integer that fits in 32 bits" in err["message"] and "floating" not in err["message"]
     long = [{"role": "user", "content": "Hello " * 5000}]
     err = _error(_post(tiny_server, "/v1/chat/completions", {"messages": long}))
     assert err["code"] == "context_length_exceeded" and "the messages have" in err["message"]

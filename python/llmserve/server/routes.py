@@ -67,8 +67,9 @@ async def read_body(request: Request) -> bytes:
             raise Router.error("payload_too_large", limit=limit)
         parts.append(chunk)
     body = b"".join(parts)
-    encoding = request.headers.get("content-encoding")
-    return _decode(body, encoding, limit) if encoding is not None else body
+    # (several field lines are one list, RFC 9110 5.3)
+    encoding = ",".join(request.headers.getlist("content-encoding"))
+    return _decode(body, encoding, limit) if encoding else body
 
 
 # Content-Encoding -> zlib's wbits: gzip, and HTTP's "deflate" (zlib-wrapped; a raw deflate
@@ -92,19 +93,35 @@ def _decode(body: bytes, content_encoding: str, limit: int) -> bytes:
 
 
 def _inflate(body: bytes, coding: str, limit: int) -> bytes:
-    wbits = _WBITS[coding]
-    for bits in (wbits, -zlib.MAX_WBITS) if coding == "deflate" else (wbits,):
-        inflater = zlib.decompressobj(bits)
-        try:
-            out = inflater.decompress(body, limit + 1)
-        except zlib.error:
-            continue
-        if len(out) > limit:
-            raise Router.error("payload_too_large", limit=limit)
-        if inflater.eof and not inflater.unused_data:
+    for bits in (_WBITS[coding], -zlib.MAX_WBITS) if coding == "deflate" else (_WBITS[coding],):
+        out = _inflate_members(body, bits, limit)
+        if out is not None:
             return out
     raise Router.error("invalid_request",
                        f"The request body is not valid {coding} data (Content-Encoding: {coding}).")
+
+
+def _inflate_members(data: bytes, wbits: int, limit: int) -> bytes | None:
+    """Every member of `data` inflated and joined (gzip allows several, RFC 1952 2.2; zero
+    padding after the last is ignored, as gzip(1) does); None if it is not such data."""
+    parts, size = [], 0
+    while True:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(data, limit + 1 - size)
+        except zlib.error:
+            return None
+        size += len(out)
+        if size > limit:
+            raise Router.error("payload_too_large", limit=limit)
+        if not inflater.eof:
+            return None
+        parts.append(out)
+        data = inflater.unused_data
+        if not data.strip(b"\0"):
+            return b"".join(parts)
+        if wbits != _WBITS["gzip"]:  # only gzip has members
+            return None
 
 
 async def _until_disconnect(request: Request) -> None:

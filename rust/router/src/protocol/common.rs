@@ -66,7 +66,7 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
 }
 
 /// An integer field sent a whole number it cannot take: one it cannot hold (`1e30`, or
-/// `10**30`, which JSON parsing turns into a float): "an integer of at most 4294967295, got
+/// `10**30`, which JSON parsing turns into a float): "an integer that fits in 32 bits, got
 /// 1e30"; or one written as a decimal (`2.0`), which OpenAI rejects too: "an integer,
 /// not a decimal number, got 2.0" (a type error, as a fraction is). Returns the error code
 /// and what the field must be.
@@ -92,11 +92,12 @@ fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
     };
     // An unsigned field: its own bounds (max_tokens >= 1, n <= 128, ...) are checked later,
     // so name only what is certain, the side the value is out of.
-    if let Some(max) = range.strip_prefix("between 0 and ").filter(|_| whole) {
+    if range.starts_with("between 0 and ") && whole {
+        let bits = if *hi > f64::from(u32::MAX) { 64 } else { 32 };
         let what = if got.starts_with('-') {
             "a non-negative integer".to_string()
         } else {
-            format!("an integer of at most {max}")
+            format!("an integer that fits in {bits} bits")
         };
         return Some(("invalid_value", format!("{what}, got {got}")));
     }
