@@ -128,20 +128,23 @@ impl Plan {
 }
 
 /// Mix a request seed with a sequence index so the n forks of one seeded request draw
-/// different but reproducible streams. Index 0 keeps the seed as given; the result is
-/// non-negative because -1 means "unseeded".
+/// different but reproducible streams. Index 0 keeps a seed below 2^63 as given. The result
+/// is non-negative because -1 means "unseeded": a value with the top bit set is scrambled
+/// into 63 bits rather than cut, so seeds that differ only in that bit (0 and 2^63, 2^63 - 1
+/// and 2^64 - 1) still draw different streams.
 pub fn mix_seed(seed: Option<u64>, seq_index: u32) -> i64 {
     let Some(seed) = seed else { return -1 };
-    let mixed = if seq_index == 0 {
-        seed
-    } else {
-        // splitmix64 of the index: nearby indices give unrelated masks.
-        let mut z = u64::from(seq_index).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        seed ^ z ^ (z >> 31)
-    };
-    (mixed & i64::MAX as u64) as i64
+    let mixed = if seq_index == 0 { seed } else { seed ^ splitmix64(u64::from(seq_index)) };
+    let folded = if mixed >> 63 == 0 { mixed } else { splitmix64(mixed) >> 1 };
+    folded as i64
+}
+
+/// splitmix64's finalizer: nearby inputs give unrelated outputs (a bijection of u64).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
@@ -156,5 +159,9 @@ mod tests {
         assert_ne!(mix_seed(Some(42), 1), mix_seed(Some(42), 2));
         assert!(mix_seed(Some(u64::MAX), 0) >= 0);
         assert!(mix_seed(Some(u64::MAX), 5) >= 0);
+        // the top bit counts (audit 12: 0 = 2^63 and 2^63 - 1 = 2^64 - 1 drew one stream)
+        assert_ne!(mix_seed(Some(0), 0), mix_seed(Some(1 << 63), 0));
+        assert_ne!(mix_seed(Some(i64::MAX as u64), 0), mix_seed(Some(u64::MAX), 0));
+        assert_ne!(mix_seed(Some(0), 3), mix_seed(Some(1 << 63), 3));
     }
 }
