@@ -105,6 +105,9 @@ def test_seed_reproducible(client):
     a = client.completions.create(**kwargs).choices[0].text
     b = client.completions.create(**kwargs).choices[0].text
     assert a == b
+    # every one of the 64 bits counts: seeds that differ only in the top one differ
+    texts = {client.completions.create(**{**kwargs, "seed": seed}).choices[0].text for seed in (0, 2**63)}
+    assert len(texts) == 2
 
 
 def test_system_fingerprint_names_the_setup(client, tiny_server):
