@@ -10,8 +10,9 @@
 //!   model fills them with invented ones, which the function the arguments are meant for
 //!   cannot take. Only an object that alone decides its instance's keys is closed: one that
 //!   is combined with other schemas on the same instance (an `allOf` part, a base a `$ref`
-//!   extends, a union branch beside `properties`) is left as sent, so every schema that was
-//!   satisfiable stays so, and every output still validates against the schema as sent.
+//!   extends, a union branch beside `properties`, any `oneOf` branch, whose "exactly one"
+//!   needs the branches as sent) is left as sent, so every schema that was satisfiable stays
+//!   so, and every output still validates against the schema as sent.
 
 use std::collections::HashSet;
 
@@ -110,7 +111,7 @@ fn close_at(schema: &mut Value, path: &mut String, composed: &HashSet<String>) {
     // A union branch is the whole constraint only when nothing beside the union shapes the
     // same object: `Optional[Model]`, not `{"properties", "anyOf": [...]}`.
     let alone = |union: &str| !obj.keys().any(|k| k != union && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
-    let (any_alone, one_alone) = (alone("anyOf"), alone("oneOf"));
+    let any_alone = alone("anyOf");
     // (one `allOf` part and nothing beside it: the part alone, as pydantic v1 wraps a `$ref`)
     let single_part = alone("allOf") && obj.get("allOf").and_then(Value::as_array).is_some_and(|a| a.len() == 1);
     let len = path.len();
@@ -122,7 +123,6 @@ fn close_at(schema: &mut Value, path: &mut String, composed: &HashSet<String>) {
             }
             ("items" | "prefixItems", Value::Array(subs)) => each(subs, key, path, composed),
             ("anyOf", Value::Array(subs)) if any_alone => each(subs, key, path, composed),
-            ("oneOf", Value::Array(subs)) if one_alone => each(subs, key, path, composed),
             ("allOf", Value::Array(subs)) if single_part => each(subs, key, path, composed),
             ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(map)) => {
                 for (name, s) in map.iter_mut() {
@@ -221,8 +221,10 @@ fn collect_composed(schema: &Value, combined: bool, found: &mut HashSet<String>)
             "allOf" | "anyOf" | "oneOf" => {
                 let beside = obj.keys().any(|k| k != key && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
                 let parts = v.as_array().map_or(&[][..], Vec::as_slice);
-                // every part of an `allOf` sees the same instance, unless it is the only one
-                let together = beside || combined || (key == "allOf" && parts.len() > 1);
+                // every part of an `allOf` sees the same instance, unless it is the only one;
+                // `oneOf` needs its branches as sent: closing one can leave an instance that
+                // matches it and another original branch, which `oneOf` refuses
+                let together = beside || combined || (key == "allOf" && parts.len() > 1) || key == "oneOf";
                 parts.iter().for_each(|s| collect_composed(s, together, found));
             }
             k if MAPS.contains(&k) => {
@@ -342,6 +344,10 @@ mod tests {
         assert!(!closed(&p["kind"]["anyOf"][0]) && !closed(&p["adds"]["oneOf"][1]));
         assert!(closed(&d["Plain"]), "used alone, or as a union branch that is the whole constraint");
         assert!(closed(&d["Wrapped"]), "an allOf of one part is that part");
+        let mut one = json!({"oneOf": [{"type": "object", "properties": {"a": {}}},
+                                      {"$ref": "#/$defs/B"}], "$defs": {"B": {"properties": {"b": {}}, "required": ["b"]}}});
+        close_objects(&mut one);
+        assert!(!closed(&one["oneOf"][0]) && !closed(&one["$defs"]["B"]), "{{\"b\": 1}} must still match one branch");
         assert!(closed(&s));
     }
 }
