@@ -166,7 +166,8 @@ def _spanning_stop(server, prompt: str) -> tuple[str, str]:
                                         "ignore_eos": True, "logprobs": 0})
     text = r["choices"][0]["text"]
     lp = r["choices"][0]["logprobs"]
-    toks, offs = lp["tokens"], lp["text_offset"]
+    # (offsets count from the start of the prompt: OpenAI's legacy completions)
+    toks, offs = lp["tokens"], [o - len(prompt) for o in lp["text_offset"]]
     for i in range(1, len(toks)):
         a, b = toks[i - 1], toks[i]
         clean = all(s and s.isascii() and s.isprintable() for s in (a, b))
@@ -256,12 +257,22 @@ def test_chat_logprobs_limits(tiny_server):
 
 def test_completion_logprobs_shape_and_text_offset(tiny_server):
     r = _ok(tiny_server, "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "logprobs": 3,
-                                             "ignore_eos": True})
+                                             "ignore_eos": True, "temperature": 0})
     c = r["choices"][0]
     lp = c["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 8
-    assert lp["text_offset"][0] == 0
-    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(c["text"])
+    # offsets index prompt + text, echoed or not, as OpenAI's legacy completions count them
+    assert lp["text_offset"][0] == len("The quick")
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len("The quick" + c["text"])
+    echoed = _ok(tiny_server, "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "logprobs": 3,
+                                                  "ignore_eos": True, "echo": True, "temperature": 0})
+    echoed = echoed["choices"][0]["logprobs"]
+    assert echoed["text_offset"][-8:] == lp["text_offset"]
+    chunks = _stream_chunks(tiny_server, "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "logprobs": 3,
+                                                             "ignore_eos": True, "temperature": 0})
+    streamed = [o for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+                for o in ch["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]
     # the 3 likeliest, and the token itself when it is not among them (OpenAI: logprobs + 1)
     assert all(1 <= len(t) <= 4 for t in lp["top_logprobs"])
     assert all(tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"]))

@@ -295,7 +295,7 @@ def test_a_token_the_stop_string_begins_inside_keeps_its_logprobs(router):
     out, _ = run(core, ScriptRunner(router.vocab_size, script))
     choice = orjson.loads(b"".join(out[handle]))["choices"][0]
     assert choice["text"] == " t"
-    assert choice["logprobs"]["tokens"] == [" the"] and choice["logprobs"]["text_offset"] == [0]
+    assert choice["logprobs"]["tokens"] == [" the"] and choice["logprobs"]["text_offset"] == [len("Hi")]
 
 
 def test_each_request_gets_its_own_number_of_alternatives(router):

@@ -57,7 +57,8 @@ pub struct TokenOut {
     pub logprob: f32,
     /// The top alternatives, most likely first.
     pub top: Vec<(u32, f32)>,
-    /// Chars of the choice's text emitted before this token (completions `text_offset`).
+    /// Chars of the choice's text emitted before this token (completions `text_offset`, to
+    /// which the builder adds the prompt's length).
     pub text_offset: usize,
 }
 
@@ -546,12 +547,10 @@ impl ResponseBuilder {
         self.choices[idx].stop_reason = delta.stop_reason.map(OwnedStop::of);
         let echo_text =
             if self.echo && !self.chat && first { self.prompt_texts.get(idx / self.n as usize).cloned() } else { None };
-        // text_offset counts from the start of the returned text, echo included.
-        let shift = if self.echo && !self.chat {
-            self.prompt_texts.get(idx / self.n as usize).map_or(0, |p| p.chars().count())
-        } else {
-            0
-        };
+        // text_offset counts from the start of the prompt, echoed or not (OpenAI's legacy
+        // completions: a token's offset is the same with and without `echo`).
+        let shift =
+            if self.chat { 0 } else { self.prompt_texts.get(idx / self.n as usize).map_or(0, |p| p.chars().count()) };
         let finish = delta.finish.map(FinishReason::as_str);
         let stop_reason = delta.finish.map(|_| delta.stop_reason);
         // The prompt's logprobs go first, with the echoed prompt.
