@@ -11,8 +11,9 @@
 //!   cannot take. Only an object that alone decides its instance's keys is closed: one that
 //!   is combined with other schemas on the same instance (an `allOf` part, a base a `$ref`
 //!   extends, a union branch beside `properties`, any `oneOf` branch, whose "exactly one"
-//!   needs the branches as sent) is left as sent, so every schema that was satisfiable stays
-//!   so, and every output still validates against the schema as sent.
+//!   needs the branches as sent) is left as sent, and so is everything under `not` or `if`
+//!   (narrowing there widens or flips what the whole accepts). So every schema that was
+//!   satisfiable stays so, and every output still validates against the schema as sent.
 
 use std::collections::HashSet;
 
@@ -99,13 +100,16 @@ pub fn resolve<'a>(root: &'a Value, mut schema: &'a Value) -> &'a Value {
 /// Give every object schema in `schema` that alone decides its instance's keys (see the
 /// module note) and lists `properties`, `additionalProperties: false`.
 pub fn close_objects(schema: &mut Value) {
-    let composed = composed_targets(schema);
-    close_at(schema, &mut String::new(), &composed);
+    let targets = Targets::of(schema);
+    close_at(schema, &mut String::new(), &targets);
 }
 
-fn close_at(schema: &mut Value, path: &mut String, composed: &HashSet<String>) {
+fn close_at(schema: &mut Value, path: &mut String, targets: &Targets) {
     let Value::Object(obj) = schema else { return };
-    if should_close(obj) && !composed.contains(path.as_str()) {
+    if targets.frozen_at(path) {
+        return;
+    }
+    if should_close(obj) && !targets.composed.contains(path.as_str()) {
         obj.insert("additionalProperties".into(), Value::Bool(false));
     }
     // A union branch is the whole constraint only when nothing beside the union shapes the
@@ -119,16 +123,16 @@ fn close_at(schema: &mut Value, path: &mut String, composed: &HashSet<String>) {
         match (key.as_str(), sub) {
             ("items" | "additionalProperties", s @ Value::Object(_)) => {
                 push(path, key);
-                close_at(s, path, composed);
+                close_at(s, path, targets);
             }
-            ("items" | "prefixItems", Value::Array(subs)) => each(subs, key, path, composed),
-            ("anyOf", Value::Array(subs)) if any_alone => each(subs, key, path, composed),
-            ("allOf", Value::Array(subs)) if single_part => each(subs, key, path, composed),
+            ("items" | "prefixItems", Value::Array(subs)) => each(subs, key, path, targets),
+            ("anyOf", Value::Array(subs)) if any_alone => each(subs, key, path, targets),
+            ("allOf", Value::Array(subs)) if single_part => each(subs, key, path, targets),
             ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(map)) => {
                 for (name, s) in map.iter_mut() {
                     push(path, key);
                     push(path, name);
-                    close_at(s, path, composed);
+                    close_at(s, path, targets);
                     path.truncate(len);
                 }
             }
@@ -138,12 +142,12 @@ fn close_at(schema: &mut Value, path: &mut String, composed: &HashSet<String>) {
     }
 }
 
-fn each(subs: &mut [Value], key: &str, path: &mut String, composed: &HashSet<String>) {
+fn each(subs: &mut [Value], key: &str, path: &mut String, targets: &Targets) {
     let len = path.len();
     for (i, s) in subs.iter_mut().enumerate() {
         push(path, key);
         push(path, &i.to_string());
-        close_at(s, path, composed);
+        close_at(s, path, targets);
         path.truncate(len);
     }
 }
@@ -181,56 +185,87 @@ fn should_close(obj: &Map<String, Value>) -> bool {
     required.filter_map(Value::as_str).all(|name| props.contains_key(name))
 }
 
-/// The JSON pointers (`/$defs/Base`) of the schemas that some `$ref` combines with other
-/// schemas on the same instance: one in an `allOf` part, one beside keywords that shape the
-/// object, one in a union branch beside such keywords; and what those refer to in turn.
-fn composed_targets(root: &Value) -> HashSet<String> {
-    let mut found = HashSet::new();
-    collect_composed(root, false, &mut found);
-    // a composed schema that is itself a ref makes its target composed too
-    let mut frontier: Vec<String> = found.iter().cloned().collect();
-    while let Some(p) = frontier.pop() {
-        let target = root.pointer(&p).and_then(|s| s.get("$ref")).and_then(Value::as_str);
-        if let Some(next) = target.and_then(|r| r.strip_prefix('#')).map(str::to_string) {
-            if found.insert(next.clone()) {
-                frontier.push(next);
-            }
-        }
-    }
-    found
+/// What `$ref`s say about where closing is unsafe, as JSON pointers (`/$defs/Base`).
+struct Targets {
+    /// Schemas a ref combines with others on the same instance: one in an `allOf` part,
+    /// beside keywords that shape the object, in a union branch beside such keywords or in a
+    /// `oneOf` (and what those refer to in turn). Each is left open itself.
+    composed: HashSet<String>,
+    /// Schemas a ref reaches from under `not` or `if`, where narrowing a schema widens or
+    /// flips what the whole accepts: nothing in them is closed, nor in what they refer to.
+    frozen: HashSet<String>,
 }
 
-/// `combined`: this schema applies to an instance together with others (an `allOf` part, a
-/// union branch beside shaping keywords).
-fn collect_composed(schema: &Value, combined: bool, found: &mut HashSet<String>) {
-    let Value::Object(obj) = schema else {
-        if let Value::Array(items) = schema {
-            items.iter().for_each(|s| collect_composed(s, false, found));
+impl Targets {
+    fn of(root: &Value) -> Self {
+        let mut t = Targets { composed: HashSet::new(), frozen: HashSet::new() };
+        t.collect(root, false, false);
+        // a composed schema that is itself a ref makes its target composed too
+        let mut frontier: Vec<String> = t.composed.iter().cloned().collect();
+        while let Some(p) = frontier.pop() {
+            let target = root.pointer(&p).and_then(|s| s.get("$ref")).and_then(Value::as_str);
+            if let Some(next) = target.and_then(|r| r.strip_prefix('#')).map(str::to_string) {
+                if t.composed.insert(next.clone()) {
+                    frontier.push(next);
+                }
+            }
         }
-        return;
-    };
-    let shapes = obj.keys().any(|k| SHAPES_KEYS.contains(&k.as_str()));
-    if let Some(target) = obj.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
-        if combined || shapes {
-            found.insert(target.to_string());
+        // everything a frozen schema refers to is frozen too
+        let mut frontier: Vec<String> = t.frozen.iter().cloned().collect();
+        while let Some(p) = frontier.pop() {
+            let before: HashSet<String> = t.frozen.clone();
+            if let Some(s) = root.pointer(&p) {
+                t.collect(s, false, true);
+            }
+            frontier.extend(t.frozen.difference(&before).cloned());
         }
+        t
     }
-    for (key, v) in obj {
-        match key.as_str() {
-            k if DATA.contains(&k) => {}
-            "allOf" | "anyOf" | "oneOf" => {
-                let beside = obj.keys().any(|k| k != key && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
-                let parts = v.as_array().map_or(&[][..], Vec::as_slice);
-                // every part of an `allOf` sees the same instance, unless it is the only one;
-                // `oneOf` needs its branches as sent: closing one can leave an instance that
-                // matches it and another original branch, which `oneOf` refuses
-                let together = beside || combined || (key == "allOf" && parts.len() > 1) || key == "oneOf";
-                parts.iter().for_each(|s| collect_composed(s, together, found));
+
+    /// Whether the schema at `path` is a frozen one or inside one.
+    fn frozen_at(&self, path: &str) -> bool {
+        self.frozen.iter().any(|f| path == f || path.strip_prefix(f.as_str()).is_some_and(|rest| rest.starts_with('/')))
+    }
+
+    /// `combined`: this schema applies to its instance together with others. `frozen`: it is
+    /// under `not` or `if`.
+    fn collect(&mut self, schema: &Value, combined: bool, frozen: bool) {
+        let Value::Object(obj) = schema else {
+            if let Value::Array(items) = schema {
+                items.iter().for_each(|s| self.collect(s, false, frozen));
             }
-            k if MAPS.contains(&k) => {
-                v.as_object().into_iter().flatten().for_each(|(_, s)| collect_composed(s, false, found))
+            return;
+        };
+        let shapes = obj.keys().any(|k| SHAPES_KEYS.contains(&k.as_str()));
+        if let Some(target) = obj.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
+            if frozen {
+                self.frozen.insert(target.to_string());
+            } else if combined || shapes {
+                self.composed.insert(target.to_string());
             }
-            _ => collect_composed(v, false, found),
+        }
+        for (key, v) in obj {
+            match key.as_str() {
+                k if DATA.contains(&k) => {}
+                "allOf" | "anyOf" | "oneOf" => {
+                    let beside = obj.keys().any(|k| k != key && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
+                    let parts = v.as_array().map_or(&[][..], Vec::as_slice);
+                    // every part of an `allOf` sees the same instance, unless it is the only
+                    // one; `oneOf` needs its branches as sent: closing one can leave an
+                    // instance that matches it and another original branch, which it refuses
+                    let together = beside || combined || (key == "allOf" && parts.len() > 1) || key == "oneOf";
+                    parts.iter().for_each(|s| self.collect(s, together, frozen));
+                }
+                "not" | "if" => self.collect(v, true, true),
+                "then" | "else" => self.collect(v, true, frozen),
+                "dependentSchemas" => {
+                    v.as_object().into_iter().flatten().for_each(|(_, s)| self.collect(s, true, frozen))
+                }
+                k if MAPS.contains(&k) => {
+                    v.as_object().into_iter().flatten().for_each(|(_, s)| self.collect(s, false, frozen))
+                }
+                _ => self.collect(v, false, frozen),
+            }
         }
     }
 }
@@ -348,6 +383,13 @@ mod tests {
                                       {"$ref": "#/$defs/B"}], "$defs": {"B": {"properties": {"b": {}}, "required": ["b"]}}});
         close_objects(&mut one);
         assert!(!closed(&one["oneOf"][0]) && !closed(&one["$defs"]["B"]), "{{\"b\": 1}} must still match one branch");
+        // under `not` (or `if`), narrowing a schema widens (or flips) what the whole accepts
+        let mut neg = json!({"properties": {"v": {"not": {"$ref": "#/$defs/N"}}, "w": {"$ref": "#/$defs/P"}},
+                             "$defs": {"N": {"properties": {"x": {"$ref": "#/$defs/M"}}},
+                                       "M": {"properties": {"y": {}}}, "P": {"properties": {"p": {}}}}});
+        close_objects(&mut neg);
+        assert!(!closed(&neg["$defs"]["N"]) && !closed(&neg["$defs"]["M"]), "{neg}");
+        assert!(closed(&neg["$defs"]["P"]) && closed(&neg));
         assert!(closed(&s));
     }
 }
