@@ -80,7 +80,7 @@ class ModelConfig(_Checked):
     chat_template_content_format: str = _f(
         "auto",
         "Message content shape the template expects: 'string' (list-of-parts content is joined "
-        "with newlines), 'openai' (parts; a string becomes one text part), or 'auto' (detected from the template).",
+        "with newlines), 'openai' (parts passed as sent), or 'auto' (detected from the template).",
         choices=("auto", "string", "openai"),
     )
     generation_config: str = _f(

@@ -5,8 +5,7 @@
 //! `message['content']` as a string and would print a list's repr. So each template's format is
 //! detected from its text (`OpenAi`: it walks the parts; `String`: it does not) and can be
 //! overridden (`--chat-template-content-format`). For `String` templates, text parts are joined
-//! with "\n" before rendering; for `OpenAi` ones, string content becomes one text part: both
-//! as vLLM does, so each template sees the shape it walks whichever one the client sent.
+//! with "\n" before rendering, as vLLM does; string content passes through untouched.
 //!
 //! An assistant's `{"type": "refusal", "refusal": ...}` part becomes a text part of that text.
 //!
@@ -56,10 +55,8 @@ impl ContentFormat {
 /// message carries tool calls whose arguments are a JSON object in a string.
 pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
     let joins = |m: &Value| format == ContentFormat::String && m.get("content").is_some_and(Value::is_array);
-    let wraps = |m: &Value| format == ContentFormat::OpenAi && m.get("content").is_some_and(Value::is_string);
     let Some(list) = messages.as_array() else { return Cow::Borrowed(messages) };
-    let changes = |m: &Value| joins(m) || wraps(m) || lacks_content(m) || has_refusal(m);
-    if !list.iter().any(|m| changes(m) || string_arguments(m).next().is_some()) {
+    if !list.iter().any(|m| joins(m) || lacks_content(m) || has_refusal(m) || string_arguments(m).next().is_some()) {
         return Cow::Borrowed(messages);
     }
     let normalized = list
@@ -83,10 +80,6 @@ pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
                 let parts = m["content"].as_array().into_iter().flatten();
                 let text: Vec<&str> = parts.filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
                 m["content"] = Value::String(text.join("\n"));
-            }
-            if wraps(&m) {
-                let text = m["content"].take();
-                m["content"] = serde_json::json!([{"type": "text", "text": text}]);
             }
             if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
                 for call in calls {
@@ -144,7 +137,7 @@ mod tests {
     }
 
     #[test]
-    fn each_template_gets_the_shape_it_walks() {
+    fn joins_parts_for_string_templates_only() {
         let messages = json!([
             {"role": "system", "content": "plain"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
@@ -152,13 +145,9 @@ mod tests {
         let joined = normalize(&messages, ContentFormat::String);
         assert_eq!(joined[1]["content"], "a\nb");
         assert_eq!(joined[0]["content"], "plain");
-        let parts = normalize(&messages, ContentFormat::OpenAi);
-        assert_eq!(parts[0]["content"], json!([{"type": "text", "text": "plain"}]));
-        assert_eq!(parts[1]["content"], messages[1]["content"]);
+        assert!(matches!(normalize(&messages, ContentFormat::OpenAi), Cow::Borrowed(_)));
         let strings = json!([{"role": "user", "content": "x"}]);
         assert!(matches!(normalize(&strings, ContentFormat::String), Cow::Borrowed(_)));
-        let lists = json!([{"role": "user", "content": [{"type": "text", "text": "x"}]}]);
-        assert!(matches!(normalize(&lists, ContentFormat::OpenAi), Cow::Borrowed(_)));
     }
 
     #[test]
