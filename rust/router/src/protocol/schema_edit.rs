@@ -10,10 +10,10 @@
 //!   model fills them with invented ones, which the function the arguments are meant for
 //!   cannot take. Only an object that alone decides its instance's keys is closed: one that
 //!   is combined with other schemas on the same instance (an `allOf` part, a base a `$ref`
-//!   extends, a union branch beside `properties`, any `oneOf` branch, whose "exactly one"
-//!   needs the branches as sent) is left as sent, and so is everything under `not` or `if`
-//!   (narrowing there widens or flips what the whole accepts). So every schema that was
-//!   satisfiable stays so, and every output still validates against the schema as sent.
+//!   extends, a union beside `properties`) is left as sent with everything below it and what
+//!   its refs reach, since another schema may refine any of its keys; so is everything under
+//!   `not` or `if` (narrowing there widens or flips what the whole accepts). So every schema
+//!   that was satisfiable stays so.
 
 use std::collections::HashSet;
 
@@ -98,26 +98,26 @@ pub fn resolve<'a>(root: &'a Value, mut schema: &'a Value) -> &'a Value {
 }
 
 /// Give every object schema in `schema` that alone decides its instance's keys (see the
-/// module note) and lists `properties`, `additionalProperties: false`.
+/// module note) and lists `properties`, `additionalProperties: false`. A schema with a ref
+/// that is not a plain JSON pointer (an anchor, a percent-encoded or absolute one) is left
+/// as sent: which schemas such a ref combines cannot be told from paths.
 pub fn close_objects(schema: &mut Value) {
+    if has_unmapped_refs(schema) {
+        return;
+    }
     let targets = Targets::of(schema);
     close_at(schema, &mut String::new(), &targets);
 }
 
 fn close_at(schema: &mut Value, path: &mut String, targets: &Targets) {
     let Value::Object(obj) = schema else { return };
-    if targets.frozen_at(path) {
+    // a schema combined with others on one instance: it and all below it stay as sent
+    if targets.frozen_at(path) || combines(obj) {
         return;
     }
-    if should_close(obj) && !targets.composed.contains(path.as_str()) {
+    if should_close(obj) {
         obj.insert("additionalProperties".into(), Value::Bool(false));
     }
-    // A union branch is the whole constraint only when nothing beside the union shapes the
-    // same object: `Optional[Model]`, not `{"properties", "anyOf": [...]}`.
-    let alone = |union: &str| !obj.keys().any(|k| k != union && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
-    let any_alone = alone("anyOf");
-    // (one `allOf` part and nothing beside it: the part alone, as pydantic v1 wraps a `$ref`)
-    let single_part = alone("allOf") && obj.get("allOf").and_then(Value::as_array).is_some_and(|a| a.len() == 1);
     let len = path.len();
     for (key, sub) in obj.iter_mut() {
         match (key.as_str(), sub) {
@@ -125,9 +125,10 @@ fn close_at(schema: &mut Value, path: &mut String, targets: &Targets) {
                 push(path, key);
                 close_at(s, path, targets);
             }
-            ("items" | "prefixItems", Value::Array(subs)) => each(subs, key, path, targets),
-            ("anyOf", Value::Array(subs)) if any_alone => each(subs, key, path, targets),
-            ("allOf", Value::Array(subs)) if single_part => each(subs, key, path, targets),
+            // (a union alone, or one `allOf` part alone: `combines` said no)
+            ("items" | "prefixItems" | "anyOf" | "oneOf" | "allOf", Value::Array(subs)) => {
+                each(subs, key, path, targets)
+            }
             ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(map)) => {
                 for (name, s) in map.iter_mut() {
                     push(path, key);
@@ -140,6 +141,37 @@ fn close_at(schema: &mut Value, path: &mut String, targets: &Targets) {
         }
         path.truncate(len);
     }
+}
+
+/// Whether `obj` applies several schemas to its instance: a `$ref` or a union beside
+/// keywords that shape the object, `allOf` of more than one part, or conditionals. (A union
+/// alone is each branch alone; so is a single `allOf` part, as pydantic v1 wraps a `$ref`.)
+fn combines(obj: &Map<String, Value>) -> bool {
+    let beside = |key: &str| obj.keys().any(|k| k != key && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
+    let parts = |key: &str| obj.get(key).and_then(Value::as_array).map_or(0, Vec::len);
+    ["if", "then", "else", "not", "dependentSchemas"].iter().any(|k| obj.contains_key(*k))
+        || (obj.contains_key("$ref") && beside("$ref"))
+        || parts("allOf") > 1
+        || ["allOf", "anyOf", "oneOf"].iter().any(|k| obj.contains_key(*k) && beside(k))
+}
+
+/// Whether some `$ref` (or `$dynamicRef`) is not `#` or a plain `#/...` JSON pointer, or
+/// a schema names itself (`$anchor`, `$id` below the root).
+fn has_unmapped_refs(root: &Value) -> bool {
+    let mut unmapped = false;
+    visit_refs(&mut root.clone(), &mut |r| unmapped |= !(r == "#" || (r.starts_with("#/") && !r.contains('%'))));
+    fn names_itself(v: &Value, at_root: bool) -> bool {
+        match v {
+            Value::Object(o) => {
+                ["$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef"].iter().any(|k| o.contains_key(*k))
+                    || (!at_root && o.contains_key("$id"))
+                    || o.iter().any(|(k, v)| !DATA.contains(&k.as_str()) && names_itself(v, false))
+            }
+            Value::Array(items) => items.iter().any(|v| names_itself(v, false)),
+            _ => false,
+        }
+    }
+    unmapped || names_itself(root, true)
 }
 
 fn each(subs: &mut [Value], key: &str, path: &mut String, targets: &Targets) {
@@ -185,37 +217,22 @@ fn should_close(obj: &Map<String, Value>) -> bool {
     required.filter_map(Value::as_str).all(|name| props.contains_key(name))
 }
 
-/// What `$ref`s say about where closing is unsafe, as JSON pointers (`/$defs/Base`).
+/// The JSON pointers (`/$defs/Base`) of the schemas a `$ref` reaches from where several
+/// schemas apply to one instance (see `combines`), or from under `not` or `if`, and what
+/// those refer to in turn: nothing in them is closed.
 struct Targets {
-    /// Schemas a ref combines with others on the same instance: one in an `allOf` part,
-    /// beside keywords that shape the object, in a union branch beside such keywords or in a
-    /// `oneOf` (and what those refer to in turn). Each is left open itself.
-    composed: HashSet<String>,
-    /// Schemas a ref reaches from under `not` or `if`, where narrowing a schema widens or
-    /// flips what the whole accepts: nothing in them is closed, nor in what they refer to.
     frozen: HashSet<String>,
 }
 
 impl Targets {
     fn of(root: &Value) -> Self {
-        let mut t = Targets { composed: HashSet::new(), frozen: HashSet::new() };
-        t.collect(root, false, false);
-        // a composed schema that is itself a ref makes its target composed too
-        let mut frontier: Vec<String> = t.composed.iter().cloned().collect();
-        while let Some(p) = frontier.pop() {
-            let target = root.pointer(&p).and_then(|s| s.get("$ref")).and_then(Value::as_str);
-            if let Some(next) = target.and_then(|r| r.strip_prefix('#')).map(str::to_string) {
-                if t.composed.insert(next.clone()) {
-                    frontier.push(next);
-                }
-            }
-        }
-        // everything a frozen schema refers to is frozen too
+        let mut t = Targets { frozen: HashSet::new() };
+        t.collect(root, false);
         let mut frontier: Vec<String> = t.frozen.iter().cloned().collect();
         while let Some(p) = frontier.pop() {
-            let before: HashSet<String> = t.frozen.clone();
+            let before = t.frozen.clone();
             if let Some(s) = root.pointer(&p) {
-                t.collect(s, false, true);
+                t.collect(s, true);
             }
             frontier.extend(t.frozen.difference(&before).cloned());
         }
@@ -227,44 +244,25 @@ impl Targets {
         self.frozen.iter().any(|f| path == f || path.strip_prefix(f.as_str()).is_some_and(|rest| rest.starts_with('/')))
     }
 
-    /// `combined`: this schema applies to its instance together with others. `frozen`: it is
-    /// under `not` or `if`.
-    fn collect(&mut self, schema: &Value, combined: bool, frozen: bool) {
+    /// `frozen`: `schema` shares its instance with other schemas (or is under `not`/`if`).
+    fn collect(&mut self, schema: &Value, frozen: bool) {
         let Value::Object(obj) = schema else {
             if let Value::Array(items) = schema {
-                items.iter().for_each(|s| self.collect(s, false, frozen));
+                items.iter().for_each(|s| self.collect(s, frozen));
             }
             return;
         };
-        let shapes = obj.keys().any(|k| SHAPES_KEYS.contains(&k.as_str()));
+        let below = frozen || combines(obj);
         if let Some(target) = obj.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
-            if frozen {
+            if below {
                 self.frozen.insert(target.to_string());
-            } else if combined || shapes {
-                self.composed.insert(target.to_string());
             }
         }
         for (key, v) in obj {
             match key.as_str() {
                 k if DATA.contains(&k) => {}
-                "allOf" | "anyOf" | "oneOf" => {
-                    let beside = obj.keys().any(|k| k != key && (SHAPES_KEYS.contains(&k.as_str()) || k == "$ref"));
-                    let parts = v.as_array().map_or(&[][..], Vec::as_slice);
-                    // every part of an `allOf` sees the same instance, unless it is the only
-                    // one; `oneOf` needs its branches as sent: closing one can leave an
-                    // instance that matches it and another original branch, which it refuses
-                    let together = beside || combined || (key == "allOf" && parts.len() > 1) || key == "oneOf";
-                    parts.iter().for_each(|s| self.collect(s, together, frozen));
-                }
-                "not" | "if" => self.collect(v, true, true),
-                "then" | "else" => self.collect(v, true, frozen),
-                "dependentSchemas" => {
-                    v.as_object().into_iter().flatten().for_each(|(_, s)| self.collect(s, true, frozen))
-                }
-                k if MAPS.contains(&k) => {
-                    v.as_object().into_iter().flatten().for_each(|(_, s)| self.collect(s, false, frozen))
-                }
-                _ => self.collect(v, false, frozen),
+                k if MAPS.contains(&k) => v.as_object().into_iter().flatten().for_each(|(_, s)| self.collect(s, below)),
+                _ => self.collect(v, below),
             }
         }
     }
@@ -382,7 +380,27 @@ mod tests {
         let mut one = json!({"oneOf": [{"type": "object", "properties": {"a": {}}},
                                       {"$ref": "#/$defs/B"}], "$defs": {"B": {"properties": {"b": {}}, "required": ["b"]}}});
         close_objects(&mut one);
-        assert!(!closed(&one["oneOf"][0]) && !closed(&one["$defs"]["B"]), "{{\"b\": 1}} must still match one branch");
+        // a `oneOf` alone is closed like `anyOf`: llguidance refuses branches it cannot tell
+        // apart, which open objects are (audit 14)
+        assert!(closed(&one["oneOf"][0]) && closed(&one["$defs"]["B"]));
+        // audit 14: what shares an instance with another schema stays open below too
+        let mut refined = json!({
+            "properties": {"pet": {"type": "object", "properties": {"name": {}}, "required": ["name"]}},
+            "allOf": [{"properties": {"pet": {"properties": {"bark": {}}, "required": ["bark"]}}}],
+            "$defs": {"U": {"anyOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}},
+        });
+        refined["properties"]["v"] =
+            json!({"allOf": [{"$ref": "#/$defs/U"}, {"properties": {"c": {}}, "required": ["c"]}]});
+        close_objects(&mut refined);
+        assert!(!closed(&refined["properties"]["pet"]), "{refined}");
+        assert!(!closed(&refined["$defs"]["U"]["anyOf"][0]), "reached through a wrapper");
+        for unmapped in
+            [json!({"$ref": "#/$defs/a%20b"}), json!({"$ref": "#base"}), json!({"$ref": "https://x/s.json"})]
+        {
+            let mut s = json!({"properties": {"x": unmapped}, "$defs": {"D": {"properties": {"d": {}}}}});
+            close_objects(&mut s);
+            assert!(!closed(&s) && !closed(&s["$defs"]["D"]), "{s}");
+        }
         // under `not` (or `if`), narrowing a schema widens (or flips) what the whole accepts
         let mut neg = json!({"properties": {"v": {"not": {"$ref": "#/$defs/N"}}, "w": {"$ref": "#/$defs/P"}},
                              "$defs": {"N": {"properties": {"x": {"$ref": "#/$defs/M"}}},
