@@ -190,23 +190,12 @@ fn push(path: &mut String, segment: &str) {
     path.push_str(&segment.replace('~', "~0").replace('/', "~1"));
 }
 
+/// Whether an object that does not `combine` (so has no ref, union, `allOf` or conditional
+/// beside its `properties`) may be closed: it leaves other keys unsaid, and closing leaves
+/// room for what it requires.
 fn should_close(obj: &Map<String, Value>) -> bool {
     let Some(Value::Object(props)) = obj.get("properties") else { return false };
-    let open = [
-        "additionalProperties",
-        "patternProperties",
-        "unevaluatedProperties",
-        "allOf",
-        "anyOf",
-        "oneOf",
-        "$ref",
-        "if",
-        "then",
-        "else",
-        "not",
-        "dependentSchemas",
-        "dependentRequired",
-    ];
+    let open = ["additionalProperties", "patternProperties", "unevaluatedProperties", "dependentRequired"];
     if open.iter().any(|k| obj.contains_key(*k)) {
         return false;
     }
