@@ -100,7 +100,7 @@ def test_malformed_and_non_object_bodies(tiny_server):
         for path in ("/v1/chat/completions", "/v1/completions"):
             r = httpx.post(tiny_server.url + path, content=raw, headers={"content-type": "application/json"})
             err = _error(r, 400)
-            assert err["code"] == code and err["type"] == "invalid_request_error"
+            assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, "body")
 
 
 def test_a_body_declared_as_not_json_is_refused(tiny_server):

@@ -213,7 +213,7 @@ fn tokenize_route() {
         t(br#"{"messages": [{"role": "user", "content": "a"}], "tools": []}"#),
         (400, "invalid_value", Some("tools".into()))
     );
-    assert_eq!(t(b"{"), (400, "invalid_json", None));
+    assert_eq!(t(b"{"), (400, "invalid_json", Some("body".into())));
     // The chat-only fields do nothing to a prompt: reported (null means unset).
     let v = body_json(
         r.handle(

@@ -31,11 +31,11 @@ fn check_completion(cases: Vec<(Value, u16, &str, Option<String>)>) {
 fn body_must_be_a_json_object() {
     let r = router();
     for ep in [Endpoint::Chat, Endpoint::Completion] {
-        assert_eq!(shape(r.prepare(ep, b"{\"model\":")), (400, "invalid_json", None));
-        assert_eq!(shape(r.prepare(ep, b"")), (400, "invalid_json", None));
-        assert_eq!(shape(r.prepare(ep, b"\xff\xfe")), (400, "invalid_json", None));
-        assert_eq!(shape(r.prepare(ep, b"[1]")), (400, "invalid_type", None));
-        assert_eq!(shape(r.prepare(ep, b"null")), (400, "invalid_type", None));
+        assert_eq!(shape(r.prepare(ep, b"{\"model\":")), (400, "invalid_json", Some("body".into())));
+        assert_eq!(shape(r.prepare(ep, b"")), (400, "invalid_json", Some("body".into())));
+        assert_eq!(shape(r.prepare(ep, b"\xff\xfe")), (400, "invalid_json", Some("body".into())));
+        assert_eq!(shape(r.prepare(ep, b"[1]")), (400, "invalid_type", Some("body".into())));
+        assert_eq!(shape(r.prepare(ep, b"null")), (400, "invalid_type", Some("body".into())));
         // a lone surrogate is named as such, not as serde's "unexpected end of hex escape"
         for body in [&br#"{"prompt": "\ud800"}"#[..], br#"{"prompt": "\udc00x"}"#] {
             let err = r.prepare(ep, body).unwrap_err();

@@ -15,8 +15,12 @@ use crate::router::RouterConfig;
 /// would let one request occupy the whole batch.
 pub const MAX_N: u32 = 128;
 
+/// The `param` of errors about the body as a whole (malformed JSON, not an object): the
+/// contract sets `param` on every 400 of that table row, and no field path names the body.
+pub const BODY_PARAM: &str = "body";
+
 /// Parses the raw body: malformed JSON is `invalid_json`, anything but an object is
-/// `invalid_type`.
+/// `invalid_type`; both name `param` "body".
 pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         // serde_json names a lone UTF-16 surrogate (`"\ud800"` with no partner) by what it
@@ -27,12 +31,16 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
         } else {
             msg
         };
-        ApiError::with_code("invalid_json", None, format!("The request body is not valid JSON: {why}."))
+        ApiError::with_code(
+            "invalid_json",
+            Some(BODY_PARAM.into()),
+            format!("The request body is not valid JSON: {why}."),
+        )
     })?;
     if !value.is_object() {
         return Err(ApiError::with_code(
             "invalid_type",
-            None,
+            Some(BODY_PARAM.into()),
             format!("The request body must be a JSON object, not {}.", kind_of(&value)),
         ));
     }
