@@ -194,9 +194,16 @@ impl Grammars {
         let parser = factory.create_parser(source.to_top_level());
         let matcher = Matcher::new(parser);
         if let Some(err) = matcher.get_error() {
+            // A forced call's grammar is ours; only the `parameters` schema in it is the
+            // client's, so the error names that and leaves our grammar's text out.
+            let (what, cause) = if param == "tools" {
+                ("`parameters` schema of a forced tool call", without_grammar_position(&first_line(&err)))
+            } else {
+                (describe(source), first_line(&err))
+            };
             return Err(ApiError::invalid(
                 param,
-                format!("The {} cannot be used to constrain generation: {}", describe(source), first_line(&err)),
+                format!("The {what} cannot be used to constrain generation: {cause}"),
             ));
         }
         if let Err(err) = self.probe(source, &matcher) {
@@ -301,10 +308,21 @@ fn describe(source: &GrammarSource) -> &'static str {
     }
 }
 
-/// llguidance errors can carry a multi-line context dump; the first lines name the cause.
+/// llguidance errors can carry a multi-line context dump (numbered lines of the grammar,
+/// `2 | block: ...`); the first lines before it name the cause.
 fn first_line(err: &str) -> String {
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).take(3).collect();
+    let is_context = |l: &str| l.trim_start().split_once(" | ").is_some_and(|(n, _)| n.parse::<u32>().is_ok());
+    let lines: Vec<&str> =
+        err.lines().filter(|l| !l.trim().is_empty()).take_while(|l| !is_context(l)).take(3).collect();
     lines.join(" ")
+}
+
+/// A Lark error without its place in the grammar (`at 3(7): `), which the client never saw.
+fn without_grammar_position(cause: &str) -> String {
+    let place = cause.strip_prefix("at ").and_then(|rest| rest.split_once("): ")).filter(|(at, _)| {
+        at.split_once('(').is_some_and(|(line, col)| line.parse::<u32>().is_ok() && col.parse::<u32>().is_ok())
+    });
+    place.map_or_else(|| cause.to_string(), |(_, rest)| rest.to_string())
 }
 
 /// A factory over 256 one-byte tokens and an EOS (id 256): any text can be spelled.
@@ -435,10 +453,27 @@ pub(crate) mod tests {
         let g = Grammars::new(tok.clone(), vec![0]);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
                                                    "required": ["a"], "additionalProperties": false}});
-        let src = crate::tools::ToolCallFormat::Hermes.forced_grammar(&[&f], false);
+        let src = crate::tools::ToolCallFormat::Hermes.forced_grammar(&[&f], false).unwrap();
         let grammar = g.compile(&src, "tools").unwrap();
         let m = drive(&grammar, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>");
         assert!(m.is_stopped());
+    }
+
+    /// A forced call's schema error names the client's `parameters`, without our grammar's
+    /// text or a place in it.
+    #[test]
+    fn forced_call_schema_errors_leave_our_grammar_out() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "uniqueItems": true}}}});
+        for format in [crate::tools::ToolCallFormat::Hermes, crate::tools::ToolCallFormat::Mistral] {
+            let err = g.compile(&format.forced_grammar(&[&f], false).unwrap(), "tools").unwrap_err();
+            let msg = err.message();
+            assert!(msg.starts_with("The `parameters` schema of a forced tool call cannot"), "{msg}");
+            assert!(msg.contains("uniqueItems"), "{msg}");
+            assert!(!msg.contains("tool_call") && !msg.contains(" | ") && !msg.contains("at 2("), "{msg}");
+        }
+        assert_eq!(without_grammar_position("at 3(7): failed"), "failed");
+        assert_eq!(without_grammar_position("at x(7): failed"), "at x(7): failed");
     }
 
     /// A forced call among too many tools overflows llguidance's row limit at the call's
@@ -457,11 +492,11 @@ pub(crate) mod tests {
         };
         let json = crate::tools::ToolCallFormat::Json;
         let fns = tools(2000);
-        let err = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true), "tools").unwrap_err();
+        let err = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true).unwrap(), "tools").unwrap_err();
         assert_eq!((err.status(), err.param(), err.code()), (400, Some("tools"), "invalid_value"));
         assert!(err.message().contains("max is 2000"), "{}", err.message());
         let fns = tools(1500);
-        let ok = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true), "tools").unwrap();
+        let ok = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true).unwrap(), "tools").unwrap();
         assert!(drive(&ok, &tok, "[{\"name\": \"f1499\", \"arguments\": {\"a\": \"x\"}}]").is_stopped());
     }
 

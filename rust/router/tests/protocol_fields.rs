@@ -404,6 +404,28 @@ fn unread_message_keys_are_reported() {
     assert_eq!(v["ignored_fields"], json!(["messages[0].weird"]));
 }
 
+/// A forced call under the XML format whose `parameters` its grammar cannot enforce is a 400
+/// naming the keyword's place in the tool that has it.
+#[test]
+fn xml_forced_calls_name_what_they_cannot_enforce() {
+    let plain = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}";
+    let r = router_with(json!({"tool_call_format": "qwen3_xml"}), Some(plain));
+    let tool =
+        |name: &str, params: Value| json!({"type": "function", "function": {"name": name, "parameters": params}});
+    let tools = json!([
+        tool("ok", json!({"type": "object"})),
+        tool("zip", json!({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[0-9]{5}$"}}})),
+    ]);
+    for choice in [json!("required"), json!({"type": "function", "function": {"name": "zip"}})] {
+        let err = chat(&r, json!({"tools": tools, "tool_choice": choice})).unwrap_err();
+        let at = "tools[1].function.parameters.properties.code.pattern";
+        assert_eq!((err.status(), err.code(), err.param()), (400, "invalid_value", Some(at)));
+        assert!(err.message().contains("qwen3_xml") && err.message().contains("`pattern`"), "{}", err.message());
+    }
+    // not forced: nothing is enforced, so nothing is refused
+    chat(&r, json!({"tools": tools, "tool_choice": "auto"})).unwrap();
+}
+
 #[test]
 fn tools_a_template_never_reads_are_reported_unless_forced() {
     // No `tools` in the template, no tool-call format to parse with.

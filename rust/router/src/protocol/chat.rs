@@ -427,13 +427,18 @@ enum Forced {
     Named(String),
 }
 
-/// How the output is read for tool calls, and the grammar a forced `tool_choice` imposes.
+/// How the output is read for tool calls, and the grammar a forced `tool_choice` imposes
+/// with the `param` its errors name.
+type ToolPlan = (Option<ToolParsing>, Option<(GrammarSource, &'static str)>);
+
+/// The tools' [`ToolPlan`]: a 400 at a function's `parameters` if the format's grammar
+/// cannot enforce them.
 fn tool_plan(
     router: &Router,
     chat: &ChatFields,
     template: &ChatTemplate,
     forced: &Forced,
-) -> (Option<ToolParsing>, Option<(GrammarSource, &'static str)>) {
+) -> Result<ToolPlan, ApiError> {
     let detected = router.config.tool_call_format.or_else(|| ToolCallFormat::detect(template.source()));
     let tools = chat.tools.as_deref().unwrap_or_default();
     let functions = |only: Option<&str>| -> Vec<&Value> {
@@ -444,7 +449,7 @@ fn tool_plan(
             .collect()
     };
     let parallel = chat.parallel_tool_calls.unwrap_or(true);
-    match forced {
+    Ok(match forced {
         Forced::No => (detected.map(|format| ToolParsing::new(format, parallel, &functions(None))), None),
         Forced::Any | Forced::Named(_) => {
             let format = detected.unwrap_or(ToolCallFormat::Json);
@@ -453,10 +458,22 @@ fn tool_plan(
                 Forced::Named(n) => (functions(Some(n)), false, ToolChoice::Named),
                 _ => (functions(None), parallel, ToolChoice::Required),
             };
-            let source = format.forced_grammar(&fns, parallel);
+            let source = format.forced_grammar(&fns, parallel).map_err(|u| {
+                let index =
+                    tools.iter().position(|t| t.get("function").is_some_and(|f| std::ptr::eq(f, fns[u.function])));
+                ApiError::invalid(
+                    format!("tools[{}].function.parameters{}", index.unwrap_or_default(), u.at),
+                    format!(
+                        "The {} tool-call format cannot enforce {} in a forced call's arguments (each \
+                         value is raw text in its own tag); leave it out of the schema, or send `tool_choice` \"auto\".",
+                        format.name(),
+                        u.why
+                    ),
+                )
+            })?;
             (Some(ToolParsing::new(format, parallel, &fns).with_choice(choice)), Some((source, "tools")))
         }
-    }
+    })
 }
 
 /// Whether the tools are rendered through the template, and what `tool_choice` forces.
@@ -612,7 +629,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ),
         ));
     }
-    let (tools, tool_grammar) = if with_tools { tool_plan(router, &chat, template, &forced) } else { (None, None) };
+    let (tools, tool_grammar) = if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
     let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).

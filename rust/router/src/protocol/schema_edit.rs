@@ -40,27 +40,52 @@ const SHAPES_KEYS: [&str; 12] = [
     "not",
 ];
 
-/// Whether `schema` holds a local `$ref` (one starting with `#`).
+/// Whether `schema` holds a local `$ref`: one starting with `#`, or one naming the schema
+/// itself by its `$id`.
 pub fn has_local_ref(schema: &Value) -> bool {
+    let id = own_id(schema);
     let mut found = false;
-    visit_refs(&mut schema.clone(), &mut |r| found |= r.starts_with('#'));
+    visit_refs(&mut schema.clone(), &mut |r| found |= r.starts_with('#') || id.is_some_and(|id| names(r, id)));
     found
+}
+
+/// The schema's own `$id`, without an empty fragment.
+fn own_id(schema: &Value) -> Option<&str> {
+    schema.get("$id").and_then(Value::as_str).map(|id| id.trim_end_matches('#')).filter(|id| !id.is_empty())
+}
+
+/// Whether `reference` points into the schema whose `$id` is `id` (`<id>` or `<id>#...`).
+fn names(reference: &str, id: &str) -> bool {
+    reference.strip_prefix(id).is_some_and(|rest| rest.is_empty() || rest.starts_with('#'))
 }
 
 /// Rewrite every local `$ref` in `schema` for the schema moving to the JSON pointer `base`
 /// (`"/$defs/args0"`) of a new root: `#` becomes `#/$defs/args0`, `#/x` becomes
-/// `#/$defs/args0/x`. Other refs (remote, anchors) are left alone. The schema's own `$id`
-/// and `$schema` go: under its new root, `$id` would make its refs resolve against itself.
+/// `#/$defs/args0/x`. The schema's own `$id` and `$schema` go: under its new root, `$id`
+/// would make its refs resolve against itself; so refs that name the schema by that `$id`
+/// (`https://example.com/args.json#/x`) are rewritten as local ones first. Other refs
+/// (remote, anchors) are left alone.
 pub fn rebase_refs(schema: &mut Value, base: &str) {
+    let id = own_id(schema).map(str::to_string);
     if let Value::Object(obj) = schema {
         obj.remove("$id");
         obj.remove("$schema");
     }
     visit_refs(schema, &mut |r| {
+        if let Some(id) = id.as_deref().filter(|id| names(r, id)) {
+            *r = format!("#{}", r[id.len()..].trim_start_matches('#'));
+        }
         if r == "#" || r.starts_with("#/") {
             *r = format!("#{base}{}", &r[1..]);
         }
     });
+}
+
+/// Drop the schema's `$id` (and `$schema`), rewriting refs that name it by that `$id` as
+/// plain local ones: `rebase_refs` to where it already is. Code that follows refs by JSON
+/// pointer (`resolve`, the closing of objects) then sees them.
+pub fn localize_refs(schema: &mut Value) {
+    rebase_refs(schema, "");
 }
 
 /// Calls `f` on every `$ref` of `schema` and its subschemas: the names in a `properties`
@@ -284,6 +309,18 @@ mod tests {
         assert_eq!(s["properties"]["fixed"]["const"]["$ref"], "#/$defs/Unit");
         assert_eq!(s["properties"]["default"]["$ref"], "#/$defs/args0/$defs/Unit", "a property named default");
         assert!(s.get("$id").is_none());
+        // refs that name the moved schema by its `$id` move with it
+        let mut s = json!({"$id": "https://example.com/args.json#", "properties": {
+            "a": {"$ref": "https://example.com/args.json#/$defs/U"}, "b": {"$ref": "https://example.com/args.json"},
+            "c": {"$ref": "https://example.com/args.jsonx#/$defs/U"}}});
+        assert!(has_local_ref(&s));
+        rebase_refs(&mut s, "/$defs/args0");
+        assert_eq!(s["properties"]["a"]["$ref"], "#/$defs/args0/$defs/U");
+        assert_eq!(s["properties"]["b"]["$ref"], "#/$defs/args0");
+        assert_eq!(s["properties"]["c"]["$ref"], "https://example.com/args.jsonx#/$defs/U");
+        assert!(!has_local_ref(
+            &json!({"$id": "https://example.com/a", "properties": {"x": {"$ref": "https://example.com/b"}}})
+        ));
         assert!(!has_local_ref(&json!({"enum": [{"$ref": "#"}], "properties": {"$ref": {"type": "string"}}})));
         assert!(has_local_ref(&json!({"properties": {"enum": {"$ref": "#/$defs/E"}}})));
     }

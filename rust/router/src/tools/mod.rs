@@ -157,7 +157,9 @@ impl ToolCallFormat {
     /// The llama3 and mistral grammars leave out their special-token markers (a grammar
     /// literal would be spelled in text tokens the model never saw); the parsers read the
     /// bare JSON the same way.
-    pub fn forced_grammar(self, functions: &[&Value], parallel: bool) -> GrammarSource {
+    ///
+    /// Fails only for the XML format, whose grammar cannot follow every schema.
+    pub fn forced_grammar(self, functions: &[&Value], parallel: bool) -> Result<GrammarSource, Unenforceable> {
         if self == Self::Qwen3Xml {
             return xml::forced_grammar(functions, parallel);
         }
@@ -180,7 +182,7 @@ impl ToolCallFormat {
             serde_json::to_string(&schema).expect("JSON values serialize")
         };
         let call = format!("call: %json {}\n", fixed_ws(one.clone()));
-        match self {
+        Ok(match self {
             Self::Llama3Json => {
                 let start = if parallel { "start: call (\"; \" call)*" } else { "start: call" };
                 GrammarSource::Lark(format!("{start}\n{call}"))
@@ -198,8 +200,18 @@ impl ToolCallFormat {
                 GrammarSource::Lark(format!("{start}\nblock: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\n{call}"))
             }
             Self::Qwen3Xml => unreachable!("handled above"),
-        }
+        })
     }
+}
+
+/// A forced call's `parameters` schema that the tool-call format's grammar cannot enforce:
+/// `function` is its position in the list given, `at` the place in its `parameters` (a path
+/// such as `.properties.city.pattern`), `why` what cannot be enforced.
+#[derive(Debug)]
+pub struct Unenforceable {
+    pub function: usize,
+    pub at: String,
+    pub why: String,
 }
 
 /// The schema of one call to `function`, its arguments under `args_key`. Parameters that
@@ -218,6 +230,7 @@ fn call_schema(function: &Value, args_key: &str, defs: &mut Map<String, Value>) 
         }
         _ => json!({"type": "object", "properties": {}, "additionalProperties": false}),
     };
+    schema_edit::localize_refs(&mut params);
     schema_edit::close_objects(&mut params);
     if schema_edit::has_local_ref(&params) {
         let key = format!("args{}", defs.len());
@@ -248,15 +261,15 @@ mod tests {
         assert_eq!(ToolCallFormat::detect("{% if tools %}<tool_call>{% endif %}"), Some(ToolCallFormat::Hermes));
         assert_eq!(ToolCallFormat::detect("{{ messages }}"), None);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
-        match ToolCallFormat::Json.forced_grammar(&[&f], false) {
+        match ToolCallFormat::Json.forced_grammar(&[&f], false).unwrap() {
             GrammarSource::JsonSchema(s) => assert_eq!(s["properties"]["name"]["const"], "f"),
             other => panic!("{other:?}"),
         }
-        match ToolCallFormat::Json.forced_grammar(&[&f, &f], true) {
+        match ToolCallFormat::Json.forced_grammar(&[&f, &f], true).unwrap() {
             GrammarSource::JsonSchema(s) => assert_eq!(s["type"], "array"),
             other => panic!("{other:?}"),
         }
-        match ToolCallFormat::Hermes.forced_grammar(&[&f], true) {
+        match ToolCallFormat::Hermes.forced_grammar(&[&f], true).unwrap() {
             GrammarSource::Lark(g) => assert!(g.contains("%json") && g.contains("block (")),
             other => panic!("{other:?}"),
         }
@@ -288,11 +301,11 @@ mod tests {
         let alias: ToolCallFormat = serde_json::from_value(json!("qwen3_coder")).unwrap();
         assert_eq!(alias, ToolCallFormat::Qwen3Xml);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
-        match ToolCallFormat::Llama3Json.forced_grammar(&[&f], true) {
+        match ToolCallFormat::Llama3Json.forced_grammar(&[&f], true).unwrap() {
             GrammarSource::Lark(g) => assert!(g.contains("\"parameters\"") && g.contains("\"; \" call")),
             other => panic!("{other:?}"),
         }
-        match ToolCallFormat::Mistral.forced_grammar(&[&f], false) {
+        match ToolCallFormat::Mistral.forced_grammar(&[&f], false).unwrap() {
             GrammarSource::Lark(g) => assert!(g.starts_with("start: \"[\" call \"]\"") && g.contains("\"arguments\"")),
             other => panic!("{other:?}"),
         }
@@ -335,7 +348,7 @@ mod tests {
             (ToolCallFormat::Qwen3Xml, true, xml_two.into()),
         ];
         for (format, parallel, text) in cases {
-            let grammar = g.compile(&format.forced_grammar(&[&f], parallel), "tools").unwrap();
+            let grammar = g.compile(&format.forced_grammar(&[&f], parallel).unwrap(), "tools").unwrap();
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
             let parsing = ToolParsing::new(format, parallel, &[&f]);
@@ -349,7 +362,7 @@ mod tests {
             let args: Value = serde_json::from_str(&calls[0].1).unwrap();
             assert_eq!(args["a"], 7, "{format:?} {}", calls[0].1);
         }
-        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false), "tools").unwrap();
+        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=g>"));
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\nseven"));
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n</function>"), "a is required");
@@ -364,12 +377,12 @@ mod tests {
         let tok = byte_tokenizer();
         let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
         let open = json!({"name": "f", "parameters": {}});
-        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&open], false), "tools").unwrap();
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&open], false).unwrap(), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": \"x"));
         assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": ["));
         assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\"when\": 1}}").is_stopped());
         let none = json!({"name": "f"});
-        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false), "tools").unwrap();
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false).unwrap(), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\""));
         assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {}}").is_stopped());
     }
@@ -412,17 +425,17 @@ mod tests {
             (ToolCallFormat::Mistral, false, format!("[{{\"name\": \"t\", \"arguments\": {kids}}}]")),
         ];
         for (format, parallel, text) in cases {
-            let grammar = g.compile(&format.forced_grammar(&[&weather, &tree], parallel), "tools").unwrap();
+            let grammar = g.compile(&format.forced_grammar(&[&weather, &tree], parallel).unwrap(), "tools").unwrap();
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
             let cut = text.find("\"c\"").or(text.find("[{\"v\": 2")).unwrap();
             let wrong = if text[cut..].starts_with("\"c\"") { "\"k\"" } else { "[{\"v\": \"two\"" };
             assert!(refuses(&grammar, &tok, &format!("{}{wrong}", &text[..cut])), "{format:?}");
         }
-        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&weather], false), "tools").unwrap();
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&weather], false).unwrap(), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "{\"name\": \"w\", \"arguments\": {\"place\": {\"city\": \"x\", \"co"));
         assert!(refuses(&grammar, &tok, "{\"name\": \"w\", \"arguments\": {\"season"));
-        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&weather], false), "tools").unwrap();
+        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&weather], false).unwrap(), "tools").unwrap();
         let call = "<tool_call>\n<function=w>\n<parameter=place>\n{\"city\": \"Oslo\"}\n</parameter>\n\
                     <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>";
         assert!(drive(&xml, &tok, call).is_stopped());
@@ -462,12 +475,6 @@ mod tests {
                 json!({"cat": {"name": "tom", "meow": 2}}),
             ),
             (
-                json!({"type": "object", "properties": {"kind": {"enum": ["i", "s"]}, "size": {"type": "integer"}},
-                       "required": ["kind", "size"],
-                       "anyOf": [{"properties": {"kind": {"const": "i"}}}, {"properties": {"kind": {"const": "s"}}}]}),
-                json!({"kind": "i", "size": 3}),
-            ),
-            (
                 json!({"type": "object", "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"}},
                        "properties": {"default": {"$ref": "#/$defs/Color"}, "enum": {"$ref": "#/$defs/Color"}},
                        "required": ["default", "enum"]}),
@@ -477,6 +484,12 @@ mod tests {
                 json!({"$id": "https://example.com/args.json", "type": "object",
                        "$defs": {"U": {"type": "integer"}}, "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]}),
                 json!({"u": 4}),
+            ),
+            (
+                json!({"$id": "https://example.com/args.json", "type": "object", "$defs": {"U": {"type": "integer"}},
+                       "properties": {"u": {"$ref": "https://example.com/args.json#/$defs/U"}, "v": {"$ref": "#/$defs/U"}},
+                       "required": ["u", "v"]}),
+                json!({"u": 4, "v": 5}),
             ),
             (
                 json!({"type": "object", "definitions": {"Inner": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
@@ -495,14 +508,14 @@ mod tests {
                 .unwrap()
                 .replace(",", ", ")
                 .replace(":", ": ");
-            let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&f], false), "tools");
+            let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&f], false).unwrap(), "tools");
             let grammar = grammar.unwrap_or_else(|e| panic!("{params}: {}", e.message()));
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{params}: {text}");
             for format in
                 [ToolCallFormat::Hermes, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral, ToolCallFormat::Qwen3Xml]
             {
-                g.compile(&format.forced_grammar(&[&f], false), "tools")
+                g.compile(&format.forced_grammar(&[&f], false).unwrap(), "tools")
                     .unwrap_or_else(|e| panic!("{format:?} {params}: {}", e.message()));
             }
             // XML: every parameter as its grammar and the parser read it
@@ -515,11 +528,96 @@ mod tests {
                 xml.push_str(&format!("<parameter={key}>\n{raw}\n</parameter>\n"));
             }
             xml.push_str("</function>\n</tool_call>");
-            let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false), "tools").unwrap();
+            let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
             assert!(drive(&grammar, &tok, &xml).is_stopped(), "{params}: {xml}");
             let parsing = ToolParsing::new(ToolCallFormat::Qwen3Xml, false, &[&f]);
             let (_, calls) = run_with(ToolCallFormat::Qwen3Xml, parsing.parameters.clone(), &[&xml]);
             assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), args, "{xml}");
+        }
+    }
+
+    /// The XML format writes each value as raw text in its own tag: string `const`s become
+    /// literals and lengths bounded text; what a rule per property cannot follow (root
+    /// combinators, `pattern`, `required` names without a property...) is refused, naming
+    /// where, instead of generated unchecked.
+    #[test]
+    fn xml_forced_calls_enforce_string_keywords_or_refuse() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let f = json!({"name": "f", "parameters": {"type": "object", "properties": {
+            "c": {"const": "fixed"},
+            "short": {"type": "string", "maxLength": 3},
+            "long": {"type": "string", "minLength": 2},
+            "pick": {"anyOf": [{"enum": ["a", "b"]}, {"const": "c"}], "maxLength": null},
+            "code": {"allOf": [{"$ref": "#/$defs/Code"}]}},
+            "required": ["c", "short", "long", "pick", "code"],
+            "$defs": {"Code": {"type": "string", "enum": ["x1", "toolong"], "maxLength": 2}}}});
+        let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+        let head = "<tool_call>\n<function=f>\n<parameter=c>\n";
+        let call = format!(
+            "{head}fixed\n</parameter>\n<parameter=short>\nab<\n</parameter>\n<parameter=long>\nxy\n</parameter>\n\
+             <parameter=pick>\nc\n</parameter>\n<parameter=code>\nx1\n</parameter>\n</function>\n</tool_call>"
+        );
+        let call = call.replace("ab<", "abc");
+        assert!(drive(&grammar, &tok, &call).is_stopped(), "{call}");
+        let cut = |marker: &str, wrong: &str| format!("{}{wrong}", &call[..call.find(marker).unwrap() + marker.len()]);
+        assert!(refuses(&grammar, &tok, &format!("{head}fixes")));
+        assert!(refuses(&grammar, &tok, &cut("<parameter=short>\n", "abcd")));
+        assert!(refuses(&grammar, &tok, &cut("<parameter=long>\n", "x\n<")));
+        assert!(refuses(&grammar, &tok, &cut("<parameter=pick>\n", "d")));
+        assert!(refuses(&grammar, &tok, &cut("<parameter=code>\n", "t")));
+
+        let refused = |params: Value| {
+            let f = json!({"name": "f", "parameters": params});
+            let err = ToolCallFormat::Qwen3Xml.forced_grammar(&[&f, &f], false).unwrap_err();
+            assert_eq!(err.function, 0);
+            err.at
+        };
+        let a = json!({"a": {"type": "integer"}});
+        let cases = [
+            (json!({"properties": {"s": {"type": "string", "pattern": "^[A-Z]+$"}}}), ".properties.s.pattern"),
+            (json!({"properties": {"s": {"type": "string", "format": "date"}}}), ".properties.s.format"),
+            (
+                json!({"properties": {"s": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "string"}]}}}),
+                ".properties.s.anyOf",
+            ),
+            (json!({"properties": {"s": {"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b"]}]}}}), ".properties.s.oneOf"),
+            (json!({"properties": a, "allOf": [{"required": ["a"]}]}), ".allOf"),
+            (json!({"properties": a, "anyOf": [{"required": ["a"]}]}), ".anyOf"),
+            (json!({"properties": a, "required": ["a", "b"]}), ".required"),
+            (json!({"type": "object", "required": ["a"]}), ".required"),
+            (json!({"properties": a, "minProperties": 1}), ".minProperties"),
+            (json!({"properties": {"a": {}, "b": {}}, "maxProperties": 1}), ".maxProperties"),
+            (json!({"properties": {"a>b": {"type": "integer"}}}), ".properties.a>b"),
+            (json!({"$ref": "#/$defs/A", "$defs": {"A": {"properties": a}}, "properties": {"w": {}}}), ".properties"),
+            (json!({"$ref": "#/$defs/A", "$defs": {"A": {"properties": a, "if": {"required": ["a"]}}}}), ".$defs.A.if"),
+        ];
+        for (params, at) in cases {
+            assert_eq!(refused(params.clone()), at, "{params}");
+        }
+        // a value whose types cannot be told (an anchor ref) but that constrains it is JSON,
+        // which the JSON engine enforces, and is read back as JSON
+        let f = json!({"name": "f", "parameters": {"type": "object", "required": ["dog"], "properties": {
+            "dog": {"allOf": [{"$ref": "#base"}, {"properties": {"bark": {"type": "boolean"}}, "required": ["bark"]}]}},
+            "$defs": {"Base": {"$anchor": "base", "type": "object", "properties": {"name": {"type": "string"}}}}}});
+        let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+        let call = "<tool_call>\n<function=f>\n<parameter=dog>\n{\"name\": \"rex\", \"bark\": true}\n</parameter>\n\
+                    </function>\n</tool_call>";
+        assert!(drive(&grammar, &tok, call).is_stopped());
+        assert!(refuses(&grammar, &tok, "<tool_call>\n<function=f>\n<parameter=dog>\nrex"));
+        let parsing = ToolParsing::new(ToolCallFormat::Qwen3Xml, false, &[&f]);
+        let (_, calls) = run_with(ToolCallFormat::Qwen3Xml, parsing.parameters.clone(), &[call]);
+        assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), json!({"dog": {"name": "rex", "bark": true}}));
+
+        // what is enforced fully or not at all passes: objects with bounds they meet, strings
+        // in unions with free text, values that are JSON
+        for params in [
+            json!({"properties": a, "required": ["a"], "minProperties": 1, "maxProperties": 1}),
+            json!({"properties": {"s": {"anyOf": [{"type": "string"}, {"enum": ["a"]}]}, "n": {"type": "integer", "minimum": 2}}}),
+        ] {
+            let f = json!({"name": "f", "parameters": params});
+            g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
         }
     }
 }

@@ -25,9 +25,9 @@
 
 use std::collections::HashMap;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::{call_id, ToolEvent, CLOSE, OPEN};
+use super::{call_id, ToolEvent, Unenforceable, CLOSE, OPEN};
 use crate::protocol::schema_edit;
 use crate::structured::GrammarSource;
 
@@ -151,7 +151,7 @@ pub(crate) fn typed_value(raw: &str, schema: Option<&Value>, root: &Value) -> Va
         schema_types(s, root, &mut types);
     }
     let as_string = || Value::String(raw.to_string());
-    if types.is_empty() || types.iter().all(|t| t == "string") {
+    if schema.is_none_or(|s| is_text(s, root)) {
         return as_string();
     }
     let text = raw.trim();
@@ -163,8 +163,28 @@ pub(crate) fn typed_value(raw: &str, schema: Option<&Value>, root: &Value) -> Va
         }
     }
     match serde_json::from_str::<Value>(text) {
-        Ok(v) if types.iter().any(|t| json_type_fits(&v, t)) => v,
+        Ok(v) if types.is_empty() || types.iter().any(|t| json_type_fits(&v, t)) => v,
         _ => as_string(),
+    }
+}
+
+/// Keywords that say nothing about a value.
+const ANNOTATIONS: [&str; 8] =
+    ["title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"];
+
+/// Whether a parameter's value is raw text (its schema allows only strings, or says nothing
+/// of the value) rather than JSON. A schema whose types cannot be told (refs that do not
+/// resolve, parts without `type`) but that constrains the value is JSON: the grammar then
+/// leaves it to the JSON engine, which follows all of it.
+fn is_text(schema: &Value, root: &Value) -> bool {
+    let mut types = Vec::new();
+    schema_types(schema, root, &mut types);
+    if !types.is_empty() {
+        return types.iter().all(|t| t == "string");
+    }
+    match schema_edit::resolve(root, schema) {
+        Value::Object(o) => o.keys().all(|k| ANNOTATIONS.contains(&k.as_str())),
+        _ => true,
     }
 }
 
@@ -211,54 +231,134 @@ fn json_type_fits(v: &Value, t: &str) -> bool {
 
 /// The grammar forcing XML blocks calling one of `functions`: each function's parameters in
 /// schema order (the required ones always, the others optionally), string values as free
-/// text without `</`, enums as their literals, other types as compact JSON.
-pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> GrammarSource {
+/// text without `</` (or their literals, or text of bounded length), other types as compact
+/// JSON.
+///
+/// The XML format is a rule per top-level property, so some `parameters` cannot be enforced
+/// by it: root combinators and conditionals, `required` names outside `properties`, string
+/// `pattern`s and `format`s, names that would break the markup. Those are refused (the JSON
+/// formats take them) rather than generated unchecked.
+pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> Result<GrammarSource, Unenforceable> {
     let lit = |s: &str| serde_json::to_string(s).expect("strings serialize");
     let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
     let mut rules = vec![start.to_string(), format!("block: {} function {}", lit(&format!("{OPEN}\n")), lit(CLOSE))];
     let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
     rules.push(format!("function: {}", names.join(" | ")));
     for (i, f) in functions.iter().enumerate() {
+        let refuse = |at: String, why: String| Unenforceable { function: i, at, why };
         let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
         let mut closed = f.get("parameters").cloned().unwrap_or(Value::Null);
+        schema_edit::localize_refs(&mut closed);
         schema_edit::close_objects(&mut closed);
-        // (parameters that are a `$ref` to the object schema read as that schema)
-        let params = Some(schema_edit::resolve(&closed, &closed)).filter(|p| !p.is_null());
-        let props = params.and_then(|p| p.get("properties")).and_then(Value::as_object);
-        let required: Vec<&str> = params
-            .and_then(|p| p.get("required"))
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
+        let (props, required) = root_shape(&closed).map_err(|(at, why)| refuse(at, why))?;
         let mut body = vec![lit(&format!("{FUNCTION}{name}>\n"))];
         for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
+            let at = format!(".properties.{key}");
+            if key.contains(['>', '<', '\n']) {
+                return Err(refuse(at, format!("the name {key:?}, which a `<parameter=...>` tag cannot hold")));
+            }
+            let value = value_grammar(schema, &closed).map_err(|(rest, why)| refuse(format!("{at}{rest}"), why))?;
             let rule = format!("f{i}_p{j}");
             let open = lit(&format!("{PARAMETER}{key}>\n"));
-            rules.push(format!("{rule}: {open} {}", value_grammar(schema, &closed)));
+            rules.push(format!("{rule}: {open} {value}"));
             body.push(if required.contains(&key.as_str()) { rule } else { format!("{rule}?") });
         }
         body.push(lit(&format!("{FUNCTION_END}\n")));
         rules.push(format!("f{i}: {}", body.join(" ")));
     }
     rules.push(r"TEXT_VALUE: /([^<]|<[^\/])*\n<\/parameter>\n/".to_string());
-    GrammarSource::Lark(rules.join("\n") + "\n")
+    Ok(GrammarSource::Lark(rules.join("\n") + "\n"))
+}
+
+/// Where in a function's `parameters` (a path such as `.properties.city.pattern`) the XML
+/// format cannot enforce what the schema asks, and why.
+type Refusal = (String, String);
+
+/// Keywords that constrain an object through more than its listed properties: a rule per
+/// property cannot follow them.
+const ROOT_REFUSED: [&str; 13] = [
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "patternProperties",
+    "propertyNames",
+    "enum",
+];
+
+/// The properties (if listed) and the required names of an arguments object.
+type Shape<'a> = (Option<&'a Map<String, Value>>, Vec<&'a str>);
+
+/// The [`Shape`] of the parameters' object schema (through a root `$ref`), or why the XML
+/// format cannot enforce it.
+fn root_shape(params: &Value) -> Result<Shape<'_>, Refusal> {
+    if params.is_null() {
+        return Ok((None, Vec::new()));
+    }
+    let mut at = String::new();
+    let mut schema = params;
+    if let Some(target) = schema.get("$ref").and_then(Value::as_str) {
+        let beside = ["properties", "required", "type", "additionalProperties", "minProperties", "maxProperties"];
+        if let Some(key) = beside.iter().chain(&ROOT_REFUSED).find(|k| schema.get(**k).is_some()) {
+            return Err((format!(".{key}"), "a root `$ref` beside other keywords (two schemas for one object)".into()));
+        }
+        schema = schema_edit::resolve(params, schema);
+        at = target.trim_start_matches('#').replace('/', ".");
+    }
+    let keyword = |key: &str| format!("{at}.{key}");
+    if let Some(key) = ROOT_REFUSED.iter().chain(&["const", "$ref"]).find(|k| schema.get(**k).is_some()) {
+        return Err((keyword(key), format!("`{key}` on the arguments object")));
+    }
+    let is_object = |t: &Value| t.as_str() == Some("object");
+    match schema.get("type") {
+        None => {}
+        Some(Value::Array(ts)) if ts.iter().any(is_object) => {}
+        Some(t) if is_object(t) => {}
+        Some(_) => return Err((keyword("type"), "arguments that are not an object".into())),
+    }
+    let props = schema.get("properties").and_then(Value::as_object);
+    let required: Vec<&str> =
+        schema.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+    if let Some(missing) = required.iter().find(|r| !props.is_some_and(|p| p.contains_key(**r))) {
+        return Err((keyword("required"), format!("the required name {missing:?}, which `properties` does not list")));
+    }
+    let count = |key: &str| schema.get(key).and_then(Value::as_u64);
+    if count("minProperties").is_some_and(|n| n > required.len() as u64) {
+        return Err((keyword("minProperties"), "`minProperties` beyond the required names".into()));
+    }
+    if count("maxProperties").is_some_and(|n| n < props.map_or(0, |p| p.len()) as u64) {
+        return Err((keyword("maxProperties"), "`maxProperties` below the number of properties".into()));
+    }
+    Ok((props, required))
 }
 
 /// A parameter's value and its closing tag; `root` is the function's `parameters`, which the
 /// value's local `$ref`s point into.
-fn value_grammar(schema: &Value, root: &Value) -> String {
+fn value_grammar(schema: &Value, root: &Value) -> Result<String, Refusal> {
     let close = serde_json::to_string(&format!("\n{PARAMETER_END}\n")).expect("strings serialize");
     let resolved = schema_edit::resolve(root, schema);
-    let enum_strings: Option<Vec<String>> = resolved.get("enum").and_then(Value::as_array).and_then(|vs| {
-        vs.iter().map(|v| v.as_str().map(|s| serde_json::to_string(s).expect("strings serialize"))).collect()
-    });
-    if let Some(options) = enum_strings.filter(|o| !o.is_empty()) {
-        return format!("({}) {close}", options.join(" | "));
-    }
-    let mut types = Vec::new();
-    schema_types(resolved, root, &mut types);
-    if types.is_empty() || types.iter().all(|t| t == "string") {
-        return "TEXT_VALUE".to_string();
+    if is_text(resolved, root) {
+        return Ok(match string_value(resolved, root, 8)? {
+            Text::Free => "TEXT_VALUE".to_string(),
+            Text::Literals(options) if options.is_empty() => {
+                return Err((String::new(), "no string satisfies the value's schema".into()))
+            }
+            Text::Literals(options) => {
+                let options: Vec<String> =
+                    options.iter().map(|o| serde_json::to_string(o).expect("strings serialize")).collect();
+                format!("({}) {close}", options.join(" | "))
+            }
+            Text::Bounded(min, max) => {
+                let max = max.map_or(String::new(), |m| m.to_string());
+                format!(r"/[^<]{{{min},{max}}}\n<\/parameter>\n/")
+            }
+        });
     }
     let mut schema = schema.clone();
     if schema_edit::has_local_ref(&schema) {
@@ -278,5 +378,84 @@ fn value_grammar(schema: &Value, root: &Value) -> String {
             serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
         );
     }
-    format!("%json {} {close}", serde_json::to_string(&schema).expect("JSON values serialize"))
+    Ok(format!("%json {} {close}", serde_json::to_string(&schema).expect("JSON values serialize")))
+}
+
+/// The raw text a string-only value may be.
+#[derive(Debug, PartialEq)]
+enum Text {
+    /// Anything without `</`.
+    Free,
+    /// One of these strings.
+    Literals(Vec<String>),
+    /// Between this many characters and at most that many (JSON Schema counts characters),
+    /// none of them `<`.
+    Bounded(u64, Option<u64>),
+}
+
+/// What text a value whose schema allows only strings may be: `enum` and `const` give
+/// literals, `minLength`/`maxLength` a bounded length, a union of literal sets their union,
+/// a single `allOf` part (pydantic v1's wrapper of a `$ref`) that part. A `pattern`, a
+/// `format` or any other combination is refused: the value is raw text, not a JSON string,
+/// so the JSON engine's string rules do not apply to it.
+fn string_value(schema: &Value, root: &Value, depth: u32) -> Result<Text, Refusal> {
+    let schema = schema_edit::resolve(root, schema);
+    let refuse = |key: &str, why: &str| Err((format!(".{key}"), why.to_string()));
+    for key in ["pattern", "format", "not", "if", "contentEncoding", "contentMediaType"] {
+        if schema.get(key).is_some() {
+            return refuse(key, &format!("`{key}` on a string value"));
+        }
+    }
+    let length = |key: &str| schema.get(key).and_then(Value::as_u64);
+    let (min, max) = (length("minLength"), length("maxLength"));
+    let fits = |s: &str| {
+        let n = s.chars().count() as u64;
+        min.is_none_or(|m| n >= m) && max.is_none_or(|m| n <= m)
+    };
+    let mut literals: Option<Vec<String>> = None;
+    if let Some(values) = schema.get("enum").and_then(Value::as_array) {
+        literals = Some(values.iter().filter_map(Value::as_str).map(str::to_string).collect());
+    }
+    if let Some(c) = schema.get("const") {
+        let c = c.as_str().map(str::to_string);
+        let kept = c.into_iter().filter(|c| literals.as_ref().is_none_or(|l| l.contains(c))).collect();
+        literals = Some(kept);
+    }
+    let combined: Vec<&str> = ["allOf", "anyOf", "oneOf"].into_iter().filter(|k| schema.get(*k).is_some()).collect();
+    if let Some(key) = combined.first() {
+        if combined.len() > 1 || literals.is_some() || min.is_some() || max.is_some() || depth == 0 {
+            return refuse(key, &format!("`{key}` beside other string keywords"));
+        }
+        let parts = schema[*key].as_array().map(Vec::as_slice).unwrap_or_default();
+        let within = |j: usize, part: &Value| {
+            string_value(part, root, depth - 1).map_err(|(at, why)| (format!(".{key}[{j}]{at}"), why))
+        };
+        if *key == "allOf" {
+            return match parts {
+                [one] => within(0, one),
+                _ => refuse(key, "`allOf` of several string schemas"),
+            };
+        }
+        let mut union: Vec<String> = Vec::new();
+        let mut free = false;
+        for (j, part) in parts.iter().enumerate() {
+            match within(j, part)? {
+                Text::Free => free = true,
+                Text::Literals(options) if *key == "oneOf" && options.iter().any(|o| union.contains(o)) => {
+                    return refuse(key, "`oneOf` branches that share a string")
+                }
+                Text::Literals(options) => union.extend(options),
+                Text::Bounded(..) => return refuse(key, "a union of string lengths"),
+            }
+        }
+        if free && *key == "oneOf" && !union.is_empty() {
+            return refuse(key, "`oneOf` of free text and literals");
+        }
+        return Ok(if free { Text::Free } else { Text::Literals(union) });
+    }
+    Ok(match literals {
+        Some(options) => Text::Literals(options.into_iter().filter(|o| fits(o)).collect()),
+        None if min.is_some() || max.is_some() => Text::Bounded(min.unwrap_or(0), max),
+        None => Text::Free,
+    })
 }
