@@ -153,6 +153,34 @@ def test_regex_and_grammar_extensions(client):
     assert r.choices[0].text in (" yes", " no")
 
 
+def test_vllm_structured_outputs_and_guided_fields(client):
+    """Clients written for vLLM send `structured_outputs` (or, before vLLM 0.12, `guided_*`)
+    in `extra_body`: the same grammars as `response_format`."""
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    for extra in ({"structured_outputs": {"choice": ["Certainly", "No way"]}},
+                  {"guided_choice": ["Certainly", "No way"]}):
+        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
+                                           extra_body=extra)
+        assert r.choices[0].message.content in ("Certainly", "No way"), extra
+        assert r.choices[0].finish_reason == "stop"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    r = client.completions.create(model=model, prompt="A number in JSON:", max_tokens=20, temperature=0,
+                                  extra_body={"structured_outputs": {"json": schema}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=msgs, max_tokens=10, temperature=0,
+        extra_body={"guided_regex": "(yes|no)", "guided_decoding_backend": "xgrammar"})
+    assert raw.parse().choices[0].message.content in ("yes", "no")
+    assert raw.headers["llmserve-ignored-fields"] == "guided_decoding_backend"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=10,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"structured_outputs": {"regex": "a"}})
+    assert e.value.body["param"] == "structured_outputs.regex"
+
+
 @pytest.mark.parametrize("regex", ["a{100000}", "a{1000000}"])
 def test_a_huge_counted_repetition_is_followed(client, regex):
     """Its forced text runs llguidance's lexer out of budget when computed at once; that

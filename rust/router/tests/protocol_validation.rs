@@ -302,6 +302,97 @@ fn response_format_json_modes_compile_to_grammars() {
     assert!(g.grammar.unwrap().key().starts_with("lark:"));
 }
 
+/// vLLM's `structured_outputs` and its older `guided_*` fields ask for the same grammars as
+/// `response_format`; one constraint per request, and what cannot be enforced is refused.
+#[test]
+fn structured_outputs_constrain_like_response_format() {
+    let cases = vec![
+        (json!({"structured_outputs": {"regex": "("}}), 400, "invalid_value", p("structured_outputs.regex")),
+        (json!({"structured_outputs": {"regex": 5}}), 400, "invalid_type", p("structured_outputs.regex")),
+        (json!({"structured_outputs": {"choice": []}}), 400, "invalid_value", p("structured_outputs.choice")),
+        (json!({"structured_outputs": {"choice": ["a", 1]}}), 400, "invalid_type", p("structured_outputs.choice[1]")),
+        (json!({"structured_outputs": {"choice": "a"}}), 400, "invalid_type", p("structured_outputs.choice")),
+        (json!({"structured_outputs": {"json": "{not json"}}), 400, "invalid_value", p("structured_outputs.json")),
+        (
+            json!({"structured_outputs": {"json": {"type": "array", "uniqueItems": true}}}),
+            400,
+            "invalid_value",
+            p("structured_outputs.json"),
+        ),
+        (
+            json!({"structured_outputs": {"json_object": "yes"}}),
+            400,
+            "invalid_type",
+            p("structured_outputs.json_object"),
+        ),
+        (
+            json!({"structured_outputs": {"structural_tag": {"type": "structural_tag"}}}),
+            400,
+            "unsupported_parameter",
+            p("structured_outputs.structural_tag"),
+        ),
+        (json!({"structured_outputs": "json"}), 400, "invalid_type", p("structured_outputs")),
+        (
+            json!({"structured_outputs": {"regex": "[a-z]+", "choice": ["a"]}}),
+            400,
+            "invalid_value",
+            p("structured_outputs.choice"),
+        ),
+        (
+            json!({"structured_outputs": {"regex": "[a-z]+"}, "guided_regex": "[a-z]+"}),
+            400,
+            "invalid_value",
+            p("guided_regex"),
+        ),
+        (
+            json!({"structured_outputs": {"regex": "[a-z]+"}, "response_format": {"type": "json_object"}}),
+            400,
+            "invalid_value",
+            p("structured_outputs.regex"),
+        ),
+        (json!({"guided_regex": "[a-z]+", "ignore_eos": true}), 400, "invalid_value", p("ignore_eos")),
+        (json!({"guided_grammar": "start: a\na: a"}), 400, "invalid_value", p("guided_grammar")),
+    ];
+    check_chat(cases.clone());
+    check_completion(cases);
+    let r = router();
+    let rx = chat(&r, json!({"structured_outputs": {"regex": "[a-z]+"}})).unwrap();
+    let same = chat(&r, json!({"response_format": {"type": "regex", "regex": "[a-z]+"}})).unwrap();
+    assert_eq!(rx.grammar, same.grammar);
+    let legacy = completion(&r, json!({"guided_regex": "[a-z]+"})).unwrap();
+    assert_eq!(legacy.grammar, same.grammar);
+    let obj = chat(&r, json!({"structured_outputs": {"json_object": true}})).unwrap();
+    assert_eq!(obj.grammar, chat(&r, json!({"response_format": {"type": "json_object"}})).unwrap().grammar);
+    let schema = json!({"type": "object", "properties": {"a": {"enum": [1, 2]}}});
+    let text = serde_json::to_string(&schema).unwrap();
+    let rf =
+        chat(&r, json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}));
+    for so in [json!({"json": schema}), json!({"json": text})] {
+        assert_eq!(chat(&r, json!({"structured_outputs": so})).unwrap().grammar, rf.as_ref().unwrap().grammar);
+    }
+    assert_eq!(chat(&r, json!({"guided_json": schema})).unwrap().grammar, rf.as_ref().unwrap().grammar);
+    assert!(chat(&r, json!({"guided_choice": ["hello", "world"]}))
+        .unwrap()
+        .grammar
+        .unwrap()
+        .key()
+        .starts_with("lark:"));
+    // off, or empty: no grammar; backend tuning is reported, not silently dropped
+    for off in [json!({"json_object": false}), json!({}), json!({"regex": null})] {
+        assert_eq!(chat(&r, json!({"structured_outputs": off})).unwrap().grammar, None);
+    }
+    let tuned = chat(
+        &r,
+        json!({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": true},
+               "guided_decoding_backend": "xgrammar"}),
+    )
+    .unwrap();
+    assert_eq!(
+        header(&tuned, "llmserve-ignored-fields"),
+        Some("guided_decoding_backend, structured_outputs.disable_any_whitespace")
+    );
+}
+
 #[test]
 fn chat_logprobs() {
     check_chat(vec![

@@ -602,12 +602,13 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         ignored.push("documents".into());
     }
     // Inert here: without tools nothing is called; under a forced `tool_choice` the output
-    // is the call, never the text a response_format shapes (OpenAI accepts both).
+    // is the call, never the text a response_format (or structured_outputs) shapes (OpenAI
+    // accepts both).
     if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools) {
         ignored.push("parallel_tool_calls".into());
     }
-    if forced != Forced::No && c.response_format.is_some() {
-        ignored.push("response_format".into());
+    if let Some((_, param)) = c.constraint.as_ref().filter(|_| forced != Forced::No) {
+        ignored.push(param.split('.').next().unwrap_or(param).into());
     }
     let ignored = settle_ignored(ignored, config.strict_fields)?;
     let (add_generation_prompt, continue_final_message) =
@@ -634,13 +635,13 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).
     let thinking = reasoning.filter(|_| !crate::reasoning::prompt_closes(&rendered.text));
-    let mut response_format = c.response_format;
+    let mut requested = c.constraint;
     if forced != Forced::No {
         // without effect beside a forced call (reported above), yet checked as it would be
         // alone: a schema that cannot compile is still the client's error
-        constrained::compile(router, response_format.take(), &params)?;
+        constrained::compile(router, requested.take(), &params)?;
     }
-    let constraint = tool_grammar.or(response_format).map(|(g, param)| (g.after_reasoning(thinking), param));
+    let constraint = tool_grammar.or(requested).map(|(g, param)| (g.after_reasoning(thinking), param));
     let grammar = constrained::compile(router, constraint, &params)?;
     let prompt = router.tokenizer.encode(&rendered.text, false);
     if prompt.is_empty() {

@@ -212,6 +212,14 @@ pub struct CommonFields {
     pub skip_special_tokens: Option<bool>,
     pub logit_bias: Option<BTreeMap<String, f64>>,
     pub response_format: Option<Value>,
+    /// vLLM's `structured_outputs`, and the `guided_*` fields it replaced (constrained.rs).
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub guided_decoding_backend: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
     pub priority: Option<i32>,
     pub request_id: Option<String>,
     pub cache_salt: Option<String>,
@@ -240,9 +248,9 @@ pub struct Common {
     pub user: Option<String>,
     /// Inert fields that were sent (store, metadata, service_tier, stream_options.*).
     pub inert: Vec<String>,
-    /// What `response_format` constrains the output to (None: free text), and the param
-    /// path of the source (for compile errors).
-    pub response_format: Option<(crate::structured::GrammarSource, &'static str)>,
+    /// What `response_format` (or `structured_outputs`, or a `guided_*` field) constrains the
+    /// output to (None: free text), and the param path of the source (for compile errors).
+    pub constraint: Option<(crate::structured::GrammarSource, &'static str)>,
 }
 
 fn ranged(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
@@ -368,6 +376,35 @@ impl CommonFields {
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
         let response_format = super::constrained::response_format_source(self.response_format.as_ref())?;
         inert.extend(super::constrained::response_format_unknown_keys(self.response_format.as_ref()));
+        let guided = super::constrained::Guided {
+            structured_outputs: self.structured_outputs.as_ref(),
+            json: self.guided_json.as_ref(),
+            regex: self.guided_regex.as_ref(),
+            choice: self.guided_choice.as_ref(),
+            grammar: self.guided_grammar.as_ref(),
+        };
+        let structured = guided.source(&mut inert)?;
+        for (key, v) in [
+            ("guided_decoding_backend", &self.guided_decoding_backend),
+            ("guided_whitespace_pattern", &self.guided_whitespace_pattern),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                inert.push(key.into());
+            }
+        }
+        let constraint = match (response_format, structured) {
+            (Some(_), Some((_, param))) => {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "`{}` and a constraining `response_format` cannot both be sent: the output follows one \
+                         grammar.",
+                        param.split('.').next().unwrap_or(param)
+                    ),
+                ))
+            }
+            (rf, so) => rf.or(so),
+        };
 
         if let Some(id) = &self.request_id {
             check_request_id(id)?;
@@ -420,7 +457,7 @@ impl CommonFields {
             cache_salt: self.cache_salt,
             user: self.user,
             inert,
-            response_format,
+            constraint,
         })
     }
 }

@@ -168,7 +168,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // (the first prompt token's is null): Core asks the scheduler for prompt logprob rows.
     params.logprobs = comp.logprobs;
 
-    let grammar = super::constrained::compile(router, c.response_format, &params)?;
+    let grammar = super::constrained::compile(router, c.constraint, &params)?;
     let prompts = tokenize_prompts(&router.tokenizer, parse_prompts(&comp.prompt, vocab_size)?)?;
     for (ids, _, param) in &prompts {
         check_context(ids.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, param)?;

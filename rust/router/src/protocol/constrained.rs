@@ -144,6 +144,142 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
     }
 }
 
+/// vLLM's ways of asking for a constrained output: `structured_outputs` (`json`, `regex`,
+/// `choice`, `grammar`, `json_object`), and the `guided_json` / `guided_regex` /
+/// `guided_choice` / `guided_grammar` fields it replaced in vLLM 0.12 (still sent by older
+/// clients). They compile to the same grammars as `response_format`; `grammar` is Lark, as
+/// vLLM's guidance backend reads it.
+pub struct Guided<'a> {
+    pub structured_outputs: Option<&'a Value>,
+    pub json: Option<&'a Value>,
+    pub regex: Option<&'a Value>,
+    pub choice: Option<&'a Value>,
+    pub grammar: Option<&'a Value>,
+}
+
+/// The keys of `structured_outputs` that constrain the output (exactly one may be set).
+const STRUCTURED: [(&str, &str); 5] = [
+    ("json", "structured_outputs.json"),
+    ("regex", "structured_outputs.regex"),
+    ("choice", "structured_outputs.choice"),
+    ("grammar", "structured_outputs.grammar"),
+    ("json_object", "structured_outputs.json_object"),
+];
+
+impl<'a> Guided<'a> {
+    /// The grammar asked for (None: none) and the param it came from. Keys of
+    /// `structured_outputs` that tune vLLM's backends (`whitespace_pattern`,
+    /// `disable_fallback`, ...) are reported into `inert`; `structural_tag` is refused.
+    pub fn source(&self, inert: &mut Vec<String>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
+        fn set(v: Option<&Value>) -> Option<&Value> {
+            v.filter(|v| !v.is_null())
+        }
+        let mut asked: Vec<(&'static str, &'static str, &'a Value)> = Vec::new();
+        match set(self.structured_outputs) {
+            None => {}
+            Some(Value::Object(so)) => {
+                for (key, v) in so.iter().filter(|(_, v)| !v.is_null()) {
+                    match STRUCTURED.iter().find(|(k, _)| k == key) {
+                        Some(&(kind, param)) => asked.push((kind, param, v)),
+                        None if key == "structural_tag" => {
+                            return Err(ApiError::with_code(
+                                "unsupported_parameter",
+                                Some("structured_outputs.structural_tag".into()),
+                                "`structured_outputs.structural_tag` is not supported: send `json`, `regex`, \
+                                 `choice`, `grammar` or `json_object`.",
+                            ))
+                        }
+                        None => inert.push(format!("structured_outputs.{key}")),
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(invalid_type(
+                    "structured_outputs",
+                    format!("`structured_outputs` must be an object, not {}.", kind_of(other)),
+                ))
+            }
+        }
+        let legacy = [
+            ("json", "guided_json", self.json),
+            ("regex", "guided_regex", self.regex),
+            ("choice", "guided_choice", self.choice),
+            ("grammar", "guided_grammar", self.grammar),
+        ];
+        asked.extend(legacy.into_iter().filter_map(|(kind, param, v)| set(v).map(|v| (kind, param, v))));
+        if let [_, (_, second, _), ..] = asked.as_slice() {
+            let names: Vec<&str> = asked.iter().map(|(_, p, _)| *p).collect();
+            return Err(ApiError::invalid(
+                *second,
+                format!("Only one structured-output constraint may be sent, got {}.", names.join(", ")),
+            ));
+        }
+        let Some(&(kind, param, v)) = asked.first() else { return Ok(None) };
+        let text = |v: &Value| match v {
+            Value::String(s) => Ok(s.clone()),
+            other => Err(invalid_type(param, format!("`{param}` must be a string, not {}.", kind_of(other)))),
+        };
+        let source = match kind {
+            "json" => {
+                let mut schema = match v {
+                    Value::Object(_) => v.clone(),
+                    // vLLM takes the schema as JSON text too
+                    Value::String(s) => match serde_json::from_str::<Value>(s) {
+                        Ok(schema @ Value::Object(_)) => schema,
+                        _ => return Err(ApiError::invalid(param, format!("`{param}` must be a JSON Schema object."))),
+                    },
+                    other => {
+                        return Err(invalid_type(
+                            param,
+                            format!("`{param}` must be a JSON Schema object, not {}.", kind_of(other)),
+                        ))
+                    }
+                };
+                super::schema_edit::close_objects(&mut schema);
+                GrammarSource::JsonSchema(schema)
+            }
+            "regex" => GrammarSource::Regex(text(v)?),
+            "grammar" => GrammarSource::Lark(text(v)?),
+            "json_object" => match v {
+                Value::Bool(true) => GrammarSource::JsonSchema(json!({"type": "object"})),
+                Value::Bool(false) => return Ok(None),
+                other => {
+                    return Err(invalid_type(param, format!("`{param}` must be a boolean, not {}.", kind_of(other))))
+                }
+            },
+            "choice" => GrammarSource::Lark(choice_grammar(v, param)?),
+            _ => unreachable!("STRUCTURED and the legacy fields name no other kind"),
+        };
+        Ok(Some((source, param)))
+    }
+}
+
+/// The grammar of exactly one of `choices` (a non-empty list of strings).
+fn choice_grammar(choices: &Value, param: &str) -> Result<String, ApiError> {
+    let Value::Array(items) = choices else {
+        return Err(invalid_type(param, format!("`{param}` must be a list of strings, not {}.", kind_of(choices))));
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid(param, format!("`{param}` must list at least one choice.")));
+    }
+    let mut options = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        match item {
+            Value::String(s) if !s.is_empty() => options.push(serde_json::to_string(s).expect("strings serialize")),
+            Value::String(_) => {
+                return Err(ApiError::invalid(format!("{param}[{i}]"), "A choice must not be empty."));
+            }
+            other => {
+                return Err(invalid_type(
+                    format!("{param}[{i}]"),
+                    format!("A choice must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        }
+    }
+    Ok(format!("start: {}\n", options.join(" | ")))
+}
+
 /// Compiles a request's grammar, after refusing the sampling fields that would fight it.
 pub(crate) fn compile(
     router: &Router,
@@ -166,4 +302,27 @@ pub(crate) fn compile(
         ));
     }
     router.grammars.compile(&source, param).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::structured::tests::{byte_tokenizer, drive, refuses};
+    use crate::structured::Grammars;
+
+    #[test]
+    fn a_choice_is_exactly_one_of_its_strings() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let choices = json!(["yes", "yes please", "say \"no\"", "a\\b\nc"]);
+        let grammar = g.compile(&GrammarSource::Lark(choice_grammar(&choices, "c").unwrap()), "c").unwrap();
+        for text in ["yes", "yes please", "say \"no\"", "a\\b\nc"] {
+            let mut m = drive(&grammar, &tok, text);
+            assert!(m.is_stopped() || m.is_accepting().unwrap(), "{text}");
+        }
+        assert!(drive(&grammar, &tok, "yes please").is_stopped());
+        for wrong in ["no", "yes!", "say no", "a\\bc"] {
+            assert!(refuses(&grammar, &tok, wrong), "{wrong}");
+        }
+    }
 }
