@@ -80,7 +80,8 @@ class ModelConfig(_Checked):
     chat_template_content_format: str = _f(
         "auto",
         "Message content shape the template expects: 'string' (list-of-parts content is joined "
-        "with newlines), 'openai' (parts passed as sent), or 'auto' (detected from the template).",
+        "with newlines), 'openai' (string content is passed as one text part), or 'auto' (detected from the template; a "
+        "template detected as walking parts gets string content as sent if it shows it, else as one part).",
         choices=("auto", "string", "openai"),
     )
     generation_config: str = _f(

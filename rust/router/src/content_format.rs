@@ -9,6 +9,12 @@
 //!
 //! An assistant's `{"type": "refusal", "refusal": ...}` part becomes a text part of that text.
 //!
+//! String content reaches an `OpenAi` template as a string: most such templates test
+//! `is string` and print it, some only for some roles (Mistral-Small-3.1 concatenates the
+//! system prompt as a string but walks a user turn's parts). A template that only walks parts
+//! would show nothing of it, so the chat route renders once more with strings wrapped as one
+//! text part each when that shows more of the messages' text (`chat::render`).
+//!
 //! A message without content (`content: null` or absent: an assistant turn that only calls
 //! tools) reaches the template as `""` for `String` templates and as `[]` for `OpenAi` ones, as
 //! vLLM renders it: templates concatenate or loop over `content` without checking for none.
@@ -93,6 +99,24 @@ pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
         })
         .collect();
     Cow::Owned(Value::Array(normalized))
+}
+
+/// The non-empty string contents of `messages`, trimmed: what a render should show.
+pub fn string_contents(messages: &Value) -> Vec<&str> {
+    let list = messages.as_array().into_iter().flatten();
+    list.filter_map(|m| m.get("content")?.as_str()).map(str::trim).filter(|t| !t.is_empty()).collect()
+}
+
+/// `messages` with each string `content` as one text part, the shape a template that only
+/// walks parts can show.
+pub fn wrap_strings(messages: &Value) -> Value {
+    let mut out = messages.clone();
+    for m in out.as_array_mut().into_iter().flatten() {
+        if let Some(text) = m.get("content").and_then(Value::as_str) {
+            m["content"] = serde_json::json!([{"type": "text", "text": text}]);
+        }
+    }
+    out
 }
 
 fn is_refusal(part: &Value) -> bool {

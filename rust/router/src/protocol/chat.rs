@@ -16,6 +16,7 @@ use super::common::{
     unsupported, CommonFields,
 };
 use super::{constrained, Checked, Endpoint, Prepared};
+use crate::content_format::ContentFormat;
 use crate::error::ApiError;
 use crate::router::Router;
 use crate::structured::GrammarSource;
@@ -99,18 +100,40 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
     if !template.source().contains("developer") {
         developer_as_system(&mut messages);
     }
-    let rendered = template.render(&RenderInput {
-        messages: &messages,
-        tools: input.tools,
-        documents: input.documents,
-        add_generation_prompt: input.add_generation_prompt,
-        continue_final_message: input.continue_final_message,
-        kwargs: input.kwargs,
-        bos_token: config.bos_token.as_deref(),
-        eos_token: config.eos_token.as_deref(),
-        fuel: Some(config.template_fuel),
-    })?;
-    Ok((rendered, template))
+    let render_messages = |messages: &Value| {
+        template.render(&RenderInput {
+            messages,
+            tools: input.tools,
+            documents: input.documents,
+            add_generation_prompt: input.add_generation_prompt,
+            continue_final_message: input.continue_final_message,
+            kwargs: input.kwargs,
+            bos_token: config.bos_token.as_deref(),
+            eos_token: config.eos_token.as_deref(),
+            fuel: Some(config.template_fuel),
+        })
+    };
+    if config.chat_template_content_format == Some(ContentFormat::OpenAi) {
+        // told that the template walks parts: every content is parts
+        return Ok((render_messages(&crate::content_format::wrap_strings(&messages))?, template));
+    }
+    let rendered = render_messages(&messages);
+    // A detected parts template may only walk parts, showing nothing of string content:
+    // then strings go as one text part each, if that shows more of the messages' text (see
+    // content_format.rs). A template that handles strings keeps them, as transformers does.
+    let texts = crate::content_format::string_contents(&messages);
+    if format != ContentFormat::OpenAi || texts.is_empty() {
+        return Ok((rendered?, template));
+    }
+    let shown = |r: &Rendered| texts.iter().filter(|t| r.text.contains(*t)).count();
+    let plain_shows = rendered.as_ref().map_or(0, |r| shown(r));
+    if rendered.is_ok() && plain_shows == texts.len() {
+        return Ok((rendered?, template));
+    }
+    match render_messages(&crate::content_format::wrap_strings(&messages)) {
+        Ok(wrapped) if rendered.is_err() || shown(&wrapped) > plain_shows => Ok((wrapped, template)),
+        _ => Ok((rendered?, template)),
+    }
 }
 
 /// OpenAI's `developer` role is its newer name for system instructions. A template that never
