@@ -126,7 +126,7 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         return Ok((rendered?, template));
     }
     let shown = |r: &Rendered| texts.iter().filter(|t| r.text.contains(*t)).count();
-    let plain_shows = rendered.as_ref().map_or(0, |r| shown(r));
+    let plain_shows = rendered.as_ref().map_or(0, &shown);
     if rendered.is_ok() && plain_shows == texts.len() {
         return Ok((rendered?, template));
     }
