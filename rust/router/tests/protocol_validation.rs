@@ -748,8 +748,8 @@ fn string_content_renders_through_parts_templates() {
     let body = json!({"messages": messages, "add_generation_prompt": false});
     let walks_only =
         "{% for m in messages %}{{ m.role }}:{% for part in m.content %}{{ part.text }}{% endfor %};{% endfor %}";
-    let p = chat(&router_with(json!({}), Some(walks_only)), body.clone()).unwrap();
-    assert_eq!(p.prompt_texts[0], "system:be brief;user:hello world;");
+    let wrapped = chat(&router_with(json!({}), Some(walks_only)), body.clone()).unwrap();
+    assert_eq!(wrapped.prompt_texts[0], "system:be brief;user:hello world;");
     // Mistral-Small-3.1's shape: the system prompt concatenated, user turns walked unless strings
     let mixed = "{{ messages[0]['content'] + '|' }}{% for m in messages[1:] %}{% if m.content is string %}\
                  S:{{ m.content }}{% else %}{% for b in m.content %}P:{{ b.text }}{% endfor %}{% endif %};{% endfor %}";
@@ -757,8 +757,8 @@ fn string_content_renders_through_parts_templates() {
     assert_eq!(chat(&r, body.clone()).unwrap().prompt_texts[0], "be brief|S:hello world;");
     let parts = json!([{"role": "system", "content": "be brief"},
                        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]);
-    let p = chat(&r, json!({"messages": parts, "add_generation_prompt": false})).unwrap();
-    assert_eq!(p.prompt_texts[0], "be brief|P:helloP:world;");
+    let walked = chat(&r, json!({"messages": parts, "add_generation_prompt": false})).unwrap();
+    assert_eq!(walked.prompt_texts[0], "be brief|P:helloP:world;");
     // told that the template walks parts, every content is parts
     let told = router_with(json!({"chat_template_content_format": "openai"}), Some(mixed));
     assert_eq!(shape(chat(&told, body)), (400, "template_error", p("messages")));
