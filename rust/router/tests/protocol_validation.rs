@@ -381,6 +381,8 @@ fn structured_outputs_constrain_like_response_format() {
     for off in [json!({"json_object": false}), json!({}), json!({"regex": null})] {
         assert_eq!(chat(&r, json!({"structured_outputs": off})).unwrap().grammar, None);
     }
+    let beside_off = chat(&r, json!({"structured_outputs": {"regex": "[a-z]+", "json_object": false}})).unwrap();
+    assert_eq!(beside_off.grammar, rx.grammar);
     let tuned = chat(
         &r,
         json!({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": true},

@@ -178,7 +178,9 @@ impl<'a> Guided<'a> {
         match set(self.structured_outputs) {
             None => {}
             Some(Value::Object(so)) => {
-                for (key, v) in so.iter().filter(|(_, v)| !v.is_null()) {
+                // `json_object: false` asks for nothing, as null does
+                let off = |key: &str, v: &Value| v.is_null() || (key == "json_object" && *v == Value::Bool(false));
+                for (key, v) in so.iter().filter(|(k, v)| !off(k, v)) {
                     match STRUCTURED.iter().find(|(k, _)| k == key) {
                         Some(&(kind, param)) => asked.push((kind, param, v)),
                         None if key == "structural_tag" => {
@@ -242,7 +244,6 @@ impl<'a> Guided<'a> {
             "grammar" => GrammarSource::Lark(text(v)?),
             "json_object" => match v {
                 Value::Bool(true) => GrammarSource::JsonSchema(json!({"type": "object"})),
-                Value::Bool(false) => return Ok(None),
                 other => {
                     return Err(invalid_type(param, format!("`{param}` must be a boolean, not {}.", kind_of(other))))
                 }
