@@ -524,7 +524,11 @@ fn tools_and_tool_choice() {
     assert!(!named.tools.unwrap().parallel);
     let bad = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}});
     let e = chat(&r, json!({"tools": [bad], "tool_choice": "required"})).unwrap_err();
-    assert_eq!(e.param(), Some("tools"));
+    assert_eq!(e.param(), Some("tools[0].function.parameters"));
+    // the tool that fails is named, also among others
+    let e = chat(&r, json!({"tools": [tool, bad], "tool_choice": "required"})).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("invalid_value", Some("tools[1].function.parameters")));
+    assert!(e.message().contains("not"), "{}", e.message());
 }
 
 #[test]

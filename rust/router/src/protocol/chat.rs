@@ -442,6 +442,10 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
     Ok(names)
 }
 
+/// Most tools a forced call's refused grammar is compiled again for, one at a time, to name
+/// the one whose `parameters` failed.
+const BLAMED_TOOLS: usize = 32;
+
 /// What `tool_choice` forces: nothing, a call to any tool, or a call to the named one.
 #[derive(Clone, Debug, PartialEq)]
 enum Forced {
@@ -481,11 +485,13 @@ fn tool_plan(
                 Forced::Named(n) => (functions(Some(n)), false, ToolChoice::Named),
                 _ => (functions(None), parallel, ToolChoice::Required),
             };
+            let tool_index = |f: &Value| {
+                let index = tools.iter().position(|t| t.get("function").is_some_and(|g| std::ptr::eq(f, g)));
+                index.unwrap_or_default()
+            };
             let source = format.forced_grammar(&fns, parallel).map_err(|u| {
-                let index =
-                    tools.iter().position(|t| t.get("function").is_some_and(|f| std::ptr::eq(f, fns[u.function])));
                 ApiError::invalid(
-                    format!("tools[{}].function.parameters{}", index.unwrap_or_default(), u.at),
+                    format!("tools[{}].function.parameters{}", tool_index(fns[u.function]), u.at),
                     format!(
                         "The {} tool-call format cannot enforce {} in a forced call's arguments (each \
                          value is raw text in its own tag); leave it out of the schema, or send `tool_choice` \"auto\".",
@@ -494,6 +500,22 @@ fn tool_plan(
                     ),
                 )
             })?;
+            if let Err(err) = router.grammars.compile(&source, "tools") {
+                // name the tool whose `parameters` the engine refused, if one alone fails (a
+                // choice among many tools fails as a whole: the engine's per-step limit)
+                if fns.len() > BLAMED_TOOLS {
+                    return Err(err);
+                }
+                let alone = |f: &Value| {
+                    format.forced_grammar(&[f], false).is_ok_and(|g| router.grammars.compile(&g, "tools").is_err())
+                };
+                return Err(match fns.iter().copied().find(|f| alone(f)) {
+                    Some(f) => {
+                        ApiError::invalid(format!("tools[{}].function.parameters", tool_index(f)), err.message())
+                    }
+                    None => err,
+                });
+            }
             (Some(ToolParsing::new(format, parallel, &fns).with_choice(choice)), Some((source, "tools")))
         }
     })
