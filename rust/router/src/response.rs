@@ -13,7 +13,11 @@
 //! `function.name` as soon as the name is known, then `function.arguments` fragments as they
 //! are generated), and a choice that made a call and ended normally finishes with
 //! `"tool_calls"` (`"stop"` under a named `tool_choice`, as OpenAI's). Streamed and not, the calls are the same events, so the arguments a
-//! client concatenates equal the non-streamed ones.
+//! client concatenates equal the non-streamed ones, with one exception: under `"auto"`, a
+//! non-streamed choice whose complete call has arguments that are not a JSON object (the
+//! model wrote `{"a": 1,}`) answers its whole text as content, without calls, as vLLM's
+//! parsers do, since clients `json.loads` the arguments; a stream has already sent the
+//! call's pieces by then.
 //!
 //! Reasoning (chat with a reasoning parser, [`Prepared::reasoning`]): each choice's text first
 //! goes through a [`ReasoningSplitter`]; its thinking becomes `message.reasoning_content`
@@ -307,6 +311,9 @@ struct ChoiceState {
     parser: Option<ToolCallParser>,
     /// Non-streaming: the calls parsed so far.
     tool_calls: Vec<ToolCall>,
+    /// Non-streaming, with tools: the text the parser read (content and calls), which is
+    /// the content if a call turns out broken.
+    raw: String,
     /// Chat with a reasoning parser: splits thinking from content.
     reasoning: Option<ReasoningSplitter>,
     /// Non-streaming: the reasoning text so far.
@@ -637,6 +644,9 @@ impl ResponseBuilder {
         // forced, the model did not choose to call); auto and required finish "tool_calls".
         let named = self.tools.as_ref().is_some_and(|t| t.choice == ToolChoice::Named);
         let call_finish = if named { FinishReason::Stop } else { FinishReason::ToolCalls };
+        if !self.stream {
+            self.choices[idx].raw.push_str(delta.text);
+        }
         let parser = self.choices[idx].parser.as_mut().expect("checked by push");
         let mut events = parser.push(delta.text);
         let mut finish = delta.finish;
@@ -670,10 +680,19 @@ impl ResponseBuilder {
         for event in merge_args(events) {
             let state = &mut self.choices[idx];
             match &event {
-                ToolEvent::Content(_) | ToolEvent::End => continue,
-                ToolEvent::Start { id, name } => {
-                    state.tool_calls.push(ToolCall { id: id.clone(), name: name.clone(), arguments: String::new() })
+                ToolEvent::Content(_) => continue,
+                ToolEvent::End => {
+                    if let Some(call) = state.tool_calls.last_mut() {
+                        call.ended = true;
+                    }
+                    continue;
                 }
+                ToolEvent::Start { id, name } => state.tool_calls.push(ToolCall {
+                    id: id.clone(),
+                    name: name.clone(),
+                    arguments: String::new(),
+                    ended: false,
+                }),
                 ToolEvent::Args(a) => match state.tool_calls.last_mut() {
                     Some(call) => call.arguments.push_str(a),
                     None => continue,
@@ -764,34 +783,42 @@ impl ResponseBuilder {
                 .choices
                 .iter()
                 .enumerate()
-                .map(|(i, c)| ChatChoice {
-                    index: i as u32,
-                    message: Message {
-                        role: "assistant",
-                        // null when the output was only calls or only thinking (as vLLM), and
-                        // when it could only be calls (forced; cut off before one was whole),
-                        // as the stream's deltas sum to
-                        content: (!c.text.is_empty()
-                            || (c.tool_calls.is_empty() && c.reasoning_text.is_empty() && !forced))
-                            .then_some(c.text.as_str()),
-                        refusal: None,
-                        reasoning_content: c
-                            .reasoning
-                            .is_some()
-                            .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str())),
-                        tool_calls: c
-                            .tool_calls
-                            .iter()
-                            .map(|t| ToolCallOut {
-                                id: &t.id,
-                                kind: "function",
-                                function: Function { name: &t.name, arguments: &t.arguments },
-                            })
-                            .collect(),
-                    },
-                    logprobs: self.logprobs.then_some(&c.chat_lp),
-                    finish_reason: c.finish.map(FinishReason::as_str),
-                    stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
+                .map(|(i, c)| {
+                    let broken = !forced && c.tool_calls.iter().any(ToolCall::broken);
+                    let (text, calls, finish) = if broken {
+                        let finish =
+                            c.finish.map(|f| if f == FinishReason::ToolCalls { FinishReason::Stop } else { f });
+                        (c.raw.as_str(), &[][..], finish)
+                    } else {
+                        (c.text.as_str(), &c.tool_calls[..], c.finish)
+                    };
+                    ChatChoice {
+                        index: i as u32,
+                        message: Message {
+                            role: "assistant",
+                            // null when the output was only calls or only thinking (as vLLM), and
+                            // when it could only be calls (forced; cut off before one was whole),
+                            // as the stream's deltas sum to
+                            content: (!text.is_empty() || (calls.is_empty() && c.reasoning_text.is_empty() && !forced))
+                                .then_some(text),
+                            refusal: None,
+                            reasoning_content: c
+                                .reasoning
+                                .is_some()
+                                .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str())),
+                            tool_calls: calls
+                                .iter()
+                                .map(|t| ToolCallOut {
+                                    id: &t.id,
+                                    kind: "function",
+                                    function: Function { name: &t.name, arguments: &t.arguments },
+                                })
+                                .collect(),
+                        },
+                        logprobs: self.logprobs.then_some(&c.chat_lp),
+                        finish_reason: finish.map(FinishReason::as_str),
+                        stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
+                    }
                 })
                 .collect();
             serde_json::to_vec(&Body {
@@ -846,6 +873,15 @@ struct ToolCall {
     id: String,
     name: String,
     arguments: String,
+    /// The call completed (one cut off by the output's end keeps what it had).
+    ended: bool,
+}
+
+impl ToolCall {
+    /// A complete call whose arguments are not a JSON object.
+    fn broken(&self) -> bool {
+        self.ended && !serde_json::from_str::<serde_json::Value>(&self.arguments).is_ok_and(|v| v.is_object())
+    }
 }
 
 /// Consecutive argument fragments as one (fewer stream chunks, same concatenation).

@@ -487,6 +487,32 @@ fn streamed_tool_calls_equal_the_body_and_arguments_arrive_in_pieces() {
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
 }
 
+/// Under "auto", a complete call whose arguments are not a JSON object (clients `json.loads`
+/// them) makes the non-streamed choice answer its text as content, as vLLM's parsers do; a
+/// call cut off by the output's end keeps what it had.
+#[test]
+fn a_call_with_broken_arguments_is_content_unless_cut_off() {
+    let broken = ["Sure. <tool_call>\n{\"name\": \"get\", \"arguments\": {\"a\": 1,}}\n</tool_call>", ""];
+    let mut b = hermes_chat(false, true);
+    b.push(0, &delta(broken[0], &[tok(9)], None));
+    b.push(0, &delta(broken[1], &[tok(9)], Some(FinishReason::Stop)));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["content"], broken[0]);
+    assert!(choice["message"].get("tool_calls").is_none_or(|c| c.as_array().is_some_and(Vec::is_empty)), "{choice}");
+    assert_eq!(choice["finish_reason"], "stop");
+    // cut off inside the arguments: the call stays, with what was generated
+    let mut b = hermes_chat(false, true);
+    b.push(
+        0,
+        &delta("<tool_call>\n{\"name\": \"get\", \"arguments\": {\"a\": ", &[tok(9)], Some(FinishReason::Length)),
+    );
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\": ");
+    assert_eq!(choice["finish_reason"], "length");
+}
+
 #[test]
 fn without_parallel_calls_the_choice_ends_with_its_first_call() {
     let mut b = hermes_chat(true, false);
