@@ -11,9 +11,12 @@
 //!
 //! String content reaches an `OpenAi` template as a string: most such templates test
 //! `is string` and print it, some only for some roles (Mistral-Small-3.1 concatenates the
-//! system prompt as a string but walks a user turn's parts). A template that only walks parts
-//! would show nothing of it, so the chat route renders once more with strings wrapped as one
-//! text part each when that shows more of the messages' text (`chat::render`).
+//! system prompt as a string but walks a user turn's parts). Detection reads the template's
+//! text, and misses templates that reach the parts another way (through an alias, a macro's
+//! parameter, a filter). So when a render leaves out some of the messages' text, the chat
+//! route renders once more with parts as sent and strings as one text part each, and keeps
+//! that if it shows all of it (`chat::render`). `--chat-template-content-format` renders one
+//! shape as told: `openai` wraps strings as one part each.
 //!
 //! A message without content (`content: null` or absent: an assistant turn that only calls
 //! tools) reaches the template as `""` for `String` templates and as `[]` for `OpenAi` ones, as
@@ -101,10 +104,18 @@ pub fn normalize(messages: &Value, format: ContentFormat) -> Cow<'_, Value> {
     Cow::Owned(Value::Array(normalized))
 }
 
-/// The non-empty string contents of `messages`, trimmed: what a render should show.
-pub fn string_contents(messages: &Value) -> Vec<&str> {
-    let list = messages.as_array().into_iter().flatten();
-    list.filter_map(|m| m.get("content")?.as_str()).map(str::trim).filter(|t| !t.is_empty()).collect()
+/// The messages' text, trimmed and non-empty: each string `content` and each text part's
+/// `text`. What a render should show.
+pub fn message_texts(messages: &Value) -> Vec<&str> {
+    let mut texts = Vec::new();
+    for content in messages.as_array().into_iter().flatten().filter_map(|m| m.get("content")) {
+        match content {
+            Value::String(s) => texts.push(s.as_str()),
+            Value::Array(parts) => texts.extend(parts.iter().filter_map(|p| p.get("text")?.as_str())),
+            _ => {}
+        }
+    }
+    texts.into_iter().map(str::trim).filter(|t| !t.is_empty()).collect()
 }
 
 /// `messages` with each string `content` as one text part, the shape a template that only

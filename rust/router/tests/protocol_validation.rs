@@ -765,6 +765,20 @@ fn string_content_renders_through_parts_templates() {
                        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]);
     let walked = chat(&r, json!({"messages": parts, "add_generation_prompt": false})).unwrap();
     assert_eq!(walked.prompt_texts[0], "be brief|P:helloP:world;");
+    // templates that reach the parts where detection does not look (an alias, a macro's
+    // parameter, a filter) show string and part content alike
+    let parts_body = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                                      {"type": "text", "text": "world"}]}],
+                            "add_generation_prompt": false});
+    for indirect in [
+        "{% for m in messages %}{% set ps = m.content %}{% for p in ps %}{{ p.text }}{% endfor %};{% endfor %}",
+        "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}{% for m in messages %}{{ show(m.content) }};{% endfor %}",
+        "{% for m in messages %}{{ m.content | map(attribute='text') | join('') }};{% endfor %}",
+    ] {
+        let r = router_with(json!({}), Some(indirect));
+        assert_eq!(chat(&r, body.clone()).unwrap().prompt_texts[0], "be brief;hello world;", "{indirect}");
+        assert_eq!(chat(&r, parts_body.clone()).unwrap().prompt_texts[0], "helloworld;", "{indirect}");
+    }
     // told that the template walks parts, every content is parts
     let told = router_with(json!({"chat_template_content_format": "openai"}), Some(mixed));
     assert_eq!(shape(chat(&told, body)), (400, "template_error", p("messages")));

@@ -95,11 +95,17 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         )
     })?;
     let config = &router.config;
-    let format = config.chat_template_content_format.unwrap_or_else(|| template.content_format());
-    let mut messages = crate::content_format::normalize(input.messages, format);
-    if !template.source().contains("developer") {
-        developer_as_system(&mut messages);
-    }
+    let shaped = |format: ContentFormat| {
+        let mut messages = crate::content_format::normalize(input.messages, format);
+        if !template.source().contains("developer") {
+            developer_as_system(&mut messages);
+        }
+        if format == ContentFormat::OpenAi {
+            // strings as one text part each: the shape a template that only walks parts shows
+            messages = std::borrow::Cow::Owned(crate::content_format::wrap_strings(&messages));
+        }
+        messages
+    };
     let render_messages = |messages: &Value| {
         template.render(&RenderInput {
             messages,
@@ -113,25 +119,29 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
             fuel: Some(config.template_fuel),
         })
     };
-    if config.chat_template_content_format == Some(ContentFormat::OpenAi) {
-        // told that the template walks parts: every content is parts
-        return Ok((render_messages(&crate::content_format::wrap_strings(&messages))?, template));
+    if let Some(told) = config.chat_template_content_format {
+        return Ok((render_messages(&shaped(told))?, template));
     }
-    let rendered = render_messages(&messages);
-    // A detected parts template may only walk parts, showing nothing of string content:
-    // then strings go as one text part each, if that shows more of the messages' text (see
-    // content_format.rs). A template that handles strings keeps them, as transformers does.
-    let texts = crate::content_format::string_contents(&messages);
-    if format != ContentFormat::OpenAi || texts.is_empty() {
-        return Ok((rendered?, template));
+    // The detected shape first, with string content as sent (most parts templates test `is
+    // string`, as transformers renders them). Detection reads the template's text, and a
+    // template may reach the content in ways it does not see (an alias, a macro, a filter):
+    // if the render fails or leaves out some of the messages' text, the other shape is tried,
+    // and kept if it renders where the first failed, or shows all of it (content_format.rs).
+    let detected = template.content_format();
+    let mut first = crate::content_format::normalize(input.messages, detected);
+    if !template.source().contains("developer") {
+        developer_as_system(&mut first);
     }
+    let rendered = render_messages(&first);
+    let texts = crate::content_format::message_texts(input.messages);
     let shown = |r: &Rendered| texts.iter().filter(|t| r.text.contains(*t)).count();
-    let plain_shows = rendered.as_ref().map_or(0, &shown);
-    if rendered.is_ok() && plain_shows == texts.len() {
+    if rendered.as_ref().is_ok_and(|r| shown(r) == texts.len()) {
         return Ok((rendered?, template));
     }
-    match render_messages(&crate::content_format::wrap_strings(&messages)) {
-        Ok(wrapped) if rendered.is_err() || shown(&wrapped) > plain_shows => Ok((wrapped, template)),
+    // parts as sent, strings as one part each (the first render had strings as sent, and
+    // parts joined for a string template)
+    match render_messages(&shaped(ContentFormat::OpenAi)) {
+        Ok(second) if rendered.is_err() || shown(&second) == texts.len() => Ok((second, template)),
         _ => Ok((rendered?, template)),
     }
 }
