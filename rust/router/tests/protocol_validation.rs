@@ -377,10 +377,14 @@ fn structured_outputs_constrain_like_response_format() {
         .unwrap()
         .key()
         .starts_with("lark:"));
-    // off, or empty: no grammar; backend tuning is reported, not silently dropped
-    for off in [json!({"json_object": false}), json!({}), json!({"regex": null})] {
-        assert_eq!(chat(&r, json!({"structured_outputs": off})).unwrap().grammar, None);
+    // sent without a constraint (empty, off, tuning keys alone): 400, as vLLM
+    for off in
+        [json!({"json_object": false}), json!({}), json!({"regex": null}), json!({"disable_any_whitespace": true})]
+    {
+        let got = shape(chat(&r, json!({"structured_outputs": off.clone()})));
+        assert_eq!(got, (400, "invalid_value", p("structured_outputs")), "{off}");
     }
+    assert_eq!(chat(&r, json!({"structured_outputs": null})).unwrap().grammar, None);
     let beside_off = chat(&r, json!({"structured_outputs": {"regex": "[a-z]+", "json_object": false}})).unwrap();
     assert_eq!(beside_off.grammar, rx.grammar);
     let tuned = chat(

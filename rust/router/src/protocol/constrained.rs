@@ -194,6 +194,14 @@ impl<'a> Guided<'a> {
                         None => inert.push(format!("structured_outputs.{key}")),
                     }
                 }
+                if asked.is_empty() {
+                    // as vLLM: the object is sent to constrain, and tuning keys alone do not
+                    return Err(ApiError::invalid(
+                        "structured_outputs",
+                        "`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar` or \
+                         `json_object: true`.",
+                    ));
+                }
             }
             Some(other) => {
                 return Err(invalid_type(
