@@ -186,6 +186,7 @@ def build_engine(cfg: Config) -> Engine:
         "reasoning_parser": cfg.model.reasoning_parser,
         "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
         "system_fingerprint": fingerprint,
+        "model_root": cfg.model.model or ck.name,
     }
     router = Router(
         ck.tokenizer_json,

@@ -65,6 +65,10 @@ pub struct RouterConfig {
     /// None: sent as null.
     #[serde(default)]
     pub system_fingerprint: Option<String>,
+    /// The model as loaded (its path or hub id): `/v1/models`' `root`. None: the first
+    /// served name.
+    #[serde(default)]
+    pub model_root: Option<String>,
 }
 
 pub struct Router {
@@ -165,14 +169,35 @@ impl Router {
         Ok(serde_json::to_vec(&self.model_object(id)).expect("JSON values serialize"))
     }
 
+    /// A model object in vLLM's shape (its clients read `root`, `parent` and `permission`):
+    /// `root` is the model as loaded, the same for every alias.
     fn model_object(&self, id: &str) -> Value {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        id.hash(&mut h);
         json!({
             "id": id,
             "object": "model",
             "created": self.created,
             "owned_by": "llmserve",
-            "root": self.config.served_model_names.first(),
+            "root": self.config.model_root.as_ref().or(self.config.served_model_names.first()),
+            "parent": null,
             "max_model_len": self.config.max_model_len,
+            // nothing is restricted per model: one permission that allows what the server does
+            "permission": [{
+                "id": format!("modelperm-{:016x}", h.finish()),
+                "object": "model_permission",
+                "created": self.created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
         })
     }
 

@@ -289,6 +289,9 @@ fn models_routes() {
         assert_eq!(m["object"], "model");
         assert_eq!(m["owned_by"], "llmserve");
         assert_eq!(m["root"], "tiny");
+        assert_eq!(m["parent"], Value::Null);
+        assert_eq!(m["permission"][0]["object"], "model_permission");
+        assert_eq!(m["permission"][0]["allow_sampling"], true);
         assert_eq!(m["max_model_len"], 32);
         assert!(m["created"].as_u64().unwrap() > 1_700_000_000);
     }
