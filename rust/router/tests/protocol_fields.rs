@@ -17,11 +17,11 @@ fn unknown_and_inert_fields_are_named_in_a_header() {
     let p = chat(
         &r,
         json!({"foo": 1, "bar": [1], "store": true, "metadata": {"k": "v"}, "service_tier": "auto",
-               "user": "alice", "echo": true}),
+               "user": "alice", "echo": false}),
     )
     .unwrap();
-    // `user` is logged, not ignored; chat has no `echo`.
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("bar, echo, foo, metadata, service_tier, store"));
+    // `user` is logged, not ignored; chat's `echo` (vLLM's) at false asks for nothing.
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("bar, foo, metadata, service_tier, store"));
     assert_eq!(p.user.as_deref(), Some("alice"));
 
     let p =
@@ -34,6 +34,61 @@ fn unknown_and_inert_fields_are_named_in_a_header() {
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
     let p = chat(&r, json!({})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+}
+
+/// vLLM's fields that llmserve does not implement: at the value that asks for nothing they
+/// pass silently (also under `--strict-fields`; clients send vLLM's whole default set), any
+/// other value is refused, as it would change vLLM's output.
+#[test]
+fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let defaults = json!({"use_beam_search": false, "length_penalty": 1.0, "bad_words": [], "logits_processors": [],
+                          "return_tokens_as_token_ids": false, "return_token_ids": false, "allowed_token_ids": null,
+                          "prompt_logprobs": null});
+    assert_eq!(header(&chat(&strict, defaults.clone()).unwrap(), "llmserve-ignored-fields"), None);
+    assert_eq!(header(&completion(&strict, defaults).unwrap(), "llmserve-ignored-fields"), None);
+    chat(&strict, json!({"echo": false})).unwrap();
+    let r = router();
+    for (field, value) in [
+        ("use_beam_search", json!(true)),
+        ("length_penalty", json!(0.5)),
+        ("bad_words", json!(["x"])),
+        ("logits_processors", json!(["m.P"])),
+        ("allowed_token_ids", json!([3])),
+        ("prompt_logprobs", json!(1)),
+        ("return_tokens_as_token_ids", json!(true)),
+        ("return_token_ids", json!(true)),
+    ] {
+        for got in
+            [shape(chat(&r, json!({field: value.clone()}))), shape(completion(&r, json!({field: value.clone()})))]
+        {
+            assert_eq!(got, (400, "unsupported_parameter", Some(field.to_string())), "{field}");
+        }
+    }
+    assert_eq!(shape(chat(&r, json!({"echo": true}))), (400, "unsupported_parameter", Some("echo".into())));
+}
+
+/// vLLM's `add_special_tokens` and `truncate_prompt_tokens` are honoured on both routes.
+#[test]
+fn add_special_tokens_and_truncate_prompt_tokens() {
+    let r = router();
+    let plain = completion(&r, json!({"prompt": "hello world"})).unwrap();
+    let bare = completion(&r, json!({"prompt": "hello world", "add_special_tokens": false})).unwrap();
+    assert_eq!(plain.prompts[0], vec![0, 9, 10]);
+    assert_eq!(bare.prompts[0], vec![9, 10]);
+    let chat_plain = chat(&r, json!({})).unwrap();
+    let chat_special = chat(&r, json!({"add_special_tokens": true})).unwrap();
+    assert_eq!(chat_special.prompts[0].len(), chat_plain.prompts[0].len() + 1);
+    let cut = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": 2, "echo": true})).unwrap();
+    assert_eq!((cut.prompts[0].clone(), cut.prompt_texts[0].as_str()), (vec![9, 10], "hello world"));
+    let cut = chat(&r, json!({"truncate_prompt_tokens": 3})).unwrap();
+    assert_eq!(cut.prompts[0], chat_plain.prompts[0][chat_plain.prompts[0].len() - 3..].to_vec());
+    let whole = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": -1})).unwrap();
+    assert_eq!(whole.prompts[0], plain.prompts[0]);
+    for bad in [0, -2] {
+        let got = shape(completion(&r, json!({"prompt": "x", "truncate_prompt_tokens": bad})));
+        assert_eq!(got, (400, "invalid_value", Some("truncate_prompt_tokens".into())));
+    }
 }
 
 #[test]

@@ -12,8 +12,8 @@ use serde_json::{Map, Value};
 
 use super::budget::{check_context, settle_budget};
 use super::common::{
-    from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, unix_now, unknown_keys,
-    unsupported, CommonFields,
+    from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, truncate_prompt, unix_now,
+    unknown_keys, unsupported, vllm_unsupported, CommonFields,
 };
 use super::{constrained, Checked, Endpoint, Prepared};
 use crate::content_format::ContentFormat;
@@ -613,7 +613,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
-    let mut ignored: Vec<String> = unknown_keys(&common.extra, &chat.extra, &value).cloned().collect();
+    let unknown = unknown_keys(&common.extra, &chat.extra, &value).cloned().collect();
+    let mut ignored: Vec<String> = vllm_unsupported(unknown, &value)?;
     let c = common.resolve(config, vocab_size, false)?;
     ignored.extend(c.inert.iter().cloned());
 
@@ -698,10 +699,17 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
     let constraint = tool_grammar.or(requested).map(|(g, param)| (g.after_reasoning(thinking), param));
     let grammar = constrained::compile(router, constraint, &params)?;
-    let prompt = router.tokenizer.encode(&rendered.text, false);
+    // NOTE: the template writes the special tokens (BOS); `add_special_tokens` adds the
+    // tokenizer's too, as vLLM does when asked.
+    let mut prompt = router.tokenizer.encode(&rendered.text, c.add_special_tokens.unwrap_or(false));
     if prompt.is_empty() {
         return Err(ApiError::invalid("messages", "The messages render to an empty prompt."));
     }
+    let prompt_text = if truncate_prompt(&mut prompt, c.truncate_prompt_tokens) {
+        router.tokenizer.decode(&prompt, false)
+    } else {
+        rendered.text
+    };
     check_context(prompt.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, "messages")?;
     settle_budget(&mut params, c.max_tokens_param, std::iter::once(prompt.len()), config.max_model_len)?;
 
@@ -718,7 +726,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         system_fingerprint: config.system_fingerprint.clone(),
         model: c.model,
         prompts: vec![prompt],
-        prompt_texts: vec![rendered.text],
+        prompt_texts: vec![prompt_text],
         params,
         stream: c.stream,
         include_usage: c.include_usage,

@@ -224,6 +224,11 @@ pub struct CommonFields {
     pub request_id: Option<String>,
     pub cache_salt: Option<String>,
     pub user: Option<String>,
+    /// vLLM's: the tokenizer's special tokens on the prompt (completions default true, chat
+    /// false: the template writes them).
+    pub add_special_tokens: Option<bool>,
+    /// vLLM's: keep only the prompt's last k tokens (-1: `max_model_len`).
+    pub truncate_prompt_tokens: Option<i64>,
     // Accepted without effect; reported in `llmserve-ignored-fields`.
     pub store: Option<bool>,
     pub metadata: Option<Map<String, Value>>,
@@ -246,6 +251,10 @@ pub struct Common {
     pub request_id: Option<String>,
     pub cache_salt: Option<String>,
     pub user: Option<String>,
+    /// `add_special_tokens` as sent (the default differs per endpoint).
+    pub add_special_tokens: Option<bool>,
+    /// How many of a prompt's last tokens to keep, if it is to be cut.
+    pub truncate_prompt_tokens: Option<usize>,
     /// Inert fields that were sent (store, metadata, service_tier, stream_options.*).
     pub inert: Vec<String>,
     /// What `response_format` (or `structured_outputs`, or a `guided_*` field) constrains the
@@ -409,6 +418,17 @@ impl CommonFields {
         if let Some(id) = &self.request_id {
             check_request_id(id)?;
         }
+        let truncate_prompt_tokens = match self.truncate_prompt_tokens {
+            None => None,
+            Some(-1) => Some(config.max_model_len as usize),
+            Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "truncate_prompt_tokens",
+                    format!("`truncate_prompt_tokens` must be at least 1, or -1 for the context length, got {k}."),
+                ))
+            }
+        };
         if let Some(salt) = &self.cache_salt {
             if salt.is_empty() {
                 return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
@@ -455,6 +475,8 @@ impl CommonFields {
             priority: self.priority.unwrap_or(0),
             request_id: self.request_id,
             cache_salt: self.cache_salt,
+            add_special_tokens: self.add_special_tokens,
+            truncate_prompt_tokens,
             user: self.user,
             inert,
             constraint,
@@ -575,6 +597,56 @@ pub fn settle_ignored(mut ignored: Vec<String>, strict: bool) -> Result<Vec<Stri
         }
     }
     Ok(ignored)
+}
+
+/// A prompt's token ids cut to their last `keep` (vLLM's `truncate_prompt_tokens`): whether
+/// it was cut.
+pub fn truncate_prompt(ids: &mut Vec<u32>, keep: Option<usize>) -> bool {
+    match keep {
+        Some(k) if ids.len() > k => {
+            ids.drain(..ids.len() - k);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Whether a field's value asks for nothing.
+type NoOp = fn(&Value) -> bool;
+
+/// vLLM's request fields that llmserve does not implement, with the value at which each asks
+/// for nothing beyond what every request gets here. Sent at that value (`use_beam_search:
+/// false`, as some clients send vLLM's whole default set) they are dropped silently, as
+/// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
+/// than reported, as `best_of` is.
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 9] = [
+    // (completions know `echo`: only chat's reaches this)
+    ("echo", |v| *v == Value::Bool(false), "on chat, prepending the last message is not supported"),
+    ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
+    ("length_penalty", |v| v.as_f64() == Some(1.0), "it applies to beam search, which is not supported"),
+    ("bad_words", |v| v.as_array().is_some_and(Vec::is_empty), "banning words is not supported"),
+    ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
+    ("allowed_token_ids", |_| false, "restricting the vocabulary is not supported"),
+    ("prompt_logprobs", |_| false, "prompt logprobs are given by completions' `echo` with `logprobs`"),
+    ("return_tokens_as_token_ids", |v| *v == Value::Bool(false), "tokens are returned as text"),
+    ("return_token_ids", |v| *v == Value::Bool(false), "token ids are not returned; /tokenize gives them"),
+];
+
+/// Sorts a request's unknown keys (set ones, from [`unknown_keys`]): vLLM's fields of
+/// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; the rest stay
+/// to be reported.
+pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String>, ApiError> {
+    let mut rest = Vec::with_capacity(unknown.len());
+    for key in unknown {
+        match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {
+            Some((_, no_op, _)) if no_op(&body[key.as_str()]) => {}
+            Some((name, _, why)) => {
+                return Err(unsupported(*name, format!("`{name}` is not supported: {why}.")));
+            }
+            None => rest.push(key),
+        }
+    }
+    Ok(rest)
 }
 
 /// A fresh response id: `<prefix>-<uuid v4 as 32 hex chars>`.

@@ -10,8 +10,8 @@ use serde_json::Value;
 
 use super::budget::{check_context, settle_budget};
 use super::common::{
-    check_token_id, from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, unix_now,
-    unknown_keys, unsupported, CommonFields,
+    check_token_id, from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored,
+    truncate_prompt, unix_now, unknown_keys, unsupported, vllm_unsupported, CommonFields,
 };
 use super::{Checked, Endpoint, Prepared};
 use crate::error::ApiError;
@@ -100,25 +100,33 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptI
 }
 
 /// Token ids and text of each prompt. Strings get the tokenizer's special tokens (its
-/// post-processor, e.g. BOS), as a raw completion prompt does in `transformers`.
+/// post-processor, e.g. BOS) unless `add_special_tokens` is false, as a raw completion
+/// prompt does in `transformers`. `truncate`: keep only each prompt's last tokens (its text
+/// is then what they spell).
 pub(crate) fn tokenize_prompts(
     tokenizer: &Tokenizer,
     prompts: Vec<(PromptIn, String)>,
+    add_special_tokens: bool,
+    truncate: Option<usize>,
 ) -> Result<Vec<(Vec<u32>, String, String)>, ApiError> {
     prompts
         .into_iter()
-        .map(|(p, param)| match p {
-            PromptIn::Text(text) => {
-                let ids = tokenizer.encode(&text, true);
-                if ids.is_empty() {
-                    return Err(ApiError::invalid(param, "The prompt tokenizes to no tokens."));
+        .map(|(p, param)| {
+            let (mut ids, text) = match p {
+                PromptIn::Text(text) => {
+                    let ids = tokenizer.encode(&text, add_special_tokens);
+                    if ids.is_empty() {
+                        return Err(ApiError::invalid(param, "The prompt tokenizes to no tokens."));
+                    }
+                    (ids, text)
                 }
-                Ok((ids, text, param))
-            }
-            PromptIn::Ids(ids) => {
-                let text = tokenizer.decode(&ids, false);
-                Ok((ids, text, param))
-            }
+                PromptIn::Ids(ids) => {
+                    let text = tokenizer.decode(&ids, false);
+                    (ids, text)
+                }
+            };
+            let text = if truncate_prompt(&mut ids, truncate) { tokenizer.decode(&ids, false) } else { text };
+            Ok((ids, text, param))
         })
         .collect()
 }
@@ -133,7 +141,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
-    let mut ignored: Vec<String> = unknown_keys(&common.extra, &comp.extra, &value).cloned().collect();
+    let unknown = unknown_keys(&common.extra, &comp.extra, &value).cloned().collect();
+    let mut ignored: Vec<String> = vllm_unsupported(unknown, &value)?;
     // NOTE: `echo` with `max_tokens: 0` returns the prompt alone (with its logprobs when
     // asked): how clients score a text's likelihood (vLLM and OpenAI's legacy API take it).
     let c = common.resolve(config, vocab_size, comp.echo == Some(true))?;
@@ -169,7 +178,9 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     params.logprobs = comp.logprobs;
 
     let grammar = super::constrained::compile(router, c.constraint, &params)?;
-    let prompts = tokenize_prompts(&router.tokenizer, parse_prompts(&comp.prompt, vocab_size)?)?;
+    let prompts = parse_prompts(&comp.prompt, vocab_size)?;
+    let add_special_tokens = c.add_special_tokens.unwrap_or(true);
+    let prompts = tokenize_prompts(&router.tokenizer, prompts, add_special_tokens, c.truncate_prompt_tokens)?;
     for (ids, _, param) in &prompts {
         check_context(ids.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, param)?;
     }
