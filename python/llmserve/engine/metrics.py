@@ -105,7 +105,9 @@ class Metrics:
         """A request ended. `scheduled` is None when no step ever held it (aborted in the
         queue); `first_token` None when it produced none."""
         self._requests.labels(self.model_name, reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
+        if scheduled is not None:
+            # "processed": a prompt aborted while it waited never was (as vLLM counts)
+            self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         self.request_prompt.observe(prompt_tokens)
         self.request_generation.observe(generated)

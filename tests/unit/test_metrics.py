@@ -1,0 +1,22 @@
+"""The engine's Prometheus metrics, fed directly (no engine runs)."""
+
+from llmserve.engine.metrics import Metrics
+
+
+def _value(m: Metrics, name: str, **labels) -> float:
+    return m.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
+
+
+def test_prompt_tokens_count_only_prompts_that_were_processed():
+    """vLLM's prompt_tokens counts prefilled tokens: a request aborted while it waited adds
+    none, though it still counts as an aborted request."""
+    m = Metrics()
+    m.bind("m")
+    m.on_finish(reason="abort", prompt_tokens=36, generated=0, submitted=0.0, scheduled=None,
+                first_token=None, finished=1.0)
+    assert _value(m, "llmserve:prompt_tokens_total") == 0
+    assert _value(m, "llmserve:request_success_total", finished_reason="abort") == 1
+    m.on_finish(reason="length", prompt_tokens=12, generated=3, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=0.5)
+    assert _value(m, "llmserve:prompt_tokens_total") == 12
+    assert _value(m, "llmserve:generation_tokens_total") == 3
