@@ -136,8 +136,9 @@ def build_engine(cfg: Config) -> Engine:
     hf = ck.hf_config
     quantized = ck.quantized if cfg.model.quantized_decode else None
     # (before build_model, which may take the tensors over)
+    # (the KV block size orders attention's sums: it moves logprobs, so it is part of it)
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
-                                     torch.get_num_threads())
+                                     torch.get_num_threads(), cfg.cache.block_size)
     model = build_model(hf, ck.weights, dtype, device, quantized=quantized)
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
