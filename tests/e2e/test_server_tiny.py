@@ -285,6 +285,11 @@ def test_dropped_streams_free_their_blocks(tiny_server):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     n += 1
+                    if n == 2 and i == 0:
+                        # blocks in use, as a fraction of those requests can hold
+                        load = (await client.get("/load")).json()
+                        assert load["kv_blocks_used"] > 0
+                        assert load["kv_cache_usage"] == pytest.approx(load["kv_blocks_used"] / load["kv_blocks_total"])
                     if n >= 3:
                         break  # leave mid-way: closing the response drops the connection
 

@@ -245,7 +245,9 @@ class AsyncEngine:
             "waiting": stats.get("waiting", 0) + (self._thread.pending() if self._thread else 0),
             "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
             "kv_blocks_used": stats.get("used_blocks", 0),
-            "kv_blocks_total": stats.get("num_blocks", 0),
+            # blocks requests can hold (the pool's block 0 pads block tables, never held), so
+            # kv_cache_usage == kv_blocks_used / kv_blocks_total
+            "kv_blocks_total": max(0, stats.get("num_blocks", 0) - 1),
             "requests": len(self._open),
         }
 
