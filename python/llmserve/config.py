@@ -101,12 +101,14 @@ class ModelConfig(_Checked):
         "'hermes' for <tool_call>, else 'mistral' for [TOOL_CALLS], else "
         "'llama3_json' for <|python_tag|>, 'Environment: ipython' or '\"parameters\": '); "
         "otherwise 'json' for forced tool_choice and plain text under 'auto'.",
+        choices=("hermes", "llama3_json", "mistral", "qwen3_xml", "qwen3_coder", "json"),
     )
     reasoning_parser: str | None = _f(
         None,
         "How chat output's reasoning is split out: 'think' (text between <think> and </think> "
         "goes to reasoning_content, not content) or 'none'. Default: 'think' when the chat "
         "template mentions <think>, else none.",
+        choices=("think", "none"),
     )
     quantized_decode: bool = _f(
         True,

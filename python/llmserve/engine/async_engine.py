@@ -18,9 +18,10 @@ import orjson
 
 from llmserve._core import ApiError, Router
 from llmserve.config import Config
-from llmserve.engine.build import Engine, build_engine
+from llmserve.engine.build import Engine, SetupError, build_engine
 from llmserve.engine.loop import EngineThread
 from llmserve.engine.metrics import Metrics
+from llmserve.loaders.checkpoint import LoadError
 
 log = logging.getLogger("llmserve.engine")
 
@@ -179,7 +180,11 @@ class AsyncEngine:
         except BaseException as exc:
             self._load_error = exc
             self.state = "failed"
-            log.exception("loading failed")
+            if isinstance(exc, (LoadError, SetupError)):
+                # what the user asked for cannot be served: the message says why and what to do
+                log.error("loading failed: %s", exc)
+            else:
+                log.exception("loading failed")
             raise
         self._attach(engine)
 

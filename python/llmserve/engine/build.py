@@ -45,11 +45,16 @@ class Engine:
     plan_ahead: bool = False
 
 
+class SetupError(RuntimeError):
+    """The flags ask for what this machine or model cannot serve; the message says which and
+    what to change (reported without a traceback, as a LoadError is)."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was given but torch sees no CUDA device")
+        raise SetupError("--device cuda was given but torch sees no CUDA device")
     return torch.device(name)
 
 
@@ -96,12 +101,12 @@ def _check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
     from llmserve.worker import attention
 
     if device.type != "cpu" or dtype != torch.float32:
-        raise RuntimeError(
+        raise SetupError(
             f"--batch-invariant needs --device cpu and --dtype float32 (got {device.type}, "
             f"{str(dtype).removeprefix('torch.')}): the CUDA and reduced-precision kernels "
             "are not batch-invariant")
     if attention._cpu_decode is None or not attention.USE_CPU_DECODE_KERNEL:
-        raise RuntimeError("--batch-invariant needs the CPU decode kernel "
+        raise SetupError("--batch-invariant needs the CPU decode kernel "
                            "(llmserve._core.paged_decode_attention): rebuild the extension")
 
 
@@ -167,8 +172,8 @@ def build_engine(cfg: Config) -> Engine:
         num_blocks = parse_bytes(cfg.cache.kv_cache_memory) // per_block
     needed = math.ceil(max_model_len / block_size)
     if num_blocks - 1 < needed:
-        raise RuntimeError(
-            f"the KV cache holds {(num_blocks - 1) * block_size} tokens, less than one request of "
+        raise SetupError(
+            f"the KV cache holds {max(0, num_blocks - 1) * block_size} tokens, less than one request of "
             f"--max-model-len {max_model_len}: raise --kv-cache-memory or lower --max-model-len"
         )
     log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d",
