@@ -73,6 +73,48 @@ def test_port_in_use_exits_before_loading_the_model(tiny_model):
     assert "llmserve.loaders" not in out and "llmserve.engine" not in out, out
 
 
+def test_load_failure_is_one_line_not_a_traceback(tiny_model, tmp_path):
+    """What the user asked for cannot be served (a missing model, a KV cache too small): the
+    message says so, without a traceback."""
+    for model, args in ((tmp_path / "missing", []), (tiny_model, ["--num-kv-blocks", "2", "--max-model-len", "256"])):
+        code, out = _wait(_run(model, free_port(), *args))
+        assert code == STARTUP_FAILURE and "loading failed: " in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGINT, signal.SIGINT]],
+                         ids=["term", "int", "int-twice"])
+def test_a_stop_with_a_request_running_exits_0_without_a_traceback(tiny_model, signals):
+    """The drain is the stop that was asked for: exit 0 whichever signal asked (uvicorn would
+    raise it again: death by SIGTERM, a KeyboardInterrupt traceback after a second SIGINT)."""
+    port = free_port()
+    proc = _run(tiny_model, port, "--served-model-name", "tiny")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + EXIT_WITHIN_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+    async def request_and_stop():
+        async with httpx.AsyncClient(base_url=url, timeout=EXIT_WITHIN_S) as c:
+            sent = asyncio.ensure_future(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hi", "max_tokens": 200, "ignore_eos": True}))
+            while (await c.get("/load")).json()["running"] == 0:
+                await asyncio.sleep(0.02)
+            for sig in signals:
+                proc.send_signal(sig)
+                await asyncio.sleep(0.05)
+            return (await sent).status_code
+
+    status = asyncio.run(request_and_stop())
+    code, out = _wait(proc)
+    assert status == (503 if len(signals) > 1 else 200), out
+    assert code == 0 and "Traceback" not in out, out
+
+
 # `llmserve run` whose model load never ends.
 _HANGING_LOAD = """
 import sys, time

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
+import threading
 
 import uvicorn
 from starlette.applications import Starlette
@@ -187,6 +189,22 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
         return await super().on_tick(counter)
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, without raising the caught signals again once the server has stopped:
+        the drain was the stop that was asked for, so `llmserve run` exits 0 whichever signal
+        asked (re-raised, SIGTERM ended the process by signal and a second SIGINT surfaced as
+        a KeyboardInterrupt traceback)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain is not None and self._loop is not None:
             # A second signal: stop now, but answer what still runs first (below).
@@ -205,7 +223,10 @@ class DrainingServer(uvicorn.Server):
             self._end_running()
             # let the handlers write those endings before uvicorn closes the connections
             await asyncio.sleep(0.2)
-        super().handle_exit(sig, None)
+        if not self.should_exit:
+            # (a second signal already asked; asking again would make uvicorn force the exit
+            # and cut the lifespan's shutdown short)
+            super().handle_exit(sig, None)
 
     def _end_running(self) -> None:
         """Requests still running when the server must stop get a proper ending (503 with
