@@ -118,6 +118,20 @@ pub fn message_texts(messages: &Value) -> Vec<&str> {
     texts.into_iter().map(str::trim).filter(|t| !t.is_empty()).collect()
 }
 
+/// Whether `rendered` holds every one of `texts`. Templates write messages in order, so each
+/// is looked for after the previous one first (one pass over a long conversation), and
+/// anywhere only when not found there.
+pub fn shows_all(rendered: &str, texts: &[&str]) -> bool {
+    let mut at = 0;
+    texts.iter().all(|t| match rendered[at..].find(t) {
+        Some(i) => {
+            at += i + t.len();
+            true
+        }
+        None => rendered.contains(t),
+    })
+}
+
 /// `messages` with each string `content` as one text part, the shape a template that only
 /// walks parts can show.
 pub fn wrap_strings(messages: &Value) -> Value {
@@ -169,6 +183,15 @@ mod tests {
         assert_eq!(ContentFormat::detect(indexes), ContentFormat::OpenAi);
         let concatenates = "{% for message in messages %}{{ '<|im_start|>' + message['content'] }}{% endfor %}";
         assert_eq!(ContentFormat::detect(concatenates), ContentFormat::String);
+    }
+
+    #[test]
+    fn shows_all_finds_texts_in_order_or_anywhere() {
+        assert!(shows_all("<s>be brief</s><s>hello</s>", &["be brief", "hello"]));
+        assert!(shows_all("<s>hello</s><sys>be brief</sys>", &["be brief", "hello"]), "a template may reorder");
+        assert!(shows_all("hello hello", &["hello", "hello"]));
+        assert!(!shows_all("<s>hello</s>", &["be brief", "hello"]));
+        assert!(shows_all("anything", &[]));
     }
 
     #[test]

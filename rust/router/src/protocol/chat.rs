@@ -134,14 +134,14 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
     }
     let rendered = render_messages(&first);
     let texts = crate::content_format::message_texts(input.messages);
-    let shown = |r: &Rendered| texts.iter().filter(|t| r.text.contains(*t)).count();
-    if rendered.as_ref().is_ok_and(|r| shown(r) == texts.len()) {
+    let shows_all = |r: &Rendered| crate::content_format::shows_all(&r.text, &texts);
+    if rendered.as_ref().is_ok_and(shows_all) {
         return Ok((rendered?, template));
     }
     // parts as sent, strings as one part each (the first render had strings as sent, and
     // parts joined for a string template)
     match render_messages(&shaped(ContentFormat::OpenAi)) {
-        Ok(second) if rendered.is_err() || shown(&second) == texts.len() => Ok((second, template)),
+        Ok(second) if rendered.is_err() || shows_all(&second) => Ok((second, template)),
         _ => Ok((rendered?, template)),
     }
 }
