@@ -85,7 +85,8 @@ def test_load_failure_is_one_line_not_a_traceback(tiny_model, tmp_path):
                          ids=["term", "int", "int-twice"])
 def test_a_stop_with_a_request_running_exits_0_without_a_traceback(tiny_model, signals):
     """The drain is the stop that was asked for: exit 0 whichever signal asked (uvicorn would
-    raise it again: death by SIGTERM, a KeyboardInterrupt traceback after a second SIGINT)."""
+    raise it again: death by SIGTERM, a KeyboardInterrupt traceback after a second SIGINT; a
+    signal after the stop asked uvicorn to force its exit, cutting the lifespan short)."""
     port = free_port()
     proc = _run(tiny_model, port, "--served-model-name", "tiny")
     url = f"http://127.0.0.1:{port}"
@@ -115,6 +116,29 @@ def test_a_stop_with_a_request_running_exits_0_without_a_traceback(tiny_model, s
     assert code == 0 and "Traceback" not in out, out
 
 
+@pytest.mark.parametrize("gap", [0.05, 0.3])
+def test_a_second_sigint_on_an_idle_server_still_exits_0(tiny_model, gap):
+    """Idle, the drain ends at once and the server stops: a second Ctrl-C lands in uvicorn's
+    shutdown or in the interpreter's teardown, and neither may turn into a traceback or a
+    death by signal."""
+    port = free_port()
+    proc = _run(tiny_model, port, "--served-model-name", "tiny")
+    deadline = time.monotonic() + EXIT_WITHIN_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(gap)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    code, out = _wait(proc)
+    assert code == 0 and "Traceback" not in out, out
+
+
 # `llmserve run` whose model load never ends.
 _HANGING_LOAD = """
 import sys, time
@@ -141,9 +165,10 @@ def test_a_stop_signal_during_loading_exits_without_waiting_for_the_load(sig):
         except httpx.TransportError:
             time.sleep(0.1)
     proc.send_signal(sig)
-    _, out = _wait(proc)
+    code, out = _wait(proc)
     # a stop is not a load failure: no traceback, no "loading failed"
     assert "Traceback" not in out and "loading failed" not in out, out
+    assert code == 0, out
     assert _port_closed(port)
 
 

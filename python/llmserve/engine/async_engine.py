@@ -128,6 +128,10 @@ class RequestStream:
         return b"".join(parts)
 
 
+# The name of the thread that loads the model (`AsyncEngine.loading`).
+LOAD_THREAD = "llmserve-load"
+
+
 async def _on_daemon_thread(fn, *args):
     """`fn(*args)` on a daemon thread. Unlike `asyncio.to_thread`'s pool, whose threads the
     interpreter joins at exit, nothing waits for it: a stop signal during a long model load
@@ -149,7 +153,7 @@ async def _on_daemon_thread(fn, *args):
         except RuntimeError:
             pass                # the loop has closed: the server is gone
 
-    threading.Thread(target=work, name="llmserve-load", daemon=True).start()
+    threading.Thread(target=work, name=LOAD_THREAD, daemon=True).start()
     return await future
 
 
@@ -296,6 +300,12 @@ class AsyncEngine:
         if len(body) > _INLINE_BODY_BYTES:
             return await asyncio.to_thread(router.handle, endpoint, body)
         return router.handle(endpoint, body)
+
+    @staticmethod
+    def loading() -> bool:
+        """Whether a model load is still running on its thread (a stop during a load
+        leaves it running: nothing waits for it)."""
+        return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
 
     def abort(self, stream: RequestStream) -> None:
         if stream in self._open:

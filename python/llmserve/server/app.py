@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
@@ -145,6 +146,8 @@ class StartOnFirstRequest:
 DRAIN_TIMEOUT_S = 25.0
 # After the drain: how long uvicorn waits for open connections to finish sending.
 CLOSE_TIMEOUT_S = 5
+# The signals that stop `llmserve run` (with a drain).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Exit status of `llmserve run` when it never served: the address could not be bound or the
 # model failed to load (uvicorn's own code for a failed startup).
 STARTUP_FAILURE = 3
@@ -194,18 +197,27 @@ class DrainingServer(uvicorn.Server):
         """uvicorn's, without raising the caught signals again once the server has stopped:
         the drain was the stop that was asked for, so `llmserve run` exits 0 whichever signal
         asked (re-raised, SIGTERM ended the process by signal and a second SIGINT surfaced as
-        a KeyboardInterrupt traceback)."""
+        a KeyboardInterrupt traceback). Signals that come after the server stopped are
+        ignored from then on: the process is on its way out (a SIGINT during the
+        interpreter's teardown would end it by signal)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.handle_exit)
         try:
             yield
         finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:
+            # Already stopping. Asking uvicorn again would make it force the exit, which
+            # cuts the lifespan's shutdown short; what still runs is answered instead.
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._end_running)
+            return
         if self._drain is not None and self._loop is not None:
             # A second signal: stop now, but answer what still runs first (below).
             self._loop.call_soon_threadsafe(self._end_running)
@@ -253,7 +265,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(config: Config) -> int:
     """Run `llmserve run`: bind, load, serve until interrupted, drain. Returns the exit
     status: 0 after a normal stop, STARTUP_FAILURE if the address could not be bound or the
-    model failed to load."""
+    model failed to load. SIGINT and SIGTERM stay ignored once it returns: the process is
+    meant to exit."""
     host, port = config.server.host, config.server.port
     # Bind before anything loads: a taken port fails in milliseconds, not after loading the
     # model (uvicorn binds only after the lifespan has started the load, and the process
@@ -271,10 +284,12 @@ def serve(config: Config) -> int:
                             app.state.engine)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it captured once it has shut down: the asked-for stop
     finally:
         sock.close()
-    if server.load_failed or not server.started:
-        return STARTUP_FAILURE
-    return 0
+    code = STARTUP_FAILURE if server.load_failed or not server.started else 0
+    if app.state.engine.loading():
+        # Stopped while the model loads: the loading thread is inside torch, and an
+        # interpreter that finalizes around it aborts the process. Nothing is left to save.
+        logging.shutdown()
+        os._exit(code)
+    return code
