@@ -783,6 +783,15 @@ fn string_content_renders_through_parts_templates() {
         assert_eq!(chat(&r, body.clone()).unwrap().prompt_texts[0], "be brief;hello world;", "{indirect}");
         assert_eq!(chat(&r, parts_body.clone()).unwrap().prompt_texts[0], "helloworld;", "{indirect}");
     }
+    // a string template that drops some text on purpose (earlier reasoning) and prints
+    // content with `~`: the retry would print the parts' repr, which is not kept
+    let drops = "{% for m in messages %}{% set c = m.content %}{% if c is string and '</think>' in c %}\
+                 {% set c = c.split('</think>')[-1] %}{% endif %}{{ m.role ~ ': ' ~ c | trim }};{% endfor %}";
+    let r = router_with(json!({}), Some(drops));
+    let reasoned = json!({"messages": [{"role": "user", "content": "Hi"},
+                                       {"role": "assistant", "content": "<think>greet back</think>Hello!"},
+                                       {"role": "user", "content": "Bye"}], "add_generation_prompt": false});
+    assert_eq!(chat(&r, reasoned).unwrap().prompt_texts[0], "user: Hi;assistant: Hello!;user: Bye;");
     // told that the template walks parts, every content is parts
     let told = router_with(json!({"chat_template_content_format": "openai"}), Some(mixed));
     assert_eq!(shape(chat(&told, body)), (400, "template_error", p("messages")));

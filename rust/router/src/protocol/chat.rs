@@ -140,7 +140,13 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
     }
     // parts as sent, strings as one part each (the first render had strings as sent, and
     // parts joined for a string template)
+    // A template that prints `content` as it is (`~`, `| trim`) prints the wrapped parts as
+    // their repr, which holds every text too: such a render is the template not walking
+    // parts, never a better one.
+    let shows_parts = |text: &str| text.contains("\"type\": \"text\"") || text.contains("'type': 'text'");
+    let first_shows_parts = rendered.as_ref().is_ok_and(|r| shows_parts(&r.text));
     match render_messages(&shaped(ContentFormat::OpenAi)) {
+        Ok(second) if shows_parts(&second.text) && !first_shows_parts => Ok((rendered?, template)),
         Ok(second) if rendered.is_err() || shows_all(&second) => Ok((second, template)),
         _ => Ok((rendered?, template)),
     }
