@@ -14,8 +14,9 @@
 //! are generated), and a choice that made a call and ended normally finishes with
 //! `"tool_calls"` (`"stop"` under a named `tool_choice`, as OpenAI's). Streamed and not, the calls are the same events, so the arguments a
 //! client concatenates equal the non-streamed ones, with one exception: under `"auto"`, a
-//! non-streamed choice whose complete call has arguments that are not a JSON object (the
-//! model wrote `{"a": 1,}`) answers its whole text as content, without calls, as vLLM's
+//! non-streamed choice with a call whose arguments are not a JSON object (the model wrote
+//! `{"a": 1,}`, or a stop string or EOS cut the call off; `max_tokens` cutting it off is
+//! exempt, as in OpenAI's) answers its whole text as content, without calls, as vLLM's
 //! parsers do, since clients `json.loads` the arguments; a stream has already sent the
 //! call's pieces by then.
 //!
@@ -784,7 +785,10 @@ impl ResponseBuilder {
                 .iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    let broken = !forced && c.tool_calls.iter().any(ToolCall::broken);
+                    // a call cut off by `max_tokens` keeps what it had (as OpenAI); one that
+                    // ended, or that a stop string or EOS cut off, must hold JSON arguments
+                    let cut_by_length = c.finish == Some(FinishReason::Length);
+                    let broken = !forced && c.tool_calls.iter().any(|t| (t.ended || !cut_by_length) && !t.parses());
                     let (text, calls, finish) = if broken {
                         let finish =
                             c.finish.map(|f| if f == FinishReason::ToolCalls { FinishReason::Stop } else { f });
@@ -878,9 +882,9 @@ struct ToolCall {
 }
 
 impl ToolCall {
-    /// A complete call whose arguments are not a JSON object.
-    fn broken(&self) -> bool {
-        self.ended && !serde_json::from_str::<serde_json::Value>(&self.arguments).is_ok_and(|v| v.is_object())
+    /// Whether the arguments are a JSON object.
+    fn parses(&self) -> bool {
+        serde_json::from_str::<serde_json::Value>(&self.arguments).is_ok_and(|v| v.is_object())
     }
 }
 

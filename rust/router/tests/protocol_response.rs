@@ -501,7 +501,14 @@ fn a_call_with_broken_arguments_is_content_unless_cut_off() {
     assert_eq!(choice["message"]["content"], broken[0]);
     assert!(choice["message"].get("tool_calls").is_none_or(|c| c.as_array().is_some_and(Vec::is_empty)), "{choice}");
     assert_eq!(choice["finish_reason"], "stop");
-    // cut off inside the arguments: the call stays, with what was generated
+    // cut off by a stop string (or EOS) inside the arguments: content too
+    let mut b = hermes_chat(false, true);
+    let cut = "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"a\": 1";
+    b.push(0, &delta(cut, &[tok(9)], Some(FinishReason::Stop)));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], cut);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    // cut off by max_tokens inside the arguments: the call stays, with what was generated
     let mut b = hermes_chat(false, true);
     b.push(
         0,
