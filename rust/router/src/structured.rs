@@ -299,6 +299,12 @@ impl Grammars {
 /// forced text of thousands (`a{100000}`) is left to generation.
 const MAX_PROBE_TOKENS: usize = 64;
 
+/// `text` as a Lark string literal: JSON's escapes, and DEL escaped too (llguidance's lexer
+/// refuses it raw).
+pub(crate) fn lark_literal(text: &str) -> String {
+    serde_json::to_string(text).expect("strings serialize").replace('\u{7f}', "\\u007f")
+}
+
 fn describe(source: &GrammarSource) -> &'static str {
     match source {
         GrammarSource::JsonSchema(_) => "JSON schema",

@@ -85,7 +85,7 @@ fn add_special_tokens_and_truncate_prompt_tokens() {
     assert_eq!(cut.prompts[0], chat_plain.prompts[0][chat_plain.prompts[0].len() - 3..].to_vec());
     let whole = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": -1})).unwrap();
     assert_eq!(whole.prompts[0], plain.prompts[0]);
-    for bad in [0, -2] {
+    for bad in [0, -2, 33] {
         let got = shape(completion(&r, json!({"prompt": "x", "truncate_prompt_tokens": bad})));
         assert_eq!(got, (400, "invalid_value", Some("truncate_prompt_tokens".into())));
     }

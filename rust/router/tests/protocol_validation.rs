@@ -387,6 +387,28 @@ fn structured_outputs_constrain_like_response_format() {
     assert_eq!(chat(&r, json!({"structured_outputs": null})).unwrap().grammar, None);
     let beside_off = chat(&r, json!({"structured_outputs": {"regex": "[a-z]+", "json_object": false}})).unwrap();
     assert_eq!(beside_off.grammar, rx.grammar);
+    let legacy_beside_off = chat(&r, json!({"structured_outputs": {"json_object": false}, "guided_regex": "[a-z]+"}));
+    assert_eq!(legacy_beside_off.unwrap().grammar, rx.grammar);
+    // a ref that leads only through refs back to itself: a 400 now, not a dead end mid-way
+    let cycle =
+        json!({"type": "object", "$defs": {"A": {"$ref": "#/$defs/A"}}, "properties": {"x": {"$ref": "#/$defs/A"}}});
+    for (body, param) in [
+        (json!({"structured_outputs": {"json": cycle}}), "structured_outputs.json"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": cycle}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": cycle}}]}),
+            "tools[0].function.parameters",
+        ),
+    ] {
+        let e = chat(&r, body).unwrap_err();
+        assert_eq!((e.code(), e.param()), ("invalid_value", Some(param)));
+        assert!(e.message().contains("back to itself"), "{}", e.message());
+    }
+    let many: Vec<String> = (0..2001).map(|i| format!("c{i}")).collect();
+    assert_eq!(shape(chat(&r, json!({"guided_choice": many}))), (400, "invalid_value", p("guided_choice")));
     let tuned = chat(
         &r,
         json!({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": true},

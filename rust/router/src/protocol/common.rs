@@ -421,11 +421,15 @@ impl CommonFields {
         let truncate_prompt_tokens = match self.truncate_prompt_tokens {
             None => None,
             Some(-1) => Some(config.max_model_len as usize),
-            Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+            Some(k) if k >= 1 && k <= i64::from(config.max_model_len) => Some(k as usize),
             Some(k) => {
                 return Err(ApiError::invalid(
                     "truncate_prompt_tokens",
-                    format!("`truncate_prompt_tokens` must be at least 1, or -1 for the context length, got {k}."),
+                    format!(
+                        "`truncate_prompt_tokens` must be between 1 and the context length ({}), or -1 for the \
+                         context length, got {k}.",
+                        config.max_model_len
+                    ),
                 ))
             }
         };

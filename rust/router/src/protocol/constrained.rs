@@ -123,6 +123,7 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
                     return Err(invalid_type(param, format!("`schema` must be an object, not {}.", kind_of(other))))
                 }
             };
+            refuse_looping_ref(&schema, param)?;
             super::schema_edit::close_objects(&mut schema);
             Ok(Some((GrammarSource::JsonSchema(schema), param)))
         }
@@ -194,7 +195,9 @@ impl<'a> Guided<'a> {
                         None => inert.push(format!("structured_outputs.{key}")),
                     }
                 }
-                if asked.is_empty() {
+                let legacy_asks =
+                    [self.json, self.regex, self.choice, self.grammar].into_iter().any(|v| set(v).is_some());
+                if asked.is_empty() && !legacy_asks {
                     // as vLLM: the object is sent to constrain, and tuning keys alone do not
                     return Err(ApiError::invalid(
                         "structured_outputs",
@@ -245,6 +248,7 @@ impl<'a> Guided<'a> {
                         ))
                     }
                 };
+                refuse_looping_ref(&schema, param)?;
                 super::schema_edit::close_objects(&mut schema);
                 GrammarSource::JsonSchema(schema)
             }
@@ -263,18 +267,37 @@ impl<'a> Guided<'a> {
     }
 }
 
+/// A 400 for a schema with a `$ref` that leads only through refs back to itself: the
+/// grammar engine compiles it, but generation would stop at the dead end with a 500.
+fn refuse_looping_ref(schema: &Value, param: &str) -> Result<(), ApiError> {
+    match super::schema_edit::looping_ref(schema) {
+        Some(r) => Err(ApiError::invalid(
+            param,
+            format!("The schema's `$ref` {r:?} leads only through refs back to itself: no value matches it."),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Most choices a `choice` list may hold: the grammar engine chooses between at most 2000
+/// items per step (a longer list fails at its first token, or worse, in the lexer).
+const MAX_CHOICES: usize = 2000;
+
 /// The grammar of exactly one of `choices` (a non-empty list of strings).
 fn choice_grammar(choices: &Value, param: &str) -> Result<String, ApiError> {
     let Value::Array(items) = choices else {
         return Err(invalid_type(param, format!("`{param}` must be a list of strings, not {}.", kind_of(choices))));
     };
-    if items.is_empty() {
-        return Err(ApiError::invalid(param, format!("`{param}` must list at least one choice.")));
+    if items.is_empty() || items.len() > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` must list 1 to {MAX_CHOICES} choices, got {}.", items.len()),
+        ));
     }
     let mut options = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         match item {
-            Value::String(s) if !s.is_empty() => options.push(serde_json::to_string(s).expect("strings serialize")),
+            Value::String(s) if !s.is_empty() => options.push(crate::structured::lark_literal(s)),
             Value::String(_) => {
                 return Err(ApiError::invalid(format!("{param}[{i}]"), "A choice must not be empty."));
             }
@@ -299,15 +322,15 @@ pub(crate) fn compile(
     if params.ignore_eos {
         return Err(ApiError::invalid(
             "ignore_eos",
-            "`ignore_eos` cannot be combined with a constrained output (response_format or a forced \
-             tool_choice): the grammar decides where the output ends.",
+            "`ignore_eos` cannot be combined with a constrained output (response_format, \
+             structured_outputs or a forced tool_choice): the grammar decides where the output ends.",
         ));
     }
     if params.min_tokens > 0 {
         return Err(ApiError::invalid(
             "min_tokens",
-            "`min_tokens` cannot be combined with a constrained output (response_format or a forced \
-             tool_choice): the grammar decides where the output ends.",
+            "`min_tokens` cannot be combined with a constrained output (response_format, \
+             structured_outputs or a forced tool_choice): the grammar decides where the output ends.",
         ));
     }
     router.grammars.compile(&source, param).map(Some)
@@ -333,5 +356,7 @@ mod tests {
         for wrong in ["no", "yes!", "say no", "a\\bc"] {
             assert!(refuses(&grammar, &tok, wrong), "{wrong}");
         }
+        // DEL is escaped (llguidance's lexer refuses it raw)
+        g.compile(&GrammarSource::Lark(choice_grammar(&json!(["a\u{7f}b"]), "c").unwrap()), "c").unwrap();
     }
 }

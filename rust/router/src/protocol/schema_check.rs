@@ -83,6 +83,9 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
         if (r == "#" || r.starts_with("#/")) && root.pointer(&percent_decoded(&r[1..])).is_none() {
             return Err(format!("{}/$ref {r:?} points at nothing in the schema", here(at)));
         }
+        if super::schema_edit::ref_loops(root, r) {
+            return Err(format!("{}/$ref {r:?} leads only through refs back to itself: no value matches it", here(at)));
+        }
     }
     for key in ONE {
         if let Some(v) = obj.get(key) {

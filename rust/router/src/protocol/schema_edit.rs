@@ -107,6 +107,51 @@ fn visit_refs(schema: &mut Value, f: &mut impl FnMut(&mut String)) {
     }
 }
 
+/// Keys beside a `$ref` that say nothing about the value: a schema of only these and the
+/// ref is the ref's target and nothing more.
+const BESIDE_A_REF: [&str; 10] = [
+    "$ref",
+    "$defs",
+    "definitions",
+    "title",
+    "description",
+    "$comment",
+    "default",
+    "examples",
+    "deprecated",
+    "$schema",
+];
+
+/// Whether the local ref `reference` leads, through schemas that are only refs, back to one
+/// of them: no value can match it, and a grammar built from it has a dead end (a key whose
+/// value can never start) that generation would run into.
+pub fn ref_loops(root: &Value, reference: &str) -> bool {
+    let mut seen = HashSet::new();
+    let mut at = reference;
+    loop {
+        if !seen.insert(at) {
+            return true;
+        }
+        let Some(target) = at.strip_prefix('#').and_then(|p| root.pointer(p)) else { return false };
+        let pure = target.as_object().is_some_and(|o| o.keys().all(|k| BESIDE_A_REF.contains(&k.as_str())));
+        match target.get("$ref").and_then(Value::as_str) {
+            Some(next) if pure => at = next,
+            _ => return false,
+        }
+    }
+}
+
+/// The first local `$ref` of `schema` that [`ref_loops`].
+pub fn looping_ref(schema: &Value) -> Option<String> {
+    let mut found = None;
+    visit_refs(&mut schema.clone(), &mut |r| {
+        if found.is_none() && r.starts_with('#') && ref_loops(schema, r) {
+            found = Some(r.clone());
+        }
+    });
+    found
+}
+
 /// `schema`, or the schema its local `$ref`s lead to in `root` (a few hops at most; an
 /// unresolvable or cyclic ref gives the last schema reached).
 pub fn resolve<'a>(root: &'a Value, mut schema: &'a Value) -> &'a Value {

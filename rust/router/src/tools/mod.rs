@@ -577,7 +577,12 @@ mod tests {
         let a = json!({"a": {"type": "integer"}});
         let cases = [
             (json!({"properties": {"s": {"type": "string", "pattern": "^[A-Z]+$"}}}), ".properties.s.pattern"),
-            (json!({"properties": {"s": {"type": "string", "format": "date"}}}), ".properties.s.format"),
+            (
+                json!({"properties": {"s": {"type": "string", "minLength": 5, "maxLength": 3}}}),
+                ".properties.s.minLength",
+            ),
+            (json!({"properties": {"s": {"type": "string", "maxLength": 4294967296u64}}}), ".properties.s.maxLength"),
+            (json!({"properties": {"s": {"enum": ["a", "x</parameter>"]}}}), ".properties.s"),
             (
                 json!({"properties": {"s": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "string"}]}}}),
                 ".properties.s.anyOf",
@@ -613,6 +618,9 @@ mod tests {
         // what is enforced fully or not at all passes: objects with bounds they meet, strings
         // in unions with free text, values that are JSON
         for params in [
+            // `format` is an annotation: left unenforced in raw text, as JSON engines leave
+            // formats they do not know
+            json!({"properties": {"when": {"type": "string", "format": "date-time"}}, "required": ["when"]}),
             json!({"properties": a, "required": ["a"], "minProperties": 1, "maxProperties": 1}),
             json!({"properties": {"s": {"anyOf": [{"type": "string"}, {"enum": ["a"]}]}, "n": {"type": "integer", "minimum": 2}}}),
         ] {

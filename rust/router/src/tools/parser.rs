@@ -1040,5 +1040,18 @@ pub(crate) mod tests {
         assert_eq!(t("2", json!({"enum": [1, 2, "x"]})), json!(2));
         assert_eq!(t("x", json!({"anyOf": [{"type": "integer"}, {"type": "string"}]})), json!("x"));
         assert_eq!(typed_value("5", None, &Value::Null), json!("5"));
+        // no type: text unless the schema shapes the value as JSON (as vLLM's parser reads
+        // an untyped parameter)
+        for untyped in [
+            json!({}),
+            json!({"description": "zip"}),
+            json!({"nullable": true}),
+            json!({"maxLength": 5}),
+            json!({"x-unit": "cm"}),
+        ] {
+            assert_eq!(t("10001", untyped.clone()), json!("10001"), "{untyped}");
+        }
+        assert_eq!(t("{\"a\": 1}", json!({"properties": {"a": {}}})), json!({"a": 1}));
+        assert_eq!(t("[1]", json!({"items": {}})), json!([1]));
     }
 }

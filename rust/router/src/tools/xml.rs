@@ -29,7 +29,7 @@ use serde_json::{Map, Value};
 
 use super::{call_id, ToolEvent, Unenforceable, CLOSE, OPEN};
 use crate::protocol::schema_edit;
-use crate::structured::GrammarSource;
+use crate::structured::{lark_literal, GrammarSource};
 
 pub(crate) const FUNCTION: &str = "<function=";
 const FUNCTION_END: &str = "</function>";
@@ -168,14 +168,38 @@ pub(crate) fn typed_value(raw: &str, schema: Option<&Value>, root: &Value) -> Va
     }
 }
 
-/// Keywords that say nothing about a value.
-const ANNOTATIONS: [&str; 8] =
-    ["title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"];
+/// Keywords that shape a value as JSON (an object, an array, a number, or schemas combined):
+/// a schema without a `type` that uses one means JSON, not text.
+const JSON_SHAPED: [&str; 22] = [
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "required",
+    "minProperties",
+    "maxProperties",
+    "items",
+    "prefixItems",
+    "contains",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "$ref",
+];
 
-/// Whether a parameter's value is raw text (its schema allows only strings, or says nothing
-/// of the value) rather than JSON. A schema whose types cannot be told (refs that do not
-/// resolve, parts without `type`) but that constrains the value is JSON: the grammar then
-/// leaves it to the JSON engine, which follows all of it.
+/// Whether a parameter's value is raw text (its schema allows only strings, or names no type
+/// and nothing JSON-shaped: a description, `nullable`, `maxLength`, an `x-` key) rather than
+/// JSON. A schema whose types cannot be told (refs that do not resolve, parts without
+/// `type`) but that shapes the value as JSON is JSON: the grammar then leaves it to the JSON
+/// engine, which follows all of it.
 fn is_text(schema: &Value, root: &Value) -> bool {
     let mut types = Vec::new();
     schema_types(schema, root, &mut types);
@@ -183,7 +207,7 @@ fn is_text(schema: &Value, root: &Value) -> bool {
         return types.iter().all(|t| t == "string");
     }
     match schema_edit::resolve(root, schema) {
-        Value::Object(o) => o.keys().all(|k| ANNOTATIONS.contains(&k.as_str())),
+        Value::Object(o) => !o.keys().any(|k| JSON_SHAPED.contains(&k.as_str())),
         _ => true,
     }
 }
@@ -239,7 +263,7 @@ fn json_type_fits(v: &Value, t: &str) -> bool {
 /// `pattern`s and `format`s, names that would break the markup. Those are refused (the JSON
 /// formats take them) rather than generated unchecked.
 pub(crate) fn forced_grammar(functions: &[&Value], parallel: bool) -> Result<GrammarSource, Unenforceable> {
-    let lit = |s: &str| serde_json::to_string(s).expect("strings serialize");
+    let lit = lark_literal;
     let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
     let mut rules = vec![start.to_string(), format!("block: {} function {}", lit(&format!("{OPEN}\n")), lit(CLOSE))];
     let names: Vec<String> = (0..functions.len()).map(|i| format!("f{i}")).collect();
@@ -341,7 +365,7 @@ fn root_shape(params: &Value) -> Result<Shape<'_>, Refusal> {
 /// A parameter's value and its closing tag; `root` is the function's `parameters`, which the
 /// value's local `$ref`s point into.
 fn value_grammar(schema: &Value, root: &Value) -> Result<String, Refusal> {
-    let close = serde_json::to_string(&format!("\n{PARAMETER_END}\n")).expect("strings serialize");
+    let close = lark_literal(&format!("\n{PARAMETER_END}\n"));
     let resolved = schema_edit::resolve(root, schema);
     if is_text(resolved, root) {
         return Ok(match string_value(resolved, root, 8)? {
@@ -350,8 +374,7 @@ fn value_grammar(schema: &Value, root: &Value) -> Result<String, Refusal> {
                 return Err((String::new(), "no string satisfies the value's schema".into()))
             }
             Text::Literals(options) => {
-                let options: Vec<String> =
-                    options.iter().map(|o| serde_json::to_string(o).expect("strings serialize")).collect();
+                let options: Vec<String> = options.iter().map(|o| lark_literal(o)).collect();
                 format!("({}) {close}", options.join(" | "))
             }
             Text::Bounded(min, max) => {
@@ -393,6 +416,9 @@ enum Text {
     Bounded(u64, Option<u64>),
 }
 
+/// Longest `minLength`/`maxLength` a raw-text value's grammar counts to.
+const MAX_BOUNDED_LENGTH: u64 = 100_000;
+
 /// What text a value whose schema allows only strings may be: `enum` and `const` give
 /// literals, `minLength`/`maxLength` a bounded length, a union of literal sets their union,
 /// a single `allOf` part (pydantic v1's wrapper of a `$ref`) that part. A `pattern`, a
@@ -401,13 +427,25 @@ enum Text {
 fn string_value(schema: &Value, root: &Value, depth: u32) -> Result<Text, Refusal> {
     let schema = schema_edit::resolve(root, schema);
     let refuse = |key: &str, why: &str| Err((format!(".{key}"), why.to_string()));
-    for key in ["pattern", "format", "not", "if", "contentEncoding", "contentMediaType"] {
+    // NOTE: `format` is an annotation unless a schema opts in to asserting it (JSON Schema
+    // 2020-12); in raw text it is left unenforced, as most JSON engines leave the formats
+    // they do not know.
+    for key in ["pattern", "not", "if", "contentEncoding", "contentMediaType"] {
         if schema.get(key).is_some() {
             return refuse(key, &format!("`{key}` on a string value"));
         }
     }
     let length = |key: &str| schema.get(key).and_then(Value::as_u64);
     let (min, max) = (length("minLength"), length("maxLength"));
+    if let (Some(lo), Some(hi)) = (min, max) {
+        if lo > hi {
+            return refuse("minLength", "`minLength` above `maxLength`");
+        }
+    }
+    if min.max(max).is_some_and(|n| n > MAX_BOUNDED_LENGTH) {
+        let key = if max.is_some_and(|n| n > MAX_BOUNDED_LENGTH) { "maxLength" } else { "minLength" };
+        return refuse(key, &format!("`{key}` beyond {MAX_BOUNDED_LENGTH} characters"));
+    }
     let fits = |s: &str| {
         let n = s.chars().count() as u64;
         min.is_none_or(|m| n >= m) && max.is_none_or(|m| n <= m)
@@ -452,6 +490,10 @@ fn string_value(schema: &Value, root: &Value, depth: u32) -> Result<Text, Refusa
             return refuse(key, "`oneOf` of free text and literals");
         }
         return Ok(if free { Text::Free } else { Text::Literals(union) });
+    }
+    if let Some(bad) = literals.iter().flatten().find(|l| l.contains("</")) {
+        // the parser ends a value at its first `</parameter>`
+        return Err((String::new(), format!("the string {bad:?}, which holds `</`")));
     }
     Ok(match literals {
         Some(options) => Text::Literals(options.into_iter().filter(|o| fits(o)).collect()),
