@@ -202,6 +202,10 @@ def test_metrics_names_and_counters_move(one_slot):
     assert after[length] - before.get(length, 0.0) == 1
     assert after["llmserve:prompt_tokens_total"] - before["llmserve:prompt_tokens_total"] == r["usage"]["prompt_tokens"]
     assert after["llmserve:generation_tokens_total"] - before["llmserve:generation_tokens_total"] == 7
+    # vLLM's request_params_* histograms: n and the resolved max_tokens of each request
+    assert after["llmserve:request_params_n_count"] - before.get("llmserve:request_params_n_count", 0.0) == 1
+    assert (after["llmserve:request_params_max_tokens_sum"]
+            - before.get("llmserve:request_params_max_tokens_sum", 0.0)) == 7
     # vLLM's prefix-cache hit rate is hits / queries, both in prompt tokens
     queries = "llmserve:prefix_cache_queries_total"
     assert _sum(after, queries) - _sum(before, queries) == r["usage"]["prompt_tokens"]

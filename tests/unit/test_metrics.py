@@ -20,3 +20,13 @@ def test_prompt_tokens_count_only_prompts_that_were_processed():
                 first_token=0.2, finished=0.5)
     assert _value(m, "llmserve:prompt_tokens_total") == 12
     assert _value(m, "llmserve:generation_tokens_total") == 3
+
+
+def test_request_params_are_observed_as_vllm_names_them():
+    m = Metrics()
+    m.bind("m")
+    m.on_finish(reason="stop", prompt_tokens=5, generated=4, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=0.5, n=3, max_tokens=100)
+    assert _value(m, "llmserve:request_params_n_count") == 1
+    assert _value(m, "llmserve:request_params_n_sum") == 3
+    assert _value(m, "llmserve:request_params_max_tokens_sum") == 100

@@ -54,6 +54,8 @@ class RequestStream:
         self.headers: list[tuple[str, str]] = prepared.headers
         self.user: str | None = prepared.user
         self.prompt_tokens: int = prepared.prompt_tokens
+        self.n: int = prepared.n
+        self.max_tokens: int | None = prepared.max_tokens
         self.submitted = time.perf_counter()
         # Set by the engine thread when a step first holds the request (before the event
         # loop learns of any output of that step).
@@ -319,7 +321,7 @@ class AsyncEngine:
         self.metrics.on_finish(reason=reason, prompt_tokens=stream.prompt_tokens,
                                generated=stream.generated, submitted=stream.submitted,
                                scheduled=stream.scheduled, first_token=stream.first_token,
-                               finished=time.perf_counter())
+                               finished=time.perf_counter(), n=stream.n, max_tokens=stream.max_tokens)
 
     @staticmethod
     def _first_scheduled(streams: list, when: float) -> None:

@@ -65,6 +65,11 @@ class Metrics:
             "request_generation": histogram("llmserve:request_generation_tokens",
                                             "Generated tokens per request.", _TOKENS),
             "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _TPOT),
+            "params_n": histogram("llmserve:request_params_n", "The n (choices per prompt) of each request.",
+                                  (1, 2, 5, 10, 20)),
+            "params_max_tokens": histogram("llmserve:request_params_max_tokens",
+                                           "The max_tokens of each request, as resolved (the rest of the "
+                                           "context when not sent).", _TOKENS),
         }
         # NOTE: labelled as vLLM labels it, by finish reason ("stop", "length", "tool_calls";
         # also "abort" and "error"); a request with n > 1 counts by its first choice.
@@ -101,10 +106,14 @@ class Metrics:
         self.itl.observe(since_last)
 
     def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
-                  scheduled: float | None, first_token: float | None, finished: float) -> None:
+                  scheduled: float | None, first_token: float | None, finished: float,
+                  n: int = 1, max_tokens: int | None = None) -> None:
         """A request ended. `scheduled` is None when no step ever held it (aborted in the
         queue); `first_token` None when it produced none."""
         self._requests.labels(self.model_name, reason).inc()
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
         if scheduled is not None:
             # "processed": a prompt aborted while it waited never was (as vLLM counts)
             self.prompt_tokens.inc(prompt_tokens)

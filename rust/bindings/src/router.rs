@@ -193,4 +193,14 @@ impl PyPrepared {
     fn prompt_token_ids(&self) -> PyResult<Vec<Vec<u32>>> {
         Ok(self.get()?.prompts.clone())
     }
+    /// Choices per prompt (`n`).
+    #[getter]
+    fn n(&self) -> PyResult<u32> {
+        Ok(self.get()?.params.n)
+    }
+    /// The most tokens a choice may generate, as resolved (None: the rest of the context).
+    #[getter]
+    fn max_tokens(&self) -> PyResult<Option<u32>> {
+        Ok(self.get()?.params.max_tokens)
+    }
 }
