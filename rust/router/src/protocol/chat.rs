@@ -95,13 +95,13 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         )
     })?;
     let config = &router.config;
-    let shaped = |format: ContentFormat| {
+    // `wrap`: strings as one text part each, the shape a template that only walks parts shows
+    let shaped = |format: ContentFormat, wrap: bool| {
         let mut messages = crate::content_format::normalize(input.messages, format);
         if !template.source().contains("developer") {
             developer_as_system(&mut messages);
         }
-        if format == ContentFormat::OpenAi {
-            // strings as one text part each: the shape a template that only walks parts shows
+        if wrap {
             messages = std::borrow::Cow::Owned(crate::content_format::wrap_strings(&messages));
         }
         messages
@@ -120,32 +120,26 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         })
     };
     if let Some(told) = config.chat_template_content_format {
-        return Ok((render_messages(&shaped(told))?, template));
+        return Ok((render_messages(&shaped(told, told == ContentFormat::OpenAi))?, template));
     }
     // The detected shape first, with string content as sent (most parts templates test `is
     // string`, as transformers renders them). Detection reads the template's text, and a
     // template may reach the content in ways it does not see (an alias, a macro, a filter):
     // if the render fails or leaves out some of the messages' text, the other shape is tried,
     // and kept if it renders where the first failed, or shows all of it (content_format.rs).
-    let detected = template.content_format();
-    let mut first = crate::content_format::normalize(input.messages, detected);
-    if !template.source().contains("developer") {
-        developer_as_system(&mut first);
-    }
-    let rendered = render_messages(&first);
+    let rendered = render_messages(&shaped(template.content_format(), false));
     let texts = crate::content_format::message_texts(input.messages);
     let shows_all = |r: &Rendered| crate::content_format::shows_all(&r.text, &texts);
     if rendered.as_ref().is_ok_and(shows_all) {
         return Ok((rendered?, template));
     }
-    // parts as sent, strings as one part each (the first render had strings as sent, and
-    // parts joined for a string template)
-    // A template that prints `content` as it is (`~`, `| trim`) prints the wrapped parts as
-    // their repr, which holds every text too: such a render is the template not walking
-    // parts, never a better one.
+    // Then parts as sent and strings as one part each (the first render had strings as sent,
+    // and parts joined for a string template). A template that prints `content` as it is
+    // (`~`, `| trim`) prints the wrapped parts as their repr, which holds every text too:
+    // such a render is the template not walking parts, never a better one.
     let shows_parts = |text: &str| text.contains("\"type\": \"text\"") || text.contains("'type': 'text'");
     let first_shows_parts = rendered.as_ref().is_ok_and(|r| shows_parts(&r.text));
-    match render_messages(&shaped(ContentFormat::OpenAi)) {
+    match render_messages(&shaped(ContentFormat::OpenAi, true)) {
         Ok(second) if shows_parts(&second.text) && !first_shows_parts => Ok((rendered?, template)),
         Ok(second) if rendered.is_err() || shows_all(&second) => Ok((second, template)),
         _ => Ok((rendered?, template)),
