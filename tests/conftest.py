@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import llmserve  # noqa: F401  (first: sets MKL's reproducible mode before any test computes)
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from server import ServerProcess  # noqa: E402

@@ -5,7 +5,14 @@ bytes, iterate response bytes) and `create_app` (an ASGI app to mount or serve).
 core lives in the private `llmserve._core`.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# NOTE: before anything loads torch and MKL reads it: MKL's strict reproducible mode makes an
+# fp32 GEMM's row the same bits however many rows the GEMM has, which prompt tokens computed
+# around the prefix cache rely on (worker/threads.py: reproducible_blas). An explicit setting wins.
+_os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 __all__ = ["LLM", "AsyncEngine", "create_app", "__version__"]
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from _plans import run_schedule
 from test_cpu_decoder import quantized_model
 
+import llmserve.models.layers as layers
 import llmserve.models.llama as llama
 from llmserve.worker.threads import QUANT_MAX_TOKENS
 
@@ -26,8 +27,11 @@ SCHEDULE = [{s: len(p) for s, p in PROMPTS.items()}, *[{s: 1 for s in PROMPTS}] 
             {s: 1 for s in range(3)}]
 
 
-def _model(monkeypatch, bf16: bool):
+def _model(monkeypatch, bf16: bool, tile: int = 0):
+    """`tile`: rows per bf16 call in prompt steps, as on a CPU with AMX (0: one call, as
+    without), whatever this CPU has."""
     monkeypatch.setattr(llama, "native_bf16", lambda: bf16)
+    monkeypatch.setattr(layers, "bf16_tile_rows", lambda: tile)
     return quantized_model("llama", seed=3)
 
 
@@ -79,6 +83,23 @@ def test_a_lone_row_is_padded_to_two(monkeypatch):
     rows = _bf16_rows(monkeypatch)
     run_schedule(on, {0: [5, 6, 7, 8, 9]}, [{0: 4}, {0: 1}], step_flags=True)
     assert rows == [4] * 8 + [2] * 8
+
+
+def test_with_amx_prompt_steps_run_bf16_matmuls_in_tiles(monkeypatch):
+    """On a CPU with AMX a prompt step's bf16 matmuls run in calls of a fixed number of rows
+    (the last padded), so each row's bits do not depend on the step (worker/threads.py); the
+    big decode steps keep one call. The logits equal those of one call up to bf16 rounding."""
+    ref, _ = run_schedule(_model(monkeypatch, True, tile=0), PROMPTS, SCHEDULE[:2], num_blocks=160,
+                          step_flags=True)
+    on = _model(monkeypatch, True, tile=32)
+    rows = _bf16_rows(monkeypatch)
+    got, _ = run_schedule(on, PROMPTS, SCHEDULE[:2], num_blocks=160, step_flags=True)
+    prompt_tokens = sum(map(len, PROMPTS.values()))
+    tiles = [32] * -(-prompt_tokens // 32)
+    assert rows == tiles * 8 + [SEQS] * 9
+    for step in range(2):
+        diff = (got[step] - ref[step]).abs()
+        assert diff.max() < 0.1 * ref[step].abs().max(), step
 
 
 def test_without_native_bf16_nothing_is_copied(monkeypatch):

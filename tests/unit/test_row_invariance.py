@@ -14,18 +14,20 @@ import torch.nn.functional as F
 from _plans import Paged, Row
 from test_cpu_decoder import quantized_model
 
+import llmserve.models.layers as layers
 import llmserve.models.llama as llama
 from llmserve.worker import ModelRunner
-from llmserve.worker.threads import GEMM_ROW_MULTIPLE, native_bf16
+from llmserve.worker.threads import GEMM_ROW_MULTIPLE, cpu_step, native_bf16, reproducible_blas
 
 torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_blas_computes_gemm_rows_independently_of_m(threads):
-    """MKL's fp32 GEMM: row r of x @ w^T is the same bits for any M that is a multiple of
-    GEMM_ROW_MULTIPLE, wherever the row sits. If this fails, the installed BLAS breaks the
-    premise of the padding in models/layers.py, and a warm prefix cache can change answers."""
+    """MKL's fp32 GEMM in the mode llmserve sets: row r of x @ w^T is the same bits for any M
+    that is a multiple of GEMM_ROW_MULTIPLE, wherever the row sits. If this fails, the
+    installed BLAS breaks the premise of worker/threads.py, and a warm prefix cache can change
+    answers. (MKL's default mode failed it on an AVX512 CPU with AMX.)"""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -45,22 +47,31 @@ def test_blas_computes_gemm_rows_independently_of_m(threads):
 @pytest.mark.skipif(not native_bf16(), reason="bf16 matmuls run only on CPUs with native bf16")
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_bf16_gemm_computes_rows_independently_of_m(threads):
-    """oneDNN's bf16 GEMM, which GGUF models' prompt steps use on such CPUs: row r of
-    x @ w^T is the same bits for any M >= 2 (layers._bf16_linear pads a lone row to two)."""
+    """oneDNN's bf16 GEMM as a step with prompt tokens runs it (layers._bf16_linear: one call,
+    a lone row padded to two; with AMX, calls of a fixed number of rows): row r of x @ w^T is
+    the same bits for any M and wherever the row sits. Checks the property of the installed
+    oneDNN through the function that relies on it."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(0)
-        for rows, cols in ((960, 576), (576, 1536), (3072, 576), (1000, 64)):
-            w = torch.randn(rows, cols, generator=g).bfloat16()
-            x = torch.randn(700, cols, generator=g).bfloat16()
-            whole = F.linear(x, w)
-            for start in (0, 1, 16, 37):
-                for n in (*range(2, 40), 64, 127, 300, 663):
-                    assert torch.equal(F.linear(x[start:start + n], w), whole[start:start + n]), \
-                        (rows, cols, start, n)
+        with cpu_step(prompt_tokens=True, quantized=False):
+            for rows, cols in ((960, 576), (576, 1536), (3072, 576), (1000, 64)):
+                w = torch.randn(rows, cols, generator=g).bfloat16()
+                x = torch.randn(700, cols, generator=g)
+                whole = layers._bf16_linear(x, w, None)
+                for start in (0, 1, 16, 37):
+                    for n in (*range(1, 40), 64, 127, 300, 663):
+                        assert torch.equal(layers._bf16_linear(x[start:start + n], w, None),
+                                           whole[start:start + n]), (rows, cols, start, n)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch has no MKL")
+def test_mkl_runs_in_its_strict_reproducible_mode():
+    """Importing llmserve sets MKL_CBWR before MKL first computes (conftest imports it first)."""
+    assert reproducible_blas() is True
 
 
 PROMPT = [(7 * i + 3) % 90 + 1 for i in range(29)]

@@ -20,6 +20,7 @@ import torch
 from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version
 from llmserve.config import Config, parse_bytes
+from llmserve.worker.threads import bf16_tile_rows, reproducible_blas
 
 log = logging.getLogger("llmserve.engine")
 
@@ -142,8 +143,10 @@ def build_engine(cfg: Config) -> Engine:
     quantized = ck.quantized if cfg.model.quantized_decode else None
     # (before build_model, which may take the tensors over)
     # (the KV block size orders attention's sums: it moves logprobs, so it is part of it)
+    # (MKL's reproducible mode and the bf16 tiling decide a prompt token's bits on a CPU)
+    blas = (reproducible_blas(), bf16_tile_rows()) if device.type == "cpu" else ()
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
-                                     torch.get_num_threads(), cfg.cache.block_size)
+                                     torch.get_num_threads(), cfg.cache.block_size, *blas)
     model = build_model(hf, ck.weights, dtype, device, quantized=quantized)
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:

@@ -19,7 +19,7 @@ from torch import nn
 from llmserve import _core
 from llmserve.loaders.checkpoint import QuantTensor
 from llmserve.worker.attention import AttentionMetadata, paged_attention
-from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, in_runner_step,
+from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, bf16_tile_rows, in_runner_step,
                                     kernel_threads, pads_small_gemms, quantized_step_allowed)
 
 
@@ -131,11 +131,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear in bfloat16, float32 in and out. A lone row is padded to two: oneDNN computes
-    a row to the same bits for any M >= 2, but M = 1 takes a GEMV whose sums differ
-    (worker/threads.py says why rows must not depend on M)."""
+    """F.linear in bfloat16, float32 in and out, so that in steps with prompt tokens each row's
+    bits do not depend on the others (worker/threads.py says why): on CPUs with AMX in calls of
+    exactly `bf16_tile_rows()` rows, the last padded with zeros; elsewhere in one call, a lone
+    row padded to two (oneDNN computes a row the same for any M >= 2, but M = 1 takes a GEMV
+    whose sums differ)."""
     xb = x.to(torch.bfloat16)
-    if xb.shape[0] == 1:
+    n = xb.shape[0]
+    tile = bf16_tile_rows() if pads_small_gemms() else 0
+    if tile:
+        padded = torch.cat((xb, xb.new_zeros(-n % tile, xb.shape[1])))
+        out = torch.cat([F.linear(rows, weight) for rows in padded.split(tile)])[:n].float()
+    elif n == 1:
         out = F.linear(torch.cat((xb, xb.new_zeros(1, xb.shape[1]))), weight)[:1].float()
     else:
         out = F.linear(xb, weight).float()

@@ -9,11 +9,14 @@ difference anywhere upstream can move a rounded value by a whole step and change
 So every prompt token must be computed bit-identically however its prompt was split:
 - Prompt tokens never read GGUF blocks, however few: only decode steps of generated tokens
   (at most QUANT_MAX_TOKENS sequences, each computing the one token it sampled last) do.
-- In steps that hold prompt tokens, fp32 matmuls (those not run in bf16, below) are padded
-  with zero rows to a multiple of GEMM_ROW_MULTIPLE rows: MKL computes a row of an fp32 GEMM to the same bits for any M that
-  is a multiple of 4, but other M (below a threshold that grows with the thread count: 3 rows
-  at 1 thread, 11 at 2, 27 at 16) take kernels whose sums differ in the last bits
-  (tests/unit/test_row_invariance.py checks this property of the installed BLAS).
+- fp32 matmuls (those not run in bf16, below) run on MKL in its strict reproducible mode
+  (MKL_CBWR=AUTO,STRICT, set when llmserve is imported; `reproducible_blas`), where a row of a
+  GEMM is the same bits for any M. MKL's default mode is not: on an AVX512 CPU with AMX, rows
+  of GEMMs under 16 rows differ from larger ones, and at 2 threads so do M of 57-199 when K is
+  1536; on an AVX2 CPU only M that are not a multiple of 4 (below a threshold that grows with
+  the thread count) did. As a second guard, steps that hold prompt tokens still pad their fp32
+  matmuls with zero rows to a multiple of GEMM_ROW_MULTIPLE rows.
+  (tests/unit/test_row_invariance.py checks this property of the installed BLAS.)
 - Attention on CPU float32 runs every token as its own row of the Rust kernel (worker/
   attention.py), whose result depends only on that token and its context.
 
@@ -41,9 +44,13 @@ with it.
 Steps the quantized GEMV does not take (prompts, decode steps of more than QUANT_MAX_TOKENS
 sequences) are bound by compute. On a CPU with native bf16 (`native_bf16`), a GGUF model's
 layer matmuls in those steps run in bfloat16 (layers.Linear.bf16_weight), about 2x faster
-than fp32. oneDNN computes a row of a bf16 GEMM to the same bits for any M >= 2 (M = 1 takes
-a GEMV whose sums differ), so a lone row is padded to two and prompt tokens keep the
-invariance above (test_row_invariance.py checks both the property and the model). The LM
+than fp32. Without AMX, oneDNN computes a row of a bf16 GEMM to the same bits for any M >= 2
+(M = 1 takes a GEMV whose sums differ), so a lone row is padded to two. With AMX its kernels
+treat the rows past the last whole tile differently, so a row's bits depend on M and on where
+the row sits; but GEMMs of one fixed M compute each row alone. So on such CPUs steps with
+prompt tokens run their bf16 matmuls in calls of exactly BF16_TILE_ROWS rows (the last
+padded with zeros; `bf16_tile_rows`). Either way prompt tokens keep the invariance above
+(test_row_invariance.py checks both the property and the model). The LM
 head of those decode steps runs in bf16 too (~25 ms of a 64-sequence step saved); in steps
 of fewer sequences it reads its Q8_0 blocks with int8 activations, which round as much.
 Prompt steps keep it fp32, so prompt logprobs and each prompt's first token do not round.
@@ -54,8 +61,12 @@ engines can share a process).
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+import os
 import platform
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -76,6 +87,17 @@ _engine_threads: int | None = None
 
 # fp32 matmuls in steps with prompt tokens get a multiple of this many rows (module doc).
 GEMM_ROW_MULTIPLE = 4
+
+# On CPUs with AMX, steps with prompt tokens run bf16 matmuls in calls of this many rows
+# (module doc). SmolLM2's four layer matmuls at 2 threads, whole vs in 64-row calls vs fp32:
+# 5 rows 0.44 / 1.04 / ~1 ms, 512 rows 5.9 / 6.2 / 19 ms, 2048 rows 9.9 / 27 / ~76 ms;
+# 32-row calls cost 42 ms at 2048 rows, 128-row ones 2.2 ms at 5.
+BF16_TILE_ROWS = 64
+
+# MKL's conditional numerical reproducibility (mkl_service.h): the mode llmserve asks for.
+_MKL_CBWR_ALL, _MKL_CBWR_AUTO, _MKL_CBWR_STRICT = -1, 2, 0x10000
+
+log = logging.getLogger(__name__)
 
 # `.flags` = (holds_prompt_tokens, quantized) of the step this thread is running; absent
 # outside a runner's step: a linear called alone then decides by its token count and pads
@@ -109,23 +131,73 @@ def in_runner_step() -> bool:
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU has bfloat16 dot-product instructions (AVX512_BF16 or AMX).
-
-    With them oneDNN's bf16 GEMM is ~2x MKL's fp32 one at SmolLM2's layer shapes for 8-128 rows
-    (`benches/bf16_gemm.py`); without them torch emulates bf16 and its GEMMs are many times
-    slower than fp32 (BENCH.md), so nothing runs in bf16 there."""
+def _cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512_BF16 or AMX).
+
+    With them oneDNN's bf16 GEMM is ~2x MKL's fp32 one at SmolLM2's layer shapes for 8-128 rows
+    (`benches/bf16_gemm.py`), ~5x at 512 with AMX; without them torch emulates bf16 and its
+    GEMMs are many times slower than fp32 (BENCH.md), so nothing runs in bf16 there."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def bf16_tile_rows() -> int:
+    """Rows per bf16 matmul call in steps with prompt tokens: BF16_TILE_ROWS on CPUs with AMX,
+    0 (one call, a lone row padded to two) elsewhere (module doc)."""
+    return BF16_TILE_ROWS if "amx_bf16" in _cpu_flags() else 0
+
+
+def reproducible_blas() -> bool | None:
+    """Whether torch's MKL runs in its strict reproducible mode (module doc), switching it on
+    if MKL has not computed yet and MKL_CBWR does not say otherwise; None where torch has no
+    MKL whose mode can be read. Logs a warning once when it is off."""
+    mode = _mkl_cbwr()
+    if mode is None:
+        return None
+    get, set_ = mode
+    strict = bool(get(_MKL_CBWR_ALL) & _MKL_CBWR_STRICT)
+    if not strict and "MKL_CBWR" not in os.environ:
+        strict = set_(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT) == 0
+    if not strict:
+        _warn_not_strict()
+    return strict
+
+
+@functools.cache
+def _warn_not_strict() -> None:
+    log.warning("MKL is not in its strict reproducible mode (MKL_CBWR=%s%s): a prompt may "
+                "compute differently when the prefix cache holds its start; set "
+                "MKL_CBWR=AUTO,STRICT before the process first uses torch",
+                os.environ.get("MKL_CBWR", "unset"),
+                "" if "MKL_CBWR" in os.environ else ", and MKL had computed before llmserve loaded")
+
+
+@functools.cache
+def _mkl_cbwr():
+    """(get, set) of MKL's reproducibility mode from the MKL linked into torch, or None."""
+    if not (torch.backends.mkl.is_available() and sys.platform.startswith("linux")):
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+    except (OSError, AttributeError):
+        return None
+    get.argtypes = set_.argtypes = [ctypes.c_int]
+    get.restype = set_.restype = ctypes.c_int
+    return get, set_
 
 
 def in_big_decode_step() -> bool:
