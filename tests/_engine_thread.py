@@ -59,7 +59,7 @@ def serve(engine, bodies, abort_after: dict | None = None, fail_at: int | None =
     thread: EngineThread
 
     def deliver(outputs):
-        for token, data, fin, error, _ in outputs:
+        for token, data, fin, error, *_ in outputs:
             results[token].append((data, error))
             if abort_after and len(results[token]) == abort_after.get(token):
                 thread.post(("abort", token))

@@ -152,7 +152,7 @@ class Plan:
     @property
     def token_bitmask(self) -> npt.NDArray[np.int32]: ...
 
-StepOutput = tuple[int, bytes, str | None, bool, int]
+StepOutput = tuple[int, bytes, str | None, bool, int, int]
 
 class Core:
     def __new__(cls, router: Router, config_json: str) -> Core: ...

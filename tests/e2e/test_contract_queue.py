@@ -210,7 +210,17 @@ def test_metrics_names_and_counters_move(one_slot):
     queries = "llmserve:prefix_cache_queries_total"
     assert _sum(after, queries) - _sum(before, queries) == r["usage"]["prompt_tokens"]
     assert "llmserve:prefix_cache_hits_total" in after
-    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+    # vLLM's iteration_tokens_total: tokens per step, which sum to the tokens computed (the
+    # prompt's uncached ones, then one per later token)
+    hits = _sum(after, "llmserve:prefix_cache_hits_total") - _sum(before, "llmserve:prefix_cache_hits_total")
+    assert (after["llmserve:iteration_tokens_total_sum"] - before.get("llmserve:iteration_tokens_total_sum", 0.0)
+            == r["usage"]["prompt_tokens"] - hits + 6)
+    longest = "llmserve:request_max_num_generation_tokens_sum"
+    assert after[longest] - before.get(longest, 0.0) == 7
+    info = [k for k in after if k.startswith("llmserve:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="' in info[0] and 'num_gpu_blocks="96"' in info[0], info
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
               "request_inference_time_seconds"):
         assert after[f"llmserve:{h}_count"] - before[f"llmserve:{h}_count"] == 1, h
@@ -238,13 +248,19 @@ def test_generated_tokens_count_every_choice(one_slot):
     key = "llmserve:generation_tokens_total"
     for temperature in (0.0, 1.0):
         _wait_idle(one_slot)
-        before = _scrape(one_slot)[key]
+        scraped = _scrape(one_slot)
+        before = scraped[key]
+        longest_before = scraped.get("llmserve:request_max_num_generation_tokens_sum", 0.0)
         r = httpx.post(one_slot.url + "/v1/completions", json={
             "model": "tiny", "prompt": "count me", "max_tokens": 4, "ignore_eos": True, "n": 3,
             "temperature": temperature, "seed": 1}).json()
         assert r["usage"]["completion_tokens"] == 12
         _wait_idle(one_slot)
-        assert _scrape(one_slot)[key] - before == 12, temperature
+        after = _scrape(one_slot)
+        assert after[key] - before == 12, temperature
+        # vLLM's request_max_num_generation_tokens: the longest choice, not the sum
+        longest = "llmserve:request_max_num_generation_tokens_sum"
+        assert after[longest] - longest_before == 4, temperature
 
 
 def test_models_lists_every_alias_with_max_model_len(one_slot):

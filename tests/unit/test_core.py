@@ -54,7 +54,7 @@ def run(core, runner, max_steps=500):
         if plan is None:
             break
         tokens, lps, tids, tlps = runner.execute(plan)
-        for handle, data, finished, error, ntok in core.commit(tokens, lps, tids, tlps):
+        for handle, data, finished, error, ntok, _ in core.commit(tokens, lps, tids, tlps):
             assert not error
             if handle not in order:
                 order.append(handle)
@@ -168,7 +168,7 @@ def test_a_token_the_grammar_rejects_fails_the_request(router):
             tokens, lps, tids, tlps = runner.execute(plan)
             tokens[:] = ids[min(step, 1)]  # "{" then "x": no JSON object goes on so
             outs += [o for o in core.commit(tokens, lps, tids, tlps) if o[0] == handle and o[2]]
-    (_, body_bytes, finished, error, _), (_, sse, finished2, error2, _) = outs
+    (_, body_bytes, finished, error, _, _), (_, sse, finished2, error2, _, _) = outs
     assert (finished, error, finished2, error2) == ("error", True, "error", True)
     err = orjson.loads(body_bytes)["error"]
     assert err["type"] == "server_error" and "Constrained decoding failed" in err["message"]
@@ -328,3 +328,29 @@ def test_each_request_gets_its_own_number_of_alternatives(router):
         assert [len(e["top_logprobs"]) for e in entries] == [want] * 3, name
     tops = body["comp2"]["choices"][0]["logprobs"]["top_logprobs"]
     assert all(set(t) - {"q", "w"} <= {e} for t, e in zip(tops, body["comp2"]["choices"][0]["logprobs"]["tokens"])), tops
+
+
+def test_a_finished_request_reports_its_longest_choice(router):
+    """The sixth item of a finished output: the completion tokens of the request's longest
+    choice (vLLM's request_max_num_generation_tokens), not the sum over its choices."""
+    core = make_core(router)
+    handle = core.add(router.prepare("completion", orjson.dumps({
+        "model": "m", "prompt": "Hello", "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 3})))
+    base = FakeRunner(router.vocab_size)
+    data, ends = [], []
+    for _ in range(50):
+        plan = core.schedule()
+        if plan is None:
+            break
+        tokens, lps, tids, tlps = base.execute(plan)
+        # choice 1 ends at its third token, the others run to max_tokens
+        tokens[(plan.row_seq_index == 1) & (plan.gen_index == 2)] = EOS
+        for h, chunk, finished, error, ntok, longest in core.commit(tokens, lps, tids, tlps):
+            assert h == handle and not error
+            data.append(chunk)
+            ends.append(longest) if finished else None
+            assert finished or longest == 0
+    body = orjson.loads(b"".join(data))
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop", "length"]
+    assert body["usage"]["completion_tokens"] == 6 + 3 + 6
+    assert ends == [6]

@@ -16,7 +16,7 @@ class _Engine:
         self.finished: list[str] = []
         self.metrics = SimpleNamespace(on_tokens=self.gaps.append)
 
-    def _finished(self, stream, reason: str) -> None:
+    def _finished(self, stream, reason: str, longest: int | None = None) -> None:
         self._open.discard(stream)
         self.finished.append(reason)
 

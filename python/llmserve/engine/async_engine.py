@@ -67,7 +67,7 @@ class RequestStream:
         self.started = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def _push(self, data, finished: str | None, error: bool, ntok: int) -> None:
+    def _push(self, data, finished: str | None, error: bool, ntok: int, longest: int | None = None) -> None:
         if self not in self._engine._open:
             # aborted (its client left) while a step that held it was in flight: nobody
             # reads this, and its metrics were taken when it was aborted
@@ -91,7 +91,7 @@ class RequestStream:
         if finished:
             self.finished = True
             self._queue.put_nowait(_END)
-            self._engine._finished(self, "error" if error else finished)
+            self._engine._finished(self, "error" if error else finished, None if error else longest)
 
     async def next(self, timeout: float | None = None) -> bytes | None:
         """The next bytes; None at the end. Raises the request's ApiError if it failed before
@@ -196,9 +196,15 @@ class AsyncEngine:
 
     def _attach(self, engine: Engine) -> None:
         self.engine = engine
-        self.metrics.bind(engine.router.served_model_names[0])
+        cfg = engine.config
+        self.metrics.bind(engine.router.served_model_names[0], {
+            "block_size": cfg.cache.block_size, "num_gpu_blocks": engine.num_blocks,
+            "cache_dtype": cfg.model.dtype,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+            "gpu_memory_utilization": cfg.cache.gpu_memory_utilization})
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
-                                    self._first_scheduled, plan_ahead=engine.plan_ahead)
+                                    self._first_scheduled, plan_ahead=engine.plan_ahead,
+                                    on_plan=self.metrics.on_plan)
         self._thread.start()
         self.state = "ready"
 
@@ -314,14 +320,19 @@ class AsyncEngine:
             self._finished(stream, "abort")
             self._thread.post(("abort", stream))
 
-    def _finished(self, stream: RequestStream, reason: str) -> None:
+    def _finished(self, stream: RequestStream, reason: str, longest: int | None = None) -> None:
+        """`longest`: the completion tokens of its longest choice, when it ended normally
+        (an abort or failure leaves them unknown for n > 1)."""
         if stream not in self._open:
             return
         self._open.discard(stream)
+        if longest is None and stream.n == 1:
+            longest = stream.generated
         self.metrics.on_finish(reason=reason, prompt_tokens=stream.prompt_tokens,
                                generated=stream.generated, submitted=stream.submitted,
                                scheduled=stream.scheduled, first_token=stream.first_token,
-                               finished=time.perf_counter(), n=stream.n, max_tokens=stream.max_tokens)
+                               finished=time.perf_counter(), n=stream.n, max_tokens=stream.max_tokens,
+                               longest=longest)
 
     @staticmethod
     def _first_scheduled(streams: list, when: float) -> None:
@@ -338,5 +349,5 @@ class AsyncEngine:
 
     @staticmethod
     def _dispatch(items: list) -> None:
-        for stream, data, finished, error, ntok in items:
-            stream._push(data, finished, error, ntok)
+        for stream, data, finished, error, ntok, longest in items:
+            stream._push(data, finished, error, ntok, longest)

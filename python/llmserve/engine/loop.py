@@ -20,22 +20,23 @@ import numpy as np
 
 log = logging.getLogger("llmserve.engine")
 
-# (handle, bytes, finished, error, new_tokens), as Core.commit returns them; `finished` is None
-# while the request runs, then how it ended ("stop", "length", "tool_calls", "error", ...).
-Output = tuple[int, bytes, str | None, bool, int]
+# (handle, bytes, finished, error, new_tokens, longest), as Core.commit returns them; `finished`
+# is None while the request runs, then how it ended ("stop", "length", "tool_calls", "error",
+# ...); `longest`, once it ended normally, the completion tokens of its longest choice.
+Output = tuple[int, bytes, str | None, bool, int, int]
 
 
 FAILED = "The engine failed while running this request."
 
 
-def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[list[Output], bool]:
+def step(core, runner, on_scheduled: Callable[[object], None] | None = None) -> tuple[list[Output], bool]:
     """Run one step. Returns the outputs and whether any work was scheduled. `on_scheduled`
-    runs once the step's plan is made, before the model runs it."""
+    gets the step's plan once it is made, before the model runs it."""
     plan = core.schedule()
     if plan is None:
         return [], False
     if on_scheduled is not None:
-        on_scheduled()
+        on_scheduled(plan)
     try:
         out = runner.execute(plan)
     except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
@@ -66,21 +67,22 @@ class EngineThread:
 
     `post(op)` queues ("add", prepared, token) or ("abort", token); the thread applies them
     between steps, so the Core is only ever touched from this thread. `deliver` receives each
-    step's outputs as a list of (token, bytes, finished, error, new_tokens), once per step;
-    `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
-    `plan_ahead`: overlap planning and committing with the model (the runner must have
+    step's outputs as a list of (token, bytes, finished, error, new_tokens, longest), once per step;
+    `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time;
+    `on_plan(num_tokens)`, each plan's token count. `plan_ahead`: overlap planning and committing with the model (the runner must have
     `launch`, as ModelRunner does).
     """
 
     def __init__(self, core, runner, deliver: Callable[[list], None],
                  on_stats: Callable[[dict, float], None] | None = None,
                  on_first_scheduled: Callable[[list, float], None] | None = None,
-                 plan_ahead: bool = False):
+                 plan_ahead: bool = False, on_plan: Callable[[int], None] | None = None):
         self._core = core
         self._runner = runner
         self._deliver = deliver
         self._on_stats = on_stats
         self._on_first_scheduled = on_first_scheduled
+        self._on_plan = on_plan
         self._inbox: list[tuple] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -121,7 +123,7 @@ class EngineThread:
                 try:
                     handle = self._core.add(prepared)
                 except Exception as exc:  # an ApiError from Core.add (e.g. priority under fcfs)
-                    failed.append((token, exc, "error", True, 0))
+                    failed.append((token, exc, "error", True, 0, 0))
                     continue
                 self._handles[token] = handle
                 self._tokens[handle] = token
@@ -132,9 +134,12 @@ class EngineThread:
                     self._core.abort(handle)
         return failed
 
-    def _scheduled(self) -> None:
-        """A plan was made: refresh the counts, and say which requests it started."""
+    def _scheduled(self, plan) -> None:
+        """A plan was made: refresh the counts, and say how big it is and which requests it
+        started."""
         self._publish(0.0)
+        if self._on_plan is not None:
+            self._on_plan(plan.num_tokens)
         if self._on_first_scheduled is not None:
             started = [t for h in self._core.first_scheduled() if (t := self._tokens.get(h)) is not None]
             if started:
@@ -156,7 +161,7 @@ class EngineThread:
             plan = core.schedule()
             if plan is None:
                 return [], False
-            self._scheduled()
+            self._scheduled(plan)
             try:
                 self._launched = runner.launch(plan)
             except Exception:  # noqa: BLE001 - as in step()
@@ -166,7 +171,7 @@ class EngineThread:
         following = core.schedule_ahead()
         queued, failed_next = None, False
         if following is not None:
-            self._scheduled()
+            self._scheduled(following)
             try:
                 queued = runner.launch(following, launched)
             except Exception:  # noqa: BLE001
@@ -212,14 +217,14 @@ class EngineThread:
                     time.sleep(0.001)
                     continue
                 mapped = []
-                for handle, data, finished, error, ntok in outputs:
+                for handle, data, finished, error, ntok, longest in outputs:
                     token = self._tokens.get(handle)
                     if token is None:
                         continue
                     if finished:
                         del self._tokens[handle]
                         self._handles.pop(token, None)
-                    mapped.append((token, data, finished, error, ntok))
+                    mapped.append((token, data, finished, error, ntok, longest))
                 if mapped:
                     self._deliver(mapped)
                 self._publish(time.perf_counter() - t0)
@@ -233,4 +238,4 @@ class EngineThread:
                 self._inbox = []
             died = RuntimeError("the engine loop stopped")
             if orphans:
-                self._deliver([(t, died, "error", True, 0) for t in orphans])
+                self._deliver([(t, died, "error", True, 0, 0) for t in orphans])

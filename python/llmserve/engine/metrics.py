@@ -12,6 +12,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+# vLLM's `cache_config_info` label names (of its CacheConfig) that mean something here.
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching",
+                       "gpu_memory_utilization")
 
 
 class Metrics:
@@ -45,6 +51,10 @@ class Metrics:
                               _LATENCY),
             "tpot": histogram("llmserve:time_per_output_token_seconds",
                               "Mean time per output token after the first.", _TPOT),
+            # (vLLM's newer name for the same per-request figure; both are kept, as there)
+            "request_tpot": histogram("llmserve:request_time_per_output_token_seconds",
+                                      "Mean time per output token after the first, per request.",
+                                      _TPOT),
             "itl": histogram("llmserve:inter_token_latency_seconds",
                              "Time between a request's successive outputs of new tokens.", _TPOT),
             "e2e": histogram("llmserve:e2e_request_latency_seconds", "End-to-end latency.",
@@ -65,6 +75,11 @@ class Metrics:
             "request_generation": histogram("llmserve:request_generation_tokens",
                                             "Generated tokens per request.", _TOKENS),
             "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _TPOT),
+            "iteration_tokens": histogram("llmserve:iteration_tokens_total",
+                                          "Tokens (prompt and generated) per engine step.", _STEP_TOKENS),
+            "request_max_generation": histogram(
+                "llmserve:request_max_num_generation_tokens",
+                "Generated tokens of a request's longest choice.", _TOKENS),
             "params_n": histogram("llmserve:request_params_n", "The n (choices per prompt) of each request.",
                                   (1, 2, 5, 10, 20)),
             "params_max_tokens": histogram("llmserve:request_params_max_tokens",
@@ -75,17 +90,24 @@ class Metrics:
         # also "abort" and "error"); a request with n > 1 counts by its first choice.
         self._requests = Counter("llmserve:request_success", "Requests finished, by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
+        self._cache_config = Gauge("llmserve:cache_config_info",
+                                   "The KV cache's configuration (as labels; the value is 1).",
+                                   ["model_name", *CACHE_CONFIG_LABELS], registry=r)
         self.model_name = ""
         self._last_preemptions = 0
         self._last_hits = 0
         self._last_queries = 0
 
-    def bind(self, model_name: str) -> None:
-        """Once the model is loaded: every series gets its `model_name`. Before, /metrics lists
-        the metrics with no samples, and nothing calls on_step or on_finish (no engine runs)."""
+    def bind(self, model_name: str, cache_config: dict | None = None) -> None:
+        """Once the model is loaded: every series gets its `model_name`, and
+        `cache_config_info` the values of CACHE_CONFIG_LABELS in `cache_config`. Before,
+        /metrics lists the metrics with no samples, and nothing calls on_step or on_finish (no
+        engine runs)."""
         self.model_name = model_name
         for attr, family in self._families.items():
             setattr(self, attr, family.labels(model_name))
+        if cache_config is not None:
+            self._cache_config.labels(model_name, *(str(cache_config[k]) for k in CACHE_CONFIG_LABELS)).set(1)
 
     def on_step(self, stats: dict, seconds: float) -> None:
         """Engine thread: once per step."""
@@ -101,15 +123,20 @@ class Metrics:
         if seconds > 0:
             self.step_time.observe(seconds)
 
+    def on_plan(self, num_tokens: int) -> None:
+        """Engine thread: a step was planned with `num_tokens` tokens."""
+        self.iteration_tokens.observe(num_tokens)
+
     def on_tokens(self, since_last: float) -> None:
         """Event loop: a request got new tokens, `since_last` seconds after its previous ones."""
         self.itl.observe(since_last)
 
     def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
                   scheduled: float | None, first_token: float | None, finished: float,
-                  n: int = 1, max_tokens: int | None = None) -> None:
+                  n: int = 1, max_tokens: int | None = None, longest: int | None = None) -> None:
         """A request ended. `scheduled` is None when no step ever held it (aborted in the
-        queue); `first_token` None when it produced none."""
+        queue); `first_token` None when it produced none. `generated` counts the tokens of
+        all its choices, `longest` those of its longest (None: unknown, not observed)."""
         self._requests.labels(self.model_name, reason).inc()
         self.params_n.observe(n)
         if max_tokens is not None:
@@ -120,6 +147,8 @@ class Metrics:
         self.generation_tokens.inc(generated)
         self.request_prompt.observe(prompt_tokens)
         self.request_generation.observe(generated)
+        if longest is not None:
+            self.request_max_generation.observe(longest)
         self.e2e.observe(finished - submitted)
         if scheduled is not None:
             self.queue.observe(scheduled - submitted)
@@ -130,7 +159,9 @@ class Metrics:
             if scheduled is not None:
                 self.prefill.observe(first_token - scheduled)
             if generated > 1:
-                self.tpot.observe((finished - first_token) / (generated - 1))
+                tpot = (finished - first_token) / (generated - 1)
+                self.tpot.observe(tpot)
+                self.request_tpot.observe(tpot)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -89,7 +89,7 @@ class LLM:
             outputs, ran = step(core, runner)
             if not ran and not core.has_work():
                 raise RuntimeError("the engine stopped with requests still pending")
-            for handle, data, finished, error, _ in outputs:
+            for handle, data, finished, error, *_ in outputs:
                 if error:
                     raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
                 buffers[handle].append(data)

@@ -139,10 +139,11 @@ impl HeldTokens {
     }
 }
 
-/// One item of a step's output: (handle, bytes, finished, error, new completion tokens).
-/// `finished` is how the request ended (its first choice's finish reason, or "error"), for
-/// the metrics; None while it runs.
-type Output = (u64, Vec<u8>, Option<&'static str>, bool, u32);
+/// One item of a step's output: (handle, bytes, finished, error, new completion tokens,
+/// longest). `finished` is how the request ended (its first choice's finish reason, or
+/// "error"), for the metrics; None while it runs. `longest`: once it has ended normally, the
+/// completion tokens of its longest choice (for the metrics), else 0.
+type Output = (u64, Vec<u8>, Option<&'static str>, bool, u32, u32);
 
 struct CoreState {
     router: Arc<Router>,
@@ -535,7 +536,7 @@ impl CoreState {
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
             if let Some(state) = self.forget(handle) {
-                out.push((handle, state.error_bytes(&ApiError::Internal { message }), Some("error"), true, 0));
+                out.push((handle, state.error_bytes(&ApiError::Internal { message }), Some("error"), true, 0, 0));
             }
         }
         for handle in touched {
@@ -548,10 +549,11 @@ impl CoreState {
             state.started |= !bytes.is_empty();
             let new_tokens = std::mem::take(&mut state.new_tokens);
             let reason = finished.then(|| state.builder.finish_reason(0).map_or("stop", FinishReason::as_str));
+            let longest = if finished { state.builder.longest_choice_tokens() as u32 } else { 0 };
             if finished {
                 self.forget(handle);
             }
-            out.push((handle, bytes, reason, false, new_tokens));
+            out.push((handle, bytes, reason, false, new_tokens, longest));
         }
         out
     }
@@ -568,7 +570,7 @@ impl CoreState {
         handles.dedup();
         handles
             .into_iter()
-            .filter_map(|h| self.forget(h).map(|s| (h, s.error_bytes(&err), Some("error"), true, 0)))
+            .filter_map(|h| self.forget(h).map(|s| (h, s.error_bytes(&err), Some("error"), true, 0, 0)))
             .collect()
     }
 }
@@ -596,17 +598,18 @@ pub struct PyCore {
     state: CoreState,
 }
 
-/// One step's output as Python sees it: (handle, bytes, finished, error, new_tokens), where
-/// `finished` is None or how the request ended ("stop", "length", "tool_calls", "abort",
-/// "error": its first choice's finish reason).
-type PyOutput = (u64, Py<PyBytes>, Option<&'static str>, bool, u32);
+/// One step's output as Python sees it: (handle, bytes, finished, error, new_tokens,
+/// longest), where `finished` is None or how the request ended ("stop", "length",
+/// "tool_calls", "abort", "error": its first choice's finish reason) and `longest` the
+/// completion tokens of its longest choice once it ended normally (else 0).
+type PyOutput = (u64, Py<PyBytes>, Option<&'static str>, bool, u32, u32);
 
 fn py_plan(py: Python<'_>, plan: Option<(Plan, Masks)>) -> PyResult<Option<PyPlan>> {
     plan.map(|(plan, masks)| PyPlan::new(py, plan, masks)).transpose()
 }
 
 fn outputs(py: Python<'_>, out: Vec<Output>) -> Vec<PyOutput> {
-    out.into_iter().map(|(h, b, f, e, n)| (h, PyBytes::new(py, &b).unbind(), f, e, n)).collect()
+    out.into_iter().map(|(h, b, f, e, n, l)| (h, PyBytes::new(py, &b).unbind(), f, e, n, l)).collect()
 }
 
 #[pymethods]
@@ -689,7 +692,7 @@ impl PyCore {
 
     /// Apply the oldest awaiting plan's samples (one per plan row) and, when it listed prompt-logprob
     /// entries, their logprobs (`[P]`) and top alternatives (`[P, K]`; ids < 0 are padding).
-    /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens)`.
+    /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens, longest)`.
     #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn commit(

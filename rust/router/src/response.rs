@@ -761,6 +761,11 @@ impl ResponseBuilder {
         self.choices.iter().all(|c| c.finish.is_some())
     }
 
+    /// Completion tokens of the longest choice so far (vLLM's `max_num_generation_tokens`).
+    pub fn longest_choice_tokens(&self) -> u64 {
+        self.choices.iter().map(|c| c.completion_tokens).max().unwrap_or(0)
+    }
+
     /// Streaming: anything not yet taken, the usage chunk (`include_usage`) and
     /// `data: [DONE]` (once; later calls return nothing). Not streaming: the JSON body.
     pub fn finish(&mut self) -> Vec<u8> {
