@@ -557,6 +557,34 @@ fn tools_and_tool_choice() {
     assert!(e.message().contains("not"), "{}", e.message());
 }
 
+/// A template that never shows `tools` and knows no tool-call format (SmolLM2's): under
+/// "auto" the tools do nothing, so neither does `parallel_tool_calls`; forced calls use the
+/// names and parameters (grammar), but the descriptions never reach the model.
+#[test]
+fn tools_a_template_never_shows_are_reported() {
+    let plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+    let r = router_with(json!({}), Some(plain));
+    let tool = |name: &str, description: Option<&str>| {
+        let mut f = json!({"name": name, "parameters": {"type": "object"}});
+        if let Some(d) = description {
+            f["description"] = json!(d);
+        }
+        json!({"type": "function", "function": f})
+    };
+    let tools = json!([tool("a", Some("weather")), tool("b", None), tool("c", Some("news"))]);
+    let auto = chat(&r, json!({"tools": tools, "parallel_tool_calls": false})).unwrap();
+    assert_eq!(header(&auto, "llmserve-ignored-fields"), Some("parallel_tool_calls, tools"));
+    let required = chat(&r, json!({"tools": tools, "tool_choice": "required"})).unwrap();
+    assert!(required.grammar.is_some());
+    assert_eq!(
+        header(&required, "llmserve-ignored-fields"),
+        Some("tools[0].function.description, tools[2].function.description")
+    );
+    // a template that shows the tools passes their descriptions on
+    let shown = chat(&router(), json!({"tools": tools, "tool_choice": "required"})).unwrap();
+    assert_eq!(header(&shown, "llmserve-ignored-fields"), None);
+}
+
 #[test]
 fn chat_extensions() {
     check_chat(vec![

@@ -217,6 +217,11 @@ fn unknown_tool_keys(tools: &[Value]) -> Vec<String> {
     out
 }
 
+/// Whether `tools[i]` gives its function a description.
+fn has_description(tool: &Value) -> bool {
+    tool.pointer("/function/description").and_then(Value::as_str).is_some_and(|d| !d.is_empty())
+}
+
 fn missing(param: String) -> ApiError {
     ApiError::with_code(
         "missing_required_parameter",
@@ -648,10 +653,21 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
     let template = router.templates.select(with_tools);
     ignored.extend(unread_message_keys(&chat.messages, template));
+    let unused_tools = tools_unused(router, with_tools, &forced);
     if let Some(tools) = &chat.tools {
         ignored.extend(unknown_tool_keys(tools));
-        if tools_unused(router, with_tools, &forced) {
+        if unused_tools {
             ignored.push("tools".into());
+        } else if !template.is_some_and(|t| t.reads("tools")) {
+            // Forced calls with a template that never shows the tools: the grammar uses
+            // their names and parameters, but the model never reads their descriptions.
+            ignored.extend(
+                tools
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| has_description(t))
+                    .map(|(i, _)| format!("tools[{i}].function.description")),
+            );
         }
     }
     if chat.documents.is_some() && !template.is_some_and(|t| t.reads("documents")) {
@@ -660,7 +676,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // Inert here: without tools nothing is called; under a forced `tool_choice` the output
     // is the call, never the text a response_format (or structured_outputs) shapes (OpenAI
     // accepts both).
-    if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools) {
+    if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools || unused_tools) {
         ignored.push("parallel_tool_calls".into());
     }
     if let Some((_, param)) = c.constraint.as_ref().filter(|_| forced != Forced::No) {
