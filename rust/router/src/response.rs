@@ -146,7 +146,9 @@ struct ChatLogprobs {
 
 /// Completions' `top_logprobs` entry: token text -> logprob, most likely first, and the
 /// token itself when it is not among them (OpenAI: "up to `logprobs + 1` elements"; `logprobs:
-/// 0` gives the token alone). Two ids with one text keep the first (likelier) value.
+/// 0` gives the token alone). Two ids with one text keep the likelier one's value, except
+/// that the token's own text always maps to its own logprob (as `tokens`/`token_logprobs`
+/// pair them).
 #[derive(Clone, Debug, Default)]
 struct TopMap(Vec<(String, f32)>);
 
@@ -449,12 +451,21 @@ impl ResponseBuilder {
     }
 
     fn top_map(&self, tok: &TokenOut) -> TopMap {
+        let own = self.tokenizer.token_str(tok.id);
         let mut map = TopMap::default();
-        for &(id, lp) in tok.top.iter().chain(std::iter::once(&(tok.id, tok.logprob))) {
+        let mut own_listed = false;
+        for &(id, lp) in &tok.top {
             let s = self.tokenizer.token_str(id);
-            if !map.0.iter().any(|(k, _)| *k == s) {
-                map.0.push((s, wire_lp(lp)));
+            // (another id that shows as the token's text, e.g. both partial UTF-8 as U+FFFD:
+            // the text looks up the token's own logprob)
+            if (s == own && id != tok.id) || map.0.iter().any(|(k, _)| *k == s) {
+                continue;
             }
+            own_listed |= id == tok.id;
+            map.0.push((s, wire_lp(lp)));
+        }
+        if !own_listed {
+            map.0.push((own, wire_lp(tok.logprob)));
         }
         map
     }
@@ -665,7 +676,11 @@ impl ResponseBuilder {
                 events.truncate(end + 1);
             }
         }
-        if finish == Some(FinishReason::Stop) && parser.calls_started() > 0 {
+        // An end after calls is the calls' finish; but a stop string or stop token that cut
+        // a call short stays a "stop" that names it (the arguments are not whole). One after
+        // complete calls (an agent's "Observation:") still ends in the calls.
+        let cut_short = stop_reason.is_some() && parser.calls_ended() < parser.calls_started();
+        if finish == Some(FinishReason::Stop) && parser.calls_started() > 0 && !cut_short {
             finish = Some(call_finish);
             stop_reason = None;
         }

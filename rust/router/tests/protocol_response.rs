@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use llmserve_router::protocol::{Endpoint, Prepared, SamplingParams};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
+use llmserve_router::tokenizer::{GgufVocab, Tokenizer};
 use llmserve_router::tools::{ToolCallFormat, ToolChoice, ToolParsing};
 use protocol_fixture::*;
 use serde_json::{json, Value};
@@ -312,6 +313,35 @@ fn completion_top_logprobs_always_hold_the_token() {
     let tops = &v["choices"][0]["logprobs"]["top_logprobs"];
     assert_eq!(tops[0], json!({t.token_str(10): -0.5}));
     assert_eq!(tops[1], json!({t.token_str(10): -0.1, t.token_str(9): -2.5}));
+}
+
+/// Two ids that show as one text (partial UTF-8 bytes, both U+FFFD): the token's own text
+/// holds its own logprob, not its likelier look-alike's.
+#[test]
+fn completion_top_logprobs_keep_the_tokens_own_value_under_its_text() {
+    let vocab: GgufVocab = serde_json::from_str(include_str!("data/tiny_gguf_vocab.json")).unwrap();
+    let t = Arc::new(Tokenizer::from_gguf(&vocab).unwrap());
+    let alike: Vec<u32> = (0..t.vocab_size() as u32).filter(|&id| t.token_str(id) == "\u{FFFD}").take(2).collect();
+    assert_eq!(alike.len(), 2, "the fixture has partial-UTF-8 byte tokens");
+    let (likelier, own) = (alike[0], alike[1]);
+    for top in [vec![(likelier, -0.3), (10, -1.0)], vec![(likelier, -0.3), (own, -3.5), (10, -4.0)]] {
+        let p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(top.len() as u32));
+        let mut b = ResponseBuilder::new(&p, t.clone());
+        let toks = [TokenOut { id: own, logprob: -3.5, top: top.clone(), text_offset: 0 }];
+        let d = ChoiceDelta {
+            text: "x",
+            tokens: &toks,
+            generated: 1,
+            finish: Some(FinishReason::Length),
+            stop_reason: None,
+        };
+        b.push(0, &d);
+        let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+        let lp = &v["choices"][0]["logprobs"];
+        assert_eq!(lp["tokens"][0], "\u{FFFD}");
+        assert_eq!(lp["top_logprobs"][0]["\u{FFFD}"], lp["token_logprobs"][0], "{top:?}: {lp}");
+        assert_eq!(lp["top_logprobs"][0][t.token_str(10)], top.iter().find(|e| e.0 == 10).unwrap().1);
+    }
 }
 
 #[test]
@@ -688,4 +718,49 @@ fn named_tool_choice_finishes_stop() {
     );
     let body: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(body["choices"][0]["finish_reason"], "length");
+}
+
+/// A stop string that cuts a forced call short is reported as the stop it was: the
+/// arguments are not whole, so the choice does not claim to end in its calls. A stop string
+/// after a complete call still finishes "tool_calls" (an agent's "Observation:").
+#[test]
+fn a_stop_string_that_cuts_a_call_short_is_named() {
+    let stop = |text: &'static str, b: &mut ResponseBuilder, pieces: &[&str]| -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, piece) in pieces.iter().enumerate() {
+            let last = i + 1 == pieces.len();
+            let d = ChoiceDelta {
+                text: piece,
+                tokens: &[],
+                generated: 1,
+                finish: last.then_some(FinishReason::Stop),
+                stop_reason: last.then_some(StopReason::Text(text)),
+            };
+            b.push(0, &d);
+            out.extend(b.take());
+        }
+        out.extend(b.finish());
+        out
+    };
+    for (choice, parallel) in [(ToolChoice::Required, true), (ToolChoice::Named, false)] {
+        let cut = if parallel {
+            "[{\"name\": \"f1\", \"arguments\": {\"a\": \""
+        } else {
+            "{\"name\": \"f1\", \"arguments\": {\"a\": \""
+        };
+        let body = stop("Paris", &mut forced_chat(ToolCallFormat::Json, choice, false, parallel), &[cut]);
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        let c = &body["choices"][0];
+        assert_eq!((&c["finish_reason"], &c["stop_reason"]), (&json!("stop"), &json!("Paris")), "{body}");
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], "{\"a\": \"");
+        let chunks = frames(&stop("Paris", &mut forced_chat(ToolCallFormat::Json, choice, true, parallel), &[cut]));
+        let (_, calls, finish) = streamed(&chunks);
+        assert_eq!((calls.len(), finish), (1, json!("stop")), "{choice:?}");
+        assert!(chunks.iter().any(|c| c["choices"][0]["stop_reason"] == "Paris"));
+    }
+    let mut b = hermes_chat(false, true);
+    let whole = "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n";
+    let body: Value = serde_json::from_slice(&stop("Observation:", &mut b, &[whole])).unwrap();
+    let c = &body["choices"][0];
+    assert_eq!((&c["finish_reason"], &c["stop_reason"]), (&json!("tool_calls"), &Value::Null), "{body}");
 }
