@@ -29,6 +29,7 @@ MSG = [{"role": "user", "content": "Hello"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
+UNDESCRIBED = [{"type": "function", "function": {k: v for k, v in TOOLS[0]["function"].items() if k != "description"}}]
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
@@ -180,9 +181,13 @@ def test_tools_the_template_never_reads_are_reported(tiny_server):
         if choice:
             body["tool_choice"] = choice
         assert _ignored(_ok(tiny_server, "/v1/chat/completions", body)) == {"tools"}, choice
-    # Forced calls are grammar-constrained: the tools are used.
+    # Forced calls are grammar-constrained: the tools are used, but their descriptions never
+    # reach the model through a template that does not show tools.
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = _ok(tiny_server, "/v1/chat/completions/render", {"messages": MSG, "tools": TOOLS, "tool_choice": choice})
+        assert r.json()["ignored_fields"] == ["tools[0].function.description"]
+        r = _ok(tiny_server, "/v1/chat/completions/render", {"messages": MSG, "tools": UNDESCRIBED,
+                                                             "tool_choice": choice})
         assert r.json()["ignored_fields"] == [] and "llmserve-ignored-fields" not in r.headers
 
 
@@ -199,7 +204,7 @@ def test_tool_fields_without_effect_are_reported(tiny_server):
     r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "required",
                                                   "parallel_tool_calls": False, "response_format": fmt,
                                                   "max_tokens": 40, "temperature": 0})
-    assert _ignored(r) == {"response_format"}
+    assert _ignored(r) == {"response_format", "tools[0].function.description"}
     message = r.json()["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
     # still validated: a malformed one is a 400
@@ -241,6 +246,7 @@ def test_strict_fields_refuse_what_would_be_ignored(tiny_model):
         ("/tokenize", {"prompt": "Hi", "wibble": 1}),
         ("/detokenize", {"tokens": [1], "wobble": 1}),
         ("/tokenize", {"prompt": "Hi", "return_token_strs": True, "add_special_tokens": False}),
+        ("/v1/chat/completions/render", {"messages": MSG, "tools": UNDESCRIBED, "tool_choice": "required"}),
         ("/v1/chat/completions/render", {"messages": MSG, "tools": TOOLS, "tool_choice": "required"}),
     ])
     for r, param in zip(results[:4], ("messages[0].weird", "tools", "wibble", "wobble")):
@@ -248,3 +254,5 @@ def test_strict_fields_refuse_what_would_be_ignored(tiny_model):
         assert (err["code"], err["param"]) == ("unsupported_parameter", param)
     assert results[4].status_code == 200 and "token_strs" in results[4].json()
     assert results[5].status_code == 200, results[5].text
+    err = _error(results[6])
+    assert (err["code"], err["param"]) == ("unsupported_parameter", "tools[0].function.description")

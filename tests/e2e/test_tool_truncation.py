@@ -79,10 +79,17 @@ def test_forced_call_cut_off_keeps_its_name(smol, choice):
     req = dict(model=model_of(smol), messages=[{"role": "user", "content": "Call a function."}],
                tools=tools(20), tool_choice=choice, temperature=0)
     # Cut before the name is complete: nothing at all (the JSON is not content either), and
-    # content null as for any forced turn, as the stream's deltas (none) sum to.
+    # content null as for any forced turn, as the stream's deltas (none) sum to. A named
+    # call in the default JSON format is its arguments alone: the call is there from the start.
     early = smol.chat.completions.create(**req, max_tokens=2).choices[0]
-    assert (early.finish_reason, early.message.content, early.message.tool_calls) == ("length", None, None)
-    req["max_tokens"] = 16  # the audit's cut: just after the name
+    assert (early.finish_reason, early.message.content) == ("length", None)
+    if named:
+        assert [t.function.name for t in early.message.tool_calls] == ["f1"]
+        assert early.message.tool_calls[0].function.arguments.startswith("{")
+    else:
+        assert early.message.tool_calls is None
+    # the audit's cut: just after the name (a named call's arguments: inside them)
+    req["max_tokens"] = 4 if named else 16
     whole = smol.chat.completions.create(**req).choices[0]
     assert whole.finish_reason == "length", whole
     assert not whole.message.content, whole.message.content

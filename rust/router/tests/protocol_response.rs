@@ -631,7 +631,9 @@ fn streamed(chunks: &[Value]) -> (String, Vec<(String, String, String)>, Value) 
 fn forced_call_cut_off_after_its_name_is_a_call() {
     let cases = [
         (ToolChoice::Required, true, vec!["[{\"name\": \"f", "2\"", ", \"arguments"], "f2", ""),
-        (ToolChoice::Named, false, vec!["{\"name\": \"f1\", \""], "f1", ""),
+        // a named call in the json format is its arguments alone
+        (ToolChoice::Named, false, vec!["{\"a\": ", "\"x"], "f1", "{\"a\": \"x"),
+        (ToolChoice::Named, false, vec![""], "f1", ""),
         (ToolChoice::Required, false, vec!["{\"name\": \"f7\", \"arguments\": {\"a\": ", "\"xy"], "f7", "{\"a\": \"xy"),
     ];
     for (choice, parallel, pieces, name, args) in cases {
@@ -691,19 +693,24 @@ fn forced_second_call_cut_off_before_its_name_is_dropped() {
 #[test]
 fn named_tool_choice_finishes_stop() {
     let call = ["{\"name\": \"f1\", \"arguments\": {\"a\": \"x\"}}"];
+    // (a named call in the json format is its arguments alone)
+    let args = ["{\"a\": \"x\"}"];
     for (choice, parallel, want) in [
         (ToolChoice::Named, false, "stop"),
         (ToolChoice::Required, false, "tool_calls"),
         (ToolChoice::Required, true, "tool_calls"),
     ] {
+        let pieces = if choice == ToolChoice::Named { &args } else { &call };
         let body =
-            push_pieces(&mut forced_chat(ToolCallFormat::Json, choice, false, parallel), &call, FinishReason::Stop);
+            push_pieces(&mut forced_chat(ToolCallFormat::Json, choice, false, parallel), pieces, FinishReason::Stop);
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["choices"][0]["finish_reason"], want, "{choice:?}");
-        assert_eq!(body["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "f1");
+        let function = &body["choices"][0]["message"]["tool_calls"][0]["function"];
+        assert_eq!((&function["name"], &function["arguments"]), (&json!("f1"), &json!("{\"a\": \"x\"}")));
         let mut b = forced_chat(ToolCallFormat::Json, choice, true, parallel);
-        let (_, calls, finish) = streamed(&frames(&push_pieces(&mut b, &call, FinishReason::Stop)));
+        let (_, calls, finish) = streamed(&frames(&push_pieces(&mut b, pieces, FinishReason::Stop)));
         assert_eq!((calls.len(), finish), (1, json!(want)), "{choice:?}");
+        assert_eq!(calls[0].2, "{\"a\": \"x\"}");
     }
     // Hermes named: the builder ends the choice at the call's end (no parallel calls).
     let mut b = forced_chat(ToolCallFormat::Hermes, ToolChoice::Named, true, false);
@@ -713,7 +720,7 @@ fn named_tool_choice_finishes_stop() {
     // Cut off, it is still "length".
     let body = push_pieces(
         &mut forced_chat(ToolCallFormat::Json, ToolChoice::Named, false, false),
-        &["{\"name\": \"f1\", \"arguments\": {\"a\""],
+        &["{\"a\""],
         FinishReason::Length,
     );
     let body: Value = serde_json::from_slice(&body).unwrap();
@@ -743,11 +750,8 @@ fn a_stop_string_that_cuts_a_call_short_is_named() {
         out
     };
     for (choice, parallel) in [(ToolChoice::Required, true), (ToolChoice::Named, false)] {
-        let cut = if parallel {
-            "[{\"name\": \"f1\", \"arguments\": {\"a\": \""
-        } else {
-            "{\"name\": \"f1\", \"arguments\": {\"a\": \""
-        };
+        // (a named call in the json format is its arguments alone)
+        let cut = if parallel { "[{\"name\": \"f1\", \"arguments\": {\"a\": \"" } else { "{\"a\": \"" };
         let body = stop("Paris", &mut forced_chat(ToolCallFormat::Json, choice, false, parallel), &[cut]);
         let body: Value = serde_json::from_slice(&body).unwrap();
         let c = &body["choices"][0];

@@ -504,7 +504,11 @@ fn tool_plan(
                 let index = tools.iter().position(|t| t.get("function").is_some_and(|g| std::ptr::eq(f, g)));
                 index.unwrap_or_default()
             };
-            let source = format.forced_grammar(&fns, parallel).map_err(|u| {
+            let grammar = |fns: &[&Value]| match choice {
+                ToolChoice::Named => format.named_grammar(fns[0]),
+                _ => format.forced_grammar(fns, parallel),
+            };
+            let source = grammar(&fns).map_err(|u| {
                 ApiError::invalid(
                     format!("tools[{}].function.parameters{}", tool_index(fns[u.function]), u.at),
                     format!(
@@ -521,9 +525,7 @@ fn tool_plan(
                 if fns.len() > BLAMED_TOOLS {
                     return Err(err);
                 }
-                let alone = |f: &Value| {
-                    format.forced_grammar(&[f], false).is_ok_and(|g| router.grammars.compile(&g, "tools").is_err())
-                };
+                let alone = |f: &Value| grammar(&[f]).is_ok_and(|g| router.grammars.compile(&g, "tools").is_err());
                 return Err(match fns.iter().copied().find(|f| alone(f)) {
                     Some(f) => {
                         ApiError::invalid(format!("tools[{}].function.parameters", tool_index(f)), err.message())

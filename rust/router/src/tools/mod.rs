@@ -11,8 +11,10 @@
 //!   `<function=` (checked before Hermes, whose marker it shares).
 //! - `json`: llmserve's default for templates that know no tool format (SmolLM2): the whole
 //!   output is one call object `{"name": ..., "arguments": {...}}`, or, when parallel calls
-//!   are allowed, a JSON array of them. It is only used under a forced `tool_choice`: with
-//!   `"auto"` and no known format, a model's JSON-looking text stays text.
+//!   are allowed, a JSON array of them; under a named `tool_choice` it is the arguments object
+//!   alone (the name is known: as vLLM, the model writes only what it must choose). It is only
+//!   used under a forced `tool_choice`: with `"auto"` and no known format, a model's
+//!   JSON-looking text stays text.
 //! - `llama3_json`: Llama 3.1/3.2: `{"name": ..., "parameters": {...}}`, optionally after
 //!   `<|python_tag|>`, several calls separated by `; `; chosen when the template mentions
 //!   `<|python_tag|>`, `Environment: ipython` or `"parameters": ` (its tool instructions).
@@ -90,9 +92,17 @@ impl ToolParsing {
         self
     }
 
-    /// A parser for one choice's output.
+    /// A parser for one choice's output. A named call in the json format is its arguments
+    /// alone: the parser reads them as the rest of a call object it was given the start of.
     pub fn parser(&self) -> ToolCallParser {
-        ToolCallParser::new(self.format, self.parameters.clone()).forced(self.choice.is_forced())
+        let parser = ToolCallParser::new(self.format, self.parameters.clone()).forced(self.choice.is_forced());
+        match (self.format, self.choice, self.parameters.keys().next()) {
+            (ToolCallFormat::Json, ToolChoice::Named, Some(name)) if self.parameters.len() == 1 => {
+                let name = serde_json::to_string(name).expect("strings serialize");
+                parser.given(&format!("{{\"name\": {name}, \"arguments\": "))
+            }
+            _ => parser,
+        }
     }
 }
 
@@ -160,6 +170,25 @@ impl ToolCallFormat {
     ///
     /// Fails only for the XML format, whose grammar cannot follow every schema.
     pub fn forced_grammar(self, functions: &[&Value], parallel: bool) -> Result<GrammarSource, Unenforceable> {
+        self.grammar(functions, parallel, false)
+    }
+
+    /// The grammar forcing one call to `function` (a named `tool_choice`): as
+    /// `forced_grammar`, except that the json format's output is the arguments object alone
+    /// (`ToolParsing::parser` reads it so).
+    pub fn named_grammar(self, function: &Value) -> Result<GrammarSource, Unenforceable> {
+        self.grammar(&[function], false, true)
+    }
+
+    fn grammar(self, functions: &[&Value], parallel: bool, named: bool) -> Result<GrammarSource, Unenforceable> {
+        if self == Self::Json && named {
+            let mut defs = Map::new();
+            let mut args = args_schema(functions[0], &mut defs);
+            if !defs.is_empty() {
+                args = json!({"$ref": args["$ref"], "$defs": defs});
+            }
+            return Ok(GrammarSource::JsonSchema(args));
+        }
         if self == Self::Qwen3Xml {
             return xml::forced_grammar(functions, parallel);
         }
@@ -219,6 +248,18 @@ pub struct Unenforceable {
 /// since inside the call object they would resolve against the wrong root.
 fn call_schema(function: &Value, args_key: &str, defs: &mut Map<String, Value>) -> Value {
     let name = function.get("name").cloned().unwrap_or(Value::Null);
+    let params = args_schema(function, defs);
+    json!({
+        "type": "object",
+        "properties": {"name": {"const": name}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": false,
+    })
+}
+
+/// The schema of `function`'s arguments; one that uses local `$ref`s moves to `defs` (see
+/// `call_schema`) and a `$ref` to it is returned.
+fn args_schema(function: &Value, defs: &mut Map<String, Value>) -> Value {
     // Arguments are always a JSON object (clients `json.loads` them into keyword arguments):
     // a schema without a `type` gets "object" (validation refuses any other root type), and
     // no `parameters` at all is OpenAI's empty parameter list, `{}`.
@@ -238,12 +279,7 @@ fn call_schema(function: &Value, args_key: &str, defs: &mut Map<String, Value>) 
         defs.insert(key.clone(), params);
         params = json!({"$ref": format!("#/$defs/{key}")});
     }
-    json!({
-        "type": "object",
-        "properties": {"name": {"const": name}, args_key: params},
-        "required": ["name", args_key],
-        "additionalProperties": false,
-    })
+    params
 }
 
 /// A new call id: `call_` and 24 hex digits.
@@ -362,6 +398,24 @@ mod tests {
             let args: Value = serde_json::from_str(&calls[0].1).unwrap();
             assert_eq!(args["a"], 7, "{format:?} {}", calls[0].1);
         }
+        // A named call: the json format's output is the arguments alone (also through $refs);
+        // the others write the whole call, as for "required".
+        let with_ref = json!({"name": "w", "parameters": {"type": "object", "properties": {"u": {"$ref": "#/$defs/U"}},
+            "required": ["u"], "$defs": {"U": {"enum": ["c", "f"]}}}});
+        for (function, text, want) in [
+            (&f, "{\"a\": 7, \"unit\": \"f\"}", ("f", "{\"a\": 7, \"unit\": \"f\"}")),
+            (&with_ref, "{\"u\": \"c\"}", ("w", "{\"u\": \"c\"}")),
+        ] {
+            let grammar = g.compile(&ToolCallFormat::Json.named_grammar(function).unwrap(), "tools").unwrap();
+            let mut m = drive(&grammar, &tok, text);
+            assert!(m.is_stopped() || m.is_accepting().unwrap(), "{text}");
+            assert!(refuses(&grammar, &tok, "{\"name\""));
+            let named = ToolParsing::new(ToolCallFormat::Json, false, &[function]).with_choice(ToolChoice::Named);
+            let (content, calls) = run_parser(named.parser(), &[&text[..3], &text[3..]]);
+            assert_eq!((content.as_str(), calls), ("", vec![(want.0.to_string(), want.1.to_string())]));
+        }
+        let hermes = ToolCallFormat::Hermes.named_grammar(&f).unwrap();
+        assert_eq!(hermes, ToolCallFormat::Hermes.forced_grammar(&[&f], false).unwrap());
         let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=g>"));
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\nseven"));

@@ -133,6 +133,13 @@ impl ToolCallParser {
         self
     }
 
+    /// Reads `text` as if the output began with it (its events come with the first push):
+    /// the start of a call whose rest the output is.
+    pub fn given(mut self, text: &str) -> Self {
+        self.buf.insert_str(0, text);
+        self
+    }
+
     /// Calls completed so far.
     pub fn calls_ended(&self) -> usize {
         self.ended
