@@ -70,6 +70,13 @@ fn messages_shape() {
         (m(json!([{"content": "x"}])), 400, "missing_required_parameter", p("messages[0].role")),
         (m(json!([{"role": 1, "content": "x"}])), 400, "invalid_type", p("messages[0].role")),
         (m(json!([{"role": "robot", "content": "x"}])), 400, "invalid_value", p("messages[0].role")),
+        // OpenAI's deprecated function-result turns: a shape OpenAI knows, not served here
+        (
+            m(json!([{"role": "function", "name": "f", "content": "42"}])),
+            400,
+            "unsupported_parameter",
+            p("messages[0].role"),
+        ),
         (m(json!([{"role": "user"}])), 400, "missing_required_parameter", p("messages[0].content")),
         (m(json!([{"role": "user", "content": 5}])), 400, "invalid_type", p("messages[0].content")),
         (
@@ -483,6 +490,20 @@ fn tools_and_tool_choice() {
             "invalid_value",
             p("tools[0].type"),
         ),
+        (
+            json!({"tools": [{"type": "custom", "custom": {"name": "code"}}]}),
+            400,
+            "unsupported_parameter",
+            p("tools[0].type"),
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools",
+                   "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}),
+            400,
+            "unsupported_parameter",
+            p("tool_choice.type"),
+        ),
+        (json!({"tools": [tool], "tool_choice": {"type": "bogus"}}), 400, "invalid_value", p("tool_choice.type")),
         (
             json!({"tools": [{"type": "function", "function": {"name": "b", "parameters": "x"}}]}),
             400,

@@ -242,6 +242,14 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
             return Err(invalid_type(format!("{p}.role"), format!("`role` must be a string, not {}.", kind_of(other))))
         }
     };
+    if role == "function" {
+        // OpenAI's deprecated `functions` API: no template here renders such turns.
+        return Err(unsupported(
+            format!("{p}.role"),
+            "Messages of the deprecated role \"function\" are not supported: send the result as a \"tool\" \
+             message with its `tool_call_id`.",
+        ));
+    }
     if !ROLES.contains(&role) {
         return Err(ApiError::invalid(
             format!("{p}.role"),
@@ -400,6 +408,10 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
         match obj.get("type") {
             None => return Err(missing(format!("{p}.type"))),
             Some(Value::String(t)) if t == "function" => {}
+            // OpenAI's other tool types ("custom": free-form input) are not served here
+            Some(Value::String(t)) if t == "custom" => {
+                return Err(unsupported(format!("{p}.type"), "Only tools of type \"function\" are supported."))
+            }
             Some(_) => {
                 return Err(ApiError::invalid(format!("{p}.type"), "Only tools of type \"function\" are supported."))
             }
@@ -565,6 +577,12 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
             match o.get("type") {
                 Some(Value::String(t)) if t == "function" => {}
                 None => return Err(missing("tool_choice.type".into())),
+                Some(Value::String(t)) if t == "allowed_tools" || t == "custom" => {
+                    return Err(unsupported(
+                        "tool_choice.type",
+                        format!("`tool_choice` of type {t:?} is not supported: send \"none\", \"auto\", \"required\" or a named function."),
+                    ))
+                }
                 Some(_) => {
                     return Err(ApiError::invalid("tool_choice.type", "`tool_choice.type` must be \"function\"."))
                 }
