@@ -203,8 +203,7 @@ class AsyncEngine:
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "gpu_memory_utilization": cfg.cache.gpu_memory_utilization})
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
-                                    self._first_scheduled, plan_ahead=engine.plan_ahead,
-                                    on_plan=self.metrics.on_plan)
+                                    self._first_scheduled, plan_ahead=engine.plan_ahead)
         self._thread.start()
         self.state = "ready"
 
@@ -326,8 +325,6 @@ class AsyncEngine:
         if stream not in self._open:
             return
         self._open.discard(stream)
-        if longest is None and stream.n == 1:
-            longest = stream.generated
         self.metrics.on_finish(reason=reason, prompt_tokens=stream.prompt_tokens,
                                generated=stream.generated, submitted=stream.submitted,
                                scheduled=stream.scheduled, first_token=stream.first_token,
@@ -347,7 +344,14 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._dispatch, items)
 
-    @staticmethod
-    def _dispatch(items: list) -> None:
+    def _dispatch(self, items: list) -> None:
+        """One step's outputs, in the event loop. The step's tokens as vLLM's
+        iteration_tokens_total counts them: those generated, and the prompt of each request
+        whose first token came (its whole prompt, cached or not)."""
+        step_tokens = 0
         for stream, data, finished, error, ntok, longest in items:
+            if ntok and stream in self._open:
+                step_tokens += ntok + (stream.prompt_tokens if stream.first_token is None else 0)
             stream._push(data, finished, error, ntok, longest)
+        if step_tokens:
+            self.metrics.on_iteration(step_tokens)

@@ -29,14 +29,14 @@ Output = tuple[int, bytes, str | None, bool, int, int]
 FAILED = "The engine failed while running this request."
 
 
-def step(core, runner, on_scheduled: Callable[[object], None] | None = None) -> tuple[list[Output], bool]:
+def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[list[Output], bool]:
     """Run one step. Returns the outputs and whether any work was scheduled. `on_scheduled`
-    gets the step's plan once it is made, before the model runs it."""
+    runs once the step's plan is made, before the model runs it."""
     plan = core.schedule()
     if plan is None:
         return [], False
     if on_scheduled is not None:
-        on_scheduled(plan)
+        on_scheduled()
     try:
         out = runner.execute(plan)
     except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
@@ -68,21 +68,20 @@ class EngineThread:
     `post(op)` queues ("add", prepared, token) or ("abort", token); the thread applies them
     between steps, so the Core is only ever touched from this thread. `deliver` receives each
     step's outputs as a list of (token, bytes, finished, error, new_tokens, longest), once per step;
-    `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time;
-    `on_plan(num_tokens)`, each plan's token count. `plan_ahead`: overlap planning and committing with the model (the runner must have
+    `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
+    `plan_ahead`: overlap planning and committing with the model (the runner must have
     `launch`, as ModelRunner does).
     """
 
     def __init__(self, core, runner, deliver: Callable[[list], None],
                  on_stats: Callable[[dict, float], None] | None = None,
                  on_first_scheduled: Callable[[list, float], None] | None = None,
-                 plan_ahead: bool = False, on_plan: Callable[[int], None] | None = None):
+                 plan_ahead: bool = False):
         self._core = core
         self._runner = runner
         self._deliver = deliver
         self._on_stats = on_stats
         self._on_first_scheduled = on_first_scheduled
-        self._on_plan = on_plan
         self._inbox: list[tuple] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -134,12 +133,9 @@ class EngineThread:
                     self._core.abort(handle)
         return failed
 
-    def _scheduled(self, plan) -> None:
-        """A plan was made: refresh the counts, and say how big it is and which requests it
-        started."""
+    def _scheduled(self) -> None:
+        """A plan was made: refresh the counts, and say which requests it started."""
         self._publish(0.0)
-        if self._on_plan is not None:
-            self._on_plan(plan.num_tokens)
         if self._on_first_scheduled is not None:
             started = [t for h in self._core.first_scheduled() if (t := self._tokens.get(h)) is not None]
             if started:
@@ -161,7 +157,7 @@ class EngineThread:
             plan = core.schedule()
             if plan is None:
                 return [], False
-            self._scheduled(plan)
+            self._scheduled()
             try:
                 self._launched = runner.launch(plan)
             except Exception:  # noqa: BLE001 - as in step()
@@ -171,7 +167,7 @@ class EngineThread:
         following = core.schedule_ahead()
         queued, failed_next = None, False
         if following is not None:
-            self._scheduled(following)
+            self._scheduled()
             try:
                 queued = runner.launch(following, launched)
             except Exception:  # noqa: BLE001

@@ -76,7 +76,9 @@ class Metrics:
                                             "Generated tokens per request.", _TOKENS),
             "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _TPOT),
             "iteration_tokens": histogram("llmserve:iteration_tokens_total",
-                                          "Tokens (prompt and generated) per engine step.", _STEP_TOKENS),
+                                          "Tokens per engine step: those generated, and the prompts of "
+                                          "the requests whose first token came (as vLLM counts them).",
+                                          _STEP_TOKENS),
             "request_max_generation": histogram(
                 "llmserve:request_max_num_generation_tokens",
                 "Generated tokens of a request's longest choice.", _TOKENS),
@@ -123,8 +125,8 @@ class Metrics:
         if seconds > 0:
             self.step_time.observe(seconds)
 
-    def on_plan(self, num_tokens: int) -> None:
-        """Engine thread: a step was planned with `num_tokens` tokens."""
+    def on_iteration(self, num_tokens: int) -> None:
+        """Event loop: a step's outputs came, `num_tokens` tokens as iteration_tokens_total counts them."""
         self.iteration_tokens.observe(num_tokens)
 
     def on_tokens(self, since_last: float) -> None:
@@ -136,7 +138,10 @@ class Metrics:
                   n: int = 1, max_tokens: int | None = None, longest: int | None = None) -> None:
         """A request ended. `scheduled` is None when no step ever held it (aborted in the
         queue); `first_token` None when it produced none. `generated` counts the tokens of
-        all its choices, `longest` those of its longest (None: unknown, not observed)."""
+        all its choices, `longest` those of its longest (None: `generated` when n is 1, else
+        unknown and not observed)."""
+        if longest is None and n == 1:
+            longest = generated
         self._requests.labels(self.model_name, reason).inc()
         self.params_n.observe(n)
         if max_tokens is not None:
@@ -158,8 +163,9 @@ class Metrics:
             self.decode.observe(finished - first_token)
             if scheduled is not None:
                 self.prefill.observe(first_token - scheduled)
-            if generated > 1:
-                tpot = (finished - first_token) / (generated - 1)
+            # per choice: n choices decode side by side (unknown for an aborted n > 1)
+            if longest is not None and longest > 1:
+                tpot = (finished - first_token) / (longest - 1)
                 self.tpot.observe(tpot)
                 self.request_tpot.observe(tpot)
 

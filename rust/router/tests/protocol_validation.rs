@@ -601,6 +601,13 @@ fn tools_a_template_never_shows_are_reported() {
         header(&required, "llmserve-ignored-fields"),
         Some("tools[0].function.description, tools[2].function.description")
     );
+    // under a named function the other tools do nothing at all
+    let named =
+        chat(&r, json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "b"}}})).unwrap();
+    assert_eq!(header(&named, "llmserve-ignored-fields"), Some("tools[0], tools[2]"));
+    let named =
+        chat(&r, json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "c"}}})).unwrap();
+    assert_eq!(header(&named, "llmserve-ignored-fields"), Some("tools[0], tools[1], tools[2].function.description"));
     // a template that shows the tools passes their descriptions on
     let shown = chat(&router(), json!({"tools": tools, "tool_choice": "required"})).unwrap();
     assert_eq!(header(&shown, "llmserve-ignored-fields"), None);

@@ -680,14 +680,20 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ignored.push("tools".into());
         } else if !template.is_some_and(|t| t.reads("tools")) {
             // Forced calls with a template that never shows the tools: the grammar uses
-            // their names and parameters, but the model never reads their descriptions.
-            ignored.extend(
-                tools
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, t)| has_description(t))
-                    .map(|(i, _)| format!("tools[{i}].function.description")),
-            );
+            // their names and parameters, but the model never reads their descriptions; under
+            // a named function the other tools do nothing at all.
+            let named = match &forced {
+                Forced::Named(n) => Some(n.as_str()),
+                _ => None,
+            };
+            for (i, t) in tools.iter().enumerate() {
+                let name = t.pointer("/function/name").and_then(Value::as_str);
+                if named.is_some_and(|n| name != Some(n)) {
+                    ignored.push(format!("tools[{i}]"));
+                } else if has_description(t) {
+                    ignored.push(format!("tools[{i}].function.description"));
+                }
+            }
         }
     }
     if chat.documents.is_some() && !template.is_some_and(|t| t.reads("documents")) {
