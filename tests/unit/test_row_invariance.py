@@ -16,6 +16,7 @@ from test_cpu_decoder import quantized_model
 
 import llmserve.models.layers as layers
 import llmserve.models.llama as llama
+import llmserve.worker.threads as threads
 from llmserve.worker import ModelRunner
 from llmserve.worker.threads import GEMM_ROW_MULTIPLE, cpu_step, native_bf16, reproducible_blas
 
@@ -72,6 +73,18 @@ def test_bf16_gemm_computes_rows_independently_of_m(threads):
 def test_mkl_runs_in_its_strict_reproducible_mode():
     """Importing llmserve sets MKL_CBWR before MKL first computes (conftest imports it first)."""
     assert reproducible_blas() is True
+
+
+def test_mkl_not_in_strict_mode_is_reported(monkeypatch, caplog):
+    """A process whose MKL computed before llmserve set MKL_CBWR (or that sets another mode)
+    is warned, once."""
+    monkeypatch.setattr(threads, "_mkl_cbwr_get", lambda: lambda _which: 10)  # the AVX2 branch, not strict
+    threads._warn_not_strict.cache_clear()
+    with caplog.at_level("WARNING", logger=threads.log.name):
+        assert reproducible_blas() is False
+        assert reproducible_blas() is False
+    assert [r.message.startswith("MKL is not in its strict reproducible mode") for r in caplog.records] == [True]
+    threads._warn_not_strict.cache_clear()
 
 
 PROMPT = [(7 * i + 3) % 90 + 1 for i in range(29)]

@@ -94,8 +94,8 @@ GEMM_ROW_MULTIPLE = 4
 # 32-row calls cost 42 ms at 2048 rows, 128-row ones 2.2 ms at 5.
 BF16_TILE_ROWS = 64
 
-# MKL's conditional numerical reproducibility (mkl_service.h): the mode llmserve asks for.
-_MKL_CBWR_ALL, _MKL_CBWR_AUTO, _MKL_CBWR_STRICT = -1, 2, 0x10000
+# MKL's conditional numerical reproducibility (mkl_service.h): all settings, and the strict bit.
+_MKL_CBWR_ALL, _MKL_CBWR_STRICT = -1, 0x10000
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +161,14 @@ def bf16_tile_rows() -> int:
 
 
 def reproducible_blas() -> bool | None:
-    """Whether torch's MKL runs in its strict reproducible mode (module doc), switching it on
-    if MKL has not computed yet and MKL_CBWR does not say otherwise; None where torch has no
-    MKL whose mode can be read. Logs a warning once when it is off."""
-    mode = _mkl_cbwr()
-    if mode is None:
+    """Whether torch's MKL runs in its strict reproducible mode (module doc); None where torch
+    has no MKL whose mode can be read. Logs a warning once when it is off: MKL reads MKL_CBWR
+    at its first computation, so a process that used torch before importing llmserve, or an
+    environment that sets another mode, keeps that mode."""
+    get = _mkl_cbwr_get()
+    if get is None:
         return None
-    get, set_ = mode
     strict = bool(get(_MKL_CBWR_ALL) & _MKL_CBWR_STRICT)
-    if not strict and "MKL_CBWR" not in os.environ:
-        strict = set_(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT) == 0
     if not strict:
         _warn_not_strict()
     return strict
@@ -178,26 +176,24 @@ def reproducible_blas() -> bool | None:
 
 @functools.cache
 def _warn_not_strict() -> None:
-    log.warning("MKL is not in its strict reproducible mode (MKL_CBWR=%s%s): a prompt may "
-                "compute differently when the prefix cache holds its start; set "
-                "MKL_CBWR=AUTO,STRICT before the process first uses torch",
-                os.environ.get("MKL_CBWR", "unset"),
-                "" if "MKL_CBWR" in os.environ else ", and MKL had computed before llmserve loaded")
+    log.warning("MKL is not in its strict reproducible mode (MKL_CBWR=%s; MKL reads it when it first "
+                "computes, which may have been before llmserve was imported): a prompt may compute "
+                "differently when the prefix cache holds its start; set MKL_CBWR=AUTO,STRICT before "
+                "the process first uses torch", os.environ.get("MKL_CBWR", "unset"))
 
 
 @functools.cache
-def _mkl_cbwr():
-    """(get, set) of MKL's reproducibility mode from the MKL linked into torch, or None."""
+def _mkl_cbwr_get():
+    """MKL's `mkl_cbwr_get` from the MKL linked into torch, or None."""
     if not (torch.backends.mkl.is_available() and sys.platform.startswith("linux")):
         return None
     try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+        get = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_cbwr_get
     except (OSError, AttributeError):
         return None
-    get.argtypes = set_.argtypes = [ctypes.c_int]
-    get.restype = set_.restype = ctypes.c_int
-    return get, set_
+    get.argtypes = [ctypes.c_int]
+    get.restype = ctypes.c_int
+    return get
 
 
 def in_big_decode_step() -> bool:
