@@ -36,6 +36,48 @@ fn unknown_and_inert_fields_are_named_in_a_header() {
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
 }
 
+/// OpenAI's fields that do nothing here are reported whatever their value, but a value of the
+/// wrong JSON kind is a 400, as OpenAI answers it.
+#[test]
+fn inert_openai_fields_must_have_their_kind() {
+    let r = router();
+    let p = chat(
+        &r,
+        json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text"], "audio": {"voice": "x"},
+               "prediction": {"type": "content", "content": "a"}, "web_search_options": {},
+               "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s",
+               "functions": [{"name": "f"}], "function_call": "auto"}),
+    )
+    .unwrap();
+    assert_eq!(
+        header(&p, "llmserve-ignored-fields"),
+        Some(
+            "audio, function_call, functions, modalities, prediction, prompt_cache_key, prompt_cache_retention, \
+             reasoning_effort, safety_identifier, verbosity, web_search_options"
+        )
+    );
+    for (field, bad) in [
+        ("reasoning_effort", json!(5)),
+        ("verbosity", json!(["low"])),
+        ("modalities", json!("text")),
+        ("modalities", json!([5])),
+        ("audio", json!("x")),
+        ("prediction", json!("x")),
+        ("web_search_options", json!(true)),
+        ("prompt_cache_key", json!(5)),
+        ("safety_identifier", json!({})),
+        ("functions", json!("f")),
+        ("function_call", json!(5)),
+        ("prompt_cache_options", json!(5)),
+        ("moderation", json!("x")),
+    ] {
+        let mut body = json!({});
+        body[field] = bad.clone();
+        assert_eq!(shape(chat(&r, body.clone())), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
+        assert_eq!(shape(completion(&r, body)), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
+    }
+}
+
 /// vLLM's fields that llmserve does not implement: at the value that asks for nothing they
 /// pass silently (also under `--strict-fields`; clients send vLLM's whole default set), any
 /// other value is refused, as it would change vLLM's output.

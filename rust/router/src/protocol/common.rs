@@ -636,14 +636,45 @@ const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 9] = [
     ("return_token_ids", |v| *v == Value::Bool(false), "token ids are not returned; /tokenize gives them"),
 ];
 
+/// The JSON kind a field must have.
+type Kind = fn(&Value) -> bool;
+
+/// OpenAI's request fields that llmserve accepts without acting on them (reported in
+/// `llmserve-ignored-fields`), with the JSON kind OpenAI requires: a value of another kind is
+/// a 400 there, so it is here too, though the field does nothing. Only the kind is checked:
+/// the values (`reasoning_effort`'s levels, ...) grow with OpenAI's models, and a value this
+/// server does not know is still only reported.
+const OPENAI_INERT: [(&str, Kind, &str); 13] = [
+    ("reasoning_effort", Value::is_string, "a string"),
+    ("verbosity", Value::is_string, "a string"),
+    ("modalities", |v| v.as_array().is_some_and(|a| a.iter().all(Value::is_string)), "an array of strings"),
+    ("audio", Value::is_object, "an object"),
+    ("prediction", Value::is_object, "an object"),
+    ("web_search_options", Value::is_object, "an object"),
+    ("prompt_cache_key", Value::is_string, "a string"),
+    ("prompt_cache_retention", Value::is_string, "a string"),
+    ("prompt_cache_options", Value::is_object, "an object"),
+    ("moderation", Value::is_object, "an object"),
+    ("safety_identifier", Value::is_string, "a string"),
+    ("functions", |v| v.as_array().is_some_and(|a| a.iter().all(Value::is_object)), "an array of objects"),
+    ("function_call", |v| v.is_string() || v.is_object(), "a string or an object"),
+];
+
 /// Sorts a request's unknown keys (set ones, from [`unknown_keys`]): vLLM's fields of
-/// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; the rest stay
-/// to be reported.
+/// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; OpenAI's
+/// fields of [`OPENAI_INERT`] must have their kind; the rest stay to be reported.
 pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String>, ApiError> {
     let mut rest = Vec::with_capacity(unknown.len());
     for key in unknown {
+        let value = &body[key.as_str()];
+        if let Some((name, _, what)) = OPENAI_INERT.iter().find(|(name, kind, _)| *name == key && !kind(value)) {
+            return Err(invalid_type(
+                *name,
+                format!("Invalid type for `{name}`: expected {what}, got {}.", kind_of(value)),
+            ));
+        }
         match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {
-            Some((_, no_op, _)) if no_op(&body[key.as_str()]) => {}
+            Some((_, no_op, _)) if no_op(value) => {}
             Some((name, _, why)) => {
                 return Err(unsupported(*name, format!("`{name}` is not supported: {why}.")));
             }
