@@ -158,3 +158,63 @@ def test_history_with_tool_calls_renders_through_the_template(fmt_server, client
     out = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
                                          max_tokens=8, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def _marker_tokens(fmt_server) -> dict:
+    """A logit_bias that pushes the tokens of the call marker (the tiny model would rarely
+    write them; pushed, it writes them in random order)."""
+    r = httpx.post(fmt_server.url + "/tokenize", timeout=30, json={"model": "tiny", "prompt": "<tool_call>"})
+    return {str(t): 100 for t in r.json()["tokens"]}
+
+
+def test_strict_tools_under_auto_follow_their_schemas(fmt_server, client):
+    """The grammar's two branches are checked token by token in the router's unit tests
+    (`auto_grammars_allow_an_answer_or_calls_that_follow_their_schemas`); here it is applied
+    end to end: whatever the model writes, no call markup reaches the content and any call
+    validates."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    req = dict(model="tiny", messages=ASK, tools=[strict], max_tokens=60, temperature=1.0,
+               parallel_tool_calls=False, logit_bias=_marker_tokens(fmt_server))
+    render = httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30, json=req).json()
+    if fmt_server.format != "hermes":
+        # no grammar of "an answer or a call" in this format: `strict` is reported
+        assert render["grammar"] is None
+        r = client.chat.completions.with_raw_response.create(**req)
+        assert r.headers["llmserve-ignored-fields"] == "tools[0].function.strict"
+        return
+    assert render["grammar"].startswith("lark:")
+    loose = httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30,
+                       json={**req, "tools": [WEATHER]}).json()
+    assert loose["grammar"] is None  # no strict tool, no response_format: free
+    for seed in range(3):
+        r = client.chat.completions.with_raw_response.create(**req, seed=seed)
+        assert "llmserve-ignored-fields" not in r.headers
+        choice = r.parse().choices[0]
+        assert "<tool_call>" not in (choice.message.content or ""), choice
+        if choice.message.tool_calls:
+            _valid(choice.message.tool_calls, {"get_weather"})
+
+
+def test_response_format_beside_tools_under_auto(fmt_server, client):
+    req = dict(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=60, temperature=1.0,
+               response_format={"type": "json_object"}, parallel_tool_calls=False)
+    if fmt_server.format != "hermes":
+        # the JSON grammar leaves no way to write a call: the tools are reported
+        r = client.chat.completions.with_raw_response.create(**req)
+        assert r.headers["llmserve-ignored-fields"] == "parallel_tool_calls, tools"
+        assert not r.parse().choices[0].message.tool_calls
+        return
+    render = httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30, json=req).json()
+    assert render["grammar"].startswith("lark:")  # a call, or the JSON answer
+    for seed in range(3):
+        choice = client.chat.completions.create(**req, seed=seed).choices[0]
+        if choice.message.tool_calls:
+            # the tool is not strict: its arguments are any JSON object
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_weather"
+            if choice.finish_reason == "tool_calls":  # (else cut by max_tokens)
+                assert isinstance(json.loads(call.function.arguments), dict)
+        elif choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.finish_reason == "length" and choice.message.content.startswith("{"), choice

@@ -79,21 +79,7 @@ impl GrammarSource {
 
     fn to_top_level(&self) -> TopLevelGrammar {
         match self {
-            Self::JsonSchema(schema) => {
-                let mut schema = schema.clone();
-                if let Value::Object(obj) = &mut schema {
-                    let mut opts = json!({
-                        "whitespace_flexible": false,
-                        "item_separator": ", ",
-                        "key_separator": ": ",
-                    });
-                    if let Some(user) = obj.get("x-guidance") {
-                        llguidance::json_merge(&mut opts, user);
-                    }
-                    obj.insert("x-guidance".into(), opts);
-                }
-                TopLevelGrammar::from_json_schema(schema)
-            }
+            Self::JsonSchema(schema) => TopLevelGrammar::from_json_schema(fixed_separators(schema)),
             // NOTE: JSON Schema's (JavaScript's) classes, as for a schema's `pattern`: `\d` is
             // [0-9] and `\w` [0-9a-zA-Z_]. With Rust's Unicode classes `\d{3}` let a small
             // model write 🯸🯸🯸 (audit 8), which is never what a regex for a number means.
@@ -117,6 +103,24 @@ impl GrammarSource {
             }
         }
     }
+}
+
+/// `schema` with llguidance's options for the JSON it generates: fixed separators and no free
+/// whitespace (see the module's NOTE), under any `x-guidance` options the schema has.
+pub(crate) fn fixed_separators(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(obj) = &mut schema {
+        let mut opts = json!({
+            "whitespace_flexible": false,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        });
+        if let Some(user) = obj.get("x-guidance") {
+            llguidance::json_merge(&mut opts, user);
+        }
+        obj.insert("x-guidance".into(), opts);
+    }
+    schema
 }
 
 /// A compiled grammar: cheap to clone, shared by every request that sends the same source.

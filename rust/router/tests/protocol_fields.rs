@@ -526,6 +526,65 @@ fn xml_forced_calls_name_what_they_cannot_enforce() {
     chat(&r, json!({"tools": tools, "tool_choice": "auto"})).unwrap();
 }
 
+/// Under `tool_choice: "auto"`, a strict tool's arguments must follow its schema and a
+/// `response_format` beside tools shapes the answer when no tool is called: in the Hermes
+/// format one grammar says both (a call, or the answer); other formats report what they
+/// cannot enforce.
+#[test]
+fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
+    let plain = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}";
+    let tools = |strict: bool| {
+        json!([{"type": "function", "function": {"name": "get_weather", "strict": strict, "parameters":
+            {"type": "object", "properties": {"city": {"enum": ["London", "Rome"]}}, "required": ["city"]}}}])
+    };
+    let kind = |p: &llmserve_router::protocol::Prepared| {
+        p.grammar.as_ref().map(|g| g.key().split(':').next().unwrap().to_string())
+    };
+    let json_object = json!({"type": "json_object"});
+
+    let hermes = router_with(json!({"tool_call_format": "hermes", "strict_fields": true}), Some(plain));
+    let free = chat(&hermes, json!({"tools": tools(false)})).unwrap();
+    assert_eq!(kind(&free), None);
+    for body in [json!({"tools": tools(true)}), json!({"tools": tools(false), "response_format": json_object})] {
+        let p = chat(&hermes, body.clone()).unwrap();
+        assert_eq!(kind(&p).as_deref(), Some("lark"), "{body}");
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None, "{body}");
+        assert!(p.tools.is_some(), "{body}");
+    }
+    let alone = chat(&hermes, json!({"response_format": json_object})).unwrap();
+    assert_eq!(kind(&alone).as_deref(), Some("json_schema"));
+    // The response_format's own errors still name it; a grammar decides where output ends.
+    let bad = json!({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object",
+        "properties": {"a": {"type": "string", "pattern": "("}}}}});
+    let (status, _, param) = shape(chat(&hermes, json!({"tools": tools(false), "response_format": bad})));
+    assert_eq!((status, param.as_deref().map(|p| p.starts_with("response_format"))), (400, Some(true)));
+    let (status, _, param) = shape(chat(&hermes, json!({"tools": tools(true), "ignore_eos": true})));
+    assert_eq!((status, param.as_deref()), (400, Some("ignore_eos")));
+    // A regex leaves no way to write a call: the tools are reported and not read for calls.
+    let lenient = router_with(json!({"tool_call_format": "hermes"}), Some(plain));
+    let p = chat(
+        &lenient,
+        json!({"tools": tools(true), "structured_outputs": {"regex": "a+"},
+                                 "parallel_tool_calls": false}),
+    )
+    .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("parallel_tool_calls, tools"));
+    assert!(p.tools.is_none());
+
+    // Formats without such a grammar.
+    let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(plain));
+    let p = chat(&llama, json!({"tools": tools(true)})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tools[0].function.strict"));
+    assert_eq!(kind(&p), None);
+    let p = chat(&llama, json!({"tools": tools(false), "response_format": json_object})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tools"));
+    assert!(p.tools.is_none());
+    assert_eq!(kind(&p).as_deref(), Some("json_schema"));
+    // Forced calls follow every schema anyway: `strict` is never reported there.
+    let p = chat(&llama, json!({"tools": tools(true), "tool_choice": "required"})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+}
+
 #[test]
 fn tools_a_template_never_reads_are_reported_unless_forced() {
     // No `tools` in the template, no tool-call format to parse with.

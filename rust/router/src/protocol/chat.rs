@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 use super::budget::{check_context, settle_budget};
 use super::common::{
@@ -550,6 +550,73 @@ fn tool_plan(
     })
 }
 
+/// How a `tool_choice: "auto"` output, with tools the model can call, is constrained.
+enum AutoShape {
+    /// Not at all: text or calls, as the model writes them.
+    Free,
+    /// Calls whose `strict` tools' arguments follow their schemas, or the answer (shaped by
+    /// `response_format`, if sent): the grammar.
+    Grammar(GrammarSource),
+    /// By the `response_format` alone, which leaves no way to write a call: the tools are
+    /// reported (as `tools`) and the output is not read for calls.
+    NoCalls,
+}
+
+/// The [`AutoShape`] of a request whose calls are read in `format`: a `strict` tool asks for
+/// its arguments to follow its schema, and a `response_format` beside tools asks for an
+/// answer in that shape when the model does not call one (OpenAI's meaning of both). Where
+/// the format's grammar cannot say that (any format but Hermes; a `response_format` that is
+/// not a JSON schema), the tools' `strict` is reported, or the tools are.
+fn auto_shape(
+    router: &Router,
+    chat: &ChatFields,
+    format: ToolCallFormat,
+    answer: Option<&(GrammarSource, &'static str)>,
+    ignored: &mut Vec<String>,
+) -> Result<AutoShape, ApiError> {
+    let tools = chat.tools.as_deref().unwrap_or_default();
+    let is_strict = |t: &Value| t.pointer("/function/strict") == Some(&Value::Bool(true));
+    if answer.is_none() && !tools.iter().any(is_strict) {
+        return Ok(AutoShape::Free);
+    }
+    let schema = match answer {
+        None => None,
+        Some((GrammarSource::JsonSchema(schema), _)) => Some(schema),
+        Some(_) => {
+            ignored.push("tools".into());
+            return Ok(AutoShape::NoCalls);
+        }
+    };
+    // A tool that is not strict may be called with any arguments object.
+    let functions: Vec<Value> = tools
+        .iter()
+        .filter_map(|t| {
+            let f = t.get("function")?;
+            Some(if is_strict(t) {
+                f.clone()
+            } else {
+                json!({"name": f.get("name"), "parameters": {"type": "object"}})
+            })
+        })
+        .collect();
+    let refs: Vec<&Value> = functions.iter().collect();
+    let Some(source) = format.auto_grammar(&refs, chat.parallel_tool_calls.unwrap_or(true), schema) else {
+        if answer.is_some() {
+            ignored.push("tools".into());
+            return Ok(AutoShape::NoCalls);
+        }
+        let strict = tools.iter().enumerate().filter(|(_, t)| is_strict(t));
+        ignored.extend(strict.map(|(i, _)| format!("tools[{i}].function.strict")));
+        return Ok(AutoShape::Free);
+    };
+    // the response_format alone first, so that its errors name it
+    if let Some((answer, param)) = answer {
+        router.grammars.compile(answer, param)?;
+    }
+    router.grammars.compile(&source, "tools")?;
+    Ok(AutoShape::Grammar(source))
+}
+
 /// Whether the tools are rendered through the template, and what `tool_choice` forces.
 ///
 /// NOTE: with `tool_choice: "none"` the tools are not passed to the template (vLLM's
@@ -696,13 +763,21 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             }
         }
     }
+    let auto = match template.filter(|_| forced == Forced::No && with_tools && !unused_tools) {
+        Some(t) => match config.tool_call_format.or_else(|| ToolCallFormat::detect(t.source())) {
+            Some(format) => auto_shape(router, &chat, format, c.constraint.as_ref(), &mut ignored)?,
+            None => AutoShape::Free,
+        },
+        None => AutoShape::Free,
+    };
     if chat.documents.is_some() && !template.is_some_and(|t| t.reads("documents")) {
         ignored.push("documents".into());
     }
     // Inert here: without tools nothing is called; under a forced `tool_choice` the output
     // is the call, never the text a response_format (or structured_outputs) shapes (OpenAI
     // accepts both).
-    if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools || unused_tools) {
+    let no_calls = unused_tools || matches!(auto, AutoShape::NoCalls);
+    if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools || no_calls) {
         ignored.push("parallel_tool_calls".into());
     }
     if let Some((_, param)) = c.constraint.as_ref().filter(|_| forced != Forced::No) {
@@ -728,7 +803,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ),
         ));
     }
-    let (tools, tool_grammar) = if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
+    let (mut tools, tool_grammar) =
+        if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
     let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).
@@ -738,6 +814,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         // without effect beside a forced call (reported above), yet checked as it would be
         // alone: a schema that cannot compile is still the client's error
         constrained::compile(router, requested.take(), &params)?;
+    }
+    match auto {
+        AutoShape::Free => {}
+        AutoShape::Grammar(source) => requested = Some((source, "tools")),
+        AutoShape::NoCalls => tools = None,
     }
     let constraint = tool_grammar.or(requested).map(|(g, param)| (g.after_reasoning(thinking), param));
     let grammar = constrained::compile(router, constraint, &params)?;

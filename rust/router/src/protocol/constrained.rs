@@ -323,14 +323,14 @@ pub(crate) fn compile(
         return Err(ApiError::invalid(
             "ignore_eos",
             "`ignore_eos` cannot be combined with a constrained output (response_format, \
-             structured_outputs or a forced tool_choice): the grammar decides where the output ends.",
+             structured_outputs, a forced tool_choice or strict tools): the grammar decides where the output ends.",
         ));
     }
     if params.min_tokens > 0 {
         return Err(ApiError::invalid(
             "min_tokens",
             "`min_tokens` cannot be combined with a constrained output (response_format, \
-             structured_outputs or a forced tool_choice): the grammar decides where the output ends.",
+             structured_outputs, a forced tool_choice or strict tools): the grammar decides where the output ends.",
         ));
     }
     router.grammars.compile(&source, param).map(Some)

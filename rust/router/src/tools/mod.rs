@@ -180,6 +180,30 @@ impl ToolCallFormat {
         self.grammar(&[function], false, true)
     }
 
+    /// The grammar of a `tool_choice: "auto"` output whose shape is enforced (a `strict`
+    /// tool, or a `response_format` schema beside the tools): either calls from the output's
+    /// very start, as [`Self::forced_grammar`] has them (arguments that match their
+    /// functions' schemas), or the answer: given `answer` (a JSON schema), that JSON; else
+    /// free text that never opens a call.
+    ///
+    /// Only the Hermes format has one (None for the others): its calls open with a marker
+    /// that the answer can be kept from writing.
+    pub fn auto_grammar(self, functions: &[&Value], parallel: bool, answer: Option<&Value>) -> Option<GrammarSource> {
+        if self != Self::Hermes {
+            return None;
+        }
+        let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel).ok()? else { return None };
+        let calls = calls.replacen("start:", "calls:", 1);
+        let answer = match answer {
+            Some(schema) => {
+                let schema = crate::structured::fixed_separators(schema);
+                format!("answer: %json {}", serde_json::to_string(&schema).expect("JSON values serialize"))
+            }
+            None => format!("answer: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/"),
+        };
+        Some(GrammarSource::Lark(format!("start: answer | calls\n{answer}\n{calls}")))
+    }
+
     fn grammar(self, functions: &[&Value], parallel: bool, named: bool) -> Result<GrammarSource, Unenforceable> {
         if self == Self::Json && named {
             let mut defs = Map::new();
@@ -344,6 +368,47 @@ mod tests {
         match ToolCallFormat::Mistral.forced_grammar(&[&f], false).unwrap() {
             GrammarSource::Lark(g) => assert!(g.starts_with("start: \"[\" call \"]\"") && g.contains("\"arguments\"")),
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// Under "auto" with an enforced shape (Hermes), the output is a call that follows its
+    /// schema from the start, or an answer: text that never opens a call, or the given JSON.
+    #[test]
+    fn auto_grammars_allow_an_answer_or_calls_that_follow_their_schemas() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let f = json!({"name": "f", "parameters": {"type": "object",
+            "properties": {"city": {"enum": ["London", "Rome"]}}, "required": ["city"], "additionalProperties": false}});
+        let call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>";
+        let done = |grammar: &crate::structured::Grammar, text: &str| {
+            let mut m = drive(grammar, &tok, text);
+            m.is_stopped() || m.is_accepting().unwrap()
+        };
+
+        let text = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], true, None).unwrap(), "tools").unwrap();
+        assert!(done(&text, call));
+        assert!(done(&text, &format!("{call}\n{call}")));
+        assert!(done(&text, "It is sunny <tool> and < tool_call> are not calls."));
+        assert!(done(&text, ""));
+        assert!(refuses(&text, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Paris\""));
+        assert!(refuses(&text, &tok, "<tool_call>\n{\"name\": \"g\""));
+        assert!(refuses(&text, &tok, "Let me look. <tool_call>"));
+        let one = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
+        assert!(drive(&one, &tok, call).is_stopped() || refuses(&one, &tok, &format!("{call}\n<")));
+
+        let schema = json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]});
+        let json = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], true, Some(&schema)).unwrap(), "tools");
+        let json = json.unwrap();
+        assert!(done(&json, call));
+        assert!(done(&json, "{\"answer\": \"Rome\"}"));
+        assert!(refuses(&json, &tok, "It is"));
+        assert!(refuses(&json, &tok, "{\"city\""));
+
+        for other in
+            [ToolCallFormat::Json, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral, ToolCallFormat::Qwen3Xml]
+        {
+            assert_eq!(other.auto_grammar(&[&f], true, None), None);
         }
     }
 
