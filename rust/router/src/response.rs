@@ -15,10 +15,10 @@
 //! `"tool_calls"` (`"stop"` under a named `tool_choice`, as OpenAI's). Streamed and not, the calls are the same events, so the arguments a
 //! client concatenates equal the non-streamed ones, with one exception: under `"auto"`, a
 //! non-streamed choice with a call whose arguments are not a JSON object (the model wrote
-//! `{"a": 1,}`, or a stop string or EOS cut the call off; `max_tokens` cutting it off is
-//! exempt, as in OpenAI's) answers its whole text as content, without calls, as vLLM's
-//! parsers do, since clients `json.loads` the arguments; a stream has already sent the
-//! call's pieces by then.
+//! `{"a": 1,}`, or EOS cut the call off; `max_tokens` cutting it off is exempt, as in
+//! OpenAI's, and so is a stop string or stop token, which the finish's `stop_reason` names)
+//! answers its whole text as content, without calls, as vLLM's parsers do, since clients
+//! `json.loads` the arguments; a stream has already sent the call's pieces by then.
 //!
 //! Reasoning (chat with a reasoning parser, [`Prepared::reasoning`]): each choice's text first
 //! goes through a [`ReasoningSplitter`]; its thinking becomes `message.reasoning_content`
@@ -805,10 +805,13 @@ impl ResponseBuilder {
                 .iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    // a call cut off by `max_tokens` keeps what it had (as OpenAI); one that
-                    // ended, or that a stop string or EOS cut off, must hold JSON arguments
-                    let cut_by_length = c.finish == Some(FinishReason::Length);
-                    let broken = !forced && c.tool_calls.iter().any(|t| (t.ended || !cut_by_length) && !t.parses());
+                    // a call cut off by `max_tokens` keeps what it had (as OpenAI), and so
+                    // does one a stop string or stop token cut off (the finish names it, and
+                    // the stream has sent the same call); one that ended, or that EOS cut
+                    // off, must hold JSON arguments
+                    let cut = c.finish == Some(FinishReason::Length)
+                        || (c.finish == Some(FinishReason::Stop) && c.stop_reason.is_some());
+                    let broken = !forced && c.tool_calls.iter().any(|t| (t.ended || !cut) && !t.parses());
                     let (text, calls, finish) = if broken {
                         let finish =
                             c.finish.map(|f| if f == FinishReason::ToolCalls { FinishReason::Stop } else { f });

@@ -531,13 +531,48 @@ fn a_call_with_broken_arguments_is_content_unless_cut_off() {
     assert_eq!(choice["message"]["content"], broken[0]);
     assert!(choice["message"].get("tool_calls").is_none_or(|c| c.as_array().is_some_and(Vec::is_empty)), "{choice}");
     assert_eq!(choice["finish_reason"], "stop");
-    // cut off by a stop string (or EOS) inside the arguments: content too
+    // cut off by EOS inside the arguments: content too
     let mut b = hermes_chat(false, true);
     let cut = "<tool_call>\n{\"name\": \"get\", \"arguments\": {\"a\": 1";
     b.push(0, &delta(cut, &[tok(9)], Some(FinishReason::Stop)));
     let body: Value = serde_json::from_slice(&b.finish()).unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], cut);
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    // cut off by a stop string: the call stays with what was generated, the finish names
+    // the stop, as the stream (which has sent the call) ends
+    for stream in [false, true] {
+        let mut b = hermes_chat(stream, true);
+        let tokens = [tok(9)];
+        let d = ChoiceDelta {
+            stop_reason: Some(StopReason::Text("Paris")),
+            ..delta(cut, &tokens, Some(FinishReason::Stop))
+        };
+        b.push(0, &d);
+        let mut out = b.take();
+        out.extend(b.finish());
+        let (content, calls, finish, stop) = if stream {
+            let chunks = frames(&out);
+            let choices = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap().iter());
+            let deltas: Vec<&Value> = choices.clone().map(|c| &c["delta"]).collect();
+            let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+            let args: String = deltas
+                .iter()
+                .filter_map(|d| d["tool_calls"].as_array())
+                .flatten()
+                .filter_map(|t| t["function"]["arguments"].as_str())
+                .collect();
+            let last = choices.last().unwrap();
+            (content, args, last["finish_reason"].clone(), last["stop_reason"].clone())
+        } else {
+            let body: Value = serde_json::from_slice(&out).unwrap();
+            let c = &body["choices"][0];
+            let content = c["message"]["content"].as_str().unwrap_or_default().to_string();
+            let args = c["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap().to_string();
+            (content, args, c["finish_reason"].clone(), c["stop_reason"].clone())
+        };
+        assert_eq!((content.as_str(), calls.as_str()), ("", "{\"a\": 1"), "stream {stream}");
+        assert_eq!((finish, stop), (json!("stop"), json!("Paris")), "stream {stream}");
+    }
     // cut off by max_tokens inside the arguments: the call stays, with what was generated
     let mut b = hermes_chat(false, true);
     b.push(
