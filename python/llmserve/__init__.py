@@ -1,11 +1,15 @@
 """llmserve: an OpenAI-compatible LLM inference server.
 
-The public Python API: `LLM` (offline generation and chat), `AsyncEngine` (submit request
-bytes, iterate response bytes) and `create_app` (an ASGI app to mount or serve). The Rust
-core lives in the private `llmserve._core`.
+The public Python API: `LLM` (offline generation and chat, answering `Result`s),
+`AsyncEngine` (submit request bytes, iterate response bytes), `create_app` (an ASGI app to
+mount or serve) and the `Config` both take; `ApiError` is the base of every request error
+(its subclasses are `llmserve._core.BadRequestError`, `NotFoundError`, ...), `LoadError` a
+model that cannot be loaded. The Rust core lives in the private `llmserve._core`.
 """
 
+import importlib
 import os as _os
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -14,21 +18,32 @@ __version__ = "0.1.0"
 # around the prefix cache rely on (worker/threads.py: reproducible_blas). An explicit setting wins.
 _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-__all__ = ["LLM", "AsyncEngine", "create_app", "__version__"]
+__all__ = ["LLM", "Result", "AsyncEngine", "create_app", "Config", "ApiError", "LoadError", "__version__"]
+
+if TYPE_CHECKING:
+    from llmserve._core import ApiError
+    from llmserve.config import Config
+    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.offline import LLM, Result
+    from llmserve.loaders.checkpoint import LoadError
+    from llmserve.server.app import create_app
+
+# NOTE: imported lazily so `import llmserve` (and the CLI's --help) does not pay for torch.
+_LAZY = {
+    "LLM": "llmserve.engine.offline",
+    "Result": "llmserve.engine.offline",
+    "AsyncEngine": "llmserve.engine.async_engine",
+    "create_app": "llmserve.server.app",
+    "Config": "llmserve.config",
+    # every request error (BadRequestError, NotFoundError, ... in the OpenAI shape)
+    "ApiError": "llmserve._core",
+    # a model that cannot be loaded (missing, unsupported)
+    "LoadError": "llmserve.loaders.checkpoint",
+}
 
 
-def __getattr__(name: str):
-    # NOTE: imported lazily so `import llmserve` (and the CLI's --help) does not pay for torch.
-    if name == "LLM":
-        from llmserve.engine.offline import LLM
-
-        return LLM
-    if name == "AsyncEngine":
-        from llmserve.engine.async_engine import AsyncEngine
-
-        return AsyncEngine
-    if name == "create_app":
-        from llmserve.server.app import create_app
-
-        return create_app
-    raise AttributeError(name)
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llmserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

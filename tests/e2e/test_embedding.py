@@ -49,6 +49,121 @@ def test_offline_errors_are_api_errors(llm):
         llm.generate("x", {"temperature": 5})
 
 
+def _idle(llm) -> dict:
+    stats = llm.engine.core.stats()
+    return {k: stats[k] for k in ("running", "waiting", "used_blocks")}
+
+
+def test_a_failed_call_leaves_the_llm_as_it_was(llm):
+    """A bad prompt among good ones fails the call before anything is queued; a call that
+    stops midway (an error, Ctrl-C) aborts what it queued: the next call works, and no
+    request or KV block is left behind."""
+    from llmserve._core import BadRequestError
+
+    idle = _idle(llm)
+    with pytest.raises(BadRequestError):
+        llm.generate(["fine", "x"], {"max_tokens": 2, "logit_bias": {"999999": 1}})
+    with pytest.raises(BadRequestError):
+        llm.chat([[{"role": "user", "content": "a"}], [{"role": "nobody", "content": "b"}]], {"max_tokens": 2})
+    assert _idle(llm) == idle
+
+    runner = llm.engine.runner
+    execute, calls = runner.execute, []
+
+    def interrupted(plan):
+        calls.append(plan)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return execute(plan)
+
+    runner.execute = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["one", "two"], {"max_tokens": 6, "ignore_eos": True})
+    finally:
+        runner.execute = execute
+    assert _idle(llm) == idle
+    again = llm.generate("one", {"max_tokens": 3, "ignore_eos": True})[0]
+    assert again.usage["completion_tokens"] == 3
+
+
+def test_calls_from_threads_run_one_at_a_time(llm):
+    import threading
+
+    want = llm.generate(["Story 0:", "Story 1:"], {"max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    got: dict[int, str] = {}
+
+    def work(i: int) -> None:
+        got[i] = llm.generate(f"Story {i}:", {"max_tokens": 6, "temperature": 0, "ignore_eos": True})[0].text
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {0: want[0].text, 1: want[1].text}
+
+
+def test_ignored_fields_are_told_and_the_model_is_checked(llm):
+    from llmserve._core import NotFoundError
+
+    with pytest.warns(UserWarning, match="frobnicate, store"):
+        r = llm.generate("x", {"max_tokens": 1, "frobnicate": 1, "store": True})[0]
+    assert r.ignored_fields == ("frobnicate", "store")
+    assert llm.generate("x", {"max_tokens": 1})[0].ignored_fields == ()
+    with pytest.raises(NotFoundError):
+        llm.generate("x", {"max_tokens": 1, "model": "other"})
+    assert llm.generate("x", {"max_tokens": 1, "model": llm.model_name})[0].usage["completion_tokens"] == 1
+
+
+def test_an_engine_starts_once_and_serves_its_own_loop(tiny_model):
+    engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": true}'
+
+    async def first():
+        await engine.start()
+        with pytest.raises(RuntimeError, match="already"):
+            await engine.start()
+        stream = await engine.submit("completion", body)
+        return await stream.read_all()
+
+    assert b'"completion_tokens":2' in asyncio.run(first())
+
+    async def other_loop():
+        with pytest.raises(RuntimeError, match="event loop"):
+            await engine.submit("completion", body)
+
+    asyncio.run(other_loop())
+    threads = [t.name for t in __import__("threading").enumerate()]
+    assert threads.count("llmserve-engine") == 1
+
+    async def stop():
+        engine._loop = asyncio.get_running_loop()  # (the first loop is gone)
+        await engine.drain()
+
+    asyncio.run(stop())
+    assert engine.state == "stopped" and not engine.busy()
+
+
+def test_a_failed_load_is_said_on_every_route(tmp_path):
+    app = create_app(make_config(str(tmp_path / "missing.gguf")))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            await c.get("/health")   # starts the load
+            for _ in range(100):
+                if (await c.get("/ready")).json().get("status") == "failed":
+                    break
+                await asyncio.sleep(0.05)
+            for method, path in [("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/v1/completions")]:
+                r = await c.request(method, path, json={"prompt": "a"})
+                assert r.status_code == 503, (path, r.text)
+                assert "failed to load" in r.json()["error"]["message"], (path, r.text)
+
+    asyncio.run(main())
+
+
 def test_mounted_app_shares_a_started_engine(tiny_model):
     engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
 

@@ -159,6 +159,9 @@ async def _on_daemon_thread(fn, *args):
     return await future
 
 
+FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
+
+
 class AsyncEngine:
     """The serving engine: load once, then submit requests from asyncio."""
 
@@ -176,7 +179,10 @@ class AsyncEngine:
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the model on a worker thread (the server answers /ready 503 meanwhile)."""
+        """Load the model on a worker thread (the server answers /ready 503 meanwhile). An
+        engine starts once, and serves the event loop that started it."""
+        if self._loop is not None:
+            raise RuntimeError("AsyncEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
         try:
             engine = await _on_daemon_thread(build_engine, self.config)
@@ -233,23 +239,36 @@ class AsyncEngine:
                 self._thread.post(("abort", stream))
         return len(streams)
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, let running ones finish (up to `timeout`), stop the loop."""
+    async def drain(self, timeout: float = 30.0, stop_timeout: float | None = None) -> None:
+        """Stop taking requests, let running ones finish (up to `timeout`), stop the loop:
+        it stops once the step it is running ends, which this waits for up to `stop_timeout`
+        seconds (None: until it has; a long prompt's step may take a while on a CPU). The
+        state is then "stopped", or "stopping" while the step still runs (`busy()`)."""
         await self.wait_drained(timeout)
+        stopped = True
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.stop)
-        self.state = "stopped"
+            stopped = await asyncio.to_thread(self._thread.stop, stop_timeout)
+        self.state = "stopped" if stopped else "stopping"
+
+    def busy(self) -> bool:
+        """Whether a thread of this engine still runs: the model load, or the engine loop
+        (before it started, or inside the step a stop waits for). A process must not exit
+        normally while one does: the interpreter's teardown around a thread inside torch
+        aborts it."""
+        return self.loading() or (self._thread is not None and self._thread.running)
 
     @property
     def alive(self) -> bool:
         """False once the engine loop has died (or loading failed)."""
         if self.state == "failed":
             return False
-        return self._thread is None or self._thread.alive or self.state == "stopped"
+        return self._thread is None or self._thread.alive or self.state in ("stopped", "stopping")
 
     @property
     def router(self) -> Router:
         if self.engine is None:
+            if self.state == "failed":
+                raise self.unavailable(FAILED_LOAD)
             raise self.unavailable("The model is still loading.", retry_after=5)
         return self.engine.router
 
@@ -278,8 +297,13 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------
     def _check_serving(self) -> None:
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            # its outputs are delivered to the loop that started it, and would never come
+            raise RuntimeError("this AsyncEngine serves the event loop that started it, not this one")
         if self.state == "loading":
             raise self.unavailable("The model is still loading.", retry_after=5)
+        if self.state == "failed":
+            raise self.unavailable(FAILED_LOAD)
         if self.state != "ready" or not self.alive:
             raise self.unavailable("The server is not taking requests.", retry_after=5)
 

@@ -108,11 +108,19 @@ class EngineThread:
         not requests and do not count."""
         return sum(1 for op in list(self._inbox) if op[0] == "add")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the loop once its current step ends, waiting up to `timeout` seconds (None:
+        until it has). Whether the thread has ended."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is still running (a stop waits for the step in progress)."""
+        return self._thread.is_alive()
 
     def _apply(self, ops: list[tuple]) -> list:
         failed = []

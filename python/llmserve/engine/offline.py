@@ -9,8 +9,10 @@ wrapped in a small `Result`. `params` take the OpenAI field names (`max_tokens`,
 from __future__ import annotations
 
 import dataclasses
+import threading
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union, overload
 
 import orjson
 
@@ -21,12 +23,15 @@ from llmserve.engine.loop import step
 
 @dataclass(frozen=True)
 class Result:
-    """One request's response: `text` is the first choice, `texts` every choice."""
+    """One request's response: `text` is the first choice, `texts` every choice.
+    `ignored_fields` names the request's fields that had no effect (the server's
+    `llmserve-ignored-fields` header; each call also warns about them)."""
 
     texts: list[str]
     finish_reasons: list[str | None]
-    usage: dict
-    body: dict = field(repr=False)
+    usage: dict[str, Any]
+    body: dict[str, Any] = field(repr=False)
+    ignored_fields: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
@@ -54,54 +59,97 @@ def make_config(model: str | None = None, **options: Any) -> Config:
     return Config(**sections)
 
 
+Prompt = Union[str, list[int]]
+Message = dict[str, Any]
+
+
 class LLM:
-    """Offline generation on the calling thread."""
+    """Offline generation on the calling thread. Calls from several threads run one at a
+    time. `params` take the OpenAI field names and defaults: without `max_tokens` a request
+    may run to the end of the context, as on the server."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = build_engine(make_config(model, **options))
         self.model_name = self.engine.model_name
+        self._lock = threading.Lock()
 
-    def generate(self, prompts, params: dict | None = None) -> list[Result]:
+    def generate(self, prompts: Prompt | list[str] | list[list[int]],
+                 params: dict[str, Any] | None = None) -> list[Result]:
         """Complete each prompt (a string or a list of token ids)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        bodies = [{**(params or {}), "model": self.model_name, "prompt": p} for p in prompts]
+            prompts = [prompts]  # type: ignore[list-item]
+        bodies = [{"model": self.model_name, **(params or {}), "prompt": p} for p in prompts]
         return self._run("completion", bodies)
 
-    def chat(self, messages, params: dict | None = None) -> Result | list[Result]:
+    @overload
+    def chat(self, messages: list[Message], params: dict[str, Any] | None = None) -> Result: ...
+
+    @overload
+    def chat(self, messages: list[list[Message]], params: dict[str, Any] | None = None) -> list[Result]: ...
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             params: dict[str, Any] | None = None) -> Result | list[Result]:
         """Answer one conversation (a list of messages) or several (a list of such lists)."""
         many = bool(messages) and isinstance(messages[0], list)
         convs = messages if many else [messages]
-        bodies = [{**(params or {}), "model": self.model_name, "messages": m} for m in convs]
+        bodies = [{"model": self.model_name, **(params or {}), "messages": m} for m in convs]
         results = self._run("chat", bodies)
         return results if many else results[0]
 
-    def _run(self, endpoint: str, bodies: list[dict]) -> list[Result]:
+    def _run(self, endpoint: str, bodies: list[dict[str, Any]]) -> list[Result]:
         core, runner, router = self.engine.core, self.engine.runner, self.engine.router
-        handles = []
         for body in bodies:
             if body.get("stream"):
                 raise ValueError("the offline API does not stream; drop `stream`")
-            handles.append(core.add(router.prepare(endpoint, orjson.dumps(body))))
-        buffers: dict[int, list[bytes]] = {h: [] for h in handles}
-        pending = set(handles)
-        while pending:
-            outputs, ran = step(core, runner)
-            if not ran and not core.has_work():
-                raise RuntimeError("the engine stopped with requests still pending")
-            for handle, data, finished, error, *_ in outputs:
-                if error:
-                    raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
-                buffers[handle].append(data)
-                if finished:
-                    pending.discard(handle)
-        return [_result(endpoint, orjson.loads(b"".join(buffers[h]))) for h in handles]
+        # Every request is checked before any is queued: one bad prompt fails the call alone.
+        prepared = [router.prepare(endpoint, orjson.dumps(body)) for body in bodies]
+        ignored = [_ignored(p) for p in prepared]
+        for fields in sorted(set(ignored)):
+            if fields:
+                warnings.warn(f"llmserve: these request fields had no effect: {', '.join(fields)}", stacklevel=3)
+        with self._lock:
+            handles: list[int] = []
+            buffers: dict[int, list[bytes]] = {}
+            pending: set[int] = set()
+            try:
+                for p in prepared:
+                    handles.append(core.add(p))
+                    buffers[handles[-1]] = []
+                    pending.add(handles[-1])
+                while pending:
+                    outputs, ran = step(core, runner)
+                    if not ran and not core.has_work():
+                        raise RuntimeError("the engine stopped with requests still pending")
+                    for handle, data, finished, error, *_ in outputs:
+                        if handle not in buffers:
+                            continue
+                        if error:
+                            raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
+                        buffers[handle].append(data)
+                        if finished:
+                            pending.discard(handle)
+            finally:
+                if pending:
+                    # Interrupted (an error, Ctrl-C): the step in flight is dropped and the
+                    # call's other requests are aborted, so the engine is as before the call.
+                    core.fail_plan("the call was interrupted")
+                    for handle in pending:
+                        core.abort(handle)
+        return [_result(endpoint, orjson.loads(b"".join(buffers[h])), fields)
+                for h, fields in zip(handles, ignored)]
 
 
-def _result(endpoint: str, body: dict) -> Result:
+def _ignored(prepared: Any) -> tuple[str, ...]:
+    for name, value in prepared.headers:
+        if name == "llmserve-ignored-fields":
+            return tuple(value.split(", "))
+    return ()
+
+
+def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:
     choices = body["choices"]
     if endpoint == "chat":
         texts = [c["message"].get("content") or "" for c in choices]
     else:
         texts = [c["text"] for c in choices]
-    return Result(texts, [c.get("finish_reason") for c in choices], body.get("usage", {}), body)
+    return Result(texts, [c.get("finish_reason") for c in choices], body.get("usage", {}), body, ignored)

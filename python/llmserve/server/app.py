@@ -109,7 +109,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
             if owns_engine:
                 if not loading[0].done():
                     loading[0].cancel()
-                await engine.drain()
+                await engine.drain(stop_timeout=app.state.stop_timeout)
 
     app = Starlette(
         routes=ROUTES,
@@ -119,6 +119,9 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     )
     app.state.engine = engine
     app.state.max_body_bytes = config.server.max_body_bytes
+    # how long the lifespan's drain waits for the engine's step in progress (None: until it
+    # ends; `llmserve run` bounds it, then exits at once)
+    app.state.stop_timeout = None
     app.add_middleware(StartOnFirstRequest, start=start_loading)
     app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key)
     if config.server.access_log:
@@ -146,6 +149,8 @@ class StartOnFirstRequest:
 DRAIN_TIMEOUT_S = 25.0
 # After the drain: how long uvicorn waits for open connections to finish sending.
 CLOSE_TIMEOUT_S = 5
+# How long `llmserve run`'s shutdown waits for the engine's step in progress to end.
+ENGINE_STOP_TIMEOUT_S = 10.0
 # The signals that stop `llmserve run` (with a drain).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Exit status of `llmserve run` when it never served: the address could not be bound or the
@@ -277,6 +282,7 @@ def serve(config: Config) -> int:
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return STARTUP_FAILURE
     app = create_app(config)
+    app.state.stop_timeout = ENGINE_STOP_TIMEOUT_S
     log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level="warning",
@@ -287,9 +293,11 @@ def serve(config: Config) -> int:
     finally:
         sock.close()
     code = STARTUP_FAILURE if server.load_failed or not server.started else 0
-    if app.state.engine.loading():
-        # Stopped while the model loads: the loading thread is inside torch, and an
-        # interpreter that finalizes around it aborts the process. Nothing is left to save.
+    if app.state.engine.busy():
+        # Stopped while the model loads, or inside a step that outlasted the stop (a long
+        # prompt on a CPU): that thread is inside torch, and an interpreter that finalizes
+        # around it aborts the process. Every request has had its answer; nothing is left to
+        # save.
         logging.shutdown()
         os._exit(code)
     return code
