@@ -40,8 +40,9 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if tp is bool:
+            on_off = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=help_text)
+                               default=f.default, help=help_text + on_off)
         elif meta.get("append"):
             group.add_argument(flag, dest=dest, action="append", type=tp, default=None,
                                metavar=f.name.upper(), help=help_text)
@@ -52,10 +53,14 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llmserve import __version__
+
     parser = argparse.ArgumentParser(prog="llmserve", description="OpenAI-compatible LLM server")
+    parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     # Defaults are written into each flag's help (none for flags without one).
     run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).")
+    run.set_defaults(run_parser=run)
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         _add_section(run, f.name, hints[f.name])
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = config_from_args(args)
         except ValueError as exc:
-            parser.error(str(exc))
+            # (the run command's usage, as argparse's own errors about its flags)
+            args.run_parser.error(str(exc))
         _short_openmp_spin()
         from llmserve.server.app import serve
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 
 
@@ -25,17 +27,42 @@ def _f(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+def _kind_error(value: object, tp: object) -> str | None:
+    """What `value` should have been, if it is not of the field type `tp` (`int | None`,
+    `tuple[str, ...]`, ...): ints pass as floats, bools never as numbers."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = args[0]
+    if typing.get_origin(tp) is tuple or tp is tuple:
+        return None if isinstance(value, tuple) else "a tuple"
+    if tp is bool:
+        return None if isinstance(value, bool) else "a boolean"
+    if isinstance(value, bool):
+        return {int: "an integer", float: "a number", str: "a string"}.get(tp)  # type: ignore[call-overload]
+    if tp is int:
+        return None if isinstance(value, int) else "an integer"
+    if tp is float:
+        return None if isinstance(value, (int, float)) else "a number"
+    if tp is str:
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
 class _Checked:
     """Checks each field against its metadata when a section is built (from the CLI or by an
     embedding application), so a bad value fails at once with the flag's name instead of
     leaving a server that reports ready and fails every request."""
 
     def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if value is None:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            what = _kind_error(value, hints[f.name]) if not meta.get("memory") else None
+            if what is not None:
+                raise TypeError(f"{flag} ({f.name}) must be {what}; got {value!r}")
             if isinstance(value, tuple):
                 if any(not str(v).strip() for v in value):
                     raise ValueError(f"{flag} must not be empty")

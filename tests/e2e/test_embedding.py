@@ -164,6 +164,42 @@ def test_a_failed_load_is_said_on_every_route(tmp_path):
     asyncio.run(main())
 
 
+def test_bad_arguments_are_clear_type_errors(llm, tiny_model):
+    for bad in (5, {"a": 1}, [1.5], [["a"]], (1, 2)):
+        with pytest.raises(TypeError, match="prompts must be"):
+            llm.generate(bad, {"max_tokens": 1})
+    with pytest.raises(TypeError, match="max_model_len"):
+        LLM(str(tiny_model), max_model_len=512.5)  # before anything loads
+
+
+def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):
+    engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 50, "ignore_eos": true, "stream": true}'
+
+    async def main():
+        await engine.start()
+        with pytest.raises(ValueError, match="handle"):
+            await engine.submit("tokenize", b'{"prompt": "x"}')
+        with pytest.raises(ValueError, match="submit"):
+            await engine.handle("chat", body)
+        async with await engine.submit("completion", body) as stream:
+            await stream.next()   # a reader that stops early
+        for _ in range(100):
+            load = engine.load()
+            if load["running"] == 0 and load["kv_blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (load["running"], load["kv_blocks_used"], load["requests"]) == (0, 0, 0)
+        # once a response is read whole, the counts no longer hold it
+        done = await engine.submit("completion", body.replace(b'"stream": true', b'"stream": false'))
+        await done.read_all()
+        load = engine.load()
+        assert (load["running"], load["requests"]) == (0, 0)
+        await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_mounted_app_shares_a_started_engine(tiny_model):
     engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
 

@@ -114,7 +114,15 @@ class RequestStream:
         finally:
             await self.aclose()
 
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def aclose(self) -> None:
+        """Abort the request if it has not finished (reading with `next()`, call this, or use
+        the stream as `async with`, when the reader may stop early or be cancelled)."""
         if not self.finished:
             self.finished = True
             self._engine.abort(self)
@@ -159,6 +167,8 @@ async def _on_daemon_thread(fn, *args):
     return await future
 
 
+# The endpoints `submit` takes (the others are answered by `handle`).
+GENERATING = ("chat", "completion")
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
 
 
@@ -310,6 +320,8 @@ class AsyncEngine:
     async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
         """Validate and queue a chat ("chat") or completion ("completion") request.
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
+        if endpoint not in GENERATING:
+            raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")
         self._check_serving()
         router = self.router
         if len(body) > _INLINE_BODY_BYTES:
@@ -327,6 +339,8 @@ class AsyncEngine:
 
     async def handle(self, endpoint: str, body: bytes) -> bytes:
         """tokenize / detokenize / render routes: no generation, no engine thread."""
+        if endpoint in GENERATING:
+            raise ValueError(f"{endpoint!r} generates: it goes through submit")
         router = self.router
         if len(body) > _INLINE_BODY_BYTES:
             return await asyncio.to_thread(router.handle, endpoint, body)

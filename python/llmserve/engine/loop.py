@@ -229,9 +229,10 @@ class EngineThread:
                         del self._tokens[handle]
                         self._handles.pop(token, None)
                     mapped.append((token, data, finished, error, ntok, longest))
+                # the counts first: a client that got its answer must not see itself running
+                self._publish(time.perf_counter() - t0)
                 if mapped:
                     self._deliver(mapped)
-                self._publish(time.perf_counter() - t0)
         except BaseException:
             log.exception("the engine loop died")
             raise

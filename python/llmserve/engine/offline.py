@@ -76,6 +76,9 @@ class LLM:
     def generate(self, prompts: Prompt | list[str] | list[list[int]],
                  params: dict[str, Any] | None = None) -> list[Result]:
         """Complete each prompt (a string or a list of token ids)."""
+        if not _is_prompt_list(prompts):
+            raise TypeError("prompts must be a str, a list of token ids (ints), or a list of either; "
+                            f"got {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         bodies = [{"model": self.model_name, **(params or {}), "prompt": p} for p in prompts]
@@ -137,6 +140,16 @@ class LLM:
                         core.abort(handle)
         return [_result(endpoint, orjson.loads(b"".join(buffers[h])), fields)
                 for h, fields in zip(handles, ignored)]
+
+
+def _is_prompt_list(prompts: object) -> bool:
+    """str | list[int] | list[str | list[int]] (token ids as Python ints)."""
+    def ids(p: object) -> bool:
+        return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+    if isinstance(prompts, str) or ids(prompts):
+        return True
+    return isinstance(prompts, list) and all(isinstance(p, str) or ids(p) for p in prompts)
 
 
 def _ignored(prepared: Any) -> tuple[str, ...]:
