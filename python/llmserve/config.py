@@ -34,7 +34,10 @@ def _kind_error(value: object, tp: object) -> str | None:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         tp = args[0]
     if typing.get_origin(tp) is tuple or tp is tuple:
-        return None if isinstance(value, tuple) else "a tuple"
+        item = (typing.get_args(tp) or (object,))[0]
+        if not isinstance(value, tuple):
+            return "a tuple"
+        return next((f"a tuple whose items are each {what}" for v in value if (what := _kind_error(v, item))), None)
     if tp is bool:
         return None if isinstance(value, bool) else "a boolean"
     if isinstance(value, bool):
@@ -60,7 +63,11 @@ class _Checked:
             if value is None:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            what = _kind_error(value, hints[f.name]) if not meta.get("memory") else None
+            if meta.get("memory"):
+                ok = isinstance(value, (str, int)) and not isinstance(value, bool)
+                what = None if ok else "a size such as '2GiB', or a number of bytes"
+            else:
+                what = _kind_error(value, hints[f.name])
             if what is not None:
                 raise TypeError(f"{flag} ({f.name}) must be {what}; got {value!r}")
             if isinstance(value, tuple):
@@ -194,7 +201,7 @@ class SchedulerConfig(_Checked):
 class DeviceConfig(_Checked):
     device: str = _f("auto", "auto, cpu or cuda.", choices=("auto", "cpu", "cuda"))
     threads: int | None = _f(None, "Torch CPU threads for the engine (default: all cores).", min=1)
-    seed: int = _f(0, "Seed of the engine's random stream (requests without `seed`).")
+    seed: int = _f(0, "Seed of the engine's random stream (requests without `seed`).", min=0, max=2**63 - 1)
     batch_invariant: bool = _f(
         False,
         "CPU float32 only: a request's output no longer depends on what else is in the batch "
@@ -233,8 +240,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648. Plain numbers are bytes."""
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' -> 2147483648. Plain numbers are bytes (also as an int)."""
+    if isinstance(text, int):
+        return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (try 512MiB or 4GiB)")

@@ -278,7 +278,7 @@ class AsyncEngine:
     def router(self) -> Router:
         if self.engine is None:
             if self.state == "failed":
-                raise self.unavailable(FAILED_LOAD)
+                raise self.unavailable(FAILED_LOAD, retry_after=None)
             raise self.unavailable("The model is still loading.", retry_after=5)
         return self.engine.router
 
@@ -298,7 +298,7 @@ class AsyncEngine:
 
     # -- errors ------------------------------------------------------------------------
     @staticmethod
-    def unavailable(message: str, retry_after: int = 1) -> ApiError:
+    def unavailable(message: str, retry_after: int | None = 1) -> ApiError:
         return Router.error("unavailable", message, retry_after=retry_after)
 
     @staticmethod
@@ -313,7 +313,7 @@ class AsyncEngine:
         if self.state == "loading":
             raise self.unavailable("The model is still loading.", retry_after=5)
         if self.state == "failed":
-            raise self.unavailable(FAILED_LOAD)
+            raise self.unavailable(FAILED_LOAD, retry_after=None)
         if self.state != "ready" or not self.alive:
             raise self.unavailable("The server is not taking requests.", retry_after=5)
 

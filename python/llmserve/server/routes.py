@@ -284,8 +284,9 @@ async def ready(request: Request) -> Response:
     engine = _engine(request)
     if engine.state == "ready" and engine.alive:
         return Response(orjson.dumps({"status": "ready"}), media_type=JSON)
-    return Response(orjson.dumps({"status": engine.state}), status_code=503, media_type=JSON,
-                    headers={"retry-after": "5"})
+    # (a failed load is for good: nothing to retry)
+    headers = {} if engine.state == "failed" else {"retry-after": "5"}
+    return Response(orjson.dumps({"status": engine.state}), status_code=503, media_type=JSON, headers=headers)
 
 
 async def load(request: Request) -> Response:

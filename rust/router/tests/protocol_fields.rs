@@ -4,6 +4,8 @@
 mod protocol_fixture;
 
 use llmserve_router::protocol::Endpoint;
+use llmserve_router::router::Router;
+use llmserve_router::tokenizer::Tokenizer;
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -60,19 +62,20 @@ fn inert_openai_fields_must_have_their_kind() {
         ("reasoning_effort", json!(5)),
         ("verbosity", json!(["low"])),
         ("modalities", json!("text")),
-        ("modalities", json!([5])),
+        ("modalities[1]", json!(["text", 5])),
         ("audio", json!("x")),
         ("prediction", json!("x")),
         ("web_search_options", json!(true)),
         ("prompt_cache_key", json!(5)),
         ("safety_identifier", json!({})),
         ("functions", json!("f")),
+        ("functions[0]", json!(["f"])),
         ("function_call", json!(5)),
         ("prompt_cache_options", json!(5)),
         ("moderation", json!("x")),
     ] {
         let mut body = json!({});
-        body[field] = bad.clone();
+        body[field.split('[').next().unwrap()] = bad.clone();
         assert_eq!(shape(chat(&r, body.clone())), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
         assert_eq!(shape(completion(&r, body)), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
     }
@@ -570,6 +573,45 @@ fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
     .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("parallel_tool_calls, tools"));
     assert!(p.tools.is_none());
+
+    // `strict` is a boolean; a strict tool's schema the engine refuses is named; more tools
+    // than the engine can choose between are not enforced (reported), never a 500 later.
+    let mut bad = tools(true);
+    bad[0]["function"]["strict"] = json!("true");
+    let (status, code, param) = shape(chat(&hermes, json!({"tools": bad})));
+    assert_eq!((status, code, param.as_deref()), (400, "invalid_type", Some("tools[0].function.strict")));
+    let mut refused = tools(true);
+    refused[0]["function"]["parameters"]["properties"]["city"] = json!({"type": "string", "pattern": "(?<=a)b"});
+    let (status, _, param) = shape(chat(&hermes, json!({"tools": refused})));
+    assert_eq!((status, param.as_deref()), (400, Some("tools[0].function.parameters")));
+    // (a vocabulary that spells the calls, so the probe reaches the choice between names)
+    let chars: serde_json::Map<String, Value> = std::iter::once("\n".to_string())
+        .chain((32u8..127).map(|c| (c as char).to_string()))
+        .enumerate()
+        .map(|(i, c)| (c, json!(i + 2)))
+        .chain([("<s>".to_string(), json!(0)), ("</s>".to_string(), json!(1))])
+        .collect();
+    let special = |id: u32, content: &str| {
+        json!({"id": id, "content": content, "special": true, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false})
+    };
+    let tokenizer = json!({"version": "1.0", "model": {"type": "WordLevel", "vocab": chars, "unk_token": "</s>"},
+        "added_tokens": [special(0, "<s>"), special(1, "</s>")],
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": false}});
+    let spelled = Router::new(
+        Tokenizer::from_json_str(&tokenizer.to_string()).unwrap(),
+        templates(Some(plain)),
+        config(json!({"tool_call_format": "hermes", "max_model_len": 4096})),
+    );
+    let many: Vec<Value> =
+        (0..2100).map(|i| json!({"type": "function", "function": {"name": format!("f{i}"), "strict": true}})).collect();
+    let p = chat(&spelled, json!({"tools": many})).unwrap();
+    assert_eq!(kind(&p), None);
+    assert!(header(&p, "llmserve-ignored-fields").unwrap().starts_with("tools[0].function.strict, "));
+    let p = chat(&spelled, json!({"tools": many[..3], "response_format": json_object})).unwrap();
+    assert_eq!(kind(&p).as_deref(), Some("lark"));
+    let p = chat(&spelled, json!({"tools": many, "response_format": json_object})).unwrap();
+    assert_eq!((kind(&p).as_deref(), header(&p, "llmserve-ignored-fields")), (Some("json_schema"), Some("tools")));
 
     // Formats without such a grammar.
     let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(plain));

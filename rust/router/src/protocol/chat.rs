@@ -465,6 +465,12 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                 return Err(invalid_type(format!("{p}.function.description"), "`description` must be a string."));
             }
         }
+        if let Some(strict) = f.get("strict").filter(|v| !v.is_boolean() && !v.is_null()) {
+            return Err(invalid_type(
+                format!("{p}.function.strict"),
+                format!("`strict` must be a boolean, not {}.", kind_of(strict)),
+            ));
+        }
     }
     Ok(names)
 }
@@ -600,18 +606,31 @@ fn auto_shape(
         })
         .collect();
     let refs: Vec<&Value> = functions.iter().collect();
-    let Some(source) = format.auto_grammar(&refs, chat.parallel_tool_calls.unwrap_or(true), schema) else {
+    let parallel = chat.parallel_tool_calls.unwrap_or(true);
+    let unenforced = |ignored: &mut Vec<String>| {
         if answer.is_some() {
             ignored.push("tools".into());
-            return Ok(AutoShape::NoCalls);
+            return AutoShape::NoCalls;
         }
         let strict = tools.iter().enumerate().filter(|(_, t)| is_strict(t));
         ignored.extend(strict.map(|(i, _)| format!("tools[{i}].function.strict")));
-        return Ok(AutoShape::Free);
+        AutoShape::Free
     };
+    let Some(source) = format.auto_grammar(&refs, parallel, schema) else { return Ok(unenforced(ignored)) };
     // the response_format alone first, so that its errors name it
     if let Some((answer, param)) = answer {
         router.grammars.compile(answer, param)?;
+    }
+    // Then the calls alone, which a probe follows to a call's name: a strict tool whose
+    // `parameters` the engine refuses is a 400 at them; more tools than the engine can
+    // choose between (about 2000) are not enforced, as in formats without such a grammar.
+    let calls = |fns: &[&Value]| format.forced_grammar(fns, parallel).map(|g| router.grammars.compile(&g, "tools"));
+    if let Ok(Err(err)) = calls(&refs) {
+        let fails = |i: usize| is_strict(&tools[i]) && matches!(calls(&[refs[i]]), Ok(Err(_)));
+        return match (0..refs.len().min(BLAMED_TOOLS)).find(|&i| fails(i)) {
+            Some(i) => Err(ApiError::invalid(format!("tools[{i}].function.parameters"), err.message())),
+            None => Ok(unenforced(ignored)),
+        };
     }
     router.grammars.compile(&source, "tools")?;
     Ok(AutoShape::Grammar(source))

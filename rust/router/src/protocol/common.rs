@@ -636,42 +636,70 @@ const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 9] = [
     ("return_token_ids", |v| *v == Value::Bool(false), "token ids are not returned; /tokenize gives them"),
 ];
 
-/// The JSON kind a field must have.
-type Kind = fn(&Value) -> bool;
+/// The JSON kind a field must have, and its description.
+type Kind = (fn(&Value) -> bool, &'static str);
+
+const STRING: Kind = (Value::is_string, "a string");
+const OBJECT: Kind = (Value::is_object, "an object");
+
+/// What an inert field must be: one kind, or an array of items of one kind.
+enum Shape {
+    One(Kind),
+    ArrayOf(Kind),
+    Either(Kind, Kind),
+}
 
 /// OpenAI's request fields that llmserve accepts without acting on them (reported in
-/// `llmserve-ignored-fields`), with the JSON kind OpenAI requires: a value of another kind is
-/// a 400 there, so it is here too, though the field does nothing. Only the kind is checked:
-/// the values (`reasoning_effort`'s levels, ...) grow with OpenAI's models, and a value this
-/// server does not know is still only reported.
-const OPENAI_INERT: [(&str, Kind, &str); 13] = [
-    ("reasoning_effort", Value::is_string, "a string"),
-    ("verbosity", Value::is_string, "a string"),
-    ("modalities", |v| v.as_array().is_some_and(|a| a.iter().all(Value::is_string)), "an array of strings"),
-    ("audio", Value::is_object, "an object"),
-    ("prediction", Value::is_object, "an object"),
-    ("web_search_options", Value::is_object, "an object"),
-    ("prompt_cache_key", Value::is_string, "a string"),
-    ("prompt_cache_retention", Value::is_string, "a string"),
-    ("prompt_cache_options", Value::is_object, "an object"),
-    ("moderation", Value::is_object, "an object"),
-    ("safety_identifier", Value::is_string, "a string"),
-    ("functions", |v| v.as_array().is_some_and(|a| a.iter().all(Value::is_object)), "an array of objects"),
-    ("function_call", |v| v.is_string() || v.is_object(), "a string or an object"),
+/// `llmserve-ignored-fields`), with the JSON shape OpenAI requires: a value of another kind
+/// is a 400 there, so it is here too, though the field does nothing. Only the kind is
+/// checked: the values (`reasoning_effort`'s levels, ...) grow with OpenAI's models, and a
+/// value this server does not know is still only reported.
+const OPENAI_INERT: [(&str, Shape); 13] = [
+    ("reasoning_effort", Shape::One(STRING)),
+    ("verbosity", Shape::One(STRING)),
+    ("modalities", Shape::ArrayOf(STRING)),
+    ("audio", Shape::One(OBJECT)),
+    ("prediction", Shape::One(OBJECT)),
+    ("web_search_options", Shape::One(OBJECT)),
+    ("prompt_cache_key", Shape::One(STRING)),
+    ("prompt_cache_retention", Shape::One(STRING)),
+    ("prompt_cache_options", Shape::One(OBJECT)),
+    ("moderation", Shape::One(OBJECT)),
+    ("safety_identifier", Shape::One(STRING)),
+    ("functions", Shape::ArrayOf(OBJECT)),
+    ("function_call", Shape::Either(STRING, OBJECT)),
 ];
+
+/// The 400 for `value` at `name` when it does not have `shape` (an array's first wrong item
+/// is named: `modalities[1]`).
+fn misshapen(name: &str, shape: &Shape, value: &Value) -> Option<ApiError> {
+    let wrong = |param: String, what: &str, got: &Value| {
+        let message = format!("Invalid type for `{param}`: expected {what}, got {}.", kind_of(got));
+        invalid_type(param, message)
+    };
+    match shape {
+        Shape::One((ok, what)) => (!ok(value)).then(|| wrong(name.into(), what, value)),
+        Shape::Either((a, what_a), (b, what_b)) => {
+            (!a(value) && !b(value)).then(|| wrong(name.into(), &format!("{what_a} or {what_b}"), value))
+        }
+        Shape::ArrayOf((ok, what)) => match value.as_array() {
+            None => Some(wrong(name.into(), "an array", value)),
+            Some(items) => items.iter().position(|v| !ok(v)).map(|i| wrong(format!("{name}[{i}]"), what, &items[i])),
+        },
+    }
+}
 
 /// Sorts a request's unknown keys (set ones, from [`unknown_keys`]): vLLM's fields of
 /// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; OpenAI's
-/// fields of [`OPENAI_INERT`] must have their kind; the rest stay to be reported.
+/// fields of [`OPENAI_INERT`] must have their shape; the rest stay to be reported.
 pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String>, ApiError> {
     let mut rest = Vec::with_capacity(unknown.len());
     for key in unknown {
         let value = &body[key.as_str()];
-        if let Some((name, _, what)) = OPENAI_INERT.iter().find(|(name, kind, _)| *name == key && !kind(value)) {
-            return Err(invalid_type(
-                *name,
-                format!("Invalid type for `{name}`: expected {what}, got {}.", kind_of(value)),
-            ));
+        if let Some((name, shape)) = OPENAI_INERT.iter().find(|(name, _)| *name == key) {
+            if let Some(err) = misshapen(name, shape, value) {
+                return Err(err);
+            }
         }
         match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {
             Some((_, no_op, _)) if no_op(value) => {}

@@ -199,9 +199,16 @@ impl ToolCallFormat {
                 let schema = crate::structured::fixed_separators(schema);
                 format!("answer: %json {}", serde_json::to_string(&schema).expect("JSON values serialize"))
             }
-            None => format!("answer: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/"),
+            // NOTE: leading whitespace is a lexeme of its own, which either branch may
+            // follow: were it the text's, a call after it (`</think>\n\n<tool_call>`) would
+            // be refused at its `>`, the text having taken the whitespace
+            None => format!(
+                "answer: WS? TEXT\nWS: /[ \\t\\r\\n]+/\n\
+                 TEXT: /[^ \\t\\r\\n](.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/\ncalls_ws: WS? calls"
+            ),
         };
-        Some(GrammarSource::Lark(format!("start: answer | calls\n{answer}\n{calls}")))
+        let calls_start = if answer.starts_with("answer: WS?") { "calls_ws" } else { "calls" };
+        Some(GrammarSource::Lark(format!("start: answer | {calls_start}\n{answer}\n{calls}")))
     }
 
     fn grammar(self, functions: &[&Value], parallel: bool, named: bool) -> Result<GrammarSource, Unenforceable> {
@@ -390,7 +397,7 @@ mod tests {
         assert!(done(&text, call));
         assert!(done(&text, &format!("{call}\n{call}")));
         assert!(done(&text, "It is sunny <tool> and < tool_call> are not calls."));
-        assert!(done(&text, ""));
+        assert!(done(&text, "Sunny."));
         assert!(refuses(&text, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Paris\""));
         assert!(refuses(&text, &tok, "<tool_call>\n{\"name\": \"g\""));
         assert!(refuses(&text, &tok, "Let me look. <tool_call>"));
@@ -404,6 +411,23 @@ mod tests {
         assert!(done(&json, "{\"answer\": \"Rome\"}"));
         assert!(refuses(&json, &tok, "It is"));
         assert!(refuses(&json, &tok, "{\"city\""));
+
+        // After thinking (the prompt opened the block): the whitespace after `</think>` comes
+        // before either branch, and the text answer may start with whitespace too.
+        for (parallel, answer) in [(true, None), (false, None), (true, Some(&schema))] {
+            let body = ToolCallFormat::Hermes.auto_grammar(&[&f], parallel, answer).unwrap();
+            let thinking = crate::structured::GrammarSource::AfterThinking { opened: true, body: Box::new(body) };
+            let g = g.compile(&thinking, "tools").unwrap();
+            // (the test tokenizer has no token for "\n\n")
+            assert!(done(&g, &format!("I call f.\n</think>\n \n{call}")), "{answer:?}");
+            assert!(done(&g, &format!("I call f.</think>{call}")), "{answer:?}");
+            if answer.is_none() {
+                assert!(done(&g, "Hmm.\n</think>\n \nIt is sunny."));
+                assert!(refuses(&g, &tok, "Hmm.</think>\n \nIt is <tool_call>"));
+            }
+        }
+        assert!(done(&text, "\n \nIt is sunny."));
+        assert!(done(&text, &format!("\n{call}")));
 
         for other in
             [ToolCallFormat::Json, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral, ToolCallFormat::Qwen3Xml]
