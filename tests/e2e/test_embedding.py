@@ -160,6 +160,8 @@ def test_a_failed_load_is_said_on_every_route(tmp_path):
                 r = await c.request(method, path, json={"prompt": "a"})
                 assert r.status_code == 503, (path, r.text)
                 assert "failed to load" in r.json()["error"]["message"], (path, r.text)
+                assert "retry-after" not in r.headers, path   # for good: nothing to retry
+            assert "retry-after" not in (await c.get("/ready")).headers
 
     asyncio.run(main())
 
