@@ -82,7 +82,7 @@ pub fn from_kind(
         "request_timeout" => {
             ApiError::RequestTimeout { seconds: limit.unwrap_or_default().min(u32::MAX as usize) as u32 }
         }
-        "unavailable" => ApiError::Unavailable { message, retry_after: retry_after.unwrap_or(1) },
+        "unavailable" => ApiError::Unavailable { message, retry_after },
         "internal" => ApiError::Internal { message },
         _ => return None,
     })

@@ -26,8 +26,9 @@ pub enum ApiError {
     RequestTimeout { seconds: u32 },
     /// 413: request body over the size limit.
     PayloadTooLarge { limit: usize },
-    /// 503: queue full, loading or draining. `retry_after` is in seconds.
-    Unavailable { message: String, retry_after: u32 },
+    /// 503: queue full, loading or draining (`retry_after` in seconds), or for good (a
+    /// failed load: None, no `Retry-After`).
+    Unavailable { message: String, retry_after: Option<u32> },
     /// 500: the engine failed. The message is meant for clients: no internal detail.
     Internal { message: String },
 }
@@ -115,7 +116,7 @@ impl ApiError {
     /// Seconds for the `Retry-After` header, for 503s.
     pub fn retry_after(&self) -> Option<u32> {
         match self {
-            Self::Unavailable { retry_after, .. } => Some(*retry_after),
+            Self::Unavailable { retry_after, .. } => *retry_after,
             _ => None,
         }
     }
