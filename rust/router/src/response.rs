@@ -678,11 +678,11 @@ impl ResponseBuilder {
         }
         // An end after calls is the calls' finish; but a stop string or stop token that cut
         // a call short stays a "stop" that names it (the arguments are not whole). One after
-        // complete calls (an agent's "Observation:") still ends in the calls.
+        // complete calls (an agent's "Observation:") still ends in the calls, its
+        // `stop_reason` naming it (as vLLM's).
         let cut_short = stop_reason.is_some() && parser.calls_ended() < parser.calls_started();
         if finish == Some(FinishReason::Stop) && parser.calls_started() > 0 && !cut_short {
             finish = Some(call_finish);
-            stop_reason = None;
         }
         let text: String = events
             .iter()

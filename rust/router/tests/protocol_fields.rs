@@ -613,6 +613,18 @@ fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
     let p = chat(&spelled, json!({"tools": many, "response_format": json_object})).unwrap();
     assert_eq!((kind(&p).as_deref(), header(&p, "llmserve-ignored-fields")), (Some("json_schema"), Some("tools")));
 
+    // A grammar constrains what is generated, not the final message it would continue.
+    let continued = json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                           "continue_final_message": true, "add_generation_prompt": false});
+    let mut with_format = continued.clone();
+    with_format["response_format"] = json_object.clone();
+    let (status, code, param) = shape(chat(&hermes, with_format));
+    assert_eq!((status, code, param.as_deref()), (400, "unsupported_parameter", Some("continue_final_message")));
+    let mut with_strict = continued.clone();
+    with_strict["tools"] = tools(true);
+    assert_eq!(shape(chat(&hermes, with_strict)).2.as_deref(), Some("continue_final_message"));
+    chat(&hermes, continued).unwrap();
+
     // Formats without such a grammar.
     let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(plain));
     let p = chat(&llama, json!({"tools": tools(true)})).unwrap();

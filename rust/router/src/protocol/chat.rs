@@ -841,6 +841,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
     let constraint = tool_grammar.or(requested).map(|(g, param)| (g.after_reasoning(thinking), param));
     let grammar = constrained::compile(router, constraint, &params)?;
+    if continue_final_message && grammar.is_some() {
+        return Err(unsupported(
+            "continue_final_message",
+            "`continue_final_message` cannot be combined with a constrained output (response_format, \
+             structured_outputs, a forced tool_choice or strict tools): the grammar would start a new value \
+             instead of continuing the final message, and the two together would not follow it.",
+        ));
+    }
     // NOTE: the template writes the special tokens (BOS); `add_special_tokens` adds the
     // tokenizer's too, as vLLM does when asked.
     let mut prompt = router.tokenizer.encode(&rendered.text, c.add_special_tokens.unwrap_or(false));
