@@ -73,3 +73,24 @@ def test_good_values_and_templates_pass(tmp_path):
     CacheConfig(gpu_memory_utilization=1.0, kv_cache_memory="512MiB")
     ServerConfig(port=0, sse_keep_alive=0.5, api_key=("k1", "k2"))
     Config()
+
+
+def test_config_values_of_the_wrong_type_or_range_are_refused_when_built():
+    """An embedding application builds sections from Python values: a wrong type is a
+    TypeError naming the flag and the keyword, before anything loads."""
+    import dataclasses
+
+    import pytest
+
+    from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig, parse_bytes
+
+    with pytest.raises(TypeError, match=r"--max-model-len \(max_model_len\) must be an integer"):
+        ModelConfig(max_model_len=512.5)
+    with pytest.raises(TypeError, match="items are each a string"):
+        ModelConfig(served_model_name=("a", 1))
+    with pytest.raises(TypeError, match="a size such as"):
+        CacheConfig(kv_cache_memory=[1])
+    assert parse_bytes(CacheConfig(kv_cache_memory=1 << 30).kv_cache_memory) == 1 << 30
+    with pytest.raises(ValueError, match="--seed must be at least 0 and at most"):
+        DeviceConfig(seed=2 ** 70)
+    assert dataclasses.replace(Config().device, threads=2).threads == 2

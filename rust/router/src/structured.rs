@@ -198,10 +198,10 @@ impl Grammars {
         let parser = factory.create_parser(source.to_top_level());
         let matcher = Matcher::new(parser);
         if let Some(err) = matcher.get_error() {
-            // A forced call's grammar is ours; only the `parameters` schema in it is the
+            // A forced (or strict) call's grammar is ours; only the `parameters` schema in it is the
             // client's, so the error names that and leaves our grammar's text out.
             let (what, cause) = if param == "tools" {
-                ("`parameters` schema of a forced tool call", without_grammar_position(&first_line(&err)))
+                ("`parameters` schema of a forced or strict tool call", without_grammar_position(&first_line(&err)))
             } else {
                 (describe(source), first_line(&err))
             };
@@ -478,7 +478,7 @@ pub(crate) mod tests {
         for format in [crate::tools::ToolCallFormat::Hermes, crate::tools::ToolCallFormat::Mistral] {
             let err = g.compile(&format.forced_grammar(&[&f], false).unwrap(), "tools").unwrap_err();
             let msg = err.message();
-            assert!(msg.starts_with("The `parameters` schema of a forced tool call cannot"), "{msg}");
+            assert!(msg.starts_with("The `parameters` schema of a forced or strict tool call cannot"), "{msg}");
             assert!(msg.contains("uniqueItems"), "{msg}");
             assert!(!msg.contains("tool_call") && !msg.contains(" | ") && !msg.contains("at 2("), "{msg}");
         }

@@ -184,7 +184,8 @@ impl ToolCallFormat {
     /// tool, or a `response_format` schema beside the tools): either calls from the output's
     /// very start, as [`Self::forced_grammar`] has them (arguments that match their
     /// functions' schemas), or the answer: given `answer` (a JSON schema), that JSON; else
-    /// free text that never opens a call.
+    /// text that never opens a call (not empty: an answer that is nothing at all stops
+    /// llguidance's parser after a reasoning model's thinking).
     ///
     /// Only the Hermes format has one (None for the others): its calls open with a marker
     /// that the answer can be kept from writing.
@@ -194,20 +195,22 @@ impl ToolCallFormat {
         }
         let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel).ok()? else { return None };
         let calls = calls.replacen("start:", "calls:", 1);
-        let answer = match answer {
+        let (answer, calls_start) = match answer {
             Some(schema) => {
                 let schema = crate::structured::fixed_separators(schema);
-                format!("answer: %json {}", serde_json::to_string(&schema).expect("JSON values serialize"))
+                (format!("answer: %json {}", serde_json::to_string(&schema).expect("JSON values serialize")), "calls")
             }
             // NOTE: leading whitespace is a lexeme of its own, which either branch may
             // follow: were it the text's, a call after it (`</think>\n\n<tool_call>`) would
             // be refused at its `>`, the text having taken the whitespace
-            None => format!(
-                "answer: WS? TEXT\nWS: /[ \\t\\r\\n]+/\n\
-                 TEXT: /[^ \\t\\r\\n](.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/\ncalls_ws: WS? calls"
+            None => (
+                format!(
+                    "answer: WS? TEXT\nWS: /[ \\t\\r\\n]+/\n\
+                     TEXT: /[^ \\t\\r\\n](.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/\ncalls_ws: WS? calls"
+                ),
+                "calls_ws",
             ),
         };
-        let calls_start = if answer.starts_with("answer: WS?") { "calls_ws" } else { "calls" };
         Some(GrammarSource::Lark(format!("start: answer | {calls_start}\n{answer}\n{calls}")))
     }
 
