@@ -15,10 +15,13 @@
 //! templates may arrive with requests.
 
 use crate::error::ApiError;
-use minijinja::value::{Kwargs, Rest};
+use minijinja::value::{Enumerator, Kwargs, Object, Rest};
 use minijinja::{Environment, Error, ErrorKind, Value};
-use serde_json::{Map, Value as Json};
+use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// File contents read by Python; resolution happens here.
 #[derive(Debug, Clone, Default, serde::Deserialize)]
@@ -205,18 +208,6 @@ impl ChatTemplate {
         self.declared.contains(name)
     }
 
-    /// Whether the template text names `key` as an attribute or item (`.key`, `['key']`,
-    /// `["key"]`, or a `'key'` / `"key"` string anywhere): the message keys it may read.
-    pub fn mentions_key(&self, key: &str) -> bool {
-        let src = &self.source;
-        let quoted = src.contains(&format!("'{key}'")) || src.contains(&format!("\"{key}\""));
-        quoted
-            || src.match_indices(&format!(".{key}")).any(|(at, m)| {
-                let next = src[at + m.len()..].chars().next();
-                !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
-            })
-    }
-
     /// The message-content shape this template expects (detected from its text).
     pub fn content_format(&self) -> crate::content_format::ContentFormat {
         self.content_format
@@ -240,9 +231,10 @@ impl ChatTemplate {
         let mut messages = alias_reasoning(input.messages);
         let continued = if input.continue_final_message { Some(self.mark_final_message(&mut messages)?) } else { None };
 
-        let mut ctx = Map::new();
-        ctx.insert("bos_token".into(), input.bos_token.map_or(Json::Null, |s| Json::String(s.into())));
-        ctx.insert("eos_token".into(), input.eos_token.map_or(Json::Null, |s| Json::String(s.into())));
+        let json = |v: &Json| Value::from_serialize(v);
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        ctx.insert("bos_token".into(), Value::from(input.bos_token));
+        ctx.insert("eos_token".into(), Value::from(input.eos_token));
         let mut unused_kwargs = Vec::new();
         if let Some(kwargs) = input.kwargs {
             for (k, v) in kwargs {
@@ -255,25 +247,36 @@ impl ChatTemplate {
                 if !self.declared.contains(k) {
                     unused_kwargs.push(k.clone());
                 }
-                ctx.insert(k.clone(), v.clone());
+                ctx.insert(k.clone(), json(v));
             }
         }
-        ctx.insert("messages".into(), messages.clone());
-        ctx.insert("tools".into(), input.tools.cloned().unwrap_or(Json::Null));
-        ctx.insert("documents".into(), input.documents.cloned().unwrap_or(Json::Null));
+        let tracked: Vec<Option<Arc<TrackedMessage>>> =
+            messages.as_array().into_iter().flatten().map(TrackedMessage::new).collect();
+        let listed = messages.as_array().into_iter().flatten().zip(&tracked);
+        let message_values: Vec<Value> =
+            listed.map(|(m, t)| t.as_ref().map_or_else(|| json(m), |t| Value::from_dyn_object(t.clone()))).collect();
+        ctx.insert("messages".into(), Value::from(message_values));
+        ctx.insert("tools".into(), input.tools.map_or(Value::from(()), json));
+        ctx.insert("documents".into(), input.documents.map_or(Value::from(()), json));
         // transformers renders continue_final_message with the prompt flag as given; both
         // set is rejected upstream (400), so this is the caller's flag.
-        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
+        ctx.insert("add_generation_prompt".into(), Value::from(input.add_generation_prompt));
 
         let mut env = self.env.clone();
         env.set_fuel(input.fuel);
         let tmpl = env.get_template(NAME).map_err(template_error)?;
-        let text = tmpl.render(Value::from_serialize(&ctx)).map_err(template_error)?;
+        let text = tmpl.render(Value::from_iter(ctx)).map_err(template_error)?;
         let text = match continued {
             Some(final_text) => cut_after_final_message(text, &final_text)?,
             None => text,
         };
-        Ok(Rendered { text, unused_kwargs })
+        let unread_keys = tracked
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| Some((i, t.as_ref()?)))
+            .flat_map(|(i, t)| t.unread().map(move |k| (i, k.to_string())))
+            .collect();
+        Ok(Rendered { text, unused_kwargs, unread_keys })
     }
 
     /// Append transformers' tag to the final message's text; returns that text (untagged).
@@ -339,7 +342,7 @@ fn alias_reasoning(messages: &Json) -> Json {
             let Some(r) = FIELDS.iter().find_map(|f| obj.get(*f).filter(|v| !v.is_null())) else {
                 return m.clone();
             };
-            let mut new = Map::new();
+            let mut new = serde_json::Map::new();
             new.insert("thinking".into(), r.clone());
             for (k, v) in obj {
                 new.insert(k.clone(), v.clone());
@@ -390,6 +393,57 @@ pub struct Rendered {
     pub text: String,
     /// chat_template_kwargs keys the template never reads
     pub unused_kwargs: Vec<String>,
+    /// (message index, key) for each non-null message key this render never looked up
+    pub unread_keys: Vec<(usize, String)>,
+}
+
+/// One message as the template sees it: a map that notes which of its keys the render
+/// looks up (`m.name`, `m['name']`, `m.get('name')`, `'name' in m`). Walking the keys
+/// (`m.items()`, `m|tojson`) reads them all. What the template's text names elsewhere (a
+/// tool's `.name`) does not count, so a key that never reaches the prompt is found exactly.
+#[derive(Debug)]
+struct TrackedMessage {
+    fields: Vec<(String, Value)>,
+    read: Vec<AtomicBool>,
+}
+
+impl TrackedMessage {
+    fn new(message: &Json) -> Option<Arc<Self>> {
+        let fields: Vec<(String, Value)> =
+            message.as_object()?.iter().map(|(k, v)| (k.clone(), Value::from_serialize(v))).collect();
+        let read = fields.iter().map(|_| AtomicBool::new(false)).collect();
+        Some(Arc::new(Self { fields, read }))
+    }
+
+    /// The keys with a non-null value that were never looked up.
+    fn unread(&self) -> impl Iterator<Item = &str> {
+        self.fields
+            .iter()
+            .zip(&self.read)
+            .filter(|((_, v), read)| !v.is_none() && !read.load(Ordering::Relaxed))
+            .map(|((k, _), _)| k.as_str())
+    }
+}
+
+impl Object for TrackedMessage {
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        let at = self.fields.iter().position(|(k, _)| k == key)?;
+        self.read[at].store(true, Ordering::Relaxed);
+        Some(self.fields[at].1.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        for read in &self.read {
+            read.store(true, Ordering::Relaxed);
+        }
+        Enumerator::Values(self.fields.iter().map(|(k, _)| Value::from(k.as_str())).collect())
+    }
+
+    /// `length` and truthiness without counting as reading every key.
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.fields.len())
+    }
 }
 
 /// Python's view of values: `json.dumps` for `tojson`, `str()` for `{{ value }}`.
@@ -763,14 +817,32 @@ mod tests {
 
     #[test]
     fn what_the_template_reads() {
-        let t = ChatTemplate::new(
-            "{% if tools %}T{% endif %}{% for m in messages %}{{ m.role }}{{ m['weight'] }}{{ m.names }}{% endfor %}",
-            "test",
-        )
-        .unwrap();
+        let t = ChatTemplate::new("{% if tools %}T{% endif %}{% for m in messages %}{{ m.role }}{% endfor %}", "test")
+            .unwrap();
         assert!(t.reads("tools") && t.reads("messages") && !t.reads("documents"));
-        assert!(t.mentions_key("role") && t.mentions_key("weight") && t.mentions_key("names"));
-        assert!(!t.mentions_key("name") && !t.mentions_key("weird"));
+
+        // Message keys count as read when the render looks them up, whatever the text names
+        // elsewhere (a tool's `.name` is not the message's).
+        let messages = json!([
+            {"role": "user", "content": "a", "name": "ann", "weight": 1, "extra": null},
+            {"role": "tool", "content": "b", "name": "fn", "tool_call_id": "c1"},
+        ]);
+        let unread = |tmpl: &str| render(tmpl, messages.clone()).unwrap().unread_keys;
+        let keys = |list: &[(usize, &str)]| list.iter().map(|&(i, k)| (i, k.to_string())).collect::<Vec<_>>();
+        let by_role = "{% for m in messages %}{{ m.role }}{% if m.role == 'tool' %}{{ m.name }}{% endif %}\
+                       {{ m['content'] }}{% endfor %}{% for t in tools or [] %}{{ t.function.name }}{% endfor %}";
+        assert_eq!(unread(by_role), keys(&[(0, "name"), (0, "weight"), (1, "tool_call_id")]));
+        let by_get = "{% for m in messages %}{{ m.get('content') }}{{ m.role }}{{ m.weight is defined }}\
+                      {{ 'tool_call_id' in m }}{{ m|length }}{% if m %}{% endif %}{% endfor %}";
+        assert_eq!(unread(by_get), keys(&[(0, "name"), (1, "name")]));
+        assert_eq!(unread("{% for m in messages %}{{ m|tojson }}{% endfor %}"), keys(&[]));
+        assert_eq!(unread("{% for m in messages %}{% for k, v in m.items() %}{% endfor %}{% endfor %}"), keys(&[]));
+        // a message the template never reaches has every key unread (null ones aside)
+        let last = "{{ messages[-1].content }}{{ messages[-1].role }}";
+        assert_eq!(
+            unread(last),
+            keys(&[(0, "role"), (0, "content"), (0, "name"), (0, "weight"), (1, "name"), (1, "tool_call_id")])
+        );
     }
 
     #[test]

@@ -448,10 +448,11 @@ fn unread_message_keys_are_reported() {
         {"role": "tool", "tool_call_id": "c1", "content": "d"}
     ]);
     let p = chat(&r, json!({"messages": msgs, "store": true})).unwrap();
-    // (this template reads `name` but not `tool_call_id`: a tool result's id is dropped)
+    // (this template names `.name` only on tools: a message's name is dropped, as is a tool
+    // result's id)
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
-        Some("messages[1].weird, messages[2].refusal, messages[3].tool_call_id, store")
+        Some("messages[0].name, messages[1].weird, messages[2].refusal, messages[3].tool_call_id, store")
     );
     // Nested keys with no meaning: in content parts, tools and response_format (vLLM-style
     // `schema` beside `json_object` would be dropped silently otherwise); unread documents.

@@ -169,19 +169,21 @@ pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Message keys that reach the template but that it never reads, as `messages[i].key`
-/// (null values are as good as absent: clients echo back `refusal: null` and the like).
-pub(crate) fn unread_message_keys(messages: &[Value], template: Option<&ChatTemplate>) -> Vec<String> {
+/// Message keys the render never looked up, as `messages[i].key` (null values are as good
+/// as absent: clients echo back `refusal: null` and the like), after `ALWAYS_READ_KEYS`.
+pub(crate) fn unread_message_keys(rendered: &Rendered) -> impl Iterator<Item = String> + '_ {
+    rendered
+        .unread_keys
+        .iter()
+        .filter(|(_, k)| !ALWAYS_READ_KEYS.contains(&k.as_str()))
+        .map(|(i, k)| format!("messages[{i}].{k}"))
+}
+
+/// Keys of the messages' text parts that mean nothing, as `messages[i].content[j].key`.
+pub(crate) fn unknown_part_keys(messages: &[Value]) -> Vec<String> {
     let mut out = Vec::new();
     for (i, m) in messages.iter().enumerate() {
-        let Some(obj) = m.as_object() else { continue };
-        for (k, v) in obj {
-            let read = ALWAYS_READ_KEYS.contains(&k.as_str()) || template.is_some_and(|t| t.mentions_key(k));
-            if !read && !v.is_null() {
-                out.push(format!("messages[{i}].{k}"));
-            }
-        }
-        if let Some(parts) = obj.get("content").and_then(Value::as_array) {
+        if let Some(parts) = m.get("content").and_then(Value::as_array) {
             for (j, part) in parts.iter().enumerate() {
                 let known: &[&str] = if part.get("type").and_then(Value::as_str) == Some("refusal") {
                     &REFUSAL_PART_KEYS
@@ -758,7 +760,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 
     let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
     let template = router.templates.select(with_tools);
-    ignored.extend(unread_message_keys(&chat.messages, template));
+    ignored.extend(unknown_part_keys(&chat.messages));
     let unused_tools = tools_unused(router, with_tools, &forced);
     if let Some(tools) = &chat.tools {
         ignored.extend(unknown_tool_keys(tools));
@@ -802,7 +804,6 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     if let Some((_, param)) = c.constraint.as_ref().filter(|_| forced != Forced::No) {
         ignored.push(param.split('.').next().unwrap_or(param).into());
     }
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
     let (add_generation_prompt, continue_final_message) =
         generation_flags(chat.add_generation_prompt, chat.continue_final_message)?;
     let input = ChatRender {
@@ -814,6 +815,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         kwargs: chat.chat_template_kwargs.as_ref(),
     };
     let (rendered, template) = render(router, &input)?;
+    ignored.extend(unread_message_keys(&rendered));
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
     if let Some(key) = rendered.unused_kwargs.first().filter(|_| config.strict_fields) {
         return Err(unsupported(
             format!("chat_template_kwargs.{key}"),

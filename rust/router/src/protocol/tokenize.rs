@@ -13,8 +13,8 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::chat::unread_message_keys;
 use super::chat::{generation_flags, render, validate_messages, validate_tools, ChatRender};
+use super::chat::{unknown_part_keys, unread_message_keys};
 use super::common::{check_token_id, from_value, parse_body, set_keys, settle_ignored};
 use crate::error::ApiError;
 use crate::router::Router;
@@ -94,7 +94,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
                 validate_tools(tools)?;
             }
             let template = router.templates.select(req.tools.is_some());
-            ignored.extend(unread_message_keys(messages, template));
+            ignored.extend(unknown_part_keys(messages));
             // Rendered for the count alone: what the template never reads is reported, as
             // on the chat route.
             for (field, sent) in
@@ -115,6 +115,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
                 kwargs: req.chat_template_kwargs.as_ref(),
             };
             let (rendered, _) = render(router, &input)?;
+            ignored.extend(unread_message_keys(&rendered));
             // The template writes BOS itself; adding special tokens again would double it.
             router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false))
         }
