@@ -156,7 +156,7 @@ class Plan:
     def token_bitmask(self) -> npt.NDArray[np.int32]: ...
 
 # (a type alias of this stub, not a name of the module)
-_StepOutput: TypeAlias = tuple[int, bytes, str | None, bool, int, int]
+_StepOutput: TypeAlias = tuple[int, bytes, str | None, bool, int, list[tuple[str, int]]]
 
 @final
 class Core:

@@ -260,6 +260,40 @@ def test_generated_tokens_count_every_choice(one_slot):
         # vLLM's request_max_num_generation_tokens: the longest choice, not the sum
         longest = "llmserve:request_max_num_generation_tokens_sum"
         assert after[longest] - longest_before == 4, temperature
+        # vLLM runs each choice as a request of its own: three successes, three prompts
+        # processed, three observations of four tokens
+        success = 'llmserve:request_success_total{finished_reason="length"}'
+        assert after[success] - scraped.get(success, 0.0) == 3, temperature
+        prompts = "llmserve:prompt_tokens_total"
+        assert after[prompts] - scraped[prompts] == 3 * r["usage"]["prompt_tokens"], temperature
+        per_request = "llmserve:request_generation_tokens"
+        assert after[per_request + "_count"] - scraped.get(per_request + "_count", 0.0) == 3
+        assert after[per_request + "_sum"] - scraped.get(per_request + "_sum", 0.0) == 12
+
+
+def test_each_choice_counts_by_its_own_finish_reason(one_slot):
+    """A completions list of two prompts, n=2: four sequences, each counted with the way it
+    ended and its own prompt's tokens (mixed finish reasons: tests/unit/test_core.py and
+    test_metrics.py)."""
+    _wait_idle(one_slot)
+    before = _scrape(one_slot)
+    prompts = ["count me", "and me too please"]
+    r = httpx.post(one_slot.url + "/v1/completions", json={
+        "model": "tiny", "prompt": prompts, "max_tokens": 3, "n": 2, "temperature": 1, "seed": 7}).json()
+    assert len(r["choices"]) == 4
+    reasons = [c["finish_reason"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+    _wait_idle(one_slot)
+    after = _scrape(one_slot)
+    got = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("llmserve:request_success_total")}
+    want = {f'llmserve:request_success_total{{finished_reason="{f}"}}': reasons.count(f) for f in set(reasons)}
+    assert {k: v for k, v in got.items() if v} == want
+    lens = [len(httpx.post(one_slot.url + "/tokenize", json={"model": "tiny", "prompt": p}).json()["tokens"])
+            for p in prompts]
+    key = "llmserve:request_prompt_tokens"
+    assert after[key + "_count"] - before.get(key + "_count", 0.0) == 4
+    assert after[key + "_sum"] - before.get(key + "_sum", 0.0) == 2 * sum(lens)
+    # the parameters, as vLLM observes them: once per prompt
+    assert after["llmserve:request_params_n_count"] - before.get("llmserve:request_params_n_count", 0.0) == 2
 
 
 def test_models_lists_every_alias_with_max_model_len(one_slot):

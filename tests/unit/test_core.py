@@ -330,9 +330,9 @@ def test_each_request_gets_its_own_number_of_alternatives(router):
     assert all(set(t) - {"q", "w"} <= {e} for t, e in zip(tops, body["comp2"]["choices"][0]["logprobs"]["tokens"])), tops
 
 
-def test_a_finished_request_reports_its_longest_choice(router):
-    """The sixth item of a finished output: the completion tokens of the request's longest
-    choice (vLLM's request_max_num_generation_tokens), not the sum over its choices."""
+def test_a_finished_request_reports_each_choice_end(router):
+    """The sixth item of a finished output: each choice's finish reason and completion
+    tokens, in order (the metrics count each choice as vLLM counts each sequence)."""
     core = make_core(router)
     handle = core.add(router.prepare("completion", orjson.dumps({
         "model": "m", "prompt": "Hello", "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 3})))
@@ -345,12 +345,12 @@ def test_a_finished_request_reports_its_longest_choice(router):
         tokens, lps, tids, tlps = base.execute(plan)
         # choice 1 ends at its third token, the others run to max_tokens
         tokens[(plan.row_seq_index == 1) & (plan.gen_index == 2)] = EOS
-        for h, chunk, finished, error, ntok, longest in core.commit(tokens, lps, tids, tlps):
+        for h, chunk, finished, error, ntok, choice_ends in core.commit(tokens, lps, tids, tlps):
             assert h == handle and not error
             data.append(chunk)
-            ends.append(longest) if finished else None
-            assert finished or longest == 0
+            ends.append(choice_ends) if finished else None
+            assert finished or choice_ends == []
     body = orjson.loads(b"".join(data))
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop", "length"]
     assert body["usage"]["completion_tokens"] == 6 + 3 + 6
-    assert ends == [6]
+    assert ends == [[("length", 6), ("stop", 3), ("length", 6)]]

@@ -11,24 +11,54 @@ def _value(m: Metrics, name: str, **labels) -> float:
 
 def test_prompt_tokens_count_only_prompts_that_were_processed():
     """vLLM's prompt_tokens counts prefilled tokens: a request aborted while it waited adds
-    none, though it still counts as an aborted request."""
+    none. A request its client left is no success (vLLM's request_success never counts
+    one): it counts in request_aborted, a sequence per choice."""
     m = Metrics()
     m.bind("m")
-    m.on_finish(reason="abort", prompt_tokens=36, generated=0, submitted=0.0, scheduled=None,
-                first_token=None, finished=1.0)
+    m.on_finish(reason="abort", prompt_lens=[36], generated=0, submitted=0.0, scheduled=None,
+                first_token=None, finished=1.0, n=2)
     assert _value(m, "llmserve:prompt_tokens_total") == 0
-    assert _value(m, "llmserve:request_success_total", finished_reason="abort") == 1
-    m.on_finish(reason="length", prompt_tokens=12, generated=3, submitted=0.0, scheduled=0.1,
-                first_token=0.2, finished=0.5)
+    assert _value(m, "llmserve:request_success_total", finished_reason="abort") == 0
+    assert _value(m, "llmserve:request_aborted_total") == 2
+    assert _value(m, "llmserve:e2e_request_latency_seconds_count") == 0
+    m.on_finish(reason="length", prompt_lens=[12], generated=3, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=0.5, ends=[("length", 3)])
     assert _value(m, "llmserve:prompt_tokens_total") == 12
     assert _value(m, "llmserve:generation_tokens_total") == 3
+    assert _value(m, "llmserve:request_success_total", finished_reason="length") == 1
+
+
+def test_each_choice_of_each_prompt_counts_as_vllm_counts_a_sequence():
+    """Two prompts, n=2: four sequences, each counted by its own finish reason with its own
+    prompt's tokens; the parameters and the longest choice once per prompt; the latencies,
+    which the choices share, once."""
+    m = Metrics()
+    m.bind("m")
+    m.on_finish(reason="stop", prompt_lens=[5, 9], generated=11, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=1.2, n=2, max_tokens=4,
+                ends=[("stop", 1), ("length", 4), ("length", 4), ("tool_calls", 2)])
+    assert _value(m, "llmserve:request_success_total", finished_reason="stop") == 1
+    assert _value(m, "llmserve:request_success_total", finished_reason="length") == 2
+    assert _value(m, "llmserve:request_success_total", finished_reason="tool_calls") == 1
+    assert _value(m, "llmserve:prompt_tokens_total") == 2 * (5 + 9)
+    assert _value(m, "llmserve:request_prompt_tokens_sum") == 5 + 5 + 9 + 9
+    assert _value(m, "llmserve:request_generation_tokens_count") == 4
+    assert _value(m, "llmserve:request_generation_tokens_sum") == 11
+    assert _value(m, "llmserve:request_params_n_count") == 2
+    assert _value(m, "llmserve:request_params_max_tokens_sum") == 8
+    assert _value(m, "llmserve:request_max_num_generation_tokens_sum") == 4 + 4
+    assert _value(m, "llmserve:e2e_request_latency_seconds_count") == 1
+    # a failure leaves the choices' ends unknown: every sequence counts as "error"
+    m.on_finish(reason="error", prompt_lens=[5, 9], generated=3, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=0.4, n=2)
+    assert _value(m, "llmserve:request_success_total", finished_reason="error") == 4
 
 
 def test_request_params_are_observed_as_vllm_names_them():
     m = Metrics()
     m.bind("m")
-    m.on_finish(reason="stop", prompt_tokens=5, generated=4, submitted=0.0, scheduled=0.1,
-                first_token=0.2, finished=0.5, n=3, max_tokens=100)
+    m.on_finish(reason="stop", prompt_lens=[5], generated=4, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=0.5, n=3, max_tokens=100, ends=[("stop", 2), ("stop", 1), ("stop", 1)])
     assert _value(m, "llmserve:request_params_n_count") == 1
     assert _value(m, "llmserve:request_params_n_sum") == 3
     assert _value(m, "llmserve:request_params_max_tokens_sum") == 100
@@ -39,13 +69,14 @@ def test_time_per_output_token_is_per_choice():
     tokens after its first (vLLM times each choice), not over all choices' tokens."""
     m = Metrics()
     m.bind("m")
-    m.on_finish(reason="length", prompt_tokens=5, generated=90, submitted=0.0, scheduled=0.1,
-                first_token=0.2, finished=3.1, n=3, max_tokens=30, longest=30)
+    m.on_finish(reason="length", prompt_lens=[5], generated=90, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=3.1, n=3, max_tokens=30, ends=[("length", 30)] * 3)
     assert _value(m, "llmserve:time_per_output_token_seconds_sum") == pytest.approx(2.9 / 29)
     assert _value(m, "llmserve:request_time_per_output_token_seconds_sum") == pytest.approx(2.9 / 29)
     assert _value(m, "llmserve:request_max_num_generation_tokens_sum") == 30
-    # an aborted n > 1 request: the longest choice is unknown, so neither is observed
-    m.on_finish(reason="abort", prompt_tokens=5, generated=7, submitted=0.0, scheduled=0.1,
-                first_token=0.2, finished=1.0, n=3, max_tokens=30, longest=None)
+    # an aborted request: no finished-request figures at all, as in vLLM; its TTFT counts
+    m.on_finish(reason="abort", prompt_lens=[5], generated=7, submitted=0.0, scheduled=0.1,
+                first_token=0.2, finished=1.0, n=3, max_tokens=30)
     assert _value(m, "llmserve:time_per_output_token_seconds_count") == 1
     assert _value(m, "llmserve:request_max_num_generation_tokens_count") == 1
+    assert _value(m, "llmserve:time_to_first_token_seconds_count") == 2

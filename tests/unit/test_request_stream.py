@@ -16,13 +16,14 @@ class _Engine:
         self.finished: list[str] = []
         self.metrics = SimpleNamespace(on_tokens=self.gaps.append)
 
-    def _finished(self, stream, reason: str, longest: int | None = None) -> None:
+    def _finished(self, stream, reason: str, ends: list | None = None) -> None:
         self._open.discard(stream)
         self.finished.append(reason)
 
 
 def _stream(engine: _Engine) -> RequestStream:
-    prepared = SimpleNamespace(id="cmpl-1", stream=True, headers=[], user=None, prompt_tokens=3, n=1, max_tokens=8)
+    prepared = SimpleNamespace(id="cmpl-1", stream=True, headers=[], user=None, prompt_tokens=3,
+                               prompt_token_ids=[[1, 2, 3]], n=1, max_tokens=8)
     stream = RequestStream(engine, prepared)
     engine._open.add(stream)
     return stream

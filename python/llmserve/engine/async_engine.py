@@ -55,6 +55,8 @@ class RequestStream:
         self.user: str | None = prepared.user
         self.prompt_tokens: int = prepared.prompt_tokens
         self.n: int = prepared.n
+        # per prompt (a completions list has several; each has n choices)
+        self.prompt_lens: list[int] = [len(p) for p in prepared.prompt_token_ids]
         self.max_tokens: int | None = prepared.max_tokens
         self.submitted = time.perf_counter()
         # Set by the engine thread when a step first holds the request (before the event
@@ -67,7 +69,8 @@ class RequestStream:
         self.started = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def _push(self, data, finished: str | None, error: bool, ntok: int, longest: int | None = None) -> None:
+    def _push(self, data, finished: str | None, error: bool, ntok: int,
+              ends: list[tuple[str, int]] | None = None) -> None:
         if self not in self._engine._open:
             # aborted (its client left) while a step that held it was in flight: nobody
             # reads this, and its metrics were taken when it was aborted
@@ -91,7 +94,7 @@ class RequestStream:
         if finished:
             self.finished = True
             self._queue.put_nowait(_END)
-            self._engine._finished(self, "error" if error else finished, None if error else longest)
+            self._engine._finished(self, "error" if error else finished, None if error else ends)
 
     async def next(self, timeout: float | None = None) -> bytes | None:
         """The next bytes; None at the end. Raises the request's ApiError if it failed before
@@ -357,17 +360,16 @@ class AsyncEngine:
             self._finished(stream, "abort")
             self._thread.post(("abort", stream))
 
-    def _finished(self, stream: RequestStream, reason: str, longest: int | None = None) -> None:
-        """`longest`: the completion tokens of its longest choice, when it ended normally
-        (an abort or failure leaves them unknown for n > 1)."""
+    def _finished(self, stream: RequestStream, reason: str, ends: list[tuple[str, int]] | None = None) -> None:
+        """`ends`: each choice's (finish reason, completion tokens), when it ended normally
+        (an abort or failure leaves them unknown)."""
         if stream not in self._open:
             return
         self._open.discard(stream)
-        self.metrics.on_finish(reason=reason, prompt_tokens=stream.prompt_tokens,
-                               generated=stream.generated, submitted=stream.submitted,
-                               scheduled=stream.scheduled, first_token=stream.first_token,
-                               finished=time.perf_counter(), n=stream.n, max_tokens=stream.max_tokens,
-                               longest=longest)
+        self.metrics.on_finish(reason=reason, prompt_lens=stream.prompt_lens, generated=stream.generated,
+                               submitted=stream.submitted, scheduled=stream.scheduled,
+                               first_token=stream.first_token, finished=time.perf_counter(), n=stream.n,
+                               max_tokens=stream.max_tokens, ends=ends)
 
     @staticmethod
     def _first_scheduled(streams: list, when: float) -> None:
@@ -387,9 +389,9 @@ class AsyncEngine:
         iteration_tokens_total counts them: those generated, and the prompt of each request
         whose first token came (its whole prompt, cached or not)."""
         step_tokens = 0
-        for stream, data, finished, error, ntok, longest in items:
+        for stream, data, finished, error, ntok, ends in items:
             if ntok and stream in self._open:
                 step_tokens += ntok + (stream.prompt_tokens if stream.first_token is None else 0)
-            stream._push(data, finished, error, ntok, longest)
+            stream._push(data, finished, error, ntok, ends)
         if step_tokens:
             self.metrics.on_iteration(step_tokens)

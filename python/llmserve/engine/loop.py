@@ -20,10 +20,10 @@ import numpy as np
 
 log = logging.getLogger("llmserve.engine")
 
-# (handle, bytes, finished, error, new_tokens, longest), as Core.commit returns them; `finished`
+# (handle, bytes, finished, error, new_tokens, ends), as Core.commit returns them; `finished`
 # is None while the request runs, then how it ended ("stop", "length", "tool_calls", "error",
-# ...); `longest`, once it ended normally, the completion tokens of its longest choice.
-Output = tuple[int, bytes, str | None, bool, int, int]
+# ...); `ends`, once it ended normally, each choice's (finish reason, completion tokens).
+Output = tuple[int, bytes, str | None, bool, int, list[tuple[str, int]]]
 
 
 FAILED = "The engine failed while running this request."
@@ -67,7 +67,7 @@ class EngineThread:
 
     `post(op)` queues ("add", prepared, token) or ("abort", token); the thread applies them
     between steps, so the Core is only ever touched from this thread. `deliver` receives each
-    step's outputs as a list of (token, bytes, finished, error, new_tokens, longest), once per step;
+    step's outputs as a list of (token, bytes, finished, error, new_tokens, ends), once per step;
     `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
     `plan_ahead`: overlap planning and committing with the model (the runner must have
     `launch`, as ModelRunner does).
@@ -221,14 +221,14 @@ class EngineThread:
                     time.sleep(0.001)
                     continue
                 mapped = []
-                for handle, data, finished, error, ntok, longest in outputs:
+                for handle, data, finished, error, ntok, ends in outputs:
                     token = self._tokens.get(handle)
                     if token is None:
                         continue
                     if finished:
                         del self._tokens[handle]
                         self._handles.pop(token, None)
-                    mapped.append((token, data, finished, error, ntok, longest))
+                    mapped.append((token, data, finished, error, ntok, ends))
                 # the counts first: a client that got its answer must not see itself running
                 self._publish(time.perf_counter() - t0)
                 if mapped:

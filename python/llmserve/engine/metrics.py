@@ -88,10 +88,16 @@ class Metrics:
                                            "The max_tokens of each request, as resolved (the rest of the "
                                            "context when not sent).", _TOKENS),
         }
-        # NOTE: labelled as vLLM labels it, by finish reason ("stop", "length", "tool_calls";
-        # also "abort" and "error"); a request with n > 1 counts by its first choice.
-        self._requests = Counter("llmserve:request_success", "Requests finished, by finish reason.",
+        # NOTE: labelled as vLLM labels it, by finish reason ("stop", "length", "tool_calls",
+        # "error"), counting each choice of each prompt as vLLM counts each sequence; a
+        # request whose client left is not a success there either: it counts in
+        # request_aborted.
+        self._requests = Counter("llmserve:request_success",
+                                 "Sequences finished (each choice of each prompt), by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
+        self._families["aborted"] = counter(
+            "llmserve:request_aborted",
+            "Sequences (each choice of each prompt) whose client left before they finished.")
         self._cache_config = Gauge("llmserve:cache_config_info",
                                    "The KV cache's configuration (as labels; the value is 1).",
                                    ["model_name", *CACHE_CONFIG_LABELS], registry=r)
@@ -133,38 +139,57 @@ class Metrics:
         """Event loop: a request got new tokens, `since_last` seconds after its previous ones."""
         self.itl.observe(since_last)
 
-    def on_finish(self, *, reason: str, prompt_tokens: int, generated: int, submitted: float,
+    def on_finish(self, *, reason: str, prompt_lens: list[int], generated: int, submitted: float,
                   scheduled: float | None, first_token: float | None, finished: float,
-                  n: int = 1, max_tokens: int | None = None, longest: int | None = None) -> None:
-        """A request ended. `scheduled` is None when no step ever held it (aborted in the
-        queue); `first_token` None when it produced none. `generated` counts the tokens of
-        all its choices, `longest` those of its longest (None: `generated` when n is 1, else
-        unknown and not observed)."""
-        if longest is None and n == 1:
-            longest = generated
-        self._requests.labels(self.model_name, reason).inc()
-        self.params_n.observe(n)
-        if max_tokens is not None:
-            self.params_max_tokens.observe(max_tokens)
+                  n: int = 1, max_tokens: int | None = None,
+                  ends: list[tuple[str, int]] | None = None) -> None:
+        """A request ended: `reason` is "abort" when its client left, "error" when it failed,
+        else its first choice's finish reason. `prompt_lens` holds each prompt's tokens (a
+        completions list has several, each answered by `n` choices); `ends` each choice's
+        (finish reason, completion tokens) when it ended normally, in order (prompt-major),
+        else None. `scheduled` is None when no step ever held it (aborted in the queue);
+        `first_token` None when it produced none; `generated` counts all its choices' tokens.
+
+        vLLM runs each choice of each prompt as a request of its own, so the counts by
+        request (request_success, the prompt and generation tokens per request, and the
+        prompt tokens processed) count each choice; the parameters and the longest choice,
+        which vLLM observes once per prompt, are observed per prompt. The latency histograms
+        count the request once: its choices share one queue, one schedule and one end."""
+        sequences = len(prompt_lens) * n
         if scheduled is not None:
             # "processed": a prompt aborted while it waited never was (as vLLM counts)
-            self.prompt_tokens.inc(prompt_tokens)
+            self.prompt_tokens.inc(sum(prompt_lens) * n)
         self.generation_tokens.inc(generated)
-        self.request_prompt.observe(prompt_tokens)
-        self.request_generation.observe(generated)
-        if longest is not None:
-            self.request_max_generation.observe(longest)
+        if first_token is not None:
+            self.ttft.observe(first_token - submitted)
+        if reason == "abort":
+            self.aborted.inc(sequences)
+            return
+        if ends is None:
+            self._requests.labels(self.model_name, reason).inc(sequences)
+        else:
+            for i, (choice_reason, tokens) in enumerate(ends):
+                self._requests.labels(self.model_name, choice_reason).inc()
+                self.request_prompt.observe(prompt_lens[min(i // n, len(prompt_lens) - 1)])
+                self.request_generation.observe(tokens)
+        for p in range(len(prompt_lens)):
+            self.params_n.observe(n)
+            if max_tokens is not None:
+                self.params_max_tokens.observe(max_tokens)
+            if ends:
+                self.request_max_generation.observe(max(t for _, t in ends[p * n:(p + 1) * n]))
         self.e2e.observe(finished - submitted)
         if scheduled is not None:
             self.queue.observe(scheduled - submitted)
             self.inference.observe(finished - scheduled)
         if first_token is not None:
-            self.ttft.observe(first_token - submitted)
             self.decode.observe(finished - first_token)
             if scheduled is not None:
                 self.prefill.observe(first_token - scheduled)
-            # per choice: n choices decode side by side (unknown for an aborted n > 1)
-            if longest is not None and longest > 1:
+            # per choice: the choices decode side by side, so the longest one's tokens set
+            # the pace
+            longest = max((t for _, t in ends), default=0) if ends else 0
+            if longest > 1:
                 tpot = (finished - first_token) / (longest - 1)
                 self.tpot.observe(tpot)
                 self.request_tpot.observe(tpot)

@@ -140,10 +140,14 @@ impl HeldTokens {
 }
 
 /// One item of a step's output: (handle, bytes, finished, error, new completion tokens,
-/// longest). `finished` is how the request ended (its first choice's finish reason, or
-/// "error"), for the metrics; None while it runs. `longest`: once it has ended normally, the
-/// completion tokens of its longest choice (for the metrics), else 0.
-type Output = (u64, Vec<u8>, Option<&'static str>, bool, u32, u32);
+/// ends). `finished` is how the request ended (its first choice's finish reason, or
+/// "error"); None while it runs. `ends`: once it has ended normally, each choice's finish
+/// reason and completion tokens, in choice order (for the metrics, which count each choice
+/// as vLLM counts each sequence), else empty.
+type Output = (u64, Vec<u8>, Option<&'static str>, bool, u32, ChoiceEnds);
+
+/// (finish reason, completion tokens) per choice.
+type ChoiceEnds = Vec<(&'static str, u32)>;
 
 struct CoreState {
     router: Arc<Router>,
@@ -536,7 +540,14 @@ impl CoreState {
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
             if let Some(state) = self.forget(handle) {
-                out.push((handle, state.error_bytes(&ApiError::Internal { message }), Some("error"), true, 0, 0));
+                out.push((
+                    handle,
+                    state.error_bytes(&ApiError::Internal { message }),
+                    Some("error"),
+                    true,
+                    0,
+                    Vec::new(),
+                ));
             }
         }
         for handle in touched {
@@ -549,11 +560,11 @@ impl CoreState {
             state.started |= !bytes.is_empty();
             let new_tokens = std::mem::take(&mut state.new_tokens);
             let reason = finished.then(|| state.builder.finish_reason(0).map_or("stop", FinishReason::as_str));
-            let longest = if finished { state.builder.longest_choice_tokens() as u32 } else { 0 };
+            let ends = if finished { state.builder.choice_ends() } else { Vec::new() };
             if finished {
                 self.forget(handle);
             }
-            out.push((handle, bytes, reason, false, new_tokens, longest));
+            out.push((handle, bytes, reason, false, new_tokens, ends));
         }
         out
     }
@@ -570,7 +581,7 @@ impl CoreState {
         handles.dedup();
         handles
             .into_iter()
-            .filter_map(|h| self.forget(h).map(|s| (h, s.error_bytes(&err), Some("error"), true, 0, 0)))
+            .filter_map(|h| self.forget(h).map(|s| (h, s.error_bytes(&err), Some("error"), true, 0, Vec::new())))
             .collect()
     }
 }
@@ -599,10 +610,10 @@ pub struct PyCore {
 }
 
 /// One step's output as Python sees it: (handle, bytes, finished, error, new_tokens,
-/// longest), where `finished` is None or how the request ended ("stop", "length",
-/// "tool_calls", "abort", "error": its first choice's finish reason) and `longest` the
-/// completion tokens of its longest choice once it ended normally (else 0).
-type PyOutput = (u64, Py<PyBytes>, Option<&'static str>, bool, u32, u32);
+/// ends), where `finished` is None or how the request ended ("stop", "length",
+/// "tool_calls", "error": its first choice's finish reason) and `ends` each choice's
+/// (finish reason, completion tokens) once it ended normally (else empty).
+type PyOutput = (u64, Py<PyBytes>, Option<&'static str>, bool, u32, ChoiceEnds);
 
 fn py_plan(py: Python<'_>, plan: Option<(Plan, Masks)>) -> PyResult<Option<PyPlan>> {
     plan.map(|(plan, masks)| PyPlan::new(py, plan, masks)).transpose()
@@ -692,7 +703,7 @@ impl PyCore {
 
     /// Apply the oldest awaiting plan's samples (one per plan row) and, when it listed prompt-logprob
     /// entries, their logprobs (`[P]`) and top alternatives (`[P, K]`; ids < 0 are padding).
-    /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens, longest)`.
+    /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens, ends)`.
     #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn commit(

@@ -776,9 +776,10 @@ impl ResponseBuilder {
         self.choices.iter().all(|c| c.finish.is_some())
     }
 
-    /// Completion tokens of the longest choice so far (vLLM's `max_num_generation_tokens`).
-    pub fn longest_choice_tokens(&self) -> u64 {
-        self.choices.iter().map(|c| c.completion_tokens).max().unwrap_or(0)
+    /// Each choice's finish reason (`stop` while it runs) and completion tokens, in order.
+    pub fn choice_ends(&self) -> Vec<(&'static str, u32)> {
+        let reason = |c: &ChoiceState| c.finish.map_or("stop", FinishReason::as_str);
+        self.choices.iter().map(|c| (reason(c), c.completion_tokens.min(u64::from(u32::MAX)) as u32)).collect()
     }
 
     /// Streaming: anything not yet taken, the usage chunk (`include_usage`) and
