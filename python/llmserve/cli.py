@@ -82,11 +82,16 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         sections[f.name] = cls(**kwargs)
     cfg = Config(**sections)
     env_keys = os.environ.get(_ENV_API_KEY, "")
-    if env_keys and not cfg.server.api_key:
+    if env_keys and cfg.server.api_key:
+        logging.getLogger("llmserve").warning("%s is set, but --api-key is given: only the flag's keys are used",
+                                              _ENV_API_KEY)
+    elif env_keys:
         keys = tuple(k.strip() for k in env_keys.split(",") if k.strip())
         if not keys:
             # NOTE: an operator who set it asked for keys: serving without any would be open.
             raise ValueError(f"{_ENV_API_KEY} is set but holds no key (keys are comma separated)")
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"{_ENV_API_KEY} holds a key more than once")
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
     return cfg
 

@@ -20,7 +20,7 @@ def _f(default, help: str, **meta):
     """A dataclass field whose metadata carries its CLI help, and what a value must be:
     `choices`, `min` (inclusive), `max` (inclusive), `above` (exclusive lower bound), with
     `memory` the bounds apply to the size the text names (`parse_bytes`); tuples' items
-    must not be empty. None (not set) is always allowed where it is the
+    must not be empty, begin or end with whitespace, or repeat. None (not set) is always allowed where it is the
     default."""
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata={"help": help, **meta})
@@ -73,6 +73,13 @@ class _Checked:
             if isinstance(value, tuple):
                 if any(not str(v).strip() for v in value):
                     raise ValueError(f"{flag} must not be empty")
+                # NOTE: a name or key with blank ends could never match what a client sends
+                # (HTTP trims header values; clients trim names), and a repeat is a typo.
+                if blank := next((v for v in value if str(v) != str(v).strip()), None):
+                    raise ValueError(f"{flag} must not begin or end with whitespace; got {blank!r}")
+                if len(set(value)) < len(value):
+                    twice = next(v for i, v in enumerate(value) if v in value[:i])
+                    raise ValueError(f"{flag} {twice!r} is given more than once")
                 continue
             choices = meta.get("choices")
             if choices is not None and value not in choices:

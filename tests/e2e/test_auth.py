@@ -41,7 +41,10 @@ def test_missing_and_wrong_key_are_401(keyed_server):
 def test_probes_stay_open(keyed_server):
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(keyed_server.url + path).status_code == 200, path
+        # with a trailing slash: redirected to the open path, not refused
+        assert httpx.get(keyed_server.url + path + "/", follow_redirects=True).status_code == 200, path
     assert httpx.get(keyed_server.url + "/load").status_code == 401
+    assert httpx.get(keyed_server.url + "/load/").status_code == 401
 
 
 def test_env_keys_comma_separated(env_keyed_server):

@@ -94,7 +94,7 @@ def test_string_and_text_parts_render_alike(tiny_server):
 
 
 def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
-    body = {"prompt": "x", "max_tokens": 2, "service_tier": "auto", "store": True, "wibble": [1],
+    body = {"prompt": "x", "max_tokens": 2, "service_tier": "priority", "store": True, "wibble": [1],
             "stream": True, "stream_options": {"include_usage": True, "flux": 1}, "user": "bob"}
     r = _post(tiny_server, "/v1/completions", body)
     assert r.status_code == 200

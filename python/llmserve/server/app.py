@@ -284,6 +284,9 @@ def serve(config: Config) -> int:
     app = create_app(config)
     app.state.stop_timeout = ENGINE_STOP_TIMEOUT_S
     log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
+    if config.server.api_key:
+        log.info("API keys required (%d) on every route but /health, /ready and /metrics",
+                 len(config.server.api_key))
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level="warning",
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S),

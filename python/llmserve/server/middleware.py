@@ -64,7 +64,8 @@ class ApiKeyMiddleware:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or route_path(scope) in OPEN_PATHS:
+        # (with its trailing slash, an open path redirects to itself: open too)
+        if scope["type"] != "http" or not self.keys or route_path(scope).rstrip("/") in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self._authorized(scope):
             return await self.app(scope, receive, send)

@@ -18,13 +18,19 @@ fn unknown_and_inert_fields_are_named_in_a_header() {
     let r = router();
     let p = chat(
         &r,
-        json!({"foo": 1, "bar": [1], "store": true, "metadata": {"k": "v"}, "service_tier": "auto",
+        json!({"foo": 1, "bar": [1], "store": true, "metadata": {"k": "v"}, "service_tier": "flex",
                "user": "alice", "echo": false}),
     )
     .unwrap();
     // `user` is logged, not ignored; chat's `echo` (vLLM's) at false asks for nothing.
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("bar, foo, metadata, service_tier, store"));
     assert_eq!(p.user.as_deref(), Some("alice"));
+    // OpenAI's default tier, and "default", ask for the one tier there is (also strictly).
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    for tier in ["auto", "default"] {
+        let p = chat(&strict, json!({"service_tier": tier, "store": false})).unwrap();
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None, "{tier}");
+    }
 
     let p =
         completion(&r, json!({"messages": [], "stream": true, "stream_options": {"include_usage": true, "zzz": 1}}))

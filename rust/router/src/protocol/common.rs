@@ -445,7 +445,8 @@ impl CommonFields {
         if self.metadata.is_some() {
             inert.push("metadata".into());
         }
-        if self.service_tier.is_some() {
+        // NOTE: "auto" (OpenAI's default) and "default" ask for the one tier there is.
+        if self.service_tier.as_deref().is_some_and(|t| !matches!(t, "auto" | "default")) {
             inert.push("service_tier".into());
         }
 
