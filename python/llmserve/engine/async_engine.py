@@ -208,6 +208,7 @@ class AsyncEngine:
             if isinstance(exc, (LoadError, SetupError)):
                 # what the user asked for cannot be served: the message says why and what to do
                 log.error("loading failed: %s", exc)
+                log.debug("loading failed", exc_info=exc)
             else:
                 log.exception("loading failed")
             raise

@@ -20,6 +20,7 @@ import torch
 from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version
 from llmserve.config import Config, parse_bytes
+from llmserve.loaders.checkpoint import LoadError
 from llmserve.worker.threads import bf16_tile_rows, reproducible_blas
 
 log = logging.getLogger("llmserve.engine")
@@ -126,6 +127,23 @@ def system_fingerprint(weights: dict[str, torch.Tensor], *numerics) -> str:
     return "fp_" + h.hexdigest()[:10]
 
 
+def _built(ck, build):
+    """`build()` the model, with what the checkpoint lacks or has that the model cannot take
+    (a config key, an unsupported feature, a tensor missing or of the wrong shape) as a
+    LoadError: the folder is the problem, not the server."""
+    try:
+        return build()
+    except KeyError as exc:
+        raise LoadError(f"{ck.name}: its config has no {exc.args[0]!r}, which the model needs") from exc
+    except ValueError as exc:
+        raise LoadError(f"{ck.name}: {exc}") from exc
+    except RuntimeError as exc:
+        if "loading state_dict" not in str(exc):
+            raise
+        lines = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
+        raise LoadError(f"{ck.name}: its tensors do not fit its config: {'; '.join(lines)}") from exc
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model
@@ -147,7 +165,7 @@ def build_engine(cfg: Config) -> Engine:
     blas = (reproducible_blas(), bf16_tile_rows()) if device.type == "cpu" else ()
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
                                      torch.get_num_threads(), cfg.cache.block_size, *blas)
-    model = build_model(hf, ck.weights, dtype, device, quantized=quantized)
+    model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
         _check_batch_invariant(device, dtype)
@@ -155,9 +173,24 @@ def build_engine(cfg: Config) -> Engine:
         log.info("batch-invariant: linears run row by row, every token attends alone")
 
     native_len = int(hf.get("max_position_embeddings") or 2048)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if isinstance(window, int) and window < native_len:
+        # Sliding-window attention is not implemented; within the window it is full attention.
+        if cfg.model.max_model_len and cfg.model.max_model_len > window:
+            raise SetupError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's sliding window "
+                             f"of {window} tokens, which is not implemented: serve {window} tokens or fewer, "
+                             "where attention is the same")
+        if not cfg.model.max_model_len:
+            log.info("serving up to the model's sliding window of %d tokens (of %d positions)", window, native_len)
+        native_len = window
     max_model_len = cfg.model.max_model_len or native_len
     if max_model_len > native_len:
-        log.warning("--max-model-len %d exceeds the model's %d positions", max_model_len, native_len)
+        if hf.get("max_position_embeddings"):
+            # as vLLM refuses it: positions past those the model was trained on give garbage
+            raise SetupError(f"--max-model-len {max_model_len} exceeds the model's {native_len} positions "
+                             "(max_position_embeddings)")
+        log.warning("--max-model-len %d exceeds the %d positions assumed for a model that does not say "
+                    "how many it has", max_model_len, native_len)
 
     block_size = cfg.cache.block_size
     per_block = kv_block_bytes(hf, block_size, dtype)
@@ -197,20 +230,32 @@ def build_engine(cfg: Config) -> Engine:
         "system_fingerprint": fingerprint,
         "model_root": cfg.model.model or ck.name,
     }
-    router = Router(
-        ck.tokenizer_json,
-        json.dumps(ck.gguf_vocab) if ck.gguf_vocab is not None else None,
-        json.dumps(_template_sources(cfg, ck.template_sources)),
-        json.dumps(router_config),
-    )
-    info = router.template_info()
+    try:
+        router = Router(
+            ck.tokenizer_json,
+            json.dumps(ck.gguf_vocab) if ck.gguf_vocab is not None else None,
+            json.dumps(_template_sources(cfg, ck.template_sources)),
+            json.dumps(router_config),
+        )
+    except ValueError as exc:  # the tokenizer or a template that does not load
+        raise LoadError(f"{ck.name}: {exc}") from exc
+    rows = hf.get("vocab_size")
+    if isinstance(rows, int) and router.vocab_size > rows:
+        # (a larger table, padded as Qwen's are, is fine: its extra rows are never sampled)
+        raise LoadError(f"{ck.name}: the tokenizer has {router.vocab_size} tokens but the model only "
+                        f"{rows} embedding rows (config vocab_size): some prompts could not be read")
+    info, names = router.template_info(), router.template_names()
     if info:
         log.info("chat template: %s %s", *info)
+    elif names:
+        log.warning("chat templates %s, none named default: chat requests without tools answer 400 "
+                    "until --chat-template is given", ", ".join(names))
+    else:
+        log.warning("no chat template: chat routes answer 400 until --chat-template is given")
+    if names:
         tool_format, reasoning = router.output_parsing()
         log.info("tool calls: %s; reasoning parser: %s",
                  tool_format or "forced only (json format; 'auto' answers in text)", reasoning)
-    else:
-        log.warning("no chat template: chat routes answer 400 until --chat-template is given")
     core = Core(router, json.dumps({
         "num_blocks": num_blocks,
         "block_size": block_size,

@@ -84,4 +84,5 @@ class Checkpoint:
 
 def empty_template_sources() -> dict:
     """TemplateSources with every slot empty; loaders fill the slots their format has."""
-    return {"cli": None, "folder_jinja": None, "tokenizer_config": None, "gguf": None}
+    return {"cli": None, "folder_jinja": None, "folder_named": {}, "tokenizer_config": None,
+            "tokenizer_config_file": None, "gguf": None}

@@ -119,6 +119,9 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         sources["folder_jinja"] = jinja.read_text(encoding="utf-8")
+    # transformers saves the templates other than "default" here, one file per name
+    for named in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        sources["folder_named"][named.stem] = named.read_text(encoding="utf-8")
     if tok_config.get("chat_template") is not None:
         sources["tokenizer_config"] = tok_config["chat_template"]
     else:
@@ -126,9 +129,13 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
         legacy = _read_json(folder / "chat_template.json") or {}
         if legacy.get("chat_template") is not None:
             sources["tokenizer_config"] = legacy["chat_template"]
+            sources["tokenizer_config_file"] = "chat_template.json"
 
-    bos_token = _token_text(tok_config.get("bos_token"))
-    eos_token = _token_text(tok_config.get("eos_token"))
+    # Older checkpoints name their special tokens in special_tokens_map.json only;
+    # transformers reads both (tokenizer_config.json first).
+    special = _read_json(folder / "special_tokens_map.json") or {}
+    bos_token = _token_text(tok_config.get("bos_token")) or _token_text(special.get("bos_token"))
+    eos_token = _token_text(tok_config.get("eos_token")) or _token_text(special.get("eos_token"))
     eos_ids: list[int] = []
     for i in _ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id")):
         if i not in eos_ids:

@@ -104,6 +104,11 @@ impl PyRouter {
         self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))
     }
 
+    /// The names of the model's chat templates ("default", "tool_use", ...; empty: none).
+    fn template_names(&self) -> Vec<String> {
+        self.inner.templates().names().into_iter().map(String::from).collect()
+    }
+
     /// (tool-call format or None, reasoning parser) chat output is read with.
     fn output_parsing(&self) -> (Option<&'static str>, &'static str) {
         let (tools, reasoning) = self.inner.output_parsing();

@@ -31,8 +31,14 @@ pub struct TemplateSources {
     pub cli: Option<String>,
     /// chat_template.jinja
     pub folder_jinja: Option<String>,
+    /// additional_chat_templates/<name>.jinja, by name (transformers saves the templates
+    /// other than "default" there, beside chat_template.jinja)
+    pub folder_named: std::collections::BTreeMap<String, String>,
     /// tokenizer_config.json "chat_template": string or [{name, template}]
     pub tokenizer_config: Option<serde_json::Value>,
+    /// The file `tokenizer_config` was read from, when not tokenizer_config.json (a
+    /// processor-style repo's chat_template.json)
+    pub tokenizer_config_file: Option<String>,
     /// tokenizer.chat_template
     pub gguf: Option<String>,
 }
@@ -43,8 +49,10 @@ pub struct TemplateSet {
 }
 
 impl TemplateSet {
-    /// Resolution: cli -> folder_jinja -> tokenizer_config (named: "default", "tool_use") -> gguf.
-    /// The first source present wins whole; an empty set means chat routes answer 400.
+    /// Resolution: cli -> the folder's files (chat_template.jinja as "default", the named
+    /// ones in additional_chat_templates/) -> tokenizer_config (named: "default",
+    /// "tool_use") -> gguf. The first source present wins whole; an empty set means chat
+    /// routes answer 400.
     pub fn resolve(sources: TemplateSources) -> Result<Self, String> {
         let present = |s: &Option<String>| s.as_ref().filter(|t| !t.trim().is_empty()).cloned();
         if let Some(cli) = &sources.cli {
@@ -53,33 +61,37 @@ impl TemplateSet {
             }
             return Self::single(cli, "--chat-template");
         }
-        if let Some(text) = present(&sources.folder_jinja) {
-            return Self::single(&text, "chat_template.jinja");
+        let named = sources.folder_named.iter().filter(|(_, text)| !text.trim().is_empty());
+        if present(&sources.folder_jinja).is_some() || named.clone().next().is_some() {
+            let mut templates = Vec::new();
+            if let Some(text) = present(&sources.folder_jinja) {
+                templates.push(("default".to_string(), ChatTemplate::new(&text, "chat_template.jinja")?));
+            }
+            for (name, text) in named {
+                let origin = format!("additional_chat_templates/{name}.jinja");
+                templates.push((name.clone(), ChatTemplate::new(text, &origin)?));
+            }
+            return Ok(Self { templates });
         }
+        let file = sources.tokenizer_config_file.as_deref().unwrap_or("tokenizer_config.json");
         match &sources.tokenizer_config {
             None | Some(Json::Null) => {}
             Some(Json::String(s)) if s.trim().is_empty() => {}
-            Some(Json::String(s)) => return Self::single(s, "tokenizer_config.json"),
+            Some(Json::String(s)) => return Self::single(s, file),
             Some(Json::Array(items)) => {
                 let mut templates = Vec::new();
                 for item in items {
                     let (Some(name), Some(text)) = (item["name"].as_str(), item["template"].as_str()) else {
-                        return Err("tokenizer_config.json chat_template entries need `name` and `template`".into());
+                        return Err(format!("{file} chat_template entries need `name` and `template`"));
                     };
-                    let origin = if name == "default" {
-                        "tokenizer_config.json".to_string()
-                    } else {
-                        format!("tokenizer_config.json:{name}")
-                    };
+                    let origin = if name == "default" { file.to_string() } else { format!("{file}:{name}") };
                     templates.push((name.to_string(), ChatTemplate::new(text, &origin)?));
                 }
                 if !templates.is_empty() {
                     return Ok(Self { templates });
                 }
             }
-            Some(other) => {
-                return Err(format!("tokenizer_config.json chat_template must be a string or a list, not {other}"))
-            }
+            Some(other) => return Err(format!("{file} chat_template must be a string or a list, not {other}")),
         }
         if let Some(text) = present(&sources.gguf) {
             return Self::single(&text, "gguf");
@@ -104,6 +116,11 @@ impl TemplateSet {
 
     pub fn is_empty(&self) -> bool {
         self.templates.is_empty()
+    }
+
+    /// The templates' names, in the order the source lists them.
+    pub fn names(&self) -> Vec<&str> {
+        self.templates.iter().map(|(name, _)| name.as_str()).collect()
     }
 }
 
@@ -173,8 +190,9 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
 }
 
 impl ChatTemplate {
-    /// origin: "--chat-template", "chat_template.jinja", "tokenizer_config.json",
-    /// "tokenizer_config.json:tool_use", "gguf"
+    /// origin: "--chat-template", "chat_template.jinja",
+    /// "additional_chat_templates/tool_use.jinja", "tokenizer_config.json",
+    /// "tokenizer_config.json:tool_use", "chat_template.json", "gguf"
     pub fn new(source: &str, origin: &str) -> Result<Self, String> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
@@ -923,14 +941,33 @@ mod tests {
     fn resolution_order_and_named_templates() {
         let named = json!([{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]);
         let set = TemplateSet::resolve(TemplateSources {
-            cli: None,
-            folder_jinja: None,
-            tokenizer_config: Some(named),
+            tokenizer_config: Some(named.clone()),
             gguf: Some("G".into()),
+            ..Default::default()
         })
         .unwrap();
         assert_eq!(set.select(false).unwrap().origin(), "tokenizer_config.json");
         assert_eq!(set.select(true).unwrap().origin(), "tokenizer_config.json:tool_use");
+        // a processor-style repo's chat_template.json is named as the file it came from
+        let set = TemplateSet::resolve(TemplateSources {
+            tokenizer_config: Some(named),
+            tokenizer_config_file: Some("chat_template.json".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(set.select(true).unwrap().origin(), "chat_template.json:tool_use");
+        // transformers' saved layout: chat_template.jinja, and the named ones beside it
+        let folder_named = [("tool_use".to_string(), "T".to_string())].into_iter().collect();
+        let set = TemplateSet::resolve(TemplateSources {
+            folder_jinja: Some("F".into()),
+            folder_named,
+            tokenizer_config: Some(json!("X")),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(set.select(false).unwrap().origin(), "chat_template.jinja");
+        assert_eq!(set.select(true).unwrap().origin(), "additional_chat_templates/tool_use.jinja");
+        assert_eq!(set.names(), ["default", "tool_use"]);
 
         let set = TemplateSet::resolve(TemplateSources { gguf: Some("G".into()), ..Default::default() }).unwrap();
         assert_eq!(set.select(true).unwrap().origin(), "gguf");

@@ -87,12 +87,21 @@ pub(crate) fn generation_flags(add: Option<bool>, cont: Option<bool>) -> Result<
 /// Renders through the template chosen by whether tools are rendered.
 pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rendered, &'r ChatTemplate), ApiError> {
     let template = router.templates.select(input.tools.is_some()).ok_or_else(|| {
-        ApiError::with_code(
-            "chat_template_missing",
-            None,
+        let names = router.templates.names();
+        let message = if names.is_empty() {
             "This model has no chat template, so chat requests cannot be rendered. Start the server \
-             with `--chat-template <file or template text>`, or send a raw prompt to /v1/completions.",
-        )
+             with `--chat-template <file or template text>`, or send a raw prompt to /v1/completions."
+                .to_string()
+        } else {
+            // transformers refuses this too ("multiple chat templates with no default")
+            format!(
+                "This model's chat templates are named ({}) and none is `default`, so a request without \
+                 `tools` cannot be rendered. Send `tools`, start the server with `--chat-template <file or \
+                 template text>`, or send a raw prompt to /v1/completions.",
+                names.join(", ")
+            )
+        };
+        ApiError::with_code("chat_template_missing", None, message)
     })?;
     let config = &router.config;
     // `wrap`: strings as one text part each, the shape a template that only walks parts shows

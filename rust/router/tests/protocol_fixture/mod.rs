@@ -86,12 +86,7 @@ pub fn config(extra: Value) -> RouterConfig {
 }
 
 pub fn templates(template: Option<&str>) -> TemplateSet {
-    TemplateSet::resolve(TemplateSources {
-        cli: template.map(str::to_string),
-        folder_jinja: None,
-        tokenizer_config: None,
-        gguf: None,
-    })
+    TemplateSet::resolve(TemplateSources { cli: template.map(str::to_string), ..Default::default() })
     .expect("fixture template resolves")
 }
 

@@ -1,0 +1,96 @@
+"""A model folder the server cannot serve fails its load with a LoadError or SetupError (one
+line in the log, no traceback) that names what is wrong, not with whatever the code under it
+happened to raise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from llmserve.config import Config, DeviceConfig, ModelConfig
+from llmserve.engine.build import SetupError, build_engine
+from llmserve.loaders import LoadError
+
+
+@pytest.fixture
+def folder(tiny_model, tmp_path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def _build(folder: Path, **model):
+    return build_engine(Config(model=ModelConfig(model=str(folder), **model), device=DeviceConfig(threads=1)))
+
+
+def test_a_config_key_the_model_needs(folder):
+    _edit_json(folder / "config.json", intermediate_size=None)
+    with pytest.raises(LoadError, match="config has no 'intermediate_size'"):
+        _build(folder)
+
+
+def test_an_unsupported_feature(folder):
+    _edit_json(folder / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0},
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(LoadError, match="yarn"):
+        _build(folder)
+
+
+def test_a_tensor_of_the_wrong_shape(folder):
+    weights = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    weights[name] = weights[name][:100].contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LoadError, match="tensors do not fit its config: size mismatch"):
+        _build(folder)
+
+
+def test_a_tokenizer_or_template_that_does_not_load(folder):
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(LoadError, match="chat_template.jinja does not parse"):
+        _build(folder)
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
+    with pytest.raises(LoadError, match="tokenizer"):
+        _build(folder)
+
+
+def test_a_tokenizer_larger_than_the_embedding_table(folder):
+    """Ids the model has no row for would fail every step that reads them: refused at once."""
+    rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = weights[name][: rows - 4].contiguous()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _edit_json(folder / "config.json", vocab_size=rows - 4)
+    with pytest.raises(LoadError, match=f"tokenizer has {rows} tokens but the model only {rows - 4}"):
+        _build(folder)
+
+
+def test_a_context_beyond_the_model_positions(folder):
+    with pytest.raises(SetupError, match="--max-model-len 1024 exceeds the model's 512 positions"):
+        _build(folder, max_model_len=1024)
+
+
+def test_a_sliding_window_is_served_up_to_the_window(folder):
+    """Mistral's sliding window is not implemented: within it attention is full attention, so
+    the model is served up to its window, and a longer --max-model-len is refused."""
+    _edit_json(folder / "config.json", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    engine = _build(folder)
+    assert engine.router.max_model_len == 64
+    with pytest.raises(SetupError, match="exceeds the model's sliding window of 64 tokens"):
+        _build(folder, max_model_len=65)
