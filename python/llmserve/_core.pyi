@@ -6,6 +6,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+# profile, target, rustc, commit (None outside a git checkout)
+build_info: dict[str, str | None]
 
 class ApiError(Exception):
     status: int

@@ -230,7 +230,11 @@ def test_ignored_fields_header(tiny_server):
 def test_health_ready_load_version_metrics(tiny_server):
     assert httpx.get(tiny_server.url + "/health").status_code == 200
     assert httpx.get(tiny_server.url + "/ready").status_code == 200
-    assert httpx.get(tiny_server.url + "/version").json()["version"]
+    version = httpx.get(tiny_server.url + "/version").json()
+    assert version["version"] and version["core"]
+    # build info: the compiled core's profile, target and compiler (the commit when built in git)
+    build = version["build"]
+    assert build["profile"] in ("release", "debug") and build["target"] and build["rustc"].startswith("rustc ")
     text = httpx.get(tiny_server.url + "/metrics").text
     for name in ("llmserve:num_requests_running", "llmserve:num_requests_waiting",
                  "llmserve:kv_cache_usage_perc", "llmserve:time_to_first_token_seconds",

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import llmserve
+from llmserve import _core
 from llmserve._core import Router
 from llmserve._core import __version__ as core_version
 from llmserve.engine.async_engine import AsyncEngine, RequestStream
@@ -299,7 +300,8 @@ async def version(request: Request) -> Response:
     engine = _engine(request)
     device = str(engine.engine.device) if engine.engine else None
     return Response(orjson.dumps({"version": llmserve.__version__, "core": core_version,
-                                  "torch": torch.__version__, "device": device}), media_type=JSON)
+                                  "torch": torch.__version__, "device": device,
+                                  "build": _core.build_info}), media_type=JSON)
 
 
 async def metrics(request: Request) -> Response:

@@ -32,5 +32,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let build = pyo3::types::PyDict::new(m.py());
+    build.set_item("profile", env!("LLMSERVE_BUILD_PROFILE"))?;
+    build.set_item("target", env!("LLMSERVE_BUILD_TARGET"))?;
+    build.set_item("rustc", env!("LLMSERVE_BUILD_RUSTC"))?;
+    build.set_item("commit", Some(env!("LLMSERVE_BUILD_COMMIT")).filter(|c| !c.is_empty()))?;
+    m.add("build_info", build)?;
     Ok(())
 }

@@ -87,7 +87,7 @@ pub fn config(extra: Value) -> RouterConfig {
 
 pub fn templates(template: Option<&str>) -> TemplateSet {
     TemplateSet::resolve(TemplateSources { cli: template.map(str::to_string), ..Default::default() })
-    .expect("fixture template resolves")
+        .expect("fixture template resolves")
 }
 
 pub fn router_with(extra_config: Value, template: Option<&str>) -> Router {
