@@ -232,6 +232,10 @@ class ServerConfig(_Checked):
         None, "Send an SSE comment on a stream idle this many seconds.", above=0
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).")
+    allowed_origins: tuple[str, ...] = _f(
+        (), "Origins whose web pages may call the API (CORS; repeatable; '*' for any). None by "
+        "default: browsers then refuse other origins' pages the responses.", append=True,
+    )
 
 
 @dataclass(frozen=True)

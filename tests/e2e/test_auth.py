@@ -12,7 +12,8 @@ from server import ServerProcess
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model):
     server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--api-key", "k1",
-                           "--num-kv-blocks", "64", env={"LLMSERVE_API_KEY": "ignored-when-flag-given"})
+                           "--num-kv-blocks", "64", "--allowed-origins", "https://app.example",
+                           env={"LLMSERVE_API_KEY": "ignored-when-flag-given"})
     yield server
     server.stop()
 
@@ -53,3 +54,25 @@ def test_env_keys_comma_separated(env_keyed_server):
         assert r.status_code == 200
     assert httpx.get(env_keyed_server.url + "/v1/models",
                      headers={"authorization": "Bearer e3"}).status_code == 401
+
+
+def test_allowed_origins_get_cors_and_a_keyless_preflight(keyed_server, env_keyed_server):
+    """--allowed-origins: a browser's preflight (no key) is answered for those origins only,
+    and their pages may read the answers and llmserve's headers; without the flag no CORS
+    header is sent (browsers keep other origins' pages out)."""
+    page = "https://app.example"
+    preflight = {"origin": page, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    r = httpx.options(keyed_server.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+    assert "POST" in r.headers["access-control-allow-methods"]
+    other = httpx.options(keyed_server.url + "/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    r = httpx.post(keyed_server.url + "/v1/completions", headers={"origin": page, "authorization": "Bearer k1"},
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 1, "store": True})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+    assert "llmserve-ignored-fields" in r.headers["access-control-expose-headers"]
+    # the key is still required on the request itself
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"origin": page}).status_code == 401
+    r = httpx.get(env_keyed_server.url + "/v1/models", headers={"origin": page, "authorization": "Bearer e1"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

@@ -21,6 +21,7 @@ import threading
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -30,6 +31,9 @@ from llmserve.config import Config
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, error_request_id
+
+# What a page of an allowed origin may read of a response besides the CORS-safe headers.
+EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-chat-template", "x-request-id", "retry-after"]
 
 log = logging.getLogger("llmserve.server")
 
@@ -124,6 +128,13 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     app.state.stop_timeout = None
     app.add_middleware(StartOnFirstRequest, start=start_loading)
     app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key)
+    if config.server.allowed_origins:
+        # Outside the key check: a browser's preflight (OPTIONS) carries no key. The pages of
+        # these origins may then send JSON with their keys, and read the answers and our
+        # headers.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.server.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=EXPOSED_HEADERS, max_age=600)
     if config.server.access_log:
         app.add_middleware(AccessLogMiddleware)
     return app
