@@ -335,7 +335,7 @@ class AsyncEngine:
         self._check_serving()
         waiting = self.load()["waiting"]
         if waiting >= self.config.scheduler.max_waiting:
-            raise self.unavailable(f"{waiting} requests are waiting; try again shortly.")
+            raise self.unavailable(f"The queue is full ({waiting} waiting); try again shortly.")
         stream = RequestStream(self, prepared)
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))

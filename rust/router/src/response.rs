@@ -321,6 +321,12 @@ struct ChoiceState {
     reasoning: Option<ReasoningSplitter>,
     /// Non-streaming: the reasoning text so far.
     reasoning_text: String,
+    /// Streaming: some content or reasoning text has gone out (a tool-parsing choice's role
+    /// chunk starts no content, so one that ends with neither sends its `""` at the end).
+    streamed_text: bool,
+    /// Streaming with tools: the logprobs of tokens the call parser holds back, sent with the
+    /// next chunk that carries something (text, a call piece, the finish).
+    held_lp: Vec<ChatLogprob>,
 }
 
 /// One per request, covering all its choices (`prompts.len() * n`; choice index =
@@ -542,6 +548,7 @@ impl ResponseBuilder {
         }
         let first = !self.choices[idx].started;
         self.choices[idx].started = true;
+        self.choices[idx].streamed_text = true;
         let role = first.then_some("assistant");
         let c = ChatChunkChoice {
             index: choice,
@@ -596,12 +603,14 @@ impl ResponseBuilder {
 
         if self.chat {
             if first {
-                // NOTE: output forced to be calls has no content: the role chunk starts none,
-                // so a client that sums deltas ends with `content` null, as non-streamed.
-                let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
+                // NOTE: output forced to be calls has no content, and one that may be calls
+                // (auto) may have none: the role chunk starts none, so a client that sums
+                // deltas ends with `content` null when only calls came, as non-streamed (an
+                // auto answer with neither text nor calls gets its `""` at its end).
+                let parsing = self.tools.is_some() && self.choices[idx].parser.is_some();
                 let role = ChatChunkChoice {
                     index: choice,
-                    delta: Delta { role: Some("assistant"), content: (!forced).then_some(""), ..Delta::default() },
+                    delta: Delta { role: Some("assistant"), content: (!parsing).then_some(""), ..Delta::default() },
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
@@ -616,10 +625,17 @@ impl ResponseBuilder {
                 });
                 self.frame(vec![role], usage);
             }
+            let held = std::mem::take(&mut self.choices[idx].held_lp);
+            let has_lp = has_lp || !held.is_empty();
             if delta.text.is_empty() && finish.is_none() && !has_lp {
                 return;
             }
-            let logprobs = has_lp.then(|| ChatLogprobs { content: self.chat_logprobs(delta.tokens) });
+            self.choices[idx].streamed_text |= !delta.text.is_empty();
+            let logprobs = has_lp.then(|| {
+                let mut content = held;
+                content.extend(self.chat_logprobs(delta.tokens));
+                ChatLogprobs { content }
+            });
             let c = ChatChunkChoice {
                 index: choice,
                 delta: Delta { content: (!delta.text.is_empty()).then_some(delta.text), ..Delta::default() },
@@ -691,8 +707,23 @@ impl ResponseBuilder {
                 _ => None,
             })
             .collect();
-        // Content (and logprobs) first, then the calls' pieces, then the finish on its own chunk.
-        self.push_plain(choice, &ChoiceDelta { text: &text, finish: None, stop_reason: None, ..*delta });
+        // Content (and logprobs) first, then the calls' pieces, then the finish on its own
+        // chunk. Tokens that are only call markup carry their logprobs on the first piece they
+        // send (as vLLM), or on the finishing chunk, not on an empty chunk before it.
+        let pieces = |e: &ToolEvent| matches!(e, ToolEvent::Start { .. } | ToolEvent::Args(_));
+        let mut pending_lp = None;
+        if self.stream && self.logprobs && text.is_empty() && !delta.tokens.is_empty() {
+            let mut lps = std::mem::take(&mut self.choices[idx].held_lp);
+            lps.extend(self.chat_logprobs(delta.tokens));
+            self.push_plain(choice, &ChoiceDelta { text: "", tokens: &[], finish: None, stop_reason: None, ..*delta });
+            if events.iter().any(pieces) || finish.is_some() {
+                pending_lp = Some(ChatLogprobs { content: lps });
+            } else {
+                self.choices[idx].held_lp = lps;
+            }
+        } else {
+            self.push_plain(choice, &ChoiceDelta { text: &text, finish: None, stop_reason: None, ..*delta });
+        }
         for event in merge_args(events) {
             let state = &mut self.choices[idx];
             match &event {
@@ -733,7 +764,7 @@ impl ResponseBuilder {
             let c = ChatChunkChoice {
                 index: choice,
                 delta: Delta { tool_calls: Some(vec![d]), ..Delta::default() },
-                logprobs: None,
+                logprobs: pending_lp.take(),
                 finish_reason: None,
                 stop_reason: None,
             };
@@ -741,10 +772,15 @@ impl ResponseBuilder {
             self.frame(vec![c], usage);
         }
         if let (true, Some(f)) = (self.stream, finish) {
+            // an auto answer that ended with neither text nor calls: its content is "", as
+            // the non-streamed message's (the role chunk held it back)
+            let state = &self.choices[idx];
+            let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
+            let empty = !forced && !state.streamed_text && state.tool_calls.is_empty();
             let c = ChatChunkChoice {
                 index: choice,
-                delta: Delta::default(),
-                logprobs: None,
+                delta: Delta { content: empty.then_some(""), ..Delta::default() },
+                logprobs: pending_lp.take(),
                 finish_reason: Some(f.as_str()),
                 stop_reason: Some(stop_reason),
             };

@@ -517,6 +517,51 @@ fn streamed_tool_calls_equal_the_body_and_arguments_arrive_in_pieces() {
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
 }
 
+/// Under "auto" the output may turn out to be calls: the role chunk starts no content, so a
+/// client that sums the deltas of a calls-only answer ends with `content` null, as the body
+/// has it; an answer with neither text nor calls gets its `""` on the finishing chunk. Tokens
+/// that are only call markup carry their logprobs on the call piece they send.
+#[test]
+fn auto_stream_content_sums_as_the_body_and_logprobs_ride_on_call_pieces() {
+    let auto = |stream: bool, logprobs: bool| {
+        let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, logprobs.then_some(0));
+        p.stream = stream;
+        let f = json!({"name": "get", "parameters": {"type": "object"}});
+        p.tools = Some(ToolParsing::new(ToolCallFormat::Hermes, true, &[&f]));
+        builder(&p)
+    };
+    let call = ["<tool_call>\n{\"name\": \"get\", \"argu", "ments\": {\"a\": 1}}\n</tool_call>", ""];
+    let body: Value = serde_json::from_slice(&push_pieces(&mut auto(false, false), &call, FinishReason::Stop)).unwrap();
+    assert!(body["choices"][0]["message"]["content"].is_null());
+    let chunks = frames(&push_pieces(&mut auto(true, true), &call, FinishReason::Stop));
+    assert!(chunks.iter().all(|c| c["choices"][0]["delta"].get("content").is_none_or(Value::is_null)), "{chunks:?}");
+    let (_, calls, finish) = streamed(&chunks);
+    assert_eq!((calls.len(), finish), (1, json!("tool_calls")));
+    // every token's logprobs went out once, each on a chunk that carries a call piece or the
+    // finish (the last token here is the end's, with no text)
+    let mut entries = 0;
+    for c in &chunks {
+        let ch = &c["choices"][0];
+        if let Some(lp) = ch["logprobs"]["content"].as_array() {
+            let carries = ch["delta"]["tool_calls"].is_array() || !ch["finish_reason"].is_null();
+            assert!(carries, "logprobs on a chunk without a piece: {c}\n{chunks:#?}");
+            entries += lp.len();
+        }
+    }
+    assert_eq!(entries, 3);
+
+    let empty = [""];
+    let body: Value = serde_json::from_slice(&push_pieces(&mut auto(false, false), &empty, FinishReason::Stop)).unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "");
+    let chunks = frames(&push_pieces(&mut auto(true, false), &empty, FinishReason::Stop));
+    let contents: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("content")).collect();
+    assert_eq!(contents, [&json!("")], "the finishing chunk holds the empty answer");
+    // text answers stream as before
+    let text = ["Hello", " there", ""];
+    let (content, calls, _) = streamed(&frames(&push_pieces(&mut auto(true, false), &text, FinishReason::Stop)));
+    assert_eq!((content.as_str(), calls.len()), ("Hello there", 0));
+}
+
 /// Under "auto", a complete call whose arguments are not a JSON object (clients `json.loads`
 /// them) makes the non-streamed choice answer its text as content, as vLLM's parsers do; a
 /// call cut off by the output's end keeps what it had.
