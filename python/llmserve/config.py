@@ -69,17 +69,21 @@ class _Checked:
             else:
                 what = _kind_error(value, hints[f.name])
             if what is not None:
-                raise TypeError(f"{flag} ({f.name}) must be {what}; got {value!r}")
+                got = f"a {type(value).__name__}" if meta.get("secret") else repr(value)
+                raise TypeError(f"{flag} ({f.name}) must be {what}; got {got}")
             if isinstance(value, tuple):
                 if any(not str(v).strip() for v in value):
                     raise ValueError(f"{flag} must not be empty")
                 # NOTE: a name or key with blank ends could never match what a client sends
                 # (HTTP trims header values; clients trim names), and a repeat is a typo.
+                # (a secret's value stays out of the message: it would reach the logs)
+                def shown(v: object) -> str:
+                    return "a value" if meta.get("secret") else repr(v)
                 if blank := next((v for v in value if str(v) != str(v).strip()), None):
-                    raise ValueError(f"{flag} must not begin or end with whitespace; got {blank!r}")
+                    raise ValueError(f"{flag} must not begin or end with whitespace; got {shown(blank)}")
                 if len(set(value)) < len(value):
                     twice = next(v for i, v in enumerate(value) if v in value[:i])
-                    raise ValueError(f"{flag} {twice!r} is given more than once")
+                    raise ValueError(f"{flag} {shown(twice)} is given more than once")
                 continue
             choices = meta.get("choices")
             if choices is not None and value not in choices:
@@ -224,7 +228,7 @@ class ServerConfig(_Checked):
     port: int = _f(8000, "Port to bind (0: any free port).", min=0, max=65535)
     api_key: tuple[str, ...] = _f(
         (), "API key(s) required on every route but /health, /ready, /metrics (repeatable).",
-        append=True,
+        append=True, secret=True,
     )
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 above).", min=1)
     strict_fields: bool = _f(False, "Reject accepted-but-inert and unknown fields with 400.")

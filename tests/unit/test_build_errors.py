@@ -94,3 +94,11 @@ def test_a_sliding_window_is_served_up_to_the_window(folder):
     assert engine.router.max_model_len == 64
     with pytest.raises(SetupError, match="exceeds the model's sliding window of 64 tokens"):
         _build(folder, max_model_len=65)
+
+
+def test_linear_rope_scaling_stretches_the_positions(folder):
+    """As vLLM: a linear RoPE scaling's factor multiplies max_position_embeddings."""
+    _edit_json(folder / "config.json", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert _build(folder).router.max_model_len == 1024
+    with pytest.raises(SetupError, match="exceeds the model's 1024 positions"):
+        _build(folder, max_model_len=1025)

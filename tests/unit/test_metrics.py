@@ -30,7 +30,7 @@ def test_prompt_tokens_count_only_prompts_that_were_processed():
 
 def test_each_choice_of_each_prompt_counts_as_vllm_counts_a_sequence():
     """Two prompts, n=2: four sequences, each counted by its own finish reason with its own
-    prompt's tokens; the parameters and the longest choice once per prompt; the latencies,
+    prompt's tokens and max_tokens; n and the longest choice once per prompt; the latencies,
     which the choices share, once."""
     m = Metrics()
     m.bind("m")
@@ -45,7 +45,7 @@ def test_each_choice_of_each_prompt_counts_as_vllm_counts_a_sequence():
     assert _value(m, "llmserve:request_generation_tokens_count") == 4
     assert _value(m, "llmserve:request_generation_tokens_sum") == 11
     assert _value(m, "llmserve:request_params_n_count") == 2
-    assert _value(m, "llmserve:request_params_max_tokens_sum") == 8
+    assert _value(m, "llmserve:request_params_max_tokens_sum") == 4 * 4
     assert _value(m, "llmserve:request_max_num_generation_tokens_sum") == 4 + 4
     assert _value(m, "llmserve:e2e_request_latency_seconds_count") == 1
     # a failure leaves the choices' ends unknown: every sequence counts as "error"
@@ -61,7 +61,7 @@ def test_request_params_are_observed_as_vllm_names_them():
                 first_token=0.2, finished=0.5, n=3, max_tokens=100, ends=[("stop", 2), ("stop", 1), ("stop", 1)])
     assert _value(m, "llmserve:request_params_n_count") == 1
     assert _value(m, "llmserve:request_params_n_sum") == 3
-    assert _value(m, "llmserve:request_params_max_tokens_sum") == 100
+    assert _value(m, "llmserve:request_params_max_tokens_count") == 3
 
 
 def test_time_per_output_token_is_per_choice():

@@ -173,6 +173,11 @@ def build_engine(cfg: Config) -> Engine:
         log.info("batch-invariant: linears run row by row, every token attends alone")
 
     native_len = int(hf.get("max_position_embeddings") or 2048)
+    # Linear RoPE scaling stretches the positions by its factor (vLLM's limit too); llama3's
+    # max_position_embeddings already counts the stretched ones.
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor"):
+        native_len = int(native_len * float(scaling["factor"]))
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
     if isinstance(window, int) and window < native_len:
         # Sliding-window attention is not implemented; within the window it is full attention.
@@ -188,7 +193,7 @@ def build_engine(cfg: Config) -> Engine:
         if hf.get("max_position_embeddings"):
             # as vLLM refuses it: positions past those the model was trained on give garbage
             raise SetupError(f"--max-model-len {max_model_len} exceeds the model's {native_len} positions "
-                             "(max_position_embeddings)")
+                             "(max_position_embeddings, times a linear RoPE scaling's factor)")
         log.warning("--max-model-len %d exceeds the %d positions assumed for a model that does not say "
                     "how many it has", max_model_len, native_len)
 

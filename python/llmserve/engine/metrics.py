@@ -151,9 +151,9 @@ class Metrics:
         `first_token` None when it produced none; `generated` counts all its choices' tokens.
 
         vLLM runs each choice of each prompt as a request of its own, so the counts by
-        request (request_success, the prompt and generation tokens per request, and the
-        prompt tokens processed) count each choice; the parameters and the longest choice,
-        which vLLM observes once per prompt, are observed per prompt. The latency histograms
+        request (request_success, the prompt and generation tokens per request, the prompt
+        tokens processed, and max_tokens) count each choice; n and the longest choice, which
+        vLLM observes once per prompt, are observed per prompt. The latency histograms
         count the request once: its choices share one queue, one schedule and one end."""
         sequences = len(prompt_lens) * n
         if scheduled is not None:
@@ -172,10 +172,11 @@ class Metrics:
                 self._requests.labels(self.model_name, choice_reason).inc()
                 self.request_prompt.observe(prompt_lens[min(i // n, len(prompt_lens) - 1)])
                 self.request_generation.observe(tokens)
+        if max_tokens is not None:
+            for _ in range(sequences):
+                self.params_max_tokens.observe(max_tokens)
         for p in range(len(prompt_lens)):
             self.params_n.observe(n)
-            if max_tokens is not None:
-                self.params_max_tokens.observe(max_tokens)
             if ends:
                 self.request_max_generation.observe(max(t for _, t in ends[p * n:(p + 1) * n]))
         self.e2e.observe(finished - submitted)

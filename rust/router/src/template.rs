@@ -204,7 +204,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_string())
-            .map_err(|e| format!("chat template from {origin} does not parse: {e:#}"))?;
+            .map_err(|e| format!("chat template from {origin} does not parse: {e}"))?;
         let declared = env.get_template(NAME).map_err(|e| e.to_string())?.undeclared_variables(false);
         let digest = Sha256::digest(source.as_bytes());
         let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
@@ -426,19 +426,25 @@ struct TrackedMessage {
 }
 
 impl TrackedMessage {
+    /// Keys whose value is null are left out, as transformers leaves them out (clients echo
+    /// back `tool_calls: null`, which templates that test `is defined` cannot take).
     fn new(message: &Json) -> Option<Arc<Self>> {
-        let fields: Vec<(String, Value)> =
-            message.as_object()?.iter().map(|(k, v)| (k.clone(), Value::from_serialize(v))).collect();
+        let fields: Vec<(String, Value)> = message
+            .as_object()?
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
+            .collect();
         let read = fields.iter().map(|_| AtomicBool::new(false)).collect();
         Some(Arc::new(Self { fields, read }))
     }
 
-    /// The keys with a non-null value that were never looked up.
+    /// The keys that were never looked up.
     fn unread(&self) -> impl Iterator<Item = &str> {
         self.fields
             .iter()
             .zip(&self.read)
-            .filter(|((_, v), read)| !v.is_none() && !read.load(Ordering::Relaxed))
+            .filter(|(_, read)| !read.load(Ordering::Relaxed))
             .map(|((k, _), _)| k.as_str())
     }
 }
@@ -854,6 +860,11 @@ mod tests {
                       {{ 'tool_call_id' in m }}{{ m|length }}{% if m %}{% endif %}{% endfor %}";
         assert_eq!(unread(by_get), keys(&[(0, "name"), (1, "name")]));
         assert_eq!(unread("{% for m in messages %}{{ m|tojson }}{% endfor %}"), keys(&[]));
+        // a null value is no key at all, as transformers renders it
+        let t = "{% for m in messages %}{% if m.tool_calls is defined %}{{ m.tool_calls|length }}{% endif %}\
+                 {{ m.extra is defined }}{% endfor %}";
+        let calls_null = json!([{"role": "assistant", "content": "a", "tool_calls": null, "extra": null}]);
+        assert_eq!(render(t, calls_null).unwrap().text, "False");
         assert_eq!(unread("{% for m in messages %}{% for k, v in m.items() %}{% endfor %}{% endfor %}"), keys(&[]));
         // a message the template never reaches has every key unread (null ones aside)
         let last = "{{ messages[-1].content }}{{ messages[-1].role }}";

@@ -551,7 +551,8 @@ fn auto_stream_content_sums_as_the_body_and_logprobs_ride_on_call_pieces() {
     assert_eq!(entries, 3);
 
     let empty = [""];
-    let body: Value = serde_json::from_slice(&push_pieces(&mut auto(false, false), &empty, FinishReason::Stop)).unwrap();
+    let body: Value =
+        serde_json::from_slice(&push_pieces(&mut auto(false, false), &empty, FinishReason::Stop)).unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], "");
     let chunks = frames(&push_pieces(&mut auto(true, false), &empty, FinishReason::Stop));
     let contents: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("content")).collect();
