@@ -28,6 +28,8 @@ FAMILIES = {
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=16))),
+    # served up to its window, where attention is full attention (engine/build.py)
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
 }
@@ -169,13 +171,9 @@ def test_missing_lm_head_ties_and_unknown_tensor_is_rejected():
     assert np.isfinite(model.compute_logits(torch.ones(1, 64)).numpy()).all()
 
 
-def test_sliding_window_configs_are_rejected():
-    hf, _ = make_pair("llama")
-    weights = dict(hf.state_dict())
-    cfg = {**hf.config.to_dict(), "architectures": ["MistralForCausalLM"]}
-    assert build_model({**cfg, "sliding_window": None}, weights, torch.float32, "cpu") is not None
-    with pytest.raises(ValueError, match="sliding"):
-        build_model({**cfg, "sliding_window": 16}, weights, torch.float32, "cpu")
+def test_qwen_sliding_window_is_rejected():
+    """Mistral's window is served up to its length (the mistral_window family above); Qwen's
+    `use_sliding_window` windows only some layers, which nothing here can serve."""
     qwen, _ = make_pair("qwen2")
     with pytest.raises(ValueError, match="sliding"):
         build_model({**qwen.config.to_dict(), "use_sliding_window": True}, dict(qwen.state_dict()),

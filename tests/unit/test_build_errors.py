@@ -92,6 +92,7 @@ def test_a_sliding_window_is_served_up_to_the_window(folder):
     _edit_json(folder / "config.json", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
     engine = _build(folder)
     assert engine.router.max_model_len == 64
+    assert engine.model_name == "model"   # the folder's name: the first served name
     with pytest.raises(SetupError, match="exceeds the model's sliding window of 64 tokens"):
         _build(folder, max_model_len=65)
 

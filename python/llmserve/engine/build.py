@@ -249,15 +249,15 @@ def build_engine(cfg: Config) -> Engine:
         # (a larger table, padded as Qwen's are, is fine: its extra rows are never sampled)
         raise LoadError(f"{ck.name}: the tokenizer has {router.vocab_size} tokens but the model only "
                         f"{rows} embedding rows (config vocab_size): some prompts could not be read")
-    info, names = router.template_info(), router.template_names()
+    info, template_names = router.template_info(), router.template_names()
     if info:
         log.info("chat template: %s %s", *info)
-    elif names:
+    elif template_names:
         log.warning("chat templates %s, none named default: chat requests without tools answer 400 "
-                    "until --chat-template is given", ", ".join(names))
+                    "until --chat-template is given", ", ".join(template_names))
     else:
         log.warning("no chat template: chat routes answer 400 until --chat-template is given")
-    if names:
+    if template_names:
         tool_format, reasoning = router.output_parsing()
         log.info("tool calls: %s; reasoning parser: %s",
                  tool_format or "forced only (json format; 'auto' answers in text)", reasoning)
