@@ -246,7 +246,7 @@ def build_engine(cfg: Config) -> Engine:
         raise LoadError(f"{ck.name}: {exc}") from exc
     rows = hf.get("vocab_size")
     if isinstance(rows, int) and router.vocab_size > rows:
-        # (a larger table, padded as Qwen's are, is fine: its extra rows are never sampled)
+        # (a larger table, padded as Qwen's are, is fine: every id the tokenizer makes has a row)
         raise LoadError(f"{ck.name}: the tokenizer has {router.vocab_size} tokens but the model only "
                         f"{rows} embedding rows (config vocab_size): some prompts could not be read")
     info, template_names = router.template_info(), router.template_names()
