@@ -56,7 +56,7 @@ class RequestStream:
         self.prompt_tokens: int = prepared.prompt_tokens
         self.n: int = prepared.n
         # per prompt (a completions list has several; each has n choices)
-        self.prompt_lens: list[int] = [len(p) for p in prepared.prompt_token_ids]
+        self.prompt_lens: list[int] = prepared.prompt_lens
         self.max_tokens: int | None = prepared.max_tokens
         self.submitted = time.perf_counter()
         # Set by the engine thread when a step first holds the request (before the event

@@ -194,6 +194,11 @@ impl PyPrepared {
     fn prompt_tokens(&self) -> PyResult<usize> {
         Ok(self.get()?.prompts.iter().map(Vec::len).sum())
     }
+    /// Each prompt's token count (what the metrics need, without copying the ids).
+    #[getter]
+    fn prompt_lens(&self) -> PyResult<Vec<usize>> {
+        Ok(self.get()?.prompts.iter().map(Vec::len).collect())
+    }
     #[getter]
     fn prompt_token_ids(&self) -> PyResult<Vec<Vec<u32>>> {
         Ok(self.get()?.prompts.clone())
