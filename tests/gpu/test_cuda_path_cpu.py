@@ -18,6 +18,7 @@ from llmserve.kernels import reference
 from llmserve.models import build_model
 from llmserve.worker import ModelRunner
 from llmserve.worker.cuda_graphs import CudaModelRunner, default_capture_sizes
+from llmserve.worker.sampler import to_device
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
               intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -93,6 +94,22 @@ def test_capture_sizes_and_partitions():
     assert kernels.choose_partition_size(64, 3, 1024, num_sms=132) == 512
     assert kernels.choose_partition_size(256, 3, 2048, num_sms=132) == 0
     assert kernels.choose_partition_size(4, 2, 64, num_sms=132) == 0
+
+
+def test_the_runner_sizes_rope_for_every_position_it_can_be_given():
+    """CudaModelRunner builds the RoPE tables for max_model_len up front, so no forward reads
+    the largest position back from the device (a host sync per step on a GPU)."""
+    _, cuda_path = runners()
+    rope = cuda_path.model.rope
+    assert rope.cos.shape[0] >= 128 and not rope.checked
+    positions = torch.tensor([0, 5, 127])
+    cos, _ = rope.cos_sin(positions, torch.float32)
+    assert torch.equal(cos[:, 0], rope.cos[positions])
+
+
+def test_host_columns_reach_the_cpu_device_as_they_are():
+    t = torch.arange(4)
+    assert to_device(t, torch.device("cpu")) is t
 
 
 def test_supports_names_the_unserved_dimension():

@@ -77,6 +77,7 @@ class RotaryEmbedding:
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
         self.inv_freq = inv_freq
+        self.checked = True      # cos_sin grows the tables for larger positions (see reserve)
         self._build(max(max_positions, 1))
 
     def _build(self, n: int) -> None:
@@ -84,13 +85,21 @@ class RotaryEmbedding:
         self.cos = freqs.cos().float().to(self.device)   # [n, head_dim / 2]
         self.sin = freqs.sin().float().to(self.device)
 
+    def reserve(self, n: int) -> None:
+        """Tables for positions [0, n), and no more checks: the caller promises that no
+        position reaches n (the scheduler plans none past max_model_len).
+
+        NOTE: the check reads the largest position back from the device: on a GPU, a host
+        sync in every forward (a step queued ahead would wait for the one running), and none
+        may happen while a CUDA graph is captured."""
+        if self.cos.shape[0] < n:
+            self._build(n)
+        self.checked = False
+
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, head_dim / 2] (broadcast over heads)."""
-        # NOTE: no host sync while a CUDA graph is being captured (cuda_graphs.py sizes the
-        # tables for max_model_len before capturing).
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if positions.numel() and not capturing and int(positions.max()) >= self.cos.shape[0]:
+        if self.checked and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._build(2 * int(positions.max()) + 1)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)

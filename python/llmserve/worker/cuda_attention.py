@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmserve.worker.sampler import to_device
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -77,20 +79,18 @@ class CudaAttentionMetadata:
 
         dec_lens = lens[dec]
         width = int(-(-dec_lens.max() // block_size)) if len(dec) else 0
-        # NOTE: non_blocking: host->device copies of pageable memory are staged at once, so the
-        # step's only host sync stays the read-back of the sampled tokens.
-        dec_tables = torch.from_numpy(np.ascontiguousarray(tables[dec, :width], dtype=np.int32)).to(
-            device, non_blocking=True)
-        dec_seq_lens = torch.from_numpy(dec_lens.astype(np.int32)).to(device, non_blocking=True)
-        dec_idx = None if all_decode else torch.from_numpy(qsl[dec]).to(device, non_blocking=True)
+        # NOTE: to_device copies from pinned memory without waiting, so the step's only host
+        # sync stays the read-back of the sampled tokens.
+        dec_tables = to_device(torch.from_numpy(np.ascontiguousarray(tables[dec, :width], dtype=np.int32)), device)
+        dec_seq_lens = to_device(torch.from_numpy(dec_lens.astype(np.int32)), device)
+        dec_idx = None if all_decode else to_device(torch.from_numpy(qsl[dec]), device)
         partition = _choose_partition(ops, len(dec), num_kv_heads, width * block_size)
 
         prefills = []
         for s in np.flatnonzero(q_lens > 1):
             start, end, seq_len = int(qsl[s]), int(qsl[s + 1]), int(lens[s])
             nblk = -(-seq_len // block_size)
-            ids = torch.from_numpy(np.ascontiguousarray(tables[s, :nblk], dtype=np.int64)).to(
-                device, non_blocking=True)
+            ids = to_device(torch.from_numpy(np.ascontiguousarray(tables[s, :nblk], dtype=np.int64)), device)
             prefills.append(PrefillChunk(start, end, seq_len - (end - start), seq_len, ids))
         return cls(slot_mapping=slot_mapping, num_decode=len(dec), decode_token_idx=dec_idx,
                    block_tables=dec_tables, seq_lens=dec_seq_lens, partition_size=partition,

@@ -30,7 +30,7 @@ import torch
 
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
 from llmserve.worker.runner import Launched, ModelRunner, Resolved, fill_placeholders_, has_placeholders
-from llmserve.worker.sampler import as_tensor
+from llmserve.worker.sampler import as_tensor, to_device
 
 log = logging.getLogger("llmserve.worker")
 
@@ -60,6 +60,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(b, self.width, dtype=i32, device=device)
         self.seq_lens = torch.zeros(b, dtype=i32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        rope = getattr(model, "rope", None)
+        if rope is not None:
+            # every position a plan can hold: graphs keep reading the tables they were
+            # captured with, and eager steps never check positions on the device
+            rope.reserve(self.width * block_size)
 
     def metadata(self, b: int) -> CudaAttentionMetadata:
         """Attention metadata over the first b static rows (all decode, padded)."""
@@ -79,12 +84,6 @@ class DecodeGraphs:
         buffers hold padding only (slot -1, seq_len 0), so the warm-up runs write nothing."""
         if not self.use_graphs:
             return
-        rope = getattr(self.model, "rope", None)
-        if rope is not None and rope.cos.shape[0] < self.width * self.block_size:
-            # NOTE: the tables must cover every position before capture: a graph keeps
-            # reading the tensors it was captured with, and growing them during capture would
-            # need a host sync.
-            rope._build(self.width * self.block_size)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -118,14 +117,15 @@ class DecodeGraphs:
         final hidden states of the plan's n rows [n, H] (a view of the graph's output)."""
         n = len(plan.seq_lens)
         w = min(self.width, np.asarray(plan.block_tables).reshape(n, -1).shape[1])
-        self.input_ids[:b].copy_(_padded(plan.input_ids, b, 0, np.int64), non_blocking=True)
+        dev = self.device
+        self.input_ids[:b].copy_(_padded(plan.input_ids, b, 0, np.int64, dev), non_blocking=True)
         if getattr(plan, "prev_tokens", None) is not None:
             fill_placeholders_(self.input_ids[:b], plan.prev_tokens)
-        self.positions[:b].copy_(_padded(plan.positions, b, 0, np.int64), non_blocking=True)
-        self.slot_mapping[:b].copy_(_padded(plan.slot_mapping, b, -1, np.int64), non_blocking=True)
-        self.seq_lens[:b].copy_(_padded(plan.seq_lens, b, 0, np.int32), non_blocking=True)
+        self.positions[:b].copy_(_padded(plan.positions, b, 0, np.int64, dev), non_blocking=True)
+        self.slot_mapping[:b].copy_(_padded(plan.slot_mapping, b, -1, np.int64, dev), non_blocking=True)
+        self.seq_lens[:b].copy_(_padded(plan.seq_lens, b, 0, np.int32, dev), non_blocking=True)
         tables = np.asarray(plan.block_tables).reshape(n, -1)[:, :w]
-        self.block_tables[:n, :w].copy_(torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
+        self.block_tables[:n, :w].copy_(_pinned(np.ascontiguousarray(tables, dtype=np.int32), dev),
                                         non_blocking=True)
         if self.use_graphs:
             graph, hidden = self.graphs[b]
@@ -135,11 +135,18 @@ class DecodeGraphs:
         return hidden[:n]
 
 
-def _padded(column, b: int, fill: int, dtype) -> torch.Tensor:
+def _padded(column, b: int, fill: int, dtype, device: torch.device) -> torch.Tensor:
     out = np.full(b, fill, dtype=dtype)
     col = np.asarray(column)
     out[:len(col)] = col
-    return torch.from_numpy(out)
+    return _pinned(out, device)
+
+
+def _pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array, in pinned memory when it is bound for a CUDA device: a copy_ from it into
+    a static buffer then does not wait for the device (sampler.to_device says why)."""
+    t = torch.from_numpy(array)
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 class CudaModelRunner(ModelRunner):
@@ -163,7 +170,7 @@ class CudaModelRunner(ModelRunner):
         try:
             self.graphs.capture()
         except RuntimeError as e:
-            # NOTE: serving eagerly is slower but correct; the gpu tests fail loudly instead
+            # NOTE: serving eagerly is slower but correct (the gpu tests check that capture works)
             log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
             self.graphs.graphs.clear()
             self.graphs.use_graphs = False
@@ -175,18 +182,18 @@ class CudaModelRunner(ModelRunner):
             return plan
         if prev is None:
             raise ValueError("this plan was made ahead: pass the step before it")
-        return Resolved(plan, np.asarray(plan.input_ids), prev.device_tokens().to(self.device))
+        return Resolved(plan, np.asarray(plan.input_ids), to_device(prev.device_tokens(), self.device))
 
     def run_model(self, plan) -> torch.Tensor:
         b = self.graphs.padded_size(plan)
         if b is not None:
             return self.graphs.run(plan, b)
         dev = self.device
-        input_ids = as_tensor(plan.input_ids, torch.int64).to(dev, non_blocking=True)
+        input_ids = to_device(as_tensor(plan.input_ids, torch.int64), dev)
         if getattr(plan, "prev_tokens", None) is not None:
             fill_placeholders_(input_ids, plan.prev_tokens)
-        positions = as_tensor(plan.positions, torch.int64).to(dev, non_blocking=True)
-        slot_mapping = as_tensor(plan.slot_mapping, torch.int64).to(dev, non_blocking=True)
+        positions = to_device(as_tensor(plan.positions, torch.int64), dev)
+        slot_mapping = to_device(as_tensor(plan.slot_mapping, torch.int64), dev)
         seq_lens = np.asarray(plan.seq_lens)
         meta = CudaAttentionMetadata.build(
             np.asarray(plan.query_start_loc), seq_lens,

@@ -19,7 +19,7 @@ import torch
 
 from llmserve.worker.attention import AttentionMetadata, GatherWorkspace
 from llmserve.worker.kv_cache import KVCache
-from llmserve.worker.sampler import DeviceSample, Sampler, SampleOutput, SamplingBatch, as_tensor
+from llmserve.worker.sampler import DeviceSample, Sampler, SampleOutput, SamplingBatch, as_tensor, to_device
 from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens, set_engine_threads
 
 
@@ -192,8 +192,7 @@ class ModelRunner:
             copy_src = as_tensor(plan.copy_src, torch.int64)
             if copy_src.numel():
                 copy_dst = as_tensor(plan.copy_dst, torch.int64)
-                self.kv_cache.copy_blocks(copy_src.to(self.device, non_blocking=True),
-                                          copy_dst.to(self.device, non_blocking=True))
+                self.kv_cache.copy_blocks(to_device(copy_src, self.device), to_device(copy_dst, self.device))
             num_tokens = len(plan.input_ids)
             num_rows = len(plan.logits_indices)
             if num_tokens == 0:
@@ -253,7 +252,7 @@ class ModelRunner:
         # forward above still had to run to fill the KV cache.
         if num_rows == 0:
             return Launched(DeviceSample(SampleOutput.empty()), prompt_lp)
-        rows = as_tensor(plan.logits_indices, torch.int64).to(self.device, non_blocking=True)
+        rows = to_device(as_tensor(plan.logits_indices, torch.int64), self.device)
         # (on an accelerator the sampler runs there too: worker/sampler.py)
         logits = self.model.compute_logits(hidden[rows])
         return Launched(self.sampler.sample_on_device(logits, SamplingBatch.from_plan(plan)), prompt_lp)
@@ -268,8 +267,8 @@ class ModelRunner:
             return None
         num = np.asarray(plan.prompt_lp_num, np.int64)
         p, k = len(indices), max(int(num.max()), 0)
-        rows = as_tensor(indices, torch.int64).to(self.device, non_blocking=True)
-        targets = as_tensor(plan.prompt_lp_targets, torch.int64).to(self.device, non_blocking=True)
+        rows = to_device(as_tensor(indices, torch.int64), self.device)
+        targets = to_device(as_tensor(plan.prompt_lp_targets, torch.int64), self.device)
         chosen = np.empty(p, np.float32)
         top_ids = np.full((p, k), -1, np.int64)
         top_lp = np.zeros((p, k), np.float32)

@@ -10,15 +10,16 @@ the model believed, not what the grammar allowed (vLLM does the same).
 Devices: `logits` may live on the GPU; the SamplingBatch columns stay on the CPU. Which rows
 take which path is decided from those CPU columns, so finding them never waits for the GPU;
 only index and parameter vectors travel to the logits' device, and the results come back
-once at the end (on CPU every move is a no-op). Every copy to the device is non_blocking:
-a blocking one would wait for the forward queued before it, and `sample_on_device` would
-no longer return while the GPU works (the engine plans the next step meanwhile).
+once at the end (on CPU every move is a no-op). Every copy to the device goes through
+`to_device` (pinned, non_blocking): a copy that waits would wait for the forward queued
+before it, and `sample_on_device` would no longer return while the GPU works (the engine
+plans the next step meanwhile).
 
 Cost rules: grammar masks touch only the Rm constrained rows (on CPU one Rust pass over the
 packed words; on GPU one unpack, one masked_fill);
 bias is a flat index_put_ (cost ~ nnz); only penalized rows get a [Rp, V] count
 tensor; top_p never sorts the vocabulary (top candidates, else a radix select);
-Python loops run only over seeded rows (one generator each, seeded from (seed, gen_index),
+Python loops run only over seeded rows (each row's draw is seeded from (seed, gen_index),
 so a seeded row's tokens do not depend on the rest of the batch).
 """
 
@@ -161,6 +162,18 @@ def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, queued without waiting for the device (a no-op on the CPU).
+
+    NOTE: on CUDA the copy starts from pinned memory. From pageable memory the driver stages
+    the copy and may wait for the stream first, so a step queued ahead would stall behind
+    the one running. `pin_memory()` takes its buffer from torch's caching host allocator,
+    which does not reuse it before the copy has run."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 try:
     from llmserve._core import apply_token_bitmask as _cpu_bitmask
 except ImportError:     # an extension built before the kernel existed: torch path only
@@ -201,9 +214,9 @@ def apply_token_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, bitmask:
         return
     vocab = logits.shape[1]
     device = logits.device
-    bitmask = bitmask.to(device=device, dtype=torch.int32, non_blocking=True)
-    rows = rows.to(device, non_blocking=True)
-    words = _BIT_WORDS.to(device, non_blocking=True)
+    bitmask = to_device(bitmask.to(torch.int32), device)
+    rows = to_device(rows, device)
+    words = to_device(_BIT_WORDS, device)
     forbidden = ((bitmask.unsqueeze(-1) & words) == 0).flatten(1)   # [Rm, W*32]
     if forbidden.shape[1] >= vocab:
         forbidden = forbidden[:, :vocab]
@@ -236,6 +249,8 @@ class Sampler:
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
+        # one generator per device for the seeded rows, re-seeded for each row it draws
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The shared generator of unseeded rows for logits on `device` (the CPU one, or one
@@ -260,7 +275,7 @@ class Sampler:
             return DeviceSample(SampleOutput.empty())
         dev = logits.device
         wants = torch.nonzero(b.num_logprobs >= 0).squeeze(1)
-        wants_dev = wants.to(dev, non_blocking=True)
+        wants_dev = to_device(wants, dev)
         raw_logprobs = torch.log_softmax(logits[wants_dev], dim=-1) if wants.numel() else None
 
         apply_token_bitmask(logits, b.mask_rows, b.token_bitmask)
@@ -269,7 +284,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = torch.nonzero(b.temperature > 0).squeeze(1)
         if random_rows.numel():
-            tokens[random_rows.to(dev, non_blocking=True)] = self._sample_random(logits, b, random_rows)
+            tokens[to_device(random_rows, dev)] = self._sample_random(logits, b, random_rows)
 
         k = max(int(b.num_logprobs.max()), 0)
         chosen = top_ids = top_values = None
@@ -288,8 +303,8 @@ class Sampler:
             return
         dev = logits.device
         rows = _row_of_each(b.bias_offsets)
-        logits.index_put_((rows.to(dev, non_blocking=True), b.bias_token_ids.to(dev, non_blocking=True)),
-                          b.bias_values.to(dev, non_blocking=True), accumulate=True)
+        logits.index_put_((to_device(rows, dev), to_device(b.bias_token_ids, dev)),
+                          to_device(b.bias_values, dev), accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> None:
@@ -307,23 +322,22 @@ class Sampler:
 
         dev = logits.device
         num_pen, vocab = pen_rows.numel(), logits.shape[1]
-        hist = b.hist_tokens.to(dev, non_blocking=True)
+        hist = to_device(b.hist_tokens, dev)
         seen = torch.zeros(num_pen, vocab, dtype=torch.bool, device=dev)
-        seen[prow.to(dev, non_blocking=True), hist] = True
+        seen[to_device(prow, dev), hist] = True
         counts = torch.zeros(num_pen, vocab, dtype=torch.float32, device=dev)
-        counts.index_put_((prow[is_output].to(dev, non_blocking=True),
-                           b.hist_tokens[is_output].to(dev, non_blocking=True)),
+        counts.index_put_((to_device(prow[is_output], dev), to_device(b.hist_tokens[is_output], dev)),
                           torch.ones(int(is_output.sum()), device=dev), accumulate=True)
 
-        pen_rows_dev = pen_rows.to(dev, non_blocking=True)
+        pen_rows_dev = to_device(pen_rows, dev)
         sub = logits[pen_rows_dev]
-        rep = b.repetition_penalty[pen_rows].unsqueeze(1).to(dev, non_blocking=True)
+        rep = to_device(b.repetition_penalty[pen_rows].unsqueeze(1), dev)
         # NOTE: a tiny penalty can push a positive logit past float32's range: keep it finite
         # (the largest float), so the row never holds +inf, which softmax turns into NaN.
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub.clamp_(max=torch.finfo(torch.float32).max)
-        sub -= b.frequency_penalty[pen_rows].unsqueeze(1).to(dev, non_blocking=True) * counts
-        sub -= b.presence_penalty[pen_rows].unsqueeze(1).to(dev, non_blocking=True) * (counts > 0).float()
+        sub -= to_device(b.frequency_penalty[pen_rows].unsqueeze(1), dev) * counts
+        sub -= to_device(b.presence_penalty[pen_rows].unsqueeze(1), dev) * (counts > 0).float()
         logits[pen_rows_dev] = sub
 
     def _sample_random(self, logits: torch.Tensor, b: SamplingBatch,
@@ -331,8 +345,8 @@ class Sampler:
         """logits [R, V] (processed) -> sampled ids [Rs] (on logits' device) for `rows` (CPU,
         temperature > 0). Greedy tokens are already taken, so `logits` is reused as scratch."""
         dev = logits.device
-        x = logits if rows.numel() == logits.shape[0] else logits[rows.to(dev, non_blocking=True)]
-        temp = b.temperature[rows].unsqueeze(1).to(dev, non_blocking=True)
+        x = logits if rows.numel() == logits.shape[0] else logits[to_device(rows, dev)]
+        temp = to_device(b.temperature[rows].unsqueeze(1), dev)
         # Weights exp((x - max) / T): the row's probabilities up to a constant factor, which
         # neither min_p / top_k nor the race needs. NOTE: shifting by the max first keeps tiny
         # temperatures finite in float32 (the best token's weight is exactly 1, bans exactly 0).
@@ -341,23 +355,23 @@ class Sampler:
         min_p = b.min_p[rows]
         if bool((min_p > 0).any()):
             # max weight is 1: p / p_max = w
-            w.masked_fill_(w < min_p.unsqueeze(1).to(dev, non_blocking=True), 0.0)
+            w.masked_fill_(w < to_device(min_p.unsqueeze(1), dev), 0.0)
 
         top_k = b.top_k[rows]
         k_rows = torch.nonzero((top_k > 0) & (top_k < w.shape[1])).squeeze(1)
         if k_rows.numel():
             ks = top_k[k_rows]
-            k_rows = k_rows.to(dev, non_blocking=True)
+            k_rows = to_device(k_rows, dev)
             sub = w[k_rows]
-            kth_index = (ks - 1).unsqueeze(1).to(dev, non_blocking=True)
+            kth_index = to_device((ks - 1).unsqueeze(1), dev)
             kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, kth_index)
             w[k_rows] = sub.masked_fill_(sub < kth, 0.0)
 
         top_p = b.top_p[rows]
         p_rows = torch.nonzero(top_p < 1.0).squeeze(1)
         if p_rows.numel():
-            p_rows_dev = p_rows.to(dev, non_blocking=True)
-            w[p_rows_dev] = _top_p_filter(w[p_rows_dev], top_p[p_rows].to(dev, non_blocking=True))
+            p_rows_dev = to_device(p_rows, dev)
+            w[p_rows_dev] = _top_p_filter(w[p_rows_dev], to_device(top_p[p_rows], dev))
 
         noise = self._exponential_noise(w.shape, b.seeds[rows], b.gen_index[rows], dev)
         return w.div_(noise).argmax(dim=-1)
@@ -365,7 +379,7 @@ class Sampler:
     def _exponential_noise(self, shape: torch.Size, seeds: torch.Tensor,
                            gen_index: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Exponential(1) noise [Rs, V] on `device`: unseeded rows from the shared generator,
-        each seeded row from its own generator seeded by (seed, gen_index). (A seed gives other
+        each seeded row from a generator seeded by (seed, gen_index). (A seed gives other
         tokens on a GPU than on the CPU: the generators differ; each is the same run to run.)"""
         # NOTE: -log(u) with u uniform in [0, 1) is Exponential(1) and ~2x cheaper on CPU than
         # exponential_(); u == 0 gives +inf noise, which only makes that token lose.
@@ -373,9 +387,14 @@ class Sampler:
         seeded = torch.nonzero(seeds >= 0).squeeze(1)
         if seeded.numel() < shape[0]:
             u.uniform_(generator=self.generator_on(device))
-        for i, seed, g in zip(seeded.tolist(), seeds[seeded].tolist(), gen_index[seeded].tolist()):
-            gen = torch.Generator(device=device).manual_seed(_mix_seed(seed, g))
-            u[i].uniform_(generator=gen)
+        if seeded.numel():
+            gen = self._seeded_generators.get(device)
+            if gen is None:
+                gen = self._seeded_generators[device] = torch.Generator(device=device)
+            for i, seed, g in zip(seeded.tolist(), seeds[seeded].tolist(), gen_index[seeded].tolist()):
+                # NOTE: re-seeding is safe while earlier draws are queued: a CUDA kernel takes
+                # its generator's seed and offset by value when it is launched
+                u[i].uniform_(generator=gen.manual_seed(_mix_seed(seed, g)))
         return u.log_().neg_()
 
 
