@@ -168,12 +168,15 @@ __global__ void __launch_bounds__(kThreads, kGroup <= 4 ? 4 : 2) paged_decode_ke
       const bool valid = chunk + t_local < end;
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
+        // rows past the real group size pad kGroup: skip their work (`group` is the same for
+        // every thread of the CTA, so the shuffles below stay convergent)
+        if (g >= group) break;
         float dot = 0.f;
 #pragma unroll
         for (int j = 0; j < kVecElems; ++j) dot = fmaf(q[g][j], k[j], dot);
 #pragma unroll
         for (int o = kVecs / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        if (vec == 0 && g < group) s_logits[g][t_local] = valid ? dot : -INFINITY;
+        if (vec == 0) s_logits[g][t_local] = valid ? dot : -INFINITY;
       }
     }
     __syncthreads();
