@@ -60,19 +60,22 @@ def random_llama_weights(c: dict, draw, top: dict) -> dict:
     return w
 
 
-def build_tiny_llama(folder: Path, *, max_position_embeddings: int = 512, seed: int = 0) -> Path:
-    """A complete HF model folder: config, safetensors, tokenizer, template, generation config."""
+def build_tiny_llama(folder: Path, *, max_position_embeddings: int = 512, seed: int = 0,
+                     **shape) -> Path:
+    """A complete HF model folder: config, safetensors, tokenizer, template, generation config.
+    `shape`: LlamaConfig fields that replace the tiny defaults (hidden 64 over 4 heads, ...)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(folder / "tokenizer.json")
     eos = SPECIALS.index("<|im_end|>")
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos, rope_theta=10000.0,
-    )
+    config = LlamaConfig(**{
+        **dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=eos, rope_theta=10000.0),
+        **shape})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder, safe_serialization=True)

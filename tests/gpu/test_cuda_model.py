@@ -7,6 +7,7 @@ logits."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from _plans import Paged, Row
 from _scenario import BLOCK, scenario_plans
-from tiny import random_llama_weights
+from tiny import build_tiny_llama, random_llama_weights
 
 from llmserve.kernels import reference
 from llmserve.models import build_model
@@ -46,8 +47,13 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def cuda_runner(graphs: bool, ops=None) -> CudaModelRunner:
     model = build_model(CONFIG, weights(), torch.bfloat16, torch.device("cuda"))
-    return CudaModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cuda", max_num_seqs=8,
-                           max_model_len=256, cuda_graphs=graphs, ops=ops)
+    runner = CudaModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cuda", max_num_seqs=8,
+                             max_model_len=256, cuda_graphs=graphs, ops=ops)
+    if graphs:
+        # a failed capture only logs a warning and serves eagerly, which every comparison
+        # below would pass: fail here instead
+        assert runner.graphs.use_graphs and sorted(runner.graphs.graphs) == runner.graphs.sizes
+    return runner
 
 
 def step_logits(runner, plan) -> torch.Tensor:
@@ -120,7 +126,15 @@ def test_execute_runs_the_sampler_on_gpu_logits():
         schedule = {sid: 1 for sid in schedule}        # then decode steps (graphs)
 
 
-def test_planning_ahead_on_cuda_gives_the_same_tokens(tiny_model):
+@pytest.fixture(scope="module")
+def kernel_shaped_model(tmp_path_factory):
+    """The tiny test model with head_dim 64 (2 query heads over 1 kv head), a shape the
+    kernels serve: the engine on CUDA then runs CudaModelRunner with graphs."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-d64"), hidden_size=128,
+                            intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_planning_ahead_on_cuda_gives_the_same_tokens(kernel_shaped_model):
     """--async-scheduling on CUDA: a request alone runs the same batches with or without
     planning ahead, so its greedy and seeded tokens are identical; a mixed batch finishes
     and frees every block."""
@@ -130,10 +144,12 @@ def test_planning_ahead_on_cuda_gives_the_same_tokens(tiny_model):
     from llmserve.engine.offline import make_config
 
     def build(ahead: bool):
-        return build_engine(make_config(str(tiny_model), device="cuda", num_kv_blocks=120,
+        return build_engine(make_config(str(kernel_shaped_model), device="cuda", num_kv_blocks=120,
                                         max_num_seqs=8, async_scheduling="on" if ahead else "off"))
     sync, ahead = build(False), build(True)
     assert ahead.plan_ahead and not sync.plan_ahead
+    for engine in (sync, ahead):     # the kernels and graphs, not the torch fallback
+        assert isinstance(engine.runner, CudaModelRunner) and engine.runner.graphs.use_graphs
     alone = [b for b in BODIES if "n" not in b]
     for body in alone:
         want, _ = serve(sync, [body])
@@ -176,3 +192,23 @@ def test_launch_queues_a_decode_step_without_waiting_for_the_gpu():
         torch.cuda.set_sync_debug_mode("default")
     first, second = launched.result(), queued.result()
     assert first.tokens.shape == second.tokens.shape == (4,)
+
+    # The sync debug mode sees torch's own waits only; a copy from pageable host memory can
+    # wait inside the driver. So: queue ~1 s of GPU work first; both launches must return
+    # long before it ends.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**8)
+    end.record()
+    end.synchronize()
+    cycles = int(10**8 * 1000 / start.elapsed_time(end))           # ~1 s of spinning
+    torch.cuda._sleep(cycles)
+    t = time.perf_counter()
+    launched = runner.launch(plan)
+    queued = runner.launch(ahead, launched)
+    took = time.perf_counter() - t
+    busy = not torch.cuda.current_stream().query()
+    assert busy and took < 0.3, f"launch() waited for the GPU: {took:.3f} s"
+    # the same steps again (they rewrite the same K/V): rows 0-2 are greedy or seeded
+    assert np.array_equal(launched.result().tokens[:3], first.tokens[:3])
+    assert np.array_equal(queued.result().tokens[:3], second.tokens[:3])
