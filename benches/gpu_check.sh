@@ -71,44 +71,178 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 T0=$(date +%s)
+# The device tool kills a command at 600 s, and a killed script prints no table. So every
+# stage gets at most what is left before DEADLINE, a stage that no longer fits is skipped
+# (the table says so), and the summary runs on any exit.
+DEADLINE=$(( T0 + ${GPU_CHECK_SECONDS:-540} ))
 stamp() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
+# budget CAP: seconds the next stage may take: at most CAP, 0 once fewer than 20 are left
+budget() {
+  local left=$(( DEADLINE - $(date +%s) - 10 ))
+  (( left > $1 )) && left=$1
+  (( left < 20 )) && left=0
+  echo $left
+}
+BUILD=skipped TESTS=skipped BENCH=skipped SERVE=skipped SKIPPED="" SERVER="" PORT=18123
+
+ready() { $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null; }
+stop_server() {
+  # SIGTERM drains what is in flight (a load run cut by its timeout leaves requests): bounded
+  kill "$SERVER" 2>/dev/null
+  timeout 20 tail --pid="$SERVER" -f /dev/null 2>/dev/null || kill -9 "$SERVER" 2>/dev/null
+  wait "$SERVER" 2>/dev/null
+  SERVER=""
+}
+
+summary() {
+  [ -n "$SERVER" ] && stop_server
+  stamp "summary"
+  # how the server ran: KV-cache size, graphs captured, or why the kernels were not used
+  [ -s "$RESULTS/server.log" ] && grep -E "KV cache:|captured|CUDA kernels not used|capture failed|Traceback" \
+    "$RESULTS/server.log" | head -n 8
+  $PY - "$RESULTS" "$BUILD" "$TESTS" "$BENCH" "$SERVE" "$SKIPPED" <<'EOF'
+import json, sys
+from pathlib import Path
+res, build, tests, bench, serve, skipped = Path(sys.argv[1]), *sys.argv[2:7]
+
+
+def num(x, spec):       # a run where every request failed has null (NaN) figures
+    return "n/a" if x is None else format(x, spec)
+
+
+print("=" * 78)
+print(f"{'extension build':28} {build}")
+print(f"{'gpu tests':28} {tests}")
+print(f"{'kernel micro-benchmark':28} {bench}")
+kb = res / "kernel_bench.json"
+if kb.is_file():
+    data = json.loads(kb.read_text())
+    print(f"{'copy bandwidth (measured)':28} {data['copy_tbs']:.2f} TB/s")
+    for r in data["rows"]:
+        goal = "  goal >= 65% peak" if r["batch"] * r["ctx"] >= 64 * 1024 else ""
+        print(f"decode {r['shape']:13} {r['batch']:4d}x{r['ctx']:<5d} {r['us']:8.1f} us {r['tbs']:5.2f} TB/s "
+              f"{r['pct_peak']:5.1f}% peak {r['pct_copy']:5.1f}% copy{goal}")
+    for r in data.get("steps", []):
+        goal = "  goal <= 1.3 ms" if r["batch"] == 1 and r["graphs"] else ""
+        print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
+              f"{r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
+print(f"{'serving benchmark':28} {serve}")
+for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sync")):
+    sl = res / name
+    if not sl.is_file():
+        continue
+    text, dec, pos = sl.read_text(), json.JSONDecoder(), 0
+    while True:
+        pos = text.find("{", pos)
+        if pos < 0:
+            break
+        row, pos = dec.raw_decode(text, pos)
+        print(f"serve {label:5} {row['workload']:10} out {num(row.get('out_tok_s'), '7.0f')} tok/s "
+              f"(server {num(row.get('server_gen_tok_s'), '7.0f')})  TTFT p50 {num(row.get('ttft_p50_ms'), '7.1f')} ms  "
+              f"TPOT p50 {num(row.get('tpot_p50_ms'), '6.2f')} ms  failed {row.get('failed', 0)}")
+if (res / "serve_load.jsonl").is_file():
+    print("goals: load@c256 >= 30k out tok/s; batch-1 step (TPOT @c1) <= 1.3 ms")
+if skipped.strip():
+    print(f"{'skipped for time':28} {skipped.strip()}")
+print("=" * 78)
+EOF
+}
+trap summary EXIT
 
 stamp "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+# the build uses torch's CUDA_HOME, which need not be the nvcc on PATH
+CUDA_HOME_TORCH=$($PY -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or '')" 2>/dev/null)
+if [ -z "$CUDA_HOME_TORCH" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+  CUDA_HOME_TORCH=$CUDA_HOME
+fi
+echo "CUDA_HOME (torch): ${CUDA_HOME_TORCH:-none}"
 command -v nvcc >/dev/null && nvcc --version | tail -n 2 | head -n 1
+# the carried wheels before the tests: they import orjson too
+if ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/wheels/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+$PY -m pip show anyio h11 click 2>/dev/null | grep -E '^(Name|Version)' | paste -d ' ' - - | tr '\n' ';'; echo
 $PY -c "import llmserve._core" 2>/dev/null || echo "WARNING: llmserve._core is missing: carry python/llmserve/_core.abi3.so (the serving part needs it)"
 
 stamp "build the CUDA extension (cached after the first build)"
-if timeout 420 $PY -c "
+T=$(budget 240)
+if (( T > 0 )) && timeout "$T" $PY -c "
 import time; t = time.time()
 from llmserve import kernels
 kernels.load()
 print(f'kernels loaded in {time.time() - t:.0f} s')" 2>&1 | tee "$RESULTS/build.log" | tail -n 30; then BUILD=ok; else BUILD=FAILED; fi
-grep -q "kernels loaded" "$RESULTS/build.log" || BUILD=FAILED
+grep -q "kernels loaded" "$RESULTS/build.log" 2>/dev/null || BUILD=FAILED
 
-TESTS=skipped
 if [ "$BUILD" = ok ]; then
   stamp "gpu tests"
-  timeout 200 $PY -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$RESULTS/tests.log" | tail -n 25
-  TESTS=$(grep -E "^[0-9]+ (passed|failed)|passed|failed" "$RESULTS/tests.log" | tail -n 1)
+  T=$(budget 180)
+  if (( T > 0 )); then
+    timeout "$T" $PY -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$RESULTS/tests.log" | tail -n 25
+    TESTS=$(grep -E "passed|failed|error" "$RESULTS/tests.log" | tail -n 1)
+    [ -n "$TESTS" ] || TESTS="no result (cut at $T s)"
+  else
+    SKIPPED+=" gpu-tests"
+  fi
   stamp "kernel micro-benchmark"
   STEP=()
   [ -f "$CARRY/smollm2-shape/config.json" ] && STEP=(--step-config "$CARRY/smollm2-shape/config.json")
-  timeout 180 $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1 | tee "$RESULTS/kernel_bench.log"
+  T=$(budget 150)
+  if (( T > 0 )); then
+    if timeout "$T" $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1 | tee "$RESULTS/kernel_bench.log"
+    then BENCH=ok; else BENCH="FAILED or cut at $T s"; fi
+  else
+    SKIPPED+=" kernel-bench"
+  fi
 fi
 
-SERVE=skipped
-if [ -d "$CARRY/wheels" ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/wheels/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+# serve_runs OUT.jsonl "c:n ..." [server flags]: one server, the load workload at each
+# concurrency c with n prompts, rows appended to OUT.jsonl; "c:n:warm" runs without keeping
+# its row (a warm-up)
+serve_runs() {
+  local out=$1 specs=$2 T spec c n
+  shift 2
+  T=$(budget 90)
+  if (( T == 0 )); then SKIPPED+=" server($*)"; return; fi
+  stamp "llmserve run --device cuda --max-num-seqs 256 $*"
+  $PY -m llmserve.cli run "$MODEL" --device cuda --host 127.0.0.1 --port $PORT --max-num-seqs 256 \
+    --max-model-len 2048 --served-model-name smollm2-shape "$@" >> "$RESULTS/server.log" 2>&1 &
+  SERVER=$!
+  local until=$(( $(date +%s) + T ))   # weights load, KV allocation and graph capture
+  while (( $(date +%s) < until )); do
+    ready && break
+    kill -0 "$SERVER" 2>/dev/null || break
+    sleep 0.5
+  done
+  if ready; then
+    [ "$SERVE" = skipped ] && SERVE=ok
+    for spec in $specs; do
+      IFS=: read -r c n warm <<< "$spec"
+      T=$(budget 120)
+      if (( T == 0 )); then SKIPPED+=" c$c($*)"; continue; fi
+      stamp "load workload: concurrency $c, $n prompts${warm:+ (warm-up)}"
+      timeout "$T" $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
+        --workload load --concurrency "$c" --num-prompts "$n" > "$RESULTS/last_run.json" || SERVE=partial
+      [ -n "$warm" ] || tee -a "$out" < "$RESULTS/last_run.json"
+    done
+    rm -f "$RESULTS/last_run.json"
+  else
+    echo "server did not become ready:"; tail -n 40 "$RESULTS/server.log"; SERVE=FAILED
+  fi
+  stop_server
+}
+
 if ! $PY -c "import starlette, uvicorn, orjson, llmserve._core" 2>/dev/null; then
   echo "SKIP serving benchmark: starlette/uvicorn/orjson or llmserve._core missing (run 'bash benches/gpu_check.sh prepare' here and carry target/gpu-carry + python/llmserve/_core.abi3.so)"
 elif [ ! -f "$CARRY/smollm2-shape/config.json" ]; then
   echo "SKIP serving benchmark: $CARRY/smollm2-shape is missing (bash benches/gpu_check.sh prepare)"
 elif [ "$BUILD" != ok ]; then
   echo "SKIP serving benchmark: the kernels did not build"
+elif (( $(budget 60) == 0 )); then
+  SKIPPED+=" serving"
 else
   stamp "random bf16 weights with SmolLM2-135M's shapes"
   MODEL=/tmp/smollm2-shape
@@ -139,78 +273,11 @@ if not c.tie_word_embeddings:
 save_file(w, str(folder / "model.safetensors"))
 print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
 EOF
-  PORT=18123
-  ready() { $PY -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null; }
-  # serve_runs OUT.jsonl "c:n ..." [server flags]: one server, the load workload at each
-  # concurrency c with n prompts, rows appended to OUT.jsonl
-  serve_runs() {
-    local out=$1 specs=$2; shift 2
-    stamp "llmserve run --device cuda --max-num-seqs 256 $*"
-    $PY -m llmserve.cli run "$MODEL" --device cuda --host 127.0.0.1 --port $PORT --max-num-seqs 256 \
-      --max-model-len 2048 --served-model-name smollm2-shape "$@" >> "$RESULTS/server.log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 180); do   # weights load, KV allocation and graph capture: well under 90 s
-      ready && break
-      kill -0 $SERVER 2>/dev/null || break
-      sleep 0.5
-    done
-    if ready; then
-      [ "$SERVE" = skipped ] && SERVE=ok
-      for spec in $specs; do
-        c=${spec%%:*}; n=${spec##*:}
-        stamp "load workload: concurrency $c, $n prompts"
-        timeout 150 $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
-          --workload load --concurrency "$c" --num-prompts "$n" | tee -a "$out" || SERVE=partial
-      done
-    else
-      echo "server did not become ready:"; tail -n 40 "$RESULTS/server.log"; SERVE=FAILED
-    fi
-    kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
-  }
   : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_sync.jsonl"
   serve_runs "$RESULTS/serve_load.jsonl" "1:32 64:512 256:1000"
-  # the same server planning each step only after the last one's tokens are back, side by side
-  [ "$SERVE" = ok ] && serve_runs "$RESULTS/serve_load_sync.jsonl" "256:1000" --async-scheduling off
+  # the same server planning each step only after the last one's tokens are back, side by
+  # side; warmed up first, as the first server was by its earlier runs
+  if [ "$SERVE" = ok ]; then
+    serve_runs "$RESULTS/serve_load_sync.jsonl" "64:128:warm 256:1000" --async-scheduling off
+  fi
 fi
-
-stamp "summary"
-# how the server ran: KV-cache size, graphs captured, or why the kernels were not used
-[ -f "$RESULTS/server.log" ] && grep -E "KV cache:|captured|CUDA kernels not used|capture failed|Traceback" \
-  "$RESULTS/server.log" | head -n 6
-$PY - "$RESULTS" "$BUILD" "$TESTS" "$SERVE" <<'EOF'
-import json, sys
-from pathlib import Path
-res, build, tests, serve = Path(sys.argv[1]), *sys.argv[2:5]
-print("=" * 78)
-print(f"{'extension build':28} {build}")
-print(f"{'gpu tests':28} {tests}")
-kb = res / "kernel_bench.json"
-if kb.is_file():
-    data = json.loads(kb.read_text())
-    print(f"{'copy bandwidth (measured)':28} {data['copy_tbs']:.2f} TB/s")
-    for r in data["rows"]:
-        goal = "  goal >= 65% peak" if r["batch"] * r["ctx"] >= 64 * 1024 else ""
-        print(f"decode {r['shape']:13} {r['batch']:4d}x{r['ctx']:<5d} {r['us']:8.1f} us {r['tbs']:5.2f} TB/s "
-              f"{r['pct_peak']:5.1f}% peak {r['pct_copy']:5.1f}% copy{goal}")
-    for r in data.get("steps", []):
-        goal = "  goal <= 1.3 ms" if r["batch"] == 1 and r["graphs"] else ""
-        print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
-              f"{r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
-for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sync")):
-    sl = res / name
-    if not sl.is_file():
-        continue
-    text, dec, pos = sl.read_text(), json.JSONDecoder(), 0
-    while True:
-        pos = text.find("{", pos)
-        if pos < 0:
-            break
-        row, pos = dec.raw_decode(text, pos)
-        print(f"serve {label:5} {row['workload']:10} out {row['out_tok_s']:9.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
-              f"TPOT p50 {row['tpot_p50_ms']:6.2f} ms  failed {row.get('failed', 0)}")
-if (res / "serve_load.jsonl").is_file():
-    print("goals: load@c256 >= 30k out tok/s; batch-1 step (TPOT @c1) <= 1.3 ms")
-else:
-    print(f"{'serving benchmark':28} {serve}")
-print("=" * 78)
-EOF

@@ -134,8 +134,12 @@ def step_bench(config_path: str, steps: int = 40) -> list[dict]:
                 runner.execute(plan)
                 times.append(time.perf_counter() - t)
             step = statistics.median(times[5:])
-            rows.append(dict(batch=batch, graphs=graphs, step_ms=step * 1e3, tok_s=batch / step))
-            print(f"decode step  batch {batch:3d}  {'graphs' if graphs else 'eager ':6}  "
+            # what ran, not what was asked for: a failed capture falls back to eager steps
+            replayed = runner.graphs.use_graphs
+            if graphs and not replayed:
+                print(f"decode step  batch {batch:3d}: CUDA graph capture FAILED, timed eagerly", flush=True)
+            rows.append(dict(batch=batch, graphs=replayed, step_ms=step * 1e3, tok_s=batch / step))
+            print(f"decode step  batch {batch:3d}  {'graphs' if replayed else 'eager ':6}  "
                   f"{step * 1e3:7.3f} ms  {batch / step:9.0f} tok/s", flush=True)
             del runner
             torch.cuda.empty_cache()

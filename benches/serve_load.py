@@ -117,6 +117,18 @@ async def run_http(url: str, model: str, texts: list[str], max_tokens: int, conc
         return results, time.perf_counter() - start
 
 
+def generated_tokens(url: str) -> float | None:
+    """The server's own count of generated tokens (/metrics), None where it has none: beside
+    the client's figures it says whether the client or the server set the pace."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("llmserve:generation_tokens_total")]
+    return sum(values) if values else None
+
+
 def run_offline(model: str | None, texts: list[str], max_tokens: int, threads: int | None) -> dict:
     from llmserve import LLM
 
@@ -163,8 +175,12 @@ def main() -> None:
     try:
         model = args.served_name or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         for c in args.concurrency:
+            before = generated_tokens(url)
             results, wall = asyncio.run(run_http(url, model, texts, max_tokens, c))
             row = summarize(f"{args.workload}@c{c}", results, wall)
+            after = generated_tokens(url)
+            if before is not None and after is not None:
+                row["server_gen_tok_s"] = (after - before) / wall
             print(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode(), flush=True)
     finally:
         if server is not None:
