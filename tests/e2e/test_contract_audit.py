@@ -213,6 +213,25 @@ def test_tool_fields_without_effect_are_reported(tiny_server):
     assert err["param"] == "response_format.json_schema"
 
 
+def test_field_names_reach_the_header_as_printable_ascii_and_bounded(tiny_server):
+    """A field name a header cannot carry (beyond latin-1, or holding CR/LF) was a 500 after
+    generating; hundreds of names (900 messages' `name`s) made a header Node's fetch refuses.
+    Now names are escaped and the list is cut at 4 KiB, on every route that sends it."""
+    for path, body in (("/v1/chat/completions", {"messages": MSG, "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+                       ("/tokenize", {"prompt": "Hi"})):
+        r = _ok(tiny_server, path, {**body, "東京": 1, "a\r\nX-Evil: 1": 2})
+        assert r.headers["llmserve-ignored-fields"] == "a\\u000d\\u000aX-Evil: 1, \\u6771\\u4eac", path
+        assert "x-evil" not in r.headers
+    r = _ok(tiny_server, "/tokenize", {"prompt": "Hi", "東京": 1})
+    assert r.json()["ignored_fields"] == ["東京"]           # the body lists names as sent
+    many = {f"field_{i:04}": 1 for i in range(900)}
+    r = _ok(tiny_server, "/v1/chat/completions/render", {"messages": MSG, **many})
+    value = r.headers["llmserve-ignored-fields"]
+    assert len(value) <= 4096 and value.endswith(" more)"), value[-60:]
+    assert len(r.json()["ignored_fields"]) == 900
+
+
 # -- 7. /tokenize and /detokenize ----------------------------------------------------------------
 
 def test_tokenize_and_detokenize_take_vllms_fields(tiny_server, tiny_model):

@@ -106,7 +106,7 @@ class LLM:
                 raise ValueError("the offline API does not stream; drop `stream`")
         # Every request is checked before any is queued: one bad prompt fails the call alone.
         prepared = [router.prepare(endpoint, orjson.dumps(body)) for body in bodies]
-        ignored = [_ignored(p) for p in prepared]
+        ignored = [tuple(p.ignored_fields) for p in prepared]
         for fields in sorted(set(ignored)):
             if fields:
                 warnings.warn(f"llmserve: these request fields had no effect: {', '.join(fields)}", stacklevel=3)
@@ -152,11 +152,6 @@ def _is_prompt_list(prompts: object) -> bool:
     return isinstance(prompts, list) and all(isinstance(p, str) or ids(p) for p in prompts)
 
 
-def _ignored(prepared: Any) -> tuple[str, ...]:
-    for name, value in prepared.headers:
-        if name == "llmserve-ignored-fields":
-            return tuple(value.split(", "))
-    return ()
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:

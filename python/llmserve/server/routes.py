@@ -254,7 +254,7 @@ def _handler(endpoint: str):
         if b'"ignored_fields"' in out:
             ignored = orjson.loads(out).get("ignored_fields")
             if ignored:
-                headers["llmserve-ignored-fields"] = ", ".join(ignored)
+                headers["llmserve-ignored-fields"] = Router.header_list(ignored)
         return Response(out, media_type=JSON, headers=headers)
 
     handle.__name__ = endpoint

@@ -134,6 +134,13 @@ impl PyRouter {
     /// `not_found`, `model_not_found`, `payload_too_large`, `request_timeout` (`limit` is its
     /// seconds), `invalid_request`, `unsupported_parameter`, `unsupported_media_type`), with
     /// its body built here like every other error.
+    /// A header value listing request fields (`llmserve-ignored-fields`), as the generation
+    /// routes write it: printable ASCII, at most 4 KiB, the rest counted.
+    #[staticmethod]
+    fn header_list(items: Vec<String>) -> String {
+        llmserve_router::protocol::common::header_list(&items)
+    }
+
     #[staticmethod]
     #[pyo3(signature = (kind, message = String::new(), param = None, retry_after = None, limit = None))]
     fn error(
@@ -193,6 +200,12 @@ impl PyPrepared {
     #[getter]
     fn prompt_tokens(&self) -> PyResult<usize> {
         Ok(self.get()?.prompts.iter().map(Vec::len).sum())
+    }
+    /// The request's fields that had no effect, every one of them (the header lists at most
+    /// 4 KiB of them, escaped to printable ASCII).
+    #[getter]
+    fn ignored_fields(&self) -> PyResult<Vec<String>> {
+        Ok(self.get()?.ignored.clone())
     }
     /// Each prompt's token count (what the metrics need, without copying the ids).
     #[getter]

@@ -44,6 +44,30 @@ fn unknown_and_inert_fields_are_named_in_a_header() {
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
 }
 
+/// A header carries printable ASCII only, and clients refuse large ones: field names are
+/// escaped as JSON escapes them, and a long list is cut at 4 KiB with a count of the rest.
+/// The Prepared request keeps every name as sent.
+#[test]
+fn the_ignored_fields_header_stays_printable_and_bounded() {
+    let r = router();
+    let p = chat(&r, json!({"東京": 1, "a\r\nX-Evil: 1": 2, "back\\slash": 3})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("a\\u000d\\u000aX-Evil: 1, back\\\\slash, \\u6771\\u4eac"));
+    assert_eq!(p.ignored, ["a\r\nX-Evil: 1", "back\\slash", "東京"]);
+
+    let many: serde_json::Map<String, Value> = (0..5000).map(|i| (format!("field_{i:05}"), json!(1))).collect();
+    let p = chat(&r, Value::Object(many)).unwrap();
+    let value = header(&p, "llmserve-ignored-fields").unwrap();
+    assert!(value.len() <= 4096, "{}", value.len());
+    let listed = value.split(", ").filter(|s| s.starts_with("field_")).count();
+    assert!(value.ends_with(&format!(", ... ({} more)", 5000 - listed)), "{}", &value[value.len() - 40..]);
+    assert!(listed > 300);
+    assert_eq!(p.ignored.len(), 5000);
+
+    // one enormous name is shortened, not dropped
+    let p = chat(&r, json!({"x".repeat(100_000): 1})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some(format!("{}...", "x".repeat(256)).as_str()));
+}
+
 /// OpenAI's fields that do nothing here are reported whatever their value, but a value of the
 /// wrong JSON kind is a 400, as OpenAI answers it.
 #[test]
@@ -320,6 +344,10 @@ fn tokenize_route() {
         (400, "invalid_value", Some("tools".into()))
     );
     assert_eq!(t(b"{"), (400, "invalid_json", Some("body".into())));
+    assert_eq!(
+        t(br#"{"messages": [{"role": "user", "content": "a"}], "documents": [1]}"#),
+        (400, "invalid_type", Some("documents[0]".into()))
+    );
     // The chat-only fields do nothing to a prompt: reported (null means unset).
     let v = body_json(
         r.handle(

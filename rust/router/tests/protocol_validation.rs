@@ -414,7 +414,11 @@ fn structured_outputs_constrain_like_response_format() {
         assert_eq!((e.code(), e.param()), ("invalid_value", Some(param)));
         assert!(e.message().contains("back to itself"), "{}", e.message());
     }
-    let many: Vec<String> = (0..2001).map(|i| format!("c{i}")).collect();
+    for n in [2000, 20000] {
+        let many: Vec<String> = (0..n).map(|i| format!("c{i}")).collect();
+        assert!(chat(&r, json!({"guided_choice": many})).is_ok(), "{n}");
+    }
+    let many: Vec<String> = (0..20001).map(|i| format!("c{i}")).collect();
     assert_eq!(shape(chat(&r, json!({"guided_choice": many}))), (400, "invalid_value", p("guided_choice")));
     let tuned = chat(
         &r,
@@ -631,6 +635,8 @@ fn chat_extensions() {
             p("chat_template_kwargs.add_generation_prompt"),
         ),
         (json!({"documents": {}}), 400, "invalid_type", p("documents")),
+        (json!({"documents": [{"text": "a"}, "b"]}), 400, "invalid_type", p("documents[1]")),
+        (json!({"documents": [null]}), 400, "invalid_type", p("documents[0]")),
         (json!({"add_generation_prompt": "yes"}), 400, "invalid_type", p("add_generation_prompt")),
     ]);
     let r = router();
@@ -912,6 +918,11 @@ fn out_of_range_integers_say_so() {
         r.prepare(Endpoint::Chat, body.as_bytes()).unwrap();
     }
     assert_eq!(raw(r#""seed": -9223372036854775809"#).code(), "invalid_value");
+    for decimal in ["2.0", "1e19"] {
+        let e = raw(&format!(r#""seed": {decimal}"#));
+        assert_eq!((e.code(), e.param()), ("invalid_type", Some("seed")), "{decimal}");
+        assert!(e.message().contains("not a decimal number"), "{}", e.message());
+    }
     let e = raw(r#""max_tokens": 1000000000000000000000000000000"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("max_tokens")));
     assert!(e.message().contains("must be an integer that fits in 32 bits"), "{}", e.message());

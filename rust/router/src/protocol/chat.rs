@@ -12,8 +12,8 @@ use serde_json::{json, Map, Value};
 
 use super::budget::{check_context, settle_budget};
 use super::common::{
-    from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored, truncate_prompt, unix_now,
-    unknown_keys, unsupported, vllm_unsupported, CommonFields,
+    from_value, header_list, header_text, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored,
+    truncate_prompt, unix_now, unknown_keys, unsupported, vllm_unsupported, CommonFields,
 };
 use super::{constrained, Checked, Endpoint, Prepared};
 use crate::content_format::ContentFormat;
@@ -176,6 +176,18 @@ pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
         validate_message(i, m)?;
     }
     Ok(())
+}
+
+/// Each document (RAG templates' `documents`) is an object of fields such as `title` and
+/// `text`, as vLLM types them: anything else would reach the template as a document.
+pub(crate) fn validate_documents(documents: &[Value]) -> Result<(), ApiError> {
+    match documents.iter().enumerate().find(|(_, d)| !d.is_object()) {
+        Some((i, d)) => Err(invalid_type(
+            format!("documents[{i}]"),
+            format!("A document must be an object (its fields, such as `title` and `text`), not {}.", kind_of(d)),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Message keys the render never looked up, as `messages[i].key` (null values are as good
@@ -748,6 +760,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         ));
     }
     validate_messages(&chat.messages)?;
+    validate_documents(chat.documents.as_deref().unwrap_or_default())?;
 
     let mut params = c.params;
     params.logprobs = match (chat.logprobs, chat.top_logprobs) {
@@ -877,9 +890,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 
     let mut headers = Vec::new();
     headers.extend(ignored_header(&ignored));
-    headers.push(("llmserve-chat-template".into(), format!("{} {}", template.origin(), template.hash())));
+    // (a --chat-template file's path can hold any character)
+    let origin = header_text(template.origin());
+    headers.push(("llmserve-chat-template".into(), format!("{origin} {}", template.hash())));
     if !rendered.unused_kwargs.is_empty() {
-        headers.push(("llmserve-unused-template-kwargs".into(), rendered.unused_kwargs.join(", ")));
+        headers.push(("llmserve-unused-template-kwargs".into(), header_list(&rendered.unused_kwargs)));
     }
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
@@ -898,6 +913,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         cache_salt: c.cache_salt,
         user: c.user,
         headers,
+        ignored: ignored.clone(),
         grammar,
         tools,
         reasoning,

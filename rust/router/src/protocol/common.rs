@@ -1,6 +1,7 @@
 //! What chat and completions share: reading the body, serde errors as `ApiError`s with
 //! field paths, the sampling/stopping fields and their defaults, and ignored-field reporting.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::de::{DeserializeOwned, IgnoredAny};
@@ -360,7 +361,15 @@ impl CommonFields {
             Some(Value::Number(num)) => match (num.as_u64(), num.as_i64(), num.as_f64()) {
                 (Some(u), _, _) => Some(u),
                 (None, Some(i), _) => Some(i as u64),
-                // JSON integers past 64 bits parse as floats: a whole one is out of range.
+                // A whole number written as a decimal (2.0) is a type error, as for every
+                // integer field. JSON integers past 64 bits parse as floats too (-2^63 - 1
+                // rounds to -2^63, which an integer literal would have parsed as): out of range.
+                (None, None, Some(x)) if x.fract() == 0.0 && x > -(2f64.powi(63)) && x < 2f64.powi(64) => {
+                    return Err(invalid_type(
+                        "seed",
+                        format!("`seed` must be an integer, not a decimal number, got {num}."),
+                    ))
+                }
                 (None, None, Some(x)) if x.is_finite() && x.fract() == 0.0 => {
                     return Err(ApiError::invalid(
                         "seed",
@@ -724,5 +733,59 @@ pub fn unix_now() -> u64 {
 
 /// Builds the `llmserve-ignored-fields` header, if any.
 pub fn ignored_header(ignored: &[String]) -> Option<(String, String)> {
-    (!ignored.is_empty()).then(|| ("llmserve-ignored-fields".to_string(), ignored.join(", ")))
+    (!ignored.is_empty()).then(|| ("llmserve-ignored-fields".to_string(), header_list(ignored)))
+}
+
+/// Most bytes of a header that lists request fields. Clients refuse large response headers
+/// (Node's fetch takes 16 KiB of headers in all; nginx buffers 4 or 8 KiB by default), and a
+/// request can name thousands of fields (a `name` on each of 900 messages).
+pub const HEADER_LIST_BYTES: usize = 4096;
+/// Most bytes of one item of such a list (a client's unknown key can be any length).
+const HEADER_ITEM_BYTES: usize = 256;
+
+/// The value of a header that lists request fields: the items joined by ", ", each as
+/// [`header_text`] writes it and cut after HEADER_ITEM_BYTES ("..."); past HEADER_LIST_BYTES
+/// the rest is counted instead of listed (", ... (12 more)").
+pub fn header_list(items: &[String]) -> String {
+    let mut out = String::new();
+    for (i, item) in items.iter().enumerate() {
+        let mut text = header_text(item).into_owned();
+        if text.len() > HEADER_ITEM_BYTES {
+            text.truncate(HEADER_ITEM_BYTES); // ASCII: any byte is a boundary
+            text.push_str("...");
+        }
+        let more = format!(", ... ({} more)", items.len() - i);
+        if out.len() + 2 + text.len() + more.len() > HEADER_LIST_BYTES {
+            out.push_str(if out.is_empty() { &more[2..] } else { &more });
+            break;
+        }
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+/// `text` as a response header can carry it: printable ASCII as it is; a backslash and every
+/// other character with JSON's escapes (`\\`, `\u6771`). A header holds visible ASCII
+/// (other bytes reach clients as latin-1 at best, and the HTTP layer refuses characters
+/// beyond it), and a CR or LF would end the header.
+pub fn header_text(text: &str) -> Cow<'_, str> {
+    if text.bytes().all(|b| (b' '..=b'~').contains(&b) && b != b'\\') {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            ' '..='~' => out.push(c),
+            _ => {
+                for unit in c.encode_utf16(&mut [0; 2]) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+        }
+    }
+    Cow::Owned(out)
 }

@@ -204,6 +204,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         cache_salt: c.cache_salt,
         user: c.user,
         headers: ignored_header(&ignored).into_iter().collect(),
+        ignored: ignored.clone(),
         grammar,
         tools: None,
         reasoning: None,

@@ -108,6 +108,9 @@ pub struct Prepared {
     /// Response headers: `llmserve-ignored-fields`, `llmserve-chat-template`,
     /// `llmserve-unused-template-kwargs`, `x-request-id` (the response id).
     pub headers: Vec<(String, String)>,
+    /// The request's fields that had no effect (their paths), as `llmserve-ignored-fields`
+    /// lists them before the header's escaping and size limit.
+    pub ignored: Vec<String>,
     /// The grammar every sequence's tokens must follow (`response_format` json/regex/grammar,
     /// or a forced `tool_choice`); None: unconstrained.
     pub grammar: Option<crate::structured::Grammar>,

@@ -13,7 +13,7 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::chat::{generation_flags, render, validate_messages, validate_tools, ChatRender};
+use super::chat::{generation_flags, render, validate_documents, validate_messages, validate_tools, ChatRender};
 use super::chat::{unknown_part_keys, unread_message_keys};
 use super::common::{check_token_id, from_value, parse_body, set_keys, settle_ignored};
 use crate::error::ApiError;
@@ -90,6 +90,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
         }
         (None, Some(messages)) => {
             validate_messages(messages)?;
+            validate_documents(req.documents.as_deref().unwrap_or_default())?;
             if let Some(tools) = &req.tools {
                 validate_tools(tools)?;
             }
