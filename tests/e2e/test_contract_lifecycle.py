@@ -252,6 +252,48 @@ def test_a_body_that_stops_arriving_is_408(tiny_model, monkeypatch):
     asyncio.run(main())
 
 
+def test_requests_that_may_compile_a_grammar_are_validated_off_the_event_loop(tiny_model):
+    """Compiling a grammar can take a second (a regex with a large repeat count): a request
+    with a constraint or tools is prepared on a worker thread, whatever its size, so /health
+    and every stream keep going; a plain small one inline (no thread hop)."""
+    import threading
+
+    engine = AsyncEngine(_config(tiny_model))
+
+    class Recorder:
+        def __init__(self, inner):
+            self.inner, self.threads = inner, []
+
+        def prepare(self, *args):
+            self.threads.append(threading.current_thread())
+            return self.inner.prepare(*args)
+
+        def handle(self, *args):
+            self.threads.append(threading.current_thread())
+            return self.inner.handle(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    async def main():
+        await engine.start()
+        recorder = engine.engine.router = Recorder(engine.engine.router)
+        app = create_app(engine=engine)
+        chat = {"model": "tiny", "messages": CHAT["messages"], "max_tokens": 2}
+        regex = {"type": "regex", "regex": "a{2,5}"}
+        async with _client(app) as client:
+            for path, body in (("/v1/chat/completions", chat),
+                               ("/v1/chat/completions", {**chat, "response_format": regex}),
+                               ("/v1/chat/completions/render", {**chat, "structured_outputs": {"regex": "b+"}})):
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, r.text
+        await engine.drain()
+        return recorder.threads
+
+    main_thread = threading.current_thread()
+    assert [t is main_thread for t in asyncio.run(main())] == [True, False, False]
+
+
 class HeldRunner:
     """Wraps the real runner; every step waits until `release` is set (a long prefill)."""
 

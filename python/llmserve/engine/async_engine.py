@@ -25,8 +25,15 @@ from llmserve.loaders.checkpoint import LoadError
 
 log = logging.getLogger("llmserve.engine")
 
-# Bodies larger than this are validated on a worker thread so the event loop keeps serving.
+# Bodies larger than this are validated on a worker thread so the event loop keeps serving;
+# so are bodies that may compile a grammar (a constraint, or tools), whatever their size:
+# compiling one can take a second (a regex with a large repeat count).
 _INLINE_BODY_BYTES = 64 * 1024
+_GRAMMAR_FIELDS = (b'"response_format"', b'"structured_outputs"', b'"guided_', b'"tools"')
+
+
+def _off_loop(body: bytes) -> bool:
+    return len(body) > _INLINE_BODY_BYTES or any(field in body for field in _GRAMMAR_FIELDS)
 _END = object()
 
 
@@ -328,7 +335,7 @@ class AsyncEngine:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")
         self._check_serving()
         router = self.router
-        if len(body) > _INLINE_BODY_BYTES:
+        if _off_loop(body):
             prepared = await asyncio.to_thread(router.prepare, endpoint, body, request_id)
         else:
             prepared = router.prepare(endpoint, body, request_id)
@@ -346,7 +353,7 @@ class AsyncEngine:
         if endpoint in GENERATING:
             raise ValueError(f"{endpoint!r} generates: it goes through submit")
         router = self.router
-        if len(body) > _INLINE_BODY_BYTES:
+        if _off_loop(body):
             return await asyncio.to_thread(router.handle, endpoint, body)
         return router.handle(endpoint, body)
 
