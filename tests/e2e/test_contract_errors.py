@@ -227,6 +227,8 @@ def test_compressed_bodies_are_decoded_and_bounded_after_decoding(tiny_server):
         err = _error(httpx.post(tiny_server.url + "/v1/completions", content=data,
                                 headers={"content-type": "application/json", "content-encoding": coding}), 400)
         assert err["code"] == code and coding in err["message"]
+        # corrupt data is the body's fault, as malformed JSON is
+        assert err["param"] == (None if code == "unsupported_media_type" else "body")
     bomb = gzip.compress(b'{"model": "tiny", "prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}')
     assert len(bomb) < 64 * 1024
     err = _error(httpx.post(tiny_server.url + "/tokenize", content=bomb,

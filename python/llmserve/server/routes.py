@@ -99,7 +99,8 @@ def _inflate(body: bytes, coding: str, limit: int) -> bytes:
         if out is not None:
             return out
     raise Router.error("invalid_request",
-                       f"The request body is not valid {coding} data (Content-Encoding: {coding}).")
+                       f"The request body is not valid {coding} data (Content-Encoding: {coding}).",
+                       param="body")
 
 
 def _inflate_members(data: bytes, wbits: int, limit: int) -> bytes | None:
