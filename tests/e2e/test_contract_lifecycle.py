@@ -287,11 +287,17 @@ def test_requests_that_may_compile_a_grammar_are_validated_off_the_event_loop(ti
                                ("/v1/chat/completions/render", {**chat, "structured_outputs": {"regex": "b+"}})):
                 r = await client.post(path, json=body)
                 assert r.status_code == 200, r.text
+            # the same key spelled with a JSON escape
+            escaped = json.dumps({**chat, "structured_outputs": {"regex": "b+"}}).replace(
+                '"structured_outputs"', '"structured_output\\u0073"')
+            r = await client.post("/v1/chat/completions", content=escaped,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].strip("b") == "", r.text
         await engine.drain()
         return recorder.threads
 
     main_thread = threading.current_thread()
-    assert [t is main_thread for t in asyncio.run(main())] == [True, False, False]
+    assert [t is main_thread for t in asyncio.run(main())] == [True, False, False, False]
 
 
 class HeldRunner:

@@ -162,6 +162,22 @@ def test_user_is_in_the_access_log(one_slot):
     assert "POST /v1/chat/completions" in line and " 200 " in line
 
 
+def test_clients_cannot_forge_access_log_lines(one_slot):
+    """The path arrives percent-decoded: `%0a` in it, or in `user`, is written escaped, so no
+    client starts a line of its own in the log (without a key, too)."""
+    httpx.get(one_slot.url + "/health%0aFORGED-7311%1b[2K")
+    httpx.post(one_slot.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+        "user": "bob\nFORGED-7312"})
+    deadline = time.monotonic() + 5
+    while "FORGED-7312" not in one_slot.logs():
+        assert time.monotonic() < deadline, one_slot.logs()
+        time.sleep(0.05)
+    lines = one_slot.logs().splitlines()
+    assert not [ln for ln in lines if ln.startswith("FORGED")], lines[-5:]
+    assert any("/health\\nFORGED-7311\\x1b[2K" in ln for ln in lines), lines[-5:]
+
+
 def _scrape(server) -> dict[str, float]:
     """Samples by name and labels; every sample must carry the served model's name (as vLLM's
     do, for dashboards that select on it), which is then left out of the key."""

@@ -27,13 +27,16 @@ log = logging.getLogger("llmserve.engine")
 
 # Bodies larger than this are validated on a worker thread so the event loop keeps serving;
 # so are bodies that may compile a grammar (a constraint, or tools), whatever their size:
-# compiling one can take a second (a regex with a large repeat count).
+# compiling one can take a second (a regex with a large repeat count). A key can be spelled
+# with JSON escapes ("structured_output\u0073"), so a body holding any is sent off too.
 _INLINE_BODY_BYTES = 64 * 1024
-_GRAMMAR_FIELDS = (b'"response_format"', b'"structured_outputs"', b'"guided_', b'"tools"')
+_OFF_LOOP_MARKERS = (b'"response_format"', b'"structured_outputs"', b'"guided_', b'"tools"', b"\\u")
 
 
 def _off_loop(body: bytes) -> bool:
-    return len(body) > _INLINE_BODY_BYTES or any(field in body for field in _GRAMMAR_FIELDS)
+    return len(body) > _INLINE_BODY_BYTES or any(marker in body for marker in _OFF_LOOP_MARKERS)
+
+
 _END = object()
 
 

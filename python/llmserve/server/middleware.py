@@ -103,5 +103,13 @@ class AccessLogMiddleware:
             client = scope.get("client") or ("-", 0)
             user = (scope.get("state") or {}).get("user")
             access_log.info('%s:%s "%s %s" %d%s %.1fms', client[0], client[1], scope["method"],
-                            scope["path"], status, f" user={user!r}" if user else "",
+                            _loggable(scope["path"]), status, f" user='{_loggable(user)}'" if user else "",
                             (time.perf_counter() - start) * 1000)
+
+
+def _loggable(text: str, limit: int = 256) -> str:
+    """Client text as a log line may hold it: control characters escaped (the path arrives
+    percent-decoded, so `%0a` would start a forged line) and cut to `limit` characters."""
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more)"
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")

@@ -33,15 +33,35 @@ pub enum ApiError {
     Internal { message: String },
 }
 
+/// Most characters of an error's `param`, and of its message: both can echo what the client
+/// sent (a key of `logit_bias`, an unknown model's name), which can be megabytes long.
+const MAX_PARAM_CHARS: usize = 256;
+const MAX_MESSAGE_CHARS: usize = 2048;
+
+/// `text` cut to `max` characters: its head, and for a message its tail too (where the
+/// advice is), with what was left out counted between.
+fn bounded(text: String, max: usize, keep_tail: bool) -> String {
+    let len = text.chars().count();
+    if len <= max {
+        return text;
+    }
+    let tail = if keep_tail { max / 4 } else { 0 };
+    let head = max - tail;
+    let head_end = text.char_indices().nth(head).map_or(text.len(), |(i, _)| i);
+    let tail_start = text.char_indices().nth(len - tail).map_or(text.len(), |(i, _)| i);
+    format!("{}... ({} characters left out) ...{}", &text[..head_end], len - head - tail, &text[tail_start..])
+}
+
 impl ApiError {
     /// 400 `invalid_value` for `param`.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::InvalidRequest { message: message.into(), param: Some(param.into()), code: "invalid_value" }
+        Self::with_code("invalid_value", Some(param.into()), message)
     }
 
     /// 400 with an explicit `code` (`missing_required_parameter`, `invalid_type`,
     /// `unsupported_parameter`, `invalid_json`, ...).
     pub fn with_code(code: &'static str, param: Option<String>, message: impl Into<String>) -> Self {
+        let param = param.map(|p| bounded(p, MAX_PARAM_CHARS, false));
         Self::InvalidRequest { message: message.into(), param, code }
     }
 
@@ -96,7 +116,12 @@ impl ApiError {
         }
     }
 
+    /// The message, at most MAX_MESSAGE_CHARS characters long.
     pub fn message(&self) -> String {
+        bounded(self.full_message(), MAX_MESSAGE_CHARS, true)
+    }
+
+    fn full_message(&self) -> String {
         match self {
             Self::InvalidRequest { message, .. }
             | Self::ContextLengthExceeded { message, .. }
@@ -172,6 +197,19 @@ mod tests {
         let s = String::from_utf8(e.to_sse()).unwrap();
         assert!(s.starts_with("data: {\"error\""));
         assert!(s.ends_with("\n\ndata: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn echoed_values_are_bounded() {
+        let e = ApiError::ModelNotFound { model: "m".repeat(1_000_000) };
+        let msg = e.message();
+        assert_eq!(msg.chars().count(), 2048 + "... (997981 characters left out) ...".len());
+        assert!(msg.starts_with("The model `mmm") && msg.ends_with("mmm` does not exist."), "{msg}");
+        let e = ApiError::invalid(format!("logit_bias.{}", "東".repeat(10_000)), "bad");
+        let param = e.param().unwrap();
+        assert!(param.starts_with("logit_bias.東") && param.ends_with("東... (9755 characters left out) ..."));
+        // short ones are untouched
+        assert_eq!(ApiError::invalid("n", "`n` must be at least 1.").message(), "`n` must be at least 1.");
     }
 
     #[test]
