@@ -54,6 +54,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--api-key", "k1 "], {}, "--api-key must not begin or end with whitespace; got a value"),
     (["--api-key", "k1", "--api-key", "k1"], {}, "--api-key a value is given more than once"),
     (["--served-model-name", "a", "--served-model-name", "a"], {}, "--served-model-name 'a' is given more than once"),
+    (["--served-model-name", "a\nb"], {}, "--served-model-name must hold no control characters; got 'a\\nb'"),
+    (["--api-key", "k\x1b1"], {}, "--api-key must hold no control characters; got a value"),
     ([], {"LLMSERVE_API_KEY": "k1,k2,k1"}, "LLMSERVE_API_KEY holds a key more than once"),
     (["--chat-template", "/no/such/template.jinja"], {}, "neither a readable file nor a Jinja template"),
     ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
