@@ -298,6 +298,9 @@ def serve(config: Config) -> int:
     if config.server.api_key:
         log.info("API keys required (%d) on every route but /health, /ready and /metrics",
                  len(config.server.api_key))
+        if not all(key.isascii() for key in config.server.api_key):
+            log.warning("an API key holds non-ASCII characters: most clients (the openai SDK, httpx, "
+                        "browsers) cannot send it in a header")
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level="warning",
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S),
