@@ -152,8 +152,6 @@ def _is_prompt_list(prompts: object) -> bool:
     return isinstance(prompts, list) and all(isinstance(p, str) or ids(p) for p in prompts)
 
 
-
-
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:
     choices = body["choices"]
     if endpoint == "chat":
