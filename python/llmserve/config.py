@@ -81,9 +81,10 @@ class _Checked:
                     return "a value" if meta.get("secret") else repr(v)
                 if blank := next((v for v in value if str(v) != str(v).strip()), None):
                     raise ValueError(f"{flag} must not begin or end with whitespace; got {shown(blank)}")
-                # (a newline or escape in a name splits log lines, and no route can name it)
-                if ctrl := next((v for v in value if not str(v).isprintable()), None):
-                    raise ValueError(f"{flag} must hold no control characters; got {shown(ctrl)}")
+                # (a newline or escape in a name splits log lines, and no route can name it;
+                # an invisible one cannot be told apart when typed)
+                if odd := next((v for v in value if not str(v).isprintable()), None):
+                    raise ValueError(f"{flag} must hold no control or invisible characters; got {shown(odd)}")
                 if len(set(value)) < len(value):
                     twice = next(v for i, v in enumerate(value) if v in value[:i])
                     raise ValueError(f"{flag} {shown(twice)} is given more than once")

@@ -175,7 +175,14 @@ def test_clients_cannot_forge_access_log_lines(one_slot):
         time.sleep(0.05)
     lines = one_slot.logs().splitlines()
     assert not [ln for ln in lines if ln.startswith("FORGED")], lines[-5:]
-    assert any("/health\\nFORGED-7311\\x1b[2K" in ln for ln in lines), lines[-5:]
+    assert any("/health\\nFORGED-7311\\u001b[2K" in ln for ln in lines), lines[-5:]
+    # nor end a quoted field early
+    httpx.get(one_slot.url + '/v1/models/x%22%20200%200.1ms%20FORGED-7313')
+    while "FORGED-7313" not in one_slot.logs():
+        assert time.monotonic() < deadline + 5, one_slot.logs()
+        time.sleep(0.05)
+    line = next(ln for ln in one_slot.logs().splitlines() if "FORGED-7313" in ln)
+    assert '"GET /v1/models/x\\" 200 0.1ms FORGED-7313" 404 ' in line, line
 
 
 def _scrape(server) -> dict[str, float]:

@@ -6,6 +6,7 @@ Both sit outside Starlette's routing so a rejected request costs one header look
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -103,13 +104,14 @@ class AccessLogMiddleware:
             client = scope.get("client") or ("-", 0)
             user = (scope.get("state") or {}).get("user")
             access_log.info('%s:%s "%s %s" %d%s %.1fms', client[0], client[1], scope["method"],
-                            _loggable(scope["path"]), status, f" user='{_loggable(user)}'" if user else "",
+                            _loggable(scope["path"]), status, f' user="{_loggable(user)}"' if user else "",
                             (time.perf_counter() - start) * 1000)
 
 
 def _loggable(text: str, limit: int = 256) -> str:
-    """Client text as a log line may hold it: control characters escaped (the path arrives
-    percent-decoded, so `%0a` would start a forged line) and cut to `limit` characters."""
+    """Client text as a log line may hold it, between double quotes: cut to `limit`
+    characters and written as a JSON string's inside (the path arrives percent-decoded, so a
+    `%0a` would start a forged line, and a `"` end the quoted field early)."""
     if len(text) > limit:
         text = f"{text[:limit]}... ({len(text) - limit} more)"
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+    return json.dumps(text)[1:-1]

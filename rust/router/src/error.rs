@@ -39,7 +39,8 @@ const MAX_PARAM_CHARS: usize = 256;
 const MAX_MESSAGE_CHARS: usize = 2048;
 
 /// `text` cut to `max` characters: its head, and for a message its tail too (where the
-/// advice is), with what was left out counted between.
+/// advice is), with a marker counting what was left out after them (so `max` plus the
+/// marker's length in all).
 fn bounded(text: String, max: usize, keep_tail: bool) -> String {
     let len = text.chars().count();
     if len <= max {
@@ -116,7 +117,8 @@ impl ApiError {
         }
     }
 
-    /// The message, at most MAX_MESSAGE_CHARS characters long.
+    /// The message: past MAX_MESSAGE_CHARS characters, those many of its head and tail with
+    /// a marker between them counting what was left out.
     pub fn message(&self) -> String {
         bounded(self.full_message(), MAX_MESSAGE_CHARS, true)
     }

@@ -319,12 +319,14 @@ fn describe(source: &GrammarSource) -> &'static str {
 }
 
 /// llguidance errors can carry a multi-line context dump (numbered lines of the grammar,
-/// `2 | block: ...`); the first lines before it name the cause.
+/// `2 | block: ...`); the first lines before it name the cause. A regex syntax error names
+/// it on a line of its own after the pattern and a caret (`error: unclosed group`): kept too.
 fn first_line(err: &str) -> String {
     let is_context = |l: &str| l.trim_start().split_once(" | ").is_some_and(|(n, _)| n.parse::<u32>().is_ok());
-    let lines: Vec<&str> =
-        err.lines().filter(|l| !l.trim().is_empty()).take_while(|l| !is_context(l)).take(3).collect();
-    lines.join(" ")
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).take_while(|l| !is_context(l)).collect();
+    let mut kept: Vec<&str> = lines.iter().take(3).copied().collect();
+    kept.extend(lines.iter().skip(3).find(|l| l.trim_start().starts_with("error:")));
+    kept.join(" ")
 }
 
 /// A Lark error without its place in the grammar (`at 3(7): `), which the client never saw.

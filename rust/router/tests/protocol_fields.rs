@@ -63,9 +63,11 @@ fn the_ignored_fields_header_stays_printable_and_bounded() {
     assert!(listed > 300);
     assert_eq!(p.ignored.len(), 5000);
 
-    // one enormous name is shortened, not dropped
+    // one enormous name is shortened, not dropped, and never inside an escape
     let p = chat(&r, json!({"x".repeat(100_000): 1})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some(format!("{}...", "x".repeat(256)).as_str()));
+    let p = chat(&r, json!({format!("x{}", "é".repeat(100)): 1})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some(format!("x{}...", "\\u00e9".repeat(42)).as_str()));
 }
 
 /// OpenAI's fields that do nothing here are reported whatever their value, but a value of the

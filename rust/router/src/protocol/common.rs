@@ -749,10 +749,16 @@ const HEADER_ITEM_BYTES: usize = 256;
 pub fn header_list(items: &[String]) -> String {
     let mut out = String::new();
     for (i, item) in items.iter().enumerate() {
-        let mut text = header_text(item).into_owned();
-        if text.len() > HEADER_ITEM_BYTES {
-            text.truncate(HEADER_ITEM_BYTES); // ASCII: any byte is a boundary
-            text.push_str("...");
+        // (cut between characters, never inside an escape)
+        let mut text = String::new();
+        for c in item.chars() {
+            let before = text.len();
+            push_header_char(&mut text, c);
+            if text.len() > HEADER_ITEM_BYTES {
+                text.truncate(before);
+                text.push_str("...");
+                break;
+            }
         }
         let more = format!(", ... ({} more)", items.len() - i);
         if out.len() + 2 + text.len() + more.len() > HEADER_LIST_BYTES {
@@ -777,15 +783,20 @@ pub fn header_text(text: &str) -> Cow<'_, str> {
     }
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            ' '..='~' => out.push(c),
-            _ => {
-                for unit in c.encode_utf16(&mut [0; 2]) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
+        push_header_char(&mut out, c);
+    }
+    Cow::Owned(out)
+}
+
+/// One character as [`header_text`] writes it.
+fn push_header_char(out: &mut String, c: char) {
+    match c {
+        '\\' => out.push_str("\\\\"),
+        ' '..='~' => out.push(c),
+        _ => {
+            for unit in c.encode_utf16(&mut [0; 2]) {
+                out.push_str(&format!("\\u{unit:04x}"));
             }
         }
     }
-    Cow::Owned(out)
 }
