@@ -30,7 +30,7 @@ import torch
 
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
 from llmserve.worker.runner import Launched, ModelRunner, Resolved, fill_placeholders_, has_placeholders
-from llmserve.worker.sampler import as_tensor, to_device
+from llmserve.worker.sampler import as_tensor, pinned_for, to_device
 
 log = logging.getLogger("llmserve.worker")
 
@@ -124,9 +124,9 @@ class DecodeGraphs:
         self.positions[:b].copy_(_padded(plan.positions, b, 0, np.int64, dev), non_blocking=True)
         self.slot_mapping[:b].copy_(_padded(plan.slot_mapping, b, -1, np.int64, dev), non_blocking=True)
         self.seq_lens[:b].copy_(_padded(plan.seq_lens, b, 0, np.int32, dev), non_blocking=True)
-        tables = np.asarray(plan.block_tables).reshape(n, -1)[:, :w]
-        self.block_tables[:n, :w].copy_(_pinned(np.ascontiguousarray(tables, dtype=np.int32), dev),
-                                        non_blocking=True)
+        tables = torch.from_numpy(np.ascontiguousarray(np.asarray(plan.block_tables).reshape(n, -1)[:, :w],
+                                                       dtype=np.int32))
+        self.block_tables[:n, :w].copy_(pinned_for(tables, dev), non_blocking=True)
         if self.use_graphs:
             graph, hidden = self.graphs[b]
             graph.replay()
@@ -139,14 +139,7 @@ def _padded(column, b: int, fill: int, dtype, device: torch.device) -> torch.Ten
     out = np.full(b, fill, dtype=dtype)
     col = np.asarray(column)
     out[:len(col)] = col
-    return _pinned(out, device)
-
-
-def _pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array, in pinned memory when it is bound for a CUDA device: a copy_ from it into
-    a static buffer then does not wait for the device (sampler.to_device says why)."""
-    t = torch.from_numpy(array)
-    return t.pin_memory() if device.type == "cuda" else t
+    return pinned_for(torch.from_numpy(out), device)
 
 
 class CudaModelRunner(ModelRunner):

@@ -163,15 +163,19 @@ def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, queued without waiting for the device (a no-op on the CPU).
+    """A host tensor on `device`, queued without waiting for the device (a no-op on the CPU)."""
+    return pinned_for(t, device).to(device, non_blocking=True)
 
-    NOTE: on CUDA the copy starts from pinned memory. From pageable memory the driver stages
-    the copy and may wait for the stream first, so a step queued ahead would stall behind
-    the one running. `pin_memory()` takes its buffer from torch's caching host allocator,
-    which does not reuse it before the copy has run."""
-    if t.device.type == "cpu" and device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+
+def pinned_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor in pinned memory when it is bound for a CUDA device (else `t`), so a
+    non_blocking copy from it does not wait.
+
+    NOTE: from pageable memory the driver stages the copy and may wait for the stream first,
+    so a step queued ahead would stall behind the one running. `pin_memory()` takes its
+    buffer from torch's caching host allocator, which does not reuse it before the copy has
+    run."""
+    return t.pin_memory() if t.device.type == "cpu" and device.type == "cuda" else t
 
 
 try:
