@@ -1,4 +1,4 @@
-"""Behaviour that needs a full batch, on one server with --max-num-seqs 1 --max-waiting 2:
+"""Behaviour that needs a full batch, on one server with --max-num-seqs 1 --max-waiting 4:
 `priority` really schedules, a full queue answers 503 + Retry-After, idle streams get
 keep-alive comments; plus the access log (`user`) and /metrics counters moving.
 
@@ -23,7 +23,7 @@ LONG = {"model": "tiny", "prompt": "Hold the slot", "max_tokens": 480, "ignore_e
 @pytest.fixture(scope="module")
 def one_slot(tiny_model):
     server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--served-model-name", "tiny-b",
-                           "--num-kv-blocks", "96", "--max-num-seqs", "1", "--max-waiting", "2",
+                           "--num-kv-blocks", "96", "--max-num-seqs", "1", "--max-waiting", "4",
                            "--sse-keep-alive", "0.2", env={"LLMSERVE_LOG_LEVEL": "INFO"})
     yield server
     server.stop()
@@ -107,8 +107,8 @@ def test_full_queue_is_503_with_retry_after(one_slot):
         async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
             hold = await _hold_slot(c, one_slot)
             waiters = [asyncio.ensure_future(c.post("/v1/completions", json={
-                "model": "tiny", "prompt": f"wait {i}", "max_tokens": 2})) for i in range(2)]
-            await _wait_load(one_slot, "waiting", 2)
+                "model": "tiny", "prompt": f"wait {i}", "max_tokens": 2})) for i in range(4)]
+            await _wait_load(one_slot, "waiting", 4)
             r = await c.post("/v1/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
             assert r.status_code == 503
@@ -118,7 +118,41 @@ def test_full_queue_is_503_with_retry_after(one_slot):
             assert (err["type"], err["code"]) == ("service_unavailable_error", "service_unavailable")
             await _release(hold)
             done = await asyncio.gather(*waiters)
-            assert [w.status_code for w in done] == [200, 200]
+            assert [w.status_code for w in done] == [200] * 4
+
+    asyncio.run(main())
+    _wait_idle(one_slot)
+
+
+def test_the_queue_counts_sequences_not_requests(one_slot):
+    """--max-waiting 4 counts every prompt and sampled choice: a request that alone needs
+    more is a 400 naming the field, one that needs more than the room left is a 503, and a
+    greedy n (run once) needs one."""
+    def completion(c, **fields):
+        return c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **fields})
+
+    async def main():
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
+            too_many = [await completion(c, prompt=["a", "b", "c", "d", "e"]),
+                        await completion(c, prompt="a", n=5, temperature=1.0)]
+            for r, param in zip(too_many, ["prompt", "n"]):
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert (err["param"], err["code"]) == (param, "invalid_value")
+                assert "5 sequences" in err["message"] and "--max-waiting" in err["message"]
+            hold = await _hold_slot(c, one_slot)
+            first = asyncio.ensure_future(completion(c, prompt="one", n=3, temperature=0))
+            await _wait_load(one_slot, "waiting", 1)
+            second = asyncio.ensure_future(completion(c, prompt="two", n=2, temperature=1.0, seed=1))
+            await _wait_load(one_slot, "waiting", 3)
+            r = await completion(c, prompt=["x", "y"])
+            assert r.status_code == 503, r.text
+            third = asyncio.ensure_future(completion(c, prompt="z"))
+            await _wait_load(one_slot, "waiting", 4)
+            await _release(hold)
+            done = await asyncio.gather(first, second, third)
+            assert [w.status_code for w in done] == [200] * 3
+            assert [len(w.json()["choices"]) for w in done] == [3, 2, 1]
 
     asyncio.run(main())
     _wait_idle(one_slot)

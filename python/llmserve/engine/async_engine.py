@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-from llmserve._core import ApiError, Router
+from llmserve._core import ApiError, Prepared, Router
 from llmserve.config import Config
 from llmserve.engine.build import Engine, SetupError, build_engine
 from llmserve.engine.loop import EngineThread
@@ -343,13 +343,28 @@ class AsyncEngine:
         else:
             prepared = router.prepare(endpoint, body, request_id)
         self._check_serving()
-        waiting = self.load()["waiting"]
-        if waiting >= self.config.scheduler.max_waiting:
-            raise self.unavailable(f"The queue is full ({waiting} waiting); try again shortly.")
+        self._admit(prepared)
         stream = RequestStream(self, prepared)
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream
+
+    def _admit(self, prepared: Prepared) -> None:
+        """--max-waiting caps the sequences waiting to start, this request's included: one
+        that could never fit is refused for good (400), one that fits later gets 503."""
+        need, limit = prepared.num_seqs, self.config.scheduler.max_waiting
+        if need > limit:
+            prompts = len(prepared.prompt_lens)
+            raise Router.error(
+                "invalid_request",
+                f"This request would queue {need} sequences ({prompts} prompt{'s' * (prompts > 1)}, "
+                f"{need // prompts} per prompt) and the server queues at most {limit} (--max-waiting); "
+                "send it in smaller requests.",
+                param="prompt" if prompts > 1 else "n")
+        waiting = self.load()["waiting"]
+        if waiting + need > limit:
+            raise self.unavailable(f"The queue is full ({waiting} of {limit} sequences waiting, this request "
+                                   f"needs {need}); try again shortly.")
 
     async def handle(self, endpoint: str, body: bytes) -> bytes:
         """tokenize / detokenize / render routes: no generation, no engine thread."""

@@ -83,6 +83,10 @@ class EngineThread:
         self._on_stats = on_stats
         self._on_first_scheduled = on_first_scheduled
         self._inbox: list[tuple] = []
+        # Sequences of the requests in the inbox, and of those handed to the Core since
+        # `stats` was last read from it: both wait, and /load and --max-waiting count them.
+        self._posted_seqs = 0
+        self._unpublished_seqs = 0
         self._cv = threading.Condition()
         self._stopping = False
         self._handles: dict[object, int] = {}
@@ -101,12 +105,15 @@ class EngineThread:
     def post(self, op: tuple) -> None:
         with self._cv:
             self._inbox.append(op)
+            if op[0] == "add":
+                self._posted_seqs += op[1].num_seqs
             self._cv.notify()
 
     def pending(self) -> int:
-        """Requests posted and not yet handed to the Core (they wait too); queued aborts are
-        not requests and do not count."""
-        return sum(1 for op in list(self._inbox) if op[0] == "add")
+        """Sequences waiting that `stats` does not count yet: those of requests posted and not
+        yet handed to the Core, or handed over since `stats` was last read (counted as the
+        Core counts its waiting ones). Queued aborts do not count."""
+        return self._posted_seqs + self._unpublished_seqs
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the loop once its current step ends, waiting up to `timeout` seconds (None:
@@ -152,6 +159,7 @@ class EngineThread:
     def _publish(self, step_seconds: float) -> None:
         """Refresh the counts /load reads, and the metrics (`step_seconds` 0: no step time)."""
         self.stats = self._core.stats()
+        self._unpublished_seqs = 0
         if self._on_stats is not None:
             self._on_stats(self.stats, step_seconds)
 
@@ -202,6 +210,8 @@ class EngineThread:
                     if self._stopping:
                         return
                     ops, self._inbox = self._inbox, []
+                    self._unpublished_seqs += self._posted_seqs
+                    self._posted_seqs = 0
                 failed = self._apply(ops)
                 if failed:
                     self._deliver(failed)
@@ -241,6 +251,7 @@ class EngineThread:
             with self._cv:
                 orphans = list(self._tokens.values()) + [op[2] for op in self._inbox if op[0] == "add"]
                 self._inbox = []
+                self._posted_seqs = 0
             died = RuntimeError("the engine loop stopped")
             if orphans:
                 self._deliver([(t, died, "error", True, 0, 0) for t in orphans])

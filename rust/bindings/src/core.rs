@@ -203,8 +203,7 @@ impl CoreState {
         }
         let handle = self.next_handle;
         self.next_handle += 1;
-        let fan_out = p.temperature == 0.0 && p.n > 1;
-        let seqs_per_prompt = if fan_out { 1 } else { p.n };
+        let seqs_per_prompt = p.seqs_per_prompt();
         let tokenizer = self.router.tokenizer().clone();
         let stop = StopConfig {
             stop: p.stop.clone(),

@@ -221,6 +221,11 @@ impl PyPrepared {
     fn n(&self) -> PyResult<u32> {
         Ok(self.get()?.params.n)
     }
+    /// The sequences it queues: one per prompt and distinct choice (greedy choices run once).
+    #[getter]
+    fn num_seqs(&self) -> PyResult<usize> {
+        Ok(self.get()?.num_seqs())
+    }
     /// The most tokens a choice may generate, as resolved (None: the rest of the context).
     #[getter]
     fn max_tokens(&self) -> PyResult<Option<u32>> {

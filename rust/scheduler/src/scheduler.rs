@@ -311,7 +311,8 @@ impl Scheduler {
     pub fn stats(&self) -> Stats {
         Stats {
             running: self.running.len(),
-            waiting: self.waiting.len(),
+            // a waiting request that forks when it starts counts each sequence it will run
+            waiting: self.waiting.iter().map(|k| self.group_size(k.slot) as usize).sum(),
             num_blocks: self.cfg.num_blocks,
             used_blocks: self.pool.num_used(),
             cached_blocks: self.pool.num_cached_free(),
@@ -462,11 +463,21 @@ impl Scheduler {
         self.free_seqs.push(slot);
     }
 
+    /// The sequences `slot` stands for: itself, or a whole request not yet forked.
+    fn group_size(&self, slot: u32) -> u32 {
+        let seq = &self.seqs[slot as usize];
+        if seq.fork_pending {
+            self.req(seq.req).n
+        } else {
+            1
+        }
+    }
+
     /// A sequence finished: release it, and the request once none is left.
     pub(crate) fn retire(&mut self, slot: u32) {
         let req_slot = self.seqs[slot as usize].req;
         // A parent finished before its fork takes its unborn children with it.
-        let group = if self.seqs[slot as usize].fork_pending { self.req(req_slot).n } else { 1 };
+        let group = self.group_size(slot);
         self.drop_seq(slot);
         let req = self.req_mut(req_slot);
         req.seqs.retain(|&s| s != slot);

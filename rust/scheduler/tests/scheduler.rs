@@ -371,6 +371,16 @@ fn fork_runs_the_prompt_once_and_shares_blocks() {
 }
 
 #[test]
+fn a_waiting_fork_counts_every_sequence_it_will_run() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    s.add(fork_request(1, 10, 3, 4));
+    s.add(request(2, prompt(5, 2), 4));
+    assert_eq!((s.stats().running, s.stats().waiting), (0, 4));
+    step(&mut s, 7);
+    assert_eq!((s.stats().running, s.stats().waiting), (4, 0));
+}
+
+#[test]
 fn fork_of_block_aligned_prompt_needs_no_copy() {
     let mut s = Scheduler::new(config(33, 4, 8, 64));
     s.add(fork_request(1, 8, 2, 3));

@@ -121,6 +121,13 @@ pub struct Prepared {
     pub reasoning: Option<crate::reasoning::ReasoningPlan>,
 }
 
+impl Prepared {
+    /// The sequences this request queues: one per prompt and distinct choice.
+    pub fn num_seqs(&self) -> usize {
+        self.prompts.len() * self.params.seqs_per_prompt() as usize
+    }
+}
+
 /// Sampling and stopping parameters, defaults already resolved (request ->
 /// generation_config.json -> OpenAI).
 #[derive(Clone, Debug, PartialEq)]
@@ -152,6 +159,18 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// None: no logprobs; Some(k): chosen token + k top alternatives.
     pub logprobs: Option<u32>,
+}
+
+impl SamplingParams {
+    /// The sequences each prompt runs: greedy choices are all the same, so n > 1 of them run
+    /// once and are copied.
+    pub fn seqs_per_prompt(&self) -> u32 {
+        if self.temperature == 0.0 {
+            1
+        } else {
+            self.n
+        }
+    }
 }
 
 /// What validation produced beyond [`Prepared`]: the render routes report it in their body.
