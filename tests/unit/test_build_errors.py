@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from llmserve.config import Config, DeviceConfig, ModelConfig
+from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig
 from llmserve.engine.build import SetupError, build_engine
 from llmserve.loaders import LoadError
 
@@ -84,6 +84,15 @@ def test_a_tokenizer_larger_than_the_embedding_table(folder):
 def test_a_context_beyond_the_model_positions(folder):
     with pytest.raises(SetupError, match="--max-model-len 1024 exceeds the model's 512 positions"):
         _build(folder, max_model_len=1024)
+
+
+@pytest.mark.parametrize("cache, flag", [(CacheConfig(num_kv_blocks=4), "--num-kv-blocks to at least 17"),
+                                         (CacheConfig(kv_cache_memory="64KiB"), "--kv-cache-memory")])
+def test_a_cache_too_small_for_one_request_names_the_flag_that_sized_it(folder, cache, flag):
+    config = Config(model=ModelConfig(model=str(folder), max_model_len=256), cache=cache,
+                    device=DeviceConfig(threads=1))
+    with pytest.raises(SetupError, match=f"less than one request of --max-model-len 256: raise {flag} "):
+        build_engine(config)
 
 
 def test_a_sliding_window_is_served_up_to_the_window(folder):

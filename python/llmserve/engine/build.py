@@ -213,9 +213,16 @@ def build_engine(cfg: Config) -> Engine:
         num_blocks = parse_bytes(cfg.cache.kv_cache_memory) // per_block
     needed = math.ceil(max_model_len / block_size)
     if num_blocks - 1 < needed:
+        # the flag that set the size (--num-kv-blocks overrides the others)
+        if cfg.cache.num_kv_blocks:
+            raise_it = f"--num-kv-blocks to at least {needed + 1}"
+        elif device.type == "cuda":
+            raise_it = "--gpu-memory-utilization"
+        else:
+            raise_it = "--kv-cache-memory"
         raise SetupError(
             f"the KV cache holds {max(0, num_blocks - 1) * block_size} tokens, less than one request of "
-            f"--max-model-len {max_model_len}: raise --kv-cache-memory or lower --max-model-len"
+            f"--max-model-len {max_model_len}: raise {raise_it} or lower --max-model-len"
         )
     log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d",
              num_blocks, block_size, num_blocks * per_block / 2**20, max_model_len)

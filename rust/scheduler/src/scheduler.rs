@@ -310,9 +310,9 @@ impl Scheduler {
 
     pub fn stats(&self) -> Stats {
         Stats {
-            running: self.running.len(),
-            // a waiting request that forks when it starts counts each sequence it will run
-            waiting: self.waiting.iter().map(|k| self.group_size(k.slot) as usize).sum(),
+            // a request that has not forked yet counts each sequence it will run
+            running: self.width(&self.running),
+            waiting: self.width(&self.waiting),
             num_blocks: self.cfg.num_blocks,
             used_blocks: self.pool.num_used(),
             cached_blocks: self.pool.num_cached_free(),
@@ -461,6 +461,11 @@ impl Scheduler {
         seq.tokens = Vec::new();
         seq.pending = None;
         self.free_seqs.push(slot);
+    }
+
+    /// The sequences these stand for, a request not yet forked counting each of its own.
+    pub(crate) fn width<'a>(&self, keys: impl IntoIterator<Item = &'a Key>) -> usize {
+        keys.into_iter().map(|k| self.group_size(k.slot) as usize).sum()
     }
 
     /// The sequences `slot` stands for: itself, or a whole request not yet forked.

@@ -196,7 +196,7 @@ impl Scheduler {
             let seq = &self.seqs[key.slot as usize];
             // A fork parent brings n sequences into the running set when its prompt ends.
             let width = if seq.fork_pending { self.req(seq.req).n as usize } else { 1 };
-            if !self.running.is_empty() && self.running.len() + width > self.cfg.max_num_seqs {
+            if !self.running.is_empty() && self.width(&self.running) + width > self.cfg.max_num_seqs {
                 break;
             }
             match self.admit(key, *budget) {

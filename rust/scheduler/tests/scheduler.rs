@@ -381,6 +381,23 @@ fn a_waiting_fork_counts_every_sequence_it_will_run() {
 }
 
 #[test]
+fn an_unforked_request_counts_its_choices_against_max_num_seqs() {
+    // The fork's prompt ends in a step with budget to spare: only one more fits beside its
+    // three sequences.
+    let mut s = Scheduler::new(config(65, 4, 4, 10));
+    s.add(fork_request(1, 22, 3, 2));
+    step(&mut s, 7);
+    for id in 2..5 {
+        s.add(request(id, prompt(3, id as u32), 2));
+    }
+    while s.has_work() {
+        step(&mut s, 7);
+        let running = s.stats().running;
+        assert!(running <= 4, "{running} sequences run, max_num_seqs is 4");
+    }
+}
+
+#[test]
 fn fork_of_block_aligned_prompt_needs_no_copy() {
     let mut s = Scheduler::new(config(33, 4, 8, 64));
     s.add(fork_request(1, 8, 2, 3));
