@@ -109,7 +109,16 @@ def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
             model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8, logprobs=True,
             messages=[{"role": "user", "content": "Name three rivers of Europe, please."}])
             for _ in range(2)]
+        streamed = [ch for ch in c.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True})]
     assert runs[0].usage.prompt_tokens > 16        # at least one whole block can be cached
+    # usage says how many prompt tokens came from the cache: every whole block but the one
+    # holding the last prompt token
+    for again in (runs[1], runs[2], streamed[-1], chats[1]):
+        size = again.usage.prompt_tokens
+        assert again.usage.prompt_tokens_details.cached_tokens == (size - 1) // 16 * 16
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == runs[0].choices[0].text
     first = runs[0].choices[0]
     for r in runs[1:]:
         assert r.choices[0].text == first.text
@@ -135,5 +144,6 @@ def test_the_next_turn_answers_the_same_whatever_the_cache_holds(smol_server):
                                      extra_body={"cache_salt": salt} if salt else {})
                 for salt in (None, "fresh")]
     assert runs[0].usage.prompt_tokens > 64
+    assert runs[1].usage.prompt_tokens_details.cached_tokens == 0      # the salt's own cache
     assert runs[0].choices[0].text == runs[1].choices[0].text
     assert runs[0].choices[0].logprobs.token_logprobs == runs[1].choices[0].logprobs.token_logprobs

@@ -25,7 +25,19 @@ def test_generate_batch_and_token_prompts(llm):
     assert [r.usage["completion_tokens"] for r in results] == [5, 5]
     assert all(r.finish_reason == "length" for r in results)
     again = llm.generate([[5, 6, 7, 8]], {"max_tokens": 3, "ignore_eos": True, "temperature": 0})[0]
-    assert again.usage == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert again.usage == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                           "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(llm):
+    # 40 tokens: the second request finds the first one's two full blocks of 16 (the block
+    # holding the last prompt token is always computed)
+    prompt = [list(range(5, 45))]
+    params = {"max_tokens": 2, "ignore_eos": True, "temperature": 0}
+    first, second = (llm.generate(prompt, params)[0] for _ in range(2))
+    assert first.usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second.usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert second.text == first.text
 
 
 def test_generate_greedy_is_deterministic(llm):

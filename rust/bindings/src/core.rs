@@ -438,6 +438,9 @@ impl CoreState {
             if !touched.contains(&handle) {
                 touched.push(handle);
             }
+            if let Some(cached) = u.cached_prompt_tokens {
+                state.builder.add_cached_prompt_tokens(cached);
+            }
             if state.prompt_only {
                 // The scheduler ended the sequence at its first token (max_tokens 0).
                 let delta = ChoiceDelta {

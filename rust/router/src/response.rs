@@ -185,6 +185,13 @@ struct Usage {
     prompt_tokens: u64,
     completion_tokens: u64,
     total_tokens: u64,
+    prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of `prompt_tokens`: those whose K/V the prefix cache already held.
+#[derive(Serialize, Clone, Copy, Debug, Default)]
+struct PromptTokensDetails {
+    cached_tokens: u64,
 }
 
 #[derive(Serialize)]
@@ -346,6 +353,9 @@ pub struct ResponseBuilder {
     n: u32,
     prompt_texts: Vec<String>,
     prompt_tokens: u64,
+    /// Of `prompt_tokens`, those the prefix cache held, summed as each prompt's first token
+    /// reports them.
+    cached_prompt_tokens: u64,
     /// Completions with `echo` and `logprobs`: per prompt, its tokens' logprobs so far (the
     /// first has none) and the char offset the next prompt token starts at. Prepended to
     /// each of the prompt's choices when it first produces output. Empty otherwise.
@@ -379,6 +389,7 @@ impl ResponseBuilder {
             prompt_texts: prepared.prompt_texts.clone(),
             // Each prompt counts once, however many choices it has.
             prompt_tokens: prepared.prompts.iter().map(|p| p.len() as u64).sum(),
+            cached_prompt_tokens: 0,
             prompt_lp: if echo_logprobs(prepared) {
                 prepared
                     .prompts
@@ -416,7 +427,13 @@ impl ResponseBuilder {
             prompt_tokens: self.prompt_tokens,
             completion_tokens,
             total_tokens: self.prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: self.cached_prompt_tokens },
         }
+    }
+
+    /// One prompt's tokens that came from the prefix cache (its first token reports them).
+    pub fn add_cached_prompt_tokens(&mut self, tokens: u32) {
+        self.cached_prompt_tokens += u64::from(tokens);
     }
 
     fn chunk_usage(&self) -> Option<Usage> {

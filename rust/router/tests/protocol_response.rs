@@ -109,7 +109,7 @@ fn chat_stream_golden_bytes() {
         "data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n\
          data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"hel\"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null}}\n\n\
          data: {head}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"lo\"}},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":7}}],\"usage\":null}}\n\n\
-         data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}}}\n\n\
+         data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6,\"prompt_tokens_details\":{{\"cached_tokens\":0}}}}}}\n\n\
          data: [DONE]\n\n"
     );
     assert_eq!(String::from_utf8(out).unwrap(), expected);
@@ -130,9 +130,9 @@ fn completion_stream_golden_bytes_with_echo_and_continuous_usage() {
     let head =
         r#"{"id":"cmpl-1","object":"text_completion","created":100,"model":"tiny","system_fingerprint":"fp_test","#;
     let expected = format!(
-        "data: {head}\"choices\":[{{\"index\":0,\"text\":\"hello world\",\"logprobs\":null,\"finish_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":1,\"total_tokens\":3}}}}\n\n\
-         data: {head}\"choices\":[{{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4}}}}\n\n\
-         data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4}}}}\n\n\
+        "data: {head}\"choices\":[{{\"index\":0,\"text\":\"hello world\",\"logprobs\":null,\"finish_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":1,\"total_tokens\":3,\"prompt_tokens_details\":{{\"cached_tokens\":0}}}}}}\n\n\
+         data: {head}\"choices\":[{{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}}],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4,\"prompt_tokens_details\":{{\"cached_tokens\":0}}}}}}\n\n\
+         data: {head}\"choices\":[],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4,\"prompt_tokens_details\":{{\"cached_tokens\":0}}}}}}\n\n\
          data: [DONE]\n\n"
     );
     assert_eq!(String::from_utf8(out).unwrap(), expected);
@@ -220,7 +220,7 @@ fn chat_non_stream_body() {
         json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "tiny", "system_fingerprint": "fp_test",
                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world", "refusal": null}, "logprobs": null,
                             "finish_reason": "stop", "stop_reason": "z"}],
-               "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+               "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}})
     );
 }
 
@@ -229,6 +229,9 @@ fn completion_choices_are_prompt_major_and_usage_counts_each_prompt_once() {
     let mut p = prepared(Endpoint::Completion, vec![vec![0, 9], vec![0, 10, 10]], &["hello", "world world"], 2, None);
     p.echo = true;
     let mut b = builder(&p);
+    // each prompt's first token reports its cached prompt tokens: the request sums them
+    b.add_cached_prompt_tokens(2);
+    b.add_cached_prompt_tokens(1);
     // choice = prompt_index * n + j
     for (choice, text) in [(3u32, "d"), (0, "a"), (2, "c"), (1, "b")] {
         b.push(choice, &delta(text, &[tok(13), tok(14)], Some(FinishReason::Length)));
@@ -239,7 +242,10 @@ fn completion_choices_are_prompt_major_and_usage_counts_each_prompt_once() {
     let got: Vec<(u64, &str)> =
         choices.iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
     assert_eq!(got, vec![(0, "helloa"), (1, "hellob"), (2, "world worldc"), (3, "world worldd")]);
-    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 3}})
+    );
     assert!(choices.iter().all(|c| c["logprobs"].is_null() && c["finish_reason"] == "length"));
 }
 
@@ -449,7 +455,10 @@ fn builder_round_trips_a_prepared_request() {
     }
     let f = frames(&[b.take(), b.finish()].concat());
     assert_eq!(f.len(), 5);
-    assert_eq!(f[4]["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}));
+    assert_eq!(
+        f[4]["usage"],
+        json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}})
+    );
     assert!(f.iter().all(|c| c["id"] == p.id.as_str()));
 }
 

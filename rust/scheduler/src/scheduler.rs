@@ -89,6 +89,9 @@ pub(crate) struct Req {
     /// Prompt positions below this have had their logprob row planned.
     pub prompt_lp_next: usize,
     pub prompt_len: usize,
+    /// Prompt tokens the prefix cache held when the prompt was first admitted (a prompt
+    /// preempted and admitted again finds its own blocks: not counted).
+    pub cached_prompt_tokens: Option<u32>,
 }
 
 impl Req {
@@ -265,6 +268,7 @@ impl Scheduler {
             prompt_logprobs: req.prompt_logprobs,
             prompt_lp_next: 0,
             prompt_len: req.prompt.len(),
+            cached_prompt_tokens: None,
         };
         let req_slot = match self.free_reqs.pop() {
             Some(s) => {

@@ -250,8 +250,10 @@ impl Scheduler {
         seq.num_computed = computed;
         seq.num_hashed = self.hits.len();
         seq.last_hash = parent;
+        let req_slot = seq.req;
         self.prefix_hit_tokens += computed as u64;
         self.prefix_query_tokens += len as u64;
+        self.req_mut(req_slot).cached_prompt_tokens.get_or_insert(computed as u32);
         self.grow(key.slot, need);
         self.waiting.remove(&key);
         self.enqueue_running(key.slot);
@@ -422,7 +424,16 @@ impl Scheduler {
         }
         let req = self.reqs[seq.req as usize].as_ref().expect("live request slot");
         let finish = stop_reason(&req.stop, seq.tokens.len(), seq.prompt_len, token, self.cfg.max_model_len);
-        out.push(SeqUpdate { req_id: req.id, seq_index: seq.index, token, finish, sample_row: row });
+        let first = seq.index == 0 && seq.tokens.len() == seq.prompt_len + 1;
+        let cached_prompt_tokens = first.then(|| req.cached_prompt_tokens.unwrap_or(0));
+        out.push(SeqUpdate {
+            req_id: req.id,
+            seq_index: seq.index,
+            token,
+            finish,
+            sample_row: row,
+            cached_prompt_tokens,
+        });
         if finish.is_some() {
             self.retire(slot);
         }
@@ -441,7 +452,14 @@ impl Scheduler {
         for (k, &token) in tokens.iter().enumerate().skip(1) {
             let req = self.req(req_slot);
             let finish = stop_reason(&req.stop, prompt_len + 1, prompt_len, token, self.cfg.max_model_len);
-            out.push(SeqUpdate { req_id: req.id, seq_index: k as u32, token, finish, sample_row: base_row + k });
+            out.push(SeqUpdate {
+                req_id: req.id,
+                seq_index: k as u32,
+                token,
+                finish,
+                sample_row: base_row + k,
+                cached_prompt_tokens: None,
+            });
             if finish.is_some() {
                 self.req_mut(req_slot).unfinished -= 1;
                 continue;

@@ -134,6 +134,9 @@ pub struct SeqUpdate {
     pub finish: Option<FinishReason>,
     /// The Plan row (index into the sampling columns / commit tokens) this came from.
     pub sample_row: usize,
+    /// On the request's first token: how many of its prompt tokens the prefix cache held when
+    /// the prompt was first scheduled (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+    pub cached_prompt_tokens: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

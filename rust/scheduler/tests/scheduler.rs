@@ -58,12 +58,14 @@ fn identical_prompt_computes_only_the_tail() {
     let (plan_a, u) = step(&mut s, 5);
     assert_eq!(plan_a.num_tokens, 40);
     assert_eq!(u[0].finish, Some(FinishReason::Length));
+    assert_eq!(u[0].cached_prompt_tokens, Some(0));
     // A finished: its two full blocks stay cached in the LRU, the partial one is plain.
     assert_eq!(s.stats().used_blocks, 0);
     assert_eq!(s.stats().cached_blocks, 2);
 
     s.add(request(2, prompt(40, 1), 2));
-    let (plan_b, _) = step(&mut s, 5);
+    let (plan_b, u) = step(&mut s, 5);
+    assert_eq!(u[0].cached_prompt_tokens, Some(32), "the request's first token says what it reused");
     assert_eq!(plan_b.num_tokens, 8, "only the tail after two cached blocks");
     assert_eq!(plan_b.positions[0], 32);
     assert_eq!(s.stats().prefix_hit_tokens, 32);
@@ -72,8 +74,10 @@ fn identical_prompt_computes_only_the_tail() {
 
     // While B runs, C with the same prompt shares B's blocks (ref count 2).
     s.add(request(3, prompt(40, 1), 1));
-    let (plan, _) = step(&mut s, 5);
+    let (plan, u) = step(&mut s, 5);
     assert_eq!(plan.num_tokens, 1 + 8);
+    let by_id = |id| u.iter().find(|u| u.req_id == id).unwrap().cached_prompt_tokens;
+    assert_eq!((by_id(2), by_id(3)), (None, Some(32)), "only a first token carries the count");
     let shared = plan.block_table(1)[0] as u32;
     assert_eq!(plan.block_table(0)[0] as u32, shared);
     assert_eq!(s.stats().prefix_hit_tokens, 64);
