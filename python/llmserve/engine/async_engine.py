@@ -297,11 +297,11 @@ class AsyncEngine:
         return self.engine.router
 
     def load(self) -> dict:
-        stats = self._thread.stats if self._thread else {}
+        stats, pending = self._thread.snapshot() if self._thread else ({}, 0)
         return {
             "state": self.state,
             "running": stats.get("running", 0),
-            "waiting": stats.get("waiting", 0) + (self._thread.pending() if self._thread else 0),
+            "waiting": stats.get("waiting", 0) + pending,
             "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
             "kv_blocks_used": stats.get("used_blocks", 0),
             # blocks requests can hold (the pool's block 0 pads block tables, never held), so

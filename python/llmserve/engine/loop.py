@@ -113,7 +113,13 @@ class EngineThread:
         """Sequences waiting that `stats` does not count yet: those of requests posted and not
         yet handed to the Core, or handed over since `stats` was last read (counted as the
         Core counts its waiting ones). Queued aborts do not count."""
-        return self._posted_seqs + self._unpublished_seqs
+        return self.snapshot()[1]
+
+    def snapshot(self) -> tuple[dict, int]:
+        """`stats` and `pending()` read together, so no sequence is counted twice or missed
+        while the engine thread hands requests over or publishes."""
+        with self._cv:
+            return self.stats, self._posted_seqs + self._unpublished_seqs
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the loop once its current step ends, waiting up to `timeout` seconds (None:
@@ -158,8 +164,10 @@ class EngineThread:
 
     def _publish(self, step_seconds: float) -> None:
         """Refresh the counts /load reads, and the metrics (`step_seconds` 0: no step time)."""
-        self.stats = self._core.stats()
-        self._unpublished_seqs = 0
+        stats = self._core.stats()
+        with self._cv:
+            self.stats = stats
+            self._unpublished_seqs = 0
         if self._on_stats is not None:
             self._on_stats(self.stats, step_seconds)
 
