@@ -93,28 +93,36 @@ def test_thinking_is_split_from_content(think_server):
                 "logit_bias": {str(think_server.close_id): 5}}
     # A seed whose raw output closes the block with text on both sides (the model is random).
     for seed in range(40):
-        raw = _post(think_server, "/v1/completions",
-                    {"prompt": prompt, "seed": seed, **sampling}).json()["choices"][0]["text"]
+        completion = _post(think_server, "/v1/completions",
+                           {"prompt": prompt, "seed": seed, "logprobs": 0, **sampling}).json()
+        raw = completion["choices"][0]["text"]
         before, sep, after = raw.partition("</think>")
         if sep and before and after:
             break
     else:
         pytest.fail("no seed closed the think block")
+    assert "completion_tokens_details" not in completion["usage"]     # no parser on completions
+    # the reasoning tokens: those before the one that closes the block (the prompt opened it)
+    thinking = completion["choices"][0]["logprobs"]["tokens"].index("</think>")
     body = {"messages": MESSAGES, "seed": seed, **sampling}
     r = _post(think_server, "/v1/chat/completions", body).json()
     msg = r["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == (before, after)
     assert r["usage"]["completion_tokens"] == 12
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
     reasoning, content, usage = _stream(think_server, body)
     assert (reasoning, content) == (before, after)
     assert usage["completion_tokens"] == 12
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": thinking}
 
 
 def test_unterminated_thinking_is_all_reasoning(think_server):
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "logit_bias": {str(think_server.close_id): -100}}
-    msg = _post(think_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    r = _post(think_server, "/v1/chat/completions", {**body, "n": 2}).json()
+    msg = r["choices"][0]["message"]
     assert msg["reasoning_content"] and msg["content"] is None   # no answer yet: null, as vLLM
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}   # both choices
     assert _stream(think_server, body)[:2] == (msg["reasoning_content"], "")
 
 
@@ -125,8 +133,10 @@ def test_enable_thinking_false_reaches_the_template(think_server):
     # The block is closed in the prompt: output is content (no <think> can open one here).
     gen = {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
            "logit_bias": {str(think_server.close_id - 1): -100}}
-    msg = _post(think_server, "/v1/chat/completions", gen).json()["choices"][0]["message"]
+    r = _post(think_server, "/v1/chat/completions", gen).json()
+    msg = r["choices"][0]["message"]
     assert msg["content"] and msg["reasoning_content"] is None
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -100,11 +100,39 @@ pub struct ReasoningSplitter {
     state: State,
     /// Held-back text: a suffix that may be the start of the marker looked for.
     buf: String,
+    /// Tokens generated inside the block, not counting those that spell its markers.
+    tokens: u64,
+    /// Tokens inside the block whose text is held back as a possible `</think>`: reasoning
+    /// unless that marker completes.
+    held_tokens: u64,
 }
 
 impl ReasoningSplitter {
     pub fn new(plan: ReasoningPlan) -> Self {
-        Self { state: if plan.prompt_opened { State::Inside } else { State::Before }, buf: String::new() }
+        let state = if plan.prompt_opened { State::Inside } else { State::Before };
+        Self { state, buf: String::new(), tokens: 0, held_tokens: 0 }
+    }
+
+    /// [`Self::push`] for the text of one generated token, which counts as a reasoning token
+    /// when it lies inside the block (the tokens that complete a marker do not).
+    pub fn push_token(&mut self, text: &str) -> Split {
+        let inside = self.state == State::Inside;
+        let out = self.push(text);
+        if inside {
+            if self.state != State::Inside {
+                self.held_tokens = 0;
+            } else if self.buf.is_empty() {
+                self.tokens += 1 + std::mem::take(&mut self.held_tokens);
+            } else {
+                self.held_tokens += 1;
+            }
+        }
+        out
+    }
+
+    /// The reasoning tokens counted so far (OpenAI's `completion_tokens_details.reasoning_tokens`).
+    pub fn reasoning_tokens(&self) -> u64 {
+        self.tokens
     }
 
     /// Classifies `text` (after whatever was held back); returns what is decided now.
@@ -140,6 +168,9 @@ impl ReasoningSplitter {
     /// stays reasoning).
     pub fn finish(&mut self) -> Split {
         let rest = std::mem::take(&mut self.buf);
+        if self.state == State::Inside {
+            self.tokens += std::mem::take(&mut self.held_tokens);
+        }
         match self.state {
             State::Inside => Split { reasoning: rest, content: String::new() },
             _ => Split { reasoning: String::new(), content: rest },
@@ -220,6 +251,29 @@ mod tests {
     fn unterminated_reasoning_is_all_reasoning() {
         assert_eq!(run(true, &["still thinking </thi"]), split("still thinking </thi", ""));
         assert_eq!(run(false, &["<think>still", " thinking"]), split("still thinking", ""));
+    }
+
+    /// Reasoning tokens after pushing `tokens` one at a time and finishing.
+    fn count(opened: bool, tokens: &[&str]) -> u64 {
+        let mut s = ReasoningSplitter::new(plan(opened));
+        for t in tokens {
+            s.push_token(t);
+        }
+        s.finish();
+        s.reasoning_tokens()
+    }
+
+    #[test]
+    fn reasoning_tokens_are_those_inside_the_block_without_its_markers() {
+        assert_eq!(count(false, &["<think>", "a", "b", "</think>", "c"]), 2);
+        assert_eq!(count(true, &["a", "b", "</think>", "c", "d"]), 2);
+        // a marker spelled by several tokens: none of them is reasoning
+        assert_eq!(count(true, &["a", "</", "think", ">", "c"]), 1);
+        // held as a possible marker, then released: reasoning after all
+        assert_eq!(count(true, &["a", "</", "b>", "c"]), 4);
+        assert_eq!(count(true, &["a", "</thi"]), 2, "unterminated: the held token is reasoning");
+        assert_eq!(count(false, &["no", " block", "<thi"]), 0);
+        assert_eq!(count(false, &["<think>", "a", "</think>", "<think>", "b"]), 1, "after the block, content");
     }
 
     #[test]

@@ -186,6 +186,15 @@ struct Usage {
     completion_tokens: u64,
     total_tokens: u64,
     prompt_tokens_details: PromptTokensDetails,
+    /// Chat with a reasoning parser active (vLLM's rule): the thinking among the tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+/// OpenAI's breakdown of `completion_tokens`: those spent inside the think block.
+#[derive(Serialize, Clone, Copy, Debug, Default)]
+struct CompletionTokensDetails {
+    reasoning_tokens: u64,
 }
 
 /// OpenAI's breakdown of `prompt_tokens`: those whose K/V the prefix cache already held.
@@ -364,6 +373,8 @@ pub struct ResponseBuilder {
     pending: Vec<u8>,
     done: bool,
     tools: Option<ToolParsing>,
+    /// Chat with a reasoning parser active: usage counts the reasoning tokens.
+    reasoning: bool,
 }
 
 impl ResponseBuilder {
@@ -418,6 +429,7 @@ impl ResponseBuilder {
             pending: Vec::new(),
             done: false,
             tools: prepared.tools.clone(),
+            reasoning: chat && prepared.reasoning.is_some(),
         }
     }
 
@@ -428,6 +440,14 @@ impl ResponseBuilder {
             completion_tokens,
             total_tokens: self.prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens: self.cached_prompt_tokens },
+            completion_tokens_details: self.reasoning.then(|| CompletionTokensDetails {
+                reasoning_tokens: self
+                    .choices
+                    .iter()
+                    .filter_map(|c| c.reasoning.as_ref())
+                    .map(|r| r.reasoning_tokens())
+                    .sum(),
+            }),
         }
     }
 
@@ -530,7 +550,8 @@ impl ResponseBuilder {
             return;
         }
         let split = self.choices[idx].reasoning.as_mut().map(|r| {
-            let mut split = r.push(delta.text);
+            // a delta carries one generated token's text (none: the prompt-only answer)
+            let mut split = if delta.generated > 0 { r.push_token(delta.text) } else { r.push(delta.text) };
             if delta.finish.is_some() {
                 let rest = r.finish();
                 split.reasoning.push_str(&rest.reasoning);
