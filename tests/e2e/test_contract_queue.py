@@ -134,12 +134,14 @@ def test_the_queue_counts_sequences_not_requests(one_slot):
     async def main():
         async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
             too_many = [await completion(c, prompt=["a", "b", "c", "d", "e"]),
-                        await completion(c, prompt="a", n=5, temperature=1.0)]
-            for r, param in zip(too_many, ["prompt", "n"]):
+                        await completion(c, prompt="a", n=5, temperature=1.0),
+                        # fewer prompts would not help: n is the one to lower
+                        await completion(c, prompt=["a", "b"], n=5, temperature=1.0)]
+            for r, param in zip(too_many, ["prompt", "n", "n"]):
                 assert r.status_code == 400, r.text
                 err = r.json()["error"]
                 assert (err["param"], err["code"]) == (param, "invalid_value")
-                assert "5 sequences" in err["message"] and "--max-waiting" in err["message"]
+                assert "sequences" in err["message"] and "--max-waiting" in err["message"]
             hold = await _hold_slot(c, one_slot)
             first = asyncio.ensure_future(completion(c, prompt="one", n=3, temperature=0))
             await _wait_load(one_slot, "waiting", 1)

@@ -355,12 +355,15 @@ class AsyncEngine:
         need, limit = prepared.num_seqs, self.config.scheduler.max_waiting
         if need > limit:
             prompts = len(prepared.prompt_lens)
+            per_prompt = need // prompts
+            # fewer prompts per request help only if one prompt's choices fit
+            advice, param = ("a smaller n", "n") if per_prompt > limit else ("fewer prompts per request", "prompt")
             raise Router.error(
                 "invalid_request",
                 f"This request would queue {need} sequences ({prompts} prompt{'s' * (prompts > 1)}, "
-                f"{need // prompts} per prompt) and the server queues at most {limit} (--max-waiting); "
-                "send it in smaller requests.",
-                param="prompt" if prompts > 1 else "n")
+                f"{per_prompt} per prompt) and the server queues at most {limit} (--max-waiting); "
+                f"send {advice}.",
+                param=param)
         waiting = self.load()["waiting"]
         if waiting + need > limit:
             raise self.unavailable(f"The queue is full ({waiting} of {limit} sequences waiting, this request "
