@@ -114,6 +114,22 @@ def test_thinking_is_split_from_content(think_server):
     assert (reasoning, content) == (before, after)
     assert usage["completion_tokens"] == 12
     assert usage["completion_tokens_details"] == {"reasoning_tokens": thinking}
+    # every chunk's usage counts the tokens it carries, reasoning ones among them
+    usages = []
+    with httpx.stream("POST", think_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "stream": True, **body,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                usages.append(json.loads(line[6:])["usage"])
+    counts = [(u["completion_tokens"], u["completion_tokens_details"]["reasoning_tokens"]) for u in usages]
+    assert all(r <= c for c, r in counts), counts
+    assert counts == sorted(counts) and counts[-1] == (12, thinking)
+    # a stop string that begins like `</think>` holds text back without changing the count
+    # (its text never comes: this random model's vocabulary has no `</a`)
+    held = _post(think_server, "/v1/chat/completions", {**body, "stop": ["</answer>"]}).json()
+    assert held["choices"][0]["message"] == msg
+    assert held["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
 
 
 def test_unterminated_thinking_is_all_reasoning(think_server):

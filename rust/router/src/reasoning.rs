@@ -10,6 +10,8 @@
 //! could still grow into the marker being looked for is held back until it can be decided,
 //! as the detokenizer does for stop strings.
 
+use std::collections::VecDeque;
+
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
 
@@ -100,33 +102,45 @@ pub struct ReasoningSplitter {
     state: State,
     /// Held-back text: a suffix that may be the start of the marker looked for.
     buf: String,
-    /// Tokens generated inside the block, not counting those that spell its markers.
+    /// Characters pushed so far: positions below are in the output's characters, as the
+    /// detokenizer's token offsets are.
+    pos: usize,
+    /// Where the block's text begins (after `<think>`), and where `</think>` begins.
+    opened_at: Option<usize>,
+    closed_at: Option<usize>,
+    /// Where the text of each token pushed and not yet classified starts and ends: one that
+    /// ends in held-back text may hold part of a marker.
+    undecided: VecDeque<(usize, usize)>,
+    /// Tokens whose text lies inside the block (not those holding part of a marker).
     tokens: u64,
-    /// Tokens inside the block whose text is held back as a possible `</think>`: reasoning
-    /// unless that marker completes.
-    held_tokens: u64,
 }
 
 impl ReasoningSplitter {
     pub fn new(plan: ReasoningPlan) -> Self {
         let state = if plan.prompt_opened { State::Inside } else { State::Before };
-        Self { state, buf: String::new(), tokens: 0, held_tokens: 0 }
+        Self {
+            state,
+            buf: String::new(),
+            pos: 0,
+            opened_at: plan.prompt_opened.then_some(0),
+            closed_at: None,
+            undecided: VecDeque::new(),
+            tokens: 0,
+        }
     }
 
-    /// [`Self::push`] for the text of one generated token, which counts as a reasoning token
-    /// when it lies inside the block (the tokens that complete a marker do not).
-    pub fn push_token(&mut self, text: &str) -> Split {
-        let inside = self.state == State::Inside;
+    /// [`Self::push`], with the output offsets (in characters) where the tokens that spelled
+    /// `text` start (the detokenizer's): each token's text runs to the next one's start, the
+    /// last one's to the end of `text`. A token counts as reasoning once its text is known to
+    /// lie inside the block.
+    pub fn push_tokens(&mut self, text: &str, starts: impl IntoIterator<Item = usize>) -> Split {
         let out = self.push(text);
-        if inside {
-            if self.state != State::Inside {
-                self.held_tokens = 0;
-            } else if self.buf.is_empty() {
-                self.tokens += 1 + std::mem::take(&mut self.held_tokens);
-            } else {
-                self.held_tokens += 1;
-            }
+        let mut starts = starts.into_iter().peekable();
+        while let Some(start) = starts.next() {
+            let end = starts.peek().copied().unwrap_or(self.pos);
+            self.undecided.push_back((start, end.max(start)));
         }
+        self.classify(self.pos - self.buf.chars().count());
         out
     }
 
@@ -135,9 +149,21 @@ impl ReasoningSplitter {
         self.tokens
     }
 
+    /// Classifies the tokens whose text ends by `decided` (text that can no longer be part
+    /// of a marker; all of it once the block has closed).
+    fn classify(&mut self, decided: usize) {
+        let decided = if self.state == State::After { usize::MAX } else { decided };
+        while let Some(&(start, end)) = self.undecided.front().filter(|&&(_, e)| e <= decided) {
+            self.undecided.pop_front();
+            let inside = self.opened_at.is_some_and(|o| start >= o) && self.closed_at.is_none_or(|c| end <= c);
+            self.tokens += u64::from(inside);
+        }
+    }
+
     /// Classifies `text` (after whatever was held back); returns what is decided now.
     pub fn push(&mut self, text: &str) -> Split {
         self.buf.push_str(text);
+        self.pos += text.chars().count();
         let mut out = Split::default();
         loop {
             let marker = match self.state {
@@ -152,8 +178,15 @@ impl ReasoningSplitter {
             let target = if self.state == State::Inside { &mut out.reasoning } else { &mut out.content };
             if let Some(at) = self.buf.find(marker) {
                 target.push_str(&self.buf[..at]);
+                let marker_at = self.pos - self.buf.chars().count() + self.buf[..at].chars().count();
                 self.buf.drain(..at + marker.len());
-                self.state = if self.state == State::Before { State::Inside } else { State::After };
+                if self.state == State::Before {
+                    self.state = State::Inside;
+                    self.opened_at = Some(marker_at + marker.len());
+                } else {
+                    self.state = State::After;
+                    self.closed_at = Some(marker_at);
+                }
                 continue;
             }
             let keep = partial_suffix(&self.buf, marker);
@@ -168,9 +201,7 @@ impl ReasoningSplitter {
     /// stays reasoning).
     pub fn finish(&mut self) -> Split {
         let rest = std::mem::take(&mut self.buf);
-        if self.state == State::Inside {
-            self.tokens += std::mem::take(&mut self.held_tokens);
-        }
+        self.classify(usize::MAX);
         match self.state {
             State::Inside => Split { reasoning: rest, content: String::new() },
             _ => Split { reasoning: String::new(), content: rest },
@@ -253,11 +284,14 @@ mod tests {
         assert_eq!(run(false, &["<think>still", " thinking"]), split("still thinking", ""));
     }
 
-    /// Reasoning tokens after pushing `tokens` one at a time and finishing.
+    /// Reasoning tokens after pushing `tokens` one at a time (each with its own text) and
+    /// finishing.
     fn count(opened: bool, tokens: &[&str]) -> u64 {
         let mut s = ReasoningSplitter::new(plan(opened));
+        let mut at = 0;
         for t in tokens {
-            s.push_token(t);
+            s.push_tokens(t, [at]);
+            at += t.chars().count();
         }
         s.finish();
         s.reasoning_tokens()
@@ -274,6 +308,30 @@ mod tests {
         assert_eq!(count(true, &["a", "</thi"]), 2, "unterminated: the held token is reasoning");
         assert_eq!(count(false, &["no", " block", "<thi"]), 0);
         assert_eq!(count(false, &["<think>", "a", "</think>", "<think>", "b"]), 1, "after the block, content");
+        // reasoning that ends with the marker's first characters (audit 38, A38-1)
+        assert_eq!(count(true, &["a", "</", "</", "think>", "c"]), 2);
+        assert_eq!(count(true, &["a<", "/think>"]), 0, "a token holding part of a marker is no reasoning");
+        assert_eq!(count(false, &["x<th", "ink>y", "z"]), 1);
+    }
+
+    #[test]
+    fn tokens_are_placed_by_their_offsets() {
+        // The detokenizer may release several tokens' text at once (held for a stop string),
+        // or a token with no text yet (part of a character): offsets place them.
+        let mut s = ReasoningSplitter::new(plan(true));
+        s.push_tokens("é a", [0, 0, 1, 2]);
+        assert_eq!(s.reasoning_tokens(), 4);
+        s.push_tokens("b</", [3, 4]);
+        assert_eq!(s.reasoning_tokens(), 5, "a token that may hold part of the marker waits");
+        s.push_tokens("think>ok", [6, 12]);
+        s.finish();
+        assert_eq!(s.reasoning_tokens(), 5);
+        // bytes that never made a character are replaced, and the token after them reads as
+        // starting where they do: it holds the marker all the same (audit 38)
+        let mut s = ReasoningSplitter::new(plan(true));
+        s.push_tokens("\u{fffd}</think>Y", [0, 0, 9]);
+        s.finish();
+        assert_eq!(s.reasoning_tokens(), 1);
     }
 
     #[test]

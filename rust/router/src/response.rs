@@ -549,9 +549,11 @@ impl ResponseBuilder {
         if idx >= self.choices.len() || self.choices[idx].finish.is_some() {
             return;
         }
+        // Counted first: every chunk this push sends (reasoning, content, call pieces)
+        // carries usage that includes its token.
+        self.choices[idx].completion_tokens += u64::from(delta.generated);
         let split = self.choices[idx].reasoning.as_mut().map(|r| {
-            // a delta carries one generated token's text (none: the prompt-only answer)
-            let mut split = if delta.generated > 0 { r.push_token(delta.text) } else { r.push(delta.text) };
+            let mut split = r.push_tokens(delta.text, delta.tokens.iter().map(|t| t.text_offset));
             if delta.finish.is_some() {
                 let rest = r.finish();
                 split.reasoning.push_str(&rest.reasoning);
@@ -606,7 +608,6 @@ impl ResponseBuilder {
         let idx = choice as usize;
         let first = !self.choices[idx].started;
         self.choices[idx].started = true;
-        self.choices[idx].completion_tokens += u64::from(delta.generated);
         self.choices[idx].finish = delta.finish;
         self.choices[idx].stop_reason = delta.stop_reason.map(OwnedStop::of);
         let echo_text =
@@ -654,11 +655,16 @@ impl ResponseBuilder {
                     stop_reason: None,
                 };
                 // The role chunk comes before the first token (as in vLLM): its usage does
-                // not count the tokens of the chunk after it.
+                // not count the tokens of the chunk after it, reasoning ones included (this
+                // is the choice's first push, so all it counted came from this one).
                 let before = u64::from(delta.generated);
+                let reasoned = self.choices[idx].reasoning.as_ref().map_or(0, ReasoningSplitter::reasoning_tokens);
                 let usage = self.chunk_usage().map(|u| Usage {
                     completion_tokens: u.completion_tokens - before,
                     total_tokens: u.total_tokens - before,
+                    completion_tokens_details: u
+                        .completion_tokens_details
+                        .map(|d| CompletionTokensDetails { reasoning_tokens: d.reasoning_tokens - reasoned }),
                     ..u
                 });
                 self.frame(vec![role], usage);
