@@ -139,6 +139,13 @@ def test_unterminated_thinking_is_all_reasoning(think_server):
     msg = r["choices"][0]["message"]
     assert msg["reasoning_content"] and msg["content"] is None   # no answer yet: null, as vLLM
     assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}   # both choices
+    # an eos while thinking has no text, but it was generated inside the block
+    eos = _post(think_server, "/tokenize", {"prompt": "<|im_end|>"}).json()["tokens"]
+    assert len(eos) == 1
+    r = _post(think_server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6,
+                                                     "logit_bias": {str(eos[0]): 100}}).json()
+    assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("stop", 1)
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
     assert _stream(think_server, body)[:2] == (msg["reasoning_content"], "")
 
 

@@ -113,6 +113,8 @@ pub struct ReasoningSplitter {
     undecided: VecDeque<(usize, usize)>,
     /// Tokens whose text lies inside the block (not those holding part of a marker).
     tokens: u64,
+    /// Tokens pushed with their offsets (listed in the output).
+    listed: u64,
 }
 
 impl ReasoningSplitter {
@@ -126,6 +128,7 @@ impl ReasoningSplitter {
             closed_at: None,
             undecided: VecDeque::new(),
             tokens: 0,
+            listed: 0,
         }
     }
 
@@ -139,6 +142,7 @@ impl ReasoningSplitter {
         while let Some(start) = starts.next() {
             let end = starts.peek().copied().unwrap_or(self.pos);
             self.undecided.push_back((start, end.max(start)));
+            self.listed += 1;
         }
         self.classify(self.pos - self.buf.chars().count());
         out
@@ -197,11 +201,15 @@ impl ReasoningSplitter {
         }
     }
 
-    /// The choice ended: what was held back goes where it stands (unterminated reasoning
-    /// stays reasoning).
-    pub fn finish(&mut self) -> Split {
+    /// The choice ended after `generated` tokens: what was held back goes where it stands
+    /// (unterminated reasoning stays reasoning). Tokens never listed with text (an ending eos
+    /// or stop token, text a stop string cut) are reasoning if the block is still open.
+    pub fn finish(&mut self, generated: u64) -> Split {
         let rest = std::mem::take(&mut self.buf);
         self.classify(usize::MAX);
+        if self.state == State::Inside {
+            self.tokens += generated.saturating_sub(self.listed);
+        }
         match self.state {
             State::Inside => Split { reasoning: rest, content: String::new() },
             _ => Split { reasoning: String::new(), content: rest },
@@ -235,7 +243,7 @@ mod tests {
             all.reasoning.push_str(&out.reasoning);
             all.content.push_str(&out.content);
         }
-        let rest = s.finish();
+        let rest = s.finish(0);
         all.reasoning.push_str(&rest.reasoning);
         all.content.push_str(&rest.content);
         all
@@ -293,7 +301,7 @@ mod tests {
             s.push_tokens(t, [at]);
             at += t.chars().count();
         }
-        s.finish();
+        s.finish(tokens.len() as u64);
         s.reasoning_tokens()
     }
 
@@ -324,14 +332,28 @@ mod tests {
         s.push_tokens("b</", [3, 4]);
         assert_eq!(s.reasoning_tokens(), 5, "a token that may hold part of the marker waits");
         s.push_tokens("think>ok", [6, 12]);
-        s.finish();
-        assert_eq!(s.reasoning_tokens(), 5);
+        s.finish(9);
+        assert_eq!(s.reasoning_tokens(), 5, "an unlisted eos after the block is not reasoning");
         // bytes that never made a character are replaced, and the token after them reads as
         // starting where they do: it holds the marker all the same (audit 38)
         let mut s = ReasoningSplitter::new(plan(true));
         s.push_tokens("\u{fffd}</think>Y", [0, 0, 9]);
-        s.finish();
+        s.finish(3);
         assert_eq!(s.reasoning_tokens(), 1);
+    }
+
+    #[test]
+    fn tokens_without_text_that_end_the_thinking_are_reasoning() {
+        // an eos or stop token not shown, or a stop string's tokens cut from the text, while
+        // the block is open (audit 39, A39-1)
+        let mut s = ReasoningSplitter::new(plan(true));
+        s.push_tokens("ab", [0, 1]);
+        s.finish(4);
+        assert_eq!(s.reasoning_tokens(), 4);
+        let mut s = ReasoningSplitter::new(plan(false));
+        s.push_tokens("ab", [0, 1]);
+        s.finish(3);
+        assert_eq!(s.reasoning_tokens(), 0, "no block, no reasoning");
     }
 
     #[test]

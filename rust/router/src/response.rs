@@ -552,10 +552,11 @@ impl ResponseBuilder {
         // Counted first: every chunk this push sends (reasoning, content, call pieces)
         // carries usage that includes its token.
         self.choices[idx].completion_tokens += u64::from(delta.generated);
+        let generated = self.choices[idx].completion_tokens;
         let split = self.choices[idx].reasoning.as_mut().map(|r| {
             let mut split = r.push_tokens(delta.text, delta.tokens.iter().map(|t| t.text_offset));
             if delta.finish.is_some() {
-                let rest = r.finish();
+                let rest = r.finish(generated);
                 split.reasoning.push_str(&rest.reasoning);
                 split.content.push_str(&rest.content);
             }
