@@ -373,8 +373,6 @@ pub struct ResponseBuilder {
     pending: Vec<u8>,
     done: bool,
     tools: Option<ToolParsing>,
-    /// Chat with a reasoning parser active: usage counts the reasoning tokens.
-    reasoning: bool,
 }
 
 impl ResponseBuilder {
@@ -429,7 +427,6 @@ impl ResponseBuilder {
             pending: Vec::new(),
             done: false,
             tools: prepared.tools.clone(),
-            reasoning: chat && prepared.reasoning.is_some(),
         }
     }
 
@@ -440,13 +437,16 @@ impl ResponseBuilder {
             completion_tokens,
             total_tokens: self.prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens: self.cached_prompt_tokens },
-            completion_tokens_details: self.reasoning.then(|| CompletionTokensDetails {
-                reasoning_tokens: self
-                    .choices
-                    .iter()
-                    .filter_map(|c| c.reasoning.as_ref())
-                    .map(|r| r.reasoning_tokens())
-                    .sum(),
+            // every choice has a splitter when a reasoning parser is active (chat), none otherwise
+            completion_tokens_details: self.choices.first().is_some_and(|c| c.reasoning.is_some()).then(|| {
+                CompletionTokensDetails {
+                    reasoning_tokens: self
+                        .choices
+                        .iter()
+                        .filter_map(|c| c.reasoning.as_ref())
+                        .map(|r| r.reasoning_tokens())
+                        .sum(),
+                }
             }),
         }
     }

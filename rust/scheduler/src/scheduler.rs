@@ -473,7 +473,7 @@ impl Scheduler {
     }
 
     /// The sequences `slot` stands for: itself, or a whole request not yet forked.
-    fn group_size(&self, slot: u32) -> u32 {
+    pub(crate) fn group_size(&self, slot: u32) -> u32 {
         let seq = &self.seqs[slot as usize];
         if seq.fork_pending {
             self.req(seq.req).n

@@ -189,20 +189,21 @@ impl Scheduler {
     }
 
     fn schedule_waiting(&mut self, budget: &mut usize) {
+        // A fork parent brings n sequences into the running set when its prompt ends.
+        let mut running = self.width(&self.running);
         while let Some(&key) = self.waiting.first() {
             if *budget == 0 || self.scheduled.len() >= self.cfg.max_num_seqs {
                 break;
             }
-            let seq = &self.seqs[key.slot as usize];
-            // A fork parent brings n sequences into the running set when its prompt ends.
-            let width = if seq.fork_pending { self.req(seq.req).n as usize } else { 1 };
-            if !self.running.is_empty() && self.width(&self.running) + width > self.cfg.max_num_seqs {
+            let width = self.group_size(key.slot) as usize;
+            if running > 0 && running + width > self.cfg.max_num_seqs {
                 break;
             }
             match self.admit(key, *budget) {
                 Some(num_new) => {
                     self.scheduled.push((key.slot, num_new));
                     *budget -= num_new;
+                    running += width;
                 }
                 // Policy order is strict: a sequence that does not fit blocks the ones
                 // behind it (this is what keeps fcfs free of starvation).
