@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import uvicorn
 from starlette.applications import Starlette
@@ -113,7 +114,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
             if owns_engine:
                 if not loading[0].done():
                     loading[0].cancel()
-                await engine.drain(stop_timeout=app.state.stop_timeout)
+                await engine.drain(stop_timeout=_step_wait(app.state))
 
     app = Starlette(
         routes=ROUTES,
@@ -124,8 +125,10 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     app.state.engine = engine
     app.state.max_body_bytes = config.server.max_body_bytes
     # how long the lifespan's drain waits for the engine's step in progress (None: until it
-    # ends; `llmserve run` bounds it, then exits at once)
+    # ends; `llmserve run` bounds it, then exits at once), and the time.monotonic() by which
+    # the whole stop must be over (None: no such bound; `llmserve run` sets it at the signal)
     app.state.stop_timeout = None
+    app.state.stop_deadline = None
     app.add_middleware(StartOnFirstRequest, start=start_loading)
     app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key)
     if config.server.allowed_origins:
@@ -138,6 +141,16 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     if config.server.access_log:
         app.add_middleware(AccessLogMiddleware)
     return app
+
+
+def _step_wait(state) -> float | None:
+    """How long the lifespan's drain waits for the engine's step in progress: the app's
+    `stop_timeout`, cut to what is left before its `stop_deadline` (at least a moment)."""
+    timeout, deadline = state.stop_timeout, state.stop_deadline
+    if deadline is None:
+        return timeout
+    left = max(0.5, deadline - time.monotonic())
+    return left if timeout is None else min(timeout, left)
 
 
 class StartOnFirstRequest:
@@ -155,13 +168,17 @@ class StartOnFirstRequest:
         await self.app(scope, receive, send)
 
 
-# How long a stop signal waits for running requests before the server closes anyway; with
-# CLOSE_TIMEOUT_S after it, the whole stop fits in Kubernetes' default 30 s grace period.
-DRAIN_TIMEOUT_S = 25.0
+# How long a stop signal waits for running requests before the server closes anyway.
+DRAIN_TIMEOUT_S = 20.0
 # After the drain: how long uvicorn waits for open connections to finish sending.
 CLOSE_TIMEOUT_S = 5
-# How long `llmserve run`'s shutdown waits for the engine's step in progress to end.
+# How long `llmserve run`'s shutdown waits for the engine's step in progress to end (a
+# long prompt's step on a CPU takes seconds)...
 ENGINE_STOP_TIMEOUT_S = 10.0
+# ...but no later than this long after the first stop signal, so that the whole stop fits in
+# Kubernetes' default 30 s grace period (the drain, the close and then the step's wait would
+# otherwise add up to 40 s, and the pod would be killed instead of exiting 0).
+STOP_BUDGET_S = 29.0
 # The signals that stop `llmserve run` (with a drain).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Exit status of `llmserve run` when it never served: the address could not be bound or the
@@ -186,9 +203,10 @@ class DrainingServer(uvicorn.Server):
     answering 503 + Retry-After forever: a supervisor or a shell sees the exit.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.app_state = app.state
+        self.engine: AsyncEngine = app.state.engine
         self.load_failed = False
         self._drain: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -228,6 +246,8 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, signal.SIG_IGN)
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self.app_state.stop_deadline is None:
+            self.app_state.stop_deadline = time.monotonic() + STOP_BUDGET_S
         if self.should_exit:
             # Already stopping. Asking uvicorn again would make it force the exit, which
             # cuts the lifespan's shutdown short; what still runs is answered instead.
@@ -304,7 +324,7 @@ def serve(config: Config) -> int:
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level="warning",
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S),
-                            app.state.engine)
+                            app)
     try:
         server.run(sockets=[sock])
     finally:
