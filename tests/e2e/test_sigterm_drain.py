@@ -67,13 +67,16 @@ def test_sigterm_drains_then_exits(long_context_model):
 
 
 def test_a_second_signal_skips_the_drain_and_ends_what_runs_properly(long_context_model):
+    # one batch slot and keep-alive comments: the requests after the first one wait in the
+    # queue, and the queued stream's response has begun (with a comment) before any token
     server = ServerProcess(str(long_context_model), "--served-model-name", "tiny",
-                           "--max-model-len", "8192")
+                           "--max-model-len", "8192", "--max-num-seqs", "1", "--sse-keep-alive", "0.2")
     try:
         first_chunk = threading.Event()
+        kept_alive = threading.Event()
         result: dict = {}
 
-        def stream() -> None:
+        def stream(name: str) -> None:
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 8000, "ignore_eos": True,
                     "stream": True}
             frames = []
@@ -82,16 +85,25 @@ def test_a_second_signal_skips_the_drain_and_ends_what_runs_properly(long_contex
                     if line.startswith("data: "):
                         frames.append(line[6:])
                         first_chunk.set()
-            result["frames"] = frames
+                    elif line.startswith(":") and name == "queued":
+                        kept_alive.set()
+            result[name] = frames
 
         def plain() -> None:
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 8000, "ignore_eos": True}
             result["plain"] = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
 
-        readers = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for t in readers:
-            t.start()
+        readers = [threading.Thread(target=stream, args=("running",))]
+        readers[0].start()
         assert first_chunk.wait(60)
+        readers += [threading.Thread(target=plain), threading.Thread(target=stream, args=("queued",))]
+        for t in readers[1:]:
+            t.start()
+        assert kept_alive.wait(60)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/load", timeout=5).json()["waiting"] != 2:
+            assert time.monotonic() < deadline, "the two later requests never both queued"
+            time.sleep(0.02)
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while httpx.get(server.url + "/ready", timeout=5).status_code != 503:
@@ -104,10 +116,14 @@ def test_a_second_signal_skips_the_drain_and_ends_what_runs_properly(long_contex
         assert time.monotonic() - signalled < 20
         for t in readers:
             t.join(30)
-        # ...but ends them in the OpenAI shape: an error frame then [DONE], a 503 to retry
-        frames = result["frames"]
-        assert frames[-1] == "[DONE]"
-        assert '"service_unavailable_error"' in frames[-2] and "finish_reason" not in frames[-2]
+        # ...but ends them in the OpenAI shape: an error frame then [DONE] (also for the
+        # stream whose response began with a keep-alive comment before any token), a 503 to
+        # retry
+        for name in ("running", "queued"):
+            frames = result[name]
+            assert frames[-1] == "[DONE]", (name, frames[-3:])
+            assert '"service_unavailable_error"' in frames[-2] and "finish_reason" not in frames[-2]
+        assert len(result["queued"]) == 2       # no token before its error frame
         plain = result["plain"]
         assert plain.status_code == 503 and plain.headers.get("retry-after")
         assert plain.json()["error"]["type"] == "service_unavailable_error"

@@ -76,6 +76,8 @@ class RequestStream:
         self._last_token = 0.0
         self.generated = 0
         self.finished = False
+        # Whether the response has begun (its bytes, or a streamed response's status and a
+        # keep-alive comment, went out): an error is then an SSE frame, not an HTTP error.
         self.started = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -113,7 +115,8 @@ class RequestStream:
         if item is _END:
             return None
         if isinstance(item, ApiError):
-            # A non-streamed body can't hold a frame; a stream that sent nothing can still 500.
+            # A non-streamed body can't hold a frame; a stream whose response has not begun
+            # (no bytes, no keep-alive comment) can still 500.
             if not (self.stream and self.started):
                 raise item
             item = item.sse

@@ -176,7 +176,8 @@ async def _generate(request: Request, endpoint: str) -> Response:
     keep_alive = engine.config.server.sse_keep_alive
     try:
         # NOTE: wait for the first bytes so a failure before any output is a real 500 (or
-        # 4xx), not a 200 with an error frame; keep-alive still bounds the silent wait.
+        # 4xx), not a 200 with an error frame; keep-alive still bounds the silent wait (once
+        # a comment has begun the response, a failure is an error frame and [DONE]).
         first = await _first_frame(request, stream, keep_alive)
     except BaseException:
         await stream.aclose()
@@ -206,6 +207,9 @@ class EventStreamResponse(Response):
         self.stream, self.first, self.keep_alive = stream, first, keep_alive
 
     async def _pump(self, send) -> None:
+        # From here on the status is sent: an error, even before the first token (this
+        # response may begin with a keep-alive comment), must go out as an SSE frame.
+        self.stream.started = True
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         item = self.first
