@@ -101,6 +101,9 @@ def test_smollm2_template_reads_no_tools(smol_server):
     assert r.status_code == 200, r.text
     assert r.json()["ignored_fields"] == ["tools"]
     assert _ignored(r) == {"tools"}
+    # the header a chat response names its template with, as the body does
+    template = r.json()["template"]
+    assert r.headers["llmserve-chat-template"] == f"{template['origin']} {template['hash']}"
 
 
 # -- 2. stop_token_ids with include_stop_str_in_output ----------------------------------------

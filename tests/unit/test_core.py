@@ -212,12 +212,12 @@ def test_load_counts_a_request_while_its_first_step_runs(router):
             thread.post(("abort", f"gone-{i}"))
         thread.post(("add", router.prepare("completion", orjson.dumps(
             {"model": "m", "prompt": "next", "max_tokens": 1})), "t2"))
-        assert thread.pending() == 1
+        assert thread.snapshot()[1] == 1
         # counted in sequences, as the Core counts its waiting ones: two prompts, two sampled
         # choices each
         thread.post(("add", router.prepare("completion", orjson.dumps(
             {"model": "m", "prompt": ["a", "b"], "n": 2, "temperature": 1, "max_tokens": 1})), "t3"))
-        assert thread.pending() == 5
+        assert thread.snapshot()[1] == 5
         runner.release.set()
         assert done.wait(10)
     finally:

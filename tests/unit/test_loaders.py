@@ -155,7 +155,7 @@ def test_folder_named_templates_as_transformers_saves_them(tmp_path):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "w1 w2"}]
     body = _json.loads(router.handle("chat_render", _json.dumps(
-        {"model": "m", "messages": messages, "tools": tools}).encode()))
+        {"model": "m", "messages": messages, "tools": tools}).encode())[0])
     assert body["template"]["origin"] == "additional_chat_templates/tool_use.jinja"
     reloaded = PreTrainedTokenizerFast.from_pretrained(folder)
     assert body["prompt"] == reloaded.apply_chat_template(messages, tools=tools, tokenize=False)
@@ -537,5 +537,5 @@ def test_named_templates_without_a_default_say_so(tmp_path):
         router.handle("chat_render", json.dumps({"model": "m", "messages": messages}).encode())
     assert "named (tool_use) and none is `default`" in str(e.value)
     tools = [{"type": "function", "function": {"name": "f"}}]
-    body = json.loads(router.handle("chat_render", json.dumps({"model": "m", "messages": messages, "tools": tools}).encode()))
+    body = json.loads(router.handle("chat_render", json.dumps({"model": "m", "messages": messages, "tools": tools}).encode())[0])
     assert body["template"]["origin"] == "tokenizer_config.json:tool_use"

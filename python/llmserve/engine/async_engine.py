@@ -199,8 +199,6 @@ class AsyncEngine:
         self._thread: EngineThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open: set[RequestStream] = set()
-        self._load_error: BaseException | None = None
-        self._lock = threading.Lock()
         self._drain_deadline: float | None = None   # set when a drain begins
 
     # -- life cycle ---------------------------------------------------------------------
@@ -216,7 +214,6 @@ class AsyncEngine:
             self.state = "failed"   # the server stopped while loading
             raise
         except BaseException as exc:
-            self._load_error = exc
             self.state = "failed"
             if isinstance(exc, (LoadError, SetupError)):
                 # what the user asked for cannot be served: the message says why and what to do
@@ -372,8 +369,9 @@ class AsyncEngine:
             raise self.unavailable(f"The queue is full ({waiting} of {limit} sequences waiting, this request "
                                    f"needs {need}); try again shortly.")
 
-    async def handle(self, endpoint: str, body: bytes) -> bytes:
-        """tokenize / detokenize / render routes: no generation, no engine thread."""
+    async def handle(self, endpoint: str, body: bytes) -> tuple[bytes, list[tuple[str, str]]]:
+        """tokenize / detokenize / render routes: no generation, no engine thread. Returns
+        the JSON body and its response headers."""
         if endpoint in GENERATING:
             raise ValueError(f"{endpoint!r} generates: it goes through submit")
         router = self.router

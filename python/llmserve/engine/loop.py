@@ -23,7 +23,9 @@ log = logging.getLogger("llmserve.engine")
 # (handle, bytes, finished, error, new_tokens, ends), as Core.commit returns them; `finished`
 # is None while the request runs, then how it ended ("stop", "length", "tool_calls", "error",
 # ...); `ends`, once it ended normally, each choice's (finish reason, completion tokens).
-Output = tuple[int, bytes, str | None, bool, int, list[tuple[str, int]]]
+# A request this thread fails itself (Core.add refused it, or the loop died) gets the
+# exception in place of the bytes, and None for `ends`.
+Output = tuple[int, bytes | BaseException, str | None, bool, int, list[tuple[str, int]] | None]
 
 
 FAILED = "The engine failed while running this request."
@@ -67,7 +69,8 @@ class EngineThread:
 
     `post(op)` queues ("add", prepared, token) or ("abort", token); the thread applies them
     between steps, so the Core is only ever touched from this thread. `deliver` receives each
-    step's outputs as a list of (token, bytes, finished, error, new_tokens, ends), once per step;
+    step's outputs as a list of (token, bytes, finished, error, new_tokens, ends) in one call
+    (the requests Core.add refused, in a call of their own before the step);
     `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
     `plan_ahead`: overlap planning and committing with the model (the runner must have
     `launch`, as ModelRunner does).
@@ -109,15 +112,12 @@ class EngineThread:
                 self._posted_seqs += op[1].num_seqs
             self._cv.notify()
 
-    def pending(self) -> int:
-        """Sequences waiting that `stats` does not count yet: those of requests posted and not
-        yet handed to the Core, or handed over since `stats` was last read (counted as the
-        Core counts its waiting ones). Queued aborts do not count."""
-        return self.snapshot()[1]
-
     def snapshot(self) -> tuple[dict, int]:
-        """`stats` and `pending()` read together, so no sequence is counted twice or missed
-        while the engine thread hands requests over or publishes."""
+        """`stats`, and the sequences waiting that `stats` does not count yet: those of
+        requests posted and not yet handed to the Core, or handed over since `stats` was last
+        read (counted as the Core counts its waiting ones; queued aborts do not count). Read
+        together, so no sequence is counted twice or missed while the engine thread hands
+        requests over or publishes."""
         with self._cv:
             return self.stats, self._posted_seqs + self._unpublished_seqs
 
@@ -143,7 +143,7 @@ class EngineThread:
                 try:
                     handle = self._core.add(prepared)
                 except Exception as exc:  # an ApiError from Core.add (e.g. priority under fcfs)
-                    failed.append((token, exc, "error", True, 0, 0))
+                    failed.append((token, exc, "error", True, 0, None))
                     continue
                 self._handles[token] = handle
                 self._tokens[handle] = token
@@ -262,4 +262,4 @@ class EngineThread:
                 self._posted_seqs = 0
             died = RuntimeError("the engine loop stopped")
             if orphans:
-                self._deliver([(t, died, "error", True, 0, 0) for t in orphans])
+                self._deliver([(t, died, "error", True, 0, None) for t in orphans])

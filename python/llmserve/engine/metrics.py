@@ -118,7 +118,8 @@ class Metrics:
             self._cache_config.labels(model_name, *(str(cache_config[k]) for k in CACHE_CONFIG_LABELS)).set(1)
 
     def on_step(self, stats: dict, seconds: float) -> None:
-        """Engine thread: once per step."""
+        """Engine thread: each time it publishes its counts (every plan made, every step, and
+        after aborts that emptied it); `seconds` is the step's time, 0 where none ran."""
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])

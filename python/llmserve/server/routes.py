@@ -252,15 +252,8 @@ async def completions(request: Request) -> Response:
 def _handler(endpoint: str):
     async def handle(request: Request) -> Response:
         body = await read_body(request)
-        out = await _engine(request).handle(endpoint, body)
-        # The router reports ignored fields in these bodies (it returns no headers); the
-        # header is the same one the generation routes send.
-        headers = {}
-        if b'"ignored_fields"' in out:
-            ignored = orjson.loads(out).get("ignored_fields")
-            if ignored:
-                headers["llmserve-ignored-fields"] = Router.header_list(ignored)
-        return Response(out, media_type=JSON, headers=headers)
+        out, headers = await _engine(request).handle(endpoint, body)
+        return Response(out, media_type=JSON, headers=dict(headers))
 
     handle.__name__ = endpoint
     return handle

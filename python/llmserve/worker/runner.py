@@ -1,6 +1,7 @@
 """ModelRunner: runs one scheduled step (a Plan) through the model and samples.
 
-`execute(plan)` is the whole per-step contract with the engine: block copies for forked
+`launch(plan, prev)` (and `execute`, which waits for its result) is the whole per-step
+contract with the engine: block copies for forked
 sequences, the forward over the flat tokens (writing their K/V into the paged cache), logits
 for the sampled rows only, and sampling; plus, for the Plan's prompt-logprob entries
 (completions `echo` with `logprobs`), the raw logprob of each next prompt token and its top
@@ -184,9 +185,10 @@ class ModelRunner:
 
     def launch(self, plan, prev: Launched | None = None) -> Launched:
         """Start one step; `result()` of the returned object waits for its samples. On an
-        accelerator the forward and the sampling are queued (also behind a `prev` step that
-        is still running), so the engine can plan the next step meanwhile; on the CPU the
-        step has run when this returns."""
+        accelerator the forward and the sampling are queued, so the engine can plan the next
+        step meanwhile (CudaModelRunner also queues them behind a `prev` step still running;
+        this class waits for `prev`'s tokens first); on the CPU the step has run when this
+        returns."""
         plan = self.with_inputs_from(plan, prev)
         with torch.inference_mode():
             copy_src = as_tensor(plan.copy_src, torch.int64)

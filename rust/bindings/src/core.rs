@@ -16,7 +16,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
-use llmserve_router::protocol::{Endpoint, Prepared};
+use llmserve_router::protocol::Prepared;
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
@@ -187,7 +187,6 @@ fn finish_reason(f: SeqFinish) -> FinishReason {
     match f {
         SeqFinish::Stop => FinishReason::Stop,
         SeqFinish::Length => FinishReason::Length,
-        SeqFinish::Abort => FinishReason::Abort,
     }
 }
 
@@ -251,12 +250,7 @@ impl CoreState {
                 },
                 priority: prepared.priority,
                 cache_salt: prepared.cache_salt.clone(),
-                // Completions' echo with logprobs also returns the prompt tokens' logprobs.
-                prompt_logprobs: if prepared.echo && prepared.endpoint == Endpoint::Completion {
-                    p.logprobs
-                } else {
-                    None
-                },
+                prompt_logprobs: prepared.prompt_logprobs(),
             });
             self.owners.insert(id, (handle, i as u32));
             sched_ids.push(id);

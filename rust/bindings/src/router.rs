@@ -21,6 +21,9 @@ fn config_err(what: &str, e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(format!("{what}: {e}"))
 }
 
+/// Response headers as (name, value) pairs.
+type Headers = Vec<(String, String)>;
+
 /// The OpenAI protocol: validation, templates, tokenization, response bodies.
 #[pyclass(name = "Router", module = "llmserve._core", frozen)]
 pub struct PyRouter {
@@ -78,13 +81,19 @@ impl PyRouter {
         }
     }
 
-    /// Answer tokenize, detokenize and the render routes: the JSON response body.
-    fn handle<'py>(&self, py: Python<'py>, endpoint_name: &str, body: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    /// Answer tokenize, detokenize and the render routes: (the JSON response body, its
+    /// response headers).
+    fn handle<'py>(
+        &self,
+        py: Python<'py>,
+        endpoint_name: &str,
+        body: &[u8],
+    ) -> PyResult<(Bound<'py, PyBytes>, Headers)> {
         let ep = endpoint(endpoint_name)?;
         let router = self.inner.clone();
         let body = body.to_vec();
         match py.detach(move || router.handle(ep, &body)) {
-            Ok(out) => Ok(PyBytes::new(py, &out)),
+            Ok(out) => Ok((PyBytes::new(py, &out.body), out.headers)),
             Err(e) => Err(errors::to_py(py, &e)),
         }
     }
@@ -134,13 +143,6 @@ impl PyRouter {
     /// `not_found`, `model_not_found`, `payload_too_large`, `request_timeout` (`limit` is its
     /// seconds), `invalid_request`, `unsupported_parameter`, `unsupported_media_type`), with
     /// its body built here like every other error.
-    /// A header value listing request fields (`llmserve-ignored-fields`), as the generation
-    /// routes write it: printable ASCII, at most 4 KiB, the rest counted.
-    #[staticmethod]
-    fn header_list(items: Vec<String>) -> String {
-        llmserve_router::protocol::common::header_list(&items)
-    }
-
     #[staticmethod]
     #[pyo3(signature = (kind, message = String::new(), param = None, retry_after = None, limit = None))]
     fn error(

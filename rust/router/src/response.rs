@@ -41,7 +41,6 @@ pub enum FinishReason {
     Stop,
     Length,
     ToolCalls,
-    Abort,
 }
 
 impl FinishReason {
@@ -50,7 +49,6 @@ impl FinishReason {
             Self::Stop => "stop",
             Self::Length => "length",
             Self::ToolCalls => "tool_calls",
-            Self::Abort => "abort",
         }
     }
 }
@@ -1021,7 +1019,7 @@ fn prompt_offsets(tokenizer: &Arc<Tokenizer>, ids: &[u32]) -> Vec<usize> {
 
 /// Completions that echo the prompt with logprobs also return the prompt's logprobs.
 fn echo_logprobs(prepared: &Prepared) -> bool {
-    prepared.echo && prepared.params.logprobs.is_some() && prepared.endpoint == Endpoint::Completion
+    prepared.prompt_logprobs().is_some()
 }
 
 #[derive(Serialize)]

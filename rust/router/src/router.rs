@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::protocol::{chat, common::unix_now, completion, tokenize, Endpoint, Prepared};
+use crate::protocol::{chat, common::unix_now, completion, tokenize, Endpoint, Handled, Prepared};
 use crate::template::TemplateSet;
 use crate::tokenizer::Tokenizer;
 
@@ -145,7 +145,7 @@ impl Router {
     }
 
     /// Answers `Tokenize`, `Detokenize`, `ChatRender` and `CompletionRender` with a JSON body.
-    pub fn handle(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u8>, ApiError> {
+    pub fn handle(&self, endpoint: Endpoint, body: &[u8]) -> Result<Handled, ApiError> {
         match endpoint {
             Endpoint::Tokenize => tokenize::tokenize(self, body),
             Endpoint::Detokenize => tokenize::detokenize(self, body),

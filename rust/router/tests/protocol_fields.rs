@@ -9,6 +9,11 @@ use llmserve_router::tokenizer::Tokenizer;
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
+/// `Router::handle`'s body.
+fn handled(r: &Router, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u8>, llmserve_router::error::ApiError> {
+    r.handle(endpoint, body).map(|h| h.body)
+}
+
 fn body_json(bytes: Vec<u8>) -> Value {
     serde_json::from_slice(&bytes).expect("handle returns JSON")
 }
@@ -200,7 +205,7 @@ fn null_and_what_every_request_gets_are_not_reported() {
     assert_eq!(got, (400, "unsupported_parameter", Some("stream_options.include_obfuscation".to_string())));
     assert_eq!(shape(chat(&r, json!({"reasoning_effort": "low"}))).2.as_deref(), Some("reasoning_effort"));
     // tokenize's unknown keys too
-    let ok = r.handle(Endpoint::Tokenize, br#"{"prompt": "a", "foo": null}"#).unwrap();
+    let ok = handled(&r, Endpoint::Tokenize, br#"{"prompt": "a", "foo": null}"#).unwrap();
     assert!(body_json(ok).get("ignored_fields").is_none());
 }
 
@@ -315,19 +320,20 @@ fn ids_and_created() {
 #[test]
 fn tokenize_route() {
     let r = router();
-    let v = body_json(r.handle(Endpoint::Tokenize, br#"{"prompt": "hello world"}"#).unwrap());
+    let v = body_json(handled(&r, Endpoint::Tokenize, br#"{"prompt": "hello world"}"#).unwrap());
     assert_eq!(v, json!({"tokens": [0, 9, 10], "count": 3, "max_model_len": 32}));
     let v = body_json(
-        r.handle(Endpoint::Tokenize, br#"{"model": "tiny-alias", "prompt": "hello", "add_special_tokens": false}"#)
+        handled(&r, Endpoint::Tokenize, br#"{"model": "tiny-alias", "prompt": "hello", "add_special_tokens": false}"#)
             .unwrap(),
     );
     assert_eq!(v["tokens"], json!([9]));
     let v = body_json(
-        r.handle(Endpoint::Tokenize, br#"{"messages": [{"role": "user", "content": "hello world"}]}"#).unwrap(),
+        handled(&r, Endpoint::Tokenize, br#"{"messages": [{"role": "user", "content": "hello world"}]}"#).unwrap(),
     );
     assert_eq!(v["tokens"], json!([0, 3, 8, 9, 10, 1, 4, 8]));
     let v = body_json(
-        r.handle(
+        handled(
+            &r,
             Endpoint::Tokenize,
             br#"{"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": false}"#,
         )
@@ -335,7 +341,7 @@ fn tokenize_route() {
     );
     assert_eq!(v["tokens"], json!([0, 3, 8, 13, 1]));
 
-    let t = |b: &[u8]| shape(r.handle(Endpoint::Tokenize, b));
+    let t = |b: &[u8]| shape(handled(&r, Endpoint::Tokenize, b));
     assert_eq!(t(br#"{"model": "x", "prompt": "a"}"#), (404, "model_not_found", Some("model".into())));
     assert_eq!(t(br#"{}"#), (400, "missing_required_parameter", Some("prompt".into())));
     assert_eq!(t(br#"{"prompt": "a", "messages": []}"#).0, 400);
@@ -352,7 +358,8 @@ fn tokenize_route() {
     );
     // The chat-only fields do nothing to a prompt: reported (null means unset).
     let v = body_json(
-        r.handle(
+        handled(
+            &r,
             Endpoint::Tokenize,
             br#"{"prompt": "hello", "tools": [null], "continue_final_message": true, "documents": null}"#,
         )
@@ -364,9 +371,9 @@ fn tokenize_route() {
 #[test]
 fn detokenize_route() {
     let r = router();
-    let v = body_json(r.handle(Endpoint::Detokenize, br#"{"model": "tiny", "tokens": [9, 10]}"#).unwrap());
+    let v = body_json(handled(&r, Endpoint::Detokenize, br#"{"model": "tiny", "tokens": [9, 10]}"#).unwrap());
     assert_eq!(v, json!({"prompt": r.tokenizer().decode(&[9, 10], false)}));
-    let d = |b: &[u8]| shape(r.handle(Endpoint::Detokenize, b));
+    let d = |b: &[u8]| shape(handled(&r, Endpoint::Detokenize, b));
     assert_eq!(d(br#"{"tokens": [9, 20]}"#), (400, "invalid_value", Some("tokens[1]".into())));
     assert_eq!(d(br#"{"tokens": [-1]}"#), (400, "invalid_value", Some("tokens[0]".into())));
     assert_eq!(d(br#"{"tokens": ["a"]}"#), (400, "invalid_type", Some("tokens[0]".into())));
@@ -378,28 +385,35 @@ fn detokenize_route() {
 fn chat_render_route() {
     let r = router();
     let body = chat_body(json!({"chat_template_kwargs": {"foo": 1}, "weird": true}));
-    let v = body_json(r.handle(Endpoint::ChatRender, &body).unwrap());
+    let v = body_json(handled(&r, Endpoint::ChatRender, &body).unwrap());
     assert_eq!(v["prompt"], "<s>user : hello world </s> assistant :");
     assert_eq!(v["prompt_token_ids"], json!([0, 3, 8, 9, 10, 1, 4, 8]));
     assert_eq!(v["template"]["origin"], "--chat-template");
     assert!(v["template"]["hash"].as_str().unwrap().starts_with("sha256:"));
     assert_eq!(v["unused_template_kwargs"], json!(["foo"]));
     assert_eq!(v["ignored_fields"], json!(["weird"]));
+    // The headers a generation of the same request gets, but no response id.
+    let headers = r.handle(Endpoint::ChatRender, &body).unwrap().headers;
+    let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    assert_eq!(get("llmserve-ignored-fields").as_deref(), Some("weird"));
+    assert_eq!(get("llmserve-unused-template-kwargs").as_deref(), Some("foo"));
+    assert!(get("llmserve-chat-template").unwrap().starts_with("--chat-template sha256:"));
+    assert_eq!(get("x-request-id"), None);
     // Validated as a generation request would be.
-    assert_eq!(shape(r.handle(Endpoint::ChatRender, &chat_body(json!({"n": 0})))).2.as_deref(), Some("n"));
-    assert_eq!(shape(r.handle(Endpoint::ChatRender, &chat_body(json!({"model": "z"})))).0, 404);
+    assert_eq!(shape(handled(&r, Endpoint::ChatRender, &chat_body(json!({"n": 0})))).2.as_deref(), Some("n"));
+    assert_eq!(shape(handled(&r, Endpoint::ChatRender, &chat_body(json!({"model": "z"})))).0, 404);
 }
 
 #[test]
 fn completion_render_route() {
     let r = router();
     let v = body_json(
-        r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": ["hello", "hello"]}))).unwrap(),
+        handled(&r, Endpoint::CompletionRender, &completion_body(json!({"prompt": ["hello", "hello"]}))).unwrap(),
     );
     let hello = json!({"prompt": "hello", "prompt_token_ids": [0, 9]});
     assert_eq!(v, json!({"prompts": [hello, hello], "ignored_fields": []}));
     let v = body_json(
-        r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": [[0, 9], [10, 9]]}))).unwrap(),
+        handled(&r, Endpoint::CompletionRender, &completion_body(json!({"prompt": [[0, 9], [10, 9]]}))).unwrap(),
     );
     let (bos_hello, d) = (r.tokenizer().decode(&[0, 9], false), r.tokenizer().decode(&[10, 9], false));
     assert_eq!(
@@ -408,7 +422,7 @@ fn completion_render_route() {
                "ignored_fields": []})
     );
     assert_eq!(
-        shape(r.handle(Endpoint::CompletionRender, &completion_body(json!({"prompt": ""})))).2.as_deref(),
+        shape(handled(&r, Endpoint::CompletionRender, &completion_body(json!({"prompt": ""})))).2.as_deref(),
         Some("prompt")
     );
 }
@@ -441,24 +455,30 @@ fn models_routes() {
 fn tokenize_takes_vllms_fields_and_reports_unknown_ones() {
     let r = router();
     let v =
-        body_json(r.handle(Endpoint::Tokenize, br#"{"prompt": "hello world", "return_token_strs": true}"#).unwrap());
+        body_json(handled(&r, Endpoint::Tokenize, br#"{"prompt": "hello world", "return_token_strs": true}"#).unwrap());
     assert_eq!(
         v,
         json!({"tokens": [0, 9, 10], "count": 3, "max_model_len": 32, "token_strs": ["<s>", "hello", "world"]})
     );
     let v =
-        body_json(r.handle(Endpoint::Tokenize, br#"{"prompt": "a", "add_special_tokens": false, "x": 1}"#).unwrap());
+        body_json(handled(&r, Endpoint::Tokenize, br#"{"prompt": "a", "add_special_tokens": false, "x": 1}"#).unwrap());
     assert_eq!(v, json!({"tokens": [13], "count": 1, "max_model_len": 32, "ignored_fields": ["x"]}));
+    // ...and in the header the generation routes send
+    let h = r.handle(Endpoint::Tokenize, br#"{"prompt": "a", "x": 1}"#).unwrap();
+    assert_eq!(h.headers, vec![("llmserve-ignored-fields".to_string(), "x".to_string())]);
+    assert!(r.handle(Endpoint::Tokenize, br#"{"prompt": "a"}"#).unwrap().headers.is_empty());
     let v = body_json(
-        r.handle(Endpoint::Tokenize, br#"{"messages": [{"role": "user", "content": "a", "weird": 1}]}"#).unwrap(),
+        handled(&r, Endpoint::Tokenize, br#"{"messages": [{"role": "user", "content": "a", "weird": 1}]}"#).unwrap(),
     );
     assert_eq!(v["ignored_fields"], json!(["messages[0].weird"]));
 
-    let v = body_json(r.handle(Endpoint::Detokenize, br#"{"tokens": [0, 9], "skip_special_tokens": true}"#).unwrap());
+    let v =
+        body_json(handled(&r, Endpoint::Detokenize, br#"{"tokens": [0, 9], "skip_special_tokens": true}"#).unwrap());
     assert_eq!(v, json!({"prompt": r.tokenizer().decode(&[9], false)}));
-    let v = body_json(r.handle(Endpoint::Detokenize, br#"{"tokens": [0, 9], "skip_special_tokens": false}"#).unwrap());
+    let v =
+        body_json(handled(&r, Endpoint::Detokenize, br#"{"tokens": [0, 9], "skip_special_tokens": false}"#).unwrap());
     assert_eq!(v, json!({"prompt": r.tokenizer().decode(&[0, 9], false)}));
-    let v = body_json(r.handle(Endpoint::Detokenize, br#"{"tokens": [], "x": 1}"#).unwrap());
+    let v = body_json(handled(&r, Endpoint::Detokenize, br#"{"tokens": [], "x": 1}"#).unwrap());
     assert_eq!(v["ignored_fields"], json!(["x"]));
 
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
@@ -540,7 +560,7 @@ fn unread_message_keys_are_reported() {
     assert_eq!(got, (400, "unsupported_parameter", Some("messages[0].weird".to_string())));
     // The render route reports them in its body.
     let body = chat_body(json!({"messages": [{"role": "user", "content": "a", "weird": 1}]}));
-    let v = body_json(r.handle(Endpoint::ChatRender, &body).unwrap());
+    let v = body_json(handled(&r, Endpoint::ChatRender, &body).unwrap());
     assert_eq!(v["ignored_fields"], json!(["messages[0].weird"]));
 }
 

@@ -430,16 +430,6 @@ fn completion_stream_sends_prompt_logprobs_with_the_echo() {
 }
 
 #[test]
-fn abort_finishes_a_choice() {
-    let p = prepared(Endpoint::Completion, vec![vec![0]], &["x"], 1, None);
-    let mut b = builder(&p);
-    b.push(0, &delta("", &[], Some(FinishReason::Abort)));
-    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
-    assert_eq!(v["choices"][0]["finish_reason"], "abort");
-    assert_eq!(FinishReason::ToolCalls.as_str(), "tool_calls");
-}
-
-#[test]
 fn builder_round_trips_a_prepared_request() {
     // The Prepared a real request produces drives the builder end to end.
     let r = router();

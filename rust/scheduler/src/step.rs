@@ -324,7 +324,10 @@ impl Scheduler {
             plan.seq_indices.push(seq.index);
             cur.planned.push((slot, seq.gen));
             seq.num_computed = end;
-            // NOTE: the runner's test for a decode step (worker/runner.py: decode_sequences)
+            // A pure decode token of this sequence. NOTE: the same test as the runner's for a
+            // decode step (worker/runner.py: decode_sequences; worker/threads.py:
+            // holds_prompt_tokens): on CPU those steps compute with other numerics, and
+            // `decoded_from` keeps the prefix cache from reusing the K/V they wrote.
             if num_new == 1 && start >= seq.prompt_len && end == seq.tokens.len() {
                 seq.decoded_from = seq.decoded_from.min(start);
             }

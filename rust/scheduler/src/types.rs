@@ -122,7 +122,6 @@ pub struct NewRequest {
 pub enum FinishReason {
     Stop,
     Length,
-    Abort,
 }
 
 /// One sampled token applied by `commit`.

@@ -121,10 +121,29 @@ pub struct Prepared {
     pub reasoning: Option<crate::reasoning::ReasoningPlan>,
 }
 
+/// The answer of a route that does not generate (`Router::handle`): its JSON body, and the
+/// response headers it earned, as a generation's `Prepared::headers` (`llmserve-ignored-fields`;
+/// the render routes also `llmserve-chat-template`, `llmserve-unused-template-kwargs`).
+#[derive(Clone, Debug)]
+pub struct Handled {
+    pub body: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+}
+
 impl Prepared {
     /// The sequences this request queues: one per prompt and distinct choice.
     pub fn num_seqs(&self) -> usize {
         self.prompts.len() * self.params.seqs_per_prompt() as usize
+    }
+
+    /// Some(k): the response returns each prompt token's logprob and k alternatives
+    /// (completions' `echo` with `logprobs` k), which the scheduler must then compute.
+    pub fn prompt_logprobs(&self) -> Option<u32> {
+        if self.echo && self.endpoint == Endpoint::Completion {
+            self.params.logprobs
+        } else {
+            None
+        }
     }
 }
 

@@ -2,10 +2,11 @@
 //! routes. Their bodies are JSON built here.
 //!
 //! Unknown fields (and message keys the template never reads) follow the generation routes'
-//! rule: reported, or a 400 under `strict_fields`. `Router::handle` returns a body only, so
-//! they are reported in it as `ignored_fields` (the render routes always, tokenize/detokenize
-//! when there are any), and the HTTP layer copies them into the `llmserve-ignored-fields`
-//! header.
+//! rule: reported, or a 400 under `strict_fields`. They are reported in the
+//! `llmserve-ignored-fields` header, as on the generation routes, and in the body as
+//! `ignored_fields` (the render routes always, tokenize/detokenize when there are any). The
+//! render routes also send the generation's `llmserve-chat-template` and
+//! `llmserve-unused-template-kwargs` headers.
 
 use std::collections::BTreeMap;
 
@@ -15,7 +16,8 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{generation_flags, render, validate_documents, validate_messages, validate_tools, ChatRender};
 use super::chat::{unknown_part_keys, unread_message_keys};
-use super::common::{check_token_id, from_value, parse_body, set_keys, settle_ignored};
+use super::common::{check_token_id, from_value, ignored_header, parse_body, set_keys, settle_ignored};
+use super::{Handled, Prepared};
 use crate::error::ApiError;
 use crate::router::Router;
 
@@ -54,16 +56,25 @@ fn to_body(v: &Value) -> Vec<u8> {
     serde_json::to_vec(v).expect("JSON values serialize")
 }
 
-/// Adds `ignored_fields` to a tokenize/detokenize body when some were ignored.
-fn with_ignored(mut body: Value, ignored: Vec<String>) -> Value {
+/// A tokenize/detokenize answer: `ignored_fields` in the body and the header when some were
+/// ignored.
+fn with_ignored(mut body: Value, ignored: Vec<String>) -> Handled {
+    let headers = ignored_header(&ignored).into_iter().collect();
     if !ignored.is_empty() {
         body["ignored_fields"] = json!(ignored);
     }
-    body
+    Handled { body: to_body(&body), headers }
+}
+
+/// A render answer: its body, and the headers the same request would earn when generating
+/// (but no `x-request-id`: nothing is generated, no response is named).
+fn rendered(body: &Value, prepared: &Prepared) -> Handled {
+    let headers = prepared.headers.iter().filter(|(name, _)| name != "x-request-id").cloned().collect();
+    Handled { body: to_body(body), headers }
 }
 
 /// `{prompt}` or `{messages, ...}` -> `{"tokens", "count", "max_model_len"}`.
-pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
     let value = parse_body(body)?;
     let req: TokenizeBody = from_value(&value)?;
     if let Some(m) = &req.model {
@@ -131,12 +142,12 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError
         let strs: Vec<String> = tokens.iter().map(|&id| router.tokenizer.id_to_token(id).unwrap_or_default()).collect();
         out["token_strs"] = json!(strs);
     }
-    Ok(to_body(&with_ignored(out, ignored)))
+    Ok(with_ignored(out, ignored))
 }
 
 /// `{tokens}` -> `{"prompt": text}` (special tokens kept unless `skip_special_tokens`: this
 /// shows what the ids are).
-pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
     let value = parse_body(body)?;
     let req: DetokenizeBody = from_value(&value)?;
     let ignored = settle_ignored(set_keys(&req.extra, &value).cloned().collect(), router.config.strict_fields)?;
@@ -148,15 +159,16 @@ pub(crate) fn detokenize(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiErr
         check_token_id(&format!("tokens[{i}]"), id as u64, vocab_size)?;
     }
     let text = router.tokenizer.decode(&req.tokens, req.skip_special_tokens.unwrap_or(false));
-    Ok(to_body(&with_ignored(json!({ "prompt": text }), ignored)))
+    Ok(with_ignored(json!({ "prompt": text }), ignored))
 }
 
 /// A chat request, validated as for generation -> what it renders to.
-pub(crate) fn chat_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn chat_render(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
     let checked = super::chat::prepare(router, body, None)?;
     let p = &checked.prepared;
     let (origin, hash) = checked.template.clone().unwrap_or_default();
-    Ok(to_body(&json!({
+    Ok(rendered(
+        &json!({
         "prompt": p.prompt_texts[0],
         "prompt_token_ids": p.prompts[0],
         "template": {"origin": origin, "hash": hash},
@@ -165,11 +177,13 @@ pub(crate) fn chat_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiEr
         "grammar": p.grammar.as_ref().map(|g| g.key()),
         "unused_template_kwargs": checked.unused_kwargs,
         "ignored_fields": checked.ignored,
-    })))
+        }),
+        p,
+    ))
 }
 
 /// A completions request, validated as for generation -> each prompt's text and ids.
-pub(crate) fn completion_render(router: &Router, body: &[u8]) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn completion_render(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
     let checked = super::completion::prepare(router, body, None)?;
     let p = &checked.prepared;
     let prompts: Vec<Value> = p
@@ -178,5 +192,5 @@ pub(crate) fn completion_render(router: &Router, body: &[u8]) -> Result<Vec<u8>,
         .zip(&p.prompts)
         .map(|(text, ids)| json!({"prompt": text, "prompt_token_ids": ids}))
         .collect();
-    Ok(to_body(&json!({ "prompts": prompts, "ignored_fields": checked.ignored })))
+    Ok(rendered(&json!({ "prompts": prompts, "ignored_fields": checked.ignored }), p))
 }
