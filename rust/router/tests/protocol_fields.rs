@@ -217,6 +217,15 @@ fn unused_template_kwargs_are_reported() {
     assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("foo"));
     let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": false}})).unwrap();
     assert_eq!(header(&p, "llmserve-unused-template-kwargs"), None);
+    // /tokenize's `messages` form renders the same way, and says the same (audit 44, A44-1)
+    let body = br#"{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"enable_thinking": true, "foo": 1}}"#;
+    let h = r.handle(Endpoint::Tokenize, body).unwrap();
+    assert_eq!(h.headers, vec![("llmserve-unused-template-kwargs".to_string(), "foo".to_string())]);
+    // ...and under --strict-fields both refuse the key
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let refused = shape(chat(&strict, json!({"chat_template_kwargs": {"foo": 1}})));
+    assert_eq!(refused, (400, "unsupported_parameter", Some("chat_template_kwargs.foo".to_string())));
+    assert_eq!(shape(handled(&strict, Endpoint::Tokenize, body)), refused);
 }
 
 #[test]

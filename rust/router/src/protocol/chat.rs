@@ -168,6 +168,20 @@ fn developer_as_system(messages: &mut std::borrow::Cow<'_, Value>) {
     }
 }
 
+/// `chat_template_kwargs` keys the render never read: a 400 under strict field checking (else
+/// the response names them in `llmserve-unused-template-kwargs`).
+pub(crate) fn check_unused_kwargs(unused: &[String], strict: bool) -> Result<(), ApiError> {
+    match unused.first().filter(|_| strict) {
+        Some(key) => Err(unsupported(
+            format!("chat_template_kwargs.{key}"),
+            format!(
+                "The chat template does not read `{key}`, so it would have no effect (strict field checking is on)."
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` must contain at least one message."));
@@ -839,14 +853,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let (rendered, template) = render(router, &input)?;
     ignored.extend(unread_message_keys(&rendered));
     let ignored = settle_ignored(ignored, config.strict_fields)?;
-    if let Some(key) = rendered.unused_kwargs.first().filter(|_| config.strict_fields) {
-        return Err(unsupported(
-            format!("chat_template_kwargs.{key}"),
-            format!(
-                "The chat template does not read `{key}`, so it would have no effect (strict field checking is on)."
-            ),
-        ));
-    }
+    check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
     let (mut tools, tool_grammar) =
         if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
     let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);

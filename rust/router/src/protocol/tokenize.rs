@@ -14,9 +14,9 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::chat::{check_unused_kwargs, unknown_part_keys, unread_message_keys};
 use super::chat::{generation_flags, render, validate_documents, validate_messages, validate_tools, ChatRender};
-use super::chat::{unknown_part_keys, unread_message_keys};
-use super::common::{check_token_id, from_value, ignored_header, parse_body, set_keys, settle_ignored};
+use super::common::{check_token_id, from_value, header_list, ignored_header, parse_body, set_keys, settle_ignored};
 use super::{Handled, Prepared};
 use crate::error::ApiError;
 use crate::router::Router;
@@ -81,7 +81,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
         router.check_model(m)?;
     }
     let mut ignored: Vec<String> = set_keys(&req.extra, &value).cloned().collect();
-    let tokens = match (&req.prompt, &req.messages) {
+    let (tokens, unused_kwargs) = match (&req.prompt, &req.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid("messages", "Send either `prompt` or `messages`, not both."))
         }
@@ -97,7 +97,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
             ignored.extend(
                 CHAT_ONLY.iter().filter(|f| value.get(**f).is_some_and(|v| !v.is_null())).map(|f| f.to_string()),
             );
-            router.tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true))
+            (router.tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true)), Vec::new())
         }
         (None, Some(messages)) => {
             validate_messages(messages)?;
@@ -129,10 +129,11 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
             let (rendered, _) = render(router, &input)?;
             ignored.extend(unread_message_keys(&rendered));
             // The template writes BOS itself; adding special tokens again would double it.
-            router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false))
+            (router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false)), rendered.unused_kwargs)
         }
     };
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+    check_unused_kwargs(&unused_kwargs, router.config.strict_fields)?;
     let mut out = json!({
         "tokens": tokens,
         "count": tokens.len(),
@@ -142,7 +143,12 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
         let strs: Vec<String> = tokens.iter().map(|&id| router.tokenizer.id_to_token(id).unwrap_or_default()).collect();
         out["token_strs"] = json!(strs);
     }
-    Ok(with_ignored(out, ignored))
+    let mut handled = with_ignored(out, ignored);
+    if !unused_kwargs.is_empty() {
+        // as on chat: the keys the template never read
+        handled.headers.push(("llmserve-unused-template-kwargs".into(), header_list(&unused_kwargs)));
+    }
+    Ok(handled)
 }
 
 /// `{tokens}` -> `{"prompt": text}` (special tokens kept unless `skip_special_tokens`: this
