@@ -4,9 +4,10 @@
 //! Unknown fields (and message keys the template never reads) follow the generation routes'
 //! rule: reported, or a 400 under `strict_fields`. They are reported in the
 //! `llmserve-ignored-fields` header, as on the generation routes, and in the body as
-//! `ignored_fields` (the render routes always, tokenize/detokenize when there are any). The
-//! render routes also send the generation's `llmserve-chat-template` and
-//! `llmserve-unused-template-kwargs` headers.
+//! `ignored_fields` (the render routes always, tokenize/detokenize when there are any).
+//! `chat_template_kwargs` keys the template never reads are named in
+//! `llmserve-unused-template-kwargs` (tokenize's `messages` form and chat render), and chat
+//! render also sends the generation's `llmserve-chat-template`.
 
 use std::collections::BTreeMap;
 
