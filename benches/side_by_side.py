@@ -33,7 +33,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import WORKLOADS, prompts, run_http, summarize  # noqa: E402
+from serve_load import WORKLOADS, prompts, run_http, summarize  # noqa: E402  (puts tests/ on the path)
+from server import terminate  # noqa: E402
 
 # (label, workload, concurrency, the figure compared, the server's slots for llama-server)
 FIGURES = [
@@ -71,12 +72,7 @@ class Server:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc)
         self.log.close()
 
 

@@ -17,6 +17,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM `proc` and wait for it; SIGKILL it if it is still running after `timeout`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ServerProcess:
     """`llmserve run MODEL ARGS...` bound to 127.0.0.1; `stop()` ends it."""
 
@@ -56,10 +66,5 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            terminate(self.proc)
         self._log.close()
