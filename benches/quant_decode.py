@@ -65,9 +65,10 @@ def _load_baseline(path: str):
 
 def bench_gemv(threads: int, repeats: int, baseline: str | None) -> None:
     rng = np.random.default_rng(0)
-    kernels = {"new": _core.quant_matmul}
+    modules = {"new": _core}
     if baseline:
-        kernels["old"] = _load_baseline(baseline).quant_matmul
+        modules["old"] = _load_baseline(baseline)
+    kernels = {label: m.quant_matmul for label, m in modules.items()}
     cases = []
     for name, rows, cols, qtype in SHAPES:
         w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
@@ -82,9 +83,13 @@ def bench_gemv(threads: int, repeats: int, baseline: str | None) -> None:
     for name, rows, cols, qtype, tokens, w, raw, x in cases:
         inner_of[name] = inner = max(3, int(2e8 // w.nbytes))
         out = np.empty((tokens, rows), np.float32)
+        # builds since quant_pack read their own layout; older ones the raw blocks
+        weights = {label: m.quant_pack(raw, int(qtype)) if hasattr(m, "quant_pack") else raw
+                   for label, m in modules.items()}
         for _ in range(repeats):
             for label, kernel in kernels.items():
-                t = _median_time(lambda: kernel(out, x, raw, int(qtype), rows, cols, threads), 1, inner)
+                t = _median_time(lambda: kernel(out, x, weights[label], int(qtype), rows, cols,
+                                                threads), 1, inner)
                 times.setdefault((name, tokens, label), []).append(t)
     fp32 = {}
     with torch.inference_mode():

@@ -1,6 +1,7 @@
 """llmserve against llama.cpp's llama-server on the same GGUF, in one run (BENCH.md).
 
     python benches/side_by_side.py --llama-server PATH [--repeats 3] [--port 18480]
+                                   [--workloads single,prefill,load]
 
 Alternates the two servers, one at a time, over BENCH.md's CPU workloads (`single`,
 `prefill`, `load` at concurrency 16 and 64) and prints, per figure, the median of the repeats
@@ -102,6 +103,8 @@ def one_round(engine: str, args) -> dict[str, float]:
     """Every figure once for one engine: {label: value}."""
     out: dict[str, float] = {}
     for workload in ("single", "prefill"):
+        if workload not in args.workloads:
+            continue
         server = start(engine, args, 1)
         try:
             row = measure(server, workload, 1)
@@ -110,6 +113,8 @@ def one_round(engine: str, args) -> dict[str, float]:
         for label, w, _, key, _ in FIGURES:
             if w == workload:
                 out[label] = row[key]
+    if "load" not in args.workloads:
+        return out
     server = start(engine, args, 64)
     try:
         for concurrency in (16, 64):
@@ -129,7 +134,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=18480)
     ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="folder for the servers' logs")
+    ap.add_argument("--workloads", type=lambda v: set(v.split(",")), default={"single", "prefill", "load"},
+                    help="comma-separated subset of single, prefill, load")
     args = ap.parse_args()
+    if args.workloads - {"single", "prefill", "load"}:
+        ap.error(f"unknown workloads: {sorted(args.workloads - {'single', 'prefill', 'load'})}")
     args.gguf = args.gguf or default_gguf()
 
     runs: dict[str, dict[str, list[float]]] = {"llmserve": {}, "llama-server": {}}

@@ -199,10 +199,11 @@ def paged_decode_attention(
     scale: float,
     num_threads: int,
 ) -> None: ...
+def quant_pack(w_raw: npt.NDArray[np.uint8], ggml_type: int) -> npt.NDArray[np.uint8]: ...
 def quant_matmul(
     out: npt.NDArray[np.float32],
     x: npt.NDArray[np.float32],
-    w_raw: npt.NDArray[np.uint8],
+    w_packed: npt.NDArray[np.uint8],
     ggml_type: int,
     rows: int,
     cols: int,

@@ -16,6 +16,7 @@ from test_runner import BLOCK, CONFIG, NUM_BLOCKS, tiny_weights
 
 from llmserve import _core
 from llmserve.loaders import QuantTensor
+from llmserve.loaders.checkpoint import PackedQuant
 from llmserve.models import build_model
 from llmserve.models.layers import linear
 from llmserve.worker import ModelRunner
@@ -24,24 +25,23 @@ from llmserve.worker.sampler import Sampler, SamplingBatch
 torch.set_num_threads(1)
 
 
-def _quant(qtype: GT, rows: int, cols: int, seed: int = 0) -> tuple[QuantTensor, np.ndarray]:
+def _quant(qtype: GT, rows: int, cols: int, seed: int = 0) -> PackedQuant:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols)).astype(np.float32) + 0.3
-    raw = np.ascontiguousarray(quantize(w, qtype))
-    return QuantTensor(raw, int(qtype), rows, cols), raw
+    return QuantTensor(np.ascontiguousarray(quantize(w, qtype)), int(qtype), rows, cols).pack()
 
 
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_0, GT.Q4_1], ids=lambda t: t.name)
 def test_quant_matmul_row_does_not_depend_on_token_count(qtype):
     rows, cols = 67, 256
-    _, raw = _quant(qtype, rows, cols)
+    packed = _quant(qtype, rows, cols).data
     x = np.random.default_rng(1).standard_normal((8, cols)).astype(np.float32)
     for threads in (1, 2):
         full = np.empty((8, rows), np.float32)
-        _core.quant_matmul(full, x, raw, int(qtype), rows, cols, threads)
+        _core.quant_matmul(full, x, packed, int(qtype), rows, cols, threads)
         for t in range(1, 9):
             part = np.empty((t, rows), np.float32)
-            _core.quant_matmul(part, np.ascontiguousarray(x[8 - t:]), raw, int(qtype), rows, cols,
+            _core.quant_matmul(part, np.ascontiguousarray(x[8 - t:]), packed, int(qtype), rows, cols,
                                threads)
             np.testing.assert_array_equal(part, full[8 - t:])   # bitwise, any row position
 
@@ -49,7 +49,7 @@ def test_quant_matmul_row_does_not_depend_on_token_count(qtype):
 @pytest.mark.parametrize("with_quant", [True, False], ids=["quant", "fp32"])
 def test_row_invariant_linear_matches_the_row_alone(with_quant):
     rows, cols = 67, 256
-    quant, _ = _quant(GT.Q4_1, rows, cols)
+    quant = _quant(GT.Q4_1, rows, cols)
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(rows, cols, generator=g)
     bias = torch.randn(rows, generator=g)

@@ -64,7 +64,7 @@ def _check_against_references(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> 
 def _run(raw: np.ndarray, qtype: GT, x: np.ndarray, threads: int = 1) -> np.ndarray:
     rows, cols = raw.shape[0], x.shape[1]
     out = np.full((x.shape[0], rows), np.nan, np.float32)
-    _core.quant_matmul(out, x, raw, int(qtype), rows, cols, threads)
+    _core.quant_matmul(out, x, _core.quant_pack(raw, int(qtype)), int(qtype), rows, cols, threads)
     return out
 
 
@@ -136,29 +136,57 @@ def test_kernel_threads_work_in_a_forked_child():
 def test_bad_input_is_value_error():
     rng = np.random.default_rng(1)
     raw = _blocks(rng, GT.Q4_1, 5, 64)          # [5, 40]
+    packed = _core.quant_pack(raw, int(GT.Q4_1))
+    assert packed.shape == (1, 8 * 40)          # one group of 8 rows, 3 of them padding
     x = np.ones((2, 64), np.float32)
     out = np.zeros((2, 5), np.float32)
     q4_1 = int(GT.Q4_1)
     cases = [
-        (out, x, raw, int(GT.Q5_0), 5, 64, 1),  # a format the kernel does not read
-        (out, x, raw, q4_1, 5, 48, 1),          # cols not a multiple of 32
-        (out, x, raw, q4_1, 6, 64, 1),          # rows disagree with w_raw
-        (out, x, raw, int(GT.Q8_0), 5, 64, 1),  # bytes per row of another format
-        (out, np.ones((2, 32), np.float32), raw, q4_1, 5, 64, 1),
-        (np.zeros((3, 5), np.float32), x, raw, q4_1, 5, 64, 1),
-        (out, np.ones((2, 128), np.float32)[:, ::2], raw, q4_1, 5, 64, 1),  # not contiguous
-        (out, x, raw, q4_1, 5, 64, 0),
+        (out, x, packed, int(GT.Q5_0), 5, 64, 1),  # a format the kernel does not read
+        (out, x, packed, q4_1, 5, 48, 1),          # cols not a multiple of 32
+        (out, x, packed, q4_1, 9, 64, 1),          # rows disagree with w_packed
+        (out, x, raw, q4_1, 5, 64, 1),             # raw blocks, not packed
+        (out, x, packed, int(GT.Q8_0), 5, 64, 1),  # bytes per row of another format
+        (out, np.ones((2, 32), np.float32), packed, q4_1, 5, 64, 1),
+        (np.zeros((3, 5), np.float32), x, packed, q4_1, 5, 64, 1),
+        (out, np.ones((2, 128), np.float32)[:, ::2], packed, q4_1, 5, 64, 1),  # not contiguous
+        (out, x, packed, q4_1, 5, 64, 0),
     ]
     frozen = out.copy()
     frozen.flags.writeable = False
-    cases.append((frozen, x, raw, q4_1, 5, 64, 1))  # read-only out
+    cases.append((frozen, x, packed, q4_1, 5, 64, 1))  # read-only out
     for args in cases:
         with pytest.raises(ValueError, match="quant_matmul"):
             _core.quant_matmul(*args)
     with pytest.raises(TypeError):
-        _core.quant_matmul(out, x.astype(np.float64), raw, q4_1, 5, 64, 1)
-    _core.quant_matmul(out, x, raw, q4_1, 5, 64, 1)
+        _core.quant_matmul(out, x.astype(np.float64), packed, q4_1, 5, 64, 1)
+    for bad_pack in ((raw, int(GT.Q5_0)), (raw[:, :30], q4_1), (raw[:, ::2], q4_1)):
+        with pytest.raises(ValueError, match="quant_pack"):
+            _core.quant_pack(*bad_pack)
+    _core.quant_matmul(out, x, packed, q4_1, 5, 64, 1)
     assert np.isfinite(out).all()
+
+
+def test_packed_layout_regroups_the_same_bytes():
+    """quant_pack moves bytes and adds zero rows up to a multiple of 8, nothing else: each
+    group's 8 scales come first, then (Q4_1) its 8 mins, then 4-byte runs of each row's
+    integers (rust/kernels/src/quant/pack.rs)."""
+    rng = np.random.default_rng(6)
+    for qtype, head in ((GT.Q8_0, 2), (GT.Q4_0, 2), (GT.Q4_1, 4)):
+        raw = _blocks(rng, qtype, 11, 64)
+        bb = raw.shape[1] // 2
+        packed = _core.quant_pack(raw, int(qtype))
+        assert packed.shape == (2, 8 * 2 * bb)
+        padding = np.zeros(packed.size - raw.size, np.uint8)
+        np.testing.assert_array_equal(np.sort(packed.ravel()),
+                                      np.sort(np.concatenate([raw.ravel(), padding])))
+        rec = packed[1, 8 * bb:]                 # group 1 (rows 8..11), block 1
+        row = raw[9, bb:]                        # row 9 is lane 1 of group 1
+        np.testing.assert_array_equal(rec[2:4], row[:2])             # its scale
+        ints = row[head:]
+        chunks = rec[8 * head:].reshape(-1, 8, 4)                  # [chunk, lane, 4 bytes]
+        np.testing.assert_array_equal(chunks[:, 1].ravel(), ints)
+        assert not chunks[:, 3:].any()                              # rows 11..16: padding
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
@@ -203,7 +231,7 @@ def test_linear_takes_quantized_path_only_for_few_tokens():
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(w))   # unquantized: differs visibly from the blocks
         lin.bias.copy_(torch.arange(40.0))
-    lin.quant = QuantTensor(raw, int(GT.Q4_0), 40, 64)
+    lin.quant = QuantTensor(raw, int(GT.Q4_0), 40, 64).pack()
     deq = torch.from_numpy(dequantize(raw, GT.Q4_0))
     with torch.inference_mode():
         for tokens, weight in ((1, deq), (QUANT_MAX_TOKENS, deq), (QUANT_MAX_TOKENS + 1, lin.weight)):

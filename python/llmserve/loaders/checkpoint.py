@@ -55,6 +55,27 @@ class QuantTensor:
         data = np.ascontiguousarray(np.concatenate([p.data for p in parts], axis=0))
         return QuantTensor(data, first.ggml_type, sum(p.rows for p in parts), first.cols)
 
+    def pack(self) -> "PackedQuant":
+        """These blocks in the layout the quantized GEMV reads (`_core.quant_pack`)."""
+        from llmserve import _core
+
+        return PackedQuant(_core.quant_pack(self.data, self.ggml_type), self.ggml_type,
+                           self.rows, self.cols)
+
+
+@dataclass(frozen=True)
+class PackedQuant:
+    """A linear weight's GGUF blocks regrouped eight rows at a time, the layout of the
+    quantized GEMV (rust/kernels/src/quant/pack.rs): the same bytes as the blocks (plus zero
+    rows up to a multiple of 8), so a model holds one copy. Made once, when a model attaches
+    its quantized weights (`QuantTensor.pack`); rows are no longer contiguous here, so fusing
+    and permuting happen on QuantTensor first."""
+
+    data: np.ndarray   # uint8 [ceil(rows / 8), cols / 32 * 8 * bytes per block]
+    ggml_type: int
+    rows: int
+    cols: int
+
 
 @dataclass(frozen=True)
 class Checkpoint:

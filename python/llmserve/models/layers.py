@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve import _core
-from llmserve.loaders.checkpoint import QuantTensor
+from llmserve.loaders.checkpoint import PackedQuant
 from llmserve.worker.attention import AttentionMetadata, paged_attention
 from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, bf16_tile_rows, in_runner_step,
                                     kernel_threads, pads_small_gemms, quantized_step_allowed)
@@ -113,7 +113,7 @@ class RotaryEmbedding:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           quant: QuantTensor | None, row_invariant: bool = False,
+           quant: PackedQuant | None, row_invariant: bool = False,
            bf16_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels/src/quant/) in float32 CPU
     decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
@@ -170,7 +170,7 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: QuantTensor) -> torch.Tensor:
+def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: PackedQuant) -> torch.Tensor:
     out = torch.empty((x.shape[0], quant.rows), dtype=torch.float32)
     _core.quant_matmul(out.numpy(), x.contiguous().numpy(), quant.data, quant.ggml_type,
                        quant.rows, quant.cols, kernel_threads())
@@ -180,7 +180,7 @@ def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: QuantTensor
 class Linear(nn.Linear):
     """nn.Linear that may also hold its weight as GGUF blocks (`quant`, set after loading)."""
 
-    quant: QuantTensor | None = None
+    quant: PackedQuant | None = None
     batch_invariant: bool = False    # set by the model's set_batch_invariant
     # A bfloat16 copy of the weight for steps the quantized GEMV does not take (prompts, big
     # decode batches): set with `quant` on CPUs with native bf16 (worker/threads.py:

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from llmserve.loaders.checkpoint import QuantTensor
+from llmserve.loaders.checkpoint import PackedQuant, QuantTensor
 from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
                                     RotaryEmbedding, linear)
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if c.tie_word_embeddings
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
-        self.lm_quant: QuantTensor | None = None   # the LM head's GGUF blocks, if any
+        self.lm_quant: PackedQuant | None = None   # the LM head's GGUF blocks, if any
         # Its bfloat16 copy for decode steps the quantized GEMV does not take (compute_logits).
         self.lm_bf16: torch.Tensor | None = None
         self.quantized = False                     # some linear has GGUF blocks
@@ -185,10 +185,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its weight "
                                  f"{list(weight.shape)}")
             if name == "lm_head":
-                self.lm_quant = q
+                self.lm_quant = q.pack()
             else:
                 module = self.get_submodule(name)
-                module.quant = q
+                module.quant = q.pack()
                 module.bf16_weight = module.weight.to(torch.bfloat16) if bf16 else None
             self.quantized = True
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -4,7 +4,7 @@
 //! Built once per model (python/llmserve/models/cpu_decoder.py) from:
 //! - `shape`: dict with hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale;
 //! - `layers`: one dict per layer: input_norm, post_norm f32 [H]; qkv, o_proj, gate_up, down as
-//!   (raw u8 [rows, row_bytes], ggml_type, rows, cols); optional qkv_bias, o_bias, q_norm,
+//!   (packed u8 from `_core.quant_pack`, ggml_type, rows, cols); optional qkv_bias, o_bias, q_norm,
 //!   k_norm f32 vectors.
 //!
 //! The decoder keeps references to those arrays (no copy); it reads them, never writes them.
@@ -15,7 +15,7 @@
 use std::sync::Mutex;
 
 use llmserve_kernels::layer::{decoder_layer, DecodeTokens, LayerShape, LayerWeights, Scratch};
-use llmserve_kernels::quant::{QuantType, QuantWeights};
+use llmserve_kernels::quant::{PackedWeights, QuantType};
 use numpy::{PyArray1, PyArray2, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyValueError;
@@ -28,7 +28,7 @@ fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
     Err(PyValueError::new_err(format!("CpuDecoder: {what}")))
 }
 
-/// A linear's GGUF blocks.
+/// A linear's GGUF blocks, packed (`_core.quant_pack`).
 struct Quant {
     data: Py<PyArray2<u8>>,
     ty: QuantType,
@@ -79,9 +79,9 @@ impl LayerArrays {
     }
 
     fn weights<'a>(&self, b: &'a Borrowed<'_>) -> PyResult<LayerWeights<'a>> {
-        let quant = |q: &Quant, a: &'a PyReadonlyArray2<'_, u8>| -> PyResult<QuantWeights<'a>> {
+        let quant = |q: &Quant, a: &'a PyReadonlyArray2<'_, u8>| -> PyResult<PackedWeights<'a>> {
             let Ok(data) = a.as_slice() else { return bad("quantized weights must be C-contiguous") };
-            QuantWeights::new(q.ty, q.rows, q.cols, data).or_else(bad)
+            PackedWeights::new(q.ty, q.rows, q.cols, data).or_else(bad)
         };
         let [input_norm, post_norm, qkv_bias, q_norm, k_norm, o_bias] = &b.vectors;
         let [qkv, o_proj, gate_up, down] = &b.linears;

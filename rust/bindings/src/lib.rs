@@ -5,7 +5,8 @@
 //! scheduler plus each request's output state: add / abort / schedule / commit / stats),
 //! `Plan` (one step's flat columns as numpy arrays), the `ApiError` exception hierarchy and
 //! the CPU kernels over numpy views: `paged_decode_attention` (decode attention),
-//! `quant_matmul` (quantized GEMV), `dequantize` (GGUF blocks to float32), `apply_token_bitmask` (a grammar's mask on logits) and
+//! `quant_matmul` (quantized GEMV) with `quant_pack` (its weight layout), `dequantize` (GGUF
+//! blocks to float32), `apply_token_bitmask` (a grammar's mask on logits) and
 //! `CpuDecoder` (every decoder layer of a few-token decode step in one call).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
 
@@ -28,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<decoder::PyCpuDecoder>()?;
     m.add_function(wrap_pyfunction!(kernels::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quant_pack, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
     errors::register(m)?;

@@ -1,18 +1,20 @@
 //! `quant_matmul`: llmserve-kernels' quantized GEMV over numpy arrays, for decode steps of a
-//! few tokens that read a GGUF's Q8_0 / Q4_0 / Q4_1 weights in place (the GIL is released
-//! while it computes); `dequantize`: such a matrix to float32, as the loader needs it.
+//! few tokens that read a GGUF's Q8_0 / Q4_0 / Q4_1 weights (the GIL is released while it
+//! computes); `quant_pack`: such a matrix's raw blocks into the layout `quant_matmul` reads,
+//! once per model; `dequantize`: the raw blocks to float32, as the loader needs it.
 //!
 //! Shapes: out f32 [T, R] (written), x f32 [T, K], w_raw u8 [R, K / 32 * block_bytes] (the
-//! GGUF tensor's raw rows). Every array must be C-contiguous. A shape mismatch, an unknown
-//! ggml type, a non-contiguous array or num_threads == 0 is a ValueError (nothing written); a
-//! wrong dtype is numpy's TypeError.
+//! GGUF tensor's raw rows), w_packed u8 [ceil(R / 8), K / 32 * 8 * block_bytes] (what
+//! `quant_pack` returns: `llmserve_kernels::quant::pack`'s layout). Every array must be
+//! C-contiguous. A shape mismatch, an unknown ggml type, a non-contiguous array or
+//! num_threads == 0 is a ValueError (nothing written); a wrong dtype is numpy's TypeError.
 //!
 //! Numerics: each token's x is rounded to int8 blocks of 32 (one scale per block) before the
 //! integer dot products, as llama.cpp does, so the result is the dequantized weights times
 //! that rounded x (see `llmserve_kernels::quant`), not exactly the fp32 matmul.
 
-use llmserve_kernels::quant::{dequantize_row, QuantType, QuantWeights};
-use numpy::{PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
+use llmserve_kernels::quant::{dequantize_row, pack, PackedWeights, QuantType, QuantWeights, BLOCK, GROUP};
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -50,15 +52,42 @@ pub fn dequantize(
     .or_else(err)
 }
 
-/// out[t, r] = sum_k x[t, k] * w[r, k], with w's rows read as ggml blocks of `ggml_type`
-/// (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) and x rounded to int8 blocks; at most `num_threads` threads.
+/// `w_raw`'s GGUF blocks of `ggml_type` regrouped eight rows at a time: a new uint8 array
+/// [ceil(rows / 8), cols / 32 * 8 * block_bytes], the `w_packed` of `quant_matmul`.
+#[pyfunction]
+pub fn quant_pack<'py>(
+    py: Python<'py>,
+    w_raw: PyReadonlyArray2<'py, u8>,
+    ggml_type: u32,
+) -> PyResult<Bound<'py, PyArray2<u8>>> {
+    let err = |what: String| Err(PyValueError::new_err(format!("quant_pack: {what}")));
+    let Some(ty) = QuantType::from_ggml(ggml_type) else {
+        return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    };
+    let [rows, row_bytes] = [w_raw.shape()[0], w_raw.shape()[1]];
+    if row_bytes == 0 || row_bytes % ty.block_bytes() != 0 {
+        return err(format!("rows of {row_bytes} bytes are not whole {ty:?} blocks"));
+    }
+    let Ok(data) = w_raw.as_slice() else { return err("w_raw must be C-contiguous".into()) };
+    let w = match QuantWeights::new(ty, rows, row_bytes / ty.block_bytes() * BLOCK, data) {
+        Ok(w) => w,
+        Err(e) => return err(e),
+    };
+    let packed = py.detach(|| pack(&w));
+    let groups = rows.div_ceil(GROUP);
+    numpy::PyArray1::from_vec(py, packed).reshape([groups, GROUP * row_bytes])
+}
+
+/// out[t, r] = sum_k x[t, k] * w[r, k], with w's rows read from `w_packed` (`quant_pack` of
+/// blocks of `ggml_type`: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0) and x rounded to int8 blocks; at most
+/// `num_threads` threads.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // the Python signature the brief fixes
 pub fn quant_matmul(
     py: Python<'_>,
     out: &Bound<'_, PyArray2<f32>>,
     x: PyReadonlyArray2<'_, f32>,
-    w_raw: PyReadonlyArray2<'_, u8>,
+    w_packed: PyReadonlyArray2<'_, u8>,
     ggml_type: u32,
     rows: usize,
     cols: usize,
@@ -72,9 +101,13 @@ pub fn quant_matmul(
         Ok(n) => n,
         Err(e) => return bad(e),
     };
-    let (xs, ws, os) = (x.shape().to_vec(), w_raw.shape().to_vec(), out.shape().to_vec());
-    if ws != [rows, row_bytes] {
-        return bad(format!("w_raw {ws:?} must be [rows {rows}, {row_bytes} bytes] for {ty:?} x {cols}"));
+    let (xs, ws, os) = (x.shape().to_vec(), w_packed.shape().to_vec(), out.shape().to_vec());
+    if ws != [rows.div_ceil(GROUP), GROUP * row_bytes] {
+        return bad(format!(
+            "w_packed {ws:?} must be [{}, {}] (quant_pack of {rows} rows of {ty:?} x {cols})",
+            rows.div_ceil(GROUP),
+            GROUP * row_bytes
+        ));
     }
     if xs[1] != cols {
         return bad(format!("x {xs:?} must have {cols} columns"));
@@ -84,8 +117,8 @@ pub fn quant_matmul(
     }
     let Ok(out) = out.as_slice_mut() else { return bad("out must be C-contiguous") };
     let Ok(x) = x.as_slice() else { return bad("x must be C-contiguous") };
-    let Ok(data) = w_raw.as_slice() else { return bad("w_raw must be C-contiguous") };
-    let w = match QuantWeights::new(ty, rows, cols, data) {
+    let Ok(data) = w_packed.as_slice() else { return bad("w_packed must be C-contiguous") };
+    let w = match PackedWeights::new(ty, rows, cols, data) {
         Ok(w) => w,
         Err(e) => return bad(e),
     };

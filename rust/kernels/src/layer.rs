@@ -27,7 +27,7 @@
 //! thread count (the kernels compute each output element on one thread).
 
 use crate::decode::{check as check_decode, paged_decode_attention, DecodeShape};
-use crate::quant::{quant_matmul, QuantWeights};
+use crate::quant::{quant_matmul, PackedWeights};
 
 /// The sizes shared by every layer of a model.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -49,24 +49,25 @@ impl LayerShape {
     }
 }
 
-/// One layer's weights: norms as f32 vectors, the four linears as GGUF blocks.
+/// One layer's weights: norms as f32 vectors, the four linears as packed GGUF blocks
+/// (`quant::pack`).
 #[derive(Clone, Copy, Debug)]
 pub struct LayerWeights<'a> {
     pub input_norm: &'a [f32],
     pub post_norm: &'a [f32],
     /// [(heads + 2 kv_heads) * head_dim, H]: q rows, then k, then v.
-    pub qkv: QuantWeights<'a>,
+    pub qkv: PackedWeights<'a>,
     pub qkv_bias: Option<&'a [f32]>,
     /// Qwen3's per-head norms of q and k ([head_dim] each), applied before RoPE.
     pub q_norm: Option<&'a [f32]>,
     pub k_norm: Option<&'a [f32]>,
     /// [H, heads * head_dim]
-    pub o_proj: QuantWeights<'a>,
+    pub o_proj: PackedWeights<'a>,
     pub o_bias: Option<&'a [f32]>,
     /// [2 * intermediate, H]: gate rows, then up.
-    pub gate_up: QuantWeights<'a>,
+    pub gate_up: PackedWeights<'a>,
     /// [H, intermediate]
-    pub down: QuantWeights<'a>,
+    pub down: PackedWeights<'a>,
 }
 
 /// What the step's tokens share across layers (see the module doc for layouts).
@@ -104,7 +105,7 @@ fn check_len(name: &str, got: usize, want: usize) -> Result<(), String> {
     }
 }
 
-fn check_linear(name: &str, w: &QuantWeights, rows: usize, cols: usize) -> Result<(), String> {
+fn check_linear(name: &str, w: &PackedWeights, rows: usize, cols: usize) -> Result<(), String> {
     if (w.rows(), w.cols()) == (rows, cols) {
         Ok(())
     } else {

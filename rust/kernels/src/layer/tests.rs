@@ -4,17 +4,18 @@
 //! variants, mixed context lengths, two thread counts, and the argument checks.
 
 use super::*;
-use crate::quant::QuantType;
+use crate::quant::{pack, QuantType, QuantWeights};
 use crate::tests::Rng;
 
 /// Random Q8_0 rows: scale 2^-6 (exact in f16: 0x2400) and int8 values.
+/// Random Q8_0 weights, packed for the kernel.
 fn q8_0(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
-    let mut out = Vec::new();
+    let mut gguf = Vec::new();
     for _ in 0..rows * cols / 32 {
-        out.extend_from_slice(&0x2400u16.to_le_bytes());
-        out.extend((0..32).map(|_| (rng.next() % 255) as u8));
+        gguf.extend_from_slice(&0x2400u16.to_le_bytes());
+        gguf.extend((0..32).map(|_| (rng.next() % 255) as u8));
     }
-    out
+    pack(&QuantWeights::new(QuantType::Q8_0, rows, cols, &gguf).unwrap())
 }
 
 struct Model {
@@ -62,8 +63,8 @@ fn model(seed: u64, bias: bool, qk_norm: bool) -> Model {
     }
 }
 
-fn q(data: &[u8], rows: usize, cols: usize) -> QuantWeights<'_> {
-    QuantWeights::new(QuantType::Q8_0, rows, cols, data).unwrap()
+fn q(data: &[u8], rows: usize, cols: usize) -> PackedWeights<'_> {
+    PackedWeights::new(QuantType::Q8_0, rows, cols, data).unwrap()
 }
 
 impl Model {
@@ -134,7 +135,7 @@ fn step(seed: u64, lens: &[i32]) -> Step {
     }
 }
 
-fn matmul(x: &[f32], tokens: usize, w: &QuantWeights) -> Vec<f32> {
+fn matmul(x: &[f32], tokens: usize, w: &PackedWeights) -> Vec<f32> {
     let mut out = vec![0.0; tokens * w.rows()];
     quant_matmul(&mut out, x, tokens, w, 1).unwrap();
     out

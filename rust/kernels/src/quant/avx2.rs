@@ -1,54 +1,54 @@
-//! AVX2 integer dot products of a weight row with up to 4 tokens' int8 blocks.
+//! AVX2 dot products of a group of 8 packed rows (`pack`'s layout) with up to 4 tokens' int8
+//! blocks: lane r of every vector is row r of the group.
 //!
-//! Per block, the weights' integers are loaded once as 32 bytes in element order (Q8_0 as
-//! they are; the Q4 nibbles split into low | high halves, which is exactly elements 0..16 |
-//! 16..32) and, per token, `vpmaddubsw` (unsigned x signed bytes -> pairwise i16 sums) then
-//! `vpmaddwd` by 1 (-> 8 lanes of i32, each the sum of 4 products) give the block's integer
-//! dot product in 8 partial sums; those are converted to f32 and accumulated with the block's
-//! scale `dw * dx` by one FMA. `vpmaddubsw` wants its first operand unsigned: the Q4 nibbles
-//! are (0..=15, the Q4_0 `- 8` goes to the offset term `m * s`); Q8_0 uses |w| and moves w's
-//! sign onto x (`vpsignb`). No i16 saturation: |pair| <= 2 * 128 * 127 = 32512.
+//! Per record (one block of each of the 8 rows) and token, each 32-byte integer chunk holds 4
+//! weights of every row; the token's 4 matching int8 activations are broadcast to all lanes
+//! (`vpbroadcastd`, a load), and `vpmaddubsw` (unsigned x signed bytes -> pairwise i16 sums)
+//! then `vpmaddwd` by 1 sum each row's 4 products into its i32 lane. `vpmaddubsw` wants its
+//! first operand unsigned: the Q4 nibbles are (0..=15; Q4_0's `- 8` goes to the offset term
+//! `m * s`); Q8_0 uses |w| and moves w's sign onto x (`vpsignb`). No i16 saturation: a Q4
+//! pair is at most 2 * 15 * 127 = 3810, so the 8 of a block (4 chunks of low and high
+//! nibbles) sum in i16 before one `vpmaddwd`; a Q8_0 pair reaches 2 * 128 * 127 = 32512, so
+//! each chunk widens to i32 at once.
 //!
-//! The per-block float work that does not depend on the token is done once for the pass's 4
-//! tokens: `dw * dx` and the offset `m * s` as 4-lane vectors over the tokens (the
-//! activations store a block's scales and sums token-contiguous). Each token's lane of a
-//! vector is computed by the same operations whatever else the pass holds, so a token's
-//! result does not depend on the other tokens of the call.
-//!
-//! Each token keeps two accumulators, for even and odd blocks: with one, every block waited
-//! for the previous block's FMA (4 cycles), longer than the block's other work at 1 token.
+//! The block's exact i32 sums are then converted (exactly: |sum| < 2^24) and scaled per lane:
+//! `acc = fma(sum, d * dx, acc)`, the 8 rows' f16 scales `d` (and Q4_1's mins `m`) loaded and
+//! converted as one vector; Q4 adds `off = fma(m, s, off)`. Every lane runs the same
+//! operations whatever the other lanes and tokens hold, which is what keeps a row's result
+//! independent of the call's other rows and tokens, and equal to the portable path's bits.
 
-use super::{Pass, QuantType, BLOCK, TOKENS_PER_PASS};
+use super::pack::{header_bytes, record_bytes};
+use super::{Lanes, Pass, QuantType, BLOCK};
 use std::arch::x86_64::*;
 
-/// acc[j] = dot(token j of the pass, row) for j < pass.n.
+/// lanes[j][r] = dot(token j of the pass, row r of the group) for j < pass.n.
 ///
 /// # Safety
-/// The CPU must support avx2, fma and f16c; `pass.check(row.len(), ty)` holds.
+/// The CPU must support avx2, fma and f16c; `pass.check(group.len(), ty)` holds.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_row(ty: QuantType, row: &[u8], pass: &Pass, acc: &mut [f32; TOKENS_PER_PASS]) {
-    debug_assert!(pass.check(row.len(), ty));
+pub(super) unsafe fn group(ty: QuantType, group: &[u8], pass: &Pass, lanes: &mut Lanes) {
+    debug_assert!(pass.check(group.len(), ty));
     let t = Tokens { qs: pass.qs.as_ptr(), d: pass.d.as_ptr(), s: pass.s.as_ptr(), nb: pass.nb, stride: pass.stride };
-    let row = row.as_ptr();
+    let g = group.as_ptr();
     // Monomorphized per token count so the accumulators live in registers.
     match (ty, pass.n) {
-        (QuantType::Q8_0, 1) => q8::<1>(row, &t, acc),
-        (QuantType::Q8_0, 2) => q8::<2>(row, &t, acc),
-        (QuantType::Q8_0, 3) => q8::<3>(row, &t, acc),
-        (QuantType::Q8_0, _) => q8::<4>(row, &t, acc),
-        (QuantType::Q4_0, 1) => q4::<1, false>(row, &t, acc),
-        (QuantType::Q4_0, 2) => q4::<2, false>(row, &t, acc),
-        (QuantType::Q4_0, 3) => q4::<3, false>(row, &t, acc),
-        (QuantType::Q4_0, _) => q4::<4, false>(row, &t, acc),
-        (QuantType::Q4_1, 1) => q4::<1, true>(row, &t, acc),
-        (QuantType::Q4_1, 2) => q4::<2, true>(row, &t, acc),
-        (QuantType::Q4_1, 3) => q4::<3, true>(row, &t, acc),
-        (QuantType::Q4_1, _) => q4::<4, true>(row, &t, acc),
+        (QuantType::Q8_0, 1) => q8::<1>(g, &t, lanes),
+        (QuantType::Q8_0, 2) => q8::<2>(g, &t, lanes),
+        (QuantType::Q8_0, 3) => q8::<3>(g, &t, lanes),
+        (QuantType::Q8_0, _) => q8::<4>(g, &t, lanes),
+        (QuantType::Q4_0, 1) => q4::<1, false>(g, &t, lanes),
+        (QuantType::Q4_0, 2) => q4::<2, false>(g, &t, lanes),
+        (QuantType::Q4_0, 3) => q4::<3, false>(g, &t, lanes),
+        (QuantType::Q4_0, _) => q4::<4, false>(g, &t, lanes),
+        (QuantType::Q4_1, 1) => q4::<1, true>(g, &t, lanes),
+        (QuantType::Q4_1, 2) => q4::<2, true>(g, &t, lanes),
+        (QuantType::Q4_1, 3) => q4::<3, true>(g, &t, lanes),
+        (QuantType::Q4_1, _) => q4::<4, true>(g, &t, lanes),
     }
 }
 
-/// Raw pointers of a `Pass`: token j's block b at `qs + (j nb + b) 32`; the 4 tokens' scales
-/// (sums) of block b at `d (s) + b stride`, one 4-lane vector.
+/// Raw pointers of a `Pass`: token j's block b at `qs + (j nb + b) 32`, its scale (sum) at
+/// `d (s) + b stride + j`.
 struct Tokens {
     qs: *const i8,
     d: *const f32,
@@ -58,142 +58,96 @@ struct Tokens {
 }
 
 impl Tokens {
-    /// Block b's dx (or s) for the pass's 4 token lanes.
+    /// Token j's activations k..k + 4 of block b, as one i32 in all 8 lanes.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn lanes(&self, v: *const f32, b: usize) -> __m128 {
-        _mm_loadu_ps(v.add(b * self.stride))
+    unsafe fn four(&self, j: usize, b: usize, k: usize) -> __m256i {
+        let at = self.qs.add((j * self.nb + b) * BLOCK + k) as *const i32;
+        _mm256_set1_epi32(at.read_unaligned())
+    }
+
+    /// Token j's value of block b in `v` (its scale d or sum s), in all 8 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn lanes(&self, v: *const f32, j: usize, b: usize) -> __m256 {
+        _mm256_set1_ps(*v.add(b * self.stride + j))
     }
 }
 
-/// The block's leading f16 values as f32 lanes: lane 0 its scale d, lane 1 (Q4_1) its min m.
-///
-/// NOTE: one 8-byte load (every block is longer) converted whole. Converting each f16 from a
-/// 2-byte load, LLVM inserted the word into a register it knew to be zero in its upper lanes,
-/// which was the block loop's offset accumulator: every block then waited for the previous
-/// block's offset (a ~12-cycle chain), the Q4 kernels' bottleneck.
+/// 8 f16 at `p` as f32 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn halves(blk: *const u8) -> __m128 {
-    _mm_cvtph_ps(_mm_loadl_epi64(blk as *const __m128i))
+unsafe fn halves(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-}
-
-/// acc += (8 lanes of u[4i..4i+4] . v[4i..4i+4]) as f32 * scale; u unsigned, v signed bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn acc_dot(acc: __m256, u: __m256i, v: __m256i, scale: __m256) -> __m256 {
-    let pairs = _mm256_maddubs_epi16(u, v);
-    let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads), scale, acc)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn load_x(t: &Tokens, j: usize, b: usize) -> __m256i {
-    _mm256_loadu_si256(t.qs.add((j * t.nb + b) * BLOCK) as *const __m256i)
-}
-
-/// Lane j of v in all 8 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn lane(v: __m128, j: usize) -> __m256 {
-    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_set1_epi32(j as i32))
-}
-
-/// The 4 lanes of v as an array (the pass's per-token offsets at the end of a row).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn to_array(v: __m128) -> [f32; 4] {
-    let mut a = [0f32; 4];
-    _mm_storeu_ps(a.as_mut_ptr(), v);
-    a
-}
-
-/// One Q8_0 block b of the row into `acc` for each of N tokens.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_block<const N: usize>(row: *const u8, t: &Tokens, b: usize, acc: &mut [__m256; N]) {
-    let blk = row.add(b * 34);
-    // dw * dx for the pass's 4 tokens at once
-    let scales = _mm_mul_ps(_mm_broadcastss_ps(halves(blk)), t.lanes(t.d, b));
-    let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-    let abs_w = _mm256_sign_epi8(w, w); // -128 stays 0x80, which is 128 unsigned
-    for (j, a) in acc.iter_mut().enumerate() {
-        let x_signed = _mm256_sign_epi8(load_x(t, j, b), w);
-        *a = acc_dot(*a, abs_w, x_signed, lane(scales, j));
+unsafe fn store<const N: usize>(v: &[__m256; N], lanes: &mut Lanes) {
+    for j in 0..N {
+        _mm256_storeu_ps(lanes[j].as_mut_ptr(), v[j]);
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8<const N: usize>(row: *const u8, t: &Tokens, out: &mut [f32; TOKENS_PER_PASS]) {
-    let mut even = [_mm256_setzero_ps(); N];
-    let mut odd = [_mm256_setzero_ps(); N];
-    let mut b = 0;
-    while b + 1 < t.nb {
-        q8_block(row, t, b, &mut even);
-        q8_block(row, t, b + 1, &mut odd);
-        b += 2;
+unsafe fn q8<const N: usize>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
+    let (rec_len, head) = (record_bytes(QuantType::Q8_0), header_bytes(QuantType::Q8_0));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..t.nb {
+        let rec = group.add(b * rec_len);
+        let d = halves(rec);
+        let mut sums = [_mm256_setzero_si256(); N];
+        for c in 0..8 {
+            let w = _mm256_loadu_si256(rec.add(head + 32 * c) as *const __m256i);
+            let abs_w = _mm256_sign_epi8(w, w); // -128 stays 0x80, which is 128 unsigned
+            for (j, sum) in sums.iter_mut().enumerate() {
+                let x_signed = _mm256_sign_epi8(t.four(j, b, 4 * c), w);
+                let pairs = _mm256_maddubs_epi16(abs_w, x_signed);
+                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        for (j, a) in acc.iter_mut().enumerate() {
+            let scale = _mm256_mul_ps(d, t.lanes(t.d, j, b));
+            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), scale, *a);
+        }
     }
-    if b < t.nb {
-        q8_block(row, t, b, &mut even);
+    store(&acc, lanes);
+}
+
+/// Q4_0 (MIN = false: m = -8 d) and Q4_1 (MIN = true: m read from the record).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4<const N: usize, const MIN: bool>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
+    let ty = if MIN { QuantType::Q4_1 } else { QuantType::Q4_0 };
+    let (rec_len, head) = (record_bytes(ty), header_bytes(ty));
+    let (ones, nibble) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0f));
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut off = [_mm256_setzero_ps(); N];
+    for b in 0..t.nb {
+        let rec = group.add(b * rec_len);
+        let d = halves(rec);
+        let m = if MIN { halves(rec.add(16)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
+        let mut sums = [_mm256_setzero_si256(); N];
+        for c in 0..4 {
+            let w = _mm256_loadu_si256(rec.add(head + 32 * c) as *const __m256i);
+            // low nibbles: elements 4c..4c+4 of each row; high nibbles: 16 + 4c..
+            let lo = _mm256_and_si256(w, nibble);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+            for (j, sum) in sums.iter_mut().enumerate() {
+                let p_lo = _mm256_maddubs_epi16(lo, t.four(j, b, 4 * c));
+                let p_hi = _mm256_maddubs_epi16(hi, t.four(j, b, 16 + 4 * c));
+                *sum = _mm256_add_epi16(*sum, _mm256_add_epi16(p_lo, p_hi));
+            }
+        }
+        for j in 0..N {
+            let scale = _mm256_mul_ps(d, t.lanes(t.d, j, b));
+            let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[j], ones));
+            acc[j] = _mm256_fmadd_ps(sum, scale, acc[j]);
+            off[j] = _mm256_fmadd_ps(m, t.lanes(t.s, j, b), off[j]);
+        }
     }
     for j in 0..N {
-        out[j] = hsum(_mm256_add_ps(even[j], odd[j]));
+        acc[j] = _mm256_add_ps(acc[j], off[j]);
     }
-}
-
-/// One Q4 block b of the row into `acc` (integer part, per token) and `offset` (min part,
-/// lane j for token j) for N tokens.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q4_block<const N: usize, const MIN: bool>(
-    row: *const u8,
-    t: &Tokens,
-    b: usize,
-    acc: &mut [__m256; N],
-    offset: &mut __m128,
-) {
-    let bb = if MIN { 20 } else { 18 };
-    let blk = row.add(b * bb);
-    let dm = halves(blk);
-    let d = _mm_broadcastss_ps(dm);
-    let m = if MIN { _mm_permute_ps::<0b01_01_01_01>(dm) } else { _mm_mul_ps(d, _mm_set1_ps(-8.0)) };
-    // the pass's 4 tokens at once: offset += m * s, and dw * dx
-    *offset = _mm_fmadd_ps(m, t.lanes(t.s, b), *offset);
-    let scales = _mm_mul_ps(d, t.lanes(t.d, b));
-    let packed = _mm_loadu_si128(blk.add(bb - 16) as *const __m128i);
-    // low nibbles are elements 0..16, high nibbles 16..32
-    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    let w = _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-    for (j, a) in acc.iter_mut().enumerate() {
-        *a = acc_dot(*a, w, load_x(t, j, b), lane(scales, j));
-    }
-}
-
-/// Q4_0 (MIN = false: m = -8 d) and Q4_1 (MIN = true: m read from the block).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4<const N: usize, const MIN: bool>(row: *const u8, t: &Tokens, out: &mut [f32; TOKENS_PER_PASS]) {
-    let (mut even, mut odd) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
-    let (mut off_even, mut off_odd) = (_mm_setzero_ps(), _mm_setzero_ps());
-    let mut b = 0;
-    while b + 1 < t.nb {
-        q4_block::<N, MIN>(row, t, b, &mut even, &mut off_even);
-        q4_block::<N, MIN>(row, t, b + 1, &mut odd, &mut off_odd);
-        b += 2;
-    }
-    if b < t.nb {
-        q4_block::<N, MIN>(row, t, b, &mut even, &mut off_even);
-    }
-    let offsets = to_array(_mm_add_ps(off_even, off_odd));
-    for j in 0..N {
-        out[j] = hsum(_mm256_add_ps(even[j], odd[j])) + offsets[j];
-    }
+    store(&acc, lanes);
 }

@@ -145,15 +145,3 @@ pub fn dequantize_row(ty: QuantType, row: &[u8], out: &mut [f32]) -> Result<(), 
     }
     Ok(())
 }
-
-/// Scale and offset of a block: w = d * q + m with q the block's raw integers
-/// (unsigned nibbles for the Q4 formats, so Q4_0's `- 8` becomes m = -8 d).
-#[inline(always)]
-pub(super) fn scale_min(ty: QuantType, blk: &[u8]) -> (f32, f32) {
-    let d = read_f16(blk, 0);
-    match ty {
-        QuantType::Q8_0 => (d, 0.0),
-        QuantType::Q4_0 => (d, -8.0 * d),
-        QuantType::Q4_1 => (d, read_f16(blk, 2)),
-    }
-}

@@ -1,17 +1,17 @@
 //! Quantized matrix-vector products over GGUF block formats, for small decode batches.
 //!
 //! `quant_matmul` computes `out[t, r] = sum_k x[t, k] * w[r, k]` for a few tokens `t` (decode
-//! steps run 1..=8), reading `w` in the GGUF's own blocks instead of a dequantized fp32 copy:
+//! steps run 1..=8), reading `w` as quantized blocks instead of a dequantized fp32 copy:
 //! batch-1 decode is bound by reading weights, and Q4_1 is ~6.4x smaller than fp32.
 //!
-//! Formats (the byte layouts of gguf-py's `gguf/quants.py`, 32 weights per block, blocks of a
-//! row contiguous, rows contiguous):
+//! Formats (the byte layouts of gguf-py's `gguf/quants.py`, 32 weights per block):
 //! - Q8_0, 34 bytes: f16 scale `d`, 32 x i8 `q`;                         w = d * q
 //! - Q4_0, 18 bytes: f16 `d`, 16 bytes of nibbles;                       w = d * (q - 8)
 //! - Q4_1, 20 bytes: f16 `d`, f16 min `m`, 16 bytes of nibbles;          w = d * q + m
 //!
 //! In both 4-bit formats byte `i` of the nibbles holds element `i` in its low nibble and
-//! element `i + 16` in its high one.
+//! element `i + 16` in its high one. The kernels read these blocks regrouped eight rows at a
+//! time ([`pack`]: the same bytes in another order, made once when a model loads).
 //!
 //! Numerics: the activations are quantized too, once per call, to int8 blocks of 32 with one
 //! f32 scale each ([`activations`]: `dx = max|x| / 127`, `qx = round_half_even(x * 127 /
@@ -20,39 +20,42 @@
 //! `m = -8 dw`). So the result is, up to f32 rounding of the per-block terms, the exact product
 //! of the dequantized weights with the int8-rounded activations (as llama.cpp's q8_0 / q8_1
 //! activation blocks); it differs from an fp32 matmul by the activations' rounding, about
-//! 0.2-0.5% of `sum |x| |w|` per output. Reading the weights as integers is what makes the
-//! kernel fast: 32 products are two AVX2 instructions (`vpmaddubsw` + `vpmaddwd`) where the
-//! f32 form took a widening unpack and four FMAs.
+//! 0.2-0.5% of `sum |x| |w|` per output. Per output the f32 work is fixed: for each block in
+//! order, `acc = fma(f32(sum(q * qx)), dw * dx, acc)` and (Q4) `off = fma(m, dx * sum(qx),
+//! off)`; the result is `acc + off` (Q8_0: `acc`).
 //!
 //! Non-finite activations make the outputs of their token NaN (the block cannot be scaled).
 //!
 //! Invariants: every input is checked before any work (`Err(String)`, never a panic or an
 //! out-of-bounds read); the AVX2 path is taken only when the CPU reports AVX2/FMA/F16C at
-//! runtime (the wheel targets generic x86_64), else a portable path with the same integer math
-//! (only the f32 summation order of the per-block terms differs); rows are split into
-//! contiguous ranges over `num_threads` threads of the kernels' persistent pool, the caller's
-//! thread taking the first range, and each output is computed whole by one thread in a fixed
-//! order, so neither the thread count nor the other tokens of the call change its bits.
+//! runtime (the wheel targets generic x86_64), else a portable path doing the same integer
+//! and f32 operations in the same order, so both give the same bits; groups of 8 rows are
+//! split into contiguous ranges over `num_threads` threads of the kernels' persistent pool,
+//! the caller's thread taking the first range, and each output is computed whole by one
+//! thread by the fixed operations above, so neither the thread count nor the other tokens of
+//! the call change its bits.
 
 mod activations;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod format;
+mod pack;
 mod portable;
 
 pub use format::{dequantize_row, f16_to_f32, QuantType, QuantWeights, BLOCK};
+pub use pack::{pack, packed_len, PackedWeights, GROUP};
 
 use activations::Q8Activations;
 use std::ops::Range;
 use std::sync::Mutex;
 
-/// Rows of weights below this many bytes are not worth another thread: handing a part to a
-/// pool worker costs about as much as reading this much memory.
+/// Weights below this many bytes are not worth another thread: handing a part to a pool
+/// worker costs about as much as reading this much memory.
 const MIN_BYTES_PER_THREAD: usize = 32 * 1024;
 
-/// Tokens handled by one pass over a row; more tokens make more passes over the (then
-/// L1-resident) row. Two accumulators per token (see `avx2`) plus the unpacked block and
-/// temporaries fit the 16 AVX registers.
+/// Tokens handled by one pass over a group's records; more tokens make more passes over the
+/// (then L1-resident) records. A pass keeps two accumulators and an i16 or i32 sum per token
+/// (see `avx2`), which with the unpacked weights fit the 16 AVX registers.
 const TOKENS_PER_PASS: usize = 4;
 
 /// Instruction set a call runs with (a parameter so tests can compare both paths).
@@ -74,15 +77,15 @@ impl Isa {
     }
 }
 
-/// out f32 [tokens, rows] = x f32 [tokens, cols] @ w^T, with `w` read as quantized blocks and
-/// `x` rounded to int8 blocks (see the module doc for the numerics).
+/// out f32 [tokens, rows] = x f32 [tokens, cols] @ w^T, with `w` read as packed quantized
+/// blocks and `x` rounded to int8 blocks (see the module doc for the numerics).
 ///
 /// `num_threads` (>= 1) is an upper bound: small matrices use fewer threads.
 pub fn quant_matmul(
     out: &mut [f32],
     x: &[f32],
     tokens: usize,
-    w: &QuantWeights,
+    w: &PackedWeights,
     num_threads: usize,
 ) -> Result<(), String> {
     quant_matmul_with(out, x, tokens, w, num_threads, Isa::detect())
@@ -93,7 +96,7 @@ pub fn quant_matmul_with(
     out: &mut [f32],
     x: &[f32],
     tokens: usize,
-    w: &QuantWeights,
+    w: &PackedWeights,
     num_threads: usize,
     isa: Isa,
 ) -> Result<(), String> {
@@ -114,39 +117,40 @@ pub fn quant_matmul_with(
         return Ok(());
     }
 
-    // Once per call, not per row: every row's dot products read these int8 blocks.
+    // Once per call, not per group: every group's dot products read these int8 blocks.
     let act = Q8Activations::quantize(x, tokens, w.cols(), isa);
     let call = Call { ty: w.ty(), act: &act, tokens, cols: w.cols(), nb: w.cols() / BLOCK, isa };
 
-    let row_bytes = w.row_bytes();
+    let group_bytes = w.group_bytes();
     let data = w.data();
     let by_size = (data.len() / MIN_BYTES_PER_THREAD).max(1);
-    let ranges = split_rows(w.rows(), num_threads.min(by_size));
+    let ranges = split(w.groups(), num_threads.min(by_size));
+    let rows_of = |r: &Range<usize>| r.start * GROUP..(r.end * GROUP).min(w.rows());
 
     // Each range gets, for every token, its own disjoint slice of that token's output row.
     let mut parts: Vec<Vec<&mut [f32]>> = ranges.iter().map(|_| Vec::with_capacity(tokens)).collect();
     for out_row in out.chunks_exact_mut(w.rows()) {
         let mut rest = out_row;
         for (part, range) in parts.iter_mut().zip(&ranges) {
-            let (head, tail) = rest.split_at_mut(range.len());
+            let (head, tail) = rest.split_at_mut(rows_of(range).len());
             part.push(head);
             rest = tail;
         }
     }
-    let data_of = |r: &Range<usize>| &data[r.start * row_bytes..r.end * row_bytes];
+    let data_of = |r: &Range<usize>| &data[r.start * group_bytes..r.end * group_bytes];
 
     // Each part's slices are taken by exactly one thread; the mutex only makes that visible
     // to the borrow checker (never contended).
     let parts: Vec<Mutex<Vec<&mut [f32]>>> = parts.into_iter().map(Mutex::new).collect();
     crate::pool::parallel(ranges.len(), &|i| {
         let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
-        call.rows(data_of(&ranges[i]), &mut part);
+        call.groups(data_of(&ranges[i]), &mut part);
     });
     Ok(())
 }
 
-/// `n` rows split into at most `parts` contiguous, near-equal, non-empty ranges.
-fn split_rows(n: usize, parts: usize) -> Vec<Range<usize>> {
+/// `n` items split into at most `parts` contiguous, near-equal, non-empty ranges.
+fn split(n: usize, parts: usize) -> Vec<Range<usize>> {
     let parts = parts.clamp(1, n.max(1));
     (0..parts).map(|i| n * i / parts..n * (i + 1) / parts).collect()
 }
@@ -161,26 +165,33 @@ struct Call<'a> {
     isa: Isa,
 }
 
+/// One pass's results: lane r of token j is row r of the group.
+type Lanes = [[f32; GROUP]; TOKENS_PER_PASS];
+
 impl Call<'_> {
-    /// Rows `data` (whole rows) into `outs[t][i]` for each token t and row i of `data`.
-    fn rows(&self, data: &[u8], outs: &mut [&mut [f32]]) {
-        let row_bytes = self.nb * self.ty.block_bytes();
-        let mut acc = [0f32; TOKENS_PER_PASS];
-        for (i, row) in data.chunks_exact(row_bytes).enumerate() {
+    /// Groups `data` (whole groups) into `outs[t][i]` for each token t and row i of those
+    /// groups (`outs[t].len()` rows: the last group's padding rows are not written).
+    fn groups(&self, data: &[u8], outs: &mut [&mut [f32]]) {
+        let group_bytes = self.nb * pack::record_bytes(self.ty);
+        let mut lanes: Lanes = [[0.0; GROUP]; TOKENS_PER_PASS];
+        for (g, group) in data.chunks_exact(group_bytes).enumerate() {
             let mut t0 = 0;
             while t0 < self.tokens {
                 let n = (self.tokens - t0).min(TOKENS_PER_PASS);
-                self.dot_row(row, t0, n, &mut acc);
-                for j in 0..n {
-                    outs[t0 + j][i] = acc[j];
+                self.pass(group, t0, n, &mut lanes);
+                for (j, lane) in lanes[..n].iter().enumerate() {
+                    let out = &mut outs[t0 + j][g * GROUP..];
+                    let len = out.len().min(GROUP);
+                    out[..len].copy_from_slice(&lane[..len]);
                 }
                 t0 += n;
             }
         }
     }
 
-    /// acc[j] = dot(x[t0 + j], row) for j < n (n <= TOKENS_PER_PASS, t0 a multiple of it).
-    fn dot_row(&self, row: &[u8], t0: usize, n: usize, acc: &mut [f32; TOKENS_PER_PASS]) {
+    /// lanes[j][r] = dot(x[t0 + j], row r of the group) for j < n (n <= TOKENS_PER_PASS, t0
+    /// a multiple of it).
+    fn pass(&self, group: &[u8], t0: usize, n: usize, lanes: &mut Lanes) {
         let a = self.act;
         let pass = Pass {
             qs: &a.qs[t0 * self.cols..(t0 + n) * self.cols],
@@ -191,14 +202,14 @@ impl Call<'_> {
             n,
         };
         match self.isa {
-            Isa::Portable => portable::dot_row(self.ty, row, &pass, acc),
+            Isa::Portable => portable::group(self.ty, group, &pass, lanes),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
-                // A few comparisons per row: the unchecked reads below rely on these bounds.
-                assert!(pass.check(row.len(), self.ty), "quantized pass layout");
+                // A few comparisons per group: the unchecked reads below rely on these bounds.
+                assert!(pass.check(group.len(), self.ty), "quantized pass layout");
                 // SAFETY: Isa::Avx2 is only used after Isa::detect() confirmed the features,
                 // and the assert above checked the bounds the kernel reads within.
-                unsafe { avx2::dot_row(self.ty, row, &pass, acc) }
+                unsafe { avx2::group(self.ty, group, &pass, lanes) }
             }
         }
     }
@@ -208,8 +219,7 @@ impl Call<'_> {
 struct Pass<'a> {
     /// [n, nb * 32]: token j's block b at (j nb + b) 32
     qs: &'a [i8],
-    /// from t0 on: token j's scale of block b at b stride + j, for every j < TOKENS_PER_PASS
-    /// (lanes past n are other tokens or padding; kernels may read but not use them)
+    /// from t0 on: token j's scale of block b at b stride + j
     d: &'a [f32],
     /// like d: the blocks' d * sum(q)
     s: &'a [f32],
@@ -226,12 +236,12 @@ impl Pass<'_> {
     }
 
     /// The bounds the AVX2 kernel's unchecked reads rely on.
-    fn check(&self, row_len: usize, ty: QuantType) -> bool {
-        let lanes = (self.nb - 1) * self.stride + TOKENS_PER_PASS;
+    fn check(&self, group_len: usize, ty: QuantType) -> bool {
+        let lanes = (self.nb - 1) * self.stride + self.n;
         (1..=TOKENS_PER_PASS).contains(&self.n)
             && self.qs.len() == self.n * self.nb * BLOCK
             && self.d.len() >= lanes
             && self.s.len() >= lanes
-            && row_len == self.nb * ty.block_bytes()
+            && group_len == self.nb * pack::record_bytes(ty)
     }
 }
