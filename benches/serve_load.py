@@ -106,7 +106,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
 
 async def run_http(url: str, model: str, texts: list[str], max_tokens: int, concurrency: int) -> tuple:
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # NOTE: a new connection per request. llama-server (cpp-httplib: keep-alive timeout 5 s)
+    # sometimes closed a kept-alive connection as the next request went out on it, which
+    # failed with "Server disconnected without sending a response" and lost side_by_side.py
+    # rounds; on 127.0.0.1 a connection costs well under a millisecond.
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         async def bounded(p):
             async with sem:

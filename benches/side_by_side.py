@@ -146,7 +146,7 @@ def main() -> None:
         for engine in runs:
             try:
                 got = one_round(engine, args)
-            except RuntimeError as exc:   # a server that fails one round is reported, not fatal
+            except (RuntimeError, httpx.HTTPError) as exc:   # a failed round is reported, not fatal
                 print(f"round {repeat + 1}, {engine}: {exc}", flush=True)
                 continue
             print(f"round {repeat + 1}, {engine}: "
