@@ -23,13 +23,11 @@
 ///
 /// Errors (nothing is written): `logits.len()` not a multiple of `num_rows`, `bitmask.len()`
 /// not a multiple of `rows.len()` (or non-empty with no rows), a row outside `0..num_rows`.
-// NOTE: `is_multiple_of` is newer than the workspace's rust-version (1.80)
-#[allow(clippy::manual_is_multiple_of)]
 pub fn apply_token_bitmask(logits: &mut [f32], num_rows: usize, rows: &[i64], bitmask: &[i32]) -> Result<(), String> {
     let vocab = match num_rows {
         0 if logits.is_empty() => 0,
         0 => return Err(format!("logits has {} elements but num_rows is 0", logits.len())),
-        n if logits.len() % n != 0 => {
+        n if !logits.len().is_multiple_of(n) => {
             return Err(format!("logits has {} elements, not a whole number of {n} rows", logits.len()))
         }
         n => logits.len() / n,
@@ -41,7 +39,7 @@ pub fn apply_token_bitmask(logits: &mut [f32], num_rows: usize, rows: &[i64], bi
             Err(format!("bitmask has {} words but there are no rows", bitmask.len()))
         };
     }
-    if bitmask.len() % rows.len() != 0 {
+    if !bitmask.len().is_multiple_of(rows.len()) {
         return Err(format!("bitmask has {} words, not a whole number of {} rows", bitmask.len(), rows.len()));
     }
     let words = bitmask.len() / rows.len();

@@ -148,8 +148,6 @@ fn mul(a: usize, b: usize, what: &str) -> Result<usize, String> {
 }
 
 impl<'a> Ctx<'a> {
-    // NOTE: `is_multiple_of` is newer than the workspace's rust-version (1.80)
-    #[allow(clippy::manual_is_multiple_of)]
     fn validate(
         q: &'a [f32],
         k: &'a [f32],
@@ -161,7 +159,7 @@ impl<'a> Ctx<'a> {
         if s.num_heads == 0 || s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
             return Err(format!("num_heads, num_kv_heads, head_dim and block_size must be > 0: {s:?}"));
         }
-        if s.num_heads % s.num_kv_heads != 0 {
+        if !s.num_heads.is_multiple_of(s.num_kv_heads) {
             return Err(format!("num_heads ({}) must be a multiple of num_kv_heads ({})", s.num_heads, s.num_kv_heads));
         }
         if !s.scale.is_finite() {
@@ -172,7 +170,7 @@ impl<'a> Ctx<'a> {
             return Err(format!("q has {} elements, expected num_seqs x num_heads x head_dim = {q_len}", q.len()));
         }
         let block_len = mul(mul(s.block_size, s.num_kv_heads, "block size")?, s.head_dim, "block size")?;
-        if k.len() % block_len != 0 || k.len() != v.len() {
+        if !k.len().is_multiple_of(block_len) || k.len() != v.len() {
             return Err(format!(
                 "k_cache ({}) and v_cache ({}) must hold the same whole number of blocks of \
                  block_size x num_kv_heads x head_dim = {block_len} elements",

@@ -141,8 +141,6 @@ impl LayerWeights<'_> {
 }
 
 /// Checks every size of one layer call (nothing has been written yet when this fails).
-// NOTE: `is_multiple_of` is newer than the workspace's rust-version (1.80)
-#[allow(clippy::manual_is_multiple_of)]
 fn validate(
     h: &[f32],
     tokens: usize,
@@ -162,7 +160,7 @@ fn validate(
     check_len("sin", step.sin.len(), tokens * d / 2)?;
     check_len("slots", step.slots.len(), tokens)?;
     let slot_len = s.num_kv_heads * d;
-    if k_cache.len() != v_cache.len() || k_cache.len() % (slot_len * s.block_size) != 0 {
+    if k_cache.len() != v_cache.len() || !k_cache.len().is_multiple_of(slot_len * s.block_size) {
         return Err(format!(
             "k_cache ({}) and v_cache ({}) must hold the same whole number of blocks of {} elements",
             k_cache.len(),
@@ -220,7 +218,7 @@ fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) {
 
 /// Runs one decoder layer on `tokens` decode tokens: `h` [T, H] is updated in place, and the
 /// tokens' K/V are written to the caches. `threads` bounds the GEMV and attention threads.
-#[allow(clippy::too_many_arguments, clippy::manual_is_multiple_of)]
+#[allow(clippy::too_many_arguments)]
 pub fn decoder_layer(
     h: &mut [f32],
     tokens: usize,
@@ -239,7 +237,7 @@ pub fn decoder_layer(
     let (hd, d, nh, nkv) = (s.hidden, s.head_dim, s.num_heads, s.num_kv_heads);
     let width = s.qkv_width();
     // The table width follows from the tables' length; the attention kernel checks the rest.
-    if step.block_tables.len() % tokens != 0 {
+    if !step.block_tables.len().is_multiple_of(tokens) {
         return Err(format!("block_tables ({}) is not {tokens} rows", step.block_tables.len()));
     }
     let attn_shape = DecodeShape {

@@ -33,8 +33,8 @@ impl Q8Activations {
         match isa {
             Isa::Portable => quantize_blocks(x, nb, &mut a),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: Isa::Avx2 is only passed after Isa::detect() found the features.
-            Isa::Avx2 => unsafe { quantize_blocks_avx2(x, nb, &mut a) },
+            // SAFETY: these are only passed after Isa::supported() found the features.
+            Isa::Avx2 | Isa::Avx2Vnni => unsafe { quantize_blocks_avx2(x, nb, &mut a) },
         }
         a
     }

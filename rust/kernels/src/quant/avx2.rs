@@ -13,7 +13,8 @@
 //!
 //! The block's exact i32 sums are then converted (exactly: |sum| < 2^24) and scaled per lane:
 //! `acc = fma(sum, d * dx, acc)`, the 8 rows' f16 scales `d` (and Q4_1's mins `m`) loaded and
-//! converted as one vector; Q4 adds `off = fma(m, s, off)`. Every lane runs the same
+//! converted as one vector; Q4 adds `off = fma(m, s, off)`. With AVX-VNNI, `vpdpbusd` does
+//! a chunk's multiply and 4-way sum into the i32 lanes in one instruction. Every lane runs the same
 //! operations whatever the other lanes and tokens hold, which is what keeps a row's result
 //! independent of the call's other rows and tokens, and equal to the portable path's bits.
 
@@ -27,23 +28,40 @@ use std::arch::x86_64::*;
 /// The CPU must support avx2, fma and f16c; `pass.check(group.len(), ty)` holds.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn group(ty: QuantType, group: &[u8], pass: &Pass, lanes: &mut Lanes) {
+    dispatch::<false>(ty, group, pass, lanes)
+}
+
+/// `group` with AVX-VNNI's `vpdpbusd` for the integer products: the same i32 sums, so the
+/// same results, in fewer instructions.
+///
+/// # Safety
+/// The CPU must support avx2, fma, f16c and avxvnni; `pass.check(group.len(), ty)` holds.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub(super) unsafe fn group_vnni(ty: QuantType, group: &[u8], pass: &Pass, lanes: &mut Lanes) {
+    dispatch::<true>(ty, group, pass, lanes)
+}
+
+// NOTE: the kernels below are #[inline(always)] without target features of their own, so
+// each is compiled inside the entry above that calls it, with that entry's features.
+#[inline(always)]
+unsafe fn dispatch<const VNNI: bool>(ty: QuantType, group: &[u8], pass: &Pass, lanes: &mut Lanes) {
     debug_assert!(pass.check(group.len(), ty));
     let t = Tokens { qs: pass.qs.as_ptr(), d: pass.d.as_ptr(), s: pass.s.as_ptr(), nb: pass.nb, stride: pass.stride };
     let g = group.as_ptr();
     // Monomorphized per token count so the accumulators live in registers.
     match (ty, pass.n) {
-        (QuantType::Q8_0, 1) => q8::<1>(g, &t, lanes),
-        (QuantType::Q8_0, 2) => q8::<2>(g, &t, lanes),
-        (QuantType::Q8_0, 3) => q8::<3>(g, &t, lanes),
-        (QuantType::Q8_0, _) => q8::<4>(g, &t, lanes),
-        (QuantType::Q4_0, 1) => q4::<1, false>(g, &t, lanes),
-        (QuantType::Q4_0, 2) => q4::<2, false>(g, &t, lanes),
-        (QuantType::Q4_0, 3) => q4::<3, false>(g, &t, lanes),
-        (QuantType::Q4_0, _) => q4::<4, false>(g, &t, lanes),
-        (QuantType::Q4_1, 1) => q4::<1, true>(g, &t, lanes),
-        (QuantType::Q4_1, 2) => q4::<2, true>(g, &t, lanes),
-        (QuantType::Q4_1, 3) => q4::<3, true>(g, &t, lanes),
-        (QuantType::Q4_1, _) => q4::<4, true>(g, &t, lanes),
+        (QuantType::Q8_0, 1) => q8::<1, VNNI>(g, &t, lanes),
+        (QuantType::Q8_0, 2) => q8::<2, VNNI>(g, &t, lanes),
+        (QuantType::Q8_0, 3) => q8::<3, VNNI>(g, &t, lanes),
+        (QuantType::Q8_0, _) => q8::<4, VNNI>(g, &t, lanes),
+        (QuantType::Q4_0, 1) => q4::<1, false, VNNI>(g, &t, lanes),
+        (QuantType::Q4_0, 2) => q4::<2, false, VNNI>(g, &t, lanes),
+        (QuantType::Q4_0, 3) => q4::<3, false, VNNI>(g, &t, lanes),
+        (QuantType::Q4_0, _) => q4::<4, false, VNNI>(g, &t, lanes),
+        (QuantType::Q4_1, 1) => q4::<1, true, VNNI>(g, &t, lanes),
+        (QuantType::Q4_1, 2) => q4::<2, true, VNNI>(g, &t, lanes),
+        (QuantType::Q4_1, 3) => q4::<3, true, VNNI>(g, &t, lanes),
+        (QuantType::Q4_1, _) => q4::<4, true, VNNI>(g, &t, lanes),
     }
 }
 
@@ -59,38 +77,34 @@ struct Tokens {
 
 impl Tokens {
     /// Token j's activations k..k + 4 of block b, as one i32 in all 8 lanes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
+    #[inline(always)]
     unsafe fn four(&self, j: usize, b: usize, k: usize) -> __m256i {
         let at = self.qs.add((j * self.nb + b) * BLOCK + k) as *const i32;
         _mm256_set1_epi32(at.read_unaligned())
     }
 
     /// Token j's value of block b in `v` (its scale d or sum s), in all 8 lanes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
+    #[inline(always)]
     unsafe fn lanes(&self, v: *const f32, j: usize, b: usize) -> __m256 {
         _mm256_set1_ps(*v.add(b * self.stride + j))
     }
 }
 
 /// 8 f16 at `p` as f32 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn halves(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn store<const N: usize>(v: &[__m256; N], lanes: &mut Lanes) {
     for j in 0..N {
         _mm256_storeu_ps(lanes[j].as_mut_ptr(), v[j]);
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8<const N: usize>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
+#[inline(always)]
+unsafe fn q8<const N: usize, const VNNI: bool>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
     let (rec_len, head) = (record_bytes(QuantType::Q8_0), header_bytes(QuantType::Q8_0));
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -103,8 +117,12 @@ unsafe fn q8<const N: usize>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
             let abs_w = _mm256_sign_epi8(w, w); // -128 stays 0x80, which is 128 unsigned
             for (j, sum) in sums.iter_mut().enumerate() {
                 let x_signed = _mm256_sign_epi8(t.four(j, b, 4 * c), w);
-                let pairs = _mm256_maddubs_epi16(abs_w, x_signed);
-                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                *sum = if VNNI {
+                    _mm256_dpbusd_avx_epi32(*sum, abs_w, x_signed)
+                } else {
+                    let pairs = _mm256_maddubs_epi16(abs_w, x_signed);
+                    _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones))
+                };
             }
         }
         for (j, a) in acc.iter_mut().enumerate() {
@@ -116,8 +134,8 @@ unsafe fn q8<const N: usize>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
 }
 
 /// Q4_0 (MIN = false: m = -8 d) and Q4_1 (MIN = true: m read from the record).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4<const N: usize, const MIN: bool>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
+#[inline(always)]
+unsafe fn q4<const N: usize, const MIN: bool, const VNNI: bool>(group: *const u8, t: &Tokens, lanes: &mut Lanes) {
     let ty = if MIN { QuantType::Q4_1 } else { QuantType::Q4_0 };
     let (rec_len, head) = (record_bytes(ty), header_bytes(ty));
     let (ones, nibble) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0f));
@@ -127,22 +145,33 @@ unsafe fn q4<const N: usize, const MIN: bool>(group: *const u8, t: &Tokens, lane
         let rec = group.add(b * rec_len);
         let d = halves(rec);
         let m = if MIN { halves(rec.add(16)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-8.0)) };
-        let mut sums = [_mm256_setzero_si256(); N];
+        // VNNI: i32 sums (of the low and of the high nibbles' products for one token, of both
+        // in the first for more); else i16 sums of both in the first
+        let mut sums = [[_mm256_setzero_si256(); 2]; N];
         for c in 0..4 {
             let w = _mm256_loadu_si256(rec.add(head + 32 * c) as *const __m256i);
             // low nibbles: elements 4c..4c+4 of each row; high nibbles: 16 + 4c..
             let lo = _mm256_and_si256(w, nibble);
             let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-            for (j, sum) in sums.iter_mut().enumerate() {
-                let p_lo = _mm256_maddubs_epi16(lo, t.four(j, b, 4 * c));
-                let p_hi = _mm256_maddubs_epi16(hi, t.four(j, b, 16 + 4 * c));
-                *sum = _mm256_add_epi16(*sum, _mm256_add_epi16(p_lo, p_hi));
+            for (j, [s_lo, s_hi]) in sums.iter_mut().enumerate() {
+                let (x_lo, x_hi) = (t.four(j, b, 4 * c), t.four(j, b, 16 + 4 * c));
+                if VNNI && N == 1 {
+                    // two chains of vpdpbusd (latency 5): one token's block is latency-bound
+                    *s_lo = _mm256_dpbusd_avx_epi32(*s_lo, lo, x_lo);
+                    *s_hi = _mm256_dpbusd_avx_epi32(*s_hi, hi, x_hi);
+                } else if VNNI {
+                    // one chain per token: with a second, 4 tokens' sums spill the 16 registers
+                    *s_lo = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s_lo, lo, x_lo), hi, x_hi);
+                } else {
+                    let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
+                    *s_lo = _mm256_add_epi16(*s_lo, pairs);
+                }
             }
         }
-        for j in 0..N {
+        for (j, [s_lo, s_hi]) in sums.iter().enumerate() {
+            let sum = if VNNI { _mm256_add_epi32(*s_lo, *s_hi) } else { _mm256_madd_epi16(*s_lo, ones) };
             let scale = _mm256_mul_ps(d, t.lanes(t.d, j, b));
-            let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[j], ones));
-            acc[j] = _mm256_fmadd_ps(sum, scale, acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[j]);
             off[j] = _mm256_fmadd_ps(m, t.lanes(t.s, j, b), off[j]);
         }
     }
