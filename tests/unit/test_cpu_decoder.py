@@ -23,6 +23,7 @@ from gguf.quants import dequantize, quantize
 from _plans import run_schedule
 from tiny import random_llama_weights
 
+from llmserve import _core
 from llmserve.loaders import QuantTensor
 from llmserve.models import build_model, cpu_decoder
 from llmserve.models.cpu_decoder import CpuDecodePath
@@ -173,3 +174,30 @@ def test_binding_refuses_bad_arguments_and_writes_nothing():
         path.decoder.forward(frozen, cos, sin, good["slots"], good["tables"], good["lens"], ks, vs, 1)
     path.decoder.forward(h, cos, sin, good["slots"], good["tables"], good["lens"], ks, vs, 1)
     assert np.isfinite(h).all() and ks[0].any()
+
+
+def test_binding_refuses_raw_blocks_in_place_of_packed_ones():
+    # With rows a multiple of 8, raw GGUF blocks have exactly the packed byte count: only the
+    # shape tells them apart, and reading them as packed would give wrong numbers silently.
+    rng = np.random.default_rng(0)
+    hidden, heads, head_dim, inter = 64, 2, 32, 64
+
+    def blocks(rows, cols):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return QuantTensor(np.ascontiguousarray(quantize(w, GT.Q8_0)), int(GT.Q8_0), rows, cols)
+
+    linears = {"qkv": blocks(3 * heads * head_dim, hidden), "o_proj": blocks(hidden, heads * head_dim),
+               "gate_up": blocks(2 * inter, hidden), "down": blocks(hidden, inter)}
+    shape = dict(hidden=hidden, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+                 intermediate=inter, eps=1e-5, scale=head_dim ** -0.5)
+
+    def layer(raw_name=None):
+        quant = {n: q if n == raw_name else q.pack() for n, q in linears.items()}
+        return {"input_norm": np.ones(hidden, np.float32), "post_norm": np.ones(hidden, np.float32),
+                **{n: (q.data, q.ggml_type, q.rows, q.cols) for n, q in quant.items()}}
+
+    assert _core.CpuDecoder(shape, [layer()]).num_layers == 1
+    for name in linears:
+        assert linears[name].data.size == linears[name].pack().data.size
+        with pytest.raises(ValueError, match=f"{name}: w_packed .* must be"):
+            _core.CpuDecoder(shape, [layer(name)])

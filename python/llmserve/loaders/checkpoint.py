@@ -19,7 +19,7 @@ class LoadError(Exception):
     """A model could not be loaded; the message says what is wrong and what to do about it."""
 
 
-# ggml block formats llmserve's quantized GEMV reads (rust/kernels quant.rs): type id ->
+# ggml block formats llmserve's quantized GEMV reads (rust/kernels/src/quant/): type id ->
 # (name, bytes per block of 32 weights).
 QUANT_FORMATS: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 

@@ -79,23 +79,22 @@ impl LayerArrays {
     }
 
     fn weights<'a>(&self, b: &'a Borrowed<'_>) -> PyResult<LayerWeights<'a>> {
-        let quant = |q: &Quant, a: &'a PyReadonlyArray2<'_, u8>| -> PyResult<PackedWeights<'a>> {
-            let Ok(data) = a.as_slice() else { return bad("quantized weights must be C-contiguous") };
-            PackedWeights::new(q.ty, q.rows, q.cols, data).or_else(bad)
+        let quant = |name: &str, q: &Quant, a: &'a PyReadonlyArray2<'_, u8>| -> PyResult<PackedWeights<'a>> {
+            crate::quant::packed_view(a, q.ty, q.rows, q.cols).or_else(|e| bad(format!("{name}: {e}")))
         };
         let [input_norm, post_norm, qkv_bias, q_norm, k_norm, o_bias] = &b.vectors;
         let [qkv, o_proj, gate_up, down] = &b.linears;
         Ok(LayerWeights {
             input_norm: slice(input_norm)?.expect("always present"),
             post_norm: slice(post_norm)?.expect("always present"),
-            qkv: quant(&self.qkv, qkv)?,
+            qkv: quant("qkv", &self.qkv, qkv)?,
             qkv_bias: slice(qkv_bias)?,
             q_norm: slice(q_norm)?,
             k_norm: slice(k_norm)?,
-            o_proj: quant(&self.o_proj, o_proj)?,
+            o_proj: quant("o_proj", &self.o_proj, o_proj)?,
             o_bias: slice(o_bias)?,
-            gate_up: quant(&self.gate_up, gate_up)?,
-            down: quant(&self.down, down)?,
+            gate_up: quant("gate_up", &self.gate_up, gate_up)?,
+            down: quant("down", &self.down, down)?,
         })
     }
 }

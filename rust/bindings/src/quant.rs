@@ -65,7 +65,7 @@ pub fn quant_pack<'py>(
         return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
     };
     let [rows, row_bytes] = [w_raw.shape()[0], w_raw.shape()[1]];
-    if row_bytes == 0 || row_bytes % ty.block_bytes() != 0 {
+    if row_bytes == 0 || !row_bytes.is_multiple_of(ty.block_bytes()) {
         return err(format!("rows of {row_bytes} bytes are not whole {ty:?} blocks"));
     }
     let Ok(data) = w_raw.as_slice() else { return err("w_raw must be C-contiguous".into()) };
@@ -97,18 +97,11 @@ pub fn quant_matmul(
     let Some(ty) = QuantType::from_ggml(ggml_type) else {
         return bad(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
     };
-    let row_bytes = match ty.row_bytes(cols) {
-        Ok(n) => n,
+    let (xs, os) = (x.shape().to_vec(), out.shape().to_vec());
+    let w = match packed_view(&w_packed, ty, rows, cols) {
+        Ok(w) => w,
         Err(e) => return bad(e),
     };
-    let (xs, ws, os) = (x.shape().to_vec(), w_packed.shape().to_vec(), out.shape().to_vec());
-    if ws != [rows.div_ceil(GROUP), GROUP * row_bytes] {
-        return bad(format!(
-            "w_packed {ws:?} must be [{}, {}] (quant_pack of {rows} rows of {ty:?} x {cols})",
-            rows.div_ceil(GROUP),
-            GROUP * row_bytes
-        ));
-    }
     if xs[1] != cols {
         return bad(format!("x {xs:?} must have {cols} columns"));
     }
@@ -117,11 +110,25 @@ pub fn quant_matmul(
     }
     let Ok(out) = out.as_slice_mut() else { return bad("out must be C-contiguous") };
     let Ok(x) = x.as_slice() else { return bad("x must be C-contiguous") };
-    let Ok(data) = w_packed.as_slice() else { return bad("w_packed must be C-contiguous") };
-    let w = match PackedWeights::new(ty, rows, cols, data) {
-        Ok(w) => w,
-        Err(e) => return bad(e),
-    };
     let tokens = xs[0];
     py.detach(|| llmserve_kernels::quant::quant_matmul(out, x, tokens, &w, num_threads)).or_else(bad)
+}
+
+/// `a` as packed weights of `rows x cols` of `ty`: its shape must be the one `quant_pack`
+/// returns (the byte count alone would also pass raw blocks whose rows are a multiple of 8).
+pub(crate) fn packed_view<'a>(
+    a: &'a PyReadonlyArray2<'_, u8>,
+    ty: QuantType,
+    rows: usize,
+    cols: usize,
+) -> Result<PackedWeights<'a>, String> {
+    let want = [rows.div_ceil(GROUP), GROUP * ty.row_bytes(cols)?];
+    if a.shape() != want {
+        return Err(format!(
+            "w_packed {:?} must be {want:?} (quant_pack of {rows} rows of {ty:?} x {cols})",
+            a.shape()
+        ));
+    }
+    let data = a.as_slice().map_err(|_| "w_packed must be C-contiguous".to_string())?;
+    PackedWeights::new(ty, rows, cols, data)
 }

@@ -204,6 +204,36 @@ fn hand_decoded_blocks() {
 }
 
 #[test]
+fn extreme_integers_do_not_saturate() {
+    // The largest products the i16 steps see: every nibble 15 (or every Q8_0 weight -128)
+    // against activations of +127 (token 0) and -127 (token 1). Scales are 1 (0x3c00) and
+    // Q4_1's min -1 (0xbc00), so every term and the result are exact in f32.
+    for ty in TYPES {
+        let (rows, cols) = (9, 64);
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            data.extend(0x3c00u16.to_le_bytes());
+            if ty == QuantType::Q4_1 {
+                data.extend(0xbc00u16.to_le_bytes());
+            }
+            let (byte, n) = if ty == QuantType::Q8_0 { (0x80, 32) } else { (0xff, 16) };
+            data.extend(std::iter::repeat_n(byte, n));
+        }
+        let x: Vec<f32> = (0..2 * cols).map(|i| if i < cols { 127.0 } else { -127.0 }).collect();
+        let w = match ty {
+            QuantType::Q8_0 => -128.0,
+            QuantType::Q4_0 => 15.0 - 8.0,
+            QuantType::Q4_1 => 15.0 - 1.0,
+        };
+        for isa in isas() {
+            let out = run(ty, &data, &x, 2, rows, 1, isa);
+            let want: Vec<f32> = [1.0, -1.0].iter().flat_map(|s| vec![s * w * 127.0 * cols as f32; rows]).collect();
+            assert_eq!(out, want, "{ty:?} {isa:?}");
+        }
+    }
+}
+
+#[test]
 fn a_row_does_not_depend_on_the_other_tokens() {
     // Each token is quantized alone and its dot products run the same operations whatever
     // the pass holds (--batch-invariant relies on it).

@@ -7,8 +7,7 @@ use super::*;
 use crate::quant::{pack, QuantType, QuantWeights};
 use crate::tests::Rng;
 
-/// Random Q8_0 rows: scale 2^-6 (exact in f16: 0x2400) and int8 values.
-/// Random Q8_0 weights, packed for the kernel.
+/// Random Q8_0 weights (scale 2^-6, exact in f16: 0x2400), packed for the kernel.
 fn q8_0(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
     let mut gguf = Vec::new();
     for _ in 0..rows * cols / 32 {

@@ -13,9 +13,13 @@ use super::{Isa, BLOCK, TOKENS_PER_PASS};
 /// (the FPU's default rounding), a form that vectorizes even on plain SSE2.
 const MAGIC: f32 = 12_582_912.0;
 
+/// The smallest block maximum quantized as it is (127 times the smallest normal f32): below
+/// it `127 / amax` nears or passes f32::MAX. Smaller blocks count as zero.
+const MIN_AMAX: f32 = 127.0 * f32::MIN_POSITIVE;
+
 /// x [tokens, cols] quantized. The integers keep x's layout; the scales and sums are stored
-/// block-major, `d[b * stride + t]`, so one 4-lane load gives a block's values for the 4
-/// tokens of a kernel pass (the AVX2 kernel scales and offsets those tokens in one vector op).
+/// block-major, `d[b * stride + t]` (a kernel pass reads token j's value of block b at
+/// `b * stride + t0 + j`).
 pub(super) struct Q8Activations {
     pub qs: Vec<i8>, // [tokens, cols]
     pub d: Vec<f32>, // [cols / 32, stride]
@@ -76,8 +80,14 @@ fn quantize_block(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, f32) {
         return (f32::NAN, f32::NAN);
     }
     let amax = amax.iter().fold(0f32, |m, &a| if a > m { a } else { m });
+    if amax < MIN_AMAX {
+        // 127 / amax would overflow (or lose the block to subnormals): the block counts as
+        // zero, an error below 2e-36 per value.
+        *q = [0; BLOCK];
+        return (0.0, 0.0);
+    }
     let d = amax / 127.0;
-    let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    let id = 127.0 / amax;
     let mut sum = 0i32;
     for (q, &v) in q.iter_mut().zip(x) {
         // |v * id| <= 127 (plus rounding), so the integer fits an i8
@@ -117,10 +127,20 @@ mod tests {
     }
 
     #[test]
-    fn zero_and_non_finite_blocks() {
+    fn zero_tiny_and_non_finite_blocks() {
         let mut q = [1i8; BLOCK];
         assert_eq!(quantize_block(&[0.0; BLOCK], &mut q), (0.0, 0.0));
         assert_eq!(q, [0; BLOCK]);
+        // 127 / 1e-37 overflows f32: such a block counts as zero (it used to overflow the sum)
+        let mut tiny = [1e-37f32; BLOCK];
+        tiny[3] = -1e-38;
+        q = [1; BLOCK];
+        assert_eq!(quantize_block(&tiny, &mut q), (0.0, 0.0));
+        assert_eq!(q, [0; BLOCK]);
+        let mut small = [0f32; BLOCK];
+        small[0] = 2.0 * MIN_AMAX; // still quantized as it is
+        assert_eq!(quantize_block(&small, &mut q).0, small[0] / 127.0);
+        assert_eq!(q[0], 127);
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let mut x = [1.0f32; BLOCK];
             x[17] = bad;

@@ -1,7 +1,7 @@
 //! Quantized matrix-vector products over GGUF block formats, for small decode batches.
 //!
-//! `quant_matmul` computes `out[t, r] = sum_k x[t, k] * w[r, k]` for a few tokens `t` (decode
-//! steps run 1..=8), reading `w` as quantized blocks instead of a dequantized fp32 copy:
+//! `quant_matmul` computes `out[t, r] = sum_k x[t, k] * w[r, k]` for a few tokens `t` (the
+//! server's decode steps of up to 24 sequences), reading `w` as quantized blocks instead of a dequantized fp32 copy:
 //! batch-1 decode is bound by reading weights, and Q4_1 is ~6.4x smaller than fp32.
 //!
 //! Formats (the byte layouts of gguf-py's `gguf/quants.py`, 32 weights per block):
@@ -24,7 +24,8 @@
 //! order, `acc = fma(f32(sum(q * qx)), dw * dx, acc)` and (Q4) `off = fma(m, dx * sum(qx),
 //! off)`; the result is `acc + off` (Q8_0: `acc`).
 //!
-//! Non-finite activations make the outputs of their token NaN (the block cannot be scaled).
+//! Non-finite activations make the outputs of their token NaN (the block cannot be scaled);
+//! a block of activations all below ~2e-36 in magnitude counts as zero.
 //!
 //! Invariants: every input is checked before any work (`Err(String)`, never a panic or an
 //! out-of-bounds read); the AVX2 path is taken only when the CPU reports AVX2/FMA/F16C at
@@ -55,7 +56,8 @@ const MIN_BYTES_PER_THREAD: usize = 32 * 1024;
 
 /// Tokens handled by one pass over a group's records; more tokens make more passes over the
 /// (then L1-resident) records. A pass keeps two accumulators and one integer sum per token
-/// (see `avx2`), which with the unpacked weights fit the 16 AVX registers.
+/// (two for Q4 with VNNI at one token, see `avx2`), which with the unpacked weights fit the 16
+/// AVX registers.
 const TOKENS_PER_PASS: usize = 4;
 
 /// Instruction set a call runs with (a parameter so tests can compare the paths).

@@ -19,8 +19,8 @@
 //!   chunks: byte i holds element i in its low nibble and element i + 16 in its high one, so
 //!   chunk c's low nibbles are elements 4c..4c+4 and its high nibbles 16+4c..16+4c+4).
 //!
-//! So a packed matrix takes `ceil(rows / 8) * 8` rows' GGUF bytes, and a zero padding row
-//! (d = m = 0) computes 0.
+//! So a packed matrix takes `ceil(rows / 8) * 8` rows' GGUF bytes; a padding row is all zero
+//! bytes, and its lane is never written to the output.
 
 use super::format::{QuantType, QuantWeights, BLOCK};
 
