@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from llmserve import _core
+
 
 class LoadError(Exception):
     """A model could not be loaded; the message says what is wrong and what to do about it."""
@@ -57,8 +59,6 @@ class QuantTensor:
 
     def pack(self) -> "PackedQuant":
         """These blocks in the layout the quantized GEMV reads (`_core.quant_pack`)."""
-        from llmserve import _core
-
         return PackedQuant(_core.quant_pack(self.data, self.ggml_type), self.ggml_type,
                            self.rows, self.cols)
 
