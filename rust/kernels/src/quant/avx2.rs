@@ -13,10 +13,11 @@
 //!
 //! The block's exact i32 sums are then converted (exactly: |sum| < 2^24) and scaled per lane:
 //! `acc = fma(sum, d * dx, acc)`, the 8 rows' f16 scales `d` (and Q4_1's mins `m`) loaded and
-//! converted as one vector; Q4 adds `off = fma(m, s, off)`. With AVX-VNNI, `vpdpbusd` does
-//! a chunk's multiply and 4-way sum into the i32 lanes in one instruction. Every lane runs the same
-//! operations whatever the other lanes and tokens hold, which is what keeps a row's result
-//! independent of the call's other rows and tokens, and equal to the portable path's bits.
+//! converted as one vector; Q4 adds `off = fma(m, s, off)`. With AVX-VNNI, `vpdpbusd` does a
+//! chunk's multiply and 4-way sum into the i32 lanes in one instruction. Every lane runs the
+//! same operations whatever the other lanes and tokens hold, which is what keeps a row's
+//! result independent of the call's other rows and tokens, and equal to the portable path's
+//! bits.
 
 use super::pack::{header_bytes, record_bytes};
 use super::{Lanes, Pass, QuantType, BLOCK};

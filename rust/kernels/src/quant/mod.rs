@@ -1,8 +1,9 @@
 //! Quantized matrix-vector products over GGUF block formats, for small decode batches.
 //!
 //! `quant_matmul` computes `out[t, r] = sum_k x[t, k] * w[r, k]` for a few tokens `t` (the
-//! server's decode steps of up to 24 sequences), reading `w` as quantized blocks instead of a dequantized fp32 copy:
-//! batch-1 decode is bound by reading weights, and Q4_1 is ~6.4x smaller than fp32.
+//! server's decode steps of up to 24 sequences), reading `w` as quantized blocks instead of a
+//! dequantized fp32 copy: batch-1 decode is bound by reading weights, and Q4_1 is ~6.4x
+//! smaller than fp32.
 //!
 //! Formats (the byte layouts of gguf-py's `gguf/quants.py`, 32 weights per block):
 //! - Q8_0, 34 bytes: f16 scale `d`, 32 x i8 `q`;                         w = d * q
