@@ -6,6 +6,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+# bumped when the kernels' output bits change (part of system_fingerprint)
+numerics_revision: int
 # profile, target, rustc, commit (None outside a git checkout)
 build_info: dict[str, str | None]
 

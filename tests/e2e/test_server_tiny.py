@@ -110,7 +110,7 @@ def test_seed_reproducible(client):
     assert len(texts) == 2
 
 
-def test_system_fingerprint_names_the_setup(client, tiny_server):
+def test_system_fingerprint_names_the_setup(client, tiny_server, monkeypatch):
     """OpenAI's `system_fingerprint`, in every body and chunk: the same for every response of
     a server, and another for other weights or numerics (build, device, dtype, compute paths,
     threads: engine/build.py)."""
@@ -131,6 +131,9 @@ def test_system_fingerprint_names_the_setup(client, tiny_server):
     w2["a"][0, 0] = 7.0
     assert system_fingerprint(w2, "cpu", torch.float32) != base
     assert system_fingerprint(w, "cpu", torch.bfloat16) != base
+    # a kernel change that moves output bits bumps the revision (rust/kernels/src/lib.rs)
+    monkeypatch.setattr("llmserve.engine.build.numerics_revision", 10**6)
+    assert system_fingerprint(w, "cpu", torch.float32) != base
 
 
 def test_logprobs_shapes(client):

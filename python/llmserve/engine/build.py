@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve._core import Core, Router
-from llmserve._core import __version__ as core_version
+from llmserve._core import __version__ as core_version, numerics_revision
 from llmserve.config import Config, parse_bytes
 from llmserve.loaders.checkpoint import LoadError
 from llmserve.worker.threads import bf16_tile_rows, reproducible_blas
@@ -114,10 +114,12 @@ def _check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
 
 def system_fingerprint(weights: dict[str, torch.Tensor], *numerics) -> str:
     """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits that change with what a seeded
-    output depends on besides the request: the build, the weights (names, shapes and a strided
-    sample of each tensor's values: cheap, yet another checkpoint differs) and `numerics` (device,
-    dtype, compute paths, threads)."""
-    h = hashlib.sha256(json.dumps([core_version, *map(str, numerics)]).encode())
+    output depends on besides the request: the build (the package version, the Rust kernels'
+    numerics revision and torch's version, whose CPU kernels compute the prompt), the weights
+    (names, shapes and a strided sample of each tensor's values: cheap, yet another checkpoint
+    differs) and `numerics` (device, dtype, compute paths, threads)."""
+    build = [core_version, numerics_revision, torch.__version__]
+    h = hashlib.sha256(json.dumps([*build, *map(str, numerics)]).encode())
     for name in sorted(weights):
         t = weights[name].detach()
         flat = t.reshape(-1)

@@ -34,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("numerics_revision", llmserve_kernels::NUMERICS_REVISION)?;
     let build = pyo3::types::PyDict::new(m.py());
     build.set_item("profile", env!("LLMSERVE_BUILD_PROFILE"))?;
     build.set_item("target", env!("LLMSERVE_BUILD_TARGET"))?;

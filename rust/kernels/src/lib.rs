@@ -26,6 +26,15 @@ pub mod quant;
 mod simd;
 
 pub use bitmask::apply_token_bitmask;
+
+/// The revision of these kernels' numerics: bumped whenever a change moves the bits they
+/// output for the same input (a new summation order, another rounding), so that a seeded
+/// request's tokens may differ from the last build's. `system_fingerprint` hashes it (exported
+/// as `_core.numerics_revision`). `tests/quant.rs` pins the quantized GEMV's bits to it.
+///
+/// 1: the first fingerprinted kernels. 2: the GEMV reads weights packed 8 rows at a time, and a
+/// block's integer sum converts to f32 once.
+pub const NUMERICS_REVISION: u32 = 2;
 pub use decode::{paged_decode_attention, DecodeShape};
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use llmserve_kernels::quant::{
     dequantize_row, f16_to_f32, pack, packed_len, quant_matmul, quant_matmul_with, Isa, PackedWeights, QuantType,
     QuantWeights,
 };
+use llmserve_kernels::NUMERICS_REVISION;
 use proptest::prelude::*;
 
 const TYPES: [QuantType; 3] = [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1];
@@ -281,6 +282,37 @@ fn isas_give_the_same_bits() {
             assert!(want.iter().zip(&got).all(|(a, b)| same(a, b)), "{ty:?} {isa:?}");
         }
     }
+}
+
+/// FNV-1a over the outputs' bits: a fingerprint of the kernel's exact results.
+fn bits_hash(out: &[f32]) -> u64 {
+    out.iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[test]
+fn numerics_revision_pins_the_bits() {
+    // What `system_fingerprint` promises: the same revision, the same output bits. A change
+    // that moves them must bump NUMERICS_REVISION (rust/kernels/src/lib.rs) and record the new
+    // hashes here, in the same commit.
+    const PINNED: (u32, [u64; 3]) = (2, [0x3014_afe7_a6b9_7079, 0x29db_5f45_795a_4cc9, 0x17c6_5d74_0207_ec85]);
+    let mut got = [0u64; 3];
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let mut rng = Rng(11);
+        let (rows, cols) = (75, 576);
+        let data = random_weights(&mut rng, ty, rows, cols);
+        let x: Vec<f32> = (0..5 * cols).map(|_| rng.f32() * 3.0).collect();
+        got[i] = bits_hash(&run(ty, &data, &x, 5, rows, 1, Isa::Portable));
+        for isa in isas() {
+            assert_eq!(bits_hash(&run(ty, &data, &x, 5, rows, 2, isa)), got[i], "{ty:?} {isa:?}");
+        }
+    }
+    assert_eq!(
+        (NUMERICS_REVISION, got),
+        PINNED,
+        "the quantized GEMV's bits changed: bump NUMERICS_REVISION and pin the new hashes {got:#x?}"
+    );
 }
 
 #[test]
