@@ -7,7 +7,9 @@ tok/s with `quantized_decode` on vs off, measured in the same run (BENCH.md).
 Part 1 times `_core.quant_matmul` on SmolLM2's layer shapes (random weights quantized with
 gguf: fused QKV, o, gate|up, down in Q4_1; the tied LM head in Q8_0) against torch's fp32
 F.linear on the same shapes, and sums them into the GEMV time of one decode token (30 layers
-+ LM head). `--baseline` loads another build of the extension (e.g. a copy of the .so from
++ LM head). Those calls repeat one matrix, which then sits in cache; the "from memory" line
+times what a real step does: the 30 layers' linears in order, each layer its own copy of
+the weights (66 MB in all, far past the caches), so every byte comes from DRAM. `--baseline` loads another build of the extension (e.g. a copy of the .so from
 before a kernel change) and times its `quant_matmul` on the same inputs, interleaved with
 this build's, so old and new are compared in one run. The kernels are all timed before any
 torch call: torch's OpenMP threads keep spinning after each op and would steal the cores.
@@ -91,6 +93,7 @@ def bench_gemv(threads: int, repeats: int, baseline: str | None) -> None:
                 t = _median_time(lambda: kernel(out, x, weights[label], int(qtype), rows, cols,
                                                 threads), 1, inner)
                 times.setdefault((name, tokens, label), []).append(t)
+    cold = _from_memory(modules, cases, threads, repeats)
     fp32 = {}
     with torch.inference_mode():
         for name, rows, cols, qtype, tokens, w, raw, x in cases:
@@ -120,6 +123,45 @@ def bench_gemv(threads: int, repeats: int, baseline: str | None) -> None:
         parts = [f"{k} {per_token[k, tokens] * 1e3:6.2f} ms "
                  f"({total_bytes / per_token[k, tokens] / 1e9:4.1f} GB/s)" for k in labels]
         print(f"one decode step of SmolLM2 (30 layers + LM head), T={tokens}: " + ", ".join(parts))
+    layer_bytes = sum(raw.nbytes for name, _, _, _, tokens, _, raw, _ in cases
+                      if tokens == 1 and name != "lm_head") * LAYERS
+    for tokens in (1, 4):
+        parts = [f"{k} {cold[k, tokens] * 1e3:6.2f} ms ({layer_bytes / cold[k, tokens] / 1e9:4.1f} GB/s)"
+                 for k in labels]
+        line = f"the 30 layers' linears from memory, T={tokens}: " + ", ".join(parts)
+        if baseline:
+            line += f", new/old {cold['old', tokens] / cold['new', tokens]:.2f}x"
+        print(line)
+
+
+def _from_memory(modules, cases, threads: int, repeats: int) -> dict[tuple[str, int], float]:
+    """Seconds for the 30 layers' linears of one step, each layer with its own weights."""
+    layer_cases = [c for c in cases if c[0] != "lm_head"]
+    result = {}
+    for tokens in (1, 4):
+        calls = {label: [] for label in modules}
+        for name, rows, cols, qtype, t, w, raw, x in layer_cases:
+            if t != tokens:
+                continue
+            out = np.empty((tokens, rows), np.float32)
+            for label, m in modules.items():
+                for _ in range(LAYERS):
+                    weights = m.quant_pack(raw, int(qtype)) if hasattr(m, "quant_pack") else raw.copy()
+                    calls[label].append((m.quant_matmul, out, x, weights, int(qtype), rows, cols))
+        # in a step's order: layer by layer, each layer's linears in turn
+        per_shape = len(calls["new"]) // LAYERS
+        for label in modules:
+            calls[label] = [calls[label][s * LAYERS + layer] for layer in range(LAYERS) for s in range(per_shape)]
+        times: dict[str, list[float]] = {label: [] for label in modules}
+        for _ in range(repeats):
+            for label, todo in calls.items():
+                def step():
+                    for kernel, out, x, weights, qtype, rows, cols in todo:
+                        kernel(out, x, weights, qtype, rows, cols, threads)
+                times[label].append(_median_time(step, 5, 4))
+        for label in modules:
+            result[label, tokens] = statistics.median(times[label])
+    return result
 
 
 def bench_decode(threads: int, tokens: int, repeats: int) -> None:

@@ -192,6 +192,8 @@ impl Call<'_> {
     /// groups (`outs[t].len()` rows: the last group's padding rows are not written).
     fn groups(&self, data: &[u8], outs: &mut [&mut [f32]]) {
         let group_bytes = self.nb * pack::record_bytes(self.ty);
+        #[cfg(target_arch = "x86_64")]
+        avx2::prefetch_head(data);
         let mut lanes: Lanes = [[0.0; GROUP]; TOKENS_PER_PASS];
         for (g, group) in data.chunks_exact(group_bytes).enumerate() {
             let mut t0 = 0;
