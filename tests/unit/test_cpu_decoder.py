@@ -1,7 +1,7 @@
 """The Rust decoder of few-token decode steps (models/cpu_decoder.py, rust/kernels/src/layer.rs)
 against the torch layers, its reference: tiny quantized Llama, Qwen2 (qkv bias) and Qwen3 (q/k
-norms, o bias) models run the same steps both ways through ModelRunner, and the logits and the
-KV cache must agree. Also: which steps take the path, and the binding's checks.
+norms, o bias) models run the same steps both ways through ModelRunner, and the logits (the
+Rust path applies the final norm too) and the KV cache must agree. Also: which steps take the path, and the binding's checks.
 
 How close "agree" is: both paths feed the same int8-activation GEMV, but their norms round
 differently in the last bit, and now and then that moves one activation across an int8
@@ -197,6 +197,9 @@ def test_binding_refuses_raw_blocks_in_place_of_packed_ones():
                 **{n: (q.data, q.ggml_type, q.rows, q.cols) for n, q in quant.items()}}
 
     assert _core.CpuDecoder(shape, [layer()]).num_layers == 1
+    assert _core.CpuDecoder(shape, [layer()], np.ones(hidden, np.float32)).num_layers == 1
+    with pytest.raises(ValueError, match="final_norm has 63 values, expected hidden 64"):
+        _core.CpuDecoder(shape, [layer()], np.ones(hidden - 1, np.float32))
     for name in linears:
         assert linears[name].data.size == linears[name].pack().data.size
         with pytest.raises(ValueError, match=f"{name}: w_packed .* must be"):

@@ -9,7 +9,7 @@ import torch
 
 from _plans import Row, sampling_plan
 
-from llmserve.worker.sampler import Sampler, SamplingBatch, _top_p_filter
+from llmserve.worker.sampler import Sampler, SamplingBatch, _top_p_filter, plain_greedy
 
 torch.set_num_threads(1)
 
@@ -28,6 +28,29 @@ def test_greedy_is_argmax():
     out = run(logits, [Row() for _ in range(5)])
     assert out.tokens.dtype == np.int64
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1).numpy())
+
+
+def test_plain_greedy_rows_take_the_numpy_argmax_with_the_same_answer():
+    """Sampler.sample_plan's host path (every row plain greedy) answers what the torch pass
+    does, ties (the first maximum) and NaN rows included; any other row in the step sends
+    the whole step through the torch pass."""
+    logits = rand_logits(6, 300, seed=4)
+    logits[1, [5, 9]] = 50.0              # a tie: the first wins
+    logits[2, 17] = float("nan")          # NaN counts as the maximum
+    logits[3, [20, 40]] = float("nan")
+    logits[4] = float("-inf")
+    plan = sampling_plan([Row() for _ in range(6)])
+    assert plain_greedy(plan)
+    fast = Sampler(seed=0).sample_plan(logits.clone(), plan).to_host()
+    slow = run(logits, [Row() for _ in range(6)])
+    np.testing.assert_array_equal(fast.tokens, slow.tokens)
+    assert fast.tokens.dtype == np.int64 and list(fast.tokens[1:4]) == [5, 17, 20]
+    for a, b in ((fast.logprobs, slow.logprobs), (fast.top_ids, slow.top_ids),
+                 (fast.top_logprobs, slow.top_logprobs)):
+        assert a.shape == b.shape and a.dtype == b.dtype and (a == b).all()
+    for other in (Row(temperature=0.5), Row(num_logprobs=0), Row(logit_bias={3: 1.0}), Row(bans=[2]),
+                  Row(presence_penalty=0.5, output=[1])):
+        assert not plain_greedy(sampling_plan([Row(), other])), other
 
 
 def test_logit_bias_bans_and_forces():

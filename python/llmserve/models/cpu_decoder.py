@@ -4,7 +4,10 @@ At batch 1 a decoder layer is ~35 small torch ops around its four GEMVs, and eac
 few microseconds of dispatch: for SmolLM2-135M that is several milliseconds of a ~16 ms token.
 `llmserve._core.CpuDecoder` (rust/kernels/src/layer.rs) runs the whole layer stack of such a
 step instead: norms, RoPE, the KV write, paged attention, SiLU and residuals in Rust, the
-linears through the same quantized GEMV the torch path calls.
+linears through the same quantized GEMV the torch path calls, then the model's final norm.
+The embedding rows and the RoPE table rows are gathered with numpy: right after a step's
+weights streamed through the caches, each torch op costs ~0.1-0.3 ms (its code and data are
+evicted), a numpy gather a few microseconds.
 
 It serves a step when all of these hold, else the torch layers run (they stay the reference
 that tests compare this path with):
@@ -57,7 +60,9 @@ class CpuDecodePath:
         shape = {"hidden": c.hidden_size, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
                  "head_dim": c.head_dim, "intermediate": c.intermediate_size,
                  "eps": c.rms_norm_eps, "scale": model.layers[0].attn.attn.scale}
-        self.decoder = _core.CpuDecoder(shape, layers)
+        self.decoder = _core.CpuDecoder(shape, layers, _vector(model.norm.weight))
+        self._embed = model.embed_tokens.weight.detach().numpy()   # [V, H], no copy
+        self._rope = model.rope
         self._caches = None   # (the kv_caches object, [K views], [V views])
 
     @staticmethod
@@ -65,16 +70,19 @@ class CpuDecodePath:
         """Whether the model can take this path at all (see the module doc)."""
         if not hasattr(_core, "CpuDecoder") or not getattr(model, "quantized", False):
             return False
+        embed = model.embed_tokens.weight
+        if embed.dtype != torch.float32 or embed.device.type != "cpu" or not embed.is_contiguous():
+            return False
         return all(lin.quant is not None
                    for layer in model.layers
                    for lin in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down))
 
     @staticmethod
-    def serves(h: torch.Tensor, attn, batch_invariant: bool) -> bool:
+    def serves(num_tokens: int, attn, batch_invariant: bool) -> bool:
         """Whether this step is one the path serves (given the model can take it)."""
         return (USE_CPU_DECODER and not batch_invariant and isinstance(attn, AttentionMetadata)
-                and 0 < h.shape[0] and quantized_step_allowed(h.shape[0])
-                and attn.num_decode == h.shape[0] and attn.decode_token_idx is None
+                and 0 < num_tokens and quantized_step_allowed(num_tokens)
+                and attn.num_decode == num_tokens and attn.decode_token_idx is None
                 and attn.decode_tables_np is not None)
 
     def _views(self, kv_caches) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -85,14 +93,12 @@ class CpuDecodePath:
             self._caches = (kv_caches, [k.numpy() for k, _ in pairs], [v.numpy() for _, v in pairs])
         return self._caches[1], self._caches[2]
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionMetadata, kv_caches) -> torch.Tensor:
-        """h [T, H] (the embeddings) -> the last layer's output [T, H]; K/V written."""
-        h = h.contiguous()
-        t = h.shape[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> the final-normed hidden states [T, H]; K/V written."""
+        h = self._embed[input_ids.numpy()]              # a new [T, H] array
+        cos, sin = self._rope.cos_sin_host(positions.numpy())
         ks, vs = self._views(kv_caches)
-        self.decoder.forward(h.numpy(), cos.reshape(t, -1).contiguous().numpy(),
-                             sin.reshape(t, -1).contiguous().numpy(),
-                             attn.slot_mapping.numpy(), attn.decode_tables_np, attn.decode_lens_np,
-                             ks, vs, kernel_threads())
-        return h
+        self.decoder.forward(h, cos, sin, attn.slot_mapping.numpy(), attn.decode_tables_np,
+                             attn.decode_lens_np, ks, vs, kernel_threads())
+        return torch.from_numpy(h)

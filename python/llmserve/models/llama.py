@@ -198,11 +198,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[KVPair]) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden [T, H]."""
+        path = self.cpu_decode_path()
+        if path and path.serves(input_ids.shape[0], attn, self.batch_invariant):
+            return path.forward(input_ids, positions, attn, kv_caches)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope.cos_sin(positions, h.dtype)
-        path = self.cpu_decode_path()
-        if path and path.serves(h, attn, self.batch_invariant):
-            return self.norm(path.forward(h, cos, sin, attn, kv_caches))
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, attn, kv_cache)
         return self.norm(h)

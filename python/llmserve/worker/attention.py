@@ -98,15 +98,30 @@ class AttentionMetadata:
     block_size: int
     num_decode: int                         # Sd
     decode_token_idx: torch.Tensor | None   # [Sd] rows of the decode tokens; None: all T, in order
-    decode_block_tables: torch.Tensor       # [Sd, Wd] int64, Wd = blocks of the longest decode seq
-    decode_key_mask: torch.Tensor           # [Sd, 1, 1, Wd * block_size] bool: key j < seq_len
     prefills: tuple[PrefillSeq, ...]
+    device: torch.device
     workspace: GatherWorkspace | None = None    # None: gathers allocate fresh tensors
     decode_tables_np: np.ndarray | None = None  # [Sd, Wd] int32, the CPU kernel's block tables
     decode_lens_np: np.ndarray | None = None    # [Sd] int32
     query_start_loc_np: np.ndarray | None = None    # [S+1] int64, for the per-token tables
     seq_lens_np: np.ndarray | None = None           # [S] int64
     block_tables_np: np.ndarray | None = None       # [S, W] int64
+
+    # NOTE: the torch path's decode tables and key mask are made when it first reads them:
+    # the Rust kernels read the numpy columns, and in a batch-1 decode step these few torch
+    # ops cost ~0.2 ms (the weights just streamed through the caches; see Sampler.sample_plan).
+    @cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        """[Sd, Wd] int64, Wd = blocks of the longest decode sequence."""
+        return torch.from_numpy(self.decode_tables_np.astype(np.int64)).to(self.device)
+
+    @cached_property
+    def decode_key_mask(self) -> torch.Tensor:
+        """[Sd, 1, 1, Wd * block_size] bool: key j < seq_len."""
+        width = self.decode_tables_np.shape[1]
+        key_pos = torch.arange(width * self.block_size, device=self.device)
+        lens = torch.from_numpy(self.decode_lens_np.astype(np.int64)).to(self.device)
+        return (key_pos[None, :] < lens[:, None])[:, None, None, :]
 
     @cached_property
     def per_token_tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -140,9 +155,6 @@ class AttentionMetadata:
         all_decode = len(dec) == len(lens) and num_tokens == len(dec)
         dec_lens = lens[dec]
         width = int(-(-dec_lens.max() // block_size)) if len(dec) else 0
-        dec_tables = torch.from_numpy(np.ascontiguousarray(tables[dec, :width])).to(device)
-        key_pos = torch.arange(width * block_size, device=device)
-        dec_mask = (key_pos[None, :] < torch.from_numpy(dec_lens).to(device)[:, None])
         dec_idx = None if all_decode else torch.from_numpy(qsl[dec]).to(device)
 
         prefills = []
@@ -159,8 +171,7 @@ class AttentionMetadata:
             prefills.append(PrefillSeq(start, end, ctx, seq_len, ids, mask))
 
         return cls(slot_mapping=slot_mapping, block_size=block_size, num_decode=len(dec),
-                   decode_token_idx=dec_idx, decode_block_tables=dec_tables,
-                   decode_key_mask=dec_mask[:, None, None, :], prefills=tuple(prefills),
+                   decode_token_idx=dec_idx, prefills=tuple(prefills), device=device,
                    workspace=workspace,
                    decode_tables_np=np.ascontiguousarray(tables[dec, :width], dtype=np.int32),
                    decode_lens_np=dec_lens.astype(np.int32), query_start_loc_np=qsl,

@@ -20,7 +20,7 @@ import torch
 
 from llmserve.worker.attention import AttentionMetadata, GatherWorkspace
 from llmserve.worker.kv_cache import KVCache
-from llmserve.worker.sampler import DeviceSample, Sampler, SampleOutput, SamplingBatch, as_tensor, to_device
+from llmserve.worker.sampler import DeviceSample, Sampler, SampleOutput, as_tensor, to_device
 from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens, set_engine_threads
 
 
@@ -243,7 +243,7 @@ class ModelRunner:
         # the decode part always has rows: logits is set
         with cpu_step(True, False):
             prompt_lp = self.prompt_logprobs(hidden, plan)
-            out = self.sampler.sample(logits.cpu(), SamplingBatch.from_plan(plan))
+            out = self.sampler.sample_plan(logits.cpu(), plan).to_host()
         return with_prompt_logprobs(out, prompt_lp)
 
     def _execute(self, plan, num_rows: int) -> Launched:
@@ -254,10 +254,14 @@ class ModelRunner:
         # forward above still had to run to fill the KV cache.
         if num_rows == 0:
             return Launched(DeviceSample(SampleOutput.empty()), prompt_lp)
-        rows = to_device(as_tensor(plan.logits_indices, torch.int64), self.device)
+        indices = np.asarray(plan.logits_indices)
+        if num_rows == hidden.shape[0] and (indices == np.arange(num_rows)).all():
+            rows = hidden   # every token samples, in order (decode steps): no gather
+        else:
+            rows = hidden[to_device(as_tensor(indices, torch.int64), self.device)]
         # (on an accelerator the sampler runs there too: worker/sampler.py)
-        logits = self.model.compute_logits(hidden[rows])
-        return Launched(self.sampler.sample_on_device(logits, SamplingBatch.from_plan(plan)), prompt_lp)
+        logits = self.model.compute_logits(rows)
+        return Launched(self.sampler.sample_plan(logits, plan), prompt_lp)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan):
         """The Plan's prompt-logprob entries from the final hidden states [T, H]:

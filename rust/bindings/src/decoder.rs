@@ -5,16 +5,18 @@
 //! - `shape`: dict with hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale;
 //! - `layers`: one dict per layer: input_norm, post_norm f32 [H]; qkv, o_proj, gate_up, down as
 //!   (packed u8 from `_core.quant_pack`, ggml_type, rows, cols); optional qkv_bias, o_bias, q_norm,
-//!   k_norm f32 vectors.
+//!   k_norm f32 vectors;
+//! - `final_norm` (optional): the model's norm after the last layer, f32 [H].
 //!
 //! The decoder keeps references to those arrays (no copy); it reads them, never writes them.
 //! `forward(h, cos, sin, slots, block_tables, seq_lens, k_caches, v_caches, num_threads)` runs
-//! every layer on h [T, H] in place (layouts as in rust/kernels/src/layer.rs). Every check
-//! runs before the first layer writes anything; a bad argument is a ValueError.
+//! every layer on h [T, H] in place (layouts as in rust/kernels/src/layer.rs), then the final
+//! norm if there is one. Every check runs before the first layer writes anything; a bad
+//! argument is a ValueError.
 
 use std::sync::Mutex;
 
-use llmserve_kernels::layer::{decoder_layer, DecodeTokens, LayerShape, LayerWeights, Scratch};
+use llmserve_kernels::layer::{decoder_layer, rms_norm_rows, DecodeTokens, LayerShape, LayerWeights, Scratch};
 use llmserve_kernels::quant::{PackedWeights, QuantType};
 use numpy::{PyArray1, PyArray2, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::conversion::FromPyObjectOwned;
@@ -126,13 +128,20 @@ pub struct PyCpuDecoder {
     /// `block_size` is taken from the caches at each call.
     shape: LayerShape,
     layers: Vec<LayerArrays>,
+    final_norm: Option<Py<PyArray1<f32>>>,
     scratch: Mutex<Scratch>,
 }
 
 #[pymethods]
 impl PyCpuDecoder {
     #[new]
-    fn new(py: Python<'_>, shape: &Bound<'_, PyDict>, layers: Vec<Bound<'_, PyDict>>) -> PyResult<Self> {
+    #[pyo3(signature = (shape, layers, final_norm=None))]
+    fn new(
+        py: Python<'_>,
+        shape: &Bound<'_, PyDict>,
+        layers: Vec<Bound<'_, PyDict>>,
+        final_norm: Option<Py<PyArray1<f32>>>,
+    ) -> PyResult<Self> {
         let shape = LayerShape {
             hidden: item(shape, "hidden")?,
             num_heads: item(shape, "num_heads")?,
@@ -164,7 +173,14 @@ impl PyCpuDecoder {
             let borrowed = layer.borrow(py)?;
             layer.weights(&borrowed)?.check(&shape).or_else(|e| bad(format!("layer {i}: {e}")))?;
         }
-        Ok(Self { shape, layers, scratch: Mutex::new(Scratch::default()) })
+        if let Some(norm) = &final_norm {
+            let norm = vector(py, &Some(norm.clone_ref(py)))?;
+            let len = slice(&norm)?.map_or(0, <[f32]>::len);
+            if len != shape.hidden {
+                return bad(format!("final_norm has {len} values, expected hidden {}", shape.hidden));
+            }
+        }
+        Ok(Self { shape, layers, final_norm, scratch: Mutex::new(Scratch::default()) })
     }
 
     #[getter]
@@ -172,7 +188,8 @@ impl PyCpuDecoder {
         self.layers.len()
     }
 
-    /// Runs every layer on h [T, H] in place and writes the tokens' K/V to the caches.
+    /// Runs every layer on h [T, H] in place, then the final norm if the decoder has one, and
+    /// writes the tokens' K/V to the caches.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -228,6 +245,9 @@ impl PyCpuDecoder {
             block_tables: block_tables.as_slice().map_err(|_| contiguous("block_tables"))?,
             seq_lens: seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?,
         };
+        let final_norm = vector(py, &self.final_norm.as_ref().map(|n| n.clone_ref(py)))?;
+        let final_norm = slice(&final_norm)?;
+        let eps = shape.eps;
         let scratch = &self.scratch;
         py.detach(|| {
             let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
@@ -237,6 +257,9 @@ impl PyCpuDecoder {
             for (i, w) in weights.iter().enumerate() {
                 decoder_layer(h, tokens, w, &shape, &step, &mut *ks[i], &mut *vs[i], &mut scratch, num_threads)
                     .map_err(|e| format!("layer {i}: {e}"))?;
+            }
+            if let Some(norm) = final_norm {
+                rms_norm_rows(h, norm, eps);
             }
             Ok::<(), String>(())
         })

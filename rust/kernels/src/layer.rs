@@ -192,6 +192,14 @@ fn rms_norm(x: &mut [f32], src: &[f32], weight: &[f32], width: usize, eps: f32) 
     }
 }
 
+/// Every row of `rows` (rows of `weight.len()` values) through rms_norm(row) * weight in
+/// place: the model's final norm after the last layer.
+pub fn rms_norm_rows(rows: &mut [f32], weight: &[f32], eps: f32) {
+    if !weight.is_empty() {
+        rows.chunks_exact_mut(weight.len()).for_each(|row| rms_norm_in_place(row, weight, eps));
+    }
+}
+
 fn rms_norm_in_place(row: &mut [f32], weight: &[f32], eps: f32) {
     let inv = inv_rms(row, eps);
     row.iter_mut().zip(weight).for_each(|(v, &g)| *v = *v * inv * g);

@@ -27,14 +27,16 @@ mod simd;
 
 pub use bitmask::apply_token_bitmask;
 
-/// The revision of these kernels' numerics: bumped whenever a change moves the bits they
-/// output for the same input (a new summation order, another rounding), so that a seeded
-/// request's tokens may differ from the last build's. `system_fingerprint` hashes it (exported
-/// as `_core.numerics_revision`). `tests/quant.rs` pins the quantized GEMV's bits to it.
+/// The revision of the CPU decode path's numerics: bumped whenever a change moves the bits it
+/// outputs for the same input (a kernel's summation order or rounding, or which op the Rust
+/// path takes over from torch), so that a seeded request's tokens may differ from the last
+/// build's. `system_fingerprint` hashes it (exported as `_core.numerics_revision`).
+/// `tests/quant.rs` pins the quantized GEMV's bits to it.
 ///
 /// 1: the first fingerprinted kernels. 2: the GEMV reads weights packed 8 rows at a time, and a
-/// block's integer sum converts to f32 once.
-pub const NUMERICS_REVISION: u32 = 2;
+/// block's integer sum converts to f32 once. 3: `CpuDecoder` applies the model's final norm
+/// (f64 sum of squares, as the layers' norms) in place of torch's `rms_norm`.
+pub const NUMERICS_REVISION: u32 = 3;
 pub use decode::{paged_decode_attention, DecodeShape};
 
 #[cfg(test)]
