@@ -9,7 +9,6 @@ stay invariant to their split is test_row_invariance.py's."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from _plans import run_schedule
 from test_cpu_decoder import quantized_model
@@ -38,14 +37,14 @@ def _model(monkeypatch, bf16: bool, tile: int = 0):
 def _bf16_rows(monkeypatch) -> list[int]:
     """From now on, the row count of every bf16 matmul, in call order."""
     rows: list[int] = []
-    real = F.linear
+    real = layers._bf16_mm
 
-    def counted(x, w, *args):
-        if x.dtype == torch.bfloat16:
-            rows.append(x.shape[0])
-        return real(x, w, *args)
+    def counted(x, w):
+        assert x.dtype == torch.bfloat16
+        rows.append(x.shape[0])
+        return real(x, w)
 
-    monkeypatch.setattr(F, "linear", counted)
+    monkeypatch.setattr(layers, "_bf16_mm", counted)
     return rows
 
 
@@ -106,3 +105,23 @@ def test_without_native_bf16_nothing_is_copied(monkeypatch):
     model = _model(monkeypatch, False)
     assert all(m.bf16_weight is None for m in model.modules() if hasattr(m, "bf16_weight"))
     assert model.lm_bf16 is None
+
+
+def test_prepacked_bf16_weights_give_f_linear_bits(monkeypatch):
+    """layers.pack_bf16 hands oneDNN its blocked layout once (F.linear reorders a plain weight
+    on every call); the products must be F.linear's bits at any row count, and a weight it
+    cannot vouch for stays plain."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(200, 96, generator=g) * 0.1).to(torch.bfloat16)
+    packed = layers.pack_bf16(w)
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        assert packed is w
+        return
+    assert packed.layout == torch._mkldnn and packed.shape == w.shape
+    for rows in (1, 2, 5, 64, 130):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        assert torch.equal(layers._bf16_mm(x, packed), torch.nn.functional.linear(x, w)), rows
+    assert layers.pack_bf16(w.float()).layout == torch.strided
+    # a packed product that differs from F.linear's keeps the weight plain
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: torch.zeros(x.shape[0], 200))
+    assert layers.pack_bf16(w) is w

@@ -11,6 +11,7 @@ Q, K and V; one for gate and up) because on CPU each extra GEMM and op dispatch 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -20,8 +21,9 @@ from torch import nn
 from llmserve import _core
 from llmserve.loaders.checkpoint import PackedQuant
 from llmserve.worker.attention import AttentionMetadata, paged_attention
-from llmserve.worker.threads import (GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, bf16_tile_rows, in_runner_step,
-                                    kernel_threads, pads_small_gemms, quantized_step_allowed)
+from llmserve.worker.threads import (BF16_TILE_ROWS, GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, bf16_tile_rows,
+                                    in_runner_step, kernel_threads, pads_small_gemms,
+                                    quantized_step_allowed)
 
 
 class RMSNorm(nn.Module):
@@ -154,17 +156,83 @@ def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     exactly `bf16_tile_rows()` rows, the last padded with zeros; elsewhere in one call, a lone
     row padded to two (oneDNN computes a row the same for any M >= 2, but M = 1 takes a GEMV
     whose sums differ)."""
-    xb = x.to(torch.bfloat16)
-    n = xb.shape[0]
+    n = x.shape[0]
     tile = bf16_tile_rows() if pads_small_gemms() else 0
     if tile:
-        padded = torch.cat((xb, xb.new_zeros(-n % tile, xb.shape[1])))
-        out = torch.cat([F.linear(rows, weight) for rows in padded.split(tile)])[:n].float()
+        padded = _padded_bf16(x, n + -n % tile)
+        if padded.shape[0] == tile:
+            out = _bf16_mm(padded, weight)[:n].float()
+        else:
+            out = torch.cat([_bf16_mm(rows, weight) for rows in padded.split(tile)])[:n].float()
     elif n == 1:
-        out = F.linear(torch.cat((xb, xb.new_zeros(1, xb.shape[1]))), weight)[:1].float()
+        out = _bf16_mm(_padded_bf16(x, 2), weight)[:1].float()
     else:
-        out = F.linear(xb, weight).float()
+        out = _bf16_mm(x.to(torch.bfloat16), weight).float()
     return out if bias is None else out.add_(bias)
+
+
+def _bf16_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, in] bf16 @ weight^T: on oneDNN's prepacked form (`pack_bf16`) when the weight is in
+    it, else F.linear (which reorders the weight into that form on every call)."""
+    if weight.layout == torch._mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] CPU weight in oneDNN's prepacked layout, for `_bf16_mm`; the weight as it
+    is where torch lacks the ops or the packed product is not the same bits as F.linear's
+    (checked here on random tiles of BF16_TILE_ROWS rows and of 2).
+
+    NOTE: F.linear on a plain bf16 weight has oneDNN reorder it into its blocked layout on
+    every call; with the weight from memory (a prompt step reads every layer once) that made
+    SmolLM2's layer matmuls of 64 rows ~1.6x slower (2.23 vs 1.38 ms a layer, 2 threads;
+    measured same bits at M of 25-128 and 1, 2, 4 threads)."""
+    ops = torch.ops.mkldnn
+    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16
+            or not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))):
+        return weight
+    try:
+        packed = ops._reorder_linear_weight(weight, BF16_TILE_ROWS)
+        g = torch.Generator().manual_seed(0)
+        for rows in (BF16_TILE_ROWS, 2):
+            x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16)
+            if not torch.equal(_bf16_mm(x, packed), F.linear(x, weight)):
+                return weight
+    except RuntimeError:
+        return weight
+    return packed
+
+
+class _PadBuffers(threading.local):
+    """Each engine thread's bf16 input buffers for `_bf16_linear`, one per column count."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.written: dict[int, int] = {}   # how many leading rows of each may be non-zero
+
+
+_pad_buffers = _PadBuffers()
+
+
+def _padded_bf16(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, k] float32 as bfloat16 in the first n rows of a reused [rows, k] buffer whose other
+    rows are zero: one conversion op per call in place of a cast, a zeros and a cat.
+
+    NOTE: measured in a prompt step of SmolLM2 on CPU (2 threads): a torch op costs ~50 us
+    there (each layer's weights stream through the caches and evict torch's code and data),
+    and a prompt step ran ~8 of them around each of its 120 matmuls."""
+    n, k = x.shape
+    p = _pad_buffers
+    buf = p.bufs.get(k)
+    if buf is None or buf.shape[0] < rows or buf.device != x.device:
+        buf = p.bufs[k] = torch.zeros(rows, k, dtype=torch.bfloat16, device=x.device)
+        p.written[k] = 0
+    if p.written[k] > n:
+        buf[n:p.written[k]].zero_()
+    buf[:n].copy_(x)
+    p.written[k] = n
+    return buf[:rows]
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

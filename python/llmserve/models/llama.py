@@ -18,7 +18,7 @@ from torch import nn
 from llmserve.loaders.checkpoint import PackedQuant, QuantTensor
 from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
-                                    RotaryEmbedding, linear)
+                                    RotaryEmbedding, linear, pack_bf16)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
 from llmserve.worker.threads import in_big_decode_step, native_bf16
@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 module = self.get_submodule(name)
                 module.quant = q.pack()
-                module.bf16_weight = module.weight.to(torch.bfloat16) if bf16 else None
+                module.bf16_weight = pack_bf16(module.weight.to(torch.bfloat16)) if bf16 else None
             self.quantized = True
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_bf16 = head.to(torch.bfloat16) if bf16 and self.quantized else None
