@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as GT
+from gguf.quants import quantize
 
 from _plans import Paged, Row
 from test_cpu_decoder import quantized_model
@@ -17,6 +19,7 @@ from test_cpu_decoder import quantized_model
 import llmserve.models.layers as layers
 import llmserve.models.llama as llama
 import llmserve.worker.threads as threads
+from llmserve.loaders import QuantTensor
 from llmserve.worker import ModelRunner
 from llmserve.worker.threads import GEMM_ROW_MULTIPLE, cpu_step, native_bf16, reproducible_blas
 
@@ -129,3 +132,32 @@ def test_a_prompt_computes_the_same_however_it_is_split(family, threads, bf16, m
                 assert torch.equal(a, b), split
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_prompt_steps_sampled_row_reads_the_lm_heads_blocks(monkeypatch):
+    """The token a prompt step samples takes its logits from the LM head's GGUF blocks, as
+    every later token does (a row alone, so the split cannot move it); prompt logprobs
+    (compute_logits without `sampling`) keep the fp32 head in such steps."""
+    model = quantized_model("llama")
+    embed = model.embed_tokens.weight
+    blocks = np.ascontiguousarray(quantize(embed.numpy(), GT.Q8_0))
+    model.attach_quantized({"lm_head": QuantTensor(blocks, int(GT.Q8_0), *embed.shape)})
+    calls = []
+    real = llama.quant_linear
+
+    def spy(x, bias, quant):
+        calls.append((quant is model.lm_quant, x.shape[0]))
+        return real(x, bias, quant)
+
+    monkeypatch.setattr(llama, "quant_linear", spy)
+    runner = ModelRunner(model, 64, 4, torch.float32, "cpu", seed=0)
+    paged = Paged(64, 4)
+    paged.add(0, PROMPT)
+    runner.execute(paged.step({0: len(PROMPT)}, rows={0: Row()}))
+    assert calls == [(True, 1)]
+    h = torch.randn(3, model.config.hidden_size)
+    fp32 = F.linear(h, model.embed_tokens.weight)
+    with cpu_step(prompt_tokens=True, quantized=False):
+        assert torch.equal(model.compute_logits(h), fp32)
+        sampled = model.compute_logits(h, sampling=True)
+    assert not torch.equal(sampled, fp32) and (sampled - fp32).abs().max() < 0.05 * fp32.abs().max()

@@ -140,11 +140,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 and x.device.type == "cpu")
     if row_invariant and x.dim() == 2:
         if quant_ok:
-            return torch.cat([_quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
+            return torch.cat([quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
                               for i in range(0, x.shape[0], QUANT_MAX_TOKENS)])
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if quant_ok and quantized_step_allowed(x.shape[0]):
-        return _quant_linear(x, bias, quant)
+        return quant_linear(x, bias, quant)
     if bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and in_runner_step():
         return _bf16_linear(x, bf16_weight, bias)
     return _fp32_linear(x, weight, bias)
@@ -247,7 +247,7 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def _quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: PackedQuant) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: PackedQuant) -> torch.Tensor:
     # (numpy allocates the output: a torch op right after the weights streamed through the
     # caches costs ~0.1 ms, models/cpu_decoder.py)
     out = np.empty((x.shape[0], quant.rows), dtype=np.float32)

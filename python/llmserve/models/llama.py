@@ -18,10 +18,10 @@ from torch import nn
 from llmserve.loaders.checkpoint import PackedQuant, QuantTensor
 from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
-                                    RotaryEmbedding, linear, pack_bf16)
+                                    RotaryEmbedding, linear, pack_bf16, quant_linear)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
-from llmserve.worker.threads import in_big_decode_step, native_bf16
+from llmserve.worker.threads import QUANT_MAX_TOKENS, in_big_decode_step, native_bf16
 
 KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
 
@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         """Give linears (names as `fuse_quantized` returns) their quantized blocks, and with
         `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for the
         steps the quantized GEMV does not take (layers.Linear.bf16_weight), and of the LM head
-        for such decode steps (`compute_logits`: prompt steps keep it fp32)."""
+        for such decode steps (`compute_logits`: prompt logprobs keep it fp32)."""
         if bf16 is None:
             bf16 = native_bf16()
         for name, q in fused.items():
@@ -213,14 +213,21 @@ class LlamaForCausalLM(nn.Module):
             self._cpu_path = CpuDecodePath.available(self) and CpuDecodePath(self)
         return self._cpu_path or None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] -> float32 logits [R, V]."""
+    def compute_logits(self, hidden: torch.Tensor, sampling: bool = False) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits [R, V]. `sampling`: the rows sample tokens (they are
+        not prompt logprobs)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # NOTE: bf16 only in decode steps of more than QUANT_MAX_TOKENS sequences (fewer read
-        # the Q8_0 blocks with int8 activations, which round as much). Prompt steps keep fp32:
-        # prompt logprobs and each prompt's first token do not round to bf16.
+        # NOTE: up to QUANT_MAX_TOKENS rows that sample read the Q8_0 blocks with int8
+        # activations in every step, so a prompt's first token is computed as the tokens
+        # after it are (the fp32 GEMV of a 49152-token head took ~17 ms of a short prompt's
+        # ~95 ms; each row is computed alone, so the prefix cache cannot move it). bf16 in
+        # decode steps of more sequences. Prompt logprobs keep fp32: they do not round.
+        q = self.lm_quant
+        if (sampling and q is not None and hidden.shape[0] <= QUANT_MAX_TOKENS and hidden.dim() == 2
+                and hidden.dtype == torch.float32 and hidden.device.type == "cpu"):
+            return quant_linear(hidden, None, q)
         bf16 = self.lm_bf16 if in_big_decode_step() else None
-        return linear(hidden, weight, None, self.lm_quant, self.batch_invariant, bf16).float()
+        return linear(hidden, weight, None, q, self.batch_invariant, bf16).float()
 
 
 def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -26,8 +26,9 @@ class CausalLM(Protocol):
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids/positions [T] int64 -> final-normed hidden [T, H]."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] -> float32 logits [R, V]."""
+    def compute_logits(self, hidden: torch.Tensor, sampling: bool = False) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits [R, V]; `sampling`: rows that sample tokens (not
+        prompt logprobs), which a model may compute as its decode steps do."""
 
 
 def register(*architectures: str) -> Callable[[type], type]:

@@ -236,7 +236,7 @@ class ModelRunner:
                     hidden = h.new_empty((len(plan.input_ids), h.shape[1]))
                 hidden[torch.from_numpy(tokens)] = h
                 if len(part_rows):
-                    lg = self.model.compute_logits(hidden[torch.from_numpy(rows[part_rows])])
+                    lg = self.model.compute_logits(hidden[torch.from_numpy(rows[part_rows])], sampling=True)
                     if logits is None:
                         logits = lg.new_empty((len(rows), lg.shape[1]))
                     logits[torch.from_numpy(part_rows)] = lg
@@ -260,7 +260,7 @@ class ModelRunner:
         else:
             rows = hidden[to_device(as_tensor(indices, torch.int64), self.device)]
         # (on an accelerator the sampler runs there too: worker/sampler.py)
-        logits = self.model.compute_logits(rows)
+        logits = self.model.compute_logits(rows, sampling=True)
         return Launched(self.sampler.sample_plan(logits, plan), prompt_lp)
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan):

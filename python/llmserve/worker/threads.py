@@ -52,8 +52,9 @@ prompt tokens run their bf16 matmuls in calls of exactly BF16_TILE_ROWS rows (th
 padded with zeros; `bf16_tile_rows`). Either way prompt tokens keep the invariance above
 (test_row_invariance.py checks both the property and the model). The LM
 head of those decode steps runs in bf16 too (~25 ms of a 64-sequence step saved); in steps
-of fewer sequences it reads its Q8_0 blocks with int8 activations, which round as much.
-Prompt steps keep it fp32, so prompt logprobs and each prompt's first token do not round.
+of fewer sequences it reads its Q8_0 blocks with int8 activations, which round as much, and
+so does the token a prompt step samples (computed as the tokens after it are). Prompt
+logprobs keep the fp32 head, so they do not round.
 
 The running step's flags are per thread (each engine runs its steps on its own thread; several
 engines can share a process).

@@ -35,8 +35,9 @@ pub use bitmask::apply_token_bitmask;
 ///
 /// 1: the first fingerprinted kernels. 2: the GEMV reads weights packed 8 rows at a time, and a
 /// block's integer sum converts to f32 once. 3: `CpuDecoder` applies the model's final norm
-/// (f64 sum of squares, as the layers' norms) in place of torch's `rms_norm`.
-pub const NUMERICS_REVISION: u32 = 3;
+/// (f64 sum of squares, as the layers' norms) in place of torch's `rms_norm`. 4: a prompt
+/// step's sampled rows read the LM head's GGUF blocks, as decode steps do (was fp32).
+pub const NUMERICS_REVISION: u32 = 4;
 pub use decode::{paged_decode_attention, DecodeShape};
 
 #[cfg(test)]
