@@ -125,3 +125,22 @@ def test_prepacked_bf16_weights_give_f_linear_bits(monkeypatch):
     # a packed product that differs from F.linear's keeps the weight plain
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: torch.zeros(x.shape[0], 200))
     assert layers.pack_bf16(w) is w
+
+
+def test_the_reused_pad_buffer_works_in_and_out_of_inference_mode(monkeypatch):
+    """_bf16_linear pads a tile in a reused per-thread buffer: made inside the runner's
+    inference mode, it must still take a later call outside it (and keep rows past the input
+    zero, whatever a longer call wrote there)."""
+    from llmserve.worker.threads import cpu_step
+
+    monkeypatch.setattr(layers, "bf16_tile_rows", lambda: 8)
+    monkeypatch.setattr(layers, "_pad_buffers", layers._PadBuffers())
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 40, generator=g).to(torch.bfloat16)
+    x = torch.randn(7, 40, generator=g)
+    with cpu_step(prompt_tokens=True, quantized=False):
+        with torch.inference_mode():
+            long = layers._bf16_linear(x, w, None)
+        short = layers._bf16_linear(x[:3], w, None)
+    assert torch.equal(short, long[:3])
+    assert not layers._pad_buffers.bufs[40][3:].any()

@@ -21,7 +21,7 @@ import llmserve.models.llama as llama
 import llmserve.worker.threads as threads
 from llmserve.loaders import QuantTensor
 from llmserve.worker import ModelRunner
-from llmserve.worker.threads import GEMM_ROW_MULTIPLE, cpu_step, native_bf16, reproducible_blas
+from llmserve.worker.threads import GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, cpu_step, native_bf16, reproducible_blas
 
 torch.set_num_threads(1)
 
@@ -160,4 +160,9 @@ def test_a_prompt_steps_sampled_row_reads_the_lm_heads_blocks(monkeypatch):
     with cpu_step(prompt_tokens=True, quantized=False):
         assert torch.equal(model.compute_logits(h), fp32)
         sampled = model.compute_logits(h, sampling=True)
+        # however many rows sample in the step (past QUANT_MAX_TOKENS too), each row alone
+        many = torch.randn(QUANT_MAX_TOKENS + 6, model.config.hidden_size)
+        together = model.compute_logits(many, sampling=True)
+        for i in (0, 7, QUANT_MAX_TOKENS + 5):
+            assert torch.equal(together[i], model.compute_logits(many[i:i + 1], sampling=True)[0]), i
     assert not torch.equal(sampled, fp32) and (sampled - fp32).abs().max() < 0.05 * fp32.abs().max()

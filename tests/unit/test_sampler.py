@@ -49,8 +49,12 @@ def test_plain_greedy_rows_take_the_numpy_argmax_with_the_same_answer():
                  (fast.top_logprobs, slow.top_logprobs)):
         assert a.shape == b.shape and a.dtype == b.dtype and (a == b).all()
     for other in (Row(temperature=0.5), Row(num_logprobs=0), Row(logit_bias={3: 1.0}), Row(bans=[2]),
-                  Row(presence_penalty=0.5, output=[1])):
+                  Row(presence_penalty=0.5, output=[1]), Row(repetition_penalty=1.2, prompt=[4])):
         assert not plain_greedy(sampling_plan([Row(), other])), other
+    masked = sampling_plan([Row(), Row()])
+    masked.mask_rows = np.array([1], np.int64)      # a grammar-constrained row
+    masked.token_bitmask = np.full((1, 10), -1, np.int32)
+    assert not plain_greedy(masked)
 
 
 def test_logit_bias_bans_and_forces():

@@ -21,7 +21,7 @@ from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear
                                     RotaryEmbedding, linear, pack_bf16, quant_linear)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
-from llmserve.worker.threads import QUANT_MAX_TOKENS, in_big_decode_step, native_bf16
+from llmserve.worker.threads import in_big_decode_step, native_bf16
 
 KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
 
@@ -217,13 +217,14 @@ class LlamaForCausalLM(nn.Module):
         """hidden [R, H] -> float32 logits [R, V]. `sampling`: the rows sample tokens (they are
         not prompt logprobs)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # NOTE: up to QUANT_MAX_TOKENS rows that sample read the Q8_0 blocks with int8
-        # activations in every step, so a prompt's first token is computed as the tokens
-        # after it are (the fp32 GEMV of a 49152-token head took ~17 ms of a short prompt's
-        # ~95 ms; each row is computed alone, so the prefix cache cannot move it). bf16 in
-        # decode steps of more sequences. Prompt logprobs keep fp32: they do not round.
+        # NOTE: rows that sample read the Q8_0 blocks with int8 activations in every step but
+        # decode steps of more than QUANT_MAX_TOKENS sequences (bf16 there), however many rows
+        # sample: so a prompt's first token is computed as the tokens after it are, and each
+        # row alone, so neither the prefix cache nor the requests sharing its step can move
+        # it. (The fp32 GEMV of a 49152-token head took ~17 ms of a short prompt's ~95 ms.)
+        # Prompt logprobs keep fp32: they do not round.
         q = self.lm_quant
-        if (sampling and q is not None and hidden.shape[0] <= QUANT_MAX_TOKENS and hidden.dim() == 2
+        if (sampling and q is not None and not in_big_decode_step() and hidden.dim() == 2
                 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"):
             return quant_linear(hidden, None, q)
         bf16 = self.lm_bf16 if in_big_decode_step() else None

@@ -7,8 +7,10 @@ of a prompt finds its first blocks in the prefix cache and computes only the tai
 of another shape; and since the quantized GEMV rounds activations to int8, a last-bit
 difference anywhere upstream can move a rounded value by a whole step and change the answer.
 So every prompt token must be computed bit-identically however its prompt was split:
-- Prompt tokens never read GGUF blocks, however few: only decode steps of generated tokens
-  (at most QUANT_MAX_TOKENS sequences, each computing the one token it sampled last) do.
+- Prompt tokens' layers never read GGUF blocks, however few: only decode steps of generated
+  tokens (at most QUANT_MAX_TOKENS sequences, each computing the one token it sampled last)
+  do. (The LM head's rows that sample a token read them in every step but big decode steps:
+  each row is computed alone, so that cannot depend on the split; see below.)
 - fp32 matmuls (those not run in bf16, below) run on MKL in its strict reproducible mode
   (MKL_CBWR=AUTO,STRICT, set when llmserve is imported; `reproducible_blas`), where a row of a
   GEMM is the same bits for any M. MKL's default mode is not: on an AVX512 CPU with AMX, rows
@@ -35,8 +37,8 @@ would be alone, the prompt tokens as a prompt step (runner.py: ModelRunner._exec
 So while at most QUANT_MAX_TOKENS sequences decode, a generated token computes the same bits
 whatever else the server is doing, and greedy or seeded output does not depend on it.
 
-So the steps that read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS generated
-tokens, where the quantized GEMV carries the linears) run torch single-threaded and give the
+So the steps whose layers read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS
+generated tokens, where the quantized GEMV carries the linears) run torch single-threaded and give the
 kernels all the engine's threads: `benches/quant_decode.py` measures the effect. Other steps
 keep torch at full width (its fp32 GEMMs dominate) and the attention kernel shares the cores
 with it.

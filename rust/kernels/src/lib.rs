@@ -27,16 +27,17 @@ mod simd;
 
 pub use bitmask::apply_token_bitmask;
 
-/// The revision of the CPU decode path's numerics: bumped whenever a change moves the bits it
-/// outputs for the same input (a kernel's summation order or rounding, or which op the Rust
-/// path takes over from torch), so that a seeded request's tokens may differ from the last
-/// build's. `system_fingerprint` hashes it (exported as `_core.numerics_revision`).
+/// The revision of the CPU numerics (these kernels', and which path computes what): bumped
+/// whenever a change moves the bits a CPU step outputs for the same input (a kernel's
+/// summation order or rounding, an op the Rust path takes over from torch, a step that reads
+/// other weights), so that a seeded request's tokens may differ from the last build's. `system_fingerprint` hashes it (exported as `_core.numerics_revision`).
 /// `tests/quant.rs` pins the quantized GEMV's bits to it.
 ///
 /// 1: the first fingerprinted kernels. 2: the GEMV reads weights packed 8 rows at a time, and a
 /// block's integer sum converts to f32 once. 3: `CpuDecoder` applies the model's final norm
-/// (f64 sum of squares, as the layers' norms) in place of torch's `rms_norm`. 4: a prompt
-/// step's sampled rows read the LM head's GGUF blocks, as decode steps do (was fp32).
+/// (f64 sum of squares, as the layers' norms) in place of torch's `rms_norm`. 4: the rows a
+/// step samples read the LM head's GGUF blocks in every step but decode steps of more than 24
+/// sequences (steps with prompt tokens used its fp32 weights).
 pub const NUMERICS_REVISION: u32 = 4;
 pub use decode::{paged_decode_attention, DecodeShape};
 
