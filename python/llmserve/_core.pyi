@@ -237,6 +237,13 @@ class CpuDecoder:
         num_threads: int,
     ) -> None: ...
 
+def rope_rows(
+    x: npt.NDArray[np.float32],
+    heads: int,
+    head_dim: int,
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+) -> None: ...
 def apply_token_bitmask(
     logits: npt.NDArray[np.float32],
     rows: npt.NDArray[np.int64],

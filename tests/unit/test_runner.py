@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from _plans import Paged, Row
@@ -91,6 +92,28 @@ def test_slot_mapping_writes_rotated_keys_and_values():
     for cache in (*runner.kv_cache.key, *runner.kv_cache.value):   # nothing else written
         written = cache.view(-1, nkv * d).abs().sum(-1) > 0
         assert written.nonzero().squeeze(1).tolist() == sorted(slots.tolist())
+
+
+def test_rope_in_place_gives_the_torch_ops_bits():
+    """RotaryEmbedding.apply_in_place (the Rust kernel on a fused qkv output) rotates the q
+    and k heads exactly as `apply` does, and leaves the v columns alone; where it does not
+    serve (autograd, a non-contiguous tensor) it says so and writes nothing."""
+    g = torch.Generator().manual_seed(0)
+    nh, nkv, d, t = 9, 3, 64, 37
+    rope = RotaryEmbedding(d, 10000.0, None, 512, torch.device("cpu"))
+    cos, sin = rope.cos_sin(torch.randint(0, 512, (t,), generator=g), torch.float32)
+    qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=g) * 3
+    want = RotaryEmbedding.apply(qkv[:, :(nh + nkv) * d].reshape(t, nh + nkv, d), cos, sin)
+    got = qkv.clone()
+    assert RotaryEmbedding.apply_in_place(got, nh + nkv, cos, sin)
+    assert torch.equal(got[:, :(nh + nkv) * d].view(t, nh + nkv, d), want)
+    assert torch.equal(got[:, (nh + nkv) * d:], qkv[:, (nh + nkv) * d:])
+    strided = qkv.clone().t().contiguous().t()
+    assert not RotaryEmbedding.apply_in_place(strided, nh + nkv, cos, sin)
+    assert not RotaryEmbedding.apply_in_place(qkv.clone().requires_grad_(), nh + nkv, cos, sin)
+    assert torch.equal(strided, qkv)
+    with pytest.raises(ValueError, match="do not fit a row"):
+        RotaryEmbedding.apply_in_place(qkv.clone(), nh + 2 * nkv + 1, cos, sin)
 
 
 def test_block_copies_apply_to_every_layer_before_the_forward():

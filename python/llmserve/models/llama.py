@@ -85,11 +85,16 @@ class DecoderAttention(nn.Module):
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = self.qkv(x).split(((nh + nkv) * d, nkv * d), dim=-1)
-        qk = qk.view(-1, nh + nkv, d)               # q heads then k heads: RoPE both in one go
-        if self.q_norm is not None:                 # Qwen3: per-head RMSNorm before RoPE
-            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-        q, k = RotaryEmbedding.apply(qk, cos, sin).split((nh, nkv), dim=1)
+        qkv = self.qkv(x)
+        if self.q_norm is None and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin):
+            q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
+            q, k = q.view(-1, nh, d), k.view(-1, nkv, d)
+        else:
+            qk, v = qkv.split(((nh + nkv) * d, nkv * d), dim=-1)
+            qk = qk.view(-1, nh + nkv, d)               # q heads then k heads: RoPE both in one go
+            if self.q_norm is not None:                 # Qwen3: per-head RMSNorm before RoPE
+                qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+            q, k = RotaryEmbedding.apply(qk, cos, sin).split((nh, nkv), dim=1)
         o = self.attn(q, k, v.view(-1, nkv, d), attn, kv_cache)
         return self.o_proj(o)
 

@@ -1,12 +1,14 @@
 //! The CPU kernels of llmserve-kernels over numpy arrays: `paged_decode_attention` (paged-
-//! attention decode) and `apply_token_bitmask` (a grammar's token mask on the sampler's logits).
+//! attention decode), `apply_token_bitmask` (a grammar's token mask on the sampler's logits) and
+//! `rope_rows` (RoPE in place on the q and k heads of a prompt step's fused qkv rows).
 //! torch CPU tensors reach them as zero-copy views (`tensor.numpy()`); the GIL is released while
 //! they compute.
 //!
 //! Shapes of paged_decode_attention: out, q [S, heads, head_dim] f32; k_cache, v_cache
 //! [num_blocks, block_size, kv_heads, head_dim] f32; block_tables [S, W] i32; seq_lens [S] i32.
 //! Shapes of apply_token_bitmask: logits [R, V] f32 (written in place); rows [Rm] i64; bitmask
-//! [Rm, W] i32.
+//! [Rm, W] i32. Shapes of rope_rows: x [T, W] f32 (its first heads * head_dim columns written in
+//! place); cos, sin [T, head_dim / 2] f32.
 //!
 //! Every array must be C-contiguous. A shape mismatch, a non-contiguous array, a bad length,
 //! block id or row index is a ValueError (nothing written); a wrong dtype is numpy's TypeError.
@@ -109,5 +111,26 @@ pub fn apply_token_bitmask(
     let rows = contiguous_in(rows.as_slice(), NAME, "rows")?;
     let bitmask = contiguous_in(bitmask.as_slice(), NAME, "bitmask")?;
     py.detach(|| llmserve_kernels::apply_token_bitmask(logits, num_rows, rows, bitmask))
+        .map_err(|e| PyValueError::new_err(format!("{NAME}: {e}")))
+}
+
+/// RoPE (rotate-half) in place on the first `heads` heads (of `head_dim`) of every row of x
+/// [T, W], row t with cos/sin row t.
+#[pyfunction]
+pub fn rope_rows(
+    py: Python<'_>,
+    x: &Bound<'_, PyArray2<f32>>,
+    heads: usize,
+    head_dim: usize,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+) -> PyResult<()> {
+    const NAME: &str = "rope_rows";
+    let mut x = writeable(x, NAME, "x")?;
+    let row_len = x.shape()[1];
+    let x = contiguous_in(x.as_slice_mut(), NAME, "x")?;
+    let cos = contiguous_in(cos.as_slice(), NAME, "cos")?;
+    let sin = contiguous_in(sin.as_slice(), NAME, "sin")?;
+    py.detach(|| llmserve_kernels::layer::rope_rows(x, row_len, heads, head_dim, cos, sin))
         .map_err(|e| PyValueError::new_err(format!("{NAME}: {e}")))
 }

@@ -6,8 +6,9 @@
 //! `Plan` (one step's flat columns as numpy arrays), the `ApiError` exception hierarchy and
 //! the CPU kernels over numpy views: `paged_decode_attention` (decode attention),
 //! `quant_matmul` (quantized GEMV) with `quant_pack` (its weight layout), `dequantize` (GGUF
-//! blocks to float32), `apply_token_bitmask` (a grammar's mask on logits) and
-//! `CpuDecoder` (every decoder layer of a few-token decode step in one call).
+//! blocks to float32), `apply_token_bitmask` (a grammar's mask on logits), `rope_rows` (RoPE in
+//! place on a prompt step's q and k heads) and `CpuDecoder` (every decoder layer of a few-token
+//! decode step in one call).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
 
 mod core;
@@ -32,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::quant_pack, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::rope_rows, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("numerics_revision", llmserve_kernels::NUMERICS_REVISION)?;

@@ -205,6 +205,38 @@ fn rms_norm_in_place(row: &mut [f32], weight: &[f32], eps: f32) {
     row.iter_mut().zip(weight).for_each(|(v, &g)| *v = *v * inv * g);
 }
 
+/// RoPE in place on the first `heads` heads of every row of `rows` (rows of `row_len` values,
+/// heads of `head_dim`): row t takes cos/sin row t ([T, head_dim / 2] each). The torch path's
+/// prompt steps (`RotaryEmbedding.apply`: one call where torch runs eight ops); each value is
+/// the same f32 products and sum as those ops', so the same bits.
+pub fn rope_rows(
+    rows: &mut [f32],
+    row_len: usize,
+    heads: usize,
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<(), String> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(format!("head_dim {head_dim} must be even and positive"));
+    }
+    if heads.checked_mul(head_dim).is_none_or(|w| w > row_len) {
+        return Err(format!("{heads} heads of {head_dim} do not fit a row of {row_len}"));
+    }
+    if row_len == 0 || !rows.len().is_multiple_of(row_len) {
+        return Err(format!("{} values are not rows of {row_len}", rows.len()));
+    }
+    let (tokens, half) = (rows.len() / row_len, head_dim / 2);
+    if cos.len() != tokens * half || sin.len() != tokens * half {
+        return Err(format!("cos and sin must be [{tokens}, {half}] (got {} and {} values)", cos.len(), sin.len()));
+    }
+    for (t, row) in rows.chunks_exact_mut(row_len).enumerate() {
+        let (c, s) = (&cos[t * half..][..half], &sin[t * half..][..half]);
+        row[..heads * head_dim].chunks_exact_mut(head_dim).for_each(|head| rope(head, c, s));
+    }
+    Ok(())
+}
+
 /// Rotate-half RoPE of one head in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
 fn rope(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = head.len() / 2;
