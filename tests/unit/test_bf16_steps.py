@@ -109,8 +109,8 @@ def test_without_native_bf16_nothing_is_copied(monkeypatch):
 
 def test_prepacked_bf16_weights_give_f_linear_bits(monkeypatch):
     """layers.pack_bf16 hands oneDNN its blocked layout once (F.linear reorders a plain weight
-    on every call); the products must be F.linear's bits at any row count, and a weight it
-    cannot vouch for stays plain."""
+    on every call); the products must be F.linear's bits at any row count, and weights of a
+    shape it cannot vouch for (checked once a shape) stay plain."""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(200, 96, generator=g) * 0.1).to(torch.bfloat16)
     packed = layers.pack_bf16(w)
@@ -122,9 +122,11 @@ def test_prepacked_bf16_weights_give_f_linear_bits(monkeypatch):
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
         assert torch.equal(layers._bf16_mm(x, packed), torch.nn.functional.linear(x, w)), rows
     assert layers.pack_bf16(w.float()).layout == torch.strided
-    # a packed product that differs from F.linear's keeps the weight plain
+    # a packed product that differs from F.linear's keeps weights of that shape plain
+    monkeypatch.setattr(layers, "_packed_same_bits", {})
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: torch.zeros(x.shape[0], 200))
-    assert layers.pack_bf16(w) is w
+    assert layers.pack_bf16(w) is w and layers.pack_bf16(w.clone()).layout == torch.strided
+    assert layers._packed_same_bits == {(200, 96): False}
 
 
 def test_the_reused_pad_buffer_works_in_and_out_of_inference_mode(monkeypatch):

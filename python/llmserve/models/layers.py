@@ -214,16 +214,22 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16
             or not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))):
         return weight
+    shape = tuple(weight.shape)
     try:
         packed = ops._reorder_linear_weight(weight, BF16_TILE_ROWS)
-        g = torch.Generator().manual_seed(0)
-        for rows in (BF16_TILE_ROWS, 2):
-            x = torch.randn(rows, weight.shape[1], generator=g).to(torch.bfloat16)
-            if not torch.equal(_bf16_mm(x, packed), F.linear(x, weight)):
-                return weight
+        # (which kernel computes depends on the shape, not on the values: checked once a shape,
+        # ~0.4 s of SmolLM2's start-up when every weight was checked)
+        if shape not in _packed_same_bits:
+            g = torch.Generator().manual_seed(0)
+            xs = [torch.randn(rows, shape[1], generator=g).to(torch.bfloat16) for rows in (BF16_TILE_ROWS, 2)]
+            _packed_same_bits[shape] = all(torch.equal(_bf16_mm(x, packed), F.linear(x, weight)) for x in xs)
     except RuntimeError:
         return weight
-    return packed
+    return packed if _packed_same_bits[shape] else weight
+
+
+# pack_bf16's verdicts, by weight shape
+_packed_same_bits: dict[tuple[int, ...], bool] = {}
 
 
 class _PadBuffers(threading.local):
@@ -286,8 +292,9 @@ class Linear(nn.Linear):
     quant: PackedQuant | None = None
     batch_invariant: bool = False    # set by the model's set_batch_invariant
     # A bfloat16 copy of the weight for steps the quantized GEMV does not take (prompts, big
-    # decode batches): set with `quant` on CPUs with native bf16 (worker/threads.py:
-    # native_bf16), where it computes those steps' matmuls ~2x faster than fp32. Its rounding (inputs and outputs to 8
+    # decode batches), in oneDNN's prepacked layout where `pack_bf16` vouches for it: set with
+    # `quant` on CPUs with native bf16 (worker/threads.py: native_bf16), where it computes
+    # those steps' matmuls ~2x faster than fp32. Its rounding (inputs and outputs to 8
     # significant bits, fp32 accumulation) is of the order of the int8 activations the
     # quantized GEMV already uses, and far below the GGUF weights' own quantization error.
     bf16_weight: torch.Tensor | None = None
