@@ -102,8 +102,8 @@ class RotaryEmbedding:
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, head_dim / 2] (broadcast over heads)."""
-        if self.checked and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
+        if self.checked and positions.numel():
+            self._grow_for(int(positions.max()))
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)
 
@@ -111,9 +111,14 @@ class RotaryEmbedding:
         """`cos_sin` as numpy rows [T, head_dim / 2] of CPU float32 tables, for the Rust decode
         path (a numpy gather costs a few microseconds where torch's indexing costs ~0.1 ms
         right after a step's weights streamed through the caches)."""
-        if self.checked and len(positions) and int(positions.max()) >= self.cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
+        if self.checked and len(positions):
+            self._grow_for(int(positions.max()))
         return self.cos.numpy()[positions], self.sin.numpy()[positions]
+
+    def _grow_for(self, top: int) -> None:
+        """Tables that reach position `top` (twice as far, when they must grow)."""
+        if top >= self.cos.shape[0]:
+            self._build(2 * top + 1)
 
     @staticmethod
     def apply_in_place(rows: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -157,8 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
     change with the batch; the quantized GEMV computes each row alone, so it runs in chunks of
     QUANT_MAX_TOKENS for any T, and without blocks F.linear runs one row at a time."""
-    quant_ok = (quant is not None and x.dim() == 2 and x.dtype == torch.float32
-                and x.device.type == "cpu")
+    quant_ok = quant_serves(x, quant)
     if row_invariant and x.dim() == 2:
         if quant_ok:
             return torch.cat([quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
@@ -275,6 +279,11 @@ def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         padded = torch.cat((x, x.new_zeros(extra, x.shape[1])))
         return F.linear(padded, weight, bias)[:n]
     return F.linear(x, weight, bias)
+
+
+def quant_serves(x: torch.Tensor, quant: PackedQuant | None) -> bool:
+    """Whether `quant_linear` can compute x [T, in] with `quant` (CPU float32 rows)."""
+    return quant is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: PackedQuant) -> torch.Tensor:

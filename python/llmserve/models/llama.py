@@ -18,7 +18,8 @@ from torch import nn
 from llmserve.loaders.checkpoint import PackedQuant, QuantTensor
 from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
-                                    RotaryEmbedding, linear, pack_bf16, quant_linear)
+                                    RotaryEmbedding, linear, pack_bf16, quant_linear,
+                                    quant_serves)
 from llmserve.models.registry import register
 from llmserve.worker.attention import AttentionMetadata
 from llmserve.worker.threads import in_big_decode_step, native_bf16
@@ -229,8 +230,7 @@ class LlamaForCausalLM(nn.Module):
         # it. (The fp32 GEMV of a 49152-token head took ~17 ms of a short prompt's ~95 ms.)
         # Prompt logprobs keep fp32: they do not round.
         q = self.lm_quant
-        if (sampling and q is not None and not in_big_decode_step() and hidden.dim() == 2
-                and hidden.dtype == torch.float32 and hidden.device.type == "cpu"):
+        if sampling and quant_serves(hidden, q) and not in_big_decode_step():
             return quant_linear(hidden, None, q)
         bf16 = self.lm_bf16 if in_big_decode_step() else None
         return linear(hidden, weight, None, q, self.batch_invariant, bf16).float()

@@ -38,10 +38,10 @@ So while at most QUANT_MAX_TOKENS sequences decode, a generated token computes t
 whatever else the server is doing, and greedy or seeded output does not depend on it.
 
 So the steps whose layers read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS
-generated tokens, where the quantized GEMV carries the linears) run torch single-threaded and give the
-kernels all the engine's threads: `benches/quant_decode.py` measures the effect. Other steps
-keep torch at full width (its fp32 GEMMs dominate) and the attention kernel shares the cores
-with it.
+generated tokens, where the quantized GEMV carries the linears) run torch single-threaded and
+give the kernels all the engine's threads: `benches/quant_decode.py` measures the effect.
+Other steps keep torch at full width (its fp32 GEMMs dominate) and the attention kernel
+shares the cores with it.
 
 Steps the quantized GEMV does not take (prompts, decode steps of more than QUANT_MAX_TOKENS
 sequences) are bound by compute. On a CPU with native bf16 (`native_bf16`), a GGUF model's
