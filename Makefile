@@ -31,7 +31,7 @@ test-py:
 
 lint:
 	cargo clippy --workspace -- -D warnings
-	$(PYTHON) -m mypy.stubtest llmserve._core --ignore-missing-stub
+	$(PYTHON) -m mypy.stubtest llmserve._core --ignore-missing-stub --mypy-config-file tests/unit/stubtest.ini
 
 bench:
 	cargo bench -p llmserve-scheduler

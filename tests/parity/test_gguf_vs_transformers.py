@@ -4,7 +4,7 @@ parser, name map and reverse permutation).
 
 Our weights go into transformers' LlamaForCausalLM built from our hf_config; if any tensor
 were misplaced or the Q/K rows left in llama.cpp's order, the logits would differ grossly
-(BENCH.md: the model then silently answers nothing). Runs in the normal suite (~30 s).
+(BENCH.md: the model then silently answers nothing). Runs in the normal suite.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from llmserve.loaders import load_checkpoint  # noqa: E402
-from llmserve.loaders.load import default_model_path  # noqa: E402
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -27,13 +26,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def models(hf_gguf_reference):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
-    path = default_model_path()
     ckpt = load_checkpoint(None)
 
     ours = LlamaForCausalLM(LlamaConfig(**ckpt.hf_config)).to(torch.float32).eval()
@@ -45,15 +41,8 @@ def models():
     assert torch.equal(ours.lm_head.weight, ckpt.weights["model.embed_tokens.weight"])
 
     # NOTE: from_pretrained(gguf_file=...) needs accelerate, which llmserve does not depend on;
-    # these are the same transformers pieces it uses: the GGUF config parser, then its own
-    # name mapping and reverse Q/K permutation (load_gguf_checkpoint).
-    ref_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    ref = LlamaForCausalLM(ref_config).to(torch.float32).eval()
-    ref_weights = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)["tensors"]
-    missing, unexpected = ref.load_state_dict(ref_weights, strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
-    ref.tie_weights()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # the reference (conftest.py) is built from the same transformers pieces it uses.
+    ref, tok = hf_gguf_reference
     return ours, ref, tok
 
 

