@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -139,6 +140,48 @@ def test_503_while_draining_and_running_requests_finish(tiny_model):
             assert done.json()["usage"]["completion_tokens"] == 120
             await draining
             assert engine.state == "stopped"
+
+    asyncio.run(main())
+
+
+class SlowRunner:
+    """Wraps the real runner; each step takes at least 20 ms (a request outlives a short drain)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def execute(self, plan):
+        time.sleep(0.02)
+        return self.inner.execute(plan)
+
+
+def test_a_drain_that_runs_out_ends_what_runs_with_a_503_and_holds_no_blocks(tiny_model, monkeypatch):
+    """`drain(timeout)` ends the requests that outlive it as `llmserve run` does: a 503 to
+    retry, or for a stream that began its error frame and [DONE] (not a 500); the stopped
+    engine then holds no sequence and no KV block (audit 47: A47-2, A47-3)."""
+    engine, _ = _engine_wrapping(tiny_model, monkeypatch, SlowRunner)
+
+    async def main():
+        await engine.start()
+        async with _client(create_app(engine=engine)) as c:
+            streamed = asyncio.ensure_future(
+                c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 400, "stream": True}))
+            whole = asyncio.ensure_future(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 400}))
+            while engine.load()["running"] < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)   # the stream has begun
+            await engine.drain(timeout=0.2)
+            frames = _sse_frames((await streamed).text)
+            assert frames[-1] == "[DONE]" and frames.count("[DONE]") == 1
+            err = json.loads(frames[-2])["error"]
+            assert (err["type"], err["code"]) == ("service_unavailable_error", "service_unavailable")
+            r = await whole
+            _assert_error(r, 503, "service_unavailable_error", "service_unavailable")
+            assert int(r.headers["retry-after"]) >= 1
+        assert engine.state == "stopped"
+        load = engine.load()
+        assert (load["running"], load["waiting"], load["kv_blocks_used"], load["requests"]) == (0, 0, 0, 0)
+        assert engine.engine.core.stats()["used_blocks"] == 0
 
     asyncio.run(main())
 

@@ -264,11 +264,14 @@ class AsyncEngine:
         return len(streams)
 
     async def drain(self, timeout: float = 30.0, stop_timeout: float | None = None) -> None:
-        """Stop taking requests, let running ones finish (up to `timeout`), stop the loop:
+        """Stop taking requests, let running ones finish (up to `timeout`; those still running
+        then end with a 503, or an error frame for a stream: `end_all`), stop the loop:
         it stops once the step it is running ends, which this waits for up to `stop_timeout`
         seconds (None: until it has; a long prompt's step may take a while on a CPU). The
         state is then "stopped", or "stopping" while the step still runs (`busy()`)."""
-        await self.wait_drained(timeout)
+        if not await self.wait_drained(timeout):
+            # What still runs is ended as `llmserve run` ends it: a 503 to retry, not a 500.
+            self.end_all()
         stopped = True
         if self._thread is not None:
             stopped = await asyncio.to_thread(self._thread.stop, stop_timeout)

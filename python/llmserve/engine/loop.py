@@ -260,6 +260,21 @@ class EngineThread:
                 orphans = list(self._tokens.values()) + [op[2] for op in self._inbox if op[0] == "add"]
                 self._inbox = []
                 self._posted_seqs = 0
+            self._release()
             died = RuntimeError("the engine loop stopped")
             if orphans:
                 self._deliver([(t, died, "error", True, 0, None) for t in orphans])
+
+    def _release(self) -> None:
+        """The loop has ended: drop the step queued ahead and every sequence the Core still
+        holds, so a stopped engine holds no KV blocks and /load and the metrics read 0."""
+        try:
+            self._launched = None
+            self._core.fail_plan("the engine stopped")
+            for handle in list(self._tokens):
+                self._core.abort(handle)
+            self._tokens.clear()
+            self._handles.clear()
+            self._publish(0.0)
+        except Exception:  # noqa: BLE001 - the loop may have died of a broken Core
+            log.exception("could not release the engine's sequences")
