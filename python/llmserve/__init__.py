@@ -3,8 +3,9 @@
 The public Python API: `LLM` (offline generation and chat, answering `Result`s),
 `AsyncEngine` (submit request bytes, iterate response bytes), `create_app` (an ASGI app to
 mount or serve) and the `Config` both take; `ApiError` is the base of every request error
-(its subclasses are `llmserve._core.BadRequestError`, `NotFoundError`, ...), `LoadError` a
-model that cannot be loaded. The Rust core lives in the private `llmserve._core`.
+(one subclass per status: `BadRequestError`, `AuthenticationError`, `NotFoundError`,
+`MethodNotAllowedError`, `PayloadTooLargeError`, `InternalServerError`,
+`ServiceUnavailableError`), `LoadError` a model that cannot be loaded. The Rust core lives in the private `llmserve._core`.
 """
 
 import importlib
@@ -18,10 +19,16 @@ __version__ = "0.1.0"
 # around the prefix cache rely on (worker/threads.py: reproducible_blas). An explicit setting wins.
 _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-__all__ = ["LLM", "Result", "AsyncEngine", "create_app", "Config", "ApiError", "LoadError", "__version__"]
+# every request error, in the OpenAI shape: the base, then one class per status
+_ERRORS = ("ApiError", "BadRequestError", "AuthenticationError", "NotFoundError", "MethodNotAllowedError",
+           "PayloadTooLargeError", "InternalServerError", "ServiceUnavailableError")
+
+__all__ = ["LLM", "Result", "AsyncEngine", "create_app", "Config", *_ERRORS, "LoadError", "__version__"]
 
 if TYPE_CHECKING:
-    from llmserve._core import ApiError
+    from llmserve._core import (ApiError, AuthenticationError, BadRequestError, InternalServerError,
+                                MethodNotAllowedError, NotFoundError, PayloadTooLargeError,
+                                ServiceUnavailableError)
     from llmserve.config import Config
     from llmserve.engine.async_engine import AsyncEngine
     from llmserve.engine.offline import LLM, Result
@@ -35,8 +42,7 @@ _LAZY = {
     "AsyncEngine": "llmserve.engine.async_engine",
     "create_app": "llmserve.server.app",
     "Config": "llmserve.config",
-    # every request error (BadRequestError, NotFoundError, ... in the OpenAI shape)
-    "ApiError": "llmserve._core",
+    **{name: "llmserve._core" for name in _ERRORS},
     # a model that cannot be loaded (missing, unsupported)
     "LoadError": "llmserve.loaders.checkpoint",
 }

@@ -55,10 +55,49 @@ def test_chat_one_and_many(llm):
 
 
 def test_offline_errors_are_api_errors(llm):
-    from llmserve._core import BadRequestError
+    from llmserve import ApiError, BadRequestError, NotFoundError
 
     with pytest.raises(BadRequestError):
         llm.generate("x", {"temperature": 5})
+    with pytest.raises(NotFoundError) as info:
+        llm.generate("x", {"model": "nope"})
+    assert isinstance(info.value, ApiError) and info.value.status == 404
+    assert ApiError.__name__ == "ApiError" and ApiError.__module__ == "llmserve._core"
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"max_tokens": float("inf")}, "max_tokens"),
+    ({"top_p": float("-inf")}, "top_p"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias.5"),
+])
+def test_offline_refuses_nan_and_infinity_by_name(llm, params, param):
+    """JSON has no NaN or infinity (the server refuses them as invalid JSON); orjson would write
+    them as null, read as an absent field (audit 47: A47-1)."""
+    from llmserve import BadRequestError
+
+    with pytest.raises(BadRequestError) as info:
+        llm.generate("x", {"max_tokens": 2, **params})
+    assert (info.value.param, info.value.code) == (param, "invalid_value")
+    assert "finite" in info.value.message
+    assert llm.generate("x", {"max_tokens": 2, "stop": None})[0].usage["completion_tokens"] <= 2
+
+
+def test_an_offline_batch_error_names_the_prompt_as_the_server_would(llm):
+    """Each prompt runs as its own request, whose error would name a position inside that
+    prompt; a call's error names the prompt in the caller's list (audit 47: A47-5)."""
+    from llmserve import BadRequestError
+
+    with pytest.raises(BadRequestError) as info:
+        llm.generate([[1, 2], [3, 4], [5, 10**6]], {"max_tokens": 2})
+    assert info.value.param == "prompt[2][1]"
+    with pytest.raises(BadRequestError) as info:
+        llm.generate(["ok", "fine", ""], {"max_tokens": 2})
+    assert info.value.param == "prompt[2]"
+    # strings mixed with token ids are not one valid request: the error says which prompt
+    with pytest.raises(BadRequestError) as info:
+        llm.generate(["ok", [5, 10**6]], {"max_tokens": 2})
+    assert "(in prompt 1 of the call, counting from 0)" in info.value.__notes__
 
 
 def _idle(llm) -> dict:

@@ -9,6 +9,7 @@ wrapped in a small `Result`. `params` take the OpenAI field names (`max_tokens`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any, Union, overload
 
 import orjson
 
+from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.build import build_engine
 from llmserve.engine.loop import step
@@ -82,7 +84,11 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         bodies = [{"model": self.model_name, **(params or {}), "prompt": p} for p in prompts]
-        return self._run("completion", bodies)
+        # Homogeneous prompts are also a valid single request (the server's shape), whose
+        # errors name the prompt as the server would (`prompt[2]`, `prompt[2][1]`).
+        same_kind = len({isinstance(p, str) for p in prompts}) == 1
+        whole = {"model": self.model_name, **(params or {}), "prompt": prompts} if same_kind else None
+        return self._run("completion", bodies, whole)
 
     @overload
     def chat(self, messages: list[Message], params: dict[str, Any] | None = None) -> Result: ...
@@ -99,13 +105,21 @@ class LLM:
         results = self._run("chat", bodies)
         return results if many else results[0]
 
-    def _run(self, endpoint: str, bodies: list[dict[str, Any]]) -> list[Result]:
+    def _run(self, endpoint: str, bodies: list[dict[str, Any]],
+             whole: dict[str, Any] | None = None) -> list[Result]:
         core, runner, router = self.engine.core, self.engine.runner, self.engine.router
         for body in bodies:
             if body.get("stream"):
                 raise ValueError("the offline API does not stream; drop `stream`")
         # Every request is checked before any is queued: one bad prompt fails the call alone.
-        prepared = [router.prepare(endpoint, orjson.dumps(body)) for body in bodies]
+        prepared = []
+        for i, body in enumerate(bodies):
+            try:
+                prepared.append(router.prepare(endpoint, _encode(router, body)))
+            except ApiError as err:
+                if len(bodies) > 1:
+                    _name_the_request(router, endpoint, err, i, whole)
+                raise
         ignored = [tuple(p.ignored_fields) for p in prepared]
         for fields in sorted(set(ignored)):
             if fields:
@@ -140,6 +154,52 @@ class LLM:
                         core.abort(handle)
         return [_result(endpoint, orjson.loads(b"".join(buffers[h])), fields)
                 for h, fields in zip(handles, ignored)]
+
+
+def _encode(router: Router, body: dict[str, Any]) -> bytes:
+    """`body` as JSON, as a client sends it. JSON has no NaN or infinity, and orjson writes them
+    as null, which the Router would read as an absent field (a NaN temperature sampling at the
+    default one). Over HTTP they cannot arrive (the server refuses them as invalid JSON); here
+    they are refused by name."""
+    data = orjson.dumps(body)
+    if b"null" in data:
+        found = _non_finite(body, "")
+        if found is not None:
+            path, value = found
+            raise router.error("invalid_request", f"`{path}` must be a finite number; got {value}.", path)
+    return data
+
+
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """The path (as the Router names params: `a.b[2]`) and value of the first NaN or infinite
+    float in `value`, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for sub, v in items:
+        if (found := _non_finite(v, sub)) is not None:
+            return found
+    return None
+
+
+def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
+                      whole: dict[str, Any] | None) -> None:
+    """Request `index` of a call failed with `err`, whose `param` speaks of that request alone.
+    Raise the error the call's prompts give as one request (it names the prompt: `prompt[2]`),
+    or else note which request it was."""
+    if whole is not None:
+        try:
+            router.prepare(endpoint, _encode(router, whole))
+        except ApiError as named:
+            if named.param is not None and named.param.startswith(f"prompt[{index}]"):
+                raise named from None
+    kind = "conversation" if endpoint == "chat" else "prompt"
+    err.add_note(f"(in {kind} {index} of the call, counting from 0)")
 
 
 def _is_prompt_list(prompts: object) -> bool:

@@ -1,25 +1,26 @@
-//! The Python mirror of `ApiError`: one exception class per HTTP status family, each
-//! instance carrying `status`, `type`, `code`, `param`, `message`, `retry_after`, the
-//! ready JSON `body` and its SSE frame `sse`, so the server never rebuilds an error body itself.
+//! The Python mirror of the router's `ApiError` (imported here as `RouterError`): one
+//! exception class per HTTP status family under `_core.ApiError`, each instance carrying
+//! `status`, `type`, `code`, `param`, `message`, `retry_after`, the ready JSON `body` and its
+//! SSE frame `sse`, so the server never rebuilds an error body itself.
 
-use llmserve_router::ApiError;
+use llmserve_router::ApiError as RouterError;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-create_exception!(_core, ApiErrorBase, PyException, "An error in the OpenAI error shape.");
-create_exception!(_core, BadRequestError, ApiErrorBase, "400: the request is invalid.");
-create_exception!(_core, AuthenticationError, ApiErrorBase, "401: missing or wrong API key.");
-create_exception!(_core, NotFoundError, ApiErrorBase, "404: unknown model or resource.");
-create_exception!(_core, MethodNotAllowedError, ApiErrorBase, "405: the route does not serve this method.");
-create_exception!(_core, PayloadTooLargeError, ApiErrorBase, "413: request body too large.");
-create_exception!(_core, InternalServerError, ApiErrorBase, "500: the engine failed.");
-create_exception!(_core, ServiceUnavailableError, ApiErrorBase, "503: try again later.");
+create_exception!(llmserve._core, ApiError, PyException, "An error in the OpenAI error shape.");
+create_exception!(llmserve._core, BadRequestError, ApiError, "400: the request is invalid.");
+create_exception!(llmserve._core, AuthenticationError, ApiError, "401: missing or wrong API key.");
+create_exception!(llmserve._core, NotFoundError, ApiError, "404: unknown model or resource.");
+create_exception!(llmserve._core, MethodNotAllowedError, ApiError, "405: the route does not serve this method.");
+create_exception!(llmserve._core, PayloadTooLargeError, ApiError, "413: request body too large.");
+create_exception!(llmserve._core, InternalServerError, ApiError, "500: the engine failed.");
+create_exception!(llmserve._core, ServiceUnavailableError, ApiError, "503: try again later.");
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add("ApiError", py.get_type::<ApiErrorBase>())?;
+    m.add("ApiError", py.get_type::<ApiError>())?;
     m.add("BadRequestError", py.get_type::<BadRequestError>())?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
@@ -30,8 +31,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Convert an `ApiError` into the matching Python exception with its fields attached.
-pub fn to_py(py: Python<'_>, e: &ApiError) -> PyErr {
+/// Convert the router's error into the matching Python exception with its fields attached.
+pub fn to_py(py: Python<'_>, e: &RouterError) -> PyErr {
     let msg = e.message();
     let err = match e.status() {
         400 => BadRequestError::new_err(msg.clone()),
@@ -60,7 +61,7 @@ pub fn to_py(py: Python<'_>, e: &ApiError) -> PyErr {
     err
 }
 
-/// Build an `ApiError` of a named kind from Python (the engine's 503s and 500s, the
+/// Build the router's error of a named kind from Python (the engine's 503s and 500s, the
 /// server's 401/404/413), so that every body is still made here.
 pub fn from_kind(
     kind: &str,
@@ -68,22 +69,22 @@ pub fn from_kind(
     param: Option<String>,
     retry_after: Option<u32>,
     limit: Option<usize>,
-) -> Option<ApiError> {
+) -> Option<RouterError> {
     Some(match kind {
-        "invalid_request" => ApiError::InvalidRequest { message, param, code: "invalid_value" },
-        "unsupported_parameter" => ApiError::with_code("unsupported_parameter", param, message),
-        "unsupported_media_type" => ApiError::with_code("unsupported_media_type", None, message),
-        "unauthorized" => ApiError::Unauthorized { message },
-        "not_found" => ApiError::NotFound { message },
-        "method_not_allowed" => ApiError::MethodNotAllowed { message },
-        "model_not_found" => ApiError::ModelNotFound { model: message },
-        "payload_too_large" => ApiError::PayloadTooLarge { limit: limit.unwrap_or_default() },
+        "invalid_request" => RouterError::InvalidRequest { message, param, code: "invalid_value" },
+        "unsupported_parameter" => RouterError::with_code("unsupported_parameter", param, message),
+        "unsupported_media_type" => RouterError::with_code("unsupported_media_type", None, message),
+        "unauthorized" => RouterError::Unauthorized { message },
+        "not_found" => RouterError::NotFound { message },
+        "method_not_allowed" => RouterError::MethodNotAllowed { message },
+        "model_not_found" => RouterError::ModelNotFound { model: message },
+        "payload_too_large" => RouterError::PayloadTooLarge { limit: limit.unwrap_or_default() },
         // `limit`: the seconds the body was awaited
         "request_timeout" => {
-            ApiError::RequestTimeout { seconds: limit.unwrap_or_default().min(u32::MAX as usize) as u32 }
+            RouterError::RequestTimeout { seconds: limit.unwrap_or_default().min(u32::MAX as usize) as u32 }
         }
-        "unavailable" => ApiError::Unavailable { message, retry_after },
-        "internal" => ApiError::Internal { message },
+        "unavailable" => RouterError::Unavailable { message, retry_after },
+        "internal" => RouterError::Internal { message },
         _ => return None,
     })
 }
