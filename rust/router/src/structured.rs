@@ -66,6 +66,15 @@ impl GrammarSource {
         }
     }
 
+    /// The client's regex, when this source is one (after any reasoning).
+    fn regex(&self) -> Option<&str> {
+        match self {
+            Self::Regex(rx) => Some(rx),
+            Self::AfterThinking { body, .. } => body.regex(),
+            _ => None,
+        }
+    }
+
     fn key(&self) -> String {
         let text = match self {
             Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
@@ -194,6 +203,14 @@ impl Grammars {
         if let Some(g) = self.cache.lock().expect("grammar cache").get(&key) {
             return Ok(g.clone());
         }
+        if let Some(rx) = source.regex() {
+            check_regex(rx).map_err(|cause| {
+                ApiError::invalid(
+                    param,
+                    format!("The regular expression cannot be used to constrain generation: {cause}"),
+                )
+            })?;
+        }
         let factory = self.factory()?;
         let parser = factory.create_parser(source.to_top_level());
         let matcher = Matcher::new(parser);
@@ -307,6 +324,21 @@ const MAX_PROBE_TOKENS: usize = 64;
 /// refuses it raw).
 pub(crate) fn lark_literal(text: &str) -> String {
     serde_json::to_string(text).expect("strings serialize").replace('\u{7f}', "\\u007f")
+}
+
+/// `rx` parsed as llguidance's regex engine (derivre) parses it: regex-syntax with its default
+/// settings. A malformed regex is then told in the client's terms, what is wrong and where in
+/// the regex, not at llguidance's place in the grammar it wraps the regex in; and what that
+/// wrapping (`regex_to_lark`) would drop without a word, a trailing lone backslash, is refused.
+fn check_regex(rx: &str) -> Result<(), String> {
+    let (kind, span) = match regex_syntax::Parser::new().parse(rx) {
+        Ok(_) => return Ok(()),
+        Err(regex_syntax::Error::Parse(e)) => (e.kind().to_string(), *e.span()),
+        Err(regex_syntax::Error::Translate(e)) => (e.kind().to_string(), *e.span()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let at = rx.get(..span.start.offset).map_or(0, |before| before.chars().count()) + 1;
+    Err(format!("{kind} (at character {at} of the regex)"))
 }
 
 fn describe(source: &GrammarSource) -> &'static str {
@@ -591,6 +623,24 @@ pub(crate) mod tests {
         let lark = g.compile(&GrammarSource::Lark("start: \"yes\" | \"no\"".into()), "p").unwrap();
         assert!(drive(&lark, &tok, "no").is_stopped());
         assert!(g.compile(&GrammarSource::Regex("(".into()), "p").is_err());
+    }
+
+    #[test]
+    fn a_malformed_regex_is_told_in_the_clients_terms() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let message = |rx: &str| g.compile(&GrammarSource::Regex(rx.into()), "p").err().map(|e| e.message());
+        let unclosed = message("ab(c").unwrap();
+        assert!(unclosed.ends_with("unclosed group (at character 3 of the regex)"), "{unclosed}");
+        // the character, not the byte: é is two bytes
+        let class = message("é[a-").unwrap();
+        assert!(class.ends_with("unclosed character class (at character 2 of the regex)"), "{class}");
+        // llguidance's rewrite into its grammar drops a trailing lone backslash
+        assert!(message(r"ab\").is_some());
+        assert!(message(r"ab\\").is_none());
+        assert!(message("(?<=a)b").unwrap().contains("look-around"));
+        let thinking =
+            GrammarSource::AfterThinking { opened: false, body: Box::new(GrammarSource::Regex("a(".into())) };
+        assert!(g.compile(&thinking, "p").is_err());
         assert!(g.compile(&GrammarSource::Lark("start: ???".into()), "p").is_err());
     }
 }
