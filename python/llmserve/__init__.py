@@ -5,7 +5,8 @@ The public Python API: `LLM` (offline generation and chat, answering `Result`s),
 mount or serve) and the `Config` both take; `ApiError` is the base of every request error
 (one subclass per status: `BadRequestError`, `AuthenticationError`, `NotFoundError`,
 `MethodNotAllowedError`, `PayloadTooLargeError`, `InternalServerError`,
-`ServiceUnavailableError`), `LoadError` a model that cannot be loaded. The Rust core lives in the private `llmserve._core`.
+`ServiceUnavailableError`), `LoadError` a model that cannot be loaded. The Rust core lives in
+the private `llmserve._core`.
 """
 
 import importlib

@@ -191,7 +191,10 @@ def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
                       whole: dict[str, Any] | None) -> None:
     """Request `index` of a call failed with `err`, whose `param` speaks of that request alone.
     Raise the error the call's prompts give as one request (it names the prompt: `prompt[2]`),
-    or else note which request it was."""
+    or else note which request it was (unless the error is about a field every request shares,
+    such as `temperature`)."""
+    if err.param is not None and err.param.split("[")[0].split(".")[0] not in ("prompt", "messages"):
+        return
     if whole is not None:
         try:
             router.prepare(endpoint, _encode(router, whole))
