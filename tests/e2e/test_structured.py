@@ -202,6 +202,9 @@ def test_a_huge_counted_repetition_is_followed(client, regex):
     ({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format.regex"),
     # a lone backslash at the end is no regex (llguidance's rewrite would drop it silently)
     ({"structured_outputs": {"regex": "[0-9]+\\"}}, "structured_outputs.regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "[A-Z]+\\"}}}}}},
+     "response_format.json_schema.schema"),
     # they compile, but admit no text at all
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
      "response_format.json_schema.schema"),

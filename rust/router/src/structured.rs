@@ -66,6 +66,15 @@ impl GrammarSource {
         }
     }
 
+    /// The JSON schema, when this source is one (after any reasoning).
+    fn json_schema(&self) -> Option<&Value> {
+        match self {
+            Self::JsonSchema(schema) => Some(schema),
+            Self::AfterThinking { body, .. } => body.json_schema(),
+            _ => None,
+        }
+    }
+
     /// The client's regex, when this source is one (after any reasoning).
     fn regex(&self) -> Option<&str> {
         match self {
@@ -204,11 +213,21 @@ impl Grammars {
             return Ok(g.clone());
         }
         if let Some(rx) = source.regex() {
-            check_regex(rx).map_err(|cause| {
+            check_regex(rx, "regex").map_err(|cause| {
                 ApiError::invalid(
                     param,
                     format!("The regular expression cannot be used to constrain generation: {cause}"),
                 )
+            })?;
+        }
+        if let Some(schema) = source.json_schema() {
+            check_patterns(schema, &mut String::new()).map_err(|cause| {
+                let what = if param == "tools" {
+                    "`parameters` schema of a forced or strict tool call"
+                } else {
+                    "JSON schema"
+                };
+                ApiError::invalid(param, format!("The {what} cannot be used to constrain generation: {cause}"))
             })?;
         }
         let factory = self.factory()?;
@@ -330,7 +349,7 @@ pub(crate) fn lark_literal(text: &str) -> String {
 /// settings. A malformed regex is then told in the client's terms, what is wrong and where in
 /// the regex, not at llguidance's place in the grammar it wraps the regex in; and what that
 /// wrapping (`regex_to_lark`) would drop without a word, a trailing lone backslash, is refused.
-fn check_regex(rx: &str) -> Result<(), String> {
+fn check_regex(rx: &str, what: &str) -> Result<(), String> {
     let (kind, span) = match regex_syntax::Parser::new().parse(rx) {
         Ok(_) => return Ok(()),
         Err(regex_syntax::Error::Parse(e)) => (e.kind().to_string(), *e.span()),
@@ -338,7 +357,76 @@ fn check_regex(rx: &str) -> Result<(), String> {
         Err(e) => return Err(e.to_string()),
     };
     let at = rx.get(..span.start.offset).map_or(0, |before| before.chars().count()) + 1;
-    Err(format!("{kind} (at character {at} of the regex)"))
+    Err(format!("{kind} (at character {at} of the {what})"))
+}
+
+/// Keywords whose value is a subschema or an array of them, and those whose value maps names
+/// to subschemas.
+const SUBSCHEMA: [&str; 15] = [
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "anyOf",
+    "allOf",
+    "oneOf",
+];
+const SUBSCHEMA_MAPS: [&str; 5] = ["properties", "$defs", "definitions", "dependentSchemas", "patternProperties"];
+
+/// Every `pattern` and `patternProperties` key in `schema` checked as `check_regex` checks a
+/// regex: llguidance rewrites them as it rewrites a `regex` constraint (dropping a trailing
+/// lone backslash) before its engine parses them. Walks the subschema keywords only, so data
+/// (`const`, `enum`, `default`, `examples`) is never read as a pattern. `at` is the JSON pointer
+/// of `schema`, named in the error.
+fn check_patterns(schema: &Value, at: &mut String) -> Result<(), String> {
+    let Value::Object(obj) = schema else { return Ok(()) };
+    let place = |at: &str| if at.is_empty() { "the schema's root".to_string() } else { at.to_string() };
+    if let Some(Value::String(rx)) = obj.get("pattern") {
+        check_regex(rx, "pattern").map_err(|cause| format!("`pattern` at {}: {cause}", place(at)))?;
+    }
+    if let Some(Value::Object(map)) = obj.get("patternProperties") {
+        for key in map.keys() {
+            check_regex(key, "pattern")
+                .map_err(|cause| format!("`patternProperties` key at {}: {cause}", place(at)))?;
+        }
+    }
+    // `path`: pointer segments below `at`, names already escaped
+    let descend = |at: &mut String, path: &str, sub: &Value| {
+        let len = at.len();
+        at.push('/');
+        at.push_str(path);
+        let result = check_patterns(sub, at);
+        at.truncate(len);
+        result
+    };
+    for (key, value) in obj {
+        let key = key.as_str();
+        if SUBSCHEMA.contains(&key) {
+            match value {
+                Value::Array(items) => {
+                    for (i, sub) in items.iter().enumerate() {
+                        descend(at, &format!("{key}/{i}"), sub)?;
+                    }
+                }
+                sub => descend(at, key, sub)?,
+            }
+        } else if SUBSCHEMA_MAPS.contains(&key) {
+            if let Value::Object(map) = value {
+                for (name, sub) in map {
+                    descend(at, &format!("{key}/{}", name.replace('~', "~0").replace('/', "~1")), sub)?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn describe(source: &GrammarSource) -> &'static str {
@@ -623,6 +711,29 @@ pub(crate) mod tests {
         let lark = g.compile(&GrammarSource::Lark("start: \"yes\" | \"no\"".into()), "p").unwrap();
         assert!(drive(&lark, &tok, "no").is_stopped());
         assert!(g.compile(&GrammarSource::Regex("(".into()), "p").is_err());
+    }
+
+    #[test]
+    fn a_schemas_malformed_pattern_is_told_with_its_place() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let message = |schema: Value| g.compile(&GrammarSource::JsonSchema(schema), "p").err().map(|e| e.message());
+        let root = message(json!({"type": "string", "pattern": r"ab\"})).unwrap();
+        assert!(root.contains("`pattern` at the schema's root: incomplete escape"), "{root}");
+        let deep = json!({"type": "object", "properties": {"a/b": {"anyOf": [{"type": "null"},
+            {"type": "array", "items": {"type": "string", "pattern": "x("}}]}}});
+        let deep = message(deep).unwrap();
+        assert!(
+            deep.contains(
+                "`pattern` at /properties/a~1b/anyOf/1/items: unclosed group (at character 2 of the pattern)"
+            ),
+            "{deep}"
+        );
+        let keyed = message(json!({"type": "object", "patternProperties": {"^k[": {"type": "integer"}}})).unwrap();
+        assert!(keyed.contains("`patternProperties` key at the schema's root: unclosed character class"), "{keyed}");
+        // data (`default`, `examples`) is not a pattern; a property named "pattern" is a subschema, not a regex
+        let fine = json!({"type": "object", "default": {"pattern": "x("}, "examples": [{"pattern": "("}],
+            "properties": {"pattern": {"type": "string", "pattern": r"^\d+\\$"}}});
+        assert_eq!(message(fine), None);
     }
 
     #[test]
