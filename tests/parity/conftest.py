@@ -1,7 +1,7 @@
 """transformers' own reading of the default SmolLM2 GGUF, loaded once for the parity tests.
 
 Each of transformers' GGUF reads (config, tensors, tokenizer) parses the file's metadata anew,
-5-12 s apiece on CI's machine; the two modules that compare against it share one.
+5-12 s apiece here; the two modules that compare against it share one.
 """
 
 from __future__ import annotations

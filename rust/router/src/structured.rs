@@ -212,35 +212,26 @@ impl Grammars {
         if let Some(g) = self.cache.lock().expect("grammar cache").get(&key) {
             return Ok(g.clone());
         }
-        if let Some(rx) = source.regex() {
-            check_regex(rx, "regex").map_err(|cause| {
-                ApiError::invalid(
-                    param,
-                    format!("The regular expression cannot be used to constrain generation: {cause}"),
-                )
-            })?;
-        }
-        if let Some(schema) = source.json_schema() {
-            check_patterns(schema, &mut String::new()).map_err(|cause| {
-                let what = if param == "tools" {
-                    "`parameters` schema of a forced or strict tool call"
-                } else {
-                    "JSON schema"
-                };
-                ApiError::invalid(param, format!("The {what} cannot be used to constrain generation: {cause}"))
-            })?;
+        // A forced (or strict) call's grammar is ours; only the `parameters` schema in it is the
+        // client's, so its errors name that and leave our grammar's text out.
+        let what =
+            if param == "tools" { "`parameters` schema of a forced or strict tool call" } else { describe(source) };
+        let checked = match (source.regex(), source.json_schema()) {
+            (Some(rx), _) => check_regex(rx, "regex"),
+            (_, Some(schema)) => check_patterns(schema, &mut String::new()),
+            _ => Ok(()),
+        };
+        if let Err(cause) = checked {
+            return Err(ApiError::invalid(
+                param,
+                format!("The {what} cannot be used to constrain generation: {cause}"),
+            ));
         }
         let factory = self.factory()?;
         let parser = factory.create_parser(source.to_top_level());
         let matcher = Matcher::new(parser);
         if let Some(err) = matcher.get_error() {
-            // A forced (or strict) call's grammar is ours; only the `parameters` schema in it is the
-            // client's, so the error names that and leaves our grammar's text out.
-            let (what, cause) = if param == "tools" {
-                ("`parameters` schema of a forced or strict tool call", without_grammar_position(&first_line(&err)))
-            } else {
-                (describe(source), first_line(&err))
-            };
+            let cause = if param == "tools" { without_grammar_position(&first_line(&err)) } else { first_line(&err) };
             return Err(ApiError::invalid(
                 param,
                 format!("The {what} cannot be used to constrain generation: {cause}"),
@@ -711,6 +702,7 @@ pub(crate) mod tests {
         let lark = g.compile(&GrammarSource::Lark("start: \"yes\" | \"no\"".into()), "p").unwrap();
         assert!(drive(&lark, &tok, "no").is_stopped());
         assert!(g.compile(&GrammarSource::Regex("(".into()), "p").is_err());
+        assert!(g.compile(&GrammarSource::Lark("start: ???".into()), "p").is_err());
     }
 
     #[test]
@@ -730,7 +722,8 @@ pub(crate) mod tests {
         );
         let keyed = message(json!({"type": "object", "patternProperties": {"^k[": {"type": "integer"}}})).unwrap();
         assert!(keyed.contains("`patternProperties` key at the schema's root: unclosed character class"), "{keyed}");
-        // data (`default`, `examples`) is not a pattern; a property named "pattern" is a subschema, not a regex
+        // data (`default`, `examples`) is not a pattern; a property named "pattern" is a
+        // subschema, not a regex
         let fine = json!({"type": "object", "default": {"pattern": "x("}, "examples": [{"pattern": "("}],
             "properties": {"pattern": {"type": "string", "pattern": r"^\d+\\$"}}});
         assert_eq!(message(fine), None);
@@ -752,6 +745,5 @@ pub(crate) mod tests {
         let thinking =
             GrammarSource::AfterThinking { opened: false, body: Box::new(GrammarSource::Regex("a(".into())) };
         assert!(g.compile(&thinking, "p").is_err());
-        assert!(g.compile(&GrammarSource::Lark("start: ???".into()), "p").is_err());
     }
 }
