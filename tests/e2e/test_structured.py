@@ -107,6 +107,22 @@ def test_json_object_parses(client):
         assert choice.finish_reason == "length" and choice.message.content.startswith("{")
 
 
+def test_a_schema_description_no_prompt_holds_is_reported(client):
+    # OpenAI shows `json_schema.description` to the model (LangChain sends a Pydantic model's
+    # docstring there); no prompt here holds it, so the client is told. The schema still rules.
+    schema = _obj({"answer": _s(8)})
+    raw = client.chat.completions.with_raw_response.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Say hi in JSON."}], max_tokens=24, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "reply", "description": "A reply in French.", "schema": schema}},
+    )
+    assert raw.headers.get("llmserve-ignored-fields") == "response_format.json_schema.description"
+    choice = raw.parse().choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
 def test_length_inside_the_object_is_length(client):
     r = _ask(client, "Describe a person.", _obj({"name": _s(40), "bio": _s(200)}), 99, max_tokens=6)
     assert r.choices[0].finish_reason == "length"

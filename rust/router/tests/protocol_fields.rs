@@ -547,6 +547,28 @@ fn unread_message_keys_are_reported() {
     )
     .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("response_format.json_schema.extra"));
+    // A json_schema's description is for the model, which never sees it here: reported, and
+    // a 400 under --strict-fields; an empty one says nothing and passes; a number is a type error.
+    let described = |d: Value| {
+        json!({"messages": [{"role": "user", "content": "a"}],
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "description": d, "schema": {}}}})
+    };
+    let p = chat(&r, described(json!("Answer in French."))).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("response_format.json_schema.description"));
+    for quiet in [json!(""), Value::Null] {
+        assert_eq!(header(&chat(&r, described(quiet)).unwrap(), "llmserve-ignored-fields"), None);
+    }
+    let (status, code, param) = shape(chat(&r, described(json!(3))));
+    assert_eq!(
+        (status, code, param.as_deref()),
+        (400, "invalid_type", Some("response_format.json_schema.description"))
+    );
+    let strict_r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let (status, code, param) = shape(chat(&strict_r, described(json!("Answer in French."))));
+    assert_eq!(
+        (status, code, param.as_deref()),
+        (400, "unsupported_parameter", Some("response_format.json_schema.description"))
+    );
     // The extensions' own keys are read, not reported; another type's key is.
     let msgs = json!([{"role": "user", "content": "a"}]);
     for rf in [json!({"type": "regex", "regex": "[0-9]+"}), json!({"type": "grammar", "grammar": "start: \"a\""})] {

@@ -1,9 +1,10 @@
 //! `response_format` and forced `tool_choice`: the grammar a request's output must follow.
 //!
-//! Accepted formats: `text`; `json_object`; `json_schema` (`name`, `schema`, `strict`,
-//! `description`); and two extensions, `{"type": "regex", "regex": ...}` and
-//! `{"type": "grammar", "grammar": <Lark>}`. Every constrained format is compiled here, at
-//! prepare time (see [`crate::structured`]), so what the engine cannot enforce is a 400.
+//! Accepted formats: `text`; `json_object`; `json_schema` (`name`, `schema`, `strict`, and
+//! `description`, which no prompt holds: reported when non-empty); and two extensions,
+//! `{"type": "regex", "regex": ...}` and `{"type": "grammar", "grammar": <Lark>}`. Every
+//! constrained format is compiled here, at prepare time (see [`crate::structured`]), so what
+//! the engine cannot enforce is a 400.
 //!
 //! NOTE: `strict` is accepted either way and changes nothing: the grammar enforces the
 //! schema in both cases, which is what `strict: true` promises and more than `false` asks.
@@ -56,6 +57,11 @@ pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
             &["name", "description", "schema", "strict"],
             "response_format.json_schema",
         ));
+        // OpenAI shows the description to the model; no prompt here ever holds it, so a
+        // non-empty one is reported, as a tool's unseen description is.
+        if js.get("description").and_then(Value::as_str).is_some_and(|d| !d.is_empty()) {
+            out.push("response_format.json_schema.description".into());
+        }
     }
     out
 }
@@ -111,6 +117,15 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
                     return Err(invalid_type(
                         "response_format.json_schema.strict",
                         format!("`strict` must be a boolean, not {}.", kind_of(other)),
+                    ))
+                }
+            }
+            match js.get("description") {
+                None | Some(Value::Null) | Some(Value::String(_)) => {}
+                Some(other) => {
+                    return Err(invalid_type(
+                        "response_format.json_schema.description",
+                        format!("`description` must be a string, not {}.", kind_of(other)),
                     ))
                 }
             }
