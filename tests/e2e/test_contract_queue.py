@@ -277,8 +277,7 @@ def test_metrics_names_and_counters_move(one_slot):
     assert after[longest] - before.get(longest, 0.0) == 7
     info = [k for k in after if k.startswith("llmserve:cache_config_info{")]
     assert len(info) == 1 and 'block_size="' in info[0] and 'num_gpu_blocks="96"' in info[0], info
-    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+    for h in ("time_to_first_token_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
               "request_inference_time_seconds"):
         assert after[f"llmserve:{h}_count"] - before[f"llmserve:{h}_count"] == 1, h
@@ -295,8 +294,11 @@ def test_metrics_names_and_counters_move(one_slot):
     assert abs(spent("request_queue_time_seconds") + spent("request_prefill_time_seconds")
                - spent("time_to_first_token_seconds")) < 1e-6
     # one gap between each pair of successive outputs: 6 after the first of 7 tokens
-    itl = "llmserve:inter_token_latency_seconds_count"
-    assert after[itl] - before.get(itl, 0.0) == 6
+    # time_per_output_token_seconds is vLLM's older name for the same per-gap series
+    for itl in ("llmserve:inter_token_latency_seconds", "llmserve:time_per_output_token_seconds"):
+        assert after[itl + "_count"] - before.get(itl + "_count", 0.0) == 6, itl
+        assert after[itl + "_sum"] - before.get(itl + "_sum", 0.0) == pytest.approx(
+            spent("request_decode_time_seconds"), abs=0.05), itl
     assert after["llmserve:num_requests_running"] == 0 and after["llmserve:num_requests_waiting"] == 0
 
 

@@ -71,12 +71,11 @@ def test_time_per_output_token_is_per_choice():
     m.bind("m")
     m.on_finish(reason="length", prompt_lens=[5], generated=90, submitted=0.0, scheduled=0.1,
                 first_token=0.2, finished=3.1, n=3, max_tokens=30, ends=[("length", 30)] * 3)
-    assert _value(m, "llmserve:time_per_output_token_seconds_sum") == pytest.approx(2.9 / 29)
     assert _value(m, "llmserve:request_time_per_output_token_seconds_sum") == pytest.approx(2.9 / 29)
     assert _value(m, "llmserve:request_max_num_generation_tokens_sum") == 30
     # an aborted request: no finished-request figures at all, as in vLLM; its TTFT counts
     m.on_finish(reason="abort", prompt_lens=[5], generated=7, submitted=0.0, scheduled=0.1,
                 first_token=0.2, finished=1.0, n=3, max_tokens=30)
-    assert _value(m, "llmserve:time_per_output_token_seconds_count") == 1
+    assert _value(m, "llmserve:request_time_per_output_token_seconds_count") == 1
     assert _value(m, "llmserve:request_max_num_generation_tokens_count") == 1
     assert _value(m, "llmserve:time_to_first_token_seconds_count") == 2

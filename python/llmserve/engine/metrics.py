@@ -49,9 +49,11 @@ class Metrics:
             "generation_tokens": counter("llmserve:generation_tokens", "Tokens generated."),
             "ttft": histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
                               _LATENCY),
+            # vLLM's older name for inter_token_latency_seconds: observed at the same times
+            # (each gap between a request's outputs), not once a request as request_tpot is
             "tpot": histogram("llmserve:time_per_output_token_seconds",
-                              "Mean time per output token after the first.", _TPOT),
-            # (vLLM's newer name for the same per-request figure; both are kept, as there)
+                              "Time between a request's successive outputs of new tokens "
+                              "(inter_token_latency_seconds' older name).", _TPOT),
             "request_tpot": histogram("llmserve:request_time_per_output_token_seconds",
                                       "Mean time per output token after the first, per request.",
                                       _TPOT),
@@ -139,6 +141,7 @@ class Metrics:
     def on_tokens(self, since_last: float) -> None:
         """Event loop: a request got new tokens, `since_last` seconds after its previous ones."""
         self.itl.observe(since_last)
+        self.tpot.observe(since_last)
 
     def on_finish(self, *, reason: str, prompt_lens: list[int], generated: int, submitted: float,
                   scheduled: float | None, first_token: float | None, finished: float,
@@ -192,9 +195,7 @@ class Metrics:
             # the pace
             longest = max((t for _, t in ends), default=0) if ends else 0
             if longest > 1:
-                tpot = (finished - first_token) / (longest - 1)
-                self.tpot.observe(tpot)
-                self.request_tpot.observe(tpot)
+                self.request_tpot.observe((finished - first_token) / (longest - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
