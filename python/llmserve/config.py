@@ -13,6 +13,7 @@ import os
 import re
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 
 
@@ -175,6 +176,13 @@ class ModelConfig(_Checked):
         # it is a path that does not exist (a typo), not a template.
         if t is not None and not os.path.isfile(t) and not any(m in t for m in ("{{", "{%", "{#")):
             raise ValueError(f"--chat-template {t!r} is neither a readable file nor a Jinja template")
+        if t is not None and os.path.isfile(t):
+            # read now, so a bad file is named before the model loads, not after
+            try:
+                with open(t, encoding="utf-8") as fh:
+                    fh.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--chat-template {t!r} cannot be read as UTF-8 text: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -243,9 +251,35 @@ class ServerConfig(_Checked):
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).")
     allowed_origins: tuple[str, ...] = _f(
-        (), "Origins whose web pages may call the API (CORS; repeatable; '*' for any). None by "
+        (), "Origins whose web pages may call the API (CORS; repeatable; '*' for any; 'null' for "
+        "file:// pages). As browsers send them: scheme://host[:port], lowercase. None by "
         "default: browsers then refuse other origins' pages the responses.", append=True,
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for origin in self.allowed_origins:
+            if origin not in ("*", "null") and (canonical := _as_origin(origin)) != origin:
+                hint = f"; did you mean {canonical!r}?" if canonical else ""
+                raise ValueError(
+                    f"--allowed-origins {origin!r} is not an origin as browsers send it (scheme://host or "
+                    f"scheme://host:port, lowercase, no path or default port){hint}")
+
+
+def _as_origin(text: str) -> str | None:
+    """`text` as a browser serializes an origin (what the Origin header holds, and what CORS
+    compares byte for byte), or None when it names no origin at all."""
+    try:
+        u = urllib.parse.urlsplit(text)
+        port = u.port
+    except ValueError:
+        return None
+    if not u.scheme or not u.hostname or u.username is not None or u.password is not None:
+        return None
+    scheme = u.scheme.lower()
+    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
+    default = {"http": 80, "https": 443}.get(scheme)
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
 
 
 @dataclass(frozen=True)

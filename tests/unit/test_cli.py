@@ -58,6 +58,10 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--api-key", "k\x1b1"], {}, "--api-key must hold no control or invisible characters; got a value"),
     ([], {"LLMSERVE_API_KEY": "k1,k2,k1"}, "LLMSERVE_API_KEY holds a key more than once"),
     (["--chat-template", "/no/such/template.jinja"], {}, "neither a readable file nor a Jinja template"),
+    (["--allowed-origins", "http://a.example/"], {},
+     "--allowed-origins 'http://a.example/' is not an origin as browsers send it"),
+    (["--allowed-origins", "HTTPS://App.example:443"], {}, "did you mean 'https://app.example'?"),
+    (["--allowed-origins", "app.example"], {}, "--allowed-origins 'app.example' is not an origin"),
     ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
 ])
@@ -78,7 +82,19 @@ def test_good_values_and_templates_pass(tmp_path):
     ModelConfig(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
     CacheConfig(gpu_memory_utilization=1.0, kv_cache_memory="512MiB")
     ServerConfig(port=0, sse_keep_alive=0.5, api_key=("k1", "k2"))
+    ServerConfig(allowed_origins=("*", "null", "http://localhost:3000", "https://app.example",
+                                  "http://[::1]:8080", "chrome-extension://abcdef"))
     Config()
+
+
+def test_a_template_file_that_is_not_utf8_is_named_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    template = tmp_path / "latin1.jinja"
+    template.write_bytes("{{ messages[0].content }} caf\xe9".encode("latin-1"))
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--chat-template", str(template)])
+    assert exit_.value.code == 2
+    assert f"--chat-template {str(template)!r} cannot be read as UTF-8 text" in capsys.readouterr().err
 
 
 def test_config_values_of_the_wrong_type_or_range_are_refused_when_built():

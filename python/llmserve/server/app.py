@@ -34,7 +34,8 @@ from llmserve.server import routes
 from llmserve.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, error_request_id
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
-EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-chat-template", "x-request-id", "retry-after"]
+EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
+                   "x-request-id", "retry-after"]
 
 log = logging.getLogger("llmserve.server")
 
