@@ -603,10 +603,10 @@ pub fn settle_ignored(mut ignored: Vec<String>, strict: bool) -> Result<Vec<Stri
         if let Some(first) = ignored.first() {
             return Err(unsupported(
                 first.clone(),
-                format!(
-                    "`{first}` is not supported by this server and would have no effect \
-                     (strict field checking is on)."
-                ),
+                // NOTE: not "unsupported": a field may be honoured elsewhere and have no effect
+                // on this request alone (`tools` that the template never shows and no call
+                // format reads, `tools` under `tool_choice: "none"`).
+                format!("`{first}` would have no effect on this request (strict field checking is on)."),
             ));
         }
     }
