@@ -226,6 +226,10 @@ def test_field_names_reach_the_header_as_printable_ascii_and_bounded(tiny_server
         r = _ok(tiny_server, path, {**body, "東京": 1, "a\r\nX-Evil: 1": 2})
         assert r.headers["llmserve-ignored-fields"] == "a\\u000d\\u000aX-Evil: 1, \\u6771\\u4eac", path
         assert "x-evil" not in r.headers
+        # a name with a blank end made a header value the HTTP layer refused to send: the
+        # connection dropped without a response (audit 52-1); its edge spaces are escaped
+        r = _ok(tiny_server, path, {**body, "zz ": 1, "": 2})
+        assert r.headers["llmserve-ignored-fields"] == '"", zz\\u0020', path
     r = _ok(tiny_server, "/tokenize", {"prompt": "Hi", "東京": 1})
     assert r.json()["ignored_fields"] == ["東京"]           # the body lists names as sent
     many = {f"field_{i:04}": 1 for i in range(900)}

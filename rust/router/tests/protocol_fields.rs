@@ -58,6 +58,11 @@ fn the_ignored_fields_header_stays_printable_and_bounded() {
     let p = chat(&r, json!({"東京": 1, "a\r\nX-Evil: 1": 2, "back\\slash": 3})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("a\\u000d\\u000aX-Evil: 1, back\\\\slash, \\u6771\\u4eac"));
     assert_eq!(p.ignored, ["a\r\nX-Evil: 1", "back\\slash", "東京"]);
+    // HTTP trims a value's blank ends (h11 refuses to send them and drops the connection):
+    // an item's edge spaces are escaped, an empty name is written "", inner spaces stay.
+    let p = chat(&r, json!({"zz ": 1, "": 2, " a b": 3, "chat_template_kwargs": {" ": 1}})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("\"\", \\u0020a b, zz\\u0020"));
+    assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("\\u0020"));
 
     let many: serde_json::Map<String, Value> = (0..5000).map(|i| (format!("field_{i:05}"), json!(1))).collect();
     let p = chat(&r, Value::Object(many)).unwrap();
@@ -535,6 +540,20 @@ fn unread_message_keys_are_reported() {
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
         Some("documents, messages[0].content[0].foo, tools[0].bar, tools[0].function.baz")
+    );
+    // A named tool_choice reads `type` and `function.name`; anything beside them is reported
+    // (OpenAI's tool_choice has no `strict`: a tool's own `strict` is in `tools`).
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let named = |tc: Value| json!({"messages": [{"role": "user", "content": "a"}], "tools": tools, "tool_choice": tc});
+    let p = chat(&r, named(json!({"type": "function", "function": {"name": "f", "strict": true}, "zz": 1}))).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tool_choice.function.strict, tool_choice.zz"));
+    assert_eq!(
+        shape(chat(&r, named(json!({"type": "function", "function": "f"})))),
+        (400, "invalid_type", Some("tool_choice.function".into()))
+    );
+    assert_eq!(
+        shape(chat(&r, named(json!({"type": "function", "function": {}})))),
+        (400, "missing_required_parameter", Some("tool_choice.function.name".into()))
     );
     let p =
         chat(&r, json!({"messages": msgs, "response_format": {"type": "json_object", "schema": {"type": "object"}}}))

@@ -940,6 +940,15 @@ fn out_of_range_integers_say_so() {
     assert_eq!((e.code(), e.param()), ("invalid_type", Some("n")));
     assert_eq!(e.message(), "`n` must be an integer, not a decimal number, got 2.0.");
     assert_eq!(raw(r#""max_tokens": 1e3"#).code(), "invalid_type");
+    // Just past a 64-bit field's bounds the float lands on them (-2^63 - 1 is -2^63 as a
+    // float): out of range, not a decimal number; inside them a float is still a decimal.
+    for past in ["-9223372036854775809", "9223372036854775808"] {
+        let e = raw(&format!(r#""top_k": {past}"#));
+        assert_eq!((e.code(), e.param()), ("invalid_value", Some("top_k")), "{past}");
+        assert!(e.message().contains("between -9223372036854775808 and 9223372036854775807"), "{}", e.message());
+    }
+    assert_eq!(raw(r#""top_k": -4.0"#).code(), "invalid_type");
+    assert_eq!(raw(r#""top_k": 0.0"#).code(), "invalid_type");
     // A negative count names no range the field does not have (n is 1..=128, not 0..2^32).
     let e = raw(r#""n": -1"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));

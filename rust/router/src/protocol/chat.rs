@@ -710,11 +710,20 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
                     return Err(ApiError::invalid("tool_choice.type", "`tool_choice.type` must be \"function\"."))
                 }
             }
-            let name = match o.get("function").and_then(|f| f.as_object()).map(|f| f.get("name")) {
-                None => return Err(missing("tool_choice.function".into())),
-                Some(None) => return Err(missing("tool_choice.function.name".into())),
-                Some(Some(Value::String(n))) => n,
-                Some(Some(_)) => return Err(invalid_type("tool_choice.function.name", "`name` must be a string.")),
+            let function = match o.get("function") {
+                None | Some(Value::Null) => return Err(missing("tool_choice.function".into())),
+                Some(Value::Object(f)) => f,
+                Some(other) => {
+                    return Err(invalid_type(
+                        "tool_choice.function",
+                        format!("`tool_choice.function` must be an object, not {}.", kind_of(other)),
+                    ))
+                }
+            };
+            let name = match function.get("name") {
+                None | Some(Value::Null) => return Err(missing("tool_choice.function.name".into())),
+                Some(Value::String(n)) => n,
+                Some(_) => return Err(invalid_type("tool_choice.function.name", "`name` must be a string.")),
             };
             if !names.iter().any(|n| n == name) {
                 return Err(ApiError::invalid(
@@ -797,6 +806,12 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
     let template = router.templates.select(with_tools);
     ignored.extend(unknown_part_keys(&chat.messages));
+    if let Some(choice @ Value::Object(_)) = &chat.tool_choice {
+        ignored.extend(unknown_keys_of(choice, &["type", "function"], "tool_choice"));
+        if let Some(function) = choice.get("function") {
+            ignored.extend(unknown_keys_of(function, &["name"], "tool_choice.function"));
+        }
+    }
     let unused_tools = tools_unused(router, with_tools, &forced);
     if let Some(tools) = &chat.tools {
         ignored.extend(unknown_tool_keys(tools));

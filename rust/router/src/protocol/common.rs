@@ -86,11 +86,15 @@ fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
         ("i32", "between -2147483648 and 2147483647", -2147483648.0, 2147483647.0),
         ("i64", "between -9223372036854775808 and 9223372036854775807", -9223372036854775808.0, 9223372036854775807.0),
     ];
-    let (head, (_, range, lo, hi)) =
+    let (head, (ty, range, lo, hi)) =
         RANGES.iter().find_map(|r| inner.strip_suffix(&format!("`, expected {}", r.0)).map(|h| (h, r)))?;
+    // A 64-bit field's bounds round to +-2^63 or 2^64 as floats: an integer just past one
+    // (-2^63 - 1, which JSON parsing turns into a float) lands on it, so there a float on a
+    // nonzero bound is out of range, not a decimal number.
+    let inside = |x: f64| if ty.ends_with("64") { x < *hi && (x > *lo || x == 0.0) } else { x >= *lo && x <= *hi };
     let (whole, got) = if let Some(f) = head.strip_prefix("invalid type: floating point `") {
         let x = f.parse::<f64>().ok().filter(|x| x.is_finite() && x.fract() == 0.0);
-        if x.is_some_and(|x| x >= *lo && x <= *hi) {
+        if x.is_some_and(inside) {
             return Some(("invalid_type", format!("an integer, not a decimal number, got {f}")));
         }
         (x.is_some(), f)
@@ -745,15 +749,26 @@ const HEADER_ITEM_BYTES: usize = 256;
 
 /// The value of a header that lists request fields: the items joined by ", ", each as
 /// [`header_text`] writes it and cut after HEADER_ITEM_BYTES ("..."); past HEADER_LIST_BYTES
-/// the rest is counted instead of listed (", ... (12 more)").
+/// the rest is counted instead of listed (", ... (12 more)"). A space at either end of an
+/// item is written `\u0020` and an empty item `""`: HTTP trims a header value's ends (and
+/// the HTTP layer refuses to send one that has blank ends), and a client splitting the list
+/// would trim its items.
 pub fn header_list(items: &[String]) -> String {
     let mut out = String::new();
     for (i, item) in items.iter().enumerate() {
         // (cut between characters, never inside an escape)
         let mut text = String::new();
-        for c in item.chars() {
+        if item.is_empty() {
+            text.push_str("\"\"");
+        }
+        let last = item.chars().count().saturating_sub(1);
+        for (k, c) in item.chars().enumerate() {
             let before = text.len();
-            push_header_char(&mut text, c);
+            if c == ' ' && (k == 0 || k == last) {
+                text.push_str("\\u0020");
+            } else {
+                push_header_char(&mut text, c);
+            }
             if text.len() > HEADER_ITEM_BYTES {
                 text.truncate(before);
                 text.push_str("...");
