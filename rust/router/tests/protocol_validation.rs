@@ -42,6 +42,19 @@ fn body_must_be_a_json_object() {
             assert_eq!((err.status(), err.code()), (400, "invalid_json"));
             assert!(err.message().contains("lone UTF-16 surrogate"), "{}", err.message());
         }
+        // valid JSON deeper than serde's 128 levels is refused as too deep, not as invalid
+        let deep = format!(r#"{{"prompt": "a", "x": {}{}}}"#, "[".repeat(200), "]".repeat(200));
+        let err = r.prepare(ep, deep.as_bytes()).unwrap_err();
+        assert_eq!((err.status(), err.code(), err.param()), (400, "invalid_json", Some("body")));
+        assert!(
+            err.message().starts_with("The request body nests JSON more than 128 levels deep"),
+            "{}",
+            err.message()
+        );
+        let shallow = format!(r#"{{"model": "tiny", "prompt": "a", "x": {}{}}}"#, "[".repeat(100), "]".repeat(100));
+        if let Err(e) = r.prepare(ep, shallow.as_bytes()) {
+            assert!(!e.message().contains("levels deep"), "{}", e.message());
+        }
     }
 }
 

@@ -27,16 +27,18 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
         // serde_json names a lone UTF-16 surrogate (`"\ud800"` with no partner) by what it
         // found after it; say what is wrong instead.
         let msg = e.to_string();
-        let why = if msg.contains("hex escape") || msg.contains("surrogate") {
-            format!("a \\u escape is not a character (a lone UTF-16 surrogate, \\ud800-\\udfff, has no text) ({msg})")
+        // (serde_json's depth limit: valid JSON, but more than this server reads)
+        let message = if msg.starts_with("recursion limit exceeded") {
+            format!("The request body nests JSON more than 128 levels deep, which this server does not read ({msg}).")
+        } else if msg.contains("hex escape") || msg.contains("surrogate") {
+            format!(
+                "The request body is not valid JSON: a \\u escape is not a character (a lone UTF-16 surrogate, \
+                 \\ud800-\\udfff, has no text) ({msg})."
+            )
         } else {
-            msg
+            format!("The request body is not valid JSON: {msg}.")
         };
-        ApiError::with_code(
-            "invalid_json",
-            Some(BODY_PARAM.into()),
-            format!("The request body is not valid JSON: {why}."),
-        )
+        ApiError::with_code("invalid_json", Some(BODY_PARAM.into()), message)
     })?;
     if !value.is_object() {
         return Err(ApiError::with_code(
