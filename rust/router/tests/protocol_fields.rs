@@ -583,10 +583,16 @@ fn unread_message_keys_are_reported() {
         (400, "invalid_type", Some("response_format.json_schema.description"))
     );
     let strict_r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
-    let (status, code, param) = shape(chat(&strict_r, described(json!("Answer in French."))));
+    let e = chat(&strict_r, described(json!("Answer in French."))).unwrap_err();
     assert_eq!(
-        (status, code, param.as_deref()),
+        (e.status(), e.code(), e.param()),
         (400, "unsupported_parameter", Some("response_format.json_schema.description"))
+    );
+    // the refusal says what is true of every such field: it does nothing here (a field may
+    // work on another request, as tools do with a template that shows them)
+    assert_eq!(
+        e.message(),
+        "`response_format.json_schema.description` would have no effect on this request (strict field checking is on)."
     );
     // The extensions' own keys are read, not reported; another type's key is.
     let msgs = json!([{"role": "user", "content": "a"}]);

@@ -35,8 +35,22 @@ fn string_field(obj: &serde_json::Map<String, Value>, key: &str, param: &'static
     }
 }
 
-/// Validates `response_format`; returns the grammar source it asks for (None: free text)
-/// and the param path the source came from.
+/// An optional key of `obj` (absent or null passes) whose value must be of one JSON kind.
+fn optional_kind(
+    obj: &serde_json::Map<String, Value>,
+    key: &str,
+    param: &'static str,
+    is_kind: fn(&Value) -> bool,
+    kind: &str,
+) -> Result<(), ApiError> {
+    match obj.get(key) {
+        Some(v) if !v.is_null() && !is_kind(v) => {
+            Err(invalid_type(param, format!("`{key}` must be {kind}, not {}.", kind_of(v))))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Keys of `response_format` and of its `json_schema` that mean nothing to the server (e.g.
 /// vLLM-style `{"type": "json_object", "schema": ...}`, whose schema would otherwise be
 /// dropped without a word).
@@ -66,6 +80,8 @@ pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
     out
 }
 
+/// Validates `response_format`; returns the grammar source it asks for (None: free text)
+/// and the param path the source came from.
 pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
     let obj = match v {
         None | Some(Value::Null) => return Ok(None),
@@ -111,24 +127,8 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
                     "`name` must be 1 to 64 characters of a-z, A-Z, 0-9, `_` and `-`.",
                 ));
             }
-            match js.get("strict") {
-                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
-                Some(other) => {
-                    return Err(invalid_type(
-                        "response_format.json_schema.strict",
-                        format!("`strict` must be a boolean, not {}.", kind_of(other)),
-                    ))
-                }
-            }
-            match js.get("description") {
-                None | Some(Value::Null) | Some(Value::String(_)) => {}
-                Some(other) => {
-                    return Err(invalid_type(
-                        "response_format.json_schema.description",
-                        format!("`description` must be a string, not {}.", kind_of(other)),
-                    ))
-                }
-            }
+            optional_kind(js, "strict", "response_format.json_schema.strict", Value::is_boolean, "a boolean")?;
+            optional_kind(js, "description", "response_format.json_schema.description", Value::is_string, "a string")?;
             let param = "response_format.json_schema.schema";
             let mut schema = match js.get("schema") {
                 // OpenAI makes `schema` optional: without one, any JSON object.
