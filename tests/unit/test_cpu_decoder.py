@@ -42,9 +42,9 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0):
+def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0, serving: bool = False):
     """A tiny model whose linears are GGUF blocks of `fmt`; its fp32 weights are those blocks
-    dequantized, as the GGUF loader gives them."""
+    dequantized, as the GGUF loader gives them. `serving`: built as the engine builds it."""
     c = FAMILIES[family]
     g = torch.Generator().manual_seed(seed)
 
@@ -69,7 +69,7 @@ def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0):
             weights[p + "self_attn.o_proj.bias"] = r(h)
             weights[p + "self_attn.q_norm.weight"] = 1 + r(d)
             weights[p + "self_attn.k_norm.weight"] = 1 + r(d)
-    return build_model(c, weights, torch.float32, "cpu", quantized=quant)
+    return build_model(c, weights, torch.float32, "cpu", quantized=quant, serving=serving)
 
 
 @pytest.fixture

@@ -168,7 +168,7 @@ def build_engine(cfg: Config) -> Engine:
     blas = (reproducible_blas(), native_bf16(), bf16_tile_rows()) if device.type == "cpu" else ()
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
                                      torch.get_num_threads(), cfg.cache.block_size, *blas)
-    model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized))
+    model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized, serving=True))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
         _check_batch_invariant(device, dtype)

@@ -155,8 +155,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels/src/quant/) in float32 CPU
     decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
     weight's blocks; in the runner's other steps, a bfloat16 matmul on `bf16_weight` when
-    there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`); else
-    F.linear on the fp32 weight.
+    there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`), and in any
+    call when a serving model released the fp32 weight (`attach_quantized`); else F.linear on
+    the fp32 weight.
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
@@ -170,7 +171,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if quant_ok and quantized_step_allowed(x.shape[0]):
         return quant_linear(x, bias, quant)
-    if bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32 and in_runner_step():
+    if (bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32
+            and (in_runner_step() or weight.is_meta)):   # (meta: a serving model released it)
         return _bf16_linear(x, bf16_weight, bias)
     return _fp32_linear(x, weight, bias)
 
@@ -318,10 +320,6 @@ class QKVLinear(Linear):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
         super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-
-    @staticmethod
-    def fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat((q, k, v), dim=0)
 
 
 class GateUpMLP(nn.Module):

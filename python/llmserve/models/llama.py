@@ -10,7 +10,7 @@ loading never pays for a random init. GGUF checkpoints' quantized blocks, fused 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -159,32 +159,44 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device,
-                quantized: dict[str, QuantTensor] | None = None) -> "LlamaForCausalLM":
+                device: torch.device, quantized: dict[str, QuantTensor] | None = None,
+                serving: bool = False) -> "LlamaForCausalLM":
+        """The model with HF-named `weights` (and a GGUF checkpoint's `quantized` blocks) loaded.
+
+        `serving`: the model is for a ModelRunner, built from tensors nothing else needs. Each
+        is then popped from `weights` and `quantized` once converted (the dicts end empty), so
+        the checkpoint's copy of a weight is freed as the model's is made; and a linear that
+        gets GGUF blocks and a bfloat16 copy keeps no float32 weight, which no runner step
+        reads (`release_fp32`)."""
         c = cls.parse_config(hf_config)
         if not c.tie_word_embeddings and "lm_head.weight" not in weights:
             # NOTE: checkpoints that ship no LM head (GGUF without `output.weight`) tie it.
             c = DecoderConfig(**{**c.__dict__, "tie_word_embeddings": True})
         with torch.device("meta"):
             model = cls(c)
-        state = {k: t.to(device=device, dtype=dtype).contiguous()
-                 for k, t in fuse_hf_weights(c, weights).items()}
+        state = fuse_hf_weights(c, weights, dtype, device, take=serving)
         model.load_state_dict(state, strict=True, assign=True)
+        del state
         model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
                                      device)
         if quantized and dtype == torch.float32 and device.type == "cpu":
-            model.attach_quantized(fuse_quantized(c, quantized))
+            model.attach_quantized(fuse_quantized(c, quantized, take=serving), release_fp32=serving)
         model.requires_grad_(False)
         return model.eval()
 
-    def attach_quantized(self, fused: dict[str, QuantTensor], bf16: bool | None = None) -> None:
+    def attach_quantized(self, fused: dict[str, QuantTensor] | Iterable[tuple[str, QuantTensor]],
+                         bf16: bool | None = None, release_fp32: bool = False) -> None:
         """Give linears (names as `fuse_quantized` returns) their quantized blocks, and with
         `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for the
         steps the quantized GEMV does not take (layers.Linear.bf16_weight), and of the LM head
-        for such decode steps (`compute_logits`: prompt logprobs keep it fp32)."""
+        for such decode steps (`compute_logits`: prompt logprobs keep it fp32).
+
+        `release_fp32`: a layer linear given both drops its float32 weight (4 bytes a weight:
+        SmolLM2's layers are 424 MB of it) for a meta tensor of its shape; `layers.linear`
+        then computes on the bf16 copy outside runner steps too. The LM head keeps float32."""
         if bf16 is None:
             bf16 = native_bf16()
-        for name, q in fused.items():
+        for name, q in fused.items() if isinstance(fused, dict) else fused:
             weight = self.embed_tokens.weight if name == "lm_head" and self.lm_head is None \
                 else self.get_submodule(name).weight
             if (q.rows, q.cols) != tuple(weight.shape):
@@ -195,10 +207,15 @@ class LlamaForCausalLM(nn.Module):
             else:
                 module = self.get_submodule(name)
                 module.quant = q.pack()
-                module.bf16_weight = pack_bf16(module.weight.to(torch.bfloat16)) if bf16 else None
+                # (detached: a copy made with grad would keep the fp32 weight alive in its graph)
+                module.bf16_weight = pack_bf16(module.weight.detach().to(torch.bfloat16)) if bf16 else None
+                if bf16 and release_fp32:
+                    module.weight = nn.Parameter(torch.empty(weight.shape, device="meta"),
+                                                 requires_grad=False)
+            del q, weight   # (the fused blocks and the fp32 weight go now, not at the next one)
             self.quantized = True
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_bf16 = head.to(torch.bfloat16) if bf16 and self.quantized else None
+        self.lm_bf16 = head.detach().to(torch.bfloat16) if bf16 and self.quantized else None
         self._cpu_path = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -236,64 +253,86 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, weight, None, q, self.batch_invariant, bf16).float()
 
 
-def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF parameter names -> this module's names, with q|k|v and gate|up concatenated.
-    Raises on a missing or unexpected tensor, so a wrong mapping never loads silently."""
-    left = dict(weights)
+def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                    device: torch.device | str = "cpu", take: bool = False) -> dict[str, torch.Tensor]:
+    """HF parameter names -> this module's names, with q|k|v and gate|up concatenated, each
+    tensor converted to `dtype` on `device` (fused ones written straight into their place, so
+    no fused copy in the checkpoint's dtype is made). `take`: tensors are popped from
+    `weights` as they are used. Raises on a missing or unexpected tensor, so a wrong mapping
+    never loads silently."""
+    left = weights if take else dict(weights)
 
-    def take(name: str) -> torch.Tensor:
+    def one(name: str) -> torch.Tensor:
         if name not in left:
             raise ValueError(f"checkpoint is missing {name!r}")
-        return left.pop(name)
+        return left.pop(name).to(device=device, dtype=dtype).contiguous()
 
-    out = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-           "norm.weight": take("model.norm.weight")}
+    def cat(*names: str) -> torch.Tensor:
+        missing = [n for n in names if n not in left]
+        if missing:
+            raise ValueError(f"checkpoint is missing {missing[0]!r}")
+        shapes = [tuple(left[n].shape) for n in names]
+        if len({s[1:] for s in shapes}) > 1:
+            raise ValueError(f"cannot fuse {', '.join(names)}: their shapes {shapes} differ past the first dimension")
+        out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype, device=device)
+        row = 0
+        for n in names:
+            part = left.pop(n)
+            out[row:row + part.shape[0]].copy_(part)
+            row += part.shape[0]
+        return out
+
+    out = {"embed_tokens.weight": one("model.embed_tokens.weight"),
+           "norm.weight": one("model.norm.weight")}
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sa = hf + "self_attn."
-        out[ours + "attn.qkv.weight"] = QKVLinear.fuse(
-            take(sa + "q_proj.weight"), take(sa + "k_proj.weight"), take(sa + "v_proj.weight"))
+        out[ours + "attn.qkv.weight"] = cat(sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
         if c.qkv_bias:
-            out[ours + "attn.qkv.bias"] = QKVLinear.fuse(
-                take(sa + "q_proj.bias"), take(sa + "k_proj.bias"), take(sa + "v_proj.bias"))
-        out[ours + "attn.o_proj.weight"] = take(sa + "o_proj.weight")
+            out[ours + "attn.qkv.bias"] = cat(sa + "q_proj.bias", sa + "k_proj.bias", sa + "v_proj.bias")
+        out[ours + "attn.o_proj.weight"] = one(sa + "o_proj.weight")
         if c.o_bias:
-            out[ours + "attn.o_proj.bias"] = take(sa + "o_proj.bias")
+            out[ours + "attn.o_proj.bias"] = one(sa + "o_proj.bias")
         if c.qk_norm:
-            out[ours + "attn.q_norm.weight"] = take(sa + "q_norm.weight")
-            out[ours + "attn.k_norm.weight"] = take(sa + "k_norm.weight")
-        out[ours + "mlp.gate_up.weight"] = torch.cat(
-            (take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")), dim=0)
-        out[ours + "mlp.down.weight"] = take(hf + "mlp.down_proj.weight")
-        out[ours + "input_norm.weight"] = take(hf + "input_layernorm.weight")
-        out[ours + "post_norm.weight"] = take(hf + "post_attention_layernorm.weight")
+            out[ours + "attn.q_norm.weight"] = one(sa + "q_norm.weight")
+            out[ours + "attn.k_norm.weight"] = one(sa + "k_norm.weight")
+        out[ours + "mlp.gate_up.weight"] = cat(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        out[ours + "mlp.down.weight"] = one(hf + "mlp.down_proj.weight")
+        out[ours + "input_norm.weight"] = one(hf + "input_layernorm.weight")
+        out[ours + "post_norm.weight"] = one(hf + "post_attention_layernorm.weight")
     if c.tie_word_embeddings:
         left.pop("lm_head.weight", None)   # some tied checkpoints still ship a copy
     else:
-        out["lm_head.weight"] = take("lm_head.weight")
+        out["lm_head.weight"] = one("lm_head.weight")
     unexpected = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:8]}")
     return out
 
 
-def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor]) -> dict[str, QuantTensor]:
-    """HF-named quantized weights -> this module's linear names (`layers.0.attn.qkv`, ...,
-    `lm_head`), fused like `fuse_hf_weights`. A linear gets none when one of its parts is not
-    quantized or the parts' formats differ: it then always runs the fp32 matmul."""
+def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor],
+                   take: bool = False) -> Iterator[tuple[str, QuantTensor]]:
+    """HF-named quantized weights -> (this module's linear name (`layers.0.attn.qkv`, ...,
+    `lm_head`), blocks) pairs, fused like `fuse_hf_weights`, one linear at a time. A linear gets
+    none when one of its parts is not quantized or the parts' formats differ: it then always
+    runs the fp32 matmul. `take`: the parts are popped from `quantized` as they are used."""
     def get(*names: str) -> QuantTensor | None:
-        parts = [quantized.get(n) for n in names]
+        parts = [quantized.pop(n, None) if take else quantized.get(n) for n in names]
         if any(p is None for p in parts):
             return None
         return parts[0] if len(parts) == 1 else QuantTensor.concat(parts)
 
-    out = {"lm_head": get("model.embed_tokens.weight" if c.tie_word_embeddings
-                          else "lm_head.weight")}
-    for i in range(c.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        sa = hf + "self_attn."
-        out[ours + "attn.qkv"] = get(sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
-        out[ours + "attn.o_proj"] = get(sa + "o_proj.weight")
-        out[ours + "mlp.gate_up"] = get(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-        out[ours + "mlp.down"] = get(hf + "mlp.down_proj.weight")
-    return {k: v for k, v in out.items() if v is not None}
+    def linears() -> Iterator[tuple[str, tuple[str, ...]]]:
+        yield "lm_head", ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",)
+        for i in range(c.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            sa = hf + "self_attn."
+            yield ours + "attn.qkv", (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
+            yield ours + "attn.o_proj", (sa + "o_proj.weight",)
+            yield ours + "mlp.gate_up", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+            yield ours + "mlp.down", (hf + "mlp.down_proj.weight",)
+
+    for name, parts in linears():
+        q = get(*parts)
+        if q is not None:
+            yield name, q

@@ -1,0 +1,117 @@
+"""What a model built for serving holds (build_model(..., serving=True), as engine/build.py
+builds it): it takes the checkpoint's tensors over, so a load never holds two copies of the
+weights, and a GGUF model on a CPU with native bf16 drops the float32 copies of its layer
+linears, which no runner step reads (the quantized GEMV and the bf16 copy compute them all).
+Checked on tiny models: the same parameters and the same logits, bit for bit, as a model
+built the plain way; the dropped tensors really freed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from _plans import run_schedule
+from test_bf16_steps import PROMPTS, SCHEDULE
+from test_cpu_decoder import BASE, quantized_model
+from tiny import random_llama_weights
+
+import llmserve.models.llama as llama
+from llmserve.models import build_model
+from llmserve.models.layers import Linear
+
+torch.set_num_threads(1)
+
+CONFIG = dict(BASE, architectures=["LlamaForCausalLM"], tie_word_embeddings=False)
+
+
+def _bf16_checkpoint() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return (torch.randn(shape, generator=g) * 0.3).to(torch.bfloat16)
+
+    h, v = CONFIG["hidden_size"], CONFIG["vocab_size"]
+    return random_llama_weights(CONFIG, r, {"model.embed_tokens.weight": r(v, h),
+                                            "model.norm.weight": 1 + r(h), "lm_head.weight": r(v, h)})
+
+
+def test_a_serving_build_takes_the_tensors_over_and_fuses_in_the_target_dtype():
+    plain = build_model(CONFIG, _bf16_checkpoint(), torch.float32, "cpu")
+    weights = _bf16_checkpoint()
+    q_proj = weakref.ref(weights["model.layers.0.self_attn.q_proj.weight"])
+    served = build_model(CONFIG, weights, torch.float32, "cpu", serving=True)
+    assert weights == {}
+    gc.collect()
+    assert q_proj() is None   # (fused into qkv, the part is gone)
+    a, b = plain.state_dict(), served.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype == torch.float32, name
+        assert torch.equal(a[name], b[name]), name
+    # q|k|v fused in fp32 are the bf16 parts converted, row blocks in order
+    ck = _bf16_checkpoint()
+    sa = "model.layers.1.self_attn."
+    want = torch.cat([ck[sa + p + "_proj.weight"].float() for p in "qkv"])
+    assert torch.equal(served.layers[1].attn.qkv.weight, want)
+
+
+def test_a_plain_build_leaves_the_checkpoint_alone():
+    weights = _bf16_checkpoint()
+    build_model(CONFIG, weights, torch.float32, "cpu")
+    assert weights.keys() == _bf16_checkpoint().keys()
+
+
+def test_fusing_parts_of_different_widths_names_them():
+    weights = _bf16_checkpoint()
+    name = "model.layers.0.mlp.up_proj.weight"
+    weights[name] = weights[name][:, :-1]
+    try:
+        build_model(CONFIG, weights, torch.float32, "cpu", serving=True)
+    except ValueError as e:
+        assert "cannot fuse model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight" in str(e)
+    else:
+        raise AssertionError("built")
+
+
+def _layer_linears(model) -> list[Linear]:
+    return [m for m in model.layers.modules() if isinstance(m, Linear)]
+
+
+def test_with_native_bf16_a_serving_gguf_model_drops_its_fp32_layer_weights(monkeypatch):
+    monkeypatch.setattr(llama, "native_bf16", lambda: True)
+    plain = quantized_model("llama", seed=3)
+    kept = []
+    real_attach = llama.LlamaForCausalLM.attach_quantized
+
+    def attach(self, fused, bf16=None, release_fp32=False):
+        kept.extend(weakref.ref(m.weight) for m in _layer_linears(self))
+        return real_attach(self, fused, bf16, release_fp32)
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "attach_quantized", attach)
+    served = quantized_model("llama", seed=3, serving=True)
+    linears = _layer_linears(served)
+    assert linears and all(m.weight.is_meta and m.quant is not None and m.bf16_weight is not None
+                           for m in linears)
+    assert tuple(linears[0].weight.shape) == tuple(_layer_linears(plain)[0].weight.shape)
+    gc.collect()
+    assert len(kept) == len(linears) and all(ref() is None for ref in kept)   # really freed
+    # the LM head and the embeddings keep fp32 (prompt logprobs, the embedding lookup)
+    assert served.embed_tokens.weight.dtype == torch.float32 and not served.embed_tokens.weight.is_meta
+    # every runner step computes the same bits: none read the fp32 weights
+    ref, _ = run_schedule(plain, PROMPTS, SCHEDULE, num_blocks=160, step_flags=True)
+    got, _ = run_schedule(served, PROMPTS, SCHEDULE, num_blocks=160, step_flags=True)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), step
+    # a linear called outside a runner step computes on the bf16 copy
+    x = torch.randn(3, linears[0].in_features, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        y, want = linears[0](x), _layer_linears(plain)[0](x)
+    assert y.shape == want.shape and (y - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_without_native_bf16_a_serving_gguf_model_keeps_fp32(monkeypatch):
+    monkeypatch.setattr(llama, "native_bf16", lambda: False)
+    served = quantized_model("llama", seed=3, serving=True)
+    assert all(not m.weight.is_meta and m.bf16_weight is None for m in _layer_linears(served))
