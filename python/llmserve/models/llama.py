@@ -253,28 +253,52 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, weight, None, q, self.batch_invariant, bf16).float()
 
 
+def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The shape `c` gives each HF-named tensor a checkpoint must hold (the optional ones
+    too: a checkpoint holds those its config switches on)."""
+    h, i, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q, kv = c.num_heads * d, c.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                                          "lm_head.weight": (v, h)}
+    for layer in range(c.num_layers):
+        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+        shapes.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+                       a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
+                       a + "o_proj.weight": (h, q), a + "o_proj.bias": (h,),
+                       a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i),
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    return shapes
+
+
 def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                     device: torch.device | str = "cpu", take: bool = False) -> dict[str, torch.Tensor]:
     """HF parameter names -> this module's names, with q|k|v and gate|up concatenated, each
     tensor converted to `dtype` on `device` (fused ones written straight into their place, so
     no fused copy in the checkpoint's dtype is made). `take`: tensors are popped from
-    `weights` as they are used. Raises on a missing or unexpected tensor, so a wrong mapping
-    never loads silently."""
+    `weights` as they are used. Raises, naming the checkpoint's tensor, on one that is
+    missing, unexpected or of another shape than the config gives it, so a wrong mapping never
+    loads silently."""
     left = weights if take else dict(weights)
+    shapes = hf_shapes(c)
 
-    def one(name: str) -> torch.Tensor:
+    def checked(name: str) -> torch.Tensor:
         if name not in left:
             raise ValueError(f"checkpoint is missing {name!r}")
+        t = left[name]
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{name} is {list(t.shape)}, but the config makes it {list(shapes[name])}")
+        return t
+
+    def one(name: str) -> torch.Tensor:
+        checked(name)
         return left.pop(name).to(device=device, dtype=dtype).contiguous()
 
     def cat(*names: str) -> torch.Tensor:
-        missing = [n for n in names if n not in left]
-        if missing:
-            raise ValueError(f"checkpoint is missing {missing[0]!r}")
-        shapes = [tuple(left[n].shape) for n in names]
-        if len({s[1:] for s in shapes}) > 1:
-            raise ValueError(f"cannot fuse {', '.join(names)}: their shapes {shapes} differ past the first dimension")
-        out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype, device=device)
+        parts = [checked(n) for n in names]
+        out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device=device)
+        del parts
         row = 0
         for n in names:
             part = left.pop(n)
