@@ -137,13 +137,8 @@ def _built(ck, build):
         return build()
     except KeyError as exc:
         raise LoadError(f"{ck.name}: its config has no {exc.args[0]!r}, which the model needs") from exc
-    except ValueError as exc:
+    except ValueError as exc:   # (a tensor of the wrong shape included: fuse_hf_weights names it)
         raise LoadError(f"{ck.name}: {exc}") from exc
-    except RuntimeError as exc:
-        if "loading state_dict" not in str(exc):
-            raise
-        lines = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
-        raise LoadError(f"{ck.name}: its tensors do not fit its config: {'; '.join(lines)}") from exc
 
 
 def build_engine(cfg: Config) -> Engine:
