@@ -13,8 +13,9 @@ flat; steady growth round after round is a leak. The first rounds' growth is mos
 cache: it is allocated untouched (2 GiB by default), and its pages become resident as blocks
 are first written.
 
-Measured (2 cores, AMX CPU, --threads 1, 16 rounds of 32 requests): 1,634 MiB when ready,
-2,481 / 3,278 / 3,772 MiB after rounds 1-3, then 3,772-3,775 MiB through round 16.
+Measured (2 cores, AMX CPU, --threads 1, 16 rounds of 32 requests): 1,145 MiB when ready,
+1,984 / 2,784 / 3,273 MiB after rounds 1-3, then 3,273 MiB through round 16 (before the serving
+build dropped the unread fp32 layer weights, f46b391: 1,634 when ready, flat at 3,772).
 """
 
 from __future__ import annotations
