@@ -21,7 +21,7 @@ from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version, numerics_revision
 from llmserve.config import Config, parse_bytes
 from llmserve.loaders.checkpoint import LoadError
-from llmserve.worker.threads import bf16_tile_rows, native_bf16, reproducible_blas
+from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
 
 log = logging.getLogger("llmserve.engine")
 
@@ -159,8 +159,9 @@ def build_engine(cfg: Config) -> Engine:
     # (before build_model, which may take the tensors over)
     # (the KV block size orders attention's sums: it moves logprobs, so it is part of it)
     # (MKL's reproducible mode, whether a GGUF model's other steps run bf16 matmuls, and their
-    # tiling decide a prompt token's bits on a CPU)
-    blas = (reproducible_blas(), native_bf16(), bf16_tile_rows()) if device.type == "cpu" else ()
+    # tiling decide a prompt token's bits on a CPU; and the processor, whose instruction sets
+    # pick the kernels)
+    blas = (reproducible_blas(), native_bf16(), bf16_tile_rows(), cpu_signature()) if device.type == "cpu" else ()
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
                                      torch.get_num_threads(), cfg.cache.block_size, *blas)
     model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized, serving=True))

@@ -134,18 +134,42 @@ def in_runner_step() -> bool:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The x86 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (x86 only; empty elsewhere)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break   # (the first processor's block ends)
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+# The feature flags by which MKL, oneDNN and torch pick their CPU kernels (`cpu_signature`).
+_KERNEL_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi")
+
+
+def cpu_signature() -> str:
+    """What a CPU step's bits depend on beside the code and the thread count: the processor
+    (vendor, family, model) and its vector instruction sets, from which MKL (whose
+    reproducible mode is only per processor), oneDNN and torch pick their kernels; and
+    torch's own pick. Part of `system_fingerprint`: two hosts whose CPUs differ in these may
+    sum differently, so a seeded answer there can differ too."""
+    info = _cpuinfo()
+    flags = sorted(f for f in _cpu_flags() if f.startswith(_KERNEL_FLAG_PREFIXES))
+    ident = [info.get(k, "?") for k in ("vendor_id", "cpu family", "model")] if info else [platform.machine()]
+    return " ".join([*ident, torch.backends.cpu.get_cpu_capability(), *flags])
 
 
 def native_bf16() -> bool:
