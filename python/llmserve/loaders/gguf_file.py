@@ -216,16 +216,17 @@ def _raw_blocks(tensor) -> QuantTensor | None:
     if ggml_type not in QUANT_FORMATS or len(tensor.shape) != 2:
         return None
     cols, rows = (int(d) for d in tensor.shape.tolist())   # innermost first
-    # The reader gives [rows, bytes per row] uint8 views of the mmap: copy, so the checkpoint
-    # does not pin the file.
-    data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
+    # NOTE: the reader's [rows, bytes per row] uint8 view of the file's read-only mmap, kept
+    # as it is: the model packs it into a copy of its own (QuantTensor.pack), so a load holds
+    # the blocks once in memory, not twice. The checkpoint pins the file while it lives.
+    data = np.asarray(tensor.data).reshape(rows, -1)
     return QuantTensor(data, ggml_type, rows, cols)
 
 
 def _unpermute_raw(q: QuantTensor, n_heads: int) -> QuantTensor:
     # Blocks never straddle rows, so undoing the permutation on whole rows of bytes matches
-    # undoing it on the dequantized rows.
-    rows = unpermute_qk(torch.from_numpy(q.data), n_heads).numpy()
+    # undoing it on the dequantized rows. (A copy: torch takes no read-only array.)
+    rows = unpermute_qk(torch.from_numpy(q.data.copy()), n_heads).numpy()
     return QuantTensor(rows, q.ggml_type, q.rows, q.cols)
 
 
