@@ -151,6 +151,7 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+@functools.cache
 def _cpu_flags() -> frozenset[str]:
     """The x86 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
     return frozenset(_cpuinfo().get("flags", "").split())
@@ -167,7 +168,7 @@ def cpu_signature() -> str:
     torch's own pick. Part of `system_fingerprint`: two hosts whose CPUs differ in these may
     sum differently, so a seeded answer there can differ too."""
     info = _cpuinfo()
-    flags = sorted(f for f in _cpu_flags() if f.startswith(_KERNEL_FLAG_PREFIXES))
+    flags = sorted(f for f in set(info.get("flags", "").split()) if f.startswith(_KERNEL_FLAG_PREFIXES))
     ident = [info.get(k, "?") for k in ("vendor_id", "cpu family", "model")] if info else [platform.machine()]
     return " ".join([*ident, torch.backends.cpu.get_cpu_capability(), *flags])
 
