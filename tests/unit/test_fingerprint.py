@@ -18,11 +18,33 @@ CPUINFO = {"vendor_id": "GenuineIntel", "cpu family": "6", "model": "143", "mode
 
 def test_the_cpu_signature_names_the_processor_and_its_kernel_instruction_sets(monkeypatch):
     monkeypatch.setattr(threads, "_cpuinfo", lambda: CPUINFO)
+    monkeypatch.setattr(threads, "_mkl_cbwr_get", lambda: lambda which: 0x10002)
+    monkeypatch.setattr(threads, "_mkl_auto_branch", lambda: lambda: 14)
+    for name in threads._KERNEL_ENV:
+        monkeypatch.delenv(name, raising=False)
     sig = threads.cpu_signature()
     capability = torch.backends.cpu.get_cpu_capability()
-    assert sig == f"GenuineIntel 6 143 {capability} amx_tile avx2 avx512f bmi2 fma sse4_2"
+    assert sig == f"GenuineIntel 6 143 {capability} cbwr=0x10002 branch=14 amx_tile avx2 avx512f bmi2 fma sse4_2"
     monkeypatch.setattr(threads, "_cpuinfo", lambda: {**CPUINFO, "model": "207"})
     assert threads.cpu_signature() != sig
+    # what caps the libraries' choice of kernels counts too (MKL's reported branch; oneDNN
+    # has no getter, so its environment variable)
+    monkeypatch.setattr(threads, "_cpuinfo", lambda: CPUINFO)
+    monkeypatch.setattr(threads, "_mkl_auto_branch", lambda: lambda: 10)
+    assert threads.cpu_signature() == sig.replace("branch=14", "branch=10")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in threads.cpu_signature()
+
+
+def test_an_arm_signature_names_the_part_and_its_features(monkeypatch):
+    monkeypatch.setattr(threads, "_cpuinfo", lambda: {"CPU implementer": "0x41", "CPU part": "0xd40",
+                                                      "Features": "fp asimd sve bf16 i8mm"})
+    monkeypatch.setattr(threads, "_mkl_cbwr_get", lambda: None)
+    monkeypatch.setattr(threads.platform, "machine", lambda: "aarch64")
+    for name in threads._KERNEL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert threads.cpu_signature() == f"aarch64 0x41 0xd40 {capability} asimd bf16 fp i8mm sve"
 
 
 def test_the_engine_fingerprint_changes_with_the_processor(tiny_model, monkeypatch):

@@ -18,9 +18,11 @@ from test_bf16_steps import PROMPTS, SCHEDULE
 from test_cpu_decoder import BASE, quantized_model
 from tiny import random_llama_weights
 
+import llmserve.models.layers as layers
 import llmserve.models.llama as llama
 from llmserve.models import build_model
 from llmserve.models.layers import Linear
+from llmserve.worker.threads import QUANT_MAX_TOKENS
 
 torch.set_num_threads(1)
 
@@ -87,6 +89,7 @@ def _layer_linears(model) -> list[Linear]:
 
 def test_with_native_bf16_a_serving_gguf_model_drops_its_fp32_layer_weights(monkeypatch):
     monkeypatch.setattr(llama, "native_bf16", lambda: True)
+    real_bf16 = layers._bf16_linear
     plain = quantized_model("llama", seed=3)
     kept = []
     real_attach = llama.LlamaForCausalLM.attach_quantized
@@ -110,11 +113,16 @@ def test_with_native_bf16_a_serving_gguf_model_drops_its_fp32_layer_weights(monk
     got, _ = run_schedule(served, PROMPTS, SCHEDULE, num_blocks=160, step_flags=True)
     for step, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), step
-    # a linear called outside a runner step computes on the bf16 copy
-    x = torch.randn(3, linears[0].in_features, generator=torch.Generator().manual_seed(1))
+    # a linear called outside a runner step computes on the bf16 copy (30 rows: more than
+    # the quantized GEMV takes), and refuses what it cannot compute
+    calls = []
+    monkeypatch.setattr(layers, "_bf16_linear", lambda *a: calls.append(1) or real_bf16(*a))
+    x = torch.randn(QUANT_MAX_TOKENS + 6, linears[0].in_features, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         y, want = linears[0](x), _layer_linears(plain)[0](x)
-    assert y.shape == want.shape and (y - want).abs().max() < 0.05 * want.abs().max()
+    assert calls == [1] and y.shape == want.shape and (y - want).abs().max() < 0.05 * want.abs().max()
+    with pytest.raises(ValueError, match="float32 weight was released"):
+        linears[0](x.double())
 
 
 def test_without_native_bf16_a_serving_gguf_model_keeps_fp32(monkeypatch):

@@ -156,8 +156,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
     weight's blocks; in the runner's other steps, a bfloat16 matmul on `bf16_weight` when
     there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`), and in any
-    call when a serving model released the fp32 weight (`attach_quantized`); else F.linear on
-    the fp32 weight.
+    float32 [T, in] call when a serving model released the fp32 weight (`attach_quantized`;
+    other inputs are then refused); else F.linear on the fp32 weight.
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
@@ -174,6 +174,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if (bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32
             and (in_runner_step() or weight.is_meta)):   # (meta: a serving model released it)
         return _bf16_linear(x, bf16_weight, bias)
+    if weight.is_meta:   # (F.linear would return uninitialized memory, silently)
+        raise ValueError(f"this linear's float32 weight was released (a model built for serving): it takes "
+                         f"float32 [T, in] CPU inputs only, not {x.dtype} {list(x.shape)}")
     return _fp32_linear(x, weight, bias)
 
 

@@ -360,3 +360,4 @@ def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor],
         q = get(*parts)
         if q is not None:
             yield name, q
+        del q   # (so the consumer holds the only reference while the next linear fuses)

@@ -135,9 +135,7 @@ def in_runner_step() -> bool:
 
 @functools.cache
 def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (x86 only; empty elsewhere)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return {}
+    """The first processor's fields in /proc/cpuinfo (Linux; empty elsewhere)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -154,23 +152,42 @@ def _cpuinfo() -> dict[str, str]:
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     """The x86 CPU's feature flags (/proc/cpuinfo); empty elsewhere."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
     return frozenset(_cpuinfo().get("flags", "").split())
 
 
-# The feature flags by which MKL, oneDNN and torch pick their CPU kernels (`cpu_signature`).
+# The x86 feature flags by which MKL, oneDNN and torch pick their CPU kernels (`cpu_signature`).
 _KERNEL_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi")
+# What caps or steers the instruction sets those libraries pick (read when they first compute).
+_KERNEL_ENV = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_CPU_ISA_HINTS",
+               "DNNL_CPU_ISA_HINTS", "ATEN_CPU_CAPABILITY")
 
 
 def cpu_signature() -> str:
     """What a CPU step's bits depend on beside the code and the thread count: the processor
-    (vendor, family, model) and its vector instruction sets, from which MKL (whose
-    reproducible mode is only per processor), oneDNN and torch pick their kernels; and
-    torch's own pick. Part of `system_fingerprint`: two hosts whose CPUs differ in these may
-    sum differently, so a seeded answer there can differ too."""
+    (x86: vendor, family, model and the vector instruction sets; Arm: implementer, part and
+    features), from which MKL (whose reproducible mode holds only per processor), oneDNN and
+    torch pick their kernels; and what they picked or were told: torch's capability, MKL's
+    reproducibility setting and code branch, the environment variables that cap the others.
+    Part of `system_fingerprint`: two hosts (or settings) that differ in these may sum
+    differently, so a seeded answer there can differ too."""
     info = _cpuinfo()
-    flags = sorted(f for f in set(info.get("flags", "").split()) if f.startswith(_KERNEL_FLAG_PREFIXES))
-    ident = [info.get(k, "?") for k in ("vendor_id", "cpu family", "model")] if info else [platform.machine()]
-    return " ".join([*ident, torch.backends.cpu.get_cpu_capability(), *flags])
+    if "flags" in info:   # x86
+        ident = [info.get(k, "?") for k in ("vendor_id", "cpu family", "model")]
+        features = sorted(f for f in set(info["flags"].split()) if f.startswith(_KERNEL_FLAG_PREFIXES))
+    else:                 # Arm lists "Features"; elsewhere, the machine's name alone
+        ident = [platform.machine(), *(info.get(k, "?") for k in ("CPU implementer", "CPU part") if info)]
+        features = sorted(set(info.get("Features", "").split()))
+    mkl = []
+    get = _mkl_cbwr_get()
+    if get is not None:
+        mkl.append(f"cbwr={get(_MKL_CBWR_ALL):#x}")
+        branch = _mkl_auto_branch()
+        if branch is not None:
+            mkl.append(f"branch={branch()}")
+    env = [f"{k}={os.environ[k]}" for k in _KERNEL_ENV if k in os.environ]
+    return " ".join([*ident, torch.backends.cpu.get_cpu_capability(), *mkl, *env, *features])
 
 
 def native_bf16() -> bool:
@@ -222,6 +239,20 @@ def _mkl_cbwr_get():
     get.argtypes = [ctypes.c_int]
     get.restype = ctypes.c_int
     return get
+
+
+@functools.cache
+def _mkl_auto_branch():
+    """MKL's `mkl_cbwr_get_auto_branch` (the code branch its AUTO setting took), or None."""
+    if _mkl_cbwr_get() is None:
+        return None
+    try:
+        branch = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_cbwr_get_auto_branch
+    except (OSError, AttributeError):
+        return None
+    branch.argtypes = []
+    branch.restype = ctypes.c_int
+    return branch
 
 
 def in_big_decode_step() -> bool:
