@@ -220,7 +220,8 @@ impl Scheduler {
         let mut parent = self.req(self.seqs[slot].req).root;
         self.hits.clear();
         // A prompt that owes logprob rows computes every position itself.
-        if self.cfg.enable_prefix_caching && !self.req(self.seqs[slot].req).owes_prompt_logprobs() {
+        let looked_up = self.cfg.enable_prefix_caching && !self.req(self.seqs[slot].req).owes_prompt_logprobs();
+        if looked_up {
             let tokens = &self.seqs[slot].tokens;
             // Never the block holding the last token: at least one token is computed, so
             // the step that samples never writes into a shared block.
@@ -252,8 +253,12 @@ impl Scheduler {
         seq.num_hashed = self.hits.len();
         seq.last_hash = parent;
         let req_slot = seq.req;
-        self.prefix_hit_tokens += computed as u64;
-        self.prefix_query_tokens += len as u64;
+        if looked_up {
+            // (as vLLM: a sequence that never looked counts in neither, so with caching off
+            // the hit rate has no data rather than 0%)
+            self.prefix_hit_tokens += computed as u64;
+            self.prefix_query_tokens += len as u64;
+        }
         self.req_mut(req_slot).cached_prompt_tokens.get_or_insert(computed as u32);
         self.grow(key.slot, need);
         self.waiting.remove(&key);

@@ -85,6 +85,26 @@ fn identical_prompt_computes_only_the_tail() {
 }
 
 #[test]
+fn prefix_cache_stats_count_only_lookups() {
+    // Caching off: nothing is looked up, so nothing is queried (vLLM records no stats then).
+    let mut s = Scheduler::new(config(33, 16, 8, 256));
+    for id in 1..=2 {
+        s.add(request(id, prompt(40, 1), 1));
+        step(&mut s, 5);
+    }
+    assert_eq!((s.stats().prefix_hit_tokens, s.stats().prefix_query_tokens), (0, 0));
+    // Caching on: a prompt that owes logprob rows skips the lookup and is not counted.
+    let mut cfg = config(33, 16, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(40, 1), 1));
+    step(&mut s, 5);
+    s.add(NewRequest { prompt_logprobs: Some(1), ..request(2, prompt(40, 1), 1) });
+    step(&mut s, 5);
+    assert_eq!((s.stats().prefix_hit_tokens, s.stats().prefix_query_tokens), (0, 40));
+}
+
+#[test]
 fn block_with_the_last_prompt_token_is_never_reused() {
     let mut cfg = config(33, 16, 8, 256);
     cfg.enable_prefix_caching = true;
