@@ -227,32 +227,29 @@ def _warn_not_strict() -> None:
                 "the process first uses torch", os.environ.get("MKL_CBWR", "unset"))
 
 
-@functools.cache
-def _mkl_cbwr_get():
-    """MKL's `mkl_cbwr_get` from the MKL linked into torch, or None."""
+def _mkl_function(name: str, argtypes: list):
+    """An MKL service function (returning int) from the MKL linked into torch, or None."""
     if not (torch.backends.mkl.is_available() and sys.platform.startswith("linux")):
         return None
     try:
-        get = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_cbwr_get
+        fn = getattr(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")), name)
     except (OSError, AttributeError):
         return None
-    get.argtypes = [ctypes.c_int]
-    get.restype = ctypes.c_int
-    return get
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _mkl_cbwr_get():
+    """MKL's `mkl_cbwr_get`, or None."""
+    return _mkl_function("mkl_serv_cbwr_get", [ctypes.c_int])
 
 
 @functools.cache
 def _mkl_auto_branch():
     """MKL's `mkl_cbwr_get_auto_branch` (the code branch its AUTO setting took), or None."""
-    if _mkl_cbwr_get() is None:
-        return None
-    try:
-        branch = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_cbwr_get_auto_branch
-    except (OSError, AttributeError):
-        return None
-    branch.argtypes = []
-    branch.restype = ctypes.c_int
-    return branch
+    return _mkl_function("mkl_serv_cbwr_get_auto_branch", [])
 
 
 def in_big_decode_step() -> bool:
