@@ -967,3 +967,59 @@ fn out_of_range_integers_say_so() {
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
     assert_eq!(e.message(), "`n` must be a non-negative integer, got -1.");
 }
+
+#[test]
+fn a_non_object_is_named_with_its_kind() {
+    let r = router();
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+    let call = json!({"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}});
+    let cases = vec![
+        (json!({"messages": [3]}), "messages[0]", "Each message must be an object, not a number."),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": ["x"]}]}),
+            "messages[0].tool_calls[0]",
+            "A tool call must be an object, not a string.",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": []}]}]}),
+            "messages[0].tool_calls[0].function",
+            "`function` must be an object, not an array.",
+        ),
+        (json!({"tools": [true]}), "tools[0]", "Each tool must be an object, not a boolean."),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": "f"}}),
+            "tool_choice.function",
+            "`tool_choice.function` must be an object, not a string.",
+        ),
+        (json!({"response_format": "json"}), "response_format", "`response_format` must be an object, not a string."),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": 1}}),
+            "response_format.json_schema",
+            "`response_format.json_schema` must be an object, not a number.",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": [1]}}}),
+            "response_format.json_schema.schema",
+            "`schema` must be an object, not an array.",
+        ),
+        (
+            json!({"structured_outputs": "x"}),
+            "structured_outputs",
+            "`structured_outputs` must be an object, not a string.",
+        ),
+    ];
+    for (extra, param, message) in cases {
+        let e = chat(&r, extra.clone()).expect_err("expected an error");
+        assert_eq!(
+            (e.status(), e.code(), e.param(), e.message().as_str()),
+            (400, "invalid_type", Some(param), message),
+            "{extra}"
+        );
+    }
+    // a valid assistant tool call passes the same checks
+    assert!(chat(
+        &r,
+        json!({"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "x"}]})
+    )
+    .is_ok());
+}

@@ -12,8 +12,8 @@ use serde_json::{json, Map, Value};
 
 use super::budget::{check_context, settle_budget};
 use super::common::{
-    from_value, header_list, header_text, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored,
-    truncate_prompt, unix_now, unknown_keys, unsupported, vllm_unsupported, CommonFields,
+    as_object, from_value, header_list, header_text, ignored_header, invalid_type, kind_of, new_id, parse_body,
+    settle_ignored, truncate_prompt, unix_now, unknown_keys, unsupported, vllm_unsupported, CommonFields,
 };
 use super::{constrained, Checked, Endpoint, Prepared};
 use crate::content_format::ContentFormat;
@@ -269,9 +269,7 @@ fn missing(param: String) -> ApiError {
 
 fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
     let p = format!("messages[{i}]");
-    let obj = m
-        .as_object()
-        .ok_or_else(|| invalid_type(p.clone(), format!("Each message must be an object, not {}.", kind_of(m))))?;
+    let obj = as_object(m, p.clone(), "Each message")?;
     let role = match obj.get("role") {
         None => return Err(missing(format!("{p}.role"))),
         Some(Value::String(r)) => r.as_str(),
@@ -339,9 +337,7 @@ fn require_object<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result
     match obj.get(key) {
         Some(Value::Object(o)) => Ok(o),
         None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
-        Some(other) => {
-            Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be an object, not {}.", kind_of(other))))
-        }
+        Some(other) => as_object(other, format!("{p}.{key}"), &format!("`{key}`")),
     }
 }
 
@@ -403,9 +399,7 @@ fn validate_content(p: &str, content: &Value, assistant: bool) -> Result<(), Api
 }
 
 fn validate_tool_call(p: &str, call: &Value) -> Result<(), ApiError> {
-    let obj = call
-        .as_object()
-        .ok_or_else(|| invalid_type(p.to_string(), format!("A tool call must be an object, not {}.", kind_of(call))))?;
+    let obj = as_object(call, p, "A tool call")?;
     match obj.get("type") {
         None | Some(Value::Null) => {}
         Some(Value::String(t)) if t == "function" => {}
@@ -439,9 +433,7 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
     let mut names = Vec::with_capacity(tools.len());
     for (i, tool) in tools.iter().enumerate() {
         let p = format!("tools[{i}]");
-        let obj = tool
-            .as_object()
-            .ok_or_else(|| invalid_type(p.clone(), format!("Each tool must be an object, not {}.", kind_of(tool))))?;
+        let obj = as_object(tool, p.clone(), "Each tool")?;
         match obj.get("type") {
             None => return Err(missing(format!("{p}.type"))),
             Some(Value::String(t)) if t == "function" => {}
@@ -712,13 +704,7 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
             }
             let function = match o.get("function") {
                 None | Some(Value::Null) => return Err(missing("tool_choice.function".into())),
-                Some(Value::Object(f)) => f,
-                Some(other) => {
-                    return Err(invalid_type(
-                        "tool_choice.function",
-                        format!("`tool_choice.function` must be an object, not {}.", kind_of(other)),
-                    ))
-                }
+                Some(f) => as_object(f, "tool_choice.function", "`tool_choice.function`")?,
             };
             let name = match function.get("name") {
                 None | Some(Value::Null) => return Err(missing("tool_choice.function.name".into())),

@@ -165,6 +165,11 @@ pub fn invalid_type(param: impl Into<String>, message: impl Into<String>) -> Api
     ApiError::with_code("invalid_type", Some(param.into()), message)
 }
 
+/// `v` as an object, or `invalid_type` at `param`: "{what} must be an object, not a string."
+pub fn as_object<'a>(v: &'a Value, param: impl Into<String>, what: &str) -> Result<&'a Map<String, Value>, ApiError> {
+    v.as_object().ok_or_else(|| invalid_type(param, format!("{what} must be an object, not {}.", kind_of(v))))
+}
+
 pub fn unsupported(param: impl Into<String>, message: impl Into<String>) -> ApiError {
     ApiError::with_code("unsupported_parameter", Some(param.into()), message)
 }

@@ -13,7 +13,7 @@
 
 use serde_json::{json, Value};
 
-use super::common::{invalid_type, kind_of};
+use super::common::{as_object, invalid_type, kind_of};
 use super::SamplingParams;
 use crate::error::ApiError;
 use crate::router::Router;
@@ -85,13 +85,7 @@ pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
 pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
     let obj = match v {
         None | Some(Value::Null) => return Ok(None),
-        Some(Value::Object(o)) => o,
-        Some(other) => {
-            return Err(invalid_type(
-                "response_format",
-                format!("`response_format` must be an object, not {}.", kind_of(other)),
-            ))
-        }
+        Some(v) => as_object(v, "response_format", "`response_format`")?,
     };
     let kind = match obj.get("type") {
         None => return Err(missing("response_format.type")),
@@ -109,13 +103,7 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
         "json_schema" => {
             let js = match obj.get("json_schema") {
                 None | Some(Value::Null) => return Err(missing("response_format.json_schema")),
-                Some(Value::Object(o)) => o,
-                Some(other) => {
-                    return Err(invalid_type(
-                        "response_format.json_schema",
-                        format!("`response_format.json_schema` must be an object, not {}.", kind_of(other)),
-                    ))
-                }
+                Some(v) => as_object(v, "response_format.json_schema", "`response_format.json_schema`")?,
             };
             let name = string_field(js, "name", "response_format.json_schema.name")?;
             if name.is_empty()
@@ -133,10 +121,7 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
             let mut schema = match js.get("schema") {
                 // OpenAI makes `schema` optional: without one, any JSON object.
                 None | Some(Value::Null) => json!({"type": "object"}),
-                Some(s @ Value::Object(_)) => s.clone(),
-                Some(other) => {
-                    return Err(invalid_type(param, format!("`schema` must be an object, not {}.", kind_of(other))))
-                }
+                Some(s) => Value::Object(as_object(s, param, "`schema`")?.clone()),
             };
             refuse_looping_ref(&schema, param)?;
             super::schema_edit::close_objects(&mut schema);
@@ -191,41 +176,32 @@ impl<'a> Guided<'a> {
             v.filter(|v| !v.is_null())
         }
         let mut asked: Vec<(&'static str, &'static str, &'a Value)> = Vec::new();
-        match set(self.structured_outputs) {
-            None => {}
-            Some(Value::Object(so)) => {
-                // `json_object: false` asks for nothing, as null does
-                let off = |key: &str, v: &Value| v.is_null() || (key == "json_object" && *v == Value::Bool(false));
-                for (key, v) in so.iter().filter(|(k, v)| !off(k, v)) {
-                    match STRUCTURED.iter().find(|(k, _)| k == key) {
-                        Some(&(kind, param)) => asked.push((kind, param, v)),
-                        None if key == "structural_tag" => {
-                            return Err(ApiError::with_code(
-                                "unsupported_parameter",
-                                Some("structured_outputs.structural_tag".into()),
-                                "`structured_outputs.structural_tag` is not supported: send `json`, `regex`, \
-                                 `choice`, `grammar` or `json_object`.",
-                            ))
-                        }
-                        None => inert.push(format!("structured_outputs.{key}")),
+        if let Some(v) = set(self.structured_outputs) {
+            let so = as_object(v, "structured_outputs", "`structured_outputs`")?;
+            // `json_object: false` asks for nothing, as null does
+            let off = |key: &str, v: &Value| v.is_null() || (key == "json_object" && *v == Value::Bool(false));
+            for (key, v) in so.iter().filter(|(k, v)| !off(k, v)) {
+                match STRUCTURED.iter().find(|(k, _)| k == key) {
+                    Some(&(kind, param)) => asked.push((kind, param, v)),
+                    None if key == "structural_tag" => {
+                        return Err(ApiError::with_code(
+                            "unsupported_parameter",
+                            Some("structured_outputs.structural_tag".into()),
+                            "`structured_outputs.structural_tag` is not supported: send `json`, `regex`, \
+                             `choice`, `grammar` or `json_object`.",
+                        ))
                     }
-                }
-                let legacy_asks =
-                    [self.json, self.regex, self.choice, self.grammar].into_iter().any(|v| set(v).is_some());
-                if asked.is_empty() && !legacy_asks {
-                    // as vLLM: the object is sent to constrain, and tuning keys alone do not
-                    return Err(ApiError::invalid(
-                        "structured_outputs",
-                        "`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar` or \
-                         `json_object: true`.",
-                    ));
+                    None => inert.push(format!("structured_outputs.{key}")),
                 }
             }
-            Some(other) => {
-                return Err(invalid_type(
+            let legacy_asks = [self.json, self.regex, self.choice, self.grammar].into_iter().any(|v| set(v).is_some());
+            if asked.is_empty() && !legacy_asks {
+                // as vLLM: the object is sent to constrain, and tuning keys alone do not
+                return Err(ApiError::invalid(
                     "structured_outputs",
-                    format!("`structured_outputs` must be an object, not {}.", kind_of(other)),
-                ))
+                    "`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar` or \
+                     `json_object: true`.",
+                ));
             }
         }
         let legacy = [
