@@ -424,6 +424,32 @@ def test_gguf_q8_0_within_quantization_error_and_same_logits(tmp_path):
     assert torch.equal(expected.argmax(-1), got.argmax(-1))
 
 
+def test_gguf_weights_are_made_when_read(tmp_path):
+    """A GGUF checkpoint dequantizes a weight when it is read, so a build that pops each holds
+    one at a time; its samples (the fingerprint's) read only the rows they need, with Q/K rows
+    taken from where llama.cpp permuted them to."""
+    from llmserve.engine.build import system_fingerprint
+    from llmserve.loaders.checkpoint import LazyWeights
+
+    path = tmp_path / "tiny.Q8_0.gguf"
+    write_gguf(path, tiny_llama(tie=True), quant="Q8_0")
+    weights = load_checkpoint(str(path)).weights
+    assert isinstance(weights, LazyWeights)
+    made = {name: weights[name] for name in weights}
+    rng = np.random.default_rng(0)
+    for name, full in made.items():
+        assert weights.shape(name) == tuple(full.shape)
+        assert torch.equal(weights[name], full) and weights[name] is not full   # made anew
+        index = rng.integers(0, full.numel(), 40)
+        assert torch.equal(weights.sample(name, index), full.reshape(-1)[torch.from_numpy(index)]), name
+    assert system_fingerprint(weights, "cpu") == system_fingerprint(made, "cpu")
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(weights.pop(q), made[q]) and q not in weights and len(weights) == len(made) - 1
+    assert weights.pop(q, None) is None
+    with pytest.raises(KeyError):
+        weights.pop(q)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_gguf_qwen(tmp_path, arch):
     import transformers

@@ -10,16 +10,19 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
 from _plans import run_schedule
+import test_cpu_decoder
 from test_bf16_steps import PROMPTS, SCHEDULE
 from test_cpu_decoder import BASE, quantized_model
 from tiny import random_llama_weights
 
 import llmserve.models.layers as layers
 import llmserve.models.llama as llama
+from llmserve.loaders.checkpoint import LazyWeights
 from llmserve.models import build_model
 from llmserve.models.layers import Linear
 from llmserve.worker.threads import QUANT_MAX_TOKENS
@@ -92,13 +95,13 @@ def test_with_native_bf16_a_serving_gguf_model_drops_its_fp32_layer_weights(monk
     real_bf16 = layers._bf16_linear
     plain = quantized_model("llama", seed=3)
     kept = []
-    real_attach = llama.LlamaForCausalLM.attach_quantized
+    real_quantize = llama.quantize_linear
 
-    def attach(self, fused, bf16=None, release_fp32=False):
-        kept.extend(weakref.ref(m.weight) for m in _layer_linears(self))
-        return real_attach(self, fused, bf16, release_fp32)
+    def quantize(name, module, q, weight, bf16, release):
+        kept.append(weakref.ref(weight))
+        return real_quantize(name, module, q, weight, bf16, release)
 
-    monkeypatch.setattr(llama.LlamaForCausalLM, "attach_quantized", attach)
+    monkeypatch.setattr(llama, "quantize_linear", quantize)
     served = quantized_model("llama", seed=3, serving=True)
     linears = _layer_linears(served)
     assert linears and all(m.weight.is_meta and m.quant is not None and m.bf16_weight is not None
@@ -129,3 +132,51 @@ def test_without_native_bf16_a_serving_gguf_model_keeps_fp32(monkeypatch):
     monkeypatch.setattr(llama, "native_bf16", lambda: False)
     served = quantized_model("llama", seed=3, serving=True)
     assert all(not m.weight.is_meta and m.bf16_weight is None for m in _layer_linears(served))
+
+
+class _Recorded:
+    """A LazyTensor over a float32 tensor. Each make records how many of the copies made so
+    far of `watched` tensors are still alive, then keeps a weak reference to its own."""
+
+    def __init__(self, name: str, t: torch.Tensor, watched: set, made: list, alive: list) -> None:
+        self.name, self.t, self.shape = name, t, tuple(t.shape)
+        self.watched, self.made, self.alive = watched, made, alive
+
+    def make(self) -> torch.Tensor:
+        self.alive.append(sum(1 for n, ref in self.made if n in self.watched and ref() is not None))
+        copy = self.t.clone()
+        self.made.append((self.name, weakref.ref(copy)))
+        return copy
+
+    def rows(self, index):
+        return self.t[torch.from_numpy(index)]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.is_mkldnn else t
+
+
+def test_a_serving_build_from_lazy_weights_holds_one_fp32_layer_linear_at_a_time(monkeypatch):
+    """A GGUF checkpoint's weights are made when read (LazyWeights): with native bf16 each layer
+    linear gets its blocks and bf16 copy, and drops its fp32, as it is made, so the build never
+    holds the model's layer linears in fp32 at once. The same model as from a dict."""
+    monkeypatch.setattr(llama, "native_bf16", lambda: True)
+    made, alive = [], []
+    real_build = test_cpu_decoder.build_model
+
+    def build(c, weights, dtype, device, quantized, serving):
+        watched = set(quantized)   # (the layer linears' parts)
+        lazy = LazyWeights({n: _Recorded(n, t, watched, made, alive) for n, t in weights.items()})
+        return real_build(c, lazy, dtype, device, quantized=quantized, serving=serving)
+
+    eager = quantized_model("llama", seed=5, serving=True)
+    monkeypatch.setattr(test_cpu_decoder, "build_model", build)
+    lazy = quantized_model("llama", seed=5, serving=True)
+    assert len(alive) == len(made) > 8 and max(alive) <= 1, alive
+    for a, b in zip(_layer_linears(eager), _layer_linears(lazy), strict=True):
+        assert b.weight.is_meta and torch.equal(_dense(a.bf16_weight), _dense(b.bf16_weight))
+        assert np.array_equal(a.quant.data, b.quant.data)
+    for name, t in eager.state_dict().items():
+        if not t.is_meta:
+            assert torch.equal(t, lazy.state_dict()[name]), name
+    assert torch.equal(eager.lm_bf16, lazy.lm_bf16)

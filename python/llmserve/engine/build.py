@@ -13,14 +13,16 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version, numerics_revision
 from llmserve.config import Config, parse_bytes
-from llmserve.loaders.checkpoint import LoadError
+from llmserve.loaders.checkpoint import LazyWeights, LoadError
 from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
 
 log = logging.getLogger("llmserve.engine")
@@ -112,7 +114,7 @@ def _check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
                            "(llmserve._core.paged_decode_attention): rebuild the extension")
 
 
-def system_fingerprint(weights: dict[str, torch.Tensor], *numerics) -> str:
+def system_fingerprint(weights: Mapping[str, torch.Tensor], *numerics) -> str:
     """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits that change with what a seeded
     output depends on besides the request: the build (the package version, the Rust kernels'
     numerics revision and torch's version, whose CPU kernels compute the prompt), the weights
@@ -121,11 +123,16 @@ def system_fingerprint(weights: dict[str, torch.Tensor], *numerics) -> str:
     build = [core_version, numerics_revision, torch.__version__]
     h = hashlib.sha256(json.dumps([*build, *map(str, numerics)]).encode())
     for name in sorted(weights):
-        t = weights[name].detach()
-        flat = t.reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.float32)
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(sample.numpy().tobytes())
+        if isinstance(weights, LazyWeights):   # (a GGUF file's: made from the sampled rows only)
+            shape, dtype = weights.shape(name), torch.float32
+            size = math.prod(shape)
+            sample = weights.sample(name, np.arange(0, size, max(1, size // 64))[:64])
+        else:
+            t = weights[name].detach()
+            shape, dtype, flat = tuple(t.shape), t.dtype, t.reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64]
+        h.update(f"{name}{shape}{dtype}".encode())
+        h.update(sample.to("cpu", torch.float32).numpy().tobytes())
     return "fp_" + h.hexdigest()[:10]
 
 

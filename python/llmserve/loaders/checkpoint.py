@@ -9,7 +9,9 @@ tokens and generation_config.json. Nothing downstream opens model files again.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -77,11 +79,69 @@ class PackedQuant:
     cols: int
 
 
+class LazyTensor(Protocol):
+    """A float32 tensor a loader can make on demand (a GGUF tensor, dequantized)."""
+
+    shape: tuple[int, ...]
+
+    def make(self) -> torch.Tensor:
+        """The whole tensor, made anew."""
+
+    def rows(self, index: np.ndarray) -> torch.Tensor:
+        """Rows `index` of a matrix ([len(index), cols]), made without the others."""
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """HF-named weights made when read (a GGUF file's, dequantized on demand).
+
+    `weights[name]` makes the tensor anew each time; `pop(name)` makes it and forgets the
+    name, so a build that pops each weight as it converts it holds one of them at a time
+    instead of the whole model in float32 beside the model's own copy. `shape` and `sample`
+    read without making a tensor whole."""
+
+    def __init__(self, sources: dict[str, LazyTensor]) -> None:
+        self._sources = dict(sources)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._sources[name].make()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def pop(self, name: str, *default):
+        if name not in self._sources and default:
+            return default[0]
+        return self._sources.pop(name).make()
+
+    def copy(self) -> "LazyWeights":
+        return LazyWeights(self._sources)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._sources[name].shape)
+
+    def sample(self, name: str, index: np.ndarray) -> torch.Tensor:
+        """The values at flat (row-major) positions `index`, made from the rows they lie in."""
+        src = self._sources[name]
+        if len(src.shape) != 2:
+            return src.make().reshape(-1)[torch.from_numpy(index)]
+        rows, inverse = np.unique(index // src.shape[1], return_inverse=True)
+        return src.rows(rows)[torch.from_numpy(inverse), torch.from_numpy(index % src.shape[1])]
+
+
+def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """The shape of `weights[name]`, without making a lazy one."""
+    return weights.shape(name) if isinstance(weights, LazyWeights) else tuple(weights[name].shape)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     name: str                          # default served model name
     hf_config: dict                    # config.json (GGUF: an equivalent HF config)
-    weights: dict[str, torch.Tensor]   # HF parameter names; GGUF: dequantized float32, Q/K un-permuted
+    # HF parameter names; GGUF: LazyWeights, dequantized to float32 when read, Q/K un-permuted
+    weights: Mapping[str, torch.Tensor]
     tokenizer_json: str | None         # path of tokenizer.json (HF folders)
     gguf_vocab: dict | None            # GgufVocab (rust/router tokenizer.rs) as a dict (GGUF files)
     template_sources: dict             # TemplateSources (rust/router template.rs) as a dict
@@ -95,7 +155,7 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         # The default repr would print every tensor; this is what a log line wants.
-        n_params = sum(t.numel() for t in self.weights.values())
+        n_params = sum(int(np.prod(weight_shape(self.weights, n))) for n in self.weights)
         arch = (self.hf_config.get("architectures") or ["?"])[0]
         return (
             f"Checkpoint(name={self.name!r}, arch={arch}, tensors={len(self.weights)}, "

@@ -12,9 +12,11 @@ tests/parity/test_gguf_vs_transformers.py:
   (2i, 2i + 1). HF-style models would then rotate the wrong pairs and the output is silent
   garbage, so we undo it here. qwen2/qwen3 files are written unpermuted (NEOX RoPE).
 
-Every tensor type the file holds is dequantized to float32 with gguf's `dequantize`. Matrices
-in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`, rows un-permuted
-the same way) for the quantized GEMV of few-token decode steps.
+Every tensor type the file holds is dequantized to float32 (Q8_0/Q4_0/Q4_1 by our Rust
+kernels, the others with gguf's `dequantize`) when the model build reads it
+(`Checkpoint.weights` is a LazyWeights), so a load never holds the whole model in float32 at
+once. Matrices in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`,
+rows un-permuted the same way) for the quantized GEMV of few-token decode steps.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import numpy as np
 import torch
 
 from .. import _core
-from .checkpoint import QUANT_FORMATS, Checkpoint, LoadError, QuantTensor, empty_template_sources
+from .checkpoint import (QUANT_FORMATS, Checkpoint, LazyWeights, LoadError, QuantTensor,
+                         empty_template_sources)
 from .gguf_header import read_gguf
 
 # GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
@@ -79,6 +82,11 @@ def hf_name(gguf_name: str) -> str:
     raise LoadError(f"unexpected tensor {gguf_name!r} in GGUF file; llmserve cannot place it")
 
 
+def _check_qk_rows(rows: int, n_heads: int) -> None:
+    if rows % (2 * n_heads):
+        raise LoadError(f"Q/K tensor with {rows} rows does not split into {n_heads} heads of even size")
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (rows: n_heads * head_dim; works for biases too).
 
@@ -86,8 +94,7 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     interleaving the two rotate-half halves; the inverse views [head_dim/2, 2] and transposes back.
     """
     rows = w.shape[0]
-    if rows % (2 * n_heads):
-        raise LoadError(f"Q/K tensor with {rows} rows does not split into {n_heads} heads of even size")
+    _check_qk_rows(rows, n_heads)
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
@@ -193,21 +200,45 @@ def _vocab(meta: _Meta) -> dict:
     return vocab
 
 
-def _dequantize(tensor) -> torch.Tensor:
-    from gguf.quants import dequantize
+class _GgufWeight:
+    """One GGUF tensor as the float32 HF weight it stands for (a LazyTensor): dequantized, and
+    for llama-arch Q/K rows un-permuted, each time it is made."""
 
-    # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    if int(tensor.tensor_type) in QUANT_FORMATS and len(shape) == 2:
+    def __init__(self, tensor, heads: int | None) -> None:
+        self.tensor = tensor
+        self.heads = heads   # un-permute Q/K rows over this many heads; None: rows as stored
+        # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    def make(self) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        if self._blocks():
+            return self.rows(None)
+        arr = dequantize(self.tensor.data, self.tensor.tensor_type)
+        if arr.dtype != np.float32 or not arr.flags.writeable:
+            arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
+        w = torch.from_numpy(arr.reshape(self.shape))
+        return w if self.heads is None else unpermute_qk(w, self.heads)
+
+    def rows(self, index: np.ndarray | None) -> torch.Tensor:
+        if not self._blocks():
+            return self.make()[torch.from_numpy(index)]
         # The formats the quantized GEMV reads: Rust computes the same float32 values as the
-        # gguf package, ~10x faster (most of a GGUF model's load time otherwise).
-        out = np.empty(shape, dtype=np.float32)
-        _core.dequantize(out, np.asarray(tensor.data).reshape(shape[0], -1), int(tensor.tensor_type))
+        # gguf package, ~10x faster (most of a GGUF model's load time otherwise). Rows are
+        # independent, so a Q/K row is dequantized from the file row it was permuted to.
+        blocks = np.asarray(self.tensor.data).reshape(self.shape[0], -1)
+        if self.heads is not None:
+            stored = unpermute_qk(torch.arange(self.shape[0]), self.heads).numpy()
+            index = stored if index is None else stored[index]
+        if index is not None:
+            blocks = blocks[index]
+        out = np.empty((blocks.shape[0], self.shape[1]), dtype=np.float32)
+        _core.dequantize(out, blocks, int(self.tensor.tensor_type))
         return torch.from_numpy(out)
-    arr = dequantize(tensor.data, tensor.tensor_type)
-    if arr.dtype != np.float32 or not arr.flags.writeable:
-        arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
-    return torch.from_numpy(arr.reshape(shape))
+
+    def _blocks(self) -> bool:
+        return int(self.tensor.tensor_type) in QUANT_FORMATS and len(self.shape) == 2
 
 
 def _raw_blocks(tensor) -> QuantTensor | None:
@@ -256,27 +287,24 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
 
     types = Counter(t.tensor_type.name for t in tensors)
     permuted = _ARCHS[arch][2]
-    weights: dict[str, torch.Tensor] = {}
+    lazy: dict[str, _GgufWeight] = {}
     quantized: dict[str, QuantTensor] = {}
     for tensor in tensors:
         key = names[tensor.name]
-        w, raw = _dequantize(tensor), _raw_blocks(tensor)
+        raw = _raw_blocks(tensor)
         heads = None
         if permuted and ".self_attn.q_proj." in key:
             heads = config["num_attention_heads"]
         elif permuted and ".self_attn.k_proj." in key:
             heads = config["num_key_value_heads"]
         if heads is not None:
-            w = unpermute_qk(w, heads)
+            _check_qk_rows(int(tensor.shape[-1]), heads)   # (GGUF dims run innermost first)
             raw = None if raw is None else _unpermute_raw(raw, heads)
-        weights[key] = w
+        lazy[key] = _GgufWeight(tensor, heads)
         if raw is not None:
             quantized[key] = raw
-    log.info(
-        "GGUF %s: dequantized %d tensors (%s) to float32 in %.2f s",
-        path.name, len(weights), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
-        time.perf_counter() - t1,
-    )
+    log.info("GGUF %s: %d tensors (%s), dequantized to float32 as the model is built",
+             path.name, len(lazy), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
 
     tokens = vocab["tokens"]
 
@@ -297,7 +325,7 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
     return Checkpoint(
         name=name,
         hf_config=config,
-        weights=weights,
+        weights=LazyWeights(lazy),
         tokenizer_json=None,
         gguf_vocab=vocab,
         template_sources=sources,

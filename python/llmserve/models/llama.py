@@ -10,12 +10,12 @@ loading never pays for a random init. GGUF checkpoints' quantized blocks, fused 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from llmserve.loaders.checkpoint import PackedQuant, QuantTensor
+from llmserve.loaders.checkpoint import LazyWeights, PackedQuant, QuantTensor, weight_shape
 from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
                                     RotaryEmbedding, linear, pack_bf16, quant_linear,
@@ -165,22 +165,35 @@ class LlamaForCausalLM(nn.Module):
 
         `serving`: the model is for a ModelRunner, built from tensors nothing else needs. Each
         is then popped from `weights` and `quantized` once converted (the dicts end empty), so
-        the checkpoint's copy of a weight is freed as the model's is made; and a linear that
-        gets GGUF blocks and a bfloat16 copy keeps no float32 weight, which no runner step
-        reads (`release_fp32`)."""
+        the checkpoint's copy of a weight is freed as the model's is made; and a layer linear
+        that gets GGUF blocks and a bfloat16 copy keeps no float32 weight, which no runner step
+        reads (`quantize_linear`). Each linear gets its blocks as its weight is made, so with
+        lazily made weights (a GGUF checkpoint's) such a build holds one linear's float32 at a
+        time, never the whole model's."""
         c = cls.parse_config(hf_config)
         if not c.tie_word_embeddings and "lm_head.weight" not in weights:
             # NOTE: checkpoints that ship no LM head (GGUF without `output.weight`) tie it.
             c = DecoderConfig(**{**c.__dict__, "tie_word_embeddings": True})
         with torch.device("meta"):
             model = cls(c)
-        state = fuse_hf_weights(c, weights, dtype, device, take=serving)
+        blocks = quantized if quantized and dtype == torch.float32 and device.type == "cpu" else None
+        bf16 = native_bf16()
+        parts = quantized_parts(c)
+
+        def attach(name: str, weight: torch.Tensor) -> torch.Tensor:
+            q = fused_blocks(blocks, parts[name], take=serving)
+            if q is None:
+                return weight
+            return quantize_linear(name, model.get_submodule(name), q, weight, bf16, serving)
+
+        state = fuse_hf_weights(c, weights, dtype, device, take=serving,
+                                on_linear=None if blocks is None else attach)
         model.load_state_dict(state, strict=True, assign=True)
         del state
         model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
                                      device)
-        if quantized and dtype == torch.float32 and device.type == "cpu":
-            model.attach_quantized(fuse_quantized(c, quantized, take=serving), release_fp32=serving)
+        if blocks is not None:   # (served, its dict is empty by now)
+            model.attach_head(fused_blocks(blocks, parts["lm_head"], take=serving), bf16)
         model.requires_grad_(False)
         return model.eval()
 
@@ -196,25 +209,28 @@ class LlamaForCausalLM(nn.Module):
         then computes on the bf16 copy outside runner steps too. The LM head keeps float32."""
         if bf16 is None:
             bf16 = native_bf16()
+        head = None
         for name, q in fused.items() if isinstance(fused, dict) else fused:
-            weight = self.embed_tokens.weight if name == "lm_head" and self.lm_head is None \
-                else self.get_submodule(name).weight
-            if (q.rows, q.cols) != tuple(weight.shape):
-                raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its weight "
-                                 f"{list(weight.shape)}")
             if name == "lm_head":
-                self.lm_quant = q.pack()
-            else:
-                module = self.get_submodule(name)
-                module.quant = q.pack()
-                # (detached: a copy made with grad would keep the fp32 weight alive in its graph)
-                module.bf16_weight = pack_bf16(module.weight.detach().to(torch.bfloat16)) if bf16 else None
-                if bf16 and release_fp32:
-                    module.weight = nn.Parameter(torch.empty(weight.shape, device="meta"),
-                                                 requires_grad=False)
-            del q, weight   # (the fused blocks and the fp32 weight go now, not at the next one)
-            self.quantized = True
+                head = q
+                continue
+            module = self.get_submodule(name)
+            kept = quantize_linear(name, module, q, module.weight, bf16, release_fp32)
+            if kept is not module.weight:
+                module.weight = nn.Parameter(kept, requires_grad=False)
+            del q, kept   # (the fused blocks and the fp32 weight go now, not at the next one)
+        self.attach_head(head, bf16)
+
+    def attach_head(self, q: QuantTensor | None, bf16: bool) -> None:
+        """The LM head's blocks (None: it has none) and, once the model has blocks anywhere and
+        with `bf16`, its bfloat16 copy; call after the layer linears got theirs."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if q is not None:
+            if (q.rows, q.cols) != tuple(head.shape):
+                raise ValueError(f"quantized lm_head is [{q.rows}, {q.cols}], its weight {list(head.shape)}")
+            self.lm_quant = q.pack()
+        self.quantized = self.lm_quant is not None or any(
+            getattr(m, "quant", None) is not None for m in self.layers.modules())
         self.lm_bf16 = head.detach().to(torch.bfloat16) if bf16 and self.quantized else None
         self._cpu_path = None
 
@@ -272,24 +288,28 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                    device: torch.device | str = "cpu", take: bool = False) -> dict[str, torch.Tensor]:
+def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                    device: torch.device | str = "cpu", take: bool = False,
+                    on_linear: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                    ) -> dict[str, torch.Tensor]:
     """HF parameter names -> this module's names, with q|k|v and gate|up concatenated, each
     tensor converted to `dtype` on `device` (fused ones written straight into their place, so
     no fused copy in the checkpoint's dtype is made). `take`: tensors are popped from
-    `weights` as they are used. Raises, naming the checkpoint's tensor, on one that is
-    missing, unexpected or of another shape than the config gives it, so a wrong mapping never
-    loads silently."""
-    left = weights if take else dict(weights)
+    `weights` (a dict or LazyWeights) as they are used. `on_linear(name, weight)`: called
+    with each layer linear's weight (`layers.0.attn.qkv`, ...) as it is made, before the next
+    one; what it returns goes in its place. Raises, naming the checkpoint's tensor, on one
+    that is missing, unexpected or of another shape than the config gives it, so a wrong
+    mapping never loads silently."""
+    left = weights if take else weights.copy() if isinstance(weights, LazyWeights) else dict(weights)
     shapes = hf_shapes(c)
 
-    def checked(name: str) -> torch.Tensor:
+    def checked(name: str) -> tuple[int, ...]:
         if name not in left:
             raise ValueError(f"checkpoint is missing {name!r}")
-        t = left[name]
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"{name} is {list(t.shape)}, but the config makes it {list(shapes[name])}")
-        return t
+        shape = weight_shape(left, name)
+        if shape != shapes[name]:
+            raise ValueError(f"{name} is {list(shape)}, but the config makes it {list(shapes[name])}")
+        return shape
 
     def one(name: str) -> torch.Tensor:
         checked(name)
@@ -297,31 +317,36 @@ def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor], dtype: t
 
     def cat(*names: str) -> torch.Tensor:
         parts = [checked(n) for n in names]
-        out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device=device)
-        del parts
+        out = torch.empty((sum(p[0] for p in parts), *parts[0][1:]), dtype=dtype, device=device)
         row = 0
         for n in names:
             part = left.pop(n)
             out[row:row + part.shape[0]].copy_(part)
             row += part.shape[0]
+            del part
         return out
+
+    def linear(ours: str, t: torch.Tensor) -> torch.Tensor:
+        return t if on_linear is None else on_linear(ours, t)
 
     out = {"embed_tokens.weight": one("model.embed_tokens.weight"),
            "norm.weight": one("model.norm.weight")}
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sa = hf + "self_attn."
-        out[ours + "attn.qkv.weight"] = cat(sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
+        out[ours + "attn.qkv.weight"] = linear(ours + "attn.qkv", cat(sa + "q_proj.weight", sa + "k_proj.weight",
+                                                                     sa + "v_proj.weight"))
         if c.qkv_bias:
             out[ours + "attn.qkv.bias"] = cat(sa + "q_proj.bias", sa + "k_proj.bias", sa + "v_proj.bias")
-        out[ours + "attn.o_proj.weight"] = one(sa + "o_proj.weight")
+        out[ours + "attn.o_proj.weight"] = linear(ours + "attn.o_proj", one(sa + "o_proj.weight"))
         if c.o_bias:
             out[ours + "attn.o_proj.bias"] = one(sa + "o_proj.bias")
         if c.qk_norm:
             out[ours + "attn.q_norm.weight"] = one(sa + "q_norm.weight")
             out[ours + "attn.k_norm.weight"] = one(sa + "k_norm.weight")
-        out[ours + "mlp.gate_up.weight"] = cat(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-        out[ours + "mlp.down.weight"] = one(hf + "mlp.down_proj.weight")
+        out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", cat(hf + "mlp.gate_proj.weight",
+                                                                           hf + "mlp.up_proj.weight"))
+        out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
         out[ours + "input_norm.weight"] = one(hf + "input_layernorm.weight")
         out[ours + "post_norm.weight"] = one(hf + "post_attention_layernorm.weight")
     if c.tie_word_embeddings:
@@ -334,30 +359,51 @@ def fuse_hf_weights(c: DecoderConfig, weights: dict[str, torch.Tensor], dtype: t
     return out
 
 
+def quantized_parts(c: DecoderConfig) -> dict[str, tuple[str, ...]]:
+    """Each linear that can take GGUF blocks (`lm_head`, `layers.0.attn.qkv`, ...) -> the
+    HF-named weights fused into it, in order."""
+    parts = {"lm_head": ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",)}
+    for i in range(c.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        sa = hf + "self_attn."
+        parts[ours + "attn.qkv"] = (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
+        parts[ours + "attn.o_proj"] = (sa + "o_proj.weight",)
+        parts[ours + "mlp.gate_up"] = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        parts[ours + "mlp.down"] = (hf + "mlp.down_proj.weight",)
+    return parts
+
+
+def fused_blocks(quantized: dict[str, QuantTensor], names: Sequence[str], take: bool = False) -> QuantTensor | None:
+    """The blocks of HF-named `names` fused (rows concatenated); None when one of them is not
+    quantized or their formats differ: the linear then always runs the fp32 matmul. `take`:
+    the parts are popped from `quantized`."""
+    parts = [quantized.pop(n, None) if take else quantized.get(n) for n in names]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else QuantTensor.concat(parts)
+
+
 def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor],
                    take: bool = False) -> Iterator[tuple[str, QuantTensor]]:
-    """HF-named quantized weights -> (this module's linear name (`layers.0.attn.qkv`, ...,
-    `lm_head`), blocks) pairs, fused like `fuse_hf_weights`, one linear at a time. A linear gets
-    none when one of its parts is not quantized or the parts' formats differ: it then always
-    runs the fp32 matmul. `take`: the parts are popped from `quantized` as they are used."""
-    def get(*names: str) -> QuantTensor | None:
-        parts = [quantized.pop(n, None) if take else quantized.get(n) for n in names]
-        if any(p is None for p in parts):
-            return None
-        return parts[0] if len(parts) == 1 else QuantTensor.concat(parts)
-
-    def linears() -> Iterator[tuple[str, tuple[str, ...]]]:
-        yield "lm_head", ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",)
-        for i in range(c.num_layers):
-            hf, ours = f"model.layers.{i}.", f"layers.{i}."
-            sa = hf + "self_attn."
-            yield ours + "attn.qkv", (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
-            yield ours + "attn.o_proj", (sa + "o_proj.weight",)
-            yield ours + "mlp.gate_up", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-            yield ours + "mlp.down", (hf + "mlp.down_proj.weight",)
-
-    for name, parts in linears():
-        q = get(*parts)
+    """HF-named quantized weights -> (this module's linear name, blocks) pairs as
+    `attach_quantized` takes them, fused like `fuse_hf_weights`, one linear at a time."""
+    for name, parts in quantized_parts(c).items():
+        q = fused_blocks(quantized, parts, take)
         if q is not None:
             yield name, q
         del q   # (so the consumer holds the only reference while the next linear fuses)
+
+
+def quantize_linear(name: str, module: Linear, q: QuantTensor, weight: torch.Tensor, bf16: bool,
+                    release: bool) -> torch.Tensor:
+    """Give the layer linear `module` (`name`), whose float32 weight is `weight`, its GGUF blocks `q`
+    and, with `bf16`, a bfloat16 copy of the weight (layers.Linear.bf16_weight); returns the
+    weight it keeps: `weight`, or with `bf16` and `release` a meta tensor of its shape (no
+    runner step reads it; `layers.linear` then computes on the bf16 copy outside runner steps
+    too)."""
+    if (q.rows, q.cols) != tuple(weight.shape):
+        raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its weight {list(weight.shape)}")
+    module.quant = q.pack()
+    # (detached: a copy made with grad would keep the fp32 weight alive in its graph)
+    module.bf16_weight = pack_bf16(weight.detach().to(torch.bfloat16)) if bf16 else None
+    return torch.empty(weight.shape, device="meta") if bf16 and release else weight
