@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -84,7 +85,8 @@ def _template_sources(cfg: Config, sources: dict) -> dict:
     sources = dict(sources)
     cli = cfg.model.chat_template
     if cli is not None:
-        sources["cli"] = open(cli, encoding="utf-8").read() if os.path.isfile(cli) else cli
+        # (Config checked the file reads as UTF-8 text, before the model loaded)
+        sources["cli"] = Path(cli).read_text(encoding="utf-8") if os.path.isfile(cli) else cli
     return sources
 
 
