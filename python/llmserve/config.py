@@ -104,7 +104,9 @@ class _Checked:
                 bounds = [f"at least {low}"] if low is not None else []
                 bounds += [f"greater than {above}"] if above is not None else []
                 bounds += [f"at most {high}"] if high is not None else []
-                raise ValueError(f"{flag} must be {' and '.join(bounds)}; got {getattr(self, f.name)}")
+                got = getattr(self, f.name)
+                shown = f"{got} ({value} bytes)" if meta.get("memory") and got != value else f"{got}"
+                raise ValueError(f"{flag} must be {' and '.join(bounds)}; got {shown}")
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ class ModelConfig(_Checked):
         positional=True,
     )
     served_model_name: tuple[str, ...] = _f(
-        (), "Name(s) clients use in `model` (repeatable; every one is an alias).", append=True
+        (), "Name(s) clients use in `model`, every one an alias: several after the flag (as vLLM takes "
+        "them; give the model first then) or the flag repeated.", append=True, several=True
     )
     max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's.",
                                     min=1)
@@ -289,6 +292,13 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            want = f.default_factory   # (the section's class)
+            if not isinstance(getattr(self, f.name), want):
+                raise TypeError(f"Config.{f.name} must be a {want.__name__} (llmserve.config), "
+                                f"got {type(getattr(self, f.name)).__name__}")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 
 import httpx
+import numpy as np
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
@@ -218,11 +219,49 @@ def test_a_failed_load_is_said_on_every_route(tmp_path):
 
 
 def test_bad_arguments_are_clear_type_errors(llm, tiny_model):
-    for bad in (5, {"a": 1}, [1.5], [["a"]], (1, 2)):
-        with pytest.raises(TypeError, match="prompts must be"):
+    for bad, says in ((5, "prompts must be a str, token ids, or a list of either; got int"),
+                      ({"a": 1}, "got dict"), ([1.5], r"token ids must be integers; prompts\[0\] is float"),
+                      ([3, True], r"token ids must be integers; prompts\[1\] is bool"),
+                      (["a", [3, 4.0]], r"prompts\[1\] must be a str or token ids \(integers\); got a list holding a float"),
+                      ([["a"]], r"prompts\[0\] .*; got a list holding a str")):
+        with pytest.raises(TypeError, match=says):
             llm.generate(bad, {"max_tokens": 1})
+    with pytest.raises(TypeError, match=r"pass the prompt as the first argument, not as params\['prompt'\]"):
+        llm.generate("a", {"prompt": "b"})
+    with pytest.raises(TypeError, match="pass the messages as the first argument"):
+        llm.chat([{"role": "user", "content": "a"}], {"messages": []})
     with pytest.raises(TypeError, match="max_model_len"):
         LLM(str(tiny_model), max_model_len=512.5)  # before anything loads
+
+
+def test_token_ids_may_be_tuples_and_numpy_integers(llm):
+    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    want = llm.generate([5, 6, 7, 8], params)[0].text
+    for ids in ((5, 6, 7, 8), np.array([5, 6, 7, 8]), [np.int64(5), 6, np.uint16(7), 8]):
+        assert llm.generate(ids, params)[0].text == want, ids
+    assert [r.text for r in llm.generate(np.array([[5, 6, 7, 8]] * 2), params)] == [want, want]
+
+
+def test_params_json_cannot_hold_are_refused_as_over_http(llm):
+    """Integers beyond 64 bits get the Router's range error (orjson cannot write them);
+    integer keys are written as strings, as `logit_bias` is usually spelled in Python."""
+    from llmserve import BadRequestError
+
+    for prompt, params, param in (("hi", {"max_tokens": 2**70}, "max_tokens"),
+                                  ("hi", {"max_tokens": 2, "seed": 2**64}, "seed"),
+                                  ([1, 2, 2**64], {"max_tokens": 2}, "prompt[2]")):
+        with pytest.raises(BadRequestError) as e:
+            llm.generate(prompt, params)
+        assert e.value.param == param
+    params = {"max_tokens": 3, "temperature": 0}
+    forced = llm.generate("hi", {**params, "logit_bias": {9: 100}})[0]
+    assert forced.text == llm.generate("hi", {**params, "logit_bias": {"9": 100}})[0].text
+    assert forced.text != llm.generate("hi", params)[0].text
+
+
+def test_server_options_are_told_to_have_no_effect_offline(tiny_model):
+    with pytest.warns(UserWarning, match="no effect offline: port, max_waiting"):
+        LLM(str(tiny_model), num_kv_blocks=64, port=9, max_waiting=2)
 
 
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):
@@ -307,3 +346,64 @@ def test_mounted_app_loads_on_its_first_request_and_keeps_probes_open(tiny_model
         await inner.state.engine.drain()
 
     asyncio.run(main())
+
+
+_EXIT_SCRIPT = """
+import asyncio, sys
+from llmserve import AsyncEngine
+from llmserve.engine.offline import make_config
+
+engine = AsyncEngine(make_config(sys.argv[1], served_model_name=["tiny"], num_kv_blocks=64, threads=1))
+
+async def main():
+    if sys.argv[2] == "loading":      # the application ends before the load does
+        asyncio.ensure_future(engine.start())
+        await asyncio.sleep(0.01)
+        return
+    await engine.start()
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 500, "ignore_eos": true, "stream": true}'
+    stream = await engine.submit("completion", body)
+    asyncio.ensure_future(stream.read_all())   # still reading when asyncio.run cancels it
+    await asyncio.sleep(0.3)
+
+asyncio.run(main())
+print("exited")
+"""
+
+
+@pytest.mark.parametrize("when", ["loading", "generating"])
+def test_an_application_that_never_drains_exits_cleanly(tiny_model, when):
+    """An engine thread (the load, or the loop inside a step) still running at interpreter
+    exit is waited for or stopped first: an interpreter that finalizes around a thread inside
+    torch aborts the process (SIGABRT, "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tiny_model), when],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "exited"), done.stderr[-2000:]
+    assert "terminate called" not in done.stderr and "FATAL" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_stream_read_from_another_loop_says_so(tiny_model):
+    """Outputs are queued on the loop that started the engine: another loop would wait forever."""
+    import threading
+
+    engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(engine.start(), home).result(60)
+        with pytest.raises(TypeError, match="must be bytes"):
+            asyncio.run_coroutine_threadsafe(engine.submit("completion", '{"prompt": "hi"}'), home).result(5)
+        body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+        stream = asyncio.run_coroutine_threadsafe(engine.submit("completion", body), home).result(5)
+        with pytest.raises(RuntimeError, match="serves the event loop that started it"):
+            asyncio.run(stream.next())
+        assert b'"choices"' in asyncio.run_coroutine_threadsafe(stream.read_all(), home).result(30)
+        asyncio.run_coroutine_threadsafe(engine.drain(), home).result(30)
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join(5)
+        home.close()

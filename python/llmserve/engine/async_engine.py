@@ -9,6 +9,7 @@ gone, task cancelled) aborts the request, which frees its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
@@ -111,6 +112,9 @@ class RequestStream:
     async def next(self, timeout: float | None = None) -> bytes | None:
         """The next bytes; None at the end. Raises the request's ApiError if it failed before
         anything was sent, and TimeoutError after `timeout` seconds without output."""
+        if asyncio.get_running_loop() is not self._engine._loop:
+            # its outputs are queued on the engine's loop, which would never wake this one
+            raise RuntimeError(_OTHER_LOOP)
         item = await asyncio.wait_for(self._queue.get(), timeout) if timeout else await self._queue.get()
         if item is _END:
             return None
@@ -156,6 +160,18 @@ class RequestStream:
 
 # The name of the thread that loads the model (`AsyncEngine.loading`).
 LOAD_THREAD = "llmserve-load"
+_OTHER_LOOP = "this AsyncEngine serves the event loop that started it, not this one"
+
+
+@atexit.register
+def _finish_loads() -> None:
+    """A process that exits while a model loads (stopped before its engine started) waits for
+    the load: it runs inside torch, and an interpreter that finalizes around such a thread
+    aborts the process. (`llmserve run` exits at once instead: `serve`.)"""
+    for thread in threading.enumerate():
+        if thread.name == LOAD_THREAD and thread.is_alive():
+            log.warning("waiting for the model load to end before exiting")
+            thread.join()
 
 
 async def _on_daemon_thread(fn, *args):
@@ -326,7 +342,7 @@ class AsyncEngine:
     def _check_serving(self) -> None:
         if self._loop is not None and asyncio.get_running_loop() is not self._loop:
             # its outputs are delivered to the loop that started it, and would never come
-            raise RuntimeError("this AsyncEngine serves the event loop that started it, not this one")
+            raise RuntimeError(_OTHER_LOOP)
         if self.state == "loading":
             raise self.unavailable("The model is still loading.", retry_after=5)
         if self.state == "failed":
@@ -339,6 +355,8 @@ class AsyncEngine:
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         if endpoint not in GENERATING:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")
+        if not isinstance(body, bytes):
+            raise TypeError(f"the request body must be bytes (its JSON), not {type(body).__name__}")
         self._check_serving()
         router = self.router
         if _off_loop(body):

@@ -11,9 +11,11 @@ false and /health answers 503.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -64,6 +66,19 @@ def commit(core, out) -> list[Output]:
     )
 
 
+# Every EngineThread started (a running thread keeps its own alive through its target).
+_STARTED: weakref.WeakSet[EngineThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the engine loops an application left running (an AsyncEngine it never drained),
+    each once its step ends: a loop runs inside torch, and an interpreter that finalizes
+    around such a thread aborts the process."""
+    for thread in list(_STARTED):
+        thread.stop()
+
+
 class EngineThread:
     """Owns the Core and the runner; everything else talks to it through `post`.
 
@@ -103,6 +118,7 @@ class EngineThread:
 
     def start(self) -> None:
         self.alive = True
+        _STARTED.add(self)
         self._thread.start()
 
     def post(self, op: tuple) -> None:

@@ -9,12 +9,15 @@ wrapped in a small `Result`. `params` take the OpenAI field names (`max_tokens`,
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import numbers
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Union, overload
 
+import numpy as np
 import orjson
 
 from llmserve._core import ApiError, Router
@@ -64,6 +67,11 @@ def make_config(model: str | None = None, **options: Any) -> Config:
 Prompt = Union[str, list[int]]
 Message = dict[str, Any]
 
+# Options of the server alone: offline calls run on the caller's thread, with no HTTP, no queue
+# limit and no step planned ahead.
+SERVER_ONLY = ("host", "port", "api_key", "max_body_bytes", "sse_keep_alive", "access_log", "allowed_origins",
+               "max_waiting", "async_scheduling")
+
 
 class LLM:
     """Offline generation on the calling thread. Calls from several threads run one at a
@@ -71,18 +79,18 @@ class LLM:
     may run to the end of the context, as on the server."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        self.engine = build_engine(make_config(model, **options))
+        config = make_config(model, **options)
+        if unused := [name for name in options if name in SERVER_ONLY]:
+            warnings.warn(f"llmserve: these options have no effect offline: {', '.join(unused)}", stacklevel=2)
+        self.engine = build_engine(config)
         self.model_name = self.engine.model_name
         self._lock = threading.Lock()
 
     def generate(self, prompts: Prompt | list[str] | list[list[int]],
                  params: dict[str, Any] | None = None) -> list[Result]:
-        """Complete each prompt (a string or a list of token ids)."""
-        if not _is_prompt_list(prompts):
-            raise TypeError("prompts must be a str, a list of token ids (ints), or a list of either; "
-                            f"got {type(prompts).__name__}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        """Complete each prompt (a string or token ids: a list, tuple or 1-D array of integers)."""
+        prompts = _prompt_list(prompts)
+        _own_argument(params, "prompt")
         bodies = [{"model": self.model_name, **(params or {}), "prompt": p} for p in prompts]
         # Homogeneous prompts are also a valid single request (the server's shape), whose
         # errors name the prompt as the server would (`prompt[2]`, `prompt[2][1]`).
@@ -101,6 +109,7 @@ class LLM:
         """Answer one conversation (a list of messages) or several (a list of such lists)."""
         many = bool(messages) and isinstance(messages[0], list)
         convs = messages if many else [messages]
+        _own_argument(params, "messages")
         bodies = [{"model": self.model_name, **(params or {}), "messages": m} for m in convs]
         results = self._run("chat", bodies)
         return results if many else results[0]
@@ -160,9 +169,15 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
     """`body` as JSON, as a client sends it. JSON has no NaN or infinity, and orjson writes them
     as null, which the Router would read as an absent field (a NaN temperature sampling at the
     default one). Over HTTP they cannot arrive (the server refuses them as invalid JSON); here
-    they are refused by name."""
-    data = orjson.dumps(body)
-    if b"null" in data:
+    they are refused by name. Integer keys are written as strings (`logit_bias={5: 1.0}`)."""
+    try:
+        data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        # orjson writes no integer beyond 64 bits (`max_tokens=2**70`): the standard library
+        # writes any, so the Router names the field and its range, as over HTTP. (It writes
+        # non-finite floats as NaN/Infinity; those are refused by name below.)
+        data = json.dumps(body, separators=(",", ":")).encode()
+    if b"null" in data or b"NaN" in data or b"Infinity" in data:
         found = _non_finite(body, "")
         if found is not None:
             path, value = found
@@ -205,14 +220,45 @@ def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
     err.add_note(f"(in {kind} {index} of the call, counting from 0)")
 
 
-def _is_prompt_list(prompts: object) -> bool:
-    """str | list[int] | list[str | list[int]] (token ids as Python ints)."""
-    def ids(p: object) -> bool:
-        return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+def _token_ids(p: object) -> list[int] | None:
+    """`p` as token ids (Python ints) when it is a list, tuple or 1-D array of integers (numpy's
+    too, not bools), else None."""
+    if isinstance(p, np.ndarray):
+        return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
+    if isinstance(p, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+        return [int(t) for t in p]
+    return None
 
-    if isinstance(prompts, str) or ids(prompts):
-        return True
-    return isinstance(prompts, list) and all(isinstance(p, str) or ids(p) for p in prompts)
+
+def _prompt_list(prompts: object) -> list[str | list[int]]:
+    """`generate`'s prompts as a list of prompts: one prompt (a str or token ids), or a list of
+    them. TypeError naming the first that is neither."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple, np.ndarray)):
+        raise TypeError(f"prompts must be a str, token ids, or a list of either; got {type(prompts).__name__}")
+    if len(prompts) and (ids := _token_ids(prompts)) is not None:
+        return [ids]
+    if len(prompts) and all(isinstance(t, numbers.Number) for t in prompts):
+        i, t = next((i, t) for i, t in enumerate(prompts) if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+        raise TypeError(f"token ids must be integers; prompts[{i}] is {type(t).__name__}")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        item = p if isinstance(p, str) else _token_ids(p)
+        if item is None:
+            kind = type(p).__name__
+            if isinstance(p, (list, tuple)):
+                kind = next(f"a {type(p).__name__} holding a {type(t).__name__}" for t in p
+                            if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise TypeError(f"prompts[{i}] must be a str or token ids (integers); got {kind}")
+        out.append(item)
+    return out
+
+
+def _own_argument(params: dict[str, Any] | None, name: str) -> None:
+    """`params` may not also carry what the call's first argument gives."""
+    if params and name in params:
+        raise TypeError(f"pass the {name} as the first argument, not as params[{name!r}]")
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:
