@@ -43,6 +43,9 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
             on_off = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text + on_off)
+        elif meta.get("several"):   # (`--flag a b`, as vLLM's nargs="+", and `--flag a --flag b`)
+            group.add_argument(flag, dest=dest, action="extend", nargs="+", type=tp, default=None,
+                               metavar=f.name.upper(), help=help_text)
         elif meta.get("append"):
             group.add_argument(flag, dest=dest, action="append", type=tp, default=None,
                                metavar=f.name.upper(), help=help_text)
@@ -81,6 +84,12 @@ def config_from_args(ns: argparse.Namespace) -> Config:
             kwargs[sf.name] = v
         sections[f.name] = cls(**kwargs)
     cfg = Config(**sections)
+    if cfg.model.model is None:
+        for name in cfg.model.served_model_name:
+            if name.endswith(".gguf") or os.path.exists(name):
+                # `llmserve run --served-model-name a MODEL`: the flag takes several names
+                raise ValueError(f"--served-model-name took {name!r}, which names a model file or folder: "
+                                 "give the model first (llmserve run MODEL --served-model-name NAME ...)")
     env_keys = os.environ.get(_ENV_API_KEY, "")
     if env_keys and cfg.server.api_key:
         logging.getLogger("llmserve").warning("%s is set, but --api-key is given: only the flag's keys are used",

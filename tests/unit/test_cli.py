@@ -64,6 +64,9 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--allowed-origins", "app.example"], {}, "--allowed-origins 'app.example' is not an origin"),
     ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
+    (["--served-model-name", "a", "x.gguf"], {}, "--served-model-name took 'x.gguf', which names a model file "
+                                                  "or folder: give the model first"),
+    (["--kv-cache-memory", "0.5"], {}, "--kv-cache-memory must be greater than 0; got 0.5 (0 bytes)"),
 ])
 def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
     for k, v in env.items():
@@ -73,6 +76,27 @@ def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsy
         cli.main(["run", *args])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_served_model_names_come_several_to_a_flag_or_one_a_flag(tmp_path):
+    """vLLM's `--served-model-name a b` and our repeated flag; the model may come first."""
+    for args in (["run", "--served-model-name", "a", "b", "--served-model-name", "c"],
+                 ["run", str(tmp_path), "--served-model-name", "a", "b", "c"]):
+        cfg = cli.config_from_args(cli.build_parser().parse_args(args))
+        assert cfg.model.served_model_name == ("a", "b", "c"), args
+    assert cfg.model.model == str(tmp_path)
+    # a model after the names would be read as one more name: refused, naming it
+    with pytest.raises(ValueError, match="give the model first"):
+        cli.config_from_args(cli.build_parser().parse_args(["run", "--served-model-name", "a", str(tmp_path)]))
+
+
+def test_sections_must_be_their_classes():
+    from llmserve.config import DeviceConfig
+
+    with pytest.raises(TypeError, match="Config.device must be a DeviceConfig"):
+        Config(device={"threads": 2})
+    with pytest.raises(TypeError, match="Config.model must be a ModelConfig .*got DeviceConfig"):
+        Config(model=DeviceConfig(threads=2))
 
 
 def test_good_values_and_templates_pass(tmp_path):
