@@ -31,7 +31,8 @@ pub use bitmask::apply_token_bitmask;
 /// whenever a change moves the bits a CPU step outputs for the same input (a kernel's
 /// summation order or rounding, an op the Rust path takes over from torch, a step that reads
 /// other weights), so that a seeded request's tokens may differ from the last build's. `system_fingerprint` hashes it (exported as `_core.numerics_revision`).
-/// `tests/quant.rs` pins the quantized GEMV's bits to it.
+/// `tests/quant.rs` pins the quantized GEMV's bits to it, `layer/tests.rs` a whole decoder
+/// layer's (attention included).
 ///
 /// 1: the first fingerprinted kernels. 2: the GEMV reads weights packed 8 rows at a time, and a
 /// block's integer sum converts to f32 once. 3: `CpuDecoder` applies the model's final norm

@@ -281,3 +281,34 @@ fn bad_arguments_write_nothing() {
         assert_eq!(st.k, k_before);
     }
 }
+
+/// FNV-1a over the bits of `values`.
+fn bits_hash(values: &[f32]) -> u64 {
+    values
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[test]
+fn numerics_revision_pins_the_layer_bits() {
+    // As tests/quant.rs pins the quantized GEMV: a whole layer (norms, the GEMVs, RoPE, the KV
+    // write, paged attention, SiLU) must give these bits at this NUMERICS_REVISION; a change
+    // that moves them bumps it (rust/kernels/src/lib.rs) and pins the new hash in the same
+    // commit. Attention's bits depend on the instruction set, so the pin is for AVX2+FMA,
+    // which every x86-64 machine that runs llmserve's CI has.
+    if crate::decode::Isa::detect() == crate::decode::Isa::Generic {
+        eprintln!("no AVX2+FMA: the pinned bits are those of the AVX2 path; not checked");
+        return;
+    }
+    const PINNED: (u32, u64) = (4, 0xceea_9de2_548d_669f);
+    let m = model(6, true, true);
+    let mut st = step(6, &[1, 6, 13, 40]);
+    run(&m, &mut st, 2).unwrap();
+    let got = bits_hash(&st.h) ^ bits_hash(&st.k).rotate_left(1) ^ bits_hash(&st.v).rotate_left(2);
+    assert_eq!(
+        (crate::NUMERICS_REVISION, got),
+        PINNED,
+        "the decoder layer's bits changed: bump NUMERICS_REVISION and pin the new hash {got:#x}"
+    );
+}
