@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -14,6 +15,34 @@ from llmserve.config import Config
 
 _ENV_API_KEY = "LLMSERVE_API_KEY"
 _ENV_LOG_LEVEL = "LLMSERVE_LOG_LEVEL"
+# vLLM's variable for its keys: read when neither --api-key nor LLMSERVE_API_KEY gives any, so
+# a deployment moved over from vLLM does not serve open.
+_ENV_VLLM_API_KEY = "VLLM_API_KEY"
+
+# `vllm serve` flags that mean nothing here: accepted, each saying why it has no effect.
+_VLLM_NO_OPS = {
+    "--trust-remote-code": "llmserve runs no code from model repositories; it serves the architectures "
+                           "README.md lists",
+    "--enable-auto-tool-choice": "tool_choice \"auto\" is always on (the tool-call format comes from the chat "
+                                 "template or --tool-call-format)",
+}
+# `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
+_VLLM_HINTS = {
+    "--model": "give the model as the first argument: llmserve run MODEL",
+    "--disable-log-requests": "llmserve logs no request content; --no-access-log drops its line per request",
+    "--enable-log-requests": "llmserve logs one line per request (--access-log, on by default)",
+    "--disable-uvicorn-access-log": "--no-access-log",
+    "--uvicorn-log-level": "set LLMSERVE_LOG_LEVEL",
+    "--disable-log-stats": "the stats are /metrics and /load; nothing is logged periodically",
+    "--tensor-parallel-size": "llmserve runs a model on one device",
+    "-tp": "llmserve runs a model on one device",
+    "--pipeline-parallel-size": "llmserve runs a model on one device",
+    "--max-logprobs": "logprobs and top_logprobs go up to 20, vLLM's default",
+    "--enforce-eager": "CUDA graphs are captured for decode steps; there is no switch",
+    "--download-dir": "set HF_HUB_CACHE (or HF_HOME) for where hub models are cached",
+    "--quantization": "GGUF files are served in their Q8_0/Q4_0/Q4_1 blocks as they are; there is no switch",
+    "--kv-cache-dtype": "the KV cache has the model's dtype",
+}
 
 
 def _base_type(tp):
@@ -39,7 +68,14 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
             group.add_argument(dest, nargs="?", default=f.default, metavar=f.name.upper(), help=help_text)
             continue
         flag = "--" + f.name.replace("_", "-")
-        if tp is bool:
+        flags = (flag, meta["alias"]) if meta.get("alias") else (flag,)
+        if meta.get("bare"):   # (`--flag` alone gives `bare`, `--no-flag` "off")
+            group.add_argument(flag, dest=dest, nargs="?", const=meta["bare"], type=tp, default=f.default,
+                               metavar=f.name.upper(), help=help_text + f" (default: {f.default}; alone: "
+                               f"{meta['bare']})")
+            group.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const="off",
+                               help=f"{flag} off")
+        elif tp is bool:
             on_off = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text + on_off)
@@ -51,8 +87,9 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
                                metavar=f.name.upper(), help=help_text)
         else:
             default_text = "" if f.default is None else f" (default: {f.default})"
-            group.add_argument(flag, dest=dest, type=tp, default=f.default, metavar=f.name.upper(),
-                               help=help_text + default_text)
+            alias_text = f" ({meta['alias']}, vLLM's name, is the same flag)" if meta.get("alias") else ""
+            group.add_argument(*flags, dest=dest, type=tp, default=f.default, metavar=f.name.upper(),
+                               help=help_text + default_text + alias_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,11 +104,30 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         _add_section(run, f.name, hints[f.name])
+    vllm = run.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
+    for flag, why in _VLLM_NO_OPS.items():
+        vllm.add_argument(flag, dest="vllm_no_ops", action="append_const", const=flag, help=why)
     return parser
+
+
+def _origins(values: list[str] | None) -> list[str] | None:
+    """--allowed-origins values, vLLM's JSON list form ('["https://a.example"]') spread out."""
+    out = []
+    for value in values or ():
+        listed = None
+        if value.lstrip().startswith("["):
+            try:
+                listed = json.loads(value)
+            except ValueError:
+                pass
+        ok = isinstance(listed, list) and all(isinstance(v, str) for v in listed)
+        out.extend(listed if ok else [value])
+    return out or None
 
 
 def config_from_args(ns: argparse.Namespace) -> Config:
     values = vars(ns)
+    values["server.allowed_origins"] = _origins(values.get("server.allowed_origins"))
     hints = typing.get_type_hints(Config)
     sections = {}
     for f in dataclasses.fields(Config):
@@ -94,15 +150,38 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     if env_keys and cfg.server.api_key:
         logging.getLogger("llmserve").warning("%s is set, but --api-key is given: only the flag's keys are used",
                                               _ENV_API_KEY)
-    elif env_keys:
-        keys = tuple(k.strip() for k in env_keys.split(",") if k.strip())
+    elif not cfg.server.api_key and (env_keys or _ENV_VLLM_API_KEY in os.environ):
+        env = _ENV_API_KEY if env_keys else _ENV_VLLM_API_KEY
+        keys = tuple(k.strip() for k in os.environ[env].split(",") if k.strip())
         if not keys:
             # NOTE: an operator who set it asked for keys: serving without any would be open.
-            raise ValueError(f"{_ENV_API_KEY} is set but holds no key (keys are comma separated)")
+            raise ValueError(f"{env} is set but holds no key (keys are comma separated)")
         if len(set(keys)) < len(keys):
-            raise ValueError(f"{_ENV_API_KEY} holds a key more than once")
+            raise ValueError(f"{env} holds a key more than once")
+        if env == _ENV_VLLM_API_KEY:
+            logging.getLogger("llmserve").info("API keys from %s (vLLM's variable; llmserve's is %s)",
+                                               env, _ENV_API_KEY)
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
     return cfg
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: list[str]) -> None:
+    """Exit (status 2) naming what was not understood, with what to do instead of each vLLM
+    flag among it. A key given after another --api-key is never echoed."""
+    after_key = {i + 2 for i, a in enumerate(argv[:-2]) if a == "--api-key"}
+    if any(i in after_key and a in unknown for i, a in enumerate(argv)):
+        parser.error("--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)")
+    lines = [f"unrecognized arguments: {' '.join(unknown)}"]
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag in _VLLM_HINTS:
+            lines.append(f"  {flag} is vLLM's: {_VLLM_HINTS[flag]}")
+    parser.error("\n".join(lines))
+
+
+def _follows_key(argv: list[str], value: str) -> bool:
+    """Whether `value` comes right after an --api-key flag's value in `argv`."""
+    return any(a == "--api-key" and argv[i + 2] == value for i, a in enumerate(argv[:-2]))
 
 
 def _short_openmp_spin() -> None:
@@ -123,17 +202,26 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 2 for a bad flag or environment value (before anything binds or loads),
     else what `serve` returns."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(getattr(args, "run_parser", parser), argv, unknown)
     level = os.environ.get(_ENV_LOG_LEVEL, "INFO").upper()
     if level not in logging.getLevelNamesMapping():
         parser.error(f"{_ENV_LOG_LEVEL} must be one of debug, info, warning, error, critical; got {level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "run":
+        model = vars(args).get("model.model")
+        if model and not os.path.exists(model) and "/" not in model and _follows_key(argv, model):
+            # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
+            args.run_parser.error("--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)")
         try:
             cfg = config_from_args(args)
         except ValueError as exc:
             # (the run command's usage, as argparse's own errors about its flags)
             args.run_parser.error(str(exc))
+        for flag in vars(args).get("vllm_no_ops") or ():
+            logging.getLogger("llmserve").info("%s has no effect: %s", flag, _VLLM_NO_OPS[flag])
         _short_openmp_spin()
         from llmserve.server.app import serve
 

@@ -52,6 +52,16 @@ def _kind_error(value: object, tp: object) -> str | None:
     return None
 
 
+# vLLM's values of flags llmserve has, and what llmserve calls them (named when refused).
+_VLLM_VALUES = {
+    ("generation_config", "vllm"): "none",
+    ("reasoning_parser", "deepseek_r1"): "think",
+    ("reasoning_parser", "qwen3"): "think",
+    ("dtype", "half"): "float16",
+    ("dtype", "float"): "float32",
+}
+
+
 class _Checked:
     """Checks each field against its metadata when a section is built (from the CLI or by an
     embedding application), so a bad value fails at once with the flag's name instead of
@@ -92,7 +102,9 @@ class _Checked:
                 continue
             choices = meta.get("choices")
             if choices is not None and value not in choices:
-                raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
+                ours = _VLLM_VALUES.get((f.name, value))
+                hint = f" (vLLM's {value!r} is {ours!r} here)" if ours else ""
+                raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
             if meta.get("memory"):
                 try:
                     value = parse_bytes(value)
@@ -155,6 +167,7 @@ class ModelConfig(_Checked):
         "'llama3_json' for <|python_tag|>, 'Environment: ipython' or '\"parameters\": '); "
         "otherwise 'json' for forced tool_choice and plain text under 'auto'.",
         choices=("hermes", "llama3_json", "mistral", "qwen3_xml", "qwen3_coder", "json"),
+        alias="--tool-call-parser",   # vLLM's name (the same values)
     )
     reasoning_parser: str | None = _f(
         None,
@@ -222,6 +235,7 @@ class SchedulerConfig(_Checked):
         "runs: on, off, or auto (on for CUDA; off on CPU, where the model already has the "
         "cores and there is nothing to overlap).",
         choices=("auto", "on", "off"),
+        bare="on",   # (`--async-scheduling` alone, and `--no-async-scheduling`, as vLLM's flag)
     )
 
 

@@ -40,10 +40,11 @@ def test_missing_and_wrong_key_are_401(keyed_server):
 
 
 def test_probes_stay_open(keyed_server):
-    for path in ("/health", "/ready", "/metrics"):
+    for path in ("/health", "/ping", "/ready", "/metrics"):
         assert httpx.get(keyed_server.url + path).status_code == 200, path
         # with a trailing slash: redirected to the open path, not refused
         assert httpx.get(keyed_server.url + path + "/", follow_redirects=True).status_code == 200, path
+    assert httpx.post(keyed_server.url + "/ping").json() == {"status": "ok"}   # (vLLM's, SageMaker's probe)
     assert httpx.get(keyed_server.url + "/load").status_code == 401
     assert httpx.get(keyed_server.url + "/load/").status_code == 401
 

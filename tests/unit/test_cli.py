@@ -90,6 +90,59 @@ def test_served_model_names_come_several_to_a_flag_or_one_a_flag(tmp_path):
         cli.config_from_args(cli.build_parser().parse_args(["run", "--served-model-name", "a", str(tmp_path)]))
 
 
+def _config(args):
+    return cli.config_from_args(cli.build_parser().parse_args(["run", *args]))
+
+
+def test_vllm_spellings_are_taken(monkeypatch, caplog):
+    """What a `vllm serve` command line carries over: --tool-call-parser (--tool-call-format's
+    vLLM name), --async-scheduling alone and --no-async-scheduling, --allowed-origins as a JSON
+    list, VLLM_API_KEY, and the flags that mean nothing here (accepted, and said so)."""
+    assert _config(["--tool-call-parser", "hermes"]).model.tool_call_format == "hermes"
+    assert _config(["--async-scheduling"]).scheduler.async_scheduling == "on"
+    assert _config(["--no-async-scheduling"]).scheduler.async_scheduling == "off"
+    assert _config([]).scheduler.async_scheduling == "auto"
+    origins = _config(["--allowed-origins", '["https://a.example", "*"]', "--allowed-origins", "null"])
+    assert origins.server.allowed_origins == ("https://a.example", "*", "null")
+    monkeypatch.delenv("LLMSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "v1")
+    assert _config([]).server.api_key == ("v1",)
+    assert _config(["--api-key", "k"]).server.api_key == ("k",)
+    monkeypatch.setenv("LLMSERVE_API_KEY", "l1")
+    assert _config([]).server.api_key == ("l1",)   # (ours first)
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
+    with caplog.at_level("INFO", logger="llmserve"):
+        assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice"]) == 0
+    assert "--trust-remote-code has no effect: llmserve runs no code from model repositories" in caplog.text
+    assert '--enable-auto-tool-choice has no effect: tool_choice "auto" is always on' in caplog.text
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model on one device"),
+    (["--disable-log-requests"], "--disable-log-requests is vLLM's: llmserve logs no request content"),
+    (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
+    (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
+    (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
+    (["--dtype", "half"], "got 'half' (vLLM's 'half' is 'float16' here)"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+])
+def test_vllm_flags_llmserve_lacks_say_what_to_do(monkeypatch, capsys, args, says):
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", *args])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--api-key", "k1", "secret-two"], ["m", "--api-key", "k1", "secret-two"]])
+def test_vllms_several_keys_form_is_refused_without_echoing_a_key(monkeypatch, capsys, args):
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["run", *args])
+    err = capsys.readouterr().err
+    assert "--api-key takes one key: repeat the flag for each" in err and "secret-two" not in err
+
+
 def test_sections_must_be_their_classes():
     from llmserve.config import DeviceConfig
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -85,6 +86,7 @@ ROUTES = [
     Route("/tokenize", routes.tokenize, methods=["POST"]),
     Route("/detokenize", routes.detokenize, methods=["POST"]),
     Route("/health", routes.health, methods=["GET"]),
+    Route("/ping", routes.health, methods=["GET", "POST"]),   # vLLM's name for it (SageMaker's probe)
     Route("/ready", routes.ready, methods=["GET"]),
     Route("/load", routes.load, methods=["GET"]),
     Route("/version", routes.version, methods=["GET"]),
@@ -299,6 +301,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _loopback(host: str) -> bool:
+    """Whether `host` (an address or name this server bound) is this machine's loopback only."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
 def serve(config: Config) -> int:
     """Run `llmserve run`: bind, load, serve until interrupted, drain. Returns the exit
     status: 0 after a normal stop, STARTUP_FAILURE if the address could not be bound or the
@@ -317,11 +327,16 @@ def serve(config: Config) -> int:
     app.state.stop_timeout = ENGINE_STOP_TIMEOUT_S
     log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
     if config.server.api_key:
-        log.info("API keys required (%d) on every route but /health, /ready and /metrics",
+        log.info("API keys required (%d) on every route but /health (/ping), /ready and /metrics",
                  len(config.server.api_key))
         if not all(key.isascii() for key in config.server.api_key):
             log.warning("an API key holds non-ASCII characters: most clients (the openai SDK, httpx, "
                         "browsers) cannot send it in a header")
+    elif not _loopback(host):
+        log.warning("no API key (--api-key or LLMSERVE_API_KEY): anyone who reaches %s:%d can use the model",
+                    host, sock.getsockname()[1])
+    else:
+        log.info("no API key: requests are not authenticated (only this machine can reach %s)", host)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level="warning",
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S),

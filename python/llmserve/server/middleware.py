@@ -16,7 +16,7 @@ from llmserve._core import Router
 access_log = logging.getLogger("llmserve.access")
 
 # Probes and scrapes stay open so load balancers and Prometheus need no key.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics"})
 
 
 def error_request_id(sent: str | None) -> str:
