@@ -77,7 +77,7 @@ pub fn from_kind(
         "unauthorized" => RouterError::Unauthorized { message },
         "not_found" => RouterError::NotFound { message },
         "method_not_allowed" => RouterError::MethodNotAllowed { message },
-        "model_not_found" => RouterError::ModelNotFound { model: message },
+        "model_not_found" => RouterError::ModelNotFound { model: message, served: Vec::new() },
         "payload_too_large" => RouterError::PayloadTooLarge { limit: limit.unwrap_or_default() },
         // `limit`: the seconds the body was awaited
         "request_timeout" => {

@@ -14,8 +14,8 @@ pub enum ApiError {
     InvalidRequest { message: String, param: Option<String>, code: &'static str },
     /// 400: prompt (plus requested tokens) does not fit the context window.
     ContextLengthExceeded { message: String, param: Option<String> },
-    /// 404: a `model` that is not served.
-    ModelNotFound { model: String },
+    /// 404: a `model` that is not served (`served`: the names that are, said in the message).
+    ModelNotFound { model: String, served: Vec<String> },
     /// 404: a route or resource that does not exist.
     NotFound { message: String },
     /// 405: a route that exists, called with a method it does not serve.
@@ -132,7 +132,11 @@ impl ApiError {
             | Self::Unauthorized { message }
             | Self::Unavailable { message, .. }
             | Self::Internal { message } => message.clone(),
-            Self::ModelNotFound { model } => format!("The model `{model}` does not exist."),
+            Self::ModelNotFound { model, served } if !served.is_empty() => {
+                let names: Vec<String> = served.iter().map(|n| format!("`{n}`")).collect();
+                format!("The model `{model}` does not exist. This server serves {}.", names.join(", "))
+            }
+            Self::ModelNotFound { model, .. } => format!("The model `{model}` does not exist."),
             Self::PayloadTooLarge { limit } => format!("Request body is larger than the limit of {limit} bytes."),
             Self::RequestTimeout { seconds } => {
                 format!("The request body stopped arriving: nothing came for {seconds} s.")
@@ -203,7 +207,7 @@ mod tests {
 
     #[test]
     fn echoed_values_are_bounded() {
-        let e = ApiError::ModelNotFound { model: "m".repeat(1_000_000) };
+        let e = ApiError::ModelNotFound { model: "m".repeat(1_000_000), served: vec![] };
         let msg = e.message();
         assert_eq!(msg.chars().count(), 2048 + "... (997981 characters left out) ...".len());
         assert!(msg.starts_with("The model `mmm") && msg.ends_with("mmm` does not exist."), "{msg}");
@@ -216,7 +220,8 @@ mod tests {
 
     #[test]
     fn model_not_found_is_404_with_param() {
-        let e = ApiError::ModelNotFound { model: "x:y".into() };
+        let e = ApiError::ModelNotFound { model: "x:y".into(), served: vec!["a".into(), "b/c".into()] };
         assert_eq!((e.status(), e.code(), e.param()), (404, "model_not_found", Some("model")));
+        assert_eq!(e.message(), "The model `x:y` does not exist. This server serves `a`, `b/c`.");
     }
 }

@@ -206,7 +206,7 @@ impl Router {
         if self.config.served_model_names.iter().any(|n| n == name) {
             Ok(())
         } else {
-            Err(ApiError::ModelNotFound { model: name.to_string() })
+            Err(ApiError::ModelNotFound { model: name.to_string(), served: self.config.served_model_names.clone() })
         }
     }
 }
