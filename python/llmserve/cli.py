@@ -56,6 +56,16 @@ def _base_type(tp):
     return tp
 
 
+class _Several(argparse.Action):
+    """`--flag a b` and `--flag a --flag b` alike (vLLM's nargs="+"); also keeps each
+    occurrence's values (`<dest>/groups`), so a model written after the names can be told."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
+        groups = getattr(namespace, self.dest + "/groups", None) or []
+        setattr(namespace, self.dest + "/groups", [*groups, list(values)])
+
+
 def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
     group = parser.add_argument_group(section)
     hints = typing.get_type_hints(cls)
@@ -80,7 +90,7 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text + on_off)
         elif meta.get("several"):   # (`--flag a b`, as vLLM's nargs="+", and `--flag a --flag b`)
-            group.add_argument(flag, dest=dest, action="extend", nargs="+", type=tp, default=None,
+            group.add_argument(flag, dest=dest, action=_Several, nargs="+", type=tp, default=None,
                                metavar=f.name.upper(), help=help_text)
         elif meta.get("append"):
             group.add_argument(flag, dest=dest, action="append", type=tp, default=None,
@@ -141,11 +151,14 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         sections[f.name] = cls(**kwargs)
     cfg = Config(**sections)
     if cfg.model.model is None:
-        for name in cfg.model.served_model_name:
-            if name.endswith(".gguf") or os.path.exists(name):
-                # `llmserve run --served-model-name a MODEL`: the flag takes several names
-                raise ValueError(f"--served-model-name took {name!r}, which names a model file or folder: "
-                                 "give the model first (llmserve run MODEL --served-model-name NAME ...)")
+        # `llmserve run --served-model-name a MODEL`: the flag takes several names, so a model
+        # written after them is one more name, and the default model would be served under it
+        for group in values.get("model.served_model_name/groups") or ():
+            for name in group[1:]:
+                if name.endswith(".gguf") or os.path.exists(name) or "/" in name:
+                    raise ValueError(f"--served-model-name took {name!r} as a second name; if it is the model, "
+                                     "give it first (llmserve run MODEL --served-model-name NAME ...), else "
+                                     "repeat the flag for each name (--served-model-name a --served-model-name b)")
     env_keys = os.environ.get(_ENV_API_KEY, "")
     if env_keys and cfg.server.api_key:
         logging.getLogger("llmserve").warning("%s is set, but --api-key is given: only the flag's keys are used",

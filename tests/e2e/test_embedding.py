@@ -223,7 +223,10 @@ def test_bad_arguments_are_clear_type_errors(llm, tiny_model):
                       ({"a": 1}, "got dict"), ([1.5], r"token ids must be integers; prompts\[0\] is float"),
                       ([3, True], r"token ids must be integers; prompts\[1\] is bool"),
                       (["a", [3, 4.0]], r"prompts\[1\] must be a str or token ids \(integers\); got a list holding a float"),
-                      ([["a"]], r"prompts\[0\] .*; got a list holding a str")):
+                      ([["a"]], r"prompts\[0\] .*; got a list holding a str"),
+                      ([1, [2]], r"prompts mixes token ids with other items \(prompts\[0\] is an integer\)"),
+                      (np.array(5), "got a 0-d array"), (np.array([1.0, 2.0]), "token ids must be integers; "
+                                                                               "got an array of float64")):
         with pytest.raises(TypeError, match=says):
             llm.generate(bad, {"max_tokens": 1})
     with pytest.raises(TypeError, match=r"pass the prompt as the first argument, not as params\['prompt'\]"):
@@ -240,6 +243,14 @@ def test_token_ids_may_be_tuples_and_numpy_integers(llm):
     for ids in ((5, 6, 7, 8), np.array([5, 6, 7, 8]), [np.int64(5), 6, np.uint16(7), 8]):
         assert llm.generate(ids, params)[0].text == want, ids
     assert [r.text for r in llm.generate(np.array([[5, 6, 7, 8]] * 2), params)] == [want, want]
+    from llmserve import BadRequestError
+
+    with pytest.raises(BadRequestError):   # one empty prompt, as over HTTP (not an empty list of them)
+        llm.generate(np.array([], dtype=np.int64), params)
+    # numpy numbers in params are their values; a NaN among them is named
+    assert llm.generate([5, 6, 7, 8], {**params, "max_tokens": np.int64(3), "temperature": np.float32(0)})[0].text == want
+    with pytest.raises(BadRequestError, match="`temperature` must be a finite number"):
+        llm.generate("hi", {"max_tokens": 2, "temperature": np.float32("nan")})
 
 
 def test_params_json_cannot_hold_are_refused_as_over_http(llm):

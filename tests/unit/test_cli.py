@@ -64,8 +64,7 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--allowed-origins", "app.example"], {}, "--allowed-origins 'app.example' is not an origin"),
     ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
-    (["--served-model-name", "a", "x.gguf"], {}, "--served-model-name took 'x.gguf', which names a model file "
-                                                  "or folder: give the model first"),
+    (["--served-model-name", "a", "x.gguf"], {}, "--served-model-name took 'x.gguf' as a second name"),
     (["--kv-cache-memory", "0.5"], {}, "--kv-cache-memory must be greater than 0; got 0.5 (0 bytes)"),
 ])
 def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
@@ -86,8 +85,14 @@ def test_served_model_names_come_several_to_a_flag_or_one_a_flag(tmp_path):
         assert cfg.model.served_model_name == ("a", "b", "c"), args
     assert cfg.model.model == str(tmp_path)
     # a model after the names would be read as one more name: refused, naming it
-    with pytest.raises(ValueError, match="give the model first"):
-        cli.config_from_args(cli.build_parser().parse_args(["run", "--served-model-name", "a", str(tmp_path)]))
+    for model in (str(tmp_path), "x.gguf", "Qwen/Qwen2.5-0.5B-Instruct"):
+        with pytest.raises(ValueError, match=f"took '{model}' as a second name; if it is the model, give it first"):
+            cli.config_from_args(cli.build_parser().parse_args(["run", "--served-model-name", "a", model]))
+    # an org/name alias of the default model is fine on a flag of its own, or with a model
+    for args in (["--served-model-name", "org/name", "--served-model-name", "b"],
+                 [str(tmp_path), "--served-model-name", "a", "org/name"]):
+        names = cli.config_from_args(cli.build_parser().parse_args(["run", *args])).model.served_model_name
+        assert "org/name" in names
 
 
 def _config(args):

@@ -443,11 +443,43 @@ def test_gguf_weights_are_made_when_read(tmp_path):
         index = rng.integers(0, full.numel(), 40)
         assert torch.equal(weights.sample(name, index), full.reshape(-1)[torch.from_numpy(index)]), name
     assert system_fingerprint(weights, "cpu") == system_fingerprint(made, "cpu")
+    # membership, length, iteration and shapes make no tensor (a build asks before each pop)
+    calls = []
+    for src in weights._sources.values():
+        src.make = (lambda f: lambda: calls.append(1) or f())(src.make)
+    assert all(name in weights for name in made) and "nope" not in weights
+    assert len(weights) == len(made) and list(weights) == list(made)
+    assert [weights.shape(n) for n in weights] == [tuple(t.shape) for t in made.values()]
+    assert calls == []
     q = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(weights.pop(q), made[q]) and q not in weights and len(weights) == len(made) - 1
     assert weights.pop(q, None) is None
     with pytest.raises(KeyError):
         weights.pop(q)
+
+
+@pytest.mark.parametrize("quant", ["F16", "BF16", "Q5_0", "Q4_0"])
+def test_gguf_weights_equal_ggufs_own_dequantization(tmp_path, quant):
+    """Every tensor (and its sampled rows) as the gguf package dequantizes the file's, Q/K rows
+    un-permuted: types our kernels read (Q4_0) and types they do not (F16, BF16, Q5_0)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from llmserve.loaders.gguf_file import hf_name
+
+    path = tmp_path / f"tiny.{quant}.gguf"
+    write_gguf(path, tiny_llama(tie=False), quant=quant)
+    ckpt = load_checkpoint(str(path))
+    heads = {".q_proj.": ckpt.hf_config["num_attention_heads"], ".k_proj.": ckpt.hf_config["num_key_value_heads"]}
+    rng = np.random.default_rng(1)
+    for t in gguf.GGUFReader(str(path)).tensors:
+        name = hf_name(t.name)
+        want = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(ckpt.weights.shape(name))
+        for part, n in heads.items():
+            want = unpermute_qk(want, n) if part in name else want
+        assert torch.equal(ckpt.weights[name], want), name
+        index = rng.integers(0, want.numel(), 50)
+        assert torch.equal(ckpt.weights.sample(name, index), want.reshape(-1)[torch.from_numpy(index)]), name
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

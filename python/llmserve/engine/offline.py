@@ -171,8 +171,10 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
     default one). Over HTTP they cannot arrive (the server refuses them as invalid JSON); here
     they are refused by name. Integer keys are written as strings (`logit_bias={5: 1.0}`)."""
     try:
-        data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:
+        data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
         # orjson writes no integer beyond 64 bits (`max_tokens=2**70`): the standard library
         # writes any, so the Router names the field and its range, as over HTTP. (It writes
         # non-finite floats as NaN/Infinity; those are refused by name below.)
@@ -188,8 +190,8 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
 def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
     """The path (as the Router names params: `a.b[2]`) and value of the first NaN or infinite
     float in `value`, or None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, (float, np.floating)):
+        return None if math.isfinite(value) else (path, float(value))
     if isinstance(value, dict):
         items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
     elif isinstance(value, (list, tuple)):
@@ -220,12 +222,16 @@ def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
     err.add_note(f"(in {kind} {index} of the call, counting from 0)")
 
 
+def _integer(t: object) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
 def _token_ids(p: object) -> list[int] | None:
     """`p` as token ids (Python ints) when it is a list, tuple or 1-D array of integers (numpy's
     too, not bools), else None."""
     if isinstance(p, np.ndarray):
         return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
-    if isinstance(p, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p):
+    if isinstance(p, (list, tuple)) and all(map(_integer, p)):
         return [int(t) for t in p]
     return None
 
@@ -235,21 +241,30 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
     them. TypeError naming the first that is neither."""
     if isinstance(prompts, str):
         return [prompts]
-    if not isinstance(prompts, (list, tuple, np.ndarray)):
-        raise TypeError(f"prompts must be a str, token ids, or a list of either; got {type(prompts).__name__}")
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        # one prompt (an empty one is refused as the server refuses it)
+        if (ids := _token_ids(prompts)) is None:
+            raise TypeError(f"token ids must be integers; got an array of {prompts.dtype}")
+        return [ids]
+    if not isinstance(prompts, (list, tuple, np.ndarray)) or (isinstance(prompts, np.ndarray) and prompts.ndim != 2):
+        kind = f"a {prompts.ndim}-d array" if isinstance(prompts, np.ndarray) else type(prompts).__name__
+        raise TypeError(f"prompts must be a str, token ids, or a list of either; got {kind}")
     if len(prompts) and (ids := _token_ids(prompts)) is not None:
         return [ids]
     if len(prompts) and all(isinstance(t, numbers.Number) for t in prompts):
-        i, t = next((i, t) for i, t in enumerate(prompts) if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+        i, t = next((i, t) for i, t in enumerate(prompts) if not _integer(t))
         raise TypeError(f"token ids must be integers; prompts[{i}] is {type(t).__name__}")
+    if any(map(_integer, prompts)):
+        i = next(i for i, t in enumerate(prompts) if _integer(t))
+        raise TypeError(f"prompts mixes token ids with other items (prompts[{i}] is an integer): give one "
+                        "prompt's token ids (integers only), or a list of prompts (strs or lists of token ids)")
     out: list[str | list[int]] = []
     for i, p in enumerate(prompts):
         item = p if isinstance(p, str) else _token_ids(p)
         if item is None:
             kind = type(p).__name__
             if isinstance(p, (list, tuple)):
-                kind = next(f"a {type(p).__name__} holding a {type(t).__name__}" for t in p
-                            if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+                kind = next(f"a {type(p).__name__} holding a {type(t).__name__}" for t in p if not _integer(t))
             raise TypeError(f"prompts[{i}] must be a str or token ids (integers); got {kind}")
         out.append(item)
     return out

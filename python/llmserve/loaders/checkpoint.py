@@ -111,6 +111,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._sources)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._sources   # (Mapping's own would make the tensor)
+
     def pop(self, name: str, *default):
         if name not in self._sources and default:
             return default[0]

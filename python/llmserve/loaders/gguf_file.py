@@ -211,34 +211,37 @@ class _GgufWeight:
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
     def make(self) -> torch.Tensor:
-        from gguf.quants import dequantize
-
-        if self._blocks():
+        if len(self.shape) == 2:
             return self.rows(None)
-        arr = dequantize(self.tensor.data, self.tensor.tensor_type)
-        if arr.dtype != np.float32 or not arr.flags.writeable:
-            arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
-        w = torch.from_numpy(arr.reshape(self.shape))
+        w = torch.from_numpy(self._dequantize(np.asarray(self.tensor.data)).reshape(self.shape))
         return w if self.heads is None else unpermute_qk(w, self.heads)
 
     def rows(self, index: np.ndarray | None) -> torch.Tensor:
-        if not self._blocks():
-            return self.make()[torch.from_numpy(index)]
-        # The formats the quantized GEMV reads: Rust computes the same float32 values as the
-        # gguf package, ~10x faster (most of a GGUF model's load time otherwise). Rows are
-        # independent, so a Q/K row is dequantized from the file row it was permuted to.
-        blocks = np.asarray(self.tensor.data).reshape(self.shape[0], -1)
+        """Rows `index` of the matrix (None: all of them), dequantized from those rows of the
+        file alone: no GGUF type's blocks straddle rows, so a Q/K row is read from the row
+        llama.cpp permuted it to."""
+        data = np.asarray(self.tensor.data).reshape(self.shape[0], -1)   # raw values or blocks
         if self.heads is not None:
             stored = unpermute_qk(torch.arange(self.shape[0]), self.heads).numpy()
             index = stored if index is None else stored[index]
         if index is not None:
-            blocks = blocks[index]
-        out = np.empty((blocks.shape[0], self.shape[1]), dtype=np.float32)
-        _core.dequantize(out, blocks, int(self.tensor.tensor_type))
-        return torch.from_numpy(out)
+            data = data[index]
+        return torch.from_numpy(self._dequantize(data).reshape(data.shape[0], self.shape[1]))
 
-    def _blocks(self) -> bool:
-        return int(self.tensor.tensor_type) in QUANT_FORMATS and len(self.shape) == 2
+    def _dequantize(self, data: np.ndarray) -> np.ndarray:
+        ggml_type = int(self.tensor.tensor_type)
+        if ggml_type in QUANT_FORMATS and data.ndim == 2:
+            # The formats the quantized GEMV reads: Rust computes the same float32 values as the
+            # gguf package, ~10x faster (most of a GGUF model's load time otherwise).
+            out = np.empty((data.shape[0], self.shape[1]), dtype=np.float32)
+            _core.dequantize(out, np.ascontiguousarray(data), ggml_type)
+            return out
+        from gguf.quants import dequantize
+
+        arr = dequantize(data, self.tensor.tensor_type)
+        if arr.dtype != np.float32 or not arr.flags.writeable:
+            arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
+        return arr
 
 
 def _raw_blocks(tensor) -> QuantTensor | None:
