@@ -70,13 +70,19 @@ def commit(core, out) -> list[Output]:
 _STARTED: weakref.WeakSet[EngineThread] = weakref.WeakSet()
 
 
+# How long an exit waits for a running step (a long prompt on a CPU takes seconds; a step
+# that never ends must not hang the exit).
+EXIT_STEP_WAIT_S = 120.0
+
+
 @atexit.register
 def _stop_at_exit() -> None:
     """Stop the engine loops an application left running (an AsyncEngine it never drained),
     each once its step ends: a loop runs inside torch, and an interpreter that finalizes
     around such a thread aborts the process."""
     for thread in list(_STARTED):
-        thread.stop()
+        if not thread.stop(EXIT_STEP_WAIT_S):
+            log.warning("the engine's step outlasted %.0f s at exit; exiting around it", EXIT_STEP_WAIT_S)
 
 
 class EngineThread:
