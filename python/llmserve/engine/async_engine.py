@@ -163,6 +163,11 @@ LOAD_THREAD = "llmserve-load"
 _OTHER_LOOP = "this AsyncEngine serves the event loop that started it, not this one"
 
 
+# How long an exit waits for a model load to end (a download from the hub may take longer:
+# that part is not inside torch, and the exit then goes on without it).
+EXIT_LOAD_WAIT_S = 60.0
+
+
 @atexit.register
 def _finish_loads() -> None:
     """A process that exits while a model loads (stopped before its engine started) waits for
@@ -170,8 +175,8 @@ def _finish_loads() -> None:
     aborts the process. (`llmserve run` exits at once instead: `serve`.)"""
     for thread in threading.enumerate():
         if thread.name == LOAD_THREAD and thread.is_alive():
-            log.warning("waiting for the model load to end before exiting")
-            thread.join()
+            log.warning("waiting up to %.0f s for the model load to end before exiting", EXIT_LOAD_WAIT_S)
+            thread.join(EXIT_LOAD_WAIT_S)
 
 
 async def _on_daemon_thread(fn, *args):
