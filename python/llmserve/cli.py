@@ -66,12 +66,25 @@ class _Several(argparse.Action):
         setattr(namespace, self.dest + "/groups", [*groups, list(values)])
 
 
+def _human_int(text: str) -> int:
+    """An integer, or one with vLLM's suffixes: k/m/g are powers of 1000, K/M/G of 1024 (25.6k is
+    25600)."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        value = float(text[:-1]) * scale[text[-1]] if text[-1:] in scale else int(text)
+    except ValueError:
+        value = None
+    if value is None or not float(value).is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (such as 4096, 32k or 32K)")
+    return int(value)
+
+
 def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
     group = parser.add_argument_group(section)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = f.metadata
-        tp = _base_type(hints[f.name])
+        tp = _human_int if meta.get("human") else _base_type(hints[f.name])
         dest = f"{section}.{f.name}"
         help_text = meta.get("help", "")
         if meta.get("positional"):

@@ -133,8 +133,8 @@ class ModelConfig(_Checked):
         (), "Name(s) clients use in `model`, every one an alias: several after the flag (as vLLM takes "
         "them; give the model first then) or the flag repeated.", append=True, several=True
     )
-    max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's.",
-                                    min=1)
+    max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's. As vLLM "
+                                   "takes it, 32k is 32000 and 32K 32768.", min=1, human=True)
     dtype: str = _f(
         "auto", "Weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
         choices=("auto", "float32", "bfloat16", "float16"),

@@ -104,6 +104,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     vLLM name), --async-scheduling alone and --no-async-scheduling, --allowed-origins as a JSON
     list, VLLM_API_KEY, and the flags that mean nothing here (accepted, and said so)."""
     assert _config(["--tool-call-parser", "hermes"]).model.tool_call_format == "hermes"
+    for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600)):
+        assert _config(["--max-model-len", text]).model.max_model_len == tokens
     assert _config(["--async-scheduling"]).scheduler.async_scheduling == "on"
     assert _config(["--no-async-scheduling"]).scheduler.async_scheduling == "off"
     assert _config([]).scheduler.async_scheduling == "auto"
@@ -130,6 +132,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
     (["--dtype", "half"], "got 'half' (vLLM's 'half' is 'float16' here)"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--max-model-len", "1.5k5"], "'1.5k5' is not a whole number (such as 4096, 32k or 32K)"),
+    (["--max-model-len", "0.3K"], "'0.3K' is not a whole number"),
 ])
 def test_vllm_flags_llmserve_lacks_say_what_to_do(monkeypatch, capsys, args, says):
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)
