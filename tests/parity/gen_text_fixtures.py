@@ -254,6 +254,22 @@ DOCS_TEMPLATE = """{% if documents %}Documents:
 {% for message in messages %}<{{ message.role }}>{{ message.content }}</{{ message.role }}>
 {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"""
 
+# transformers' own `generation` tag (training masks), with each whitespace control, and the
+# `string` filter on a dict and a list (Python's str(), as SmolLM3's and Qwen3-Coder's use it)
+GENERATION_TEMPLATE = """{% for message in messages %}<|{{ message.role }}|>
+{% if message.role == 'assistant' %}{% generation %}{{ message.content }}<|end|>{% endgeneration %}
+{%- elif message.role == 'system' -%}
+{%- generation -%} {{ message.content }} {%- endgeneration %}
+{% else %}{{ message.content }}<|end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+STRING_TEMPLATE = """{% for tool in tools or [] %}{{ 'tool: ' ~ (tool | string) }}
+{% endfor %}{% for message in messages %}{% for call in message.tool_calls or [] %}
+{% for key, value in call.function.arguments | items %}<{{ key }}>{{ value if value is string else value | string }}</{{ key }}>
+{% endfor %}{% endfor %}{{ message.role }}: {{ message.content | string }}
+{% endfor %}"""
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -324,6 +340,12 @@ def template_cases(gguf_template: str) -> list[dict]:
     case("raise_ok", RAISE_TEMPLATE, CHAT[1:3])
     case("raise_error", RAISE_TEMPLATE, CHAT[1:2] + CHAT[1:2])
     case("documents", DOCS_TEMPLATE, CHAT[1:2], documents=[{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}], add_generation_prompt=True)
+    case("generation_tag", GENERATION_TEMPLATE, CHAT, add_generation_prompt=True)
+    case("string_filter", STRING_TEMPLATE, CHAT[1:2] + [{
+        "role": "assistant", "content": "",
+        "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": {"loc": {"lat": 1.5, "ok": True, "none": None}, "tags": ["a", None], "n": 3,
+                                       "s": "it's"}}}]}], tools=[WEATHER_TOOL])
     return c
 
 

@@ -11,8 +11,11 @@
 //! - `continue_final_message` by transformers' tag trick: mark the final message's text,
 //!   render without a generation prompt, cut right after the mark.
 //!
-//! The template text is never rewritten. Every render runs under a fuel limit, since
-//! templates may arrive with requests.
+//! The template text is never rewritten but for one tag: transformers' `{% generation %}`
+//! (its Jinja extension that marks assistant tokens for training masks, rendering its body as
+//! it is), which minijinja cannot parse, becomes `{% if true %}` (see
+//! [`expand_generation_tags`]). Every render runs under a fuel limit, since templates may
+//! arrive with requests.
 
 use crate::error::ApiError;
 use minijinja::value::{Enumerator, Kwargs, Object, Rest};
@@ -161,8 +164,55 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg.clone()).with_source(Raised(msg)))
 }
 
-fn strftime_now(fmt: String) -> String {
-    chrono::Local::now().format(&fmt).to_string()
+fn strftime_now(fmt: String) -> Result<String, Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    // (chrono reports a directive it cannot write as a formatting error, where Python's
+    // strftime would pass it through: say so rather than panic in `to_string`)
+    write!(out, "{}", chrono::Local::now().format(&fmt)).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: {fmt:?} holds a directive that cannot be formatted"),
+        )
+    })?;
+    Ok(out)
+}
+
+/// `{% generation %}` / `{% endgeneration %}` (transformers' tag, any whitespace control) as
+/// `{% if true %}` / `{% endif %}`, the same markers kept, so the body renders as in
+/// transformers and trim_blocks/lstrip_blocks act on the same tags.
+fn expand_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
+    if !source.contains("generation") {
+        return source.into();
+    }
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(end) = tag.find("%}") else { break };
+        let inner = &tag[2..end];
+        let (open, body) = match inner.strip_prefix(['-', '+']) {
+            Some(b) => (&inner[..1], b),
+            None => ("", inner),
+        };
+        let (body, close) = match body.strip_suffix(['-', '+']) {
+            Some(b) => (b, &body[body.len() - 1..]),
+            None => (body, ""),
+        };
+        let word = match body.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match word {
+            Some(w) => out.push_str(&format!("{{%{open} {w} {close}%}}")),
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out.into()
 }
 
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
@@ -203,7 +253,8 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.to_string())
+        env.add_filter("string", pyjson::string_filter);
+        env.add_template_owned(NAME, expand_generation_tags(source).into_owned())
             .map_err(|e| format!("chat template from {origin} does not parse: {e}"))?;
         let declared = env.get_template(NAME).map_err(|e| e.to_string())?.undeclared_variables(false);
         let digest = Sha256::digest(source.as_bytes());
@@ -753,6 +804,14 @@ mod pyjson {
         })
     }
 
+    /// The `string` filter: Python's `str()` (a dict as `{'k': 'v'}`, as Jinja2 writes it).
+    pub fn string_filter(v: Value) -> Result<Value, Error> {
+        Ok(match v.kind() {
+            ValueKind::String => v, // (keeps a safe string safe)
+            _ => Value::from(py_str(&v)?),
+        })
+    }
+
     /// The formatter for `{{ ... }}`: print values as Jinja2 under Python would.
     pub fn format_value(out: &mut Output, _state: &State, v: &Value) -> Result<(), Error> {
         let s = py_str(v)?;
@@ -998,6 +1057,25 @@ mod tests {
         .unwrap();
         assert_eq!(set.select(false).unwrap().origin(), "chat_template.jinja");
         assert!(TemplateSet::resolve(TemplateSources::default()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn generation_tags_become_if_true_and_nothing_else_changes() {
+        let src = "{% generation %}a{%- endgeneration -%}{%+ generation +%}{{ 'generation' }}{% endgeneration %}\
+                   {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}";
+        assert_eq!(
+            expand_generation_tags(src),
+            "{% if true %}a{%- endif -%}{%+ if true +%}{{ 'generation' }}{% endif %}\
+             {% if x %}{# {% if true %} #}{% endif %}{% raw_generation %}"
+        );
+        assert!(matches!(expand_generation_tags("{{ x }}"), std::borrow::Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn a_strftime_format_chrono_cannot_write_is_an_error_not_a_panic() {
+        let err = render("{{ strftime_now('%d %Q') }}", json!([{"role": "user", "content": "hi"}])).unwrap_err();
+        assert!(err.message().contains("strftime_now"), "{}", err.message());
+        assert_eq!(render("{{ strftime_now('%Y') | length }}", json!([])).unwrap().text, "4");
     }
 
     #[test]
