@@ -176,26 +176,26 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     if env_keys and cfg.server.api_key:
         logging.getLogger("llmserve").warning("%s is set, but --api-key is given: only the flag's keys are used",
                                               _ENV_API_KEY)
-    elif not cfg.server.api_key and (env_keys or _ENV_VLLM_API_KEY in os.environ):
-        env = _ENV_API_KEY if env_keys else _ENV_VLLM_API_KEY
-        keys = tuple(k.strip() for k in os.environ[env].split(",") if k.strip())
+    elif env_keys:
+        keys = tuple(k.strip() for k in env_keys.split(",") if k.strip())
         if not keys:
             # NOTE: an operator who set it asked for keys: serving without any would be open.
-            raise ValueError(f"{env} is set but holds no key (keys are comma separated)")
+            raise ValueError(f"{_ENV_API_KEY} is set but holds no key (keys are comma separated)")
         if len(set(keys)) < len(keys):
-            raise ValueError(f"{env} holds a key more than once")
-        if env == _ENV_VLLM_API_KEY:
-            logging.getLogger("llmserve").info("API keys from %s (vLLM's variable; llmserve's is %s)",
-                                               env, _ENV_API_KEY)
+            raise ValueError(f"{_ENV_API_KEY} holds a key more than once")
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
+    elif not cfg.server.api_key and (vllm_key := os.environ.get(_ENV_VLLM_API_KEY, "")):
+        # one key, as vLLM reads it (empty: none, as there)
+        logging.getLogger("llmserve").info("API key from %s (vLLM's variable; llmserve's is %s)",
+                                           _ENV_VLLM_API_KEY, _ENV_API_KEY)
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=(vllm_key,)))
     return cfg
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: list[str]) -> None:
     """Exit (status 2) naming what was not understood, with what to do instead of each vLLM
     flag among it. A key given after another --api-key is never echoed."""
-    after_key = {i + 2 for i, a in enumerate(argv[:-2]) if a == "--api-key"}
-    if any(i in after_key and a in unknown for i, a in enumerate(argv)):
+    if any(a in unknown for a in _after_keys(argv)):
         parser.error("--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)")
     lines = [f"unrecognized arguments: {' '.join(unknown)}"]
     for arg in unknown:
@@ -205,9 +205,19 @@ def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: l
     parser.error("\n".join(lines))
 
 
-def _follows_key(argv: list[str], value: str) -> bool:
-    """Whether `value` comes right after an --api-key flag's value in `argv`."""
-    return any(a == "--api-key" and argv[i + 2] == value for i, a in enumerate(argv[:-2]))
+def _after_keys(argv: list[str]) -> list[str]:
+    """The words right after an --api-key flag's value in `argv` that are no flag (vLLM's
+    `--api-key K1 K2` puts its second key there), for each spelling argparse takes:
+    `--api-key K`, `--api-key=K` and their unambiguous abbreviations (`--api K`)."""
+    words = []
+    for i, a in enumerate(argv):
+        name, eq, _ = a.partition("=")
+        if len(name) < 5 or not "--api-key".startswith(name):
+            continue
+        j = i + 1 if eq else i + 2
+        if j < len(argv) and not argv[j].startswith("-"):
+            words.append(argv[j])
+    return words
 
 
 def _short_openmp_spin() -> None:
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "run":
         model = vars(args).get("model.model")
-        if model and not os.path.exists(model) and "/" not in model and _follows_key(argv, model):
+        if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
             args.run_parser.error("--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)")
         try:

@@ -243,6 +243,8 @@ def test_token_ids_may_be_tuples_and_numpy_integers(llm):
     for ids in ((5, 6, 7, 8), np.array([5, 6, 7, 8]), [np.int64(5), 6, np.uint16(7), 8]):
         assert llm.generate(ids, params)[0].text == want, ids
     assert [r.text for r in llm.generate(np.array([[5, 6, 7, 8]] * 2), params)] == [want, want]
+    texts = [r.text for r in llm.generate(np.array(["Hello", "The quick"]), params)]   # (a DataFrame column)
+    assert texts == [r.text for r in llm.generate(["Hello", "The quick"], params)]
     from llmserve import BadRequestError
 
     with pytest.raises(BadRequestError):   # one empty prompt, as over HTTP (not an empty list of them)
@@ -265,6 +267,11 @@ def test_params_json_cannot_hold_are_refused_as_over_http(llm):
             llm.generate(prompt, params)
         assert e.value.param == param
     params = {"max_tokens": 3, "temperature": 0}
+    with pytest.raises(BadRequestError) as e:   # (orjson writes no lone surrogate; the Router names it)
+        llm.generate("a\ud800b", {"max_tokens": 2})
+    assert "surrogate" in str(e.value)
+    with pytest.raises(TypeError, match="params must hold JSON values"):
+        llm.generate("hi", {"max_tokens": 2, "stop": {"a", "b"}})
     forced = llm.generate("hi", {**params, "logit_bias": {9: 100}})[0]
     assert forced.text == llm.generate("hi", {**params, "logit_bias": {"9": 100}})[0].text
     assert forced.text != llm.generate("hi", params)[0].text

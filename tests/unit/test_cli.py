@@ -112,6 +112,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     origins = _config(["--allowed-origins", '["https://a.example", "*"]', "--allowed-origins", "null"])
     assert origins.server.allowed_origins == ("https://a.example", "*", "null")
     monkeypatch.delenv("LLMSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "v1,part")   # (one key, as vLLM reads it)
+    assert _config([]).server.api_key == ("v1,part",)
+    monkeypatch.setenv("VLLM_API_KEY", "")   # (empty: none, as in vLLM)
+    assert _config([]).server.api_key == ()
     monkeypatch.setenv("VLLM_API_KEY", "v1")
     assert _config([]).server.api_key == ("v1",)
     assert _config(["--api-key", "k"]).server.api_key == ("k",)
@@ -132,6 +136,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
     (["--dtype", "half"], "got 'half' (vLLM's 'half' is 'float16' here)"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--api-key", "k", "--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model"),
+    (["--async-scheduling", "org/model"], "got 'org/model' (--async-scheduling alone is on: give the model before it)"),
     (["--max-model-len", "1.5k5"], "'1.5k5' is not a whole number (such as 4096, 32k or 32K)"),
     (["--max-model-len", "0.3K"], "'0.3K' is not a whole number"),
 ])
@@ -143,7 +149,9 @@ def test_vllm_flags_llmserve_lacks_say_what_to_do(monkeypatch, capsys, args, say
     assert says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--api-key", "k1", "secret-two"], ["m", "--api-key", "k1", "secret-two"]])
+@pytest.mark.parametrize("args", [["--api-key", "k1", "secret-two"], ["m", "--api-key", "k1", "secret-two"],
+                                  ["--api-key=k1", "secret-two"], ["--api", "k1", "secret-two"],
+                                  ["m", "--api-key=k1", "secret-two"]])
 def test_vllms_several_keys_form_is_refused_without_echoing_a_key(monkeypatch, capsys, args):
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)
     with pytest.raises(SystemExit):

@@ -173,18 +173,27 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
     try:
         data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as exc:
-        if "64-bit" not in str(exc):
-            raise
-        # orjson writes no integer beyond 64 bits (`max_tokens=2**70`): the standard library
-        # writes any, so the Router names the field and its range, as over HTTP. (It writes
-        # non-finite floats as NaN/Infinity; those are refused by name below.)
-        data = json.dumps(body, separators=(",", ":")).encode()
+        # orjson writes no integer beyond 64 bits (`max_tokens=2**70`) and no lone surrogate:
+        # the standard library writes both, so the Router names the field and what is wrong
+        # with it, as over HTTP. (It writes non-finite floats as NaN/Infinity; those are refused
+        # by name below.)
+        try:
+            data = json.dumps(body, separators=(",", ":"), default=_numpy_value).encode()
+        except (TypeError, ValueError):
+            raise TypeError(f"params must hold JSON values (str, int, float, bool, None, lists, dicts): {exc}") from None
     if b"null" in data or b"NaN" in data or b"Infinity" in data:
         found = _non_finite(body, "")
         if found is not None:
             path, value = found
             raise router.error("invalid_request", f"`{path}` must be a finite number; got {value}.", path)
     return data
+
+
+def _numpy_value(value: Any) -> Any:
+    """numpy's numbers and arrays as Python's (the json module's `default`)."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
@@ -241,11 +250,13 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
     them. TypeError naming the first that is neither."""
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1 and prompts.dtype.kind not in "UO":
         # one prompt (an empty one is refused as the server refuses it)
         if (ids := _token_ids(prompts)) is None:
             raise TypeError(f"token ids must be integers; got an array of {prompts.dtype}")
         return [ids]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        prompts = prompts.tolist()   # (strs: a list of prompts, as a DataFrame column gives them)
     if not isinstance(prompts, (list, tuple, np.ndarray)) or (isinstance(prompts, np.ndarray) and prompts.ndim != 2):
         kind = f"a {prompts.ndim}-d array" if isinstance(prompts, np.ndarray) else type(prompts).__name__
         raise TypeError(f"prompts must be a str, token ids, or a list of either; got {kind}")

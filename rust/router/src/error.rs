@@ -132,11 +132,21 @@ impl ApiError {
             | Self::Unauthorized { message }
             | Self::Unavailable { message, .. }
             | Self::Internal { message } => message.clone(),
-            Self::ModelNotFound { model, served } if !served.is_empty() => {
-                let names: Vec<String> = served.iter().map(|n| format!("`{n}`")).collect();
-                format!("The model `{model}` does not exist. This server serves {}.", names.join(", "))
+            Self::ModelNotFound { model, served } => {
+                // (names shortened and the list capped, so "does not exist" always shows)
+                let short = |s: &str, most: usize| match s.char_indices().nth(most) {
+                    Some((at, _)) => format!("{}...", &s[..at]),
+                    None => s.to_string(),
+                };
+                let mut message = format!("The model `{}` does not exist.", short(model, 200));
+                if !served.is_empty() {
+                    let names: Vec<String> = served.iter().take(8).map(|n| format!("`{}`", short(n, 100))).collect();
+                    let more = served.len().saturating_sub(8);
+                    let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+                    message += &format!(" This server serves {}{more}.", names.join(", "));
+                }
+                message
             }
-            Self::ModelNotFound { model, .. } => format!("The model `{model}` does not exist."),
             Self::PayloadTooLarge { limit } => format!("Request body is larger than the limit of {limit} bytes."),
             Self::RequestTimeout { seconds } => {
                 format!("The request body stopped arriving: nothing came for {seconds} s.")
@@ -207,10 +217,15 @@ mod tests {
 
     #[test]
     fn echoed_values_are_bounded() {
-        let e = ApiError::ModelNotFound { model: "m".repeat(1_000_000), served: vec![] };
+        let e = ApiError::ModelNotFound { model: "m".repeat(1_000_000), served: vec!["s".repeat(300); 12] };
         let msg = e.message();
-        assert_eq!(msg.chars().count(), 2048 + "... (997981 characters left out) ...".len());
-        assert!(msg.starts_with("The model `mmm") && msg.ends_with("mmm` does not exist."), "{msg}");
+        let name = format!("`{}...`", "s".repeat(100));
+        let want = format!(
+            "The model `{}...` does not exist. This server serves {} and 4 more.",
+            "m".repeat(200),
+            vec![name; 8].join(", ")
+        );
+        assert_eq!(msg, want);
         let e = ApiError::invalid(format!("logit_bias.{}", "東".repeat(10_000)), "bad");
         let param = e.param().unwrap();
         assert!(param.starts_with("logit_bias.東") && param.ends_with("東... (9755 characters left out) ..."));
