@@ -270,6 +270,13 @@ STRING_TEMPLATE = """{% for tool in tools or [] %}{{ 'tool: ' ~ (tool | string) 
 {% endfor %}{% endfor %}{{ message.role }}: {{ message.content | string }}
 {% endfor %}"""
 
+# Python str and list methods pycompat lacks (template.rs: py_methods)
+METHODS_TEMPLATE = """{% for message in messages %}{% set c = message.content %}
+{{ c.rsplit(' ', 1) }} {{ c.rsplit(' ') }} {{ c.partition(' ') | join('|') }} {{ c.rpartition('?') | join('|') }}
+{{ c.removeprefix('Hi') }}|{{ c.removesuffix('?') }}|{{ ('' ~ loop.index).zfill(3) }}|{{ '-7'.zfill(4) }}
+{{ c.index(' ') if ' ' in c else -1 }} {{ [1, 2, 1].count(1) }} {{ ['a', 'b'].index('b') }}
+{% endfor %}"""
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -341,6 +348,7 @@ def template_cases(gguf_template: str) -> list[dict]:
     case("raise_error", RAISE_TEMPLATE, CHAT[1:2] + CHAT[1:2])
     case("documents", DOCS_TEMPLATE, CHAT[1:2], documents=[{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}], add_generation_prompt=True)
     case("generation_tag", GENERATION_TEMPLATE, CHAT, add_generation_prompt=True)
+    case("py_methods", METHODS_TEMPLATE, CHAT + [{"role": "user", "content": "d\u00e9j\u00e0 vu? no"}])
     case("string_filter", STRING_TEMPLATE, CHAT[1:2] + [{
         "role": "assistant", "content": "",
         "tool_calls": [{"id": "c", "type": "function", "function": {

@@ -215,6 +215,75 @@ fn expand_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
     out.into()
 }
 
+/// Python's str and list methods that pycompat lacks (`rsplit`, `partition`, `removeprefix`,
+/// `index`, `count` on lists, ...), then pycompat's.
+fn py_methods(state: &minijinja::State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+    let bad = |m: &str| Error::new(ErrorKind::InvalidOperation, m.to_string());
+    let arg_str = |i: usize| args.get(i).and_then(|a| a.as_str().map(str::to_string));
+    if let Some(s) = value.as_str() {
+        match (method, args.len()) {
+            ("removeprefix", 1) | ("removesuffix", 1) => {
+                let affix = arg_str(0).ok_or_else(|| bad("the affix must be a string"))?;
+                let out = if method == "removeprefix" {
+                    s.strip_prefix(affix.as_str())
+                } else {
+                    s.strip_suffix(affix.as_str())
+                };
+                return Ok(Value::from(out.unwrap_or(s)));
+            }
+            ("partition", 1) | ("rpartition", 1) => {
+                let sep = arg_str(0).filter(|p| !p.is_empty()).ok_or_else(|| bad("empty separator"))?;
+                let found =
+                    if method == "partition" { s.split_once(sep.as_str()) } else { s.rsplit_once(sep.as_str()) };
+                let parts = match found {
+                    Some((a, b)) => [a, sep.as_str(), b],
+                    None if method == "partition" => [s, "", ""],
+                    None => ["", "", s],
+                };
+                return Ok(Value::from(parts.iter().map(|p| Value::from(*p)).collect::<Vec<_>>()));
+            }
+            ("zfill", 1) => {
+                let width = usize::try_from(args[0].clone()).map_err(|_| bad("zfill takes an integer"))?;
+                let (sign, digits) = match s.strip_prefix(['+', '-']) {
+                    Some(rest) => (&s[..1], rest),
+                    None => ("", s),
+                };
+                let pad = width.saturating_sub(s.chars().count());
+                return Ok(Value::from(format!("{sign}{}{digits}", "0".repeat(pad))));
+            }
+            ("index", 1) => {
+                let sub = arg_str(0).ok_or_else(|| bad("the substring must be a string"))?;
+                let at = s.find(sub.as_str()).ok_or_else(|| bad("substring not found"))?;
+                return Ok(Value::from(s[..at].chars().count()));
+            }
+            ("rsplit", 1..=2) if args.first().is_some_and(|a| a.as_str().is_some()) => {
+                let sep = arg_str(0).filter(|p| !p.is_empty()).ok_or_else(|| bad("empty separator"))?;
+                let most = match args.get(1) {
+                    Some(n) => i64::try_from(n.clone()).map_err(|_| bad("maxsplit must be an integer"))?,
+                    None => -1,
+                };
+                let mut parts: Vec<&str> = if most < 0 {
+                    s.rsplit(sep.as_str()).collect()
+                } else {
+                    s.rsplitn(most as usize + 1, sep.as_str()).collect()
+                };
+                parts.reverse();
+                return Ok(Value::from(parts.into_iter().map(Value::from).collect::<Vec<_>>()));
+            }
+            _ => {}
+        }
+    } else if value.kind() == minijinja::value::ValueKind::Seq && args.len() == 1 && matches!(method, "index" | "count")
+    {
+        let items = value.try_iter()?;
+        if method == "count" {
+            return Ok(Value::from(items.filter(|v| v == &args[0]).count()));
+        }
+        let mut items = items;
+        return items.position(|v| v == args[0]).map(Value::from).ok_or_else(|| bad("the value is not in the list"));
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
 fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
     let mut opts = pyjson::JsonOptions::default();
@@ -248,7 +317,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(py_methods);
         env.set_formatter(pyjson::format_value);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -1076,6 +1145,14 @@ mod tests {
         let err = render("{{ strftime_now('%d %Q') }}", json!([{"role": "user", "content": "hi"}])).unwrap_err();
         assert!(err.message().contains("strftime_now"), "{}", err.message());
         assert_eq!(render("{{ strftime_now('%Y') | length }}", json!([])).unwrap().text, "4");
+    }
+
+    #[test]
+    fn python_methods_that_fail_in_python_fail_here() {
+        for tmpl in ["{{ 'abc'.index('z') }}", "{{ [1].index(2) }}", "{{ 'a'.partition('') }}"] {
+            assert!(render(tmpl, json!([])).is_err(), "{tmpl}");
+        }
+        assert_eq!(render("{{ 'a.b.c'.rsplit('.', 1) | join('|') }}", json!([])).unwrap().text, "a.b|c");
     }
 
     #[test]
