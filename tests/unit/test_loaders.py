@@ -540,6 +540,36 @@ def test_gguf_unsupported_arch(tmp_path):
         load_checkpoint(str(path))
 
 
+def test_gguf_types_that_cannot_be_dequantized_are_named(tmp_path, monkeypatch):
+    """Q8_1 (an intermediate type no model file should hold; the gguf package cannot dequantize
+    it) and a type id the gguf package does not know: one line naming the tensor."""
+    import struct
+
+    import gguf
+
+    def fake_q8_1(data, qtype):   # (gguf cannot quantize Q8_1 either: zero blocks of its size)
+        block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+        return np.zeros((data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+
+    monkeypatch.setattr(gguf.quants, "quantize", fake_q8_1)
+    path = tmp_path / "tiny.Q8_1.gguf"
+    write_gguf(path, tiny_llama(tie=True), quant="Q8_1")
+    with pytest.raises(LoadError, match=r"GGUF tensor '[\w.]+' is Q8_1, a type llmserve cannot dequantize"):
+        load_checkpoint(str(path))
+    monkeypatch.undo()
+
+    path = tmp_path / "tiny.F32.gguf"
+    write_gguf(path, tiny_llama(tie=True))
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)   # (its type)
+    path.write_bytes(bytes(data))
+    with pytest.raises(LoadError, match="tensor 'token_embd.weight' has GGML type 99, which the installed gguf"):
+        load_checkpoint(str(path))
+
+
 def test_gguf_unreadable(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"not a gguf file at all")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
 from .. import _core
 from .checkpoint import (QUANT_FORMATS, Checkpoint, LazyWeights, LoadError, QuantTensor,
@@ -244,6 +245,23 @@ class _GgufWeight:
         return arr
 
 
+def _check_dequantizable(tensor) -> None:
+    """LoadError, before anything is built, naming a tensor of a type the gguf package cannot
+    dequantize (Q8_K, Q8_1 and newer ones: intermediate types no model file should hold)."""
+    from gguf.quants import dequantize
+
+    block, size = GGML_QUANT_SIZES[tensor.tensor_type]
+    if int(tensor.tensor_type) in QUANT_FORMATS or block == 1:
+        return   # (our own kernels dequantize these; plain numbers are cast)
+    try:
+        dequantize(np.zeros((1, size), dtype=np.uint8), tensor.tensor_type)   # (one block)
+    except NotImplementedError:
+        import gguf
+
+        raise LoadError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, a type llmserve cannot "
+                        f"dequantize (gguf {getattr(gguf, '__version__', '?')})") from None
+
+
 def _raw_blocks(tensor) -> QuantTensor | None:
     """A matrix's raw blocks when its format is one the quantized GEMV reads, else None."""
     ggml_type = int(tensor.tensor_type)
@@ -289,6 +307,8 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
     log.info("GGUF %s: %s, %d tensors, metadata read in %.2f s", path.name, arch, len(tensors), t1 - t0)
 
     types = Counter(t.tensor_type.name for t in tensors)
+    for tensor in {t.tensor_type: t for t in tensors}.values():   # (one of each type)
+        _check_dequantizable(tensor)
     permuted = _ARCHS[arch][2]
     lazy: dict[str, _GgufWeight] = {}
     quantized: dict[str, QuantTensor] = {}

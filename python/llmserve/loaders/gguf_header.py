@@ -120,7 +120,14 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
         if name in seen:
             raise ValueError(f"duplicated tensor {name!r}")
         seen.add(name)
-        ggml_type = GGMLQuantizationType(raw_type)
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
+        except ValueError:
+            import gguf
+
+            raise ValueError(f"tensor {name!r} has GGML type {raw_type}, which the installed gguf package "
+                             f"({getattr(gguf, '__version__', '?')}) does not know: the file is newer than it, "
+                             "or damaged") from None
         n_elems = int(np.prod(dims, dtype=np.int64))
         block, type_size = GGML_QUANT_SIZES[ggml_type]
         np_dims = tuple(reversed(dims))
