@@ -25,7 +25,7 @@ import llmserve.models.llama as llama
 from llmserve.loaders.checkpoint import LazyWeights
 from llmserve.models import build_model
 from llmserve.models.layers import Linear
-from llmserve.worker.threads import QUANT_MAX_TOKENS
+from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step
 
 torch.set_num_threads(1)
 
@@ -180,3 +180,40 @@ def test_a_serving_build_from_lazy_weights_holds_one_fp32_layer_linear_at_a_time
         if not t.is_meta:
             assert torch.equal(t, lazy.state_dict()[name]), name
     assert torch.equal(eager.lm_bf16, lazy.lm_bf16)
+
+
+def _gguf_model(monkeypatch, bf16: bool, gguf: bool = True):
+    """A GGUF model none of whose linears has blocks (all K-quants, say): float32 weights."""
+    monkeypatch.setattr(llama, "native_bf16", lambda: bf16)
+    weights = {name: t.float() for name, t in _bf16_checkpoint().items()}
+    return build_model(CONFIG, weights, torch.float32, "cpu", quantized={}, serving=True, gguf=gguf)
+
+
+def test_a_gguf_model_without_blocks_computes_its_linears_in_bf16(monkeypatch):
+    """On a CPU with native bf16, a GGUF model's linears that no kernel of ours reads (K-quants,
+    Q5_x, F16, ...) get a bfloat16 copy, drop their float32, and every runner step, decode
+    steps included, computes them in bf16 (~3.4x less time than the fp32 GEMV per token on
+    SmolLM2's layers here); rows that sample read the LM head's bf16 copy, prompt logprobs
+    keep float32. Without native bf16, or for a checkpoint that is not GGUF, nothing changes."""
+    plain = build_model(CONFIG, {n: t.float() for n, t in _bf16_checkpoint().items()}, torch.float32, "cpu")
+    model = _gguf_model(monkeypatch, True)
+    linears = _layer_linears(model)
+    assert all(m.quant is None and m.bf16_weight is not None and m.weight.is_meta for m in linears)
+    assert model.bf16_sampling_head and model.lm_bf16 is not None and not model.quantized
+    calls = []
+    real_mm = layers._bf16_mm
+    monkeypatch.setattr(layers, "_bf16_mm", lambda x, w: calls.append(x.shape[0]) or real_mm(x, w))
+    ref, _ = run_schedule(plain, PROMPTS, SCHEDULE, num_blocks=160, step_flags=True)
+    got, _ = run_schedule(model, PROMPTS, SCHEDULE, num_blocks=160, step_flags=True)
+    assert len(calls) >= len(SCHEDULE) * len(linears)   # (every step, decode steps too)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert (a - b).abs().max() < 0.05 * a.abs().max(), step
+    hidden = torch.randn(3, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode(), cpu_step(False, True):
+        sampled, prompt_lp = model.compute_logits(hidden, sampling=True), model.compute_logits(hidden)
+        exact = plain.compute_logits(hidden)
+    assert torch.equal(prompt_lp, exact) and not torch.equal(sampled, exact)
+    assert (sampled - exact).abs().max() < 0.05 * exact.abs().max()
+    for off in (_gguf_model(monkeypatch, False), _gguf_model(monkeypatch, True, gguf=False)):
+        assert all(m.bf16_weight is None and not m.weight.is_meta for m in _layer_linears(off))
+        assert off.lm_bf16 is None and not off.bf16_sampling_head

@@ -138,6 +138,20 @@ def system_fingerprint(weights: Mapping[str, torch.Tensor], *numerics) -> str:
     return "fp_" + h.hexdigest()[:10]
 
 
+def _linears_without_blocks(ck) -> bool:
+    """Whether some linear of a GGUF checkpoint (the LM head included) gets no quantized blocks:
+    a part in a type our kernels do not read, or fused parts (q|k|v, gate|up) in different ones."""
+    head = "lm_head.weight" if "lm_head.weight" in ck.weights else "model.embed_tokens.weight"
+    names = [n for n in ck.weights if n.endswith("_proj.weight")] + [head]
+    if any(n not in ck.quantized for n in names):
+        return True
+    fused = {}
+    for n in names:
+        group = n.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        fused.setdefault(group, set()).add(ck.quantized[n].ggml_type)
+    return any(len(types) > 1 for types in fused.values())
+
+
 def _built(ck, build):
     """`build()` the model, with what the checkpoint lacks or has that the model cannot take
     (a config key, an unsupported feature, a tensor missing or of the wrong shape) as a
@@ -171,9 +185,15 @@ def build_engine(cfg: Config) -> Engine:
     # tiling decide a prompt token's bits on a CPU; and the processor, whose instruction sets
     # pick the kernels)
     blas = (reproducible_blas(), native_bf16(), bf16_tile_rows(), cpu_signature()) if device.type == "cpu" else ()
+    # A GGUF model's linears that have no blocks compute in bf16 too, where bf16 is native
+    # (llama.py: from_hf `gguf`); --batch-invariant keeps them float32, row by row.
+    gguf = ck.gguf_vocab is not None and cfg.model.quantized_decode and not cfg.device.batch_invariant
+    bf16_only = gguf and bool(blas) and _linears_without_blocks(ck)
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
-                                     torch.get_num_threads(), cfg.cache.block_size, *blas)
-    model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized, serving=True))
+                                     torch.get_num_threads(), cfg.cache.block_size, *blas,
+                                     *(("gguf-bf16",) if bf16_only else ()))
+    model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized, serving=True,
+                                           gguf=gguf))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
         _check_batch_invariant(device, dtype)

@@ -143,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         # Its bfloat16 copy for decode steps the quantized GEMV does not take (compute_logits).
         self.lm_bf16: torch.Tensor | None = None
         self.quantized = False                     # some linear has GGUF blocks
+        # Rows that sample read `lm_bf16` in every step (a GGUF head without blocks: from_hf).
+        self.bf16_sampling_head = False
         self.batch_invariant = False
         # The Rust path of few-token decode steps (cpu_decoder.py); built on first use,
         # False when the model cannot take it.
@@ -160,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, quantized: dict[str, QuantTensor] | None = None,
-                serving: bool = False) -> "LlamaForCausalLM":
+                serving: bool = False, gguf: bool = False) -> "LlamaForCausalLM":
         """The model with HF-named `weights` (and a GGUF checkpoint's `quantized` blocks) loaded.
 
         `serving`: the model is for a ModelRunner, built from tensors nothing else needs. Each
@@ -169,31 +171,41 @@ class LlamaForCausalLM(nn.Module):
         that gets GGUF blocks and a bfloat16 copy keeps no float32 weight, which no runner step
         reads (`quantize_linear`). Each linear gets its blocks as its weight is made, so with
         lazily made weights (a GGUF checkpoint's) such a build holds one linear's float32 at a
-        time, never the whole model's."""
+        time, never the whole model's.
+
+        `gguf`: the weights are a GGUF file's (already rounded to its types). On a CPU with
+        native bf16, a float32 model's layer linears without blocks (K-quants, Q5_x, F16, ...,
+        which no kernel of ours reads) then get a bfloat16 copy too, which every runner step
+        computes them with (a serving build drops their float32), and sampled rows read the LM
+        head's bfloat16 copy when it has no blocks (prompt logprobs keep float32)."""
         c = cls.parse_config(hf_config)
         if not c.tie_word_embeddings and "lm_head.weight" not in weights:
             # NOTE: checkpoints that ship no LM head (GGUF without `output.weight`) tie it.
             c = DecoderConfig(**{**c.__dict__, "tie_word_embeddings": True})
         with torch.device("meta"):
             model = cls(c)
-        blocks = quantized if quantized and dtype == torch.float32 and device.type == "cpu" else None
+        cpu_fp32 = dtype == torch.float32 and device.type == "cpu"
+        blocks = quantized if quantized and cpu_fp32 else None
         bf16 = native_bf16()
+        lossy = gguf and cpu_fp32 and bf16   # (linears without blocks get bf16 copies too)
         parts = quantized_parts(c)
 
         def attach(name: str, weight: torch.Tensor) -> torch.Tensor:
-            q = fused_blocks(blocks, parts[name], take=serving)
-            if q is None:
+            q = fused_blocks(blocks, parts[name], take=serving) if blocks is not None else None
+            if q is None and not lossy:
                 return weight
             return quantize_linear(name, model.get_submodule(name), q, weight, bf16, serving)
 
         state = fuse_hf_weights(c, weights, dtype, device, take=serving,
-                                on_linear=None if blocks is None else attach)
+                                on_linear=None if blocks is None and not lossy else attach)
         model.load_state_dict(state, strict=True, assign=True)
         del state
         model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
                                      device)
-        if blocks is not None:   # (served, its dict is empty by now)
-            model.attach_head(fused_blocks(blocks, parts["lm_head"], take=serving), bf16)
+        if blocks is not None or lossy:   # (served, its dict is empty by now)
+            head = fused_blocks(blocks, parts["lm_head"], take=serving) if blocks is not None else None
+            model.bf16_sampling_head = lossy and head is None
+            model.attach_head(head, bf16)
         model.requires_grad_(False)
         return model.eval()
 
@@ -231,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_quant = q.pack()
         self.quantized = self.lm_quant is not None or any(
             getattr(m, "quant", None) is not None for m in self.layers.modules())
-        self.lm_bf16 = head.detach().to(torch.bfloat16) if bf16 and self.quantized else None
+        self.lm_bf16 = (head.detach().to(torch.bfloat16) if bf16 and (self.quantized or self.bf16_sampling_head)
+                        else None)
         self._cpu_path = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -265,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         q = self.lm_quant
         if sampling and quant_serves(hidden, q) and not in_big_decode_step():
             return quant_linear(hidden, None, q)
-        bf16 = self.lm_bf16 if in_big_decode_step() else None
+        bf16 = self.lm_bf16 if in_big_decode_step() or (sampling and self.bf16_sampling_head) else None
         return linear(hidden, weight, None, q, self.batch_invariant, bf16).float()
 
 
@@ -394,16 +407,16 @@ def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor],
         del q   # (so the consumer holds the only reference while the next linear fuses)
 
 
-def quantize_linear(name: str, module: Linear, q: QuantTensor, weight: torch.Tensor, bf16: bool,
+def quantize_linear(name: str, module: Linear, q: QuantTensor | None, weight: torch.Tensor, bf16: bool,
                     release: bool) -> torch.Tensor:
     """Give the layer linear `module` (`name`), whose float32 weight is `weight`, its GGUF blocks `q`
-    and, with `bf16`, a bfloat16 copy of the weight (layers.Linear.bf16_weight); returns the
-    weight it keeps: `weight`, or with `bf16` and `release` a meta tensor of its shape (no
-    runner step reads it; `layers.linear` then computes on the bf16 copy outside runner steps
-    too)."""
-    if (q.rows, q.cols) != tuple(weight.shape):
+    (None: a GGUF type no kernel of ours reads) and, with `bf16`, a bfloat16 copy of the weight
+    (layers.Linear.bf16_weight); returns the weight it keeps: `weight`, or with `bf16` and
+    `release` a meta tensor of its shape (no runner step reads it; `layers.linear` then
+    computes on the bf16 copy outside runner steps too)."""
+    if q is not None and (q.rows, q.cols) != tuple(weight.shape):
         raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its weight {list(weight.shape)}")
-    module.quant = q.pack()
+    module.quant = q.pack() if q is not None else None
     # (detached: a copy made with grad would keep the fp32 weight alive in its graph)
     module.bf16_weight = pack_bf16(weight.detach().to(torch.bfloat16)) if bf16 else None
     return torch.empty(weight.shape, device="meta") if bf16 and release else weight

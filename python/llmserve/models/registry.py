@@ -53,13 +53,14 @@ def _import_families() -> None:
 
 def build_model(hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str, *, quantized: dict | None = None,
-                serving: bool = False) -> CausalLM:
+                serving: bool = False, gguf: bool = False) -> CausalLM:
     """Build the model for `hf_config["architectures"][0]` and load HF-named `weights`.
 
     `quantized`: a GGUF checkpoint's raw Q8_0/Q4_0/Q4_1 blocks by HF name
     (`Checkpoint.quantized`); few-token float32 CPU steps then read them instead of fp32.
     `serving`: the model is for a ModelRunner and takes the tensors over: `weights` and
-    `quantized` are emptied as it loads (LlamaForCausalLM.from_hf says what else it drops)."""
+    `quantized` are emptied as it loads (LlamaForCausalLM.from_hf says what else it drops).
+    `gguf`: the weights are a GGUF file's (from_hf: bf16 copies of linears without blocks)."""
     _import_families()
     archs = hf_config.get("architectures") or []
     if not archs:
@@ -68,4 +69,4 @@ def build_model(hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.
     if cls is None:
         raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {sorted(_REGISTRY)}")
     return cls.from_hf(hf_config, weights, dtype, torch.device(device), quantized=quantized,
-                       serving=serving)
+                       serving=serving, gguf=gguf)
