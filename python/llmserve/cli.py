@@ -7,9 +7,11 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import types
 import typing
+from fractions import Fraction
 
 from llmserve.config import Config
 
@@ -70,12 +72,10 @@ def _human_int(text: str) -> int:
     """An integer, or one with vLLM's suffixes: k/m/g are powers of 1000, K/M/G of 1024 (25.6k is
     25600)."""
     scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-    try:
-        value = float(text[:-1]) * scale[text[-1]] if text[-1:] in scale else int(text)
-    except ValueError:
-        value = None
-    if value is None or not float(value).is_integer():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (such as 4096, 32k or 32K)")
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgKMG]?)", text)
+    value = Fraction(m.group(1)) * scale.get(m.group(2), 1) if m else None   # (exact: 32.2k is 32200)
+    if value is None or value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number (such as 4096, 32k or 32K)")
     return int(value)
 
 
@@ -186,6 +186,8 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
     elif not cfg.server.api_key and (vllm_key := os.environ.get(_ENV_VLLM_API_KEY, "")):
         # one key, as vLLM reads it (empty: none, as there)
+        if vllm_key.strip() != vllm_key or not vllm_key.isprintable():
+            raise ValueError(f"{_ENV_VLLM_API_KEY} must hold no surrounding whitespace or control characters")
         logging.getLogger("llmserve").info("API key from %s (vLLM's variable; llmserve's is %s)",
                                            _ENV_VLLM_API_KEY, _ENV_API_KEY)
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=(vllm_key,)))

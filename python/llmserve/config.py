@@ -104,7 +104,8 @@ class _Checked:
             if choices is not None and value not in choices:
                 ours = _VLLM_VALUES.get((f.name, value))
                 hint = f" (vLLM's {value!r} is {ours!r} here)" if ours else ""
-                if meta.get("bare") and not ours:   # (`--flag MODEL`: the flag took the model)
+                if meta.get("bare") and not ours and ("/" in str(value) or str(value).endswith(".gguf")):
+                    # (`--flag MODEL`: the flag took the model)
                     hint = f" ({flag} alone is {meta['bare']}: give the model before it)"
                 raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
             if meta.get("memory"):

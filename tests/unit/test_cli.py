@@ -104,7 +104,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     vLLM name), --async-scheduling alone and --no-async-scheduling, --allowed-origins as a JSON
     list, VLLM_API_KEY, and the flags that mean nothing here (accepted, and said so)."""
     assert _config(["--tool-call-parser", "hermes"]).model.tool_call_format == "hermes"
-    for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600)):
+    for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("32.2k", 32200)):
         assert _config(["--max-model-len", text]).model.max_model_len == tokens
     assert _config(["--async-scheduling"]).scheduler.async_scheduling == "on"
     assert _config(["--no-async-scheduling"]).scheduler.async_scheduling == "off"
@@ -116,6 +116,9 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     assert _config([]).server.api_key == ("v1,part",)
     monkeypatch.setenv("VLLM_API_KEY", "")   # (empty: none, as in vLLM)
     assert _config([]).server.api_key == ()
+    monkeypatch.setenv("VLLM_API_KEY", " v1")
+    with pytest.raises(ValueError, match="VLLM_API_KEY must hold no surrounding whitespace"):
+        _config([])
     monkeypatch.setenv("VLLM_API_KEY", "v1")
     assert _config([]).server.api_key == ("v1",)
     assert _config(["--api-key", "k"]).server.api_key == ("k",)
@@ -139,6 +142,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     (["--api-key", "k", "--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model"),
     (["--async-scheduling", "org/model"], "got 'org/model' (--async-scheduling alone is on: give the model before it)"),
     (["--max-model-len", "1.5k5"], "'1.5k5' is not a whole number (such as 4096, 32k or 32K)"),
+    (["--max-model-len", "1e3k"], "'1e3k' is not a whole number"),
     (["--max-model-len", "0.3K"], "'0.3K' is not a whole number"),
 ])
 def test_vllm_flags_llmserve_lacks_say_what_to_do(monkeypatch, capsys, args, says):

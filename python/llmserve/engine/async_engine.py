@@ -20,7 +20,7 @@ import orjson
 from llmserve._core import ApiError, Prepared, Router
 from llmserve.config import Config
 from llmserve.engine.build import Engine, SetupError, build_engine
-from llmserve.engine.loop import EngineThread
+from llmserve.engine.loop import EngineThread, hard_exit
 from llmserve.engine.metrics import Metrics
 from llmserve.loaders.checkpoint import LoadError
 
@@ -177,6 +177,9 @@ def _finish_loads() -> None:
         if thread.name == LOAD_THREAD and thread.is_alive():
             log.warning("waiting up to %.0f s for the model load to end before exiting", EXIT_LOAD_WAIT_S)
             thread.join(EXIT_LOAD_WAIT_S)
+            if thread.is_alive():
+                log.error("the model load did not end within %.0f s; exiting without it", EXIT_LOAD_WAIT_S)
+                hard_exit(1)
 
 
 async def _on_daemon_thread(fn, *args):

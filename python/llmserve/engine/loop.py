@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -81,8 +83,24 @@ def _stop_at_exit() -> None:
     each once its step ends: a loop runs inside torch, and an interpreter that finalizes
     around such a thread aborts the process."""
     for thread in list(_STARTED):
+        if thread.stop(0.5):
+            continue
+        log.warning("waiting up to %.0f s for the engine's step to end before exiting", EXIT_STEP_WAIT_S)
         if not thread.stop(EXIT_STEP_WAIT_S):
-            log.warning("the engine's step outlasted %.0f s at exit; exiting around it", EXIT_STEP_WAIT_S)
+            # (finalizing around it would abort the process: end it here instead)
+            log.error("the engine's step did not end within %.0f s; exiting without it", EXIT_STEP_WAIT_S)
+            hard_exit(1)
+
+
+def hard_exit(code: int) -> None:
+    """End the process now (os._exit), its logs and standard streams flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class EngineThread:

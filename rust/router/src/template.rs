@@ -180,38 +180,86 @@ fn strftime_now(fmt: String) -> Result<String, Error> {
 
 /// `{% generation %}` / `{% endgeneration %}` (transformers' tag, any whitespace control) as
 /// `{% if true %}` / `{% endif %}`, the same markers kept, so the body renders as in
-/// transformers and trim_blocks/lstrip_blocks act on the same tags.
+/// transformers and trim_blocks/lstrip_blocks act on the same tags. Only real tags change:
+/// comments, expressions, string literals and `{% raw %}` blocks are copied as they are.
 fn expand_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
     if !source.contains("generation") {
         return source.into();
     }
-    let mut out = String::with_capacity(source.len());
-    let mut rest = source;
-    while let Some(at) = rest.find("{%") {
-        out.push_str(&rest[..at]);
-        let tag = &rest[at..];
-        let Some(end) = tag.find("%}") else { break };
-        let inner = &tag[2..end];
-        let (open, body) = match inner.strip_prefix(['-', '+']) {
-            Some(b) => (&inner[..1], b),
-            None => ("", inner),
-        };
-        let (body, close) = match body.strip_suffix(['-', '+']) {
-            Some(b) => (b, &body[body.len() - 1..]),
-            None => (body, ""),
-        };
-        let word = match body.trim() {
-            "generation" => Some("if true"),
-            "endgeneration" => Some("endif"),
-            _ => None,
-        };
-        match word {
-            Some(w) => out.push_str(&format!("{{%{open} {w} {close}%}}")),
-            None => out.push_str(&tag[..end + 2]),
+    // the end of the block opened at `from` (the index after `close`), skipping quoted strings
+    fn block_end(s: &str, from: usize, close: &str) -> Option<usize> {
+        let bytes = s.as_bytes();
+        let mut i = from;
+        while i < bytes.len() {
+            match bytes[i] {
+                q @ (b'\'' | b'"') => {
+                    i += 1;
+                    while i < bytes.len() && bytes[i] != q {
+                        i += if bytes[i] == b'\\' { 2 } else { 1 };
+                    }
+                    i += 1;
+                }
+                _ if s[i..].starts_with(close) => return Some(i + close.len()),
+                _ => i += 1,
+            }
         }
-        rest = &tag[end + 2..];
+        None
     }
-    out.push_str(rest);
+    let tag_word = |inner: &str| inner.trim_matches(['-', '+']).trim().to_string();
+    let mut out = String::with_capacity(source.len());
+    let mut i = 0;
+    while let Some(at) = source[i..].find('{').map(|a| a + i) {
+        let rest = &source[at..];
+        let (close, is_tag) = match rest.get(..2) {
+            Some("{#") => ("#}", false),
+            Some("{{") => ("}}", false),
+            Some("{%") => ("%}", true),
+            _ => {
+                out.push_str(&source[i..=at]);
+                i = at + 1;
+                continue;
+            }
+        };
+        out.push_str(&source[i..at]);
+        let Some(end) =
+            (if close == "#}" { rest.find(close).map(|e| at + e + 2) } else { block_end(source, at + 2, close) })
+        else {
+            out.push_str(rest);
+            return out.into();
+        };
+        let block = &source[at..end];
+        let inner = &block[2..block.len() - 2];
+        let word = if is_tag { tag_word(inner) } else { String::new() };
+        if word == "generation" || word == "endgeneration" {
+            let open = if inner.starts_with(['-', '+']) { &inner[..1] } else { "" };
+            let shut = if inner.ends_with(['-', '+']) { &inner[inner.len() - 1..] } else { "" };
+            let w = if word == "generation" { "if true" } else { "endif" };
+            out.push_str(&format!("{{%{open} {w} {shut}%}}"));
+            i = end;
+        } else if word == "raw" {
+            // copied through its {% endraw %} (any whitespace control)
+            let mut j = end;
+            let stop = loop {
+                match source[j..].find("{%") {
+                    Some(k) => {
+                        let tag_at = j + k;
+                        let tag_end = source[tag_at..].find("%}").map(|e| tag_at + e + 2).unwrap_or(source.len());
+                        if tag_word(&source[tag_at + 2..tag_end.saturating_sub(2).max(tag_at + 2)]) == "endraw" {
+                            break tag_end;
+                        }
+                        j = tag_end;
+                    }
+                    None => break source.len(),
+                }
+            };
+            out.push_str(&source[at..stop]);
+            i = stop;
+        } else {
+            out.push_str(block);
+            i = end;
+        }
+    }
+    out.push_str(&source[i..]);
     out.into()
 }
 
@@ -1131,11 +1179,15 @@ mod tests {
     #[test]
     fn generation_tags_become_if_true_and_nothing_else_changes() {
         let src = "{% generation %}a{%- endgeneration -%}{%+ generation +%}{{ 'generation' }}{% endgeneration %}\
-                   {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}";
+                   {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}{{ '{% generation %}' }}\
+                   {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% generation %}{% endgeneration %}\
+                   {% set s = \"%}{% generation %}\" %}";
         assert_eq!(
             expand_generation_tags(src),
             "{% if true %}a{%- endif -%}{%+ if true +%}{{ 'generation' }}{% endif %}\
-             {% if x %}{# {% if true %} #}{% endif %}{% raw_generation %}"
+             {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}{{ '{% generation %}' }}\
+             {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% if true %}{% endif %}\
+             {% set s = \"%}{% generation %}\" %}"
         );
         assert!(matches!(expand_generation_tags("{{ x }}"), std::borrow::Cow::Borrowed(_)));
     }
