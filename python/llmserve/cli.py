@@ -21,6 +21,9 @@ _ENV_LOG_LEVEL = "LLMSERVE_LOG_LEVEL"
 # a deployment moved over from vLLM does not serve open.
 _ENV_VLLM_API_KEY = "VLLM_API_KEY"
 
+# vLLM's `--api-key K1 K2` puts its second key where llmserve reads MODEL (never echoed)
+_ONE_KEY = "--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)"
+
 # `vllm serve` flags that mean nothing here: accepted, each saying why it has no effect.
 _VLLM_NO_OPS = {
     "--trust-remote-code": "llmserve runs no code from model repositories; it serves the architectures "
@@ -198,7 +201,7 @@ def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: l
     """Exit (status 2) naming what was not understood, with what to do instead of each vLLM
     flag among it. A key given after another --api-key is never echoed."""
     if any(a in unknown for a in _after_keys(argv)):
-        parser.error("--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)")
+        parser.error(_ONE_KEY)
     lines = [f"unrecognized arguments: {' '.join(unknown)}"]
     for arg in unknown:
         flag = arg.split("=", 1)[0]
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         model = vars(args).get("model.model")
         if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
-            args.run_parser.error("--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)")
+            args.run_parser.error(_ONE_KEY)
         try:
             cfg = config_from_args(args)
         except ValueError as exc:
