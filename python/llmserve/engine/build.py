@@ -188,7 +188,8 @@ def build_engine(cfg: Config) -> Engine:
     # A GGUF model's linears that have no blocks compute in bf16 too, where bf16 is native
     # (llama.py: from_hf `gguf`); --batch-invariant keeps them float32, row by row.
     gguf = ck.gguf_vocab is not None and cfg.model.quantized_decode and not cfg.device.batch_invariant
-    bf16_only = gguf and bool(blas) and _linears_without_blocks(ck)
+    bf16_only = (gguf and device.type == "cpu" and dtype == torch.float32 and native_bf16()
+                 and _linears_without_blocks(ck))
     fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
                                      torch.get_num_threads(), cfg.cache.block_size, *blas,
                                      *(("gguf-bf16",) if bf16_only else ()))

@@ -199,7 +199,7 @@ fn expand_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
                     }
                     i += 1;
                 }
-                _ if s[i..].starts_with(close) => return Some(i + close.len()),
+                _ if bytes[i..].starts_with(close.as_bytes()) => return Some(i + close.len()),
                 _ => i += 1,
             }
         }
@@ -1181,13 +1181,13 @@ mod tests {
         let src = "{% generation %}a{%- endgeneration -%}{%+ generation +%}{{ 'generation' }}{% endgeneration %}\
                    {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}{{ '{% generation %}' }}\
                    {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% generation %}{% endgeneration %}\
-                   {% set s = \"%}{% generation %}\" %}";
+                   {% set s = \"%}{% generation %}\" %}{{ é }}";
         assert_eq!(
             expand_generation_tags(src),
             "{% if true %}a{%- endif -%}{%+ if true +%}{{ 'generation' }}{% endif %}\
              {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}{{ '{% generation %}' }}\
              {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% if true %}{% endif %}\
-             {% set s = \"%}{% generation %}\" %}"
+             {% set s = \"%}{% generation %}\" %}{{ é }}"
         );
         assert!(matches!(expand_generation_tags("{{ x }}"), std::borrow::Cow::Borrowed(_)));
     }
