@@ -270,8 +270,10 @@ def test_params_json_cannot_hold_are_refused_as_over_http(llm):
     with pytest.raises(BadRequestError) as e:   # (orjson writes no lone surrogate; the Router names it)
         llm.generate("a\ud800b", {"max_tokens": 2})
     assert "surrogate" in str(e.value)
-    with pytest.raises(TypeError, match="params must hold JSON values"):
+    with pytest.raises(TypeError, match="params must hold JSON values .*: Object of type set"):
         llm.generate("hi", {"max_tokens": 2, "stop": {"a", "b"}})
+    with pytest.raises(BadRequestError, match=r"`logit_bias.9` must be a finite number"):
+        llm.generate("hi", {"max_tokens": 2, "logit_bias": {9: np.float32("nan")}})
     forced = llm.generate("hi", {**params, "logit_bias": {9: 100}})[0]
     assert forced.text == llm.generate("hi", {**params, "logit_bias": {"9": 100}})[0].text
     assert forced.text != llm.generate("hi", params)[0].text

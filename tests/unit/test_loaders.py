@@ -451,7 +451,7 @@ def test_gguf_weights_are_made_when_read(tmp_path):
     assert all(name in weights for name in made) and "nope" not in weights
     assert len(weights) == len(made) and list(weights) == list(made)
     assert [weights.shape(n) for n in weights] == [tuple(t.shape) for t in made.values()]
-    assert calls == []
+    assert weights == weights and weights != dict(made) and calls == []   # (== is identity)
     q = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(weights.pop(q), made[q]) and q not in weights and len(weights) == len(made) - 1
     assert weights.pop(q, None) is None

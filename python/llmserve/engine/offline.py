@@ -179,8 +179,8 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
         # by name below.)
         try:
             data = json.dumps(body, separators=(",", ":"), default=_numpy_value).encode()
-        except (TypeError, ValueError):
-            raise TypeError(f"params must hold JSON values (str, int, float, bool, None, lists, dicts): {exc}") from None
+        except (TypeError, ValueError) as why:   # (the json module's message names the type)
+            raise TypeError(f"params must hold JSON values (str, int, float, bool, None, lists, dicts): {why}") from None
     if b"null" in data or b"NaN" in data or b"Infinity" in data:
         found = _non_finite(body, "")
         if found is not None:
@@ -203,7 +203,7 @@ def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
         return None if math.isfinite(value) else (path, float(value))
     if isinstance(value, dict):
         items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple, np.ndarray)):
         items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
     else:
         return None

@@ -114,6 +114,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._sources   # (Mapping's own would make the tensor)
 
+    __eq__ = object.__eq__   # (Mapping's compares every tensor: it would make them all)
+    __hash__ = None  # type: ignore[assignment]
+
     def pop(self, name: str, *default):
         if name not in self._sources and default:
             return default[0]
