@@ -200,6 +200,7 @@ def test_a_gguf_model_without_blocks_computes_its_linears_in_bf16(monkeypatch):
     linears = _layer_linears(model)
     assert all(m.quant is None and m.bf16_weight is not None and m.weight.is_meta for m in linears)
     assert model.bf16_sampling_head and model.lm_bf16 is not None and not model.quantized
+    assert model.bf16_only_linears and not quantized_model("llama", seed=3, serving=True).bf16_only_linears
     calls = []
     real_mm = layers._bf16_mm
     monkeypatch.setattr(layers, "_bf16_mm", lambda x, w: calls.append(x.shape[0]) or real_mm(x, w))
@@ -216,4 +217,4 @@ def test_a_gguf_model_without_blocks_computes_its_linears_in_bf16(monkeypatch):
     assert (sampled - exact).abs().max() < 0.05 * exact.abs().max()
     for off in (_gguf_model(monkeypatch, False), _gguf_model(monkeypatch, True, gguf=False)):
         assert all(m.bf16_weight is None and not m.weight.is_meta for m in _layer_linears(off))
-        assert off.lm_bf16 is None and not off.bf16_sampling_head
+        assert off.lm_bf16 is None and not off.bf16_sampling_head and not off.bf16_only_linears

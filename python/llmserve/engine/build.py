@@ -116,14 +116,11 @@ def _check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
                            "(llmserve._core.paged_decode_attention): rebuild the extension")
 
 
-def system_fingerprint(weights: Mapping[str, torch.Tensor], *numerics) -> str:
-    """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits that change with what a seeded
-    output depends on besides the request: the build (the package version, the Rust kernels'
-    numerics revision and torch's version, whose CPU kernels compute the prompt), the weights
-    (names, shapes and a strided sample of each tensor's values: cheap, yet another checkpoint
-    differs) and `numerics` (device, dtype, compute paths, threads)."""
-    build = [core_version, numerics_revision, torch.__version__]
-    h = hashlib.sha256(json.dumps([*build, *map(str, numerics)]).encode())
+def weight_samples(weights: Mapping[str, torch.Tensor]) -> list[bytes]:
+    """What `system_fingerprint` hashes of the weights: each tensor's name, shape and dtype and a
+    strided sample of its values (cheap, yet another checkpoint differs). Taken before a
+    serving build, which takes the tensors over."""
+    out = []
     for name in sorted(weights):
         if isinstance(weights, LazyWeights):   # (a GGUF file's: made from the sampled rows only)
             shape, dtype = weights.shape(name), torch.float32
@@ -133,23 +130,21 @@ def system_fingerprint(weights: Mapping[str, torch.Tensor], *numerics) -> str:
             t = weights[name].detach()
             shape, dtype, flat = tuple(t.shape), t.dtype, t.reshape(-1)
             sample = flat[:: max(1, flat.numel() // 64)][:64]
-        h.update(f"{name}{shape}{dtype}".encode())
-        h.update(sample.to("cpu", torch.float32).numpy().tobytes())
+        out += [f"{name}{shape}{dtype}".encode(), sample.to("cpu", torch.float32).numpy().tobytes()]
+    return out
+
+
+def system_fingerprint(weights: Mapping[str, torch.Tensor] | list[bytes], *numerics) -> str:
+    """OpenAI's `system_fingerprint`: "fp_" and 10 hex digits that change with what a seeded
+    output depends on besides the request: the build (the package version, the Rust kernels'
+    numerics revision and torch's version, whose CPU kernels compute the prompt), the weights
+    (`weight_samples`, or the weights to take them from) and `numerics` (device, dtype, compute
+    paths, threads)."""
+    build = [core_version, numerics_revision, torch.__version__]
+    h = hashlib.sha256(json.dumps([*build, *map(str, numerics)]).encode())
+    for chunk in weights if isinstance(weights, list) else weight_samples(weights):
+        h.update(chunk)
     return "fp_" + h.hexdigest()[:10]
-
-
-def _linears_without_blocks(ck) -> bool:
-    """Whether some linear of a GGUF checkpoint (the LM head included) gets no quantized blocks:
-    a part in a type our kernels do not read, or fused parts (q|k|v, gate|up) in different ones."""
-    head = "lm_head.weight" if "lm_head.weight" in ck.weights else "model.embed_tokens.weight"
-    names = [n for n in ck.weights if n.endswith("_proj.weight")] + [head]
-    if any(n not in ck.quantized for n in names):
-        return True
-    fused = {}
-    for n in names:
-        group = n.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-        fused.setdefault(group, set()).add(ck.quantized[n].ggml_type)
-    return any(len(types) > 1 for types in fused.values())
 
 
 def _built(ck, build):
@@ -188,13 +183,12 @@ def build_engine(cfg: Config) -> Engine:
     # A GGUF model's linears that have no blocks compute in bf16 too, where bf16 is native
     # (llama.py: from_hf `gguf`); --batch-invariant keeps them float32, row by row.
     gguf = ck.gguf_vocab is not None and cfg.model.quantized_decode and not cfg.device.batch_invariant
-    bf16_only = (gguf and device.type == "cpu" and dtype == torch.float32 and native_bf16()
-                 and _linears_without_blocks(ck))
-    fingerprint = system_fingerprint(ck.weights, device.type, dtype, bool(quantized), cfg.device.batch_invariant,
-                                     torch.get_num_threads(), cfg.cache.block_size, *blas,
-                                     *(("gguf-bf16",) if bf16_only else ()))
+    samples, has_blocks = weight_samples(ck.weights), bool(quantized)   # (the build takes both over)
     model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized, serving=True,
                                            gguf=gguf))
+    fingerprint = system_fingerprint(samples, device.type, dtype, has_blocks, cfg.device.batch_invariant,
+                                     torch.get_num_threads(), cfg.cache.block_size, *blas,
+                                     *(("gguf-bf16",) if getattr(model, "bf16_only_linears", False) else ()))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
         _check_batch_invariant(device, dtype)

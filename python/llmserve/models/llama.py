@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         native bf16, a float32 model's layer linears without blocks (K-quants, Q5_x, F16, ...,
         which no kernel of ours reads) then get a bfloat16 copy too, which every runner step
         computes them with (a serving build drops their float32), and sampled rows read the LM
-        head's bfloat16 copy when it has no blocks (prompt logprobs keep float32)."""
+        head's bfloat16 copy when it has no blocks (prompt logprobs read the head in float32)."""
         c = cls.parse_config(hf_config)
         if not c.tie_word_embeddings and "lm_head.weight" not in weights:
             # NOTE: checkpoints that ship no LM head (GGUF without `output.weight`) tie it.
@@ -232,6 +232,13 @@ class LlamaForCausalLM(nn.Module):
                 module.weight = nn.Parameter(kept, requires_grad=False)
             del q, kept   # (the fused blocks and the fp32 weight go now, not at the next one)
         self.attach_head(head, bf16)
+
+    @property
+    def bf16_only_linears(self) -> bool:
+        """Whether some linear computes on a bf16 copy with no GGUF blocks beside it (from_hf
+        `gguf`): what such a model outputs differs from its float32 one in every step."""
+        return self.bf16_sampling_head or any(
+            isinstance(m, Linear) and m.quant is None and m.bf16_weight is not None for m in self.layers.modules())
 
     def attach_head(self, q: QuantTensor | None, bf16: bool) -> None:
         """The LM head's blocks (None: it has none) and, once the model has blocks anywhere and
