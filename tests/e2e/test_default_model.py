@@ -147,3 +147,50 @@ def test_the_next_turn_answers_the_same_whatever_the_cache_holds(smol_server):
     assert runs[1].usage.prompt_tokens_details.cached_tokens == 0      # the salt's own cache
     assert runs[0].choices[0].text == runs[1].choices[0].text
     assert runs[0].choices[0].logprobs.token_logprobs == runs[1].choices[0].logprobs.token_logprobs
+
+
+def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf_tokenizer):
+    """vLLM's `return_token_ids`, as RL rollout clients read it: chat's `prompt_token_ids` are
+    the rendered prompt's ids (checked against transformers' template and tokenizer), each
+    choice's `token_ids` are every token sampled, the closing <|im_end|> included, so they
+    count as `completion_tokens` and decode to the content; streamed, the chunks' ids join to
+    the same list; `return_tokens_as_token_ids` names the logprobs' tokens by them. Completions give each choice both, and a stop string's trimmed tokens stay
+    in `token_ids`."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    im_end = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+        r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
+                                      messages=messages, extra_body={"return_token_ids": True})
+        chunks = list(c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48, messages=messages, stream=True,
+            extra_body={"return_token_ids": True}))
+        plain = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=4,
+                                          messages=messages)
+        named = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
+                                          messages=messages, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+        comp = c.completions.create(model="SmolLM2-135M-Instruct", prompt=["The capital of France is", "Hi"],
+                                    temperature=0, max_tokens=12, stop=["."],
+                                    extra_body={"return_token_ids": True})
+    prompt = list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"])
+    assert r.model_extra["prompt_token_ids"] == prompt
+    choice = r.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert choice.finish_reason == "stop" and ids[-1] == im_end
+    assert len(ids) == r.usage.completion_tokens
+    assert hf_tokenizer.decode(ids[:-1]) == choice.message.content
+    assert [ch.model_extra.get("prompt_token_ids") for ch in chunks][:2] == [prompt, None]
+    assert [i for ch in chunks if ch.choices for i in ch.choices[0].model_extra.get("token_ids") or []] == ids
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+    # return_tokens_as_token_ids: logprobs name the same tokens by id (the stop token is not listed)
+    assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids[:-1]]
+    assert named.choices[0].logprobs.content[0].top_logprobs[0].token == f"token_id:{ids[0]}"
+
+    for choice, text in zip(comp.choices, ["The capital of France is", "Hi"]):
+        assert choice.model_extra["prompt_token_ids"] == hf_tokenizer(text)["input_ids"]
+        ids = choice.model_extra["token_ids"]
+        assert hf_tokenizer.decode(ids).startswith(choice.text)
+        if choice.finish_reason == "stop":          # the stop string's token is kept in the ids
+            assert "." in hf_tokenizer.decode(ids)[len(choice.text):]
+    assert sum(len(ch.model_extra["token_ids"]) for ch in comp.choices) == comp.usage.completion_tokens

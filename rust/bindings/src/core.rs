@@ -440,7 +440,7 @@ impl CoreState {
                 let delta = ChoiceDelta {
                     text: "",
                     tokens: &[],
-                    generated: 0,
+                    ids: &[],
                     finish: Some(FinishReason::Length),
                     stop_reason: None,
                 };
@@ -518,7 +518,13 @@ impl CoreState {
                 state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
             };
             let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
-            let delta = ChoiceDelta { text: &text, tokens: &tokens_out, generated: 1, finish, stop_reason };
+            let delta = ChoiceDelta {
+                text: &text,
+                tokens: &tokens_out,
+                ids: std::slice::from_ref(&u.token),
+                finish,
+                stop_reason,
+            };
             let choices = state.choices_of(prompt_idx, u.seq_index);
             let first_choice = choices.start;
             // NOTE: greedy n > 1 computes one sequence for n choices: each choice's token

@@ -66,16 +66,17 @@ pub struct TokenOut {
 }
 
 /// One choice's progress in a step: the text now safe to send, the tokens whose logprobs go
-/// with it, how many tokens were generated (for `usage`), and the finish when the choice
-/// ended. `tokens` and `generated` differ when a token's text is held back for a possible
-/// stop string (its logprobs follow its text) or was trimmed away with one (they never go
-/// out). `stop_reason` is the stop string or stop token id that ended it (None for eos,
-/// length, or a grammar that completed).
+/// with it, the ids sampled (each counts in `usage`; listed by `return_token_ids`), and the
+/// finish when the choice ended. `tokens` and `ids` differ when a token's text is held back
+/// for a possible stop string (its logprobs follow its text) or was trimmed away with one, or
+/// is a stop token whose text is not shown (their logprobs never go out). `stop_reason` is
+/// the stop string or stop token id that ended it (None for eos, length, or a grammar that
+/// completed).
 #[derive(Clone, Copy, Debug)]
 pub struct ChoiceDelta<'a> {
     pub text: &'a str,
     pub tokens: &'a [TokenOut],
-    pub generated: u32,
+    pub ids: &'a [u32],
     pub finish: Option<FinishReason>,
     pub stop_reason: Option<StopReason<'a>>,
 }
@@ -213,6 +214,9 @@ struct Chunk<'a, C> {
     /// documents it.
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Option<Usage>>,
+    /// Chat with `return_token_ids`: on each choice's first chunk (vLLM's place for it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<&'a [u32]>,
 }
 
 #[derive(Serialize, Default)]
@@ -269,6 +273,9 @@ struct ChatChunkChoice<'a> {
     finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     stop_reason: Option<Option<StopReason<'a>>>,
+    /// `return_token_ids`: the ids sampled since the choice's last chunk that carried some.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Serialize)]
@@ -279,6 +286,12 @@ struct CompletionChunkChoice<'a> {
     finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     stop_reason: Option<Option<StopReason<'a>>>,
+    /// `return_token_ids`: the prompt's ids, on the choice's first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<Vec<u32>>,
+    /// `return_token_ids`: as chat's (with `echo`, the first chunk's start with the prompt's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<Vec<u32>>,
 }
 
 /// `content` is null only when the message is tool calls (or could only be) and nothing else.
@@ -302,6 +315,10 @@ struct ChatChoice<'a> {
     logprobs: Option<&'a ChatLogprobs>,
     finish_reason: Option<&'static str>,
     stop_reason: Option<StopReason<'a>>,
+    /// `return_token_ids`: every id the choice sampled, its last token included (eos, a stop
+    /// token, or one whose text a stop string trimmed), so `len` is its `completion_tokens`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a [u32]>,
 }
 
 #[derive(Serialize)]
@@ -311,6 +328,13 @@ struct CompletionChoice<'a> {
     logprobs: Option<&'a CompletionLogprobs>,
     finish_reason: Option<&'static str>,
     stop_reason: Option<StopReason<'a>>,
+    /// `return_token_ids`: the choice's prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<&'a [u32]>,
+    /// `return_token_ids`: as chat's, after the prompt's ids when `echo` put the prompt first
+    /// (so they spell `text`, as vLLM's do).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a [u32]>,
 }
 
 #[derive(Default)]
@@ -341,6 +365,11 @@ struct ChoiceState {
     /// Streaming with tools: the logprobs of tokens the call parser holds back, sent with the
     /// next chunk that carries something (text, a call piece, the finish).
     held_lp: Vec<ChatLogprob>,
+    /// `return_token_ids`: the ids sampled (with `echo`, after the prompt's); streaming, those
+    /// no chunk has carried yet.
+    token_ids: Vec<u32>,
+    /// Streaming with `return_token_ids`: a chunk has carried the prompt's ids.
+    sent_prompt_ids: bool,
 }
 
 /// One per request, covering all its choices (`prompts.len() * n`; choice index =
@@ -357,8 +386,13 @@ pub struct ResponseBuilder {
     continuous_usage_stats: bool,
     echo: bool,
     logprobs: bool,
+    return_token_ids: bool,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`.
+    tokens_as_ids: bool,
     n: u32,
     prompt_texts: Vec<String>,
+    /// The prompts' ids, kept for `return_token_ids` (empty without it).
+    prompt_ids: Vec<Vec<u32>>,
     prompt_tokens: u64,
     /// Of `prompt_tokens`, those the prefix cache held, summed as each prompt's first token
     /// reports them.
@@ -392,8 +426,11 @@ impl ResponseBuilder {
             continuous_usage_stats: prepared.continuous_usage_stats,
             echo: prepared.echo,
             logprobs: prepared.params.logprobs.is_some(),
+            return_token_ids: prepared.return_token_ids,
+            tokens_as_ids: prepared.tokens_as_ids,
             n,
             prompt_texts: prepared.prompt_texts.clone(),
+            prompt_ids: if prepared.return_token_ids { prepared.prompts.clone() } else { Vec::new() },
             // Each prompt counts once, however many choices it has.
             prompt_tokens: prepared.prompts.iter().map(|p| p.len() as u64).sum(),
             cached_prompt_tokens: 0,
@@ -402,7 +439,8 @@ impl ResponseBuilder {
                     .prompts
                     .iter()
                     .map(|p| {
-                        let first = p.first().map(|&id| tokenizer.token_str(id)).unwrap_or_default();
+                        let first =
+                            p.first().map(|&id| shown(tokenizer, id, prepared.tokens_as_ids)).unwrap_or_default();
                         let lp = CompletionLogprobs {
                             tokens: vec![first],
                             token_logprobs: vec![None],
@@ -459,6 +497,11 @@ impl ResponseBuilder {
     }
 
     fn frame<C: Serialize>(&mut self, choices: Vec<C>, usage: Option<Usage>) {
+        self.frame_with(choices, usage, None);
+    }
+
+    /// `frame`, with the ids of prompt `prompt` at the chunk's top (chat's `return_token_ids`).
+    fn frame_with<C: Serialize>(&mut self, choices: Vec<C>, usage: Option<Usage>, prompt: Option<usize>) {
         let chunk = Chunk {
             id: &self.id,
             object: if self.chat { "chat.completion.chunk" } else { "text_completion" },
@@ -467,6 +510,7 @@ impl ResponseBuilder {
             system_fingerprint: self.system_fingerprint.as_deref(),
             choices,
             usage: if usage.is_some() || self.include_usage { Some(usage) } else { None },
+            prompt_token_ids: prompt.and_then(|p| self.prompt_ids.get(p)).map(Vec::as_slice),
         };
         let json = serde_json::to_vec(&chunk).expect("chunks serialize");
         self.pending.extend_from_slice(b"data: ");
@@ -474,29 +518,61 @@ impl ResponseBuilder {
         self.pending.extend_from_slice(b"\n\n");
     }
 
+    /// `return_token_ids`, streaming: the ids a choice's next chunk carries (those no chunk
+    /// has carried yet); None without it.
+    fn take_ids(&mut self, idx: usize) -> Option<Vec<u32>> {
+        self.return_token_ids.then(|| std::mem::take(&mut self.choices[idx].token_ids))
+    }
+
+    /// `return_token_ids`, streaming: the index of the prompt whose ids a choice's chunk
+    /// carries, for its first chunk only.
+    fn take_prompt(&mut self, idx: usize) -> Option<usize> {
+        let state = &mut self.choices[idx];
+        let first = self.return_token_ids && !state.sent_prompt_ids;
+        state.sent_prompt_ids = true;
+        first.then_some(idx / self.n as usize)
+    }
+
+    /// A token as logprobs name it: its text, or `token_id:<id>`.
+    fn token_str(&self, id: u32) -> String {
+        shown(&self.tokenizer, id, self.tokens_as_ids)
+    }
+
+    /// A token's `bytes` in chat logprobs: its own, or (named by id) the name's, as vLLM's.
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if self.tokens_as_ids {
+            self.token_str(id).into_bytes()
+        } else {
+            self.tokenizer.token_bytes(id)
+        }
+    }
+
     fn chat_logprobs(&self, tokens: &[TokenOut]) -> Vec<ChatLogprob> {
-        let t = &self.tokenizer;
         tokens
             .iter()
             .map(|tok| ChatLogprob {
-                token: t.token_str(tok.id),
+                token: self.token_str(tok.id),
                 logprob: wire_lp(tok.logprob),
-                bytes: t.token_bytes(tok.id),
+                bytes: self.token_bytes(tok.id),
                 top_logprobs: tok
                     .top
                     .iter()
-                    .map(|&(id, lp)| ChatTop { token: t.token_str(id), logprob: wire_lp(lp), bytes: t.token_bytes(id) })
+                    .map(|&(id, lp)| ChatTop {
+                        token: self.token_str(id),
+                        logprob: wire_lp(lp),
+                        bytes: self.token_bytes(id),
+                    })
                     .collect(),
             })
             .collect()
     }
 
     fn top_map(&self, tok: &TokenOut) -> TopMap {
-        let own = self.tokenizer.token_str(tok.id);
+        let own = self.token_str(tok.id);
         let mut map = TopMap::default();
         let mut own_listed = false;
         for &(id, lp) in &tok.top {
-            let s = self.tokenizer.token_str(id);
+            let s = self.token_str(id);
             // (another id that shows as the token's text, e.g. both partial UTF-8 as U+FFFD:
             // the text looks up the token's own logprob)
             if (s == own && id != tok.id) || map.0.iter().any(|(k, _)| *k == s) {
@@ -514,7 +590,7 @@ impl ResponseBuilder {
     fn completion_logprobs(&self, tokens: &[TokenOut], offset_shift: usize) -> CompletionLogprobs {
         let mut out = CompletionLogprobs::default();
         for tok in tokens {
-            out.tokens.push(self.tokenizer.token_str(tok.id));
+            out.tokens.push(self.token_str(tok.id));
             out.token_logprobs.push(Some(wire_lp(tok.logprob)));
             out.top_logprobs.push(Some(self.top_map(tok)));
             out.text_offset.push(tok.text_offset + offset_shift);
@@ -533,7 +609,7 @@ impl ResponseBuilder {
         let mut add = CompletionLogprobs::default();
         for (i, tok) in tokens.iter().enumerate() {
             add.text_offset.push(offsets.get(next + i).copied().unwrap_or_default());
-            add.tokens.push(self.tokenizer.token_str(tok.id));
+            add.tokens.push(self.token_str(tok.id));
             add.token_logprobs.push(Some(wire_lp(tok.logprob)));
             add.top_logprobs.push(Some(self.top_map(tok)));
         }
@@ -548,9 +624,16 @@ impl ResponseBuilder {
             return;
         }
         // Counted first: every chunk this push sends (reasoning, content, call pieces)
-        // carries usage that includes its token.
-        self.choices[idx].completion_tokens += u64::from(delta.generated);
+        // carries usage that includes its token, and the first chunk to go out its ids.
+        self.choices[idx].completion_tokens += delta.ids.len() as u64;
         let generated = self.choices[idx].completion_tokens;
+        if self.return_token_ids {
+            let echoed = self.echo && !self.chat && !self.choices[idx].started;
+            let prompt = if echoed { self.prompt_ids.get(idx / self.n as usize) } else { None };
+            let state = &mut self.choices[idx];
+            state.token_ids.extend(prompt.into_iter().flatten());
+            state.token_ids.extend_from_slice(delta.ids);
+        }
         let split = self.choices[idx].reasoning.as_mut().map(|r| {
             let mut split = r.push_tokens(delta.text, delta.tokens.iter().map(|t| t.text_offset));
             if delta.finish.is_some() {
@@ -597,9 +680,11 @@ impl ResponseBuilder {
             logprobs: None,
             finish_reason: None,
             stop_reason: None,
+            token_ids: self.take_ids(idx),
         };
         let usage = self.chunk_usage();
-        self.frame(vec![c], usage);
+        let prompt = self.take_prompt(idx);
+        self.frame_with(vec![c], usage, prompt);
     }
 
     /// Records text, tokens and finish of one choice (no tool-call parsing).
@@ -652,11 +737,13 @@ impl ResponseBuilder {
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,
+                    // (the ids go with the text they make, on the next chunks)
+                    token_ids: None,
                 };
                 // The role chunk comes before the first token (as in vLLM): its usage does
                 // not count the tokens of the chunk after it, reasoning ones included (this
                 // is the choice's first push, so all it counted came from this one).
-                let before = u64::from(delta.generated);
+                let before = delta.ids.len() as u64;
                 let reasoned = self.choices[idx].reasoning.as_ref().map_or(0, ReasoningSplitter::reasoning_tokens);
                 let usage = self.chunk_usage().map(|u| Usage {
                     completion_tokens: u.completion_tokens - before,
@@ -666,7 +753,8 @@ impl ResponseBuilder {
                         .map(|d| CompletionTokensDetails { reasoning_tokens: d.reasoning_tokens - reasoned }),
                     ..u
                 });
-                self.frame(vec![role], usage);
+                let prompt = self.take_prompt(idx);
+                self.frame_with(vec![role], usage, prompt);
             }
             let held = std::mem::take(&mut self.choices[idx].held_lp);
             let has_lp = has_lp || !held.is_empty();
@@ -685,6 +773,7 @@ impl ResponseBuilder {
                 logprobs,
                 finish_reason: finish,
                 stop_reason,
+                token_ids: self.take_ids(idx),
             };
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
@@ -701,7 +790,16 @@ impl ResponseBuilder {
                 lps.extend(self.completion_logprobs(delta.tokens, shift));
                 lps
             });
-            let c = CompletionChunkChoice { index: choice, text: &text, logprobs, finish_reason: finish, stop_reason };
+            let prompt_token_ids = self.take_prompt(idx).and_then(|p| self.prompt_ids.get(p)).cloned();
+            let c = CompletionChunkChoice {
+                index: choice,
+                text: &text,
+                logprobs,
+                finish_reason: finish,
+                stop_reason,
+                prompt_token_ids,
+                token_ids: self.take_ids(idx),
+            };
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
         }
@@ -810,6 +908,7 @@ impl ResponseBuilder {
                 logprobs: pending_lp.take(),
                 finish_reason: None,
                 stop_reason: None,
+                token_ids: self.take_ids(idx),
             };
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
@@ -826,6 +925,7 @@ impl ResponseBuilder {
                 logprobs: pending_lp.take(),
                 finish_reason: Some(f.as_str()),
                 stop_reason: Some(stop_reason),
+                token_ids: self.take_ids(idx),
             };
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
@@ -925,6 +1025,7 @@ impl ResponseBuilder {
                         logprobs: self.logprobs.then_some(&c.chat_lp),
                         finish_reason: finish.map(FinishReason::as_str),
                         stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
+                        token_ids: self.return_token_ids.then_some(&c.token_ids[..]),
                     }
                 })
                 .collect();
@@ -936,6 +1037,7 @@ impl ResponseBuilder {
                 system_fingerprint: self.system_fingerprint.as_deref(),
                 choices,
                 usage,
+                prompt_token_ids: self.prompt_ids.first().map(Vec::as_slice),
             })
         } else {
             let texts: Vec<String> = self
@@ -958,6 +1060,8 @@ impl ResponseBuilder {
                     logprobs: self.logprobs.then_some(&c.comp_lp),
                     finish_reason: c.finish.map(FinishReason::as_str),
                     stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
+                    prompt_token_ids: self.prompt_ids.get(i / self.n as usize).map(Vec::as_slice),
+                    token_ids: self.return_token_ids.then_some(&c.token_ids[..]),
                 })
                 .collect();
             serde_json::to_vec(&Body {
@@ -968,6 +1072,7 @@ impl ResponseBuilder {
                 system_fingerprint: self.system_fingerprint.as_deref(),
                 choices,
                 usage,
+                prompt_token_ids: None,
             })
         };
         body.expect("bodies serialize")
@@ -1017,6 +1122,16 @@ fn prompt_offsets(tokenizer: &Arc<Tokenizer>, ids: &[u32]) -> Vec<usize> {
         .collect()
 }
 
+/// A token as logprobs name it: its text, or with `return_tokens_as_token_ids` `token_id:<id>`
+/// (vLLM's form, which keeps tokens whose text is not whole UTF-8 apart).
+fn shown(tokenizer: &Tokenizer, id: u32, as_id: bool) -> String {
+    if as_id {
+        format!("token_id:{id}")
+    } else {
+        tokenizer.token_str(id)
+    }
+}
+
 /// Completions that echo the prompt with logprobs also return the prompt's logprobs.
 fn echo_logprobs(prepared: &Prepared) -> bool {
     prepared.prompt_logprobs().is_some()
@@ -1031,4 +1146,8 @@ struct Body<'a, C> {
     system_fingerprint: Option<&'a str>,
     choices: Vec<C>,
     usage: Usage,
+    /// Chat with `return_token_ids`: the rendered prompt's ids (completions give each
+    /// choice's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<&'a [u32]>,
 }

@@ -143,8 +143,6 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
         ("logits_processors", json!(["m.P"])),
         ("allowed_token_ids", json!([3])),
         ("prompt_logprobs", json!(1)),
-        ("return_tokens_as_token_ids", json!(true)),
-        ("return_token_ids", json!(true)),
     ] {
         for got in
             [shape(chat(&r, json!({field: value.clone()}))), shape(completion(&r, json!({field: value.clone()})))]
@@ -153,6 +151,27 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
         }
     }
     assert_eq!(shape(chat(&r, json!({"echo": true}))), (400, "unsupported_parameter", Some("echo".into())));
+}
+
+/// vLLM's `return_token_ids` and `return_tokens_as_token_ids` are implemented
+/// (protocol_response.rs has their shapes): true is taken on both routes, under
+/// `--strict-fields` too, and each must be a boolean.
+#[test]
+fn token_id_fields_are_booleans_both_routes_take() {
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    for value in [json!(true), json!(false), Value::Null] {
+        let on = value == json!(true);
+        let body = json!({"return_token_ids": value, "return_tokens_as_token_ids": value});
+        for p in [chat(&strict, body.clone()).unwrap(), completion(&strict, body).unwrap()] {
+            assert_eq!((p.return_token_ids, p.tokens_as_ids), (on, on));
+        }
+    }
+    let r = router();
+    for field in ["return_token_ids", "return_tokens_as_token_ids"] {
+        let body = json!({field: "yes"});
+        assert_eq!(shape(chat(&r, body.clone())), (400, "invalid_type", Some(field.into())));
+        assert_eq!(shape(completion(&r, body)), (400, "invalid_type", Some(field.into())));
+    }
 }
 
 /// vLLM's `add_special_tokens` and `truncate_prompt_tokens` are honoured on both routes.

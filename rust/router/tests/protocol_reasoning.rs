@@ -67,7 +67,7 @@ fn run(stream: bool, opened: bool, pieces: &[&str]) -> Vec<u8> {
     let mut out = Vec::new();
     for (i, piece) in pieces.iter().enumerate() {
         let finish = (i + 1 == pieces.len()).then_some(FinishReason::Stop);
-        b.push(0, &ChoiceDelta { text: piece, tokens: &[tok(9)], generated: 1, finish, stop_reason: None });
+        b.push(0, &ChoiceDelta { text: piece, tokens: &[tok(9)], ids: &[9], finish, stop_reason: None });
         out.extend(b.take());
     }
     out.extend(b.finish());
@@ -139,7 +139,7 @@ fn without_a_parser_the_message_has_no_reasoning_field() {
         &ChoiceDelta {
             text: "<think>a</think>b",
             tokens: &[tok(9)],
-            generated: 1,
+            ids: &[9],
             finish: Some(FinishReason::Stop),
             stop_reason: None,
         },

@@ -49,6 +49,8 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         include_usage: false,
         continuous_usage_stats: false,
         echo: false,
+        return_token_ids: false,
+        tokens_as_ids: false,
         priority: 0,
         cache_salt: None,
         user: None,
@@ -64,8 +66,11 @@ fn tok(id: u32) -> TokenOut {
     TokenOut { id, logprob: -0.5, top: vec![], text_offset: 0 }
 }
 
+/// Ids for pushes whose tests do not read them (one per listed token).
+static SAMPLED: [u32; 64] = [9; 64];
+
 fn delta<'a>(text: &'a str, tokens: &'a [TokenOut], finish: Option<FinishReason>) -> ChoiceDelta<'a> {
-    ChoiceDelta { text, tokens, generated: tokens.len() as u32, finish, stop_reason: None }
+    ChoiceDelta { text, tokens, ids: &SAMPLED[..tokens.len()], finish, stop_reason: None }
 }
 
 fn builder(p: &Prepared) -> ResponseBuilder {
@@ -96,7 +101,7 @@ fn chat_stream_golden_bytes() {
         &ChoiceDelta {
             text: "lo",
             tokens: &[tok(1)],
-            generated: 1,
+            ids: &[9],
             finish: Some(FinishReason::Stop),
             stop_reason: Some(StopReason::Token(7)),
         },
@@ -209,7 +214,7 @@ fn chat_non_stream_body() {
         &ChoiceDelta {
             text: " world",
             tokens: &[tok(10), tok(19)],
-            generated: 2,
+            ids: &[1, 2],
             finish: Some(FinishReason::Stop),
             stop_reason: Some(StopReason::Text("z")),
         },
@@ -263,7 +268,7 @@ fn chat_logprobs_shape() {
         &ChoiceDelta {
             text: "hello world",
             tokens: &toks,
-            generated: toks.len() as u32,
+            ids: &toks.iter().map(|t| t.id).collect::<Vec<_>>(),
             finish: Some(FinishReason::Stop),
             stop_reason: None,
         },
@@ -311,7 +316,7 @@ fn completion_top_logprobs_always_hold_the_token() {
         &ChoiceDelta {
             text: " world hello",
             tokens: &toks,
-            generated: 2,
+            ids: &[1, 2],
             finish: Some(FinishReason::Length),
             stop_reason: None,
         },
@@ -335,13 +340,8 @@ fn completion_top_logprobs_keep_the_tokens_own_value_under_its_text() {
         let p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(top.len() as u32));
         let mut b = ResponseBuilder::new(&p, t.clone());
         let toks = [TokenOut { id: own, logprob: -3.5, top: top.clone(), text_offset: 0 }];
-        let d = ChoiceDelta {
-            text: "x",
-            tokens: &toks,
-            generated: 1,
-            finish: Some(FinishReason::Length),
-            stop_reason: None,
-        };
+        let d =
+            ChoiceDelta { text: "x", tokens: &toks, ids: &[9], finish: Some(FinishReason::Length), stop_reason: None };
         b.push(0, &d);
         let v: Value = serde_json::from_slice(&b.finish()).unwrap();
         let lp = &v["choices"][0]["logprobs"];
@@ -368,7 +368,7 @@ fn completion_logprobs_shape_with_echo_offsets() {
         &ChoiceDelta {
             text: " world hello",
             tokens: &toks,
-            generated: toks.len() as u32,
+            ids: &toks.iter().map(|t| t.id).collect::<Vec<_>>(),
             finish: Some(FinishReason::Length),
             stop_reason: None,
         },
@@ -405,14 +405,20 @@ fn completion_stream_sends_prompt_logprobs_with_the_echo() {
     for choice in 0..2 {
         b.push(
             choice,
-            &ChoiceDelta { text: " world", tokens: &tok, generated: tok.len() as u32, finish: None, stop_reason: None },
+            &ChoiceDelta {
+                text: " world",
+                tokens: &tok,
+                ids: &tok.iter().map(|t| t.id).collect::<Vec<_>>(),
+                finish: None,
+                stop_reason: None,
+            },
         );
         b.push(
             choice,
             &ChoiceDelta {
                 text: "!",
                 tokens: &tok,
-                generated: tok.len() as u32,
+                ids: &tok.iter().map(|t| t.id).collect::<Vec<_>>(),
                 finish: Some(FinishReason::Length),
                 stop_reason: None,
             },
@@ -820,7 +826,7 @@ fn a_stop_string_that_cuts_a_call_short_is_named() {
             let d = ChoiceDelta {
                 text: piece,
                 tokens: &[],
-                generated: 1,
+                ids: &[9],
                 finish: last.then_some(FinishReason::Stop),
                 stop_reason: last.then_some(StopReason::Text(text)),
             };
@@ -848,4 +854,177 @@ fn a_stop_string_that_cuts_a_call_short_is_named() {
     let body: Value = serde_json::from_slice(&stop("Observation:", &mut b, &[whole])).unwrap();
     let c = &body["choices"][0];
     assert_eq!((&c["finish_reason"], &c["stop_reason"]), (&json!("tool_calls"), &json!("Observation:")), "{body}");
+}
+
+/// Pushes for `return_token_ids` tests: text, listed tokens, sampled ids and finish. The
+/// second push's text is held back (a possible stop string); the last ends on a stop token
+/// whose text is not shown (its id is sampled but not listed).
+type Push = (&'static str, &'static [u32], &'static [u32], Option<FinishReason>);
+
+const SAMPLED_PUSHES: [Push; 4] = [
+    ("he", &[5], &[5], None),
+    ("", &[], &[6], None),
+    ("llo", &[6, 7], &[7], None),
+    ("", &[], &[2], Some(FinishReason::Stop)),
+];
+
+fn push_sampled(b: &mut ResponseBuilder, choices: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (text, listed, ids, finish) in SAMPLED_PUSHES {
+        let tokens: Vec<TokenOut> = listed.iter().map(|&id| tok(id)).collect();
+        for c in 0..choices {
+            b.push(c, &ChoiceDelta { text, tokens: &tokens, ids, finish, stop_reason: None });
+        }
+        out.extend(b.take());
+    }
+    out.extend(b.finish());
+    out
+}
+
+/// Every streamed chunk's `token_ids` of choice `index`, joined in order, and how many chunks
+/// carried the prompt's ids.
+fn streamed_ids(chunks: &[Value], index: u64) -> (Vec<u64>, usize) {
+    let mut ids = Vec::new();
+    for c in chunks.iter().filter(|c| c["choices"][0]["index"] == index) {
+        for id in c["choices"][0]["token_ids"].as_array().into_iter().flatten() {
+            ids.push(id.as_u64().unwrap());
+        }
+    }
+    let prompts = chunks.iter().filter(|c| c.get("prompt_token_ids").is_some()).count();
+    (ids, prompts)
+}
+
+/// vLLM's `return_token_ids`: chat puts the prompt's ids at the top (on the first chunk when
+/// streaming) and each choice's sampled ids on it, every one of them (the stop token and held
+/// text included), so they count as `completion_tokens`; streamed, the chunks' ids join to the
+/// body's. Without the field, neither key appears.
+#[test]
+fn chat_returns_prompt_and_sampled_token_ids() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, Some(0));
+    p.return_token_ids = true;
+    let body: Value = serde_json::from_slice(&push_sampled(&mut builder(&p), 1)).unwrap();
+    assert_eq!(body["prompt_token_ids"], json!([0, 3, 8]));
+    let choice = &body["choices"][0];
+    assert_eq!(choice["token_ids"], json!([5, 6, 7, 2]));
+    assert_eq!(choice["message"]["content"], "hello");
+    assert_eq!(choice["logprobs"]["content"].as_array().unwrap().len(), 3, "the stop token is not listed");
+    assert_eq!(body["usage"]["completion_tokens"], 4);
+
+    p.stream = true;
+    let chunks = frames(&push_sampled(&mut builder(&p), 1));
+    assert_eq!(chunks[0]["prompt_token_ids"], json!([0, 3, 8]));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks[0]["choices"][0].get("token_ids").is_none(), "the role chunk comes before any token");
+    assert_eq!(streamed_ids(&chunks, 0), (vec![5, 6, 7, 2], 1));
+    // the held-back id goes out with the text it made
+    assert_eq!(chunks[2]["choices"][0]["token_ids"], json!([6, 7]));
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+    for stream in [false, true] {
+        let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);
+        p.stream = stream;
+        let out = String::from_utf8(push_sampled(&mut builder(&p), 1)).unwrap();
+        assert!(!out.contains("token_ids"), "{out}");
+    }
+}
+
+/// Completions give each choice its prompt's ids and its own sampled ids; with `echo` the
+/// sampled ids follow the prompt's, as the text does (vLLM's shape).
+#[test]
+fn completion_returns_token_ids_per_choice() {
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9], vec![3]], &["hello", "a"], 2, None);
+    p.return_token_ids = true;
+    let body: Value = serde_json::from_slice(&push_sampled(&mut builder(&p), 4)).unwrap();
+    assert!(body.get("prompt_token_ids").is_none());
+    for (i, choice) in body["choices"].as_array().unwrap().iter().enumerate() {
+        let prompt = if i < 2 { json!([0, 9]) } else { json!([3]) };
+        assert_eq!(choice["prompt_token_ids"], prompt, "{choice}");
+        assert_eq!(choice["token_ids"], json!([5, 6, 7, 2]), "{choice}");
+    }
+
+    p.echo = true;
+    let body: Value = serde_json::from_slice(&push_sampled(&mut builder(&p), 4)).unwrap();
+    assert_eq!(body["choices"][0]["text"], "hellohello");
+    assert_eq!(body["choices"][0]["token_ids"], json!([0, 9, 5, 6, 7, 2]));
+    assert_eq!(body["choices"][3]["token_ids"], json!([3, 5, 6, 7, 2]));
+    assert_eq!(body["usage"]["completion_tokens"], 16, "the echoed prompt is not completion tokens");
+
+    p.stream = true;
+    let chunks = frames(&push_sampled(&mut builder(&p), 4));
+    for index in 0..4 {
+        let mine: Vec<&Value> = chunks.iter().filter(|c| c["choices"][0]["index"] == index).collect();
+        let prompt = if index < 2 { json!([0, 9]) } else { json!([3]) };
+        assert_eq!(mine[0]["choices"][0]["prompt_token_ids"], prompt);
+        assert!(mine[1..].iter().all(|c| c["choices"][0].get("prompt_token_ids").is_none()));
+        let mut expected: Vec<u64> = if index < 2 { vec![0, 9] } else { vec![3] };
+        expected.extend([5, 6, 7, 2]);
+        assert_eq!(streamed_ids(&chunks, index).0, expected);
+    }
+}
+
+/// Ids of tokens that are only call markup ride on the call pieces (with their logprobs), and
+/// a stream's ids still join to the body's.
+#[test]
+fn token_ids_of_tool_calls_join_to_the_body() {
+    let run = |stream: bool| {
+        let mut b = {
+            let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, None);
+            p.stream = stream;
+            p.return_token_ids = true;
+            let f = json!({"name": "get", "parameters": {"type": "object"}});
+            p.tools = Some(ToolParsing::new(ToolCallFormat::Hermes, true, &[&f]));
+            builder(&p)
+        };
+        let mut out = Vec::new();
+        for (i, piece) in TWO_CALLS.iter().enumerate() {
+            let finish = (i + 1 == TWO_CALLS.len()).then_some(FinishReason::Stop);
+            b.push(0, &ChoiceDelta { text: piece, tokens: &[], ids: &[100 + i as u32], finish, stop_reason: None });
+            out.extend(b.take());
+        }
+        out.extend(b.finish());
+        out
+    };
+    let body: Value = serde_json::from_slice(&run(false)).unwrap();
+    assert_eq!(body["choices"][0]["token_ids"], json!([100, 101, 102, 103, 104, 105]));
+    assert_eq!(body["choices"][0]["message"]["tool_calls"].as_array().unwrap().len(), 2);
+    let chunks = frames(&run(true));
+    assert_eq!(streamed_ids(&chunks, 0), (vec![100, 101, 102, 103, 104, 105], 1));
+    // the second push is only argument text: its id is on its call piece
+    let piece = chunks.iter().find(|c| c["choices"][0]["token_ids"] == json!([101])).expect("a chunk with id 101");
+    assert!(piece["choices"][0]["delta"]["tool_calls"].is_array(), "{piece}");
+}
+
+/// vLLM's `return_tokens_as_token_ids`: every token logprobs name (sampled, alternatives,
+/// echoed prompt) is `token_id:<id>`, chat's `bytes` those of the name, as vLLM's.
+#[test]
+fn logprobs_name_tokens_by_id_on_request() {
+    let top = vec![(6, -0.2), (5, -0.5)];
+    let toks = [TokenOut { id: 5, logprob: -0.5, top: top.clone(), text_offset: 0 }];
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, Some(2));
+    p.tokens_as_ids = true;
+    let mut b = builder(&p);
+    b.push(
+        0,
+        &ChoiceDelta { text: "he", tokens: &toks, ids: &[5], finish: Some(FinishReason::Length), stop_reason: None },
+    );
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let lp = &body["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(lp["token"], "token_id:5");
+    assert_eq!(lp["bytes"], json!(b"token_id:5".to_vec()));
+    assert_eq!(lp["top_logprobs"][0]["token"], "token_id:6");
+    assert_eq!(body["choices"][0]["message"]["content"], "he", "the text is the text");
+
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(2));
+    p.tokens_as_ids = true;
+    p.echo = true;
+    let mut b = builder(&p);
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.0, top: vec![(9, -1.0)], text_offset: 0 }]);
+    b.push(
+        0,
+        &ChoiceDelta { text: "he", tokens: &toks, ids: &[5], finish: Some(FinishReason::Length), stop_reason: None },
+    );
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let lp = &body["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"], json!(["token_id:0", "token_id:9", "token_id:5"]));
+    assert_eq!(lp["top_logprobs"][2], json!({"token_id:6": -0.2, "token_id:5": -0.5}));
 }

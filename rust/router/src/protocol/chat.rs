@@ -917,6 +917,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         include_usage: c.include_usage,
         continuous_usage_stats: c.continuous_usage_stats,
         echo: false,
+        return_token_ids: c.return_token_ids,
+        tokens_as_ids: c.tokens_as_ids,
         priority: c.priority,
         cache_salt: c.cache_salt,
         user: c.user,

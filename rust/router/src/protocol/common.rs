@@ -241,6 +241,10 @@ pub struct CommonFields {
     pub add_special_tokens: Option<bool>,
     /// vLLM's: keep only the prompt's last k tokens (-1: `max_model_len`).
     pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's: the prompt's token ids and each choice's sampled ids in the response.
+    pub return_token_ids: Option<bool>,
+    /// vLLM's: logprobs name tokens `token_id:<id>` instead of their text.
+    pub return_tokens_as_token_ids: Option<bool>,
     // Accepted without effect; reported in `llmserve-ignored-fields`.
     pub store: Option<bool>,
     pub metadata: Option<Map<String, Value>>,
@@ -267,6 +271,8 @@ pub struct Common {
     pub add_special_tokens: Option<bool>,
     /// How many of a prompt's last tokens to keep, if it is to be cut.
     pub truncate_prompt_tokens: Option<usize>,
+    pub return_token_ids: bool,
+    pub tokens_as_ids: bool,
     /// Inert fields that were sent (store, metadata, service_tier, stream_options.*).
     pub inert: Vec<String>,
     /// What `response_format` (or `structured_outputs`, or a `guided_*` field) constrains the
@@ -502,6 +508,8 @@ impl CommonFields {
             cache_salt: self.cache_salt,
             add_special_tokens: self.add_special_tokens,
             truncate_prompt_tokens,
+            return_token_ids: self.return_token_ids.unwrap_or(false),
+            tokens_as_ids: self.return_tokens_as_token_ids.unwrap_or(false),
             user: self.user,
             inert,
             constraint,
@@ -644,7 +652,7 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 9] = [
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 7] = [
     // (completions know `echo`: only chat's reaches this)
     ("echo", |v| *v == Value::Bool(false), "on chat, prepending the last message is not supported"),
     ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
@@ -653,8 +661,6 @@ const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 9] = [
     ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
     ("allowed_token_ids", |_| false, "restricting the vocabulary is not supported"),
     ("prompt_logprobs", |_| false, "prompt logprobs are given by completions' `echo` with `logprobs`"),
-    ("return_tokens_as_token_ids", |v| *v == Value::Bool(false), "tokens are returned as text"),
-    ("return_token_ids", |v| *v == Value::Bool(false), "token ids are not returned; /tokenize gives them"),
 ];
 
 /// The JSON kind a field must have, and its description.

@@ -100,6 +100,11 @@ pub struct Prepared {
     pub continuous_usage_stats: bool,
     /// Completions only: prepend the prompt text to each choice.
     pub echo: bool,
+    /// vLLM's `return_token_ids`: the response carries the prompt's ids (`prompt_token_ids`)
+    /// and every id each choice sampled (`token_ids`).
+    pub return_token_ids: bool,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name each token `token_id:<id>`.
+    pub tokens_as_ids: bool,
     /// Lower runs first (vLLM's convention); 0 when not sent.
     pub priority: i32,
     pub cache_salt: Option<String>,
