@@ -205,3 +205,63 @@ def test_prompt_offsets_of_multibyte_characters(tiny_server):
     tokens = c["logprobs"]["tokens"][:len(ids)]
     whole = [(t, o) for t, o in zip(tokens, offsets) if "\ufffd" not in t]
     assert len(whole) >= 3 and all(c["text"][o:].startswith(t) for t, o in whole), list(zip(tokens, offsets))
+
+
+@pytest.fixture(scope="module")
+def ranked(tiny_model):
+    """A function: prompt ids -> per position after the first, (logprob of the token, its rank,
+    top-K (id, logprob)) from transformers in float32; the rank counts the tokens at least as
+    likely as it, itself included (vLLM's)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)[:-1]
+        target = lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+        ranks = (lp >= target).sum(dim=1)
+        top = lp.topk(K, dim=-1)
+        return [(t, int(r), list(zip(i, v))) for t, r, i, v in
+                zip(target.squeeze(1).tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist())]
+    return run
+
+
+def _check_prompt_logprobs(entries: list, ids: list[int], expected) -> None:
+    assert len(entries) == len(ids) and entries[0] is None
+    for entry, token, (target, rank, top) in zip(entries[1:], ids[1:], expected):
+        keys = list(entry)
+        assert keys[0] == str(token), "the prompt token comes first"
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(target, abs=1e-4)
+        # (a near-tie may rank differently in another float order)
+        assert abs(own["rank"] - rank) <= 1, (own, rank)
+        assert isinstance(own["decoded_token"], str)
+        for r, (tid, value) in enumerate(top, 1):
+            if tid != token:
+                assert entry[str(tid)]["logprob"] == pytest.approx(value, abs=1e-4)
+                assert entry[str(tid)]["rank"] == r
+        assert len(entry) in (K, K + 1)
+
+
+def test_vllm_prompt_logprobs_match_transformers(tiny_server, reference, ranked):
+    """vLLM's `prompt_logprobs` k, without `echo`: each choice (completions) or the body (chat)
+    lists null, then per prompt token its logprob, rank and decoded text, and k alternatives
+    with theirs; also when the prompt's blocks are already cached, and on a chat prompt."""
+    ids = reference[0]
+    expected = ranked(ids)
+    for _ in range(2):          # the second time the prefix cache holds the prompt
+        r = _post(tiny_server, {"prompt": ids, "max_tokens": 2, "prompt_logprobs": K, "n": 2, "temperature": 0})
+        for c in r["choices"]:
+            _check_prompt_logprobs(c["prompt_logprobs"], ids, expected)
+            assert c["logprobs"] is None and c["text"] and not c["text"].startswith(PROMPT)
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    chat_ids = httpx.post(tiny_server.url + "/tokenize", json={"model": "tiny", "messages": messages},
+                          timeout=60).json()["tokens"]
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "max_tokens": 2, "prompt_logprobs": K}).json()
+    _check_prompt_logprobs(r["prompt_logprobs"], chat_ids, ranked(chat_ids))
+    e = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "prompt_logprobs": 1, "stream": True})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", e.text

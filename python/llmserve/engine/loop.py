@@ -55,10 +55,13 @@ def commit(core, out) -> list[Output]:
     """Hand a step's samples (a SampleOutput) to the Core: the oldest plan awaiting commit."""
     prompt: tuple[np.ndarray, ...] = ()
     if getattr(out, "prompt_logprobs", None) is not None:
-        # Prompt-token logprobs (completions echo with logprobs): the plan listed them.
+        # Prompt-token logprobs (completions echo with logprobs, prompt_logprobs): the plan
+        # listed them.
         prompt = (np.ascontiguousarray(out.prompt_logprobs, dtype=np.float32),
                   np.ascontiguousarray(out.prompt_top_ids, dtype=np.int64),
                   np.ascontiguousarray(out.prompt_top_logprobs, dtype=np.float32))
+        if getattr(out, "prompt_ranks", None) is not None:
+            prompt += (np.ascontiguousarray(out.prompt_ranks, dtype=np.int64),)
     return core.commit(
         np.ascontiguousarray(out.tokens, dtype=np.int64),
         np.ascontiguousarray(out.logprobs, dtype=np.float32),

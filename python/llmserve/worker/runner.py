@@ -52,8 +52,9 @@ def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
     """`out` carrying a step's prompt logprobs (as `ModelRunner.prompt_logprobs` returns them)."""
     if prompt_lp is None:
         return out
-    lp, ids, tops = prompt_lp
-    return dataclasses.replace(out, prompt_logprobs=lp, prompt_top_ids=ids, prompt_top_logprobs=tops)
+    lp, ids, tops, ranks = prompt_lp
+    return dataclasses.replace(out, prompt_logprobs=lp, prompt_top_ids=ids, prompt_top_logprobs=tops,
+                               prompt_ranks=ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +266,11 @@ class ModelRunner:
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan):
         """The Plan's prompt-logprob entries from the final hidden states [T, H]:
-        (logprob of each target f32 [P], top ids i64 [P, K], top logprobs f32 [P, K]) from
-        the raw log-softmax, K = the most alternatives any entry wants (ids -1 past an entry's
-        own k); None when the Plan lists none. Runs PROMPT_LP_CHUNK rows at a time."""
+        (logprob of each target f32 [P], top ids i64 [P, K], top logprobs f32 [P, K], rank of
+        each target i64 [P]) from the raw log-softmax, K = the most alternatives any entry
+        wants (ids -1 past an entry's own k); a rank is how many tokens are at least as likely
+        as the target, itself included (vLLM's: ties count against it). None when the Plan
+        lists none. Runs PROMPT_LP_CHUNK rows at a time."""
         indices = getattr(plan, "prompt_lp_indices", None)
         if indices is None or len(indices) == 0:
             return None
@@ -276,20 +279,23 @@ class ModelRunner:
         rows = to_device(as_tensor(indices, torch.int64), self.device)
         targets = to_device(as_tensor(plan.prompt_lp_targets, torch.int64), self.device)
         chosen = np.empty(p, np.float32)
+        ranks = np.empty(p, np.int64)
         top_ids = np.full((p, k), -1, np.int64)
         top_lp = np.zeros((p, k), np.float32)
         for start in range(0, p, PROMPT_LP_CHUNK):
             end = min(start + PROMPT_LP_CHUNK, p)
             logits = self.model.compute_logits(hidden[rows[start:end]]).float()
             lp = torch.log_softmax(logits, dim=-1)
-            chosen[start:end] = lp.gather(1, targets[start:end].unsqueeze(1)).squeeze(1).cpu().numpy()
+            target_lp = lp.gather(1, targets[start:end].unsqueeze(1))
+            chosen[start:end] = target_lp.squeeze(1).cpu().numpy()
+            ranks[start:end] = (lp >= target_lp).sum(dim=1).cpu().numpy()
             if k:
                 top = lp.topk(min(k, lp.shape[1]), dim=-1)   # sorted, largest first
                 top_ids[start:end, :top.indices.shape[1]] = top.indices.cpu().numpy()
                 top_lp[start:end, :top.values.shape[1]] = top.values.cpu().numpy()
         # An entry that wants fewer alternatives than K gets padding ids (Core drops them).
         top_ids[np.arange(k)[None, :] >= num[:, None]] = -1
-        return chosen, top_ids, top_lp
+        return chosen, top_ids, top_lp, ranks
 
     def run_model(self, plan) -> torch.Tensor:
         """The forward alone (K/V written to the cache): final hidden states [T, H].

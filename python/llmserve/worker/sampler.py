@@ -48,6 +48,7 @@ class SampleOutput:
     prompt_logprobs: np.ndarray | None = None       # float32 [P]
     prompt_top_ids: np.ndarray | None = None        # int64 [P, Kp]
     prompt_top_logprobs: np.ndarray | None = None   # float32 [P, Kp]
+    prompt_ranks: np.ndarray | None = None          # int64 [P]: 1 + tokens likelier than the target
 
     @staticmethod
     def empty() -> "SampleOutput":

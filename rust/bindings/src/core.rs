@@ -399,7 +399,8 @@ impl CoreState {
                             text_offset: 0,
                         })
                         .collect();
-                    state.builder.push_prompt_logprobs(prompt_idx, &toks);
+                    let ranks = lp.ranks.get(start..end).unwrap_or_default();
+                    state.builder.push_prompt_logprobs(prompt_idx, &toks, ranks);
                 }
             }
             start = end;
@@ -603,6 +604,8 @@ struct PromptLogprobs {
     top_ids: Vec<i64>,
     top_lps: Vec<f32>,
     k: usize,
+    /// Each entry's rank (empty when the runner gave none).
+    ranks: Vec<u32>,
 }
 
 /// The engine core: owned by the engine thread.
@@ -704,9 +707,10 @@ impl PyCore {
     }
 
     /// Apply the oldest awaiting plan's samples (one per plan row) and, when it listed prompt-logprob
-    /// entries, their logprobs (`[P]`) and top alternatives (`[P, K]`; ids < 0 are padding).
+    /// entries, their logprobs (`[P]`), top alternatives (`[P, K]`; ids < 0 are padding) and
+    /// optionally ranks (`[P]`: 1 + how many tokens were at least as likely).
     /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens, ends)`.
-    #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None))]
+    #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None, prompt_ranks=None))]
     #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
@@ -718,6 +722,7 @@ impl PyCore {
         prompt_logprobs: Option<PyReadonlyArray1<'_, f32>>,
         prompt_top_ids: Option<PyReadonlyArray2<'_, i64>>,
         prompt_top_logprobs: Option<PyReadonlyArray2<'_, f32>>,
+        prompt_ranks: Option<PyReadonlyArray1<'_, i64>>,
     ) -> PyResult<Vec<PyOutput>> {
         let prompt = match (prompt_logprobs, prompt_top_ids, prompt_top_logprobs) {
             (Some(lp), Some(ids), Some(tlp)) => {
@@ -732,11 +737,24 @@ impl PyCore {
                         tlp.shape()
                     )));
                 }
+                let ranks: Vec<u32> = match &prompt_ranks {
+                    None => Vec::new(),
+                    Some(r) if r.len() == p => {
+                        r.as_array().iter().map(|&r| r.clamp(1, i64::from(u32::MAX)) as u32).collect()
+                    }
+                    Some(r) => {
+                        return Err(PyValueError::new_err(format!(
+                            "prompt ranks: the plan listed {listed} entries; got {:?}",
+                            r.shape()
+                        )))
+                    }
+                };
                 Some(PromptLogprobs {
                     logprobs: lp.as_array().iter().copied().collect(),
                     top_ids: ids.as_array().iter().copied().collect(),
                     top_lps: tlp.as_array().iter().copied().collect(),
                     k,
+                    ranks,
                 })
             }
             (None, None, None) => None,

@@ -179,6 +179,39 @@ impl CompletionLogprobs {
     }
 }
 
+/// One token of a prompt entry in vLLM's `prompt_logprobs`.
+#[derive(Clone, Debug)]
+struct PromptLogprob {
+    id: u32,
+    logprob: f32,
+    /// 1 for the likeliest token; None when the runner did not say (alternatives always know).
+    rank: Option<u32>,
+    decoded_token: String,
+}
+
+/// A prompt token's entry in vLLM's `prompt_logprobs`: token id -> `{logprob, rank,
+/// decoded_token}`, the prompt token first, then its `prompt_logprobs` alternatives, most
+/// likely first (the token itself once, with its own rank).
+#[derive(Clone, Debug)]
+struct PromptEntry(Vec<PromptLogprob>);
+
+impl Serialize for PromptEntry {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Value<'a> {
+            logprob: f32,
+            rank: Option<u32>,
+            decoded_token: &'a str,
+        }
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for t in &self.0 {
+            let value = Value { logprob: t.logprob, rank: t.rank, decoded_token: &t.decoded_token };
+            map.serialize_entry(&t.id.to_string(), &value)?;
+        }
+        map.end()
+    }
+}
+
 #[derive(Serialize, Clone, Copy, Debug, Default)]
 struct Usage {
     prompt_tokens: u64,
@@ -331,6 +364,9 @@ struct CompletionChoice<'a> {
     /// `return_token_ids`: the choice's prompt.
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt_token_ids: Option<&'a [u32]>,
+    /// vLLM's `prompt_logprobs`: the choice's prompt's entries.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_logprobs: Option<&'a [Option<PromptEntry>]>,
     /// `return_token_ids`: as chat's, after the prompt's ids when `echo` put the prompt first
     /// (so they spell `text`, as vLLM's do).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -389,6 +425,12 @@ pub struct ResponseBuilder {
     return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`.
     tokens_as_ids: bool,
+    /// `logprobs` k (0 when not asked).
+    logprobs_k: u32,
+    /// vLLM's `prompt_logprobs` k, and per prompt its entries so far (the first token's is
+    /// None: nothing comes before it). Empty without it.
+    prompt_logprobs_k: Option<u32>,
+    prompt_entries: Vec<Vec<Option<PromptEntry>>>,
     n: u32,
     prompt_texts: Vec<String>,
     /// The prompts' ids, kept for `return_token_ids` (empty without it).
@@ -428,6 +470,13 @@ impl ResponseBuilder {
             logprobs: prepared.params.logprobs.is_some(),
             return_token_ids: prepared.return_token_ids,
             tokens_as_ids: prepared.tokens_as_ids,
+            logprobs_k: prepared.params.logprobs.unwrap_or(0),
+            prompt_logprobs_k: prepared.prompt_logprobs_k,
+            prompt_entries: if prepared.prompt_logprobs_k.is_some() {
+                prepared.prompts.iter().map(|_| vec![None]).collect()
+            } else {
+                Vec::new()
+            },
             n,
             prompt_texts: prepared.prompt_texts.clone(),
             prompt_ids: if prepared.return_token_ids { prepared.prompts.clone() } else { Vec::new() },
@@ -598,22 +647,47 @@ impl ResponseBuilder {
         out
     }
 
-    /// Completions with `echo` and `logprobs`: the next prompt tokens of prompt `prompt`, in
-    /// order from its second token, each with its logprob given the tokens before it (`id`
-    /// is the prompt token; `text_offset` is ignored: the builder counts it from the start
-    /// of the prompt). Must arrive before the prompt's choices first push. Ignored for any
-    /// other request.
-    pub fn push_prompt_logprobs(&mut self, prompt: u32, tokens: &[TokenOut]) {
-        let Some((lp, offsets)) = self.prompt_lp.get(prompt as usize) else { return };
+    /// Completions with `echo` and `logprobs`, and vLLM's `prompt_logprobs`: the next prompt
+    /// tokens of prompt `prompt`, in order from its second token, each with its logprob given
+    /// the tokens before it (`id` is the prompt token; `text_offset` is ignored: the builder
+    /// counts it from the start of the prompt) and, when known, its rank (`ranks[i]`: 1 + how
+    /// many other tokens were at least as likely). `top` may hold more alternatives than one
+    /// use wants (the larger k of the two); each takes its own. Must arrive before the
+    /// prompt's choices first push. Ignored for any other request.
+    pub fn push_prompt_logprobs(&mut self, prompt: u32, tokens: &[TokenOut], ranks: &[u32]) {
+        let p = prompt as usize;
+        if let Some(k) = self.prompt_logprobs_k.filter(|_| p < self.prompt_entries.len()) {
+            let mut add = Vec::with_capacity(tokens.len());
+            for (i, tok) in tokens.iter().enumerate() {
+                let mut entry = vec![PromptLogprob {
+                    id: tok.id,
+                    logprob: wire_lp(tok.logprob),
+                    rank: ranks.get(i).copied(),
+                    decoded_token: self.token_str(tok.id),
+                }];
+                let top = tok.top.iter().take(k as usize).enumerate().filter(|(_, (id, _))| *id != tok.id);
+                entry.extend(top.map(|(r, &(id, lp))| PromptLogprob {
+                    id,
+                    logprob: wire_lp(lp),
+                    rank: Some(r as u32 + 1),
+                    decoded_token: self.token_str(id),
+                }));
+                add.push(Some(PromptEntry(entry)));
+            }
+            self.prompt_entries[p].extend(add);
+        }
+        let Some((lp, offsets)) = self.prompt_lp.get(p) else { return };
         let next = lp.tokens.len();
+        let k = self.logprobs_k as usize;
         let mut add = CompletionLogprobs::default();
         for (i, tok) in tokens.iter().enumerate() {
             add.text_offset.push(offsets.get(next + i).copied().unwrap_or_default());
             add.tokens.push(self.token_str(tok.id));
             add.token_logprobs.push(Some(wire_lp(tok.logprob)));
-            add.top_logprobs.push(Some(self.top_map(tok)));
+            let tok = TokenOut { top: tok.top.iter().take(k).copied().collect(), ..tok.clone() };
+            add.top_logprobs.push(Some(self.top_map(&tok)));
         }
-        self.prompt_lp[prompt as usize].0.extend(add);
+        self.prompt_lp[p].0.extend(add);
     }
 
     /// Records one choice's progress; when streaming, queues its chunks for [`Self::take`].
@@ -1038,6 +1112,7 @@ impl ResponseBuilder {
                 choices,
                 usage,
                 prompt_token_ids: self.prompt_ids.first().map(Vec::as_slice),
+                prompt_logprobs: self.prompt_entries.first().map(Vec::as_slice),
             })
         } else {
             let texts: Vec<String> = self
@@ -1061,6 +1136,7 @@ impl ResponseBuilder {
                     finish_reason: c.finish.map(FinishReason::as_str),
                     stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
                     prompt_token_ids: self.prompt_ids.get(i / self.n as usize).map(Vec::as_slice),
+                    prompt_logprobs: self.prompt_entries.get(i / self.n as usize).map(Vec::as_slice),
                     token_ids: self.return_token_ids.then_some(&c.token_ids[..]),
                 })
                 .collect();
@@ -1073,6 +1149,7 @@ impl ResponseBuilder {
                 choices,
                 usage,
                 prompt_token_ids: None,
+                prompt_logprobs: None,
             })
         };
         body.expect("bodies serialize")
@@ -1134,7 +1211,7 @@ fn shown(tokenizer: &Tokenizer, id: u32, as_id: bool) -> String {
 
 /// Completions that echo the prompt with logprobs also return the prompt's logprobs.
 fn echo_logprobs(prepared: &Prepared) -> bool {
-    prepared.prompt_logprobs().is_some()
+    prepared.echo && prepared.endpoint == Endpoint::Completion && prepared.params.logprobs.is_some()
 }
 
 #[derive(Serialize)]
@@ -1150,4 +1227,8 @@ struct Body<'a, C> {
     /// choice's).
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt_token_ids: Option<&'a [u32]>,
+    /// Chat with vLLM's `prompt_logprobs`: the rendered prompt's entries (completions give
+    /// each choice's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_logprobs: Option<&'a [Option<PromptEntry>]>,
 }

@@ -142,7 +142,6 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
         ("bad_words", json!(["x"])),
         ("logits_processors", json!(["m.P"])),
         ("allowed_token_ids", json!([3])),
-        ("prompt_logprobs", json!(1)),
     ] {
         for got in
             [shape(chat(&r, json!({field: value.clone()}))), shape(completion(&r, json!({field: value.clone()})))]
@@ -799,4 +798,26 @@ fn tools_a_template_never_reads_are_reported_unless_forced() {
     let p = chat(&router(), json!({"tools": tools})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
     assert_eq!(shape(chat(&strict, json!({"tools": tools}))), (400, "unsupported_parameter", Some("tools".into())));
+}
+
+/// vLLM's `prompt_logprobs`: 0..=max_logprobs on both routes (the scheduler then computes the
+/// prompt's logprobs, also without `echo`); refused on streams and out of range, as vLLM does.
+#[test]
+fn prompt_logprobs_are_bounded_and_not_streamed() {
+    let r = router();
+    for k in [0, 5, 20] {
+        assert_eq!(chat(&r, json!({"prompt_logprobs": k})).unwrap().prompt_logprobs(), Some(k));
+        assert_eq!(completion(&r, json!({"prompt_logprobs": k})).unwrap().prompt_logprobs(), Some(k));
+    }
+    assert_eq!(completion(&r, json!({"prompt_logprobs": null})).unwrap().prompt_logprobs(), None);
+    for (body, code) in [
+        (json!({"prompt_logprobs": 21}), "invalid_value"),
+        (json!({"prompt_logprobs": -1}), "invalid_value"),
+        (json!({"prompt_logprobs": 1, "stream": true}), "invalid_value"),
+        (json!({"prompt_logprobs": 0, "stream": true}), "invalid_value"),
+        (json!({"prompt_logprobs": "1"}), "invalid_type"),
+    ] {
+        assert_eq!(shape(chat(&r, body.clone())), (400, code, Some("prompt_logprobs".into())), "{body}");
+        assert_eq!(shape(completion(&r, body.clone())), (400, code, Some("prompt_logprobs".into())), "{body}");
+    }
 }

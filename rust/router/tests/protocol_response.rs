@@ -51,6 +51,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         echo: false,
         return_token_ids: false,
         tokens_as_ids: false,
+        prompt_logprobs_k: None,
         priority: 0,
         cache_salt: None,
         user: None,
@@ -358,7 +359,7 @@ fn completion_logprobs_shape_with_echo_offsets() {
     p.echo = true;
     let mut b = builder(&p);
     // The prompt's second token, given the first (its text_offset is the builder's to count).
-    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 99 }]);
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 99 }], &[]);
     let toks = [
         TokenOut { id: 10, logprob: -0.5, top: vec![(10, -0.5), (9, -2.0)], text_offset: 0 },
         TokenOut { id: 9, logprob: -0.75, top: vec![(9, -0.75), (9, -3.0)], text_offset: 6 },
@@ -400,7 +401,7 @@ fn completion_stream_sends_prompt_logprobs_with_the_echo() {
     p.echo = true;
     p.stream = true;
     let mut b = builder(&p);
-    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 0 }]);
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![(10, -0.25)], text_offset: 0 }], &[]);
     let tok = [TokenOut { id: 10, logprob: -0.5, top: vec![(10, -0.5)], text_offset: 0 }];
     for choice in 0..2 {
         b.push(
@@ -1018,7 +1019,7 @@ fn logprobs_name_tokens_by_id_on_request() {
     p.tokens_as_ids = true;
     p.echo = true;
     let mut b = builder(&p);
-    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.0, top: vec![(9, -1.0)], text_offset: 0 }]);
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.0, top: vec![(9, -1.0)], text_offset: 0 }], &[]);
     b.push(
         0,
         &ChoiceDelta { text: "he", tokens: &toks, ids: &[5], finish: Some(FinishReason::Length), stop_reason: None },
@@ -1027,4 +1028,63 @@ fn logprobs_name_tokens_by_id_on_request() {
     let lp = &body["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"], json!(["token_id:0", "token_id:9", "token_id:5"]));
     assert_eq!(lp["top_logprobs"][2], json!({"token_id:6": -0.2, "token_id:5": -0.5}));
+}
+
+/// vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map of id ->
+/// `{logprob, rank, decoded_token}`, the token first with the rank the runner computed, then
+/// its k alternatives ranked 1..k (the token once). Chat puts the list at the top of the body;
+/// completions on each choice. With `echo` and `logprobs` too, each takes its own k.
+#[test]
+fn prompt_logprobs_list_each_prompt_token_as_vllm() {
+    let entries = [
+        TokenOut { id: 3, logprob: -0.7, top: vec![(5, -0.1), (3, -0.7), (8, -3.0)], text_offset: 0 },
+        TokenOut { id: 8, logprob: -0.2, top: vec![(8, -0.2), (5, -1.0), (3, -4.0)], text_offset: 0 },
+    ];
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);
+    p.prompt_logprobs_k = Some(1);
+    let mut b = builder(&p);
+    b.push_prompt_logprobs(0, &entries, &[2, 1]);
+    b.push(0, &delta("he", &[tok(5)], Some(FinishReason::Length)));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(
+        body["prompt_logprobs"],
+        json!([
+            null,
+            {"3": {"logprob": -0.7, "rank": 2, "decoded_token": "user"},
+             "5": {"logprob": -0.1, "rank": 1, "decoded_token": "system"}},
+            {"8": {"logprob": -0.2, "rank": 1, "decoded_token": ":"}},
+        ])
+    );
+    let text = serde_json::to_string(&body["prompt_logprobs"][1]).unwrap();
+    assert!(text.find("\"3\"").unwrap() < text.find("\"5\"").unwrap(), "the prompt token comes first: {text}");
+    assert!(body["choices"][0].get("prompt_logprobs").is_none());
+
+    // completions, 2 choices, echo with logprobs 1 beside prompt_logprobs 2
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 3, 8]], &["x"], 2, Some(1));
+    p.prompt_logprobs_k = Some(2);
+    p.echo = true;
+    assert_eq!(p.prompt_logprobs(), Some(2), "the scheduler computes the larger k");
+    let mut b = builder(&p);
+    b.push_prompt_logprobs(0, &entries, &[]);
+    for c in 0..2 {
+        b.push(c, &delta("he", &[tok(5)], Some(FinishReason::Length)));
+    }
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert!(body.get("prompt_logprobs").is_none());
+    for choice in body["choices"].as_array().unwrap() {
+        let entries = &choice["prompt_logprobs"];
+        assert_eq!(entries[0], Value::Null);
+        assert_eq!(entries[1]["3"], json!({"logprob": -0.7, "rank": null, "decoded_token": "user"}));
+        assert_eq!(entries[1].as_object().unwrap().len(), 2, "k 2 holds the token itself: {entries}");
+        assert_eq!(entries[2].as_object().unwrap().len(), 2);
+        // the echoed logprobs keep their k of 1 (+ the token itself)
+        assert_eq!(choice["logprobs"]["top_logprobs"][1], json!({"system": -0.1, "user": -0.7}));
+        assert_eq!(choice["logprobs"]["top_logprobs"][2], json!({":": -0.2}));
+    }
+    // echo with logprobs alone: no prompt_logprobs key
+    let p = prepared(Endpoint::Completion, vec![vec![0, 3, 8]], &["x"], 1, Some(1));
+    let mut b = builder(&p);
+    b.push_prompt_logprobs(0, &entries, &[]);
+    b.push(0, &delta("he", &[tok(5)], Some(FinishReason::Length)));
+    assert!(!String::from_utf8(b.finish()).unwrap().contains("prompt_logprobs"));
 }

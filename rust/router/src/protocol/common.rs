@@ -245,6 +245,8 @@ pub struct CommonFields {
     pub return_token_ids: Option<bool>,
     /// vLLM's: logprobs name tokens `token_id:<id>` instead of their text.
     pub return_tokens_as_token_ids: Option<bool>,
+    /// vLLM's: each prompt token's logprob and this many alternatives.
+    pub prompt_logprobs: Option<i64>,
     // Accepted without effect; reported in `llmserve-ignored-fields`.
     pub store: Option<bool>,
     pub metadata: Option<Map<String, Value>>,
@@ -273,6 +275,8 @@ pub struct Common {
     pub truncate_prompt_tokens: Option<usize>,
     pub return_token_ids: bool,
     pub tokens_as_ids: bool,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token, when sent.
+    pub prompt_logprobs: Option<u32>,
     /// Inert fields that were sent (store, metadata, service_tier, stream_options.*).
     pub inert: Vec<String>,
     /// What `response_format` (or `structured_outputs`, or a `guided_*` field) constrains the
@@ -459,6 +463,23 @@ impl CommonFields {
                 ))
             }
         };
+        // NOTE: vLLM refuses them on streams too (they would come before any token).
+        let prompt_logprobs = match self.prompt_logprobs {
+            None => None,
+            Some(_) if stream => {
+                return Err(ApiError::invalid(
+                    "prompt_logprobs",
+                    "`prompt_logprobs` are not available when `stream` is true.",
+                ))
+            }
+            Some(k) if k >= 0 && k <= i64::from(config.max_logprobs) => Some(k as u32),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "prompt_logprobs",
+                    format!("`prompt_logprobs` must be between 0 and {}, got {k}.", config.max_logprobs),
+                ))
+            }
+        };
         if let Some(salt) = &self.cache_salt {
             if salt.is_empty() {
                 return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
@@ -510,6 +531,7 @@ impl CommonFields {
             truncate_prompt_tokens,
             return_token_ids: self.return_token_ids.unwrap_or(false),
             tokens_as_ids: self.return_tokens_as_token_ids.unwrap_or(false),
+            prompt_logprobs,
             user: self.user,
             inert,
             constraint,
@@ -652,7 +674,7 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 7] = [
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 6] = [
     // (completions know `echo`: only chat's reaches this)
     ("echo", |v| *v == Value::Bool(false), "on chat, prepending the last message is not supported"),
     ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
@@ -660,7 +682,6 @@ const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 7] = [
     ("bad_words", |v| v.as_array().is_some_and(Vec::is_empty), "banning words is not supported"),
     ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
     ("allowed_token_ids", |_| false, "restricting the vocabulary is not supported"),
-    ("prompt_logprobs", |_| false, "prompt logprobs are given by completions' `echo` with `logprobs`"),
 ];
 
 /// The JSON kind a field must have, and its description.

@@ -202,6 +202,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         echo: comp.echo.unwrap_or(false),
         return_token_ids: c.return_token_ids,
         tokens_as_ids: c.tokens_as_ids,
+        prompt_logprobs_k: c.prompt_logprobs,
         priority: c.priority,
         cache_salt: c.cache_salt,
         user: c.user,

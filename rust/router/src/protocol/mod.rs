@@ -105,6 +105,9 @@ pub struct Prepared {
     pub return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: logprobs name each token `token_id:<id>`.
     pub tokens_as_ids: bool,
+    /// vLLM's `prompt_logprobs` k: the response lists each prompt token's logprob, rank and
+    /// k alternatives (`prompt_logprobs` at the top of a chat body, on each completions choice).
+    pub prompt_logprobs_k: Option<u32>,
     /// Lower runs first (vLLM's convention); 0 when not sent.
     pub priority: i32,
     pub cache_salt: Option<String>,
@@ -142,13 +145,11 @@ impl Prepared {
     }
 
     /// Some(k): the response returns each prompt token's logprob and k alternatives
-    /// (completions' `echo` with `logprobs` k), which the scheduler must then compute.
+    /// (completions' `echo` with `logprobs` k, vLLM's `prompt_logprobs` k; the larger when
+    /// both), which the scheduler must then compute.
     pub fn prompt_logprobs(&self) -> Option<u32> {
-        if self.echo && self.endpoint == Endpoint::Completion {
-            self.params.logprobs
-        } else {
-            None
-        }
+        let echoed = if self.echo && self.endpoint == Endpoint::Completion { self.params.logprobs } else { None };
+        echoed.max(self.prompt_logprobs_k)
     }
 }
 
