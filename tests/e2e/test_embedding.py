@@ -276,6 +276,7 @@ def test_params_json_cannot_hold_are_refused_as_over_http(llm):
         llm.generate("hi", {"max_tokens": 2, "logit_bias": {9: np.float32("nan")}})
     forced = llm.generate("hi", {**params, "logit_bias": {9: 100}})[0]
     assert forced.text == llm.generate("hi", {**params, "logit_bias": {"9": 100}})[0].text
+    assert forced.text == llm.generate("hi", {**params, "logit_bias": {np.int64(9): 100}})[0].text
     assert forced.text != llm.generate("hi", params)[0].text
 
 

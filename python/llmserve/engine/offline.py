@@ -169,7 +169,8 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
     """`body` as JSON, as a client sends it. JSON has no NaN or infinity, and orjson writes them
     as null, which the Router would read as an absent field (a NaN temperature sampling at the
     default one). Over HTTP they cannot arrive (the server refuses them as invalid JSON); here
-    they are refused by name. Integer keys are written as strings (`logit_bias={5: 1.0}`)."""
+    they are refused by name. Integer keys are written as strings (`logit_bias={5: 1.0}`), numpy
+    ones too (`{np.int64(5): 1.0}`, as a key taken from an array is)."""
     try:
         data = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as exc:
@@ -178,7 +179,7 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
         # with it, as over HTTP. (It writes non-finite floats as NaN/Infinity; those are refused
         # by name below.)
         try:
-            data = json.dumps(body, separators=(",", ":"), default=_numpy_value).encode()
+            data = json.dumps(_plain_keys(body), separators=(",", ":"), default=_numpy_value).encode()
         except (TypeError, ValueError) as why:   # (the json module's message names the type)
             raise TypeError(f"params must hold JSON values (str, int, float, bool, None, lists, dicts): {why}") from None
     if b"null" in data or b"NaN" in data or b"Infinity" in data:
@@ -187,6 +188,15 @@ def _encode(router: Router, body: dict[str, Any]) -> bytes:
             path, value = found
             raise router.error("invalid_request", f"`{path}` must be a finite number; got {value}.", path)
     return data
+
+
+def _plain_keys(value: Any) -> Any:
+    """`value` with numpy numbers as dict keys made Python's (neither JSON writer takes them)."""
+    if isinstance(value, dict):
+        return {(k.item() if isinstance(k, np.generic) else k): _plain_keys(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_keys(v) for v in value]
+    return value
 
 
 def _numpy_value(value: Any) -> Any:
