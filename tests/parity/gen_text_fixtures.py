@@ -270,7 +270,7 @@ STRING_TEMPLATE = """{% for tool in tools or [] %}{{ 'tool: ' ~ (tool | string) 
 {% endfor %}{% endfor %}{{ message.role }}: {{ message.content | string }}
 {% endfor %}"""
 
-# Python str and list methods pycompat lacks (template.rs: py_methods)
+# Python str and list methods pycompat lacks (rust/router/src/template/mod.rs: py_methods)
 METHODS_TEMPLATE = """{% for message in messages %}{% set c = message.content %}
 {{ c.rsplit(' ', 1) }} {{ c.rsplit(' ') }} {{ c.partition(' ') | join('|') }} {{ c.rpartition('?') | join('|') }}
 {{ c.removeprefix('Hi') }}|{{ c.removesuffix('?') }}|{{ ('' ~ loop.index).zfill(3) }}|{{ '-7'.zfill(4) }}

@@ -150,7 +150,7 @@ class Checkpoint:
     weights: Mapping[str, torch.Tensor]
     tokenizer_json: str | None         # path of tokenizer.json (HF folders)
     gguf_vocab: dict | None            # GgufVocab (rust/router tokenizer.rs) as a dict (GGUF files)
-    template_sources: dict             # TemplateSources (rust/router template.rs) as a dict
+    template_sources: dict             # TemplateSources (rust/router template/mod.rs) as a dict
     bos_token: str | None
     eos_token: str | None
     eos_token_ids: list[int]
