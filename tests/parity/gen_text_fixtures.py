@@ -277,6 +277,18 @@ METHODS_TEMPLATE = """{% for message in messages %}{% set c = message.content %}
 {{ c.index(' ') if ' ' in c else -1 }} {{ [1, 2, 1].count(1) }} {{ ['a', 'b'].index('b') }}
 {% endfor %}"""
 
+# Python's str() of containers: repr() escapes what str.isprintable() refuses (\xNN, \uNNNN,
+# \UNNNNNNNN). Only code points assigned by Unicode 14.0 (Python 3.11), so the reference does not
+# hang on the Python version.
+REPR_TEMPLATE = """{% for v in values %}{{ v | string }}
+{% endfor %}{{ values }}"""
+
+REPR_STRINGS = [
+    "a\u00a0b", "\U0001f468\u200d\U0001f469", "nel\u0085 shy\u00ad ls\u2028 ps\u2029 zw\u200b bom\ufeff",
+    "pua\ue000 \U0010ffff \U000f0000", "unassigned\u0378 \ufdd0 \U000e0080", "c0\x00\x01\x1f del\x7f c1\x80\x9f",
+    "tab\t nl\n cr\r bs\\ em\u2003 ideo\u3000 nb\u202f", "it's", "both ' and \"", "\u00e9\u4f60 \U0001f600 \u0301",
+]
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -354,6 +366,7 @@ def template_cases(gguf_template: str) -> list[dict]:
         "tool_calls": [{"id": "c", "type": "function", "function": {
             "name": "f", "arguments": {"loc": {"lat": 1.5, "ok": True, "none": None}, "tags": ["a", None], "n": 3,
                                        "s": "it's"}}}]}], tools=[WEATHER_TOOL])
+    case("python_repr", REPR_TEMPLATE, CHAT[1:2], kwargs={"values": [REPR_STRINGS, {"k\u200b": REPR_STRINGS[0]}]})
     return c
 
 

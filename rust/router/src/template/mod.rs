@@ -689,6 +689,16 @@ mod tests {
     }
 
     #[test]
+    fn repr_escapes_what_python_cannot_print() {
+        // (the characters themselves in the template's string literals)
+        let t = "{{ ['a\u{a0}b', '\u{1F468}\u{200d}\u{1F469}', '\x00\x7f\u{85}', '\u{e000}\u{10ffff}', 'é\u{378}'] }}";
+        assert_eq!(
+            render(t, json!([])).unwrap().text,
+            r"['a\xa0b', '👨\u200d👩', '\x00\x7f\x85', '\ue000\U0010ffff', 'é\u0378']"
+        );
+    }
+
+    #[test]
     fn tojson_matches_python_json_dumps() {
         let msgs = json!([{"b": [1, 2.0, {}], "a": "é\"\n\u{1F600}"}]);
         let t = "{{ messages[0] | tojson }}|{{ messages[0] | tojson(sort_keys=true, separators=(',', ':')) }}|{{ messages[0].a | tojson(ensure_ascii=true) }}|{{ messages[0].b | tojson(indent=1) }}";

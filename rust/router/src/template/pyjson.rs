@@ -213,6 +213,28 @@ fn string(s: &str, ensure_ascii: bool, out: &mut String) {
     out.push('"');
 }
 
+/// Python's `str.isprintable()` for one character, which decides what `repr()` escapes: every
+/// "Other" (Cc, Cf, Cs, Co, Cn) and "Separator" (Zl, Zp, Zs) character but the ASCII space.
+///
+/// NOTE: the categories are Unicode 16.0's (the crate's data); Python has its own Unicode
+/// version (3.11: 14.0, 3.12: 15.0, 3.13: 15.1, 3.14: 16.0), so a code point assigned after
+/// the server's Python version is printed here but escaped (`\U...`) by an older Python.
+fn is_printable(c: char) -> bool {
+    use unicode_general_category::{get_general_category, GeneralCategory as G};
+    c == ' '
+        || !matches!(
+            get_general_category(c),
+            G::Control
+                | G::Format
+                | G::Surrogate
+                | G::PrivateUse
+                | G::Unassigned
+                | G::LineSeparator
+                | G::ParagraphSeparator
+                | G::SpaceSeparator
+        )
+}
+
 /// Python's `repr()` for values inside containers.
 fn repr(v: &Value, out: &mut String) -> Result<(), Error> {
     match v.kind() {
@@ -230,8 +252,12 @@ fn repr(v: &Value, out: &mut String) -> Result<(), Error> {
                         out.push('\\');
                         out.push(c);
                     }
-                    c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                        let _ = write!(out, "\\x{:02x}", c as u32);
+                    c if !is_printable(c) => {
+                        let _ = match c as u32 {
+                            n @ 0..=0xff => write!(out, "\\x{n:02x}"),
+                            n @ 0x100..=0xffff => write!(out, "\\u{n:04x}"),
+                            n => write!(out, "\\U{n:08x}"),
+                        };
                     }
                     c => out.push(c),
                 }
