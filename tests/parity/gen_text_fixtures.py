@@ -289,6 +289,20 @@ REPR_STRINGS = [
     "tab\t nl\n cr\r bs\\ em\u2003 ideo\u3000 nb\u202f", "it's", "both ' and \"", "\u00e9\u4f60 \U0001f600 \u0301",
 ]
 
+# `~` and `join` print through minijinja's Display: the request's objects and arrays print as
+# Python's str() there too (template/pyvalue.rs). Bare floats are left out: minijinja prints
+# `'x' ~ 1e20` its own way (a known difference, see template/mod.rs).
+CONCAT_TEMPLATE = """{% for v in values %}{{ 'X' ~ v }}|{{ v ~ 'Y' }}|{{ [v, 'a'] | join(',') }}|{{ v | join(';') if v is iterable and v is not string else '' }}
+{% endfor %}{{ 'T' ~ tools }}
+{% for m in messages %}{{ 'M' ~ m }}
+{% endfor %}"""
+
+CONCAT_VALUES = [
+    {"a": 1.5, "b": [True, None, "it's"], "c": {"d": 1e20, "e": 1e-5, "f": 5e-324, "g": -0.0}},
+    [1, "a", None, True, 1.5, 1e16, "\u200d\u00a0", "q\"'"],
+    "s", 3, 1.5, True, None, [], {},
+]
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -367,6 +381,10 @@ def template_cases(gguf_template: str) -> list[dict]:
             "name": "f", "arguments": {"loc": {"lat": 1.5, "ok": True, "none": None}, "tags": ["a", None], "n": 3,
                                        "s": "it's"}}}]}], tools=[WEATHER_TOOL])
     case("python_repr", REPR_TEMPLATE, CHAT[1:2], kwargs={"values": [REPR_STRINGS, {"k\u200b": REPR_STRINGS[0]}]})
+    case("concat", CONCAT_TEMPLATE, CHAT[1:2] + [{
+        "role": "assistant", "content": "",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1e-7, "y": ["\u00e9"]}}}]}],
+        tools=[WEATHER_TOOL], kwargs={"values": CONCAT_VALUES})
     return c
 
 

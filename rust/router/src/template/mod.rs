@@ -7,7 +7,10 @@
 //!   (Jinja2's defaults, which transformers keeps), loop controls on;
 //! - `raise_exception(msg)`, `strftime_now(fmt)`, and a `tojson` filter that writes what
 //!   Python's `json.dumps(x, ensure_ascii=False, ...)` writes (see [`pyjson`]);
-//! - values print as Python prints them (`True`, `None`, `1e+20`, `['a']`);
+//! - values print as Python's `str()` (`True`, `None`, `1e+20`, `{'a': 'b'}`) in `{{ }}`,
+//!   `|string` and `|join`, and the request's objects and arrays under `~` too
+//!   ([`pyvalue`]); `repr()` escapes what `str.isprintable()` refuses; `join`, `iterable` and
+//!   the others in [`filters`] follow Jinja2 where minijinja's differ;
 //! - `continue_final_message` by transformers' tag trick: mark the final message's text,
 //!   render without a generation prompt, cut right after the mark.
 //!
@@ -16,6 +19,12 @@
 //! it is), which minijinja cannot parse, becomes `{% if true %}` (see
 //! [`expand_generation_tags`]). Every render runs under a fuel limit, since templates may
 //! arrive with requests.
+//!
+//! Known differences from Jinja2, which minijinja 2 offers no hook to change:
+//! - `~` prints through minijinja's `Display`: a bare float in exponent range (`'x' ~ 1e20`
+//!   gives `x100000000000000000000.0`, Python `x1e+20`) and a dict or list the template
+//!   builds itself (`'x' ~ {'a': 1}` gives `x{"a": 1}`) print minijinja's way; the request's
+//!   values and everything in `{{ }}` print as Python.
 
 use crate::error::ApiError;
 use minijinja::value::{Enumerator, Kwargs, Object, Rest};
@@ -26,7 +35,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+mod filters;
 mod pyjson;
+mod pyvalue;
 
 /// File contents read by Python; resolution happens here.
 #[derive(Debug, Clone, Default, serde::Deserialize)]
@@ -373,6 +384,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_filter("string", pyjson::string_filter);
+        filters::register(&mut env);
         env.add_template_owned(NAME, expand_generation_tags(source).into_owned())
             .map_err(|e| format!("chat template from {origin} does not parse: {e}"))?;
         let declared = env.get_template(NAME).map_err(|e| e.to_string())?.undeclared_variables(false);
@@ -419,7 +431,7 @@ impl ChatTemplate {
         let mut messages = alias_reasoning(input.messages);
         let continued = if input.continue_final_message { Some(self.mark_final_message(&mut messages)?) } else { None };
 
-        let json = |v: &Json| Value::from_serialize(v);
+        let json = pyvalue::from_json;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         ctx.insert("bos_token".into(), Value::from(input.bos_token));
         ctx.insert("eos_token".into(), Value::from(input.eos_token));
@@ -443,7 +455,7 @@ impl ChatTemplate {
         let listed = messages.as_array().into_iter().flatten().zip(&tracked);
         let message_values: Vec<Value> =
             listed.map(|(m, t)| t.as_ref().map_or_else(|| json(m), |t| Value::from_dyn_object(t.clone()))).collect();
-        ctx.insert("messages".into(), Value::from(message_values));
+        ctx.insert("messages".into(), Value::from_object(pyvalue::PyList(message_values)));
         ctx.insert("tools".into(), input.tools.map_or(Value::from(()), json));
         ctx.insert("documents".into(), input.documents.map_or(Value::from(()), json));
         // transformers renders continue_final_message with the prompt flag as given; both
@@ -603,7 +615,7 @@ impl TrackedMessage {
             .as_object()?
             .iter()
             .filter(|(_, v)| !v.is_null())
-            .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
+            .map(|(k, v)| (k.clone(), pyvalue::from_json(v)))
             .collect();
         let read = fields.iter().map(|_| AtomicBool::new(false)).collect();
         Some(Arc::new(Self { fields, read }))
@@ -637,6 +649,10 @@ impl Object for TrackedMessage {
     /// `length` and truthiness without counting as reading every key.
     fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
         Some(self.fields.len())
+    }
+
+    fn render(self: &Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        pyvalue::write_repr(Value::from_dyn_object(self.clone()), f)
     }
 }
 
@@ -686,6 +702,17 @@ mod tests {
             render("{{ true }} {{ none }} {{ [1, 'a', \"it's\"] }} {{ {'k': false} }} {{ 1.5 }} {{ x }}", json!([]))
                 .unwrap();
         assert_eq!(out.text, "True None [1, 'a', \"it's\"] {'k': False} 1.5 ");
+    }
+
+    #[test]
+    fn concat_and_join_print_the_request_values_as_python() {
+        let msgs = json!([{"role": "user", "content": "hi", "args": {"a": 1.5, "b": [true, null, 1e20, "it's"]}}]);
+        let t = "{{ 'X' ~ messages[0].args }}|{{ messages[0].args.b ~ 'Y' }}|{{ messages[0].args.b | join(',') }}|{{ 'M' ~ messages[0] }}";
+        assert_eq!(
+            render(t, msgs).unwrap().text,
+            "X{'a': 1.5, 'b': [True, None, 1e+20, \"it's\"]}|[True, None, 1e+20, \"it's\"]Y|True,None,1e+20,it's|\
+             M{'role': 'user', 'content': 'hi', 'args': {'a': 1.5, 'b': [True, None, 1e+20, \"it's\"]}}"
+        );
     }
 
     #[test]

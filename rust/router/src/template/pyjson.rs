@@ -236,7 +236,7 @@ fn is_printable(c: char) -> bool {
 }
 
 /// Python's `repr()` for values inside containers.
-fn repr(v: &Value, out: &mut String) -> Result<(), Error> {
+pub fn repr(v: &Value, out: &mut String) -> Result<(), Error> {
     match v.kind() {
         ValueKind::String => {
             let s = v.as_str().unwrap_or_default();
@@ -292,7 +292,7 @@ fn repr(v: &Value, out: &mut String) -> Result<(), Error> {
 }
 
 /// Python's `str()`, which is what Jinja2 prints.
-fn py_str(v: &Value) -> Result<String, Error> {
+pub fn py_str(v: &Value) -> Result<String, Error> {
     Ok(match v.kind() {
         ValueKind::Undefined => String::new(),
         ValueKind::None => "None".into(),
