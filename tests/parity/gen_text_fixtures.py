@@ -303,6 +303,13 @@ CONCAT_VALUES = [
     "s", 3, 1.5, True, None, [], {},
 ]
 
+# Jinja2's int, float, replace, sequence and iterable (template/filters.rs)
+FILTERS_TEMPLATE = """{{ n|int }}|{{ 'x'|int }}|{{ 'x'|int(-1) }}|{{ '0x1A'|int(0, 16) }}|{{ '1_000'|int }}|{{ ' 3.7 '|int }}|{{ f|int }}|{{ none|int }}|{{ '12'|int(base=8) }}
+{{ 'x'|float }}|{{ s|float }}|{{ 'inf'|float }}|{{ true|float }}|{{ 'x'|float(default=2.5) }}|{{ n|float }}
+{{ 'aaaa'|replace('a', 'b', 2) }}|{{ 'abc'|replace('', '-', 2) }}|{{ 123|replace('2', 'x') }}|{{ f|replace('.', ',') }}
+{% for m in messages %}{{ m.content is sequence }} {{ m is sequence }} {{ m.missing is sequence }} {{ none is sequence }} {{ f is sequence }} {{ none is iterable }} {{ m.content is iterable }}
+{% endfor %}"""
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -385,6 +392,7 @@ def template_cases(gguf_template: str) -> list[dict]:
         "role": "assistant", "content": "",
         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1e-7, "y": ["\u00e9"]}}}]}],
         tools=[WEATHER_TOOL], kwargs={"values": CONCAT_VALUES})
+    case("jinja2_filters", FILTERS_TEMPLATE, CHAT[1:3], kwargs={"n": "42", "f": -2.9, "s": " 1e5 "})
     return c
 
 

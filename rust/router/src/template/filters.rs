@@ -8,7 +8,11 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 
 pub fn register(env: &mut Environment<'static>) {
     env.add_filter("join", join);
+    env.add_filter("int", int);
+    env.add_filter("float", float);
+    env.add_filter("replace", replace);
     env.add_test("iterable", is_iterable);
+    env.add_test("sequence", is_sequence);
 }
 
 /// Python's type name, for the errors Python would raise.
@@ -74,4 +78,150 @@ fn join(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error>
         parts.push(py_str(&item)?);
     }
     Ok(Value::from(parts.join(&sep)))
+}
+
+/// `is sequence`: Python's `len(value)` and `value[...]` both work, so strings and dicts are
+/// sequences too (and an undefined value, whose Jinja2 type has both); `none`, numbers and
+/// iterators are not.
+fn is_sequence(v: &Value) -> bool {
+    matches!(v.kind(), ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map | ValueKind::Undefined)
+}
+
+fn undefined_error(v: &Value) -> Result<(), Error> {
+    if v.is_undefined() {
+        // (Jinja2's Undefined refuses int() and float())
+        return Err(Error::new(ErrorKind::UndefinedError, "int() or float() of an undefined value"));
+    }
+    Ok(())
+}
+
+/// `int(default=0, base=10)`: Python's `int(value)` (`int(value, base)` for a string), else
+/// `int(float(value))`, else `default`: `'x'|int` is 0, `'3.7'|int` is 3, `'0x1A'|int(0, 16)`
+/// is 26, `'1_000'|int` is 1000.
+fn int(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let default = arg(&args, &kwargs, 0, "default")?.unwrap_or(Value::from(0));
+    let base = arg(&args, &kwargs, 1, "base")?.map_or(Ok(10), i64::try_from)?;
+    kwargs.assert_all_used()?;
+    undefined_error(&value)?;
+    let from_float = |f: f64| {
+        // (Python's ints have no bound; past i128 the default stands in for the big number)
+        if f.is_finite() && f.abs() < 1.7e38 {
+            Value::from(f.trunc() as i128)
+        } else {
+            default.clone()
+        }
+    };
+    Ok(match value.kind() {
+        ValueKind::Bool => Value::from(value.is_true() as i64),
+        ValueKind::Number if value.is_integer() => value,
+        ValueKind::Number => from_float(f64::try_from(value).unwrap_or(f64::NAN)),
+        ValueKind::String => {
+            let s = value.as_str().unwrap_or_default();
+            match u32::try_from(base).ok().and_then(|b| py_int(s, b)) {
+                Some(n) => Value::from(n),
+                None => py_float(s).map_or(default.clone(), from_float),
+            }
+        }
+        _ => default,
+    })
+}
+
+/// `float(default=0.0)`: Python's `float(value)`, else `default`.
+fn float(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let default = arg(&args, &kwargs, 0, "default")?.unwrap_or(Value::from(0.0));
+    kwargs.assert_all_used()?;
+    undefined_error(&value)?;
+    Ok(match value.kind() {
+        ValueKind::Bool => Value::from(value.is_true() as i64 as f64),
+        ValueKind::Number => Value::from(f64::try_from(value).unwrap_or(f64::NAN)),
+        ValueKind::String => py_float(value.as_str().unwrap_or_default()).map_or(default, Value::from),
+        _ => default,
+    })
+}
+
+/// Python's `int(s, base)`: whitespace around, a sign, a `0x`/`0o`/`0b` prefix (base 0 reads
+/// it; 16, 8 and 2 allow theirs), single underscores between digits.
+fn py_int(s: &str, base: u32) -> Option<i128> {
+    let t = s.trim();
+    let (negative, t) = match t.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, t.strip_prefix('+').unwrap_or(t)),
+    };
+    let prefix = t.get(..2).map(str::to_ascii_lowercase);
+    let prefixed_base = match prefix.as_deref() {
+        Some("0x") => Some(16),
+        Some("0o") => Some(8),
+        Some("0b") => Some(2),
+        _ => None,
+    };
+    let (base, body) = match prefixed_base {
+        Some(b) if base == 0 || base == b => (b, t[2..].strip_prefix('_').unwrap_or(&t[2..])),
+        _ if base == 0 => {
+            // base 0 refuses leading zeros on a decimal ("010"), as Python 3 does
+            if t.len() > 1 && t.starts_with('0') && t.bytes().any(|b| !matches!(b, b'0' | b'_')) {
+                return None;
+            }
+            (10, t)
+        }
+        _ => (base, t),
+    };
+    if !(2..=36).contains(&base) || body.is_empty() || body.starts_with('_') || body.ends_with('_') {
+        return None;
+    }
+    if body.contains("__") || !body.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        return None;
+    }
+    let digits: String = body.chars().filter(|&c| c != '_').collect();
+    let n = i128::from_str_radix(&digits, base).ok()?;
+    Some(if negative { -n } else { n })
+}
+
+/// Python's `float(s)`: whitespace around, single underscores between digits, `inf`,
+/// `infinity` and `nan` in any case (Rust's parser takes the rest of Python's forms).
+fn py_float(s: &str) -> Option<f64> {
+    let t = s.trim();
+    let b = t.as_bytes();
+    let underscore_ok = |i: usize| i > 0 && i + 1 < b.len() && b[i - 1].is_ascii_digit() && b[i + 1].is_ascii_digit();
+    if (0..b.len()).any(|i| b[i] == b'_' && !underscore_ok(i)) {
+        return None;
+    }
+    t.replace('_', "").parse::<f64>().ok()
+}
+
+/// `replace(old, new, count=None)`: Python's `str(s).replace(str(old), str(new), count)`
+/// (a negative or missing count replaces all; an empty `old` inserts `new` between
+/// characters).
+fn replace(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let need = |v: Option<Value>, name: &str| {
+        v.ok_or_else(|| Error::new(ErrorKind::MissingArgument, format!("replace() needs `{name}`")))
+    };
+    let old = py_str(&need(arg(&args, &kwargs, 0, "old")?, "old")?)?;
+    let new = py_str(&need(arg(&args, &kwargs, 1, "new")?, "new")?)?;
+    let count = match arg(&args, &kwargs, 2, "count")? {
+        Some(c) if !c.is_none() => usize::try_from(i64::try_from(c)?).ok(),
+        _ => None,
+    };
+    kwargs.assert_all_used()?;
+    let s = py_str(&value)?;
+    let out = match count {
+        None => s.replace(&old, &new),
+        Some(n) if !old.is_empty() => s.replacen(&old, &new, n),
+        Some(n) => {
+            // Python inserts at each of the len + 1 gaps, the first `n` of them
+            let mut out = String::new();
+            let mut left = n;
+            for c in s.chars() {
+                if left > 0 {
+                    out.push_str(&new);
+                    left -= 1;
+                }
+                out.push(c);
+            }
+            if left > 0 {
+                out.push_str(&new);
+            }
+            out
+        }
+    };
+    Ok(Value::from(out))
 }

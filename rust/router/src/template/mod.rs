@@ -9,8 +9,8 @@
 //!   Python's `json.dumps(x, ensure_ascii=False, ...)` writes (see [`pyjson`]);
 //! - values print as Python's `str()` (`True`, `None`, `1e+20`, `{'a': 'b'}`) in `{{ }}`,
 //!   `|string` and `|join`, and the request's objects and arrays under `~` too
-//!   ([`pyvalue`]); `repr()` escapes what `str.isprintable()` refuses; `join`, `iterable` and
-//!   the others in [`filters`] follow Jinja2 where minijinja's differ;
+//!   ([`pyvalue`]); `repr()` escapes what `str.isprintable()` refuses; `join`, `int`,
+//!   `float`, `replace`, `is sequence`, `is iterable` follow Jinja2 ([`filters`]);
 //! - `continue_final_message` by transformers' tag trick: mark the final message's text,
 //!   render without a generation prompt, cut right after the mark.
 //!
@@ -25,6 +25,12 @@
 //!   gives `x100000000000000000000.0`, Python `x1e+20`) and a dict or list the template
 //!   builds itself (`'x' ~ {'a': 1}` gives `x{"a": 1}`) print minijinja's way; the request's
 //!   values and everything in `{{ }}` print as Python.
+//! - `'%s=%d' % (a, b)`: minijinja's `%` is arithmetic only (`'%s=%d'|format(a, b)`, which
+//!   Jinja2 has too, works); a macro takes no extra arguments (Jinja2's `varargs`/`kwargs`).
+//! - no tuple type: `(1, 'a')`, `{'a': 1}.items()|list` and `|dictsort` print as lists
+//!   (`[1, 'a']`, Python `(1, 'a')`); `range(3)`, `namespace()` and macros print as their
+//!   contents, and `range(3) is sequence` is false (Python: `range(0, 3)`, `<Namespace ...>`,
+//!   `<Macro 'f'>`, true); a namespace or macro `is sequence` (Python: false).
 
 use crate::error::ApiError;
 use minijinja::value::{Enumerator, Kwargs, Object, Rest};
@@ -713,6 +719,15 @@ mod tests {
             "X{'a': 1.5, 'b': [True, None, 1e+20, \"it's\"]}|[True, None, 1e+20, \"it's\"]Y|True,None,1e+20,it's|\
              M{'role': 'user', 'content': 'hi', 'args': {'a': 1.5, 'b': [True, None, 1e+20, \"it's\"]}}"
         );
+    }
+
+    #[test]
+    fn int_float_replace_and_sequence_as_jinja2() {
+        let t =
+            "{{ 'x'|int }} {{ 'x'|int(7) }} {{ ' 3.7 '|int }} {{ '0x1A'|int(0, 16) }} {{ '1_0'|int }} {{ none|int }} \
+                 {{ 'x'|float }} {{ '1e5'|float }} {{ 'aaa'|replace('a', 'b', 2) }} {{ 'ab'|replace('', '-') }} \
+                 {{ 'a' is sequence }} {{ {} is sequence }} {{ 1 is sequence }} {{ none is iterable }}";
+        assert_eq!(render(t, json!([])).unwrap().text, "0 7 3 26 10 0 0.0 100000.0 bba -a-b- True True False False");
     }
 
     #[test]
