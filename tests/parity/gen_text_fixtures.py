@@ -264,6 +264,12 @@ GENERATION_TEMPLATE = """{% for message in messages %}<|{{ message.role }}|>
 {% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>
 {% endif %}"""
 
+# the generation body is a caller block in transformers: a `set` inside does not leak out, a
+# namespace attribute does
+GENERATION_SCOPE_TEMPLATE = """{% set x = 'outer' %}{% set ns = namespace(n=0) %}
+{% for message in messages %}{% generation %}{% set x = message.role %}{% set ns.n = ns.n + 1 %}{{ x }}:{{ message.content }}|{{ loop.index }}
+{% endgeneration %}{% endfor %}{{ x }} {{ ns.n }}"""
+
 STRING_TEMPLATE = """{% for tool in tools or [] %}{{ 'tool: ' ~ (tool | string) }}
 {% endfor %}{% for message in messages %}{% for call in message.tool_calls or [] %}
 {% for key, value in call.function.arguments | items %}<{{ key }}>{{ value if value is string else value | string }}</{{ key }}>
@@ -381,6 +387,7 @@ def template_cases(gguf_template: str) -> list[dict]:
     case("raise_error", RAISE_TEMPLATE, CHAT[1:2] + CHAT[1:2])
     case("documents", DOCS_TEMPLATE, CHAT[1:2], documents=[{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}], add_generation_prompt=True)
     case("generation_tag", GENERATION_TEMPLATE, CHAT, add_generation_prompt=True)
+    case("generation_scope", GENERATION_SCOPE_TEMPLATE, CHAT)
     case("py_methods", METHODS_TEMPLATE, CHAT + [{"role": "user", "content": "d\u00e9j\u00e0 vu? no"}])
     case("string_filter", STRING_TEMPLATE, CHAT[1:2] + [{
         "role": "assistant", "content": "",

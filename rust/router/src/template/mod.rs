@@ -16,8 +16,8 @@
 //!
 //! The template text is never rewritten but for one tag: transformers' `{% generation %}`
 //! (its Jinja extension that marks assistant tokens for training masks, rendering its body as
-//! it is), which minijinja cannot parse, becomes `{% if true %}` (see
-//! [`expand_generation_tags`]). Every render runs under a fuel limit, since templates may
+//! it is, as a caller block with its own scope), which minijinja cannot parse, becomes
+//! `{% with %}` (see [`expand_generation_tags`]). Every render runs under a fuel limit, since templates may
 //! arrive with requests.
 //!
 //! Known differences from Jinja2, which minijinja 2 offers no hook to change:
@@ -198,8 +198,10 @@ fn strftime_now(fmt: String) -> Result<String, Error> {
 }
 
 /// `{% generation %}` / `{% endgeneration %}` (transformers' tag, any whitespace control) as
-/// `{% if true %}` / `{% endif %}`, the same markers kept, so the body renders as in
-/// transformers and trim_blocks/lstrip_blocks act on the same tags. Only real tags change:
+/// `{% with %}` / `{% endwith %}`, the same markers kept, so the body renders as in
+/// transformers and trim_blocks/lstrip_blocks act on the same tags. transformers renders the
+/// body as a `CallBlock`, a macro of its own: a `{% set %}` inside stays inside, as it does
+/// in a `with` block (namespace attributes, as there, are written through). Only real tags change:
 /// comments, expressions, string literals and `{% raw %}` blocks are copied as they are.
 fn expand_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
     if !source.contains("generation") {
@@ -252,7 +254,7 @@ fn expand_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
         if word == "generation" || word == "endgeneration" {
             let open = if inner.starts_with(['-', '+']) { &inner[..1] } else { "" };
             let shut = if inner.ends_with(['-', '+']) { &inner[inner.len() - 1..] } else { "" };
-            let w = if word == "generation" { "if true" } else { "endif" };
+            let w = if word == "generation" { "with" } else { "endwith" };
             out.push_str(&format!("{{%{open} {w} {shut}%}}"));
             i = end;
         } else if word == "raw" {
@@ -933,16 +935,16 @@ mod tests {
     }
 
     #[test]
-    fn generation_tags_become_if_true_and_nothing_else_changes() {
+    fn generation_tags_become_with_blocks_and_nothing_else_changes() {
         let src = "{% generation %}a{%- endgeneration -%}{%+ generation +%}{{ 'generation' }}{% endgeneration %}\
                    {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}{{ '{% generation %}' }}\
                    {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% generation %}{% endgeneration %}\
                    {% set s = \"%}{% generation %}\" %}{{ é }}";
         assert_eq!(
             expand_generation_tags(src),
-            "{% if true %}a{%- endif -%}{%+ if true +%}{{ 'generation' }}{% endif %}\
+            "{% with %}a{%- endwith -%}{%+ with +%}{{ 'generation' }}{% endwith %}\
              {% if x %}{# {% generation %} #}{% endif %}{% raw_generation %}{{ '{% generation %}' }}\
-             {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% if true %}{% endif %}\
+             {% raw %}{% generation %}{% endraw %}{# a stray {% #}{% with %}{% endwith %}\
              {% set s = \"%}{% generation %}\" %}{{ é }}"
         );
         assert!(matches!(expand_generation_tags("{{ x }}"), std::borrow::Cow::Borrowed(_)));
