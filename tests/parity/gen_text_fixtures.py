@@ -316,6 +316,11 @@ FILTERS_TEMPLATE = """{{ n|int }}|{{ 'x'|int }}|{{ 'x'|int(-1) }}|{{ '0x1A'|int(
 {% for m in messages %}{{ m.content is sequence }} {{ m is sequence }} {{ m.missing is sequence }} {{ none is sequence }} {{ f is sequence }} {{ none is iterable }} {{ m.content is iterable }}
 {% endfor %}"""
 
+# strftime_now with what chrono does not write as glibc does (template/strftime.rs); only
+# parts that do not change with the clock
+STRFTIME_TEMPLATE = """{{ strftime_now('%Q|%i|%K|%z|%Z|%:z|%+|%q|%v|%.3f|%3f|%E|%') }}
+{{ strftime_now('%f') | length }} {{ strftime_now('%^a %#B') == (strftime_now('%a %B') | upper) }} {{ strftime_now('%#p') == (strftime_now('%p') | lower) }}"""
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -400,6 +405,7 @@ def template_cases(gguf_template: str) -> list[dict]:
         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1e-7, "y": ["\u00e9"]}}}]}],
         tools=[WEATHER_TOOL], kwargs={"values": CONCAT_VALUES})
     case("jinja2_filters", FILTERS_TEMPLATE, CHAT[1:3], kwargs={"n": "42", "f": -2.9, "s": " 1e5 "})
+    case("strftime", STRFTIME_TEMPLATE, CHAT[1:2])
     return c
 
 
