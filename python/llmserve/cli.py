@@ -45,7 +45,7 @@ _VLLM_HINTS = {
     "--max-logprobs": "logprobs and top_logprobs go up to 20, vLLM's default",
     "--enforce-eager": "CUDA graphs are captured for decode steps; there is no switch",
     "--download-dir": "set HF_HUB_CACHE (or HF_HOME) for where hub models are cached",
-    "--quantization": "GGUF files are served in their Q8_0/Q4_0/Q4_1 blocks as they are; there is no switch",
+    "--quantization": "GGUF files are served in their own blocks (K-quant/Q5 ones converted to Q8_0/Q4_1 at load); there is no switch",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
 }
 

@@ -182,10 +182,13 @@ class ModelConfig(_Checked):
     quantized_decode: bool = _f(
         True,
         "GGUF models on CPU in float32: decode steps of at most 24 sequences read the file's "
-        "Q8_0/Q4_0/Q4_1 weights directly instead of their float32 copies (about 6x less memory "
-        "traffic per token); other steps (prompts, bigger decode batches) run their layer "
-        "matmuls in bfloat16 on CPUs with native bf16 (AVX512_BF16 or AMX: about 2x faster; "
-        "the LM head too in those decode batches, float32 in prompt steps), else in float32.",
+        "weights as Q8_0/Q4_0/Q4_1 blocks instead of their float32 copies (about 6x less memory "
+        "traffic per token; K-quant and Q5 blocks are converted at load, Q4_K to Q4_1 and the "
+        "others to Q8_0, and every step then computes with the converted values); other steps "
+        "(prompts, bigger decode batches) run their layer matmuls in bfloat16 on CPUs with "
+        "native bf16 (AVX512_BF16 or AMX: about 2x faster; the LM head too in those decode "
+        "batches, float32 in prompt steps), else in float32. Off: the file's own values in "
+        "float32 in every step.",
     )
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """gguf_convert: GGUF block types rewritten into the ones the quantized GEMV reads, checked
 against the gguf package's own dequantizers (the independent reference) on random blocks with
-edge values.
+edge values; and a GGUF model of those types loaded and built with blocks on its linears.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import torch
 from gguf.constants import GGMLQuantizationType as GT
 from gguf.quants import dequantize
 
+from llmserve.loaders import load_checkpoint
 from llmserve.loaders import gguf_convert as gc
+from llmserve.loaders.gguf_file import unpermute_qk
 
 torch.set_num_threads(1)
 
@@ -141,3 +143,106 @@ def test_group_targets():
     assert gc.group_target([gc.Q4_0]) == gc.Q4_0
     assert gc.group_target([gc.Q4_K, 1]) is None                       # an F16 part
     assert gc.group_target([int(GT.IQ4_XS)]) is None
+
+
+# --- a GGUF model of these types ---------------------------------------------------------
+
+# Per layer, Q4_K_M's mix: Q4_K q/k/o/gate/up, Q6_K v and down; layer 1's v is F16 (its q/k/v
+# then keep the file's values, no blocks); a Q6_K tied embedding.
+TYPES = {"q_proj": GT.Q4_K, "k_proj": GT.Q4_K, "v_proj": GT.Q6_K, "o_proj": GT.Q5_K,
+         "gate_proj": GT.Q4_K, "up_proj": GT.Q4_K, "down_proj": GT.Q6_K, "embed_tokens": GT.Q6_K}
+
+
+def _kquant_file(tmp_path):
+    from test_loaders import write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
+    rng = np.random.default_rng(4)
+
+    def blocks(hf: str, data: np.ndarray):
+        if hf == "model.layers.1.self_attn.v_proj.weight":
+            return data.astype(np.float16), GT.F16
+        qtype = TYPES[hf.split(".")[-2]]
+        rows, cols = data.shape
+        return random_blocks(qtype, rows * cols // 256, rng, 2e-4).reshape(rows, -1), qtype
+
+    path = tmp_path / "tiny.Q4_K_M.gguf"
+    write_gguf(path, model, blocks=blocks)
+    return path
+
+
+def test_kquant_model_has_blocks_on_its_linears(tmp_path):
+    import gguf
+
+    from llmserve.loaders.gguf_file import hf_name
+    from llmserve.models import build_model
+
+    path = _kquant_file(tmp_path)
+    plain = load_checkpoint(str(path))                          # the file's own values
+    ck = load_checkpoint(str(path), quantized_decode=True)
+    want_types = {"layers.0.attn.qkv": gc.Q8_0, "layers.0.attn.o_proj": gc.Q8_0,   # (mixed; Q5_K)
+                  "layers.0.mlp.gate_up": gc.Q4_1, "layers.0.mlp.down": gc.Q8_0,
+                  "layers.1.attn.qkv": None, "layers.1.attn.o_proj": gc.Q8_0,
+                  "layers.1.mlp.gate_up": gc.Q4_1, "layers.1.mlp.down": gc.Q8_0}
+    assert len(plain.quantized) == 0
+    no_blocks = {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"}
+    assert set(ck.quantized) == {n for n in plain.weights if n.endswith("_proj.weight")} - no_blocks | {
+        "model.embed_tokens.weight"}
+
+    heads = {".q_proj.": 4, ".k_proj.": 2}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        name = hf_name(t.name)
+        file = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(plain.weights.shape(name))
+        for part, n in heads.items():
+            file = unpermute_qk(file, n) if part in name else file
+        assert torch.equal(plain.weights[name], file), name
+        if name not in ck.quantized:
+            assert torch.equal(ck.weights[name], file), name   # (F16 group, norms)
+            continue
+        # one set of weights: the served values are the converted blocks', near the file's
+        w = ck.weights[name]
+        q = ck.quantized[name]
+        assert torch.equal(w, torch.from_numpy(dequantize(q.data, GT(q.ggml_type))).reshape(w.shape)), name
+        assert (w - file).abs().max() <= file.abs().max() / 127, name
+        index = np.arange(0, w.numel(), 97)
+        assert torch.equal(ck.weights.sample(name, index), w.reshape(-1)[torch.from_numpy(index)]), name
+
+    ck = load_checkpoint(str(path), quantized_decode=True)
+    model = build_model(ck.hf_config, ck.weights, torch.float32, "cpu", quantized=ck.quantized, serving=True)
+    assert len(ck.weights) == len(ck.quantized) == 0
+    for name, want in want_types.items():
+        q = model.get_submodule(name).quant
+        assert (q.ggml_type if q is not None else None) == want, name
+    assert model.lm_quant is not None and model.lm_quant.ggml_type == gc.Q8_0
+    # the embedding the model looks tokens up in is the LM head's blocks' values too
+    emb = load_checkpoint(str(path), quantized_decode=True).quantized["model.embed_tokens.weight"]
+    assert torch.equal(model.embed_tokens.weight,
+                       torch.from_numpy(dequantize(emb.data, GT.Q8_0)).reshape(64, 256))
+
+
+def test_conversions_count_in_the_fingerprint(tmp_path, monkeypatch):
+    """Q5_0 -> Q8_0 is exact, so the weights (and their samples) are the file's; what changes is
+    that the GEMV computes the linears: the conversions are named among the fingerprint's
+    numerics, and only when they are made (not with --no-quantized-decode)."""
+    import llmserve.engine.build as build
+    from llmserve.config import Config, DeviceConfig, ModelConfig
+    from test_loaders import tiny_llama, write_gguf
+
+    path = tmp_path / "tiny.Q5_0.gguf"
+    write_gguf(path, tiny_llama(tie=True), quant="Q5_0")
+    ck, plain = load_checkpoint(str(path), quantized_decode=True), load_checkpoint(str(path))
+    assert ck.conversions == ("Q5_0->Q8_0 x15",) and plain.conversions == ()   # 2 layers x 7 + head
+    for name in plain.weights:
+        assert torch.equal(ck.weights[name], plain.weights[name]), name
+    numerics: list[tuple] = []
+    real = build.system_fingerprint
+    monkeypatch.setattr(build, "system_fingerprint", lambda *a: numerics.append(a[1:]) or real(*a))
+    for on in (True, False):
+        build.build_engine(Config(model=ModelConfig(model=str(path), quantized_decode=on),
+                                  device=DeviceConfig(threads=1)))
+    assert numerics[0][-1] == "Q5_0->Q8_0 x15" and "Q5_0->Q8_0 x15" not in numerics[1]

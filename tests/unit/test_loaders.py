@@ -304,9 +304,12 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
 
 
-def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eot: int | None = 3) -> None:
+def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eot: int | None = 3,
+               blocks=None) -> None:
     """A GGUF file as llama.cpp's converter writes it: its names, Q/K rows permuted, no
-    output.weight when tied; 2-D weights in `quant` (Q8_0 or F32), norms in F32."""
+    output.weight when tied; 2-D weights in `quant` (Q8_0 or F32), norms in F32.
+    `blocks(hf_name, data)`: a 2-D weight's (raw array, its ggml type) to write instead (types
+    gguf cannot quantize: K-quants), or None for `quant`."""
     import gguf
 
     cfg = model.config
@@ -350,7 +353,10 @@ def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eo
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif permute and ".k_proj." in hf:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        made = blocks(hf, data) if blocks is not None and data.ndim == 2 else None
+        if made is not None:
+            w.add_tensor(gguf_name(hf), made[0], raw_dtype=made[1])
+        elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(hf), np.ascontiguousarray(data))

@@ -171,7 +171,10 @@ def build_engine(cfg: Config) -> Engine:
         torch.set_num_threads(cfg.device.threads)
     torch.manual_seed(cfg.device.seed)
 
-    ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision)
+    # (the quantized GEMV runs float32 CPU steps only: a GGUF file's other block types are
+    # converted for it then, and the weights are the converted blocks' values)
+    blocks = cfg.model.quantized_decode and device.type == "cpu" and dtype == torch.float32
+    ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks)
     hf = ck.hf_config
     quantized = ck.quantized if cfg.model.quantized_decode else None
     # (before build_model, which may take the tensors over)
@@ -186,9 +189,12 @@ def build_engine(cfg: Config) -> Engine:
     samples, has_blocks = weight_samples(ck.weights), bool(quantized)   # (the build takes both over)
     model = _built(ck, lambda: build_model(hf, ck.weights, dtype, device, quantized=quantized, serving=True,
                                            gguf=gguf))
+    # (a GGUF file's converted blocks: their values are `samples`, but an exact conversion such
+    # as Q5_0 -> Q8_0 moves only which kernel computes, so the conversions count themselves)
     fingerprint = system_fingerprint(samples, device.type, dtype, has_blocks, cfg.device.batch_invariant,
                                      torch.get_num_threads(), cfg.cache.block_size, *blas,
-                                     *(("gguf-bf16",) if getattr(model, "bf16_only_linears", False) else ()))
+                                     *(("gguf-bf16",) if getattr(model, "bf16_only_linears", False) else ()),
+                                     *(ck.conversions if has_blocks else ()))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:
         _check_batch_invariant(device, dtype)

@@ -9,7 +9,7 @@ tokens and generation_config.json. Nothing downstream opens model files again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -137,6 +137,39 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return src.rows(rows)[torch.from_numpy(inverse), torch.from_numpy(index % src.shape[1])]
 
 
+class LazyBlocks(Mapping[str, QuantTensor]):
+    """HF-named GGUF blocks (`Checkpoint.quantized`), each a QuantTensor or made when read: a
+    GGUF file's converted ones (gguf_convert.py) are converted linear by linear as a model is
+    built, not all at once at load. `pop(name)` makes them and forgets the name."""
+
+    def __init__(self, sources: "dict[str, QuantTensor | Callable[[], QuantTensor]]") -> None:
+        self._sources = dict(sources)
+
+    @staticmethod
+    def _made(source) -> QuantTensor:
+        return source if isinstance(source, QuantTensor) else source()
+
+    def __getitem__(self, name: str) -> QuantTensor:
+        return self._made(self._sources[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._sources   # (Mapping's own would make the blocks)
+
+    __eq__ = object.__eq__
+    __hash__ = None  # type: ignore[assignment]
+
+    def pop(self, name: str, *default):
+        if name not in self._sources and default:
+            return default[0]
+        return self._made(self._sources.pop(name))
+
+
 def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
     """The shape of `weights[name]`, without making a lazy one."""
     return weights.shape(name) if isinstance(weights, LazyWeights) else tuple(weights[name].shape)
@@ -155,9 +188,14 @@ class Checkpoint:
     eos_token: str | None
     eos_token_ids: list[int]
     generation_config: dict = field(default_factory=dict)
-    # GGUF linear weights in Q8_0/Q4_0/Q4_1, by HF name, Q/K rows un-permuted like `weights`;
-    # read by the quantized GEMV of few-token steps. `weights` stays the source of truth.
-    quantized: dict[str, QuantTensor] = field(default_factory=dict)
+    # GGUF linear weights in Q8_0/Q4_0/Q4_1 (as the file holds them, or converted from its
+    # other block types: gguf_convert.py), by HF name, Q/K rows un-permuted like `weights`,
+    # whose values are these blocks' values; read by the quantized GEMV of few-token steps.
+    # A dict or a LazyBlocks (GGUF).
+    quantized: Mapping[str, QuantTensor] = field(default_factory=dict)
+    # The block conversions made for `quantized` ("Q4_K->Q4_1 x84", sorted); they change the
+    # weights served, so the system fingerprint counts them (engine/build.py).
+    conversions: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         # The default repr would print every tensor; this is what a log line wants.

@@ -15,8 +15,12 @@ tests/parity/test_gguf_vs_transformers.py:
 Every tensor type the file holds is dequantized to float32 (Q8_0/Q4_0/Q4_1 by our Rust
 kernels, the others with gguf's `dequantize`) when the model build reads it
 (`Checkpoint.weights` is a LazyWeights), so a load never holds the whole model in float32 at
-once. Matrices in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`,
-rows un-permuted the same way) for the quantized GEMV of few-token decode steps.
+once. Linear weights in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`,
+rows un-permuted the same way) for the quantized GEMV of few-token decode steps. Loaded for
+that GEMV (`quantized_decode`), linears in K-quant and Q5 types get blocks converted to those
+types (gguf_convert.py: Q4_K -> Q4_1, the others and mixed fused groups -> Q8_0), converted
+linear by linear as the model is built, and their weights are the converted blocks' values:
+one set of weights for every step. F16, BF16, F32 and IQ types keep the file's values.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +37,9 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 
 from .. import _core
-from .checkpoint import (QUANT_FORMATS, Checkpoint, LazyWeights, LoadError, QuantTensor,
+from .checkpoint import (QUANT_FORMATS, Checkpoint, LazyBlocks, LazyWeights, LoadError, QuantTensor,
                          empty_template_sources)
+from .gguf_convert import convert, group_target, type_name
 from .gguf_header import read_gguf
 
 # GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
@@ -203,46 +209,70 @@ def _vocab(meta: _Meta) -> dict:
 
 class _GgufWeight:
     """One GGUF tensor as the float32 HF weight it stands for (a LazyTensor): dequantized, and
-    for llama-arch Q/K rows un-permuted, each time it is made."""
+    for llama-arch Q/K rows un-permuted, each time it is made; with a `target`, the values of
+    its blocks converted to that type (gguf_convert.py), which the model's linear gets too."""
 
-    def __init__(self, tensor, heads: int | None) -> None:
+    def __init__(self, tensor, heads: int | None, target: int | None = None) -> None:
         self.tensor = tensor
         self.heads = heads   # un-permute Q/K rows over this many heads; None: rows as stored
+        self.target = target
         # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        self._blocks: QuantTensor | None = None   # converted by make(), until take_blocks()
 
     def make(self) -> torch.Tensor:
-        if len(self.shape) == 2:
+        if len(self.shape) != 2:
+            w = torch.from_numpy(_dequantize(np.asarray(self.tensor.data), int(self.tensor.tensor_type),
+                                             self.shape[-1]).reshape(self.shape))
+            return w if self.heads is None else unpermute_qk(w, self.heads)
+        if self.target is None:
             return self.rows(None)
-        w = torch.from_numpy(self._dequantize(np.asarray(self.tensor.data)).reshape(self.shape))
-        return w if self.heads is None else unpermute_qk(w, self.heads)
+        # (kept for take_blocks: a build makes a linear's weight, then takes its blocks)
+        self._blocks = self._blocks or self._converted(None)
+        return torch.from_numpy(_dequantize(self._blocks.data, self.target, self.shape[1]))
 
     def rows(self, index: np.ndarray | None) -> torch.Tensor:
         """Rows `index` of the matrix (None: all of them), dequantized from those rows of the
         file alone: no GGUF type's blocks straddle rows, so a Q/K row is read from the row
         llama.cpp permuted it to."""
+        if self.target is not None:
+            return torch.from_numpy(_dequantize(self._converted(index).data, self.target, self.shape[1]))
+        data = self._file_rows(index)
+        return torch.from_numpy(_dequantize(data, int(self.tensor.tensor_type), self.shape[1]))
+
+    def take_blocks(self) -> QuantTensor:
+        """The converted blocks of the whole matrix: those make() kept (then dropped), else
+        converted now."""
+        q, self._blocks = self._blocks, None
+        return q if q is not None else self._converted(None)
+
+    def _file_rows(self, index: np.ndarray | None) -> np.ndarray:
         data = np.asarray(self.tensor.data).reshape(self.shape[0], -1)   # raw values or blocks
         if self.heads is not None:
             stored = unpermute_qk(torch.arange(self.shape[0]), self.heads).numpy()
             index = stored if index is None else stored[index]
-        if index is not None:
-            data = data[index]
-        return torch.from_numpy(self._dequantize(data).reshape(data.shape[0], self.shape[1]))
+        return data if index is None else data[index]
 
-    def _dequantize(self, data: np.ndarray) -> np.ndarray:
-        ggml_type = int(self.tensor.tensor_type)
-        if ggml_type in QUANT_FORMATS and data.ndim == 2:
-            # The formats the quantized GEMV reads: Rust computes the same float32 values as the
-            # gguf package, ~10x faster (most of a GGUF model's load time otherwise).
-            out = np.empty((data.shape[0], self.shape[1]), dtype=np.float32)
-            _core.dequantize(out, np.ascontiguousarray(data), ggml_type)
-            return out
-        from gguf.quants import dequantize
+    def _converted(self, index: np.ndarray | None) -> QuantTensor:
+        data = convert(self._file_rows(index), int(self.tensor.tensor_type), self.target)
+        return QuantTensor(np.ascontiguousarray(data), self.target, data.shape[0], self.shape[1])
 
-        arr = dequantize(data, self.tensor.tensor_type)
-        if arr.dtype != np.float32 or not arr.flags.writeable:
-            arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
-        return arr
+
+def _dequantize(data: np.ndarray, ggml_type: int, cols: int) -> np.ndarray:
+    """Raw values or blocks (rows of them when 2-D) -> float32 (2-D: [rows, cols])."""
+    if ggml_type in QUANT_FORMATS and data.ndim == 2:
+        # The formats the quantized GEMV reads: Rust computes the same float32 values as the
+        # gguf package, ~10x faster (most of a GGUF model's load time otherwise).
+        out = np.empty((data.shape[0], cols), dtype=np.float32)
+        _core.dequantize(out, np.ascontiguousarray(data), ggml_type)
+        return out
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    arr = dequantize(data, GGMLQuantizationType(ggml_type))
+    if arr.dtype != np.float32 or not arr.flags.writeable:
+        arr = arr.astype(np.float32)  # F32 tensors come back as read-only views of the mmap
+    return arr if data.ndim != 2 else arr.reshape(data.shape[0], cols)
 
 
 def _check_dequantizable(tensor) -> None:
@@ -282,7 +312,41 @@ def _unpermute_raw(q: QuantTensor, n_heads: int) -> QuantTensor:
     return QuantTensor(rows, q.ggml_type, q.rows, q.cols)
 
 
-def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
+# Layer linears, and those fused into one (models/llama.py quantized_parts), whose blocks must
+# then be of one type.
+_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_FUSED = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv",
+          "ffn_gate": "ffn_gate_up", "ffn_up": "ffn_gate_up"}
+
+
+def block_targets(tensors, tied: bool) -> dict[str, int]:
+    """GGUF name -> the block type each linear weight (the LM head: `output`, or `token_embd`
+    when tied) is served in: its group's `gguf_convert.group_target`, so that the parts of a
+    fused linear share one type (Q4_K_M's Q4_K q/k with a Q6_K v all become Q8_0). Absent: a
+    weight whose group has a part of a type that converts to nothing (F16, IQ*, ...)."""
+    groups: dict[str, list] = {}
+    for t in tensors:
+        m = _BLOCK_RE.match(t.name)
+        if m and m.group(3) == "weight" and m.group(2) in _LINEARS:
+            key = f"blk.{m.group(1)}.{_FUSED.get(m.group(2), m.group(2))}"
+        elif t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+            key = t.name
+        else:
+            continue
+        groups.setdefault(key, []).append(t)
+    targets = {}
+    for parts in groups.values():
+        target = group_target([int(t.tensor_type) for t in parts])
+        if target is not None and all(len(t.shape) == 2 for t in parts):
+            targets.update((t.name, target) for t in parts)
+    return targets
+
+
+def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool = False) -> Checkpoint:
+    """The GGUF file at `path` as a Checkpoint. `quantized_decode`: the model will run the
+    quantized GEMV (build.py: --quantized-decode, float32 on a CPU), so linears in block types
+    it does not read get blocks converted into ones it does (`block_targets`), and their
+    weights are those blocks' values; else every weight is the file's own values."""
     t0 = time.perf_counter()
     try:
         values, tensors = read_gguf(path)
@@ -310,11 +374,15 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
     for tensor in {t.tensor_type: t for t in tensors}.values():   # (one of each type)
         _check_dequantizable(tensor)
     permuted = _ARCHS[arch][2]
+    targets = block_targets(tensors, tied) if quantized_decode else {}
     lazy: dict[str, _GgufWeight] = {}
-    quantized: dict[str, QuantTensor] = {}
+    quantized: dict[str, QuantTensor | Callable[[], QuantTensor]] = {}
+    conversions: Counter = Counter()
     for tensor in tensors:
         key = names[tensor.name]
-        raw = _raw_blocks(tensor)
+        source, target = int(tensor.tensor_type), targets.get(tensor.name)
+        converts = target is not None and target != source
+        raw = None if converts else _raw_blocks(tensor)
         heads = None
         if permuted and ".self_attn.q_proj." in key:
             heads = config["num_attention_heads"]
@@ -323,11 +391,18 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
         if heads is not None:
             _check_qk_rows(int(tensor.shape[-1]), heads)   # (GGUF dims run innermost first)
             raw = None if raw is None else _unpermute_raw(raw, heads)
-        lazy[key] = _GgufWeight(tensor, heads)
-        if raw is not None:
+        lazy[key] = _GgufWeight(tensor, heads, target if converts else None)
+        if converts:
+            quantized[key] = lazy[key].take_blocks   # (converted as the model is built)
+            conversions[f"{type_name(source)}->{type_name(target)}"] += 1
+        elif raw is not None:
             quantized[key] = raw
     log.info("GGUF %s: %d tensors (%s), dequantized to float32 as the model is built",
              path.name, len(lazy), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
+    converted = tuple(f"{k} x{v}" for k, v in sorted(conversions.items()))
+    if converted:
+        log.info("GGUF %s: blocks for the quantized GEMV converted from the file's (%s)",
+                 path.name, ", ".join(converted))
 
     tokens = vocab["tokens"]
 
@@ -356,5 +431,6 @@ def load_gguf(path: Path, name: str, log: logging.Logger) -> Checkpoint:
         eos_token=token(vocab["eos_token_id"]),
         eos_token_ids=eos_ids,
         generation_config={},
-        quantized=quantized,
+        quantized=LazyBlocks(quantized),
+        conversions=converted,
     )

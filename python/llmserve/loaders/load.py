@@ -32,18 +32,20 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "
 
 
 def load_checkpoint(
-    model: str | None, *, revision: str | None = None, log: logging.Logger = LOG
+    model: str | None, *, revision: str | None = None, log: logging.Logger = LOG,
+    quantized_decode: bool = False,
 ) -> Checkpoint:
-    """Read a model into a Checkpoint; LoadError says what is wrong when it cannot."""
+    """Read a model into a Checkpoint; LoadError says what is wrong when it cannot.
+    `quantized_decode`: the model will run the quantized GEMV (gguf_file.load_gguf)."""
     t0 = time.perf_counter()
     if model is None:
-        ckpt = load_gguf(default_model_path(), DEFAULT_MODEL_NAME, log)
+        ckpt = load_gguf(default_model_path(), DEFAULT_MODEL_NAME, log, quantized_decode)
     else:
         path = Path(model).expanduser()
         if path.exists():
             if revision is not None:
                 log.warning("revision %r ignored: %s is a local path", revision, model)
-            ckpt = _load_path(path, log)
+            ckpt = _load_path(path, log, quantized_decode)
         elif _HUB_ID.match(model) and not model.endswith(".gguf"):
             ckpt = load_folder(download(model, revision, log), model, log)
         else:
@@ -70,17 +72,17 @@ def default_model_path() -> Path:
     )
 
 
-def _load_path(path: Path, log: logging.Logger) -> Checkpoint:
+def _load_path(path: Path, log: logging.Logger, quantized_decode: bool) -> Checkpoint:
     path = path.resolve()
     if path.is_file():
         if path.suffix != ".gguf":
             raise LoadError(f"{path} is a file but not a .gguf file; pass a model folder or a .gguf file")
-        return load_gguf(path, path.name[: -len(".gguf")], log)
+        return load_gguf(path, path.name[: -len(".gguf")], log, quantized_decode)
     if (path / "config.json").is_file():
         return load_folder(path, path.name, log)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], path.name, log)
+        return load_gguf(ggufs[0], path.name, log, quantized_decode)
     if ggufs:
         names = ", ".join(p.name for p in ggufs)
         raise LoadError(f"{path} holds several .gguf files ({names}); pass the one to serve")

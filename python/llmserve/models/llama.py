@@ -174,8 +174,8 @@ class LlamaForCausalLM(nn.Module):
         time, never the whole model's.
 
         `gguf`: the weights are a GGUF file's (already rounded to its types). On a CPU with
-        native bf16, a float32 model's layer linears without blocks (K-quants, Q5_x, F16, ...,
-        which no kernel of ours reads) then get a bfloat16 copy too, which every runner step
+        native bf16, a float32 model's layer linears without blocks (F16, BF16, IQ types, ...,
+        which convert to no type our kernels read) then get a bfloat16 copy too, which every runner step
         computes them with (a serving build drops their float32), and sampled rows read the LM
         head's bfloat16 copy when it has no blocks (prompt logprobs read the head in float32)."""
         c = cls.parse_config(hf_config)

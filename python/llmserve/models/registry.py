@@ -56,8 +56,9 @@ def build_model(hf_config: dict, weights: dict[str, torch.Tensor], dtype: torch.
                 serving: bool = False, gguf: bool = False) -> CausalLM:
     """Build the model for `hf_config["architectures"][0]` and load HF-named `weights`.
 
-    `quantized`: a GGUF checkpoint's raw Q8_0/Q4_0/Q4_1 blocks by HF name
-    (`Checkpoint.quantized`); few-token float32 CPU steps then read them instead of fp32.
+    `quantized`: a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks by HF name (`Checkpoint.quantized`:
+    the file's, or converted from its K-quant/Q5 blocks); few-token float32 CPU steps then read
+    them instead of fp32.
     `serving`: the model is for a ModelRunner and takes the tensors over: `weights` and
     `quantized` are emptied as it loads (LlamaForCausalLM.from_hf says what else it drops).
     `gguf`: the weights are a GGUF file's (from_hf: bf16 copies of linears without blocks)."""
