@@ -154,7 +154,8 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
     the rendered prompt's ids (checked against transformers' template and tokenizer), each
     choice's `token_ids` are every token sampled, the closing <|im_end|> included, so they
     count as `completion_tokens` and decode to the content; streamed, the chunks' ids join to
-    the same list; `return_tokens_as_token_ids` names the logprobs' tokens by them. Completions give each choice both, and a stop string's trimmed tokens stay
+    the same list, and logprobs then list every one of them; `return_tokens_as_token_ids` names
+    the logprobs' tokens by them. Completions give each choice both, and a stop string's trimmed tokens stay
     in `token_ids`."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     im_end = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -169,6 +170,12 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
         named = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
                                           messages=messages, logprobs=True, top_logprobs=2,
                                           extra_body={"return_tokens_as_token_ids": True})
+        both = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
+                                         messages=messages, logprobs=True,
+                                         extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+        echoed = c.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                      temperature=0, max_tokens=12, stop=["."], echo=True, logprobs=0,
+                                      extra_body={"return_token_ids": True})
         comp = c.completions.create(model="SmolLM2-135M-Instruct", prompt=["The capital of France is", "Hi"],
                                     temperature=0, max_tokens=12, stop=["."],
                                     extra_body={"return_token_ids": True})
@@ -183,9 +190,12 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
     assert [ch.model_extra.get("prompt_token_ids") for ch in chunks][:2] == [prompt, None]
     assert [i for ch in chunks if ch.choices for i in ch.choices[0].model_extra.get("token_ids") or []] == ids
     assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
-    # return_tokens_as_token_ids: logprobs name the same tokens by id (the stop token is not listed)
+    # return_tokens_as_token_ids: logprobs name the same tokens by id (the stop token is not
+    # listed, as its text is not shown) ...
     assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids[:-1]]
     assert named.choices[0].logprobs.content[0].top_logprobs[0].token == f"token_id:{ids[0]}"
+    # ... unless return_token_ids asks for every id: then logprobs have one entry per id (vLLM's)
+    assert [t.token for t in both.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids]
 
     for choice, text in zip(comp.choices, ["The capital of France is", "Hi"]):
         assert choice.model_extra["prompt_token_ids"] == hf_tokenizer(text)["input_ids"]
@@ -194,3 +204,10 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
         if choice.finish_reason == "stop":          # the stop string's token is kept in the ids
             assert "." in hf_tokenizer.decode(ids)[len(choice.text):]
     assert sum(len(ch.model_extra["token_ids"]) for ch in comp.choices) == comp.usage.completion_tokens
+    # with echo, token_ids are still the generated ones (vLLM's), and logprobs cover the prompt
+    # and every generated id, the stop string's token included
+    e = echoed.choices[0]
+    assert e.model_extra["token_ids"] == comp.choices[0].model_extra["token_ids"]
+    assert e.text == "The capital of France is" + comp.choices[0].text
+    prompt_len = len(e.model_extra["prompt_token_ids"])
+    assert len(e.logprobs.tokens) == prompt_len + len(e.model_extra["token_ids"])

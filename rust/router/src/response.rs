@@ -322,7 +322,7 @@ struct CompletionChunkChoice<'a> {
     /// `return_token_ids`: the prompt's ids, on the choice's first chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt_token_ids: Option<Vec<u32>>,
-    /// `return_token_ids`: as chat's (with `echo`, the first chunk's start with the prompt's).
+    /// `return_token_ids`: as chat's (the generated ids alone, also with `echo`).
     #[serde(skip_serializing_if = "Option::is_none")]
     token_ids: Option<Vec<u32>>,
 }
@@ -367,8 +367,8 @@ struct CompletionChoice<'a> {
     /// vLLM's `prompt_logprobs`: the choice's prompt's entries.
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt_logprobs: Option<&'a [Option<PromptEntry>]>,
-    /// `return_token_ids`: as chat's, after the prompt's ids when `echo` put the prompt first
-    /// (so they spell `text`, as vLLM's do).
+    /// `return_token_ids`: as chat's: the generated ids alone, also with `echo` (as vLLM's;
+    /// `prompt_token_ids` has the rest).
     #[serde(skip_serializing_if = "Option::is_none")]
     token_ids: Option<&'a [u32]>,
 }
@@ -401,8 +401,7 @@ struct ChoiceState {
     /// Streaming with tools: the logprobs of tokens the call parser holds back, sent with the
     /// next chunk that carries something (text, a call piece, the finish).
     held_lp: Vec<ChatLogprob>,
-    /// `return_token_ids`: the ids sampled (with `echo`, after the prompt's); streaming, those
-    /// no chunk has carried yet.
+    /// `return_token_ids`: the ids sampled; streaming, those no chunk has carried yet.
     token_ids: Vec<u32>,
     /// Streaming with `return_token_ids`: a chunk has carried the prompt's ids.
     sent_prompt_ids: bool,
@@ -663,14 +662,15 @@ impl ResponseBuilder {
                     id: tok.id,
                     logprob: wire_lp(tok.logprob),
                     rank: ranks.get(i).copied(),
-                    decoded_token: self.token_str(tok.id),
+                    // (text, also under return_tokens_as_token_ids: the id is the key)
+                    decoded_token: self.tokenizer.token_str(tok.id),
                 }];
                 let top = tok.top.iter().take(k as usize).enumerate().filter(|(_, (id, _))| *id != tok.id);
                 entry.extend(top.map(|(r, &(id, lp))| PromptLogprob {
                     id,
                     logprob: wire_lp(lp),
                     rank: Some(r as u32 + 1),
-                    decoded_token: self.token_str(id),
+                    decoded_token: self.tokenizer.token_str(id),
                 }));
                 add.push(Some(PromptEntry(entry)));
             }
@@ -702,11 +702,7 @@ impl ResponseBuilder {
         self.choices[idx].completion_tokens += delta.ids.len() as u64;
         let generated = self.choices[idx].completion_tokens;
         if self.return_token_ids {
-            let echoed = self.echo && !self.chat && !self.choices[idx].started;
-            let prompt = if echoed { self.prompt_ids.get(idx / self.n as usize) } else { None };
-            let state = &mut self.choices[idx];
-            state.token_ids.extend(prompt.into_iter().flatten());
-            state.token_ids.extend_from_slice(delta.ids);
+            self.choices[idx].token_ids.extend_from_slice(delta.ids);
         }
         let split = self.choices[idx].reasoning.as_mut().map(|r| {
             let mut split = r.push_tokens(delta.text, delta.tokens.iter().map(|t| t.text_offset));

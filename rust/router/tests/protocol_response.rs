@@ -929,26 +929,24 @@ fn chat_returns_prompt_and_sampled_token_ids() {
     }
 }
 
-/// Completions give each choice its prompt's ids and its own sampled ids; with `echo` the
-/// sampled ids follow the prompt's, as the text does (vLLM's shape).
+/// Completions give each choice its prompt's ids and its own sampled ids, the generated ones
+/// alone also with `echo` (as vLLM's: `prompt_token_ids` holds the rest).
 #[test]
 fn completion_returns_token_ids_per_choice() {
     let mut p = prepared(Endpoint::Completion, vec![vec![0, 9], vec![3]], &["hello", "a"], 2, None);
     p.return_token_ids = true;
-    let body: Value = serde_json::from_slice(&push_sampled(&mut builder(&p), 4)).unwrap();
-    assert!(body.get("prompt_token_ids").is_none());
-    for (i, choice) in body["choices"].as_array().unwrap().iter().enumerate() {
-        let prompt = if i < 2 { json!([0, 9]) } else { json!([3]) };
-        assert_eq!(choice["prompt_token_ids"], prompt, "{choice}");
-        assert_eq!(choice["token_ids"], json!([5, 6, 7, 2]), "{choice}");
+    for echo in [false, true] {
+        p.echo = echo;
+        let body: Value = serde_json::from_slice(&push_sampled(&mut builder(&p), 4)).unwrap();
+        assert!(body.get("prompt_token_ids").is_none());
+        for (i, choice) in body["choices"].as_array().unwrap().iter().enumerate() {
+            let prompt = if i < 2 { json!([0, 9]) } else { json!([3]) };
+            assert_eq!(choice["prompt_token_ids"], prompt, "{choice}");
+            assert_eq!(choice["token_ids"], json!([5, 6, 7, 2]), "{choice}");
+        }
+        assert_eq!(body["choices"][0]["text"], if echo { "hellohello" } else { "hello" });
+        assert_eq!(body["usage"]["completion_tokens"], 16);
     }
-
-    p.echo = true;
-    let body: Value = serde_json::from_slice(&push_sampled(&mut builder(&p), 4)).unwrap();
-    assert_eq!(body["choices"][0]["text"], "hellohello");
-    assert_eq!(body["choices"][0]["token_ids"], json!([0, 9, 5, 6, 7, 2]));
-    assert_eq!(body["choices"][3]["token_ids"], json!([3, 5, 6, 7, 2]));
-    assert_eq!(body["usage"]["completion_tokens"], 16, "the echoed prompt is not completion tokens");
 
     p.stream = true;
     let chunks = frames(&push_sampled(&mut builder(&p), 4));
@@ -957,9 +955,7 @@ fn completion_returns_token_ids_per_choice() {
         let prompt = if index < 2 { json!([0, 9]) } else { json!([3]) };
         assert_eq!(mine[0]["choices"][0]["prompt_token_ids"], prompt);
         assert!(mine[1..].iter().all(|c| c["choices"][0].get("prompt_token_ids").is_none()));
-        let mut expected: Vec<u64> = if index < 2 { vec![0, 9] } else { vec![3] };
-        expected.extend([5, 6, 7, 2]);
-        assert_eq!(streamed_ids(&chunks, index).0, expected);
+        assert_eq!(streamed_ids(&chunks, index).0, vec![5, 6, 7, 2]);
     }
 }
 
@@ -1042,6 +1038,7 @@ fn prompt_logprobs_list_each_prompt_token_as_vllm() {
     ];
     let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);
     p.prompt_logprobs_k = Some(1);
+    p.tokens_as_ids = true; // (the key is the id; `decoded_token` stays text, as vLLM's)
     let mut b = builder(&p);
     b.push_prompt_logprobs(0, &entries, &[2, 1]);
     b.push(0, &delta("he", &[tok(5)], Some(FinishReason::Length)));
