@@ -460,7 +460,21 @@ impl ChatTemplate {
         let mut env = self.env.clone();
         env.set_fuel(input.fuel);
         let tmpl = env.get_template(NAME).map_err(template_error)?;
-        let text = tmpl.render(Value::from_iter(ctx)).map_err(template_error)?;
+        // NOTE: minijinja panics on a few constructs it parses (a `{% break %}` inside a
+        // `{% with %}` inside a loop, which `{% generation %}` becomes); the request gets a
+        // template error, and nothing it holds outlives the render.
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tmpl.render(Value::from_iter(ctx))));
+        let text = match rendered {
+            Ok(r) => r.map_err(template_error)?,
+            Err(_) => {
+                return Err(ApiError::with_code(
+                    "template_error",
+                    Some("messages".into()),
+                    "chat template failed to render: the template engine stopped on a construct it cannot \
+                     run (a loop's `break`/`continue` inside a `with` or `generation` block?)",
+                ))
+            }
+        };
         let text = match continued {
             Some(final_text) => cut_after_final_message(text, &final_text)?,
             None => text,
@@ -949,6 +963,25 @@ mod tests {
             assert!(render(tmpl, json!([])).is_err(), "{tmpl}");
         }
         assert_eq!(render("{{ 'a.b.c'.rsplit('.', 1) | join('|') }}", json!([])).unwrap().text, "a.b|c");
+    }
+
+    #[test]
+    fn a_loop_control_in_a_generation_block_is_a_template_error_not_a_panic() {
+        // (minijinja panics on `break` inside `with` inside a loop; A68-2)
+        let tmpl = "{% for m in messages %}{% generation %}{{ m.content }}{% break %}{% endgeneration %}{% endfor %}";
+        let msgs = json!([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}]);
+        let err = render(tmpl, msgs.clone()).unwrap_err();
+        assert_eq!(err.code(), "template_error");
+        assert_eq!(render("{% for m in messages %}{{ m.content }}{% endfor %}", msgs).unwrap().text, "hiyo");
+    }
+
+    #[test]
+    fn lists_a_template_makes_print_as_python() {
+        // slices and `+` are lazy sequences in minijinja; Python prints them as lists (A68-1)
+        let tmpl = "{% set ns = namespace(l=['b']) %}{% set ns.l = ns.l + ['a', 1e20] %}{{ ns.l }} \
+                    {{ messages[1:] | map(attribute='content') | list }} {{ [1, 2][:1] | string }}";
+        let msgs = json!([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}]);
+        assert_eq!(render(tmpl, msgs).unwrap().text, "['b', 'a', 1e+20] ['yo'] [1]");
     }
 
     #[test]

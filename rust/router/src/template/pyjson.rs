@@ -298,7 +298,8 @@ pub fn py_str(v: &Value) -> Result<String, Error> {
         ValueKind::None => "None".into(),
         ValueKind::Bool => (if v.is_true() { "True" } else { "False" }).into(),
         ValueKind::Number if !v.is_integer() => float_repr(f64::try_from(v.clone()).unwrap_or(f64::NAN)),
-        ValueKind::Map | ValueKind::Seq => {
+        // (lazy sequences too: a slice or `a + b` of lists is a list in Python)
+        ValueKind::Map | ValueKind::Seq | ValueKind::Iterable => {
             let mut s = String::new();
             repr(v, &mut s)?;
             s
