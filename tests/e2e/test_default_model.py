@@ -170,6 +170,8 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
         named = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
                                           messages=messages, logprobs=True, top_logprobs=2,
                                           extra_body={"return_tokens_as_token_ids": True})
+        plain_lp = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
+                                             messages=messages, logprobs=True)
         both = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
                                          messages=messages, logprobs=True,
                                          extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
@@ -190,12 +192,13 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
     assert [ch.model_extra.get("prompt_token_ids") for ch in chunks][:2] == [prompt, None]
     assert [i for ch in chunks if ch.choices for i in ch.choices[0].model_extra.get("token_ids") or []] == ids
     assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
-    # return_tokens_as_token_ids: logprobs name the same tokens by id (the stop token is not
-    # listed, as its text is not shown) ...
-    assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids[:-1]]
+    # return_tokens_as_token_ids: logprobs name the same tokens by id, one entry per id, the
+    # stop token included (vLLM's: clients read the sampled tokens from them) ...
+    assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids]
     assert named.choices[0].logprobs.content[0].top_logprobs[0].token == f"token_id:{ids[0]}"
-    # ... unless return_token_ids asks for every id: then logprobs have one entry per id (vLLM's)
     assert [t.token for t in both.choices[0].logprobs.content] == [f"token_id:{i}" for i in ids]
+    # ... where plain logprobs list the tokens that spell the content
+    assert len(plain_lp.choices[0].logprobs.content) == len(ids) - 1
 
     for choice, text in zip(comp.choices, ["The capital of France is", "Hi"]):
         assert choice.model_extra["prompt_token_ids"] == hf_tokenizer(text)["input_ids"]

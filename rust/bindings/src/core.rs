@@ -82,7 +82,8 @@ struct RequestState {
     /// `include_stop_str_in_output`: a token that ends a choice by id (eos, stop_token_ids)
     /// shows its text, and so is listed in logprobs; otherwise it is only counted.
     show_stop_tokens: bool,
-    /// `return_token_ids`: logprobs list every sampled token, as `token_ids` does (the one that
+    /// `return_token_ids` or `return_tokens_as_token_ids` (clients that read the sampled tokens
+    /// from logprobs): logprobs list every sampled token, as `token_ids` does (the one that
     /// ended the choice and those a stop string trimmed included), one entry per id, as vLLM's.
     list_every_token: bool,
     started: bool,
@@ -276,7 +277,7 @@ impl CoreState {
                     p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
                 },
                 show_stop_tokens: p.include_stop_str_in_output,
-                list_every_token: prepared.return_token_ids,
+                list_every_token: prepared.return_token_ids || prepared.tokens_as_ids,
                 started: false,
                 scheduled: false,
                 new_tokens: 0,
@@ -516,8 +517,8 @@ impl CoreState {
                 let cut = stop_text.as_ref().filter(|_| !every).map(|_| detok.emitted_len());
                 let mut out = state.held[d].finish(token, cut);
                 // As for stop strings: a stopping token whose text is left out is counted in
-                // usage but not listed, so the listed tokens spell the content (unless
-                // `return_token_ids` asked for every one).
+                // usage but not listed, so the listed tokens spell the content (unless the
+                // request reads the sampled tokens: `list_every_token`).
                 if by_token && !state.show_stop_tokens && !every {
                     out.pop();
                 }
