@@ -134,6 +134,25 @@ def test_a_prompt_computes_the_same_however_it_is_split(family, threads, bf16, m
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not native_bf16(), reason="bf16 runs fast only on CPUs with native bf16")
+def test_a_bf16_models_prompt_matmuls_compute_rows_independently_of_m():
+    """`--dtype bfloat16` on a CPU: in steps with prompt tokens its matmuls run as a GGUF model's
+    bf16 ones (layers._bf16_linear), so a prompt whose prefix is cached, which computes its last
+    token alone, gets the bits the whole prompt gave it (audit 69: the answer changed). Plain
+    F.linear gives M = 1 other bits at some shapes, SmolLM2's 1536-wide ones among them."""
+    g = torch.Generator().manual_seed(0)
+    with cpu_step(prompt_tokens=True, quantized=False):
+        for rows, cols in ((1536, 576), (960, 576), (576, 1536), (8192, 576)):
+            w = (torch.randn(rows, cols, generator=g) * 0.3).bfloat16()
+            b = torch.randn(rows, generator=g).bfloat16()
+            x = torch.randn(40, cols, generator=g).bfloat16()
+            whole = layers.linear(x, w, b, None)
+            assert whole.dtype == torch.bfloat16
+            for start, n in ((39, 1), (0, 1), (5, 2), (10, 29), (3, 37)):
+                part = layers.linear(x[start:start + n], w, b, None)
+                assert torch.equal(part, whole[start:start + n]), (rows, cols, start, n)
+
+
 def test_a_prompt_steps_sampled_row_reads_the_lm_heads_blocks(monkeypatch):
     """The token a prompt step samples takes its logits from the LM head's GGUF blocks, as
     every later token does (a row alone, so the split cannot move it); prompt logprobs

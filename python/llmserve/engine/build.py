@@ -194,6 +194,8 @@ def build_engine(cfg: Config) -> Engine:
     fingerprint = system_fingerprint(samples, device.type, dtype, has_blocks, cfg.device.batch_invariant,
                                      torch.get_num_threads(), cfg.cache.block_size, *blas,
                                      *(("gguf-bf16",) if getattr(model, "bf16_only_linears", False) else ()),
+                                     # (prompt steps' bf16 matmuls run as a GGUF model's: layers.py)
+                                     *(("bf16-rows",) if dtype == torch.bfloat16 and device.type == "cpu" else ()),
                                      *(ck.conversions if has_blocks else ()))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     if cfg.device.batch_invariant:

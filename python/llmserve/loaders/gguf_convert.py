@@ -12,7 +12,10 @@ third of the speed. So a linear's blocks are converted, 32 weights at a time:
 - Q5_0, Q4_0 -> Q8_0: exact (q - 16, q - 8 with the same d).
 - Q6_K, Q5_K, Q5_1, Q4_1, Q4_K, Q3_K, Q2_K -> Q8_0: requantized from the decoded values,
   d = max|w| / 127 (rounded up to f16) and q = round-half-even(w / d): each weight moves by at
-  most d/2 ~ max|w|/254, an eighth of a Q6_K step and less for the coarser types.
+  most d/2 ~ max|w|/254 of its 32-block. That is ~0.07 of a Q6_K step on average on real
+  weights, but a Q6_K half-block of 16 whose scale is far below its neighbour's shares the
+  neighbour's d, so its weights may move by a few of their own steps (audit 69: up to 2.3, in
+  0.01% of weights); the coarser types move less.
 
 The weights a converted model computes with are those blocks' values in every step (the
 loader dequantizes the converted blocks, not the file's), so prompt and decode steps agree.

@@ -275,14 +275,19 @@ def _padded_bf16(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear; in steps with prompt tokens, a float32 CPU matmul runs padded with zero rows to
-    a multiple of GEMM_ROW_MULTIPLE rows, so each row's sums do not depend on how many rows
-    the step had (worker/threads.py says why that matters)."""
+    """F.linear; in steps with prompt tokens on a CPU, each row's sums do not depend on how many
+    rows the step had (worker/threads.py says why that matters): a float32 matmul runs padded
+    with zero rows to a multiple of GEMM_ROW_MULTIPLE rows, a bfloat16 one (`--dtype bfloat16`)
+    as `_bf16_linear` runs a GGUF model's (a prompt whose prefix is cached computes its last
+    token alone, and M = 1 takes a GEMV whose sums differ)."""
     n = x.shape[0] if x.dim() == 2 else 0
-    extra = -n % GEMM_ROW_MULTIPLE
-    if extra and x.dtype == torch.float32 and x.device.type == "cpu" and pads_small_gemms():
-        padded = torch.cat((x, x.new_zeros(extra, x.shape[1])))
-        return F.linear(padded, weight, bias)[:n]
+    if n and x.device.type == "cpu" and pads_small_gemms():
+        extra = -n % GEMM_ROW_MULTIPLE
+        if extra and x.dtype == torch.float32:
+            padded = torch.cat((x, x.new_zeros(extra, x.shape[1])))
+            return F.linear(padded, weight, bias)[:n]
+        if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+            return _bf16_linear(x, weight, bias).to(torch.bfloat16)
     return F.linear(x, weight, bias)
 
 
