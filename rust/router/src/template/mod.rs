@@ -463,7 +463,7 @@ impl ChatTemplate {
         // NOTE: minijinja panics on a few constructs it parses (a `{% break %}` inside a
         // `{% with %}` inside a loop, which `{% generation %}` becomes); the request gets a
         // template error, and nothing it holds outlives the render.
-        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tmpl.render(Value::from_iter(ctx))));
+        let rendered = quietly_caught(|| tmpl.render(Value::from_iter(ctx)));
         let text = match rendered {
             Ok(r) => r.map_err(template_error)?,
             Err(_) => {
@@ -561,6 +561,31 @@ fn alias_reasoning(messages: &Json) -> Json {
         })
         .collect();
     Json::Array(out)
+}
+
+thread_local! {
+    /// Set while `quietly_caught` runs on this thread.
+    static CATCHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `f()` under `catch_unwind`, its panic not printed: the request gets an error that says what
+/// failed, where the default hook would print a message (and with RUST_BACKTRACE a long
+/// backtrace) for each such request. Other threads' panics, and this one's outside `f`, still
+/// reach the hook that was installed before.
+fn quietly_caught<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !CATCHING.with(std::cell::Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    CATCHING.with(|c| c.set(true));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CATCHING.with(|c| c.set(false));
+    out
 }
 
 fn template_error(e: Error) -> ApiError {
