@@ -13,7 +13,6 @@ from gguf.quants import dequantize
 
 from llmserve.loaders import load_checkpoint
 from llmserve.loaders import gguf_convert as gc
-from llmserve.loaders.gguf_file import unpermute_qk
 
 torch.set_num_threads(1)
 
@@ -177,9 +176,8 @@ def _kquant_file(tmp_path):
 
 
 def test_kquant_model_has_blocks_on_its_linears(tmp_path):
-    import gguf
+    from test_loaders import gguf_file_values
 
-    from llmserve.loaders.gguf_file import hf_name
     from llmserve.models import build_model
 
     path = _kquant_file(tmp_path)
@@ -194,12 +192,7 @@ def test_kquant_model_has_blocks_on_its_linears(tmp_path):
     assert set(ck.quantized) == {n for n in plain.weights if n.endswith("_proj.weight")} - no_blocks | {
         "model.embed_tokens.weight"}
 
-    heads = {".q_proj.": 4, ".k_proj.": 2}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        name = hf_name(t.name)
-        file = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(plain.weights.shape(name))
-        for part, n in heads.items():
-            file = unpermute_qk(file, n) if part in name else file
+    for name, file in gguf_file_values(path, {".q_proj.": 4, ".k_proj.": 2}):
         assert torch.equal(plain.weights[name], file), name
         if name not in ck.quantized:
             assert torch.equal(ck.weights[name], file), name   # (F16 group, norms)

@@ -465,25 +465,34 @@ def test_gguf_weights_are_made_when_read(tmp_path):
         weights.pop(q)
 
 
-@pytest.mark.parametrize("quant", ["F16", "BF16", "Q5_0", "Q4_0"])
-def test_gguf_weights_equal_ggufs_own_dequantization(tmp_path, quant):
-    """Every tensor (and its sampled rows) as the gguf package dequantizes the file's, Q/K rows
-    un-permuted: types our kernels read (Q4_0) and types they do not (F16, BF16, Q5_0)."""
+def gguf_file_values(path: Path, heads: dict[str, int]):
+    """(HF name, tensor) of each of a GGUF file's tensors as the gguf package dequantizes it,
+    shaped as HF's, and with the rows of names holding a `heads` key (".q_proj.": 4) un-permuted
+    over that many heads: the independent reference for what a load gives."""
     import gguf
     from gguf.quants import dequantize
 
     from llmserve.loaders.gguf_file import hf_name
 
+    for t in gguf.GGUFReader(str(path)).tensors:
+        name = hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        value = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(shape)
+        for part, n in heads.items():
+            value = unpermute_qk(value, n) if part in name else value
+        yield name, value
+
+
+@pytest.mark.parametrize("quant", ["F16", "BF16", "Q5_0", "Q4_0"])
+def test_gguf_weights_equal_ggufs_own_dequantization(tmp_path, quant):
+    """Every tensor (and its sampled rows) as the gguf package dequantizes the file's, Q/K rows
+    un-permuted: types our kernels read (Q4_0) and types they do not (F16, BF16, Q5_0)."""
     path = tmp_path / f"tiny.{quant}.gguf"
     write_gguf(path, tiny_llama(tie=False), quant=quant)
     ckpt = load_checkpoint(str(path))
     heads = {".q_proj.": ckpt.hf_config["num_attention_heads"], ".k_proj.": ckpt.hf_config["num_key_value_heads"]}
     rng = np.random.default_rng(1)
-    for t in gguf.GGUFReader(str(path)).tensors:
-        name = hf_name(t.name)
-        want = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(ckpt.weights.shape(name))
-        for part, n in heads.items():
-            want = unpermute_qk(want, n) if part in name else want
+    for name, want in gguf_file_values(path, heads):
         assert torch.equal(ckpt.weights[name], want), name
         index = rng.integers(0, want.numel(), 50)
         assert torch.equal(ckpt.weights.sample(name, index), want.reshape(-1)[torch.from_numpy(index)]), name

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -79,6 +79,9 @@ class PackedQuant:
     cols: int
 
 
+_V = TypeVar("_V")
+
+
 class LazyTensor(Protocol):
     """A float32 tensor a loader can make on demand (a GGUF tensor, dequantized)."""
 
@@ -91,19 +94,20 @@ class LazyTensor(Protocol):
         """Rows `index` of a matrix ([len(index), cols]), made without the others."""
 
 
-class LazyWeights(Mapping[str, torch.Tensor]):
-    """HF-named weights made when read (a GGUF file's, dequantized on demand).
+class _LazyMap(Mapping[str, _V]):
+    """Names -> values made when read from their sources. Membership, `len` and iteration make
+    nothing (Mapping's own `__contains__` and `==` would make every value); `pop(name)` makes
+    the value and forgets the name, so a build that pops each one as it converts it holds one
+    of them at a time."""
 
-    `weights[name]` makes the tensor anew each time; `pop(name)` makes it and forgets the
-    name, so a build that pops each weight as it converts it holds one of them at a time
-    instead of the whole model in float32 beside the model's own copy. `shape` and `sample`
-    read without making a tensor whole."""
-
-    def __init__(self, sources: dict[str, LazyTensor]) -> None:
+    def __init__(self, sources: dict) -> None:
         self._sources = dict(sources)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._sources[name].make()
+    def _make(self, source) -> _V:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> _V:
+        return self._make(self._sources[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)
@@ -112,15 +116,28 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self._sources)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._sources   # (Mapping's own would make the tensor)
+        return name in self._sources
 
-    __eq__ = object.__eq__   # (Mapping's compares every tensor: it would make them all)
+    __eq__ = object.__eq__
     __hash__ = None  # type: ignore[assignment]
 
     def pop(self, name: str, *default):
         if name not in self._sources and default:
             return default[0]
-        return self._sources.pop(name).make()
+        return self._make(self._sources.pop(name))
+
+
+class LazyWeights(_LazyMap[torch.Tensor]):
+    """HF-named weights made when read (a GGUF file's, dequantized on demand): `weights[name]`
+    makes the tensor anew each time, and `pop` lets a build hold one at a time instead of the
+    whole model in float32 beside the model's own copy. `shape` and `sample` read without
+    making a tensor whole."""
+
+    def __init__(self, sources: dict[str, LazyTensor]) -> None:
+        super().__init__(sources)
+
+    def _make(self, source: LazyTensor) -> torch.Tensor:
+        return source.make()
 
     def copy(self) -> "LazyWeights":
         return LazyWeights(self._sources)
@@ -137,37 +154,16 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return src.rows(rows)[torch.from_numpy(inverse), torch.from_numpy(index % src.shape[1])]
 
 
-class LazyBlocks(Mapping[str, QuantTensor]):
+class LazyBlocks(_LazyMap[QuantTensor]):
     """HF-named GGUF blocks (`Checkpoint.quantized`), each a QuantTensor or made when read: a
     GGUF file's converted ones (gguf_convert.py) are converted linear by linear as a model is
-    built, not all at once at load. `pop(name)` makes them and forgets the name."""
+    built, not all at once at load."""
 
     def __init__(self, sources: "dict[str, QuantTensor | Callable[[], QuantTensor]]") -> None:
-        self._sources = dict(sources)
+        super().__init__(sources)
 
-    @staticmethod
-    def _made(source) -> QuantTensor:
+    def _make(self, source) -> QuantTensor:
         return source if isinstance(source, QuantTensor) else source()
-
-    def __getitem__(self, name: str) -> QuantTensor:
-        return self._made(self._sources[name])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._sources   # (Mapping's own would make the blocks)
-
-    __eq__ = object.__eq__
-    __hash__ = None  # type: ignore[assignment]
-
-    def pop(self, name: str, *default):
-        if name not in self._sources and default:
-            return default[0]
-        return self._made(self._sources.pop(name))
 
 
 def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:

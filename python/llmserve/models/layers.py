@@ -157,7 +157,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight's blocks; in the runner's other steps, a bfloat16 matmul on `bf16_weight` when
     there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`), and in any
     float32 [T, in] call when a serving model released the fp32 weight (`attach_quantized`;
-    other inputs are then refused); else F.linear on the fp32 weight.
+    other inputs are then refused); else F.linear on the model's own weight (`_dense_linear`:
+    row-stable in steps with prompt tokens).
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
@@ -177,7 +178,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if weight.is_meta:   # (F.linear would return uninitialized memory, silently)
         raise ValueError(f"this linear's float32 weight was released (a model built for serving): it takes "
                          f"float32 [T, in] CPU inputs only, not {x.dtype} {list(x.shape)}")
-    return _fp32_linear(x, weight, bias)
+    return _dense_linear(x, weight, bias)
 
 
 def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -274,7 +275,7 @@ def _padded_bf16(x: torch.Tensor, rows: int) -> torch.Tensor:
     return buf[:rows]
 
 
-def _fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear; in steps with prompt tokens on a CPU, each row's sums do not depend on how many
     rows the step had (worker/threads.py says why that matters): a float32 matmul runs padded
     with zero rows to a multiple of GEMM_ROW_MULTIPLE rows, a bfloat16 one (`--dtype bfloat16`)

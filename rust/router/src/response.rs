@@ -615,11 +615,12 @@ impl ResponseBuilder {
             .collect()
     }
 
-    fn top_map(&self, tok: &TokenOut) -> TopMap {
+    /// `tok`'s first `k` alternatives, and the token itself when they lack it.
+    fn top_map(&self, tok: &TokenOut, k: usize) -> TopMap {
         let own = self.token_str(tok.id);
         let mut map = TopMap::default();
         let mut own_listed = false;
-        for &(id, lp) in &tok.top {
+        for &(id, lp) in tok.top.iter().take(k) {
             let s = self.token_str(id);
             // (another id that shows as the token's text, e.g. both partial UTF-8 as U+FFFD:
             // the text looks up the token's own logprob)
@@ -640,7 +641,7 @@ impl ResponseBuilder {
         for tok in tokens {
             out.tokens.push(self.token_str(tok.id));
             out.token_logprobs.push(Some(wire_lp(tok.logprob)));
-            out.top_logprobs.push(Some(self.top_map(tok)));
+            out.top_logprobs.push(Some(self.top_map(tok, usize::MAX)));
             out.text_offset.push(tok.text_offset + offset_shift);
         }
         out
@@ -684,8 +685,7 @@ impl ResponseBuilder {
             add.text_offset.push(offsets.get(next + i).copied().unwrap_or_default());
             add.tokens.push(self.token_str(tok.id));
             add.token_logprobs.push(Some(wire_lp(tok.logprob)));
-            let tok = TokenOut { top: tok.top.iter().take(k).copied().collect(), ..tok.clone() };
-            add.top_logprobs.push(Some(self.top_map(&tok)));
+            add.top_logprobs.push(Some(self.top_map(tok, k)));
         }
         self.prompt_lp[p].0.extend(add);
     }
