@@ -288,8 +288,10 @@ def test_smollm2_greedy_decoding_stays_close_to_fp32_path():
     # the first 15 to 32 tokens agree; before the flip, top-5 logprobs differ by a median of
     # 0.04-0.06, chosen tokens' by at most 0.29, likely (logprob > -3) alternatives' by at most
     # 0.36; flips happen at fp32 margins of 0.01-0.29. (About a third of it comes from the Q8_0
-    # LM head, the rest from the layers.) The bounds below leave ~1.5x room over those; the
-    # kernel tests above pin the arithmetic itself exactly.
+    # LM head, the rest from the layers.) On an AVX512-BF16 host without AMX (bf16 prompt
+    # matmuls in one call) one likely alternative moved by 0.53 ("\n" at -2.94, 13 tokens
+    # into the first prompt), the rest by at most 0.24. The bounds below leave room over
+    # those; the kernel tests above pin the arithmetic itself exactly.
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Once upon a time, in a small village,", "List three colors:"]
     n = 32
@@ -303,7 +305,7 @@ def test_smollm2_greedy_decoding_stays_close_to_fp32_path():
             for tok, lp in f["top_logprobs"][i].items():
                 if tok in q["top_logprobs"][i]:
                     diffs.append(abs(q["top_logprobs"][i][tok] - lp))
-                    assert lp < -3 or diffs[-1] < 0.5, (p, i, tok, lp, diffs[-1])
+                    assert lp < -3 or diffs[-1] < 0.75, (p, i, tok, lp, diffs[-1])
         assert np.median(diffs) < 0.1, (p, np.median(diffs))
         if same < n:            # a flip only between near-tied tokens
             f_top, q_top = f["top_logprobs"][same], q["top_logprobs"][same]
