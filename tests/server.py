@@ -68,3 +68,15 @@ class ServerProcess:
         if self.proc.poll() is None:
             terminate(self.proc)
         self._log.close()
+
+
+def tiny_template_server(tmp_path_factory, name: str, template: str) -> ServerProcess:
+    """A tiny random Llama (room for 2048 tokens: tool definitions render long in its
+    tokenizer) served as "tiny" with `template` as its chat template."""
+    from tiny import build_tiny_llama
+
+    folder = build_tiny_llama(tmp_path_factory.mktemp(f"tiny-{name}"), max_position_embeddings=2048)
+    path = tmp_path_factory.mktemp("tpl") / f"{name}.jinja"
+    path.write_text(template)
+    return ServerProcess(str(folder), "--served-model-name", "tiny", "--chat-template", str(path),
+                         "--num-kv-blocks", "400")

@@ -22,9 +22,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server import ServerProcess
+from server import ServerProcess, tiny_template_server
 from test_tool_formats import ASK, HERMES, TIME, WEATHER
-from tiny import build_tiny_llama
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
 
@@ -43,11 +42,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny-trunc"), max_position_embeddings=2048)
-    template = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
-    template.write_text(HERMES)
-    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--chat-template", str(template),
-                           "--num-kv-blocks", "400")
+    server = tiny_template_server(tmp_path_factory, "trunc", HERMES)
     with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         yield client
     server.stop()

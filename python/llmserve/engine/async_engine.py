@@ -27,11 +27,13 @@ from llmserve.loaders.checkpoint import LoadError
 log = logging.getLogger("llmserve.engine")
 
 # Bodies larger than this are validated on a worker thread so the event loop keeps serving;
-# so are bodies that may compile a grammar (a constraint, or tools), whatever their size:
+# so are bodies that may compile a grammar (a constraint, a Responses `text.format` json_schema,
+# or tools), whatever their size:
 # compiling one can take a second (a regex with a large repeat count). A key can be spelled
 # with JSON escapes ("structured_output\u0073"), so a body holding any is sent off too.
 _INLINE_BODY_BYTES = 64 * 1024
-_OFF_LOOP_MARKERS = (b'"response_format"', b'"structured_outputs"', b'"guided_', b'"tools"', b"\\u")
+_OFF_LOOP_MARKERS = (b'"response_format"', b'"json_schema"', b'"structured_outputs"', b'"guided_', b'"tools"',
+                     b"\\u")
 
 
 def _off_loop(body: bytes) -> bool:
@@ -208,7 +210,7 @@ async def _on_daemon_thread(fn, *args):
 
 
 # The endpoints `submit` takes (the others are answered by `handle`).
-GENERATING = ("chat", "completion")
+GENERATING = ("chat", "completion", "responses")
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
 
 
@@ -359,7 +361,8 @@ class AsyncEngine:
             raise self.unavailable("The server is not taking requests.", retry_after=5)
 
     async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
-        """Validate and queue a chat ("chat") or completion ("completion") request.
+        """Validate and queue a chat ("chat"), completion ("completion") or Responses API
+        ("responses") request.
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         if endpoint not in GENERATING:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")

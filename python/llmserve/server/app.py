@@ -79,6 +79,10 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
     Route("/v1/completions", routes.completions, methods=["POST"]),
+    Route("/v1/responses", routes.responses, methods=["POST"]),
+    Route("/v1/responses/{response_id}", routes.stored_response, methods=["GET", "DELETE"]),
+    Route("/v1/responses/{response_id}/cancel", routes.stored_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}/input_items", routes.stored_response, methods=["GET"]),
     Route("/v1/chat/completions/render", routes.chat_render, methods=["POST"]),
     Route("/v1/completions/render", routes.completion_render, methods=["POST"]),
     Route("/v1/models", routes.models, methods=["GET"]),

@@ -249,6 +249,17 @@ async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
 
 
+async def responses(request: Request) -> Response:
+    return await _generate(request, "responses")
+
+
+async def stored_response(request: Request) -> Response:
+    # GET/DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: nothing is stored
+    # (every response says `"store": false`), so no id is ever found.
+    raise Router.error("not_found", f"No response with id {request.path_params['response_id']!r}: this server "
+                       "stores no responses (they are answered with \"store\": false).")
+
+
 def _handler(endpoint: str):
     async def handle(request: Request) -> Response:
         body = await read_body(request)

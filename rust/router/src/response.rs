@@ -25,10 +25,13 @@
 //! (streamed: `delta.reasoning_content` chunks), and only the rest is content (and read for
 //! tool calls). Reasoning tokens count as completion tokens.
 
+mod responses;
+
 use std::sync::Arc;
 
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
+use serde_json::Value;
 
 use crate::detokenizer::{Detokenizer, StopConfig};
 use crate::protocol::{Endpoint, Prepared};
@@ -311,6 +314,21 @@ struct ChatChunkChoice<'a> {
     token_ids: Option<Vec<u32>>,
 }
 
+/// A streamed chunk's choice; a Responses request's chunks are chat ones, read as events.
+trait ChunkChoice: Serialize {
+    fn as_chat(&self) -> Option<&ChatChunkChoice<'_>> {
+        None
+    }
+}
+
+impl ChunkChoice for ChatChunkChoice<'_> {
+    fn as_chat(&self) -> Option<&ChatChunkChoice<'_>> {
+        Some(self)
+    }
+}
+
+impl ChunkChoice for CompletionChunkChoice<'_> {}
+
 #[derive(Serialize)]
 struct CompletionChunkChoice<'a> {
     index: u32,
@@ -446,6 +464,8 @@ pub struct ResponseBuilder {
     pending: Vec<u8>,
     done: bool,
     tools: Option<ToolParsing>,
+    /// A Responses request: what its `response` object echoes, and (streamed) its events.
+    responses: Option<(Arc<crate::protocol::responses::Echo>, responses::EventStream)>,
 }
 
 impl ResponseBuilder {
@@ -455,7 +475,7 @@ impl ResponseBuilder {
         let tokenizer = &tokenizer_ref;
         let count = prepared.prompts.len() * n as usize;
         let chat = prepared.endpoint != Endpoint::Completion && prepared.endpoint != Endpoint::CompletionRender;
-        Self {
+        let mut builder = Self {
             tokenizer: tokenizer.clone(),
             chat,
             id: prepared.id.clone(),
@@ -511,7 +531,24 @@ impl ResponseBuilder {
             pending: Vec::new(),
             done: false,
             tools: prepared.tools.clone(),
+            responses: prepared
+                .responses
+                .clone()
+                .map(|echo| (echo, responses::EventStream::new(prepared.params.logprobs.is_some()))),
+        };
+        if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
+            let object = responses::response_object(
+                &builder.id,
+                builder.created,
+                &builder.model,
+                echo,
+                None,
+                Vec::new(),
+                Value::Null,
+            );
+            events.start(&mut builder.pending, object);
         }
+        builder
     }
 
     fn usage(&self) -> Usage {
@@ -544,12 +581,19 @@ impl ResponseBuilder {
         self.continuous_usage_stats.then(|| self.usage())
     }
 
-    fn frame<C: Serialize>(&mut self, choices: Vec<C>, usage: Option<Usage>) {
+    fn frame<C: ChunkChoice>(&mut self, choices: Vec<C>, usage: Option<Usage>) {
         self.frame_with(choices, usage, None);
     }
 
     /// `frame`, with the ids of prompt `prompt` at the chunk's top (chat's `return_token_ids`).
-    fn frame_with<C: Serialize>(&mut self, choices: Vec<C>, usage: Option<Usage>, prompt: Option<usize>) {
+    /// A Responses request's chunk goes out as its events instead.
+    fn frame_with<C: ChunkChoice>(&mut self, choices: Vec<C>, usage: Option<Usage>, prompt: Option<usize>) {
+        if let Some((_, events)) = self.responses.as_mut() {
+            for c in choices.iter().filter_map(ChunkChoice::as_chat) {
+                events.on_chunk(&mut self.pending, c);
+            }
+            return;
+        }
         let chunk = Chunk {
             id: &self.id,
             object: if self.chat { "chat.completion.chunk" } else { "text_completion" },
@@ -1031,6 +1075,63 @@ impl ResponseBuilder {
         self.choices.iter().map(|c| (reason(c), c.completion_tokens.min(u64::from(u32::MAX)) as u32)).collect()
     }
 
+    /// A finished chat choice's content, calls and finish. A call cut off by `max_tokens`
+    /// keeps what it had (as OpenAI), and so does one a stop string or stop token cut off (the
+    /// finish names it, and the stream has sent the same call); one that ended, or that EOS
+    /// cut off, must hold JSON arguments, or (under "auto") the whole text is the content.
+    fn resolved<'s>(&self, c: &'s ChoiceState) -> (&'s str, &'s [ToolCall], Option<FinishReason>) {
+        let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
+        let cut =
+            c.finish == Some(FinishReason::Length) || (c.finish == Some(FinishReason::Stop) && c.stop_reason.is_some());
+        let broken = !forced && c.tool_calls.iter().any(|t| (t.ended || !cut) && !t.parses());
+        if broken {
+            let finish = c.finish.map(|f| if f == FinishReason::ToolCalls { FinishReason::Stop } else { f });
+            (c.raw.as_str(), &[][..], finish)
+        } else {
+            (c.text.as_str(), &c.tool_calls[..], c.finish)
+        }
+    }
+
+    /// A Responses request's usage: its one choice's tokens.
+    fn responses_usage(&self) -> Value {
+        let u = self.usage();
+        let reasoning = u.completion_tokens_details.map_or(0, |d| d.reasoning_tokens);
+        responses::usage(u.prompt_tokens, u.prompt_tokens_details.cached_tokens, u.completion_tokens, reasoning)
+    }
+
+    /// A Responses request's `response` object: its choice's reasoning, text and calls as
+    /// output items (an answer with none of them is one message with empty text).
+    fn responses_body(&self, echo: &crate::protocol::responses::Echo) -> Vec<u8> {
+        let c = &self.choices[0];
+        let (text, calls, finish) = self.resolved(c);
+        let status = if finish == Some(FinishReason::Length) { "incomplete" } else { "completed" };
+        let mut items = Vec::new();
+        if !c.reasoning_text.is_empty() {
+            items.push(responses::Item::reasoning(&c.reasoning_text));
+        }
+        if !text.is_empty() || (calls.is_empty() && items.is_empty()) {
+            items.push(responses::Item::message(text, c.chat_lp.content.clone()));
+        }
+        items.extend(calls.iter().map(|t| responses::Item::call(&t.id, &t.name, &t.arguments)));
+        let logprobs = self.logprobs;
+        let last = items.len() - 1;
+        let output = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| item.to_value(if i == last { status } else { "completed" }, logprobs))
+            .collect();
+        let object = responses::response_object(
+            &self.id,
+            self.created,
+            &self.model,
+            echo,
+            finish.or(Some(FinishReason::Stop)),
+            output,
+            self.responses_usage(),
+        );
+        serde_json::to_vec(&object).expect("bodies serialize")
+    }
+
     /// Streaming: anything not yet taken, the usage chunk (`include_usage`) and
     /// `data: [DONE]` (once; later calls return nothing). Not streaming: the JSON body.
     pub fn finish(&mut self) -> Vec<u8> {
@@ -1039,6 +1140,17 @@ impl ResponseBuilder {
                 return Vec::new();
             }
             self.done = true;
+            if self.responses.is_some() {
+                let usage = self.responses_usage();
+                let (id, created, model) = (&self.id, self.created, &self.model);
+                if let Some((echo, events)) = self.responses.as_mut() {
+                    events.end(&mut self.pending, |finish, output| {
+                        responses::response_object(id, created, model, echo, finish, output, usage)
+                    });
+                }
+                // (OpenAI's Responses stream ends with its last event, without `[DONE]`)
+                return self.take();
+            }
             if self.include_usage {
                 let usage = self.usage();
                 self.frame::<ChatChunkChoice>(Vec::new(), Some(usage));
@@ -1046,6 +1158,9 @@ impl ResponseBuilder {
             let mut out = self.take();
             out.extend_from_slice(b"data: [DONE]\n\n");
             return out;
+        }
+        if let Some((echo, _)) = &self.responses {
+            return self.responses_body(echo);
         }
         let usage = self.usage();
         let body = if self.chat {
@@ -1055,20 +1170,7 @@ impl ResponseBuilder {
                 .iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    // a call cut off by `max_tokens` keeps what it had (as OpenAI), and so
-                    // does one a stop string or stop token cut off (the finish names it, and
-                    // the stream has sent the same call); one that ended, or that EOS cut
-                    // off, must hold JSON arguments
-                    let cut = c.finish == Some(FinishReason::Length)
-                        || (c.finish == Some(FinishReason::Stop) && c.stop_reason.is_some());
-                    let broken = !forced && c.tool_calls.iter().any(|t| (t.ended || !cut) && !t.parses());
-                    let (text, calls, finish) = if broken {
-                        let finish =
-                            c.finish.map(|f| if f == FinishReason::ToolCalls { FinishReason::Stop } else { f });
-                        (c.raw.as_str(), &[][..], finish)
-                    } else {
-                        (c.text.as_str(), &c.tool_calls[..], c.finish)
-                    };
+                    let (text, calls, finish) = self.resolved(c);
                     ChatChoice {
                         index: i as u32,
                         message: Message {

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::protocol::{chat, common::unix_now, completion, tokenize, Endpoint, Handled, Prepared};
+use crate::protocol::{chat, common::unix_now, completion, responses, tokenize, Endpoint, Handled, Prepared};
 use crate::template::TemplateSet;
 use crate::tokenizer::Tokenizer;
 
@@ -134,6 +134,7 @@ impl Router {
         let mut prepared = match endpoint {
             Endpoint::Chat => chat::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Completion => completion::prepare(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Responses => responses::prepare(self, body, header_id).map(|c| c.prepared),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
             }),

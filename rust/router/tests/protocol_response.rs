@@ -60,6 +60,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         grammar: None,
         tools: None,
         reasoning: None,
+        responses: None,
     }
 }
 

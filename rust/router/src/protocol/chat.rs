@@ -749,15 +749,19 @@ fn tools_unused(router: &Router, with_tools: bool, forced: &Forced) -> bool {
 /// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
-    let value = parse_body(body)?;
-    let common: CommonFields = from_value(&value)?;
-    let chat: ChatFields = from_value(&value)?;
+    prepare_value(router, &parse_body(body)?, header_id)
+}
+
+/// `prepare` of a body already parsed (the Responses route builds one).
+pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
+    let common: CommonFields = from_value(value)?;
+    let chat: ChatFields = from_value(value)?;
     router.check_model(&common.model)?;
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
-    let unknown = unknown_keys(&common.extra, &chat.extra, &value).cloned().collect();
-    let mut ignored: Vec<String> = vllm_unsupported(unknown, &value)?;
+    let unknown = unknown_keys(&common.extra, &chat.extra, value).cloned().collect();
+    let mut ignored: Vec<String> = vllm_unsupported(unknown, value)?;
     let c = common.resolve(config, vocab_size, false)?;
     ignored.extend(c.inert.iter().cloned());
 
@@ -928,6 +932,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         grammar,
         tools,
         reasoning,
+        responses: None,
     };
     Ok(Checked {
         prepared,

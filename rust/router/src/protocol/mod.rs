@@ -32,6 +32,7 @@ pub mod chat;
 pub mod common;
 pub mod completion;
 pub mod constrained;
+pub mod responses;
 mod schema_check;
 pub(crate) mod schema_edit;
 pub mod tokenize;
@@ -43,6 +44,9 @@ pub mod tokenize;
 pub enum Endpoint {
     Chat,
     Completion,
+    /// OpenAI's Responses API: validated and rendered as a chat request, answered as a
+    /// `response` object (or its stream of events).
+    Responses,
     Tokenize,
     Detokenize,
     ChatRender,
@@ -50,12 +54,13 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The names the bindings use: "chat", "completion", "tokenize", "detokenize",
-    /// "chat_render", "completion_render".
+    /// The names the bindings use: "chat", "completion", "responses", "tokenize",
+    /// "detokenize", "chat_render", "completion_render".
     pub fn from_name(s: &str) -> Option<Self> {
         Some(match s {
             "chat" => Self::Chat,
             "completion" => Self::Completion,
+            "responses" => Self::Responses,
             "tokenize" => Self::Tokenize,
             "detokenize" => Self::Detokenize,
             "chat_render" => Self::ChatRender,
@@ -68,6 +73,7 @@ impl Endpoint {
         match self {
             Self::Chat => "chat",
             Self::Completion => "completion",
+            Self::Responses => "responses",
             Self::Tokenize => "tokenize",
             Self::Detokenize => "detokenize",
             Self::ChatRender => "chat_render",
@@ -79,7 +85,7 @@ impl Endpoint {
 /// A validated generation request, ready for the engine.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
-    /// `Chat` or `Completion`.
+    /// `Chat`, `Completion` or `Responses`.
     pub endpoint: Endpoint,
     /// "chatcmpl-<uuid hex>" / "cmpl-<uuid hex>", or the client's `request_id`.
     pub id: String,
@@ -127,6 +133,8 @@ pub struct Prepared {
     /// Chat with a reasoning parser active: how the output's thinking is split from its
     /// content (and whether the prompt already opened the think block). None otherwise.
     pub reasoning: Option<crate::reasoning::ReasoningPlan>,
+    /// `Responses`: the request's fields a `response` object echoes back. None otherwise.
+    pub responses: Option<std::sync::Arc<responses::Echo>>,
 }
 
 /// The answer of a route that does not generate (`Router::handle`): its JSON body, and the

@@ -1,0 +1,702 @@
+//! `POST /v1/responses`: OpenAI's Responses API, served through the chat pipeline.
+//!
+//! The request is translated into the chat request it means, which [`super::chat`] then
+//! validates, renders and tokenizes as any other; its errors and ignored fields are named
+//! back in the Responses request's own terms (`input[2].content[0]`, `max_output_tokens`,
+//! `text.format.schema`, `tools[1].parameters`). The answer is a `response` object, or its
+//! stream of typed events (built by [`crate::response::ResponseBuilder`]).
+//!
+//! The translation:
+//! - `instructions` -> a first `system` message; `input` (a string, or a list of items) ->
+//!   the messages. Message items keep their role (`developer` as chat treats it); their
+//!   `input_text`/`output_text` parts become text parts, `refusal` parts stay. A
+//!   `function_call` item becomes a tool call of the assistant turn it follows (consecutive
+//!   calls, and the text before them, are one turn); a `function_call_output` item a `tool`
+//!   message (with the called function's `name` when an earlier item names it); a
+//!   `reasoning` item the next assistant turn's `reasoning_content`.
+//! - `max_output_tokens` -> `max_completion_tokens`; function `tools` (flat) -> chat's nested
+//!   ones; `tool_choice: {"type": "function", "name"}` -> chat's named choice; `text.format`
+//!   -> `response_format`; `top_logprobs` and `include: ["message.output_text.logprobs"]` ->
+//!   `logprobs` (either asks for them).
+//! - Everything else (`model`, `stream`, `temperature`, `top_p`, `user`, the sampling
+//!   extensions chat takes) passes through as it is.
+//!
+//! Decisions:
+//! - Nothing is stored. `store` (OpenAI's default true) is echoed as false, and reported when
+//!   sent as true; `previous_response_id`, `conversation`, `item_reference` items and
+//!   `background` are a 400 `unsupported_parameter`: a follow-up turn sends the whole
+//!   conversation in `input`.
+//! - A function tool is `strict` only when it says so (OpenAI's Responses default is true; a
+//!   default this server cannot enforce in every tool-call format would be reported on
+//!   requests that never sent it).
+//! - Chat-only fields (`messages`, `max_tokens`, `response_format`, `n`, ...) are a 400 that
+//!   names the Responses field to send instead, as OpenAI refuses them.
+//! - `reasoning.effort`/`summary`, `text.verbosity`, `max_tool_calls` (built-in tools only),
+//!   `include` entries other than output logprobs, and `stream_options` do nothing here and
+//!   are reported.
+
+use serde_json::{json, Map, Value};
+
+use super::common::{as_object, invalid_type, kind_of, new_id, parse_body, settle_ignored, unsupported};
+use super::{chat, Checked, Endpoint};
+use crate::error::ApiError;
+use crate::router::Router;
+
+/// The `include` entry that asks for the output text's logprobs.
+const LOGPROBS_INCLUDE: &str = "message.output_text.logprobs";
+
+/// Chat Completions fields that have another name (or no meaning) in the Responses API.
+const CHAT_ONLY: [(&str, &str); 9] = [
+    ("messages", "send the conversation as `input` (and system instructions as `instructions`)"),
+    ("max_tokens", "send `max_output_tokens`"),
+    ("max_completion_tokens", "send `max_output_tokens`"),
+    ("response_format", "send `text.format`"),
+    ("n", "the Responses API makes one output per request"),
+    ("logprobs", "send `include: [\"message.output_text.logprobs\"]` (and `top_logprobs`)"),
+    ("echo", "the Responses API has no echo"),
+    ("functions", "send function `tools`"),
+    ("function_call", "send `tool_choice`"),
+];
+
+/// OpenAI's built-in tool types, none of which this server runs.
+const BUILT_IN_TOOLS: [&str; 12] = [
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "computer_use",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "custom",
+];
+
+/// The keys of a message item, a function call item and a function call output item that
+/// mean something here (`id` and `status` come back with items a client echoes).
+const MESSAGE_ITEM_KEYS: [&str; 5] = ["type", "role", "content", "id", "status"];
+const CALL_ITEM_KEYS: [&str; 6] = ["type", "call_id", "name", "arguments", "id", "status"];
+const OUTPUT_ITEM_KEYS: [&str; 5] = ["type", "call_id", "output", "id", "status"];
+const REASONING_ITEM_KEYS: [&str; 6] = ["type", "id", "summary", "content", "encrypted_content", "status"];
+
+/// The request's fields a `response` object echoes back, as the client sent them (or their
+/// defaults): `instructions`, `max_output_tokens`, `metadata`, `parallel_tool_calls`,
+/// `reasoning`, `text`, `tool_choice`, `tools`, `top_logprobs`, `truncation`, `user`,
+/// `max_tool_calls`, `temperature`, `top_p`, and `store` (always false).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Echo {
+    pub fields: Map<String, Value>,
+}
+
+/// Where each chat message came from: its Responses path, and the paths of the items each of
+/// its tool calls came from.
+#[derive(Default)]
+struct Origins {
+    messages: Vec<(String, Vec<String>)>,
+}
+
+impl Origins {
+    /// A chat `param` in the Responses request's terms.
+    fn rename(&self, param: &str) -> String {
+        if let Some(rest) = param.strip_prefix("messages[") {
+            let Some((index, rest)) = rest.split_once(']') else { return "input".into() };
+            let Some((path, calls)) = index.parse::<usize>().ok().and_then(|i| self.messages.get(i)) else {
+                return "input".into();
+            };
+            if let Some(call) = rest.strip_prefix(".tool_calls[") {
+                if let Some((j, tail)) = call.split_once(']') {
+                    if let Some(call_path) = j.parse::<usize>().ok().and_then(|j| calls.get(j)) {
+                        return format!("{call_path}{}", tail.strip_prefix(".function").unwrap_or(tail));
+                    }
+                }
+            }
+            // (the `tool_call_id` of a function call output is its `call_id`)
+            let rest = rest.replace(".tool_call_id", ".call_id");
+            return format!("{path}{rest}");
+        }
+        if param == "messages" {
+            return "input".into();
+        }
+        if let Some(rest) = param.strip_prefix("tools[") {
+            // tools[i].function.x -> tools[i].x
+            if let Some((i, tail)) = rest.split_once(']') {
+                return format!("tools[{i}]{}", tail.strip_prefix(".function").unwrap_or(tail));
+            }
+        }
+        if let Some(rest) = param.strip_prefix("response_format") {
+            let rest = rest.strip_prefix(".json_schema").unwrap_or(rest);
+            return format!("text.format{rest}");
+        }
+        match param {
+            "max_completion_tokens" => "max_output_tokens".into(),
+            "tool_choice.function.name" => "tool_choice.name".into(),
+            "tool_choice.function" => "tool_choice".into(),
+            "logprobs" => "include".into(),
+            other => other.into(),
+        }
+    }
+
+    /// `err` with its `param` (and the chat field names its message quotes) renamed.
+    fn rename_error(&self, err: ApiError) -> ApiError {
+        let words = |m: String| {
+            m.replace("`max_completion_tokens`", "`max_output_tokens`")
+                .replace("`response_format`", "`text.format`")
+                .replace("`messages`", "`input`")
+        };
+        match err {
+            ApiError::InvalidRequest { message, param, code } => {
+                ApiError::InvalidRequest { message: words(message), param: param.map(|p| self.rename(&p)), code }
+            }
+            ApiError::ContextLengthExceeded { message, param } => {
+                ApiError::ContextLengthExceeded { message: words(message), param: param.map(|p| self.rename(&p)) }
+            }
+            other => other,
+        }
+    }
+}
+
+fn missing(param: String) -> ApiError {
+    ApiError::with_code(
+        "missing_required_parameter",
+        Some(param.clone()),
+        format!("Missing required parameter: `{param}`."),
+    )
+}
+
+/// `obj[key]` as a string: missing or null is `missing_required_parameter`.
+fn required_str<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result<&'a str, ApiError> {
+    match obj.get(key) {
+        Some(Value::String(s)) => Ok(s),
+        None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
+        Some(other) => {
+            Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string, not {}.", kind_of(other))))
+        }
+    }
+}
+
+/// The value of `key` unless it is absent or null.
+fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
+/// `prefix.key` for each set key of `obj` outside `known`.
+fn unknown_keys(obj: &Map<String, Value>, known: &[&str], prefix: &str) -> Vec<String> {
+    obj.iter()
+        .filter(|(k, v)| !known.contains(&k.as_str()) && !v.is_null())
+        .map(|(k, _)| format!("{prefix}.{k}"))
+        .collect()
+}
+
+/// Builds the chat messages from `instructions` and `input`.
+struct Conversation {
+    messages: Vec<Value>,
+    origins: Origins,
+    /// A `reasoning` item's text, waiting for the assistant turn it belongs to (and its path).
+    reasoning: Option<(String, String)>,
+    ignored: Vec<String>,
+}
+
+impl Conversation {
+    fn push(&mut self, message: Value, path: String) {
+        self.messages.push(message);
+        self.origins.messages.push((path, Vec::new()));
+    }
+
+    /// An assistant turn: the last message when it is one that calls may join (`joinable`),
+    /// else a new one; it takes any waiting reasoning.
+    fn assistant(&mut self, path: &str, joinable: bool) -> &mut Map<String, Value> {
+        let last_is_assistant = self.messages.last().is_some_and(|m| m["role"] == "assistant");
+        if !(joinable && last_is_assistant) {
+            self.push(json!({"role": "assistant", "content": null}), path.to_string());
+        }
+        let message = self.messages.last_mut().and_then(Value::as_object_mut).expect("just pushed");
+        if let Some((text, _)) = self.reasoning.take() {
+            message.insert("reasoning_content".into(), Value::String(text));
+        }
+        message
+    }
+
+    fn item(&mut self, i: usize, item: &Value) -> Result<(), ApiError> {
+        let p = format!("input[{i}]");
+        let obj = as_object(item, p.clone(), "Each input item")?;
+        let kind = match obj.get("type") {
+            None | Some(Value::Null) => "message",
+            Some(Value::String(t)) => t.as_str(),
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{p}.type"),
+                    format!("`type` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        };
+        match kind {
+            "message" => self.message_item(&p, obj),
+            "function_call" => {
+                self.ignored.extend(unknown_keys(obj, &CALL_ITEM_KEYS, &p));
+                let call_id = required_str(obj, "call_id", &p)?;
+                let name = required_str(obj, "name", &p)?;
+                let arguments = required_str(obj, "arguments", &p)?;
+                let call =
+                    json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}});
+                // joins the assistant turn before it: its text, or the calls made beside it
+                let message = self.assistant(&p, true);
+                let calls = message.entry("tool_calls").or_insert_with(|| json!([]));
+                calls.as_array_mut().expect("tool_calls is an array").push(call);
+                self.origins.messages.last_mut().expect("an assistant turn").1.push(p);
+                Ok(())
+            }
+            "function_call_output" => {
+                self.ignored.extend(unknown_keys(obj, &OUTPUT_ITEM_KEYS, &p));
+                let call_id = required_str(obj, "call_id", &p)?;
+                let output = match obj.get("output") {
+                    Some(Value::String(s)) => Value::String(s.clone()),
+                    Some(Value::Array(parts)) => Value::Array(self.parts(&format!("{p}.output"), parts, false)?),
+                    None | Some(Value::Null) => return Err(missing(format!("{p}.output"))),
+                    Some(other) => {
+                        return Err(invalid_type(
+                            format!("{p}.output"),
+                            format!("`output` must be a string or a list of text parts, not {}.", kind_of(other)),
+                        ))
+                    }
+                };
+                let mut message = json!({"role": "tool", "tool_call_id": call_id, "content": output});
+                // the function's name, for templates that show it with its result
+                let name = self
+                    .messages
+                    .iter()
+                    .rev()
+                    .filter_map(|m| m["tool_calls"].as_array())
+                    .flatten()
+                    .find_map(|c| (c["id"] == call_id).then(|| c["function"]["name"].clone()));
+                if let Some(name) = name {
+                    message["name"] = name;
+                }
+                self.push(message, p);
+                Ok(())
+            }
+            "reasoning" => {
+                self.ignored.extend(unknown_keys(obj, &REASONING_ITEM_KEYS, &p));
+                if set(obj, "encrypted_content").is_some() {
+                    self.ignored.push(format!("{p}.encrypted_content"));
+                }
+                // its text (the summary, when the item has no reasoning text)
+                let texts = |key: &str| -> Result<Vec<String>, ApiError> {
+                    let Some(list) = set(obj, key) else { return Ok(Vec::new()) };
+                    let list = list.as_array().ok_or_else(|| {
+                        invalid_type(format!("{p}.{key}"), format!("`{key}` must be an array, not {}.", kind_of(list)))
+                    })?;
+                    list.iter()
+                        .enumerate()
+                        .map(|(j, part)| {
+                            let part = as_object(part, format!("{p}.{key}[{j}]"), "Each part")?;
+                            required_str(part, "text", &format!("{p}.{key}[{j}]")).map(str::to_string)
+                        })
+                        .collect()
+                };
+                let content = texts("content")?;
+                let summary = texts("summary")?;
+                let text = if content.is_empty() { summary.join("\n\n") } else { content.join("") };
+                if let Some((_, earlier)) = self.reasoning.replace((text, p)) {
+                    self.ignored.push(earlier);
+                }
+                Ok(())
+            }
+            "item_reference" => Err(unsupported(
+                format!("{p}.type"),
+                "Item references are not supported: this server stores no responses or items. Send the item itself.",
+            )),
+            other => Err(unsupported(
+                format!("{p}.type"),
+                format!(
+                    "Input items of type {other:?} are not supported: this server accepts messages, \
+                     `function_call`, `function_call_output` and `reasoning` items."
+                ),
+            )),
+        }
+    }
+
+    fn message_item(&mut self, p: &str, obj: &Map<String, Value>) -> Result<(), ApiError> {
+        self.ignored.extend(unknown_keys(obj, &MESSAGE_ITEM_KEYS, p));
+        let role = required_str(obj, "role", p)?;
+        if !["user", "assistant", "system", "developer"].contains(&role) {
+            return Err(ApiError::invalid(
+                format!("{p}.role"),
+                format!("Unknown role {role:?}: expected one of user, assistant, system, developer."),
+            ));
+        }
+        let content = match obj.get("content") {
+            Some(Value::String(s)) => Value::String(s.clone()),
+            Some(Value::Array(parts)) => {
+                Value::Array(self.parts(&format!("{p}.content"), parts, role == "assistant")?)
+            }
+            None | Some(Value::Null) => return Err(missing(format!("{p}.content"))),
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{p}.content"),
+                    format!("`content` must be a string or a list of content parts, not {}.", kind_of(other)),
+                ))
+            }
+        };
+        if role == "assistant" {
+            let message = self.assistant(p, false);
+            message.insert("content".into(), content);
+        } else {
+            if let Some((_, path)) = self.reasoning.take() {
+                // reasoning belongs to an assistant turn; one before a user turn has none
+                self.ignored.push(path);
+            }
+            self.push(json!({"role": role, "content": content}), p.to_string());
+        }
+        Ok(())
+    }
+
+    /// Content parts as chat's: `input_text`/`output_text` -> text parts; `refusal` parts
+    /// (an assistant's) stay.
+    fn parts(&mut self, p: &str, parts: &[Value], assistant: bool) -> Result<Vec<Value>, ApiError> {
+        let mut out = Vec::with_capacity(parts.len());
+        for (j, part) in parts.iter().enumerate() {
+            let pp = format!("{p}[{j}]");
+            let obj = as_object(part, pp.clone(), "Each content part")?;
+            let kind = required_str(obj, "type", &pp)?;
+            match kind {
+                "input_text" | "output_text" | "text" => {
+                    let known: &[&str] = if kind == "output_text" {
+                        // (what this server's own output parts carry)
+                        &["type", "text", "annotations", "logprobs"]
+                    } else {
+                        &["type", "text"]
+                    };
+                    self.ignored.extend(unknown_keys(obj, known, &pp));
+                    out.push(json!({"type": "text", "text": required_str(obj, "text", &pp)?}));
+                }
+                "refusal" if assistant => {
+                    out.push(json!({"type": "refusal", "refusal": required_str(obj, "refusal", &pp)?}));
+                }
+                "input_image" | "input_file" | "input_audio" => {
+                    return Err(unsupported(
+                        format!("{pp}.type"),
+                        format!("Content parts of type {kind:?} are not supported: this server serves text models."),
+                    ))
+                }
+                other => {
+                    return Err(ApiError::invalid(
+                        format!("{pp}.type"),
+                        format!("Unknown content part type {other:?}: expected \"input_text\" (or an assistant's \"output_text\")."),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The chat messages of `instructions` and `input`.
+fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
+    let mut conv =
+        Conversation { messages: Vec::new(), origins: Origins::default(), reasoning: None, ignored: Vec::new() };
+    match set(obj, "instructions") {
+        None => {}
+        Some(Value::String(s)) => conv.push(json!({"role": "system", "content": s}), "instructions".into()),
+        Some(other) => {
+            return Err(invalid_type(
+                "instructions",
+                format!("`instructions` must be a string, not {}.", kind_of(other)),
+            ))
+        }
+    }
+    match obj.get("input") {
+        None | Some(Value::Null) => return Err(missing("input".into())),
+        Some(Value::String(s)) => conv.push(json!({"role": "user", "content": s}), "input".into()),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid("input", "`input` must not be an empty list."));
+            }
+            for (i, item) in items.iter().enumerate() {
+                conv.item(i, item)?;
+            }
+            if let Some((_, path)) = conv.reasoning.take() {
+                // reasoning with no assistant turn after it: nothing to attach it to
+                conv.ignored.push(path);
+            }
+        }
+        Some(other) => {
+            return Err(invalid_type(
+                "input",
+                format!("`input` must be a string or a list of items, not {}.", kind_of(other)),
+            ))
+        }
+    }
+    Ok(conv)
+}
+
+/// A flat function tool -> chat's `{"type": "function", "function": {...}}`.
+fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
+    let list = tools
+        .as_array()
+        .ok_or_else(|| invalid_type("tools", format!("`tools` must be an array, not {}.", kind_of(tools))))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let obj = as_object(tool, p.clone(), "Each tool")?;
+        match required_str(obj, "type", &p)? {
+            "function" => {}
+            t if BUILT_IN_TOOLS.contains(&t) || t.starts_with("web_search") || t.starts_with("computer") => {
+                return Err(unsupported(
+                    format!("{p}.type"),
+                    format!("Tools of type {t:?} are not supported: this server runs no built-in tools; send function tools."),
+                ))
+            }
+            t => return Err(ApiError::invalid(format!("{p}.type"), format!("Unknown tool type {t:?}: expected \"function\"."))),
+        }
+        let mut function = obj.clone();
+        function.remove("type");
+        out.push(json!({"type": "function", "function": function}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// Responses' `tool_choice` -> chat's.
+fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
+    let Value::Object(obj) = choice else { return Ok(choice.clone()) };
+    match required_str(obj, "type", "tool_choice")? {
+        "function" => {
+            let name = required_str(obj, "name", "tool_choice")?;
+            Ok(json!({"type": "function", "function": {"name": name}}))
+        }
+        t => Err(unsupported(
+            "tool_choice.type",
+            format!("`tool_choice` of type {t:?} is not supported: send \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"name\": ...}}."),
+        )),
+    }
+}
+
+/// Responses' `text.format` -> chat's `response_format`.
+fn response_format(format: &Value) -> Result<Value, ApiError> {
+    let obj = as_object(format, "text.format", "`text.format`")?;
+    Ok(match required_str(obj, "type", "text.format")? {
+        "json_schema" => {
+            let mut schema = obj.clone();
+            schema.remove("type");
+            json!({"type": "json_schema", "json_schema": schema})
+        }
+        _ => format.clone(),
+    })
+}
+
+/// Validates a Responses request and prepares the chat request it means.
+pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
+    let value = parse_body(body)?;
+    let obj = value.as_object().expect("parse_body checks");
+    let mut ignored = Vec::new();
+    let mut chat = Map::new();
+    let mut echo = Map::new();
+
+    for (key, why) in CHAT_ONLY {
+        if set(obj, key).is_some() {
+            return Err(unsupported(key, format!("`{key}` is a Chat Completions field: {why}.")));
+        }
+    }
+    for key in ["return_token_ids", "prompt_logprobs"] {
+        if set(obj, key).is_some_and(|v| *v != Value::Bool(false)) {
+            return Err(unsupported(
+                key,
+                format!("`{key}` is not supported on /v1/responses (a `response` object has no place for it); send the request to /v1/chat/completions."),
+            ));
+        }
+    }
+    for key in ["previous_response_id", "conversation"] {
+        if set(obj, key).is_some() {
+            return Err(unsupported(
+                key,
+                format!("`{key}` is not supported: this server stores no responses. Send the whole conversation in `input`."),
+            ));
+        }
+    }
+    if set(obj, "prompt").is_some() {
+        return Err(unsupported(
+            "prompt",
+            "Stored prompt templates (`prompt`) are not supported: send `instructions` and `input`.",
+        ));
+    }
+    match set(obj, "background") {
+        None | Some(Value::Bool(false)) => {}
+        Some(Value::Bool(true)) => {
+            return Err(unsupported(
+                "background",
+                "Background responses are not supported: this server stores no responses.",
+            ))
+        }
+        Some(other) => {
+            return Err(invalid_type("background", format!("`background` must be a boolean, not {}.", kind_of(other))))
+        }
+    }
+    match set(obj, "store") {
+        None | Some(Value::Bool(false)) => {}
+        // OpenAI's default; explicitly asked for, it is reported
+        Some(Value::Bool(true)) => ignored.push("store".into()),
+        Some(other) => {
+            return Err(invalid_type("store", format!("`store` must be a boolean, not {}.", kind_of(other))))
+        }
+    }
+    match set(obj, "truncation") {
+        None => {}
+        Some(Value::String(t)) if t == "disabled" => {}
+        Some(Value::String(t)) if t == "auto" => return Err(unsupported(
+            "truncation",
+            "`truncation: \"auto\"` is not supported: an input over the context is a 400 `context_length_exceeded`.",
+        )),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "truncation",
+                format!("`truncation` must be \"disabled\" or \"auto\", not {other}."),
+            ))
+        }
+    }
+    let conv = conversation(obj)?;
+    ignored.extend(conv.ignored.iter().cloned());
+
+    // logprobs: asked for by `include` or `top_logprobs`
+    let mut logprobs = false;
+    if let Some(include) = set(obj, "include") {
+        let list = include
+            .as_array()
+            .ok_or_else(|| invalid_type("include", format!("`include` must be an array, not {}.", kind_of(include))))?;
+        for (i, entry) in list.iter().enumerate() {
+            match entry.as_str() {
+                Some(LOGPROBS_INCLUDE) => logprobs = true,
+                Some(_) => ignored.push(format!("include[{i}]")),
+                None => return Err(invalid_type(format!("include[{i}]"), "Each `include` entry must be a string.")),
+            }
+        }
+    }
+    if let Some(k) = set(obj, "top_logprobs") {
+        logprobs = true;
+        chat.insert("top_logprobs".into(), k.clone());
+    }
+    if logprobs {
+        chat.insert("logprobs".into(), Value::Bool(true));
+    }
+    if let Some(text) = set(obj, "text") {
+        let text_obj = as_object(text, "text", "`text`")?;
+        if let Some(format) = set(text_obj, "format") {
+            chat.insert("response_format".into(), response_format(format)?);
+        }
+        if set(text_obj, "verbosity").is_some() {
+            ignored.push("text.verbosity".into());
+        }
+        ignored.extend(unknown_keys(text_obj, &["format", "verbosity"], "text"));
+    }
+    if let Some(reasoning) = set(obj, "reasoning") {
+        let r = as_object(reasoning, "reasoning", "`reasoning`")?;
+        ignored.extend(r.iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| format!("reasoning.{k}")));
+    }
+    if let Some(options) = set(obj, "stream_options") {
+        let o = as_object(options, "stream_options", "`stream_options`")?;
+        ignored.extend(o.iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| format!("stream_options.{k}")));
+    }
+    if let Some(metadata) = set(obj, "metadata") {
+        let m = as_object(metadata, "metadata", "`metadata`")?;
+        if let Some((k, v)) = m.iter().find(|(_, v)| !v.is_string()) {
+            return Err(invalid_type(
+                format!("metadata.{k}"),
+                format!("Metadata values must be strings, not {}.", kind_of(v)),
+            ));
+        }
+    }
+    if let Some(n) = set(obj, "max_tool_calls") {
+        if !n.is_u64() {
+            return Err(invalid_type("max_tool_calls", "`max_tool_calls` must be a non-negative integer."));
+        }
+        // (it limits calls to built-in tools, of which this server runs none)
+        ignored.push("max_tool_calls".into());
+    }
+
+    const OWN: [&str; 19] = [
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "text",
+        "tools",
+        "tool_choice",
+        "include",
+        "top_logprobs",
+        "store",
+        "previous_response_id",
+        "conversation",
+        "background",
+        "truncation",
+        "reasoning",
+        "stream_options",
+        "metadata",
+        "max_tool_calls",
+        "prompt",
+        "messages",
+    ];
+    for (k, v) in obj {
+        if !OWN.contains(&k.as_str()) {
+            chat.insert(k.clone(), v.clone());
+        }
+    }
+    chat.insert("messages".into(), Value::Array(conv.messages));
+    if let Some(max) = obj.get("max_output_tokens") {
+        chat.insert("max_completion_tokens".into(), max.clone());
+    }
+    if let Some(tools) = set(obj, "tools") {
+        chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = set(obj, "tool_choice") {
+        chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    }
+    // ours first: under strict field checking they are the 400
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+
+    let origins = conv.origins;
+    let mut checked =
+        chat::prepare_value(router, &Value::Object(chat), header_id).map_err(|e| origins.rename_error(e))?;
+
+    let prepared = &mut checked.prepared;
+    let mut all: Vec<String> = checked.ignored.iter().map(|p| origins.rename(p)).chain(ignored).collect();
+    all.sort();
+    all.dedup();
+    prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");
+    prepared.headers.extend(super::common::ignored_header(&all));
+    prepared.ignored = all.clone();
+    checked.ignored = all;
+    prepared.endpoint = Endpoint::Responses;
+    prepared.id = match prepared.id.strip_prefix("chatcmpl-") {
+        // a client's `request_id` (or X-Request-Id) names it
+        Some(id) if obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some() => format!("resp_{id}"),
+        _ => new_id("resp").replacen('-', "_", 1),
+    };
+
+    // what the response object echoes
+    let sent = |k: &str| set(obj, k).cloned();
+    let number = |x: f32| format!("{x}").parse::<f64>().map(Value::from).unwrap_or(Value::Null);
+    echo.insert("instructions".into(), sent("instructions").unwrap_or(Value::Null));
+    echo.insert("max_output_tokens".into(), sent("max_output_tokens").unwrap_or(Value::Null));
+    echo.insert("max_tool_calls".into(), sent("max_tool_calls").unwrap_or(Value::Null));
+    echo.insert("metadata".into(), sent("metadata").unwrap_or_else(|| json!({})));
+    echo.insert("parallel_tool_calls".into(), sent("parallel_tool_calls").unwrap_or(Value::Bool(true)));
+    echo.insert("previous_response_id".into(), Value::Null);
+    let reasoning = set(obj, "reasoning").and_then(Value::as_object);
+    let of = |k: &str| reasoning.and_then(|r| r.get(k)).cloned().unwrap_or(Value::Null);
+    echo.insert("reasoning".into(), json!({"effort": of("effort"), "summary": of("summary")}));
+    echo.insert("store".into(), Value::Bool(false));
+    echo.insert("temperature".into(), number(prepared.params.temperature));
+    let format = set(obj, "text").and_then(|t| set(t.as_object()?, "format").cloned());
+    let mut text = json!({"format": format.unwrap_or_else(|| json!({"type": "text"}))});
+    if let Some(v) = set(obj, "text").and_then(|t| t.get("verbosity")).filter(|v| !v.is_null()) {
+        text["verbosity"] = v.clone();
+    }
+    echo.insert("text".into(), text);
+    echo.insert("tool_choice".into(), sent("tool_choice").unwrap_or_else(|| json!("auto")));
+    echo.insert("tools".into(), sent("tools").unwrap_or_else(|| json!([])));
+    echo.insert("top_logprobs".into(), sent("top_logprobs").unwrap_or(json!(0)));
+    echo.insert("top_p".into(), number(prepared.params.top_p));
+    echo.insert("truncation".into(), json!("disabled"));
+    echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
+    prepared.responses = Some(std::sync::Arc::new(Echo { fields: echo }));
+    Ok(checked)
+}

@@ -1,0 +1,284 @@
+//! The Responses API: a request prepares exactly the chat request it means (same prompt ids,
+//! same parameters), its errors and ignored fields are named in its own terms, and its
+//! answer is a `response` object or OpenAI's event sequence.
+
+mod protocol_fixture;
+
+use std::sync::Arc;
+
+use llmserve_router::protocol::{Endpoint, Prepared};
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder};
+use llmserve_router::router::Router;
+use protocol_fixture::*;
+use serde_json::{json, Value};
+
+fn responses(r: &Router, body: Value) -> Result<Prepared, llmserve_router::error::ApiError> {
+    let mut b = json!({"model": "tiny"});
+    merge(&mut b, body);
+    r.prepare(Endpoint::Responses, &serde_json::to_vec(&b).unwrap())
+}
+
+fn chat_of(r: &Router, body: Value) -> Prepared {
+    let mut b = json!({"model": "tiny"});
+    merge(&mut b, body);
+    r.prepare(Endpoint::Chat, &serde_json::to_vec(&b).unwrap()).expect("the chat equivalent prepares")
+}
+
+#[test]
+fn a_request_prepares_its_chat_equivalent() {
+    let r = router();
+    let p = responses(
+        &r,
+        json!({
+            "instructions": "a b",
+            "input": [
+                {"role": "user", "content": "hello"},
+                {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+                 "content": [{"type": "output_text", "text": "world", "annotations": []}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                {"role": "developer", "content": [{"type": "input_text", "text": "y"}]},
+            ],
+            "max_output_tokens": 3,
+            "temperature": 0.5,
+            "top_p": 0.9,
+        }),
+    )
+    .unwrap();
+    let calls = json!([
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+    ]);
+    let c = chat_of(
+        &r,
+        json!({
+            "messages": [
+                {"role": "system", "content": "a b"},
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": [{"type": "text", "text": "world"}], "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "x", "name": "get_weather"},
+                {"role": "developer", "content": [{"type": "text", "text": "y"}]},
+            ],
+            "max_completion_tokens": 3,
+            "temperature": 0.5,
+            "top_p": 0.9,
+        }),
+    );
+    assert_eq!(p.prompts, c.prompts);
+    assert_eq!(p.params, c.params);
+    assert_eq!(p.endpoint, Endpoint::Responses);
+    assert!(p.id.starts_with("resp_"), "{}", p.id);
+    let echo = &p.responses.as_ref().expect("echo").fields;
+    assert_eq!(echo["instructions"], "a b");
+    assert_eq!((echo["temperature"].clone(), echo["top_p"].clone()), (json!(0.5), json!(0.9)));
+    assert_eq!((echo["store"].clone(), echo["max_output_tokens"].clone()), (json!(false), json!(3)));
+
+    // a string input is one user message; the client's request_id names the response
+    let p = responses(&r, json!({"input": "hello world", "request_id": "abc"})).unwrap();
+    assert_eq!(p.prompts, chat(&r, json!({})).unwrap().prompts);
+    assert_eq!(p.id, "resp_abc");
+}
+
+#[test]
+fn logprobs_are_asked_for_by_include_or_top_logprobs() {
+    let r = router();
+    let k = |body: Value| responses(&r, body).unwrap().params.logprobs;
+    assert_eq!(k(json!({"input": "hello"})), None);
+    assert_eq!(k(json!({"input": "hello", "include": ["message.output_text.logprobs"]})), Some(0));
+    assert_eq!(k(json!({"input": "hello", "top_logprobs": 3})), Some(3));
+}
+
+#[test]
+fn errors_are_named_in_the_responses_terms() {
+    let r = router();
+    let err = |body: Value| shape(responses(&r, body));
+    let bad = |param: &str| (400, "invalid_value", Some(param.to_string()));
+    assert_eq!(err(json!({"input": "hello", "temperature": 9})), bad("temperature"));
+    assert_eq!(
+        err(json!({"input": "hello", "max_output_tokens": 100})),
+        (400, "context_length_exceeded", Some("max_output_tokens".into()))
+    );
+    assert_eq!(
+        err(json!({"input": "hello", "tools": [{"type": "function", "name": "no space"}]})),
+        bad("tools[0].name")
+    );
+    assert_eq!(
+        err(json!({"input": "hello", "tools": [{"type": "function", "name": "f"}],
+                   "tool_choice": {"type": "function", "name": "g"}})),
+        bad("tool_choice.name")
+    );
+    assert_eq!(
+        err(json!({"input": "hello", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": 3}}}})),
+        bad("text.format.schema")
+    );
+    assert_eq!(
+        err(
+            json!({"input": [{"role": "user", "content": "hello"}, {"role": "user", "content": [{"type": "input_text"}]}]})
+        ),
+        (400, "missing_required_parameter", Some("input[1].content[0].text".into()))
+    );
+    assert_eq!(
+        err(json!({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]})),
+        (400, "invalid_type", Some("input[0].output".into()))
+    );
+    let unsupported = |param: &str| (400, "unsupported_parameter", Some(param.to_string()));
+    for (body, param) in [
+        (json!({"input": "hello", "max_tokens": 3}), "max_tokens"),
+        (json!({"messages": []}), "messages"),
+        (json!({"input": "hello", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"input": "hello", "truncation": "auto"}), "truncation"),
+        (json!({"input": "hello", "return_token_ids": true}), "return_token_ids"),
+        (json!({"input": "hello", "tools": [{"type": "file_search"}]}), "tools[0].type"),
+        (
+            json!({"input": "hello", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "mcp"}}),
+            "tool_choice.type",
+        ),
+    ] {
+        assert_eq!(err(body.clone()), unsupported(param), "{body}");
+    }
+    // the message quotes the field the client sent
+    let e = responses(&r, json!({"input": "hello", "max_output_tokens": 100})).unwrap_err();
+    assert!(
+        e.message().contains("`max_output_tokens`") && !e.message().contains("max_completion_tokens"),
+        "{}",
+        e.message()
+    );
+}
+
+#[test]
+fn fields_without_effect_are_reported_in_the_responses_terms() {
+    let r = router();
+    let p = responses(
+        &r,
+        json!({
+            "input": [
+                {"role": "user", "content": "hello", "foo": 1},
+                {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "a"}]},
+            ],
+            "store": true,
+            "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+            "reasoning": {"effort": "low"},
+            "text": {"verbosity": "low"},
+            "parallel_tool_calls": false,
+            "service_tier": "flex",
+        }),
+    )
+    .unwrap();
+    // (the reasoning item has no assistant turn after it to belong to)
+    assert_eq!(
+        header(&p, "llmserve-ignored-fields"),
+        Some("include[0], input[0].foo, input[1], parallel_tool_calls, reasoning.effort, service_tier, store, text.verbosity")
+    );
+    // `store: false` and OpenAI's defaults ask for nothing
+    let p = responses(&r, json!({"input": "hello", "store": false, "truncation": "disabled", "background": false}))
+        .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // strict field checking refuses them, by their Responses name
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    assert_eq!(
+        shape(responses(&strict, json!({"input": "hello", "store": true}))),
+        (400, "unsupported_parameter", Some("store".into()))
+    );
+    assert_eq!(
+        shape(responses(&strict, json!({"input": "hello", "parallel_tool_calls": true}))),
+        (400, "unsupported_parameter", Some("parallel_tool_calls".into()))
+    );
+}
+
+fn push(b: &mut ResponseBuilder, text: &str, finish: Option<FinishReason>) {
+    b.push(0, &ChoiceDelta { text, tokens: &[], ids: &[9], finish, stop_reason: None });
+}
+
+/// The SSE events of `bytes`: (event name, data).
+fn events(bytes: &[u8]) -> Vec<(String, Value)> {
+    let text = std::str::from_utf8(bytes).unwrap();
+    assert!(!text.contains("[DONE]"));
+    text.split_terminator("\n\n")
+        .map(|frame| {
+            let (event, data) = frame.split_once('\n').expect("event and data lines");
+            let event = event.strip_prefix("event: ").expect("an event line").to_string();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").expect("a data line")).unwrap();
+            assert_eq!(data["type"], event.as_str());
+            (event, data)
+        })
+        .collect()
+}
+
+#[test]
+fn a_streamed_answer_is_openais_event_sequence_and_adds_up_to_the_body() {
+    let r = router();
+    let run = |stream: bool| {
+        let p = responses(&r, json!({"input": "hello", "stream": stream, "max_output_tokens": 2})).unwrap();
+        let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+        let mut out = b.take();
+        push(&mut b, "a", None);
+        out.extend(b.take());
+        push(&mut b, " b", Some(FinishReason::Length));
+        out.extend(b.take());
+        out.extend(b.finish());
+        out
+    };
+    let evs = events(&run(true));
+    let kinds: Vec<&str> = evs.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+    for (i, (_, data)) in evs.iter().enumerate() {
+        assert_eq!(data["sequence_number"], i);
+    }
+    assert_eq!(evs[0].1["response"]["status"], "in_progress");
+    assert_eq!(evs[0].1["response"]["output"], json!([]));
+    let item_id = evs[2].1["item"]["id"].as_str().unwrap().to_string();
+    assert!(item_id.starts_with("msg_"));
+    assert_eq!(evs[8].1["item"]["id"], item_id.as_str());
+    for (_, data) in &evs[3..8] {
+        assert_eq!((data["item_id"].as_str(), data["output_index"].as_u64()), (Some(item_id.as_str()), Some(0)));
+    }
+    assert_eq!(evs[6].1["text"], "a b");
+    let streamed = &evs[9].1["response"];
+    let body: Value = serde_json::from_slice(&run(false)).unwrap();
+    for r in [streamed, &body] {
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["incomplete_details"], json!({"reason": "max_output_tokens"}));
+        assert_eq!(r["output"][0]["status"], "incomplete");
+        assert_eq!(r["output"][0]["content"], json!([{"type": "output_text", "text": "a b", "annotations": []}]));
+        assert_eq!(r["usage"]["output_tokens"], 2);
+        assert_eq!(r["usage"]["input_tokens"], r["usage"]["total_tokens"].as_u64().unwrap() - 2);
+        assert_eq!(r["object"], "response");
+        assert_eq!(r["store"], false);
+    }
+}
+
+#[test]
+fn an_empty_answer_is_one_empty_message() {
+    let r = router();
+    for stream in [false, true] {
+        let p = responses(&r, json!({"input": "hello", "stream": stream})).unwrap();
+        let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+        let mut out = b.take();
+        push(&mut b, "", Some(FinishReason::Stop));
+        out.extend(b.take());
+        out.extend(b.finish());
+        let body = if stream {
+            events(&out).pop().unwrap().1["response"].clone()
+        } else {
+            serde_json::from_slice(&out).unwrap()
+        };
+        assert_eq!(body["status"], "completed");
+        assert_eq!(body["output"].as_array().unwrap().len(), 1);
+        assert_eq!(body["output"][0]["content"][0]["text"], "", "stream: {stream}");
+    }
+}

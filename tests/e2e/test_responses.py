@@ -1,0 +1,312 @@
+"""OpenAI's Responses API (`POST /v1/responses`) end to end, with the official SDK.
+
+A Responses request is the chat request it means: the same greedy answer, from the same
+prompt tokens, as /v1/chat/completions gives for the translated messages, tools and format.
+Streamed, its events follow OpenAI's order (checked by the SDK's own stream accumulator,
+which raises on any inconsistency) and add up to the non-streamed `response`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from server import ServerProcess, tiny_template_server
+from test_reasoning import _build as build_think_model
+from test_tool_formats import HERMES, TIME, WEATHER
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()
+
+
+def _client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(smol):
+    with _client(smol) as c:
+        yield c
+
+
+def _events(client, **req) -> list:
+    return list(client.responses.create(**req, stream=True))
+
+
+def _check_stream_matches(events, whole) -> None:
+    """The events are numbered in order, follow OpenAI's sequence, and sum to `whole`."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1]
+    assert {e.response.id for e in (events[0], events[1], final)} == {final.response.id}
+    assert final.type == ("response.incomplete" if whole.status == "incomplete" else "response.completed")
+    assert final.response.status == whole.status
+    assert final.response.incomplete_details == whole.incomplete_details
+    got = [(o.type, getattr(o, "status", None)) for o in final.response.output]
+    assert got == [(o.type, getattr(o, "status", None)) for o in whole.output]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == final.response.output_text
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(o.arguments for o in whole.output if o.type == "function_call")
+    assert final.response.usage.output_tokens == whole.usage.output_tokens
+    assert final.response.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_text_answer_is_the_chat_answer(client):
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                max_output_tokens=32)
+    assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
+    assert r.output_text == "The capital of France is Paris."
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.id.startswith("msg_") and item.content[0].type == "output_text"
+    assert r.store is False and r.max_output_tokens == 32 and r.temperature == 0
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_completion_tokens=32,
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_stream_events_add_up_to_the_response(client):
+    req = dict(model=MODEL, input="Name three colors.", temperature=0, max_output_tokens=40)
+    whole = client.responses.create(**req)
+    events = _events(client, **req)
+    _check_stream_matches(events, whole)
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "[DONE]" not in json.dumps([e.model_dump() for e in events])
+    # the SDK's accumulating helper raises on any inconsistent event
+    with client.responses.stream(**req) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and final.status == "completed"
+
+
+def test_instructions_and_items_are_the_chat_messages(client):
+    instructions = "You are a pirate. Answer in one sentence."
+    items = [
+        {"role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Ahoy!", "annotations": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Where is the treasure?"}]},
+    ]
+    r = client.responses.create(model=MODEL, instructions=instructions, input=items, temperature=0,
+                                max_output_tokens=24)
+    messages = [{"role": "system", "content": instructions}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Ahoy!"}, {"role": "user", "content": "Where is the treasure?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_completion_tokens=24)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
+    assert r.instructions == instructions
+
+
+def test_max_output_tokens_makes_an_incomplete_response(client):
+    req = dict(model=MODEL, input="Write a long story about the sea.", temperature=0, max_output_tokens=5)
+    r = client.responses.create(**req)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.usage.output_tokens == 5
+    _check_stream_matches(_events(client, **req), r)
+
+
+def test_json_schema_format_is_enforced(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"enum": ["France", "Italy"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Describe Paris as JSON.", temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                 "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+
+
+def test_logprobs_come_with_the_text(client):
+    req = dict(model=MODEL, input="Say hi.", temperature=0, max_output_tokens=8,
+               include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**req)
+    lps = r.output[0].content[0].logprobs
+    assert "".join(lp.token for lp in lps) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    assert lps[0].top_logprobs[0].logprob >= lps[0].top_logprobs[1].logprob
+    events = _events(client, **req)
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]
+    # without them, the part says nothing of logprobs
+    plain = client.responses.create(model=MODEL, input="Say hi.", temperature=0, max_output_tokens=8)
+    assert plain.output[0].content[0].logprobs is None
+
+
+def test_fields_without_effect_are_reported(smol, client):
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="Hi", max_output_tokens=4, store=True, reasoning={"effort": "low"},
+        text={"verbosity": "low"}, include=["reasoning.encrypted_content"])
+    assert raw.headers["llmserve-ignored-fields"] == "include[0], reasoning.effort, store, text.verbosity"
+    assert raw.parse().store is False
+    r = httpx.post(smol.url + "/v1/responses", timeout=60,
+                   json={"model": MODEL, "input": "Hi", "max_output_tokens": 4, "store": False})
+    assert r.status_code == 200 and "llmserve-ignored-fields" not in r.headers
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "unsupported_parameter"),
+    ({"input": "Hi", "max_tokens": 5}, "max_tokens", "unsupported_parameter"),
+    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
+    ({"input": "Hi", "background": True}, "background", "unsupported_parameter"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported_parameter"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type", "unsupported_parameter"),
+    ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role", "invalid_value"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id",
+     "missing_required_parameter"),
+    ({}, "input", "missing_required_parameter"),
+    ({"input": []}, "input", "invalid_value"),
+    ({"input": "Hi", "temperature": 3}, "temperature", "invalid_value"),
+    ({"input": "Hi", "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format.schema", "invalid_value"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name", "invalid_value"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice.name", "invalid_value"),
+])
+def test_errors_name_the_responses_field(smol, body, param, code):
+    r = httpx.post(smol.url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+
+
+def test_context_overflow_names_max_output_tokens(client):
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=5000)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_output_tokens"
+    assert "`max_output_tokens`" in err["message"]
+
+
+def test_unknown_model_and_stored_responses_are_404(client):
+    with pytest.raises(NotFoundError) as e:
+        client.responses.create(model="nope", input="Hi")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(NotFoundError) as e:
+        client.responses.retrieve("resp_123")
+    assert "stores no responses" in e.value.body["message"]
+    with pytest.raises(NotFoundError):
+        client.responses.delete("resp_123")
+
+
+# --- tools, on a tiny model whose template is in Hermes' shape ---------------------------
+
+def _flat(tool: dict) -> dict:
+    return {"type": "function", **tool["function"]}
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    server = tiny_template_server(tmp_path_factory, "responses", HERMES)
+    yield server
+    server.stop()
+
+
+def test_forced_calls_are_function_call_items(hermes):
+    with _client(hermes) as client:
+        req = dict(model="tiny", input="Weather in Paris?", tools=[_flat(WEATHER), _flat(TIME)], temperature=0,
+                   max_output_tokens=200, tool_choice={"type": "function", "name": "get_weather"})
+        r = client.responses.create(**req)
+        assert r.status == "completed", r
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].status == "completed"
+        assert calls[0].id.startswith("fc_") and calls[0].call_id.startswith("call_")
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+        # the same call as chat's, from the same prompt
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                              tools=[WEATHER, TIME], temperature=0, max_completion_tokens=200,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert chat.choices[0].message.tool_calls[0].function.arguments == calls[0].arguments
+        assert chat.usage.prompt_tokens == r.usage.input_tokens
+        assert r.tools[0].name == "get_weather" and r.tool_choice.name == "get_weather"
+
+        events = _events(client, **req)
+        _check_stream_matches(events, r)
+        added = [e for e in events if e.type == "response.output_item.added"]
+        assert [a.item.type for a in added] == ["function_call"]
+        assert added[0].item.name == "get_weather" and added[0].item.arguments == ""
+        deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+        assert len(deltas) > 1, "arguments should arrive as they are generated"
+        done = next(e for e in events if e.type == "response.function_call_arguments.done")
+        assert done.arguments == calls[0].arguments
+        with client.responses.stream(**req) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_response()
+        assert [o.type for o in final.output] == ["function_call"]
+
+
+def test_call_history_is_the_chat_history(hermes):
+    with _client(hermes) as client:
+        args = '{"city": "Paris", "days": 2}'
+        items = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        ]
+        r = client.responses.create(model="tiny", input=items, tools=[_flat(WEATHER)], temperature=0,
+                                    max_output_tokens=8)
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        render = httpx.post(hermes.url + "/v1/chat/completions/render", timeout=30,
+                            json={"model": "tiny", "messages": messages, "tools": [WEATHER]}).json()
+        assert '"arguments": {"city": "Paris", "days": 2}' in render["prompt"]
+        assert r.usage.input_tokens == len(render["prompt_token_ids"])
+        chat = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], temperature=0,
+                                              max_completion_tokens=8)
+        got = r.output_text or "".join(o.arguments for o in r.output if o.type == "function_call")
+        want = chat.choices[0].message.content or "".join(
+            c.function.arguments for c in chat.choices[0].message.tool_calls or [])
+        assert got == want
+
+
+# --- reasoning, on a tiny model whose template opens a think block ------------------------
+
+@pytest.fixture(scope="module")
+def think(tmp_path_factory):
+    folder, _ = build_think_model(tmp_path_factory.mktemp("tiny-think-responses"))
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--num-kv-blocks", "100")
+    yield server
+    server.stop()
+
+
+def test_thinking_is_a_reasoning_item(think):
+    with _client(think) as client:
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                              max_completion_tokens=24, temperature=1.0, seed=3)
+        req = dict(model="tiny", input="Hello", max_output_tokens=24, temperature=1.0, extra_body={"seed": 3})
+        r = client.responses.create(**req)
+        reasoning = [o for o in r.output if o.type == "reasoning"]
+        msg = chat.choices[0].message
+        assert (reasoning[0].content[0].text if reasoning else None) == msg.reasoning_content
+        assert r.output_text == (msg.content or "")
+        assert r.usage.output_tokens_details.reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens
+        events = _events(client, **req)
+        _check_stream_matches(events, r)
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thought == (msg.reasoning_content or "")
