@@ -310,3 +310,39 @@ def test_thinking_is_a_reasoning_item(think):
         _check_stream_matches(events, r)
         thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         assert thought == (msg.reasoning_content or "")
+
+
+def test_agent_loop_sends_the_output_items_back(hermes):
+    """The loop clients write: the response's output items go back as they are (the SDK's
+    models), with each call's result, and nothing they carry is reported as ignored but the
+    results' `call_id`, which this template never reads (chat reports its `tool_call_id`)."""
+    with _client(hermes) as client:
+        tools = [_flat(WEATHER)]
+        items: list = [{"role": "user", "content": "Weather in Paris?"}]
+        r = client.responses.create(model="tiny", input=items, tools=tools, tool_choice="required",
+                                    max_output_tokens=200, temperature=0)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert calls, r.output
+        items += r.output
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]
+        unread = ", ".join(f"input[{len(items) - len(calls) + i}].call_id" for i in range(len(calls)))
+        raw = client.responses.with_raw_response.create(model="tiny", input=items, tools=tools,
+                                                        max_output_tokens=8, temperature=0)
+        assert raw.headers["llmserve-ignored-fields"] == unread
+        again = raw.parse()
+        assert again.status in ("completed", "incomplete")
+        # the same turn as the chat history it means
+        history = [{"role": "user", "content": "Weather in Paris?"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": c.call_id, "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}]
+        history += [{"role": "tool", "tool_call_id": c.call_id, "content": "sunny"} for c in calls]
+        chat = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER],
+                                              max_completion_tokens=8, temperature=0)
+        assert chat.usage.prompt_tokens == again.usage.input_tokens
+        # and as plain dicts (model_dump), as clients that store them send them
+        dumped = [i if isinstance(i, dict) else i.model_dump() for i in items]
+        raw = client.responses.with_raw_response.create(model="tiny", input=dumped, tools=tools,
+                                                        max_output_tokens=8, temperature=0)
+        assert raw.headers["llmserve-ignored-fields"] == unread
+        assert raw.parse().usage.input_tokens == again.usage.input_tokens

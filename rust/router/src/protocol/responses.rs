@@ -95,6 +95,8 @@ pub struct Echo {
 #[derive(Default)]
 struct Origins {
     messages: Vec<(String, Vec<String>)>,
+    /// The chat fields the translation added (a tool result's `name`): never reported.
+    added: Vec<String>,
 }
 
 impl Origins {
@@ -272,6 +274,7 @@ impl Conversation {
                     .find_map(|c| (c["id"] == call_id).then(|| c["function"]["name"].clone()));
                 if let Some(name) = name {
                     message["name"] = name;
+                    self.origins.added.push(format!("messages[{}].name", self.messages.len()));
                 }
                 self.push(message, p);
                 Ok(())
@@ -657,7 +660,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         chat::prepare_value(router, &Value::Object(chat), header_id).map_err(|e| origins.rename_error(e))?;
 
     let prepared = &mut checked.prepared;
-    let mut all: Vec<String> = checked.ignored.iter().map(|p| origins.rename(p)).chain(ignored).collect();
+    let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
+    let mut all: Vec<String> = chat_ignored.map(|p| origins.rename(p)).chain(ignored).collect();
     all.sort();
     all.dedup();
     prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");
