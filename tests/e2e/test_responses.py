@@ -299,7 +299,8 @@ def test_thinking_is_a_reasoning_item(think):
     with _client(think) as client:
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
                                               max_completion_tokens=24, temperature=1.0, seed=3)
-        req = dict(model="tiny", input="Hello", max_output_tokens=24, temperature=1.0, extra_body={"seed": 3})
+        req = dict(model="tiny", input="Hello", max_output_tokens=24, temperature=1.0, extra_body={"seed": 3},
+                   include=["message.output_text.logprobs"])
         r = client.responses.create(**req)
         reasoning = [o for o in r.output if o.type == "reasoning"]
         msg = chat.choices[0].message
@@ -310,6 +311,12 @@ def test_thinking_is_a_reasoning_item(think):
         _check_stream_matches(events, r)
         thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         assert thought == (msg.reasoning_content or "")
+        # the message's logprobs are its own tokens', not the thinking's (which has none)
+        message = [o for o in r.output if o.type == "message"]
+        if message:
+            assert "".join(lp.token for lp in message[0].content[0].logprobs) == r.output_text
+        streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        assert "".join(streamed) == r.output_text
 
 
 def test_agent_loop_sends_the_output_items_back(hermes):

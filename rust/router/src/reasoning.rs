@@ -148,6 +148,16 @@ impl ReasoningSplitter {
         out
     }
 
+    /// Whether a token whose text starts at `start` (output characters, as pushed) is part of
+    /// the content: before a `<think>` the output opened, or after `</think>`; not inside the
+    /// block or its markers. Known for every token pushed so far.
+    pub fn in_content(&self, start: usize) -> bool {
+        let Some(open) = self.opened_at else { return true };
+        // (a block the prompt opened has no marker and nothing before it in the output)
+        let before = open >= OPEN.len() && start + OPEN.len() <= open;
+        before || self.closed_at.is_some_and(|c| start >= c + CLOSE.len())
+    }
+
     /// The reasoning tokens counted so far (OpenAI's `completion_tokens_details.reasoning_tokens`).
     pub fn reasoning_tokens(&self) -> u64 {
         self.tokens

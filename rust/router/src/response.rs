@@ -758,12 +758,22 @@ impl ResponseBuilder {
             split
         });
         let content_delta;
+        let content_tokens: Vec<TokenOut>;
         let delta = match &split {
             Some(split) => {
                 if !split.reasoning.is_empty() {
                     self.push_reasoning(choice, &split.reasoning);
                 }
-                content_delta = ChoiceDelta { text: &split.content, ..*delta };
+                // A Responses message's logprobs cover its text alone (the reasoning item has
+                // none); chat's list every token, as vLLM's.
+                let tokens = match (&self.responses, &self.choices[idx].reasoning) {
+                    (Some(_), Some(r)) => {
+                        content_tokens = delta.tokens.iter().filter(|t| r.in_content(t.text_offset)).cloned().collect();
+                        &content_tokens[..]
+                    }
+                    _ => delta.tokens,
+                };
+                content_delta = ChoiceDelta { text: &split.content, tokens, ..*delta };
                 &content_delta
             }
             None => delta,

@@ -282,3 +282,95 @@ fn an_empty_answer_is_one_empty_message() {
         assert_eq!(body["output"][0]["content"][0]["text"], "", "stream: {stream}");
     }
 }
+
+/// Audit 71's findings: names the client sent, and defaults it may send back.
+#[test]
+fn audit71_names_and_defaults() {
+    let r = router();
+    // calls a template without tool support drops are the function_call items (A71-3)
+    let p = responses(
+        &r,
+        json!({"input": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "world"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        ]}),
+    )
+    .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("input[2], input[3], input[4].call_id"));
+    // a tool result's content is its `output` (A71-5)
+    let out = json!({"input": [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": []},
+    ]});
+    assert_eq!(shape(responses(&r, out)), (400, "invalid_value", Some("input[1].output".into())));
+    // messages quote the Responses field (A71-6)
+    let e = responses(&r, json!({"input": "hello", "tools": [{"type": "function"}]})).unwrap_err();
+    assert_eq!(e.param(), Some("tools[0].name"));
+    assert!(e.message().contains("`tools[0].name`"), "{}", e.message());
+    let e = responses(&r, json!({"input": "a b c a b c a b c a b c a b c a b c a b c a b c a b c a b c a b c"}))
+        .unwrap_err();
+    assert!(e.message().contains("the input has"), "{}", e.message());
+    // OpenAI's default tool_choice, which every response echoes, may come back without tools (A71-7)
+    for choice in ["auto", "none"] {
+        let p = responses(&r, json!({"input": "hello", "tool_choice": choice})).unwrap();
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    }
+    assert_eq!(
+        shape(responses(&r, json!({"input": "hello", "tool_choice": "required"}))).2.as_deref(),
+        Some("tool_choice")
+    );
+    // a named choice's other keys are reported (A71-8)
+    let p = responses(
+        &r,
+        json!({"input": "hello", "tools": [{"type": "function", "name": "f"}],
+               "tool_choice": {"type": "function", "name": "f", "strict": true}}),
+    )
+    .unwrap();
+    assert!(p.ignored.contains(&"tool_choice.strict".to_string()), "{:?}", p.ignored);
+    // a json_schema format needs its schema (A71-9)
+    assert_eq!(
+        shape(responses(&r, json!({"input": "hello", "text": {"format": {"type": "json_schema", "name": "x"}}}))),
+        (400, "missing_required_parameter", Some("text.format.schema".into()))
+    );
+    // no stream is obfuscated (A71-10)
+    let p = responses(&r, json!({"input": "hello", "stream": true, "stream_options": {"include_obfuscation": false}}))
+        .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // OpenAI's metadata limits (A71-11)
+    let many: serde_json::Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+    assert_eq!(shape(responses(&r, json!({"input": "hello", "metadata": many}))).2.as_deref(), Some("metadata"));
+}
+
+/// Logprobs of tokens that showed no text yet go out with the next delta, and those of a
+/// character the answer was cut inside with an empty one, so the deltas add up (A71-1).
+#[test]
+fn streamed_logprobs_add_up_to_the_done_event() {
+    let r = router();
+    let p = responses(&r, json!({"input": "hello", "stream": true, "top_logprobs": 0})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    let tok = |id| llmserve_router::response::TokenOut { id, logprob: -0.5, top: vec![], text_offset: 0 };
+    let (t1, t2, t3) = ([tok(13)], [tok(14)], [tok(15)]);
+    let mut out = b.take();
+    b.push(0, &ChoiceDelta { text: "", tokens: &t1, ids: &[13], finish: None, stop_reason: None });
+    b.push(0, &ChoiceDelta { text: "a", tokens: &t2, ids: &[14], finish: None, stop_reason: None });
+    b.push(
+        0,
+        &ChoiceDelta { text: "", tokens: &t3, ids: &[15], finish: Some(FinishReason::Length), stop_reason: None },
+    );
+    out.extend(b.take());
+    out.extend(b.finish());
+    let evs = events(&out);
+    let deltas: Vec<(String, usize)> = evs
+        .iter()
+        .filter(|(k, _)| k == "response.output_text.delta")
+        .map(|(_, d)| (d["delta"].as_str().unwrap().to_string(), d["logprobs"].as_array().unwrap().len()))
+        .collect();
+    assert_eq!(deltas, [("a".to_string(), 2), (String::new(), 1)]);
+    let done = &evs.iter().find(|(k, _)| k == "response.output_text.done").unwrap().1;
+    assert_eq!(done["logprobs"].as_array().unwrap().len(), 3);
+    let last = &evs.last().unwrap().1["response"]["output"][0]["content"][0];
+    assert_eq!(last["logprobs"].as_array().unwrap().len(), 3);
+}

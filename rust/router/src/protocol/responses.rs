@@ -94,29 +94,60 @@ pub struct Echo {
 /// its tool calls came from.
 #[derive(Default)]
 struct Origins {
-    messages: Vec<(String, Vec<String>)>,
+    messages: Vec<Origin>,
     /// The chat fields the translation added (a tool result's `name`): never reported.
     added: Vec<String>,
 }
 
+/// Where one chat message came from.
+struct Origin {
+    /// The item's path (`input[3]`, `instructions`, `input` for a string input).
+    path: String,
+    /// The paths of the `function_call` items its tool calls came from.
+    calls: Vec<String>,
+    /// The item's name for the message's `content` (`output` for a function call's result).
+    content: &'static str,
+}
+
 impl Origins {
+    /// A reported chat field in the Responses request's terms: a message's `tool_calls`
+    /// (dropped by a template without tool support) are the `function_call` items they came
+    /// from.
+    fn rename_reported(&self, param: &str) -> Vec<String> {
+        let calls = param
+            .strip_prefix("messages[")
+            .and_then(|rest| rest.strip_suffix("].tool_calls"))
+            .and_then(|i| self.messages.get(i.parse::<usize>().ok()?))
+            .filter(|origin| !origin.calls.is_empty());
+        match calls {
+            Some(origin) => origin.calls.clone(),
+            None => vec![self.rename(param)],
+        }
+    }
+
     /// A chat `param` in the Responses request's terms.
     fn rename(&self, param: &str) -> String {
         if let Some(rest) = param.strip_prefix("messages[") {
             let Some((index, rest)) = rest.split_once(']') else { return "input".into() };
-            let Some((path, calls)) = index.parse::<usize>().ok().and_then(|i| self.messages.get(i)) else {
+            let Some(origin) = index.parse::<usize>().ok().and_then(|i| self.messages.get(i)) else {
                 return "input".into();
             };
-            if let Some(call) = rest.strip_prefix(".tool_calls[") {
-                if let Some((j, tail)) = call.split_once(']') {
-                    if let Some(call_path) = j.parse::<usize>().ok().and_then(|j| calls.get(j)) {
-                        return format!("{call_path}{}", tail.strip_prefix(".function").unwrap_or(tail));
+            if let Some(call) = rest.strip_prefix(".tool_calls") {
+                let at = call.strip_prefix('[').and_then(|c| c.split_once(']'));
+                let call_path = at.and_then(|(j, _)| origin.calls.get(j.parse::<usize>().ok()?));
+                return match (call_path, at) {
+                    (Some(call_path), Some((_, tail))) => {
+                        format!("{call_path}{}", tail.strip_prefix(".function").unwrap_or(tail))
                     }
-                }
+                    _ => origin.calls.first().unwrap_or(&origin.path).clone(),
+                };
             }
-            // (the `tool_call_id` of a function call output is its `call_id`)
-            let rest = rest.replace(".tool_call_id", ".call_id");
-            return format!("{path}{rest}");
+            // (a function call output's `tool_call_id` is its `call_id`, its `content` its `output`)
+            let rest = match rest.strip_prefix(".content") {
+                Some(tail) => format!(".{}{tail}", origin.content),
+                None => rest.replace(".tool_call_id", ".call_id"),
+            };
+            return format!("{}{rest}", origin.path);
         }
         if param == "messages" {
             return "input".into();
@@ -140,20 +171,43 @@ impl Origins {
         }
     }
 
+    /// `message` with the chat fields it quotes (`` `tools[0].function.name` ``) renamed, and
+    /// chat's wording of the context error.
+    fn words(&self, message: String, param: Option<&str>) -> String {
+        // (`chat_template_kwargs.messages` names a template variable, not a field)
+        if param.is_some_and(|p| p.starts_with("chat_template_kwargs")) {
+            return message;
+        }
+        let chat_fields = ["messages", "tools[", "tool_choice.function", "response_format", "max_completion_tokens"];
+        let mut out = String::with_capacity(message.len());
+        for (i, part) in message.split('`').enumerate() {
+            if i > 0 {
+                out.push('`');
+            }
+            // (odd pieces are quoted)
+            if i % 2 == 1 && chat_fields.iter().any(|f| part.starts_with(f)) {
+                out.push_str(&self.rename(part));
+            } else {
+                out.push_str(part);
+            }
+        }
+        out.replace("the messages have", "the input has")
+            .replace("the messages render", "the input renders")
+            .replace("(response_format,", "(text.format,")
+    }
+
     /// `err` with its `param` (and the chat field names its message quotes) renamed.
     fn rename_error(&self, err: ApiError) -> ApiError {
-        let words = |m: String| {
-            m.replace("`max_completion_tokens`", "`max_output_tokens`")
-                .replace("`response_format`", "`text.format`")
-                .replace("`messages`", "`input`")
-        };
         match err {
-            ApiError::InvalidRequest { message, param, code } => {
-                ApiError::InvalidRequest { message: words(message), param: param.map(|p| self.rename(&p)), code }
-            }
-            ApiError::ContextLengthExceeded { message, param } => {
-                ApiError::ContextLengthExceeded { message: words(message), param: param.map(|p| self.rename(&p)) }
-            }
+            ApiError::InvalidRequest { message, param, code } => ApiError::InvalidRequest {
+                message: self.words(message, param.as_deref()),
+                param: param.map(|p| self.rename(&p)),
+                code,
+            },
+            ApiError::ContextLengthExceeded { message, param } => ApiError::ContextLengthExceeded {
+                message: self.words(message, param.as_deref()),
+                param: param.map(|p| self.rename(&p)),
+            },
             other => other,
         }
     }
@@ -202,8 +256,13 @@ struct Conversation {
 
 impl Conversation {
     fn push(&mut self, message: Value, path: String) {
+        self.push_as(message, path, "content");
+    }
+
+    /// `push`, the item naming the message's content `content`.
+    fn push_as(&mut self, message: Value, path: String, content: &'static str) {
         self.messages.push(message);
-        self.origins.messages.push((path, Vec::new()));
+        self.origins.messages.push(Origin { path, calls: Vec::new(), content });
     }
 
     /// An assistant turn: the last message when it is one that calls may join (`joinable`),
@@ -246,7 +305,7 @@ impl Conversation {
                 let message = self.assistant(&p, true);
                 let calls = message.entry("tool_calls").or_insert_with(|| json!([]));
                 calls.as_array_mut().expect("tool_calls is an array").push(call);
-                self.origins.messages.last_mut().expect("an assistant turn").1.push(p);
+                self.origins.messages.last_mut().expect("an assistant turn").calls.push(p);
                 Ok(())
             }
             "function_call_output" => {
@@ -276,7 +335,7 @@ impl Conversation {
                     message["name"] = name;
                     self.origins.added.push(format!("messages[{}].name", self.messages.len()));
                 }
-                self.push(message, p);
+                self.push_as(message, p, "output");
                 Ok(())
             }
             "reasoning" => {
@@ -285,7 +344,8 @@ impl Conversation {
                     self.ignored.push(format!("{p}.encrypted_content"));
                 }
                 // its text (the summary, when the item has no reasoning text)
-                let texts = |key: &str| -> Result<Vec<String>, ApiError> {
+                let mut unknown = Vec::new();
+                let mut texts = |key: &str| -> Result<Vec<String>, ApiError> {
                     let Some(list) = set(obj, key) else { return Ok(Vec::new()) };
                     let list = list.as_array().ok_or_else(|| {
                         invalid_type(format!("{p}.{key}"), format!("`{key}` must be an array, not {}.", kind_of(list)))
@@ -293,13 +353,23 @@ impl Conversation {
                     list.iter()
                         .enumerate()
                         .map(|(j, part)| {
-                            let part = as_object(part, format!("{p}.{key}[{j}]"), "Each part")?;
-                            required_str(part, "text", &format!("{p}.{key}[{j}]")).map(str::to_string)
+                            let pp = format!("{p}.{key}[{j}]");
+                            let part = as_object(part, pp.clone(), "Each part")?;
+                            let want = if key == "content" { "reasoning_text" } else { "summary_text" };
+                            if part.get("type").and_then(Value::as_str) != Some(want) {
+                                return Err(ApiError::invalid(
+                                    format!("{pp}.type"),
+                                    format!("A reasoning item's `{key}` parts have type {want:?}."),
+                                ));
+                            }
+                            unknown.extend(unknown_keys(part, &["type", "text"], &pp));
+                            required_str(part, "text", &pp).map(str::to_string)
                         })
                         .collect()
                 };
                 let content = texts("content")?;
                 let summary = texts("summary")?;
+                self.ignored.extend(unknown);
                 let text = if content.is_empty() { summary.join("\n\n") } else { content.join("") };
                 if let Some((_, earlier)) = self.reasoning.replace((text, p)) {
                     self.ignored.push(earlier);
@@ -460,12 +530,14 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
-/// Responses' `tool_choice` -> chat's.
-fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
+/// Responses' `tool_choice` -> chat's (keys of a named choice beside `type` and `name` are
+/// reported in `ignored`).
+fn chat_tool_choice(choice: &Value, ignored: &mut Vec<String>) -> Result<Value, ApiError> {
     let Value::Object(obj) = choice else { return Ok(choice.clone()) };
     match required_str(obj, "type", "tool_choice")? {
         "function" => {
             let name = required_str(obj, "name", "tool_choice")?;
+            ignored.extend(unknown_keys(obj, &["type", "name"], "tool_choice"));
             Ok(json!({"type": "function", "function": {"name": name}}))
         }
         t => Err(unsupported(
@@ -480,6 +552,9 @@ fn response_format(format: &Value) -> Result<Value, ApiError> {
     let obj = as_object(format, "text.format", "`text.format`")?;
     Ok(match required_str(obj, "type", "text.format")? {
         "json_schema" => {
+            if set(obj, "schema").is_none() {
+                return Err(missing("text.format.schema".into()));
+            }
             let mut schema = obj.clone();
             schema.remove("type");
             json!({"type": "json_schema", "json_schema": schema})
@@ -597,7 +672,10 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
     if let Some(options) = set(obj, "stream_options") {
         let o = as_object(options, "stream_options", "`stream_options`")?;
-        ignored.extend(o.iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| format!("stream_options.{k}")));
+        // (no stream is obfuscated: `include_obfuscation: false` asks for nothing)
+        let asks =
+            |(k, v): &(&String, &Value)| !(v.is_null() || (*k == "include_obfuscation" && **v == Value::Bool(false)));
+        ignored.extend(o.iter().filter(asks).map(|(k, _)| format!("stream_options.{k}")));
     }
     if let Some(metadata) = set(obj, "metadata") {
         let m = as_object(metadata, "metadata", "`metadata`")?;
@@ -605,6 +683,17 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             return Err(invalid_type(
                 format!("metadata.{k}"),
                 format!("Metadata values must be strings, not {}.", kind_of(v)),
+            ));
+        }
+        // OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
+        if m.len() > 16 {
+            return Err(ApiError::invalid("metadata", format!("`metadata` holds at most 16 pairs, got {}.", m.len())));
+        }
+        let long = |s: &str, most: usize| s.chars().count() > most;
+        if let Some((k, _)) = m.iter().find(|(k, v)| long(k, 64) || v.as_str().is_some_and(|v| long(v, 512))) {
+            return Err(ApiError::invalid(
+                format!("metadata.{k}"),
+                "Metadata keys are at most 64 characters and values at most 512.",
             ));
         }
     }
@@ -649,8 +738,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     if let Some(tools) = set(obj, "tools") {
         chat.insert("tools".into(), chat_tools(tools)?);
     }
-    if let Some(choice) = set(obj, "tool_choice") {
-        chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    match set(obj, "tool_choice") {
+        // OpenAI's default (which every response echoes), and "none", ask for nothing without
+        // tools; chat refuses a `tool_choice` without `tools`
+        Some(Value::String(c)) if (c == "auto" || c == "none") && set(obj, "tools").is_none() => {}
+        Some(choice) => {
+            chat.insert("tool_choice".into(), chat_tool_choice(choice, &mut ignored)?);
+        }
+        None => {}
     }
     // ours first: under strict field checking they are the 400
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
@@ -661,7 +756,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 
     let prepared = &mut checked.prepared;
     let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
-    let mut all: Vec<String> = chat_ignored.map(|p| origins.rename(p)).chain(ignored).collect();
+    let mut all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
     all.sort();
     all.dedup();
     prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");

@@ -156,11 +156,14 @@ pub(super) struct EventStream {
     /// How the one choice ended, once it has.
     finish: Option<FinishReason>,
     logprobs: bool,
+    /// Logprobs of tokens that showed no text yet (the first bytes of a character), sent with
+    /// the message's next delta (or an empty one as it closes).
+    pending_lp: Vec<ChatLogprob>,
 }
 
 impl EventStream {
     pub(super) fn new(logprobs: bool) -> Self {
-        Self { seq: 0, items: Vec::new(), open: false, finish: None, logprobs }
+        Self { seq: 0, items: Vec::new(), open: false, finish: None, logprobs, pending_lp: Vec::new() }
     }
 
     /// Queues one event: `event: <type>` and its JSON with `type` and `sequence_number`.
@@ -218,6 +221,10 @@ impl EventStream {
         }
         self.open = false;
         let index = self.index();
+        if matches!(self.items[index], Item::Message { .. }) && !self.pending_lp.is_empty() {
+            // the last tokens' logprobs, whose text never came (cut inside a character)
+            self.text_delta(out, "");
+        }
         let item = self.items[index].clone();
         let id = item.id().to_string();
         match &item {
@@ -244,6 +251,20 @@ impl EventStream {
         self.event(out, "response.output_item.done", json!({"output_index": index, "item": value}));
     }
 
+    /// An `output_text.delta` of the open message: `text` and the logprobs held so far.
+    fn text_delta(&mut self, out: &mut Vec<u8>, text: &str) {
+        let index = self.index();
+        let logprobs = std::mem::take(&mut self.pending_lp);
+        if let Some(Item::Message { id, text: all, logprobs: lps }) = self.items.last_mut() {
+            all.push_str(text);
+            lps.extend(logprobs.iter().cloned());
+            let id = id.clone();
+            let mut delta = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text});
+            delta["logprobs"] = serde_json::to_value(&logprobs).expect("logprobs serialize");
+            self.event(out, "response.output_text.delta", delta);
+        }
+    }
+
     /// One chat chunk of the choice, as events.
     pub(super) fn on_chunk(&mut self, out: &mut Vec<u8>, c: &ChatChunkChoice) {
         if let Some(text) = c.delta.reasoning_content.filter(|t| !t.is_empty()) {
@@ -261,24 +282,17 @@ impl EventStream {
                 );
             }
         }
-        let logprobs = c.logprobs.as_ref().map(|l| l.content.clone()).unwrap_or_default();
+        // (a chunk with call pieces carries the logprobs of the tokens that spelled the call,
+        // which have no place in a function_call item)
+        if c.delta.tool_calls.is_none() {
+            self.pending_lp.extend(c.logprobs.iter().flat_map(|l| l.content.iter().cloned()));
+        }
         let text = c.delta.content.unwrap_or_default();
         if !text.is_empty() {
             if !(self.open && matches!(self.items.last(), Some(Item::Message { .. }))) {
                 self.open(out, Item::message("", Vec::new()));
             }
-            let index = self.index();
-            if let Some(Item::Message { id, text: all, logprobs: lps }) = self.items.last_mut() {
-                all.push_str(text);
-                lps.extend(logprobs.iter().cloned());
-                let id = id.clone();
-                let mut delta = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text});
-                delta["logprobs"] = serde_json::to_value(&logprobs).expect("logprobs serialize");
-                self.event(out, "response.output_text.delta", delta);
-            }
-        } else if let (true, Some(Item::Message { logprobs: lps, .. })) = (self.open, self.items.last_mut()) {
-            // (logprobs of tokens that showed no text: they stay with the message's text)
-            lps.extend(logprobs);
+            self.text_delta(out, text);
         }
         for call in c.delta.tool_calls.iter().flatten() {
             if let (Some(call_id), Some(name)) = (call.id, call.function.name) {
