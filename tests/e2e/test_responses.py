@@ -72,7 +72,7 @@ def test_text_answer_is_the_chat_answer(client):
     (item,) = r.output
     assert item.type == "message" and item.role == "assistant" and item.status == "completed"
     assert item.id.startswith("msg_") and item.content[0].type == "output_text"
-    assert r.store is False and r.max_output_tokens == 32 and r.temperature == 0
+    assert r.store is True and r.max_output_tokens == 32 and r.temperature == 0
     chat = client.chat.completions.create(model=MODEL, temperature=0, max_completion_tokens=32,
                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert r.output_text == chat.choices[0].message.content
@@ -155,17 +155,23 @@ def test_fields_without_effect_are_reported(smol, client):
     raw = client.responses.with_raw_response.create(
         model=MODEL, input="Hi", max_output_tokens=4, store=True, reasoning={"effort": "low"},
         text={"verbosity": "low"}, include=["reasoning.encrypted_content"])
-    assert raw.headers["llmserve-ignored-fields"] == "include[0], reasoning.effort, store, text.verbosity"
-    assert raw.parse().store is False
+    assert raw.headers["llmserve-ignored-fields"] == "include[0], reasoning.effort, text.verbosity"
+    assert raw.parse().store is True
     r = httpx.post(smol.url + "/v1/responses", timeout=60,
                    json={"model": MODEL, "input": "Hi", "max_output_tokens": 4, "store": False})
     assert r.status_code == 200 and "llmserve-ignored-fields" not in r.headers
+    # what every response echoes, and agent SDKs send for an agent without tools, asks for nothing
+    raw = client.responses.with_raw_response.create(model=MODEL, input="Hi", max_output_tokens=4, tools=[],
+                                                    tool_choice="auto", parallel_tool_calls=True, top_logprobs=0,
+                                                    truncation="disabled")
+    assert "llmserve-ignored-fields" not in raw.headers, raw.headers["llmserve-ignored-fields"]
+    assert raw.parse().usage.input_tokens_details.cache_write_tokens == 0
 
 
 @pytest.mark.parametrize("body, param, code", [
     ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "unsupported_parameter"),
     ({"input": "Hi", "max_tokens": 5}, "max_tokens", "unsupported_parameter"),
-    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
+    ({"input": "Hi", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
     ({"input": "Hi", "background": True}, "background", "unsupported_parameter"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported_parameter"),
@@ -199,15 +205,55 @@ def test_context_overflow_names_max_output_tokens(client):
     assert "`max_output_tokens`" in err["message"]
 
 
-def test_unknown_model_and_stored_responses_are_404(client):
+def test_unknown_model_and_unknown_responses_are_404(client):
     with pytest.raises(NotFoundError) as e:
         client.responses.create(model="nope", input="Hi")
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(NotFoundError) as e:
         client.responses.retrieve("resp_123")
-    assert "stores no responses" in e.value.body["message"]
+    assert e.value.body["code"] == "not_found"
     with pytest.raises(NotFoundError):
         client.responses.delete("resp_123")
+    with pytest.raises(NotFoundError):
+        client.responses.input_items.list("resp_123")
+
+
+def test_stored_responses_are_read_back_and_continued(client):
+    first = client.responses.create(model=MODEL, instructions="Answer in one short sentence.",
+                                    input="What is the capital of France?", temperature=0, max_output_tokens=24)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = client.responses.input_items.list(first.id)
+    assert [i.content[0].text for i in items.data] == ["What is the capital of France?"]
+    assert items.data[0].id.startswith("msg_")   # (instructions are not an item, as OpenAI's)
+
+    # a streamed response is stored as its final event says
+    events = _events(client, model=MODEL, input="Hi", temperature=0, max_output_tokens=8)
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+    # previous_response_id: the conversation so far, then the new input (not the old instructions)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="And of Italy?",
+                                     temperature=0, max_output_tokens=24)
+    assert second.previous_response_id == first.id
+    by_hand = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24, store=False, input=[
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Italy?"},
+    ])
+    assert (second.output_text, second.usage.input_tokens) == (by_hand.output_text, by_hand.usage.input_tokens)
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "message", "message"]
+
+    # store: false is not kept; deleted is gone
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(by_hand.id)
+    client.responses.delete(first.id)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=first.id, input="Hi")
+    assert (e.value.body["code"], e.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
 
 
 # --- tools, on a tiny model whose template is in Hermes' shape ---------------------------

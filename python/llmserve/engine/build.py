@@ -263,6 +263,7 @@ def build_engine(cfg: Config) -> Engine:
         "served_model_names": names,
         "max_model_len": max_model_len,
         "strict_fields": cfg.server.strict_fields,
+        "responses_store_bytes": cfg.server.responses_store_mib * 2**20,
         "bos_token": ck.bos_token,
         "eos_token": ck.eos_token,
         "eos_token_ids": list(ck.eos_token_ids),

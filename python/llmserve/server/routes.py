@@ -254,10 +254,30 @@ async def responses(request: Request) -> Response:
 
 
 async def stored_response(request: Request) -> Response:
-    # GET/DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: nothing is stored
-    # (every response says `"store": false`), so no id is ever found.
-    raise Router.error("not_found", f"No response with id {request.path_params['response_id']!r}: this server "
-                       "stores no responses (they are answered with \"store\": false).")
+    """GET (read) and DELETE (forget) /v1/responses/{id}: a response kept by `store`."""
+    router, response_id = _engine(request).router, request.path_params["response_id"]
+    if request.method == "DELETE":
+        return Response(router.delete_response(response_id), media_type=JSON)
+    return Response(router.stored_response(response_id), media_type=JSON)
+
+
+async def response_input_items(request: Request) -> Response:
+    """GET /v1/responses/{id}/input_items?order=&limit=&after=: the conversation it answered."""
+    query = request.query_params
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise Router.error("invalid_request", "`limit` must be an integer.", param="limit") from None
+    page = _engine(request).router.response_input_items(
+        request.path_params["response_id"], query.get("order", "desc"), limit, query.get("after"))
+    return Response(page, media_type=JSON)
+
+
+async def cancel_response(request: Request) -> Response:
+    """POST /v1/responses/{id}/cancel: only background responses can be, and there are none."""
+    _engine(request).router.stored_response(request.path_params["response_id"])   # 404 if unknown
+    raise Router.error("invalid_request", "Only background responses can be cancelled, and this server runs "
+                       "none: this response has already completed.", param="response_id")
 
 
 def _handler(endpoint: str):

@@ -108,6 +108,30 @@ impl PyRouter {
         self.inner.model(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
     }
 
+    /// `GET /v1/responses/{id}`: the stored response, or a 404 ApiError.
+    fn stored_response<'py>(&self, py: Python<'py>, id: &str) -> PyResult<Bound<'py, PyBytes>> {
+        self.inner.responses().body(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// `DELETE /v1/responses/{id}`: forgets it; its body, or a 404 ApiError.
+    fn delete_response<'py>(&self, py: Python<'py>, id: &str) -> PyResult<Bound<'py, PyBytes>> {
+        self.inner.responses().delete(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// `GET /v1/responses/{id}/input_items`: a page of the conversation it answered.
+    #[pyo3(signature = (id, order = "desc", limit = 20, after = None))]
+    fn response_input_items<'py>(
+        &self,
+        py: Python<'py>,
+        id: &str,
+        order: &str,
+        limit: u32,
+        after: Option<&str>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let page = self.inner.responses().input_items(id, order, limit, after);
+        page.map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
+    }
+
     /// (origin, hash) of the template chat requests use, or None.
     fn template_info(&self) -> Option<(String, String)> {
         self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))

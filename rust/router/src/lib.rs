@@ -13,6 +13,7 @@ pub mod error;
 pub mod protocol;
 pub mod reasoning;
 pub mod response;
+pub mod response_store;
 pub mod router;
 pub mod structured;
 pub mod template;

@@ -1139,6 +1139,7 @@ impl ResponseBuilder {
             output,
             self.responses_usage(),
         );
+        responses::keep(echo, &self.id, &object);
         serde_json::to_vec(&object).expect("bodies serialize")
     }
 
@@ -1155,7 +1156,9 @@ impl ResponseBuilder {
                 let (id, created, model) = (&self.id, self.created, &self.model);
                 if let Some((echo, events)) = self.responses.as_mut() {
                     events.end(&mut self.pending, |finish, output| {
-                        responses::response_object(id, created, model, echo, finish, output, usage)
+                        let object = responses::response_object(id, created, model, echo, finish, output, usage);
+                        responses::keep(echo, id, &object);
+                        object
                     });
                 }
                 // (OpenAI's Responses stream ends with its last event, without `[DONE]`)

@@ -24,6 +24,11 @@ pub struct GenerationDefaults {
     pub max_tokens: Option<u32>,
 }
 
+/// `--responses-store-mib`'s default: 64 MiB of stored responses.
+fn default_responses_store_bytes() -> usize {
+    64 << 20
+}
+
 fn default_max_logprobs() -> u32 {
     20
 }
@@ -69,6 +74,10 @@ pub struct RouterConfig {
     /// served name.
     #[serde(default)]
     pub model_root: Option<String>,
+    /// Bytes of `/v1/responses` answers kept for `previous_response_id` and
+    /// `GET /v1/responses/{id}` (oldest forgotten first); 0 keeps none.
+    #[serde(default = "default_responses_store_bytes")]
+    pub responses_store_bytes: usize,
 }
 
 pub struct Router {
@@ -77,6 +86,8 @@ pub struct Router {
     pub(crate) config: RouterConfig,
     /// Compiled grammars (response_format, forced tool calls), cached by source hash.
     pub(crate) grammars: crate::structured::Grammars,
+    /// Stored `/v1/responses` answers.
+    pub(crate) responses: Arc<crate::response_store::ResponseStore>,
     /// `created` of the model objects: when this router started serving.
     created: u64,
 }
@@ -85,7 +96,13 @@ impl Router {
     pub fn new(tokenizer: Tokenizer, templates: TemplateSet, config: RouterConfig) -> Self {
         let tokenizer = Arc::new(tokenizer);
         let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
-        Self { tokenizer, templates, config, grammars, created: unix_now() }
+        let responses = Arc::new(crate::response_store::ResponseStore::new(config.responses_store_bytes));
+        Self { tokenizer, templates, config, grammars, responses, created: unix_now() }
+    }
+
+    /// The stored `/v1/responses` answers.
+    pub fn responses(&self) -> &Arc<crate::response_store::ResponseStore> {
+        &self.responses
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

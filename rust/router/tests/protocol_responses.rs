@@ -72,7 +72,8 @@ fn a_request_prepares_its_chat_equivalent() {
     let echo = &p.responses.as_ref().expect("echo").fields;
     assert_eq!(echo["instructions"], "a b");
     assert_eq!((echo["temperature"].clone(), echo["top_p"].clone()), (json!(0.5), json!(0.9)));
-    assert_eq!((echo["store"].clone(), echo["max_output_tokens"].clone()), (json!(false), json!(3)));
+    // stored by default, as OpenAI's
+    assert_eq!((echo["store"].clone(), echo["max_output_tokens"].clone()), (json!(true), json!(3)));
 
     // a string input is one user message; the client's request_id names the response
     let p = responses(&r, json!({"input": "hello world", "request_id": "abc"})).unwrap();
@@ -81,12 +82,23 @@ fn a_request_prepares_its_chat_equivalent() {
 }
 
 #[test]
-fn logprobs_are_asked_for_by_include_or_top_logprobs() {
+fn logprobs_are_asked_for_by_include_and_counted_by_top_logprobs() {
     let r = router();
     let k = |body: Value| responses(&r, body).unwrap().params.logprobs;
+    let include = json!(["message.output_text.logprobs"]);
     assert_eq!(k(json!({"input": "hello"})), None);
-    assert_eq!(k(json!({"input": "hello", "include": ["message.output_text.logprobs"]})), Some(0));
-    assert_eq!(k(json!({"input": "hello", "top_logprobs": 3})), Some(3));
+    assert_eq!(k(json!({"input": "hello", "include": include})), Some(0));
+    assert_eq!(k(json!({"input": "hello", "include": include, "top_logprobs": 3})), Some(3));
+    // alone (as OpenAI's and vLLM's) it asks for nothing; 0, the default every response
+    // echoes, is not reported
+    assert_eq!(k(json!({"input": "hello", "top_logprobs": 3})), None);
+    let ignored = |body: Value| responses(&r, body).unwrap().ignored;
+    assert_eq!(ignored(json!({"input": "hello", "top_logprobs": 3})), ["top_logprobs"]);
+    assert!(ignored(json!({"input": "hello", "top_logprobs": 0})).is_empty());
+    // `tools: []` and `parallel_tool_calls` beside no tools, as agent SDKs send them (A72-1)
+    let p = responses(&r, json!({"input": "hello", "tools": [], "tool_choice": "auto", "parallel_tool_calls": true}))
+        .unwrap();
+    assert!(p.ignored.is_empty() && p.tools.is_none(), "{:?}", p.ignored);
 }
 
 #[test]
@@ -126,7 +138,6 @@ fn errors_are_named_in_the_responses_terms() {
     for (body, param) in [
         (json!({"input": "hello", "max_tokens": 3}), "max_tokens"),
         (json!({"messages": []}), "messages"),
-        (json!({"input": "hello", "previous_response_id": "resp_1"}), "previous_response_id"),
         (json!({"input": "hello", "truncation": "auto"}), "truncation"),
         (json!({"input": "hello", "return_token_ids": true}), "return_token_ids"),
         (json!({"input": "hello", "tools": [{"type": "file_search"}]}), "tools[0].type"),
@@ -156,7 +167,6 @@ fn fields_without_effect_are_reported_in_the_responses_terms() {
                 {"role": "user", "content": "hello", "foo": 1},
                 {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "a"}]},
             ],
-            "store": true,
             "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
             "reasoning": {"effort": "low"},
             "text": {"verbosity": "low"},
@@ -168,21 +178,26 @@ fn fields_without_effect_are_reported_in_the_responses_terms() {
     // (the reasoning item has no assistant turn after it to belong to)
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
-        Some("include[0], input[0].foo, input[1], parallel_tool_calls, reasoning.effort, service_tier, store, text.verbosity")
+        Some("include[0], input[0].foo, input[1], reasoning.effort, service_tier, text.verbosity")
     );
     // `store: false` and OpenAI's defaults ask for nothing
     let p = responses(&r, json!({"input": "hello", "store": false, "truncation": "disabled", "background": false}))
         .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // without a store, `store: true` asks for what cannot be done
+    let storeless = router_with(json!({"responses_store_bytes": 0}), Some(TEMPLATE));
+    let p = responses(&storeless, json!({"input": "hello", "store": true})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("store"));
+    assert_eq!(p.responses.as_ref().unwrap().fields["store"], false);
     // strict field checking refuses them, by their Responses name
-    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let strict = router_with(json!({"strict_fields": true, "responses_store_bytes": 0}), Some(TEMPLATE));
     assert_eq!(
         shape(responses(&strict, json!({"input": "hello", "store": true}))),
         (400, "unsupported_parameter", Some("store".into()))
     );
     assert_eq!(
-        shape(responses(&strict, json!({"input": "hello", "parallel_tool_calls": true}))),
-        (400, "unsupported_parameter", Some("parallel_tool_calls".into()))
+        shape(responses(&strict, json!({"input": "hello", "top_logprobs": 3}))),
+        (400, "unsupported_parameter", Some("top_logprobs".into()))
     );
 }
 
@@ -258,7 +273,7 @@ fn a_streamed_answer_is_openais_event_sequence_and_adds_up_to_the_body() {
         assert_eq!(r["usage"]["output_tokens"], 2);
         assert_eq!(r["usage"]["input_tokens"], r["usage"]["total_tokens"].as_u64().unwrap() - 2);
         assert_eq!(r["object"], "response");
-        assert_eq!(r["store"], false);
+        assert_eq!(r["store"], true);
     }
 }
 
@@ -349,7 +364,8 @@ fn audit71_names_and_defaults() {
 #[test]
 fn streamed_logprobs_add_up_to_the_done_event() {
     let r = router();
-    let p = responses(&r, json!({"input": "hello", "stream": true, "top_logprobs": 0})).unwrap();
+    let p =
+        responses(&r, json!({"input": "hello", "stream": true, "include": ["message.output_text.logprobs"]})).unwrap();
     let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
     let tok = |id| llmserve_router::response::TokenOut { id, logprob: -0.5, top: vec![], text_offset: 0 };
     let (t1, t2, t3) = ([tok(13)], [tok(14)], [tok(15)]);
@@ -373,4 +389,50 @@ fn streamed_logprobs_add_up_to_the_done_event() {
     assert_eq!(done["logprobs"].as_array().unwrap().len(), 3);
     let last = &evs.last().unwrap().1["response"]["output"][0]["content"][0];
     assert_eq!(last["logprobs"].as_array().unwrap().len(), 3);
+}
+
+/// A stored response is read back and continued: `previous_response_id` prepends its
+/// conversation (its input and output items, not its instructions) to the new input.
+#[test]
+fn a_stored_response_is_continued_by_its_id() {
+    let r = router();
+    let p = responses(&r, json!({"input": "hello", "instructions": "a"})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "world", Some(FinishReason::Stop));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(body["store"], true);
+    let stored: Value = serde_json::from_slice(&r.responses().body(&p.id).unwrap()).unwrap();
+    assert_eq!(stored, body);
+
+    let next = responses(&r, json!({"input": "x", "previous_response_id": p.id})).unwrap();
+    let by_hand = chat_of(
+        &r,
+        json!({"messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": [{"type": "text", "text": "world"}]},
+            {"role": "user", "content": "x"},
+        ]}),
+    );
+    assert_eq!(next.prompts, by_hand.prompts);
+    assert_eq!(next.responses.as_ref().unwrap().fields["previous_response_id"], json!(p.id));
+    // nothing of the continued response is reported, and its items are listed with ids
+    assert_eq!(header(&next, "llmserve-ignored-fields"), None);
+    let items: Value = serde_json::from_slice(&r.responses().input_items(&p.id, "asc", 20, None).unwrap()).unwrap();
+    assert_eq!(items["data"][0]["content"], json!([{"type": "input_text", "text": "hello"}]));
+    assert!(items["data"][0]["id"].as_str().unwrap().starts_with("msg_"));
+
+    // not stored, unknown, or a store turned off
+    let unstored = responses(&r, json!({"input": "hello", "store": false})).unwrap();
+    assert!(unstored.responses.as_ref().unwrap().store.is_none());
+    assert_eq!(
+        shape(responses(&r, json!({"input": "x", "previous_response_id": "resp_nope"}))),
+        (400, "previous_response_not_found", Some("previous_response_id".into()))
+    );
+    let storeless = router_with(json!({"responses_store_bytes": 0}), Some(TEMPLATE));
+    assert_eq!(
+        shape(responses(&storeless, json!({"input": "x", "previous_response_id": p.id}))),
+        (400, "unsupported_parameter", Some("previous_response_id".into()))
+    );
+    r.responses().delete(&p.id).unwrap();
+    assert_eq!(r.responses().body(&p.id).unwrap_err().status(), 404);
 }

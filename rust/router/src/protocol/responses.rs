@@ -35,11 +35,14 @@
 //!   `include` entries other than output logprobs, and `stream_options` do nothing here and
 //!   are reported.
 
+use std::sync::Arc;
+
 use serde_json::{json, Map, Value};
 
 use super::common::{as_object, invalid_type, kind_of, new_id, parse_body, settle_ignored, unsupported};
 use super::{chat, Checked, Endpoint};
 use crate::error::ApiError;
+use crate::response_store::ResponseStore;
 use crate::router::Router;
 
 /// The `include` entry that asks for the output text's logprobs.
@@ -83,11 +86,55 @@ const REASONING_ITEM_KEYS: [&str; 6] = ["type", "id", "summary", "content", "enc
 
 /// The request's fields a `response` object echoes back, as the client sent them (or their
 /// defaults): `instructions`, `max_output_tokens`, `metadata`, `parallel_tool_calls`,
-/// `reasoning`, `text`, `tool_choice`, `tools`, `top_logprobs`, `truncation`, `user`,
-/// `max_tool_calls`, `temperature`, `top_p`, and `store` (always false).
-#[derive(Clone, Debug, PartialEq)]
+/// `previous_response_id`, `reasoning`, `store`, `text`, `tool_choice`, `tools`,
+/// `top_logprobs`, `truncation`, `user`, `max_tool_calls`, `temperature`, `top_p`; and, for a
+/// response to be stored, where and what conversation it answers.
+#[derive(Clone, Debug)]
 pub struct Echo {
     pub fields: Map<String, Value>,
+    /// `store`: the store the finished response goes to, and the conversation it answered
+    /// (the continued responses' items, then this request's input, each with an `id`).
+    pub store: Option<(Arc<ResponseStore>, Vec<Value>)>,
+}
+
+impl PartialEq for Echo {
+    fn eq(&self, other: &Self) -> bool {
+        let store = match (&self.store, &other.store) {
+            (Some((a, x)), Some((b, y))) => Arc::ptr_eq(a, b) && x == y,
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        self.fields == other.fields && store
+    }
+}
+
+/// An input item as a stored conversation lists it (OpenAI's input item shapes): with an `id`
+/// (one of OpenAI's prefixes when the client sent none), a `status`, and a message's string
+/// content as one text part.
+fn listed(item: &Value) -> Value {
+    let mut item = item.clone();
+    if let Some(role) = item.get("role").and_then(Value::as_str).map(str::to_string) {
+        item["type"] = json!("message");
+        if let Some(text) = item["content"].as_str().map(str::to_string) {
+            item["content"] = if role == "assistant" {
+                json!([{"type": "output_text", "text": text, "annotations": []}])
+            } else {
+                json!([{"type": "input_text", "text": text}])
+            };
+        }
+    }
+    if item.get("status").is_none_or(Value::is_null) && item.get("type").and_then(Value::as_str) != Some("reasoning") {
+        item["status"] = json!("completed");
+    }
+    if item.get("id").is_none_or(Value::is_null) {
+        let prefix = match item.get("type").and_then(Value::as_str) {
+            Some("function_call") => "fc",
+            Some("function_call_output") => "fco",
+            Some("reasoning") => "rs",
+            _ => "msg",
+        };
+        item["id"] = Value::String(new_id(prefix).replacen('-', "_", 1));
+    }
+    item
 }
 
 /// Where each chat message came from: its Responses path, and the paths of the items each of
@@ -107,6 +154,9 @@ struct Origin {
     calls: Vec<String>,
     /// The item's name for the message's `content` (`output` for a function call's result).
     content: &'static str,
+    /// It came from the continued response (`previous_response_id`): nothing about it is
+    /// reported, since this request did not send it.
+    previous: bool,
 }
 
 impl Origins {
@@ -119,7 +169,10 @@ impl Origins {
             .and_then(|rest| rest.strip_suffix("].tool_calls"))
             .and_then(|i| self.messages.get(i.parse::<usize>().ok()?))
             .filter(|origin| !origin.calls.is_empty());
+        let index = param.strip_prefix("messages[").and_then(|r| r.split_once(']')).map(|(i, _)| i);
+        let from_previous = index.and_then(|i| self.messages.get(i.parse::<usize>().ok()?)).is_some_and(|o| o.previous);
         match calls {
+            _ if from_previous => Vec::new(),
             Some(origin) => origin.calls.clone(),
             None => vec![self.rename(param)],
         }
@@ -176,7 +229,7 @@ impl Origins {
     fn words(&self, message: String, param: Option<&str>) -> String {
         // (`chat_template_kwargs.messages` names a template variable, not a field)
         if param.is_some_and(|p| p.starts_with("chat_template_kwargs")) {
-            return message;
+            return message.replace("send it as a request field", "send it as the request's own field");
         }
         let chat_fields = ["messages", "tools[", "tool_choice.function", "response_format", "max_completion_tokens"];
         let mut out = String::with_capacity(message.len());
@@ -191,9 +244,16 @@ impl Origins {
                 out.push_str(part);
             }
         }
-        out.replace("the messages have", "the input has")
+        let out = out
+            .replace("the messages have", "the input has")
             .replace("the messages render", "the input renders")
-            .replace("(response_format,", "(text.format,")
+            .replace("shorten the messages", "shorten the input")
+            .replace("(response_format,", "(text.format,");
+        // (a function call output's content is its `output`)
+        match param.map(|p| self.rename(p)) {
+            Some(p) if p.ends_with(".output") => out.replace("`content`", "`output`"),
+            _ => out,
+        }
     }
 
     /// `err` with its `param` (and the chat field names its message quotes) renamed.
@@ -262,7 +322,7 @@ impl Conversation {
     /// `push`, the item naming the message's content `content`.
     fn push_as(&mut self, message: Value, path: String, content: &'static str) {
         self.messages.push(message);
-        self.origins.messages.push(Origin { path, calls: Vec::new(), content });
+        self.origins.messages.push(Origin { path, calls: Vec::new(), content, previous: false });
     }
 
     /// An assistant turn: the last message when it is one that calls may join (`joinable`),
@@ -297,6 +357,9 @@ impl Conversation {
             "function_call" => {
                 self.ignored.extend(unknown_keys(obj, &CALL_ITEM_KEYS, &p));
                 let call_id = required_str(obj, "call_id", &p)?;
+                if call_id.is_empty() {
+                    return Err(ApiError::invalid(format!("{p}.call_id"), "`call_id` must not be empty."));
+                }
                 let name = required_str(obj, "name", &p)?;
                 let arguments = required_str(obj, "arguments", &p)?;
                 let call =
@@ -465,8 +528,9 @@ impl Conversation {
     }
 }
 
-/// The chat messages of `instructions` and `input`.
-fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
+/// The chat messages of `instructions`, the continued response's conversation (`previous`)
+/// and `input`.
+fn conversation(obj: &Map<String, Value>, previous: &[Value]) -> Result<Conversation, ApiError> {
     let mut conv =
         Conversation { messages: Vec::new(), origins: Origins::default(), reasoning: None, ignored: Vec::new() };
     match set(obj, "instructions") {
@@ -479,6 +543,23 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
             ))
         }
     }
+    for item in previous {
+        // (stored items were checked when they were sent; an error here names the response)
+        conv.item(0, item).map_err(|e| match e {
+            ApiError::InvalidRequest { message, code, .. } => {
+                ApiError::InvalidRequest { message, code, param: Some("previous_response_id".into()) }
+            }
+            other => other,
+        })?;
+    }
+    // what the continued response holds is named by its id, and never reported
+    for origin in &mut conv.origins.messages {
+        origin.path = "previous_response_id".into();
+        origin.calls.iter_mut().for_each(|c| *c = "previous_response_id".into());
+        origin.previous = true;
+    }
+    conv.ignored.clear();
+    conv.reasoning = None;
     match obj.get("input") {
         None | Some(Value::Null) => return Err(missing("input".into())),
         Some(Value::String(s)) => conv.push(json!({"role": "user", "content": s}), "input".into()),
@@ -584,14 +665,45 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ));
         }
     }
-    for key in ["previous_response_id", "conversation"] {
-        if set(obj, key).is_some() {
-            return Err(unsupported(
-                key,
-                format!("`{key}` is not supported: this server stores no responses. Send the whole conversation in `input`."),
-            ));
-        }
+    let store = router.responses();
+    if set(obj, "conversation").is_some() {
+        return Err(unsupported(
+            "conversation",
+            "Conversations (`conversation`) are not supported: continue a response with `previous_response_id`, or \
+             send the whole conversation in `input`.",
+        ));
     }
+    // the conversation a `previous_response_id` continues: its items, then its output
+    let previous =
+        match set(obj, "previous_response_id") {
+            None => Vec::new(),
+            Some(_) if !store.enabled() => return Err(unsupported(
+                "previous_response_id",
+                "`previous_response_id` is not supported: this server stores no responses (--responses-store-mib 0). \
+                 Send the whole conversation in `input`.",
+            )),
+            Some(Value::String(id)) => {
+                let stored = store.get(id).map_err(|_| {
+                    ApiError::with_code(
+                        "previous_response_not_found",
+                        Some("previous_response_id".into()),
+                        format!(
+                            "Previous response with id {id:?} not found: it was not stored (`store: false`), was \
+                             deleted, or was forgotten to keep this server's store within its bound."
+                        ),
+                    )
+                })?;
+                let mut items = stored.input.clone();
+                items.extend(stored.output());
+                items
+            }
+            Some(other) => {
+                return Err(invalid_type(
+                    "previous_response_id",
+                    format!("`previous_response_id` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        };
     if set(obj, "prompt").is_some() {
         return Err(unsupported(
             "prompt",
@@ -610,14 +722,19 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             return Err(invalid_type("background", format!("`background` must be a boolean, not {}.", kind_of(other))))
         }
     }
-    match set(obj, "store") {
-        None | Some(Value::Bool(false)) => {}
-        // OpenAI's default; explicitly asked for, it is reported
-        Some(Value::Bool(true)) => ignored.push("store".into()),
+    // OpenAI's default is to store; with no store, `store: true` sent is reported
+    let keep = match set(obj, "store") {
+        None => store.enabled(),
+        Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) if !store.enabled() => {
+            ignored.push("store".into());
+            false
+        }
+        Some(Value::Bool(true)) => true,
         Some(other) => {
             return Err(invalid_type("store", format!("`store` must be a boolean, not {}.", kind_of(other))))
         }
-    }
+    };
     match set(obj, "truncation") {
         None => {}
         Some(Value::String(t)) if t == "disabled" => {}
@@ -632,7 +749,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ))
         }
     }
-    let conv = conversation(obj)?;
+    let conv = conversation(obj, &previous)?;
     ignored.extend(conv.ignored.iter().cloned());
 
     // logprobs: asked for by `include` or `top_logprobs`
@@ -649,9 +766,27 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             }
         }
     }
+    // (as OpenAI's and vLLM's: `include` asks for them, `top_logprobs` says how many
+    // alternatives; alone, a non-zero one does nothing and is reported)
     if let Some(k) = set(obj, "top_logprobs") {
-        logprobs = true;
-        chat.insert("top_logprobs".into(), k.clone());
+        let most = router.config.max_logprobs;
+        match k.as_u64() {
+            None => return Err(invalid_type("top_logprobs", "`top_logprobs` must be an integer.")),
+            Some(n) if n > u64::from(most) => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be between 0 and {most}, got {n}."),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    match set(obj, "top_logprobs") {
+        Some(k) if logprobs => {
+            chat.insert("top_logprobs".into(), k.clone());
+        }
+        Some(k) if *k != json!(0) => ignored.push("top_logprobs".into()),
+        _ => {}
     }
     if logprobs {
         chat.insert("logprobs".into(), Value::Bool(true));
@@ -735,13 +870,22 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     if let Some(max) = obj.get("max_output_tokens") {
         chat.insert("max_completion_tokens".into(), max.clone());
     }
-    if let Some(tools) = set(obj, "tools") {
-        chat.insert("tools".into(), chat_tools(tools)?);
+    // (`tools: []`, which every response echoes and agent SDKs send for an agent without
+    // tools, is no tools; so is `parallel_tool_calls` beside none: both ask for nothing)
+    let tools = set(obj, "tools").filter(|t| t.as_array().is_none_or(|a| !a.is_empty()));
+    match tools {
+        Some(tools) => {
+            chat.insert("tools".into(), chat_tools(tools)?);
+        }
+        None if set(obj, "parallel_tool_calls").is_some_and(Value::is_boolean) => {
+            chat.remove("parallel_tool_calls");
+        }
+        None => {}
     }
     match set(obj, "tool_choice") {
         // OpenAI's default (which every response echoes), and "none", ask for nothing without
         // tools; chat refuses a `tool_choice` without `tools`
-        Some(Value::String(c)) if (c == "auto" || c == "none") && set(obj, "tools").is_none() => {}
+        Some(Value::String(c)) if (c == "auto" || c == "none") && tools.is_none() => {}
         Some(choice) => {
             chat.insert("tool_choice".into(), chat_tool_choice(choice, &mut ignored)?);
         }
@@ -778,11 +922,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     echo.insert("max_tool_calls".into(), sent("max_tool_calls").unwrap_or(Value::Null));
     echo.insert("metadata".into(), sent("metadata").unwrap_or_else(|| json!({})));
     echo.insert("parallel_tool_calls".into(), sent("parallel_tool_calls").unwrap_or(Value::Bool(true)));
-    echo.insert("previous_response_id".into(), Value::Null);
+    echo.insert("previous_response_id".into(), sent("previous_response_id").unwrap_or(Value::Null));
     let reasoning = set(obj, "reasoning").and_then(Value::as_object);
     let of = |k: &str| reasoning.and_then(|r| r.get(k)).cloned().unwrap_or(Value::Null);
     echo.insert("reasoning".into(), json!({"effort": of("effort"), "summary": of("summary")}));
-    echo.insert("store".into(), Value::Bool(false));
+    echo.insert("store".into(), Value::Bool(keep));
     echo.insert("temperature".into(), number(prepared.params.temperature));
     let format = set(obj, "text").and_then(|t| set(t.as_object()?, "format").cloned());
     let mut text = json!({"format": format.unwrap_or_else(|| json!({"type": "text"}))});
@@ -796,6 +940,13 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     echo.insert("top_p".into(), number(prepared.params.top_p));
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
-    prepared.responses = Some(std::sync::Arc::new(Echo { fields: echo }));
+    let stored = keep.then(|| {
+        let input = match obj.get("input") {
+            Some(Value::Array(items)) => items.iter().map(listed).collect(),
+            other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
+        };
+        (store.clone(), previous.into_iter().chain(input).collect())
+    });
+    prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored }));
     Ok(checked)
 }

@@ -136,11 +136,19 @@ pub(super) fn response_object(
     Value::Object(object)
 }
 
+/// Stores a finished response, when its request asked for that (`store`).
+pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
+    if let Some((store, input)) = &echo.store {
+        store.put(id, crate::response_store::Stored { body: object.clone(), input: input.clone() });
+    }
+}
+
 /// The usage of a response: OpenAI's `input_tokens`/`output_tokens` names for chat's counts.
 pub(super) fn usage(input: u64, cached: u64, output: u64, reasoning: u64) -> Value {
     json!({
         "input_tokens": input,
-        "input_tokens_details": {"cached_tokens": cached},
+        // (`cache_write_tokens`: OpenAI's explicit prompt caching, which has no counterpart here)
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": input + output,

@@ -1,0 +1,202 @@
+//! Stored Responses (`store`, OpenAI's default): each response a `/v1/responses` request
+//! produced, kept in memory so that a later request can continue it (`previous_response_id`)
+//! and `GET /v1/responses/{id}` can read it back.
+//!
+//! What is kept: the response object as sent, and the conversation it answered as Responses
+//! items (the items of the responses it continued, then its own input; `instructions` are
+//! not carried over, as in OpenAI's). The store is bounded by the bytes it holds
+//! (`--responses-store-mib`); past the bound the oldest responses are forgotten first. It
+//! lives as long as the process: one server's responses are not known to another replica.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+
+/// One stored response.
+#[derive(Debug)]
+pub struct Stored {
+    /// The response object, as the client got it (the final one, when streamed).
+    pub body: Value,
+    /// The conversation it answered, as input items (each with an `id`).
+    pub input: Vec<Value>,
+}
+
+impl Stored {
+    fn bytes(&self) -> usize {
+        let size = |v: &Value| serde_json::to_vec(v).map_or(0, |b| b.len());
+        size(&self.body) + self.input.iter().map(size).sum::<usize>()
+    }
+
+    /// The response's output items.
+    pub fn output(&self) -> Vec<Value> {
+        self.body["output"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<String, (Arc<Stored>, usize)>,
+    /// Ids, oldest first.
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+/// The responses kept, up to `capacity` bytes (0: none are kept).
+pub struct ResponseStore {
+    capacity: usize,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for ResponseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseStore").field("capacity", &self.capacity).finish_non_exhaustive()
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound { message: format!("No response with id {id:?}: it was never stored, was deleted, or was forgotten to keep the store within its bound.") }
+}
+
+impl ResponseStore {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, inner: Mutex::new(Inner::default()) }
+    }
+
+    /// Whether responses are kept at all.
+    pub fn enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // (a panic while holding the lock leaves consistent data: every change is one insert
+        // or remove followed by its bookkeeping)
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `stored` under `id`, forgetting the oldest responses past the bound. One larger
+    /// than the whole bound is not kept.
+    pub fn put(&self, id: &str, stored: Stored) {
+        let size = stored.bytes();
+        if size > self.capacity {
+            return;
+        }
+        let mut inner = self.lock();
+        if let Some((_, old)) = inner.map.remove(id) {
+            inner.bytes -= old;
+            inner.order.retain(|k| k != id);
+        }
+        while inner.bytes + size > self.capacity {
+            let Some(oldest) = inner.order.pop_front() else { break };
+            if let Some((_, s)) = inner.map.remove(&oldest) {
+                inner.bytes -= s;
+            }
+        }
+        inner.bytes += size;
+        inner.order.push_back(id.to_string());
+        inner.map.insert(id.to_string(), (Arc::new(stored), size));
+    }
+
+    /// The response stored under `id`, or a 404.
+    pub fn get(&self, id: &str) -> Result<Arc<Stored>, ApiError> {
+        self.lock().map.get(id).map(|(s, _)| s.clone()).ok_or_else(|| not_found(id))
+    }
+
+    /// Forgets `id`: the `DELETE /v1/responses/{id}` body, or a 404.
+    pub fn delete(&self, id: &str) -> Result<Vec<u8>, ApiError> {
+        let mut inner = self.lock();
+        let (_, size) = inner.map.remove(id).ok_or_else(|| not_found(id))?;
+        inner.bytes -= size;
+        inner.order.retain(|k| k != id);
+        Ok(serde_json::to_vec(&json!({"id": id, "object": "response", "deleted": true})).expect("JSON serializes"))
+    }
+
+    /// The `GET /v1/responses/{id}` body.
+    pub fn body(&self, id: &str) -> Result<Vec<u8>, ApiError> {
+        Ok(serde_json::to_vec(&self.get(id)?.body).expect("JSON serializes"))
+    }
+
+    /// The `GET /v1/responses/{id}/input_items` body: a page of the conversation's items,
+    /// `order` "desc" (newest first, OpenAI's default) or "asc", at most `limit` (1..=100)
+    /// after the item with id `after`.
+    pub fn input_items(&self, id: &str, order: &str, limit: u32, after: Option<&str>) -> Result<Vec<u8>, ApiError> {
+        if !(1..=100).contains(&limit) {
+            return Err(ApiError::invalid("limit", format!("`limit` must be between 1 and 100, got {limit}.")));
+        }
+        let stored = self.get(id)?;
+        let mut items: Vec<&Value> = stored.input.iter().collect();
+        match order {
+            "desc" => items.reverse(),
+            "asc" => {}
+            other => {
+                return Err(ApiError::invalid("order", format!("`order` must be \"asc\" or \"desc\", not {other:?}.")))
+            }
+        }
+        let start = match after {
+            None => 0,
+            Some(after) => {
+                let at = items.iter().position(|i| i["id"] == after);
+                at.ok_or_else(|| ApiError::invalid("after", format!("No input item with id {after:?}.")))? + 1
+            }
+        };
+        let page: Vec<&Value> = items.iter().skip(start).take(limit as usize).copied().collect();
+        let body = json!({
+            "object": "list",
+            "data": page,
+            "first_id": page.first().map(|i| i["id"].clone()),
+            "last_id": page.last().map(|i| i["id"].clone()),
+            "has_more": start + page.len() < items.len(),
+        });
+        Ok(serde_json::to_vec(&body).expect("JSON serializes"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(text: &str) -> Stored {
+        Stored { body: json!({"output": [text]}), input: vec![json!({"id": "msg_1", "content": text})] }
+    }
+
+    #[test]
+    fn the_oldest_go_first_past_the_bound() {
+        let one = stored("aaaa").bytes();
+        let store = ResponseStore::new(2 * one);
+        store.put("a", stored("aaaa"));
+        store.put("b", stored("bbbb"));
+        assert!(store.get("a").is_ok() && store.get("b").is_ok());
+        store.put("c", stored("cccc"));
+        assert_eq!(store.get("a").unwrap_err().status(), 404);
+        assert!(store.get("b").is_ok() && store.get("c").is_ok());
+        // deleting frees its room
+        store.delete("b").unwrap();
+        store.put("d", stored("dddd"));
+        assert!(store.get("c").is_ok() && store.get("d").is_ok());
+        assert_eq!(store.delete("b").unwrap_err().status(), 404);
+        // one larger than the bound is not kept, and forgets nothing
+        store.put("big", stored(&"x".repeat(4 * one)));
+        assert!(store.get("big").is_err() && store.get("c").is_ok());
+    }
+
+    #[test]
+    fn input_items_page_through_the_conversation() {
+        let store = ResponseStore::new(1 << 20);
+        let input = (0..5).map(|i| json!({"id": format!("msg_{i}"), "role": "user", "content": "x"})).collect();
+        store.put("r", Stored { body: json!({}), input });
+        let page = |order: &str, limit: u32, after: Option<&str>| -> Value {
+            serde_json::from_slice(&store.input_items("r", order, limit, after).unwrap()).unwrap()
+        };
+        let ids = |v: &Value| v["data"].as_array().unwrap().iter().map(|i| i["id"].clone()).collect::<Vec<_>>();
+        let first = page("desc", 2, None);
+        assert_eq!(ids(&first), [json!("msg_4"), json!("msg_3")]);
+        assert_eq!((first["has_more"].clone(), first["last_id"].clone()), (json!(true), json!("msg_3")));
+        let last = page("desc", 2, Some("msg_1"));
+        assert_eq!((ids(&last), last["has_more"].clone()), (vec![json!("msg_0")], json!(false)));
+        assert_eq!(ids(&page("asc", 20, None)).len(), 5);
+        assert_eq!(store.input_items("r", "up", 2, None).unwrap_err().param(), Some("order"));
+        assert_eq!(store.input_items("r", "asc", 0, None).unwrap_err().param(), Some("limit"));
+    }
+}
