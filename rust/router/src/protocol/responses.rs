@@ -15,17 +15,19 @@
 //!   message (with the called function's `name` when an earlier item names it); a
 //!   `reasoning` item the next assistant turn's `reasoning_content`.
 //! - `max_output_tokens` -> `max_completion_tokens`; function `tools` (flat) -> chat's nested
-//!   ones; `tool_choice: {"type": "function", "name"}` -> chat's named choice; `text.format`
-//!   -> `response_format`; `top_logprobs` and `include: ["message.output_text.logprobs"]` ->
-//!   `logprobs` (either asks for them).
+//!   ones (`[]`: none); `tool_choice: {"type": "function", "name"}` -> chat's named choice;
+//!   `text.format` -> `response_format`; `include: ["message.output_text.logprobs"]` ->
+//!   `logprobs`, with `top_logprobs` alternatives (alone, as OpenAI's, it asks for nothing).
+//! - `previous_response_id`: the stored response's conversation (its input items, then its
+//!   output items; not its instructions) comes before `input` ([`crate::response_store`]).
 //! - Everything else (`model`, `stream`, `temperature`, `top_p`, `user`, the sampling
 //!   extensions chat takes) passes through as it is.
 //!
 //! Decisions:
-//! - Nothing is stored. `store` (OpenAI's default true) is echoed as false, and reported when
-//!   sent as true; `previous_response_id`, `conversation`, `item_reference` items and
-//!   `background` are a 400 `unsupported_parameter`: a follow-up turn sends the whole
-//!   conversation in `input`.
+//! - `store` (OpenAI's default true) keeps the finished response in this process's memory,
+//!   within `--responses-store-mib`; with no store it is echoed false (and reported when sent
+//!   true). `conversation`, `item_reference` items and `background` are a 400
+//!   `unsupported_parameter`.
 //! - A function tool is `strict` only when it says so (OpenAI's Responses default is true; a
 //!   default this server cannot enforce in every tool-call format would be reported on
 //!   requests that never sent it).
