@@ -154,7 +154,7 @@ impl ReasoningSplitter {
     pub fn in_content(&self, start: usize) -> bool {
         let Some(open) = self.opened_at else { return true };
         // (a block the prompt opened has no marker and nothing before it in the output)
-        let before = open >= OPEN.len() && start + OPEN.len() <= open;
+        let before = open >= OPEN.len() && start + OPEN.len() < open;
         before || self.closed_at.is_some_and(|c| start >= c + CLOSE.len())
     }
 
@@ -313,6 +313,29 @@ mod tests {
         }
         s.finish(tokens.len() as u64);
         s.reasoning_tokens()
+    }
+
+    /// Which of `tokens` (pushed one at a time) `in_content` counts as the answer's.
+    fn content_tokens(opened: bool, tokens: &[&str]) -> Vec<bool> {
+        let mut s = ReasoningSplitter::new(plan(opened));
+        let mut at = 0;
+        let mut starts = Vec::new();
+        for t in tokens {
+            s.push_tokens(t, [at]);
+            starts.push(at);
+            at += t.chars().count();
+        }
+        starts.into_iter().map(|start| s.in_content(start)).collect()
+    }
+
+    #[test]
+    fn content_tokens_are_those_outside_the_block_and_its_markers() {
+        assert_eq!(content_tokens(true, &["a", "</think>", "b", "c"]), [false, false, true, true]);
+        assert_eq!(content_tokens(false, &["x", "<think>", "a", "</think>", "b"]), [true, false, false, false, true]);
+        // a marker spelled by several tokens: none of them is the answer's
+        assert_eq!(content_tokens(true, &["a", "</", "think", ">", "b"]), [false, false, false, false, true]);
+        // no block at all: every token is
+        assert_eq!(content_tokens(false, &["a", "b"]), [true, true]);
     }
 
     #[test]
