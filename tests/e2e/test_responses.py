@@ -245,6 +245,16 @@ def test_stored_responses_are_read_back_and_continued(client):
     listed = client.responses.input_items.list(second.id, order="asc")
     assert [i.type for i in listed.data] == ["message", "message", "message"]
 
+    # bad pages and streamed reads are 400s; an assistant turn sent as a string is listed in
+    # OpenAI's shape
+    r = httpx.get(f"{client.base_url}responses/{second.id}/input_items", params={"limit": "-1"}, timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "limit")
+    with pytest.raises(BadRequestError):
+        client.responses.retrieve(second.id, stream=True)
+    raw = httpx.get(f"{client.base_url}responses/{second.id}/input_items", params={"order": "asc"}, timeout=30)
+    assert raw.json()["data"][1]["content"] == [{"type": "output_text", "text": first.output_text,
+                                                 "annotations": []}]
+
     # store: false is not kept; deleted is gone
     with pytest.raises(NotFoundError):
         client.responses.retrieve(by_hand.id)

@@ -258,18 +258,20 @@ async def stored_response(request: Request) -> Response:
     router, response_id = _engine(request).router, request.path_params["response_id"]
     if request.method == "DELETE":
         return Response(router.delete_response(response_id), media_type=JSON)
-    return Response(router.stored_response(response_id), media_type=JSON)
+    body = router.stored_response(response_id)   # (404 first, for an unknown id)
+    if request.query_params.get("stream", "false").lower() != "false":
+        # OpenAI streams a stored response's events only while a background one runs
+        raise Router.error("unsupported_parameter", "Streaming a stored response is not supported: only background "
+                           "responses can be streamed again, and this server runs none. Read it without `stream`.",
+                           param="stream")
+    return Response(body, media_type=JSON)
 
 
 async def response_input_items(request: Request) -> Response:
     """GET /v1/responses/{id}/input_items?order=&limit=&after=: the conversation it answered."""
     query = request.query_params
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        raise Router.error("invalid_request", "`limit` must be an integer.", param="limit") from None
     page = _engine(request).router.response_input_items(
-        request.path_params["response_id"], query.get("order", "desc"), limit, query.get("after"))
+        request.path_params["response_id"], query.get("order", "desc"), query.get("limit"), query.get("after"))
     return Response(page, media_type=JSON)
 
 

@@ -118,14 +118,15 @@ impl PyRouter {
         self.inner.responses().delete(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
     }
 
-    /// `GET /v1/responses/{id}/input_items`: a page of the conversation it answered.
-    #[pyo3(signature = (id, order = "desc", limit = 20, after = None))]
+    /// `GET /v1/responses/{id}/input_items`: a page of the conversation it answered (`limit`
+    /// as the query has it: an integer 1..=100, 20 when None).
+    #[pyo3(signature = (id, order = "desc", limit = None, after = None))]
     fn response_input_items<'py>(
         &self,
         py: Python<'py>,
         id: &str,
         order: &str,
-        limit: u32,
+        limit: Option<&str>,
         after: Option<&str>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let page = self.inner.responses().input_items(id, order, limit, after);

@@ -4,9 +4,10 @@
 //!
 //! What is kept: the response object as sent, and the conversation it answered as Responses
 //! items (the items of the responses it continued, then its own input; `instructions` are
-//! not carried over, as in OpenAI's). The store is bounded by the bytes it holds
-//! (`--responses-store-mib`); past the bound the oldest responses are forgotten first. It
-//! lives as long as the process: one server's responses are not known to another replica.
+//! not carried over, as in OpenAI's), both as JSON text: the bytes counted against the bound
+//! (`--responses-store-mib`) are the memory held. Past the bound the oldest responses are
+//! forgotten first; one larger than the whole bound is not kept. It lives as long as the
+//! process: one server's responses are not known to another replica.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -15,24 +16,34 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 
-/// One stored response.
+/// One stored response, as JSON text (a tree of values would take several times its size).
 #[derive(Debug)]
 pub struct Stored {
     /// The response object, as the client got it (the final one, when streamed).
-    pub body: Value,
-    /// The conversation it answered, as input items (each with an `id`).
-    pub input: Vec<Value>,
+    body: Vec<u8>,
+    /// The conversation it answered: a JSON array of input items (each with an `id`).
+    input: Vec<u8>,
 }
 
 impl Stored {
+    pub fn new(body: &Value, input: &[Value]) -> Self {
+        let body = serde_json::to_vec(body).expect("JSON values serialize");
+        Self { body, input: serde_json::to_vec(input).expect("JSON values serialize") }
+    }
+
     fn bytes(&self) -> usize {
-        let size = |v: &Value| serde_json::to_vec(v).map_or(0, |b| b.len());
-        size(&self.body) + self.input.iter().map(size).sum::<usize>()
+        self.body.len() + self.input.len()
+    }
+
+    /// The conversation it answered, as input items.
+    pub fn input(&self) -> Vec<Value> {
+        serde_json::from_slice(&self.input).unwrap_or_default()
     }
 
     /// The response's output items.
     pub fn output(&self) -> Vec<Value> {
-        self.body["output"].as_array().cloned().unwrap_or_default()
+        let body: Value = serde_json::from_slice(&self.body).unwrap_or_default();
+        body["output"].as_array().cloned().unwrap_or_default()
     }
 }
 
@@ -115,18 +126,32 @@ impl ResponseStore {
 
     /// The `GET /v1/responses/{id}` body.
     pub fn body(&self, id: &str) -> Result<Vec<u8>, ApiError> {
-        Ok(serde_json::to_vec(&self.get(id)?.body).expect("JSON serializes"))
+        Ok(self.get(id)?.body.clone())
     }
 
     /// The `GET /v1/responses/{id}/input_items` body: a page of the conversation's items,
-    /// `order` "desc" (newest first, OpenAI's default) or "asc", at most `limit` (1..=100)
-    /// after the item with id `after`.
-    pub fn input_items(&self, id: &str, order: &str, limit: u32, after: Option<&str>) -> Result<Vec<u8>, ApiError> {
-        if !(1..=100).contains(&limit) {
-            return Err(ApiError::invalid("limit", format!("`limit` must be between 1 and 100, got {limit}.")));
-        }
+    /// `order` "desc" (newest first, OpenAI's default) or "asc", at most `limit` (the query's
+    /// text, an integer 1..=100; 20 when not given) after the item with id `after`.
+    pub fn input_items(
+        &self,
+        id: &str,
+        order: &str,
+        limit: Option<&str>,
+        after: Option<&str>,
+    ) -> Result<Vec<u8>, ApiError> {
+        let limit = match limit.map(str::parse::<usize>) {
+            None => 20,
+            Some(Ok(n)) if (1..=100).contains(&n) => n,
+            _ => {
+                return Err(ApiError::invalid(
+                    "limit",
+                    format!("`limit` must be an integer between 1 and 100, got {:?}.", limit.unwrap_or_default()),
+                ))
+            }
+        };
         let stored = self.get(id)?;
-        let mut items: Vec<&Value> = stored.input.iter().collect();
+        let input = stored.input();
+        let mut items: Vec<&Value> = input.iter().collect();
         match order {
             "desc" => items.reverse(),
             "asc" => {}
@@ -141,7 +166,7 @@ impl ResponseStore {
                 at.ok_or_else(|| ApiError::invalid("after", format!("No input item with id {after:?}.")))? + 1
             }
         };
-        let page: Vec<&Value> = items.iter().skip(start).take(limit as usize).copied().collect();
+        let page: Vec<&Value> = items.iter().skip(start).take(limit).copied().collect();
         let body = json!({
             "object": "list",
             "data": page,
@@ -158,7 +183,7 @@ mod tests {
     use super::*;
 
     fn stored(text: &str) -> Stored {
-        Stored { body: json!({"output": [text]}), input: vec![json!({"id": "msg_1", "content": text})] }
+        Stored::new(&json!({"output": [text]}), &[json!({"id": "msg_1", "content": text})])
     }
 
     #[test]
@@ -184,19 +209,22 @@ mod tests {
     #[test]
     fn input_items_page_through_the_conversation() {
         let store = ResponseStore::new(1 << 20);
-        let input = (0..5).map(|i| json!({"id": format!("msg_{i}"), "role": "user", "content": "x"})).collect();
-        store.put("r", Stored { body: json!({}), input });
-        let page = |order: &str, limit: u32, after: Option<&str>| -> Value {
-            serde_json::from_slice(&store.input_items("r", order, limit, after).unwrap()).unwrap()
+        let input: Vec<Value> =
+            (0..5).map(|i| json!({"id": format!("msg_{i}"), "role": "user", "content": "x"})).collect();
+        store.put("r", Stored::new(&json!({}), &input));
+        let page = |order: &str, limit: &str, after: Option<&str>| -> Value {
+            serde_json::from_slice(&store.input_items("r", order, Some(limit), after).unwrap()).unwrap()
         };
         let ids = |v: &Value| v["data"].as_array().unwrap().iter().map(|i| i["id"].clone()).collect::<Vec<_>>();
-        let first = page("desc", 2, None);
+        let first = page("desc", "2", None);
         assert_eq!(ids(&first), [json!("msg_4"), json!("msg_3")]);
         assert_eq!((first["has_more"].clone(), first["last_id"].clone()), (json!(true), json!("msg_3")));
-        let last = page("desc", 2, Some("msg_1"));
+        let last = page("desc", "2", Some("msg_1"));
         assert_eq!((ids(&last), last["has_more"].clone()), (vec![json!("msg_0")], json!(false)));
-        assert_eq!(ids(&page("asc", 20, None)).len(), 5);
-        assert_eq!(store.input_items("r", "up", 2, None).unwrap_err().param(), Some("order"));
-        assert_eq!(store.input_items("r", "asc", 0, None).unwrap_err().param(), Some("limit"));
+        assert_eq!(ids(&page("asc", "20", None)).len(), 5);
+        assert_eq!(store.input_items("r", "up", None, None).unwrap_err().param(), Some("order"));
+        for bad in ["0", "101", "-1", "99999999999999999999", "2.0", "x"] {
+            assert_eq!(store.input_items("r", "asc", Some(bad), None).unwrap_err().param(), Some("limit"), "{bad}");
+        }
     }
 }

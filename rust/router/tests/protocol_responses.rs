@@ -417,7 +417,7 @@ fn a_stored_response_is_continued_by_its_id() {
     assert_eq!(next.responses.as_ref().unwrap().fields["previous_response_id"], json!(p.id));
     // nothing of the continued response is reported, and its items are listed with ids
     assert_eq!(header(&next, "llmserve-ignored-fields"), None);
-    let items: Value = serde_json::from_slice(&r.responses().input_items(&p.id, "asc", 20, None).unwrap()).unwrap();
+    let items: Value = serde_json::from_slice(&r.responses().input_items(&p.id, "asc", None, None).unwrap()).unwrap();
     assert_eq!(items["data"][0]["content"], json!([{"type": "input_text", "text": "hello"}]));
     assert!(items["data"][0]["id"].as_str().unwrap().starts_with("msg_"));
 

@@ -110,33 +110,63 @@ impl PartialEq for Echo {
 }
 
 /// An input item as a stored conversation lists it (OpenAI's input item shapes): with an `id`
-/// (one of OpenAI's prefixes when the client sent none), a `status`, and a message's string
-/// content as one text part.
+/// (one of OpenAI's prefixes when the client sent none) and a `status`, only the keys its
+/// type has (what was reported as ignored is not kept), and a message's content as parts of
+/// its role's types (`input_text`, or an assistant's `output_text` with its `annotations`).
 fn listed(item: &Value) -> Value {
-    let mut item = item.clone();
-    if let Some(role) = item.get("role").and_then(Value::as_str).map(str::to_string) {
-        item["type"] = json!("message");
-        if let Some(text) = item["content"].as_str().map(str::to_string) {
-            item["content"] = if role == "assistant" {
-                json!([{"type": "output_text", "text": text, "annotations": []}])
+    let Some(obj) = item.as_object() else { return item.clone() };
+    let kind = match obj.get("type").and_then(Value::as_str) {
+        None if obj.contains_key("role") => "message",
+        Some(kind) => kind,
+        None => "message",
+    };
+    let known: &[&str] = match kind {
+        "function_call" => &CALL_ITEM_KEYS,
+        "function_call_output" => &OUTPUT_ITEM_KEYS,
+        "reasoning" => &REASONING_ITEM_KEYS,
+        _ => &MESSAGE_ITEM_KEYS,
+    };
+    let mut out: Map<String, Value> = obj
+        .iter()
+        .filter(|(k, v)| known.contains(&k.as_str()) && !v.is_null())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    out.insert("type".into(), json!(kind));
+    if kind == "message" {
+        let assistant = obj.get("role").and_then(Value::as_str) == Some("assistant");
+        let text_part = |text: &Value| {
+            if assistant {
+                json!({"type": "output_text", "text": text, "annotations": []})
             } else {
-                json!([{"type": "input_text", "text": text}])
-            };
-        }
+                json!({"type": "input_text", "text": text})
+            }
+        };
+        let content = match obj.get("content") {
+            Some(Value::Array(parts)) => parts
+                .iter()
+                .map(|part| match part.get("type").and_then(Value::as_str) {
+                    Some("refusal") => json!({"type": "refusal", "refusal": part["refusal"]}),
+                    _ => text_part(&part["text"]),
+                })
+                .collect(),
+            Some(text) => vec![text_part(text)],
+            None => Vec::new(),
+        };
+        out.insert("content".into(), Value::Array(content));
     }
-    if item.get("status").is_none_or(Value::is_null) && item.get("type").and_then(Value::as_str) != Some("reasoning") {
-        item["status"] = json!("completed");
+    if kind != "reasoning" {
+        out.entry("status").or_insert_with(|| json!("completed"));
     }
-    if item.get("id").is_none_or(Value::is_null) {
-        let prefix = match item.get("type").and_then(Value::as_str) {
-            Some("function_call") => "fc",
-            Some("function_call_output") => "fco",
-            Some("reasoning") => "rs",
+    if !out.contains_key("id") {
+        let prefix = match kind {
+            "function_call" => "fc",
+            "function_call_output" => "fco",
+            "reasoning" => "rs",
             _ => "msg",
         };
-        item["id"] = Value::String(new_id(prefix).replacen('-', "_", 1));
+        out.insert("id".into(), Value::String(new_id(prefix).replacen('-', "_", 1)));
     }
-    item
+    Value::Object(out)
 }
 
 /// Where each chat message came from: its Responses path, and the paths of the items each of
@@ -695,7 +725,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
                         ),
                     )
                 })?;
-                let mut items = stored.input.clone();
+                let mut items = stored.input();
                 items.extend(stored.output());
                 items
             }

@@ -139,7 +139,7 @@ pub(super) fn response_object(
 /// Stores a finished response, when its request asked for that (`store`).
 pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
     if let Some((store, input)) = &echo.store {
-        store.put(id, crate::response_store::Stored { body: object.clone(), input: input.clone() });
+        store.put(id, crate::response_store::Stored::new(object, input));
     }
 }
 
