@@ -1,5 +1,6 @@
 //! [`ResponseBuilder`]: the bytes a generation request sends back, streamed as SSE chunks or
-//! as one JSON body, for chat and completions.
+//! as one JSON body, for chat and completions; a Responses API request runs as a one-choice
+//! chat request whose chunks and body become its events and `response` object (`responses`).
 //!
 //! Invariants (streaming): every chunk shares the request's `id`, `created` and `model`; a
 //! chat choice's first chunk carries `delta.role = "assistant"`; each choice ends with
