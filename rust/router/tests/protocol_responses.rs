@@ -12,16 +12,19 @@ use llmserve_router::router::Router;
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
-fn responses(r: &Router, body: Value) -> Result<Prepared, llmserve_router::error::ApiError> {
+/// `body` (with the served model) prepared as an `endpoint` request.
+fn prepare(r: &Router, endpoint: Endpoint, body: Value) -> Result<Prepared, llmserve_router::error::ApiError> {
     let mut b = json!({"model": "tiny"});
     merge(&mut b, body);
-    r.prepare(Endpoint::Responses, &serde_json::to_vec(&b).unwrap())
+    r.prepare(endpoint, &serde_json::to_vec(&b).unwrap())
+}
+
+fn responses(r: &Router, body: Value) -> Result<Prepared, llmserve_router::error::ApiError> {
+    prepare(r, Endpoint::Responses, body)
 }
 
 fn chat_of(r: &Router, body: Value) -> Prepared {
-    let mut b = json!({"model": "tiny"});
-    merge(&mut b, body);
-    r.prepare(Endpoint::Chat, &serde_json::to_vec(&b).unwrap()).expect("the chat equivalent prepares")
+    prepare(r, Endpoint::Chat, body).expect("the chat equivalent prepares")
 }
 
 #[test]

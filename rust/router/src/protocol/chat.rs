@@ -234,9 +234,12 @@ pub(crate) fn unknown_part_keys(messages: &[Value]) -> Vec<String> {
 
 /// `prefix.key` for each non-null key of `v` (an object) outside `known`.
 pub(crate) fn unknown_keys_of(v: &Value, known: &[&str], prefix: &str) -> Vec<String> {
-    v.as_object()
-        .into_iter()
-        .flatten()
+    v.as_object().map(|obj| unknown_keys_in(obj, known, prefix)).unwrap_or_default()
+}
+
+/// [`unknown_keys_of`] of an object.
+pub(crate) fn unknown_keys_in(obj: &Map<String, Value>, known: &[&str], prefix: &str) -> Vec<String> {
+    obj.iter()
         .filter(|(k, v)| !known.contains(&k.as_str()) && !v.is_null())
         .map(|(k, _)| format!("{prefix}.{k}"))
         .collect()
@@ -259,7 +262,7 @@ fn has_description(tool: &Value) -> bool {
     tool.pointer("/function/description").and_then(Value::as_str).is_some_and(|d| !d.is_empty())
 }
 
-fn missing(param: String) -> ApiError {
+pub(crate) fn missing(param: String) -> ApiError {
     ApiError::with_code(
         "missing_required_parameter",
         Some(param.clone()),
@@ -341,10 +344,10 @@ fn require_object<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result
     }
 }
 
-/// `obj[key]` must be a string; `p` is the path of `obj`.
-fn require_str(obj: &Map<String, Value>, key: &str, p: &str) -> Result<(), ApiError> {
+/// `obj[key]`, which must be a string; `p` is the path of `obj`.
+pub(crate) fn require_str<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result<&'a str, ApiError> {
     match obj.get(key) {
-        Some(Value::String(_)) => Ok(()),
+        Some(Value::String(s)) => Ok(s),
         None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
         Some(other) => {
             Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string, not {}.", kind_of(other))))

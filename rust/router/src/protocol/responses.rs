@@ -41,6 +41,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
+use super::chat::{missing, require_str, unknown_keys_in};
 use super::common::{as_object, invalid_type, kind_of, new_id, parse_body, settle_ignored, unsupported};
 use super::{chat, Checked, Endpoint};
 use crate::error::ApiError;
@@ -305,36 +306,9 @@ impl Origins {
     }
 }
 
-fn missing(param: String) -> ApiError {
-    ApiError::with_code(
-        "missing_required_parameter",
-        Some(param.clone()),
-        format!("Missing required parameter: `{param}`."),
-    )
-}
-
-/// `obj[key]` as a string: missing or null is `missing_required_parameter`.
-fn required_str<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result<&'a str, ApiError> {
-    match obj.get(key) {
-        Some(Value::String(s)) => Ok(s),
-        None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
-        Some(other) => {
-            Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string, not {}.", kind_of(other))))
-        }
-    }
-}
-
 /// The value of `key` unless it is absent or null.
 fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
-}
-
-/// `prefix.key` for each set key of `obj` outside `known`.
-fn unknown_keys(obj: &Map<String, Value>, known: &[&str], prefix: &str) -> Vec<String> {
-    obj.iter()
-        .filter(|(k, v)| !known.contains(&k.as_str()) && !v.is_null())
-        .map(|(k, _)| format!("{prefix}.{k}"))
-        .collect()
 }
 
 /// Builds the chat messages from `instructions` and `input`.
@@ -387,13 +361,13 @@ impl Conversation {
         match kind {
             "message" => self.message_item(&p, obj),
             "function_call" => {
-                self.ignored.extend(unknown_keys(obj, &CALL_ITEM_KEYS, &p));
-                let call_id = required_str(obj, "call_id", &p)?;
+                self.ignored.extend(unknown_keys_in(obj, &CALL_ITEM_KEYS, &p));
+                let call_id = require_str(obj, "call_id", &p)?;
                 if call_id.is_empty() {
                     return Err(ApiError::invalid(format!("{p}.call_id"), "`call_id` must not be empty."));
                 }
-                let name = required_str(obj, "name", &p)?;
-                let arguments = required_str(obj, "arguments", &p)?;
+                let name = require_str(obj, "name", &p)?;
+                let arguments = require_str(obj, "arguments", &p)?;
                 let call =
                     json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}});
                 // joins the assistant turn before it: its text, or the calls made beside it
@@ -404,8 +378,8 @@ impl Conversation {
                 Ok(())
             }
             "function_call_output" => {
-                self.ignored.extend(unknown_keys(obj, &OUTPUT_ITEM_KEYS, &p));
-                let call_id = required_str(obj, "call_id", &p)?;
+                self.ignored.extend(unknown_keys_in(obj, &OUTPUT_ITEM_KEYS, &p));
+                let call_id = require_str(obj, "call_id", &p)?;
                 let output = match obj.get("output") {
                     Some(Value::String(s)) => Value::String(s.clone()),
                     Some(Value::Array(parts)) => Value::Array(self.parts(&format!("{p}.output"), parts, false)?),
@@ -434,7 +408,7 @@ impl Conversation {
                 Ok(())
             }
             "reasoning" => {
-                self.ignored.extend(unknown_keys(obj, &REASONING_ITEM_KEYS, &p));
+                self.ignored.extend(unknown_keys_in(obj, &REASONING_ITEM_KEYS, &p));
                 if set(obj, "encrypted_content").is_some() {
                     self.ignored.push(format!("{p}.encrypted_content"));
                 }
@@ -457,8 +431,8 @@ impl Conversation {
                                     format!("A reasoning item's `{key}` parts have type {want:?}."),
                                 ));
                             }
-                            unknown.extend(unknown_keys(part, &["type", "text"], &pp));
-                            required_str(part, "text", &pp).map(str::to_string)
+                            unknown.extend(unknown_keys_in(part, &["type", "text"], &pp));
+                            require_str(part, "text", &pp).map(str::to_string)
                         })
                         .collect()
                 };
@@ -486,8 +460,8 @@ impl Conversation {
     }
 
     fn message_item(&mut self, p: &str, obj: &Map<String, Value>) -> Result<(), ApiError> {
-        self.ignored.extend(unknown_keys(obj, &MESSAGE_ITEM_KEYS, p));
-        let role = required_str(obj, "role", p)?;
+        self.ignored.extend(unknown_keys_in(obj, &MESSAGE_ITEM_KEYS, p));
+        let role = require_str(obj, "role", p)?;
         if !["user", "assistant", "system", "developer"].contains(&role) {
             return Err(ApiError::invalid(
                 format!("{p}.role"),
@@ -527,7 +501,7 @@ impl Conversation {
         for (j, part) in parts.iter().enumerate() {
             let pp = format!("{p}[{j}]");
             let obj = as_object(part, pp.clone(), "Each content part")?;
-            let kind = required_str(obj, "type", &pp)?;
+            let kind = require_str(obj, "type", &pp)?;
             match kind {
                 "input_text" | "output_text" | "text" => {
                     let known: &[&str] = if kind == "output_text" {
@@ -536,11 +510,11 @@ impl Conversation {
                     } else {
                         &["type", "text"]
                     };
-                    self.ignored.extend(unknown_keys(obj, known, &pp));
-                    out.push(json!({"type": "text", "text": required_str(obj, "text", &pp)?}));
+                    self.ignored.extend(unknown_keys_in(obj, known, &pp));
+                    out.push(json!({"type": "text", "text": require_str(obj, "text", &pp)?}));
                 }
                 "refusal" if assistant => {
-                    out.push(json!({"type": "refusal", "refusal": required_str(obj, "refusal", &pp)?}));
+                    out.push(json!({"type": "refusal", "refusal": require_str(obj, "refusal", &pp)?}));
                 }
                 "input_image" | "input_file" | "input_audio" => {
                     return Err(unsupported(
@@ -626,7 +600,7 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
     for (i, tool) in list.iter().enumerate() {
         let p = format!("tools[{i}]");
         let obj = as_object(tool, p.clone(), "Each tool")?;
-        match required_str(obj, "type", &p)? {
+        match require_str(obj, "type", &p)? {
             "function" => {}
             t if BUILT_IN_TOOLS.contains(&t) || t.starts_with("web_search") || t.starts_with("computer") => {
                 return Err(unsupported(
@@ -647,10 +621,10 @@ fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
 /// reported in `ignored`).
 fn chat_tool_choice(choice: &Value, ignored: &mut Vec<String>) -> Result<Value, ApiError> {
     let Value::Object(obj) = choice else { return Ok(choice.clone()) };
-    match required_str(obj, "type", "tool_choice")? {
+    match require_str(obj, "type", "tool_choice")? {
         "function" => {
-            let name = required_str(obj, "name", "tool_choice")?;
-            ignored.extend(unknown_keys(obj, &["type", "name"], "tool_choice"));
+            let name = require_str(obj, "name", "tool_choice")?;
+            ignored.extend(unknown_keys_in(obj, &["type", "name"], "tool_choice"));
             Ok(json!({"type": "function", "function": {"name": name}}))
         }
         t => Err(unsupported(
@@ -663,7 +637,7 @@ fn chat_tool_choice(choice: &Value, ignored: &mut Vec<String>) -> Result<Value, 
 /// Responses' `text.format` -> chat's `response_format`.
 fn response_format(format: &Value) -> Result<Value, ApiError> {
     let obj = as_object(format, "text.format", "`text.format`")?;
-    Ok(match required_str(obj, "type", "text.format")? {
+    Ok(match require_str(obj, "type", "text.format")? {
         "json_schema" => {
             if set(obj, "schema").is_none() {
                 return Err(missing("text.format.schema".into()));
@@ -831,7 +805,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         if set(text_obj, "verbosity").is_some() {
             ignored.push("text.verbosity".into());
         }
-        ignored.extend(unknown_keys(text_obj, &["format", "verbosity"], "text"));
+        ignored.extend(unknown_keys_in(text_obj, &["format", "verbosity"], "text"));
     }
     if let Some(reasoning) = set(obj, "reasoning") {
         let r = as_object(reasoning, "reasoning", "`reasoning`")?;
