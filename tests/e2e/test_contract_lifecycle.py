@@ -403,3 +403,36 @@ def test_a_client_that_leaves_before_any_output_aborts_at_once(tiny_model, monke
         await engine.drain()
 
     asyncio.run(main())
+
+
+RESPONSES = {"model": "tiny", "input": "Hello", "ignore_eos": True, "stream": True}
+
+
+def test_responses_stream_failure_is_the_error_frame_and_before_the_first_byte_a_500(failing_engine):
+    """/v1/responses keeps the contract's two failure rows: a failure after its events began
+    is the error frame and [DONE] (which the SDK raises as an APIError: a frame with no event
+    name holding `error`), one in the first step a 500."""
+    engine, runners = failing_engine
+
+    async def main():
+        await engine.start()
+        try:
+            async with _client(create_app(engine=engine)) as c:
+                runners[0].fail_in(4)
+                r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 30})
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                assert "event: response.created" in r.text
+                assert "response.completed" not in r.text
+                frames = _sse_frames(r.text)   # (events start with `event:`: only the frame is bare)
+                assert frames[-1] == "[DONE]" and len(frames) == 2
+                assert json.loads(frames[0])["error"]["type"] == "server_error"
+                runners[0].fail_in(1)
+                r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 5})
+                _assert_error(r, 500, "server_error", "internal_error")
+                ok = await c.post("/v1/responses", json={**RESPONSES, "stream": False, "max_output_tokens": 3})
+                assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3
+        finally:
+            await engine.drain()
+        assert engine.engine.core.stats()["used_blocks"] == 0
+
+    asyncio.run(main())
