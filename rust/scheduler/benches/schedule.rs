@@ -31,7 +31,17 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
             ..SeqSampling::default()
         };
         let stop = StopRules { max_tokens: 100_000, eos_token_ids: vec![2], ..StopRules::default() };
-        s.add(NewRequest { id, prompt, n: 1, sampling, stop, priority: 0, cache_salt: None, prompt_logprobs: None });
+        s.add(NewRequest {
+            id,
+            prompt,
+            n: 1,
+            sampling,
+            stop,
+            priority: 0,
+            cache_salt: None,
+            prompt_logprobs: None,
+            pooling: None,
+        });
     }
     let mut tokens = vec![0u32; SEQS];
     let mut next = 1000u32;

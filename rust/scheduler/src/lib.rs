@@ -29,4 +29,4 @@ pub mod types;
 pub use block_pool::{BlockPool, NULL_BLOCK};
 pub use plan::Plan;
 pub use scheduler::Scheduler;
-pub use types::{FinishReason, NewRequest, Policy, SchedulerConfig, SeqSampling, SeqUpdate, Stats, StopRules};
+pub use types::{FinishReason, NewRequest, Policy, Pooling, SchedulerConfig, SeqSampling, SeqUpdate, Stats, StopRules};

@@ -72,6 +72,12 @@ pub struct Plan {
     pub prompt_lp_req_ids: Vec<u64>,
     pub prompt_lp_num: Vec<i32>,
 
+    /// `[Q]` pooling entries (requests with `pooling`): the row of the flat T tokens whose
+    /// final hidden state goes into the request's embedding, and the request. Each prompt
+    /// position is listed once over the request's life, in position order.
+    pub pool_indices: Vec<i64>,
+    pub pool_req_ids: Vec<u64>,
+
     /// `[S]` the sequence each scheduled slot belongs to (not in ARCHITECTURE's table; for
     /// metrics, debugging and tests).
     pub seq_req_ids: Vec<u64>,

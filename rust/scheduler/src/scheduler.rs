@@ -19,7 +19,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use crate::block_pool::{root_hash, BlockPool};
-use crate::types::{NewRequest, Policy, SchedulerConfig, SeqSampling, Stats, StopRules};
+use crate::types::{NewRequest, Policy, Pooling, SchedulerConfig, SeqSampling, Stats, StopRules};
 
 /// Policy order of a sequence: lower runs first, higher is preempted first. Under Fcfs the
 /// priority is always 0. `slot` makes keys unique.
@@ -88,6 +88,10 @@ pub(crate) struct Req {
     pub prompt_logprobs: Option<u32>,
     /// Prompt positions below this have had their logprob row planned.
     pub prompt_lp_next: usize,
+    /// Which positions the request's embedding pools; None when it wants none.
+    pub pooling: Option<Pooling>,
+    /// Prompt positions below this have had their pooling entry planned.
+    pub pool_next: usize,
     pub prompt_len: usize,
     /// Prompt tokens the prefix cache held when the prompt was first admitted (a prompt
     /// preempted and admitted again finds its own blocks: not counted).
@@ -98,6 +102,13 @@ impl Req {
     /// Prompt positions still owe a logprob row (so their K/V must be computed, not reused).
     pub fn owes_prompt_logprobs(&self) -> bool {
         self.prompt_logprobs.is_some() && self.prompt_lp_next + 1 < self.prompt_len
+    }
+
+    /// Prompt positions still owe a pooling entry that the prefix cache could have skipped
+    /// (mean pooling reads every position's hidden state; last-token pooling only the last
+    /// position's, which is always computed).
+    pub fn owes_pooled_positions(&self) -> bool {
+        self.pooling == Some(Pooling::Mean) && self.pool_next < self.prompt_len
     }
 }
 
@@ -122,13 +133,14 @@ pub(crate) struct Row {
 /// A Plan handed out and not yet committed: its rows, which `commit` answers, and what
 /// `discard_plan` must undo (the sequences it computes into, scheduled ones and fork copy
 /// targets; the blocks it registered in the prefix cache; each request's prompt_lp_next
-/// before it, as (request slot, request id, value)).
+/// and pool_next before it, as (request slot, request id, value)).
 #[derive(Debug, Default)]
 pub(crate) struct Inflight {
     pub rows: Vec<Row>,
     pub planned: Vec<(u32, u32)>,
     pub registered: Vec<u32>,
     pub lp_undo: Vec<(u32, u64, usize)>,
+    pub pool_undo: Vec<(u32, u64, usize)>,
 }
 
 impl Inflight {
@@ -137,6 +149,7 @@ impl Inflight {
         self.planned.clear();
         self.registered.clear();
         self.lp_undo.clear();
+        self.pool_undo.clear();
     }
 }
 
@@ -267,6 +280,8 @@ impl Scheduler {
             unfinished: req.n,
             prompt_logprobs: req.prompt_logprobs,
             prompt_lp_next: 0,
+            pooling: req.pooling,
+            pool_next: 0,
             prompt_len: req.prompt.len(),
             cached_prompt_tokens: None,
         };

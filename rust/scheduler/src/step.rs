@@ -12,7 +12,7 @@
 use crate::block_pool::{hash_block, BlockPool};
 use crate::plan::{mix_seed, Plan};
 use crate::scheduler::{blocks_for, Inflight, Key, PendingCopy, Req, Row, Scheduler, Seq, State, PLACEHOLDER};
-use crate::types::{FinishReason, SeqUpdate, StopRules};
+use crate::types::{FinishReason, Pooling, SeqUpdate, StopRules};
 
 impl Scheduler {
     /// The next batch; empty (`is_empty()`) when there is nothing to run. A non-empty Plan
@@ -219,8 +219,9 @@ impl Scheduler {
         let slot = key.slot as usize;
         let mut parent = self.req(self.seqs[slot].req).root;
         self.hits.clear();
-        // A prompt that owes logprob rows computes every position itself.
-        let looked_up = self.cfg.enable_prefix_caching && !self.req(self.seqs[slot].req).owes_prompt_logprobs();
+        // A prompt that owes logprob rows or pooled positions computes every position itself.
+        let owes = |r: &Req| r.owes_prompt_logprobs() || r.owes_pooled_positions();
+        let looked_up = self.cfg.enable_prefix_caching && !owes(self.req(self.seqs[slot].req));
         if looked_up {
             let tokens = &self.seqs[slot].tokens;
             // Never the block holding the last token: at least one token is computed, so
@@ -308,6 +309,24 @@ impl Scheduler {
                         plan.prompt_lp_num.push(k as i32);
                     }
                     req.prompt_lp_next = last;
+                }
+            }
+            if let Some(pooling) = req.pooling {
+                // Positions this chunk computes that the embedding reads, not yet planned.
+                let first = match pooling {
+                    Pooling::Last => seq.prompt_len - 1,
+                    Pooling::Mean => 0,
+                };
+                let first = first.max(start).max(req.pool_next);
+                let last = end.min(seq.prompt_len);
+                if first < last {
+                    cur.pool_undo.push((seq.req, req.id, req.pool_next));
+                    let base = plan.input_ids.len() as i64 - start as i64;
+                    for pos in first..last {
+                        plan.pool_indices.push(base + pos as i64);
+                        plan.pool_req_ids.push(req.id);
+                    }
+                    req.pool_next = last;
                 }
             }
             let req = &*req;
@@ -404,6 +423,11 @@ impl Scheduler {
             for &(req_slot, id, next) in plan.lp_undo.iter().rev() {
                 if let Some(req) = self.reqs[req_slot as usize].as_mut().filter(|r| r.id == id) {
                     req.prompt_lp_next = next;
+                }
+            }
+            for &(req_slot, id, next) in plan.pool_undo.iter().rev() {
+                if let Some(req) = self.reqs[req_slot as usize].as_mut().filter(|r| r.id == id) {
+                    req.pool_next = next;
                 }
             }
             for &b in &plan.registered {

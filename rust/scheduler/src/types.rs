@@ -116,6 +116,20 @@ pub struct NewRequest {
     /// the ones before it, plus k alternatives (completions `echo` with `logprobs`). Such a
     /// prompt does not reuse prefix-cache blocks until each of those positions has run.
     pub prompt_logprobs: Option<u32>,
+    /// Some: the Plan lists the prompt positions whose final hidden states make this
+    /// request's embedding (`/v1/embeddings`), each once over the request's life.
+    pub pooling: Option<Pooling>,
+}
+
+/// Which prompt positions an embedding pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last prompt token (decoder embedding models: it alone has seen the whole text).
+    /// Prefix-cache reuse is unaffected: the last token is always computed.
+    Last,
+    /// Every prompt token (their mean). Such a prompt does not reuse prefix-cache blocks
+    /// until each position has been listed, as for prompt logprobs.
+    Mean,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -314,6 +314,7 @@ fn add(s: &mut Scheduler, rec: &mut Record, id: u64, a: &Arrival) {
         },
         priority: a.priority,
         prompt_logprobs: a.logprobs.then_some(1),
+        pooling: None,
         cache_salt: None,
     });
 }

@@ -712,3 +712,77 @@ fn prompt_logprobs_are_not_repeated_when_a_preempted_sequence_recomputes() {
     assert_eq!(listed.get(&1), Some(&4));
     assert_eq!(listed.get(&2), Some(&4));
 }
+
+#[test]
+fn mean_pooling_lists_every_prompt_position_once_and_skips_the_prefix_cache() {
+    let mut cfg = config(101, 4, 8, 8);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    let p = prompt(20, 3);
+    s.add(request(1, p.clone(), 1));
+    while s.has_work() {
+        step(&mut s, 5);
+    }
+    s.add(NewRequest { pooling: Some(Pooling::Mean), ..request(2, p.clone(), 0) });
+    let mut positions = Vec::new();
+    let mut computed = 0;
+    while s.has_work() {
+        let (plan, _) = step(&mut s, 5);
+        assert_eq!(plan.positions[0], computed as i64, "no prefix-cache reuse while positions are owed");
+        computed += plan.num_tokens;
+        assert!(plan.pool_req_ids.iter().all(|&id| id == 2));
+        positions.extend(plan.pool_indices.iter().map(|&row| plan.positions[row as usize]));
+    }
+    assert_eq!(positions, (0..20).collect::<Vec<i64>>(), "every prompt position, once, in order");
+    s.validate().unwrap();
+}
+
+#[test]
+fn last_pooling_lists_the_last_prompt_position_and_reuses_the_prefix_cache() {
+    let mut cfg = config(101, 4, 8, 64);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    let p = prompt(20, 3);
+    s.add(request(1, p.clone(), 1));
+    while s.has_work() {
+        step(&mut s, 5);
+    }
+    s.add(NewRequest { pooling: Some(Pooling::Last), ..request(2, p.clone(), 0) });
+    let (plan, updates) = step(&mut s, 5);
+    assert_eq!(plan.positions[0], 16, "the cached blocks are reused");
+    assert_eq!(plan.pool_req_ids, vec![2]);
+    assert_eq!(plan.positions[plan.pool_indices[0] as usize], 19);
+    assert_eq!(updates.len(), 1);
+    assert!(updates[0].finish.is_some(), "max_tokens 0 ends at the prompt");
+    assert!(!s.has_work());
+    assert_eq!(s.stats().used_blocks, 0);
+}
+
+#[test]
+fn pooled_positions_come_back_after_a_discarded_plan_but_not_after_preemption() {
+    let mut s = Scheduler::new(config(101, 4, 8, 64));
+    s.add(NewRequest { pooling: Some(Pooling::Mean), ..request(1, prompt(6, 1), 0) });
+    let plan = s.schedule();
+    assert_eq!(plan.pool_indices, vec![0, 1, 2, 3, 4, 5]);
+    s.discard_plan();
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!(plan.pool_indices.len(), 6, "the discarded step's positions come back");
+    assert!(!s.has_work());
+
+    // 3 usable blocks of 4: a generating request grows into the block the pooled prompt's
+    // second chunk needs, and the pooled prompt (the later arrival) is preempted mid-prompt.
+    let mut s = Scheduler::new(config(4, 4, 8, 5));
+    s.add(request(1, prompt(5, 1), 8));
+    s.add(NewRequest { pooling: Some(Pooling::Mean), ..request(2, prompt(5, 2), 0) });
+    let mut listed = std::collections::HashMap::<u64, Vec<i64>>::new();
+    while s.has_work() {
+        let (plan, _) = step(&mut s, 5);
+        for (&id, &row) in plan.pool_req_ids.iter().zip(&plan.pool_indices) {
+            listed.entry(id).or_default().push(plan.positions[row as usize]);
+        }
+        s.validate().unwrap();
+    }
+    assert!(s.stats().preemptions > 0, "the test needs a preemption");
+    assert_eq!(listed.keys().collect::<Vec<_>>(), vec![&2]);
+    assert_eq!(listed[&2], (0..5).collect::<Vec<i64>>(), "each position once");
+}

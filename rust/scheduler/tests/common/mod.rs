@@ -26,6 +26,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
         priority: 0,
         cache_salt: None,
         prompt_logprobs: None,
+        pooling: None,
     }
 }
 
@@ -52,6 +53,8 @@ pub fn check_plan(s: &Scheduler, plan: &Plan) {
     assert_eq!(plan.seq_lens.len(), plan.num_seqs);
     assert_eq!(plan.block_tables.len(), plan.num_seqs * plan.block_table_width);
     assert_eq!(plan.copy_src.len(), plan.copy_dst.len());
+    assert_eq!(plan.pool_indices.len(), plan.pool_req_ids.len());
+    assert!(plan.pool_indices.iter().all(|&row| row >= 0 && (row as usize) < plan.num_tokens));
     assert!(plan.num_tokens <= s.config().max_num_batched_tokens);
     assert!(plan.num_seqs <= s.config().max_num_seqs);
     for col in [
