@@ -179,6 +179,13 @@ class ModelConfig(_Checked):
         "template mentions <think>, else none.",
         choices=("think", "none"),
     )
+    pooling: str | None = _f(
+        None,
+        "How /v1/embeddings pools the model's final (normed) hidden states: 'last' (the last "
+        "token's, what decoder embedding models are trained for) or 'mean' (every token's). "
+        "Default: the model folder's sentence-transformers pooling (modules.json), else 'last'.",
+        choices=("last", "mean"),
+    )
     quantized_decode: bool = _f(
         True,
         "GGUF models on CPU in float32: decode steps of at most 24 sequences read the file's "

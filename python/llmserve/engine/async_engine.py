@@ -210,7 +210,7 @@ async def _on_daemon_thread(fn, *args):
 
 
 # The endpoints `submit` takes (the others are answered by `handle`).
-GENERATING = ("chat", "completion", "responses")
+GENERATING = ("chat", "completion", "responses", "embeddings")
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
 
 
@@ -361,8 +361,8 @@ class AsyncEngine:
             raise self.unavailable("The server is not taking requests.", retry_after=5)
 
     async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
-        """Validate and queue a chat ("chat"), completion ("completion") or Responses API
-        ("responses") request.
+        """Validate and queue a chat ("chat"), completion ("completion"), Responses API
+        ("responses") or embeddings ("embeddings") request.
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         if endpoint not in GENERATING:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")

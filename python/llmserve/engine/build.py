@@ -72,6 +72,31 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _embeddings(cfg: Config, ck) -> dict | None:
+    """RouterConfig.embeddings: how /v1/embeddings pools (--pooling, else the folder's
+    sentence-transformers files, else the last token), whether it normalizes (a Normalize
+    module; without sentence-transformers files, yes), and the Matryoshka lengths config.json
+    declares (`matryoshka_dimensions`, or `is_matryoshka` for any). None turns the route off:
+    the files describe embeddings this server cannot make, and --pooling does not overrule them."""
+    st, hf = ck.sentence_transformers, ck.hf_config
+    if "unsupported" in st and cfg.model.pooling is None:
+        log.warning("/v1/embeddings is off: %s's sentence-transformers files describe embeddings this "
+                    "server cannot make (%s); --pooling last|mean serves its hidden states pooled anyway",
+                    ck.name, st["unsupported"])
+        return None
+    dims = hf.get("matryoshka_dimensions")
+    if isinstance(dims, list):
+        matryoshka = sorted({int(d) for d in dims})
+    else:
+        matryoshka = [] if hf.get("is_matryoshka") else None
+    return {
+        "pooling": cfg.model.pooling or st.get("pooling", "last"),
+        "normalize": st.get("normalize", True),
+        "hidden_size": int(hf["hidden_size"]),
+        "matryoshka": matryoshka,
+    }
+
+
 def _generation_defaults(cfg: Config, gen: dict) -> dict:
     if cfg.model.generation_config == "none":
         return {}
@@ -273,6 +298,7 @@ def build_engine(cfg: Config) -> Engine:
         "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
         "system_fingerprint": fingerprint,
         "model_root": cfg.model.model or ck.name,
+        "embeddings": _embeddings(cfg, ck),
     }
     try:
         router = Router(

@@ -62,12 +62,14 @@ def commit(core, out) -> list[Output]:
                   np.ascontiguousarray(out.prompt_top_logprobs, dtype=np.float32))
         if getattr(out, "prompt_ranks", None) is not None:
             prompt += (np.ascontiguousarray(out.prompt_ranks, dtype=np.int64),)
+    pooled = getattr(out, "pooled", None)
     return core.commit(
         np.ascontiguousarray(out.tokens, dtype=np.int64),
         np.ascontiguousarray(out.logprobs, dtype=np.float32),
         np.ascontiguousarray(out.top_ids, dtype=np.int64),
         np.ascontiguousarray(out.top_logprobs, dtype=np.float32),
         *prompt,
+        pooled=None if pooled is None else np.ascontiguousarray(pooled, dtype=np.float32),
     )
 
 

@@ -114,6 +114,23 @@ class LLM:
         results = self._run("chat", bodies)
         return results if many else results[0]
 
+    def embed(self, inputs: Prompt | list[str] | list[list[int]],
+              params: dict[str, Any] | None = None) -> np.ndarray:
+        """Embed each input (a string or token ids), as /v1/embeddings does: float32 [N, D],
+        in input order. `params` take that route's fields (`normalize`, `dimensions`,
+        `truncate_prompt_tokens`, ...)."""
+        inputs = _prompt_list(inputs)
+        _own_argument(params, "input")
+        fields = {"model": self.model_name, **(params or {}), "encoding_format": "float"}
+        # One request per kind of input: a request may not mix strings and token ids.
+        kinds = [isinstance(p, str) for p in inputs]
+        if len(set(kinds)) == 1:
+            bodies = [{**fields, "input": inputs}]
+        else:
+            bodies = [{**fields, "input": [p]} for p in inputs]
+        rows = [item["embedding"] for r in self._run("embeddings", bodies) for item in r.body["data"]]
+        return np.asarray(rows, np.float32)
+
     def _run(self, endpoint: str, bodies: list[dict[str, Any]],
              whole: dict[str, Any] | None = None) -> list[Result]:
         core, runner, router = self.engine.core, self.engine.runner, self.engine.router
@@ -298,7 +315,7 @@ def _own_argument(params: dict[str, Any] | None, name: str) -> None:
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:
-    choices = body["choices"]
+    choices = body.get("choices", [])
     if endpoint == "chat":
         texts = [c["message"].get("content") or "" for c in choices]
     else:

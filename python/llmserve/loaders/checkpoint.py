@@ -192,6 +192,10 @@ class Checkpoint:
     # The block conversions made for `quantized` ("Q4_K->Q4_1 x84", sorted); they change the
     # weights served, so the system fingerprint counts them (engine/build.py).
     conversions: tuple[str, ...] = ()
+    # How the folder's sentence-transformers files (modules.json, 1_Pooling/config.json) say
+    # its embeddings are made: {"pooling": "last" | "mean" | <another mode>, "normalize": bool,
+    # "unsupported": why they cannot be served as said}; empty without those files.
+    sentence_transformers: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         # The default repr would print every tensor; this is what a log line wants.

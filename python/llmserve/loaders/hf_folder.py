@@ -89,6 +89,38 @@ def _vocab_id(tokenizer_json: Path, token: str) -> int | None:
     return None
 
 
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> ours.
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+def sentence_transformers(folder: Path) -> dict:
+    """How a sentence-transformers folder makes embeddings (Checkpoint.sentence_transformers):
+    the pooling mode of its Pooling module, whether a Normalize module follows, and why it
+    cannot be served as its files say (a mode other than last-token or mean, a module after
+    the transformer other than Pooling and Normalize, such as Dense). Empty when the folder
+    has no modules.json."""
+    modules = _read_json(folder / "modules.json")
+    if not isinstance(modules, list):
+        return {}
+    out: dict = {"pooling": "last", "normalize": False}
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            out["normalize"] = True
+        elif kind == "Pooling":
+            config = _read_json(folder / str(module.get("path", "")) / "config.json") or {}
+            modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+            if len(modes) != 1 or modes[0] not in _ST_POOLING:
+                out["unsupported"] = f"its pooling ({', '.join(modes) or 'none'}) is not last-token or mean"
+            else:
+                out["pooling"] = _ST_POOLING[modes[0]]
+        else:
+            out["unsupported"] = f"its {kind or 'unnamed'} module is not supported"
+    return out
+
+
 def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
     t0 = time.perf_counter()
     config = _read_json(folder / "config.json")
@@ -161,4 +193,5 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
         eos_token=eos_token,
         eos_token_ids=eos_ids,
         generation_config=generation_config,
+        sentence_transformers=sentence_transformers(folder),
     )

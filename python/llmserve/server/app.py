@@ -80,6 +80,7 @@ ROUTES = [
     Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/responses", routes.responses, methods=["POST"]),
+    Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
     Route("/v1/responses/{response_id}", routes.stored_response, methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/cancel", routes.cancel_response, methods=["POST"]),
     Route("/v1/responses/{response_id}/input_items", routes.response_input_items, methods=["GET"]),

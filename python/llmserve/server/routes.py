@@ -253,6 +253,10 @@ async def responses(request: Request) -> Response:
     return await _generate(request, "responses")
 
 
+async def embeddings(request: Request) -> Response:
+    return await _generate(request, "embeddings")
+
+
 async def stored_response(request: Request) -> Response:
     """GET (read) and DELETE (forget) /v1/responses/{id}: a response kept by `store`."""
     router, response_id = _engine(request).router, request.path_params["response_id"]

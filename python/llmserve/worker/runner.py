@@ -5,7 +5,7 @@ contract with the engine: block copies for forked
 sequences, the forward over the flat tokens (writing their K/V into the paged cache), logits
 for the sampled rows only, and sampling; plus, for the Plan's prompt-logprob entries
 (completions `echo` with `logprobs`), the raw logprob of each next prompt token and its top
-alternatives. The plan is any object exposing ARCHITECTURE.md's Plan columns as numpy arrays;
+alternatives, and for its pooling entries (`/v1/embeddings`) the final hidden states. The plan is any object exposing ARCHITECTURE.md's Plan columns as numpy arrays;
 they become tensors without per-token Python.
 """
 
@@ -48,8 +48,11 @@ def retain_freed_memory() -> bool:
         return False
 
 
-def with_prompt_logprobs(out: SampleOutput, prompt_lp) -> SampleOutput:
-    """`out` carrying a step's prompt logprobs (as `ModelRunner.prompt_logprobs` returns them)."""
+def with_prompt_logprobs(out: SampleOutput, prompt_lp, pooled: np.ndarray | None = None) -> SampleOutput:
+    """`out` carrying a step's prompt logprobs (as `ModelRunner.prompt_logprobs` returns them)
+    and pooled hidden states (`ModelRunner.pooled`)."""
+    if pooled is not None:
+        out = dataclasses.replace(out, pooled=pooled)
     if prompt_lp is None:
         return out
     lp, ids, tops, ranks = prompt_lp
@@ -64,9 +67,10 @@ class Launched:
     next step's placeholders read without waiting."""
     sample: DeviceSample
     prompt_lp: tuple | None = None
+    pooled: np.ndarray | None = None
 
     def result(self) -> SampleOutput:
-        return with_prompt_logprobs(self.sample.to_host(), self.prompt_lp)
+        return with_prompt_logprobs(self.sample.to_host(), self.prompt_lp, self.pooled)
 
     def device_tokens(self) -> torch.Tensor:
         if self.sample.tokens is not None:
@@ -245,16 +249,17 @@ class ModelRunner:
         with cpu_step(True, False):
             prompt_lp = self.prompt_logprobs(hidden, plan)
             out = self.sampler.sample_plan(logits.cpu(), plan).to_host()
-        return with_prompt_logprobs(out, prompt_lp)
+        return with_prompt_logprobs(out, prompt_lp, self.pooled(hidden, plan))
 
     def _execute(self, plan, num_rows: int) -> Launched:
         """Forward, prompt logprobs and sampling of a non-empty plan."""
         hidden = self.run_model(plan)
         prompt_lp = self.prompt_logprobs(hidden, plan)
+        pooled = self.pooled(hidden, plan)
         # NOTE: a chunk that does not reach the end of its prompt samples nothing, but its
         # forward above still had to run to fill the KV cache.
         if num_rows == 0:
-            return Launched(DeviceSample(SampleOutput.empty()), prompt_lp)
+            return Launched(DeviceSample(SampleOutput.empty()), prompt_lp, pooled)
         indices = np.asarray(plan.logits_indices)
         if num_rows == hidden.shape[0] and (indices == np.arange(num_rows)).all():
             rows = hidden   # every token samples, in order (decode steps): no gather
@@ -262,7 +267,16 @@ class ModelRunner:
             rows = hidden[to_device(as_tensor(indices, torch.int64), self.device)]
         # (on an accelerator the sampler runs there too: worker/sampler.py)
         logits = self.model.compute_logits(rows, sampling=True)
-        return Launched(self.sampler.sample_plan(logits, plan), prompt_lp)
+        return Launched(self.sampler.sample_plan(logits, plan), prompt_lp, pooled)
+
+    def pooled(self, hidden: torch.Tensor, plan) -> np.ndarray | None:
+        """The final hidden states [T, H] of the Plan's pooling entries, as float32 [Q, H] on
+        the host (the Core sums them into each request's embedding). None when it lists none."""
+        indices = getattr(plan, "pool_indices", None)
+        if indices is None or len(indices) == 0:
+            return None
+        rows = hidden[to_device(as_tensor(indices, torch.int64), self.device)]
+        return rows.float().cpu().numpy()
 
     def prompt_logprobs(self, hidden: torch.Tensor, plan):
         """The Plan's prompt-logprob entries from the final hidden states [T, H]:

@@ -49,6 +49,9 @@ class SampleOutput:
     prompt_top_ids: np.ndarray | None = None        # int64 [P, Kp]
     prompt_top_logprobs: np.ndarray | None = None   # float32 [P, Kp]
     prompt_ranks: np.ndarray | None = None          # int64 [P]: 1 + tokens likelier than the target
+    # The Plan's pooling entries (None when it listed none): the final hidden state of each
+    # listed position, for the embedding of the request that owns it.
+    pooled: np.ndarray | None = None                # float32 [Q, H]
 
     @staticmethod
     def empty() -> "SampleOutput":

@@ -16,13 +16,15 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
+use llmserve_router::protocol::embeddings::Pooling;
 use llmserve_router::protocol::Prepared;
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
 use llmserve_router::ApiError;
 use llmserve_scheduler::{
-    FinishReason as SeqFinish, NewRequest, Plan, Policy, Scheduler, SchedulerConfig, SeqSampling, StopRules,
+    FinishReason as SeqFinish, NewRequest, Plan, Policy, Pooling as SeqPooling, Scheduler, SchedulerConfig,
+    SeqSampling, StopRules,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -90,9 +92,11 @@ struct RequestState {
     /// Whether a plan has held this request yet (for the queue-time metric).
     scheduled: bool,
     new_tokens: u32,
-    /// `max_tokens: 0` (completions with `echo`): the answer is the prompt alone; the token
-    /// its prefill step samples is dropped.
+    /// `max_tokens: 0` (completions with `echo`, embeddings): the answer is the prompt
+    /// alone; the token its prefill step samples is dropped.
     prompt_only: bool,
+    /// An embeddings request: each input ends "stop" once its prompt has run (pooled).
+    embedding: bool,
 }
 
 impl RequestState {
@@ -180,6 +184,8 @@ struct PlanState {
     reqs: Vec<u64>,
     /// Its prompt-logprob entries: (scheduler request id, prompt token).
     prompt_lp: Vec<(u64, u32)>,
+    /// Its pooling entries: the scheduler request id of each (`Plan::pool_req_ids`).
+    pool: Vec<u64>,
     /// Requests whose grammar could not compute a mask for it, with why: the step lets
     /// only EOS through on their rows, and commit fails them.
     mask_failures: Vec<(u64, String)>,
@@ -255,6 +261,10 @@ impl CoreState {
                 priority: prepared.priority,
                 cache_salt: prepared.cache_salt.clone(),
                 prompt_logprobs: prepared.prompt_logprobs(),
+                pooling: prepared.embedding.as_ref().map(|e| match e.pooling {
+                    Pooling::Last => SeqPooling::Last,
+                    Pooling::Mean => SeqPooling::Mean,
+                }),
             });
             self.owners.insert(id, (handle, i as u32));
             sched_ids.push(id);
@@ -282,6 +292,7 @@ impl CoreState {
                 scheduled: false,
                 new_tokens: 0,
                 prompt_only: p.max_tokens == Some(0),
+                embedding: prepared.embedding.is_some(),
             },
         );
         Ok(handle)
@@ -337,6 +348,7 @@ impl CoreState {
                 .zip(&plan.prompt_lp_targets)
                 .map(|(&id, &t)| (id, t as u32))
                 .collect(),
+            pool: plan.pool_req_ids.clone(),
             mask_failures,
             masked: !masks.rows.is_empty(),
         });
@@ -412,7 +424,20 @@ impl CoreState {
         }
     }
 
-    /// Apply the oldest awaiting plan's samples (and its prompt logprobs, when it listed any).
+    /// Hand a plan's pooled hidden states (`rows`: one of `width` floats per entry of
+    /// `entries`, as `PlanState::pool`) to their requests' builders.
+    fn push_pooled(&mut self, entries: &[u64], rows: &[f32], width: usize) {
+        for (req_id, row) in entries.iter().zip(rows.chunks_exact(width.max(1))) {
+            let Some(&(handle, prompt_idx)) = self.owners.get(req_id) else { continue };
+            if let Some(state) = self.requests.get_mut(&handle) {
+                state.builder.add_pooled(prompt_idx, row);
+            }
+        }
+    }
+
+    /// Apply the oldest awaiting plan's samples (and its prompt logprobs and pooled hidden
+    /// states, when it listed any).
+    #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
         tokens: &[u32],
@@ -421,10 +446,14 @@ impl CoreState {
         top_lps: &[f32],
         k: usize,
         prompt: Option<&PromptLogprobs>,
+        pooled: Option<(&[f32], usize)>,
     ) -> Vec<Output> {
         let plan = self.inflight.pop_front().unwrap_or_default();
         if let Some(p) = prompt {
             self.push_prompt_logprobs(&plan.prompt_lp, p);
+        }
+        if let Some((rows, width)) = pooled {
+            self.push_pooled(&plan.pool, rows, width);
         }
         let updates = self.scheduler.commit(tokens);
         let mut touched: Vec<u64> = Vec::new();
@@ -447,7 +476,7 @@ impl CoreState {
                     text: "",
                     tokens: &[],
                     ids: &[],
-                    finish: Some(FinishReason::Length),
+                    finish: Some(if state.embedding { FinishReason::Stop } else { FinishReason::Length }),
                     stop_reason: None,
                 };
                 for c in state.choices_of(prompt_idx, u.seq_index) {
@@ -717,8 +746,10 @@ impl PyCore {
     /// Apply the oldest awaiting plan's samples (one per plan row) and, when it listed prompt-logprob
     /// entries, their logprobs (`[P]`), top alternatives (`[P, K]`; ids < 0 are padding) and
     /// optionally ranks (`[P]`: 1 + how many tokens were at least as likely).
+    /// `pooled` (`[Q, H]`): the final hidden state of each pooling entry the plan listed
+    /// (required when it listed any).
     /// Returns, per request touched, `(handle, bytes, finished, error, new_tokens, ends)`.
-    #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None, prompt_ranks=None))]
+    #[pyo3(signature = (tokens, logprobs, top_ids, top_logprobs, prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None, prompt_ranks=None, pooled=None))]
     #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
@@ -731,7 +762,21 @@ impl PyCore {
         prompt_top_ids: Option<PyReadonlyArray2<'_, i64>>,
         prompt_top_logprobs: Option<PyReadonlyArray2<'_, f32>>,
         prompt_ranks: Option<PyReadonlyArray1<'_, i64>>,
+        pooled: Option<PyReadonlyArray2<'_, f32>>,
     ) -> PyResult<Vec<PyOutput>> {
+        let listed = self.state.inflight.front().map_or(0, |plan| plan.pool.len());
+        let pooled = match pooled {
+            Some(rows) if rows.shape()[0] == listed => {
+                Some((rows.as_array().iter().copied().collect::<Vec<f32>>(), rows.shape()[1]))
+            }
+            None if listed == 0 => None,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "pooled: the plan listed {listed} pooling entries; got {:?}",
+                    other.map(|r| r.shape().to_vec())
+                )))
+            }
+        };
         let prompt = match (prompt_logprobs, prompt_top_ids, prompt_top_logprobs) {
             (Some(lp), Some(ids), Some(tlp)) => {
                 let (p, k) = (ids.shape()[0], ids.shape()[1]);
@@ -781,7 +826,8 @@ impl PyCore {
         let tids: Vec<i64> = top_ids.as_array().iter().copied().collect();
         let tlps: Vec<f32> = top_logprobs.as_array().iter().copied().collect();
         let state = &mut self.state;
-        let out = py.detach(|| state.commit(&toks, &lps, &tids, &tlps, k, prompt.as_ref()));
+        let pooled = pooled.as_ref().map(|(rows, width)| (rows.as_slice(), *width));
+        let out = py.detach(|| state.commit(&toks, &lps, &tids, &tlps, k, prompt.as_ref(), pooled));
         Ok(outputs(py, out))
     }
 

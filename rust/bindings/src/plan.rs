@@ -84,6 +84,8 @@ pub struct PyPlan {
     #[pyo3(get)]
     prompt_lp_num: Py<PyAny>,
     #[pyo3(get)]
+    pool_indices: Py<PyAny>,
+    #[pyo3(get)]
     mask_rows: Py<PyAny>,
     #[pyo3(get)]
     token_bitmask: Py<PyAny>,
@@ -143,6 +145,7 @@ impl PyPlan {
             prompt_lp_targets: arr(py, p.prompt_lp_targets),
             prompt_lp_req_ids: arr(py, p.prompt_lp_req_ids),
             prompt_lp_num: arr(py, p.prompt_lp_num),
+            pool_indices: arr(py, p.pool_indices),
             mask_rows: arr(py, masks.rows),
             token_bitmask,
         })

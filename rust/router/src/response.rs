@@ -26,6 +26,7 @@
 //! (streamed: `delta.reasoning_content` chunks), and only the rest is content (and read for
 //! tool calls). Reasoning tokens count as completion tokens.
 
+mod embeddings;
 mod responses;
 
 use std::sync::Arc;
@@ -467,6 +468,8 @@ pub struct ResponseBuilder {
     tools: Option<ToolParsing>,
     /// A Responses request: what its `response` object echoes, and (streamed) its events.
     responses: Option<(Arc<crate::protocol::responses::Echo>, responses::EventStream)>,
+    /// An Embeddings request: its inputs' pooled hidden states so far.
+    embeddings: Option<embeddings::Embeddings>,
 }
 
 impl ResponseBuilder {
@@ -536,6 +539,10 @@ impl ResponseBuilder {
                 .responses
                 .clone()
                 .map(|echo| (echo, responses::EventStream::new(prepared.params.logprobs.is_some()))),
+            embeddings: prepared
+                .embedding
+                .clone()
+                .map(|plan| embeddings::Embeddings::new(plan, prepared.prompts.len())),
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
             let object = responses::response_object(
@@ -570,6 +577,14 @@ impl ResponseBuilder {
                         .sum(),
                 }
             }),
+        }
+    }
+
+    /// An Embeddings request: one final hidden state the scheduler listed for prompt
+    /// `prompt` (`Plan::pool_indices`). Ignored by other requests.
+    pub fn add_pooled(&mut self, prompt: u32, row: &[f32]) {
+        if let Some(e) = self.embeddings.as_mut() {
+            e.add(prompt as usize, row);
         }
     }
 
@@ -1175,6 +1190,9 @@ impl ResponseBuilder {
         }
         if let Some((echo, _)) = &self.responses {
             return self.responses_body(echo);
+        }
+        if let Some(e) = &self.embeddings {
+            return e.body(&self.model, self.prompt_tokens);
         }
         let usage = self.usage();
         let body = if self.chat {

@@ -9,7 +9,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::protocol::{chat, common::unix_now, completion, responses, tokenize, Endpoint, Handled, Prepared};
+use crate::protocol::{
+    chat, common::unix_now, completion, embeddings, responses, tokenize, Endpoint, Handled, Prepared,
+};
 use crate::template::TemplateSet;
 use crate::tokenizer::Tokenizer;
 
@@ -78,6 +80,9 @@ pub struct RouterConfig {
     /// `GET /v1/responses/{id}` (oldest forgotten first); 0 keeps none.
     #[serde(default = "default_responses_store_bytes")]
     pub responses_store_bytes: usize,
+    /// How `/v1/embeddings` pools the model's hidden states; None: the route refuses.
+    #[serde(default)]
+    pub embeddings: Option<embeddings::EmbeddingConfig>,
 }
 
 pub struct Router {
@@ -137,7 +142,7 @@ impl Router {
         (tools, reasoning)
     }
 
-    /// Validates a `Chat` or `Completion` request into a [`Prepared`] one.
+    /// Validates a `Chat`, `Completion`, `Responses` or `Embeddings` request into a [`Prepared`] one.
     pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
         self.prepare_as(endpoint, body, None)
     }
@@ -152,6 +157,7 @@ impl Router {
             Endpoint::Chat => chat::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Completion => completion::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Responses => responses::prepare(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Embeddings => embeddings::prepare(self, body, header_id).map(|c| c.prepared),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
             }),

@@ -61,6 +61,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         tools: None,
         reasoning: None,
         responses: None,
+        embedding: None,
     }
 }
 

@@ -936,6 +936,7 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
         tools,
         reasoning,
         responses: None,
+        embedding: None,
     };
     Ok(Checked {
         prepared,

@@ -36,16 +36,20 @@ pub(crate) enum PromptIn {
     Ids(Vec<u32>),
 }
 
-/// The prompt field's shapes, each prompt with the `param` path that names it.
-pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptIn, String)>, ApiError> {
+/// The prompt field's shapes (`field`: "prompt", or embeddings' "input"), each prompt with
+/// the `param` path that names it.
+pub(crate) fn parse_prompts(v: &Value, vocab_size: usize, field: &str) -> Result<Vec<(PromptIn, String)>, ApiError> {
     let shape_err = |p: String| {
         invalid_type(
             p,
-            "`prompt` must be a string, an array of strings, an array of token ids, or an array of \
-             token-id arrays.",
+            format!(
+                "`{field}` must be a string, an array of strings, an array of token ids, or an array of \
+                 token-id arrays."
+            ),
         )
     };
-    let empty = |p: String| ApiError::invalid(p, "Prompts must not be empty.");
+    let noun = if field == "prompt" { "Prompts" } else { "Inputs" };
+    let empty = |p: String| ApiError::invalid(p, format!("{noun} must not be empty."));
     let ids = |items: &[Value], p: &str| -> Result<Vec<u32>, ApiError> {
         items
             .iter()
@@ -70,21 +74,19 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptI
             .collect()
     };
     match v {
-        Value::String(s) if s.is_empty() => Err(empty("prompt".into())),
-        Value::String(s) => Ok(vec![(PromptIn::Text(s.clone()), "prompt".into())]),
-        Value::Array(items) if items.is_empty() => Err(empty("prompt".into())),
+        Value::String(s) if s.is_empty() => Err(empty(field.into())),
+        Value::String(s) => Ok(vec![(PromptIn::Text(s.clone()), field.into())]),
+        Value::Array(items) if items.is_empty() => Err(empty(field.into())),
         // A flat list of numbers is one token-id prompt.
-        Value::Array(items) if items[0].is_number() => {
-            Ok(vec![(PromptIn::Ids(ids(items, "prompt")?), "prompt".into())])
-        }
+        Value::Array(items) if items[0].is_number() => Ok(vec![(PromptIn::Ids(ids(items, field)?), field.into())]),
         Value::Array(items) => items
             .iter()
             .enumerate()
             .map(|(i, item)| {
-                let p = format!("prompt[{i}]");
+                let p = format!("{field}[{i}]");
                 // OpenAI's shapes are a list of strings or a list of token-id lists, not a mix.
                 if item.is_string() != items[0].is_string() {
-                    return Err(invalid_type(p, "`prompt` must not mix strings and token-id arrays."));
+                    return Err(invalid_type(p, format!("`{field}` must not mix strings and token-id arrays.")));
                 }
                 match item {
                     Value::String(s) if s.is_empty() => Err(empty(p)),
@@ -95,7 +97,7 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize) -> Result<Vec<(PromptI
                 }
             })
             .collect(),
-        _ => Err(shape_err("prompt".into())),
+        _ => Err(shape_err(field.into())),
     }
 }
 
@@ -178,7 +180,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     params.logprobs = comp.logprobs;
 
     let grammar = super::constrained::compile(router, c.constraint, &params)?;
-    let prompts = parse_prompts(&comp.prompt, vocab_size)?;
+    let prompts = parse_prompts(&comp.prompt, vocab_size, "prompt")?;
     let add_special_tokens = c.add_special_tokens.unwrap_or(true);
     let prompts = tokenize_prompts(&router.tokenizer, prompts, add_special_tokens, c.truncate_prompt_tokens)?;
     for (ids, _, param) in &prompts {
@@ -212,6 +214,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         tools: None,
         reasoning: None,
         responses: None,
+        embedding: None,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -32,6 +32,7 @@ pub mod chat;
 pub mod common;
 pub mod completion;
 pub mod constrained;
+pub mod embeddings;
 pub mod responses;
 mod schema_check;
 pub(crate) mod schema_edit;
@@ -47,6 +48,9 @@ pub enum Endpoint {
     /// OpenAI's Responses API: validated and rendered as a chat request, answered as a
     /// `response` object (or its stream of events).
     Responses,
+    /// `/v1/embeddings`: each input's prompt runs and nothing is sampled; answered with
+    /// the pooled hidden states.
+    Embeddings,
     Tokenize,
     Detokenize,
     ChatRender,
@@ -54,13 +58,14 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The names the bindings use: "chat", "completion", "responses", "tokenize",
+    /// The names the bindings use: "chat", "completion", "responses", "embeddings", "tokenize",
     /// "detokenize", "chat_render", "completion_render".
     pub fn from_name(s: &str) -> Option<Self> {
         Some(match s {
             "chat" => Self::Chat,
             "completion" => Self::Completion,
             "responses" => Self::Responses,
+            "embeddings" => Self::Embeddings,
             "tokenize" => Self::Tokenize,
             "detokenize" => Self::Detokenize,
             "chat_render" => Self::ChatRender,
@@ -74,6 +79,7 @@ impl Endpoint {
             Self::Chat => "chat",
             Self::Completion => "completion",
             Self::Responses => "responses",
+            Self::Embeddings => "embeddings",
             Self::Tokenize => "tokenize",
             Self::Detokenize => "detokenize",
             Self::ChatRender => "chat_render",
@@ -85,7 +91,7 @@ impl Endpoint {
 /// A validated generation request, ready for the engine.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
-    /// `Chat`, `Completion` or `Responses`.
+    /// `Chat`, `Completion`, `Responses` or `Embeddings`.
     pub endpoint: Endpoint,
     /// "chatcmpl-<uuid hex>" / "cmpl-<uuid hex>", or the client's `request_id`.
     pub id: String,
@@ -135,6 +141,8 @@ pub struct Prepared {
     pub reasoning: Option<crate::reasoning::ReasoningPlan>,
     /// `Responses`: the request's fields a `response` object echoes back. None otherwise.
     pub responses: Option<std::sync::Arc<responses::Echo>>,
+    /// `Embeddings`: how each input's hidden states become its embedding. None otherwise.
+    pub embedding: Option<embeddings::EmbeddingPlan>,
 }
 
 /// The answer of a route that does not generate (`Router::handle`): its JSON body, and the

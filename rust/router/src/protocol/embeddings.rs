@@ -1,0 +1,249 @@
+//! `POST /v1/embeddings`: OpenAI's fields (`input` in the four prompt shapes, `model`,
+//! `encoding_format`, `dimensions`, `user`) and vLLM's (`truncate_prompt_tokens`,
+//! `add_special_tokens`, `normalize`, `priority`, `request_id`, `cache_salt`), validated into a
+//! [`Prepared`] request that runs each input's prompt and samples nothing.
+//!
+//! An embedding is the model's final (normed) hidden state pooled over the input: the last
+//! token's ([`Pooling::Last`], what decoder embedding models are trained for) or the mean of
+//! every token's ([`Pooling::Mean`]), as the server's [`EmbeddingConfig`] says; L2-normalized
+//! unless the model or the request says otherwise. The engine runs the request as a
+//! completion of `max_tokens: 0`, so it batches, queues and is cancelled like any other, and
+//! the scheduler lists the positions to pool (`Plan::pool_indices`).
+//!
+//! Decisions: `dimensions` keeps the first k components (then normalizes), which is only
+//! meaningful for a Matryoshka-trained model, so it is refused unless the model declares
+//! itself one (its full size is always accepted); `encoding_format: "base64"` is the
+//! little-endian f32 bytes the official SDK decodes (it asks for them by default); at most
+//! [`MAX_INPUTS`] inputs per request, as OpenAI.
+
+use std::collections::BTreeMap;
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+
+use super::common::{
+    check_request_id, from_value, ignored_header, new_id, parse_body, set_keys, settle_ignored, unix_now, unsupported,
+};
+use super::completion::{parse_prompts, tokenize_prompts};
+use super::{Checked, Endpoint, Prepared, SamplingParams};
+use crate::error::ApiError;
+use crate::router::Router;
+
+/// Most inputs one request may embed (OpenAI's limit).
+pub const MAX_INPUTS: usize = 2048;
+
+/// Which of an input's final hidden states make its embedding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    /// The last token's.
+    #[default]
+    Last,
+    /// The mean over every token.
+    Mean,
+}
+
+/// How this server's model embeds (`--pooling`, and the model's sentence-transformers files).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct EmbeddingConfig {
+    #[serde(default)]
+    pub pooling: Pooling,
+    /// L2-normalize by default (a request's `normalize` overrides it).
+    #[serde(default = "yes")]
+    pub normalize: bool,
+    /// The hidden size: an embedding's length.
+    pub hidden_size: u32,
+    /// None: not Matryoshka-trained (`dimensions` below `hidden_size` is refused). Some(empty):
+    /// any length; Some(list): the lengths it was trained for (config.json's
+    /// `matryoshka_dimensions`).
+    #[serde(default)]
+    pub matryoshka: Option<Vec<u32>>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What a request's embeddings are made of, beyond its prompts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EmbeddingPlan {
+    pub pooling: Pooling,
+    pub normalize: bool,
+    /// Keep the first k components (`dimensions`); None: all.
+    pub dimensions: Option<usize>,
+    /// `encoding_format: "base64"`.
+    pub base64: bool,
+}
+
+#[derive(Deserialize, Debug)]
+struct EmbeddingFields {
+    model: String,
+    input: serde_json::Value,
+    encoding_format: Option<String>,
+    dimensions: Option<i64>,
+    user: Option<String>,
+    truncate_prompt_tokens: Option<i64>,
+    add_special_tokens: Option<bool>,
+    normalize: Option<bool>,
+    priority: Option<i32>,
+    request_id: Option<String>,
+    cache_salt: Option<String>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, IgnoredAny>,
+}
+
+/// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
+/// does not.
+pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
+    let value = parse_body(body)?;
+    let f: EmbeddingFields = from_value(&value)?;
+    router.check_model(&f.model)?;
+    let config = &router.config;
+    let Some(embed) = &config.embeddings else {
+        return Err(unsupported("model", format!("The model `{}` does not serve embeddings.", f.model)));
+    };
+    let ignored = settle_ignored(set_keys(&f.extra, &value).cloned().collect(), config.strict_fields)?;
+
+    let base64 = match f.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("`encoding_format` must be \"float\" or \"base64\", got {other:?}."),
+            ))
+        }
+    };
+    let dimensions = check_dimensions(f.dimensions, embed)?;
+    if let Some(id) = &f.request_id {
+        check_request_id(id)?;
+    }
+    if f.cache_salt.as_deref() == Some("") {
+        return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
+    }
+    let max_model_len = config.max_model_len as usize;
+    let truncate = match f.truncate_prompt_tokens {
+        None => None,
+        Some(-1) => Some(max_model_len),
+        Some(k) if k >= 1 && k as usize <= max_model_len => Some(k as usize),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "truncate_prompt_tokens",
+                format!(
+                    "`truncate_prompt_tokens` must be between 1 and the context length ({max_model_len}), or -1 \
+                     for the context length, got {k}."
+                ),
+            ))
+        }
+    };
+
+    let inputs = parse_prompts(&f.input, router.tokenizer.vocab_size(), "input")?;
+    if inputs.len() > MAX_INPUTS {
+        return Err(ApiError::invalid(
+            "input",
+            format!("At most {MAX_INPUTS} inputs may be embedded in one request, got {}.", inputs.len()),
+        ));
+    }
+    let inputs = tokenize_prompts(&router.tokenizer, inputs, f.add_special_tokens.unwrap_or(true), truncate)?;
+    for (ids, _, param) in &inputs {
+        if ids.len() > max_model_len {
+            return Err(ApiError::ContextLengthExceeded {
+                message: format!(
+                    "This model's maximum context length is {max_model_len} tokens, but the input `{param}` has \
+                     {} tokens. Please shorten it, or set `truncate_prompt_tokens` to embed its last tokens.",
+                    ids.len()
+                ),
+                param: Some(param.clone()),
+            });
+        }
+    }
+    let (prompts, prompt_texts): (Vec<_>, Vec<_>) = inputs.into_iter().map(|(ids, text, _)| (ids, text)).unzip();
+
+    let prepared = Prepared {
+        endpoint: Endpoint::Embeddings,
+        id: f.request_id.as_deref().or(header_id).map_or_else(|| new_id("embd"), |id| format!("embd-{id}")),
+        created: unix_now(),
+        system_fingerprint: config.system_fingerprint.clone(),
+        model: f.model,
+        prompts,
+        prompt_texts,
+        params: prompt_only_params(),
+        stream: false,
+        include_usage: true,
+        continuous_usage_stats: false,
+        echo: false,
+        return_token_ids: false,
+        tokens_as_ids: false,
+        prompt_logprobs_k: None,
+        priority: f.priority.unwrap_or(0),
+        cache_salt: f.cache_salt,
+        user: f.user,
+        headers: ignored_header(&ignored).into_iter().collect(),
+        ignored: ignored.clone(),
+        grammar: None,
+        tools: None,
+        reasoning: None,
+        responses: None,
+        embedding: Some(EmbeddingPlan {
+            pooling: embed.pooling,
+            normalize: f.normalize.unwrap_or(embed.normalize),
+            dimensions,
+            base64,
+        }),
+    };
+    Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
+}
+
+/// `dimensions`: None when it asks for the full size.
+fn check_dimensions(dimensions: Option<i64>, embed: &EmbeddingConfig) -> Result<Option<usize>, ApiError> {
+    let full = embed.hidden_size;
+    let Some(d) = dimensions else { return Ok(None) };
+    if d < 1 || d > i64::from(full) {
+        return Err(ApiError::invalid(
+            "dimensions",
+            format!("`dimensions` must be between 1 and the model's embedding size ({full}), got {d}."),
+        ));
+    }
+    let d = d as u32;
+    if d == full {
+        return Ok(None);
+    }
+    match &embed.matryoshka {
+        None => Err(unsupported(
+            "dimensions",
+            format!(
+                "This model was not trained for shortened embeddings (Matryoshka): `dimensions` must be its \
+                 embedding size, {full}."
+            ),
+        )),
+        Some(allowed) if !allowed.is_empty() && !allowed.contains(&d) => Err(unsupported(
+            "dimensions",
+            format!("This model's embeddings can be shortened to {allowed:?} dimensions (or {full}), not {d}."),
+        )),
+        Some(_) => Ok(Some(d as usize)),
+    }
+}
+
+/// One greedy sequence per input that stops at its prompt (the scheduler's prompt scoring).
+fn prompt_only_params() -> SamplingParams {
+    SamplingParams {
+        n: 1,
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        repetition_penalty: 1.0,
+        seed: None,
+        max_tokens: Some(0),
+        min_tokens: 0,
+        stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        include_stop_str_in_output: false,
+        skip_special_tokens: true,
+        logit_bias: Vec::new(),
+        logprobs: None,
+    }
+}
