@@ -798,6 +798,8 @@ fn endpoint_names_round_trip() {
     for ep in [
         Endpoint::Chat,
         Endpoint::Completion,
+        Endpoint::Responses,
+        Endpoint::Embeddings,
         Endpoint::Tokenize,
         Endpoint::Detokenize,
         Endpoint::ChatRender,
@@ -805,7 +807,7 @@ fn endpoint_names_round_trip() {
     ] {
         assert_eq!(Endpoint::from_name(ep.name()), Some(ep));
     }
-    assert_eq!(Endpoint::from_name("embeddings"), None);
+    assert_eq!(Endpoint::from_name("messages"), None);
 }
 
 #[test]
