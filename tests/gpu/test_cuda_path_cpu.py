@@ -84,6 +84,28 @@ def test_execute_samples_like_the_cpu_runner():
         assert b.top_ids.shape == (len(plan.logits_indices), 0)
 
 
+class _Pooling:
+    """`plan` listing every one of its tokens as a pooling entry (an embeddings request's
+    mean pooling lists each prompt position once)."""
+
+    def __init__(self, plan):
+        self._plan = plan
+        self.pool_indices = np.arange(len(plan.input_ids), dtype=np.int64)
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+
+def test_pooled_hidden_states_match_the_cpu_runner():
+    cpu, cuda_path = runners()
+    for plan in scenario_plans(CONFIG["vocab_size"], decode_steps=3):
+        a, b = cpu.execute(_Pooling(plan)), cuda_path.execute(_Pooling(plan))
+        assert a.pooled.shape == b.pooled.shape == (len(plan.input_ids), CONFIG["hidden_size"])
+        assert a.pooled.dtype == b.pooled.dtype == np.float32
+        np.testing.assert_allclose(b.pooled, a.pooled, atol=1e-4, rtol=1e-4)
+        assert cpu.execute(plan).pooled is None   # a plan that lists none returns none
+
+
 def test_capture_sizes_and_partitions():
     assert default_capture_sizes(1) == [1]
     assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
