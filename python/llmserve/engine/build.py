@@ -77,7 +77,7 @@ def _embeddings(cfg: Config, ck) -> dict | None:
     sentence-transformers files, else the last token), whether it normalizes (a Normalize
     module; without sentence-transformers files, yes), and the Matryoshka lengths config.json
     declares (`matryoshka_dimensions`, or `is_matryoshka` for any). None turns the route off:
-    the files describe embeddings this server cannot make, and --pooling does not overrule them."""
+    the files describe embeddings this server cannot make, and no --pooling overrules them."""
     st, hf = ck.sentence_transformers, ck.hf_config
     if "unsupported" in st and cfg.model.pooling is None:
         log.warning("/v1/embeddings is off: %s's sentence-transformers files describe embeddings this "

@@ -5,8 +5,9 @@ contract with the engine: block copies for forked
 sequences, the forward over the flat tokens (writing their K/V into the paged cache), logits
 for the sampled rows only, and sampling; plus, for the Plan's prompt-logprob entries
 (completions `echo` with `logprobs`), the raw logprob of each next prompt token and its top
-alternatives, and for its pooling entries (`/v1/embeddings`) the final hidden states. The plan is any object exposing ARCHITECTURE.md's Plan columns as numpy arrays;
-they become tensors without per-token Python.
+alternatives, and for its pooling entries (`/v1/embeddings`) the final hidden states. The plan
+is any object exposing ARCHITECTURE.md's Plan columns as numpy arrays; they become tensors
+without per-token Python.
 """
 
 from __future__ import annotations
