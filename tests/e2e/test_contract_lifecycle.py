@@ -436,3 +436,26 @@ def test_responses_stream_failure_is_the_error_frame_and_before_the_first_byte_a
         assert engine.engine.core.stats()["used_blocks"] == 0
 
     asyncio.run(main())
+
+
+def test_embeddings_engine_failure_is_a_500_and_frees_every_block(failing_engine):
+    """/v1/embeddings keeps the contract's failure row (it never streams): a step that fails
+    while it holds the inputs' prompts is a 500 in the error shape, the engine goes on serving,
+    and no KV block stays held."""
+    engine, runners = failing_engine
+    body = {"model": "tiny", "input": ["Hello there", "The quick brown fox jumps over the lazy dog."]}
+
+    async def main():
+        await engine.start()
+        try:
+            async with _client(create_app(engine=engine)) as c:
+                runners[0].fail_in(1)
+                r = await c.post("/v1/embeddings", json=body)
+                _assert_error(r, 500, "server_error", "internal_error")
+                ok = await c.post("/v1/embeddings", json=body)
+                assert ok.status_code == 200 and len(ok.json()["data"]) == 2, ok.text
+        finally:
+            await engine.drain()
+        assert engine.engine.core.stats()["used_blocks"] == 0
+
+    asyncio.run(main())

@@ -448,21 +448,7 @@ impl CommonFields {
         if let Some(id) = &self.request_id {
             check_request_id(id)?;
         }
-        let truncate_prompt_tokens = match self.truncate_prompt_tokens {
-            None => None,
-            Some(-1) => Some(config.max_model_len as usize),
-            Some(k) if k >= 1 && k <= i64::from(config.max_model_len) => Some(k as usize),
-            Some(k) => {
-                return Err(ApiError::invalid(
-                    "truncate_prompt_tokens",
-                    format!(
-                        "`truncate_prompt_tokens` must be between 1 and the context length ({}), or -1 for the \
-                         context length, got {k}.",
-                        config.max_model_len
-                    ),
-                ))
-            }
-        };
+        let truncate_prompt_tokens = truncate_prompt_tokens(self.truncate_prompt_tokens, config.max_model_len)?;
         // NOTE: vLLM refuses them on streams too (they would come before any token).
         let prompt_logprobs = match self.prompt_logprobs {
             None => None,
@@ -480,11 +466,7 @@ impl CommonFields {
                 ))
             }
         };
-        if let Some(salt) = &self.cache_salt {
-            if salt.is_empty() {
-                return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
-            }
-        }
+        check_cache_salt(self.cache_salt.as_deref())?;
         // NOTE: `store: false` asks for what every request gets (nothing is stored).
         if self.store == Some(true) {
             inert.push("store".into());
@@ -567,6 +549,31 @@ pub(crate) fn check_request_id(id: &str) -> Result<(), ApiError> {
                 "`request_id` must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters, not ending in a space."
             ),
         ));
+    }
+    Ok(())
+}
+
+/// vLLM's `truncate_prompt_tokens`: how many of a prompt's last tokens to keep (-1: the
+/// context length), checked against the context length.
+pub(crate) fn truncate_prompt_tokens(value: Option<i64>, max_model_len: u32) -> Result<Option<usize>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(-1) => Ok(Some(max_model_len as usize)),
+        Some(k) if k >= 1 && k <= i64::from(max_model_len) => Ok(Some(k as usize)),
+        Some(k) => Err(ApiError::invalid(
+            "truncate_prompt_tokens",
+            format!(
+                "`truncate_prompt_tokens` must be between 1 and the context length ({max_model_len}), or -1 for \
+                 the context length, got {k}."
+            ),
+        )),
+    }
+}
+
+/// `cache_salt`, when sent, must name a namespace: the empty string is refused.
+pub(crate) fn check_cache_salt(salt: Option<&str>) -> Result<(), ApiError> {
+    if salt == Some("") {
+        return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
     }
     Ok(())
 }

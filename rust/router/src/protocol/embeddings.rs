@@ -22,7 +22,8 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 
 use super::common::{
-    check_request_id, from_value, ignored_header, new_id, parse_body, set_keys, settle_ignored, unix_now, unsupported,
+    check_cache_salt, check_request_id, from_value, ignored_header, new_id, parse_body, set_keys, settle_ignored,
+    truncate_prompt_tokens, unix_now, unsupported,
 };
 use super::completion::{parse_prompts, tokenize_prompts};
 use super::{Checked, Endpoint, Prepared, SamplingParams};
@@ -118,24 +119,9 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     if let Some(id) = &f.request_id {
         check_request_id(id)?;
     }
-    if f.cache_salt.as_deref() == Some("") {
-        return Err(ApiError::invalid("cache_salt", "`cache_salt` must not be empty."));
-    }
+    check_cache_salt(f.cache_salt.as_deref())?;
     let max_model_len = config.max_model_len as usize;
-    let truncate = match f.truncate_prompt_tokens {
-        None => None,
-        Some(-1) => Some(max_model_len),
-        Some(k) if k >= 1 && k as usize <= max_model_len => Some(k as usize),
-        Some(k) => {
-            return Err(ApiError::invalid(
-                "truncate_prompt_tokens",
-                format!(
-                    "`truncate_prompt_tokens` must be between 1 and the context length ({max_model_len}), or -1 \
-                     for the context length, got {k}."
-                ),
-            ))
-        }
-    };
+    let truncate = truncate_prompt_tokens(f.truncate_prompt_tokens, config.max_model_len)?;
 
     let inputs = parse_prompts(&f.input, router.tokenizer.vocab_size(), "input")?;
     if inputs.len() > MAX_INPUTS {
