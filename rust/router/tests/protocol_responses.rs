@@ -208,21 +208,6 @@ fn push(b: &mut ResponseBuilder, text: &str, finish: Option<FinishReason>) {
     b.push(0, &ChoiceDelta { text, tokens: &[], ids: &[9], finish, stop_reason: None });
 }
 
-/// The SSE events of `bytes`: (event name, data).
-fn events(bytes: &[u8]) -> Vec<(String, Value)> {
-    let text = std::str::from_utf8(bytes).unwrap();
-    assert!(!text.contains("[DONE]"));
-    text.split_terminator("\n\n")
-        .map(|frame| {
-            let (event, data) = frame.split_once('\n').expect("event and data lines");
-            let event = event.strip_prefix("event: ").expect("an event line").to_string();
-            let data: Value = serde_json::from_str(data.strip_prefix("data: ").expect("a data line")).unwrap();
-            assert_eq!(data["type"], event.as_str());
-            (event, data)
-        })
-        .collect()
-}
-
 #[test]
 fn a_streamed_answer_is_openais_event_sequence_and_adds_up_to_the_body() {
     let r = router();
@@ -237,7 +222,7 @@ fn a_streamed_answer_is_openais_event_sequence_and_adds_up_to_the_body() {
         out.extend(b.finish());
         out
     };
-    let evs = events(&run(true));
+    let evs = sse_events(&run(true));
     let kinds: Vec<&str> = evs.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(
         kinds,
@@ -291,7 +276,7 @@ fn an_empty_answer_is_one_empty_message() {
         out.extend(b.take());
         out.extend(b.finish());
         let body = if stream {
-            events(&out).pop().unwrap().1["response"].clone()
+            sse_events(&out).pop().unwrap().1["response"].clone()
         } else {
             serde_json::from_slice(&out).unwrap()
         };
@@ -381,7 +366,7 @@ fn streamed_logprobs_add_up_to_the_done_event() {
     );
     out.extend(b.take());
     out.extend(b.finish());
-    let evs = events(&out);
+    let evs = sse_events(&out);
     let deltas: Vec<(String, usize)> = evs
         .iter()
         .filter(|(k, _)| k == "response.output_text.delta")

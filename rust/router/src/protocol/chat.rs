@@ -262,6 +262,25 @@ fn has_description(tool: &Value) -> bool {
     tool.pointer("/function/description").and_then(Value::as_str).is_some_and(|d| !d.is_empty())
 }
 
+/// A `tool` message answering call `id` with `content`, with the called function's `name` when
+/// one of `history`'s assistant turns made that call (templates that show a result with its
+/// function's name read it); and whether it got one. The Responses and Messages routes build
+/// their tool results with it.
+pub(crate) fn tool_message(history: &[Value], id: &str, content: Value) -> (Value, bool) {
+    let mut message = json!({"role": "tool", "tool_call_id": id, "content": content});
+    let name = history
+        .iter()
+        .rev()
+        .filter_map(|m| m["tool_calls"].as_array())
+        .flatten()
+        .find_map(|c| (c["id"] == id).then(|| c["function"]["name"].clone()));
+    let named = name.is_some();
+    if let Some(name) = name {
+        message["name"] = name;
+    }
+    (message, named)
+}
+
 pub(crate) fn missing(param: String) -> ApiError {
     ApiError::with_code(
         "missing_required_parameter",

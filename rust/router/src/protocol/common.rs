@@ -767,6 +767,42 @@ pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String
     Ok(rest)
 }
 
+/// `message` with each backquoted piece that `rename` knows (a field path of the request the
+/// route translated into) written as `rename` gives it: the routes that run as chat requests
+/// (Responses, Anthropic Messages) report chat's errors in their own terms.
+pub(crate) fn rename_quoted(message: &str, rename: impl Fn(&str) -> Option<String>) -> String {
+    let mut out = String::with_capacity(message.len());
+    for (i, part) in message.split('`').enumerate() {
+        if i > 0 {
+            out.push('`');
+        }
+        // (odd pieces are quoted)
+        match rename(part).filter(|_| i % 2 == 1) {
+            Some(renamed) => out.push_str(&renamed),
+            None => out.push_str(part),
+        }
+    }
+    out
+}
+
+/// `err` (a translated request's 400) with its `param` renamed by `param` and its message by
+/// `words` (which is given the original `param`); other errors as they are.
+pub(crate) fn rename_error(
+    err: ApiError,
+    param: impl Fn(&str) -> String,
+    words: impl Fn(String, Option<&str>) -> String,
+) -> ApiError {
+    match err {
+        ApiError::InvalidRequest { message, param: p, code } => {
+            ApiError::InvalidRequest { message: words(message, p.as_deref()), param: p.map(|p| param(&p)), code }
+        }
+        ApiError::ContextLengthExceeded { message, param: p } => {
+            ApiError::ContextLengthExceeded { message: words(message, p.as_deref()), param: p.map(|p| param(&p)) }
+        }
+        other => other,
+    }
+}
+
 /// A fresh response id: `<prefix>-<uuid v4 as 32 hex chars>`.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

@@ -41,8 +41,10 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::chat::{missing, require_str, unknown_keys_in};
-use super::common::{as_object, invalid_type, kind_of, new_id, parse_body, settle_ignored, unsupported};
+use super::chat::{missing, require_str, tool_message, unknown_keys_in};
+use super::common::{
+    as_object, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, settle_ignored, unsupported,
+};
 use super::{chat, Checked, Endpoint};
 use crate::error::ApiError;
 use crate::response_store::ResponseStore;
@@ -265,18 +267,8 @@ impl Origins {
             return message.replace("send it as a request field", "send it as the request's own field");
         }
         let chat_fields = ["messages", "tools[", "tool_choice.function", "response_format", "max_completion_tokens"];
-        let mut out = String::with_capacity(message.len());
-        for (i, part) in message.split('`').enumerate() {
-            if i > 0 {
-                out.push('`');
-            }
-            // (odd pieces are quoted)
-            if i % 2 == 1 && chat_fields.iter().any(|f| part.starts_with(f)) {
-                out.push_str(&self.rename(part));
-            } else {
-                out.push_str(part);
-            }
-        }
+        let out =
+            rename_quoted(&message, |part| chat_fields.iter().any(|f| part.starts_with(f)).then(|| self.rename(part)));
         let out = out
             .replace("the messages have", "the input has")
             .replace("the messages render", "the input renders")
@@ -291,18 +283,7 @@ impl Origins {
 
     /// `err` with its `param` (and the chat field names its message quotes) renamed.
     fn rename_error(&self, err: ApiError) -> ApiError {
-        match err {
-            ApiError::InvalidRequest { message, param, code } => ApiError::InvalidRequest {
-                message: self.words(message, param.as_deref()),
-                param: param.map(|p| self.rename(&p)),
-                code,
-            },
-            ApiError::ContextLengthExceeded { message, param } => ApiError::ContextLengthExceeded {
-                message: self.words(message, param.as_deref()),
-                param: param.map(|p| self.rename(&p)),
-            },
-            other => other,
-        }
+        rename_error(err, |p| self.rename(p), |m, p| self.words(m, p))
     }
 }
 
@@ -391,17 +372,8 @@ impl Conversation {
                         ))
                     }
                 };
-                let mut message = json!({"role": "tool", "tool_call_id": call_id, "content": output});
-                // the function's name, for templates that show it with its result
-                let name = self
-                    .messages
-                    .iter()
-                    .rev()
-                    .filter_map(|m| m["tool_calls"].as_array())
-                    .flatten()
-                    .find_map(|c| (c["id"] == call_id).then(|| c["function"]["name"].clone()));
-                if let Some(name) = name {
-                    message["name"] = name;
+                let (message, named) = tool_message(&self.messages, call_id, output);
+                if named {
                     self.origins.added.push(format!("messages[{}].name", self.messages.len()));
                 }
                 self.push_as(message, p, "output");

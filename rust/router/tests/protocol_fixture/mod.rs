@@ -139,3 +139,19 @@ pub fn shape<T: std::fmt::Debug>(r: Result<T, ApiError>) -> (u16, &'static str, 
 pub fn header<'a>(p: &'a Prepared, name: &str) -> Option<&'a str> {
     p.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
 }
+
+/// The SSE events of `bytes` (a Responses or Messages stream, which sends no `[DONE]`): (event
+/// name, data), each data's `type` checked to be its event's name.
+pub fn sse_events(bytes: &[u8]) -> Vec<(String, Value)> {
+    let text = std::str::from_utf8(bytes).unwrap();
+    assert!(!text.contains("[DONE]"));
+    text.split_terminator("\n\n")
+        .map(|frame| {
+            let (event, data) = frame.split_once('\n').expect("event and data lines");
+            let event = event.strip_prefix("event: ").expect("an event line").to_string();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").expect("a data line")).unwrap();
+            assert_eq!(data["type"], event.as_str());
+            (event, data)
+        })
+        .collect()
+}
