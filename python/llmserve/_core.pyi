@@ -20,6 +20,9 @@ class ApiError(Exception):
     retry_after: int | None
     body: bytes
     sse: bytes
+    # the same error on the Anthropic Messages routes: its body, and its mid-stream event
+    anthropic_body: bytes
+    anthropic_sse: bytes
 
 class BadRequestError(ApiError): ...
 class AuthenticationError(ApiError): ...

@@ -1,4 +1,4 @@
-"""API keys: several keys, LLMSERVE_API_KEY, 401 in the OpenAI shape, open probes."""
+"""API keys: several keys, LLMSERVE_API_KEY, `x-api-key`, 401 in the OpenAI shape, open probes."""
 
 from __future__ import annotations
 
@@ -37,6 +37,21 @@ def test_missing_and_wrong_key_are_401(keyed_server):
         assert e.value.request_id.startswith("req_")
     with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="k1", max_retries=0) as c:
         assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_x_api_key_is_a_key_too(keyed_server):
+    """Anthropic's clients send the key as `x-api-key`: it opens every route, as a Bearer key
+    does; a wrong one (or a right one under another scheme) is still a 401."""
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"x-api-key": "k1"}).status_code == 200
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"x-api-key": "k2"}).status_code == 401
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"authorization": "Basic k1"}).status_code == 401
+    # either header may carry it when both are sent
+    both = {"x-api-key": "k1", "authorization": "Bearer wrong"}
+    assert httpx.get(keyed_server.url + "/v1/models", headers=both).status_code == 200
+    # on the Messages routes, the 401 has Anthropic's shape
+    r = httpx.post(keyed_server.url + "/v1/messages", json={}, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "authentication_error"
 
 
 def test_probes_stay_open(keyed_server):

@@ -459,3 +459,43 @@ def test_embeddings_engine_failure_is_a_500_and_frees_every_block(failing_engine
         assert engine.engine.core.stats()["used_blocks"] == 0
 
     asyncio.run(main())
+
+
+MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True, "stream": True}
+
+
+def test_messages_failures_are_anthropic_errors_and_free_every_block(failing_engine):
+    """/v1/messages keeps the contract's failure rows in Anthropic's shape: a failure after its
+    events began is Anthropic's `error` event (no `[DONE]`, which its streams never send), one
+    in the first step a 500 whose body is `{"type": "error", "error": {...}}`."""
+    engine, runners = failing_engine
+
+    async def main():
+        await engine.start()
+        try:
+            async with _client(create_app(engine=engine)) as c:
+                runners[0].fail_in(4)
+                r = await c.post("/v1/messages", json={**MESSAGES, "max_tokens": 30})
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                frames = r.text.split("\n\n")
+                assert frames[0].startswith("event: message_start\n") and "[DONE]" not in r.text
+                assert "message_stop" not in r.text
+                last = [f for f in frames if f][-1]
+                assert last.startswith("event: error\ndata: ")
+                error = json.loads(last.removeprefix("event: error\ndata: "))
+                assert error["type"] == "error" and error["error"]["type"] == "api_error"
+                assert "secret" not in r.text
+                for stream in (True, False):
+                    runners[0].fail_in(1)
+                    r = await c.post("/v1/messages", json={**MESSAGES, "stream": stream, "max_tokens": 5})
+                    assert r.status_code == 500, r.text
+                    body = r.json()
+                    assert body["type"] == "error" and body["error"]["type"] == "api_error", body
+                    assert body["error"]["code"] == "internal_error"
+                ok = await c.post("/v1/messages", json={**MESSAGES, "stream": False, "max_tokens": 3})
+                assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3, ok.text
+        finally:
+            await engine.drain()
+        assert engine.engine.core.stats()["used_blocks"] == 0
+
+    asyncio.run(main())

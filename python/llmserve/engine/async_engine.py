@@ -44,8 +44,9 @@ _END = object()
 
 
 def _is_sse_frame(data) -> bool:
-    """Whether `data` is wire-ready SSE (the mid-stream error frame), not an error body."""
-    return isinstance(data, (bytes, bytearray)) and data.startswith(b"data: ")
+    """Whether `data` is wire-ready SSE (the mid-stream error frame: OpenAI's, or Anthropic's
+    `error` event), not an error body."""
+    return isinstance(data, (bytes, bytearray)) and data.startswith((b"data: ", b"event: "))
 
 
 def _error_message(body) -> str | None:
@@ -60,8 +61,10 @@ def _error_message(body) -> str | None:
 class RequestStream:
     """One generation request's output, as an async iterator of wire-ready bytes."""
 
-    def __init__(self, engine: AsyncEngine, prepared) -> None:
+    def __init__(self, engine: AsyncEngine, prepared, anthropic: bool = False) -> None:
         self._engine = engine
+        # An Anthropic Messages request: its errors take Anthropic's shape.
+        self.anthropic = anthropic
         self.id: str = prepared.id
         self.stream: bool = prepared.stream
         self.headers: list[tuple[str, str]] = prepared.headers
@@ -125,7 +128,7 @@ class RequestStream:
             # (no bytes, no keep-alive comment) can still 500.
             if not (self.stream and self.started):
                 raise item
-            item = item.sse
+            item = item.anthropic_sse if self.anthropic else item.sse
         self.started = True
         return item
 
@@ -210,7 +213,7 @@ async def _on_daemon_thread(fn, *args):
 
 
 # The endpoints `submit` takes (the others are answered by `handle`).
-GENERATING = ("chat", "completion", "responses", "embeddings")
+GENERATING = ("chat", "completion", "responses", "messages", "embeddings")
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
 
 
@@ -362,7 +365,7 @@ class AsyncEngine:
 
     async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
         """Validate and queue a chat ("chat"), completion ("completion"), Responses API
-        ("responses") or embeddings ("embeddings") request.
+        ("responses"), Anthropic Messages ("messages") or embeddings ("embeddings") request.
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         if endpoint not in GENERATING:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")
@@ -376,7 +379,7 @@ class AsyncEngine:
             prepared = router.prepare(endpoint, body, request_id)
         self._check_serving()
         self._admit(prepared)
-        stream = RequestStream(self, prepared)
+        stream = RequestStream(self, prepared, anthropic=endpoint == "messages")
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream

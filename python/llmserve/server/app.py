@@ -32,7 +32,8 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
-from llmserve.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, error_request_id
+from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, error_body, error_request_id,
+                                       route_path)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
@@ -46,7 +47,8 @@ def _error_response(err: ApiError, request: Request, headers=None) -> Response:
     headers["x-request-id"] = error_request_id(request.headers.get("x-request-id"))
     if err.retry_after:
         headers["retry-after"] = str(err.retry_after)
-    return Response(err.body, status_code=err.status, media_type="application/json", headers=headers)
+    return Response(error_body(err, route_path(request.scope)), status_code=err.status,
+                    media_type="application/json", headers=headers)
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
@@ -81,6 +83,8 @@ ROUTES = [
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/responses", routes.responses, methods=["POST"]),
     Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
+    Route("/v1/messages", routes.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", routes.messages_count_tokens, methods=["POST"]),
     Route("/v1/responses/{response_id}", routes.stored_response, methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/cancel", routes.cancel_response, methods=["POST"]),
     Route("/v1/responses/{response_id}/input_items", routes.response_input_items, methods=["GET"]),

@@ -42,27 +42,43 @@ def route_path(scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
+def anthropic_route(path: str) -> bool:
+    """Whether `path` (inside the app) is one of Anthropic's Messages routes, whose errors
+    take Anthropic's shape (`ApiError.anthropic_body`)."""
+    return path.rstrip("/") in ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def error_body(err, path: str) -> bytes:
+    """The body of `err` (an ApiError) as the route at `path` answers it."""
+    return err.anthropic_body if anthropic_route(path) else err.body
+
+
 class ApiKeyMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>` with one of `keys`."""
+    """Every route but OPEN_PATHS needs one of `keys`, as `Authorization: Bearer <key>` (what
+    OpenAI clients send) or `x-api-key: <key>` (what Anthropic clients send)."""
 
     def __init__(self, app, keys: tuple[str, ...]) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
 
     def _authorized(self, scope) -> bool:
+        ok = False
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return False
-                token = token.strip()
-                # NOTE: compare against every key (no early exit) so timing says nothing
-                # about which key, or how much of one, matched.
-                ok = False
-                for key in self.keys:
-                    ok |= hmac.compare_digest(token, key)
-                return ok
-        return False
+                if scheme.lower() == b"bearer":
+                    ok |= self._known(token.strip())
+            elif name == b"x-api-key":
+                ok |= self._known(value.strip())
+        return ok
+
+    def _known(self, token: bytes) -> bool:
+        # NOTE: compare against every key (no early exit) so timing says nothing about which
+        # key, or how much of one, matched.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok
 
     async def __call__(self, scope, receive, send):
         # (with its trailing slash, an open path redirects to itself: open too)
@@ -70,14 +86,15 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         if self._authorized(scope):
             return await self.app(scope, receive, send)
-        err = Router.error("unauthorized", "Invalid or missing API key (send `Authorization: Bearer <key>`).")
+        err = Router.error("unauthorized", "Invalid or missing API key (send `Authorization: Bearer <key>`, "
+                                           "or `x-api-key: <key>`).")
         request_id = error_request_id(_header(scope, b"x-request-id"))
         await send({"type": "http.response.start", "status": err.status, "headers": [
             (b"content-type", b"application/json"),
             (b"www-authenticate", b"Bearer"),
             (b"x-request-id", request_id.encode()),
         ]})
-        await send({"type": "http.response.body", "body": err.body})
+        await send({"type": "http.response.body", "body": error_body(err, route_path(scope))})
 
 
 class AccessLogMiddleware:

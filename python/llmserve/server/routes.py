@@ -257,6 +257,11 @@ async def embeddings(request: Request) -> Response:
     return await _generate(request, "embeddings")
 
 
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API."""
+    return await _generate(request, "messages")
+
+
 async def stored_response(request: Request) -> Response:
     """GET (read) and DELETE (forget) /v1/responses/{id}: a response kept by `store`."""
     router, response_id = _engine(request).router, request.path_params["response_id"]
@@ -300,6 +305,7 @@ tokenize = _handler("tokenize")
 detokenize = _handler("detokenize")
 chat_render = _handler("chat_render")
 completion_render = _handler("completion_render")
+messages_count_tokens = _handler("messages_count_tokens")
 
 
 async def models(request: Request) -> Response:

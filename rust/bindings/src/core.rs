@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
 use llmserve_router::protocol::embeddings::Pooling;
-use llmserve_router::protocol::Prepared;
+use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
@@ -89,6 +89,8 @@ struct RequestState {
     /// ended the choice and those a stop string trimmed included), one entry per id, as vLLM's.
     list_every_token: bool,
     started: bool,
+    /// An Anthropic Messages request: its errors have Anthropic's shape.
+    anthropic: bool,
     /// Whether a plan has held this request yet (for the queue-time metric).
     scheduled: bool,
     new_tokens: u32,
@@ -114,10 +116,11 @@ impl RequestState {
     /// The bytes that end this request with `err`: a JSON body, or an SSE error frame once
     /// its stream has begun.
     fn error_bytes(&self, err: &ApiError) -> Vec<u8> {
-        if self.started {
-            err.to_sse()
-        } else {
-            err.to_json()
+        match (self.started, self.anthropic) {
+            (true, false) => err.to_sse(),
+            (false, false) => err.to_json(),
+            (true, true) => err.to_anthropic_sse(),
+            (false, true) => err.to_anthropic_json(),
         }
     }
 }
@@ -289,6 +292,7 @@ impl CoreState {
                 show_stop_tokens: p.include_stop_str_in_output,
                 list_every_token: prepared.return_token_ids || prepared.tokens_as_ids,
                 started: false,
+                anthropic: prepared.endpoint == Endpoint::Messages,
                 scheduled: false,
                 new_tokens: 0,
                 prompt_only: p.max_tokens == Some(0),

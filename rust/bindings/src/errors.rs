@@ -53,6 +53,8 @@ pub fn to_py(py: Python<'_>, e: &RouterError) -> PyErr {
         value.setattr("retry_after", e.retry_after())?;
         value.setattr("body", PyBytes::new(py, &e.to_json()))?;
         value.setattr("sse", PyBytes::new(py, &e.to_sse()))?;
+        value.setattr("anthropic_body", PyBytes::new(py, &e.to_anthropic_json()))?;
+        value.setattr("anthropic_sse", PyBytes::new(py, &e.to_anthropic_sse()))?;
         Ok(())
     };
     if let Err(inner) = set() {

@@ -176,6 +176,39 @@ impl ApiError {
         serde_json::to_vec(&self.to_value()).expect("error body serializes")
     }
 
+    /// The error `type` on the Anthropic Messages routes: Anthropic's names where they differ
+    /// from OpenAI's (`request_too_large`, `api_error`, `overloaded_error`).
+    pub fn anthropic_type(&self) -> &'static str {
+        match self {
+            Self::PayloadTooLarge { .. } => "request_too_large",
+            Self::Internal { .. } => "api_error",
+            Self::Unavailable { .. } => "overloaded_error",
+            _ => self.error_type(),
+        }
+    }
+
+    /// The body on the Anthropic Messages routes: Anthropic's
+    /// `{"type": "error", "error": {"type", "message"}}`, whose `error` also keeps this
+    /// server's `param` and `code`.
+    pub fn to_anthropic_json(&self) -> Vec<u8> {
+        let body = json!({"type": "error", "error": {
+            "type": self.anthropic_type(),
+            "message": self.message(),
+            "param": self.param(),
+            "code": self.code(),
+        }});
+        serde_json::to_vec(&body).expect("error body serializes")
+    }
+
+    /// The frame sent when an error happens after a Messages stream began: Anthropic's
+    /// `error` event (its streams have no `[DONE]`).
+    pub fn to_anthropic_sse(&self) -> Vec<u8> {
+        let mut out = b"event: error\ndata: ".to_vec();
+        out.extend_from_slice(&self.to_anthropic_json());
+        out.extend_from_slice(b"\n\n");
+        out
+    }
+
     /// The frame sent when an error happens after streaming began: the error, then `[DONE]`.
     pub fn to_sse(&self) -> Vec<u8> {
         let mut out = b"data: ".to_vec();
@@ -213,6 +246,20 @@ mod tests {
         let s = String::from_utf8(e.to_sse()).unwrap();
         assert!(s.starts_with("data: {\"error\""));
         assert!(s.ends_with("\n\ndata: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn anthropic_shapes() {
+        let e = ApiError::Unavailable { message: "busy".into(), retry_after: Some(1) };
+        let v: serde_json::Value = serde_json::from_slice(&e.to_anthropic_json()).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "overloaded_error");
+        assert_eq!(v["error"]["message"], "busy");
+        assert_eq!(v["error"]["code"], "service_unavailable");
+        let frame = String::from_utf8(ApiError::Internal { message: "x".into() }.to_anthropic_sse()).unwrap();
+        assert!(frame.starts_with("event: error\ndata: {"), "{frame}");
+        assert!(frame.ends_with("}\n\n") && frame.contains("\"api_error\""), "{frame}");
+        assert_eq!(ApiError::invalid("max_tokens", "bad").anthropic_type(), "invalid_request_error");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! [`ResponseBuilder`]: the bytes a generation request sends back, streamed as SSE chunks or
 //! as one JSON body, for chat and completions; a Responses API request runs as a one-choice
-//! chat request whose chunks and body become its events and `response` object (`responses`).
+//! chat request whose chunks and body become its events and `response` object (`responses`),
+//! and an Anthropic Messages request likewise becomes a `message` and its events (`messages`).
 //!
 //! Invariants (streaming): every chunk shares the request's `id`, `created` and `model`; a
 //! chat choice's first chunk carries `delta.role = "assistant"`; each choice ends with
@@ -27,6 +28,7 @@
 //! tool calls). Reasoning tokens count as completion tokens.
 
 mod embeddings;
+mod messages;
 mod responses;
 
 use std::sync::Arc;
@@ -470,6 +472,8 @@ pub struct ResponseBuilder {
     responses: Option<(Arc<crate::protocol::responses::Echo>, responses::EventStream)>,
     /// An Embeddings request: its inputs' pooled hidden states so far.
     embeddings: Option<embeddings::Embeddings>,
+    /// An Anthropic Messages request: (streamed) its events so far.
+    messages: Option<messages::EventStream>,
 }
 
 impl ResponseBuilder {
@@ -543,6 +547,8 @@ impl ResponseBuilder {
                 .embedding
                 .clone()
                 .map(|plan| embeddings::Embeddings::new(plan, prepared.prompts.len())),
+            messages: (prepared.endpoint == Endpoint::Messages)
+                .then(|| messages::EventStream::new(&prepared.id, &prepared.model)),
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
             let object = responses::response_object(
@@ -604,6 +610,15 @@ impl ResponseBuilder {
     /// `frame`, with the ids of prompt `prompt` at the chunk's top (chat's `return_token_ids`).
     /// A Responses request's chunk goes out as its events instead.
     fn frame_with<C: ChunkChoice>(&mut self, choices: Vec<C>, usage: Option<Usage>, prompt: Option<usize>) {
+        if self.messages.is_some() {
+            let counts = self.message_counts();
+            if let Some(events) = self.messages.as_mut() {
+                for c in choices.iter().filter_map(ChunkChoice::as_chat) {
+                    events.on_chunk(&mut self.pending, c, counts);
+                }
+            }
+            return;
+        }
         if let Some((_, events)) = self.responses.as_mut() {
             for c in choices.iter().filter_map(ChunkChoice::as_chat) {
                 events.on_chunk(&mut self.pending, c);
@@ -1159,6 +1174,38 @@ impl ResponseBuilder {
         serde_json::to_vec(&object).expect("bodies serialize")
     }
 
+    /// A Messages request's token counts: its one choice's.
+    fn message_counts(&self) -> messages::Counts {
+        let u = self.usage();
+        messages::Counts {
+            prompt: u.prompt_tokens,
+            cached: u.prompt_tokens_details.cached_tokens,
+            output: u.completion_tokens,
+            thinking: u.completion_tokens_details.map(|d| d.reasoning_tokens),
+        }
+    }
+
+    /// A Messages request's `message`: its choice's thinking, text and calls as content
+    /// blocks. A call cut off by `max_tokens` is still a `tool_use` block, as Anthropic's
+    /// (with the input its arguments parse to, else `{}`).
+    fn messages_body(&self) -> Vec<u8> {
+        let c = &self.choices[0];
+        let (text, calls, finish) = self.resolved(c);
+        let mut content = Vec::new();
+        if !c.reasoning_text.is_empty() {
+            content.push(messages::thinking_block(&c.reasoning_text));
+        }
+        if !text.is_empty() {
+            content.push(messages::text_block(text));
+        }
+        content.extend(calls.iter().map(|t| messages::tool_use_block(&t.id, &t.name, Some(&t.arguments))));
+        let finish = finish.map_or("stop", FinishReason::as_str);
+        let stop = messages::stop(finish, c.stop_reason.as_ref().map(OwnedStop::as_ref), !calls.is_empty());
+        let usage = messages::usage(self.message_counts());
+        let object = messages::message_object(&self.id, &self.model, content, Some(stop), usage);
+        serde_json::to_vec(&object).expect("bodies serialize")
+    }
+
     /// Streaming: anything not yet taken, the usage chunk (`include_usage`) and
     /// `data: [DONE]` (once; later calls return nothing). Not streaming: the JSON body.
     pub fn finish(&mut self) -> Vec<u8> {
@@ -1167,6 +1214,14 @@ impl ResponseBuilder {
                 return Vec::new();
             }
             self.done = true;
+            if self.messages.is_some() {
+                let counts = self.message_counts();
+                if let Some(events) = self.messages.as_mut() {
+                    events.end(&mut self.pending, counts);
+                }
+                // (Anthropic's stream ends with `message_stop`, without `[DONE]`)
+                return self.take();
+            }
             if self.responses.is_some() {
                 let usage = self.responses_usage();
                 let (id, created, model) = (&self.id, self.created, &self.model);
@@ -1190,6 +1245,9 @@ impl ResponseBuilder {
         }
         if let Some((echo, _)) = &self.responses {
             return self.responses_body(echo);
+        }
+        if self.messages.is_some() {
+            return self.messages_body();
         }
         if let Some(e) = &self.embeddings {
             return e.body(&self.model, self.prompt_tokens);

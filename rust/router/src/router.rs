@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::protocol::{
-    chat, common::unix_now, completion, embeddings, responses, tokenize, Endpoint, Handled, Prepared,
+    chat, common::unix_now, completion, embeddings, messages, responses, tokenize, Endpoint, Handled, Prepared,
 };
 use crate::template::TemplateSet;
 use crate::tokenizer::Tokenizer;
@@ -142,7 +142,7 @@ impl Router {
         (tools, reasoning)
     }
 
-    /// Validates a `Chat`, `Completion`, `Responses` or `Embeddings` request into a [`Prepared`] one.
+    /// Validates a `Chat`, `Completion`, `Responses`, `Messages` or `Embeddings` request into a [`Prepared`] one.
     pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
         self.prepare_as(endpoint, body, None)
     }
@@ -157,6 +157,7 @@ impl Router {
             Endpoint::Chat => chat::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Completion => completion::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Responses => responses::prepare(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Messages => messages::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Embeddings => embeddings::prepare(self, body, header_id).map(|c| c.prepared),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
@@ -168,13 +169,15 @@ impl Router {
         Ok(prepared)
     }
 
-    /// Answers `Tokenize`, `Detokenize`, `ChatRender` and `CompletionRender` with a JSON body.
+    /// Answers `Tokenize`, `Detokenize`, `ChatRender`, `CompletionRender` and
+    /// `MessagesCountTokens` with a JSON body.
     pub fn handle(&self, endpoint: Endpoint, body: &[u8]) -> Result<Handled, ApiError> {
         match endpoint {
             Endpoint::Tokenize => tokenize::tokenize(self, body),
             Endpoint::Detokenize => tokenize::detokenize(self, body),
             Endpoint::ChatRender => tokenize::chat_render(self, body),
             Endpoint::CompletionRender => tokenize::completion_render(self, body),
+            Endpoint::MessagesCountTokens => messages::count_tokens(self, body),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route generates; it goes through `prepare`.", other.name()),
             }),

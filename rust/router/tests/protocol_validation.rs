@@ -799,6 +799,8 @@ fn endpoint_names_round_trip() {
         Endpoint::Chat,
         Endpoint::Completion,
         Endpoint::Responses,
+        Endpoint::Messages,
+        Endpoint::MessagesCountTokens,
         Endpoint::Embeddings,
         Endpoint::Tokenize,
         Endpoint::Detokenize,
@@ -807,7 +809,7 @@ fn endpoint_names_round_trip() {
     ] {
         assert_eq!(Endpoint::from_name(ep.name()), Some(ep));
     }
-    assert_eq!(Endpoint::from_name("messages"), None);
+    assert_eq!(Endpoint::from_name("anthropic"), None);
 }
 
 #[test]

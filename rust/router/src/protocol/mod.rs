@@ -33,6 +33,7 @@ pub mod common;
 pub mod completion;
 pub mod constrained;
 pub mod embeddings;
+pub mod messages;
 pub mod responses;
 mod schema_check;
 pub(crate) mod schema_edit;
@@ -48,6 +49,11 @@ pub enum Endpoint {
     /// OpenAI's Responses API: validated and rendered as a chat request, answered as a
     /// `response` object (or its stream of events).
     Responses,
+    /// Anthropic's Messages API (`/v1/messages`): validated and rendered as a chat request,
+    /// answered as a `message` object (or its stream of events).
+    Messages,
+    /// `/v1/messages/count_tokens`: the prompt's token count, answered at once.
+    MessagesCountTokens,
     /// `/v1/embeddings`: each input's prompt runs and nothing is sampled; answered with
     /// the pooled hidden states.
     Embeddings,
@@ -58,13 +64,16 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The names the bindings use: "chat", "completion", "responses", "embeddings", "tokenize",
-    /// "detokenize", "chat_render", "completion_render".
+    /// The names the bindings use: "chat", "completion", "responses", "messages",
+    /// "messages_count_tokens", "embeddings", "tokenize", "detokenize", "chat_render",
+    /// "completion_render".
     pub fn from_name(s: &str) -> Option<Self> {
         Some(match s {
             "chat" => Self::Chat,
             "completion" => Self::Completion,
             "responses" => Self::Responses,
+            "messages" => Self::Messages,
+            "messages_count_tokens" => Self::MessagesCountTokens,
             "embeddings" => Self::Embeddings,
             "tokenize" => Self::Tokenize,
             "detokenize" => Self::Detokenize,
@@ -79,6 +88,8 @@ impl Endpoint {
             Self::Chat => "chat",
             Self::Completion => "completion",
             Self::Responses => "responses",
+            Self::Messages => "messages",
+            Self::MessagesCountTokens => "messages_count_tokens",
             Self::Embeddings => "embeddings",
             Self::Tokenize => "tokenize",
             Self::Detokenize => "detokenize",
@@ -91,7 +102,7 @@ impl Endpoint {
 /// A validated generation request, ready for the engine.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
-    /// `Chat`, `Completion`, `Responses` or `Embeddings`.
+    /// `Chat`, `Completion`, `Responses`, `Messages` or `Embeddings`.
     pub endpoint: Endpoint,
     /// "chatcmpl-<uuid hex>" / "cmpl-<uuid hex>", or the client's `request_id`.
     pub id: String,

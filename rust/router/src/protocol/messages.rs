@@ -1,0 +1,781 @@
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API, served
+//! through the chat pipeline.
+//!
+//! As with [`super::responses`], the request is translated into the chat request it means,
+//! which [`super::chat`] validates, renders and tokenizes; its errors and ignored fields are
+//! named back in the Messages request's terms (`messages[1].content[2].input`, `max_tokens`,
+//! `tools[0].input_schema`, `stop_sequences`). The answer is a `message` object, or its stream
+//! of events (built by [`crate::response::ResponseBuilder`]). Errors on these routes have
+//! Anthropic's shape ([`crate::error::ApiError::to_anthropic_json`]).
+//!
+//! The translation:
+//! - `system` (a string or text blocks) -> a first `system` message.
+//! - Each message's content (a string or blocks): `text` blocks -> text parts; an assistant's
+//!   `tool_use` blocks -> its `tool_calls` (`input` as the JSON `arguments`), its `thinking`
+//!   blocks -> its `reasoning_content`; a user's `tool_result` blocks -> `tool` messages (with
+//!   the called tool's `name`), in block order with the user's text around them.
+//!   Consecutive turns of one role are one turn, as Anthropic combines them.
+//! - A last `assistant` message is a prefill: the answer continues it
+//!   (`continue_final_message`), and holds only what was generated after it.
+//! - `max_tokens` -> `max_completion_tokens`; `stop_sequences` -> `stop`; `metadata.user_id`
+//!   -> `user`; custom `tools` (`input_schema`) -> function tools; `tool_choice` `auto`,
+//!   `any`, `tool` (named), `none` -> chat's `auto`, `required`, the named function, `none`,
+//!   and `disable_parallel_tool_use: true` -> `parallel_tool_calls: false`;
+//!   `output_config.format` (and the beta `output_format`) -> `response_format` `json_schema`.
+//! - `temperature`, `top_p`, `top_k`, `stream` and the extensions chat takes (`min_p`, `seed`,
+//!   `chat_template_kwargs`, `priority`, ...) pass through as they are.
+//!
+//! Decisions:
+//! - `cache_control` (on blocks, tools or the request) is accepted and not reported: this
+//!   server's prefix cache reuses every shared prefix by itself, which is what a cache
+//!   breakpoint asks for.
+//! - `thinking`: a model with a reasoning parser thinks as its template says, and its thinking
+//!   comes back as `thinking` blocks (with an empty `signature`). `thinking` is reported as
+//!   ignored when it asks for what the model will not do (thinking from a model without a
+//!   reasoning parser, or `disabled` on one with a parser), and `budget_tokens` is always
+//!   reported: nothing bounds the thinking apart from `max_tokens`.
+//! - `is_error: true` on a tool result is reported (templates have no place for it); images,
+//!   documents, server tools, `mcp_servers` and `container` are a 400 `unsupported_parameter`.
+//! - OpenAI fields with a Messages counterpart (`stop`, `max_completion_tokens`,
+//!   `response_format`, `parallel_tool_calls`, ...) are a 400 naming the field to send, and
+//!   OpenAI-only outputs (`n`, `logprobs`, `stream_options`, ...) a 400: a `message` has no
+//!   place for them.
+
+use serde_json::{json, Map, Value};
+
+use super::chat::{missing, require_str, tool_message, unknown_keys_in};
+use super::common::{
+    as_object, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, settle_ignored, unsupported,
+};
+use super::{chat, Checked, Endpoint, Handled};
+use crate::error::ApiError;
+use crate::router::Router;
+
+/// OpenAI fields, and what to send to this route instead.
+const OPENAI_ONLY: [(&str, &str); 15] = [
+    ("max_completion_tokens", "send `max_tokens`"),
+    ("stop", "send `stop_sequences`"),
+    ("response_format", "send `output_config.format`"),
+    ("parallel_tool_calls", "send `tool_choice.disable_parallel_tool_use`"),
+    ("functions", "send `tools`"),
+    ("function_call", "send `tool_choice`"),
+    ("n", "the Messages API makes one message per request"),
+    ("logprobs", "a `message` has no logprobs"),
+    ("top_logprobs", "a `message` has no logprobs"),
+    ("prompt_logprobs", "a `message` has no logprobs"),
+    ("return_token_ids", "a `message` has no token ids"),
+    ("return_tokens_as_token_ids", "a `message` has no logprobs"),
+    ("echo", "the Messages API has no echo"),
+    ("stream_options", "a Messages stream always ends with the message's usage"),
+    ("continuous_usage_stats", "a Messages stream always ends with the message's usage"),
+];
+
+/// The keys of the blocks this route reads (`cache_control` and a null `citations` are
+/// accepted as they are).
+const TEXT_KEYS: [&str; 4] = ["type", "text", "cache_control", "citations"];
+const TOOL_USE_KEYS: [&str; 5] = ["type", "id", "name", "input", "cache_control"];
+const TOOL_RESULT_KEYS: [&str; 5] = ["type", "tool_use_id", "content", "is_error", "cache_control"];
+const THINKING_KEYS: [&str; 3] = ["type", "thinking", "signature"];
+const TOOL_KEYS: [&str; 6] = ["type", "name", "description", "input_schema", "cache_control", "strict"];
+
+/// Block types the Messages API has that a text model served here cannot take.
+const MEDIA_BLOCKS: [&str; 4] = ["image", "document", "search_result", "container_upload"];
+
+/// The value of `key` unless it is absent or null.
+fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
+/// Where one chat message came from, in the Messages request's terms.
+#[derive(Default)]
+struct Origin {
+    /// `messages[i]`, or `system`.
+    path: String,
+    /// The path of each of its content parts (`messages[i].content[j]`); empty when its content
+    /// is the message's string (`messages[i].content`).
+    parts: Vec<String>,
+    /// The `tool_use` block of each of its tool calls.
+    calls: Vec<String>,
+    /// A tool message: its `tool_result` block.
+    result: Option<String>,
+    /// An assistant turn's `thinking` block (the last, when there are several).
+    thinking: Option<String>,
+}
+
+/// The chat messages of `system` and `messages`, and where each came from.
+#[derive(Default)]
+struct Conversation {
+    messages: Vec<Value>,
+    origins: Vec<Origin>,
+    ignored: Vec<String>,
+    /// The last message is the client's assistant turn: a prefill the answer continues.
+    prefill: bool,
+}
+
+impl Conversation {
+    /// The chat message that `role`'s next content joins: the last one when it has that role
+    /// (Anthropic combines consecutive turns), else a new one from `path`.
+    fn turn(&mut self, role: &str, path: &str) -> usize {
+        let joins = self.messages.last().is_some_and(|m| m["role"] == role);
+        if !joins {
+            let content = if role == "assistant" { Value::Null } else { json!([]) };
+            self.messages.push(json!({"role": role, "content": content}));
+            self.origins.push(Origin { path: path.to_string(), ..Origin::default() });
+        }
+        self.messages.len() - 1
+    }
+
+    /// Adds a text part (from `from`) to the turn at `at`.
+    fn text(&mut self, at: usize, text: &str, from: String) {
+        let content = &mut self.messages[at]["content"];
+        if let Value::String(s) = content {
+            // a string turn joined by a later one becomes parts
+            let first = json!({"type": "text", "text": std::mem::take(s)});
+            let origin = &mut self.origins[at];
+            origin.parts = vec![format!("{}.content", origin.path)];
+            *content = json!([first]);
+        }
+        if content.is_null() {
+            *content = json!([]);
+        }
+        content.as_array_mut().expect("content parts").push(json!({"type": "text", "text": text}));
+        self.origins[at].parts.push(from);
+    }
+
+    fn message(&mut self, i: usize, m: &Value) -> Result<(), ApiError> {
+        let p = format!("messages[{i}]");
+        let obj = as_object(m, p.clone(), "Each message")?;
+        self.ignored.extend(unknown_keys_in(obj, &["role", "content"], &p));
+        let role = require_str(obj, "role", &p)?;
+        match role {
+            "user" | "assistant" => {}
+            "system" => return Err(ApiError::invalid(
+                format!("{p}.role"),
+                "Messages have the role \"user\" or \"assistant\": send the system prompt as the top-level `system`.",
+            )),
+            other => {
+                return Err(ApiError::invalid(
+                    format!("{p}.role"),
+                    format!("Unknown role {other:?}: expected \"user\" or \"assistant\"."),
+                ))
+            }
+        }
+        match obj.get("content") {
+            None | Some(Value::Null) => Err(missing(format!("{p}.content"))),
+            Some(Value::String(s)) => {
+                let joins = self.messages.last().is_some_and(|m| m["role"] == role);
+                if joins {
+                    let at = self.turn(role, &p);
+                    self.text(at, s, format!("{p}.content"));
+                } else {
+                    self.messages.push(json!({"role": role, "content": s}));
+                    self.origins.push(Origin { path: p, ..Origin::default() });
+                }
+                Ok(())
+            }
+            Some(Value::Array(blocks)) => {
+                if blocks.is_empty() {
+                    return Err(ApiError::invalid(
+                        format!("{p}.content"),
+                        "`content` must not be an empty list: send at least one block.",
+                    ));
+                }
+                for (j, block) in blocks.iter().enumerate() {
+                    self.block(role, &p, &format!("{p}.content[{j}]"), block)?;
+                }
+                Ok(())
+            }
+            Some(other) => Err(invalid_type(
+                format!("{p}.content"),
+                format!("`content` must be a string or a list of content blocks, not {}.", kind_of(other)),
+            )),
+        }
+    }
+
+    /// One content block `b` (at path `bp`) of the message at `p`.
+    fn block(&mut self, role: &str, p: &str, bp: &str, b: &Value) -> Result<(), ApiError> {
+        let obj = as_object(b, bp.to_string(), "Each content block")?;
+        let kind = require_str(obj, "type", bp)?;
+        let assistant = role == "assistant";
+        match kind {
+            "text" => {
+                self.ignored.extend(unknown_keys_in(obj, &TEXT_KEYS, bp));
+                if set(obj, "citations").is_some_and(|c| c.as_array().is_none_or(|a| !a.is_empty())) {
+                    self.ignored.push(format!("{bp}.citations"));
+                }
+                let text = require_str(obj, "text", bp)?;
+                let at = self.turn(role, p);
+                self.text(at, text, bp.to_string());
+            }
+            "tool_use" if assistant => {
+                self.ignored.extend(unknown_keys_in(obj, &TOOL_USE_KEYS, bp));
+                let id = require_str(obj, "id", bp)?;
+                let name = require_str(obj, "name", bp)?;
+                let input = match obj.get("input") {
+                    Some(Value::Object(o)) => Value::Object(o.clone()),
+                    None | Some(Value::Null) => return Err(missing(format!("{bp}.input"))),
+                    Some(other) => {
+                        return Err(invalid_type(
+                            format!("{bp}.input"),
+                            format!("`input` must be an object, not {}.", kind_of(other)),
+                        ))
+                    }
+                };
+                let arguments = serde_json::to_string(&input).expect("JSON values serialize");
+                let call = json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}});
+                let at = self.turn(role, p);
+                let calls = self.messages[at].as_object_mut().expect("a message").entry("tool_calls");
+                calls.or_insert_with(|| json!([])).as_array_mut().expect("tool_calls is a list").push(call);
+                self.origins[at].calls.push(bp.to_string());
+            }
+            "thinking" if assistant => {
+                self.ignored.extend(unknown_keys_in(obj, &THINKING_KEYS, bp));
+                let thinking = require_str(obj, "thinking", bp)?;
+                let at = self.turn(role, p);
+                let message = self.messages[at].as_object_mut().expect("a message");
+                let text = match message.get("reasoning_content").and_then(Value::as_str) {
+                    Some(earlier) => format!("{earlier}{thinking}"),
+                    None => thinking.to_string(),
+                };
+                message.insert("reasoning_content".into(), Value::String(text));
+                self.origins[at].thinking = Some(bp.to_string());
+            }
+            // (Anthropic's encrypted thinking: nothing here can read it)
+            "redacted_thinking" if assistant => self.ignored.push(bp.to_string()),
+            "tool_result" if !assistant => self.tool_result(bp, obj)?,
+            "tool_use" | "thinking" | "redacted_thinking" => {
+                return Err(ApiError::invalid(
+                    format!("{bp}.type"),
+                    format!("A {role} message cannot hold a {kind:?} block: only assistant messages do."),
+                ))
+            }
+            "tool_result" => {
+                return Err(ApiError::invalid(
+                    format!("{bp}.type"),
+                    "An assistant message cannot hold a \"tool_result\" block: send it in the next user message.",
+                ))
+            }
+            media if MEDIA_BLOCKS.contains(&media) => {
+                return Err(unsupported(
+                    format!("{bp}.type"),
+                    format!("Content blocks of type {media:?} are not supported: this server serves text models."),
+                ))
+            }
+            other => {
+                return Err(unsupported(
+                    format!("{bp}.type"),
+                    format!(
+                        "Content blocks of type {other:?} are not supported: this server takes \"text\", \
+                         \"tool_use\", \"tool_result\" and \"thinking\" blocks."
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// A `tool_result` block -> a `tool` message, named after the call it answers.
+    fn tool_result(&mut self, bp: &str, obj: &Map<String, Value>) -> Result<(), ApiError> {
+        self.ignored.extend(unknown_keys_in(obj, &TOOL_RESULT_KEYS, bp));
+        let id = require_str(obj, "tool_use_id", bp)?;
+        let content = match obj.get("content") {
+            None | Some(Value::Null) => Value::String(String::new()),
+            Some(Value::String(s)) => Value::String(s.clone()),
+            Some(Value::Array(blocks)) => {
+                let mut parts = Vec::with_capacity(blocks.len());
+                for (k, block) in blocks.iter().enumerate() {
+                    let kp = format!("{bp}.content[{k}]");
+                    let part = as_object(block, kp.clone(), "Each content block")?;
+                    match require_str(part, "type", &kp)? {
+                        "text" => {
+                            self.ignored.extend(unknown_keys_in(part, &TEXT_KEYS, &kp));
+                            parts.push(json!({"type": "text", "text": require_str(part, "text", &kp)?}));
+                        }
+                        kind => {
+                            return Err(unsupported(
+                                format!("{kp}.type"),
+                                format!("Tool results of type {kind:?} are not supported: send text."),
+                            ))
+                        }
+                    }
+                }
+                Value::Array(parts)
+            }
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{bp}.content"),
+                    format!("`content` must be a string or a list of text blocks, not {}.", kind_of(other)),
+                ))
+            }
+        };
+        match set(obj, "is_error") {
+            None | Some(Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => self.ignored.push(format!("{bp}.is_error")),
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{bp}.is_error"),
+                    format!("`is_error` must be a boolean, not {}.", kind_of(other)),
+                ))
+            }
+        }
+        let (message, _) = tool_message(&self.messages, id, content);
+        self.messages.push(message);
+        self.origins.push(Origin { path: bp.to_string(), result: Some(bp.to_string()), ..Origin::default() });
+        Ok(())
+    }
+
+    /// A chat `param` in the Messages request's terms.
+    fn rename(&self, param: &str) -> String {
+        if let Some(rest) = param.strip_prefix("messages[") {
+            let Some((index, rest)) = rest.split_once(']') else { return "messages".into() };
+            let Some(origin) = index.parse::<usize>().ok().and_then(|i| self.origins.get(i)) else {
+                return "messages".into();
+            };
+            return origin.rename(rest);
+        }
+        if let Some(rest) = param.strip_prefix("tools[") {
+            if let Some((i, tail)) = rest.split_once(']') {
+                let tail = tail.strip_prefix(".function").unwrap_or(tail);
+                let tail = tail.strip_prefix(".parameters").map_or(tail.to_string(), |t| format!(".input_schema{t}"));
+                return format!("tools[{i}]{tail}");
+            }
+        }
+        if let Some(rest) = param.strip_prefix("response_format") {
+            let rest = rest.strip_prefix(".json_schema").unwrap_or(rest);
+            return format!("output_config.format{rest}");
+        }
+        if let Some(rest) = param.strip_prefix("stop") {
+            if rest.is_empty() || rest.starts_with('[') {
+                return format!("stop_sequences{rest}");
+            }
+        }
+        match param {
+            "max_completion_tokens" => "max_tokens".into(),
+            "tool_choice.function.name" => "tool_choice.name".into(),
+            "tool_choice.function" => "tool_choice".into(),
+            "parallel_tool_calls" => "tool_choice.disable_parallel_tool_use".into(),
+            "user" => "metadata.user_id".into(),
+            // (a prefill continued under a grammar, which chat refuses)
+            "continue_final_message" | "add_generation_prompt" if self.prefill => {
+                format!("messages[{}]", self.origins.len().saturating_sub(1))
+            }
+            other => other.into(),
+        }
+    }
+
+    /// What chat reported as ignored (`param`), as the fields of this request that had no
+    /// effect: a message's `tool_calls` are its `tool_use` blocks, and a tool result's `name`
+    /// (which the translation added) is nothing the client sent.
+    fn reported(&self, param: &str) -> Vec<String> {
+        let origin = param
+            .strip_prefix("messages[")
+            .and_then(|rest| rest.split_once(']'))
+            .and_then(|(i, rest)| Some((self.origins.get(i.parse::<usize>().ok()?)?, rest)));
+        match origin {
+            Some((o, ".name")) if o.result.is_some() => Vec::new(),
+            Some((o, ".tool_calls")) if !o.calls.is_empty() => o.calls.clone(),
+            _ => vec![self.rename(param)],
+        }
+    }
+
+    /// `message` with the chat fields it quotes renamed, and chat's wording of the context
+    /// error.
+    fn words(&self, message: String, param: Option<&str>) -> String {
+        let chat_fields =
+            ["messages[", "tools[", "tool_choice.function", "response_format", "max_completion_tokens", "stop"];
+        let out = rename_quoted(&message, |part| {
+            if param.is_some_and(|p| p.starts_with("chat_template_kwargs")) {
+                return None;
+            }
+            chat_fields.iter().any(|f| part.starts_with(f)).then(|| self.rename(part))
+        });
+        let out = out.replace("`tool_call_id`", "`tool_use_id`").replace("`arguments`", "`input`");
+        if self.prefill {
+            return out
+                .replace("`continue_final_message`", "a final assistant message (a prefill)")
+                .replace("`add_generation_prompt`", "a final assistant message (a prefill)");
+        }
+        out
+    }
+}
+
+impl Origin {
+    /// A chat message's field path (`rest`, after `messages[i]`) from here.
+    fn rename(&self, rest: &str) -> String {
+        let path = &self.path;
+        if let Some(call) = rest.strip_prefix(".tool_calls") {
+            let at = call.strip_prefix('[').and_then(|c| c.split_once(']'));
+            let block = at.and_then(|(j, _)| self.calls.get(j.parse::<usize>().ok()?));
+            return match (block, at) {
+                (Some(block), Some((_, tail))) => {
+                    let tail = tail.strip_prefix(".function").unwrap_or(tail);
+                    let tail = if tail.starts_with(".arguments") { ".input" } else { tail };
+                    format!("{block}{tail}")
+                }
+                _ => self.calls.first().unwrap_or(path).clone(),
+            };
+        }
+        if let Some(result) = &self.result {
+            return match rest {
+                "" => result.clone(),
+                ".tool_call_id" => format!("{result}.tool_use_id"),
+                ".name" => result.clone(),
+                other => format!("{result}{other}"),
+            };
+        }
+        if let Some(part) = rest.strip_prefix(".content") {
+            let at = part.strip_prefix('[').and_then(|c| c.split_once(']'));
+            if let Some(from) = at.and_then(|(j, _)| self.parts.get(j.parse::<usize>().ok()?)) {
+                let tail = at.map_or("", |(_, t)| t);
+                return format!("{from}{tail}");
+            }
+            return format!("{path}.content{part}");
+        }
+        if rest.starts_with(".reasoning_content") {
+            return self.thinking.clone().unwrap_or_else(|| path.clone());
+        }
+        format!("{path}{rest}")
+    }
+}
+
+/// The chat messages of `system` and `messages`.
+fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
+    let mut conv = Conversation::default();
+    match set(obj, "system") {
+        None => {}
+        Some(Value::String(s)) => {
+            conv.messages.push(json!({"role": "system", "content": s}));
+            conv.origins.push(Origin { path: "system".into(), ..Origin::default() });
+        }
+        Some(Value::Array(blocks)) if blocks.is_empty() => {}
+        Some(Value::Array(blocks)) => {
+            conv.messages.push(json!({"role": "system", "content": []}));
+            conv.origins.push(Origin { path: "system".into(), ..Origin::default() });
+            for (j, block) in blocks.iter().enumerate() {
+                let bp = format!("system[{j}]");
+                let b = as_object(block, bp.clone(), "Each system block")?;
+                if require_str(b, "type", &bp)? != "text" {
+                    return Err(ApiError::invalid(format!("{bp}.type"), "System blocks have type \"text\"."));
+                }
+                conv.ignored.extend(unknown_keys_in(b, &TEXT_KEYS, &bp));
+                let text = require_str(b, "text", &bp)?;
+                conv.text(0, text, bp);
+            }
+        }
+        Some(other) => {
+            return Err(invalid_type(
+                "system",
+                format!("`system` must be a string or a list of text blocks, not {}.", kind_of(other)),
+            ))
+        }
+    }
+    match obj.get("messages") {
+        None | Some(Value::Null) => return Err(missing("messages".into())),
+        Some(Value::Array(list)) => {
+            if list.is_empty() {
+                return Err(ApiError::invalid("messages", "`messages` must not be an empty list."));
+            }
+            for (i, m) in list.iter().enumerate() {
+                conv.message(i, m)?;
+            }
+        }
+        Some(other) => {
+            return Err(invalid_type("messages", format!("`messages` must be a list, not {}.", kind_of(other))))
+        }
+    }
+    conv.prefill = conv.messages.last().is_some_and(|m| m["role"] == "assistant");
+    Ok(conv)
+}
+
+/// Custom tools -> chat's function tools (a server tool is a 400).
+fn chat_tools(tools: &Value, ignored: &mut Vec<String>) -> Result<Value, ApiError> {
+    let list = tools
+        .as_array()
+        .ok_or_else(|| invalid_type("tools", format!("`tools` must be a list, not {}.", kind_of(tools))))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let obj = as_object(tool, p.clone(), "Each tool")?;
+        match set(obj, "type") {
+            None => {}
+            Some(Value::String(t)) if t == "custom" => {}
+            Some(Value::String(t)) => {
+                return Err(unsupported(
+                    format!("{p}.type"),
+                    format!(
+                        "Tools of type {t:?} are not supported: this server runs no server tools and knows no \
+                         built-in tool's schema; send custom tools with an `input_schema`."
+                    ),
+                ))
+            }
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{p}.type"),
+                    format!("`type` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        }
+        ignored.extend(unknown_keys_in(obj, &TOOL_KEYS, &p));
+        let name = require_str(obj, "name", &p)?;
+        let schema = match obj.get("input_schema") {
+            None | Some(Value::Null) => return Err(missing(format!("{p}.input_schema"))),
+            Some(schema) => schema.clone(),
+        };
+        let mut function = json!({"name": name, "parameters": schema});
+        for key in ["description", "strict"] {
+            if let Some(v) = set(obj, key) {
+                function[key] = v.clone();
+            }
+        }
+        out.push(json!({"type": "function", "function": function}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// Messages' `tool_choice` -> chat's `tool_choice`, and whether it disables parallel calls.
+fn chat_tool_choice(choice: &Value, ignored: &mut Vec<String>) -> Result<(Value, bool), ApiError> {
+    let obj = as_object(choice, "tool_choice", "`tool_choice`")?;
+    ignored.extend(unknown_keys_in(obj, &["type", "name", "disable_parallel_tool_use"], "tool_choice"));
+    let serial = match set(obj, "disable_parallel_tool_use") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(invalid_type(
+                "tool_choice.disable_parallel_tool_use",
+                format!("`disable_parallel_tool_use` must be a boolean, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    let chat = match require_str(obj, "type", "tool_choice")? {
+        "auto" => json!("auto"),
+        "any" => json!("required"),
+        "none" => json!("none"),
+        "tool" => json!({"type": "function", "function": {"name": require_str(obj, "name", "tool_choice")?}}),
+        other => {
+            return Err(ApiError::invalid(
+                "tool_choice.type",
+                format!("Unknown `tool_choice` type {other:?}: expected \"auto\", \"any\", \"tool\" or \"none\"."),
+            ))
+        }
+    };
+    Ok((chat, serial))
+}
+
+/// `output_config` (or the beta `output_format`) -> chat's `response_format`, if it sets one.
+fn response_format(obj: &Map<String, Value>, ignored: &mut Vec<String>) -> Result<Option<Value>, ApiError> {
+    let (format, p) = match (set(obj, "output_config"), set(obj, "output_format")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "output_format",
+                "Send the output format once: as `output_config.format` (or the beta `output_format`), not both.",
+            ))
+        }
+        (Some(config), None) => {
+            let config = as_object(config, "output_config", "`output_config`")?;
+            ignored.extend(unknown_keys_in(config, &["format"], "output_config"));
+            (set(config, "format"), "output_config.format")
+        }
+        (None, format) => (format, "output_format"),
+    };
+    let Some(format) = format else { return Ok(None) };
+    let f = as_object(format, p, &format!("`{p}`"))?;
+    match require_str(f, "type", p)? {
+        "json_schema" => {}
+        other => {
+            return Err(ApiError::invalid(
+                format!("{p}.type"),
+                format!("Unknown output format {other:?}: expected \"json_schema\"."),
+            ))
+        }
+    }
+    ignored.extend(unknown_keys_in(f, &["type", "schema"], p));
+    let Some(schema) = set(f, "schema") else { return Err(missing(format!("{p}.schema"))) };
+    Ok(Some(json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})))
+}
+
+/// A Messages request, translated: the chat request it means, its conversation (for naming
+/// chat's errors back) and the fields it reported itself.
+struct Translated {
+    chat: Value,
+    conv: Conversation,
+    ignored: Vec<String>,
+}
+
+/// Translates a Messages request (`count`: a `count_tokens` one, which has no `max_tokens`).
+fn translate(obj: &Map<String, Value>, count: bool) -> Result<Translated, ApiError> {
+    for (key, why) in OPENAI_ONLY {
+        if set(obj, key).is_some() {
+            return Err(unsupported(key, format!("`{key}` is not a Messages API field: {why}.")));
+        }
+    }
+    for key in ["mcp_servers", "container"] {
+        if set(obj, key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+            return Err(unsupported(key, format!("`{key}` is not supported: this server runs no server tools.")));
+        }
+    }
+    if !count && set(obj, "max_tokens").is_none() {
+        return Err(missing("max_tokens".into()));
+    }
+    let mut ignored = Vec::new();
+    let conv = conversation(obj)?;
+    ignored.extend(conv.ignored.iter().cloned());
+
+    const OWN: [&str; 13] = [
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "metadata",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "output_format",
+        "cache_control",
+        "mcp_servers",
+        "container",
+    ];
+    let mut chat: Map<String, Value> =
+        obj.iter().filter(|(k, _)| !OWN.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+    if count {
+        // (counting generates nothing: a `max_tokens` or `stream` copied along asks for nothing)
+        ignored.extend(["max_tokens", "stream"].iter().filter(|k| set(obj, k).is_some()).map(|k| k.to_string()));
+        chat.remove("stream");
+    }
+    chat.insert("messages".into(), Value::Array(conv.messages.clone()));
+    if let Some(max) = set(obj, "max_tokens").filter(|_| !count) {
+        chat.insert("max_completion_tokens".into(), max.clone());
+    }
+    if let Some(stop) = set(obj, "stop_sequences") {
+        if !stop.is_array() {
+            return Err(invalid_type(
+                "stop_sequences",
+                format!("`stop_sequences` must be a list of strings, not {}.", kind_of(stop)),
+            ));
+        }
+        chat.insert("stop".into(), stop.clone());
+    }
+    if let Some(metadata) = set(obj, "metadata") {
+        let m = as_object(metadata, "metadata", "`metadata`")?;
+        ignored.extend(unknown_keys_in(m, &["user_id"], "metadata"));
+        match set(m, "user_id") {
+            None => {}
+            Some(Value::String(id)) => {
+                chat.insert("user".into(), Value::String(id.clone()));
+            }
+            Some(other) => {
+                return Err(invalid_type(
+                    "metadata.user_id",
+                    format!("`user_id` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        }
+    }
+    // (`tools: []` is no tools, and `tool_choice` auto or none beside none asks for nothing)
+    let tools = set(obj, "tools").filter(|t| t.as_array().is_none_or(|a| !a.is_empty()));
+    if let Some(tools) = tools {
+        chat.insert("tools".into(), chat_tools(tools, &mut ignored)?);
+    }
+    if let Some(choice) = set(obj, "tool_choice") {
+        let (choice, serial) = chat_tool_choice(choice, &mut ignored)?;
+        let asks_nothing = choice == json!("auto") || choice == json!("none");
+        if tools.is_some() || !asks_nothing {
+            chat.insert("tool_choice".into(), choice);
+        }
+        if serial && tools.is_some() {
+            chat.insert("parallel_tool_calls".into(), Value::Bool(false));
+        } else if serial {
+            ignored.push("tool_choice.disable_parallel_tool_use".into());
+        }
+    }
+    if let Some(format) = response_format(obj, &mut ignored)? {
+        chat.insert("response_format".into(), format);
+    }
+    if conv.prefill {
+        // the answer continues the client's last assistant turn (unless it said otherwise)
+        chat.entry("continue_final_message").or_insert(Value::Bool(true));
+        chat.entry("add_generation_prompt").or_insert(Value::Bool(false));
+    }
+    Ok(Translated { chat: Value::Object(chat), conv, ignored })
+}
+
+/// What `thinking` asks for that this request will not do, given whether the model's
+/// thinking is parsed (`reasoning`).
+fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool) -> Result<Vec<String>, ApiError> {
+    let Some(thinking) = set(obj, "thinking") else { return Ok(Vec::new()) };
+    let t = as_object(thinking, "thinking", "`thinking`")?;
+    let mut out = unknown_keys_in(t, &["type", "budget_tokens", "display"], "thinking");
+    match require_str(t, "type", "thinking")? {
+        "disabled" if reasoning => out.push("thinking".into()),
+        "disabled" => {}
+        "enabled" | "adaptive" | "between_tools" if !reasoning => out.push("thinking".into()),
+        "enabled" | "adaptive" | "between_tools" => {
+            if let Some(budget) = set(t, "budget_tokens") {
+                if !budget.is_u64() {
+                    return Err(invalid_type(
+                        "thinking.budget_tokens",
+                        "`budget_tokens` must be a non-negative integer.",
+                    ));
+                }
+                out.push("thinking.budget_tokens".into());
+            }
+            if set(t, "display").is_some_and(|d| d != "summarized") {
+                out.push("thinking.display".into());
+            }
+        }
+        other => {
+            return Err(ApiError::invalid(
+                "thinking.type",
+                format!("Unknown `thinking` type {other:?}: expected \"enabled\", \"adaptive\" or \"disabled\"."),
+            ))
+        }
+    }
+    Ok(out)
+}
+
+/// Validates a Messages request and prepares the chat request it means.
+pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
+    let value = parse_body(body)?;
+    let obj = value.as_object().expect("parse_body checks");
+    let Translated { chat, conv, ignored } = translate(obj, false)?;
+    // ours first: under strict field checking they are the 400
+    let mut ignored = settle_ignored(ignored, router.config.strict_fields)?;
+    let mut checked = chat::prepare_value(router, &chat, header_id)
+        .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
+    let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some())?;
+    ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
+
+    let prepared = &mut checked.prepared;
+    ignored.extend(checked.ignored.iter().flat_map(|p| conv.reported(p)));
+    ignored.sort();
+    ignored.dedup();
+    prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");
+    prepared.headers.extend(super::common::ignored_header(&ignored));
+    prepared.ignored = ignored.clone();
+    checked.ignored = ignored;
+    prepared.endpoint = Endpoint::Messages;
+    prepared.id = match prepared.id.strip_prefix("chatcmpl-") {
+        // a client's `request_id` (or X-Request-Id) names it
+        Some(id) if obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some() => format!("msg_{id}"),
+        _ => new_id("msg").replacen('-', "_", 1),
+    };
+    Ok(checked)
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the tokens the request's prompt
+/// (system prompt, messages and tools, through the chat template) comes to.
+pub(crate) fn count_tokens(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
+    let value = parse_body(body)?;
+    let obj = value.as_object().expect("parse_body checks");
+    let Translated { chat, conv, ignored } = translate(obj, true)?;
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+    let checked = chat::prepare_value(router, &chat, None)
+        .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
+    let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some())?;
+    let chat_ignored = checked.ignored.iter().flat_map(|p| conv.reported(p));
+    let all = ignored.into_iter().chain(chat_ignored).chain(thinking).collect();
+    let ignored = settle_ignored(all, router.config.strict_fields)?;
+    let tokens = checked.prepared.prompts.first().map_or(0, Vec::len);
+    let body = serde_json::to_vec(&json!({"input_tokens": tokens})).expect("bodies serialize");
+    Ok(Handled { body, headers: super::common::ignored_header(&ignored).into_iter().collect() })
+}

@@ -1,0 +1,282 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) end to end,
+with the official `anthropic` SDK.
+
+A Messages request is the chat request it means: the same greedy answer, from the same
+prompt tokens, as /v1/chat/completions gives for the translated messages, tools and stops.
+Streamed, its events are accumulated by the SDK's own `messages.stream()` helper (which raises
+on events out of order) and add up to the non-streamed `message`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from server import ServerProcess
+from test_reasoning import _build as build_think_model
+from test_tool_formats import HERMES, WEATHER
+from tiny import build_tiny_llama
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+# (the SDK has no `temperature` argument any more: sampling fields go as extra_body)
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()
+
+
+def _client(server, key: str = "x") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(smol):
+    with _client(smol) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def openai_client(smol):
+    with OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _input(usage) -> int:
+    """All the prompt's tokens: Anthropic counts those the cache held apart."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+def _streamed(client, **req):
+    """The raw events of a streamed request, and the message the SDK's helper sums them to."""
+    events = list(client.messages.create(**req, stream=True))
+    with client.messages.stream(**req) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_message()
+    return events, final
+
+
+def test_text_answer_is_the_chat_answer(client, openai_client):
+    m = client.messages.create(model=MODEL, max_tokens=32, messages=ASK, extra_body=GREEDY)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == "The capital of France is Paris."
+    assert (m.stop_reason, m.stop_sequence) == ("end_turn", None)
+    chat = openai_client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=32, temperature=0)
+    assert m.content[0].text == chat.choices[0].message.content
+    assert (_input(m.usage), m.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert m.usage.cache_creation_input_tokens == 0
+
+
+def test_stream_events_add_up_to_the_message(client):
+    req = dict(model=MODEL, max_tokens=32, system="Answer in one sentence.", messages=ASK, extra_body=GREEDY)
+    m = client.messages.create(**req)
+    events, final = _streamed(client, **req)
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds[1] == "content_block_start" and kinds[-3] == "content_block_stop"
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    start = events[0].message
+    assert start.content == [] and start.stop_reason is None and start.id.startswith("msg_")
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == m.content[0].text == final.content[0].text
+    assert (final.stop_reason, final.stop_sequence) == (m.stop_reason, m.stop_sequence)
+    assert (_input(final.usage), final.usage.output_tokens) == (_input(m.usage), m.usage.output_tokens)
+
+
+def test_stop_sequences_and_max_tokens(client):
+    stopped = client.messages.create(model=MODEL, max_tokens=32, messages=ASK, stop_sequences=["Paris"],
+                                     extra_body=GREEDY)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "Paris")
+    assert stopped.content[0].text == "The capital of France is "
+    events, final = _streamed(client, model=MODEL, max_tokens=32, messages=ASK, stop_sequences=["Paris"],
+                              extra_body=GREEDY)
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == (
+        "stop_sequence", "Paris", "The capital of France is ")
+    cut = client.messages.create(model=MODEL, max_tokens=3, messages=ASK, extra_body=GREEDY)
+    assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)
+
+
+def test_a_last_assistant_message_is_continued(smol, client):
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    m = client.messages.create(model=MODEL, max_tokens=8, messages=prefill, extra_body=GREEDY)
+    # only what came after the prefill, as Anthropic answers it
+    assert m.content[0].text.startswith(" Paris"), m.content
+    render = httpx.post(smol.url + "/v1/chat/completions/render", timeout=30, json={
+        "model": MODEL, "messages": prefill, "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert render["prompt"].endswith("The capital of France is")
+    assert _input(m.usage) == len(render["prompt_token_ids"])
+
+
+def test_count_tokens_is_the_prompt_a_message_reads(client):
+    req = dict(model=MODEL, system="Be brief.", messages=ASK)
+    counted = client.messages.count_tokens(**req)
+    m = client.messages.create(**req, max_tokens=1, extra_body=GREEDY)
+    assert counted.input_tokens == _input(m.usage) > 0
+
+
+def test_fields_without_effect_are_reported(client):
+    raw = client.messages.with_raw_response.create(
+        model=MODEL, max_tokens=4, extra_body=GREEDY, metadata={"user_id": "u-1"},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Hello", "cache_control": {"type": "ephemeral"}}]}],
+        thinking={"type": "enabled", "budget_tokens": 1024})
+    # (SmolLM2 does not think; `cache_control` asks for what the prefix cache does anyway)
+    assert raw.headers["llmserve-ignored-fields"] == "thinking"
+    assert raw.parse().stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.mark.parametrize("body, status, kind, param", [
+    ({"messages": ASK}, 400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 4, "messages": ASK, "stop": ["x"]}, 400, "invalid_request_error", "stop"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400, "invalid_request_error",
+     "messages[0].content[0].type"),
+    ({"max_tokens": 4, "messages": ASK, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "tool", "name": "g"}}, 400, "invalid_request_error", "tool_choice.name"),
+    ({"max_tokens": 4000, "messages": ASK}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": ASK}, 404, "not_found_error", "model"),
+])
+def test_errors_have_anthropics_shape(smol, body, status, kind, param):
+    r = httpx.post(smol.url + "/v1/messages", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()
+    assert error["type"] == "error" and set(error) == {"type", "error"}
+    assert (error["error"]["type"], error["error"]["param"]) == (kind, param)
+    assert error["error"]["message"]
+    # the SDK raises it as the status's error, with the message it carries (sent as it is: the
+    # SDK's `messages.create` refuses some of these bodies itself)
+    with _client(smol) as client, pytest.raises(anthropic.APIStatusError) as raised:
+        client.post("/v1/messages", cast_to=anthropic.types.Message, body={"model": MODEL, **body})
+    assert raised.value.status_code == status
+    assert raised.value.body["error"]["message"] == error["error"]["message"]
+
+
+def test_context_overflow_names_max_tokens(client):
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model=MODEL, max_tokens=4000, messages=ASK)
+    error = raised.value.body["error"]
+    assert error["code"] == "context_length_exceeded" and "`max_tokens`" in error["message"]
+
+
+# --- tools and keys, on a tiny model with a Hermes template --------------------------------
+
+KEY = "anthropic-test-key"
+TOOL = {"name": "get_weather", "description": "The weather", "input_schema": WEATHER["function"]["parameters"]}
+# the same tool as chat's
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                              "parameters": WEATHER["function"]["parameters"]}}
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny-messages"), max_position_embeddings=2048)
+    template = tmp_path_factory.mktemp("tpl") / "hermes.jinja"
+    template.write_text(HERMES)
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--chat-template", str(template),
+                           "--num-kv-blocks", "400", "--api-key", KEY)
+    yield server
+    server.stop()
+
+
+def test_keys_are_read_from_x_api_key(hermes):
+    with _client(hermes, KEY) as client:
+        assert client.messages.count_tokens(model="tiny", messages=ASK).input_tokens > 0
+    with _client(hermes, "wrong") as client, pytest.raises(anthropic.AuthenticationError) as raised:
+        client.messages.create(model="tiny", max_tokens=2, messages=ASK)
+    assert raised.value.body["type"] == "error"
+    assert raised.value.body["error"]["type"] == "authentication_error"
+
+
+def test_forced_tool_calls_are_tool_use_blocks(hermes):
+    with _client(hermes, KEY) as client, OpenAI(base_url=hermes.url + "/v1", api_key=KEY) as oai:
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        req = dict(model="tiny", max_tokens=200, messages=ask, tools=[TOOL],
+                   tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+        m = client.messages.create(**req)
+        assert m.stop_reason == "tool_use"
+        (use,) = [b for b in m.content if b.type == "tool_use"]
+        assert use.name == "get_weather" and use.id
+        jsonschema.validate(use.input, TOOL["input_schema"])
+        # the same call as chat's, from the same prompt
+        chat = oai.chat.completions.create(model="tiny", messages=ask, tools=[CHAT_TOOL], temperature=0,
+                                           max_completion_tokens=200,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == use.input
+        assert chat.usage.prompt_tokens == _input(m.usage)
+        events, final = _streamed(client, **req)
+        starts = [e.content_block for e in events if e.type == "content_block_start"]
+        assert [s.type for s in starts] == ["tool_use"] and starts[0].input == {}
+        pieces = [e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+        assert len(pieces) > 1, "the input should arrive as it is generated"
+        assert final.stop_reason == "tool_use"
+        assert [b.input for b in final.content if b.type == "tool_use"] == [use.input]
+
+
+def test_the_tool_loop_is_the_chat_history(hermes):
+    """The loop clients write: the answer's blocks go back as they are, with each call's
+    result; the prompt is the chat history it means."""
+    with _client(hermes, KEY) as client:
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        first = client.messages.create(model="tiny", max_tokens=200, messages=ask, tools=[TOOL],
+                                       tool_choice={"type": "any"}, extra_body=GREEDY)
+        uses = [b for b in first.content if b.type == "tool_use"]
+        assert uses
+        history = [*ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                   {"role": "user", "content": [
+                       {"type": "tool_result", "tool_use_id": u.id, "content": "sunny"} for u in uses]}]
+        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=8, messages=history, tools=[TOOL],
+                                                       extra_body=GREEDY)
+        again = raw.parse()
+        # (this template reads neither a result's id nor a call's `id`: chat reports them)
+        assert "llmserve-ignored-fields" not in raw.headers or all(
+            f.endswith(".tool_use_id") for f in raw.headers["llmserve-ignored-fields"].split(", "))
+        chat_history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
+            for u in uses]}]
+        chat_history += [{"role": "tool", "tool_call_id": u.id, "name": u.name, "content": "sunny"} for u in uses]
+        render = httpx.post(hermes.url + "/v1/chat/completions/render", timeout=30,
+                            headers={"authorization": f"Bearer {KEY}"},
+                            json={"model": "tiny", "messages": chat_history, "tools": [CHAT_TOOL]}).json()
+        assert _input(again.usage) == len(render["prompt_token_ids"])
+        assert client.messages.count_tokens(model="tiny", messages=history, tools=[TOOL]).input_tokens == _input(
+            again.usage)
+
+
+# --- thinking, on a tiny model whose template opens a think block ---------------------------
+
+@pytest.fixture(scope="module")
+def think(tmp_path_factory):
+    folder, _ = build_think_model(tmp_path_factory.mktemp("tiny-think-messages"))
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--num-kv-blocks", "100")
+    yield server
+    server.stop()
+
+
+def test_thinking_is_a_thinking_block(think):
+    with _client(think) as client, OpenAI(base_url=think.url + "/v1", api_key="x") as oai:
+        chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                           max_completion_tokens=24, temperature=1.0, seed=3)
+        req = dict(model="tiny", max_tokens=24, messages=[{"role": "user", "content": "Hello"}],
+                   extra_body={"temperature": 1.0, "seed": 3})
+        m = client.messages.create(**req)
+        msg = chat.choices[0].message
+        thinking = [b.thinking for b in m.content if b.type == "thinking"]
+        assert (thinking[0] if thinking else None) == msg.reasoning_content
+        assert "".join(b.text for b in m.content if b.type == "text") == (msg.content or "")
+        assert m.usage.output_tokens_details.thinking_tokens == chat.usage.completion_tokens_details.reasoning_tokens
+        events, final = _streamed(client, **req)
+        thought = "".join(e.delta.thinking for e in events
+                          if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+        assert thought == (msg.reasoning_content or "")
+        assert [b.type for b in final.content] == [b.type for b in m.content]
