@@ -3,7 +3,9 @@
     python benches/core_bench.py
 
 - `prepare`: Router.prepare of a chat request whose rendered prompt is ~1,000 tokens
-  (parse, validate, render SmolLM2's template, tokenize, budget), default model tokenizer.
+  (parse, validate, render SmolLM2's template, tokenize, budget), default model tokenizer;
+  then, alternating in one loop, a 6-turn chat request and the Anthropic Messages request that
+  means it (with a tool call and its result): what the Messages translation adds.
 - `step`: Core.schedule() + Core.commit() with 256 running sequences (what the engine
   thread pays per step outside the model), including the numpy hand-over.
 Medians of many repeats; machines here are noisy, so read them as orders of magnitude.
@@ -48,6 +50,31 @@ def bench_prepare(router: Router) -> None:
     tokens = router.prepare("chat", body).prompt_tokens
     t = timeit(lambda: router.prepare("chat", body), 200)
     print(f"prepare: {tokens}-token chat request: {t * 1e6:.0f} us median")
+
+    # the same conversation as chat messages and as Anthropic Messages blocks
+    call = {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    chat = orjson.dumps({"model": "m", "max_tokens": 16, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": text},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "t1", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks."}]})
+    messages = orjson.dumps({"model": "m", "max_tokens": 16, "system": "Be brief.", "messages": [
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+        {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks."}]})
+    assert router.prepare("messages", messages).prompt_token_ids == router.prepare("chat", chat).prompt_token_ids
+    times: dict[str, list[float]] = {"chat": [], "messages": []}
+    for _ in range(200):
+        for endpoint, body in (("chat", chat), ("messages", messages)):
+            t0 = time.perf_counter()
+            router.prepare(endpoint, body)
+            times[endpoint].append(time.perf_counter() - t0)
+    c, m = statistics.median(times["chat"]), statistics.median(times["messages"])
+    print(f"prepare: the same conversation as chat {c * 1e6:.0f} us, as Anthropic Messages {m * 1e6:.0f} us "
+          f"median ({m / c:.2f}x)")
 
 
 def bench_step(router: Router, eos: list[int], seqs: int = 256) -> None:

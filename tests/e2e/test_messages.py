@@ -162,6 +162,14 @@ def test_errors_have_anthropics_shape(smol, body, status, kind, param):
     assert raised.value.body["error"]["message"] == error["error"]["message"]
 
 
+def test_both_sdks_list_the_models(client, openai_client):
+    """GET /v1/models is one page that both SDKs read: OpenAI's list, Anthropic's page."""
+    listed = list(client.models.list())
+    assert [m.id for m in listed] == [m.id for m in openai_client.models.list().data] == [MODEL]
+    assert listed[0].type == "model" and listed[0].display_name == MODEL and listed[0].created_at.year >= 2025
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
 def test_context_overflow_names_max_tokens(client):
     with pytest.raises(anthropic.BadRequestError) as raised:
         client.messages.create(model=MODEL, max_tokens=4000, messages=ASK)

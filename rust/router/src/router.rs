@@ -184,10 +184,19 @@ impl Router {
         }
     }
 
-    /// The `GET /v1/models` body: one object per served name.
+    /// The `GET /v1/models` body: one object per served name. It is also the page Anthropic's
+    /// `GET /v1/models` answers (`has_more`, `first_id`, `last_id`), so both SDKs list them.
     pub fn models(&self) -> Vec<u8> {
-        let data: Vec<Value> = self.config.served_model_names.iter().map(|n| self.model_object(n)).collect();
-        serde_json::to_vec(&json!({"object": "list", "data": data})).expect("JSON values serialize")
+        let names = &self.config.served_model_names;
+        let data: Vec<Value> = names.iter().map(|n| self.model_object(n)).collect();
+        let body = json!({
+            "object": "list",
+            "data": data,
+            "has_more": false,
+            "first_id": names.first(),
+            "last_id": names.last(),
+        });
+        serde_json::to_vec(&body).expect("JSON values serialize")
     }
 
     /// The `GET /v1/models/{id}` body, or 404.
@@ -197,15 +206,21 @@ impl Router {
     }
 
     /// A model object in vLLM's shape (its clients read `root`, `parent` and `permission`):
-    /// `root` is the model as loaded, the same for every alias.
+    /// `root` is the model as loaded, the same for every alias. It also has the keys of
+    /// Anthropic's model object (`type`, `display_name`, `created_at`).
     fn model_object(&self, id: &str) -> Value {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
         id.hash(&mut h);
+        let created_at = chrono::DateTime::from_timestamp(self.created as i64, 0)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
         json!({
             "id": id,
             "object": "model",
             "created": self.created,
+            "type": "model",
+            "display_name": id,
+            "created_at": created_at,
             "owned_by": "llmserve",
             "root": self.config.model_root.as_ref().or(self.config.served_model_names.first()),
             "parent": null,

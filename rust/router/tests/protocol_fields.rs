@@ -476,7 +476,15 @@ fn models_routes() {
         assert_eq!(m["permission"][0]["allow_sampling"], true);
         assert_eq!(m["max_model_len"], 32);
         assert!(m["created"].as_u64().unwrap() > 1_700_000_000);
+        // Anthropic's keys: its SDK lists the same page
+        assert_eq!((m["type"].as_str(), m["display_name"].as_str()), (Some("model"), Some(id)));
+        let at = m["created_at"].as_str().unwrap();
+        assert!(at.len() == 20 && at.ends_with('Z') && at.as_bytes()[10] == b'T', "{at}");
     }
+    assert_eq!(
+        (v["has_more"].clone(), v["first_id"].clone(), v["last_id"].clone()),
+        (json!(false), json!("tiny"), json!("tiny-alias"))
+    );
     let one = body_json(r.model("tiny-alias").unwrap());
     assert_eq!(one, data[1]);
     let e = r.model("tiny:latest").unwrap_err();
