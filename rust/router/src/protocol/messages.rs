@@ -45,7 +45,7 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{missing, require_str, tool_message, unknown_keys_in};
 use super::common::{
-    as_object, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, settle_ignored, unsupported,
+    as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, settle_ignored, unsupported,
 };
 use super::{chat, Checked, Endpoint, Handled};
 use crate::error::ApiError;
@@ -745,20 +745,9 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some())?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
 
-    let prepared = &mut checked.prepared;
     ignored.extend(checked.ignored.iter().flat_map(|p| conv.reported(p)));
-    ignored.sort();
-    ignored.dedup();
-    prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");
-    prepared.headers.extend(super::common::ignored_header(&ignored));
-    prepared.ignored = ignored.clone();
-    checked.ignored = ignored;
-    prepared.endpoint = Endpoint::Messages;
-    prepared.id = match prepared.id.strip_prefix("chatcmpl-") {
-        // a client's `request_id` (or X-Request-Id) names it
-        Some(id) if obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some() => format!("msg_{id}"),
-        _ => new_id("msg").replacen('-', "_", 1),
-    };
+    let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
+    checked.adopt(ignored, Endpoint::Messages, "msg", named);
     Ok(checked)
 }
 

@@ -234,3 +234,24 @@ pub(crate) struct Checked {
     pub unused_kwargs: Vec<String>,
     pub ignored: Vec<String>,
 }
+
+impl Checked {
+    /// A translated request (Responses, Messages) prepared as chat made its own: `ignored` (in
+    /// its terms) as its reported fields and `llmserve-ignored-fields`, its `endpoint`, and an
+    /// id with its `prefix` (`<prefix>_<id>` when the client named it: `named`, by its
+    /// `request_id` or `X-Request-Id`).
+    pub(crate) fn adopt(&mut self, mut ignored: Vec<String>, endpoint: Endpoint, prefix: &str, named: bool) {
+        ignored.sort();
+        ignored.dedup();
+        let prepared = &mut self.prepared;
+        prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");
+        prepared.headers.extend(common::ignored_header(&ignored));
+        prepared.ignored = ignored.clone();
+        self.ignored = ignored;
+        prepared.endpoint = endpoint;
+        prepared.id = match prepared.id.strip_prefix("chatcmpl-") {
+            Some(id) if named => format!("{prefix}_{id}"),
+            _ => common::new_id(prefix).replacen('-', "_", 1),
+        };
+    }
+}

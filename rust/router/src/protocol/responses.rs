@@ -876,21 +876,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let mut checked =
         chat::prepare_value(router, &Value::Object(chat), header_id).map_err(|e| origins.rename_error(e))?;
 
-    let prepared = &mut checked.prepared;
     let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
-    let mut all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
-    all.sort();
-    all.dedup();
-    prepared.headers.retain(|(k, _)| k != "llmserve-ignored-fields");
-    prepared.headers.extend(super::common::ignored_header(&all));
-    prepared.ignored = all.clone();
-    checked.ignored = all;
-    prepared.endpoint = Endpoint::Responses;
-    prepared.id = match prepared.id.strip_prefix("chatcmpl-") {
-        // a client's `request_id` (or X-Request-Id) names it
-        Some(id) if obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some() => format!("resp_{id}"),
-        _ => new_id("resp").replacen('-', "_", 1),
-    };
+    let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
+    let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
+    checked.adopt(all, Endpoint::Responses, "resp", named);
+    let prepared = &mut checked.prepared;
 
     // what the response object echoes
     let sent = |k: &str| set(obj, k).cloned();
