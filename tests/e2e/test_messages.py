@@ -118,6 +118,19 @@ def test_a_last_assistant_message_is_continued(smol, client):
     assert _input(m.usage) == len(render["prompt_token_ids"])
 
 
+def test_output_format_is_enforced(client):
+    """`output_config.format` is chat's json_schema response_format: the text block is JSON
+    that validates, even from a 135M model."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    m = client.messages.create(model=MODEL, max_tokens=60, messages=[
+        {"role": "user", "content": "Give the largest city of France and its population as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+    assert m.stop_reason == "end_turn", m
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+
+
 def test_count_tokens_is_the_prompt_a_message_reads(client):
     req = dict(model=MODEL, system="Be brief.", messages=ASK)
     counted = client.messages.count_tokens(**req)
