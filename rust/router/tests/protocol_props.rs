@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use protocol_fixture::*;
 use serde_json::{json, Map, Value};
 
-const FIELDS: [&str; 48] = [
+const FIELDS: [&str; 59] = [
     "model",
     "messages",
     "prompt",
@@ -59,16 +59,34 @@ const FIELDS: [&str; 48] = [
     "add_special_tokens",
     "role",
     "content",
+    // Anthropic's Messages API
+    "system",
+    "stop_sequences",
+    "thinking",
+    "output_config",
+    "tool_use_id",
+    "input",
+    "input_schema",
+    "type",
+    "name",
+    "id",
+    "is_error",
 ];
 
-const ENDPOINTS: [Endpoint; 6] = [
+const ENDPOINTS: [Endpoint; 9] = [
     Endpoint::Chat,
     Endpoint::Completion,
+    Endpoint::Responses,
+    Endpoint::Messages,
+    Endpoint::MessagesCountTokens,
     Endpoint::Tokenize,
     Endpoint::Detokenize,
     Endpoint::ChatRender,
     Endpoint::CompletionRender,
 ];
+
+/// The Messages API's block types (and one it does not know).
+const BLOCKS: [&str; 6] = ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"];
 
 fn key() -> impl Strategy<Value = String> {
     prop_oneof![
@@ -90,6 +108,9 @@ fn json_value() -> impl Strategy<Value = Value> {
             Just("user".to_string()),
             Just("text".to_string()),
             Just("function".to_string()),
+            Just("tool_use".to_string()),
+            Just("tool_result".to_string()),
+            Just("assistant".to_string()),
             Just("hello world".to_string()),
             "[ -~]{0,12}",
             "\\PC{0,6}",
@@ -116,7 +137,9 @@ fn valid_completion() -> Value {
 fn run_all(r: &Router, body: &[u8]) {
     for ep in ENDPOINTS {
         let status = match ep {
-            Endpoint::Chat | Endpoint::Completion => r.prepare(ep, body).err().map(|e| e.status()),
+            Endpoint::Chat | Endpoint::Completion | Endpoint::Responses | Endpoint::Messages => {
+                r.prepare(ep, body).err().map(|e| e.status())
+            }
             _ => r.handle(ep, body).err().map(|e| e.status()),
         };
         if let Some(s) = status {
@@ -150,6 +173,30 @@ proptest! {
         run_all(&r, &serde_json::to_vec(&body).unwrap());
         let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
         run_all(&strict, &serde_json::to_vec(&body).unwrap());
+    }
+
+    #[test]
+    fn near_valid_anthropic_blocks_never_panic(
+        blocks in prop::collection::vec((proptest::sample::select(&BLOCKS[..]), json_value(), json_value()), 1..5),
+        roles in prop::collection::vec(any::<bool>(), 1..4),
+        tools in json_value(),
+    ) {
+        // Messages turns of text, tool_use, tool_result and thinking blocks whose fields are
+        // arbitrary: the translation and chat's validation answer, whatever they hold
+        let r = router_with(json!({"tool_call_format": "hermes"}), Some(TEMPLATE));
+        let messages: Vec<Value> = roles
+            .iter()
+            .map(|&user| {
+                let content: Vec<Value> = blocks
+                    .iter()
+                    .map(|(kind, a, b)| json!({"type": kind, "text": a, "thinking": a, "input": a, "id": "t",
+                                               "name": "get_weather", "tool_use_id": "t", "content": b}))
+                    .collect();
+                json!({"role": if user { "user" } else { "assistant" }, "content": content})
+            })
+            .collect();
+        let body = json!({"model": "tiny", "max_tokens": 2, "messages": messages, "tools": tools});
+        run_all(&r, &serde_json::to_vec(&body).unwrap());
     }
 
     #[test]
