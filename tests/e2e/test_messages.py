@@ -71,6 +71,7 @@ def test_text_answer_is_the_chat_answer(client, openai_client):
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL
     assert [b.type for b in m.content] == ["text"]
     assert m.content[0].text == "The capital of France is Paris."
+    assert m._request_id == m.id   # (the `request-id` header, Anthropic's name for it)
     assert (m.stop_reason, m.stop_sequence) == ("end_turn", None)
     chat = openai_client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=32, temperature=0)
     assert m.content[0].text == chat.choices[0].message.content
@@ -173,6 +174,7 @@ def test_errors_have_anthropics_shape(smol, body, status, kind, param):
         client.post("/v1/messages", cast_to=anthropic.types.Message, body={"model": MODEL, **body})
     assert raised.value.status_code == status
     assert raised.value.body["error"]["message"] == error["error"]["message"]
+    assert raised.value.request_id.startswith("req_")
 
 
 def test_both_sdks_list_the_models(client, openai_client):

@@ -32,12 +32,12 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
-from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, error_body, error_request_id,
-                                       route_path)
+from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, anthropic_route, error_body,
+                                       error_request_id, route_path)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
-                   "x-request-id", "retry-after"]
+                   "x-request-id", "request-id", "retry-after"]
 
 log = logging.getLogger("llmserve.server")
 
@@ -45,6 +45,8 @@ log = logging.getLogger("llmserve.server")
 def _error_response(err: ApiError, request: Request, headers=None) -> Response:
     headers = dict(headers or {})
     headers["x-request-id"] = error_request_id(request.headers.get("x-request-id"))
+    if anthropic_route(route_path(request.scope)):
+        headers["request-id"] = headers["x-request-id"]   # (Anthropic's name: its SDK's `error.request_id`)
     if err.retry_after:
         headers["retry-after"] = str(err.retry_after)
     return Response(error_body(err, route_path(request.scope)), status_code=err.status,

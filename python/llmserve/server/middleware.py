@@ -88,12 +88,12 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         err = Router.error("unauthorized", "Invalid or missing API key (send `Authorization: Bearer <key>`, "
                                            "or `x-api-key: <key>`).")
-        request_id = error_request_id(_header(scope, b"x-request-id"))
-        await send({"type": "http.response.start", "status": err.status, "headers": [
-            (b"content-type", b"application/json"),
-            (b"www-authenticate", b"Bearer"),
-            (b"x-request-id", request_id.encode()),
-        ]})
+        request_id = error_request_id(_header(scope, b"x-request-id")).encode()
+        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                   (b"x-request-id", request_id)]
+        if anthropic_route(route_path(scope)):
+            headers.append((b"request-id", request_id))   # (Anthropic's name for it)
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": error_body(err, route_path(scope))})
 
 

@@ -166,6 +166,10 @@ impl Router {
         // The response's id also names it in a header, as OpenAI's `x-request-id` does (the
         // SDK's `response._request_id`; logs and proxies read it without parsing the body).
         prepared.headers.push(("x-request-id".into(), prepared.id.clone()));
+        if endpoint == Endpoint::Messages {
+            // (Anthropic's name for it: its SDK's `message._request_id`)
+            prepared.headers.push(("request-id".into(), prepared.id.clone()));
+        }
         Ok(prepared)
     }
 
