@@ -303,3 +303,13 @@ def test_thinking_is_a_thinking_block(think):
                           if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
         assert thought == (msg.reasoning_content or "")
         assert [b.type for b in final.content] == [b.type for b in m.content]
+        # `thinking: disabled` switches this template's `enable_thinking` off, as chat's kwarg does
+        off = client.messages.with_raw_response.create(**req, thinking={"type": "disabled"})
+        assert "llmserve-ignored-fields" not in off.headers
+        off = off.parse()
+        plain = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                            max_completion_tokens=24, temperature=1.0, seed=3,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert [b.type for b in off.content if b.type == "thinking"] == []
+        assert "".join(b.text for b in off.content if b.type == "text") == (plain.choices[0].message.content or "")
+        assert _input(off.usage) == plain.usage.prompt_tokens

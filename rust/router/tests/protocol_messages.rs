@@ -260,6 +260,41 @@ fn fields_without_effect_are_reported_in_the_messages_terms() {
     );
 }
 
+/// Opens a think block in the generation prompt unless `enable_thinking` is false (Qwen3's way).
+const THINK_TEMPLATE: &str = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}{% if add_generation_prompt %}assistant :{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+
+#[test]
+fn thinking_switches_a_template_that_reads_enable_thinking() {
+    let r = router_with(json!({}), Some(THINK_TEMPLATE));
+    let ask = json!([{"role": "user", "content": "hello"}]);
+    let off = messages(&r, json!({"messages": ask, "thinking": {"type": "disabled"}})).unwrap();
+    assert!(off.prompt_texts[0].ends_with("</think>\n\n"), "{:?}", off.prompt_texts[0]);
+    assert_eq!(header(&off, "llmserve-ignored-fields"), None);
+    let c = chat_of(&r, json!({"messages": ask, "chat_template_kwargs": {"enable_thinking": false}, "max_tokens": 4}));
+    assert_eq!((off.prompts.clone(), off.reasoning), (c.prompts, c.reasoning));
+    let on = messages(&r, json!({"messages": ask, "thinking": {"type": "enabled", "budget_tokens": 2048}})).unwrap();
+    assert!(on.prompt_texts[0].ends_with("<think>\n"), "{:?}", on.prompt_texts[0]);
+    assert_eq!(header(&on, "llmserve-ignored-fields"), Some("thinking.budget_tokens"));
+    // the request's own kwarg wins, and then `thinking` asks for what is not done
+    let kwarg = messages(
+        &r,
+        json!({"messages": ask, "thinking": {"type": "disabled"}, "chat_template_kwargs": {"enable_thinking": true}}),
+    )
+    .unwrap();
+    assert!(kwarg.prompt_texts[0].ends_with("<think>\n"), "{:?}", kwarg.prompt_texts[0]);
+    assert_eq!(header(&kwarg, "llmserve-ignored-fields"), Some("thinking"));
+    // a template without the switch: nothing is added (no unused kwarg is reported)
+    let p = messages(&router(), json!({"messages": ask, "thinking": {"type": "disabled"}})).unwrap();
+    assert_eq!((header(&p, "llmserve-ignored-fields"), header(&p, "llmserve-unused-template-kwargs")), (None, None));
+    // count_tokens counts the prompt the switch renders
+    let body = json!({"model": "tiny", "messages": ask, "thinking": {"type": "disabled"}});
+    let counted: Value = serde_json::from_slice(
+        &r.handle(Endpoint::MessagesCountTokens, &serde_json::to_vec(&body).unwrap()).unwrap().body,
+    )
+    .unwrap();
+    assert_eq!(counted["input_tokens"], off.prompts[0].len());
+}
+
 /// What a client sums a stream's events up to (as the Anthropic SDK does): the message of
 /// `message_start` with each block's deltas applied and `message_delta`'s stop and usage.
 fn accumulate(evs: &[(String, Value)]) -> Value {

@@ -29,11 +29,14 @@
 //! - `cache_control` (on blocks, tools or the request) is accepted and not reported: this
 //!   server's prefix cache reuses every shared prefix by itself, which is what a cache
 //!   breakpoint asks for.
-//! - `thinking`: a model with a reasoning parser thinks as its template says, and its thinking
-//!   comes back as `thinking` blocks (with an empty `signature`). `thinking` is reported as
-//!   ignored when it asks for what the model will not do (thinking from a model without a
-//!   reasoning parser, or `disabled` on one with a parser), and `budget_tokens` is always
-//!   reported: nothing bounds the thinking apart from `max_tokens`.
+//! - `thinking`: a model's thinking comes back as `thinking` blocks (with an empty `signature`)
+//!   when a reasoning parser reads its output. On a template that switches thinking with the
+//!   `enable_thinking` variable (Qwen3's), `thinking` sets it: `disabled` -> false, `enabled`
+//!   or `adaptive` -> true (unless the request's `chat_template_kwargs` sets it itself).
+//!   Otherwise `thinking` is reported as ignored when it asks for what the model will not do
+//!   (thinking from a model without a reasoning parser, `disabled` on one with a parser that
+//!   cannot be switched off), and `budget_tokens` is always reported: nothing bounds the
+//!   thinking apart from `max_tokens`.
 //! - `is_error: true` on a tool result is reported (templates have no place for it); images,
 //!   documents, server tools, `mcp_servers` and `container` are a 400 `unsupported_parameter`.
 //! - OpenAI fields with a Messages counterpart (`stop`, `max_completion_tokens`,
@@ -49,6 +52,7 @@ use super::common::{
 };
 use super::{chat, Checked, Endpoint, Handled};
 use crate::error::ApiError;
+use crate::reasoning::ReasoningParser;
 use crate::router::Router;
 
 /// OpenAI fields, and what to send to this route instead.
@@ -599,10 +603,28 @@ struct Translated {
     chat: Value,
     conv: Conversation,
     ignored: Vec<String>,
+    /// `thinking` switched the template's `enable_thinking` as it asked.
+    switched: bool,
+}
+
+/// The value `thinking` gives a template's `enable_thinking`, when the template that renders
+/// the request switches a parsed think block with it and the request's `chat_template_kwargs`
+/// does not set it already.
+fn enable_thinking(router: &Router, obj: &Map<String, Value>, with_tools: bool) -> Option<bool> {
+    let kind = set(obj, "thinking")?.get("type")?.as_str()?;
+    let on = match kind {
+        "disabled" => false,
+        "enabled" | "adaptive" | "between_tools" => true,
+        _ => return None,
+    };
+    let template = router.templates().select(with_tools)?;
+    let parsed = router.config.reasoning_parser.unwrap_or_else(|| ReasoningParser::detect(template.source()));
+    let sent = set(obj, "chat_template_kwargs").and_then(|k| k.get("enable_thinking")).is_some();
+    (template.reads("enable_thinking") && parsed == ReasoningParser::Think && !sent).then_some(on)
 }
 
 /// Translates a Messages request (`count`: a `count_tokens` one, which has no `max_tokens`).
-fn translate(obj: &Map<String, Value>, count: bool) -> Result<Translated, ApiError> {
+fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<Translated, ApiError> {
     for (key, why) in OPENAI_ONLY {
         if set(obj, key).is_some() {
             return Err(unsupported(key, format!("`{key}` is not a Messages API field: {why}.")));
@@ -691,22 +713,34 @@ fn translate(obj: &Map<String, Value>, count: bool) -> Result<Translated, ApiErr
     if let Some(format) = response_format(obj, &mut ignored)? {
         chat.insert("response_format".into(), format);
     }
+    let with_tools = tools.is_some() && chat.get("tool_choice") != Some(&json!("none"));
+    let switched = match enable_thinking(router, obj, with_tools) {
+        Some(on) => match chat.entry("chat_template_kwargs").or_insert_with(|| json!({})) {
+            Value::Object(kwargs) => {
+                kwargs.insert("enable_thinking".into(), Value::Bool(on));
+                true
+            }
+            // (not an object: chat's 400)
+            _ => false,
+        },
+        None => false,
+    };
     if conv.prefill {
         // the answer continues the client's last assistant turn (unless it said otherwise)
         chat.entry("continue_final_message").or_insert(Value::Bool(true));
         chat.entry("add_generation_prompt").or_insert(Value::Bool(false));
     }
-    Ok(Translated { chat: Value::Object(chat), conv, ignored })
+    Ok(Translated { chat: Value::Object(chat), conv, ignored, switched })
 }
 
 /// What `thinking` asks for that this request will not do, given whether the model's
-/// thinking is parsed (`reasoning`).
-fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool) -> Result<Vec<String>, ApiError> {
+/// thinking is parsed (`reasoning`) and whether `thinking` switched it (`switched`).
+fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -> Result<Vec<String>, ApiError> {
     let Some(thinking) = set(obj, "thinking") else { return Ok(Vec::new()) };
     let t = as_object(thinking, "thinking", "`thinking`")?;
     let mut out = unknown_keys_in(t, &["type", "budget_tokens", "display"], "thinking");
     match require_str(t, "type", "thinking")? {
-        "disabled" if reasoning => out.push("thinking".into()),
+        "disabled" if reasoning && !switched => out.push("thinking".into()),
         "disabled" => {}
         "enabled" | "adaptive" | "between_tools" if !reasoning => out.push("thinking".into()),
         "enabled" | "adaptive" | "between_tools" => {
@@ -737,12 +771,12 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool) -> Result<Vec<Str
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
     let obj = value.as_object().expect("parse_body checks");
-    let Translated { chat, conv, ignored } = translate(obj, false)?;
+    let Translated { chat, conv, ignored, switched } = translate(router, obj, false)?;
     // ours first: under strict field checking they are the 400
     let mut ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let mut checked = chat::prepare_value(router, &chat, header_id)
         .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
-    let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some())?;
+    let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
 
     ignored.extend(checked.ignored.iter().flat_map(|p| conv.reported(p)));
@@ -756,11 +790,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 pub(crate) fn count_tokens(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
     let value = parse_body(body)?;
     let obj = value.as_object().expect("parse_body checks");
-    let Translated { chat, conv, ignored } = translate(obj, true)?;
+    let Translated { chat, conv, ignored, switched } = translate(router, obj, true)?;
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let checked = chat::prepare_value(router, &chat, None)
         .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
-    let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some())?;
+    let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     let chat_ignored = checked.ignored.iter().flat_map(|p| conv.reported(p));
     let all = ignored.into_iter().chain(chat_ignored).chain(thinking).collect();
     let ignored = settle_ignored(all, router.config.strict_fields)?;
