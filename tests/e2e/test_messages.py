@@ -182,6 +182,7 @@ def test_both_sdks_list_the_models(client, openai_client):
     listed = list(client.models.list())
     assert [m.id for m in listed] == [m.id for m in openai_client.models.list().data] == [MODEL]
     assert listed[0].type == "model" and listed[0].display_name == MODEL and listed[0].created_at.year >= 2025
+    assert listed[0].max_input_tokens == listed[0].max_tokens == 2048   # (--max-model-len)
     assert client.models.retrieve(MODEL).id == MODEL
 
 

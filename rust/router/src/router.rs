@@ -211,7 +211,8 @@ impl Router {
 
     /// A model object in vLLM's shape (its clients read `root`, `parent` and `permission`):
     /// `root` is the model as loaded, the same for every alias. It also has the keys of
-    /// Anthropic's model object (`type`, `display_name`, `created_at`).
+    /// Anthropic's model object (`type`, `display_name`, `created_at`, `max_input_tokens`,
+    /// `max_tokens`).
     fn model_object(&self, id: &str) -> Value {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -225,6 +226,9 @@ impl Router {
             "type": "model",
             "display_name": id,
             "created_at": created_at,
+            // (Anthropic's limits: the context holds prompt and output together)
+            "max_input_tokens": self.config.max_model_len,
+            "max_tokens": self.config.max_model_len,
             "owned_by": "llmserve",
             "root": self.config.model_root.as_ref().or(self.config.served_model_names.first()),
             "parent": null,

@@ -480,6 +480,7 @@ fn models_routes() {
         assert_eq!((m["type"].as_str(), m["display_name"].as_str()), (Some("model"), Some(id)));
         let at = m["created_at"].as_str().unwrap();
         assert!(at.len() == 20 && at.ends_with('Z') && at.as_bytes()[10] == b'T', "{at}");
+        assert_eq!((m["max_input_tokens"].clone(), m["max_tokens"].clone()), (json!(32), json!(32)));
     }
     assert_eq!(
         (v["has_more"].clone(), v["first_id"].clone(), v["last_id"].clone()),
