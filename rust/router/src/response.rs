@@ -610,8 +610,9 @@ impl ResponseBuilder {
     /// `frame`, with the ids of prompt `prompt` at the chunk's top (chat's `return_token_ids`).
     /// A Responses request's chunk goes out as its events instead.
     fn frame_with<C: ChunkChoice>(&mut self, choices: Vec<C>, usage: Option<Usage>, prompt: Option<usize>) {
-        if self.messages.is_some() {
-            let counts = self.message_counts();
+        if let Some(events) = &self.messages {
+            // (the usage only for `message_start`: not summed again on every later chunk)
+            let counts = (!events.started()).then(|| self.message_counts());
             if let Some(events) = self.messages.as_mut() {
                 for c in choices.iter().filter_map(ChunkChoice::as_chat) {
                     events.on_chunk(&mut self.pending, c, counts);

@@ -184,10 +184,17 @@ impl EventStream {
         Self::event(out, "content_block_delta", json!({"index": self.blocks.len() - 1, "delta": delta}));
     }
 
+    /// Whether `message_start` has gone out (until it has, each chunk needs the usage so far).
+    pub(super) fn started(&self) -> bool {
+        self.started
+    }
+
     /// One chat chunk of the choice, as events (`counts`: the usage so far, which
-    /// `message_start` carries when this chunk is the first).
-    pub(super) fn on_chunk(&mut self, out: &mut Vec<u8>, c: &ChatChunkChoice, counts: Counts) {
-        self.start(out, counts);
+    /// `message_start` carries when this chunk is the first; None once it has gone out).
+    pub(super) fn on_chunk(&mut self, out: &mut Vec<u8>, c: &ChatChunkChoice, counts: Option<Counts>) {
+        if let Some(counts) = counts {
+            self.start(out, counts);
+        }
         if let Some(text) = c.delta.reasoning_content.filter(|t| !t.is_empty()) {
             self.delta(out, Kind::Thinking, json!({"type": "thinking_delta", "thinking": text}));
         }
