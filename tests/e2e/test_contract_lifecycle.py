@@ -327,7 +327,9 @@ def test_requests_that_may_compile_a_grammar_are_validated_off_the_event_loop(ti
         async with _client(app) as client:
             for path, body in (("/v1/chat/completions", chat),
                                ("/v1/chat/completions", {**chat, "response_format": regex}),
-                               ("/v1/chat/completions/render", {**chat, "structured_outputs": {"regex": "b+"}})):
+                               ("/v1/chat/completions/render", {**chat, "structured_outputs": {"regex": "b+"}}),
+                               ("/v1/messages", {**chat, "output_config": {"format": {
+                                   "type": "json_schema", "schema": {"type": "object"}}}})):
                 r = await client.post(path, json=body)
                 assert r.status_code == 200, r.text
             # the same key spelled with a JSON escape
@@ -340,7 +342,7 @@ def test_requests_that_may_compile_a_grammar_are_validated_off_the_event_loop(ti
         return recorder.threads
 
     main_thread = threading.current_thread()
-    assert [t is main_thread for t in asyncio.run(main())] == [True, False, False, False]
+    assert [t is main_thread for t in asyncio.run(main())] == [True, False, False, False, False]
 
 
 class HeldRunner:
@@ -494,6 +496,19 @@ def test_messages_failures_are_anthropic_errors_and_free_every_block(failing_eng
                     assert body["error"]["code"] == "internal_error"
                 ok = await c.post("/v1/messages", json={**MESSAGES, "stream": False, "max_tokens": 3})
                 assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3, ok.text
+            # the contract's other rows, in Anthropic's shape: a body over the limit is a 413, a
+            # request while the server drains a 503 with Retry-After
+            app = create_app(engine=engine)
+            app.state.max_body_bytes = 64
+            async with _client(app) as c:
+                r = await c.post("/v1/messages", json={**MESSAGES, "max_tokens": 3, "pad": "x" * 100})
+                assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
+                assert r.json()["type"] == "error" and r.headers["request-id"] == r.headers["x-request-id"]
+                app.state.max_body_bytes = 1 << 20
+                await engine.drain()
+                r = await c.post("/v1/messages", json={**MESSAGES, "max_tokens": 3})
+                assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+                assert (r.json()["type"], r.json()["error"]["type"]) == ("error", "overloaded_error")
         finally:
             await engine.drain()
         assert engine.engine.core.stats()["used_blocks"] == 0
