@@ -1,4 +1,4 @@
-"""Parity: our Llama / Qwen2 / Qwen3 models over the paged cache vs transformers on full
+"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 models over the paged cache vs transformers on full
 sequences. Tiny random fp32 models built by transformers itself; every weight (biases and norm
 weights included) is randomized so a dropped or misplaced tensor shows up in the logits."""
 
@@ -32,6 +32,9 @@ FAMILIES = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 

@@ -1,6 +1,6 @@
 """The Rust decoder of few-token decode steps (models/cpu_decoder.py, rust/kernels/src/layer.rs)
-against the torch layers, its reference: tiny quantized Llama, Qwen2 (qkv bias) and Qwen3 (q/k
-norms, o bias) models run the same steps both ways through ModelRunner, and the logits (the
+against the torch layers, its reference: tiny quantized Llama, Qwen2 (qkv bias), Qwen3 (q/k
+norms, o bias) and SmolLM3 (a layer without RoPE) models run the same steps both ways through ModelRunner, and the logits (the
 Rust path applies the final norm too) and the KV cache must agree. Also: which steps take the path, and the binding's checks.
 
 How close "agree" is: both paths feed the same int8-activation GEMV, but their norms round
@@ -37,6 +37,7 @@ FAMILIES = {
     "llama": dict(BASE, architectures=["LlamaForCausalLM"]),
     "qwen2": dict(BASE, architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(BASE, architectures=["Qwen3ForCausalLM"], attention_bias=True),
+    "smollm3": dict(BASE, architectures=["SmolLM3ForCausalLM"], no_rope_layers=[0, 1]),
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

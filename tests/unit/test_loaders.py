@@ -15,6 +15,7 @@ import torch
 
 from llmserve.loaders import Checkpoint, LoadError, load_checkpoint
 from llmserve.loaders.gguf_file import unpermute_qk
+from llmserve.models import build_model
 
 torch.set_num_threads(1)
 
@@ -314,7 +315,7 @@ def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eo
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    permute = arch == "llama"  # llama.cpp writes qwen2/qwen3 rows unpermuted (NEOX RoPE)
+    permute = arch in ("llama", "smollm3")  # llama.cpp writes qwen2/qwen3 rows unpermuted (NEOX RoPE)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -530,6 +531,35 @@ def test_gguf_qwen(tmp_path, arch):
     rebuilt = type(model)(config).eval()
     rebuilt.load_state_dict(ckpt.weights, strict=False)
     rebuilt.tie_weights()
+    ids = torch.tensor([[1, 5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, rebuilt(ids).logits, atol=1e-5)
+
+
+def test_gguf_smollm3(tmp_path):
+    """llama.cpp writes SmolLM3 as llama (Q/K rows permuted) and names no NoPE layer: it skips
+    RoPE in every fourth layer, which the config must say so the model does too."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SmolLM3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = transformers.SmolLM3ForCausalLM(config).eval()
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = tmp_path / "smollm3.gguf"
+    write_gguf(path, model, arch="smollm3")
+    ckpt = load_checkpoint(str(path))
+    assert_weights_equal(ckpt, model)
+    assert ckpt.hf_config["architectures"] == ["SmolLM3ForCausalLM"]
+
+    ours = build_model(ckpt.hf_config, dict(ckpt.weights), torch.float32, "cpu")
+    assert [layer.attn.rope for layer in ours.layers] == [True, True, True, False]
+    rebuilt = transformers.SmolLM3ForCausalLM(transformers.AutoConfig.for_model(**ckpt.hf_config)).eval()
+    rebuilt.load_state_dict(ckpt.weights, strict=False)
+    rebuilt.tie_weights()
+    assert rebuilt.config.no_rope_layers == [1, 1, 1, 0]
     ids = torch.tensor([[1, 5, 9, 17, 33, 2]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, rebuilt(ids).logits, atol=1e-5)

@@ -10,7 +10,8 @@ tests/parity/test_gguf_vs_transformers.py:
 - the Q/K row permutation: llama.cpp's converter reorders the rows of q_proj/k_proj of
   llama-arch models from HF's rotate-half RoPE layout (pairs (i, i + d/2)) to adjacent pairs
   (2i, 2i + 1). HF-style models would then rotate the wrong pairs and the output is silent
-  garbage, so we undo it here. qwen2/qwen3 files are written unpermuted (NEOX RoPE).
+  garbage, so we undo it here (llama and smollm3 files). qwen2/qwen3 files are written
+  unpermuted (NEOX RoPE).
 
 Every tensor type the file holds is dequantized to float32 (Q8_0/Q4_0/Q4_1 by our Rust
 kernels, the others with gguf's `dequantize`) when the model build reads it
@@ -45,6 +46,7 @@ from .gguf_header import read_gguf
 # GGUF general.architecture -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
 _ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "llama", True),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
 }
@@ -173,8 +175,12 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
         if scaling != "linear":
             raise LoadError(f"GGUF RoPE scaling {scaling!r} is not supported (only linear)")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
-    if model_type == "llama":
+    if model_type in ("llama", "smollm3"):
         config.update(attention_bias=False, mlp_bias=False)
+    if model_type == "smollm3":
+        # NOTE: no GGUF key says which layers skip RoPE: llama.cpp hard-codes every fourth, as
+        # transformers' default interval does.
+        config.update(no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
     if model_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
     return config

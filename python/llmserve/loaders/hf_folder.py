@@ -17,15 +17,6 @@ import torch
 
 from .checkpoint import Checkpoint, LoadError, empty_template_sources
 
-# The families llmserve's models/ package implements (DESIGN.md "The model side").
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-
 def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
@@ -126,11 +117,15 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
     config = _read_json(folder / "config.json")
     if config is None:
         raise LoadError(f"{folder} is not a model folder: it has no config.json (nor a .gguf file)")
+    # (imported here: the model families import the loaders)
+    from llmserve.models import supported_architectures
+
     arch = (config.get("architectures") or [None])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
+    supported = supported_architectures()
+    if arch not in supported:
         raise LoadError(
             f"architecture {arch!r} ({folder / 'config.json'}) is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(supported)}"
         )
     # NOTE: transformers >= 5 writes rope_theta inside rope_parameters; keep the flat key too so
     # every reader of hf_config finds it in one place.

@@ -54,6 +54,7 @@ class CpuDecodePath:
                 "qkv": _quant(a.qkv), "qkv_bias": _vector(a.qkv.bias),
                 "q_norm": _vector(a.q_norm.weight) if a.q_norm is not None else None,
                 "k_norm": _vector(a.k_norm.weight) if a.k_norm is not None else None,
+                "rope": a.rope,
                 "o_proj": _quant(a.o_proj), "o_bias": _vector(a.o_proj.bias),
                 "gate_up": _quant(layer.mlp.gate_up), "down": _quant(layer.mlp.down),
             })

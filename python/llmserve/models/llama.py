@@ -1,5 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral: up to its sliding window) and the decoder that
-Qwen2 and Qwen3 reuse with two switches: QKV bias and per-head q/k RMSNorm.
+Qwen2, Qwen3 and SmolLM3 reuse with three switches: QKV bias, per-head q/k RMSNorm and layers
+without RoPE.
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
@@ -44,6 +45,8 @@ class DecoderConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # Layers whose q and k are not rotated (SmolLM3's NoPE layers); every other layer has RoPE.
+    nope_layers: frozenset[int] = frozenset()
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -73,9 +76,10 @@ class DecoderConfig:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    def __init__(self, c: DecoderConfig, rope: bool = True):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.rope = rope
         self.qkv = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
@@ -87,7 +91,7 @@ class DecoderAttention(nn.Module):
         """x [T, H] -> [T, H]."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        if self.q_norm is None and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin):
+        if self.q_norm is None and (not self.rope or RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin)):
             q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
             q, k = q.view(-1, nh, d), k.view(-1, nkv, d)
         else:
@@ -95,16 +99,18 @@ class DecoderAttention(nn.Module):
             qk = qk.view(-1, nh + nkv, d)               # q heads then k heads: RoPE both in one go
             if self.q_norm is not None:                 # Qwen3: per-head RMSNorm before RoPE
                 qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-            q, k = RotaryEmbedding.apply(qk, cos, sin).split((nh, nkv), dim=1)
+            if self.rope:
+                qk = RotaryEmbedding.apply(qk, cos, sin)
+            q, k = qk.split((nh, nkv), dim=1)
         o = self.attn(q, k, v.view(-1, nkv, d), attn, kv_cache)
         return self.o_proj(o)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    def __init__(self, c: DecoderConfig, index: int):
         super().__init__()
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attn = DecoderAttention(c)
+        self.attn = DecoderAttention(c, rope=index not in c.nope_layers)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size)
 
@@ -134,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         # (~1.2 s of every start).
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = (None if c.tie_word_embeddings
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))

@@ -5,7 +5,7 @@
 //! - `shape`: dict with hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale;
 //! - `layers`: one dict per layer: input_norm, post_norm f32 [H]; qkv, o_proj, gate_up, down as
 //!   (packed u8 from `_core.quant_pack`, ggml_type, rows, cols); optional qkv_bias, o_bias, q_norm,
-//!   k_norm f32 vectors;
+//!   k_norm f32 vectors; optional `rope` (default true; false: a NoPE layer, q and k not rotated);
 //! - `final_norm` (optional): the model's norm after the last layer, f32 [H].
 //!
 //! The decoder keeps references to those arrays (no copy); it reads them, never writes them.
@@ -45,6 +45,7 @@ struct LayerArrays {
     qkv_bias: Option<Py<PyArray1<f32>>>,
     q_norm: Option<Py<PyArray1<f32>>>,
     k_norm: Option<Py<PyArray1<f32>>>,
+    rope: bool,
     o_proj: Quant,
     o_bias: Option<Py<PyArray1<f32>>>,
     gate_up: Quant,
@@ -93,6 +94,7 @@ impl LayerArrays {
             qkv_bias: slice(qkv_bias)?,
             q_norm: slice(q_norm)?,
             k_norm: slice(k_norm)?,
+            rope: self.rope,
             o_proj: quant("o_proj", &self.o_proj, o_proj)?,
             o_bias: slice(o_bias)?,
             gate_up: quant("gate_up", &self.gate_up, gate_up)?,
@@ -162,6 +164,7 @@ impl PyCpuDecoder {
                     qkv_bias: optional(d, "qkv_bias")?,
                     q_norm: optional(d, "q_norm")?,
                     k_norm: optional(d, "k_norm")?,
+                    rope: optional(d, "rope")?.unwrap_or(true),
                     o_proj: quant(d, "o_proj")?,
                     o_bias: optional(d, "o_bias")?,
                     gate_up: quant(d, "gate_up")?,

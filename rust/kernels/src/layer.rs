@@ -1,4 +1,4 @@
-//! A whole decoder layer (Llama, Mistral, Qwen2, Qwen3) for a step of decode tokens, over
+//! A whole decoder layer (Llama, Mistral, Qwen2, Qwen3, SmolLM3) for a step of decode tokens, over
 //! GGUF-quantized weights: the CPU fast path of few-token steps.
 //!
 //! Why: at batch 1 a layer is ~35 small torch ops around four GEMVs, and each op costs a few
@@ -11,7 +11,8 @@
 //! ```text
 //! x = rms_norm(h) * input_norm
 //! q | k | v = x Wqkv^T (+ bias);  Qwen3: per-head rms_norm of q and k
-//! q, k = rope(q), rope(k)          rotate-half pairs (i, i + d/2), cos/sin rows per token
+//! q, k = rope(q), rope(k)          rotate-half pairs (i, i + d/2), cos/sin rows per token;
+//!                                  skipped in SmolLM3's NoPE layers
 //! k_cache[slot], v_cache[slot] = k, v
 //! h += attention(q; the sequence's cached keys and values) Wo^T (+ bias)
 //! x = rms_norm(h) * post_norm
@@ -61,6 +62,8 @@ pub struct LayerWeights<'a> {
     /// Qwen3's per-head norms of q and k ([head_dim] each), applied before RoPE.
     pub q_norm: Option<&'a [f32]>,
     pub k_norm: Option<&'a [f32]>,
+    /// Whether q and k are rotated: false in a NoPE layer (SmolLM3's every fourth).
+    pub rope: bool,
     /// [H, heads * head_dim]
     pub o_proj: PackedWeights<'a>,
     pub o_bias: Option<&'a [f32]>,
@@ -305,7 +308,9 @@ pub fn decoder_layer(
             if let Some(norm) = if j < nh { w.q_norm } else { w.k_norm } {
                 rms_norm_in_place(head, norm, s.eps);
             }
-            rope(head, cos, sin);
+            if w.rope {
+                rope(head, cos, sin);
+            }
         }
         q[t * nh * d..][..nh * d].copy_from_slice(&row[..nh * d]);
     }

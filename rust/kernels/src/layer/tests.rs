@@ -1,7 +1,7 @@
 //! `decoder_layer` against a naive reference: f64 norms, RoPE, SiLU and softmax attention over
 //! the sequences' gathered context, with the linears through `quant_matmul` (its own tests
-//! check it against dequantize-then-matmul). Llama, Qwen2 (qkv bias) and Qwen3 (q/k norms)
-//! variants, mixed context lengths, two thread counts, and the argument checks.
+//! check it against dequantize-then-matmul). Llama, Qwen2 (qkv bias), Qwen3 (q/k norms) and
+//! SmolLM3 NoPE (no RoPE) variants, mixed context lengths, two thread counts, and the argument checks.
 
 use super::*;
 use crate::quant::{pack, QuantType, QuantWeights};
@@ -25,6 +25,7 @@ struct Model {
     qkv_bias: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    rope: bool,
     o_proj: Vec<u8>,
     gate_up: Vec<u8>,
     down: Vec<u8>,
@@ -53,6 +54,7 @@ fn model(seed: u64, bias: bool, qk_norm: bool) -> Model {
         post_norm,
         q_norm,
         k_norm,
+        rope: true,
         qkv: q8_0(&mut rng, width, s.hidden),
         qkv_bias: bias.then(|| rng.vec(width, 0.5)),
         o_proj: q8_0(&mut rng, s.hidden, s.num_heads * s.head_dim),
@@ -76,6 +78,7 @@ impl Model {
             qkv_bias: self.qkv_bias.as_deref(),
             q_norm: self.q_norm.as_deref(),
             k_norm: self.k_norm.as_deref(),
+            rope: self.rope,
             o_proj: q(&self.o_proj, s.hidden, s.num_heads * s.head_dim),
             o_bias: None,
             gate_up: q(&self.gate_up, 2 * s.intermediate, s.hidden),
@@ -167,6 +170,9 @@ fn reference(m: &Model, st: &mut Step) -> Vec<f32> {
             if let Some(n) = if j < nh { &m.q_norm } else { &m.k_norm } {
                 *head = norm_ref(head, n, s.eps);
             }
+            if !m.rope {
+                continue;
+            }
             let rot: Vec<f32> = (0..d)
                 .map(|i| {
                     let (c, sn) = (st.cos[t * half + i % half], st.sin[t * half + i % half]);
@@ -232,8 +238,10 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn matches_the_reference_for_each_family() {
-    for (seed, bias, qk_norm) in [(1, false, false), (2, true, false), (3, false, true)] {
-        let m = model(seed, bias, qk_norm);
+    for (seed, bias, qk_norm, rope) in
+        [(1, false, false, true), (2, true, false, true), (3, false, true, true), (5, false, false, false)]
+    {
+        let m = Model { rope, ..model(seed, bias, qk_norm) };
         let lens = [1, 6, 13];
         let mut want = step(seed, &lens);
         let expect_h = reference(&m, &mut want);
@@ -242,7 +250,7 @@ fn matches_the_reference_for_each_family() {
             run(&m, &mut got, threads).unwrap();
             assert!(
                 max_rel(&got.h, &expect_h) < 1e-4,
-                "h, bias {bias} qk_norm {qk_norm}: {}",
+                "h, bias {bias} qk_norm {qk_norm} rope {rope}: {}",
                 max_rel(&got.h, &expect_h)
             );
             assert!(max_rel(&got.k, &want.k) < 1e-5 && max_rel(&got.v, &want.v) < 1e-5, "caches");
