@@ -28,8 +28,8 @@ FAMILIES = {
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=16))),
-    # served up to its window, where attention is full attention (engine/build.py)
-    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32)),
+    # a window shorter than the prompts: every layer attends over its last 6 keys
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth

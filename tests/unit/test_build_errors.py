@@ -96,15 +96,14 @@ def test_a_cache_too_small_for_one_request_names_the_flag_that_sized_it(folder, 
         build_engine(config)
 
 
-def test_a_sliding_window_is_served_up_to_the_window(folder):
-    """Mistral's sliding window is not implemented: within it attention is full attention, so
-    the model is served up to its window, and a longer --max-model-len is refused."""
+def test_a_sliding_window_is_served_at_full_length_on_cpu(folder):
+    """Mistral's sliding window is implemented on CPU: the model is served at its full length,
+    every layer attending through the window."""
     _edit_json(folder / "config.json", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
     engine = _build(folder)
-    assert engine.router.max_model_len == 64
+    assert engine.router.max_model_len == 512
     assert engine.model_name == "model"   # the folder's name: the first served name
-    with pytest.raises(SetupError, match="exceeds the model's sliding window of 64 tokens"):
-        _build(folder, max_model_len=65)
+    assert engine.runner.model.sliding_window == 64
 
 
 def test_linear_rope_scaling_stretches_the_positions(folder):

@@ -62,12 +62,12 @@ def _random_step(rng: np.random.Generator, heads: int, kv_heads: int, d: int, bs
     return meta, q, k, v, k_cache, v_cache
 
 
-def _both_ways(monkeypatch, meta, q, k, v, k_cache, v_cache, scale):
+def _both_ways(monkeypatch, meta, q, k, v, k_cache, v_cache, scale, window=0):
     outs = []
     for on in (False, True):
         monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", on)
         kc, vc = k_cache.clone(), v_cache.clone()
-        outs.append(paged_attention(q, k, v, kc, vc, meta, scale))
+        outs.append(paged_attention(q, k, v, kc, vc, meta, scale, window=window))
     return outs
 
 
@@ -92,6 +92,22 @@ def test_kernel_matches_torch_on_mixed_steps(monkeypatch, kernel_calls):
     ref, got = _both_ways(monkeypatch, meta, *tensors, 0.2)
     assert kernel_calls == [sum(q_lens)]
     assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 5, 13, 200])
+def test_a_sliding_window_both_ways(monkeypatch, kernel_calls, window):
+    """Sliding-window attention (each query sees its last `window` keys): the torch path's masks
+    and the kernel's window agree, on a decode-only step (the kernel's decode tables, torch's
+    key mask) and on a mixed one (a whole prompt, a chunk after a cached prefix, decode rows);
+    a window longer than every sequence is no window."""
+    rng = np.random.default_rng(window)
+    for q_lens, ctx in (([1, 1, 1], [0, 9, 40]), ([1, 9, 1, 5, 1], [40, 0, 3, 20, 70])):
+        meta, *tensors = _random_step(rng, 6, 2, 32, 8, q_lens, ctx)
+        ref, got = _both_ways(monkeypatch, meta, *tensors, 0.2, window=window)
+        assert (got - ref).abs().max().item() < 1e-5
+        full = _both_ways(monkeypatch, meta, *tensors, 0.2)[0]
+        assert torch.equal(ref, full) == (window > max(c + n for c, n in zip(ctx, q_lens)))
+    assert kernel_calls == [3, 3, 17, 17]   # (with the window, then without)
 
 
 def test_torch_path_when_switched_off_or_not_float32(monkeypatch, kernel_calls):

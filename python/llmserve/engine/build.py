@@ -234,15 +234,16 @@ def build_engine(cfg: Config) -> Engine:
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor"):
         native_len = int(native_len * float(scaling["factor"]))
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if isinstance(window, int) and window < native_len:
-        # Sliding-window attention is not implemented; within the window it is full attention.
+    window = getattr(model, "sliding_window", 0)
+    if window and window < native_len and device.type != "cpu":
+        # The CUDA kernels have no sliding window yet; within the window it is full attention.
         if cfg.model.max_model_len and cfg.model.max_model_len > window:
             raise SetupError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's sliding window "
-                             f"of {window} tokens, which is not implemented: serve {window} tokens or fewer, "
-                             "where attention is the same")
+                             f"of {window} tokens, which is not implemented on {device.type}: serve {window} "
+                             "tokens or fewer, where attention is the same, or serve on CPU")
         if not cfg.model.max_model_len:
-            log.info("serving up to the model's sliding window of %d tokens (of %d positions)", window, native_len)
+            log.info("serving up to the model's sliding window of %d tokens (of %d positions): sliding-window "
+                     "attention is not implemented on %s", window, native_len, device.type)
         native_len = window
     max_model_len = cfg.model.max_model_len or native_len
     if max_model_len > native_len:

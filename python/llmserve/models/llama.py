@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral: up to its sliding window) and the decoder that
+"""The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window) and the decoder that
 Qwen2, Qwen3 and SmolLM3 reuse with three switches: QKV bias, per-head q/k RMSNorm and layers
 without RoPE.
 
@@ -47,6 +47,8 @@ class DecoderConfig:
     qk_norm: bool = False
     # Layers whose q and k are not rotated (SmolLM3's NoPE layers); every other layer has RoPE.
     nope_layers: frozenset[int] = frozenset()
+    # Each layer's sliding window (0: full attention); empty: every layer attends fully.
+    layer_windows: tuple[int, ...] = ()
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -76,7 +78,7 @@ class DecoderConfig:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, c: DecoderConfig, rope: bool = True):
+    def __init__(self, c: DecoderConfig, rope: bool = True, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.rope = rope
@@ -84,7 +86,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, window=window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
@@ -110,7 +112,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: DecoderConfig, index: int):
         super().__init__()
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attn = DecoderAttention(c, rope=index not in c.nope_layers)
+        self.attn = DecoderAttention(c, rope=index not in c.nope_layers,
+                                     window=c.layer_windows[index] if c.layer_windows else 0)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size)
 
@@ -126,9 +129,16 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        # NOTE: Mistral's sliding window is not implemented: the engine serves such a model
-        # up to its window only, where full attention is the same (engine/build.py).
-        return DecoderConfig.from_hf(hf_config)
+        # Mistral's sliding window, in every layer (the CPU path attends through it; on CUDA
+        # the engine serves up to the window, where full attention is the same: build.py).
+        window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
+        windows = (int(window),) * hf_config["num_hidden_layers"] if window else ()
+        return DecoderConfig.from_hf(hf_config, layer_windows=windows)
+
+    @property
+    def sliding_window(self) -> int:
+        """The smallest window of a sliding-window layer; 0: every layer attends fully."""
+        return min((w for w in self.config.layer_windows if w), default=0)
 
     def __init__(self, c: DecoderConfig):
         super().__init__()

@@ -24,6 +24,10 @@ devices, an extension without the kernel); `USE_CPU_DECODE_KERNEL = False` force
 Batch-invariant mode (--batch-invariant) uses the same per-token rows, and refuses to run
 without the kernel.
 
+A sliding window (`window` > 0: Mistral's, Gemma 3's local layers) limits each query to the
+last `window` keys up to its own position: the kernel starts its rows there, the torch paths
+mask the keys before it. The cache still holds every token (nothing is evicted).
+
 KV heads are never repeated: SDPA's `enable_gqa` handles grouped-query attention (BENCH.md:
 repeat_interleave makes batch-64 decode ~5x slower). Softmax runs in float32 whatever the
 model dtype.
@@ -31,7 +35,7 @@ model dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -106,6 +110,8 @@ class AttentionMetadata:
     query_start_loc_np: np.ndarray | None = None    # [S+1] int64, for the per-token tables
     seq_lens_np: np.ndarray | None = None           # [S] int64
     block_tables_np: np.ndarray | None = None       # [S, W] int64
+    # (prefill index or None for the decode rows, window) -> mask: window_mask
+    window_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     # NOTE: the torch path's decode tables and key mask are made when it first reads them:
     # the Rust kernels read the numpy columns, and in a batch-1 decode step these few torch
@@ -122,6 +128,26 @@ class AttentionMetadata:
         key_pos = torch.arange(width * self.block_size, device=self.device)
         lens = torch.from_numpy(self.decode_lens_np.astype(np.int64)).to(self.device)
         return (key_pos[None, :] < lens[:, None])[:, None, None, :]
+
+    def window_mask(self, prefill: int | None, window: int) -> torch.Tensor:
+        """The mask of a sliding-window layer: for the decode rows (`prefill` None)
+        decode_key_mask limited to each sequence's last `window` keys ([Sd, 1, 1, Wd * bs]),
+        for prefill sequence `prefill` the causal mask limited the same way ([Tq, seq_len]): key
+        j is seen by the query at position p when p - window < j <= p. Made once per step."""
+        mask = self.window_masks.get((prefill, window))
+        if mask is None:
+            if prefill is None:
+                key_pos = torch.arange(self.decode_tables_np.shape[1] * self.block_size, device=self.device)
+                q_pos = torch.from_numpy(self.decode_lens_np.astype(np.int64)).to(self.device)[:, None] - 1
+            else:
+                p = self.prefills[prefill]
+                key_pos = torch.arange(p.seq_len, device=self.device)
+                q_pos = torch.arange(p.end - p.start, device=self.device)[:, None] + p.context_len
+            mask = (key_pos[None, :] <= q_pos) & (key_pos[None, :] > q_pos - window)
+            if prefill is None:
+                mask = mask[:, None, None, :]
+            self.window_masks[(prefill, window)] = mask
+        return mask
 
     @cached_property
     def per_token_tables(self) -> tuple[np.ndarray, np.ndarray]:
@@ -201,23 +227,26 @@ def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   tables: np.ndarray, lens: np.ndarray, scale: float) -> torch.Tensor:
+                   tables: np.ndarray, lens: np.ndarray, scale: float, window: int) -> torch.Tensor:
     """q [R, heads, d] fp32 -> [R, heads, d], K/V read in place (numpy views, no copy); row r
-    attends over the first lens[r] tokens of block table tables[r]."""
+    attends over the first lens[r] tokens of block table tables[r] (the last `window` of them)."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), tables, lens, scale,
-                CPU_DECODE_THREADS or kernel_threads())
+                CPU_DECODE_THREADS or kernel_threads(), window)
     return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                    batch_invariant: bool = False) -> torch.Tensor:
+                    batch_invariant: bool = False, window: int = 0) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d]
-    -> [T, heads, d]. `batch_invariant`: every token through the CPU kernel (module doc)."""
+    -> [T, heads, d]. `batch_invariant`: every token through the CPU kernel (module doc).
+    `window` > 0: each query sees only the last `window` keys up to its position."""
     if not isinstance(meta, AttentionMetadata):
-        # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops
+        # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops.
+        # NOTE: they have no window: the engine serves such a model up to its window there,
+        # where full attention is the same (engine/build.py).
         return meta.attend(q, k, v, k_cache, v_cache, scale)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     if batch_invariant or meta.prefills:
@@ -226,7 +255,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # hit computes only the tail; worker/threads.py). SDPA's results shift in the last bits
         # with the query count.
         if _kernel_serves(q, k_cache, v_cache, meta):
-            return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale)
+            return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale, window)
         if batch_invariant:
             raise RuntimeError("batch-invariant attention needs the CPU decode kernel "
                                "(float32 on CPU)")
@@ -237,20 +266,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         idx = meta.decode_token_idx
         if _kernel_serves(q, k_cache, v_cache, meta):
             od = _decode_kernel(q if idx is None else q[idx], k_cache, v_cache,
-                                meta.decode_tables_np, meta.decode_lens_np, scale)
+                                meta.decode_tables_np, meta.decode_lens_np, scale, window)
         else:
             qd = (q if idx is None else q[idx]).unsqueeze(2)                # [Sd, heads, 1, d]
             tables, ws = meta.decode_block_tables, meta.workspace
             kd = _gather(k_cache, tables, ws, "k").float().transpose(1, 2)  # [Sd, kvh, L, d]
             vd = _gather(v_cache, tables, ws, "v").float().transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_key_mask,
+            mask = meta.window_mask(None, window) if window else meta.decode_key_mask
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
                                                 scale=scale, enable_gqa=True).squeeze(2)
         if idx is None:          # every token of the step is a decode token, in order
             return od.to(out_dtype)
     out = q.new_empty(q.shape)
     if meta.num_decode:
         out[meta.decode_token_idx] = od
-    for p in meta.prefills:
+    for i, p in enumerate(meta.prefills):
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)                  # [1, heads, Tq, d]
         if p.context_len == 0:
             # whole context is in this step: use the fresh K/V, no gather
@@ -259,7 +289,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             kp = _gather(k_cache, p.block_ids, meta.workspace, "k")[:p.seq_len].float()
             vp = _gather(v_cache, p.block_ids, meta.workspace, "v")[:p.seq_len].float()
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+        mask = meta.window_mask(i, window) if window else p.mask
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
                                             scale=scale, enable_gqa=True)
         out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
     return out.to(out_dtype)

@@ -42,8 +42,10 @@ pub(crate) fn writeable<'py, T: Element, D: numpy::ndarray::Dimension>(
 }
 
 /// out = softmax(scale * q k^T) v for one query token per sequence, read through the block
-/// tables; `num_threads` threads (the engine passes torch's thread count).
+/// tables; `num_threads` threads (the engine passes torch's thread count). `window` > 0: each
+/// sequence attends over its last `window` tokens only (sliding-window attention).
 #[pyfunction]
+#[pyo3(signature = (out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_threads, window=0))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -55,6 +57,7 @@ pub fn paged_decode_attention(
     seq_lens: PyReadonlyArray1<'_, i32>,
     scale: f32,
     num_threads: usize,
+    window: usize,
 ) -> PyResult<()> {
     let mut out = writeable(out, "paged_decode_attention", "out")?;
     let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
@@ -79,6 +82,7 @@ pub fn paged_decode_attention(
         block_size: ks[1],
         block_table_width: ts[1],
         scale,
+        window,
     };
     let out = contiguous(out.as_slice_mut(), "out")?;
     let q = contiguous(q.as_slice(), "q")?;

@@ -8,6 +8,9 @@
 //!                                                  entries of a row are read)
 //!   seq_lens      [num_seqs]                      (tokens to attend over, >= 1)
 //!
+//! With a `window` (sliding-window attention), a sequence attends over its last `window` tokens
+//! only: the blocks and rows before them are not read.
+//!
 //! Work item: one (sequence, kv head) with all `num_heads / num_kv_heads` query heads of its
 //! group, so every K/V row is read from memory once per group. A block of keys is one softmax
 //! tile: the scores of the tile are computed for every query head of the group, the running max
@@ -39,6 +42,8 @@ pub struct DecodeShape {
     pub block_table_width: usize,
     /// Multiplies q . k before the softmax (usually head_dim^-0.5).
     pub scale: f32,
+    /// Attend over the last `window` tokens of each sequence only; 0: over all of them.
+    pub window: usize,
 }
 
 /// Which code the CPU runs: chosen once per call from `is_x86_feature_detected!`.
@@ -279,6 +284,8 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
     m.fill(f32::NEG_INFINITY);
     l.fill(0.0);
     let table = &ctx.tables[seq * s.block_table_width..][..len.div_ceil(bs)];
+    let start = if s.window > 0 { len.saturating_sub(s.window) } else { 0 }; // first key attended
+    let first = start / bs;
     // block b: its valid rows and the span of the cache they cover (heads h0..h1)
     let rows = |b: usize| {
         let n = bs.min(len - b * bs);
@@ -293,10 +300,16 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
             }
         }
     };
-    (0..AHEAD).for_each(prefetch);
-    for b in 0..table.len() {
+    (first..first + AHEAD).for_each(prefetch);
+    for b in first..table.len() {
         prefetch(b + AHEAD);
-        let (n, span) = rows(b);
+        let (mut n, mut span) = rows(b);
+        if b == first {
+            // the window's first block: its rows from the window's start (at least one: start < len)
+            let skip = start - b * bs;
+            n -= skip;
+            span.start += skip * row_stride;
+        }
         let (keys, vals) = (&ctx.k[span.clone()], &ctx.v[span]);
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
         tile_scores::<FMA>(qs, keys, tile, scores);

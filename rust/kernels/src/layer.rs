@@ -291,6 +291,7 @@ pub fn decoder_layer(
         block_size: s.block_size,
         block_table_width: step.block_tables.len() / tokens,
         scale: s.scale,
+        window: 0,
     };
 
     // attention block

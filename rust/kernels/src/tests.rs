@@ -57,6 +57,7 @@ pub(crate) fn make_case(seed: u64, heads: usize, kv_heads: usize, d: usize, bs: 
         block_size: bs,
         block_table_width: width,
         scale: (d as f32).powf(-0.5),
+        window: 0,
     };
     Case {
         shape,
@@ -81,8 +82,12 @@ pub(crate) fn reference(c: &Case) -> Vec<f32> {
                 let blk = c.tables[seq * s.block_table_width + t / s.block_size] as usize;
                 ((blk * s.block_size + t % s.block_size) * s.num_kv_heads + kvh) * d
             };
+            let start = if s.window > 0 { len.saturating_sub(s.window) } else { 0 };
             let scores: Vec<f64> = (0..len)
                 .map(|t| {
+                    if t < start {
+                        return f64::NEG_INFINITY; // before the sliding window
+                    }
                     let k = &c.k[row(t)..][..d];
                     q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
                 })
@@ -128,6 +133,23 @@ fn matches_reference_across_gqa_head_dims_and_lengths() {
                 let got = run_case(&c, 1, isa);
                 let err = max_abs_diff(&got, &want);
                 assert!(err < 2e-5, "heads {heads}/{kv_heads} d {d} {isa:?}: max diff {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_sliding_window_reads_only_its_last_tokens() {
+    // windows that start mid-block, on a block boundary, and hold the whole sequence
+    let lens = [1, 5, 16, 17, 33, 64, 100, 255];
+    for window in [1, 7, 16, 40, 300] {
+        for d in [64, 24] {
+            let mut c = make_case(window as u64 * 7 + d as u64, 9, 3, d, 16, &lens);
+            c.shape.window = window;
+            let want = reference(&c);
+            for isa in isas() {
+                let err = max_abs_diff(&run_case(&c, 2, isa), &want);
+                assert!(err < 2e-5, "window {window} d {d} {isa:?}: max diff {err}");
             }
         }
     }

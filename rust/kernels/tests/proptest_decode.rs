@@ -1,5 +1,5 @@
-//! Property test of the public API: for random shapes, lengths, block tables and thread counts
-//! the kernel matches a naive f64 reference, and malformed block tables are errors, not panics.
+//! Property test of the public API: for random shapes, lengths, block tables, sliding windows
+//! and thread counts the kernel matches a naive f64 reference, and malformed block tables are errors, not panics.
 
 use llmserve_kernels::{paged_decode_attention, DecodeShape};
 use proptest::prelude::*;
@@ -14,7 +14,9 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], tables: &[i32], lens: &[i32], s: D
                 ((blk * s.block_size + t % s.block_size) * s.num_kv_heads + h / g) * d
             };
             let qh = &q[(seq * s.num_heads + h) * d..][..d];
-            let sc: Vec<f64> = (0..lens[seq] as usize)
+            let len = lens[seq] as usize;
+            let start = if s.window > 0 { len.saturating_sub(s.window) } else { 0 };
+            let sc: Vec<f64> = (start..len)
                 .map(|t| {
                     qh.iter().zip(&k[row(t)..][..d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
                 })
@@ -23,7 +25,7 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], tables: &[i32], lens: &[i32], s: D
             let w: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = w.iter().sum();
             for i in 0..d {
-                let a: f64 = w.iter().enumerate().map(|(t, wt)| wt * v[row(t) + i] as f64).sum();
+                let a: f64 = w.iter().enumerate().map(|(t, wt)| wt * v[row(start + t) + i] as f64).sum();
                 out[(seq * s.num_heads + h) * d + i] = (a / z) as f32;
             }
         }
@@ -33,11 +35,12 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], tables: &[i32], lens: &[i32], s: D
 
 prop_compose! {
     fn case()(kv_heads in 1usize..4, group in 1usize..5, d in 1usize..40, bs in 1usize..9,
-              lens in prop::collection::vec(1i32..60, 0..6), threads in 1usize..5, seed in any::<u64>())
+              lens in prop::collection::vec(1i32..60, 0..6), threads in 1usize..5, seed in any::<u64>(),
+              window in prop_oneof![Just(0usize), 1usize..70])
         -> (DecodeShape, Vec<i32>, usize, u64) {
         let width = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(0);
         (DecodeShape { num_seqs: lens.len(), num_heads: kv_heads * group, num_kv_heads: kv_heads,
-                       head_dim: d, block_size: bs, block_table_width: width, scale: 0.3 },
+                       head_dim: d, block_size: bs, block_table_width: width, scale: 0.3, window },
          lens, threads, seed)
     }
 }
