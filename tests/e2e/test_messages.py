@@ -134,9 +134,13 @@ def test_output_format_is_enforced(client):
 
 def test_count_tokens_is_the_prompt_a_message_reads(client):
     req = dict(model=MODEL, system="Be brief.", messages=ASK)
-    counted = client.messages.count_tokens(**req)
+    raw = client.messages.with_raw_response.count_tokens(**req)
+    counted = raw.parse()
     m = client.messages.create(**req, max_tokens=1, extra_body=GREEDY)
     assert counted.input_tokens == _input(m.usage) > 0
+    # named as every Messages answer is (the SDK's `_request_id`)
+    assert raw.headers["request-id"] == raw.headers["x-request-id"] == counted._request_id
+    assert counted._request_id.startswith("req_")
 
 
 def test_fields_without_effect_are_reported(client):
@@ -160,6 +164,14 @@ def test_fields_without_effect_are_reported(client):
       "tool_choice": {"type": "tool", "name": "g"}}, 400, "invalid_request_error", "tool_choice.name"),
     ({"max_tokens": 4000, "messages": ASK}, 400, "invalid_request_error", "max_tokens"),
     ({"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": ASK}, 404, "not_found_error", "model"),
+    # Anthropic's conversation rules: a call must be answered, so it is never a prefill
+    ({"max_tokens": 4, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "messages": [
+        *ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]},
+     400, "invalid_request_error", "messages[1].content[0]"),
+    ({"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": "It is "}]}, 400,
+     "invalid_request_error", "messages[1].content"),
+    ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled"}}, 400, "invalid_request_error",
+     "thinking.budget_tokens"),
 ])
 def test_errors_have_anthropics_shape(smol, body, status, kind, param):
     r = httpx.post(smol.url + "/v1/messages", json={"model": MODEL, **body}, timeout=60)

@@ -19,6 +19,7 @@ from llmserve import _core
 from llmserve._core import Router
 from llmserve._core import __version__ as core_version
 from llmserve.engine.async_engine import AsyncEngine, RequestStream
+from llmserve.server.middleware import error_request_id
 
 JSON = "application/json"
 # A body that stops arriving for this long is a 408 (the client keeps nothing of ours busy).
@@ -305,7 +306,16 @@ tokenize = _handler("tokenize")
 detokenize = _handler("detokenize")
 chat_render = _handler("chat_render")
 completion_render = _handler("completion_render")
-messages_count_tokens = _handler("messages_count_tokens")
+
+
+async def messages_count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens; its answer is named, as every answer on the Messages
+    routes is (Anthropic's SDK reads `request-id` as the result's `_request_id`)."""
+    body = await read_body(request)
+    out, headers = await _engine(request).handle("messages_count_tokens", body)
+    named = dict(headers)
+    named["x-request-id"] = named["request-id"] = error_request_id(request.headers.get("x-request-id"))
+    return Response(out, media_type=JSON, headers=named)
 
 
 async def models(request: Request) -> Response:

@@ -138,7 +138,7 @@ fn errors_are_named_in_the_messages_terms() {
         shape(r.prepare(Endpoint::Messages, &serde_json::to_vec(&b).unwrap()))
     };
     let bad = |code: &'static str, param: &str| (400, code, Some(param.to_string()));
-    assert_eq!(err(json!({"max_tokens": null})), bad("missing_required_parameter", "max_tokens"));
+    assert_eq!(err(json!({"max_tokens": null})), bad("missing_required_parameter", "max_tokens")); // (dropped)
     assert_eq!(err(json!({"max_tokens": 100})), bad("context_length_exceeded", "max_tokens"));
     assert_eq!(err(json!({"messages": null})), bad("missing_required_parameter", "messages"));
     assert_eq!(err(json!({"messages": []})), bad("invalid_value", "messages"));
@@ -205,6 +205,96 @@ fn errors_are_named_in_the_messages_terms() {
         shape(messages(&r, json!({"model": "nope", "messages": user}))),
         (404, "model_not_found", Some("model".into()))
     );
+}
+
+#[test]
+fn anthropics_conversation_rules_are_400s() {
+    let r = hermes();
+    let ask = json!({"role": "user", "content": "Weather?"});
+    let call = |id: &str| json!({"type": "tool_use", "id": id, "name": "get_weather", "input": {"city": "Paris"}});
+    let result = |id: &str| json!({"type": "tool_result", "tool_use_id": id, "content": "ok"});
+    // (built whole: the fixture's merge drops null values)
+    let err = |body: Value| shape(r.prepare(Endpoint::Messages, &serde_json::to_vec(&body).unwrap()));
+    let with = |messages: Value| json!({"model": "tiny", "max_tokens": 1, "tools": [weather()], "messages": messages});
+    let bad = |code: &'static str, param: &str| (400, code, Some(param.to_string()));
+    for (messages, param) in [
+        // a final assistant message ending in a call is no prefill: the call has no result
+        (
+            json!([ask, {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, call("t1")]}]),
+            "messages[1].content[1]",
+        ),
+        (
+            json!([ask, {"role": "assistant", "content": [call("t1")]}, {"role": "user", "content": "thanks"}]),
+            "messages[1].content[0]",
+        ),
+        (
+            json!([ask, {"role": "assistant", "content": [call("t1"), call("t2")]}, {"role": "user", "content": [result("t2")]}]),
+            "messages[1].content[0]",
+        ),
+        // text before the results
+        (
+            json!([ask, {"role": "assistant", "content": [call("t1")]},
+                {"role": "user", "content": [{"type": "text", "text": "here"}, result("t1")]}]),
+            "messages[1].content[0]",
+        ),
+        (json!([{"role": "user", "content": [result("nope")]}]), "messages[0].content[0].tool_use_id"),
+        (
+            json!([ask, {"role": "assistant", "content": [call("t1")]}, {"role": "user", "content": [result("t2")]}]),
+            "messages[2].content[0].tool_use_id",
+        ),
+        (
+            json!([ask, {"role": "assistant", "content": [call("t1")]}, {"role": "user", "content": [result("t1"), result("t1")]}]),
+            "messages[2].content[1].tool_use_id",
+        ),
+        (json!([ask, {"role": "assistant", "content": [call("t1"), call("t1")]}]), "messages[1].content[1].id"),
+        (json!([{"role": "user", "content": ""}]), "messages[0].content"),
+        (json!([{"role": "user", "content": [{"type": "text", "text": ""}]}]), "messages[0].content[0].text"),
+        (
+            json!([ask, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}]),
+            "messages[1].content",
+        ),
+        (json!([ask, {"role": "assistant", "content": "It is "}]), "messages[1].content"),
+        (json!([ask, {"role": "assistant", "content": [{"type": "text", "text": "It is\n"}]}]), "messages[1].content"),
+    ] {
+        assert_eq!(err(with(messages.clone())), bad("invalid_value", param), "{messages}");
+    }
+    let mut no_tools =
+        with(json!([ask, {"role": "assistant", "content": [call("t1")]}, {"role": "user", "content": [result("t1")]}]));
+    no_tools.as_object_mut().unwrap().remove("tools");
+    assert_eq!(err(no_tools), bad("invalid_value", "tools"));
+    let mut system = with(json!([ask]));
+    system["system"] = json!([{"type": "text", "text": ""}]);
+    assert_eq!(err(system), bad("invalid_value", "system[0].text"));
+    // a valid loop, and an empty final assistant message (a prefill of nothing), pass
+    let looped = json!([ask, {"role": "assistant", "content": [call("t1"), call("t2")]},
+                        {"role": "user", "content": [result("t2"), result("t1"), {"type": "text", "text": "?"}]}]);
+    r.prepare(Endpoint::Messages, &serde_json::to_vec(&with(looped)).unwrap()).unwrap();
+    assert!(r
+        .prepare(
+            Endpoint::Messages,
+            &serde_json::to_vec(&with(json!([ask, {"role": "assistant", "content": ""}]))).unwrap()
+        )
+        .is_ok());
+
+    // required fields sent as null are the wrong type, as on the chat route
+    for (key, param) in [("messages", "messages"), ("max_tokens", "max_tokens")] {
+        let mut body = with(json!([ask]));
+        body[key] = Value::Null;
+        assert_eq!(err(body), bad("invalid_type", param));
+    }
+    assert_eq!(err(with(json!([{"role": "user", "content": null}]))), bad("invalid_type", "messages[0].content"));
+    let mut thinking = with(json!([ask]));
+    thinking["thinking"] = json!({"type": "enabled"});
+    assert_eq!(err(thinking), bad("missing_required_parameter", "thinking.budget_tokens"));
+    // chat's messages quote the Messages fields
+    let mut schema = with(json!([ask]));
+    schema["tools"] = json!([{"name": "f", "input_schema": "x"}]);
+    let e = r.prepare(Endpoint::Messages, &serde_json::to_vec(&schema).unwrap()).unwrap_err();
+    assert!(e.message().contains("`input_schema`") && !e.message().contains("parameters"), "{}", e.message());
+    let mut name = with(json!([ask]));
+    name["tools"] = json!([{"name": "bad name!", "input_schema": {"type": "object"}}]);
+    let e = r.prepare(Endpoint::Messages, &serde_json::to_vec(&name).unwrap()).unwrap_err();
+    assert!(e.message().starts_with("Tool names") && !e.message().contains("OpenAI"), "{}", e.message());
 }
 
 #[test]

@@ -25,6 +25,13 @@
 //! - `temperature`, `top_p`, `top_k`, `stream` and the extensions chat takes (`min_p`, `seed`,
 //!   `chat_template_kwargs`, `priority`, ...) pass through as they are.
 //!
+//! Anthropic's rules for a conversation are checked before the translation, as its API does
+//! (a chat template would render a broken one without complaint): every message's content is
+//! non-empty (but a final assistant message's), text blocks are non-empty, a prefill does not
+//! end in whitespace, each `tool_use` is answered by a `tool_result` at the start of the next
+//! user turn, each `tool_result` answers a `tool_use` of the turn before, `tool_use` ids are
+//! unique, and a conversation holding tool blocks defines `tools`.
+//!
 //! Decisions:
 //! - `cache_control` (on blocks, tools or the request) is accepted and not reported: this
 //!   server's prefix cache reuses every shared prefix by itself, which is what a cache
@@ -165,7 +172,7 @@ impl Conversation {
             }
         }
         match obj.get("content") {
-            None | Some(Value::Null) => Err(missing(format!("{p}.content"))),
+            None => Err(missing(format!("{p}.content"))),
             Some(Value::String(s)) => {
                 let joins = self.messages.last().is_some_and(|m| m["role"] == role);
                 if joins {
@@ -393,7 +400,16 @@ impl Conversation {
             }
             chat_fields.iter().any(|f| part.starts_with(f)).then(|| self.rename(part))
         });
-        let out = out.replace("`tool_call_id`", "`tool_use_id`").replace("`arguments`", "`input`");
+        let out = out
+            .replace("`tool_call_id`", "`tool_use_id`")
+            .replace("`arguments`", "`input`")
+            .replace("`parameters`", "`input_schema`")
+            .replace("Function names are", "Tool names are")
+            .replace(", as in OpenAI's API;", ";")
+            .replace(
+                "(response_format, structured_outputs, a forced tool_choice or strict tools)",
+                "(output_config.format, a `tool_choice` of type any or tool, or strict tools)",
+            );
         if self.prefill {
             return out
                 .replace("`continue_final_message`", "a final assistant message (a prefill)")
@@ -474,7 +490,7 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
         }
     }
     match obj.get("messages") {
-        None | Some(Value::Null) => return Err(missing("messages".into())),
+        None => return Err(missing("messages".into())),
         Some(Value::Array(list)) => {
             if list.is_empty() {
                 return Err(ApiError::invalid("messages", "`messages` must not be an empty list."));
@@ -489,6 +505,151 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
     }
     conv.prefill = conv.messages.last().is_some_and(|m| m["role"] == "assistant");
     Ok(conv)
+}
+
+/// One content block of a turn, as the conversation rules see it.
+enum Block<'a> {
+    Text(&'a str),
+    ToolUse(&'a str),
+    ToolResult(&'a str),
+    Other,
+}
+
+/// The blocks of message `i` with their paths (a string content is one text block).
+fn blocks_of(m: &Value, i: usize) -> Vec<(String, Block<'_>)> {
+    match &m["content"] {
+        Value::String(s) => vec![(format!("messages[{i}].content"), Block::Text(s))],
+        Value::Array(list) => list
+            .iter()
+            .enumerate()
+            .map(|(j, b)| {
+                let id = |key: &str| b[key].as_str().unwrap_or_default();
+                let block = match b["type"].as_str() {
+                    Some("text") => Block::Text(b["text"].as_str().unwrap_or_default()),
+                    Some("tool_use") => Block::ToolUse(id("id")),
+                    Some("tool_result") => Block::ToolResult(id("tool_use_id")),
+                    _ => Block::Other,
+                };
+                (format!("messages[{i}].content[{j}]"), block)
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Anthropic's rules for a conversation (see the module doc), on `messages` as sent (after
+/// `conversation` checked their shapes): a 400 naming the block that breaks one.
+fn check_turns(obj: &Map<String, Value>, has_tools: bool) -> Result<(), ApiError> {
+    if let Some(Value::Array(system)) = set(obj, "system") {
+        if let Some(j) = system.iter().position(|b| b["text"].as_str() == Some("")) {
+            return Err(ApiError::invalid(format!("system[{j}].text"), "Text content blocks must be non-empty."));
+        }
+    }
+    let Some(Value::Array(list)) = obj.get("messages") else { return Ok(()) };
+    let last = list.len() - 1;
+    // The tool_use blocks of the last assistant turn not answered yet: (id, path).
+    let mut pending: Vec<(&str, String)> = Vec::new();
+    let mut ids = std::collections::HashSet::new();
+    let mut tool_blocks = None;
+    // Whether the user turn so far holds a block other than a tool_result.
+    let mut other_first = false;
+    for (i, m) in list.iter().enumerate() {
+        let assistant = m["role"] == "assistant";
+        let turn_starts = i == 0 || list[i - 1]["role"] != m["role"];
+        if turn_starts {
+            if assistant {
+                if let Some((id, at)) = pending.first() {
+                    return Err(unanswered(id, at));
+                }
+            } else {
+                other_first = false;
+            }
+        }
+        if m["content"] == "" && !(assistant && i == last) {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].content"),
+                "Every message must have non-empty content, except a final assistant message.",
+            ));
+        }
+        for (path, block) in blocks_of(m, i) {
+            match block {
+                Block::Text("") if path.ends_with(']') => {
+                    return Err(ApiError::invalid(format!("{path}.text"), "Text content blocks must be non-empty."))
+                }
+                Block::ToolUse(id) => {
+                    if !ids.insert(id) {
+                        return Err(ApiError::invalid(
+                            format!("{path}.id"),
+                            format!("`tool_use` ids must be unique: {id:?} is used more than once."),
+                        ));
+                    }
+                    tool_blocks.get_or_insert_with(|| path.clone());
+                    pending.push((id, path));
+                }
+                Block::ToolResult(id) => {
+                    tool_blocks.get_or_insert_with(|| path.clone());
+                    if other_first {
+                        return Err(ApiError::invalid(
+                            path,
+                            "`tool_result` blocks must come first in a user message, before any other content.",
+                        ));
+                    }
+                    let Some(k) = pending.iter().position(|(p, _)| *p == id) else {
+                        return Err(ApiError::invalid(
+                            format!("{path}.tool_use_id"),
+                            format!(
+                                "Unexpected `tool_use_id` {id:?}: each `tool_result` block answers a `tool_use` \
+                                 block of the assistant message right before it, once."
+                            ),
+                        ));
+                    };
+                    pending.remove(k);
+                }
+                Block::Text(_) | Block::Other if !assistant => {
+                    if let Some((id, at)) = pending.first() {
+                        return Err(unanswered(id, at));
+                    }
+                    other_first = true;
+                }
+                Block::Text(_) | Block::Other => {}
+            }
+        }
+    }
+    if let Some((id, at)) = pending.first() {
+        return Err(unanswered(id, at));
+    }
+    if let (Some(at), false) = (tool_blocks, has_tools) {
+        return Err(ApiError::invalid(
+            "tools",
+            format!("A request with `tool_use` or `tool_result` blocks ({at}) must define `tools`."),
+        ));
+    }
+    let prefill = &list[last];
+    if prefill["role"] == "assistant" {
+        let text = match &prefill["content"] {
+            Value::String(s) => Some(s.as_str()),
+            Value::Array(blocks) => blocks.last().and_then(|b| b["text"].as_str()),
+            _ => None,
+        };
+        if text.is_some_and(|t| t.ends_with(char::is_whitespace)) {
+            return Err(ApiError::invalid(
+                format!("messages[{last}].content"),
+                "The final assistant message (a prefill) cannot end with trailing whitespace.",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The 400 of a `tool_use` block (at `at`) whose `tool_result` does not follow it.
+fn unanswered(id: &str, at: &str) -> ApiError {
+    ApiError::invalid(
+        at,
+        format!(
+            "`tool_use` {id:?} has no `tool_result` right after it: each `tool_use` block needs a \
+             `tool_result` block at the start of the next user message."
+        ),
+    )
 }
 
 /// Custom tools -> chat's function tools (a server tool is a 400).
@@ -635,11 +796,18 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
             return Err(unsupported(key, format!("`{key}` is not supported: this server runs no server tools.")));
         }
     }
-    if !count && set(obj, "max_tokens").is_none() {
-        return Err(missing("max_tokens".into()));
+    match obj.get("max_tokens") {
+        None if !count => return Err(missing("max_tokens".into())),
+        Some(Value::Null) if !count => {
+            return Err(invalid_type("max_tokens", "`max_tokens` must be an integer, not null."))
+        }
+        _ => {}
     }
     let mut ignored = Vec::new();
     let conv = conversation(obj)?;
+    // (`tools: []` is no tools, and `tool_choice` auto or none beside none asks for nothing)
+    let tools = set(obj, "tools").filter(|t| t.as_array().is_none_or(|a| !a.is_empty()));
+    check_turns(obj, tools.is_some())?;
     ignored.extend(conv.ignored.iter().cloned());
 
     const OWN: [&str; 13] = [
@@ -693,8 +861,6 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
             }
         }
     }
-    // (`tools: []` is no tools, and `tool_choice` auto or none beside none asks for nothing)
-    let tools = set(obj, "tools").filter(|t| t.as_array().is_none_or(|a| !a.is_empty()));
     if let Some(tools) = tools {
         chat.insert("tools".into(), chat_tools(tools, &mut ignored)?);
     }
@@ -739,7 +905,13 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
     let Some(thinking) = set(obj, "thinking") else { return Ok(Vec::new()) };
     let t = as_object(thinking, "thinking", "`thinking`")?;
     let mut out = unknown_keys_in(t, &["type", "budget_tokens", "display"], "thinking");
-    match require_str(t, "type", "thinking")? {
+    let kind = require_str(t, "type", "thinking")?;
+    if kind == "enabled" && t.get("budget_tokens").is_none() {
+        // (required by Anthropic's API; its bounds, at least 1024 and below `max_tokens`, are
+        // not: nothing here enforces a budget, and they would keep thinking from short contexts)
+        return Err(missing("thinking.budget_tokens".into()));
+    }
+    match kind {
         "disabled" if reasoning && !switched => out.push("thinking".into()),
         "disabled" => {}
         "enabled" | "adaptive" | "between_tools" if !reasoning => out.push("thinking".into()),
