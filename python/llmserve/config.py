@@ -236,8 +236,9 @@ class SchedulerConfig(_Checked):
     max_num_seqs: int = _f(64, "Most sequences in one step.", min=1)
     max_num_batched_tokens: int = _f(2048, "Most tokens in one step (long prompts are chunked).", min=1)
     max_waiting: int = _f(
-        1024, "Sequences waiting to start (one per prompt and sampled choice) that new requests may not "
-        "push past: they get 503 + Retry-After (400 if one request alone needs more).", min=1)
+        2048, "Sequences waiting to start (one per prompt, sampled choice or embeddings input) that new "
+        "requests may not push past: they get 503 + Retry-After (400 if one request alone needs more). "
+        "The default takes one request of OpenAI's most embeddings inputs (2048).", min=1)
     scheduling_policy: str = _f(
         "priority", "fcfs or priority (the request field `priority`; lower runs first).",
         choices=("fcfs", "priority"),

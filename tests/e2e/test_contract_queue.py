@@ -142,6 +142,12 @@ def test_the_queue_counts_sequences_not_requests(one_slot):
                 err = r.json()["error"]
                 assert (err["param"], err["code"]) == (param, "invalid_value")
                 assert "sequences" in err["message"] and "--max-waiting" in err["message"]
+            # an embeddings input waits as one sequence too: the field to shorten is `input`
+            r = await c.post("/v1/embeddings", json={"model": "tiny", "input": ["a", "b", "c", "d", "e"]})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["param"], err["code"]) == ("input", "invalid_value")
+            assert "5 inputs" in err["message"] and "--max-waiting" in err["message"]
             hold = await _hold_slot(c, one_slot)
             first = asyncio.ensure_future(completion(c, prompt="one", n=3, temperature=0))
             await _wait_load(one_slot, "waiting", 1)

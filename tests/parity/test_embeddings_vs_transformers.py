@@ -68,6 +68,9 @@ def test_pooled_hidden_states_match_transformers(folder, reference, pooling):
     np.testing.assert_allclose(raw[0], reference(TEXTS[0], pooling, normalize=False), atol=TOL, rtol=TOL)
     ids = [5, 17, 42, 99, 7]
     np.testing.assert_allclose(llm.embed([ids])[0], reference(ids, pooling), atol=TOL)
+    # no input is the route's 400, not an empty array of another shape
+    with pytest.raises(ApiError, match="empty"):
+        llm.embed([])
 
 
 def test_prompts_split_into_chunks_pool_every_token_once(folder, reference):

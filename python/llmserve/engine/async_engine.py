@@ -378,16 +378,20 @@ class AsyncEngine:
         else:
             prepared = router.prepare(endpoint, body, request_id)
         self._check_serving()
-        self._admit(prepared)
+        self._admit(prepared, endpoint)
         stream = RequestStream(self, prepared, anthropic=endpoint == "messages")
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream
 
-    def _admit(self, prepared: Prepared) -> None:
+    def _admit(self, prepared: Prepared, endpoint: str) -> None:
         """--max-waiting caps the sequences waiting to start, this request's included: one
         that could never fit is refused for good (400), one that fits later gets 503."""
         need, limit = prepared.num_seqs, self.config.scheduler.max_waiting
+        if need > limit and endpoint == "embeddings":
+            raise Router.error(
+                "invalid_request", f"This request has {need} inputs and the server queues at most {limit} "
+                "(--max-waiting); send fewer inputs per request.", param="input")
         if need > limit:
             prompts = len(prepared.prompt_lens)
             per_prompt = need // prompts

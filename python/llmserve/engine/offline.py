@@ -122,9 +122,10 @@ class LLM:
         inputs = _prompt_list(inputs)
         _own_argument(params, "input")
         fields = {"model": self.model_name, **(params or {}), "encoding_format": "float"}
-        # One request per kind of input: a request may not mix strings and token ids.
+        # One request per kind of input: a request may not mix strings and token ids. (No
+        # input at all is one request too, which the route refuses as empty.)
         kinds = [isinstance(p, str) for p in inputs]
-        if len(set(kinds)) == 1:
+        if len(set(kinds)) <= 1:
             bodies = [{**fields, "input": inputs}]
         else:
             bodies = [{**fields, "input": [p]} for p in inputs]

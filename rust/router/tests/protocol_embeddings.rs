@@ -71,6 +71,7 @@ fn bad_fields_are_refused_with_their_path() {
         (json!({"input": []}), "input", "invalid_value"),
         (json!({"input": ["a", ""]}), "input[1]", "invalid_value"),
         (json!({"input": ["a", [5]]}), "input[1]", "invalid_type"),
+        (json!({"input": ["a", null]}), "input[1]", "invalid_type"),
         (json!({"input": [[5, -1]]}), "input[0][1]", "invalid_value"),
         (json!({"input": [1_000_000]}), "input[0]", "invalid_value"),
         (json!({"input": {"text": "a"}}), "input", "invalid_type"),
@@ -120,6 +121,8 @@ fn unknown_fields_are_reported_or_refused_under_strict_fields() {
     let strict = router_with(json!({"strict_fields": true, "embeddings": config["embeddings"]}), Some(TEMPLATE));
     let e = embed(&strict, json!({"stream": true})).unwrap_err();
     assert_eq!((e.param(), e.code()), (Some("stream"), "unsupported_parameter"));
+    // `stream: false` asks for nothing: not a word, also under strict fields
+    assert!(embed(&strict, json!({"stream": false})).unwrap().ignored.is_empty());
 }
 
 #[test]
@@ -139,6 +142,9 @@ fn matryoshka_models_take_the_lengths_they_declare() {
 fn a_server_without_embeddings_refuses_the_route() {
     let e = router().prepare(Endpoint::Embeddings, br#"{"model": "tiny", "input": "a"}"#).unwrap_err();
     assert_eq!((e.status(), e.param()), (400, Some("model")));
+    assert!(e.message().contains("--pooling"), "{}", e.message());
+    let e = err(&r(), json!({"input": ["a", null]}));
+    assert!(!e.message().contains("mix"), "{}", e.message());
 }
 
 #[test]

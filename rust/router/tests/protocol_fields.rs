@@ -184,8 +184,17 @@ fn add_special_tokens_and_truncate_prompt_tokens() {
     let chat_plain = chat(&r, json!({})).unwrap();
     let chat_special = chat(&r, json!({"add_special_tokens": true})).unwrap();
     assert_eq!(chat_special.prompts[0].len(), chat_plain.prompts[0].len() + 1);
+    // a text keeps its BOS (counted in the k), as a tokenizer's left truncation does (vLLM's)
     let cut = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": 2, "echo": true})).unwrap();
-    assert_eq!((cut.prompts[0].clone(), cut.prompt_texts[0].as_str()), (vec![9, 10], "hello world"));
+    assert_eq!((cut.prompts[0].clone(), cut.prompt_texts[0].as_str()), (vec![0, 10], "<s> world"));
+    let cut = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": 1})).unwrap();
+    assert_eq!(cut.prompts[0], vec![10], "no room for the text beside the BOS: the last token");
+    let cut =
+        completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": 1, "add_special_tokens": false}));
+    assert_eq!(cut.unwrap().prompts[0], vec![10]);
+    // token ids are cut as they are
+    let cut = completion(&r, json!({"prompt": [0, 9, 10], "truncate_prompt_tokens": 2})).unwrap();
+    assert_eq!(cut.prompts[0], vec![9, 10]);
     let cut = chat(&r, json!({"truncate_prompt_tokens": 3})).unwrap();
     assert_eq!(cut.prompts[0], chat_plain.prompts[0][chat_plain.prompts[0].len() - 3..].to_vec());
     let whole = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": -1})).unwrap();

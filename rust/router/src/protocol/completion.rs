@@ -85,7 +85,7 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize, field: &str) -> Result
             .map(|(i, item)| {
                 let p = format!("{field}[{i}]");
                 // OpenAI's shapes are a list of strings or a list of token-id lists, not a mix.
-                if item.is_string() != items[0].is_string() {
+                if (item.is_string() || item.is_array()) && item.is_string() != items[0].is_string() {
                     return Err(invalid_type(p, format!("`{field}` must not mix strings and token-id arrays.")));
                 }
                 match item {
@@ -104,7 +104,8 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize, field: &str) -> Result
 /// Token ids and text of each prompt. Strings get the tokenizer's special tokens (its
 /// post-processor, e.g. BOS) unless `add_special_tokens` is false, as a raw completion
 /// prompt does in `transformers`. `truncate`: keep only each prompt's last tokens (its text
-/// is then what they spell).
+/// is then what they spell); a text keeps the special tokens around it, which count among
+/// them, as a tokenizer's left truncation does (vLLM's).
 pub(crate) fn tokenize_prompts(
     tokenizer: &Tokenizer,
     prompts: Vec<(PromptIn, String)>,
@@ -116,9 +117,14 @@ pub(crate) fn tokenize_prompts(
         .map(|(p, param)| {
             let (mut ids, text) = match p {
                 PromptIn::Text(text) => {
-                    let ids = tokenizer.encode(&text, add_special_tokens);
+                    let mut ids = tokenizer.encode(&text, add_special_tokens);
                     if ids.is_empty() {
                         return Err(ApiError::invalid(param, "The prompt tokenizes to no tokens."));
+                    }
+                    if let Some(k) = truncate.filter(|&k| add_special_tokens && ids.len() > k) {
+                        ids = truncate_inside_specials(ids, &tokenizer.encode(&text, false), k);
+                        let text = tokenizer.decode(&ids, false);
+                        return Ok((ids, text, param));
                     }
                     (ids, text)
                 }
@@ -131,6 +137,22 @@ pub(crate) fn tokenize_prompts(
             Ok((ids, text, param))
         })
         .collect()
+}
+
+/// `ids` (a text with its special tokens) cut to `k` tokens by dropping the start of the
+/// text's own tokens (`plain`), keeping the specials the post-processor put around them (BOS,
+/// ...); plainly its last `k` when they do not surround `plain` or leave it no room.
+fn truncate_inside_specials(ids: Vec<u32>, plain: &[u32], k: usize) -> Vec<u32> {
+    let found = (!plain.is_empty() && plain.len() <= ids.len())
+        .then(|| ids.windows(plain.len()).position(|w| w == plain))
+        .flatten();
+    match found {
+        Some(before) if ids.len() - plain.len() < k => {
+            let (keep, end) = (k - (ids.len() - plain.len()), before + plain.len());
+            [&ids[..before], &plain[plain.len() - keep..], &ids[end..]].concat()
+        }
+        _ => ids[ids.len().saturating_sub(k)..].to_vec(),
+    }
 }
 
 /// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`

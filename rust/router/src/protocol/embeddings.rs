@@ -89,6 +89,7 @@ struct EmbeddingFields {
     priority: Option<i32>,
     request_id: Option<String>,
     cache_salt: Option<String>,
+    stream: Option<bool>,
     #[serde(flatten)]
     extra: BTreeMap<String, IgnoredAny>,
 }
@@ -101,9 +102,22 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     router.check_model(&f.model)?;
     let config = &router.config;
     let Some(embed) = &config.embeddings else {
-        return Err(unsupported("model", format!("The model `{}` does not serve embeddings.", f.model)));
+        return Err(unsupported(
+            "model",
+            format!(
+                "The model `{}` does not serve embeddings: its sentence-transformers files describe a pooling \
+                 this server cannot make (the server's log says which); started with `--pooling last` or \
+                 `--pooling mean`, it serves its hidden states pooled so.",
+                f.model
+            ),
+        ));
     };
-    let ignored = settle_ignored(set_keys(&f.extra, &value).cloned().collect(), config.strict_fields)?;
+    let mut ignored: Vec<String> = set_keys(&f.extra, &value).cloned().collect();
+    if f.stream == Some(true) {
+        // (nothing to stream: one answer holds every vector; `false` asks for nothing)
+        ignored.push("stream".into());
+    }
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
 
     let base64 = match f.encoding_format.as_deref() {
         None | Some("float") => false,
