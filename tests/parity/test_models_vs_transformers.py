@@ -1,4 +1,4 @@
-"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 models over the paged cache vs transformers on full
+"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma 3 models over the paged cache vs transformers on full
 sequences. Tiny random fp32 models built by transformers itself; every weight (biases and norm
 weights included) is randomized so a dropped or misplaced tensor shows up in the logits."""
 
@@ -33,6 +33,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
+    # sliding layers (window 5, their own RoPE base) and a full one; q . k scaled by 1/sqrt(24)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
@@ -181,3 +187,24 @@ def test_qwen_sliding_window_is_rejected():
     with pytest.raises(ValueError, match="sliding"):
         build_model({**qwen.config.to_dict(), "use_sliding_window": True}, dict(qwen.state_dict()),
                     torch.float32, "cpu")
+
+
+def test_gemma3_reads_a_hub_config_as_transformers_does():
+    """gemma-3-1b-it's config.json (the flat keys transformers 4 wrote: rope_theta,
+    rope_local_base_freq, sliding_window_pattern): the same layers slide, with the same RoPE
+    bases, as transformers' own reading of it."""
+    from llmserve.models.gemma3 import Gemma3ForCausalLM
+
+    hub = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152,
+               intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+               head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+               rope_theta=1000000, rope_local_base_freq=10000, rope_scaling=None, sliding_window=512,
+               sliding_window_pattern=6, vocab_size=262144, hidden_activation="gelu_pytorch_tanh",
+               attn_logit_softcapping=None, final_logit_softcapping=None)
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in hub.items() if k != "architectures"})
+    ours = Gemma3ForCausalLM.parse_config(hub)
+    assert [w > 0 for w in ours.layer_windows] == [t == "sliding_attention" for t in theirs.layer_types]
+    assert set(ours.layer_windows) == {0, theirs.sliding_window}
+    assert (ours.rope_theta, ours.local_rope[0]) == (theirs.rope_parameters["full_attention"]["rope_theta"],
+                                                      theirs.rope_parameters["sliding_attention"]["rope_theta"])
+    assert ours.tie_word_embeddings and ours.attn_scale == 256 ** -0.5

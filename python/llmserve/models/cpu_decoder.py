@@ -12,7 +12,7 @@ evicted), a numpy gather a few microseconds.
 It serves a step when all of these hold, else the torch layers run (they stay the reference
 that tests compare this path with):
 - a float32 model on CPU whose every layer holds GGUF blocks for all four linears, and
-  attends over the whole context (no sliding window);
+  is a Llama layer (DecoderConfig.llama_layers: no sliding window, no Gemma switch);
 - every token of the step is the only new token of its sequence (a pure decode step), there
   are at most QUANT_MAX_TOKENS of them, and the runner marked the step as one that reads GGUF
   blocks (worker/threads.py: generated tokens only, never prompt tokens);
@@ -72,7 +72,7 @@ class CpuDecodePath:
         """Whether the model can take this path at all (see the module doc)."""
         if not hasattr(_core, "CpuDecoder") or not getattr(model, "quantized", False):
             return False
-        if getattr(model, "sliding_window", 0):   # (its layers attend over the whole context)
+        if not model.config.llama_layers:   # (its layers are Llama's: no window, no Gemma switch)
             return False
         embed = model.embed_tokens.weight
         if embed.dtype != torch.float32 or embed.device.type != "cpu" or not embed.is_contiguous():

@@ -332,17 +332,21 @@ class QKVLinear(Linear):
 
 
 class GateUpMLP(nn.Module):
-    """SwiGLU MLP with gate and up fused into one GEMM: down(silu(gate(x)) * up(x))."""
+    """Gated MLP with gate and up fused into one GEMM: down(act(gate(x)) * up(x)), act SiLU
+    (SwiGLU) or, for Gemma, tanh-approximated GELU (`gelu_pytorch_tanh`, GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported MLP activation {act!r} (silu or gelu_pytorch_tanh)")
         self.intermediate = intermediate
+        self.gelu = act == "gelu_pytorch_tanh"
         self.gate_up = Linear(hidden, 2 * intermediate, bias=False)
         self.down = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class PagedAttention(nn.Module):

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window) and the decoder that
-Qwen2, Qwen3 and SmolLM3 reuse with three switches: QKV bias, per-head q/k RMSNorm and layers
-without RoPE.
+Qwen2, Qwen3, SmolLM3 and Gemma 3 reuse with switches: QKV bias, per-head q/k RMSNorm, layers
+without RoPE, and Gemma's norms, scales, activation and local RoPE (DecoderConfig).
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
@@ -49,6 +49,28 @@ class DecoderConfig:
     nope_layers: frozenset[int] = frozenset()
     # Each layer's sliding window (0: full attention); empty: every layer attends fully.
     layer_windows: tuple[int, ...] = ()
+    # Gemma's switches:
+    # - the checkpoint's norm weights hold w where the scale is 1 + w (1.0: added at load);
+    norm_offset: float = 0.0
+    # - "sandwich" norms: the attention's and the MLP's outputs are normed before each residual
+    #   add (HF's post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
+    #   pre_feedforward_layernorm;
+    sandwich_norms: bool = False
+    # - the embeddings are multiplied by this (sqrt(hidden), rounded to the model's dtype);
+    embed_scale: float = 1.0
+    # - the MLP's gate activation: "silu" or "gelu_pytorch_tanh";
+    hidden_act: str = "silu"
+    # - q . k scale (None: head_dim^-0.5);
+    attn_scale: float | None = None
+    # - the RoPE (theta, scaling) of the sliding-window layers; None: the model's own.
+    local_rope: tuple[float, dict | None] | None = None
+
+    @property
+    def llama_layers(self) -> bool:
+        """Layers the Rust decode path computes (models/cpu_decoder.py): none of Gemma's
+        switches and no sliding window."""
+        return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
+                and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows))
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -86,7 +108,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, window=window)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.attn_scale, window=window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
@@ -111,16 +133,23 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: DecoderConfig, index: int):
         super().__init__()
+        window = c.layer_windows[index] if c.layer_windows else 0
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attn = DecoderAttention(c, rope=index not in c.nope_layers,
-                                     window=c.layer_windows[index] if c.layer_windows else 0)
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size)
+        self.attn = DecoderAttention(c, rope=index not in c.nope_layers, window=window)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)   # the MLP's input norm
+        self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        sandwich = c.sandwich_norms
+        self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
+        self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
+        # rotated with the model's local RoPE (Gemma's sliding-window layers)
+        self.local_rope = c.local_rope is not None and window > 0
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, attn, kv_cache)
-        return h + self.mlp(self.post_norm(h))
+        a = self.attn(self.input_norm(h), cos, sin, attn, kv_cache)
+        h = h + (a if self.attn_out_norm is None else self.attn_out_norm(a))
+        m = self.mlp(self.post_norm(h))
+        return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM")
@@ -155,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if c.tie_word_embeddings
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
+        self.local_rope: RotaryEmbedding | None = None   # c.local_rope's, set by from_hf
         self.lm_quant: PackedQuant | None = None   # the LM head's GGUF blocks, if any
         # Its bfloat16 copy for decode steps the quantized GEMV does not take (compute_logits).
         self.lm_bf16: torch.Tensor | None = None
@@ -218,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
         del state
         model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
                                      device)
+        if c.local_rope is not None:
+            model.local_rope = RotaryEmbedding(c.head_dim, *c.local_rope, c.max_positions, device)
         if blocks is not None or lossy:   # (served, its dict is empty by now)
             head = fused_blocks(blocks, parts["lm_head"], take=serving) if blocks is not None else None
             model.bf16_sampling_head = lossy and head is None
@@ -277,9 +309,13 @@ class LlamaForCausalLM(nn.Module):
         if path and path.serves(input_ids.shape[0], attn, self.batch_invariant):
             return path.forward(input_ids, positions, attn, kv_caches)
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rope.cos_sin(positions, h.dtype)
+        c = self.config
+        if c.embed_scale != 1.0:
+            h = h * torch.tensor(c.embed_scale, dtype=h.dtype)
+        rope = self.rope.cos_sin(positions, h.dtype)
+        local = self.local_rope.cos_sin(positions, h.dtype) if self.local_rope is not None else rope
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, attn, kv_cache)
+            h = layer(h, *(local if layer.local_rope else rope), attn, kv_cache)
         return self.norm(h)
 
     def cpu_decode_path(self) -> CpuDecodePath | None:
@@ -320,7 +356,8 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
                        a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                        p + "mlp.down_proj.weight": (h, i),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     return shapes
 
 
@@ -351,6 +388,13 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         checked(name)
         return left.pop(name).to(device=device, dtype=dtype).contiguous()
 
+    def norm(name: str) -> torch.Tensor:
+        # (Gemma's 1 + w, added in float32 as its norms compute it)
+        if not c.norm_offset:
+            return one(name)
+        checked(name)
+        return (left.pop(name).float() + c.norm_offset).to(device=device, dtype=dtype).contiguous()
+
     def cat(*names: str) -> torch.Tensor:
         parts = [checked(n) for n in names]
         out = torch.empty((sum(p[0] for p in parts), *parts[0][1:]), dtype=dtype, device=device)
@@ -366,7 +410,7 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         return t if on_linear is None else on_linear(ours, t)
 
     out = {"embed_tokens.weight": one("model.embed_tokens.weight"),
-           "norm.weight": one("model.norm.weight")}
+           "norm.weight": norm("model.norm.weight")}
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sa = hf + "self_attn."
@@ -378,13 +422,18 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         if c.o_bias:
             out[ours + "attn.o_proj.bias"] = one(sa + "o_proj.bias")
         if c.qk_norm:
-            out[ours + "attn.q_norm.weight"] = one(sa + "q_norm.weight")
-            out[ours + "attn.k_norm.weight"] = one(sa + "k_norm.weight")
+            out[ours + "attn.q_norm.weight"] = norm(sa + "q_norm.weight")
+            out[ours + "attn.k_norm.weight"] = norm(sa + "k_norm.weight")
         out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", cat(hf + "mlp.gate_proj.weight",
                                                                            hf + "mlp.up_proj.weight"))
         out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
-        out[ours + "input_norm.weight"] = one(hf + "input_layernorm.weight")
-        out[ours + "post_norm.weight"] = one(hf + "post_attention_layernorm.weight")
+        out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
+        if c.sandwich_norms:
+            out[ours + "attn_out_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
+            out[ours + "post_norm.weight"] = norm(hf + "pre_feedforward_layernorm.weight")
+            out[ours + "mlp_out_norm.weight"] = norm(hf + "post_feedforward_layernorm.weight")
+        else:
+            out[ours + "post_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
     if c.tie_word_embeddings:
         left.pop("lm_head.weight", None)   # some tied checkpoints still ship a copy
     else:

@@ -60,11 +60,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(b, self.width, dtype=i32, device=device)
         self.seq_lens = torch.zeros(b, dtype=i32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        rope = getattr(model, "rope", None)
-        if rope is not None:
-            # every position a plan can hold: graphs keep reading the tables they were
-            # captured with, and eager steps never check positions on the device
-            rope.reserve(self.width * block_size)
+        for rope in (getattr(model, "rope", None), getattr(model, "local_rope", None)):
+            if rope is not None:
+                # every position a plan can hold: graphs keep reading the tables they were
+                # captured with, and eager steps never check positions on the device
+                rope.reserve(self.width * block_size)
 
     def metadata(self, b: int) -> CudaAttentionMetadata:
         """Attention metadata over the first b static rows (all decode, padded)."""

@@ -1,0 +1,75 @@
+"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b): the Llama decoder with
+Gemma's switches (llama.DecoderConfig):
+
+- norms scale by 1 + w (the checkpoint holds w; 1 is added at load, in float32), and each
+  layer norms its attention's and its MLP's outputs before the residual adds ("sandwich"
+  norms: post_attention_layernorm, pre_/post_feedforward_layernorm);
+- per-head RMSNorm of q and k before RoPE (as Qwen3), q . k scaled by
+  query_pre_attn_scalar^-0.5;
+- the embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype, and the LM
+  head is tied to them;
+- a GeGLU MLP (gelu_pytorch_tanh);
+- sliding-window attention in the layers `layer_types` marks `sliding_attention` (by default
+  five of every six, `sliding_window_pattern`), rotated with their own RoPE base
+  (`rope_local_base_freq`, 10000); the full-attention layers use `rope_theta` (1e6) and its
+  scaling.
+
+Not served: attention or final-logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional
+attention (EmbeddingGemma). On CPU the sliding windows are attended through at any length; on
+CUDA (whose kernels have no window yet) such a model is served up to its window.
+"""
+
+from __future__ import annotations
+
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
+from llmserve.models.registry import register
+
+
+def _rope(params: dict | None, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
+    """(theta, scaling) of one layer type: from transformers >= 5's `rope_parameters[type]`,
+    else the flat keys' `theta` and `scaling`."""
+    if params is None:
+        return float(theta), scaling
+    kind = params.get("rope_type", params.get("type", "default"))
+    return float(params.get("rope_theta", theta)), (None if kind == "default" else params)
+
+
+def layer_types(cfg: dict) -> list[str]:
+    """Each layer's attention, as transformers' Gemma3TextConfig reads it."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must give each of the {n} layers sliding_attention or full_attention")
+    return list(types)
+
+
+@register("Gemma3ForCausalLM")
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DecoderConfig:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf_config.get(key) is not None:
+                raise ValueError(f"Gemma's {key} is not supported")
+        if hf_config.get("use_bidirectional_attention"):
+            raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
+        act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"Gemma's hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        window = int(hf_config.get("sliding_window") or 0)
+        types = layer_types(hf_config)
+        params = hf_config.get("rope_parameters") or {}
+        nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
+        full = _rope(params.get("full_attention") if nested else None, hf_config.get("rope_theta") or 1e6,
+                     hf_config.get("rope_scaling"))
+        local = _rope(params.get("sliding_attention") if nested else None,
+                      hf_config.get("rope_local_base_freq") or 1e4, None)
+        return DecoderConfig.from_hf(
+            {**hf_config, "tie_word_embeddings": hf_config.get("tie_word_embeddings", True)},
+            rope_theta=full[0], rope_scaling=full[1], qk_norm=True, norm_offset=1.0, sandwich_norms=True,
+            embed_scale=hf_config["hidden_size"] ** 0.5, hidden_act=act,
+            attn_scale=float(hf_config.get("query_pre_attn_scalar") or 256) ** -0.5,
+            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
+            local_rope=local)
