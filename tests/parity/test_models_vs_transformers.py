@@ -1,4 +1,4 @@
-"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma 3 models over the paged cache vs transformers on full
+"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma 3 / Phi-3 models over the paged cache vs transformers on full
 sequences. Tiny random fp32 models built by transformers itself; every weight (biases and norm
 weights included) is randomized so a dropped or misplaced tensor shows up in the logits."""
 
@@ -39,6 +39,14 @@ FAMILIES = {
         query_pre_attn_scalar=24, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # fused qkv_proj / gate_up_proj checkpoints; a window shorter than the prompts
+    "phi3_window": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=6, pad_token_id=0, tie_word_embeddings=False)),
+    # Phi-4-mini's shape: RoPE on half of each head, LongRoPE's short factors and its
+    # attention factor (the sequences stay under the original length; see test_longrope_tables)
+    "phi4_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, tie_word_embeddings=True, sliding_window=None, original_max_position_embeddings=64,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             short_factor=[1.0, 1.3, 2.0, 4.0], long_factor=[1.5, 3.0, 7.0, 20.0]))),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
@@ -208,3 +216,28 @@ def test_gemma3_reads_a_hub_config_as_transformers_does():
     assert (ours.rope_theta, ours.local_rope[0]) == (theirs.rope_parameters["full_attention"]["rope_theta"],
                                                       theirs.rope_parameters["sliding_attention"]["rope_theta"])
     assert ours.tie_word_embeddings and ours.attn_scale == 256 ** -0.5
+
+
+def test_longrope_tables():
+    """LongRoPE rotates a position before original_max_position_embeddings with the short
+    factors and one from it on with the long, both scaled by the attention factor: the tables
+    transformers computes for a sequence within the original length and for one past it."""
+    from llmserve.models.layers import RotaryEmbedding
+    from llmserve.models.phi3 import longrope
+
+    _, _, extra = FAMILIES["phi4_longrope"]
+    config = transformers.Phi3Config(**COMMON, **{**extra, "original_max_position_embeddings": 16})
+    hf_rope = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, dtype=torch.float32)
+
+    def hf_cos(n):   # cos over positions 0..n-1 of a sequence of n tokens: [n, rotary_dim / 2]
+        cos, _ = hf_rope(x, torch.arange(n)[None])
+        return cos[0, :, :cos.shape[-1] // 2]
+
+    scaling = longrope(config.to_dict())
+    assert scaling["attention_factor"] == pytest.approx(hf_rope.attention_scaling) != 1.0
+    ours = RotaryEmbedding(8, 10000.0, scaling, 256, torch.device("cpu"))
+    # (transformers computes the angles in float32, these tables in float64: 1e-6 apart)
+    torch.testing.assert_close(ours.cos[:16], hf_cos(16), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.cos[16:40], hf_cos(40)[16:], atol=1e-5, rtol=0)
+    assert not torch.allclose(hf_cos(40)[:16], hf_cos(16), atol=1e-3)   # (the factors differ)

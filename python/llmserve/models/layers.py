@@ -73,10 +73,22 @@ class RotaryEmbedding:
         self.device = device
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        # LongRoPE (Phi-3.5, Phi-4-mini): positions from `long_from` on rotate with the long
+        # factors, the ones before with the short; cos and sin are multiplied by `mscale`.
+        self.long_inv_freq: torch.Tensor | None = None
+        self.long_from, self.mscale = 0, 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / float(scaling["factor"])
+        elif rope_type == "longrope":
+            short, long = (torch.tensor(scaling[k], dtype=torch.float64) for k in ("short_factor", "long_factor"))
+            if short.shape != inv_freq.shape or long.shape != inv_freq.shape:
+                raise ValueError(f"longrope factors must have {inv_freq.numel()} values (rotary dims / 2)")
+            self.long_inv_freq = inv_freq / long
+            inv_freq = inv_freq / short
+            self.long_from = int(scaling["original_max_position_embeddings"])
+            self.mscale = float(scaling["attention_factor"])
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
         self.inv_freq = inv_freq
@@ -84,9 +96,12 @@ class RotaryEmbedding:
         self._build(max(max_positions, 1))
 
     def _build(self, n: int) -> None:
-        freqs = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq)
-        self.cos = freqs.cos().float().to(self.device)   # [n, head_dim / 2]
-        self.sin = freqs.sin().float().to(self.device)
+        positions = torch.arange(n, dtype=torch.float64)
+        freqs = torch.outer(positions, self.inv_freq)
+        if self.long_inv_freq is not None and n > self.long_from:
+            freqs[self.long_from:] = torch.outer(positions[self.long_from:], self.long_inv_freq)
+        self.cos = (freqs.cos() * self.mscale).float().to(self.device)   # [n, head_dim / 2]
+        self.sin = (freqs.sin() * self.mscale).float().to(self.device)
 
     def reserve(self, n: int) -> None:
         """Tables for positions [0, n), and no more checks: the caller promises that no

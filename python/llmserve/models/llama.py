@@ -47,6 +47,8 @@ class DecoderConfig:
     qk_norm: bool = False
     # Layers whose q and k are not rotated (SmolLM3's NoPE layers); every other layer has RoPE.
     nope_layers: frozenset[int] = frozenset()
+    # How many leading dims of each head RoPE rotates (`partial_rotary_factor`); None: all.
+    rotary_dim: int | None = None
     # Each layer's sliding window (0: full attention); empty: every layer attends fully.
     layer_windows: tuple[int, ...] = ()
     # Gemma's switches:
@@ -70,7 +72,8 @@ class DecoderConfig:
         """Layers the Rust decode path computes (models/cpu_decoder.py): none of Gemma's
         switches and no sliding window."""
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
-                and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows))
+                and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
+                and self.rotary_dim is None)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -84,11 +87,16 @@ class DecoderConfig:
             scaling = rope_params
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
+        rotary_dim = int(head_dim * partial) if partial < 1.0 else None
+        if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2):
+            raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of {head_dim}")
         fields = dict(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim, rotary_dim=rotary_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=scaling, max_positions=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -104,6 +112,7 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.rope = rope
+        self.rotary_dim = c.rotary_dim   # (None: the whole head)
         self.qkv = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
@@ -115,7 +124,8 @@ class DecoderAttention(nn.Module):
         """x [T, H] -> [T, H]."""
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        if self.q_norm is None and (not self.rope or RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin)):
+        whole = self.rotary_dim is None
+        if self.q_norm is None and (not self.rope or whole and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin)):
             q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
             q, k = q.view(-1, nh, d), k.view(-1, nkv, d)
         else:
@@ -123,8 +133,11 @@ class DecoderAttention(nn.Module):
             qk = qk.view(-1, nh + nkv, d)               # q heads then k heads: RoPE both in one go
             if self.q_norm is not None:                 # Qwen3: per-head RMSNorm before RoPE
                 qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-            if self.rope:
+            if self.rope and whole:
                 qk = RotaryEmbedding.apply(qk, cos, sin)
+            elif self.rope:                             # Phi-4-mini: the leading dims only
+                r = self.rotary_dim
+                qk = torch.cat((RotaryEmbedding.apply(qk[..., :r], cos, sin), qk[..., r:]), dim=-1)
             q, k = qk.split((nh, nkv), dim=1)
         o = self.attn(q, k, v.view(-1, nkv, d), attn, kv_cache)
         return self.o_proj(o)
@@ -246,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
                                 on_linear=None if blocks is None and not lossy else attach)
         model.load_state_dict(state, strict=True, assign=True)
         del state
-        model.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
+        model.rope = RotaryEmbedding(c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
                                      device)
         if c.local_rope is not None:
             model.local_rope = RotaryEmbedding(c.head_dim, *c.local_rope, c.max_positions, device)
@@ -351,6 +364,7 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(c.num_layers):
         p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
         shapes.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+                       a + "qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * i, h),
                        a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
                        a + "o_proj.weight": (h, q), a + "o_proj.bias": (h,),
                        a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
@@ -414,8 +428,10 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sa = hf + "self_attn."
-        out[ours + "attn.qkv.weight"] = linear(ours + "attn.qkv", cat(sa + "q_proj.weight", sa + "k_proj.weight",
-                                                                     sa + "v_proj.weight"))
+        # (Phi-3 checkpoints hold q|k|v and gate|up fused already, as this module does)
+        fused = sa + "qkv_proj.weight" in left
+        out[ours + "attn.qkv.weight"] = linear(ours + "attn.qkv", one(sa + "qkv_proj.weight") if fused else cat(
+            sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight"))
         if c.qkv_bias:
             out[ours + "attn.qkv.bias"] = cat(sa + "q_proj.bias", sa + "k_proj.bias", sa + "v_proj.bias")
         out[ours + "attn.o_proj.weight"] = linear(ours + "attn.o_proj", one(sa + "o_proj.weight"))
@@ -424,8 +440,9 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         if c.qk_norm:
             out[ours + "attn.q_norm.weight"] = norm(sa + "q_norm.weight")
             out[ours + "attn.k_norm.weight"] = norm(sa + "k_norm.weight")
-        out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", cat(hf + "mlp.gate_proj.weight",
-                                                                           hf + "mlp.up_proj.weight"))
+        fused = hf + "mlp.gate_up_proj.weight" in left
+        out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", one(hf + "mlp.gate_up_proj.weight") if fused
+                                                  else cat(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"))
         out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
         out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
         if c.sandwich_norms:
