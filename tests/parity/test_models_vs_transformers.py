@@ -1,4 +1,4 @@
-"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma 3 / Phi-3 models over the paged cache vs transformers on full
+"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma 3 / Phi-3 / Granite models over the paged cache vs transformers on full
 sequences. Tiny random fp32 models built by transformers itself; every weight (biases and norm
 weights included) is randomized so a dropped or misplaced tensor shows up in the logits."""
 
@@ -47,6 +47,9 @@ FAMILIES = {
         pad_token_id=0, tie_word_embeddings=True, sliding_window=None, original_max_position_embeddings=64,
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                              short_factor=[1.0, 1.3, 2.0, 4.0], long_factor=[1.5, 3.0, 7.0, 20.0]))),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=2.5,
+        tie_word_embeddings=True)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }

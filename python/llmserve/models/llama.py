@@ -66,6 +66,11 @@ class DecoderConfig:
     attn_scale: float | None = None
     # - the RoPE (theta, scaling) of the sliding-window layers; None: the model's own.
     local_rope: tuple[float, dict | None] | None = None
+    # Granite's multipliers: each layer's attention and MLP outputs are multiplied by
+    # `residual_scale` before their residual adds, and the logits divided by `logits_scale`
+    # (its embedding_multiplier and attention_multiplier are embed_scale and attn_scale).
+    residual_scale: float = 1.0
+    logits_scale: float = 1.0
 
     @property
     def llama_layers(self) -> bool:
@@ -73,7 +78,7 @@ class DecoderConfig:
         switches and no sliding window."""
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
-                and self.rotary_dim is None)
+                and self.rotary_dim is None and self.residual_scale == 1.0)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -156,13 +161,16 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
         # rotated with the model's local RoPE (Gemma's sliding-window layers)
         self.local_rope = c.local_rope is not None and window > 0
+        self.residual_scale = c.residual_scale
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
         a = self.attn(self.input_norm(h), cos, sin, attn, kv_cache)
-        h = h + (a if self.attn_out_norm is None else self.attn_out_norm(a))
+        a = a if self.attn_out_norm is None else self.attn_out_norm(a)
+        h = h + (a if self.residual_scale == 1.0 else a * self.residual_scale)
         m = self.mlp(self.post_norm(h))
-        return h + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
+        m = m if self.mlp_out_norm is None else self.mlp_out_norm(m)
+        return h + (m if self.residual_scale == 1.0 else m * self.residual_scale)
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM")
@@ -340,6 +348,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, sampling: bool = False) -> torch.Tensor:
         """hidden [R, H] -> float32 logits [R, V]. `sampling`: the rows sample tokens (they are
         not prompt logprobs)."""
+        logits = self._head(hidden, sampling)
+        scale = self.config.logits_scale
+        return logits if scale == 1.0 else logits.div_(scale)
+
+    def _head(self, hidden: torch.Tensor, sampling: bool) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # NOTE: rows that sample read the Q8_0 blocks with int8 activations in every step but
         # decode steps of more than QUANT_MAX_TOKENS sequences (bf16 there), however many rows
