@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig
-from llmserve.engine.build import SetupError, build_engine
+from llmserve.engine.build import SetupError, _within_the_window, build_engine, native_positions
 from llmserve.loaders import LoadError
 
 
@@ -104,6 +104,26 @@ def test_a_sliding_window_is_served_at_full_length_on_cpu(folder):
     assert engine.router.max_model_len == 512
     assert engine.model_name == "model"   # the folder's name: the first served name
     assert engine.runner.model.sliding_window == 64
+
+
+def test_our_cuda_kernels_serve_a_windowed_model_up_to_its_window():
+    """build_engine calls this only where our CUDA kernels serve the model (no window in them
+    yet); the torch path, which serves models they do not (head_dim 256), attends through it."""
+    assert _within_the_window(4096, 32768, None) == 4096
+    assert _within_the_window(4096, 32768, 4096) == 4096
+    with pytest.raises(SetupError, match="--max-model-len 4097 exceeds the model's sliding window of 4096 "
+                                         "tokens, which our CUDA kernels do not implement yet"):
+        _within_the_window(4096, 32768, 4097)
+
+
+def test_gemma3_counts_its_linear_rope_scaling_in_its_positions():
+    from llmserve.models.gemma3 import Gemma3ForCausalLM
+    from llmserve.models.llama import LlamaForCausalLM
+
+    hf = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert native_positions(hf, Gemma3ForCausalLM) == 131072
+    assert native_positions(hf, LlamaForCausalLM) == 8 * 131072
+    assert native_positions({}, LlamaForCausalLM) == 2048
 
 
 def test_linear_rope_scaling_stretches_the_positions(folder):

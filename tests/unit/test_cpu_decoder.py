@@ -136,6 +136,27 @@ def test_models_without_every_block_keep_the_torch_layers():
     assert not CpuDecodePath.available(build_model(c, weights, torch.float32, "cpu"))
 
 
+@pytest.mark.parametrize("arch, extra, llama", [
+    ("LlamaForCausalLM", {}, True),
+    ("Qwen2ForCausalLM", {}, True),
+    ("Qwen3ForCausalLM", {}, True),
+    ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}, True),   # (the Rust layer's rope flag)
+    ("MistralForCausalLM", {"sliding_window": 64}, False),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, False),
+    ("GraniteForCausalLM", {"residual_multiplier": 0.5}, False),
+    ("Gemma3ForCausalLM", {"sliding_window": 64}, False),
+    ("Gemma3ForCausalLM", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, False),
+])
+def test_only_llama_layers_take_the_rust_decoder(arch, extra, llama):
+    """DecoderConfig.llama_layers: what the Rust decoder computes is a Llama layer (with
+    Qwen's bias and norms and SmolLM3's NoPE layers); any other switch keeps the torch layers."""
+    from llmserve.models.registry import _REGISTRY, supported_architectures
+
+    supported_architectures()
+    config = _REGISTRY[arch].parse_config(dict(FAMILIES["llama"], architectures=[arch], **extra))
+    assert config.llama_layers is llama
+
+
 def test_batch_invariant_mode_keeps_the_torch_layers(monkeypatch, path_calls):
     model = quantized_model("llama")
     model.set_batch_invariant(True)

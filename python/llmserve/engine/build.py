@@ -184,6 +184,33 @@ def _built(ck, build):
         raise LoadError(f"{ck.name}: {exc}") from exc
 
 
+def native_positions(hf: dict, model) -> int:
+    """The positions a model serves: max_position_embeddings (2048 when the config does not
+    say), stretched by a linear RoPE scaling's factor (vLLM's limit too). llama3's and
+    LongRoPE's max_position_embeddings already count the stretched positions, and so does
+    Gemma 3's, whose linear factor (4B and up) rescales the global layers' RoPE into them
+    (the model's `positions_count_rope_scaling`, as vLLM reads Gemma 3)."""
+    native_len = int(hf.get("max_position_embeddings") or 2048)
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if (scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor")
+            and not getattr(model, "positions_count_rope_scaling", False)):
+        native_len = int(native_len * float(scaling["factor"]))
+    return native_len
+
+
+def _within_the_window(window: int, native_len: int, requested: int | None) -> int:
+    """The positions served when our CUDA kernels, which have no sliding window yet, serve a
+    model that has one: its window, within which attention is the same as full attention."""
+    if requested and requested > window:
+        raise SetupError(f"--max-model-len {requested} exceeds the model's sliding window of {window} "
+                         f"tokens, which our CUDA kernels do not implement yet: serve {window} tokens or "
+                         "fewer, where attention is the same, or serve on CPU")
+    if not requested:
+        log.info("serving up to the model's sliding window of %d tokens (of %d positions): our CUDA "
+                 "kernels do not implement sliding-window attention yet", window, native_len)
+    return window
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model
@@ -228,23 +255,14 @@ def build_engine(cfg: Config) -> Engine:
         model.set_batch_invariant(True)
         log.info("batch-invariant: linears run row by row, every token attends alone")
 
-    native_len = int(hf.get("max_position_embeddings") or 2048)
-    # Linear RoPE scaling stretches the positions by its factor (vLLM's limit too); llama3's
-    # max_position_embeddings already counts the stretched ones.
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor"):
-        native_len = int(native_len * float(scaling["factor"]))
+    native_len = native_positions(hf, model)
     window = getattr(model, "sliding_window", 0)
-    if window and window < native_len and device.type != "cpu":
-        # The CUDA kernels have no sliding window yet; within the window it is full attention.
-        if cfg.model.max_model_len and cfg.model.max_model_len > window:
-            raise SetupError(f"--max-model-len {cfg.model.max_model_len} exceeds the model's sliding window "
-                             f"of {window} tokens, which is not implemented on {device.type}: serve {window} "
-                             "tokens or fewer, where attention is the same, or serve on CPU")
-        if not cfg.model.max_model_len:
-            log.info("serving up to the model's sliding window of %d tokens (of %d positions): sliding-window "
-                     "attention is not implemented on %s", window, native_len, device.type)
-        native_len = window
+    if window and window < native_len and device.type == "cuda":
+        from llmserve.worker.cuda_graphs import kernels_unused_because
+
+        # (the torch path, which serves a model our kernels do not, attends through windows)
+        if kernels_unused_because(model, cfg.cache.block_size, dtype) is None:
+            native_len = _within_the_window(window, native_len, cfg.model.max_model_len)
     max_model_len = cfg.model.max_model_len or native_len
     if max_model_len > native_len:
         if hf.get("max_position_embeddings"):

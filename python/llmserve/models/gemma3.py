@@ -1,7 +1,8 @@
 """Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b): the Llama decoder with
 Gemma's switches (llama.DecoderConfig):
 
-- norms scale by 1 + w (the checkpoint holds w; 1 is added at load, in float32), and each
+- norms scale by 1 + w (the checkpoint holds w; 1 is added at load, and 1 + w stays float32:
+  the normed activations are scaled in float32 and rounded once, as transformers does), and each
   layer norms its attention's and its MLP's outputs before the residual adds ("sandwich"
   norms: post_attention_layernorm, pre_/post_feedforward_layernorm);
 - per-head RMSNorm of q and k before RoPE (as Qwen3), q . k scaled by
@@ -15,8 +16,13 @@ Gemma's switches (llama.DecoderConfig):
   scaling.
 
 Not served: attention or final-logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional
-attention (EmbeddingGemma). On CPU the sliding windows are attended through at any length; on
-CUDA (whose kernels have no window yet) such a model is served up to its window.
+attention (EmbeddingGemma). The sliding windows are attended through at any length on the
+torch and CPU paths, which serve Gemma's head_dim of 256 on CUDA too (our CUDA kernels take
+64 and 128).
+
+The configs of gemma-3-4b and up scale the full-attention layers' RoPE linearly (factor 8);
+`max_position_embeddings` already counts those positions, so the engine does not stretch them
+again (positions_count_rope_scaling), as vLLM reads them.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ def layer_types(cfg: dict) -> list[str]:
 
 @register("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    positions_count_rope_scaling = True   # (module doc)
+
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -72,4 +80,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             embed_scale=hf_config["hidden_size"] ** 0.5, hidden_act=act,
             attn_scale=float(hf_config.get("query_pre_attn_scalar") or 256) ** -0.5,
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
-            local_rope=local)
+            local_rope=local, local_layers=frozenset(i for i, t in enumerate(types) if t == "sliding_attention"))

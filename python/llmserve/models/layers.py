@@ -27,8 +27,10 @@ from llmserve.worker.threads import (BF16_TILE_ROWS, GEMM_ROW_MULTIPLE, QUANT_MA
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm that always accumulates in float32, then casts back (HF's convention: the
-    normalized activations are cast to the input dtype before the weight multiply)."""
+    """RMSNorm that always accumulates in float32, then casts back. Llama's convention (a
+    weight of the model's dtype): the normalized activations are cast to the input dtype before
+    the weight multiply. Gemma's (a float32 weight, its 1 + w: llama.fuse_hf_weights): the
+    weight multiplies in float32, then the product is cast."""
 
     def __init__(self, dim: int | tuple[int, ...], eps: float):
         super().__init__()
@@ -40,6 +42,8 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # NOTE: one fused op on the fp32 path; batch-1 decode is bound by op dispatch.
             return F.rms_norm(x, self.shape, self.weight, self.eps)
+        if self.weight.dtype == torch.float32:
+            return F.rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
         normed = F.rms_norm(x.float(), self.shape, None, self.eps)
         return normed.to(x.dtype) * self.weight
 

@@ -64,8 +64,9 @@ class DecoderConfig:
     hidden_act: str = "silu"
     # - q . k scale (None: head_dim^-0.5);
     attn_scale: float | None = None
-    # - the RoPE (theta, scaling) of the sliding-window layers; None: the model's own.
+    # - the RoPE (theta, scaling) of the layers in `local_layers` (the sliding-window ones);
     local_rope: tuple[float, dict | None] | None = None
+    local_layers: frozenset[int] = frozenset()
     # Granite's multipliers: each layer's attention and MLP outputs are multiplied by
     # `residual_scale` before their residual adds, and the logits divided by `logits_scale`
     # (its embedding_multiplier and attention_multiplier are embed_scale and attn_scale).
@@ -78,7 +79,7 @@ class DecoderConfig:
         switches and no sliding window."""
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
-                and self.rotary_dim is None and self.residual_scale == 1.0)
+                and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -130,7 +131,10 @@ class DecoderAttention(nn.Module):
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         whole = self.rotary_dim is None
-        if self.q_norm is None and (not self.rope or whole and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin)):
+        # (rotated in place where it can be: no per-head norm first, the whole head rotated)
+        in_place = self.q_norm is None and (
+            not self.rope or (whole and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin)))
+        if in_place:
             q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
             q, k = q.view(-1, nh, d), k.view(-1, nkv, d)
         else:
@@ -160,17 +164,19 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
         # rotated with the model's local RoPE (Gemma's sliding-window layers)
-        self.local_rope = c.local_rope is not None and window > 0
+        self.local_rope = c.local_rope is not None and index in c.local_layers
         self.residual_scale = c.residual_scale
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
-        a = self.attn(self.input_norm(h), cos, sin, attn, kv_cache)
-        a = a if self.attn_out_norm is None else self.attn_out_norm(a)
-        h = h + (a if self.residual_scale == 1.0 else a * self.residual_scale)
-        m = self.mlp(self.post_norm(h))
-        m = m if self.mlp_out_norm is None else self.mlp_out_norm(m)
-        return h + (m if self.residual_scale == 1.0 else m * self.residual_scale)
+        h = self._add(h, self.attn(self.input_norm(h), cos, sin, attn, kv_cache), self.attn_out_norm)
+        return self._add(h, self.mlp(self.post_norm(h)), self.mlp_out_norm)
+
+    def _add(self, h: torch.Tensor, out: torch.Tensor, out_norm: RMSNorm | None) -> torch.Tensor:
+        """The residual add of a sublayer's output (normed first with sandwich norms, scaled
+        by Granite's residual multiplier)."""
+        out = out if out_norm is None else out_norm(out)
+        return h + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM")
@@ -179,8 +185,8 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        # Mistral's sliding window, in every layer (the CPU path attends through it; on CUDA
-        # the engine serves up to the window, where full attention is the same: build.py).
+        # Mistral's sliding window, in every layer: the CPU and torch paths attend through it;
+        # our CUDA kernels serve the model up to the window, where attention is full (build.py).
         window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window", True) else None
         windows = (int(window),) * hf_config["num_hidden_layers"] if window else ()
         return DecoderConfig.from_hf(hf_config, layer_windows=windows)
@@ -416,11 +422,11 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         return left.pop(name).to(device=device, dtype=dtype).contiguous()
 
     def norm(name: str) -> torch.Tensor:
-        # (Gemma's 1 + w, added in float32 as its norms compute it)
+        # Gemma's 1 + w stays float32: its norms scale in float32, then round (layers.RMSNorm)
         if not c.norm_offset:
             return one(name)
         checked(name)
-        return (left.pop(name).float() + c.norm_offset).to(device=device, dtype=dtype).contiguous()
+        return (left.pop(name).float() + c.norm_offset).to(device=device).contiguous()
 
     def cat(*names: str) -> torch.Tensor:
         parts = [checked(n) for n in names]

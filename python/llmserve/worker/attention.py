@@ -245,7 +245,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     `window` > 0: each query sees only the last `window` keys up to its position."""
     if not isinstance(meta, AttentionMetadata):
         # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops.
-        # NOTE: they have no window: the engine serves such a model up to its window there,
+        # NOTE: they have no window: the engine serves a model they take up to its window,
         # where full attention is the same (engine/build.py).
         return meta.attend(q, k, v, k_cache, v_cache, scale)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)

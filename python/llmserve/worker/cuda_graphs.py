@@ -202,6 +202,19 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
     else (with a warning saying why) the torch reference path, which runs on CUDA too."""
     from llmserve import kernels
 
+    why = kernels_unused_because(model, block_size, dtype)
+    if why is not None:
+        log.warning("CUDA kernels not used (%s): serving with the torch attention path, no CUDA graphs", why)
+        return ModelRunner(model, num_blocks, block_size, dtype, device, seed=seed)
+    return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, ops=kernels)
+
+
+def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | None:
+    """Why our CUDA kernels cannot serve this model (its shapes, a missing nvcc, a failed
+    build), or None when they can; loads them (the first use on a machine compiles them)."""
+    from llmserve import kernels
+
     why = kernels.supports(model.config.num_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
     if why is None:
         why = kernels.missing_toolchain()
@@ -210,11 +223,7 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
             kernels.load()
         except kernels.KernelsUnavailable as e:
             why = str(e)
-    if why is not None:
-        log.warning("CUDA kernels not used (%s): serving with the torch attention path, no CUDA graphs", why)
-        return ModelRunner(model, num_blocks, block_size, dtype, device, seed=seed)
-    return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed,
-                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, ops=kernels)
+    return why
 
 
 def activation_reserve_bytes(hidden_size: int, intermediate_size: int, vocab_size: int,
