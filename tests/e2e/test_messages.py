@@ -172,6 +172,8 @@ def test_fields_without_effect_are_reported(client):
      "invalid_request_error", "messages[1].content"),
     ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled"}}, 400, "invalid_request_error",
      "thinking.budget_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": " \n"}]}]}, 400,
+     "invalid_request_error", "messages[0].content[0].text"),
 ])
 def test_errors_have_anthropics_shape(smol, body, status, kind, param):
     r = httpx.post(smol.url + "/v1/messages", json={"model": MODEL, **body}, timeout=60)

@@ -126,6 +126,18 @@ fn a_last_assistant_message_is_continued() {
     .unwrap_err();
     assert_eq!(forced.param(), Some("messages[1]"), "{forced:?}");
     assert!(!forced.message().contains("continue_final_message"), "{}", forced.message());
+    // and so is a template's refusal to continue it
+    let roles_only = router_with(json!({}), Some("{% for m in messages %}{{ m.role }} {% endfor %}"));
+    let unread = messages(
+        &roles_only,
+        json!({"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "a"}]}),
+    )
+    .unwrap_err();
+    assert!(
+        unread.message().starts_with("the final assistant message (a prefill) is continued, but"),
+        "{}",
+        unread.message()
+    );
 }
 
 #[test]
@@ -138,7 +150,8 @@ fn errors_are_named_in_the_messages_terms() {
         shape(r.prepare(Endpoint::Messages, &serde_json::to_vec(&b).unwrap()))
     };
     let bad = |code: &'static str, param: &str| (400, code, Some(param.to_string()));
-    assert_eq!(err(json!({"max_tokens": null})), bad("missing_required_parameter", "max_tokens")); // (dropped)
+    // (merge drops a null: these send no `max_tokens` / `messages`; null ones are below)
+    assert_eq!(err(json!({"max_tokens": null})), bad("missing_required_parameter", "max_tokens"));
     assert_eq!(err(json!({"max_tokens": 100})), bad("context_length_exceeded", "max_tokens"));
     assert_eq!(err(json!({"messages": null})), bad("missing_required_parameter", "messages"));
     assert_eq!(err(json!({"messages": []})), bad("invalid_value", "messages"));
@@ -249,6 +262,10 @@ fn anthropics_conversation_rules_are_400s() {
         (json!([ask, {"role": "assistant", "content": [call("t1"), call("t1")]}]), "messages[1].content[1].id"),
         (json!([{"role": "user", "content": ""}]), "messages[0].content"),
         (json!([{"role": "user", "content": [{"type": "text", "text": ""}]}]), "messages[0].content[0].text"),
+        (json!([{"role": "user", "content": [{"type": "text", "text": " \n"}]}]), "messages[0].content[0].text"),
+        (json!([{"role": "user", "content": "\t"}]), "messages[0].content"),
+        (json!([ask, {"role": "assistant", "content": [{"type": "text", "text": ""}]}]), "messages[1].content[0].text"),
+        (json!([ask, {"role": "assistant", "content": " "}]), "messages[1].content"),
         (
             json!([ask, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}]),
             "messages[1].content",
@@ -264,7 +281,12 @@ fn anthropics_conversation_rules_are_400s() {
     assert_eq!(err(no_tools), bad("invalid_value", "tools"));
     let mut system = with(json!([ask]));
     system["system"] = json!([{"type": "text", "text": ""}]);
-    assert_eq!(err(system), bad("invalid_value", "system[0].text"));
+    assert_eq!(err(system.clone()), bad("invalid_value", "system[0].text"));
+    system["system"] = json!([{"type": "text", "text": "a"}, {"type": "text", "text": "  "}]);
+    assert_eq!(err(system), bad("invalid_value", "system[1].text"));
+    let blank =
+        r.prepare(Endpoint::Messages, &serde_json::to_vec(&with(json!([{"role": "user", "content": " "}]))).unwrap());
+    assert!(blank.unwrap_err().message().contains("non-whitespace text"));
     // a valid loop, and an empty final assistant message (a prefill of nothing), pass
     let looped = json!([ask, {"role": "assistant", "content": [call("t1"), call("t2")]},
                         {"role": "user", "content": [result("t2"), result("t1"), {"type": "text", "text": "?"}]}]);
@@ -285,7 +307,11 @@ fn anthropics_conversation_rules_are_400s() {
     assert_eq!(err(with(json!([{"role": "user", "content": null}]))), bad("invalid_type", "messages[0].content"));
     let mut thinking = with(json!([ask]));
     thinking["thinking"] = json!({"type": "enabled"});
-    assert_eq!(err(thinking), bad("missing_required_parameter", "thinking.budget_tokens"));
+    assert_eq!(err(thinking.clone()), bad("missing_required_parameter", "thinking.budget_tokens"));
+    thinking["thinking"] = json!({"type": "enabled", "budget_tokens": null});
+    assert_eq!(err(thinking.clone()), bad("invalid_type", "thinking.budget_tokens"));
+    thinking["thinking"] = json!({"type": "adaptive", "budget_tokens": null}); // (none asked for)
+    assert!(r.prepare(Endpoint::Messages, &serde_json::to_vec(&thinking).unwrap()).is_ok());
     // chat's messages quote the Messages fields
     let mut schema = with(json!([ask]));
     schema["tools"] = json!([{"name": "f", "input_schema": "x"}]);

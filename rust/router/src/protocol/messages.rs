@@ -27,10 +27,11 @@
 //!
 //! Anthropic's rules for a conversation are checked before the translation, as its API does
 //! (a chat template would render a broken one without complaint): every message's content is
-//! non-empty (but a final assistant message's), text blocks are non-empty, a prefill does not
-//! end in whitespace, each `tool_use` is answered by a `tool_result` at the start of the next
-//! user turn, each `tool_result` answers a `tool_use` of the turn before, `tool_use` ids are
-//! unique, and a conversation holding tool blocks defines `tools`.
+//! non-empty (but a final assistant message's), text holds more than whitespace (system blocks
+//! included), a prefill does not end in whitespace, each `tool_use` is answered by a
+//! `tool_result` at the start of the next user turn, each `tool_result` answers a `tool_use` of
+//! the turn before, `tool_use` ids are unique, and a conversation holding tool blocks defines
+//! `tools`.
 //!
 //! Decisions:
 //! - `cache_control` (on blocks, tools or the request) is accepted and not reported: this
@@ -410,12 +411,14 @@ impl Conversation {
                 "(response_format, structured_outputs, a forced tool_choice or strict tools)",
                 "(output_config.format, a `tool_choice` of type any or tool, or strict tools)",
             );
-        if self.prefill {
-            return out
-                .replace("`continue_final_message`", "a final assistant message (a prefill)")
-                .replace("`add_generation_prompt`", "a final assistant message (a prefill)");
+        if !self.prefill {
+            return out;
         }
-        out
+        // (chat's and the template's wording of a continued final message: the template's
+        // errors name the flag without backticks)
+        out.replace("continue_final_message is set but", "the final assistant message (a prefill) is continued, but")
+            .replace("`continue_final_message`", "a final assistant message (a prefill)")
+            .replace("`add_generation_prompt`", "a final assistant message (a prefill)")
     }
 }
 
@@ -541,8 +544,8 @@ fn blocks_of(m: &Value, i: usize) -> Vec<(String, Block<'_>)> {
 /// `conversation` checked their shapes): a 400 naming the block that breaks one.
 fn check_turns(obj: &Map<String, Value>, has_tools: bool) -> Result<(), ApiError> {
     if let Some(Value::Array(system)) = set(obj, "system") {
-        if let Some(j) = system.iter().position(|b| b["text"].as_str() == Some("")) {
-            return Err(ApiError::invalid(format!("system[{j}].text"), "Text content blocks must be non-empty."));
+        if let Some(j) = system.iter().position(|b| b["text"].as_str().is_some_and(blank)) {
+            return Err(blank_text(format!("system[{j}].text")));
         }
     }
     let Some(Value::Array(list)) = obj.get("messages") else { return Ok(()) };
@@ -565,7 +568,8 @@ fn check_turns(obj: &Map<String, Value>, has_tools: bool) -> Result<(), ApiError
                 other_first = false;
             }
         }
-        if m["content"] == "" && !(assistant && i == last) {
+        let prefill = assistant && i == last;
+        if m["content"] == "" && !prefill {
             return Err(ApiError::invalid(
                 format!("messages[{i}].content"),
                 "Every message must have non-empty content, except a final assistant message.",
@@ -573,8 +577,11 @@ fn check_turns(obj: &Map<String, Value>, has_tools: bool) -> Result<(), ApiError
         }
         for (path, block) in blocks_of(m, i) {
             match block {
-                Block::Text("") if path.ends_with(']') => {
-                    return Err(ApiError::invalid(format!("{path}.text"), "Text content blocks must be non-empty."))
+                // (a prefill may be an empty string, and its trailing whitespace has its own
+                // error, below)
+                Block::Text(text) if blank(text) && !(prefill && (!text.is_empty() || !path.ends_with(']'))) => {
+                    let at = if path.ends_with(']') { format!("{path}.text") } else { path };
+                    return Err(blank_text(at));
                 }
                 Block::ToolUse(id) => {
                     if !ids.insert(id) {
@@ -639,6 +646,16 @@ fn check_turns(obj: &Map<String, Value>, has_tools: bool) -> Result<(), ApiError
         }
     }
     Ok(())
+}
+
+/// Whether a text block holds no text but whitespace (an empty one included).
+fn blank(text: &str) -> bool {
+    text.trim().is_empty()
+}
+
+/// The 400 of a text block at `at` with nothing but whitespace.
+fn blank_text(at: String) -> ApiError {
+    ApiError::invalid(at, "Text content blocks must contain non-whitespace text.")
 }
 
 /// The 400 of a `tool_use` block (at `at`) whose `tool_result` does not follow it.
@@ -906,10 +923,16 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
     let t = as_object(thinking, "thinking", "`thinking`")?;
     let mut out = unknown_keys_in(t, &["type", "budget_tokens", "display"], "thinking");
     let kind = require_str(t, "type", "thinking")?;
-    if kind == "enabled" && t.get("budget_tokens").is_none() {
+    if kind == "enabled" {
         // (required by Anthropic's API; its bounds, at least 1024 and below `max_tokens`, are
         // not: nothing here enforces a budget, and they would keep thinking from short contexts)
-        return Err(missing("thinking.budget_tokens".into()));
+        match t.get("budget_tokens") {
+            None => return Err(missing("thinking.budget_tokens".into())),
+            Some(Value::Null) => {
+                return Err(invalid_type("thinking.budget_tokens", "`budget_tokens` must be an integer, not null."))
+            }
+            Some(_) => {}
+        }
     }
     match kind {
         "disabled" if reasoning && !switched => out.push("thinking".into()),
