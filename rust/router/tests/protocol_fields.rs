@@ -186,7 +186,9 @@ fn add_special_tokens_and_truncate_prompt_tokens() {
     assert_eq!(chat_special.prompts[0].len(), chat_plain.prompts[0].len() + 1);
     // a text keeps its BOS (counted in the k), as a tokenizer's left truncation does (vLLM's)
     let cut = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": 2, "echo": true})).unwrap();
-    assert_eq!((cut.prompts[0].clone(), cut.prompt_texts[0].as_str()), (vec![0, 10], "<s> world"));
+    // (its echo: the text the kept text tokens spell, without the BOS, as a whole prompt's)
+    assert_eq!((cut.prompts[0].clone(), cut.prompt_texts[0].as_str()), (vec![0, 10], "world"));
+    assert_eq!(plain.prompt_texts[0], "hello world");
     let cut = completion(&r, json!({"prompt": "hello world", "truncate_prompt_tokens": 1})).unwrap();
     assert_eq!(cut.prompts[0], vec![10], "no room for the text beside the BOS: the last token");
     let cut =

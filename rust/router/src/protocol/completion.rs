@@ -105,7 +105,8 @@ pub(crate) fn parse_prompts(v: &Value, vocab_size: usize, field: &str) -> Result
 /// post-processor, e.g. BOS) unless `add_special_tokens` is false, as a raw completion
 /// prompt does in `transformers`. `truncate`: keep only each prompt's last tokens (its text
 /// is then what they spell); a text keeps the special tokens around it, which count among
-/// them, as a tokenizer's left truncation does (vLLM's).
+/// them, as a tokenizer's left truncation does (vLLM's), and its text is what its own kept
+/// tokens spell.
 pub(crate) fn tokenize_prompts(
     tokenizer: &Tokenizer,
     prompts: Vec<(PromptIn, String)>,
@@ -123,7 +124,9 @@ pub(crate) fn tokenize_prompts(
                     }
                     if let Some(k) = truncate.filter(|&k| add_special_tokens && ids.len() > k) {
                         ids = truncate_inside_specials(ids, &tokenizer.encode(&text, false), k);
-                        let text = tokenizer.decode(&ids, false);
+                        // (the specials the tokenizer added are not the prompt's text, as
+                        // they are not in an echo of the whole prompt)
+                        let text = tokenizer.decode(&ids, true);
                         return Ok((ids, text, param));
                     }
                     (ids, text)
