@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import Checkpoint, LoadError, empty_template_sources
 
+
 def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None

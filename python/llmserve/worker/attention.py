@@ -111,7 +111,8 @@ class AttentionMetadata:
     seq_lens_np: np.ndarray | None = None           # [S] int64
     block_tables_np: np.ndarray | None = None       # [S, W] int64
     # (prefill index or None for the decode rows, window) -> mask: window_mask
-    window_masks: dict = field(default_factory=dict, repr=False, compare=False)
+    window_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict, repr=False,
+                                                                    compare=False)
 
     # NOTE: the torch path's decode tables and key mask are made when it first reads them:
     # the Rust kernels read the numpy columns, and in a batch-1 decode step these few torch
