@@ -10,8 +10,10 @@ tests/parity/test_gguf_vs_transformers.py:
 - the Q/K row permutation: llama.cpp's converter reorders the rows of q_proj/k_proj of
   llama-arch models from HF's rotate-half RoPE layout (pairs (i, i + d/2)) to adjacent pairs
   (2i, 2i + 1). HF-style models would then rotate the wrong pairs and the output is silent
-  garbage, so we undo it here (llama and smollm3 files). qwen2/qwen3 files are written
-  unpermuted (NEOX RoPE).
+  garbage, so we undo it here (llama and smollm3 files). qwen2/qwen3 and gemma3 files are
+  written unpermuted (NEOX RoPE).
+- Gemma's norms: llama.cpp writes the scale 1 + w where the HF checkpoint holds w, so 1 is
+  taken off again (as transformers' GGUF loader does); the model adds it back in float32.
 
 Every tensor type the file holds is dequantized to float32 (Q8_0/Q4_0/Q4_1 by our Rust
 kernels, the others with gguf's `dequantize`) when the model build reads it
@@ -49,6 +51,7 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
 
 _GLOBAL_NAMES = {
@@ -69,15 +72,23 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich norms: llama.cpp's names for them, and its ffn_norm is the MLP's input norm.
+_GEMMA_BLOCK_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF parameter name of a GGUF tensor name; LoadError for a tensor we cannot place."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF parameter name of a GGUF tensor name in a file of `arch`; LoadError for a tensor
+    we cannot place."""
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if arch == "gemma3" else _BLOCK_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
@@ -183,7 +194,42 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
         config.update(no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
     if model_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "gemma3_text":
+        config.update(_gemma3_config(meta, config))
     return config
+
+
+def _gemma3_config(meta: _Meta, config: dict) -> dict:
+    """Gemma 3's keys, read as llama.cpp reads its files: what no key says is what llama.cpp
+    hard-codes (a full-attention layer every sixth, the local layers' RoPE base of 10000, q . k
+    scaled by head_dim^-0.5 but for the 27B's 62 layers, hidden / heads)."""
+    n = config["num_hidden_layers"]
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):   # (newer files: whether each layer is a sliding one)
+        if len(pattern) != n:
+            raise LoadError(f"GGUF gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
+    scale = meta.get("gemma3.attention.scale")
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif n == 62:
+        scalar = config["hidden_size"] / config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
+    window = _int_scalar(meta, "gemma3.attention.sliding_window")
+    if window is None:
+        raise LoadError("GGUF metadata lacks gemma3.attention.sliding_window")
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": _decimal(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else _decimal(scalar),
+        "attention_bias": False,
+    }
 
 
 def _vocab(meta: _Meta) -> dict:
@@ -194,6 +240,7 @@ def _vocab(meta: _Meta) -> dict:
         raise LoadError("GGUF file has no tokenizer (tokenizer.ggml.model / tokens missing)")
     vocab = {
         "model": model,
+        "arch": meta.get("general.architecture"),   # (Gemma's sentencepiece differs: tokenizer.rs)
         "pre": meta.get("tokenizer.ggml.pre"),
         "tokens": tokens,
         "merges": meta.get("tokenizer.ggml.merges", []),
@@ -218,10 +265,11 @@ class _GgufWeight:
     for llama-arch Q/K rows un-permuted, each time it is made; with a `target`, the values of
     its blocks converted to that type (gguf_convert.py), which the model's linear gets too."""
 
-    def __init__(self, tensor, heads: int | None, target: int | None = None) -> None:
+    def __init__(self, tensor, heads: int | None, target: int | None = None, offset: float = 0.0) -> None:
         self.tensor = tensor
         self.heads = heads   # un-permute Q/K rows over this many heads; None: rows as stored
         self.target = target
+        self.offset = offset   # taken off a vector's values (Gemma's norms: 1)
         # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         self._blocks: QuantTensor | None = None   # converted by make(), until take_blocks()
@@ -230,6 +278,7 @@ class _GgufWeight:
         if len(self.shape) != 2:
             w = torch.from_numpy(_dequantize(np.asarray(self.tensor.data), int(self.tensor.tensor_type),
                                              self.shape[-1]).reshape(self.shape))
+            w = w if not self.offset else w - self.offset
             return w if self.heads is None else unpermute_qk(w, self.heads)
         if self.target is None:
             return self.rows(None)
@@ -366,7 +415,7 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
         )
     vocab = _vocab(meta)
     # Config and names first: a file we cannot serve fails before the slow dequantization.
-    names = {t.name: hf_name(t.name) for t in tensors}
+    names = {t.name: hf_name(t.name, arch) for t in tensors}
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise LoadError(f"GGUF file {path} has no token_embd tensor")
@@ -397,7 +446,8 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
         if heads is not None:
             _check_qk_rows(int(tensor.shape[-1]), heads)   # (GGUF dims run innermost first)
             raw = None if raw is None else _unpermute_raw(raw, heads)
-        lazy[key] = _GgufWeight(tensor, heads, target if converts else None)
+        offset = 1.0 if arch == "gemma3" and key.endswith("norm.weight") else 0.0
+        lazy[key] = _GgufWeight(tensor, heads, target if converts else None, offset)
         if converts:
             quantized[key] = lazy[key].take_blocks   # (converted as the model is built)
             conversions[f"{type_name(source)}->{type_name(target)}"] += 1
@@ -418,8 +468,12 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
     eos_ids = [i for i in (vocab["eos_token_id"],) if i is not None]
     # End-of-turn / end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>) end a chat reply
     # even when the file's EOS is the end-of-text token.
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        extra = _int_scalar(meta, key)
+    extras = [_int_scalar(meta, key) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    if arch == "gemma3" and "<end_of_turn>" in tokens:
+        # (Gemma's files name no EOT; llama.cpp finds its <end_of_turn> by name, and Gemma's
+        # generation_config ends on it too)
+        extras.append(tokens.index("<end_of_turn>"))
+    for extra in extras:
         if extra is not None and extra not in eos_ids:
             eos_ids.append(extra)
 

@@ -284,6 +284,7 @@ mod tests {
         types.resize(tokens.len(), 1);
         let v = GgufVocab {
             model: "gpt2".into(),
+            arch: None,
             pre: Some("gpt2".into()),
             tokens,
             merges: vec![],

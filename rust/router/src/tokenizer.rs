@@ -9,7 +9,13 @@
 //! - `gpt2`: byte-level BPE from `tokens` + `merges`; the split regex is chosen by `pre`
 //!   (see [`pre_tokenizer_for`]). Tokens typed control (3) become special added tokens and
 //!   user-defined (4) plain added tokens, so neither is ever cut into pieces.
-//! - `llama`: sentencepiece BPE with byte fallback; merges are rebuilt from the scores.
+//! - `llama`: sentencepiece BPE with byte fallback; merges are rebuilt from the scores, and
+//!   a space is prepended to the text (`Metaspace`). Gemma's files (`arch` gemma*) differ, as
+//!   transformers' GGUF loader reads them: no space is prepended (llama.cpp's
+//!   `add_space_prefix` false) and spaces become "▁" in place; merges rank by the tokens'
+//!   order in the file, which is the merge order where the scores are not; and the
+//!   whitespace-run tokens the file spells with real spaces ("  ") are the "▁▁" pieces they
+//!   stand for.
 //!
 //! NOTE: for `pre = "smollm"` (and the other StarCoder-family names) llama.cpp isolates every
 //! digit before the GPT-2 regex, exactly as SmolLM2's own `tokenizer.json` does
@@ -26,6 +32,9 @@ use std::collections::{HashMap, HashSet};
 pub struct GgufVocab {
     /// "gpt2" (byte-level BPE) | "llama" (sentencepiece BPE)
     pub model: String,
+    /// The file's `general.architecture`: which sentencepiece variant "llama" is.
+    #[serde(default)]
+    pub arch: Option<String>,
     /// pre-tokenizer name, e.g. "smollm", "llama-bpe", "qwen2"
     pub pre: Option<String>,
     pub tokens: Vec<String>,
@@ -283,23 +292,37 @@ fn gguf_to_tokenizer_json(vocab: &GgufVocab) -> Result<Value, String> {
             (model, pre_tokenizer_for(vocab.pre.as_deref()), decoder, Value::Null, Some(alphabet))
         }
         "llama" => {
-            let unk = vocab.unk_token_id.and_then(|i| vocab.tokens.get(i as usize)).cloned();
+            let gemma = vocab.arch.as_deref().is_some_and(|a| a.starts_with("gemma"));
+            let tokens: Vec<String> = if gemma {
+                vocab.tokens.iter().map(|t| respelled_spaces(t).unwrap_or_else(|| t.clone())).collect()
+            } else {
+                vocab.tokens.clone()
+            };
+            let unk = vocab.unk_token_id.and_then(|i| tokens.get(i as usize)).cloned();
             let mut index = serde_json::Map::new();
-            for (i, t) in vocab.tokens.iter().enumerate() {
+            for (i, t) in tokens.iter().enumerate() {
                 index.insert(t.clone(), json!(i));
             }
+            let rank: Vec<f32> =
+                if gemma { (0..tokens.len()).map(|i| -(i as f32)).collect() } else { vocab.scores.clone() };
             let model = json!({"type": "BPE", "dropout": null, "unk_token": unk,
                 "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
                 "byte_fallback": true, "ignore_merges": false,
-                "vocab": index, "merges": sentencepiece_merges(vocab)});
-            let pre =
-                json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false});
-            let decoder = json!({"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-                {"type": "ByteFallback"}, {"type": "Fuse"},
-                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-            ]});
-            (model, pre, decoder, Value::Null, None)
+                "vocab": index, "merges": sentencepiece_merges(&tokens, &rank)});
+            let mut decoders = vec![
+                json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            let (pre, normalizer) = if gemma {
+                (Value::Null, json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}))
+            } else {
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+                let pre = json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first",
+                                 "split": false});
+                (pre, Value::Null)
+            };
+            (model, pre, json!({"type": "Sequence", "decoders": decoders}), normalizer, None)
         }
         other => return Err(format!("unsupported GGUF tokenizer model {other:?} (supported: gpt2, llama)")),
     };
@@ -311,7 +334,10 @@ fn gguf_to_tokenizer_json(vocab: &GgufVocab) -> Result<Value, String> {
             TOKEN_TYPE_CONTROL if !alphabet.as_ref().is_some_and(|a| tok.chars().any(|c| !a.contains(&c))) => {
                 added.push(added_token(i, tok, true))
             }
-            TOKEN_TYPE_USER_DEFINED => added.push(added_token(i, tok, false)),
+            // (a Gemma whitespace run, respelled as the piece it stands for, is no added token)
+            TOKEN_TYPE_USER_DEFINED if !(vocab.model == "llama" && gemma_spaces(vocab, tok)) => {
+                added.push(added_token(i, tok, false))
+            }
             _ => {}
         }
     }
@@ -341,13 +367,24 @@ fn byte_level_vocab(tokens: &[String], alphabet: &HashSet<char>) -> Value {
     Value::Object(out)
 }
 
+/// A token of nothing but spaces, as Gemma's files spell its whitespace runs: the "▁" piece it
+/// stands for.
+fn respelled_spaces(token: &str) -> Option<String> {
+    (!token.is_empty() && token.chars().all(|c| c == ' ')).then(|| "\u{2581}".repeat(token.chars().count()))
+}
+
+/// Whether `token` is one of a Gemma file's whitespace runs (respelled by the conversion).
+fn gemma_spaces(vocab: &GgufVocab, token: &str) -> bool {
+    vocab.arch.as_deref().is_some_and(|a| a.starts_with("gemma")) && respelled_spaces(token).is_some()
+}
+
 /// Sentencepiece files carry scores, not merges: every split of a token into two known
-/// pieces is a merge, ranked by the merged token's score (best first).
-fn sentencepiece_merges(vocab: &GgufVocab) -> Vec<Value> {
-    let ids: HashMap<&str, usize> = vocab.tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
-    let mut merges: Vec<(f32, usize, usize, usize, usize, &str, &str)> = Vec::new();
-    for (i, tok) in vocab.tokens.iter().enumerate() {
-        let score = vocab.scores.get(i).copied().unwrap_or(0.0);
+/// pieces is a merge, ranked by the merged token's `rank` (its score; best first).
+fn sentencepiece_merges<'a>(tokens: &'a [String], rank: &[f32]) -> Vec<Value> {
+    let ids: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f32, usize, usize, usize, usize, &'a str, &'a str)> = Vec::new();
+    for (i, tok) in tokens.iter().enumerate() {
+        let score = rank.get(i).copied().unwrap_or(0.0);
         let mut local = Vec::new();
         for (cut, _) in tok.char_indices().skip(1) {
             let (l, r) = tok.split_at(cut);
@@ -385,6 +422,7 @@ mod tests {
         types.resize(tokens.len(), 1);
         let v = GgufVocab {
             model: "gpt2".into(),
+            arch: None,
             pre: Some("smollm".into()),
             tokens,
             merges: merges.iter().map(|s| s.to_string()).collect(),
@@ -475,6 +513,7 @@ mod tests {
         let scores: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
         let v = GgufVocab {
             model: "llama".into(),
+            arch: None,
             pre: None,
             tokens,
             merges: vec![],
@@ -494,5 +533,45 @@ mod tests {
         assert_eq!(t.decode(&ids, true), "hi hi\n");
         assert_eq!(t.token_bytes(ids[1]), b" hi");
         assert_eq!(t.token_bytes(ids[3]), b"\n");
+    }
+
+    #[test]
+    fn gemma_sentencepiece_prepends_nothing_and_reads_its_space_runs() {
+        let mut tokens: Vec<String> = vec!["<pad>".into(), "<eos>".into(), "<bos>".into(), "<unk>".into()];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        for t in ["▁", "h", "i", "hi", "▁hi", "  "] {
+            tokens.push(t.into());
+        }
+        let n = tokens.len();
+        let mut types = vec![3, 3, 3, 2];
+        types.extend([6; 256]);
+        types.resize(n - 1, 1);
+        types.push(4);
+        let vocab = |arch: Option<&str>| GgufVocab {
+            model: "llama".into(),
+            arch: arch.map(str::to_string),
+            pre: None,
+            tokens: tokens.clone(),
+            merges: vec![],
+            token_types: types.clone(),
+            scores: (0..n).map(|i| -(i as f32)).collect(),
+            bos_token_id: Some(2),
+            eos_token_id: Some(1),
+            unk_token_id: Some(3),
+            pad_token_id: None,
+            add_bos_token: true,
+            add_eos_token: false,
+        };
+        let t = Tokenizer::from_gguf(&vocab(Some("gemma3"))).unwrap();
+        let pieces = |ids: Vec<u32>| ids.iter().map(|&i| t.id_to_token(i).unwrap()).collect::<Vec<_>>();
+        assert_eq!(pieces(t.encode("hi  hi", true)), ["<bos>", "hi", "▁", "▁hi"]); // (merges in file order)
+        assert_eq!(pieces(t.encode("hi  ", false)), ["hi", "▁▁"]);
+        assert_eq!(pieces(t.encode(" hi", false)), ["▁hi"]);
+        assert_eq!(t.decode(&t.encode(" hi  hi", true), true), " hi  hi");
+        assert_eq!(t.token_bytes(n as u32 - 1), b"  ");
+        // Llama's sentencepiece prepends a space, and strips it again when decoding
+        let llama = Tokenizer::from_gguf(&vocab(Some("llama"))).unwrap();
+        assert_eq!(llama.encode("hi", false), vec![n as u32 - 2]);
+        assert_eq!(llama.decode(&llama.encode("hi", false), true), "hi");
     }
 }
