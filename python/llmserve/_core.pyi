@@ -212,6 +212,7 @@ def paged_decode_attention(
     scale: float,
     num_threads: int,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None: ...
 def quant_pack(w_raw: npt.NDArray[np.uint8], ggml_type: int) -> npt.NDArray[np.uint8]: ...
 def quant_matmul(

@@ -142,6 +142,21 @@ def test_supports_names_the_unserved_dimension():
     assert "per kv head" in kernels.supports(32, 2, 64, 16, torch.float16)
 
 
+def test_soft_capped_scores_keep_the_torch_path():
+    """Gemma 2's soft cap is not in our kernels: a model with it is served by the torch path
+    even at shapes the kernels take (checked before any toolchain or build)."""
+    from types import SimpleNamespace
+
+    from llmserve.models.gemma import Gemma2ForCausalLM
+    from llmserve.worker.cuda_graphs import kernels_unused_because
+
+    c = Gemma2ForCausalLM.parse_config(dict(CONFIG, architectures=["Gemma2ForCausalLM"], head_dim=64,
+                                            attn_logit_softcapping=50.0))
+    assert kernels.supports(c.num_heads, c.num_kv_heads, c.head_dim, 16, torch.bfloat16) is None
+    model = SimpleNamespace(config=c, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    assert "soft-capping" in kernels_unused_because(model, 16, torch.bfloat16)
+
+
 def test_without_a_gpu_the_factory_falls_back_to_the_torch_path(caplog):
     from llmserve.worker.cuda_graphs import make_cuda_runner
 

@@ -1,6 +1,7 @@
-"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma 3 / Phi-3 / Granite models over the paged cache vs transformers on full
-sequences. Tiny random fp32 models built by transformers itself; every weight (biases and norm
-weights included) is randomized so a dropped or misplaced tensor shows up in the logits."""
+"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite
+models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+transformers itself; every weight (biases and norm weights included) is randomized so a dropped
+or misplaced tensor shows up in the logits."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ FAMILIES = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    # the first releases' legacy hidden_act "gelu" (the tanh approximation); 1 + w norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
+        head_dim=32, hidden_act="gelu", pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # a sliding layer (window 5) then a full one, sandwich norms, q . k scaled by 1/sqrt(24),
+    # caps low enough to bite: the scaled scores reach ~1.5 and the logits ~1
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=32, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=0.8,
+        final_logit_softcapping=0.6, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # sliding layers (window 5, their own RoPE base) and a full one; q . k scaled by 1/sqrt(24)
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=32, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
@@ -152,7 +161,7 @@ def test_chunked_prefill_equals_one_shot(family):
     torch.testing.assert_close(full, hf_logits(hf, toks), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma3", "phi3_window"])
+@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different
@@ -248,6 +257,38 @@ def test_qwen_sliding_window_is_rejected():
     with pytest.raises(ValueError, match="sliding"):
         build_model({**qwen.config.to_dict(), "use_sliding_window": True}, dict(qwen.state_dict()),
                     torch.float32, "cpu")
+
+
+def test_gemma_1_and_2_read_hub_configs_as_transformers_does():
+    """gemma-2b-it's config.json (hidden_act "gelu", meant as the tanh approximation) and
+    gemma-2-2b-it's (no layer_types: every other layer slides, from the first): the same
+    activation, windows, scale and caps as transformers' reading of them."""
+    from llmserve.models.gemma import Gemma2ForCausalLM, GemmaForCausalLM
+
+    g1 = dict(architectures=["GemmaForCausalLM"], model_type="gemma", hidden_size=2048, intermediate_size=16384,
+              num_hidden_layers=18, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+              hidden_act="gelu", max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+              vocab_size=256000)
+    theirs = transformers.GemmaConfig(**{k: v for k, v in g1.items() if k != "architectures"})
+    ours = GemmaForCausalLM.parse_config(g1)
+    assert ours.hidden_act == theirs.hidden_act == "gelu_pytorch_tanh"
+    assert ours.tie_word_embeddings and not ours.layer_windows and ours.attn_scale is None
+    assert ours.embed_scale == 2048 ** 0.5 and ours.norm_offset == 1.0
+
+    g2 = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=2304, intermediate_size=9216,
+              num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+              hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+              sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+              max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=256000,
+              cache_implementation="hybrid")
+    theirs = transformers.Gemma2Config(**{k: v for k, v in g2.items() if k not in ("architectures", "hidden_act")})
+    ours = Gemma2ForCausalLM.parse_config(g2)
+    assert [w > 0 for w in ours.layer_windows] == [t == "sliding_attention" for t in theirs.layer_types]
+    assert set(ours.layer_windows) == {0, 4096} and ours.layer_windows[0] == 4096
+    assert (ours.attn_softcap, ours.final_softcap) == (50.0, 30.0)
+    assert ours.attn_scale == 256 ** -0.5 and ours.sandwich_norms and not ours.qk_norm
+    with pytest.raises(ValueError, match="hidden activation"):
+        GemmaForCausalLM.parse_config(dict(g1, hidden_act="relu"))
 
 
 def test_gemma3_reads_a_hub_config_as_transformers_does():

@@ -62,12 +62,12 @@ def _random_step(rng: np.random.Generator, heads: int, kv_heads: int, d: int, bs
     return meta, q, k, v, k_cache, v_cache
 
 
-def _both_ways(monkeypatch, meta, q, k, v, k_cache, v_cache, scale, window=0):
+def _both_ways(monkeypatch, meta, q, k, v, k_cache, v_cache, scale, window=0, softcap=0.0):
     outs = []
     for on in (False, True):
         monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", on)
         kc, vc = k_cache.clone(), v_cache.clone()
-        outs.append(paged_attention(q, k, v, kc, vc, meta, scale, window=window))
+        outs.append(paged_attention(q, k, v, kc, vc, meta, scale, window=window, softcap=softcap))
     return outs
 
 
@@ -108,6 +108,44 @@ def test_a_sliding_window_both_ways(monkeypatch, kernel_calls, window):
         full = _both_ways(monkeypatch, meta, *tensors, 0.2)[0]
         assert torch.equal(ref, full) == (window > max(c + n for c, n in zip(ctx, q_lens)))
     assert kernel_calls == [3, 3, 17, 17]   # (with the window, then without)
+
+
+@pytest.mark.parametrize("softcap,window", [(0.7, 0), (3.0, 0), (0.7, 6)])
+def test_soft_capped_scores_both_ways(monkeypatch, kernel_calls, softcap, window):
+    """Gemma 2's soft cap (scores s -> softcap * tanh(s / softcap)): the torch path's written-out
+    attention and the kernel agree, alone and with a window, on decode-only and mixed steps
+    (whole prompts, whose torch mask is the causal one, and a chunk after a cached prefix); and
+    the cap changes the result (the scores of q ~ 2 N(0, 1) at scale 0.2 reach past it)."""
+    rng = np.random.default_rng(int(softcap * 10) + window)
+    for q_lens, ctx in (([1, 1, 1], [0, 9, 40]), ([1, 9, 1, 5, 1], [40, 0, 3, 20, 70])):
+        meta, *tensors = _random_step(rng, 6, 2, 32, 8, q_lens, ctx)
+        ref, got = _both_ways(monkeypatch, meta, *tensors, 0.2, window=window, softcap=softcap)
+        assert (got - ref).abs().max().item() < 1e-5
+        uncapped = _both_ways(monkeypatch, meta, *tensors, 0.2, window=window)[0]
+        assert (ref - uncapped).abs().max().item() > 1e-2
+    assert kernel_calls == [3, 3, 17, 17]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_soft_capped_attention_against_a_naive_reference(monkeypatch, kernel):
+    """Soft-capped attention, on the torch path and through the kernel, against a naive
+    per-head loop in float64: a whole prompt (causal, no mask) and a chunk over a cached prefix
+    (lower-right)."""
+    monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", kernel)
+    rng = np.random.default_rng(3)
+    meta, q, k, v, k_cache, v_cache = _random_step(rng, 6, 2, 16, 4, [7, 4], [0, 9])
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, softcap=1.5)
+    for p in meta.prefills:
+        ids = p.block_ids
+        keys = k_cache[ids].reshape(-1, 2, 16)[:p.seq_len].double()
+        vals = v_cache[ids].reshape(-1, 2, 16)[:p.seq_len].double()
+        for t in range(p.end - p.start):
+            pos = p.context_len + t
+            for h in range(6):
+                s = keys[:pos + 1, h // 3] @ q[p.start + t, h].double() * 0.3
+                w = torch.softmax(1.5 * torch.tanh(s / 1.5), 0)
+                want = w @ vals[:pos + 1, h // 3]
+                torch.testing.assert_close(out[p.start + t, h].double(), want, atol=1e-5, rtol=0)
 
 
 def test_torch_path_when_switched_off_or_not_float32(monkeypatch, kernel_calls):

@@ -144,6 +144,8 @@ def test_models_without_every_block_keep_the_torch_layers():
     ("MistralForCausalLM", {"sliding_window": 64}, False),
     ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, False),
     ("GraniteForCausalLM", {"residual_multiplier": 0.5}, False),
+    ("GemmaForCausalLM", {}, False),
+    ("Gemma2ForCausalLM", {"sliding_window": None}, False),
     ("Gemma3ForCausalLM", {"sliding_window": 64}, False),
     ("Gemma3ForCausalLM", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, False),
 ])

@@ -15,10 +15,10 @@ Gemma's switches (llama.DecoderConfig):
   (`rope_local_base_freq`, 10000); the full-attention layers use `rope_theta` (1e6) and its
   scaling.
 
-Not served: attention or final-logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional
-attention (EmbeddingGemma). The sliding windows are attended through at any length on the
-torch and CPU paths, which serve Gemma's head_dim of 256 on CUDA too (our CUDA kernels take
-64 and 128).
+Gemma 2's soft-capping (gemma.py) is read too where a config sets it (Gemma 3's leave it
+null). Not served: bidirectional attention (EmbeddingGemma). The sliding windows are attended
+through at any length on the torch and CPU paths, which serve Gemma's head_dim of 256 on CUDA
+too (our CUDA kernels take 64 and 128).
 
 The configs of gemma-3-4b and up scale the full-attention layers' RoPE linearly (factor 8);
 `max_position_embeddings` already counts those positions, so the engine does not stretch them
@@ -27,6 +27,7 @@ again (positions_count_rope_scaling), as vLLM reads them.
 
 from __future__ import annotations
 
+from llmserve.models.gemma import layer_types, layer_windows
 from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
 from llmserve.models.registry import register
 
@@ -40,34 +41,18 @@ def _rope(params: dict | None, theta: float, scaling: dict | None) -> tuple[floa
     return float(params.get("rope_theta", theta)), (None if kind == "default" else params)
 
 
-def layer_types(cfg: dict) -> list[str]:
-    """Each layer's attention, as transformers' Gemma3TextConfig reads it."""
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types must give each of the {n} layers sliding_attention or full_attention")
-    return list(types)
-
-
 @register("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(LlamaForCausalLM):
     positions_count_rope_scaling = True   # (module doc)
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf_config.get(key) is not None:
-                raise ValueError(f"Gemma's {key} is not supported")
         if hf_config.get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
         act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma's hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-        window = int(hf_config.get("sliding_window") or 0)
-        types = layer_types(hf_config)
+        types = layer_types(hf_config, 6)
         params = hf_config.get("rope_parameters") or {}
         nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
         full = _rope(params.get("full_attention") if nested else None, hf_config.get("rope_theta") or 1e6,
@@ -79,5 +64,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             rope_theta=full[0], rope_scaling=full[1], qk_norm=True, norm_offset=1.0, sandwich_norms=True,
             embed_scale=hf_config["hidden_size"] ** 0.5, hidden_act=act,
             attn_scale=float(hf_config.get("query_pre_attn_scalar") or 256) ** -0.5,
-            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types) if window else (),
+            layer_windows=layer_windows(hf_config, types),
+            attn_softcap=float(hf_config.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(hf_config.get("final_logit_softcapping") or 0.0),
             local_rope=local, local_layers=frozenset(i for i, t in enumerate(types) if t == "sliding_attention"))

@@ -372,16 +372,17 @@ class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache and attends over each sequence's context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
-                 window: int = 0):
+                 window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.window = window            # > 0: sliding-window attention over that many keys
+        self.softcap = softcap          # > 0: scores soft-capped (Gemma 2)
         self.batch_invariant = False    # set by the model's set_batch_invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale,
-                              batch_invariant=self.batch_invariant, window=self.window)
+                              batch_invariant=self.batch_invariant, window=self.window, softcap=self.softcap)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -72,6 +72,10 @@ class DecoderConfig:
     # (its embedding_multiplier and attention_multiplier are embed_scale and attn_scale).
     residual_scale: float = 1.0
     logits_scale: float = 1.0
+    # Gemma 2's soft-capping (0: none): each scaled attention score s becomes
+    # cap * tanh(s / cap) with `attn_softcap`, and each logit with `final_softcap`.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     @property
     def llama_layers(self) -> bool:
@@ -79,7 +83,8 @@ class DecoderConfig:
         switches and no sliding window."""
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
-                and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers)
+                and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers
+                and not self.attn_softcap)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -123,7 +128,8 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.attn_scale, window=window)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.attn_scale, window=window,
+                                   softcap=c.attn_softcap)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
@@ -355,8 +361,12 @@ class LlamaForCausalLM(nn.Module):
         """hidden [R, H] -> float32 logits [R, V]. `sampling`: the rows sample tokens (they are
         not prompt logprobs)."""
         logits = self._head(hidden, sampling)
-        scale = self.config.logits_scale
-        return logits if scale == 1.0 else logits.div_(scale)
+        scale, cap = self.config.logits_scale, self.config.final_softcap
+        if scale != 1.0:
+            logits.div_(scale)
+        if cap:
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def _head(self, hidden: torch.Tensor, sampling: bool) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -28,6 +28,10 @@ A sliding window (`window` > 0: Mistral's, Gemma 3's local layers) limits each q
 last `window` keys up to its own position: the kernel starts its rows there, the torch paths
 mask the keys before it. The cache still holds every token (nothing is evicted).
 
+A soft cap (`softcap` > 0: Gemma 2's) turns each scaled score s into softcap * tanh(s / softcap)
+before the softmax: in the kernel, and in `_sdpa`, which writes the attention out for it (SDPA
+has no cap) without repeating KV heads.
+
 KV heads are never repeated: SDPA's `enable_gqa` handles grouped-query attention (BENCH.md:
 repeat_interleave makes batch-64 decode ~5x slower). Softmax runs in float32 whatever the
 model dtype.
@@ -228,22 +232,42 @@ def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   tables: np.ndarray, lens: np.ndarray, scale: float, window: int) -> torch.Tensor:
+                   tables: np.ndarray, lens: np.ndarray, scale: float, window: int,
+                   softcap: float) -> torch.Tensor:
     """q [R, heads, d] fp32 -> [R, heads, d], K/V read in place (numpy views, no copy); row r
     attends over the first lens[r] tokens of block table tables[r] (the last `window` of them)."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), tables, lens, scale,
-                CPU_DECODE_THREADS or kernel_threads(), window)
+                CPU_DECODE_THREADS or kernel_threads(), window, softcap)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float) -> torch.Tensor:
+    """q [B, heads, Tq, d], k/v [B, kv_heads, L, d], mask (True: attend) broadcast to
+    [B, heads, Tq, L] or None for causal (Tq == L) -> [B, heads, Tq, d]. SDPA; or, with a soft
+    cap, the same written out, each KV head's query heads stacked as rows of one matmul."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
+    b, h, tq, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    s = (q.reshape(b, kvh, h // kvh * tq, d) @ k.transpose(-1, -2)).view(b, h, tq, length)
+    s = s.mul_(scale / softcap).tanh_().mul_(softcap)
+    if mask is None:
+        mask = torch.ones(tq, length, dtype=torch.bool, device=q.device).tril_()
+    s = s.masked_fill_(~mask, float("-inf")).softmax(-1)
+    return (s.view(b, kvh, h // kvh * tq, length) @ v).view(b, h, tq, d)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                    batch_invariant: bool = False, window: int = 0) -> torch.Tensor:
+                    batch_invariant: bool = False, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d]
     -> [T, heads, d]. `batch_invariant`: every token through the CPU kernel (module doc).
-    `window` > 0: each query sees only the last `window` keys up to its position."""
+    `window` > 0: each query sees only the last `window` keys up to its position. `softcap`
+    > 0: scores soft-capped (module doc)."""
     if not isinstance(meta, AttentionMetadata):
         # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops.
         # NOTE: they have no window: the engine serves a model they take up to its window,
@@ -256,7 +280,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # hit computes only the tail; worker/threads.py). SDPA's results shift in the last bits
         # with the query count.
         if _kernel_serves(q, k_cache, v_cache, meta):
-            return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale, window)
+            return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale, window, softcap)
         if batch_invariant:
             raise RuntimeError("batch-invariant attention needs the CPU decode kernel "
                                "(float32 on CPU)")
@@ -267,15 +291,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         idx = meta.decode_token_idx
         if _kernel_serves(q, k_cache, v_cache, meta):
             od = _decode_kernel(q if idx is None else q[idx], k_cache, v_cache,
-                                meta.decode_tables_np, meta.decode_lens_np, scale, window)
+                                meta.decode_tables_np, meta.decode_lens_np, scale, window, softcap)
         else:
             qd = (q if idx is None else q[idx]).unsqueeze(2)                # [Sd, heads, 1, d]
             tables, ws = meta.decode_block_tables, meta.workspace
             kd = _gather(k_cache, tables, ws, "k").float().transpose(1, 2)  # [Sd, kvh, L, d]
             vd = _gather(v_cache, tables, ws, "v").float().transpose(1, 2)
             mask = meta.window_mask(None, window) if window else meta.decode_key_mask
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
-                                                scale=scale, enable_gqa=True).squeeze(2)
+            od = _sdpa(qd, kd, vd, mask, scale, softcap).squeeze(2)
         if idx is None:          # every token of the step is a decode token, in order
             return od.to(out_dtype)
     out = q.new_empty(q.shape)
@@ -291,7 +314,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vp = _gather(v_cache, p.block_ids, meta.workspace, "v")[:p.seq_len].float()
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
         mask = meta.window_mask(i, window) if window else p.mask
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                            scale=scale, enable_gqa=True)
+        op = _sdpa(qp, kp, vp, mask, scale, softcap)
         out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
     return out.to(out_dtype)

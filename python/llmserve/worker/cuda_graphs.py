@@ -216,6 +216,8 @@ def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | 
     from llmserve import kernels
 
     why = kernels.supports(model.config.num_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
+    if why is None and model.config.attn_softcap:
+        why = "attention soft-capping (Gemma 2) is not in our kernels"
     if why is None:
         why = kernels.missing_toolchain()
     if why is None:

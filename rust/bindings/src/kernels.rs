@@ -43,9 +43,10 @@ pub(crate) fn writeable<'py, T: Element, D: numpy::ndarray::Dimension>(
 
 /// out = softmax(scale * q k^T) v for one query token per sequence, read through the block
 /// tables; `num_threads` threads (the engine passes torch's thread count). `window` > 0: each
-/// sequence attends over its last `window` tokens only (sliding-window attention).
+/// sequence attends over its last `window` tokens only (sliding-window attention). `softcap` > 0:
+/// each scaled score s is softcap * tanh(s / softcap) (Gemma 2's soft-capping).
 #[pyfunction]
-#[pyo3(signature = (out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_threads, window=0))]
+#[pyo3(signature = (out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_threads, window=0, softcap=0.0))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -58,6 +59,7 @@ pub fn paged_decode_attention(
     scale: f32,
     num_threads: usize,
     window: usize,
+    softcap: f32,
 ) -> PyResult<()> {
     let mut out = writeable(out, "paged_decode_attention", "out")?;
     let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
@@ -83,6 +85,7 @@ pub fn paged_decode_attention(
         block_table_width: ts[1],
         scale,
         window,
+        softcap,
     };
     let out = contiguous(out.as_slice_mut(), "out")?;
     let q = contiguous(q.as_slice(), "q")?;

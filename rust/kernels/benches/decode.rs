@@ -40,6 +40,7 @@ fn main() {
         block_table_width: width,
         scale: 0.125,
         window: 0,
+        softcap: 0.0,
     };
     let mut out = vec![0f32; q.len()];
     let bytes = (seqs * len * kvh * d * 4 * 2) as f64;

@@ -9,7 +9,8 @@
 //!   seq_lens      [num_seqs]                      (tokens to attend over, >= 1)
 //!
 //! With a `window` (sliding-window attention), a sequence attends over its last `window` tokens
-//! only: the blocks and rows before them are not read.
+//! only: the blocks and rows before them are not read. With a `softcap` (Gemma 2's attention
+//! logit soft-capping), each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 //!
 //! Work item: one (sequence, kv head) with all `num_heads / num_kv_heads` query heads of its
 //! group, so every K/V row is read from memory once per group. A block of keys is one softmax
@@ -44,6 +45,8 @@ pub struct DecodeShape {
     pub scale: f32,
     /// Attend over the last `window` tokens of each sequence only; 0: over all of them.
     pub window: usize,
+    /// Soft-cap the scaled scores at +-`softcap` (tanh); 0: no cap.
+    pub softcap: f32,
 }
 
 /// Which code the CPU runs: chosen once per call from `is_x86_feature_detected!`.
@@ -169,6 +172,9 @@ impl<'a> Ctx<'a> {
         }
         if !s.scale.is_finite() {
             return Err(format!("scale must be finite, got {}", s.scale));
+        }
+        if !(s.softcap.is_finite() && s.softcap >= 0.0) {
+            return Err(format!("softcap must be finite and >= 0, got {}", s.softcap));
         }
         let q_len = mul(mul(s.num_seqs, s.num_heads, "q size")?, s.head_dim, "q size")?;
         if q.len() != q_len {
@@ -313,6 +319,13 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
         let (keys, vals) = (&ctx.k[span.clone()], &ctx.v[span]);
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
         tile_scores::<FMA>(qs, keys, tile, scores);
+        if s.softcap > 0.0 {
+            for j in 0..nh {
+                for x in &mut scores[j * bs..j * bs + n] {
+                    *x = s.softcap * (*x / s.softcap).tanh();
+                }
+            }
+        }
         for j in 0..nh {
             let tile = &mut scores[j * bs..j * bs + n];
             let new_m = m[j].max(simd::max(tile));

@@ -292,6 +292,7 @@ pub fn decoder_layer(
         block_table_width: step.block_tables.len() / tokens,
         scale: s.scale,
         window: 0,
+        softcap: 0.0,
     };
 
     // attention block

@@ -58,6 +58,7 @@ pub(crate) fn make_case(seed: u64, heads: usize, kv_heads: usize, d: usize, bs: 
         block_table_width: width,
         scale: (d as f32).powf(-0.5),
         window: 0,
+        softcap: 0.0,
     };
     Case {
         shape,
@@ -83,13 +84,19 @@ pub(crate) fn reference(c: &Case) -> Vec<f32> {
                 ((blk * s.block_size + t % s.block_size) * s.num_kv_heads + kvh) * d
             };
             let start = if s.window > 0 { len.saturating_sub(s.window) } else { 0 };
+            let cap = s.softcap as f64;
             let scores: Vec<f64> = (0..len)
                 .map(|t| {
                     if t < start {
                         return f64::NEG_INFINITY; // before the sliding window
                     }
                     let k = &c.k[row(t)..][..d];
-                    q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
+                    let x = q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64;
+                    if cap > 0.0 {
+                        cap * (x / cap).tanh()
+                    } else {
+                        x
+                    }
                 })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -156,6 +163,30 @@ fn a_sliding_window_reads_only_its_last_tokens() {
 }
 
 #[test]
+fn soft_capped_scores() {
+    // caps below and above the scores' range (q and k in [-2, 2): scaled scores up to ~16 at d
+    // 64), with and without a window; a cap of 0 is no cap (the first test)
+    let lens = [1, 17, 64, 100];
+    for (cap, window) in [(0.5, 0), (4.0, 0), (50.0, 0), (4.0, 7)] {
+        for d in [64, 24] {
+            let mut c = make_case(d as u64 * 13 + window as u64, 9, 3, d, 16, &lens);
+            c.shape.softcap = cap;
+            c.shape.window = window;
+            let want = reference(&c);
+            for isa in isas() {
+                let err = max_abs_diff(&run_case(&c, 2, isa), &want);
+                assert!(err < 2e-5, "softcap {cap} window {window} d {d} {isa:?}: max diff {err}");
+            }
+        }
+    }
+    // a cap changes the result where scores exceed it
+    let mut c = make_case(5, 4, 4, 64, 16, &lens);
+    let uncapped = run_case(&c, 1, Isa::Generic);
+    c.shape.softcap = 0.5;
+    assert!(max_abs_diff(&run_case(&c, 1, Isa::Generic), &uncapped) > 1e-3);
+}
+
+#[test]
 fn odd_sizes_block_sizes_and_head_dims() {
     for (bs, d) in [(1, 8), (3, 13), (7, 40), (32, 80), (256, 64)] {
         let c = make_case((bs * 31 + d) as u64, 6, 2, d, bs, &[1, 2, 9, 70, 300]);
@@ -215,6 +246,8 @@ fn rejects_bad_arguments_without_writing() {
     check(&|c, _| c.shape.head_dim = 0, "must be > 0");
     check(&|c, _| c.shape.block_size = 0, "must be > 0");
     check(&|c, _| c.shape.scale = f32::NAN, "scale");
+    check(&|c, _| c.shape.softcap = -1.0, "softcap");
+    check(&|c, _| c.shape.softcap = f32::INFINITY, "softcap");
     check(
         &|c, _| {
             c.q.pop();

@@ -1,5 +1,6 @@
-//! Property test of the public API: for random shapes, lengths, block tables, sliding windows
-//! and thread counts the kernel matches a naive f64 reference, and malformed block tables are errors, not panics.
+//! Property test of the public API: for random shapes, lengths, block tables, sliding windows,
+//! soft caps and thread counts the kernel matches a naive f64 reference, and malformed block
+//! tables are errors, not panics.
 
 use llmserve_kernels::{paged_decode_attention, DecodeShape};
 use proptest::prelude::*;
@@ -18,7 +19,14 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], tables: &[i32], lens: &[i32], s: D
             let start = if s.window > 0 { len.saturating_sub(s.window) } else { 0 };
             let sc: Vec<f64> = (start..len)
                 .map(|t| {
-                    qh.iter().zip(&k[row(t)..][..d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
+                    let x = qh.iter().zip(&k[row(t)..][..d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                        * s.scale as f64;
+                    let cap = s.softcap as f64;
+                    if cap > 0.0 {
+                        cap * (x / cap).tanh()
+                    } else {
+                        x
+                    }
                 })
                 .collect();
             let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -36,11 +44,13 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], tables: &[i32], lens: &[i32], s: D
 prop_compose! {
     fn case()(kv_heads in 1usize..4, group in 1usize..5, d in 1usize..40, bs in 1usize..9,
               lens in prop::collection::vec(1i32..60, 0..6), threads in 1usize..5, seed in any::<u64>(),
-              window in prop_oneof![Just(0usize), 1usize..70])
+              window in prop_oneof![Just(0usize), 1usize..70],
+              softcap in prop_oneof![Just(0f32), 0.05f32..3.0])
         -> (DecodeShape, Vec<i32>, usize, u64) {
         let width = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(0);
         (DecodeShape { num_seqs: lens.len(), num_heads: kv_heads * group, num_kv_heads: kv_heads,
-                       head_dim: d, block_size: bs, block_table_width: width, scale: 0.3, window },
+                       head_dim: d, block_size: bs, block_table_width: width, scale: 0.3, window,
+                       softcap },
          lens, threads, seed)
     }
 }
