@@ -10,7 +10,7 @@ tests/parity/test_gguf_vs_transformers.py:
 - the Q/K row permutation: llama.cpp's converter reorders the rows of q_proj/k_proj of
   llama-arch models from HF's rotate-half RoPE layout (pairs (i, i + d/2)) to adjacent pairs
   (2i, 2i + 1). HF-style models would then rotate the wrong pairs and the output is silent
-  garbage, so we undo it here (llama and smollm3 files). qwen2/qwen3 and gemma3 files are
+  garbage, so we undo it here (llama and smollm3 files). qwen2/qwen3 and gemma* files are
   written unpermuted (NEOX RoPE).
 - Gemma's norms: llama.cpp writes the scale 1 + w where the HF checkpoint holds w, so 1 is
   taken off again (as transformers' GGUF loader does); the model adds it back in float32.
@@ -51,8 +51,11 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma": ("GemmaForCausalLM", "gemma", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+_SANDWICH_ARCHS = ("gemma2", "gemma3")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -72,7 +75,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma's sandwich norms: llama.cpp's names for them, and its ffn_norm is the MLP's input norm.
+# Gemma 2 and 3's sandwich norms: llama.cpp's names for them, and its ffn_norm is the MLP's
+# input norm.
 _GEMMA_BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -86,7 +90,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """The HF parameter name of a GGUF tensor name in a file of `arch`; LoadError for a tensor
     we cannot place."""
     m = _BLOCK_RE.match(gguf_name)
-    names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if arch == "gemma3" else _BLOCK_NAMES
+    names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if arch in _SANDWICH_ARCHS else _BLOCK_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
@@ -194,15 +198,53 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
         config.update(no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
     if model_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "gemma":
+        config.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
+    if model_type == "gemma2":
+        config.update(_gemma2_config(meta, config))
     if model_type == "gemma3_text":
         config.update(_gemma3_config(meta, config))
     return config
 
 
+def _gemma_layers(meta: _Meta, config: dict, arch: str, sliding: list[bool], layers_27b: int) -> dict:
+    """What Gemma 2 and 3 files share, read as llama.cpp reads them: the sliding window (of the
+    layers in `sliding`), GeGLU, and q . k scaled by the file's attention.scale if it has one,
+    else head_dim^-0.5, but for the 27B model (told by its layer count) (hidden / heads)^-0.5."""
+    window = _int_scalar(meta, f"{arch}.attention.sliding_window")
+    if window is None:
+        raise LoadError(f"GGUF metadata lacks {arch}.attention.sliding_window")
+    scale = meta.get(f"{arch}.attention.scale")
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif config["num_hidden_layers"] == layers_27b:
+        scalar = config["hidden_size"] / config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else _decimal(scalar),
+        "attention_bias": False,
+    }
+
+
+def _gemma2_config(meta: _Meta, config: dict) -> dict:
+    """Gemma 2's keys: every other layer slides, from the first; soft caps of 50 and 30 where no
+    key says otherwise (llama.cpp's defaults)."""
+    sliding = [i % 2 == 0 for i in range(config["num_hidden_layers"])]
+    return {
+        **_gemma_layers(meta, config, "gemma2", sliding, 46),
+        "attn_logit_softcapping": _decimal(meta.get("gemma2.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": _decimal(meta.get("gemma2.final_logit_softcapping", 30.0)),
+    }
+
+
 def _gemma3_config(meta: _Meta, config: dict) -> dict:
-    """Gemma 3's keys, read as llama.cpp reads its files: what no key says is what llama.cpp
-    hard-codes (a full-attention layer every sixth, the local layers' RoPE base of 10000, q . k
-    scaled by head_dim^-0.5 but for the 27B's 62 layers, hidden / heads)."""
+    """Gemma 3's keys: what no key says is what llama.cpp hard-codes (a full-attention layer
+    every sixth, the local layers' RoPE base of 10000)."""
     n = config["num_hidden_layers"]
     pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):   # (newer files: whether each layer is a sliding one)
@@ -211,24 +253,9 @@ def _gemma3_config(meta: _Meta, config: dict) -> dict:
         sliding = [bool(p) for p in pattern]
     else:
         sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
-    scale = meta.get("gemma3.attention.scale")
-    if scale is not None:
-        scalar = float(scale) ** -2
-    elif n == 62:
-        scalar = config["hidden_size"] / config["num_attention_heads"]
-    else:
-        scalar = config["head_dim"]
-    window = _int_scalar(meta, "gemma3.attention.sliding_window")
-    if window is None:
-        raise LoadError("GGUF metadata lacks gemma3.attention.sliding_window")
     return {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": window,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        **_gemma_layers(meta, config, "gemma3", sliding, 62),
         "rope_local_base_freq": _decimal(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
-        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else _decimal(scalar),
-        "attention_bias": False,
     }
 
 
@@ -446,7 +473,7 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
         if heads is not None:
             _check_qk_rows(int(tensor.shape[-1]), heads)   # (GGUF dims run innermost first)
             raw = None if raw is None else _unpermute_raw(raw, heads)
-        offset = 1.0 if arch == "gemma3" and key.endswith("norm.weight") else 0.0
+        offset = 1.0 if arch.startswith("gemma") and key.endswith("norm.weight") else 0.0
         lazy[key] = _GgufWeight(tensor, heads, target if converts else None, offset)
         if converts:
             quantized[key] = lazy[key].take_blocks   # (converted as the model is built)
@@ -469,7 +496,7 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
     # End-of-turn / end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>) end a chat reply
     # even when the file's EOS is the end-of-text token.
     extras = [_int_scalar(meta, key) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
-    if arch == "gemma3" and "<end_of_turn>" in tokens:
+    if arch.startswith("gemma") and "<end_of_turn>" in tokens:
         # (Gemma's files name no EOT; llama.cpp finds its <end_of_turn> by name, and Gemma's
         # generation_config ends on it too)
         extras.append(tokens.index("<end_of_turn>"))

@@ -1,10 +1,11 @@
-"""Gemma 3 GGUF files (llama.cpp's `gemma3` architecture), written here as llama.cpp's
-converter writes them: names from the gguf package's own tensor map, norms stored as 1 + w,
-rows unpermuted, a sentencepiece vocabulary with no space prefix whose whitespace runs are
-spelled with real spaces, and no sliding-window pattern, local RoPE base or attention scale
-in the metadata (llama.cpp hard-codes them). Checked against transformers: its Gemma 3 model
-built from our config and weights gives the original model's logits, its own GGUF loader
-reads the same tensors, and its GGUF tokenizer conversion tokenizes as ours does."""
+"""Gemma GGUF files (llama.cpp's `gemma`, `gemma2` and `gemma3` architectures), written here as
+llama.cpp's converter writes them: names from the gguf package's own tensor map, norms stored
+as 1 + w, rows unpermuted, a sentencepiece vocabulary with no space prefix whose whitespace runs
+are spelled with real spaces, and no sliding-window pattern, local RoPE base or attention scale
+in the metadata (llama.cpp hard-codes them); Gemma 2's soft caps as keys. Checked against
+transformers: its model built from our config and weights gives the original model's logits,
+its own GGUF loader reads the same tensors, and its GGUF tokenizer conversion tokenizes as ours
+does (Gemma 2 and 3: transformers reads no `gemma` file)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from llmserve import _core
-from llmserve.loaders import load_checkpoint
+from llmserve.loaders import LoadError, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -43,15 +44,36 @@ def vocabulary() -> tuple[list[str], list[int], list[float]]:
     return tokens, types, scores
 
 
-def tiny_gemma3(vocab_size: int):
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=5,
-        max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+# arch -> (transformers config, model class, gguf arch, config fields, RoPE base): the fields
+# llama.cpp hard-codes as these (q . k scaled by head_dim^-0.5, Gemma 3's local RoPE base)
+ARCHS = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", "GEMMA", dict(hidden_act="gelu_pytorch_tanh"), 10000.0),
+    # caps low enough to bite on this tiny model
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "GEMMA2", dict(
+        query_pre_attn_scalar=32, sliding_window=5, attn_logit_softcapping=0.8, final_logit_softcapping=0.6), 10000.0),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "GEMMA3", dict(
+        query_pre_attn_scalar=32, sliding_window=5,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
-    model = transformers.Gemma3ForCausalLM(config).eval()
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), 1e6),
+}
+
+
+def hf_class(arch: str, config: dict | None = None):
+    """transformers' config for `arch` (from our config's fields when given) and its model class."""
+    config_name, model_name, *_ = ARCHS[arch]
+    cls = getattr(transformers, config_name)
+    if config is not None:
+        return cls(**{k: v for k, v in config.items() if k != "model_type"}), getattr(transformers, model_name)
+    return cls, getattr(transformers, model_name)
+
+
+def tiny_gemma(arch: str, vocab_size: int):
+    torch.manual_seed(0)
+    config_cls, model_cls = hf_class(arch)
+    model = model_cls(config_cls(vocab_size=vocab_size, **COMMON, **ARCHS[arch][3])).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,11 +82,11 @@ def tiny_gemma3(vocab_size: int):
     return model
 
 
-def write_gemma3_gguf(path: Path, model, tokens, types, scores, quant: str = "F32") -> None:
-    """As llama.cpp's convert_hf_to_gguf writes a Gemma 3 text model (its Gemma3Model), the
-    matrices in `quant` (F32 or Q8_0), the norms in F32."""
+def write_gemma_gguf(path: Path, arch: str, model, tokens, types, scores, quant: str = "F32") -> None:
+    """As llama.cpp's convert_hf_to_gguf writes a Gemma text model (its GemmaModel, Gemma2Model,
+    Gemma3Model), the matrices in `quant` (F32 or Q8_0), the norms in F32."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -74,8 +96,12 @@ def write_gemma3_gguf(path: Path, model, tokens, types, scores, quant: str = "F3
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(1e6)
-    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_freq_base(ARCHS[arch][4])
+    if arch != "gemma":
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -89,7 +115,7 @@ def write_gemma3_gguf(path: Path, model, tokens, types, scores, quant: str = "F3
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
     w.add_chat_template(TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[arch][2]), cfg.num_hidden_layers)
     for hf, tensor in model.state_dict().items():
         if hf == "lm_head.weight":
             continue   # (tied)
@@ -108,28 +134,30 @@ def write_gemma3_gguf(path: Path, model, tokens, types, scores, quant: str = "F3
     w.close()
 
 
-@pytest.fixture(scope="module")
-def gemma_file(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(ARCHS))
+def gemma_file(request, tmp_path_factory):
+    arch = request.param
     tokens, types, scores = vocabulary()
-    model = tiny_gemma3(len(tokens))
-    path = tmp_path_factory.mktemp("gemma3") / "gemma3.gguf"
-    write_gemma3_gguf(path, model, tokens, types, scores)
-    return path, model
+    model = tiny_gemma(arch, len(tokens))
+    path = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
+    write_gemma_gguf(path, arch, model, tokens, types, scores)
+    return path, model, arch
 
 
 def test_the_model_is_the_checkpoint_it_was_written_from(gemma_file):
-    path, model = gemma_file
+    path, model, arch = gemma_file
     ckpt = load_checkpoint(str(path))
-    assert ckpt.hf_config["architectures"] == ["Gemma3ForCausalLM"]
+    assert ckpt.hf_config["architectures"] == [ARCHS[arch][1]]
     expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert set(ckpt.weights) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(ckpt.weights[name], tensor, atol=1e-7, rtol=0, msg=name)
-    # transformers' Gemma 3 built from our config and weights is the model (its sliding layers,
-    # local RoPE base and attention scale included)
-    config = transformers.Gemma3TextConfig(**{k: v for k, v in ckpt.hf_config.items() if k != "model_type"})
-    assert config.layer_types == model.config.layer_types
-    rebuilt = transformers.Gemma3ForCausalLM(config).eval()
+    # transformers' model built from our config and weights is the model (its sliding layers,
+    # local RoPE base, attention scale and soft caps included)
+    config, model_cls = hf_class(arch, ckpt.hf_config)
+    for key in ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert getattr(config, key, None) == getattr(model.config, key, None), key
+    rebuilt = model_cls(config).eval()
     rebuilt.load_state_dict(dict(ckpt.weights), strict=False)
     rebuilt.tie_weights()
     ids = torch.tensor([[2, 280, 290, 270, 263, 281, 282, 271, 293, 275, 268, 290, 289, 5]])
@@ -142,7 +170,9 @@ def test_the_model_is_the_checkpoint_it_was_written_from(gemma_file):
 def test_transformers_reads_the_same_tensors(gemma_file):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path, model = gemma_file
+    path, model, arch = gemma_file
+    if arch == "gemma":
+        pytest.skip("transformers reads no `gemma` GGUF file")
     ours = load_checkpoint(str(path)).weights
     # (the model is only asked for its parameter names)
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
@@ -155,7 +185,9 @@ def test_transformers_reads_the_same_tensors(gemma_file):
 def test_the_tokenizer_is_transformers_gemma_conversion(gemma_file):
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    path, _ = gemma_file
+    path, _, arch = gemma_file
+    if arch == "gemma":
+        pytest.skip("transformers reads no `gemma` GGUF file")
     arch, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
     theirs, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
     ckpt = load_checkpoint(str(path))
@@ -186,7 +218,7 @@ def test_served_greedy_tokens_are_transformers(gemma_file):
     (BOS from the template, none added twice), greedy tokens past the sliding window."""
     from llmserve.engine.offline import LLM
 
-    path, model = gemma_file
+    path, model, _ = gemma_file
     llm = LLM(str(path), threads=1, max_model_len=64, num_kv_blocks=32, block_size=4)
     got = llm.chat([{"role": "user", "content": "hello world"}],
                    {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
@@ -199,19 +231,20 @@ def test_served_greedy_tokens_are_transformers(gemma_file):
     assert got.body["choices"][0]["token_ids"] == ref[0, len(ids):].tolist()
 
 
-def test_a_q8_0_file_serves_its_weights(tmp_path):
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_q8_0_file_serves_its_weights(tmp_path, arch):
     """Q8_0 matrices, as llama.cpp's own small Gemma files ship: the few-token steps read the
     blocks (the quantized GEMV), the others their values; greedy tokens are transformers' on
     those values."""
     from llmserve.engine.offline import LLM
 
     tokens, types, scores = vocabulary()
-    path = tmp_path / "gemma3-q8_0.gguf"
-    write_gemma3_gguf(path, tiny_gemma3(len(tokens)), tokens, types, scores, quant="Q8_0")
+    path = tmp_path / f"{arch}-q8_0.gguf"
+    write_gemma_gguf(path, arch, tiny_gemma(arch, len(tokens)), tokens, types, scores, quant="Q8_0")
     ckpt = load_checkpoint(str(path))
     assert ckpt.quantized and all(q.ggml_type == gguf.GGMLQuantizationType.Q8_0 for q in ckpt.quantized.values())
-    config = transformers.Gemma3TextConfig(**{k: v for k, v in ckpt.hf_config.items() if k != "model_type"})
-    model = transformers.Gemma3ForCausalLM(config).eval()
+    config, model_cls = hf_class(arch, ckpt.hf_config)
+    model = model_cls(config).eval()
     model.load_state_dict(dict(ckpt.weights), strict=False)
     model.tie_weights()
     llm = LLM(str(path), threads=1, max_model_len=64, num_kv_blocks=32, block_size=4)
@@ -222,3 +255,24 @@ def test_a_q8_0_file_serves_its_weights(tmp_path):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert got.body["choices"][0]["token_ids"] == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch, layers_27b", [("gemma2", 46), ("gemma3", 62)])
+def test_what_llama_cpp_hard_codes_where_no_key_says(arch, layers_27b):
+    """The keys a Gemma 2 or 3 file may lack read as llama.cpp reads them: q . k scaled by
+    head_dim^-0.5, but by (hidden / heads)^-0.5 in the 27B model (which llama.cpp tells by its
+    layer count), unless the file has attention.scale; Gemma 2's caps 50 and 30."""
+    from llmserve.loaders.gguf_file import _gemma2_config, _gemma3_config, _Meta
+
+    read = {"gemma2": _gemma2_config, "gemma3": _gemma3_config}[arch]
+    meta = {f"{arch}.attention.sliding_window": 4096}
+    config = dict(hidden_size=4608, num_attention_heads=32, head_dim=128, num_hidden_layers=layers_27b)
+    assert read(_Meta(meta), config)["query_pre_attn_scalar"] == 144
+    assert read(_Meta(meta), dict(config, num_hidden_layers=26))["query_pre_attn_scalar"] == 128
+    assert read(_Meta({**meta, f"{arch}.attention.scale": 0.125}), config)["query_pre_attn_scalar"] == 64
+    if arch == "gemma2":
+        got = read(_Meta(meta), config)
+        assert (got["attn_logit_softcapping"], got["final_logit_softcapping"]) == (50.0, 30.0)
+        assert got["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    with pytest.raises(LoadError, match="sliding_window"):
+        read(_Meta({}), config)
