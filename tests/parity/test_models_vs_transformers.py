@@ -289,6 +289,9 @@ def test_gemma_1_and_2_read_hub_configs_as_transformers_does():
     assert ours.attn_scale == 256 ** -0.5 and ours.sandwich_norms and not ours.qk_norm
     with pytest.raises(ValueError, match="hidden activation"):
         GemmaForCausalLM.parse_config(dict(g1, hidden_act="relu"))
+    # Gemma 2's "gelu" is exact GELU to transformers (only Gemma 1's hidden_act meant the tanh)
+    with pytest.raises(ValueError, match="hidden activation"):
+        Gemma2ForCausalLM.parse_config(dict(g2, hidden_activation="gelu"))
 
 
 def test_gemma3_reads_a_hub_config_as_transformers_does():

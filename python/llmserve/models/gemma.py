@@ -30,15 +30,13 @@ from llmserve.models.registry import register
 GEGLU = "gelu_pytorch_tanh"
 
 
-def gemma_activation(hf_config: dict) -> str:
-    """The MLP's activation as transformers reads a Gemma config: `hidden_activation` (Gemma 2
-    and 3 configs), else `hidden_act`, whose legacy "gelu" is the tanh approximation."""
-    act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or GEGLU
-    if act == "gelu":
-        act = GEGLU
-    if act != GEGLU:
+def gemma_activation(act: str | None, legacy_gelu: bool) -> str:
+    """The MLP's activation, GEGLU's unless the config names another (which is refused); with
+    `legacy_gelu`, "gelu" names it too (Gemma 1's configs)."""
+    act = act or GEGLU
+    if act != GEGLU and not (legacy_gelu and act == "gelu"):
         raise ValueError(f"Gemma's hidden activation {act!r} is not supported ({GEGLU})")
-    return act
+    return GEGLU
 
 
 def layer_types(cfg: dict, pattern: int) -> list[str]:
@@ -63,16 +61,26 @@ def layer_windows(cfg: dict, types: list[str]) -> tuple[int, ...]:
 @register("GemmaForCausalLM")
 class GemmaForCausalLM(LlamaForCausalLM):
     @classmethod
+    def activation(cls, hf_config: dict) -> str:
+        # (transformers 4 read `hidden_activation` first, 5 reads `hidden_act`: Gemma 1.1's
+        # configs hold both, the one GEGLU and the other the legacy "gelu")
+        return gemma_activation(hf_config.get("hidden_activation") or hf_config.get("hidden_act"), True)
+
+    @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
         if hf_config.get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention is not supported")
         return DecoderConfig.from_hf(
             {**hf_config, "tie_word_embeddings": hf_config.get("tie_word_embeddings", True)},
-            norm_offset=1.0, embed_scale=hf_config["hidden_size"] ** 0.5, hidden_act=gemma_activation(hf_config))
+            norm_offset=1.0, embed_scale=hf_config["hidden_size"] ** 0.5, hidden_act=cls.activation(hf_config))
 
 
 @register("Gemma2ForCausalLM")
 class Gemma2ForCausalLM(GemmaForCausalLM):
+    @classmethod
+    def activation(cls, hf_config: dict) -> str:
+        return gemma_activation(hf_config.get("hidden_activation"), False)   # (as transformers)
+
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
         return replace(
