@@ -1,5 +1,5 @@
-"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite
-models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+"""Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite /
+OLMo 2 models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
 transformers itself; every weight (biases and norm weights included) is randomized so a dropped
 or misplaced tensor shows up in the logits."""
 
@@ -58,6 +58,8 @@ FAMILIES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.4, logits_scaling=2.5,
         tie_word_embeddings=True)),
+    # no norm before the attention or the MLP, their outputs normed; q and k normed across heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False, pad_token_id=0)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -161,7 +163,7 @@ def test_chunked_prefill_equals_one_shot(family):
     torch.testing.assert_close(full, hf_logits(hf, toks), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window"])
+@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different
@@ -189,7 +191,8 @@ def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
 
 def test_gemma_norms_round_as_transformers():
     """Gemma scales by 1 + w in float32 and rounds the product once (Llama rounds the normed
-    activations first, then multiplies in the model's dtype): bit for bit, in bf16."""
+    activations first, then multiplies in the model's dtype): bit for bit, in bf16. OLMo 2 the
+    same with w."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
     from llmserve.models.layers import RMSNorm
@@ -209,6 +212,18 @@ def test_gemma_norms_round_as_transformers():
     model = build_model(hf.config.to_dict(), dict(hf.state_dict()), torch.bfloat16, "cpu")
     norms = {n: p.dtype for n, p in model.named_parameters() if "norm" in n}
     assert len(norms) == 1 + 2 * 6 and set(norms.values()) == {torch.float32}
+
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    theirs = Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.copy_(w + 1)
+        ours.weight = torch.nn.Parameter(theirs.weight.float())
+        assert torch.equal(ours(x), theirs(x))
+    hf, _ = make_pair("olmo2")
+    model = build_model(hf.config.to_dict(), dict(hf.state_dict()), torch.bfloat16, "cpu")
+    norms = {n: p.dtype for n, p in model.named_parameters() if "norm" in n}
+    assert len(norms) == 1 + 4 * 2 and set(norms.values()) == {torch.float32}
 
 
 def test_greedy_generation_through_execute_matches_transformers():

@@ -147,6 +147,7 @@ def test_models_without_every_block_keep_the_torch_layers():
     ("GemmaForCausalLM", {}, False),
     ("Gemma2ForCausalLM", {"sliding_window": None}, False),
     ("Gemma3ForCausalLM", {"sliding_window": 64}, False),
+    ("Olmo2ForCausalLM", {}, False),
     ("Gemma3ForCausalLM", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, False),
 ])
 def test_only_llama_layers_take_the_rust_decoder(arch, extra, llama):

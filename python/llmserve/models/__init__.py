@@ -1,7 +1,9 @@
 """Model families and their registry. Importing this package registers every family; use
 `build_model(hf_config, weights, dtype, device)` to get a `CausalLM`."""
 
-from llmserve.models import gemma, gemma3, granite, llama, phi3, qwen2, qwen3, smollm3  # noqa: F401  (register themselves)
+# (each family module registers itself when imported)
+from llmserve.models import (gemma, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3,  # noqa: F401
+                             smollm3)
 from llmserve.models.registry import CausalLM, build_model, register, supported_architectures
 
 __all__ = ["CausalLM", "build_model", "register", "supported_architectures"]

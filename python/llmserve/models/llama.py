@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window) and the decoder that
-Qwen2, Qwen3, SmolLM3 and Gemma 3 reuse with switches: QKV bias, per-head q/k RMSNorm, layers
-without RoPE, and Gemma's norms, scales, activation and local RoPE (DecoderConfig).
+Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite and OLMo 2 reuse with switches (DecoderConfig): QKV
+bias, q/k RMSNorm, layers without RoPE, Gemma's norms, scales, activation, soft caps and local
+RoPE, OLMo 2's output-only norms, ...
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
@@ -76,6 +77,14 @@ class DecoderConfig:
     # cap * tanh(s / cap) with `attn_softcap`, and each logit with `final_softcap`.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # OLMo 2's switches: no norm before the attention and the MLP (`pre_norms` False: only
+    # their outputs are normed, `sandwich_norms`), and q and k each normed across all their
+    # heads at once (`qk_norm_across_heads`: RMSNorm over [heads * head_dim], not per head).
+    pre_norms: bool = True
+    qk_norm_across_heads: bool = False
+    # Norm weights stay float32 and scale in float32 before the one cast (OLMo 2's rounding, and
+    # Gemma's with its 1 + w), where Llama casts the normed activations, then scales.
+    fp32_norms: bool = False
 
     @property
     def llama_layers(self) -> bool:
@@ -126,8 +135,10 @@ class DecoderAttention(nn.Module):
         self.rotary_dim = c.rotary_dim   # (None: the whole head)
         self.qkv = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        across = c.qk_norm_across_heads
+        self.qk_across = across
+        self.q_norm = RMSNorm(c.num_heads * c.head_dim if across else c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.num_kv_heads * c.head_dim if across else c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.attn_scale, window=window,
                                    softcap=c.attn_softcap)
 
@@ -145,8 +156,10 @@ class DecoderAttention(nn.Module):
             q, k = q.view(-1, nh, d), k.view(-1, nkv, d)
         else:
             qk, v = qkv.split(((nh + nkv) * d, nkv * d), dim=-1)
+            if self.qk_across:                          # OLMo 2: RMSNorm across the heads
+                qk = torch.cat((self.q_norm(qk[:, :nh * d]), self.k_norm(qk[:, nh * d:])), dim=-1)
             qk = qk.view(-1, nh + nkv, d)               # q heads then k heads: RoPE both in one go
-            if self.q_norm is not None:                 # Qwen3: per-head RMSNorm before RoPE
+            if self.q_norm is not None and not self.qk_across:   # Qwen3: per-head RMSNorm before RoPE
                 qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
             if self.rope and whole:
                 qk = RotaryEmbedding.apply(qk, cos, sin)
@@ -162,9 +175,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: DecoderConfig, index: int):
         super().__init__()
         window = c.layer_windows[index] if c.layer_windows else 0
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norms else None
         self.attn = DecoderAttention(c, rope=index not in c.nope_layers, window=window)
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)   # the MLP's input norm
+        # the MLP's input norm
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norms else None
         self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
         sandwich = c.sandwich_norms
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
@@ -175,8 +189,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
-        h = self._add(h, self.attn(self.input_norm(h), cos, sin, attn, kv_cache), self.attn_out_norm)
-        return self._add(h, self.mlp(self.post_norm(h)), self.mlp_out_norm)
+        x = h if self.input_norm is None else self.input_norm(h)
+        h = self._add(h, self.attn(x, cos, sin, attn, kv_cache), self.attn_out_norm)
+        return self._add(h, self.mlp(h if self.post_norm is None else self.post_norm(h)), self.mlp_out_norm)
 
     def _add(self, h: torch.Tensor, out: torch.Tensor, out_norm: RMSNorm | None) -> torch.Tensor:
         """The residual add of a sublayer's output (normed first with sandwich norms, scaled
@@ -396,7 +411,8 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
                        a + "qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * i, h),
                        a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
                        a + "o_proj.weight": (h, q), a + "o_proj.bias": (h,),
-                       a + "q_norm.weight": (d,), a + "k_norm.weight": (d,),
+                       a + "q_norm.weight": (q,) if c.qk_norm_across_heads else (d,),
+                       a + "k_norm.weight": (kv,) if c.qk_norm_across_heads else (d,),
                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                        p + "mlp.down_proj.weight": (h, i),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
@@ -432,8 +448,9 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         return left.pop(name).to(device=device, dtype=dtype).contiguous()
 
     def norm(name: str) -> torch.Tensor:
-        # Gemma's 1 + w stays float32: its norms scale in float32, then round (layers.RMSNorm)
-        if not c.norm_offset:
+        # Gemma's 1 + w (and OLMo 2's w) stays float32: its norms scale in float32, then round
+        # (layers.RMSNorm)
+        if not (c.norm_offset or c.fp32_norms):
             return one(name)
         checked(name)
         return (left.pop(name).float() + c.norm_offset).to(device=device).contiguous()
@@ -473,10 +490,12 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", one(hf + "mlp.gate_up_proj.weight") if fused
                                                   else cat(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"))
         out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
-        out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
+        if c.pre_norms:
+            out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
         if c.sandwich_norms:
             out[ours + "attn_out_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
-            out[ours + "post_norm.weight"] = norm(hf + "pre_feedforward_layernorm.weight")
+            if c.pre_norms:
+                out[ours + "post_norm.weight"] = norm(hf + "pre_feedforward_layernorm.weight")
             out[ours + "mlp_out_norm.weight"] = norm(hf + "post_feedforward_layernorm.weight")
         else:
             out[ours + "post_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
