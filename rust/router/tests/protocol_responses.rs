@@ -151,6 +151,14 @@ fn errors_are_named_in_the_responses_terms() {
     ] {
         assert_eq!(err(body.clone()), unsupported(param), "{body}");
     }
+    // refusals do not blame a store this server has (audit 77)
+    for body in
+        [json!({"input": "hello", "background": true}), json!({"input": [{"type": "item_reference", "id": "msg_1"}]})]
+    {
+        let e = responses(&r, body.clone()).unwrap_err();
+        assert_eq!(e.code(), "unsupported_parameter", "{body}");
+        assert!(!e.message().contains("stores no"), "{}", e.message());
+    }
     // the message quotes the field the client sent
     let e = responses(&r, json!({"input": "hello", "max_output_tokens": 100})).unwrap_err();
     assert!(

@@ -419,7 +419,8 @@ impl Conversation {
             }
             "item_reference" => Err(unsupported(
                 format!("{p}.type"),
-                "Item references are not supported: this server stores no responses or items. Send the item itself.",
+                "Item references are not supported: send the item itself (or continue a stored response with \
+                 `previous_response_id`).",
             )),
             other => Err(unsupported(
                 format!("{p}.type"),
@@ -693,7 +694,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         Some(Value::Bool(true)) => {
             return Err(unsupported(
                 "background",
-                "Background responses are not supported: this server stores no responses.",
+                "Background responses are not supported: a response is generated while its request is open \
+                 (stream it to see it as it is made).",
             ))
         }
         Some(other) => {
