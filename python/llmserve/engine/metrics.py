@@ -20,6 +20,10 @@ CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_pr
                        "gpu_memory_utilization")
 
 
+# The API's finish reasons that vLLM's metrics label by the engine's: a tool call is a stop.
+_ENGINE_REASONS = {"tool_calls": "stop"}
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -90,10 +94,10 @@ class Metrics:
                                            "The max_tokens of each request, as resolved (the rest of the "
                                            "context when not sent).", _TOKENS),
         }
-        # NOTE: labelled as vLLM labels it, by finish reason ("stop", "length", "tool_calls",
-        # "error"), counting each choice of each prompt as vLLM counts each sequence; a
-        # request whose client left is not a success there either: it counts in
-        # request_aborted.
+        # NOTE: labelled as vLLM labels it, by the engine's finish reason ("stop", "length",
+        # "error": a choice that ended in a tool call stopped, as vLLM's engine sees it), counting
+        # each choice of each prompt as vLLM counts each sequence; a request whose client left
+        # is not a success there either: it counts in request_aborted.
         self._requests = Counter("llmserve:request_success",
                                  "Sequences finished (each choice of each prompt), by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
@@ -170,10 +174,10 @@ class Metrics:
             self.aborted.inc(sequences)
             return
         if ends is None:
-            self._requests.labels(self.model_name, reason).inc(sequences)
+            self._requests.labels(self.model_name, _ENGINE_REASONS.get(reason, reason)).inc(sequences)
         else:
             for i, (choice_reason, tokens) in enumerate(ends):
-                self._requests.labels(self.model_name, choice_reason).inc()
+                self._requests.labels(self.model_name, _ENGINE_REASONS.get(choice_reason, choice_reason)).inc()
                 self.request_prompt.observe(prompt_lens[min(i // n, len(prompt_lens) - 1)])
                 self.request_generation.observe(tokens)
         if max_tokens is not None:
