@@ -10,8 +10,10 @@
 //!   values typed by the function's schema ([`xml`]); chosen when the template mentions
 //!   `<function=` (checked before Hermes, whose marker it shares).
 //! - `json`: llmserve's default for templates that know no tool format (SmolLM2): the whole
-//!   output is one call object `{"name": ..., "arguments": {...}}`, or, when parallel calls
-//!   are allowed, a JSON array of them; under a named `tool_choice` it is the arguments object
+//!   output is a JSON array of call objects `{"name": ..., "arguments": {...}}`, of one call
+//!   when parallel calls are not allowed (the form SmolLM2 writes calls in: forced into a bare
+//!   object it wrote worse arguments); a bare call object parses too; under a named
+//!   `tool_choice` it is the arguments object
 //!   alone (the name is known: as vLLM, the model writes only what it must choose). It is only
 //!   used under a forced `tool_choice`: with `"auto"` and no known format, a model's
 //!   JSON-looking text stays text.
@@ -236,8 +238,7 @@ impl ToolCallFormat {
             }
             root
         };
-        let parallel_json = self == Self::Json && parallel;
-        if !parallel_json {
+        if self != Self::Json {
             one = with_defs(one);
         }
         let fixed_ws = |mut schema: Value| {
@@ -254,10 +255,13 @@ impl ToolCallFormat {
                 let start = if parallel { "start: \"[\" call (\", \" call)* \"]\"" } else { "start: \"[\" call \"]\"" };
                 GrammarSource::Lark(format!("{start}\n{call}"))
             }
-            Self::Json if parallel => {
-                GrammarSource::JsonSchema(with_defs(json!({"type": "array", "items": one, "minItems": 1})))
+            Self::Json => {
+                let mut calls = json!({"type": "array", "items": one, "minItems": 1});
+                if !parallel {
+                    calls["maxItems"] = json!(1);
+                }
+                GrammarSource::JsonSchema(with_defs(calls))
             }
-            Self::Json => GrammarSource::JsonSchema(one),
             Self::Hermes => {
                 let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
                 GrammarSource::Lark(format!("{start}\nblock: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\n{call}"))
@@ -331,8 +335,12 @@ mod tests {
         assert_eq!(ToolCallFormat::detect("{% if tools %}<tool_call>{% endif %}"), Some(ToolCallFormat::Hermes));
         assert_eq!(ToolCallFormat::detect("{{ messages }}"), None);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
+        // (one call: an array of one, the form SmolLM2 writes its calls in)
         match ToolCallFormat::Json.forced_grammar(&[&f], false).unwrap() {
-            GrammarSource::JsonSchema(s) => assert_eq!(s["properties"]["name"]["const"], "f"),
+            GrammarSource::JsonSchema(s) => {
+                assert_eq!((&s["type"], &s["maxItems"]), (&json!("array"), &json!(1)));
+                assert_eq!(s["items"]["properties"]["name"]["const"], "f");
+            }
             other => panic!("{other:?}"),
         }
         match ToolCallFormat::Json.forced_grammar(&[&f, &f], true).unwrap() {
@@ -471,7 +479,7 @@ mod tests {
                 false,
                 "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>".into(),
             ),
-            (ToolCallFormat::Json, false, "{\"name\": \"f\", \"arguments\": {\"a\": 7}}".into()),
+            (ToolCallFormat::Json, false, "[{\"name\": \"f\", \"arguments\": {\"a\": 7}}]".into()),
             (ToolCallFormat::Qwen3Xml, false, xml_one.into()),
             (ToolCallFormat::Qwen3Xml, true, xml_two.into()),
         ];
@@ -524,13 +532,16 @@ mod tests {
         let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
         let open = json!({"name": "f", "parameters": {}});
         let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&open], false).unwrap(), "tools").unwrap();
-        assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": \"x"));
-        assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": ["));
-        assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\"when\": 1}}").is_stopped());
+        assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": \"x"));
+        assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": ["));
+        assert!(drive(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {\"when\": 1}}]").is_stopped());
+        // one call, not two (parallel_tool_calls: false), and not a bare object
+        assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {}}, "));
+        assert!(refuses(&grammar, &tok, "{"));
         let none = json!({"name": "f"});
         let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false).unwrap(), "tools").unwrap();
-        assert!(refuses(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {\""));
-        assert!(drive(&grammar, &tok, "{\"name\": \"f\", \"arguments\": {}}").is_stopped());
+        assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {\""));
+        assert!(drive(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {}}]").is_stopped());
     }
 
     /// Parameters with local `$ref`s (what pydantic writes for nested models and enums, and a
@@ -561,7 +572,7 @@ mod tests {
                 false,
                 format!("<tool_call>\n{{\"name\": \"w\", \"arguments\": {args}}}\n</tool_call>"),
             ),
-            (ToolCallFormat::Json, false, format!("{{\"name\": \"t\", \"arguments\": {kids}}}")),
+            (ToolCallFormat::Json, false, format!("[{{\"name\": \"t\", \"arguments\": {kids}}}]")),
             (
                 ToolCallFormat::Json,
                 true,
@@ -579,8 +590,8 @@ mod tests {
             assert!(refuses(&grammar, &tok, &format!("{}{wrong}", &text[..cut])), "{format:?}");
         }
         let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&weather], false).unwrap(), "tools").unwrap();
-        assert!(refuses(&grammar, &tok, "{\"name\": \"w\", \"arguments\": {\"place\": {\"city\": \"x\", \"co"));
-        assert!(refuses(&grammar, &tok, "{\"name\": \"w\", \"arguments\": {\"season"));
+        assert!(refuses(&grammar, &tok, "[{\"name\": \"w\", \"arguments\": {\"place\": {\"city\": \"x\", \"co"));
+        assert!(refuses(&grammar, &tok, "[{\"name\": \"w\", \"arguments\": {\"season"));
         let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&weather], false).unwrap(), "tools").unwrap();
         let call = "<tool_call>\n<function=w>\n<parameter=place>\n{\"city\": \"Oslo\"}\n</parameter>\n\
                     <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>";
@@ -650,7 +661,7 @@ mod tests {
         ];
         for (params, args) in cases {
             let f = json!({"name": "f", "parameters": params});
-            let text = serde_json::to_string(&json!({"name": "f", "arguments": args}))
+            let text = serde_json::to_string(&json!([{"name": "f", "arguments": args}]))
                 .unwrap()
                 .replace(",", ", ")
                 .replace(":", ": ");
