@@ -135,10 +135,10 @@ class DecoderAttention(nn.Module):
         self.rotary_dim = c.rotary_dim   # (None: the whole head)
         self.qkv = QKVLinear(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        across = c.qk_norm_across_heads
-        self.qk_across = across
-        self.q_norm = RMSNorm(c.num_heads * c.head_dim if across else c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.num_kv_heads * c.head_dim if across else c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.qk_across = c.qk_norm_across_heads
+        q_dim, k_dim = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim) if self.qk_across else (c.head_dim,) * 2
+        self.q_norm = RMSNorm(q_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.attn_scale, window=window,
                                    softcap=c.attn_softcap)
 
