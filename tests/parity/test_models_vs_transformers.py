@@ -33,6 +33,9 @@ FAMILIES = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    # Qwen3's long-context YaRN (factor 4 over an original 8 positions: the ramp spans dims)
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8))),
     # the first releases' legacy hidden_act "gelu" (the tanh approximation); 1 + w norms
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
         head_dim=32, hidden_act="gelu", pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -60,6 +63,13 @@ FAMILIES = {
         tie_word_embeddings=True)),
     # no norm before the attention or the MLP, their outputs normed; q and k normed across heads
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False, pad_token_id=0)),
+    # OLMo 2's layers, a sliding one (window 6) then a full one; YaRN on the full one alone
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 8}})),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -163,7 +173,7 @@ def test_chunked_prefill_equals_one_shot(family):
     torch.testing.assert_close(full, hf_logits(hf, toks), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different
@@ -309,6 +319,27 @@ def test_gemma_1_and_2_read_hub_configs_as_transformers_does():
         Gemma2ForCausalLM.parse_config(dict(g2, hidden_activation="gelu"))
 
 
+def test_olmo3_reads_a_hub_config_as_transformers_does():
+    """Olmo-3's config.json (flat keys: rope_theta, a YaRN rope_scaling, no layer_types): the
+    same layers slide, YaRN rotates the full-attention layers alone, as transformers reads it;
+    the positions served are the original context times the factor."""
+    from llmserve.engine.build import native_positions
+    from llmserve.models.olmo2 import Olmo3ForCausalLM
+
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2079,
+            "beta_fast": 32, "beta_slow": 1}
+    hub = dict(architectures=["Olmo3ForCausalLM"], model_type="olmo3", hidden_size=4096, intermediate_size=11008,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=65536,
+               rms_norm_eps=1e-6, rope_theta=500000, rope_scaling=yarn, sliding_window=4096, vocab_size=100278)
+    theirs = transformers.Olmo3Config(**{k: v for k, v in hub.items() if k != "architectures"})
+    ours = Olmo3ForCausalLM.parse_config(hub)
+    assert [w > 0 for w in ours.layer_windows] == [t == "sliding_attention" for t in theirs.layer_types]
+    assert ours.rope_scaling["rope_type"] == theirs.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert ours.local_rope == (500000.0, None) and theirs.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    assert ours.rope_theta == 500000.0 and sorted(ours.local_layers) == [i for i in range(32) if (i + 1) % 4]
+    assert native_positions(hub, None) == 65536
+
+
 def test_gemma3_reads_a_hub_config_as_transformers_does():
     """gemma-3-1b-it's config.json (the flat keys transformers 4 wrote: rope_theta,
     rope_local_base_freq, sliding_window_pattern): the same layers slide, with the same RoPE
@@ -328,6 +359,37 @@ def test_gemma3_reads_a_hub_config_as_transformers_does():
     assert (ours.rope_theta, ours.local_rope[0]) == (theirs.rope_parameters["full_attention"]["rope_theta"],
                                                       theirs.rope_parameters["sliding_attention"]["rope_theta"])
     assert ours.tie_word_embeddings and ours.attn_scale == 256 ** -0.5
+
+
+@pytest.mark.parametrize("params", [
+    dict(factor=4.0, original_max_position_embeddings=64),
+    dict(factor=8.0, original_max_position_embeddings=32, beta_fast=16, beta_slow=2, truncate=False),
+    dict(factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.707),   # DeepSeek's
+    dict(factor=4.0, original_max_position_embeddings=64, attention_factor=1.5),
+    dict(factor=None, original_max_position_embeddings=64),   # factor: max_position_embeddings / original
+    dict(factor=2.0),   # the original context: max_position_embeddings, as transformers fills it
+])
+def test_yarn_tables(params):
+    """YaRN's frequencies and attention factor, as transformers computes them (its
+    _compute_yarn_parameters), with each optional key; and the positions served: the original
+    context times the factor, as vLLM serves YaRN."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llmserve.engine.build import native_positions
+    from llmserve.models.layers import RotaryEmbedding
+
+    config = transformers.Qwen3Config(**{**COMMON, "max_position_embeddings": 512}, head_dim=32,
+                                      rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **params))
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = RotaryEmbedding(32, 10000.0, config.rope_parameters, 512, torch.device("cpu"))
+    torch.testing.assert_close(ours.inv_freq.float(), inv_freq, rtol=1e-6, atol=0)
+    assert ours.mscale == pytest.approx(attention, rel=1e-12) and attention != 1.0
+    positions = torch.arange(512)
+    cos = torch.outer(positions.double(), inv_freq.double()).cos() * attention
+    torch.testing.assert_close(ours.cos, cos.float(), atol=2e-5, rtol=0)
+    hf = {**config.to_dict(), "rope_scaling": dict(config.rope_parameters)}
+    original = params.get("original_max_position_embeddings", 512)
+    assert native_positions(hf, None) == int(original * (params["factor"] or 512 / original))
 
 
 def test_longrope_tables():

@@ -44,9 +44,9 @@ def test_a_config_key_the_model_needs(folder):
 
 
 def test_an_unsupported_feature(folder):
-    _edit_json(folder / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0},
-               rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(LoadError, match="yarn"):
+    _edit_json(folder / "config.json", rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+               rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(LoadError, match="dynamic"):
         _build(folder)
 
 

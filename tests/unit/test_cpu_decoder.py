@@ -148,6 +148,9 @@ def test_models_without_every_block_keep_the_torch_layers():
     ("Gemma2ForCausalLM", {"sliding_window": None}, False),
     ("Gemma3ForCausalLM", {"sliding_window": 64}, False),
     ("Olmo2ForCausalLM", {}, False),
+    ("Olmo3ForCausalLM", {"sliding_window": None}, False),
+    ("Qwen3ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 64}}, True),
     ("Gemma3ForCausalLM", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, False),
 ])
 def test_only_llama_layers_take_the_rust_decoder(arch, extra, llama):

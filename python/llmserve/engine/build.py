@@ -186,15 +186,22 @@ def _built(ck, build):
 
 def native_positions(hf: dict, model) -> int:
     """The positions a model serves: max_position_embeddings (2048 when the config does not
-    say), stretched by a linear RoPE scaling's factor (vLLM's limit too). llama3's and
+    say), stretched by a linear RoPE scaling's factor (vLLM's limit too); with YaRN, the original
+    context times its factor, as vLLM serves it. llama3's and
     LongRoPE's max_position_embeddings already count the stretched positions, and so does
     Gemma 3's, whose linear factor (4B and up) rescales the global layers' RoPE into them
     (the model's `positions_count_rope_scaling`, as vLLM reads Gemma 3)."""
     native_len = int(hf.get("max_position_embeddings") or 2048)
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if (scaling.get("rope_type", scaling.get("type")) == "linear" and scaling.get("factor")
+    scaling = scaling.get("full_attention", scaling)   # (per layer type: the full layers')
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if (kind == "linear" and scaling.get("factor")
             and not getattr(model, "positions_count_rope_scaling", False)):
         native_len = int(native_len * float(scaling["factor"]))
+    if kind == "yarn":
+        # as vLLM: YaRN stretches the original context (as transformers fills it) by its factor
+        original = int(scaling.get("original_max_position_embeddings") or native_len)
+        native_len = int(original * float(scaling.get("factor") or native_len / original))
     return native_len
 
 

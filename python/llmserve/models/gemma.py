@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, layer_types, layer_windows
 from llmserve.models.registry import register
 
 GEGLU = "gelu_pytorch_tanh"
@@ -37,25 +37,6 @@ def gemma_activation(act: str | None, legacy_gelu: bool) -> str:
     if act != GEGLU and not (legacy_gelu and act == "gelu"):
         raise ValueError(f"Gemma's hidden activation {act!r} is not supported ({GEGLU})")
     return GEGLU
-
-
-def layer_types(cfg: dict, pattern: int) -> list[str]:
-    """Each layer's attention, as transformers' Gemma 2 and 3 configs read it: `layer_types`,
-    else a full-attention layer every `pattern`th (`sliding_window_pattern` if the config has
-    one), sliding-window ones between."""
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or pattern
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types must give each of the {n} layers sliding_attention or full_attention")
-    return list(types)
-
-
-def layer_windows(cfg: dict, types: list[str]) -> tuple[int, ...]:
-    window = int(cfg.get("sliding_window") or 0)
-    return tuple(window if t == "sliding_attention" else 0 for t in types) if window else ()
 
 
 @register("GemmaForCausalLM")

@@ -27,18 +27,8 @@ again (positions_count_rope_scaling), as vLLM reads them.
 
 from __future__ import annotations
 
-from llmserve.models.gemma import layer_types, layer_windows
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, layer_type_rope, layer_types, layer_windows
 from llmserve.models.registry import register
-
-
-def _rope(params: dict | None, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
-    """(theta, scaling) of one layer type: from transformers >= 5's `rope_parameters[type]`,
-    else the flat keys' `theta` and `scaling`."""
-    if params is None:
-        return float(theta), scaling
-    kind = params.get("rope_type", params.get("type", "default"))
-    return float(params.get("rope_theta", theta)), (None if kind == "default" else params)
 
 
 @register("Gemma3ForCausalLM")
@@ -53,12 +43,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma's hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
         types = layer_types(hf_config, 6)
-        params = hf_config.get("rope_parameters") or {}
-        nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
-        full = _rope(params.get("full_attention") if nested else None, hf_config.get("rope_theta") or 1e6,
-                     hf_config.get("rope_scaling"))
-        local = _rope(params.get("sliding_attention") if nested else None,
-                      hf_config.get("rope_local_base_freq") or 1e4, None)
+        full = layer_type_rope(hf_config, "full_attention", hf_config.get("rope_theta") or 1e6,
+                               hf_config.get("rope_scaling"))
+        local = layer_type_rope(hf_config, "sliding_attention", hf_config.get("rope_local_base_freq") or 1e4, None)
         return DecoderConfig.from_hf(
             {**hf_config, "tie_word_embeddings": hf_config.get("tie_word_embeddings", True)},
             rope_theta=full[0], rope_scaling=full[1], qk_norm=True, norm_offset=1.0, sandwich_norms=True,

@@ -64,6 +64,39 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_mid, blended, out)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, theta: float, scaling: dict,
+                   max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen3's and OLMo 3's long-context RoPE, as transformers computes it): frequencies
+    that turn fewer than `beta_slow` times over the original context are slowed down by
+    `factor`, those that turn more than `beta_fast` times kept, a linear ramp over the dims
+    between; cos and sin are scaled by the attention factor (0.1 ln(factor) + 1 unless given,
+    DeepSeek's mscale ratio when both mscales are). Returns (inv_freq, attention factor)."""
+    # (without one, the original context is max_position_embeddings, as transformers fills it)
+    original = float(scaling.get("original_max_position_embeddings") or max_positions)
+    factor = float(scaling.get("factor") or max_positions / original)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale()
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+    dim = 2 * inv_freq.numel()
+
+    def dim_of(rotations: float) -> float:
+        # the dim whose frequency turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
+
+
 class RotaryEmbedding:
     """Rotary position embedding with HF's rotate-half layout (pairs are (i, i + d/2)).
 
@@ -85,6 +118,8 @@ class RotaryEmbedding:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / float(scaling["factor"])
+        elif rope_type == "yarn":
+            inv_freq, self.mscale = _yarn_inv_freq(inv_freq, theta, scaling, max_positions)
         elif rope_type == "longrope":
             short, long = (torch.tensor(scaling[k], dtype=torch.float64) for k in ("short_factor", "long_factor"))
             if short.shape != inv_freq.shape or long.shape != inv_freq.shape:

@@ -127,6 +127,39 @@ class DecoderConfig:
         return DecoderConfig(**fields)
 
 
+def layer_types(cfg: dict, pattern: int) -> list[str]:
+    """Each layer's attention, as transformers' configs with sliding-window layers (Gemma 2 and 3,
+    OLMo 3) read it: `layer_types`, else a full-attention layer every `pattern`th
+    (`sliding_window_pattern` if the config has one), sliding-window ones between."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or pattern
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must give each of the {n} layers sliding_attention or full_attention")
+    return list(types)
+
+
+def layer_windows(cfg: dict, types: list[str]) -> tuple[int, ...]:
+    """DecoderConfig.layer_windows: `sliding_window` in the layers `types` marks sliding."""
+    window = int(cfg.get("sliding_window") or 0)
+    return tuple(window if t == "sliding_attention" else 0 for t in types) if window else ()
+
+
+def layer_type_rope(cfg: dict, layer_type: str, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
+    """(theta, scaling) of the layers of one type: transformers >= 5 writes them per type
+    (`rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}`); a config without
+    that gets `theta` and `scaling`, the caller's reading of its flat keys."""
+    params = cfg.get("rope_parameters") or {}
+    nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
+    own = params.get(layer_type) if nested else None
+    if own is None:
+        return float(theta), scaling
+    kind = own.get("rope_type", own.get("type", "default"))
+    return float(own.get("rope_theta", theta)), (None if kind == "default" else own)
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, c: DecoderConfig, rope: bool = True, window: int = 0):
         super().__init__()
