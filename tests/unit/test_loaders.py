@@ -306,11 +306,12 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eot: int | None = 3,
-               blocks=None) -> None:
+               blocks=None, yarn: dict | None = None) -> None:
     """A GGUF file as llama.cpp's converter writes it: its names, Q/K rows permuted, no
     output.weight when tied; 2-D weights in `quant` (Q8_0 or F32), norms in F32.
     `blocks(hf_name, data)`: a 2-D weight's (raw array, its ggml type) to write instead (types
-    gguf cannot quantize: K-quants), or None for `quant`."""
+    gguf cannot quantize: K-quants), or None for `quant`. `yarn`: the model's YaRN
+    rope_parameters, written as llama.cpp's converter writes Qwen's."""
     import gguf
 
     cfg = model.config
@@ -328,6 +329,10 @@ def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eo
     w.add_value_length(head_dim)
     w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if yarn is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn["factor"])
+        w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -499,14 +504,18 @@ def test_gguf_weights_equal_ggufs_own_dequantization(tmp_path, quant):
         assert torch.equal(ckpt.weights.sample(name, index), want.reshape(-1)[torch.from_numpy(index)]), name
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_gguf_qwen(tmp_path, arch):
+@pytest.mark.parametrize("arch, yarn", [("qwen2", False), ("qwen3", False), ("qwen3", True)])
+def test_gguf_qwen(tmp_path, arch, yarn):
+    """Qwen files as llama.cpp writes them, and a Qwen3 one with its long-context YaRN keys:
+    transformers' model from our config is the model written."""
     import transformers
 
     torch.manual_seed(0)
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4)
     common = dict(
         vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+        **({"rope_parameters": rope} if yarn else {"rope_theta": 10000.0}),
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )
     if arch == "qwen2":
@@ -518,9 +527,11 @@ def test_gguf_qwen(tmp_path, arch):
             if name.endswith(("norm.weight", "bias")):
                 p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path / f"{arch}.gguf"
-    write_gguf(path, model, arch=arch)
+    write_gguf(path, model, arch=arch, yarn=rope if yarn else None)
     ckpt = load_checkpoint(str(path))
     assert_weights_equal(ckpt, model)
+    if yarn:
+        assert ckpt.hf_config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
     c = ckpt.hf_config
     assert c["architectures"] == [type(model).__name__]
     assert c["model_type"] == arch
@@ -673,3 +684,19 @@ def test_named_templates_without_a_default_say_so(tmp_path):
     tools = [{"type": "function", "function": {"name": "f"}}]
     body = json.loads(router.handle("chat_render", json.dumps({"model": "m", "messages": messages, "tools": tools}).encode())[0])
     assert body["template"]["origin"] == "tokenizer_config.json:tool_use"
+
+
+def test_gguf_rope_scaling_keys():
+    """A file's rope.scaling.* keys as HF's rope_scaling: linear, YaRN (the betas where given);
+    the keys that reshape llama.cpp's YaRN attention factor, and other types, are refused."""
+    from llmserve.loaders.gguf_file import _Meta, _rope_scaling
+
+    key = "qwen3.rope.scaling."
+    assert _rope_scaling(_Meta({key + "factor": 2.0}), "qwen3", "linear") == {"rope_type": "linear", "factor": 2.0}
+    yarn = {key + "factor": 4.0, key + "original_context_length": 32768, key + "yarn_beta_fast": 16.0}
+    assert _rope_scaling(_Meta(yarn), "qwen3", "yarn") == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 16.0}
+    with pytest.raises(LoadError, match="yarn_log_multiplier"):
+        _rope_scaling(_Meta({**yarn, key + "yarn_log_multiplier": 0.1}), "qwen3", "yarn")
+    with pytest.raises(LoadError, match="'longrope' is not supported"):
+        _rope_scaling(_Meta(yarn), "qwen3", "longrope")

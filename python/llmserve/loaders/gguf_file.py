@@ -187,9 +187,7 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
     }
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise LoadError(f"GGUF RoPE scaling {scaling!r} is not supported (only linear)")
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
+        config["rope_scaling"] = _rope_scaling(meta, arch, scaling)
     if model_type in ("llama", "smollm3"):
         config.update(attention_bias=False, mlp_bias=False)
     if model_type == "smollm3":
@@ -205,6 +203,30 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
     if model_type == "gemma3_text":
         config.update(_gemma3_config(meta, config))
     return config
+
+
+def _rope_scaling(meta: _Meta, arch: str, kind: str) -> dict:
+    """The HF `rope_scaling` of a file's `rope.scaling.*` keys: linear, or YaRN as llama.cpp's
+    converter writes it (factor, original context, the betas where given). The keys that
+    reshape YaRN's attention factor in llama.cpp's own way are refused, not guessed at."""
+    key = f"{arch}.rope.scaling."
+    factor = float(meta.require(key + "factor"))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise LoadError(f"GGUF RoPE scaling {kind!r} is not supported (linear and yarn are)")
+    if unread := [k for k in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor")
+                  if meta.get(key + k) is not None]:
+        raise LoadError(f"GGUF YaRN keys {', '.join(key + k for k in unread)} are not supported; "
+                        "load the model's Hugging Face folder instead")
+    scaling: dict = {"rope_type": "yarn", "factor": factor}
+    original = _int_scalar(meta, key + "original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if meta.get(key + theirs) is not None:
+            scaling[ours] = _decimal(meta.get(key + theirs))
+    return scaling
 
 
 def _gemma_layers(meta: _Meta, config: dict, arch: str, sliding: list[bool], layers_27b: int) -> dict:
