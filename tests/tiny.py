@@ -84,3 +84,19 @@ def build_tiny_llama(folder: Path, *, max_position_embeddings: int = 512, seed: 
     }))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return folder
+
+
+def write_gguf_shape(w, cfg, rope_theta: float) -> None:
+    """The model-shape keys of a GGUF file (a gguf.GGUFWriter `w`), from the transformers
+    config `cfg`, as llama.cpp's converter writes them for every decoder."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

@@ -155,6 +155,13 @@ def test_soft_capped_scores_keep_the_torch_path():
     assert kernels.supports(c.num_heads, c.num_kv_heads, c.head_dim, 16, torch.bfloat16) is None
     model = SimpleNamespace(config=c, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     assert "soft-capping" in kernels_unused_because(model, 16, torch.bfloat16)
+    # and a cap never reaches the kernels' metadata unnoticed
+    from llmserve.worker.attention import paged_attention
+
+    cuda_meta = SimpleNamespace(attend=lambda *a: pytest.fail("attended without the cap"))
+    x = torch.zeros(1, 4, 64)
+    with pytest.raises(RuntimeError, match="no soft cap"):
+        paged_attention(x, x, x, x, x, cuda_meta, 0.125, softcap=50.0)
 
 
 def test_without_a_gpu_the_factory_falls_back_to_the_torch_path(caplog):

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from tiny import write_gguf_shape
+
 from llmserve import _core
 from llmserve.loaders import LoadError, load_checkpoint
 
@@ -87,16 +89,7 @@ def write_gemma_gguf(path: Path, arch: str, model, tokens, types, scores, quant:
     Gemma3Model), the matrices in `quant` (F32 or Q8_0), the norms in F32."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(ARCHS[arch][4])
+    write_gguf_shape(w, cfg, ARCHS[arch][4])
     if arch != "gemma":
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":

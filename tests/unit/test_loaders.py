@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from tiny import write_gguf_shape
+
 from llmserve.loaders import Checkpoint, LoadError, load_checkpoint
 from llmserve.loaders.gguf_file import unpermute_qk
 from llmserve.models import build_model
@@ -318,17 +320,8 @@ def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eo
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     permute = arch in ("llama", "smollm3")  # llama.cpp writes qwen2/qwen3 rows unpermuted (NEOX RoPE)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_gguf_shape(w, cfg, getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if yarn is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(yarn["factor"])

@@ -27,6 +27,7 @@ again (positions_count_rope_scaling), as vLLM reads them.
 
 from __future__ import annotations
 
+from llmserve.models.gemma import gemma_activation
 from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, layer_type_rope, layer_types, layer_windows
 from llmserve.models.registry import register
 
@@ -39,9 +40,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
         if hf_config.get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
-        act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
-        if act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma's hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        act = gemma_activation(hf_config.get("hidden_activation") or hf_config.get("hidden_act"), False)
         types = layer_types(hf_config, 6)
         full = layer_type_rope(hf_config, "full_attention", hf_config.get("rope_theta") or 1e6,
                                hf_config.get("rope_scaling"))

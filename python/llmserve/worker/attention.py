@@ -269,6 +269,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     `window` > 0: each query sees only the last `window` keys up to its position. `softcap`
     > 0: scores soft-capped (module doc)."""
     if not isinstance(meta, AttentionMetadata):
+        if softcap:
+            # (kernels_unused_because sends a soft-capped model to the torch path instead)
+            raise RuntimeError("our CUDA attention kernels have no soft cap")
         # the CUDA path (worker/cuda_attention.py) brings its own metadata and csrc ops.
         # NOTE: they have no window: the engine serves a model they take up to its window,
         # where full attention is the same (engine/build.py).
