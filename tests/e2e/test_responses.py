@@ -174,7 +174,8 @@ def test_fields_without_effect_are_reported(smol, client):
     ({"input": "Hi", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
     ({"input": "Hi", "background": True}, "background", "unsupported_parameter"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported_parameter"),
+    ({"input": [{"type": "item_reference", "id": "msg_never_stored"}]}, "input[0].id", "item_not_found"),
+    ({"input": [{"type": "item_reference"}]}, "input[0].id", "missing_required_parameter"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type", "unsupported_parameter"),
     ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role", "invalid_value"),
@@ -254,6 +255,20 @@ def test_stored_responses_are_read_back_and_continued(client):
     raw = httpx.get(f"{client.base_url}responses/{second.id}/input_items", params={"order": "asc"}, timeout=30)
     assert raw.json()["data"][1]["content"] == [{"type": "output_text", "text": first.output_text,
                                                  "annotations": []}]
+
+    # item references: stored items (an input of one response, the output of another) sent
+    # by id are the items themselves, and are listed under their own ids
+    referenced = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24, input=[
+        {"type": "item_reference", "id": items.data[0].id},
+        {"type": "item_reference", "id": first.output[0].id},
+        {"role": "user", "content": "And of Italy?"},
+    ])
+    assert (referenced.output_text, referenced.usage.input_tokens) == (by_hand.output_text, by_hand.usage.input_tokens)
+    ids = [i.id for i in client.responses.input_items.list(referenced.id, order="asc").data]
+    assert ids[:2] == [items.data[0].id, first.output[0].id]
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "msg_nope"}])
+    assert (e.value.body["code"], e.value.body["param"]) == ("item_not_found", "input[0].id")
 
     # store: false is not kept; deleted is gone
     with pytest.raises(NotFoundError):

@@ -8,6 +8,10 @@
 //! (`--responses-store-mib`) are the memory held. Past the bound the oldest responses are
 //! forgotten first; one larger than the whole bound is not kept. It lives as long as the
 //! process: one server's responses are not known to another replica.
+//!
+//! Every item a stored response holds (its conversation's and its output's, each with an
+//! `id`) can be sent again by reference (`{"type": "item_reference", "id"}`): the store
+//! indexes the ids and reads the item back from the newest response that holds it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -23,16 +27,24 @@ pub struct Stored {
     body: Vec<u8>,
     /// The conversation it answered: a JSON array of input items (each with an `id`).
     input: Vec<u8>,
+    /// The ids of its items, input and output, each once.
+    item_ids: Vec<String>,
 }
 
 impl Stored {
     pub fn new(body: &Value, input: &[Value]) -> Self {
+        let output = body["output"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let mut item_ids: Vec<String> =
+            input.iter().chain(output).filter_map(|i| i["id"].as_str()).map(str::to_string).collect();
+        item_ids.sort_unstable();
+        item_ids.dedup();
         let body = serde_json::to_vec(body).expect("JSON values serialize");
-        Self { body, input: serde_json::to_vec(input).expect("JSON values serialize") }
+        Self { body, input: serde_json::to_vec(input).expect("JSON values serialize"), item_ids }
     }
 
+    /// The memory it holds, its entries in the item index included.
     fn bytes(&self) -> usize {
-        self.body.len() + self.input.len()
+        self.body.len() + self.input.len() + self.item_ids.iter().map(|i| 2 * i.len() + 48).sum::<usize>()
     }
 
     /// The conversation it answered, as input items.
@@ -52,7 +64,26 @@ struct Inner {
     map: HashMap<String, (Arc<Stored>, usize)>,
     /// Ids, oldest first.
     order: VecDeque<String>,
+    /// Item id -> the ids of the responses that hold the item, oldest first.
+    items: HashMap<String, Vec<String>>,
     bytes: usize,
+}
+
+impl Inner {
+    /// Forgets the response `id` and its entries in the item index; its size, if it was kept.
+    fn remove(&mut self, id: &str) -> Option<usize> {
+        let (stored, size) = self.map.remove(id)?;
+        self.bytes -= size;
+        for item in &stored.item_ids {
+            if let Some(holders) = self.items.get_mut(item) {
+                holders.retain(|r| r != id);
+                if holders.is_empty() {
+                    self.items.remove(item);
+                }
+            }
+        }
+        Some(size)
+    }
 }
 
 /// The responses kept, up to `capacity` bytes (0: none are kept).
@@ -95,19 +126,31 @@ impl ResponseStore {
             return;
         }
         let mut inner = self.lock();
-        if let Some((_, old)) = inner.map.remove(id) {
-            inner.bytes -= old;
+        if inner.remove(id).is_some() {
             inner.order.retain(|k| k != id);
         }
         while inner.bytes + size > self.capacity {
             let Some(oldest) = inner.order.pop_front() else { break };
-            if let Some((_, s)) = inner.map.remove(&oldest) {
-                inner.bytes -= s;
-            }
+            inner.remove(&oldest);
         }
         inner.bytes += size;
         inner.order.push_back(id.to_string());
+        for item in &stored.item_ids {
+            inner.items.entry(item.clone()).or_default().push(id.to_string());
+        }
         inner.map.insert(id.to_string(), (Arc::new(stored), size));
+    }
+
+    /// The item with id `item`, as the newest stored response that holds it lists it (one of
+    /// its conversation's items, or one of its output items).
+    pub fn item(&self, item: &str) -> Option<Value> {
+        let stored = {
+            let inner = self.lock();
+            let newest = inner.items.get(item)?.last()?;
+            inner.map.get(newest)?.0.clone()
+        };
+        // (parsed outside the lock)
+        stored.input().into_iter().chain(stored.output()).find(|i| i["id"] == item)
     }
 
     /// The response stored under `id`, or a 404.
@@ -118,8 +161,7 @@ impl ResponseStore {
     /// Forgets `id`: the `DELETE /v1/responses/{id}` body, or a 404.
     pub fn delete(&self, id: &str) -> Result<Vec<u8>, ApiError> {
         let mut inner = self.lock();
-        let (_, size) = inner.map.remove(id).ok_or_else(|| not_found(id))?;
-        inner.bytes -= size;
+        inner.remove(id).ok_or_else(|| not_found(id))?;
         inner.order.retain(|k| k != id);
         Ok(serde_json::to_vec(&json!({"id": id, "object": "response", "deleted": true})).expect("JSON serializes"))
     }
@@ -204,6 +246,34 @@ mod tests {
         // one larger than the bound is not kept, and forgets nothing
         store.put("big", stored(&"x".repeat(4 * one)));
         assert!(store.get("big").is_err() && store.get("c").is_ok());
+    }
+
+    #[test]
+    fn items_are_found_by_id_while_a_response_holds_them() {
+        let item = |id: &str, text: &str| json!({"id": id, "type": "message", "role": "user", "content": text});
+        let store = ResponseStore::new(1 << 20);
+        let output = json!({"output": [{"id": "msg_out", "type": "message", "role": "assistant"}]});
+        store.put("r1", Stored::new(&output, &[item("msg_a", "first")]));
+        assert_eq!(store.item("msg_a").unwrap()["content"], "first");
+        assert_eq!(store.item("msg_out").unwrap()["role"], "assistant");
+        assert_eq!(store.item("msg_nope"), None);
+        // a continuation holds the same items: the newest holder answers, and the item
+        // outlives the response that first held it
+        store.put("r2", Stored::new(&json!({"output": []}), &[item("msg_a", "first"), item("msg_a", "first")]));
+        store.delete("r1").unwrap();
+        assert_eq!(store.item("msg_a").unwrap()["content"], "first");
+        assert_eq!(store.item("msg_out"), None);
+        store.delete("r2").unwrap();
+        assert_eq!(store.item("msg_a"), None);
+        // forgotten past the bound, or replaced under the same id
+        let one = Stored::new(&json!({"output": []}), &[item("msg_b", "b")]).bytes();
+        let small = ResponseStore::new(one);
+        small.put("r", Stored::new(&json!({"output": []}), &[item("msg_b", "b")]));
+        small.put("r", Stored::new(&json!({"output": []}), &[item("msg_c", "c")]));
+        assert_eq!((small.item("msg_b"), small.item("msg_c").is_some()), (None, true));
+        small.put("s", Stored::new(&json!({"output": []}), &[item("msg_d", "d")]));
+        assert_eq!((small.item("msg_c"), small.item("msg_d").is_some()), (None, true));
+        assert!(small.lock().items.len() == 1);
     }
 
     #[test]

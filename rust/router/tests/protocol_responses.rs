@@ -152,13 +152,9 @@ fn errors_are_named_in_the_responses_terms() {
         assert_eq!(err(body.clone()), unsupported(param), "{body}");
     }
     // refusals do not blame a store this server has (audit 77)
-    for body in
-        [json!({"input": "hello", "background": true}), json!({"input": [{"type": "item_reference", "id": "msg_1"}]})]
-    {
-        let e = responses(&r, body.clone()).unwrap_err();
-        assert_eq!(e.code(), "unsupported_parameter", "{body}");
-        assert!(!e.message().contains("stores no"), "{}", e.message());
-    }
+    let e = responses(&r, json!({"input": "hello", "background": true})).unwrap_err();
+    assert_eq!(e.code(), "unsupported_parameter");
+    assert!(!e.message().contains("stores no"), "{}", e.message());
     // the message quotes the field the client sent
     let e = responses(&r, json!({"input": "hello", "max_output_tokens": 100})).unwrap_err();
     assert!(
@@ -431,4 +427,60 @@ fn a_stored_response_is_continued_by_its_id() {
     );
     r.responses().delete(&p.id).unwrap();
     assert_eq!(r.responses().body(&p.id).unwrap_err().status(), 404);
+}
+
+/// An `item_reference` input item is the stored item with that id, from a stored response's
+/// conversation or its output: the request prepares as if the item itself had been sent, and
+/// the new response lists it under the same id.
+#[test]
+fn item_references_are_the_stored_items() {
+    let r = router();
+    let p = responses(&r, json!({"input": [{"role": "user", "content": "hello", "id": "msg_hello"}]})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "world", Some(FinishReason::Stop));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let answer = body["output"][0]["id"].as_str().unwrap().to_string();
+
+    let next = responses(
+        &r,
+        json!({"input": [
+            {"type": "item_reference", "id": "msg_hello"},
+            {"type": "item_reference", "id": answer},
+            {"role": "user", "content": "x"},
+        ]}),
+    )
+    .unwrap();
+    let by_hand = chat_of(
+        &r,
+        json!({"messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": [{"type": "text", "text": "world"}]},
+            {"role": "user", "content": "x"},
+        ]}),
+    );
+    assert_eq!(next.prompts, by_hand.prompts);
+    assert_eq!(header(&next, "llmserve-ignored-fields"), None);
+    let (_, conversation) = next.responses.as_ref().unwrap().store.clone().unwrap();
+    let ids: Vec<&str> = conversation.iter().map(|i| i["id"].as_str().unwrap()).collect();
+    assert_eq!(ids[..2], ["msg_hello", answer.as_str()]);
+    assert_eq!(conversation[1]["content"][0]["text"], "world");
+
+    // a reference's other keys are reported; unknown ids, a missing id and a store turned
+    // off are 400s on the reference
+    let extra = json!({"input": [{"type": "item_reference", "id": "msg_hello", "note": 1}]});
+    assert_eq!(header(&responses(&r, extra).unwrap(), "llmserve-ignored-fields"), Some("input[0].note"));
+    assert_eq!(
+        shape(responses(&r, json!({"input": [{"type": "item_reference", "id": "msg_nope"}]}))),
+        (400, "item_not_found", Some("input[0].id".into()))
+    );
+    assert_eq!(shape(responses(&r, json!({"input": [{"type": "item_reference"}]}))).2, Some("input[0].id".into()));
+    let storeless = router_with(json!({"responses_store_bytes": 0}), Some(TEMPLATE));
+    assert_eq!(
+        shape(responses(&storeless, json!({"input": [{"type": "item_reference", "id": "msg_hello"}]}))),
+        (400, "unsupported_parameter", Some("input[0].type".into()))
+    );
+    // deleted with the only response that held it
+    r.responses().delete(&p.id).unwrap();
+    let gone = json!({"input": [{"type": "item_reference", "id": "msg_hello"}]});
+    assert_eq!(shape(responses(&r, gone)).1, "item_not_found");
 }

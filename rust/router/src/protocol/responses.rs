@@ -26,8 +26,10 @@
 //! Decisions:
 //! - `store` (OpenAI's default true) keeps the finished response in this process's memory,
 //!   within `--responses-store-mib`; with no store it is echoed false (and reported when sent
-//!   true). `conversation`, `item_reference` items and `background` are a 400
-//!   `unsupported_parameter`.
+//!   true). An `item_reference` input item is the stored item with its id, from any stored
+//!   response's conversation or output (an unknown id is a 400 `item_not_found` on
+//!   `input[i].id`; OpenAI's default store makes every item of a conversation referable).
+//!   `conversation` and `background` are a 400 `unsupported_parameter`.
 //! - A function tool is `strict` only when it says so (OpenAI's Responses default is true; a
 //!   default this server cannot enforce in every tool-call format would be reported on
 //!   requests that never sent it).
@@ -417,16 +419,11 @@ impl Conversation {
                 }
                 Ok(())
             }
-            "item_reference" => Err(unsupported(
-                format!("{p}.type"),
-                "Item references are not supported: send the item itself (or continue a stored response with \
-                 `previous_response_id`).",
-            )),
             other => Err(unsupported(
                 format!("{p}.type"),
                 format!(
                     "Input items of type {other:?} are not supported: this server accepts messages, \
-                     `function_call`, `function_call_output` and `reasoning` items."
+                     `function_call`, `function_call_output`, `reasoning` and `item_reference` items."
                 ),
             )),
         }
@@ -507,9 +504,55 @@ impl Conversation {
     }
 }
 
+/// `input` with each `item_reference` item replaced by the stored item it names (as it is
+/// listed: with its `id`); `None` when it has no references. A reference's keys beside
+/// `type` and `id` are reported in `ignored`.
+fn resolve_references(
+    input: Option<&Value>,
+    store: &ResponseStore,
+    ignored: &mut Vec<String>,
+) -> Result<Option<Value>, ApiError> {
+    let Some(Value::Array(items)) = input else { return Ok(None) };
+    let is_reference = |item: &Value| item.get("type").and_then(Value::as_str) == Some("item_reference");
+    if !items.iter().any(is_reference) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        if !is_reference(item) {
+            out.push(item.clone());
+            continue;
+        }
+        let p = format!("input[{i}]");
+        if !store.enabled() {
+            return Err(unsupported(
+                format!("{p}.type"),
+                "Item references are not supported: this server stores no responses (--responses-store-mib 0). \
+                 Send the item itself.",
+            ));
+        }
+        let obj = item.as_object().expect("an object has a type");
+        let id = require_str(obj, "id", &p)?;
+        ignored.extend(unknown_keys_in(obj, &["type", "id"], &p));
+        let found = store.item(id).ok_or_else(|| {
+            ApiError::with_code(
+                "item_not_found",
+                Some(format!("{p}.id")),
+                format!(
+                    "Item with id {id:?} not found: no stored response holds it (it was sent or made with \
+                     `store: false`, or its responses were deleted or forgotten to keep this server's store \
+                     within its bound)."
+                ),
+            )
+        })?;
+        out.push(found);
+    }
+    Ok(Some(Value::Array(out)))
+}
+
 /// The chat messages of `instructions`, the continued response's conversation (`previous`)
 /// and `input`.
-fn conversation(obj: &Map<String, Value>, previous: &[Value]) -> Result<Conversation, ApiError> {
+fn conversation(obj: &Map<String, Value>, input: Option<&Value>, previous: &[Value]) -> Result<Conversation, ApiError> {
     let mut conv =
         Conversation { messages: Vec::new(), origins: Origins::default(), reasoning: None, ignored: Vec::new() };
     match set(obj, "instructions") {
@@ -539,7 +582,7 @@ fn conversation(obj: &Map<String, Value>, previous: &[Value]) -> Result<Conversa
     }
     conv.ignored.clear();
     conv.reasoning = None;
-    match obj.get("input") {
+    match input {
         None | Some(Value::Null) => return Err(missing("input".into())),
         Some(Value::String(s)) => conv.push(json!({"role": "user", "content": s}), "input".into()),
         Some(Value::Array(items)) => {
@@ -729,7 +772,9 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ))
         }
     }
-    let conv = conversation(obj, &previous)?;
+    let resolved = resolve_references(obj.get("input"), store, &mut ignored)?;
+    let input = resolved.as_ref().or(obj.get("input"));
+    let conv = conversation(obj, input, &previous)?;
     ignored.extend(conv.ignored.iter().cloned());
 
     // logprobs: asked for by `include` or `top_logprobs`
@@ -911,7 +956,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
     let stored = keep.then(|| {
-        let input = match obj.get("input") {
+        let input = match input {
             Some(Value::Array(items)) => items.iter().map(listed).collect(),
             other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
         };
