@@ -164,6 +164,20 @@ def test_soft_capped_scores_keep_the_torch_path():
         paged_attention(x, x, x, x, x, cuda_meta, 0.125, softcap=50.0)
 
 
+def test_moe_models_take_the_torch_path():
+    """MoE routing reads on the host which experts run: such steps cannot be graphs."""
+    from types import SimpleNamespace
+
+    from llmserve.models.moe import Qwen3MoeForCausalLM
+    from llmserve.worker.cuda_graphs import kernels_unused_because
+
+    c = Qwen3MoeForCausalLM.parse_config(dict(CONFIG, architectures=["Qwen3MoeForCausalLM"], head_dim=64,
+                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    assert kernels.supports(c.num_heads, c.num_kv_heads, c.head_dim, 16, torch.bfloat16) is None
+    model = SimpleNamespace(config=c, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    assert "mixture-of-experts" in kernels_unused_because(model, 16, torch.bfloat16)
+
+
 def test_without_a_gpu_the_factory_falls_back_to_the_torch_path(caplog):
     from llmserve.worker.cuda_graphs import make_cuda_runner
 

@@ -1,5 +1,5 @@
 """Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite /
-OLMo 2 models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+OLMo 2 / OLMo 3 / MoE (Mixtral, Qwen2/3-MoE, OLMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
 transformers itself; every weight (biases and norm weights included) is randomized so a dropped
 or misplaced tensor shows up in the logits."""
 
@@ -70,6 +70,17 @@ FAMILIES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                             "original_max_position_embeddings": 8}})),
+    # mixture-of-experts MLPs (here in transformers 5's stacked expert tensors;
+    # test_moe_checkpoints_name_each_expert loads the per-expert names hub files hold)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    # a shared expert beside the routed ones; layer 1 dense (mlp_only_layers); top-2 not renormalized
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], tie_word_embeddings=False)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=3, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -173,7 +184,8 @@ def test_chunked_prefill_equals_one_shot(family):
     torch.testing.assert_close(full, hf_logits(hf, toks), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3",
+                                    "qwen3_moe", "qwen2_moe"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different
@@ -317,6 +329,62 @@ def test_gemma_1_and_2_read_hub_configs_as_transformers_does():
     # Gemma 2's "gelu" is exact GELU to transformers (only Gemma 1's hidden_act meant the tanh)
     with pytest.raises(ValueError, match="hidden activation"):
         Gemma2ForCausalLM.parse_config(dict(g2, hidden_activation="gelu"))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_checkpoints_name_each_expert(family, tmp_path):
+    """Hub files hold each expert's projections by name (Mixtral's block_sparse_moe.experts.0.w1,
+    Qwen's mlp.experts.0.gate_proj), as transformers 5 still saves them."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    hf, _ = make_pair(family)
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        expert = "block_sparse_moe.experts.3.w2" if family == "mixtral" else "mlp.experts.3.down_proj"
+        assert any(expert in k for k in f.keys()), sorted(f.keys())[:8]
+    ours = build_model(hf.config.to_dict(), weights, torch.float32, "cpu")
+    runner = ModelRunner(ours, num_blocks=16, block_size=BLOCK, dtype=torch.float32, device="cpu")
+    paged = Paged(16, BLOCK)
+    toks = prompt(7, 12)
+    paged.add(0, toks)
+    torch.testing.assert_close(our_logits(runner, paged.step({0: 12})), hf_logits(hf, toks), atol=TOL, rtol=0)
+
+
+def test_qwen_moe_dense_layers_are_transformers():
+    """`mlp_only_layers` and `decoder_sparse_step` pick the dense layers as transformers does."""
+    from llmserve.models.layers import MoEMLP
+    from llmserve.models.moe import Qwen3MoeForCausalLM
+
+    extra = dict(FAMILIES["qwen3_moe"][2], num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    config = transformers.Qwen3MoeConfig(**{**COMMON, **extra})
+    hf = transformers.Qwen3MoeForCausalLM(config)
+    theirs = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    with torch.device("meta"):
+        ours = Qwen3MoeForCausalLM(Qwen3MoeForCausalLM.parse_config(config.to_dict()))
+    assert [isinstance(layer.mlp, MoEMLP) for layer in ours.layers] == theirs == [False, True, False, False,
+                                                                                   False, True]
+
+
+def test_moe_rows_are_batch_invariant():
+    """--batch-invariant: a token's MoE output (its experts' and the shared expert's, gated) is
+    bit-identical whatever else is in the step. (At this size a sigmoid over the step's column
+    of shared-expert gates rounds rows differently by T: layers._rowwise_sigmoid.)"""
+    from llmserve.models.layers import MoEMLP
+
+    g = torch.Generator().manual_seed(3)
+    mlp = MoEMLP(576, 1536, num_experts=4, top_k=2, norm_topk_prob=True, shared_intermediate=256)
+    for p in mlp.parameters():
+        p.data = 0.05 * torch.randn(p.shape, generator=g)
+    for m in mlp.modules():
+        if isinstance(m, MoEMLP) or hasattr(m, "quant"):
+            m.batch_invariant = True
+    x = torch.randn(64, 576, generator=g)
+    with torch.inference_mode():
+        whole = mlp(x)
+        alone = torch.cat([mlp(x[i:i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(whole, alone)
 
 
 def test_olmo3_reads_a_hub_config_as_transformers_does():

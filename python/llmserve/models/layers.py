@@ -403,6 +403,67 @@ class GateUpMLP(nn.Module):
         return self.down((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
+class MoEMLP(nn.Module):
+    """Sparse mixture-of-experts MLP (Mixtral, Qwen2/Qwen3-MoE, OLMoE). A router scores the
+    experts; each token takes its `top_k` (softmax over all experts in float32, then the top k,
+    renormalized to sum to 1 with `norm_topk_prob`); each expert is a SwiGLU MLP, and a token's
+    output is its experts' outputs weighted by their probabilities (rounded to the model's
+    dtype), added in expert order. Qwen2-MoE adds a shared expert to every token, weighted by
+    the sigmoid of its own gate (`shared_intermediate` > 0).
+
+    Each expert computes the rows routed to it as one GEMM through `linear`, so a row's sums do
+    not depend on the rest of the step where the dense layers' do not (and row by row with
+    --batch-invariant); the accumulation order is the expert order whatever the batch."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_intermediate: int = 0):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+        self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.router = Linear(hidden, num_experts, bias=False)
+        # each expert's gate|up [2I, H] and down [H, I], stacked
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.shared = GateUpMLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_gate = Linear(hidden, 1, bias=False) if shared_intermediate else None
+        self.batch_invariant = False    # set by the model's set_batch_invariant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)          # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).view(-1)
+        flat = experts.view(-1)
+        order = flat.argsort(stable=True)                          # (token, slot) pairs by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            rows = pairs // self.top_k
+            gate, up = linear(x[rows], self.gate_up[e], None, None, self.batch_invariant).split(self.intermediate, -1)
+            y = linear(F.silu(gate) * up, self.down[e], None, None, self.batch_invariant)
+            out.index_add_(0, rows, y * weights[pairs, None])
+        if self.shared is not None:
+            out = out + _rowwise_sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+def _rowwise_sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """sigmoid of g [T, 1], each row's the same whatever T is. A CPU elementwise kernel computes
+    whole vectors with its vector code and the leftover elements with its scalar code, which
+    rounds differently; a column of T gates would put each row in one or the other by T. Each
+    row is computed in a vector of its own (64 lanes: whole vectors at any SIMD width)."""
+    return torch.sigmoid(g.expand(-1, 64).contiguous())[:, :1]
+
+
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache and attends over each sequence's context."""
 

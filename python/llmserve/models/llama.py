@@ -19,7 +19,7 @@ from torch import nn
 
 from llmserve.loaders.checkpoint import LazyWeights, PackedQuant, QuantTensor, weight_shape
 from llmserve.models.cpu_decoder import CpuDecodePath
-from llmserve.models.layers import (GateUpMLP, Linear, PagedAttention, QKVLinear, RMSNorm,
+from llmserve.models.layers import (GateUpMLP, Linear, MoEMLP, PagedAttention, QKVLinear, RMSNorm,
                                     RotaryEmbedding, linear, pack_bf16, quant_linear,
                                     quant_serves)
 from llmserve.models.registry import register
@@ -27,6 +27,25 @@ from llmserve.worker.attention import AttentionMetadata
 from llmserve.worker.threads import in_big_decode_step, native_bf16
 
 KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP's shape (layers.MoEMLP) and where a checkpoint keeps it."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int        # each expert's
+    norm_topk_prob: bool          # the top k probabilities renormalized to sum to 1
+    shared_intermediate_size: int = 0   # Qwen2-MoE's shared expert (0: none)
+    # Layers with a dense MLP instead (Qwen's `mlp_only_layers`, `decoder_sparse_step`).
+    dense_layers: frozenset[int] = frozenset()
+    # HF names: the block in a layer (`mlp`, Mixtral's `block_sparse_moe`), and each expert's
+    # gate, up and down projections (Mixtral's w1, w3, w2).
+    prefix: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -85,15 +104,17 @@ class DecoderConfig:
     # Norm weights stay float32 and scale in float32 before the one cast (OLMo 2's rounding, and
     # Gemma's with its 1 + w), where Llama casts the normed activations, then scales.
     fp32_norms: bool = False
+    # Mixture-of-experts MLPs (None: every layer's MLP is dense, of `intermediate_size`).
+    moe: MoEConfig | None = None
 
     @property
     def llama_layers(self) -> bool:
         """Layers the Rust decode path computes (models/cpu_decoder.py): none of Gemma's
-        switches and no sliding window."""
+        switches, no sliding window, no experts."""
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
                 and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers
-                and not self.attn_softcap)
+                and not self.attn_softcap and self.moe is None)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -212,7 +233,10 @@ class DecoderLayer(nn.Module):
         self.attn = DecoderAttention(c, rope=index not in c.nope_layers, window=window)
         # the MLP's input norm
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norms else None
-        self.mlp = GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        m = c.moe
+        self.mlp = (MoEMLP(c.hidden_size, m.intermediate_size, m.num_experts, m.top_k, m.norm_topk_prob,
+                           m.shared_intermediate_size)
+                    if m is not None and m.sparse(index) else GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act))
         sandwich = c.sandwich_norms
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
@@ -283,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
         not depend on the rest of the step. CPU float32 only (build.py checks)."""
         self.batch_invariant = on
         for module in self.modules():
-            if isinstance(module, (Linear, PagedAttention)):
+            if isinstance(module, (Linear, PagedAttention, MoEMLP)):
                 module.batch_invariant = on
 
     @classmethod
@@ -450,6 +474,26 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
                        p + "mlp.down_proj.weight": (h, i),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                        p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+        if c.moe is not None and c.moe.sparse(layer):
+            for prefix in {c.moe.prefix, "mlp"}:   # (transformers >= 5 names every block `mlp`)
+                shapes.update(moe_shapes(c.moe, h, p + prefix + "."))
+    return shapes
+
+
+def moe_shapes(m: MoEConfig, h: int, block: str) -> dict[str, tuple[int, ...]]:
+    """The HF-named tensors of one MoE block (`block`: `model.layers.0.mlp.`): the router, each
+    expert's projections (or transformers >= 5's stacked `experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I]) and a shared expert with its gate."""
+    e, i, s = m.num_experts, m.intermediate_size, m.shared_intermediate_size
+    g, u, d = m.expert_names
+    shapes: dict[str, tuple[int, ...]] = {block + "gate.weight": (e, h), block + "experts.gate_up_proj": (e, 2 * i, h),
+                                          block + "experts.down_proj": (e, h, i)}
+    for x in range(e):
+        x_ = f"{block}experts.{x}."
+        shapes.update({x_ + g + ".weight": (i, h), x_ + u + ".weight": (i, h), x_ + d + ".weight": (h, i)})
+    if s:
+        shapes.update({block + "shared_expert.gate_proj.weight": (s, h), block + "shared_expert.up_proj.weight": (s, h),
+                       block + "shared_expert.down_proj.weight": (h, s), block + "shared_expert_gate.weight": (1, h)})
     return shapes
 
 
@@ -519,10 +563,17 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         if c.qk_norm:
             out[ours + "attn.q_norm.weight"] = norm(sa + "q_norm.weight")
             out[ours + "attn.k_norm.weight"] = norm(sa + "k_norm.weight")
-        fused = hf + "mlp.gate_up_proj.weight" in left
-        out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", one(hf + "mlp.gate_up_proj.weight") if fused
-                                                  else cat(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"))
-        out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
+        if c.moe is not None and c.moe.sparse(i):
+            # (transformers >= 5 saves Mixtral's `block_sparse_moe` as `mlp`)
+            block = next((hf + p + "." for p in (c.moe.prefix, "mlp") if hf + p + ".gate.weight" in left),
+                         hf + c.moe.prefix + ".")
+            out.update(moe_weights(c.moe, block, ours + "mlp.", one, cat, left))
+        else:
+            fused = hf + "mlp.gate_up_proj.weight" in left
+            out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", one(hf + "mlp.gate_up_proj.weight")
+                                                      if fused else cat(hf + "mlp.gate_proj.weight",
+                                                                        hf + "mlp.up_proj.weight"))
+            out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
         if c.pre_norms:
             out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
         if c.sandwich_norms:
@@ -542,6 +593,39 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
     return out
 
 
+def moe_weights(m: MoEConfig, block: str, ours: str, one: Callable, cat: Callable,
+                left: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One MoE block's tensors for layers.MoEMLP (`fuse_hf_weights`' helpers do the popping and
+    checking): the router, the experts' gate|up and down stacked (each expert's written into
+    its place), a shared expert's fused like a dense MLP."""
+    out = {ours + "router.weight": one(block + "gate.weight")}
+    if block + "experts.gate_up_proj" in left:   # (transformers >= 5 saves them stacked)
+        out[ours + "gate_up"] = one(block + "experts.gate_up_proj")
+        out[ours + "down"] = one(block + "experts.down_proj")
+    else:
+        g, u, d = m.expert_names
+        gate_up = down = None
+        for x in range(m.num_experts):
+            x_ = f"{block}experts.{x}."
+            pair = cat(x_ + g + ".weight", x_ + u + ".weight")
+            if gate_up is None:
+                gate_up = pair.new_empty((m.num_experts, *pair.shape))
+            gate_up[x] = pair
+            del pair
+            w = one(x_ + d + ".weight")
+            if down is None:
+                down = w.new_empty((m.num_experts, *w.shape))
+            down[x] = w
+            del w
+        out[ours + "gate_up"], out[ours + "down"] = gate_up, down
+    if m.shared_intermediate_size:
+        s = block + "shared_expert."
+        out[ours + "shared.gate_up.weight"] = cat(s + "gate_proj.weight", s + "up_proj.weight")
+        out[ours + "shared.down.weight"] = one(s + "down_proj.weight")
+        out[ours + "shared_gate.weight"] = one(block + "shared_expert_gate.weight")
+    return out
+
+
 def quantized_parts(c: DecoderConfig) -> dict[str, tuple[str, ...]]:
     """Each linear that can take GGUF blocks (`lm_head`, `layers.0.attn.qkv`, ...) -> the
     HF-named weights fused into it, in order."""
@@ -551,8 +635,9 @@ def quantized_parts(c: DecoderConfig) -> dict[str, tuple[str, ...]]:
         sa = hf + "self_attn."
         parts[ours + "attn.qkv"] = (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
         parts[ours + "attn.o_proj"] = (sa + "o_proj.weight",)
-        parts[ours + "mlp.gate_up"] = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-        parts[ours + "mlp.down"] = (hf + "mlp.down_proj.weight",)
+        if c.moe is None or not c.moe.sparse(i):
+            parts[ours + "mlp.gate_up"] = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+            parts[ours + "mlp.down"] = (hf + "mlp.down_proj.weight",)
     return parts
 
 

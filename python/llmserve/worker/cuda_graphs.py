@@ -218,6 +218,9 @@ def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | 
     why = kernels.supports(model.config.num_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
     if why is None and model.config.attn_softcap:
         why = "attention soft-capping (Gemma 2) is not in our kernels"
+    if why is None and model.config.moe is not None:
+        # (the routing reads on the host which experts each step runs: no graph can be captured)
+        why = "mixture-of-experts layers route on the host, so their steps cannot be captured as CUDA graphs"
     if why is None:
         why = kernels.missing_toolchain()
     if why is None:
