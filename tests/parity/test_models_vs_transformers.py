@@ -81,6 +81,9 @@ FAMILIES = {
         mlp_only_layers=[1], tie_word_embeddings=False)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=3, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, attention_multiplier=0.2,
+        residual_multiplier=0.4, logits_scaling=2.5, tie_word_embeddings=True)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -331,10 +334,11 @@ def test_gemma_1_and_2_read_hub_configs_as_transformers_does():
         Gemma2ForCausalLM.parse_config(dict(g2, hidden_activation="gelu"))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "granitemoe"])
 def test_moe_checkpoints_name_each_expert(family, tmp_path):
     """Hub files hold each expert's projections by name (Mixtral's block_sparse_moe.experts.0.w1,
-    Qwen's mlp.experts.0.gate_proj), as transformers 5 still saves them."""
+    Qwen's mlp.experts.0.gate_proj), or GraniteMoE's stacked (block_sparse_moe.input_linear), as
+    transformers 5 still saves them."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -342,7 +346,8 @@ def test_moe_checkpoints_name_each_expert(family, tmp_path):
     hf.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        expert = "block_sparse_moe.experts.3.w2" if family == "mixtral" else "mlp.experts.3.down_proj"
+        expert = {"mixtral": "block_sparse_moe.experts.3.w2", "qwen2_moe": "mlp.experts.3.down_proj",
+                  "granitemoe": "block_sparse_moe.output_linear"}[family]
         assert any(expert in k for k in f.keys()), sorted(f.keys())[:8]
     ours = build_model(hf.config.to_dict(), weights, torch.float32, "cpu")
     runner = ModelRunner(ours, num_blocks=16, block_size=BLOCK, dtype=torch.float32, device="cpu")

@@ -406,7 +406,8 @@ class GateUpMLP(nn.Module):
 class MoEMLP(nn.Module):
     """Sparse mixture-of-experts MLP (Mixtral, Qwen2/Qwen3-MoE, OLMoE). A router scores the
     experts; each token takes its `top_k` (softmax over all experts in float32, then the top k,
-    renormalized to sum to 1 with `norm_topk_prob`); each expert is a SwiGLU MLP, and a token's
+    renormalized to sum to 1 with `norm_topk_prob`; GraniteMoE's `softmax_topk`: a softmax over
+    the top k scores alone, the same weights rounded once less); each expert is a SwiGLU MLP, and a token's
     output is its experts' outputs weighted by their probabilities (rounded to the model's
     dtype), added in expert order. Qwen2-MoE adds a shared expert to every token, weighted by
     the sigmoid of its own gate (`shared_intermediate` > 0).
@@ -416,12 +417,12 @@ class MoEMLP(nn.Module):
     --batch-invariant); the accumulation order is the expert order whatever the batch."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 shared_intermediate: int = 0):
+                 shared_intermediate: int = 0, softmax_topk: bool = False):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
         self.intermediate, self.num_experts, self.top_k = intermediate, num_experts, top_k
-        self.norm_topk_prob = norm_topk_prob
+        self.norm_topk_prob, self.softmax_topk = norm_topk_prob, softmax_topk
         self.router = Linear(hidden, num_experts, bias=False)
         # each expert's gate|up [2I, H] and down [H, I], stacked
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
@@ -432,10 +433,15 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)          # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        scores = self.router(x)
+        if self.softmax_topk:
+            top, experts = scores.float().topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            weights, experts = probs.topk(self.top_k, dim=-1)      # [T, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype).view(-1)
         flat = experts.view(-1)
         order = flat.argsort(stable=True)                          # (token, slot) pairs by expert

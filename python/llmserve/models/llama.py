@@ -43,6 +43,8 @@ class MoEConfig:
     # gate, up and down projections (Mixtral's w1, w3, w2).
     prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # GraniteMoE's routing: a softmax over the top k scores (the same weights, rounded otherwise).
+    softmax_topk: bool = False
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -235,7 +237,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norms else None
         m = c.moe
         self.mlp = (MoEMLP(c.hidden_size, m.intermediate_size, m.num_experts, m.top_k, m.norm_topk_prob,
-                           m.shared_intermediate_size)
+                           m.shared_intermediate_size, m.softmax_topk)
                     if m is not None and m.sparse(index) else GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act))
         sandwich = c.sandwich_norms
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
@@ -480,14 +482,20 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# A MoE block's router, and its experts' gate|up [E, 2I, H] and down [E, H, I] where a
+# checkpoint stacks them (transformers >= 5's names; GraniteMoE's), by their names in the block.
+MOE_ROUTERS = ("gate.weight", "router.weight", "router.layer.weight")
+MOE_STACKED = (("experts.gate_up_proj", "experts.down_proj"), ("input_linear.weight", "output_linear.weight"))
+
+
 def moe_shapes(m: MoEConfig, h: int, block: str) -> dict[str, tuple[int, ...]]:
     """The HF-named tensors of one MoE block (`block`: `model.layers.0.mlp.`): the router, each
-    expert's projections (or transformers >= 5's stacked `experts.gate_up_proj` [E, 2I, H] and
-    `experts.down_proj` [E, H, I]) and a shared expert with its gate."""
+    expert's projections (or all of them stacked) and a shared expert with its gate."""
     e, i, s = m.num_experts, m.intermediate_size, m.shared_intermediate_size
     g, u, d = m.expert_names
-    shapes: dict[str, tuple[int, ...]] = {block + "gate.weight": (e, h), block + "experts.gate_up_proj": (e, 2 * i, h),
-                                          block + "experts.down_proj": (e, h, i)}
+    shapes: dict[str, tuple[int, ...]] = {block + r: (e, h) for r in MOE_ROUTERS}
+    for gate_up, down in MOE_STACKED:
+        shapes.update({block + gate_up: (e, 2 * i, h), block + down: (e, h, i)})
     for x in range(e):
         x_ = f"{block}experts.{x}."
         shapes.update({x_ + g + ".weight": (i, h), x_ + u + ".weight": (i, h), x_ + d + ".weight": (h, i)})
@@ -565,8 +573,8 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             out[ours + "attn.k_norm.weight"] = norm(sa + "k_norm.weight")
         if c.moe is not None and c.moe.sparse(i):
             # (transformers >= 5 saves Mixtral's `block_sparse_moe` as `mlp`)
-            block = next((hf + p + "." for p in (c.moe.prefix, "mlp") if hf + p + ".gate.weight" in left),
-                         hf + c.moe.prefix + ".")
+            block = next((hf + p + "." for p in (c.moe.prefix, "mlp") for r in MOE_ROUTERS
+                          if hf + p + "." + r in left), hf + c.moe.prefix + ".")
             out.update(moe_weights(c.moe, block, ours + "mlp.", one, cat, left))
         else:
             fused = hf + "mlp.gate_up_proj.weight" in left
@@ -598,10 +606,12 @@ def moe_weights(m: MoEConfig, block: str, ours: str, one: Callable, cat: Callabl
     """One MoE block's tensors for layers.MoEMLP (`fuse_hf_weights`' helpers do the popping and
     checking): the router, the experts' gate|up and down stacked (each expert's written into
     its place), a shared expert's fused like a dense MLP."""
-    out = {ours + "router.weight": one(block + "gate.weight")}
-    if block + "experts.gate_up_proj" in left:   # (transformers >= 5 saves them stacked)
-        out[ours + "gate_up"] = one(block + "experts.gate_up_proj")
-        out[ours + "down"] = one(block + "experts.down_proj")
+    router = next((r for r in MOE_ROUTERS if block + r in left), MOE_ROUTERS[0])
+    out = {ours + "router.weight": one(block + router)}
+    stacked = next((pair for pair in MOE_STACKED if block + pair[0] in left), None)
+    if stacked is not None:
+        out[ours + "gate_up"] = one(block + stacked[0])
+        out[ours + "down"] = one(block + stacked[1])
     else:
         g, u, d = m.expert_names
         gate_up = down = None

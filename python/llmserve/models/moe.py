@@ -12,6 +12,9 @@ layers.MoEMLP), served from HF folders.
   and a shared expert every token takes, weighted by the sigmoid of its own gate.
 - `OlmoeForCausalLM` (OLMoE-1B-7B): q and k RMS-normed across all their heads, 64 experts,
   8 per token.
+- `GraniteMoeForCausalLM` (granite-3.x-1b-a400m, -3b-a800m): Granite's multipliers
+  (granite.py), experts stacked in the checkpoint (`input_linear`, `output_linear`), each
+  token's weights a softmax over its top k router scores.
 
 Their CUDA steps run the torch path without CUDA graphs (worker/cuda_graphs.py: the routing
 decides on the host which experts run)."""
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llmserve.models.granite import GraniteForCausalLM
 from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, MoEConfig
 from llmserve.models.registry import register
 
@@ -93,3 +97,14 @@ class OlmoeForCausalLM(LlamaForCausalLM):
                         intermediate_size=hf_config["intermediate_size"],
                         norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)))
         return DecoderConfig.from_hf(hf_config, qk_norm=True, qk_norm_across_heads=True, moe=moe)
+
+
+@register("GraniteMoeForCausalLM")
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DecoderConfig:
+        _silu(hf_config, "GraniteMoE")
+        moe = MoEConfig(num_experts=_num_experts(hf_config), top_k=hf_config["num_experts_per_tok"],
+                        intermediate_size=hf_config["intermediate_size"], norm_topk_prob=True, softmax_topk=True,
+                        prefix="block_sparse_moe")
+        return replace(super().parse_config(hf_config), moe=moe)
