@@ -379,7 +379,7 @@ def test_moe_rows_are_batch_invariant():
     from llmserve.models.layers import MoEMLP
 
     g = torch.Generator().manual_seed(3)
-    mlp = MoEMLP(576, 1536, num_experts=4, top_k=2, norm_topk_prob=True, shared_intermediate=256)
+    mlp = MoEMLP(576, 1536, num_experts=6, top_k=3, norm_topk_prob=True, shared_intermediate=256)
     for p in mlp.parameters():
         p.data = 0.05 * torch.randn(p.shape, generator=g)
     for m in mlp.modules():

@@ -188,3 +188,58 @@ def test_a_prompt_steps_sampled_row_reads_the_lm_heads_blocks(monkeypatch):
         for i in (0, 7, QUANT_MAX_TOKENS + 5):
             assert torch.equal(together[i], model.compute_logits(many[i:i + 1], sampling=True)[0]), i
     assert not torch.equal(sampled, fp32) and (sampled - fp32).abs().max() < 0.05 * fp32.abs().max()
+
+
+def _moe_model():
+    """A Qwen2-MoE-shaped random model (experts, a gated shared expert, a dense layer) wide
+    enough that BLAS sums change with M where nothing pads them."""
+    from llmserve.models import build_model
+
+    cfg = dict(architectures=["Qwen2MoeForCausalLM"], vocab_size=96, hidden_size=256, intermediate_size=512,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               num_experts=8, num_experts_per_tok=3, moe_intermediate_size=384, shared_expert_intermediate_size=320,
+               mlp_only_layers=[1], norm_topk_prob=False)
+    g = torch.Generator().manual_seed(0)
+    h, nh, nkv, d = 256, 4, 2, 64
+    w = {"model.embed_tokens.weight": torch.randn(96, h, generator=g), "model.norm.weight": torch.ones(h),
+         "lm_head.weight": torch.randn(96, h, generator=g) * 0.1}
+    for layer in range(2):
+        p, a, m = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        shapes = {a + "q_proj.weight": (nh * d, h), a + "k_proj.weight": (nkv * d, h), a + "v_proj.weight": (nkv * d, h),
+                  a + "q_proj.bias": (nh * d,), a + "k_proj.bias": (nkv * d,), a + "v_proj.bias": (nkv * d,),
+                  a + "o_proj.weight": (h, nh * d)}
+        if layer == 0:
+            shapes.update({m + "gate.weight": (8, h), m + "shared_expert_gate.weight": (1, h),
+                           m + "shared_expert.gate_proj.weight": (320, h), m + "shared_expert.up_proj.weight": (320, h),
+                           m + "shared_expert.down_proj.weight": (h, 320)})
+            for e in range(8):
+                x = f"{m}experts.{e}."
+                shapes.update({x + "gate_proj.weight": (384, h), x + "up_proj.weight": (384, h),
+                               x + "down_proj.weight": (h, 384)})
+        else:
+            shapes.update({m + "gate_proj.weight": (512, h), m + "up_proj.weight": (512, h),
+                           m + "down_proj.weight": (h, 512)})
+        w.update({k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()})
+        w.update({p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)})
+    return build_model(cfg, w, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_moe_prompt_computes_the_same_however_it_is_split(threads):
+    """Each expert's GEMM takes the rows routed to it through `layers.linear`, as the dense ones
+    do, and a token's 3 expert outputs add in expert order whatever the step holds (an order
+    set by the step, such as the busiest expert first, fails this)."""
+    model = _moe_model()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tokens, lps, cache = _run(model, SPLITS[0])
+        for split in SPLITS[1:]:
+            t, l, c = _run(model, split)
+            assert t == tokens, split
+            for a, b in zip(l, lps):
+                assert np.array_equal(a, b), split
+            for a, b in zip(c, cache):
+                assert torch.equal(a, b), split
+    finally:
+        torch.set_num_threads(before)
