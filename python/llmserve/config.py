@@ -179,6 +179,13 @@ class ModelConfig(_Checked):
         "template mentions <think>, else none.",
         choices=("think", "none"),
     )
+    fim: bool = _f(
+        True,
+        "Serve /v1/completions' `suffix` (fill-in-the-middle) when the vocabulary has a FIM "
+        "token set (<|fim_prefix|>/<|fim_suffix|>/<|fim_middle|>: Qwen2.5-Coder, CodeGemma; "
+        "<fim_prefix>/...: StarCoder2, Granite Code; DeepSeek-Coder's): the prompt is laid out "
+        "prefix, suffix, middle and the model writes the middle. Off: `suffix` is a 400.",
+    )
     pooling: str | None = _f(
         None,
         "How /v1/embeddings pools the model's final (normed) hidden states: 'last' (the last "

@@ -325,6 +325,7 @@ def build_engine(cfg: Config) -> Engine:
         "system_fingerprint": fingerprint,
         "model_root": cfg.model.model or ck.name,
         "embeddings": _embeddings(cfg, ck),
+        "fim": cfg.model.fim,
     }
     try:
         router = Router(
@@ -352,6 +353,8 @@ def build_engine(cfg: Config) -> Engine:
         tool_format, reasoning = router.output_parsing()
         log.info("tool calls: %s; reasoning parser: %s",
                  tool_format or "forced only (json format; 'auto' answers in text)", reasoning)
+    if fim := router.fim_tokens():
+        log.info("fill-in-the-middle: completions' suffix laid out as %s prompt %s suffix %s", *fim)
     core = Core(router, json.dumps({
         "num_blocks": num_blocks,
         "block_size": block_size,

@@ -149,6 +149,14 @@ impl PyRouter {
         (tools.map(|t| t.name()), reasoning.name())
     }
 
+    /// The fill-in-the-middle tokens completions' `suffix` is laid out with, as text (prefix,
+    /// suffix, middle), or None.
+    fn fim_tokens(&self) -> Option<(String, String, String)> {
+        let tok = self.inner.tokenizer();
+        let text = |id: u32| tok.id_to_token(id).unwrap_or_default();
+        self.inner.fim().map(|f| (text(f.prefix), text(f.suffix), text(f.middle)))
+    }
+
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.tokenizer().vocab_size()

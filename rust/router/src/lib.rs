@@ -10,6 +10,7 @@
 pub mod content_format;
 pub mod detokenizer;
 pub mod error;
+pub mod fim;
 pub mod protocol;
 pub mod reasoning;
 pub mod response;

@@ -83,6 +83,14 @@ pub struct RouterConfig {
     /// How `/v1/embeddings` pools the model's hidden states; None: the route refuses.
     #[serde(default)]
     pub embeddings: Option<embeddings::EmbeddingConfig>,
+    /// `--fim`: completions' `suffix` is served when the vocabulary has a FIM token set
+    /// ([`crate::fim`]); false refuses it.
+    #[serde(default = "default_true")]
+    pub fim: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 pub struct Router {
@@ -95,6 +103,8 @@ pub struct Router {
     pub(crate) responses: Arc<crate::response_store::ResponseStore>,
     /// `created` of the model objects: when this router started serving.
     created: u64,
+    /// The vocabulary's fill-in-the-middle tokens (None: none, or `--no-fim`).
+    pub(crate) fim: Option<crate::fim::Fim>,
 }
 
 impl Router {
@@ -102,7 +112,8 @@ impl Router {
         let tokenizer = Arc::new(tokenizer);
         let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
         let responses = Arc::new(crate::response_store::ResponseStore::new(config.responses_store_bytes));
-        Self { tokenizer, templates, config, grammars, responses, created: unix_now() }
+        let fim = config.fim.then(|| crate::fim::Fim::detect(&tokenizer)).flatten();
+        Self { tokenizer, templates, config, grammars, responses, created: unix_now(), fim }
     }
 
     /// The stored `/v1/responses` answers.
@@ -116,6 +127,11 @@ impl Router {
 
     pub fn templates(&self) -> &TemplateSet {
         &self.templates
+    }
+
+    /// The fill-in-the-middle tokens completions' `suffix` is laid out with, if any.
+    pub fn fim(&self) -> Option<&crate::fim::Fim> {
+        self.fim.as_ref()
     }
 
     pub fn config(&self) -> &RouterConfig {

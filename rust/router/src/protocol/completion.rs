@@ -1,6 +1,7 @@
 //! `POST /v1/completions`: the completion-only fields and the four prompt shapes (a string,
 //! a list of strings, token ids, a list of token-id lists), each tokenized and checked
-//! against the context budget.
+//! against the context budget; with a `suffix`, laid out for fill-in-the-middle
+//! ([`crate::fim`]).
 
 use std::collections::BTreeMap;
 
@@ -15,6 +16,7 @@ use super::common::{
 };
 use super::{Checked, Endpoint, Prepared};
 use crate::error::ApiError;
+use crate::fim::Fim;
 use crate::router::Router;
 use crate::tokenizer::Tokenizer;
 
@@ -158,6 +160,65 @@ fn truncate_inside_specials(ids: Vec<u32>, plain: &[u32], k: usize) -> Vec<u32> 
     }
 }
 
+/// The FIM tokens a request with a `suffix` is laid out with, or why it cannot be.
+fn fim_tokens(router: &Router, echo: bool, truncate: Option<usize>) -> Result<&Fim, ApiError> {
+    let Some(fim) = router.fim() else {
+        let why = if router.config.fim {
+            "its vocabulary has no fill-in-the-middle tokens"
+        } else {
+            "this server was started with --no-fim"
+        };
+        return Err(unsupported(
+            "suffix",
+            format!("`suffix` (fill-in-the-middle) is not supported for this model: {why}."),
+        ));
+    };
+    if echo {
+        // (the model reads the prompt, then the suffix, then writes the middle: there is no
+        // text that both prepends the prompt and places the suffix)
+        return Err(ApiError::invalid("echo", "`echo` cannot be combined with `suffix`."));
+    }
+    if truncate.is_some() {
+        return Err(ApiError::invalid(
+            "truncate_prompt_tokens",
+            "`truncate_prompt_tokens` cannot be combined with `suffix`: the prompt and the suffix are laid out \
+             around the model's fill-in-the-middle tokens, which a cut could drop.",
+        ));
+    }
+    Ok(fim)
+}
+
+/// Each prompt laid out around `suffix` with the FIM tokens ([`Fim::layout`]), with its text
+/// as sent (where the completion's `text_offset`s count from). A text keeps the special
+/// tokens the tokenizer puts before it (BOS) in front of the layout.
+fn fim_prompts(
+    tokenizer: &Tokenizer,
+    fim: &Fim,
+    prompts: Vec<(PromptIn, String)>,
+    suffix: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<(Vec<u32>, String, String)>, ApiError> {
+    let suffix_ids = tokenizer.encode(suffix, false);
+    prompts
+        .into_iter()
+        .map(|(p, param)| {
+            let (lead, ids, text) = match p {
+                PromptIn::Text(text) => {
+                    let plain = tokenizer.encode(&text, false);
+                    let full = if add_special_tokens { tokenizer.encode(&text, true) } else { plain.clone() };
+                    let before = full.windows(plain.len().max(1)).position(|w| w == plain).unwrap_or(0);
+                    (full[..before].to_vec(), plain, text)
+                }
+                PromptIn::Ids(ids) => {
+                    let text = tokenizer.decode(&ids, false);
+                    (Vec::new(), ids, text)
+                }
+            };
+            Ok((fim.layout(&lead, &ids, &suffix_ids), text, param))
+        })
+        .collect()
+}
+
 /// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
@@ -176,9 +237,15 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     ignored.extend(c.inert.iter().cloned());
     let ignored = settle_ignored(ignored, config.strict_fields)?;
 
-    if comp.suffix.as_ref().is_some_and(|s| !s.is_null()) {
-        return Err(unsupported("suffix", "`suffix` (fill-in-the-middle) is not supported for this model."));
-    }
+    let fim = match comp.suffix.as_ref().filter(|s| !s.is_null()) {
+        None => None,
+        Some(Value::String(suffix)) => {
+            Some((fim_tokens(router, comp.echo == Some(true), c.truncate_prompt_tokens)?, suffix))
+        }
+        Some(other) => {
+            return Err(invalid_type("suffix", format!("`suffix` must be a string, not {}.", kind_of(other))))
+        }
+    };
     let mut params = c.params;
     if let Some(best_of) = comp.best_of {
         if best_of != params.n {
@@ -207,7 +274,16 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let grammar = super::constrained::compile(router, c.constraint, &params)?;
     let prompts = parse_prompts(&comp.prompt, vocab_size, "prompt")?;
     let add_special_tokens = c.add_special_tokens.unwrap_or(true);
-    let prompts = tokenize_prompts(&router.tokenizer, prompts, add_special_tokens, c.truncate_prompt_tokens)?;
+    let prompts = match fim {
+        None => tokenize_prompts(&router.tokenizer, prompts, add_special_tokens, c.truncate_prompt_tokens)?,
+        Some((fim, suffix)) => {
+            if !params.ignore_eos {
+                let new: Vec<u32> = fim.ends.iter().filter(|t| !params.stop_token_ids.contains(t)).copied().collect();
+                params.stop_token_ids.extend(new);
+            }
+            fim_prompts(&router.tokenizer, fim, prompts, suffix, add_special_tokens)?
+        }
+    };
     for (ids, _, param) in &prompts {
         check_context(ids.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, param)?;
     }
