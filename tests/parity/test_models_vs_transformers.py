@@ -1,5 +1,5 @@
 """Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite /
-OLMo 2 / OLMo 3 / MoE (Mixtral, Qwen2/3-MoE, OLMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+OLMo 2 / OLMo 3 / StarCoder2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
 transformers itself; every weight (biases and norm weights included) is randomized so a dropped
 or misplaced tensor shows up in the logits."""
 
@@ -84,6 +84,9 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, attention_multiplier=0.2,
         residual_multiplier=0.4, logits_scaling=2.5, tie_word_embeddings=True)),
+    # LayerNorms with biases, an ungated GELU MLP with biases, a window shorter than the prompts
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        sliding_window=6, hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -188,7 +191,7 @@ def test_chunked_prefill_equals_one_shot(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3",
-                                    "qwen3_moe", "qwen2_moe"])
+                                    "qwen3_moe", "qwen2_moe", "starcoder2"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different

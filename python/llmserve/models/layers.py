@@ -48,6 +48,19 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (StarCoder2's), computed in the input's dtype as torch's is."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.shape, self.eps = (dim,), eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1's frequency-dependent rescaling of the rotary frequencies."""
     factor = float(scaling["factor"])
@@ -401,6 +414,21 @@ class GateUpMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
+
+
+class PlainMLP(nn.Module):
+    """Ungated MLP with biases (StarCoder2's c_fc and c_proj): proj(act(fc(x))), act the
+    tanh-approximated GELU."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported MLP activation {act!r} (gelu_pytorch_tanh)")
+        self.fc = Linear(hidden, intermediate, bias=True)
+        self.proj = Linear(intermediate, hidden, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class MoEMLP(nn.Module):

@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window) and the decoder that
-Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite and OLMo 2 reuse with switches (DecoderConfig): QKV
-bias, q/k RMSNorm, layers without RoPE, Gemma's norms, scales, activation, soft caps and local
-RoPE, OLMo 2's output-only norms, ...
+Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite, OLMo 2, StarCoder2 and the MoE families reuse
+with switches (DecoderConfig): QKV bias, q/k RMSNorm, layers without RoPE, Gemma's norms,
+scales, activation, soft caps and local RoPE, OLMo 2's output-only norms, StarCoder2's
+LayerNorms and ungated MLP, experts (MoEConfig), ...
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
@@ -19,7 +20,8 @@ from torch import nn
 
 from llmserve.loaders.checkpoint import LazyWeights, PackedQuant, QuantTensor, weight_shape
 from llmserve.models.cpu_decoder import CpuDecodePath
-from llmserve.models.layers import (GateUpMLP, Linear, MoEMLP, PagedAttention, QKVLinear, RMSNorm,
+from llmserve.models.layers import (GateUpMLP, LayerNorm, Linear, MoEMLP, PagedAttention, PlainMLP, QKVLinear,
+                                    RMSNorm,
                                     RotaryEmbedding, linear, pack_bf16, quant_linear,
                                     quant_serves)
 from llmserve.models.registry import register
@@ -108,6 +110,10 @@ class DecoderConfig:
     fp32_norms: bool = False
     # Mixture-of-experts MLPs (None: every layer's MLP is dense, of `intermediate_size`).
     moe: MoEConfig | None = None
+    # StarCoder2's switches: LayerNorms with a bias for the layers' and the final norm (eps
+    # `rms_norm_eps`), and an ungated MLP with biases (layers.PlainMLP, `hidden_act`).
+    layer_norm: bool = False
+    plain_mlp: bool = False
 
     @property
     def llama_layers(self) -> bool:
@@ -116,7 +122,7 @@ class DecoderConfig:
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
                 and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers
-                and not self.attn_softcap and self.moe is None)
+                and not self.attn_softcap and self.moe is None and not self.layer_norm and not self.plain_mlp)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -183,6 +189,11 @@ def layer_type_rope(cfg: dict, layer_type: str, theta: float, scaling: dict | No
     return float(own.get("rope_theta", theta)), (None if kind == "default" else own)
 
 
+def model_norm(c: DecoderConfig) -> RMSNorm | LayerNorm:
+    """A layer's input norm, its MLP's, or the final one: RMSNorm, or StarCoder2's LayerNorm."""
+    return LayerNorm(c.hidden_size, c.rms_norm_eps) if c.layer_norm else RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, c: DecoderConfig, rope: bool = True, window: int = 0):
         super().__init__()
@@ -231,14 +242,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: DecoderConfig, index: int):
         super().__init__()
         window = c.layer_windows[index] if c.layer_windows else 0
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norms else None
+        self.input_norm = model_norm(c) if c.pre_norms else None
         self.attn = DecoderAttention(c, rope=index not in c.nope_layers, window=window)
         # the MLP's input norm
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norms else None
+        self.post_norm = model_norm(c) if c.pre_norms else None
         m = c.moe
         self.mlp = (MoEMLP(c.hidden_size, m.intermediate_size, m.num_experts, m.top_k, m.norm_topk_prob,
                            m.shared_intermediate_size, m.softmax_topk)
-                    if m is not None and m.sparse(index) else GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act))
+                    if m is not None and m.sparse(index)
+                    else PlainMLP(c.hidden_size, c.intermediate_size, c.hidden_act) if c.plain_mlp
+                    else GateUpMLP(c.hidden_size, c.intermediate_size, c.hidden_act))
         sandwich = c.sandwich_norms
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if sandwich else None
@@ -287,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = model_norm(c)
         self.lm_head = (None if c.tie_word_embeddings
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
@@ -463,7 +476,7 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     h, i, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     q, kv = c.num_heads * d, c.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                          "lm_head.weight": (v, h)}
+                                          "model.norm.bias": (h,), "lm_head.weight": (v, h)}
     for layer in range(c.num_layers):
         p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
         shapes.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
@@ -475,7 +488,10 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
                        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                        p + "mlp.down_proj.weight": (h, i),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+                       p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,),
+                       p + "input_layernorm.bias": (h,), p + "post_attention_layernorm.bias": (h,),
+                       p + "mlp.c_fc.weight": (i, h), p + "mlp.c_fc.bias": (i,), p + "mlp.c_proj.weight": (h, i),
+                       p + "mlp.c_proj.bias": (h,)})
         if c.moe is not None and c.moe.sparse(layer):
             for prefix in {c.moe.prefix, "mlp"}:   # (transformers >= 5 names every block `mlp`)
                 shapes.update(moe_shapes(c.moe, h, p + prefix + "."))
@@ -556,6 +572,8 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
 
     out = {"embed_tokens.weight": one("model.embed_tokens.weight"),
            "norm.weight": norm("model.norm.weight")}
+    if c.layer_norm:
+        out["norm.bias"] = one("model.norm.bias")
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sa = hf + "self_attn."
@@ -571,7 +589,12 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         if c.qk_norm:
             out[ours + "attn.q_norm.weight"] = norm(sa + "q_norm.weight")
             out[ours + "attn.k_norm.weight"] = norm(sa + "k_norm.weight")
-        if c.moe is not None and c.moe.sparse(i):
+        if c.plain_mlp:
+            # (no GGUF file gives this MLP blocks: `quantized_parts` names none)
+            for ours_name, theirs in (("fc", "c_fc"), ("proj", "c_proj")):
+                out[f"{ours}mlp.{ours_name}.weight"] = one(f"{hf}mlp.{theirs}.weight")
+                out[f"{ours}mlp.{ours_name}.bias"] = one(f"{hf}mlp.{theirs}.bias")
+        elif c.moe is not None and c.moe.sparse(i):
             # (transformers >= 5 saves Mixtral's `block_sparse_moe` as `mlp`)
             block = next((hf + p + "." for p in (c.moe.prefix, "mlp") for r in MOE_ROUTERS
                           if hf + p + "." + r in left), hf + c.moe.prefix + ".")
@@ -584,6 +607,9 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
         if c.pre_norms:
             out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
+        if c.layer_norm:
+            out[ours + "input_norm.bias"] = one(hf + "input_layernorm.bias")
+            out[ours + "post_norm.bias"] = one(hf + "post_attention_layernorm.bias")
         if c.sandwich_norms:
             out[ours + "attn_out_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
             if c.pre_norms:
@@ -645,7 +671,7 @@ def quantized_parts(c: DecoderConfig) -> dict[str, tuple[str, ...]]:
         sa = hf + "self_attn."
         parts[ours + "attn.qkv"] = (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight")
         parts[ours + "attn.o_proj"] = (sa + "o_proj.weight",)
-        if c.moe is None or not c.moe.sparse(i):
+        if (c.moe is None or not c.moe.sparse(i)) and not c.plain_mlp:
             parts[ours + "mlp.gate_up"] = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
             parts[ours + "mlp.down"] = (hf + "mlp.down_proj.weight",)
     return parts
