@@ -207,6 +207,32 @@ def test_context_overflow_names_max_tokens(client):
     assert error["code"] == "context_length_exceeded" and "`max_tokens`" in error["message"]
 
 
+def test_the_sdks_tool_runner_works_without_threads(client):
+    """anthropic's `beta.messages.tool_runner` threads its turns by default: each later turn
+    would send only its new messages. The server refuses `thread` with the `error.details` the
+    runner reads, so it sends the whole history instead and the loop completes (audit 78). The
+    `thread` helper, which does not fall back, gets that 400."""
+    from anthropic import beta_tool
+
+    calls = []
+
+    @beta_tool
+    def get_weather(city: str) -> str:
+        """Get the weather for a city."""
+        calls.append(city)
+        return "sunny"
+
+    turns = list(client.beta.messages.tool_runner(
+        model=MODEL, max_tokens=40, max_iterations=2, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[get_weather], tool_choice={"type": "any"}, extra_body=GREEDY))
+    assert [t.stop_reason for t in turns][0] == "tool_use" and len(turns) == 2 and calls
+    thread = client.beta.messages.thread(model=MODEL, max_tokens=4, extra_body=GREEDY)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        thread.send({"role": "user", "content": "Hello"})
+    error = refused.value.body["error"]
+    assert (error["param"], error["details"]["error_code"]) == ("thread", "thread_unsupported_request")
+
+
 # --- tools and keys, on a tiny model with a Hermes template --------------------------------
 
 KEY = "anthropic-test-key"

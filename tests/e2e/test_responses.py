@@ -206,6 +206,12 @@ def test_context_overflow_names_max_output_tokens(client):
     assert "`max_output_tokens`" in err["message"]
 
 
+def test_compaction_is_a_404_not_a_405(client):
+    with pytest.raises(NotFoundError) as e:
+        client.responses.compact(model=MODEL, input="Hi")
+    assert "compact" in e.value.body["message"]
+
+
 def test_unknown_model_and_unknown_responses_are_404(client):
     with pytest.raises(NotFoundError) as e:
         client.responses.create(model="nope", input="Hi")
@@ -269,6 +275,14 @@ def test_stored_responses_are_read_back_and_continued(client):
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "msg_nope"}])
     assert (e.value.body["code"], e.value.body["param"]) == ("item_not_found", "input[0].id")
+    # a reference may leave its type out (OpenAI's schema: an `id` alone)
+    typeless = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24, store=False, input=[
+        {"id": items.data[0].id}, {"id": first.output[0].id}, {"role": "user", "content": "And of Italy?"}])
+    assert typeless.output_text == referenced.output_text
+
+    # input_tokens counts what a create with the same body reads
+    counted = client.responses.input_tokens.count(model=MODEL, previous_response_id=first.id, input="And of Italy?")
+    assert counted.input_tokens == second.usage.input_tokens
 
     # store: false is not kept; deleted is gone
     with pytest.raises(NotFoundError):

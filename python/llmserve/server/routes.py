@@ -306,6 +306,14 @@ tokenize = _handler("tokenize")
 detokenize = _handler("detokenize")
 chat_render = _handler("chat_render")
 completion_render = _handler("completion_render")
+responses_input_tokens = _handler("responses_input_tokens")   # POST /v1/responses/input_tokens
+
+
+async def compact_response(request: Request) -> Response:
+    """POST /v1/responses/compact: OpenAI's compaction of a conversation, which this server
+    does not do (named here, or `/v1/responses/{id}` would answer it as a 405)."""
+    raise Router.error("not_found", "Compacting a conversation (/v1/responses/compact) is not supported: send the "
+                       "conversation in `input`, or continue it with `previous_response_id`.")
 
 
 async def messages_count_tokens(request: Request) -> Response:

@@ -191,12 +191,17 @@ impl ApiError {
     /// `{"type": "error", "error": {"type", "message"}}`, whose `error` also keeps this
     /// server's `param` and `code`.
     pub fn to_anthropic_json(&self) -> Vec<u8> {
-        let body = json!({"type": "error", "error": {
+        let mut body = json!({"type": "error", "error": {
             "type": self.anthropic_type(),
             "message": self.message(),
             "param": self.param(),
             "code": self.code(),
         }});
+        // (Anthropic's `details` of a refused thread, which its SDK reads to send the turn
+        // again without one)
+        if self.code() == crate::protocol::messages::THREAD_UNSUPPORTED {
+            body["error"]["details"] = json!({"error_code": self.code(), "unsupported": [self.param()]});
+        }
         serde_json::to_vec(&body).expect("error body serializes")
     }
 

@@ -189,8 +189,8 @@ impl Router {
         Ok(prepared)
     }
 
-    /// Answers `Tokenize`, `Detokenize`, `ChatRender`, `CompletionRender` and
-    /// `MessagesCountTokens` with a JSON body.
+    /// Answers `Tokenize`, `Detokenize`, `ChatRender`, `CompletionRender`,
+    /// `MessagesCountTokens` and `ResponsesInputTokens` with a JSON body.
     pub fn handle(&self, endpoint: Endpoint, body: &[u8]) -> Result<Handled, ApiError> {
         match endpoint {
             Endpoint::Tokenize => tokenize::tokenize(self, body),
@@ -198,6 +198,7 @@ impl Router {
             Endpoint::ChatRender => tokenize::chat_render(self, body),
             Endpoint::CompletionRender => tokenize::completion_render(self, body),
             Endpoint::MessagesCountTokens => messages::count_tokens(self, body),
+            Endpoint::ResponsesInputTokens => responses::input_tokens(self, body),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route generates; it goes through `prepare`.", other.name()),
             }),

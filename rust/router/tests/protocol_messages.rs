@@ -601,3 +601,34 @@ fn count_tokens_counts_the_prompt_the_request_renders() {
     let e = r.handle(Endpoint::MessagesCountTokens, &serde_json::to_vec(&bad).unwrap()).unwrap_err();
     assert_eq!(e.param(), Some("messages[0].content[0].type"));
 }
+
+/// A message thread (`thread`, whose later turns send only their new messages) is refused with
+/// Anthropic's `error.details`, from which its SDK's tool runner recovers by sending the whole
+/// history (audit 78); `thread: false` asks for nothing.
+#[test]
+fn a_thread_is_refused_with_the_details_the_sdk_reads() {
+    let r = router();
+    for thread in [json!({"type": "create"}), json!({"type": "continue", "previous_message_id": "msg_1"})] {
+        let e = messages(
+            &r,
+            json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], "thread": thread}),
+        )
+        .unwrap_err();
+        assert_eq!((e.status(), e.code(), e.param()), (400, "thread_unsupported_request", Some("thread")));
+        let body: Value = serde_json::from_slice(&e.to_anthropic_json()).unwrap();
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(
+            body["error"]["details"],
+            json!({"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
+        );
+    }
+    messages(&r, json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], "thread": false}))
+        .unwrap();
+    messages(&r, json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], "thread": null})).unwrap();
+    // other errors carry no details
+    let e =
+        messages(&r, json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hello"}], "container": "c"}))
+            .unwrap_err();
+    let body: Value = serde_json::from_slice(&e.to_anthropic_json()).unwrap();
+    assert!(body["error"].get("details").is_none());
+}

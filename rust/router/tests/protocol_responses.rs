@@ -465,6 +465,13 @@ fn item_references_are_the_stored_items() {
     assert_eq!(ids[..2], ["msg_hello", answer.as_str()]);
     assert_eq!(conversation[1]["content"][0]["text"], "world");
 
+    // a reference may leave its type out (OpenAI's schema), or send it null
+    for reference in [json!({"id": "msg_hello"}), json!({"id": "msg_hello", "type": null})] {
+        let p = responses(&r, json!({"input": [reference, {"role": "user", "content": "x"}]})).unwrap();
+        let by_hand =
+            chat_of(&r, json!({"messages": [{"role": "user", "content": "hello"}, {"role": "user", "content": "x"}]}));
+        assert_eq!(p.prompts, by_hand.prompts);
+    }
     // a reference's other keys are reported; unknown ids, a missing id and a store turned
     // off are 400s on the reference
     let extra = json!({"input": [{"type": "item_reference", "id": "msg_hello", "note": 1}]});
@@ -483,4 +490,31 @@ fn item_references_are_the_stored_items() {
     r.responses().delete(&p.id).unwrap();
     let gone = json!({"input": [{"type": "item_reference", "id": "msg_hello"}]});
     assert_eq!(shape(responses(&r, gone)).1, "item_not_found");
+}
+
+/// `POST /v1/responses/input_tokens` counts the prompt `POST /v1/responses` would read from the
+/// same body (audit 78); what only shapes a generation is reported; errors are the route's.
+#[test]
+fn input_tokens_count_the_prompt_the_request_reads() {
+    use llmserve_router::protocol::Endpoint;
+    let r = router();
+    let count = |body: Value| {
+        let mut b = json!({"model": "tiny"});
+        merge(&mut b, body);
+        r.handle(Endpoint::ResponsesInputTokens, &serde_json::to_vec(&b).unwrap())
+    };
+    let body = json!({"input": [{"role": "user", "content": "hello world"}], "instructions": "a b"});
+    let handled = count(body.clone()).unwrap();
+    let answer: Value = serde_json::from_slice(&handled.body).unwrap();
+    let prepared = responses(&r, body).unwrap();
+    assert_eq!(answer, json!({"object": "response.input_tokens", "input_tokens": prepared.prompts[0].len()}));
+    assert!(handled.headers.is_empty());
+    // generation-only fields ask for nothing; nothing is stored
+    let handled = count(json!({"input": "hello", "max_output_tokens": 3, "stream": true, "store": true})).unwrap();
+    assert_eq!(
+        handled.headers,
+        [("llmserve-ignored-fields".to_string(), "max_output_tokens, store, stream".to_string())]
+    );
+    assert_eq!(shape(count(json!({"input": []}))), (400, "invalid_value", Some("input".into())));
+    assert_eq!(shape(count(json!({"input": "x", "model": "nope"}))).1, "model_not_found");
 }

@@ -644,6 +644,9 @@ fn enable_thinking(router: &Router, obj: &Map<String, Value>, with_tools: bool) 
     (template.reads("enable_thinking") && parsed == ReasoningParser::Think && !sent).then_some(on)
 }
 
+/// The error code of a refused `thread` (Anthropic's, which its SDK recovers from).
+pub const THREAD_UNSUPPORTED: &str = "thread_unsupported_request";
+
 /// Translates a Messages request (`count`: a `count_tokens` one, which has no `max_tokens`).
 fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<Translated, ApiError> {
     for (key, why) in OPENAI_ONLY {
@@ -655,6 +658,17 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         if set(obj, key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
             return Err(unsupported(key, format!("`{key}` is not supported: this server runs no server tools.")));
         }
+    }
+    // A thread's later turns send only their new messages: answered as the whole conversation
+    // they would get a different reply. The anthropic SDK's tool runner reads this rejection
+    // (its `error.details`) and sends the whole history instead (audit 78).
+    if set(obj, "thread").is_some_and(|v| *v != Value::Bool(false)) {
+        return Err(ApiError::with_code(
+            THREAD_UNSUPPORTED,
+            Some("thread".into()),
+            "Message threads (`thread`) are not supported: this server keeps no conversations; send the whole \
+             conversation in `messages`.",
+        ));
     }
     match obj.get("max_tokens") {
         None if !count => return Err(missing("max_tokens".into())),

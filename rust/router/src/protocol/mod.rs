@@ -54,6 +54,8 @@ pub enum Endpoint {
     Messages,
     /// `/v1/messages/count_tokens`: the prompt's token count, answered at once.
     MessagesCountTokens,
+    /// `/v1/responses/input_tokens`: the Responses request's prompt token count, at once.
+    ResponsesInputTokens,
     /// `/v1/embeddings`: each input's prompt runs and nothing is sampled; answered with
     /// the pooled hidden states.
     Embeddings,
@@ -65,7 +67,7 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// The names the bindings use: "chat", "completion", "responses", "messages",
-    /// "messages_count_tokens", "embeddings", "tokenize", "detokenize", "chat_render",
+    /// "messages_count_tokens", "responses_input_tokens", "embeddings", "tokenize", "detokenize", "chat_render",
     /// "completion_render".
     pub fn from_name(s: &str) -> Option<Self> {
         Some(match s {
@@ -74,6 +76,7 @@ impl Endpoint {
             "responses" => Self::Responses,
             "messages" => Self::Messages,
             "messages_count_tokens" => Self::MessagesCountTokens,
+            "responses_input_tokens" => Self::ResponsesInputTokens,
             "embeddings" => Self::Embeddings,
             "tokenize" => Self::Tokenize,
             "detokenize" => Self::Detokenize,
@@ -90,6 +93,7 @@ impl Endpoint {
             Self::Responses => "responses",
             Self::Messages => "messages",
             Self::MessagesCountTokens => "messages_count_tokens",
+            Self::ResponsesInputTokens => "responses_input_tokens",
             Self::Embeddings => "embeddings",
             Self::Tokenize => "tokenize",
             Self::Detokenize => "detokenize",

@@ -26,7 +26,8 @@
 //! Decisions:
 //! - `store` (OpenAI's default true) keeps the finished response in this process's memory,
 //!   within `--responses-store-mib`; with no store it is echoed false (and reported when sent
-//!   true). An `item_reference` input item is the stored item with its id, from any stored
+//!   true). An `item_reference` input item (its `type` may be left out: an `id` alone) is the
+//!   stored item with its id, from any stored
 //!   response's conversation or output (an unknown id is a 400 `item_not_found` on
 //!   `input[i].id`; OpenAI's default store makes every item of a conversation referable).
 //!   `conversation` and `background` are a 400 `unsupported_parameter`.
@@ -513,7 +514,14 @@ fn resolve_references(
     ignored: &mut Vec<String>,
 ) -> Result<Option<Value>, ApiError> {
     let Some(Value::Array(items)) = input else { return Ok(None) };
-    let is_reference = |item: &Value| item.get("type").and_then(Value::as_str) == Some("item_reference");
+    // (OpenAI's reference may leave its `type` out: an item of an `id` alone, no role or content)
+    let is_reference = |item: &Value| match item.get("type") {
+        Some(Value::String(t)) => t == "item_reference",
+        None | Some(Value::Null) => {
+            item.get("id").is_some() && item.get("role").is_none() && item.get("content").is_none()
+        }
+        Some(_) => false,
+    };
     if !items.iter().any(is_reference) {
         return Ok(None);
     }
@@ -964,4 +972,29 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     });
     prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored }));
     Ok(checked)
+}
+
+/// `POST /v1/responses/input_tokens`: `{"object": "response.input_tokens", "input_tokens": N}`,
+/// the tokens the request's prompt comes to (its instructions, a continued response's
+/// conversation, its input and tools, through the chat template), as `POST /v1/responses`
+/// would read the same body. The fields that only shape a generation (`max_output_tokens`,
+/// `stream`, `stream_options`, `store`, `background`) ask for nothing here and are reported.
+pub(crate) fn input_tokens(router: &Router, body: &[u8]) -> Result<super::Handled, ApiError> {
+    let mut value = parse_body(body)?;
+    let obj = value.as_object_mut().expect("parse_body checks");
+    let mut ignored = Vec::new();
+    for key in ["max_output_tokens", "stream", "stream_options", "store", "background"] {
+        if obj.remove(key).is_some_and(|v| !v.is_null()) {
+            ignored.push(key.to_string());
+        }
+    }
+    // (counted, not answered: nothing of it is stored)
+    obj.insert("store".into(), Value::Bool(false));
+    let body = serde_json::to_vec(&value).expect("JSON values serialize");
+    let checked = prepare(router, &body, None)?;
+    let ignored = settle_ignored(ignored.into_iter().chain(checked.ignored).collect(), router.config.strict_fields)?;
+    let tokens = checked.prepared.prompts.first().map_or(0, Vec::len);
+    let body = serde_json::to_vec(&json!({"object": "response.input_tokens", "input_tokens": tokens}))
+        .expect("bodies serialize");
+    Ok(super::Handled { body, headers: super::common::ignored_header(&ignored).into_iter().collect() })
 }
