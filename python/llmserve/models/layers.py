@@ -432,13 +432,13 @@ class PlainMLP(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """Sparse mixture-of-experts MLP (Mixtral, Qwen2/Qwen3-MoE, OLMoE). A router scores the
-    experts; each token takes its `top_k` (softmax over all experts in float32, then the top k,
-    renormalized to sum to 1 with `norm_topk_prob`; GraniteMoE's `softmax_topk`: a softmax over
-    the top k scores alone, the same weights rounded once less); each expert is a SwiGLU MLP, and a token's
-    output is its experts' outputs weighted by their probabilities (rounded to the model's
-    dtype), added in expert order. Qwen2-MoE adds a shared expert to every token, weighted by
-    the sigmoid of its own gate (`shared_intermediate` > 0).
+    """Sparse mixture-of-experts MLP (Mixtral, Qwen2/Qwen3-MoE, OLMoE, GraniteMoE). A router
+    scores the experts; each token takes its `top_k` (softmax over all experts in float32, then
+    the top k, renormalized to sum to 1 with `norm_topk_prob`; GraniteMoE's `softmax_topk`: a
+    softmax over the top k scores alone, the same weights rounded once less). Each expert is a
+    SwiGLU MLP, and a token's output is its experts' outputs weighted by their probabilities
+    (rounded to the model's dtype), added in expert order. Qwen2-MoE adds a shared expert to
+    every token, weighted by the sigmoid of its own gate (`shared_intermediate` > 0).
 
     Each expert computes the rows routed to it as one GEMM through `linear`, so a row's sums do
     not depend on the rest of the step where the dense layers' do not (and row by row with
