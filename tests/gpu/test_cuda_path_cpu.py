@@ -62,6 +62,39 @@ def test_cuda_path_matches_cpu_path_step_by_step():
     assert padded >= 15          # the decode-only steps went through the padded static buffers
 
 
+def test_an_moe_model_runs_the_cuda_path_eagerly():
+    """A mixture-of-experts model goes to our kernels without graphs (make_cuda_runner): its
+    padded decode steps, run eagerly with padding rows routed to experts too, give the CPU
+    path's rows."""
+    moe = dict(CONFIG, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=24, norm_topk_prob=True)
+    g = torch.Generator().manual_seed(1)
+    weights = tiny_weights()
+    h, d = CONFIG["hidden_size"], CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    for layer in range(CONFIG["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del weights[f"{p}mlp.{name}.weight"]
+        weights[p + "mlp.gate.weight"] = torch.randn(4, h, generator=g)
+        for e in range(4):
+            x = f"{p}mlp.experts.{e}."
+            weights.update({x + "gate_proj.weight": torch.randn(24, h, generator=g) * 0.2,
+                            x + "up_proj.weight": torch.randn(24, h, generator=g) * 0.2,
+                            x + "down_proj.weight": torch.randn(h, 24, generator=g) * 0.2})
+        weights.update({p + "self_attn.q_norm.weight": torch.ones(d), p + "self_attn.k_norm.weight": torch.ones(d)})
+    model = build_model(moe, weights, torch.float32, torch.device("cpu"))
+    cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
+    cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
+                                max_model_len=128, cuda_graphs=False, ops=reference)
+    padded = 0
+    for plan in scenario_plans(CONFIG["vocab_size"]):
+        padded += cuda_path.graphs.padded_size(plan) is not None
+        with torch.inference_mode():
+            want, got = cpu.run_model(plan), cuda_path.run_model(plan)
+        torch.testing.assert_close(got[plan.logits_indices], want[plan.logits_indices], atol=1e-4, rtol=1e-4)
+    assert padded >= 15
+
+
 def test_padding_rows_write_nothing():
     _, cuda_path = runners()
     plans = scenario_plans(CONFIG["vocab_size"])
@@ -162,20 +195,6 @@ def test_soft_capped_scores_keep_the_torch_path():
     x = torch.zeros(1, 4, 64)
     with pytest.raises(RuntimeError, match="no soft cap"):
         paged_attention(x, x, x, x, x, cuda_meta, 0.125, softcap=50.0)
-
-
-def test_moe_models_take_the_torch_path():
-    """MoE routing reads on the host which experts run: such steps cannot be graphs."""
-    from types import SimpleNamespace
-
-    from llmserve.models.moe import Qwen3MoeForCausalLM
-    from llmserve.worker.cuda_graphs import kernels_unused_because
-
-    c = Qwen3MoeForCausalLM.parse_config(dict(CONFIG, architectures=["Qwen3MoeForCausalLM"], head_dim=64,
-                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
-    assert kernels.supports(c.num_heads, c.num_kv_heads, c.head_dim, 16, torch.bfloat16) is None
-    model = SimpleNamespace(config=c, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
-    assert "mixture-of-experts" in kernels_unused_because(model, 16, torch.bfloat16)
 
 
 def test_without_a_gpu_the_factory_falls_back_to_the_torch_path(caplog):

@@ -16,8 +16,8 @@ layers.MoEMLP), served from HF folders.
   (granite.py), experts stacked in the checkpoint (`input_linear`, `output_linear`), each
   token's weights a softmax over its top k router scores.
 
-Their CUDA steps run the torch path without CUDA graphs (worker/cuda_graphs.py: the routing
-decides on the host which experts run)."""
+On CUDA their steps run eagerly, with our attention kernels but no CUDA graphs
+(worker/cuda_graphs.py: the routing decides on the host which experts run)."""
 
 from __future__ import annotations
 

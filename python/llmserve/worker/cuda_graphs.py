@@ -206,8 +206,12 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
     if why is not None:
         log.warning("CUDA kernels not used (%s): serving with the torch attention path, no CUDA graphs", why)
         return ModelRunner(model, num_blocks, block_size, dtype, device, seed=seed)
-    return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed,
-                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, ops=kernels)
+    # (an MoE layer reads on the host which experts a step runs: no graph can hold that)
+    graphs = model.config.moe is None
+    if not graphs:
+        log.info("mixture-of-experts layers: decode steps run eagerly, not as CUDA graphs")
+    return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs)
 
 
 def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | None:
@@ -218,9 +222,6 @@ def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | 
     why = kernels.supports(model.config.num_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
     if why is None and model.config.attn_softcap:
         why = "attention soft-capping (Gemma 2) is not in our kernels"
-    if why is None and model.config.moe is not None:
-        # (the routing reads on the host which experts each step runs: no graph can be captured)
-        why = "mixture-of-experts layers route on the host, so their steps cannot be captured as CUDA graphs"
     if why is None:
         why = kernels.missing_toolchain()
     if why is None:
