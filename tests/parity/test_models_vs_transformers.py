@@ -1,5 +1,5 @@
 """Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite /
-OLMo 2 / OLMo 3 / StarCoder2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+OLMo 2 / OLMo 3 / StarCoder2 / Cohere / Cohere2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
 transformers itself; every weight (biases and norm weights included) is randomized so a dropped
 or misplaced tensor shows up in the logits."""
 
@@ -87,6 +87,13 @@ FAMILIES = {
     # LayerNorms with biases, an ungated GELU MLP with biases, a window shorter than the prompts
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
         sliding_window=6, hidden_act="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)),
+    # LayerNorms without bias in float32, a parallel residual, RoPE over adjacent pairs, logits scaled
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(
+        logit_scale=0.3, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Cohere's layers: a sliding one (window 6) with RoPE, then a full one with no position encoding
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        logit_scale=0.25, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -191,7 +198,7 @@ def test_chunked_prefill_equals_one_shot(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3",
-                                    "qwen3_moe", "qwen2_moe", "starcoder2"])
+                                    "qwen3_moe", "qwen2_moe", "starcoder2", "cohere", "cohere2"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different
@@ -252,6 +259,29 @@ def test_gemma_norms_round_as_transformers():
     model = build_model(hf.config.to_dict(), dict(hf.state_dict()), torch.bfloat16, "cpu")
     norms = {n: p.dtype for n, p in model.named_parameters() if "norm" in n}
     assert len(norms) == 1 + 4 * 2 and set(norms.values()) == {torch.float32}
+
+
+def test_cohere_layer_norms_round_as_transformers():
+    """Cohere's LayerNorm (no bias) normalizes and scales in float32 and rounds once: bit for
+    bit against transformers' in bf16. (torch's own bf16 layer_norm accumulates and scales in
+    float32 too on CPU; the float32 path makes it so on any device.)"""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    from llmserve.models.layers import LayerNorm
+
+    g = torch.Generator().manual_seed(0)
+    w = (1 + 0.3 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    x = (3 * torch.randn(9, 64, generator=g) + 1).to(torch.bfloat16)
+    theirs = CohereLayerNorm(64, eps=1e-5).to(torch.bfloat16)
+    ours = LayerNorm(64, 1e-5, bias=False, fp32=True)
+    with torch.no_grad():
+        theirs.weight.copy_(w)
+        ours.weight = torch.nn.Parameter(w.float())   # as llama.fuse_hf_weights loads it (fp32_norms)
+        assert torch.equal(ours(x), theirs(x))
+    hf, _ = make_pair("cohere")
+    model = build_model(hf.config.to_dict(), dict(hf.state_dict()), torch.bfloat16, "cpu")
+    norms = {n: p.dtype for n, p in model.named_parameters() if "norm" in n}
+    assert len(norms) == 1 + 2 and set(norms.values()) == {torch.float32}
 
 
 def test_greedy_generation_through_execute_matches_transformers():

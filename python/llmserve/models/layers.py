@@ -49,15 +49,19 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a bias (StarCoder2's), computed in the input's dtype as torch's is."""
+    """LayerNorm: StarCoder2's (a bias, computed in the input's dtype as torch's is) or
+    Cohere's (`bias` False, `fp32`: computed and scaled in float32, a float32 weight, then cast
+    once)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, bias: bool = True, fp32: bool = False):
         super().__init__()
-        self.shape, self.eps = (dim,), eps
+        self.shape, self.eps, self.fp32 = (dim,), eps, fp32
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32 and x.dtype != torch.float32:
+            return F.layer_norm(x.float(), self.shape, self.weight, self.bias, self.eps).to(x.dtype)
         return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
 
 

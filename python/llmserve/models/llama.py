@@ -1,8 +1,8 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window) and the decoder that
-Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite, OLMo 2, StarCoder2 and the MoE families reuse
-with switches (DecoderConfig): QKV bias, q/k RMSNorm, layers without RoPE, Gemma's norms,
+Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite, OLMo 2, StarCoder2, Cohere and the MoE families
+reuse with switches (DecoderConfig): QKV bias, q/k RMSNorm, layers without RoPE, Gemma's norms,
 scales, activation, soft caps and local RoPE, OLMo 2's output-only norms, StarCoder2's
-LayerNorms and ungated MLP, experts (MoEConfig), ...
+LayerNorms and ungated MLP, Cohere's parallel residual and pairwise RoPE, experts (MoEConfig), ...
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
@@ -114,6 +114,14 @@ class DecoderConfig:
     # `rms_norm_eps`), and an ungated MLP with biases (layers.PlainMLP, `hidden_act`).
     layer_norm: bool = False
     plain_mlp: bool = False
+    # Cohere's: LayerNorms without a bias (`layer_norm_bias` False; in float32 with
+    # `fp32_norms`), the attention and the MLP both reading the layer's one normed input and
+    # added to the residual together (`parallel_residual`), and RoPE rotating adjacent pairs
+    # of a head's dims (`interleaved_rope`: q and k rows are reordered at load into the
+    # rotate-half layout, which gives the same q . k).
+    layer_norm_bias: bool = True
+    parallel_residual: bool = False
+    interleaved_rope: bool = False
 
     @property
     def llama_layers(self) -> bool:
@@ -122,7 +130,8 @@ class DecoderConfig:
         return (not self.norm_offset and not self.sandwich_norms and self.embed_scale == 1.0
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
                 and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers
-                and not self.attn_softcap and self.moe is None and not self.layer_norm and not self.plain_mlp)
+                and not self.attn_softcap and self.moe is None and not self.layer_norm and not self.plain_mlp
+                and not self.parallel_residual)
 
     @staticmethod
     def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
@@ -154,6 +163,13 @@ class DecoderConfig:
         )
         fields.update(overrides)
         return DecoderConfig(**fields)
+
+
+def require_silu(cfg: dict, family: str) -> None:
+    """Refuses a config whose `hidden_act` is not SiLU (the gated MLP of `family`)."""
+    act = cfg.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ValueError(f"{family}'s hidden_act {act!r} is not supported (silu)")
 
 
 def layer_types(cfg: dict, pattern: int) -> list[str]:
@@ -191,7 +207,9 @@ def layer_type_rope(cfg: dict, layer_type: str, theta: float, scaling: dict | No
 
 def model_norm(c: DecoderConfig) -> RMSNorm | LayerNorm:
     """A layer's input norm, its MLP's, or the final one: RMSNorm, or StarCoder2's LayerNorm."""
-    return LayerNorm(c.hidden_size, c.rms_norm_eps) if c.layer_norm else RMSNorm(c.hidden_size, c.rms_norm_eps)
+    if c.layer_norm:
+        return LayerNorm(c.hidden_size, c.rms_norm_eps, bias=c.layer_norm_bias, fp32=c.fp32_norms)
+    return RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class DecoderAttention(nn.Module):
@@ -245,7 +263,8 @@ class DecoderLayer(nn.Module):
         self.input_norm = model_norm(c) if c.pre_norms else None
         self.attn = DecoderAttention(c, rope=index not in c.nope_layers, window=window)
         # the MLP's input norm
-        self.post_norm = model_norm(c) if c.pre_norms else None
+        self.post_norm = model_norm(c) if c.pre_norms and not c.parallel_residual else None
+        self.parallel = c.parallel_residual
         m = c.moe
         self.mlp = (MoEMLP(c.hidden_size, m.intermediate_size, m.num_experts, m.top_k, m.norm_topk_prob,
                            m.shared_intermediate_size, m.softmax_topk)
@@ -262,6 +281,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
         x = h if self.input_norm is None else self.input_norm(h)
+        if self.parallel:   # (Cohere: both read x; (h + attention) + MLP, as transformers adds them)
+            return self._add(self._add(h, self.attn(x, cos, sin, attn, kv_cache), None), self.mlp(x), None)
         h = self._add(h, self.attn(x, cos, sin, attn, kv_cache), self.attn_out_norm)
         return self._add(h, self.mlp(h if self.post_norm is None else self.post_norm(h)), self.mlp_out_norm)
 
@@ -572,17 +593,18 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
 
     out = {"embed_tokens.weight": one("model.embed_tokens.weight"),
            "norm.weight": norm("model.norm.weight")}
-    if c.layer_norm:
+    if c.layer_norm and c.layer_norm_bias:
         out["norm.bias"] = one("model.norm.bias")
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         sa = hf + "self_attn."
         # (Phi-3 checkpoints hold q|k|v and gate|up fused already, as this module does)
         fused = sa + "qkv_proj.weight" in left
-        out[ours + "attn.qkv.weight"] = linear(ours + "attn.qkv", one(sa + "qkv_proj.weight") if fused else cat(
-            sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight"))
+        qkv = one(sa + "qkv_proj.weight") if fused else cat(sa + "q_proj.weight", sa + "k_proj.weight",
+                                                            sa + "v_proj.weight")
+        out[ours + "attn.qkv.weight"] = linear(ours + "attn.qkv", rope_rows(c, qkv))
         if c.qkv_bias:
-            out[ours + "attn.qkv.bias"] = cat(sa + "q_proj.bias", sa + "k_proj.bias", sa + "v_proj.bias")
+            out[ours + "attn.qkv.bias"] = rope_rows(c, cat(sa + "q_proj.bias", sa + "k_proj.bias", sa + "v_proj.bias"))
         out[ours + "attn.o_proj.weight"] = linear(ours + "attn.o_proj", one(sa + "o_proj.weight"))
         if c.o_bias:
             out[ours + "attn.o_proj.bias"] = one(sa + "o_proj.bias")
@@ -607,7 +629,7 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             out[ours + "mlp.down.weight"] = linear(ours + "mlp.down", one(hf + "mlp.down_proj.weight"))
         if c.pre_norms:
             out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
-        if c.layer_norm:
+        if c.layer_norm and c.layer_norm_bias:
             out[ours + "input_norm.bias"] = one(hf + "input_layernorm.bias")
             out[ours + "post_norm.bias"] = one(hf + "post_attention_layernorm.bias")
         if c.sandwich_norms:
@@ -615,7 +637,7 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             if c.pre_norms:
                 out[ours + "post_norm.weight"] = norm(hf + "pre_feedforward_layernorm.weight")
             out[ours + "mlp_out_norm.weight"] = norm(hf + "post_feedforward_layernorm.weight")
-        else:
+        elif not c.parallel_residual:
             out[ours + "post_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
     if c.tie_word_embeddings:
         left.pop("lm_head.weight", None)   # some tied checkpoints still ship a copy
@@ -625,6 +647,19 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:8]}")
     return out
+
+
+def rope_rows(c: DecoderConfig, qkv: torch.Tensor) -> torch.Tensor:
+    """A fused q|k|v weight (or bias) with each q and k head's rows in the rotate-half layout
+    where the checkpoint's RoPE rotates adjacent pairs (`interleaved_rope`): pair (2i, 2i+1)
+    moves to (i, i + d/2), the dims rotate-half pairs with frequency i. q and k move alike, so
+    q . k is unchanged; v stays."""
+    if not c.interleaved_rope:
+        return qkv
+    d, heads = c.head_dim, c.num_heads + c.num_kv_heads
+    order = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2))).to(qkv.device)
+    qk = qkv[:heads * d].reshape(heads, d, *qkv.shape[1:]).index_select(1, order)
+    return torch.cat((qk.reshape(heads * d, *qkv.shape[1:]), qkv[heads * d:]))
 
 
 def moe_weights(m: MoEConfig, block: str, ours: str, one: Callable, cat: Callable,

@@ -24,14 +24,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llmserve.models.granite import GraniteForCausalLM
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, MoEConfig
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, MoEConfig, require_silu
 from llmserve.models.registry import register
-
-
-def _silu(hf_config: dict, family: str) -> None:
-    act = hf_config.get("hidden_act") or "silu"
-    if act != "silu":
-        raise ValueError(f"{family}'s hidden_act {act!r} is not supported (silu)")
 
 
 def _num_experts(hf_config: dict) -> int:
@@ -46,7 +40,7 @@ def _qwen_moe(hf_config: dict, family: str) -> MoEConfig:
     """Qwen2-MoE's and Qwen3-MoE's experts. The layers with a dense MLP are those in
     `mlp_only_layers`, and with `decoder_sparse_step` s every layer i where (i + 1) is not a
     multiple of s (transformers' reading)."""
-    _silu(hf_config, family)
+    require_silu(hf_config, family)
     if hf_config.get("use_sliding_window"):
         raise ValueError(f"{family} sliding-window attention is not supported")
     step = hf_config.get("decoder_sparse_step") or 1
@@ -63,7 +57,7 @@ def _qwen_moe(hf_config: dict, family: str) -> MoEConfig:
 class MixtralForCausalLM(LlamaForCausalLM):
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        _silu(hf_config, "Mixtral")
+        require_silu(hf_config, "Mixtral")
         moe = MoEConfig(num_experts=_num_experts(hf_config), top_k=hf_config.get("num_experts_per_tok", 2),
                         intermediate_size=hf_config["intermediate_size"], norm_topk_prob=True,
                         prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"))
@@ -90,7 +84,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 class OlmoeForCausalLM(LlamaForCausalLM):
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        _silu(hf_config, "OLMoE")
+        require_silu(hf_config, "OLMoE")
         if hf_config.get("clip_qkv") is not None:
             raise ValueError("OLMoE's clip_qkv is not supported")
         moe = MoEConfig(num_experts=_num_experts(hf_config), top_k=hf_config["num_experts_per_tok"],
@@ -103,7 +97,7 @@ class OlmoeForCausalLM(LlamaForCausalLM):
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        _silu(hf_config, "GraniteMoE")
+        require_silu(hf_config, "GraniteMoE")
         moe = MoEConfig(num_experts=_num_experts(hf_config), top_k=hf_config["num_experts_per_tok"],
                         intermediate_size=hf_config["intermediate_size"], norm_topk_prob=True, softmax_topk=True,
                         prefix="block_sparse_moe")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, layer_type_rope, layer_types, layer_windows
+from llmserve.models.llama import (DecoderConfig, LlamaForCausalLM, layer_type_rope, layer_types, layer_windows,
+                                   require_silu)
 from llmserve.models.registry import register
 
 
@@ -22,9 +23,7 @@ from llmserve.models.registry import register
 class Olmo2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def parse_config(cls, hf_config: dict) -> DecoderConfig:
-        act = hf_config.get("hidden_act") or "silu"
-        if act != "silu":
-            raise ValueError(f"OLMo 2's hidden_act {act!r} is not supported (silu)")
+        require_silu(hf_config, "OLMo 2")
         return DecoderConfig.from_hf(hf_config, qk_norm=True, qk_norm_across_heads=True, pre_norms=False,
                                      sandwich_norms=True, fp32_norms=True)
 
