@@ -3,7 +3,7 @@
 
 # (each family module registers itself when imported)
 from llmserve.models import (cohere, gemma, gemma3, granite, llama, moe, olmo2, phi3,  # noqa: F401
-                             qwen2, qwen3, smollm3, starcoder2)
+                             qwen2, qwen3, smollm3, stablelm, starcoder2)
 from llmserve.models.registry import CausalLM, build_model, register, supported_architectures
 
 __all__ = ["CausalLM", "build_model", "register", "supported_architectures"]

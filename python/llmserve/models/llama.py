@@ -631,7 +631,8 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
         if c.layer_norm and c.layer_norm_bias:
             out[ours + "input_norm.bias"] = one(hf + "input_layernorm.bias")
-            out[ours + "post_norm.bias"] = one(hf + "post_attention_layernorm.bias")
+            if not c.parallel_residual:
+                out[ours + "post_norm.bias"] = one(hf + "post_attention_layernorm.bias")
         if c.sandwich_norms:
             out[ours + "attn_out_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
             if c.pre_norms:
