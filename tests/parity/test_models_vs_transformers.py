@@ -1,5 +1,5 @@
 """Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite /
-OLMo 2 / OLMo 3 / StarCoder2 / StableLM / Cohere / Cohere2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+OLMo 2 / OLMo 3 / StarCoder2 / StableLM / Phi-2 / Cohere / Cohere2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
 transformers itself; every weight (biases and norm weights included) is randomized so a dropped
 or misplaced tensor shows up in the logits."""
 
@@ -93,6 +93,10 @@ FAMILIES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))),
     "stablelm_parallel": ("StableLmConfig", "StableLmForCausalLM", dict(
         use_parallel_residual=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    # Phi-2: LayerNorms, parallel residual, an ungated GELU MLP, biases everywhere (LM head too), partial RoPE
+    "phi2": ("PhiConfig", "PhiForCausalLM", dict(
+        hidden_act="gelu_new", pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     # LayerNorms without bias in float32, a parallel residual, RoPE over adjacent pairs, logits scaled
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(
         logit_scale=0.3, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -204,7 +208,7 @@ def test_chunked_prefill_equals_one_shot(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3",
-                                    "qwen3_moe", "qwen2_moe", "starcoder2", "cohere", "cohere2", "stablelm"])
+                                    "qwen3_moe", "qwen2_moe", "starcoder2", "cohere", "cohere2", "stablelm", "phi2"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different

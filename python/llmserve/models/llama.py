@@ -122,6 +122,8 @@ class DecoderConfig:
     layer_norm_bias: bool = True
     parallel_residual: bool = False
     interleaved_rope: bool = False
+    # Phi-1.5/2's: the LM head has a bias.
+    lm_head_bias: bool = False
 
     @property
     def llama_layers(self) -> bool:
@@ -323,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = model_norm(c)
         self.lm_head = (None if c.tie_word_embeddings
-                        else nn.Linear(c.hidden_size, c.vocab_size, bias=False))
+                        else nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias))
         self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
         self.local_rope: RotaryEmbedding | None = None   # c.local_rope's, set by from_hf
         self.lm_quant: PackedQuant | None = None   # the LM head's GGUF blocks, if any
@@ -485,10 +487,11 @@ class LlamaForCausalLM(nn.Module):
         # it. (The fp32 GEMV of a 49152-token head took ~17 ms of a short prompt's ~95 ms.)
         # Prompt logprobs keep fp32: they do not round.
         q = self.lm_quant
+        bias = None if self.lm_head is None else self.lm_head.bias
         if sampling and quant_serves(hidden, q) and not in_big_decode_step():
-            return quant_linear(hidden, None, q)
+            return quant_linear(hidden, bias, q)
         bf16 = self.lm_bf16 if in_big_decode_step() or (sampling and self.bf16_sampling_head) else None
-        return linear(hidden, weight, None, q, self.batch_invariant, bf16).float()
+        return linear(hidden, weight, bias, q, self.batch_invariant, bf16).float()
 
 
 def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -497,7 +500,7 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     h, i, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     q, kv = c.num_heads * d, c.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                          "model.norm.bias": (h,), "lm_head.weight": (v, h)}
+                                          "model.norm.bias": (h,), "lm_head.weight": (v, h), "lm_head.bias": (v,)}
     for layer in range(c.num_layers):
         p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
         shapes.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
@@ -644,6 +647,8 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
         left.pop("lm_head.weight", None)   # some tied checkpoints still ship a copy
     else:
         out["lm_head.weight"] = one("lm_head.weight")
+        if c.lm_head_bias:
+            out["lm_head.bias"] = one("lm_head.bias")
     unexpected = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:8]}")
