@@ -87,7 +87,7 @@ fn inert_openai_fields_must_have_their_kind() {
     let r = router();
     let p = chat(
         &r,
-        json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text"], "audio": {"voice": "x"},
+        json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text", "audio"], "audio": {"voice": "x"},
                "prediction": {"type": "content", "content": "a"}, "web_search_options": {},
                "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s",
                "functions": [{"name": "f"}], "function_call": "auto"}),
@@ -121,6 +121,15 @@ fn inert_openai_fields_must_have_their_kind() {
         assert_eq!(shape(chat(&r, body.clone())), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
         assert_eq!(shape(completion(&r, body)), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
     }
+    // the values that ask for what every request here gets pass without a word (audit 79)
+    let p = chat(&r, json!({"modalities": ["text"], "reasoning_effort": "none"})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    chat(&strict, json!({"modalities": ["text"], "reasoning_effort": "none"})).unwrap();
+    // chat's metadata has OpenAI's limits, as Responses' does
+    let many: serde_json::Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+    assert_eq!(shape(chat(&r, json!({"metadata": many}))), (400, "invalid_value", Some("metadata".into())));
+    assert_eq!(shape(chat(&r, json!({"metadata": {"a": 5}}))), (400, "invalid_type", Some("metadata.a".into())));
 }
 
 /// vLLM's fields that llmserve does not implement: at the value that asks for nothing they

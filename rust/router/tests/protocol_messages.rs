@@ -338,7 +338,7 @@ fn fields_without_effect_are_reported_in_the_messages_terms() {
             "tools": [weather()],
             "metadata": {"user_id": "u", "tier": "x"},
             "thinking": {"type": "enabled", "budget_tokens": 2048},
-            "service_tier": "standard_only",
+            "service_tier": "priority",
             "cache_control": {"type": "ephemeral"},
         }),
     )
@@ -631,4 +631,49 @@ fn a_thread_is_refused_with_the_details_the_sdk_reads() {
             .unwrap_err();
     let body: Value = serde_json::from_slice(&e.to_anthropic_json()).unwrap();
     assert!(body["error"].get("details").is_none());
+}
+
+/// Audit 79: `compaction` is refused (it asks for a summary block in place of an answer);
+/// `cache_control` is Anthropic's shape (a 1h ttl, which the prefix cache does not promise, is
+/// reported); the values that ask for what this server does pass without a word.
+#[test]
+fn compaction_cache_control_and_no_op_values() {
+    let r = router();
+    let user = json!([{"role": "user", "content": "hello"}]);
+    let req = |extra: Value| {
+        let mut b = json!({"max_tokens": 4, "messages": user.clone()});
+        merge(&mut b, extra);
+        messages(&r, b)
+    };
+    assert_eq!(
+        shape(req(json!({"compaction": {"type": "summarize"}}))),
+        (400, "unsupported_parameter", Some("compaction".into()))
+    );
+    // cache_control: the breakpoint alone asks for nothing
+    let block = |cc: Value| json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello", "cache_control": cc}]}]});
+    let p = req(block(json!({"type": "ephemeral"}))).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let p = req(block(json!({"type": "ephemeral", "ttl": "1h"}))).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("messages[0].content[0].cache_control.ttl"));
+    let p = req(json!({"cache_control": {"type": "ephemeral", "ttl": "5m"}})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    for (cc, param) in [
+        (json!({"type": "bogus"}), "messages[0].content[0].cache_control.type"),
+        (json!({"type": "ephemeral", "ttl": "2h"}), "messages[0].content[0].cache_control.ttl"),
+        (json!("yes"), "messages[0].content[0].cache_control"),
+    ] {
+        assert_eq!(shape(req(block(cc.clone()))).2, Some(param.to_string()), "{cc}");
+    }
+    assert_eq!(shape(req(json!({"cache_control": {"type": "persistent"}}))).2, Some("cache_control.type".into()));
+    // no-op values pass, also under strict field checking
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let no_ops = json!({"speed": "standard", "service_tier": "standard_only", "thread": false, "fallbacks": "default",
+                        "context_management": {"edits": []}, "billing_policy": {"type": "billing_policy", "bill_to": "self"}});
+    let p = req(no_ops.clone()).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let mut b = json!({"max_tokens": 4, "messages": user.clone()});
+    merge(&mut b, no_ops);
+    messages(&strict, b).unwrap();
+    let p = req(json!({"speed": "fast"})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("speed"));
 }

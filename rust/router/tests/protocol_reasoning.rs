@@ -34,6 +34,11 @@ fn prepare_detects_the_parser_and_an_opened_block() {
     assert_eq!(chat(&forced, json!({})).unwrap().reasoning, plan(false));
     // Completions are never parsed.
     assert_eq!(completion(&r, json!({})).unwrap().reasoning, None);
+    // `reasoning_effort: "none"` asks for nothing only where no thinking comes (audit 79)
+    let none = json!({"reasoning_effort": "none"});
+    assert_eq!(header(&chat(&r, none.clone()).unwrap(), "llmserve-ignored-fields"), Some("reasoning_effort"));
+    let closed = json!({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": false}});
+    assert_eq!(header(&chat(&r, closed).unwrap(), "llmserve-ignored-fields"), None);
 }
 
 #[test]

@@ -518,3 +518,16 @@ fn input_tokens_count_the_prompt_the_request_reads() {
     assert_eq!(shape(count(json!({"input": []}))), (400, "invalid_value", Some("input".into())));
     assert_eq!(shape(count(json!({"input": "x", "model": "nope"}))).1, "model_not_found");
 }
+
+/// `stream_options` without `stream: true` is a 400, as on chat (audit 79).
+#[test]
+fn stream_options_need_a_stream() {
+    let r = router();
+    for options in [json!({"include_obfuscation": false}), json!({"include_obfuscation": true})] {
+        assert_eq!(
+            shape(responses(&r, json!({"input": "hello", "stream_options": options}))),
+            (400, "invalid_value", Some("stream_options".into()))
+        );
+    }
+    responses(&r, json!({"input": "hello", "stream": true, "stream_options": {"include_obfuscation": false}})).unwrap();
+}

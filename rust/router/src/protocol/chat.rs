@@ -879,14 +879,18 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
     };
     let (rendered, template) = render(router, &input)?;
     ignored.extend(unread_message_keys(&rendered));
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
-    check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
-    let (mut tools, tool_grammar) =
-        if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
     let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).
     let thinking = reasoning.filter(|_| !crate::reasoning::prompt_closes(&rendered.text));
+    if thinking.is_none() && value.get("reasoning_effort") == Some(&json!("none")) {
+        // (no reasoning is what this request gets)
+        ignored.retain(|k| k != "reasoning_effort");
+    }
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
+    check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
+    let (mut tools, tool_grammar) =
+        if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
     let mut requested = c.constraint;
     if forced != Forced::No {
         // without effect beside a forced call (reported above), yet checked as it would be

@@ -161,6 +161,28 @@ pub fn kind_of(v: &Value) -> &'static str {
     }
 }
 
+/// OpenAI's `metadata` (chat's and Responses'): string values, at most 16 pairs, keys up to 64
+/// characters and values up to 512, as OpenAI refuses others (though it does nothing here).
+pub fn check_metadata(m: &Map<String, Value>) -> Result<(), ApiError> {
+    if let Some((k, v)) = m.iter().find(|(_, v)| !v.is_string()) {
+        return Err(invalid_type(
+            format!("metadata.{k}"),
+            format!("Metadata values must be strings, not {}.", kind_of(v)),
+        ));
+    }
+    if m.len() > 16 {
+        return Err(ApiError::invalid("metadata", format!("`metadata` holds at most 16 pairs, got {}.", m.len())));
+    }
+    let long = |s: &str, most: usize| s.chars().count() > most;
+    if let Some((k, _)) = m.iter().find(|(k, v)| long(k, 64) || v.as_str().is_some_and(|v| long(v, 512))) {
+        return Err(ApiError::invalid(
+            format!("metadata.{k}"),
+            "Metadata keys are at most 64 characters and values at most 512.",
+        ));
+    }
+    Ok(())
+}
+
 pub fn invalid_type(param: impl Into<String>, message: impl Into<String>) -> ApiError {
     ApiError::with_code("invalid_type", Some(param.into()), message)
 }
@@ -471,7 +493,8 @@ impl CommonFields {
         if self.store == Some(true) {
             inert.push("store".into());
         }
-        if self.metadata.is_some() {
+        if let Some(m) = &self.metadata {
+            check_metadata(m)?;
             inert.push("metadata".into());
         }
         // NOTE: "auto" (OpenAI's default) and "default" ask for the one tier there is.
@@ -754,6 +777,10 @@ pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String
         if let Some((name, shape)) = OPENAI_INERT.iter().find(|(name, _)| *name == key) {
             if let Some(err) = misshapen(name, shape, value) {
                 return Err(err);
+            }
+            // (text out is what every request gets)
+            if key == "modalities" && *value == serde_json::json!(["text"]) {
+                continue;
             }
         }
         match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {

@@ -213,7 +213,7 @@ impl Conversation {
         let assistant = role == "assistant";
         match kind {
             "text" => {
-                self.ignored.extend(unknown_keys_in(obj, &TEXT_KEYS, bp));
+                self.ignored.extend(block_keys(obj, &TEXT_KEYS, bp)?);
                 if set(obj, "citations").is_some_and(|c| c.as_array().is_none_or(|a| !a.is_empty())) {
                     self.ignored.push(format!("{bp}.citations"));
                 }
@@ -222,7 +222,7 @@ impl Conversation {
                 self.text(at, text, bp.to_string());
             }
             "tool_use" if assistant => {
-                self.ignored.extend(unknown_keys_in(obj, &TOOL_USE_KEYS, bp));
+                self.ignored.extend(block_keys(obj, &TOOL_USE_KEYS, bp)?);
                 let id = require_str(obj, "id", bp)?;
                 let name = require_str(obj, "name", bp)?;
                 let input = match obj.get("input") {
@@ -290,7 +290,7 @@ impl Conversation {
 
     /// A `tool_result` block -> a `tool` message, named after the call it answers.
     fn tool_result(&mut self, bp: &str, obj: &Map<String, Value>) -> Result<(), ApiError> {
-        self.ignored.extend(unknown_keys_in(obj, &TOOL_RESULT_KEYS, bp));
+        self.ignored.extend(block_keys(obj, &TOOL_RESULT_KEYS, bp)?);
         let id = require_str(obj, "tool_use_id", bp)?;
         let content = match obj.get("content") {
             None | Some(Value::Null) => Value::String(String::new()),
@@ -302,7 +302,7 @@ impl Conversation {
                     let part = as_object(block, kp.clone(), "Each content block")?;
                     match require_str(part, "type", &kp)? {
                         "text" => {
-                            self.ignored.extend(unknown_keys_in(part, &TEXT_KEYS, &kp));
+                            self.ignored.extend(block_keys(part, &TEXT_KEYS, &kp)?);
                             parts.push(json!({"type": "text", "text": require_str(part, "text", &kp)?}));
                         }
                         kind => {
@@ -482,7 +482,7 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
                 if require_str(b, "type", &bp)? != "text" {
                     return Err(ApiError::invalid(format!("{bp}.type"), "System blocks have type \"text\"."));
                 }
-                conv.ignored.extend(unknown_keys_in(b, &TEXT_KEYS, &bp));
+                conv.ignored.extend(block_keys(b, &TEXT_KEYS, &bp)?);
                 let text = require_str(b, "text", &bp)?;
                 conv.text(0, text, bp);
             }
@@ -540,7 +540,7 @@ fn chat_tools(tools: &Value, ignored: &mut Vec<String>) -> Result<Value, ApiErro
                 ))
             }
         }
-        ignored.extend(unknown_keys_in(obj, &TOOL_KEYS, &p));
+        ignored.extend(block_keys(obj, &TOOL_KEYS, &p)?);
         let name = require_str(obj, "name", &p)?;
         let schema = match obj.get("input_schema") {
             None | Some(Value::Null) => return Err(missing(format!("{p}.input_schema"))),
@@ -644,6 +644,56 @@ fn enable_thinking(router: &Router, obj: &Map<String, Value>, with_tools: bool) 
     (template.reads("enable_thinking") && parsed == ReasoningParser::Think && !sent).then_some(on)
 }
 
+/// The keys of a block (a tool, a system block) that mean nothing here, with its
+/// `cache_control` checked ([`cache_control`]).
+fn block_keys(obj: &Map<String, Value>, known: &[&str], path: &str) -> Result<Vec<String>, ApiError> {
+    let mut out = unknown_keys_in(obj, known, path);
+    out.extend(cache_control(obj, &format!("{path}.cache_control"))?);
+    Ok(out)
+}
+
+/// Anthropic's `cache_control` at `p`: `{"type": "ephemeral", "ttl": "5m" | "1h"}`. The prefix
+/// cache reuses every shared prefix by itself, so a breakpoint asks for nothing; `ttl: "1h"`
+/// asks for a lifetime the cache does not promise and is reported (as is any other key); a
+/// value of another shape is a 400, as Anthropic's API answers it.
+fn cache_control(obj: &Map<String, Value>, p: &str) -> Result<Vec<String>, ApiError> {
+    let Some(cc) = set(obj, "cache_control") else { return Ok(Vec::new()) };
+    let cc = as_object(cc, p.to_string(), "`cache_control`")?;
+    if require_str(cc, "type", p)? != "ephemeral" {
+        return Err(ApiError::invalid(format!("{p}.type"), "`cache_control.type` must be \"ephemeral\"."));
+    }
+    let mut out = unknown_keys_in(cc, &["type", "ttl"], p);
+    match set(cc, "ttl") {
+        None => {}
+        Some(Value::String(t)) if t == "5m" => {}
+        Some(Value::String(t)) if t == "1h" => out.push(format!("{p}.ttl")),
+        Some(_) => return Err(ApiError::invalid(format!("{p}.ttl"), "`cache_control.ttl` must be \"5m\" or \"1h\".")),
+    }
+    Ok(out)
+}
+
+/// Whether a field's value asks for nothing.
+type AsksNothing = fn(&Value) -> bool;
+
+/// Anthropic fields at the values that ask for what this server does anyway: the standard
+/// speed and capacity, billing to the caller, no context edits, no thread, the requested model
+/// alone. They pass without a word, as `thinking: {"type": "disabled"}` does.
+const NO_OPS: [(&str, AsksNothing); 6] = [
+    ("speed", |v| v == "standard"),
+    ("service_tier", |v| v == "standard_only" || v == "auto"),
+    ("billing_policy", |v| {
+        v.as_object().is_some_and(|o| {
+            o.get("bill_to") == Some(&json!("self")) && o.keys().all(|k| k == "type" || k == "bill_to")
+        })
+    }),
+    ("context_management", |v| {
+        v.as_object()
+            .is_some_and(|o| o.get("edits").and_then(Value::as_array).is_some_and(Vec::is_empty) && o.len() == 1)
+    }),
+    ("thread", |v| *v == Value::Bool(false)),
+    ("fallbacks", |v| v == "default"),
+];
+
 /// The error code of a refused `thread` (Anthropic's, which its SDK recovers from).
 pub const THREAD_UNSUPPORTED: &str = "thread_unsupported_request";
 
@@ -658,6 +708,15 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         if set(obj, key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
             return Err(unsupported(key, format!("`{key}` is not supported: this server runs no server tools.")));
         }
+    }
+    // A compaction request asks for a summary block in place of an answer (`stop_reason:
+    // "compaction"`), which this server does not write (count_tokens ignores it, as Anthropic's)
+    if !count && set(obj, "compaction").is_some() {
+        return Err(unsupported(
+            "compaction",
+            "Compaction (`compaction`) is not supported: this server writes no compaction blocks; send the \
+             conversation in `messages`.",
+        ));
     }
     // A thread's later turns send only their new messages: answered as the whole conversation
     // they would get a different reply. The anthropic SDK's tool runner reads this rejection
@@ -699,8 +758,13 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         "mcp_servers",
         "container",
     ];
-    let mut chat: Map<String, Value> =
-        obj.iter().filter(|(k, _)| !OWN.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+    ignored.extend(cache_control(obj, "cache_control")?);
+    let no_op = |k: &str, v: &Value| NO_OPS.iter().any(|(name, asks_nothing)| *name == k && asks_nothing(v));
+    let mut chat: Map<String, Value> = obj
+        .iter()
+        .filter(|(k, v)| !OWN.contains(&k.as_str()) && !no_op(k, v))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     if count {
         // (counting generates nothing: a `max_tokens` or `stream` copied along asks for nothing)
         ignored.extend(["max_tokens", "stream"].iter().filter(|k| set(obj, k).is_some()).map(|k| k.to_string()));
@@ -812,7 +876,9 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
         other => {
             return Err(ApiError::invalid(
                 "thinking.type",
-                format!("Unknown `thinking` type {other:?}: expected \"enabled\", \"adaptive\" or \"disabled\"."),
+                format!(
+                    "Unknown `thinking` type {other:?}: expected \"enabled\", \"adaptive\", \"between_tools\" or \"disabled\"."
+                ),
             ))
         }
     }

@@ -46,7 +46,8 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{missing, require_str, tool_message, unknown_keys_in};
 use super::common::{
-    as_object, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, settle_ignored, unsupported,
+    as_object, check_metadata, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, settle_ignored,
+    unsupported,
 };
 use super::{chat, Checked, Endpoint};
 use crate::error::ApiError;
@@ -840,30 +841,17 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
     if let Some(options) = set(obj, "stream_options") {
         let o = as_object(options, "stream_options", "`stream_options`")?;
+        if set(obj, "stream") != Some(&Value::Bool(true)) {
+            // (as chat refuses it, and OpenAI's reference says it is set only with `stream`)
+            return Err(ApiError::invalid("stream_options", "`stream_options` is only allowed with `stream: true`."));
+        }
         // (no stream is obfuscated: `include_obfuscation: false` asks for nothing)
         let asks =
             |(k, v): &(&String, &Value)| !(v.is_null() || (*k == "include_obfuscation" && **v == Value::Bool(false)));
         ignored.extend(o.iter().filter(asks).map(|(k, _)| format!("stream_options.{k}")));
     }
     if let Some(metadata) = set(obj, "metadata") {
-        let m = as_object(metadata, "metadata", "`metadata`")?;
-        if let Some((k, v)) = m.iter().find(|(_, v)| !v.is_string()) {
-            return Err(invalid_type(
-                format!("metadata.{k}"),
-                format!("Metadata values must be strings, not {}.", kind_of(v)),
-            ));
-        }
-        // OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
-        if m.len() > 16 {
-            return Err(ApiError::invalid("metadata", format!("`metadata` holds at most 16 pairs, got {}.", m.len())));
-        }
-        let long = |s: &str, most: usize| s.chars().count() > most;
-        if let Some((k, _)) = m.iter().find(|(k, v)| long(k, 64) || v.as_str().is_some_and(|v| long(v, 512))) {
-            return Err(ApiError::invalid(
-                format!("metadata.{k}"),
-                "Metadata keys are at most 64 characters and values at most 512.",
-            ));
-        }
+        check_metadata(as_object(metadata, "metadata", "`metadata`")?)?;
     }
     if let Some(n) = set(obj, "max_tool_calls") {
         if !n.is_u64() {
