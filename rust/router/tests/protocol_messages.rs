@@ -376,9 +376,6 @@ fn fields_without_effect_are_reported_in_the_messages_terms() {
     );
 }
 
-/// Opens a think block in the generation prompt unless `enable_thinking` is false (Qwen3's way).
-const THINK_TEMPLATE: &str = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}{% if add_generation_prompt %}assistant :{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
-
 #[test]
 fn thinking_switches_a_template_that_reads_enable_thinking() {
     let r = router_with(json!({}), Some(THINK_TEMPLATE));

@@ -11,9 +11,6 @@ use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, Toke
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
-/// Opens the think block in the generation prompt unless `enable_thinking` is false.
-const THINK_TEMPLATE: &str = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}{% if add_generation_prompt %}assistant :{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
-
 fn plan(opened: bool) -> Option<ReasoningPlan> {
     Some(ReasoningPlan { parser: ReasoningParser::Think, prompt_opened: opened })
 }

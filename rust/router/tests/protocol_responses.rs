@@ -531,3 +531,18 @@ fn stream_options_need_a_stream() {
     }
     responses(&r, json!({"input": "hello", "stream": true, "stream_options": {"include_obfuscation": false}})).unwrap();
 }
+
+/// `reasoning.effort: "none"` asks for nothing where no thinking comes (audit 79), and is
+/// reported where it does.
+#[test]
+fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
+    let none = json!({"input": "hello", "reasoning": {"effort": "none"}});
+    let p = responses(&router(), none.clone()).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let think = router_with(json!({}), Some(THINK_TEMPLATE));
+    let p = responses(&think, none).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning.effort"));
+    let strict = router_with(json!({"strict_fields": true}), Some(THINK_TEMPLATE));
+    let e = responses(&strict, json!({"input": "hello", "reasoning": {"effort": "none"}})).unwrap_err();
+    assert_eq!(e.param(), Some("reasoning.effort"));
+}

@@ -835,9 +835,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         }
         ignored.extend(unknown_keys_in(text_obj, &["format", "verbosity"], "text"));
     }
+    // (`effort: "none"` asks for nothing where no thinking comes: settled once the chat
+    // request's reasoning is known, below)
+    let mut effort_none = false;
     if let Some(reasoning) = set(obj, "reasoning") {
         let r = as_object(reasoning, "reasoning", "`reasoning`")?;
-        ignored.extend(r.iter().filter(|(_, v)| !v.is_null()).map(|(k, _)| format!("reasoning.{k}")));
+        effort_none = r.get("effort") == Some(&json!("none"));
+        let asks = |(k, v): &(&String, &Value)| !(v.is_null() || (effort_none && k.as_str() == "effort"));
+        ignored.extend(r.iter().filter(asks).map(|(k, _)| format!("reasoning.{k}")));
     }
     if let Some(options) = set(obj, "stream_options") {
         let o = as_object(options, "stream_options", "`stream_options`")?;
@@ -919,8 +924,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let mut checked =
         chat::prepare_value(router, &Value::Object(chat), header_id).map_err(|e| origins.rename_error(e))?;
 
+    let thinks = checked.prepared.reasoning.is_some()
+        && !checked.prepared.prompt_texts.first().is_some_and(|t| crate::reasoning::prompt_closes(t));
+    let late = settle_ignored(
+        if effort_none && thinks { vec!["reasoning.effort".to_string()] } else { Vec::new() },
+        router.config.strict_fields,
+    )?;
     let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
-    let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
+    let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).chain(late).collect();
     let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
     checked.adopt(all, Endpoint::Responses, "resp", named);
     let prepared = &mut checked.prepared;

@@ -40,6 +40,10 @@ pub const MAX_LEN: u32 = 32;
 /// and reads the `enable_thinking` kwarg.
 pub const TEMPLATE: &str = "{{ bos_token }}{% if tools %}tools : {% for t in tools %}{{ t.function.name }} {% endfor %}</s> {% endif %}{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% endif %} </s> {% endfor %}{% if add_generation_prompt %}assistant :{% if enable_thinking %} think{% endif %}{% endif %}";
 
+/// TEMPLATE's shape with Qwen3's think block: opened after the generation prompt, or closed
+/// empty with `enable_thinking: false`.
+pub const THINK_TEMPLATE: &str = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}{% if add_generation_prompt %}assistant :{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+
 pub fn tokenizer_json() -> String {
     let vocab: serde_json::Map<String, Value> =
         WORDS.iter().enumerate().map(|(i, w)| (w.to_string(), json!(i))).collect();
