@@ -539,6 +539,11 @@ fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
     let none = json!({"input": "hello", "reasoning": {"effort": "none"}});
     let p = responses(&router(), none.clone()).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // nor does the SDK's default `image`
+    let image = json!({"input": "hello", "image": {"context_compression": "auto"}});
+    assert_eq!(header(&responses(&router(), image).unwrap(), "llmserve-ignored-fields"), None);
+    let image = json!({"input": "hello", "image": {"context_compression": "off"}});
+    assert_eq!(header(&responses(&router(), image).unwrap(), "llmserve-ignored-fields"), Some("image"));
     let think = router_with(json!({}), Some(THINK_TEMPLATE));
     let p = responses(&think, none).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning.effort"));
