@@ -119,6 +119,12 @@ def test_a_prompt_computes_the_same_however_it_is_split(family, threads, bf16, m
     monkeypatch.setattr(llama, "native_bf16", lambda: bf16)
     model = quantized_model(family)
     assert (model.layers[0].attn.qkv.bf16_weight is not None) == bf16
+    _assert_splits_agree(model, threads)
+
+
+def _assert_splits_agree(model, threads: int) -> None:
+    """Every split of SPLITS gives the first one's tokens, logprobs and K cache, bit for bit,
+    with `threads` torch threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -229,17 +235,4 @@ def test_a_moe_prompt_computes_the_same_however_it_is_split(threads):
     """Each expert's GEMM takes the rows routed to it through `layers.linear`, as the dense ones
     do, and a token's 3 expert outputs add in expert order whatever the step holds (an order
     set by the step, such as the busiest expert first, fails this)."""
-    model = _moe_model()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        tokens, lps, cache = _run(model, SPLITS[0])
-        for split in SPLITS[1:]:
-            t, l, c = _run(model, split)
-            assert t == tokens, split
-            for a, b in zip(l, lps):
-                assert np.array_equal(a, b), split
-            for a, b in zip(c, cache):
-                assert torch.equal(a, b), split
-    finally:
-        torch.set_num_threads(before)
+    _assert_splits_agree(_moe_model(), threads)

@@ -383,6 +383,20 @@ fn streamed_logprobs_add_up_to_the_done_event() {
     assert_eq!(last["logprobs"].as_array().unwrap().len(), 3);
 }
 
+/// The prompts of the chat request "hello", the answer "world", then "x": what a stored
+/// response's continuation (or its items sent again by reference) reads.
+fn hello_world_then_x(r: &Router) -> Vec<Vec<u32>> {
+    chat_of(
+        r,
+        json!({"messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": [{"type": "text", "text": "world"}]},
+            {"role": "user", "content": "x"},
+        ]}),
+    )
+    .prompts
+}
+
 /// A stored response is read back and continued: `previous_response_id` prepends its
 /// conversation (its input and output items, not its instructions) to the new input.
 #[test]
@@ -397,15 +411,7 @@ fn a_stored_response_is_continued_by_its_id() {
     assert_eq!(stored, body);
 
     let next = responses(&r, json!({"input": "x", "previous_response_id": p.id})).unwrap();
-    let by_hand = chat_of(
-        &r,
-        json!({"messages": [
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": [{"type": "text", "text": "world"}]},
-            {"role": "user", "content": "x"},
-        ]}),
-    );
-    assert_eq!(next.prompts, by_hand.prompts);
+    assert_eq!(next.prompts, hello_world_then_x(&r));
     assert_eq!(next.responses.as_ref().unwrap().fields["previous_response_id"], json!(p.id));
     // nothing of the continued response is reported, and its items are listed with ids
     assert_eq!(header(&next, "llmserve-ignored-fields"), None);
@@ -450,15 +456,7 @@ fn item_references_are_the_stored_items() {
         ]}),
     )
     .unwrap();
-    let by_hand = chat_of(
-        &r,
-        json!({"messages": [
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": [{"type": "text", "text": "world"}]},
-            {"role": "user", "content": "x"},
-        ]}),
-    );
-    assert_eq!(next.prompts, by_hand.prompts);
+    assert_eq!(next.prompts, hello_world_then_x(&r));
     assert_eq!(header(&next, "llmserve-ignored-fields"), None);
     let (_, conversation) = next.responses.as_ref().unwrap().store.clone().unwrap();
     let ids: Vec<&str> = conversation.iter().map(|i| i["id"].as_str().unwrap()).collect();
