@@ -531,3 +531,16 @@ def test_longrope_tables():
     torch.testing.assert_close(ours.cos[:16], hf_cos(16), atol=1e-5, rtol=0)
     torch.testing.assert_close(ours.cos[16:40], hf_cos(40)[16:], atol=1e-5, rtol=0)
     assert not torch.allclose(hf_cos(40)[:16], hf_cos(16), atol=1e-3)   # (the factors differ)
+
+
+def test_partial_rope_defaults_are_the_families_transformers_defaults():
+    """A StableLM or Phi config that does not give `partial_rotary_factor` rotates the part of
+    each head transformers' config classes default to (0.25 and 0.5)."""
+    from llmserve.models.phi import PhiForCausalLM
+    from llmserve.models.stablelm import StableLmForCausalLM
+
+    hub = dict(COMMON, rope_theta=10000.0)
+    for cls, name in ((StableLmForCausalLM, "StableLmConfig"), (PhiForCausalLM, "PhiConfig")):
+        theirs = getattr(transformers, name)(**hub)
+        ours = cls.parse_config(hub)
+        assert ours.rotary_dim == int(ours.head_dim * theirs.rope_parameters["partial_rotary_factor"]), name

@@ -136,7 +136,9 @@ class DecoderConfig:
                 and not self.parallel_residual)
 
     @staticmethod
-    def from_hf(cfg: dict, **overrides) -> "DecoderConfig":
+    def from_hf(cfg: dict, partial_rotary_default: float = 1.0, **overrides) -> "DecoderConfig":
+        """The config from an HF config.json dict; `partial_rotary_default`: the part of each
+        head RoPE rotates when the config does not say (a family's transformers default)."""
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes rope settings as `rope_parameters`; older files use
         # `rope_theta` + `rope_scaling`.
@@ -148,7 +150,8 @@ class DecoderConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
+        partial = (cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor")
+                   or partial_rotary_default)
         rotary_dim = int(head_dim * partial) if partial < 1.0 else None
         if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2):
             raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of {head_dim}")

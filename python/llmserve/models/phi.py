@@ -35,10 +35,8 @@ class PhiForCausalLM(LlamaForCausalLM):
             raise ValueError(f"Phi's hidden_act {act!r} is not supported (gelu_new)")
         if hf_config.get("qk_layernorm"):
             raise ValueError("Phi's q/k LayerNorms (qk_layernorm) are not supported")
-        rope = hf_config.get("rope_parameters") or {}
-        partial = hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.5
         return DecoderConfig.from_hf(
-            {**hf_config, "partial_rotary_factor": partial}, rms_norm_eps=hf_config.get("layer_norm_eps", 1e-5),
+            hf_config, partial_rotary_default=0.5, rms_norm_eps=hf_config.get("layer_norm_eps", 1e-5),
             qkv_bias=True, o_bias=True, layer_norm=True, plain_mlp=True, hidden_act="gelu_pytorch_tanh",
             parallel_residual=True, lm_head_bias=True)
 

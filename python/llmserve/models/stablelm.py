@@ -18,10 +18,7 @@ class StableLmForCausalLM(LlamaForCausalLM):
         require_silu(hf_config, "StableLM")
         if hf_config.get("qk_layernorm"):
             raise ValueError("StableLM's per-head q/k LayerNorms (qk_layernorm, stablelm-2-12b) are not supported")
-        # (the configs give the factor at the top level; transformers 5 in rope_parameters)
-        rope = hf_config.get("rope_parameters") or {}
-        partial = hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.25
         return DecoderConfig.from_hf(
-            {**hf_config, "partial_rotary_factor": partial}, rms_norm_eps=hf_config.get("layer_norm_eps", 1e-5),
+            hf_config, partial_rotary_default=0.25, rms_norm_eps=hf_config.get("layer_norm_eps", 1e-5),
             layer_norm=True, qkv_bias=bool(hf_config.get("use_qkv_bias", False)), o_bias=False,
             parallel_residual=bool(hf_config.get("use_parallel_residual", False)))

@@ -748,6 +748,17 @@ const OPENAI_INERT: [(&str, Shape); 13] = [
     ("function_call", Shape::Either(STRING, OBJECT)),
 ];
 
+/// Whether a field's value asks for nothing.
+pub(crate) type AsksNothing = fn(&Value) -> bool;
+
+/// OpenAI's fields at the values that ask for what every request here gets (text out; the
+/// SDK's default image handling, with no image read): they pass without a word, also under
+/// `--strict-fields`. (A route that runs as chat, such as Responses, gets this too.)
+const OPENAI_NO_OPS: [(&str, AsksNothing); 2] = [
+    ("modalities", |v| *v == serde_json::json!(["text"])),
+    ("image", |v| *v == serde_json::json!({"context_compression": "auto"})),
+];
+
 /// The 400 for `value` at `name` when it does not have `shape` (an array's first wrong item
 /// is named: `modalities[1]`).
 fn misshapen(name: &str, shape: &Shape, value: &Value) -> Option<ApiError> {
@@ -778,10 +789,9 @@ pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String
             if let Some(err) = misshapen(name, shape, value) {
                 return Err(err);
             }
-            // (text out is what every request gets)
-            if key == "modalities" && *value == serde_json::json!(["text"]) {
-                continue;
-            }
+        }
+        if OPENAI_NO_OPS.iter().any(|(name, asks_nothing)| *name == key && asks_nothing(value)) {
+            continue;
         }
         match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {
             Some((_, no_op, _)) if no_op(value) => {}

@@ -56,7 +56,7 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{missing, require_str, tool_message, unknown_keys_in};
 use super::common::{
-    as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, settle_ignored, unsupported,
+    as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, settle_ignored, unsupported, AsksNothing,
 };
 use super::{chat, Checked, Endpoint, Handled};
 use crate::error::ApiError;
@@ -671,9 +671,6 @@ fn cache_control(obj: &Map<String, Value>, p: &str) -> Result<Vec<String>, ApiEr
     }
     Ok(out)
 }
-
-/// Whether a field's value asks for nothing.
-type AsksNothing = fn(&Value) -> bool;
 
 /// Anthropic fields at the values that ask for what this server does anyway: the standard
 /// speed and capacity, billing to the caller, no context edits, no thread, the requested model

@@ -887,11 +887,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         "prompt",
         "messages",
     ];
-    // (`image: {"context_compression": "auto"}`, the SDK's default, asks for nothing: no image
-    // input is read here)
-    let default_image = |k: &str, v: &Value| k == "image" && *v == json!({"context_compression": "auto"});
     for (k, v) in obj {
-        if !OWN.contains(&k.as_str()) && !default_image(k, v) {
+        if !OWN.contains(&k.as_str()) {
             chat.insert(k.clone(), v.clone());
         }
     }
