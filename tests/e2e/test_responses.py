@@ -171,7 +171,7 @@ def test_fields_without_effect_are_reported(smol, client):
 @pytest.mark.parametrize("body, param, code", [
     ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "unsupported_parameter"),
     ({"input": "Hi", "max_tokens": 5}, "max_tokens", "unsupported_parameter"),
-    ({"input": "Hi", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+    ({"input": "Hi", "conversation": 1}, "conversation", "invalid_type"),
     ({"input": "Hi", "background": True}, "background", "unsupported_parameter"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "msg_never_stored"}]}, "input[0].id", "item_not_found"),
@@ -293,6 +293,66 @@ def test_stored_responses_are_read_back_and_continued(client):
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model=MODEL, previous_response_id=first.id, input="Hi")
     assert (e.value.body["code"], e.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
+
+
+def test_conversations_hold_the_turns_of_their_responses(client):
+    """OpenAI's Conversations API (`client.conversations`): a response with `conversation`
+    reads the conversation's items before its input, and its input and output items join
+    the conversation when it is done, streamed or not."""
+    conv = client.conversations.create(items=[{"type": "message", "role": "user",
+                                               "content": "What is the capital of France?"}],
+                                       metadata={"topic": "capitals"})
+    assert conv.object == "conversation" and conv.id.startswith("conv_") and conv.metadata == {"topic": "capitals"}
+    assert client.conversations.retrieve(conv.id).model_dump() == conv.model_dump()
+    first = client.responses.create(model=MODEL, conversation=conv.id, input="Answer in one short sentence.",
+                                    temperature=0, max_output_tokens=24)
+    assert first.conversation.id == conv.id
+    events = _events(client, model=MODEL, conversation={"id": conv.id}, input="And of Italy?", temperature=0,
+                     max_output_tokens=24)
+    second = events[-1].response
+    by_hand = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24, store=False, input=[
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "user", "content": "Answer in one short sentence."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Italy?"},
+    ])
+    assert (second.output_text, second.usage.input_tokens) == (by_hand.output_text, by_hand.usage.input_tokens)
+
+    # the items, oldest first: the created one, then each response's input and output
+    items = list(client.conversations.items.list(conv.id, order="asc", limit=2))   # (the SDK pages by `after`)
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"), ("message", "assistant"),
+                                                 ("message", "user"), ("message", "assistant")]
+    assert [i.id for i in items][2] == first.output[0].id and items[4].content[0].text == second.output_text
+    newest = client.conversations.items.list(conv.id, limit=1)
+    assert [i.id for i in newest.data] == [items[4].id] and newest.has_more
+
+    # items added by hand, read and deleted by id; a conversation item can be referenced
+    added = client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"}])
+    (new,) = added.data
+    assert client.conversations.items.retrieve(new.id, conversation_id=conv.id).content[0].text == "x"
+    referenced = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, store=False,
+                                         input=[{"type": "item_reference", "id": new.id}])
+    plain = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, store=False, input="x")
+    assert referenced.output_text == plain.output_text
+    assert client.conversations.items.delete(new.id, conversation_id=conv.id).id == conv.id
+    with pytest.raises(NotFoundError):
+        client.conversations.items.retrieve(new.id, conversation_id=conv.id)
+
+    # errors: both ways of continuing at once, an unknown conversation, more than 20 items
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=MODEL, conversation=conv.id, previous_response_id=first.id, input="Hi")
+    assert e.value.body["param"] == "conversation"
+    with pytest.raises(NotFoundError):
+        client.responses.create(model=MODEL, conversation="conv_nope", input="Hi")
+    with pytest.raises(BadRequestError) as e:
+        client.conversations.create(items=[{"role": "user", "content": "a"}] * 21)
+    assert e.value.body["param"] == "items"
+
+    assert client.conversations.update(conv.id, metadata={"topic": "x"}).metadata == {"topic": "x"}
+    deleted = client.conversations.delete(conv.id)
+    assert (deleted.id, deleted.deleted, deleted.object) == (conv.id, True, "conversation.deleted")
+    with pytest.raises(NotFoundError):
+        client.conversations.retrieve(conv.id)
 
 
 # --- tools, on a tiny model whose template is in Hermes' shape ---------------------------

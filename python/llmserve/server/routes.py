@@ -292,6 +292,27 @@ async def cancel_response(request: Request) -> Response:
                        "none: this response has already completed.", param="response_id")
 
 
+async def _conversations(request: Request, items: bool) -> Response:
+    """OpenAI's Conversations API: the path's ids, the query and the body go to the router,
+    which answers them from its conversation store."""
+    path = request.path_params
+    body = await read_body(request) if request.method == "POST" else b""
+    out, headers = await asyncio.to_thread(
+        _engine(request).router.conversations, request.method, path.get("conversation_id"), path.get("item_id"),
+        items, list(request.query_params.multi_items()), body)
+    return Response(out, media_type=JSON, headers=dict(headers))
+
+
+async def conversations(request: Request) -> Response:
+    """/v1/conversations and /v1/conversations/{id}."""
+    return await _conversations(request, items=False)
+
+
+async def conversation_items(request: Request) -> Response:
+    """/v1/conversations/{id}/items and /v1/conversations/{id}/items/{item_id}."""
+    return await _conversations(request, items=True)
+
+
 def _handler(endpoint: str):
     async def handle(request: Request) -> Response:
         body = await read_body(request)

@@ -133,6 +133,35 @@ impl PyRouter {
         page.map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
     }
 
+    /// A `/v1/conversations` route: `method` on the conversation `conversation_id` (None: the
+    /// collection), its items (`items`), or one of them (`item_id`); `query` as the URL's pairs.
+    /// Returns (body, headers), or raises ApiError.
+    #[allow(clippy::too_many_arguments)]
+    fn conversations<'py>(
+        &self,
+        py: Python<'py>,
+        method: &str,
+        conversation_id: Option<&str>,
+        item_id: Option<&str>,
+        items: bool,
+        query: Vec<(String, String)>,
+        body: &[u8],
+    ) -> PyResult<(Bound<'py, PyBytes>, Headers)> {
+        use llmserve_router::protocol::conversations::Target;
+        let target = match (conversation_id, item_id, items) {
+            (None, _, _) => Target::All,
+            (Some(c), Some(i), _) => Target::Item(c, i),
+            (Some(c), None, true) => Target::Items(c),
+            (Some(c), None, false) => Target::One(c),
+        };
+        let router = self.inner.clone();
+        let (method, target) = (method.to_string(), target);
+        match py.detach(|| router.conversation_route(&method, target, &query, body)) {
+            Ok(out) => Ok((PyBytes::new(py, &out.body), out.headers)),
+            Err(e) => Err(errors::to_py(py, &e)),
+        }
+    }
+
     /// (origin, hash) of the template chat requests use, or None.
     fn template_info(&self) -> Option<(String, String)> {
         self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))

@@ -8,6 +8,7 @@
 //! server; `cargo test` exercises all of it.
 
 pub mod content_format;
+pub mod conversation_store;
 pub mod detokenizer;
 pub mod error;
 pub mod fim;

@@ -181,43 +181,54 @@ impl ResponseStore {
         limit: Option<&str>,
         after: Option<&str>,
     ) -> Result<Vec<u8>, ApiError> {
-        let limit = match limit.map(str::parse::<usize>) {
-            None => 20,
-            Some(Ok(n)) if (1..=100).contains(&n) => n,
-            _ => {
-                return Err(ApiError::invalid(
-                    "limit",
-                    format!("`limit` must be an integer between 1 and 100, got {:?}.", limit.unwrap_or_default()),
-                ))
-            }
-        };
         let stored = self.get(id)?;
-        let input = stored.input();
-        let mut items: Vec<&Value> = input.iter().collect();
-        match order {
-            "desc" => items.reverse(),
-            "asc" => {}
-            other => {
-                return Err(ApiError::invalid("order", format!("`order` must be \"asc\" or \"desc\", not {other:?}.")))
-            }
-        }
-        let start = match after {
-            None => 0,
-            Some(after) => {
-                let at = items.iter().position(|i| i["id"] == after);
-                at.ok_or_else(|| ApiError::invalid("after", format!("No input item with id {after:?}.")))? + 1
-            }
-        };
-        let page: Vec<&Value> = items.iter().skip(start).take(limit).copied().collect();
-        let body = json!({
-            "object": "list",
-            "data": page,
-            "first_id": page.first().map(|i| i["id"].clone()),
-            "last_id": page.last().map(|i| i["id"].clone()),
-            "has_more": start + page.len() < items.len(),
-        });
-        Ok(serde_json::to_vec(&body).expect("JSON serializes"))
+        page(stored.input(), order, limit, after)
     }
+}
+
+/// A page of `items` (each with an `id`), as OpenAI's list routes answer: `order` "desc"
+/// (newest first, OpenAI's default) or "asc", at most `limit` (the query's text, an integer
+/// 1..=100; 20 when not given) after the item with id `after`.
+pub(crate) fn page(
+    mut items: Vec<Value>,
+    order: &str,
+    limit: Option<&str>,
+    after: Option<&str>,
+) -> Result<Vec<u8>, ApiError> {
+    let limit = match limit.map(str::parse::<usize>) {
+        None => 20,
+        Some(Ok(n)) if (1..=100).contains(&n) => n,
+        _ => {
+            return Err(ApiError::invalid(
+                "limit",
+                format!("`limit` must be an integer between 1 and 100, got {:?}.", limit.unwrap_or_default()),
+            ))
+        }
+    };
+    match order {
+        "desc" => items.reverse(),
+        "asc" => {}
+        other => {
+            return Err(ApiError::invalid("order", format!("`order` must be \"asc\" or \"desc\", not {other:?}.")))
+        }
+    }
+    let start = match after {
+        None => 0,
+        Some(after) => {
+            let at = items.iter().position(|i| i["id"] == after);
+            at.ok_or_else(|| ApiError::invalid("after", format!("No item with id {after:?} in this list.")))? + 1
+        }
+    };
+    let total = items.len();
+    let page: Vec<Value> = items.into_iter().skip(start).take(limit).collect();
+    let body = json!({
+        "object": "list",
+        "first_id": page.first().map(|i| i["id"].clone()),
+        "last_id": page.last().map(|i| i["id"].clone()),
+        "has_more": start + page.len() < total,
+        "data": page,
+    });
+    Ok(serde_json::to_vec(&body).expect("JSON serializes"))
 }
 
 #[cfg(test)]

@@ -101,6 +101,8 @@ pub struct Router {
     pub(crate) grammars: crate::structured::Grammars,
     /// Stored `/v1/responses` answers.
     pub(crate) responses: Arc<crate::response_store::ResponseStore>,
+    /// `/v1/conversations`, within the same bound as the stored responses (counted apart).
+    conversations: Arc<crate::conversation_store::ConversationStore>,
     /// `created` of the model objects: when this router started serving.
     created: u64,
     /// The vocabulary's fill-in-the-middle tokens (None: none, or `--no-fim`).
@@ -112,13 +114,30 @@ impl Router {
         let tokenizer = Arc::new(tokenizer);
         let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
         let responses = Arc::new(crate::response_store::ResponseStore::new(config.responses_store_bytes));
+        let conversations = Arc::new(crate::conversation_store::ConversationStore::new(config.responses_store_bytes));
         let fim = config.fim.then(|| crate::fim::Fim::detect(&tokenizer)).flatten();
-        Self { tokenizer, templates, config, grammars, responses, created: unix_now(), fim }
+        Self { tokenizer, templates, config, grammars, responses, conversations, created: unix_now(), fim }
     }
 
     /// The stored `/v1/responses` answers.
     pub fn responses(&self) -> &Arc<crate::response_store::ResponseStore> {
         &self.responses
+    }
+
+    /// The conversations (`/v1/conversations`).
+    pub fn conversations(&self) -> &Arc<crate::conversation_store::ConversationStore> {
+        &self.conversations
+    }
+
+    /// A `/v1/conversations` route: `method` on `target`, with the query's pairs and the body.
+    pub fn conversation_route(
+        &self,
+        method: &str,
+        target: crate::protocol::conversations::Target<'_>,
+        query: &[(String, String)],
+        body: &[u8],
+    ) -> Result<crate::protocol::Handled, ApiError> {
+        crate::protocol::conversations::handle(self, method, target, query, body)
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

@@ -32,6 +32,7 @@ pub mod chat;
 pub mod common;
 pub mod completion;
 pub mod constrained;
+pub mod conversations;
 pub mod embeddings;
 pub mod messages;
 pub mod responses;

@@ -30,7 +30,10 @@
 //!   stored item with its id, from any stored
 //!   response's conversation or output (an unknown id is a 400 `item_not_found` on
 //!   `input[i].id`; OpenAI's default store makes every item of a conversation referable).
-//!   `conversation` and `background` are a 400 `unsupported_parameter`.
+//!   `background` is a 400 `unsupported_parameter`.
+//! - `conversation` (OpenAI's Conversations API, [`super::conversations`]): the conversation's
+//!   items come before `input` as `previous_response_id`'s do (the two together are a 400), and
+//!   the finished response's input and output items join it, whatever `store` says.
 //! - A function tool is `strict` only when it says so (OpenAI's Responses default is true; a
 //!   default this server cannot enforce in every tool-call format would be reported on
 //!   requests that never sent it).
@@ -50,6 +53,7 @@ use super::common::{
     unsupported,
 };
 use super::{chat, Checked, Endpoint};
+use crate::conversation_store::ConversationStore;
 use crate::error::ApiError;
 use crate::response_store::ResponseStore;
 use crate::router::Router;
@@ -104,6 +108,17 @@ pub struct Echo {
     /// `store`: the store the finished response goes to, and the conversation it answered
     /// (the continued responses' items, then this request's input, each with an `id`).
     pub store: Option<(Arc<ResponseStore>, Vec<Value>)>,
+    /// `conversation`: the conversation the finished response's items join.
+    pub conversation: Option<Joins>,
+}
+
+/// The conversation a response belongs to, and the input items that join it (before the
+/// response's output items) once the response is done.
+#[derive(Clone, Debug)]
+pub struct Joins {
+    pub store: Arc<ConversationStore>,
+    pub id: String,
+    pub input: Vec<Value>,
 }
 
 impl PartialEq for Echo {
@@ -112,7 +127,11 @@ impl PartialEq for Echo {
             (Some((a, x)), Some((b, y))) => Arc::ptr_eq(a, b) && x == y,
             (a, b) => a.is_none() && b.is_none(),
         };
-        self.fields == other.fields && store
+        let conversation = match (&self.conversation, &other.conversation) {
+            (Some(a), Some(b)) => Arc::ptr_eq(&a.store, &b.store) && a.id == b.id && a.input == b.input,
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        self.fields == other.fields && store && conversation
     }
 }
 
@@ -298,6 +317,8 @@ fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
 
 /// Builds the chat messages from `instructions` and `input`.
 struct Conversation {
+    /// The field its items are read from: `input` (or a conversation's `items`).
+    root: &'static str,
     messages: Vec<Value>,
     origins: Origins,
     /// A `reasoning` item's text, waiting for the assistant turn it belongs to (and its path).
@@ -306,6 +327,10 @@ struct Conversation {
 }
 
 impl Conversation {
+    fn new(root: &'static str) -> Self {
+        Self { root, messages: Vec::new(), origins: Origins::default(), reasoning: None, ignored: Vec::new() }
+    }
+
     fn push(&mut self, message: Value, path: String) {
         self.push_as(message, path, "content");
     }
@@ -331,7 +356,7 @@ impl Conversation {
     }
 
     fn item(&mut self, i: usize, item: &Value) -> Result<(), ApiError> {
-        let p = format!("input[{i}]");
+        let p = format!("{}[{i}]", self.root);
         let obj = as_object(item, p.clone(), "Each input item")?;
         let kind = match obj.get("type") {
             None | Some(Value::Null) => "message",
@@ -506,14 +531,17 @@ impl Conversation {
     }
 }
 
-/// `input` with each `item_reference` item replaced by the stored item it names (as it is
-/// listed: with its `id`); `None` when it has no references. A reference's keys beside
-/// `type` and `id` are reported in `ignored`.
+/// `input` (the list at `root`) with each `item_reference` item replaced by the stored item it
+/// names (as it is listed: with its `id`), from a stored response or a conversation; `None`
+/// when it has no references. A reference's keys beside `type` and `id` are reported in
+/// `ignored`.
 fn resolve_references(
+    router: &Router,
     input: Option<&Value>,
-    store: &ResponseStore,
+    root: &str,
     ignored: &mut Vec<String>,
 ) -> Result<Option<Value>, ApiError> {
+    let store = router.responses();
     let Some(Value::Array(items)) = input else { return Ok(None) };
     // (OpenAI's reference may leave its `type` out: an item of an `id` alone, no role or content)
     let is_reference = |item: &Value| match item.get("type") {
@@ -532,7 +560,7 @@ fn resolve_references(
             out.push(item.clone());
             continue;
         }
-        let p = format!("input[{i}]");
+        let p = format!("{root}[{i}]");
         if !store.enabled() {
             return Err(unsupported(
                 format!("{p}.type"),
@@ -543,14 +571,14 @@ fn resolve_references(
         let obj = item.as_object().expect("an object has a type");
         let id = require_str(obj, "id", &p)?;
         ignored.extend(unknown_keys_in(obj, &["type", "id"], &p));
-        let found = store.item(id).ok_or_else(|| {
+        let found = store.item(id).or_else(|| router.conversations().find(id)).ok_or_else(|| {
             ApiError::with_code(
                 "item_not_found",
                 Some(format!("{p}.id")),
                 format!(
-                    "Item with id {id:?} not found: no stored response holds it (it was sent or made with \
-                     `store: false`, or its responses were deleted or forgotten to keep this server's store \
-                     within its bound)."
+                    "Item with id {id:?} not found: no stored response or conversation holds it (it was sent \
+                     or made with `store: false`, or its responses or conversations were deleted or forgotten \
+                     to keep this server's store within its bound)."
                 ),
             )
         })?;
@@ -559,11 +587,33 @@ fn resolve_references(
     Ok(Some(Value::Array(out)))
 }
 
-/// The chat messages of `instructions`, the continued response's conversation (`previous`)
-/// and `input`.
-fn conversation(obj: &Map<String, Value>, input: Option<&Value>, previous: &[Value]) -> Result<Conversation, ApiError> {
-    let mut conv =
-        Conversation { messages: Vec::new(), origins: Origins::default(), reasoning: None, ignored: Vec::new() };
+/// Items as a conversation keeps them (`/v1/conversations`): `items` checked as input items
+/// are (references resolved, errors at `items[i]`) and each listed with its `id`; what they
+/// carry that means nothing here is reported in `ignored`.
+pub(crate) fn conversation_items(
+    router: &Router,
+    items: &Value,
+    ignored: &mut Vec<String>,
+) -> Result<Vec<Value>, ApiError> {
+    let resolved = resolve_references(router, Some(items), "items", ignored)?;
+    let list = resolved.as_ref().unwrap_or(items).as_array().map(Vec::as_slice).unwrap_or_default();
+    let mut conv = Conversation::new("items");
+    for (i, item) in list.iter().enumerate() {
+        conv.item(i, item)?;
+    }
+    ignored.extend(conv.ignored);
+    Ok(list.iter().map(listed).collect())
+}
+
+/// The chat messages of `instructions`, the items continued (`previous`: a continued
+/// response's, or a conversation's; `from` names the field that asked for them) and `input`.
+fn conversation(
+    obj: &Map<String, Value>,
+    input: Option<&Value>,
+    previous: &[Value],
+    from: &str,
+) -> Result<Conversation, ApiError> {
+    let mut conv = Conversation::new("input");
     match set(obj, "instructions") {
         None => {}
         Some(Value::String(s)) => conv.push(json!({"role": "system", "content": s}), "instructions".into()),
@@ -578,15 +628,15 @@ fn conversation(obj: &Map<String, Value>, input: Option<&Value>, previous: &[Val
         // (stored items were checked when they were sent; an error here names the response)
         conv.item(0, item).map_err(|e| match e {
             ApiError::InvalidRequest { message, code, .. } => {
-                ApiError::InvalidRequest { message, code, param: Some("previous_response_id".into()) }
+                ApiError::InvalidRequest { message, code, param: Some(from.into()) }
             }
             other => other,
         })?;
     }
     // what the continued response holds is named by its id, and never reported
     for origin in &mut conv.origins.messages {
-        origin.path = "previous_response_id".into();
-        origin.calls.iter_mut().for_each(|c| *c = "previous_response_id".into());
+        origin.path = from.into();
+        origin.calls.iter_mut().for_each(|c| *c = from.into());
         origin.previous = true;
     }
     conv.ignored.clear();
@@ -697,17 +747,45 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         }
     }
     let store = router.responses();
-    if set(obj, "conversation").is_some() {
-        return Err(unsupported(
-            "conversation",
-            "Conversations (`conversation`) are not supported: continue a response with `previous_response_id`, or \
-             send the whole conversation in `input`.",
-        ));
-    }
-    // the conversation a `previous_response_id` continues: its items, then its output
+    // the conversation the response belongs to: its items come before `input`, and the
+    // response's input and output items join it once it is done
+    let conversations = router.conversations();
+    let joins = match set(obj, "conversation") {
+        None => None,
+        Some(_) if set(obj, "previous_response_id").is_some() => {
+            return Err(ApiError::invalid(
+                "conversation",
+                "`conversation` and `previous_response_id` cannot both be given: send one of them (a conversation \
+                 holds its earlier responses' items itself).",
+            ))
+        }
+        Some(_) if !conversations.enabled() => {
+            return Err(unsupported(
+                "conversation",
+                "Conversations (`conversation`) are not supported: this server stores none (--responses-store-mib \
+                 0). Send the whole conversation in `input`.",
+            ))
+        }
+        Some(Value::String(id)) => Some(id.clone()),
+        Some(Value::Object(c)) => {
+            ignored.extend(unknown_keys_in(c, &["id"], "conversation"));
+            Some(require_str(c, "id", "conversation")?.to_string())
+        }
+        Some(other) => {
+            return Err(invalid_type(
+                "conversation",
+                format!("`conversation` must be a conversation id or an object with its `id`, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    // the items continued: the conversation's, or a `previous_response_id`'s conversation
+    // and then its output
     let previous =
         match set(obj, "previous_response_id") {
-            None => Vec::new(),
+            None => match &joins {
+                Some(id) => conversations.items(id)?,
+                None => Vec::new(),
+            },
             Some(_) if !store.enabled() => return Err(unsupported(
                 "previous_response_id",
                 "`previous_response_id` is not supported: this server stores no responses (--responses-store-mib 0). \
@@ -781,9 +859,10 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ))
         }
     }
-    let resolved = resolve_references(obj.get("input"), store, &mut ignored)?;
+    let resolved = resolve_references(router, obj.get("input"), "input", &mut ignored)?;
     let input = resolved.as_ref().or(obj.get("input"));
-    let conv = conversation(obj, input, &previous)?;
+    let from = if joins.is_some() { "conversation" } else { "previous_response_id" };
+    let conv = conversation(obj, input, &previous, from)?;
     ignored.extend(conv.ignored.iter().cloned());
 
     // logprobs: asked for by `include` or `top_logprobs`
@@ -945,6 +1024,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     echo.insert("metadata".into(), sent("metadata").unwrap_or_else(|| json!({})));
     echo.insert("parallel_tool_calls".into(), sent("parallel_tool_calls").unwrap_or(Value::Bool(true)));
     echo.insert("previous_response_id".into(), sent("previous_response_id").unwrap_or(Value::Null));
+    echo.insert("conversation".into(), joins.as_ref().map_or(Value::Null, |id| json!({"id": id})));
     let reasoning = set(obj, "reasoning").and_then(Value::as_object);
     let of = |k: &str| reasoning.and_then(|r| r.get(k)).cloned().unwrap_or(Value::Null);
     echo.insert("reasoning".into(), json!({"effort": of("effort"), "summary": of("summary")}));
@@ -962,14 +1042,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     echo.insert("top_p".into(), number(prepared.params.top_p));
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
-    let stored = keep.then(|| {
-        let input = match input {
-            Some(Value::Array(items)) => items.iter().map(listed).collect(),
-            other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
-        };
-        (store.clone(), previous.into_iter().chain(input).collect())
-    });
-    prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored }));
+    let listed_input: Vec<Value> = match input {
+        _ if !keep && joins.is_none() => Vec::new(),
+        Some(Value::Array(items)) => items.iter().map(listed).collect(),
+        other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
+    };
+    let stored = keep.then(|| (store.clone(), previous.into_iter().chain(listed_input.iter().cloned()).collect()));
+    let conversation = joins.map(|id| Joins { store: conversations.clone(), id, input: listed_input });
+    prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored, conversation }));
     Ok(checked)
 }
 

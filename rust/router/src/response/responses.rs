@@ -136,10 +136,18 @@ pub(super) fn response_object(
     Value::Object(object)
 }
 
-/// Stores a finished response, when its request asked for that (`store`).
+/// Stores a finished response, when its request asked for that (`store`), and adds its input
+/// and output items to its conversation (`conversation`).
 pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
     if let Some((store, input)) = &echo.store {
         store.put(id, crate::response_store::Stored::new(object, input));
+    }
+    if let Some(joins) = &echo.conversation {
+        let output = object["output"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let items: Vec<Value> = joins.input.iter().chain(output).cloned().collect();
+        // (a conversation deleted meanwhile takes nothing; one these items would make larger
+        // than the store's bound is forgotten, so that its next use says so)
+        let _ = joins.store.append(&joins.id, &items, "conversation", true);
     }
 }
 

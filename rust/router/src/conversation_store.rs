@@ -1,0 +1,309 @@
+//! Conversations (`/v1/conversations`): OpenAI's durable conversation objects, each a list of
+//! Responses items that a response continues (`conversation` on `/v1/responses`) and then
+//! grows by its input and output items.
+//!
+//! Kept in this process's memory as JSON text, within the same bound as the stored responses
+//! (`--responses-store-mib`, counted separately): past it, the conversations used least
+//! recently are forgotten first. A change that would make one conversation larger than the
+//! whole bound is refused (and a response's items that would, forget it: a later request
+//! then gets a 404 that says why, rather than a conversation silently missing turns).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// Bytes counted per item and per conversation beside their JSON text (ids, bookkeeping).
+const ITEM_OVERHEAD: usize = 64;
+const CONVERSATION_OVERHEAD: usize = 256;
+
+/// One item, as JSON text, with its id.
+struct Entry {
+    id: String,
+    json: Box<[u8]>,
+}
+
+impl Entry {
+    fn new(item: &Value) -> Self {
+        let id = item["id"].as_str().unwrap_or_default().to_string();
+        Self { id, json: serde_json::to_vec(item).expect("JSON values serialize").into_boxed_slice() }
+    }
+
+    fn bytes(&self) -> usize {
+        self.json.len() + self.id.len() + ITEM_OVERHEAD
+    }
+
+    fn value(&self) -> Value {
+        serde_json::from_slice(&self.json).unwrap_or_default()
+    }
+}
+
+struct Conversation {
+    created_at: u64,
+    metadata: Map<String, Value>,
+    items: Vec<Entry>,
+    /// When it was last read or changed (the store's clock): the least recent go first.
+    used: u64,
+}
+
+impl Conversation {
+    fn bytes(&self) -> usize {
+        let metadata: usize = self.metadata.iter().map(|(k, v)| k.len() + v.as_str().map_or(0, str::len)).sum();
+        CONVERSATION_OVERHEAD + metadata + self.items.iter().map(Entry::bytes).sum::<usize>()
+    }
+
+    fn object(&self, id: &str) -> Value {
+        json!({"id": id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata})
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<String, Conversation>,
+    bytes: usize,
+    clock: u64,
+}
+
+impl Inner {
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// The conversation `id`, marked used, or a 404.
+    fn get(&mut self, id: &str) -> Result<&mut Conversation, ApiError> {
+        let now = self.tick();
+        let conversation = self.map.get_mut(id).ok_or_else(|| not_found(id))?;
+        conversation.used = now;
+        Ok(conversation)
+    }
+
+    /// Forgets the least recently used conversations but `keep` until `extra` more bytes fit
+    /// within `capacity`.
+    fn make_room(&mut self, capacity: usize, extra: usize, keep: &str) {
+        while self.bytes + extra > capacity {
+            let oldest =
+                self.map.iter().filter(|(k, _)| *k != keep).min_by_key(|(_, c)| c.used).map(|(k, _)| k.clone());
+            let Some(oldest) = oldest else { break };
+            let gone = self.map.remove(&oldest).expect("just found");
+            self.bytes -= gone.bytes();
+        }
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        message: format!(
+            "Conversation with id {id:?} not found: it was never created, was deleted, or was forgotten to keep \
+             this server's store within its bound (--responses-store-mib)."
+        ),
+    }
+}
+
+fn too_large(param: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        "These items would make the conversation larger than this server keeps (--responses-store-mib): start a \
+         new conversation, or raise the bound.",
+    )
+}
+
+/// The conversations kept, up to `capacity` bytes (0: none are).
+pub struct ConversationStore {
+    capacity: usize,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for ConversationStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConversationStore").field("capacity", &self.capacity).finish_non_exhaustive()
+    }
+}
+
+impl ConversationStore {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, inner: Mutex::new(Inner::default()) }
+    }
+
+    /// Whether conversations are kept at all.
+    pub fn enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // (every change is one insert, remove or edit followed by its byte count)
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new conversation of `items` (each listed, with its `id`): its object.
+    pub fn create(&self, metadata: Map<String, Value>, items: &[Value]) -> Result<Value, ApiError> {
+        let id = crate::protocol::common::new_id("conv").replacen('-', "_", 1);
+        let mut inner = self.lock();
+        let used = inner.tick();
+        let created_at = crate::protocol::common::unix_now();
+        let conversation = Conversation { created_at, metadata, items: items.iter().map(Entry::new).collect(), used };
+        let size = conversation.bytes();
+        if size > self.capacity {
+            return Err(too_large("items"));
+        }
+        inner.make_room(self.capacity, size, &id);
+        inner.bytes += size;
+        let object = conversation.object(&id);
+        inner.map.insert(id, conversation);
+        Ok(object)
+    }
+
+    /// The conversation object, or a 404.
+    pub fn object(&self, id: &str) -> Result<Value, ApiError> {
+        Ok(self.lock().get(id)?.object(id))
+    }
+
+    /// Replaces its `metadata`: its object.
+    pub fn update(&self, id: &str, metadata: Map<String, Value>) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let conversation = inner.get(id)?;
+        let before = conversation.bytes();
+        conversation.metadata = metadata;
+        let after = conversation.bytes();
+        let object = conversation.object(id);
+        inner.bytes = inner.bytes + after - before;
+        inner.make_room(self.capacity, 0, id);
+        Ok(object)
+    }
+
+    /// Forgets it, its items with it: the deleted object, or a 404.
+    pub fn delete(&self, id: &str) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let gone = inner.map.remove(id).ok_or_else(|| not_found(id))?;
+        inner.bytes -= gone.bytes();
+        Ok(json!({"id": id, "object": "conversation.deleted", "deleted": true}))
+    }
+
+    /// Adds `items` (each listed, with its `id`) at its end. Unchanged when they would make it
+    /// larger than the whole bound (a 400 on `param`), and with `or_forget`, forgotten then.
+    pub fn append(&self, id: &str, items: &[Value], param: &str, or_forget: bool) -> Result<(), ApiError> {
+        let entries: Vec<Entry> = items.iter().map(Entry::new).collect();
+        let extra: usize = entries.iter().map(Entry::bytes).sum();
+        let mut inner = self.lock();
+        let size = inner.get(id)?.bytes();
+        if size + extra > self.capacity {
+            if or_forget {
+                inner.map.remove(id);
+                inner.bytes -= size;
+            }
+            return Err(too_large(param));
+        }
+        inner.make_room(self.capacity, extra, id);
+        inner.get(id)?.items.extend(entries);
+        inner.bytes += extra;
+        Ok(())
+    }
+
+    /// All its items, oldest first.
+    pub fn items(&self, id: &str) -> Result<Vec<Value>, ApiError> {
+        // (parsed outside the lock: the texts are copied out)
+        let texts: Vec<Box<[u8]>> = self.lock().get(id)?.items.iter().map(|e| e.json.clone()).collect();
+        Ok(texts.iter().map(|t| serde_json::from_slice(t).unwrap_or_default()).collect())
+    }
+
+    /// Its item with id `item` (the last, should an id be there twice), or a 404.
+    pub fn item(&self, id: &str, item: &str) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let found = inner.get(id)?.items.iter().rev().find(|e| e.id == item).map(Entry::value);
+        found.ok_or_else(|| item_not_found(id, item))
+    }
+
+    /// Removes its items with id `item`: its object, or a 404.
+    pub fn delete_item(&self, id: &str, item: &str) -> Result<Value, ApiError> {
+        let mut inner = self.lock();
+        let conversation = inner.get(id)?;
+        let before = conversation.bytes();
+        conversation.items.retain(|e| e.id != item);
+        let after = conversation.bytes();
+        if after == before {
+            return Err(item_not_found(id, item));
+        }
+        let object = conversation.object(id);
+        inner.bytes -= before - after;
+        Ok(object)
+    }
+
+    /// The item with id `item` in any conversation (the most recently used holding it), for
+    /// an `item_reference`.
+    pub fn find(&self, item: &str) -> Option<Value> {
+        let inner = self.lock();
+        let holders = inner.map.values().filter_map(|c| Some((c.used, c.items.iter().rev().find(|e| e.id == item)?)));
+        holders.max_by_key(|(used, _)| *used).map(|(_, e)| e.value())
+    }
+}
+
+fn item_not_found(id: &str, item: &str) -> ApiError {
+    ApiError::NotFound { message: format!("Item with id {item:?} not found in conversation {id:?}.") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(id: &str, text: &str) -> Value {
+        json!({"id": id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    }
+
+    fn id_of(object: &Value) -> String {
+        object["id"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn items_are_kept_in_order_and_edited_by_id() {
+        let store = ConversationStore::new(1 << 20);
+        let conv = store.create(Map::new(), &[item("msg_a", "a")]).unwrap();
+        let id = id_of(&conv);
+        assert!(id.starts_with("conv_") && conv["object"] == "conversation");
+        store.append(&id, &[item("msg_b", "b"), item("msg_c", "c")], "items", false).unwrap();
+        let ids = |store: &ConversationStore| -> Vec<Value> {
+            store.items(&id).unwrap().iter().map(|i| i["id"].clone()).collect()
+        };
+        assert_eq!(ids(&store), [json!("msg_a"), json!("msg_b"), json!("msg_c")]);
+        assert_eq!(store.item(&id, "msg_b").unwrap()["content"][0]["text"], "b");
+        assert_eq!(store.find("msg_c").unwrap()["id"], "msg_c");
+        assert_eq!(store.delete_item(&id, "msg_b").unwrap()["id"], json!(id));
+        assert_eq!(ids(&store), [json!("msg_a"), json!("msg_c")]);
+        assert_eq!(store.item(&id, "msg_b").unwrap_err().status(), 404);
+        assert_eq!(store.delete_item(&id, "msg_b").unwrap_err().status(), 404);
+        let metadata: Map<String, Value> = [("k".to_string(), json!("v"))].into_iter().collect();
+        assert_eq!(store.update(&id, metadata).unwrap()["metadata"], json!({"k": "v"}));
+        assert_eq!(store.object(&id).unwrap()["metadata"], json!({"k": "v"}));
+        assert_eq!(store.delete(&id).unwrap()["deleted"], true);
+        assert_eq!(store.object(&id).unwrap_err().status(), 404);
+        assert_eq!(store.find("msg_c"), None);
+        assert_eq!(store.lock().bytes, 0);
+    }
+
+    #[test]
+    fn the_least_recently_used_go_first_past_the_bound() {
+        let one =
+            Conversation { created_at: 0, metadata: Map::new(), items: vec![Entry::new(&item("m", "x"))], used: 0 }
+                .bytes();
+        let store = ConversationStore::new(2 * one + one / 4);
+        let a = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
+        let b = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
+        store.object(&a).unwrap(); // a is now the more recent
+        let c = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
+        assert_eq!(store.object(&b).unwrap_err().status(), 404);
+        assert!(store.object(&a).is_ok() && store.object(&c).is_ok());
+        // growing one makes room by forgetting another, never itself
+        store.append(&c, &[item("n", "y")], "items", false).unwrap();
+        assert_eq!(store.object(&a).unwrap_err().status(), 404);
+        assert_eq!(store.items(&c).unwrap().len(), 2);
+        // past the whole bound: refused and unchanged, or forgotten when asked
+        let big = item("big", &"z".repeat(3 * one));
+        assert_eq!(store.append(&c, std::slice::from_ref(&big), "items", false).unwrap_err().param(), Some("items"));
+        assert_eq!(store.items(&c).unwrap().len(), 2);
+        assert!(store.append(&c, std::slice::from_ref(&big), "conversation", true).is_err());
+        assert_eq!(store.object(&c).unwrap_err().status(), 404);
+        assert_eq!(store.create(Map::new(), &[big]).unwrap_err().param(), Some("items"));
+        assert_eq!(store.lock().bytes, 0);
+    }
+}
