@@ -1,5 +1,5 @@
 """Parity: our Llama / Qwen2 / Qwen3 / SmolLM3 / Gemma / Gemma 2 / Gemma 3 / Phi-3 / Granite /
-OLMo 2 / OLMo 3 / StarCoder2 / StableLM / Phi-2 / Cohere / Cohere2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
+OLMo 2 / OLMo 3 / StarCoder2 / StableLM / Phi-2 / Cohere / Cohere2 / GPT-NeoX / GPT-2 / MoE (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) models over the paged cache vs transformers on full sequences. Tiny random fp32 models built by
 transformers itself; every weight (biases and norm weights included) is randomized so a dropped
 or misplaced tensor shows up in the logits."""
 
@@ -104,6 +104,20 @@ FAMILIES = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
         logit_scale=0.25, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # GPT-NeoX (Pythia): per-head fused q|k|v, RoPE on a quarter of each head, exact GELU, the
+    # parallel residual with a norm for each branch; then sequential, biasless attention, half
+    # the head rotated at another base, 20B's gelu_fast, the head tied
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25)),
+    "gpt_neox_sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        use_parallel_residual=False, attention_bias=False, rotary_pct=0.5, rotary_emb_base=500.0,
+        hidden_act="gelu_fast", tie_word_embeddings=True)),
+    # GPT-2: learned positions (256 here), Conv1D weights, fused c_attn, gelu_new, the head tied
+    # (its config's n_* keys: COMMON's Llama names map onto them, its intermediate_size and
+    # num_key_value_heads are stray keys GPT-2 reads as transformers does: not at all); then
+    # unscaled scores and exact GELU
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=96, bos_token_id=0, eos_token_id=0)),
+    "gpt2_unscaled": ("GPT2Config", "GPT2LMHeadModel", dict(
+        n_inner=96, scale_attn_weights=False, activation_function="gelu", bos_token_id=0, eos_token_id=0)),
     # layer 1 without RoPE (NoPE), as SmolLM3's every fourth
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -120,7 +134,7 @@ def make_pair(family: str):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name or ".ln_" in name else 0.1 * noise)
     hf_config = config.to_dict()
     ours = build_model(hf_config, dict(hf.state_dict()), torch.float32, "cpu")
     return hf, ours
@@ -208,7 +222,8 @@ def test_chunked_prefill_equals_one_shot(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_window", "gemma2", "gemma3", "phi3_window", "olmo2", "olmo3",
-                                    "qwen3_moe", "qwen2_moe", "starcoder2", "cohere", "cohere2", "stablelm", "phi2"])
+                                    "qwen3_moe", "qwen2_moe", "starcoder2", "cohere", "cohere2", "stablelm", "phi2",
+                                    "gpt_neox", "gpt_neox_sequential", "gpt2"])
 def test_bf16_is_about_as_close_to_float32_as_transformers_bf16(family):
     """A bf16 model (a prompt past the window, then decode steps over the cache) against
     transformers in float32, next to transformers' own bf16 model: the two round in different
@@ -325,7 +340,7 @@ def test_missing_lm_head_ties_and_unknown_tensor_is_rejected():
     with pytest.raises(ValueError, match="model.norm.weight"):
         build_model(cfg, weights, torch.float32, "cpu")
     with pytest.raises(ValueError, match="unsupported architecture"):
-        build_model({**cfg, "architectures": ["GPT2LMHeadModel"]}, weights, torch.float32, "cpu")
+        build_model({**cfg, "architectures": ["BertForMaskedLM"]}, weights, torch.float32, "cpu")
     tied = dict(hf.state_dict())
     del tied["lm_head.weight"]
     model = build_model(cfg, tied, torch.float32, "cpu")
@@ -392,6 +407,79 @@ def test_moe_checkpoints_name_each_expert(family, tmp_path):
         expert = {"mixtral": "block_sparse_moe.experts.3.w2", "qwen2_moe": "mlp.experts.3.down_proj",
                   "granitemoe": "block_sparse_moe.output_linear"}[family]
         assert any(expert in k for k in f.keys()), sorted(f.keys())[:8]
+    ours = build_model(hf.config.to_dict(), weights, torch.float32, "cpu")
+    runner = ModelRunner(ours, num_blocks=16, block_size=BLOCK, dtype=torch.float32, device="cpu")
+    paged = Paged(16, BLOCK)
+    toks = prompt(7, 12)
+    paged.add(0, toks)
+    torch.testing.assert_close(our_logits(runner, paged.step({0: 12})), hf_logits(hf, toks), atol=TOL, rtol=0)
+
+
+def test_gpt_neox_and_gpt2_read_hub_configs_as_transformers_does():
+    """pythia-70m's config.json (RoPE as rotary_pct and rotary_emb_base, no attention_bias) and
+    gpt2's (n_* keys, no tie_word_embeddings): normalized to the Llama names the engine sizes
+    with, and read as transformers reads them; what is not implemented is refused by name."""
+    from llmserve.engine.build import kv_block_bytes, native_positions
+    from llmserve.models import normalize_config
+    from llmserve.models.gpt2 import GPT2LMHeadModel
+    from llmserve.models.gpt_neox import GPTNeoXForCausalLM
+
+    pythia = dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", hidden_size=512,
+                  intermediate_size=2048, num_attention_heads=8, num_hidden_layers=6, hidden_act="gelu",
+                  layer_norm_eps=1e-5, max_position_embeddings=2048, rotary_emb_base=10000, rotary_pct=0.25,
+                  tie_word_embeddings=False, use_parallel_residual=True, vocab_size=50304, bos_token_id=0,
+                  eos_token_id=0)
+    theirs = transformers.GPTNeoXConfig(**{k: v for k, v in pythia.items() if k != "architectures"})
+    hf = normalize_config(pythia)
+    ours = GPTNeoXForCausalLM.parse_config(hf)
+    assert ours.rotary_dim == int(64 * theirs.rope_parameters["partial_rotary_factor"]) == 16
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 10000
+    assert ours.qkv_bias and ours.o_bias and theirs.attention_bias
+    assert ours.parallel_residual and ours.parallel_mlp_norm and ours.hidden_act == theirs.hidden_act == "gelu"
+    assert ours.num_kv_heads == 8 and not ours.tie_word_embeddings and native_positions(hf, None) == 2048
+    with pytest.raises(ValueError, match="GPT-NeoX's hidden_act 'relu' is not supported"):
+        GPTNeoXForCausalLM.parse_config(dict(hf, hidden_act="relu"))
+
+    gpt2 = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", activation_function="gelu_new", n_ctx=1024,
+                n_embd=768, n_head=12, n_layer=12, n_positions=1024, layer_norm_epsilon=1e-5, vocab_size=50257,
+                bos_token_id=50256, eos_token_id=50256)
+    theirs = transformers.GPT2Config(**{k: v for k, v in gpt2.items() if k != "architectures"})
+    hf = normalize_config(gpt2)
+    assert normalize_config(hf) == hf
+    assert ([hf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                             "intermediate_size", "max_position_embeddings")]
+            == [theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads, 12, 3072,
+                theirs.max_position_embeddings] == [768, 12, 12, 12, 3072, 1024])
+    assert kv_block_bytes(hf, 16, torch.float32) == 2 * 12 * 16 * 768 * 4 and native_positions(hf, None) == 1024
+    ours = GPT2LMHeadModel.parse_config(hf)
+    assert ours.tie_word_embeddings and theirs.tie_word_embeddings and ours.learned_positions
+    assert ours.nope_layers == frozenset(range(12)) and ours.attn_scale is None
+    assert ours.hidden_act == "gelu_pytorch_tanh" and ours.rms_norm_eps == 1e-5
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        GPT2LMHeadModel.parse_config(dict(hf, scale_attn_by_inverse_layer_idx=True))
+    with pytest.raises(ValueError, match="GPT-2's activation_function 'relu' is not supported"):
+        GPT2LMHeadModel.parse_config(dict(hf, activation_function="relu"))
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gpt2"])
+def test_gpt_neox_and_gpt2_hub_checkpoint_names(family, tmp_path):
+    """As hub files name the tensors: GPT-NeoX's head `embed_out` (transformers 5 saves it so
+    too), and older files' causal-mask buffers in each layer (`attention.bias`,
+    `attention.masked_bias`); gpt2's without the `transformer.` prefix, with `attn.bias`."""
+    from safetensors.torch import load_file
+
+    hf, _ = make_pair(family)
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    mask = torch.tril(torch.ones(1, 1, 256, 256, dtype=torch.bool))
+    if family == "gpt_neox":
+        assert "embed_out.weight" in weights
+        for i in range(COMMON["num_hidden_layers"]):
+            weights[f"gpt_neox.layers.{i}.attention.bias"] = mask
+            weights[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+    else:
+        weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
+        weights.update({f"h.{i}.attn.bias": mask for i in range(COMMON["num_hidden_layers"])})
     ours = build_model(hf.config.to_dict(), weights, torch.float32, "cpu")
     runner = ModelRunner(ours, num_blocks=16, block_size=BLOCK, dtype=torch.float32, device="cpu")
     paged = Paged(16, BLOCK)

@@ -87,6 +87,31 @@ def test_a_context_beyond_the_model_positions(folder):
         _build(folder, max_model_len=1024)
 
 
+def _gpt2(folder: Path, n_positions: int) -> None:
+    """The tiny model's folder with a random GPT-2 in place of its Llama (same tokenizer)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, n_positions=n_positions,
+                        bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+
+
+def test_gpt2_is_served_up_to_its_learned_positions(folder):
+    """GPT-2 learned an embedding for each of its n_positions and has none past them: it is
+    served up to n_positions (its config's name, read through the registry's Llama keys), and a
+    longer --max-model-len is refused with why, never served to crash on the first token past."""
+    _gpt2(folder, n_positions=48)
+    engine = _build(folder)
+    assert engine.max_model_len == engine.router.max_model_len == 48
+    assert _build(folder, max_model_len=32).router.max_model_len == 32
+    with pytest.raises(SetupError, match="--max-model-len 49 exceeds the model's 48 positions: it has a learned "
+                                         r"embedding for each position \(n_positions\) and none past them"):
+        _build(folder, max_model_len=49)
+
+
 @pytest.mark.parametrize("cache, flag", [(CacheConfig(num_kv_blocks=4), "--num-kv-blocks to at least 17"),
                                          (CacheConfig(kv_cache_memory="64KiB"), "--kv-cache-memory")])
 def test_a_cache_too_small_for_one_request_names_the_flag_that_sized_it(folder, cache, flag):

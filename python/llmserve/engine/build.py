@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -220,7 +220,7 @@ def _within_the_window(window: int, native_len: int, requested: int | None) -> i
 
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
-    from llmserve.models import build_model
+    from llmserve.models import build_model, normalize_config
     from llmserve.worker.runner import ModelRunner
 
     start = time.perf_counter()
@@ -234,6 +234,9 @@ def build_engine(cfg: Config) -> Engine:
     # converted for it then, and the weights are the converted blocks' values)
     blocks = cfg.model.quantized_decode and device.type == "cpu" and dtype == torch.float32
     ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks)
+    # (the Llama-named keys this file reads, for a family that names its shape otherwise; a
+    # config without the keys they are made from is a LoadError, as in the build)
+    ck = replace(ck, hf_config=_built(ck, lambda: normalize_config(ck.hf_config)))
     hf = ck.hf_config
     quantized = ck.quantized if cfg.model.quantized_decode else None
     # (before build_model, which may take the tensors over)
@@ -272,6 +275,9 @@ def build_engine(cfg: Config) -> Engine:
             native_len = _within_the_window(window, native_len, cfg.model.max_model_len)
     max_model_len = cfg.model.max_model_len or native_len
     if max_model_len > native_len:
+        if getattr(model, "learned_positions", False):
+            raise SetupError(f"--max-model-len {max_model_len} exceeds the model's {native_len} positions: "
+                             "it has a learned embedding for each position (n_positions) and none past them")
         if hf.get("max_position_embeddings"):
             # as vLLM refuses it: positions past those the model was trained on give garbage
             raise SetupError(f"--max-model-len {max_model_len} exceeds the model's {native_len} positions "

@@ -422,17 +422,18 @@ class GateUpMLP(nn.Module):
 
 class PlainMLP(nn.Module):
     """Ungated MLP with biases (StarCoder2's c_fc and c_proj): proj(act(fc(x))), act the
-    tanh-approximated GELU."""
+    tanh-approximated GELU (`gelu_pytorch_tanh`) or the exact one (`gelu`: Pythia's)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
-        if act != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported MLP activation {act!r} (gelu_pytorch_tanh)")
+        if act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"unsupported MLP activation {act!r} (gelu_pytorch_tanh or gelu)")
+        self.approximate = "tanh" if act == "gelu_pytorch_tanh" else "none"
         self.fc = Linear(hidden, intermediate, bias=True)
         self.proj = Linear(intermediate, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 class MoEMLP(nn.Module):

@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window) and the decoder that
-Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite, OLMo 2, StarCoder2, Cohere and the MoE families
-reuse with switches (DecoderConfig): QKV bias, q/k RMSNorm, layers without RoPE, Gemma's norms,
-scales, activation, soft caps and local RoPE, OLMo 2's output-only norms, StarCoder2's
-LayerNorms and ungated MLP, Cohere's parallel residual and pairwise RoPE, experts (MoEConfig), ...
+Qwen2, Qwen3, SmolLM3, Gemma, Phi-3, Granite, OLMo 2, StarCoder2, Cohere, StableLM, Phi,
+GPT-NeoX, GPT-2 and the MoE families reuse with switches (DecoderConfig): QKV bias, q/k RMSNorm,
+layers without RoPE, Gemma's norms, scales, activation, soft caps and local RoPE, OLMo 2's
+output-only norms, StarCoder2's LayerNorms and ungated MLP, Cohere's parallel residual and
+pairwise RoPE, GPT-NeoX's second norm in it, GPT-2's learned positions, experts (MoEConfig), ...
 
 Weights arrive with HF names and are fused at load: q|k|v into one `qkv` matrix, gate|up into
 one `gate_up` matrix. Modules are created on the meta device and the fused tensors assigned, so
@@ -29,6 +30,8 @@ from llmserve.worker.attention import AttentionMetadata
 from llmserve.worker.threads import in_big_decode_step, native_bf16
 
 KVPair = tuple[torch.Tensor, torch.Tensor]   # one layer's (K cache, V cache)
+# The cos and sin a model without RoPE (learned positions) passes its layers: none reads them.
+_NO_ROPE = (torch.empty(0), torch.empty(0))
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,13 @@ class DecoderConfig:
     interleaved_rope: bool = False
     # Phi-1.5/2's: the LM head has a bias.
     lm_head_bias: bool = False
+    # GPT-NeoX's: with `parallel_residual`, the MLP reads its own norm of the layer's input
+    # (post_attention_layernorm) where Cohere's reads the attention's.
+    parallel_mlp_norm: bool = False
+    # GPT-2's: a learned embedding of each position [max_positions, H] added to the token's
+    # (`embed_positions`) instead of RoPE: no position reaches max_positions (build.py caps
+    # max_model_len there).
+    learned_positions: bool = False
 
     @property
     def llama_layers(self) -> bool:
@@ -133,7 +143,12 @@ class DecoderConfig:
                 and self.hidden_act == "silu" and self.attn_scale is None and not any(self.layer_windows)
                 and self.rotary_dim is None and self.residual_scale == 1.0 and not self.local_layers
                 and not self.attn_softcap and self.moe is None and not self.layer_norm and not self.plain_mlp
-                and not self.parallel_residual)
+                and not self.parallel_residual and not self.learned_positions)
+
+    @property
+    def mlp_norm(self) -> bool:
+        """Whether a layer's MLP has its own input norm (post_attention_layernorm)."""
+        return not self.parallel_residual or self.parallel_mlp_norm
 
     @staticmethod
     def from_hf(cfg: dict, partial_rotary_default: float = 1.0, **overrides) -> "DecoderConfig":
@@ -268,7 +283,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = model_norm(c) if c.pre_norms else None
         self.attn = DecoderAttention(c, rope=index not in c.nope_layers, window=window)
         # the MLP's input norm
-        self.post_norm = model_norm(c) if c.pre_norms and not c.parallel_residual else None
+        self.post_norm = model_norm(c) if c.pre_norms and c.mlp_norm else None
         self.parallel = c.parallel_residual
         m = c.moe
         self.mlp = (MoEMLP(c.hidden_size, m.intermediate_size, m.num_experts, m.top_k, m.norm_topk_prob,
@@ -286,8 +301,12 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
         x = h if self.input_norm is None else self.input_norm(h)
-        if self.parallel:   # (Cohere: both read x; (h + attention) + MLP, as transformers adds them)
-            return self._add(self._add(h, self.attn(x, cos, sin, attn, kv_cache), None), self.mlp(x), None)
+        if self.parallel:
+            a = self.attn(x, cos, sin, attn, kv_cache)
+            if self.post_norm is not None:   # GPT-NeoX: the MLP's own norm of h; (MLP + attention) + h
+                return self.mlp(self.post_norm(h)) + a + h
+            # (Cohere: both read x; (h + attention) + MLP, as transformers adds them)
+            return self._add(self._add(h, a, None), self.mlp(x), None)
         h = self._add(h, self.attn(x, cos, sin, attn, kv_cache), self.attn_out_norm)
         return self._add(h, self.mlp(h if self.post_norm is None else self.post_norm(h)), self.mlp_out_norm)
 
@@ -325,11 +344,14 @@ class LlamaForCausalLM(nn.Module):
         # (~1.2 s of every start).
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size))
+        self.embed_positions = (nn.Embedding(c.max_positions, c.hidden_size,
+                                             _weight=torch.empty(c.max_positions, c.hidden_size))
+                                if c.learned_positions else None)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = model_norm(c)
         self.lm_head = (None if c.tie_word_embeddings
                         else nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias))
-        self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device)
+        self.rope: RotaryEmbedding | None = None   # set by from_hf (needs the real device; none: GPT-2)
         self.local_rope: RotaryEmbedding | None = None   # c.local_rope's, set by from_hf
         self.lm_quant: PackedQuant | None = None   # the LM head's GGUF blocks, if any
         # Its bfloat16 copy for decode steps the quantized GEMV does not take (compute_logits).
@@ -392,8 +414,9 @@ class LlamaForCausalLM(nn.Module):
                                 on_linear=None if blocks is None and not lossy else attach)
         model.load_state_dict(state, strict=True, assign=True)
         del state
-        model.rope = RotaryEmbedding(c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
-                                     device)
+        if not c.learned_positions:
+            model.rope = RotaryEmbedding(c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.max_positions,
+                                         device)
         if c.local_rope is not None:
             model.local_rope = RotaryEmbedding(c.head_dim, *c.local_rope, c.max_positions, device)
         if blocks is not None or lossy:   # (served, its dict is empty by now)
@@ -428,6 +451,11 @@ class LlamaForCausalLM(nn.Module):
         self.attach_head(head, bf16)
 
     @property
+    def learned_positions(self) -> bool:
+        """Positions are learned embeddings (GPT-2): none past the config's (build.py)."""
+        return self.config.learned_positions
+
+    @property
     def bf16_only_linears(self) -> bool:
         """Whether some linear computes on a bf16 copy with no GGUF blocks beside it (from_hf
         `gguf`): what such a model outputs differs from its float32 one in every step."""
@@ -458,7 +486,9 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         if c.embed_scale != 1.0:
             h = h * torch.tensor(c.embed_scale, dtype=h.dtype)
-        rope = self.rope.cos_sin(positions, h.dtype)
+        if self.embed_positions is not None:
+            h = h + self.embed_positions(positions)
+        rope = self.rope.cos_sin(positions, h.dtype) if self.rope is not None else _NO_ROPE
         local = self.local_rope.cos_sin(positions, h.dtype) if self.local_rope is not None else rope
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, *(local if layer.local_rope else rope), attn, kv_cache)
@@ -503,11 +533,13 @@ def hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     h, i, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
     q, kv = c.num_heads * d, c.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                          "model.norm.bias": (h,), "lm_head.weight": (v, h), "lm_head.bias": (v,)}
+                                          "model.norm.bias": (h,), "lm_head.weight": (v, h), "lm_head.bias": (v,),
+                                          "model.embed_positions.weight": (c.max_positions, h)}
     for layer in range(c.num_layers):
         p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
         shapes.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
-                       a + "qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * i, h),
+                       a + "qkv_proj.weight": (q + 2 * kv, h), a + "qkv_proj.bias": (q + 2 * kv,),
+                       p + "mlp.gate_up_proj.weight": (2 * i, h),
                        a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,),
                        a + "o_proj.weight": (h, q), a + "o_proj.bias": (h,),
                        a + "q_norm.weight": (q,) if c.qk_norm_across_heads else (d,),
@@ -599,6 +631,8 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
 
     out = {"embed_tokens.weight": one("model.embed_tokens.weight"),
            "norm.weight": norm("model.norm.weight")}
+    if c.learned_positions:
+        out["embed_positions.weight"] = one("model.embed_positions.weight")
     if c.layer_norm and c.layer_norm_bias:
         out["norm.bias"] = one("model.norm.bias")
     for i in range(c.num_layers):
@@ -610,7 +644,9 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
                                                             sa + "v_proj.weight")
         out[ours + "attn.qkv.weight"] = linear(ours + "attn.qkv", rope_rows(c, qkv))
         if c.qkv_bias:
-            out[ours + "attn.qkv.bias"] = rope_rows(c, cat(sa + "q_proj.bias", sa + "k_proj.bias", sa + "v_proj.bias"))
+            bias = one(sa + "qkv_proj.bias") if fused else cat(sa + "q_proj.bias", sa + "k_proj.bias",
+                                                               sa + "v_proj.bias")
+            out[ours + "attn.qkv.bias"] = rope_rows(c, bias)
         out[ours + "attn.o_proj.weight"] = linear(ours + "attn.o_proj", one(sa + "o_proj.weight"))
         if c.o_bias:
             out[ours + "attn.o_proj.bias"] = one(sa + "o_proj.bias")
@@ -637,14 +673,14 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             out[ours + "input_norm.weight"] = norm(hf + "input_layernorm.weight")
         if c.layer_norm and c.layer_norm_bias:
             out[ours + "input_norm.bias"] = one(hf + "input_layernorm.bias")
-            if not c.parallel_residual:
+            if c.mlp_norm:
                 out[ours + "post_norm.bias"] = one(hf + "post_attention_layernorm.bias")
         if c.sandwich_norms:
             out[ours + "attn_out_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
             if c.pre_norms:
                 out[ours + "post_norm.weight"] = norm(hf + "pre_feedforward_layernorm.weight")
             out[ours + "mlp_out_norm.weight"] = norm(hf + "post_feedforward_layernorm.weight")
-        elif not c.parallel_residual:
+        elif c.mlp_norm:
             out[ours + "post_norm.weight"] = norm(hf + "post_attention_layernorm.weight")
     if c.tie_word_embeddings:
         left.pop("lm_head.weight", None)   # some tied checkpoints still ship a copy
