@@ -263,6 +263,7 @@ impl CoreState {
                 },
                 priority: prepared.priority,
                 cache_salt: prepared.cache_salt.clone(),
+                lora: prepared.lora,
                 prompt_logprobs: prepared.prompt_logprobs(),
                 pooling: prepared.embedding.as_ref().map(|e| match e.pooling {
                     Pooling::Last => SeqPooling::Last,

@@ -29,6 +29,9 @@ pub struct PyPlan {
     query_start_loc: Py<PyAny>,
     #[pyo3(get)]
     seq_lens: Py<PyAny>,
+    /// `[S]` u32: the LoRA adapter each sequence's tokens run through (0: none).
+    #[pyo3(get)]
+    lora_ids: Py<PyAny>,
     #[pyo3(get)]
     block_tables: Py<PyAny>,
     #[pyo3(get)]
@@ -118,6 +121,7 @@ impl PyPlan {
             positions: arr(py, p.positions),
             query_start_loc: arr(py, p.query_start_loc),
             seq_lens: arr(py, p.seq_lens),
+            lora_ids: arr(py, p.lora_ids),
             block_tables,
             slot_mapping: arr(py, p.slot_mapping),
             copy_src: arr(py, p.copy_src),

@@ -87,6 +87,18 @@ pub struct RouterConfig {
     /// ([`crate::fim`]); false refuses it.
     #[serde(default = "default_true")]
     pub fim: bool,
+    /// `--lora-modules`: the LoRA adapters served beside the base model, each under its own
+    /// name (a request's `model`); adapter i runs as index i + 1 in the scheduler's plans.
+    #[serde(default)]
+    pub lora_adapters: Vec<LoraAdapter>,
+}
+
+/// One served LoRA adapter: its model name and where it was loaded from (`/v1/models`'
+/// `root`; its `parent` is the base model's root name).
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+pub struct LoraAdapter {
+    pub name: String,
+    pub path: String,
 }
 
 fn default_true() -> bool {
@@ -224,10 +236,12 @@ impl Router {
         }
     }
 
-    /// The `GET /v1/models` body: one object per served name. It is also the page Anthropic's
-    /// `GET /v1/models` answers (`has_more`, `first_id`, `last_id`), so both SDKs list them.
+    /// The `GET /v1/models` body: one object per served name, then one per LoRA adapter. It is
+    /// also the page Anthropic's `GET /v1/models` answers (`has_more`, `first_id`, `last_id`),
+    /// so both SDKs list them.
     pub fn models(&self) -> Vec<u8> {
-        let names = &self.config.served_model_names;
+        let adapters = self.config.lora_adapters.iter().map(|a| &a.name);
+        let names: Vec<&String> = self.config.served_model_names.iter().chain(adapters).collect();
         let data: Vec<Value> = names.iter().map(|n| self.model_object(n)).collect();
         let body = json!({
             "object": "list",
@@ -246,11 +260,14 @@ impl Router {
     }
 
     /// A model object in vLLM's shape (its clients read `root`, `parent` and `permission`):
-    /// `root` is the model as loaded, the same for every alias. It also has the keys of
+    /// `root` is the model as loaded, the same for every alias; a LoRA adapter's is its path,
+    /// and its `parent` the base model's root name. It also has the keys of
     /// Anthropic's model object (`type`, `display_name`, `created_at`, `max_input_tokens`,
     /// `max_tokens`).
     fn model_object(&self, id: &str) -> Value {
         use std::hash::{Hash, Hasher};
+        let adapter = self.config.lora_adapters.iter().find(|a| a.name == id);
+        let base = self.config.served_model_names.first();
         let mut h = std::collections::hash_map::DefaultHasher::new();
         id.hash(&mut h);
         let created_at = chrono::DateTime::from_timestamp(self.created as i64, 0)
@@ -266,8 +283,8 @@ impl Router {
             "max_input_tokens": self.config.max_model_len,
             "max_tokens": self.config.max_model_len,
             "owned_by": "llmserve",
-            "root": self.config.model_root.as_ref().or(self.config.served_model_names.first()),
-            "parent": null,
+            "root": adapter.map(|a| &a.path).or(self.config.model_root.as_ref()).or(base),
+            "parent": adapter.and(base),
             "max_model_len": self.config.max_model_len,
             // nothing is restricted per model: one permission that allows what the server does
             "permission": [{
@@ -287,12 +304,19 @@ impl Router {
         })
     }
 
-    /// A served name, exactly as configured (no LoRA or revision guessing from a colon).
-    pub(crate) fn check_model(&self, name: &str) -> Result<(), ApiError> {
+    /// A served name, exactly as configured (no LoRA or revision guessing from a colon): 0 for
+    /// the base model's names, a LoRA adapter's index plus one for its name.
+    pub(crate) fn check_model(&self, name: &str) -> Result<u32, ApiError> {
         if self.config.served_model_names.iter().any(|n| n == name) {
-            Ok(())
-        } else {
-            Err(ApiError::ModelNotFound { model: name.to_string(), served: self.config.served_model_names.clone() })
+            return Ok(0);
+        }
+        match self.config.lora_adapters.iter().position(|a| a.name == name) {
+            Some(i) => Ok(i as u32 + 1),
+            None => {
+                let adapters = self.config.lora_adapters.iter().map(|a| a.name.clone());
+                let served = self.config.served_model_names.iter().cloned().chain(adapters).collect();
+                Err(ApiError::ModelNotFound { model: name.to_string(), served })
+            }
         }
     }
 }

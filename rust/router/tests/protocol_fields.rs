@@ -512,6 +512,27 @@ fn models_routes() {
     assert_eq!((e.status(), e.code()), (404, "model_not_found"));
 }
 
+/// A LoRA adapter is a model of its own name: listed after the base model's names with its
+/// path as `root` and the base model as `parent`, and a request naming it runs through it
+/// (`Prepared::lora`: its place plus one) on every generating route.
+#[test]
+fn lora_adapters_are_models_of_their_own_names() {
+    let adapters = json!({"lora_adapters": [{"name": "sql", "path": "/a/sql"}, {"name": "chat", "path": "/a/chat"}]});
+    let r = router_with(adapters, Some(TEMPLATE));
+    let v = body_json(r.models());
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["tiny", "tiny-alias", "sql", "chat"]);
+    let sql = body_json(r.model("sql").unwrap());
+    assert_eq!((sql["root"].clone(), sql["parent"].clone()), (json!("/a/sql"), json!("tiny")));
+    assert_eq!(body_json(r.model("tiny").unwrap())["parent"], Value::Null);
+    assert_eq!(chat(&r, json!({"model": "chat"})).unwrap().lora, 2);
+    assert_eq!(completion(&r, json!({"model": "sql"})).unwrap().lora, 1);
+    assert_eq!(chat(&r, json!({"model": "tiny-alias"})).unwrap().lora, 0);
+    let e = chat(&r, json!({"model": "sql:latest"})).unwrap_err();
+    assert_eq!((e.status(), e.code()), (404, "model_not_found"));
+    assert!(e.message().ends_with("This server serves `tiny`, `tiny-alias`, `sql`, `chat`."), "{}", e.message());
+}
+
 #[test]
 fn tokenize_takes_vllms_fields_and_reports_unknown_ones() {
     let r = router();

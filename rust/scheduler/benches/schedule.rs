@@ -39,6 +39,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
             stop,
             priority: 0,
             cache_salt: None,
+            lora: 0,
             prompt_logprobs: None,
             pooling: None,
         });

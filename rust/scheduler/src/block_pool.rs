@@ -28,9 +28,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 pub const NULL_BLOCK: u32 = 0;
 const NIL: u32 = u32::MAX;
 
-/// The parent hash of a sequence's first block: ties the chain to the cache salt, so
-/// requests with different salts never share a block.
-pub fn root_hash(cache_salt: Option<&str>) -> u64 {
+/// The parent hash of a sequence's first block: ties the chain to the cache salt and the
+/// LoRA adapter (0: none), so requests with different salts or adapters never share a block.
+pub fn root_hash(cache_salt: Option<&str>, lora: u32) -> u64 {
     // NOTE: DefaultHasher::new() uses fixed keys, so hashes are stable within a process,
     // which is all an in-memory cache needs.
     let mut h = DefaultHasher::new();
@@ -41,6 +41,9 @@ pub fn root_hash(cache_salt: Option<&str>) -> u64 {
             h.write(salt.as_bytes());
         }
         None => h.write_u8(0),
+    }
+    if lora != 0 {
+        h.write_u32(lora);
     }
     h.finish()
 }
@@ -397,7 +400,7 @@ mod tests {
     fn unhashed_blocks_are_reused_before_cached_ones() {
         let mut pool = BlockPool::new(4, 2);
         let (a, b, c) = (pool.allocate().unwrap(), pool.allocate().unwrap(), pool.allocate().unwrap());
-        let root = root_hash(None);
+        let root = root_hash(None, 0);
         let toks = full(&pool, 7);
         assert!(pool.register(a, hash_block(root, &toks), root, &toks));
         pool.free(a); // cached: tail
@@ -415,7 +418,7 @@ mod tests {
     fn cached_blocks_are_evicted_in_lru_order() {
         let mut pool = BlockPool::new(4, 2);
         let blocks: Vec<u32> = (0..3).map(|_| pool.allocate().unwrap()).collect();
-        let root = root_hash(None);
+        let root = root_hash(None, 0);
         let mut hashes = vec![];
         for (k, &b) in blocks.iter().enumerate() {
             let toks = full(&pool, k as u32);
@@ -440,7 +443,7 @@ mod tests {
     fn hit_revives_a_free_cached_block_from_the_middle_of_the_list() {
         let mut pool = BlockPool::new(5, 2);
         let blocks: Vec<u32> = (0..4).map(|_| pool.allocate().unwrap()).collect();
-        let root = root_hash(None);
+        let root = root_hash(None, 0);
         let toks = full(&pool, 9);
         let h = hash_block(root, &toks);
         pool.register(blocks[1], h, root, &toks);
@@ -463,21 +466,21 @@ mod tests {
     fn lookup_verifies_tokens_and_parent() {
         let mut pool = BlockPool::new(4, 2);
         let b = pool.allocate().unwrap();
-        let root = root_hash(None);
+        let root = root_hash(None, 0);
         let toks = vec![1, 2];
         let h = hash_block(root, &toks);
         pool.register(b, h, root, &toks);
         assert_eq!(pool.lookup(h, root, &[1, 2]), Some(b));
         // Same hash key but different content (a forced "collision") must miss.
         assert_eq!(pool.lookup(h, root, &[1, 3]), None);
-        assert_eq!(pool.lookup(h, root_hash(Some("salt")), &[1, 2]), None);
+        assert_eq!(pool.lookup(h, root_hash(Some("salt"), 0), &[1, 2]), None);
     }
 
     #[test]
     fn duplicate_hash_is_not_registered_twice() {
         let mut pool = BlockPool::new(4, 2);
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
-        let root = root_hash(None);
+        let root = root_hash(None, 0);
         let toks = vec![5, 5];
         let h = hash_block(root, &toks);
         assert!(pool.register(a, h, root, &toks));
@@ -493,7 +496,7 @@ mod tests {
     fn forget_turns_a_cached_block_plain() {
         let mut pool = BlockPool::new(4, 2);
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
-        let root = root_hash(None);
+        let root = root_hash(None, 0);
         let toks = vec![5, 6];
         let h = hash_block(root, &toks);
         pool.register(a, h, root, &toks);
@@ -510,9 +513,11 @@ mod tests {
     #[test]
     fn salt_and_parent_change_the_hash() {
         let t = [1u32, 2, 3, 4];
-        assert_ne!(root_hash(None), root_hash(Some("")));
-        assert_ne!(root_hash(Some("a")), root_hash(Some("b")));
-        assert_ne!(hash_block(root_hash(None), &t), hash_block(root_hash(Some("a")), &t));
+        assert_ne!(root_hash(None, 0), root_hash(Some(""), 0));
+        assert_ne!(root_hash(Some("a"), 0), root_hash(Some("b"), 0));
+        assert_ne!(root_hash(None, 0), root_hash(None, 1));
+        assert_ne!(root_hash(Some("a"), 1), root_hash(Some("a"), 2));
+        assert_ne!(hash_block(root_hash(None, 0), &t), hash_block(root_hash(Some("a"), 0), &t));
         assert_eq!(hash_block(7, &t), hash_block(7, &t));
     }
 }

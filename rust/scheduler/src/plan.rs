@@ -82,6 +82,8 @@ pub struct Plan {
     /// metrics, debugging and tests).
     pub seq_req_ids: Vec<u64>,
     pub seq_indices: Vec<u32>,
+    /// `[S]` the LoRA adapter each scheduled sequence's tokens run through (0: none).
+    pub lora_ids: Vec<u32>,
 }
 
 impl Plan {
@@ -101,6 +103,7 @@ impl Plan {
             seq_lens: Vec::with_capacity(seqs),
             seq_req_ids: Vec::with_capacity(seqs),
             seq_indices: Vec::with_capacity(seqs),
+            lora_ids: Vec::with_capacity(seqs),
             logits_indices: Vec::with_capacity(rows),
             temperature: Vec::with_capacity(rows),
             top_p: Vec::with_capacity(rows),

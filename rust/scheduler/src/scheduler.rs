@@ -96,6 +96,8 @@ pub(crate) struct Req {
     /// Prompt tokens the prefix cache held when the prompt was first admitted (a prompt
     /// preempted and admitted again finds its own blocks: not counted).
     pub cached_prompt_tokens: Option<u32>,
+    /// The LoRA adapter its tokens run through (0: none).
+    pub lora: u32,
 }
 
 impl Req {
@@ -261,7 +263,7 @@ impl Scheduler {
         let bias_unbanned = req.sampling.logit_bias.iter().copied().filter(|(t, _)| !bans.contains(t)).collect();
         let arrival = self.next_arrival;
         self.next_arrival += 1;
-        let root = if self.cfg.enable_prefix_caching { root_hash(req.cache_salt.as_deref()) } else { 0 };
+        let root = if self.cfg.enable_prefix_caching { root_hash(req.cache_salt.as_deref(), req.lora) } else { 0 };
         let record = Req {
             id: req.id,
             n: req.n,
@@ -284,6 +286,7 @@ impl Scheduler {
             pool_next: 0,
             prompt_len: req.prompt.len(),
             cached_prompt_tokens: None,
+            lora: req.lora,
         };
         let req_slot = match self.free_reqs.pop() {
             Some(s) => {

@@ -346,6 +346,7 @@ impl Scheduler {
             }
             plan.seq_req_ids.push(req.id);
             plan.seq_indices.push(seq.index);
+            plan.lora_ids.push(req.lora);
             cur.planned.push((slot, seq.gen));
             seq.num_computed = end;
             // A pure decode token of this sequence. NOTE: the same test as the runner's for a

@@ -112,6 +112,9 @@ pub struct NewRequest {
     pub priority: i32,
     /// Separates prefix-cache namespaces: blocks are shared only between equal salts.
     pub cache_salt: Option<String>,
+    /// The LoRA adapter the request's tokens run through (0: none, the base model). The
+    /// Plan lists it per scheduled sequence; blocks are shared only within one adapter.
+    pub lora: u32,
     /// Some(k): the Plan asks for the logprob of every prompt token after the first given
     /// the ones before it, plus k alternatives (completions `echo` with `logprobs`). Such a
     /// prompt does not reuse prefix-cache blocks until each of those positions has run.

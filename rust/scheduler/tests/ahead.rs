@@ -316,6 +316,7 @@ fn add(s: &mut Scheduler, rec: &mut Record, id: u64, a: &Arrival) {
         prompt_logprobs: a.logprobs.then_some(1),
         pooling: None,
         cache_salt: None,
+        lora: 0,
     });
 }
 

@@ -127,6 +127,7 @@ impl Harness {
                     prompt_logprobs: id.is_multiple_of(3).then_some(2),
                     pooling: [None, Some(Pooling::Mean), Some(Pooling::Last)][(id % 5).min(2) as usize],
                     cache_salt: salt.map(|x| x.to_string()),
+                    lora: 0,
                 });
                 self.ids.push(id);
                 self.live.insert(id, (n, prompt_len, HashSet::new()));

@@ -133,6 +133,27 @@ fn cache_salt_prevents_sharing() {
     assert_eq!(step(&mut s, 5).0.num_tokens, 8);
 }
 
+/// A request's LoRA adapter is listed for each of its scheduled sequences, and blocks are
+/// shared only within one adapter (the same tokens make other K/V through another adapter).
+#[test]
+fn lora_adapters_are_planned_and_never_share_blocks() {
+    let mut cfg = config(33, 16, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    let adapted = |id, lora| NewRequest { lora, ..request(id, prompt(40, 1), 8) };
+    s.add(adapted(1, 2));
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!(plan.lora_ids, [2]);
+    s.add(adapted(2, 0));
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!(plan.num_tokens, 1 + 40, "the base model reuses nothing of adapter 2's blocks");
+    assert_eq!((plan.seq_req_ids.clone(), plan.lora_ids.clone()), (vec![1, 2], vec![2, 0]));
+    s.add(adapted(3, 1));
+    assert_eq!(step(&mut s, 5).0.num_tokens, 2 + 40);
+    s.add(adapted(4, 2));
+    assert_eq!(step(&mut s, 5).0.num_tokens, 3 + 8);
+}
+
 #[test]
 fn output_blocks_are_cached_too() {
     let mut cfg = config(33, 4, 8, 256);

@@ -778,7 +778,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
     let common: CommonFields = from_value(value)?;
     let chat: ChatFields = from_value(value)?;
-    router.check_model(&common.model)?;
+    let lora = router.check_model(&common.model)?;
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
@@ -952,6 +952,7 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
         prompt_logprobs_k: c.prompt_logprobs,
         priority: c.priority,
         cache_salt: c.cache_salt,
+        lora,
         user: c.user,
         headers,
         ignored: ignored.clone(),

@@ -225,7 +225,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let value = parse_body(body)?;
     let common: CommonFields = from_value(&value)?;
     let comp: CompletionFields = from_value(&value)?;
-    router.check_model(&common.model)?;
+    let lora = router.check_model(&common.model)?;
     let config = &router.config;
     let vocab_size = router.tokenizer.vocab_size();
 
@@ -308,6 +308,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         prompt_logprobs_k: c.prompt_logprobs,
         priority: c.priority,
         cache_salt: c.cache_salt,
+        lora,
         user: c.user,
         headers: ignored_header(&ignored).into_iter().collect(),
         ignored: ignored.clone(),

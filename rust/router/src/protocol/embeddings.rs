@@ -99,7 +99,7 @@ struct EmbeddingFields {
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
     let f: EmbeddingFields = from_value(&value)?;
-    router.check_model(&f.model)?;
+    let lora = router.check_model(&f.model)?;
     let config = &router.config;
     let Some(embed) = &config.embeddings else {
         return Err(unsupported(
@@ -177,6 +177,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         prompt_logprobs_k: None,
         priority: f.priority.unwrap_or(0),
         cache_salt: f.cache_salt,
+        lora,
         user: f.user,
         headers: ignored_header(&ignored).into_iter().collect(),
         ignored: ignored.clone(),

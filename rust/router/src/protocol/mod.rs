@@ -139,6 +139,9 @@ pub struct Prepared {
     /// Lower runs first (vLLM's convention); 0 when not sent.
     pub priority: i32,
     pub cache_salt: Option<String>,
+    /// The LoRA adapter the request's `model` names: its index in
+    /// `RouterConfig::lora_adapters` plus one (0: the base model).
+    pub lora: u32,
     /// Logged by the server; has no other effect.
     pub user: Option<String>,
     /// Response headers: `llmserve-ignored-fields`, `llmserve-chat-template`,

@@ -25,6 +25,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
         stop: StopRules { max_tokens, ..StopRules::default() },
         priority: 0,
         cache_salt: None,
+        lora: 0,
         prompt_logprobs: None,
         pooling: None,
     }
