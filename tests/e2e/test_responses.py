@@ -348,6 +348,20 @@ def test_conversations_hold_the_turns_of_their_responses(client):
         client.conversations.create(items=[{"role": "user", "content": "a"}] * 21)
     assert e.value.body["param"] == "items"
 
+    # output logprobs are kept, and listed when `include` asks for them (as OpenAI's)
+    scored = client.responses.create(model=MODEL, conversation=conv.id, input="Thanks!", temperature=0,
+                                     max_output_tokens=4, include=["message.output_text.logprobs"])
+    assert scored.output[0].content[0].logprobs
+    (plain_item,) = client.conversations.items.list(conv.id, limit=1).data
+    (scored_item,) = client.conversations.items.list(conv.id, limit=1, include=["message.output_text.logprobs"]).data
+    assert plain_item.content[0].logprobs is None
+    assert [lp.token for lp in scored_item.content[0].logprobs] == [lp.token for lp in scored.output[0].content[0].logprobs]
+    # an item id is in a conversation once
+    with pytest.raises(BadRequestError) as e:
+        client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "y",
+                                                           "id": scored.output[0].id}])
+    assert e.value.body["param"] == "items[0].id"
+
     assert client.conversations.update(conv.id, metadata={"topic": "x"}).metadata == {"topic": "x"}
     deleted = client.conversations.delete(conv.id)
     assert (deleted.id, deleted.deleted, deleted.object) == (conv.id, True, "conversation.deleted")

@@ -7,9 +7,15 @@
 //! recently are forgotten first. A change that would make one conversation larger than the
 //! whole bound is refused (and a response's items that would, forget it: a later request
 //! then gets a 404 that says why, rather than a conversation silently missing turns).
+//!
+//! As OpenAI's: an item id is in a conversation at most once (a duplicate is a 400 naming
+//! it), and while a response runs on a conversation ([`Lease`]) no other response may start
+//! on it, nor may items be added or deleted (400 `conversation_locked`): a second response
+//! would answer from a history the first is about to extend.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Map, Value};
 
@@ -46,6 +52,8 @@ struct Conversation {
     items: Vec<Entry>,
     /// When it was last read or changed (the store's clock): the least recent go first.
     used: u64,
+    /// A response is running on it (a [`Lease`] is held).
+    busy: bool,
 }
 
 impl Conversation {
@@ -80,6 +88,15 @@ impl Inner {
         Ok(conversation)
     }
 
+    /// `get`, or a 400 while a response runs on it.
+    fn get_free(&mut self, id: &str) -> Result<&mut Conversation, ApiError> {
+        let conversation = self.get(id)?;
+        if conversation.busy {
+            return Err(locked(id));
+        }
+        Ok(conversation)
+    }
+
     /// Forgets the least recently used conversations but `keep` until `extra` more bytes fit
     /// within `capacity`.
     fn make_room(&mut self, capacity: usize, extra: usize, keep: &str) {
@@ -100,6 +117,34 @@ fn not_found(id: &str) -> ApiError {
              this server's store within its bound (--responses-store-mib)."
         ),
     }
+}
+
+fn locked(id: &str) -> ApiError {
+    ApiError::with_code(
+        "conversation_locked",
+        Some("conversation".into()),
+        format!(
+            "Another response is in progress on conversation {id:?}: wait for it to finish before starting \
+             another or changing its items."
+        ),
+    )
+}
+
+/// The first of `items` whose id is already in `held` or repeats an earlier one of them: a
+/// 400 naming it at `{param}[i].id`.
+fn check_unique<'a>(held: impl Iterator<Item = &'a str>, items: &[Value], param: &str) -> Result<(), ApiError> {
+    let mut seen: HashSet<&str> = held.collect();
+    for (i, item) in items.iter().enumerate() {
+        if let Some(id) = item["id"].as_str() {
+            if !seen.insert(id) {
+                return Err(ApiError::invalid(
+                    format!("{param}[{i}].id"),
+                    format!("Duplicate item found with id {id:?}: an item is in a conversation once."),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn too_large(param: &str) -> ApiError {
@@ -143,7 +188,9 @@ impl ConversationStore {
         let mut inner = self.lock();
         let used = inner.tick();
         let created_at = crate::protocol::common::unix_now();
-        let conversation = Conversation { created_at, metadata, items: items.iter().map(Entry::new).collect(), used };
+        check_unique(std::iter::empty(), items, "items")?;
+        let entries = items.iter().map(Entry::new).collect();
+        let conversation = Conversation { created_at, metadata, items: entries, used, busy: false };
         let size = conversation.bytes();
         if size > self.capacity {
             return Err(too_large("items"));
@@ -181,13 +228,22 @@ impl ConversationStore {
         Ok(json!({"id": id, "object": "conversation.deleted", "deleted": true}))
     }
 
-    /// Adds `items` (each listed, with its `id`) at its end. Unchanged when they would make it
-    /// larger than the whole bound (a 400 on `param`), and with `or_forget`, forgotten then.
+    /// Adds `items` (each listed, with its `id`) at its end: a 400 while a response runs on
+    /// it, or when an id is there already (at `{param}[i].id`). Unchanged when they would
+    /// make it larger than the whole bound (a 400 on `param`), and with `or_forget`, forgotten
+    /// then.
     pub fn append(&self, id: &str, items: &[Value], param: &str, or_forget: bool) -> Result<(), ApiError> {
+        self.append_as(id, items, param, or_forget, false)
+    }
+
+    /// `append`, by the response holding the conversation when `held`.
+    fn append_as(&self, id: &str, items: &[Value], param: &str, or_forget: bool, held: bool) -> Result<(), ApiError> {
         let entries: Vec<Entry> = items.iter().map(Entry::new).collect();
         let extra: usize = entries.iter().map(Entry::bytes).sum();
         let mut inner = self.lock();
-        let size = inner.get(id)?.bytes();
+        let conversation = if held { inner.get(id)? } else { inner.get_free(id)? };
+        check_unique(conversation.items.iter().map(|e| e.id.as_str()), items, param)?;
+        let size = conversation.bytes();
         if size + extra > self.capacity {
             if or_forget {
                 inner.map.remove(id);
@@ -215,10 +271,11 @@ impl ConversationStore {
         found.ok_or_else(|| item_not_found(id, item))
     }
 
-    /// Removes its items with id `item`: its object, or a 404.
+    /// Removes its item with id `item`: its object, a 404, or a 400 while a response runs on
+    /// it.
     pub fn delete_item(&self, id: &str, item: &str) -> Result<Value, ApiError> {
         let mut inner = self.lock();
-        let conversation = inner.get(id)?;
+        let conversation = inner.get_free(id)?;
         let before = conversation.bytes();
         conversation.items.retain(|e| e.id != item);
         let after = conversation.bytes();
@@ -230,12 +287,77 @@ impl ConversationStore {
         Ok(object)
     }
 
+    /// Holds conversation `id` for a response about to run on it, which `items` (listed, with
+    /// their ids) will join: a 404, a 400 `conversation_locked` while another response runs on
+    /// it, or a 400 at `input[i].id` for an item already in it. The conversation's items go
+    /// with the lease, as the response reads them.
+    pub fn acquire(self: &Arc<Self>, id: &str, items: &[Value]) -> Result<(Lease, Vec<Value>), ApiError> {
+        let texts: Vec<Box<[u8]>> = {
+            let mut inner = self.lock();
+            let conversation = inner.get_free(id)?;
+            check_unique(conversation.items.iter().map(|e| e.id.as_str()), items, "input")?;
+            conversation.busy = true;
+            conversation.items.iter().map(|e| e.json.clone()).collect()
+        };
+        let lease = Lease { store: self.clone(), id: id.to_string(), held: AtomicBool::new(true) };
+        Ok((lease, texts.iter().map(|t| serde_json::from_slice(t).unwrap_or_default()).collect()))
+    }
+
+    fn release(&self, id: &str) {
+        if let Some(conversation) = self.lock().map.get_mut(id) {
+            conversation.busy = false;
+        }
+    }
+
     /// The item with id `item` in any conversation (the most recently used holding it), for
     /// an `item_reference`.
     pub fn find(&self, item: &str) -> Option<Value> {
         let inner = self.lock();
         let holders = inner.map.values().filter_map(|c| Some((c.used, c.items.iter().rev().find(|e| e.id == item)?)));
         holders.max_by_key(|(used, _)| *used).map(|(_, e)| e.value())
+    }
+}
+
+/// A response's hold on its conversation ([`ConversationStore::acquire`]): released once its
+/// items have joined the conversation, or when dropped (a response that did not finish).
+pub struct Lease {
+    store: Arc<ConversationStore>,
+    id: String,
+    held: AtomicBool,
+}
+
+impl Lease {
+    /// The conversation held.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Adds the finished response's `items` to the conversation (forgetting it when they
+    /// would make it larger than the store's bound, so that its next use says so), then
+    /// releases it.
+    pub fn finish(&self, items: &[Value]) {
+        // (a conversation deleted meanwhile takes nothing)
+        let _ = self.store.append_as(&self.id, items, "conversation", true, true);
+        self.release();
+    }
+
+    /// Lets other responses run on the conversation again (once; later calls do nothing).
+    pub fn release(&self) {
+        if self.held.swap(false, Ordering::AcqRel) {
+            self.store.release(&self.id);
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("id", &self.id).finish_non_exhaustive()
     }
 }
 
@@ -283,9 +405,14 @@ mod tests {
 
     #[test]
     fn the_least_recently_used_go_first_past_the_bound() {
-        let one =
-            Conversation { created_at: 0, metadata: Map::new(), items: vec![Entry::new(&item("m", "x"))], used: 0 }
-                .bytes();
+        let one = Conversation {
+            created_at: 0,
+            metadata: Map::new(),
+            items: vec![Entry::new(&item("m", "x"))],
+            used: 0,
+            busy: false,
+        }
+        .bytes();
         let store = ConversationStore::new(2 * one + one / 4);
         let a = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
         let b = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());

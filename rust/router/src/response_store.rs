@@ -215,7 +215,9 @@ pub(crate) fn page(
     let start = match after {
         None => 0,
         Some(after) => {
-            let at = items.iter().position(|i| i["id"] == after);
+            // (the last holder of the id: an item referenced again appears twice in a
+            // response's conversation, and a cursor at the first would page back forever)
+            let at = items.iter().rposition(|i| i["id"] == after);
             at.ok_or_else(|| ApiError::invalid("after", format!("No item with id {after:?} in this list.")))? + 1
         }
     };

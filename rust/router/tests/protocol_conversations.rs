@@ -181,10 +181,11 @@ fn what_the_routes_cannot_take_is_a_clear_error() {
     let (_, ignored) =
         call(&r, "POST", Target::All, json!({"items": [{"role": "user", "content": "a", "x": 1}], "y": 2})).unwrap();
     assert_eq!(ignored.as_deref(), Some("items[0].x, y"));
-    let (_, ignored) =
-        call_with(&r, "GET", Target::Items(&id), &[("include[]", "message.output_text.logprobs")], Value::Null)
-            .unwrap();
-    assert_eq!(ignored.as_deref(), Some("include"));
+    let include = |value: &str| {
+        call_with(&r, "GET", Target::Items(&id), &[("include[]", value), ("x", "1")], Value::Null).unwrap().1
+    };
+    assert_eq!(include("file_search_call.results").as_deref(), Some("include, x"));
+    assert_eq!(include("message.output_text.logprobs").as_deref(), Some("x"));
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     assert_eq!(
         shape(call(&strict, "POST", Target::All, json!({"y": 2}))),
@@ -223,4 +224,61 @@ fn a_conversation_past_the_bound_is_forgotten_not_cut() {
     let p = responses(&r, json!({"input": "hello", "conversation": id, "store": false})).unwrap();
     answer(&p, &"w".repeat(8192));
     assert_eq!(shape(responses(&r, json!({"input": "x", "conversation": id}))).0, 404);
+}
+
+/// While a response runs on a conversation, another may not start on it, nor may its items
+/// change (OpenAI's `conversation_locked`): the second would answer from a history the first
+/// is about to extend. Counting a request's tokens only reads it. The hold ends when the
+/// response's items have joined, or when the request goes without finishing.
+#[test]
+fn a_conversation_runs_one_response_at_a_time() {
+    let r = router();
+    let (conv, _) = call(&r, "POST", Target::All, Value::Null).unwrap();
+    let id = conv["id"].as_str().unwrap().to_string();
+    let first = responses(&r, json!({"input": "hello", "conversation": id})).unwrap();
+    let locked = (400, "conversation_locked", Some("conversation".into()));
+    assert_eq!(shape(responses(&r, json!({"input": "x", "conversation": id}))), locked);
+    assert_eq!(
+        shape(call(&r, "POST", Target::Items(&id), json!({"items": [{"role": "user", "content": "a"}]}))),
+        locked
+    );
+    let body = serde_json::to_vec(&json!({"model": "tiny", "input": "x", "conversation": id})).unwrap();
+    assert!(r.handle(Endpoint::ResponsesInputTokens, &body).is_ok());
+    assert!(call(&r, "GET", Target::Items(&id), Value::Null).is_ok());
+    answer(&first, "world");
+    let second = responses(&r, json!({"input": "x", "conversation": id})).unwrap();
+    drop(second); // (never ran: its client went away)
+    assert!(responses(&r, json!({"input": "x", "conversation": id})).is_ok());
+}
+
+/// An item id is in a conversation once (OpenAI: "Duplicate item found"), and an item id is a
+/// string that a URL path can name.
+#[test]
+fn item_ids_are_unique_and_addressable() {
+    let r = router();
+    let item = |id: Value| json!({"type": "message", "role": "user", "content": "a", "id": id});
+    let (conv, _) = call(&r, "POST", Target::All, json!({"items": [item(json!("msg_1"))]})).unwrap();
+    let id = conv["id"].as_str().unwrap().to_string();
+    let dup = |param: &str| (400, "invalid_value", Some(param.to_string()));
+    assert_eq!(
+        shape(call(&r, "POST", Target::Items(&id), json!({"items": [item(json!("msg_1"))]}))),
+        dup("items[0].id")
+    );
+    assert_eq!(
+        shape(call(&r, "POST", Target::All, json!({"items": [item(json!("m")), item(json!("m"))]}))),
+        dup("items[1].id")
+    );
+    assert_eq!(shape(responses(&r, json!({"input": [item(json!("msg_1"))], "conversation": id}))), dup("input[0].id"));
+    // a reference to an item of the same conversation is that item again
+    let again = json!({"input": [{"type": "item_reference", "id": "msg_1"}], "conversation": id});
+    assert_eq!(shape(responses(&r, again)), dup("input[0].id"));
+    // and the refusals left the conversation free
+    assert!(responses(&r, json!({"input": "x", "conversation": id})).is_ok());
+    assert_eq!(
+        shape(call(&r, "POST", Target::All, json!({"items": [item(json!(3))]}))),
+        (400, "invalid_type", Some("items[0].id".into()))
+    );
+    for bad in ["", "a/b", "a b"] {
+        assert_eq!(shape(call(&r, "POST", Target::All, json!({"items": [item(json!(bad))]}))), dup("items[0].id"));
+    }
 }

@@ -16,9 +16,10 @@
 //! `status`, a message's content as typed parts. At most 20 are added at a time, as OpenAI's.
 //! A response continues a conversation with `conversation` (see [`super::responses`]).
 //!
-//! Decisions: `include` asks for fields of tool calls this server never makes; it is
-//! reported, and items are listed as kept. So are query keys these routes do not read. A
-//! deleted conversation's items go with it (OpenAI keeps them).
+//! Decisions: `include: message.output_text.logprobs` lists the logprobs an item's response
+//! made (without it they are left out, as OpenAI's); its other values ask for fields of
+//! built-in tool calls this server never makes and are reported, as are query keys these
+//! routes do not read. A deleted conversation's items go with it (OpenAI keeps them).
 
 use serde_json::{json, Map, Value};
 
@@ -61,12 +62,20 @@ pub fn handle(
         });
     }
     let mut ignored = Vec::new();
+    // `include` asks for output logprobs, which items keep when their response made them (any
+    // other value names fields of built-in tool calls, which never occur here)
+    let includes: Vec<&str> =
+        query.iter().filter(|(k, _)| k.strip_suffix("[]").unwrap_or(k) == "include").map(|(_, v)| v.as_str()).collect();
+    let logprobs = includes.contains(&responses::LOGPROBS_INCLUDE);
+    if includes.iter().any(|v| *v != responses::LOGPROBS_INCLUDE) {
+        ignored.push("include".to_string());
+    }
     let mut read = |keys: &[&str]| -> Map<String, Value> {
         let mut known = Map::new();
         for (k, v) in query {
             let key = k.strip_suffix("[]").unwrap_or(k);
             if key == "include" {
-                ignored.push("include".to_string());
+                continue;
             } else if keys.contains(&key) {
                 known.insert(key.to_string(), Value::String(v.clone()));
             } else {
@@ -125,14 +134,14 @@ pub fn handle(
             ignored.extend(super::chat::unknown_keys_in(obj, &["items"], "").into_iter().map(top));
             let ignored = settle_ignored(ignored, router.config.strict_fields)?;
             store.append(id, &items, "items", false)?;
-            return answer(&list(items), &ignored);
+            return answer(&list(shown(items, logprobs)), &ignored);
         }
         ("GET", Target::Items(id)) => {
             let q = read(&["order", "limit", "after"]);
             let text = |k: &str| q.get(k).and_then(Value::as_str);
             let ignored = settle_ignored(ignored, router.config.strict_fields)?;
             let page = crate::response_store::page(
-                store.items(id)?,
+                shown(store.items(id)?, logprobs),
                 text("order").unwrap_or("desc"),
                 text("limit"),
                 text("after"),
@@ -141,7 +150,7 @@ pub fn handle(
         }
         ("GET", Target::Item(id, item)) => {
             read(&[]);
-            store.item(id, item)?
+            shown(vec![store.item(id, item)?], logprobs).remove(0)
         }
         ("DELETE", Target::Item(id, item)) => {
             read(&[]);
@@ -157,6 +166,18 @@ pub fn handle(
     };
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     answer(&object, &ignored)
+}
+
+/// `items` as listed: their output text's `logprobs` only when `include` asks for them.
+fn shown(mut items: Vec<Value>, logprobs: bool) -> Vec<Value> {
+    if !logprobs {
+        for part in items.iter_mut().filter_map(|i| i.get_mut("content")?.as_array_mut()).flatten() {
+            if let Some(part) = part.as_object_mut() {
+                part.remove("logprobs");
+            }
+        }
+    }
+    items
 }
 
 /// A top-level key as `unknown_keys_in` with an empty prefix names it (`.key`).

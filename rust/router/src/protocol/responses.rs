@@ -53,13 +53,13 @@ use super::common::{
     unsupported,
 };
 use super::{chat, Checked, Endpoint};
-use crate::conversation_store::ConversationStore;
+use crate::conversation_store::Lease;
 use crate::error::ApiError;
 use crate::response_store::ResponseStore;
 use crate::router::Router;
 
 /// The `include` entry that asks for the output text's logprobs.
-const LOGPROBS_INCLUDE: &str = "message.output_text.logprobs";
+pub(crate) const LOGPROBS_INCLUDE: &str = "message.output_text.logprobs";
 
 /// Chat Completions fields that have another name (or no meaning) in the Responses API.
 const CHAT_ONLY: [(&str, &str); 9] = [
@@ -113,12 +113,13 @@ pub struct Echo {
 }
 
 /// The conversation a response belongs to, and the input items that join it (before the
-/// response's output items) once the response is done.
+/// response's output items) once the response is done; the response holds it meanwhile
+/// (`lease`: None when the request is only counted, `/v1/responses/input_tokens`).
 #[derive(Clone, Debug)]
 pub struct Joins {
-    pub store: Arc<ConversationStore>,
     pub id: String,
     pub input: Vec<Value>,
+    pub lease: Option<Arc<Lease>>,
 }
 
 impl PartialEq for Echo {
@@ -128,7 +129,7 @@ impl PartialEq for Echo {
             (a, b) => a.is_none() && b.is_none(),
         };
         let conversation = match (&self.conversation, &other.conversation) {
-            (Some(a), Some(b)) => Arc::ptr_eq(&a.store, &b.store) && a.id == b.id && a.input == b.input,
+            (Some(a), Some(b)) => a.id == b.id && a.input == b.input,
             (a, b) => a.is_none() && b.is_none(),
         };
         self.fields == other.fields && store && conversation
@@ -310,6 +311,26 @@ impl Origins {
     }
 }
 
+/// An item's `id`, when it has one: a string that can name it in a URL path
+/// (`/v1/conversations/{id}/items/{item_id}`): 1 to 256 characters, none of them `/`,
+/// whitespace or control characters.
+fn check_item_id(obj: &Map<String, Value>, p: &str) -> Result<(), ApiError> {
+    match obj.get("id") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(id))
+            if (1..=256).contains(&id.chars().count())
+                && !id.chars().any(|c| c == '/' || c.is_whitespace() || c.is_control()) =>
+        {
+            Ok(())
+        }
+        Some(Value::String(_)) => Err(ApiError::invalid(
+            format!("{p}.id"),
+            "An item `id` is 1 to 256 characters, without `/`, whitespace or control characters.",
+        )),
+        Some(other) => Err(invalid_type(format!("{p}.id"), format!("`id` must be a string, not {}.", kind_of(other)))),
+    }
+}
+
 /// The value of `key` unless it is absent or null.
 fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
@@ -358,6 +379,7 @@ impl Conversation {
     fn item(&mut self, i: usize, item: &Value) -> Result<(), ApiError> {
         let p = format!("{}[{i}]", self.root);
         let obj = as_object(item, p.clone(), "Each input item")?;
+        check_item_id(obj, &p)?;
         let kind = match obj.get("type") {
             None | Some(Value::Null) => "message",
             Some(Value::String(t)) => t.as_str(),
@@ -727,6 +749,12 @@ fn response_format(format: &Value) -> Result<Value, ApiError> {
 
 /// Validates a Responses request and prepares the chat request it means.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
+    prepare_as(router, body, header_id, false)
+}
+
+/// `prepare`; `counting`: only to count its prompt (`input_tokens`), so a conversation it
+/// names is read, not held.
+fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: bool) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
     let obj = value.as_object().expect("parse_body checks");
     let mut ignored = Vec::new();
@@ -778,14 +806,11 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             ))
         }
     };
-    // the items continued: the conversation's, or a `previous_response_id`'s conversation
-    // and then its output
-    let previous =
+    // the items continued: a `previous_response_id`'s conversation and then its output (a
+    // conversation's: below, once the input is read)
+    let mut previous =
         match set(obj, "previous_response_id") {
-            None => match &joins {
-                Some(id) => conversations.items(id)?,
-                None => Vec::new(),
-            },
+            None => Vec::new(),
             Some(_) if !store.enabled() => return Err(unsupported(
                 "previous_response_id",
                 "`previous_response_id` is not supported: this server stores no responses (--responses-store-mib 0). \
@@ -861,6 +886,22 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
     let resolved = resolve_references(router, obj.get("input"), "input", &mut ignored)?;
     let input = resolved.as_ref().or(obj.get("input"));
+    // the input items as a stored response or a conversation keeps them (with ids)
+    let listed_input: Vec<Value> = match input {
+        _ if !keep && joins.is_none() => Vec::new(),
+        Some(Value::Array(items)) => items.iter().map(listed).collect(),
+        other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
+    };
+    // a conversation is held from here until the response's items have joined it
+    let mut lease = None;
+    match &joins {
+        Some(id) if counting => previous = conversations.items(id)?,
+        Some(id) => {
+            let (held, items) = conversations.acquire(id, &listed_input)?;
+            (lease, previous) = (Some(Arc::new(held)), items);
+        }
+        None => {}
+    }
     let from = if joins.is_some() { "conversation" } else { "previous_response_id" };
     let conv = conversation(obj, input, &previous, from)?;
     ignored.extend(conv.ignored.iter().cloned());
@@ -1042,13 +1083,8 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     echo.insert("top_p".into(), number(prepared.params.top_p));
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
-    let listed_input: Vec<Value> = match input {
-        _ if !keep && joins.is_none() => Vec::new(),
-        Some(Value::Array(items)) => items.iter().map(listed).collect(),
-        other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
-    };
     let stored = keep.then(|| (store.clone(), previous.into_iter().chain(listed_input.iter().cloned()).collect()));
-    let conversation = joins.map(|id| Joins { store: conversations.clone(), id, input: listed_input });
+    let conversation = joins.map(|id| Joins { id, input: listed_input, lease });
     prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored, conversation }));
     Ok(checked)
 }
@@ -1070,7 +1106,7 @@ pub(crate) fn input_tokens(router: &Router, body: &[u8]) -> Result<super::Handle
     // (counted, not answered: nothing of it is stored)
     obj.insert("store".into(), Value::Bool(false));
     let body = serde_json::to_vec(&value).expect("JSON values serialize");
-    let checked = prepare(router, &body, None)?;
+    let checked = prepare_as(router, &body, None, true)?;
     let ignored = settle_ignored(ignored.into_iter().chain(checked.ignored).collect(), router.config.strict_fields)?;
     let tokens = checked.prepared.prompts.first().map_or(0, Vec::len);
     let body = serde_json::to_vec(&json!({"object": "response.input_tokens", "input_tokens": tokens}))

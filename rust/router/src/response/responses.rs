@@ -142,12 +142,11 @@ pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
     if let Some((store, input)) = &echo.store {
         store.put(id, crate::response_store::Stored::new(object, input));
     }
-    if let Some(joins) = &echo.conversation {
+    let joins = echo.conversation.as_ref();
+    if let Some((joins, lease)) = joins.and_then(|j| Some((j, j.lease.as_ref()?))) {
         let output = object["output"].as_array().map(Vec::as_slice).unwrap_or_default();
         let items: Vec<Value> = joins.input.iter().chain(output).cloned().collect();
-        // (a conversation deleted meanwhile takes nothing; one these items would make larger
-        // than the store's bound is forgotten, so that its next use says so)
-        let _ = joins.store.append(&joins.id, &items, "conversation", true);
+        lease.finish(&items);
     }
 }
 
