@@ -91,7 +91,8 @@ class LazyTensor(Protocol):
         """The whole tensor, made anew."""
 
     def rows(self, index: np.ndarray) -> torch.Tensor:
-        """Rows `index` of a matrix ([len(index), cols]), made without the others."""
+        """Rows `index` of a matrix ([len(index), cols]), made without the others (a 3-D
+        tensor's rows: those of the matrix its first two dims flatten into)."""
 
 
 class _LazyMap(Mapping[str, _V]):
@@ -148,10 +149,11 @@ class LazyWeights(_LazyMap[torch.Tensor]):
     def sample(self, name: str, index: np.ndarray) -> torch.Tensor:
         """The values at flat (row-major) positions `index`, made from the rows they lie in."""
         src = self._sources[name]
-        if len(src.shape) != 2:
+        if len(src.shape) < 2:
             return src.make().reshape(-1)[torch.from_numpy(index)]
-        rows, inverse = np.unique(index // src.shape[1], return_inverse=True)
-        return src.rows(rows)[torch.from_numpy(inverse), torch.from_numpy(index % src.shape[1])]
+        cols = src.shape[-1]
+        rows, inverse = np.unique(index // cols, return_inverse=True)
+        return src.rows(rows)[torch.from_numpy(inverse), torch.from_numpy(index % cols)]
 
 
 class LazyBlocks(_LazyMap[QuantTensor]):

@@ -14,12 +14,20 @@ tests/parity/test_gguf_vs_transformers.py:
   written unpermuted (NEOX RoPE).
 - Gemma's norms: llama.cpp writes the scale 1 + w where the HF checkpoint holds w, so 1 is
   taken off again (as transformers' GGUF loader does); the model adds it back in float32.
+- experts (`qwen2moe`, `qwen3moe`, and `llama` files with `llama.expert_count`: Mixtral):
+  llama.cpp stacks each layer's experts as ffn_gate_exps / ffn_up_exps [E, I, H] and
+  ffn_down_exps [E, H, I] (torch order); they become transformers 5's stacked names, gate and
+  up joined as `mlp.experts.gate_up_proj` [E, 2I, H] (gate first), which models/moe.py loads
+  for every MoE family. What llama.cpp hard-codes and no key says is read its way:
+  Qwen3-MoE's top-k weights renormalized, Qwen2-MoE's not (Mixtral's always are); a layer
+  without a router is a dense one (`mlp_only_layers`).
 
 Every tensor type the file holds is dequantized to float32 (Q8_0/Q4_0/Q4_1 by our Rust
 kernels, the others with gguf's `dequantize`) when the model build reads it
 (`Checkpoint.weights` is a LazyWeights), so a load never holds the whole model in float32 at
 once. Linear weights in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`,
-rows un-permuted the same way) for the quantized GEMV of few-token decode steps. Loaded for
+rows un-permuted the same way) for the quantized GEMV of few-token decode steps (not the stacked
+experts, which no kernel of ours reads as blocks: they are dequantized whatever their type). Loaded for
 that GEMV (`quantized_decode`), linears in K-quant and Q5 types get blocks converted to those
 types (gguf_convert.py: Q4_K -> Q4_1, the others and mixed fused groups -> Q8_0), converted
 linear by linear as the model is built, and their weights are the converted blocks' values:
@@ -54,8 +62,13 @@ _ARCHS: dict[str, tuple[str, str, bool]] = {
     "gemma": ("GemmaForCausalLM", "gemma", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
 }
 _SANDWICH_ARCHS = ("gemma2", "gemma3")
+# a `llama` file with experts (llama.expert_count > 0): Mixtral's layers, Q/K rows permuted
+_MIXTRAL = ("MixtralForCausalLM", "mixtral", True)
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -82,7 +95,22 @@ _GEMMA_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# MoE layers (names without `.weight`: transformers 5's stacked expert parameters). llama.cpp's
+# gate and up experts both go into gate_up_proj (load_gguf joins them: _GgufGateUp).
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate.weight",
+    "ffn_gate_exps": "mlp.experts.gate_up_proj",
+    "ffn_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj.weight",
+}
+_GATE_UP = ".mlp.experts.gate_up_proj"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# (llama.cpp's first Mixtral files, before the experts were stacked: blk.N.ffn_gate.E.weight)
+_PER_EXPERT_RE = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
@@ -93,6 +121,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     names = {**_BLOCK_NAMES, **_GEMMA_BLOCK_NAMES} if arch in _SANDWICH_ARCHS else _BLOCK_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _MOE_NAMES and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.{_MOE_NAMES[m.group(2)]}"
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
@@ -103,6 +133,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
             "this GGUF uses Llama 3 RoPE frequency scaling (rope_freqs), which llmserve does not "
             "support from GGUF; load the model's Hugging Face folder instead"
         )
+    if _PER_EXPERT_RE.match(gguf_name):
+        raise LoadError(f"GGUF tensor {gguf_name!r} is one expert's, as llama.cpp wrote MoE files before it "
+                        "stacked them (ffn_gate_exps); llmserve reads stacked experts only: convert the model "
+                        "again with a current llama.cpp")
     raise LoadError(f"unexpected tensor {gguf_name!r} in GGUF file; llmserve cannot place it")
 
 
@@ -153,8 +187,17 @@ def _decimal(value: float) -> float:
     return float(f"{float(value):.7g}")
 
 
-def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict) -> dict:
-    hf_arch, model_type, _ = _ARCHS[arch]
+def _family(meta: _Meta, arch: str) -> tuple[str, str, bool]:
+    """(HF architecture, HF model_type, Q/K rows permuted) of a file of `arch`."""
+    if arch == "llama" and (_int_scalar(meta, "llama.expert_count") or 0) > 0:
+        return _MIXTRAL
+    return _ARCHS[arch]
+
+
+def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict,
+               shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The HF config of a file of `arch`; `shapes`: each GGUF tensor's torch shape."""
+    hf_arch, model_type, _ = _family(meta, arch)
     hidden = int(meta.require(f"{arch}.embedding_length"))
     n_heads = _int_scalar(meta, f"{arch}.attention.head_count")
     n_kv = _int_scalar(meta, f"{arch}.attention.head_count_kv", n_heads)
@@ -188,14 +231,16 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = _rope_scaling(meta, arch, scaling)
-    if model_type in ("llama", "smollm3"):
+    if model_type in ("llama", "smollm3", "mixtral"):
         config.update(attention_bias=False, mlp_bias=False)
     if model_type == "smollm3":
         # NOTE: no GGUF key says which layers skip RoPE: llama.cpp hard-codes every fourth, as
         # transformers' default interval does.
         config.update(no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"):
         config.update(use_sliding_window=False, sliding_window=None)
+    if model_type in _MOE_TYPES:
+        config.update(_moe_config(meta, arch, model_type, config, shapes))
     if model_type == "gemma":
         config.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
     if model_type == "gemma2":
@@ -203,6 +248,44 @@ def _hf_config(meta: _Meta, arch: str, vocab_size: int, tied: bool, vocab: dict)
     if model_type == "gemma3_text":
         config.update(_gemma3_config(meta, config))
     return config
+
+
+def _moe_config(meta: _Meta, arch: str, model_type: str, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The experts' keys of a MoE file, read as llama.cpp reads them. Sizes llama.cpp defaults
+    when a key is absent are read from the tensors instead (the only size it then accepts)."""
+    experts = _int_scalar(meta, f"{arch}.expert_count")
+    used = _int_scalar(meta, f"{arch}.expert_used_count")
+    if not experts or not used:
+        raise LoadError(f"GGUF metadata lacks {arch}.expert_count or {arch}.expert_used_count")
+    layers = range(config["num_hidden_layers"])
+
+    def size(key: str, tensor: str) -> int:   # (else the rows of a layer's gate tensor `tensor`)
+        n = _int_scalar(meta, f"{arch}.{key}")
+        found = next((shapes[name] for i in layers if (name := f"blk.{i}.{tensor}.weight") in shapes), None)
+        if not n and found is None:
+            raise LoadError(f"GGUF metadata lacks {arch}.{key} and the file has no {tensor} tensor")
+        return n or found[-2]
+
+    if model_type == "mixtral":
+        # (llama.cpp's llama layers size the experts by feed_forward_length: intermediate_size)
+        if _int_scalar(meta, "llama.expert_shared_feed_forward_length"):
+            raise LoadError("this llama GGUF has shared experts (llama.expert_shared_feed_forward_length); "
+                            "llmserve reads Mixtral-style llama MoE files only")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": size("expert_feed_forward_length", "ffn_gate_exps"),
+        # NOTE: llama.cpp hard-codes the renormalization (Qwen3-MoE's releases set it; transformers'
+        # GGUF loader defaults it so too) and reads no expert_weights_norm key for these archs.
+        "norm_topk_prob": model_type == "qwen3_moe",
+        # (llama.cpp makes every layer sparse; a layer written without a router is a dense one)
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in shapes],
+    }
+    if model_type == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = size("expert_shared_feed_forward_length", "ffn_gate_shexp")
+    return moe
 
 
 def _rope_scaling(meta: _Meta, arch: str, kind: str) -> dict:
@@ -314,21 +397,25 @@ class _GgufWeight:
     for llama-arch Q/K rows un-permuted, each time it is made; with a `target`, the values of
     its blocks converted to that type (gguf_convert.py), which the model's linear gets too."""
 
-    def __init__(self, tensor, heads: int | None, target: int | None = None, offset: float = 0.0) -> None:
+    def __init__(self, tensor, heads: int | None, target: int | None = None, offset: float = 0.0,
+                 shape: tuple[int, ...] | None = None) -> None:
         self.tensor = tensor
         self.heads = heads   # un-permute Q/K rows over this many heads; None: rows as stored
         self.target = target
         self.offset = offset   # taken off a vector's values (Gemma's norms: 1)
         # GGUF shape is innermost-first; torch wants it reversed ([out, in] for matrices).
-        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        # `shape`: the same values shaped otherwise (Qwen2-MoE's 1-D shared expert gate: [1, H]).
+        self.shape = shape or tuple(int(d) for d in reversed(tensor.shape.tolist()))
         self._blocks: QuantTensor | None = None   # converted by make(), until take_blocks()
 
     def make(self) -> torch.Tensor:
-        if len(self.shape) != 2:
+        if len(self.shape) == 1:
             w = torch.from_numpy(_dequantize(np.asarray(self.tensor.data), int(self.tensor.tensor_type),
                                              self.shape[-1]).reshape(self.shape))
             w = w if not self.offset else w - self.offset
             return w if self.heads is None else unpermute_qk(w, self.heads)
+        if len(self.shape) > 2:   # (stacked experts: the rows of all of them, as one matrix)
+            return self.rows(None).reshape(self.shape)
         if self.target is None:
             return self.rows(None)
         # (kept for take_blocks: a build makes a linear's weight, then takes its blocks)
@@ -336,13 +423,13 @@ class _GgufWeight:
         return torch.from_numpy(_dequantize(self._blocks.data, self.target, self.shape[1]))
 
     def rows(self, index: np.ndarray | None) -> torch.Tensor:
-        """Rows `index` of the matrix (None: all of them), dequantized from those rows of the
-        file alone: no GGUF type's blocks straddle rows, so a Q/K row is read from the row
-        llama.cpp permuted it to."""
+        """Rows `index` of the matrix (None: all of them; a 3-D tensor's rows run over its first
+        two dims), dequantized from those rows of the file alone: no GGUF type's blocks
+        straddle rows, so a Q/K row is read from the row llama.cpp permuted it to."""
         if self.target is not None:
-            return torch.from_numpy(_dequantize(self._converted(index).data, self.target, self.shape[1]))
+            return torch.from_numpy(_dequantize(self._converted(index).data, self.target, self.shape[-1]))
         data = self._file_rows(index)
-        return torch.from_numpy(_dequantize(data, int(self.tensor.tensor_type), self.shape[1]))
+        return torch.from_numpy(_dequantize(data, int(self.tensor.tensor_type), self.shape[-1]))
 
     def take_blocks(self) -> QuantTensor:
         """The converted blocks of the whole matrix: those make() kept (then dropped), else
@@ -351,7 +438,8 @@ class _GgufWeight:
         return q if q is not None else self._converted(None)
 
     def _file_rows(self, index: np.ndarray | None) -> np.ndarray:
-        data = np.asarray(self.tensor.data).reshape(self.shape[0], -1)   # raw values or blocks
+        rows = int(np.prod(self.shape[:-1]))
+        data = np.asarray(self.tensor.data).reshape(rows, -1)   # raw values or blocks
         if self.heads is not None:
             stored = unpermute_qk(torch.arange(self.shape[0]), self.heads).numpy()
             index = stored if index is None else stored[index]
@@ -360,6 +448,37 @@ class _GgufWeight:
     def _converted(self, index: np.ndarray | None) -> QuantTensor:
         data = convert(self._file_rows(index), int(self.tensor.tensor_type), self.target)
         return QuantTensor(np.ascontiguousarray(data), self.target, data.shape[0], self.shape[1])
+
+
+class _GgufGateUp:
+    """An MoE layer's gate and up experts (ffn_gate_exps, ffn_up_exps: [E, I, H] each) as the one
+    gate|up [E, 2I, H] of transformers 5's `experts.gate_up_proj` (a LazyTensor; its rows run
+    over the first two dims, as _GgufWeight's)."""
+
+    def __init__(self, gate: _GgufWeight, up: _GgufWeight) -> None:
+        if gate.shape != up.shape or len(gate.shape) != 3:
+            raise LoadError(f"GGUF experts {gate.tensor.name!r} {list(gate.shape)} and {up.tensor.name!r} "
+                            f"{list(up.shape)} are not two [experts, rows, cols] tensors of one shape")
+        self.gate, self.up = gate, up
+        e, i, h = gate.shape
+        self.shape = (e, 2 * i, h)
+
+    def make(self) -> torch.Tensor:
+        i = self.gate.shape[1]
+        out = torch.empty(self.shape)
+        out[:, :i] = self.gate.make()
+        out[:, i:] = self.up.make()
+        return out
+
+    def rows(self, index: np.ndarray) -> torch.Tensor:
+        i = self.gate.shape[1]
+        expert, row = np.divmod(index, 2 * i)
+        up = row >= i
+        out = torch.empty((len(index), self.shape[-1]))
+        for part, mine in ((self.gate, ~up), (self.up, up)):
+            if mine.any():
+                out[torch.from_numpy(mine)] = part.rows(expert[mine] * i + row[mine] % i)
+        return out
 
 
 def _dequantize(data: np.ndarray, ggml_type: int, cols: int) -> np.ndarray:
@@ -470,16 +589,18 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
         raise LoadError(f"GGUF file {path} has no token_embd tensor")
     tied = "output.weight" not in names
     vocab_size = _int_scalar(meta, f"{arch}.vocab_size") or int(embd.shape[-1])
-    config = _hf_config(meta, arch, vocab_size, tied, vocab)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in tensors}
+    config = _hf_config(meta, arch, vocab_size, tied, vocab, shapes)
     t1 = time.perf_counter()
     log.info("GGUF %s: %s, %d tensors, metadata read in %.2f s", path.name, arch, len(tensors), t1 - t0)
 
     types = Counter(t.tensor_type.name for t in tensors)
     for tensor in {t.tensor_type: t for t in tensors}.values():   # (one of each type)
         _check_dequantizable(tensor)
-    permuted = _ARCHS[arch][2]
+    permuted = _family(meta, arch)[2]
     targets = block_targets(tensors, tied) if quantized_decode else {}
-    lazy: dict[str, _GgufWeight] = {}
+    lazy: dict[str, _GgufWeight | _GgufGateUp] = {}
+    gate_up: dict[str, dict[str, _GgufWeight]] = {}   # HF name -> {"gate" | "up": its part}
     quantized: dict[str, QuantTensor | Callable[[], QuantTensor]] = {}
     conversions: Counter = Counter()
     for tensor in tensors:
@@ -496,12 +617,24 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
             _check_qk_rows(int(tensor.shape[-1]), heads)   # (GGUF dims run innermost first)
             raw = None if raw is None else _unpermute_raw(raw, heads)
         offset = 1.0 if arch.startswith("gemma") and key.endswith("norm.weight") else 0.0
-        lazy[key] = _GgufWeight(tensor, heads, target if converts else None, offset)
+        # (llama.cpp writes Qwen2-MoE's shared expert gate [1, H] as a vector)
+        shape = (1, int(tensor.shape[0])) if key.endswith(".shared_expert_gate.weight") else None
+        weight = _GgufWeight(tensor, heads, target if converts else None, offset, shape)
+        if key.endswith(_GATE_UP):
+            gate_up.setdefault(key, {})["gate" if ".ffn_gate_exps." in tensor.name else "up"] = weight
+            continue
+        lazy[key] = weight
         if converts:
             quantized[key] = lazy[key].take_blocks   # (converted as the model is built)
             conversions[f"{type_name(source)}->{type_name(target)}"] += 1
         elif raw is not None:
             quantized[key] = raw
+    for key, parts in gate_up.items():
+        if len(parts) != 2:
+            layer = key.split(".")[2]
+            raise LoadError(f"GGUF layer {layer} has ffn_{next(iter(parts))}_exps but no ffn_"
+                            f"{'up' if 'gate' in parts else 'gate'}_exps")
+        lazy[key] = _GgufGateUp(parts["gate"], parts["up"])
     log.info("GGUF %s: %d tensors (%s), dequantized to float32 as the model is built",
              path.name, len(lazy), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
     converted = tuple(f"{k} x{v}" for k, v in sorted(conversions.items()))

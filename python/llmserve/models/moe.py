@@ -1,5 +1,6 @@
 """Mixture-of-experts families: the Llama decoder with sparse MoE MLPs (llama.MoEConfig,
-layers.MoEMLP), served from HF folders.
+layers.MoEMLP), served from HF folders (and Mixtral, Qwen2-MoE and Qwen3-MoE from GGUF files too:
+loaders/gguf_file.py maps llama.cpp's stacked experts to transformers 5's names).
 
 - `MixtralForCausalLM` (Mixtral-8x7B/8x22B): every layer's MLP is 8 experts, 2 per token, the
   top probabilities renormalized; Mistral's sliding window when the config sets one. Its
