@@ -64,6 +64,8 @@ class Plan:
     hist_prompt_lens: np.ndarray
     row_req_ids: np.ndarray
     row_seq_index: np.ndarray
+    # [S] each sequence's LoRA adapter (0: none)
+    lora_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
 
 
 def sampling_columns(rows: list[Row]) -> dict[str, np.ndarray]:
@@ -168,6 +170,7 @@ class Paged:
         return Plan(
             input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
             query_start_loc=np.array(qsl, np.int32), seq_lens=np.array(lens, np.int32),
+            lora_ids=np.zeros(len(lens), np.uint32),
             block_tables=bt, slot_mapping=np.array(slots, np.int64),
             copy_src=np.array([c[0] for c in copies], np.int64),
             copy_dst=np.array([c[1] for c in copies], np.int64),

@@ -100,3 +100,43 @@ def write_gguf_shape(w, cfg, rope_theta: float) -> None:
     w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def lora_shapes(c: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of each PEFT LoRA target of a decoder layer of the HF config `c`."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    d = c.get("head_dim") or h // heads
+    q, kv, i = heads * d, (c.get("num_key_value_heads") or heads) * d, c["intermediate_size"]
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "qkv_proj": (q + 2 * kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+
+
+def write_peft_adapter(folder: Path, c: dict, targets: list[str], *, r: int = 4, alpha: float = 8.0,
+                       seed: int = 0, infix: str = "", config: dict | None = None) -> dict:
+    """A PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) for the HF config `c`:
+    random lora_A [r, in] and lora_B [out, r] (B non-zero, unlike PEFT's init) for each of
+    `targets` (module names: q_proj, ...) in every layer, keyed as PEFT saves them (`infix`:
+    ".default" as some PEFT versions write). `config`: keys that replace the defaults of
+    adapter_config.json. Returns {"model.layers.0.self_attn.q_proj": (A, B)} (unscaled)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shapes = lora_shapes(c)
+    pairs, tensors = {}, {}
+    for layer in range(c["num_hidden_layers"]):
+        for t in targets:
+            module = f"model.layers.{layer}.{'mlp' if 'gate' in t or 'up_' in t or 'down' in t else 'self_attn'}.{t}"
+            out, inp = shapes[t]
+            a, b = 0.3 * torch.randn(r, inp, generator=g), 0.3 * torch.randn(out, r, generator=g)
+            pairs[module] = (a, b)
+            tensors[f"base_model.model.{module}.lora_A{infix}.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B{infix}.weight"] = b
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
+           "target_modules": list(targets), "bias": "none", "use_rslora": False, "use_dora": False,
+           "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+           "layers_to_transform": None, "base_model_name_or_path": "tiny", **(config or {})}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    return pairs

@@ -9,6 +9,7 @@ variables are read for two things only: the API key (LLMSERVE_API_KEY) and the l
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import types
@@ -136,6 +137,12 @@ class ModelConfig(_Checked):
         (), "Name(s) clients use in `model`, every one an alias: several after the flag (as vLLM takes "
         "them; give the model first then) or the flag repeated.", append=True, several=True
     )
+    lora_modules: tuple[str, ...] = _f(
+        (), "LoRA adapters (PEFT folders) served beside the model, each under its own name: NAME=PATH, "
+        "or vLLM's JSON form {\"name\": NAME, \"path\": PATH} (several after the flag, or the flag "
+        "repeated). A request whose `model` is NAME runs through that adapter; requests for different "
+        "adapters and the base model share steps.", append=True, several=True
+    )
     max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's. As vLLM "
                                    "takes it, 32k is 32000 and 32K 32768.", min=1, human=True)
     dtype: str = _f(
@@ -207,6 +214,10 @@ class ModelConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        names = [name for name, _ in self.lora_adapters()]
+        if clash := next((n for n in names if n in self.served_model_name or names.count(n) > 1), None):
+            raise ValueError(f"--lora-modules names {clash!r} twice, or as a --served-model-name too: each "
+                             "name must say which model a request runs on")
         t = self.chat_template
         # NOTE: text without any Jinja markup would render every conversation as that text:
         # it is a path that does not exist (a typo), not a template.
@@ -219,6 +230,35 @@ class ModelConfig(_Checked):
                     fh.read()
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"--chat-template {t!r} cannot be read as UTF-8 text: {exc}") from None
+
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs, in the order given (an adapter's index in a
+        step is its place here plus one)."""
+        out = []
+        for spec in self.lora_modules:
+            if spec.startswith("{"):
+                try:
+                    entry = json.loads(spec)
+                    name, path = entry["name"], entry["path"]
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"--lora-modules {spec!r}: the JSON form is {{\"name\": NAME, \"path\": "
+                                     "PATH}") from None
+                if not isinstance(name, str) or not isinstance(path, str):
+                    raise ValueError(f"--lora-modules {spec!r}: `name` and `path` must be strings")
+                if set(entry) - {"name", "path", "base_model_name"}:
+                    raise ValueError(f"--lora-modules {spec!r}: only `name`, `path` and `base_model_name` "
+                                     "are read")
+            else:
+                name, sep, path = spec.partition("=")
+                if not sep:
+                    raise ValueError(f"--lora-modules {spec!r}: give NAME=PATH (the name clients send as "
+                                     "`model`, then the adapter's folder)")
+            if not name.strip() or not path.strip() or name != name.strip():
+                raise ValueError(f"--lora-modules {spec!r}: the name and the path must not be empty or "
+                                 "begin or end with whitespace")
+            out.append((name, path))
+        return out
 
 
 @dataclass(frozen=True)

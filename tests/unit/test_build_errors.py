@@ -112,6 +112,29 @@ def test_gpt2_is_served_up_to_its_learned_positions(folder):
         _build(folder, max_model_len=49)
 
 
+def test_lora_adapters_the_server_cannot_serve_stop_it_with_what(folder, tmp_path):
+    """--lora-modules: an adapter whose shapes are another model's, a kind PEFT makes that is not
+    served (DoRA), and a name that is the base model's own, each stop the start with a
+    SetupError naming the flag and what is wrong; a good one is served under its name."""
+    from tiny import write_peft_adapter
+
+    config = json.loads((folder / "config.json").read_text())
+    good = tmp_path / "good"
+    write_peft_adapter(good, config, ["q_proj", "v_proj"])
+    engine = _build(folder, lora_modules=(f"sql={good}",))
+    assert [m["id"] for m in json.loads(engine.router.models())["data"]] == ["model", "sql"]
+    other = tmp_path / "other"
+    write_peft_adapter(other, {**config, "hidden_size": 2 * config["hidden_size"]}, ["q_proj"])
+    with pytest.raises(SetupError, match="--lora-modules: .*'other'.*hidden size"):
+        _build(folder, lora_modules=(f"other={other}",))
+    dora = tmp_path / "dora"
+    write_peft_adapter(dora, config, ["q_proj"], config={"use_dora": True})
+    with pytest.raises(SetupError, match="--lora-modules: .*DoRA"):
+        _build(folder, lora_modules=(f"dora={dora}",))
+    with pytest.raises(SetupError, match="--lora-modules names 'model', the base model's name"):
+        _build(folder, lora_modules=(f"model={good}",))
+
+
 @pytest.mark.parametrize("cache, flag", [(CacheConfig(num_kv_blocks=4), "--num-kv-blocks to at least 17"),
                                          (CacheConfig(kv_cache_memory="64KiB"), "--kv-cache-memory")])
 def test_a_cache_too_small_for_one_request_names_the_flag_that_sized_it(folder, cache, flag):

@@ -66,6 +66,9 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
     (["--served-model-name", "a", "x.gguf"], {}, "--served-model-name took 'x.gguf' as a second name"),
     (["--kv-cache-memory", "0.5"], {}, "--kv-cache-memory must be greater than 0; got 0.5 (0 bytes)"),
+    (["--lora-modules", "/path/only"], {}, "--lora-modules '/path/only': give NAME=PATH"),
+    (["--lora-modules", "a=/x", "a=/y"], {}, "--lora-modules names 'a' twice"),
+    (["--lora-modules", "{\"name\": \"a\"}"], {}, "the JSON form is {\"name\": NAME, \"path\": PATH}"),
 ])
 def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
     for k, v in env.items():
@@ -93,6 +96,12 @@ def test_served_model_names_come_several_to_a_flag_or_one_a_flag(tmp_path):
                  [str(tmp_path), "--served-model-name", "a", "org/name"]):
         names = cli.config_from_args(cli.build_parser().parse_args(["run", *args])).model.served_model_name
         assert "org/name" in names
+
+
+def test_lora_modules_take_vllms_two_forms(tmp_path):
+    cfg = _config(["--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+                   "--lora-modules", "c=/z=w"])
+    assert cfg.model.lora_adapters() == [("a", "/x"), ("b", "/y"), ("c", "/z=w")]
 
 
 def _config(args):

@@ -172,6 +172,23 @@ def system_fingerprint(weights: Mapping[str, torch.Tensor] | list[bytes], *numer
     return "fp_" + h.hexdigest()[:10]
 
 
+def _attach_lora(cfg: Config, ck, model, dtype: torch.dtype, device: torch.device) -> list:
+    """Loads --lora-modules' adapters and installs them on `model` (models/lora.py): the
+    loaded adapters, in the order given (none: [])."""
+    specs = cfg.model.lora_adapters()
+    if not specs:
+        return []
+    from llmserve.models import lora
+
+    try:
+        adapters = [lora.load_adapter(name, path, ck.hf_config) for name, path in specs]
+        lora.attach(model, adapters, dtype, device)
+    except lora.LoraError as exc:
+        raise SetupError(f"--lora-modules: {exc}") from exc
+    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {a.path})" for a in adapters))
+    return adapters
+
+
 def _built(ck, build):
     """`build()` the model, with what the checkpoint lacks or has that the model cannot take
     (a config key, an unsupported feature, a tensor missing or of the wrong shape) as a
@@ -260,6 +277,7 @@ def build_engine(cfg: Config) -> Engine:
                                      *(("bf16-rows",) if dtype == torch.bfloat16 and device.type == "cpu" else ()),
                                      *(ck.conversions if has_blocks else ()))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
+    adapters = _attach_lora(cfg, ck, model, dtype, device)
     if cfg.device.batch_invariant:
         _check_batch_invariant(device, dtype)
         model.set_batch_invariant(True)
@@ -316,6 +334,9 @@ def build_engine(cfg: Config) -> Engine:
              num_blocks, block_size, num_blocks * per_block / 2**20, max_model_len)
 
     names = list(cfg.model.served_model_name) or [ck.name]
+    if clash := next((a.name for a in adapters if a.name in names), None):
+        raise SetupError(f"--lora-modules names {clash!r}, the base model's name: serve the model under "
+                         "another name (--served-model-name) or name the adapter otherwise")
     router_config = {
         "served_model_names": names,
         "max_model_len": max_model_len,
@@ -332,6 +353,7 @@ def build_engine(cfg: Config) -> Engine:
         "model_root": cfg.model.model or ck.name,
         "embeddings": _embeddings(cfg, ck),
         "fim": cfg.model.fim,
+        "lora_adapters": [{"name": a.name, "path": a.path} for a in adapters],
     }
     try:
         router = Router(

@@ -389,9 +389,13 @@ class Linear(nn.Linear):
     # significant bits, fp32 accumulation) is of the order of the int8 activations the
     # quantized GEMV already uses, and far below the GGUF weights' own quantization error.
     bf16_weight: torch.Tensor | None = None
+    # LoRA adapters targeting this linear (models/lora.py: attach); None: none, and the only
+    # cost a model without adapters pays here is this test.
+    lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.quant, self.batch_invariant, self.bf16_weight)
+        y = linear(x, self.weight, self.bias, self.quant, self.batch_invariant, self.bf16_weight)
+        return y if self.lora is None else self.lora.add(x, y, self.batch_invariant)
 
 
 class QKVLinear(Linear):

@@ -192,7 +192,7 @@ class CudaModelRunner(ModelRunner):
             np.asarray(plan.query_start_loc), seq_lens,
             np.asarray(plan.block_tables).reshape(len(seq_lens), -1), slot_mapping,
             self.block_size, dev, self.model.num_kv_heads, ops=self.ops)
-        return self.model.forward(input_ids, positions, meta, self.kv_cache)
+        return self.forward(plan, input_ids, positions, meta)
 
 
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -206,10 +206,13 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
     if why is not None:
         log.warning("CUDA kernels not used (%s): serving with the torch attention path, no CUDA graphs", why)
         return ModelRunner(model, num_blocks, block_size, dtype, device, seed=seed)
-    # (an MoE layer reads on the host which experts a step runs: no graph can hold that)
-    graphs = model.config.moe is None
-    if not graphs:
-        log.info("mixture-of-experts layers: decode steps run eagerly, not as CUDA graphs")
+    # (an MoE layer reads on the host which experts a step runs, and LoRA adapters which
+    # rows each adapter takes: no graph can hold either)
+    eager = ("mixture-of-experts layers" if model.config.moe is not None
+             else "LoRA adapters" if getattr(model, "lora_adapters", None) else None)
+    if eager:
+        log.info("%s: decode steps run eagerly, not as CUDA graphs", eager)
+    graphs = eager is None
     return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs)
 

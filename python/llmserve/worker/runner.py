@@ -151,7 +151,8 @@ def sub_plan(plan, seqs: np.ndarray):
                    positions=np.asarray(plan.positions)[tokens],
                    slot_mapping=np.asarray(plan.slot_mapping)[tokens],
                    query_start_loc=np.concatenate(([0], np.cumsum(q_lens))),
-                   seq_lens=lens[seqs], block_tables=tables[seqs])
+                   seq_lens=lens[seqs], block_tables=tables[seqs],
+                   lora_ids=np.asarray(plan.lora_ids)[seqs])
     return sub, tokens
 
 
@@ -164,6 +165,7 @@ class _Forward:
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     block_tables: np.ndarray
+    lora_ids: np.ndarray
 
 
 class ModelRunner:
@@ -323,4 +325,18 @@ class ModelRunner:
         block_tables = np.asarray(plan.block_tables).reshape(len(seq_lens), -1)
         attn = AttentionMetadata.build(np.asarray(plan.query_start_loc), seq_lens, block_tables,
                                        slot_mapping, self.block_size, dev, self.workspace)
-        return self.model.forward(input_ids, positions, attn, self.kv_cache)
+        return self.forward(plan, input_ids, positions, attn)
+
+    def forward(self, plan, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """The model's forward over the plan's tokens, each through its sequence's LoRA
+        adapter when the model has adapters (models/lora.py)."""
+        if not getattr(self.model, "lora_adapters", None):
+            return self.model.forward(input_ids, positions, attn, self.kv_cache)
+        from llmserve.models import lora
+
+        tokens = lora.token_adapters(np.asarray(plan.query_start_loc), np.asarray(plan.lora_ids))
+        lora.set_step(tokens)   # (a host tensor: set_step groups on the host)
+        try:
+            return self.model.forward(input_ids, positions, attn, self.kv_cache)
+        finally:
+            lora.set_step(None)

@@ -1,0 +1,109 @@
+"""LoRA adapters end to end: `llmserve run MODEL --lora-modules a=PATH b=PATH` serves each
+adapter as a model of its own name beside the base model. Each name's greedy tokens equal
+transformers' on the base weights with that adapter merged into them by hand (W + scale B A),
+whether the requests run alone or side by side in the same steps, streamed or not."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+from openai import NotFoundError, OpenAI
+
+from server import ServerProcess
+
+PROMPT = [5, 17, 42, 99, 7, 63, 12, 250]
+STEPS = 10
+
+
+def _greedy(model, ids: list[int], steps: int) -> list[int]:
+    import torch
+
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([out])).logits[0, -1]
+            out.append(int(logits.argmax()))
+    return out[len(ids):]
+
+
+def _merged_greedy(folder, adapters: list[tuple[dict, float]]) -> list[list[int]]:
+    """transformers' greedy tokens on the base model, then on the base with each adapter
+    (its (A, B) pairs by module, and its scaling) merged into the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    tokens = [_greedy(base, PROMPT, STEPS)]
+    for pairs, scale in adapters:
+        base.load_state_dict(original)
+        state = base.state_dict()
+        with torch.no_grad():
+            for module, (a, b) in pairs.items():
+                state[module + ".weight"] += scale * (b @ a)
+        tokens.append(_greedy(base, PROMPT, STEPS))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    import json
+
+    from tiny import build_tiny_llama, write_peft_adapter
+
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny-lora"))
+    config = json.loads((folder / "config.json").read_text())
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    path_a, path_b = tmp_path_factory.mktemp("adapter-a"), tmp_path_factory.mktemp("adapter-b")
+    pairs_a = write_peft_adapter(path_a, config, every, r=4, alpha=8.0, seed=1)
+    pairs_b = write_peft_adapter(path_b, config, ["q_proj", "v_proj"], r=8, alpha=16.0, seed=2,
+                                 config={"use_rslora": True})
+    # (computed before the server starts: the two processes share 2 cores)
+    want = _merged_greedy(folder, [(pairs_a, 8.0 / 4), (pairs_b, 16.0 / 8 ** 0.5)])
+    assert len({tuple(t) for t in want}) == 3, "the adapters must change the tokens for this test to mean anything"
+    server = ServerProcess(str(folder), "--served-model-name", "tiny", "--lora-modules", f"a={path_a}",
+                           f"b={path_b}")
+    yield server, dict(zip(["tiny", "a", "b"], want)), (str(path_a), str(path_b))
+    server.stop()
+
+
+def _tokens(client: OpenAI, model: str, stream: bool = False) -> list[int]:
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=STEPS, temperature=0, stream=stream,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    if stream:
+        return [t for chunk in r for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])]
+    return r.choices[0].model_extra["token_ids"]
+
+
+def test_adapters_are_listed_as_models_of_the_base(lora):
+    server, _, (path_a, path_b) = lora
+    with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        models = {m.id: m for m in client.models.list()}
+        with pytest.raises(NotFoundError):
+            client.completions.create(model="c", prompt=PROMPT, max_tokens=1)
+    assert list(models) == ["tiny", "a", "b"]
+    assert (models["a"].model_extra["root"], models["a"].model_extra["parent"]) == (path_a, "tiny")
+    assert (models["b"].model_extra["root"], models["b"].model_extra["parent"]) == (path_b, "tiny")
+    assert models["tiny"].model_extra["parent"] is None
+
+
+def test_each_name_generates_as_its_merged_weights(lora):
+    server, want, _ = lora
+    with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        for name in ["a", "tiny", "b"]:
+            assert _tokens(client, name) == want[name], name
+        assert _tokens(client, "b", stream=True) == want["b"]
+
+
+def test_adapters_and_the_base_share_steps(lora):
+    """Requests for both adapters and the base model at once (so their tokens run in the same
+    steps, prefill and decode) get what each gets alone; the same prompt through another
+    adapter reuses none of the prefix cache's blocks."""
+    server, want, _ = lora
+    names = ["a", "b", "tiny"] * 3
+    with (OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client,
+          concurrent.futures.ThreadPoolExecutor(len(names)) as pool):
+        got = list(pool.map(lambda n: _tokens(client, n), names))
+    assert got == [want[n] for n in names]
