@@ -113,6 +113,7 @@ class _Seq:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     prompt_len: int = 0
+    lora: int = 0   # the LoRA adapter its tokens run through (0: none)
 
 
 class Paged:
@@ -124,8 +125,8 @@ class Paged:
         self.seqs: dict[int, _Seq] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
-    def add(self, seq_id: int, prompt: list[int]) -> None:
-        self.seqs[seq_id] = _Seq(list(prompt), prompt_len=len(prompt))
+    def add(self, seq_id: int, prompt: list[int], lora: int = 0) -> None:
+        self.seqs[seq_id] = _Seq(list(prompt), prompt_len=len(prompt), lora=lora)
 
     def append(self, seq_id: int, token: int) -> None:
         self.seqs[seq_id].tokens.append(int(token))
@@ -142,7 +143,7 @@ class Paged:
         """schedule: seq_id -> how many of its uncomputed tokens to run this step. A sequence
         samples (gets a row) when the step reaches the end of its tokens."""
         rows = rows or {}
-        ids, pos, slots, qsl, lens, tables, logit_rows, row_specs = [], [], [], [0], [], [], [], []
+        ids, pos, slots, qsl, lens, tables, logit_rows, row_specs, loras = [], [], [], [0], [], [], [], [], []
         for sid, n in schedule.items():
             s = self.seqs[sid]
             start, end = s.num_computed, s.num_computed + n
@@ -155,6 +156,7 @@ class Paged:
                 slots.append(s.blocks[p // self.block_size] * self.block_size + p % self.block_size)
             qsl.append(len(ids))
             lens.append(end)
+            loras.append(s.lora)
             tables.append(list(s.blocks))
             s.num_computed = end
             if end == len(s.tokens):
@@ -170,7 +172,7 @@ class Paged:
         return Plan(
             input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
             query_start_loc=np.array(qsl, np.int32), seq_lens=np.array(lens, np.int32),
-            lora_ids=np.zeros(len(lens), np.uint32),
+            lora_ids=np.array(loras, np.uint32),
             block_tables=bt, slot_mapping=np.array(slots, np.int64),
             copy_src=np.array([c[0] for c in copies], np.int64),
             copy_dst=np.array([c[1] for c in copies], np.int64),
@@ -178,12 +180,14 @@ class Paged:
 
 
 def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]],
-                 num_blocks: int = 40, block_size: int = 4, step_flags: bool = False):
+                 num_blocks: int = 40, block_size: int = 4, step_flags: bool = False,
+                 loras: dict[int, int] | None = None):
     """Runs `schedule` (seq_id -> tokens per step) on `model` through a fresh ModelRunner, blocks
     handed out in a shuffled order. Before each later step, a sequence scheduled for 1 token
     that has computed all its tokens gets a new one (11 + step + seq_id). Returns every step's
     logits and the runner. `step_flags`: each step runs under the flags ModelRunner.execute
-    gives it (worker/threads.py: cpu_step); without, linears decide by their row count alone."""
+    gives it (worker/threads.py: cpu_step); without, linears decide by their row count alone.
+    `loras`: seq_id -> the LoRA adapter its tokens run through (models/lora.py)."""
     import contextlib
     import random
 
@@ -196,7 +200,7 @@ def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, 
     paged = Paged(num_blocks, block_size)
     random.Random(1).shuffle(paged.free)          # blocks out of order
     for sid, p in prompts.items():
-        paged.add(sid, p)
+        paged.add(sid, p, (loras or {}).get(sid, 0))
     steps = []
     with torch.inference_mode():
         for n, sched in enumerate(schedule):

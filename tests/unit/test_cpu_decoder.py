@@ -43,9 +43,11 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0, serving: bool = False):
+def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0, serving: bool = False,
+                    blocks: bool = True):
     """A tiny model whose linears are GGUF blocks of `fmt`; its fp32 weights are those blocks
-    dequantized, as the GGUF loader gives them. `serving`: built as the engine builds it."""
+    dequantized, as the GGUF loader gives them. `serving`: built as the engine builds it.
+    `blocks` False: the same fp32 weights without the blocks (its float twin)."""
     c = FAMILIES[family]
     g = torch.Generator().manual_seed(seed)
 
@@ -70,7 +72,7 @@ def quantized_model(family: str, fmt: GT = GT.Q4_1, seed: int = 0, serving: bool
             weights[p + "self_attn.o_proj.bias"] = r(h)
             weights[p + "self_attn.q_norm.weight"] = 1 + r(d)
             weights[p + "self_attn.k_norm.weight"] = 1 + r(d)
-    return build_model(c, weights, torch.float32, "cpu", quantized=quant, serving=serving)
+    return build_model(c, weights, torch.float32, "cpu", quantized=quant if blocks else None, serving=serving)
 
 
 @pytest.fixture
@@ -113,6 +115,37 @@ def test_logits_and_cache_match_the_torch_layers(monkeypatch, path_calls, family
         _agree(got, ref, f"logits of step {n}")
     for layer, (ref, got) in enumerate(zip(ref_cache, got_cache)):
         _agree(got, ref, f"K cache of layer {layer}")
+
+
+def test_lora_steps_keep_the_torch_layers_and_add_their_deltas(monkeypatch, path_calls, tmp_path):
+    """A quantized (GGUF) base serves LoRA adapters: a step with adapter rows runs the torch
+    layers, whose quantized GEMV gets the delta added (the Rust layers hold no adapter), while
+    base-model steps keep the Rust path. The adapter's effect matches the float twin's (the
+    same weights without blocks) up to the int8 activations' error, far below the effect."""
+    from tiny import write_peft_adapter
+
+    from llmserve.models import lora
+
+    c = FAMILIES["llama"]
+    write_peft_adapter(tmp_path / "a", c, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"], r=4, alpha=4.0)
+    adapter = lora.load_adapter("a", str(tmp_path / "a"), c)
+    monkeypatch.setattr(cpu_decoder, "USE_CPU_DECODER", True)
+    runs = {}
+    for blocks in (True, False):
+        model = quantized_model("llama", GT.Q8_0, blocks=blocks)
+        lora.attach(model, [adapter], torch.float32, "cpu")
+        for adapted in (False, True):
+            path_calls.clear()
+            loras = {0: 1, 2: 1} if adapted else {}
+            runs[blocks, adapted] = run_schedule(model, PROMPTS, SCHEDULE, loras=loras)[0]
+            # (the float twin never takes the Rust path; the quantized base only without adapter rows)
+            assert path_calls == ([3, 3, 3] if blocks and not adapted else []), (blocks, adapted)
+    last = [torch.cat(runs[key][3:]) for key in ((True, True), (False, True), (False, False))]
+    quantized, float_twin, float_base = last
+    effect = (float_twin - float_base).abs().max().item()
+    assert effect > 0.1 * float_base.abs().max().item()
+    assert (quantized - float_twin).abs().max().item() < 0.05 * effect
 
 
 def _agree(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from llmserve.loaders.checkpoint import LazyWeights, PackedQuant, QuantTensor, weight_shape
+from llmserve.models import lora
 from llmserve.models.cpu_decoder import CpuDecodePath
 from llmserve.models.layers import (GateUpMLP, LayerNorm, Linear, MoEMLP, PagedAttention, PlainMLP, QKVLinear,
                                     RMSNorm,
@@ -480,7 +481,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: Sequence[KVPair]) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden [T, H]."""
         path = self.cpu_decode_path()
-        if path and path.serves(input_ids.shape[0], attn, self.batch_invariant):
+        # (its Rust layers hold no LoRA adapter: a step with adapter rows runs the torch layers)
+        if path and path.serves(input_ids.shape[0], attn, self.batch_invariant) and not lora.step_active():
             return path.forward(input_ids, positions, attn, kv_caches)
         h = self.embed_tokens(input_ids)
         c = self.config

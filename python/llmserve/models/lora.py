@@ -32,9 +32,11 @@ modules_to_save, LoRA biases, fan_in_fan_out, rank/alpha patterns, layers_to_tra
 tensors of another shape than the base model's (an adapter made for another hidden size says
 so).
 
-A GGUF base whose linears hold quantized blocks is refused (`attach`): its few-token decode
-steps run the Rust layer stack (models/cpu_decoder.py), which never calls Linear.forward and
-would silently drop the delta. A GGUF base whose weights loaded as float (no blocks) is served.
+A GGUF base whose linears hold quantized blocks is served too: the delta is added to what the
+quantized GEMV returns, and a step with adapter rows does not take the Rust layer stack of
+few-token decode steps (models/cpu_decoder.py), which never calls Linear.forward
+(`step_active`); base-model steps still do. Its Q/K rows are in HF's order (the loader
+un-permutes llama.cpp's), as the adapters' are.
 
 NOTE: the step's grouping is module state (`set_step`), read by every adapted linear while the
 forward runs on the runner's thread. A CUDA graph captured with one step's grouping would
@@ -272,10 +274,6 @@ def attach(model, adapters: list[Adapter], dtype: torch.dtype, device) -> None:
     """Installs the adapters on the model's linears; adapter i (0-based in the list) is index
     i + 1 in a step; index 0 = the base model. Replaces any adapters attached before; sets
     `model.lora_adapters` (the list), which tells a runner to call `set_step`."""
-    if getattr(model, "quantized", False):
-        names = ", ".join(repr(a.name) for a in adapters)
-        raise LoraError(f"LoRA adapters {names}: a GGUF base model with quantized blocks is not supported "
-                        f"(its decode steps bypass the linears the adapters hook); serve it from safetensors")
     for m in model.modules():
         if isinstance(m, Linear):
             m.lora = None
@@ -330,6 +328,11 @@ def set_step(token_adapters: torch.Tensor | None) -> None:
         _step.groups = ((adapters[0], None),)
     else:
         _step.groups = tuple((i, torch.nonzero(ids == i).squeeze(1).to(_step.device)) for i in adapters)
+
+
+def step_active() -> bool:
+    """Whether the step about to run has tokens through an adapter (`set_step`)."""
+    return _step.groups is not None
 
 
 def token_adapters(query_start_loc: Sequence[int], seq_adapters: Sequence[int]) -> torch.Tensor | None:
