@@ -30,6 +30,7 @@ _VLLM_NO_OPS = {
                            "README.md lists",
     "--enable-auto-tool-choice": "tool_choice \"auto\" is always on (the tool-call format comes from the chat "
                                  "template or --tool-call-format)",
+    "--enable-lora": "LoRA adapters are served whenever --lora-modules names some",
 }
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
@@ -47,6 +48,9 @@ _VLLM_HINTS = {
     "--download-dir": "set HF_HUB_CACHE (or HF_HOME) for where hub models are cached",
     "--quantization": "GGUF files are served in their own blocks (K-quant/Q5 ones converted to Q8_0/Q4_1 at load); there is no switch",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
+    "--max-lora-rank": "adapters of any rank are served (each is checked against the model at start)",
+    "--max-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
+    "--max-cpu-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
 }
 
 

@@ -135,13 +135,15 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     assert _config([]).server.api_key == ("l1",)   # (ours first)
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
     with caplog.at_level("INFO", logger="llmserve"):
-        assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice"]) == 0
+        assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora"]) == 0
     assert "--trust-remote-code has no effect: llmserve runs no code from model repositories" in caplog.text
     assert '--enable-auto-tool-choice has no effect: tool_choice "auto" is always on' in caplog.text
+    assert "--enable-lora has no effect: LoRA adapters are served whenever --lora-modules names some" in caplog.text
 
 
 @pytest.mark.parametrize("args, says", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model on one device"),
+    (["--max-lora-rank", "64"], "--max-lora-rank is vLLM's: adapters of any rank are served"),
     (["--disable-log-requests"], "--disable-log-requests is vLLM's: llmserve logs no request content"),
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
     (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
