@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, "tests")
-from _plans import Paged, Plan, Row, sampling_columns  # noqa: E402
+from _plans import Paged, decode_plan  # noqa: E402
 from tiny import write_peft_adapter  # noqa: E402
 
 from llmserve.models import build_model, lora  # noqa: E402
@@ -61,19 +61,6 @@ def build():
                   p + "mlp.down_proj.weight": r(H, I),
                   p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H)})
     return build_model(CONFIG, w, torch.float32, "cpu")
-
-
-def decode_plan(adapters: list[int], seed: int) -> Plan:
-    batch = len(adapters)
-    nblk = (CTX + BS) // BS
-    tables = np.arange(1, 1 + batch * nblk, dtype=np.int32).reshape(batch, nblk)
-    slots = tables[:, CTX // BS].astype(np.int64) * BS + CTX % BS
-    ids = np.random.default_rng(seed).integers(0, V, batch).astype(np.int64)
-    return Plan(input_ids=ids, positions=np.full(batch, CTX, np.int64),
-                query_start_loc=np.arange(batch + 1, dtype=np.int32), seq_lens=np.full(batch, CTX + 1, np.int32),
-                block_tables=tables, slot_mapping=slots, copy_src=np.zeros(0, np.int64),
-                copy_dst=np.zeros(0, np.int64), logits_indices=np.arange(batch, dtype=np.int64),
-                lora_ids=np.array(adapters, np.uint32), **sampling_columns([Row()] * batch))
 
 
 def timed(runner: ModelRunner, plan) -> float:
@@ -109,7 +96,7 @@ for batch in (1, 16, 64):
     times: dict[str, list[float]] = {name: [] for name in KINDS}
     for rep in range(8):
         for name, (_, ids) in KINDS.items():
-            t = timed(runners[name], decode_plan(ids(batch), rep))
+            t = timed(runners[name], decode_plan(batch, CTX, BS, V, rep, ids(batch)))
             if rep:   # (the first is a warm-up)
                 times[name].append(t)
     report(f"decode batch {batch:3d}", times)

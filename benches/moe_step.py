@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, "tests")
-from _plans import Paged, Plan, Row, sampling_columns  # noqa: E402
+from _plans import Paged, decode_plan  # noqa: E402
 
 from llmserve.models import build_model  # noqa: E402
 from llmserve.worker import ModelRunner  # noqa: E402
@@ -63,18 +63,6 @@ def build(moe: bool):
     return build_model(cfg, w, torch.float32, "cpu")
 
 
-def decode_plan(batch: int, seed: int) -> Plan:
-    nblk = (CTX + BS) // BS
-    tables = np.arange(1, 1 + batch * nblk, dtype=np.int32).reshape(batch, nblk)
-    slots = tables[:, CTX // BS].astype(np.int64) * BS + CTX % BS
-    ids = np.random.default_rng(seed).integers(0, V, batch).astype(np.int64)
-    return Plan(input_ids=ids, positions=np.full(batch, CTX, np.int64),
-                query_start_loc=np.arange(batch + 1, dtype=np.int32), seq_lens=np.full(batch, CTX + 1, np.int32),
-                block_tables=tables, slot_mapping=slots, copy_src=np.zeros(0, np.int64),
-                copy_dst=np.zeros(0, np.int64), logits_indices=np.arange(batch, dtype=np.int64),
-                **sampling_columns([Row()] * batch))
-
-
 def timed(runner: ModelRunner, plan) -> float:
     t0 = time.perf_counter()
     runner.execute(plan)
@@ -91,7 +79,7 @@ for batch in (1, 16, 64):
             t.normal_()
     times: dict[str, list[float]] = {name: [] for name in models}
     for rep in range(8):
-        plan = decode_plan(batch, rep)
+        plan = decode_plan(batch, CTX, BS, V, rep)
         for name, runner in runners.items():
             t = timed(runner, plan)
             if rep:   # (the first is a warm-up)

@@ -179,6 +179,43 @@ class Paged:
             logits_indices=np.array(logit_rows, np.int64), **sampling_columns(row_specs))
 
 
+def decode_plan(batch: int, ctx: int, block_size: int, vocab: int, seed: int = 0,
+                lora_ids: list[int] | None = None) -> Plan:
+    """A decode step of `batch` sequences, each computing its token at position `ctx` (`ctx`
+    cached before it, in blocks of its own), greedy, random token ids; `lora_ids`: each
+    sequence's LoRA adapter (none: 0)."""
+    nblk = (ctx + block_size) // block_size
+    tables = np.arange(1, 1 + batch * nblk, dtype=np.int32).reshape(batch, nblk)
+    slots = tables[:, ctx // block_size].astype(np.int64) * block_size + ctx % block_size
+    ids = np.random.default_rng(seed).integers(0, vocab, batch).astype(np.int64)
+    return Plan(input_ids=ids, positions=np.full(batch, ctx, np.int64),
+                query_start_loc=np.arange(batch + 1, dtype=np.int32), seq_lens=np.full(batch, ctx + 1, np.int32),
+                block_tables=tables, slot_mapping=slots, copy_src=np.zeros(0, np.int64),
+                copy_dst=np.zeros(0, np.int64), logits_indices=np.arange(batch, dtype=np.int64),
+                lora_ids=np.array(lora_ids or [0] * batch, np.uint32), **sampling_columns([Row()] * batch))
+
+
+def greedy_steps(paged: Paged, seqs: dict[int, list[int]], last: dict, steps: int,
+                 joins: dict[int, tuple[int, list[int]]] | None = None):
+    """Decode steps: before each, every sequence that computed all its tokens appends its greedy
+    token (the argmax of `last[sid]`, its last logits, which the caller updates from each
+    step), and a sequence of `joins` (step -> (seq_id, prompt)) is added at its step, so that
+    step mixes its prefill with the others' decode rows. Yields (plan, schedule)."""
+    for step in range(steps):
+        if step in (joins or {}):
+            sid, toks = joins[step]
+            seqs[sid] = toks
+            paged.add(sid, toks)
+        schedule = {}
+        for sid in seqs:
+            if paged.seqs[sid].num_computed == len(seqs[sid]) and sid in last:
+                tok = int(last[sid].argmax())
+                seqs[sid].append(tok)
+                paged.append(sid, tok)
+            schedule[sid] = len(seqs[sid]) - paged.seqs[sid].num_computed
+        yield paged.step(schedule), schedule
+
+
 def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]],
                  num_blocks: int = 40, block_size: int = 4, step_flags: bool = False,
                  loras: dict[int, int] | None = None):

@@ -102,6 +102,52 @@ def write_gguf_shape(w, cfg, rope_theta: float) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
+# The shape the parity tests give every family (each adds its own keys).
+PARITY_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def random_hf_model(config_name: str, arch: str, **config):
+    """transformers' `arch` built from `config_name(**config)` with every weight drawn anew
+    (norm scales near 1, the rest small, so no layer is near the identity), in eval mode, and
+    its config dict."""
+    import torch
+    import transformers
+
+    cfg = getattr(transformers, config_name)(**config)
+    cfg.architectures = [arch]
+    torch.manual_seed(0)
+    hf = getattr(transformers, arch)(cfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name or ".ln_" in name else 0.1 * noise)
+    return hf, cfg.to_dict()
+
+
+def hf_logits(hf, tokens: list[int]):
+    """transformers' logits of every position of one sequence, float32 [len(tokens), V]."""
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def write_gguf_vocab(w, specials: list[str], vocab_size: int, pre: str) -> None:
+    """A GGUF file's byte-level BPE vocabulary (a gguf.GGUFWriter `w`): `specials` (control
+    tokens), then `w`, `0`, `1` and `w<i>` up to `vocab_size`, merged by "w 0" and "w 1" (the
+    merges' parts are tokens too, so a server can build this vocabulary's tokenizer); BOS 1,
+    EOS 2; `pre`: llama.cpp's pre-tokenizer name."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(specials + ["w", "0", "1"] + [f"w{i}" for i in range(vocab_size - len(specials) - 3)])
+    w.add_token_types([3] * len(specials) + [1] * (vocab_size - len(specials)))
+    w.add_token_merges(["w 0", "w 1"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def lora_shapes(c: dict) -> dict[str, tuple[int, int]]:
     """[out, in] of each PEFT LoRA target of a decoder layer of the HF config `c`."""
     h, heads = c["hidden_size"], c["num_attention_heads"]

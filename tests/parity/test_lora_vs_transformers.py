@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from _plans import Paged
-from tiny import write_peft_adapter
+from _plans import Paged, greedy_steps
+from tiny import PARITY_SHAPE, hf_logits, random_hf_model, write_peft_adapter
 
 from llmserve.models import build_model, lora
 from llmserve.worker import ModelRunner
@@ -23,8 +23,7 @@ torch.set_num_threads(1)
 
 TOL = 1e-4
 BLOCK = 4
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5)
+COMMON = PARITY_SHAPE
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),   # q/k/v biases
@@ -41,16 +40,7 @@ PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 def base(family: str):
     """transformers' model with every weight randomized, and its config dict."""
     config_name, arch, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**COMMON, **extra)
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
-    return hf, config.to_dict()
+    return random_hf_model(config_name, arch, **COMMON, **extra)
 
 
 def merged(hf, pairs: dict, scaling: float):
@@ -60,11 +50,6 @@ def merged(hf, pairs: dict, scaling: float):
         for module, (a, b) in pairs.items():
             out.get_submodule(module).weight += scaling * (b @ a)
     return out
-
-
-def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -148,18 +133,7 @@ def test_two_adapters_and_the_base_in_one_batch(tmp_path):
         a, b = plan.query_start_loc[i], plan.query_start_loc[i + 1]
         torch.testing.assert_close(got[a:b], hf_logits(refs[which[sid]], seqs[sid]), atol=TOL, rtol=0)
         last[sid] = got[b - 1]
-    for step in range(4):
-        if step == 1:
-            seqs[3] = prompt(13, 7)
-            paged.add(3, seqs[3])
-        schedule = {}
-        for sid in seqs:
-            if paged.seqs[sid].num_computed == len(seqs[sid]) and sid in last:
-                tok = int(last[sid].argmax())
-                seqs[sid].append(tok)
-                paged.append(sid, tok)
-            schedule[sid] = len(seqs[sid]) - paged.seqs[sid].num_computed
-        plan = paged.step(schedule)
+    for plan, schedule in greedy_steps(paged, seqs, last, 4, joins={1: (3, prompt(13, 7))}):
         got = run(runner, plan, [which[s] for s in schedule])
         for i, sid in enumerate(schedule):
             row = plan.query_start_loc[i + 1] - 1

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from _plans import Paged
+from _plans import Paged, greedy_steps
+from tiny import PARITY_SHAPE, hf_logits, random_hf_model
 
 from llmserve.models import build_model
 from llmserve.worker import ModelRunner
@@ -20,8 +21,7 @@ torch.set_num_threads(1)
 
 TOL = 1e-4
 BLOCK = 4
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5)
+COMMON = PARITY_SHAPE
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
@@ -126,23 +126,9 @@ FAMILIES = {
 
 def make_pair(family: str):
     config_name, arch, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**COMMON, **extra)
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    hf = getattr(transformers, arch)(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name or ".ln_" in name else 0.1 * noise)
-    hf_config = config.to_dict()
+    hf, hf_config = random_hf_model(config_name, arch, **COMMON, **extra)
     ours = build_model(hf_config, dict(hf.state_dict()), torch.float32, "cpu")
     return hf, ours
-
-
-def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def our_logits(runner: ModelRunner, plan) -> torch.Tensor:
@@ -184,18 +170,7 @@ def test_batch_prefill_then_decode(family):
         torch.testing.assert_close(got[a:b], hf_logits(hf, seqs[sid]), atol=TOL, rtol=0)
 
     last = {sid: got[plan.query_start_loc[i + 1] - 1] for i, sid in enumerate(seqs)}
-    for step in range(5):
-        if step == 2:
-            seqs[3] = prompt(13, 7)
-            paged.add(3, seqs[3])
-        schedule = {}
-        for sid in seqs:
-            if paged.seqs[sid].num_computed == len(seqs[sid]) and sid in last:
-                tok = int(last[sid].argmax())
-                seqs[sid].append(tok)
-                paged.append(sid, tok)
-            schedule[sid] = len(seqs[sid]) - paged.seqs[sid].num_computed
-        plan = paged.step(schedule)
+    for plan, schedule in greedy_steps(paged, seqs, last, 5, joins={2: (3, prompt(13, 7))}):
         got = our_logits(runner, plan)
         for i, sid in enumerate(schedule):
             row = plan.query_start_loc[i + 1] - 1

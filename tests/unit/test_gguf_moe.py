@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _plans import Paged
-from tiny import write_gguf_shape
+from tiny import write_gguf_shape, write_gguf_vocab
 
 from llmserve.loaders import LoadError, load_checkpoint
 from llmserve.models import build_model
@@ -83,14 +83,7 @@ def write_moe_gguf(path: Path, family: str, model, quant: str = "F32") -> dict[s
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    # (the merges' parts are tokens too, so a server can build this vocabulary's tokenizer)
-    w.add_token_list(SPECIALS + ["w", "0", "1"] + [f"w{i}" for i in range(cfg.vocab_size - len(SPECIALS) - 3)])
-    w.add_token_types([3] * len(SPECIALS) + [1] * (cfg.vocab_size - len(SPECIALS)))
-    w.add_token_merges(["w 0", "w 1"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    write_gguf_vocab(w, SPECIALS, cfg.vocab_size, "qwen2")
     w.add_add_bos_token(False)
 
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)

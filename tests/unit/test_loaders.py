@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import write_gguf_shape
+from tiny import write_gguf_shape, write_gguf_vocab
 
 from llmserve.loaders import Checkpoint, LoadError, load_checkpoint
 from llmserve.loaders.gguf_file import unpermute_qk
@@ -327,14 +327,7 @@ def write_gguf(path: Path, model, *, quant: str = "F32", arch: str = "llama", eo
         w.add_rope_scaling_factor(yarn["factor"])
         w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
     w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    # (the merges' parts are tokens too, so a server can build this vocabulary's tokenizer)
-    w.add_token_list(SPECIALS + ["w", "0", "1"] + [f"w{i}" for i in range(cfg.vocab_size - len(SPECIALS) - 3)])
-    w.add_token_types([3] * len(SPECIALS) + [1] * (cfg.vocab_size - len(SPECIALS)))
-    w.add_token_merges(["w 0", "w 1"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    write_gguf_vocab(w, SPECIALS, cfg.vocab_size, "smollm")
     w.add_unk_token_id(0)
     w.add_pad_token_id(2)
     if eot is not None:

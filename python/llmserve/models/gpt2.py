@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, renamed_weights
 from llmserve.models.registry import register
 
 # The checkpoint's names (its `transformer.` prefix removed) -> the shared decoder's: the
@@ -79,13 +79,8 @@ class GPT2LMHeadModel(LlamaForCausalLM):
 
     @classmethod
     def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], *args, **kwargs):
-        # (renamed in place when serving: that build empties the dict it was given as it loads)
-        if not kwargs.get("serving"):
-            weights = dict(weights)
-        for name in list(weights):
-            if name.endswith(BUFFERS):
-                del weights[name]
-            elif _renamed(name) != name:
-                t = weights.pop(name)
-                weights[_renamed(name)] = t.t() if name.endswith(CONV1D) else t
+        def transposed(name: str, t: torch.Tensor) -> torch.Tensor:
+            return t.t() if name.endswith(CONV1D) else t
+
+        weights = renamed_weights(weights, kwargs.get("serving", False), _renamed, transposed, BUFFERS)
         return super().from_hf(hf_config, weights, *args, **kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, renamed_weights
 from llmserve.models.registry import register
 
 # The checkpoint's names -> the shared decoder's (StarCoder2's `c_fc`/`c_proj` for the MLP).
@@ -66,14 +66,10 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def from_hf(cls, hf_config: dict, weights: dict[str, torch.Tensor], *args, **kwargs):
-        # (renamed in place when serving: that build empties the dict it was given as it loads)
-        if not kwargs.get("serving"):
-            weights = dict(weights)
         heads = hf_config["num_attention_heads"]
-        for name in list(weights):
-            if name.endswith(BUFFERS):
-                del weights[name]
-            elif _renamed(name) != name:
-                t = weights.pop(name)
-                weights[_renamed(name)] = _qkv_rows(t, heads) if ".query_key_value." in name else t
+
+        def regrouped(name: str, t: torch.Tensor) -> torch.Tensor:
+            return _qkv_rows(t, heads) if ".query_key_value." in name else t
+
+        weights = renamed_weights(weights, kwargs.get("serving", False), _renamed, regrouped, BUFFERS)
         return super().from_hf(hf_config, weights, *args, **kwargs)

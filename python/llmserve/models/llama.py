@@ -14,7 +14,7 @@ loading never pays for a random init. GGUF checkpoints' quantized blocks, fused 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import nn
@@ -693,6 +693,22 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
     unexpected = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {sorted(unexpected)[:8]}")
+    return out
+
+
+def renamed_weights(weights: MutableMapping[str, torch.Tensor], serving: bool, rename: Callable[[str], str],
+                    convert: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
+                    drop: tuple[str, ...] = ()) -> MutableMapping[str, torch.Tensor]:
+    """A family's checkpoint names as the shared decoder reads them: each name `rename` changes
+    renamed, its tensor through `convert(old_name, tensor)`, and names ending in `drop` (saved
+    buffers) left out. In place when `serving` (that build empties the dict it was given as it
+    loads, so no second dict holds the tensors), else in a copy (the caller's stays as it was)."""
+    out = weights if serving else dict(weights)
+    for name in list(out):
+        if name.endswith(drop):
+            del out[name]
+        elif (new := rename(name)) != name:
+            out[new] = convert(name, out.pop(name))
     return out
 
 

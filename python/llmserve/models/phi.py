@@ -12,7 +12,7 @@ from typing import MutableMapping
 
 import torch
 
-from llmserve.models.llama import DecoderConfig, LlamaForCausalLM
+from llmserve.models.llama import DecoderConfig, LlamaForCausalLM, renamed_weights
 from llmserve.models.registry import register
 
 # The checkpoint's names -> the shared decoder's.
@@ -42,7 +42,5 @@ class PhiForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def from_hf(cls, hf_config: dict, weights: MutableMapping[str, torch.Tensor], *args, **kwargs):
-        # (renamed in place: a serving build empties the dict it was given as it loads)
-        for name in [n for n in weights if _renamed(n) != n]:
-            weights[_renamed(name)] = weights.pop(name)
+        weights = renamed_weights(weights, kwargs.get("serving", False), _renamed)
         return super().from_hf(hf_config, weights, *args, **kwargs)
