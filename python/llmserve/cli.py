@@ -31,6 +31,13 @@ _VLLM_NO_OPS = {
     "--enable-auto-tool-choice": "tool_choice \"auto\" is always on (the tool-call format comes from the chat "
                                  "template or --tool-call-format)",
     "--enable-lora": "LoRA adapters are served whenever --lora-modules names some",
+    "--fully-sharded-loras": "llmserve runs a model on one device",
+}
+# ... and those that take a value (a size or count that only bounds what vLLM serves).
+_VLLM_VALUE_NO_OPS = {
+    "--max-lora-rank": "adapters of any rank are served (each is checked against the model at start)",
+    "--max-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
+    "--max-cpu-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
 }
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
@@ -48,9 +55,7 @@ _VLLM_HINTS = {
     "--download-dir": "set HF_HUB_CACHE (or HF_HOME) for where hub models are cached",
     "--quantization": "GGUF files are served in their own blocks (K-quant/Q5 ones converted to Q8_0/Q4_1 at load); there is no switch",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
-    "--max-lora-rank": "adapters of any rank are served (each is checked against the model at start)",
-    "--max-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
-    "--max-cpu-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
+    "--lora-dtype": "LoRA adapters compute in the model's dtype (--dtype)",
 }
 
 
@@ -137,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm = run.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
     for flag, why in _VLLM_NO_OPS.items():
         vllm.add_argument(flag, dest="vllm_no_ops", action="append_const", const=flag, help=why)
+    for flag, why in _VLLM_VALUE_NO_OPS.items():
+        vllm.add_argument(flag, dest=f"vllm_value/{flag}", metavar="N", help=why)
     return parser
 
 
@@ -267,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             args.run_parser.error(str(exc))
         for flag in vars(args).get("vllm_no_ops") or ():
             logging.getLogger("llmserve").info("%s has no effect: %s", flag, _VLLM_NO_OPS[flag])
+        for flag, why in _VLLM_VALUE_NO_OPS.items():
+            if vars(args).get(f"vllm_value/{flag}") is not None:
+                logging.getLogger("llmserve").info("%s has no effect: %s", flag, why)
         _short_openmp_spin()
         from llmserve.server.app import serve
 

@@ -214,10 +214,13 @@ class ModelConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        names = [name for name, _ in self.lora_adapters()]
-        if clash := next((n for n in names if n in self.served_model_name or names.count(n) > 1), None):
-            raise ValueError(f"--lora-modules names {clash!r} twice, or as a --served-model-name too: each "
-                             "name must say which model a request runs on")
+        names = [name for name, _, _ in self.lora_adapters()]
+        if twice := next((n for n in names if names.count(n) > 1), None):
+            raise ValueError(f"--lora-modules names {twice!r} twice: each name must say which adapter a request "
+                             "runs through")
+        if clash := next((n for n in names if n in self.served_model_name), None):
+            raise ValueError(f"--lora-modules names {clash!r}, which is also a --served-model-name: each name must "
+                             "say which model a request runs on")
         t = self.chat_template
         # NOTE: text without any Jinja markup would render every conversation as that text:
         # it is a path that does not exist (a typo), not a template.
@@ -232,32 +235,34 @@ class ModelConfig(_Checked):
                 raise ValueError(f"--chat-template {t!r} cannot be read as UTF-8 text: {exc}") from None
 
 
-    def lora_adapters(self) -> list[tuple[str, str]]:
-        """--lora-modules as (name, path) pairs, in the order given (an adapter's index in a
-        step is its place here plus one)."""
+    def lora_adapters(self) -> list[tuple[str, str, str | None]]:
+        """--lora-modules as (name, path, base model name) triples, in the order given (an
+        adapter's index in a step is its place here plus one); the base model name (the JSON
+        form's `base_model_name`, which /v1/models shows as the adapter's `parent`) or None."""
         out = []
         for spec in self.lora_modules:
             if spec.startswith("{"):
                 try:
                     entry = json.loads(spec)
-                    name, path = entry["name"], entry["path"]
-                except (ValueError, KeyError, TypeError):
+                    name, path, parent = entry["name"], entry["path"], entry.get("base_model_name")
+                except (ValueError, KeyError, TypeError, AttributeError):
                     raise ValueError(f"--lora-modules {spec!r}: the JSON form is {{\"name\": NAME, \"path\": "
                                      "PATH}") from None
-                if not isinstance(name, str) or not isinstance(path, str):
-                    raise ValueError(f"--lora-modules {spec!r}: `name` and `path` must be strings")
+                if not all(isinstance(v, str) for v in (name, path, parent or "")):
+                    raise ValueError(f"--lora-modules {spec!r}: `name`, `path` and `base_model_name` must be "
+                                     "strings")
                 if set(entry) - {"name", "path", "base_model_name"}:
                     raise ValueError(f"--lora-modules {spec!r}: only `name`, `path` and `base_model_name` "
                                      "are read")
             else:
-                name, sep, path = spec.partition("=")
+                (name, sep, path), parent = spec.partition("="), None
                 if not sep:
                     raise ValueError(f"--lora-modules {spec!r}: give NAME=PATH (the name clients send as "
                                      "`model`, then the adapter's folder)")
             if not name.strip() or not path.strip() or name != name.strip():
                 raise ValueError(f"--lora-modules {spec!r}: the name and the path must not be empty or "
                                  "begin or end with whitespace")
-            out.append((name, path))
+            out.append((name, path, parent))
         return out
 
 

@@ -95,6 +95,10 @@ def test_each_name_generates_as_its_merged_weights(lora):
         for name in ["a", "tiny", "b"]:
             assert _tokens(client, name) == want[name], name
         assert _tokens(client, "b", stream=True) == want["b"]
+        # each name's output depends on other weights: each has its own system_fingerprint
+        fingerprints = {client.completions.create(model=name, prompt=PROMPT, max_tokens=1).system_fingerprint
+                        for name in ["a", "tiny", "b"]}
+        assert len(fingerprints) == 3 and all(f.startswith("fp_") for f in fingerprints)
 
 
 def test_adapters_and_the_base_share_steps(lora):

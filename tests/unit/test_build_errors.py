@@ -135,6 +135,27 @@ def test_lora_adapters_the_server_cannot_serve_stop_it_with_what(folder, tmp_pat
         _build(folder, lora_modules=(f"model={good}",))
 
 
+@pytest.mark.parametrize("damage, says", [
+    (lambda d: (d / "adapter_config.json").write_text("{not json"), "adapter_config.json is not readable JSON"),
+    (lambda d: (d / "adapter_config.json").write_text("[1, 2]"), "holds list, not a JSON object"),
+    (lambda d: _edit_json(d / "adapter_config.json", lora_alpha="eight"), "lora_alpha must be a number"),
+    (lambda d: _edit_json(d / "adapter_config.json", use_rslora="false"), "use_rslora must be true or false"),
+    (lambda d: _edit_json(d / "adapter_config.json", target_modules=["q_proj", 7]),
+     "target_modules must be a string or a list of strings"),
+    (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x00\x01garbage"),
+     "adapter_model.safetensors is not a readable safetensors file"),
+    (lambda d: save_file({k: v * float("nan") for k, v in load_file(d / "adapter_model.safetensors").items()},
+                         d / "adapter_model.safetensors"), "holds NaN or infinite values"),
+])
+def test_a_damaged_adapter_is_one_line_naming_it(folder, tmp_path, damage, says):
+    from tiny import write_peft_adapter
+
+    write_peft_adapter(tmp_path / "x", json.loads((folder / "config.json").read_text()), ["q_proj", "v_proj"])
+    damage(tmp_path / "x")
+    with pytest.raises(SetupError, match=f"--lora-modules: LoRA adapter 'x': .*{says}"):
+        _build(folder, lora_modules=(f"x={tmp_path / 'x'}",))
+
+
 @pytest.mark.parametrize("cache, flag", [(CacheConfig(num_kv_blocks=4), "--num-kv-blocks to at least 17"),
                                          (CacheConfig(kv_cache_memory="64KiB"), "--kv-cache-memory")])
 def test_a_cache_too_small_for_one_request_names_the_flag_that_sized_it(folder, cache, flag):

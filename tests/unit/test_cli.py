@@ -68,6 +68,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--kv-cache-memory", "0.5"], {}, "--kv-cache-memory must be greater than 0; got 0.5 (0 bytes)"),
     (["--lora-modules", "/path/only"], {}, "--lora-modules '/path/only': give NAME=PATH"),
     (["--lora-modules", "a=/x", "a=/y"], {}, "--lora-modules names 'a' twice"),
+    (["--served-model-name", "a", "--lora-modules", "a=/x"], {}, "--lora-modules names 'a', which is also a "
+                                                                 "--served-model-name"),
     (["--lora-modules", "{\"name\": \"a\"}"], {}, "the JSON form is {\"name\": NAME, \"path\": PATH}"),
 ])
 def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
@@ -101,7 +103,7 @@ def test_served_model_names_come_several_to_a_flag_or_one_a_flag(tmp_path):
 def test_lora_modules_take_vllms_two_forms(tmp_path):
     cfg = _config(["--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
                    "--lora-modules", "c=/z=w"])
-    assert cfg.model.lora_adapters() == [("a", "/x"), ("b", "/y"), ("c", "/z=w")]
+    assert cfg.model.lora_adapters() == [("a", "/x", None), ("b", "/y", "m"), ("c", "/z=w", None)]
 
 
 def _config(args):
@@ -135,15 +137,18 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     assert _config([]).server.api_key == ("l1",)   # (ours first)
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
     with caplog.at_level("INFO", logger="llmserve"):
-        assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora"]) == 0
+        assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora",
+                         "--max-lora-rank", "64", "--max-loras", "4"]) == 0
     assert "--trust-remote-code has no effect: llmserve runs no code from model repositories" in caplog.text
     assert '--enable-auto-tool-choice has no effect: tool_choice "auto" is always on' in caplog.text
     assert "--enable-lora has no effect: LoRA adapters are served whenever --lora-modules names some" in caplog.text
+    assert "--max-lora-rank has no effect: adapters of any rank are served" in caplog.text
+    assert "--max-loras has no effect: every --lora-modules adapter is held at once" in caplog.text
 
 
 @pytest.mark.parametrize("args, says", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model on one device"),
-    (["--max-lora-rank", "64"], "--max-lora-rank is vLLM's: adapters of any rank are served"),
+    (["--lora-dtype", "bfloat16"], "--lora-dtype is vLLM's: LoRA adapters compute in the model's dtype"),
     (["--disable-log-requests"], "--disable-log-requests is vLLM's: llmserve logs no request content"),
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
     (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),

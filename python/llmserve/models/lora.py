@@ -152,14 +152,28 @@ def load_adapter(name: str, path: str, hf_config: dict) -> Adapter:
             raise LoraError(f"LoRA adapter {name!r}: adapter_model.bin (a pickle) is not loaded; convert it to "
                             f"adapter_model.safetensors")
         raise LoraError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path}")
-    cfg = json.loads(config_file.read_text())
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise LoraError(f"LoRA adapter {name!r}: {config_file} is not readable JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"LoRA adapter {name!r}: {config_file} holds {type(cfg).__name__}, not a JSON object")
     _check_config(name, cfg)
     hf_config = normalize_config(hf_config)
-    r, alpha = cfg["r"], float(cfg.get("lora_alpha", cfg["r"]))
-    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    r, alpha = cfg["r"], cfg.get("lora_alpha", cfg["r"])
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraError(f"LoRA adapter {name!r}: lora_alpha must be a number, not {alpha!r}")
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise LoraError(f"LoRA adapter {name!r}: use_rslora must be true or false, not {rslora!r}")
+    scaling = float(alpha) / math.sqrt(r) if rslora else float(alpha) / r
     modules, shapes = _modules(hf_config), _shapes(hf_config)
     supported = sorted({m.split(".")[1] for m in modules})
     targets = cfg.get("target_modules")
+    if not (targets is None or isinstance(targets, str)
+            or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise LoraError(f"LoRA adapter {name!r}: target_modules must be a string or a list of strings, "
+                        f"not {targets!r}")
     if isinstance(targets, list):
         for t in targets:
             short = t.rsplit(".", 1)[-1]
@@ -171,7 +185,12 @@ def load_adapter(name: str, path: str, hf_config: dict) -> Adapter:
 
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     infixes = set()
-    with safe_open(str(tensors_file), "pt") as f:
+    try:
+        tensors = safe_open(str(tensors_file), "pt")
+    except Exception as exc:   # (safetensors raises its own SafetensorError, an Exception)
+        raise LoraError(f"LoRA adapter {name!r}: {tensors_file} is not a readable safetensors file "
+                        f"({exc})") from None
+    with tensors as f:
         for key in f.keys():
             m = _KEY.match(key)
             if m is None or m.group(2) not in modules:
@@ -184,7 +203,10 @@ def load_adapter(name: str, path: str, hf_config: dict) -> Adapter:
             if layer >= hf_config["num_hidden_layers"]:
                 raise LoraError(f"LoRA adapter {name!r}: {key} is for layer {layer}; the model has "
                                 f"{hf_config['num_hidden_layers']}")
-            parts.setdefault((layer, module), {})[ab] = f.get_tensor(key).float()
+            t = f.get_tensor(key).float()
+            if not torch.isfinite(t).all():
+                raise LoraError(f"LoRA adapter {name!r}: {key} holds NaN or infinite values")
+            parts.setdefault((layer, module), {})[ab] = t
     if len(infixes) > 1:
         raise LoraError(f"LoRA adapter {name!r}: its tensors hold several adapters ({sorted(map(str, infixes))})")
     if not parts:
@@ -281,17 +303,20 @@ def attach(model, adapters: list[Adapter], dtype: torch.dtype, device) -> None:
     c = model.config
     for i, adapter in enumerate(adapters):
         grouped: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+        theirs: dict[str, list[str]] = {}   # (the adapter's module names, for messages)
         for (layer, module), pair in adapter.weights.items():
             ours, part = _SPLIT.get(module) or _FUSED[module]
             grouped.setdefault(f"layers.{layer}.{ours}", {})[part] = pair
+            theirs.setdefault(f"layers.{layer}.{ours}", []).append(f"layers.{layer}.{module}")
         for ours, parts in grouped.items():
             try:
                 target = model.get_submodule(ours)
             except AttributeError:
                 target = None
             if not isinstance(target, Linear):
-                raise LoraError(f"LoRA adapter {adapter.name!r}: this model has no linear {ours} "
-                                f"(an MoE layer's experts or another MLP) for its {sorted(map(str, parts))}")
+                raise LoraError(f"LoRA adapter {adapter.name!r}: this model's {', '.join(sorted(theirs[ours]))} "
+                                f"{'is' if len(theirs[ours]) == 1 else 'are'} not a plain linear here (an MoE "
+                                f"layer's experts, or an MLP of other projections): not supported")
             if isinstance(target, QKVLinear):
                 sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
             elif ours.endswith(".gate_up"):   # (a GateUpMLP's: an MoE block's is no Linear)

@@ -94,11 +94,18 @@ pub struct RouterConfig {
 }
 
 /// One served LoRA adapter: its model name and where it was loaded from (`/v1/models`'
-/// `root`; its `parent` is the base model's root name).
+/// `root`; its `parent` is `parent` when given, vLLM's `base_model_name`, else the base
+/// model's root name).
 #[derive(Deserialize, Debug, Clone, PartialEq)]
 pub struct LoraAdapter {
     pub name: String,
     pub path: String,
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// Its requests' `system_fingerprint` (the base model's, and the adapter's weights); None:
+    /// the base model's.
+    #[serde(default)]
+    pub system_fingerprint: Option<String>,
 }
 
 fn default_true() -> bool {
@@ -284,7 +291,7 @@ impl Router {
             "max_tokens": self.config.max_model_len,
             "owned_by": "llmserve",
             "root": adapter.map(|a| &a.path).or(self.config.model_root.as_ref()).or(base),
-            "parent": adapter.and(base),
+            "parent": adapter.map(|a| a.parent.as_ref().or(base)),
             "max_model_len": self.config.max_model_len,
             // nothing is restricted per model: one permission that allows what the server does
             "permission": [{
@@ -302,6 +309,12 @@ impl Router {
                 "is_blocking": false,
             }],
         })
+    }
+
+    /// The `system_fingerprint` of requests through LoRA adapter `lora` (0: the base model).
+    pub(crate) fn fingerprint(&self, lora: u32) -> Option<String> {
+        let adapter = lora.checked_sub(1).and_then(|i| self.config.lora_adapters.get(i as usize));
+        adapter.and_then(|a| a.system_fingerprint.clone()).or_else(|| self.config.system_fingerprint.clone())
     }
 
     /// A served name, exactly as configured (no LoRA or revision guessing from a colon): 0 for

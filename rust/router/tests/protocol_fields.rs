@@ -517,7 +517,10 @@ fn models_routes() {
 /// (`Prepared::lora`: its place plus one) on every generating route.
 #[test]
 fn lora_adapters_are_models_of_their_own_names() {
-    let adapters = json!({"lora_adapters": [{"name": "sql", "path": "/a/sql"}, {"name": "chat", "path": "/a/chat"}]});
+    let adapters = json!({"system_fingerprint": "fp_base", "lora_adapters": [
+        {"name": "sql", "path": "/a/sql", "system_fingerprint": "fp_sql"},
+        {"name": "chat", "path": "org/chat-lora", "parent": "org/base"},
+    ]});
     let r = router_with(adapters, Some(TEMPLATE));
     let v = body_json(r.models());
     let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
@@ -525,6 +528,14 @@ fn lora_adapters_are_models_of_their_own_names() {
     let sql = body_json(r.model("sql").unwrap());
     assert_eq!((sql["root"].clone(), sql["parent"].clone()), (json!("/a/sql"), json!("tiny")));
     assert_eq!(body_json(r.model("tiny").unwrap())["parent"], Value::Null);
+    // vLLM's `base_model_name` names the parent; each adapter's requests carry its fingerprint
+    let chat_model = body_json(r.model("chat").unwrap());
+    assert_eq!((chat_model["root"].clone(), chat_model["parent"].clone()), (json!("org/chat-lora"), json!("org/base")));
+    let fingerprint = |model: &str| chat(&r, json!({"model": model})).unwrap().system_fingerprint;
+    assert_eq!(
+        (fingerprint("sql"), fingerprint("chat"), fingerprint("tiny")),
+        (Some("fp_sql".into()), Some("fp_base".into()), Some("fp_base".into()))
+    );
     assert_eq!(chat(&r, json!({"model": "chat"})).unwrap().lora, 2);
     assert_eq!(completion(&r, json!({"model": "sql"})).unwrap().lora, 1);
     assert_eq!(chat(&r, json!({"model": "tiny-alias"})).unwrap().lora, 0);

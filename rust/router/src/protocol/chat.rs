@@ -938,7 +938,7 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
         endpoint: Endpoint::Chat,
         id: c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}")),
         created: unix_now(),
-        system_fingerprint: config.system_fingerprint.clone(),
+        system_fingerprint: router.fingerprint(lora),
         model: c.model,
         prompts: vec![prompt],
         prompt_texts: vec![prompt_text],

@@ -294,7 +294,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         endpoint: Endpoint::Completion,
         id: c.request_id.as_deref().or(header_id).map_or_else(|| new_id("cmpl"), |id| format!("cmpl-{id}")),
         created: unix_now(),
-        system_fingerprint: config.system_fingerprint.clone(),
+        system_fingerprint: router.fingerprint(lora),
         model: c.model,
         prompts: prompt_ids,
         prompt_texts,

@@ -163,7 +163,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         endpoint: Endpoint::Embeddings,
         id: f.request_id.as_deref().or(header_id).map_or_else(|| new_id("embd"), |id| format!("embd-{id}")),
         created: unix_now(),
-        system_fingerprint: config.system_fingerprint.clone(),
+        system_fingerprint: router.fingerprint(lora),
         model: f.model,
         prompts,
         prompt_texts,
