@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import httpx
 import pytest
 from openai import NotFoundError, OpenAI
 
@@ -111,3 +112,6 @@ def test_adapters_and_the_base_share_steps(lora):
           concurrent.futures.ThreadPoolExecutor(len(names)) as pool):
         got = list(pool.map(lambda n: _tokens(client, n), names))
     assert got == [want[n] for n in names]
+    # (vLLM's gauge of the adapters running and waiting: none now)
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'llmserve:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics

@@ -80,3 +80,23 @@ def test_time_per_output_token_is_per_choice():
     assert _value(m, "llmserve:request_time_per_output_token_seconds_count") == 1
     assert _value(m, "llmserve:request_max_num_generation_tokens_count") == 1
     assert _value(m, "llmserve:time_to_first_token_seconds_count") == 2
+
+
+def test_lora_requests_info_names_the_adapters_running_and_waiting():
+    """vLLM's lora_requests_info: one series whose labels list the adapters of the running and
+    the waiting requests now, its value when they were published; none without adapters."""
+    stats = {"running": 2, "waiting": 1, "kv_cache_usage": 0.1, "preemptions": 0, "prefix_hit_tokens": 0,
+             "prefix_query_tokens": 0}
+    plain = Metrics()
+    plain.bind("m")
+    plain.on_step(stats, 0.01)
+    assert b"lora_requests_info{" not in plain.render()
+    m = Metrics()
+    m.bind("m", max_lora=3)
+    m.on_step({**stats, "running_loras": ["sql", "chat"], "waiting_loras": ["sql"]}, 0.01)
+    labels = {"max_lora": "3", "running_lora_adapters": "sql,chat", "waiting_lora_adapters": "sql"}
+    assert m.registry.get_sample_value("llmserve:lora_requests_info", labels) > 1.7e9
+    m.on_step({**stats, "running_loras": [], "waiting_loras": []}, 0.01)
+    assert m.registry.get_sample_value("llmserve:lora_requests_info", labels) is None
+    empty = {"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert m.registry.get_sample_value("llmserve:lora_requests_info", empty) > 1.7e9

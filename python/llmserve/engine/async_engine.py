@@ -260,7 +260,8 @@ class AsyncEngine:
             "block_size": cfg.cache.block_size, "num_gpu_blocks": engine.num_blocks,
             "cache_dtype": cfg.model.dtype,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
-            "gpu_memory_utilization": cfg.cache.gpu_memory_utilization})
+            "gpu_memory_utilization": cfg.cache.gpu_memory_utilization},
+            max_lora=len(cfg.model.lora_adapters()))
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
                                     self._first_scheduled, plan_ahead=engine.plan_ahead)
         self._thread.start()

@@ -107,17 +107,27 @@ class Metrics:
         self._cache_config = Gauge("llmserve:cache_config_info",
                                    "The KV cache's configuration (as labels; the value is 1).",
                                    ["model_name", *CACHE_CONFIG_LABELS], registry=r)
+        # NOTE: vLLM's, which routers that keep an adapter's requests together read (Kubernetes'
+        # Gateway API Inference Extension): one series, its labels the adapters (comma
+        # separated) of running and waiting requests, its value when they were last published.
+        self._lora_info = Gauge("llmserve:lora_requests_info",
+                                "LoRA adapters of the running and the waiting requests (as labels; the "
+                                "value is the time they were published, in seconds since the epoch).",
+                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._max_lora = 0
+        self._lora_labels: tuple[str, str, str] | None = None
         self.model_name = ""
         self._last_preemptions = 0
         self._last_hits = 0
         self._last_queries = 0
 
-    def bind(self, model_name: str, cache_config: dict | None = None) -> None:
+    def bind(self, model_name: str, cache_config: dict | None = None, max_lora: int = 0) -> None:
         """Once the model is loaded: every series gets its `model_name`, and
         `cache_config_info` the values of CACHE_CONFIG_LABELS in `cache_config`. Before,
         /metrics lists the metrics with no samples, and nothing calls on_step or on_finish (no
-        engine runs)."""
+        engine runs). `max_lora`: the LoRA adapters served (0: none, and no lora_requests_info)."""
         self.model_name = model_name
+        self._max_lora = max_lora
         for attr, family in self._families.items():
             setattr(self, attr, family.labels(model_name))
         if cache_config is not None:
@@ -137,6 +147,13 @@ class Metrics:
         self._last_queries = stats["prefix_query_tokens"]
         if seconds > 0:
             self.step_time.observe(seconds)
+        if self._max_lora:
+            labels = (str(self._max_lora), ",".join(stats.get("running_loras", ())),
+                      ",".join(stats.get("waiting_loras", ())))
+            if labels != self._lora_labels:   # (one series: the adapters of now)
+                self._lora_info.clear()
+                self._lora_labels = labels
+            self._lora_info.labels(*labels).set_to_current_time()
 
     def on_iteration(self, num_tokens: int) -> None:
         """Event loop: a step's outputs came, `num_tokens` tokens as iteration_tokens_total counts them."""

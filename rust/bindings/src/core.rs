@@ -867,6 +867,16 @@ impl PyCore {
         d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
         d.set_item("preemptions", s.preemptions)?;
         d.set_item("requests", self.state.requests.len())?;
+        // (vLLM's lora_requests_info: which adapters run and wait; only with adapters)
+        let adapters = &self.state.router.config().lora_adapters;
+        if !adapters.is_empty() {
+            let (running, waiting) = self.state.scheduler.adapters();
+            let names = |ids: Vec<u32>| -> Vec<&str> {
+                ids.iter().filter_map(|&i| adapters.get(i as usize - 1)).map(|a| a.name.as_str()).collect()
+            };
+            d.set_item("running_loras", names(running))?;
+            d.set_item("waiting_loras", names(waiting))?;
+        }
         Ok(d)
     }
 }

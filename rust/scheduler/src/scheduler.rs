@@ -344,6 +344,19 @@ impl Scheduler {
         }
     }
 
+    /// The LoRA adapters (non-zero ids, each once, ascending) of the running requests and of
+    /// the waiting ones.
+    pub fn adapters(&self) -> (Vec<u32>, Vec<u32>) {
+        let of = |keys: &mut dyn Iterator<Item = &Key>| {
+            let mut ids: Vec<u32> =
+                keys.map(|k| self.req(self.seqs[k.slot as usize].req).lora).filter(|&l| l != 0).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids
+        };
+        (of(&mut self.running.iter()), of(&mut self.waiting.iter()))
+    }
+
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }

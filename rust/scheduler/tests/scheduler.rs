@@ -149,7 +149,9 @@ fn lora_adapters_are_planned_and_never_share_blocks() {
     assert_eq!(plan.num_tokens, 1 + 40, "the base model reuses nothing of adapter 2's blocks");
     assert_eq!((plan.seq_req_ids.clone(), plan.lora_ids.clone()), (vec![1, 2], vec![2, 0]));
     s.add(adapted(3, 1));
+    assert_eq!(s.adapters(), (vec![2], vec![1]));
     assert_eq!(step(&mut s, 5).0.num_tokens, 2 + 40);
+    assert_eq!(s.adapters(), (vec![1, 2], vec![]));
     s.add(adapted(4, 2));
     assert_eq!(step(&mut s, 5).0.num_tokens, 3 + 8);
 }
