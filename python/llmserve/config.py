@@ -258,7 +258,8 @@ class ModelConfig(_Checked):
                 (name, sep, path), parent = spec.partition("="), None
                 if not sep:
                     raise ValueError(f"--lora-modules {spec!r}: give NAME=PATH (the name clients send as "
-                                     "`model`, then the adapter's folder)")
+                                     "`model`, then the adapter's folder); if it is the model, give it first "
+                                     "(llmserve run MODEL --lora-modules NAME=PATH ...)")
             if not name.strip() or not path.strip() or name != name.strip():
                 raise ValueError(f"--lora-modules {spec!r}: the name and the path must not be empty or "
                                  "begin or end with whitespace")

@@ -66,7 +66,9 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
     (["--served-model-name", "a", "x.gguf"], {}, "--served-model-name took 'x.gguf' as a second name"),
     (["--kv-cache-memory", "0.5"], {}, "--kv-cache-memory must be greater than 0; got 0.5 (0 bytes)"),
-    (["--lora-modules", "/path/only"], {}, "--lora-modules '/path/only': give NAME=PATH"),
+    (["--lora-modules", "a=/x", "/path/model"], {}, "--lora-modules '/path/model': give NAME=PATH (the name "
+                                                    "clients send as `model`, then the adapter's folder); if it is "
+                                                    "the model, give it first"),
     (["--lora-modules", "a=/x", "a=/y"], {}, "--lora-modules names 'a' twice"),
     (["--served-model-name", "a", "--lora-modules", "a=/x"], {}, "--lora-modules names 'a', which is also a "
                                                                  "--served-model-name"),
