@@ -332,8 +332,8 @@ class ServerConfig(_Checked):
     strict_fields: bool = _f(False, "Reject accepted-but-inert and unknown fields with 400.")
     responses_store_mib: int = _f(
         64, "MiB of /v1/responses answers kept in memory for previous_response_id and GET "
-        "/v1/responses/{id} (oldest forgotten first), and as much again for /v1/conversations; 0 "
-        "keeps none.", min=0,
+        "/v1/responses/{id} (oldest forgotten first), and as much again for /v1/conversations and for "
+        "chat completions kept by `store: true`; 0 keeps none.", min=0,
     )
     sse_keep_alive: float | None = _f(
         None, "Send an SSE comment on a stream idle this many seconds.", above=0

@@ -369,6 +369,38 @@ def test_conversations_hold_the_turns_of_their_responses(client):
         client.conversations.retrieve(conv.id)
 
 
+def test_stored_chat_completions_are_read_back(client):
+    """OpenAI's stored chat completions (`store: true`, `client.chat.completions.list/retrieve/
+    update/delete` and `.messages.list`): a completion is kept as its non-streamed body, streamed
+    or not, with its request's messages and metadata."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    kept = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=12,
+                                          store=True, metadata={"run": "e2e"})
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=question, temperature=0,
+                                                           max_tokens=12, store=True, metadata={"run": "e2e"})
+    assert raw.headers.get("llmserve-ignored-fields") is None   # (both do what they say)
+    got = client.chat.completions.retrieve(kept.id)
+    assert got.choices[0].message.content == kept.choices[0].message.content == "The capital of France is Paris."
+    assert got.metadata == {"run": "e2e"} and got.usage == kept.usage
+    chunks = list(client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=12,
+                                                 store=True, stream=True, metadata={"run": "stream"}))
+    streamed = client.chat.completions.retrieve(chunks[0].id)
+    assert streamed.choices[0].message.content == kept.choices[0].message.content
+    assert streamed.choices[0].finish_reason == kept.choices[0].finish_reason
+
+    listed = [c.id for c in client.chat.completions.list(metadata={"run": "e2e"})]
+    assert listed[0] == kept.id and raw.parse().id in listed and chunks[0].id not in listed
+    (message,) = client.chat.completions.messages.list(kept.id).data
+    assert (message.role, message.content) == ("user", "What is the capital of France?")
+    assert client.chat.completions.update(kept.id, metadata={"run": "x"}).metadata == {"run": "x"}
+    assert client.chat.completions.delete(kept.id).deleted
+    with pytest.raises(NotFoundError):
+        client.chat.completions.retrieve(kept.id)
+    unkept = client.chat.completions.create(model=MODEL, messages=question, max_tokens=1)
+    with pytest.raises(NotFoundError):
+        client.chat.completions.retrieve(unkept.id)
+
+
 # --- tools, on a tiny model whose template is in Hermes' shape ---------------------------
 
 def _flat(tool: dict) -> dict:
@@ -398,6 +430,15 @@ def test_forced_calls_are_function_call_items(hermes):
                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
         assert chat.choices[0].message.tool_calls[0].function.arguments == calls[0].arguments
         assert chat.usage.prompt_tokens == r.usage.input_tokens
+        # a streamed chat call kept by `store` is kept as the non-streamed body: the same call
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
+            temperature=0, max_completion_tokens=200, store=True, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        kept = client.chat.completions.retrieve(chunks[0].id).choices[0]
+        assert kept.message.tool_calls[0].function == chat.choices[0].message.tool_calls[0].function
+        assert (kept.message.content, kept.finish_reason) == (chat.choices[0].message.content,
+                                                              chat.choices[0].finish_reason)
         assert r.tools[0].name == "get_weather" and r.tool_choice.name == "get_weather"
 
         events = _events(client, **req)

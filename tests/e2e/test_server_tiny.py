@@ -223,10 +223,11 @@ def test_client_gone_mid_body_is_not_a_server_error(tiny_server):
 def test_ignored_fields_header(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-        "store": True, "metadata": {"a": "b"}, "frobnicate": 1, "user": "alice"})
+        "metadata": {"a": "b"}, "frobnicate": 1, "user": "alice", "service_tier": "flex"})
     assert r.status_code == 200
     ignored = r.headers["llmserve-ignored-fields"]
-    assert {f.strip() for f in ignored.split(",")} == {"store", "metadata", "frobnicate"}
+    # (`metadata` without `store: true` has nothing to go with; `user` is logged)
+    assert {f.strip() for f in ignored.split(",")} == {"metadata", "frobnicate", "service_tier"}
     assert "llmserve-chat-template" in r.headers
 
 

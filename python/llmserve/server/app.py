@@ -97,6 +97,10 @@ ROUTES = [
     Route("/v1/conversations/{conversation_id}/items", routes.conversation_items, methods=["GET", "POST"]),
     Route("/v1/conversations/{conversation_id}/items/{item_id}", routes.conversation_items, methods=["GET", "DELETE"]),
     Route("/v1/chat/completions/render", routes.chat_render, methods=["POST"]),
+    # (after the render route, which would otherwise be read as a stored completion's id)
+    Route("/v1/chat/completions", routes.stored_chat_completions, methods=["GET"]),
+    Route("/v1/chat/completions/{completion_id}", routes.stored_chat_completions, methods=["GET", "POST", "DELETE"]),
+    Route("/v1/chat/completions/{completion_id}/messages", routes.stored_chat_messages, methods=["GET"]),
     Route("/v1/completions/render", routes.completion_render, methods=["POST"]),
     Route("/v1/models", routes.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),

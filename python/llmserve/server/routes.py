@@ -303,6 +303,26 @@ async def _conversations(request: Request, items: bool) -> Response:
     return Response(out, media_type=JSON, headers=dict(headers))
 
 
+async def _stored_chat(request: Request, messages: bool) -> Response:
+    """OpenAI's stored chat completions (`store: true`): the path's id, the query and the body
+    go to the router, which answers them from its store."""
+    body = await read_body(request) if request.method == "POST" else b""
+    out, headers = await asyncio.to_thread(
+        _engine(request).router.stored_chat, request.method, request.path_params.get("completion_id"), messages,
+        list(request.query_params.multi_items()), body)
+    return Response(out, media_type=JSON, headers=dict(headers))
+
+
+async def stored_chat_completions(request: Request) -> Response:
+    """GET /v1/chat/completions (the kept completions), /v1/chat/completions/{id}."""
+    return await _stored_chat(request, messages=False)
+
+
+async def stored_chat_messages(request: Request) -> Response:
+    """GET /v1/chat/completions/{id}/messages."""
+    return await _stored_chat(request, messages=True)
+
+
 async def conversations(request: Request) -> Response:
     """/v1/conversations and /v1/conversations/{id}."""
     return await _conversations(request, items=False)

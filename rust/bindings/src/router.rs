@@ -162,6 +162,32 @@ impl PyRouter {
         }
     }
 
+    /// A stored-chat-completions route: `method` on the collection (`completion_id` None), one
+    /// completion, or its `messages`; `query` as the URL's pairs. Returns (body, headers), or
+    /// raises ApiError.
+    fn stored_chat<'py>(
+        &self,
+        py: Python<'py>,
+        method: &str,
+        completion_id: Option<&str>,
+        messages: bool,
+        query: Vec<(String, String)>,
+        body: &[u8],
+    ) -> PyResult<(Bound<'py, PyBytes>, Headers)> {
+        use llmserve_router::protocol::stored_chat::Target;
+        let target = match (completion_id, messages) {
+            (None, _) => Target::All,
+            (Some(id), true) => Target::Messages(id),
+            (Some(id), false) => Target::One(id),
+        };
+        let router = self.inner.clone();
+        let method = method.to_string();
+        match py.detach(|| router.stored_chat_route(&method, target, &query, body)) {
+            Ok(out) => Ok((PyBytes::new(py, &out.body), out.headers)),
+            Err(e) => Err(errors::to_py(py, &e)),
+        }
+    }
+
     /// (origin, hash) of the template chat requests use, or None.
     fn template_info(&self) -> Option<(String, String)> {
         self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))

@@ -474,6 +474,11 @@ pub struct ResponseBuilder {
     embeddings: Option<embeddings::Embeddings>,
     /// An Anthropic Messages request: (streamed) its events so far.
     messages: Option<messages::EventStream>,
+    /// `store: true` on a chat request: keeps the finished completion.
+    keep: Option<Arc<crate::chat_store::Keep>>,
+    /// The choices' text, reasoning and calls are gathered as they come (not streaming, or
+    /// streaming a completion to keep, whose non-streamed body is kept).
+    whole: bool,
 }
 
 impl ResponseBuilder {
@@ -549,6 +554,8 @@ impl ResponseBuilder {
                 .map(|plan| embeddings::Embeddings::new(plan, prepared.prompts.len())),
             messages: (prepared.endpoint == Endpoint::Messages)
                 .then(|| messages::EventStream::new(&prepared.id, &prepared.model)),
+            keep: prepared.keep.clone(),
+            whole: !prepared.stream || prepared.keep.is_some(),
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
             let object = responses::response_object(
@@ -820,8 +827,10 @@ impl ResponseBuilder {
     /// `delta.reasoning_content` chunk (after the role chunk when it is the first output).
     fn push_reasoning(&mut self, choice: u32, text: &str) {
         let idx = choice as usize;
-        if !self.stream {
+        if self.whole {
             self.choices[idx].reasoning_text.push_str(text);
+        }
+        if !self.stream {
             return;
         }
         let first = !self.choices[idx].started;
@@ -859,10 +868,10 @@ impl ResponseBuilder {
         let finish = delta.finish.map(FinishReason::as_str);
         let stop_reason = delta.finish.map(|_| delta.stop_reason);
         // The prompt's logprobs go first, with the echoed prompt.
-        let prompt_lp = if first { self.prompt_lp.get(idx / self.n as usize).map(|p| p.0.clone()) } else { None };
+        let mut prompt_lp = if first { self.prompt_lp.get(idx / self.n as usize).map(|p| p.0.clone()) } else { None };
         let has_lp = self.logprobs && (!delta.tokens.is_empty() || prompt_lp.is_some());
 
-        if !self.stream {
+        if self.whole {
             self.choices[idx].text.push_str(delta.text);
             if has_lp {
                 if self.chat {
@@ -871,12 +880,15 @@ impl ResponseBuilder {
                 } else {
                     let lps = self.completion_logprobs(delta.tokens, shift);
                     let acc = &mut self.choices[idx].comp_lp;
-                    if let Some(p) = prompt_lp {
+                    // (a completion is gathered only when not streamed: nothing else reads them then)
+                    if let Some(p) = prompt_lp.take() {
                         acc.extend(p);
                     }
                     acc.extend(lps);
                 }
             }
+        }
+        if !self.stream {
             return;
         }
 
@@ -969,7 +981,7 @@ impl ResponseBuilder {
         // forced, the model did not choose to call); auto and required finish "tool_calls".
         let named = self.tools.as_ref().is_some_and(|t| t.choice == ToolChoice::Named);
         let call_finish = if named { FinishReason::Stop } else { FinishReason::ToolCalls };
-        if !self.stream {
+        if self.whole {
             self.choices[idx].raw.push_str(delta.text);
         }
         let parser = self.choices[idx].parser.as_mut().expect("checked by push");
@@ -1240,6 +1252,9 @@ impl ResponseBuilder {
                 let usage = self.usage();
                 self.frame::<ChatChunkChoice>(Vec::new(), Some(usage));
             }
+            if let Some(keep) = &self.keep {
+                keep.put(&self.id, self.whole_body());
+            }
             let mut out = self.take();
             out.extend_from_slice(b"data: [DONE]\n\n");
             return out;
@@ -1253,6 +1268,18 @@ impl ResponseBuilder {
         if let Some(e) = &self.embeddings {
             return e.body(&self.model, self.prompt_tokens);
         }
+        let body = self.whole_body();
+        if let Some(keep) = &self.keep {
+            keep.put(&self.id, body.clone());
+        }
+        body
+    }
+
+    /// The body of a chat or completion request not streamed: its choices as gathered
+    /// (`whole`), and its usage. (A streamed request's, kept by `store: true`, has no
+    /// `token_ids`: its chunks carried them.)
+    fn whole_body(&self) -> Vec<u8> {
+        let ids = self.return_token_ids && !self.stream;
         let usage = self.usage();
         let body = if self.chat {
             let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
@@ -1288,7 +1315,7 @@ impl ResponseBuilder {
                         logprobs: self.logprobs.then_some(&c.chat_lp),
                         finish_reason: finish.map(FinishReason::as_str),
                         stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
-                        token_ids: self.return_token_ids.then_some(&c.token_ids[..]),
+                        token_ids: ids.then_some(&c.token_ids[..]),
                     }
                 })
                 .collect();
@@ -1300,7 +1327,7 @@ impl ResponseBuilder {
                 system_fingerprint: self.system_fingerprint.as_deref(),
                 choices,
                 usage,
-                prompt_token_ids: self.prompt_ids.first().map(Vec::as_slice),
+                prompt_token_ids: self.prompt_ids.first().filter(|_| ids).map(Vec::as_slice),
                 prompt_logprobs: self.prompt_entries.first().map(Vec::as_slice),
             })
         } else {
@@ -1326,7 +1353,7 @@ impl ResponseBuilder {
                     stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
                     prompt_token_ids: self.prompt_ids.get(i / self.n as usize).map(Vec::as_slice),
                     prompt_logprobs: self.prompt_entries.get(i / self.n as usize).map(Vec::as_slice),
-                    token_ids: self.return_token_ids.then_some(&c.token_ids[..]),
+                    token_ids: ids.then_some(&c.token_ids[..]),
                 })
                 .collect();
             serde_json::to_vec(&Body {

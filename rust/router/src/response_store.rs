@@ -187,14 +187,32 @@ impl ResponseStore {
 }
 
 /// A page of `items` (each with an `id`), as OpenAI's list routes answer: `order` "desc"
-/// (newest first, OpenAI's default) or "asc", at most `limit` (the query's text, an integer
-/// 1..=100; 20 when not given) after the item with id `after`.
+/// (newest first) or "asc", at most `limit` (the query's text, an integer 1..=100; 20 when not
+/// given) after the item with id `after`.
 pub(crate) fn page(
-    mut items: Vec<Value>,
+    items: Vec<Value>,
     order: &str,
     limit: Option<&str>,
     after: Option<&str>,
 ) -> Result<Vec<u8>, ApiError> {
+    let (page, has_more) = page_of(items, order, limit, after)?;
+    let body = json!({
+        "object": "list",
+        "first_id": page.first().map(|i| i["id"].clone()),
+        "last_id": page.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": page,
+    });
+    Ok(serde_json::to_vec(&body).expect("JSON serializes"))
+}
+
+/// `page`'s items, and whether more come after them.
+pub(crate) fn page_of(
+    mut items: Vec<Value>,
+    order: &str,
+    limit: Option<&str>,
+    after: Option<&str>,
+) -> Result<(Vec<Value>, bool), ApiError> {
     let limit = match limit.map(str::parse::<usize>) {
         None => 20,
         Some(Ok(n)) if (1..=100).contains(&n) => n,
@@ -223,14 +241,8 @@ pub(crate) fn page(
     };
     let total = items.len();
     let page: Vec<Value> = items.into_iter().skip(start).take(limit).collect();
-    let body = json!({
-        "object": "list",
-        "first_id": page.first().map(|i| i["id"].clone()),
-        "last_id": page.last().map(|i| i["id"].clone()),
-        "has_more": start + page.len() < total,
-        "data": page,
-    });
-    Ok(serde_json::to_vec(&body).expect("JSON serializes"))
+    let has_more = start + page.len() < total;
+    Ok((page, has_more))
 }
 
 #[cfg(test)]

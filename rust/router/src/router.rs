@@ -122,6 +122,8 @@ pub struct Router {
     pub(crate) responses: Arc<crate::response_store::ResponseStore>,
     /// `/v1/conversations`, within the same bound as the stored responses (counted apart).
     conversations: Arc<crate::conversation_store::ConversationStore>,
+    /// Chat completions kept by `store: true`, within the same bound (counted apart).
+    chat_store: Arc<crate::chat_store::ChatStore>,
     /// `created` of the model objects: when this router started serving.
     created: u64,
     /// The vocabulary's fill-in-the-middle tokens (None: none, or `--no-fim`).
@@ -134,8 +136,9 @@ impl Router {
         let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
         let responses = Arc::new(crate::response_store::ResponseStore::new(config.responses_store_bytes));
         let conversations = Arc::new(crate::conversation_store::ConversationStore::new(config.responses_store_bytes));
+        let chat_store = Arc::new(crate::chat_store::ChatStore::new(config.responses_store_bytes));
         let fim = config.fim.then(|| crate::fim::Fim::detect(&tokenizer)).flatten();
-        Self { tokenizer, templates, config, grammars, responses, conversations, created: unix_now(), fim }
+        Self { tokenizer, templates, config, grammars, responses, conversations, chat_store, created: unix_now(), fim }
     }
 
     /// The stored `/v1/responses` answers.
@@ -146,6 +149,23 @@ impl Router {
     /// The conversations (`/v1/conversations`).
     pub fn conversations(&self) -> &Arc<crate::conversation_store::ConversationStore> {
         &self.conversations
+    }
+
+    /// The chat completions kept by `store: true`.
+    pub fn chat_store(&self) -> &Arc<crate::chat_store::ChatStore> {
+        &self.chat_store
+    }
+
+    /// A stored-chat-completions route (`GET /v1/chat/completions`, ...): `method` on `target`,
+    /// with the query's pairs and the body.
+    pub fn stored_chat_route(
+        &self,
+        method: &str,
+        target: crate::protocol::stored_chat::Target<'_>,
+        query: &[(String, String)],
+        body: &[u8],
+    ) -> Result<crate::protocol::Handled, ApiError> {
+        crate::protocol::stored_chat::handle(self, method, target, query, body)
     }
 
     /// A `/v1/conversations` route: `method` on `target`, with the query's pairs and the body.

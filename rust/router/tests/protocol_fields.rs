@@ -27,9 +27,14 @@ fn unknown_and_inert_fields_are_named_in_a_header() {
                "user": "alice", "echo": false}),
     )
     .unwrap();
-    // `user` is logged, not ignored; chat's `echo` (vLLM's) at false asks for nothing.
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("bar, foo, metadata, service_tier, store"));
+    // `user` is logged, not ignored; chat's `echo` (vLLM's) at false asks for nothing; `store`
+    // keeps the completion, with its `metadata` (unless the server stores nothing)
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("bar, foo, service_tier"));
+    assert!(p.keep.is_some());
     assert_eq!(p.user.as_deref(), Some("alice"));
+    let storeless = router_with(json!({"responses_store_bytes": 0}), Some(TEMPLATE));
+    let p = chat(&storeless, json!({"store": true, "metadata": {"k": "v"}})).unwrap();
+    assert_eq!((header(&p, "llmserve-ignored-fields"), p.keep.is_none()), (Some("metadata, store"), true));
     // OpenAI's default tier, and "default", ask for the one tier there is (also strictly).
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     for tier in ["auto", "default"] {
@@ -221,7 +226,9 @@ fn strict_fields_turn_ignored_fields_into_400() {
     let r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     let got = shape(chat(&r, json!({"zeta": 1, "beta": 2})));
     assert_eq!(got, (400, "unsupported_parameter", Some("beta".to_string())));
-    assert_eq!(shape(chat(&r, json!({"store": true}))).2.as_deref(), Some("store"));
+    let storeless = router_with(json!({"strict_fields": true, "responses_store_bytes": 0}), Some(TEMPLATE));
+    assert_eq!(shape(chat(&storeless, json!({"store": true}))).2.as_deref(), Some("store"));
+    chat(&r, json!({"store": true, "metadata": {"k": "v"}})).unwrap();
     assert_eq!(shape(completion(&r, json!({"metadata": {}}))).2.as_deref(), Some("metadata"));
     // `user` and known extensions stay fine.
     chat(&r, json!({"user": "u", "top_k": 3, "priority": -1, "cache_salt": "s"})).unwrap();
@@ -601,7 +608,7 @@ fn unread_message_keys_are_reported() {
     // result's id)
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
-        Some("messages[0].name, messages[1].weird, messages[2].refusal, messages[3].tool_call_id, store")
+        Some("messages[0].name, messages[1].weird, messages[2].refusal, messages[3].tool_call_id")
     );
     // Nested keys with no meaning: in content parts, tools and response_format (vLLM-style
     // `schema` beside `json_object` would be dropped silently otherwise); unread documents.

@@ -887,6 +887,12 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
         // (no reasoning is what this request gets)
         ignored.retain(|k| k != "reasoning_effort");
     }
+    // `store: true` keeps the completion, with its `metadata` (OpenAI's stored completions;
+    // with no store they stay reported)
+    let keeping = value.get("store") == Some(&Value::Bool(true)) && router.chat_store().enabled();
+    if keeping {
+        ignored.retain(|p| p != "store" && p != "metadata");
+    }
     let ignored = settle_ignored(ignored, config.strict_fields)?;
     check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
     let (mut tools, tool_grammar) =
@@ -934,9 +940,15 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
     if !rendered.unused_kwargs.is_empty() {
         headers.push(("llmserve-unused-template-kwargs".into(), header_list(&rendered.unused_kwargs)));
     }
+    let id = c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}"));
+    let keep = keeping.then(|| {
+        let metadata = value.get("metadata").and_then(Value::as_object).cloned().unwrap_or_default();
+        let sent = value["messages"].as_array().map(Vec::as_slice).unwrap_or_default();
+        std::sync::Arc::new(crate::chat_store::Keep::new(router.chat_store().clone(), &id, sent, &c.model, metadata))
+    });
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
-        id: c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}")),
+        id,
         created: unix_now(),
         system_fingerprint: router.fingerprint(lora),
         model: c.model,
@@ -953,6 +965,7 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
         priority: c.priority,
         cache_salt: c.cache_salt,
         lora,
+        keep,
         user: c.user,
         headers,
         ignored: ignored.clone(),

@@ -309,6 +309,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         priority: c.priority,
         cache_salt: c.cache_salt,
         lora,
+        keep: None,
         user: c.user,
         headers: ignored_header(&ignored).into_iter().collect(),
         ignored: ignored.clone(),

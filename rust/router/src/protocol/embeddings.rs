@@ -178,6 +178,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         priority: f.priority.unwrap_or(0),
         cache_salt: f.cache_salt,
         lora,
+        keep: None,
         user: f.user,
         headers: ignored_header(&ignored).into_iter().collect(),
         ignored: ignored.clone(),

@@ -38,6 +38,7 @@ pub mod messages;
 pub mod responses;
 mod schema_check;
 pub(crate) mod schema_edit;
+pub mod stored_chat;
 pub mod tokenize;
 
 /// The routes the router understands. `Chat` and `Completion` generate (see
@@ -139,6 +140,8 @@ pub struct Prepared {
     /// Lower runs first (vLLM's convention); 0 when not sent.
     pub priority: i32,
     pub cache_salt: Option<String>,
+    /// `store: true` on a chat request: what keeps the finished completion (None: not kept).
+    pub keep: Option<std::sync::Arc<crate::chat_store::Keep>>,
     /// The LoRA adapter the request's `model` names: its index in
     /// `RouterConfig::lora_adapters` plus one (0: the base model).
     pub lora: u32,

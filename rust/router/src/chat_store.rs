@@ -1,0 +1,297 @@
+//! Stored chat completions (`store: true` on `/v1/chat/completions`, OpenAI's): each kept
+//! completion, its request's messages and its `metadata`, for `GET /v1/chat/completions`
+//! (a list, filtered by `model` and `metadata`), `GET`/`POST`/`DELETE
+//! /v1/chat/completions/{id}` and `GET /v1/chat/completions/{id}/messages`.
+//!
+//! Kept in this process's memory as JSON text within `--responses-store-mib` (counted apart
+//! from the stored responses and the conversations), the oldest forgotten first; one larger
+//! than the whole bound is not kept. A completion streamed is kept as the same request's
+//! non-streamed body (without vLLM's `token_ids`, which the stream carried).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// One kept completion.
+#[derive(Debug)]
+pub struct StoredChat {
+    /// The completion object as the client got it (non-streamed), JSON text.
+    body: Vec<u8>,
+    /// Its request's messages as OpenAI lists them (each with an `id`), a JSON array.
+    messages: Vec<u8>,
+    model: String,
+    metadata: Map<String, Value>,
+}
+
+impl StoredChat {
+    fn bytes(&self) -> usize {
+        let metadata: usize = self.metadata.iter().map(|(k, v)| k.len() + v.as_str().map_or(0, str::len)).sum();
+        self.body.len() + self.messages.len() + self.model.len() + metadata + 128
+    }
+
+    /// The completion object, with its `metadata`.
+    fn object(&self) -> Value {
+        let mut body: Value = serde_json::from_slice(&self.body).unwrap_or_default();
+        body["metadata"] = Value::Object(self.metadata.clone());
+        body
+    }
+}
+
+/// What a request with `store: true` keeps once its completion is done.
+#[derive(Debug)]
+pub struct Keep {
+    store: Arc<ChatStore>,
+    messages: Vec<u8>,
+    model: String,
+    metadata: Map<String, Value>,
+}
+
+impl Keep {
+    /// `messages`: the request's, as sent; `id`: the completion's (each message's id is it and
+    /// the message's place).
+    pub fn new(store: Arc<ChatStore>, id: &str, messages: &[Value], model: &str, metadata: Map<String, Value>) -> Self {
+        let listed: Vec<Value> = messages.iter().enumerate().map(|(i, m)| listed(id, i, m)).collect();
+        let messages = serde_json::to_vec(&listed).expect("JSON values serialize");
+        Self { store, messages, model: model.to_string(), metadata }
+    }
+
+    /// Keeps the completion `body` (a non-streamed body's JSON) under `id`.
+    pub fn put(&self, id: &str, body: Vec<u8>) {
+        let stored = StoredChat {
+            body,
+            messages: self.messages.clone(),
+            model: self.model.clone(),
+            metadata: self.metadata.clone(),
+        };
+        self.store.put(id, stored);
+    }
+}
+
+impl PartialEq for Keep {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.store, &other.store)
+            && (&self.messages, &self.model, &self.metadata) == (&other.messages, &other.model, &other.metadata)
+    }
+}
+
+/// A request message as a stored completion lists it: with an `id`, its text `content` (a list
+/// of parts joined, the parts kept as `content_parts`), its other keys as sent.
+fn listed(id: &str, i: usize, message: &Value) -> Value {
+    let mut out = message.as_object().cloned().unwrap_or_default();
+    if let Some(Value::Array(parts)) = out.get("content").cloned() {
+        let text: String = parts.iter().filter_map(|p| p["text"].as_str()).collect();
+        out.insert("content".into(), json!(text));
+        out.insert("content_parts".into(), Value::Array(parts));
+    } else {
+        out.entry("content_parts").or_insert(Value::Null);
+    }
+    out.insert("id".into(), json!(format!("{id}-{i}")));
+    Value::Object(out)
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<String, (Arc<StoredChat>, usize)>,
+    /// Ids, oldest first.
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+impl Inner {
+    fn remove(&mut self, id: &str) -> bool {
+        let Some((_, size)) = self.map.remove(id) else { return false };
+        self.bytes -= size;
+        self.order.retain(|k| k != id);
+        true
+    }
+}
+
+/// The kept completions, up to `capacity` bytes (0: none are kept).
+pub struct ChatStore {
+    capacity: usize,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for ChatStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatStore").field("capacity", &self.capacity).finish_non_exhaustive()
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        message: format!(
+            "No stored chat completion with id {id:?}: it was not stored (`store: true`), was deleted, or was \
+             forgotten to keep this server's store within its bound (--responses-store-mib)."
+        ),
+    }
+}
+
+impl ChatStore {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, inner: Mutex::new(Inner::default()) }
+    }
+
+    /// Whether completions are kept at all.
+    pub fn enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // (every change is one insert or remove followed by its byte count)
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `stored` under `id` (replacing one of that id), forgetting the oldest past the
+    /// bound; one larger than the whole bound is not kept.
+    pub fn put(&self, id: &str, stored: StoredChat) {
+        let size = stored.bytes();
+        if size > self.capacity {
+            return;
+        }
+        let mut inner = self.lock();
+        inner.remove(id);
+        while inner.bytes + size > self.capacity {
+            let Some(oldest) = inner.order.front().cloned() else { break };
+            inner.remove(&oldest);
+        }
+        inner.bytes += size;
+        inner.order.push_back(id.to_string());
+        inner.map.insert(id.to_string(), (Arc::new(stored), size));
+    }
+
+    fn get(&self, id: &str) -> Result<Arc<StoredChat>, ApiError> {
+        self.lock().map.get(id).map(|(s, _)| s.clone()).ok_or_else(|| not_found(id))
+    }
+
+    /// `GET /v1/chat/completions/{id}`: the completion, with its `metadata`.
+    pub fn object(&self, id: &str) -> Result<Value, ApiError> {
+        Ok(self.get(id)?.object())
+    }
+
+    /// `POST /v1/chat/completions/{id}`: replaces its `metadata`; the completion.
+    pub fn update(&self, id: &str, metadata: Map<String, Value>) -> Result<Value, ApiError> {
+        let old = self.get(id)?;
+        let new =
+            StoredChat { body: old.body.clone(), messages: old.messages.clone(), model: old.model.clone(), metadata };
+        let object = new.object();
+        let mut inner = self.lock();
+        // (in place, keeping its age; gone meanwhile: a 404)
+        let (entry, size) = inner.map.get_mut(id).ok_or_else(|| not_found(id))?;
+        let (before, after) = (*size, new.bytes());
+        (*entry, *size) = (Arc::new(new), after);
+        inner.bytes = inner.bytes + after - before;
+        Ok(object)
+    }
+
+    /// `DELETE /v1/chat/completions/{id}`.
+    pub fn delete(&self, id: &str) -> Result<Value, ApiError> {
+        if !self.lock().remove(id) {
+            return Err(not_found(id));
+        }
+        Ok(json!({"id": id, "object": "chat.completion.deleted", "deleted": true}))
+    }
+
+    /// `GET /v1/chat/completions`: a page of the kept completions of `model` (all when None)
+    /// whose metadata holds every pair of `metadata`, oldest first with `order` "asc"
+    /// (OpenAI's default here).
+    pub fn list(
+        &self,
+        model: Option<&str>,
+        metadata: &[(String, String)],
+        order: &str,
+        limit: Option<&str>,
+        after: Option<&str>,
+    ) -> Result<Value, ApiError> {
+        let matching: Vec<(String, Arc<StoredChat>)> = {
+            let inner = self.lock();
+            inner
+                .order
+                .iter()
+                .filter_map(|id| Some((id.clone(), inner.map.get(id)?.0.clone())))
+                .filter(|(_, s)| model.is_none_or(|m| s.model == m))
+                .filter(|(_, s)| metadata.iter().all(|(k, v)| s.metadata.get(k).and_then(Value::as_str) == Some(v)))
+                .collect()
+        };
+        let ids: Vec<Value> = matching.iter().map(|(id, _)| json!({"id": id})).collect();
+        let (page, has_more) = crate::response_store::page_of(ids, order, limit, after)?;
+        let by_id: HashMap<&str, &Arc<StoredChat>> = matching.iter().map(|(id, s)| (id.as_str(), s)).collect();
+        let data: Vec<Value> = page.iter().filter_map(|i| Some(by_id.get(i["id"].as_str()?)?.object())).collect();
+        Ok(list_body(data, has_more))
+    }
+
+    /// `GET /v1/chat/completions/{id}/messages`: a page of its request's messages.
+    pub fn messages(&self, id: &str, order: &str, limit: Option<&str>, after: Option<&str>) -> Result<Value, ApiError> {
+        let stored = self.get(id)?;
+        let messages: Vec<Value> = serde_json::from_slice(&stored.messages).unwrap_or_default();
+        let (page, has_more) = crate::response_store::page_of(messages, order, limit, after)?;
+        Ok(list_body(page, has_more))
+    }
+}
+
+fn list_body(data: Vec<Value>, has_more: bool) -> Value {
+    json!({
+        "object": "list",
+        "first_id": data.first().map(|i| i["id"].clone()),
+        "last_id": data.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": data,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(id: &str) -> Vec<u8> {
+        serde_json::to_vec(&json!({"id": id, "object": "chat.completion", "choices": []})).unwrap()
+    }
+
+    fn keep(store: &Arc<ChatStore>, id: &str, model: &str, tag: &str) {
+        let metadata: Map<String, Value> = [("tag".to_string(), json!(tag))].into_iter().collect();
+        let messages =
+            [json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})];
+        Keep::new(store.clone(), id, &messages, model, metadata).put(id, body(id));
+    }
+
+    #[test]
+    fn completions_are_listed_filtered_and_edited() {
+        let store = Arc::new(ChatStore::new(1 << 20));
+        keep(&store, "c1", "m", "x");
+        keep(&store, "c2", "other", "x");
+        keep(&store, "c3", "m", "y");
+        let ids = |v: Value| -> Vec<String> {
+            v["data"].as_array().unwrap().iter().map(|i| i["id"].as_str().unwrap().to_string()).collect()
+        };
+        assert_eq!(ids(store.list(None, &[], "asc", None, None).unwrap()), ["c1", "c2", "c3"]);
+        assert_eq!(ids(store.list(Some("m"), &[], "desc", None, None).unwrap()), ["c3", "c1"]);
+        let tagged = [("tag".to_string(), "x".to_string())];
+        assert_eq!(ids(store.list(None, &tagged, "asc", Some("1"), Some("c1")).unwrap()), ["c2"]);
+        assert_eq!(store.object("c1").unwrap()["metadata"], json!({"tag": "x"}));
+        let messages = store.messages("c1", "asc", None, None).unwrap();
+        assert_eq!(messages["data"][0]["id"], "c1-0");
+        assert_eq!(messages["data"][0]["content"], "ab");
+        assert_eq!(messages["data"][0]["content_parts"][1]["text"], "b");
+        let edited: Map<String, Value> = [("tag".to_string(), json!("z"))].into_iter().collect();
+        assert_eq!(store.update("c1", edited).unwrap()["metadata"], json!({"tag": "z"}));
+        assert_eq!(ids(store.list(None, &tagged, "asc", None, None).unwrap()), ["c2"]);
+        assert_eq!(store.delete("c2").unwrap()["deleted"], true);
+        assert_eq!(store.object("c2").unwrap_err().status(), 404);
+        assert_eq!(store.delete("c2").unwrap_err().status(), 404);
+        assert_eq!(store.list(None, &[], "up", None, None).unwrap_err().param(), Some("order"));
+    }
+
+    #[test]
+    fn the_oldest_go_first_past_the_bound() {
+        let one = StoredChat { body: body("c0"), messages: b"[]".to_vec(), model: "m".into(), metadata: Map::new() };
+        let store = Arc::new(ChatStore::new(2 * one.bytes() + one.bytes() / 2));
+        for id in ["c1", "c2", "c3"] {
+            Keep::new(store.clone(), id, &[], "m", Map::new()).put(id, body(id));
+        }
+        assert_eq!(store.object("c1").unwrap_err().status(), 404);
+        assert!(store.object("c2").is_ok() && store.object("c3").is_ok());
+    }
+}
