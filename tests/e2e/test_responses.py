@@ -430,15 +430,18 @@ def test_forced_calls_are_function_call_items(hermes):
                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
         assert chat.choices[0].message.tool_calls[0].function.arguments == calls[0].arguments
         assert chat.usage.prompt_tokens == r.usage.input_tokens
-        # a streamed chat call kept by `store` is kept as the non-streamed body: the same call
-        chunks = list(client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
-            temperature=0, max_completion_tokens=200, store=True, stream=True,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        # a streamed chat call kept by `store` is kept as the non-streamed body: the same call,
+        # and every token's logprob (call markup included)
+        call_req = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
+                        temperature=0, max_completion_tokens=200, logprobs=True,
+                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        whole = client.chat.completions.create(**call_req).choices[0]
+        chunks = list(client.chat.completions.create(**call_req, store=True, stream=True))
         kept = client.chat.completions.retrieve(chunks[0].id).choices[0]
         assert kept.message.tool_calls[0].function == chat.choices[0].message.tool_calls[0].function
         assert (kept.message.content, kept.finish_reason) == (chat.choices[0].message.content,
                                                               chat.choices[0].finish_reason)
+        assert [t.token for t in kept.logprobs.content] == [t.token for t in whole.logprobs.content]
         assert r.tools[0].name == "get_weather" and r.tool_choice.name == "get_weather"
 
         events = _events(client, **req)

@@ -184,7 +184,7 @@ def test_405_names_allowed_methods_in_openai_error_shape():
         async with _client(app) as c:
             cases = (("POST", "/v1/models", {"GET", "HEAD"}),
                      ("DELETE", "/v1/models/tiny", {"GET", "HEAD"}),
-                     ("GET", "/v1/chat/completions", {"POST"}),
+                     ("PUT", "/v1/chat/completions", {"POST", "GET", "HEAD"}),
                      ("PUT", "/health", {"GET", "HEAD"}))
             for method, path, allowed in cases:
                 r = await c.request(method, path)

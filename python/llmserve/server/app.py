@@ -81,7 +81,7 @@ async def _on_unexpected(request: Request, exc: Exception) -> Response:
 
 
 ROUTES = [
-    Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+    Route("/v1/chat/completions", routes.chat_completions, methods=["POST", "GET"]),
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/responses", routes.responses, methods=["POST"]),
     Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
@@ -98,7 +98,6 @@ ROUTES = [
     Route("/v1/conversations/{conversation_id}/items/{item_id}", routes.conversation_items, methods=["GET", "DELETE"]),
     Route("/v1/chat/completions/render", routes.chat_render, methods=["POST"]),
     # (after the render route, which would otherwise be read as a stored completion's id)
-    Route("/v1/chat/completions", routes.stored_chat_completions, methods=["GET"]),
     Route("/v1/chat/completions/{completion_id}", routes.stored_chat_completions, methods=["GET", "POST", "DELETE"]),
     Route("/v1/chat/completions/{completion_id}/messages", routes.stored_chat_messages, methods=["GET"]),
     Route("/v1/completions/render", routes.completion_render, methods=["POST"]),

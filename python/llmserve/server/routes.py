@@ -243,6 +243,9 @@ async def _until_disconnect_raw(receive) -> None:
 
 
 async def chat_completions(request: Request) -> Response:
+    """POST generates; GET lists the completions kept by `store: true`."""
+    if request.method in ("GET", "HEAD"):
+        return await _stored_chat(request, messages=False)
     return await _generate(request, "chat")
 
 
@@ -297,8 +300,9 @@ async def _conversations(request: Request, items: bool) -> Response:
     which answers them from its conversation store."""
     path = request.path_params
     body = await read_body(request) if request.method == "POST" else b""
+    method = "GET" if request.method == "HEAD" else request.method   # (Starlette sends no body back)
     out, headers = await asyncio.to_thread(
-        _engine(request).router.conversations, request.method, path.get("conversation_id"), path.get("item_id"),
+        _engine(request).router.conversations, method, path.get("conversation_id"), path.get("item_id"),
         items, list(request.query_params.multi_items()), body)
     return Response(out, media_type=JSON, headers=dict(headers))
 
@@ -307,14 +311,15 @@ async def _stored_chat(request: Request, messages: bool) -> Response:
     """OpenAI's stored chat completions (`store: true`): the path's id, the query and the body
     go to the router, which answers them from its store."""
     body = await read_body(request) if request.method == "POST" else b""
+    method = "GET" if request.method == "HEAD" else request.method   # (Starlette sends no body back)
     out, headers = await asyncio.to_thread(
-        _engine(request).router.stored_chat, request.method, request.path_params.get("completion_id"), messages,
+        _engine(request).router.stored_chat, method, request.path_params.get("completion_id"), messages,
         list(request.query_params.multi_items()), body)
     return Response(out, media_type=JSON, headers=dict(headers))
 
 
 async def stored_chat_completions(request: Request) -> Response:
-    """GET /v1/chat/completions (the kept completions), /v1/chat/completions/{id}."""
+    """/v1/chat/completions/{id}: a kept completion."""
     return await _stored_chat(request, messages=False)
 
 

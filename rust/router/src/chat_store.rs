@@ -24,6 +24,8 @@ pub struct StoredChat {
     messages: Vec<u8>,
     model: String,
     metadata: Map<String, Value>,
+    /// Its `created` (lists are ordered by it, as OpenAI's).
+    created: u64,
 }
 
 impl StoredChat {
@@ -58,13 +60,14 @@ impl Keep {
         Self { store, messages, model: model.to_string(), metadata }
     }
 
-    /// Keeps the completion `body` (a non-streamed body's JSON) under `id`.
-    pub fn put(&self, id: &str, body: Vec<u8>) {
+    /// Keeps the completion `body` (a non-streamed body's JSON, `created` then) under `id`.
+    pub fn put(&self, id: &str, body: Vec<u8>, created: u64) {
         let stored = StoredChat {
             body,
             messages: self.messages.clone(),
             model: self.model.clone(),
             metadata: self.metadata.clone(),
+            created,
         };
         self.store.put(id, stored);
     }
@@ -101,6 +104,14 @@ struct Inner {
 }
 
 impl Inner {
+    /// Forgets the oldest completions but `keep` until `extra` more bytes fit in `capacity`.
+    fn make_room(&mut self, capacity: usize, extra: usize, keep: &str) {
+        while self.bytes + extra > capacity {
+            let Some(oldest) = self.order.iter().find(|k| *k != keep).cloned() else { break };
+            self.remove(&oldest);
+        }
+    }
+
     fn remove(&mut self, id: &str) -> bool {
         let Some((_, size)) = self.map.remove(id) else { return false };
         self.bytes -= size;
@@ -146,18 +157,15 @@ impl ChatStore {
     }
 
     /// Keeps `stored` under `id` (replacing one of that id), forgetting the oldest past the
-    /// bound; one larger than the whole bound is not kept.
+    /// bound; one larger than the whole bound is not kept (and the id then names nothing).
     pub fn put(&self, id: &str, stored: StoredChat) {
         let size = stored.bytes();
+        let mut inner = self.lock();
+        inner.remove(id);
         if size > self.capacity {
             return;
         }
-        let mut inner = self.lock();
-        inner.remove(id);
-        while inner.bytes + size > self.capacity {
-            let Some(oldest) = inner.order.front().cloned() else { break };
-            inner.remove(&oldest);
-        }
+        inner.make_room(self.capacity, size, id);
         inner.bytes += size;
         inner.order.push_back(id.to_string());
         inner.map.insert(id.to_string(), (Arc::new(stored), size));
@@ -172,19 +180,26 @@ impl ChatStore {
         Ok(self.get(id)?.object())
     }
 
-    /// `POST /v1/chat/completions/{id}`: replaces its `metadata`; the completion.
+    /// `POST /v1/chat/completions/{id}`: replaces its `metadata` (in place, keeping its age,
+    /// and forgetting the oldest others should it grow past the bound); the completion.
     pub fn update(&self, id: &str, metadata: Map<String, Value>) -> Result<Value, ApiError> {
-        let old = self.get(id)?;
-        let new =
-            StoredChat { body: old.body.clone(), messages: old.messages.clone(), model: old.model.clone(), metadata };
-        let object = new.object();
-        let mut inner = self.lock();
-        // (in place, keeping its age; gone meanwhile: a 404)
-        let (entry, size) = inner.map.get_mut(id).ok_or_else(|| not_found(id))?;
-        let (before, after) = (*size, new.bytes());
-        (*entry, *size) = (Arc::new(new), after);
-        inner.bytes = inner.bytes + after - before;
-        Ok(object)
+        let new = {
+            let mut inner = self.lock();
+            let (entry, size) = inner.map.get_mut(id).ok_or_else(|| not_found(id))?;
+            let new = Arc::new(StoredChat {
+                body: entry.body.clone(),
+                messages: entry.messages.clone(),
+                model: entry.model.clone(),
+                metadata,
+                created: entry.created,
+            });
+            let (before, after) = (*size, new.bytes());
+            (*entry, *size) = (new.clone(), after);
+            inner.bytes = inner.bytes + after - before;
+            inner.make_room(self.capacity, 0, id);
+            new
+        };
+        Ok(new.object())
     }
 
     /// `DELETE /v1/chat/completions/{id}`.
@@ -206,7 +221,7 @@ impl ChatStore {
         limit: Option<&str>,
         after: Option<&str>,
     ) -> Result<Value, ApiError> {
-        let matching: Vec<(String, Arc<StoredChat>)> = {
+        let mut matching: Vec<(String, Arc<StoredChat>)> = {
             let inner = self.lock();
             inner
                 .order
@@ -216,6 +231,8 @@ impl ChatStore {
                 .filter(|(_, s)| metadata.iter().all(|(k, v)| s.metadata.get(k).and_then(Value::as_str) == Some(v)))
                 .collect()
         };
+        // (by `created`, as OpenAI's; those created in one second as they were kept)
+        matching.sort_by_key(|(_, s)| s.created);
         let ids: Vec<Value> = matching.iter().map(|(id, _)| json!({"id": id})).collect();
         let (page, has_more) = crate::response_store::page_of(ids, order, limit, after)?;
         let by_id: HashMap<&str, &Arc<StoredChat>> = matching.iter().map(|(id, s)| (id.as_str(), s)).collect();
@@ -254,7 +271,7 @@ mod tests {
         let metadata: Map<String, Value> = [("tag".to_string(), json!(tag))].into_iter().collect();
         let messages =
             [json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})];
-        Keep::new(store.clone(), id, &messages, model, metadata).put(id, body(id));
+        Keep::new(store.clone(), id, &messages, model, metadata).put(id, body(id), 0);
     }
 
     #[test]
@@ -286,12 +303,44 @@ mod tests {
 
     #[test]
     fn the_oldest_go_first_past_the_bound() {
-        let one = StoredChat { body: body("c0"), messages: b"[]".to_vec(), model: "m".into(), metadata: Map::new() };
+        let one = StoredChat {
+            body: body("c0"),
+            messages: b"[]".to_vec(),
+            model: "m".into(),
+            metadata: Map::new(),
+            created: 0,
+        };
         let store = Arc::new(ChatStore::new(2 * one.bytes() + one.bytes() / 2));
         for id in ["c1", "c2", "c3"] {
-            Keep::new(store.clone(), id, &[], "m", Map::new()).put(id, body(id));
+            Keep::new(store.clone(), id, &[], "m", Map::new()).put(id, body(id), 0);
         }
         assert_eq!(store.object("c1").unwrap_err().status(), 404);
         assert!(store.object("c2").is_ok() && store.object("c3").is_ok());
+        // metadata that grows one past the bound forgets the oldest other
+        let big: Map<String, Value> = [("k".to_string(), json!("v".repeat(200)))].into_iter().collect();
+        store.update("c3", big).unwrap();
+        assert!(store.object("c2").is_err() && store.object("c3").is_ok());
+        assert!(store.lock().bytes <= store.capacity);
+        // an id reused by a completion too large to keep names nothing (not the older one)
+        let huge = StoredChat {
+            body: vec![b' '; 4096],
+            messages: vec![],
+            model: "m".into(),
+            metadata: Map::new(),
+            created: 0,
+        };
+        store.put("c3", huge);
+        assert_eq!(store.object("c3").unwrap_err().status(), 404);
+    }
+
+    #[test]
+    fn lists_are_ordered_by_created() {
+        let store = Arc::new(ChatStore::new(1 << 20));
+        for (id, created) in [("late", 9), ("early", 3), ("mid", 5)] {
+            Keep::new(store.clone(), id, &[], "m", Map::new()).put(id, body(id), created);
+        }
+        let page = store.list(None, &[], "asc", None, None).unwrap();
+        let ids: Vec<&str> = page["data"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["early", "mid", "late"]);
     }
 }

@@ -1023,7 +1023,12 @@ impl ResponseBuilder {
         let mut pending_lp = None;
         if self.stream && self.logprobs && text.is_empty() && !delta.tokens.is_empty() {
             let mut lps = std::mem::take(&mut self.choices[idx].held_lp);
-            lps.extend(self.chat_logprobs(delta.tokens));
+            let these = self.chat_logprobs(delta.tokens);
+            if self.whole {
+                // (a kept stream's body lists them as a non-streamed one does)
+                self.choices[idx].chat_lp.content.extend(these.iter().cloned());
+            }
+            lps.extend(these);
             self.push_plain(choice, &ChoiceDelta { text: "", tokens: &[], finish: None, stop_reason: None, ..*delta });
             if events.iter().any(pieces) || finish.is_some() {
                 pending_lp = Some(ChatLogprobs { content: lps });
@@ -1253,7 +1258,7 @@ impl ResponseBuilder {
                 self.frame::<ChatChunkChoice>(Vec::new(), Some(usage));
             }
             if let Some(keep) = &self.keep {
-                keep.put(&self.id, self.whole_body());
+                keep.put(&self.id, self.whole_body(), self.created);
             }
             let mut out = self.take();
             out.extend_from_slice(b"data: [DONE]\n\n");
@@ -1270,7 +1275,7 @@ impl ResponseBuilder {
         }
         let body = self.whole_body();
         if let Some(keep) = &self.keep {
-            keep.put(&self.id, body.clone());
+            keep.put(&self.id, body.clone(), self.created);
         }
         body
     }

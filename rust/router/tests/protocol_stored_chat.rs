@@ -110,3 +110,15 @@ fn the_routes_list_filter_edit_and_forget() {
     let storeless = router_with(json!({"responses_store_bytes": 0}), Some(TEMPLATE));
     assert_eq!(shape(call(&storeless, "GET", Target::All, &[], Value::Null)).0, 404);
 }
+
+/// Under --strict-fields a request that is refused for what it carries changes nothing.
+#[test]
+fn a_strictly_refused_edit_changes_nothing() {
+    let r = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let p = chat(&r, json!({"store": true, "metadata": {"run": "1"}})).unwrap();
+    answer(&p);
+    let edit = json!({"metadata": {"run": "2"}, "zzz": 1});
+    assert_eq!(shape(call(&r, "POST", Target::One(&p.id), &[], edit)).2.as_deref(), Some("zzz"));
+    assert_eq!(shape(call(&r, "DELETE", Target::One(&p.id), &[("zzz", "1")], Value::Null)).2.as_deref(), Some("zzz"));
+    assert_eq!(call(&r, "GET", Target::One(&p.id), &[], Value::Null).unwrap()["metadata"], json!({"run": "1"}));
+}

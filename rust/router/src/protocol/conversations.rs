@@ -117,7 +117,9 @@ pub fn handle(
         }
         ("DELETE", Target::One(id)) => {
             read(&[]);
-            store.delete(id)?
+            // (under --strict-fields, a request that would be refused changes nothing)
+            let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+            return answer(&store.delete(id)?, &ignored);
         }
         ("POST", Target::Items(id)) => {
             read(&[]);
@@ -154,7 +156,8 @@ pub fn handle(
         }
         ("DELETE", Target::Item(id, item)) => {
             read(&[]);
-            store.delete_item(id, item)?
+            let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+            return answer(&store.delete_item(id, item)?, &ignored);
         }
         (other, _) => {
             return Err(ApiError::with_code(

@@ -30,6 +30,12 @@ pub enum Target<'a> {
     Messages(&'a str),
 }
 
+impl Target<'_> {
+    fn is_one(&self) -> bool {
+        matches!(self, Self::One(_))
+    }
+}
+
 /// Answers `method` on `target`, with the query's pairs (as sent) and the body.
 pub fn handle(
     router: &Router,
@@ -63,26 +69,30 @@ pub fn handle(
         }
     }
     let text = |k: &str| known.get(k).and_then(Value::as_str);
+    // an update's metadata, read (and what else its body holds reported) before anything changes
+    let mut update = None;
+    if (method, target.is_one()) == ("POST", true) {
+        let value = parse_body(body)?;
+        let obj = value.as_object().expect("parse_body checks");
+        update = Some(match obj.get("metadata") {
+            None => return Err(super::chat::missing("metadata".into())),
+            Some(Value::Null) => Map::new(),
+            Some(m) => {
+                let m = as_object(m, "metadata", "`metadata`")?;
+                check_metadata(m)?;
+                m.clone()
+            }
+        });
+        ignored.extend(obj.keys().filter(|k| *k != "metadata").cloned());
+    }
+    // (under --strict-fields, a request that would be refused changes nothing)
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let object = match (method, target) {
         ("GET", Target::All) => {
             store.list(text("model"), &metadata, text("order").unwrap_or("asc"), text("limit"), text("after"))?
         }
         ("GET", Target::One(id)) => store.object(id)?,
-        ("POST", Target::One(id)) => {
-            let value = parse_body(body)?;
-            let obj = value.as_object().expect("parse_body checks");
-            let metadata = match obj.get("metadata") {
-                None => return Err(super::chat::missing("metadata".into())),
-                Some(Value::Null) => Map::new(),
-                Some(m) => {
-                    let m = as_object(m, "metadata", "`metadata`")?;
-                    check_metadata(m)?;
-                    m.clone()
-                }
-            };
-            ignored.extend(obj.keys().filter(|k| *k != "metadata").cloned());
-            store.update(id, metadata)?
-        }
+        ("POST", Target::One(id)) => store.update(id, update.unwrap_or_default())?,
         ("DELETE", Target::One(id)) => store.delete(id)?,
         ("GET", Target::Messages(id)) => {
             store.messages(id, text("order").unwrap_or("asc"), text("limit"), text("after"))?
@@ -95,7 +105,6 @@ pub fn handle(
             ))
         }
     };
-    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let body = serde_json::to_vec(&object).expect("JSON values serialize");
     Ok(Handled { body, headers: ignored_header(&ignored).into_iter().collect() })
 }
