@@ -9,7 +9,7 @@
 //! non-streamed body (without vLLM's `token_ids`, which the stream carried).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
@@ -96,7 +96,7 @@ fn listed(id: &str, i: usize, message: &Value) -> Value {
 }
 
 #[derive(Default)]
-struct Inner {
+pub struct Inner {
     map: HashMap<String, (Arc<StoredChat>, usize)>,
     /// Ids, oldest first.
     order: VecDeque<String>,
@@ -121,16 +121,7 @@ impl Inner {
 }
 
 /// The kept completions, up to `capacity` bytes (0: none are kept).
-pub struct ChatStore {
-    capacity: usize,
-    inner: Mutex<Inner>,
-}
-
-impl std::fmt::Debug for ChatStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatStore").field("capacity", &self.capacity).finish_non_exhaustive()
-    }
-}
+pub type ChatStore = crate::bounded::Bounded<Inner>;
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound {
@@ -142,20 +133,6 @@ fn not_found(id: &str) -> ApiError {
 }
 
 impl ChatStore {
-    pub fn new(capacity: usize) -> Self {
-        Self { capacity, inner: Mutex::new(Inner::default()) }
-    }
-
-    /// Whether completions are kept at all.
-    pub fn enabled(&self) -> bool {
-        self.capacity > 0
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // (every change is one insert or remove followed by its byte count)
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Keeps `stored` under `id` (replacing one of that id), forgetting the oldest past the
     /// bound; one larger than the whole bound is not kept (and the id then names nothing).
     pub fn put(&self, id: &str, stored: StoredChat) {
@@ -237,7 +214,7 @@ impl ChatStore {
         let (page, has_more) = crate::response_store::page_of(ids, order, limit, after)?;
         let by_id: HashMap<&str, &Arc<StoredChat>> = matching.iter().map(|(id, s)| (id.as_str(), s)).collect();
         let data: Vec<Value> = page.iter().filter_map(|i| Some(by_id.get(i["id"].as_str()?)?.object())).collect();
-        Ok(list_body(data, has_more))
+        Ok(crate::response_store::list_body(data, has_more))
     }
 
     /// `GET /v1/chat/completions/{id}/messages`: a page of its request's messages.
@@ -245,18 +222,8 @@ impl ChatStore {
         let stored = self.get(id)?;
         let messages: Vec<Value> = serde_json::from_slice(&stored.messages).unwrap_or_default();
         let (page, has_more) = crate::response_store::page_of(messages, order, limit, after)?;
-        Ok(list_body(page, has_more))
+        Ok(crate::response_store::list_body(page, has_more))
     }
-}
-
-fn list_body(data: Vec<Value>, has_more: bool) -> Value {
-    json!({
-        "object": "list",
-        "first_id": data.first().map(|i| i["id"].clone()),
-        "last_id": data.last().map(|i| i["id"].clone()),
-        "has_more": has_more,
-        "data": data,
-    })
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
@@ -68,7 +68,7 @@ impl Conversation {
 }
 
 #[derive(Default)]
-struct Inner {
+pub struct Inner {
     map: HashMap<String, Conversation>,
     bytes: usize,
     clock: u64,
@@ -156,32 +156,9 @@ fn too_large(param: &str) -> ApiError {
 }
 
 /// The conversations kept, up to `capacity` bytes (0: none are).
-pub struct ConversationStore {
-    capacity: usize,
-    inner: Mutex<Inner>,
-}
-
-impl std::fmt::Debug for ConversationStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConversationStore").field("capacity", &self.capacity).finish_non_exhaustive()
-    }
-}
+pub type ConversationStore = crate::bounded::Bounded<Inner>;
 
 impl ConversationStore {
-    pub fn new(capacity: usize) -> Self {
-        Self { capacity, inner: Mutex::new(Inner::default()) }
-    }
-
-    /// Whether conversations are kept at all.
-    pub fn enabled(&self) -> bool {
-        self.capacity > 0
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // (every change is one insert, remove or edit followed by its byte count)
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// A new conversation of `items` (each listed, with its `id`): its object.
     pub fn create(&self, metadata: Map<String, Value>, items: &[Value]) -> Result<Value, ApiError> {
         let id = crate::protocol::common::new_id("conv").replacen('-', "_", 1);

@@ -7,6 +7,7 @@
 //! (`detokenizer`) and response/SSE building (`response`). It knows no PyO3 and no HTTP
 //! server; `cargo test` exercises all of it.
 
+pub mod bounded;
 pub mod chat_store;
 pub mod content_format;
 pub mod conversation_store;

@@ -14,7 +14,7 @@
 //! indexes the ids and reads the item back from the newest response that holds it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 
@@ -60,7 +60,7 @@ impl Stored {
 }
 
 #[derive(Default)]
-struct Inner {
+pub struct Inner {
     map: HashMap<String, (Arc<Stored>, usize)>,
     /// Ids, oldest first.
     order: VecDeque<String>,
@@ -87,37 +87,13 @@ impl Inner {
 }
 
 /// The responses kept, up to `capacity` bytes (0: none are kept).
-pub struct ResponseStore {
-    capacity: usize,
-    inner: Mutex<Inner>,
-}
-
-impl std::fmt::Debug for ResponseStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseStore").field("capacity", &self.capacity).finish_non_exhaustive()
-    }
-}
+pub type ResponseStore = crate::bounded::Bounded<Inner>;
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NotFound { message: format!("No response with id {id:?}: it was never stored, was deleted, or was forgotten to keep the store within its bound.") }
 }
 
 impl ResponseStore {
-    pub fn new(capacity: usize) -> Self {
-        Self { capacity, inner: Mutex::new(Inner::default()) }
-    }
-
-    /// Whether responses are kept at all.
-    pub fn enabled(&self) -> bool {
-        self.capacity > 0
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // (a panic while holding the lock leaves consistent data: every change is one insert
-        // or remove followed by its bookkeeping)
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Keeps `stored` under `id`, forgetting the oldest responses past the bound. One larger
     /// than the whole bound is not kept.
     pub fn put(&self, id: &str, stored: Stored) {
@@ -196,14 +172,18 @@ pub(crate) fn page(
     after: Option<&str>,
 ) -> Result<Vec<u8>, ApiError> {
     let (page, has_more) = page_of(items, order, limit, after)?;
-    let body = json!({
+    Ok(serde_json::to_vec(&list_body(page, has_more)).expect("JSON serializes"))
+}
+
+/// OpenAI's list object of `data` (each with an `id`).
+pub(crate) fn list_body(data: Vec<Value>, has_more: bool) -> Value {
+    json!({
         "object": "list",
-        "first_id": page.first().map(|i| i["id"].clone()),
-        "last_id": page.last().map(|i| i["id"].clone()),
+        "first_id": data.first().map(|i| i["id"].clone()),
+        "last_id": data.last().map(|i| i["id"].clone()),
         "has_more": has_more,
-        "data": page,
-    });
-    Ok(serde_json::to_vec(&body).expect("JSON serializes"))
+        "data": data,
+    })
 }
 
 /// `page`'s items, and whether more come after them.

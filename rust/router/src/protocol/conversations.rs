@@ -136,7 +136,7 @@ pub fn handle(
             ignored.extend(super::chat::unknown_keys_in(obj, &["items"], "").into_iter().map(top));
             let ignored = settle_ignored(ignored, router.config.strict_fields)?;
             store.append(id, &items, "items", false)?;
-            return answer(&list(shown(items, logprobs)), &ignored);
+            return answer(&crate::response_store::list_body(shown(items, logprobs), false), &ignored);
         }
         ("GET", Target::Items(id)) => {
             let q = read(&["order", "limit", "after"]);
@@ -191,17 +191,6 @@ fn top(path: String) -> String {
 fn answer(object: &Value, ignored: &[String]) -> Result<Handled, ApiError> {
     let body = serde_json::to_vec(object).expect("JSON values serialize");
     Ok(Handled { body, headers: ignored_header(ignored).into_iter().collect() })
-}
-
-/// All of `items`, as a list page.
-fn list(items: Vec<Value>) -> Value {
-    json!({
-        "object": "list",
-        "first_id": items.first().map(|i| i["id"].clone()),
-        "last_id": items.last().map(|i| i["id"].clone()),
-        "has_more": false,
-        "data": items,
-    })
 }
 
 /// `metadata`: an object of OpenAI's limits (absent or null: none).
