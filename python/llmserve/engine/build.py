@@ -172,9 +172,10 @@ def system_fingerprint(weights: Mapping[str, torch.Tensor] | list[bytes], *numer
     return "fp_" + h.hexdigest()[:10]
 
 
-def _attach_lora(cfg: Config, ck, model, dtype: torch.dtype, device: torch.device) -> list:
-    """Loads --lora-modules' adapters and installs them on `model` (models/lora.py): the
-    loaded adapters, in the order given (none: [])."""
+def _attach_lora(cfg: Config, ck, model, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """Loads --lora-modules' adapters and installs them on `model` (models/lora.py): each
+    loaded adapter with its path as given and its parent name (or None), in the order given
+    (none: [])."""
     specs = cfg.model.lora_adapters()
     if not specs:
         return []
@@ -183,21 +184,21 @@ def _attach_lora(cfg: Config, ck, model, dtype: torch.dtype, device: torch.devic
 
     adapters = []
     try:
-        for name, path, _ in specs:
+        for name, path, parent in specs:
             try:
                 folder = local_folder(path, log)
             except LoadError as exc:
                 raise lora.LoraError(f"LoRA adapter {name!r}: {exc}") from None
-            adapters.append(lora.load_adapter(name, str(folder), ck.hf_config))
+            adapters.append((lora.load_adapter(name, str(folder), ck.hf_config), path, parent))
             # (vLLM reads an adapter's own tokenizer, for tokens it adds; this server tokenizes
             # every request with the base model's)
             if unused := sorted(f.name for f in folder.glob("tokenizer*") if f.is_file()):
                 log.warning("LoRA adapter %r: %s not used: its requests are tokenized (and rendered) as the "
                             "base model's", name, ", ".join(unused))
-        lora.attach(model, adapters, dtype, device)
+        lora.attach(model, [a for a, _, _ in adapters], dtype, device)
     except lora.LoraError as exc:
         raise SetupError(f"--lora-modules: {exc}") from exc
-    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {a.path})" for a in adapters))
+    log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {a.path})" for a, _, _ in adapters))
     return adapters
 
 
@@ -356,7 +357,7 @@ def build_engine(cfg: Config) -> Engine:
              num_blocks, block_size, num_blocks * per_block / 2**20, max_model_len)
 
     names = list(cfg.model.served_model_name) or [ck.name]
-    if clash := next((a.name for a in adapters if a.name in names), None):
+    if clash := next((a.name for a, _, _ in adapters if a.name in names), None):
         raise SetupError(f"--lora-modules names {clash!r}, the base model's name: serve the model under "
                          "another name (--served-model-name) or name the adapter otherwise")
     router_config = {
@@ -378,7 +379,7 @@ def build_engine(cfg: Config) -> Engine:
         # (the path as given: a hub id stays one)
         "lora_adapters": [{"name": a.name, "path": path, "parent": parent,
                            "system_fingerprint": _adapter_fingerprint(fingerprint, a)}
-                          for a, (_, path, parent) in zip(adapters, cfg.model.lora_adapters())],
+                          for a, path, parent in adapters],
     }
     try:
         router = Router(
