@@ -95,6 +95,33 @@ def test_an_moe_model_runs_the_cuda_path_eagerly():
     assert padded >= 15
 
 
+def test_steps_with_lora_rows_run_eagerly():
+    """A captured graph replays no LoRA adapter (it holds no Python): decode steps with adapter
+    rows skip the padded static buffers and give the CPU path's rows; decode steps of base
+    rows alone still take them (make_cuda_runner keeps graphs for a model with adapters)."""
+    from llmserve.models import lora
+
+    model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    h, q = CONFIG["hidden_size"], CONFIG["hidden_size"]
+    weights = {(layer, "self_attn.q_proj"): (torch.randn(4, h, generator=g), torch.randn(q, 4, generator=g))
+               for layer in range(CONFIG["num_hidden_layers"])}
+    lora.attach(model, [lora.Adapter("a", "/a", 4, 1.0, weights)], torch.float32, "cpu")
+    cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
+    cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
+                                max_model_len=128, cuda_graphs=False, ops=reference)
+    padded = adapted = 0
+    for plan in scenario_plans(CONFIG["vocab_size"], loras={4: 1}):   # (sequence 4 joins at step 8)
+        through = cuda_path.graphs.padded_size(plan) is not None
+        assert not (through and plan.lora_ids.any())
+        padded += through
+        adapted += bool(plan.lora_ids.any()) and len(plan.input_ids) == len(plan.seq_lens)
+        with torch.inference_mode():
+            want, got = cpu.run_model(plan), cuda_path.run_model(plan)
+        torch.testing.assert_close(got[plan.logits_indices], want[plan.logits_indices], atol=1e-4, rtol=1e-4)
+    assert padded >= 7 and adapted >= 7
+
+
 def test_padding_rows_write_nothing():
     _, cuda_path = runners()
     plans = scenario_plans(CONFIG["vocab_size"])

@@ -105,6 +105,8 @@ class DecodeGraphs:
         n = len(plan.seq_lens)
         if n == 0 or n > self.max_size or len(plan.input_ids) != n:
             return None                      # not decode-only, or too large
+        if np.asarray(plan.lora_ids).any():
+            return None                      # LoRA rows: a graph replays no adapter (models/lora.py)
         tables = np.asarray(plan.block_tables).reshape(n, -1)
         if int(np.asarray(plan.seq_lens).max()) > self.width * self.block_size:
             return None
@@ -206,13 +208,12 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
     if why is not None:
         log.warning("CUDA kernels not used (%s): serving with the torch attention path, no CUDA graphs", why)
         return ModelRunner(model, num_blocks, block_size, dtype, device, seed=seed)
-    # (an MoE layer reads on the host which experts a step runs, and LoRA adapters which
-    # rows each adapter takes: no graph can hold either)
-    eager = ("mixture-of-experts layers" if model.config.moe is not None
-             else "LoRA adapters" if getattr(model, "lora_adapters", None) else None)
-    if eager:
-        log.info("%s: decode steps run eagerly, not as CUDA graphs", eager)
-    graphs = eager is None
+    # (an MoE layer reads on the host which experts a step runs: no graph can hold it. LoRA
+    # adapters do too, which rows each takes: steps with adapter rows run eagerly, the others
+    # replay graphs, DecodeGraphs.padded_size)
+    graphs = model.config.moe is None
+    if not graphs:
+        log.info("mixture-of-experts layers: decode steps run eagerly, not as CUDA graphs")
     return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs)
 
