@@ -143,6 +143,12 @@ class ModelConfig(_Checked):
         "repeated). A request whose `model` is NAME runs through that adapter; requests for different "
         "adapters and the base model share steps.", append=True, several=True
     )
+    allow_runtime_lora_updating: bool = _f(
+        False, "Open vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and unload "
+        "LoRA adapters while the server runs (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also does). A client "
+        "with the API key can then make the server read any adapter folder it can see, or fetch one from "
+        "the Hugging Face Hub."
+    )
     max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's. As vLLM "
                                    "takes it, 32k is 32000 and 32K 32768.", min=1, human=True)
     dtype: str = _f(

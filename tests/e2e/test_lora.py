@@ -1,7 +1,8 @@
 """LoRA adapters end to end: `llmserve run MODEL --lora-modules a=PATH b=PATH` serves each
 adapter as a model of its own name beside the base model. Each name's greedy tokens equal
 transformers' on the base weights with that adapter merged into them by hand (W + scale B A),
-whether the requests run alone or side by side in the same steps, streamed or not."""
+whether the requests run alone or side by side in the same steps, streamed or not; so do
+those of adapters loaded while the server runs (vLLM's /v1/load_lora_adapter)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def lora(tmp_path_factory):
     want = _merged_greedy(folder, [(pairs_a, 8.0 / 4), (pairs_b, 16.0 / 8 ** 0.5)])
     assert len({tuple(t) for t in want}) == 3, "the adapters must change the tokens for this test to mean anything"
     server = ServerProcess(str(folder), "--served-model-name", "tiny", "--lora-modules", f"a={path_a}",
-                           f"b={path_b}")
+                           f"b={path_b}", "--allow-runtime-lora-updating")
     yield server, dict(zip(["tiny", "a", "b"], want)), (str(path_a), str(path_b))
     server.stop()
 
@@ -115,3 +116,35 @@ def test_adapters_and_the_base_share_steps(lora):
     # (vLLM's gauge of the adapters running and waiting: none now)
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert 'llmserve:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+
+
+def test_adapters_load_and_unload_while_the_server_runs(lora):
+    """With --allow-runtime-lora-updating, vLLM's routes load an adapter under a new name (it
+    generates as its merged weights, and is listed), refuse a loaded name unless
+    `load_inplace`, replace one's weights in place, and unload it (its name is then a 404)."""
+    server, want, (path_a, path_b) = lora
+    url = server.url + "/v1"
+    load = lambda **body: httpx.post(url + "/load_lora_adapter", json=body, timeout=60)   # noqa: E731
+    unload = lambda **body: httpx.post(url + "/unload_lora_adapter", json=body, timeout=60)   # noqa: E731
+    with OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120) as client:
+        r = load(lora_name="c", lora_path=path_a)
+        assert r.status_code == 200 and "'c'" in r.text, r.text
+        assert [m.id for m in client.models.list()] == ["tiny", "a", "b", "c"]
+        assert client.models.retrieve("c").model_extra["root"] == path_a
+        assert _tokens(client, "c") == want["a"]
+        r = load(lora_name="c", lora_path=path_b)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "lora_adapter_exists"), r.text
+        assert load(lora_name="c", lora_path=path_b, load_inplace=True).status_code == 200
+        assert _tokens(client, "c", stream=True) == want["b"]
+        assert _tokens(client, "a") == want["a"] and _tokens(client, "tiny") == want["tiny"]
+        r = unload(lora_name="c")
+        assert r.status_code == 200 and "'c'" in r.text, r.text
+        with pytest.raises(NotFoundError):
+            client.completions.create(model="c", prompt=PROMPT, max_tokens=1)
+        assert [m.id for m in client.models.list()] == ["tiny", "a", "b"]
+        r = unload(lora_name="c")
+        assert r.status_code == 404 and "loaded: a, b" in r.json()["error"]["message"], r.text
+        # an adapter given at start unloads too, and loads again under its name
+        assert unload(lora_name="a").status_code == 200
+        assert load(lora_name="a", lora_path=path_a).status_code == 200
+        assert _tokens(client, "a") == want["a"]

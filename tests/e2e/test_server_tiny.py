@@ -158,6 +158,10 @@ def test_models_list_and_get(client, tiny_server):
     assert client.models.retrieve("tiny-alias").id == "tiny-alias"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
+    # (vLLM's routes that load and unload LoRA adapters are closed unless the server opens them)
+    for route in ("load_lora_adapter", "unload_lora_adapter"):
+        r = httpx.post(f"{tiny_server.url}/v1/{route}", json={"lora_name": "x", "lora_path": "/tmp"})
+        assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"], r.text
 
 
 def test_tokenize_detokenize_round_trip(tiny_server):

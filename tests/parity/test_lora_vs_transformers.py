@@ -67,7 +67,7 @@ def run(runner: ModelRunner, plan, seq_adapters: list[int]) -> torch.Tensor:
     """Every token's logits, each sequence through its adapter (the plan's `lora_ids`, which the
     runner reads when it calls set_step itself)."""
     plan.lora_ids = np.asarray(seq_adapters, np.uint32)
-    lora.set_step(lora.token_adapters(plan.query_start_loc, seq_adapters))
+    lora.set_step(lora.token_adapters(plan.query_start_loc, seq_adapters), runner.model)
     try:
         with torch.inference_mode():
             return runner.model.compute_logits(runner.run_model(plan))
@@ -170,7 +170,7 @@ def test_delta_rows_are_batch_invariant():
     blocking changes a row's sums with the batch)."""
     g = torch.Generator().manual_seed(0)
     a, b = 0.05 * torch.randn(16, 576, generator=g), 0.05 * torch.randn(1536, 16, generator=g)
-    weights = lora.LoraWeights([None, (a, b)])
+    weights = lora.LoraWeights({1: (a, b)})
     x, base = torch.randn(64, 576, generator=g), torch.randn(64, 1536, generator=g)
     rows = torch.arange(1, 64, 2)
     try:
@@ -189,19 +189,19 @@ def test_token_adapters_and_step_groups():
     assert lora.token_adapters([0, 3, 4, 6], [0, 0, 0]) is None
     assert lora.token_adapters(np.array([0, 3, 4, 6], np.int32), np.array([1, 0, 2], np.uint32)).tolist() == [
         1, 1, 1, 0, 2, 2]
-    lora._step.num_adapters = 2
+    model = torch.nn.Module()
+    model.lora_adapters = {1: None, 2: None}
     try:
-        lora.set_step(torch.tensor([2, 2, 0, 2]))
+        lora.set_step(torch.tensor([2, 2, 0, 2]), model)
         assert [(i, rows.tolist()) for i, rows in lora._step.groups] == [(2, [0, 1, 3])]
-        lora.set_step(torch.tensor([1, 1]))
+        lora.set_step(torch.tensor([1, 1]), model)
         assert lora._step.groups == ((1, None),)   # (one adapter for the whole step: no indexing)
-        lora.set_step(torch.tensor([0, 0]))
+        lora.set_step(torch.tensor([0, 0]), model)
         assert lora._step.groups is None
-        with pytest.raises(ValueError, match="out of range"):
-            lora.set_step(torch.tensor([3]))
+        with pytest.raises(ValueError, match="only \\[1, 2\\] are installed"):
+            lora.set_step(torch.tensor([3]), model)
     finally:
         lora.set_step(None)
-        lora._step.num_adapters = 0
 
 
 @pytest.mark.parametrize("config,message", [

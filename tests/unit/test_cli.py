@@ -115,7 +115,8 @@ def _config(args):
 def test_vllm_spellings_are_taken(monkeypatch, caplog):
     """What a `vllm serve` command line carries over: --tool-call-parser (--tool-call-format's
     vLLM name), --async-scheduling alone and --no-async-scheduling, --allowed-origins as a JSON
-    list, VLLM_API_KEY, and the flags that mean nothing here (accepted, and said so)."""
+    list, VLLM_API_KEY, VLLM_ALLOW_RUNTIME_LORA_UPDATING, and the flags that mean nothing here
+    (accepted, and said so)."""
     assert _config(["--tool-call-parser", "hermes"]).model.tool_call_format == "hermes"
     for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("32.2k", 32200)):
         assert _config(["--max-model-len", text]).model.max_model_len == tokens
@@ -137,6 +138,12 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
     assert _config(["--api-key", "k"]).server.api_key == ("k",)
     monkeypatch.setenv("LLMSERVE_API_KEY", "l1")
     assert _config([]).server.api_key == ("l1",)   # (ours first)
+    assert not _config([]).model.allow_runtime_lora_updating
+    assert _config(["--allow-runtime-lora-updating"]).model.allow_runtime_lora_updating
+    for value, on in (("True", True), ("1", True), ("false", False), ("0", False), ("", False)):
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
+        assert _config([]).model.allow_runtime_lora_updating == on, value
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
     with caplog.at_level("INFO", logger="llmserve"):
         assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora",

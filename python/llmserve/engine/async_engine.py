@@ -261,9 +261,12 @@ class AsyncEngine:
             "cache_dtype": cfg.model.dtype,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "gpu_memory_utilization": cfg.cache.gpu_memory_utilization},
-            max_lora=len(cfg.model.lora_adapters()))
+            max_lora=max(len(cfg.model.lora_adapters()), int(cfg.model.allow_runtime_lora_updating)))
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
-                                    self._first_scheduled, plan_ahead=engine.plan_ahead)
+                                    self._first_scheduled, plan_ahead=engine.plan_ahead,
+                                    adapters=engine.adapters, router=engine.router)
+        if engine.adapters is not None:
+            engine.adapters.retire = lambda index: self._thread.post(("retire", index))
         self._thread.start()
         self.state = "ready"
 
@@ -384,6 +387,19 @@ class AsyncEngine:
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream
+
+    async def load_lora(self, body: bytes) -> tuple[str, list]:
+        """vLLM's `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path", "load_inplace"}`):
+        reads a PEFT adapter and serves it under its name; (the answer's text, headers), or
+        raises ApiError. Whether the route is open is the server's decision (app.py)."""
+        self._check_serving()
+        return await self.engine.adapters.load(self.router, body)
+
+    def unload_lora(self, body: bytes) -> tuple[str, list]:
+        """vLLM's `POST /v1/unload_lora_adapter` (`{"lora_name"}`): stops serving the adapter;
+        the requests already admitted through it finish. (text, headers), or raises ApiError."""
+        self._check_serving()
+        return self.engine.adapters.unload(self.router, body)
 
     def _admit(self, prepared: Prepared, endpoint: str) -> None:
         """--max-waiting caps the sequences waiting to start, this request's included: one

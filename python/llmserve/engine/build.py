@@ -23,6 +23,7 @@ import torch
 from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version, numerics_revision
 from llmserve.config import Config, parse_bytes
+from llmserve.engine.adapters import Adapters, adapter_fingerprint, read_adapter
 from llmserve.loaders.checkpoint import LazyWeights, LoadError
 from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
 
@@ -48,6 +49,9 @@ class Engine:
     device: torch.device
     # Plan step N+1 while the model runs step N (--async-scheduling).
     plan_ahead: bool = False
+    # The model's LoRA adapters, loaded and unloaded while it serves (None: a runner built
+    # without the build, as tests do).
+    adapters: Adapters | None = None
 
 
 class SetupError(RuntimeError):
@@ -179,37 +183,15 @@ def _attach_lora(cfg: Config, ck, model, dtype: torch.dtype, device: torch.devic
     specs = cfg.model.lora_adapters()
     if not specs:
         return []
-    from llmserve.loaders.load import local_folder
     from llmserve.models import lora
 
-    adapters = []
     try:
-        for name, path, parent in specs:
-            try:
-                folder = local_folder(path, log)
-            except LoadError as exc:
-                raise lora.LoraError(f"LoRA adapter {name!r}: {exc}") from None
-            adapters.append((lora.load_adapter(name, str(folder), ck.hf_config), path, parent))
-            # (vLLM reads an adapter's own tokenizer, for tokens it adds; this server tokenizes
-            # every request with the base model's)
-            if unused := sorted(f.name for f in folder.glob("tokenizer*") if f.is_file()):
-                log.warning("LoRA adapter %r: %s not used: its requests are tokenized (and rendered) as the "
-                            "base model's", name, ", ".join(unused))
+        adapters = [(read_adapter(name, path, ck.hf_config), path, parent) for name, path, parent in specs]
         lora.attach(model, [a for a, _, _ in adapters], dtype, device)
     except lora.LoraError as exc:
         raise SetupError(f"--lora-modules: {exc}") from exc
     log.info("LoRA adapters: %s", ", ".join(f"{a.name} (rank {a.rank}, {a.path})" for a, _, _ in adapters))
     return adapters
-
-
-def _adapter_fingerprint(base: str, adapter) -> str:
-    """An adapter's `system_fingerprint`: the base model's, and the adapter's own weights."""
-    h = hashlib.sha256(base.encode())
-    for key in sorted(adapter.weights):
-        h.update(repr(key).encode())
-        for t in adapter.weights[key]:
-            h.update(t.contiguous().numpy().tobytes())
-    return "fp_" + h.hexdigest()[:10]
 
 
 def _built(ck, build):
@@ -378,7 +360,7 @@ def build_engine(cfg: Config) -> Engine:
         "fim": cfg.model.fim,
         # (the path as given: a hub id stays one)
         "lora_adapters": [{"name": a.name, "path": path, "parent": parent,
-                           "system_fingerprint": _adapter_fingerprint(fingerprint, a)}
+                           "system_fingerprint": adapter_fingerprint(fingerprint, a)}
                           for a, path, parent in adapters],
     }
     try:
@@ -431,4 +413,5 @@ def build_engine(cfg: Config) -> Engine:
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")
     log.info("engine ready in %.1f s (served as %s; async scheduling %s)", time.perf_counter() - start,
              ", ".join(names), "on" if plan_ahead else "off")
-    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead)
+    adapters = Adapters(model, ck.hf_config, dtype, device, fingerprint)
+    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead, adapters)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from llmserve._core import Router
+
 log = logging.getLogger("llmserve.engine")
 
 # (handle, bytes, finished, error, new_tokens, ends), as Core.commit returns them; `finished`
@@ -117,13 +119,15 @@ class EngineThread:
     (the requests Core.add refused, in a call of their own before the step);
     `on_first_scheduled(tokens, when)`, the requests a plan holds for the first time.
     `plan_ahead`: overlap planning and committing with the model (the runner must have
-    `launch`, as ModelRunner does).
+    `launch`, as ModelRunner does). ("retire", index) hands over an unloaded LoRA adapter:
+    `adapters` (engine/adapters.py) frees its weights once no request holds it, and a request
+    naming an index whose weights are gone fails with a 404.
     """
 
     def __init__(self, core, runner, deliver: Callable[[list], None],
                  on_stats: Callable[[dict, float], None] | None = None,
                  on_first_scheduled: Callable[[list, float], None] | None = None,
-                 plan_ahead: bool = False):
+                 plan_ahead: bool = False, adapters=None, router=None):
         self._core = core
         self._runner = runner
         self._deliver = deliver
@@ -142,6 +146,8 @@ class EngineThread:
         self.plan_ahead = plan_ahead
         # The step launched and not yet committed (plan_ahead only).
         self._launched = None
+        self._adapters, self._router = adapters, router
+        self._retired: set[int] = set()   # (unloaded LoRA indices whose weights are still on the model)
         self.stats: dict = core.stats()
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
 
@@ -185,6 +191,10 @@ class EngineThread:
         for op in ops:
             if op[0] == "add":
                 _, prepared, token = op
+                if prepared.lora and self._adapters is not None and not self._adapters.installed(prepared.lora):
+                    # (validated just before its adapter was unloaded, and the weights are gone)
+                    failed.append((token, Router.error("model_not_found", prepared.model), "error", True, 0, None))
+                    continue
                 try:
                     handle = self._core.add(prepared)
                 except Exception as exc:  # an ApiError from Core.add (e.g. priority under fcfs)
@@ -192,6 +202,8 @@ class EngineThread:
                     continue
                 self._handles[token] = handle
                 self._tokens[handle] = token
+            elif op[0] == "retire":
+                self._retired.add(op[1])
             else:
                 handle = self._handles.pop(op[1], None)
                 if handle is not None:
@@ -215,6 +227,12 @@ class EngineThread:
             self._unpublished_seqs = 0
         if self._on_stats is not None:
             self._on_stats(self.stats, step_seconds)
+        if self._retired:
+            # (a request still in the step launched ahead, and gone from the Core, is one
+            # whose rows are thrown away: its adapter's weights may go)
+            for index in self._retired - set(stats.get("loras_in_use", ())):
+                self._retired.discard(index)
+                self._adapters.free(self._router, index)
 
     def _step_ahead(self) -> tuple[list[Output], bool]:
         """One step, overlapped: while the model runs step N, plan step N+1 and queue it

@@ -1,10 +1,13 @@
 """LoRA adapters in PEFT's format, served beside the base model: each sequence of a step runs
 through its own adapter (or none), all in one batch.
 
-Vocabulary: `load_adapter` reads a PEFT folder into an `Adapter`; `attach` installs a list of
-them on a model's linears (adapter i of the list is index i + 1 in a step, 0 the base model);
-the runner calls `set_step` before each forward with each token's index (`token_adapters`
-makes them from the plan), and `set_step(None)` after.
+Vocabulary: `load_adapter` reads a PEFT folder into an `Adapter`; `compose` makes its weights
+for our linears and `install` puts them on the model under an index (0 is the base model),
+`remove` takes them off; `attach` installs a list at start (adapter i of the list is index
+i + 1). The runner calls `set_step` before each forward with each token's index
+(`token_adapters` makes them from the plan), and `set_step(None)` after. Adapters loaded at
+runtime (engine/adapters.py) take fresh indices; an unloaded one is removed once no request
+holds it.
 
 How a linear applies them (layers.Linear.forward, after `linear()` returns, so on every path
 of it): for the rows of adapter a, y[rows] += (x[rows] @ A_a^T) @ B_a^T, the scaling
@@ -39,8 +42,9 @@ few-token decode steps (models/cpu_decoder.py), which never calls Linear.forward
 un-permutes llama.cpp's), as the adapters' are.
 
 NOTE: the step's grouping is module state (`set_step`), read by every adapted linear while the
-forward runs on the runner's thread. A CUDA graph captured with one step's grouping would
-replay it for another step: a model with `lora_adapters` (set by `attach`) runs eagerly. Pass
+forward runs on the runner's thread. A CUDA graph holds no Python: one captured without
+adapter rows replays none, so on CUDA steps with adapter rows run eagerly (DecodeGraphs
+.padded_size) and the others replay graphs. Pass
 `set_step` the CPU tensor `token_adapters` returns: it groups on the host (a device tensor is
 copied back, a sync) and moves each group's row indices to the model's device once.
 
@@ -233,10 +237,10 @@ def load_adapter(name: str, path: str, hf_config: dict) -> Adapter:
 
 
 class LoraWeights:
-    """One linear's adapters: `pairs[i]` = (A [r, in], B [out, r]) of adapter index i, None
-    where that adapter does not target this linear (and at 0, the base model)."""
+    """One linear's adapters: `pairs[i]` = (A [r, in], B [out, r]) of adapter index i, for
+    the adapters that target this linear."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]):
+    def __init__(self, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         self.pairs = pairs
 
     def add(self, x: torch.Tensor, y: torch.Tensor, row_invariant: bool) -> torch.Tensor:
@@ -245,7 +249,7 @@ class LoraWeights:
         if groups is None:
             return y
         for index, rows in groups:
-            pair = self.pairs[index]
+            pair = self.pairs.get(index)
             if pair is None:
                 continue
             a, b = pair
@@ -263,8 +267,6 @@ class _Step:
     device, or None: all of the step's tokens), ...) for each index > 0 present; None: no
     adapter in this step."""
     groups: tuple[tuple[int, torch.Tensor | None], ...] | None = None
-    num_adapters = 0
-    device: torch.device = torch.device("cpu")
 
 
 _step = _Step()
@@ -292,67 +294,102 @@ def _compose(c, module: Linear, parts: dict[int | None, tuple[torch.Tensor, torc
     return a, b
 
 
+def compose(model, adapter: Adapter, dtype: torch.dtype, device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's (A, B) for each of our linears it targets ("layers.3.attn.qkv"), in
+    `dtype` on `device`: what `install` puts on the model. Changes nothing; raises LoraError
+    for a target that is not a plain linear here."""
+    grouped: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+    theirs: dict[str, list[str]] = {}   # (the adapter's module names, for messages)
+    for (layer, module), pair in adapter.weights.items():
+        ours, part = _SPLIT.get(module) or _FUSED[module]
+        grouped.setdefault(f"layers.{layer}.{ours}", {})[part] = pair
+        theirs.setdefault(f"layers.{layer}.{ours}", []).append(f"layers.{layer}.{module}")
+    c, out = model.config, {}
+    for ours, parts in grouped.items():
+        try:
+            target = model.get_submodule(ours)
+        except AttributeError:
+            target = None
+        if not isinstance(target, Linear):
+            raise LoraError(f"LoRA adapter {adapter.name!r}: this model's {', '.join(sorted(theirs[ours]))} "
+                            f"{'is' if len(theirs[ours]) == 1 else 'are'} not a plain linear here (an MoE "
+                            f"layer's experts, or an MLP of other projections): not supported")
+        if isinstance(target, QKVLinear):
+            sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        elif ours.endswith(".gate_up"):   # (a GateUpMLP's: an MoE block's is no Linear)
+            sizes = (target.out_features // 2,) * 2
+        else:
+            sizes = (target.out_features,)
+        a, b = _compose(c, target, parts, sizes)
+        if (b.shape[0], a.shape[1]) != (target.out_features, target.in_features):
+            raise LoraError(f"LoRA adapter {adapter.name!r}: {ours} would be [{b.shape[0]}, {a.shape[1]}], "
+                            f"the model's is [{target.out_features}, {target.in_features}]")
+        out[ours] = (a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous())
+    return out
+
+
+def install(model, index: int, adapter: Adapter, composed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Puts an adapter's `compose`d weights on the model under `index` (> 0, not installed).
+    Safe while the model runs steps that do not name `index`: each linear gains a key, and
+    the index is served once it is in `model.lora_adapters` ({index: Adapter}), set last,
+    which also tells a runner to call `set_step`."""
+    adapters = dict(getattr(model, "lora_adapters", None) or {})
+    if index <= 0 or index in adapters:
+        raise ValueError(f"LoRA index {index} is taken or invalid")
+    for ours, pair in composed.items():
+        module = model.get_submodule(ours)
+        if module.lora is None:
+            module.lora = LoraWeights({})
+        module.lora.pairs[index] = pair
+    if composed:
+        model.lora_device = next(iter(composed.values()))[0].device   # (where set_step puts row indices)
+    adapters[index] = adapter
+    model.lora_adapters = adapters
+
+
+def remove(model, index: int) -> None:
+    """Frees the weights of adapter `index`: call it when no step to come names it. (Each
+    linear keeps its LoraWeights, emptied, so a step running meanwhile never reads None.)"""
+    adapters = dict(getattr(model, "lora_adapters", None) or {})
+    adapters.pop(index, None)
+    model.lora_adapters = adapters
+    for m in model.modules():
+        if isinstance(m, Linear) and m.lora is not None:
+            m.lora.pairs.pop(index, None)
+
+
 def attach(model, adapters: list[Adapter], dtype: torch.dtype, device) -> None:
     """Installs the adapters on the model's linears; adapter i (0-based in the list) is index
-    i + 1 in a step; index 0 = the base model. Replaces any adapters attached before; sets
-    `model.lora_adapters` (the list), which tells a runner to call `set_step`."""
+    i + 1 in a step; index 0 = the base model. Replaces any adapters attached before."""
+    composed = [compose(model, adapter, dtype, device) for adapter in adapters]   # (all checked first)
     for m in model.modules():
         if isinstance(m, Linear):
             m.lora = None
-    per_linear: dict[str, list] = {}
-    c = model.config
-    for i, adapter in enumerate(adapters):
-        grouped: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]] = {}
-        theirs: dict[str, list[str]] = {}   # (the adapter's module names, for messages)
-        for (layer, module), pair in adapter.weights.items():
-            ours, part = _SPLIT.get(module) or _FUSED[module]
-            grouped.setdefault(f"layers.{layer}.{ours}", {})[part] = pair
-            theirs.setdefault(f"layers.{layer}.{ours}", []).append(f"layers.{layer}.{module}")
-        for ours, parts in grouped.items():
-            try:
-                target = model.get_submodule(ours)
-            except AttributeError:
-                target = None
-            if not isinstance(target, Linear):
-                raise LoraError(f"LoRA adapter {adapter.name!r}: this model's {', '.join(sorted(theirs[ours]))} "
-                                f"{'is' if len(theirs[ours]) == 1 else 'are'} not a plain linear here (an MoE "
-                                f"layer's experts, or an MLP of other projections): not supported")
-            if isinstance(target, QKVLinear):
-                sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
-            elif ours.endswith(".gate_up"):   # (a GateUpMLP's: an MoE block's is no Linear)
-                sizes = (target.out_features // 2,) * 2
-            else:
-                sizes = (target.out_features,)
-            a, b = _compose(c, target, parts, sizes)
-            if (b.shape[0], a.shape[1]) != (target.out_features, target.in_features):
-                raise LoraError(f"LoRA adapter {adapter.name!r}: {ours} would be [{b.shape[0]}, {a.shape[1]}], "
-                                f"the model's is [{target.out_features}, {target.in_features}]")
-            pairs = per_linear.setdefault(ours, [None] * (len(adapters) + 1))
-            pairs[i + 1] = (a.to(device=device, dtype=dtype).contiguous(),
-                            b.to(device=device, dtype=dtype).contiguous())
-    for ours, pairs in per_linear.items():
-        model.get_submodule(ours).lora = LoraWeights(pairs)
-    model.lora_adapters = list(adapters)   # (the runner's test for "set_step before each forward")
-    _step.groups, _step.num_adapters, _step.device = None, len(adapters), torch.device(device)
+    model.lora_adapters = {}
+    _step.groups = None
+    for i, (adapter, weights) in enumerate(zip(adapters, composed), start=1):
+        install(model, i, adapter, weights)
 
 
-def set_step(token_adapters: torch.Tensor | None) -> None:
-    """[T] int64 adapter index per token of the step about to run (0: base); None: no adapter in
-    this step. Called by the runner before each forward (and with None after)."""
+def set_step(token_adapters: torch.Tensor | None, model=None) -> None:
+    """[T] int64 adapter index per token of the step about to run on `model` (0: base); None:
+    no adapter in this step. Called by the runner before each forward (and with None after)."""
     if token_adapters is None:
         _step.groups = None
         return
     ids = token_adapters.to("cpu", torch.int64)
     present = torch.unique(ids).tolist()
-    if present and (present[0] < 0 or present[-1] > _step.num_adapters):
-        raise ValueError(f"adapter indices {present} out of range: {_step.num_adapters} adapters attached")
     adapters = [i for i in present if i]
+    installed = getattr(model, "lora_adapters", None) or {}
+    if any(i not in installed for i in adapters) or (present and present[0] < 0):
+        raise ValueError(f"adapter indices {present}: only {sorted(installed)} are installed")
+    device = getattr(model, "lora_device", torch.device("cpu"))
     if not adapters:
         _step.groups = None
     elif len(present) == 1:
         _step.groups = ((adapters[0], None),)
     else:
-        _step.groups = tuple((i, torch.nonzero(ids == i).squeeze(1).to(_step.device)) for i in adapters)
+        _step.groups = tuple((i, torch.nonzero(ids == i).squeeze(1).to(device)) for i in adapters)
 
 
 def step_active() -> bool:

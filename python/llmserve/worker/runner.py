@@ -335,7 +335,7 @@ class ModelRunner:
         from llmserve.models import lora
 
         tokens = lora.token_adapters(np.asarray(plan.query_start_loc), np.asarray(plan.lora_ids))
-        lora.set_step(tokens)   # (a host tensor: set_step groups on the host)
+        lora.set_step(tokens, self.model)   # (a host tensor: set_step groups on the host)
         try:
             return self.model.forward(input_ids, positions, attn, self.kv_cache)
         finally:

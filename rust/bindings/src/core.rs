@@ -868,14 +868,15 @@ impl PyCore {
         d.set_item("preemptions", s.preemptions)?;
         d.set_item("requests", self.state.requests.len())?;
         // (vLLM's lora_requests_info: which adapters run and wait; only with adapters)
-        let adapters = &self.state.router.config().lora_adapters;
-        if !adapters.is_empty() {
+        let router = &self.state.router;
+        if router.has_loras() {
             let (running, waiting) = self.state.scheduler.adapters();
-            let names = |ids: Vec<u32>| -> Vec<&str> {
-                ids.iter().filter_map(|&i| adapters.get(i as usize - 1)).map(|a| a.name.as_str()).collect()
-            };
-            d.set_item("running_loras", names(running))?;
-            d.set_item("waiting_loras", names(waiting))?;
+            let names = |ids: &[u32]| -> Vec<String> { ids.iter().filter_map(|&i| router.lora_name(i)).collect() };
+            d.set_item("running_loras", names(&running))?;
+            d.set_item("waiting_loras", names(&waiting))?;
+            // (the adapters a request still holds: an unloaded one's weights go when none does)
+            let in_use: std::collections::BTreeSet<u32> = running.into_iter().chain(waiting).collect();
+            d.set_item("loras_in_use", in_use.into_iter().collect::<Vec<_>>())?;
         }
         Ok(d)
     }

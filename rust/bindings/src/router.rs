@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use llmserve_router::protocol::{Endpoint, Prepared};
-use llmserve_router::router::{Router, RouterConfig};
+use llmserve_router::router::{LoraAdapter, Router, RouterConfig};
 use llmserve_router::template::{TemplateSet, TemplateSources};
 use llmserve_router::tokenizer::{GgufVocab, Tokenizer};
 use llmserve_router::ApiError;
@@ -188,6 +188,50 @@ impl PyRouter {
         }
     }
 
+    /// `POST /v1/load_lora_adapter`'s body, checked: (name, path, load_inplace, headers), or
+    /// raises ApiError (also for a loaded name without `load_inplace`).
+    fn check_lora_load(&self, py: Python<'_>, body: &[u8]) -> PyResult<(String, String, bool, Headers)> {
+        let load = self.inner.check_lora_load(body).map_err(|e| errors::to_py(py, &e))?;
+        Ok((load.name, load.path, load.inplace, load.headers))
+    }
+
+    /// A fresh LoRA index to install an adapter's weights under, before `publish_lora`.
+    fn reserve_lora(&self) -> u32 {
+        self.inner.reserve_lora()
+    }
+
+    /// Serves the adapter installed under `index` by `name`; with `replace`, in place of a
+    /// loaded adapter of that name, whose index is returned. Raises ApiError for a name taken.
+    #[pyo3(signature = (index, name, path, system_fingerprint = None, replace = false))]
+    fn publish_lora(
+        &self,
+        py: Python<'_>,
+        index: u32,
+        name: String,
+        path: String,
+        system_fingerprint: Option<String>,
+        replace: bool,
+    ) -> PyResult<Option<u32>> {
+        let adapter = LoraAdapter { name, path, parent: None, system_fingerprint };
+        self.inner.publish_lora(index, adapter, replace).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// `POST /v1/unload_lora_adapter`: stops serving the adapter the body names; (its index,
+    /// its name, headers), or raises ApiError (404 when none of that name is loaded).
+    fn unload_lora(&self, py: Python<'_>, body: &[u8]) -> PyResult<(u32, String, Headers)> {
+        self.inner.unload_lora(body).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Drops an unloaded adapter once the engine has freed its weights.
+    fn forget_lora(&self, index: u32) {
+        self.inner.forget_lora(index)
+    }
+
+    /// The names of the LoRA adapters served now, in load order.
+    fn lora_names(&self) -> Vec<String> {
+        self.inner.lora_adapters().into_iter().map(|a| a.name).collect()
+    }
+
     /// (origin, hash) of the template chat requests use, or None.
     fn template_info(&self) -> Option<(String, String)> {
         self.inner.templates().select(false).map(|t| (t.origin().to_string(), t.hash().to_string()))
@@ -280,6 +324,11 @@ impl PyPrepared {
     #[getter]
     fn priority(&self) -> PyResult<i32> {
         Ok(self.get()?.priority)
+    }
+    /// The LoRA adapter index the request runs through (0: the base model).
+    #[getter]
+    fn lora(&self) -> PyResult<u32> {
+        Ok(self.get()?.lora)
     }
     /// Response headers the request earned (`llmserve-ignored-fields`, `llmserve-chat-template`).
     #[getter]

@@ -3,12 +3,13 @@
 //! request, `handle` the routes answered at once (tokenize, detokenize, render), and list
 //! the `models`. It is `Send + Sync`; every method takes `&self`.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::lora::LoraTable;
 use crate::protocol::{
     chat, common::unix_now, completion, embeddings, messages, responses, tokenize, Endpoint, Handled, Prepared,
 };
@@ -89,6 +90,8 @@ pub struct RouterConfig {
     pub fim: bool,
     /// `--lora-modules`: the LoRA adapters served beside the base model, each under its own
     /// name (a request's `model`); adapter i runs as index i + 1 in the scheduler's plans.
+    /// The router moves them into its [`LoraTable`](crate::lora::LoraTable), which runtime
+    /// loading changes: read them with [`Router::lora_adapters`].
     #[serde(default)]
     pub lora_adapters: Vec<LoraAdapter>,
 }
@@ -128,17 +131,31 @@ pub struct Router {
     created: u64,
     /// The vocabulary's fill-in-the-middle tokens (None: none, or `--no-fim`).
     pub(crate) fim: Option<crate::fim::Fim>,
+    /// The LoRA adapters served, and those unloaded whose requests still run.
+    loras: RwLock<LoraTable>,
 }
 
 impl Router {
-    pub fn new(tokenizer: Tokenizer, templates: TemplateSet, config: RouterConfig) -> Self {
+    pub fn new(tokenizer: Tokenizer, templates: TemplateSet, mut config: RouterConfig) -> Self {
+        let loras = RwLock::new(LoraTable::new(std::mem::take(&mut config.lora_adapters)));
         let tokenizer = Arc::new(tokenizer);
         let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
         let responses = Arc::new(crate::response_store::ResponseStore::new(config.responses_store_bytes));
         let conversations = Arc::new(crate::conversation_store::ConversationStore::new(config.responses_store_bytes));
         let chat_store = Arc::new(crate::chat_store::ChatStore::new(config.responses_store_bytes));
         let fim = config.fim.then(|| crate::fim::Fim::detect(&tokenizer)).flatten();
-        Self { tokenizer, templates, config, grammars, responses, conversations, chat_store, created: unix_now(), fim }
+        Self {
+            tokenizer,
+            templates,
+            config,
+            grammars,
+            responses,
+            conversations,
+            chat_store,
+            created: unix_now(),
+            fim,
+            loras,
+        }
     }
 
     /// The stored `/v1/responses` answers.
@@ -267,9 +284,10 @@ impl Router {
     /// also the page Anthropic's `GET /v1/models` answers (`has_more`, `first_id`, `last_id`),
     /// so both SDKs list them.
     pub fn models(&self) -> Vec<u8> {
-        let adapters = self.config.lora_adapters.iter().map(|a| &a.name);
+        let loras = self.loras();
+        let adapters = loras.live().map(|a| &a.name);
         let names: Vec<&String> = self.config.served_model_names.iter().chain(adapters).collect();
-        let data: Vec<Value> = names.iter().map(|n| self.model_object(n)).collect();
+        let data: Vec<Value> = names.iter().map(|n| self.model_object(n, &loras)).collect();
         let body = json!({
             "object": "list",
             "data": data,
@@ -283,7 +301,7 @@ impl Router {
     /// The `GET /v1/models/{id}` body, or 404.
     pub fn model(&self, id: &str) -> Result<Vec<u8>, ApiError> {
         self.check_model(id)?;
-        Ok(serde_json::to_vec(&self.model_object(id)).expect("JSON values serialize"))
+        Ok(serde_json::to_vec(&self.model_object(id, &self.loras())).expect("JSON values serialize"))
     }
 
     /// A model object in vLLM's shape (its clients read `root`, `parent` and `permission`):
@@ -291,9 +309,9 @@ impl Router {
     /// and its `parent` the base model's root name. It also has the keys of
     /// Anthropic's model object (`type`, `display_name`, `created_at`, `max_input_tokens`,
     /// `max_tokens`).
-    fn model_object(&self, id: &str) -> Value {
+    fn model_object(&self, id: &str, loras: &LoraTable) -> Value {
         use std::hash::{Hash, Hasher};
-        let adapter = self.config.lora_adapters.iter().find(|a| a.name == id);
+        let adapter = loras.index_of(id).and_then(|i| loras.get(i));
         let base = self.config.served_model_names.first();
         let mut h = std::collections::hash_map::DefaultHasher::new();
         id.hash(&mut h);
@@ -333,8 +351,8 @@ impl Router {
 
     /// The `system_fingerprint` of requests through LoRA adapter `lora` (0: the base model).
     pub(crate) fn fingerprint(&self, lora: u32) -> Option<String> {
-        let adapter = lora.checked_sub(1).and_then(|i| self.config.lora_adapters.get(i as usize));
-        adapter.and_then(|a| a.system_fingerprint.clone()).or_else(|| self.config.system_fingerprint.clone())
+        let adapter = self.loras().get(lora).and_then(|a| a.system_fingerprint.clone());
+        adapter.or_else(|| self.config.system_fingerprint.clone())
     }
 
     /// A served name, exactly as configured (no LoRA or revision guessing from a colon): 0 for
@@ -343,13 +361,77 @@ impl Router {
         if self.config.served_model_names.iter().any(|n| n == name) {
             return Ok(0);
         }
-        match self.config.lora_adapters.iter().position(|a| a.name == name) {
-            Some(i) => Ok(i as u32 + 1),
+        let loras = self.loras();
+        match loras.index_of(name) {
+            Some(i) => Ok(i),
             None => {
-                let adapters = self.config.lora_adapters.iter().map(|a| a.name.clone());
+                let adapters = loras.live().map(|a| a.name.clone());
                 let served = self.config.served_model_names.iter().cloned().chain(adapters).collect();
                 Err(ApiError::ModelNotFound { model: name.to_string(), served })
             }
         }
+    }
+
+    fn loras(&self) -> RwLockReadGuard<'_, LoraTable> {
+        self.loras.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn loras_mut(&self) -> std::sync::RwLockWriteGuard<'_, LoraTable> {
+        self.loras.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The LoRA adapters served now, in load order.
+    pub fn lora_adapters(&self) -> Vec<LoraAdapter> {
+        self.loras().live().cloned().collect()
+    }
+
+    /// Whether any LoRA adapter is served, or unloaded while its requests run.
+    pub fn has_loras(&self) -> bool {
+        self.loras().any()
+    }
+
+    /// The name of the adapter of `index` (also one unloaded while its requests run).
+    pub fn lora_name(&self, index: u32) -> Option<String> {
+        self.loras().get(index).map(|a| a.name.clone())
+    }
+
+    /// `POST /v1/load_lora_adapter`'s body, checked: refused when it names the base model, or
+    /// a loaded adapter without `load_inplace` (so the weights are not read for nothing).
+    pub fn check_lora_load(&self, body: &[u8]) -> Result<crate::lora::LoadRequest, ApiError> {
+        let load = crate::lora::parse_load(body, &self.config.served_model_names, self.config.strict_fields)?;
+        if !load.inplace && self.loras().index_of(&load.name).is_some() {
+            return Err(crate::lora::already_loaded(&load.name));
+        }
+        Ok(load)
+    }
+
+    /// A fresh adapter index to install weights under before [`publish_lora`](Self::publish_lora).
+    pub fn reserve_lora(&self) -> u32 {
+        self.loras_mut().reserve()
+    }
+
+    /// Serves the adapter installed under `index`; with `replace`, in place of a loaded one of
+    /// that name (whose index is returned: its weights go once its requests end).
+    pub fn publish_lora(&self, index: u32, adapter: LoraAdapter, replace: bool) -> Result<Option<u32>, ApiError> {
+        if self.config.served_model_names.contains(&adapter.name) {
+            return Err(ApiError::invalid("lora_name", format!("'{}' is the base model's name.", adapter.name)));
+        }
+        self.loras_mut().publish(index, adapter, replace)
+    }
+
+    /// `POST /v1/unload_lora_adapter`: stops serving the adapter its body names; its index
+    /// (its weights go once its requests end) and the response headers.
+    pub fn unload_lora(&self, body: &[u8]) -> Result<(u32, String, crate::lora::Headers), ApiError> {
+        let (name, headers) = crate::lora::parse_unload(body, self.config.strict_fields)?;
+        let mut loras = self.loras_mut();
+        match loras.retire(&name) {
+            Some(index) => Ok((index, name, headers)),
+            None => Err(crate::lora::not_loaded(&name, loras.live().map(|a| a.name.clone()).collect())),
+        }
+    }
+
+    /// Drops an unloaded adapter whose weights the engine has freed.
+    pub fn forget_lora(&self, index: u32) {
+        self.loras_mut().forget(index)
     }
 }

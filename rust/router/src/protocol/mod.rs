@@ -142,8 +142,8 @@ pub struct Prepared {
     pub cache_salt: Option<String>,
     /// `store: true` on a chat request: what keeps the finished completion (None: not kept).
     pub keep: Option<std::sync::Arc<crate::chat_store::Keep>>,
-    /// The LoRA adapter the request's `model` names: its index in
-    /// `RouterConfig::lora_adapters` plus one (0: the base model).
+    /// The LoRA adapter the request's `model` names: its index ([`crate::lora`]; 0: the base
+    /// model).
     pub lora: u32,
     /// Logged by the server; has no other effect.
     pub user: Option<String>,

@@ -1,0 +1,144 @@
+"""LoRA adapters loaded and unloaded while the engine serves (engine/adapters.py), driven in
+process through AsyncEngine: a request admitted before its adapter is unloaded runs to its
+end through that adapter, the weights go once no request holds them, a request validated
+just before the unload and queued after the weights went fails with a 404, and loads that
+cannot be served change nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import orjson
+import pytest
+
+from llmserve._core import BadRequestError, NotFoundError
+from llmserve.engine.async_engine import AsyncEngine, RequestStream
+from llmserve.engine.offline import make_config
+from llmserve.models.layers import Linear
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tiny import build_tiny_llama, write_peft_adapter
+
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    config = json.loads((folder / "config.json").read_text())
+    adapter = tmp_path_factory.mktemp("adapter")
+    write_peft_adapter(adapter, config, ["q_proj", "v_proj", "down_proj"], r=4, alpha=8.0, seed=3)
+    return folder, adapter
+
+
+def _body(model: str, stream: bool = False, max_tokens: int = 40) -> bytes:
+    return orjson.dumps({"model": model, "prompt": [5, 17, 42, 99, 7], "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True, "return_token_ids": True, "stream": stream})
+
+
+def _stream_tokens(frames: bytes) -> list[int]:
+    tokens = []
+    for line in frames.split(b"\n"):
+        if line.startswith(b"data: {"):
+            tokens += [t for c in orjson.loads(line[6:])["choices"] for t in c.get("token_ids") or []]
+    return tokens
+
+
+def _weights_left(engine: AsyncEngine) -> set[int]:
+    """The adapter indices whose weights some linear of the model still holds."""
+    model = engine.engine.adapters.model
+    return {i for m in model.modules() if isinstance(m, Linear) and m.lora is not None for i in m.lora.pairs}
+
+
+async def _until(condition, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
+def test_unloading_lets_admitted_requests_finish_then_frees_the_weights(served):
+    folder, adapter = served
+    engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
+                                     allow_runtime_lora_updating=True))
+    load = orjson.dumps({"lora_name": "x", "lora_path": str(adapter)})
+
+    async def main():
+        await engine.start()
+        text, _ = await engine.load_lora(load)
+        assert text == "Success: LoRA adapter 'x' added."
+        whole = orjson.loads(await (await engine.submit("completion", _body("x"))).read_all())
+        want = whole["choices"][0]["token_ids"]
+        base = orjson.loads(await (await engine.submit("completion", _body("tiny"))).read_all())
+        assert base["choices"][0]["token_ids"] != want, "the adapter must change the tokens"
+        assert _weights_left(engine) == {1}
+
+        # unloaded while it streams: it ends as it would have, through the adapter
+        stream = await engine.submit("completion", _body("x", stream=True))
+        first = await stream.next()
+        text, _ = engine.unload_lora(orjson.dumps({"lora_name": "x"}))
+        assert text == "Success: LoRA adapter 'x' removed."
+        with pytest.raises(NotFoundError):
+            await engine.submit("completion", _body("x"))
+        rest = await stream.read_all()
+        assert _stream_tokens(first + rest) == want
+        await _until(lambda: not _weights_left(engine))
+        assert engine.engine.adapters.model.lora_adapters == {}
+        assert engine.router.lora_names() == []
+
+        # validated through an adapter that is unloaded (and freed) before the engine takes it
+        await engine.load_lora(load)
+        prepared = engine.router.prepare("completion", _body("x"))
+        engine.unload_lora(orjson.dumps({"lora_name": "x"}))
+        await _until(lambda: not _weights_left(engine))
+        late = RequestStream(engine, prepared)
+        engine._open.add(late)
+        engine._thread.post(("add", prepared, late))
+        with pytest.raises(NotFoundError, match="'x'|`x`"):
+            await late.read_all()
+        # ... and the engine goes on serving
+        again = orjson.loads(await (await engine.submit("completion", _body("tiny"))).read_all())
+        assert again["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+        await engine.drain()
+
+    asyncio.run(main())
+
+
+def test_loads_that_cannot_be_served_change_nothing(served, tmp_path):
+    folder, adapter = served
+    engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
+                                     allow_runtime_lora_updating=True))
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "adapter_config.json").write_text('{"r": 0}')
+    other = tmp_path / "other"   # (made for a model of another hidden size)
+    from tiny import write_peft_adapter
+
+    config = json.loads((folder / "config.json").read_text())
+    write_peft_adapter(other, {**config, "hidden_size": 2 * config["hidden_size"]}, ["q_proj"])
+
+    async def main():
+        await engine.start()
+        cases = [
+            ({"lora_name": "y", "lora_path": str(tmp_path / "missing")}, NotFoundError, None, "does not exist"),
+            ({"lora_name": "y", "lora_path": str(damaged)}, BadRequestError, "lora_path", "no adapter_model"),
+            ({"lora_name": "y", "lora_path": str(other)}, BadRequestError, "lora_path", "hidden size"),
+            ({"lora_name": "tiny", "lora_path": str(adapter)}, BadRequestError, "lora_name", "base model"),
+            ({"lora_name": "y"}, BadRequestError, "lora_path", "lora_path"),
+            ({"lora_name": 3, "lora_path": str(adapter)}, BadRequestError, "lora_name", "Invalid type"),
+        ]
+        for body, error, param, message in cases:
+            with pytest.raises(error, match=message) as e:
+                await engine.load_lora(orjson.dumps(body))
+            assert e.value.param == param, body
+        with pytest.raises(NotFoundError, match="none is loaded"):
+            engine.unload_lora(orjson.dumps({"lora_name": "y"}))
+        assert engine.router.lora_names() == [] and not _weights_left(engine)
+        assert not getattr(engine.engine.adapters.model, "lora_adapters", None)
+        # two loads of one name at once: one is served, the other refused
+        results = await asyncio.gather(*(engine.load_lora(orjson.dumps({"lora_name": "y", "lora_path": str(adapter)}))
+                                         for _ in range(2)), return_exceptions=True)
+        assert sorted(type(r).__name__ for r in results) == ["BadRequestError", "tuple"], results
+        assert engine.router.lora_names() == ["y"] and len(_weights_left(engine)) == 1
+        await engine.drain()
+
+    asyncio.run(main())
