@@ -282,3 +282,21 @@ fn item_ids_are_unique_and_addressable() {
         assert_eq!(shape(call(&r, "POST", Target::All, json!({"items": [item(json!(bad))]}))), dup("items[0].id"));
     }
 }
+
+#[test]
+fn a_conversation_too_long_for_the_context_is_named() {
+    let r = router();
+    let long = "word ".repeat(40);
+    let (conv, _) =
+        call(&r, "POST", Target::All, json!({"items": [{"type": "message", "role": "user", "content": long}]}))
+            .unwrap();
+    let id = conv["id"].as_str().unwrap();
+    let err = responses(&r, json!({"input": "hi", "conversation": id})).unwrap_err();
+    assert_eq!((err.status(), err.code(), err.param()), (400, "context_length_exceeded", Some("conversation")));
+    assert!(err.message().contains("the conversation's items and the input have"), "{}", err.message());
+    assert!(err.message().contains("delete items from the conversation"), "{}", err.message());
+    // (alone, the input is what is too long)
+    let err = responses(&r, json!({"input": long})).unwrap_err();
+    assert_eq!(err.param(), Some("input"));
+    assert!(err.message().contains("the input has") && err.message().contains("shorten the input"));
+}

@@ -82,6 +82,10 @@ fn a_request_prepares_its_chat_equivalent() {
     let p = responses(&r, json!({"input": "hello world", "request_id": "abc"})).unwrap();
     assert_eq!(p.prompts, chat(&r, json!({})).unwrap().prompts);
     assert_eq!(p.id, "resp_abc");
+    // ... unless no URL could read the stored response back by that id
+    let err = responses(&r, json!({"input": "hi", "request_id": "a/b"})).unwrap_err();
+    assert_eq!((err.status(), err.param()), (400, Some("request_id")));
+    assert_eq!(responses(&r, json!({"input": "hi", "request_id": "a/b", "store": false})).unwrap().id, "resp_a/b");
 }
 
 #[test]

@@ -122,3 +122,20 @@ fn a_strictly_refused_edit_changes_nothing() {
     assert_eq!(shape(call(&r, "DELETE", Target::One(&p.id), &[("zzz", "1")], Value::Null)).2.as_deref(), Some("zzz"));
     assert_eq!(call(&r, "GET", Target::One(&p.id), &[], Value::Null).unwrap()["metadata"], json!({"run": "1"}));
 }
+
+#[test]
+fn a_kept_completion_is_named_by_an_id_a_path_can_carry() {
+    let r = router();
+    let kept = |id: &str| chat(&r, json!({"store": true, "request_id": id})).map(|p| p.id);
+    assert_eq!(kept("run-1.a_b").unwrap(), "chatcmpl-run-1.a_b");
+    for id in ["a/b", "a b", "a?b", "a#b"] {
+        let err = kept(id).unwrap_err();
+        assert_eq!((err.status(), err.param()), (400, Some("request_id")), "{id}");
+    }
+    // (not kept: any id a header can carry names it)
+    assert_eq!(chat(&r, json!({"request_id": "a/b"})).unwrap().id, "chatcmpl-a/b");
+    let body = chat_body(json!({"store": true}));
+    let named = |header| r.prepare_as(llmserve_router::protocol::Endpoint::Chat, &body, Some(header)).unwrap().id;
+    assert_eq!(named("trace-1"), "chatcmpl-trace-1");
+    assert!(!named("trace/1").contains("trace")); // (a header that cannot name it names nothing)
+}

@@ -768,6 +768,26 @@ fn tools_unused(router: &Router, with_tools: bool, forced: &Forced) -> bool {
 }
 
 /// Validates a chat request and renders + tokenizes its prompt.
+/// A kept completion (or response) is read back at a path holding its id, which holds the
+/// request's id: one that a URL path cannot carry as one segment (`/`, `?`, `#`, whitespace;
+/// clients write an id into the path as it is) would name an object no route can reach. The
+/// body's `request_id` is then refused; an X-Request-Id header no longer names the object.
+pub(crate) fn check_kept_id(body_id: Option<&str>) -> Result<(), ApiError> {
+    match body_id {
+        Some(id) if !path_safe(id) => Err(ApiError::invalid(
+            "request_id",
+            "`request_id` names the object `store: true` keeps, which is read back by a URL holding its id: it \
+             must not hold '/', '?', '#' or whitespace.",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Whether an id can be one segment of a URL path as it is.
+pub(crate) fn path_safe(id: &str) -> bool {
+    !id.contains(|c: char| matches!(c, '/' | '?' | '#') || c.is_whitespace())
+}
+
 /// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
@@ -892,7 +912,9 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
     let keeping = value.get("store") == Some(&Value::Bool(true)) && router.chat_store().enabled();
     if keeping {
         ignored.retain(|p| p != "store" && p != "metadata");
+        check_kept_id(c.request_id.as_deref())?;
     }
+    let header_id = header_id.filter(|id| !keeping || path_safe(id));
     let ignored = settle_ignored(ignored, config.strict_fields)?;
     check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
     let (mut tools, tool_grammar) =

@@ -237,6 +237,12 @@ impl Origins {
         }
     }
 
+    /// The field whose items come before the input (`conversation`, `previous_response_id`),
+    /// if any.
+    fn continued(&self) -> Option<&str> {
+        self.messages.iter().find(|o| o.previous).map(|o| o.path.as_str())
+    }
+
     /// A chat `param` in the Responses request's terms.
     fn rename(&self, param: &str) -> String {
         if let Some(rest) = param.strip_prefix("messages[") {
@@ -262,7 +268,9 @@ impl Origins {
             return format!("{}{rest}", origin.path);
         }
         if param == "messages" {
-            return "input".into();
+            // (the whole conversation, as when the context is too long: what came before the
+            // input is the part a client trims)
+            return self.continued().unwrap_or("input").into();
         }
         if let Some(rest) = param.strip_prefix("tools[") {
             // tools[i].function.x -> tools[i].x
@@ -293,10 +301,20 @@ impl Origins {
         let chat_fields = ["messages", "tools[", "tool_choice.function", "response_format", "max_completion_tokens"];
         let out =
             rename_quoted(&message, |part| chat_fields.iter().any(|f| part.starts_with(f)).then(|| self.rename(part)));
+        let (have, shorten) = match self.continued() {
+            Some("conversation") => (
+                "the conversation's items and the input have",
+                "delete items from the conversation, or shorten the input",
+            ),
+            Some(_) => {
+                ("the continued response and the input have", "continue from an earlier response, or shorten the input")
+            }
+            None => ("the input has", "shorten the input"),
+        };
         let out = out
-            .replace("the messages have", "the input has")
+            .replace("the messages have", have)
             .replace("the messages render", "the input renders")
-            .replace("shorten the messages", "shorten the input")
+            .replace("shorten the messages", shorten)
             .replace("(response_format,", "(text.format,");
         // (a function call output's content is its `output`)
         match param.map(|p| self.rename(p)) {
@@ -1041,6 +1059,10 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
 
     let origins = conv.origins;
+    if keep {
+        chat::check_kept_id(obj.get("request_id").and_then(Value::as_str))?;
+    }
+    let header_id = header_id.filter(|id| !keep || chat::path_safe(id));
     let mut checked =
         chat::prepare_value(router, &Value::Object(chat), header_id).map_err(|e| origins.rename_error(e))?;
 
