@@ -11,6 +11,7 @@ import json
 
 import orjson
 import pytest
+import torch
 
 from llmserve._core import BadRequestError, NotFoundError
 from llmserve.engine.async_engine import AsyncEngine, RequestStream
@@ -103,7 +104,7 @@ def test_unloading_lets_admitted_requests_finish_then_frees_the_weights(served):
     asyncio.run(main())
 
 
-def test_loads_that_cannot_be_served_change_nothing(served, tmp_path):
+def test_loads_that_cannot_be_served_change_nothing(served, tmp_path, monkeypatch):
     folder, adapter = served
     engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
                                      allow_runtime_lora_updating=True))
@@ -134,6 +135,13 @@ def test_loads_that_cannot_be_served_change_nothing(served, tmp_path):
             engine.unload_lora(orjson.dumps({"lora_name": "y"}))
         assert engine.router.lora_names() == [] and not _weights_left(engine)
         assert not getattr(engine.engine.adapters.model, "lora_adapters", None)
+        # an adapter the device has no memory left for
+        with monkeypatch.context() as m:
+            def oom(*args):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+            m.setattr("llmserve.models.lora.compose", oom)
+            with pytest.raises(BadRequestError, match="does not fit in the memory left"):
+                await engine.load_lora(orjson.dumps({"lora_name": "y", "lora_path": str(adapter)}))
         # two loads of one name at once: one is served, the other refused
         results = await asyncio.gather(*(engine.load_lora(orjson.dumps({"lora_name": "y", "lora_path": str(adapter)}))
                                          for _ in range(2)), return_exceptions=True)

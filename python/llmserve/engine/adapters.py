@@ -92,6 +92,11 @@ class Adapters:
                 raise Router.error("not_found", str(exc)) from None
             except LoraError as exc:
                 raise Router.error("invalid_request", str(exc), param="lora_path") from None
+            except (torch.OutOfMemoryError, MemoryError):
+                # (the KV cache took the device's memory it was given: adapters take the rest)
+                raise Router.error("invalid_request", f"LoRA adapter {name!r} does not fit in the memory left on "
+                                   f"{self.device}: unload an adapter first, or start the server with a smaller "
+                                   "KV cache", param="lora_path") from None
             index = router.reserve_lora()
             lora.install(self.model, index, adapter, composed)
             try:
