@@ -100,3 +100,7 @@ def test_lora_requests_info_names_the_adapters_running_and_waiting():
     assert m.registry.get_sample_value("llmserve:lora_requests_info", labels) is None
     empty = {"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert m.registry.get_sample_value("llmserve:lora_requests_info", empty) > 1.7e9
+    # (adapters loaded or unloaded while serving: the count published with the stats)
+    m.on_step({**stats, "loras_served": 5}, 0.01)
+    assert m.registry.get_sample_value("llmserve:lora_requests_info", {**empty, "max_lora": "5"}) > 1.7e9
+    assert m.registry.get_sample_value("llmserve:lora_requests_info", empty) is None

@@ -66,7 +66,7 @@ def test_unloading_lets_admitted_requests_finish_then_frees_the_weights(served):
     async def main():
         await engine.start()
         text, _ = await engine.load_lora(load)
-        assert text == "Success: LoRA adapter 'x' added."
+        assert text == "Success: LoRA adapter 'x' added successfully."
         whole = orjson.loads(await (await engine.submit("completion", _body("x"))).read_all())
         want = whole["choices"][0]["token_ids"]
         base = orjson.loads(await (await engine.submit("completion", _body("tiny"))).read_all())
@@ -77,7 +77,7 @@ def test_unloading_lets_admitted_requests_finish_then_frees_the_weights(served):
         stream = await engine.submit("completion", _body("x", stream=True))
         first = await stream.next()
         text, _ = engine.unload_lora(orjson.dumps({"lora_name": "x"}))
-        assert text == "Success: LoRA adapter 'x' removed."
+        assert text == "Success: LoRA adapter 'x' removed successfully."
         with pytest.raises(NotFoundError):
             await engine.submit("completion", _body("x"))
         rest = await stream.read_all()
@@ -150,3 +150,19 @@ def test_loads_that_cannot_be_served_change_nothing(served, tmp_path, monkeypatc
         await engine.drain()
 
     asyncio.run(main())
+
+
+def test_a_path_not_found_is_said_in_one_line(monkeypatch):
+    """A hub id the Hub cannot give says so in its first line, not the library's whole text."""
+    from llmserve.engine.adapters import AdapterMissing, read_adapter
+    from llmserve.loaders.checkpoint import LoadError
+
+    def missing(path, log):
+        raise LoadError(f"{path!r} is not here, and the Hub could not be reached: ConnectError\nAn error happened "
+                        "while trying to locate the files on the Hub ...")
+
+    monkeypatch.setattr("llmserve.loaders.load.local_folder", missing)
+    with pytest.raises(AdapterMissing) as e:
+        read_adapter("ph", "nobody/nothing-here", {})
+    assert str(e.value) == ("LoRA adapter 'ph': 'nobody/nothing-here' is not here, and the Hub could not be reached: "
+                            "ConnectError")

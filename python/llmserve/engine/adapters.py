@@ -48,7 +48,9 @@ def read_adapter(name: str, path: str, hf_config: dict):
     try:
         folder = local_folder(path, log)
     except LoadError as exc:
-        raise AdapterMissing(f"LoRA adapter {name!r}: {exc}") from None
+        # (a hub error is several lines of the library's text: its first says what happened)
+        said = str(exc).splitlines()[0] if str(exc) else "not found"
+        raise AdapterMissing(f"LoRA adapter {name!r}: {said[:500]}") from None
     adapter = lora.load_adapter(name, str(folder), hf_config)
     # (vLLM reads an adapter's own tokenizer, for tokens it adds; this server tokenizes every
     # request with the base model's)
@@ -108,7 +110,8 @@ class Adapters:
             self.retire(replaced)
         log.info("LoRA adapter %r loaded from %s (rank %d)%s", name, path, adapter.rank,
                  ", in place of the one of that name" if replaced is not None else "")
-        return f"Success: LoRA adapter '{name}' {'replaced' if replaced is not None else 'added'}.", headers
+        # (vLLM's words, which its clients and tests read; also for load_inplace)
+        return f"Success: LoRA adapter '{name}' added successfully.", headers
 
     def unload(self, router, body: bytes) -> tuple[str, list]:
         """`POST /v1/unload_lora_adapter`: (the answer's text, its headers), or raises ApiError
@@ -116,7 +119,7 @@ class Adapters:
         index, name, headers = router.unload_lora(body)
         self.retire(index)
         log.info("LoRA adapter %r unloaded", name)
-        return f"Success: LoRA adapter '{name}' removed.", headers
+        return f"Success: LoRA adapter '{name}' removed successfully.", headers
 
     def free(self, router, index: int) -> None:
         """On the engine thread, once no request holds `index`: frees its weights."""

@@ -125,7 +125,8 @@ class Metrics:
         """Once the model is loaded: every series gets its `model_name`, and
         `cache_config_info` the values of CACHE_CONFIG_LABELS in `cache_config`. Before,
         /metrics lists the metrics with no samples, and nothing calls on_step or on_finish (no
-        engine runs). `max_lora`: the LoRA adapters served (0: none, and no lora_requests_info)."""
+        engine runs). `max_lora`: the LoRA adapters served at start (0, without runtime loading:
+        none, and no lora_requests_info); the published stats' `loras_served` then updates it."""
         self.model_name = model_name
         self._max_lora = max_lora
         for attr, family in self._families.items():
@@ -148,7 +149,8 @@ class Metrics:
         if seconds > 0:
             self.step_time.observe(seconds)
         if self._max_lora:
-            labels = (str(self._max_lora), ",".join(stats.get("running_loras", ())),
+            # (the adapters served now: runtime loads and unloads change it)
+            labels = (str(stats.get("loras_served", self._max_lora)), ",".join(stats.get("running_loras", ())),
                       ",".join(stats.get("waiting_loras", ())))
             if labels != self._lora_labels:   # (one series: the adapters of now)
                 self._lora_info.clear()

@@ -869,6 +869,7 @@ impl PyCore {
         d.set_item("requests", self.state.requests.len())?;
         // (vLLM's lora_requests_info: which adapters run and wait; only with adapters)
         let router = &self.state.router;
+        d.set_item("loras_served", router.lora_count())?;
         if router.has_loras() {
             let (running, waiting) = self.state.scheduler.adapters();
             let names = |ids: &[u32]| -> Vec<String> { ids.iter().filter_map(|&i| router.lora_name(i)).collect() };

@@ -202,10 +202,21 @@ pub fn parse_unload(body: &[u8], strict: bool) -> Result<(String, Headers), ApiE
     Ok((required(b.lora_name, "lora_name")?, headers))
 }
 
-/// The 404 of an unload naming no loaded adapter.
+/// The 404 of an unload naming no loaded adapter (listing the first few loaded, as a 404
+/// for an unknown model lists the served names).
 pub fn not_loaded(name: &str, loaded: Vec<String>) -> ApiError {
-    let which = if loaded.is_empty() { "none is loaded".to_string() } else { format!("loaded: {}", loaded.join(", ")) };
-    ApiError::NotFound { message: format!("No LoRA adapter named '{name}' is loaded ({which}).") }
+    let short = |s: &str| match s.char_indices().nth(100) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s.to_string(),
+    };
+    let which = if loaded.is_empty() {
+        "none is loaded".to_string()
+    } else {
+        let more = loaded.len().saturating_sub(8);
+        let names: Vec<String> = loaded.iter().take(8).map(|n| short(n)).collect();
+        format!("loaded: {}{}", names.join(", "), if more > 0 { format!(" and {more} more") } else { String::new() })
+    };
+    ApiError::NotFound { message: format!("No LoRA adapter named '{}' is loaded ({which}).", short(name)) }
 }
 
 #[cfg(test)]
@@ -264,5 +275,8 @@ mod tests {
         let (name, headers) = parse_unload(br#"{"lora_name": "x", "lora_int_id": 4}"#, false).unwrap();
         assert_eq!((name.as_str(), headers[0].1.as_str()), ("x", "lora_int_id"));
         assert_eq!(parse_unload(b"{}", false).unwrap_err().code(), "missing_required_parameter");
+        let many: Vec<String> = (0..20).map(|i| format!("a{i}")).collect();
+        let message = not_loaded("x", many).message();
+        assert!(message.ends_with("(loaded: a0, a1, a2, a3, a4, a5, a6, a7 and 12 more)."), "{message}");
     }
 }

@@ -385,6 +385,11 @@ impl Router {
         self.loras().live().cloned().collect()
     }
 
+    /// How many LoRA adapters are served now.
+    pub fn lora_count(&self) -> usize {
+        self.loras().live().count()
+    }
+
     /// Whether any LoRA adapter is served, or unloaded while its requests run.
     pub fn has_loras(&self) -> bool {
         self.loras().any()
