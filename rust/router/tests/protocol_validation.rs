@@ -91,6 +91,15 @@ fn messages_shape() {
             p("messages[0].role"),
         ),
         (m(json!([{"role": "user"}])), 400, "missing_required_parameter", p("messages[0].content")),
+        // sent as null: a required field of the wrong type (A84-1), as a null `role` is
+        (m(json!([{"role": "user", "content": null}])), 400, "invalid_type", p("messages[0].content")),
+        (m(json!([{"role": "system", "content": null}])), 400, "invalid_type", p("messages[0].content")),
+        (
+            m(json!([{"role": "user", "content": "a"}, {"role": "tool", "content": "42", "tool_call_id": null}])),
+            400,
+            "invalid_type",
+            p("messages[1].tool_call_id"),
+        ),
         (m(json!([{"role": "user", "content": 5}])), 400, "invalid_type", p("messages[0].content")),
         (
             m(json!([{"role": "system", "content": "a"},

@@ -316,7 +316,14 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
     // Assistant turns may be content-less (a tool call, or an empty turn to continue).
     match obj.get("content") {
         None | Some(Value::Null) if role == "assistant" => {}
-        None | Some(Value::Null) => return Err(missing(format!("{p}.content"))),
+        None => return Err(missing(format!("{p}.content"))),
+        // (sent as null: a required field of the wrong type, as OpenAI answers it)
+        Some(Value::Null) => {
+            return Err(invalid_type(
+                format!("{p}.content"),
+                "`content` must be a string or an array of content parts, not null.",
+            ))
+        }
         // NOTE: OpenAI refuses an empty parts list; only an assistant turn may be empty.
         Some(Value::Array(parts)) if parts.is_empty() && role != "assistant" => {
             return Err(ApiError::invalid(
@@ -358,7 +365,7 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
 fn require_object<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result<&'a Map<String, Value>, ApiError> {
     match obj.get(key) {
         Some(Value::Object(o)) => Ok(o),
-        None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
+        None => Err(missing(format!("{p}.{key}"))),
         Some(other) => as_object(other, format!("{p}.{key}"), &format!("`{key}`")),
     }
 }
@@ -367,7 +374,7 @@ fn require_object<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result
 pub(crate) fn require_str<'a>(obj: &'a Map<String, Value>, key: &str, p: &str) -> Result<&'a str, ApiError> {
     match obj.get(key) {
         Some(Value::String(s)) => Ok(s),
-        None | Some(Value::Null) => Err(missing(format!("{p}.{key}"))),
+        None => Err(missing(format!("{p}.{key}"))),
         Some(other) => {
             Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string, not {}.", kind_of(other))))
         }
