@@ -22,6 +22,8 @@ _ENV_LOG_LEVEL = "LLMSERVE_LOG_LEVEL"
 _ENV_VLLM_API_KEY = "VLLM_API_KEY"
 # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter ("1" or "true").
 _ENV_VLLM_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# vLLM's filesystem LoRA resolver's folder (--lora-resolver-dir).
+_ENV_VLLM_LORA_RESOLVER = "VLLM_LORA_RESOLVER_CACHE_DIR"
 
 # vLLM's `--api-key K1 K2` puts its second key where llmserve reads MODEL (never echoed)
 _ONE_KEY = "--api-key takes one key: repeat the flag for each (--api-key K1 --api-key K2)"
@@ -207,6 +209,11 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         logging.getLogger("llmserve").info("API key from %s (vLLM's variable; llmserve's is %s)",
                                            _ENV_VLLM_API_KEY, _ENV_API_KEY)
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=(vllm_key,)))
+    resolver = os.environ.get(_ENV_VLLM_LORA_RESOLVER, "")
+    if resolver and cfg.model.lora_resolver_dir is None:
+        logging.getLogger("llmserve").info("LoRA adapters resolved from %s (%s; llmserve's flag is "
+                                           "--lora-resolver-dir)", resolver, _ENV_VLLM_LORA_RESOLVER)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_resolver_dir=resolver))
     runtime_lora = os.environ.get(_ENV_VLLM_RUNTIME_LORA, "").strip().lower()
     if runtime_lora in ("1", "true") and not cfg.model.allow_runtime_lora_updating:
         logging.getLogger("llmserve").info("runtime LoRA updating on: %s is set (vLLM's variable; llmserve's "

@@ -149,6 +149,12 @@ class ModelConfig(_Checked):
         "with the API key can then make the server read any adapter folder it can see, or fetch one from "
         "the Hugging Face Hub."
     )
+    lora_resolver_dir: str | None = _f(
+        None, "A folder of PEFT LoRA adapters, one per subfolder named as clients name the adapter: a request "
+        "whose `model` is no served name but a subfolder here whose adapter_config.json says it is made for "
+        "this model (base_model_name_or_path: a served name, or the model as given) loads it first, and it "
+        "is served from then on (vLLM's filesystem LoRA resolver; VLLM_LORA_RESOLVER_CACHE_DIR also sets it)."
+    )
     max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's. As vLLM "
                                    "takes it, 32k is 32000 and 32K 32768.", min=1, human=True)
     dtype: str = _f(
@@ -227,6 +233,8 @@ class ModelConfig(_Checked):
         if clash := next((n for n in names if n in self.served_model_name), None):
             raise ValueError(f"--lora-modules names {clash!r}, which is also a --served-model-name: each name must "
                              "say which model a request runs on")
+        if self.lora_resolver_dir is not None and not os.path.isdir(self.lora_resolver_dir):
+            raise ValueError(f"--lora-resolver-dir {self.lora_resolver_dir!r} is not a folder")
         t = self.chat_template
         # NOTE: text without any Jinja markup would render every conversation as that text:
         # it is a path that does not exist (a typo), not a template.

@@ -112,10 +112,11 @@ def _config(args):
     return cli.config_from_args(cli.build_parser().parse_args(["run", *args]))
 
 
-def test_vllm_spellings_are_taken(monkeypatch, caplog):
+def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     """What a `vllm serve` command line carries over: --tool-call-parser (--tool-call-format's
     vLLM name), --async-scheduling alone and --no-async-scheduling, --allowed-origins as a JSON
-    list, VLLM_API_KEY, VLLM_ALLOW_RUNTIME_LORA_UPDATING, and the flags that mean nothing here
+    list, VLLM_API_KEY, VLLM_ALLOW_RUNTIME_LORA_UPDATING, VLLM_LORA_RESOLVER_CACHE_DIR, and the
+    flags that mean nothing here
     (accepted, and said so)."""
     assert _config(["--tool-call-parser", "hermes"]).model.tool_call_format == "hermes"
     for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("32.2k", 32200)):
@@ -144,6 +145,13 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
         assert _config([]).model.allow_runtime_lora_updating == on, value
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path))
+    assert _config([]).model.lora_resolver_dir == str(tmp_path)
+    assert _config(["--lora-resolver-dir", "."]).model.lora_resolver_dir == "."   # (the flag first)
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not a folder"):
+        _config([])
+    monkeypatch.delenv("VLLM_LORA_RESOLVER_CACHE_DIR")
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
     with caplog.at_level("INFO", logger="llmserve"):
         assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora",

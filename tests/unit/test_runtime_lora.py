@@ -166,3 +166,36 @@ def test_a_path_not_found_is_said_in_one_line(monkeypatch):
         read_adapter("ph", "nobody/nothing-here", {})
     assert str(e.value) == ("LoRA adapter 'ph': 'nobody/nothing-here' is not here, and the Hub could not be reached: "
                             "ConnectError")
+
+
+def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
+    """--lora-resolver-dir (vLLM's filesystem resolver): a request naming a subfolder whose
+    adapter is made for this model loads it, and it is served from then on; a subfolder made
+    for another model, a name reaching out of the folder, or none at all stay 404s."""
+    import shutil
+
+    from tiny import write_peft_adapter
+
+    folder, adapter = served
+    shutil.copytree(adapter, tmp_path / "sql")
+    config = json.loads((folder / "config.json").read_text())
+    write_peft_adapter(tmp_path / "other", config, ["q_proj"], config={"base_model_name_or_path": "someone/else"})
+    write_peft_adapter(tmp_path.parent / "outside", config, ["q_proj"])
+    engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
+                                     lora_resolver_dir=str(tmp_path)))
+
+    async def main():
+        await engine.start()
+        base = orjson.loads(await (await engine.submit("completion", _body("tiny"))).read_all())
+        got = orjson.loads(await (await engine.submit("completion", _body("sql"))).read_all())
+        assert got["model"] == "sql" and engine.router.lora_names() == ["sql"]
+        assert got["choices"][0]["token_ids"] != base["choices"][0]["token_ids"]
+        again = orjson.loads(await (await engine.submit("completion", _body("sql"))).read_all())
+        assert again["choices"][0]["token_ids"] == got["choices"][0]["token_ids"]
+        for name in ("other", "../outside", str(tmp_path / "sql"), "missing", ""):
+            with pytest.raises(NotFoundError):
+                await engine.submit("completion", _body(name))
+        assert engine.router.lora_names() == ["sql"]
+        await engine.drain()
+
+    asyncio.run(main())

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -112,6 +114,35 @@ class Adapters:
                  ", in place of the one of that name" if replaced is not None else "")
         # (vLLM's words, which its clients and tests read; also for load_inplace)
         return f"Success: LoRA adapter '{name}' added successfully.", headers
+
+    async def resolve(self, router, name: str, folder: str, bases: set[str]) -> bool:
+        """vLLM's filesystem LoRA resolver: a request named `name`, which no served model has,
+        and `folder` (--lora-resolver-dir) holds a subfolder `name` whose adapter_config.json is
+        a LoRA made for one of `bases` (base_model_name_or_path): it is loaded and served under
+        `name`. Whether it now is (False: the name stays unknown, a 404). An adapter found but
+        that cannot be served raises its 400, as a load does."""
+        from llmserve._core import BadRequestError
+
+        root = os.path.realpath(folder)
+        path = os.path.realpath(os.path.join(root, name))
+        if os.path.isabs(name) or os.path.commonpath([root, path]) != root or path == root:
+            return False
+        try:
+            with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        if not (isinstance(config, dict) and config.get("peft_type", "LORA") == "LORA"
+                and config.get("base_model_name_or_path") in bases):
+            return False
+        body = json.dumps({"lora_name": name, "lora_path": path}).encode()
+        try:
+            await self.load(router, body)
+        except BadRequestError as exc:
+            if exc.code != "lora_adapter_exists":   # (another request loaded it meanwhile)
+                raise
+        log.info("LoRA adapter %r resolved from %s", name, path)
+        return True
 
     def unload(self, router, body: bytes) -> tuple[str, list]:
         """`POST /v1/unload_lora_adapter`: (the answer's text, its headers), or raises ApiError

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-from llmserve._core import ApiError, Prepared, Router
+from llmserve._core import ApiError, NotFoundError, Prepared, Router
 from llmserve.config import Config
 from llmserve.engine.build import Engine, SetupError, build_engine
 from llmserve.engine.loop import EngineThread, hard_exit
@@ -377,16 +377,38 @@ class AsyncEngine:
             raise TypeError(f"the request body must be bytes (its JSON), not {type(body).__name__}")
         self._check_serving()
         router = self.router
-        if _off_loop(body):
-            prepared = await asyncio.to_thread(router.prepare, endpoint, body, request_id)
-        else:
-            prepared = router.prepare(endpoint, body, request_id)
+        try:
+            prepared = await self._prepare(endpoint, body, request_id)
+        except NotFoundError as exc:
+            # (--lora-resolver-dir: an adapter of that name is loaded, then the request runs)
+            if exc.code != "model_not_found" or not await self._resolve_lora(body):
+                raise
+            prepared = await self._prepare(endpoint, body, request_id)
         self._check_serving()
         self._admit(prepared, endpoint)
         stream = RequestStream(self, prepared, anthropic=endpoint == "messages")
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream
+
+    async def _prepare(self, endpoint: str, body: bytes, request_id: str | None) -> Prepared:
+        if _off_loop(body):
+            return await asyncio.to_thread(self.router.prepare, endpoint, body, request_id)
+        return self.router.prepare(endpoint, body, request_id)
+
+    async def _resolve_lora(self, body: bytes) -> bool:
+        """Whether the request's unknown `model` is now an adapter --lora-resolver-dir gave."""
+        cfg = self.config.model
+        if cfg.lora_resolver_dir is None:
+            return False
+        try:
+            name = orjson.loads(body).get("model")
+        except (orjson.JSONDecodeError, AttributeError):
+            return False
+        if not isinstance(name, str) or not name:
+            return False
+        bases = {*self.router.served_model_names, *([cfg.model] if cfg.model else [])}
+        return await self.engine.adapters.resolve(self.router, name, cfg.lora_resolver_dir, bases)
 
     async def load_lora(self, body: bytes) -> tuple[str, list]:
         """vLLM's `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path", "load_inplace"}`):
