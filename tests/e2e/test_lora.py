@@ -7,6 +7,7 @@ those of adapters loaded while the server runs (vLLM's /v1/load_lora_adapter).""
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 
 import httpx
 import pytest
@@ -65,8 +66,10 @@ def lora(tmp_path_factory):
     # (computed before the server starts: the two processes share 2 cores)
     want = _merged_greedy(folder, [(pairs_a, 8.0 / 4), (pairs_b, 16.0 / 8 ** 0.5)])
     assert len({tuple(t) for t in want}) == 3, "the adapters must change the tokens for this test to mean anything"
+    resolver = tmp_path_factory.mktemp("resolver")
+    shutil.copytree(path_a, resolver / "on-demand")
     server = ServerProcess(str(folder), "--served-model-name", "tiny", "--lora-modules", f"a={path_a}",
-                           f"b={path_b}", "--allow-runtime-lora-updating")
+                           f"b={path_b}", "--allow-runtime-lora-updating", "--lora-resolver-dir", str(resolver))
     yield server, dict(zip(["tiny", "a", "b"], want)), (str(path_a), str(path_b))
     server.stop()
 
@@ -148,3 +151,6 @@ def test_adapters_load_and_unload_while_the_server_runs(lora):
         assert unload(lora_name="a").status_code == 200
         assert load(lora_name="a", lora_path=path_a).status_code == 200
         assert _tokens(client, "a") == want["a"]
+        # --lora-resolver-dir: the first request naming its subfolder loads it
+        assert _tokens(client, "on-demand", stream=True) == want["a"]
+        assert [m.id for m in client.models.list()] == ["tiny", "b", "a", "on-demand"]
