@@ -227,6 +227,47 @@ def test_a_q8_0_moe_file_serves_its_weights(tmp_path):
     assert got[0].body["choices"][0]["token_ids"] == ref[0, len(TOKENS):].tolist()
 
 
+@pytest.mark.parametrize("quant,served_as", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_0"), ("Q4_1", "Q4_1"), ("Q5_0", "Q8_0")])
+def test_served_experts_are_the_files_blocks(quant, served_as, tmp_path):
+    """A served MoE GGUF model holds its experts as the file's blocks only (Q5_0 converted to
+    Q8_0, as a linear's are), packed expert by expert, their float32 stacks released; each
+    expert's rows run the quantized GEMV (int8 activations) in prompt and decode steps, within
+    that GEMV's error of the float model of the same values (a mistake in the blocks' layout,
+    such as gate and up swapped, is off by about the logits' own size)."""
+    from llmserve.engine.build import build_engine
+    from llmserve.engine.offline import make_config
+    from llmserve.loaders.gguf_convert import type_name
+
+    model = tiny_moe("qwen3_moe")
+    path = tmp_path / f"qwen3moe.{quant}.gguf"
+    write_moe_gguf(path, "qwen3_moe", model, quant)
+    served = build_engine(make_config(str(path), threads=1, max_model_len=64, num_kv_blocks=32, block_size=4))
+    ours = served.runner.model
+    for layer in ours.layers:
+        mlp = layer.mlp
+        assert mlp.gate_up.is_meta and mlp.down.is_meta
+        assert [(len(q), type_name(q[0].ggml_type), q[0].rows, q[0].cols) for q in mlp.quant.values()] == [
+            (4, served_as, 2 * 768, 64), (4, served_as, 64, 768)]
+    # (the float model of the values served: the converted blocks' for Q5_0)
+    ckpt = load_checkpoint(str(path), quantized_decode=True)
+    ref_model = build_model(ckpt.hf_config, ckpt.weights, torch.float32, "cpu")
+    runners = [ModelRunner(m, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+               for m in (ours, ref_model)]
+    pages = [Paged(16, 4), Paged(16, 4)]
+    got, want = [], []
+    for tokens in ([TOKENS], [[23]], [[44]]):   # (the prompt, then two decode steps)
+        for runner, paged, out in zip(runners, pages, (got, want)):
+            if len(tokens[0]) > 1:
+                paged.add(0, tokens[0])
+            else:
+                paged.append(0, tokens[0][0])
+            with torch.inference_mode():
+                out.append(runner.model.compute_logits(runner.run_model(paged.step({0: len(tokens[0])}))))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0.15, rtol=0)
+        assert (g - w).abs().max() > 0   # (the blocks, not a float copy, computed them)
+
+
 def _rewrite(src: Path, dst: Path, rename=None, drop=(), keys=None) -> None:
     """`src` copied to `dst` with tensors renamed (`rename(name)`), some dropped, keys added."""
     reader = gguf.GGUFReader(str(src))

@@ -26,8 +26,9 @@ Every tensor type the file holds is dequantized to float32 (Q8_0/Q4_0/Q4_1 by ou
 kernels, the others with gguf's `dequantize`) when the model build reads it
 (`Checkpoint.weights` is a LazyWeights), so a load never holds the whole model in float32 at
 once. Linear weights in Q8_0/Q4_0/Q4_1 are also kept as their raw blocks (`Checkpoint.quantized`,
-rows un-permuted the same way) for the quantized GEMV of few-token decode steps (not the stacked
-experts, which no kernel of ours reads as blocks: they are dequantized whatever their type). Loaded for
+rows un-permuted the same way) for the quantized GEMV of few-token decode steps; an MoE layer's
+stacked experts too (gate|up as one matrix, expert after expert: `_gate_up_blocks`), which a
+served model computes with the GEMV in every step, holding no float32 copy of them. Loaded for
 that GEMV (`quantized_decode`), linears in K-quant and Q5 types get blocks converted to those
 types (gguf_convert.py: Q4_K -> Q4_1, the others and mixed fused groups -> Q8_0), converted
 linear by linear as the model is built, and their weights are the converted blocks' values:
@@ -36,6 +37,7 @@ one set of weights for every step. F16, BF16, F32 and IQ types keep the file's v
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -414,13 +416,13 @@ class _GgufWeight:
                                              self.shape[-1]).reshape(self.shape))
             w = w if not self.offset else w - self.offset
             return w if self.heads is None else unpermute_qk(w, self.heads)
-        if len(self.shape) > 2:   # (stacked experts: the rows of all of them, as one matrix)
+        if len(self.shape) > 2 and self.target is None:   # (stacked experts: their rows, as one matrix)
             return self.rows(None).reshape(self.shape)
         if self.target is None:
             return self.rows(None)
         # (kept for take_blocks: a build makes a linear's weight, then takes its blocks)
         self._blocks = self._blocks or self._converted(None)
-        return torch.from_numpy(_dequantize(self._blocks.data, self.target, self.shape[1]))
+        return torch.from_numpy(_dequantize(self._blocks.data, self.target, self.shape[-1])).reshape(self.shape)
 
     def rows(self, index: np.ndarray | None) -> torch.Tensor:
         """Rows `index` of the matrix (None: all of them; a 3-D tensor's rows run over its first
@@ -447,7 +449,7 @@ class _GgufWeight:
 
     def _converted(self, index: np.ndarray | None) -> QuantTensor:
         data = convert(self._file_rows(index), int(self.tensor.tensor_type), self.target)
-        return QuantTensor(np.ascontiguousarray(data), self.target, data.shape[0], self.shape[1])
+        return QuantTensor(np.ascontiguousarray(data), self.target, data.shape[0], self.shape[-1])
 
 
 class _GgufGateUp:
@@ -479,6 +481,17 @@ class _GgufGateUp:
             if mine.any():
                 out[torch.from_numpy(mine)] = part.rows(expert[mine] * i + row[mine] % i)
         return out
+
+
+def _gate_up_blocks(experts: _GgufGateUp, gate: QuantTensor | None, up: QuantTensor | None) -> QuantTensor:
+    """The blocks of gate|up [E, 2I, H] as the rows of one matrix, expert after expert (each
+    expert's gate rows, then its up rows), from the file's blocks (`gate`, `up`; None: the
+    converted ones its weights were made from). Both are of their group's one type."""
+    g = gate if gate is not None else experts.gate.take_blocks()
+    u = up if up is not None else experts.up.take_blocks()
+    e, i2, h = experts.shape
+    data = np.concatenate([g.data.reshape(e, i2 // 2, -1), u.data.reshape(e, i2 // 2, -1)], axis=1)
+    return QuantTensor(np.ascontiguousarray(data.reshape(e * i2, -1)), g.ggml_type, e * i2, h)
 
 
 def _dequantize(data: np.ndarray, ggml_type: int, cols: int) -> np.ndarray:
@@ -518,9 +531,10 @@ def _check_dequantizable(tensor) -> None:
 def _raw_blocks(tensor) -> QuantTensor | None:
     """A matrix's raw blocks when its format is one the quantized GEMV reads, else None."""
     ggml_type = int(tensor.tensor_type)
-    if ggml_type not in QUANT_FORMATS or len(tensor.shape) != 2:
+    if ggml_type not in QUANT_FORMATS or len(tensor.shape) != (3 if "_exps." in tensor.name else 2):
         return None
-    cols, rows = (int(d) for d in tensor.shape.tolist())   # innermost first
+    cols, *outer = (int(d) for d in tensor.shape.tolist())   # innermost first
+    rows = int(np.prod(outer))   # (stacked experts: every expert's rows, expert after expert)
     # NOTE: the reader's [rows, bytes per row] uint8 view of the file's read-only mmap, kept
     # as it is: the model packs it into a copy of its own (QuantTensor.pack), so a load holds
     # the blocks once in memory, not twice. The checkpoint pins the file while it lives.
@@ -540,6 +554,8 @@ def _unpermute_raw(q: QuantTensor, n_heads: int) -> QuantTensor:
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 _FUSED = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv",
           "ffn_gate": "ffn_gate_up", "ffn_up": "ffn_gate_up"}
+# An MoE layer's stacked experts, and the group each is served in (gate and up fused).
+_EXPERTS = {"ffn_gate_exps": "ffn_gate_up_exps", "ffn_up_exps": "ffn_gate_up_exps", "ffn_down_exps": "ffn_down_exps"}
 
 
 def block_targets(tensors, tied: bool) -> dict[str, int]:
@@ -552,6 +568,8 @@ def block_targets(tensors, tied: bool) -> dict[str, int]:
         m = _BLOCK_RE.match(t.name)
         if m and m.group(3) == "weight" and m.group(2) in _LINEARS:
             key = f"blk.{m.group(1)}.{_FUSED.get(m.group(2), m.group(2))}"
+        elif m and m.group(3) == "weight" and m.group(2) in _EXPERTS:
+            key = f"blk.{m.group(1)}.{_EXPERTS[m.group(2)]}"
         elif t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
             key = t.name
         else:
@@ -560,7 +578,8 @@ def block_targets(tensors, tied: bool) -> dict[str, int]:
     targets = {}
     for parts in groups.values():
         target = group_target([int(t.tensor_type) for t in parts])
-        if target is not None and all(len(t.shape) == 2 for t in parts):
+        # (experts: [E, I, H], each expert's rows computed as a linear of its own)
+        if target is not None and all(len(t.shape) == (3 if "_exps." in t.name else 2) for t in parts):
             targets.update((t.name, target) for t in parts)
     return targets
 
@@ -602,6 +621,7 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
     lazy: dict[str, _GgufWeight | _GgufGateUp] = {}
     gate_up: dict[str, dict[str, _GgufWeight]] = {}   # HF name -> {"gate" | "up": its part}
     quantized: dict[str, QuantTensor | Callable[[], QuantTensor]] = {}
+    blocks: dict[str, dict[str, QuantTensor | None]] = {}   # experts' gate and up blocks (None: converted)
     conversions: Counter = Counter()
     for tensor in tensors:
         key = names[tensor.name]
@@ -622,6 +642,10 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
         weight = _GgufWeight(tensor, heads, target if converts else None, offset, shape)
         if key.endswith(_GATE_UP):
             gate_up.setdefault(key, {})["gate" if ".ffn_gate_exps." in tensor.name else "up"] = weight
+            if target is not None:
+                blocks.setdefault(key, {})["gate" if ".ffn_gate_exps." in tensor.name else "up"] = raw
+                if converts:
+                    conversions[f"{type_name(source)}->{type_name(target)}"] += 1
             continue
         lazy[key] = weight
         if converts:
@@ -635,6 +659,8 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
             raise LoadError(f"GGUF layer {layer} has ffn_{next(iter(parts))}_exps but no ffn_"
                             f"{'up' if 'gate' in parts else 'gate'}_exps")
         lazy[key] = _GgufGateUp(parts["gate"], parts["up"])
+        if len(blocks.get(key, ())) == 2:
+            quantized[key] = functools.partial(_gate_up_blocks, lazy[key], blocks[key]["gate"], blocks[key]["up"])
     log.info("GGUF %s: %d tensors (%s), dequantized to float32 as the model is built",
              path.name, len(lazy), ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
     converted = tuple(f"{k} x{v}" for k, v in sorted(conversions.items()))

@@ -241,7 +241,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return torch.cat([quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
                               for i in range(0, x.shape[0], QUANT_MAX_TOKENS)])
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
-    if quant_ok and quantized_step_allowed(x.shape[0]):
+    # (a released weight with blocks and no bf16 copy, an MoE expert's: the blocks in every step)
+    if quant_ok and (quantized_step_allowed(x.shape[0]) or (weight.is_meta and bf16_weight is None)):
         return quant_linear(x, bias, quant)
     if (bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32
             and (in_runner_step() or weight.is_meta)):   # (meta: a serving model released it)
@@ -451,7 +452,12 @@ class MoEMLP(nn.Module):
 
     Each expert computes the rows routed to it as one GEMM through `linear`, so a row's sums do
     not depend on the rest of the step where the dense layers' do not (and row by row with
-    --batch-invariant); the accumulation order is the expert order whatever the batch."""
+    --batch-invariant); the accumulation order is the expert order whatever the batch.
+
+    `quant` ("gate_up" / "down" -> each expert's packed GGUF blocks; llama.quantize_experts):
+    the experts' rows run the quantized GEMV where a linear's would, and in every step once a
+    served model released their float32 stacks (a GGUF MoE model then holds its experts as the
+    file's blocks only)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  shared_intermediate: int = 0, softmax_topk: bool = False):
@@ -467,6 +473,7 @@ class MoEMLP(nn.Module):
         self.shared = GateUpMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_gate = Linear(hidden, 1, bias=False) if shared_intermediate else None
         self.batch_invariant = False    # set by the model's set_batch_invariant
+        self.quant: dict[str, list[PackedQuant]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
@@ -491,12 +498,18 @@ class MoEMLP(nn.Module):
             pairs = order[start:start + n]
             start += n
             rows = pairs // self.top_k
-            gate, up = linear(x[rows], self.gate_up[e], None, None, self.batch_invariant).split(self.intermediate, -1)
-            y = linear(F.silu(gate) * up, self.down[e], None, None, self.batch_invariant)
+            gate, up = linear(x[rows], self.gate_up[e], None, self._quant("gate_up", e),
+                              self.batch_invariant).split(self.intermediate, -1)
+            y = linear(F.silu(gate) * up, self.down[e], None, self._quant("down", e), self.batch_invariant)
             out.index_add_(0, rows, y * weights[pairs, None])
         if self.shared is not None:
             out = out + _rowwise_sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
+
+
+    def _quant(self, which: str, expert: int) -> PackedQuant | None:
+        packed = self.quant.get(which)
+        return packed[expert] if packed else None
 
 
 def _rowwise_sigmoid(g: torch.Tensor) -> torch.Tensor:

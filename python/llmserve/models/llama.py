@@ -407,6 +407,10 @@ class LlamaForCausalLM(nn.Module):
 
         def attach(name: str, weight: torch.Tensor) -> torch.Tensor:
             q = fused_blocks(blocks, parts[name], take=serving) if blocks is not None else None
+            owner, _, which = name.rpartition(".")
+            experts = model.get_submodule(owner)
+            if isinstance(experts, MoEMLP):
+                return quantize_experts(name, experts, which, q, weight, serving) if q is not None else weight
             if q is None and not lossy:
                 return weight
             return quantize_linear(name, model.get_submodule(name), q, weight, bf16, serving)
@@ -664,7 +668,7 @@ def fuse_hf_weights(c: DecoderConfig, weights: Mapping[str, torch.Tensor], dtype
             # (transformers >= 5 saves Mixtral's `block_sparse_moe` as `mlp`)
             block = next((hf + p + "." for p in (c.moe.prefix, "mlp") for r in MOE_ROUTERS
                           if hf + p + "." + r in left), hf + c.moe.prefix + ".")
-            out.update(moe_weights(c.moe, block, ours + "mlp.", one, cat, left))
+            out.update(moe_weights(c.moe, block, ours + "mlp.", one, cat, left, linear))
         else:
             fused = hf + "mlp.gate_up_proj.weight" in left
             out[ours + "mlp.gate_up.weight"] = linear(ours + "mlp.gate_up", one(hf + "mlp.gate_up_proj.weight")
@@ -726,16 +730,18 @@ def rope_rows(c: DecoderConfig, qkv: torch.Tensor) -> torch.Tensor:
 
 
 def moe_weights(m: MoEConfig, block: str, ours: str, one: Callable, cat: Callable,
-                left: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                left: Mapping[str, torch.Tensor],
+                linear: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t) -> dict[str, torch.Tensor]:
     """One MoE block's tensors for layers.MoEMLP (`fuse_hf_weights`' helpers do the popping and
     checking): the router, the experts' gate|up and down stacked (each expert's written into
-    its place), a shared expert's fused like a dense MLP."""
+    its place), a shared expert's fused like a dense MLP. Stacked experts (a GGUF file's) go
+    through `linear` as a layer linear's weight does (their blocks attached, `quantized_parts`)."""
     router = next((r for r in MOE_ROUTERS if block + r in left), MOE_ROUTERS[0])
     out = {ours + "router.weight": one(block + router)}
     stacked = next((pair for pair in MOE_STACKED if block + pair[0] in left), None)
     if stacked is not None:
-        out[ours + "gate_up"] = one(block + stacked[0])
-        out[ours + "down"] = one(block + stacked[1])
+        out[ours + "gate_up"] = linear(ours + "gate_up", one(block + stacked[0]))
+        out[ours + "down"] = linear(ours + "down", one(block + stacked[1]))
     else:
         g, u, d = m.expert_names
         gate_up = down = None
@@ -772,6 +778,9 @@ def quantized_parts(c: DecoderConfig) -> dict[str, tuple[str, ...]]:
         if (c.moe is None or not c.moe.sparse(i)) and not c.plain_mlp:
             parts[ours + "mlp.gate_up"] = (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
             parts[ours + "mlp.down"] = (hf + "mlp.down_proj.weight",)
+        elif c.moe is not None:   # (a GGUF file's stacked experts: every expert's rows, one matrix)
+            parts[ours + "mlp.gate_up"] = (hf + "mlp.experts.gate_up_proj",)
+            parts[ours + "mlp.down"] = (hf + "mlp.experts.down_proj",)
     return parts
 
 
@@ -794,6 +803,20 @@ def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor],
         if q is not None:
             yield name, q
         del q   # (so the consumer holds the only reference while the next linear fuses)
+
+
+def quantize_experts(name: str, mlp: MoEMLP, which: str, q: QuantTensor, weight: torch.Tensor,
+                     release: bool) -> torch.Tensor:
+    """Give an MoE layer's stacked experts (`which`: "gate_up" [E, 2I, H] or "down" [E, H, I],
+    float32 `weight`) their GGUF blocks `q` (every expert's rows, one matrix), packed expert by
+    expert (MoEMLP.quant); returns the weight it keeps: `weight`, or with `release` a meta tensor
+    of its shape (the experts then compute with the blocks in every step, layers.linear)."""
+    e, rows, cols = weight.shape
+    if (q.rows, q.cols) != (e * rows, cols):
+        raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its experts {list(weight.shape)}")
+    mlp.quant[which] = [QuantTensor(q.data[x * rows:(x + 1) * rows], q.ggml_type, rows, cols).pack()
+                        for x in range(e)]
+    return torch.empty(weight.shape, device="meta") if release else weight
 
 
 def quantize_linear(name: str, module: Linear, q: QuantTensor | None, weight: torch.Tensor, bf16: bool,
