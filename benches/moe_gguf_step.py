@@ -4,8 +4,10 @@ dequantizing them to float32, the same file either way.
 A random Qwen3-MoE of granite-3.1-1b-a400m's layer shape (hidden 1024, 16/8 heads, 32 experts of
 512, 8 per token), with few layers so it builds quickly, written as llama.cpp writes a GGUF
 (tests/unit/test_gguf_moe.py) in Q8_0 or Q4_0. Built twice through build_engine: the default
-(experts as blocks, the quantized GEMV in every step, no float32 copy) and
---no-quantized-decode (every weight float32). Decode steps at ~256 cached tokens and a
+(experts held as blocks only: the quantized GEMV in decode steps, each expert's float32 made
+from its blocks in prompt steps) and --no-quantized-decode (every weight float32). The other
+linears differ too (blocks in decode steps, bf16 copies in prompt steps on CPUs with native
+bf16), as a dense model's do: the ratio is the whole step's. Decode steps at ~256 cached tokens and a
 512-token prompt step run through ModelRunner.execute, the two alternating; medians compared,
 with the bytes the experts take in each.
 
@@ -14,14 +16,18 @@ with the bytes the experts take in each.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+# (as `llmserve run` sets it before torch loads: OpenMP workers sleep soon after each op)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, "tests")
 sys.path.insert(0, "tests/unit")

@@ -192,7 +192,9 @@ def decode_plan(batch: int, ctx: int, block_size: int, vocab: int, seed: int = 0
                 query_start_loc=np.arange(batch + 1, dtype=np.int32), seq_lens=np.full(batch, ctx + 1, np.int32),
                 block_tables=tables, slot_mapping=slots, copy_src=np.zeros(0, np.int64),
                 copy_dst=np.zeros(0, np.int64), logits_indices=np.arange(batch, dtype=np.int64),
-                lora_ids=np.array(lora_ids or [0] * batch, np.uint32), **sampling_columns([Row()] * batch))
+                lora_ids=np.array(lora_ids or [0] * batch, np.uint32),
+                # (each sequence computes a token it sampled: a decode step, as the runner tells them)
+                **sampling_columns([Row(gen_index=1)] * batch))
 
 
 def greedy_steps(paged: Paged, seqs: dict[int, list[int]], last: dict, steps: int,

@@ -266,6 +266,13 @@ class CpuDecoder:
         num_threads: int,
     ) -> None: ...
 
+def dequantize_packed(
+    out: npt.NDArray[np.float32],
+    w_packed: npt.NDArray[np.uint8],
+    ggml_type: int,
+    num_threads: int,
+) -> None: ...
+
 def rope_rows(
     x: npt.NDArray[np.float32],
     heads: int,

@@ -230,13 +230,16 @@ def test_a_q8_0_moe_file_serves_its_weights(tmp_path):
 @pytest.mark.parametrize("quant,served_as", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_0"), ("Q4_1", "Q4_1"), ("Q5_0", "Q8_0")])
 def test_served_experts_are_the_files_blocks(quant, served_as, tmp_path):
     """A served MoE GGUF model holds its experts as the file's blocks only (Q5_0 converted to
-    Q8_0, as a linear's are), packed expert by expert, their float32 stacks released; each
-    expert's rows run the quantized GEMV (int8 activations) in prompt and decode steps, within
-    that GEMV's error of the float model of the same values (a mistake in the blocks' layout,
-    such as gate and up swapped, is off by about the logits' own size)."""
+    Q8_0, as a linear's are), packed expert by expert, their float32 stacks released. In a
+    prompt step each expert computes the float32 of its blocks: an MoE layer gives the float
+    model's bits; decode steps run the quantized GEMV (int8 activations), within its error. The
+    whole model, every linear on its blocks (outside a runner's steps), is within the GEMV's
+    error of the float model of the same values, where a mistake in the blocks' layout (gate
+    and up swapped) is off by about the logits' own size."""
     from llmserve.engine.build import build_engine
     from llmserve.engine.offline import make_config
     from llmserve.loaders.gguf_convert import type_name
+    from llmserve.worker.threads import cpu_step
 
     model = tiny_moe("qwen3_moe")
     path = tmp_path / f"qwen3moe.{quant}.gguf"
@@ -261,11 +264,21 @@ def test_served_experts_are_the_files_blocks(quant, served_as, tmp_path):
                 paged.add(0, tokens[0])
             else:
                 paged.append(0, tokens[0][0])
-            with torch.inference_mode():
+            with torch.inference_mode():   # (outside a runner step: every linear of <= 24 rows reads blocks)
                 out.append(runner.model.compute_logits(runner.run_model(paged.step({0: len(tokens[0])}))))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=0.15, rtol=0)
-        assert (g - w).abs().max() > 0   # (the blocks, not a float copy, computed them)
+    # each MoE layer alone: a prompt step's experts compute the float model's bits, a decode
+    # step's run the GEMV (not a float copy)
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(3))
+    for ours_layer, ref_layer in zip(ours.layers, ref_model.layers):
+        with torch.inference_mode():
+            with cpu_step(True, False):
+                assert torch.equal(ours_layer.mlp(x), ref_layer.mlp(x))
+            with cpu_step(False, True):
+                mine, theirs = ours_layer.mlp(x[:3]), ref_layer.mlp(x[:3])
+        torch.testing.assert_close(mine, theirs, atol=0.05, rtol=0)
+        assert not torch.equal(mine, theirs)
 
 
 def _rewrite(src: Path, dst: Path, rename=None, drop=(), keys=None) -> None:

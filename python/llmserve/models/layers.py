@@ -222,31 +222,36 @@ _rope_rows = getattr(_core, "rope_rows", None)   # None: an extension built befo
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            quant: PackedQuant | None, row_invariant: bool = False,
-           bf16_weight: torch.Tensor | None = None) -> torch.Tensor:
+           bf16_weight: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out]: the quantized GEMV (rust/kernels/src/quant/) in float32 CPU
     decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
     weight's blocks; in the runner's other steps, a bfloat16 matmul on `bf16_weight` when
     there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`), and in any
     float32 [T, in] call when a serving model released the fp32 weight (`attach_quantized`;
-    other inputs are then refused); else F.linear on the model's own weight (`_dense_linear`:
-    row-stable in steps with prompt tokens).
+    other inputs are then refused); a weight released with blocks and no bf16 copy (an MoE
+    expert's) computes the float32 of its blocks for the call; else F.linear on the model's own
+    weight (`_dense_linear`: row-stable in steps with prompt tokens).
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
     change with the batch; the quantized GEMV computes each row alone, so it runs in chunks of
-    QUANT_MAX_TOKENS for any T, and without blocks F.linear runs one row at a time."""
+    QUANT_MAX_TOKENS for any T, and without blocks F.linear runs one row at a time.
+    `threads`: the quantized GEMV's threads (None: the engine's, `kernel_threads`)."""
     quant_ok = quant_serves(x, quant)
     if row_invariant and x.dim() == 2:
         if quant_ok:
-            return torch.cat([quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant)
+            return torch.cat([quant_linear(x[i:i + QUANT_MAX_TOKENS], bias, quant, threads)
                               for i in range(0, x.shape[0], QUANT_MAX_TOKENS)])
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
-    # (a released weight with blocks and no bf16 copy, an MoE expert's: the blocks in every step)
-    if quant_ok and (quantized_step_allowed(x.shape[0]) or (weight.is_meta and bf16_weight is None)):
-        return quant_linear(x, bias, quant)
+    if quant_ok and quantized_step_allowed(x.shape[0]):
+        return quant_linear(x, bias, quant, threads)
     if (bf16_weight is not None and x.dim() == 2 and x.dtype == torch.float32
             and (in_runner_step() or weight.is_meta)):   # (meta: a serving model released it)
         return _bf16_linear(x, bf16_weight, bias)
+    if weight.is_meta and quant_ok:
+        # (a weight kept as its blocks alone, an MoE expert's: their float32 values, made for
+        # this call, are the weight the model would otherwise hold)
+        return _dense_linear(x, dequantized(quant), bias)
     if weight.is_meta:   # (F.linear would return uninitialized memory, silently)
         raise ValueError(f"this linear's float32 weight was released (a model built for serving): it takes "
                          f"float32 [T, in] CPU inputs only, not {x.dtype} {list(x.shape)}")
@@ -369,12 +374,20 @@ def quant_serves(x: torch.Tensor, quant: PackedQuant | None) -> bool:
     return quant is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
-def quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: PackedQuant) -> torch.Tensor:
+def dequantized(quant: PackedQuant) -> torch.Tensor:
+    """The float32 [rows, cols] weight `quant`'s blocks hold (the values the loader gives it)."""
+    out = np.empty((quant.rows, quant.cols), dtype=np.float32)
+    _core.dequantize_packed(out, quant.data, quant.ggml_type, kernel_threads())
+    return torch.from_numpy(out)
+
+
+def quant_linear(x: torch.Tensor, bias: torch.Tensor | None, quant: PackedQuant,
+                 threads: int | None = None) -> torch.Tensor:
     # (numpy allocates the output: a torch op right after the weights streamed through the
     # caches costs ~0.1 ms, models/cpu_decoder.py)
     out = np.empty((x.shape[0], quant.rows), dtype=np.float32)
     _core.quant_matmul(out, x.contiguous().numpy(), quant.data, quant.ggml_type,
-                       quant.rows, quant.cols, kernel_threads())
+                       quant.rows, quant.cols, threads or kernel_threads())
     return torch.from_numpy(out) if bias is None else torch.from_numpy(out).add_(bias)
 
 
@@ -441,6 +454,10 @@ class PlainMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
+# An expert given at least this many rows of a step runs its quantized GEMV on the kernel pool.
+EXPERT_POOL_ROWS = 32
+
+
 class MoEMLP(nn.Module):
     """Sparse mixture-of-experts MLP (Mixtral, Qwen2/Qwen3-MoE, OLMoE, GraniteMoE). A router
     scores the experts; each token takes its `top_k` (softmax over all experts in float32, then
@@ -455,9 +472,10 @@ class MoEMLP(nn.Module):
     --batch-invariant); the accumulation order is the expert order whatever the batch.
 
     `quant` ("gate_up" / "down" -> each expert's packed GGUF blocks; llama.quantize_experts):
-    the experts' rows run the quantized GEMV where a linear's would, and in every step once a
-    served model released their float32 stacks (a GGUF MoE model then holds its experts as the
-    file's blocks only)."""
+    the experts' rows run the quantized GEMV where a linear's would (few-token decode steps);
+    once a served model released their float32 stacks (a GGUF MoE model then holds its experts
+    as the file's blocks only), other steps compute each expert's float32 from its blocks for
+    the step, the values it would have held (`layers.linear`)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  shared_intermediate: int = 0, softmax_topk: bool = False):
@@ -498,9 +516,15 @@ class MoEMLP(nn.Module):
             pairs = order[start:start + n]
             start += n
             rows = pairs // self.top_k
-            gate, up = linear(x[rows], self.gate_up[e], None, self._quant("gate_up", e),
-                              self.batch_invariant).split(self.intermediate, -1)
-            y = linear(F.silu(gate) * up, self.down[e], None, self._quant("down", e), self.batch_invariant)
+            # NOTE: an expert's few rows run its GEMV on one thread: between such short calls
+            # the kernel pool's other worker spins (rust/kernels/src/pool.rs), which on this
+            # machine class made a 16-sequence decode step of 32 experts ~3x slower than one
+            # thread (benches/moe_gguf_step.py).
+            threads = 1 if n < EXPERT_POOL_ROWS else None
+            gate, up = linear(x[rows], self.gate_up[e], None, self._quant("gate_up", e), self.batch_invariant,
+                              threads=threads).split(self.intermediate, -1)
+            y = linear(F.silu(gate) * up, self.down[e], None, self._quant("down", e), self.batch_invariant,
+                       threads=threads)
             out.index_add_(0, rows, y * weights[pairs, None])
         if self.shared is not None:
             out = out + _rowwise_sigmoid(self.shared_gate(x)) * self.shared(x)

@@ -32,6 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_pack, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::dequantize_packed, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rope_rows, m)?)?;
     errors::register(m)?;

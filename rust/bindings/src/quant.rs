@@ -52,6 +52,32 @@ pub fn dequantize(
     .or_else(err)
 }
 
+/// out[r, :] = row r of a packed matrix (`quant_pack`'s `w_packed` of `ggml_type`) dequantized,
+/// the same values as `dequantize` of the blocks it was packed from, on at most `num_threads`
+/// threads. Shapes: out f32 [rows, cols] (written), w_packed u8 [ceil(rows / 8), cols / 32 * 8
+/// * block_bytes].
+#[pyfunction]
+pub fn dequantize_packed(
+    py: Python<'_>,
+    out: &Bound<'_, PyArray2<f32>>,
+    w_packed: PyReadonlyArray2<'_, u8>,
+    ggml_type: u32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let err = |what: String| Err(PyValueError::new_err(format!("dequantize_packed: {what}")));
+    let mut out = crate::kernels::writeable(out, "dequantize_packed", "out")?;
+    let Some(ty) = QuantType::from_ggml(ggml_type) else {
+        return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    };
+    let [rows, cols] = [out.shape()[0], out.shape()[1]];
+    let w = match packed_view(&w_packed, ty, rows, cols) {
+        Ok(w) => w,
+        Err(e) => return err(e),
+    };
+    let Ok(out) = out.as_slice_mut() else { return err("out must be C-contiguous".into()) };
+    py.detach(|| llmserve_kernels::quant::dequantize_packed(&w, out, num_threads)).or_else(err)
+}
+
 /// `w_raw`'s GGUF blocks of `ggml_type` regrouped eight rows at a time: a new uint8 array
 /// [ceil(rows / 8), cols / 32 * 8 * block_bytes], the `w_packed` of `quant_matmul`.
 #[pyfunction]

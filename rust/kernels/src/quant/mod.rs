@@ -45,7 +45,7 @@ mod pack;
 mod portable;
 
 pub use format::{dequantize_row, f16_to_f32, QuantType, QuantWeights, BLOCK};
-pub use pack::{pack, packed_len, PackedWeights, GROUP};
+pub use pack::{pack, packed_len, unpack, PackedWeights, GROUP};
 
 use activations::Q8Activations;
 use std::ops::Range;
@@ -166,6 +166,39 @@ pub fn quant_matmul_with(
         call.groups(data_of(&ranges[i]), &mut part);
     });
     Ok(())
+}
+
+/// out [rows, cols] = a packed matrix's weights in float32 (the values `dequantize_row` gives
+/// the blocks it was packed from), on at most `num_threads` threads: for a weight a model
+/// keeps only packed, in a step that computes it in float32.
+pub fn dequantize_packed(w: &PackedWeights, out: &mut [f32], num_threads: usize) -> Result<(), String> {
+    let (rows, cols) = (w.rows(), w.cols());
+    if out.len() != rows * cols {
+        return Err(format!("out holds {} values, the matrix {rows} x {cols}", out.len()));
+    }
+    let row_bytes = cols / BLOCK * w.ty().block_bytes();
+    let ranges = split(rows, num_threads.max(1));
+    let mut parts: Vec<&mut [f32]> = Vec::with_capacity(ranges.len());
+    let mut rest = out;
+    for range in &ranges {
+        let (head, tail) = rest.split_at_mut(range.len() * cols);
+        parts.push(head);
+        rest = tail;
+    }
+    let parts: Vec<Mutex<&mut [f32]>> = parts.into_iter().map(Mutex::new).collect();
+    let failed = Mutex::new(None);
+    crate::pool::parallel(ranges.len(), &|i| {
+        let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+        let mut blocks = vec![0u8; row_bytes];
+        for (r, o) in ranges[i].clone().zip(part.chunks_exact_mut(cols)) {
+            pack::unpack_row(w, r, &mut blocks);
+            if let Err(e) = dequantize_row(w.ty(), &blocks, o) {
+                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                return;
+            }
+        }
+    });
+    failed.into_inner().unwrap_or_else(|e| e.into_inner()).map_or(Ok(()), Err)
 }
 
 /// `n` items split into at most `parts` contiguous, near-equal, non-empty ranges.

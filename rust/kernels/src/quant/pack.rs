@@ -75,6 +75,35 @@ pub fn pack(w: &QuantWeights) -> Vec<u8> {
     out
 }
 
+/// The packed layout -> GGUF blocks row by row, the padding rows dropped: the inverse of
+/// [`pack`] (for a weight a model keeps only packed, when a step computes it in float32).
+pub fn unpack(w: &PackedWeights) -> Vec<u8> {
+    let row_bytes = w.cols() / BLOCK * w.ty().block_bytes();
+    let mut out = vec![0u8; w.rows() * row_bytes];
+    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
+        unpack_row(w, r, row);
+    }
+    out
+}
+
+/// Row `r` of a packed matrix as its GGUF blocks, into `row` (its row bytes).
+pub(super) fn unpack_row(w: &PackedWeights, r: usize, row: &mut [u8]) {
+    let (ty, nb) = (w.ty(), w.cols() / BLOCK);
+    let (bb, rec, head) = (ty.block_bytes(), record_bytes(ty), header_bytes(ty));
+    let ints = bb - head / GROUP; // integer bytes of one row's block
+    let (g, lane) = (r / GROUP, r % GROUP);
+    for (b, blk) in row.chunks_exact_mut(bb).enumerate() {
+        let src = &w.data()[(g * nb + b) * rec..][..rec];
+        blk[..2].copy_from_slice(&src[2 * lane..][..2]);
+        if ty == QuantType::Q4_1 {
+            blk[2..4].copy_from_slice(&src[16 + 2 * lane..][..2]);
+        }
+        for (c, four) in blk[bb - ints..].chunks_exact_mut(4).enumerate() {
+            four.copy_from_slice(&src[head + 32 * c + 4 * lane..][..4]);
+        }
+    }
+}
+
 /// A packed matrix (see the module doc), borrowed: `rows x cols` weights of `ty`.
 #[derive(Clone, Copy, Debug)]
 pub struct PackedWeights<'a> {
@@ -143,5 +172,29 @@ mod tests {
         assert!(PackedWeights::new(QuantType::Q4_1, rows, cols, &p).is_ok());
         assert!(PackedWeights::new(QuantType::Q4_1, rows, cols, &p[1..]).is_err());
         assert!(PackedWeights::new(QuantType::Q4_0, rows, cols, &p).is_err());
+    }
+
+    #[test]
+    fn unpack_gives_back_the_blocks() {
+        for (ty, rows) in [(QuantType::Q8_0, 9), (QuantType::Q4_0, 16), (QuantType::Q4_1, 3)] {
+            let cols = 96;
+            let data: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|i| (i * 7 % 253) as u8).collect();
+            let packed = pack(&QuantWeights::new(ty, rows, cols, &data).unwrap());
+            let view = PackedWeights::new(ty, rows, cols, &packed).unwrap();
+            assert_eq!(unpack(&view), data, "{ty:?}");
+            let mut want = vec![0f32; rows * cols];
+            for (row, o) in data.chunks_exact(ty.row_bytes(cols).unwrap()).zip(want.chunks_exact_mut(cols)) {
+                crate::quant::dequantize_row(ty, row, o).unwrap();
+            }
+            for threads in [1, 2, 5] {
+                let mut got = vec![0f32; rows * cols];
+                crate::quant::dequantize_packed(&view, &mut got, threads).unwrap();
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{ty:?} {threads}"
+                );
+            }
+        }
     }
 }
