@@ -18,6 +18,12 @@ use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+/// The kernels' type of a ggml type id, or why there is none.
+fn quant_type(ggml_type: u32) -> Result<QuantType, String> {
+    QuantType::from_ggml(ggml_type)
+        .ok_or_else(|| format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"))
+}
+
 fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
     Err(PyValueError::new_err(format!("quant_matmul: {what}")))
 }
@@ -34,8 +40,9 @@ pub fn dequantize(
 ) -> PyResult<()> {
     let err = |what: String| Err(PyValueError::new_err(format!("dequantize: {what}")));
     let mut out = crate::kernels::writeable(out, "dequantize", "out")?;
-    let Some(ty) = QuantType::from_ggml(ggml_type) else {
-        return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    let ty = match quant_type(ggml_type) {
+        Ok(ty) => ty,
+        Err(e) => return err(e),
     };
     let (ws, os) = (w_raw.shape().to_vec(), out.shape().to_vec());
     match ty.row_bytes(os[1]) {
@@ -66,8 +73,9 @@ pub fn dequantize_packed(
 ) -> PyResult<()> {
     let err = |what: String| Err(PyValueError::new_err(format!("dequantize_packed: {what}")));
     let mut out = crate::kernels::writeable(out, "dequantize_packed", "out")?;
-    let Some(ty) = QuantType::from_ggml(ggml_type) else {
-        return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    let ty = match quant_type(ggml_type) {
+        Ok(ty) => ty,
+        Err(e) => return err(e),
     };
     let [rows, cols] = [out.shape()[0], out.shape()[1]];
     let w = match packed_view(&w_packed, ty, rows, cols) {
@@ -87,8 +95,9 @@ pub fn quant_pack<'py>(
     ggml_type: u32,
 ) -> PyResult<Bound<'py, PyArray2<u8>>> {
     let err = |what: String| Err(PyValueError::new_err(format!("quant_pack: {what}")));
-    let Some(ty) = QuantType::from_ggml(ggml_type) else {
-        return err(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    let ty = match quant_type(ggml_type) {
+        Ok(ty) => ty,
+        Err(e) => return err(e),
     };
     let [rows, row_bytes] = [w_raw.shape()[0], w_raw.shape()[1]];
     if row_bytes == 0 || !row_bytes.is_multiple_of(ty.block_bytes()) {
@@ -120,8 +129,9 @@ pub fn quant_matmul(
     num_threads: usize,
 ) -> PyResult<()> {
     let mut out = crate::kernels::writeable(out, "quant_matmul", "out")?;
-    let Some(ty) = QuantType::from_ggml(ggml_type) else {
-        return bad(format!("ggml type {ggml_type} is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)"));
+    let ty = match quant_type(ggml_type) {
+        Ok(ty) => ty,
+        Err(e) => return bad(e),
     };
     let (xs, os) = (x.shape().to_vec(), out.shape().to_vec());
     let w = match packed_view(&w_packed, ty, rows, cols) {
