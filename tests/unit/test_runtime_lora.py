@@ -181,6 +181,7 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     write_peft_adapter(tmp_path / "other", config, ["q_proj"], config={"base_model_name_or_path": "someone/else"})
     write_peft_adapter(tmp_path.parent / "outside", config, ["q_proj"])
+    write_peft_adapter(tmp_path / "odd", config, ["q_proj"], config={"base_model_name_or_path": ["tiny"]})
     engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
                                      lora_resolver_dir=str(tmp_path)))
 
@@ -192,7 +193,7 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
         assert got["choices"][0]["token_ids"] != base["choices"][0]["token_ids"]
         again = orjson.loads(await (await engine.submit("completion", _body("sql"))).read_all())
         assert again["choices"][0]["token_ids"] == got["choices"][0]["token_ids"]
-        for name in ("other", "../outside", str(tmp_path / "sql"), "missing", ""):
+        for name in ("other", "odd", "../outside", str(tmp_path / "sql"), "missing", ""):
             with pytest.raises(NotFoundError):
                 await engine.submit("completion", _body(name))
         assert engine.router.lora_names() == ["sql"]

@@ -132,8 +132,8 @@ class Adapters:
                 config = json.load(f)
         except (OSError, UnicodeDecodeError, ValueError):
             return False
-        if not (isinstance(config, dict) and config.get("peft_type", "LORA") == "LORA"
-                and config.get("base_model_name_or_path") in bases):
+        base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        if not (isinstance(base, str) and base in bases and config.get("peft_type", "LORA") == "LORA"):
             return False
         body = json.dumps({"lora_name": name, "lora_path": path}).encode()
         try:
