@@ -232,7 +232,8 @@ def test_served_experts_are_the_files_blocks(quant, served_as, tmp_path):
     """A served MoE GGUF model holds its experts as the file's blocks only (Q5_0 converted to
     Q8_0, as a linear's are), packed expert by expert, their float32 stacks released. In a
     prompt step each expert computes the float32 of its blocks: an MoE layer gives the float
-    model's bits; decode steps run the quantized GEMV (int8 activations), within its error. The
+    model's bits; decode steps of any size run the quantized GEMV (int8 activations), within its
+    error, a row computing the same in a 3- or a 30-row step. The
     whole model, every linear on its blocks (outside a runner's steps), is within the GEMV's
     error of the float model of the same values, where a mistake in the blocks' layout (gate
     and up swapped) is off by about the logits' own size."""
@@ -277,8 +278,13 @@ def test_served_experts_are_the_files_blocks(quant, served_as, tmp_path):
                 assert torch.equal(ours_layer.mlp(x), ref_layer.mlp(x))
             with cpu_step(False, True):
                 mine, theirs = ours_layer.mlp(x[:3]), ref_layer.mlp(x[:3])
+            # (a decode step past the GEMV's few tokens: the released experts still run it, and
+            # a row computes as it would in a small step)
+            with cpu_step(False, False):
+                big = ours_layer.mlp(torch.cat([x[:3]] * 10))
         torch.testing.assert_close(mine, theirs, atol=0.05, rtol=0)
         assert not torch.equal(mine, theirs)
+        assert torch.equal(big[:3], mine)
 
 
 def _rewrite(src: Path, dst: Path, rename=None, drop=(), keys=None) -> None:

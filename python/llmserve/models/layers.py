@@ -22,7 +22,7 @@ from llmserve import _core
 from llmserve.loaders.checkpoint import PackedQuant
 from llmserve.worker.attention import AttentionMetadata, paged_attention
 from llmserve.worker.threads import (BF16_TILE_ROWS, GEMM_ROW_MULTIPLE, QUANT_MAX_TOKENS, bf16_tile_rows,
-                                    in_runner_step, kernel_threads, pads_small_gemms,
+                                    in_prompt_step, in_runner_step, kernel_threads, pads_small_gemms,
                                     quantized_step_allowed)
 
 
@@ -229,8 +229,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`), and in any
     float32 [T, in] call when a serving model released the fp32 weight (`attach_quantized`;
     other inputs are then refused); a weight released with blocks and no bf16 copy (an MoE
-    expert's) computes the float32 of its blocks for the call; else F.linear on the model's own
-    weight (`_dense_linear`: row-stable in steps with prompt tokens).
+    expert's) runs the GEMV in every decode step and the float32 of its blocks in prompt steps;
+    else F.linear on the model's own weight (`_dense_linear`: row-stable in steps with prompt
+    tokens).
 
     `row_invariant` (--batch-invariant): each output row is bit-identical whatever T is and
     wherever the row sits. BLAS picks its blocking and reduction order from M, so a row's sums
@@ -249,8 +250,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             and (in_runner_step() or weight.is_meta)):   # (meta: a serving model released it)
         return _bf16_linear(x, bf16_weight, bias)
     if weight.is_meta and quant_ok:
-        # (a weight kept as its blocks alone, an MoE expert's: their float32 values, made for
-        # this call, are the weight the model would otherwise hold)
+        # A weight kept as its blocks alone (an MoE expert's): decode steps of any size run the
+        # GEMV (an expert's share of a step's rows is small, and a generated token then computes
+        # the same whatever the batch); prompt steps the float32 of its blocks, made for the call,
+        # the weight the model would otherwise hold.
+        if not in_prompt_step():
+            return quant_linear(x, bias, quant, threads)
         return _dense_linear(x, dequantized(quant), bias)
     if weight.is_meta:   # (F.linear would return uninitialized memory, silently)
         raise ValueError(f"this linear's float32 weight was released (a model built for serving): it takes "
@@ -474,8 +479,8 @@ class MoEMLP(nn.Module):
     `quant` ("gate_up" / "down" -> each expert's packed GGUF blocks; llama.quantize_experts):
     the experts' rows run the quantized GEMV where a linear's would (few-token decode steps);
     once a served model released their float32 stacks (a GGUF MoE model then holds its experts
-    as the file's blocks only), other steps compute each expert's float32 from its blocks for
-    the step, the values it would have held (`layers.linear`)."""
+    as the file's blocks only), they run it in every decode step, and prompt steps compute each
+    expert's float32 from its blocks, the values it would have held (`layers.linear`)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  shared_intermediate: int = 0, softmax_topk: bool = False):

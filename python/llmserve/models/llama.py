@@ -810,7 +810,7 @@ def quantize_experts(name: str, mlp: MoEMLP, which: str, q: QuantTensor, weight:
     """Give an MoE layer's stacked experts (`which`: "gate_up" [E, 2I, H] or "down" [E, H, I],
     float32 `weight`) their GGUF blocks `q` (every expert's rows, one matrix), packed expert by
     expert (MoEMLP.quant); returns the weight it keeps: `weight`, or with `release` a meta tensor
-    of its shape (the experts then compute with the blocks in every step, layers.linear)."""
+    of its shape (the experts then compute from their blocks alone, layers.linear)."""
     e, rows, cols = weight.shape
     if (q.rows, q.cols) != (e * rows, cols):
         raise ValueError(f"quantized {name} is [{q.rows}, {q.cols}], its experts {list(weight.shape)}")

@@ -127,6 +127,12 @@ def quantized_step_allowed(num_tokens: int) -> bool:
     return num_tokens <= QUANT_MAX_TOKENS and (flags is None or flags[1])
 
 
+def in_prompt_step() -> bool:
+    """Whether this thread is running a runner's step that holds prompt tokens."""
+    flags = _flags()
+    return flags is not None and flags[0]
+
+
 def in_runner_step() -> bool:
     """Whether this thread is running a runner's step (layers.linear may then run a GGUF
     model's matmuls in bfloat16: see `native_bf16`)."""
