@@ -4,8 +4,8 @@ dequantizing them to float32, the same file either way.
 A random Qwen3-MoE of granite-3.1-1b-a400m's layer shape (hidden 1024, 16/8 heads, 32 experts of
 512, 8 per token), with few layers so it builds quickly, written as llama.cpp writes a GGUF
 (tests/unit/test_gguf_moe.py) in Q8_0 or Q4_0. Built twice through build_engine: the default
-(experts held as blocks only: the quantized GEMV in decode steps, each expert's float32 made
-from its blocks in prompt steps) and --no-quantized-decode (every weight float32). The other
+(experts held as blocks only: the quantized GEMV in every decode step, each expert's float32
+made from its blocks in prompt steps) and --no-quantized-decode (every weight float32). The other
 linears differ too (blocks in decode steps, bf16 copies in prompt steps on CPUs with native
 bf16), as a dense model's do: the ratio is the whole step's. Decode steps at ~256 cached tokens and a
 512-token prompt step run through ModelRunner.execute, the two alternating; medians compared,
@@ -91,6 +91,7 @@ def main() -> None:
     prompt.add(0, np.random.default_rng(0).integers(0, vocab, 512).tolist())
     steps = {"decode, batch 1": [decode_plan(1, CTX, BLOCK, vocab, seed=s) for s in range(3)],
              "decode, batch 16": [decode_plan(16, CTX, BLOCK, vocab, seed=s) for s in range(3)],
+             "decode, batch 64": [decode_plan(64, CTX, BLOCK, vocab, seed=s) for s in range(3)],
              "prompt, 512 tokens": [prompt.step({0: 512})]}
     print(f"{LAYERS} layers, {THREADS} threads, {QUANT}; experts take "
           f"{expert_bytes(runners['blocks'].model) / 2**20:.0f} MiB as blocks, "
