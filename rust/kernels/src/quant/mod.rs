@@ -45,7 +45,7 @@ mod pack;
 mod portable;
 
 pub use format::{dequantize_row, f16_to_f32, QuantType, QuantWeights, BLOCK};
-pub use pack::{pack, packed_len, unpack, PackedWeights, GROUP};
+pub use pack::{pack, packed_len, PackedWeights, GROUP};
 
 use activations::Q8Activations;
 use std::ops::Range;

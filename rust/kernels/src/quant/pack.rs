@@ -75,18 +75,8 @@ pub fn pack(w: &QuantWeights) -> Vec<u8> {
     out
 }
 
-/// The packed layout -> GGUF blocks row by row, the padding rows dropped: the inverse of
-/// [`pack`] (for a weight a model keeps only packed, when a step computes it in float32).
-pub fn unpack(w: &PackedWeights) -> Vec<u8> {
-    let row_bytes = w.cols() / BLOCK * w.ty().block_bytes();
-    let mut out = vec![0u8; w.rows() * row_bytes];
-    for (r, row) in out.chunks_exact_mut(row_bytes).enumerate() {
-        unpack_row(w, r, row);
-    }
-    out
-}
-
-/// Row `r` of a packed matrix as its GGUF blocks, into `row` (its row bytes).
+/// Row `r` of a packed matrix as its GGUF blocks, into `row` (its row bytes): the inverse of
+/// [`pack`] for one row (`dequantize_packed` reads a weight a model keeps only packed).
 pub(super) fn unpack_row(w: &PackedWeights, r: usize, row: &mut [u8]) {
     let (ty, nb) = (w.ty(), w.cols() / BLOCK);
     let (bb, rec, head) = (ty.block_bytes(), record_bytes(ty), header_bytes(ty));
@@ -181,7 +171,12 @@ mod tests {
             let data: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|i| (i * 7 % 253) as u8).collect();
             let packed = pack(&QuantWeights::new(ty, rows, cols, &data).unwrap());
             let view = PackedWeights::new(ty, rows, cols, &packed).unwrap();
-            assert_eq!(unpack(&view), data, "{ty:?}");
+            let row_bytes = ty.row_bytes(cols).unwrap();
+            let mut unpacked = vec![0u8; rows * row_bytes];
+            for (r, row) in unpacked.chunks_exact_mut(row_bytes).enumerate() {
+                unpack_row(&view, r, row);
+            }
+            assert_eq!(unpacked, data, "{ty:?}");
             let mut want = vec![0f32; rows * cols];
             for (row, o) in data.chunks_exact(ty.row_bytes(cols).unwrap()).zip(want.chunks_exact_mut(cols)) {
                 crate::quant::dequantize_row(ty, row, o).unwrap();
