@@ -1,5 +1,5 @@
 // Shared device helpers for llmserve's CUDA ops: 16-byte vectors of fp16/bf16 <-> fp32, warp
-// reductions, and the dispatch macros that instantiate only the sizes we serve.
+// reductions. The host side's dispatch macros are in dispatch.h.
 //
 // Invariants every kernel here relies on (checked on the host side, see check_* in each .cu):
 // a "vector" is 16 bytes = 8 fp16/bf16 elements, rows of head_dim elements start 16-byte
@@ -71,29 +71,3 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 }  // namespace llmserve
-
-// Dispatch on the cache dtype: binds `scalar_t` to __half or __nv_bfloat16.
-#define LLMSERVE_DISPATCH_HALF_TYPES(DTYPE, NAME, ...)                                        \
-  [&] {                                                                                        \
-    if ((DTYPE) == at::ScalarType::Half) {                                                     \
-      using scalar_t = __half;                                                                 \
-      return __VA_ARGS__();                                                                    \
-    } else if ((DTYPE) == at::ScalarType::BFloat16) {                                          \
-      using scalar_t = __nv_bfloat16;                                                          \
-      return __VA_ARGS__();                                                                    \
-    }                                                                                          \
-    TORCH_CHECK(false, NAME, ": dtype ", DTYPE, " is not supported (float16 or bfloat16 only)"); \
-  }()
-
-// Dispatch on head_dim: binds `kHeadDim` to 64 or 128, the only sizes instantiated.
-#define LLMSERVE_DISPATCH_HEAD_DIM(HEAD_DIM, NAME, ...)                                   \
-  [&] {                                                                                   \
-    if ((HEAD_DIM) == 64) {                                                               \
-      constexpr int kHeadDim = 64;                                                        \
-      return __VA_ARGS__();                                                               \
-    } else if ((HEAD_DIM) == 128) {                                                       \
-      constexpr int kHeadDim = 128;                                                       \
-      return __VA_ARGS__();                                                               \
-    }                                                                                     \
-    TORCH_CHECK(false, NAME, ": head_dim ", HEAD_DIM, " is not supported (64 or 128 only)"); \
-  }()

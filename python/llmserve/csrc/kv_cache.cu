@@ -5,11 +5,14 @@
 // s = block * block_size + offset owns the num_kv_heads * head_dim elements starting at
 // s * num_kv_heads * head_dim. A negative slot means "padding token, write nothing": CUDA-graph
 // batches are padded with such rows.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/DeviceGuard.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/all.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "common.cuh"
+#include "dispatch.h"
 
 namespace llmserve {
 namespace {
@@ -43,8 +46,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // key/value [T, kv_heads, head_dim] (rows may be strided, e.g. views of a fused QKV output;
 // each row itself contiguous); key_cache/value_cache [num_blocks, block_size, kv_heads,
 // head_dim]; slot_mapping [T] int64, -1 = skip.
-void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                    at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.is_cuda() && value.is_cuda() && key_cache.is_cuda() && value_cache.is_cuda() &&
                   slot_mapping.is_cuda(),
               "write_kv_cache: every tensor must be on a CUDA device");
@@ -70,7 +73,7 @@ void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch:
                   slot_mapping.size(0) == num_tokens && slot_mapping.is_contiguous(),
               "write_kv_cache: slot_mapping must be a contiguous int64 [T]");
   // Each token row must be one contiguous, 16-byte aligned run of kv_heads * head_dim elements.
-  for (const torch::Tensor* t : {&key, &value}) {
+  for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim,
                 "write_kv_cache: each key/value row must be contiguous over (kv_heads, head_dim)");
     TORCH_CHECK((t->stride(0) * t->element_size()) % 16 == 0 && aligned16(t->data_ptr()),
@@ -79,7 +82,7 @@ void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch:
   if (num_tokens == 0) return;
 
   const at::cuda::OptionalCUDAGuard guard(device_of(key));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int row_vecs = static_cast<int>(kv_heads * head_dim / kVecElems);
   LLMSERVE_DISPATCH_HALF_TYPES(key.scalar_type(), "write_kv_cache", [&] {
     write_kv_cache_kernel<scalar_t><<<num_tokens, 128, 0, stream>>>(

@@ -2,17 +2,17 @@
 // CUDA implementations. `Tensor!` marks what an op writes; every op returns nothing, so CUDA
 // graphs can capture them and torch.compile sees the mutation. Fake (meta) implementations
 // live in python/llmserve/kernels/__init__.py (torch.library.register_fake).
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 namespace llmserve {
 
-void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, double scale, int64_t partition_size);
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t partition_size);
 
-void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& key_cache,
-                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                    at::Tensor& value_cache, const at::Tensor& slot_mapping);
 
 }  // namespace llmserve
 

@@ -1,59 +1,18 @@
-// llmserve::paged_attention_decode: one query token per sequence attending over its paged KV
-// cache (the decode path; prefill runs through torch SDPA, see cuda_attention.py).
-//
-// Work split (GQA-aware): one CTA per (kv head, sequence, partition). The CTA loads the kv
-// head's K/V once and serves every query head of its group from it, so K/V bytes are read
-// once per kv head, not once per query head. A sequence's context is cut into partitions of
-// `partition_size` tokens (split-K) so that a small batch still gives the GPU enough CTAs; a
-// second kernel merges the partitions' partial results by their log-sum-exp. With one
-// partition the first kernel writes the output directly.
-//
-// Inside a CTA, 128 threads walk the partition in chunks with an online softmax in fp32:
-//   scores: each token's head row (head_dim elements) is read as head_dim / 8 16-byte vectors,
-//           one per thread; the dot products with the group's G queries are reduced across
-//           those threads with warp shuffles and land in shared memory [G, chunk].
-//   softmax: one warp per query row: chunk max, rescale factor, exp, running sum.
-//   values: the same thread -> (token, 16-byte slice) mapping reads V and accumulates
-//           acc[g][8] += p[g][t] * v[t][slice] in registers.
-// K and V of a chunk are loaded together up front, with the block ids they need fetched one
-// chunk ahead, so each chunk costs one memory round trip.
-//
-// Only what we serve is instantiated: fp16/bf16, head_dim 64/128, block_size 16, GQA group up
-// to 8 (rounded up to 1, 2, 4 or 8 for the register arrays).
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/all.h>
+// The paged-attention decode kernels and their launcher; see paged_attention.cu for the work
+// split. Included only by the paged_attention_<dtype>_hd<head_dim>.cu units.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
 
 #include <cfloat>
 
 #include "common.cuh"
+#include "paged_attention.h"
 
 namespace llmserve {
 namespace {
 
-constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / kWarpSize;
-constexpr int kBlockSize = 16;       // tokens per KV-cache block (the only one served)
-constexpr int kMaxGroupSize = 8;     // query heads per kv head
-constexpr int kPartitionMultiple = 64;  // partition_size must be a multiple (covers every chunk)
-
-struct DecodeParams {
-  void* out;                    // [S, H, D] (written when num_partitions == 1)
-  const void* query;            // [S, H, D], row stride query_stride
-  const void* key_cache;        // [num_blocks, 16, KVH, D]
-  const void* value_cache;      // [num_blocks, 16, KVH, D]
-  const int* block_tables;      // [S, W]
-  const int* seq_lens;          // [S]; 0 = padding row (output zeros)
-  float* tmp_out;               // [S, H, P, D]  per-partition normalized outputs
-  float* max_logits;            // [S, H, P]
-  float* exp_sums;              // [S, H, P]
-  int64_t query_stride;
-  int block_table_stride;
-  int num_heads, num_kv_heads, group_size;
-  int partition_size;           // tokens per partition; 0 = the whole sequence (P == 1)
-  int num_partitions;           // P
-  float scale;
-};
 
 // grid: (num_kv_heads, num_seqs, num_partitions); block: kThreads.
 // NOTE: groups up to 4 are held to 128 registers (4 CTAs = 16 warps per SM) so enough loads
@@ -304,10 +263,10 @@ __global__ void __launch_bounds__(kHeadDim) paged_decode_reduce_kernel(const Dec
   out[d] = from_float<scalar_t>(num / den);
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+}  // namespace
 
 template <typename scalar_t, int kHeadDim>
-void launch(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
+void launch_paged_decode(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
   const dim3 grid(p.num_kv_heads, num_seqs, p.num_partitions);
   const int g = p.group_size;
   if (g <= 1) {
@@ -327,98 +286,7 @@ void launch(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
   }
 }
 
-}  // namespace
-
-// out [S, H, D] (written); query [S, H, D] (rows may be strided, each head row contiguous);
-// key_cache/value_cache [num_blocks, 16, KVH, D]; block_tables [S, W] int32; seq_lens [S]
-// int32 (context length including this step's token, <= W * 16; 0 = padding row -> zeros);
-// partition_size: tokens per split-K partition, a multiple of 64, or 0 for no split.
-void paged_attention_decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, double scale, int64_t partition_size) {
-  const char* name = "paged_attention_decode";
-  TORCH_CHECK(out.is_cuda() && query.is_cuda() && key_cache.is_cuda() && value_cache.is_cuda() &&
-                  block_tables.is_cuda() && seq_lens.is_cuda(),
-              name, ": every tensor must be on a CUDA device");
-  TORCH_CHECK(query.dim() == 3, name, ": query must be [S, heads, head_dim]");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), name,
-              ": out must be a contiguous tensor shaped like query");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), name,
-              ": caches must both be [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), name, ": caches must be contiguous");
-  TORCH_CHECK(key_cache.size(1) == kBlockSize, name, ": block_size ", key_cache.size(1),
-              " is not supported (16 only)");
-  TORCH_CHECK(key_cache.size(3) == head_dim, name, ": query head_dim ", head_dim, " != cache head_dim ",
-              key_cache.size(3));
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, name, ": head_dim ", head_dim, " is not supported (64 or 128 only)");
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, name, ": ", num_heads,
-              " query heads do not divide into ", num_kv_heads, " kv heads");
-  const int64_t group = num_heads / num_kv_heads;
-  TORCH_CHECK(group <= kMaxGroupSize, name, ": ", group, " query heads per kv head; at most ", kMaxGroupSize,
-              " are supported");
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, name, ": dtype ", dtype,
-              " is not supported (float16 or bfloat16 only)");
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              name, ": query, out and caches must share one dtype");
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == head_dim, name,
-              ": each query token's heads must be contiguous [heads, head_dim]");
-  TORCH_CHECK((query.stride(0) * query.element_size()) % 16 == 0 && aligned16(query.data_ptr()), name,
-              ": query rows must start 16-byte aligned");
-  TORCH_CHECK(aligned16(key_cache.data_ptr()) && aligned16(value_cache.data_ptr()), name,
-              ": caches must be 16-byte aligned");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
-              name, ": block_tables must be int32 [S, W] with contiguous rows");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs &&
-                  seq_lens.is_contiguous(),
-              name, ": seq_lens must be a contiguous int32 [S]");
-  TORCH_CHECK(partition_size >= 0 && partition_size % kPartitionMultiple == 0, name, ": partition_size ",
-              partition_size, " must be 0 or a multiple of ", kPartitionMultiple);
-  if (num_seqs == 0) return;
-
-  const int64_t max_context = block_tables.size(1) * kBlockSize;
-  int64_t num_partitions = partition_size > 0 ? (max_context + partition_size - 1) / partition_size : 1;
-  if (num_partitions <= 1) {
-    num_partitions = 1;
-    partition_size = 0;
-  }
-  TORCH_CHECK(num_partitions <= 65535, name, ": too many partitions (", num_partitions, ")");
-
-  const at::cuda::OptionalCUDAGuard guard(device_of(query));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  torch::Tensor tmp_out, max_logits, exp_sums;   // split-K scratch (allocated on the stream; graph-safe)
-  if (num_partitions > 1) {
-    const auto f32 = query.options().dtype(at::kFloat);
-    tmp_out = torch::empty({num_seqs, num_heads, num_partitions, head_dim}, f32);
-    max_logits = torch::empty({num_seqs, num_heads, num_partitions}, f32);
-    exp_sums = torch::empty({num_seqs, num_heads, num_partitions}, f32);
-  }
-
-  DecodeParams p;
-  p.out = out.data_ptr();
-  p.query = query.data_ptr();
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr<int>();
-  p.seq_lens = seq_lens.data_ptr<int>();
-  p.tmp_out = num_partitions > 1 ? tmp_out.data_ptr<float>() : nullptr;
-  p.max_logits = num_partitions > 1 ? max_logits.data_ptr<float>() : nullptr;
-  p.exp_sums = num_partitions > 1 ? exp_sums.data_ptr<float>() : nullptr;
-  p.query_stride = query.stride(0);
-  p.block_table_stride = static_cast<int>(block_tables.stride(0));
-  p.num_heads = static_cast<int>(num_heads);
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.group_size = static_cast<int>(group);
-  p.partition_size = static_cast<int>(partition_size);
-  p.num_partitions = static_cast<int>(num_partitions);
-  p.scale = static_cast<float>(scale);
-
-  LLMSERVE_DISPATCH_HALF_TYPES(dtype, name, [&] {
-    LLMSERVE_DISPATCH_HEAD_DIM(head_dim, name, [&] { launch<scalar_t, kHeadDim>(p, num_seqs, stream); });
-  });
-}
-
 }  // namespace llmserve
+
+#define LLMSERVE_INSTANTIATE_PAGED_DECODE(SCALAR, HEAD_DIM) \
+  template void llmserve::launch_paged_decode<SCALAR, HEAD_DIM>(const llmserve::DecodeParams&, int, cudaStream_t)
