@@ -8,6 +8,11 @@
 #
 # Needs a CUDA build of torch (its headers and libc10_cuda); never run by CI (it downloads nvcc).
 # Prints ptxas register / spill figures for every instantiated kernel.
+#
+# For another torch than this Python's (a GPU machine's, say), unpack that torch wheel's include/
+# and lib/ and name its torch/ folder, with an nvcc of that torch's CUDA (it holds the runtime):
+#   COMPILE_CHECK_TORCH=/tmp/t/torch CUDA_HOME=/tmp/nvcc/nvidia/cu13 bash benches/compile_check.sh
+# The library is then only linked, not loaded; LLMSERVE_KERNELS_LIBRARY loads it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,11 +49,12 @@ else
   NVCC="$CUDA_HOME/bin/nvcc"
 fi
 export CUDA_HOME
-echo "compile_check: $($NVCC --version | tail -n 2 | head -n 1) | torch CUDA $TORCH_CUDA"
+echo "compile_check: $($NVCC --version | tail -n 2 | head -n 1) | torch ${COMPILE_CHECK_TORCH:-CUDA $TORCH_CUDA}"
 
-TORCH_DIR="$SITE/torch"
+TORCH_DIR="${COMPILE_CHECK_TORCH:-$SITE/torch}"
 # CUDA runtime headers / libs ship in the nvidia-cuda-runtime wheel next to torch (cu12 or cu13).
 RT_DIR=$(ls -d "$SITE"/nvidia/cu1[0-9] "$SITE"/nvidia/cuda_runtime 2>/dev/null | head -n 1 || true)
+[ -n "${COMPILE_CHECK_TORCH:-}" ] && RT_DIR=$CUDA_HOME
 # NOTE: torch's runtime headers go first: pip may have pulled a newer runtime into the nvcc
 # folder, and CCCL refuses headers newer than the compiler.
 INCS=(-I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$PYINC")
@@ -98,6 +104,10 @@ g++ -shared "$OUT"/*.o -o "$OUT/llmserve_kernels.so" -L"$TORCH_DIR/lib" -lc10 -l
   -ltorch_cuda ${CUDART_DIR:+-L"$CUDART_DIR"} -l:libcudart.so."${TORCH_CUDA%%.*}" -Wl,--no-undefined \
   -Wl,-rpath,"$TORCH_DIR/lib"${CUDART_DIR:+,-rpath,"$CUDART_DIR"}
 
+if [ -n "${COMPILE_CHECK_TORCH:-}" ]; then
+  echo "compile_check: OK (built against $TORCH_DIR: linked, not loaded here)"
+  exit 0
+fi
 echo "== load into torch, check schemas and fake implementations"
 PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH} $PY - "$OUT/llmserve_kernels.so" <<'EOF'
 import sys

@@ -300,3 +300,27 @@ def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed):
     np.testing.assert_array_equal(got.tokens, want.tokens)
     for a, b in zip(known.kv_cache.key + known.kv_cache.value, ahead.kv_cache.key + ahead.kv_cache.value):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_prebuilt_kernels_library_is_loaded_instead_of_building(monkeypatch, tmp_path):
+    """LLMSERVE_KERNELS_LIBRARY: a machine without nvcc loads a library built elsewhere. What
+    it names is checked before the engine counts on it: a missing file is the reason the
+    kernels are unavailable, and a file that is no library fails loading with a clear error."""
+    from llmserve.kernels import build
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv(build.PREBUILT_ENV, str(tmp_path / "absent.so"))
+    assert build.missing_toolchain() == f"{build.PREBUILT_ENV}={tmp_path / 'absent.so'} is not a file"
+    with pytest.raises(build.KernelsUnavailable, match="is not a file"):
+        build.build_and_load()
+
+    not_a_library = tmp_path / "llmserve_kernels.so"
+    not_a_library.write_bytes(b"not an ELF file")
+    monkeypatch.setenv(build.PREBUILT_ENV, str(not_a_library))
+    assert build.missing_toolchain() is None          # no nvcc or ninja needed
+    with pytest.raises(build.KernelsUnavailable, match=f"loading {build.PREBUILT_ENV}=.* failed"):
+        build.build_and_load()
+    monkeypatch.delenv(build.PREBUILT_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert build.missing_toolchain() == "torch sees no CUDA device"

@@ -1,14 +1,20 @@
 """Find csrc/ and build it into a torch extension on first use (torch.utils.cpp_extension.load).
 
 The extension is compiled on the machine that runs it, for that machine's GPU, and cached by
-torch (~/.cache/torch_extensions): the first call on a fresh machine takes about a minute, later
-processes load the cached library. Nothing here runs at `import llmserve`; a machine without a
-GPU or nvcc never gets here (see `llmserve.kernels.available`).
+torch (~/.cache/torch_extensions): the first call on a fresh machine compiles the sources (about
+40 s of CPU time, spread by ninja over the cores), later processes load the cached library.
+Nothing here runs at `import llmserve`; a machine without a GPU or nvcc never gets here (see
+`llmserve.kernels.available`).
+
+A machine without nvcc can use a library built elsewhere for the same torch, CUDA and GPU
+architecture: `LLMSERVE_KERNELS_LIBRARY=/path/llmserve_kernels.so` loads it instead of building
+(benches/compile_check.sh links one).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +25,7 @@ EXTENSION_NAME = "llmserve_kernels"
 # a GPU machine builds. The __CUDA_NO_HALF* defines are added by torch itself.
 CUDA_FLAGS = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr"]
 CXX_FLAGS = ["-O3"]
+PREBUILT_ENV = "LLMSERVE_KERNELS_LIBRARY"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -39,14 +46,22 @@ def sources() -> list[Path]:
     return sorted(src.glob("*.cpp")) + sorted(src.glob("*.cu"))
 
 
+def prebuilt_library() -> Path | None:
+    """The library LLMSERVE_KERNELS_LIBRARY names, loaded instead of building; None when unset."""
+    path = os.environ.get(PREBUILT_ENV, "").strip()
+    return Path(path) if path else None
+
+
 def missing_toolchain() -> str | None:
-    """Why the extension cannot be built here, or None when it can."""
+    """Why the extension cannot be built (or its prebuilt library loaded) here, or None."""
     import torch
 
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     if torch.version.cuda is None:
         return "this torch build has no CUDA support"
+    if (library := prebuilt_library()) is not None:
+        return None if library.is_file() else f"{PREBUILT_ENV}={library} is not a file"
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None or not (Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc").exists():
@@ -63,10 +78,19 @@ def build_and_load(verbose: bool = False) -> Path:
     reason = missing_toolchain()
     if reason is not None:
         raise KernelsUnavailable(f"cannot build llmserve's CUDA kernels: {reason}")
+    if (library := prebuilt_library()) is not None:
+        import torch
+
+        try:
+            torch.ops.load_library(str(library))
+        except Exception as e:  # a library built for another torch or CUDA fails here
+            raise KernelsUnavailable(f"loading {PREBUILT_ENV}={library} failed: {e}") from e
+        log.info("loaded llmserve's CUDA kernels from %s (%s)", library, PREBUILT_ENV)
+        return library
     from torch.utils import cpp_extension
 
     srcs = [str(p) for p in sources()]
-    log.info("building/loading CUDA kernels from %s (the first build takes about a minute)", source_dir())
+    log.info("building/loading CUDA kernels from %s (the first build compiles them)", source_dir())
     try:
         cpp_extension.load(name=EXTENSION_NAME, sources=srcs, extra_cflags=CXX_FLAGS,
                            extra_cuda_cflags=CUDA_FLAGS, is_python_module=False, verbose=verbose)
