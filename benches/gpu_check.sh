@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check, in ONE call of a few minutes on a CUDA machine (an H200 when the device tool
-# lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark, and
-# serve benches/serve_load.py's `load` workload with `llmserve run --device cuda` at
-# concurrency 1 / 64 / 256 (then 256 again with --async-scheduling off, side by side); print
-# one summary table. `make gpu-check` runs it.
+# lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark,
+# profile decode and prefill steps (benches/step_profile.py), and serve BENCH.md's GPU `load`
+# workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128 out) with `llmserve run
+# --device cuda` at concurrency 1 / 64 / 256 (then 256 again with --async-scheduling off, side
+# by side, and once with ~100-token prompts); print one summary table. `make gpu-check` runs it.
+# The first H200 run (2026-12-04) took 110 s of its 480.
 #
 # Two modes:
 #   bash benches/gpu_check.sh prepare   HERE (network, no GPU): fill target/gpu-carry with what
-#                                       the GPU machine lacks: wheels for starlette, uvicorn and
-#                                       orjson (Python 3.12), and a SmolLM2-135M-shaped model
+#                                       the GPU machine lacks: wheels for starlette, uvicorn,
+#                                       orjson and gguf (Python 3.12), and a SmolLM2-135M-shaped model
 #                                       folder without weights (config, tokenizer, template).
 #   bash benches/gpu_check.sh           THERE. With the device tool:
 #       run(command="bash benches/gpu_check.sh", timeout_s=600,
@@ -31,7 +33,7 @@ if [ "${1:-}" = prepare ]; then
   rm -f "$CARRY"/wheels/*.whl
   # pure-Python or manylinux wheels for the GPU image's Python 3.12; the rest of their
   # dependencies (anyio, h11, click, typing-extensions) are already there (KINDS.md)
-  for pkg in starlette==1.10.0 uvicorn==0.54.0 orjson==3.13.0; do
+  for pkg in starlette==1.10.0 uvicorn==0.54.0 orjson==3.13.0 gguf==0.19.0; do
     $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$CARRY/wheels" "$pkg"
@@ -112,7 +114,10 @@ def num(x, spec):       # a run where every request failed has null (NaN) figure
 
 print("=" * 78)
 print(f"{'extension build':28} {build}")
-print(f"{'gpu tests':28} {tests}")
+parts = [x.strip() for x in tests.split("; ") if x.strip()]
+print(f"{'gpu tests':28} {parts[0] if len(parts) == 1 else ''}")
+for x in parts[1:] if len(parts) == 1 else parts:
+    print(f"  {x}")
 print(f"{'kernel micro-benchmark':28} {bench}")
 kb = res / "kernel_bench.json"
 if kb.is_file():
@@ -141,7 +146,7 @@ for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sy
               f"(server {num(row.get('server_gen_tok_s'), '7.0f')})  TTFT p50 {num(row.get('ttft_p50_ms'), '7.1f')} ms  "
               f"TPOT p50 {num(row.get('tpot_p50_ms'), '6.2f')} ms  failed {row.get('failed', 0)}")
 if (res / "serve_load.jsonl").is_file():
-    print("goals: load@c256 >= 30k out tok/s; batch-1 step (TPOT @c1) <= 1.3 ms")
+    print("goals: load-gpu@c256 >= 30k out tok/s; batch-1 step (TPOT @c1) <= 1.3 ms")
 if skipped.strip():
     print(f"{'skipped for time':28} {skipped.strip()}")
 print("=" * 78)
@@ -202,16 +207,36 @@ grep -q "kernels loaded" "$RESULTS/build.log" && [[ "$BUILD" != FAILED ]] && KER
 
 if [ "$KERNELS" = yes ]; then
   stamp "gpu tests"
-  T=$(budget 180)
-  if (( T > 0 )); then
-    # -W default: the GPU image's packages are not our pins, and a deprecation warning there
-    # (an error under pyproject's filterwarnings) should be listed, not cost a kernel check
-    timeout "$T" $PY -m pytest -q -p no:cacheprovider -W default tests/gpu 2>&1 | tee "$RESULTS/tests.log" | tail -n 25
-    TESTS=$(grep -E "passed|failed|error" "$RESULTS/tests.log" | tail -n 1)
-    [ -n "$TESTS" ] || TESTS="no result (cut at $T s)"
-  else
-    SKIPPED+=" gpu-tests"
-  fi
+  # One process per file, so a crash in one (the first H200 run segfaulted inside a kernel
+  # call) costs only that file's remaining tests; tests/gpu/conftest.py prints each failure
+  # as it happens. A crashed file is run again under cuda-gdb for a native backtrace.
+  # -W default: the GPU image's packages are not our pins, and a deprecation warning there
+  # (an error under pyproject's filterwarnings) should be listed, not cost a kernel check.
+  : > "$RESULTS/tests.log"
+  TESTS=""
+  for file in tests/gpu/test_*.py; do
+    T=$(budget 90)
+    if (( T == 0 )); then SKIPPED+=" $(basename "$file")"; continue; fi
+    echo "== $file" >> "$RESULTS/tests.log"
+    timeout "$T" $PY -m pytest -q -p no:cacheprovider -W default "$file" >> "$RESULTS/tests.log" 2>&1
+    rc=$?
+    line=$(grep -E "passed|failed|error|skipped" "$RESULTS/tests.log" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
+    if (( rc == 139 || rc == 134 )); then
+      crashed=$(grep -oE "line [0-9]+ in test_[A-Za-z0-9_]+" "$RESULTS/tests.log" | tail -n 1 | awk '{print $4}')
+      line="CRASHED (rc $rc) in ${crashed:-?}"
+      T=$(budget 60)
+      if [ -n "$crashed" ] && (( T > 0 )) && command -v cuda-gdb >/dev/null; then
+        echo "== cuda-gdb backtrace of $file -k $crashed" >> "$RESULTS/tests.log"
+        timeout "$T" cuda-gdb -q -batch -ex run -ex bt --args $PY -m pytest -q -p no:cacheprovider \
+          -p no:faulthandler -W default "$file" -k "$crashed" 2>&1 | grep -vE "^\[(New )?Thread|Detaching" \
+          | tail -n 60 >> "$RESULTS/tests.log"
+      fi
+    elif (( rc == 124 )); then
+      line="cut at $T s"
+    fi
+    TESTS+="$(basename "$file" .py): ${line:-no result}; "
+  done
+  grep -E "^== tests|^==== FAILED|Error|CRASHED|^#[0-9]+ " "$RESULTS/tests.log" | head -n 80
   stamp "kernel micro-benchmark"
   STEP=()
   [ -f "$CARRY/smollm2-shape/config.json" ] && STEP=(--step-config "$CARRY/smollm2-shape/config.json")
@@ -222,13 +247,22 @@ if [ "$KERNELS" = yes ]; then
   else
     SKIPPED+=" kernel-bench"
   fi
+  stamp "decode and prefill steps, profiled"
+  T=$(budget 90)
+  if (( T > 0 )) && [ -f "$CARRY/smollm2-shape/config.json" ]; then
+    timeout "$T" $PY benches/step_profile.py "$CARRY/smollm2-shape/config.json" > "$RESULTS/profile.log" 2>&1
+    grep -E "^== " "$RESULTS/profile.log" || tail -n 20 "$RESULTS/profile.log"
+  else
+    SKIPPED+=" step-profile"
+  fi
 fi
 
-# serve_runs OUT.jsonl "c:n ..." [server flags]: one server, the load workload at each
-# concurrency c with n prompts, rows appended to OUT.jsonl; "c:n:warm" runs without keeping
-# its row (a warm-up)
+# serve_runs OUT.jsonl "workload:c:n ..." [server flags]: one server, serve_load.py's workload
+# at each concurrency c with n prompts, rows appended to OUT.jsonl; "workload:c:n:warm" runs
+# without keeping its row (a warm-up). BENCH.md's GPU `load` is serve_load's `load-gpu`
+# (~1,024-token prompts); `load` (~100-token prompts) is the CPU one.
 serve_runs() {
-  local out=$1 specs=$2 T spec c n
+  local out=$1 specs=$2 T spec c n workload warm
   shift 2
   T=$(budget 90)
   if (( T == 0 )); then SKIPPED+=" server($*)"; return; fi
@@ -245,12 +279,12 @@ serve_runs() {
   if ready; then
     [ "$SERVE" = skipped ] && SERVE=ok
     for spec in $specs; do
-      IFS=: read -r c n warm <<< "$spec"
+      IFS=: read -r workload c n warm <<< "$spec"
       T=$(budget 120)
-      if (( T == 0 )); then SKIPPED+=" c$c($*)"; continue; fi
-      stamp "load workload: concurrency $c, $n prompts${warm:+ (warm-up)}"
+      if (( T == 0 )); then SKIPPED+=" $workload@c$c($*)"; continue; fi
+      stamp "$workload workload: concurrency $c, $n prompts${warm:+ (warm-up)}"
       timeout "$T" $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
-        --workload load --concurrency "$c" --num-prompts "$n" > "$RESULTS/last_run.json" || SERVE=partial
+        --workload "$workload" --concurrency "$c" --num-prompts "$n" > "$RESULTS/last_run.json" || SERVE=partial
       [ -n "$warm" ] || tee -a "$out" < "$RESULTS/last_run.json"
     done
     rm -f "$RESULTS/last_run.json"
@@ -299,10 +333,10 @@ save_file(w, str(folder / "model.safetensors"))
 print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
 EOF
   : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_sync.jsonl"
-  serve_runs "$RESULTS/serve_load.jsonl" "1:32 64:512 256:1000"
+  serve_runs "$RESULTS/serve_load.jsonl" "load-gpu:1:32 load-gpu:64:512 load-gpu:256:1000 load:256:1000"
   # the same server planning each step only after the last one's tokens are back, side by
   # side; warmed up first, as the first server was by its earlier runs
   if [ "$SERVE" = ok ]; then
-    serve_runs "$RESULTS/serve_load_sync.jsonl" "64:128:warm 256:1000" --async-scheduling off
+    serve_runs "$RESULTS/serve_load_sync.jsonl" "load-gpu:64:128:warm load-gpu:256:1000" --async-scheduling off
   fi
 fi

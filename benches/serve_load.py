@@ -35,6 +35,8 @@ WORKLOADS = {
     "single": (24, 256, 3),
     "prefill": (750, 1, 3),
     "load": (96, 128, 64),
+    # BENCH.md's GPU `load`: ~1,024-token prompts (1,019 words with SmolLM2's tokenizer), 128 out
+    "load-gpu": (1019, 128, 1000),
 }
 
 

@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs a CUDA device and the kernel toolchain: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """A failing gpu test's report, printed the moment it fails: a later test that takes the
+    process down (a segfault inside a kernel call) would otherwise take pytest's end-of-run
+    summary, and with it every failure's traceback, along. (Seen on the first H200 run.)"""
+    if report.failed and "tests/gpu/" in report.nodeid.replace("\\", "/"):
+        sys.stderr.write(f"\n==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()

@@ -1,0 +1,131 @@
+"""Where a CUDA step's time goes: `CudaModelRunner.execute` of a model with this config.json
+(random bf16 weights), timed on the host and profiled on the GPU (torch.profiler).
+
+    python benches/step_profile.py target/gpu-carry/smollm2-shape/config.json
+    python benches/step_profile.py CONFIG --device cpu --small    # a smoke run, reference ops
+
+Steps profiled:
+- decode at batch 1 and 256 (~500 cached tokens each), with CUDA graphs and eagerly;
+- one prefill step of 32 fresh ~1,024-token prompts (what a `load-gpu` burst asks for).
+For each: the host's wall time per step (launch to tokens on the host) next to the GPU's
+kernel time per step, then the kernels that took the most GPU time. A wall time far above the
+kernel time is host work (Python, launches, syncs) that the GPU waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "benches")]
+
+from _plans import Paged  # noqa: E402
+from tiny import random_llama_weights  # noqa: E402
+
+from llmserve.models import build_model  # noqa: E402
+from llmserve.worker.cuda_graphs import CudaModelRunner  # noqa: E402
+
+BS = 16
+
+
+def weights(cfg: dict, device: str) -> dict[str, torch.Tensor]:
+    def r(*shape):
+        return (torch.randn(shape, device=device) * 0.02).to(torch.bfloat16)
+
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    top = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h)}
+    if not cfg.get("tie_word_embeddings", False):
+        top["lm_head.weight"] = r(v, h)
+    return random_llama_weights(cfg, r, top)
+
+
+def report(name: str, prof, walls: list[float], steps: int, rows: int, cuda: bool) -> None:
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events) / steps if cuda else float("nan")
+    print(f"== {name}: wall {statistics.median(walls) * 1e3:.3f} ms/step (median of {len(walls)}), "
+          f"GPU kernels {kernel_us / 1e3:.3f} ms/step", flush=True)
+    if rows:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny batches and prompts (smoke run)")
+    ap.add_argument("--rows", type=int, default=12, help="kernels listed per profile")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    ops = None
+    if not cuda:
+        from llmserve.kernels import reference as ops
+    cfg = json.loads(Path(args.config).read_text())
+    model = build_model(cfg, weights(cfg, args.device), torch.bfloat16, torch.device(args.device))
+    rng = np.random.default_rng(0)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    ctx, batches, prompt, prompts = (40, (1, 4), 64, 4) if args.small else (500, (1, 256), 1024, 32)
+
+    def runner_for(batch: int, blocks: int, graphs: bool) -> CudaModelRunner:
+        return CudaModelRunner(model, blocks, BS, torch.bfloat16, args.device, max_num_seqs=batch,
+                               max_model_len=2048, cuda_graphs=graphs and cuda, capture_sizes=[batch], ops=ops)
+
+    for batch in batches:
+        for graphs in ((True, False) if cuda else (False,)):
+            blocks = batch * (ctx + 64) // BS + 8
+            runner, paged = runner_for(batch, blocks, graphs), Paged(blocks, BS)
+            for s in range(batch):
+                paged.add(s, rng.integers(0, cfg["vocab_size"], ctx).tolist())
+            for i in range(0, batch, 32):
+                runner.execute(paged.step({s: ctx for s in range(i, min(i + 32, batch))}))
+
+            def step():
+                for s in range(batch):
+                    paged.append(s, int(rng.integers(0, cfg["vocab_size"])))
+                return paged.step({s: 1 for s in range(batch)})
+
+            for _ in range(5):
+                runner.execute(step())
+            walls = []
+            with profile(activities=acts) as prof:
+                for _ in range(10):
+                    plan = step()
+                    t = time.perf_counter()
+                    runner.execute(plan)
+                    walls.append(time.perf_counter() - t)
+            graphs_ran = cuda and graphs and runner.graphs.use_graphs
+            report(f"decode batch {batch} {'graphs' if graphs_ran else 'eager'}", prof, walls, 10,
+                   args.rows if not graphs_ran or batch > 1 else 0, cuda)
+            del runner
+            if cuda:
+                torch.cuda.empty_cache()
+
+    blocks = prompts * (prompt + 16) // BS + 8
+    runner, paged = runner_for(prompts, blocks, False), Paged(blocks, BS)
+    walls = []
+    for rep in range(3):
+        paged = Paged(blocks, BS)
+        for s in range(prompts):
+            paged.add(s, rng.integers(0, cfg["vocab_size"], prompt).tolist())
+        plan = paged.step({s: prompt for s in range(prompts)})
+        if rep < 2:     # warm-up, then the profiled step
+            runner.execute(plan)
+            continue
+        with profile(activities=acts) as prof:
+            t = time.perf_counter()
+            runner.execute(plan)
+            walls.append(time.perf_counter() - t)
+    report(f"prefill {prompts} x {prompt} tokens", prof, walls, 1, args.rows, cuda)
+
+
+if __name__ == "__main__":
+    main()
