@@ -53,12 +53,16 @@ def bench_prepare(router: Router) -> None:
 
     # the same conversation as chat messages and as Anthropic Messages blocks
     call = {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
-    chat = orjson.dumps({"model": "m", "max_tokens": 16, "messages": [
+    # (Messages requires `tools` beside tool_use blocks; both requests declare the same one)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    chat = orjson.dumps({"model": "m", "max_tokens": 16, "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": schema}}], "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": text},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "t1", "name": "get_weather", "content": "sunny"},
         {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks."}]})
-    messages = orjson.dumps({"model": "m", "max_tokens": 16, "system": "Be brief.", "messages": [
+    messages = orjson.dumps({"model": "m", "max_tokens": 16, "system": "Be brief.", "tools": [
+        {"name": "get_weather", "input_schema": schema}], "messages": [
         {"role": "user", "content": text},
         {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
                                           {"type": "tool_use", "id": "t1", "name": "get_weather",
