@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
+
+import pytest
 
 from llmserve.engine.async_engine import RequestStream
 
@@ -42,7 +45,7 @@ def test_output_of_a_step_in_flight_after_an_abort_is_dropped():
     stream._push(b"data: c\n\n", None, False, 1)
     stream._push(b"data: d\n\n", "length", False, 1)
     assert len(engine.gaps) == 1 and stream.generated == 2
-    assert engine.finished == ["abort"] and stream._queue.qsize() == 2
+    assert engine.finished == ["abort"] and len(stream._items) == 2
 
 
 def test_a_request_that_finishes_counts_once():
@@ -51,3 +54,27 @@ def test_a_request_that_finishes_counts_once():
     stream._push(b"data: a\n\n", "stop", False, 1)
     stream._push(b"data: late\n\n", "stop", False, 1)
     assert engine.finished == ["stop"] and stream.generated == 1
+
+
+def test_frames_waiting_together_are_read_as_one_piece_and_the_end_after_them():
+    """A reader that fell behind (a busy event loop) takes every waiting frame in one read,
+    so it catches up in one write; the end of the stream still comes after them, and a
+    reader with nothing to read waits, with or without a keep-alive timeout."""
+    async def run():
+        engine = _Engine()
+        engine._loop = asyncio.get_running_loop()
+        stream = _stream(engine)
+        with pytest.raises(TimeoutError):
+            await stream.next(timeout=0.01)        # nothing yet
+        stream._push(b"data: a\n\n", None, False, 1)
+        stream._push(b"data: b\n\n", None, False, 1)
+        assert await stream.next(timeout=1.0) == b"data: a\n\ndata: b\n\n"
+        reading = asyncio.ensure_future(stream.next())
+        await asyncio.sleep(0)
+        assert not reading.done()                  # waits for the engine
+        stream._push(b"data: c\n\n", "stop", False, 1)
+        assert await reading == b"data: c\n\n"
+        assert await stream.next() is None
+        assert engine.finished == ["stop"] and stream.generated == 3
+
+    asyncio.run(run())

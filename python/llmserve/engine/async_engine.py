@@ -13,6 +13,7 @@ import atexit
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import orjson
@@ -85,7 +86,10 @@ class RequestStream:
         # Whether the response has begun (its bytes, or a streamed response's status and a
         # keep-alive comment, went out): an error is then an SSE frame, not an HTTP error.
         self.started = False
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # What the engine delivered and the reader has not taken: bytes, ApiError, _END; the
+        # reader waits on `_waiter` while it is empty.
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
 
     def _push(self, data, finished: str | None, error: bool, ntok: int,
               ends: list[tuple[str, int]] | None = None) -> None:
@@ -108,21 +112,44 @@ class RequestStream:
             # Only a streamed request can ever carry the frame. The Core's message stays.
             data = self._engine.internal_error(_error_message(data))
         if data:  # NOTE: steps that produced no bytes (held-back text, non-streamed) wake nobody
-            self._queue.put_nowait(data)
+            self._put(data)
         if finished:
             self.finished = True
-            self._queue.put_nowait(_END)
+            self._put(_END)
             self._engine._finished(self, "error" if error else finished, None if error else ends)
+
+    def _put(self, item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next(self, timeout: float | None = None) -> bytes | None:
         """The next bytes; None at the end. Raises the request's ApiError if it failed before
-        anything was sent, and TimeoutError after `timeout` seconds without output."""
-        if asyncio.get_running_loop() is not self._engine._loop:
+        anything was sent, and TimeoutError after `timeout` seconds without output.
+
+        Bytes of several steps that are all waiting come as one piece, so a reader that fell
+        behind (a busy event loop) catches up in one write: SSE frames are self-delimiting."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._engine._loop:
             # its outputs are queued on the engine's loop, which would never wake this one
             raise RuntimeError(_OTHER_LOOP)
-        item = await asyncio.wait_for(self._queue.get(), timeout) if timeout else await self._queue.get()
+        while not self._items:
+            self._waiter = loop.create_future()
+            try:
+                if timeout:
+                    await asyncio.wait_for(self._waiter, timeout)
+                else:
+                    await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if item is _END:
             return None
+        if isinstance(item, bytes) and self._items and isinstance(self._items[0], bytes):
+            parts = [item]
+            while self._items and isinstance(self._items[0], bytes):
+                parts.append(self._items.popleft())
+            item = b"".join(parts)
         if isinstance(item, ApiError):
             # A non-streamed body can't hold a frame; a stream whose response has not begun
             # (no bytes, no keep-alive comment) can still 500.
