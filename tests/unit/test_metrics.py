@@ -104,3 +104,25 @@ def test_lora_requests_info_names_the_adapters_running_and_waiting():
     m.on_step({**stats, "loras_served": 5}, 0.01)
     assert m.registry.get_sample_value("llmserve:lora_requests_info", {**empty, "max_lora": "5"}) > 1.7e9
     assert m.registry.get_sample_value("llmserve:lora_requests_info", empty) is None
+
+
+def test_a_steps_gaps_observed_in_bulk_read_as_observed_one_by_one():
+    """on_token_gaps (one increment per bucket) against on_tokens per gap: the same
+    exposition, with gaps below the first bound, on bounds, between, and past the last."""
+    from prometheus_client import generate_latest
+
+    gaps = [0.0001, 0.005, 0.005, 0.0075, 0.01, 0.3, 0.31, 4.0, 5.0, 7.5, 1e6]
+    bulk, single = Metrics(), Metrics()
+    bulk.bind("m")
+    single.bind("m")
+    bulk.on_token_gaps(gaps)
+    bulk.on_token_gaps([])
+    for gap in gaps:
+        single.on_tokens(gap)
+
+    def samples(m: Metrics) -> list[str]:      # (a series' _created time differs between the two)
+        return [line for line in generate_latest(m.registry).decode().splitlines() if "_created" not in line]
+
+    assert samples(bulk) == samples(single)
+    assert _value(bulk, "llmserve:inter_token_latency_seconds_bucket", le="0.005") == 3
+    assert _value(bulk, "llmserve:time_per_output_token_seconds_count") == len(gaps)

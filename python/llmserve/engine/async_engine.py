@@ -96,7 +96,9 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None
 
     def _push(self, data, finished: str | None, error: bool, ntok: int,
-              ends: list[tuple[str, int]] | None = None) -> None:
+              ends: list[tuple[str, int]] | None = None, gaps: list[float] | None = None) -> None:
+        """One step's output for this request. `gaps`: where the inter-token gap goes (the
+        step's list, observed in bulk), else straight to the metrics."""
         if self not in self._engine._open:
             # aborted (its client left) while a step that held it was in flight: nobody
             # reads this, and its metrics were taken when it was aborted
@@ -105,6 +107,8 @@ class RequestStream:
             now = time.perf_counter()
             if self.first_token is None:
                 self.first_token = now
+            elif gaps is not None:
+                gaps.append(now - self._last_token)
             else:
                 self._engine.metrics.on_tokens(now - self._last_token)
             self._last_token = now
@@ -528,9 +532,11 @@ class AsyncEngine:
         iteration_tokens_total counts them: those generated, and the prompt of each request
         whose first token came (its whole prompt, cached or not)."""
         step_tokens = 0
+        gaps: list[float] = []
         for stream, data, finished, error, ntok, ends in items:
             if ntok and stream in self._open:
                 step_tokens += ntok + (stream.prompt_tokens if stream.first_token is None else 0)
-            stream._push(data, finished, error, ntok, ends)
+            stream._push(data, finished, error, ntok, ends, gaps)
+        self.metrics.on_token_gaps(gaps)
         if step_tokens:
             self.metrics.on_iteration(step_tokens)

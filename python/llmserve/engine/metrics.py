@@ -7,6 +7,9 @@ tests).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter as Tally
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -166,6 +169,16 @@ class Metrics:
         self.itl.observe(since_last)
         self.tpot.observe(since_last)
 
+    def on_token_gaps(self, gaps: list[float]) -> None:
+        """Event loop: `on_tokens` for each gap of one step's requests, in bulk.
+
+        NOTE: observing one at a time took about a tenth of the event loop's time when serving
+        concurrency 256 as fast as the engine steps (benches/serving_overhead.py): each
+        observation takes two locks. Here each bucket and the sum take one per step."""
+        if gaps:
+            observe_many(self.itl, gaps)
+            observe_many(self.tpot, gaps)
+
     def on_finish(self, *, reason: str, prompt_lens: list[int], generated: int, submitted: float,
                   scheduled: float | None, first_token: float | None, finished: float,
                   n: int = 1, max_tokens: int | None = None,
@@ -222,3 +235,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def observe_many(histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for each of `values`, with one increment per bucket touched.
+
+    NOTE: reaches into prometheus_client's Histogram (non-cumulative `_buckets` over
+    `_upper_bounds`, and `_sum`), whose version requirements.txt pins; a test checks the
+    exposition equals observing one at a time."""
+    bounds = histogram._upper_bounds
+    for index, count in Tally(bisect_left(bounds, v) for v in values).items():
+        histogram._buckets[index].inc(count)
+    histogram._sum.inc(sum(values))
