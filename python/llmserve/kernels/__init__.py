@@ -1,7 +1,7 @@
 """llmserve's CUDA ops (csrc/) as Python functions: the one wrapper module.
 
     from llmserve import kernels
-    if kernels.available():            # CUDA device + nvcc + ninja; builds nothing
+    if kernels.available():            # CUDA device + nvcc + ninja (or a prebuilt library); builds nothing
         kernels.load()                 # compile on first use (cached), register the ops
         kernels.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         kernels.paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
