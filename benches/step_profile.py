@@ -6,7 +6,8 @@
 
 Steps profiled:
 - decode at batch 1 and 256 (~500 cached tokens each), with CUDA graphs and eagerly;
-- one prefill step of 32 fresh ~1,024-token prompts (what a `load-gpu` burst asks for).
+- one prefill step of 32 fresh ~1,024-token prompts (what a `load-gpu` burst asks for), with
+  each prefill attention (cuda_attention.py: one SDPA per prompt, or one varlen_attn call).
 For each: the host's wall time per step (launch to tokens on the host) next to the GPU's
 kernel time per step, then the kernels that took the most GPU time. A wall time far above the
 kernel time is host work (Python, launches, syncs) that the GPU waits for.
@@ -75,9 +76,10 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     ctx, batches, prompt, prompts = (40, (1, 4), 64, 4) if args.small else (500, (1, 256), 1024, 32)
 
-    def runner_for(batch: int, blocks: int, graphs: bool) -> CudaModelRunner:
+    def runner_for(batch: int, blocks: int, graphs: bool, prefill: str = "sdpa") -> CudaModelRunner:
         return CudaModelRunner(model, blocks, BS, torch.bfloat16, args.device, max_num_seqs=batch,
-                               max_model_len=2048, cuda_graphs=graphs and cuda, capture_sizes=[batch], ops=ops)
+                               max_model_len=2048, cuda_graphs=graphs and cuda, capture_sizes=[batch], ops=ops,
+                               prefill_attention=prefill)
 
     for batch in batches:
         for graphs in ((True, False) if cuda else (False,)):
@@ -110,21 +112,22 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     blocks = prompts * (prompt + 16) // BS + 8
-    runner, paged = runner_for(prompts, blocks, False), Paged(blocks, BS)
-    walls = []
-    for rep in range(3):
-        paged = Paged(blocks, BS)
-        for s in range(prompts):
-            paged.add(s, rng.integers(0, cfg["vocab_size"], prompt).tolist())
-        plan = paged.step({s: prompt for s in range(prompts)})
-        if rep < 2:     # warm-up, then the profiled step
-            runner.execute(plan)
-            continue
-        with profile(activities=acts) as prof:
-            t = time.perf_counter()
-            runner.execute(plan)
-            walls.append(time.perf_counter() - t)
-    report(f"prefill {prompts} x {prompt} tokens", prof, walls, 1, args.rows, cuda)
+    for mode in ("sdpa", "varlen"):
+        runner, walls = runner_for(prompts, blocks, False, mode), []
+        for rep in range(3):
+            paged = Paged(blocks, BS)
+            for s in range(prompts):
+                paged.add(s, rng.integers(0, cfg["vocab_size"], prompt).tolist())
+            plan = paged.step({s: prompt for s in range(prompts)})
+            if rep < 2:     # warm-up, then the profiled step
+                runner.execute(plan)
+                continue
+            with profile(activities=acts) as prof:
+                t = time.perf_counter()
+                runner.execute(plan)
+                walls.append(time.perf_counter() - t)
+        report(f"prefill {prompts} x {prompt} tokens, {mode}", prof, walls, 1, args.rows, cuda)
+        del runner
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return random_llama_weights(CONFIG, r, top)
 
 
-def cuda_runner(graphs: bool, ops=None) -> CudaModelRunner:
+def cuda_runner(graphs: bool, ops=None, prefill_attention: str = "sdpa") -> CudaModelRunner:
     model = build_model(CONFIG, weights(), torch.bfloat16, torch.device("cuda"))
     runner = CudaModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cuda", max_num_seqs=8,
-                             max_model_len=256, cuda_graphs=graphs, ops=ops)
+                             max_model_len=256, cuda_graphs=graphs, ops=ops, prefill_attention=prefill_attention)
     if graphs:
         # a failed capture only logs a warning and serves eagerly, which every comparison
         # below would pass: fail here instead
@@ -152,6 +152,16 @@ def test_kernel_path_matches_reference_ops_path():
     fast, slow = cuda_runner(graphs=True), cuda_runner(graphs=False, ops=reference)
     for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
         torch.testing.assert_close(step_logits(fast, plan), step_logits(slow, plan), atol=0.1, rtol=0.05)
+
+
+def test_varlen_prefill_matches_one_sdpa_per_chunk():
+    """LLMSERVE_PREFILL_ATTENTION=varlen: torch's varlen_attn over every prefill chunk of a step
+    (fresh prompts, a chunk over a cached prefix, mixed with decode rows) gives what one SDPA
+    per chunk gives."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    per_chunk, packed = cuda_runner(graphs=False), cuda_runner(graphs=False, prefill_attention="varlen")
+    for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
+        torch.testing.assert_close(step_logits(packed, plan), step_logits(per_chunk, plan), atol=0.1, rtol=0.05)
 
 
 def test_execute_samples_greedy_on_gpu():

@@ -37,16 +37,21 @@ def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return random_llama_weights(CONFIG, r, top)
 
 
-def runners():
+def runners(prefill_attention: str | None = None):
     model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
     cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
     cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
-                                max_model_len=128, cuda_graphs=False, ops=reference)
+                                max_model_len=128, cuda_graphs=False, ops=reference,
+                                prefill_attention=prefill_attention)
     return cpu, cuda_path
 
 
-def test_cuda_path_matches_cpu_path_step_by_step():
-    cpu, cuda_path = runners()
+@pytest.mark.parametrize("prefill_attention", ["sdpa", "varlen"])
+def test_cuda_path_matches_cpu_path_step_by_step(prefill_attention):
+    """Both prefill attentions (one SDPA per chunk; every chunk in one packed varlen call, here
+    through the reference varlen_attn, whose semantics torch's has) give the CPU path's
+    hidden states and K/V: fresh prompts, a chunk over a cached prefix, mixed steps."""
+    cpu, cuda_path = runners(prefill_attention)
     padded = 0
     for plan in scenario_plans(CONFIG["vocab_size"]):
         padded += cuda_path.graphs.padded_size(plan) is not None
@@ -324,3 +329,16 @@ def test_a_prebuilt_kernels_library_is_loaded_instead_of_building(monkeypatch, t
     monkeypatch.delenv(build.PREBUILT_ENV)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert build.missing_toolchain() == "torch sees no CUDA device"
+
+
+def test_the_prefill_attention_is_chosen_by_environment(monkeypatch):
+    from llmserve.worker import cuda_attention
+
+    monkeypatch.delenv(cuda_attention.PREFILL_ENV, raising=False)
+    assert cuda_attention.prefill_attention() == "sdpa"
+    monkeypatch.setenv(cuda_attention.PREFILL_ENV, "VarLen")
+    assert cuda_attention.prefill_attention() == "varlen"
+    assert runners()[1].varlen_prefill
+    monkeypatch.setenv(cuda_attention.PREFILL_ENV, "flash")
+    with pytest.raises(ValueError, match="LLMSERVE_PREFILL_ATTENTION='flash'"):
+        runners()

@@ -44,3 +44,28 @@ def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: to
 
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> int:
     return 0
+
+
+def varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None = None,
+                window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn's semantics, one sequence at a time: query
+    [Tq, H, D] and key/value [Tk, H, D] packed by the cumulative lengths cu_seq_q / cu_seq_k
+    [N + 1]; window_size (-1, 0) is causal with the mask aligned to the bottom right (query i
+    of a sequence with Lq queries and Lk keys sees keys up to Lk - Lq + i), (-1, -1) full."""
+    if window_size not in ((-1, 0), (-1, -1)):
+        raise ValueError(f"window_size {window_size}: only (-1, 0) and (-1, -1) are served")
+    out = torch.empty_like(query)
+    bounds_q, bounds_k = cu_seq_q.tolist(), cu_seq_k.tolist()
+    for s in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
+        q = query[q0:q1].float().transpose(0, 1)                        # [H, Lq, D]
+        k = key[k0:k1].float().transpose(0, 1)
+        v = value[k0:k1].float().transpose(0, 1)
+        scores = q @ k.transpose(1, 2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if window_size == (-1, 0):
+            lq, lk = q1 - q0, k1 - k0
+            seen = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+            scores = scores.masked_fill(~seen, float("-inf"))
+        out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(out.dtype)
+    return out

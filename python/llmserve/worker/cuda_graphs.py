@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from llmserve.worker import cuda_attention
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
 from llmserve.worker.runner import Launched, ModelRunner, Resolved, fill_placeholders_, has_placeholders
 from llmserve.worker.sampler import as_tensor, pinned_for, to_device
@@ -150,10 +151,16 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, *, seed: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int = 2048, cuda_graphs: bool = True,
-                 capture_sizes: Sequence[int] | None = None, ops: Any = None):
+                 capture_sizes: Sequence[int] | None = None, ops: Any = None,
+                 prefill_attention: str | None = None):
         """ops: the op provider (default: the compiled llmserve.kernels; tests pass
-        llmserve.kernels.reference). cuda_graphs: capture decode graphs (needs a CUDA device)."""
+        llmserve.kernels.reference). cuda_graphs: capture decode graphs (needs a CUDA device).
+        prefill_attention: "sdpa" or "varlen" (cuda_attention.py; default: LLMSERVE_PREFILL_ATTENTION)."""
         super().__init__(model, num_blocks, block_size, dtype, device, seed=seed)
+        mode = prefill_attention or cuda_attention.prefill_attention()
+        if mode not in cuda_attention.PREFILL_MODES:
+            raise ValueError(f"prefill_attention {mode!r}: expected one of {cuda_attention.PREFILL_MODES}")
+        self.varlen_prefill = mode == "varlen"
         if ops is None:
             from llmserve.worker.cuda_attention import default_ops
 
@@ -193,7 +200,7 @@ class CudaModelRunner(ModelRunner):
         meta = CudaAttentionMetadata.build(
             np.asarray(plan.query_start_loc), seq_lens,
             np.asarray(plan.block_tables).reshape(len(seq_lens), -1), slot_mapping,
-            self.block_size, dev, self.model.num_kv_heads, ops=self.ops)
+            self.block_size, dev, self.model.num_kv_heads, ops=self.ops, varlen=self.varlen_prefill)
         return self.forward(plan, input_ids, positions, meta)
 
 
