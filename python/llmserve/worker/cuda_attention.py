@@ -25,6 +25,7 @@ logic can be tested against a torch reference on machines without a GPU.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -179,6 +180,7 @@ def _packed_prefill(qsl: np.ndarray, lens: np.ndarray, tables: np.ndarray, chunk
                          max_q=int(q_counts.max()), max_k=int(k_counts.max()))
 
 
+@functools.lru_cache(maxsize=8)   # (per ops provider: read once, not per layer)
 def _varlen_attention(ops: Any) -> tuple[Any, bool]:
     """The varlen_attn to call (the ops provider's, else torch's) and whether it takes
     `enable_gqa` (torch 2.11's does not: K/V heads are then repeated)."""
