@@ -3,8 +3,9 @@
 # lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark,
 # profile decode and prefill steps (benches/step_profile.py), and serve BENCH.md's GPU `load`
 # workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128 out) with `llmserve run
-# --device cuda` at concurrency 1 / 64 / 256 (then 256 again with --async-scheduling off, side
-# by side, and once with ~100-token prompts); print one summary table. `make gpu-check` runs it.
+# --device cuda` at concurrency 1 / 64 / 256 (then 256 again with --async-scheduling off, and
+# with LLMSERVE_PREFILL_ATTENTION=varlen, side by side, and once with ~100-token prompts); print
+# one summary table. `make gpu-check` runs it.
 # The first H200 run (2026-12-04) took 110 s of its 480.
 #
 # Two modes:
@@ -132,7 +133,8 @@ if kb.is_file():
         print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
               f"{r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
 print(f"{'serving benchmark':28} {serve}")
-for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sync")):
+for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sync"),
+                    ("serve_load_varlen.jsonl", "varln")):
     sl = res / name
     if not sl.is_file():
         continue
@@ -242,7 +244,8 @@ if [ "$KERNELS" = yes ]; then
   [ -f "$CARRY/smollm2-shape/config.json" ] && STEP=(--step-config "$CARRY/smollm2-shape/config.json")
   T=$(budget 150)
   if (( T > 0 )); then
-    if timeout "$T" $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1 | tee "$RESULTS/kernel_bench.log"
+    # (its table is kernel_bench.json; $OUT brings back 8 files at most)
+    if timeout "$T" $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1
     then BENCH=ok; else BENCH="FAILED or cut at $T s"; fi
   else
     SKIPPED+=" kernel-bench"
@@ -333,10 +336,15 @@ save_file(w, str(folder / "model.safetensors"))
 print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
 EOF
   : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_sync.jsonl"
+  : > "$RESULTS/serve_load_varlen.jsonl"
   serve_runs "$RESULTS/serve_load.jsonl" "load-gpu:1:32 load-gpu:64:512 load-gpu:256:1000 load:256:1000"
   # the same server planning each step only after the last one's tokens are back, side by
   # side; warmed up first, as the first server was by its earlier runs
   if [ "$SERVE" = ok ]; then
     serve_runs "$RESULTS/serve_load_sync.jsonl" "load-gpu:64:128:warm load-gpu:256:1000" --async-scheduling off
+    # and with every prompt chunk of a step in one varlen_attn call (cuda_attention.py)
+    export LLMSERVE_PREFILL_ATTENTION=varlen
+    serve_runs "$RESULTS/serve_load_varlen.jsonl" "load-gpu:64:128:warm load-gpu:256:1000"
+    unset LLMSERVE_PREFILL_ATTENTION
   fi
 fi
