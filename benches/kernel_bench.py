@@ -11,7 +11,9 @@ x 2 bytes); queries, outputs and block tables are noise beside them. Each timed 
 an L2 flush (the H200's L2 is 60 MB, more than some cases' KV), timed alone with CUDA events;
 a figure is the median of the calls. The reference ceiling is measured in the same run: a
 device-to-device copy (bytes read + written), next to the datasheet's 4.8 TB/s. Also timed for
-scale: the torch path this kernel replaces (gather the blocks, SDPA with a padding mask).
+scale: the torch path this kernel replaces (gather the blocks, SDPA with a padding mask). Each
+case also sweeps every split-K partition size the kernel takes (0 = none, 64 ... 2048) and
+reports the fastest, next to the one `choose_partition_size` picks.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def main() -> None:
     copy_tbs = copy_bandwidth(flush)
     print(f"{torch.cuda.get_device_name()}: measured copy {copy_tbs:.2f} TB/s (datasheet {PEAK_TBS} TB/s)")
     rows = []
-    header = f"{'shape':14} {'batch':>5} {'ctx':>5} {'part':>4} {'us':>8} {'TB/s':>6} {'%peak':>6} {'%copy':>6} {'torch us':>9}"
+    header = (f"{'shape':14} {'batch':>5} {'ctx':>5} {'part':>4} {'us':>8} {'TB/s':>6} {'%peak':>6} {'%copy':>6} "
+              f"{'torch us':>9}   {'best part':>9} {'us':>8} {'%peak':>6}")
     print(header)
     for name, kvh, group, d in SHAPES:
         for batch, ctx in CASES:
@@ -174,16 +177,28 @@ def main() -> None:
             for _ in range(3):
                 run()
             t = timed(run, args.reps, flush)
+            # every partition size the kernel takes here, to see what choose_partition_size misses
+            sweep = {}
+            for p in [0, *(s for s in (64, 128, 256, 512, 1024, 2048) if s < tables.shape[1] * BS)]:
+                def run_p(p=p):
+                    kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, p)
+                run_p()
+                sweep[p] = timed(run_p, max(5, args.reps // 3), flush)
+            best = min(sweep, key=sweep.get)
             t_torch = float("nan")
             if batch * ctx <= 64 * 4096:
                 t_torch = timed(lambda: torch_path(q, k, v, tables, lens, scale), max(5, args.reps // 3), flush)
             nbytes = batch * ctx * kvh * d * 2 * q.element_size()
             tbs = nbytes / t / 1e12
+            best_pct = 100 * nbytes / sweep[best] / 1e12 / PEAK_TBS
             row = dict(shape=name, batch=batch, ctx=ctx, partition=part, us=t * 1e6, tbs=tbs,
-                       pct_peak=100 * tbs / PEAK_TBS, pct_copy=100 * tbs / copy_tbs, torch_us=t_torch * 1e6)
+                       pct_peak=100 * tbs / PEAK_TBS, pct_copy=100 * tbs / copy_tbs, torch_us=t_torch * 1e6,
+                       best_partition=best, best_us=sweep[best] * 1e6, best_pct_peak=best_pct,
+                       sweep_us={str(k): v * 1e6 for k, v in sweep.items()})
             rows.append(row)
             print(f"{name:14} {batch:5d} {ctx:5d} {part:4d} {t * 1e6:8.1f} {tbs:6.2f} {row['pct_peak']:6.1f} "
-                  f"{row['pct_copy']:6.1f} {t_torch * 1e6:9.1f}", flush=True)
+                  f"{row['pct_copy']:6.1f} {t_torch * 1e6:9.1f}   {best:9d} {sweep[best] * 1e6:8.1f} {best_pct:6.1f}",
+                  flush=True)
             del q, k, v, tables, lens, out
             torch.cuda.empty_cache()
     goal = [r for r in rows if r["batch"] * r["ctx"] >= 64 * 1024]
