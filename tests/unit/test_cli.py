@@ -247,3 +247,19 @@ def test_config_values_of_the_wrong_type_or_range_are_refused_when_built():
     with pytest.raises(ValueError, match="--seed must be at least 0 and at most"):
         DeviceConfig(seed=2 ** 70)
     assert dataclasses.replace(Config().device, threads=2).threads == 2
+
+
+def test_the_step_token_budget_defaults_by_device():
+    """--max-num-batched-tokens unset: 2048 on CPU, 8192 on CUDA (vLLM's for an API server on
+    H100-class GPUs); a value given is kept on either."""
+    import torch
+
+    from llmserve.config import SchedulerConfig
+    from llmserve.engine.build import batched_tokens
+
+    unset, given = Config(), Config(scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    assert batched_tokens(unset, torch.device("cpu")) == 2048
+    assert batched_tokens(unset, torch.device("cuda")) == 8192
+    assert batched_tokens(given, torch.device("cuda")) == batched_tokens(given, torch.device("cpu")) == 512
+    with pytest.raises(ValueError, match="--max-num-batched-tokens must be at least 1"):
+        SchedulerConfig(max_num_batched_tokens=0)

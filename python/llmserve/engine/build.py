@@ -22,7 +22,7 @@ import torch
 
 from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version, numerics_revision
-from llmserve.config import Config, parse_bytes
+from llmserve.config import DEFAULT_BATCHED_TOKENS, Config, parse_bytes
 from llmserve.engine.adapters import Adapters, adapter_fingerprint, read_adapter
 from llmserve.loaders.checkpoint import LazyWeights, LoadError
 from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
@@ -240,6 +240,12 @@ def _within_the_window(window: int, native_len: int, requested: int | None) -> i
     return window
 
 
+def batched_tokens(cfg: Config, device: torch.device) -> int:
+    """The step token budget: --max-num-batched-tokens, else the device's default."""
+    given = cfg.scheduler.max_num_batched_tokens
+    return given if given is not None else DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cpu"])
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model, normalize_config
@@ -317,7 +323,7 @@ def build_engine(cfg: Config) -> Engine:
 
         reserve = activation_reserve_bytes(
             hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"],
-            cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+            batched_tokens(cfg, device), cfg.scheduler.max_num_seqs)
         num_blocks = kv_blocks_from_free_memory(device, per_block, cfg.cache.gpu_memory_utilization,
                                                 reserve)
     else:
@@ -395,7 +401,7 @@ def build_engine(cfg: Config) -> Engine:
         "num_blocks": num_blocks,
         "block_size": block_size,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
-        "max_num_batched_tokens": max(cfg.scheduler.max_num_batched_tokens, block_size),
+        "max_num_batched_tokens": max(batched_tokens(cfg, device), block_size),
         "max_model_len": max_model_len,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         # NOTE: on CPU a decode step computes K/V with other numerics than a prompt step
