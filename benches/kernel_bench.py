@@ -87,11 +87,11 @@ def torch_path(q, k, v, tables, lens, scale):
                                           enable_gqa=True).squeeze(2)
 
 
-def random_weights(cfg: dict, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict, dtype=torch.bfloat16, device: str = "cuda") -> dict[str, torch.Tensor]:
     """HF-named random weights for a Llama-family config (the step figures do not depend on
     the values)."""
     def r(*shape):
-        return (torch.randn(shape, device="cuda") * 0.02).to(dtype)
+        return (torch.randn(shape, device=device) * 0.02).to(dtype)
 
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     top = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h)}

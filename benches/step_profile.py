@@ -30,23 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "benches")]
 
 from _plans import Paged  # noqa: E402
-from tiny import random_llama_weights  # noqa: E402
+from kernel_bench import random_weights  # noqa: E402
 
 from llmserve.models import build_model  # noqa: E402
 from llmserve.worker.cuda_graphs import CudaModelRunner  # noqa: E402
 
 BS = 16
-
-
-def weights(cfg: dict, device: str) -> dict[str, torch.Tensor]:
-    def r(*shape):
-        return (torch.randn(shape, device=device) * 0.02).to(torch.bfloat16)
-
-    h, v = cfg["hidden_size"], cfg["vocab_size"]
-    top = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": 1 + r(h)}
-    if not cfg.get("tie_word_embeddings", False):
-        top["lm_head.weight"] = r(v, h)
-    return random_llama_weights(cfg, r, top)
 
 
 def report(name: str, prof, walls: list[float], steps: int, rows: int, cuda: bool) -> None:
@@ -71,7 +60,7 @@ def main() -> None:
     if not cuda:
         from llmserve.kernels import reference as ops
     cfg = json.loads(Path(args.config).read_text())
-    model = build_model(cfg, weights(cfg, args.device), torch.bfloat16, torch.device(args.device))
+    model = build_model(cfg, random_weights(cfg, device=args.device), torch.bfloat16, torch.device(args.device))
     rng = np.random.default_rng(0)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     ctx, batches, prompt, prompts = (40, (1, 4), 64, 4) if args.small else (500, (1, 256), 1024, 32)
