@@ -3,10 +3,11 @@
 # lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark,
 # profile decode and prefill steps (benches/step_profile.py), and serve BENCH.md's GPU `load`
 # workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128 out) with `llmserve run
-# --device cuda` at concurrency 1 / 64 / 256 (then 256 again with --async-scheduling off, and
-# with LLMSERVE_PREFILL_ATTENTION=varlen, side by side, and once with ~100-token prompts); print
-# one summary table. `make gpu-check` runs it.
-# The first H200 run (2026-12-04) took 110 s of its 480.
+# --device cuda` at concurrency 1 / 64 / 256 (then 1 and 256 again with LLMSERVE_FUSED_OPS=1,
+# 256 with LLMSERVE_PREFILL_ATTENTION=varlen, side by side, and once with ~100-token prompts);
+# print one summary table. `make gpu-check` runs it.
+# The first H200 run (2026-12-04) took 110 s of its 480. (It served 256 with
+# --async-scheduling off too: 12.0k out tok/s against 14.4k with it on, ~100-token prompts.)
 #
 # Two modes:
 #   bash benches/gpu_check.sh prepare   HERE (network, no GPU): fill target/gpu-carry with what
@@ -134,9 +135,9 @@ if kb.is_file():
     for r in data.get("steps", []):
         goal = "  goal <= 1.3 ms" if r["batch"] == 1 and r["graphs"] else ""
         print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
-              f"{r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
+              f"{'fused' if r.get('fused') else 'torch':5} {r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
 print(f"{'serving benchmark':28} {serve}")
-for name, label in (("serve_load.jsonl", "async"), ("serve_load_sync.jsonl", "sync"),
+for name, label in (("serve_load.jsonl", "base"), ("serve_load_fused.jsonl", "fused"),
                     ("serve_load_varlen.jsonl", "varln")):
     sl = res / name
     if not sl.is_file():
@@ -315,36 +316,24 @@ else
   $PY - "$MODEL" <<'EOF'
 import json, sys
 from pathlib import Path
-import torch
+sys.path.insert(0, "benches")
+from kernel_bench import random_weights
 from safetensors.torch import save_file
-from llmserve.models.llama import DecoderConfig
 
 folder = Path(sys.argv[1])
-cfg = json.loads((folder / "config.json").read_text())
-c = DecoderConfig.from_hf(cfg)
-g = torch.Generator(device="cuda").manual_seed(0)
-def r(*shape, s=0.02):
-    return (torch.randn(shape, generator=g, device="cuda") * s).to(torch.bfloat16).cpu()
-h, i, d, nh, nkv = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads, c.num_kv_heads
-w = {"model.embed_tokens.weight": r(c.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
-for l in range(c.num_layers):
-    p, a = f"model.layers.{l}.", f"model.layers.{l}.self_attn."
-    w.update({a + "q_proj.weight": r(nh * d, h), a + "k_proj.weight": r(nkv * d, h), a + "v_proj.weight": r(nkv * d, h),
-              a + "o_proj.weight": r(h, nh * d), p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-              p + "mlp.down_proj.weight": r(h, i), p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-              p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
-if not c.tie_word_embeddings:
-    w["lm_head.weight"] = r(c.vocab_size, h)
+w = {k: t.cpu() for k, t in random_weights(json.loads((folder / "config.json").read_text())).items()}
 save_file(w, str(folder / "model.safetensors"))
 print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
 EOF
-  : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_sync.jsonl"
+  : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_fused.jsonl"
   : > "$RESULTS/serve_load_varlen.jsonl"
   serve_runs "$RESULTS/serve_load.jsonl" "load-gpu:1:32 load-gpu:64:512 load-gpu:256:1000 load:256:1000"
-  # the same server planning each step only after the last one's tokens are back, side by
-  # side; warmed up first, as the first server was by its earlier runs
+  # side by side: the same server with the fused layer ops (csrc/layer_ops.cu), warmed up
+  # first as the first server was by its earlier runs; c1 is the batch-1 step's TPOT
   if [ "$SERVE" = ok ]; then
-    serve_runs "$RESULTS/serve_load_sync.jsonl" "load-gpu:64:128:warm load-gpu:256:1000" --async-scheduling off
+    export LLMSERVE_FUSED_OPS=1
+    serve_runs "$RESULTS/serve_load_fused.jsonl" "load-gpu:64:128:warm load-gpu:1:32 load-gpu:256:1000"
+    unset LLMSERVE_FUSED_OPS
     # and with every prompt chunk of a step in one varlen_attn call (cuda_attention.py)
     export LLMSERVE_PREFILL_ATTENTION=varlen
     serve_runs "$RESULTS/serve_load_varlen.jsonl" "load-gpu:64:128:warm load-gpu:256:1000"

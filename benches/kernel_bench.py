@@ -102,7 +102,8 @@ def random_weights(cfg: dict, dtype=torch.bfloat16, device: str = "cuda") -> dic
 
 def step_bench(config_path: str, steps: int = 40) -> list[dict]:
     """Whole decode steps (`CudaModelRunner.execute`: forward, logits, greedy sampling, the
-    host sync) of a model with this config.json, prompts of ~1,000 tokens, graphs vs eager.
+    host sync) of a model with this config.json, prompts of ~1,000 tokens, graphs vs eager,
+    each with the torch layers and with the fused layer ops (LLMSERVE_FUSED_OPS).
     BENCH.md: a batch-1 step of SmolLM2-135M <= 1.3 ms with CUDA graphs."""
     import time
 
@@ -119,10 +120,11 @@ def step_bench(config_path: str, steps: int = 40) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for batch in (1, 64):
-        for graphs in (True, False):
+        for graphs, fused in ((True, False), (True, True), (False, False), (False, True)):
             num_blocks = batch * (1000 + steps + 16) // BS + 8
             runner = CudaModelRunner(model, num_blocks, BS, torch.bfloat16, "cuda", max_num_seqs=batch,
-                                     max_model_len=2048, cuda_graphs=graphs, capture_sizes=[batch])
+                                     max_model_len=2048, cuda_graphs=graphs, capture_sizes=[batch],
+                                     fused_ops=fused)
             paged = Paged(num_blocks, BS)
             for s in range(batch):
                 paged.add(s, rng.integers(0, cfg["vocab_size"], 1000 - s % 16).tolist())
@@ -140,9 +142,11 @@ def step_bench(config_path: str, steps: int = 40) -> list[dict]:
             replayed = runner.graphs.use_graphs
             if graphs and not replayed:
                 print(f"decode step  batch {batch:3d}: CUDA graph capture FAILED, timed eagerly", flush=True)
-            rows.append(dict(batch=batch, graphs=replayed, step_ms=step * 1e3, tok_s=batch / step))
+            rows.append(dict(batch=batch, graphs=replayed, fused=runner.fused_ops, step_ms=step * 1e3,
+                             tok_s=batch / step))
             print(f"decode step  batch {batch:3d}  {'graphs' if replayed else 'eager ':6}  "
-                  f"{step * 1e3:7.3f} ms  {batch / step:9.0f} tok/s", flush=True)
+                  f"{'fused' if runner.fused_ops else 'torch'}  {step * 1e3:7.3f} ms  {batch / step:9.0f} tok/s",
+                  flush=True)
             del runner
             torch.cuda.empty_cache()
     return rows
@@ -204,9 +208,13 @@ def main() -> None:
     goal = [r for r in rows if r["batch"] * r["ctx"] >= 64 * 1024]
     worst = min(r["pct_peak"] for r in goal)
     print(f"goal (BENCH.md): >= 65% of HBM peak at batch x ctx >= 64 x 1k; worst such case: {worst:.1f}%")
-    steps = step_bench(args.step_config) if args.step_config else []
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(copy_tbs=copy_tbs, rows=rows, steps=steps), indent=1))
+    def write(steps: list[dict]) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(copy_tbs=copy_tbs, rows=rows, steps=steps), indent=1))
+
+    write([])       # (first without the steps: a run cut by its time limit keeps the kernel rows)
+    if args.step_config:
+        write(step_bench(args.step_config))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@
     python benches/step_profile.py CONFIG --device cpu --small    # a smoke run, reference ops
 
 Steps profiled:
-- decode at batch 1 and 256 (~500 cached tokens each), with CUDA graphs and eagerly;
+- decode at batch 1 and 256 (~500 cached tokens each), with CUDA graphs and eagerly, each
+  without and with the fused layer ops (LLMSERVE_FUSED_OPS: csrc/layer_ops.cu);
 - one prefill step of 32 fresh ~1,024-token prompts (what a `load-gpu` burst asks for), with
-  each prefill attention (cuda_attention.py: one SDPA per prompt, or one varlen_attn call).
+  each prefill attention (cuda_attention.py: one SDPA per prompt, or one varlen_attn call),
+  and with one SDPA per prompt and the fused ops.
 For each: the host's wall time per step (launch to tokens on the host) next to the GPU's
 kernel time per step, then the kernels that took the most GPU time. A wall time far above the
 kernel time is host work (Python, launches, syncs) that the GPU waits for.
@@ -65,15 +67,16 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     ctx, batches, prompt, prompts = (40, (1, 4), 64, 4) if args.small else (500, (1, 256), 1024, 32)
 
-    def runner_for(batch: int, blocks: int, graphs: bool, prefill: str = "sdpa") -> CudaModelRunner:
+    def runner_for(batch: int, blocks: int, graphs: bool, prefill: str = "sdpa",
+                   fused: bool = False) -> CudaModelRunner:
         return CudaModelRunner(model, blocks, BS, torch.bfloat16, args.device, max_num_seqs=batch,
                                max_model_len=2048, cuda_graphs=graphs and cuda, capture_sizes=[batch], ops=ops,
-                               prefill_attention=prefill)
+                               prefill_attention=prefill, fused_ops=fused)
 
     for batch in batches:
-        for graphs in ((True, False) if cuda else (False,)):
+        for graphs, fused in [(g, f) for g in ((True, False) if cuda else (False,)) for f in (False, True)]:
             blocks = batch * (ctx + 64) // BS + 8
-            runner, paged = runner_for(batch, blocks, graphs), Paged(blocks, BS)
+            runner, paged = runner_for(batch, blocks, graphs, fused=fused), Paged(blocks, BS)
             for s in range(batch):
                 paged.add(s, rng.integers(0, cfg["vocab_size"], ctx).tolist())
             for i in range(0, batch, 32):
@@ -94,15 +97,16 @@ def main() -> None:
                     runner.execute(plan)
                     walls.append(time.perf_counter() - t)
             graphs_ran = cuda and graphs and runner.graphs.use_graphs
-            report(f"decode batch {batch} {'graphs' if graphs_ran else 'eager'}", prof, walls, 10,
+            report(f"decode batch {batch} {'graphs' if graphs_ran else 'eager'}{', fused ops' if fused else ''}",
+                   prof, walls, 10,
                    args.rows if not graphs_ran or batch > 1 else 0, cuda)
             del runner
             if cuda:
                 torch.cuda.empty_cache()
 
     blocks = prompts * (prompt + 16) // BS + 8
-    for mode in ("sdpa", "varlen"):
-        runner, walls = runner_for(prompts, blocks, False, mode), []
+    for mode, fused in (("sdpa", False), ("varlen", False), ("sdpa", True)):
+        runner, walls = runner_for(prompts, blocks, False, mode, fused), []
         for rep in range(3):
             paged = Paged(blocks, BS)
             for s in range(prompts):
@@ -115,7 +119,8 @@ def main() -> None:
                 t = time.perf_counter()
                 runner.execute(plan)
                 walls.append(time.perf_counter() - t)
-        report(f"prefill {prompts} x {prompt} tokens, {mode}", prof, walls, 1, args.rows, cuda)
+        report(f"prefill {prompts} x {prompt} tokens, {mode}{', fused ops' if fused else ''}", prof, walls, 1,
+               args.rows, cuda)
         del runner
 
 

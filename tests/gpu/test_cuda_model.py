@@ -45,10 +45,12 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return random_llama_weights(CONFIG, r, top)
 
 
-def cuda_runner(graphs: bool, ops=None, prefill_attention: str = "sdpa") -> CudaModelRunner:
+def cuda_runner(graphs: bool, ops=None, prefill_attention: str = "sdpa", fused_ops: bool = False) -> CudaModelRunner:
     model = build_model(CONFIG, weights(), torch.bfloat16, torch.device("cuda"))
     runner = CudaModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cuda", max_num_seqs=8,
-                             max_model_len=256, cuda_graphs=graphs, ops=ops, prefill_attention=prefill_attention)
+                             max_model_len=256, cuda_graphs=graphs, ops=ops, prefill_attention=prefill_attention,
+                             fused_ops=fused_ops)
+    assert runner.fused_ops == fused_ops
     if graphs:
         # a failed capture only logs a warning and serves eagerly, which every comparison
         # below would pass: fail here instead
@@ -63,10 +65,11 @@ def step_logits(runner, plan) -> torch.Tensor:
         return runner.model.compute_logits(hidden[rows]).float().cpu()
 
 
-def test_bf16_cuda_greedy_tokens_match_cpu_path():
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_bf16_cuda_greedy_tokens_match_cpu_path(fused_ops):
     cpu_model = build_model(CONFIG, weights(), torch.float32, torch.device("cpu"))
     cpu = ModelRunner(cpu_model, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
-    gpu = cuda_runner(graphs=True)
+    gpu = cuda_runner(graphs=True, fused_ops=fused_ops)
     compared = agreed = 0
     for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
         want, got = step_logits(cpu, plan), step_logits(gpu, plan)
@@ -137,8 +140,9 @@ def test_moe_bf16_cuda_greedy_tokens_match_cpu_path():
     assert errors.median() < 0.02 and (errors > 0.05).float().mean() <= 0.05, errors
 
 
-def test_cuda_graph_replay_equals_eager():
-    replayed, eager = cuda_runner(graphs=True), cuda_runner(graphs=False)
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_cuda_graph_replay_equals_eager(fused_ops):
+    replayed, eager = cuda_runner(graphs=True, fused_ops=fused_ops), cuda_runner(graphs=False, fused_ops=fused_ops)
     used_graph = 0
     for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
         used_graph += replayed.graphs.padded_size(plan) is not None
@@ -152,6 +156,22 @@ def test_kernel_path_matches_reference_ops_path():
     fast, slow = cuda_runner(graphs=True), cuda_runner(graphs=False, ops=reference)
     for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
         torch.testing.assert_close(step_logits(fast, plan), step_logits(slow, plan), atol=0.1, rtol=0.05)
+
+
+def test_fused_layer_ops_match_the_torch_layers():
+    """LLMSERVE_FUSED_OPS=1: the csrc norms (with the residual adds), SwiGLU product and RoPE
+    give the torch layers' logits; they round alike, so only a row's sum of squares in another
+    order can move a bf16 value by one step."""
+    fused, plain = cuda_runner(graphs=True, fused_ops=True), cuda_runner(graphs=True)
+    worst, compared = 0.0, 0
+    for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
+        got, want = step_logits(fused, plan), step_logits(plain, plan)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05
+        compared += int(clear.sum())
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    assert compared >= 40 and worst < 0.02, (compared, worst)
 
 
 def test_varlen_prefill_matches_one_sdpa_per_chunk():

@@ -26,15 +26,15 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
               rope_theta=10000.0, tie_word_embeddings=True)
 
 
-def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+def tiny_weights(seed: int = 0, config: dict = CONFIG) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
         return torch.randn(shape, generator=g) * 0.2
 
-    h = CONFIG["hidden_size"]
-    top = {"model.embed_tokens.weight": r(CONFIG["vocab_size"], h), "model.norm.weight": 1 + r(h)}
-    return random_llama_weights(CONFIG, r, top)
+    h = config["hidden_size"]
+    top = {"model.embed_tokens.weight": r(config["vocab_size"], h), "model.norm.weight": 1 + r(h)}
+    return random_llama_weights(config, r, top)
 
 
 def runners(prefill_attention: str | None = None):
@@ -65,6 +65,95 @@ def test_cuda_path_matches_cpu_path_step_by_step(prefill_attention):
         for a, b in zip(cpu.kv_cache.key + cpu.kv_cache.value, cuda_path.kv_cache.key + cuda_path.kv_cache.value):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert padded >= 15          # the decode-only steps went through the padded static buffers
+
+
+FUSED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+FUSED_CONFIGS = {
+    "llama": CONFIG,   # every residual add inside the norm after it
+    # float32 norm weights (1 + w, scaled before the cast), GeGLU (its product stays torch's)
+    "gemma": {**CONFIG, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},
+    # a residual multiplier: norms, SwiGLU and RoPE fused, the adds not
+    "granite": {**CONFIG, "architectures": ["GraniteForCausalLM"], "residual_multiplier": 0.5,
+                "embedding_multiplier": 2.0, "attention_multiplier": 0.3, "logits_scaling": 2.0},
+}
+
+
+class CountingOps:
+    """kernels.reference, counting calls of the fused layer ops."""
+
+    def __init__(self):
+        self.calls = dict.fromkeys(FUSED, 0)
+
+    def __getattr__(self, name):
+        op = getattr(reference, name)
+        if name not in FUSED:
+            return op
+
+        def counted(*args):
+            self.calls[name] += 1
+            return op(*args)
+        return counted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", FUSED_CONFIGS)
+def test_the_fused_layer_ops_give_the_layers_results(arch, dtype):
+    """With the fused ops (the reference ones here; tests/gpu/test_kernels.py checks the CUDA
+    ones against them), every step's hidden states and K/V are those of the torch layers: the
+    residual adds moved into the norms, RoPE in place, the SwiGLU product in one op."""
+    config = FUSED_CONFIGS[arch]
+
+    def runner(ops):
+        model = build_model(config, tiny_weights(config=config), dtype, torch.device("cpu"))
+        return CudaModelRunner(model, 64, BLOCK, dtype, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
+                               cuda_graphs=False, ops=ops, fused_ops=ops.calls is not None)
+
+    counting = CountingOps()
+    plain_ops = CountingOps()
+    plain_ops.calls = None
+    plain, fused = runner(plain_ops), runner(counting)
+    assert fused.fused_ops and not plain.fused_ops
+    # (identical here; the tolerance allows the sum of squares another order on another torch)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=8e-3, rtol=8e-3)
+    for plan in scenario_plans(config["vocab_size"], decode_steps=6):
+        with torch.inference_mode():
+            want, got = plain.run_model(plan), fused.run_model(plan)
+        rows = plan.logits_indices
+        torch.testing.assert_close(got[rows], want[rows], **tol)
+        for a, b in zip(plain.kv_cache.key + plain.kv_cache.value, fused.kv_cache.key + fused.kv_cache.value):
+            torch.testing.assert_close(b, a, **tol)
+    calls = counting.calls
+    layers = config["num_hidden_layers"] * len(scenario_plans(config["vocab_size"], decode_steps=6))
+    assert calls["rotary_embedding"] == layers
+    assert calls["silu_and_mul"] == (0 if arch == "gemma" else layers)
+    if arch == "granite":
+        assert calls["fused_add_rms_norm"] == 0 and calls["rms_norm"] == 2 * layers + layers // 2   # + the final
+    else:
+        # per step: the first layer's input norm alone, every other norm (the final one too) with
+        # the add before it
+        steps = layers // config["num_hidden_layers"]
+        assert calls["rms_norm"] == steps and calls["fused_add_rms_norm"] == 2 * layers
+
+
+def test_the_fused_layer_ops_are_asked_for_by_environment(monkeypatch):
+    from llmserve.worker import cuda_graphs
+
+    monkeypatch.delenv(cuda_graphs.FUSED_OPS_ENV, raising=False)
+    assert not cuda_graphs.fused_ops_requested()
+    monkeypatch.setenv(cuda_graphs.FUSED_OPS_ENV, "1")
+    assert cuda_graphs.fused_ops_requested()
+    monkeypatch.setenv(cuda_graphs.FUSED_OPS_ENV, "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        cuda_graphs.fused_ops_requested()
+
+
+def test_the_fused_layer_ops_name_the_sizes_they_do_not_serve():
+    bf16 = torch.bfloat16
+    assert kernels.fused_unserved(576, [1536], 64, bf16) is None
+    assert "float32" in kernels.fused_unserved(576, [1536], 64, torch.float32)
+    assert "hidden_size 580" in kernels.fused_unserved(580, [1536], 64, bf16)
+    assert "intermediate_size 1540" in kernels.fused_unserved(576, [1536, 1540], 64, bf16)
+    assert "head_dim 72" in kernels.fused_unserved(576, [1536], 72, bf16)
 
 
 def test_an_moe_model_runs_the_cuda_path_eagerly():

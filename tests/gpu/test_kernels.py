@@ -1,7 +1,8 @@
 """csrc ops against their torch reference (llmserve.kernels.reference): decode attention over
 dtype x head size x GQA ratio x split-K partition, with context lengths that are not multiples
 of the block size, mixed lengths in one batch, padding rows, strided inputs and CUDA-graph
-capture; the KV-cache write by slot mapping; and the checks that reject unserved shapes."""
+capture; the KV-cache write by slot mapping; the fused layer ops (RMSNorm alone and with the
+residual add, SwiGLU's product, RoPE in place); and the checks that reject unserved shapes."""
 
 from __future__ import annotations
 
@@ -129,3 +130,84 @@ def test_unserved_shapes_are_rejected_clearly():
         kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, 100)
     with pytest.raises(RuntimeError, match="int32"):
         kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables.long(), lens, 0.1)
+
+
+# Two steps of the dtype: the fused ops round where the reference rounds, but a row's sum of
+# squares (or silu's exp) may come out an fp32 ulp apart, which can flip a rounding, and the
+# multiply after it round once more.
+STEP = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
+@pytest.mark.parametrize("hidden", [64, 576, 4096, 8200])
+def test_rms_norm_ops_match_reference(dtype, weight_dtype, hidden):
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    wd = dtype if weight_dtype == "same" else weight_dtype
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(wd)
+    wide = (3 * torch.randn(37, hidden + 16, generator=g, device="cuda")).to(dtype)
+    x = wide[:, :hidden]                                        # strided rows
+    out, want = torch.empty_like(x), torch.empty_like(x)
+    kernels.rms_norm(out, x, weight, 1e-6)
+    reference.rms_norm(want, x, weight, 1e-6)
+    torch.testing.assert_close(out, want, **STEP[dtype])
+    assert (out != want).float().mean() < 0.01                   # nearly all equal
+
+    residual = (2 * torch.randn(37, hidden, generator=g, device="cuda")).to(dtype)
+    a_in, a_res = x.clone(), residual.clone()
+    b_in, b_res = x.clone(), residual.clone()
+    kernels.fused_add_rms_norm(a_in, a_res, weight, 1e-6)
+    reference.fused_add_rms_norm(b_in, b_res, weight, 1e-6)
+    assert torch.equal(a_res, b_res)                             # the add rounds once, alike
+    torch.testing.assert_close(a_in, b_in, **STEP[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inter", [8, 1536, 14336])
+def test_silu_and_mul_matches_reference(dtype, inter):
+    g = torch.Generator(device="cuda").manual_seed(inter)
+    x = (4 * torch.randn(19, 2 * inter, generator=g, device="cuda")).to(dtype)
+    out, want = torch.empty(19, inter, dtype=dtype, device="cuda"), torch.empty(19, inter, dtype=dtype, device="cuda")
+    kernels.silu_and_mul(out, x)
+    reference.silu_and_mul(want, x)
+    torch.testing.assert_close(out, want, **STEP[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_embedding_matches_reference(dtype, head_dim):
+    """In place on the q and k heads of a fused qkv row, the v heads untouched; every product
+    and sum rounds as torch's rounds, so the bits are the reference's."""
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    heads, kv = 9, 3
+    qkv = torch.randn(23, (heads + 2 * kv) * head_dim, generator=g, device="cuda").to(dtype)
+    angles = torch.rand(23, head_dim // 2, generator=g, device="cuda") * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    a, b = qkv.clone(), qkv.clone()
+    kernels.rotary_embedding(a, heads + kv, cos, sin)
+    reference.rotary_embedding(b, heads + kv, cos, sin)
+    assert torch.equal(a, b)
+    assert torch.equal(a[:, (heads + kv) * head_dim:], qkv[:, (heads + kv) * head_dim:])
+    assert not torch.equal(a, qkv)
+
+
+def test_fused_ops_reject_what_they_do_not_serve():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.rms_norm(x.float(), x.float(), w.float(), 1e-6)
+    odd = torch.zeros(4, 60, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="not a multiple of 8"):
+        kernels.rms_norm(torch.empty_like(odd), odd, w[:60], 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(torch.empty_like(x), x, w[:32], 1e-6)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        shifted = torch.zeros(4, 72, dtype=torch.bfloat16, device="cuda")[:, 4:68]
+        kernels.rms_norm(torch.empty_like(x), shifted, w, 1e-6)
+    with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
+        kernels.silu_and_mul(torch.empty_like(x), x)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        kernels.rotary_embedding(x, 2, x[:, :32], x[:, :32])
+    # and the device still serves
+    kernels.rms_norm(torch.empty_like(x), x, w, 1e-6)
+    torch.cuda.synchronize()

@@ -15,7 +15,7 @@ def test_sources_are_inside_the_package():
     assert src == package / "csrc"
     names = {p.name for p in build.sources()}
     kernel_units = {f"paged_attention_{t}_hd{d}.cu" for t in ("f16", "bf16") for d in (64, 128)}
-    assert {"ops.cpp", "paged_attention.cpp", "kv_cache.cu"} | kernel_units <= names
+    assert {"ops.cpp", "paged_attention.cpp", "kv_cache.cu", "layer_ops.cu"} | kernel_units <= names
     # the headers they include ship beside them (build.sources() lists only what is compiled)
     for header in ("common.cuh", "dispatch.h", "paged_attention.h", "paged_attention_kernels.cuh"):
         assert (src / header).is_file(), header

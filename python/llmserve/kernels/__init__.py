@@ -12,18 +12,24 @@ CUDA graphs. Importing this module imports torch but builds and loads nothing.
 
 Served sizes: fp16/bf16, head_dim 64/128, block_size 16, at most 8 query heads per kv head.
 `supports(...)` answers whether a model fits; the ops reject everything else with a clear error.
+
+The fused decoder-layer ops (csrc/layer_ops.cu: `rms_norm`, `fused_add_rms_norm`,
+`silu_and_mul`, `rotary_embedding`) each replace several eager torch kernels of a layer and
+round where that torch code rounds; `fused_unserved(...)` says whether a model's sizes fit them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import torch
 
 from llmserve.kernels.build import KernelsUnavailable, missing_toolchain
 
 __all__ = ["KernelsUnavailable", "available", "load", "load_library", "supports",
-           "paged_attention_decode", "write_kv_cache", "choose_partition_size", "check_fake_impls"]
+           "paged_attention_decode", "write_kv_cache", "choose_partition_size", "check_fake_impls",
+           "fused_unserved", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZE = 16
@@ -54,6 +60,21 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         return f"{num_heads} heads over {num_kv_heads} kv heads"
     if num_heads // num_kv_heads > MAX_GROUP_SIZE:
         return f"{num_heads // num_kv_heads} query heads per kv head (served: up to {MAX_GROUP_SIZE})"
+    return None
+
+
+def fused_unserved(hidden_size: int, intermediate_sizes: Iterable[int], head_dim: int,
+                   dtype: torch.dtype) -> str | None:
+    """None when the fused layer ops serve a model of these sizes (`intermediate_sizes`: its
+    gated MLPs'), else the reason they do not: fp16/bf16 only, and rows of whole 16-byte vectors
+    (hidden and intermediate sizes multiples of 8, a head of whole 8-element halves)."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} (served: float16, bfloat16)"
+    sizes = [("hidden_size", hidden_size, 8), ("head_dim", head_dim, 16)]
+    sizes += [("intermediate_size", n, 8) for n in intermediate_sizes]
+    for what, n, unit in sizes:
+        if n % unit:
+            return f"{what} {n} is not a multiple of {unit}"
     return None
 
 
@@ -105,6 +126,39 @@ def _register_fakes() -> None:
                      lambda: "write_kv_cache: slot_mapping must be [T]")
         return None
 
+    def _rows(what, *tensors):
+        for t in tensors:
+            torch._check(t.dim() == 2, lambda: f"{what}: tensors must be 2-D [tokens, width]")
+
+    @torch.library.register_fake("llmserve::rms_norm")
+    def _rms_norm_fake(out, input, weight, eps):
+        _rows("rms_norm", out, input)
+        torch._check(out.shape == input.shape and weight.shape == input.shape[-1:],
+                     lambda: "rms_norm: out must be shaped like input [T, H], weight [H]")
+        return None
+
+    @torch.library.register_fake("llmserve::fused_add_rms_norm")
+    def _fused_add_rms_norm_fake(input, residual, weight, eps):
+        _rows("fused_add_rms_norm", input, residual)
+        torch._check(residual.shape == input.shape and weight.shape == input.shape[-1:],
+                     lambda: "fused_add_rms_norm: residual must be shaped like input [T, H], weight [H]")
+        return None
+
+    @torch.library.register_fake("llmserve::silu_and_mul")
+    def _silu_and_mul_fake(out, input):
+        _rows("silu_and_mul", out, input)
+        torch._check(out.shape[0] == input.shape[0] and input.shape[1] == 2 * out.shape[1],
+                     lambda: "silu_and_mul: input must be [T, 2I] for out [T, I]")
+        return None
+
+    @torch.library.register_fake("llmserve::rotary_embedding")
+    def _rotary_embedding_fake(x, heads, cos, sin):
+        _rows("rotary_embedding", x, cos, sin)
+        torch._check(cos.shape == sin.shape and cos.shape[0] == x.shape[0]
+                     and heads * 2 * cos.shape[1] <= x.shape[1],
+                     lambda: "rotary_embedding: cos/sin must be [T, head_dim / 2] and the heads fit x [T, W]")
+        return None
+
     _fakes_registered = True
 
 
@@ -140,6 +194,32 @@ def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: to
     return out
 
 
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """out [T, H] <- RMSNorm(input [T, H]) * weight [H] (input's dtype: rounded before the
+    multiply, as Llama's; float32: after, as Gemma's)."""
+    _require_loaded()
+    torch.ops.llmserve.rms_norm(out, input, weight, float(eps))
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """residual [T, H] += input; then input <- RMSNorm(residual) * weight [H]. Both in place."""
+    _require_loaded()
+    torch.ops.llmserve.fused_add_rms_norm(input, residual, weight, float(eps))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """out [T, I] <- silu(input[:, :I]) * input[:, I:] for input [T, 2I]."""
+    _require_loaded()
+    torch.ops.llmserve.silu_and_mul(out, input)
+
+
+def rotary_embedding(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, W]: rotate-half RoPE in place on its first `heads` heads; cos/sin [T, head_dim / 2]
+    of x's dtype."""
+    _require_loaded()
+    torch.ops.llmserve.rotary_embedding(x, int(heads), cos, sin)
+
+
 _num_sms: int | None = None
 
 
@@ -169,7 +249,7 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int,
 
 
 def check_fake_impls() -> None:
-    """Call both ops on meta tensors (no GPU needed): schemas and fakes must agree."""
+    """Call every op on meta tensors (no GPU needed): schemas and fakes must agree."""
     meta = torch.device("meta")
     s, h, kvh, d, n, w, t = 3, 8, 2, 128, 10, 4, 5
     cache = torch.empty(n, BLOCK_SIZE, kvh, d, dtype=torch.bfloat16, device=meta)
@@ -187,3 +267,16 @@ def check_fake_impls() -> None:
         pass
     else:
         raise AssertionError("write_kv_cache's fake accepted a slot_mapping of the wrong length")
+    hidden = torch.empty(t, 64, dtype=torch.bfloat16, device=meta)
+    weight = torch.empty(64, dtype=torch.bfloat16, device=meta)
+    torch.ops.llmserve.rms_norm(torch.empty_like(hidden), hidden, weight, 1e-5)
+    torch.ops.llmserve.fused_add_rms_norm(hidden, hidden.clone(), weight, 1e-5)
+    torch.ops.llmserve.silu_and_mul(torch.empty(t, 32, dtype=torch.bfloat16, device=meta), hidden)
+    half = torch.empty(t, d // 2, dtype=torch.bfloat16, device=meta)
+    torch.ops.llmserve.rotary_embedding(torch.empty(t, 3 * d, dtype=torch.bfloat16, device=meta), 3, half, half)
+    try:
+        torch.ops.llmserve.silu_and_mul(torch.empty(t, 64, dtype=torch.bfloat16, device=meta), hidden)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("silu_and_mul's fake accepted an out as wide as its input")

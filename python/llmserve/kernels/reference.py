@@ -46,6 +46,49 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) ->
     return 0
 
 
+def fused_unserved(hidden_size: int, intermediate_sizes, head_dim: int, dtype: torch.dtype) -> str | None:
+    """The fused layer ops below serve every shape and dtype."""
+    return None
+
+
+def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, rounded as models/layers.py's RMSNorm rounds: to x's dtype before a
+    weight of that dtype multiplies, once after a float32 weight has."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (normed * weight).to(x.dtype)
+    return normed.to(x.dtype) * weight
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """out [T, H] <- RMSNorm(input [T, H]) * weight [H]."""
+    out.copy_(_normed(input, weight, eps))
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """residual [T, H] += input (rounded to its dtype); then input <- RMSNorm(residual) * weight."""
+    residual.add_(input)
+    input.copy_(_normed(residual, weight, eps))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """out [T, I] <- silu(gate) * up for input [T, 2I] = [gate | up], each op rounded to the dtype."""
+    gate, up = input.chunk(2, dim=-1)
+    out.copy_(torch.nn.functional.silu(gate) * up)
+
+
+def rotary_embedding(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x [T, W]: rotate-half RoPE in place on its first `heads` heads, cos/sin [T, head_dim / 2]
+    of x's dtype: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each op rounded to the dtype."""
+    half = cos.shape[-1]
+    rows = x[:, :heads * 2 * half].unflatten(1, (heads, 2 * half))
+    x1, x2 = rows[..., :half], rows[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    rows.copy_(rotated)
+
+
 def varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
                 cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,10 @@ class RMSNorm(nn.Module):
     the weight multiply. Gemma's (a float32 weight, its 1 + w: llama.fuse_hf_weights): the
     weight multiplies in float32, then the product is cast."""
 
+    # The fused layer ops' provider (llmserve.kernels, or kernels.reference in tests), set by the
+    # model's `set_fused_ops`: one kernel for the rows it serves (2-D and contiguous).
+    fused: Any = None
+
     def __init__(self, dim: int | tuple[int, ...], eps: float):
         super().__init__()
         self.shape = (dim,) if isinstance(dim, int) else tuple(dim)
@@ -39,6 +44,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2 and x.is_contiguous():
+            out = torch.empty_like(x)
+            self.fused.rms_norm(out, x, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:
             # NOTE: one fused op on the fp32 path; batch-1 decode is bound by op dispatch.
             return F.rms_norm(x, self.shape, self.weight, self.eps)
@@ -192,14 +201,21 @@ class RotaryEmbedding:
             self._build(2 * top + 1)
 
     @staticmethod
-    def apply_in_place(rows: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    def apply_in_place(rows: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                       fused: Any = None) -> bool:
         """`apply` in place on the first `heads` heads of rows [T, W] (a fused qkv output: q and
-        k heads first) with the Rust kernel, where it serves (a CPU float32 contiguous tensor
-        outside autograd); False: it does not, and the caller runs `apply`. The same bits as
-        `apply` (the same f32 products and sums), in one call where torch runs eight ops.
+        k heads first) with the fused ops' kernel when `fused` is given (RMSNorm.fused; a
+        contiguous tensor), else with the Rust kernel, where it serves (a CPU float32 contiguous
+        tensor outside autograd); False: neither does, and the caller runs `apply`. Both give
+        `apply`'s bits (the same products and sums, rounded alike), in one call where torch
+        runs eight ops.
 
         NOTE: in a prompt step each layer's weights stream through the caches, and a torch op
         then costs ~50 us (models/cpu_decoder.py): 30 layers' RoPE was ~240 of them."""
+        if fused is not None and rows.dim() == 2 and rows.is_contiguous():
+            t = rows.shape[0]
+            fused.rotary_embedding(rows, heads, cos.reshape(t, -1), sin.reshape(t, -1))
+            return True
         if (_rope_rows is None or rows.device.type != "cpu" or rows.dtype != torch.float32
                 or cos.dtype != torch.float32 or rows.dim() != 2 or not rows.is_contiguous()
                 or rows.requires_grad):
@@ -429,6 +445,8 @@ class GateUpMLP(nn.Module):
     """Gated MLP with gate and up fused into one GEMM: down(act(gate(x)) * up(x)), act SiLU
     (SwiGLU) or, for Gemma, tanh-approximated GELU (`gelu_pytorch_tanh`, GeGLU)."""
 
+    fused: Any = None   # the fused layer ops (RMSNorm.fused): SwiGLU's product in one kernel
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         if act not in ("silu", "gelu_pytorch_tanh"):
@@ -439,7 +457,12 @@ class GateUpMLP(nn.Module):
         self.down = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.fused is not None and not self.gelu and gate_up.dim() == 2:
+            out = gate_up.new_empty(gate_up.shape[0], self.intermediate)
+            self.fused.silu_and_mul(out, gate_up)
+            return self.down(out)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 

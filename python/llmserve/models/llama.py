@@ -14,7 +14,7 @@ loading never pays for a random init. GGUF checkpoints' quantized blocks, fused 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import nn
@@ -234,6 +234,8 @@ def model_norm(c: DecoderConfig) -> RMSNorm | LayerNorm:
 
 
 class DecoderAttention(nn.Module):
+    fused: Any = None   # the fused layer ops (layers.RMSNorm.fused): RoPE in place in one kernel
+
     def __init__(self, c: DecoderConfig, rope: bool = True, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -256,7 +258,7 @@ class DecoderAttention(nn.Module):
         whole = self.rotary_dim is None
         # (rotated in place where it can be: no per-head norm first, the whole head rotated)
         in_place = self.q_norm is None and (
-            not self.rope or (whole and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin)))
+            not self.rope or (whole and RotaryEmbedding.apply_in_place(qkv, nh + nkv, cos, sin, self.fused)))
         if in_place:
             q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
             q, k = q.view(-1, nh, d), k.view(-1, nkv, d)
@@ -311,6 +313,29 @@ class DecoderLayer(nn.Module):
         h = self._add(h, self.attn(x, cos, sin, attn, kv_cache), self.attn_out_norm)
         return self._add(h, self.mlp(h if self.post_norm is None else self.post_norm(h)), self.mlp_out_norm)
 
+    @property
+    def fusable(self) -> bool:
+        """The layer takes `forward_fused`: RMSNorms before attention and MLP, and plain
+        residual adds after them (no parallel residual, sandwich norms or residual scale)."""
+        return (isinstance(self.input_norm, RMSNorm) and isinstance(self.post_norm, RMSNorm)
+                and not self.parallel and self.attn_out_norm is None and self.mlp_out_norm is None
+                and self.residual_scale == 1.0)
+
+    def forward_fused(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      attn: AttentionMetadata, kv_cache: KVPair, ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each residual add done by the norm after it (ops.fused_add_rms_norm,
+        in place): the layer's input is h + pending (pending None: h alone), and it returns
+        (h, pending) of the next layer's input the same way, its MLP output not yet added.
+        The adds and norms round as `forward`'s do, so the results are the same."""
+        if pending is None:
+            x = self.input_norm(h)
+        else:
+            x = pending
+            ops.fused_add_rms_norm(x, h, self.input_norm.weight, self.input_norm.eps)   # h += x; x = norm(h)
+        a = self.attn(x, cos, sin, attn, kv_cache)
+        ops.fused_add_rms_norm(a, h, self.post_norm.weight, self.post_norm.eps)
+        return h, self.mlp(a)
+
     def _add(self, h: torch.Tensor, out: torch.Tensor, out_norm: RMSNorm | None) -> torch.Tensor:
         """The residual add of a sublayer's output (normed first with sandwich norms, scaled
         by Granite's residual multiplier)."""
@@ -364,6 +389,25 @@ class LlamaForCausalLM(nn.Module):
         # The Rust path of few-token decode steps (cpu_decoder.py); built on first use,
         # False when the model cannot take it.
         self._cpu_path: CpuDecodePath | bool | None = None
+        # The fused layer ops (set_fused_ops), and whether every layer adds its residuals
+        # through them.
+        self._fused_ops: Any = None
+        self._fused_residual = False
+
+    def set_fused_ops(self, ops: Any) -> None:
+        """Run the layers with the fused ops of `ops` (llmserve.kernels on a GPU, whose
+        `fused_unserved` the caller checked; kernels.reference in tests), or without (None):
+        every RMSNorm, SwiGLU product and whole-head RoPE in one kernel each, and when every
+        layer is `fusable` and the final norm an RMSNorm, each residual add inside the norm
+        after it. They round where the torch layers round, so only a row's sum of squares
+        taken in another order can tell them apart; in far fewer kernels, which bound a small
+        decode step on a GPU."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GateUpMLP, DecoderAttention)):
+                module.fused = ops
+        self._fused_ops = ops
+        self._fused_residual = (ops is not None and isinstance(self.norm, RMSNorm) and len(self.layers) > 0
+                                and all(layer.fusable for layer in self.layers))
 
     def set_batch_invariant(self, on: bool) -> None:
         """--batch-invariant: every linear (LM head included) row by row and every token's
@@ -484,7 +528,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: Sequence[KVPair]) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden [T, H]."""
-        path = self.cpu_decode_path()
+        path = self.cpu_decode_path() if self._fused_ops is None else None
         # (its Rust layers hold no LoRA adapter: a step with adapter rows runs the torch layers)
         if path and path.serves(input_ids.shape[0], attn, self.batch_invariant) and not lora.step_active():
             return path.forward(input_ids, positions, attn, kv_caches)
@@ -496,6 +540,13 @@ class LlamaForCausalLM(nn.Module):
             h = h + self.embed_positions(positions)
         rope = self.rope.cos_sin(positions, h.dtype) if self.rope is not None else _NO_ROPE
         local = self.local_rope.cos_sin(positions, h.dtype) if self.local_rope is not None else rope
+        if self._fused_residual:
+            ops, pending = self._fused_ops, None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h, pending = layer.forward_fused(h, pending, *(local if layer.local_rope else rope), attn, kv_cache,
+                                                 ops)
+            ops.fused_add_rms_norm(pending, h, self.norm.weight, self.norm.eps)
+            return pending
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, *(local if layer.local_rope else rope), attn, kv_cache)
         return self.norm(h)

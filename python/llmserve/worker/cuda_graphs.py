@@ -23,6 +23,7 @@ whose top candidates hold too little mass add one sync for the radix select.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -145,6 +146,38 @@ def _padded(column, b: int, fill: int, dtype, device: torch.device) -> torch.Ten
     return pinned_for(torch.from_numpy(out), device)
 
 
+# Whether the CUDA runner runs the fused layer ops (csrc/layer_ops.cu: RMSNorm with the residual
+# add, SwiGLU's product, RoPE in place): "1" on, "0" off (the default until a GPU run has
+# checked them: tests/gpu/test_kernels.py, benches/step_profile.py).
+FUSED_OPS_ENV = "LLMSERVE_FUSED_OPS"
+
+
+def fused_ops_requested() -> bool:
+    """What LLMSERVE_FUSED_OPS asks for (default off)."""
+    value = os.environ.get(FUSED_OPS_ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_OPS_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def use_fused_ops(model, ops: Any, dtype: torch.dtype) -> bool:
+    """Hand `model` the fused layer ops of `ops` when they serve its sizes; False (logged) when
+    they do not, or the model has no fused path."""
+    from llmserve.models.layers import GateUpMLP
+
+    if not hasattr(model, "set_fused_ops"):
+        log.warning("fused layer ops not used: %s has no fused path", type(model).__name__)
+        return False
+    inter = {m.intermediate for m in model.modules() if isinstance(m, GateUpMLP)}
+    why = ops.fused_unserved(model.config.hidden_size, inter, model.head_dim, dtype)
+    if why is not None:
+        log.warning("fused layer ops not used: %s", why)
+        return False
+    model.set_fused_ops(ops)
+    log.info("fused layer ops on (%s)", FUSED_OPS_ENV)
+    return True
+
+
 class CudaModelRunner(ModelRunner):
     """ModelRunner on a CUDA device with our kernels: same `execute(plan) -> SampleOutput`."""
 
@@ -152,10 +185,12 @@ class CudaModelRunner(ModelRunner):
                  device: torch.device | str, *, seed: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int = 2048, cuda_graphs: bool = True,
                  capture_sizes: Sequence[int] | None = None, ops: Any = None,
-                 prefill_attention: str | None = None):
+                 prefill_attention: str | None = None, fused_ops: bool | None = None):
         """ops: the op provider (default: the compiled llmserve.kernels; tests pass
         llmserve.kernels.reference). cuda_graphs: capture decode graphs (needs a CUDA device).
-        prefill_attention: "sdpa" or "varlen" (cuda_attention.py; default: LLMSERVE_PREFILL_ATTENTION)."""
+        prefill_attention: "sdpa" or "varlen" (cuda_attention.py; default: LLMSERVE_PREFILL_ATTENTION).
+        fused_ops: run the model's layers with the fused ops of `ops` where they serve it
+        (default: LLMSERVE_FUSED_OPS); this sets them on `model`."""
         super().__init__(model, num_blocks, block_size, dtype, device, seed=seed)
         mode = prefill_attention or cuda_attention.prefill_attention()
         if mode not in cuda_attention.PREFILL_MODES:
@@ -166,6 +201,10 @@ class CudaModelRunner(ModelRunner):
 
             ops = default_ops()
         self.ops = ops
+        wanted = fused_ops_requested() if fused_ops is None else fused_ops
+        self.fused_ops = wanted and use_fused_ops(model, ops, dtype)
+        if not self.fused_ops and hasattr(model, "set_fused_ops"):
+            model.set_fused_ops(None)     # (a runner made before may have set them)
         sizes = list(capture_sizes) if capture_sizes else default_capture_sizes(max_num_seqs)
         self.graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len, sizes,
                                    self.device, ops, use_graphs=cuda_graphs)
