@@ -3,9 +3,9 @@
 # lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark,
 # profile decode and prefill steps (benches/step_profile.py), and serve BENCH.md's GPU `load`
 # workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128 out) with `llmserve run
-# --device cuda` at concurrency 1 / 64 / 256 (then 1 and 256 again with LLMSERVE_FUSED_OPS=1,
-# 256 with LLMSERVE_PREFILL_ATTENTION=varlen, side by side, and once with ~100-token prompts);
-# print one summary table. `make gpu-check` runs it.
+# --device cuda` at concurrency 1 / 64 / 256 (and once with ~100-token prompts), then side by
+# side with LLMSERVE_FUSED_OPS=1, with that and LLMSERVE_PIECEWISE_GRAPHS=1, and with
+# LLMSERVE_PREFILL_ATTENTION=varlen; print one summary table. `make gpu-check` runs it.
 # The first H200 run (2026-12-04) took 110 s of its 480. (It served 256 with
 # --async-scheduling off too: 12.0k out tok/s against 14.4k with it on, ~100-token prompts.)
 #
@@ -137,18 +137,11 @@ if kb.is_file():
         print(f"decode step smollm2 shape batch {r['batch']:3d} {'graphs' if r['graphs'] else 'eager':6} "
               f"{'fused' if r.get('fused') else 'torch':5} {r['step_ms']:7.3f} ms {r['tok_s']:9.0f} tok/s{goal}")
 print(f"{'serving benchmark':28} {serve}")
-for name, label in (("serve_load.jsonl", "base"), ("serve_load_fused.jsonl", "fused"),
-                    ("serve_load_varlen.jsonl", "varln")):
-    sl = res / name
-    if not sl.is_file():
-        continue
-    text, dec, pos = sl.read_text(), json.JSONDecoder(), 0
-    while True:
-        pos = text.find("{", pos)
-        if pos < 0:
-            break
-        row, pos = dec.raw_decode(text, pos)
-        print(f"serve {label:5} {row['workload']:10} out {num(row.get('out_tok_s'), '7.0f')} tok/s "
+sl = res / "serve_load.jsonl"
+for line in sl.read_text().splitlines() if sl.is_file() else []:
+    if line.startswith("{"):
+        row = json.loads(line)
+        print(f"serve {row['config']:8} {row['workload']:14} out {num(row.get('out_tok_s'), '7.0f')} tok/s "
               f"(server {num(row.get('server_gen_tok_s'), '7.0f')})  TTFT p50 {num(row.get('ttft_p50_ms'), '7.1f')} ms  "
               f"TPOT p50 {num(row.get('tpot_p50_ms'), '6.2f')} ms  failed {row.get('failed', 0)}")
 if (res / "serve_load.jsonl").is_file():
@@ -264,16 +257,16 @@ if [ "$KERNELS" = yes ]; then
   fi
 fi
 
-# serve_runs OUT.jsonl "workload:c:n ..." [server flags]: one server, serve_load.py's workload
-# at each concurrency c with n prompts, rows appended to OUT.jsonl; "workload:c:n:warm" runs
-# without keeping its row (a warm-up). BENCH.md's GPU `load` is serve_load's `load-gpu`
+# serve_runs LABEL "workload:c:n ..." [server flags]: one server, serve_load.py's workload at
+# each concurrency c with n prompts, rows appended to serve_load.jsonl with config LABEL;
+# "workload:c:n:warm" runs without keeping its row (a warm-up). BENCH.md's GPU `load` is serve_load's `load-gpu`
 # (~1,024-token prompts); `load` (~100-token prompts) is the CPU one.
 serve_runs() {
-  local out=$1 specs=$2 T spec c n workload warm
+  local label=$1 specs=$2 T spec c n workload warm
   shift 2
   T=$(budget 90)
-  if (( T == 0 )); then SKIPPED+=" server($*)"; return; fi
-  stamp "llmserve run --device cuda --max-num-seqs 256 $*"
+  if (( T == 0 )); then SKIPPED+=" server($label)"; return; fi
+  stamp "llmserve run --device cuda --max-num-seqs 256 $* ($label)"
   $PY -m llmserve.cli run "$MODEL" --device cuda --host 127.0.0.1 --port $PORT --max-num-seqs 256 \
     --max-model-len 2048 --served-model-name smollm2-shape "$@" >> "$RESULTS/server.log" 2>&1 &
   SERVER=$!
@@ -288,11 +281,18 @@ serve_runs() {
     for spec in $specs; do
       IFS=: read -r workload c n warm <<< "$spec"
       T=$(budget 120)
-      if (( T == 0 )); then SKIPPED+=" $workload@c$c($*)"; continue; fi
+      if (( T == 0 )); then SKIPPED+=" $workload@c$c($label)"; continue; fi
       stamp "$workload workload: concurrency $c, $n prompts${warm:+ (warm-up)}"
       timeout "$T" $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
         --workload "$workload" --concurrency "$c" --num-prompts "$n" > "$RESULTS/last_run.json" || SERVE=partial
-      [ -n "$warm" ] || tee -a "$out" < "$RESULTS/last_run.json"
+      # (one file for every server's rows, each labelled: $OUT brings back 8 files at most)
+      [ -n "$warm" ] || $PY - "$RESULTS/last_run.json" "$label" <<'EOF' | tee -a "$RESULTS/serve_load.jsonl"
+import json, sys
+text = open(sys.argv[1]).read()
+if "{" in text:
+    row, _ = json.JSONDecoder().raw_decode(text, text.find("{"))
+    print(json.dumps(dict(row, config=sys.argv[2])))
+EOF
     done
     rm -f "$RESULTS/last_run.json"
   else
@@ -325,18 +325,16 @@ w = {k: t.cpu() for k, t in random_weights(json.loads((folder / "config.json").r
 save_file(w, str(folder / "model.safetensors"))
 print(f"{sum(t.numel() for t in w.values()) / 1e6:.0f}M parameters written")
 EOF
-  : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"; : > "$RESULTS/serve_load_fused.jsonl"
-  : > "$RESULTS/serve_load_varlen.jsonl"
-  serve_runs "$RESULTS/serve_load.jsonl" "load-gpu:1:32 load-gpu:64:512 load-gpu:256:1000 load:256:1000"
-  # side by side: the same server with the fused layer ops (csrc/layer_ops.cu), warmed up
-  # first as the first server was by its earlier runs; c1 is the batch-1 step's TPOT
+  : > "$RESULTS/server.log"; : > "$RESULTS/serve_load.jsonl"
+  serve_runs base "load-gpu:1:32 load-gpu:64:512 load-gpu:256:1000 load:256:1000"
+  # side by side, each server warmed up first as the first was by its earlier runs (c1 is the
+  # batch-1 step's TPOT): the fused layer ops (csrc/layer_ops.cu); those and the piecewise
+  # graphs for steps with prompt tokens (cuda_graphs.PiecewiseGraphs); every prompt chunk of
+  # a step in one varlen_attn call (cuda_attention.py)
   if [ "$SERVE" = ok ]; then
-    export LLMSERVE_FUSED_OPS=1
-    serve_runs "$RESULTS/serve_load_fused.jsonl" "load-gpu:64:128:warm load-gpu:1:32 load-gpu:256:1000"
-    unset LLMSERVE_FUSED_OPS
-    # and with every prompt chunk of a step in one varlen_attn call (cuda_attention.py)
-    export LLMSERVE_PREFILL_ATTENTION=varlen
-    serve_runs "$RESULTS/serve_load_varlen.jsonl" "load-gpu:64:128:warm load-gpu:256:1000"
-    unset LLMSERVE_PREFILL_ATTENTION
+    LLMSERVE_FUSED_OPS=1 serve_runs fused "load-gpu:64:128:warm load-gpu:1:32 load-gpu:256:1000"
+    LLMSERVE_FUSED_OPS=1 LLMSERVE_PIECEWISE_GRAPHS=1 serve_runs fused+pw \
+      "load-gpu:64:128:warm load-gpu:256:1000 load-gpu:1:32"
+    LLMSERVE_PREFILL_ATTENTION=varlen serve_runs varlen "load-gpu:64:128:warm load-gpu:256:1000"
   fi
 fi

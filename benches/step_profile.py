@@ -7,6 +7,9 @@
 Steps profiled:
 - decode at batch 1 and 256 (~500 cached tokens each), with CUDA graphs and eagerly, each
   without and with the fused layer ops (LLMSERVE_FUSED_OPS: csrc/layer_ops.cu);
+- a mixed step, as serving under load runs nearly all of them: 64 decode rows and one new
+  512-token prompt, eagerly, as piecewise graphs (LLMSERVE_PIECEWISE_GRAPHS) and as those
+  with the fused ops;
 - one prefill step of 32 fresh ~1,024-token prompts (what a `load-gpu` burst asks for), with
   each prefill attention (cuda_attention.py: one SDPA per prompt, or one varlen_attn call),
   and with one SDPA per prompt and the fused ops.
@@ -103,6 +106,40 @@ def main() -> None:
             del runner
             if cuda:
                 torch.cuda.empty_cache()
+
+    dec, chunk = (4, 32) if args.small else (64, 512)
+    for fused, piecewise in ((False, False), (False, True), (True, True)):
+        blocks = (dec * (ctx + 32) + 16 * (chunk + BS)) // BS + 8
+        runner = CudaModelRunner(model, blocks, BS, torch.bfloat16, args.device, max_num_seqs=dec + 1,
+                                 max_model_len=2048, cuda_graphs=cuda, capture_sizes=[dec], ops=ops,
+                                 fused_ops=fused, piecewise=piecewise, piece_sizes=[dec + chunk])
+        paged, walls = Paged(blocks, BS), []
+        for s in range(dec):
+            paged.add(s, rng.integers(0, cfg["vocab_size"], ctx).tolist())
+        for i in range(0, dec, 32):
+            runner.execute(paged.step({s: ctx for s in range(i, min(i + 32, dec))}))
+
+        def mixed(new: int):
+            for s in range(dec):
+                paged.append(s, int(rng.integers(0, cfg["vocab_size"])))
+            paged.add(new, rng.integers(0, cfg["vocab_size"], chunk).tolist())
+            return paged.step({**{s: 1 for s in range(dec)}, new: chunk})
+
+        for i in range(3):
+            runner.execute(mixed(dec + i))
+        with profile(activities=acts) as prof:
+            for i in range(10):
+                plan = mixed(dec + 3 + i)
+                t = time.perf_counter()
+                runner.execute(plan)
+                walls.append(time.perf_counter() - t)
+        pieces = runner.pieces
+        how = "eager" if pieces is None else "piecewise graphs" if pieces.use_graphs else "piecewise buffers, eager"
+        report(f"mixed step {dec} decode + {chunk}-token prompt, {how}{', fused ops' if fused else ''}", prof,
+               walls, 10, args.rows if how == "eager" and not fused else 0, cuda)
+        del runner
+        if cuda:
+            torch.cuda.empty_cache()
 
     blocks = prompts * (prompt + 16) // BS + 8
     for mode, fused in (("sdpa", False), ("varlen", False), ("sdpa", True)):

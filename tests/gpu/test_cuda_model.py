@@ -45,12 +45,18 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return random_llama_weights(CONFIG, r, top)
 
 
-def cuda_runner(graphs: bool, ops=None, prefill_attention: str = "sdpa", fused_ops: bool = False) -> CudaModelRunner:
+def cuda_runner(graphs: bool, ops=None, prefill_attention: str = "sdpa", fused_ops: bool = False,
+                piecewise: bool = False) -> CudaModelRunner:
     model = build_model(CONFIG, weights(), torch.bfloat16, torch.device("cuda"))
     runner = CudaModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cuda", max_num_seqs=8,
                              max_model_len=256, cuda_graphs=graphs, ops=ops, prefill_attention=prefill_attention,
-                             fused_ops=fused_ops)
+                             fused_ops=fused_ops, piecewise=piecewise, max_num_batched_tokens=256)
     assert runner.fused_ops == fused_ops
+    if piecewise and graphs:
+        # as for the decode graphs: a failed capture would leave nothing to compare
+        pieces = runner.pieces
+        assert pieces is not None and sorted(pieces.graphs) == pieces.sizes == [16, 32, 64, 128, 256]
+        assert all(len(p) == CONFIG["num_hidden_layers"] + 1 for p, _ in pieces.graphs.values())
     if graphs:
         # a failed capture only logs a warning and serves eagerly, which every comparison
         # below would pass: fail here instead
@@ -65,11 +71,11 @@ def step_logits(runner, plan) -> torch.Tensor:
         return runner.model.compute_logits(hidden[rows]).float().cpu()
 
 
-@pytest.mark.parametrize("fused_ops", [False, True])
-def test_bf16_cuda_greedy_tokens_match_cpu_path(fused_ops):
+@pytest.mark.parametrize("fused_ops,piecewise", [(False, False), (True, False), (False, True), (True, True)])
+def test_bf16_cuda_greedy_tokens_match_cpu_path(fused_ops, piecewise):
     cpu_model = build_model(CONFIG, weights(), torch.float32, torch.device("cpu"))
     cpu = ModelRunner(cpu_model, NUM_BLOCKS, BLOCK, torch.float32, "cpu")
-    gpu = cuda_runner(graphs=True, fused_ops=fused_ops)
+    gpu = cuda_runner(graphs=True, fused_ops=fused_ops, piecewise=piecewise)
     compared = agreed = 0
     for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
         want, got = step_logits(cpu, plan), step_logits(gpu, plan)
@@ -152,6 +158,24 @@ def test_cuda_graph_replay_equals_eager(fused_ops):
     assert used_graph >= 15
 
 
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_piecewise_graph_replay_equals_its_eager_path(fused_ops):
+    """Steps with prompt tokens replayed as piecewise graphs (LLMSERVE_PIECEWISE_GRAPHS=1), the
+    attention run between the pieces, give the bits of the same padded static-buffer forward
+    run eagerly; the next steps read the K/V those attentions wrote."""
+    replayed = cuda_runner(graphs=True, fused_ops=fused_ops, piecewise=True)
+    eager = cuda_runner(graphs=False, fused_ops=fused_ops, piecewise=True)
+    pieces = 0
+    for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
+        pieces += replayed.graphs.padded_size(plan) is None and replayed.pieces.size_for(plan) is not None
+        with torch.inference_mode():
+            a, b = replayed.run_model(plan), eager.run_model(plan)
+        assert torch.equal(a, b)
+    assert pieces == 3
+    for x, y in zip(replayed.kv_cache.key + replayed.kv_cache.value, eager.kv_cache.key + eager.kv_cache.value):
+        assert torch.equal(x, y)
+
+
 def test_kernel_path_matches_reference_ops_path():
     fast, slow = cuda_runner(graphs=True), cuda_runner(graphs=False, ops=reference)
     for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS):
@@ -222,14 +246,18 @@ def kernel_shaped_model(tmp_path_factory):
                             intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 
 
-def test_planning_ahead_on_cuda_gives_the_same_tokens(kernel_shaped_model):
+@pytest.mark.parametrize("env", [{}, {"LLMSERVE_FUSED_OPS": "1", "LLMSERVE_PIECEWISE_GRAPHS": "1"}])
+def test_planning_ahead_on_cuda_gives_the_same_tokens(kernel_shaped_model, env, monkeypatch):
     """--async-scheduling on CUDA: a request alone runs the same batches with or without
     planning ahead, so its greedy and seeded tokens are identical; a mixed batch finishes
-    and frees every block."""
+    and frees every block. Also with the fused layer ops and the piecewise graphs."""
     from _engine_thread import BODIES, serve
 
     from llmserve.engine.build import build_engine
     from llmserve.engine.offline import make_config
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
 
     def build(ahead: bool):
         return build_engine(make_config(str(kernel_shaped_model), device="cuda", num_kv_blocks=120,
@@ -238,6 +266,7 @@ def test_planning_ahead_on_cuda_gives_the_same_tokens(kernel_shaped_model):
     assert ahead.plan_ahead and not sync.plan_ahead
     for engine in (sync, ahead):     # the kernels and graphs, not the torch fallback
         assert isinstance(engine.runner, CudaModelRunner) and engine.runner.graphs.use_graphs
+        assert engine.runner.fused_ops == bool(env) and (engine.runner.pieces is not None) == bool(env)
     alone = [b for b in BODIES if "n" not in b]
     for body in alone:
         want, _ = serve(sync, [body])

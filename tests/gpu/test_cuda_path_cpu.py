@@ -17,7 +17,7 @@ from llmserve import kernels
 from llmserve.kernels import reference
 from llmserve.models import build_model
 from llmserve.worker import ModelRunner
-from llmserve.worker.cuda_graphs import CudaModelRunner, default_capture_sizes
+from llmserve.worker.cuda_graphs import CudaModelRunner, default_capture_sizes, default_piece_sizes
 from llmserve.worker.sampler import to_device
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
@@ -135,6 +135,55 @@ def test_the_fused_layer_ops_give_the_layers_results(arch, dtype):
         assert calls["rms_norm"] == steps and calls["fused_add_rms_norm"] == 2 * layers
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_piecewise_steps_give_the_plain_forwards_results(fused):
+    """Steps with prompt tokens through the piecewise graphs' static buffers (eagerly here: the
+    GPU tests replay the captured pieces), padded to the next captured token count, give the
+    plain forward's hidden states and K/V: each attention runs on the n real rows between the
+    pieces, the padding rows write nothing and are dropped."""
+    def runner(piecewise):
+        model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+        return CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
+                               cuda_graphs=False, ops=reference, fused_ops=fused, piecewise=piecewise,
+                               piece_sizes=[8, 16, 48, 64])
+    plain, pieces = runner(False), runner(True)
+    assert plain.pieces is None and pieces.pieces.sizes == [8, 16, 48, 64]
+    padded = []
+    for plan in scenario_plans(CONFIG["vocab_size"]):
+        if pieces.graphs.padded_size(plan) is None:
+            padded.append((len(plan.input_ids), pieces.pieces.size_for(plan)))
+        with torch.inference_mode():
+            want, got = plain.run_model(plan), pieces.run_model(plan)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(plain.kv_cache.key + plain.kv_cache.value, pieces.kv_cache.key + pieces.kv_cache.value):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+    # the scenario's mixed steps: 62 tokens padded to 64, 48 exactly, 27 padded to 48
+    assert padded == [(62, 64), (48, 48), (27, 48)]
+
+
+def test_piecewise_sizes_and_the_steps_they_take():
+    assert default_piece_sizes(8192) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096,
+                                         5120, 6144, 7168, 8192]
+    assert default_piece_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert default_piece_sizes(100) == [16, 32, 64, 100]
+    from _plans import Paged, Row
+
+    model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+    runner = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
+                             cuda_graphs=False, ops=reference, piecewise=True, piece_sizes=[16, 32])
+    def plan(schedule):
+        paged = Paged(64, BLOCK)
+        paged.add(0, list(range(40)))
+        paged.add(1, list(range(40)), 1)                   # a LoRA adapter's rows
+        return paged.step(schedule)
+
+    assert runner.pieces.size_for(plan({0: 20})) == 32
+    assert runner.pieces.size_for(plan({0: 16})) == 16
+    assert runner.pieces.size_for(plan({0: 20, 1: 5})) is None      # a graph replays no adapter
+    assert runner.pieces.size_for(plan({0: 33})) is None            # more tokens than captured
+
+
 def test_the_fused_layer_ops_are_asked_for_by_environment(monkeypatch):
     from llmserve.worker import cuda_graphs
 
@@ -145,6 +194,10 @@ def test_the_fused_layer_ops_are_asked_for_by_environment(monkeypatch):
     monkeypatch.setenv(cuda_graphs.FUSED_OPS_ENV, "yes")
     with pytest.raises(ValueError, match="expected 0 or 1"):
         cuda_graphs.fused_ops_requested()
+    monkeypatch.delenv(cuda_graphs.PIECEWISE_ENV, raising=False)
+    assert not cuda_graphs.piecewise_requested()
+    monkeypatch.setenv(cuda_graphs.PIECEWISE_ENV, "1")
+    assert cuda_graphs.piecewise_requested()
 
 
 def test_the_fused_layer_ops_name_the_sizes_they_do_not_serve():
@@ -355,12 +408,12 @@ def test_kv_cache_sizing_from_free_memory():
     assert 512 * 2**20 < activation_reserve_bytes(576, 1536, 49152, 2048, 256) < gib
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed):
+@pytest.mark.parametrize("mixed,piecewise", [(False, False), (True, False), (True, True)])
+def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed, piecewise):
     """--async-scheduling on the CUDA runner: a plan whose decode tokens are placeholders
     for the previous step's rows (-1 - r) computes what the same plan with the tokens
-    computes: filled on the device from that step's samples (padded decode batch, and an
-    eager mixed step with a prompt in it)."""
+    computes: filled on the device from that step's samples (padded decode batch, an eager
+    mixed step with a prompt in it, and the same through the piecewise graphs' buffers)."""
     import dataclasses
 
     from _plans import Paged, Row
@@ -368,7 +421,8 @@ def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed):
     def cuda_runner():
         model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
         return CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
-                               max_model_len=128, cuda_graphs=False, ops=reference)
+                               max_model_len=128, cuda_graphs=False, ops=reference, piecewise=piecewise,
+                               piece_sizes=[16, 32])
 
     known, ahead = cuda_runner(), cuda_runner()
     paged = Paged(64, BLOCK)
@@ -387,6 +441,7 @@ def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed):
         schedule[3] = 11
     plan = paged.step(schedule, {**rows, 3: Row()})
     assert (ahead.graphs.padded_size(plan) is None) == mixed
+    assert (ahead.pieces is not None and ahead.pieces.size_for(plan) == 16) == piecewise
     ids = np.array(plan.input_ids)
     ids[:3] = [-1, -2, -3]                       # rows 0..2 of `first` sample these tokens
     made_ahead = dataclasses.replace(plan, input_ids=ids)
@@ -431,3 +486,73 @@ def test_the_prefill_attention_is_chosen_by_environment(monkeypatch):
     monkeypatch.setenv(cuda_attention.PREFILL_ENV, "flash")
     with pytest.raises(ValueError, match="LLMSERVE_PREFILL_ATTENTION='flash'"):
         runners()
+
+
+def test_piecewise_capture_cuts_the_forward_at_each_attention(monkeypatch):
+    """The capture's bookkeeping, on CPU with a stand-in for torch.cuda's graphs (the GPU tests
+    replay real ones): each size is captured as num_layers + 1 pieces, every capture begun is
+    ended, the cuts hold each layer's caches in order, and a step replays piece 0, then each
+    layer's attention on its n real rows before the piece after it."""
+    import contextlib
+
+    log = []
+
+    class FakeGraph:
+        count = 0
+
+        def __init__(self):
+            FakeGraph.count += 1
+            self.id = FakeGraph.count
+
+        def capture_begin(self, pool=None):
+            assert pool == "pool"
+            log.append(("begin", self.id))
+
+        def capture_end(self):
+            log.append(("end", self.id))
+
+        def replay(self):
+            log.append(("replay", self.id))
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+    runner = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
+                             cuda_graphs=False, ops=reference, piecewise=True, piece_sizes=[16, 64])
+    pieces = runner.pieces
+    pieces.use_graphs = True
+    pieces.capture()
+    layers = CONFIG["num_hidden_layers"]
+    assert sorted(pieces.graphs) == [16, 64]
+    begun = [g for what, g in log if what == "begin"]
+    assert [g for what, g in log if what == "end"] == begun and len(begun) == 2 * (layers + 1)
+    assert all(log[i] == ("begin", g) and log[i + 1] == ("end", g) for i, g in zip(range(0, len(log), 2), begun))
+    for graphs, cuts in pieces.graphs.values():
+        assert len(graphs) == layers + 1
+        assert [c[0] for c in cuts] == runner.kv_cache.key and [c[1] for c in cuts] == runner.kv_cache.value
+
+    attended = []
+
+    class Meta:
+        def attend(self, q, k, v, k_cache, v_cache, scale, out):
+            attended.append((q.shape[0], k_cache))
+            log.append(("attend", len(attended)))
+
+    log.clear()
+    plan = scenario_plans(CONFIG["vocab_size"])[0]            # 62 tokens: the 64 pieces
+    pieces.run(plan, 64, Meta())
+    ids = [g.id for g in pieces.graphs[64][0]]
+    want = [("replay", ids[0])]
+    for i in range(layers):
+        want += [("attend", i + 1), ("replay", ids[i + 1])]
+    assert log == want
+    assert [n for n, _ in attended] == [62] * layers
+    assert [kc for _, kc in attended] == runner.kv_cache.key

@@ -319,11 +319,12 @@ def build_engine(cfg: Config) -> Engine:
     if cfg.cache.num_kv_blocks:
         num_blocks = cfg.cache.num_kv_blocks
     elif device.type == "cuda":
-        from llmserve.worker.cuda_graphs import activation_reserve_bytes, kv_blocks_from_free_memory
+        from llmserve.worker.cuda_graphs import (activation_reserve_bytes, kv_blocks_from_free_memory,
+                                                 piecewise_requested)
 
         reserve = activation_reserve_bytes(
             hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"],
-            batched_tokens(cfg, device), cfg.scheduler.max_num_seqs)
+            batched_tokens(cfg, device), cfg.scheduler.max_num_seqs, piecewise=piecewise_requested())
         num_blocks = kv_blocks_from_free_memory(device, per_block, cfg.cache.gpu_memory_utilization,
                                                 reserve)
     else:
@@ -413,7 +414,8 @@ def build_engine(cfg: Config) -> Engine:
         from llmserve.worker.cuda_graphs import make_cuda_runner
 
         runner = make_cuda_runner(model, num_blocks, block_size, dtype, device,
-                                  max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len)
+                                  max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
+                                  max_num_batched_tokens=batched_tokens(cfg, device))
     else:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")

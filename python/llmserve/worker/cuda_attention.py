@@ -136,12 +136,14 @@ class CudaAttentionMetadata:
                    prefills=tuple(prefills), ops=ops, varlen=packed)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d] -> [T, heads, d]."""
+               v_cache: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d], caches [N, block_size, kv_heads, d] -> [T, heads, d]
+        (written into `out` when given: contiguous, shaped and typed like q)."""
         if k.dtype != k_cache.dtype:
             k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.num_decode:
             idx = self.decode_token_idx
             if idx is None:       # every row is a decode token (CUDA-graph batches always are)

@@ -12,7 +12,9 @@ the first b rows. A decode-only step of n sequences is padded to the smallest ca
 padding rows get slot -1 (their K/V is not written) and seq_len 0 (their attention output is
 zero), and their hidden states are dropped. The split-K partition of each graph depends only
 on b and W, so one graph serves every context length. Steps with prefill chunks run eagerly
-with the same CUDA attention path.
+with the same CUDA attention path, or with LLMSERVE_PIECEWISE_GRAPHS=1 as `PiecewiseGraphs`:
+one graph per stretch of layer work between two attentions, the attention run eagerly between
+them.
 
 Per step the host copies the step's columns in, replays, and reads back the sampled tokens:
 sampling runs on the GPU's logits (ModelRunner._execute with worker/sampler.py), so only the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -139,6 +142,164 @@ class DecodeGraphs:
         return hidden[:n]
 
 
+# Steps with prompt tokens as piecewise CUDA graphs (`PiecewiseGraphs`): "1" on, "0" off (the
+# default until a GPU run has checked them: tests/gpu/test_cuda_model.py, gpu_check's serving).
+PIECEWISE_ENV = "LLMSERVE_PIECEWISE_GRAPHS"
+
+
+def piecewise_requested() -> bool:
+    """What LLMSERVE_PIECEWISE_GRAPHS asks for (default off)."""
+    value = os.environ.get(PIECEWISE_ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{PIECEWISE_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def default_piece_sizes(max_tokens: int) -> list[int]:
+    """Token counts the piecewise graphs are captured for: powers of two from 16 to 512, then
+    every 512 to 4096 and every 1024 beyond, up to `max_tokens` (the step token budget). A
+    step is padded to the next one: a quarter of it at most from 1024 tokens on."""
+    sizes = [t for t in (16, 32, 64, 128, 256, 512) if t < max_tokens]
+    sizes += [t for t in range(1024, 4097, 512) if t < max_tokens]
+    sizes += [t for t in range(5120, max_tokens, 1024)]
+    return sorted(set(sizes + [max_tokens]))
+
+
+class _Cuts:
+    """The attention metadata of a piecewise step: each layer's attention is a cut between two
+    pieces. Its q/k/v rows go to the static buffers, `cut(k_cache, v_cache, scale)` runs (in a
+    capture: end this piece's graph and begin the next; eagerly: the step's attention), and the
+    static output rows come back for the next piece to read."""
+
+    def __init__(self, owner: "PiecewiseGraphs", t: int, cut):
+        self.owner, self.t, self.cut = owner, t, cut
+        self.cuts: list[tuple[torch.Tensor, torch.Tensor, float]] = []   # (k_cache, v_cache, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        owner, t = self.owner, self.t
+        owner.q[:t].copy_(q)
+        owner.k[:t].copy_(k)
+        owner.v[:t].copy_(v)
+        self.cuts.append((k_cache, v_cache, scale))
+        self.cut(k_cache, v_cache, scale)
+        return owner.o[:t]
+
+
+class PiecewiseGraphs:
+    """Steps with prompt tokens as CUDA graphs of the work between the layers' attentions
+    (vLLM's piecewise graphs, without torch.compile).
+
+    A decode graph can hold a whole step because the decode kernel's launch depends only on
+    the batch size; prefill attention does not (one SDPA per prompt chunk, each of its own
+    length). Everything else in a layer depends only on the step's token count. So for each
+    captured count t the model forward is recorded as num_layers + 1 graphs, cut at each
+    attention: the capture's attention metadata (`_Cuts`) ends the graph being captured and
+    begins the next. A step of n <= t tokens replays piece 0 (embeddings to the first layer's
+    q/k/v), then for each layer runs its attention eagerly from the static q/k/v rows [:n]
+    into the static output rows and replays the next piece (o_proj, the MLP, the next layer's
+    norm and q/k/v; the last one ends with the final norm, copied to a static buffer). Rows
+    n..t pad the step: ids and positions 0, never read by attention (the slot mapping and the
+    metadata cover the n real rows), their hidden states dropped.
+
+    Host work per step: num_layers + 1 replays and the attention's own launches, where an eager
+    forward launches every kernel of every layer (the first H200 run: a batch-1 SmolLM2-135M
+    step took 16.6 ms eagerly, 2.2 ms as one graph).
+
+    Every size's pieces share one memory pool; replaying them in the order they were captured,
+    one step at a time, is what makes that safe (torch.cuda.graph's rule for shared pools).
+    With use_graphs=False the same static-buffer path runs eagerly (the CPU tests' check)."""
+
+    def __init__(self, model, kv_cache, sizes: Sequence[int], device: torch.device, dtype: torch.dtype,
+                 use_graphs: bool = True):
+        self.model, self.kv_cache, self.device, self.use_graphs = model, kv_cache, device, use_graphs
+        self.sizes = sorted(set(int(t) for t in sizes))
+        self.max_size = t = self.sizes[-1]
+        nh, nkv, d = model.config.num_heads, model.num_kv_heads, model.head_dim
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.q = torch.zeros(t, nh, d, dtype=dtype, device=device)
+        self.k = torch.zeros(t, nkv, d, dtype=dtype, device=device)
+        self.v = torch.zeros(t, nkv, d, dtype=dtype, device=device)
+        self.o = torch.zeros(t, nh, d, dtype=dtype, device=device)
+        self.hidden = torch.zeros(t, model.config.hidden_size, dtype=dtype, device=device)
+        # per size: the pieces, and the caches and scale of each cut between them
+        self.graphs: dict[int, tuple[list, list[tuple[torch.Tensor, torch.Tensor, float]]]] = {}
+
+    def size_for(self, plan) -> int | None:
+        """The captured token count this plan runs at, or None (too many tokens, or LoRA rows:
+        a graph replays no adapter)."""
+        n = len(plan.input_ids)
+        if n == 0 or n > self.max_size or np.asarray(plan.lora_ids).any():
+            return None
+        return next(t for t in self.sizes if t >= n)
+
+    def _forward(self, t: int, cut) -> torch.Tensor:
+        cuts = _Cuts(self, t, cut)
+        hidden = self.model.forward(self.input_ids[:t], self.positions[:t], cuts, self.kv_cache)
+        self.hidden[:t].copy_(hidden)
+        return cuts
+
+    def capture(self) -> None:
+        """Warm every size up (cuBLAS sets up each shape's kernels), then record its pieces,
+        largest size first, all in one pool. No attention runs: nothing is written to the cache."""
+        if not self.use_graphs:
+            return
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for t in self.sizes:
+                self._forward(t, lambda *cut: None)
+            torch.cuda.synchronize(self.device)
+            for t in reversed(self.sizes):
+                self.graphs[t] = self._capture(t, pool)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d piecewise CUDA graphs (%d token counts, up to %d) in %.1f s",
+                 sum(len(g) for g, _ in self.graphs.values()), len(self.sizes), self.max_size,
+                 time.perf_counter() - start)
+
+    def _capture(self, t: int, pool) -> tuple[list, list]:
+        pieces = [torch.cuda.CUDAGraph()]
+
+        def cut(*_):
+            pieces[-1].capture_end()
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)
+
+        pieces[0].capture_begin(pool=pool)
+        try:
+            cuts = self._forward(t, cut)
+        finally:
+            pieces[-1].capture_end()
+        return pieces, cuts.cuts
+
+    def run(self, plan, t: int, meta: CudaAttentionMetadata) -> torch.Tensor:
+        """The plan's n tokens padded to t: final hidden states [n, H] (a view of the static
+        buffer). `meta`: the step's attention metadata over its n real rows."""
+        n = len(plan.input_ids)
+        dev = self.device
+        self.input_ids[:t].copy_(_padded(plan.input_ids, t, 0, np.int64, dev), non_blocking=True)
+        if getattr(plan, "prev_tokens", None) is not None:
+            fill_placeholders_(self.input_ids[:n], plan.prev_tokens)
+        self.positions[:t].copy_(_padded(plan.positions, t, 0, np.int64, dev), non_blocking=True)
+
+        def attention(k_cache, v_cache, scale):
+            meta.attend(self.q[:n], self.k[:n], self.v[:n], k_cache, v_cache, scale, out=self.o[:n])
+
+        if not self.use_graphs:
+            self._forward(t, attention)
+            return self.hidden[:n]
+        pieces, cuts = self.graphs[t]
+        pieces[0].replay()
+        for piece, cut in zip(pieces[1:], cuts):
+            attention(*cut)
+            piece.replay()
+        return self.hidden[:n]
+
+
 def _padded(column, b: int, fill: int, dtype, device: torch.device) -> torch.Tensor:
     out = np.full(b, fill, dtype=dtype)
     col = np.asarray(column)
@@ -185,12 +346,18 @@ class CudaModelRunner(ModelRunner):
                  device: torch.device | str, *, seed: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int = 2048, cuda_graphs: bool = True,
                  capture_sizes: Sequence[int] | None = None, ops: Any = None,
-                 prefill_attention: str | None = None, fused_ops: bool | None = None):
+                 prefill_attention: str | None = None, fused_ops: bool | None = None,
+                 piecewise: bool | None = None, max_num_batched_tokens: int = 8192,
+                 piece_sizes: Sequence[int] | None = None):
         """ops: the op provider (default: the compiled llmserve.kernels; tests pass
         llmserve.kernels.reference). cuda_graphs: capture decode graphs (needs a CUDA device).
         prefill_attention: "sdpa" or "varlen" (cuda_attention.py; default: LLMSERVE_PREFILL_ATTENTION).
         fused_ops: run the model's layers with the fused ops of `ops` where they serve it
-        (default: LLMSERVE_FUSED_OPS); this sets them on `model`."""
+        (default: LLMSERVE_FUSED_OPS); this sets them on `model`.
+        piecewise: run steps with prompt tokens as piecewise graphs (`PiecewiseGraphs`; default:
+        LLMSERVE_PIECEWISE_GRAPHS), of `piece_sizes` tokens (default: `default_piece_sizes` of
+        max_num_batched_tokens); captured when cuda_graphs is on, else run on their static
+        buffers eagerly (the CPU tests)."""
         super().__init__(model, num_blocks, block_size, dtype, device, seed=seed)
         mode = prefill_attention or cuda_attention.prefill_attention()
         if mode not in cuda_attention.PREFILL_MODES:
@@ -215,6 +382,16 @@ class CudaModelRunner(ModelRunner):
             log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
             self.graphs.graphs.clear()
             self.graphs.use_graphs = False
+        self.pieces: PiecewiseGraphs | None = None
+        if piecewise_requested() if piecewise is None else piecewise:
+            sizes = list(piece_sizes) if piece_sizes else default_piece_sizes(max_num_batched_tokens)
+            self.pieces = PiecewiseGraphs(model, self.kv_cache, sizes, self.device, dtype, use_graphs=cuda_graphs)
+            try:
+                self.pieces.capture()
+            except RuntimeError as e:
+                # (their eager static-buffer path would only be slower than the plain forward)
+                log.warning("piecewise CUDA graph capture failed, prompt steps run eagerly: %s", e)
+                self.pieces = None
 
     def with_inputs_from(self, plan, prev: Launched | None):
         """Placeholders are filled on the GPU from `prev`'s sampled tokens (run_model), so a
@@ -230,22 +407,25 @@ class CudaModelRunner(ModelRunner):
         if b is not None:
             return self.graphs.run(plan, b)
         dev = self.device
-        input_ids = to_device(as_tensor(plan.input_ids, torch.int64), dev)
-        if getattr(plan, "prev_tokens", None) is not None:
-            fill_placeholders_(input_ids, plan.prev_tokens)
-        positions = to_device(as_tensor(plan.positions, torch.int64), dev)
         slot_mapping = to_device(as_tensor(plan.slot_mapping, torch.int64), dev)
         seq_lens = np.asarray(plan.seq_lens)
         meta = CudaAttentionMetadata.build(
             np.asarray(plan.query_start_loc), seq_lens,
             np.asarray(plan.block_tables).reshape(len(seq_lens), -1), slot_mapping,
             self.block_size, dev, self.model.num_kv_heads, ops=self.ops, varlen=self.varlen_prefill)
+        t = self.pieces.size_for(plan) if self.pieces is not None else None
+        if t is not None:
+            return self.pieces.run(plan, t, meta)
+        input_ids = to_device(as_tensor(plan.input_ids, torch.int64), dev)
+        if getattr(plan, "prev_tokens", None) is not None:
+            fill_placeholders_(input_ids, plan.prev_tokens)
+        positions = to_device(as_tensor(plan.positions, torch.int64), dev)
         return self.forward(plan, input_ids, positions, meta)
 
 
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, *, max_num_seqs: int, max_model_len: int,
-                     seed: int | None = None) -> ModelRunner:
+                     max_num_batched_tokens: int = 8192, seed: int | None = None) -> ModelRunner:
     """The runner for a CUDA device: CudaModelRunner when our kernels serve this model here,
     else (with a warning saying why) the torch reference path, which runs on CUDA too."""
     from llmserve import kernels
@@ -261,7 +441,8 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
     if not graphs:
         log.info("mixture-of-experts layers: decode steps run eagerly, not as CUDA graphs")
     return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs)
+                           max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs,
+                           piecewise=None if graphs else False, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | None:
@@ -283,12 +464,14 @@ def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | 
 
 
 def activation_reserve_bytes(hidden_size: int, intermediate_size: int, vocab_size: int,
-                             max_num_batched_tokens: int, max_num_seqs: int) -> int:
+                             max_num_batched_tokens: int, max_num_seqs: int, piecewise: bool = False) -> int:
     """GPU memory kept free for one step's activations, the graphs' pool and cuBLAS: the
     largest live tensors are the fused gate|up output [T, 2I] with its SiLU product and the
-    fp32 logits [R, V] (plus their copy for sampling)."""
+    fp32 logits [R, V] (plus their copy for sampling). `piecewise`: the piecewise graphs' pool
+    holds a step's layer activations of its own, beside the eager attention's."""
     per_token = (3 * intermediate_size + 8 * hidden_size) * 4
-    return 512 * 2**20 + max_num_batched_tokens * per_token + 3 * max_num_seqs * vocab_size * 4
+    steps = 2 if piecewise else 1
+    return 512 * 2**20 + steps * max_num_batched_tokens * per_token + 3 * max_num_seqs * vocab_size * 4
 
 
 def kv_blocks_from_free_memory(device: torch.device, block_bytes: int, utilization: float,
