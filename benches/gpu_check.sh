@@ -129,6 +129,9 @@ if kb.is_file():
         goal = "  goal >= 65% peak" if r["batch"] * r["ctx"] >= 64 * 1024 else ""
         print(f"decode {r['shape']:13} {r['batch']:4d}x{r['ctx']:<5d} {r['us']:8.1f} us {r['tbs']:5.2f} TB/s "
               f"{r['pct_peak']:5.1f}% peak {r['pct_copy']:5.1f}% copy{goal}")
+        if "pipelined_us" in r:
+            print(f"  pipelined kernel (LLMSERVE_DECODE_PIPELINE=1): {r['pipelined_us']:.1f} us, "
+                  f"{r['pipelined_pct_peak']:.1f}% peak")
         if "best_partition" in r and r["best_partition"] != r["partition"]:
             print(f"  (partition {r['partition']} chosen; {r['best_partition']} is faster: "
                   f"{r['best_us']:.1f} us, {r['best_pct_peak']:.1f}% peak)")

@@ -166,7 +166,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: measured copy {copy_tbs:.2f} TB/s (datasheet {PEAK_TBS} TB/s)")
     rows = []
     header = (f"{'shape':14} {'batch':>5} {'ctx':>5} {'part':>4} {'us':>8} {'TB/s':>6} {'%peak':>6} {'%copy':>6} "
-              f"{'torch us':>9}   {'best part':>9} {'us':>8} {'%peak':>6}")
+              f"{'torch us':>9}   {'best part':>9} {'us':>8} {'%peak':>6}   {'pipelined us':>12} {'%peak':>6}")
     print(header)
     for name, kvh, group, d in SHAPES:
         for batch, ctx in CASES:
@@ -189,6 +189,11 @@ def main() -> None:
                 run_p()
                 sweep[p] = timed(run_p, max(5, args.reps // 3), flush)
             best = min(sweep, key=sweep.get)
+            # the software-pipelined kernel (LLMSERVE_DECODE_PIPELINE) at the chosen partition
+            def run_pipe():
+                kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, part, True)
+            run_pipe()
+            t_pipe = timed(run_pipe, args.reps, flush)
             t_torch = float("nan")
             if batch * ctx <= 64 * 4096:
                 t_torch = timed(lambda: torch_path(q, k, v, tables, lens, scale), max(5, args.reps // 3), flush)
@@ -198,10 +203,12 @@ def main() -> None:
             row = dict(shape=name, batch=batch, ctx=ctx, partition=part, us=t * 1e6, tbs=tbs,
                        pct_peak=100 * tbs / PEAK_TBS, pct_copy=100 * tbs / copy_tbs, torch_us=t_torch * 1e6,
                        best_partition=best, best_us=sweep[best] * 1e6, best_pct_peak=best_pct,
-                       sweep_us={str(k): v * 1e6 for k, v in sweep.items()})
+                       sweep_us={str(k): v * 1e6 for k, v in sweep.items()}, pipelined_us=t_pipe * 1e6,
+                       pipelined_pct_peak=100 * nbytes / t_pipe / 1e12 / PEAK_TBS)
             rows.append(row)
             print(f"{name:14} {batch:5d} {ctx:5d} {part:4d} {t * 1e6:8.1f} {tbs:6.2f} {row['pct_peak']:6.1f} "
-                  f"{row['pct_copy']:6.1f} {t_torch * 1e6:9.1f}   {best:9d} {sweep[best] * 1e6:8.1f} {best_pct:6.1f}",
+                  f"{row['pct_copy']:6.1f} {t_torch * 1e6:9.1f}   {best:9d} {sweep[best] * 1e6:8.1f} {best_pct:6.1f}"
+                  f"   {t_pipe * 1e6:12.1f} {row['pipelined_pct_peak']:6.1f}",
                   flush=True)
             del q, k, v, tables, lens, out
             torch.cuda.empty_cache()

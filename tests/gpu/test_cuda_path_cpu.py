@@ -200,6 +200,17 @@ def test_the_fused_layer_ops_are_asked_for_by_environment(monkeypatch):
     assert cuda_graphs.piecewise_requested()
 
 
+def test_the_pipelined_decode_kernel_is_asked_for_by_environment(monkeypatch):
+    for value, want in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setattr(kernels, "_pipeline", None)
+        monkeypatch.setenv(kernels.PIPELINE_ENV, value)
+        assert kernels.decode_pipeline() is want
+    monkeypatch.setattr(kernels, "_pipeline", None)
+    monkeypatch.setenv(kernels.PIPELINE_ENV, "on")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        kernels.decode_pipeline()
+
+
 def test_the_fused_layer_ops_name_the_sizes_they_do_not_serve():
     bf16 = torch.bfloat16
     assert kernels.fused_unserved(576, [1536], 64, bf16) is None

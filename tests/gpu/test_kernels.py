@@ -45,24 +45,43 @@ def paged_case(lens: list[int], kv_heads: int, group: int, head_dim: int, dtype,
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("partition", [None, 0, 128])
-def test_decode_matches_reference(dtype, head_dim, group, partition):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_decode_matches_reference(dtype, head_dim, group, partition, pipeline):
     lens = [1, 15, 17, 100, 333, 1000, 0, 64]     # 0: a padding row (zeros out)
     q, kc, vc, tables, seq_lens = paged_case(lens, kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, scale, partition)
+    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, scale, partition, pipeline)
     want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale)
     torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
     assert torch.all(out[6] == 0)
 
 
 @pytest.mark.parametrize("group", [3, 7])
-def test_decode_group_sizes_between_buckets(group):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_decode_group_sizes_between_buckets(group, pipeline):
     # SmolLM2-135M has 3 query heads per kv head, Qwen2.5-0.5B 7: rounded up inside the kernel
     q, kc, vc, tables, seq_lens = paged_case([5, 300, 129], kv_heads=3, group=group, head_dim=64,
                                              dtype=torch.bfloat16)
-    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125)
+    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125, pipeline=pipeline)
     want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_decode_with_more_partitions_than_merge_threads(head_dim, pipeline):
+    """Partitions of 64 tokens over ~9k: more partitions than the merge kernel has threads (one
+    per head dim), so each thread finds the max of several, and sequences of every length use
+    their own share of them."""
+    q, kc, vc, tables, seq_lens = paged_case([9000, 4100, 64, 1], kv_heads=2, group=4, head_dim=head_dim,
+                                             dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale, 64, pipeline)
+    want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+    # and with no split: one CTA walks each whole context, chunk after chunk
+    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale, 0, pipeline)
     torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
 
 
@@ -126,6 +145,8 @@ def test_unserved_shapes_are_rejected_clearly():
     q16 = torch.zeros(1, 16, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(RuntimeError, match="query heads per kv head"):
         kernels.paged_attention_decode(torch.empty_like(q16), q16, kc, vc, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="pipeline must be 0 or 1"):
+        torch.ops.llmserve.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, 0, 2)
     with pytest.raises(RuntimeError, match="partition_size"):
         kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, 100)
     with pytest.raises(RuntimeError, match="int32"):

@@ -42,10 +42,12 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15)
 // out [S, H, D] (written); query [S, H, D] (rows may be strided, each head row contiguous);
 // key_cache/value_cache [num_blocks, 16, KVH, D]; block_tables [S, W] int32; seq_lens [S]
 // int32 (context length including this step's token, <= W * 16; 0 = padding row -> zeros);
-// partition_size: tokens per split-K partition, a multiple of 64, or 0 for no split.
+// partition_size: tokens per split-K partition, a multiple of 64, or 0 for no split;
+// pipeline: 1 runs the software-pipelined kernel (the next chunk's loads issued before this
+// chunk computes), 0 the one that loads each chunk and then computes it.
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t partition_size) {
+                            const at::Tensor& seq_lens, double scale, int64_t partition_size, int64_t pipeline) {
   const char* name = "paged_attention_decode";
   TORCH_CHECK(out.is_cuda() && query.is_cuda() && key_cache.is_cuda() && value_cache.is_cuda() &&
                   block_tables.is_cuda() && seq_lens.is_cuda(),
@@ -85,6 +87,7 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs &&
                   seq_lens.is_contiguous(),
               name, ": seq_lens must be a contiguous int32 [S]");
+  TORCH_CHECK(pipeline == 0 || pipeline == 1, name, ": pipeline must be 0 or 1, got ", pipeline);
   TORCH_CHECK(partition_size >= 0 && partition_size % kPartitionMultiple == 0, name, ": partition_size ",
               partition_size, " must be 0 or a multiple of ", kPartitionMultiple);
   if (num_seqs == 0) return;
@@ -127,7 +130,8 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   p.scale = static_cast<float>(scale);
 
   LLMSERVE_DISPATCH_HALF_TYPES(dtype, name, [&] {
-    LLMSERVE_DISPATCH_HEAD_DIM(head_dim, name, [&] { launch_paged_decode<scalar_t, kHeadDim>(p, num_seqs, stream); });
+    LLMSERVE_DISPATCH_HEAD_DIM(head_dim, name,
+                               [&] { launch_paged_decode<scalar_t, kHeadDim>(p, num_seqs, pipeline != 0, stream); });
   });
 }
 

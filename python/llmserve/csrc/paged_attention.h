@@ -36,6 +36,6 @@ struct DecodeParams {
 // Launch the decode kernel (and the partition merge when split) for one dtype and head size on
 // `stream`; defined in paged_attention_kernels.cuh, instantiated once per kernels unit.
 template <typename scalar_t, int kHeadDim>
-void launch_paged_decode(const DecodeParams& p, int num_seqs, cudaStream_t stream);
+void launch_paged_decode(const DecodeParams& p, int num_seqs, bool pipelined, cudaStream_t stream);
 
 }  // namespace llmserve

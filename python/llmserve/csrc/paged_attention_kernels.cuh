@@ -14,11 +14,20 @@ namespace {
 
 constexpr int kWarps = kThreads / kWarpSize;
 
+// CTAs per SM the register budget is set for. Groups up to 4 are held to 128 registers (4 CTAs
+// = 16 warps per SM) so enough loads stay in flight to cover HBM latency; a group of 8 needs
+// its 2 x 64 accumulators and gets 2. kPipelined holds the next chunk's K/V in registers too
+// (32 more): 3 CTAs for groups up to 4.
+template <int kGroup, bool kPipelined>
+constexpr int kMinBlocks = kGroup > 4 ? 2 : kPipelined ? 3 : 4;
+
 // grid: (num_kv_heads, num_seqs, num_partitions); block: kThreads.
-// NOTE: groups up to 4 are held to 128 registers (4 CTAs = 16 warps per SM) so enough loads
-// stay in flight to cover HBM latency; a group of 8 needs its 2 x 64 accumulators and gets 2.
-template <typename scalar_t, int kHeadDim, int kGroup>
-__global__ void __launch_bounds__(kThreads, kGroup <= 4 ? 4 : 2) paged_decode_kernel(const DecodeParams p) {
+// kPipelined: the loads of chunk c + 1 are issued before chunk c is computed, so the CTA's
+// loads stay in flight while it computes (software pipelining), instead of each chunk waiting
+// for its own loads. LLMSERVE_DECODE_PIPELINE=1 picks it (kernels.paged_attention_decode);
+// not yet measured on a GPU.
+template <typename scalar_t, int kHeadDim, int kGroup, bool kPipelined>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<kGroup, kPipelined>) paged_decode_kernel(const DecodeParams p) {
   constexpr int kVecs = kHeadDim / kVecElems;            // 16-byte vectors per head row: 8 | 16
   constexpr int kTokensPerPass = kThreads / kVecs;       // tokens the CTA covers per load: 16 | 8
   constexpr int kIters = 4;                              // loads in flight per thread per chunk
@@ -89,18 +98,18 @@ __global__ void __launch_bounds__(kThreads, kGroup <= 4 ? 4 : 2) paged_decode_ke
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.key_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.value_cache);
 
-  // Block ids of this thread's tokens in the next chunk, fetched one chunk ahead so the K/V
-  // loads never wait on a dependent block-table load.
+  // Block ids of this thread's tokens in the next chunk to load, fetched one chunk ahead so
+  // the K/V loads never wait on a dependent block-table load.
   int block_ids[kIters];
+  auto fetch_ids = [&](int chunk) {
 #pragma unroll
-  for (int i = 0; i < kIters; ++i) {
-    const int t = start + tok_lane + i * kTokensPerPass;
-    block_ids[i] = t < end ? table[t / kBlockSize] : 0;
-  }
-
-  for (int chunk = start; chunk < end; chunk += kChunk) {
-    // 1. Load this chunk's K and V slices (zeros past the end: their scores are masked).
-    uint4 kv[kIters], vv[kIters];
+    for (int i = 0; i < kIters; ++i) {
+      const int t = chunk + tok_lane + i * kTokensPerPass;
+      block_ids[i] = t < end ? table[t / kBlockSize] : 0;
+    }
+  };
+  // This thread's K and V slices of a chunk (zeros past the end: their scores are masked).
+  auto load_chunk = [&](int chunk, uint4 (&kv)[kIters], uint4 (&vv)[kIters]) {
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const int t = chunk + tok_lane + i * kTokensPerPass;
@@ -113,10 +122,23 @@ __global__ void __launch_bounds__(kThreads, kGroup <= 4 ? 4 : 2) paged_decode_ke
         vv[i] = __ldg(reinterpret_cast<const uint4*>(v_cache + off));
       }
     }
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int t = chunk + kChunk + tok_lane + i * kTokensPerPass;
-      block_ids[i] = t < end ? table[t / kBlockSize] : 0;
+  };
+  fetch_ids(start);
+  uint4 kv[kIters], vv[kIters];   // the chunk being computed
+  if constexpr (kPipelined) {
+    load_chunk(start, kv, vv);
+    fetch_ids(start + kChunk);
+  }
+
+  for (int chunk = start; chunk < end; chunk += kChunk) {
+    // 1. Load K and V: this chunk's, or (pipelined) the next one's while this one computes.
+    uint4 kn[kIters], vn[kIters];
+    if constexpr (kPipelined) {
+      load_chunk(chunk + kChunk, kn, vn);
+      fetch_ids(chunk + 2 * kChunk);
+    } else {
+      load_chunk(chunk, kv, vv);
+      fetch_ids(chunk + kChunk);
     }
     // 2. Scores q_g . k_t, reduced across the kVecs threads that share a token.
 #pragma unroll
@@ -190,6 +212,13 @@ __global__ void __launch_bounds__(kThreads, kGroup <= 4 ? 4 : 2) paged_decode_ke
       }
     }
     __syncthreads();   // s_logits / s_alpha are rewritten by the next chunk
+    if constexpr (kPipelined) {
+#pragma unroll
+      for (int i = 0; i < kIters; ++i) {
+        kv[i] = kn[i];
+        vv[i] = vn[i];
+      }
+    }
   }
 
   // Sum acc over the token lanes: first within the warp (lanes kVecs apart share a slice),
@@ -237,8 +266,14 @@ __global__ void __launch_bounds__(kThreads, kGroup <= 4 ? 4 : 2) paged_decode_ke
 
 // Merge partitions: out = sum_i w_i o_i / sum_i w_i with w_i = exp_sum_i * exp(max_i - max).
 // grid: (num_heads, num_seqs); block: kHeadDim threads, one output element each.
+// NOTE: the CTA finds the max with each thread reading its own partitions (one round of loads,
+// not one per partition), then every thread walks all partitions with 8 iterations unrolled,
+// so their loads overlap: a batch-1 step splits a long context into dozens of partitions, and
+// a loop that waits on each load costs microseconds per layer.
 template <typename scalar_t, int kHeadDim>
 __global__ void __launch_bounds__(kHeadDim) paged_decode_reduce_kernel(const DecodeParams p) {
+  constexpr int kReduceWarps = kHeadDim / kWarpSize;
+  __shared__ float s_max[kReduceWarps];
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const int64_t row = (int64_t)seq * p.num_heads + head;
   scalar_t* out = static_cast<scalar_t*>(p.out) + row * kHeadDim;
@@ -253,8 +288,14 @@ __global__ void __launch_bounds__(kHeadDim) paged_decode_reduce_kernel(const Dec
   const float* sums = p.exp_sums + row * p.num_partitions;
   const float* parts = p.tmp_out + row * p.num_partitions * kHeadDim;
   float m = -FLT_MAX;
-  for (int i = 0; i < used; ++i) m = fmaxf(m, maxes[i]);
+  for (int i = d; i < used; i += kHeadDim) m = fmaxf(m, maxes[i]);
+  m = warp_max(m);
+  if (d % kWarpSize == 0) s_max[d / kWarpSize] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kReduceWarps; ++w) m = fmaxf(m, s_max[w]);
   float num = 0.f, den = 0.f;
+#pragma unroll 8
   for (int i = 0; i < used; ++i) {
     const float w = sums[i] * __expf(maxes[i] - m);
     num = fmaf(w, parts[i * kHeadDim + d], num);
@@ -265,18 +306,27 @@ __global__ void __launch_bounds__(kHeadDim) paged_decode_reduce_kernel(const Dec
 
 }  // namespace
 
-template <typename scalar_t, int kHeadDim>
-void launch_paged_decode(const DecodeParams& p, int num_seqs, cudaStream_t stream) {
-  const dim3 grid(p.num_kv_heads, num_seqs, p.num_partitions);
+template <typename scalar_t, int kHeadDim, bool kPipelined>
+void launch_decode_group(const DecodeParams& p, const dim3 grid, cudaStream_t stream) {
   const int g = p.group_size;
   if (g <= 1) {
-    paged_decode_kernel<scalar_t, kHeadDim, 1><<<grid, kThreads, 0, stream>>>(p);
+    paged_decode_kernel<scalar_t, kHeadDim, 1, kPipelined><<<grid, kThreads, 0, stream>>>(p);
   } else if (g <= 2) {
-    paged_decode_kernel<scalar_t, kHeadDim, 2><<<grid, kThreads, 0, stream>>>(p);
+    paged_decode_kernel<scalar_t, kHeadDim, 2, kPipelined><<<grid, kThreads, 0, stream>>>(p);
   } else if (g <= 4) {
-    paged_decode_kernel<scalar_t, kHeadDim, 4><<<grid, kThreads, 0, stream>>>(p);
+    paged_decode_kernel<scalar_t, kHeadDim, 4, kPipelined><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    paged_decode_kernel<scalar_t, kHeadDim, 8><<<grid, kThreads, 0, stream>>>(p);
+    paged_decode_kernel<scalar_t, kHeadDim, 8, kPipelined><<<grid, kThreads, 0, stream>>>(p);
+  }
+}
+
+template <typename scalar_t, int kHeadDim>
+void launch_paged_decode(const DecodeParams& p, int num_seqs, bool pipelined, cudaStream_t stream) {
+  const dim3 grid(p.num_kv_heads, num_seqs, p.num_partitions);
+  if (pipelined) {
+    launch_decode_group<scalar_t, kHeadDim, true>(p, grid, stream);
+  } else {
+    launch_decode_group<scalar_t, kHeadDim, false>(p, grid, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_partitions > 1) {
@@ -289,4 +339,4 @@ void launch_paged_decode(const DecodeParams& p, int num_seqs, cudaStream_t strea
 }  // namespace llmserve
 
 #define LLMSERVE_INSTANTIATE_PAGED_DECODE(SCALAR, HEAD_DIM) \
-  template void llmserve::launch_paged_decode<SCALAR, HEAD_DIM>(const llmserve::DecodeParams&, int, cudaStream_t)
+  template void llmserve::launch_paged_decode<SCALAR, HEAD_DIM>(const llmserve::DecodeParams&, int, bool, cudaStream_t)

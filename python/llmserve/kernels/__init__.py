@@ -109,7 +109,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("llmserve::paged_attention_decode")
     def _paged_attention_decode_fake(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                     scale, partition_size):
+                                     scale, partition_size, pipeline=0):
         torch._check(query.dim() == 3 and out.shape == query.shape,
                      lambda: "paged_attention_decode: out must be shaped like query [S, H, D]")
         torch._check(key_cache.dim() == 4 and key_cache.shape == value_cache.shape,
@@ -175,22 +175,44 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     torch.ops.llmserve.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
+# Which decode kernel runs: "1" the software-pipelined one (csrc/paged_attention_kernels.cuh,
+# kPipelined), "0" the one that loads each chunk and then computes it (the default until a GPU
+# run has measured the other: benches/kernel_bench.py times both).
+PIPELINE_ENV = "LLMSERVE_DECODE_PIPELINE"
+_pipeline: bool | None = None
+
+
+def decode_pipeline() -> bool:
+    """What LLMSERVE_DECODE_PIPELINE asks for (read once; default off)."""
+    global _pipeline
+    if _pipeline is None:
+        import os
+
+        value = os.environ.get(PIPELINE_ENV, "").strip() or "0"
+        if value not in ("0", "1"):
+            raise ValueError(f"{PIPELINE_ENV}={value!r}: expected 0 or 1")
+        _pipeline = value == "1"
+    return _pipeline
+
+
 def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           partition_size: int | None = None) -> torch.Tensor:
+                           partition_size: int | None = None, pipeline: bool | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context; writes and returns `out`.
 
     out, query [S, H, D]; caches [N, 16, KVH, D]; block_tables [S, W] int32; seq_lens [S] int32
     (tokens of context including this step's, <= W * 16; 0 marks a padding row, whose output is
     zeros). partition_size: split-K partition in tokens (a multiple of 64; 0: no split); None
-    picks one from the batch shape (`choose_partition_size`)."""
+    picks one from the batch shape (`choose_partition_size`). pipeline: run the
+    software-pipelined kernel (None: LLMSERVE_DECODE_PIPELINE)."""
     _require_loaded()
     if partition_size is None:
         partition_size = choose_partition_size(query.shape[0], key_cache.shape[2],
                                                block_tables.shape[1] * key_cache.shape[1])
+    pipe = decode_pipeline() if pipeline is None else pipeline
     torch.ops.llmserve.paged_attention_decode(out, query, key_cache, value_cache, block_tables,
-                                              seq_lens, float(scale), int(partition_size))
+                                              seq_lens, float(scale), int(partition_size), int(pipe))
     return out
 
 
