@@ -4,7 +4,7 @@
 # profile decode and prefill steps (benches/step_profile.py), and serve BENCH.md's GPU `load`
 # workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128 out) with `llmserve run
 # --device cuda` at concurrency 1 / 64 / 256 (and once with ~100-token prompts), then side by
-# side with LLMSERVE_FUSED_OPS=1, with that and LLMSERVE_PIECEWISE_GRAPHS=1, and with
+# side with LLMSERVE_FUSED_OPS=1, with that and LLMSERVE_PIECEWISE_GRAPHS=1, and with those and
 # LLMSERVE_PREFILL_ATTENTION=varlen; print one summary table. `make gpu-check` runs it.
 # The first H200 run (2026-12-04) took 110 s of its 480. (It served 256 with
 # --async-scheduling off too: 12.0k out tok/s against 14.4k with it on, ~100-token prompts.)
@@ -336,12 +336,14 @@ EOF
   serve_runs base "load-gpu:1:32 load-gpu:64:512 load-gpu:256:1000 load:256:1000"
   # side by side, each server warmed up first as the first was by its earlier runs (c1 is the
   # batch-1 step's TPOT): the fused layer ops (csrc/layer_ops.cu); those and the piecewise
-  # graphs for steps with prompt tokens (cuda_graphs.PiecewiseGraphs); every prompt chunk of
-  # a step in one varlen_attn call (cuda_attention.py)
+  # graphs for steps with prompt tokens (cuda_graphs.PiecewiseGraphs); those and every prompt
+  # chunk of a step in one varlen_attn call (cuda_attention.py), which leaves a piecewise step
+  # a few launches per layer between its pieces
   if [ "$SERVE" = ok ]; then
     LLMSERVE_FUSED_OPS=1 serve_runs fused "load-gpu:64:128:warm load-gpu:1:32 load-gpu:256:1000"
     LLMSERVE_FUSED_OPS=1 LLMSERVE_PIECEWISE_GRAPHS=1 serve_runs fused+pw \
       "load-gpu:64:128:warm load-gpu:256:1000 load-gpu:1:32"
-    LLMSERVE_PREFILL_ATTENTION=varlen serve_runs varlen "load-gpu:64:128:warm load-gpu:256:1000"
+    LLMSERVE_FUSED_OPS=1 LLMSERVE_PIECEWISE_GRAPHS=1 LLMSERVE_PREFILL_ATTENTION=varlen serve_runs fused+pw+vl \
+      "load-gpu:64:128:warm load-gpu:256:1000"
   fi
 fi

@@ -8,8 +8,8 @@ Steps profiled:
 - decode at batch 1 and 256 (~500 cached tokens each), with CUDA graphs and eagerly, each
   without and with the fused layer ops (LLMSERVE_FUSED_OPS: csrc/layer_ops.cu);
 - a mixed step, as serving under load runs nearly all of them: 64 decode rows and one new
-  512-token prompt, eagerly, as piecewise graphs (LLMSERVE_PIECEWISE_GRAPHS) and as those
-  with the fused ops;
+  512-token prompt, eagerly, as piecewise graphs (LLMSERVE_PIECEWISE_GRAPHS), as those with
+  the fused ops, and as those with varlen prefill attention too;
 - one prefill step of 32 fresh ~1,024-token prompts (what a `load-gpu` burst asks for), with
   each prefill attention (cuda_attention.py: one SDPA per prompt, or one varlen_attn call),
   and with one SDPA per prompt and the fused ops.
@@ -108,11 +108,13 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     dec, chunk = (4, 32) if args.small else (64, 512)
-    for fused, piecewise in ((False, False), (False, True), (True, True)):
+    for fused, piecewise, prefill in ((False, False, "sdpa"), (False, True, "sdpa"), (True, True, "sdpa"),
+                                      (True, True, "varlen")):
         blocks = (dec * (ctx + 32) + 16 * (chunk + BS)) // BS + 8
         runner = CudaModelRunner(model, blocks, BS, torch.bfloat16, args.device, max_num_seqs=dec + 1,
                                  max_model_len=2048, cuda_graphs=cuda, capture_sizes=[dec], ops=ops,
-                                 fused_ops=fused, piecewise=piecewise, piece_sizes=[dec + chunk])
+                                 fused_ops=fused, piecewise=piecewise, piece_sizes=[dec + chunk],
+                                 prefill_attention=prefill)
         paged, walls = Paged(blocks, BS), []
         for s in range(dec):
             paged.add(s, rng.integers(0, cfg["vocab_size"], ctx).tolist())
@@ -135,7 +137,7 @@ def main() -> None:
                 walls.append(time.perf_counter() - t)
         pieces = runner.pieces
         how = "eager" if pieces is None else "piecewise graphs" if pieces.use_graphs else "piecewise buffers, eager"
-        report(f"mixed step {dec} decode + {chunk}-token prompt, {how}{', fused ops' if fused else ''}", prof,
+        report(f"mixed step {dec} decode + {chunk}-token prompt, {how}{', fused ops' if fused else ''}, {prefill}", prof,
                walls, 10, args.rows if how == "eager" and not fused else 0, cuda)
         del runner
         if cuda:
