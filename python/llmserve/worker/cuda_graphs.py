@@ -234,7 +234,9 @@ class PiecewiseGraphs:
             return None
         return next(t for t in self.sizes if t >= n)
 
-    def _forward(self, t: int, cut) -> torch.Tensor:
+    def _forward(self, t: int, cut) -> _Cuts:
+        """The forward over the first t static rows, its final hidden states copied to the
+        static buffer; `cut` runs at each attention."""
         cuts = _Cuts(self, t, cut)
         hidden = self.model.forward(self.input_ids[:t], self.positions[:t], cuts, self.kv_cache)
         self.hidden[:t].copy_(hidden)
