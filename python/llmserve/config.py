@@ -413,6 +413,15 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+def env_switch(name: str) -> bool:
+    """An on/off environment variable of ours: "1" on; "0", empty or unset off; anything else
+    a ValueError naming it (the GPU path's experimental switches, LLMSERVE_FUSED_OPS and the like)."""
+    value = os.environ.get(name, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def parse_bytes(text: str | int) -> int:
     """'2GiB' -> 2147483648. Plain numbers are bytes (also as an int)."""
     if isinstance(text, int):

@@ -186,12 +186,9 @@ def decode_pipeline() -> bool:
     """What LLMSERVE_DECODE_PIPELINE asks for (read once; default off)."""
     global _pipeline
     if _pipeline is None:
-        import os
+        from llmserve.config import env_switch
 
-        value = os.environ.get(PIPELINE_ENV, "").strip() or "0"
-        if value not in ("0", "1"):
-            raise ValueError(f"{PIPELINE_ENV}={value!r}: expected 0 or 1")
-        _pipeline = value == "1"
+        _pipeline = env_switch(PIPELINE_ENV)
     return _pipeline
 
 

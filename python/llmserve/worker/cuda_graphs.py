@@ -25,13 +25,13 @@ whose top candidates hold too little mass add one sync for the radix select.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from llmserve.config import env_switch
 from llmserve.worker import cuda_attention
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
 from llmserve.worker.runner import Launched, ModelRunner, Resolved, fill_placeholders_, has_placeholders
@@ -149,10 +149,7 @@ PIECEWISE_ENV = "LLMSERVE_PIECEWISE_GRAPHS"
 
 def piecewise_requested() -> bool:
     """What LLMSERVE_PIECEWISE_GRAPHS asks for (default off)."""
-    value = os.environ.get(PIECEWISE_ENV, "").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{PIECEWISE_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return env_switch(PIECEWISE_ENV)
 
 
 def default_piece_sizes(max_tokens: int) -> list[int]:
@@ -317,10 +314,7 @@ FUSED_OPS_ENV = "LLMSERVE_FUSED_OPS"
 
 def fused_ops_requested() -> bool:
     """What LLMSERVE_FUSED_OPS asks for (default off)."""
-    value = os.environ.get(FUSED_OPS_ENV, "").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_OPS_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return env_switch(FUSED_OPS_ENV)
 
 
 def use_fused_ops(model, ops: Any, dtype: torch.dtype) -> bool:
