@@ -19,6 +19,9 @@
 #           carry=["target/gpu-carry", "python/llmserve/_core.abi3.so"])
 #     The Rust core travels as the abi3 extension built here (one build serves 3.11 and 3.12).
 #
+# GPU_CHECK_STAGES="bench serve" (say) runs only those of the stages after the build: tests,
+# bench, profile, serve. GPU_CHECK_PREBUILT=1 loads the carried library instead of building.
+#
 # The GPU machine reaches no network, and the default model (a 98 MB GGUF) does not fit the
 # 64 MiB a call may carry, so the serving benchmark uses SmolLM2-135M's exact shapes with
 # random bf16 weights generated there: same FLOPs and bytes per token; `ignore_eos` fixes the
@@ -207,7 +210,9 @@ fi
 KERNELS=no
 grep -q "kernels loaded" "$RESULTS/build.log" && [[ "$BUILD" != FAILED ]] && KERNELS=yes
 
-if [ "$KERNELS" = yes ]; then
+# GPU_CHECK_STAGES picks the stages after the build, for a second, shorter call (default: all).
+stage() { [[ " ${GPU_CHECK_STAGES:-tests bench profile serve} " == *" $1 "* ]]; }
+if [ "$KERNELS" = yes ] && stage tests; then
   stamp "gpu tests"
   # One process per file, so a crash in one (the first H200 run segfaulted inside a kernel
   # call) costs only that file's remaining tests; tests/gpu/conftest.py prints each failure
@@ -243,6 +248,8 @@ if [ "$KERNELS" = yes ]; then
     TESTS+="$(basename "$file" .py): ${line:-no result}; "
   done
   grep -E "^== tests|^==== FAILED|Error|CRASHED|^#[0-9]+ " "$RESULTS/tests.log" | head -n 80
+fi
+if [ "$KERNELS" = yes ] && stage bench; then
   stamp "kernel micro-benchmark"
   STEP=()
   [ -f "$CARRY/smollm2-shape/config.json" ] && STEP=(--step-config "$CARRY/smollm2-shape/config.json")
@@ -254,11 +261,13 @@ if [ "$KERNELS" = yes ]; then
   else
     SKIPPED+=" kernel-bench"
   fi
+fi
+if [ "$KERNELS" = yes ] && stage profile; then
   stamp "decode and prefill steps, profiled"
   T=$(budget 90)
   if (( T > 0 )) && [ -f "$CARRY/smollm2-shape/config.json" ]; then
     timeout "$T" $PY benches/step_profile.py "$CARRY/smollm2-shape/config.json" > "$RESULTS/profile.log" 2>&1
-    grep -E "^== " "$RESULTS/profile.log" || tail -n 20 "$RESULTS/profile.log"
+    grep -E "^== |one step ahead" "$RESULTS/profile.log" || tail -n 20 "$RESULTS/profile.log"
   else
     SKIPPED+=" step-profile"
   fi
@@ -308,7 +317,9 @@ EOF
   stop_server
 }
 
-if ! $PY -c "import starlette, uvicorn, orjson, llmserve._core" 2>/dev/null; then
+if ! stage serve; then
+  :
+elif ! $PY -c "import starlette, uvicorn, orjson, llmserve._core" 2>/dev/null; then
   echo "SKIP serving benchmark: starlette/uvicorn/orjson or llmserve._core missing (run 'bash benches/gpu_check.sh prepare' here and carry target/gpu-carry + python/llmserve/_core.abi3.so)"
 elif [ ! -f "$CARRY/smollm2-shape/config.json" ]; then
   echo "SKIP serving benchmark: $CARRY/smollm2-shape is missing (bash benches/gpu_check.sh prepare)"
