@@ -340,6 +340,11 @@ class DeviceConfig(_Checked):
         "linear runs row by row and every prompt token attends alone (README.md: measured "
         "cost).",
     )
+    enforce_eager: bool = _f(
+        False,
+        "CUDA only: run every step eagerly, capturing no CUDA graphs (vLLM's flag): a faster "
+        "start and less GPU memory, slower steps.",
+    )
 
 
 @dataclass(frozen=True)

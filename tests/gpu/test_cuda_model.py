@@ -238,6 +238,21 @@ def test_execute_runs_the_sampler_on_gpu_logits():
         schedule = {sid: 1 for sid in schedule}        # then decode steps (graphs)
 
 
+def test_enforce_eager_captures_no_graph(monkeypatch):
+    """--enforce-eager (make_cuda_runner's graphs=False): our kernels, no decode graphs and no
+    piecewise ones, whatever LLMSERVE_PIECEWISE_GRAPHS says; the steps still compute."""
+    from llmserve.worker.cuda_graphs import make_cuda_runner
+
+    monkeypatch.setenv("LLMSERVE_PIECEWISE_GRAPHS", "1")
+    model = build_model(CONFIG, weights(), torch.bfloat16, torch.device("cuda"))
+    runner = make_cuda_runner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, torch.device("cuda"), max_num_seqs=8,
+                              max_model_len=256, max_num_batched_tokens=256, graphs=False)
+    assert isinstance(runner, CudaModelRunner) and not runner.graphs.use_graphs and runner.pieces is None
+    plain = cuda_runner(graphs=False)
+    for plan in scenario_plans(CONFIG["vocab_size"], NUM_BLOCKS, decode_steps=3):
+        assert torch.equal(step_logits(runner, plan), step_logits(plain, plan))
+
+
 @pytest.fixture(scope="module")
 def kernel_shaped_model(tmp_path_factory):
     """The tiny test model with head_dim 64 (2 query heads over 1 kv head), a shape the

@@ -123,6 +123,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         assert _config(["--max-model-len", text]).model.max_model_len == tokens
     assert _config(["--async-scheduling"]).scheduler.async_scheduling == "on"
     assert _config(["--no-async-scheduling"]).scheduler.async_scheduling == "off"
+    assert _config(["--enforce-eager"]).device.enforce_eager and not _config([]).device.enforce_eager
     assert _config([]).scheduler.async_scheduling == "auto"
     origins = _config(["--allowed-origins", '["https://a.example", "*"]', "--allowed-origins", "null"])
     assert origins.server.allowed_origins == ("https://a.example", "*", "null")

@@ -324,7 +324,8 @@ def build_engine(cfg: Config) -> Engine:
 
         reserve = activation_reserve_bytes(
             hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"],
-            batched_tokens(cfg, device), cfg.scheduler.max_num_seqs, piecewise=piecewise_requested())
+            batched_tokens(cfg, device), cfg.scheduler.max_num_seqs,
+            piecewise=piecewise_requested() and not cfg.device.enforce_eager)
         num_blocks = kv_blocks_from_free_memory(device, per_block, cfg.cache.gpu_memory_utilization,
                                                 reserve)
     else:
@@ -415,7 +416,8 @@ def build_engine(cfg: Config) -> Engine:
 
         runner = make_cuda_runner(model, num_blocks, block_size, dtype, device,
                                   max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
-                                  max_num_batched_tokens=batched_tokens(cfg, device))
+                                  max_num_batched_tokens=batched_tokens(cfg, device),
+                                  graphs=not cfg.device.enforce_eager)
     else:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")

@@ -421,9 +421,11 @@ class CudaModelRunner(ModelRunner):
 
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, *, max_num_seqs: int, max_model_len: int,
-                     max_num_batched_tokens: int = 8192, seed: int | None = None) -> ModelRunner:
+                     max_num_batched_tokens: int = 8192, seed: int | None = None,
+                     graphs: bool = True) -> ModelRunner:
     """The runner for a CUDA device: CudaModelRunner when our kernels serve this model here,
-    else (with a warning saying why) the torch reference path, which runs on CUDA too."""
+    else (with a warning saying why) the torch reference path, which runs on CUDA too.
+    `graphs` False (--enforce-eager): no CUDA graphs of any kind."""
     from llmserve import kernels
 
     why = kernels_unused_because(model, block_size, dtype)
@@ -433,8 +435,10 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
     # (an MoE layer reads on the host which experts a step runs: no graph can hold it. LoRA
     # adapters do too, which rows each takes: steps with adapter rows run eagerly, the others
     # replay graphs, DecodeGraphs.padded_size)
-    graphs = model.config.moe is None
     if not graphs:
+        log.info("--enforce-eager: every step runs eagerly, no CUDA graphs")
+    elif model.config.moe is not None:
+        graphs = False
         log.info("mixture-of-experts layers: decode steps run eagerly, not as CUDA graphs")
     return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs,
