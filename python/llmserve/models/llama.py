@@ -326,7 +326,9 @@ class DecoderLayer(nn.Module):
         """`forward` with each residual add done by the norm after it (ops.fused_add_rms_norm,
         in place): the layer's input is h + pending (pending None: h alone), and it returns
         (h, pending) of the next layer's input the same way, its MLP output not yet added.
-        The adds and norms round as `forward`'s do, so the results are the same."""
+        The adds and norms round where `forward`'s do; only a row's sum of squares, taken in
+        another order by a kernel, can move a result. Mutates h (the embeddings' output or the
+        previous layer's) in place."""
         if pending is None:
             x = self.input_norm(h)
         else:
