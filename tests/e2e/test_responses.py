@@ -325,6 +325,9 @@ def test_conversations_hold_the_turns_of_their_responses(client):
     assert [i.id for i in items][2] == first.output[0].id and items[4].content[0].text == second.output_text
     newest = client.conversations.items.list(conv.id, limit=1)
     assert [i.id for i in newest.data] == [items[4].id] and newest.has_more
+    # a stored response lists the conversation it answered: the items before it, then its input
+    answered = [i.id for i in client.responses.input_items.list(second.id, order="asc")]
+    assert answered == [i.id for i in items[:4]]
 
     # items added by hand, read and deleted by id; a conversation item can be referenced
     added = client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"}])

@@ -20,36 +20,16 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::item_log::{Item, Log};
 
-/// Bytes counted per item and per conversation beside their JSON text (ids, bookkeeping).
-const ITEM_OVERHEAD: usize = 64;
+/// Bytes counted per conversation beside its items' JSON text (its id, bookkeeping).
 const CONVERSATION_OVERHEAD: usize = 256;
-
-/// One item, as JSON text, with its id.
-struct Entry {
-    id: String,
-    json: Box<[u8]>,
-}
-
-impl Entry {
-    fn new(item: &Value) -> Self {
-        let id = item["id"].as_str().unwrap_or_default().to_string();
-        Self { id, json: serde_json::to_vec(item).expect("JSON values serialize").into_boxed_slice() }
-    }
-
-    fn bytes(&self) -> usize {
-        self.json.len() + self.id.len() + ITEM_OVERHEAD
-    }
-
-    fn value(&self) -> Value {
-        serde_json::from_slice(&self.json).unwrap_or_default()
-    }
-}
 
 struct Conversation {
     created_at: u64,
     metadata: Map<String, Value>,
-    items: Vec<Entry>,
+    /// Its items, oldest first (shared with the stored responses that answered them).
+    items: Arc<Log>,
     /// When it was last read or changed (the store's clock): the least recent go first.
     used: u64,
     /// A response is running on it (a [`Lease`] is held).
@@ -59,11 +39,16 @@ struct Conversation {
 impl Conversation {
     fn bytes(&self) -> usize {
         let metadata: usize = self.metadata.iter().map(|(k, v)| k.len() + v.as_str().map_or(0, str::len)).sum();
-        CONVERSATION_OVERHEAD + metadata + self.items.iter().map(Entry::bytes).sum::<usize>()
+        CONVERSATION_OVERHEAD + metadata + self.items.bytes()
     }
 
     fn object(&self, id: &str) -> Value {
         json!({"id": id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata})
+    }
+
+    /// Its item with id `item` (the last, should an id be there twice).
+    fn find(&self, item: &str) -> Option<Arc<Item>> {
+        self.items.items().into_iter().rev().find(|e| e.id() == item)
     }
 }
 
@@ -132,16 +117,16 @@ fn locked(id: &str) -> ApiError {
 
 /// The first of `items` whose id is already in `held` or repeats an earlier one of them: a
 /// 400 naming it at `{param}[i].id`.
-fn check_unique<'a>(held: impl Iterator<Item = &'a str>, items: &[Value], param: &str) -> Result<(), ApiError> {
-    let mut seen: HashSet<&str> = held.collect();
+fn check_unique(held: &Log, items: &[Arc<Item>], param: &str) -> Result<(), ApiError> {
+    let held = held.items();
+    let mut seen: HashSet<&str> = held.iter().map(|e| e.id()).collect();
     for (i, item) in items.iter().enumerate() {
-        if let Some(id) = item["id"].as_str() {
-            if !seen.insert(id) {
-                return Err(ApiError::invalid(
-                    format!("{param}[{i}].id"),
-                    format!("Duplicate item found with id {id:?}: an item is in a conversation once."),
-                ));
-            }
+        let id = item.id();
+        if !id.is_empty() && !seen.insert(id) {
+            return Err(ApiError::invalid(
+                format!("{param}[{i}].id"),
+                format!("Duplicate item found with id {id:?}: an item is in a conversation once."),
+            ));
         }
     }
     Ok(())
@@ -162,12 +147,12 @@ impl ConversationStore {
     /// A new conversation of `items` (each listed, with its `id`): its object.
     pub fn create(&self, metadata: Map<String, Value>, items: &[Value]) -> Result<Value, ApiError> {
         let id = crate::protocol::common::new_id("conv").replacen('-', "_", 1);
+        let items: Vec<Arc<Item>> = items.iter().map(Item::new).collect();
+        check_unique(&Log::empty(), &items, "items")?;
         let mut inner = self.lock();
         let used = inner.tick();
         let created_at = crate::protocol::common::unix_now();
-        check_unique(std::iter::empty(), items, "items")?;
-        let entries = items.iter().map(Entry::new).collect();
-        let conversation = Conversation { created_at, metadata, items: entries, used, busy: false };
+        let conversation = Conversation { created_at, metadata, items: Log::of(items), used, busy: false };
         let size = conversation.bytes();
         if size > self.capacity {
             return Err(too_large("items"));
@@ -210,42 +195,48 @@ impl ConversationStore {
     /// make it larger than the whole bound (a 400 on `param`), and with `or_forget`, forgotten
     /// then.
     pub fn append(&self, id: &str, items: &[Value], param: &str, or_forget: bool) -> Result<(), ApiError> {
-        self.append_as(id, items, param, or_forget, false)
+        self.append_as(id, items.iter().map(Item::new).collect(), param, or_forget, false)
     }
 
     /// `append`, by the response holding the conversation when `held`.
-    fn append_as(&self, id: &str, items: &[Value], param: &str, or_forget: bool, held: bool) -> Result<(), ApiError> {
-        let entries: Vec<Entry> = items.iter().map(Entry::new).collect();
-        let extra: usize = entries.iter().map(Entry::bytes).sum();
+    fn append_as(
+        &self,
+        id: &str,
+        items: Vec<Arc<Item>>,
+        param: &str,
+        or_forget: bool,
+        held: bool,
+    ) -> Result<(), ApiError> {
         let mut inner = self.lock();
         let conversation = if held { inner.get(id)? } else { inner.get_free(id)? };
-        check_unique(conversation.items.iter().map(|e| e.id.as_str()), items, param)?;
-        let size = conversation.bytes();
-        if size + extra > self.capacity {
+        check_unique(&conversation.items, &items, param)?;
+        let before = conversation.bytes();
+        let grown = Log::extend(&conversation.items, items);
+        let extra = grown.bytes() - conversation.items.bytes();
+        if before + extra > self.capacity {
             if or_forget {
                 inner.map.remove(id);
-                inner.bytes -= size;
+                inner.bytes -= before;
             }
             return Err(too_large(param));
         }
         inner.make_room(self.capacity, extra, id);
-        inner.get(id)?.items.extend(entries);
+        inner.get(id)?.items = grown;
         inner.bytes += extra;
         Ok(())
     }
 
     /// All its items, oldest first.
     pub fn items(&self, id: &str) -> Result<Vec<Value>, ApiError> {
-        // (parsed outside the lock: the texts are copied out)
-        let texts: Vec<Box<[u8]>> = self.lock().get(id)?.items.iter().map(|e| e.json.clone()).collect();
-        Ok(texts.iter().map(|t| serde_json::from_slice(t).unwrap_or_default()).collect())
+        let log = self.lock().get(id)?.items.clone();
+        // (parsed outside the lock)
+        Ok(log.values())
     }
 
     /// Its item with id `item` (the last, should an id be there twice), or a 404.
     pub fn item(&self, id: &str, item: &str) -> Result<Value, ApiError> {
-        let mut inner = self.lock();
-        let found = inner.get(id)?.items.iter().rev().find(|e| e.id == item).map(Entry::value);
-        found.ok_or_else(|| item_not_found(id, item))
+        let found = self.lock().get(id)?.find(item);
+        found.map(|e| e.value()).ok_or_else(|| item_not_found(id, item))
     }
 
     /// Removes its item with id `item`: its object, a 404, or a 400 while a response runs on
@@ -254,30 +245,34 @@ impl ConversationStore {
         let mut inner = self.lock();
         let conversation = inner.get_free(id)?;
         let before = conversation.bytes();
-        conversation.items.retain(|e| e.id != item);
-        let after = conversation.bytes();
-        if after == before {
+        let items = conversation.items.items();
+        let kept: Vec<Arc<Item>> = items.iter().filter(|e| e.id() != item).cloned().collect();
+        if kept.len() == items.len() {
             return Err(item_not_found(id, item));
         }
+        // (a new log: the stored responses that answered the item keep the old one)
+        conversation.items = Log::of(kept);
+        let after = conversation.bytes();
         let object = conversation.object(id);
-        inner.bytes -= before - after;
+        inner.bytes = inner.bytes + after - before;
         Ok(object)
     }
 
     /// Holds conversation `id` for a response about to run on it, which `items` (listed, with
     /// their ids) will join: a 404, a 400 `conversation_locked` while another response runs on
     /// it, or a 400 at `input[i].id` for an item already in it. The conversation's items go
-    /// with the lease, as the response reads them.
-    pub fn acquire(self: &Arc<Self>, id: &str, items: &[Value]) -> Result<(Lease, Vec<Value>), ApiError> {
-        let texts: Vec<Box<[u8]>> = {
+    /// with the lease, as the response reads them, and as the log a stored response extends.
+    pub fn acquire(self: &Arc<Self>, id: &str, items: &[Arc<Item>]) -> Result<(Lease, Vec<Value>, Arc<Log>), ApiError> {
+        let log = {
             let mut inner = self.lock();
             let conversation = inner.get_free(id)?;
-            check_unique(conversation.items.iter().map(|e| e.id.as_str()), items, "input")?;
+            check_unique(&conversation.items, items, "input")?;
             conversation.busy = true;
-            conversation.items.iter().map(|e| e.json.clone()).collect()
+            conversation.items.clone()
         };
         let lease = Lease { store: self.clone(), id: id.to_string(), held: AtomicBool::new(true) };
-        Ok((lease, texts.iter().map(|t| serde_json::from_slice(t).unwrap_or_default()).collect()))
+        let values = log.values();
+        Ok((lease, values, log))
     }
 
     fn release(&self, id: &str) {
@@ -290,7 +285,7 @@ impl ConversationStore {
     /// an `item_reference`.
     pub fn find(&self, item: &str) -> Option<Value> {
         let inner = self.lock();
-        let holders = inner.map.values().filter_map(|c| Some((c.used, c.items.iter().rev().find(|e| e.id == item)?)));
+        let holders = inner.map.values().filter_map(|c| Some((c.used, c.find(item)?)));
         holders.max_by_key(|(used, _)| *used).map(|(_, e)| e.value())
     }
 }
@@ -312,7 +307,7 @@ impl Lease {
     /// Adds the finished response's `items` to the conversation (forgetting it when they
     /// would make it larger than the store's bound, so that its next use says so), then
     /// releases it.
-    pub fn finish(&self, items: &[Value]) {
+    pub fn finish(&self, items: Vec<Arc<Item>>) {
         // (a conversation deleted meanwhile takes nothing)
         let _ = self.store.append_as(&self.id, items, "conversation", true, true);
         self.release();
@@ -385,7 +380,7 @@ mod tests {
         let one = Conversation {
             created_at: 0,
             metadata: Map::new(),
-            items: vec![Entry::new(&item("m", "x"))],
+            items: Log::of(vec![Item::new(&item("m", "x"))]),
             used: 0,
             busy: false,
         }

@@ -14,6 +14,7 @@ pub mod conversation_store;
 pub mod detokenizer;
 pub mod error;
 pub mod fim;
+pub mod item_log;
 pub mod lora;
 pub mod protocol;
 pub mod reasoning;

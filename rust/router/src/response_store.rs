@@ -2,16 +2,19 @@
 //! produced, kept in memory so that a later request can continue it (`previous_response_id`)
 //! and `GET /v1/responses/{id}` can read it back.
 //!
-//! What is kept: the response object as sent, and the conversation it answered as Responses
-//! items (the items of the responses it continued, then its own input; `instructions` are
-//! not carried over, as in OpenAI's), both as JSON text: the bytes counted against the bound
-//! (`--responses-store-mib`) are the memory held. Past the bound the oldest responses are
-//! forgotten first; one larger than the whole bound is not kept. It lives as long as the
-//! process: one server's responses are not known to another replica.
+//! What is kept: the response object as sent, as JSON text, and the conversation it answered
+//! as Responses items (the items of the responses it continued, then its own input;
+//! `instructions` are not carried over, as in OpenAI's). The conversation is a [`Log`] that
+//! shares the items of the one it continued rather than copying them, so a chain of N
+//! responses keeps N responses' items, not N²/2. The bytes counted against the bound
+//! (`--responses-store-mib`) are the memory held, each shared item once. Past the bound the
+//! oldest responses are forgotten first (the items a newer one still lists stay with it); one
+//! larger than the whole bound is not kept. It lives as long as the process: one server's
+//! responses are not known to another replica.
 //!
 //! Every item a stored response holds (its conversation's and its output's, each with an
 //! `id`) can be sent again by reference (`{"type": "item_reference", "id"}`): the store
-//! indexes the ids and reads the item back from the newest response that holds it.
+//! indexes the ids and reads the item back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -19,70 +22,75 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::item_log::{Holdings, Item, Log};
 
-/// One stored response, as JSON text (a tree of values would take several times its size).
+/// Bytes counted per response beside its JSON text (its id, twice, and bookkeeping).
+const RESPONSE_OVERHEAD: usize = 128;
+
+/// One stored response.
 #[derive(Debug)]
 pub struct Stored {
-    /// The response object, as the client got it (the final one, when streamed).
+    /// The response object, as the client got it (the final one, when streamed), as JSON text
+    /// (a tree of values would take several times its size).
     body: Vec<u8>,
-    /// The conversation it answered: a JSON array of input items (each with an `id`).
-    input: Vec<u8>,
-    /// The ids of its items, input and output, each once.
-    item_ids: Vec<String>,
+    /// The conversation it answered: input items, each with an `id`.
+    input: Arc<Log>,
+    /// `input`, then its output items: what a response continuing it answers first.
+    answered: Arc<Log>,
 }
 
 impl Stored {
-    pub fn new(body: &Value, input: &[Value]) -> Self {
-        let output = body["output"].as_array().map(Vec::as_slice).unwrap_or_default();
-        let mut item_ids: Vec<String> =
-            input.iter().chain(output).filter_map(|i| i["id"].as_str()).map(str::to_string).collect();
-        item_ids.sort_unstable();
-        item_ids.dedup();
-        let body = serde_json::to_vec(body).expect("JSON values serialize");
-        Self { body, input: serde_json::to_vec(input).expect("JSON values serialize"), item_ids }
+    /// The response `body` to the conversation `input`.
+    pub fn new(body: &Value, input: Arc<Log>) -> Self {
+        let output = body["output"].as_array().map_or_else(Vec::new, |o| o.iter().map(Item::new).collect());
+        Self::with_output(body, input, output)
     }
 
-    /// The memory it holds, its entries in the item index included.
+    /// `new`, with `body`'s output items made already.
+    pub fn with_output(body: &Value, input: Arc<Log>, output: Vec<Arc<Item>>) -> Self {
+        let answered = Log::extend(&input, output);
+        Self { body: serde_json::to_vec(body).expect("JSON values serialize"), input, answered }
+    }
+
+    /// The conversation it answered, then its output items: the log a continuation extends.
+    pub fn answered(&self) -> &Arc<Log> {
+        &self.answered
+    }
+
+    /// The memory its body holds.
     fn bytes(&self) -> usize {
-        self.body.len() + self.input.len() + self.item_ids.iter().map(|i| 2 * i.len() + 48).sum::<usize>()
+        self.body.len() + RESPONSE_OVERHEAD
     }
 
-    /// The conversation it answered, as input items.
-    pub fn input(&self) -> Vec<Value> {
-        serde_json::from_slice(&self.input).unwrap_or_default()
-    }
-
-    /// The response's output items.
-    pub fn output(&self) -> Vec<Value> {
-        let body: Value = serde_json::from_slice(&self.body).unwrap_or_default();
-        body["output"].as_array().cloned().unwrap_or_default()
+    /// The memory it holds stored alone.
+    fn bytes_alone(&self) -> usize {
+        self.bytes() + self.answered.bytes()
     }
 }
 
 #[derive(Default)]
 pub struct Inner {
-    map: HashMap<String, (Arc<Stored>, usize)>,
+    map: HashMap<String, Arc<Stored>>,
     /// Ids, oldest first.
     order: VecDeque<String>,
-    /// Item id -> the ids of the responses that hold the item, oldest first.
-    items: HashMap<String, Vec<String>>,
+    /// The stored responses' items.
+    held: Holdings,
+    /// The stored responses' bodies' bytes.
     bytes: usize,
 }
 
 impl Inner {
-    /// Forgets the response `id` and its entries in the item index; its size, if it was kept.
-    fn remove(&mut self, id: &str) -> Option<usize> {
-        let (stored, size) = self.map.remove(id)?;
-        self.bytes -= size;
-        for item in &stored.item_ids {
-            if let Some(holders) = self.items.get_mut(item) {
-                holders.retain(|r| r != id);
-                if holders.is_empty() {
-                    self.items.remove(item);
-                }
-            }
-        }
-        Some(size)
+    /// Forgets the response `id`, and the items only it held; whether it was kept.
+    fn remove(&mut self, id: &str) -> bool {
+        let Some(stored) = self.map.remove(id) else { return false };
+        self.bytes -= stored.bytes();
+        self.held.release(&stored.answered);
+        true
+    }
+
+    /// The memory held.
+    fn total(&self) -> usize {
+        self.bytes + self.held.bytes()
     }
 }
 
@@ -97,47 +105,44 @@ impl ResponseStore {
     /// Keeps `stored` under `id`, forgetting the oldest responses past the bound. One larger
     /// than the whole bound is not kept.
     pub fn put(&self, id: &str, stored: Stored) {
-        let size = stored.bytes();
-        if size > self.capacity {
+        if stored.bytes_alone() > self.capacity {
             return;
         }
         let mut inner = self.lock();
-        if inner.remove(id).is_some() {
+        if inner.remove(id) {
             inner.order.retain(|k| k != id);
         }
-        while inner.bytes + size > self.capacity {
+        // (held first: the items it shares with the oldest are not counted twice meanwhile;
+        // and as it alone fits, the loop stops before it)
+        inner.bytes += stored.bytes();
+        inner.held.hold(&stored.answered);
+        inner.map.insert(id.to_string(), Arc::new(stored));
+        inner.order.push_back(id.to_string());
+        while inner.total() > self.capacity {
             let Some(oldest) = inner.order.pop_front() else { break };
             inner.remove(&oldest);
         }
-        inner.bytes += size;
-        inner.order.push_back(id.to_string());
-        for item in &stored.item_ids {
-            inner.items.entry(item.clone()).or_default().push(id.to_string());
-        }
-        inner.map.insert(id.to_string(), (Arc::new(stored), size));
     }
 
-    /// The item with id `item`, as the newest stored response that holds it lists it (one of
-    /// its conversation's items, or one of its output items).
+    /// The item with id `item` held by a stored response (one of its conversation's items,
+    /// or one of its output items).
     pub fn item(&self, item: &str) -> Option<Value> {
-        let stored = {
-            let inner = self.lock();
-            let newest = inner.items.get(item)?.last()?;
-            inner.map.get(newest)?.0.clone()
-        };
+        let found = self.lock().held.find(item)?;
         // (parsed outside the lock)
-        stored.input().into_iter().chain(stored.output()).find(|i| i["id"] == item)
+        Some(found.value())
     }
 
     /// The response stored under `id`, or a 404.
     pub fn get(&self, id: &str) -> Result<Arc<Stored>, ApiError> {
-        self.lock().map.get(id).map(|(s, _)| s.clone()).ok_or_else(|| not_found(id))
+        self.lock().map.get(id).cloned().ok_or_else(|| not_found(id))
     }
 
     /// Forgets `id`: the `DELETE /v1/responses/{id}` body, or a 404.
     pub fn delete(&self, id: &str) -> Result<Vec<u8>, ApiError> {
         let mut inner = self.lock();
-        inner.remove(id).ok_or_else(|| not_found(id))?;
+        if !inner.remove(id) {
+            return Err(not_found(id));
+        }
         inner.order.retain(|k| k != id);
         Ok(serde_json::to_vec(&json!({"id": id, "object": "response", "deleted": true})).expect("JSON serializes"))
     }
@@ -158,7 +163,7 @@ impl ResponseStore {
         after: Option<&str>,
     ) -> Result<Vec<u8>, ApiError> {
         let stored = self.get(id)?;
-        page(stored.input(), order, limit, after)
+        page(stored.input.values(), order, limit, after)
     }
 }
 
@@ -229,13 +234,21 @@ pub(crate) fn page_of(
 mod tests {
     use super::*;
 
+    fn log(items: &[Value]) -> Arc<Log> {
+        Log::of(items.iter().map(Item::new).collect())
+    }
+
     fn stored(text: &str) -> Stored {
-        Stored::new(&json!({"output": [text]}), &[json!({"id": "msg_1", "content": text})])
+        Stored::new(&json!({"output": [text]}), log(&[json!({"id": "msg_1", "content": text})]))
+    }
+
+    fn item(id: &str, text: &str) -> Value {
+        json!({"id": id, "type": "message", "role": "user", "content": text})
     }
 
     #[test]
     fn the_oldest_go_first_past_the_bound() {
-        let one = stored("aaaa").bytes();
+        let one = stored("aaaa").bytes_alone();
         let store = ResponseStore::new(2 * one);
         store.put("a", stored("aaaa"));
         store.put("b", stored("bbbb"));
@@ -251,34 +264,118 @@ mod tests {
         // one larger than the bound is not kept, and forgets nothing
         store.put("big", stored(&"x".repeat(4 * one)));
         assert!(store.get("big").is_err() && store.get("c").is_ok());
+        assert_eq!(store.lock().total(), 2 * one);
     }
 
     #[test]
     fn items_are_found_by_id_while_a_response_holds_them() {
-        let item = |id: &str, text: &str| json!({"id": id, "type": "message", "role": "user", "content": text});
         let store = ResponseStore::new(1 << 20);
         let output = json!({"output": [{"id": "msg_out", "type": "message", "role": "assistant"}]});
-        store.put("r1", Stored::new(&output, &[item("msg_a", "first")]));
+        store.put("r1", Stored::new(&output, log(&[item("msg_a", "first")])));
         assert_eq!(store.item("msg_a").unwrap()["content"], "first");
         assert_eq!(store.item("msg_out").unwrap()["role"], "assistant");
         assert_eq!(store.item("msg_nope"), None);
         // a continuation holds the same items: the newest holder answers, and the item
         // outlives the response that first held it
-        store.put("r2", Stored::new(&json!({"output": []}), &[item("msg_a", "first"), item("msg_a", "first")]));
+        store.put("r2", Stored::new(&json!({"output": []}), log(&[item("msg_a", "first"), item("msg_a", "first")])));
         store.delete("r1").unwrap();
         assert_eq!(store.item("msg_a").unwrap()["content"], "first");
         assert_eq!(store.item("msg_out"), None);
         store.delete("r2").unwrap();
         assert_eq!(store.item("msg_a"), None);
+        assert_eq!(store.lock().total(), 0);
         // forgotten past the bound, or replaced under the same id
-        let one = Stored::new(&json!({"output": []}), &[item("msg_b", "b")]).bytes();
+        let one = Stored::new(&json!({"output": []}), log(&[item("msg_b", "b")])).bytes_alone();
         let small = ResponseStore::new(one);
-        small.put("r", Stored::new(&json!({"output": []}), &[item("msg_b", "b")]));
-        small.put("r", Stored::new(&json!({"output": []}), &[item("msg_c", "c")]));
+        small.put("r", Stored::new(&json!({"output": []}), log(&[item("msg_b", "b")])));
+        small.put("r", Stored::new(&json!({"output": []}), log(&[item("msg_c", "c")])));
         assert_eq!((small.item("msg_b"), small.item("msg_c").is_some()), (None, true));
-        small.put("s", Stored::new(&json!({"output": []}), &[item("msg_d", "d")]));
+        small.put("s", Stored::new(&json!({"output": []}), log(&[item("msg_d", "d")])));
         assert_eq!((small.item("msg_c"), small.item("msg_d").is_some()), (None, true));
-        assert!(small.lock().items.len() == 1);
+        assert!(small.lock().held.counts() == (1, 1));
+    }
+
+    /// A chain of responses, each continuing the last (`previous_response_id`), as
+    /// `prepare` and `keep` store it.
+    fn chain(store: &ResponseStore, turns: usize, text: &str) {
+        let mut previous = Log::empty();
+        for t in 0..turns {
+            let input = Log::extend(&previous, vec![Item::new(&item(&format!("msg_in{t}"), text))]);
+            let output = json!({"output": [{"id": format!("msg_out{t}"), "type": "message", "content": text}]});
+            let stored = Stored::new(&output, input);
+            previous = stored.answered().clone();
+            store.put(&format!("resp_{t}"), stored);
+        }
+    }
+
+    #[test]
+    fn a_chain_of_responses_keeps_each_item_once() {
+        let turns = 200;
+        let text = "x".repeat(500);
+        let store = ResponseStore::new(1 << 30);
+        chain(&store, turns, &text);
+        // every response lists its whole conversation...
+        let last: Value =
+            serde_json::from_slice(&store.input_items("resp_199", "asc", Some("100"), None).unwrap()).unwrap();
+        assert_eq!(last["data"][0]["id"], "msg_in0");
+        assert_eq!(last["data"][1]["id"], "msg_out0");
+        assert_eq!(store.get("resp_199").unwrap().input.len(), 2 * turns - 1);
+        let first: Value = serde_json::from_slice(&store.input_items("resp_0", "asc", None, None).unwrap()).unwrap();
+        assert_eq!(first["data"].as_array().unwrap().len(), 1);
+        // ...while the store holds each of its 2 x 200 items once: linear, not N²/2
+        let held = store.lock().total();
+        assert!(held < 2 * turns * (text.len() + 300) + turns * 1000, "{held}");
+        assert_eq!(store.lock().held.counts().1, 2 * turns);
+        // the oldest forgotten, their items stay while a newer response lists them
+        store.delete("resp_0").unwrap();
+        assert_eq!(store.item("msg_in0").unwrap()["id"], "msg_in0");
+        for t in 1..turns {
+            store.delete(&format!("resp_{t}")).unwrap();
+        }
+        let inner = store.lock();
+        assert_eq!((inner.total(), inner.held.counts()), (0, (0, 0)));
+        drop(inner);
+        // past the bound the oldest go, and what is held stays within it; a response whose
+        // conversation alone is larger than the bound is not kept
+        let bound = held / 3;
+        let small = ResponseStore::new(bound);
+        chain(&small, turns, &text);
+        let kept = small.lock().map.len();
+        let total = small.lock().total();
+        assert!(total <= bound && kept > 0, "{kept}");
+        let newest = small.lock().order.back().cloned().unwrap();
+        assert!(small.get(&newest).unwrap().input.len() > 2 * 20 && small.get("resp_199").is_err(), "{newest}");
+    }
+
+    #[test]
+    fn responses_on_a_conversation_share_its_items() {
+        use crate::conversation_store::ConversationStore;
+        let conversations = Arc::new(ConversationStore::new(1 << 30));
+        let store = ResponseStore::new(1 << 30);
+        let conv = conversations.create(serde_json::Map::new(), &[]).unwrap();
+        let conv = conv["id"].as_str().unwrap();
+        let (turns, text) = (100, "y".repeat(500));
+        for t in 0..turns {
+            // as `prepare` and `keep` run a response on it
+            let input = vec![Item::new(&item(&format!("msg_in{t}"), &text))];
+            let (lease, values, log) = conversations.acquire(conv, &input).unwrap();
+            assert_eq!(values.len(), 2 * t);
+            let output = vec![Item::new(&item(&format!("msg_out{t}"), &text))];
+            let answered = Log::extend(&log, input.clone());
+            store.put(&format!("resp_{t}"), Stored::with_output(&json!({"output": []}), answered, output.clone()));
+            lease.finish(input.into_iter().chain(output).collect());
+        }
+        assert_eq!(conversations.items(conv).unwrap().len(), 2 * turns);
+        assert_eq!(store.get("resp_99").unwrap().input.len(), 2 * turns - 1);
+        // each item is held once by the response store (and once by the conversation store)
+        let held = store.lock().total();
+        assert!(held < 2 * turns * (text.len() + 300) + turns * 1000, "{held}");
+        assert_eq!(store.lock().held.counts().1, 2 * turns);
+        // deleting an item from the conversation leaves the responses that answered it whole
+        conversations.delete_item(conv, "msg_in0").unwrap();
+        assert_eq!(conversations.items(conv).unwrap().len(), 2 * turns - 1);
+        assert_eq!(store.get("resp_99").unwrap().input.values()[0]["id"], "msg_in0");
+        assert_eq!(store.item("msg_in0").unwrap()["id"], "msg_in0");
     }
 
     #[test]
@@ -286,7 +383,7 @@ mod tests {
         let store = ResponseStore::new(1 << 20);
         let input: Vec<Value> =
             (0..5).map(|i| json!({"id": format!("msg_{i}"), "role": "user", "content": "x"})).collect();
-        store.put("r", Stored::new(&json!({}), &input));
+        store.put("r", Stored::new(&json!({}), log(&input)));
         let page = |order: &str, limit: &str, after: Option<&str>| -> Value {
             serde_json::from_slice(&store.input_items("r", order, Some(limit), after).unwrap()).unwrap()
         };

@@ -463,6 +463,7 @@ fn item_references_are_the_stored_items() {
     assert_eq!(next.prompts, hello_world_then_x(&r));
     assert_eq!(header(&next, "llmserve-ignored-fields"), None);
     let (_, conversation) = next.responses.as_ref().unwrap().store.clone().unwrap();
+    let conversation = conversation.values();
     let ids: Vec<&str> = conversation.iter().map(|i| i["id"].as_str().unwrap()).collect();
     assert_eq!(ids[..2], ["msg_hello", answer.as_str()]);
     assert_eq!(conversation[1]["content"][0]["text"], "world");

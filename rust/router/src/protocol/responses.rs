@@ -55,6 +55,7 @@ use super::common::{
 use super::{chat, Checked, Endpoint};
 use crate::conversation_store::Lease;
 use crate::error::ApiError;
+use crate::item_log::{Item, Log};
 use crate::response_store::ResponseStore;
 use crate::router::Router;
 
@@ -107,7 +108,7 @@ pub struct Echo {
     pub fields: Map<String, Value>,
     /// `store`: the store the finished response goes to, and the conversation it answered
     /// (the continued responses' items, then this request's input, each with an `id`).
-    pub store: Option<(Arc<ResponseStore>, Vec<Value>)>,
+    pub store: Option<(Arc<ResponseStore>, Arc<Log>)>,
     /// `conversation`: the conversation the finished response's items join.
     pub conversation: Option<Joins>,
 }
@@ -118,18 +119,21 @@ pub struct Echo {
 #[derive(Clone, Debug)]
 pub struct Joins {
     pub id: String,
-    pub input: Vec<Value>,
+    pub input: Vec<Arc<Item>>,
     pub lease: Option<Arc<Lease>>,
 }
 
 impl PartialEq for Echo {
     fn eq(&self, other: &Self) -> bool {
         let store = match (&self.store, &other.store) {
-            (Some((a, x)), Some((b, y))) => Arc::ptr_eq(a, b) && x == y,
+            (Some((a, x)), Some((b, y))) => Arc::ptr_eq(a, b) && x.values() == y.values(),
             (a, b) => a.is_none() && b.is_none(),
         };
         let conversation = match (&self.conversation, &other.conversation) {
-            (Some(a), Some(b)) => a.id == b.id && a.input == b.input,
+            (Some(a), Some(b)) => {
+                let values = |items: &[Arc<Item>]| items.iter().map(|i| i.value()).collect::<Vec<_>>();
+                a.id == b.id && values(&a.input) == values(&b.input)
+            }
             (a, b) => a.is_none() && b.is_none(),
         };
         self.fields == other.fields && store && conversation
@@ -825,10 +829,10 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         }
     };
     // the items continued: a `previous_response_id`'s conversation and then its output (a
-    // conversation's: below, once the input is read)
-    let mut previous =
+    // conversation's: below, once the input is read), as values and as the log they are
+    let (mut previous, mut continued) =
         match set(obj, "previous_response_id") {
-            None => Vec::new(),
+            None => (Vec::new(), Log::empty()),
             Some(_) if !store.enabled() => return Err(unsupported(
                 "previous_response_id",
                 "`previous_response_id` is not supported: this server stores no responses (--responses-store-mib 0). \
@@ -845,9 +849,8 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
                         ),
                     )
                 })?;
-                let mut items = stored.input();
-                items.extend(stored.output());
-                items
+                let log = stored.answered().clone();
+                (log.values(), log)
             }
             Some(other) => {
                 return Err(invalid_type(
@@ -905,18 +908,18 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     let resolved = resolve_references(router, obj.get("input"), "input", &mut ignored)?;
     let input = resolved.as_ref().or(obj.get("input"));
     // the input items as a stored response or a conversation keeps them (with ids)
-    let listed_input: Vec<Value> = match input {
+    let listed_input: Vec<Arc<Item>> = match input {
         _ if !keep && joins.is_none() => Vec::new(),
-        Some(Value::Array(items)) => items.iter().map(listed).collect(),
-        other => vec![listed(&json!({"type": "message", "role": "user", "content": other}))],
+        Some(Value::Array(items)) => items.iter().map(|i| Item::new(&listed(i))).collect(),
+        other => vec![Item::new(&listed(&json!({"type": "message", "role": "user", "content": other})))],
     };
     // a conversation is held from here until the response's items have joined it
     let mut lease = None;
     match &joins {
         Some(id) if counting => previous = conversations.items(id)?,
         Some(id) => {
-            let (held, items) = conversations.acquire(id, &listed_input)?;
-            (lease, previous) = (Some(Arc::new(held)), items);
+            let (held, items, log) = conversations.acquire(id, &listed_input)?;
+            (lease, previous, continued) = (Some(Arc::new(held)), items, log);
         }
         None => {}
     }
@@ -1105,7 +1108,7 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     echo.insert("top_p".into(), number(prepared.params.top_p));
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
-    let stored = keep.then(|| (store.clone(), previous.into_iter().chain(listed_input.iter().cloned()).collect()));
+    let stored = keep.then(|| (store.clone(), Log::extend(&continued, listed_input.clone())));
     let conversation = joins.map(|id| Joins { id, input: listed_input, lease });
     prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored, conversation }));
     Ok(checked)

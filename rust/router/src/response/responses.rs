@@ -20,11 +20,15 @@
 //! response with no output at all (an empty answer) has one message item with empty text,
 //! streamed and not.
 
+use std::sync::Arc;
+
 use serde_json::{json, Map, Value};
 
 use super::{ChatChunkChoice, ChatLogprob, FinishReason};
+use crate::item_log;
 use crate::protocol::common::{new_id, unix_now};
 use crate::protocol::responses::Echo;
+use crate::response_store::Stored;
 
 /// An item id: OpenAI's prefixes (`msg_`, `rs_`, `fc_`) and a random hex.
 fn item_id(prefix: &str) -> String {
@@ -139,14 +143,15 @@ pub(super) fn response_object(
 /// Stores a finished response, when its request asked for that (`store`), and adds its input
 /// and output items to its conversation (`conversation`).
 pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
+    // (the output items are shared by the stored response and the conversation)
+    let output: Vec<Arc<item_log::Item>> =
+        object["output"].as_array().map_or_else(Vec::new, |o| o.iter().map(item_log::Item::new).collect());
     if let Some((store, input)) = &echo.store {
-        store.put(id, crate::response_store::Stored::new(object, input));
+        store.put(id, Stored::with_output(object, input.clone(), output.clone()));
     }
     let joins = echo.conversation.as_ref();
     if let Some((joins, lease)) = joins.and_then(|j| Some((j, j.lease.as_ref()?))) {
-        let output = object["output"].as_array().map(Vec::as_slice).unwrap_or_default();
-        let items: Vec<Value> = joins.input.iter().chain(output).cloned().collect();
-        lease.finish(&items);
+        lease.finish(joins.input.iter().cloned().chain(output).collect());
     }
 }
 
