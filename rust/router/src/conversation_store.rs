@@ -82,12 +82,12 @@ impl Inner {
         Ok(conversation)
     }
 
-    /// Forgets the least recently used conversations but `keep` until `extra` more bytes fit
-    /// within `capacity`.
+    /// Forgets the least recently used conversations but `keep` and those a response runs on
+    /// (its turn would be lost with it) until `extra` more bytes fit within `capacity`.
     fn make_room(&mut self, capacity: usize, extra: usize, keep: &str) {
         while self.bytes + extra > capacity {
-            let oldest =
-                self.map.iter().filter(|(k, _)| *k != keep).min_by_key(|(_, c)| c.used).map(|(k, _)| k.clone());
+            let free = self.map.iter().filter(|(k, c)| *k != keep && !c.busy);
+            let oldest = free.min_by_key(|(_, c)| c.used).map(|(k, _)| k.clone());
             let Some(oldest) = oldest else { break };
             let gone = self.map.remove(&oldest).expect("just found");
             self.bytes -= gone.bytes();
@@ -404,5 +404,28 @@ mod tests {
         assert_eq!(store.object(&c).unwrap_err().status(), 404);
         assert_eq!(store.create(Map::new(), &[big]).unwrap_err().param(), Some("items"));
         assert_eq!(store.lock().bytes, 0);
+    }
+
+    #[test]
+    fn a_conversation_a_response_runs_on_is_not_forgotten() {
+        let one = Conversation {
+            created_at: 0,
+            metadata: Map::new(),
+            items: Log::of(vec![Item::new(&item("m", "x"))]),
+            used: 0,
+            busy: false,
+        }
+        .bytes();
+        let store = Arc::new(ConversationStore::new(2 * one + one / 4));
+        let a = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
+        let b = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
+        let (lease, _, _) = store.acquire(&a, &[]).unwrap();
+        store.object(&b).unwrap(); // a is the least recently used, but held
+        let c = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
+        assert_eq!(store.object(&b).unwrap_err().status(), 404);
+        assert!(store.object(&c).is_ok());
+        // its turn joins it once done
+        lease.finish(vec![Item::new(&item("n", "y"))]);
+        assert_eq!(store.items(&a).unwrap().len(), 2);
     }
 }
