@@ -32,6 +32,7 @@ class ServerProcess:
 
     def __init__(self, model: str | None, *args: str, env: dict | None = None,
                  ready_timeout: float = 240.0) -> None:
+        self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "llmserve.cli", "run"]

@@ -40,8 +40,8 @@ _VLLM_NO_OPS = {
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
     "--max-lora-rank": "adapters of any rank are served (each is checked against the model at start)",
-    "--max-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
-    "--max-cpu-loras": "every --lora-modules adapter is held at once, and one step may mix them all",
+    "--max-cpu-loras": "every LoRA adapter served is held in memory at once (--max-loras bounds how many run "
+                       "at once)",
 }
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {

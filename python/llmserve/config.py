@@ -141,7 +141,13 @@ class ModelConfig(_Checked):
         (), "LoRA adapters (PEFT folders) served beside the model, each under its own name: NAME=PATH, "
         "or vLLM's JSON form {\"name\": NAME, \"path\": PATH} (several after the flag, or the flag "
         "repeated). A request whose `model` is NAME runs through that adapter; requests for different "
-        "adapters and the base model share steps.", append=True, several=True
+        "adapters and the base model share steps (up to --max-loras adapters).", append=True, several=True
+    )
+    max_loras: int = _f(
+        0, "Most LoRA adapters among the sequences running at once (vLLM's flag; a step runs one "
+        "pass per adapter in it): a request for another adapter waits until one drains, and requests for "
+        "adapters behind it wait too so it is not starved (the base model's do not). 0 (the default, unlike "
+        "vLLM's 1): no bound, since every adapter is held in memory anyway.", min=0
     )
     allow_runtime_lora_updating: bool = _f(
         False, "Open vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and unload "

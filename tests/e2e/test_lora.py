@@ -121,6 +121,25 @@ def test_adapters_and_the_base_share_steps(lora):
     assert 'llmserve:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
 
 
+def test_max_loras_runs_one_adapter_at_a_time(lora):
+    """With --max-loras 1, requests for both adapters and the base model at once still get what
+    each gets alone: the second adapter's wait until the first's drain (the scheduler's tests
+    check the steps); the metric's `max_lora` says the bound."""
+    first, want, (path_a, path_b) = lora
+    server = ServerProcess(first.model, "--served-model-name", "tiny", "--lora-modules", f"a={path_a}",
+                           f"b={path_b}", "--max-loras", "1")
+    try:
+        names = ["a", "b", "tiny", "b", "a"]
+        with (OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client,
+              concurrent.futures.ThreadPoolExecutor(len(names)) as pool):
+            got = list(pool.map(lambda n: _tokens(client, n), names))
+        assert got == [want[n] for n in names]
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'llmserve:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    finally:
+        server.stop()
+
+
 def test_adapters_load_and_unload_while_the_server_runs(lora):
     """With --allow-runtime-lora-updating, vLLM's routes load an adapter under a new name (it
     generates as its merged weights, and is listed), refuse a loaded name unless

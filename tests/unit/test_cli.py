@@ -156,12 +156,17 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
     with caplog.at_level("INFO", logger="llmserve"):
         assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora",
-                         "--max-lora-rank", "64", "--max-loras", "4"]) == 0
+                         "--max-lora-rank", "64", "--max-cpu-loras", "4"]) == 0
     assert "--trust-remote-code has no effect: llmserve runs no code from model repositories" in caplog.text
     assert '--enable-auto-tool-choice has no effect: tool_choice "auto" is always on' in caplog.text
     assert "--enable-lora has no effect: LoRA adapters are served whenever --lora-modules names some" in caplog.text
     assert "--max-lora-rank has no effect: adapters of any rank are served" in caplog.text
-    assert "--max-loras has no effect: every --lora-modules adapter is held at once" in caplog.text
+    assert "--max-cpu-loras has no effect: every LoRA adapter served is held in memory at once" in caplog.text
+    # --max-loras is served: it bounds the adapters running at once (0, the default: no bound)
+    assert _config(["--max-loras", "2"]).model.max_loras == 2
+    assert _config([]).model.max_loras == 0
+    with pytest.raises((ValueError, SystemExit)):
+        _config(["--max-loras", "-1"])
 
 
 @pytest.mark.parametrize("args, says", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import orjson
 import pytest
 import torch
@@ -200,3 +201,38 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
         await engine.drain()
 
     asyncio.run(main())
+
+
+def test_max_loras_bounds_the_adapters_of_a_step(served):
+    """--max-loras 1: requests for two adapters and the base model at once run with at most one
+    adapter per step, and each gets what it gets alone."""
+    folder, adapter = served
+    engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
+                                     lora_modules=[f"x={adapter}", f"y={adapter}"], max_loras=1))
+    steps = []
+
+    async def main():
+        await engine.start()
+        runner = engine.engine.runner
+        execute = runner.execute
+
+        def recording(plan):
+            steps.append({int(i) for i in np.asarray(plan.lora_ids)})
+            return execute(plan)
+
+        runner.execute = recording
+        alone = {name: orjson.loads(await (await engine.submit("completion", _body(name, max_tokens=6))).read_all())
+                 for name in ("x", "tiny")}
+        steps.clear()
+        names = ["x", "y", "tiny", "y", "x"]
+        streams = [await engine.submit("completion", _body(name, max_tokens=6)) for name in names]
+        got = [orjson.loads(await s.read_all()) for s in streams]
+        for name, body in zip(names, got):
+            # (x and y are the same weights under two names)
+            assert body["choices"][0]["token_ids"] == alone["tiny" if name == "tiny" else "x"]["choices"][0]["token_ids"]
+        await engine.drain()
+
+    asyncio.run(main())
+    adapters = [s - {0} for s in steps]
+    assert all(len(a) <= 1 for a in adapters), steps
+    assert {1} in adapters and {2} in adapters and any(0 in s for s in steps), steps

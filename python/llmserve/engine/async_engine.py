@@ -296,7 +296,8 @@ class AsyncEngine:
             "cache_dtype": cfg.model.dtype,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "gpu_memory_utilization": cfg.cache.gpu_memory_utilization},
-            max_lora=max(len(cfg.model.lora_adapters()), int(cfg.model.allow_runtime_lora_updating)))
+            max_lora=max(len(cfg.model.lora_adapters()), int(cfg.model.allow_runtime_lora_updating)),
+            lora_bound=cfg.model.max_loras)
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
                                     self._first_scheduled, plan_ahead=engine.plan_ahead,
                                     adapters=engine.adapters, router=engine.router)

@@ -410,6 +410,7 @@ def build_engine(cfg: Config) -> Engine:
         # (worker/threads.py); batch-invariant mode computes both alike.
         "cache_decoded_blocks": device.type != "cpu" or cfg.device.batch_invariant,
         "policy": cfg.scheduler.scheduling_policy,
+        "max_loras": cfg.model.max_loras,
     }))
     if device.type == "cuda":
         from llmserve.worker.cuda_graphs import make_cuda_runner

@@ -118,20 +118,24 @@ class Metrics:
                                 "value is the time they were published, in seconds since the epoch).",
                                 ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self._max_lora = 0
+        self._lora_bound = 0
         self._lora_labels: tuple[str, str, str] | None = None
         self.model_name = ""
         self._last_preemptions = 0
         self._last_hits = 0
         self._last_queries = 0
 
-    def bind(self, model_name: str, cache_config: dict | None = None, max_lora: int = 0) -> None:
+    def bind(self, model_name: str, cache_config: dict | None = None, max_lora: int = 0,
+             lora_bound: int = 0) -> None:
         """Once the model is loaded: every series gets its `model_name`, and
         `cache_config_info` the values of CACHE_CONFIG_LABELS in `cache_config`. Before,
         /metrics lists the metrics with no samples, and nothing calls on_step or on_finish (no
         engine runs). `max_lora`: the LoRA adapters served at start (0, without runtime loading:
-        none, and no lora_requests_info); the published stats' `loras_served` then updates it."""
+        none, and no lora_requests_info); the published stats' `loras_served` then updates it.
+        `lora_bound`: --max-loras, which the `max_lora` label then says (as vLLM's does)."""
         self.model_name = model_name
         self._max_lora = max_lora
+        self._lora_bound = lora_bound
         for attr, family in self._families.items():
             setattr(self, attr, family.labels(model_name))
         if cache_config is not None:
@@ -153,7 +157,7 @@ class Metrics:
             self.step_time.observe(seconds)
         if self._max_lora:
             # (the adapters served now: runtime loads and unloads change it)
-            labels = (str(stats.get("loras_served", self._max_lora)), ",".join(stats.get("running_loras", ())),
+            labels = (str(self._lora_bound or stats.get("loras_served", self._max_lora)), ",".join(stats.get("running_loras", ())),
                       ",".join(stats.get("waiting_loras", ())))
             if labels != self._lora_labels:   # (one series: the adapters of now)
                 self._lora_info.clear()

@@ -50,6 +50,8 @@ struct CoreConfig {
     cache_decoded_blocks: bool,
     #[serde(default = "priority")]
     policy: String,
+    #[serde(default)]
+    max_loras: usize,
 }
 
 fn yes() -> bool {
@@ -700,6 +702,7 @@ impl PyCore {
             max_model_len: c.max_model_len,
             enable_prefix_caching: c.enable_prefix_caching,
             cache_decoded_blocks: c.cache_decoded_blocks,
+            max_loras: c.max_loras,
             policy,
         });
         Ok(Self {

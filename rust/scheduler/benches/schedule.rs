@@ -20,6 +20,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
         max_model_len: 4096,
         enable_prefix_caching: prefix_caching,
         cache_decoded_blocks: true,
+        max_loras: 0,
         policy: Policy::Fcfs,
     });
     for id in 0..SEQS as u64 {

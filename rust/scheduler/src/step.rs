@@ -3,11 +3,14 @@
 //! There are no prefill and decode phases. Each sequence has `tokens` and `num_computed`;
 //! a step gives each running sequence up to `tokens - num_computed` new tokens within the
 //! budget (long prompts are chunked), then admits waiting sequences in policy order while
-//! the budget and the free blocks allow. A sequence samples only in the step where its
-//! computed tokens reach its full length.
+//! the budget and the free blocks allow (passing over those whose LoRA adapter would run past
+//! `max_loras`). A sequence samples only in the step where its computed tokens reach its full
+//! length.
 //!
 //! Cost per step: O(B + T + R) for B running sequences, T tokens and R rows, plus the
 //! prefix-cache hashing of blocks that became full and the hist_* copies of penalized rows.
+
+use std::ops::Bound::{Excluded, Unbounded};
 
 use crate::block_pool::{hash_block, BlockPool};
 use crate::plan::{mix_seed, Plan};
@@ -191,13 +194,32 @@ impl Scheduler {
     fn schedule_waiting(&mut self, budget: &mut usize) {
         // A fork parent brings n sequences into the running set when its prompt ends.
         let mut running = self.width(&self.running);
-        while let Some(&key) = self.waiting.first() {
+        // The adapters running, when `max_loras` bounds them. A sequence whose adapter would
+        // pass the bound is passed over; from then on the ones behind it that run an adapter
+        // wait too, so the running adapters drain and it is not starved. The base model's pass.
+        let bounded = self.cfg.max_loras > 0;
+        let mut adapters = if bounded { self.adapters().0 } else { Vec::new() };
+        let mut lora_blocked = false;
+        let mut next = self.waiting.first().copied();
+        while let Some(key) = next {
+            next = self.waiting.range((Excluded(key), Unbounded)).next().copied();
             if *budget == 0 || self.scheduled.len() >= self.cfg.max_num_seqs {
                 break;
             }
             let width = self.group_size(key.slot) as usize;
             if running > 0 && running + width > self.cfg.max_num_seqs {
                 break;
+            }
+            let lora = self.req(self.seqs[key.slot as usize].req).lora;
+            if bounded && lora != 0 {
+                let new = !adapters.contains(&lora);
+                if lora_blocked || (new && adapters.len() >= self.cfg.max_loras) {
+                    lora_blocked = true;
+                    continue;
+                }
+                if new {
+                    adapters.push(lora);
+                }
             }
             match self.admit(key, *budget) {
                 Some(num_new) => {

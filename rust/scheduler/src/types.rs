@@ -30,6 +30,9 @@ pub struct SchedulerConfig {
     /// prompt holding those tokens (the next turn of a chat) would then read other K/V than
     /// its own prefill computes, and its answer would depend on what ran before.
     pub cache_decoded_blocks: bool,
+    /// Most LoRA adapters among the running sequences (vLLM's `--max-loras`); 0: no bound.
+    /// The base model (adapter 0) does not count.
+    pub max_loras: usize,
     pub policy: Policy,
 }
 

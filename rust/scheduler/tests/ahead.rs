@@ -384,6 +384,7 @@ proptest! {
             max_model_len: 32,
             enable_prefix_caching: caching,
             cache_decoded_blocks: true,
+            max_loras: 0,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
         };
         let sync = run(cfg.clone(), &arrivals, false);
@@ -457,6 +458,7 @@ proptest! {
             max_model_len: 32,
             enable_prefix_caching: caching,
             cache_decoded_blocks: true,
+            max_loras: 0,
             policy: Policy::Priority,
         };
         let mut s = Scheduler::new(cfg);

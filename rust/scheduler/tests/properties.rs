@@ -58,8 +58,8 @@ fn op(allow_abort: bool) -> impl Strategy<Value = Op> {
 }
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
-    (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
-        |(num_blocks, seqs, tokens, caching, prio, decoded)| SchedulerConfig {
+    (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>(), 0usize..3).prop_map(
+        |(num_blocks, seqs, tokens, caching, prio, decoded, max_loras)| SchedulerConfig {
             num_blocks,
             block_size: BS,
             max_num_seqs: seqs,
@@ -67,6 +67,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             max_model_len: 32,
             enable_prefix_caching: caching,
             cache_decoded_blocks: decoded,
+            max_loras,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
         },
     )
@@ -127,7 +128,8 @@ impl Harness {
                     prompt_logprobs: id.is_multiple_of(3).then_some(2),
                     pooling: [None, Some(Pooling::Mean), Some(Pooling::Last)][(id % 5).min(2) as usize],
                     cache_salt: salt.map(|x| x.to_string()),
-                    lora: 0,
+                    // (the base model and three adapters)
+                    lora: (id % 4) as u32,
                 });
                 self.ids.push(id);
                 self.live.insert(id, (n, prompt_len, HashSet::new()));
@@ -158,6 +160,9 @@ impl Harness {
     fn step(&mut self, seed: u64, finish: Option<usize>) {
         let plan = self.s.schedule();
         check_plan(&self.s, &plan);
+        let max_loras = self.s.config().max_loras;
+        let adapters: HashSet<u32> = plan.lora_ids.iter().copied().filter(|&l| l != 0).collect();
+        assert!(max_loras == 0 || adapters.len() <= max_loras, "{adapters:?} in one step past max_loras {max_loras}");
         for (k, &id) in plan.seq_req_ids.iter().enumerate() {
             assert!(self.live.contains_key(&id), "a dead request was scheduled");
             if !self.first_scheduled.contains(&id) {
@@ -250,7 +255,8 @@ proptest! {
 
     #[test]
     fn every_request_finishes_without_aborts(cfg in config_strategy(), ops in prop::collection::vec(op(false), 1..120)) {
-        let fcfs = cfg.policy == Policy::Fcfs;
+        // (a sequence whose adapter is past `max_loras` is passed over)
+        let fcfs = cfg.policy == Policy::Fcfs && cfg.max_loras == 0;
         let mut h = Harness::new(cfg);
         for op in &ops {
             h.apply(op);
@@ -276,6 +282,7 @@ proptest! {
             max_model_len: 32,
             enable_prefix_caching: caching,
             cache_decoded_blocks: true,
+            max_loras: 0,
             policy: Policy::Fcfs,
         };
         let mut h = Harness::new(cfg);
@@ -308,6 +315,7 @@ fn fcfs_does_not_starve_under_constant_arrivals() {
         max_model_len: 32,
         enable_prefix_caching: false,
         cache_decoded_blocks: true,
+        max_loras: 0,
         policy: Policy::Fcfs,
     };
     let mut h = Harness::new(cfg);

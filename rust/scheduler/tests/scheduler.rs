@@ -156,6 +156,36 @@ fn lora_adapters_are_planned_and_never_share_blocks() {
     assert_eq!(step(&mut s, 5).0.num_tokens, 3 + 8);
 }
 
+/// `max_loras` bounds the adapters among the running sequences: a sequence of another adapter
+/// waits, the base model's pass it, and so do none of the adapters' behind it (so the running
+/// adapters drain and it is not starved).
+#[test]
+fn max_loras_bounds_the_adapters_running() {
+    let mut s = Scheduler::new(SchedulerConfig { max_loras: 1, ..config(33, 16, 8, 256) });
+    let adapted = |id, lora| NewRequest { lora, ..request(id, prompt(10, id as u32), 3) };
+    s.add(adapted(1, 1));
+    s.add(adapted(2, 2));
+    s.add(adapted(3, 0));
+    s.add(adapted(4, 1));
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!((plan.seq_req_ids.clone(), plan.lora_ids.clone()), (vec![1, 3], vec![1, 0]));
+    step(&mut s, 5);
+    step(&mut s, 5); // 1 and 3 finish (3 tokens each)
+    assert_eq!(s.adapters(), (vec![], vec![1, 2]));
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!((plan.seq_req_ids.clone(), plan.lora_ids.clone()), (vec![2], vec![2]));
+    step(&mut s, 5);
+    step(&mut s, 5);
+    let (plan, _) = step(&mut s, 5);
+    assert_eq!((plan.seq_req_ids.clone(), plan.lora_ids.clone()), (vec![4], vec![1]));
+    // unbounded (0), all three adapters share a step
+    let mut s = Scheduler::new(config(33, 16, 8, 256));
+    for (id, lora) in [(1, 1), (2, 2), (3, 0), (4, 1)] {
+        s.add(adapted(id, lora));
+    }
+    assert_eq!(step(&mut s, 5).0.lora_ids, [1, 2, 0, 1]);
+}
+
 #[test]
 fn output_blocks_are_cached_too() {
     let mut cfg = config(33, 4, 8, 256);

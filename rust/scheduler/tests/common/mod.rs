@@ -12,6 +12,7 @@ pub fn config(num_blocks: usize, block_size: usize, max_num_seqs: usize, max_bat
         max_model_len: (num_blocks - 1) * block_size,
         enable_prefix_caching: false,
         cache_decoded_blocks: true,
+        max_loras: 0,
         policy: Policy::Fcfs,
     }
 }
