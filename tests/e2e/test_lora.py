@@ -111,14 +111,19 @@ def test_adapters_and_the_base_share_steps(lora):
     steps, prefill and decode) get what each gets alone; the same prompt through another
     adapter reuses none of the prefix cache's blocks."""
     server, want, _ = lora
-    names = ["a", "b", "tiny"] * 3
+    _all_at_once(server, want, ["a", "b", "tiny"] * 3, max_lora=2)
+
+
+def _all_at_once(server, want: dict, names: list[str], max_lora: int) -> None:
+    """Requests for `names` at once each get what they get alone; then vLLM's gauge of the
+    adapters running and waiting says none, and `max_lora`."""
     with (OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client,
           concurrent.futures.ThreadPoolExecutor(len(names)) as pool):
         got = list(pool.map(lambda n: _tokens(client, n), names))
     assert got == [want[n] for n in names]
-    # (vLLM's gauge of the adapters running and waiting: none now)
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    assert 'llmserve:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    labels = f'max_lora="{max_lora}",running_lora_adapters="",waiting_lora_adapters=""'
+    assert "llmserve:lora_requests_info{" + labels + "}" in metrics
 
 
 def test_max_loras_runs_one_adapter_at_a_time(lora):
@@ -129,13 +134,7 @@ def test_max_loras_runs_one_adapter_at_a_time(lora):
     server = ServerProcess(first.model, "--served-model-name", "tiny", "--lora-modules", f"a={path_a}",
                            f"b={path_b}", "--max-loras", "1")
     try:
-        names = ["a", "b", "tiny", "b", "a"]
-        with (OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client,
-              concurrent.futures.ThreadPoolExecutor(len(names)) as pool):
-            got = list(pool.map(lambda n: _tokens(client, n), names))
-        assert got == [want[n] for n in names]
-        metrics = httpx.get(server.url + "/metrics", timeout=30).text
-        assert 'llmserve:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+        _all_at_once(server, want, ["a", "b", "tiny", "b", "a"], max_lora=1)
     finally:
         server.stop()
 

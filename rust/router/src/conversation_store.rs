@@ -375,16 +375,15 @@ mod tests {
         assert_eq!(store.lock().bytes, 0);
     }
 
+    /// The bytes a conversation of one item `item("m", "x")` counts.
+    fn one_item_bytes() -> usize {
+        let items = Log::of(vec![Item::new(&item("m", "x"))]);
+        Conversation { created_at: 0, metadata: Map::new(), items, used: 0, busy: false }.bytes()
+    }
+
     #[test]
     fn the_least_recently_used_go_first_past_the_bound() {
-        let one = Conversation {
-            created_at: 0,
-            metadata: Map::new(),
-            items: Log::of(vec![Item::new(&item("m", "x"))]),
-            used: 0,
-            busy: false,
-        }
-        .bytes();
+        let one = one_item_bytes();
         let store = ConversationStore::new(2 * one + one / 4);
         let a = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
         let b = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
@@ -408,14 +407,7 @@ mod tests {
 
     #[test]
     fn a_conversation_a_response_runs_on_is_not_forgotten() {
-        let one = Conversation {
-            created_at: 0,
-            metadata: Map::new(),
-            items: Log::of(vec![Item::new(&item("m", "x"))]),
-            used: 0,
-            busy: false,
-        }
-        .bytes();
+        let one = one_item_bytes();
         let store = Arc::new(ConversationStore::new(2 * one + one / 4));
         let a = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
         let b = id_of(&store.create(Map::new(), &[item("m", "x")]).unwrap());
