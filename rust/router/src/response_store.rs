@@ -40,14 +40,8 @@ pub struct Stored {
 }
 
 impl Stored {
-    /// The response `body` to the conversation `input`.
-    pub fn new(body: &Value, input: Arc<Log>) -> Self {
-        let output = body["output"].as_array().map_or_else(Vec::new, |o| o.iter().map(Item::new).collect());
-        Self::with_output(body, input, output)
-    }
-
-    /// `new`, with `body`'s output items made already.
-    pub fn with_output(body: &Value, input: Arc<Log>, output: Vec<Arc<Item>>) -> Self {
+    /// The response `body` to the conversation `input`; `output`: its output items.
+    pub fn new(body: &Value, input: Arc<Log>, output: Vec<Arc<Item>>) -> Self {
         let answered = Log::extend(&input, output);
         Self { body: serde_json::to_vec(body).expect("JSON values serialize"), input, answered }
     }
@@ -238,8 +232,14 @@ mod tests {
         Log::of(items.iter().map(Item::new).collect())
     }
 
+    /// The response `body` to `input`, its output items made from the body.
+    fn answer(body: &Value, input: Arc<Log>) -> Stored {
+        let output = body["output"].as_array().map_or_else(Vec::new, |o| o.iter().map(Item::new).collect());
+        Stored::new(body, input, output)
+    }
+
     fn stored(text: &str) -> Stored {
-        Stored::new(&json!({"output": [text]}), log(&[json!({"id": "msg_1", "content": text})]))
+        answer(&json!({"output": [text]}), log(&[json!({"id": "msg_1", "content": text})]))
     }
 
     fn item(id: &str, text: &str) -> Value {
@@ -271,13 +271,13 @@ mod tests {
     fn items_are_found_by_id_while_a_response_holds_them() {
         let store = ResponseStore::new(1 << 20);
         let output = json!({"output": [{"id": "msg_out", "type": "message", "role": "assistant"}]});
-        store.put("r1", Stored::new(&output, log(&[item("msg_a", "first")])));
+        store.put("r1", answer(&output, log(&[item("msg_a", "first")])));
         assert_eq!(store.item("msg_a").unwrap()["content"], "first");
         assert_eq!(store.item("msg_out").unwrap()["role"], "assistant");
         assert_eq!(store.item("msg_nope"), None);
         // a continuation holds the same items: the newest holder answers, and the item
         // outlives the response that first held it
-        store.put("r2", Stored::new(&json!({"output": []}), log(&[item("msg_a", "first"), item("msg_a", "first")])));
+        store.put("r2", answer(&json!({"output": []}), log(&[item("msg_a", "first"), item("msg_a", "first")])));
         store.delete("r1").unwrap();
         assert_eq!(store.item("msg_a").unwrap()["content"], "first");
         assert_eq!(store.item("msg_out"), None);
@@ -285,12 +285,12 @@ mod tests {
         assert_eq!(store.item("msg_a"), None);
         assert_eq!(store.lock().total(), 0);
         // forgotten past the bound, or replaced under the same id
-        let one = Stored::new(&json!({"output": []}), log(&[item("msg_b", "b")])).bytes_alone();
+        let one = answer(&json!({"output": []}), log(&[item("msg_b", "b")])).bytes_alone();
         let small = ResponseStore::new(one);
-        small.put("r", Stored::new(&json!({"output": []}), log(&[item("msg_b", "b")])));
-        small.put("r", Stored::new(&json!({"output": []}), log(&[item("msg_c", "c")])));
+        small.put("r", answer(&json!({"output": []}), log(&[item("msg_b", "b")])));
+        small.put("r", answer(&json!({"output": []}), log(&[item("msg_c", "c")])));
         assert_eq!((small.item("msg_b"), small.item("msg_c").is_some()), (None, true));
-        small.put("s", Stored::new(&json!({"output": []}), log(&[item("msg_d", "d")])));
+        small.put("s", answer(&json!({"output": []}), log(&[item("msg_d", "d")])));
         assert_eq!((small.item("msg_c"), small.item("msg_d").is_some()), (None, true));
         assert!(small.lock().held.counts() == (1, 1));
     }
@@ -302,7 +302,7 @@ mod tests {
         for t in 0..turns {
             let input = Log::extend(&previous, vec![Item::new(&item(&format!("msg_in{t}"), text))]);
             let output = json!({"output": [{"id": format!("msg_out{t}"), "type": "message", "content": text}]});
-            let stored = Stored::new(&output, input);
+            let stored = answer(&output, input);
             previous = stored.answered().clone();
             store.put(&format!("resp_{t}"), stored);
         }
@@ -362,7 +362,7 @@ mod tests {
             assert_eq!(values.len(), 2 * t);
             let output = vec![Item::new(&item(&format!("msg_out{t}"), &text))];
             let answered = Log::extend(&log, input.clone());
-            store.put(&format!("resp_{t}"), Stored::with_output(&json!({"output": []}), answered, output.clone()));
+            store.put(&format!("resp_{t}"), Stored::new(&json!({"output": []}), answered, output.clone()));
             lease.finish(input.into_iter().chain(output).collect());
         }
         assert_eq!(conversations.items(conv).unwrap().len(), 2 * turns);
@@ -383,7 +383,7 @@ mod tests {
         let store = ResponseStore::new(1 << 20);
         let input: Vec<Value> =
             (0..5).map(|i| json!({"id": format!("msg_{i}"), "role": "user", "content": "x"})).collect();
-        store.put("r", Stored::new(&json!({}), log(&input)));
+        store.put("r", answer(&json!({}), log(&input)));
         let page = |order: &str, limit: &str, after: Option<&str>| -> Value {
             serde_json::from_slice(&store.input_items("r", order, Some(limit), after).unwrap()).unwrap()
         };

@@ -143,14 +143,17 @@ pub(super) fn response_object(
 /// Stores a finished response, when its request asked for that (`store`), and adds its input
 /// and output items to its conversation (`conversation`).
 pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
+    let joins = echo.conversation.as_ref().and_then(|j| Some((j, j.lease.as_ref()?)));
+    if echo.store.is_none() && joins.is_none() {
+        return;
+    }
     // (the output items are shared by the stored response and the conversation)
     let output: Vec<Arc<item_log::Item>> =
         object["output"].as_array().map_or_else(Vec::new, |o| o.iter().map(item_log::Item::new).collect());
     if let Some((store, input)) = &echo.store {
-        store.put(id, Stored::with_output(object, input.clone(), output.clone()));
+        store.put(id, Stored::new(object, input.clone(), output.clone()));
     }
-    let joins = echo.conversation.as_ref();
-    if let Some((joins, lease)) = joins.and_then(|j| Some((j, j.lease.as_ref()?))) {
+    if let Some((joins, lease)) = joins {
         lease.finish(joins.input.iter().cloned().chain(output).collect());
     }
 }
