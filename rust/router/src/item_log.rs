@@ -235,8 +235,11 @@ impl Holdings {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::collections::HashSet;
+
     use serde_json::json;
+
+    use super::*;
 
     fn item(id: &str) -> Arc<Item> {
         Item::new(&json!({"id": id, "type": "message", "content": id}))
@@ -262,6 +265,72 @@ mod tests {
         }
         assert_eq!(long.len(), 200_000);
         drop(long);
+    }
+
+    /// What `Holdings` should count for `held` (each log held once per entry): every log they
+    /// reach through their parents once, and every item those list once.
+    fn naive_bytes(held: &[Arc<Log>]) -> (usize, HashSet<String>) {
+        let (mut logs, mut items, mut ids) = (HashSet::new(), HashSet::new(), HashSet::new());
+        let mut total = 0;
+        for log in held {
+            let mut at = Some(log.as_ref());
+            while let Some(l) = at {
+                if logs.insert(l as *const Log) {
+                    total += l.own_bytes();
+                    for i in &l.items {
+                        if items.insert(Arc::as_ptr(i)) {
+                            total += i.bytes();
+                            ids.insert(i.id().to_string());
+                        }
+                    }
+                }
+                at = l.parent.as_deref();
+            }
+        }
+        (total, ids)
+    }
+
+    proptest::proptest! {
+        /// Logs extending each other (sharing items too), held and released in any order:
+        /// the bytes and the index are those of what the held logs reach.
+        #[test]
+        fn holdings_match_what_the_held_logs_reach(
+            ops in proptest::collection::vec((0u8..3, 0usize..64, 0usize..3, 0usize..64), 1..80),
+        ) {
+            let mut logs = vec![Log::empty()];
+            let mut items: Vec<Arc<Item>> = Vec::new();
+            let mut held: Vec<Arc<Log>> = Vec::new();
+            let mut holdings = Holdings::default();
+            for (kind, a, n, b) in ops {
+                match kind {
+                    0 => {
+                        // a new log: after any log, with new items and perhaps one already made
+                        let mut new: Vec<Arc<Item>> =
+                            (0..n).map(|k| item(&format!("i{}", items.len() + k))).collect();
+                        items.extend(new.iter().cloned());
+                        if !items.is_empty() && b % 2 == 0 {
+                            new.push(items[b % items.len()].clone());
+                        }
+                        logs.push(Log::extend(&logs[a % logs.len()], new));
+                    }
+                    1 => {
+                        let log = logs[a % logs.len()].clone();
+                        holdings.hold(&log);
+                        held.push(log);
+                    }
+                    _ if !held.is_empty() => {
+                        let log = held.swap_remove(a % held.len());
+                        holdings.release(&log);
+                    }
+                    _ => {}
+                }
+                let (bytes, ids) = naive_bytes(&held);
+                proptest::prop_assert_eq!(holdings.bytes(), bytes);
+                for i in &items {
+                    proptest::prop_assert_eq!(holdings.find(i.id()).is_some(), ids.contains(i.id()));
+                }
+            }
+        }
     }
 
     #[test]
