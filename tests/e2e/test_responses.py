@@ -206,6 +206,27 @@ def test_context_overflow_names_max_output_tokens(client):
     assert "`max_output_tokens`" in err["message"]
 
 
+def test_truncation_auto_drops_the_first_turns(client):
+    """A history too long for the context: a 400 as sent, and with `truncation="auto"` the
+    answer to its last turns, as if only those had been sent (the counts say how many fit)."""
+    turn = "Tell me about the history of the city of Paris. " * 20          # ~200 tokens
+    history = [item for k in range(12) for item in ({"role": "user", "content": f"{k}: {turn}"},
+                                                    {"role": "assistant", "content": turn})]
+    history.append({"role": "user", "content": "What is the capital of France?"})
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=MODEL, input=history, max_output_tokens=16, temperature=0)
+    assert e.value.body["code"] == "context_length_exceeded"
+    auto = client.responses.create(model=MODEL, input=history, max_output_tokens=16, temperature=0,
+                                   truncation="auto")
+    assert auto.truncation == "auto" and auto.status in ("completed", "incomplete")
+    assert auto.usage.input_tokens + 16 <= 2048
+    # the turns kept are the last that fit: one more would not
+    kept = next(k for k in range(2, len(history), 2)
+                if client.responses.input_tokens.count(model=MODEL, input=history[k:]).input_tokens + 16 <= 2048)
+    alone = client.responses.create(model=MODEL, input=history[kept:], max_output_tokens=16, temperature=0)
+    assert (auto.output_text, auto.usage.input_tokens) == (alone.output_text, alone.usage.input_tokens)
+
+
 def test_compaction_is_a_404_not_a_405(client):
     with pytest.raises(NotFoundError) as e:
         client.responses.compact(model=MODEL, input="Hi")

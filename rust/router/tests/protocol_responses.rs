@@ -145,7 +145,6 @@ fn errors_are_named_in_the_responses_terms() {
     for (body, param) in [
         (json!({"input": "hello", "max_tokens": 3}), "max_tokens"),
         (json!({"messages": []}), "messages"),
-        (json!({"input": "hello", "truncation": "auto"}), "truncation"),
         (json!({"input": "hello", "return_token_ids": true}), "return_token_ids"),
         (json!({"input": "hello", "tools": [{"type": "file_search"}]}), "tools[0].type"),
         (
@@ -437,6 +436,61 @@ fn a_stored_response_is_continued_by_its_id() {
     );
     r.responses().delete(&p.id).unwrap();
     assert_eq!(r.responses().body(&p.id).unwrap_err().status(), 404);
+}
+
+/// `truncation: "auto"` drops the conversation's first turns (at user messages) until the
+/// prompt fits: the fewest that make it fit, so the request prepares as the turns kept alone
+/// would; `disabled`, and a conversation whose last turn alone is too long, stay 400s.
+#[test]
+fn truncation_auto_drops_the_first_turns_until_the_prompt_fits() {
+    let r = router();
+    let mut input: Vec<Value> = (0..6)
+        .flat_map(|k| {
+            [json!({"role": "user", "content": format!("hello {k}")}), json!({"role": "assistant", "content": "world"})]
+        })
+        .collect();
+    input.push(json!({"role": "user", "content": "x"}));
+    let body =
+        |items: &[Value], truncation: &str| json!({"input": items, "max_output_tokens": 4, "truncation": truncation});
+    assert_eq!(shape(responses(&r, body(&input, "disabled"))).1, "context_length_exceeded");
+    let auto = responses(&r, body(&input, "auto")).unwrap();
+    // the least number of first items dropped (at a user message) that fits
+    let fits = |k: usize| responses(&r, body(&input[k..], "disabled")).ok();
+    let k = (2..input.len()).step_by(2).find(|&k| fits(k).is_some()).expect("the last turns fit");
+    assert!(k >= 4, "the test needs several turns dropped, got {k}");
+    assert_eq!(auto.prompts, fits(k).unwrap().prompts);
+    assert_eq!(auto.responses.as_ref().unwrap().fields["truncation"], "auto");
+    // it keeps what it is told to: the instructions, and every item sent is stored
+    let told =
+        responses(&r, json!({"input": input, "max_output_tokens": 4, "truncation": "auto", "instructions": "a"}))
+            .unwrap();
+    let alone = responses(&r, json!({"input": input[k + 2..], "max_output_tokens": 4, "instructions": "a"})).unwrap();
+    assert_eq!(told.prompts, alone.prompts, "one more turn goes for the instructions");
+    assert_eq!(told.responses.as_ref().unwrap().store.as_ref().unwrap().1.len(), input.len());
+    // the last user message alone too long: the 400
+    let long = vec![json!({"role": "user", "content": "hello ".repeat(40)})];
+    assert_eq!(shape(responses(&r, body(&long, "auto"))).1, "context_length_exceeded");
+
+    // the items of a continued response are dropped first
+    let first = responses(&r, json!({"input": input[..input.len() - 1]})).unwrap_err();
+    assert_eq!(first.code(), "context_length_exceeded");
+    let short = responses(&r, json!({"input": input[..4]})).unwrap();
+    let mut b = ResponseBuilder::new(&short, Arc::new(tokenizer()));
+    push(&mut b, "world", Some(FinishReason::Stop));
+    b.finish();
+    let next = json!({"input": "x", "previous_response_id": short.id, "max_output_tokens": 12});
+    let mut auto_next = next.clone();
+    auto_next["truncation"] = json!("auto");
+    assert_eq!(shape(responses(&r, next)).1, "context_length_exceeded", "the test needs it too long");
+    let p = responses(&r, auto_next).unwrap();
+    // the cuts: before its second user message, or before the input (all of it dropped)
+    let kept = json!([input[2], input[3], {"role": "assistant", "content": "world"}, {"role": "user", "content": "x"}]);
+    let want = match responses(&r, json!({"input": kept, "max_output_tokens": 12})) {
+        Ok(kept) => kept,
+        Err(_) => responses(&r, json!({"input": "x", "max_output_tokens": 12})).unwrap(),
+    };
+    assert_eq!(p.prompts, want.prompts);
+    assert!(p.prompts[0].len() + 12 <= MAX_LEN as usize);
 }
 
 /// An `item_reference` input item is the stored item with that id, from a stored response's

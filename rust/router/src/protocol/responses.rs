@@ -650,12 +650,14 @@ pub(crate) fn conversation_items(
 }
 
 /// The chat messages of `instructions`, the items continued (`previous`: a continued
-/// response's, or a conversation's; `from` names the field that asked for them) and `input`.
+/// response's, or a conversation's; `from` names the field that asked for them) and `input`,
+/// but the first `skip` items of `previous` then `input` (`truncation: "auto"`).
 fn conversation(
     obj: &Map<String, Value>,
     input: Option<&Value>,
     previous: &[Value],
     from: &str,
+    skip: usize,
 ) -> Result<Conversation, ApiError> {
     let mut conv = Conversation::new("input");
     match set(obj, "instructions") {
@@ -668,7 +670,7 @@ fn conversation(
             ))
         }
     }
-    for item in previous {
+    for item in previous.iter().skip(skip) {
         // (stored items were checked when they were sent; an error here names the response)
         conv.item(0, item).map_err(|e| match e {
             ApiError::InvalidRequest { message, code, .. } => {
@@ -692,7 +694,8 @@ fn conversation(
             if items.is_empty() {
                 return Err(ApiError::invalid("input", "`input` must not be an empty list."));
             }
-            for (i, item) in items.iter().enumerate() {
+            // (the items kept keep their indices: an error names them as sent)
+            for (i, item) in items.iter().enumerate().skip(skip.saturating_sub(previous.len())) {
                 conv.item(i, item)?;
             }
             if let Some((_, path)) = conv.reasoning.take() {
@@ -708,6 +711,48 @@ fn conversation(
         }
     }
     Ok(conv)
+}
+
+/// Where `truncation: "auto"` may cut a conversation (`previous`, then `input`): before each of
+/// its items but the first that is a user message, so the turns kept start with the user's and
+/// no call is parted from its output. The input's last item is never dropped.
+fn cut_points(previous: &[Value], input: Option<&Value>) -> Vec<usize> {
+    let listed = match input {
+        Some(Value::Array(items)) => items.as_slice(),
+        _ => &[],
+    };
+    // (a string input is one user message, after the items continued)
+    let total = previous.len() + listed.len().max(1);
+    let user = |item: &Value| {
+        item.get("type").is_none_or(|t| t.is_null() || *t == "message") && item.get("role") == Some(&json!("user"))
+    };
+    let items = previous.iter().chain(listed);
+    let users = items.enumerate().filter(|&(k, item)| k > 0 && user(item)).map(|(k, _)| k);
+    users.filter(|&k| k < total).chain((listed.is_empty() && !previous.is_empty()).then_some(previous.len())).collect()
+}
+
+/// `truncation: "auto"`: the request whose conversation drops the fewest first items (at one of
+/// `cuts`, ascending) and fits the context; None when even the shortest does not. `attempt`
+/// prepares a conversation; `dropped(k)` is the conversation without its first k items.
+fn truncated<T>(
+    attempt: &mut impl FnMut(Conversation) -> Result<T, ApiError>,
+    dropped: impl Fn(usize) -> Result<Conversation, ApiError>,
+    cuts: &[usize],
+) -> Result<Option<T>, ApiError> {
+    // (a conversation that fits still fits with more dropped: the least such cut is found by
+    // bisection, each try one render and tokenization)
+    let (mut lo, mut hi, mut best) = (0, cuts.len(), None);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        match attempt(dropped(cuts[mid])?) {
+            Err(e) if e.code() == "context_length_exceeded" => lo = mid + 1,
+            done => {
+                best = Some(done?);
+                hi = mid;
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// A flat function tool -> chat's `{"type": "function", "function": {...}}`.
@@ -891,20 +936,18 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
             return Err(invalid_type("store", format!("`store` must be a boolean, not {}.", kind_of(other))))
         }
     };
-    match set(obj, "truncation") {
-        None => {}
-        Some(Value::String(t)) if t == "disabled" => {}
-        Some(Value::String(t)) if t == "auto" => return Err(unsupported(
-            "truncation",
-            "`truncation: \"auto\"` is not supported: an input over the context is a 400 `context_length_exceeded`.",
-        )),
+    // `auto`: the conversation's first items are dropped until the prompt fits (below)
+    let truncate = match set(obj, "truncation") {
+        None => false,
+        Some(Value::String(t)) if t == "disabled" => false,
+        Some(Value::String(t)) if t == "auto" => true,
         Some(other) => {
             return Err(ApiError::invalid(
                 "truncation",
                 format!("`truncation` must be \"disabled\" or \"auto\", not {other}."),
             ))
         }
-    }
+    };
     let resolved = resolve_references(router, obj.get("input"), "input", &mut ignored)?;
     let input = resolved.as_ref().or(obj.get("input"));
     // the input items as a stored response or a conversation keeps them (with ids)
@@ -924,7 +967,7 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         None => {}
     }
     let from = if joins.is_some() { "conversation" } else { "previous_response_id" };
-    let conv = conversation(obj, input, &previous, from)?;
+    let conv = conversation(obj, input, &previous, from, 0)?;
     ignored.extend(conv.ignored.iter().cloned());
 
     // logprobs: asked for by `include` or `top_logprobs`
@@ -1033,7 +1076,6 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
             chat.insert(k.clone(), v.clone());
         }
     }
-    chat.insert("messages".into(), Value::Array(conv.messages));
     if let Some(max) = obj.get("max_output_tokens") {
         chat.insert("max_completion_tokens".into(), max.clone());
     }
@@ -1061,13 +1103,26 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     // ours first: under strict field checking they are the 400
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
 
-    let origins = conv.origins;
     if keep {
         chat::check_kept_id(obj.get("request_id").and_then(Value::as_str))?;
     }
     let header_id = header_id.filter(|id| !keep || chat::path_safe(id));
-    let mut checked =
-        chat::prepare_value(router, &Value::Object(chat), header_id).map_err(|e| origins.rename_error(e))?;
+    // the chat request of a conversation's messages, and where each came from
+    let mut chat = Value::Object(chat);
+    let mut attempt = |conv: Conversation| {
+        chat["messages"] = Value::Array(conv.messages);
+        match chat::prepare_value(router, &chat, header_id) {
+            Ok(checked) => Ok((checked, conv.origins)),
+            Err(e) => Err(conv.origins.rename_error(e)),
+        }
+    };
+    let (mut checked, origins) = match attempt(conv) {
+        Err(e) if truncate && e.code() == "context_length_exceeded" => {
+            let dropped = |skip| conversation(obj, input, &previous, from, skip);
+            truncated(&mut attempt, dropped, &cut_points(&previous, input))?.ok_or(e)?
+        }
+        done => done?,
+    };
 
     let thinks = checked.prepared.reasoning.is_some()
         && !checked.prepared.prompt_texts.first().is_some_and(|t| crate::reasoning::prompt_closes(t));
@@ -1106,7 +1161,7 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     echo.insert("tools".into(), sent("tools").unwrap_or_else(|| json!([])));
     echo.insert("top_logprobs".into(), sent("top_logprobs").unwrap_or(json!(0)));
     echo.insert("top_p".into(), number(prepared.params.top_p));
-    echo.insert("truncation".into(), json!("disabled"));
+    echo.insert("truncation".into(), json!(if truncate { "auto" } else { "disabled" }));
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
     let stored = keep.then(|| (store.clone(), Log::extend(&continued, listed_input.clone())));
     let conversation = joins.map(|id| Joins { id, input: listed_input, lease });
