@@ -161,6 +161,11 @@ class ModelConfig(_Checked):
         "this model (base_model_name_or_path: a served name, or the model as given) loads it first, and it "
         "is served from then on (vLLM's filesystem LoRA resolver; VLLM_LORA_RESOLVER_CACHE_DIR also sets it)."
     )
+    max_logprobs: int = _f(
+        20, "Most alternatives a request's logprobs may ask for (`top_logprobs`, completions' `logprobs`, "
+        "`prompt_logprobs`): a larger k is a 400. 20 is OpenAI's and vLLM's; -1: the vocabulary (vLLM's).",
+        min=-1,
+    )
     max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's. As vLLM "
                                    "takes it, 32k is 32000 and 32K 32768.", min=1, human=True)
     dtype: str = _f(

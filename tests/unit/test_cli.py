@@ -167,6 +167,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config([]).model.max_loras == 0
     with pytest.raises((ValueError, SystemExit)):
         _config(["--max-loras", "-1"])
+    # --max-logprobs is served (vLLM's: -1 is the vocabulary)
+    assert (_config([]).model.max_logprobs, _config(["--max-logprobs", "-1"]).model.max_logprobs) == (20, -1)
+    with pytest.raises((ValueError, SystemExit)):
+        _config(["--max-logprobs", "-2"])
 
 
 @pytest.mark.parametrize("args, says", [

@@ -1,0 +1,44 @@
+"""Serving options that build_engine hands to the router, checked through the requests they
+bound: --max-logprobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve._core import BadRequestError
+from llmserve.config import Config, DeviceConfig, ModelConfig
+from llmserve.engine.build import build_engine
+
+
+def _router(tiny_model, **model):
+    cfg = Config(model=ModelConfig(model=str(tiny_model), **model), device=DeviceConfig(threads=1))
+    return build_engine(cfg).router
+
+
+def _chat(k: int) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                       "logprobs": True, "top_logprobs": k}).encode()
+
+
+def _completion(k: int) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1, "logprobs": k}).encode()
+
+
+@pytest.mark.parametrize("bound", [3, -1])
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny_model, bound):
+    router = _router(tiny_model, served_model_name=("tiny",), max_logprobs=bound)
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    most = bound if bound >= 0 else vocab                     # (-1: the vocabulary, as vLLM's)
+    for body in (_chat, _completion):
+        router.prepare("chat" if body is _chat else "completion", body(most))
+        with pytest.raises(BadRequestError, match=f"between 0 and {most}"):
+            router.prepare("chat" if body is _chat else "completion", body(most + 1))
+
+
+def test_max_logprobs_defaults_to_openais_20(tiny_model):
+    router = _router(tiny_model, served_model_name=("tiny",))
+    router.prepare("chat", _chat(20))
+    with pytest.raises(BadRequestError, match="between 0 and 20"):
+        router.prepare("chat", _chat(21))
