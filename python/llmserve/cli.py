@@ -54,7 +54,6 @@ _VLLM_HINTS = {
     "--tensor-parallel-size": "llmserve runs a model on one device",
     "-tp": "llmserve runs a model on one device",
     "--pipeline-parallel-size": "llmserve runs a model on one device",
-    "--download-dir": "set HF_HUB_CACHE (or HF_HOME) for where hub models are cached",
     "--quantization": "GGUF files are served in their own blocks (K-quant/Q5 ones converted to Q8_0/Q4_1 at load); there is no switch",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--lora-dtype": "LoRA adapters compute in the model's dtype (--dtype)",

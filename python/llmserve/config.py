@@ -188,6 +188,9 @@ class ModelConfig(_Checked):
         choices=("auto", "none"),
     )
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
+    download_dir: str | None = _f(
+        None, "Where a hub MODEL is fetched and cached (vLLM's flag); default: huggingface_hub's cache "
+        "(HF_HUB_CACHE or HF_HOME set it too).")
     tool_call_format: str | None = _f(
         None,
         "How the model writes tool calls: 'hermes' (<tool_call>{json}</tool_call>), "

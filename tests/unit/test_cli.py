@@ -167,6 +167,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config([]).model.max_loras == 0
     with pytest.raises((ValueError, SystemExit)):
         _config(["--max-loras", "-1"])
+    assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
     # --max-logprobs is served (vLLM's: -1 is the vocabulary)
     assert (_config([]).model.max_logprobs, _config(["--max-logprobs", "-1"]).model.max_logprobs) == (20, -1)
     with pytest.raises((ValueError, SystemExit)):

@@ -253,13 +253,22 @@ def offline_hub(tmp_path, monkeypatch):
     return cache
 
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cache_snapshot(cache: Path, folder: Path) -> Path:
+    """`folder` as huggingface_hub caches tiny-org/tiny-llama's main in `cache`: its repo folder."""
+    repo = cache / "models--tiny-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(folder, repo / "snapshots" / COMMIT)
+    return repo
+
+
 def test_hub_id_resolves_from_cache_offline(tmp_path, offline_hub):
     model, folder = make_folder(tmp_path, jinja=JINJA)
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = offline_hub / "models--tiny-org--tiny-llama"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(folder, repo / "snapshots" / commit)
+    commit = COMMIT
+    repo = _cache_snapshot(offline_hub, folder)
 
     ckpt = load_checkpoint("tiny-org/tiny-llama")
     assert ckpt.name == "tiny-org/tiny-llama"
@@ -271,6 +280,18 @@ def test_hub_id_resolves_from_cache_offline(tmp_path, offline_hub):
     assert load_checkpoint("tiny-org/tiny-llama", revision=commit).name == "tiny-org/tiny-llama"
     with pytest.raises(LoadError, match="Hugging Face cache"):
         load_checkpoint("tiny-org/tiny-llama", revision="dev")
+
+
+def test_download_dir_is_where_a_hub_model_is_cached(tmp_path, offline_hub):
+    """--download-dir: the model is fetched into (here: read offline from) that folder, not the
+    default cache."""
+    _, folder = make_folder(tmp_path, jinja=JINJA)
+    elsewhere = tmp_path / "elsewhere"
+    repo = _cache_snapshot(elsewhere, folder)
+    with pytest.raises(LoadError, match="Hugging Face cache"):
+        load_checkpoint("tiny-org/tiny-llama")
+    ckpt = load_checkpoint("tiny-org/tiny-llama", download_dir=str(elsewhere))
+    assert ckpt.tokenizer_json == str(repo / "snapshots" / COMMIT / "tokenizer.json")
 
 
 def test_hub_id_not_cached_offline(offline_hub):

@@ -261,7 +261,8 @@ def build_engine(cfg: Config) -> Engine:
     # (the quantized GEMV runs float32 CPU steps only: a GGUF file's other block types are
     # converted for it then, and the weights are the converted blocks' values)
     blocks = cfg.model.quantized_decode and device.type == "cpu" and dtype == torch.float32
-    ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks)
+    ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks,
+                         download_dir=cfg.model.download_dir)
     # (the Llama-named keys this file reads, for a family that names its shape otherwise; a
     # config without the keys they are made from is a LoadError, as in the build)
     ck = replace(ck, hf_config=_built(ck, lambda: normalize_config(ck.hf_config)))

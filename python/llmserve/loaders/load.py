@@ -33,10 +33,11 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "
 
 def load_checkpoint(
     model: str | None, *, revision: str | None = None, log: logging.Logger = LOG,
-    quantized_decode: bool = False,
+    quantized_decode: bool = False, download_dir: str | None = None,
 ) -> Checkpoint:
     """Read a model into a Checkpoint; LoadError says what is wrong when it cannot.
-    `quantized_decode`: the model will run the quantized GEMV (gguf_file.load_gguf)."""
+    `quantized_decode`: the model will run the quantized GEMV (gguf_file.load_gguf).
+    `download_dir`: where a Hub model is fetched and cached (None: huggingface_hub's cache)."""
     t0 = time.perf_counter()
     if model is None:
         ckpt = load_gguf(default_model_path(), DEFAULT_MODEL_NAME, log, quantized_decode)
@@ -47,7 +48,7 @@ def load_checkpoint(
                 log.warning("revision %r ignored: %s is a local path", revision, model)
             ckpt = _load_path(path, log, quantized_decode)
         elif _HUB_ID.match(model) and not model.endswith(".gguf"):
-            ckpt = load_folder(download(model, revision, log), model, log)
+            ckpt = load_folder(download(model, revision, log, download_dir), model, log)
         else:
             raise LoadError(f"model path {model!r} does not exist (and is not a Hugging Face 'org/name' id)")
     log.info("loaded %r in %.2f s", ckpt, time.perf_counter() - t0)
@@ -100,16 +101,17 @@ def _load_path(path: Path, log: logging.Logger, quantized_decode: bool) -> Check
     raise LoadError(f"{path} has no config.json and no .gguf file: not a model folder")
 
 
-def download(repo_id: str, revision: str | None, log: logging.Logger) -> Path:
-    """The local snapshot folder of a Hub repository; huggingface_hub shows its own progress
-    bar, and with HF_HUB_OFFLINE=1 it resolves the revision from its cache without network."""
+def download(repo_id: str, revision: str | None, log: logging.Logger, cache_dir: str | None = None) -> Path:
+    """The local snapshot folder of a Hub repository, in `cache_dir` (None: huggingface_hub's
+    cache); huggingface_hub shows its own progress bar, and with HF_HUB_OFFLINE=1 it resolves
+    the revision from its cache without network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     log.info("fetching %s (revision %s) from the Hugging Face Hub or its cache", repo_id, revision or "main")
     t0 = time.perf_counter()
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS, cache_dir=cache_dir)
     except LocalEntryNotFoundError as e:  # includes a cached snapshot missing files
         raise LoadError(
             f"{repo_id!r} is neither a local path nor in the Hugging Face cache, and the Hub could "
