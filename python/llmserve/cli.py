@@ -49,7 +49,6 @@ _VLLM_HINTS = {
     "--disable-log-requests": "llmserve logs no request content; --no-access-log drops its line per request",
     "--enable-log-requests": "llmserve logs one line per request (--access-log, on by default)",
     "--disable-uvicorn-access-log": "--no-access-log",
-    "--uvicorn-log-level": "set LLMSERVE_LOG_LEVEL",
     "--disable-log-stats": "the stats are /metrics and /load; nothing is logged periodically",
     "--tensor-parallel-size": "llmserve runs a model on one device",
     "-tp": "llmserve runs a model on one device",

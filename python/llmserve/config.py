@@ -380,6 +380,10 @@ class ServerConfig(_Checked):
         None, "Send an SSE comment on a stream idle this many seconds.", above=0
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).")
+    uvicorn_log_level: str = _f(
+        "warning", "uvicorn's own log level (vLLM's flag); llmserve's is LLMSERVE_LOG_LEVEL.",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
     allowed_origins: tuple[str, ...] = _f(
         (), "Origins whose web pages may call the API (CORS; repeatable; '*' for any; 'null' for "
         "file:// pages). As browsers send them: scheme://host[:port], lowercase. None by "

@@ -168,6 +168,9 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     with pytest.raises((ValueError, SystemExit)):
         _config(["--max-loras", "-1"])
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
+    assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
+    with pytest.raises((ValueError, SystemExit)):
+        _config(["--uvicorn-log-level", "loud"])
     # --max-logprobs is served (vLLM's: -1 is the vocabulary)
     assert (_config([]).model.max_logprobs, _config(["--max-logprobs", "-1"]).model.max_logprobs) == (20, -1)
     with pytest.raises((ValueError, SystemExit)):

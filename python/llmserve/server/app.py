@@ -360,7 +360,7 @@ def serve(config: Config) -> int:
     else:
         log.info("no API key: requests are not authenticated (only this machine can reach %s)", host)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
-                                           access_log=False, log_level="warning",
+                                           access_log=False, log_level=config.server.uvicorn_log_level,
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S),
                             app)
     try:
