@@ -228,6 +228,10 @@ def test_truncation_auto_drops_the_first_turns(client):
             return False
 
     kept = next(k for k in range(2, len(history), 2) if fits(k))
+    # counting truncates alike (for the prompt alone: counting takes no max_output_tokens)
+    assert not fits(0)
+    counted = client.responses.input_tokens.count(model=MODEL, input=history, truncation="auto").input_tokens
+    assert auto.usage.input_tokens <= counted < 2048
     alone = client.responses.create(model=MODEL, input=history[kept:], max_output_tokens=16, temperature=0)
     assert (auto.output_text, auto.usage.input_tokens) == (alone.output_text, alone.usage.input_tokens)
 
