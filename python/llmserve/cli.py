@@ -36,6 +36,7 @@ _VLLM_NO_OPS = {
                                  "template or --tool-call-format)",
     "--enable-lora": "LoRA adapters are served whenever --lora-modules names some",
     "--fully-sharded-loras": "llmserve runs a model on one device",
+    "--disable-log-stats": "nothing is logged periodically (the stats are /metrics and /load)",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
@@ -43,13 +44,18 @@ _VLLM_VALUE_NO_OPS = {
     "--max-cpu-loras": "every LoRA adapter served is held in memory at once (--max-loras bounds how many run "
                        "at once)",
 }
+# ... and those accepted only with the value that asks for what llmserve does anyway (any other
+# value stops it with the flag's _VLLM_HINTS line).
+_VLLM_NEUTRAL = {
+    "--tensor-parallel-size": "1", "-tp": "1", "--pipeline-parallel-size": "1",
+    "--kv-cache-dtype": "auto", "--lora-dtype": "auto",
+}
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
     "--model": "give the model as the first argument: llmserve run MODEL",
     "--disable-log-requests": "llmserve logs no request content; --no-access-log drops its line per request",
     "--enable-log-requests": "llmserve logs one line per request (--access-log, on by default)",
     "--disable-uvicorn-access-log": "--no-access-log",
-    "--disable-log-stats": "the stats are /metrics and /load; nothing is logged periodically",
     "--tensor-parallel-size": "llmserve runs a model on one device",
     "-tp": "llmserve runs a model on one device",
     "--pipeline-parallel-size": "llmserve runs a model on one device",
@@ -144,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         vllm.add_argument(flag, dest="vllm_no_ops", action="append_const", const=flag, help=why)
     for flag, why in _VLLM_VALUE_NO_OPS.items():
         vllm.add_argument(flag, dest=f"vllm_value/{flag}", metavar="N", help=why)
+    for flag, value in _VLLM_NEUTRAL.items():
+        vllm.add_argument(flag, dest=f"vllm_neutral/{flag}", metavar=value.upper(),
+                          help=f"only {value}: {_VLLM_HINTS[flag]}")
     return parser
 
 
@@ -277,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
             args.run_parser.error(_ONE_KEY)
+        for flag, neutral in _VLLM_NEUTRAL.items():
+            value = vars(args).get(f"vllm_neutral/{flag}")
+            if value is not None and value != neutral:
+                args.run_parser.error(f"{flag} {value}: {flag} is vLLM's: {_VLLM_HINTS[flag]} (only {neutral} is taken)")
         try:
             cfg = config_from_args(args)
         except ValueError as exc:
@@ -287,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         for flag, why in _VLLM_VALUE_NO_OPS.items():
             if vars(args).get(f"vllm_value/{flag}") is not None:
                 logging.getLogger("llmserve").info("%s has no effect: %s", flag, why)
+        for flag, neutral in _VLLM_NEUTRAL.items():
+            value = vars(args).get(f"vllm_neutral/{flag}")
+            if value is not None:
+                logging.getLogger("llmserve").info("%s %s has no effect: %s", flag, value, _VLLM_HINTS[flag])
         _short_openmp_spin()
         from llmserve.server.app import serve
 

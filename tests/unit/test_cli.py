@@ -168,6 +168,14 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     with pytest.raises((ValueError, SystemExit)):
         _config(["--max-loras", "-1"])
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
+    # the values that ask for what llmserve does anyway are taken, and said to do nothing
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llmserve"):
+        assert cli.main(["run", "--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1",
+                         "--kv-cache-dtype", "auto", "--lora-dtype", "auto", "--disable-log-stats"]) == 0
+    assert "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device" in caplog.text
+    assert "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype" in caplog.text
+    assert "--disable-log-stats has no effect: nothing is logged periodically" in caplog.text
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
     with pytest.raises((ValueError, SystemExit)):
         _config(["--uvicorn-log-level", "loud"])
@@ -180,6 +188,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
 @pytest.mark.parametrize("args, says", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model on one device"),
     (["--lora-dtype", "bfloat16"], "--lora-dtype is vLLM's: LoRA adapters compute in the model's dtype"),
+    (["-tp", "2"], "-tp is vLLM's: llmserve runs a model on one device (only 1 is taken)"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: --kv-cache-dtype is vLLM's: the KV cache has the model's"),
     (["--disable-log-requests"], "--disable-log-requests is vLLM's: llmserve logs no request content"),
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
     (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
