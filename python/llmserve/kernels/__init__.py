@@ -130,18 +130,20 @@ def _register_fakes() -> None:
         for t in tensors:
             torch._check(t.dim() == 2, lambda: f"{what}: tensors must be 2-D [tokens, width]")
 
+    def _norm_shapes(what, name, other, input, weight):
+        """The norm ops' shapes: `other` (called `name`) like input [T, H], weight [H]."""
+        _rows(what, other, input)
+        torch._check(other.shape == input.shape and weight.shape == input.shape[-1:],
+                     lambda: f"{what}: {name} must be shaped like input [T, H], weight [H]")
+
     @torch.library.register_fake("llmserve::rms_norm")
     def _rms_norm_fake(out, input, weight, eps):
-        _rows("rms_norm", out, input)
-        torch._check(out.shape == input.shape and weight.shape == input.shape[-1:],
-                     lambda: "rms_norm: out must be shaped like input [T, H], weight [H]")
+        _norm_shapes("rms_norm", "out", out, input, weight)
         return None
 
     @torch.library.register_fake("llmserve::fused_add_rms_norm")
     def _fused_add_rms_norm_fake(input, residual, weight, eps):
-        _rows("fused_add_rms_norm", input, residual)
-        torch._check(residual.shape == input.shape and weight.shape == input.shape[-1:],
-                     lambda: "fused_add_rms_norm: residual must be shaped like input [T, H], weight [H]")
+        _norm_shapes("fused_add_rms_norm", "residual", residual, input, weight)
         return None
 
     @torch.library.register_fake("llmserve::silu_and_mul")
