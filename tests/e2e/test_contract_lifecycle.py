@@ -8,6 +8,7 @@ engine itself), so the engine's states can be observed at exact moments.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -76,6 +77,17 @@ def failing_engine(tiny_model, monkeypatch):
 def _client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://llmserve.test",
                              timeout=60)
+
+
+@contextlib.asynccontextmanager
+async def _serving(engine: AsyncEngine):
+    """A client of `engine`'s app, the engine started; drained after."""
+    await engine.start()
+    try:
+        async with _client(create_app(engine=engine)) as c:
+            yield c
+    finally:
+        await engine.drain()
 
 
 def _assert_error(r: httpx.Response, status: int, type_: str, code: str) -> dict:
@@ -417,25 +429,66 @@ def test_responses_stream_failure_is_the_error_frame_and_before_the_first_byte_a
     engine, runners = failing_engine
 
     async def main():
-        await engine.start()
-        try:
-            async with _client(create_app(engine=engine)) as c:
-                runners[0].fail_in(4)
-                r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 30})
-                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-                assert "event: response.created" in r.text
-                assert "response.completed" not in r.text
-                frames = _sse_frames(r.text)   # (events start with `event:`: only the frame is bare)
-                assert frames[-1] == "[DONE]" and len(frames) == 2
-                assert json.loads(frames[0])["error"]["type"] == "server_error"
-                runners[0].fail_in(1)
-                r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 5})
-                _assert_error(r, 500, "server_error", "internal_error")
-                ok = await c.post("/v1/responses", json={**RESPONSES, "stream": False, "max_output_tokens": 3})
-                assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3
-        finally:
-            await engine.drain()
+        async with _serving(engine) as c:
+            runners[0].fail_in(4)
+            r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 30})
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert "event: response.created" in r.text
+            assert "response.completed" not in r.text
+            frames = _sse_frames(r.text)   # (events start with `event:`: only the frame is bare)
+            assert frames[-1] == "[DONE]" and len(frames) == 2
+            assert json.loads(frames[0])["error"]["type"] == "server_error"
+            runners[0].fail_in(1)
+            r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 5})
+            _assert_error(r, 500, "server_error", "internal_error")
+            ok = await c.post("/v1/responses", json={**RESPONSES, "stream": False, "max_output_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3
         assert engine.engine.core.stats()["used_blocks"] == 0
+
+    asyncio.run(main())
+
+
+async def _ended(c: httpx.AsyncClient, response_id: str) -> dict:
+    """The stored background response `response_id`, once it has ended."""
+    while (body := (await c.get(f"/v1/responses/{response_id}")).json())["status"] in ("queued", "in_progress"):
+        await asyncio.sleep(0.02)
+    return body
+
+
+BACKGROUND = {**RESPONSES, "stream": False, "background": True}
+
+
+def test_a_background_response_the_engine_fails_is_failed(failing_engine):
+    """Nobody reads a background response when the engine fails it: its stored object says
+    so (`failed`, with a server_error that hides the detail) and its events end with
+    `response.failed`; a drain that runs out fails the ones still running."""
+    engine, runners = failing_engine
+
+    async def main():
+        async with _serving(engine) as c:
+            runners[0].fail_in(4)
+            r = await c.post("/v1/responses", json={**BACKGROUND, "max_output_tokens": 30})
+            assert (r.status_code, r.json()["status"]) == (200, "queued")
+            failed = await _ended(c, r.json()["id"])
+            assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+            assert "secret detail" not in failed["error"]["message"]
+            events = await c.get(f"/v1/responses/{failed['id']}", params={"stream": "true"})
+            kinds = [line.removeprefix("event: ") for line in events.text.split("\n") if line.startswith("event: ")]
+            assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+            assert kinds[-1] == "response.failed"
+            last = json.loads(events.text.rstrip().rsplit("\ndata: ", 1)[1])
+            assert last["response"] == failed and last["sequence_number"] == len(kinds) - 1
+            # the engine serves on; a background response still running when a drain runs
+            # out is failed too
+            r = await c.post("/v1/responses", json={**BACKGROUND, "max_output_tokens": 480})
+            assert r.status_code == 200, r.text
+            while engine.load()["running"] < 1:
+                await asyncio.sleep(0.01)
+            await engine.drain(timeout=0.1)
+            stopped = (await c.get(f"/v1/responses/{r.json()['id']}")).json()
+            assert (stopped["status"], stopped["error"]["code"]) == ("failed", "server_error")
+            assert "shutdown" in stopped["error"]["message"]
+            assert engine.engine.core.stats()["used_blocks"] == 0
 
     asyncio.run(main())
 

@@ -9,6 +9,7 @@ which raises on any inconsistency) and add up to the non-streamed `response`.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -172,7 +173,7 @@ def test_fields_without_effect_are_reported(smol, client):
     ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "unsupported_parameter"),
     ({"input": "Hi", "max_tokens": 5}, "max_tokens", "unsupported_parameter"),
     ({"input": "Hi", "conversation": 1}, "conversation", "invalid_type"),
-    ({"input": "Hi", "background": True}, "background", "unsupported_parameter"),
+    ({"input": "Hi", "background": True, "store": False}, "background", "invalid_value"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "msg_never_stored"}]}, "input[0].id", "item_not_found"),
     ({"input": [{"type": "item_reference"}]}, "input[0].id", "missing_required_parameter"),
@@ -323,6 +324,87 @@ def test_stored_responses_are_read_back_and_continued(client):
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model=MODEL, previous_response_id=first.id, input="Hi")
     assert (e.value.body["code"], e.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
+
+
+def _running(server) -> int:
+    return httpx.get(server.url + "/load", timeout=30).json()["running"]
+
+
+def _until(check, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_background_responses_run_without_their_client(smol, client):
+    """`background: true`: the request returns at once with the response queued, and the
+    response runs on: it is polled to its end, its events are read again from any point after
+    the client left, and it can be cancelled (its sequences stop at once)."""
+    ask = dict(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=24)
+    queued = client.responses.create(**ask, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    _until(lambda: client.responses.retrieve(queued.id).status not in ("queued", "in_progress"))
+    done = client.responses.retrieve(queued.id)
+    foreground = client.responses.create(**ask, store=False)
+    assert (done.status, done.background, done.output_text) == (foreground.status, True, foreground.output_text)
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    assert [i.content[0].text for i in client.responses.input_items.list(done.id).data] == [ask["input"]]
+    # done, it can be continued
+    client.responses.create(model=MODEL, previous_response_id=done.id, input="And of Italy?", max_output_tokens=4)
+
+    # streamed: the client reads a few events and leaves; the rest are read later, by number
+    long = dict(model=MODEL, input="Write a long story about a dragon.", temperature=0, max_output_tokens=48,
+                extra_body={"ignore_eos": True})
+    stream = client.responses.create(**long, background=True, stream=True)
+    first = []
+    for event in stream:
+        first.append(event)
+        if len(first) == 6:
+            break
+    stream.close()
+    assert [e.type for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    response_id = first[0].response.id
+    _until(lambda: client.responses.retrieve(response_id).status == "incomplete")
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    stored = client.responses.retrieve(response_id)
+    assert text == stored.output_text == events[-1].response.output_text
+    assert stored.usage.output_tokens == 48
+    # (the whole run again, from the start)
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.type for e in again] == [e.type for e in events]
+
+    # cancelled while it runs: it says so, stays so, and holds no sequence any longer
+    endless = client.responses.create(**{**long, "max_output_tokens": 1500}, background=True)
+    _until(lambda: client.responses.retrieve(endless.id).status == "in_progress")
+    assert _running(smol) == 1
+    cancelled = client.responses.cancel(endless.id)
+    assert cancelled.status == "cancelled"
+    _until(lambda: _running(smol) == 0)
+    assert client.responses.retrieve(endless.id).status == "cancelled"
+    assert client.responses.cancel(endless.id).status == "cancelled"
+    # a running one cannot be continued; deleted, it stops too
+    busy = client.responses.create(**{**long, "max_output_tokens": 1500}, background=True)
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=busy.id, input="Go on.")
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.delete(busy.id)
+    _until(lambda: _running(smol) == 0)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(busy.id)
+
+    # what did not run in the background cannot be cancelled or streamed again
+    kept = client.responses.create(**ask)
+    for call in (lambda: client.responses.cancel(kept.id), lambda: client.responses.retrieve(kept.id, stream=True)):
+        with pytest.raises(BadRequestError):
+            call()
+    r = httpx.get(f"{smol.url}/v1/responses/{response_id}", params={"stream": "true", "starting_after": "x"},
+                  timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "starting_after")
 
 
 def test_conversations_hold_the_turns_of_their_responses(client):

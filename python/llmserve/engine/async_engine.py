@@ -71,7 +71,12 @@ class RequestStream:
         # An Anthropic Messages request: its errors take Anthropic's shape.
         self.anthropic = anthropic
         self.id: str = prepared.id
-        self.stream: bool = prepared.stream
+        # Whether its bytes are SSE (a background response's always are: its events).
+        self.stream: bool = prepared.stream or prepared.background
+        # A Responses request with `background: true`, which runs whether or not it is read;
+        # `answer_streamed`: whether its client asked for the events (else its queued object).
+        self.background: bool = prepared.background
+        self.answer_streamed: bool = prepared.stream
         self.headers: list[tuple[str, str]] = prepared.headers
         self.user: str | None = prepared.user
         self.prompt_tokens: int = prepared.prompt_tokens

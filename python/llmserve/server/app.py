@@ -31,6 +31,7 @@ from starlette.routing import Route
 from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.async_engine import AsyncEngine
+from llmserve.server.background import Backgrounds
 from llmserve.server import routes
 from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, anthropic_route, error_body,
                                        error_request_id, route_path)
@@ -148,6 +149,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                             ClientDisconnect: _on_client_gone, Exception: _on_unexpected},
     )
     app.state.engine = engine
+    app.state.backgrounds = Backgrounds()
     app.state.max_body_bytes = config.server.max_body_bytes
     # how long the lifespan's drain waits for the engine's step in progress (None: until it
     # ends; `llmserve run` bounds it, then exits at once), and the time.monotonic() by which

@@ -19,6 +19,7 @@ from llmserve import _core
 from llmserve._core import Router
 from llmserve._core import __version__ as core_version
 from llmserve.engine.async_engine import AsyncEngine, RequestStream
+from llmserve.server.background import KEEP_EVENTS_S, Backgrounds, Reader
 from llmserve.server.middleware import error_request_id
 
 JSON = "application/json"
@@ -168,6 +169,8 @@ async def _generate(request: Request, endpoint: str) -> Response:
     stream = await engine.submit(endpoint, body, request.headers.get("x-request-id"))
     request.state.user = stream.user
     headers = dict(stream.headers)
+    if stream.background:
+        return await _background(request, stream, headers)
     if not stream.stream:
         data = await _whole(request, stream)
         if data is None:
@@ -200,7 +203,7 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, stream: RequestStream, first: bytes | None, keep_alive: float | None,
+    def __init__(self, stream: RequestStream | Reader, first: bytes | None, keep_alive: float | None,
                  headers: dict) -> None:
         # NOTE: no content-length: the body's size is unknown until the stream ends.
         self.status_code, self.background = 200, None
@@ -213,14 +216,17 @@ class EventStreamResponse(Response):
         self.stream.started = True
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
-        item = self.first
+        item = self.first if self.first is not None else await self._next()
         while item is not None:
             await send({"type": "http.response.body", "body": item, "more_body": True})
-            try:
-                item = await self.stream.next(timeout=self.keep_alive)
-            except TimeoutError:
-                item = KEEP_ALIVE
+            item = await self._next()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _next(self) -> bytes | None:
+        try:
+            return await self.stream.next(timeout=self.keep_alive)
+        except TimeoutError:
+            return KEEP_ALIVE
 
     async def __call__(self, scope, receive, send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
@@ -266,18 +272,49 @@ async def messages(request: Request) -> Response:
     return await _generate(request, "messages")
 
 
+def _backgrounds(request: Request) -> Backgrounds:
+    return request.app.state.backgrounds
+
+
+async def _background(request: Request, stream: RequestStream, headers: dict) -> Response:
+    """A background response runs on its own (a client that leaves does not stop it): the
+    answer is its `queued` object, or its events as they come when the client streams."""
+    run = _backgrounds(request).start(stream)
+    if not stream.answer_streamed:
+        return Response(_engine(request).router.stored_response(run.id), media_type=JSON, headers=headers)
+    return _events(request, Reader(run, -1), headers)
+
+
+def _events(request: Request, reader: Reader, headers: dict) -> Response:
+    headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return EventStreamResponse(reader, None, _engine(request).config.server.sse_keep_alive, headers)
+
+
 async def stored_response(request: Request) -> Response:
-    """GET (read) and DELETE (forget) /v1/responses/{id}: a response kept by `store`."""
+    """GET (read) and DELETE (forget) /v1/responses/{id}: a response kept by `store`; a
+    background response's events with `?stream=true` (after `starting_after`)."""
     router, response_id = _engine(request).router, request.path_params["response_id"]
     if request.method == "DELETE":
-        return Response(router.delete_response(response_id), media_type=JSON)
+        body = router.delete_response(response_id)
+        _backgrounds(request).stop(response_id)
+        return Response(body, media_type=JSON)
     body = router.stored_response(response_id)   # (404 first, for an unknown id)
-    if request.query_params.get("stream", "false").lower() != "false":
-        # OpenAI streams a stored response's events only while a background one runs
-        raise Router.error("unsupported_parameter", "Streaming a stored response is not supported: only background "
-                           "responses can be streamed again, and this server runs none. Read it without `stream`.",
-                           param="stream")
-    return Response(body, media_type=JSON)
+    query = request.query_params
+    if query.get("stream", "false").lower() == "false":
+        return Response(body, media_type=JSON)
+    after = query.get("starting_after", "-1")
+    if not after.lstrip("-").isdigit() or int(after) < -1:
+        raise Router.error("invalid_request", f"`starting_after` must be an event's sequence number (an integer "
+                           f">= 0), not {after!r}.", param="starting_after")
+    run = _backgrounds(request).get(response_id)
+    if run is None:
+        # OpenAI streams a stored response's events only for a background one
+        why = ("its events are kept for "
+               f"{KEEP_EVENTS_S / 60:g} minutes after it ends" if router.background_response(response_id)
+               else "only background responses (`background: true`) can be streamed again")
+        raise Router.error("invalid_request", f"Response {response_id!r} cannot be streamed: {why}. Read it "
+                           "without `stream`.", param="stream")
+    return _events(request, Reader(run, int(after)), {})
 
 
 async def response_input_items(request: Request) -> Response:
@@ -289,10 +326,12 @@ async def response_input_items(request: Request) -> Response:
 
 
 async def cancel_response(request: Request) -> Response:
-    """POST /v1/responses/{id}/cancel: only background responses can be, and there are none."""
-    _engine(request).router.stored_response(request.path_params["response_id"])   # 404 if unknown
-    raise Router.error("invalid_request", "Only background responses can be cancelled, and this server runs "
-                       "none: this response has already completed.", param="response_id")
+    """POST /v1/responses/{id}/cancel: a running background response stops, `cancelled`; one
+    that has ended is answered as it is (a 400 for a response not run in the background)."""
+    response_id = request.path_params["response_id"]
+    body = _engine(request).router.cancel_response(response_id)
+    _backgrounds(request).stop(response_id)
+    return Response(body, media_type=JSON)
 
 
 async def _conversations(request: Request, items: bool) -> Response:

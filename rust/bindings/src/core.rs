@@ -116,8 +116,11 @@ impl RequestState {
     }
 
     /// The bytes that end this request with `err`: a JSON body, or an SSE error frame once
-    /// its stream has begun.
-    fn error_bytes(&self, err: &ApiError) -> Vec<u8> {
+    /// its stream has begun; a background response's `response.failed` event.
+    fn error_bytes(&mut self, err: &ApiError) -> Vec<u8> {
+        if let Some(failed) = self.builder.failed(err) {
+            return failed;
+        }
         match (self.started, self.anthropic) {
             (true, false) => err.to_sse(),
             (false, false) => err.to_json(),
@@ -586,7 +589,7 @@ impl CoreState {
         let mut out = Vec::with_capacity(touched.len() + failed.len());
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
-            if let Some(state) = self.forget(handle) {
+            if let Some(mut state) = self.forget(handle) {
                 out.push((
                     handle,
                     state.error_bytes(&ApiError::Internal { message }),
@@ -628,7 +631,7 @@ impl CoreState {
         handles.dedup();
         handles
             .into_iter()
-            .filter_map(|h| self.forget(h).map(|s| (h, s.error_bytes(&err), Some("error"), true, 0, Vec::new())))
+            .filter_map(|h| self.forget(h).map(|mut s| (h, s.error_bytes(&err), Some("error"), true, 0, Vec::new())))
             .collect()
     }
 }

@@ -113,6 +113,17 @@ impl PyRouter {
         self.inner.responses().body(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
     }
 
+    /// `POST /v1/responses/{id}/cancel`: a running background response is marked `cancelled`
+    /// (stopping its generation is the caller's part); its body, or a 404 or 400 ApiError.
+    fn cancel_response<'py>(&self, py: Python<'py>, id: &str) -> PyResult<Bound<'py, PyBytes>> {
+        self.inner.responses().cancel(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Whether the response `id` is stored and ran in the background (running or ended).
+    fn background_response(&self, id: &str) -> bool {
+        self.inner.responses().get(id).is_ok_and(|s| s.background())
+    }
+
     /// `DELETE /v1/responses/{id}`: forgets it; its body, or a 404 ApiError.
     fn delete_response<'py>(&self, py: Python<'py>, id: &str) -> PyResult<Bound<'py, PyBytes>> {
         self.inner.responses().delete(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
@@ -309,9 +320,16 @@ impl PyPrepared {
     fn id(&self) -> PyResult<String> {
         Ok(self.get()?.id.clone())
     }
+    /// Whether the client asked to stream (a background response's bytes are its events
+    /// either way: see `background`).
     #[getter]
     fn stream(&self) -> PyResult<bool> {
         Ok(self.get()?.stream)
+    }
+    /// A Responses request with `background: true`: it runs whether or not anyone reads it.
+    #[getter]
+    fn background(&self) -> PyResult<bool> {
+        Ok(self.get()?.background())
     }
     #[getter]
     fn model(&self) -> PyResult<String> {

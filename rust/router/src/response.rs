@@ -35,9 +35,10 @@ use std::sync::Arc;
 
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::detokenizer::{Detokenizer, StopConfig};
+use crate::error::ApiError;
 use crate::protocol::{Endpoint, Prepared};
 use crate::reasoning::ReasoningSplitter;
 use crate::tokenizer::Tokenizer;
@@ -481,6 +482,22 @@ pub struct ResponseBuilder {
     whole: bool,
 }
 
+/// A background Responses request's `response` object as it is queued: no output yet.
+pub(crate) fn queued_response(prepared: &Prepared, echo: &crate::protocol::responses::Echo) -> Value {
+    let mut object = responses::response_object(
+        &prepared.id,
+        prepared.created,
+        &prepared.model,
+        echo,
+        None,
+        Vec::new(),
+        Value::Null,
+    );
+    object["status"] = json!("queued");
+    object["background"] = json!(true);
+    object
+}
+
 impl ResponseBuilder {
     pub fn new(prepared: &Prepared, tokenizer: Arc<Tokenizer>) -> Self {
         let n = prepared.params.n.max(1);
@@ -495,7 +512,8 @@ impl ResponseBuilder {
             created: prepared.created,
             model: prepared.model.clone(),
             system_fingerprint: prepared.system_fingerprint.clone(),
-            stream: prepared.stream,
+            // (a background response's events are made whether or not its client streams them)
+            stream: prepared.stream || prepared.background(),
             include_usage: prepared.include_usage,
             continuous_usage_stats: prepared.continuous_usage_stats,
             echo: prepared.echo,
@@ -555,21 +573,39 @@ impl ResponseBuilder {
             messages: (prepared.endpoint == Endpoint::Messages)
                 .then(|| messages::EventStream::new(&prepared.id, &prepared.model)),
             keep: prepared.keep.clone(),
-            whole: !prepared.stream || prepared.keep.is_some(),
+            whole: !(prepared.stream || prepared.background()) || prepared.keep.is_some(),
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
-            let object = responses::response_object(
-                &builder.id,
-                builder.created,
-                &builder.model,
-                echo,
-                None,
-                Vec::new(),
-                Value::Null,
-            );
+            let object = match &echo.background {
+                Some(run) => {
+                    run.start();
+                    queued_response(prepared, echo)
+                }
+                None => responses::response_object(
+                    &builder.id,
+                    builder.created,
+                    &builder.model,
+                    echo,
+                    None,
+                    Vec::new(),
+                    Value::Null,
+                ),
+            };
             events.start(&mut builder.pending, object);
         }
         builder
+    }
+
+    /// A background Responses request failed with `err`: its stored entry becomes `failed`,
+    /// and the bytes that end it are its `response.failed` event. None for any other request
+    /// (or one already cancelled or deleted), which ends with `err` as it is.
+    pub fn failed(&mut self, err: &ApiError) -> Option<Vec<u8>> {
+        let (echo, events) = self.responses.as_mut()?;
+        let error = json!({"code": "server_error", "message": err.message()});
+        let body = echo.background.as_ref()?.fail(error)?;
+        let response: Value = serde_json::from_slice(&body).expect("stored bodies are JSON");
+        events.failed(&mut self.pending, response);
+        Some(self.take())
     }
 
     fn usage(&self) -> Usage {
@@ -627,8 +663,11 @@ impl ResponseBuilder {
             }
             return;
         }
-        if let Some((_, events)) = self.responses.as_mut() {
+        if let Some((echo, events)) = self.responses.as_mut() {
             for c in choices.iter().filter_map(ChunkChoice::as_chat) {
+                if events.progress(&mut self.pending) {
+                    echo.background.as_ref().expect("only background responses are queued").progress();
+                }
                 events.on_chunk(&mut self.pending, c);
             }
             return;

@@ -15,8 +15,15 @@
 //! Every item a stored response holds (its conversation's and its output's, each with an
 //! `id`) can be sent again by reference (`{"type": "item_reference", "id"}`): the store
 //! indexes the ids and reads the item back.
+//!
+//! A background response (`background: true`) is stored as it starts, `queued`, and its
+//! entry follows it ([`BackgroundRun`]): `in_progress` at its first output, then its final
+//! object; `cancelled` by `POST /v1/responses/{id}/cancel`; `failed` if it ends any other way.
+//! A running one is never forgotten to make room (the store may pass its bound by them until
+//! they end).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde_json::{json, Value};
@@ -37,13 +44,36 @@ pub struct Stored {
     input: Arc<Log>,
     /// `input`, then its output items: what a response continuing it answers first.
     answered: Arc<Log>,
+    run: Run,
+}
+
+/// Where a background response (`background: true`) stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Run {
+    /// Not a background response: stored once it was done.
+    Foreground,
+    /// Still generating: its body is the `queued` or `in_progress` object. The number tells
+    /// this run from a later one under the same id.
+    Running(u64),
+    /// It ran in the background and has ended (completed, incomplete, cancelled or failed).
+    Ended,
 }
 
 impl Stored {
     /// The response `body` to the conversation `input`; `output`: its output items.
     pub fn new(body: &Value, input: Arc<Log>, output: Vec<Arc<Item>>) -> Self {
         let answered = Log::extend(&input, output);
-        Self { body: serde_json::to_vec(body).expect("JSON values serialize"), input, answered }
+        Self { body: serde_json::to_vec(body).expect("JSON values serialize"), input, answered, run: Run::Foreground }
+    }
+
+    /// Whether it ran in the background (`background: true`), running or ended.
+    pub fn background(&self) -> bool {
+        self.run != Run::Foreground
+    }
+
+    /// Whether it is a background response still generating.
+    pub fn running(&self) -> bool {
+        matches!(self.run, Run::Running(_))
     }
 
     /// The conversation it answered, then its output items: the log a continuation extends.
@@ -86,6 +116,47 @@ impl Inner {
     fn total(&self) -> usize {
         self.bytes + self.held.bytes()
     }
+
+    /// Keeps `stored` under `id` (replacing any), then forgets the oldest responses that are
+    /// not running until the store is within `capacity`.
+    fn insert(&mut self, id: &str, stored: Stored, capacity: usize) {
+        if self.remove(id) {
+            self.order.retain(|k| k != id);
+        }
+        // (held first: the items it shares with the oldest are not counted twice meanwhile;
+        // and as it alone fits, the loop stops before it unless running ones fill the store)
+        self.bytes += stored.bytes();
+        self.held.hold(&stored.answered);
+        self.map.insert(id.to_string(), Arc::new(stored));
+        self.order.push_back(id.to_string());
+        let mut at = 0;
+        while self.total() > capacity && at < self.order.len() {
+            if self.map.get(&self.order[at]).is_some_and(|s| s.running()) {
+                at += 1;
+                continue;
+            }
+            let oldest = self.order.remove(at).expect("in range");
+            self.remove(&oldest);
+        }
+    }
+
+    /// The run of the response `id`, if it is stored.
+    fn run(&self, id: &str) -> Option<Run> {
+        self.map.get(id).map(|s| s.run)
+    }
+
+    /// Rewrites the body of the stored response `id` (which must be stored) with `edit`, and
+    /// sets its run to `run`; returns the new body.
+    fn edit(&mut self, id: &str, run: Run, edit: impl FnOnce(&mut Value)) -> Vec<u8> {
+        let old = self.map.get(id).expect("edited responses are stored");
+        let mut body: Value = serde_json::from_slice(&old.body).expect("stored bodies are JSON");
+        edit(&mut body);
+        let body = serde_json::to_vec(&body).expect("JSON values serialize");
+        let new = Stored { body: body.clone(), input: old.input.clone(), answered: old.answered.clone(), run };
+        self.bytes = self.bytes - old.body.len() + body.len();
+        self.map.insert(id.to_string(), Arc::new(new));
+        body
+    }
 }
 
 /// The responses kept, up to `capacity` bytes (0: none are kept).
@@ -102,19 +173,50 @@ impl ResponseStore {
         if stored.bytes_alone() > self.capacity {
             return;
         }
-        let mut inner = self.lock();
-        if inner.remove(id) {
-            inner.order.retain(|k| k != id);
+        self.lock().insert(id, stored, self.capacity);
+    }
+
+    /// Keeps a background response as it starts: `body` (its `queued` object) answering
+    /// `input`. It stays until it ends, whatever the bound; the returned run follows it.
+    /// One whose conversation alone is larger than the whole bound is a 400: it could not be
+    /// kept to be read back.
+    pub fn begin(self: &Arc<Self>, id: &str, body: &Value, input: Arc<Log>) -> Result<BackgroundRun, ApiError> {
+        static RUNS: AtomicU64 = AtomicU64::new(1);
+        let mut stored = Stored::new(body, input, Vec::new());
+        if stored.bytes_alone() > self.capacity {
+            return Err(ApiError::invalid(
+                "background",
+                format!(
+                    "This background response's conversation ({} bytes) is larger than the whole response store \
+                     (--responses-store-mib), so it could not be kept to be read back: send it without `background`.",
+                    stored.bytes_alone()
+                ),
+            ));
         }
-        // (held first: the items it shares with the oldest are not counted twice meanwhile;
-        // and as it alone fits, the loop stops before it)
-        inner.bytes += stored.bytes();
-        inner.held.hold(&stored.answered);
-        inner.map.insert(id.to_string(), Arc::new(stored));
-        inner.order.push_back(id.to_string());
-        while inner.total() > self.capacity {
-            let Some(oldest) = inner.order.pop_front() else { break };
-            inner.remove(&oldest);
+        let run = RUNS.fetch_add(1, Ordering::Relaxed);
+        stored.run = Run::Running(run);
+        self.lock().insert(id, stored, self.capacity);
+        Ok(BackgroundRun { store: self.clone(), id: id.to_string(), run, started: AtomicBool::new(false) })
+    }
+
+    /// `POST /v1/responses/{id}/cancel`: a running background response is marked
+    /// `cancelled` (its generation is the caller's to stop); one that has ended is returned as
+    /// it is. A 404 for an unknown id, a 400 for a response that did not run in the background.
+    pub fn cancel(&self, id: &str) -> Result<Vec<u8>, ApiError> {
+        let mut inner = self.lock();
+        match inner.run(id) {
+            None => Err(not_found(id)),
+            Some(Run::Foreground) => Err(ApiError::invalid(
+                "response_id",
+                format!(
+                    "Only background responses can be cancelled: response {id:?} was not created with \
+                     `background: true`, and it has completed."
+                ),
+            )),
+            Some(Run::Running(_)) => Ok(inner.edit(id, Run::Ended, |body| {
+                body["status"] = json!("cancelled");
+            })),
+            Some(Run::Ended) => Ok(inner.map[id].body.clone()),
         }
     }
 
@@ -158,6 +260,81 @@ impl ResponseStore {
     ) -> Result<Vec<u8>, ApiError> {
         let stored = self.get(id)?;
         page(stored.input.values(), order, limit, after)
+    }
+}
+
+/// A background response's hold on its entry in the store, from its request's `prepare` until
+/// its generation ends; the entry changes only while it is this run's (not cancelled, deleted
+/// or replaced meanwhile). Dropped before its response was done, it leaves the entry `failed`
+/// (the request was dropped after the engine took it: a shutdown, an engine failure) or
+/// removes it (the engine never took it: the request was refused after `prepare`).
+#[derive(Debug)]
+pub struct BackgroundRun {
+    store: Arc<ResponseStore>,
+    id: String,
+    run: u64,
+    /// Whether the engine took the request.
+    started: AtomicBool,
+}
+
+impl BackgroundRun {
+    /// The engine took the request.
+    pub fn start(&self) {
+        self.started.store(true, Ordering::Relaxed);
+    }
+
+    /// Applies `edit` to the entry, and sets its run to `run`, if the entry is still this
+    /// run's; returns the new body.
+    fn edit(&self, run: Run, edit: impl FnOnce(&mut Value)) -> Option<Vec<u8>> {
+        let mut inner = self.store.lock();
+        (inner.run(&self.id) == Some(Run::Running(self.run))).then(|| inner.edit(&self.id, run, edit))
+    }
+
+    /// Its first output came: the entry is `in_progress`.
+    pub fn progress(&self) {
+        self.edit(Run::Running(self.run), |body| body["status"] = json!("in_progress"));
+    }
+
+    /// It is done: `stored` (its final object and output) replaces the entry. One larger
+    /// than the whole bound is forgotten, as `put` would not keep it.
+    pub fn finish(&self, mut stored: Stored) {
+        let mut inner = self.store.lock();
+        if inner.run(&self.id) != Some(Run::Running(self.run)) {
+            return;
+        }
+        if stored.bytes_alone() > self.store.capacity {
+            inner.remove(&self.id);
+            inner.order.retain(|k| *k != self.id);
+            return;
+        }
+        stored.run = Run::Ended;
+        inner.insert(&self.id, stored, self.store.capacity);
+    }
+
+    /// It failed: the entry becomes `failed` with `error` (OpenAI's `{code, message}`).
+    pub fn fail(&self, error: Value) -> Option<Vec<u8>> {
+        self.edit(Run::Ended, |body| {
+            body["status"] = json!("failed");
+            body["error"] = error;
+        })
+    }
+}
+
+impl Drop for BackgroundRun {
+    fn drop(&mut self) {
+        if self.started.load(Ordering::Relaxed) {
+            self.fail(json!({
+                "code": "server_error",
+                "message": "The response ended before it was done: the server stopped its generation \
+                            (a shutdown or an engine failure).",
+            }));
+            return;
+        }
+        let mut inner = self.store.lock();
+        if inner.run(&self.id) == Some(Run::Running(self.run)) {
+            inner.remove(&self.id);
+            inner.order.retain(|k| *k != self.id);
+        }
     }
 }
 
@@ -265,6 +442,37 @@ mod tests {
         store.put("big", stored(&"x".repeat(4 * one)));
         assert!(store.get("big").is_err() && store.get("c").is_ok());
         assert_eq!(store.lock().total(), 2 * one);
+    }
+
+    #[test]
+    fn running_background_responses_are_not_forgotten_to_make_room() {
+        let one = stored("aaaa").bytes_alone();
+        let store = Arc::new(ResponseStore::new(2 * one));
+        let queued = json!({"output": ["aaaa"], "status": "queued"});
+        let run = store.begin("bg", &queued, log(&[json!({"id": "msg_1", "content": "aaaa"})])).unwrap();
+        run.start();
+        store.put("a", stored("aaaa"));
+        store.put("b", stored("bbbb"));
+        // the running one is the oldest, yet the store forgets the next oldest
+        assert!(store.get("bg").unwrap().running() && store.get("a").is_err() && store.get("b").is_ok());
+        // ended, it is stored as of its end, and goes in its turn like any other
+        run.finish(answer(&json!({"output": ["aaaa"], "status": "completed"}), log(&[])));
+        assert!(!store.get("bg").unwrap().running() && store.get("bg").unwrap().background());
+        store.put("c", stored("cccc"));
+        assert!(store.get("bg").is_ok() && store.get("b").is_err() && store.get("c").is_ok());
+        store.put("d", stored("dddd"));
+        assert!(store.get("bg").is_err() && store.get("c").is_ok() && store.get("d").is_ok());
+        // one larger than the whole store is refused as it starts
+        let big = json!({"output": ["x".repeat(4 * one)]});
+        assert_eq!(store.begin("big", &big, log(&[])).unwrap_err().param(), Some("background"));
+        // held bytes follow the edits of a running body
+        let run = store.begin("bg2", &queued, log(&[])).unwrap();
+        run.progress();
+        let inner = store.lock();
+        assert_eq!(inner.bytes, inner.map.values().map(|s| s.bytes()).sum::<usize>());
+        drop(inner);
+        drop(run);
+        assert!(store.get("bg2").is_err());
     }
 
     #[test]

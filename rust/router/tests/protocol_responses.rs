@@ -155,7 +155,7 @@ fn errors_are_named_in_the_responses_terms() {
         assert_eq!(err(body.clone()), unsupported(param), "{body}");
     }
     // refusals do not blame a store this server has (audit 77)
-    let e = responses(&r, json!({"input": "hello", "background": true})).unwrap_err();
+    let e = responses(&r, json!({"input": "hello", "prompt": {"id": "pmpt_1"}})).unwrap_err();
     assert_eq!(e.code(), "unsupported_parameter");
     assert!(!e.message().contains("stores no"), "{}", e.message());
     // the message quotes the field the client sent
@@ -291,6 +291,124 @@ fn an_empty_answer_is_one_empty_message() {
         assert_eq!(body["output"].as_array().unwrap().len(), 1);
         assert_eq!(body["output"][0]["content"][0]["text"], "", "stream: {stream}");
     }
+}
+
+/// The stored body of response `id`.
+fn stored(r: &Router, id: &str) -> Value {
+    serde_json::from_slice(&r.responses().body(id).unwrap()).unwrap()
+}
+
+#[test]
+fn a_background_response_is_stored_queued_and_follows_its_run() {
+    let r = router();
+    for stream in [false, true] {
+        let p = responses(&r, json!({"input": "hello", "background": true, "stream": stream})).unwrap();
+        // stored as it is prepared: the request returns at once, and is read back by its id
+        assert!(p.background() && p.stream == stream);
+        let queued = stored(&r, &p.id);
+        assert_eq!((queued["status"].as_str(), queued["background"].as_bool()), (Some("queued"), Some(true)));
+        assert_eq!(queued["output"], json!([]));
+        // its bytes are its events whether or not its client streams them
+        let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+        let evs = sse_events(&b.take());
+        let kinds: Vec<&str> = evs.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(kinds, ["response.created", "response.queued"]);
+        assert_eq!(evs[0].1["response"]["status"], "queued");
+        // its first output: in progress, in the events and in the store
+        push(&mut b, "a", None);
+        let evs = sse_events(&b.take());
+        assert_eq!(
+            (evs[0].0.as_str(), &evs[0].1["response"]["status"]),
+            ("response.in_progress", &json!("in_progress"))
+        );
+        assert_eq!(evs[0].1["sequence_number"], 2);
+        assert_eq!(stored(&r, &p.id)["status"], "in_progress");
+        // continuing it while it runs is a 400 (its output is not known yet)
+        let e = responses(&r, json!({"input": "more", "previous_response_id": p.id})).unwrap_err();
+        assert_eq!((e.status(), e.param()), (400, Some("previous_response_id")));
+        push(&mut b, " b", Some(FinishReason::Stop));
+        let last = sse_events(&b.finish()).pop().unwrap();
+        assert_eq!(last.0, "response.completed");
+        let done = stored(&r, &p.id);
+        assert_eq!(done, last.1["response"]);
+        assert_eq!((done["status"].as_str(), done["background"].as_bool()), (Some("completed"), Some(true)));
+        assert_eq!(done["output"][0]["content"][0]["text"], "a b");
+        // done: it can be continued, and cancelling it answers it as it is
+        responses(&r, json!({"input": "more", "previous_response_id": p.id})).unwrap();
+        assert_eq!(serde_json::from_slice::<Value>(&r.responses().cancel(&p.id).unwrap()).unwrap(), done);
+    }
+    // a background response must be stored
+    let e = responses(&r, json!({"input": "hello", "background": true, "store": false})).unwrap_err();
+    assert_eq!((e.status(), e.code(), e.param()), (400, "invalid_value", Some("background")));
+    let storeless = router_with(json!({"responses_store_bytes": 0}), Some(TEMPLATE));
+    let e = responses(&storeless, json!({"input": "hello", "background": true})).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("unsupported_parameter", Some("background")));
+    assert!(e.message().contains("--responses-store-mib"), "{}", e.message());
+    // counting its tokens runs nothing: `background` asks for nothing there
+    let counted =
+        r.handle(Endpoint::ResponsesInputTokens, br#"{"model": "tiny", "input": "hi", "background": true}"#).unwrap();
+    assert!(
+        counted.headers.contains(&("llmserve-ignored-fields".into(), "background".into())),
+        "{:?}",
+        counted.headers
+    );
+}
+
+#[test]
+fn a_background_response_cancelled_failed_or_dropped_says_so() {
+    let r = router();
+    let background = |r: &Router| responses(r, json!({"input": "hello", "background": true})).unwrap();
+    // cancelled while it runs: what it then produces changes nothing
+    let p = background(&r);
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "a", None);
+    let cancelled: Value = serde_json::from_slice(&r.responses().cancel(&p.id).unwrap()).unwrap();
+    assert_eq!(cancelled["status"], "cancelled");
+    push(&mut b, " b", Some(FinishReason::Stop));
+    b.finish();
+    drop(b);
+    assert_eq!(stored(&r, &p.id), cancelled);
+    assert_eq!(serde_json::from_slice::<Value>(&r.responses().cancel(&p.id).unwrap()).unwrap(), cancelled);
+    // an engine failure: `response.failed`, and the store says why
+    let p = background(&r);
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    b.take();
+    let err = llmserve_router::error::ApiError::Internal { message: "the step failed".into() };
+    let evs = sse_events(&b.failed(&err).unwrap());
+    assert_eq!((evs[0].0.as_str(), evs[0].1["sequence_number"].as_u64()), ("response.failed", Some(2)));
+    let failed = stored(&r, &p.id);
+    assert_eq!(evs[0].1["response"], failed);
+    assert_eq!(failed["status"], "failed");
+    assert_eq!(failed["error"], json!({"code": "server_error", "message": "the step failed"}));
+    // a foreground request fails as it always has
+    let p = responses(&r, json!({"input": "hello", "stream": true})).unwrap();
+    assert!(ResponseBuilder::new(&p, Arc::new(tokenizer())).failed(&err).is_none());
+    // dropped after the engine took it (a shutdown): failed
+    let p = background(&r);
+    drop(ResponseBuilder::new(&p, Arc::new(tokenizer())));
+    let id = p.id.clone();
+    drop(p);
+    assert_eq!(stored(&r, &id)["status"], "failed");
+    // refused before the engine took it (a full queue): as if never made
+    let p = background(&r);
+    let id = p.id.clone();
+    drop(p);
+    assert_eq!(r.responses().body(&id).unwrap_err().status(), 404);
+    // deleted while it runs: it stays deleted
+    let p = background(&r);
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    r.responses().delete(&p.id).unwrap();
+    push(&mut b, "a", Some(FinishReason::Stop));
+    b.finish();
+    assert_eq!(r.responses().body(&p.id).unwrap_err().status(), 404);
+    // a response that did not run in the background cannot be cancelled
+    let p = responses(&r, json!({"input": "hello"})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "a", Some(FinishReason::Stop));
+    b.finish();
+    let e = r.responses().cancel(&p.id).unwrap_err();
+    assert_eq!((e.status(), e.param()), (400, Some("response_id")));
+    assert_eq!(r.responses().cancel("resp_nope").unwrap_err().status(), 404);
 }
 
 /// Audit 71's findings: names the client sent, and defaults it may send back.

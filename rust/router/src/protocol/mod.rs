@@ -177,6 +177,12 @@ pub struct Handled {
 }
 
 impl Prepared {
+    /// A Responses request with `background: true`: it runs whether or not anyone reads it,
+    /// and its bytes are its events even when the client does not stream them.
+    pub fn background(&self) -> bool {
+        self.responses.as_ref().is_some_and(|echo| echo.background.is_some())
+    }
+
     /// The sequences this request queues: one per prompt and distinct choice.
     pub fn num_seqs(&self) -> usize {
         self.prompts.len() * self.params.seqs_per_prompt() as usize

@@ -30,7 +30,12 @@
 //!   stored item with its id, from any stored
 //!   response's conversation or output (an unknown id is a 400 `item_not_found` on
 //!   `input[i].id`; OpenAI's default store makes every item of a conversation referable).
-//!   `background` is a 400 `unsupported_parameter`.
+//! - `background: true` (which needs `store`): the request returns at once with the response
+//!   `queued` (streamed: its events as they come, which the client may leave and read again,
+//!   `GET /v1/responses/{id}?stream=true&starting_after=N`); the response runs on whether or not
+//!   anyone listens, and its stored entry follows it ([`crate::response_store::BackgroundRun`]).
+//!   It can be cancelled. A response still running cannot be continued
+//!   (`previous_response_id`), as its output is not known yet.
 //! - `conversation` (OpenAI's Conversations API, [`super::conversations`]): the conversation's
 //!   items come before `input` as `previous_response_id`'s do (the two together are a 400), and
 //!   the finished response's input and output items join it, whatever `store` says.
@@ -56,7 +61,7 @@ use super::{chat, Checked, Endpoint};
 use crate::conversation_store::Lease;
 use crate::error::ApiError;
 use crate::item_log::{Item, Log};
-use crate::response_store::ResponseStore;
+use crate::response_store::{BackgroundRun, ResponseStore};
 use crate::router::Router;
 
 /// The `include` entry that asks for the output text's logprobs.
@@ -111,6 +116,8 @@ pub struct Echo {
     pub store: Option<(Arc<ResponseStore>, Arc<Log>)>,
     /// `conversation`: the conversation the finished response's items join.
     pub conversation: Option<Joins>,
+    /// `background: true`: its entry in the store, from its `queued` object on.
+    pub background: Option<Arc<BackgroundRun>>,
 }
 
 /// The conversation a response belongs to, and the input items that join it (before the
@@ -136,7 +143,7 @@ impl PartialEq for Echo {
             }
             (a, b) => a.is_none() && b.is_none(),
         };
-        self.fields == other.fields && store && conversation
+        self.fields == other.fields && store && conversation && self.background.is_some() == other.background.is_some()
     }
 }
 
@@ -894,6 +901,15 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
                         ),
                     )
                 })?;
+                if stored.running() {
+                    return Err(ApiError::invalid(
+                        "previous_response_id",
+                        format!(
+                            "Response {id:?} is still running in the background: its output is not known yet. \
+                             Continue it once it has completed (poll GET /v1/responses/{id})."
+                        ),
+                    ));
+                }
                 let log = stored.answered().clone();
                 (log.values(), log)
             }
@@ -910,19 +926,13 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
             "Stored prompt templates (`prompt`) are not supported: send `instructions` and `input`.",
         ));
     }
-    match set(obj, "background") {
-        None | Some(Value::Bool(false)) => {}
-        Some(Value::Bool(true)) => {
-            return Err(unsupported(
-                "background",
-                "Background responses are not supported: a response is generated while its request is open \
-                 (stream it to see it as it is made).",
-            ))
-        }
+    let background = match set(obj, "background") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
         Some(other) => {
             return Err(invalid_type("background", format!("`background` must be a boolean, not {}.", kind_of(other))))
         }
-    }
+    };
     // OpenAI's default is to store; with no store, `store: true` sent is reported
     let keep = match set(obj, "store") {
         None => store.enabled(),
@@ -936,6 +946,21 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
             return Err(invalid_type("store", format!("`store` must be a boolean, not {}.", kind_of(other))))
         }
     };
+    if background && !counting && !keep {
+        return Err(if store.enabled() {
+            ApiError::invalid(
+                "background",
+                "A background response must be stored: it is read back by its id. Send `store: true` (the \
+                 default) with `background: true`.",
+            )
+        } else {
+            unsupported(
+                "background",
+                "Background responses are not supported: this server stores no responses (--responses-store-mib \
+                 0), and a background response is read back from the store.",
+            )
+        });
+    }
     // `auto`: the conversation's first items are dropped until the prompt fits (below)
     let truncate = match set(obj, "truncation") {
         None => false,
@@ -1165,7 +1190,14 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     echo.insert("user".into(), sent("user").unwrap_or(Value::Null));
     let stored = keep.then(|| (store.clone(), Log::extend(&continued, listed_input.clone())));
     let conversation = joins.map(|id| Joins { id, input: listed_input, lease });
-    prepared.responses = Some(Arc::new(Echo { fields: echo, store: stored, conversation }));
+    let mut echo = Echo { fields: echo, store: stored, conversation, background: None };
+    if background && !counting {
+        // stored `queued` from here: the request returns at once, and is read back by its id
+        let object = crate::response::queued_response(prepared, &echo);
+        let input = echo.store.as_ref().map(|(_, input)| input.clone()).expect("background responses are kept");
+        echo.background = Some(Arc::new(store.begin(&prepared.id, &object, input)?));
+    }
+    prepared.responses = Some(Arc::new(echo));
     Ok(checked)
 }
 

@@ -127,7 +127,7 @@ pub(super) fn response_object(
     object.insert("object".into(), json!("response"));
     object.insert("created_at".into(), json!(created));
     object.insert("status".into(), json!(status));
-    object.insert("background".into(), json!(false));
+    object.insert("background".into(), json!(echo.background.is_some()));
     object.insert("completed_at".into(), if status == "completed" { json!(unix_now()) } else { Value::Null });
     object.insert("error".into(), Value::Null);
     object.insert("incomplete_details".into(), incomplete);
@@ -150,8 +150,10 @@ pub(super) fn keep(echo: &Echo, id: &str, object: &Value) {
     // (the output items are shared by the stored response and the conversation)
     let output: Vec<Arc<item_log::Item>> =
         object["output"].as_array().map_or_else(Vec::new, |o| o.iter().map(item_log::Item::new).collect());
-    if let Some((store, input)) = &echo.store {
-        store.put(id, Stored::new(object, input.clone(), output.clone()));
+    match (&echo.store, &echo.background) {
+        (Some((_, input)), Some(run)) => run.finish(Stored::new(object, input.clone(), output.clone())),
+        (Some((store, input)), None) => store.put(id, Stored::new(object, input.clone(), output.clone())),
+        (None, _) => {}
     }
     if let Some((joins, lease)) = joins {
         lease.finish(joins.input.iter().cloned().chain(output).collect());
@@ -173,6 +175,8 @@ pub(super) fn usage(input: u64, cached: u64, output: u64, reasoning: u64) -> Val
 /// A streamed response's events so far.
 pub(super) struct EventStream {
     seq: u64,
+    /// A background response's object as it goes `in_progress`, until its first output.
+    queued: Option<Value>,
     /// The items, in output order; the last is open until `closed` says otherwise.
     items: Vec<Item>,
     open: bool,
@@ -186,7 +190,7 @@ pub(super) struct EventStream {
 
 impl EventStream {
     pub(super) fn new(logprobs: bool) -> Self {
-        Self { seq: 0, items: Vec::new(), open: false, finish: None, logprobs, pending_lp: Vec::new() }
+        Self { seq: 0, queued: None, items: Vec::new(), open: false, finish: None, logprobs, pending_lp: Vec::new() }
     }
 
     /// Queues one event: `event: <type>` and its JSON with `type` and `sequence_number`.
@@ -201,10 +205,30 @@ impl EventStream {
         out.extend_from_slice(b"\n\n");
     }
 
-    /// `response.created` and `response.in_progress`.
+    /// `response.created` and `response.in_progress`; for a response `queued` (background),
+    /// `response.created` and `response.queued`, and `response.in_progress` at its first output
+    /// ([`Self::progress`]).
     pub(super) fn start(&mut self, out: &mut Vec<u8>, response: Value) {
         self.event(out, "response.created", json!({"response": response}));
+        if response["status"] == "queued" {
+            self.event(out, "response.queued", json!({"response": response}));
+            self.queued = Some(with(&response, "status", json!("in_progress")));
+        } else {
+            self.event(out, "response.in_progress", json!({"response": response}));
+        }
+    }
+
+    /// A queued response's first output is coming: `response.in_progress`; whether it was
+    /// queued until now.
+    pub(super) fn progress(&mut self, out: &mut Vec<u8>) -> bool {
+        let Some(response) = self.queued.take() else { return false };
         self.event(out, "response.in_progress", json!({"response": response}));
+        true
+    }
+
+    /// `response.failed`, with the failed `response`.
+    pub(super) fn failed(&mut self, out: &mut Vec<u8>, response: Value) {
+        self.event(out, "response.failed", json!({"response": response}));
     }
 
     fn index(&self) -> usize {
@@ -351,6 +375,7 @@ impl EventStream {
     /// The final event: `response.completed` (or `response.incomplete`) with the whole
     /// response, built by `object` from the finish and the items.
     pub(super) fn end(&mut self, out: &mut Vec<u8>, object: impl FnOnce(Option<FinishReason>, Vec<Value>) -> Value) {
+        self.progress(out);
         self.close(out, "completed");
         let finish = self.finish.or(Some(FinishReason::Stop));
         let status = if finish == Some(FinishReason::Length) { "incomplete" } else { "completed" };
