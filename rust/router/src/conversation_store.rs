@@ -283,10 +283,10 @@ impl ConversationStore {
 
     /// The item with id `item` in any conversation (the most recently used holding it), for
     /// an `item_reference`.
-    pub fn find(&self, item: &str) -> Option<Value> {
+    pub fn find(&self, item: &str) -> Option<Arc<Item>> {
         let inner = self.lock();
         let holders = inner.map.values().filter_map(|c| Some((c.used, c.find(item)?)));
-        holders.max_by_key(|(used, _)| *used).map(|(_, e)| e.value())
+        holders.max_by_key(|(used, _)| *used).map(|(_, e)| e)
     }
 }
 
@@ -361,7 +361,7 @@ mod tests {
         };
         assert_eq!(ids(&store), [json!("msg_a"), json!("msg_b"), json!("msg_c")]);
         assert_eq!(store.item(&id, "msg_b").unwrap()["content"][0]["text"], "b");
-        assert_eq!(store.find("msg_c").unwrap()["id"], "msg_c");
+        assert_eq!(store.find("msg_c").unwrap().value()["id"], "msg_c");
         assert_eq!(store.delete_item(&id, "msg_b").unwrap()["id"], json!(id));
         assert_eq!(ids(&store), [json!("msg_a"), json!("msg_c")]);
         assert_eq!(store.item(&id, "msg_b").unwrap_err().status(), 404);
@@ -371,7 +371,7 @@ mod tests {
         assert_eq!(store.object(&id).unwrap()["metadata"], json!({"k": "v"}));
         assert_eq!(store.delete(&id).unwrap()["deleted"], true);
         assert_eq!(store.object(&id).unwrap_err().status(), 404);
-        assert_eq!(store.find("msg_c"), None);
+        assert_eq!(store.find("msg_c").map(|i| i.value()), None);
         assert_eq!(store.lock().bytes, 0);
     }
 

@@ -222,10 +222,13 @@ impl ResponseStore {
 
     /// The item with id `item` held by a stored response (one of its conversation's items,
     /// or one of its output items).
-    pub fn item(&self, item: &str) -> Option<Value> {
-        let found = self.lock().held.find(item)?;
-        // (parsed outside the lock)
-        Some(found.value())
+    pub fn item(&self, item: &str) -> Option<Arc<Item>> {
+        self.lock().held.find(item)
+    }
+
+    /// The memory held, in bytes: what the bound (`--responses-store-mib`) counts.
+    pub fn held(&self) -> usize {
+        self.lock().total()
     }
 
     /// The response stored under `id`, or a 404.
@@ -480,26 +483,26 @@ mod tests {
         let store = ResponseStore::new(1 << 20);
         let output = json!({"output": [{"id": "msg_out", "type": "message", "role": "assistant"}]});
         store.put("r1", answer(&output, log(&[item("msg_a", "first")])));
-        assert_eq!(store.item("msg_a").unwrap()["content"], "first");
-        assert_eq!(store.item("msg_out").unwrap()["role"], "assistant");
-        assert_eq!(store.item("msg_nope"), None);
+        assert_eq!(store.item("msg_a").unwrap().value()["content"], "first");
+        assert_eq!(store.item("msg_out").unwrap().value()["role"], "assistant");
+        assert_eq!(store.item("msg_nope").map(|i| i.value()), None);
         // a continuation holds the same items: the newest holder answers, and the item
         // outlives the response that first held it
         store.put("r2", answer(&json!({"output": []}), log(&[item("msg_a", "first"), item("msg_a", "first")])));
         store.delete("r1").unwrap();
-        assert_eq!(store.item("msg_a").unwrap()["content"], "first");
-        assert_eq!(store.item("msg_out"), None);
+        assert_eq!(store.item("msg_a").unwrap().value()["content"], "first");
+        assert_eq!(store.item("msg_out").map(|i| i.value()), None);
         store.delete("r2").unwrap();
-        assert_eq!(store.item("msg_a"), None);
+        assert_eq!(store.item("msg_a").map(|i| i.value()), None);
         assert_eq!(store.lock().total(), 0);
         // forgotten past the bound, or replaced under the same id
         let one = answer(&json!({"output": []}), log(&[item("msg_b", "b")])).bytes_alone();
         let small = ResponseStore::new(one);
         small.put("r", answer(&json!({"output": []}), log(&[item("msg_b", "b")])));
         small.put("r", answer(&json!({"output": []}), log(&[item("msg_c", "c")])));
-        assert_eq!((small.item("msg_b"), small.item("msg_c").is_some()), (None, true));
+        assert_eq!((small.item("msg_b").map(|i| i.value()), small.item("msg_c").is_some()), (None, true));
         small.put("s", answer(&json!({"output": []}), log(&[item("msg_d", "d")])));
-        assert_eq!((small.item("msg_c"), small.item("msg_d").is_some()), (None, true));
+        assert_eq!((small.item("msg_c").map(|i| i.value()), small.item("msg_d").is_some()), (None, true));
         assert!(small.lock().held.counts() == (1, 1));
     }
 
@@ -536,7 +539,7 @@ mod tests {
         assert_eq!(store.lock().held.counts().1, 2 * turns);
         // the oldest forgotten, their items stay while a newer response lists them
         store.delete("resp_0").unwrap();
-        assert_eq!(store.item("msg_in0").unwrap()["id"], "msg_in0");
+        assert_eq!(store.item("msg_in0").unwrap().value()["id"], "msg_in0");
         for t in 1..turns {
             store.delete(&format!("resp_{t}")).unwrap();
         }
@@ -583,7 +586,7 @@ mod tests {
         conversations.delete_item(conv, "msg_in0").unwrap();
         assert_eq!(conversations.items(conv).unwrap().len(), 2 * turns - 1);
         assert_eq!(store.get("resp_99").unwrap().input.values()[0]["id"], "msg_in0");
-        assert_eq!(store.item("msg_in0").unwrap()["id"], "msg_in0");
+        assert_eq!(store.item("msg_in0").unwrap().value()["id"], "msg_in0");
     }
 
     #[test]

@@ -665,6 +665,23 @@ fn item_references_are_the_stored_items() {
     r.responses().delete(&p.id).unwrap();
     let gone = json!({"input": [{"type": "item_reference", "id": "msg_hello"}]});
     assert_eq!(shape(responses(&r, gone)).1, "item_not_found");
+
+    // a referenced item is the stored one itself: sent again by reference it is held once,
+    // sent again in full it is held twice
+    let r = router_with(json!({"max_model_len": 10_000}), Some(TEMPLATE));
+    let long = "hello ".repeat(3000);
+    let answered = |body: Value| {
+        let mut b = ResponseBuilder::new(&responses(&r, body).unwrap(), Arc::new(tokenizer()));
+        push(&mut b, "world", Some(FinishReason::Stop));
+        b.finish();
+    };
+    answered(json!({"input": [{"role": "user", "content": long, "id": "msg_long"}]}));
+    let held = r.responses().held();
+    answered(json!({"input": [{"type": "item_reference", "id": "msg_long"}, {"role": "user", "content": "x"}]}));
+    let by_reference = r.responses().held() - held;
+    answered(json!({"input": [{"role": "user", "content": long, "id": "msg_long"}, {"role": "user", "content": "x"}]}));
+    let in_full = r.responses().held() - held - by_reference;
+    assert!(by_reference < 2_000 && in_full > long.len(), "{by_reference} {in_full}");
 }
 
 /// `POST /v1/responses/input_tokens` counts the prompt `POST /v1/responses` would read from the

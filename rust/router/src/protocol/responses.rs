@@ -582,6 +582,10 @@ impl Conversation {
     }
 }
 
+/// The items of a list with references resolved: the list, and at each referenced index the
+/// stored item itself (a response keeps that one rather than a copy of it).
+type Resolved = (Value, Vec<Option<Arc<Item>>>);
+
 /// `input` (the list at `root`) with each `item_reference` item replaced by the stored item it
 /// names (as it is listed: with its `id`), from a stored response or a conversation; `None`
 /// when it has no references. A reference's keys beside `type` and `id` are reported in
@@ -591,7 +595,7 @@ fn resolve_references(
     input: Option<&Value>,
     root: &str,
     ignored: &mut Vec<String>,
-) -> Result<Option<Value>, ApiError> {
+) -> Result<Option<Resolved>, ApiError> {
     let store = router.responses();
     let Some(Value::Array(items)) = input else { return Ok(None) };
     // (OpenAI's reference may leave its `type` out: an item of an `id` alone, no role or content)
@@ -606,6 +610,7 @@ fn resolve_references(
         return Ok(None);
     }
     let mut out = Vec::with_capacity(items.len());
+    let mut shared = vec![None; items.len()];
     for (i, item) in items.iter().enumerate() {
         if !is_reference(item) {
             out.push(item.clone());
@@ -633,9 +638,10 @@ fn resolve_references(
                 ),
             )
         })?;
-        out.push(found);
+        out.push(found.value());
+        shared[i] = Some(found);
     }
-    Ok(Some(Value::Array(out)))
+    Ok(Some((Value::Array(out), shared)))
 }
 
 /// Items as a conversation keeps them (`/v1/conversations`): `items` checked as input items
@@ -647,7 +653,7 @@ pub(crate) fn conversation_items(
     ignored: &mut Vec<String>,
 ) -> Result<Vec<Value>, ApiError> {
     let resolved = resolve_references(router, Some(items), "items", ignored)?;
-    let list = resolved.as_ref().unwrap_or(items).as_array().map(Vec::as_slice).unwrap_or_default();
+    let list = resolved.as_ref().map_or(items, |(v, _)| v).as_array().map(Vec::as_slice).unwrap_or_default();
     let mut conv = Conversation::new("items");
     for (i, item) in list.iter().enumerate() {
         conv.item(i, item)?;
@@ -974,11 +980,17 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         }
     };
     let resolved = resolve_references(router, obj.get("input"), "input", &mut ignored)?;
-    let input = resolved.as_ref().or(obj.get("input"));
-    // the input items as a stored response or a conversation keeps them (with ids)
+    let input = resolved.as_ref().map(|(v, _)| v).or(obj.get("input"));
+    // the input items as a stored response or a conversation keeps them (with ids); a
+    // referenced item is the stored one itself, so it is held once
+    let shared = resolved.as_ref().map(|(_, s)| s.as_slice()).unwrap_or_default();
     let listed_input: Vec<Arc<Item>> = match input {
         _ if !keep && joins.is_none() => Vec::new(),
-        Some(Value::Array(items)) => items.iter().map(|i| Item::new(&listed(i))).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| shared.get(i).cloned().flatten().unwrap_or_else(|| Item::new(&listed(item))))
+            .collect(),
         other => vec![Item::new(&listed(&json!({"type": "message", "role": "user", "content": other})))],
     };
     // a conversation is held from here until the response's items have joined it
