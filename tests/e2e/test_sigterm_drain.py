@@ -129,3 +129,37 @@ def test_a_second_signal_skips_the_drain_and_ends_what_runs_properly(long_contex
         assert plain.json()["error"]["type"] == "service_unavailable_error"
     finally:
         server.stop()
+
+
+def test_a_shutdown_stops_background_responses_at_once(long_context_model):
+    """A background response would finish in a store that goes with the process: SIGTERM stops
+    it at once (stored `failed`, which a poll may still read while the server closes) instead
+    of holding the drain, and the server exits without waiting for it."""
+    server = ServerProcess(str(long_context_model), "--served-model-name", "tiny", "--max-model-len", "8192")
+    try:
+        body = {"model": "tiny", "input": "hello", "max_output_tokens": 8000, "ignore_eos": True,
+                "background": True}
+        response_id = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()["id"]
+        url = f"{server.url}/v1/responses/{response_id}"
+        deadline = time.monotonic() + 30
+        while httpx.get(url, timeout=5).json()["status"] != "in_progress":
+            assert time.monotonic() < deadline, "the background response never began"
+            time.sleep(0.02)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        seen = None
+        while server.proc.poll() is None and seen != "failed":
+            try:
+                stored = httpx.get(url, timeout=5).json()
+            except httpx.TransportError:        # (closed already)
+                break
+            seen = stored["status"]
+            assert seen in ("in_progress", "failed"), stored
+            time.sleep(0.02)
+        if seen == "failed":
+            assert "shutdown" in stored["error"]["message"]
+        server.proc.wait(30)
+        # (the drain would have waited DRAIN_TIMEOUT_S, 20 s: 8000 tokens take far longer here)
+        assert time.monotonic() - signalled < 10
+    finally:
+        server.stop()

@@ -140,6 +140,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
             if owns_engine:
                 if not loading[0].done():
                     loading[0].cancel()
+                app.state.backgrounds.stop_all()
                 await engine.drain(stop_timeout=_step_wait(app.state))
 
     app = Starlette(
@@ -293,6 +294,9 @@ class DrainingServer(uvicorn.Server):
         self._drain = self._loop.create_task(self._drain_then_exit(sig))
 
     async def _drain_then_exit(self, sig: int) -> None:
+        if stopped := self.app_state.backgrounds.stop_all():
+            log.info("stopped %d background responses: they would finish in a store that goes with the process",
+                     stopped)
         if not await self.engine.wait_drained(DRAIN_TIMEOUT_S):
             log.warning("drain timed out after %.0f s; closing with requests running", DRAIN_TIMEOUT_S)
             self._end_running()

@@ -112,6 +112,14 @@ class Backgrounds:
         if run is not None and run.ended is None:
             run.task.cancel()
 
+    def stop_all(self) -> int:
+        """Stops every run (a shutdown: the store they would finish in goes with the process,
+        so nothing waits for them); they are stored `failed`. Returns how many ran."""
+        running = [run for run in self._runs.values() if run.ended is None]
+        for run in running:
+            run.task.cancel()
+        return len(running)
+
     def _prune(self) -> None:
         now = time.monotonic()
         ended = sorted((r for r in self._runs.values() if r.ended is not None), key=lambda r: r.ended)
