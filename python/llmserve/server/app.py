@@ -31,8 +31,8 @@ from starlette.routing import Route
 from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.server.background import Backgrounds
 from llmserve.server import routes
+from llmserve.server.background import Backgrounds
 from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, anthropic_route, error_body,
                                        error_request_id, route_path)
 
