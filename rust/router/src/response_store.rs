@@ -117,12 +117,19 @@ impl Inner {
         self.bytes + self.held.bytes()
     }
 
+    /// `remove`, and `id`'s place in the order with it.
+    fn forget(&mut self, id: &str) -> bool {
+        let kept = self.remove(id);
+        if kept {
+            self.order.retain(|k| k != id);
+        }
+        kept
+    }
+
     /// Keeps `stored` under `id` (replacing any), then forgets the oldest responses that are
     /// not running until the store is within `capacity`.
     fn insert(&mut self, id: &str, stored: Stored, capacity: usize) {
-        if self.remove(id) {
-            self.order.retain(|k| k != id);
-        }
+        self.forget(id);
         // (held first: the items it shares with the oldest are not counted twice meanwhile;
         // and as it alone fits, the loop stops before it unless running ones fill the store)
         self.bytes += stored.bytes();
@@ -239,10 +246,9 @@ impl ResponseStore {
     /// Forgets `id`: the `DELETE /v1/responses/{id}` body, or a 404.
     pub fn delete(&self, id: &str) -> Result<Vec<u8>, ApiError> {
         let mut inner = self.lock();
-        if !inner.remove(id) {
+        if !inner.forget(id) {
             return Err(not_found(id));
         }
-        inner.order.retain(|k| k != id);
         Ok(serde_json::to_vec(&json!({"id": id, "object": "response", "deleted": true})).expect("JSON serializes"))
     }
 
@@ -306,8 +312,7 @@ impl BackgroundRun {
             return;
         }
         if stored.bytes_alone() > self.store.capacity {
-            inner.remove(&self.id);
-            inner.order.retain(|k| *k != self.id);
+            inner.forget(&self.id);
             return;
         }
         stored.run = Run::Ended;
@@ -335,8 +340,7 @@ impl Drop for BackgroundRun {
         }
         let mut inner = self.store.lock();
         if inner.run(&self.id) == Some(Run::Running(self.run)) {
-            inner.remove(&self.id);
-            inner.order.retain(|k| *k != self.id);
+            inner.forget(&self.id);
         }
     }
 }
