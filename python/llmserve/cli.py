@@ -37,18 +37,27 @@ _VLLM_NO_OPS = {
     "--enable-lora": "LoRA adapters are served whenever --lora-modules names some",
     "--fully-sharded-loras": "llmserve runs a model on one device",
     "--disable-log-stats": "nothing is logged periodically (the stats are /metrics and /load)",
+    "--enable-chunked-prefill": "prompts longer than a step's token budget (--max-num-batched-tokens) are always "
+                                "prefilled in chunks",
+    "--enable-prompt-tokens-details": "usage always has prompt_tokens_details (cached_tokens)",
+    "--enable-server-load-tracking": "the load is always tracked (GET /load, /metrics)",
+    "--disable-fastapi-docs": "llmserve serves no API docs pages",
+    "--disable-custom-all-reduce": "llmserve runs a model on one device",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
     "--max-lora-rank": "adapters of any rank are served (each is checked against the model at start)",
     "--max-cpu-loras": "every LoRA adapter served is held in memory at once (--max-loras bounds how many run "
                        "at once)",
+    "--swap-space": "a sequence preempted when the KV cache runs out recomputes its tokens: nothing is swapped "
+                    "to CPU memory",
+    "--max-log-len": "llmserve logs no prompt text",
 }
 # ... and those accepted only with the value that asks for what llmserve does anyway (any other
 # value stops it with the flag's _VLLM_HINTS line).
 _VLLM_NEUTRAL = {
     "--tensor-parallel-size": "1", "-tp": "1", "--pipeline-parallel-size": "1",
-    "--kv-cache-dtype": "auto", "--lora-dtype": "auto",
+    "--kv-cache-dtype": "auto", "--lora-dtype": "auto", "--load-format": "auto",
 }
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
@@ -62,6 +71,19 @@ _VLLM_HINTS = {
     "--quantization": "GGUF files are served in their own blocks (K-quant/Q5 ones converted to Q8_0/Q4_1 at load); there is no switch",
     "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--lora-dtype": "LoRA adapters compute in the model's dtype (--dtype)",
+    "--load-format": "the weights are read in the format of the model's files (safetensors or GGUF)",
+    "--no-enable-chunked-prefill": "prompts longer than --max-num-batched-tokens are always prefilled in "
+                                   "chunks; raise it to prefill them whole",
+    "--tokenizer": "the tokenizer is the model's own (its folder's tokenizer.json, or its GGUF's)",
+    "--tokenizer-mode": "the model's own tokenizer.json runs in HF tokenizers (Rust)",
+    "--return-tokens-as-token-ids": "send `return_tokens_as_token_ids: true` with each request (vLLM's "
+                                    "request field)",
+    "--enable-force-include-usage": "send `stream_options: {\"include_usage\": true}` with each streamed "
+                                    "request",
+    "--root-path": "mount llmserve's ASGI app (llmserve.server.app.create_app) under the path, or have the "
+                   "proxy strip the prefix",
+    "--ssl-keyfile": "terminate TLS in a reverse proxy in front of llmserve",
+    "--ssl-certfile": "terminate TLS in a reverse proxy in front of llmserve",
 }
 
 

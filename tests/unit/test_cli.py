@@ -172,10 +172,19 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     caplog.clear()
     with caplog.at_level("INFO", logger="llmserve"):
         assert cli.main(["run", "--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1",
-                         "--kv-cache-dtype", "auto", "--lora-dtype", "auto", "--disable-log-stats"]) == 0
+                         "--kv-cache-dtype", "auto", "--lora-dtype", "auto", "--disable-log-stats",
+                         "--load-format", "auto", "--enable-chunked-prefill", "--enable-prompt-tokens-details",
+                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--disable-custom-all-reduce",
+                         "--swap-space", "4", "--max-log-len", "100"]) == 0
     assert "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device" in caplog.text
     assert "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype" in caplog.text
     assert "--disable-log-stats has no effect: nothing is logged periodically" in caplog.text
+    assert "--load-format auto has no effect: the weights are read in the format of the model's files" in caplog.text
+    assert "--enable-chunked-prefill has no effect: prompts longer than a step's token budget" in caplog.text
+    assert "--swap-space has no effect: a sequence preempted when the KV cache runs out recomputes" in caplog.text
+    for flag in ("--enable-prompt-tokens-details", "--enable-server-load-tracking", "--disable-fastapi-docs",
+                 "--disable-custom-all-reduce", "--max-log-len"):
+        assert f"{flag} has no effect: " in caplog.text
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
     with pytest.raises((ValueError, SystemExit)):
         _config(["--uvicorn-log-level", "loud"])
@@ -196,6 +205,14 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
     (["--dtype", "half"], "got 'half' (vLLM's 'half' is 'float16' here)"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--load-format", "safetensors"], "--load-format is vLLM's: the weights are read in the format of the model's"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),
+    (["--tokenizer", "org/tok"], "--tokenizer is vLLM's: the tokenizer is the model's own"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode is vLLM's: the model's own tokenizer.json"),
+    (["--return-tokens-as-token-ids"], "send `return_tokens_as_token_ids: true` with each request"),
+    (["--enable-force-include-usage"], "send `stream_options: {\"include_usage\": true}`"),
+    (["--root-path", "/llm"], "--root-path is vLLM's: mount llmserve's ASGI app"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-certfile is vLLM's: terminate TLS"),
     (["--api-key", "k", "--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model"),
     (["--async-scheduling", "org/model"], "got 'org/model' (--async-scheduling alone is on: give the model before it)"),
     (["--max-model-len", "1.5k5"], "'1.5k5' is not a whole number (such as 4096, 32k or 32K)"),
