@@ -76,10 +76,6 @@ _VLLM_HINTS = {
                                    "chunks; raise it to prefill them whole",
     "--tokenizer": "the tokenizer is the model's own (its folder's tokenizer.json, or its GGUF's)",
     "--tokenizer-mode": "the model's own tokenizer.json runs in HF tokenizers (Rust)",
-    "--return-tokens-as-token-ids": "send `return_tokens_as_token_ids: true` with each request (vLLM's "
-                                    "request field)",
-    "--enable-force-include-usage": "send `stream_options: {\"include_usage\": true}` with each streamed "
-                                    "request",
     "--root-path": "mount llmserve's ASGI app (llmserve.server.app.create_app) under the path, or have the "
                    "proxy strip the prefix",
     "--ssl-keyfile": "terminate TLS in a reverse proxy in front of llmserve",

@@ -371,6 +371,12 @@ class ServerConfig(_Checked):
     )
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 above).", min=1)
     strict_fields: bool = _f(False, "Reject accepted-but-inert and unknown fields with 400.")
+    enable_force_include_usage: bool = _f(
+        False, "Every streamed chat and completion ends with its usage chunk, as `stream_options: "
+        "{\"include_usage\": true}` asks (vLLM's flag).")
+    return_tokens_as_token_ids: bool = _f(
+        False, "Logprobs name each token `token_id:<id>` unless a request's `return_tokens_as_token_ids` says "
+        "otherwise (vLLM's flag).")
     responses_store_mib: int = _f(
         64, "MiB of /v1/responses answers kept in memory for previous_response_id and GET "
         "/v1/responses/{id} (oldest forgotten first), and as much again for /v1/conversations and for "

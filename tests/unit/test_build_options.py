@@ -1,14 +1,15 @@
 """Serving options that build_engine hands to the router, checked through the requests they
-bound: --max-logprobs."""
+bound: --max-logprobs, --enable-force-include-usage, --return-tokens-as-token-ids."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from _engine_thread import serve
 
 from llmserve._core import BadRequestError
-from llmserve.config import Config, DeviceConfig, ModelConfig
+from llmserve.config import Config, DeviceConfig, ModelConfig, ServerConfig
 from llmserve.engine.build import build_engine
 
 
@@ -42,3 +43,18 @@ def test_max_logprobs_defaults_to_openais_20(tiny_model):
     router.prepare("chat", _chat(20))
     with pytest.raises(BadRequestError, match="between 0 and 20"):
         router.prepare("chat", _chat(21))
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_vllms_usage_and_token_id_flags_reach_the_router(tiny_model, on):
+    """A stream run through the engine ends with its usage chunk, and names its logprobs'
+    tokens by id, with the flags on (and not without)."""
+    cfg = Config(model=ModelConfig(model=str(tiny_model)), device=DeviceConfig(threads=1),
+                 server=ServerConfig(enable_force_include_usage=on, return_tokens_as_token_ids=on))
+    engine = build_engine(cfg)
+    out, _ = serve(engine, [{"prompt": "hi", "max_tokens": 2, "logprobs": 1, "stream": True}])
+    chunks = [json.loads(f[6:]) for f in out[0].decode().split("\n\n") if f.startswith("data: {")]
+    assert (chunks[-1].get("usage") is not None) == on
+    assert (chunks[-1]["choices"] == []) == on
+    tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens and all(t.startswith("token_id:") == on for t in tokens), tokens

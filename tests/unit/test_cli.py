@@ -209,8 +209,6 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),
     (["--tokenizer", "org/tok"], "--tokenizer is vLLM's: the tokenizer is the model's own"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode is vLLM's: the model's own tokenizer.json"),
-    (["--return-tokens-as-token-ids"], "send `return_tokens_as_token_ids: true` with each request"),
-    (["--enable-force-include-usage"], "send `stream_options: {\"include_usage\": true}`"),
     (["--root-path", "/llm"], "--root-path is vLLM's: mount llmserve's ASGI app"),
     (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-certfile is vLLM's: terminate TLS"),
     (["--api-key", "k", "--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model"),

@@ -355,6 +355,8 @@ def build_engine(cfg: Config) -> Engine:
         "served_model_names": names,
         "max_model_len": max_model_len,
         "strict_fields": cfg.server.strict_fields,
+        "force_include_usage": cfg.server.enable_force_include_usage,
+        "return_tokens_as_token_ids": cfg.server.return_tokens_as_token_ids,
         "max_logprobs": cfg.model.max_logprobs if cfg.model.max_logprobs >= 0 else int(hf["vocab_size"]),
         "responses_store_bytes": cfg.server.responses_store_mib * 2**20,
         "bos_token": ck.bos_token,

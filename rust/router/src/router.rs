@@ -49,6 +49,12 @@ pub struct RouterConfig {
     /// Unknown and inert fields are a 400 instead of a header.
     #[serde(default)]
     pub strict_fields: bool,
+    /// vLLM's `--enable-force-include-usage`: every stream ends with its usage chunk.
+    #[serde(default)]
+    pub force_include_usage: bool,
+    /// vLLM's `--return-tokens-as-token-ids`: the default of the request field of that name.
+    #[serde(default)]
+    pub return_tokens_as_token_ids: bool,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     #[serde(default)]

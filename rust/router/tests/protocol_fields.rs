@@ -187,6 +187,28 @@ fn token_id_fields_are_booleans_both_routes_take() {
     }
 }
 
+/// vLLM's server flags `--return-tokens-as-token-ids` (the request field's default: a request
+/// may still say false) and `--enable-force-include-usage` (every stream ends with its usage).
+#[test]
+fn server_flags_set_the_token_id_and_usage_defaults() {
+    let r = router_with(json!({"return_tokens_as_token_ids": true, "force_include_usage": true}), Some(TEMPLATE));
+    let plain = router();
+    for (body, ids, usage) in [
+        (json!({}), true, false),
+        (json!({"return_tokens_as_token_ids": false}), false, false),
+        (json!({"stream": true}), true, true),
+        (json!({"stream": true, "stream_options": {"include_usage": false}}), true, true),
+        (json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}), true, true),
+    ] {
+        for p in [chat(&r, body.clone()).unwrap(), completion(&r, body.clone()).unwrap()] {
+            assert_eq!((p.tokens_as_ids, p.include_usage), (ids, usage), "{body}");
+        }
+        // without the flags: the request's own fields alone
+        let p = chat(&plain, body.clone()).unwrap();
+        assert!(!p.tokens_as_ids && !p.include_usage, "{body}");
+    }
+}
+
 /// vLLM's `add_special_tokens` and `truncate_prompt_tokens` are honoured on both routes.
 #[test]
 fn add_special_tokens_and_truncate_prompt_tokens() {

@@ -324,7 +324,7 @@ impl CommonFields {
         let stream = self.stream.unwrap_or(false);
         let mut inert = Vec::new();
         let (include_usage, continuous_usage_stats) = match self.stream_options {
-            None => (false, false),
+            None => (stream && config.force_include_usage, false),
             Some(_) if !stream => {
                 return Err(ApiError::invalid(
                     "stream_options",
@@ -333,7 +333,8 @@ impl CommonFields {
             }
             Some(o) => {
                 inert.extend(o.ignored());
-                (o.include_usage.unwrap_or(false), o.continuous_usage_stats.unwrap_or(false))
+                let usage = o.include_usage.unwrap_or(false) || config.force_include_usage;
+                (usage, o.continuous_usage_stats.unwrap_or(false))
             }
         };
 
@@ -535,7 +536,7 @@ impl CommonFields {
             add_special_tokens: self.add_special_tokens,
             truncate_prompt_tokens,
             return_token_ids: self.return_token_ids.unwrap_or(false),
-            tokens_as_ids: self.return_tokens_as_token_ids.unwrap_or(false),
+            tokens_as_ids: self.return_tokens_as_token_ids.unwrap_or(config.return_tokens_as_token_ids),
             prompt_logprobs,
             user: self.user,
             inert,
