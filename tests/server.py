@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,13 +29,15 @@ def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 class ServerProcess:
-    """`llmserve run MODEL ARGS...` bound to 127.0.0.1; `stop()` ends it."""
+    """`llmserve run MODEL ARGS...` bound to 127.0.0.1; `stop()` ends it. `ca`: the served
+    certificate (ARGS serve HTTPS): `url` is then https, and `verify` checks against it."""
 
     def __init__(self, model: str | None, *args: str, env: dict | None = None,
-                 ready_timeout: float = 240.0) -> None:
+                 ready_timeout: float = 240.0, ca: str | None = None) -> None:
         self.model = model
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.verify = ssl.create_default_context(cafile=ca) if ca else True
         cmd = [sys.executable, "-m", "llmserve.cli", "run"]
         if model is not None:
             cmd.append(model)
@@ -52,7 +55,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.logs()}")
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -78,8 +78,6 @@ _VLLM_HINTS = {
     "--tokenizer-mode": "the model's own tokenizer.json runs in HF tokenizers (Rust)",
     "--root-path": "mount llmserve's ASGI app (llmserve.server.app.create_app) under the path, or have the "
                    "proxy strip the prefix",
-    "--ssl-keyfile": "terminate TLS in a reverse proxy in front of llmserve",
-    "--ssl-certfile": "terminate TLS in a reverse proxy in front of llmserve",
 }
 
 

@@ -390,6 +390,13 @@ class ServerConfig(_Checked):
         "warning", "uvicorn's own log level (vLLM's flag); llmserve's is LLMSERVE_LOG_LEVEL.",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
+    ssl_certfile: str | None = _f(None, "Serve HTTPS with this certificate (PEM; vLLM's flag).")
+    ssl_keyfile: str | None = _f(None, "The certificate's private key (PEM), when --ssl-certfile does not hold it.")
+    ssl_ca_certs: str | None = _f(None, "CA certificates (PEM) that client certificates are checked against.")
+    ssl_cert_reqs: int = _f(
+        0, "Client certificates: 0 not asked for, 1 checked when sent, 2 required (Python's ssl.CERT_*).",
+        choices=(0, 1, 2),
+    )
     allowed_origins: tuple[str, ...] = _f(
         (), "Origins whose web pages may call the API (CORS; repeatable; '*' for any; 'null' for "
         "file:// pages). As browsers send them: scheme://host[:port], lowercase. None by "
@@ -398,6 +405,13 @@ class ServerConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.ssl_certfile is None and (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs):
+            raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (the "
+                             "server's certificate)")
+        for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile),
+                           ("--ssl-ca-certs", self.ssl_ca_certs)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path!r} is not a file")
         for origin in self.allowed_origins:
             if origin not in ("*", "null") and (canonical := _as_origin(origin)) != origin:
                 hint = f"; did you mean {canonical!r}?" if canonical else ""

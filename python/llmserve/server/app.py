@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 
@@ -29,7 +30,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmserve._core import ApiError, Router
-from llmserve.config import Config
+from llmserve.config import Config, ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
@@ -315,6 +316,23 @@ class DrainingServer(uvicorn.Server):
             log.warning("ended %d running requests with 503: the server is stopping", ended)
 
 
+def _tls_options(server: ServerConfig) -> dict | None:
+    """uvicorn's TLS options for --ssl-certfile and the rest ({} for plain HTTP), or None (and
+    the error logged) when the files do not make a TLS context: checked before anything binds
+    or loads, so a bad key fails at once with what is wrong."""
+    if server.ssl_certfile is None:
+        return {}
+    options = {"ssl_certfile": server.ssl_certfile, "ssl_keyfile": server.ssl_keyfile,
+               "ssl_ca_certs": server.ssl_ca_certs, "ssl_cert_reqs": server.ssl_cert_reqs}
+    try:
+        uvicorn.config.create_ssl_context(server.ssl_certfile, server.ssl_keyfile, None, ssl.PROTOCOL_TLS_SERVER,
+                                          server.ssl_cert_reqs, server.ssl_ca_certs, None)
+    except (OSError, ssl.SSLError) as exc:
+        log.error("cannot serve HTTPS with --ssl-certfile %s: %s", server.ssl_certfile, exc)
+        return None
+    return options
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (uvicorn starts listening on it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -343,6 +361,9 @@ def serve(config: Config) -> int:
     model failed to load. SIGINT and SIGTERM stay ignored once it returns: the process is
     meant to exit."""
     host, port = config.server.host, config.server.port
+    tls = _tls_options(config.server)
+    if tls is None:
+        return STARTUP_FAILURE
     # Bind before anything loads: a taken port fails in milliseconds, not after loading the
     # model (uvicorn binds only after the lifespan has started the load, and the process
     # would then wait for the loading thread before it could exit).
@@ -353,7 +374,8 @@ def serve(config: Config) -> int:
         return STARTUP_FAILURE
     app = create_app(config)
     app.state.stop_timeout = ENGINE_STOP_TIMEOUT_S
-    log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
+    log.info("listening on %s://%s:%d (OpenAI API under /v1)", "https" if tls else "http", host,
+             sock.getsockname()[1])
     if config.server.api_key:
         log.info("API keys required (%d) on every route but /health (/ping), /ready and /metrics",
                  len(config.server.api_key))
@@ -367,7 +389,7 @@ def serve(config: Config) -> int:
         log.info("no API key: requests are not authenticated (only this machine can reach %s)", host)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level=config.server.uvicorn_log_level,
-                                           timeout_graceful_shutdown=CLOSE_TIMEOUT_S),
+                                           timeout_graceful_shutdown=CLOSE_TIMEOUT_S, **tls),
                             app)
     try:
         server.run(sockets=[sock])

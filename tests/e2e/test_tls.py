@@ -1,0 +1,52 @@
+"""`llmserve run --ssl-certfile/--ssl-keyfile` (vLLM's flags): the API over HTTPS, with the
+official SDK; a key that does not make a TLS context stops the server at once, before the
+model loads, saying why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from server import ServerProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    folder = tmp_path_factory.mktemp("tls")
+    key, crt = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
+                    "-out", str(crt)], check=True, capture_output=True)
+    return str(crt), str(key)
+
+
+def test_the_api_is_served_over_https(tiny_model, cert):
+    crt, key = cert
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--ssl-certfile", crt,
+                           "--ssl-keyfile", key, ca=crt)
+    try:
+        with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                    http_client=httpx.Client(verify=server.verify)) as client:
+            out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+        with pytest.raises(httpx.HTTPError):          # (not plain HTTP on the same port)
+            httpx.get(server.url.replace("https", "http") + "/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_a_key_that_is_not_the_certificates_stops_it_at_once(tiny_model, cert, tmp_path):
+    crt, _ = cert
+    other = tmp_path / "other.pem"
+    subprocess.run(["openssl", "genrsa", "-out", str(other), "2048"], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "llmserve.cli", "run", str(tiny_model), "--port", str(free_port()),
+                           "--ssl-certfile", crt, "--ssl-keyfile", str(other)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "cannot serve HTTPS with --ssl-certfile" in done.stderr
+    assert "engine ready" not in done.stderr
