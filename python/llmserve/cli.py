@@ -76,8 +76,6 @@ _VLLM_HINTS = {
                                    "chunks; raise it to prefill them whole",
     "--tokenizer": "the tokenizer is the model's own (its folder's tokenizer.json, or its GGUF's)",
     "--tokenizer-mode": "the model's own tokenizer.json runs in HF tokenizers (Rust)",
-    "--root-path": "mount llmserve's ASGI app (llmserve.server.app.create_app) under the path, or have the "
-                   "proxy strip the prefix",
 }
 
 

@@ -390,6 +390,9 @@ class ServerConfig(_Checked):
         "warning", "uvicorn's own log level (vLLM's flag); llmserve's is LLMSERVE_LOG_LEVEL.",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
+    root_path: str = _f(
+        "", "The path prefix a reverse proxy serves llmserve under and strips before passing requests on "
+        "(ASGI's root_path, as vLLM's flag sets it)")
     ssl_certfile: str | None = _f(None, "Serve HTTPS with this certificate (PEM; vLLM's flag).")
     ssl_keyfile: str | None = _f(None, "The certificate's private key (PEM), when --ssl-certfile does not hold it.")
     ssl_ca_certs: str | None = _f(None, "CA certificates (PEM) that client certificates are checked against.")

@@ -209,7 +209,6 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),
     (["--tokenizer", "org/tok"], "--tokenizer is vLLM's: the tokenizer is the model's own"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode is vLLM's: the model's own tokenizer.json"),
-    (["--root-path", "/llm"], "--root-path is vLLM's: mount llmserve's ASGI app"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
     (["--ssl-certfile", "missing.pem"], "--ssl-certfile 'missing.pem' is not a file"),
     (["--ssl-certfile", "/dev", "--ssl-cert-reqs", "3"], "--ssl-cert-reqs must be one of 0, 1, 2; got 3"),

@@ -389,7 +389,8 @@ def serve(config: Config) -> int:
         log.info("no API key: requests are not authenticated (only this machine can reach %s)", host)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level=config.server.uvicorn_log_level,
-                                           timeout_graceful_shutdown=CLOSE_TIMEOUT_S, **tls),
+                                           timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+                                           root_path=config.server.root_path, **tls),
                             app)
     try:
         server.run(sockets=[sock])

@@ -1,6 +1,6 @@
-"""`llmserve run --ssl-certfile/--ssl-keyfile` (vLLM's flags): the API over HTTPS, with the
-official SDK; a key that does not make a TLS context stops the server at once, before the
-model loads, saying why."""
+"""vLLM's HTTP flags on `llmserve run`: `--ssl-certfile/--ssl-keyfile` serve the API over HTTPS
+(with the official SDK), and a key that does not make a TLS context stops the server at once,
+before the model loads, saying why; `--root-path` serves behind a proxy that strips it."""
 
 from __future__ import annotations
 
@@ -50,3 +50,16 @@ def test_a_key_that_is_not_the_certificates_stops_it_at_once(tiny_model, cert, t
     assert done.returncode != 0
     assert "cannot serve HTTPS with --ssl-certfile" in done.stderr
     assert "engine ready" not in done.stderr
+
+
+def test_root_path_serves_behind_a_proxy_that_strips_it(tiny_model):
+    """As a proxy passes requests on (the prefix stripped, ASGI's root_path set): the routes and
+    the paths open without a key are the same."""
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--root-path", "/llm", "--api-key", "k")
+    try:
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
+        models = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k"}, timeout=30)
+        assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    finally:
+        server.stop()
