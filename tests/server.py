@@ -47,7 +47,12 @@ class ServerProcess:
         self.log_path = f"/tmp/llmserve-test-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
-        self._wait_ready(ready_timeout)
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            # (nobody holds this object to stop it: a failed start must not leave a server behind)
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
