@@ -112,6 +112,15 @@ def _config(args):
     return cli.config_from_args(cli.build_parser().parse_args(["run", *args]))
 
 
+def _logs(caplog, args: list[str], lines: list[str]) -> None:
+    """`llmserve run ARGS` (with serving stubbed out) starts and logs each of `lines`."""
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llmserve"):
+        assert cli.main(["run", *args]) == 0
+    for line in lines:
+        assert line in caplog.text, line
+
+
 def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     """What a `vllm serve` command line carries over: --tool-call-parser (--tool-call-format's
     vLLM name), --async-scheduling alone and --no-async-scheduling, --allowed-origins as a JSON
@@ -154,14 +163,14 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         _config([])
     monkeypatch.delenv("VLLM_LORA_RESOLVER_CACHE_DIR")
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: 0, raising=False)
-    with caplog.at_level("INFO", logger="llmserve"):
-        assert cli.main(["run", "--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora",
-                         "--max-lora-rank", "64", "--max-cpu-loras", "4"]) == 0
-    assert "--trust-remote-code has no effect: llmserve runs no code from model repositories" in caplog.text
-    assert '--enable-auto-tool-choice has no effect: tool_choice "auto" is always on' in caplog.text
-    assert "--enable-lora has no effect: LoRA adapters are served whenever --lora-modules names some" in caplog.text
-    assert "--max-lora-rank has no effect: adapters of any rank are served" in caplog.text
-    assert "--max-cpu-loras has no effect: every LoRA adapter served is held in memory at once" in caplog.text
+    _logs(caplog, ["--trust-remote-code", "--enable-auto-tool-choice", "--enable-lora", "--max-lora-rank", "64",
+                   "--max-cpu-loras", "4"], [
+        "--trust-remote-code has no effect: llmserve runs no code from model repositories",
+        '--enable-auto-tool-choice has no effect: tool_choice "auto" is always on',
+        "--enable-lora has no effect: LoRA adapters are served whenever --lora-modules names some",
+        "--max-lora-rank has no effect: adapters of any rank are served",
+        "--max-cpu-loras has no effect: every LoRA adapter served is held in memory at once",
+    ])
     # --max-loras is served: it bounds the adapters running at once (0, the default: no bound)
     assert _config(["--max-loras", "2"]).model.max_loras == 2
     assert _config([]).model.max_loras == 0
@@ -169,22 +178,21 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         _config(["--max-loras", "-1"])
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
     # the values that ask for what llmserve does anyway are taken, and said to do nothing
-    caplog.clear()
-    with caplog.at_level("INFO", logger="llmserve"):
-        assert cli.main(["run", "--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1",
-                         "--kv-cache-dtype", "auto", "--lora-dtype", "auto", "--disable-log-stats",
-                         "--load-format", "auto", "--enable-chunked-prefill", "--enable-prompt-tokens-details",
-                         "--enable-server-load-tracking", "--disable-fastapi-docs", "--disable-custom-all-reduce",
-                         "--swap-space", "4", "--max-log-len", "100"]) == 0
-    assert "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device" in caplog.text
-    assert "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype" in caplog.text
-    assert "--disable-log-stats has no effect: nothing is logged periodically" in caplog.text
-    assert "--load-format auto has no effect: the weights are read in the format of the model's files" in caplog.text
-    assert "--enable-chunked-prefill has no effect: prompts longer than a step's token budget" in caplog.text
-    assert "--swap-space has no effect: a sequence preempted when the KV cache runs out recomputes" in caplog.text
-    for flag in ("--enable-prompt-tokens-details", "--enable-server-load-tracking", "--disable-fastapi-docs",
-                 "--disable-custom-all-reduce", "--max-log-len"):
-        assert f"{flag} has no effect: " in caplog.text
+    _logs(caplog, ["--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1", "--kv-cache-dtype",
+                   "auto", "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
+                   "--enable-chunked-prefill", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
+                   "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4", "--max-log-len",
+                   "100"], [
+        "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device",
+        "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype",
+        "--disable-log-stats has no effect: nothing is logged periodically",
+        "--load-format auto has no effect: the weights are read in the format of the model's files",
+        "--enable-chunked-prefill has no effect: prompts longer than a step's token budget",
+        "--swap-space has no effect: a sequence preempted when the KV cache runs out recomputes",
+        *(f"{flag} has no effect: " for flag in ("--enable-prompt-tokens-details", "--enable-server-load-tracking",
+                                                 "--disable-fastapi-docs", "--disable-custom-all-reduce",
+                                                 "--max-log-len")),
+    ])
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
     with pytest.raises((ValueError, SystemExit)):
         _config(["--uvicorn-log-level", "loud"])
