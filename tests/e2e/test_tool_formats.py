@@ -218,3 +218,59 @@ def test_response_format_beside_tools_under_auto(fmt_server, client):
             assert isinstance(json.loads(choice.message.content), dict)
         else:
             assert choice.finish_reason == "length" and choice.message.content.startswith("{"), choice
+
+
+def test_deprecated_functions_are_answered_as_function_call(fmt_server, client):
+    """OpenAI's deprecated `functions` / `function_call`, sent by the SDK's own parameters:
+    run as the tools they became (the same prompt and call as `tools`), answered as
+    `message.function_call` (streamed: `delta.function_call` pieces), one call at most."""
+    functions = [WEATHER["function"], TIME["function"]]
+    named = dict(model="tiny", messages=ASK, max_tokens=200, temperature=0)
+    legacy = client.chat.completions.create(**named, functions=functions, function_call={"name": "get_weather"})
+    modern = client.chat.completions.create(**named, tools=[WEATHER, TIME],
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = legacy.choices[0]
+    assert choice.finish_reason == "stop", choice  # forced by name, as a named tool_choice
+    assert choice.message.tool_calls is None and not choice.message.content
+    call = choice.message.function_call
+    assert call.name == "get_weather"
+    assert call.arguments == modern.choices[0].message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    assert legacy.usage.prompt_tokens == modern.usage.prompt_tokens
+
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(**named, functions=functions, function_call={"name": "get_weather"},
+                                                stream=True):
+        for c in chunk.choices:
+            assert not c.delta.tool_calls
+            if c.delta.function_call:
+                pieces.append(c.delta.function_call)
+            finish = c.finish_reason or finish
+    assert finish == "stop"
+    assert pieces[0].name == "get_weather" and all(p.name is None for p in pieces[1:])
+    assert "".join(p.arguments for p in pieces) == call.arguments
+
+    # under "auto" the random model may write anything: never `tool_calls`, and a call it
+    # makes finishes "function_call" (the builder's own tests push one: protocol_functions.rs)
+    for seed in range(2):
+        c = client.chat.completions.create(model="tiny", messages=ASK, functions=functions, function_call="auto",
+                                           max_tokens=30, temperature=1.0, seed=seed).choices[0]
+        assert c.message.tool_calls is None
+        assert c.finish_reason == ("function_call" if c.message.function_call else c.finish_reason)
+        assert c.finish_reason in ("stop", "length", "function_call")
+    # the history a call makes renders as the tools' would
+    history = ASK + [{"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                              "arguments": call.arguments}},
+                     {"role": "function", "name": "get_weather", "content": "sunny"}]
+    as_tools = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                          {"id": "call00001", "type": "function",
+                           "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                      {"role": "tool", "tool_call_id": "call00001", "content": "sunny"}]
+    render = lambda body: httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30,  # noqa: E731
+                                     json={"model": "tiny", **body}).json()
+    assert render({"messages": history, "functions": functions})["prompt"] == \
+        render({"messages": as_tools, "tools": [WEATHER, TIME]})["prompt"]
+    # both at once ask for the same thing twice
+    r = httpx.post(fmt_server.url + "/v1/chat/completions", timeout=30,
+                   json={**named, "functions": functions, "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "functions", r.text

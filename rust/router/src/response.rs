@@ -22,6 +22,10 @@
 //! answers its whole text as content, without calls, as vLLM's parsers do, since clients
 //! `json.loads` the arguments; a stream has already sent the call's pieces by then.
 //!
+//! A request that sent OpenAI's deprecated `functions` ([`ToolParsing::functions`]) gets its
+//! one call as `message.function_call` (streamed: `delta.function_call` pieces) and finishes
+//! `"function_call"` where a tools request would finish `"tool_calls"`.
+//!
 //! Reasoning (chat with a reasoning parser, [`Prepared::reasoning`]): each choice's text first
 //! goes through a [`ReasoningSplitter`]; its thinking becomes `message.reasoning_content`
 //! (streamed: `delta.reasoning_content` chunks), and only the rest is content (and read for
@@ -270,6 +274,9 @@ struct Delta<'a> {
     reasoning_content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<ToolCallDelta<'a>>>,
+    /// The deprecated `functions` API's call: its name first, then its arguments' pieces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    function_call: Option<FunctionDelta<'a>>,
 }
 
 #[derive(Serialize)]
@@ -362,6 +369,9 @@ struct Message<'a> {
     reasoning_content: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tool_calls: Vec<ToolCallOut<'a>>,
+    /// The deprecated `functions` API's call, in place of `tool_calls`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    function_call: Option<Function<'a>>,
 }
 
 #[derive(Serialize)]
@@ -880,7 +890,7 @@ impl ResponseBuilder {
             index: choice,
             // NOTE: no `content: ""` here: an answer cut off while thinking has no content,
             // and a client summing deltas should end with null, as the non-streamed body has.
-            delta: Delta { role, content: None, reasoning_content: Some(text), tool_calls: None },
+            delta: Delta { role, content: None, reasoning_content: Some(text), tool_calls: None, function_call: None },
             logprobs: None,
             finish_reason: None,
             stop_reason: None,
@@ -1102,21 +1112,20 @@ impl ResponseBuilder {
                 continue;
             }
             let index = self.choices[idx].tool_calls.len() - 1;
-            let d = match &event {
-                ToolEvent::Start { id, name } => ToolCallDelta {
-                    index,
-                    id: Some(id),
-                    kind: Some("function"),
-                    function: FunctionDelta { name: Some(name), arguments: "" },
-                },
-                ToolEvent::Args(a) => {
-                    ToolCallDelta { index, id: None, kind: None, function: FunctionDelta { name: None, arguments: a } }
-                }
+            let (id, function) = match &event {
+                ToolEvent::Start { id, name } => (Some(id.as_str()), FunctionDelta { name: Some(name), arguments: "" }),
+                ToolEvent::Args(a) => (None, FunctionDelta { name: None, arguments: a }),
                 _ => unreachable!("skipped above"),
+            };
+            let delta = if self.functions() {
+                Delta { function_call: Some(function), ..Delta::default() }
+            } else {
+                let kind = id.map(|_| "function");
+                Delta { tool_calls: Some(vec![ToolCallDelta { index, id, kind, function }]), ..Delta::default() }
             };
             let c = ChatChunkChoice {
                 index: choice,
-                delta: Delta { tool_calls: Some(vec![d]), ..Delta::default() },
+                delta,
                 logprobs: pending_lp.take(),
                 finish_reason: None,
                 stop_reason: None,
@@ -1135,7 +1144,7 @@ impl ResponseBuilder {
                 index: choice,
                 delta: Delta { content: empty.then_some(""), ..Delta::default() },
                 logprobs: pending_lp.take(),
-                finish_reason: Some(f.as_str()),
+                finish_reason: Some(self.finish_name(f)),
                 stop_reason: Some(stop_reason),
                 token_ids: self.take_ids(idx),
             };
@@ -1145,6 +1154,20 @@ impl ResponseBuilder {
         let state = &mut self.choices[idx];
         state.finish = finish;
         state.stop_reason = stop_reason.map(OwnedStop::of);
+    }
+
+    /// Whether the request used the deprecated `functions` API (its call is a `function_call`).
+    fn functions(&self) -> bool {
+        self.tools.as_ref().is_some_and(|t| t.functions)
+    }
+
+    /// A chat choice's `finish_reason`: a call's is `"function_call"` under the deprecated
+    /// `functions` API.
+    fn finish_name(&self, finish: FinishReason) -> &'static str {
+        match finish {
+            FinishReason::ToolCalls if self.functions() => "function_call",
+            other => other.as_str(),
+        }
     }
 
     /// Whether a choice has ended (the builder may end one itself: a completed tool call
@@ -1327,6 +1350,7 @@ impl ResponseBuilder {
         let usage = self.usage();
         let body = if self.chat {
             let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
+            let functions = self.functions();
             let choices: Vec<ChatChoice> = self
                 .choices
                 .iter()
@@ -1349,15 +1373,21 @@ impl ResponseBuilder {
                                 .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str())),
                             tool_calls: calls
                                 .iter()
+                                .filter(|_| !functions)
                                 .map(|t| ToolCallOut {
                                     id: &t.id,
                                     kind: "function",
                                     function: Function { name: &t.name, arguments: &t.arguments },
                                 })
                                 .collect(),
+                            // (one call at most: the `functions` API makes no parallel calls)
+                            function_call: calls
+                                .first()
+                                .filter(|_| functions)
+                                .map(|t| Function { name: &t.name, arguments: &t.arguments }),
                         },
                         logprobs: self.logprobs.then_some(&c.chat_lp),
-                        finish_reason: finish.map(FinishReason::as_str),
+                        finish_reason: finish.map(|f| self.finish_name(f)),
                         stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
                         token_ids: ids.then_some(&c.token_ids[..]),
                     }

@@ -86,7 +86,8 @@ fn the_ignored_fields_header_stays_printable_and_bounded() {
 }
 
 /// OpenAI's fields that do nothing here are reported whatever their value, but a value of the
-/// wrong JSON kind is a 400, as OpenAI answers it.
+/// wrong JSON kind is a 400, as OpenAI answers it (chat's deprecated `functions` and
+/// `function_call` are served, protocol_functions.rs; completions report them).
 #[test]
 fn inert_openai_fields_must_have_their_kind() {
     let r = router();
@@ -94,14 +95,13 @@ fn inert_openai_fields_must_have_their_kind() {
         &r,
         json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text", "audio"], "audio": {"voice": "x"},
                "prediction": {"type": "content", "content": "a"}, "web_search_options": {},
-               "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s",
-               "functions": [{"name": "f"}], "function_call": "auto"}),
+               "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s"}),
     )
     .unwrap();
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
         Some(
-            "audio, function_call, functions, modalities, prediction, prompt_cache_key, prompt_cache_retention, \
+            "audio, modalities, prediction, prompt_cache_key, prompt_cache_retention, \
              reasoning_effort, safety_identifier, verbosity, web_search_options"
         )
     );

@@ -83,13 +83,9 @@ fn messages_shape() {
         (m(json!([{"content": "x"}])), 400, "missing_required_parameter", p("messages[0].role")),
         (m(json!([{"role": 1, "content": "x"}])), 400, "invalid_type", p("messages[0].role")),
         (m(json!([{"role": "robot", "content": "x"}])), 400, "invalid_value", p("messages[0].role")),
-        // OpenAI's deprecated function-result turns: a shape OpenAI knows, not served here
-        (
-            m(json!([{"role": "function", "name": "f", "content": "42"}])),
-            400,
-            "unsupported_parameter",
-            p("messages[0].role"),
-        ),
+        // OpenAI's deprecated function-result turns are served (protocol_functions.rs); their
+        // `name` is required
+        (m(json!([{"role": "function", "content": "42"}])), 400, "missing_required_parameter", p("messages[0].name")),
         (m(json!([{"role": "user"}])), 400, "missing_required_parameter", p("messages[0].content")),
         // sent as null: a required field of the wrong type (A84-1), as a null `role` is
         (m(json!([{"role": "user", "content": null}])), 400, "invalid_type", p("messages[0].content")),

@@ -299,14 +299,6 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
             return Err(invalid_type(format!("{p}.role"), format!("`role` must be a string, not {}.", kind_of(other))))
         }
     };
-    if role == "function" {
-        // OpenAI's deprecated `functions` API: no template here renders such turns.
-        return Err(unsupported(
-            format!("{p}.role"),
-            "Messages of the deprecated role \"function\" are not supported: send the result as a \"tool\" \
-             message with its `tool_call_id`.",
-        ));
-    }
     if !ROLES.contains(&role) {
         return Err(ApiError::invalid(
             format!("{p}.role"),
@@ -801,8 +793,28 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     prepare_value(router, &parse_body(body)?, header_id)
 }
 
-/// `prepare` of a body already parsed (the Responses route builds one).
+/// `prepare` of a body already parsed (the Responses route builds one). OpenAI's deprecated
+/// `functions`, `function_call` and `function` messages are read as the tools they became
+/// ([`super::functions`]).
 pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
+    let Some(legacy) = super::functions::translate(value)? else {
+        return prepare_chat(router, value, value, header_id);
+    };
+    let ours = settle_ignored(legacy.reported.clone(), router.config.strict_fields)?;
+    let mut checked = prepare_chat(router, &legacy.body, value, header_id).map_err(|e| legacy.rename_error(e))?;
+    let ignored = checked.ignored.iter().filter_map(|p| legacy.rename_reported(p)).chain(ours).collect();
+    checked.report(ignored);
+    if legacy.functions {
+        if let Some(tools) = checked.prepared.tools.as_mut() {
+            tools.functions = true;
+        }
+    }
+    Ok(checked)
+}
+
+/// `prepare_value` of a chat request in today's terms; `sent` is the body as the client sent
+/// it (what `store: true` keeps).
+fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
     let common: CommonFields = from_value(value)?;
     let chat: ChatFields = from_value(value)?;
     let lora = router.check_model(&common.model)?;
@@ -972,7 +984,7 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
     let id = c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}"));
     let keep = keeping.then(|| {
         let metadata = value.get("metadata").and_then(Value::as_object).cloned().unwrap_or_default();
-        let sent = value["messages"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let sent = sent["messages"].as_array().map(Vec::as_slice).unwrap_or_default();
         std::sync::Arc::new(crate::chat_store::Keep::new(router.chat_store().clone(), &id, sent, &c.model, metadata))
     });
     let prepared = Prepared {

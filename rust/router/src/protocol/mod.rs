@@ -18,7 +18,8 @@
 //! `response_format`) are kept as JSON values and checked by hand, again with paths.
 //!
 //! Layout: `common` (parsing, sampling parameters, ignored fields), `budget` (context
-//! checks), `chat`, `completion`, `tokenize` (the tokenize/detokenize/render bodies).
+//! checks), `chat` (with `functions`, chat's deprecated function-calling fields read as tools),
+//! `completion`, `tokenize` (the tokenize/detokenize/render bodies).
 //!
 //! Decisions: `tool_choice: "none"` keeps the tools out of the template (the model must not
 //! call them, so it is not shown them); `parallel_tool_calls: false` is enforced by the grammar
@@ -34,6 +35,7 @@ pub mod completion;
 pub mod constrained;
 pub mod conversations;
 pub mod embeddings;
+pub(crate) mod functions;
 pub mod messages;
 pub mod responses;
 mod schema_check;
@@ -253,11 +255,8 @@ pub(crate) struct Checked {
 }
 
 impl Checked {
-    /// A translated request (Responses, Messages) prepared as chat made its own: `ignored` (in
-    /// its terms) as its reported fields and `llmserve-ignored-fields`, its `endpoint`, and an
-    /// id with its `prefix` (`<prefix>_<id>` when the client named it: `named`, by its
-    /// `request_id` or `X-Request-Id`).
-    pub(crate) fn adopt(&mut self, mut ignored: Vec<String>, endpoint: Endpoint, prefix: &str, named: bool) {
+    /// `ignored` as the request's reported fields and its `llmserve-ignored-fields`.
+    pub(crate) fn report(&mut self, mut ignored: Vec<String>) {
         ignored.sort();
         ignored.dedup();
         let prepared = &mut self.prepared;
@@ -265,6 +264,15 @@ impl Checked {
         prepared.headers.extend(common::ignored_header(&ignored));
         prepared.ignored = ignored.clone();
         self.ignored = ignored;
+    }
+
+    /// A translated request (Responses, Messages) prepared as chat made its own: `ignored` (in
+    /// its terms) as its reported fields and `llmserve-ignored-fields`, its `endpoint`, and an
+    /// id with its `prefix` (`<prefix>_<id>` when the client named it: `named`, by its
+    /// `request_id` or `X-Request-Id`).
+    pub(crate) fn adopt(&mut self, ignored: Vec<String>, endpoint: Endpoint, prefix: &str, named: bool) {
+        self.report(ignored);
+        let prepared = &mut self.prepared;
         prepared.endpoint = endpoint;
         prepared.id = match prepared.id.strip_prefix("chatcmpl-") {
             Some(id) if named => format!("{prefix}_{id}"),

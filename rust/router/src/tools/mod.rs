@@ -53,6 +53,9 @@ pub struct ToolParsing {
     /// What `tool_choice` forces: a forced output is calls only (the grammar allows nothing
     /// else), which changes where a call commits and how the choice finishes.
     pub choice: ToolChoice,
+    /// OpenAI's deprecated `functions` API: the call is answered as `function_call`, and a
+    /// choice that makes one finishes `"function_call"`.
+    pub functions: bool,
 }
 
 /// What a request's `tool_choice` forces.
@@ -85,7 +88,7 @@ impl ToolParsing {
                 Some((name, f.get("parameters").cloned().unwrap_or(Value::Null)))
             })
             .collect();
-        Self { format, parallel, parameters: Arc::new(parameters), choice: ToolChoice::Auto }
+        Self { format, parallel, parameters: Arc::new(parameters), choice: ToolChoice::Auto, functions: false }
     }
 
     /// The same parsing for output that `choice` forces.
