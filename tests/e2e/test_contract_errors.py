@@ -78,7 +78,8 @@ COMPLETION_400 = [
     ({"model": "tiny", "prompt": [1, 99999]}, "invalid_value", "prompt[1]"),
     ({"model": "tiny", "prompt": {"a": 1}}, "invalid_type", "prompt"),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "unsupported_parameter", "suffix"),
-    ({"model": "tiny", "prompt": "x", "best_of": 3}, "unsupported_parameter", "best_of"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3, "n": 4}, "invalid_value", "best_of"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3, "stream": True}, "invalid_value", "best_of"),
     ({"model": "tiny", "prompt": "x", "logprobs": 30}, "invalid_value", "logprobs"),
 ]
 

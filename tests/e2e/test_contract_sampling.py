@@ -334,3 +334,28 @@ def test_completion_stream_equals_non_stream_greedy_with_n(tiny_server):
         for c in ch["choices"]:
             streamed[c["index"]] += c["text"]
     assert streamed == texts
+
+
+def test_best_of_returns_the_likeliest_of_its_candidates(client):
+    """`best_of` above `n` runs best_of choices and returns the n with the highest mean
+    logprob per sampled token. A seed fixes each choice's tokens whatever else is asked, so
+    the candidates are the choices of the same request with `n` = best_of: the ones returned
+    are its likeliest (here every token is listed: no eos is sampled, `max_tokens` ends each)."""
+    req = dict(model="tiny", prompt="The sky is", max_tokens=6, temperature=1.0, seed=11,
+               extra_body={"ignore_eos": True})
+    candidates = client.completions.create(**req, n=4, logprobs=0).choices
+    mean = {c.text: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in candidates}
+    assert len(set(mean.values())) == 4, "four different candidates"
+    best = sorted(candidates, key=lambda c: -mean[c.text])[:2]
+
+    r = client.completions.create(**req, n=2, best_of=4)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [c.text for c in best]
+    assert all(c.logprobs is None for c in r.choices), "not asked for: computed only to rank"
+    assert r.usage.completion_tokens == 4 * 6, "every candidate is counted, as OpenAI bills them"
+    shown = client.completions.create(**req, n=1, best_of=4, logprobs=1)
+    assert shown.choices[0].text == best[0].text
+    assert shown.choices[0].logprobs.token_logprobs == best[0].logprobs.token_logprobs
+    # greedy candidates are all one: n of them, computed once
+    greedy = client.completions.create(**{**req, "temperature": 0}, n=1, best_of=3)
+    assert len(greedy.choices) == 1 and greedy.usage.completion_tokens == 6

@@ -494,10 +494,14 @@ impl CoreState {
                 }
                 continue;
             }
+            // (`best_of` ranks the choices by every token they sampled)
+            let row = u.sample_row;
+            for c in state.choices_of(prompt_idx, u.seq_index) {
+                state.builder.score(c, logprobs.get(row).copied().unwrap_or(0.0));
+            }
             let d = (prompt_idx * state.seqs_per_prompt + u.seq_index) as usize;
             let detok = &mut state.detoks[d];
             let text_offset = detok.decoded_len();
-            let row = u.sample_row;
             let mut top = top_of(top_ids, top_lps, k, row);
             top.truncate(state.num_top);
             let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };

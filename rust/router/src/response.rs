@@ -438,6 +438,8 @@ struct ChoiceState {
     token_ids: Vec<u32>,
     /// Streaming with `return_token_ids`: a chunk has carried the prompt's ids.
     sent_prompt_ids: bool,
+    /// `best_of`: the sum of the sampled tokens' logprobs, and their count.
+    score: (f64, u32),
 }
 
 /// One per request, covering all its choices (`prompts.len() * n`; choice index =
@@ -490,6 +492,8 @@ pub struct ResponseBuilder {
     /// The choices' text, reasoning and calls are gathered as they come (not streaming, or
     /// streaming a completion to keep, whose non-streamed body is kept).
     whole: bool,
+    /// Completions' `best_of` above `n`: the body returns each prompt's best choices.
+    best_of: Option<crate::protocol::BestOf>,
 }
 
 /// A background Responses request's `response` object as it is queued: no output yet.
@@ -527,10 +531,10 @@ impl ResponseBuilder {
             include_usage: prepared.include_usage,
             continuous_usage_stats: prepared.continuous_usage_stats,
             echo: prepared.echo,
-            logprobs: prepared.params.logprobs.is_some(),
+            logprobs: prepared.shown_logprobs().is_some(),
             return_token_ids: prepared.return_token_ids,
             tokens_as_ids: prepared.tokens_as_ids,
-            logprobs_k: prepared.params.logprobs.unwrap_or(0),
+            logprobs_k: prepared.shown_logprobs().unwrap_or(0),
             prompt_logprobs_k: prepared.prompt_logprobs_k,
             prompt_entries: if prepared.prompt_logprobs_k.is_some() {
                 prepared.prompts.iter().map(|_| vec![None]).collect()
@@ -584,6 +588,7 @@ impl ResponseBuilder {
                 .then(|| messages::EventStream::new(&prepared.id, &prepared.model)),
             keep: prepared.keep.clone(),
             whole: !(prepared.stream || prepared.background()) || prepared.keep.is_some(),
+            best_of: prepared.best_of,
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
             let object = match &echo.background {
@@ -1156,6 +1161,38 @@ impl ResponseBuilder {
         state.stop_reason = stop_reason.map(OwnedStop::of);
     }
 
+    /// `best_of`: a token choice `choice` sampled, with its logprob (every sampled token, the
+    /// one that ends the choice too; only `best_of` requests have them computed).
+    pub fn score(&mut self, choice: u32, logprob: f32) {
+        if let Some(c) = self.choices.get_mut(choice as usize).filter(|_| self.best_of.is_some()) {
+            c.score.0 += f64::from(logprob);
+            c.score.1 += 1;
+        }
+    }
+
+    /// The choices the body returns, in order: all of them, or under `best_of` each
+    /// prompt's `n` with the highest mean logprob per token (ties: the earlier).
+    fn returned(&self) -> Vec<usize> {
+        let Some(best) = self.best_of else { return (0..self.choices.len()).collect() };
+        let mean = |i: &usize| {
+            let (sum, count) = self.choices[*i].score;
+            // (a choice that sampled nothing ranks last; NaN ranks below everything)
+            if count == 0 || sum.is_nan() {
+                f64::NEG_INFINITY
+            } else {
+                sum / f64::from(count)
+            }
+        };
+        let per_prompt = self.n as usize;
+        let mut out = Vec::with_capacity(self.prompt_texts.len() * best.n as usize);
+        for start in (0..self.choices.len()).step_by(per_prompt) {
+            let mut ranked: Vec<usize> = (start..start + per_prompt).collect();
+            ranked.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
+            out.extend(ranked.into_iter().take(best.n as usize));
+        }
+        out
+    }
+
     /// Whether the request used the deprecated `functions` API (its call is a `function_call`).
     fn functions(&self) -> bool {
         self.tools.as_ref().is_some_and(|t| t.functions)
@@ -1405,22 +1442,21 @@ impl ResponseBuilder {
                 prompt_logprobs: self.prompt_entries.first().map(Vec::as_slice),
             })
         } else {
-            let texts: Vec<String> = self
-                .choices
+            let returned = self.returned();
+            let texts: Vec<String> = returned
                 .iter()
-                .enumerate()
-                .map(|(i, c)| match self.echo.then(|| self.prompt_texts.get(i / self.n as usize)).flatten() {
-                    Some(prompt) => format!("{prompt}{}", c.text),
-                    None => c.text.clone(),
+                .map(|&i| match self.echo.then(|| self.prompt_texts.get(i / self.n as usize)).flatten() {
+                    Some(prompt) => format!("{prompt}{}", self.choices[i].text),
+                    None => self.choices[i].text.clone(),
                 })
                 .collect();
-            let choices: Vec<CompletionChoice> = self
-                .choices
+            let choices: Vec<CompletionChoice> = returned
                 .iter()
                 .zip(&texts)
                 .enumerate()
-                .map(|(i, (c, text))| CompletionChoice {
-                    index: i as u32,
+                .map(|(index, (&i, text))| (index, i, &self.choices[i], text))
+                .map(|(index, i, c, text)| CompletionChoice {
+                    index: index as u32,
                     text,
                     logprobs: self.logprobs.then_some(&c.comp_lp),
                     finish_reason: c.finish.map(FinishReason::as_str),
@@ -1501,7 +1537,7 @@ fn shown(tokenizer: &Tokenizer, id: u32, as_id: bool) -> String {
 
 /// Completions that echo the prompt with logprobs also return the prompt's logprobs.
 fn echo_logprobs(prepared: &Prepared) -> bool {
-    prepared.echo && prepared.endpoint == Endpoint::Completion && prepared.params.logprobs.is_some()
+    prepared.echo && prepared.endpoint == Endpoint::Completion && prepared.shown_logprobs().is_some()
 }
 
 #[derive(Serialize)]

@@ -64,6 +64,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         reasoning: None,
         responses: None,
         embedding: None,
+        best_of: None,
     }
 }
 
@@ -257,6 +258,71 @@ fn completion_choices_are_prompt_major_and_usage_counts_each_prompt_once() {
         json!({"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 3}})
     );
     assert!(choices.iter().all(|c| c["logprobs"].is_null() && c["finish_reason"] == "length"));
+}
+
+/// `best_of` above `n`: each prompt's `n` choices with the highest mean logprob per sampled
+/// token come back, indexed anew; `usage` counts every choice generated.
+#[test]
+fn best_of_returns_each_prompts_best_choices() {
+    use llmserve_router::protocol::BestOf;
+    // two prompts, best 1 of 3 each; logprobs computed only to rank
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9], vec![0, 10]], &["P", "Q"], 3, Some(0));
+    p.echo = true;
+    p.best_of = Some(BestOf { n: 1, logprobs: false });
+    let mut b = builder(&p);
+    // (choice, text, the logprobs of the tokens it sampled)
+    let runs: [(u32, &str, &[f32]); 6] = [
+        (0, "a", &[-1.0, -1.0]),
+        (1, "b", &[-0.25, -0.75]),
+        (2, "c", &[-0.5]),
+        (3, "d", &[-2.0]),
+        // sampled nothing shown, yet its one token (say eos) counts
+        (4, "", &[-0.0625]),
+        (5, "f", &[-0.5, -0.5, -0.5]),
+    ];
+    for (choice, text, lps) in runs {
+        for &lp in lps {
+            b.score(choice, lp);
+        }
+        let tokens: Vec<TokenOut> = lps.iter().map(|&logprob| TokenOut { logprob, ..tok(13) }).collect();
+        b.push(choice, &delta(text, &tokens, Some(FinishReason::Stop)));
+    }
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let got: Vec<(u64, &str)> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap()))
+        .collect();
+    // prompt P: b (mean -0.5) beats c (-0.5, later) and a (-1); Q: the empty one (-0.0625)
+    assert_eq!(got, vec![(0, "Pb"), (1, "Q")]);
+    assert!(v["choices"].as_array().unwrap().iter().all(|c| c["logprobs"].is_null()), "not asked for");
+    assert_eq!(v["usage"]["completion_tokens"], 10);
+
+    // n = 2 of 3, with logprobs asked: the two best, best first, with theirs
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["P"], 3, Some(1));
+    p.best_of = Some(BestOf { n: 2, logprobs: true });
+    let mut b = builder(&p);
+    for (choice, lp) in [(0u32, -3.0f32), (1, -1.0), (2, -2.0)] {
+        b.score(choice, lp);
+        b.push(
+            choice,
+            &delta(&format!("t{choice}"), &[TokenOut { logprob: lp, ..tok(13) }], Some(FinishReason::Length)),
+        );
+    }
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    let got: Vec<(u64, &str, f64)> = choices
+        .iter()
+        .map(|c| {
+            (
+                c["index"].as_u64().unwrap(),
+                c["text"].as_str().unwrap(),
+                c["logprobs"]["token_logprobs"][0].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, vec![(0, "t1", -1.0), (1, "t2", -2.0)]);
 }
 
 #[test]

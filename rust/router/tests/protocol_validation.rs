@@ -3,7 +3,7 @@
 
 mod protocol_fixture;
 
-use llmserve_router::protocol::Endpoint;
+use llmserve_router::protocol::{BestOf, Endpoint};
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -697,8 +697,10 @@ fn completion_prompts() {
         (json!({"prompt": {"a": 1}}), 400, "invalid_type", p("prompt")),
         (json!({"prompt": 5}), 400, "invalid_type", p("prompt")),
         (json!({"suffix": "x"}), 400, "unsupported_parameter", p("suffix")),
-        (json!({"best_of": 2}), 400, "unsupported_parameter", p("best_of")),
-        (json!({"best_of": 0}), 400, "unsupported_parameter", p("best_of")),
+        (json!({"best_of": 0}), 400, "invalid_value", p("best_of")),
+        (json!({"best_of": 1, "n": 2}), 400, "invalid_value", p("best_of")),
+        (json!({"best_of": 129}), 400, "invalid_value", p("best_of")),
+        (json!({"best_of": 2, "stream": true}), 400, "invalid_value", p("best_of")),
         (json!({"logprobs": 21}), 400, "invalid_value", p("logprobs")),
         (json!({"logprobs": true}), 400, "invalid_type", p("logprobs")),
         (json!({"logprobs": -1}), 400, "invalid_value", p("logprobs")),
@@ -706,6 +708,18 @@ fn completion_prompts() {
     ]);
     let r = router();
     completion(&r, json!({"best_of": 2, "n": 2})).unwrap();
+    // best_of above n: that many run, ranked by their tokens' logprobs (computed, not shown)
+    let best = completion(&r, json!({"best_of": 3, "n": 2})).unwrap();
+    assert_eq!((best.params.n, best.params.logprobs), (3, Some(0)));
+    assert_eq!(best.best_of, Some(BestOf { n: 2, logprobs: false }));
+    assert_eq!(best.shown_logprobs(), None);
+    let shown = completion(&r, json!({"best_of": 3, "logprobs": 2, "echo": true})).unwrap();
+    assert_eq!((shown.params.n, shown.shown_logprobs(), shown.prompt_logprobs()), (3, Some(2), Some(2)));
+    let hidden = completion(&r, json!({"best_of": 3, "echo": true})).unwrap();
+    assert_eq!(hidden.prompt_logprobs(), None, "no prompt logprobs were asked for");
+    // greedy choices are all the same: nothing to pick from (and a stream of them is fine)
+    let greedy = completion(&r, json!({"best_of": 3, "temperature": 0, "stream": true})).unwrap();
+    assert_eq!((greedy.params.n, greedy.best_of), (1, None));
     completion(&r, json!({"best_of": null, "suffix": null})).unwrap();
     assert_eq!(completion(&r, json!({"logprobs": 3})).unwrap().params.logprobs, Some(3));
     assert_eq!(completion(&r, json!({"logprobs": null})).unwrap().params.logprobs, None);

@@ -1015,6 +1015,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
         reasoning,
         responses: None,
         embedding: None,
+        best_of: None,
     };
     Ok(Checked {
         prepared,

@@ -12,9 +12,9 @@ use serde_json::Value;
 use super::budget::{check_context, settle_budget};
 use super::common::{
     check_token_id, from_value, ignored_header, invalid_type, kind_of, new_id, parse_body, settle_ignored,
-    truncate_prompt, unix_now, unknown_keys, unsupported, vllm_unsupported, CommonFields,
+    truncate_prompt, unix_now, unknown_keys, unsupported, vllm_unsupported, CommonFields, MAX_N,
 };
-use super::{Checked, Endpoint, Prepared};
+use super::{BestOf, Checked, Endpoint, Prepared, SamplingParams};
 use crate::error::ApiError;
 use crate::fim::Fim;
 use crate::router::Router;
@@ -29,6 +29,33 @@ pub struct CompletionFields {
     pub best_of: Option<u32>,
     #[serde(flatten)]
     pub extra: BTreeMap<String, IgnoredAny>,
+}
+
+/// `best_of` (OpenAI's legacy field): the [`BestOf`] plan when it asks for more choices than
+/// `n` (then `params.n` becomes `best_of`, and the sampled tokens' logprobs are computed).
+/// Equal to `n`, or beside greedy sampling (every choice is the same, computed once), it
+/// asks for nothing more. Below `n`, above the most choices, or streamed, it is a 400: the
+/// best are known only once all have ended, as OpenAI refuses to stream them.
+fn best_of(best_of: Option<u32>, params: &mut SamplingParams, stream: bool) -> Result<Option<BestOf>, ApiError> {
+    let n = params.n;
+    match best_of {
+        None => Ok(None),
+        Some(b) if b < n || b > MAX_N => Err(ApiError::invalid(
+            "best_of",
+            format!("`best_of` must be between `n` ({n}) and {MAX_N}, got {b}: it is how many choices the best `n` are picked from."),
+        )),
+        Some(b) if b == n || params.temperature == 0.0 => Ok(None),
+        Some(b) if stream => Err(ApiError::invalid(
+            "best_of",
+            format!("`best_of` above `n` cannot be streamed (got best_of={b}, n={n}): the best are known only once all have ended."),
+        )),
+        Some(b) => {
+            let plan = BestOf { n, logprobs: params.logprobs.is_some() };
+            params.n = b;
+            params.logprobs = params.logprobs.or(Some(0));
+            Ok(Some(plan))
+        }
+    }
 }
 
 /// One prompt as sent.
@@ -247,18 +274,6 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         }
     };
     let mut params = c.params;
-    if let Some(best_of) = comp.best_of {
-        if best_of != params.n {
-            return Err(unsupported(
-                "best_of",
-                format!(
-                    "`best_of` other than `n` is not supported (got best_of={best_of}, n={}): the server \
-                     returns every choice it generates.",
-                    params.n
-                ),
-            ));
-        }
-    }
     if let Some(k) = comp.logprobs {
         if k > config.max_logprobs {
             return Err(ApiError::invalid(
@@ -270,6 +285,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // NOTE: `echo` with `logprobs` returns the prompt tokens' logprobs too, as OpenAI does
     // (the first prompt token's is null): Core asks the scheduler for prompt logprob rows.
     params.logprobs = comp.logprobs;
+    let best_of = best_of(comp.best_of, &mut params, c.stream)?;
 
     let grammar = super::constrained::compile(router, c.constraint, &params)?;
     let prompts = parse_prompts(&comp.prompt, vocab_size, "prompt")?;
@@ -318,6 +334,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         reasoning: None,
         responses: None,
         embedding: None,
+        best_of,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

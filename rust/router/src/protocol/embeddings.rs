@@ -192,6 +192,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             dimensions,
             base64,
         }),
+        best_of: None,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -167,6 +167,21 @@ pub struct Prepared {
     pub responses: Option<std::sync::Arc<responses::Echo>>,
     /// `Embeddings`: how each input's hidden states become its embedding. None otherwise.
     pub embedding: Option<embeddings::EmbeddingPlan>,
+    /// Completions' `best_of` above `n`: `params.n` is `best_of` here.
+    pub best_of: Option<BestOf>,
+}
+
+/// Completions' `best_of` above `n` (OpenAI's legacy API): each prompt runs `best_of`
+/// sequences (`params.n`), whose sampled tokens' logprobs are computed to rank them, and the
+/// body returns the `n` of each prompt's with the highest logprob per token (every sampled
+/// token counts, the one that ended the choice too); `usage` counts all of them, as OpenAI
+/// bills them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BestOf {
+    /// The choices returned per prompt (the request's `n`).
+    pub n: u32,
+    /// The request asked for logprobs itself (else they are computed only to rank).
+    pub logprobs: bool,
 }
 
 /// The answer of a route that does not generate (`Router::handle`): its JSON body, and the
@@ -194,8 +209,13 @@ impl Prepared {
     /// (completions' `echo` with `logprobs` k, vLLM's `prompt_logprobs` k; the larger when
     /// both), which the scheduler must then compute.
     pub fn prompt_logprobs(&self) -> Option<u32> {
-        let echoed = if self.echo && self.endpoint == Endpoint::Completion { self.params.logprobs } else { None };
+        let echoed = if self.echo && self.endpoint == Endpoint::Completion { self.shown_logprobs() } else { None };
         echoed.max(self.prompt_logprobs_k)
+    }
+
+    /// The logprobs k the response shows (None: none, though `best_of` may compute them).
+    pub fn shown_logprobs(&self) -> Option<u32> {
+        self.params.logprobs.filter(|_| self.best_of.is_none_or(|b| b.logprobs))
     }
 }
 
