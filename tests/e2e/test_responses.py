@@ -382,8 +382,17 @@ def test_background_responses_run_without_their_client(smol, client):
     endless = client.responses.create(**{**long, "max_output_tokens": 1500}, background=True)
     _until(lambda: client.responses.retrieve(endless.id).status == "in_progress")
     assert _running(smol) == 1
+    # while it runs, its object shows the output so far, which grows; the greedy text is the
+    # foreground answer's beginning
+    _until(lambda: len(client.responses.retrieve(endless.id).output_text) > 20)
+    so_far = client.responses.retrieve(endless.id)
+    assert so_far.status == "in_progress" and so_far.output[-1].status == "in_progress"
+    _until(lambda: len(client.responses.retrieve(endless.id).output_text) > len(so_far.output_text))
     cancelled = client.responses.cancel(endless.id)
     assert cancelled.status == "cancelled"
+    # it keeps what it wrote, the message it was writing `incomplete`
+    assert cancelled.output_text.startswith(so_far.output_text) and cancelled.output[-1].status == "incomplete"
+    assert stored.output_text.startswith(cancelled.output_text) or cancelled.output_text.startswith(stored.output_text)
     _until(lambda: _running(smol) == 0)
     assert client.responses.retrieve(endless.id).status == "cancelled"
     assert client.responses.cancel(endless.id).status == "cancelled"

@@ -685,6 +685,12 @@ impl ResponseBuilder {
                 }
                 events.on_chunk(&mut self.pending, c);
             }
+            // (a background response's stored object follows its output, a few times a second)
+            if let Some(run) = &echo.background {
+                if let Some(output) = events.snapshot() {
+                    run.snapshot(output);
+                }
+            }
             return;
         }
         let chunk = Chunk {

@@ -220,8 +220,14 @@ impl ResponseStore {
                      `background: true`, and it has completed."
                 ),
             )),
+            // (its output so far stays, the item it was writing `incomplete`)
             Some(Run::Running(_)) => Ok(inner.edit(id, Run::Ended, |body| {
                 body["status"] = json!("cancelled");
+                for item in body["output"].as_array_mut().into_iter().flatten() {
+                    if item["status"] == "in_progress" {
+                        item["status"] = json!("incomplete");
+                    }
+                }
             })),
             Some(Run::Ended) => Ok(inner.map[id].body.clone()),
         }
@@ -302,6 +308,11 @@ impl BackgroundRun {
     /// Its first output came: the entry is `in_progress`.
     pub fn progress(&self) {
         self.edit(Run::Running(self.run), |body| body["status"] = json!("in_progress"));
+    }
+
+    /// Its output so far (`GET` shows it while it runs; a cancel keeps it).
+    pub fn snapshot(&self, output: Vec<Value>) {
+        self.edit(Run::Running(self.run), |body| body["output"] = Value::Array(output));
     }
 
     /// It is done: `stored` (its final object and output) replaces the entry. One larger

@@ -322,17 +322,29 @@ fn a_background_response_is_stored_queued_and_follows_its_run() {
             ("response.in_progress", &json!("in_progress"))
         );
         assert_eq!(evs[0].1["sequence_number"], 2);
-        assert_eq!(stored(&r, &p.id)["status"], "in_progress");
+        let running = stored(&r, &p.id);
+        assert_eq!(running["status"], "in_progress");
+        // its output so far: the message being written, as it stands
+        assert_eq!(running["output"][0]["status"], "in_progress");
+        assert_eq!(running["output"][0]["content"][0]["text"], "a");
+        // brought up to date a few times a second, not at every token
+        push(&mut b, " b", None);
+        assert_eq!(stored(&r, &p.id)["output"][0]["content"][0]["text"], "a");
+        std::thread::sleep(std::time::Duration::from_millis(120));
+        push(&mut b, " c", None);
+        assert_eq!(stored(&r, &p.id)["output"][0]["content"][0]["text"], "a b c");
+        b.take();
         // continuing it while it runs is a 400 (its output is not known yet)
         let e = responses(&r, json!({"input": "more", "previous_response_id": p.id})).unwrap_err();
         assert_eq!((e.status(), e.param()), (400, Some("previous_response_id")));
-        push(&mut b, " b", Some(FinishReason::Stop));
+        push(&mut b, "", Some(FinishReason::Stop));
         let last = sse_events(&b.finish()).pop().unwrap();
         assert_eq!(last.0, "response.completed");
         let done = stored(&r, &p.id);
         assert_eq!(done, last.1["response"]);
         assert_eq!((done["status"].as_str(), done["background"].as_bool()), (Some("completed"), Some(true)));
-        assert_eq!(done["output"][0]["content"][0]["text"], "a b");
+        assert_eq!(done["output"][0]["content"][0]["text"], "a b c");
+        assert_eq!(done["output"][0]["status"], "completed");
         // done: it can be continued, and cancelling it answers it as it is
         responses(&r, json!({"input": "more", "previous_response_id": p.id})).unwrap();
         assert_eq!(serde_json::from_slice::<Value>(&r.responses().cancel(&p.id).unwrap()).unwrap(), done);
@@ -364,6 +376,9 @@ fn a_background_response_cancelled_failed_or_dropped_says_so() {
     push(&mut b, "a", None);
     let cancelled: Value = serde_json::from_slice(&r.responses().cancel(&p.id).unwrap()).unwrap();
     assert_eq!(cancelled["status"], "cancelled");
+    // it keeps the output it had, the message it was writing `incomplete`
+    assert_eq!(cancelled["output"][0]["content"][0]["text"], "a");
+    assert_eq!(cancelled["output"][0]["status"], "incomplete");
     push(&mut b, " b", Some(FinishReason::Stop));
     b.finish();
     drop(b);

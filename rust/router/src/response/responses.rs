@@ -21,6 +21,7 @@
 //! streamed and not.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
@@ -172,6 +173,10 @@ pub(super) fn usage(input: u64, cached: u64, output: u64, reasoning: u64) -> Val
     })
 }
 
+/// How often a background response's stored object is brought up to date with its output so
+/// far (what `GET` shows while it runs, and what a cancel keeps).
+const SNAPSHOT_EVERY: Duration = Duration::from_millis(100);
+
 /// A streamed response's events so far.
 pub(super) struct EventStream {
     seq: u64,
@@ -186,11 +191,40 @@ pub(super) struct EventStream {
     /// Logprobs of tokens that showed no text yet (the first bytes of a character), sent with
     /// the message's next delta (or an empty one as it closes).
     pending_lp: Vec<ChatLogprob>,
+    /// When the output so far was last taken ([`Self::snapshot`]).
+    snapshot_at: Option<Instant>,
 }
 
 impl EventStream {
     pub(super) fn new(logprobs: bool) -> Self {
-        Self { seq: 0, queued: None, items: Vec::new(), open: false, finish: None, logprobs, pending_lp: Vec::new() }
+        Self {
+            seq: 0,
+            queued: None,
+            items: Vec::new(),
+            open: false,
+            finish: None,
+            logprobs,
+            pending_lp: Vec::new(),
+            snapshot_at: None,
+        }
+    }
+
+    /// The output so far, if there is some and the last was taken `SNAPSHOT_EVERY` ago (or
+    /// never): the items closed as they closed, the open one `in_progress` with what it holds.
+    pub(super) fn snapshot(&mut self) -> Option<Vec<Value>> {
+        if self.items.is_empty() || self.snapshot_at.is_some_and(|at| at.elapsed() < SNAPSHOT_EVERY) {
+            return None;
+        }
+        self.snapshot_at = Some(Instant::now());
+        let open = self.open.then(|| self.index());
+        let items = self.items.iter().enumerate().map(|(i, item)| {
+            let mut value = item.to_value("completed", self.logprobs);
+            if Some(i) == open {
+                value["status"] = json!("in_progress");
+            }
+            value
+        });
+        Some(items.collect())
     }
 
     /// Queues one event: `event: <type>` and its JSON with `type` and `sequence_number`.
