@@ -74,7 +74,6 @@ _VLLM_HINTS = {
     "--load-format": "the weights are read in the format of the model's files (safetensors or GGUF)",
     "--no-enable-chunked-prefill": "prompts longer than --max-num-batched-tokens are always prefilled in "
                                    "chunks; raise it to prefill them whole",
-    "--tokenizer": "the tokenizer is the model's own (its folder's tokenizer.json, or its GGUF's)",
     "--tokenizer-mode": "the model's own tokenizer.json runs in HF tokenizers (Rust)",
 }
 

@@ -188,6 +188,10 @@ class ModelConfig(_Checked):
         choices=("auto", "none"),
     )
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
+    tokenizer: str | None = _f(
+        None, "Serve the model with another folder's (or hub id's) tokenizer, as vLLM's flag: its "
+        "tokenizer.json, chat template and special tokens (the model's EOS stays). Mostly for a GGUF "
+        "file, with the tokenizer of the model it was made from; its vocabulary must be the model's.")
     download_dir: str | None = _f(
         None, "Where a hub MODEL is fetched and cached (vLLM's flag); default: huggingface_hub's cache "
         "(HF_HUB_CACHE or HF_HOME set it too).")

@@ -177,6 +177,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     with pytest.raises((ValueError, SystemExit)):
         _config(["--max-loras", "-1"])
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
+    assert _config(["--tokenizer", "org/tok"]).model.tokenizer == "org/tok"
     # the values that ask for what llmserve does anyway are taken, and said to do nothing
     _logs(caplog, ["--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1", "--kv-cache-dtype",
                    "auto", "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
@@ -215,7 +216,6 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--load-format", "safetensors"], "--load-format is vLLM's: the weights are read in the format of the model's"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),
-    (["--tokenizer", "org/tok"], "--tokenizer is vLLM's: the tokenizer is the model's own"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode is vLLM's: the model's own tokenizer.json"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
     (["--ssl-certfile", "missing.pem"], "--ssl-certfile 'missing.pem' is not a file"),

@@ -6,6 +6,7 @@ written here with llama.cpp's layout and Q/K permutation (F32 and Q8_0), and the
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -707,3 +708,70 @@ def test_gguf_rope_scaling_keys():
         _rope_scaling(_Meta({**yarn, key + "yarn_log_multiplier": 0.1}), "qwen3", "yarn")
     with pytest.raises(LoadError, match="'longrope' is not supported"):
         _rope_scaling(_Meta(yarn), "qwen3", "longrope")
+
+
+def _gguf_tokenizer_folder(root: Path, path: Path, template: str) -> Path:
+    """A tokenizer folder whose vocabulary is the GGUF file's at `path` (as the model it was
+    made from would have it), with its own template and special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from llmserve.loaders.gguf_file import load_gguf
+
+    tokens = load_gguf(path, "m", logging.getLogger("test")).gguf_vocab["tokens"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS)
+    folder = root / "base-tokenizer"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": template}))
+    return folder
+
+
+def test_gguf_with_the_tokenizer_it_was_made_from(tmp_path, offline_hub):
+    """vLLM's --tokenizer: a GGUF file served with its base model's tokenizer folder: the
+    tokenizer.json tokenizes, the folder's template renders (the file's own stays last in
+    the order), its EOS ends replies beside the file's; the weights are the file's."""
+    from llmserve.config import Config, DeviceConfig, ModelConfig
+    from llmserve.engine.build import build_engine
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_llama(), eot=None)
+    folder = _gguf_tokenizer_folder(tmp_path, path, JINJA)
+    own = load_checkpoint(str(path))
+    ckpt = load_checkpoint(str(path), tokenizer=str(folder))
+    assert ckpt.tokenizer_json == str(folder / "tokenizer.json")
+    assert ckpt.gguf_vocab == own.gguf_vocab   # (still a GGUF model: it computes as one)
+    assert ckpt.template_sources["tokenizer_config"] == JINJA and ckpt.template_sources["gguf"] == TEMPLATE
+    assert ckpt.eos_token_ids == own.eos_token_ids + [3] and ckpt.eos_token == "<|im_end|>"
+    assert_weights_equal(ckpt, tiny_llama())
+    # a Hub id: its tokenizer files, from the cache here (offline)
+    repo = _cache_snapshot(offline_hub, folder)
+    hub = load_checkpoint(str(path), tokenizer="tiny-org/tiny-llama")
+    assert hub.tokenizer_json == str(repo / "snapshots" / COMMIT / "tokenizer.json")
+
+    router = build_engine(Config(model=ModelConfig(model=str(path), tokenizer=str(folder),
+                                                   served_model_name=("m",)),
+                                 device=DeviceConfig(threads=1))).router
+    messages = [{"role": "user", "content": "w3 w4"}]
+    body = json.loads(router.handle("chat_render", json.dumps({"model": "m", "messages": messages}).encode())[0])
+    assert body["prompt"] == "[user] w3 w4\n"
+    from tokenizers import Tokenizer
+    assert body["prompt_token_ids"] == Tokenizer.from_file(str(folder / "tokenizer.json")).encode("[user] w3 w4\n").ids
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_llama())
+    _, other = make_folder(tmp_path)      # (its own vocabulary: w0 at id 4, where the file has "w")
+    with pytest.raises(LoadError, match=r"--tokenizer .*not the model's: token 4 is 'w0' there and 'w'"):
+        load_checkpoint(str(path), tokenizer=str(other))
+    with pytest.raises(LoadError, match="not a file"):
+        load_checkpoint(str(path), tokenizer=str(other / "tokenizer.json"))
+    with pytest.raises(LoadError, match="does not exist"):
+        load_checkpoint(str(path), tokenizer=str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(LoadError, match="--tokenizer .* has no tokenizer.json"):
+        load_checkpoint(str(path), tokenizer=str(empty))

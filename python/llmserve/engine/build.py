@@ -262,7 +262,7 @@ def build_engine(cfg: Config) -> Engine:
     # converted for it then, and the weights are the converted blocks' values)
     blocks = cfg.model.quantized_decode and device.type == "cpu" and dtype == torch.float32
     ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks,
-                         download_dir=cfg.model.download_dir)
+                         download_dir=cfg.model.download_dir, tokenizer=cfg.model.tokenizer)
     # (the Llama-named keys this file reads, for a family that names its shape otherwise; a
     # config without the keys they are made from is a LoadError, as in the build)
     ck = replace(ck, hf_config=_built(ck, lambda: normalize_config(ck.hf_config)))
@@ -378,7 +378,8 @@ def build_engine(cfg: Config) -> Engine:
     try:
         router = Router(
             ck.tokenizer_json,
-            json.dumps(ck.gguf_vocab) if ck.gguf_vocab is not None else None,
+            # (a GGUF served with --tokenizer has both: the tokenizer.json serves it)
+            json.dumps(ck.gguf_vocab) if ck.gguf_vocab is not None and ck.tokenizer_json is None else None,
             json.dumps(_template_sources(cfg, ck.template_sources)),
             json.dumps(router_config),
         )

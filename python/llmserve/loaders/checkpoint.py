@@ -179,8 +179,9 @@ class Checkpoint:
     hf_config: dict                    # config.json (GGUF: an equivalent HF config)
     # HF parameter names; GGUF: LazyWeights, dequantized to float32 when read, Q/K un-permuted
     weights: Mapping[str, torch.Tensor]
-    tokenizer_json: str | None         # path of tokenizer.json (HF folders)
-    gguf_vocab: dict | None            # GgufVocab (rust/router tokenizer.rs) as a dict (GGUF files)
+    tokenizer_json: str | None         # path of tokenizer.json (HF folders; any model with --tokenizer)
+    gguf_vocab: dict | None            # GgufVocab (rust/router tokenizer.rs) as a dict (GGUF files);
+                                       # the tokenizer unless tokenizer_json is set
     template_sources: dict             # TemplateSources (rust/router template/mod.rs) as a dict
     bos_token: str | None
     eos_token: str | None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,6 +114,66 @@ def sentence_transformers(folder: Path) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """What a folder says about its tokenizer: its tokenizer.json, its chat templates (the
+    folder's slots of the template sources), its special tokens, and its EOS token's id."""
+
+    tokenizer_json: Path
+    templates: dict
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_id: int | None
+
+
+def read_tokenizer(folder: Path) -> TokenizerFiles:
+    """The tokenizer files of a model folder (or of a tokenizer's own folder, `--tokenizer`)."""
+    tokenizer_json = folder / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise LoadError(
+            f"{folder} has no tokenizer.json (slow-only tokenizers such as tokenizer.model are not "
+            "supported: save the tokenizer with a fast tokenizer to get tokenizer.json)"
+        )
+    tok_config = _read_json(folder / "tokenizer_config.json") or {}
+    templates = empty_template_sources()
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        templates["folder_jinja"] = jinja.read_text(encoding="utf-8")
+    # transformers saves the templates other than "default" here, one file per name
+    for named in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        templates["folder_named"][named.stem] = named.read_text(encoding="utf-8")
+    if tok_config.get("chat_template") is not None:
+        templates["tokenizer_config"] = tok_config["chat_template"]
+    else:
+        # Processor-style repos keep it in chat_template.json; it fills the same slot.
+        legacy = _read_json(folder / "chat_template.json") or {}
+        if legacy.get("chat_template") is not None:
+            templates["tokenizer_config"] = legacy["chat_template"]
+            templates["tokenizer_config_file"] = "chat_template.json"
+    # Older checkpoints name their special tokens in special_tokens_map.json only;
+    # transformers reads both (tokenizer_config.json first).
+    special = _read_json(folder / "special_tokens_map.json") or {}
+    bos_token = _token_text(tok_config.get("bos_token")) or _token_text(special.get("bos_token"))
+    eos_token = _token_text(tok_config.get("eos_token")) or _token_text(special.get("eos_token"))
+    eos_id = None if eos_token is None else _vocab_id(tokenizer_json, eos_token)
+    return TokenizerFiles(tokenizer_json, templates, bos_token, eos_token, eos_id)
+
+
+def tokenizer_tokens(tokenizer_json: Path) -> list[str | None]:
+    """Each id's token in a tokenizer.json (its model's vocabulary and its added tokens; None
+    for an id neither names)."""
+    data = _read_json(tokenizer_json) or {}
+    by_id: dict[int, str] = {}
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):     # BPE, WordPiece, WordLevel
+        by_id.update((int(i), tok) for tok, i in vocab.items())
+    elif isinstance(vocab, list):   # Unigram: [piece, score] in id order
+        by_id.update((i, entry[0]) for i, entry in enumerate(vocab))
+    for added in data.get("added_tokens", []):
+        by_id[int(added["id"])] = added.get("content")
+    return [by_id.get(i) for i in range(max(by_id, default=-1) + 1)]
+
+
 def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
     t0 = time.perf_counter()
     config = _read_json(folder / "config.json")
@@ -134,43 +195,14 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
     if "rope_theta" not in config and isinstance(rope, dict) and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
 
-    tokenizer_json = folder / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        raise LoadError(
-            f"{folder} has no tokenizer.json (slow-only tokenizers such as tokenizer.model are not "
-            "supported: save the tokenizer with a fast tokenizer to get tokenizer.json)"
-        )
-    tok_config = _read_json(folder / "tokenizer_config.json") or {}
+    tok = read_tokenizer(folder)
     generation_config = _read_json(folder / "generation_config.json") or {}
-
-    sources = empty_template_sources()
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        sources["folder_jinja"] = jinja.read_text(encoding="utf-8")
-    # transformers saves the templates other than "default" here, one file per name
-    for named in sorted((folder / "additional_chat_templates").glob("*.jinja")):
-        sources["folder_named"][named.stem] = named.read_text(encoding="utf-8")
-    if tok_config.get("chat_template") is not None:
-        sources["tokenizer_config"] = tok_config["chat_template"]
-    else:
-        # Processor-style repos keep it in chat_template.json; it fills the same slot.
-        legacy = _read_json(folder / "chat_template.json") or {}
-        if legacy.get("chat_template") is not None:
-            sources["tokenizer_config"] = legacy["chat_template"]
-            sources["tokenizer_config_file"] = "chat_template.json"
-
-    # Older checkpoints name their special tokens in special_tokens_map.json only;
-    # transformers reads both (tokenizer_config.json first).
-    special = _read_json(folder / "special_tokens_map.json") or {}
-    bos_token = _token_text(tok_config.get("bos_token")) or _token_text(special.get("bos_token"))
-    eos_token = _token_text(tok_config.get("eos_token")) or _token_text(special.get("eos_token"))
     eos_ids: list[int] = []
     for i in _ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id")):
         if i not in eos_ids:
             eos_ids.append(i)
-    if not eos_ids and eos_token is not None:
-        found = _vocab_id(tokenizer_json, eos_token)
-        eos_ids = [] if found is None else [found]
+    if not eos_ids and tok.eos_token_id is not None:
+        eos_ids = [tok.eos_token_id]
     t1 = time.perf_counter()
 
     weights = _load_weights(folder)
@@ -182,11 +214,11 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
         name=name,
         hf_config=config,
         weights=weights,
-        tokenizer_json=str(tokenizer_json),
+        tokenizer_json=str(tok.tokenizer_json),
         gguf_vocab=None,
-        template_sources=sources,
-        bos_token=bos_token,
-        eos_token=eos_token,
+        template_sources=tok.templates,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
         eos_token_ids=eos_ids,
         generation_config=generation_config,
         sentence_transformers=sentence_transformers(folder),

@@ -14,11 +14,12 @@ import importlib.util
 import logging
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import Checkpoint, LoadError
 from .gguf_file import load_gguf
-from .hf_folder import load_folder
+from .hf_folder import load_folder, read_tokenizer, tokenizer_tokens
 
 LOG = logging.getLogger("llmserve.loaders")
 
@@ -29,15 +30,18 @@ _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a model repository needs and nothing more (no .bin/.gguf/onnx duplicates of the weights).
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+# ... and what a tokenizer needs (`--tokenizer`): no weights.
+HUB_TOKENIZER_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.txt"]
 
 
 def load_checkpoint(
     model: str | None, *, revision: str | None = None, log: logging.Logger = LOG,
-    quantized_decode: bool = False, download_dir: str | None = None,
+    quantized_decode: bool = False, download_dir: str | None = None, tokenizer: str | None = None,
 ) -> Checkpoint:
     """Read a model into a Checkpoint; LoadError says what is wrong when it cannot.
     `quantized_decode`: the model will run the quantized GEMV (gguf_file.load_gguf).
-    `download_dir`: where a Hub model is fetched and cached (None: huggingface_hub's cache)."""
+    `download_dir`: where a Hub model is fetched and cached (None: huggingface_hub's cache).
+    `tokenizer`: another folder or Hub id whose tokenizer serves the model (`with_tokenizer`)."""
     t0 = time.perf_counter()
     if model is None:
         ckpt = load_gguf(default_model_path(), DEFAULT_MODEL_NAME, log, quantized_decode)
@@ -51,8 +55,62 @@ def load_checkpoint(
             ckpt = load_folder(download(model, revision, log, download_dir), model, log)
         else:
             raise LoadError(f"model path {model!r} does not exist (and is not a Hugging Face 'org/name' id)")
+    if tokenizer is not None:
+        ckpt = with_tokenizer(ckpt, tokenizer, log, download_dir)
     log.info("loaded %r in %.2f s", ckpt, time.perf_counter() - t0)
     return ckpt
+
+
+def with_tokenizer(ckpt: Checkpoint, spec: str, log: logging.Logger = LOG,
+                   download_dir: str | None = None) -> Checkpoint:
+    """`ckpt` served through the tokenizer of `spec` (a folder, or a Hub id whose tokenizer
+    files are fetched), as vLLM's `--tokenizer`: its tokenizer.json, its chat templates in
+    the folder's places of the resolution order (a GGUF's own template stays last), its
+    special tokens where it names them, and its EOS beside the model's. The usual case is a
+    GGUF file served with the tokenizer of the model it was converted from. Its vocabulary
+    must be the model's: over a GGUF, each id both name must be the same token; over any
+    model, every id must have an embedding row (the build checks that)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        raise LoadError(f"--tokenizer {spec}: pass the folder that holds tokenizer.json, not a file")
+    if path.exists():
+        folder = path
+    elif _HUB_ID.match(spec):
+        folder = download(spec, None, log, download_dir, HUB_TOKENIZER_PATTERNS)
+    else:
+        raise LoadError(f"--tokenizer {spec!r} does not exist (and is not a Hugging Face 'org/name' id)")
+    try:
+        tok = read_tokenizer(folder)
+    except LoadError as e:
+        raise LoadError(f"--tokenizer {spec}: {e}") from e
+    if ckpt.gguf_vocab is not None:
+        _check_same_tokens(ckpt, spec, tokenizer_tokens(tok.tokenizer_json), log)
+    templates = dict(ckpt.template_sources)
+    for slot in ("folder_jinja", "folder_named", "tokenizer_config", "tokenizer_config_file"):
+        templates[slot] = tok.templates[slot]
+    eos_ids = list(ckpt.eos_token_ids)
+    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
+        eos_ids.append(tok.eos_token_id)
+    log.info("tokenizer: %s (--tokenizer %s)", tok.tokenizer_json, spec)
+    return replace(ckpt, tokenizer_json=str(tok.tokenizer_json), template_sources=templates,
+                   bos_token=tok.bos_token or ckpt.bos_token, eos_token=tok.eos_token or ckpt.eos_token,
+                   eos_token_ids=eos_ids)
+
+
+def _check_same_tokens(ckpt: Checkpoint, spec: str, tokens: list[str | None], log: logging.Logger) -> None:
+    """A LoadError unless `tokens` (by id) are the GGUF vocabulary's wherever both name one;
+    a GGUF vocabulary longer than the tokenizer's (padding rows) is only logged."""
+    own = ckpt.gguf_vocab["tokens"]
+    differ = [i for i in range(min(len(own), len(tokens))) if tokens[i] is not None and tokens[i] != own[i]]
+    if differ:
+        i = differ[0]
+        raise LoadError(
+            f"--tokenizer {spec}: its vocabulary is not the model's: token {i} is {tokens[i]!r} there and "
+            f"{own[i]!r} in {ckpt.name} ({len(differ)} of {min(len(own), len(tokens))} ids differ); pass the "
+            "tokenizer of the model this file was made from")
+    if len(tokens) < len(own):
+        log.warning("--tokenizer %s has %d tokens, %s %d: the model's last %d ids have no text", spec,
+                    len(tokens), ckpt.name, len(own), len(own) - len(tokens))
 
 
 def local_folder(spec: str, log: logging.Logger = LOG) -> Path:
@@ -101,17 +159,18 @@ def _load_path(path: Path, log: logging.Logger, quantized_decode: bool) -> Check
     raise LoadError(f"{path} has no config.json and no .gguf file: not a model folder")
 
 
-def download(repo_id: str, revision: str | None, log: logging.Logger, cache_dir: str | None = None) -> Path:
-    """The local snapshot folder of a Hub repository, in `cache_dir` (None: huggingface_hub's
-    cache); huggingface_hub shows its own progress bar, and with HF_HUB_OFFLINE=1 it resolves
-    the revision from its cache without network."""
+def download(repo_id: str, revision: str | None, log: logging.Logger, cache_dir: str | None = None,
+             patterns: list[str] = HUB_ALLOW_PATTERNS) -> Path:
+    """The local snapshot folder of a Hub repository (its files matching `patterns`), in
+    `cache_dir` (None: huggingface_hub's cache); huggingface_hub shows its own progress bar,
+    and with HF_HUB_OFFLINE=1 it resolves the revision from its cache without network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     log.info("fetching %s (revision %s) from the Hugging Face Hub or its cache", repo_id, revision or "main")
     t0 = time.perf_counter()
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS, cache_dir=cache_dir)
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache_dir)
     except LocalEntryNotFoundError as e:  # includes a cached snapshot missing files
         raise LoadError(
             f"{repo_id!r} is neither a local path nor in the Hugging Face cache, and the Hub could "
