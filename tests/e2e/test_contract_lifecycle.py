@@ -478,6 +478,11 @@ def test_a_background_response_the_engine_fails_is_failed(failing_engine):
             assert kinds[-1] == "response.failed"
             last = json.loads(events.text.rstrip().rsplit("\ndata: ", 1)[1])
             assert last["response"] == failed and last["sequence_number"] == len(kinds) - 1
+            # another app mounted on the same engine serves the same runs (one store, one
+            # registry of runs per engine)
+            async with _client(create_app(engine=engine)) as other:
+                again = await other.get(f"/v1/responses/{failed['id']}", params={"stream": "true"})
+                assert again.text == events.text
             # the engine serves on; a background response still running when a drain runs
             # out is failed too
             r = await c.post("/v1/responses", json={**BACKGROUND, "max_output_tokens": 480})

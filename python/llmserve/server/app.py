@@ -151,7 +151,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                             ClientDisconnect: _on_client_gone, Exception: _on_unexpected},
     )
     app.state.engine = engine
-    app.state.backgrounds = Backgrounds()
+    app.state.backgrounds = Backgrounds.of(engine)
     app.state.max_body_bytes = config.server.max_body_bytes
     # how long the lifespan's drain waits for the engine's step in progress (None: until it
     # ends; `llmserve run` bounds it, then exits at once), and the time.monotonic() by which

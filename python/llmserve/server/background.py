@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 
 from .._core import ApiError
 from ..engine.async_engine import RequestStream
@@ -89,10 +90,22 @@ class Reader:
 
 
 class Backgrounds:
-    """The background responses this server runs, and the events of those that ended lately."""
+    """The background responses an engine runs, and the events of those that ended lately.
+    One per engine (`of`): every app mounted on the engine serves the same runs, as they all
+    read one response store."""
+
+    _of: "weakref.WeakKeyDictionary[object, Backgrounds]" = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
         self._runs: dict[str, Run] = {}
+
+    @classmethod
+    def of(cls, engine: object) -> "Backgrounds":
+        """The engine's registry (made at its first app)."""
+        found = cls._of.get(engine)
+        if found is None:
+            found = cls._of[engine] = cls()
+        return found
 
     def start(self, stream: RequestStream) -> Run:
         self._prune()
