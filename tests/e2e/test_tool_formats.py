@@ -274,3 +274,41 @@ def test_deprecated_functions_are_answered_as_function_call(fmt_server, client):
     r = httpx.post(fmt_server.url + "/v1/chat/completions", timeout=30,
                    json={**named, "functions": functions, "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "functions", r.text
+
+
+def test_allowed_tools_restrict_the_calls(fmt_server, client):
+    """`tool_choice: {"type": "allowed_tools"}`: the model sees every tool (the same prompt),
+    and only the listed ones can be called; "required" forces a call among them in any
+    format, whatever the sampling draws."""
+    def allowed(mode, *names):
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+            {"type": "function", "function": {"name": n}} for n in names]}}
+
+    req = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=200, temperature=1.0)
+    made = 0
+    for seed in range(3):
+        choice = client.chat.completions.create(**req, seed=seed, tool_choice=allowed("required", "get_time"),
+                                                logit_bias=_marker_tokens(fmt_server)).choices[0]
+        if choice.finish_reason == "tool_calls":
+            _valid(choice.message.tool_calls, {"get_time"})
+            made += 1
+    assert made, "the forced calls end within max_tokens"
+    render = lambda choice: httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30,  # noqa: E731
+                                       json={**req, "tool_choice": choice}).json()
+    assert render(allowed("auto", "get_time"))["prompt"] == render("auto")["prompt"]
+    if fmt_server.format == "hermes":
+        # an answer, or calls to the allowed tool only: the grammar of both
+        assert render(allowed("auto", "get_time"))["grammar"].startswith("lark:")
+        for seed in range(3):
+            choice = client.chat.completions.create(**req, seed=seed, tool_choice=allowed("auto", "get_time"),
+                                                    logit_bias=_marker_tokens(fmt_server)).choices[0]
+            assert "<tool_call>" not in (choice.message.content or ""), choice
+            if choice.message.tool_calls and choice.finish_reason == "tool_calls":
+                _valid(choice.message.tool_calls, {"get_time"})
+    else:
+        r = client.chat.completions.with_raw_response.create(**{**req, "max_tokens": 4},
+                                                             tool_choice=allowed("auto", "get_time"))
+        assert r.headers["llmserve-ignored-fields"] == "tool_choice.allowed_tools"
+    r = httpx.post(fmt_server.url + "/v1/chat/completions", timeout=30,
+                   json={**req, "tool_choice": allowed("required", "get_news")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.allowed_tools.tools[0].function.name"

@@ -6,6 +6,7 @@ mod protocol_fixture;
 use llmserve_router::protocol::Endpoint;
 use llmserve_router::router::Router;
 use llmserve_router::tokenizer::Tokenizer;
+use llmserve_router::tools::ToolChoice;
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -748,6 +749,61 @@ fn xml_forced_calls_name_what_they_cannot_enforce() {
     }
     // not forced: nothing is enforced, so nothing is refused
     chat(&r, json!({"tools": tools, "tool_choice": "auto"})).unwrap();
+}
+
+/// `tool_choice: {"type": "allowed_tools"}`: every tool is shown, only the listed ones may be
+/// called: "required" forces a call among them (any format), "auto" in the Hermes format is
+/// the grammar of an answer or calls to them; other formats cannot say that and report it.
+#[test]
+fn allowed_tools_restrict_the_calls_not_the_prompt() {
+    let tool = |name: &str| json!({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}});
+    let tools = json!([tool("get_weather"), tool("get_time"), tool("get_news")]);
+    let allowed = |mode: &str, names: &[&str]| {
+        let list: Vec<Value> = names.iter().map(|n| json!({"type": "function", "function": {"name": n}})).collect();
+        json!({"tools": tools, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": list}}})
+    };
+    let callable = |p: &llmserve_router::protocol::Prepared| {
+        let mut names: Vec<String> = p.tools.as_ref().unwrap().parameters.keys().cloned().collect();
+        names.sort();
+        names
+    };
+    let hermes = router_with(json!({"tool_call_format": "hermes", "strict_fields": true}), Some(TEMPLATE));
+    let all = chat(&hermes, json!({"tools": tools})).unwrap();
+    for mode in ["required", "auto"] {
+        let p = chat(&hermes, allowed(mode, &["get_time", "get_news"])).unwrap();
+        assert_eq!(p.prompts, all.prompts, "every tool is still shown");
+        assert_eq!(callable(&p), ["get_news", "get_time"]);
+        assert!(p.grammar.is_some(), "{mode}: enforced");
+        let choice = p.tools.as_ref().unwrap().choice;
+        assert_eq!(choice, if mode == "required" { ToolChoice::Required } else { ToolChoice::Auto });
+    }
+    // the same request through Responses' flat shape
+    let flat =
+        json!({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]});
+    let flat_tools: Vec<Value> = ["get_weather", "get_time"]
+        .iter()
+        .map(|n| json!({"type": "function", "name": n, "parameters": {"type": "object"}}))
+        .collect();
+    let body = json!({"model": "tiny", "input": "hi", "tools": flat_tools, "tool_choice": flat});
+    let r = hermes.prepare(Endpoint::Responses, &serde_json::to_vec(&body).unwrap()).unwrap();
+    assert_eq!(callable(&r), ["get_time"]);
+    let mut bad = body.clone();
+    bad["tool_choice"]["tools"][0]["name"] = json!("nope");
+    let err = hermes.prepare(Endpoint::Responses, &serde_json::to_vec(&bad).unwrap()).unwrap_err();
+    assert_eq!(err.param(), Some("tool_choice.tools[0].name"));
+
+    // a format without an "answer or calls" grammar: parsed, and the restriction reported
+    let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(TEMPLATE));
+    let p = chat(&llama, allowed("auto", &["get_time"])).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tool_choice.allowed_tools"));
+    assert!(p.grammar.is_none());
+    let p = chat(&llama, allowed("required", &["get_time"])).unwrap();
+    assert_eq!((callable(&p), header(&p, "llmserve-ignored-fields")), (vec!["get_time".to_string()], None));
+    // keys that mean nothing are named where they are
+    let mut extra = allowed("required", &["get_time"]);
+    extra["tool_choice"]["allowed_tools"]["tools"][0]["function"]["strict"] = json!(true);
+    let p = chat(&llama, extra).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tool_choice.allowed_tools.tools[0].function.strict"));
 }
 
 /// Under `tool_choice: "auto"`, a strict tool's arguments must follow its schema and a

@@ -521,12 +521,39 @@ fn tools_and_tool_choice() {
             "unsupported_parameter",
             p("tools[0].type"),
         ),
+        // (allowed_tools is served: protocol_fields.rs; its shape is checked)
         (
             json!({"tools": [tool], "tool_choice": {"type": "allowed_tools",
-                   "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}),
+                   "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]}}}),
             400,
-            "unsupported_parameter",
-            p("tool_choice.type"),
+            "invalid_value",
+            p("tool_choice.allowed_tools.tools[0].function.name"),
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes",
+                   "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}),
+            400,
+            "invalid_value",
+            p("tool_choice.allowed_tools.mode"),
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}),
+            400,
+            "invalid_value",
+            p("tool_choice.allowed_tools.tools"),
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools"}}),
+            400,
+            "missing_required_parameter",
+            p("tool_choice.allowed_tools"),
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto",
+                   "tools": [{"type": "custom", "custom": {"name": "get_weather"}}]}}}),
+            400,
+            "invalid_value",
+            p("tool_choice.allowed_tools.tools[0].type"),
         ),
         (json!({"tools": [tool], "tool_choice": {"type": "bogus"}}), 400, "invalid_value", p("tool_choice.type")),
         (

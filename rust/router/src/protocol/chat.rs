@@ -548,12 +548,14 @@ fn tool_plan(
     chat: &ChatFields,
     template: &ChatTemplate,
     forced: &Forced,
+    allowed: Option<&[String]>,
 ) -> Result<ToolPlan, ApiError> {
     let detected = router.config.tool_call_format.or_else(|| ToolCallFormat::detect(template.source()));
     let tools = chat.tools.as_deref().unwrap_or_default();
     let functions = |only: Option<&str>| -> Vec<&Value> {
         tools
             .iter()
+            .filter(|t| callable(t, allowed))
             .filter_map(|t| t.get("function"))
             .filter(|f| only.is_none_or(|n| f.get("name").and_then(Value::as_str) == Some(n)))
             .collect()
@@ -628,11 +630,12 @@ fn auto_shape(
     chat: &ChatFields,
     format: ToolCallFormat,
     answer: Option<&(GrammarSource, &'static str)>,
+    allowed: Option<&[String]>,
     ignored: &mut Vec<String>,
 ) -> Result<AutoShape, ApiError> {
     let tools = chat.tools.as_deref().unwrap_or_default();
     let is_strict = |t: &Value| t.pointer("/function/strict") == Some(&Value::Bool(true));
-    if answer.is_none() && !tools.iter().any(is_strict) {
+    if answer.is_none() && allowed.is_none() && !tools.iter().any(is_strict) {
         return Ok(AutoShape::Free);
     }
     let schema = match answer {
@@ -643,16 +646,18 @@ fn auto_shape(
             return Ok(AutoShape::NoCalls);
         }
     };
-    // A tool that is not strict may be called with any arguments object.
-    let functions: Vec<Value> = tools
+    // The tools that may be called (`allowed_tools`), by their index in `tools`; one that is
+    // not strict may be called with any arguments object.
+    let chosen: Vec<usize> = (0..tools.len()).filter(|&i| callable(&tools[i], allowed)).collect();
+    let functions: Vec<Value> = chosen
         .iter()
-        .filter_map(|t| {
-            let f = t.get("function")?;
-            Some(if is_strict(t) {
+        .map(|&i| {
+            let (t, f) = (&tools[i], &tools[i]["function"]);
+            if is_strict(t) {
                 f.clone()
             } else {
                 json!({"name": f.get("name"), "parameters": {"type": "object"}})
-            })
+            }
         })
         .collect();
     let refs: Vec<&Value> = functions.iter().collect();
@@ -664,6 +669,9 @@ fn auto_shape(
         }
         let strict = tools.iter().enumerate().filter(|(_, t)| is_strict(t));
         ignored.extend(strict.map(|(i, _)| format!("tools[{i}].function.strict")));
+        if allowed.is_some() {
+            ignored.push("tool_choice.allowed_tools".into());
+        }
         AutoShape::Free
     };
     let Some(source) = format.auto_grammar(&refs, parallel, schema) else { return Ok(unenforced(ignored)) };
@@ -676,9 +684,9 @@ fn auto_shape(
     // choose between (about 2000) are not enforced, as in formats without such a grammar.
     let calls = |fns: &[&Value]| format.forced_grammar(fns, parallel).map(|g| router.grammars.compile(&g, "tools"));
     if let Ok(Err(err)) = calls(&refs) {
-        let fails = |i: usize| is_strict(&tools[i]) && matches!(calls(&[refs[i]]), Ok(Err(_)));
+        let fails = |i: usize| is_strict(&tools[chosen[i]]) && matches!(calls(&[refs[i]]), Ok(Err(_)));
         return match (0..refs.len().min(BLAMED_TOOLS)).find(|&i| fails(i)) {
-            Some(i) => Err(ApiError::invalid(format!("tools[{i}].function.parameters"), err.message())),
+            Some(i) => Err(ApiError::invalid(format!("tools[{}].function.parameters", chosen[i]), err.message())),
             None => Ok(unenforced(ignored)),
         };
     }
@@ -705,6 +713,10 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
         Some(Value::String(s)) if s == "auto" => Ok((true, Forced::No)),
         Some(Value::String(s)) if s == "none" => Ok((false, Forced::No)),
         Some(Value::String(s)) if s == "required" => Ok((true, Forced::Any)),
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
+            let (mode, _) = allowed_tools(o, &names)?;
+            Ok((true, mode))
+        }
         Some(Value::String(s)) => Err(ApiError::invalid(
             "tool_choice",
             format!("Unknown `tool_choice` {s:?}: expected \"none\", \"auto\", \"required\" or a named function."),
@@ -713,7 +725,7 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
             match o.get("type") {
                 Some(Value::String(t)) if t == "function" => {}
                 None => return Err(missing("tool_choice.type".into())),
-                Some(Value::String(t)) if t == "allowed_tools" || t == "custom" => {
+                Some(Value::String(t)) if t == "custom" => {
                     return Err(unsupported(
                         "tool_choice.type",
                         format!("`tool_choice` of type {t:?} is not supported: send \"none\", \"auto\", \"required\" or a named function."),
@@ -745,6 +757,83 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
             format!("`tool_choice` must be a string or an object, not {}.", kind_of(other)),
         )),
     }
+}
+
+/// `tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}` (OpenAI's): every
+/// tool is still shown (the prompt stays the same, and its cache with it), and only the listed
+/// ones may be called, `mode` "auto" (a call or an answer) or "required" (at least one call).
+/// What it forces and the names it allows; `names` are the tools'.
+fn allowed_tools(choice: &Map<String, Value>, names: &[String]) -> Result<(Forced, Vec<String>), ApiError> {
+    let p = "tool_choice.allowed_tools";
+    let obj = match choice.get("allowed_tools") {
+        None | Some(Value::Null) => return Err(missing(p.into())),
+        Some(v) => as_object(v, p, "`allowed_tools`")?,
+    };
+    let mode = match obj.get("mode") {
+        None | Some(Value::Null) => return Err(missing(format!("{p}.mode"))),
+        Some(Value::String(m)) if m == "auto" => Forced::No,
+        Some(Value::String(m)) if m == "required" => Forced::Any,
+        Some(Value::String(m)) => {
+            return Err(ApiError::invalid(
+                format!("{p}.mode"),
+                format!("Unknown `mode` {m:?}: expected \"auto\" or \"required\"."),
+            ))
+        }
+        Some(other) => {
+            return Err(invalid_type(format!("{p}.mode"), format!("`mode` must be a string, not {}.", kind_of(other))))
+        }
+    };
+    let list = match obj.get("tools") {
+        None | Some(Value::Null) => return Err(missing(format!("{p}.tools"))),
+        Some(Value::Array(list)) if list.is_empty() => {
+            return Err(ApiError::invalid(format!("{p}.tools"), "`tools` must list at least one tool."))
+        }
+        Some(Value::Array(list)) => list,
+        Some(other) => {
+            return Err(invalid_type(
+                format!("{p}.tools"),
+                format!("`tools` must be an array, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    let mut allowed = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        let tp = format!("{p}.tools[{i}]");
+        let t = as_object(tool, tp.clone(), "Each allowed tool")?;
+        match t.get("type") {
+            Some(Value::String(k)) if k == "function" => {}
+            None => return Err(missing(format!("{tp}.type"))),
+            Some(_) => {
+                return Err(ApiError::invalid(format!("{tp}.type"), "Allowed tools must have type \"function\"."))
+            }
+        }
+        let f = require_object(t, "function", &tp)?;
+        let name = require_str(f, "name", &format!("{tp}.function"))?;
+        if !names.iter().any(|n| n == name) {
+            return Err(ApiError::invalid(
+                format!("{tp}.function.name"),
+                format!("`allowed_tools` names the function {name:?}, which is not in `tools`."),
+            ));
+        }
+        allowed.push(name.to_string());
+    }
+    Ok((mode, allowed))
+}
+
+/// The names `tool_choice` allows to be called when it lists them (`allowed_tools`).
+fn allowed_names(tool_choice: Option<&Value>, names: &[String]) -> Result<Option<Vec<String>>, ApiError> {
+    match tool_choice.and_then(Value::as_object) {
+        Some(o) if o.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
+            Ok(Some(allowed_tools(o, names)?.1))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Whether `tool` may be called under `allowed` (None: every tool may).
+fn callable(tool: &Value, allowed: Option<&[String]>) -> bool {
+    let name = tool.pointer("/function/name").and_then(Value::as_str);
+    allowed.is_none_or(|names| name.is_some_and(|n| names.iter().any(|a| a == n)))
 }
 
 /// Whether the request's `tools` have no effect: under `tool_choice: "none"` (not rendered,
@@ -855,12 +944,30 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     };
 
     let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
+    let allowed = match &chat.tools {
+        Some(tools) if with_tools => {
+            let names: Vec<String> =
+                tools.iter().filter_map(|t| t.pointer("/function/name")?.as_str().map(String::from)).collect();
+            allowed_names(chat.tool_choice.as_ref(), &names)?
+        }
+        _ => None,
+    };
     let template = router.templates.select(with_tools);
     ignored.extend(unknown_part_keys(&chat.messages));
     if let Some(choice @ Value::Object(_)) = &chat.tool_choice {
-        ignored.extend(unknown_keys_of(choice, &["type", "function"], "tool_choice"));
-        if let Some(function) = choice.get("function") {
-            ignored.extend(unknown_keys_of(function, &["name"], "tool_choice.function"));
+        if allowed.is_some() {
+            let p = "tool_choice.allowed_tools";
+            ignored.extend(unknown_keys_of(choice, &["type", "allowed_tools"], "tool_choice"));
+            ignored.extend(unknown_keys_of(&choice["allowed_tools"], &["mode", "tools"], p));
+            for (i, t) in choice["allowed_tools"]["tools"].as_array().into_iter().flatten().enumerate() {
+                ignored.extend(unknown_keys_of(t, &["type", "function"], &format!("{p}.tools[{i}]")));
+                ignored.extend(unknown_keys_of(&t["function"], &["name"], &format!("{p}.tools[{i}].function")));
+            }
+        } else {
+            ignored.extend(unknown_keys_of(choice, &["type", "function"], "tool_choice"));
+            if let Some(function) = choice.get("function") {
+                ignored.extend(unknown_keys_of(function, &["name"], "tool_choice.function"));
+            }
         }
     }
     let unused_tools = tools_unused(router, with_tools, &forced);
@@ -878,7 +985,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
             };
             for (i, t) in tools.iter().enumerate() {
                 let name = t.pointer("/function/name").and_then(Value::as_str);
-                if named.is_some_and(|n| name != Some(n)) {
+                if named.is_some_and(|n| name != Some(n)) || !callable(t, allowed.as_deref()) {
                     ignored.push(format!("tools[{i}]"));
                 } else if has_description(t) {
                     ignored.push(format!("tools[{i}].function.description"));
@@ -888,7 +995,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     }
     let auto = match template.filter(|_| forced == Forced::No && with_tools && !unused_tools) {
         Some(t) => match config.tool_call_format.or_else(|| ToolCallFormat::detect(t.source())) {
-            Some(format) => auto_shape(router, &chat, format, c.constraint.as_ref(), &mut ignored)?,
+            Some(format) => auto_shape(router, &chat, format, c.constraint.as_ref(), allowed.as_deref(), &mut ignored)?,
             None => AutoShape::Free,
         },
         None => AutoShape::Free,
@@ -937,7 +1044,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     let ignored = settle_ignored(ignored, config.strict_fields)?;
     check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
     let (mut tools, tool_grammar) =
-        if with_tools { tool_plan(router, &chat, template, &forced)? } else { (None, None) };
+        if with_tools { tool_plan(router, &chat, template, &forced, allowed.as_deref())? } else { (None, None) };
     let mut requested = c.constraint;
     if forced != Forced::No {
         // without effect beside a forced call (reported above), yet checked as it would be

@@ -293,6 +293,10 @@ impl Origins {
             let rest = rest.strip_prefix(".json_schema").unwrap_or(rest);
             return format!("text.format{rest}");
         }
+        if let Some(rest) = param.strip_prefix("tool_choice.allowed_tools") {
+            // tool_choice.allowed_tools.tools[i].function.name -> tool_choice.tools[i].name
+            return format!("tool_choice{}", rest.replace("].function", "]"));
+        }
         match param {
             "max_completion_tokens" => "max_output_tokens".into(),
             "tool_choice.function.name" => "tool_choice.name".into(),
@@ -804,9 +808,21 @@ fn chat_tool_choice(choice: &Value, ignored: &mut Vec<String>) -> Result<Value, 
             ignored.extend(unknown_keys_in(obj, &["type", "name"], "tool_choice"));
             Ok(json!({"type": "function", "function": {"name": name}}))
         }
+        "allowed_tools" => {
+            // chat's nesting of the same choice (which checks it, and reports its other keys)
+            let mut allowed = obj.clone();
+            allowed.remove("type");
+            if let Some(Value::Array(tools)) = allowed.get_mut("tools") {
+                for tool in tools.iter_mut().filter_map(Value::as_object_mut) {
+                    let name = tool.remove("name").unwrap_or(Value::Null);
+                    tool.insert("function".into(), json!({"name": name}));
+                }
+            }
+            Ok(json!({"type": "allowed_tools", "allowed_tools": allowed}))
+        }
         t => Err(unsupported(
             "tool_choice.type",
-            format!("`tool_choice` of type {t:?} is not supported: send \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"name\": ...}}."),
+            format!("`tool_choice` of type {t:?} is not supported: send \"none\", \"auto\", \"required\", {{\"type\": \"function\", \"name\": ...}} or {{\"type\": \"allowed_tools\", ...}}."),
         )),
     }
 }
