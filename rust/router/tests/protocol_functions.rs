@@ -134,13 +134,7 @@ fn a_call_is_answered_as_function_call() {
     assert_eq!(message["function_call"], json!({"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}));
     assert!(message.get("tool_calls").is_none() && message["content"].is_null(), "{message}");
 
-    let sse = String::from_utf8(answer(json!({"functions": [weather()]}), true, &CALL)).unwrap();
-    let chunks: Vec<Value> = sse
-        .split_terminator("\n\n")
-        .filter_map(|f| f.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = frames(&answer(json!({"functions": [weather()]}), true, &CALL));
     let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
     assert!(deltas.iter().all(|d| d.get("tool_calls").is_none()));
     let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("function_call")).collect();

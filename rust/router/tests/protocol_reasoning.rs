@@ -78,13 +78,7 @@ fn run(stream: bool, opened: bool, pieces: &[&str]) -> Vec<u8> {
 
 /// (reasoning, content, completion_tokens) of a streamed response, with its chunks.
 fn streamed(bytes: &[u8]) -> (String, String, u64, Vec<Value>) {
-    let text = String::from_utf8(bytes.to_vec()).unwrap();
-    let chunks: Vec<Value> = text
-        .split("\n\n")
-        .filter_map(|f| f.strip_prefix("data: "))
-        .filter(|f| *f != "[DONE]")
-        .map(|f| serde_json::from_str(f).unwrap())
-        .collect();
+    let chunks = frames(bytes);
     let (mut reasoning, mut content, mut tokens) = (String::new(), String::new(), 0);
     for c in &chunks {
         for ch in c["choices"].as_array().unwrap() {

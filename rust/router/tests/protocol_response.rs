@@ -83,15 +83,6 @@ fn builder(p: &Prepared) -> ResponseBuilder {
     ResponseBuilder::new(p, Arc::new(tokenizer()))
 }
 
-fn frames(bytes: &[u8]) -> Vec<Value> {
-    let s = std::str::from_utf8(bytes).unwrap();
-    assert!(s.ends_with("data: [DONE]\n\n"), "{s}");
-    s.split("\n\n")
-        .filter(|f| !f.is_empty() && *f != "data: [DONE]")
-        .map(|f| serde_json::from_str(f.strip_prefix("data: ").expect("data frame")).unwrap())
-        .collect()
-}
-
 #[test]
 fn chat_stream_golden_bytes() {
     let mut p = prepared(Endpoint::Chat, vec![vec![0, 3, 8]], &["x"], 1, None);

@@ -474,6 +474,9 @@ fn chat_logprobs() {
 #[test]
 fn tools_and_tool_choice() {
     let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+    let named = |name: &str| json!({"type": "function", "function": {"name": name}});
+    let allowed = |mode: Value, tools: Value| json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}});
+    let at = |rest: &str| p(&format!("tool_choice.allowed_tools{rest}"));
     check_chat(vec![
         (json!({"tools": []}), 400, "invalid_value", p("tools")),
         (json!({"tools": {}}), 400, "invalid_type", p("tools")),
@@ -522,39 +525,16 @@ fn tools_and_tool_choice() {
             p("tools[0].type"),
         ),
         // (allowed_tools is served: protocol_fields.rs; its shape is checked)
+        (allowed(json!("required"), json!([named("nope")])), 400, "invalid_value", at(".tools[0].function.name")),
+        (allowed(json!("sometimes"), json!([named("get_weather")])), 400, "invalid_value", at(".mode")),
+        (allowed(json!("auto"), json!([])), 400, "invalid_value", at(".tools")),
         (
-            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools",
-                   "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]}}}),
+            allowed(json!("auto"), json!([{"type": "custom", "custom": {"name": "f"}}])),
             400,
             "invalid_value",
-            p("tool_choice.allowed_tools.tools[0].function.name"),
+            at(".tools[0].type"),
         ),
-        (
-            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes",
-                   "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}),
-            400,
-            "invalid_value",
-            p("tool_choice.allowed_tools.mode"),
-        ),
-        (
-            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}),
-            400,
-            "invalid_value",
-            p("tool_choice.allowed_tools.tools"),
-        ),
-        (
-            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools"}}),
-            400,
-            "missing_required_parameter",
-            p("tool_choice.allowed_tools"),
-        ),
-        (
-            json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto",
-                   "tools": [{"type": "custom", "custom": {"name": "get_weather"}}]}}}),
-            400,
-            "invalid_value",
-            p("tool_choice.allowed_tools.tools[0].type"),
-        ),
+        (json!({"tools": [tool], "tool_choice": {"type": "allowed_tools"}}), 400, "missing_required_parameter", at("")),
         (json!({"tools": [tool], "tool_choice": {"type": "bogus"}}), 400, "invalid_value", p("tool_choice.type")),
         (
             json!({"tools": [{"type": "function", "function": {"name": "b", "parameters": "x"}}]}),

@@ -159,3 +159,13 @@ pub fn sse_events(bytes: &[u8]) -> Vec<(String, Value)> {
         })
         .collect()
 }
+
+/// The JSON chunks of a chat or completions stream (which ends with `data: [DONE]`).
+pub fn frames(bytes: &[u8]) -> Vec<Value> {
+    let s = std::str::from_utf8(bytes).unwrap();
+    assert!(s.ends_with("data: [DONE]\n\n"), "{s}");
+    s.split("\n\n")
+        .filter(|f| !f.is_empty() && *f != "data: [DONE]")
+        .map(|f| serde_json::from_str(f.strip_prefix("data: ").expect("data frame")).unwrap())
+        .collect()
+}
