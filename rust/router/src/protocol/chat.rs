@@ -537,6 +537,9 @@ enum Forced {
     Named(String),
 }
 
+/// The functions `tool_choice` lets the model call, when it lists them (`allowed_tools`).
+type Allowed = Option<Vec<String>>;
+
 /// How the output is read for tool calls, and the grammar a forced `tool_choice` imposes
 /// with the `param` its errors name.
 type ToolPlan = (Option<ToolParsing>, Option<(GrammarSource, &'static str)>);
@@ -694,33 +697,36 @@ fn auto_shape(
     Ok(AutoShape::Grammar(source))
 }
 
-/// Whether the tools are rendered through the template, and what `tool_choice` forces.
+/// Whether the tools are rendered through the template, what `tool_choice` forces, and the
+/// tools it allows to be called when it lists them (`allowed_tools`; None: all of them).
 ///
 /// NOTE: with `tool_choice: "none"` the tools are not passed to the template (vLLM's
 /// `--exclude-tools-when-tool-choice-none` behaviour, made the default): showing a model tools
 /// it must not call invites tool-call text we would return as content.
-fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Result<(bool, Forced), ApiError> {
+fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Result<(bool, Forced, Allowed), ApiError> {
     let choice = tool_choice.filter(|v| !v.is_null());
     let Some(tools) = tools else {
         return match choice {
-            None => Ok((false, Forced::No)),
+            None => Ok((false, Forced::No, None)),
             Some(_) => Err(ApiError::invalid("tool_choice", "`tool_choice` is only allowed when `tools` are given.")),
         };
     };
     let names = validate_tools(tools)?;
-    match choice {
-        None => Ok((true, Forced::No)),
-        Some(Value::String(s)) if s == "auto" => Ok((true, Forced::No)),
-        Some(Value::String(s)) if s == "none" => Ok((false, Forced::No)),
-        Some(Value::String(s)) if s == "required" => Ok((true, Forced::Any)),
+    let (with_tools, forced) = match choice {
+        None => (true, Forced::No),
+        Some(Value::String(s)) if s == "auto" => (true, Forced::No),
+        Some(Value::String(s)) if s == "none" => (false, Forced::No),
+        Some(Value::String(s)) if s == "required" => (true, Forced::Any),
         Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
-            let (mode, _) = allowed_tools(o, &names)?;
-            Ok((true, mode))
+            let (mode, allowed) = allowed_tools(o, &names)?;
+            return Ok((true, mode, Some(allowed)));
         }
-        Some(Value::String(s)) => Err(ApiError::invalid(
-            "tool_choice",
-            format!("Unknown `tool_choice` {s:?}: expected \"none\", \"auto\", \"required\" or a named function."),
-        )),
+        Some(Value::String(s)) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("Unknown `tool_choice` {s:?}: expected \"none\", \"auto\", \"required\" or a named function."),
+            ))
+        }
         Some(Value::Object(o)) => {
             match o.get("type") {
                 Some(Value::String(t)) if t == "function" => {}
@@ -750,13 +756,16 @@ fn tools_rendered(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
                     format!("`tool_choice` names the function {name:?}, which is not in `tools`."),
                 ));
             }
-            Ok((true, Forced::Named(name.clone())))
+            (true, Forced::Named(name.clone()))
         }
-        Some(other) => Err(invalid_type(
-            "tool_choice",
-            format!("`tool_choice` must be a string or an object, not {}.", kind_of(other)),
-        )),
-    }
+        Some(other) => {
+            return Err(invalid_type(
+                "tool_choice",
+                format!("`tool_choice` must be a string or an object, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    Ok((with_tools, forced, None))
 }
 
 /// `tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}` (OpenAI's): every
@@ -818,16 +827,6 @@ fn allowed_tools(choice: &Map<String, Value>, names: &[String]) -> Result<(Force
         allowed.push(name.to_string());
     }
     Ok((mode, allowed))
-}
-
-/// The names `tool_choice` allows to be called when it lists them (`allowed_tools`).
-fn allowed_names(tool_choice: Option<&Value>, names: &[String]) -> Result<Option<Vec<String>>, ApiError> {
-    match tool_choice.and_then(Value::as_object) {
-        Some(o) if o.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
-            Ok(Some(allowed_tools(o, names)?.1))
-        }
-        _ => Ok(None),
-    }
 }
 
 /// Whether `tool` may be called under `allowed` (None: every tool may).
@@ -943,15 +942,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
         (_, None) => None,
     };
 
-    let (with_tools, forced) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
-    let allowed = match &chat.tools {
-        Some(tools) if with_tools => {
-            let names: Vec<String> =
-                tools.iter().filter_map(|t| t.pointer("/function/name")?.as_str().map(String::from)).collect();
-            allowed_names(chat.tool_choice.as_ref(), &names)?
-        }
-        _ => None,
-    };
+    let (with_tools, forced, allowed) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
     let template = router.templates.select(with_tools);
     ignored.extend(unknown_part_keys(&chat.messages));
     if let Some(choice @ Value::Object(_)) = &chat.tool_choice {
