@@ -359,3 +359,51 @@ def test_best_of_returns_the_likeliest_of_its_candidates(client):
     # greedy candidates are all one: n of them, computed once
     greedy = client.completions.create(**{**req, "temperature": 0}, n=1, best_of=3)
     assert len(greedy.choices) == 1 and greedy.usage.completion_tokens == 6
+
+
+def _holds(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+
+def test_bad_words_are_never_generated(tiny_server, tiny_model):
+    """vLLM's `bad_words`: each tokenization vLLM bans (the word alone, and after a space),
+    computed here with `tokenizers`, never appears in the output, whatever would come
+    otherwise."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+    def bans(word):
+        alone = tok.encode(word.lstrip(), add_special_tokens=False).ids
+        inside = tok.encode(" " + word.lstrip(), add_special_tokens=False).ids
+        return [alone] + ([inside] if len(inside) == len(alone) and inside[0] != alone[0] else [])
+
+    # one token: the greedy answer's first token that a word spells again (a random model
+    # writes pieces of characters too, which no text tokenizes back to)
+    body = {"prompt": "The quick brown", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    greedy = _ok(tiny_server, "/v1/completions", body)["choices"][0]["token_ids"]
+    word, banned = next((w, b) for t in greedy for w in [tok.decode([t])] for b in [bans(w)] if [t] in b)
+    for route, extra in (("/v1/completions", {"prompt": "The quick brown"}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "The quick brown"}]})):
+        req = {**{k: v for k, v in body.items() if k != "prompt"}, **extra, "bad_words": [word]}
+        out = _ok(tiny_server, route, req)["choices"][0]["token_ids"]
+        assert not any(_holds(out, seq) for seq in banned), (out, banned)
+    out = _ok(tiny_server, "/v1/completions", {**body, "bad_words": [word]})["choices"][0]["token_ids"]
+    assert out != greedy
+
+    # two tokens ("mo" "dels"; after a space "Ġmo" "dels" too): pushed up, sampled in turn, so
+    # they follow each other unless banned
+    banned = bans("models")
+    assert [len(b) for b in banned] == [2, 2], banned
+    (first, second), (spaced, _) = banned
+    pushed = {"prompt": "The", "max_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+              "return_token_ids": True, "logit_bias": {str(first): 100, str(second): 100, str(spaced): 100}}
+    free = _ok(tiny_server, "/v1/completions", pushed)["choices"][0]["token_ids"]
+    assert _holds(free, [first, second]) or _holds(free, [spaced, second]), free
+    ids = _ok(tiny_server, "/v1/completions", {**pushed, "bad_words": ["models"]})["choices"][0]["token_ids"]
+    assert not any(_holds(ids, seq) for seq in banned) and second in ids, ids
+    # streamed: the same tokens, each step planned once the last token is known
+    chunks = _stream_chunks(tiny_server, "/v1/completions",
+                            {**pushed, "bad_words": ["models"], "stream": True})
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == ids

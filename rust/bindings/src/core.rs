@@ -258,6 +258,7 @@ impl CoreState {
                     seed: p.seed,
                     num_logprobs: p.logprobs.map_or(-1, |k| k as i32),
                     logit_bias: p.logit_bias.clone(),
+                    bad_words: p.bad_words.clone(),
                 },
                 stop: StopRules {
                     max_tokens,

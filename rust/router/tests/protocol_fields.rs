@@ -154,7 +154,6 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
     for (field, value) in [
         ("use_beam_search", json!(true)),
         ("length_penalty", json!(0.5)),
-        ("bad_words", json!(["x"])),
         ("logits_processors", json!(["m.P"])),
         ("allowed_token_ids", json!([3])),
     ] {
@@ -165,6 +164,27 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
         }
     }
     assert_eq!(shape(chat(&r, json!({"echo": true}))), (400, "unsupported_parameter", Some("echo".into())));
+}
+
+/// vLLM's `bad_words` (served on both routes): each word's tokens as the tokenizer makes them
+/// (its leading whitespace dropped; again after a space only where that makes other tokens of
+/// the same count, which a whitespace-split vocabulary never does); each must hold text.
+#[test]
+fn bad_words_are_tokenized_as_vllm_does() {
+    let r = router();
+    let id = |w: &str| WORDS.iter().position(|x| *x == w).unwrap() as u32;
+    let p = chat(&r, json!({"bad_words": ["  hello world", "user"]})).unwrap();
+    assert_eq!(p.params.bad_words, vec![vec![id("hello"), id("world")], vec![id("user")]]);
+    let p = completion(&r, json!({"bad_words": ["user"]})).unwrap();
+    assert_eq!(p.params.bad_words, vec![vec![id("user")]]);
+    assert!(chat(&r, json!({"bad_words": []})).unwrap().params.bad_words.is_empty());
+    for (bad, code, param) in [
+        (json!("x"), "invalid_type", "bad_words"),
+        (json!(["a", 3]), "invalid_type", "bad_words[1]"),
+        (json!(["hello", "  "]), "invalid_value", "bad_words[1]"),
+    ] {
+        assert_eq!(shape(chat(&r, json!({"bad_words": bad}))), (400, code, Some(param.to_string())));
+    }
 }
 
 /// vLLM's `return_token_ids` and `return_tokens_as_token_ids` are implemented

@@ -31,6 +31,7 @@ fn params(n: u32, logprobs: Option<u32>) -> SamplingParams {
         include_stop_str_in_output: false,
         skip_special_tokens: true,
         logit_bias: vec![],
+        bad_words: Vec::new(),
         logprobs,
     }
 }

@@ -42,8 +42,9 @@ impl Scheduler {
     /// scheduled at all.
     ///
     /// Not planned ahead (empty): unless exactly one plan awaits commit; when one of its rows
-    /// forks (n > 1) or has penalties (their next rows need the token itself); when the
-    /// running sequences would not fit in the free blocks (this never preempts).
+    /// forks (n > 1), has penalties or bad words of several tokens (their next rows need the
+    /// token itself); when the running sequences would not fit in the free blocks (this never
+    /// preempts).
     pub fn schedule_ahead(&mut self) -> Plan {
         if self.inflight.len() != 1 || !self.rows_plan_ahead() {
             return Plan::default();
@@ -71,7 +72,10 @@ impl Scheduler {
         self.inflight[0].rows.iter().all(|row| {
             let seq = &self.seqs[row.slot as usize];
             let live = seq.gen == row.gen && seq.state == State::Running;
-            !live || (row.fork_n <= 1 && !self.req(seq.req).penalized)
+            !live || {
+                let req = self.req(seq.req);
+                row.fork_n <= 1 && !req.penalized && !req.sampling.reads_output()
+            }
         })
     }
 
@@ -615,6 +619,16 @@ fn push_row(plan: &mut Plan, req: &Req, seq: &Seq, index: u32, logits_index: i64
         for &(t, v) in &s.logit_bias {
             plan.bias_token_ids.push(i64::from(t));
             plan.bias_values.push(v);
+        }
+    }
+    // (a bias and a ban of the same token add up to -inf)
+    let output = &seq.tokens[seq.prompt_len..];
+    for word in &s.bad_words {
+        if let Some((&last, head)) = word.split_last() {
+            if output.ends_with(head) {
+                plan.bias_token_ids.push(i64::from(last));
+                plan.bias_values.push(f32::NEG_INFINITY);
+            }
         }
     }
     plan.bias_offsets.push(plan.bias_token_ids.len() as i32);

@@ -51,6 +51,9 @@ pub struct SeqSampling {
     /// -1: no logprobs; else how many top alternatives.
     pub num_logprobs: i32,
     pub logit_bias: Vec<(u32, f32)>,
+    /// Token sequences never generated (vLLM's `bad_words`, each non-empty): the last token of
+    /// each is banned (bias -inf) wherever the output so far ends with the rest of it.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl Default for SeqSampling {
@@ -67,11 +70,18 @@ impl Default for SeqSampling {
             seed: None,
             num_logprobs: -1,
             logit_bias: Vec::new(),
+            bad_words: Vec::new(),
         }
     }
 }
 
 impl SeqSampling {
+    /// Whether a row's bans depend on the output's last tokens (a bad word longer than one
+    /// token), so its next row cannot be planned before its token is known.
+    pub fn reads_output(&self) -> bool {
+        self.bad_words.iter().any(|w| w.len() > 1)
+    }
+
     /// Whether the sampler needs this row's token history (hist_* columns).
     pub fn is_penalized(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0

@@ -104,7 +104,7 @@ fn a_plan_ahead_that_plans_nothing_can_be_asked_again() {
 }
 
 #[test]
-fn penalized_and_forking_rows_are_not_planned_ahead() {
+fn penalized_bad_worded_and_forking_rows_are_not_planned_ahead() {
     let mut s = Scheduler::new(config(65, 4, 8, 64));
     let mut r = request(1, prompt(5, 1), 8);
     r.sampling.repetition_penalty = 1.2;
@@ -113,6 +113,17 @@ fn penalized_and_forking_rows_are_not_planned_ahead() {
     assert!(s.schedule_ahead().is_empty());
     s.validate().unwrap();
     s.commit(&[3]);
+
+    // a bad word of two tokens needs the token before its last one; one of one token does not
+    for (words, ahead) in [(vec![vec![4, 6]], false), (vec![vec![6]], true)] {
+        let mut s = Scheduler::new(config(65, 4, 8, 64));
+        let mut r = request(1, prompt(5, 1), 8);
+        r.sampling.bad_words = words;
+        s.add(r);
+        let _ = s.schedule();
+        assert_eq!(!s.schedule_ahead().is_empty(), ahead);
+        s.validate().unwrap();
+    }
 
     let mut s = Scheduler::new(config(65, 4, 8, 64));
     let mut r = request(1, prompt(5, 1), 8);

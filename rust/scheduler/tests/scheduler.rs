@@ -550,6 +550,32 @@ fn min_tokens_bans_eos_and_stop_ids() {
     assert_eq!(s.commit(&[5])[0].finish, Some(FinishReason::Stop));
 }
 
+/// vLLM's bad words: a one-token word is banned from every row; a longer one's last token is
+/// banned where the output so far ends with the rest of it (never matched in the prompt).
+#[test]
+fn bad_words_ban_their_last_token_after_the_rest() {
+    let mut s = Scheduler::new(config(33, 4, 8, 64));
+    let mut r = request(1, vec![7, 8], 10);
+    r.sampling.logit_bias = vec![(4, 1.0)];
+    r.sampling.bad_words = vec![vec![9], vec![7, 8, 4], vec![8, 4]];
+    s.add(r);
+    let bans = |plan: &Plan| -> Vec<(i64, f32)> {
+        plan.bias_token_ids.iter().copied().zip(plan.bias_values.iter().copied()).collect()
+    };
+    // the prompt ends with 7, 8: not output, so only the one-token word
+    let plan = s.schedule();
+    assert_eq!(bans(&plan), [(4, 1.0), (9, f32::NEG_INFINITY)]);
+    s.commit(&[7]);
+    assert_eq!(bans(&s.schedule()), [(4, 1.0), (9, f32::NEG_INFINITY)]);
+    s.commit(&[8]);
+    // the output ends with 8 (and with 7, 8): both longer words end in 4
+    let plan = s.schedule();
+    assert_eq!(bans(&plan), [(4, 1.0), (9, f32::NEG_INFINITY), (4, f32::NEG_INFINITY), (4, f32::NEG_INFINITY)]);
+    assert_eq!(plan.bias_offsets, vec![0, 4]);
+    s.commit(&[3]);
+    assert_eq!(bans(&s.schedule()), [(4, 1.0), (9, f32::NEG_INFINITY)]);
+}
+
 #[test]
 fn stop_rules() {
     let run = |stop: StopRules, tokens: &[u32]| -> Vec<Option<FinishReason>> {

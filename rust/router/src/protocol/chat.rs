@@ -907,11 +907,10 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     let chat: ChatFields = from_value(value)?;
     let lora = router.check_model(&common.model)?;
     let config = &router.config;
-    let vocab_size = router.tokenizer.vocab_size();
 
     let unknown = unknown_keys(&common.extra, &chat.extra, value).cloned().collect();
     let mut ignored: Vec<String> = vllm_unsupported(unknown, value)?;
-    let c = common.resolve(config, vocab_size, false)?;
+    let c = common.resolve(config, &router.tokenizer, false)?;
     ignored.extend(c.inert.iter().cloned());
 
     if chat.chat_template.as_ref().is_some_and(|t| !t.is_null()) {

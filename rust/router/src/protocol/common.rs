@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 use super::SamplingParams;
 use crate::error::ApiError;
 use crate::router::RouterConfig;
+use crate::tokenizer::Tokenizer;
 
 /// Largest `n` accepted: more choices than this per prompt is almost surely a mistake and
 /// would let one request occupy the whole batch.
@@ -245,6 +246,8 @@ pub struct CommonFields {
     pub include_stop_str_in_output: Option<bool>,
     pub skip_special_tokens: Option<bool>,
     pub logit_bias: Option<BTreeMap<String, f64>>,
+    /// vLLM's: words whose tokens are never generated in that order.
+    pub bad_words: Option<Value>,
     pub response_format: Option<Value>,
     /// vLLM's `structured_outputs`, and the `guided_*` fields it replaced (constrained.rs).
     pub structured_outputs: Option<Value>,
@@ -319,7 +322,13 @@ impl CommonFields {
     /// endpoint.
     /// `prompt_only_ok`: `max_tokens: 0` is allowed (completions with `echo`, which then return
     /// the prompt alone, as vLLM does for prompt scoring).
-    pub fn resolve(self, config: &RouterConfig, vocab_size: usize, prompt_only_ok: bool) -> Result<Common, ApiError> {
+    pub fn resolve(
+        self,
+        config: &RouterConfig,
+        tokenizer: &Tokenizer,
+        prompt_only_ok: bool,
+    ) -> Result<Common, ApiError> {
+        let vocab_size = tokenizer.vocab_size();
         let d = &config.generation_defaults;
         let stream = self.stream.unwrap_or(false);
         let mut inert = Vec::new();
@@ -436,6 +445,7 @@ impl CommonFields {
             check_token_id(&format!("stop_token_ids[{i}]"), id as u64, vocab_size)?;
         }
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
+        let bad_words = bad_words(self.bad_words.as_ref(), tokenizer)?;
         let response_format = super::constrained::response_format_source(self.response_format.as_ref())?;
         inert.extend(super::constrained::response_format_unknown_keys(self.response_format.as_ref()));
         let guided = super::constrained::Guided {
@@ -521,6 +531,7 @@ impl CommonFields {
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             logit_bias,
+            bad_words,
             logprobs: None,
         };
         Ok(Common {
@@ -705,12 +716,11 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 6] = [
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 5] = [
     // (completions know `echo`: only chat's reaches this)
     ("echo", |v| *v == Value::Bool(false), "on chat, prepending the last message is not supported"),
     ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
     ("length_penalty", |v| v.as_f64() == Some(1.0), "it applies to beam search, which is not supported"),
-    ("bad_words", |v| v.as_array().is_some_and(Vec::is_empty), "banning words is not supported"),
     ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
     ("allowed_token_ids", |_| false, "restricting the vocabulary is not supported"),
 ];
@@ -839,6 +849,44 @@ pub(crate) fn rename_error(
         }
         other => other,
     }
+}
+
+/// vLLM's `bad_words` as the token sequences to ban, as vLLM tokenizes them: each word
+/// without its leading whitespace, and again after a space where that makes other tokens of
+/// the same count (the word inside a text rather than at its start).
+fn bad_words(words: Option<&Value>, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32>>, ApiError> {
+    let words = match words {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(words)) => words,
+        Some(other) => {
+            return Err(invalid_type(
+                "bad_words",
+                format!("`bad_words` must be an array of strings, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    let mut out: Vec<Vec<u32>> = Vec::with_capacity(words.len() * 2);
+    for (i, word) in words.iter().enumerate() {
+        let Some(word) = word.as_str() else {
+            return Err(invalid_type(
+                format!("bad_words[{i}]"),
+                format!("A bad word must be a string, not {}.", kind_of(word)),
+            ));
+        };
+        let word = word.trim_start();
+        if word.is_empty() {
+            return Err(ApiError::invalid(format!("bad_words[{i}]"), "A bad word must hold some text."));
+        }
+        let alone = tokenizer.encode(word, false);
+        let inside = tokenizer.encode(&format!(" {word}"), false);
+        let differs = inside.len() == alone.len() && inside.first() != alone.first();
+        out.push(alone);
+        if differs {
+            out.push(inside);
+        }
+    }
+    out.retain(|w| !w.is_empty());
+    Ok(out)
 }
 
 /// A fresh response id: `<prefix>-<uuid v4 as 32 hex chars>`.

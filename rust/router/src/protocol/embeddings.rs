@@ -247,6 +247,7 @@ fn prompt_only_params() -> SamplingParams {
         include_stop_str_in_output: false,
         skip_special_tokens: true,
         logit_bias: Vec::new(),
+        bad_words: Vec::new(),
         logprobs: None,
     }
 }

@@ -248,6 +248,8 @@ pub struct SamplingParams {
     pub skip_special_tokens: bool,
     /// Sorted by token id, ids unique and < vocab size, biases in [-100, 100].
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `bad_words`, tokenized: each sequence's last token is banned after the rest.
+    pub bad_words: Vec<Vec<u32>>,
     /// None: no logprobs; Some(k): chosen token + k top alternatives.
     pub logprobs: Option<u32>,
 }
