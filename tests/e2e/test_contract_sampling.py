@@ -407,3 +407,19 @@ def test_bad_words_are_never_generated(tiny_server, tiny_model):
     chunks = _stream_chunks(tiny_server, "/v1/completions",
                             {**pushed, "bad_words": ["models"], "stream": True})
     assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == ids
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(tiny_server):
+    """vLLM's `allowed_token_ids`: every sampled token is one of them, on both routes,
+    streamed or not (the end-of-turn token is not among them, so `max_tokens` ends each)."""
+    allowed = [40, 41, 42, 97]
+    body = {"max_tokens": 16, "temperature": 1.0, "seed": 5, "return_token_ids": True, "allowed_token_ids": allowed}
+    for route, extra in (("/v1/completions", {"prompt": "The quick brown"}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        choice = _ok(tiny_server, route, {**body, **extra})["choices"][0]
+        assert set(choice["token_ids"]) <= set(allowed) and len(choice["token_ids"]) == 16, choice
+        assert choice["finish_reason"] == "length"
+        chunks = _stream_chunks(tiny_server, route, {**body, **extra, "stream": True})
+        assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == choice["token_ids"]
+    free = _ok(tiny_server, "/v1/completions", {**body, "prompt": "The quick brown", "allowed_token_ids": None})
+    assert not set(free["choices"][0]["token_ids"]) <= set(allowed)

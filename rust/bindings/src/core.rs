@@ -77,6 +77,9 @@ struct RequestState {
     matchers: Vec<Matcher>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
     grammar_key: Option<String>,
+    /// `allowed_token_ids`: the packed mask of the only tokens its rows may sample (as
+    /// `masks` packs them); it is the same at every step.
+    allowed: Option<Vec<i32>>,
     /// Alternatives this request wants per token (`top_logprobs`, completions' `logprobs`):
     /// the runner returns as many as the most any row of the step wants.
     num_top: usize,
@@ -291,6 +294,13 @@ impl CoreState {
                 held,
                 matchers,
                 grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
+                allowed: p.allowed_token_ids.as_ref().map(|ids| {
+                    let mut bits = vec![0i32; self.mask_vocab.div_ceil(32)];
+                    for &t in ids.iter().filter(|&&t| (t as usize) < self.mask_vocab) {
+                        bits[t as usize / 32] |= 1 << (t % 32);
+                    }
+                    bits
+                }),
                 num_top: p.logprobs.unwrap_or(0) as usize,
                 stop_token_reasons: {
                     let eos = &self.router.config().eos_token_ids;
@@ -350,7 +360,7 @@ impl CoreState {
                 }
             }
         }
-        let (masks, mask_failures) = self.masks(&plan);
+        let (masks, mask_failures, grammar_rows) = self.masks(&plan);
         self.inflight.push_back(PlanState {
             reqs: plan.seq_req_ids.clone(),
             prompt_lp: plan
@@ -361,24 +371,32 @@ impl CoreState {
                 .collect(),
             pool: plan.pool_req_ids.clone(),
             mask_failures,
-            masked: !masks.rows.is_empty(),
+            masked: grammar_rows,
         });
         Some((plan, masks))
     }
 
-    /// The packed allowed-token masks of the plan's constrained rows: bit `t % 32` of word
-    /// `t / 32` of a row is set when token `t` may be sampled. Also the requests whose
-    /// matcher could not compute one, with why.
-    fn masks(&mut self, plan: &Plan) -> (Masks, Vec<(u64, String)>) {
+    /// The packed allowed-token masks of the plan's constrained rows (a grammar's, or
+    /// `allowed_token_ids`'): bit `t % 32` of word `t / 32` of a row is set when token `t` may
+    /// be sampled. Also the requests whose matcher could not compute one, with why, and
+    /// whether a grammar masks some row (its next mask needs this step's token).
+    fn masks(&mut self, plan: &Plan) -> (Masks, Vec<(u64, String)>, bool) {
         let width = self.mask_vocab.div_ceil(32);
         let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
         let mut failures = Vec::new();
+        let mut grammar_rows = false;
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
-            let Some(matcher) = state.matchers.get_mut((prompt_idx * state.seqs_per_prompt + seq) as usize) else {
+            let matcher = state.matchers.get_mut((prompt_idx * state.seqs_per_prompt + seq) as usize);
+            let Some(matcher) = matcher else {
+                if let Some(allowed) = &state.allowed {
+                    masks.bits.extend_from_slice(allowed);
+                    masks.rows.push(row as i64);
+                }
                 continue;
             };
+            grammar_rows = true;
             let start = masks.bits.len();
             masks.bits.resize(start + width, 0);
             let out = &mut masks.bits[start..];
@@ -406,7 +424,7 @@ impl CoreState {
             }
             masks.rows.push(row as i64);
         }
-        (masks, failures)
+        (masks, failures, grammar_rows)
     }
 
     /// Hand a plan's prompt logprobs (`entries`, as `PlanState::prompt_lp`) to their

@@ -151,12 +151,9 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
     assert_eq!(header(&completion(&strict, defaults).unwrap(), "llmserve-ignored-fields"), None);
     chat(&strict, json!({"echo": false})).unwrap();
     let r = router();
-    for (field, value) in [
-        ("use_beam_search", json!(true)),
-        ("length_penalty", json!(0.5)),
-        ("logits_processors", json!(["m.P"])),
-        ("allowed_token_ids", json!([3])),
-    ] {
+    for (field, value) in
+        [("use_beam_search", json!(true)), ("length_penalty", json!(0.5)), ("logits_processors", json!(["m.P"]))]
+    {
         for got in
             [shape(chat(&r, json!({field: value.clone()}))), shape(completion(&r, json!({field: value.clone()})))]
         {
@@ -185,6 +182,29 @@ fn bad_words_are_tokenized_as_vllm_does() {
     ] {
         assert_eq!(shape(chat(&r, json!({"bad_words": bad}))), (400, code, Some(param.to_string())));
     }
+}
+
+/// vLLM's `allowed_token_ids` (served on both routes): the ids, each in the vocabulary, at
+/// least one; not beside a grammar, which decides the tokens itself.
+#[test]
+fn allowed_token_ids_are_checked_and_kept_sorted() {
+    let r = router();
+    let p = chat(&r, json!({"allowed_token_ids": [7, 3, 7]})).unwrap();
+    assert_eq!(p.params.allowed_token_ids, Some(vec![3, 7]));
+    assert_eq!(completion(&r, json!({"allowed_token_ids": [5]})).unwrap().params.allowed_token_ids, Some(vec![5]));
+    assert_eq!(chat(&r, json!({})).unwrap().params.allowed_token_ids, None);
+    for (body, code, param) in [
+        (json!({"allowed_token_ids": []}), "invalid_value", "allowed_token_ids"),
+        (json!({"allowed_token_ids": [3, 999]}), "invalid_value", "allowed_token_ids[1]"),
+        (
+            json!({"allowed_token_ids": [3], "response_format": {"type": "json_object"}}),
+            "unsupported_parameter",
+            "allowed_token_ids",
+        ),
+    ] {
+        assert_eq!(shape(chat(&r, body.clone())), (400, code, Some(param.to_string())), "{body}");
+    }
+    assert_eq!(shape(chat(&r, json!({"allowed_token_ids": "3"}))).0, 400);
 }
 
 /// vLLM's `return_token_ids` and `return_tokens_as_token_ids` are implemented

@@ -32,6 +32,7 @@ fn params(n: u32, logprobs: Option<u32>) -> SamplingParams {
         skip_special_tokens: true,
         logit_bias: vec![],
         bad_words: Vec::new(),
+        allowed_token_ids: None,
         logprobs,
     }
 }

@@ -248,6 +248,8 @@ pub struct CommonFields {
     pub logit_bias: Option<BTreeMap<String, f64>>,
     /// vLLM's: words whose tokens are never generated in that order.
     pub bad_words: Option<Value>,
+    /// vLLM's: the only tokens that may be generated.
+    pub allowed_token_ids: Option<Vec<u32>>,
     pub response_format: Option<Value>,
     /// vLLM's `structured_outputs`, and the `guided_*` fields it replaced (constrained.rs).
     pub structured_outputs: Option<Value>,
@@ -446,6 +448,24 @@ impl CommonFields {
         }
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
         let bad_words = bad_words(self.bad_words.as_ref(), tokenizer)?;
+        let allowed_token_ids = match self.allowed_token_ids {
+            None => None,
+            // (vLLM refuses an empty list too: nothing could be generated)
+            Some(ids) if ids.is_empty() => {
+                return Err(ApiError::invalid(
+                    "allowed_token_ids",
+                    "`allowed_token_ids` must list at least one token (leave it out to allow them all).",
+                ))
+            }
+            Some(mut ids) => {
+                for (i, &id) in ids.iter().enumerate() {
+                    check_token_id(&format!("allowed_token_ids[{i}]"), u64::from(id), vocab_size)?;
+                }
+                ids.sort_unstable();
+                ids.dedup();
+                Some(ids)
+            }
+        };
         let response_format = super::constrained::response_format_source(self.response_format.as_ref())?;
         inert.extend(super::constrained::response_format_unknown_keys(self.response_format.as_ref()));
         let guided = super::constrained::Guided {
@@ -532,6 +552,7 @@ impl CommonFields {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             logit_bias,
             bad_words,
+            allowed_token_ids,
             logprobs: None,
         };
         Ok(Common {
@@ -716,13 +737,12 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 5] = [
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 4] = [
     // (completions know `echo`: only chat's reaches this)
     ("echo", |v| *v == Value::Bool(false), "on chat, prepending the last message is not supported"),
     ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
     ("length_penalty", |v| v.as_f64() == Some(1.0), "it applies to beam search, which is not supported"),
     ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
-    ("allowed_token_ids", |_| false, "restricting the vocabulary is not supported"),
 ];
 
 /// The JSON kind a field must have, and its description.

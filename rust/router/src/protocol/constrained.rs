@@ -13,7 +13,7 @@
 
 use serde_json::{json, Value};
 
-use super::common::{as_object, invalid_type, kind_of};
+use super::common::{as_object, invalid_type, kind_of, unsupported};
 use super::SamplingParams;
 use crate::error::ApiError;
 use crate::router::Router;
@@ -325,6 +325,14 @@ pub(crate) fn compile(
             "min_tokens",
             "`min_tokens` cannot be combined with a constrained output (response_format, \
              structured_outputs, a forced tool_choice or strict tools): the grammar decides where the output ends.",
+        ));
+    }
+    if params.allowed_token_ids.is_some() {
+        // (their intersection may leave a grammar no token to go on with, mid-way)
+        return Err(unsupported(
+            "allowed_token_ids",
+            "`allowed_token_ids` cannot be combined with a constrained output (response_format, \
+             structured_outputs, a forced tool_choice or strict tools): the grammar decides which tokens may come.",
         ));
     }
     router.grammars.compile(&source, param).map(Some)

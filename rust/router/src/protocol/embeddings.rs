@@ -248,6 +248,7 @@ fn prompt_only_params() -> SamplingParams {
         skip_special_tokens: true,
         logit_bias: Vec::new(),
         bad_words: Vec::new(),
+        allowed_token_ids: None,
         logprobs: None,
     }
 }

@@ -250,6 +250,8 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM's `bad_words`, tokenized: each sequence's last token is banned after the rest.
     pub bad_words: Vec<Vec<u32>>,
+    /// vLLM's `allowed_token_ids` (sorted, distinct): the only tokens that may be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
     /// None: no logprobs; Some(k): chosen token + k top alternatives.
     pub logprobs: Option<u32>,
 }
