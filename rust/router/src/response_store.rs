@@ -220,15 +220,29 @@ impl ResponseStore {
                      `background: true`, and it has completed."
                 ),
             )),
-            // (its output so far stays, the item it was writing `incomplete`)
-            Some(Run::Running(_)) => Ok(inner.edit(id, Run::Ended, |body| {
+            // Its output so far stays, the item it was writing `incomplete`; a response that
+            // continues it answers that output too, as the client saw it.
+            Some(Run::Running(_)) => {
+                let old = inner.map[id].clone();
+                let mut body: Value = serde_json::from_slice(&old.body).expect("stored bodies are JSON");
                 body["status"] = json!("cancelled");
-                for item in body["output"].as_array_mut().into_iter().flatten() {
-                    if item["status"] == "in_progress" {
-                        item["status"] = json!("incomplete");
-                    }
-                }
-            })),
+                let output = body["output"].as_array_mut().map(std::mem::take).unwrap_or_default();
+                let output: Vec<Value> = output
+                    .into_iter()
+                    .map(|mut item| {
+                        if item["status"] == "in_progress" {
+                            item["status"] = json!("incomplete");
+                        }
+                        item
+                    })
+                    .collect();
+                let items = output.iter().map(Item::new).collect();
+                body["output"] = Value::Array(output);
+                let mut stored = Stored::new(&body, old.input.clone(), items);
+                stored.run = Run::Ended;
+                inner.insert(id, stored, self.capacity);
+                Ok(serde_json::to_vec(&body).expect("JSON values serialize"))
+            }
             Some(Run::Ended) => Ok(inner.map[id].body.clone()),
         }
     }

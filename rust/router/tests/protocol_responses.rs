@@ -379,6 +379,9 @@ fn a_background_response_cancelled_failed_or_dropped_says_so() {
     // it keeps the output it had, the message it was writing `incomplete`
     assert_eq!(cancelled["output"][0]["content"][0]["text"], "a");
     assert_eq!(cancelled["output"][0]["status"], "incomplete");
+    // continued, it answers that output as the client saw it
+    let next = responses(&r, json!({"input": "more", "previous_response_id": p.id})).unwrap();
+    assert!(next.prompt_texts[0].contains("assistant : a </s> user : more"), "{}", next.prompt_texts[0]);
     push(&mut b, " b", Some(FinishReason::Stop));
     b.finish();
     drop(b);
