@@ -80,6 +80,28 @@ def test_generation_prompt_flags(tiny_server):
     assert tok.status_code == 400
 
 
+def test_echo_starts_a_continued_message_with_its_text(tiny_server):
+    """vLLM's chat `echo` with a continued final message: the reply's content is the whole
+    message, its start as sent and then the generated rest; streamed, the same text."""
+    from openai import OpenAI
+
+    partial = MSG + [{"role": "assistant", "content": "The answer is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    with OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0) as client:
+        req = dict(model="tiny", messages=partial, max_tokens=6, temperature=0)
+        plain = client.chat.completions.create(**req, extra_body=extra).choices[0].message.content
+        echoed = client.chat.completions.create(**req, extra_body={**extra, "echo": True}).choices[0].message.content
+        assert echoed == "The answer is" + plain
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **req, stream=True, extra_body={**extra, "echo": True}) if c.choices)
+        assert streamed == echoed
+        # the last message is the user's: nothing to start with
+        alone = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0,
+                                               extra_body={"echo": True}).choices[0].message.content
+        assert alone == client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6,
+                                                       temperature=0).choices[0].message.content
+
+
 def test_string_and_text_parts_render_alike(tiny_server):
     as_string = _render(tiny_server, messages=[{"role": "user", "content": "Hello there"}])
     as_parts = _render(tiny_server, messages=[{"role": "user", "content": [

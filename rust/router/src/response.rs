@@ -494,6 +494,8 @@ pub struct ResponseBuilder {
     whole: bool,
     /// Completions' `best_of` above `n`: the body returns each prompt's best choices.
     best_of: Option<crate::protocol::BestOf>,
+    /// Chat's `echo`: the text each choice's content starts with.
+    echo_message: Option<String>,
 }
 
 /// A background Responses request's `response` object as it is queued: no output yet.
@@ -589,6 +591,7 @@ impl ResponseBuilder {
             keep: prepared.keep.clone(),
             whole: !(prepared.stream || prepared.background()) || prepared.keep.is_some(),
             best_of: prepared.best_of,
+            echo_message: prepared.echo_message.clone(),
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
             let object = match &echo.background {
@@ -932,6 +935,9 @@ impl ResponseBuilder {
         let has_lp = self.logprobs && (!delta.tokens.is_empty() || prompt_lp.is_some());
 
         if self.whole {
+            if let Some(echo) = self.echo_message.as_deref().filter(|_| first) {
+                self.choices[idx].text.push_str(echo);
+            }
             self.choices[idx].text.push_str(delta.text);
             if has_lp {
                 if self.chat {
@@ -959,9 +965,17 @@ impl ResponseBuilder {
                 // deltas ends with `content` null when only calls came, as non-streamed (an
                 // auto answer with neither text nor calls gets its `""` at its end).
                 let parsing = self.tools.is_some() && self.choices[idx].parser.is_some();
+                // (chat's `echo`: the content starts with the last message's, as the role
+                // chunk's; `echo_message` is never set beside a parser)
+                let echo = self.echo_message.clone();
+                let content = echo.as_deref().unwrap_or("");
                 let role = ChatChunkChoice {
                     index: choice,
-                    delta: Delta { role: Some("assistant"), content: (!parsing).then_some(""), ..Delta::default() },
+                    delta: Delta {
+                        role: Some("assistant"),
+                        content: (!parsing).then_some(content),
+                        ..Delta::default()
+                    },
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,

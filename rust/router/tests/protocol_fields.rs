@@ -140,7 +140,7 @@ fn inert_openai_fields_must_have_their_kind() {
 
 /// vLLM's fields that llmserve does not implement: at the value that asks for nothing they
 /// pass silently (also under `--strict-fields`; clients send vLLM's whole default set), any
-/// other value is refused, as it would change vLLM's output.
+/// other value is refused, as it would change vLLM's output. (Chat's `echo` is served.)
 #[test]
 fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
@@ -160,7 +160,34 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
             assert_eq!(got, (400, "unsupported_parameter", Some(field.to_string())), "{field}");
         }
     }
-    assert_eq!(shape(chat(&r, json!({"echo": true}))), (400, "unsupported_parameter", Some("echo".into())));
+}
+
+/// vLLM's chat `echo`: the reply's content starts with the last message's when that one is
+/// the assistant's (a continued final message, read whole); its parts joined with newlines;
+/// nothing otherwise. Beside a tool-call or reasoning parser, whose content is what they leave
+/// of the output, a 400.
+#[test]
+fn chat_echo_starts_the_content_with_the_last_assistant_message() {
+    let r = router();
+    let cont = |content: Value| {
+        json!({"echo": true, "continue_final_message": true, "messages": [
+            {"role": "user", "content": "hello"}, {"role": "assistant", "content": content}]})
+    };
+    assert_eq!(chat(&r, cont(json!("hello world"))).unwrap().echo_message.as_deref(), Some("hello world"));
+    let parts = json!([{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]);
+    assert_eq!(chat(&r, cont(parts)).unwrap().echo_message.as_deref(), Some("hello\nworld"));
+    assert_eq!(chat(&r, json!({"echo": true})).unwrap().echo_message, None, "the last message is the user's");
+    assert_eq!(chat(&r, json!({"echo": false})).unwrap().echo_message, None);
+    let p = chat(&r, cont(json!("hello world"))).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let hermes = router_with(json!({"tool_call_format": "hermes"}), Some(TEMPLATE));
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let mut body = cont(json!("hello"));
+    body["tools"] = tools;
+    assert_eq!(shape(chat(&hermes, body)), (400, "unsupported_parameter", Some("echo".into())));
+    let think = router_with(json!({}), Some(THINK_TEMPLATE));
+    let body = json!({"echo": true, "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]});
+    assert_eq!(shape(chat(&think, body)).2.as_deref(), Some("echo"));
 }
 
 /// vLLM's `bad_words` (served on both routes): each word's tokens as the tokenizer makes them

@@ -67,6 +67,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         responses: None,
         embedding: None,
         best_of: None,
+        echo_message: None,
     }
 }
 
@@ -226,6 +227,38 @@ fn chat_non_stream_body() {
                             "finish_reason": "stop", "stop_reason": "z"}],
                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}})
     );
+}
+
+/// Chat's `echo`: each choice's content starts with the echoed message: in the body, and
+/// streamed on the role chunk, so the deltas add up to the body's content.
+#[test]
+fn chat_echo_starts_each_choice() {
+    for stream in [false, true] {
+        let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 2, None);
+        p.stream = stream;
+        p.echo_message = Some("Once upon".into());
+        let mut b = builder(&p);
+        let mut out = Vec::new();
+        for choice in 0..2 {
+            b.push(choice, &delta(" a time", &[tok(13)], Some(FinishReason::Stop)));
+            out.extend(b.take());
+        }
+        out.extend(b.finish());
+        let contents: Vec<String> = if stream {
+            let chunks = frames(&out);
+            (0..2u64)
+                .map(|i| {
+                    let of_choice =
+                        chunks.iter().flat_map(|c| c["choices"].as_array().unwrap()).filter(|c| c["index"] == i);
+                    of_choice.filter_map(|c| c["delta"]["content"].as_str()).collect()
+                })
+                .collect()
+        } else {
+            let body: Value = serde_json::from_slice(&out).unwrap();
+            (0..2).map(|i| body["choices"][i]["message"]["content"].as_str().unwrap().to_string()).collect()
+        };
+        assert_eq!(contents, ["Once upon a time", "Once upon a time"], "stream {stream}");
+    }
 }
 
 #[test]

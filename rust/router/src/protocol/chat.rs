@@ -53,6 +53,9 @@ pub struct ChatFields {
     pub add_generation_prompt: Option<bool>,
     pub continue_final_message: Option<bool>,
     pub documents: Option<Vec<Value>>,
+    /// vLLM's: the reply's content starts with the last message's, when that is the
+    /// assistant's (a continued final message, read whole).
+    pub echo: Option<bool>,
     /// Per-request templates are refused (see `prepare`).
     pub chat_template: Option<Value>,
     #[serde(flatten)]
@@ -279,6 +282,22 @@ pub(crate) fn tool_message(history: &[Value], id: &str, content: Value) -> (Valu
         message["name"] = name;
     }
     (message, named)
+}
+
+/// The text of the last message when it is the assistant's (vLLM's `echo`: the reply takes
+/// the same role), its parts joined with newlines as string templates see them; None when
+/// there is none.
+fn echo_message(messages: &[Value]) -> Option<String> {
+    let last = messages.last().filter(|m| m["role"] == "assistant")?;
+    let text = match &last["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => {
+            let texts = parts.iter().filter_map(|p| p.get("text").or_else(|| p.get("refusal"))?.as_str());
+            texts.collect::<Vec<_>>().join("\n")
+        }
+        _ => String::new(),
+    };
+    (!text.is_empty()).then_some(text)
 }
 
 pub(crate) fn missing(param: String) -> ApiError {
@@ -1078,6 +1097,18 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     if !rendered.unused_kwargs.is_empty() {
         headers.push(("llmserve-unused-template-kwargs".into(), header_list(&rendered.unused_kwargs)));
     }
+    let echo_message = match chat.echo {
+        Some(true) => echo_message(&chat.messages),
+        _ => None,
+    };
+    if echo_message.is_some() && (tools.is_some() || reasoning.is_some()) {
+        // (the content is then what a parser leaves of the output: no place to start it)
+        return Err(unsupported(
+            "echo",
+            "`echo` cannot be combined with tool calls or a reasoning parser: the content is what they leave of \
+             the output.",
+        ));
+    }
     let id = c.request_id.as_deref().or(header_id).map_or_else(|| new_id("chatcmpl"), |id| format!("chatcmpl-{id}"));
     let keep = keeping.then(|| {
         let metadata = value.get("metadata").and_then(Value::as_object).cloned().unwrap_or_default();
@@ -1113,6 +1144,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
         responses: None,
         embedding: None,
         best_of: None,
+        echo_message,
     };
     Ok(Checked {
         prepared,

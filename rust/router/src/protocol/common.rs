@@ -737,9 +737,7 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 4] = [
-    // (completions know `echo`: only chat's reaches this)
-    ("echo", |v| *v == Value::Bool(false), "on chat, prepending the last message is not supported"),
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 3] = [
     ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
     ("length_penalty", |v| v.as_f64() == Some(1.0), "it applies to beam search, which is not supported"),
     ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),

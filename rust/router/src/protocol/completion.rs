@@ -335,6 +335,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         responses: None,
         embedding: None,
         best_of,
+        echo_message: None,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -193,6 +193,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             base64,
         }),
         best_of: None,
+        echo_message: None,
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -169,6 +169,9 @@ pub struct Prepared {
     pub embedding: Option<embeddings::EmbeddingPlan>,
     /// Completions' `best_of` above `n`: `params.n` is `best_of` here.
     pub best_of: Option<BestOf>,
+    /// Chat's `echo` (vLLM's): the last message's text, when it is the assistant's, which
+    /// each choice's content starts with.
+    pub echo_message: Option<String>,
 }
 
 /// Completions' `best_of` above `n` (OpenAI's legacy API): each prompt runs `best_of`
