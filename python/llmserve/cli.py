@@ -154,18 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Defaults are written into each flag's help (none for flags without one).
     run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).")
-    run.set_defaults(run_parser=run)
+    batch = sub.add_parser(
+        "run-batch", help="Run a file of OpenAI batch requests (JSONL) offline, as vllm run-batch.",
+        description="Each input line is {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} for "
+                    "/v1/chat/completions, /v1/completions or /v1/embeddings; each output line answers the input "
+                    "line at the same place with {\"id\", \"custom_id\", \"response\": {\"status_code\", "
+                    "\"request_id\", \"body\"}, \"error\"}. The model and engine flags are `run`'s.")
+    batch.add_argument("-i", "--input-file", required=True, help="The requests, one JSON object a line ('-': stdin).")
+    batch.add_argument("-o", "--output-file", required=True, help="Where the answers go ('-': stdout).")
     hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        _add_section(run, f.name, hints[f.name])
-    vllm = run.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
-    for flag, why in _VLLM_NO_OPS.items():
-        vllm.add_argument(flag, dest="vllm_no_ops", action="append_const", const=flag, help=why)
-    for flag, why in _VLLM_VALUE_NO_OPS.items():
-        vllm.add_argument(flag, dest=f"vllm_value/{flag}", metavar="N", help=why)
-    for flag, value in _VLLM_NEUTRAL.items():
-        vllm.add_argument(flag, dest=f"vllm_neutral/{flag}", metavar=value.upper(),
-                          help=f"only {value}: {_VLLM_HINTS[flag]}")
+    for command in (run, batch):
+        command.set_defaults(run_parser=command)
+        for f in dataclasses.fields(Config):
+            _add_section(command, f.name, hints[f.name])
+        vllm = command.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
+        for flag, why in _VLLM_NO_OPS.items():
+            vllm.add_argument(flag, dest="vllm_no_ops", action="append_const", const=flag, help=why)
+        for flag, why in _VLLM_VALUE_NO_OPS.items():
+            vllm.add_argument(flag, dest=f"vllm_value/{flag}", metavar="N", help=why)
+        for flag, value in _VLLM_NEUTRAL.items():
+            vllm.add_argument(flag, dest=f"vllm_neutral/{flag}", metavar=value.upper(),
+                              help=f"only {value}: {_VLLM_HINTS[flag]}")
     return parser
 
 
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if level not in logging.getLevelNamesMapping():
         parser.error(f"{_ENV_LOG_LEVEL} must be one of debug, info, warning, error, critical; got {level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "run":
+    if args.command in ("run", "run-batch"):
         model = vars(args).get("model.model")
         if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
@@ -318,10 +327,41 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 logging.getLogger("llmserve").info("%s %s has no effect: %s", flag, value, _VLLM_HINTS[flag])
         _short_openmp_spin()
+        if args.command == "run-batch":
+            return _run_batch(cfg, args.input_file, args.output_file)
         from llmserve.server.app import serve
 
         return serve(cfg)
     return 2
+
+
+def _run_batch(cfg: Config, input_file: str, output_file: str) -> int:
+    """`llmserve run-batch`: every line of `input_file` answered in `output_file` (0), or 1
+    when the model cannot be loaded or a file cannot be read or written."""
+    import contextlib
+
+    from llmserve.engine.batch import run_batch
+    from llmserve.engine.build import build_engine
+    from llmserve.loaders import LoadError
+
+    log = logging.getLogger("llmserve")
+    try:
+        source = contextlib.nullcontext(sys.stdin) if input_file == "-" else open(input_file, encoding="utf-8")
+        with source as lines:
+            engine = build_engine(cfg)
+            sink = contextlib.nullcontext(sys.stdout) if output_file == "-" else open(output_file, "w", encoding="utf-8")
+            counts = {"ok": 0, "failed": 0}
+            with sink as out:
+                for answer in run_batch(engine, lines):
+                    ok = answer["error"] is None and answer["response"]["status_code"] == 200
+                    counts["ok" if ok else "failed"] += 1
+                    out.write(json.dumps(answer, ensure_ascii=False) + "\n")
+    except (OSError, LoadError) as exc:
+        log.error("run-batch: %s", exc)
+        return 1
+    log.info("run-batch: %d requests answered, %d of them with an error", counts["ok"] + counts["failed"],
+             counts["failed"])
+    return 0
 
 
 if __name__ == "__main__":

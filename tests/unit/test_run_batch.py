@@ -1,0 +1,72 @@
+"""`llmserve run-batch`: an OpenAI batch file run offline, one answer per request line in its
+order, each what the server would answer (errors with their status and param); lines that are
+no request get an `error`; the answers equal the offline API's for the same requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve import cli
+from llmserve.engine.offline import LLM
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
+COMPLETION = {"model": "tiny", "prompt": "The quick brown", "max_tokens": 5, "temperature": 0, "n": 2}
+
+
+def _line(custom_id: str, url: str, body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+@pytest.fixture(scope="module")
+def answers(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batch")
+    lines = [
+        _line("chat", "/v1/chat/completions", CHAT),
+        _line("completion", "/v1/completions", COMPLETION),
+        "",   # (blank lines are skipped)
+        "{not json",
+        json.dumps({"custom_id": "nowhere", "method": "POST", "url": "/v1/images", "body": {}}),
+        _line("bad-max", "/v1/chat/completions", {**CHAT, "max_tokens": -1}),
+        _line("streamed", "/v1/completions", {**COMPLETION, "stream": True}),
+        _line("unknown-model", "/v1/completions", {**COMPLETION, "model": "other"}),
+    ] + [_line(f"many-{i}", "/v1/completions", {**COMPLETION, "n": 1, "prompt": f"Numbers {i}"}) for i in range(5)]
+    (folder / "in.jsonl").write_text("\n".join(lines) + "\n")
+    status = cli.main(["run-batch", str(tiny_model), "--served-model-name", "tiny", "--threads", "1",
+                       "--num-kv-blocks", "64", "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl")])
+    assert status == 0
+    return [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
+
+
+def test_each_request_line_is_answered_in_its_place(answers):
+    ids = [a["custom_id"] for a in answers]
+    assert ids == ["chat", "completion", None, "nowhere", "bad-max", "streamed", "unknown-model",
+                   *[f"many-{i}" for i in range(5)]]
+    assert len({a["id"] for a in answers}) == len(answers) and all(a["id"].startswith("batch_req_") for a in answers)
+    ok = {a["custom_id"]: a for a in answers if a["error"] is None and a["response"]["status_code"] == 200}
+    assert set(ok) == {"chat", "completion", *[f"many-{i}" for i in range(5)]}
+    chat = ok["chat"]["response"]
+    assert chat["body"]["object"] == "chat.completion" and chat["request_id"] == chat["body"]["id"]
+    assert len(ok["completion"]["response"]["body"]["choices"]) == 2
+
+
+def test_errors_are_answered_as_the_server_would(answers):
+    by_id = {a["custom_id"]: a for a in answers}
+    assert answers[2]["response"] is None and answers[2]["error"]["code"] == "invalid_json"
+    assert by_id["nowhere"]["response"] is None and "/v1/images" in by_id["nowhere"]["error"]["message"]
+    for custom_id, status, param in (("bad-max", 400, "max_tokens"), ("streamed", 400, "stream"),
+                                     ("unknown-model", 404, "model")):
+        response = by_id[custom_id]["response"]
+        assert (response["status_code"], response["body"]["error"]["param"]) == (status, param), custom_id
+        assert by_id[custom_id]["error"] is None
+
+
+def test_answers_equal_the_offline_apis(answers, tiny_model):
+    llm = LLM(str(tiny_model), served_model_name=("tiny",), threads=1, num_kv_blocks=64)
+    by_id = {a["custom_id"]: a["response"]["body"] for a in answers if a["response"]}
+    params = {k: v for k, v in CHAT.items() if k not in ("model", "messages")}
+    assert by_id["chat"]["choices"][0]["message"]["content"] == llm.chat(CHAT["messages"], params).text
+    for i in range(5):
+        want = llm.generate(f"Numbers {i}", {"max_tokens": 5, "temperature": 0})[0].text
+        assert by_id[f"many-{i}"]["choices"][0]["text"] == want
