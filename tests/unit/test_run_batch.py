@@ -70,3 +70,20 @@ def test_answers_equal_the_offline_apis(answers, tiny_model):
     for i in range(5):
         want = llm.generate(f"Numbers {i}", {"max_tokens": 5, "temperature": 0})[0].text
         assert by_id[f"many-{i}"]["choices"][0]["text"] == want
+
+
+def test_a_run_closed_early_leaves_the_engine_as_before(tiny_model):
+    """`run_to_end` (the offline API's and run-batch's loop): closed after its first output,
+    the step in flight is dropped and the other requests aborted: no work, no KV block held;
+    the engine then serves the next call."""
+    from llmserve.engine.loop import run_to_end
+
+    llm = LLM(str(tiny_model), served_model_name=("tiny",), threads=1, num_kv_blocks=64)
+    engine = llm.engine
+    body = json.dumps({**COMPLETION, "n": 1, "max_tokens": 30}).encode()
+    run = run_to_end(engine.core, engine.runner, [engine.router.prepare("completion", body) for _ in range(3)])
+    next(run)
+    assert engine.core.has_work()
+    run.close()
+    assert not engine.core.has_work() and engine.core.stats()["used_blocks"] == 0
+    assert llm.generate("The quick brown", {"max_tokens": 3})[0].usage["completion_tokens"] == 3

@@ -13,6 +13,7 @@ a time, so a window's requests share steps as a server's concurrent ones do.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 
 from llmserve._core import ApiError
-from llmserve.engine.loop import step
+from llmserve.engine.loop import run_to_end
 
 # The batch API's urls and the router's endpoints that answer them.
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings"}
@@ -87,45 +88,29 @@ def run_batch(engine, lines: Iterable[str], window: int = WINDOW) -> Iterator[di
 
 def _run_window(core, runner, router, batch: list[tuple[int, str]]) -> list[dict]:
     out: list[dict | None] = [None] * len(batch)
-    running: dict[int, tuple[int, Any, list[bytes]]] = {}   # handle -> (place, custom_id, bytes)
-    pending: set[int] = set()
-    try:
-        for place, (index, line) in enumerate(batch):
-            read = _read(index, line)
-            if isinstance(read, dict):
-                out[place] = read
+    queued: list[tuple[int, Any]] = []   # (place, custom_id) of each prepared request
+    prepared = []
+    for place, (index, line) in enumerate(batch):
+        read = _read(index, line)
+        if isinstance(read, dict):
+            out[place] = read
+            continue
+        custom_id, endpoint, body = read
+        try:
+            prepared.append(router.prepare(endpoint, body))
+        except ApiError as err:
+            out[place] = _answer(custom_id, err.status, orjson.loads(err.body))
+            continue
+        queued.append((place, custom_id))
+    parts: list[list[bytes]] = [[] for _ in prepared]
+    with contextlib.closing(run_to_end(core, runner, prepared)) as outputs:
+        for i, data, finished, error in outputs:
+            place, custom_id = queued[i]
+            if error:
+                # (an engine failure: its body is the error, as a 500 over HTTP)
+                out[place] = _answer(custom_id, 500, orjson.loads(data))
                 continue
-            custom_id, endpoint, body = read
-            try:
-                prepared = router.prepare(endpoint, body)
-            except ApiError as err:
-                out[place] = _answer(custom_id, err.status, orjson.loads(err.body))
-                continue
-            handle = core.add(prepared)
-            running[handle] = (place, custom_id, [])
-            pending.add(handle)
-        while pending:
-            outputs, ran = step(core, runner)
-            if not ran and not core.has_work():
-                raise RuntimeError("the engine stopped with requests still pending")
-            for handle, data, finished, error, *_ in outputs:
-                if handle not in running:
-                    continue
-                place, custom_id, parts = running[handle]
-                if error:
-                    # (an engine failure: its body is the error, as a 500 over HTTP)
-                    out[place] = _answer(custom_id, 500, orjson.loads(data))
-                    pending.discard(handle)
-                    continue
-                parts.append(data)
-                if finished:
-                    out[place] = _answer(custom_id, 200, orjson.loads(b"".join(parts)))
-                    pending.discard(handle)
-    finally:
-        if pending:
-            # Interrupted (an error, Ctrl-C): the step in flight is dropped and the window's
-            # other requests are aborted, so the engine is as before.
-            core.fail_plan("the batch was interrupted")
-            for handle in pending:
-                core.abort(handle)
+            parts[i].append(data)
+            if finished:
+                out[place] = _answer(custom_id, 200, orjson.loads(b"".join(parts[i])))
     return [line for line in out if line is not None]

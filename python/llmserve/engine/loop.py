@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -51,6 +51,34 @@ def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[
         log.exception("model step failed; failing the %d sequences it held", plan.num_seqs)
         return core.fail_plan(FAILED), True
     return commit(core, out), True
+
+
+def run_to_end(core, runner, prepared: list) -> Iterator[tuple[int, bytes, bool, bool]]:
+    """Adds the `prepared` requests to `core` and steps the engine on the calling thread until
+    each has ended, yielding their outputs as (index in `prepared`, data, finished, error); an
+    error output ends its request. Closed early (an error here or in the caller, Ctrl-C), the
+    step in flight is dropped and the requests still running are aborted, so the engine is as
+    before (the offline API and `run-batch` share this)."""
+    running: dict[int, int] = {}   # handle -> index
+    try:
+        for i, p in enumerate(prepared):
+            running[core.add(p)] = i
+        while running:
+            outputs, ran = step(core, runner)
+            if not ran and not core.has_work():
+                raise RuntimeError("the engine stopped with requests still pending")
+            for handle, data, finished, error, *_ in outputs:
+                i = running.get(handle)
+                if i is None:
+                    continue
+                if finished or error:
+                    del running[handle]
+                yield i, data, finished, error
+    finally:
+        if running:
+            core.fail_plan("the call was interrupted")
+            for handle in running:
+                core.abort(handle)
 
 
 def commit(core, out) -> list[Output]:

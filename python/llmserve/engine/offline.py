@@ -8,6 +8,7 @@ wrapped in a small `Result`. `params` take the OpenAI field names (`max_tokens`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -23,7 +24,7 @@ import orjson
 from llmserve._core import ApiError, Router
 from llmserve.config import Config
 from llmserve.engine.build import build_engine
-from llmserve.engine.loop import step
+from llmserve.engine.loop import run_to_end
 
 
 @dataclass(frozen=True)
@@ -151,36 +152,14 @@ class LLM:
         for fields in sorted(set(ignored)):
             if fields:
                 warnings.warn(f"llmserve: these request fields had no effect: {', '.join(fields)}", stacklevel=3)
-        with self._lock:
-            handles: list[int] = []
-            buffers: dict[int, list[bytes]] = {}
-            pending: set[int] = set()
-            try:
-                for p in prepared:
-                    handles.append(core.add(p))
-                    buffers[handles[-1]] = []
-                    pending.add(handles[-1])
-                while pending:
-                    outputs, ran = step(core, runner)
-                    if not ran and not core.has_work():
-                        raise RuntimeError("the engine stopped with requests still pending")
-                    for handle, data, finished, error, *_ in outputs:
-                        if handle not in buffers:
-                            continue
-                        if error:
-                            raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
-                        buffers[handle].append(data)
-                        if finished:
-                            pending.discard(handle)
-            finally:
-                if pending:
-                    # Interrupted (an error, Ctrl-C): the step in flight is dropped and the
-                    # call's other requests are aborted, so the engine is as before the call.
-                    core.fail_plan("the call was interrupted")
-                    for handle in pending:
-                        core.abort(handle)
-        return [_result(endpoint, orjson.loads(b"".join(buffers[h])), fields)
-                for h, fields in zip(handles, ignored)]
+        buffers: list[list[bytes]] = [[] for _ in prepared]
+        # (interrupted, by an error or Ctrl-C, the call's other requests are aborted)
+        with self._lock, contextlib.closing(run_to_end(core, runner, prepared)) as outputs:
+            for i, data, _, error in outputs:
+                if error:
+                    raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
+                buffers[i].append(data)
+        return [_result(endpoint, orjson.loads(b"".join(parts)), fields) for parts, fields in zip(buffers, ignored)]
 
 
 def _encode(router: Router, body: dict[str, Any]) -> bytes:
