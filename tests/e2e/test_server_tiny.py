@@ -326,3 +326,30 @@ def test_raw_sse_framing(tiny_server):
     assert frames[-1] == "data: [DONE]"
     for f in frames[:-1]:
         json.loads(f.removeprefix("data: "))
+
+
+def test_invocations_routes_by_the_body(tiny_server):
+    """POST /invocations (SageMaker's, as vLLM's): `messages` is a chat request, `prompt` a
+    completion, `input` an embeddings request, each answered as its own route answers it."""
+    def post(path, body):
+        return httpx.post(tiny_server.url + path, json={"model": "tiny", **body}, timeout=60)
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    completion = {"prompt": "The quick", "max_tokens": 4, "temperature": 0}
+    embedding = {"input": "The quick"}
+    for body, route in ((chat, "/v1/chat/completions"), (completion, "/v1/completions"),
+                        (embedding, "/v1/embeddings")):
+        via, direct = post("/invocations", body), post(route, body)
+        assert via.status_code == direct.status_code, (via.text, direct.text)
+        a, b = via.json(), direct.json()
+        if "choices" in a:
+            assert a["object"] == b["object"] and a["choices"] == b["choices"] and a["usage"] == b["usage"]
+        else:
+            assert a.get("object") == b.get("object") and a.get("error", {}).get("code") == b.get("error", {}).get("code")
+    streamed = post("/invocations", {**chat, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream") and "data: [DONE]" in streamed.text
+    neither = post("/invocations", {"max_tokens": 4})
+    assert neither.status_code == 400 and "`messages`" in neither.json()["error"]["message"]
+    broken = httpx.post(tiny_server.url + "/invocations", content=b"{oops", timeout=60,
+                        headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"

@@ -111,6 +111,7 @@ ROUTES = [
     Route("/detokenize", routes.detokenize, methods=["POST"]),
     Route("/health", routes.health, methods=["GET"]),
     Route("/ping", routes.health, methods=["GET", "POST"]),   # vLLM's name for it (SageMaker's probe)
+    Route("/invocations", routes.invocations, methods=["POST"]),   # SageMaker's inference route, as vLLM's
     Route("/ready", routes.ready, methods=["GET"]),
     Route("/load", routes.load, methods=["GET"]),
     Route("/version", routes.version, methods=["GET"]),

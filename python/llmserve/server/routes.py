@@ -163,9 +163,9 @@ async def _unless_client_leaves(request: Request, stream: RequestStream, work) -
     return reading.result() if reading in done else None
 
 
-async def _generate(request: Request, endpoint: str) -> Response:
+async def _generate(request: Request, endpoint: str, body: bytes | None = None) -> Response:
     engine = _engine(request)
-    body = await read_body(request)
+    body = await read_body(request) if body is None else body
     stream = await engine.submit(endpoint, body, request.headers.get("x-request-id"))
     request.state.user = stream.user
     headers = dict(stream.headers)
@@ -270,6 +270,28 @@ async def embeddings(request: Request) -> Response:
 async def messages(request: Request) -> Response:
     """Anthropic's Messages API."""
     return await _generate(request, "messages")
+
+
+# What an /invocations body's keys make it, tried in order (vLLM's order: chat first).
+_INVOCATIONS = (("messages", "chat"), ("prompt", "completion"), ("input", "embeddings"))
+
+
+async def invocations(request: Request) -> Response:
+    """POST /invocations (SageMaker's, as vLLM serves it): a chat (`messages`), completion
+    (`prompt`) or embeddings (`input`) request, answered as its own route answers it. A body
+    that is not a JSON object goes to chat, whose 400 says what is wrong with it."""
+    body = await read_body(request)
+    try:
+        fields = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        return await _generate(request, "chat", body)
+    endpoint = next((e for key, e in _INVOCATIONS if key in fields), None)
+    if endpoint is None:
+        raise Router.error("invalid_request", "An /invocations body is a chat request (`messages`), a completion "
+                           "(`prompt`) or an embeddings request (`input`).", param=None)
+    return await _generate(request, endpoint, body)
 
 
 def _backgrounds(request: Request) -> Backgrounds:
