@@ -43,6 +43,8 @@ _VLLM_NO_OPS = {
     "--enable-server-load-tracking": "the load is always tracked (GET /load, /metrics)",
     "--disable-fastapi-docs": "llmserve serves no API docs pages",
     "--disable-custom-all-reduce": "llmserve runs a model on one device",
+    "--disable-frontend-multiprocessing": "the HTTP server and the engine always share one process (the engine "
+                                          "on its own thread)",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {

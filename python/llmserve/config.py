@@ -18,6 +18,18 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 
+# generation_config.json's sampling keys that --override-generation-config may set: a check of
+# the value and what it must be (a request's range for the field it is the default of).
+_GENERATION_KEYS = {
+    "temperature": (lambda v: 0 <= v <= 2, "a number from 0 to 2"),
+    "top_p": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
+    "top_k": (lambda v: isinstance(v, int) and (v == -1 or v >= 0), "an integer, -1 or 0 for off"),
+    "min_p": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
+    "repetition_penalty": (lambda v: v > 0, "a number above 0"),
+    "max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer of at least 1"),
+}
+
+
 def _f(default, help: str, **meta):
     """A dataclass field whose metadata carries its CLI help, and what a value must be:
     `choices`, `min` (inclusive), `max` (inclusive), `above` (exclusive lower bound), with
@@ -187,7 +199,12 @@ class ModelConfig(_Checked):
         "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' ignores it.",
         choices=("auto", "none"),
     )
+    override_generation_config: str | None = _f(
+        None, "Sampling defaults as JSON, vLLM's flag ('{\"temperature\": 0.5, \"max_new_tokens\": 256}'): "
+        "generation_config.json's keys (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+        "over the model's file (or alone, with --generation-config none). Request values still win.")
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
+    tokenizer_revision: str | None = _f(None, "Hub revision of --tokenizer when it is a hub id (vLLM's flag).")
     tokenizer: str | None = _f(
         None, "Serve the model with another folder's (or hub id's) tokenizer, as vLLM's flag: its "
         "tokenizer.json, chat template and special tokens (the model's EOS stays). Mostly for a GGUF "
@@ -258,6 +275,7 @@ class ModelConfig(_Checked):
         # it is a path that does not exist (a typo), not a template.
         if t is not None and not os.path.isfile(t) and not any(m in t for m in ("{{", "{%", "{#")):
             raise ValueError(f"--chat-template {t!r} is neither a readable file nor a Jinja template")
+        self.generation_overrides()   # (checked now: a bad one stops the start, not a request)
         if t is not None and os.path.isfile(t):
             # read now, so a bad file is named before the model loads, not after
             try:
@@ -266,6 +284,27 @@ class ModelConfig(_Checked):
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"--chat-template {t!r} cannot be read as UTF-8 text: {exc}") from None
 
+
+    def generation_overrides(self) -> dict:
+        """--override-generation-config as a dict of generation_config.json keys, each value
+        in the range a request's field takes (ValueError naming what is wrong otherwise)."""
+        if self.override_generation_config is None:
+            return {}
+        flag = "--override-generation-config"
+        try:
+            values = json.loads(self.override_generation_config)
+        except ValueError as exc:
+            raise ValueError(f"{flag} must be a JSON object: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{flag} must be a JSON object such as '{{\"temperature\": 0.5}}'")
+        for key, value in values.items():
+            check = _GENERATION_KEYS.get(key)
+            if check is None:
+                raise ValueError(f"{flag}: {key!r} is not one of {', '.join(_GENERATION_KEYS)}")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not check[0](value):
+                raise ValueError(f"{flag}: {key} must be {check[1]}, got {value!r}")
+        return values
 
     def lora_adapters(self) -> list[tuple[str, str, str | None]]:
         """--lora-modules as (name, path, base model name) triples, in the order given (an

@@ -58,3 +58,16 @@ def test_vllms_usage_and_token_id_flags_reach_the_router(tiny_model, on):
     assert (chunks[-1]["choices"] == []) == on
     tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
     assert tokens and all(t.startswith("token_id:") == on for t in tokens), tokens
+
+
+@pytest.mark.parametrize("generation_config", ["auto", "none"])
+def test_override_generation_config_sets_the_sampling_defaults(tiny_model, generation_config):
+    """vLLM's --override-generation-config: its keys over the model's generation_config.json
+    (or alone with `none`); a request's own value still wins."""
+    router = _router(tiny_model, served_model_name=("tiny",), generation_config=generation_config,
+                     override_generation_config='{"max_new_tokens": 7, "temperature": 0.3}')
+    body = {"model": "tiny", "prompt": "hi"}
+    assert router.prepare("completion", json.dumps(body).encode()).max_tokens == 7
+    assert router.prepare("completion", json.dumps({**body, "max_tokens": 3}).encode()).max_tokens == 3
+    plain = _router(tiny_model, served_model_name=("tiny",), generation_config=generation_config)
+    assert plain.prepare("completion", json.dumps(body).encode()).max_tokens != 7

@@ -73,6 +73,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--served-model-name", "a", "--lora-modules", "a=/x"], {}, "--lora-modules names 'a', which is also a "
                                                                  "--served-model-name"),
     (["--lora-modules", "{\"name\": \"a\"}"], {}, "the JSON form is {\"name\": NAME, \"path\": PATH}"),
+    (["--override-generation-config", "{\"temp\": 1}"], {}, "'temp' is not one of temperature"),
+    (["--override-generation-config", "{\"top_p\": 2}"], {}, "top_p must be a number from 0 to 1, got 2"),
 ])
 def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
     for k, v in env.items():
@@ -178,12 +180,15 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         _config(["--max-loras", "-1"])
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
     assert _config(["--tokenizer", "org/tok"]).model.tokenizer == "org/tok"
+    assert _config(["--tokenizer-revision", "v2"]).model.tokenizer_revision == "v2"
+    overrides = _config(["--override-generation-config", '{"temperature": 0.2}']).model.generation_overrides()
+    assert overrides == {"temperature": 0.2}
     # the values that ask for what llmserve does anyway are taken, and said to do nothing
     _logs(caplog, ["--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1", "--kv-cache-dtype",
                    "auto", "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
                    "--enable-chunked-prefill", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
                    "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4", "--max-log-len",
-                   "100"], [
+                   "100", "--disable-frontend-multiprocessing"], [
         "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device",
         "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype",
         "--disable-log-stats has no effect: nothing is logged periodically",
@@ -192,7 +197,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         "--swap-space has no effect: a sequence preempted when the KV cache runs out recomputes",
         *(f"{flag} has no effect: " for flag in ("--enable-prompt-tokens-details", "--enable-server-load-tracking",
                                                  "--disable-fastapi-docs", "--disable-custom-all-reduce",
-                                                 "--max-log-len")),
+                                                 "--max-log-len", "--disable-frontend-multiprocessing")),
     ])
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
     with pytest.raises((ValueError, SystemExit)):

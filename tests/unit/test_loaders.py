@@ -750,6 +750,10 @@ def test_gguf_with_the_tokenizer_it_was_made_from(tmp_path, offline_hub):
     repo = _cache_snapshot(offline_hub, folder)
     hub = load_checkpoint(str(path), tokenizer="tiny-org/tiny-llama")
     assert hub.tokenizer_json == str(repo / "snapshots" / COMMIT / "tokenizer.json")
+    pinned = load_checkpoint(str(path), tokenizer="tiny-org/tiny-llama", tokenizer_revision=COMMIT)
+    assert pinned.tokenizer_json == hub.tokenizer_json
+    with pytest.raises(LoadError, match="Hugging Face cache"):
+        load_checkpoint(str(path), tokenizer="tiny-org/tiny-llama", tokenizer_revision="dev")
 
     router = build_engine(Config(model=ModelConfig(model=str(path), tokenizer=str(folder),
                                                    served_model_name=("m",)),

@@ -102,11 +102,15 @@ def _embeddings(cfg: Config, ck) -> dict | None:
 
 
 def _generation_defaults(cfg: Config, gen: dict) -> dict:
-    if cfg.model.generation_config == "none":
-        return {}
+    """The sampling defaults: generation_config.json's (unless --generation-config none), then
+    --override-generation-config's over them (vLLM's order)."""
+    gen = {} if cfg.model.generation_config == "none" else dict(gen)
+    overrides = cfg.model.generation_overrides()
+    gen.update(overrides)
     out = {ours: gen[theirs] for theirs, ours in _GEN_KEYS.items() if gen.get(theirs) is not None}
     if out:
-        log.info("sampling defaults from generation_config.json (request values win): %s", out)
+        source = "generation_config.json" + (" and --override-generation-config" if overrides else "")
+        log.info("sampling defaults from %s (request values win): %s", source, out)
     return out
 
 
@@ -262,7 +266,8 @@ def build_engine(cfg: Config) -> Engine:
     # converted for it then, and the weights are the converted blocks' values)
     blocks = cfg.model.quantized_decode and device.type == "cpu" and dtype == torch.float32
     ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks,
-                         download_dir=cfg.model.download_dir, tokenizer=cfg.model.tokenizer)
+                         download_dir=cfg.model.download_dir, tokenizer=cfg.model.tokenizer,
+                         tokenizer_revision=cfg.model.tokenizer_revision)
     # (the Llama-named keys this file reads, for a family that names its shape otherwise; a
     # config without the keys they are made from is a LoadError, as in the build)
     ck = replace(ck, hf_config=_built(ck, lambda: normalize_config(ck.hf_config)))

@@ -37,6 +37,7 @@ HUB_TOKENIZER_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.txt"]
 def load_checkpoint(
     model: str | None, *, revision: str | None = None, log: logging.Logger = LOG,
     quantized_decode: bool = False, download_dir: str | None = None, tokenizer: str | None = None,
+    tokenizer_revision: str | None = None,
 ) -> Checkpoint:
     """Read a model into a Checkpoint; LoadError says what is wrong when it cannot.
     `quantized_decode`: the model will run the quantized GEMV (gguf_file.load_gguf).
@@ -56,13 +57,13 @@ def load_checkpoint(
         else:
             raise LoadError(f"model path {model!r} does not exist (and is not a Hugging Face 'org/name' id)")
     if tokenizer is not None:
-        ckpt = with_tokenizer(ckpt, tokenizer, log, download_dir)
+        ckpt = with_tokenizer(ckpt, tokenizer, log, download_dir, tokenizer_revision)
     log.info("loaded %r in %.2f s", ckpt, time.perf_counter() - t0)
     return ckpt
 
 
 def with_tokenizer(ckpt: Checkpoint, spec: str, log: logging.Logger = LOG,
-                   download_dir: str | None = None) -> Checkpoint:
+                   download_dir: str | None = None, revision: str | None = None) -> Checkpoint:
     """`ckpt` served through the tokenizer of `spec` (a folder, or a Hub id whose tokenizer
     files are fetched), as vLLM's `--tokenizer`: its tokenizer.json, its chat templates in
     the folder's places of the resolution order (a GGUF's own template stays last), its
@@ -76,7 +77,7 @@ def with_tokenizer(ckpt: Checkpoint, spec: str, log: logging.Logger = LOG,
     if path.exists():
         folder = path
     elif _HUB_ID.match(spec):
-        folder = download(spec, None, log, download_dir, HUB_TOKENIZER_PATTERNS)
+        folder = download(spec, revision, log, download_dir, HUB_TOKENIZER_PATTERNS)
     else:
         raise LoadError(f"--tokenizer {spec!r} does not exist (and is not a Hugging Face 'org/name' id)")
     try:
