@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "\"request_id\", \"body\"}, \"error\"}. The model and engine flags are `run`'s.")
     batch.add_argument("-i", "--input-file", required=True, help="The requests, one JSON object a line ('-': stdin).")
     batch.add_argument("-o", "--output-file", required=True, help="Where the answers go ('-': stdout).")
+    parser.commands = {"run": run, "run-batch": batch}   # (for --config's flag names)
     hints = typing.get_type_hints(Config)
     for command in (run, batch):
         command.set_defaults(run_parser=command)
@@ -293,11 +294,58 @@ def _short_openmp_spin() -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
+def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with vLLM's `--config FILE` read into it: the YAML file's keys are flag names
+    (`port: 8001`, `served-model-name: [a, b]`, `async-scheduling: false`; `_` may stand for
+    `-`; `model` is MODEL), placed before the command line's own flags, which win. A list gives
+    the flag once per item, a mapping its JSON, `true` the bare flag, `false` its `--no-` form
+    (where it has one)."""
+    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    if at is None:
+        return argv
+    path = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else None)
+    rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+    if not path:
+        parser.error("--config needs a YAML file")
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            values = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: the file must hold a mapping of flag names to values")
+    command = next((i for i, a in enumerate(rest) if a in ("run", "run-batch")), None)
+    if command is None:
+        parser.error("--config goes with a command: llmserve run --config FILE")
+    options = parser.commands[rest[command]]._option_string_actions   # (argparse has no public list)
+    words: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if flag == "--model":
+            words.insert(0, str(value))
+        elif value is True:
+            words.append(flag)
+        elif value is False:
+            if f"--no-{flag[2:]}" in options:
+                words.append(f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            for item in value:
+                words += [flag, str(item)]
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        elif value is not None:
+            words += [flag, str(value)]
+    return rest[:command + 1] + words + rest[command + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 2 for a bad flag or environment value (before anything binds or loads),
     else what `serve` returns."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    argv = _config_file(parser, argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(getattr(args, "run_parser", parser), argv, unknown)

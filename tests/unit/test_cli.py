@@ -316,3 +316,29 @@ def test_the_step_token_budget_defaults_by_device():
     assert batched_tokens(given, torch.device("cuda")) == batched_tokens(given, torch.device("cpu")) == 512
     with pytest.raises(ValueError, match="--max-num-batched-tokens must be at least 1"):
         SchedulerConfig(max_num_batched_tokens=0)
+
+
+def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypatch):
+    """vLLM's `--config FILE`: the YAML's keys are flag names (`_` for `-` too, `model` is MODEL),
+    lists repeat the flag, mappings are JSON, booleans the bare or `--no-` flag; the command
+    line's own flags win."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {model}\nport: 8123\nhost: 127.0.0.1\nserved_model_name: [a, b]\n"
+                      "async-scheduling: false\noverride-generation-config: {temperature: 0.4}\n"
+                      "trust-remote-code: true\nmax-num-seqs: 7\n")
+    served = []
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: served.append(cfg) or 0, raising=False)
+    assert cli.main(["run", "--config", str(config), "--port", "9000"]) == 0
+    cfg = served[0]
+    assert (cfg.model.model, cfg.server.port, cfg.server.host) == (str(model), 9000, "127.0.0.1")
+    assert cfg.model.served_model_name == ("a", "b") and cfg.scheduler.max_num_seqs == 7
+    assert cfg.scheduler.async_scheduling == "off"
+    assert cfg.model.generation_overrides() == {"temperature": 0.4}
+    for bad, says in ((tmp_path / "none.yaml", "No such file"), (tmp_path / "list.yaml", "a mapping")):
+        if bad.name == "list.yaml":
+            bad.write_text("- port\n")
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["run", f"--config={bad}"])
+        assert exit_.value.code == 2
