@@ -45,6 +45,8 @@ _VLLM_NO_OPS = {
     "--disable-custom-all-reduce": "llmserve runs a model on one device",
     "--disable-frontend-multiprocessing": "the HTTP server and the engine always share one process (the engine "
                                           "on its own thread)",
+    "--disable-log-requests": "llmserve logs no request content (its one access-log line per request is "
+                              "--no-access-log's to drop)",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
@@ -54,6 +56,8 @@ _VLLM_VALUE_NO_OPS = {
     "--swap-space": "a sequence preempted when the KV cache runs out recomputes its tokens: nothing is swapped "
                     "to CPU memory",
     "--max-log-len": "llmserve logs no prompt text",
+    "--guided-decoding-backend": "structured output always runs on llguidance (response_format, structured_outputs, "
+                                 "forced tool calls)",
 }
 # ... and those accepted only with the value that asks for what llmserve does anyway (any other
 # value stops it with the flag's _VLLM_HINTS line).
@@ -64,9 +68,7 @@ _VLLM_NEUTRAL = {
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
     "--model": "give the model as the first argument: llmserve run MODEL",
-    "--disable-log-requests": "llmserve logs no request content; --no-access-log drops its line per request",
     "--enable-log-requests": "llmserve logs one line per request (--access-log, on by default)",
-    "--disable-uvicorn-access-log": "--no-access-log",
     "--tensor-parallel-size": "llmserve runs a model on one device",
     "-tp": "llmserve runs a model on one device",
     "--pipeline-parallel-size": "llmserve runs a model on one device",
@@ -135,6 +137,9 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls) -> None:
             on_off = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                default=f.default, help=help_text + on_off)
+            if meta.get("off_alias"):   # (vLLM's name for `--no-flag`)
+                group.add_argument(meta["off_alias"], dest=dest, action="store_const", const=False,
+                                   default=f.default, help=f"--no-{flag[2:]} (vLLM's name for it)")
         elif meta.get("several"):   # (`--flag a b`, as vLLM's nargs="+", and `--flag a --flag b`)
             group.add_argument(flag, dest=dest, action=_Several, nargs="+", type=tp, default=None,
                                metavar=f.name.upper(), help=help_text)

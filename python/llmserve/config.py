@@ -428,7 +428,8 @@ class ServerConfig(_Checked):
     sse_keep_alive: float | None = _f(
         None, "Send an SSE comment on a stream idle this many seconds.", above=0
     )
-    access_log: bool = _f(True, "Log one line per request (with `user` when sent).")
+    access_log: bool = _f(True, "Log one line per request (with `user` when sent).",
+                          off_alias="--disable-uvicorn-access-log")
     uvicorn_log_level: str = _f(
         "warning", "uvicorn's own log level (vLLM's flag); llmserve's is LLMSERVE_LOG_LEVEL.",
         choices=("critical", "error", "warning", "info", "debug", "trace"),

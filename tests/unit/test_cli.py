@@ -181,6 +181,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
     assert _config(["--tokenizer", "org/tok"]).model.tokenizer == "org/tok"
     assert _config(["--tokenizer-revision", "v2"]).model.tokenizer_revision == "v2"
+    # vLLM's name for --no-access-log
+    assert (_config([]).server.access_log, _config(["--disable-uvicorn-access-log"]).server.access_log) == (True, False)
     overrides = _config(["--override-generation-config", '{"temperature": 0.2}']).model.generation_overrides()
     assert overrides == {"temperature": 0.2}
     # the values that ask for what llmserve does anyway are taken, and said to do nothing
@@ -188,7 +190,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
                    "auto", "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
                    "--enable-chunked-prefill", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
                    "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4", "--max-log-len",
-                   "100", "--disable-frontend-multiprocessing"], [
+                   "100", "--disable-frontend-multiprocessing", "--disable-log-requests",
+                   "--guided-decoding-backend", "xgrammar"], [
         "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device",
         "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype",
         "--disable-log-stats has no effect: nothing is logged periodically",
@@ -197,7 +200,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         "--swap-space has no effect: a sequence preempted when the KV cache runs out recomputes",
         *(f"{flag} has no effect: " for flag in ("--enable-prompt-tokens-details", "--enable-server-load-tracking",
                                                  "--disable-fastapi-docs", "--disable-custom-all-reduce",
-                                                 "--max-log-len", "--disable-frontend-multiprocessing")),
+                                                 "--max-log-len", "--disable-frontend-multiprocessing",
+                                                 "--disable-log-requests", "--guided-decoding-backend")),
     ])
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
     with pytest.raises((ValueError, SystemExit)):
@@ -213,7 +217,6 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--lora-dtype", "bfloat16"], "--lora-dtype is vLLM's: LoRA adapters compute in the model's dtype"),
     (["-tp", "2"], "-tp is vLLM's: llmserve runs a model on one device (only 1 is taken)"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: --kv-cache-dtype is vLLM's: the KV cache has the model's"),
-    (["--disable-log-requests"], "--disable-log-requests is vLLM's: llmserve logs no request content"),
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
     (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
