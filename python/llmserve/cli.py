@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _origins(values: list[str] | None) -> list[str] | None:
-    """--allowed-origins values, vLLM's JSON list form ('["https://a.example"]') spread out."""
+def _spread(values: list[str] | None) -> list[str] | None:
+    """--allowed-origins (-methods, -headers) values, vLLM's JSON list form
+    ('["https://a.example"]') spread out."""
     out = []
     for value in values or ():
         listed = None
@@ -203,7 +204,8 @@ def _origins(values: list[str] | None) -> list[str] | None:
 
 def config_from_args(ns: argparse.Namespace) -> Config:
     values = vars(ns)
-    values["server.allowed_origins"] = _origins(values.get("server.allowed_origins"))
+    for key in ("server.allowed_origins", "server.allowed_methods", "server.allowed_headers"):
+        values[key] = _spread(values.get(key))
     hints = typing.get_type_hints(Config)
     sections = {}
     for f in dataclasses.fields(Config):

@@ -205,6 +205,10 @@ class ModelConfig(_Checked):
         "over the model's file (or alone, with --generation-config none). Request values still win.")
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
     tokenizer_revision: str | None = _f(None, "Hub revision of --tokenizer when it is a hub id (vLLM's flag).")
+    hf_overrides: str | None = _f(
+        None, "config.json keys to replace, as a JSON object (vLLM's flag), before the model is built: "
+        "'{\"max_position_embeddings\": 4096}', '{\"rope_scaling\": {...}}'. Each key replaces the model's "
+        "whole value (a GGUF file's config, made from its metadata, too).")
     tokenizer: str | None = _f(
         None, "Serve the model with another folder's (or hub id's) tokenizer, as vLLM's flag: its "
         "tokenizer.json, chat template and special tokens (the model's EOS stays). Mostly for a GGUF "
@@ -276,6 +280,7 @@ class ModelConfig(_Checked):
         if t is not None and not os.path.isfile(t) and not any(m in t for m in ("{{", "{%", "{#")):
             raise ValueError(f"--chat-template {t!r} is neither a readable file nor a Jinja template")
         self.generation_overrides()   # (checked now: a bad one stops the start, not a request)
+        self.config_overrides()
         if t is not None and os.path.isfile(t):
             # read now, so a bad file is named before the model loads, not after
             try:
@@ -284,6 +289,18 @@ class ModelConfig(_Checked):
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"--chat-template {t!r} cannot be read as UTF-8 text: {exc}") from None
 
+
+    def config_overrides(self) -> dict:
+        """--hf-overrides as a dict (ValueError unless it is a JSON object)."""
+        if self.hf_overrides is None:
+            return {}
+        try:
+            values = json.loads(self.hf_overrides)
+        except ValueError as exc:
+            raise ValueError(f"--hf-overrides must be a JSON object: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("--hf-overrides must be a JSON object such as '{\"max_position_embeddings\": 4096}'")
+        return values
 
     def generation_overrides(self) -> dict:
         """--override-generation-config as a dict of generation_config.json keys, each value
@@ -449,6 +466,15 @@ class ServerConfig(_Checked):
         "file:// pages). As browsers send them: scheme://host[:port], lowercase. None by "
         "default: browsers then refuse other origins' pages the responses.", append=True,
     )
+    allowed_methods: tuple[str, ...] = _f(
+        (), "HTTP methods those pages may use (CORS; repeatable; '*' for any; vLLM's flag). Default: GET, POST "
+        "and DELETE, the methods of llmserve's routes.", append=True,
+    )
+    allowed_headers: tuple[str, ...] = _f(
+        (), "Request headers those pages may send (CORS; repeatable; vLLM's flag). Default: any ('*').",
+        append=True,
+    )
+    allow_credentials: bool = _f(False, "Let those pages send cookies and HTTP authentication (CORS; vLLM's flag).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -459,6 +485,9 @@ class ServerConfig(_Checked):
                            ("--ssl-ca-certs", self.ssl_ca_certs)):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{flag} {path!r} is not a file")
+        for method in self.allowed_methods:
+            if method != "*" and not (method.isalpha() and method.isupper()):
+                raise ValueError(f"--allowed-methods {method!r} is not an HTTP method (GET, POST, ...) or '*'")
         for origin in self.allowed_origins:
             if origin not in ("*", "null") and (canonical := _as_origin(origin)) != origin:
                 hint = f"; did you mean {canonical!r}?" if canonical else ""

@@ -94,3 +94,30 @@ def test_allowed_origins_get_cors_and_a_keyless_preflight(keyed_server, env_keye
     assert httpx.get(keyed_server.url + "/v1/models", headers={"origin": page}).status_code == 401
     r = httpx.get(env_keyed_server.url + "/v1/models", headers={"origin": page, "authorization": "Bearer e1"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_methods_headers_and_credentials_are_vllms_flags():
+    """--allowed-methods, --allowed-headers, --allow-credentials (vLLM's): what a preflight
+    answers; by default llmserve's own methods (GET, POST, DELETE) and any header, without
+    credentials. Answered in process: a preflight never reaches the engine (nothing loads)."""
+    import asyncio
+
+    from llmserve.config import Config, ServerConfig
+    from llmserve.server.app import create_app
+
+    page = "https://app.example"
+
+    async def preflight(**server) -> httpx.Response:
+        app = create_app(Config(server=ServerConfig(allowed_origins=(page,), access_log=False, **server)))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.options("/v1/responses/r1", headers={
+                "origin": page, "access-control-request-method": "DELETE",
+                "access-control-request-headers": "x-custom"})
+
+    r = asyncio.run(preflight())
+    assert r.status_code == 200 and {"GET", "POST", "DELETE"} <= set(r.headers["access-control-allow-methods"].split(", "))
+    assert "access-control-allow-credentials" not in r.headers
+    r = asyncio.run(preflight(allowed_methods=("GET",), allowed_headers=("x-other",), allow_credentials=True))
+    assert r.status_code == 400   # DELETE and x-custom are not allowed now
+    r = asyncio.run(preflight(allowed_methods=("*",), allowed_headers=("x-custom",), allow_credentials=True))
+    assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true"

@@ -71,3 +71,26 @@ def test_override_generation_config_sets_the_sampling_defaults(tiny_model, gener
     assert router.prepare("completion", json.dumps({**body, "max_tokens": 3}).encode()).max_tokens == 3
     plain = _router(tiny_model, served_model_name=("tiny",), generation_config=generation_config)
     assert plain.prepare("completion", json.dumps(body).encode()).max_tokens != 7
+
+
+def test_hf_overrides_replace_config_keys_before_the_build(tiny_model):
+    """vLLM's --hf-overrides: config.json keys replaced before the model is built (here its
+    positions, which bound the context); the fingerprint tells the two setups apart; a value
+    that is not a JSON object stops the start."""
+    from llmserve.config import Config, DeviceConfig, ModelConfig
+    from llmserve.engine.build import build_engine
+
+    def engine(**model):
+        return build_engine(Config(model=ModelConfig(model=str(tiny_model), served_model_name=("tiny",), **model),
+                                   device=DeviceConfig(threads=1)))
+
+    plain, shorter = engine(), engine(hf_overrides='{"max_position_embeddings": 128}')
+    assert (plain.max_model_len, shorter.max_model_len) == (512, 128)
+    def fingerprint(e):
+        sse = serve(e, [{"prompt": "hi", "max_tokens": 1, "stream": True}])[0][0].decode()
+        return json.loads(sse.split("\n\n")[0].removeprefix("data: "))["system_fingerprint"]
+
+    fingerprints = [fingerprint(e) for e in (plain, shorter)]
+    assert fingerprints[0] != fingerprints[1]
+    with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
+        ModelConfig(hf_overrides="[1]")

@@ -138,6 +138,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config([]).scheduler.async_scheduling == "auto"
     origins = _config(["--allowed-origins", '["https://a.example", "*"]', "--allowed-origins", "null"])
     assert origins.server.allowed_origins == ("https://a.example", "*", "null")
+    cors = _config(["--allowed-methods", '["*"]', "--allowed-headers", "x-a", "--allow-credentials"]).server
+    assert (cors.allowed_methods, cors.allowed_headers, cors.allow_credentials) == (("*",), ("x-a",), True)
+    with pytest.raises((ValueError, SystemExit)):
+        _config(["--allowed-methods", "get it"])
     monkeypatch.delenv("LLMSERVE_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "v1,part")   # (one key, as vLLM reads it)
     assert _config([]).server.api_key == ("v1,part",)

@@ -268,6 +268,10 @@ def build_engine(cfg: Config) -> Engine:
     ck = load_checkpoint(cfg.model.model, revision=cfg.model.revision, quantized_decode=blocks,
                          download_dir=cfg.model.download_dir, tokenizer=cfg.model.tokenizer,
                          tokenizer_revision=cfg.model.tokenizer_revision)
+    overrides = cfg.model.config_overrides()
+    if overrides:
+        log.info("config.json keys replaced (--hf-overrides): %s", ", ".join(overrides))
+        ck = replace(ck, hf_config={**ck.hf_config, **overrides})
     # (the Llama-named keys this file reads, for a family that names its shape otherwise; a
     # config without the keys they are made from is a LoadError, as in the build)
     ck = replace(ck, hf_config=_built(ck, lambda: normalize_config(ck.hf_config)))
@@ -292,7 +296,9 @@ def build_engine(cfg: Config) -> Engine:
                                      *(("gguf-bf16",) if getattr(model, "bf16_only_linears", False) else ()),
                                      # (prompt steps' bf16 matmuls run as a GGUF model's: layers.py)
                                      *(("bf16-rows",) if dtype == torch.bfloat16 and device.type == "cpu" else ()),
-                                     *(ck.conversions if has_blocks else ()))
+                                     *(ck.conversions if has_blocks else ()),
+                                     # (the shape or positions the overrides change move the output)
+                                     *((f"hf-overrides:{json.dumps(overrides, sort_keys=True)}",) if overrides else ()))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
     adapters = _attach_lora(cfg, ck, model, dtype, device)
     if cfg.device.batch_invariant:

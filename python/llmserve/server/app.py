@@ -165,8 +165,11 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
         # Outside the key check: a browser's preflight (OPTIONS) carries no key. The pages of
         # these origins may then send JSON with their keys, and read the answers and our
         # headers.
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.server.allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"],
+        server = config.server
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
+                           allow_methods=list(server.allowed_methods or ("GET", "POST", "DELETE")),
+                           allow_headers=list(server.allowed_headers or ("*",)),
+                           allow_credentials=server.allow_credentials,
                            expose_headers=EXPOSED_HEADERS, max_age=600)
     if config.server.access_log:
         app.add_middleware(AccessLogMiddleware)
