@@ -690,8 +690,8 @@ impl ResponseBuilder {
             }
             // (a background response's stored object follows its output, a few times a second)
             if let Some(run) = &echo.background {
-                if let Some(output) = events.snapshot() {
-                    run.snapshot(output);
+                if let Some(object) = events.snapshot() {
+                    run.snapshot(&object);
                 }
             }
             return;

@@ -159,10 +159,16 @@ impl Inner {
         let mut body: Value = serde_json::from_slice(&old.body).expect("stored bodies are JSON");
         edit(&mut body);
         let body = serde_json::to_vec(&body).expect("JSON values serialize");
-        let new = Stored { body: body.clone(), input: old.input.clone(), answered: old.answered.clone(), run };
-        self.bytes = self.bytes - old.body.len() + body.len();
-        self.map.insert(id.to_string(), Arc::new(new));
+        self.set_body(id, body.clone(), run);
         body
+    }
+
+    /// Replaces the body of the stored response `id` (which must be stored) and sets its run.
+    fn set_body(&mut self, id: &str, body: Vec<u8>, run: Run) {
+        let old = self.map.get(id).expect("edited responses are stored");
+        self.bytes = self.bytes - old.body.len() + body.len();
+        let new = Stored { body, input: old.input.clone(), answered: old.answered.clone(), run };
+        self.map.insert(id.to_string(), Arc::new(new));
     }
 }
 
@@ -324,9 +330,14 @@ impl BackgroundRun {
         self.edit(Run::Running(self.run), |body| body["status"] = json!("in_progress"));
     }
 
-    /// Its output so far (`GET` shows it while it runs; a cancel keeps it).
-    pub fn snapshot(&self, output: Vec<Value>) {
-        self.edit(Run::Running(self.run), |body| body["output"] = Value::Array(output));
+    /// Its object with the output so far (`GET` shows it while it runs; a cancel keeps the
+    /// output). Written whole: nothing is read back.
+    pub fn snapshot(&self, object: &Value) {
+        let body = serde_json::to_vec(object).expect("JSON values serialize");
+        let mut inner = self.store.lock();
+        if inner.run(&self.id) == Some(Run::Running(self.run)) {
+            inner.set_body(&self.id, body, Run::Running(self.run));
+        }
     }
 
     /// It is done: `stored` (its final object and output) replaces the entry. One larger

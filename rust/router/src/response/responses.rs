@@ -193,6 +193,8 @@ pub(super) struct EventStream {
     pending_lp: Vec<ChatLogprob>,
     /// When the output so far was last taken ([`Self::snapshot`]).
     snapshot_at: Option<Instant>,
+    /// A background response's object while it runs (output left out): what a snapshot fills.
+    running: Option<Value>,
 }
 
 impl EventStream {
@@ -206,12 +208,15 @@ impl EventStream {
             logprobs,
             pending_lp: Vec::new(),
             snapshot_at: None,
+            running: None,
         }
     }
 
-    /// The output so far, if there is some and the last was taken `SNAPSHOT_EVERY` ago (or
-    /// never): the items closed as they closed, the open one `in_progress` with what it holds.
-    pub(super) fn snapshot(&mut self) -> Option<Vec<Value>> {
+    /// A background response's object with its output so far, if there is some and the last
+    /// was taken `SNAPSHOT_EVERY` ago (or never): the items closed as they closed, the open one
+    /// `in_progress` with what it holds.
+    pub(super) fn snapshot(&mut self) -> Option<Value> {
+        let running = self.running.as_ref()?;
         if self.items.is_empty() || self.snapshot_at.is_some_and(|at| at.elapsed() < SNAPSHOT_EVERY) {
             return None;
         }
@@ -224,7 +229,7 @@ impl EventStream {
             }
             value
         });
-        Some(items.collect())
+        Some(with(running, "output", Value::Array(items.collect())))
     }
 
     /// Queues one event: `event: <type>` and its JSON with `type` and `sequence_number`.
@@ -247,6 +252,7 @@ impl EventStream {
         if response["status"] == "queued" {
             self.event(out, "response.queued", json!({"response": response}));
             self.queued = Some(with(&response, "status", json!("in_progress")));
+            self.running = self.queued.clone();
         } else {
             self.event(out, "response.in_progress", json!({"response": response}));
         }
