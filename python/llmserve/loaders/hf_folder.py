@@ -117,13 +117,16 @@ def sentence_transformers(folder: Path) -> dict:
 @dataclass(frozen=True)
 class TokenizerFiles:
     """What a folder says about its tokenizer: its tokenizer.json, its chat templates (the
-    folder's slots of the template sources), its special tokens, and its EOS token's id."""
+    folder's slots of the template sources) and its special tokens."""
 
     tokenizer_json: Path
     templates: dict
     bos_token: str | None
     eos_token: str | None
-    eos_token_id: int | None
+
+    def eos_token_id(self) -> int | None:
+        """The EOS token's id in tokenizer.json (read when asked: the file can be megabytes)."""
+        return None if self.eos_token is None else _vocab_id(self.tokenizer_json, self.eos_token)
 
 
 def read_tokenizer(folder: Path) -> TokenizerFiles:
@@ -155,8 +158,7 @@ def read_tokenizer(folder: Path) -> TokenizerFiles:
     special = _read_json(folder / "special_tokens_map.json") or {}
     bos_token = _token_text(tok_config.get("bos_token")) or _token_text(special.get("bos_token"))
     eos_token = _token_text(tok_config.get("eos_token")) or _token_text(special.get("eos_token"))
-    eos_id = None if eos_token is None else _vocab_id(tokenizer_json, eos_token)
-    return TokenizerFiles(tokenizer_json, templates, bos_token, eos_token, eos_id)
+    return TokenizerFiles(tokenizer_json, templates, bos_token, eos_token)
 
 
 def tokenizer_tokens(tokenizer_json: Path) -> list[str | None]:
@@ -201,8 +203,8 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
     for i in _ids(generation_config.get("eos_token_id")) + _ids(config.get("eos_token_id")):
         if i not in eos_ids:
             eos_ids.append(i)
-    if not eos_ids and tok.eos_token_id is not None:
-        eos_ids = [tok.eos_token_id]
+    if not eos_ids and (found := tok.eos_token_id()) is not None:
+        eos_ids = [found]
     t1 = time.perf_counter()
 
     weights = _load_weights(folder)

@@ -90,8 +90,8 @@ def with_tokenizer(ckpt: Checkpoint, spec: str, log: logging.Logger = LOG,
     for slot in ("folder_jinja", "folder_named", "tokenizer_config", "tokenizer_config_file"):
         templates[slot] = tok.templates[slot]
     eos_ids = list(ckpt.eos_token_ids)
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
-        eos_ids.append(tok.eos_token_id)
+    if (eos := tok.eos_token_id()) is not None and eos not in eos_ids:
+        eos_ids.append(eos)
     log.info("tokenizer: %s (--tokenizer %s)", tok.tokenizer_json, spec)
     return replace(ckpt, tokenizer_json=str(tok.tokenizer_json), template_sources=templates,
                    bos_token=tok.bos_token or ckpt.bos_token, eos_token=tok.eos_token or ckpt.eos_token,

@@ -285,19 +285,13 @@ pub(crate) fn tool_message(history: &[Value], id: &str, content: Value) -> (Valu
 }
 
 /// The text of the last message when it is the assistant's (vLLM's `echo`: the reply takes
-/// the same role), its parts joined with newlines as string templates see them; None when
-/// there is none.
+/// the same role), as a string template sees it (parts joined with newlines); None when there
+/// is none.
 fn echo_message(messages: &[Value]) -> Option<String> {
     let last = messages.last().filter(|m| m["role"] == "assistant")?;
-    let text = match &last["content"] {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => {
-            let texts = parts.iter().filter_map(|p| p.get("text").or_else(|| p.get("refusal"))?.as_str());
-            texts.collect::<Vec<_>>().join("\n")
-        }
-        _ => String::new(),
-    };
-    (!text.is_empty()).then_some(text)
+    let one = Value::Array(vec![last.clone()]);
+    let as_string = crate::content_format::normalize(&one, ContentFormat::String);
+    as_string[0]["content"].as_str().filter(|t| !t.is_empty()).map(String::from)
 }
 
 pub(crate) fn missing(param: String) -> ApiError {

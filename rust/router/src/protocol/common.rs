@@ -189,6 +189,11 @@ pub fn invalid_type(param: impl Into<String>, message: impl Into<String>) -> Api
 }
 
 /// `v` as an object, or `invalid_type` at `param`: "{what} must be an object, not a string."
+/// The value of `key` unless it is absent or null.
+pub(crate) fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
 pub fn as_object<'a>(v: &'a Value, param: impl Into<String>, what: &str) -> Result<&'a Map<String, Value>, ApiError> {
     v.as_object().ok_or_else(|| invalid_type(param, format!("{what} must be an object, not {}.", kind_of(v))))
 }

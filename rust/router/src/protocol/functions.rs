@@ -19,10 +19,10 @@
 //! (each pair asks for the same thing twice); `function_call` goes with `functions`, as
 //! `tool_choice` goes with `tools`. Legacy messages are read whichever the request sends.
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::chat::{missing, require_str};
-use super::common::{as_object, invalid_type, kind_of, rename_error, rename_quoted};
+use super::common::{as_object, invalid_type, kind_of, rename_error, rename_quoted, set};
 use crate::error::ApiError;
 
 /// A chat request with the deprecated fields, and where its translated parts came from.
@@ -41,10 +41,6 @@ pub(crate) struct Legacy {
     calls: Vec<usize>,
     /// `tool` messages that were `function` messages (their `tool_call_id` was made here).
     results: Vec<usize>,
-}
-
-fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
 }
 
 /// The id given to the call of the assistant message at `index` (nine letters and digits:

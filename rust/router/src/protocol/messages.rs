@@ -56,7 +56,8 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{missing, require_str, tool_message, unknown_keys_in};
 use super::common::{
-    as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, settle_ignored, unsupported, AsksNothing,
+    as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, set, settle_ignored, unsupported,
+    AsksNothing,
 };
 use super::{chat, Checked, Endpoint, Handled};
 use crate::error::ApiError;
@@ -94,11 +95,6 @@ const TOOL_KEYS: [&str; 6] = ["type", "name", "description", "input_schema", "ca
 
 /// Block types the Messages API has that a text model served here cannot take.
 const MEDIA_BLOCKS: [&str; 4] = ["image", "document", "search_result", "container_upload"];
-
-/// The value of `key` unless it is absent or null.
-fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
-}
 
 /// Where one chat message came from, in the Messages request's terms.
 #[derive(Default)]

@@ -54,8 +54,8 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{missing, require_str, tool_message, unknown_keys_in};
 use super::common::{
-    as_object, check_metadata, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, settle_ignored,
-    unsupported,
+    as_object, check_metadata, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, set,
+    settle_ignored, unsupported,
 };
 use super::{chat, Checked, Endpoint};
 use crate::conversation_store::Lease;
@@ -362,11 +362,6 @@ fn check_item_id(obj: &Map<String, Value>, p: &str) -> Result<(), ApiError> {
         )),
         Some(other) => Err(invalid_type(format!("{p}.id"), format!("`id` must be a string, not {}.", kind_of(other)))),
     }
-}
-
-/// The value of `key` unless it is absent or null.
-fn set<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
 }
 
 /// Builds the chat messages from `instructions` and `input`.
