@@ -8,6 +8,10 @@
 //! `schedule` computes a packed token mask for each sampling row that has one (rows without
 //! a grammar cost nothing), `commit` feeds each sampled token to its matcher and ends the
 //! sequence with "stop" as soon as the grammar is complete.
+//! Beam search requests (`use_beam_search`) hold one `BeamSearch` per prompt: `commit` hands
+//! it each step's rows (their top logprobs), the scheduler forks and releases the beams it
+//! picks (`advance_beams`), and once the search ends its best beams are delivered as the
+//! choices, token by token through the same path as sampled tokens.
 //! Invariant: a handle is in `requests` exactly while some of its sequences may still
 //! produce output; when its last choice finishes (or it is aborted/failed) its state and all
 //! its scheduler requests are gone.
@@ -32,6 +36,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use serde::Deserialize;
 
+use crate::beam::{BeamEnd, BeamSearch, Limits};
 use crate::errors;
 use crate::plan::{Masks, PyPlan};
 use crate::router::{PyPrepared, PyRouter};
@@ -104,6 +109,10 @@ struct RequestState {
     prompt_only: bool,
     /// An embeddings request: each input ends "stop" once its prompt has run (pooled).
     embedding: bool,
+    /// Beam search (`use_beam_search`): each prompt's search; else empty.
+    beams: Vec<BeamSearch>,
+    /// Beam search: the tokens that end a beam (eos unless ignored, `stop_token_ids`).
+    beam_ends: Vec<u32>,
 }
 
 impl RequestState {
@@ -235,6 +244,12 @@ impl CoreState {
         let mut detoks = Vec::new();
         let mut held = Vec::new();
         let mut matchers = Vec::new();
+        let mut beams = Vec::new();
+        // (`max_tokens: 0` answers with the prompt alone: nothing to search)
+        let beam_search = p.beam_search.filter(|_| p.max_tokens != Some(0));
+        let eos = &self.router.config().eos_token_ids;
+        let beam_ends: Vec<u32> = if p.ignore_eos { Vec::new() } else { eos.clone() };
+        let beam_ends = beam_ends.into_iter().chain(p.stop_token_ids.iter().copied()).collect();
         for (i, prompt) in prepared.prompts.iter().enumerate() {
             let id = self.next_sched_id;
             self.next_sched_id += 1;
@@ -246,11 +261,20 @@ impl CoreState {
                     matchers.push(g.matcher());
                 }
             }
-            self.scheduler.add(NewRequest {
-                id,
-                prompt: prompt.clone(),
-                n: seqs_per_prompt,
-                sampling: SeqSampling {
+            let sampling = match beam_search {
+                // (each beam's row returns its candidates; its sampled token is not used)
+                Some(b) => {
+                    let limits = Limits {
+                        max_tokens: max_tokens as usize,
+                        max_model_len: self.max_model_len as usize,
+                        min_tokens: p.min_tokens as usize,
+                    };
+                    let search = BeamSearch::new(p.n as usize, prompt.len(), b.length_penalty, limits);
+                    let wanted = search.candidates().max(p.logprobs.unwrap_or(0) as usize);
+                    beams.push(search);
+                    SeqSampling { temperature: 0.0, num_logprobs: wanted as i32, beam: true, ..SeqSampling::default() }
+                }
+                None => SeqSampling {
                     temperature: p.temperature,
                     top_p: p.top_p,
                     top_k: p.top_k,
@@ -262,7 +286,15 @@ impl CoreState {
                     num_logprobs: p.logprobs.map_or(-1, |k| k as i32),
                     logit_bias: p.logit_bias.clone(),
                     bad_words: p.bad_words.clone(),
+                    beam: false,
                 },
+            };
+            self.scheduler.add(NewRequest {
+                id,
+                prompt: prompt.clone(),
+                // (a beam search forks as it goes)
+                n: if beam_search.is_some() { 1 } else { seqs_per_prompt },
+                sampling,
                 stop: StopRules {
                     max_tokens,
                     min_tokens: p.min_tokens,
@@ -314,6 +346,8 @@ impl CoreState {
                 new_tokens: 0,
                 prompt_only: p.max_tokens == Some(0),
                 embedding: prepared.embedding.is_some(),
+                beams,
+                beam_ends,
             },
         );
         Ok(handle)
@@ -486,6 +520,8 @@ impl CoreState {
         }
         let updates = self.scheduler.commit(tokens);
         let mut touched: Vec<u64> = Vec::new();
+        // (handle, prompt, scheduler request id, sequence, row) of each beam search row
+        let mut beam_rows: Vec<(u64, u32, u64, u32, usize)> = Vec::new();
         let mut failed: Vec<(u64, String)> = plan.mask_failures;
         for u in updates {
             let Some(&(handle, prompt_idx)) = self.owners.get(&u.req_id) else { continue };
@@ -513,102 +549,26 @@ impl CoreState {
                 }
                 continue;
             }
+            if !state.beams.is_empty() {
+                beam_rows.push((handle, prompt_idx, u.req_id, u.seq_index, u.sample_row));
+                continue;
+            }
             // (`best_of` ranks the choices by every token they sampled)
             let row = u.sample_row;
+            let logprob = logprobs.get(row).copied().unwrap_or(0.0);
             for c in state.choices_of(prompt_idx, u.seq_index) {
-                state.builder.score(c, logprobs.get(row).copied().unwrap_or(0.0));
+                state.builder.score(c, logprob);
             }
-            let d = (prompt_idx * state.seqs_per_prompt + u.seq_index) as usize;
-            let detok = &mut state.detoks[d];
-            let text_offset = detok.decoded_len();
             let mut top = top_of(top_ids, top_lps, k, row);
             top.truncate(state.num_top);
-            let token = TokenOut { id: u.token, logprob: logprobs.get(row).copied().unwrap_or(0.0), top, text_offset };
-            let mut finish = u.finish.map(finish_reason);
-            // The grammar is complete once its matcher stops: the sequence ends here.
-            let grammar_done = match state.matchers.get_mut(d) {
-                Some(m) if finish.is_none() => match m.consume_token(u.token) {
-                    Ok(_) => m.is_stopped(),
-                    // The mask allowed the token, so this is our fault, not the client's:
-                    // the request fails rather than ending "stop" on output the grammar
-                    // does not accept.
-                    Err(e) => {
-                        // llguidance appends its parser state after the first line.
-                        let why = e.to_string();
-                        let why = why.lines().next().unwrap_or_default();
-                        failed.push((handle, format!("Constrained decoding failed at token {}: {why}", u.token)));
-                        if let Some(key) = &state.grammar_key {
-                            self.router.grammars().evict(key);
-                        }
-                        continue;
-                    }
-                },
-                _ => false,
-            };
-            // NOTE: a token that ends the sequence by id (eos, stop_token_ids) is counted but
-            // not shown unless `include_stop_str_in_output`, as in vLLM (a special eos shows
-            // nothing under skip_special_tokens); text held back for stop strings is released.
-            let by_token = finish == Some(FinishReason::Stop);
-            let mut text;
-            let mut stop_reason = None;
-            let mut stop_text = None;
-            if by_token && state.stop_token_reasons.contains(&u.token) {
-                stop_reason = Some(StopReason::Token(u.token));
-            }
-            if by_token {
-                text = detok.finish_on_token(u.token);
-            } else {
-                let step = detok.push(u.token);
-                text = step.text;
-                if let Some(s) = step.stop {
-                    if finish.is_none() {
-                        self.scheduler.finish_seq(u.req_id, u.seq_index);
-                    }
-                    finish = Some(FinishReason::Stop);
-                    stop_text = Some(s);
-                } else if finish.is_some() {
-                    text.push_str(&detok.flush());
-                } else if grammar_done {
-                    self.scheduler.finish_seq(u.req_id, u.seq_index);
-                    finish = Some(FinishReason::Stop);
-                    text.push_str(&detok.flush());
-                }
-            }
-            let tokens_out = if finish.is_some() {
-                let every = state.list_every_token;
-                let cut = stop_text.as_ref().filter(|_| !every).map(|_| detok.emitted_len());
-                let mut out = state.held[d].finish(token, cut);
-                // As for stop strings: a stopping token whose text is left out is counted in
-                // usage but not listed, so the listed tokens spell the content (unless the
-                // request reads the sampled tokens: `list_every_token`).
-                if by_token && !state.show_stop_tokens && !every {
-                    out.pop();
-                }
-                out
-            } else {
-                state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
-            };
-            let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
-            let delta = ChoiceDelta {
-                text: &text,
-                tokens: &tokens_out,
-                ids: std::slice::from_ref(&u.token),
-                finish,
-                stop_reason,
-            };
-            let choices = state.choices_of(prompt_idx, u.seq_index);
-            let first_choice = choices.start;
-            // NOTE: greedy n > 1 computes one sequence for n choices: each choice's token
-            // counts, as in usage (and as vLLM, which runs n sequences, counts them).
-            state.new_tokens += choices.len() as u32;
-            for c in choices {
-                state.builder.push(c, &delta);
-            }
-            // The builder ended the choice itself (its one allowed tool call is complete).
-            if finish.is_none() && state.builder.choice_finished(first_choice) {
-                self.scheduler.finish_seq(u.req_id, u.seq_index);
+            let finish = u.finish.map(finish_reason);
+            match deliver(state, &self.router, prompt_idx, u.seq_index, u.token, logprob, top, finish) {
+                Delivery::Going => {}
+                Delivery::Ended => self.scheduler.finish_seq(u.req_id, u.seq_index),
+                Delivery::Failed(message) => failed.push((handle, message)),
             }
         }
+        self.step_beams(beam_rows, top_ids, top_lps, k, &mut failed);
         let mut out = Vec::with_capacity(touched.len() + failed.len());
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
@@ -642,6 +602,68 @@ impl CoreState {
         out
     }
 
+    /// One step of each beam search that had rows in the plan just committed (`rows` as
+    /// `commit` collected them, grouped by request as the plan lists them): its beams go on
+    /// in the scheduler, and once none lives its best beams become the choices, token by
+    /// token as sampled ones would.
+    fn step_beams(
+        &mut self,
+        rows: Vec<(u64, u32, u64, u32, usize)>,
+        top_ids: &[i64],
+        top_lps: &[f32],
+        k: usize,
+        failed: &mut Vec<(u64, String)>,
+    ) {
+        let mut start = 0;
+        while start < rows.len() {
+            let (handle, prompt_idx, req_id, ..) = rows[start];
+            let end = start + rows[start..].iter().take_while(|r| r.2 == req_id).count();
+            let group = &rows[start..end];
+            start = end;
+            let Some(state) = self.requests.get_mut(&handle) else { continue };
+            let tops: Vec<(u32, Vec<(u32, f32)>)> =
+                group.iter().map(|&(.., seq, row)| (seq, top_of(top_ids, top_lps, k, row))).collect();
+            let search = &mut state.beams[prompt_idx as usize];
+            let ends = &state.beam_ends;
+            let picks = search.step(&tops, state.num_top, |t| ends.contains(&t));
+            let indices = self.scheduler.advance_beams(req_id, &picks);
+            search.renumber(&indices);
+            if !search.is_done() {
+                continue;
+            }
+            let results = search.results();
+            for c in 0..state.n {
+                let Some(beam) = results.get(c as usize) else {
+                    // (a search that found fewer beams than asked: the rest end empty)
+                    let delta = ChoiceDelta {
+                        text: "",
+                        tokens: &[],
+                        ids: &[],
+                        finish: Some(FinishReason::Length),
+                        stop_reason: None,
+                    };
+                    state.builder.push(prompt_idx * state.n + c, &delta);
+                    continue;
+                };
+                let last = beam.tokens.len() - 1;
+                for (i, t) in beam.tokens.iter().enumerate() {
+                    let finish = (i == last).then_some(match beam.end {
+                        BeamEnd::Token => FinishReason::Stop,
+                        BeamEnd::Length => FinishReason::Length,
+                    });
+                    match deliver(state, &self.router, prompt_idx, c, t.id, t.logprob, t.top.clone(), finish) {
+                        Delivery::Going => {}
+                        Delivery::Ended => break,
+                        Delivery::Failed(message) => {
+                            failed.push((handle, message));
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Fail every request of the plans awaiting commit: the step that ran one raised.
     fn fail_plan(&mut self, message: &str) -> Vec<Output> {
         // Drop what the failed steps registered (their K/V was never written).
@@ -656,6 +678,116 @@ impl CoreState {
             .into_iter()
             .filter_map(|h| self.forget(h).map(|mut s| (h, s.error_bytes(&err), Some("error"), true, 0, Vec::new())))
             .collect()
+    }
+}
+
+/// What `deliver` made of a token.
+enum Delivery {
+    /// The choice goes on, or ended as the scheduler ended its sequence.
+    Going,
+    /// The router ended the choice (a stop string, a complete grammar, the one allowed tool
+    /// call): its sequence must end too.
+    Ended,
+    /// The request fails with this message.
+    Failed(String),
+}
+
+/// Hand a token that sequence `seq` of prompt `prompt_idx` produced (`finish`: how the
+/// scheduler ended the sequence with it, if it did) to its detokenizer, matcher and the
+/// choices it answers.
+#[allow(clippy::too_many_arguments)]
+fn deliver(
+    state: &mut RequestState,
+    router: &Router,
+    prompt_idx: u32,
+    seq: u32,
+    id: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+    mut finish: Option<FinishReason>,
+) -> Delivery {
+    let d = (prompt_idx * state.seqs_per_prompt + seq) as usize;
+    let detok = &mut state.detoks[d];
+    let text_offset = detok.decoded_len();
+    let token = TokenOut { id, logprob, top, text_offset };
+    let mut ended = false;
+    // The grammar is complete once its matcher stops: the sequence ends here.
+    let grammar_done = match state.matchers.get_mut(d) {
+        Some(m) if finish.is_none() => match m.consume_token(id) {
+            Ok(_) => m.is_stopped(),
+            // The mask allowed the token, so this is our fault, not the client's: the request
+            // fails rather than ending "stop" on output the grammar does not accept.
+            Err(e) => {
+                // llguidance appends its parser state after the first line.
+                let why = e.to_string();
+                let why = why.lines().next().unwrap_or_default();
+                if let Some(key) = &state.grammar_key {
+                    router.grammars().evict(key);
+                }
+                return Delivery::Failed(format!("Constrained decoding failed at token {id}: {why}"));
+            }
+        },
+        _ => false,
+    };
+    // NOTE: a token that ends the sequence by id (eos, stop_token_ids) is counted but not
+    // shown unless `include_stop_str_in_output`, as in vLLM (a special eos shows nothing under
+    // skip_special_tokens); text held back for stop strings is released.
+    let by_token = finish == Some(FinishReason::Stop);
+    let mut text;
+    let mut stop_reason = None;
+    let mut stop_text = None;
+    if by_token && state.stop_token_reasons.contains(&id) {
+        stop_reason = Some(StopReason::Token(id));
+    }
+    if by_token {
+        text = detok.finish_on_token(id);
+    } else {
+        let step = detok.push(id);
+        text = step.text;
+        if let Some(s) = step.stop {
+            ended = finish.is_none();
+            finish = Some(FinishReason::Stop);
+            stop_text = Some(s);
+        } else if finish.is_some() {
+            text.push_str(&detok.flush());
+        } else if grammar_done {
+            ended = true;
+            finish = Some(FinishReason::Stop);
+            text.push_str(&detok.flush());
+        }
+    }
+    let tokens_out = if finish.is_some() {
+        let every = state.list_every_token;
+        let cut = stop_text.as_ref().filter(|_| !every).map(|_| detok.emitted_len());
+        let mut out = state.held[d].finish(token, cut);
+        // As for stop strings: a stopping token whose text is left out is counted in usage but
+        // not listed, so the listed tokens spell the content (unless the request reads the
+        // sampled tokens: `list_every_token`).
+        if by_token && !state.show_stop_tokens && !every {
+            out.pop();
+        }
+        out
+    } else {
+        state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
+    };
+    let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
+    let delta = ChoiceDelta { text: &text, tokens: &tokens_out, ids: std::slice::from_ref(&id), finish, stop_reason };
+    let choices = state.choices_of(prompt_idx, seq);
+    let first_choice = choices.start;
+    // NOTE: greedy n > 1 computes one sequence for n choices: each choice's token counts, as
+    // in usage (and as vLLM, which runs n sequences, counts them).
+    state.new_tokens += choices.len() as u32;
+    for c in choices {
+        state.builder.push(c, &delta);
+    }
+    // The builder ended the choice itself (its one allowed tool call is complete).
+    if finish.is_none() && state.builder.choice_finished(first_choice) {
+        ended = true;
+    }
+    if ended {
+        Delivery::Ended
+    } else {
+        Delivery::Going
     }
 }
 

@@ -11,6 +11,7 @@
 //! decode step in one call).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
 
+mod beam;
 mod core;
 mod decoder;
 mod errors;

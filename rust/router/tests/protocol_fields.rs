@@ -140,7 +140,8 @@ fn inert_openai_fields_must_have_their_kind() {
 
 /// vLLM's fields that llmserve does not implement: at the value that asks for nothing they
 /// pass silently (also under `--strict-fields`; clients send vLLM's whole default set), any
-/// other value is refused, as it would change vLLM's output. (Chat's `echo` is served.)
+/// other value is refused, as it would change vLLM's output. (Chat's `echo` and beam search
+/// are served.)
 #[test]
 fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
@@ -151,15 +152,58 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
     assert_eq!(header(&completion(&strict, defaults).unwrap(), "llmserve-ignored-fields"), None);
     chat(&strict, json!({"echo": false})).unwrap();
     let r = router();
-    for (field, value) in
-        [("use_beam_search", json!(true)), ("length_penalty", json!(0.5)), ("logits_processors", json!(["m.P"]))]
-    {
-        for got in
-            [shape(chat(&r, json!({field: value.clone()}))), shape(completion(&r, json!({field: value.clone()})))]
-        {
+    for got in [
+        shape(chat(&r, json!({"logits_processors": ["m.P"]}))),
+        shape(completion(&r, json!({"logits_processors": ["m.P"]}))),
+    ] {
+        assert_eq!(got, (400, "unsupported_parameter", Some("logits_processors".to_string())));
+    }
+}
+
+/// vLLM's beam search: `n` beams, `length_penalty` read; fields that reshape the distribution
+/// the beams are ranked by are refused, those it has no use for reported (as is
+/// `length_penalty` without beam search).
+#[test]
+fn beam_search_is_checked_against_what_it_cannot_honour() {
+    let r = router();
+    let beam = |extra: Value| {
+        let mut body = json!({"use_beam_search": true, "n": 3, "length_penalty": 0.5});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for prepare in [chat, completion] {
+        let p = prepare(&r, beam(json!({}))).unwrap();
+        assert_eq!(p.params.beam_search.map(|b| b.length_penalty), Some(0.5));
+        assert_eq!(p.params.seqs_per_prompt(), 3, "every beam runs");
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+        let p = prepare(&r, beam(json!({"temperature": 0.7, "seed": 3, "top_p": 0.9}))).unwrap();
+        assert_eq!(header(&p, "llmserve-ignored-fields"), Some("seed, temperature, top_p"));
+        let p = prepare(&r, json!({"length_penalty": 0.5})).unwrap();
+        assert_eq!(p.params.beam_search, None);
+        assert_eq!(header(&p, "llmserve-ignored-fields"), Some("length_penalty"));
+        for (field, value) in [
+            ("logit_bias", json!({"5": 1})),
+            ("bad_words", json!(["x"])),
+            ("allowed_token_ids", json!([5, 6])),
+            ("presence_penalty", json!(0.5)),
+            ("frequency_penalty", json!(0.5)),
+            ("repetition_penalty", json!(1.2)),
+        ] {
+            let got = shape(prepare(&r, beam(json!({field: value}))));
             assert_eq!(got, (400, "unsupported_parameter", Some(field.to_string())), "{field}");
         }
+        let got = shape(prepare(&r, beam(json!({"response_format": {"type": "json_object"}}))));
+        assert_eq!(got, (400, "unsupported_parameter", Some("use_beam_search".to_string())));
+        let got = shape(prepare(&r, beam(json!({"length_penalty": "x"}))));
+        assert_eq!(got.0, 400);
     }
+    let got = shape(completion(&r, beam(json!({"best_of": 4}))));
+    assert_eq!(got, (400, "unsupported_parameter", Some("best_of".to_string())));
+    completion(&r, beam(json!({"best_of": 3}))).unwrap();
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let hermes = router_with(json!({"tool_call_format": "hermes"}), Some(TEMPLATE));
+    let got = shape(chat(&hermes, beam(json!({"tools": tools, "tool_choice": "required"}))));
+    assert_eq!(got, (400, "unsupported_parameter", Some("use_beam_search".to_string())));
 }
 
 /// vLLM's chat `echo`: the reply's content starts with the last message's when that one is

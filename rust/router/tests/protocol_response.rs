@@ -33,6 +33,7 @@ fn params(n: u32, logprobs: Option<u32>) -> SamplingParams {
         logit_bias: vec![],
         bad_words: Vec::new(),
         allowed_token_ids: None,
+        beam_search: None,
         logprobs,
     }
 }

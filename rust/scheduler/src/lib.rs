@@ -11,7 +11,8 @@
 //!
 //! Owns: request and sequence state, the waiting queue (fcfs or priority), the running set,
 //! the [`BlockPool`] (ref-counted blocks, LRU free list, chained block hashes for prefix
-//! reuse), the token budget, preemption by recompute, and the fork of n > 1 sequences.
+//! reuse), the token budget, preemption by recompute, the fork of n > 1 sequences, and the
+//! forks and releases of a beam search's sequences (`advance_beams`; the caller picks).
 //! Knows nothing of PyO3, tensors or the model.
 //!
 //! Invariants (checked by [`Scheduler::validate`], exercised by property tests): free + used

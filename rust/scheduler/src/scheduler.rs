@@ -84,6 +84,8 @@ pub(crate) struct Req {
     pub seqs: Vec<u32>,
     /// Sequences not yet finished, counting unborn forks.
     pub unfinished: u32,
+    /// The index the next sequence of a beam search's fork gets (`advance_beams`).
+    pub next_index: u32,
     /// Alternatives wanted per prompt logprob; None when prompt logprobs are not asked.
     pub prompt_logprobs: Option<u32>,
     /// Prompt positions below this have had their logprob row planned.
@@ -280,6 +282,7 @@ impl Scheduler {
             root,
             seqs: Vec::with_capacity(req.n as usize),
             unfinished: req.n,
+            next_index: req.n,
             prompt_logprobs: req.prompt_logprobs,
             prompt_lp_next: 0,
             pooling: req.pooling,
@@ -379,7 +382,7 @@ impl Scheduler {
         })
     }
 
-    fn find_seq(&self, req_id: u64, seq_index: u32) -> Option<u32> {
+    pub(crate) fn find_seq(&self, req_id: u64, seq_index: u32) -> Option<u32> {
         let &req_slot = self.req_index.get(&req_id)?;
         self.req(req_slot).seqs.iter().copied().find(|&s| self.seqs[s as usize].index == seq_index)
     }

@@ -42,8 +42,8 @@ impl Scheduler {
     /// scheduled at all.
     ///
     /// Not planned ahead (empty): unless exactly one plan awaits commit; when one of its rows
-    /// forks (n > 1), has penalties or bad words of several tokens (their next rows need the
-    /// token itself); when the running sequences would not fit in the free blocks (this never
+    /// forks (n > 1), has penalties or bad words of several tokens, or runs beam search (their
+    /// next rows need the token itself); when the running sequences would not fit in the free blocks (this never
     /// preempts).
     pub fn schedule_ahead(&mut self) -> Plan {
         if self.inflight.len() != 1 || !self.rows_plan_ahead() {
@@ -74,7 +74,7 @@ impl Scheduler {
             let live = seq.gen == row.gen && seq.state == State::Running;
             !live || {
                 let req = self.req(seq.req);
-                row.fork_n <= 1 && !req.penalized && !req.sampling.reads_output()
+                row.fork_n <= 1 && !req.penalized && !req.sampling.reads_output() && !req.sampling.beam
             }
         })
     }
@@ -405,7 +405,8 @@ impl Scheduler {
     /// Apply one sampled token per row of the oldest Plan awaiting commit, in row order:
     /// append (or replace the placeholder `schedule_ahead` gave it), check stop rules, free
     /// finished sequences, fork n > 1 prompts. Rows whose sequence was aborted or finished
-    /// since `schedule` produce no update.
+    /// since `schedule` produce no update. A beam search's rows produce their update and
+    /// nothing else: the caller answers them with `advance_beams` before the next `schedule`.
     ///
     /// Panics unless `tokens.len()` equals that Plan's `num_rows`.
     pub fn commit(&mut self, tokens: &[u32]) -> Vec<SeqUpdate> {
@@ -421,7 +422,19 @@ impl Scheduler {
             let row = rows[i];
             let group = row.fork_n.max(1) as usize;
             let seq = &self.seqs[row.slot as usize];
-            if seq.gen == row.gen && seq.state == State::Running {
+            if seq.gen == row.gen && seq.state == State::Running && self.req(seq.req).sampling.beam {
+                // (the caller chooses the token: `advance_beams`)
+                let req = self.req(seq.req);
+                let first = seq.tokens.len() == seq.prompt_len;
+                out.push(SeqUpdate {
+                    req_id: req.id,
+                    seq_index: seq.index,
+                    token: tokens[i],
+                    finish: None,
+                    sample_row: i,
+                    cached_prompt_tokens: first.then(|| req.cached_prompt_tokens.unwrap_or(0)),
+                });
+            } else if seq.gen == row.gen && seq.state == State::Running {
                 let mark = out.len();
                 if row.fork_n > 1 {
                     self.fork(row.slot, &tokens[i..i + group], i, &mut out);
@@ -499,16 +512,13 @@ impl Scheduler {
         }
     }
 
-    /// Create the n - 1 children of a parent whose prompt just completed. Each shares the
-    /// parent's full blocks and gets a private copy of the partial last one (copied by the
-    /// runner before the next forward).
+    /// Create the n - 1 children of a parent whose prompt just completed (`spawn`), but for
+    /// those whose first token already ends them.
     fn fork(&mut self, parent: u32, tokens: &[u32], base_row: usize, out: &mut Vec<SeqUpdate>) {
-        let bs = self.cfg.block_size;
         let p = &mut self.seqs[parent as usize];
         p.fork_pending = false;
         let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
         debug_assert_eq!(computed, prompt_len, "a fork happens when the prompt completes");
-        let (full, partial) = (computed / bs, computed % bs != 0);
         for (k, &token) in tokens.iter().enumerate().skip(1) {
             let req = self.req(req_slot);
             let finish = stop_reason(&req.stop, prompt_len + 1, prompt_len, token, self.cfg.max_model_len);
@@ -524,33 +534,89 @@ impl Scheduler {
                 self.req_mut(req_slot).unfinished -= 1;
                 continue;
             }
-            let mut child_tokens = Vec::with_capacity(prompt_len + 1 + bs);
-            child_tokens.extend_from_slice(&self.seqs[parent as usize].tokens[..prompt_len]);
-            child_tokens.push(token);
-            let child = self.alloc_seq(req_slot, k as u32, child_tokens, prompt_len);
-            let dst = if partial { self.pool.allocate() } else { None };
-            if partial && dst.is_none() {
-                // No block for the copy: the child recomputes its prompt when admitted
-                // (with prefix caching it finds the parent's full blocks).
-                self.enqueue_waiting(child);
-                continue;
-            }
-            let (p, c) = two_mut(&mut self.seqs, parent as usize, child as usize);
-            for &b in &p.blocks[..full] {
-                self.pool.touch(b);
-                c.blocks.push(b);
-            }
-            if let Some(dst) = dst {
-                let src = p.blocks[full];
-                self.pool.touch(src);
-                self.pending_copies.push(PendingCopy { slot: child, src, dst });
-                c.blocks.push(dst);
-            }
-            c.num_computed = computed;
-            c.num_hashed = p.num_hashed;
-            c.last_hash = p.last_hash;
-            self.enqueue_running(child);
+            self.spawn(parent, k as u32, token);
         }
+    }
+
+    /// A new sequence `index` of `parent`'s request: the parent's computed tokens and `token`.
+    /// It shares the parent's full blocks and gets a private copy of its partial last one
+    /// (copied by the runner before the next forward); with no block free for the copy it
+    /// waits to recompute (with prefix caching it finds the parent's full blocks).
+    fn spawn(&mut self, parent: u32, index: u32, token: u32) -> u32 {
+        let bs = self.cfg.block_size;
+        let p = &self.seqs[parent as usize];
+        let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
+        debug_assert_eq!(computed, p.tokens.len(), "a sequence spawns once all its tokens are computed");
+        let (full, partial) = (computed / bs, computed % bs != 0);
+        let mut child_tokens = Vec::with_capacity(computed + 1 + bs);
+        child_tokens.extend_from_slice(&p.tokens[..computed]);
+        child_tokens.push(token);
+        let child = self.alloc_seq(req_slot, index, child_tokens, prompt_len);
+        let dst = if partial { self.pool.allocate() } else { None };
+        if partial && dst.is_none() {
+            self.enqueue_waiting(child);
+            return child;
+        }
+        let (p, c) = two_mut(&mut self.seqs, parent as usize, child as usize);
+        for &b in &p.blocks[..full] {
+            self.pool.touch(b);
+            c.blocks.push(b);
+        }
+        if let Some(dst) = dst {
+            let src = p.blocks[full];
+            self.pool.touch(src);
+            self.pending_copies.push(PendingCopy { slot: child, src, dst });
+            c.blocks.push(dst);
+        }
+        c.num_computed = computed;
+        c.num_hashed = p.num_hashed;
+        c.last_hash = p.last_hash;
+        c.decoded_from = p.decoded_from;
+        self.enqueue_running(child);
+        child
+    }
+
+    /// Beam search (`SeqSampling::beam`): after `commit` gave request `req_id`'s rows, its
+    /// sequences become the chosen continuations, `picks`: (parent index, token) each, every
+    /// parent a sequence that had a row there. A parent's first pick continues in the parent
+    /// itself (keeping its index), each further one forks from it (`spawn`) under a new
+    /// index. Every other sequence of the request is released, also one that did not run in
+    /// that step (a fork still waiting for blocks): the search goes on with those that ran.
+    /// Returns each pick's sequence index; with no pick the request ends.
+    ///
+    /// Panics if a pick names no live sequence of the request (a caller error).
+    pub fn advance_beams(&mut self, req_id: u64, picks: &[(u32, u32)]) -> Vec<u32> {
+        let Some(&req_slot) = self.req_index.get(&req_id) else {
+            return Vec::new();
+        };
+        let mut continued: Vec<(u32, u32)> = Vec::with_capacity(picks.len());
+        let mut indices = Vec::with_capacity(picks.len());
+        for &(parent, token) in picks {
+            let slot = self.find_seq(req_id, parent).expect("a pick names a live sequence");
+            if continued.iter().any(|&(s, _)| s == slot) {
+                let req = self.req_mut(req_slot);
+                let index = req.next_index;
+                req.next_index += 1;
+                req.unfinished += 1;
+                self.spawn(slot, index, token);
+                indices.push(index);
+            } else {
+                continued.push((slot, token));
+                indices.push(parent);
+            }
+        }
+        for &(slot, token) in &continued {
+            self.seqs[slot as usize].tokens.push(token);
+        }
+        let others: Vec<u32> =
+            self.req(req_slot).seqs.iter().copied().filter(|s| !continued.iter().any(|&(c, _)| c == *s)).collect();
+        for slot in others {
+            // (spawned forks are in `seqs` too, and `continued` does not name them)
+            if !indices.contains(&self.seqs[slot as usize].index) {
+                self.retire(slot);
+            }
+        }
+        indices
     }
 }
 

@@ -54,6 +54,9 @@ pub struct SeqSampling {
     /// Token sequences never generated (vLLM's `bad_words`, each non-empty): the last token of
     /// each is banned (bias -inf) wherever the output so far ends with the rest of it.
     pub bad_words: Vec<Vec<u32>>,
+    /// Beam search: the caller chooses each step's tokens from the rows' logprobs, so
+    /// `commit` appends nothing to these sequences and `advance_beams` continues them.
+    pub beam: bool,
 }
 
 impl Default for SeqSampling {
@@ -71,6 +74,7 @@ impl Default for SeqSampling {
             num_logprobs: -1,
             logit_bias: Vec::new(),
             bad_words: Vec::new(),
+            beam: false,
         }
     }
 }

@@ -8,7 +8,7 @@ use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::SamplingParams;
+use super::{BeamSearch, SamplingParams};
 use crate::error::ApiError;
 use crate::router::RouterConfig;
 use crate::tokenizer::Tokenizer;
@@ -255,6 +255,11 @@ pub struct CommonFields {
     pub bad_words: Option<Value>,
     /// vLLM's: the only tokens that may be generated.
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's: beam search over `n` beams instead of sampling.
+    pub use_beam_search: Option<bool>,
+    /// vLLM's: the exponent of the length a beam's cumulative logprob is divided by when the
+    /// beams are ranked (beam search only).
+    pub length_penalty: Option<f64>,
     pub response_format: Option<Value>,
     /// vLLM's `structured_outputs`, and the `guided_*` fields it replaced (constrained.rs).
     pub structured_outputs: Option<Value>,
@@ -339,6 +344,7 @@ impl CommonFields {
         let d = &config.generation_defaults;
         let stream = self.stream.unwrap_or(false);
         let mut inert = Vec::new();
+        let beam_search = beam_search(&self, vocab_size, &mut inert)?;
         let (include_usage, continuous_usage_stats) = match self.stream_options {
             None => (stream && config.force_include_usage, false),
             Some(_) if !stream => {
@@ -489,6 +495,9 @@ impl CommonFields {
                 inert.push(key.into());
             }
         }
+        if let (Some(_), Some(_)) = (&beam_search, response_format.as_ref().or(structured.as_ref())) {
+            return Err(beam_conflict("use_beam_search", "a constrained output (response_format, structured_outputs)"));
+        }
         let constraint = match (response_format, structured) {
             (Some(_), Some((_, param))) => {
                 return Err(ApiError::invalid(
@@ -558,6 +567,7 @@ impl CommonFields {
             logit_bias,
             bad_words,
             allowed_token_ids,
+            beam_search,
             logprobs: None,
         };
         Ok(Common {
@@ -742,11 +752,8 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 3] = [
-    ("use_beam_search", |v| *v == Value::Bool(false), "beam search is not supported"),
-    ("length_penalty", |v| v.as_f64() == Some(1.0), "it applies to beam search, which is not supported"),
-    ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
-];
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 1] =
+    [("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported")];
 
 /// The JSON kind a field must have, and its description.
 type Kind = (fn(&Value) -> bool, &'static str);
@@ -872,6 +879,68 @@ pub(crate) fn rename_error(
         }
         other => other,
     }
+}
+
+/// The 400 for a field that beam search cannot honour (`what` it asks for).
+pub(crate) fn beam_conflict(param: &str, what: &str) -> ApiError {
+    unsupported(
+        param,
+        format!(
+            "`use_beam_search` cannot be combined with {what}: beams are ranked by the model's own \
+             logprobs."
+        ),
+    )
+}
+
+/// vLLM's beam search (`use_beam_search`, `length_penalty`), checked against the fields it
+/// cannot honour: those that reshape the distribution beams are ranked by (biases, bans,
+/// penalties) are a 400; those it has no use for (temperature, nucleus and top-k truncation,
+/// the seed) are reported, as in vLLM, where they have no effect on the beams either.
+/// `length_penalty` without beam search is reported too.
+fn beam_search(f: &CommonFields, vocab_size: usize, inert: &mut Vec<String>) -> Result<Option<BeamSearch>, ApiError> {
+    let length_penalty = match f.length_penalty {
+        Some(x) if !x.is_finite() => {
+            return Err(ApiError::invalid(
+                "length_penalty",
+                format!("`length_penalty` must be a finite number, got {x}."),
+            ))
+        }
+        other => other,
+    };
+    if f.use_beam_search != Some(true) {
+        if length_penalty.is_some_and(|x| x != 1.0) {
+            inert.push("length_penalty".into());
+        }
+        return Ok(None);
+    }
+    // (each step ranks 2 * n candidates per beam)
+    let n = f.n.unwrap_or(1);
+    if 2 * n as usize > vocab_size {
+        return Err(ApiError::invalid(
+            "n",
+            format!("Beam search over {n} beams ranks {} candidates per beam, more than the vocabulary's {vocab_size} tokens.", 2 * n),
+        ));
+    }
+    let conflicts = [
+        ("logit_bias", f.logit_bias.as_ref().is_some_and(|b| !b.is_empty()), "`logit_bias`"),
+        ("bad_words", f.bad_words.as_ref().is_some_and(|w| w.as_array().is_none_or(|w| !w.is_empty())), "`bad_words`"),
+        ("allowed_token_ids", f.allowed_token_ids.is_some(), "`allowed_token_ids`"),
+        ("presence_penalty", f.presence_penalty.is_some_and(|x| x != 0.0), "a presence penalty"),
+        ("frequency_penalty", f.frequency_penalty.is_some_and(|x| x != 0.0), "a frequency penalty"),
+        ("repetition_penalty", f.repetition_penalty.is_some_and(|x| x != 1.0), "a repetition penalty"),
+    ];
+    if let Some((param, _, what)) = conflicts.iter().find(|(_, set, _)| *set) {
+        return Err(beam_conflict(param, what));
+    }
+    let unused = [
+        ("temperature", f.temperature.is_some()),
+        ("top_p", f.top_p.is_some_and(|x| x != 1.0)),
+        ("top_k", f.top_k.is_some_and(|k| k > 0)),
+        ("min_p", f.min_p.is_some_and(|x| x != 0.0)),
+        ("seed", f.seed.as_ref().is_some_and(|s| !s.is_null())),
+    ];
+    inert.extend(unused.iter().filter(|(_, set)| *set).map(|(k, _)| k.to_string()));
+    Ok(Some(BeamSearch { length_penalty: length_penalty.unwrap_or(1.0) }))
 }
 
 /// vLLM's `bad_words` as the token sequences to ban, as vLLM tokenizes them: each word

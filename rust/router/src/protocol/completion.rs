@@ -44,6 +44,8 @@ fn best_of(best_of: Option<u32>, params: &mut SamplingParams, stream: bool) -> R
             "best_of",
             format!("`best_of` must be between `n` ({n}) and {MAX_N}, got {b}: it is how many choices the best `n` are picked from."),
         )),
+        // (vLLM's beam search keeps `n` beams and returns them all)
+        Some(b) if b != n && params.beam_search.is_some() => Err(super::common::beam_conflict("best_of", "`best_of` above `n`")),
         Some(b) if b == n || params.temperature == 0.0 => Ok(None),
         Some(b) if stream => Err(ApiError::invalid(
             "best_of",

@@ -250,6 +250,7 @@ fn prompt_only_params() -> SamplingParams {
         logit_bias: Vec::new(),
         bad_words: Vec::new(),
         allowed_token_ids: None,
+        beam_search: None,
         logprobs: None,
     }
 }

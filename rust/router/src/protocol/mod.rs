@@ -255,15 +255,29 @@ pub struct SamplingParams {
     pub bad_words: Vec<Vec<u32>>,
     /// vLLM's `allowed_token_ids` (sorted, distinct): the only tokens that may be sampled.
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `use_beam_search`: `n` beams instead of `n` samples. None: sampling.
+    pub beam_search: Option<BeamSearch>,
     /// None: no logprobs; Some(k): chosen token + k top alternatives.
     pub logprobs: Option<u32>,
 }
 
+/// vLLM's beam search. Each step ranks, for every beam, its `2 * n` likeliest next tokens by
+/// the beam's cumulative logprob with that token's (the raw logprobs, as the logprobs field
+/// reports them) and keeps the best `n` that do not end it; a token that ends a beam (eos,
+/// `stop_token_ids`) sets it aside finished. At the end the finished beams and those cut by
+/// length are ranked by their cumulative logprob over their length (prompt included, as vLLM
+/// counts it, the ending token not) to the power `length_penalty`, and the best `n` are the
+/// choices.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BeamSearch {
+    pub length_penalty: f64,
+}
+
 impl SamplingParams {
     /// The sequences each prompt runs: greedy choices are all the same, so n > 1 of them run
-    /// once and are copied.
+    /// once and are copied; beam search keeps `n` beams.
     pub fn seqs_per_prompt(&self) -> u32 {
-        if self.temperature == 0.0 {
+        if self.temperature == 0.0 && self.beam_search.is_none() {
             1
         } else {
             self.n
