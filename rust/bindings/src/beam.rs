@@ -66,8 +66,8 @@ pub enum BeamEnd {
 #[derive(Debug)]
 pub struct Finished {
     pub tokens: Vec<BeamToken>,
-    pub cum: f64,
     pub end: BeamEnd,
+    /// Its cumulative logprob over its length to the power `length_penalty`.
     pub score: f64,
 }
 
@@ -133,7 +133,7 @@ impl BeamSearch {
                         let mut tokens = path(&beam.last);
                         tokens.push(token);
                         let score = self.score(cum, self.prompt_len + beam.len);
-                        self.done.push(Finished { tokens, cum, end: BeamEnd::Token, score });
+                        self.done.push(Finished { tokens, end: BeamEnd::Token, score });
                     }
                 } else {
                     candidates.push((cum, b, token));
@@ -151,7 +151,7 @@ impl BeamSearch {
             let last = Some(Arc::new(Link { token, prev: parent.last.clone() }));
             if len >= self.limits.max_tokens || self.prompt_len + len >= self.limits.max_model_len {
                 let score = self.score(cum, self.prompt_len + len);
-                self.done.push(Finished { tokens: path(&last), cum, end: BeamEnd::Length, score });
+                self.done.push(Finished { tokens: path(&last), end: BeamEnd::Length, score });
             } else {
                 picks.push((parent.index, id));
                 self.live.push(Live { index: parent.index, last, cum, len });
@@ -312,8 +312,10 @@ mod tests {
                 BeamEnd::Token => assert_eq!(last, EOS),
                 BeamEnd::Length => assert_eq!(f.tokens.len(), 6),
             }
+            // (length 1.0: the prompt's 5 tokens and the output's but an ending token)
             let cum: f64 = f.tokens.iter().map(|t| f64::from(t.logprob)).sum();
-            assert!((cum - f.cum).abs() < 1e-9);
+            let len = 5 + f.tokens.len() - usize::from(f.end == BeamEnd::Token);
+            assert!((cum / len as f64 - f.score).abs() < 1e-9);
             assert!(f.tokens.iter().all(|t| t.top.len() == 2));
         }
     }
