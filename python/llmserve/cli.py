@@ -45,8 +45,6 @@ _VLLM_NO_OPS = {
     "--disable-custom-all-reduce": "llmserve runs a model on one device",
     "--disable-frontend-multiprocessing": "the HTTP server and the engine always share one process (the engine "
                                           "on its own thread)",
-    "--disable-log-requests": "llmserve logs no request content (its one access-log line per request is "
-                              "--no-access-log's to drop)",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
@@ -55,7 +53,6 @@ _VLLM_VALUE_NO_OPS = {
                        "at once)",
     "--swap-space": "a sequence preempted when the KV cache runs out recomputes its tokens: nothing is swapped "
                     "to CPU memory",
-    "--max-log-len": "llmserve logs no prompt text",
     "--guided-decoding-backend": "structured output always runs on llguidance (response_format, structured_outputs, "
                                  "forced tool calls)",
 }
@@ -63,12 +60,11 @@ _VLLM_VALUE_NO_OPS = {
 # value stops it with the flag's _VLLM_HINTS line).
 _VLLM_NEUTRAL = {
     "--tensor-parallel-size": "1", "-tp": "1", "--pipeline-parallel-size": "1",
-    "--kv-cache-dtype": "auto", "--lora-dtype": "auto", "--load-format": "auto",
+    "--kv-cache-dtype": "auto", "--lora-dtype": "auto", "--load-format": "auto", "--tokenizer-mode": "auto",
 }
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
     "--model": "give the model as the first argument: llmserve run MODEL",
-    "--enable-log-requests": "llmserve logs one line per request (--access-log, on by default)",
     "--tensor-parallel-size": "llmserve runs a model on one device",
     "-tp": "llmserve runs a model on one device",
     "--pipeline-parallel-size": "llmserve runs a model on one device",

@@ -447,6 +447,13 @@ class ServerConfig(_Checked):
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).",
                           off_alias="--disable-uvicorn-access-log")
+    enable_log_requests: bool = _f(
+        False, "Log what each generation request asks for, as vLLM's flag does: its id, prompt text, resolved "
+        "sampling parameters, prompt token ids and adapter (at INFO, logger llmserve.requests). Prompts are "
+        "private data: off by default.", off_alias="--disable-log-requests")
+    max_log_len: int | None = _f(
+        None, "With --enable-log-requests, log at most this many characters of a prompt and this many of its "
+        "token ids (vLLM's flag); unset: all.", min=0)
     uvicorn_log_level: str = _f(
         "warning", "uvicorn's own log level (vLLM's flag); llmserve's is LLMSERVE_LOG_LEVEL.",
         choices=("critical", "error", "warning", "info", "debug", "trace"),

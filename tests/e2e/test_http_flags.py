@@ -1,6 +1,7 @@
 """vLLM's HTTP flags on `llmserve run`: `--ssl-certfile/--ssl-keyfile` serve the API over HTTPS
 (with the official SDK), and a key that does not make a TLS context stops the server at once,
-before the model loads, saying why; `--root-path` serves behind a proxy that strips it."""
+before the model loads, saying why; `--root-path` serves behind a proxy that strips it;
+`--enable-log-requests` logs what each request asks for, `--max-log-len` bounding it."""
 
 from __future__ import annotations
 
@@ -63,3 +64,25 @@ def test_root_path_serves_behind_a_proxy_that_strips_it(tiny_model):
         assert [m["id"] for m in models.json()["data"]] == ["tiny"]
     finally:
         server.stop()
+
+
+def test_enable_log_requests_logs_each_prompt_and_its_parameters(tiny_model):
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--enable-log-requests",
+                           "--max-log-len", "6", env={"LLMSERVE_LOG_LEVEL": "INFO"})
+    try:
+        with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            client.completions.create(model="tiny", prompt=["hello world", "bye"], max_tokens=2,
+                                      temperature=0.5, extra_body={"request_id": "logme"})
+            client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=1)
+        logs = server.logs()
+    finally:
+        server.stop()
+    lines = [line for line in logs.splitlines() if "llmserve.requests" in line]
+    assert len(lines) == 3, logs
+    first, second, third = lines
+    assert "Received request cmpl-logme-0: prompt: \"hello \"" in first       # (6 characters)
+    assert "temperature: 0.5" in first and "max_tokens: Some(2)" in first
+    assert "Received request cmpl-logme-1: prompt: \"bye\"" in second
+    assert "prompt_token_ids: [5, 6, 7, 8, 9, 10]," in third                   # (6 ids)
+    assert 'model: "tiny"' in third
+

@@ -193,9 +193,9 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     _logs(caplog, ["--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1", "--kv-cache-dtype",
                    "auto", "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
                    "--enable-chunked-prefill", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
-                   "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4", "--max-log-len",
-                   "100", "--disable-frontend-multiprocessing", "--disable-log-requests",
-                   "--guided-decoding-backend", "xgrammar"], [
+                   "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4",
+                   "--disable-frontend-multiprocessing", "--guided-decoding-backend", "xgrammar",
+                   "--tokenizer-mode", "auto"], [
         "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device",
         "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype",
         "--disable-log-stats has no effect: nothing is logged periodically",
@@ -204,9 +204,15 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         "--swap-space has no effect: a sequence preempted when the KV cache runs out recomputes",
         *(f"{flag} has no effect: " for flag in ("--enable-prompt-tokens-details", "--enable-server-load-tracking",
                                                  "--disable-fastapi-docs", "--disable-custom-all-reduce",
-                                                 "--max-log-len", "--disable-frontend-multiprocessing",
-                                                 "--disable-log-requests", "--guided-decoding-backend")),
+                                                 "--disable-frontend-multiprocessing",
+                                                 "--guided-decoding-backend")),
+        "--tokenizer-mode auto has no effect: the model's own tokenizer.json runs in HF tokenizers",
     ])
+    # vLLM's request logging: off by default, --disable-log-requests its older "off"
+    assert (_config([]).server.enable_log_requests, _config([]).server.max_log_len) == (False, None)
+    logged = _config(["--enable-log-requests", "--max-log-len", "100"]).server
+    assert (logged.enable_log_requests, logged.max_log_len) == (True, 100)
+    assert _config(["--enable-log-requests", "--disable-log-requests"]).server.enable_log_requests is False
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
     with pytest.raises((ValueError, SystemExit)):
         _config(["--uvicorn-log-level", "loud"])

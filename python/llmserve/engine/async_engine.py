@@ -26,6 +26,8 @@ from llmserve.engine.metrics import Metrics
 from llmserve.loaders.checkpoint import LoadError
 
 log = logging.getLogger("llmserve.engine")
+# --enable-log-requests: what each generation request asks for.
+request_log = logging.getLogger("llmserve.requests")
 
 # Bodies larger than this are validated on a worker thread so the event loop keeps serving
 # (the router releases the GIL): a ~1,000-token prompt takes about 1 ms to render and tokenize.
@@ -427,6 +429,10 @@ class AsyncEngine:
             prepared = await self._prepare(endpoint, body, request_id)
         self._check_serving()
         self._admit(prepared, endpoint)
+        server = self.config.server
+        if server.enable_log_requests:
+            for line in prepared.log_lines(server.max_log_len):
+                request_log.info(line)
         stream = RequestStream(self, prepared, anthropic=endpoint == "messages")
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))

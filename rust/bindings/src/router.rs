@@ -388,4 +388,27 @@ impl PyPrepared {
     fn max_tokens(&self) -> PyResult<Option<u32>> {
         Ok(self.get()?.params.max_tokens)
     }
+
+    /// What the request asks for, one line per prompt (`--enable-log-requests`): its id (with
+    /// the prompt's index when there are several), prompt text, resolved sampling parameters,
+    /// prompt token ids and model; `max_len` bounds the text's characters and the ids' count.
+    #[pyo3(signature = (max_len=None))]
+    fn log_lines(&self, max_len: Option<usize>) -> PyResult<Vec<String>> {
+        let p = self.get()?;
+        let several = p.prompts.len() > 1;
+        let cap = max_len.unwrap_or(usize::MAX);
+        Ok(p.prompts
+            .iter()
+            .enumerate()
+            .map(|(i, ids)| {
+                let id = if several { format!("{}-{i}", p.id) } else { p.id.clone() };
+                let text: String = p.prompt_texts.get(i).map_or("", String::as_str).chars().take(cap).collect();
+                let ids = &ids[..ids.len().min(cap)];
+                format!(
+                    "Received request {id}: prompt: {text:?}, params: {:?}, prompt_token_ids: {ids:?}, model: {:?}",
+                    p.params, p.model
+                )
+            })
+            .collect())
+    }
 }
