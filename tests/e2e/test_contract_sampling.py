@@ -356,9 +356,11 @@ def test_best_of_returns_the_likeliest_of_its_candidates(client):
     shown = client.completions.create(**req, n=1, best_of=4, logprobs=1)
     assert shown.choices[0].text == best[0].text
     assert shown.choices[0].logprobs.token_logprobs == best[0].logprobs.token_logprobs
-    # greedy candidates are all one: n of them, computed once
+    # greedy candidates are all one, computed once, yet each is counted as OpenAI bills it
     greedy = client.completions.create(**{**req, "temperature": 0}, n=1, best_of=3)
-    assert len(greedy.choices) == 1 and greedy.usage.completion_tokens == 6
+    alone = client.completions.create(**{**req, "temperature": 0}, n=1)
+    assert [c.text for c in greedy.choices] == [c.text for c in alone.choices]
+    assert greedy.usage.completion_tokens == 3 * 6
 
 
 def _holds(ids: list[int], seq: list[int]) -> bool:

@@ -708,6 +708,7 @@ fn completion_prompts() {
         (json!({"best_of": 1, "n": 2}), 400, "invalid_value", p("best_of")),
         (json!({"best_of": 129}), 400, "invalid_value", p("best_of")),
         (json!({"best_of": 2, "stream": true}), 400, "invalid_value", p("best_of")),
+        (json!({"best_of": 2, "stream": true, "temperature": 0}), 400, "invalid_value", p("best_of")),
         (json!({"logprobs": 21}), 400, "invalid_value", p("logprobs")),
         (json!({"logprobs": true}), 400, "invalid_type", p("logprobs")),
         (json!({"logprobs": -1}), 400, "invalid_value", p("logprobs")),
@@ -724,9 +725,10 @@ fn completion_prompts() {
     assert_eq!((shown.params.n, shown.shown_logprobs(), shown.prompt_logprobs()), (3, Some(2), Some(2)));
     let hidden = completion(&r, json!({"best_of": 3, "echo": true})).unwrap();
     assert_eq!(hidden.prompt_logprobs(), None, "no prompt logprobs were asked for");
-    // greedy choices are all the same: nothing to pick from (and a stream of them is fine)
-    let greedy = completion(&r, json!({"best_of": 3, "temperature": 0, "stream": true})).unwrap();
-    assert_eq!((greedy.params.n, greedy.best_of), (1, None));
+    // greedy choices are all the same: computed once (one sequence), each counted as billed
+    let greedy = completion(&r, json!({"best_of": 3, "temperature": 0})).unwrap();
+    assert_eq!((greedy.params.n, greedy.best_of), (3, Some(BestOf { n: 1, logprobs: false })));
+    assert_eq!(greedy.params.seqs_per_prompt(), 1);
     completion(&r, json!({"best_of": null, "suffix": null})).unwrap();
     assert_eq!(completion(&r, json!({"logprobs": 3})).unwrap().params.logprobs, Some(3));
     assert_eq!(completion(&r, json!({"logprobs": null})).unwrap().params.logprobs, None);

@@ -33,9 +33,10 @@ pub struct CompletionFields {
 
 /// `best_of` (OpenAI's legacy field): the [`BestOf`] plan when it asks for more choices than
 /// `n` (then `params.n` becomes `best_of`, and the sampled tokens' logprobs are computed).
-/// Equal to `n`, or beside greedy sampling (every choice is the same, computed once), it
-/// asks for nothing more. Below `n`, above the most choices, or streamed, it is a 400: the
-/// best are known only once all have ended, as OpenAI refuses to stream them.
+/// Equal to `n`, it asks for nothing more. Greedy candidates are all the same: they are
+/// computed once (greedy `n` fans one sequence out), yet counted in `usage` as OpenAI bills
+/// them. Below `n`, above the most choices, or streamed, it is a 400: the best are known only
+/// once all have ended, as OpenAI refuses to stream them.
 fn best_of(best_of: Option<u32>, params: &mut SamplingParams, stream: bool) -> Result<Option<BestOf>, ApiError> {
     let n = params.n;
     match best_of {
@@ -46,7 +47,7 @@ fn best_of(best_of: Option<u32>, params: &mut SamplingParams, stream: bool) -> R
         )),
         // (vLLM's beam search keeps `n` beams and returns them all)
         Some(b) if b != n && params.beam_search.is_some() => Err(super::common::beam_conflict("best_of", "`best_of` above `n`")),
-        Some(b) if b == n || params.temperature == 0.0 => Ok(None),
+        Some(b) if b == n => Ok(None),
         Some(b) if stream => Err(ApiError::invalid(
             "best_of",
             format!("`best_of` above `n` cannot be streamed (got best_of={b}, n={n}): the best are known only once all have ended."),
