@@ -25,6 +25,8 @@ test: deps-test build test-rs test-py
 test-rs:
 	$(PYTHON) tests/parity/gen_text_fixtures.py $(PARITY_DIR)
 	LLMSERVE_PARITY_DIR=$(PARITY_DIR) cargo test --workspace --exclude llmserve-bindings
+	# (the extension crate's own unit tests: its lib alone links as a test binary)
+	cargo test -p llmserve-bindings --lib
 
 test-py:
 	$(PYTHON) -m pytest -q tests
