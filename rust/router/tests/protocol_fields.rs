@@ -903,6 +903,10 @@ fn allowed_tools_restrict_the_calls_not_the_prompt() {
     let err = hermes.prepare(Endpoint::Responses, &serde_json::to_vec(&bad).unwrap()).unwrap_err();
     assert_eq!(err.param(), Some("tool_choice.tools[0].name"));
 
+    // Qwen3's XML has one too: enforced
+    let xml = router_with(json!({"tool_call_format": "qwen3_xml", "strict_fields": true}), Some(TEMPLATE));
+    let p = chat(&xml, allowed("auto", &["get_time"])).unwrap();
+    assert_eq!((callable(&p), p.grammar.is_some()), (vec!["get_time".to_string()], true));
     // a format without an "answer or calls" grammar: parsed, and the restriction reported
     let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(TEMPLATE));
     let p = chat(&llama, allowed("auto", &["get_time"])).unwrap();
@@ -1025,6 +1029,21 @@ fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
     // Forced calls follow every schema anyway: `strict` is never reported there.
     let p = chat(&llama, json!({"tools": tools(true), "tool_choice": "required"})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+
+    // Qwen3's XML calls open with the same marker as Hermes': the same "answer or calls" grammar.
+    let xml = router_with(json!({"tool_call_format": "qwen3_xml", "strict_fields": true}), Some(plain));
+    assert_eq!(kind(&chat(&xml, json!({"tools": tools(false)})).unwrap()), None);
+    for body in [json!({"tools": tools(true)}), json!({"tools": tools(false), "response_format": json_object})] {
+        let p = chat(&xml, body.clone()).unwrap();
+        assert_eq!(kind(&p).as_deref(), Some("lark"), "{body}");
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None, "{body}");
+    }
+    // a schema the XML grammar cannot follow: reported, as in formats without a grammar
+    let mut union = tools(true);
+    union[0]["function"]["parameters"] = json!({"type": "object", "anyOf": [{"required": ["a"]}]});
+    let lenient = router_with(json!({"tool_call_format": "qwen3_xml"}), Some(plain));
+    let p = chat(&lenient, json!({"tools": union})).unwrap();
+    assert_eq!((kind(&p), header(&p, "llmserve-ignored-fields")), (None, Some("tools[0].function.strict")));
 }
 
 #[test]

@@ -639,8 +639,9 @@ enum AutoShape {
 /// The [`AutoShape`] of a request whose calls are read in `format`: a `strict` tool asks for
 /// its arguments to follow its schema, and a `response_format` beside tools asks for an
 /// answer in that shape when the model does not call one (OpenAI's meaning of both). Where
-/// the format's grammar cannot say that (any format but Hermes; a `response_format` that is
-/// not a JSON schema), the tools' `strict` is reported, or the tools are.
+/// the format's grammar cannot say that (any format but Hermes and Qwen3 XML; a
+/// `response_format` that is not a JSON schema), the tools' `strict` is reported, or the
+/// tools are.
 fn auto_shape(
     router: &Router,
     chat: &ChatFields,
@@ -663,13 +664,14 @@ fn auto_shape(
         }
     };
     // The tools that may be called (`allowed_tools`), by their index in `tools`; one that is
-    // not strict may be called with any arguments object.
+    // not strict may be called with any arguments object, but in the XML format, whose calls
+    // write the properties their schema lists (an open object lists none), as forced calls do.
     let chosen: Vec<usize> = (0..tools.len()).filter(|&i| callable(&tools[i], allowed)).collect();
     let functions: Vec<Value> = chosen
         .iter()
         .map(|&i| {
             let (t, f) = (&tools[i], &tools[i]["function"]);
-            if is_strict(t) {
+            if is_strict(t) || format == ToolCallFormat::Qwen3Xml {
                 f.clone()
             } else {
                 json!({"name": f.get("name"), "parameters": {"type": "object"}})

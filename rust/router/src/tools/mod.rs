@@ -192,10 +192,12 @@ impl ToolCallFormat {
     /// text that never opens a call (not empty: an answer that is nothing at all stops
     /// llguidance's parser after a reasoning model's thinking).
     ///
-    /// Only the Hermes format has one (None for the others): its calls open with a marker
-    /// that the answer can be kept from writing.
+    /// Only the Hermes and Qwen3 XML formats have one (None for the others, and for XML calls
+    /// whose schemas its grammar cannot follow): their calls open with a text marker
+    /// (`<tool_call>`) that the answer can be kept from writing. (Mistral's and llama3's open
+    /// with a special token, which a grammar cannot spell, or with bare JSON.)
     pub fn auto_grammar(self, functions: &[&Value], parallel: bool, answer: Option<&Value>) -> Option<GrammarSource> {
-        if self != Self::Hermes {
+        if !matches!(self, Self::Hermes | Self::Qwen3Xml) {
             return None;
         }
         let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel).ok()? else { return None };
@@ -443,11 +445,35 @@ mod tests {
         assert!(done(&text, "\n \nIt is sunny."));
         assert!(done(&text, &format!("\n{call}")));
 
-        for other in
-            [ToolCallFormat::Json, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral, ToolCallFormat::Qwen3Xml]
-        {
+        for other in [ToolCallFormat::Json, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral] {
             assert_eq!(other.auto_grammar(&[&f], true, None), None);
         }
+    }
+
+    #[test]
+    fn the_xml_auto_grammar_allows_an_answer_or_calls_to_the_allowed_functions() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let f = json!({"name": "f", "parameters": {"type": "object",
+            "properties": {"city": {"enum": ["London", "Rome"]}}, "required": ["city"]}});
+        let call = "<tool_call>\n<function=f>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>";
+        let done = |grammar: &crate::structured::Grammar, text: &str| {
+            let mut m = drive(grammar, &tok, text);
+            m.is_stopped() || m.is_accepting().unwrap()
+        };
+        let source = ToolCallFormat::Qwen3Xml.auto_grammar(&[&f], true, None).unwrap();
+        let auto = g.compile(&source, "tools").unwrap();
+        assert!(done(&auto, call));
+        assert!(done(&auto, &format!("{call}\n{call}")));
+        assert!(done(&auto, "Sunny, and <tool> is no call."));
+        assert!(refuses(&auto, &tok, "<tool_call>\n<function=g>"), "only the functions given");
+        assert!(refuses(&auto, &tok, "<tool_call>\n<function=f>\n<parameter=city>\nParis"));
+        assert!(refuses(&auto, &tok, "Let me look. <tool_call>"));
+        // a schema the XML grammar cannot follow: no grammar
+        let free = json!({"name": "h", "parameters": {"type": "object", "anyOf": [{"required": ["a"]}]}});
+        assert!(ToolCallFormat::Qwen3Xml.auto_grammar(&[&free], true, None).is_none());
+        assert!(ToolCallFormat::Mistral.auto_grammar(&[&f], true, None).is_none());
     }
 
     /// The forced grammars accept exactly what the parsers read back as calls, and only
