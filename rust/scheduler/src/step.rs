@@ -43,8 +43,8 @@ impl Scheduler {
     ///
     /// Not planned ahead (empty): unless exactly one plan awaits commit; when one of its rows
     /// forks (n > 1), has penalties or bad words of several tokens, or runs beam search (their
-    /// next rows need the token itself); when the running sequences would not fit in the free blocks (this never
-    /// preempts).
+    /// next rows need the token itself); when the running sequences would not fit in the free
+    /// blocks (this never preempts).
     pub fn schedule_ahead(&mut self) -> Plan {
         if self.inflight.len() != 1 || !self.rows_plan_ahead() {
             return Plan::default();
@@ -422,7 +422,8 @@ impl Scheduler {
             let row = rows[i];
             let group = row.fork_n.max(1) as usize;
             let seq = &self.seqs[row.slot as usize];
-            if seq.gen == row.gen && seq.state == State::Running && self.req(seq.req).sampling.beam {
+            let live = seq.gen == row.gen && seq.state == State::Running;
+            if live && self.req(seq.req).sampling.beam {
                 // (the caller chooses the token: `advance_beams`)
                 let req = self.req(seq.req);
                 let first = seq.tokens.len() == seq.prompt_len;
@@ -434,7 +435,7 @@ impl Scheduler {
                     sample_row: i,
                     cached_prompt_tokens: first.then(|| req.cached_prompt_tokens.unwrap_or(0)),
                 });
-            } else if seq.gen == row.gen && seq.state == State::Running {
+            } else if live {
                 let mark = out.len();
                 if row.fork_n > 1 {
                     self.fork(row.slot, &tokens[i..i + group], i, &mut out);
