@@ -728,7 +728,7 @@ fn completion_prompts() {
     // greedy choices are all the same: computed once (one sequence), each counted as billed
     let greedy = completion(&r, json!({"best_of": 3, "temperature": 0})).unwrap();
     assert_eq!((greedy.params.n, greedy.best_of), (3, Some(BestOf { n: 1, logprobs: false })));
-    assert_eq!(greedy.params.seqs_per_prompt(), 1);
+    assert_eq!((greedy.params.seqs_per_prompt(), greedy.params.logprobs), (1, None), "nothing to rank them by");
     completion(&r, json!({"best_of": null, "suffix": null})).unwrap();
     assert_eq!(completion(&r, json!({"logprobs": 3})).unwrap().params.logprobs, Some(3));
     assert_eq!(completion(&r, json!({"logprobs": null})).unwrap().params.logprobs, None);

@@ -55,7 +55,10 @@ fn best_of(best_of: Option<u32>, params: &mut SamplingParams, stream: bool) -> R
         Some(b) => {
             let plan = BestOf { n, logprobs: params.logprobs.is_some() };
             params.n = b;
-            params.logprobs = params.logprobs.or(Some(0));
+            // (greedy candidates tie whatever their logprobs: none are computed to rank them)
+            if params.temperature != 0.0 {
+                params.logprobs = params.logprobs.or(Some(0));
+            }
             Ok(Some(plan))
         }
     }
