@@ -511,6 +511,9 @@ def test_fields_beam_search_cannot_honour_are_refused(tiny_server):
                                                "temperature": 0.5})
     assert r.status_code == 200
     assert r.headers["llmserve-ignored-fields"] == "temperature"
+    # every beam runs in each step: no more beams than a step holds (--max-num-seqs 32 here)
+    r = _post(tiny_server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": 33, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
 
 def test_a_prompt_only_request_ignores_the_search(tiny_server):

@@ -230,6 +230,17 @@ impl CoreState {
                 "`priority` needs the server started with --scheduling-policy priority",
             ));
         }
+        let max_num_seqs = self.scheduler.config().max_num_seqs;
+        if p.beam_search.is_some() && p.n as usize > max_num_seqs {
+            // (a step that cannot hold every beam would drop the ones left out)
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "Beam search runs all its {} beams in each step, more than --max-num-seqs ({max_num_seqs}) allows.",
+                    p.n
+                ),
+            ));
+        }
         let handle = self.next_handle;
         self.next_handle += 1;
         let seqs_per_prompt = p.seqs_per_prompt();
