@@ -449,7 +449,7 @@ class ServerConfig(_Checked):
                           off_alias="--disable-uvicorn-access-log")
     enable_log_requests: bool = _f(
         False, "Log what each generation request asks for, as vLLM's flag does: its id, prompt text, resolved "
-        "sampling parameters, prompt token ids and adapter (at INFO, logger llmserve.requests). Prompts are "
+        "sampling parameters, prompt token ids and the model name it asked for (at INFO, logger llmserve.requests). Prompts are "
         "private data: off by default.", off_alias="--disable-log-requests")
     max_log_len: int | None = _f(
         None, "With --enable-log-requests, log at most this many characters of a prompt and this many of its "

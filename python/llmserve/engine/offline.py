@@ -71,7 +71,7 @@ Message = dict[str, Any]
 # Options of the server alone: offline calls run on the caller's thread, with no HTTP, no queue
 # limit and no step planned ahead.
 SERVER_ONLY = ("host", "port", "api_key", "max_body_bytes", "sse_keep_alive", "access_log", "allowed_origins",
-               "max_waiting", "async_scheduling")
+               "max_waiting", "async_scheduling", "enable_log_requests", "max_log_len")
 
 
 class LLM:

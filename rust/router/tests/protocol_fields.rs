@@ -196,6 +196,9 @@ fn beam_search_is_checked_against_what_it_cannot_honour() {
         assert_eq!(got, (400, "unsupported_parameter", Some("use_beam_search".to_string())));
         let got = shape(prepare(&r, beam(json!({"length_penalty": "x"}))));
         assert_eq!(got.0, 400);
+        // a field of the wrong type is its own error, not a conflict
+        let got = shape(prepare(&r, beam(json!({"bad_words": "x"}))));
+        assert_eq!(got, (400, "invalid_type", Some("bad_words".to_string())));
     }
     let got = shape(completion(&r, beam(json!({"best_of": 4}))));
     assert_eq!(got, (400, "unsupported_parameter", Some("best_of".to_string())));

@@ -1062,12 +1062,6 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
         AutoShape::NoCalls => tools = None,
     }
     let constraint = tool_grammar.or(requested).map(|(g, param)| (g.after_reasoning(thinking), param));
-    if constraint.is_some() && params.beam_search.is_some() {
-        return Err(super::common::beam_conflict(
-            "use_beam_search",
-            "a constrained output (response_format, structured_outputs, a forced tool_choice or strict tools)",
-        ));
-    }
     let grammar = constrained::compile(router, constraint, &params)?;
     if continue_final_message && grammar.is_some() {
         return Err(unsupported(

@@ -495,9 +495,6 @@ impl CommonFields {
                 inert.push(key.into());
             }
         }
-        if let (Some(_), Some(_)) = (&beam_search, response_format.as_ref().or(structured.as_ref())) {
-            return Err(beam_conflict("use_beam_search", "a constrained output (response_format, structured_outputs)"));
-        }
         let constraint = match (response_format, structured) {
             (Some(_), Some((_, param))) => {
                 return Err(ApiError::invalid(
@@ -913,9 +910,9 @@ fn beam_search(f: &CommonFields, vocab_size: usize, inert: &mut Vec<String>) -> 
         }
         return Ok(None);
     }
-    // (each step ranks 2 * n candidates per beam)
+    // (each step ranks 2 * n candidates per beam; an `n` out of range is its own 400)
     let n = f.n.unwrap_or(1);
-    if 2 * n as usize > vocab_size {
+    if n <= MAX_N && 2 * n as usize > vocab_size {
         return Err(ApiError::invalid(
             "n",
             format!("Beam search over {n} beams ranks {} candidates per beam, more than the vocabulary's {vocab_size} tokens.", 2 * n),
@@ -923,7 +920,8 @@ fn beam_search(f: &CommonFields, vocab_size: usize, inert: &mut Vec<String>) -> 
     }
     let conflicts = [
         ("logit_bias", f.logit_bias.as_ref().is_some_and(|b| !b.is_empty()), "`logit_bias`"),
-        ("bad_words", f.bad_words.as_ref().is_some_and(|w| w.as_array().is_none_or(|w| !w.is_empty())), "`bad_words`"),
+        // (a `bad_words` that is no array is its own 400, further on)
+        ("bad_words", f.bad_words.as_ref().and_then(Value::as_array).is_some_and(|w| !w.is_empty()), "`bad_words`"),
         ("allowed_token_ids", f.allowed_token_ids.is_some(), "`allowed_token_ids`"),
         ("presence_penalty", f.presence_penalty.is_some_and(|x| x != 0.0), "a presence penalty"),
         ("frequency_penalty", f.frequency_penalty.is_some_and(|x| x != 0.0), "a frequency penalty"),

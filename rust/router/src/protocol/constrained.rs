@@ -335,6 +335,12 @@ pub(crate) fn compile(
              structured_outputs, a forced tool_choice or strict tools): the grammar decides which tokens may come.",
         ));
     }
+    if params.beam_search.is_some() {
+        return Err(super::common::beam_conflict(
+            "use_beam_search",
+            "a constrained output (response_format, structured_outputs, a forced tool_choice or strict tools)",
+        ));
+    }
     router.grammars.compile(&source, param).map(Some)
 }
 
