@@ -3,7 +3,7 @@
 //! (`Scheduler::advance_beams` forks and releases them); `Core` feeds each step's rows here
 //! and, once no beam lives, replays the best finished ones through the response builder.
 //!
-//! Each step ranks, for every beam that ran, its `2 * width` likeliest next tokens by the
+//! Each step ranks, for every live beam, its `2 * width` likeliest next tokens by the
 //! beam's cumulative logprob plus the token's. A token that ends a beam (eos, a stop token id)
 //! sets the beam aside finished; of the others the best `width` continue, and one that reaches
 //! the length limit is set aside too. The finished beams are ranked by their cumulative
@@ -86,13 +86,16 @@ pub struct BeamSearch {
     length_penalty: f64,
     limits: Limits,
     live: Vec<Live>,
+    /// The rows given so far for this step's live beams (sequence index, top tokens): a step
+    /// is taken once every live beam has given its own.
+    given: Vec<(u32, Vec<(u32, f32)>)>,
     done: Vec<Finished>,
 }
 
 impl BeamSearch {
     pub fn new(width: usize, prompt_len: usize, length_penalty: f64, limits: Limits) -> Self {
         let first = Live { index: 0, last: None, cum: 0.0, len: 0 };
-        BeamSearch { width, prompt_len, length_penalty, limits, live: vec![first], done: Vec::new() }
+        BeamSearch { width, prompt_len, length_penalty, limits, live: vec![first], given: Vec::new(), done: Vec::new() }
     }
 
     /// How many alternatives a beam's row must return: the candidates of a step.
@@ -104,23 +107,38 @@ impl BeamSearch {
         cum / (len as f64).powf(self.length_penalty)
     }
 
-    /// One step. `rows`: per beam that ran, its sequence index and its likeliest next tokens
-    /// (most likely first; the first `candidates()` are ranked) with their raw logprobs;
-    /// `shown` of them go with a picked token (the request's own `top_logprobs`);
-    /// `ends(token)`: whether the token ends a beam. Beams that did not run are dropped (the
-    /// scheduler released them). Returns the continuations, (parent index, token) each, for
+    /// One step, once every live beam has given its row. `rows`: rows of live beams, their
+    /// sequence index and likeliest next tokens (most likely first; the first `candidates()`
+    /// are ranked) with their raw logprobs; they may come over several calls (the scheduler
+    /// runs a beam whose blocks or place in a step are short later, and the others await
+    /// it). `shown` of the tokens go with a picked one (the request's own `top_logprobs`);
+    /// `ends(token)`: whether the token ends a beam. None while some live beam's row is
+    /// missing; else the continuations, (parent index, token) each, for
     /// `Scheduler::advance_beams`, whose indices `renumber` then takes.
     pub fn step(
         &mut self,
         rows: &[(u32, Vec<(u32, f32)>)],
         shown: usize,
         ends: impl Fn(u32) -> bool,
-    ) -> Vec<(u32, u32)> {
+    ) -> Option<Vec<(u32, u32)>> {
+        for (index, top) in rows {
+            if !self.live.iter().any(|l| l.index == *index) {
+                continue;
+            }
+            match self.given.iter_mut().find(|g| g.0 == *index) {
+                Some(g) => g.1.clone_from(top),
+                None => self.given.push((*index, top.clone())),
+            }
+        }
+        if self.given.len() < self.live.len() {
+            return None;
+        }
+        let mut given = std::mem::take(&mut self.given);
         let mut candidates: Vec<(f64, usize, BeamToken)> = Vec::new();
         let live = std::mem::take(&mut self.live);
-        for (index, top) in rows {
-            let Some(b) = live.iter().position(|l| l.index == *index) else { continue };
-            let beam = &live[b];
+        for (b, beam) in live.iter().enumerate() {
+            let at = given.iter().position(|g| g.0 == beam.index).expect("every live beam gave its row");
+            let top = given.swap_remove(at).1;
             let shown_top: Vec<(u32, f32)> = top.iter().take(shown).copied().collect();
             for &(id, lp) in top.iter().take(self.candidates()) {
                 if !lp.is_finite() {
@@ -161,7 +179,7 @@ impl BeamSearch {
             self.live.clear();
             picks.clear();
         }
-        picks
+        Some(picks)
     }
 
     /// The scheduler's sequence index of each continuation `step` returned, in its order.
@@ -265,7 +283,7 @@ mod tests {
             steps += 1;
             let rows: Vec<(u32, Vec<(u32, f32)>)> = seqs.iter().map(|(i, s)| (*i, toy(s))).collect();
             let hidden = if early { Vec::new() } else { std::mem::take(&mut search.done) };
-            let picks = search.step(&rows, 2, |t| t == EOS);
+            let picks = search.step(&rows, 2, |t| t == EOS).unwrap();
             search.done.splice(0..0, hidden);
             let mut taken = Vec::new();
             let mut indices = Vec::new();
@@ -336,11 +354,29 @@ mod tests {
     }
 
     #[test]
+    fn a_step_waits_for_every_live_beams_row() {
+        let rows = |search: &mut BeamSearch| {
+            let picks = search.step(&[(0, vec![(5, -1.0), (6, -1.5), (7, -3.0), (8, -4.0)])], 0, |t| t == EOS);
+            search.renumber(&[0, 1]);
+            picks
+        };
+        let (mut whole, mut parts) = (BeamSearch::new(2, 3, 1.0, limits(8)), BeamSearch::new(2, 3, 1.0, limits(8)));
+        assert_eq!(rows(&mut whole), rows(&mut parts));
+        let beam0 = (0, vec![(9, -2.0), (10, -2.5), (11, -3.0), (12, -5.0)]);
+        let beam1 = (1, vec![(13, -0.1), (14, -0.2), (15, -2.5), (16, -5.0)]);
+        let together = whole.step(&[beam0.clone(), beam1.clone()], 0, |t| t == EOS).unwrap();
+        // beam 1's row first, alone; a row of no live beam is not taken
+        assert_eq!(parts.step(&[beam1, (7, vec![(1, -0.01)])], 0, |t| t == EOS), None);
+        assert_eq!(parts.step(&[beam0], 0, |t| t == EOS), Some(together.clone()));
+        assert_eq!(together, vec![(1, 13), (1, 14)]);
+    }
+
+    #[test]
     fn ending_tokens_wait_for_min_tokens() {
         let mut search = BeamSearch::new(2, 3, 1.0, Limits { max_tokens: 10, max_model_len: 100, min_tokens: 2 });
         let rows = vec![(0, vec![(EOS, -0.1), (5, -1.0), (6, -2.0), (7, -3.0)])];
         let picks = search.step(&rows, 0, |t| t == EOS);
-        assert_eq!(picks, vec![(0, 5), (0, 6)]);
+        assert_eq!(picks, Some(vec![(0, 5), (0, 6)]));
         assert!(search.done.is_empty(), "eos at the first output is not an end");
         search.renumber(&[0, 1]);
         let rows = vec![(0, vec![(EOS, -0.1), (5, -1.0)]), (1, vec![(EOS, -0.2), (8, -1.0)])];
@@ -351,7 +387,7 @@ mod tests {
     #[test]
     fn the_length_limit_ends_every_beam() {
         let mut search = BeamSearch::new(2, 3, 1.0, Limits { max_tokens: 1, max_model_len: 100, min_tokens: 0 });
-        let picks = search.step(&[(0, vec![(5, -1.0), (6, -2.0), (7, -3.0)])], 0, |t| t == EOS);
+        let picks = search.step(&[(0, vec![(5, -1.0), (6, -2.0), (7, -3.0)])], 0, |t| t == EOS).unwrap();
         assert!(picks.is_empty() && search.is_done());
         let results = search.results();
         assert_eq!(ids(&results), vec![vec![5], vec![6]]);

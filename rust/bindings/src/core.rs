@@ -230,17 +230,6 @@ impl CoreState {
                 "`priority` needs the server started with --scheduling-policy priority",
             ));
         }
-        let max_num_seqs = self.scheduler.config().max_num_seqs;
-        if p.beam_search.is_some() && p.n as usize > max_num_seqs {
-            // (a step that cannot hold every beam would drop the ones left out)
-            return Err(ApiError::invalid(
-                "n",
-                format!(
-                    "Beam search runs all its {} beams in each step, more than --max-num-seqs ({max_num_seqs}) allows.",
-                    p.n
-                ),
-            ));
-        }
         let handle = self.next_handle;
         self.next_handle += 1;
         let seqs_per_prompt = p.seqs_per_prompt();
@@ -636,7 +625,9 @@ impl CoreState {
                 group.iter().map(|&(.., seq, row)| (seq, top_of(top_ids, top_lps, k, row))).collect();
             let search = &mut state.beams[prompt_idx as usize];
             let ends = &state.beam_ends;
-            let picks = search.step(&tops, state.num_top, |t| ends.contains(&t));
+            let Some(picks) = search.step(&tops, state.num_top, |t| ends.contains(&t)) else {
+                continue; // (some beam has yet to run this step)
+            };
             let indices = self.scheduler.advance_beams(req_id, &picks);
             search.renumber(&indices);
             if !search.is_done() {

@@ -55,6 +55,11 @@ impl Scheduler {
             let Some(req) = self.reqs[seq.req as usize].as_ref() else {
                 return Err(format!("slot {slot} belongs to a dead request"));
             };
+            if seq.awaits_pick
+                && (!req.sampling.beam || (seq.state == State::Running && seq.num_computed != seq.tokens.len()))
+            {
+                return Err(format!("slot {slot} awaits a pick outside a beam search or with tokens to compute"));
+            }
             if !req.seqs.contains(&(slot as u32)) {
                 return Err(format!("slot {slot} missing from its request"));
             }

@@ -10,7 +10,9 @@
 //! - `running` is sorted by `Key` (policy order), so the preemption victim is its last
 //!   element and the sequences served first are never preempted for later ones;
 //! - a sequence's last token is a placeholder (`pending`) only while the plan whose row
-//!   samples it awaits commit, and such a sequence is running.
+//!   samples it awaits commit, and such a sequence is running;
+//! - a sequence awaits a pick (`awaits_pick`) only in a beam search, and then, if running,
+//!   has computed all its tokens.
 //!
 //! Costs: `add` O(log W) (W = waiting), `abort`/`finish_seq` O(B) (B = running, a Vec
 //! removal), `stats` O(1). Sequences and requests live in slabs indexed by slot, so a step
@@ -64,6 +66,10 @@ pub(crate) struct Seq {
     /// The last token is a placeholder for what row `r` of the plan awaiting commit samples
     /// (set by `schedule_ahead`, replaced by `commit`).
     pub pending: Option<u32>,
+    /// A beam whose row `commit` gave and `advance_beams` has not answered: it runs nothing
+    /// (while running it holds its blocks, all its tokens computed; preempted, it waits
+    /// without being admitted) until the search has every beam's row.
+    pub awaits_pick: bool,
 }
 
 #[derive(Debug)]
@@ -421,6 +427,7 @@ impl Scheduler {
                     fork_pending: false,
                     decoded_from: usize::MAX,
                     pending: None,
+                    awaits_pick: false,
                 });
                 (self.seqs.len() - 1) as u32
             }
@@ -437,6 +444,7 @@ impl Scheduler {
         seq.fork_pending = false;
         seq.decoded_from = usize::MAX;
         seq.pending = None;
+        seq.awaits_pick = false;
         self.req_mut(req_slot).seqs.push(slot);
         slot
     }

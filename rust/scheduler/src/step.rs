@@ -97,7 +97,7 @@ impl Scheduler {
                 break;
             }
             let seq = &self.seqs[key.slot as usize];
-            if self.ends_by_length(seq) {
+            if seq.awaits_pick || self.ends_by_length(seq) {
                 continue;
             }
             let num_new = (seq.tokens.len() - seq.num_computed).min(budget);
@@ -144,6 +144,9 @@ impl Scheduler {
         if !preempted {
             self.schedule_waiting(&mut budget);
         }
+        if may_preempt {
+            self.make_room_for_waiting_beams(&mut budget);
+        }
         self.build_plan(&mut plan, &mut cur);
         self.last_num_tokens = plan.num_tokens;
         if plan.is_empty() {
@@ -164,7 +167,7 @@ impl Scheduler {
         while i < self.running.len() && *budget > 0 && self.scheduled.len() < self.cfg.max_num_seqs {
             let slot = self.running[i].slot;
             let seq = &self.seqs[slot as usize];
-            if self.ends_by_length(seq) {
+            if seq.awaits_pick || self.ends_by_length(seq) {
                 i += 1;
                 continue;
             }
@@ -210,6 +213,9 @@ impl Scheduler {
             if *budget == 0 || self.scheduled.len() >= self.cfg.max_num_seqs {
                 break;
             }
+            if self.seqs[key.slot as usize].awaits_pick {
+                continue; // (a preempted beam whose row is given: it runs once picked)
+            }
             let width = self.group_size(key.slot) as usize;
             if running > 0 && running + width > self.cfg.max_num_seqs {
                 break;
@@ -235,6 +241,23 @@ impl Scheduler {
                 // behind it (this is what keeps fcfs free of starvation).
                 None => break,
             }
+        }
+    }
+
+    /// A step with nothing to run while sequences wait: the blocks or places they need may
+    /// all be held by beams that await their picks (a search steps only once every beam gave
+    /// its row, and its other beams may be among the waiting). Preempt such beams, the last in
+    /// policy order first, until a waiting sequence is admitted; their rows stay given.
+    fn make_room_for_waiting_beams(&mut self, budget: &mut usize) {
+        while self.scheduled.is_empty() && self.waiting.iter().any(|k| !self.seqs[k.slot as usize].awaits_pick) {
+            let Some(pos) = self.running.iter().rposition(|k| self.seqs[k.slot as usize].awaits_pick) else {
+                return;
+            };
+            let victim = self.running.remove(pos);
+            self.free_blocks(victim.slot);
+            self.enqueue_waiting(victim.slot);
+            self.preemptions += 1;
+            self.schedule_waiting(budget);
         }
     }
 
@@ -425,6 +448,8 @@ impl Scheduler {
             let live = seq.gen == row.gen && seq.state == State::Running;
             if live && self.req(seq.req).sampling.beam {
                 // (the caller chooses the token: `advance_beams`)
+                self.seqs[row.slot as usize].awaits_pick = true;
+                let seq = &self.seqs[row.slot as usize];
                 let req = self.req(seq.req);
                 let first = seq.tokens.len() == seq.prompt_len;
                 out.push(SeqUpdate {
@@ -539,22 +564,27 @@ impl Scheduler {
         }
     }
 
-    /// A new sequence `index` of `parent`'s request: the parent's computed tokens and `token`.
-    /// It shares the parent's full blocks and gets a private copy of its partial last one
-    /// (copied by the runner before the next forward); with no block free for the copy it
-    /// waits to recompute (with prefix caching it finds the parent's full blocks).
+    /// A new sequence `index` of `parent`'s request: the parent's tokens and `token`. It
+    /// shares the parent's full blocks and gets a private copy of its partial last one
+    /// (copied by the runner before the next forward); with no block free for the copy, or a
+    /// parent that waits (a beam preempted while it awaited its pick), it waits to recompute
+    /// (with prefix caching it finds the parent's full blocks).
     fn spawn(&mut self, parent: u32, index: u32, token: u32) -> u32 {
         let bs = self.cfg.block_size;
         let p = &self.seqs[parent as usize];
         let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
-        debug_assert_eq!(computed, p.tokens.len(), "a sequence spawns once all its tokens are computed");
+        let running = p.state == State::Running;
+        debug_assert!(
+            !running || computed == p.tokens.len(),
+            "a running sequence spawns once all its tokens are computed"
+        );
         let (full, partial) = (computed / bs, computed % bs != 0);
-        let mut child_tokens = Vec::with_capacity(computed + 1 + bs);
-        child_tokens.extend_from_slice(&p.tokens[..computed]);
+        let mut child_tokens = Vec::with_capacity(p.tokens.len() + 1 + bs);
+        child_tokens.extend_from_slice(&p.tokens);
         child_tokens.push(token);
         let child = self.alloc_seq(req_slot, index, child_tokens, prompt_len);
-        let dst = if partial { self.pool.allocate() } else { None };
-        if partial && dst.is_none() {
+        let dst = if running && partial { self.pool.allocate() } else { None };
+        if !running || (partial && dst.is_none()) {
             self.enqueue_waiting(child);
             return child;
         }
@@ -577,13 +607,14 @@ impl Scheduler {
         child
     }
 
-    /// Beam search (`SeqSampling::beam`): after `commit` gave request `req_id`'s rows, its
-    /// sequences become the chosen continuations, `picks`: (parent index, token) each, every
-    /// parent a sequence that had a row there. A parent's first pick continues in the parent
-    /// itself (keeping its index), each further one forks from it (`spawn`) under a new
-    /// index. Every other sequence of the request is released, also one that did not run in
-    /// that step (a fork still waiting for blocks): the search goes on with those that ran.
-    /// Returns each pick's sequence index; with no pick the request ends.
+    /// Beam search (`SeqSampling::beam`): `commit` gives each beam's row and then runs the
+    /// beam no further (it awaits its pick); once every beam of request `req_id` has given
+    /// its row (over one step or several: a beam may wait for blocks or a place in a step),
+    /// its sequences become the chosen continuations, `picks`: (parent index, token) each,
+    /// every parent a sequence whose row was given. A parent's first pick continues in the
+    /// parent itself (keeping its index), each further one forks from it (`spawn`) under a new
+    /// index. Every other sequence of the request is released. Returns each pick's sequence
+    /// index; with no pick the request ends.
     ///
     /// Panics if a pick names no live sequence of the request (a caller error).
     pub fn advance_beams(&mut self, req_id: u64, picks: &[(u32, u32)]) -> Vec<u32> {
@@ -607,7 +638,9 @@ impl Scheduler {
             }
         }
         for &(slot, token) in &continued {
-            self.seqs[slot as usize].tokens.push(token);
+            let seq = &mut self.seqs[slot as usize];
+            seq.tokens.push(token);
+            seq.awaits_pick = false;
         }
         let others: Vec<u32> =
             self.req(req_slot).seqs.iter().copied().filter(|s| !continued.iter().any(|&(c, _)| c == *s)).collect();

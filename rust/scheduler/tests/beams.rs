@@ -89,8 +89,8 @@ fn advance_releases_unpicked_beams_and_reindexes_forks() {
 }
 
 #[test]
-fn a_fork_without_a_free_block_recomputes() {
-    // 6 usable blocks of 4: the prompt takes 2, three forks need a copy each
+fn a_fork_without_a_free_block_runs_later_and_the_others_await_it() {
+    // 6 usable blocks of 4: the prompt takes 2, six forks need a copy each
     let mut s = Scheduler::new(config(7, 4, 8, 64));
     s.add(beam_request(1, 6));
     s.schedule();
@@ -100,19 +100,61 @@ fn a_fork_without_a_free_block_recomputes() {
     let stats = s.stats();
     assert_eq!(stats.running + stats.waiting, 6);
     assert!(stats.waiting > 0);
+    // every beam gives its row once, over several steps: one that gave it runs no further
+    // (and, when blocks are short, makes room for one still waiting)
+    let mut given: Vec<u32> = Vec::new();
+    for _ in 0..12 {
+        let plan = s.schedule();
+        check_plan(&s, &plan);
+        if plan.is_empty() {
+            s.commit(&[]);
+            break;
+        }
+        for &i in &plan.row_seq_index {
+            assert!(!given.contains(&i), "beam {i} gave its row twice");
+            given.push(i);
+        }
+        s.commit(&vec![0; plan.num_rows]);
+        s.validate().unwrap();
+    }
+    given.sort_unstable();
+    assert_eq!(given, vec![0, 1, 2, 3, 4, 5]);
+    assert!(s.stats().preemptions > 0, "beams that gave their rows were preempted for the waiting ones");
+    // every one is a parent to pick from, also one preempted after it gave its row
+    let picks: Vec<(u32, u32)> = (0..6).map(|i| (i, 80)).chain([(5, 81)]).collect();
+    assert_eq!(s.advance_beams(1, &picks), vec![0, 1, 2, 3, 4, 5, 6]);
+    s.validate().unwrap();
+    for i in 0..7 {
+        assert_eq!(s.seq_progress(1, i).unwrap().0, 8, "beam {i}: prompt, its fork's token and its pick");
+    }
     let plan = s.schedule();
     check_plan(&s, &plan);
-    let ran: Vec<u32> = plan.row_seq_index.clone();
-    assert!(ran.len() < 6, "the forks without a block wait");
-    s.commit(&vec![0; plan.num_rows]);
-    // the search goes on with the beams that ran: the waiting ones are released
-    let picks: Vec<(u32, u32)> = ran.iter().map(|&i| (i, 80)).collect();
-    assert_eq!(s.advance_beams(1, &picks), ran);
-    s.validate().unwrap();
-    let stats = s.stats();
-    assert_eq!((stats.running, stats.waiting), (ran.len(), 0));
+    assert!(plan.num_rows > 0);
     assert!(s.abort(1));
+    s.commit(&vec![0; plan.num_rows]);
     assert_eq!(s.block_pool().num_used(), 0);
+    s.validate().unwrap();
+}
+
+#[test]
+fn beams_beyond_a_steps_places_run_in_the_next_step() {
+    // at most 2 sequences a step, 4 beams
+    let mut s = Scheduler::new(config(32, 4, 2, 64));
+    s.add(beam_request(1, 6));
+    s.schedule();
+    s.commit(&[9]);
+    s.advance_beams(1, &[(0, 50), (0, 51), (0, 52), (0, 53)]);
+    let (first, _) = step(&mut s, 0);
+    let (second, _) = step(&mut s, 0);
+    let mut ran: Vec<u32> = first.row_seq_index.iter().chain(&second.row_seq_index).copied().collect();
+    ran.sort_unstable();
+    assert_eq!((first.num_rows, second.num_rows, ran), (2, 2, vec![0, 1, 2, 3]));
+    let (idle, _) = step(&mut s, 0);
+    assert!(idle.is_empty(), "every beam awaits its pick");
+    s.commit(&[]);
+    s.advance_beams(1, &[(3, 60)]);
+    let (next, _) = step(&mut s, 0);
+    assert_eq!(last_inputs(&next), vec![(3, 60)]);
 }
 
 mod properties {
@@ -135,14 +177,17 @@ mod properties {
         #![proptest_config(ProptestConfig::with_cases(200))]
 
         /// Beam searches beside sampled requests on a small pool (forks that wait for blocks,
-        /// preemption, aborts): the invariants hold after every verb, each pick continues the
-        /// sequence it names, and once every request is gone no block is held.
+        /// more beams than a step's places, preemption, aborts), driven as the engine drives
+        /// them (a request's beams are picked once each live one gave its row): the invariants
+        /// hold after every verb, a beam gives one row per pick, each pick continues the
+        /// sequence it names, nothing stalls while requests live, and once every request is
+        /// gone no block is held.
         #[test]
         fn beams_keep_the_invariants(
             seed in 1u64..u64::MAX,
             num_blocks in 11usize..24,
             caching in any::<bool>(),
-            widths in prop::collection::vec(1u32..5, 1..5),
+            widths in prop::collection::vec(1u32..9, 1..5),
         ) {
             let mut cfg = config(num_blocks, 4, 6, 24);
             cfg.enable_prefix_caching = caching;
@@ -160,22 +205,34 @@ mod properties {
             }
             let mut width: std::collections::HashMap<u64, u32> =
                 widths.iter().enumerate().map(|(i, &w)| (i as u64 + 1, w)).collect();
-            for _ in 0..60 {
+            // each search's live beams, and those that gave their row since the last pick
+            let mut live: std::collections::HashMap<u64, Vec<u32>> = width.keys().map(|&id| (id, vec![0])).collect();
+            let mut given: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+            for _ in 0..80 {
                 let plan = s.schedule();
                 check_plan(&s, &plan);
                 if plan.is_empty() {
+                    prop_assert_eq!(s.num_requests(), 0, "a step with nothing to run while requests live");
                     s.commit(&[]);
                     break;
                 }
                 let tokens: Vec<u32> = (0..plan.num_rows).map(|_| 3 + d.next(20) as u32).collect();
                 let updates = s.commit(&tokens);
                 s.validate().unwrap();
-                let mut stepped: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
                 for u in updates.iter().filter(|u| width.contains_key(&u.req_id)) {
                     prop_assert_eq!(u.finish, None);
-                    stepped.entry(u.req_id).or_default().push(u.seq_index);
+                    let gave = given.entry(u.req_id).or_default();
+                    prop_assert!(!gave.contains(&u.seq_index), "a beam gave two rows for one pick");
+                    prop_assert!(live[&u.req_id].contains(&u.seq_index));
+                    gave.push(u.seq_index);
                 }
-                for (id, seqs) in stepped {
+                let ready: Vec<u64> = live
+                    .iter()
+                    .filter(|(id, beams)| given.get(id).is_some_and(|g| g.len() == beams.len()))
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in ready {
+                    let seqs = given.remove(&id).unwrap();
                     // each search's sequence must end below max_model_len: stop when close
                     let len = seqs.iter().filter_map(|&i| s.seq_progress(id, i)).map(|p| p.0).max().unwrap();
                     let m = if len + 1 >= 40 || d.next(10) == 0 { 0 } else { 1 + d.next(u64::from(width[&id])) };
@@ -190,12 +247,17 @@ mod properties {
                     }
                     if picks.is_empty() {
                         width.remove(&id);
+                        live.remove(&id);
+                    } else {
+                        live.insert(id, indices);
                     }
                 }
                 if d.next(15) == 0 {
                     if let Some(&id) = width.keys().next() {
                         prop_assert!(s.abort(id));
                         width.remove(&id);
+                        live.remove(&id);
+                        given.remove(&id);
                         s.validate().unwrap();
                     }
                 }
