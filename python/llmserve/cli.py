@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch = sub.add_parser(
         "run-batch", help="Run a file of OpenAI batch requests (JSONL) offline, as vllm run-batch.",
         description="Each input line is {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} for "
-                    "/v1/chat/completions, /v1/completions or /v1/embeddings; each output line answers the input "
-                    "line at the same place with {\"id\", \"custom_id\", \"response\": {\"status_code\", "
+                    "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score or /v1/rerank; each output "
+                    "line answers the input line at the same place with {\"id\", \"custom_id\", \"response\": {\"status_code\", "
                     "\"request_id\", \"body\"}, \"error\"}. The model and engine flags are `run`'s.")
     batch.add_argument("-i", "--input-file", required=True, help="The requests, one JSON object a line ('-': stdin).")
     batch.add_argument("-o", "--output-file", required=True, help="Where the answers go ('-': stdout).")

@@ -428,3 +428,15 @@ def test_a_stream_read_from_another_loop_says_so(tiny_model):
         home.call_soon_threadsafe(home.stop)
         thread.join(5)
         home.close()
+
+
+def test_offline_score_and_rerank_answer_as_the_routes(llm):
+    docs = ["Hello, world!", "def add(a, b): return a + b", "Paris is in France."]
+    v = llm.embed(["Where is Paris?", *docs]).astype(np.float64)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    want = v[1:] @ v[0]
+    np.testing.assert_allclose(llm.score("Where is Paris?", docs), want, atol=1e-5)
+    ranked = llm.rerank("Where is Paris?", docs, {"top_n": 2})
+    assert [r["index"] for r in ranked] == list(np.argsort(-want)[:2])
+    with pytest.raises(TypeError, match="pass the documents as the second argument"):
+        llm.rerank("q", docs, {"documents": docs})

@@ -330,20 +330,25 @@ def test_raw_sse_framing(tiny_server):
 
 def test_invocations_routes_by_the_body(tiny_server):
     """POST /invocations (SageMaker's, as vLLM's): `messages` is a chat request, `prompt` a
-    completion, `input` an embeddings request, each answered as its own route answers it."""
+    completion, `input` an embeddings request, `text_1` a score, `query` a rerank, each answered
+    as its own route answers it."""
     def post(path, body):
         return httpx.post(tiny_server.url + path, json={"model": "tiny", **body}, timeout=60)
 
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
     completion = {"prompt": "The quick", "max_tokens": 4, "temperature": 0}
     embedding = {"input": "The quick"}
+    score = {"text_1": "The quick", "text_2": ["brown fox", "lazy dog"]}
+    rerank = {"query": "The quick", "documents": ["brown fox", "lazy dog"]}
     for body, route in ((chat, "/v1/chat/completions"), (completion, "/v1/completions"),
-                        (embedding, "/v1/embeddings")):
+                        (embedding, "/v1/embeddings"), (score, "/v1/score"), (rerank, "/v1/rerank")):
         via, direct = post("/invocations", body), post(route, body)
         assert via.status_code == direct.status_code, (via.text, direct.text)
         a, b = via.json(), direct.json()
         if "choices" in a:
             assert a["object"] == b["object"] and a["choices"] == b["choices"] and a["usage"] == b["usage"]
+        elif route in ("/v1/score", "/v1/rerank"):
+            assert a.get("data") == b.get("data") and a.get("results") == b.get("results"), (a, b)
         else:
             assert a.get("object") == b.get("object") and a.get("error", {}).get("code") == b.get("error", {}).get("code")
     streamed = post("/invocations", {**chat, "stream": True})

@@ -255,7 +255,9 @@ async def _on_daemon_thread(fn, *args):
 
 
 # The endpoints `submit` takes (the others are answered by `handle`).
-GENERATING = ("chat", "completion", "responses", "messages", "embeddings")
+GENERATING = ("chat", "completion", "responses", "messages", "embeddings", "score", "rerank")
+# The endpoints whose prompts are inputs to embed (none generates a token).
+EMBEDDING = ("embeddings", "score", "rerank")
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
 
 
@@ -412,7 +414,8 @@ class AsyncEngine:
 
     async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
         """Validate and queue a chat ("chat"), completion ("completion"), Responses API
-        ("responses"), Anthropic Messages ("messages") or embeddings ("embeddings") request.
+        ("responses"), Anthropic Messages ("messages"), embeddings ("embeddings") or scoring
+        ("score", "rerank") request.
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         if endpoint not in GENERATING:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")
@@ -474,10 +477,11 @@ class AsyncEngine:
         """--max-waiting caps the sequences waiting to start, this request's included: one
         that could never fit is refused for good (400), one that fits later gets 503."""
         need, limit = prepared.num_seqs, self.config.scheduler.max_waiting
-        if need > limit and endpoint == "embeddings":
+        if need > limit and endpoint in EMBEDDING:
+            param = {"embeddings": "input", "score": "text_2", "rerank": "documents"}[endpoint]
             raise Router.error(
-                "invalid_request", f"This request has {need} inputs and the server queues at most {limit} "
-                "(--max-waiting); send fewer inputs per request.", param="input")
+                "invalid_request", f"This request has {need} texts to embed and the server queues at most {limit} "
+                "(--max-waiting); send fewer per request.", param=param)
         if need > limit:
             prompts = len(prepared.prompt_lens)
             per_prompt = need // prompts

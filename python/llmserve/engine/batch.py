@@ -1,8 +1,8 @@
 """`llmserve run-batch`: OpenAI's batch file format run offline, as `vllm run-batch` runs it.
 
 Each input line is a request, `{"custom_id", "method": "POST", "url", "body"}`, to
-/v1/chat/completions, /v1/completions or /v1/embeddings. Each output line answers the input line
-at the same place: `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score or /v1/rerank. Each output line
+answers the input line at the same place: `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error": null}`, where `body` is what the server would have answered, an error body with its
 status included (a 400 names its `param`, as over HTTP). A line that is no such request gets
 `"response": null` and `"error": {"code", "message"}`, and the rest run on.
@@ -24,7 +24,8 @@ from llmserve._core import ApiError
 from llmserve.engine.loop import run_to_end
 
 # The batch API's urls and the router's endpoints that answer them.
-URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings"}
+URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings",
+        "/v1/score": "score", "/v1/rerank": "rerank"}
 # Requests queued together (their bodies are held meanwhile).
 WINDOW = 256
 

@@ -133,6 +133,25 @@ class LLM:
         rows = [item["embedding"] for r in self._run("embeddings", bodies) for item in r.body["data"]]
         return np.asarray(rows, np.float32)
 
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              params: dict[str, Any] | None = None) -> list[float]:
+        """vLLM's `LLM.score` for an embedding model, as /score answers: the cosine similarity
+        of `text_1`'s embedding with each `text_2`'s (one text against each), or pair by pair
+        (two lists of one length)."""
+        _own_argument(params, "text_1")
+        _own_argument(params, "text_2", "second")
+        body = {"model": self.model_name, **(params or {}), "text_1": text_1, "text_2": text_2}
+        return [item["score"] for item in self._run("score", [body])[0].body["data"]]
+
+    def rerank(self, query: str, documents: list[str],
+               params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The documents ranked by relevance to `query`, as /rerank answers: `{"index",
+        "document": {"text"}, "relevance_score"}` each, best first (`params`: `top_n`, ...)."""
+        _own_argument(params, "query")
+        _own_argument(params, "documents", "second")
+        body = {"model": self.model_name, **(params or {}), "query": query, "documents": documents}
+        return self._run("rerank", [body])[0].body["results"]
+
     def _run(self, endpoint: str, bodies: list[dict[str, Any]],
              whole: dict[str, Any] | None = None) -> list[Result]:
         core, runner, router = self.engine.core, self.engine.runner, self.engine.router
@@ -288,10 +307,10 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
     return out
 
 
-def _own_argument(params: dict[str, Any] | None, name: str) -> None:
-    """`params` may not also carry what the call's first argument gives."""
+def _own_argument(params: dict[str, Any] | None, name: str, position: str = "first") -> None:
+    """`params` may not also carry what the call's `position` argument gives."""
     if params and name in params:
-        raise TypeError(f"pass the {name} as the first argument, not as params[{name!r}]")
+        raise TypeError(f"pass the {name} as the {position} argument, not as params[{name!r}]")
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:

@@ -87,6 +87,9 @@ ROUTES = [
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/responses", routes.responses, methods=["POST"]),
     Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
+    # vLLM's scoring routes, under each name it serves them by (Jina's and Cohere's among them)
+    *(Route(path, routes.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+    *(Route(path, routes.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     Route("/v1/messages", routes.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", routes.messages_count_tokens, methods=["POST"]),
     Route("/v1/responses/input_tokens", routes.responses_input_tokens, methods=["POST"]),

@@ -267,19 +267,31 @@ async def embeddings(request: Request) -> Response:
     return await _generate(request, "embeddings")
 
 
+async def score(request: Request) -> Response:
+    """vLLM's /score: text pairs scored by the cosine of their embeddings."""
+    return await _generate(request, "score")
+
+
+async def rerank(request: Request) -> Response:
+    """vLLM's /rerank: documents ranked by the cosine of their embeddings with a query's."""
+    return await _generate(request, "rerank")
+
+
 async def messages(request: Request) -> Response:
     """Anthropic's Messages API."""
     return await _generate(request, "messages")
 
 
 # What an /invocations body's keys make it, tried in order (vLLM's order: chat first).
-_INVOCATIONS = (("messages", "chat"), ("prompt", "completion"), ("input", "embeddings"))
+_INVOCATIONS = (("messages", "chat"), ("prompt", "completion"), ("input", "embeddings"), ("text_1", "score"),
+                ("query", "rerank"))
 
 
 async def invocations(request: Request) -> Response:
     """POST /invocations (SageMaker's, as vLLM serves it): a chat (`messages`), completion
-    (`prompt`) or embeddings (`input`) request, answered as its own route answers it. A body
-    that is not a JSON object goes to chat, whose 400 says what is wrong with it."""
+    (`prompt`), embeddings (`input`), score (`text_1`) or rerank (`query`) request, answered as
+    its own route answers it. A body that is not a JSON object goes to chat, whose 400 says what
+    is wrong with it."""
     body = await read_body(request)
     try:
         fields = orjson.loads(body)
@@ -290,7 +302,8 @@ async def invocations(request: Request) -> Response:
     endpoint = next((e for key, e in _INVOCATIONS if key in fields), None)
     if endpoint is None:
         raise Router.error("invalid_request", "An /invocations body is a chat request (`messages`), a completion "
-                           "(`prompt`) or an embeddings request (`input`).", param=None)
+                           "(`prompt`), an embeddings request (`input`), a score (`text_1`) or a rerank "
+                           "(`query`).", param=None)
     return await _generate(request, endpoint, body)
 
 

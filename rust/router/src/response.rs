@@ -1390,7 +1390,7 @@ impl ResponseBuilder {
             return self.messages_body();
         }
         if let Some(e) = &self.embeddings {
-            return e.body(&self.model, self.prompt_tokens);
+            return e.body(&self.id, self.created, &self.model, self.prompt_tokens);
         }
         let body = self.whole_body();
         if let Some(keep) = &self.keep {

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::error::ApiError;
 use crate::lora::LoraTable;
 use crate::protocol::{
-    chat, common::unix_now, completion, embeddings, messages, responses, tokenize, Endpoint, Handled, Prepared,
+    chat, common::unix_now, completion, embeddings, messages, responses, score, tokenize, Endpoint, Handled, Prepared,
 };
 use crate::template::TemplateSet;
 use crate::tokenizer::Tokenizer;
@@ -239,7 +239,8 @@ impl Router {
         (tools, reasoning)
     }
 
-    /// Validates a `Chat`, `Completion`, `Responses`, `Messages` or `Embeddings` request into a [`Prepared`] one.
+    /// Validates a `Chat`, `Completion`, `Responses`, `Messages`, `Embeddings`, `Score` or `Rerank`
+    /// request into a [`Prepared`] one.
     pub fn prepare(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
         self.prepare_as(endpoint, body, None)
     }
@@ -256,6 +257,8 @@ impl Router {
             Endpoint::Responses => responses::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Messages => messages::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Embeddings => embeddings::prepare(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Score => score::prepare_score(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Rerank => score::prepare_rerank(self, body, header_id).map(|c| c.prepared),
             other => Err(ApiError::Internal {
                 message: format!("The `{}` route does not generate; it is answered by `handle`.", other.name()),
             }),

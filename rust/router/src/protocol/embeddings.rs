@@ -25,7 +25,7 @@ use super::common::{
     check_cache_salt, check_request_id, from_value, ignored_header, new_id, parse_body, set_keys, settle_ignored,
     truncate_prompt_tokens, unix_now, unsupported,
 };
-use super::completion::{parse_prompts, tokenize_prompts};
+use super::completion::{parse_prompts, tokenize_prompts, PromptIn};
 use super::{Checked, Endpoint, Prepared, SamplingParams};
 use crate::error::ApiError;
 use crate::router::Router;
@@ -74,6 +74,8 @@ pub struct EmbeddingPlan {
     pub dimensions: Option<usize>,
     /// `encoding_format: "base64"`.
     pub base64: bool,
+    /// `/score` and `/rerank`: the answer is scores of the embeddings, not the embeddings.
+    pub scoring: Option<std::sync::Arc<super::score::Scoring>>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -100,24 +102,13 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let value = parse_body(body)?;
     let f: EmbeddingFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
-    let config = &router.config;
-    let Some(embed) = &config.embeddings else {
-        return Err(unsupported(
-            "model",
-            format!(
-                "The model `{}` does not serve embeddings: its sentence-transformers files describe a pooling \
-                 this server cannot make (the server's log says which); started with `--pooling last` or \
-                 `--pooling mean`, it serves its hidden states pooled so.",
-                f.model
-            ),
-        ));
-    };
+    let embed = embedder(router, &f.model)?;
     let mut ignored: Vec<String> = set_keys(&f.extra, &value).cloned().collect();
     if f.stream == Some(true) {
         // (nothing to stream: one answer holds every vector; `false` asks for nothing)
         ignored.push("stream".into());
     }
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
 
     let base64 = match f.encoding_format.as_deref() {
         None | Some("float") => false,
@@ -130,13 +121,6 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         }
     };
     let dimensions = check_dimensions(f.dimensions, embed)?;
-    if let Some(id) = &f.request_id {
-        check_request_id(id)?;
-    }
-    check_cache_salt(f.cache_salt.as_deref())?;
-    let max_model_len = config.max_model_len as usize;
-    let truncate = truncate_prompt_tokens(f.truncate_prompt_tokens, config.max_model_len)?;
-
     let inputs = parse_prompts(&f.input, router.tokenizer.vocab_size(), "input")?;
     if inputs.len() > MAX_INPUTS {
         return Err(ApiError::invalid(
@@ -144,8 +128,74 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             format!("At most {MAX_INPUTS} inputs may be embedded in one request, got {}.", inputs.len()),
         ));
     }
-    let inputs = tokenize_prompts(&router.tokenizer, inputs, f.add_special_tokens.unwrap_or(true), truncate)?;
-    for (ids, _, param) in &inputs {
+    let plan = EmbeddingPlan {
+        pooling: embed.pooling,
+        normalize: f.normalize.unwrap_or(embed.normalize),
+        dimensions,
+        base64,
+        scoring: None,
+    };
+    let inputs = Inputs {
+        texts: inputs,
+        add_special_tokens: f.add_special_tokens.unwrap_or(true),
+        truncate_prompt_tokens: f.truncate_prompt_tokens,
+        priority: f.priority,
+        request_id: f.request_id,
+        cache_salt: f.cache_salt,
+        user: f.user,
+    };
+    inputs_prepared(router, Endpoint::Embeddings, "embd", f.model, lora, inputs, plan, ignored, header_id)
+}
+
+/// How the server's model embeds, or the 400 `model` of a model that does not.
+pub(crate) fn embedder<'a>(router: &'a Router, model: &str) -> Result<&'a EmbeddingConfig, ApiError> {
+    router.config.embeddings.as_ref().ok_or_else(|| {
+        unsupported(
+            "model",
+            format!(
+                "The model `{model}` does not serve embeddings: its sentence-transformers files describe a pooling \
+                 this server cannot make (the server's log says which); started with `--pooling last` or \
+                 `--pooling mean`, it serves its hidden states pooled so."
+            ),
+        )
+    })
+}
+
+/// The texts (or token ids) a request embeds, each with the `param` that names it, and the
+/// fields every embedding-made request takes.
+pub(crate) struct Inputs {
+    pub texts: Vec<(PromptIn, String)>,
+    pub add_special_tokens: bool,
+    pub truncate_prompt_tokens: Option<i64>,
+    pub priority: Option<i32>,
+    pub request_id: Option<String>,
+    pub cache_salt: Option<String>,
+    pub user: Option<String>,
+}
+
+/// The request that runs each of `inputs` as a prompt that samples nothing and answers as
+/// `plan` says: `/v1/embeddings`, `/score`, `/rerank`. `id_prefix`: its id's ("embd-...").
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn inputs_prepared(
+    router: &Router,
+    endpoint: Endpoint,
+    id_prefix: &str,
+    model: String,
+    lora: u32,
+    inputs: Inputs,
+    plan: EmbeddingPlan,
+    ignored: Vec<String>,
+    header_id: Option<&str>,
+) -> Result<Checked, ApiError> {
+    let config = &router.config;
+    if let Some(id) = &inputs.request_id {
+        check_request_id(id)?;
+    }
+    check_cache_salt(inputs.cache_salt.as_deref())?;
+    let max_model_len = config.max_model_len as usize;
+    let truncate = truncate_prompt_tokens(inputs.truncate_prompt_tokens, config.max_model_len)?;
+    let texts = tokenize_prompts(&router.tokenizer, inputs.texts, inputs.add_special_tokens, truncate)?;
+    for (ids, _, param) in &texts {
         if ids.len() > max_model_len {
             return Err(ApiError::ContextLengthExceeded {
                 message: format!(
@@ -157,14 +207,14 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
             });
         }
     }
-    let (prompts, prompt_texts): (Vec<_>, Vec<_>) = inputs.into_iter().map(|(ids, text, _)| (ids, text)).unzip();
-
+    let (prompts, prompt_texts): (Vec<_>, Vec<_>) = texts.into_iter().map(|(ids, text, _)| (ids, text)).unzip();
+    let id = inputs.request_id.as_deref().or(header_id);
     let prepared = Prepared {
-        endpoint: Endpoint::Embeddings,
-        id: f.request_id.as_deref().or(header_id).map_or_else(|| new_id("embd"), |id| format!("embd-{id}")),
+        endpoint,
+        id: id.map_or_else(|| new_id(id_prefix), |id| format!("{id_prefix}-{id}")),
         created: unix_now(),
         system_fingerprint: router.fingerprint(lora),
-        model: f.model,
+        model,
         prompts,
         prompt_texts,
         params: prompt_only_params(),
@@ -175,23 +225,18 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         return_token_ids: false,
         tokens_as_ids: false,
         prompt_logprobs_k: None,
-        priority: f.priority.unwrap_or(0),
-        cache_salt: f.cache_salt,
+        priority: inputs.priority.unwrap_or(0),
+        cache_salt: inputs.cache_salt,
         lora,
         keep: None,
-        user: f.user,
+        user: inputs.user,
         headers: ignored_header(&ignored).into_iter().collect(),
         ignored: ignored.clone(),
         grammar: None,
         tools: None,
         reasoning: None,
         responses: None,
-        embedding: Some(EmbeddingPlan {
-            pooling: embed.pooling,
-            normalize: f.normalize.unwrap_or(embed.normalize),
-            dimensions,
-            base64,
-        }),
+        embedding: Some(plan),
         best_of: None,
         echo_message: None,
     };

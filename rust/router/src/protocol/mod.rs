@@ -40,6 +40,7 @@ pub mod messages;
 pub mod responses;
 mod schema_check;
 pub(crate) mod schema_edit;
+pub mod score;
 pub mod stored_chat;
 pub mod tokenize;
 
@@ -63,6 +64,10 @@ pub enum Endpoint {
     /// `/v1/embeddings`: each input's prompt runs and nothing is sampled; answered with
     /// the pooled hidden states.
     Embeddings,
+    /// vLLM's `/score`: text pairs scored by their embeddings' cosine similarity.
+    Score,
+    /// vLLM's `/rerank`: documents ranked by their embeddings' cosine similarity to a query.
+    Rerank,
     Tokenize,
     Detokenize,
     ChatRender,
@@ -71,8 +76,8 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// The names the bindings use: "chat", "completion", "responses", "messages",
-    /// "messages_count_tokens", "responses_input_tokens", "embeddings", "tokenize", "detokenize", "chat_render",
-    /// "completion_render".
+    /// "messages_count_tokens", "responses_input_tokens", "embeddings", "score", "rerank", "tokenize",
+    /// "detokenize", "chat_render", "completion_render".
     pub fn from_name(s: &str) -> Option<Self> {
         Some(match s {
             "chat" => Self::Chat,
@@ -82,6 +87,8 @@ impl Endpoint {
             "messages_count_tokens" => Self::MessagesCountTokens,
             "responses_input_tokens" => Self::ResponsesInputTokens,
             "embeddings" => Self::Embeddings,
+            "score" => Self::Score,
+            "rerank" => Self::Rerank,
             "tokenize" => Self::Tokenize,
             "detokenize" => Self::Detokenize,
             "chat_render" => Self::ChatRender,
@@ -99,6 +106,8 @@ impl Endpoint {
             Self::MessagesCountTokens => "messages_count_tokens",
             Self::ResponsesInputTokens => "responses_input_tokens",
             Self::Embeddings => "embeddings",
+            Self::Score => "score",
+            Self::Rerank => "rerank",
             Self::Tokenize => "tokenize",
             Self::Detokenize => "detokenize",
             Self::ChatRender => "chat_render",
@@ -110,7 +119,7 @@ impl Endpoint {
 /// A validated generation request, ready for the engine.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Prepared {
-    /// `Chat`, `Completion`, `Responses`, `Messages` or `Embeddings`.
+    /// `Chat`, `Completion`, `Responses`, `Messages`, `Embeddings`, `Score` or `Rerank`.
     pub endpoint: Endpoint,
     /// "chatcmpl-<uuid hex>" / "cmpl-<uuid hex>", or the client's `request_id`.
     pub id: String,
@@ -165,7 +174,8 @@ pub struct Prepared {
     pub reasoning: Option<crate::reasoning::ReasoningPlan>,
     /// `Responses`: the request's fields a `response` object echoes back. None otherwise.
     pub responses: Option<std::sync::Arc<responses::Echo>>,
-    /// `Embeddings`: how each input's hidden states become its embedding. None otherwise.
+    /// `Embeddings`, `Score`, `Rerank`: how each input's hidden states become its embedding
+    /// (and the scores of those). None otherwise.
     pub embedding: Option<embeddings::EmbeddingPlan>,
     /// Completions' `best_of` above `n`: `params.n` is `best_of` here.
     pub best_of: Option<BestOf>,
