@@ -16,6 +16,7 @@ from fractions import Fraction
 from llmserve.config import Config
 
 _ENV_API_KEY = "LLMSERVE_API_KEY"
+_ENV_ADMIN_API_KEY = "LLMSERVE_ADMIN_API_KEY"
 _ENV_LOG_LEVEL = "LLMSERVE_LOG_LEVEL"
 # vLLM's variable for its keys: read when neither --api-key nor LLMSERVE_API_KEY gives any, so
 # a deployment moved over from vLLM does not serve open.
@@ -223,17 +224,9 @@ def config_from_args(ns: argparse.Namespace) -> Config:
                     raise ValueError(f"--served-model-name took {name!r} as a second name; if it is the model, "
                                      "give it first (llmserve run MODEL --served-model-name NAME ...), else "
                                      "repeat the flag for each name (--served-model-name a --served-model-name b)")
-    env_keys = os.environ.get(_ENV_API_KEY, "")
-    if env_keys and cfg.server.api_key:
-        logging.getLogger("llmserve").warning("%s is set, but --api-key is given: only the flag's keys are used",
-                                              _ENV_API_KEY)
-    elif env_keys:
-        keys = tuple(k.strip() for k in env_keys.split(",") if k.strip())
-        if not keys:
-            # NOTE: an operator who set it asked for keys: serving without any would be open.
-            raise ValueError(f"{_ENV_API_KEY} is set but holds no key (keys are comma separated)")
-        if len(set(keys)) < len(keys):
-            raise ValueError(f"{_ENV_API_KEY} holds a key more than once")
+    if (admin := _env_keys(_ENV_ADMIN_API_KEY, "--admin-api-key", cfg.server.admin_api_key)) is not None:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, admin_api_key=admin))
+    if (keys := _env_keys(_ENV_API_KEY, "--api-key", cfg.server.api_key)) is not None:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=keys))
     elif not cfg.server.api_key and (vllm_key := os.environ.get(_ENV_VLLM_API_KEY, "")):
         # one key, as vLLM reads it (empty: none, as there)
@@ -242,6 +235,8 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         logging.getLogger("llmserve").info("API key from %s (vLLM's variable; llmserve's is %s)",
                                            _ENV_VLLM_API_KEY, _ENV_API_KEY)
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=(vllm_key,)))
+    if set(cfg.server.admin_api_key) & set(cfg.server.api_key):
+        raise ValueError("an --admin-api-key must be a key of its own, not also an --api-key")
     resolver = os.environ.get(_ENV_VLLM_LORA_RESOLVER, "")
     if resolver and cfg.model.lora_resolver_dir is None:
         logging.getLogger("llmserve").info("LoRA adapters resolved from %s (%s; llmserve's flag is "
@@ -295,6 +290,25 @@ def _short_openmp_spin() -> None:
     environment (and has usually loaded torch already)."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+def _env_keys(variable: str, flag: str, given: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The comma-separated keys `variable` holds, unless the flag already gave some (None then,
+    or when it is unset)."""
+    value = os.environ.get(variable, "")
+    if not value:
+        return None
+    if given:
+        logging.getLogger("llmserve").warning("%s is set, but %s is given: only the flag's keys are used",
+                                              variable, flag)
+        return None
+    keys = tuple(k.strip() for k in value.split(",") if k.strip())
+    if not keys:
+        # NOTE: an operator who set it asked for keys: serving without any would be open.
+        raise ValueError(f"{variable} is set but holds no key (keys are comma separated)")
+    if len(set(keys)) < len(keys):
+        raise ValueError(f"{variable} holds a key more than once")
+    return keys
 
 
 def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

@@ -429,6 +429,12 @@ class ServerConfig(_Checked):
         (), "API key(s) required on every route but /health, /ready, /metrics (repeatable).",
         append=True, secret=True,
     )
+    admin_api_key: tuple[str, ...] = _f(
+        (), "Mount the admin routes (POST /reset_prefix_cache) behind these key(s) of their own "
+        "(repeatable; also LLMSERVE_ADMIN_API_KEY, comma separated): an --api-key does not open them, nor "
+        "do they open the API. Without one the routes do not exist.",
+        append=True, secret=True,
+    )
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (413 above).", min=1)
     strict_fields: bool = _f(False, "Reject accepted-but-inert and unknown fields with 400.")
     enable_force_include_usage: bool = _f(

@@ -1,4 +1,5 @@
-"""API keys: several keys, LLMSERVE_API_KEY, `x-api-key`, 401 in the OpenAI shape, open probes."""
+"""API keys: several keys, LLMSERVE_API_KEY, `x-api-key`, 401 in the OpenAI shape, open probes;
+admin routes behind keys of their own."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from server import ServerProcess
 def keyed_server(tiny_model):
     server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--api-key", "k1",
                            "--num-kv-blocks", "64", "--allowed-origins", "https://app.example",
+                           "--admin-api-key", "a1",
                            env={"LLMSERVE_API_KEY": "ignored-when-flag-given"})
     yield server
     server.stop()
@@ -21,7 +23,7 @@ def keyed_server(tiny_model):
 @pytest.fixture(scope="module")
 def env_keyed_server(tiny_model):
     server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--num-kv-blocks", "64",
-                           env={"LLMSERVE_API_KEY": "e1, e2"})
+                           env={"LLMSERVE_API_KEY": "e1, e2", "LLMSERVE_ADMIN_API_KEY": "a2"})
     yield server
     server.stop()
 
@@ -70,6 +72,36 @@ def test_env_keys_comma_separated(env_keyed_server):
         assert r.status_code == 200
     assert httpx.get(env_keyed_server.url + "/v1/models",
                      headers={"authorization": "Bearer e3"}).status_code == 401
+
+
+def _cached(server, key: str) -> int:
+    prompt = list(range(5, 45))   # two full blocks of 16 a later prompt can find
+    r = httpx.post(server.url + "/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_admin_routes_open_to_their_own_keys_alone(keyed_server, env_keyed_server, tiny_server):
+    url = keyed_server.url + "/reset_prefix_cache"
+    for headers in ({}, {"authorization": "Bearer k1"}, {"x-api-key": "k1"}, {"authorization": "Bearer a2"}):
+        r = httpx.post(url, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert httpx.post(url + "/", headers=headers).status_code == 401, headers
+    # an admin key opens no API route
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"authorization": "Bearer a1"}).status_code == 401
+    _cached(keyed_server, "k1")
+    assert _cached(keyed_server, "k1") == 32
+    r = httpx.post(url, headers={"authorization": "Bearer a1"})
+    assert r.status_code == 200 and r.json()["reset"] is True and r.json()["cached_blocks"] >= 2, r.text
+    assert _cached(keyed_server, "k1") == 0, "the reset cache holds nothing"
+    assert _cached(keyed_server, "k1") == 32
+    # LLMSERVE_ADMIN_API_KEY; without any admin key the route does not exist
+    r = httpx.post(env_keyed_server.url + "/reset_prefix_cache", headers={"x-api-key": "a2"})
+    assert r.status_code == 200, r.text
+    assert httpx.post(env_keyed_server.url + "/reset_prefix_cache",
+                      headers={"x-api-key": "e1"}).status_code == 401
+    assert httpx.post(tiny_server.url + "/reset_prefix_cache").status_code == 404
 
 
 def test_allowed_origins_get_cors_and_a_keyless_preflight(keyed_server, env_keyed_server):

@@ -440,3 +440,12 @@ def test_offline_score_and_rerank_answer_as_the_routes(llm):
     assert [r["index"] for r in ranked] == list(np.argsort(-want)[:2])
     with pytest.raises(TypeError, match="pass the documents as the second argument"):
         llm.rerank("q", docs, {"documents": docs})
+
+
+def test_offline_reset_prefix_cache_leaves_nothing_to_find(llm):
+    prompt = [list(range(100, 140))]
+    params = {"max_tokens": 1, "temperature": 0}
+    llm.generate(prompt, params)
+    assert llm.generate(prompt, params)[0].usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert llm.reset_prefix_cache() >= 2
+    assert llm.generate(prompt, params)[0].usage["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -63,6 +63,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--allowed-origins", "HTTPS://App.example:443"], {}, "did you mean 'https://app.example'?"),
     (["--allowed-origins", "app.example"], {}, "--allowed-origins 'app.example' is not an origin"),
     ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
+    ([], {"LLMSERVE_ADMIN_API_KEY": "a,a"}, "LLMSERVE_ADMIN_API_KEY holds a key more than once"),
+    (["--api-key", "k", "--admin-api-key", "k"], {}, "an --admin-api-key must be a key of its own"),
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),
     (["--served-model-name", "a", "x.gguf"], {}, "--served-model-name took 'x.gguf' as a second name"),
     (["--kv-cache-memory", "0.5"], {}, "--kv-cache-memory must be greater than 0; got 0.5 (0 bytes)"),
@@ -155,6 +157,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config(["--api-key", "k"]).server.api_key == ("k",)
     monkeypatch.setenv("LLMSERVE_API_KEY", "l1")
     assert _config([]).server.api_key == ("l1",)   # (ours first)
+    monkeypatch.setenv("LLMSERVE_ADMIN_API_KEY", "a1, a2")
+    assert _config([]).server.admin_api_key == ("a1", "a2")
+    assert _config(["--admin-api-key", "f"]).server.admin_api_key == ("f",)   # (the flag first)
+    monkeypatch.delenv("LLMSERVE_ADMIN_API_KEY")
     assert not _config([]).model.allow_runtime_lora_updating
     assert _config(["--allow-runtime-lora-updating"]).model.allow_runtime_lora_updating
     for value, on in (("True", True), ("1", True), ("false", False), ("0", False), ("", False)):

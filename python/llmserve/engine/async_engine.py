@@ -377,6 +377,18 @@ class AsyncEngine:
             raise self.unavailable("The model is still loading.", retry_after=5)
         return self.engine.router
 
+    async def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache between two steps (Scheduler::reset_prefix_cache); how many
+        blocks it held."""
+        self._check_serving()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int | None] = loop.create_future()
+        self._thread.post(("reset_prefix_cache", lambda n: loop.call_soon_threadsafe(done.set_result, n)))
+        blocks = await done
+        if blocks is None:
+            raise self.unavailable("The engine stopped before the prefix cache was reset.", retry_after=None)
+        return blocks
+
     def load(self) -> dict:
         stats, pending = self._thread.snapshot() if self._thread else ({}, 0)
         return {

@@ -149,7 +149,9 @@ class EngineThread:
     `plan_ahead`: overlap planning and committing with the model (the runner must have
     `launch`, as ModelRunner does). ("retire", index) hands over an unloaded LoRA adapter:
     `adapters` (engine/adapters.py) frees its weights once no request holds it, and a request
-    naming an index whose weights are gone fails with a 404.
+    naming an index whose weights are gone fails with a 404. ("reset_prefix_cache", done)
+    empties the prefix cache and calls `done` with how many blocks it held (None: the loop
+    stopped first).
     """
 
     def __init__(self, core, runner, deliver: Callable[[list], None],
@@ -232,6 +234,9 @@ class EngineThread:
                 self._tokens[handle] = token
             elif op[0] == "retire":
                 self._retired.add(op[1])
+            elif op[0] == "reset_prefix_cache":
+                op[1](self._core.reset_prefix_cache())
+                self._publish(0.0)
             else:
                 handle = self._handles.pop(op[1], None)
                 if handle is not None:
@@ -349,9 +354,12 @@ class EngineThread:
             self.alive = False
             with self._cv:
                 orphans = list(self._tokens.values()) + [op[2] for op in self._inbox if op[0] == "add"]
+                resets = [op[1] for op in self._inbox if op[0] == "reset_prefix_cache"]
                 self._inbox = []
                 self._posted_seqs = 0
             self._release()
+            for done in resets:
+                done(None)
             died = RuntimeError("the engine loop stopped")
             if orphans:
                 self._deliver([(t, died, "error", True, 0, None) for t in orphans])

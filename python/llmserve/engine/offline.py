@@ -152,6 +152,12 @@ class LLM:
         body = {"model": self.model_name, **(params or {}), "query": query, "documents": documents}
         return self._run("rerank", [body])[0].body["results"]
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache, as vLLM's `LLM.reset_prefix_cache` (a cold-cache run after
+        warm ones); how many blocks it held."""
+        with self._lock:
+            return self.engine.core.reset_prefix_cache()
+
     def _run(self, endpoint: str, bodies: list[dict[str, Any]],
              whole: dict[str, Any] | None = None) -> list[Result]:
         core, runner, router = self.engine.core, self.engine.runner, self.engine.router

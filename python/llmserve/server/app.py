@@ -120,6 +120,10 @@ ROUTES = [
     Route("/version", routes.version, methods=["GET"]),
     Route("/metrics", routes.metrics, methods=["GET"]),
 ]
+# Mounted with --admin-api-key, behind those keys alone (middleware.ADMIN_PATHS).
+ADMIN_ROUTES = [
+    Route("/reset_prefix_cache", routes.reset_prefix_cache, methods=["POST"]),
+]
 
 
 def create_app(config: Config | None = None, engine: AsyncEngine | None = None) -> Starlette:
@@ -148,8 +152,13 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                 app.state.backgrounds.stop_all()
                 await engine.drain(stop_timeout=_step_wait(app.state))
 
+    routes = ROUTES
+    if config.server.admin_api_key:
+        if set(config.server.admin_api_key) & set(config.server.api_key):
+            raise ValueError("an --admin-api-key must be a key of its own, not also an --api-key")
+        routes = [*ROUTES, *ADMIN_ROUTES]
     app = Starlette(
-        routes=ROUTES,
+        routes=routes,
         lifespan=lifespan,
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                             ClientDisconnect: _on_client_gone, Exception: _on_unexpected},
@@ -163,7 +172,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     app.state.stop_timeout = None
     app.state.stop_deadline = None
     app.add_middleware(StartOnFirstRequest, start=start_loading)
-    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key)
+    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key, admin_keys=config.server.admin_api_key)
     if config.server.allowed_origins:
         # Outside the key check: a browser's preflight (OPTIONS) carries no key. The pages of
         # these origins may then send JSON with their keys, and read the answers and our
@@ -383,6 +392,9 @@ def serve(config: Config) -> int:
     app.state.stop_timeout = ENGINE_STOP_TIMEOUT_S
     log.info("listening on %s://%s:%d (OpenAI API under /v1)", "https" if tls else "http", host,
              sock.getsockname()[1])
+    if config.server.admin_api_key:
+        log.info("admin routes (POST /reset_prefix_cache) mounted behind their own keys (%d)",
+                 len(config.server.admin_api_key))
     if config.server.api_key:
         log.info("API keys required (%d) on every route but /health (/ping), /ready and /metrics",
                  len(config.server.api_key))

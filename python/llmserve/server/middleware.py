@@ -17,6 +17,8 @@ access_log = logging.getLogger("llmserve.access")
 
 # Probes and scrapes stay open so load balancers and Prometheus need no key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics"})
+# Routes that change the server (--admin-api-key mounts them): only an admin key opens them.
+ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
 
 
 def error_request_id(sent: str | None) -> str:
@@ -55,36 +57,38 @@ def error_body(err, path: str) -> bytes:
 
 class ApiKeyMiddleware:
     """Every route but OPEN_PATHS needs one of `keys`, as `Authorization: Bearer <key>` (what
-    OpenAI clients send) or `x-api-key: <key>` (what Anthropic clients send)."""
+    OpenAI clients send) or `x-api-key: <key>` (what Anthropic clients send); ADMIN_PATHS need
+    one of `admin_keys` instead (and are not mounted without them)."""
 
-    def __init__(self, app, keys: tuple[str, ...]) -> None:
+    def __init__(self, app, keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.admin_keys = [k.encode() for k in admin_keys]
 
-    def _authorized(self, scope) -> bool:
+    @staticmethod
+    def _authorized(scope, keys: list[bytes]) -> bool:
         ok = False
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    ok |= self._known(token.strip())
+                    ok |= _known(token.strip(), keys)
             elif name == b"x-api-key":
-                ok |= self._known(value.strip())
-        return ok
-
-    def _known(self, token: bytes) -> bool:
-        # NOTE: compare against every key (no early exit) so timing says nothing about which
-        # key, or how much of one, matched.
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(token, key)
+                ok |= _known(value.strip(), keys)
         return ok
 
     async def __call__(self, scope, receive, send):
-        # (with its trailing slash, an open path redirects to itself: open too)
-        if scope["type"] != "http" or not self.keys or route_path(scope).rstrip("/") in OPEN_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self._authorized(scope):
+        # (with its trailing slash, an open path redirects to itself: open too)
+        path = route_path(scope).rstrip("/")
+        if path in ADMIN_PATHS and self.admin_keys:
+            keys = self.admin_keys
+        elif not self.keys or path in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        else:
+            keys = self.keys
+        if self._authorized(scope, keys):
             return await self.app(scope, receive, send)
         err = Router.error("unauthorized", "Invalid or missing API key (send `Authorization: Bearer <key>`, "
                                            "or `x-api-key: <key>`).")
@@ -95,6 +99,15 @@ class ApiKeyMiddleware:
             headers.append((b"request-id", request_id))   # (Anthropic's name for it)
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": error_body(err, route_path(scope))})
+
+
+def _known(token: bytes, keys: list[bytes]) -> bool:
+    # NOTE: compare against every key (no early exit) so timing says nothing about which key,
+    # or how much of one, matched.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token, key)
+    return ok
 
 
 class AccessLogMiddleware:

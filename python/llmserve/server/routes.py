@@ -267,6 +267,14 @@ async def embeddings(request: Request) -> Response:
     return await _generate(request, "embeddings")
 
 
+async def reset_prefix_cache(request: Request) -> Response:
+    """Admin (vLLM's dev route): empty the prefix cache, so no later prompt finds an earlier
+    one's blocks (a cold-cache benchmark, a changed model file). Answers how many blocks it
+    held."""
+    blocks = await _engine(request).reset_prefix_cache()
+    return Response(orjson.dumps({"reset": True, "cached_blocks": blocks}), media_type=JSON)
+
+
 async def score(request: Request) -> Response:
     """vLLM's /score: text pairs scored by the cosine of their embeddings."""
     return await _generate(request, "score")

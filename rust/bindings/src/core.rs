@@ -1016,6 +1016,11 @@ impl PyCore {
         self.state.scheduler.has_work()
     }
 
+    /// Empty the prefix cache; how many blocks it held (`Scheduler::reset_prefix_cache`).
+    fn reset_prefix_cache(&mut self) -> usize {
+        self.state.scheduler.reset_prefix_cache()
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.state.scheduler.stats();
         let d = PyDict::new(py);

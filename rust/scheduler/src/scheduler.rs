@@ -370,6 +370,20 @@ impl Scheduler {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
+    /// Empty the prefix cache (vLLM's `/reset_prefix_cache`): every block forgets its hash, so
+    /// no later prompt finds what came before. Blocks in use stay with their sequences (which
+    /// do not register them again); free ones become plain memory. Returns how many blocks
+    /// were cached. O(num_blocks).
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        (1..self.pool.num_blocks() as u32)
+            .filter(|&b| {
+                let cached = self.pool.block_hash(b).is_some();
+                self.pool.forget(b);
+                cached
+            })
+            .count()
+    }
+
     /// Live requests (not yet finished or aborted).
     pub fn num_requests(&self) -> usize {
         self.req_index.len()

@@ -85,6 +85,35 @@ fn identical_prompt_computes_only_the_tail() {
 }
 
 #[test]
+fn a_reset_prefix_cache_is_found_by_no_later_prompt() {
+    let mut cfg = config(33, 16, 8, 256);
+    cfg.enable_prefix_caching = true;
+    let mut s = Scheduler::new(cfg);
+    s.add(request(1, prompt(40, 1), 1));
+    step(&mut s, 5);
+    // B runs, holding the two cached blocks, when the cache is reset
+    s.add(request(2, prompt(40, 1), 3));
+    let (_, u) = step(&mut s, 5);
+    assert_eq!(u[0].cached_prompt_tokens, Some(32));
+    assert_eq!(s.reset_prefix_cache(), 2);
+    s.validate().unwrap();
+    assert_eq!(s.stats().cached_blocks, 0);
+    assert_eq!(s.reset_prefix_cache(), 0, "nothing left to forget");
+    // C computes its whole prompt although B still holds the blocks it would have found
+    s.add(request(3, prompt(40, 1), 1));
+    let (plan, u) = step(&mut s, 5);
+    assert_eq!(plan.num_tokens, 1 + 40);
+    assert_eq!(u.iter().find(|u| u.req_id == 3).unwrap().cached_prompt_tokens, Some(0));
+    while s.has_work() {
+        step(&mut s, 5);
+    }
+    s.validate().unwrap();
+    assert_eq!(s.stats().used_blocks, 0);
+    // C's own blocks are cached as usual
+    assert_eq!(s.stats().cached_blocks, 2);
+}
+
+#[test]
 fn prefix_cache_stats_count_only_lookups() {
     // Caching off: nothing is looked up, so nothing is queried (vLLM records no stats then).
     let mut s = Scheduler::new(config(33, 16, 8, 256));
