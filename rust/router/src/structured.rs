@@ -496,15 +496,34 @@ pub(crate) mod tests {
 
     /// A vocabulary of an EOS (id 0) and one token per character of `chars` (ids from 1).
     fn char_tokenizer(chars: &[String]) -> Arc<Tokenizer> {
+        char_tokenizer_with(chars, &[])
+    }
+
+    /// `byte_tokenizer`'s vocabulary and special tokens `specials` (after it).
+    pub(crate) fn tokenizer_with_specials(specials: &[&str]) -> Arc<Tokenizer> {
+        let chars: Vec<String> = std::iter::once(b'\n').chain(32u8..127).map(|c| (c as char).to_string()).collect();
+        char_tokenizer_with(&chars, specials)
+    }
+
+    fn char_tokenizer_with(chars: &[String], specials: &[&str]) -> Arc<Tokenizer> {
         let mut vocab = serde_json::Map::new();
         vocab.insert("<eos>".into(), json!(0));
         for (i, c) in chars.iter().enumerate() {
             vocab.insert(c.clone(), json!(i + 1));
         }
+        let special = |id: usize, content: &str| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        };
+        let mut added = vec![special(0, "<eos>")];
+        for (i, content) in specials.iter().enumerate() {
+            let id = chars.len() + 1 + i;
+            vocab.insert(content.to_string(), json!(id));
+            added.push(special(id, content));
+        }
         let tj = json!({
             "version": "1.0",
-            "added_tokens": [{"id": 0, "content": "<eos>", "single_word": false, "lstrip": false,
-                              "rstrip": false, "normalized": false, "special": true}],
+            "added_tokens": added,
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
             "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
         });

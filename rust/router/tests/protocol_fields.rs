@@ -910,9 +910,16 @@ fn allowed_tools_restrict_the_calls_not_the_prompt() {
     let xml = router_with(json!({"tool_call_format": "qwen3_xml", "strict_fields": true}), Some(TEMPLATE));
     let p = chat(&xml, allowed("auto", &["get_time"])).unwrap();
     assert_eq!((callable(&p), p.grammar.is_some()), (vec!["get_time".to_string()], true));
-    // a format without an "answer or calls" grammar: parsed, and the restriction reported
+    // and llama3's, and Mistral's
     let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(TEMPLATE));
     let p = chat(&llama, allowed("auto", &["get_time"])).unwrap();
+    assert_eq!((header(&p, "llmserve-ignored-fields"), p.grammar.is_some()), (None, true));
+    let mistral = router_with(json!({"tool_call_format": "mistral"}), Some(TEMPLATE));
+    let p = chat(&mistral, allowed("auto", &["get_time"])).unwrap();
+    assert_eq!((header(&p, "llmserve-ignored-fields"), p.grammar.is_some()), (None, true));
+    // a format without an "answer or calls" grammar: the restriction reported
+    let json_format = router_with(json!({"tool_call_format": "json"}), Some(TEMPLATE));
+    let p = chat(&json_format, allowed("auto", &["get_time"])).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tool_choice.allowed_tools"));
     assert!(p.grammar.is_none());
     let p = chat(&llama, allowed("required", &["get_time"])).unwrap();
@@ -1020,8 +1027,17 @@ fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
     assert_eq!(shape(chat(&hermes, with_strict)).2.as_deref(), Some("continue_final_message"));
     chat(&hermes, continued).unwrap();
 
-    // Formats without such a grammar.
-    let llama = router_with(json!({"tool_call_format": "llama3_json"}), Some(plain));
+    // llama3's and Mistral's calls have one too.
+    for format in ["llama3_json", "mistral"] {
+        let r = router_with(json!({ "tool_call_format": format }), Some(plain));
+        let p = chat(&r, json!({"tools": tools(true)})).unwrap();
+        assert_eq!((header(&p, "llmserve-ignored-fields"), kind(&p).as_deref()), (None, Some("lark")), "{format}");
+        let p = chat(&r, json!({"tools": tools(false), "response_format": json_object})).unwrap();
+        assert_eq!((header(&p, "llmserve-ignored-fields"), kind(&p).as_deref()), (None, Some("lark")), "{format}");
+        assert!(p.tools.is_some());
+    }
+    // The json format has none: its calls are any JSON the output starts with.
+    let llama = router_with(json!({"tool_call_format": "json"}), Some(plain));
     let p = chat(&llama, json!({"tools": tools(true)})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tools[0].function.strict"));
     assert_eq!(kind(&p), None);

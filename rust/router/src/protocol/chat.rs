@@ -639,9 +639,9 @@ enum AutoShape {
 /// The [`AutoShape`] of a request whose calls are read in `format`: a `strict` tool asks for
 /// its arguments to follow its schema, and a `response_format` beside tools asks for an
 /// answer in that shape when the model does not call one (OpenAI's meaning of both). Where
-/// the format's grammar cannot say that (any format but Hermes and Qwen3 XML; a
-/// `response_format` that is not a JSON schema), the tools' `strict` is reported, or the
-/// tools are.
+/// the format's grammar cannot say that (the json format; XML calls whose schemas its
+/// grammar cannot follow; a `response_format` that is not a JSON schema), the tools'
+/// `strict` is reported, or the tools are.
 fn auto_shape(
     router: &Router,
     chat: &ChatFields,
@@ -692,7 +692,15 @@ fn auto_shape(
         }
         AutoShape::Free
     };
-    let Some(source) = format.auto_grammar(&refs, parallel, schema) else { return Ok(unenforced(ignored)) };
+    // (the special token a Mistral or llama3 call opens with, as the model writes it)
+    let tag = match format {
+        ToolCallFormat::Mistral => Some(crate::tools::MISTRAL_TAG),
+        ToolCallFormat::Llama3Json => Some(crate::tools::PYTHON_TAG),
+        _ => None,
+    };
+    let tokenizer = &router.tokenizer;
+    let marker = tag.and_then(|t| tokenizer.token_to_id(t)).filter(|&id| tokenizer.is_special(id));
+    let Some(source) = format.auto_grammar(&refs, parallel, schema, marker) else { return Ok(unenforced(ignored)) };
     // the response_format alone first, so that its errors name it
     if let Some((answer, param)) = answer {
         router.grammars.compile(answer, param)?;

@@ -192,16 +192,34 @@ impl ToolCallFormat {
     /// text that never opens a call (not empty: an answer that is nothing at all stops
     /// llguidance's parser after a reasoning model's thinking).
     ///
-    /// Only the Hermes and Qwen3 XML formats have one (None for the others, and for XML calls
-    /// whose schemas its grammar cannot follow): their calls open with a text marker
-    /// (`<tool_call>`) that the answer can be kept from writing. (Mistral's and llama3's open
-    /// with a special token, which a grammar cannot spell, or with bare JSON.)
-    pub fn auto_grammar(self, functions: &[&Value], parallel: bool, answer: Option<&Value>) -> Option<GrammarSource> {
-        if !matches!(self, Self::Hermes | Self::Qwen3Xml) {
-            return None;
-        }
+    /// What opens the calls, and what the text answer may never write (what the parser would
+    /// read as a call): Hermes and Qwen3 XML, `<tool_call>` (anywhere); Mistral, its
+    /// `[TOOL_CALLS]` marker, then the array, which the answer may not start with; llama3,
+    /// optionally `<|python_tag|>`, then the call object, which the answer may not start
+    /// with or hold (`{"name"`, the tag). `marker`: the vocabulary's id of that special token
+    /// (`[TOOL_CALLS]`, `<|python_tag|>`), which the grammar then allows as the model writes
+    /// it (else the marker's text). None for the json format (a call there is any JSON the
+    /// output starts with) and for XML calls whose schemas its grammar cannot follow.
+    pub fn auto_grammar(
+        self,
+        functions: &[&Value],
+        parallel: bool,
+        answer: Option<&Value>,
+        marker: Option<u32>,
+    ) -> Option<GrammarSource> {
+        let text_marker = |tag: &str| marker.map_or_else(|| format!("{tag:?}"), |id| format!("<[{id}]>"));
+        // (what opens the calls; what the text answer may not start with, nor hold)
+        let (open, first, held) = match self {
+            Self::Hermes | Self::Qwen3Xml => (String::new(), "", OPEN.to_string()),
+            Self::Mistral => (format!("({} WS?)?", text_marker(MISTRAL_TAG)), "\\[", "\\[TOOL_CALLS\\]".into()),
+            Self::Llama3Json => {
+                let held = "(\\{[ \\t\\r\\n]*\"name\"|<\\|python_tag\\|>)";
+                (format!("({})?", text_marker(PYTHON_TAG)), "{", held.into())
+            }
+            Self::Json => return None,
+        };
         let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel).ok()? else { return None };
-        let calls = calls.replacen("start:", "calls:", 1);
+        let calls = format!("calls: {open} calls_body\n{}", calls.replacen("start:", "calls_body:", 1));
         let (answer, calls_start) = match answer {
             Some(schema) => {
                 let schema = crate::structured::fixed_separators(schema);
@@ -212,13 +230,13 @@ impl ToolCallFormat {
             // be refused at its `>`, the text having taken the whitespace
             None => (
                 format!(
-                    "answer: WS? TEXT\nWS: /[ \\t\\r\\n]+/\n\
-                     TEXT: /[^ \\t\\r\\n](.|\\n)*/ & ~/(.|\\n)*{OPEN}(.|\\n)*/\ncalls_ws: WS? calls"
+                    "answer: WS? TEXT\n\
+                     TEXT: /[^{first} \\t\\r\\n](.|\\n)*/ & ~/(.|\\n)*{held}(.|\\n)*/\ncalls_ws: WS? calls"
                 ),
                 "calls_ws",
             ),
         };
-        Some(GrammarSource::Lark(format!("start: answer | {calls_start}\n{answer}\n{calls}")))
+        Some(GrammarSource::Lark(format!("start: answer | {calls_start}\n{answer}\nWS: /[ \\t\\r\\n]+/\n{calls}")))
     }
 
     fn grammar(self, functions: &[&Value], parallel: bool, named: bool) -> Result<GrammarSource, Unenforceable> {
@@ -409,7 +427,7 @@ mod tests {
             m.is_stopped() || m.is_accepting().unwrap()
         };
 
-        let text = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], true, None).unwrap(), "tools").unwrap();
+        let text = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], true, None, None).unwrap(), "tools").unwrap();
         assert!(done(&text, call));
         assert!(done(&text, &format!("{call}\n{call}")));
         assert!(done(&text, "It is sunny <tool> and < tool_call> are not calls."));
@@ -417,11 +435,11 @@ mod tests {
         assert!(refuses(&text, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Paris\""));
         assert!(refuses(&text, &tok, "<tool_call>\n{\"name\": \"g\""));
         assert!(refuses(&text, &tok, "Let me look. <tool_call>"));
-        let one = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
+        let one = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], false, None, None).unwrap(), "tools").unwrap();
         assert!(drive(&one, &tok, call).is_stopped() || refuses(&one, &tok, &format!("{call}\n<")));
 
         let schema = json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]});
-        let json = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], true, Some(&schema)).unwrap(), "tools");
+        let json = g.compile(&ToolCallFormat::Hermes.auto_grammar(&[&f], true, Some(&schema), None).unwrap(), "tools");
         let json = json.unwrap();
         assert!(done(&json, call));
         assert!(done(&json, "{\"answer\": \"Rome\"}"));
@@ -431,7 +449,7 @@ mod tests {
         // After thinking (the prompt opened the block): the whitespace after `</think>` comes
         // before either branch, and the text answer may start with whitespace too.
         for (parallel, answer) in [(true, None), (false, None), (true, Some(&schema))] {
-            let body = ToolCallFormat::Hermes.auto_grammar(&[&f], parallel, answer).unwrap();
+            let body = ToolCallFormat::Hermes.auto_grammar(&[&f], parallel, answer, None).unwrap();
             let thinking = crate::structured::GrammarSource::AfterThinking { opened: true, body: Box::new(body) };
             let g = g.compile(&thinking, "tools").unwrap();
             // (the test tokenizer has no token for "\n\n")
@@ -445,9 +463,60 @@ mod tests {
         assert!(done(&text, "\n \nIt is sunny."));
         assert!(done(&text, &format!("\n{call}")));
 
-        for other in [ToolCallFormat::Json, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral] {
-            assert_eq!(other.auto_grammar(&[&f], true, None), None);
-        }
+        assert_eq!(ToolCallFormat::Json.auto_grammar(&[&f], true, None, None), None);
+    }
+
+    /// Mistral's and llama3's calls open with a special token (or bare JSON): the answer may
+    /// not start as a call does, nor write what the parser reads as one.
+    #[test]
+    fn the_mistral_and_llama3_auto_grammars_take_their_markers() {
+        use crate::structured::tests::{byte_tokenizer, drive, refuses};
+        let f = json!({"name": "f", "parameters": {"type": "object",
+            "properties": {"city": {"enum": ["London", "Rome"]}}, "required": ["city"], "additionalProperties": false}});
+        let done = |grammar: &crate::structured::Grammar, tok: &crate::tokenizer::Tokenizer, text: &str| {
+            let mut m = drive(grammar, tok, text);
+            m.is_stopped() || m.is_accepting().unwrap()
+        };
+        // the markers as text (a vocabulary without them as special tokens)
+        let tok = byte_tokenizer();
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let mistral =
+            g.compile(&ToolCallFormat::Mistral.auto_grammar(&[&f], true, None, None).unwrap(), "tools").unwrap();
+        let call = "[{\"name\": \"f\", \"arguments\": {\"city\": \"Rome\"}}]";
+        assert!(done(&mistral, &tok, call));
+        assert!(done(&mistral, &tok, &format!("[TOOL_CALLS] {call}")));
+        assert!(done(&mistral, &tok, "Sunny, [1] and all."));
+        assert!(refuses(&mistral, &tok, "[1, 2]"), "a bare array is read as calls");
+        assert!(refuses(&mistral, &tok, " [{\"name\": \"g\""));
+        assert!(refuses(&mistral, &tok, "[{\"name\": \"f\", \"arguments\": {\"city\": \"Paris"));
+        assert!(refuses(&mistral, &tok, "Now [TOOL_CALLS]"));
+        let llama =
+            g.compile(&ToolCallFormat::Llama3Json.auto_grammar(&[&f], true, None, None).unwrap(), "tools").unwrap();
+        let call = "{\"name\": \"f\", \"parameters\": {\"city\": \"Rome\"}}";
+        assert!(done(&llama, &tok, call));
+        assert!(done(&llama, &tok, &format!("<|python_tag|>{call}; {call}")));
+        assert!(done(&llama, &tok, "Use {x} or a dict."));
+        assert!(refuses(&llama, &tok, "{\"name\": \"g\""));
+        assert!(refuses(&llama, &tok, "Call: {\"name\""));
+        let schema = json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]});
+        let json = ToolCallFormat::Llama3Json.auto_grammar(&[&f], true, Some(&schema), None).unwrap();
+        let json = g.compile(&json, "tools").unwrap();
+        assert!(done(&json, &tok, call));
+        assert!(done(&json, &tok, "{\"answer\": \"Rome\"}"));
+        assert!(refuses(&json, &tok, "It is"));
+
+        // the markers as the special tokens the models write
+        let tok = crate::structured::tests::tokenizer_with_specials(&["[TOOL_CALLS]", "<|python_tag|>"]);
+        let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
+        let tag = |t: &str| tok.token_to_id(t).filter(|&id| tok.is_special(id));
+        let mistral = ToolCallFormat::Mistral.auto_grammar(&[&f], false, None, tag("[TOOL_CALLS]")).unwrap();
+        let mistral = g.compile(&mistral, "tools").unwrap();
+        let call = "[{\"name\": \"f\", \"arguments\": {\"city\": \"Rome\"}}]";
+        assert!(done(&mistral, &tok, &format!("[TOOL_CALLS]{call}")));
+        assert!(done(&mistral, &tok, "Sunny."));
+        let llama = ToolCallFormat::Llama3Json.auto_grammar(&[&f], false, None, tag("<|python_tag|>")).unwrap();
+        let llama = g.compile(&llama, "tools").unwrap();
+        assert!(done(&llama, &tok, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"city\": \"Rome\"}}"));
     }
 
     #[test]
@@ -462,7 +531,7 @@ mod tests {
             let mut m = drive(grammar, &tok, text);
             m.is_stopped() || m.is_accepting().unwrap()
         };
-        let source = ToolCallFormat::Qwen3Xml.auto_grammar(&[&f], true, None).unwrap();
+        let source = ToolCallFormat::Qwen3Xml.auto_grammar(&[&f], true, None, None).unwrap();
         let auto = g.compile(&source, "tools").unwrap();
         assert!(done(&auto, call));
         assert!(done(&auto, &format!("{call}\n{call}")));
@@ -472,8 +541,7 @@ mod tests {
         assert!(refuses(&auto, &tok, "Let me look. <tool_call>"));
         // a schema the XML grammar cannot follow: no grammar
         let free = json!({"name": "h", "parameters": {"type": "object", "anyOf": [{"required": ["a"]}]}});
-        assert!(ToolCallFormat::Qwen3Xml.auto_grammar(&[&free], true, None).is_none());
-        assert!(ToolCallFormat::Mistral.auto_grammar(&[&f], true, None).is_none());
+        assert!(ToolCallFormat::Qwen3Xml.auto_grammar(&[&free], true, None, None).is_none());
     }
 
     /// The forced grammars accept exactly what the parsers read back as calls, and only
