@@ -595,7 +595,7 @@ pub(crate) mod tests {
         let g = Grammars::new(tok.clone(), vec![0]);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
                                                    "required": ["a"], "additionalProperties": false}});
-        let src = crate::tools::ToolCallFormat::Hermes.forced_grammar(&[&f], false).unwrap();
+        let src = crate::tools::ToolCallFormat::Hermes.forced_grammar(&[&f], false, None).unwrap();
         let grammar = g.compile(&src, "tools").unwrap();
         let m = drive(&grammar, &tok, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 7}}\n</tool_call>");
         assert!(m.is_stopped());
@@ -608,7 +608,7 @@ pub(crate) mod tests {
         let g = Grammars::new(byte_tokenizer(), vec![0]);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "uniqueItems": true}}}});
         for format in [crate::tools::ToolCallFormat::Hermes, crate::tools::ToolCallFormat::Mistral] {
-            let err = g.compile(&format.forced_grammar(&[&f], false).unwrap(), "tools").unwrap_err();
+            let err = g.compile(&format.forced_grammar(&[&f], false, None).unwrap(), "tools").unwrap_err();
             let msg = err.message();
             assert!(msg.starts_with("The `parameters` schema of a forced or strict tool call cannot"), "{msg}");
             assert!(msg.contains("uniqueItems"), "{msg}");
@@ -634,11 +634,13 @@ pub(crate) mod tests {
         };
         let json = crate::tools::ToolCallFormat::Json;
         let fns = tools(2000);
-        let err = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true).unwrap(), "tools").unwrap_err();
+        let err =
+            g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true, None).unwrap(), "tools").unwrap_err();
         assert_eq!((err.status(), err.param(), err.code()), (400, Some("tools"), "invalid_value"));
         assert!(err.message().contains("max is 2000"), "{}", err.message());
         let fns = tools(1500);
-        let ok = g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true).unwrap(), "tools").unwrap();
+        let ok =
+            g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true, None).unwrap(), "tools").unwrap();
         assert!(drive(&ok, &tok, "[{\"name\": \"f1499\", \"arguments\": {\"a\": \"x\"}}]").is_stopped());
     }
 

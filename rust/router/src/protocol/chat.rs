@@ -590,9 +590,10 @@ fn tool_plan(
                 let index = tools.iter().position(|t| t.get("function").is_some_and(|g| std::ptr::eq(f, g)));
                 index.unwrap_or_default()
             };
+            let marker = call_marker(router, format);
             let grammar = |fns: &[&Value]| match choice {
-                ToolChoice::Named => format.named_grammar(fns[0]),
-                _ => format.forced_grammar(fns, parallel),
+                ToolChoice::Named => format.named_grammar(fns[0], marker),
+                _ => format.forced_grammar(fns, parallel, marker),
             };
             let source = grammar(&fns).map_err(|u| {
                 ApiError::invalid(
@@ -634,6 +635,17 @@ enum AutoShape {
     /// By the `response_format` alone, which leaves no way to write a call: the tools are
     /// reported (as `tools`) and the output is not read for calls.
     NoCalls,
+}
+
+/// The vocabulary's special token that a Mistral or llama3 call opens with (`[TOOL_CALLS]`,
+/// `<|python_tag|>`), if it has one: the grammars allow it as the model writes it.
+fn call_marker(router: &Router, format: ToolCallFormat) -> Option<u32> {
+    let tag = match format {
+        ToolCallFormat::Mistral => crate::tools::MISTRAL_TAG,
+        ToolCallFormat::Llama3Json => crate::tools::PYTHON_TAG,
+        _ => return None,
+    };
+    router.tokenizer.token_to_id(tag).filter(|&id| router.tokenizer.is_special(id))
 }
 
 /// The [`AutoShape`] of a request whose calls are read in `format`: a `strict` tool asks for
@@ -692,14 +704,7 @@ fn auto_shape(
         }
         AutoShape::Free
     };
-    // (the special token a Mistral or llama3 call opens with, as the model writes it)
-    let tag = match format {
-        ToolCallFormat::Mistral => Some(crate::tools::MISTRAL_TAG),
-        ToolCallFormat::Llama3Json => Some(crate::tools::PYTHON_TAG),
-        _ => None,
-    };
-    let tokenizer = &router.tokenizer;
-    let marker = tag.and_then(|t| tokenizer.token_to_id(t)).filter(|&id| tokenizer.is_special(id));
+    let marker = call_marker(router, format);
     let Some(source) = format.auto_grammar(&refs, parallel, schema, marker) else { return Ok(unenforced(ignored)) };
     // the response_format alone first, so that its errors name it
     if let Some((answer, param)) = answer {
@@ -708,7 +713,8 @@ fn auto_shape(
     // Then the calls alone, which a probe follows to a call's name: a strict tool whose
     // `parameters` the engine refuses is a 400 at them; more tools than the engine can
     // choose between (about 2000) are not enforced, as in formats without such a grammar.
-    let calls = |fns: &[&Value]| format.forced_grammar(fns, parallel).map(|g| router.grammars.compile(&g, "tools"));
+    let calls =
+        |fns: &[&Value]| format.forced_grammar(fns, parallel, marker).map(|g| router.grammars.compile(&g, "tools"));
     if let Ok(Err(err)) = calls(&refs) {
         let fails = |i: usize| is_strict(&tools[chosen[i]]) && matches!(calls(&[refs[i]]), Ok(Err(_)));
         return match (0..refs.len().min(BLAMED_TOOLS)).find(|&i| fails(i)) {

@@ -169,20 +169,37 @@ impl ToolCallFormat {
     /// `functions` (each the `function` object of a tool as sent), with arguments that
     /// match that function's `parameters` schema.
     ///
-    /// The llama3 and mistral grammars leave out their special-token markers (a grammar
-    /// literal would be spelled in text tokens the model never saw); the parsers read the
-    /// bare JSON the same way.
+    /// The llama3 and mistral calls may open with their marker (`<|python_tag|>`,
+    /// `[TOOL_CALLS]`): `marker` is the vocabulary's id of that special token, which the
+    /// grammar then allows as the model writes it (None: the marker's text); the parsers
+    /// read the calls with or without it.
     ///
     /// Fails only for the XML format, whose grammar cannot follow every schema.
-    pub fn forced_grammar(self, functions: &[&Value], parallel: bool) -> Result<GrammarSource, Unenforceable> {
-        self.grammar(functions, parallel, false)
+    pub fn forced_grammar(
+        self,
+        functions: &[&Value],
+        parallel: bool,
+        marker: Option<u32>,
+    ) -> Result<GrammarSource, Unenforceable> {
+        self.grammar(functions, parallel, false, marker)
     }
 
     /// The grammar forcing one call to `function` (a named `tool_choice`): as
     /// `forced_grammar`, except that the json format's output is the arguments object alone
     /// (`ToolParsing::parser` reads it so).
-    pub fn named_grammar(self, function: &Value) -> Result<GrammarSource, Unenforceable> {
-        self.grammar(&[function], false, true)
+    pub fn named_grammar(self, function: &Value, marker: Option<u32>) -> Result<GrammarSource, Unenforceable> {
+        self.grammar(&[function], false, true, marker)
+    }
+
+    /// What may open the calls in a grammar: llama3's and Mistral's marker, optional (as
+    /// the special token `marker` names, else as text; see `forced_grammar`).
+    fn opening(self, marker: Option<u32>) -> String {
+        let tag = |text: &str| marker.map_or_else(|| format!("{text:?}"), |id| format!("<[{id}]>"));
+        match self {
+            Self::Mistral => format!("({} /[ \\t\\r\\n]+/?)? ", tag(MISTRAL_TAG)),
+            Self::Llama3Json => format!("({})? ", tag(PYTHON_TAG)),
+            _ => String::new(),
+        }
     }
 
     /// The grammar of a `tool_choice: "auto"` output whose shape is enforced (a `strict`
@@ -192,14 +209,12 @@ impl ToolCallFormat {
     /// text that never opens a call (not empty: an answer that is nothing at all stops
     /// llguidance's parser after a reasoning model's thinking).
     ///
-    /// What opens the calls, and what the text answer may never write (what the parser would
-    /// read as a call): Hermes and Qwen3 XML, `<tool_call>` (anywhere); Mistral, its
-    /// `[TOOL_CALLS]` marker, then the array, which the answer may not start with; llama3,
-    /// optionally `<|python_tag|>`, then the call object, which the answer may not start
-    /// with or hold (`{"name"`, the tag). `marker`: the vocabulary's id of that special token
-    /// (`[TOOL_CALLS]`, `<|python_tag|>`), which the grammar then allows as the model writes
-    /// it (else the marker's text). None for the json format (a call there is any JSON the
-    /// output starts with) and for XML calls whose schemas its grammar cannot follow.
+    /// What the text answer may never write (what the parser would read as a call): Hermes
+    /// and Qwen3 XML, `<tool_call>`; Mistral, its `[TOOL_CALLS]` marker, nor start with the
+    /// array; llama3, `<|python_tag|>` or a call object (`{"name"`), nor start with `{`.
+    /// `marker`: as for `forced_grammar`. None for the json format (a call there is any
+    /// JSON the output starts with) and for XML calls whose schemas its grammar cannot
+    /// follow.
     pub fn auto_grammar(
         self,
         functions: &[&Value],
@@ -207,19 +222,15 @@ impl ToolCallFormat {
         answer: Option<&Value>,
         marker: Option<u32>,
     ) -> Option<GrammarSource> {
-        let text_marker = |tag: &str| marker.map_or_else(|| format!("{tag:?}"), |id| format!("<[{id}]>"));
-        // (what opens the calls; what the text answer may not start with, nor hold)
-        let (open, first, held) = match self {
-            Self::Hermes | Self::Qwen3Xml => (String::new(), "", OPEN.to_string()),
-            Self::Mistral => (format!("({} WS?)?", text_marker(MISTRAL_TAG)), "\\[", "\\[TOOL_CALLS\\]".into()),
-            Self::Llama3Json => {
-                let held = "(\\{[ \\t\\r\\n]*\"name\"|<\\|python_tag\\|>)";
-                (format!("({})?", text_marker(PYTHON_TAG)), "{", held.into())
-            }
+        // (what the text answer may not start with, nor hold)
+        let (first, held) = match self {
+            Self::Hermes | Self::Qwen3Xml => ("", OPEN),
+            Self::Mistral => ("\\[", "\\[TOOL_CALLS\\]"),
+            Self::Llama3Json => ("{", "(\\{[ \\t\\r\\n]*\"name\"|<\\|python_tag\\|>)"),
             Self::Json => return None,
         };
-        let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel).ok()? else { return None };
-        let calls = format!("calls: {open} calls_body\n{}", calls.replacen("start:", "calls_body:", 1));
+        let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel, marker).ok()? else { return None };
+        let calls = calls.replacen("start:", "calls:", 1);
         let (answer, calls_start) = match answer {
             Some(schema) => {
                 let schema = crate::structured::fixed_separators(schema);
@@ -239,7 +250,13 @@ impl ToolCallFormat {
         Some(GrammarSource::Lark(format!("start: answer | {calls_start}\n{answer}\nWS: /[ \\t\\r\\n]+/\n{calls}")))
     }
 
-    fn grammar(self, functions: &[&Value], parallel: bool, named: bool) -> Result<GrammarSource, Unenforceable> {
+    fn grammar(
+        self,
+        functions: &[&Value],
+        parallel: bool,
+        named: bool,
+        marker: Option<u32>,
+    ) -> Result<GrammarSource, Unenforceable> {
         if self == Self::Json && named {
             let mut defs = Map::new();
             let mut args = args_schema(functions[0], &mut defs);
@@ -269,14 +286,15 @@ impl ToolCallFormat {
             serde_json::to_string(&schema).expect("JSON values serialize")
         };
         let call = format!("call: %json {}\n", fixed_ws(one.clone()));
+        let open = self.opening(marker);
         Ok(match self {
             Self::Llama3Json => {
-                let start = if parallel { "start: call (\"; \" call)*" } else { "start: call" };
-                GrammarSource::Lark(format!("{start}\n{call}"))
+                let calls = if parallel { "call (\"; \" call)*" } else { "call" };
+                GrammarSource::Lark(format!("start: {open}{calls}\n{call}"))
             }
             Self::Mistral => {
-                let start = if parallel { "start: \"[\" call (\", \" call)* \"]\"" } else { "start: \"[\" call \"]\"" };
-                GrammarSource::Lark(format!("{start}\n{call}"))
+                let calls = if parallel { "\"[\" call (\", \" call)* \"]\"" } else { "\"[\" call \"]\"" };
+                GrammarSource::Lark(format!("start: {open}{calls}\n{call}"))
             }
             Self::Json => {
                 let mut calls = json!({"type": "array", "items": one, "minItems": 1});
@@ -359,18 +377,18 @@ mod tests {
         assert_eq!(ToolCallFormat::detect("{{ messages }}"), None);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
         // (one call: an array of one, the form SmolLM2 writes its calls in)
-        match ToolCallFormat::Json.forced_grammar(&[&f], false).unwrap() {
+        match ToolCallFormat::Json.forced_grammar(&[&f], false, None).unwrap() {
             GrammarSource::JsonSchema(s) => {
                 assert_eq!((&s["type"], &s["maxItems"]), (&json!("array"), &json!(1)));
                 assert_eq!(s["items"]["properties"]["name"]["const"], "f");
             }
             other => panic!("{other:?}"),
         }
-        match ToolCallFormat::Json.forced_grammar(&[&f, &f], true).unwrap() {
+        match ToolCallFormat::Json.forced_grammar(&[&f, &f], true, None).unwrap() {
             GrammarSource::JsonSchema(s) => assert_eq!(s["type"], "array"),
             other => panic!("{other:?}"),
         }
-        match ToolCallFormat::Hermes.forced_grammar(&[&f], true).unwrap() {
+        match ToolCallFormat::Hermes.forced_grammar(&[&f], true, None).unwrap() {
             GrammarSource::Lark(g) => assert!(g.contains("%json") && g.contains("block (")),
             other => panic!("{other:?}"),
         }
@@ -402,12 +420,15 @@ mod tests {
         let alias: ToolCallFormat = serde_json::from_value(json!("qwen3_coder")).unwrap();
         assert_eq!(alias, ToolCallFormat::Qwen3Xml);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
-        match ToolCallFormat::Llama3Json.forced_grammar(&[&f], true).unwrap() {
+        match ToolCallFormat::Llama3Json.forced_grammar(&[&f], true, None).unwrap() {
             GrammarSource::Lark(g) => assert!(g.contains("\"parameters\"") && g.contains("\"; \" call")),
             other => panic!("{other:?}"),
         }
-        match ToolCallFormat::Mistral.forced_grammar(&[&f], false).unwrap() {
-            GrammarSource::Lark(g) => assert!(g.starts_with("start: \"[\" call \"]\"") && g.contains("\"arguments\"")),
+        match ToolCallFormat::Mistral.forced_grammar(&[&f], false, None).unwrap() {
+            GrammarSource::Lark(g) => {
+                assert!(g.starts_with("start: (\"[TOOL_CALLS]\" /[ \\t\\r\\n]+/?)? \"[\" call \"]\""), "{g}");
+                assert!(g.contains("\"arguments\""));
+            }
             other => panic!("{other:?}"),
         }
     }
@@ -517,6 +538,15 @@ mod tests {
         let llama = ToolCallFormat::Llama3Json.auto_grammar(&[&f], false, None, tag("<|python_tag|>")).unwrap();
         let llama = g.compile(&llama, "tools").unwrap();
         assert!(done(&llama, &tok, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"city\": \"Rome\"}}"));
+        // forced calls may open with the token too, or go without it
+        let forced = ToolCallFormat::Mistral.forced_grammar(&[&f], false, tag("[TOOL_CALLS]")).unwrap();
+        let forced = g.compile(&forced, "tools").unwrap();
+        assert!(done(&forced, &tok, &format!("[TOOL_CALLS] {call}")));
+        assert!(done(&forced, &tok, call));
+        assert!(refuses(&forced, &tok, "Sunny"));
+        let named = ToolCallFormat::Llama3Json.named_grammar(&f, tag("<|python_tag|>")).unwrap();
+        let named = g.compile(&named, "tools").unwrap();
+        assert!(done(&named, &tok, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"city\": \"Rome\"}}"));
     }
 
     #[test]
@@ -581,7 +611,7 @@ mod tests {
             (ToolCallFormat::Qwen3Xml, true, xml_two.into()),
         ];
         for (format, parallel, text) in cases {
-            let grammar = g.compile(&format.forced_grammar(&[&f], parallel).unwrap(), "tools").unwrap();
+            let grammar = g.compile(&format.forced_grammar(&[&f], parallel, None).unwrap(), "tools").unwrap();
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
             let parsing = ToolParsing::new(format, parallel, &[&f]);
@@ -603,7 +633,7 @@ mod tests {
             (&f, "{\"a\": 7, \"unit\": \"f\"}", ("f", "{\"a\": 7, \"unit\": \"f\"}")),
             (&with_ref, "{\"u\": \"c\"}", ("w", "{\"u\": \"c\"}")),
         ] {
-            let grammar = g.compile(&ToolCallFormat::Json.named_grammar(function).unwrap(), "tools").unwrap();
+            let grammar = g.compile(&ToolCallFormat::Json.named_grammar(function, None).unwrap(), "tools").unwrap();
             let mut m = drive(&grammar, &tok, text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{text}");
             assert!(refuses(&grammar, &tok, "{\"name\""));
@@ -611,9 +641,9 @@ mod tests {
             let (content, calls) = run_parser(named.parser(), &[&text[..3], &text[3..]]);
             assert_eq!((content.as_str(), calls), ("", vec![(want.0.to_string(), want.1.to_string())]));
         }
-        let hermes = ToolCallFormat::Hermes.named_grammar(&f).unwrap();
-        assert_eq!(hermes, ToolCallFormat::Hermes.forced_grammar(&[&f], false).unwrap());
-        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+        let hermes = ToolCallFormat::Hermes.named_grammar(&f, None).unwrap();
+        assert_eq!(hermes, ToolCallFormat::Hermes.forced_grammar(&[&f], false, None).unwrap());
+        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=g>"));
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n<parameter=a>\nseven"));
         assert!(refuses(&xml, &tok, "<tool_call>\n<function=f>\n</function>"), "a is required");
@@ -628,7 +658,7 @@ mod tests {
         let tok = byte_tokenizer();
         let g = crate::structured::Grammars::new(tok.clone(), vec![0]);
         let open = json!({"name": "f", "parameters": {}});
-        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&open], false).unwrap(), "tools").unwrap();
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&open], false, None).unwrap(), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": \"x"));
         assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": ["));
         assert!(drive(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {\"when\": 1}}]").is_stopped());
@@ -636,7 +666,7 @@ mod tests {
         assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {}}, "));
         assert!(refuses(&grammar, &tok, "{"));
         let none = json!({"name": "f"});
-        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false).unwrap(), "tools").unwrap();
+        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&none], false, None).unwrap(), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {\""));
         assert!(drive(&grammar, &tok, "[{\"name\": \"f\", \"arguments\": {}}]").is_stopped());
     }
@@ -679,17 +709,20 @@ mod tests {
             (ToolCallFormat::Mistral, false, format!("[{{\"name\": \"t\", \"arguments\": {kids}}}]")),
         ];
         for (format, parallel, text) in cases {
-            let grammar = g.compile(&format.forced_grammar(&[&weather, &tree], parallel).unwrap(), "tools").unwrap();
+            let grammar =
+                g.compile(&format.forced_grammar(&[&weather, &tree], parallel, None).unwrap(), "tools").unwrap();
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{format:?} {text}");
             let cut = text.find("\"c\"").or(text.find("[{\"v\": 2")).unwrap();
             let wrong = if text[cut..].starts_with("\"c\"") { "\"k\"" } else { "[{\"v\": \"two\"" };
             assert!(refuses(&grammar, &tok, &format!("{}{wrong}", &text[..cut])), "{format:?}");
         }
-        let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&weather], false).unwrap(), "tools").unwrap();
+        let grammar =
+            g.compile(&ToolCallFormat::Json.forced_grammar(&[&weather], false, None).unwrap(), "tools").unwrap();
         assert!(refuses(&grammar, &tok, "[{\"name\": \"w\", \"arguments\": {\"place\": {\"city\": \"x\", \"co"));
         assert!(refuses(&grammar, &tok, "[{\"name\": \"w\", \"arguments\": {\"season"));
-        let xml = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&weather], false).unwrap(), "tools").unwrap();
+        let xml =
+            g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&weather], false, None).unwrap(), "tools").unwrap();
         let call = "<tool_call>\n<function=w>\n<parameter=place>\n{\"city\": \"Oslo\"}\n</parameter>\n\
                     <parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>";
         assert!(drive(&xml, &tok, call).is_stopped());
@@ -762,14 +795,14 @@ mod tests {
                 .unwrap()
                 .replace(",", ", ")
                 .replace(":", ": ");
-            let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&f], false).unwrap(), "tools");
+            let grammar = g.compile(&ToolCallFormat::Json.forced_grammar(&[&f], false, None).unwrap(), "tools");
             let grammar = grammar.unwrap_or_else(|e| panic!("{params}: {}", e.message()));
             let mut m = drive(&grammar, &tok, &text);
             assert!(m.is_stopped() || m.is_accepting().unwrap(), "{params}: {text}");
             for format in
                 [ToolCallFormat::Hermes, ToolCallFormat::Llama3Json, ToolCallFormat::Mistral, ToolCallFormat::Qwen3Xml]
             {
-                g.compile(&format.forced_grammar(&[&f], false).unwrap(), "tools")
+                g.compile(&format.forced_grammar(&[&f], false, None).unwrap(), "tools")
                     .unwrap_or_else(|e| panic!("{format:?} {params}: {}", e.message()));
             }
             // XML: every parameter as its grammar and the parser read it
@@ -782,7 +815,8 @@ mod tests {
                 xml.push_str(&format!("<parameter={key}>\n{raw}\n</parameter>\n"));
             }
             xml.push_str("</function>\n</tool_call>");
-            let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+            let grammar =
+                g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
             assert!(drive(&grammar, &tok, &xml).is_stopped(), "{params}: {xml}");
             let parsing = ToolParsing::new(ToolCallFormat::Qwen3Xml, false, &[&f]);
             let (_, calls) = run_with(ToolCallFormat::Qwen3Xml, parsing.parameters.clone(), &[&xml]);
@@ -807,7 +841,8 @@ mod tests {
             "code": {"allOf": [{"$ref": "#/$defs/Code"}]}},
             "required": ["c", "short", "long", "pick", "code"],
             "$defs": {"Code": {"type": "string", "enum": ["x1", "toolong"], "maxLength": 2}}}});
-        let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+        let grammar =
+            g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
         let head = "<tool_call>\n<function=f>\n<parameter=c>\n";
         let call = format!(
             "{head}fixed\n</parameter>\n<parameter=short>\nab<\n</parameter>\n<parameter=long>\nxy\n</parameter>\n\
@@ -824,7 +859,7 @@ mod tests {
 
         let refused = |params: Value| {
             let f = json!({"name": "f", "parameters": params});
-            let err = ToolCallFormat::Qwen3Xml.forced_grammar(&[&f, &f], false).unwrap_err();
+            let err = ToolCallFormat::Qwen3Xml.forced_grammar(&[&f, &f], false, None).unwrap_err();
             assert_eq!(err.function, 0);
             err.at
         };
@@ -860,7 +895,8 @@ mod tests {
         let f = json!({"name": "f", "parameters": {"type": "object", "required": ["dog"], "properties": {
             "dog": {"allOf": [{"$ref": "#base"}, {"properties": {"bark": {"type": "boolean"}}, "required": ["bark"]}]}},
             "$defs": {"Base": {"$anchor": "base", "type": "object", "properties": {"name": {"type": "string"}}}}}});
-        let grammar = g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+        let grammar =
+            g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
         let call = "<tool_call>\n<function=f>\n<parameter=dog>\n{\"name\": \"rex\", \"bark\": true}\n</parameter>\n\
                     </function>\n</tool_call>";
         assert!(drive(&grammar, &tok, call).is_stopped());
@@ -879,7 +915,7 @@ mod tests {
             json!({"properties": {"s": {"anyOf": [{"type": "string"}, {"enum": ["a"]}]}, "n": {"type": "integer", "minimum": 2}}}),
         ] {
             let f = json!({"name": "f", "parameters": params});
-            g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false).unwrap(), "tools").unwrap();
+            g.compile(&ToolCallFormat::Qwen3Xml.forced_grammar(&[&f], false, None).unwrap(), "tools").unwrap();
         }
     }
 }

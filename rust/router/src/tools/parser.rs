@@ -1034,6 +1034,29 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn forced_calls_may_open_with_their_markers() {
+        let cases = [
+            (ToolCallFormat::Mistral, "[TOOL_CALLS][{\"name\": \"b\", \"arguments\": {\"x\": 1}}]"),
+            (ToolCallFormat::Mistral, "[TOOL_CALLS] [{\"name\": \"b\", \"arguments\": {\"x\": 1}}]"),
+            (ToolCallFormat::Mistral, " [{\"name\": \"b\", \"arguments\": {\"x\": 1}}]"),
+            (ToolCallFormat::Llama3Json, "<|python_tag|>{\"name\": \"b\", \"parameters\": {\"x\": 1}}"),
+            (ToolCallFormat::Llama3Json, "{\"name\": \"b\", \"parameters\": {\"x\": 1}}"),
+        ];
+        for (format, text) in cases {
+            for split in [1, 3, 14, text.len()] {
+                let (head, tail) = text.split_at(split.min(text.len()));
+                let parser = ToolCallParser::new(format, params()).forced(true);
+                let (content, calls) = run_parser(parser, &[head, tail]);
+                assert_eq!(
+                    (content.as_str(), calls),
+                    ("", vec![("b".to_string(), "{\"x\": 1}".to_string())]),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn xml_values_are_typed_by_schema() {
         use super::super::xml::typed_value;
         let t = |raw: &str, schema: Value| typed_value(raw, Some(&schema), &Value::Null);
