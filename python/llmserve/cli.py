@@ -162,11 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run-batch", help="Run a file of OpenAI batch requests (JSONL) offline, as vllm run-batch.",
         description="Each input line is {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} for "
                     "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score or /v1/rerank; each output "
-                    "line answers the input line at the same place with {\"id\", \"custom_id\", \"response\": {\"status_code\", "
-                    "\"request_id\", \"body\"}, \"error\"}. The model and engine flags are `run`'s.")
+                    "line answers the input line at the same place with {\"id\", \"custom_id\", \"response\": "
+                    "{\"status_code\", \"request_id\", \"body\"}, \"error\"}. The model and engine flags are `run`'s.")
     batch.add_argument("-i", "--input-file", required=True, help="The requests, one JSON object a line ('-': stdin).")
     batch.add_argument("-o", "--output-file", required=True, help="Where the answers go ('-': stdout).")
-    parser.commands = {"run": run, "run-batch": batch}   # (for --config's flag names)
     hints = typing.get_type_hints(Config)
     for command in (run, batch):
         command.set_defaults(run_parser=command)
@@ -311,6 +310,18 @@ def _env_keys(variable: str, flag: str, given: tuple[str, ...]) -> tuple[str, ..
     return keys
 
 
+def _negations() -> set[str]:
+    """The flags that have a `--no-` form (`_add_section` gives one to boolean and `bare`
+    fields), for --config's `false`."""
+    out = set()
+    for cls in typing.get_type_hints(Config).values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("bare") or (_base_type(hints[f.name]) is bool and not f.metadata.get("human")):
+                out.add("--" + f.name.replace("_", "-"))
+    return out
+
+
 def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`argv` with vLLM's `--config FILE` read into it: the YAML file's keys are flag names
     (`port: 8001`, `served-model-name: [a, b]`, `async-scheduling: false`; `_` may stand for
@@ -336,7 +347,7 @@ def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     command = next((i for i, a in enumerate(rest) if a in ("run", "run-batch")), None)
     if command is None:
         parser.error("--config goes with a command: llmserve run --config FILE")
-    options = parser.commands[rest[command]]._option_string_actions   # (argparse has no public list)
+    options = _negations()
     words: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
@@ -345,7 +356,7 @@ def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         elif value is True:
             words.append(flag)
         elif value is False:
-            if f"--no-{flag[2:]}" in options:
+            if flag in options:
                 words.append(f"--no-{flag[2:]}")
         elif isinstance(value, list):
             for item in value:
