@@ -148,6 +148,9 @@ def test_the_queue_counts_sequences_not_requests(one_slot):
             err = r.json()["error"]
             assert (err["param"], err["code"]) == ("input", "invalid_value")
             assert "5 inputs" in err["message"] and "--max-waiting" in err["message"]
+            # and so does each text of a rerank (the query's included)
+            r = await c.post("/rerank", json={"model": "tiny", "query": "q", "documents": ["a", "b", "c", "d"]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
             hold = await _hold_slot(c, one_slot)
             first = asyncio.ensure_future(completion(c, prompt="one", n=3, temperature=0))
             await _wait_load(one_slot, "waiting", 1)

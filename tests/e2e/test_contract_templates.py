@@ -205,14 +205,17 @@ def test_api_keys_compare_in_constant_time(monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
-    mw = middleware.ApiKeyMiddleware(app=None, keys=("k1", "k2", "k3"))
+    mw = middleware.ApiKeyMiddleware(app=None, keys=("k1", "k2", "k3"), admin_keys=("a1", "a2"))
     scope = {"headers": [(b"authorization", b"Bearer k1")]}
-    assert mw._authorized(scope)
+    assert mw._authorized(scope, mw.keys)
     # Every key is compared, with compare_digest, even after the first one matched.
     assert calls == [(b"k1", b"k1"), (b"k1", b"k2"), (b"k1", b"k3")]
     calls.clear()
-    assert not mw._authorized({"headers": [(b"authorization", b"Bearer k")]})
+    assert not mw._authorized({"headers": [(b"authorization", b"Bearer k")]}, mw.keys)
     assert len(calls) == 3
+    calls.clear()
+    assert mw._authorized({"headers": [(b"x-api-key", b"a2")]}, mw.admin_keys)
+    assert calls == [(b"a2", b"a1"), (b"a2", b"a2")]
 
 
 def test_content_format_flag_overrides_the_detected_one(tiny_model, tiny_server):

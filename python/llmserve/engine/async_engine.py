@@ -491,8 +491,9 @@ class AsyncEngine:
         need, limit = prepared.num_seqs, self.config.scheduler.max_waiting
         if need > limit and endpoint in EMBEDDING:
             param = {"embeddings": "input", "score": "text_2", "rerank": "documents"}[endpoint]
+            noun = "inputs" if endpoint == "embeddings" else "texts to score"
             raise Router.error(
-                "invalid_request", f"This request has {need} texts to embed and the server queues at most {limit} "
+                "invalid_request", f"This request has {need} {noun} and the server queues at most {limit} "
                 "(--max-waiting); send fewer per request.", param=param)
         if need > limit:
             prompts = len(prepared.prompt_lens)
