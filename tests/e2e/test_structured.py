@@ -130,6 +130,24 @@ def test_length_inside_the_object_is_length(client):
     assert r.usage.completion_tokens == 6
 
 
+def test_a_grammar_completed_on_the_last_token_allowed_stops(client):
+    # The same tokens end the same way whether or not max_tokens left room for more: the
+    # output is complete, not cut off (as a stop string on the last token allowed).
+    model = client.models.list().data[0].id
+    ask = dict(model=model, messages=[{"role": "user", "content": "Give a phone number."}], temperature=0,
+               response_format={"type": "regex", "regex": "[0-9]{3}-[0-9]{4}"})
+    roomy = client.chat.completions.create(max_tokens=20, **ask)
+    used = roomy.usage.completion_tokens
+    exact = client.chat.completions.create(max_tokens=used, **ask)
+    assert (exact.choices[0].message.content, exact.choices[0].finish_reason) == (roomy.choices[0].message.content, "stop")
+    assert exact.usage.completion_tokens == used
+    short = client.chat.completions.create(max_tokens=used - 1, **ask)
+    assert short.choices[0].finish_reason == "length"
+    streamed = [c.choices[0].finish_reason for c in client.chat.completions.create(max_tokens=used, stream=True, **ask)
+                if c.choices]
+    assert streamed[-1] == "stop"
+
+
 def test_streamed_json_equals_non_streamed(client):
     prompt, schema = SCHEMAS[0]
     model = client.models.list().data[0].id

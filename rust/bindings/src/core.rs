@@ -713,9 +713,11 @@ fn deliver(
     let text_offset = detok.decoded_len();
     let token = TokenOut { id, logprob, top, text_offset };
     let mut ended = false;
-    // The grammar is complete once its matcher stops: the sequence ends here.
+    // The grammar is complete once its matcher stops: the sequence ends here. (The token that
+    // reaches max_tokens is read too: output the grammar completes there is complete, as it
+    // would be with more room, so it finishes "stop", as a stop string there does.)
     let grammar_done = match state.matchers.get_mut(d) {
-        Some(m) if finish.is_none() => match m.consume_token(id) {
+        Some(m) if finish != Some(FinishReason::Stop) => match m.consume_token(id) {
             Ok(_) => m.is_stopped(),
             // The mask allowed the token, so this is our fault, not the client's: the request
             // fails rather than ending "stop" on output the grammar does not accept.
@@ -750,11 +752,11 @@ fn deliver(
             ended = finish.is_none();
             finish = Some(FinishReason::Stop);
             stop_text = Some(s);
-        } else if finish.is_some() {
-            text.push_str(&detok.flush());
         } else if grammar_done {
-            ended = true;
+            ended = finish.is_none();
             finish = Some(FinishReason::Stop);
+            text.push_str(&detok.flush());
+        } else if finish.is_some() {
             text.push_str(&detok.flush());
         }
     }
