@@ -94,6 +94,21 @@ def test_json_schema_outputs_validate(client):
         jsonschema.validate(value, schema)
 
 
+def test_open_keys_are_not_repeated(client):
+    # Keys a pattern allows are a repetition to the grammar, which cannot say they differ: left
+    # to it, this model writes "a" three times, one key to a JSON parser (the last value wins),
+    # short of minProperties. Each object's keys are kept distinct while generating.
+    schema = {"type": "object", "patternProperties": {"^a+$": {"type": "integer"}}, "additionalProperties": False,
+              "minProperties": 3, "maxProperties": 3}
+    for i, prompt in enumerate(["Count the a's.", "Give a map of words to counts."]):
+        choice = _ask(client, prompt, schema, 50 + i).choices[0]
+        keys: list[list[str]] = []
+        value = json.loads(choice.message.content,
+                           object_pairs_hook=lambda pairs: keys.append([k for k, _ in pairs]) or dict(pairs))
+        assert choice.finish_reason == "stop" and all(len(set(k)) == len(k) for k in keys), choice.message.content
+        jsonschema.validate(value, schema)
+
+
 def test_json_object_parses(client):
     model = client.models.list().data[0].id
     r = client.chat.completions.create(

@@ -20,6 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
+use llmserve_router::json_keys::KeyGuard;
 use llmserve_router::protocol::embeddings::Pooling;
 use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
@@ -80,6 +81,9 @@ struct RequestState {
     held: Vec<HeldTokens>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
+    /// JSON schema requests: one key guard per sequence, indexed as `detoks` (keeps each
+    /// object's keys distinct; see `json_keys`); else empty.
+    guards: Vec<KeyGuard>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
     grammar_key: Option<String>,
     /// `allowed_token_ids`: the packed mask of the only tokens its rows may sample (as
@@ -244,6 +248,7 @@ impl CoreState {
         let mut detoks = Vec::new();
         let mut held = Vec::new();
         let mut matchers = Vec::new();
+        let mut guards = Vec::new();
         let mut beams = Vec::new();
         // (`max_tokens: 0` answers with the prompt alone: nothing to search)
         let beam_search = p.beam_search.filter(|_| p.max_tokens != Some(0));
@@ -259,6 +264,7 @@ impl CoreState {
                 held.push(HeldTokens::default());
                 if let Some(g) = &prepared.grammar {
                     matchers.push(g.matcher());
+                    guards.extend(g.key_guard());
                 }
             }
             let sampling = match beam_search {
@@ -325,6 +331,7 @@ impl CoreState {
                 detoks,
                 held,
                 matchers,
+                guards,
                 grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
                 allowed: p.allowed_token_ids.as_ref().map(|ids| {
                     let mut bits = vec![0i32; self.mask_vocab.div_ceil(32)];
@@ -422,7 +429,8 @@ impl CoreState {
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
-            let matcher = state.matchers.get_mut((prompt_idx * state.seqs_per_prompt + seq) as usize);
+            let d = (prompt_idx * state.seqs_per_prompt + seq) as usize;
+            let matcher = state.matchers.get_mut(d);
             let Some(matcher) = matcher else {
                 if let Some(allowed) = &state.allowed {
                     masks.bits.extend_from_slice(allowed);
@@ -438,6 +446,9 @@ impl CoreState {
                 Ok(vob) => {
                     for (dst, &src) in out.iter_mut().zip(vob.as_slice()) {
                         *dst = src as i32;
+                    }
+                    if let Some(guard) = state.guards.get(d) {
+                        guard.restrict(out);
                     }
                 }
                 // NOTE: a matcher that cannot compute a mask (a grammar the engine gives up on
@@ -718,7 +729,12 @@ fn deliver(
     // would be with more room, so it finishes "stop", as a stop string there does.)
     let grammar_done = match state.matchers.get_mut(d) {
         Some(m) if finish != Some(FinishReason::Stop) => match m.consume_token(id) {
-            Ok(_) => m.is_stopped(),
+            Ok(_) => {
+                if let Some(guard) = state.guards.get_mut(d) {
+                    guard.push(id);
+                }
+                m.is_stopped()
+            }
             // The mask allowed the token, so this is our fault, not the client's: the request
             // fails rather than ending "stop" on output the grammar does not accept.
             Err(e) => {

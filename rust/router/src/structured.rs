@@ -27,6 +27,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
+use crate::json_keys::{JsonStart, KeyGuard, TokenBytes};
 use crate::tokenizer::Tokenizer;
 
 /// Compiled grammars kept at most; beyond it the cache is cleared (schemas repeat in
@@ -71,6 +72,17 @@ impl GrammarSource {
         match self {
             Self::JsonSchema(schema) => Some(schema),
             Self::AfterThinking { body, .. } => body.json_schema(),
+            _ => None,
+        }
+    }
+
+    /// Where the output's JSON starts, when this source is a JSON schema.
+    fn json_start(&self) -> Option<JsonStart> {
+        match self {
+            Self::JsonSchema(_) => Some(JsonStart::Now),
+            Self::AfterThinking { opened, body } => {
+                body.json_start().map(|_| JsonStart::AfterThinking { opened: *opened })
+            }
             _ => None,
         }
     }
@@ -146,6 +158,8 @@ pub(crate) fn fixed_separators(schema: &Value) -> Value {
 pub struct Grammar {
     key: Arc<str>,
     template: Arc<Mutex<Matcher>>,
+    /// A JSON schema's: where the JSON starts, and the vocabulary's bytes, for key guards.
+    json: Option<(JsonStart, Arc<TokenBytes>)>,
 }
 
 impl Grammar {
@@ -157,6 +171,12 @@ impl Grammar {
     /// A fresh matcher for one sequence, at the grammar's start.
     pub fn matcher(&self) -> Matcher {
         self.template.lock().expect("grammar lock").clone()
+    }
+
+    /// For a JSON schema's grammar, a fresh guard that keeps one sequence's object keys
+    /// distinct (see `json_keys`); other grammars' output is not JSON to follow.
+    pub fn key_guard(&self) -> Option<KeyGuard> {
+        self.json.as_ref().map(|(start, tokens)| KeyGuard::new(Arc::clone(tokens), *start))
     }
 }
 
@@ -179,6 +199,8 @@ pub struct Grammars {
     factory: OnceLock<Result<ParserFactory, String>>,
     /// Over single bytes: whether a grammar admits any text at all, whatever the vocabulary.
     byte_factory: OnceLock<Result<ParserFactory, String>>,
+    /// Every token's bytes, for the key guards of JSON grammars.
+    token_bytes: OnceLock<Arc<TokenBytes>>,
     cache: Mutex<HashMap<String, Grammar>>,
 }
 
@@ -189,6 +211,7 @@ impl Grammars {
             eos_token_ids,
             factory: OnceLock::new(),
             byte_factory: OnceLock::new(),
+            token_bytes: OnceLock::new(),
             cache: Mutex::new(HashMap::new()),
         }
     }
@@ -196,6 +219,10 @@ impl Grammars {
     /// The token count masks are computed over (the tokenizer's vocabulary).
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.vocab_size()
+    }
+
+    fn token_bytes(&self) -> &Arc<TokenBytes> {
+        self.token_bytes.get_or_init(|| Arc::new(TokenBytes::of(&self.tokenizer)))
     }
 
     fn factory(&self) -> Result<&ParserFactory, ApiError> {
@@ -255,7 +282,8 @@ impl Grammars {
                 ),
             ));
         }
-        let grammar = Grammar { key: key.as_str().into(), template: Arc::new(Mutex::new(matcher)) };
+        let json = source.json_start().map(|start| (start, Arc::clone(self.token_bytes())));
+        let grammar = Grammar { key: key.as_str().into(), template: Arc::new(Mutex::new(matcher)), json };
         let mut cache = self.cache.lock().expect("grammar cache");
         if cache.len() >= CACHE_CAPACITY {
             cache.clear();
@@ -565,6 +593,38 @@ pub(crate) mod tests {
         let again = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
         assert_eq!(again, grammar);
         assert_eq!(g.cached(), 1);
+    }
+
+    #[test]
+    fn a_key_guard_keeps_open_keys_distinct() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let schema = json!({"type": "object", "patternProperties": {"^[ab]+$": {"type": "integer"}},
+                            "additionalProperties": false, "minProperties": 3});
+        let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+        // A "model" that takes the first token of these its mask allows: it would write key "a"
+        // each time it can.
+        let prefer: Vec<u32> = "\": },1a{".chars().map(|c| tok.encode(&c.to_string(), false)[0]).collect();
+        let walk = |guarded: bool| {
+            let (mut m, mut guard) = (grammar.matcher(), grammar.key_guard().expect("a JSON grammar's guard"));
+            let mut text = Vec::new();
+            while !m.is_stopped() && text.len() < 60 {
+                let mut bits: Vec<i32> = m.compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
+                if guarded {
+                    guard.restrict(&mut bits);
+                }
+                let allowed = |t: u32| bits[t as usize / 32] & (1 << (t % 32)) != 0;
+                let id = *prefer.iter().find(|&&t| allowed(t)).expect("a preferred token");
+                m.consume_token(id).unwrap();
+                guard.push(id);
+                text.extend(tok.token_bytes(id));
+            }
+            String::from_utf8(text).unwrap()
+        };
+        assert_eq!(walk(false), "{\"a\": 1, \"a\": 1, \"a\": 1}", "what the grammar alone allows");
+        assert_eq!(walk(true), "{\"a\": 1, \"aa\": 1, \"aaa\": 1}");
+        // only JSON grammars are followed
+        assert!(g.compile(&GrammarSource::Regex("a+".into()), "p").unwrap().key_guard().is_none());
     }
 
     #[test]
