@@ -43,6 +43,10 @@ pub enum GrammarSource {
     Regex(String),
     /// A grammar in llguidance's Lark dialect (extension).
     Lark(String),
+    /// A forced tool call's grammar (llguidance's Lark, as `Lark`): JSON values between markup
+    /// that holds no JSON punctuation but balanced brackets (`<tool_call>`, `[TOOL_CALLS]`,
+    /// `; `), so the output's JSON can be followed from its start (see `json_keys`).
+    Calls(String),
     /// `body`, after the model's reasoning: free text up to `</think>` (and whitespace)
     /// comes first, opened by `<think>` unless the prompt `opened` the block; a model that
     /// does not think starts `body` at once (only when the prompt did not open the block).
@@ -55,6 +59,7 @@ impl GrammarSource {
             Self::JsonSchema(_) => "json_schema",
             Self::Regex(_) => "regex",
             Self::Lark(_) => "lark",
+            Self::Calls(_) => "calls",
             Self::AfterThinking { .. } => "after_thinking",
         }
     }
@@ -79,7 +84,7 @@ impl GrammarSource {
     /// Where the output's JSON starts, when this source is a JSON schema.
     fn json_start(&self) -> Option<JsonStart> {
         match self {
-            Self::JsonSchema(_) => Some(JsonStart::Now),
+            Self::JsonSchema(_) | Self::Calls(_) => Some(JsonStart::Now),
             Self::AfterThinking { opened, body } => {
                 body.json_start().map(|_| JsonStart::AfterThinking { opened: *opened })
             }
@@ -99,7 +104,7 @@ impl GrammarSource {
     fn key(&self) -> String {
         let text = match self {
             Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
-            Self::Regex(s) | Self::Lark(s) => s.clone(),
+            Self::Regex(s) | Self::Lark(s) | Self::Calls(s) => s.clone(),
             Self::AfterThinking { opened, body } => format!("{opened}:{}", body.key()),
         };
         let digest = Sha256::digest(text.as_bytes());
@@ -118,7 +123,7 @@ impl GrammarSource {
                 g.name = Some("regex".into());
                 TopLevelGrammar::from_grammar(g)
             }
-            Self::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+            Self::Lark(g) | Self::Calls(g) => TopLevelGrammar::from_lark(g.clone()),
             Self::AfterThinking { opened, body } => {
                 let mut body = body.to_top_level();
                 for g in &mut body.grammars[..1] {
@@ -452,7 +457,7 @@ fn describe(source: &GrammarSource) -> &'static str {
     match source {
         GrammarSource::JsonSchema(_) => "JSON schema",
         GrammarSource::Regex(_) => "regular expression",
-        GrammarSource::Lark(_) => "grammar",
+        GrammarSource::Lark(_) | GrammarSource::Calls(_) => "grammar",
         GrammarSource::AfterThinking { body, .. } => describe(body),
     }
 }
@@ -623,6 +628,24 @@ pub(crate) mod tests {
         };
         assert_eq!(walk(false), "{\"a\": 1, \"a\": 1, \"a\": 1}", "what the grammar alone allows");
         assert_eq!(walk(true), "{\"a\": 1, \"aa\": 1, \"aaa\": 1}");
+        // a forced call's arguments too, after the call's markup
+        let f = json!({"name": "f", "parameters": {"type": "object", "additionalProperties": {"type": "integer"}}});
+        let quote = tok.encode("\"", false)[0];
+        for (format, text) in [
+            (crate::tools::ToolCallFormat::Hermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1, \"x"),
+            (crate::tools::ToolCallFormat::Mistral, "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": 1, \"x"),
+        ] {
+            let grammar = g.compile(&format.forced_grammar(&[&f], true, None).unwrap(), "tools").unwrap();
+            let m = drive(&grammar, &tok, text);
+            let mut guard = grammar.key_guard().expect("a call grammar's guard");
+            for id in tok.encode(text, false) {
+                guard.push(id);
+            }
+            let mut bits: Vec<i32> = m.clone().compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
+            assert!(bits[quote as usize / 32] & (1 << (quote % 32)) != 0, "{format:?}: the grammar allows it");
+            guard.restrict(&mut bits);
+            assert!(bits[quote as usize / 32] & (1 << (quote % 32)) == 0, "{format:?}");
+        }
         // only JSON grammars are followed
         assert!(g.compile(&GrammarSource::Regex("a+".into()), "p").unwrap().key_guard().is_none());
     }

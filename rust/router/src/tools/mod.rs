@@ -229,7 +229,11 @@ impl ToolCallFormat {
             Self::Llama3Json => ("{", "(\\{[ \\t\\r\\n]*\"name\"|<\\|python_tag\\|>)"),
             Self::Json => return None,
         };
-        let GrammarSource::Lark(calls) = self.forced_grammar(functions, parallel, marker).ok()? else { return None };
+        let (GrammarSource::Lark(calls) | GrammarSource::Calls(calls)) =
+            self.forced_grammar(functions, parallel, marker).ok()?
+        else {
+            return None;
+        };
         let calls = calls.replacen("start:", "calls:", 1);
         let (answer, calls_start) = match answer {
             Some(schema) => {
@@ -290,11 +294,11 @@ impl ToolCallFormat {
         Ok(match self {
             Self::Llama3Json => {
                 let calls = if parallel { "call (\"; \" call)*" } else { "call" };
-                GrammarSource::Lark(format!("start: {open}{calls}\n{call}"))
+                GrammarSource::Calls(format!("start: {open}{calls}\n{call}"))
             }
             Self::Mistral => {
                 let calls = if parallel { "\"[\" call (\", \" call)* \"]\"" } else { "\"[\" call \"]\"" };
-                GrammarSource::Lark(format!("start: {open}{calls}\n{call}"))
+                GrammarSource::Calls(format!("start: {open}{calls}\n{call}"))
             }
             Self::Json => {
                 let mut calls = json!({"type": "array", "items": one, "minItems": 1});
@@ -305,7 +309,7 @@ impl ToolCallFormat {
             }
             Self::Hermes => {
                 let start = if parallel { "start: block (\"\\n\" block)*" } else { "start: block" };
-                GrammarSource::Lark(format!("{start}\nblock: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\n{call}"))
+                GrammarSource::Calls(format!("{start}\nblock: \"{OPEN}\\n\" call \"\\n{CLOSE}\"\n{call}"))
             }
             Self::Qwen3Xml => unreachable!("handled above"),
         })
@@ -389,7 +393,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         match ToolCallFormat::Hermes.forced_grammar(&[&f], true, None).unwrap() {
-            GrammarSource::Lark(g) => assert!(g.contains("%json") && g.contains("block (")),
+            GrammarSource::Calls(g) => assert!(g.contains("%json") && g.contains("block (")),
             other => panic!("{other:?}"),
         }
     }
@@ -421,11 +425,11 @@ mod tests {
         assert_eq!(alias, ToolCallFormat::Qwen3Xml);
         let f = json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}});
         match ToolCallFormat::Llama3Json.forced_grammar(&[&f], true, None).unwrap() {
-            GrammarSource::Lark(g) => assert!(g.contains("\"parameters\"") && g.contains("\"; \" call")),
+            GrammarSource::Calls(g) => assert!(g.contains("\"parameters\"") && g.contains("\"; \" call")),
             other => panic!("{other:?}"),
         }
         match ToolCallFormat::Mistral.forced_grammar(&[&f], false, None).unwrap() {
-            GrammarSource::Lark(g) => {
+            GrammarSource::Calls(g) => {
                 assert!(g.starts_with("start: (\"[TOOL_CALLS]\" /[ \\t\\r\\n]+/?)? \"[\" call \"]\""), "{g}");
                 assert!(g.contains("\"arguments\""));
             }
