@@ -59,7 +59,8 @@ impl GrammarSource {
             Self::JsonSchema(_) => "json_schema",
             Self::Regex(_) => "regex",
             Self::Lark(_) => "lark",
-            Self::Calls(_) => "calls",
+            // (a Lark grammar to whoever reads the key; its hash sets it apart from a client's)
+            Self::Calls(_) => "lark",
             Self::AfterThinking { .. } => "after_thinking",
         }
     }
@@ -104,7 +105,8 @@ impl GrammarSource {
     fn key(&self) -> String {
         let text = match self {
             Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
-            Self::Regex(s) | Self::Lark(s) | Self::Calls(s) => s.clone(),
+            Self::Regex(s) | Self::Lark(s) => s.clone(),
+            Self::Calls(s) => format!("calls\n{s}"),
             Self::AfterThinking { opened, body } => format!("{opened}:{}", body.key()),
         };
         let digest = Sha256::digest(text.as_bytes());
