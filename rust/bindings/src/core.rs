@@ -81,7 +81,7 @@ struct RequestState {
     held: Vec<HeldTokens>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
-    /// JSON schema requests: one key guard per sequence, indexed as `detoks` (keeps each
+    /// JSON schema and forced-call requests: one key guard per sequence, indexed as `detoks` (keeps each
     /// object's keys distinct; see `json_keys`); else empty.
     guards: Vec<KeyGuard>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).

@@ -82,7 +82,8 @@ impl GrammarSource {
         }
     }
 
-    /// Where the output's JSON starts, when this source is a JSON schema.
+    /// Where the output's JSON starts, when its JSON can be followed (a schema's, a forced
+    /// call's).
     fn json_start(&self) -> Option<JsonStart> {
         match self {
             Self::JsonSchema(_) | Self::Calls(_) => Some(JsonStart::Now),
@@ -165,7 +166,8 @@ pub(crate) fn fixed_separators(schema: &Value) -> Value {
 pub struct Grammar {
     key: Arc<str>,
     template: Arc<Mutex<Matcher>>,
-    /// A JSON schema's: where the JSON starts, and the vocabulary's bytes, for key guards.
+    /// A JSON schema's or forced call's: where the JSON starts, and the vocabulary's bytes,
+    /// for key guards.
     json: Option<(JsonStart, Arc<TokenBytes>)>,
 }
 
@@ -180,8 +182,8 @@ impl Grammar {
         self.template.lock().expect("grammar lock").clone()
     }
 
-    /// For a JSON schema's grammar, a fresh guard that keeps one sequence's object keys
-    /// distinct (see `json_keys`); other grammars' output is not JSON to follow.
+    /// For a JSON schema's or forced call's grammar, a fresh guard that keeps one sequence's
+    /// object keys distinct (see `json_keys`); other grammars' output is not JSON to follow.
     pub fn key_guard(&self) -> Option<KeyGuard> {
         self.json.as_ref().map(|(start, tokens)| KeyGuard::new(Arc::clone(tokens), *start))
     }
