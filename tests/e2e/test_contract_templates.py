@@ -56,9 +56,15 @@ def test_unused_template_kwargs_are_reported(tiny_server):
     r = _post(tiny_server, "/v1/chat/completions", body)
     assert r.status_code == 200
     assert {k.strip() for k in r.headers["llmserve-unused-template-kwargs"].split(",")} == {"enable_thinking", "zz"}
-    assert sorted(_render(tiny_server, **body)["unused_template_kwargs"]) == ["enable_thinking", "zz"]
+    # each is a field accepted with no effect: the contract's header names it too
+    ignored = {k.strip() for k in r.headers["llmserve-ignored-fields"].split(",")}
+    assert ignored == {"chat_template_kwargs.enable_thinking", "chat_template_kwargs.zz"}
+    rendered = _render(tiny_server, **body)
+    assert sorted(rendered["unused_template_kwargs"]) == ["enable_thinking", "zz"]
+    assert sorted(rendered["ignored_fields"]) == ["chat_template_kwargs.enable_thinking", "chat_template_kwargs.zz"]
     plain = _post(tiny_server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 2})
     assert "llmserve-unused-template-kwargs" not in plain.headers
+    assert "llmserve-ignored-fields" not in plain.headers
 
 
 def test_generation_prompt_flags(tiny_server):

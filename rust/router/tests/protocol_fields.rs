@@ -67,7 +67,7 @@ fn the_ignored_fields_header_stays_printable_and_bounded() {
     // HTTP trims a value's blank ends (h11 refuses to send them and drops the connection):
     // an item's edge spaces are escaped, an empty name is written "", inner spaces stay.
     let p = chat(&r, json!({"zz ": 1, "": 2, " a b": 3, "chat_template_kwargs": {" ": 1}})).unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("\"\", \\u0020a b, zz\\u0020"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("\"\", \\u0020a b, chat_template_kwargs.\\u0020, zz\\u0020"));
     assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("\\u0020"));
 
     let many: serde_json::Map<String, Value> = (0..5000).map(|i| (format!("field_{i:05}"), json!(1))).collect();
@@ -402,12 +402,16 @@ fn unused_template_kwargs_are_reported() {
     let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": true, "foo": 1}})).unwrap();
     assert!(p.prompt_texts[0].ends_with("assistant : think"), "{}", p.prompt_texts[0]);
     assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("foo"));
+    // an accepted field with no effect, so `llmserve-ignored-fields` names it too (CONTRACT)
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("chat_template_kwargs.foo"));
     let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": false}})).unwrap();
     assert_eq!(header(&p, "llmserve-unused-template-kwargs"), None);
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
     // /tokenize's `messages` form renders the same way, and says the same (audit 44, A44-1)
     let body = br#"{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"enable_thinking": true, "foo": 1}}"#;
     let h = r.handle(Endpoint::Tokenize, body).unwrap();
-    assert_eq!(h.headers, vec![("llmserve-unused-template-kwargs".to_string(), "foo".to_string())]);
+    let expected = [("llmserve-ignored-fields", "chat_template_kwargs.foo"), ("llmserve-unused-template-kwargs", "foo")];
+    assert_eq!(h.headers, expected.map(|(k, v)| (k.to_string(), v.to_string())));
     // ...and under --strict-fields both refuse the key
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     let refused = shape(chat(&strict, json!({"chat_template_kwargs": {"foo": 1}})));
@@ -587,11 +591,11 @@ fn chat_render_route() {
     assert_eq!(v["template"]["origin"], "--chat-template");
     assert!(v["template"]["hash"].as_str().unwrap().starts_with("sha256:"));
     assert_eq!(v["unused_template_kwargs"], json!(["foo"]));
-    assert_eq!(v["ignored_fields"], json!(["weird"]));
+    assert_eq!(v["ignored_fields"], json!(["chat_template_kwargs.foo", "weird"]));
     // The headers a generation of the same request gets, but no response id.
     let headers = r.handle(Endpoint::ChatRender, &body).unwrap().headers;
     let get = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-    assert_eq!(get("llmserve-ignored-fields").as_deref(), Some("weird"));
+    assert_eq!(get("llmserve-ignored-fields").as_deref(), Some("chat_template_kwargs.foo, weird"));
     assert_eq!(get("llmserve-unused-template-kwargs").as_deref(), Some("foo"));
     assert!(get("llmserve-chat-template").unwrap().starts_with("--chat-template sha256:"));
     assert_eq!(get("x-request-id"), None);

@@ -185,6 +185,12 @@ pub(crate) fn check_unused_kwargs(unused: &[String], strict: bool) -> Result<(),
     }
 }
 
+/// Unused `chat_template_kwargs` keys as the fields `llmserve-ignored-fields` names (beside
+/// their own header): each is a field accepted with no effect.
+pub(crate) fn unused_kwarg_fields(unused: &[String]) -> impl Iterator<Item = String> + '_ {
+    unused.iter().map(|key| format!("chat_template_kwargs.{key}"))
+}
+
 pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` must contain at least one message."));
@@ -1060,8 +1066,9 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
         check_kept_id(c.request_id.as_deref())?;
     }
     let header_id = header_id.filter(|id| !keeping || path_safe(id));
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
     check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
+    ignored.extend(unused_kwarg_fields(&rendered.unused_kwargs));
+    let ignored = settle_ignored(ignored, config.strict_fields)?;
     let (mut tools, tool_grammar) =
         if with_tools { tool_plan(router, &chat, template, &forced, allowed.as_deref())? } else { (None, None) };
     let mut requested = c.constraint;

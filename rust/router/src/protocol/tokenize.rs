@@ -15,7 +15,7 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::chat::{check_unused_kwargs, unknown_part_keys, unread_message_keys};
+use super::chat::{check_unused_kwargs, unknown_part_keys, unread_message_keys, unused_kwarg_fields};
 use super::chat::{generation_flags, render, validate_documents, validate_messages, validate_tools, ChatRender};
 use super::common::{check_token_id, from_value, header_list, ignored_header, parse_body, set_keys, settle_ignored};
 use super::{Handled, Prepared};
@@ -133,8 +133,9 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
             (router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false)), rendered.unused_kwargs)
         }
     };
-    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     check_unused_kwargs(&unused_kwargs, router.config.strict_fields)?;
+    ignored.extend(unused_kwarg_fields(&unused_kwargs));
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let mut out = json!({
         "tokens": tokens,
         "count": tokens.len(),
