@@ -109,6 +109,24 @@ def test_open_keys_are_not_repeated(client):
         jsonschema.validate(value, schema)
 
 
+def test_an_unbounded_integer_closes(client):
+    # JSON's grammar limits no digits: left to it, this model writes "age": 1000000000... until
+    # max_output_tokens cuts the JSON off. An integer with an open side is bounded at
+    # ±(2**53 - 1) (RFC 8259's interoperable range), so the number ends and the object closes.
+    class Person(BaseModel):
+        name: str = Field(max_length=16)
+        age: int
+
+    model = client.models.list().data[0].id
+    r = client.responses.parse(model=model, input="Make a person", text_format=Person, max_output_tokens=64,
+                               temperature=0)
+    assert r.status == "completed", r.output_text
+    assert abs(r.output_parsed.age) <= 2**53 - 1
+    chat = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Make a person"}],
+                                         response_format=Person, max_tokens=64, temperature=0)
+    assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+
+
 def test_json_object_parses(client):
     model = client.models.list().data[0].id
     r = client.chat.completions.create(

@@ -117,7 +117,7 @@ impl GrammarSource {
 
     fn to_top_level(&self) -> TopLevelGrammar {
         match self {
-            Self::JsonSchema(schema) => TopLevelGrammar::from_json_schema(fixed_separators(schema)),
+            Self::JsonSchema(schema) => TopLevelGrammar::from_json_schema(for_generation(schema)),
             // NOTE: JSON Schema's (JavaScript's) classes, as for a schema's `pattern`: `\d` is
             // [0-9] and `\w` [0-9a-zA-Z_]. With Rust's Unicode classes `\d{3}` let a small
             // model write 🯸🯸🯸 (audit 8), which is never what a regex for a number means.
@@ -143,10 +143,12 @@ impl GrammarSource {
     }
 }
 
-/// `schema` with llguidance's options for the JSON it generates: fixed separators and no free
-/// whitespace (see the module's NOTE), under any `x-guidance` options the schema has.
-pub(crate) fn fixed_separators(schema: &Value) -> Value {
+/// `schema` as its grammar is compiled: llguidance's options for the JSON it generates (fixed
+/// separators and no free whitespace, see the module's NOTE), under any `x-guidance` options
+/// the schema has, and its open integers bounded (`schema_edit::bound_integers`).
+pub(crate) fn for_generation(schema: &Value) -> Value {
     let mut schema = schema.clone();
+    crate::protocol::schema_edit::bound_integers(&mut schema);
     if let Value::Object(obj) = &mut schema {
         let mut opts = json!({
             "whitespace_flexible": false,
@@ -652,6 +654,21 @@ pub(crate) mod tests {
         }
         // only JSON grammars are followed
         assert!(g.compile(&GrammarSource::Regex("a+".into()), "p").unwrap().key_guard().is_none());
+    }
+
+    #[test]
+    fn an_open_integer_ends_within_sixteen_digits() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+        let zero = tok.encode("0", false)[0];
+        let digits_allowed = |text: &str| drive(&grammar, &tok, text).compute_mask().unwrap().is_allowed(zero);
+        // 2^53 - 1 = 9007199254740991: sixteen digits at most, the largest of them bounded
+        assert!(digits_allowed(&format!("{{\"n\": 1{}", "0".repeat(14))));
+        assert!(!digits_allowed(&format!("{{\"n\": 1{}", "0".repeat(15))), "a 17th digit");
+        assert!(!digits_allowed(&format!("{{\"n\": -9{}", "0".repeat(15))), "below -(2^53 - 1)");
+        assert!(drive(&grammar, &tok, "{\"n\": -9007199254740991}").is_stopped());
     }
 
     #[test]

@@ -67,7 +67,10 @@ fn the_ignored_fields_header_stays_printable_and_bounded() {
     // HTTP trims a value's blank ends (h11 refuses to send them and drops the connection):
     // an item's edge spaces are escaped, an empty name is written "", inner spaces stay.
     let p = chat(&r, json!({"zz ": 1, "": 2, " a b": 3, "chat_template_kwargs": {" ": 1}})).unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("\"\", \\u0020a b, chat_template_kwargs.\\u0020, zz\\u0020"));
+    assert_eq!(
+        header(&p, "llmserve-ignored-fields"),
+        Some("\"\", \\u0020a b, chat_template_kwargs.\\u0020, zz\\u0020")
+    );
     assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("\\u0020"));
 
     let many: serde_json::Map<String, Value> = (0..5000).map(|i| (format!("field_{i:05}"), json!(1))).collect();
@@ -410,7 +413,8 @@ fn unused_template_kwargs_are_reported() {
     // /tokenize's `messages` form renders the same way, and says the same (audit 44, A44-1)
     let body = br#"{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"enable_thinking": true, "foo": 1}}"#;
     let h = r.handle(Endpoint::Tokenize, body).unwrap();
-    let expected = [("llmserve-ignored-fields", "chat_template_kwargs.foo"), ("llmserve-unused-template-kwargs", "foo")];
+    let expected =
+        [("llmserve-ignored-fields", "chat_template_kwargs.foo"), ("llmserve-unused-template-kwargs", "foo")];
     assert_eq!(h.headers, expected.map(|(k, v)| (k.to_string(), v.to_string())));
     // ...and under --strict-fields both refuse the key
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));

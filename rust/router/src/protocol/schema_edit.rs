@@ -14,6 +14,14 @@
 //!   its refs reach, since another schema may refine any of its keys; so is everything under
 //!   `not` or `if` (narrowing there widens or flips what the whole accepts). So every schema
 //!   that was satisfiable stays so.
+//! - **Bounding integers:** an `integer` schema with an open side is kept within JSON's
+//!   interoperable range, ±(2^53 - 1) (RFC 8259 §6; what JavaScript reads exactly). JSON's
+//!   grammar limits no digits, and a small model writes `1000000000...` until `max_tokens`
+//!   cuts the JSON off; bounded, the number has at most 16 digits and the JSON closes. A
+//!   bound the client set is kept, and no side is added that would empty the range. Schemas
+//!   with `enum` or `const` are left alone, and so is everything under `allOf` (another part
+//!   bounds the same instance) and every schema holding `not` or `if` (narrowing there widens
+//!   what the whole accepts).
 
 use std::collections::HashSet;
 
@@ -327,6 +335,74 @@ impl Targets {
     }
 }
 
+/// JSON's interoperable integer range (RFC 8259 §6) is -`SAFE_INTEGER`..=`SAFE_INTEGER`.
+pub const SAFE_INTEGER: i64 = (1 << 53) - 1;
+
+/// Keywords under which an integer schema is not bounded (see the module note).
+const UNBOUNDED: [&str; 5] = ["allOf", "not", "if", "then", "else"];
+
+/// Close every open side of the `integer` schemas in `schema` at ±`SAFE_INTEGER` (see the
+/// module note).
+pub fn bound_integers(schema: &mut Value) {
+    if holds_keyword(schema, &["not", "if"]) {
+        return;
+    }
+    bound_at(schema);
+}
+
+fn bound_at(schema: &mut Value) {
+    let obj = match schema {
+        Value::Object(obj) => obj,
+        Value::Array(items) => return items.iter_mut().for_each(bound_at),
+        _ => return,
+    };
+    if is_integer(obj) && !obj.contains_key("enum") && !obj.contains_key("const") {
+        let side = |inclusive: &str, exclusive: &str| {
+            obj.get(inclusive).and_then(Value::as_f64).or_else(|| obj.get(exclusive).and_then(Value::as_f64))
+        };
+        let (lower, upper) = (side("minimum", "exclusiveMinimum"), side("maximum", "exclusiveMaximum"));
+        let safe = SAFE_INTEGER as f64;
+        if lower.is_none() && upper.is_none_or(|u| u >= -safe) {
+            obj.insert("minimum".into(), Value::from(-SAFE_INTEGER));
+        }
+        if upper.is_none() && lower.is_none_or(|l| l <= safe) {
+            obj.insert("maximum".into(), Value::from(SAFE_INTEGER));
+        }
+    }
+    for (key, v) in obj.iter_mut() {
+        match (key.as_str(), v) {
+            (k, _) if DATA.contains(&k) || UNBOUNDED.contains(&k) => {}
+            (k, Value::Object(map)) if MAPS.contains(&k) => map.values_mut().for_each(bound_at),
+            (_, v) => bound_at(v),
+        }
+    }
+}
+
+/// `type: "integer"`, or a list of types with `integer` and no `number` (whose values a
+/// bound would also narrow).
+fn is_integer(obj: &Map<String, Value>) -> bool {
+    match obj.get("type") {
+        Some(Value::String(t)) => t == "integer",
+        Some(Value::Array(types)) => types.contains(&Value::from("integer")) && !types.contains(&Value::from("number")),
+        _ => false,
+    }
+}
+
+/// Whether any schema in `schema` holds one of `keywords` (names in a `properties` map, and
+/// data, are not keywords).
+fn holds_keyword(schema: &Value, keywords: &[&str]) -> bool {
+    match schema {
+        Value::Object(obj) => obj.iter().any(|(key, v)| match (key.as_str(), v) {
+            (k, _) if keywords.contains(&k) => true,
+            (k, _) if DATA.contains(&k) => false,
+            (k, Value::Object(map)) if MAPS.contains(&k) => map.values().any(|s| holds_keyword(s, keywords)),
+            (_, v) => holds_keyword(v, keywords),
+        }),
+        Value::Array(items) => items.iter().any(|v| holds_keyword(v, keywords)),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -480,5 +556,47 @@ mod tests {
         assert!(!closed(&neg["$defs"]["N"]) && !closed(&neg["$defs"]["M"]), "{neg}");
         assert!(closed(&neg["$defs"]["P"]) && closed(&neg));
         assert!(closed(&s));
+    }
+
+    #[test]
+    fn open_integers_are_bounded_to_the_interoperable_range() {
+        let safe = SAFE_INTEGER;
+        let mut s = json!({
+            "type": "object",
+            "properties": {
+                "age": {"type": "integer"},
+                "count": {"type": ["integer", "null"], "minimum": 0},
+                "below": {"type": "integer", "exclusiveMaximum": 10},
+                "huge": {"type": "integer", "minimum": 1e17},
+                "ratio": {"type": "number"},
+                "either": {"type": ["integer", "number"]},
+                "pick": {"type": "integer", "enum": [1, 2]},
+                "type": {"type": "integer", "const": 3},
+                "list": {"type": "array", "items": {"type": "integer"}},
+                "part": {"allOf": [{"type": "integer"}, {"minimum": 1e17}]},
+            },
+            "$defs": {"N": {"type": "integer", "maximum": 5}},
+            "default": {"type": "integer"},
+        });
+        bound_integers(&mut s);
+        let p = &s["properties"];
+        assert_eq!((&p["age"]["minimum"], &p["age"]["maximum"]), (&json!(-safe), &json!(safe)));
+        assert_eq!((&p["count"]["minimum"], &p["count"]["maximum"]), (&json!(0), &json!(safe)));
+        assert_eq!(p["below"], json!({"type": "integer", "exclusiveMaximum": 10, "minimum": -safe}));
+        // a client's bound beyond the range is kept, and no side empties it
+        assert_eq!(p["huge"], json!({"type": "integer", "minimum": 1e17}));
+        for untouched in ["ratio", "either", "pick", "type", "part"] {
+            assert!(p[untouched].get("maximum").is_none(), "{untouched}: {}", p[untouched]);
+        }
+        assert_eq!(p["part"]["allOf"][0], json!({"type": "integer"}));
+        assert_eq!(p["list"]["items"]["minimum"], json!(-safe));
+        assert_eq!(s["$defs"]["N"], json!({"type": "integer", "maximum": 5, "minimum": -safe}));
+        assert_eq!(s["default"], json!({"type": "integer"}), "data is not a schema");
+        // narrowing under `not` widens what the whole accepts: nothing is bounded then
+        let mut neg = json!({"properties": {"a": {"type": "integer"}, "b": {"not": {"$ref": "#/$defs/I"}}},
+                             "$defs": {"I": {"type": "integer"}}});
+        let sent = neg.clone();
+        bound_integers(&mut neg);
+        assert_eq!(neg, sent);
     }
 }

@@ -237,7 +237,7 @@ impl ToolCallFormat {
         let calls = calls.replacen("start:", "calls:", 1);
         let (answer, calls_start) = match answer {
             Some(schema) => {
-                let schema = crate::structured::fixed_separators(schema);
+                let schema = crate::structured::for_generation(schema);
                 (format!("answer: %json {}", serde_json::to_string(&schema).expect("JSON values serialize")), "calls")
             }
             // NOTE: leading whitespace is a lexeme of its own, which either branch may
@@ -285,11 +285,8 @@ impl ToolCallFormat {
         if self != Self::Json {
             one = with_defs(one);
         }
-        let fixed_ws = |mut schema: Value| {
-            schema["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
-            serde_json::to_string(&schema).expect("JSON values serialize")
-        };
-        let call = format!("call: %json {}\n", fixed_ws(one.clone()));
+        let schema = crate::structured::for_generation(&one);
+        let call = format!("call: %json {}\n", serde_json::to_string(&schema).expect("JSON values serialize"));
         let open = self.opening(marker);
         Ok(match self {
             Self::Llama3Json => {

@@ -395,12 +395,7 @@ fn value_grammar(schema: &Value, root: &Value) -> Result<String, Refusal> {
         }
         schema["$defs"]["llmserve_parameters"] = params;
     }
-    if let Value::Object(obj) = &mut schema {
-        obj.insert(
-            "x-guidance".into(),
-            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
-        );
-    }
+    let schema = crate::structured::for_generation(&schema);
     Ok(format!("%json {} {close}", serde_json::to_string(&schema).expect("JSON values serialize")))
 }
 
