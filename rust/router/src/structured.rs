@@ -411,6 +411,19 @@ const SUBSCHEMA: [&str; 15] = [
 ];
 const SUBSCHEMA_MAPS: [&str; 5] = ["properties", "$defs", "definitions", "dependentSchemas", "patternProperties"];
 
+/// The 400 at `param` for a tool's `parameters` holding a malformed `pattern`, its place a
+/// pointer into those `parameters` (the forced call's grammar wraps them in a call object, a
+/// place the client never wrote); None when the patterns are well formed.
+pub fn parameters_pattern_error(parameters: &Value, param: String) -> Option<ApiError> {
+    let cause = check_patterns(parameters, &mut String::new()).err()?;
+    Some(ApiError::invalid(
+        param,
+        format!(
+            "The `parameters` schema of a forced or strict tool call cannot be used to constrain generation: {cause}"
+        ),
+    ))
+}
+
 /// Every `pattern` and `patternProperties` key in `schema` checked as `check_regex` checks a
 /// regex: llguidance rewrites them as it rewrites a `regex` constraint (dropping a trailing
 /// lone backslash) before its engine parses them. Walks the subschema keywords only, so data

@@ -608,6 +608,15 @@ fn tools_and_tool_choice() {
     let e = chat(&r, json!({"tools": [tool, bad], "tool_choice": "required"})).unwrap_err();
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("tools[1].function.parameters")));
     assert!(e.message().contains("not"), "{}", e.message());
+    // a malformed pattern is placed in the client's `parameters`, not in the call object the
+    // grammar wraps them in
+    let bad = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+        "properties": {"a": {"type": "string", "pattern": "(["}}, "required": ["a"]}}});
+    for choice in [json!("required"), json!({"type": "function", "function": {"name": "f"}})] {
+        let e = chat(&r, json!({"tools": [tool, bad], "tool_choice": choice})).unwrap_err();
+        assert_eq!(e.param(), Some("tools[1].function.parameters"));
+        assert!(e.message().contains("`pattern` at /properties/a:"), "{}", e.message());
+    }
 }
 
 /// A template that never shows `tools` and knows no tool-call format (SmolLM2's): under

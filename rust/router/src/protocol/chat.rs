@@ -191,6 +191,13 @@ pub(crate) fn unused_kwarg_fields(unused: &[String]) -> impl Iterator<Item = Str
     unused.iter().map(|key| format!("chat_template_kwargs.{key}"))
 }
 
+/// The 400 at `param` for a function whose `parameters` a forced call's grammar refused
+/// (`err`): a malformed `pattern` is named by its place in those `parameters`.
+fn blame_parameters(function: &Value, param: String, err: &ApiError) -> ApiError {
+    crate::structured::parameters_pattern_error(&function["parameters"], param.clone())
+        .unwrap_or_else(|| ApiError::invalid(param, err.message()))
+}
+
 pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` must contain at least one message."));
@@ -620,9 +627,7 @@ fn tool_plan(
                 }
                 let alone = |f: &Value| grammar(&[f]).is_ok_and(|g| router.grammars.compile(&g, "tools").is_err());
                 return Err(match fns.iter().copied().find(|f| alone(f)) {
-                    Some(f) => {
-                        ApiError::invalid(format!("tools[{}].function.parameters", tool_index(f)), err.message())
-                    }
+                    Some(f) => blame_parameters(f, format!("tools[{}].function.parameters", tool_index(f)), &err),
                     None => err,
                 });
             }
@@ -724,7 +729,7 @@ fn auto_shape(
     if let Ok(Err(err)) = calls(&refs) {
         let fails = |i: usize| is_strict(&tools[chosen[i]]) && matches!(calls(&[refs[i]]), Ok(Err(_)));
         return match (0..refs.len().min(BLAMED_TOOLS)).find(|&i| fails(i)) {
-            Some(i) => Err(ApiError::invalid(format!("tools[{}].function.parameters", chosen[i]), err.message())),
+            Some(i) => Err(blame_parameters(refs[i], format!("tools[{}].function.parameters", chosen[i]), &err)),
             None => Ok(unenforced(ignored)),
         };
     }
