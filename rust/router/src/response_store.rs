@@ -223,7 +223,7 @@ impl ResponseStore {
                 "response_id",
                 format!(
                     "Only background responses can be cancelled: response {id:?} was not created with \
-                     `background: true`, and it has completed."
+                     `background: true`: it ran to its end in the request that created it."
                 ),
             )),
             // Its output so far stays, the item it was writing `incomplete`; a response that
