@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -125,6 +126,34 @@ def test_an_unbounded_integer_closes(client):
     chat = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Make a person"}],
                                          response_format=Person, max_tokens=64, temperature=0)
     assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+
+
+def test_every_number_ends(smol, client):
+    # JSON's number grammar limits neither digits nor exponent: this model once wrote
+    # "ratio": 0.2976500155266768E3128138884... until max_tokens cut the JSON off. A bias that
+    # makes "1" its choice wherever the grammar allows one shows the limits: each part of a
+    # number ends (integer part and fraction 17 digits, exponent 3 digits and at most 290: a
+    # finite double), and the object closes.
+    model = client.models.list().data[0].id
+    one = httpx.post(smol.url + "/tokenize", json={"model": model, "prompt": "1"}).json()["tokens"]
+    assert len(one) == 1
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+              "required": ["x", "y"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give a point as JSON."}], max_tokens=120,
+        temperature=0, logit_bias={str(one[0]): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "point", "schema": schema}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    point = json.loads(choice.message.content)
+    assert set(point) == {"x", "y"}
+    for number in re.findall(r"-?[0-9][0-9.eE+-]*", choice.message.content):
+        mantissa, _, exponent = number.lstrip("-").lower().partition("e")
+        whole, _, fraction = mantissa.partition(".")
+        exponent = exponent.lstrip("+-")
+        assert len(whole) <= 17 and len(fraction) <= 17 and len(exponent) <= 3, number
+        assert not exponent or int(exponent) <= 290, number
+    assert "1" * 17 in choice.message.content, "the bias reached a limit"
 
 
 def test_json_object_parses(client):

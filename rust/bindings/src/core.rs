@@ -20,7 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use llmserve_router::detokenizer::{Detokenizer, StopConfig};
-use llmserve_router::json_keys::KeyGuard;
+use llmserve_router::json_guard::JsonGuard;
 use llmserve_router::protocol::embeddings::Pooling;
 use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
@@ -81,9 +81,9 @@ struct RequestState {
     held: Vec<HeldTokens>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
-    /// JSON schema and forced-call requests: one key guard per sequence, indexed as `detoks` (keeps each
-    /// object's keys distinct; see `json_keys`); else empty.
-    guards: Vec<KeyGuard>,
+    /// JSON schema and forced-call requests: one JSON guard per sequence, indexed as `detoks` (keeps
+    /// each object's keys distinct and each number's digits bounded; see `json_guard`); else empty.
+    guards: Vec<JsonGuard>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
     grammar_key: Option<String>,
     /// `allowed_token_ids`: the packed mask of the only tokens its rows may sample (as
@@ -264,7 +264,7 @@ impl CoreState {
                 held.push(HeldTokens::default());
                 if let Some(g) = &prepared.grammar {
                     matchers.push(g.matcher());
-                    guards.extend(g.key_guard());
+                    guards.extend(g.json_guard());
                 }
             }
             let sampling = match beam_search {

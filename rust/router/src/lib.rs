@@ -15,7 +15,7 @@ pub mod detokenizer;
 pub mod error;
 pub mod fim;
 pub mod item_log;
-pub mod json_keys;
+pub mod json_guard;
 pub mod lora;
 pub mod protocol;
 pub mod reasoning;

@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
-use crate::json_keys::{JsonStart, KeyGuard, TokenBytes};
+use crate::json_guard::{JsonGuard, JsonStart, TokenBytes};
 use crate::tokenizer::Tokenizer;
 
 /// Compiled grammars kept at most; beyond it the cache is cleared (schemas repeat in
@@ -45,7 +45,7 @@ pub enum GrammarSource {
     Lark(String),
     /// A forced tool call's grammar (llguidance's Lark, as `Lark`): JSON values between markup
     /// that holds no JSON punctuation but balanced brackets (`<tool_call>`, `[TOOL_CALLS]`,
-    /// `; `), so the output's JSON can be followed from its start (see `json_keys`).
+    /// `; `), so the output's JSON can be followed from its start (see `json_guard`).
     Calls(String),
     /// `body`, after the model's reasoning: free text up to `</think>` (and whitespace)
     /// comes first, opened by `<think>` unless the prompt `opened` the block; a model that
@@ -169,7 +169,7 @@ pub struct Grammar {
     key: Arc<str>,
     template: Arc<Mutex<Matcher>>,
     /// A JSON schema's or forced call's: where the JSON starts, and the vocabulary's bytes,
-    /// for key guards.
+    /// for JSON guards.
     json: Option<(JsonStart, Arc<TokenBytes>)>,
 }
 
@@ -185,9 +185,10 @@ impl Grammar {
     }
 
     /// For a JSON schema's or forced call's grammar, a fresh guard that keeps one sequence's
-    /// object keys distinct (see `json_keys`); other grammars' output is not JSON to follow.
-    pub fn key_guard(&self) -> Option<KeyGuard> {
-        self.json.as_ref().map(|(start, tokens)| KeyGuard::new(Arc::clone(tokens), *start))
+    /// object keys distinct and its numbers' digits bounded (see `json_guard`); other grammars'
+    /// output is not JSON to follow.
+    pub fn json_guard(&self) -> Option<JsonGuard> {
+        self.json.as_ref().map(|(start, tokens)| JsonGuard::new(Arc::clone(tokens), *start))
     }
 }
 
@@ -210,7 +211,7 @@ pub struct Grammars {
     factory: OnceLock<Result<ParserFactory, String>>,
     /// Over single bytes: whether a grammar admits any text at all, whatever the vocabulary.
     byte_factory: OnceLock<Result<ParserFactory, String>>,
-    /// Every token's bytes, for the key guards of JSON grammars.
+    /// Every token's bytes, for the guards of JSON grammars.
     token_bytes: OnceLock<Arc<TokenBytes>>,
     cache: Mutex<HashMap<String, Grammar>>,
 }
@@ -630,7 +631,7 @@ pub(crate) mod tests {
         // each time it can.
         let prefer: Vec<u32> = "\": },1a{".chars().map(|c| tok.encode(&c.to_string(), false)[0]).collect();
         let walk = |guarded: bool| {
-            let (mut m, mut guard) = (grammar.matcher(), grammar.key_guard().expect("a JSON grammar's guard"));
+            let (mut m, mut guard) = (grammar.matcher(), grammar.json_guard().expect("a JSON grammar's guard"));
             let mut text = Vec::new();
             while !m.is_stopped() && text.len() < 60 {
                 let mut bits: Vec<i32> = m.compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
@@ -656,7 +657,7 @@ pub(crate) mod tests {
         ] {
             let grammar = g.compile(&format.forced_grammar(&[&f], true, None).unwrap(), "tools").unwrap();
             let m = drive(&grammar, &tok, text);
-            let mut guard = grammar.key_guard().expect("a call grammar's guard");
+            let mut guard = grammar.json_guard().expect("a call grammar's guard");
             for id in tok.encode(text, false) {
                 guard.push(id);
             }
@@ -666,7 +667,7 @@ pub(crate) mod tests {
             assert!(bits[quote as usize / 32] & (1 << (quote % 32)) == 0, "{format:?}");
         }
         // only JSON grammars are followed
-        assert!(g.compile(&GrammarSource::Regex("a+".into()), "p").unwrap().key_guard().is_none());
+        assert!(g.compile(&GrammarSource::Regex("a+".into()), "p").unwrap().json_guard().is_none());
     }
 
     #[test]
@@ -682,6 +683,37 @@ pub(crate) mod tests {
         assert!(!digits_allowed(&format!("{{\"n\": 1{}", "0".repeat(15))), "a 17th digit");
         assert!(!digits_allowed(&format!("{{\"n\": -9{}", "0".repeat(15))), "below -(2^53 - 1)");
         assert!(drive(&grammar, &tok, "{\"n\": -9007199254740991}").is_stopped());
+    }
+
+    #[test]
+    fn a_json_guard_ends_every_number() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let schema = json!({"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]});
+        let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+        // A "model" that takes the first token of these its mask allows: it writes 1s for as
+        // long as it may.
+        let prefer: Vec<u32> = "1.e}{\"n: ".chars().map(|c| tok.encode(&c.to_string(), false)[0]).collect();
+        let walk = |guarded: bool| {
+            let (mut m, mut guard) = (grammar.matcher(), grammar.json_guard().expect("a JSON grammar's guard"));
+            let mut text = Vec::new();
+            while !m.is_stopped() && text.len() < 80 {
+                let mut bits: Vec<i32> = m.compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
+                if guarded {
+                    guard.restrict(&mut bits);
+                }
+                let allowed = |t: u32| bits[t as usize / 32] & (1 << (t % 32)) != 0;
+                let id = *prefer.iter().find(|&&t| allowed(t)).expect("a preferred token");
+                m.consume_token(id).unwrap();
+                guard.push(id);
+                text.extend(tok.token_bytes(id));
+            }
+            (String::from_utf8(text).unwrap(), m.is_stopped())
+        };
+        let (text, stopped) = walk(false);
+        assert!(!stopped && text.ends_with("1111"), "the grammar alone: {text}");
+        let ones = |n: usize| "1".repeat(n);
+        assert_eq!(walk(true), (format!("{{\"n\": {}.{}e{}}}", ones(17), ones(17), ones(3)), true));
     }
 
     #[test]
