@@ -18,6 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _accepts(path: str) -> bool:
+    """Whether a server listens on the Unix socket at `path`."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
+
+
 def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     """SIGTERM `proc` and wait for it; SIGKILL it if it is still running after `timeout`."""
     proc.terminate()
@@ -30,21 +40,25 @@ def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 class ServerProcess:
     """`llmserve run MODEL ARGS...` bound to 127.0.0.1; `stop()` ends it. `ca`: the served
-    certificate (ARGS serve HTTPS): `url` is then https, and `verify` checks against it."""
+    certificate (ARGS serve HTTPS): `url` is then https, and `verify` checks against it.
+    `uds`: served on that Unix socket instead (`--uds`); `http()` gives a client that reaches
+    it either way."""
 
     def __init__(self, model: str | None, *args: str, env: dict | None = None,
-                 ready_timeout: float = 240.0, ca: str | None = None) -> None:
+                 ready_timeout: float = 240.0, ca: str | None = None, uds: str | None = None) -> None:
         self.model = model
         self.port = free_port()
-        self.url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ca else 'http'}://{'localhost' if uds else '127.0.0.1:' + str(self.port)}"
         self.verify = ssl.create_default_context(cafile=ca) if ca else True
+        self.uds = uds
         cmd = [sys.executable, "-m", "llmserve.cli", "run"]
         if model is not None:
             cmd.append(model)
         # NOTE: one torch thread: the test process and the server share 2 cores.
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", *args]
+        place = ["--uds", uds] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += [*place, "--threads", "1", *args]
         full_env = {**os.environ, "LLMSERVE_LOG_LEVEL": "WARNING", **(env or {})}
-        self.log_path = f"/tmp/llmserve-test-{self.port}.log"
+        self.log_path = f"/tmp/llmserve-test-{self.port}.log"   # (the port names the log under --uds too)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
         try:
@@ -59,14 +73,24 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.logs()}")
+            # (httpcore leaks the socket of a Unix connection that fails: try our own first)
+            if self.uds and not _accepts(self.uds):
+                time.sleep(0.25)
+                continue
             try:
-                if httpx.get(self.url + "/ready", timeout=2, verify=self.verify).status_code == 200:
-                    return
+                with self.http(timeout=2) as client:
+                    if client.get("/ready").status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.logs()}")
+
+    def http(self, **kwargs) -> httpx.Client:
+        """An httpx client of this server (`base_url` its URL; over its socket under `uds`)."""
+        transport = httpx.HTTPTransport(uds=self.uds, verify=self.verify) if self.uds else None
+        return httpx.Client(base_url=self.url, transport=transport, verify=self.verify, **kwargs)
 
     def logs(self) -> str:
         self._log.flush()

@@ -46,6 +46,8 @@ _VLLM_NO_OPS = {
     "--disable-custom-all-reduce": "llmserve runs a model on one device",
     "--disable-frontend-multiprocessing": "the HTTP server and the engine always share one process (the engine "
                                           "on its own thread)",
+    "--log-error-stack": "an unexpected error (a 500) is always logged with its stack; other errors are "
+                         "answers to the client, not the server's faults",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
@@ -62,6 +64,7 @@ _VLLM_VALUE_NO_OPS = {
 _VLLM_NEUTRAL = {
     "--tensor-parallel-size": "1", "-tp": "1", "--pipeline-parallel-size": "1",
     "--kv-cache-dtype": "auto", "--lora-dtype": "auto", "--load-format": "auto", "--tokenizer-mode": "auto",
+    "--response-role": "assistant",
 }
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
@@ -76,6 +79,14 @@ _VLLM_HINTS = {
     "--no-enable-chunked-prefill": "prompts longer than --max-num-batched-tokens are always prefilled in "
                                    "chunks; raise it to prefill them whole",
     "--tokenizer-mode": "the model's own tokenizer.json runs in HF tokenizers (Rust)",
+    "--response-role": "an answer's role is always OpenAI's `assistant`",
+    "--tool-parser-plugin": "the tool-call parsers are built in (Hermes, Qwen3-Coder XML, Llama-3 JSON, "
+                            "Mistral): --tool-call-format picks one",
+    "--disable-sliding-window": "sliding-window layers attend over their window, as the model was trained; "
+                                "to keep every token in reach, set --max-model-len to the window (what "
+                                "vLLM's flag does)",
+    "--enable-log-outputs": "--enable-log-requests logs what a request asks for; its output goes only to the "
+                            "client",
 }
 
 

@@ -425,6 +425,10 @@ class DeviceConfig(_Checked):
 class ServerConfig(_Checked):
     host: str = _f("127.0.0.1", "Address to bind.")
     port: int = _f(8000, "Port to bind (0: any free port).", min=0, max=65535)
+    uds: str | None = _f(
+        None, "Serve on this Unix domain socket instead of --host/--port (vLLM's flag): for a proxy or "
+        "sidecar on the same machine. Created at start (a stale socket file left there is replaced), "
+        "mode 0666 as uvicorn makes it, and removed at exit.")
     api_key: tuple[str, ...] = _f(
         (), "API key(s) required on every route but /health, /ready, /metrics (repeatable).",
         append=True, secret=True,
@@ -488,6 +492,10 @@ class ServerConfig(_Checked):
         append=True,
     )
     allow_credentials: bool = _f(False, "Let those pages send cookies and HTTP authentication (CORS; vLLM's flag).")
+    enable_request_id_headers: bool = _f(
+        False, "Every response carries an `x-request-id` header (vLLM's flag): the client's own "
+        "`X-Request-Id` when it sent a plain one, else a fresh id. Without it, generation and error "
+        "responses carry one (the response id), and other routes none.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,10 +1,14 @@
 """vLLM's HTTP flags on `llmserve run`: `--ssl-certfile/--ssl-keyfile` serve the API over HTTPS
 (with the official SDK), and a key that does not make a TLS context stops the server at once,
 before the model loads, saying why; `--root-path` serves behind a proxy that strips it;
-`--enable-log-requests` logs what each request asks for, `--max-log-len` bounding it."""
+`--enable-log-requests` logs what each request asks for, `--max-log-len` bounding it; `--uds`
+serves on a Unix socket; `--enable-request-id-headers` names every response."""
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
 import subprocess
 import sys
 
@@ -86,3 +90,30 @@ def test_enable_log_requests_logs_each_prompt_and_its_parameters(tiny_model):
     assert "prompt_token_ids: [5, 6, 7, 8, 9, 10]," in third                   # (6 ids)
     assert 'model: "tiny"' in third
 
+
+
+def test_uds_serves_on_a_unix_socket_and_request_id_headers_name_every_response(tiny_model, tmp_path):
+    path = str(tmp_path / "llm.sock")
+    with socket.socket(socket.AF_UNIX) as stale:    # (a killed server's socket file: replaced)
+        stale.bind(path)
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--enable-request-id-headers", uds=path)
+    try:
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, http_client=server.http()) as client:
+            raw = client.completions.with_raw_response.create(model="tiny", prompt="hello", max_tokens=3,
+                                                               temperature=0)
+            out = raw.parse()
+            assert out.usage.completion_tokens == 3
+            assert raw.headers["x-request-id"] == out.id              # a generation keeps its own id
+        with server.http() as http:
+            assert http.get("/v1/models", headers={"X-Request-Id": "trace-7"}).headers["x-request-id"] == "trace-7"
+            fresh = http.get("/health").headers["x-request-id"]
+            assert fresh and fresh != http.get("/health").headers["x-request-id"]
+        # a second server on the same socket stops at once, saying why
+        done = subprocess.run([sys.executable, "-m", "llmserve.cli", "run", str(tiny_model), "--uds", path],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and f"another server listens on {path}" in done.stderr, done.stderr
+        assert "engine ready" not in done.stderr
+    finally:
+        server.stop()
+    assert not os.path.exists(path), "the socket file is removed at exit"

@@ -201,7 +201,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
                    "--enable-chunked-prefill", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
                    "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4",
                    "--disable-frontend-multiprocessing", "--guided-decoding-backend", "xgrammar",
-                   "--tokenizer-mode", "auto"], [
+                   "--tokenizer-mode", "auto", "--response-role", "assistant", "--log-error-stack"], [
         "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device",
         "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype",
         "--disable-log-stats has no effect: nothing is logged periodically",
@@ -213,7 +213,12 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
                                                  "--disable-frontend-multiprocessing",
                                                  "--guided-decoding-backend")),
         "--tokenizer-mode auto has no effect: the model's own tokenizer.json runs in HF tokenizers",
+        "--response-role assistant has no effect: an answer's role is always OpenAI's `assistant`",
+        "--log-error-stack has no effect: an unexpected error (a 500) is always logged with its stack",
     ])
+    # served: a Unix socket, and request ids on every response
+    assert (_config([]).server.uds, _config(["--uds", "/tmp/s.sock"]).server.uds) == (None, "/tmp/s.sock")
+    assert _config(["--enable-request-id-headers"]).server.enable_request_id_headers is True
     # vLLM's request logging: off by default, --disable-log-requests its older "off"
     assert (_config([]).server.enable_log_requests, _config([]).server.max_log_len) == (False, None)
     logged = _config(["--enable-log-requests", "--max-log-len", "100"]).server
@@ -241,6 +246,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--load-format", "safetensors"], "--load-format is vLLM's: the weights are read in the format of the model's"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode is vLLM's: the model's own tokenizer.json"),
+    (["--response-role", "user"], "--response-role is vLLM's: an answer's role is always OpenAI's `assistant`"),
+    (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin is vLLM's: the tool-call parsers are built in"),
+    (["--disable-sliding-window"], "--disable-sliding-window is vLLM's: sliding-window layers attend over"),
+    (["--enable-log-outputs"], "--enable-log-outputs is vLLM's: --enable-log-requests logs what a request asks"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
     (["--ssl-certfile", "missing.pem"], "--ssl-certfile 'missing.pem' is not a file"),
     (["--ssl-certfile", "/dev", "--ssl-cert-reqs", "3"], "--ssl-cert-reqs must be one of 0, 1, 2; got 3"),

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import ssl
+import stat
 import threading
 import time
 
@@ -34,8 +35,8 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
-from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, anthropic_route, error_body,
-                                       error_request_id, route_path)
+from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, anthropic_route,
+                                        error_body, error_request_id, route_path)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
@@ -183,6 +184,9 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                            allow_headers=list(server.allowed_headers or ("*",)),
                            allow_credentials=server.allow_credentials,
                            expose_headers=EXPOSED_HEADERS, max_age=600)
+    if config.server.enable_request_id_headers:
+        # (outside the key check and CORS: their own answers get the header too)
+        app.add_middleware(RequestIdMiddleware)
     if config.server.access_log:
         app.add_middleware(AccessLogMiddleware)
     return app
@@ -363,6 +367,31 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _listen_unix(path: str) -> socket.socket:
+    """A Unix domain socket bound at `path` (uvicorn starts listening on it), mode 0666 as
+    uvicorn's own --uds makes it. A socket file nobody listens on (a server that was killed)
+    is replaced; one that answers, or a path that is not a socket, is an error."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)        # stale: nothing listens there
+            else:
+                raise OSError(f"another server listens on {path}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o666)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def _loopback(host: str) -> bool:
     """Whether `host` (an address or name this server bound) is this machine's loopback only."""
     try:
@@ -376,7 +405,7 @@ def serve(config: Config) -> int:
     status: 0 after a normal stop, STARTUP_FAILURE if the address could not be bound or the
     model failed to load. SIGINT and SIGTERM stay ignored once it returns: the process is
     meant to exit."""
-    host, port = config.server.host, config.server.port
+    host, port, uds = config.server.host, config.server.port, config.server.uds
     tls = _tls_options(config.server)
     if tls is None:
         return STARTUP_FAILURE
@@ -384,14 +413,17 @@ def serve(config: Config) -> int:
     # model (uvicorn binds only after the lifespan has started the load, and the process
     # would then wait for the loading thread before it could exit).
     try:
-        sock = _listen(host, port)
+        sock = _listen_unix(uds) if uds else _listen(host, port)
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        log.error("cannot listen on %s: %s", uds or f"{host}:{port}", exc)
         return STARTUP_FAILURE
     app = create_app(config)
     app.state.stop_timeout = ENGINE_STOP_TIMEOUT_S
-    log.info("listening on %s://%s:%d (OpenAI API under /v1)", "https" if tls else "http", host,
-             sock.getsockname()[1])
+    scheme = "https" if tls else "http"
+    if uds:
+        log.info("listening on %s over the Unix socket %s (OpenAI API under /v1)", scheme, uds)
+    else:
+        log.info("listening on %s://%s:%d (OpenAI API under /v1)", scheme, host, sock.getsockname()[1])
     if config.server.admin_api_key:
         log.info("admin routes (POST /reset_prefix_cache) mounted behind their own keys (%d)",
                  len(config.server.admin_api_key))
@@ -401,11 +433,11 @@ def serve(config: Config) -> int:
         if not all(key.isascii() for key in config.server.api_key):
             log.warning("an API key holds non-ASCII characters: most clients (the openai SDK, httpx, "
                         "browsers) cannot send it in a header")
-    elif not _loopback(host):
+    elif not uds and not _loopback(host):
         log.warning("no API key (--api-key or LLMSERVE_API_KEY): anyone who reaches %s:%d can use the model",
                     host, sock.getsockname()[1])
     else:
-        log.info("no API key: requests are not authenticated (only this machine can reach %s)", host)
+        log.info("no API key: requests are not authenticated (only this machine can reach %s)", uds or host)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
                                            access_log=False, log_level=config.server.uvicorn_log_level,
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
@@ -415,6 +447,9 @@ def serve(config: Config) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if uds:
+            with contextlib.suppress(OSError):
+                os.unlink(uds)
     code = STARTUP_FAILURE if server.load_failed or not server.started else 0
     if app.state.engine.busy():
         # Stopped while the model loads, or inside a step that outlasted the stop (a long

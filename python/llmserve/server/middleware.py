@@ -1,4 +1,4 @@
-"""Pure-ASGI middleware: API keys and the access log.
+"""Pure-ASGI middleware: API keys, request-id headers and the access log.
 
 Both sit outside Starlette's routing so a rejected request costs one header lookup.
 """
@@ -108,6 +108,30 @@ def _known(token: bytes, keys: list[bytes]) -> bool:
     for key in keys:
         ok |= hmac.compare_digest(token, key)
     return ok
+
+
+class RequestIdMiddleware:
+    """--enable-request-id-headers: every response carries `x-request-id`. Responses that name
+    themselves (generations, by their id; errors) keep theirs; the others get the client's own
+    `X-Request-Id` when it is a plain one, else a fresh id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    sent = _header(scope, b"x-request-id")
+                    headers.append((b"x-request-id", error_request_id(sent).encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
 
 
 class AccessLogMiddleware:
