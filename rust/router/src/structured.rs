@@ -620,6 +620,27 @@ pub(crate) mod tests {
         assert_eq!(g.cached(), 1);
     }
 
+    /// What a "model" that takes the first of `prefer`'s characters its mask allows writes
+    /// (up to `limit` tokens), with or without the grammar's JSON guard; and whether the
+    /// grammar then stopped.
+    fn preferring(grammar: &Grammar, tok: &Tokenizer, prefer: &str, guarded: bool, limit: usize) -> (String, bool) {
+        let prefer: Vec<u32> = prefer.chars().map(|c| tok.encode(&c.to_string(), false)[0]).collect();
+        let (mut m, mut guard) = (grammar.matcher(), grammar.json_guard().expect("a JSON grammar's guard"));
+        let mut text = Vec::new();
+        while !m.is_stopped() && text.len() < limit {
+            let mut bits: Vec<i32> = m.compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
+            if guarded {
+                guard.restrict(&mut bits);
+            }
+            let allowed = |t: u32| bits[t as usize / 32] & (1 << (t % 32)) != 0;
+            let id = *prefer.iter().find(|&&t| allowed(t)).expect("a preferred token");
+            m.consume_token(id).unwrap();
+            guard.push(id);
+            text.extend(tok.token_bytes(id));
+        }
+        (String::from_utf8(text).unwrap(), m.is_stopped())
+    }
+
     #[test]
     fn a_key_guard_keeps_open_keys_distinct() {
         let tok = byte_tokenizer();
@@ -629,23 +650,7 @@ pub(crate) mod tests {
         let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
         // A "model" that takes the first token of these its mask allows: it would write key "a"
         // each time it can.
-        let prefer: Vec<u32> = "\": },1a{".chars().map(|c| tok.encode(&c.to_string(), false)[0]).collect();
-        let walk = |guarded: bool| {
-            let (mut m, mut guard) = (grammar.matcher(), grammar.json_guard().expect("a JSON grammar's guard"));
-            let mut text = Vec::new();
-            while !m.is_stopped() && text.len() < 60 {
-                let mut bits: Vec<i32> = m.compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
-                if guarded {
-                    guard.restrict(&mut bits);
-                }
-                let allowed = |t: u32| bits[t as usize / 32] & (1 << (t % 32)) != 0;
-                let id = *prefer.iter().find(|&&t| allowed(t)).expect("a preferred token");
-                m.consume_token(id).unwrap();
-                guard.push(id);
-                text.extend(tok.token_bytes(id));
-            }
-            String::from_utf8(text).unwrap()
-        };
+        let walk = |guarded: bool| preferring(&grammar, &tok, "\": },1a{", guarded, 60).0;
         assert_eq!(walk(false), "{\"a\": 1, \"a\": 1, \"a\": 1}", "what the grammar alone allows");
         assert_eq!(walk(true), "{\"a\": 1, \"aa\": 1, \"aaa\": 1}");
         // a forced call's arguments too, after the call's markup
@@ -693,23 +698,7 @@ pub(crate) mod tests {
         let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
         // A "model" that takes the first token of these its mask allows: it writes 1s for as
         // long as it may.
-        let prefer: Vec<u32> = "1.e}{\"n: ".chars().map(|c| tok.encode(&c.to_string(), false)[0]).collect();
-        let walk = |guarded: bool| {
-            let (mut m, mut guard) = (grammar.matcher(), grammar.json_guard().expect("a JSON grammar's guard"));
-            let mut text = Vec::new();
-            while !m.is_stopped() && text.len() < 80 {
-                let mut bits: Vec<i32> = m.compute_mask().unwrap().as_slice().iter().map(|&w| w as i32).collect();
-                if guarded {
-                    guard.restrict(&mut bits);
-                }
-                let allowed = |t: u32| bits[t as usize / 32] & (1 << (t % 32)) != 0;
-                let id = *prefer.iter().find(|&&t| allowed(t)).expect("a preferred token");
-                m.consume_token(id).unwrap();
-                guard.push(id);
-                text.extend(tok.token_bytes(id));
-            }
-            (String::from_utf8(text).unwrap(), m.is_stopped())
-        };
+        let walk = |guarded: bool| preferring(&grammar, &tok, "1.e}{\"n: ", guarded, 80);
         let (text, stopped) = walk(false);
         assert!(!stopped && text.ends_with("1111"), "the grammar alone: {text}");
         let ones = |n: usize| "1".repeat(n);
