@@ -85,8 +85,6 @@ _VLLM_HINTS = {
     "--disable-sliding-window": "sliding-window layers attend over their window, as the model was trained; "
                                 "to keep every token in reach, set --max-model-len to the window (what "
                                 "vLLM's flag does)",
-    "--enable-log-outputs": "--enable-log-requests logs what a request asks for; its output goes only to the "
-                            "client",
 }
 
 

@@ -461,6 +461,10 @@ class ServerConfig(_Checked):
         False, "Log what each generation request asks for, as vLLM's flag does: its id, prompt text, resolved "
         "sampling parameters, prompt token ids and the model name it asked for (at INFO, logger llmserve.requests). Prompts are "
         "private data: off by default.", off_alias="--disable-log-requests")
+    enable_log_outputs: bool = _f(
+        False, "With --enable-log-requests, also log what each generation answered when it ends (vLLM's flag): "
+        "each choice's text and tool calls, its finish reason and token count (logger llmserve.requests; "
+        "--max-log-len bounds the text).")
     max_log_len: int | None = _f(
         None, "With --enable-log-requests, log at most this many characters of a prompt and this many of its "
         "token ids (vLLM's flag); unset: all.", min=0)
@@ -499,6 +503,8 @@ class ServerConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests (as vLLM's does)")
         if self.ssl_certfile is None and (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs):
             raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (the "
                              "server's certificate)")

@@ -1,7 +1,8 @@
 """vLLM's HTTP flags on `llmserve run`: `--ssl-certfile/--ssl-keyfile` serve the API over HTTPS
 (with the official SDK), and a key that does not make a TLS context stops the server at once,
 before the model loads, saying why; `--root-path` serves behind a proxy that strips it;
-`--enable-log-requests` logs what each request asks for, `--max-log-len` bounding it; `--uds`
+`--enable-log-requests` logs what each request asks for, `--max-log-len` bounding it, and
+`--enable-log-outputs` what it answered; `--uds`
 serves on a Unix socket; `--enable-request-id-headers` names every response."""
 
 from __future__ import annotations
@@ -90,6 +91,29 @@ def test_enable_log_requests_logs_each_prompt_and_its_parameters(tiny_model):
     assert "prompt_token_ids: [5, 6, 7, 8, 9, 10]," in third                   # (6 ids)
     assert 'model: "tiny"' in third
 
+
+
+def test_enable_log_outputs_logs_what_each_generation_answered(tiny_model):
+    server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--enable-log-requests",
+                           "--enable-log-outputs", env={"LLMSERVE_LOG_LEVEL": "INFO"})
+    try:
+        with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=3, n=2, temperature=1, seed=1,
+                                                  extra_body={"request_id": "two", "ignore_eos": True})
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model="tiny", prompt="hello", max_tokens=4, temperature=0, stream=True,
+                extra_body={"request_id": "flow", "ignore_eos": True}) if chunk.choices)
+            client.embeddings.create(model="tiny", input="not a generation")
+        logs = server.logs()
+    finally:
+        server.stop()
+    lines = [line.split("llmserve.requests: ", 1)[1] for line in logs.splitlines() if "Generated response" in line]
+    assert lines == [
+        *(f"Generated response chatcmpl-two-{i}: output: {c.message.content!r}, finish_reason: {c.finish_reason}, "
+          f"completion_tokens: 3" for i, c in enumerate(chat.choices)),
+        f"Generated response cmpl-flow: output: {streamed!r}, finish_reason: length, completion_tokens: 4",
+    ], logs
 
 
 def test_uds_serves_on_a_unix_socket_and_request_id_headers_name_every_response(tiny_model, tmp_path):

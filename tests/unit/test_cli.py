@@ -249,7 +249,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--response-role", "user"], "--response-role is vLLM's: an answer's role is always OpenAI's `assistant`"),
     (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin is vLLM's: the tool-call parsers are built in"),
     (["--disable-sliding-window"], "--disable-sliding-window is vLLM's: sliding-window layers attend over"),
-    (["--enable-log-outputs"], "--enable-log-outputs is vLLM's: --enable-log-requests logs what a request asks"),
+    (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests (as vLLM's does)"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
     (["--ssl-certfile", "missing.pem"], "--ssl-certfile 'missing.pem' is not a file"),
     (["--ssl-certfile", "/dev", "--ssl-cert-reqs", "3"], "--ssl-cert-reqs must be one of 0, 1, 2; got 3"),

@@ -20,6 +20,7 @@ import orjson
 
 from llmserve._core import ApiError, NotFoundError, Prepared, Router
 from llmserve.config import Config
+from llmserve.engine import output_log
 from llmserve.engine.build import Engine, SetupError, build_engine
 from llmserve.engine.loop import EngineThread, hard_exit
 from llmserve.engine.metrics import Metrics
@@ -68,8 +69,11 @@ def _error_message(body) -> str | None:
 class RequestStream:
     """One generation request's output, as an async iterator of wire-ready bytes."""
 
-    def __init__(self, engine: AsyncEngine, prepared, anthropic: bool = False) -> None:
+    def __init__(self, engine: AsyncEngine, prepared, anthropic: bool = False, log_outputs: str | None = None) -> None:
         self._engine = engine
+        # --enable-log-outputs: the request's endpoint, and everything it sent (read back at its end)
+        self._log_endpoint = log_outputs
+        self._sent = bytearray() if log_outputs else None
         # An Anthropic Messages request: its errors take Anthropic's shape.
         self.anthropic = anthropic
         self.id: str = prepared.id
@@ -128,9 +132,16 @@ class RequestStream:
             data = self._engine.internal_error(_error_message(data))
         if data:  # NOTE: steps that produced no bytes (held-back text, non-streamed) wake nobody
             self._put(data)
+            if self._sent is not None and isinstance(data, (bytes, bytearray)):
+                self._sent += data
         if finished:
             self.finished = True
             self._put(_END)
+            if self._sent is not None and not error:
+                for line in output_log.log_lines(self.id, self._log_endpoint, self.stream, bytes(self._sent), ends,
+                                                 self._engine.config.server.max_log_len):
+                    request_log.info(line)
+            self._sent = None
             self._engine._finished(self, "error" if error else finished, None if error else ends)
 
     def _put(self, item) -> None:
@@ -448,7 +459,8 @@ class AsyncEngine:
         if server.enable_log_requests:
             for line in prepared.log_lines(server.max_log_len):
                 request_log.info(line)
-        stream = RequestStream(self, prepared, anthropic=endpoint == "messages")
+        logged = server.enable_log_outputs and endpoint not in EMBEDDING
+        stream = RequestStream(self, prepared, anthropic=endpoint == "messages", log_outputs=endpoint if logged else None)
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream

@@ -70,8 +70,9 @@ Message = dict[str, Any]
 
 # Options of the server alone: offline calls run on the caller's thread, with no HTTP, no queue
 # limit and no step planned ahead.
-SERVER_ONLY = ("host", "port", "api_key", "max_body_bytes", "sse_keep_alive", "access_log", "allowed_origins",
-               "max_waiting", "async_scheduling", "enable_log_requests", "max_log_len")
+SERVER_ONLY = ("host", "port", "uds", "api_key", "max_body_bytes", "sse_keep_alive", "access_log", "allowed_origins",
+               "max_waiting", "async_scheduling", "enable_log_requests", "enable_log_outputs", "max_log_len",
+               "enable_request_id_headers")
 
 
 class LLM:

@@ -1,0 +1,74 @@
+"""--enable-log-outputs reads each choice's output back from the bytes a request sent
+(engine/output_log.py): a non-streamed body, or a stream's frames, of every generating route."""
+
+from __future__ import annotations
+
+import json
+
+from llmserve.engine.output_log import answers, log_lines
+
+
+def _sse(*events, event_names: bool = False) -> bytes:
+    frames = []
+    for e in events:
+        head = f"event: {e['type']}\n" if event_names else ""
+        frames.append(f"{head}data: {json.dumps(e)}\n\n")
+    return "".join(frames).encode() + (b"data: [DONE]\n\n" if not event_names else b"")
+
+
+def _seen(found):
+    return [(a.text, list(map(tuple, a.calls.values()))) for a in found]
+
+
+def test_chat_bodies_and_streams_give_each_choice_its_text_and_calls():
+    body = {"choices": [
+        {"index": 1, "message": {"content": "second"}},
+        {"index": 0, "message": {"content": None, "tool_calls": [
+            {"function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
+    assert _seen(answers("chat", False, json.dumps(body).encode())) == [("", [("f", '{"a": 1}')]), ("second", [])]
+    stream = _sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}}, {"index": 1, "delta": {"tool_calls": [
+            {"index": 0, "id": "c", "function": {"name": "f", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}}, {"index": 1, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": "{\"a\""}}]}}]},
+        {"choices": [{"index": 1, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
+        {"choices": [], "usage": {"completion_tokens": 5}})
+    assert _seen(answers("chat", True, stream)) == [("Hello", []), ("", [("f", '{"a": 1}')])]
+
+
+def test_completions_responses_and_messages():
+    assert _seen(answers("completion", True, _sse({"choices": [{"index": 0, "text": "a"}]},
+                                                  {"choices": [{"index": 0, "text": "b"}]}))) == [("ab", [])]
+    response = {"output": [{"type": "reasoning", "content": []},
+                           {"type": "message", "content": [{"type": "output_text", "text": "Hi"}]},
+                           {"type": "function_call", "name": "f", "arguments": "{}"}]}
+    assert _seen(answers("responses", False, json.dumps(response).encode())) == [("Hi", [("f", "{}")])]
+    stream = _sse({"type": "response.created", "response": {"output": []}},
+                  {"type": "response.output_text.delta", "delta": "H"},
+                  {"type": "response.incomplete", "response": response}, event_names=True)
+    assert _seen(answers("responses", True, stream)) == [("Hi", [("f", "{}")])]
+    message = {"content": [{"type": "text", "text": "Sure"}, {"type": "tool_use", "name": "w", "input": {"c": "P"}}]}
+    assert _seen(answers("messages", False, json.dumps(message).encode())) == [("Sure", [("w", '{"c":"P"}')])]
+    stream = _sse({"type": "message_start", "message": {}},
+                  {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Su"}},
+                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "re"}},
+                  {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "name": "w"}},
+                  {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta",
+                                                                        "partial_json": "{\"c\": "}},
+                  {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta",
+                                                                        "partial_json": "\"P\"}"}},
+                  {"type": "message_stop"}, event_names=True)
+    assert _seen(answers("messages", True, stream)) == [("Sure", [("w", '{"c": "P"}')])]
+
+
+def test_lines_name_each_choice_and_bound_the_text():
+    body = {"choices": [{"index": 0, "text": "abcdef"}, {"index": 1, "text": "xyz"}]}
+    lines = log_lines("cmpl-1", "completion", False, json.dumps(body).encode(), [("length", 6), ("stop", 2)], 4)
+    assert lines == ["Generated response cmpl-1-0: output: 'abcd', finish_reason: length, completion_tokens: 6",
+                     "Generated response cmpl-1-1: output: 'xyz', finish_reason: stop, completion_tokens: 2"]
+    one = log_lines("cmpl-2", "completion", False, json.dumps({"choices": [{"index": 0, "text": "q"}]}).encode(),
+                    [("stop", 1)], None)
+    assert one == ["Generated response cmpl-2: output: 'q', finish_reason: stop, completion_tokens: 1"]
+    assert log_lines("x", "chat", False, b"not json", None, None) == []
