@@ -20,14 +20,20 @@ def _seen(found):
     return [(a.text, list(map(tuple, a.calls.values()))) for a in found]
 
 
+def _thought(found):
+    return [a.reasoning for a in found]
+
+
 def test_chat_bodies_and_streams_give_each_choice_its_text_and_calls():
     body = {"choices": [
-        {"index": 1, "message": {"content": "second"}},
+        {"index": 1, "message": {"content": "second", "reasoning_content": "hm"}},
         {"index": 0, "message": {"content": None, "tool_calls": [
             {"function": {"name": "f", "arguments": "{\"a\": 1}"}}]}}]}
     assert _seen(answers("chat", False, json.dumps(body).encode())) == [("", [("f", '{"a": 1}')]), ("second", [])]
+    assert _thought(answers("chat", False, json.dumps(body).encode())) == ["", "hm"]
     stream = _sse(
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "so"}}]},
         {"choices": [{"index": 0, "delta": {"content": "Hel"}}, {"index": 1, "delta": {"tool_calls": [
             {"index": 0, "id": "c", "function": {"name": "f", "arguments": ""}}]}}]},
         {"choices": [{"index": 0, "delta": {"content": "lo"}}, {"index": 1, "delta": {"tool_calls": [
@@ -35,32 +41,38 @@ def test_chat_bodies_and_streams_give_each_choice_its_text_and_calls():
         {"choices": [{"index": 1, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
         {"choices": [], "usage": {"completion_tokens": 5}})
     assert _seen(answers("chat", True, stream)) == [("Hello", []), ("", [("f", '{"a": 1}')])]
+    assert _thought(answers("chat", True, stream)) == ["so", ""]
 
 
 def test_completions_responses_and_messages():
     assert _seen(answers("completion", True, _sse({"choices": [{"index": 0, "text": "a"}]},
                                                   {"choices": [{"index": 0, "text": "b"}]}))) == [("ab", [])]
-    response = {"output": [{"type": "reasoning", "content": []},
+    response = {"output": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "think"}]},
                            {"type": "message", "content": [{"type": "output_text", "text": "Hi"}]},
                            {"type": "function_call", "name": "f", "arguments": "{}"}]}
     assert _seen(answers("responses", False, json.dumps(response).encode())) == [("Hi", [("f", "{}")])]
+    assert _thought(answers("responses", False, json.dumps(response).encode())) == ["think"]
     stream = _sse({"type": "response.created", "response": {"output": []}},
                   {"type": "response.output_text.delta", "delta": "H"},
                   {"type": "response.incomplete", "response": response}, event_names=True)
     assert _seen(answers("responses", True, stream)) == [("Hi", [("f", "{}")])]
-    message = {"content": [{"type": "text", "text": "Sure"}, {"type": "tool_use", "name": "w", "input": {"c": "P"}}]}
+    message = {"content": [{"type": "thinking", "thinking": "t", "signature": ""}, {"type": "text", "text": "Sure"}, {"type": "tool_use", "name": "w", "input": {"c": "P"}}]}
     assert _seen(answers("messages", False, json.dumps(message).encode())) == [("Sure", [("w", '{"c":"P"}')])]
+    assert _thought(answers("messages", False, json.dumps(message).encode())) == ["t"]
     stream = _sse({"type": "message_start", "message": {}},
-                  {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Su"}},
-                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "re"}},
-                  {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "name": "w"}},
-                  {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta",
+                  {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}},
+                  {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "t"}},
+                  {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+                  {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Su"}},
+                  {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "re"}},
+                  {"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "name": "w"}},
+                  {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta",
                                                                         "partial_json": "{\"c\": "}},
-                  {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta",
+                  {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta",
                                                                         "partial_json": "\"P\"}"}},
                   {"type": "message_stop"}, event_names=True)
     assert _seen(answers("messages", True, stream)) == [("Sure", [("w", '{"c": "P"}')])]
+    assert _thought(answers("messages", True, stream)) == ["t"]
 
 
 def test_lines_name_each_choice_and_bound_the_text():
@@ -72,3 +84,6 @@ def test_lines_name_each_choice_and_bound_the_text():
                     [("stop", 1)], None)
     assert one == ["Generated response cmpl-2: output: 'q', finish_reason: stop, completion_tokens: 1"]
     assert log_lines("x", "chat", False, b"not json", None, None) == []
+    thought = {"choices": [{"index": 0, "message": {"content": "yes", "reasoning_content": "abcdef"}}]}
+    assert log_lines("c", "chat", False, json.dumps(thought).encode(), [("stop", 9)], 3) == [
+        "Generated response c: reasoning: 'abc', output: 'yes', finish_reason: stop, completion_tokens: 9"]

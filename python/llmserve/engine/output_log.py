@@ -13,10 +13,12 @@ _RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed"
 
 
 class Answer:
-    """One choice's output: its text and its tool calls (`name(arguments)`)."""
+    """One choice's output: its text, a reasoning model's thinking, and its tool calls
+    (`name(arguments)`)."""
 
     def __init__(self) -> None:
         self.text = ""
+        self.reasoning = ""
         self.calls: dict[int, list[str]] = {}     # call index -> [name, arguments]
 
     def call(self, index: int, name: str | None = None, arguments: str | None = None) -> None:
@@ -25,8 +27,10 @@ class Answer:
         parts[1] += arguments or ""
 
     def describe(self, max_len: int | None) -> str:
-        text = self.text if max_len is None else self.text[:max_len]
-        line = f"output: {text!r}"
+        def cut(text: str) -> str:
+            return text if max_len is None else text[:max_len]
+        line = f"reasoning: {cut(self.reasoning)!r}, " if self.reasoning else ""
+        line += f"output: {cut(self.text)!r}"
         if self.calls:
             line += ", tool_calls: [" + ", ".join(f"{n}({a})" for n, a in self.calls.values()) + "]"
         return line
@@ -56,6 +60,7 @@ def answers(endpoint: str, streamed: bool, sent: bytes) -> list[Answer]:
                     continue
                 delta = choice.get("delta") or {}
                 answer.text += delta.get("content") or ""
+                answer.reasoning += delta.get("reasoning_content") or ""
                 for call in delta.get("tool_calls") or ():
                     function = call.get("function") or {}
                     answer.call(call.get("index", 0), function.get("name"), function.get("arguments"))
@@ -85,6 +90,8 @@ def _message_event(answer: Answer, event: dict) -> None:
         delta = event.get("delta") or {}
         if delta.get("type") == "text_delta":
             answer.text += delta.get("text") or ""
+        elif delta.get("type") == "thinking_delta":
+            answer.reasoning += delta.get("thinking") or ""
         elif delta.get("type") == "input_json_delta":
             answer.call(index, arguments=delta.get("partial_json"))
 
@@ -100,6 +107,7 @@ def _from_body(endpoint: str, body: dict) -> list[Answer]:
             else:
                 message = choice.get("message") or {}
                 answer.text = message.get("content") or ""
+                answer.reasoning = message.get("reasoning_content") or ""
                 for i, call in enumerate(message.get("tool_calls") or ()):
                     function = call.get("function") or {}
                     answer.call(i, function.get("name"), function.get("arguments"))
@@ -108,15 +116,20 @@ def _from_body(endpoint: str, body: dict) -> list[Answer]:
     answer = Answer()
     if endpoint == "responses":
         for item in body.get("output") or ():
-            if item.get("type") == "message":
-                answer.text += "".join(part.get("text") or "" for part in item.get("content") or ()
-                                       if part.get("type") == "output_text")
+            if item.get("type") in ("message", "reasoning"):
+                for part in item.get("content") or ():
+                    if part.get("type") == "output_text":
+                        answer.text += part.get("text") or ""
+                    elif part.get("type") == "reasoning_text":
+                        answer.reasoning += part.get("text") or ""
             elif item.get("type") == "function_call":
                 answer.call(len(answer.calls), item.get("name"), item.get("arguments"))
     else:   # messages
         for block in body.get("content") or ():
             if block.get("type") == "text":
                 answer.text += block.get("text") or ""
+            elif block.get("type") == "thinking":
+                answer.reasoning += block.get("thinking") or ""
             elif block.get("type") == "tool_use":
                 answer.call(len(answer.calls), block.get("name"), orjson.dumps(block.get("input")).decode())
     return [answer]
