@@ -1,11 +1,19 @@
-"""Nothing a client sends may crash the engine loop or leak KV blocks (the README's promise).
+"""Nothing a client sends may crash the engine loop or leak KV blocks (the README's promise),
+and constrained output follows whatever schema it is given.
 
 Valid requests of every route, each changed once or twice at random (a field dropped, replaced
 by a value of another type or an edge of its range, an element duplicated, a stray key added),
 or sent valid with some of its options, streamed or not, against the tiny model's server. Every answer must be a 2xx or a 4xx in the
 route's error shape, never a 5xx or an error frame in a 200 stream, and afterwards the server
-must be alive with nothing running and no KV block held. The seed fixes the requests, so a
-failure reproduces."""
+must be alive with nothing running and no KV block held.
+
+Random JSON schemas (objects of strings with lengths, patterns and formats, bounded and open
+numbers, enums, consts, arrays, unions, local refs, closed and open objects), as
+`response_format` and as forced tools' `parameters`: every answer that ends `stop` (or
+`tool_calls`) must validate against its schema by `jsonschema`, an independent reference. The
+tiny random model writes whatever the grammar lets through, which is what this checks.
+
+The seeds fix the requests, so a failure reproduces."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import json
 import random
 import time
 
+import jsonschema
 import pytest
 
 SEEDS = [11, 12]
@@ -156,3 +165,154 @@ def test_mutated_requests_get_answers_and_leave_nothing_behind(tiny_server, seed
                 break
             time.sleep(0.1)
     assert (load["running"], load["waiting"], load["kv_blocks_used"]) == (0, 0, 0), load
+
+
+def _leaf(rng: random.Random, depth: int) -> dict:
+    kinds = ["string", "integer", "number", "boolean", "null", "enum", "const", "array", "object", "anyOf", "ref"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:6])
+    if kind == "string":
+        r = rng.random()
+        if r < 0.3:
+            top = rng.randint(0, 8)
+            return {"type": "string", "minLength": rng.randint(0, top), "maxLength": top}
+        if r < 0.5:
+            return {"type": "string", "pattern": rng.choice(["^[a-z]{1,5}$", "^[0-9]{3}-[0-9]{2}$", "^(yes|no)$"])}
+        if r < 0.6:
+            return {"type": "string", "format": rng.choice(["date", "email", "uuid"])}
+        return {"type": "string", "maxLength": 6}
+    if kind == "integer":
+        s = {"type": "integer"}
+        if rng.random() < 0.5:
+            s["minimum"] = rng.randint(-100, 100)
+            s["maximum"] = s["minimum"] + rng.randint(0, 1000)
+        if rng.random() < 0.2:
+            s["multipleOf"] = rng.choice([2, 5, 10])
+        return s
+    if kind == "number":
+        s = {"type": "number"}
+        if rng.random() < 0.4:
+            s["minimum"] = round(rng.uniform(-10, 10), 3)
+            s["maximum"] = s["minimum"] + round(rng.uniform(0, 100), 3)
+        return s
+    if kind in ("boolean", "null"):
+        return {"type": kind}
+    if kind == "enum":
+        return {"enum": rng.sample(["a", "b", 1, 2.5, None, True, "x y"], rng.randint(1, 4))}
+    if kind == "const":
+        return {"const": rng.choice(["k", 7, False, None, [1, 2], {"z": 1}])}
+    if kind == "array":
+        top = rng.randint(0, 4)
+        return {"type": "array", "items": _leaf(rng, depth + 1), "minItems": rng.randint(0, top), "maxItems": top}
+    if kind == "anyOf":
+        return {"anyOf": [_leaf(rng, depth + 1) for _ in range(rng.randint(1, 3))]}
+    if kind == "ref":
+        return {"$ref": "#/$defs/D"}
+    return _object(rng, depth + 1)
+
+
+def _object(rng: random.Random, depth: int) -> dict:
+    props = {f"k{i}": _leaf(rng, depth) for i in range(rng.randint(0, 4))}
+    schema = {"type": "object", "properties": props}
+    if props and rng.random() < 0.8:
+        schema["required"] = rng.sample(list(props), rng.randint(0, len(props)))
+    r = rng.random()
+    if r < 0.5:
+        schema["additionalProperties"] = False
+    elif r < 0.6:
+        schema["additionalProperties"] = {"type": "integer"}
+    return schema
+
+
+def _schema(rng: random.Random) -> dict:
+    schema = _object(rng, 0)
+    schema["$defs"] = {"D": {"type": "object", "properties": {"q": {"type": "integer", "minimum": 0, "maximum": 9}},
+                             "required": ["q"], "additionalProperties": False}}
+    return schema
+
+
+def _follows(value_text: str, schema: dict) -> str | None:
+    """Why `value_text` is not JSON that `schema` accepts, or None."""
+    try:
+        jsonschema.validate(json.loads(value_text), schema, format_checker=jsonschema.FormatChecker())
+    except (ValueError, jsonschema.ValidationError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_random_schemas_are_followed(tiny_server, seed):
+    rng = random.Random(seed)
+    problems, ended = [], 0
+    with tiny_server.http(timeout=120) as http:
+        for i in range(60):
+            schema = _schema(rng)
+            r = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Fill the JSON."}], "max_tokens": 160,
+                "temperature": 1, "seed": i,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+            if r.status_code == 400:     # (a keyword the grammar engine cannot enforce)
+                assert r.json()["error"]["param"].startswith("response_format"), r.text
+                continue
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            if choice["finish_reason"] == "stop":
+                ended += 1
+                if why := _follows(choice["message"]["content"], schema):
+                    problems.append(f"{json.dumps(schema)} -> {choice['message']['content']}: {why}")
+    assert not problems, "\n".join(problems[:5])
+    assert ended >= 30, f"only {ended} answers ended: too few to check"
+
+
+@pytest.mark.parametrize("seed", [31, 32])
+def test_random_tool_parameters_are_followed(tiny_server, seed):
+    """Forced calls among 1 to 3 tools of random `parameters`, streamed or not: each call's
+    arguments validate against its own tool's schema, and `parallel_tool_calls: false` gives one."""
+    rng = random.Random(seed)
+    problems, ended = [], 0
+    with tiny_server.http(timeout=120) as http:
+        for i in range(40):
+            tools = [{"type": "function", "function": {"name": f"t{j}", "parameters": _schema(rng)}}
+                     for j in range(rng.randint(1, 3))]
+            parallel, stream = rng.random() < 0.5, rng.random() < 0.4
+            choice = rng.choice(["required", {"type": "function", "function": {"name": "t0"}}])
+            r = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Call a tool."}], "max_tokens": 200,
+                "temperature": 1, "seed": i, "tools": tools, "tool_choice": choice,
+                "parallel_tool_calls": parallel, "stream": stream})
+            if r.status_code == 400:
+                assert r.json()["error"]["param"].startswith("tools["), r.text
+                continue
+            assert r.status_code == 200, r.text
+            calls, finish = _calls(r.text) if stream else _calls_of(r.json()["choices"][0])
+            if finish not in ("stop", "tool_calls"):
+                continue
+            ended += 1
+            if not calls or (not parallel and len(calls) > 1):
+                problems.append(f"{len(calls)} calls, parallel_tool_calls {parallel}")
+            for name, arguments in calls:
+                schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+                if why := _follows(arguments, schema):
+                    problems.append(f"{json.dumps(schema)} -> {arguments}: {why}")
+    assert not problems, "\n".join(problems[:5])
+    assert ended >= 20, f"only {ended} answers ended: too few to check"
+
+
+def _calls_of(choice: dict) -> tuple[list[tuple[str, str]], str]:
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls") or ()]
+    return calls, choice["finish_reason"]
+
+
+def _calls(sse: str) -> tuple[list[tuple[str, str]], str | None]:
+    """A streamed choice's calls, joined from their pieces, and its finish reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for line in sse.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:]).get("choices", ()):
+            finish = choice.get("finish_reason") or finish
+            for piece in (choice.get("delta") or {}).get("tool_calls") or ():
+                call = calls.setdefault(piece["index"], ["", ""])
+                call[0] += (piece.get("function") or {}).get("name") or ""
+                call[1] += (piece.get("function") or {}).get("arguments") or ""
+    return [tuple(calls[i]) for i in sorted(calls)], finish
