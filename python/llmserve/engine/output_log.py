@@ -9,7 +9,7 @@ from __future__ import annotations
 import orjson
 
 # A stream's last Responses event, which holds the whole response.
-_RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+_RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 
 class Answer:
@@ -61,10 +61,16 @@ def answers(endpoint: str, streamed: bool, sent: bytes) -> list[Answer]:
                 delta = choice.get("delta") or {}
                 answer.text += delta.get("content") or ""
                 answer.reasoning += delta.get("reasoning_content") or ""
-                for call in delta.get("tool_calls") or ():
-                    function = call.get("function") or {}
-                    answer.call(call.get("index", 0), function.get("name"), function.get("arguments"))
+                _chat_calls(answer, delta.get("tool_calls"))
     return [found[i] for i in sorted(found)]
+
+
+def _chat_calls(answer: Answer, calls: list | None) -> None:
+    """Chat's `tool_calls` (a message's whole calls, or a delta's pieces, which name their
+    call's `index`) into `answer`."""
+    for i, call in enumerate(calls or ()):
+        function = call.get("function") or {}
+        answer.call(call.get("index", i), function.get("name"), function.get("arguments"))
 
 
 def _events(sent: bytes):
@@ -108,9 +114,7 @@ def _from_body(endpoint: str, body: dict) -> list[Answer]:
                 message = choice.get("message") or {}
                 answer.text = message.get("content") or ""
                 answer.reasoning = message.get("reasoning_content") or ""
-                for i, call in enumerate(message.get("tool_calls") or ()):
-                    function = call.get("function") or {}
-                    answer.call(i, function.get("name"), function.get("arguments"))
+                _chat_calls(answer, message.get("tool_calls"))
             out.append(answer)
         return out
     answer = Answer()
