@@ -24,7 +24,7 @@ import functools
 import time
 
 from llmserve import LLM
-from llmserve.engine import loop, offline
+from llmserve.engine import loop
 from llmserve.models import cpu_decoder, llama
 from llmserve.worker import attention, runner, sampler
 
@@ -64,7 +64,7 @@ def main() -> None:
     timed(sampler.SamplingBatch, "from_plan", "sampling_batch")
     timed(sampler.Sampler, "sample_on_device", "sample")
     timed(loop, "commit", "commit")
-    timed(offline, "step", "step")
+    timed(loop, "step", "step")
 
     llm = LLM(args.model, threads=args.threads)
     params = {"max_tokens": args.tokens, "ignore_eos": True, "temperature": 0}
