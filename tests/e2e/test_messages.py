@@ -354,3 +354,24 @@ def test_thinking_is_a_thinking_block(think):
         assert [b.type for b in off.content if b.type == "thinking"] == []
         assert "".join(b.text for b in off.content if b.type == "text") == (plain.choices[0].message.content or "")
         assert _input(off.usage) == plain.usage.prompt_tokens
+
+
+def test_thinking_budget_tokens_bounds_the_thinking(think):
+    # as chat's thinking_token_budget: the block is closed for the model once it is spent (the
+    # bias keeps this random model from closing it itself)
+    close = str(httpx.post(think.url + "/tokenize", json={"model": "tiny", "prompt": "</think>"}).json()["tokens"][0])
+    ask = [{"role": "user", "content": "Hello"}]
+    sampling = {"temperature": 0, "ignore_eos": True, "logit_bias": {close: -100}}
+    with _client(think) as client, OpenAI(base_url=think.url + "/v1", api_key="x") as oai:
+        chat = oai.chat.completions.create(model="tiny", messages=ask, max_completion_tokens=12,
+                                           extra_body={**sampling, "thinking_token_budget": 5})
+        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=12, messages=ask,
+                                                       thinking={"type": "enabled", "budget_tokens": 5},
+                                                       extra_body=sampling)
+        assert "llmserve-ignored-fields" not in raw.headers
+        m = raw.parse()
+        msg = chat.choices[0].message
+        assert chat.usage.completion_tokens_details.reasoning_tokens == 5
+        assert m.usage.output_tokens_details.thinking_tokens == 5
+        assert [b.thinking for b in m.content if b.type == "thinking"] == [msg.reasoning_content]
+        assert "".join(b.text for b in m.content if b.type == "text") == msg.content != ""

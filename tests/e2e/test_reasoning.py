@@ -192,3 +192,73 @@ def test_grammar_applies_after_the_reasoning(think_server, thinking):
         reasoning, content, _ = _stream(think_server, body)
         assert (reasoning or None, content) == (msg["reasoning_content"], msg["content"])
     assert thought == thinking
+
+
+def _ids(server, text):
+    return _post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+
+
+def test_thinking_token_budget_closes_the_block(think_server):
+    # The bias keeps the random model from ever closing the block itself.
+    close = think_server.close_id
+    body = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(close): -100}, "return_token_ids": True}
+    free = _post(think_server, "/v1/chat/completions", body).json()
+    assert close not in free["choices"][0]["token_ids"]
+    r = _post(think_server, "/v1/chat/completions", {**body, "thinking_token_budget": 4})
+    assert "llmserve-ignored-fields" not in r.headers
+    bounded = r.json()
+    choice, usage = bounded["choices"][0], bounded["usage"]
+    # four tokens of thought (the unbounded run's first four), then `</think>`, then the answer
+    ids = choice["token_ids"]
+    assert ids[:4] == free["choices"][0]["token_ids"][:4] and ids[4] == close and close not in ids[5:]
+    assert usage["completion_tokens"] == 10 and usage["completion_tokens_details"] == {"reasoning_tokens": 4}
+    msg = choice["message"]
+    assert _ids(think_server, msg["reasoning_content"]) == ids[:4]
+    assert msg["content"]
+    reasoning, content, streamed_usage = _stream(think_server, {**body, "thinking_token_budget": 4})
+    assert (reasoning, content) == (msg["reasoning_content"], msg["content"])
+    assert streamed_usage["completion_tokens_details"] == {"reasoning_tokens": 4}
+    # 0: the block closes at once
+    zero = _post(think_server, "/v1/chat/completions", {**body, "thinking_token_budget": 0}).json()
+    assert zero["choices"][0]["token_ids"][0] == close
+    assert zero["choices"][0]["message"]["reasoning_content"] is None
+    assert zero["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    # a budget the thinking never reaches changes nothing
+    roomy = _post(think_server, "/v1/chat/completions", {**body, "thinking_token_budget": 10}).json()
+    assert roomy["choices"] == free["choices"]
+    # each sampled choice has its own budget
+    sampled = {**body, "n": 3, "temperature": 1.0, "seed": 7, "thinking_token_budget": 2}
+    r = _post(think_server, "/v1/chat/completions", sampled).json()
+    assert [c["token_ids"][2] for c in r["choices"]] == [close] * 3
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
+
+
+def test_thinking_token_budget_with_a_grammar_and_a_step_planned_ahead(think_server, tmp_path):
+    # The forced `</think>` is one the thinking's grammar allows, and the answer after it must
+    # still validate. With --async-scheduling the next step is planned before this one's token
+    # is known: a step that may be forced must wait for it, so the tokens are the same.
+    close = think_server.close_id
+    bodies = [{"messages": MESSAGES, "max_tokens": 64, "temperature": t, "seed": 3, "thinking_token_budget": b,
+               "logit_bias": {str(close): -100}, "return_token_ids": True,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+              for t, b in [(0, 3), (1.0, 5), (1.0, 0)]]
+    bodies.append({"messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 2,
+                   "thinking_token_budget": 1, "logit_bias": {str(close): -100}, "return_token_ids": True})
+    answers = [_post(think_server, "/v1/chat/completions", b).json() for b in bodies]
+    for body, r in zip(bodies, answers):
+        budget = body["thinking_token_budget"]
+        for c in r["choices"]:
+            assert c["token_ids"][budget] == close, c
+        if "response_format" in body:
+            c = r["choices"][0]
+            assert c["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
+            assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": budget}
+    ahead = ServerProcess(str(think_server.model), "--served-model-name", "tiny", "--num-kv-blocks", "100",
+                          "--async-scheduling", "on")
+    try:
+        for body, r in zip(bodies, answers):
+            assert _post(ahead, "/v1/chat/completions", body).json()["choices"] == r["choices"]
+    finally:
+        ahead.stop()

@@ -23,6 +23,7 @@ use llmserve_router::detokenizer::{Detokenizer, StopConfig};
 use llmserve_router::json_guard::JsonGuard;
 use llmserve_router::protocol::embeddings::Pooling;
 use llmserve_router::protocol::{Endpoint, Prepared};
+use llmserve_router::reasoning::{ThinkingBudget, CLOSE};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
@@ -86,6 +87,10 @@ struct RequestState {
     guards: Vec<JsonGuard>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
     grammar_key: Option<String>,
+    /// `thinking_token_budget`: one budget per sequence, indexed as `detoks` (each closes its
+    /// sequence's think block once spent, by forcing `</think>` through its row's mask); else
+    /// empty.
+    budgets: Vec<ThinkingBudget>,
     /// `allowed_token_ids`: the packed mask of the only tokens its rows may sample (as
     /// `masks` packs them); it is the same at every step.
     allowed: Option<Vec<i32>>,
@@ -213,7 +218,8 @@ struct PlanState {
     /// Requests whose grammar could not compute a mask for it, with why: the step lets
     /// only EOS through on their rows, and commit fails them.
     mask_failures: Vec<(u64, String)>,
-    /// Some row has a grammar mask: the next plan cannot be made before its tokens are known.
+    /// Some row has a grammar mask, or a thinking budget that may close its block within two
+    /// steps: the next plan cannot be made before its tokens are known.
     masked: bool,
 }
 
@@ -249,6 +255,9 @@ impl CoreState {
         let mut held = Vec::new();
         let mut matchers = Vec::new();
         let mut guards = Vec::new();
+        let mut budgets = Vec::new();
+        let budget = prepared.reasoning.and_then(|r| r.budget.map(|b| (b, r.prompt_opened)));
+        let close: Option<Arc<[u32]>> = budget.map(|_| tokenizer.encode(CLOSE, false).into());
         let mut beams = Vec::new();
         // (`max_tokens: 0` answers with the prompt alone: nothing to search)
         let beam_search = p.beam_search.filter(|_| p.max_tokens != Some(0));
@@ -265,6 +274,9 @@ impl CoreState {
                 if let Some(g) = &prepared.grammar {
                     matchers.push(g.matcher());
                     guards.extend(g.json_guard());
+                }
+                if let (Some((b, opened)), Some(close)) = (budget, &close) {
+                    budgets.push(ThinkingBudget::new(b, close.clone(), opened));
                 }
             }
             let sampling = match beam_search {
@@ -333,6 +345,7 @@ impl CoreState {
                 matchers,
                 guards,
                 grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
+                budgets,
                 allowed: p.allowed_token_ids.as_ref().map(|ids| {
                     let mut bits = vec![0i32; self.mask_vocab.div_ceil(32)];
                     for &t in ids.iter().filter(|&&t| (t as usize) < self.mask_vocab) {
@@ -401,7 +414,7 @@ impl CoreState {
                 }
             }
         }
-        let (masks, mask_failures, grammar_rows) = self.masks(&plan);
+        let (masks, mask_failures, masked) = self.masks(&plan);
         self.inflight.push_back(PlanState {
             reqs: plan.seq_req_ids.clone(),
             prompt_lp: plan
@@ -412,33 +425,44 @@ impl CoreState {
                 .collect(),
             pool: plan.pool_req_ids.clone(),
             mask_failures,
-            masked: grammar_rows,
+            masked,
         });
         Some((plan, masks))
     }
 
-    /// The packed allowed-token masks of the plan's constrained rows (a grammar's, or
-    /// `allowed_token_ids`'): bit `t % 32` of word `t / 32` of a row is set when token `t` may
-    /// be sampled. Also the requests whose matcher could not compute one, with why, and
-    /// whether a grammar masks some row (its next mask needs this step's token).
+    /// The packed allowed-token masks of the plan's constrained rows (a grammar's,
+    /// `allowed_token_ids`', a thinking budget's `</think>`): bit `t % 32` of word `t / 32` of a
+    /// row is set when token `t` may be sampled. Also the requests whose matcher could not
+    /// compute one, with why, and whether the next plan must wait for this one's tokens (a
+    /// grammar's next mask needs them, as may a thinking budget's).
     fn masks(&mut self, plan: &Plan) -> (Masks, Vec<(u64, String)>, bool) {
         let width = self.mask_vocab.div_ceil(32);
         let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
         let mut failures = Vec::new();
-        let mut grammar_rows = false;
+        let mut masked = false;
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
             let d = (prompt_idx * state.seqs_per_prompt + seq) as usize;
+            let budget = state.budgets.get(d);
+            masked |= budget.is_some_and(ThinkingBudget::may_force_soon);
+            let forced = budget.and_then(ThinkingBudget::forced);
             let matcher = state.matchers.get_mut(d);
             let Some(matcher) = matcher else {
-                if let Some(allowed) = &state.allowed {
-                    masks.bits.extend_from_slice(allowed);
+                if state.allowed.is_some() || forced.is_some() {
+                    let start = masks.bits.len();
+                    match &state.allowed {
+                        Some(allowed) => masks.bits.extend_from_slice(allowed),
+                        None => masks.bits.resize(start + width, -1),
+                    }
+                    if let Some(t) = forced {
+                        force(&mut masks.bits[start..], t);
+                    }
                     masks.rows.push(row as i64);
                 }
                 continue;
             };
-            grammar_rows = true;
+            masked = true;
             let start = masks.bits.len();
             masks.bits.resize(start + width, 0);
             let out = &mut masks.bits[start..];
@@ -449,6 +473,9 @@ impl CoreState {
                     }
                     if let Some(guard) = state.guards.get(d) {
                         guard.restrict(out);
+                    }
+                    if let Some(t) = forced {
+                        force(out, t);
                     }
                 }
                 // NOTE: a matcher that cannot compute a mask (a grammar the engine gives up on
@@ -469,7 +496,7 @@ impl CoreState {
             }
             masks.rows.push(row as i64);
         }
-        (masks, failures, grammar_rows)
+        (masks, failures, masked)
     }
 
     /// Hand a plan's prompt logprobs (`entries`, as `PlanState::prompt_lp`) to their
@@ -720,6 +747,10 @@ fn deliver(
     mut finish: Option<FinishReason>,
 ) -> Delivery {
     let d = (prompt_idx * state.seqs_per_prompt + seq) as usize;
+    if let Some(budget) = state.budgets.get_mut(d) {
+        let bytes = if budget.reads_text() { router.tokenizer().token_bytes(id) } else { Vec::new() };
+        budget.push(id, &bytes);
+    }
     let detok = &mut state.detoks[d];
     let text_offset = detok.decoded_len();
     let token = TokenOut { id, logprob, top, text_offset };
@@ -808,6 +839,16 @@ fn deliver(
         Delivery::Ended
     } else {
         Delivery::Going
+    }
+}
+
+/// Narrows a packed mask row to token `t` alone, when it allows `t`; else leaves it as it is
+/// (a grammar or `allowed_token_ids` that keeps `t` out wins over a thinking budget).
+fn force(row: &mut [i32], t: u32) {
+    let (word, bit) = (t as usize / 32, 1i32 << (t % 32));
+    if row.get(word).is_some_and(|w| w & bit != 0) {
+        row.fill(0);
+        row[word] = bit;
     }
 }
 

@@ -13,7 +13,8 @@
 use std::collections::VecDeque;
 
 const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+/// The marker that ends a think block.
+pub const CLOSE: &str = "</think>";
 
 /// `--reasoning-parser` values; None in [`crate::router::RouterConfig`] detects it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
@@ -56,7 +57,7 @@ impl ReasoningParser {
     pub fn plan(configured: Option<Self>, template_source: &str, prompt: &str) -> Option<ReasoningPlan> {
         match configured.unwrap_or_else(|| Self::detect(template_source)) {
             Self::Off => None,
-            parser @ Self::Think => Some(ReasoningPlan { parser, prompt_opened: prompt_opens(prompt) }),
+            parser @ Self::Think => Some(ReasoningPlan { parser, prompt_opened: prompt_opens(prompt), budget: None }),
         }
     }
 }
@@ -78,6 +79,8 @@ pub struct ReasoningPlan {
     pub parser: ReasoningParser,
     /// The rendered prompt ends with `<think>`: the output starts as reasoning.
     pub prompt_opened: bool,
+    /// `thinking_token_budget`: the most tokens a choice may think ([`ThinkingBudget`]).
+    pub budget: Option<u32>,
 }
 
 /// What a push or the finish produced, in order: reasoning comes before content.
@@ -227,6 +230,135 @@ impl ReasoningSplitter {
     }
 }
 
+/// `thinking_token_budget` for one sequence: counts the tokens it generates inside its think
+/// block and, once `budget` of them have come with the block still open, asks for the tokens
+/// of `</think>`, one per step ([`Self::forced`]); the answer then follows as the model writes
+/// it. The markers are found in the tokens' bytes, so one spelled by several tokens counts.
+///
+/// The count includes a token that holds the start of a `</think>` the model spells over
+/// several tokens, which [`ReasoningSplitter::reasoning_tokens`] leaves out: the tokens usage
+/// reports as reasoning are never more than the budget.
+#[derive(Clone, Debug)]
+pub struct ThinkingBudget {
+    budget: u32,
+    /// The ids that spell `</think>`.
+    close: std::sync::Arc<[u32]>,
+    phase: Phase,
+    /// The last bytes generated, shorter than a marker: where one split across tokens starts.
+    tail: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// No block opened yet (the prompt did not open one).
+    Before,
+    /// Inside the block, after this many tokens.
+    Inside(u32),
+    /// The budget is spent: `close[i]` comes next.
+    Closing(usize),
+    /// The block closed; nothing more to bound.
+    Done,
+}
+
+impl ThinkingBudget {
+    /// `close`: the ids `</think>` encodes to. `prompt_opened`: the output starts inside the
+    /// block.
+    pub fn new(budget: u32, close: std::sync::Arc<[u32]>, prompt_opened: bool) -> Self {
+        let mut b = Self { budget, close, phase: Phase::Before, tail: Vec::new() };
+        if prompt_opened {
+            b.enter(0);
+        }
+        b
+    }
+
+    /// The token the sequence's next step must sample, while the budget closes its block.
+    pub fn forced(&self) -> Option<u32> {
+        match self.phase {
+            Phase::Closing(i) => self.close.get(i).copied(),
+            _ => None,
+        }
+    }
+
+    /// Whether [`Self::push`] reads the tokens' bytes: before the block has closed or its
+    /// closing began.
+    pub fn reads_text(&self) -> bool {
+        matches!(self.phase, Phase::Before | Phase::Inside(_))
+    }
+
+    /// Whether a step within the next two may be forced: the plan after one holding this
+    /// sequence must wait for its token (with a step planned ahead, the mask of the step
+    /// after this one would otherwise be chosen before this step's token is known).
+    pub fn may_force_soon(&self) -> bool {
+        let steps_left = match self.phase {
+            Phase::Before => u64::from(self.budget) + 1,
+            Phase::Inside(n) => u64::from(self.budget - n),
+            Phase::Closing(_) => 0,
+            Phase::Done => return false,
+        };
+        steps_left <= 2
+    }
+
+    /// The sequence generated token `id`, whose bytes are `bytes`.
+    pub fn push(&mut self, id: u32, bytes: &[u8]) {
+        match self.phase {
+            Phase::Done => return,
+            Phase::Closing(i) => {
+                // (a token other than the one asked for: a mask that could not force it,
+                // a grammar's or allowed_token_ids'; the budget gives way)
+                let next = i + 1;
+                self.phase = if self.close.get(i) == Some(&id) && next < self.close.len() {
+                    Phase::Closing(next)
+                } else {
+                    Phase::Done
+                };
+                return;
+            }
+            Phase::Before | Phase::Inside(_) => {}
+        }
+        let mut window = std::mem::take(&mut self.tail);
+        window.extend_from_slice(bytes);
+        if self.phase == Phase::Before {
+            let Some(at) = find(&window, OPEN.as_bytes()) else {
+                self.keep_tail(&window);
+                return;
+            };
+            let from = at + OPEN.len();
+            self.enter(0);
+            if find(&window[from..], CLOSE.as_bytes()).is_some() {
+                self.phase = Phase::Done;
+            }
+            // (the token that opened the block is not counted)
+            self.keep_tail(&window[from..]);
+            return;
+        }
+        if find(&window, CLOSE.as_bytes()).is_some() {
+            self.phase = Phase::Done;
+            return;
+        }
+        if let Phase::Inside(n) = self.phase {
+            self.enter(n + 1);
+        }
+        self.keep_tail(&window);
+    }
+
+    /// Inside the block after `n` tokens: closing once they reach the budget.
+    fn enter(&mut self, n: u32) {
+        self.phase = if n >= self.budget { Phase::Closing(0) } else { Phase::Inside(n) };
+        if self.close.is_empty() && n >= self.budget {
+            self.phase = Phase::Done;
+        }
+    }
+
+    fn keep_tail(&mut self, window: &[u8]) {
+        let keep = window.len().min(CLOSE.len() - 1);
+        self.tail = window[window.len() - keep..].to_vec();
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
 /// The length of the longest proper prefix of `marker` that `text` ends with.
 fn partial_suffix(text: &str, marker: &str) -> usize {
     (1..marker.len().min(text.len() + 1))
@@ -240,7 +372,7 @@ mod tests {
     use super::*;
 
     fn plan(prompt_opened: bool) -> ReasoningPlan {
-        ReasoningPlan { parser: ReasoningParser::Think, prompt_opened }
+        ReasoningPlan { parser: ReasoningParser::Think, prompt_opened, budget: None }
     }
 
     /// Runs `pieces` through a splitter and finishes it.
@@ -387,6 +519,74 @@ mod tests {
         s.push_tokens("ab", [0, 1]);
         s.finish(3);
         assert_eq!(s.reasoning_tokens(), 0, "no block, no reasoning");
+    }
+
+    /// The tokens a budget forces while `tokens` are generated one at a time (each forced one
+    /// taken in place of the next), and the tokens generated in all.
+    fn forced_run(budget: u32, opened: bool, tokens: &[&str]) -> (Vec<u32>, usize) {
+        const CLOSE_IDS: [u32; 3] = [900, 901, 902];
+        let spelled = ["</", "think", ">"];
+        let mut b = ThinkingBudget::new(budget, CLOSE_IDS.into(), opened);
+        let (mut forced, mut generated) = (Vec::new(), 0);
+        let mut sampled = tokens.iter().copied();
+        loop {
+            let (id, text) = match b.forced() {
+                Some(id) => {
+                    forced.push(id);
+                    (id, spelled[(id - 900) as usize])
+                }
+                None => match sampled.next() {
+                    Some(t) => (1, t),
+                    None => return (forced, generated),
+                },
+            };
+            b.push(id, text.as_bytes());
+            generated += 1;
+        }
+    }
+
+    #[test]
+    fn a_budget_closes_the_block_after_that_many_tokens() {
+        let close = vec![900, 901, 902];
+        assert_eq!(forced_run(2, true, &["a", "b", "c", "d"]), (close.clone(), 7), "a, b, then </think>, c, d");
+        assert_eq!(forced_run(0, true, &["a"]), (close.clone(), 4), "0: closed at once");
+        // opened by the output: the opening token is not counted
+        assert_eq!(forced_run(1, false, &["x", "<think>", "a", "b"]), (close.clone(), 7));
+        assert_eq!(forced_run(0, false, &["x<th", "ink>", "b"]), (close.clone(), 6), "a marker over two tokens");
+        // closed by the model within the budget: nothing forced, and no later block is bounded
+        assert_eq!(forced_run(3, true, &["a", "</think>", "b", "<think>", "c", "d", "e", "f"]), (vec![], 8));
+        assert_eq!(forced_run(3, true, &["a", "</thi", "nk>", "b", "c"]), (vec![], 5));
+        assert_eq!(forced_run(5, false, &["no", " block", " at", " all", "x", "y", "z"]), (vec![], 7));
+        // an open and a close in one token
+        assert_eq!(forced_run(0, false, &["<think></think>", "a"]), (vec![], 2));
+    }
+
+    #[test]
+    fn a_budget_gives_way_to_a_token_it_did_not_ask_for() {
+        let mut b = ThinkingBudget::new(1, [900, 901].into(), true);
+        b.push(5, b"a");
+        assert_eq!(b.forced(), Some(900));
+        b.push(7, b"b"); // (a grammar or allowed_token_ids kept 900 out)
+        assert_eq!(b.forced(), None);
+        b.push(8, b"c");
+        assert_eq!(b.forced(), None, "done: not forced again");
+    }
+
+    #[test]
+    fn may_force_soon_starts_two_steps_before_the_close() {
+        let mut b = ThinkingBudget::new(4, [900].into(), false);
+        let mut soon = Vec::new();
+        for t in ["x", "<think>", "a", "b", "c", "d"] {
+            soon.push(b.may_force_soon());
+            b.push(1, t.as_bytes());
+        }
+        soon.push(b.may_force_soon());
+        // before: 5 steps away; after <think>: 4; after a, b: 2
+        assert_eq!(soon, [false, false, false, false, true, true, true]);
+        assert_eq!(b.forced(), Some(900));
+        b.push(900, b"</think>");
+        assert!(!b.may_force_soon());
+        assert!(ThinkingBudget::new(1, [900].into(), false).may_force_soon(), "open then force: 2 steps");
     }
 
     #[test]

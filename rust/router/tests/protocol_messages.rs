@@ -360,14 +360,24 @@ fn fields_without_effect_are_reported_in_the_messages_terms() {
     )
     .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
-    // a model that thinks: `thinking` is honoured, its budget is not
+    // a model that thinks: `thinking` and its budget are honoured (the budget bounds each
+    // think block, as chat's `thinking_token_budget`)
     let thinks = router_with(json!({"reasoning_parser": "think"}), Some(TEMPLATE));
     let p = messages(
         &thinks,
         json!({"messages": [{"role": "user", "content": "hello"}], "thinking": {"type": "enabled", "budget_tokens": 1024}}),
     )
     .unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("thinking.budget_tokens"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    assert_eq!(p.reasoning.and_then(|r| r.budget), Some(1024));
+    let huge = json!({"messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "adaptive", "budget_tokens": 1u64 << 40}});
+    assert_eq!(messages(&thinks, huge).unwrap().reasoning.and_then(|r| r.budget), Some(u32::MAX));
+    let off =
+        json!({"messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "disabled", "budget_tokens": 5}});
+    assert_eq!(messages(&thinks, off).unwrap().reasoning.and_then(|r| r.budget), None);
+    let beams = json!({"messages": [{"role": "user", "content": "hi"}], "use_beam_search": true,
+                       "thinking": {"type": "enabled", "budget_tokens": 5}});
+    assert_eq!(shape(messages(&thinks, beams)), (400, "unsupported_parameter", Some("thinking.budget_tokens".into())));
     // strict field checking refuses them, by their Messages name
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     assert_eq!(
@@ -387,7 +397,8 @@ fn thinking_switches_a_template_that_reads_enable_thinking() {
     assert_eq!((off.prompts.clone(), off.reasoning), (c.prompts, c.reasoning));
     let on = messages(&r, json!({"messages": ask, "thinking": {"type": "enabled", "budget_tokens": 2048}})).unwrap();
     assert!(on.prompt_texts[0].ends_with("<think>\n"), "{:?}", on.prompt_texts[0]);
-    assert_eq!(header(&on, "llmserve-ignored-fields"), Some("thinking.budget_tokens"));
+    assert_eq!(header(&on, "llmserve-ignored-fields"), None);
+    assert_eq!(on.reasoning.and_then(|r| r.budget), Some(2048));
     // the request's own kwarg wins, and then `thinking` asks for what is not done
     let kwarg = messages(
         &r,

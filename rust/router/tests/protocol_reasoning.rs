@@ -12,7 +12,7 @@ use protocol_fixture::*;
 use serde_json::{json, Value};
 
 fn plan(opened: bool) -> Option<ReasoningPlan> {
-    Some(ReasoningPlan { parser: ReasoningParser::Think, prompt_opened: opened })
+    Some(ReasoningPlan { parser: ReasoningParser::Think, prompt_opened: opened, budget: None })
 }
 
 #[test]
@@ -36,6 +36,33 @@ fn prepare_detects_the_parser_and_an_opened_block() {
     assert_eq!(header(&chat(&r, none.clone()).unwrap(), "llmserve-ignored-fields"), Some("reasoning_effort"));
     let closed = json!({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": false}});
     assert_eq!(header(&chat(&r, closed).unwrap(), "llmserve-ignored-fields"), None);
+}
+
+#[test]
+fn thinking_token_budget_bounds_the_thinking_of_a_parsed_model() {
+    let r = router_with(json!({}), Some(THINK_TEMPLATE));
+    let budget = |p: &llmserve_router::protocol::Prepared| p.reasoning.and_then(|r| r.budget);
+    let p = chat(&r, json!({"thinking_token_budget": 7})).unwrap();
+    assert_eq!((budget(&p), header(&p, "llmserve-ignored-fields")), (Some(7), None));
+    assert_eq!(budget(&chat(&r, json!({"thinking_token_budget": 0})).unwrap()), Some(0));
+    assert_eq!(budget(&chat(&r, json!({"thinking_token_budget": null})).unwrap()), None);
+    // (the prompt closed the block, but the model may open one: still bounded)
+    let closed = json!({"thinking_token_budget": 3, "chat_template_kwargs": {"enable_thinking": false}});
+    assert_eq!(budget(&chat(&r, closed).unwrap()), Some(3));
+    for bad in [json!(-1), json!(1.5), json!("4")] {
+        let (status, _, param) = shape(chat(&r, json!({"thinking_token_budget": bad})));
+        assert_eq!((status, param.as_deref()), (400, Some("thinking_token_budget")), "{bad}");
+    }
+    let beams = json!({"thinking_token_budget": 3, "use_beam_search": true, "n": 2, "temperature": 0});
+    assert_eq!(shape(chat(&r, beams)), (400, "unsupported_parameter", Some("thinking_token_budget".into())));
+    // no reasoning parser: nothing knows a think block, so the field is reported
+    let p = chat(&router(), json!({"thinking_token_budget": 3})).unwrap();
+    assert_eq!((p.reasoning, header(&p, "llmserve-ignored-fields")), (None, Some("thinking_token_budget")));
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    assert_eq!(shape(chat(&strict, json!({"thinking_token_budget": 3}))).0, 400);
+    // completions have no parser either
+    let p = completion(&r, json!({"thinking_token_budget": 3})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("thinking_token_budget"));
 }
 
 #[test]

@@ -56,6 +56,9 @@ pub struct ChatFields {
     /// vLLM's: the reply's content starts with the last message's, when that is the
     /// assistant's (a continued final message, read whole).
     pub echo: Option<bool>,
+    /// vLLM's: the most tokens each choice may think before its think block is closed for
+    /// it ([`crate::reasoning::ThinkingBudget`]).
+    pub thinking_token_budget: Option<u32>,
     /// Per-request templates are refused (see `prepare`).
     pub chat_template: Option<Value>,
     #[serde(flatten)]
@@ -1055,7 +1058,22 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     };
     let (rendered, template) = render(router, &input)?;
     ignored.extend(unread_message_keys(&rendered));
-    let reasoning = crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
+    let mut reasoning =
+        crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
+    if let Some(budget) = chat.thinking_token_budget {
+        match reasoning.as_mut() {
+            Some(plan) if params.beam_search.is_none() => plan.budget = Some(budget),
+            Some(_) => {
+                return Err(unsupported(
+                    "thinking_token_budget",
+                    "`thinking_token_budget` cannot be combined with `use_beam_search`: beams are not sampled, so \
+                     their thinking cannot be closed for them.",
+                ))
+            }
+            // (no reasoning parser reads the output: nothing here knows a think block)
+            None => ignored.push("thinking_token_budget".into()),
+        }
+    }
     // A grammar constrains the answer, not the thinking before it (none comes when the
     // prompt already closed the thinking).
     let thinking = reasoning.filter(|_| !crate::reasoning::prompt_closes(&rendered.text));

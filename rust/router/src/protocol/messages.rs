@@ -43,8 +43,8 @@
 //!   or `adaptive` -> true (unless the request's `chat_template_kwargs` sets it itself).
 //!   Otherwise `thinking` is reported as ignored when it asks for what the model will not do
 //!   (thinking from a model without a reasoning parser, `disabled` on one with a parser that
-//!   cannot be switched off), and `budget_tokens` is always reported: nothing bounds the
-//!   thinking apart from `max_tokens`.
+//!   cannot be switched off). Where the thinking is parsed, `budget_tokens` bounds it as
+//!   chat's `thinking_token_budget` does: the think block is closed once it is spent.
 //! - `is_error: true` on a tool result is reported (templates have no place for it); images,
 //!   documents, server tools, `mcp_servers` and `container` are a 400 `unsupported_parameter`.
 //! - OpenAI fields with a Messages counterpart (`stop`, `max_completion_tokens`,
@@ -839,7 +839,7 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
     let kind = require_str(t, "type", "thinking")?;
     if kind == "enabled" {
         // (required by Anthropic's API; its bounds, at least 1024 and below `max_tokens`, are
-        // not: nothing here enforces a budget, and they would keep thinking from short contexts)
+        // not: they would keep thinking from short contexts)
         match t.get("budget_tokens") {
             None => return Err(missing("thinking.budget_tokens".into())),
             Some(Value::Null) => {
@@ -853,14 +853,9 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
         "disabled" => {}
         "enabled" | "adaptive" | "between_tools" if !reasoning => out.push("thinking".into()),
         "enabled" | "adaptive" | "between_tools" => {
-            if let Some(budget) = set(t, "budget_tokens") {
-                if !budget.is_u64() {
-                    return Err(invalid_type(
-                        "thinking.budget_tokens",
-                        "`budget_tokens` must be a non-negative integer.",
-                    ));
-                }
-                out.push("thinking.budget_tokens".into());
+            // (`budget_tokens` bounds the thinking: see `thinking_budget`)
+            if set(t, "budget_tokens").is_some_and(|b| !b.is_u64()) {
+                return Err(invalid_type("thinking.budget_tokens", "`budget_tokens` must be a non-negative integer."));
             }
             if set(t, "display").is_some_and(|d| d != "summarized") {
                 out.push("thinking.display".into());
@@ -878,6 +873,16 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
     Ok(out)
 }
 
+/// `thinking.budget_tokens` of a request that thinks (checked by `thinking_ignored`): the most
+/// tokens each think block may hold, as chat's `thinking_token_budget` (Anthropic's API calls
+/// it a target; here the block is closed once it is spent).
+fn thinking_budget(obj: &Map<String, Value>) -> Option<u32> {
+    let t = set(obj, "thinking")?;
+    let on = matches!(t.get("type").and_then(Value::as_str), Some("enabled" | "adaptive" | "between_tools"));
+    // (more tokens than any context holds is no bound at all)
+    on.then(|| t.get("budget_tokens")?.as_u64()).flatten().map(|b| u32::try_from(b).unwrap_or(u32::MAX))
+}
+
 /// Validates a Messages request and prepares the chat request it means.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
@@ -889,6 +894,16 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
+    if let (Some(budget), Some(plan)) = (thinking_budget(obj), checked.prepared.reasoning.as_mut()) {
+        if checked.prepared.params.beam_search.is_some() {
+            return Err(unsupported(
+                "thinking.budget_tokens",
+                "`thinking.budget_tokens` cannot be combined with `use_beam_search`: beams are not sampled, so their \
+                 thinking cannot be closed for them.",
+            ));
+        }
+        plan.budget = Some(budget);
+    }
 
     ignored.extend(checked.ignored.iter().flat_map(|p| conv.reported(p)));
     let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
