@@ -233,7 +233,7 @@ class ModelConfig(_Checked):
     reasoning_parser: str | None = _f(
         None,
         "How chat output's reasoning is split out: 'think' (text between <think> and </think> "
-        "goes to reasoning_content, not content) or 'none'. Default: 'think' when the chat "
+        "goes to reasoning and reasoning_content, not content) or 'none'. Default: 'think' when the chat "
         "template mentions <think>, else none.",
         choices=("think", "none"),
     )

@@ -80,6 +80,8 @@ def _stream(server, body):
                 continue
             chunk = json.loads(line[6:])
             for c in chunk["choices"]:
+                # (vLLM's current name and DeepSeek's: the same text under both)
+                assert c["delta"].get("reasoning") == c["delta"].get("reasoning_content"), chunk
                 reasoning += c["delta"].get("reasoning_content") or ""
                 content += c["delta"].get("content") or ""
             usage = chunk.get("usage") or usage
@@ -108,6 +110,7 @@ def test_thinking_is_split_from_content(think_server):
     r = _post(think_server, "/v1/chat/completions", body).json()
     msg = r["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == (before, after)
+    assert msg["reasoning"] == msg["reasoning_content"]
     assert r["usage"]["completion_tokens"] == 12
     assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
     reasoning, content, usage = _stream(think_server, body)
@@ -222,7 +225,7 @@ def test_thinking_token_budget_closes_the_block(think_server):
     # 0: the block closes at once
     zero = _post(think_server, "/v1/chat/completions", {**body, "thinking_token_budget": 0}).json()
     assert zero["choices"][0]["token_ids"][0] == close
-    assert zero["choices"][0]["message"]["reasoning_content"] is None
+    assert zero["choices"][0]["message"]["reasoning_content"] is zero["choices"][0]["message"]["reasoning"] is None
     assert zero["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     # a budget the thinking never reaches changes nothing
     roomy = _post(think_server, "/v1/chat/completions", {**body, "thinking_token_budget": 10}).json()

@@ -270,6 +270,10 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    /// The thinking, under vLLM's current name and under DeepSeek's (`reasoning_content`,
+    /// which vLLM used before, and many clients still read): both carry the same text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -364,7 +368,10 @@ struct Message<'a> {
     content: Option<&'a str>,
     /// Always null (no model here refuses through a separate channel); OpenAI always sends it.
     refusal: Option<&'a str>,
-    /// Present (null when empty) only when a reasoning parser is active.
+    /// Present (null when empty) only when a reasoning parser is active; `reasoning` and
+    /// `reasoning_content` are the same text under both names, as in [`Delta`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -904,7 +911,14 @@ impl ResponseBuilder {
             index: choice,
             // NOTE: no `content: ""` here: an answer cut off while thinking has no content,
             // and a client summing deltas should end with null, as the non-streamed body has.
-            delta: Delta { role, content: None, reasoning_content: Some(text), tool_calls: None, function_call: None },
+            delta: Delta {
+                role,
+                content: None,
+                reasoning: Some(text),
+                reasoning_content: Some(text),
+                tool_calls: None,
+                function_call: None,
+            },
             logprobs: None,
             finish_reason: None,
             stop_reason: None,
@@ -1414,6 +1428,10 @@ impl ResponseBuilder {
                 .enumerate()
                 .map(|(i, c)| {
                     let (text, calls, finish) = self.resolved(c);
+                    let reasoning = c
+                        .reasoning
+                        .is_some()
+                        .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str()));
                     ChatChoice {
                         index: i as u32,
                         message: Message {
@@ -1424,10 +1442,8 @@ impl ResponseBuilder {
                             content: (!text.is_empty() || (calls.is_empty() && c.reasoning_text.is_empty() && !forced))
                                 .then_some(text),
                             refusal: None,
-                            reasoning_content: c
-                                .reasoning
-                                .is_some()
-                                .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str())),
+                            reasoning,
+                            reasoning_content: reasoning,
                             tool_calls: calls
                                 .iter()
                                 .filter(|_| !functions)

@@ -109,6 +109,8 @@ fn streamed(bytes: &[u8]) -> (String, String, u64, Vec<Value>) {
     let (mut reasoning, mut content, mut tokens) = (String::new(), String::new(), 0);
     for c in &chunks {
         for ch in c["choices"].as_array().unwrap() {
+            // (vLLM's current name and DeepSeek's, always the same text)
+            assert_eq!(ch["delta"].get("reasoning"), ch["delta"].get("reasoning_content"), "{c}");
             reasoning.push_str(ch["delta"]["reasoning_content"].as_str().unwrap_or(""));
             content.push_str(ch["delta"]["content"].as_str().unwrap_or(""));
         }
@@ -125,6 +127,7 @@ fn thinking_goes_to_reasoning_content_streamed_or_not() {
     let body: Value = serde_json::from_slice(&run(false, false, &pieces)).unwrap();
     let msg = &body["choices"][0]["message"];
     assert_eq!(msg["reasoning_content"], "let me see");
+    assert_eq!(msg["reasoning"], "let me see");
     assert_eq!(msg["content"], "\n\nIt is 4.");
     assert_eq!(body["usage"]["completion_tokens"], 5);
     let (reasoning, content, tokens, chunks) = streamed(&run(true, false, &pieces));
@@ -147,6 +150,10 @@ fn an_opened_prompt_makes_output_reasoning_until_the_close() {
     let body: Value = serde_json::from_slice(&run(false, true, &["still", " going"])).unwrap();
     assert_eq!(body["choices"][0]["message"]["reasoning_content"], "still going");
     assert_eq!(body["choices"][0]["message"]["content"], Value::Null);
+    // no thinking: both names are there, null
+    let body: Value = serde_json::from_slice(&run(false, true, &["</think>", "ok"])).unwrap();
+    let msg = body["choices"][0]["message"].as_object().unwrap();
+    assert_eq!((msg.get("reasoning"), msg.get("reasoning_content")), (Some(&Value::Null), Some(&Value::Null)));
     let (reasoning, content, _, chunks) = streamed(&run(true, true, &["still", " going"]));
     assert_eq!((reasoning.as_str(), content.as_str()), ("still going", ""));
     assert!(chunks.iter().all(|c| c["choices"][0]["delta"].get("content").is_none()), "{chunks:?}");
@@ -169,5 +176,6 @@ fn without_a_parser_the_message_has_no_reasoning_field() {
     );
     let body: Value = serde_json::from_slice(&b.finish()).unwrap();
     assert!(body["choices"][0]["message"].get("reasoning_content").is_none());
+    assert!(body["choices"][0]["message"].get("reasoning").is_none());
     assert_eq!(body["choices"][0]["message"]["content"], "<think>a</think>b");
 }
