@@ -203,6 +203,10 @@ class ModelConfig(_Checked):
         None, "Sampling defaults as JSON, vLLM's flag ('{\"temperature\": 0.5, \"max_new_tokens\": 256}'): "
         "generation_config.json's keys (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
         "over the model's file (or alone, with --generation-config none). Request values still win.")
+    default_chat_template_kwargs: str | None = _f(
+        None, "chat_template_kwargs every chat request renders with, as a JSON object (vLLM's flag): "
+        "'{\"enable_thinking\": false}' turns a Qwen3-style model's thinking off unless a request "
+        "turns it on. A request's own chat_template_kwargs win key by key.")
     revision: str | None = _f(None, "Hub revision when MODEL is a hub id.")
     tokenizer_revision: str | None = _f(None, "Hub revision of --tokenizer when it is a hub id (vLLM's flag).")
     hf_overrides: str | None = _f(
@@ -281,6 +285,7 @@ class ModelConfig(_Checked):
             raise ValueError(f"--chat-template {t!r} is neither a readable file nor a Jinja template")
         self.generation_overrides()   # (checked now: a bad one stops the start, not a request)
         self.config_overrides()
+        self.template_kwargs()
         if t is not None and os.path.isfile(t):
             # read now, so a bad file is named before the model loads, not after
             try:
@@ -300,6 +305,19 @@ class ModelConfig(_Checked):
             raise ValueError(f"--hf-overrides must be a JSON object: {exc}") from None
         if not isinstance(values, dict):
             raise ValueError("--hf-overrides must be a JSON object such as '{\"max_position_embeddings\": 4096}'")
+        return values
+
+    def template_kwargs(self) -> dict:
+        """--default-chat-template-kwargs as a dict (ValueError unless it is a JSON object)."""
+        if self.default_chat_template_kwargs is None:
+            return {}
+        flag = "--default-chat-template-kwargs"
+        try:
+            values = json.loads(self.default_chat_template_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"{flag} must be a JSON object: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{flag} must be a JSON object such as '{{\"enable_thinking\": false}}'")
         return values
 
     def generation_overrides(self) -> dict:

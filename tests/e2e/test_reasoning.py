@@ -265,3 +265,25 @@ def test_thinking_token_budget_with_a_grammar_and_a_step_planned_ahead(think_ser
             assert _post(ahead, "/v1/chat/completions", body).json()["choices"] == r["choices"]
     finally:
         ahead.stop()
+
+
+def test_default_chat_template_kwargs_reach_every_chat_render(think_server, caplog):
+    # (offline, one thread, beside the idle server: the flag's path from the config to the
+    # router is the one `llmserve run` takes)
+    from llmserve import LLM
+
+    with caplog.at_level("INFO", logger="llmserve.engine"):
+        llm = LLM(str(think_server.model), served_model_name=("tiny",), threads=1, num_kv_blocks=64,
+                  default_chat_template_kwargs='{"enable_thinking": false, "nobody_reads": 1}')
+    assert "the chat template never reads nobody_reads" in caplog.text
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+              "logit_bias": {str(think_server.close_id - 1): -100}}
+    off = llm.chat(MESSAGES, params)
+    assert off.body["choices"][0]["message"]["reasoning_content"] is None and off.ignored_fields == ()
+    closed = _post(think_server, "/v1/chat/completions", {"messages": MESSAGES, **params,
+                                                         "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert (off.text, off.usage["prompt_tokens"]) == (closed["choices"][0]["message"]["content"],
+                                                      closed["usage"]["prompt_tokens"])
+    # the request's own value wins
+    on = llm.chat(MESSAGES, {**params, "chat_template_kwargs": {"enable_thinking": True}})
+    assert on.usage["prompt_tokens"] < off.usage["prompt_tokens"] and on.body["choices"][0]["message"]["reasoning"]

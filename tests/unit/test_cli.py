@@ -77,6 +77,9 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--lora-modules", "{\"name\": \"a\"}"], {}, "the JSON form is {\"name\": NAME, \"path\": PATH}"),
     (["--override-generation-config", "{\"temp\": 1}"], {}, "'temp' is not one of temperature"),
     (["--override-generation-config", "{\"top_p\": 2}"], {}, "top_p must be a number from 0 to 1, got 2"),
+    (["--default-chat-template-kwargs", "enable_thinking=false"], {}, "--default-chat-template-kwargs must be a JSON "
+                                                                     "object: Expecting value"),
+    (["--default-chat-template-kwargs", "[1]"], {}, "must be a JSON object such as '{\"enable_thinking\": false}'"),
 ])
 def test_bad_values_stop_with_status_2_before_anything_starts(monkeypatch, capsys, args, env, message):
     for k, v in env.items():
@@ -132,6 +135,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     flags that mean nothing here
     (accepted, and said so)."""
     assert _config(["--tool-call-parser", "hermes"]).model.tool_call_format == "hermes"
+    kwargs = _config(["--default-chat-template-kwargs", '{"enable_thinking": false}']).model.template_kwargs()
+    assert kwargs == {"enable_thinking": False}
     for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("32.2k", 32200)):
         assert _config(["--max-model-len", text]).model.max_model_len == tokens
     assert _config(["--async-scheduling"]).scheduler.async_scheduling == "on"

@@ -376,6 +376,7 @@ def build_engine(cfg: Config) -> Engine:
         "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
         "tool_call_format": cfg.model.tool_call_format,
         "reasoning_parser": cfg.model.reasoning_parser,
+        "default_chat_template_kwargs": cfg.model.template_kwargs(),
         "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
         "system_fingerprint": fingerprint,
         "model_root": cfg.model.model or ck.name,
@@ -409,6 +410,15 @@ def build_engine(cfg: Config) -> Engine:
                     "until --chat-template is given", ", ".join(template_names))
     else:
         log.warning("no chat template: chat routes answer 400 until --chat-template is given")
+    if defaults := cfg.model.template_kwargs():
+        try:
+            unread = router.unread_default_kwargs()
+        except ValueError as exc:
+            raise SetupError(str(exc)) from None
+        log.info("chat_template_kwargs every chat request renders with (its own win): %s", json.dumps(defaults))
+        if unread and template_names:
+            log.warning("--default-chat-template-kwargs: the chat template never reads %s: no effect",
+                        ", ".join(unread))
     if template_names:
         tool_format, reasoning = router.output_parsing()
         log.info("tool calls: %s; reasoning parser: %s",

@@ -253,6 +253,12 @@ impl PyRouter {
         self.inner.templates().names().into_iter().map(String::from).collect()
     }
 
+    /// The `--default-chat-template-kwargs` keys no chat template reads; ValueError for one
+    /// that names a request field (`messages`, `tools`, ...).
+    fn unread_default_kwargs(&self) -> PyResult<Vec<String>> {
+        self.inner.unread_default_kwargs().map_err(PyValueError::new_err)
+    }
+
     /// (tool-call format or None, reasoning parser) chat output is read with.
     fn output_parsing(&self) -> (Option<&'static str>, &'static str) {
         let (tools, reasoning) = self.inner.output_parsing();

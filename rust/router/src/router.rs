@@ -74,6 +74,10 @@ pub struct RouterConfig {
     /// `--reasoning-parser`: "think" or "none"; None detects it from the chat template.
     #[serde(default)]
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// `--default-chat-template-kwargs` (vLLM's): what every chat render gets, under the
+    /// request's own `chat_template_kwargs` (whose keys win).
+    #[serde(default)]
+    pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// OpenAI's `system_fingerprint`: names what the output depends on besides the request
     /// (build, weights, device, numerics), so a client can tell why a seed's output moved.
     /// None: sent as null.
@@ -237,6 +241,19 @@ impl Router {
             None => crate::reasoning::ReasoningParser::Off,
         });
         (tools, reasoning)
+    }
+
+    /// The `--default-chat-template-kwargs` keys none of the chat templates reads (the start
+    /// warns of them), or an error naming one the template gets from the request instead.
+    pub fn unread_default_kwargs(&self) -> Result<Vec<String>, String> {
+        let keys = self.config.default_chat_template_kwargs.keys();
+        if let Some(k) = keys.clone().find(|k| crate::template::RESERVED.contains(&k.as_str())) {
+            return Err(format!(
+                "--default-chat-template-kwargs may not set `{k}`: the template gets it from each request"
+            ));
+        }
+        let templates: Vec<_> = [false, true].into_iter().filter_map(|tools| self.templates.select(tools)).collect();
+        Ok(keys.filter(|k| !templates.iter().any(|t| t.reads(k))).cloned().collect())
     }
 
     /// Validates a `Chat`, `Completion`, `Responses`, `Messages`, `Embeddings`, `Score` or `Rerank`

@@ -66,6 +66,35 @@ fn thinking_token_budget_bounds_the_thinking_of_a_parsed_model() {
 }
 
 #[test]
+fn default_chat_template_kwargs_render_under_the_requests_own() {
+    let off = json!({"default_chat_template_kwargs": {"enable_thinking": false, "unknown": 1}});
+    let r = router_with(off, Some(THINK_TEMPLATE));
+    // the server's default turns thinking off; keys no template reads are the start's to warn
+    // of, never a request's report
+    let p = chat(&r, json!({})).unwrap();
+    assert!(p.prompt_texts[0].ends_with("</think>\n\n"), "{:?}", p.prompt_texts[0]);
+    assert_eq!(p.reasoning, plan(false));
+    assert_eq!((header(&p, "llmserve-ignored-fields"), header(&p, "llmserve-unused-template-kwargs")), (None, None));
+    assert_eq!(r.unread_default_kwargs(), Ok(vec!["unknown".to_string()]));
+    // the request's own key wins; its unread keys are reported as before
+    let p = chat(&r, json!({"chat_template_kwargs": {"enable_thinking": true, "mine": 2}})).unwrap();
+    assert!(p.prompt_texts[0].ends_with("<think>\n"), "{:?}", p.prompt_texts[0]);
+    assert_eq!(header(&p, "llmserve-unused-template-kwargs"), Some("mine"));
+    // /tokenize renders the same prompt (the closed block's, longer than the open one's)
+    let count = |r: &llmserve_router::router::Router| {
+        let body =
+            serde_json::to_vec(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hello world"}]}));
+        let out = r.handle(llmserve_router::protocol::Endpoint::Tokenize, &body.unwrap()).unwrap();
+        serde_json::from_slice::<Value>(&out.body).unwrap()["count"].as_u64().unwrap() as usize
+    };
+    assert_eq!(count(&r), chat(&r, json!({})).unwrap().prompts[0].len());
+    assert!(count(&r) > count(&router_with(json!({}), Some(THINK_TEMPLATE))));
+    // a field the template takes from the request cannot be a default
+    let bad = router_with(json!({"default_chat_template_kwargs": {"tools": []}}), Some(THINK_TEMPLATE));
+    assert!(bad.unread_default_kwargs().unwrap_err().contains("may not set `tools`"));
+}
+
+#[test]
 fn grammars_start_after_the_thinking_unless_the_prompt_closed_it() {
     let r = router_with(json!({}), Some(THINK_TEMPLATE));
     let json_object = json!({"response_format": {"type": "json_object"}});

@@ -110,6 +110,17 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         ApiError::with_code("chat_template_missing", None, message)
     })?;
     let config = &router.config;
+    // `--default-chat-template-kwargs` under the request's own, whose keys win; only the
+    // request's keys are reported unused (the server's were checked at start)
+    let merged;
+    let kwargs = if config.default_chat_template_kwargs.is_empty() {
+        input.kwargs
+    } else {
+        let mut all = config.default_chat_template_kwargs.clone();
+        all.extend(input.kwargs.into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())));
+        merged = all;
+        Some(&merged)
+    };
     // `wrap`: strings as one text part each, the shape a template that only walks parts shows
     let shaped = |format: ContentFormat, wrap: bool| {
         let mut messages = crate::content_format::normalize(input.messages, format);
@@ -122,17 +133,19 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         messages
     };
     let render_messages = |messages: &Value| {
-        template.render(&RenderInput {
+        let mut rendered = template.render(&RenderInput {
             messages,
             tools: input.tools,
             documents: input.documents,
             add_generation_prompt: input.add_generation_prompt,
             continue_final_message: input.continue_final_message,
-            kwargs: input.kwargs,
+            kwargs,
             bos_token: config.bos_token.as_deref(),
             eos_token: config.eos_token.as_deref(),
             fuel: Some(config.template_fuel),
-        })
+        })?;
+        rendered.unused_kwargs.retain(|k| input.kwargs.is_some_and(|sent| sent.contains_key(k)));
+        Ok::<_, ApiError>(rendered)
     };
     if let Some(told) = config.chat_template_content_format {
         return Ok((render_messages(&shaped(told, told == ContentFormat::OpenAi))?, template));

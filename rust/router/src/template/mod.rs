@@ -165,7 +165,7 @@ const NAME: &str = "chat_template";
 /// transformers' marker for the end of the message to continue (trailing space included).
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 /// Names the renderer itself sets; chat_template_kwargs may not replace them.
-const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+pub const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 
 /// The error `raise_exception` carries, so a render error can be told apart from a bug in
 /// the template.
