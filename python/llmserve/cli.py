@@ -48,6 +48,13 @@ _VLLM_NO_OPS = {
                                           "on its own thread)",
     "--log-error-stack": "an unexpected error (a 500) is always logged with its stack; other errors are "
                          "answers to the client, not the server's faults",
+    "--exclude-tools-when-tool-choice-none": "under tool_choice \"none\" the tools are never rendered",
+    "--enable-reasoning": "the reasoning parser is on whenever the chat template opens <think> (or "
+                          "--reasoning-parser think says so)",
+    "--enable-expert-parallel": "llmserve runs a model on one device",
+    "--use-tqdm-on-load": "the start logs what it loads, without progress bars",
+    "--disable-cascade-attn": "llmserve has no cascade attention",
+    "--disable-mm-preprocessor-cache": "llmserve serves text models: there is no multimodal preprocessor",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
@@ -58,6 +65,7 @@ _VLLM_VALUE_NO_OPS = {
                     "to CPU memory",
     "--guided-decoding-backend": "structured output always runs on llguidance (response_format, structured_outputs, "
                                  "forced tool calls)",
+    "--max-parallel-loading-workers": "the weights are read in one pass",
 }
 # ... and those accepted only with the value that asks for what llmserve does anyway (any other
 # value stops it with the flag's _VLLM_HINTS line).
@@ -65,7 +73,12 @@ _VLLM_NEUTRAL = {
     "--tensor-parallel-size": "1", "-tp": "1", "--pipeline-parallel-size": "1",
     "--kv-cache-dtype": "auto", "--lora-dtype": "auto", "--load-format": "auto", "--tokenizer-mode": "auto",
     "--response-role": "assistant",
+    "--data-parallel-size": "1", "--preemption-mode": "recompute", "--logprobs-mode": "raw_logprobs",
+    "--num-scheduler-steps": "1",
 }
+# NOTE: --model-impl, --api-server-count and --config-format stop it even at vLLM's defaults:
+# taken, they would change what argparse reads an abbreviation as (`--model` would be
+# --model-impl, `--api` ambiguous, `--conf` too).
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
     "--model": "give the model as the first argument: llmserve run MODEL",
@@ -85,6 +98,46 @@ _VLLM_HINTS = {
     "--disable-sliding-window": "sliding-window layers attend over their window, as the model was trained; "
                                 "to keep every token in reach, set --max-model-len to the window (what "
                                 "vLLM's flag does)",
+    "--data-parallel-size": "one process serves one model on one device: run replicas behind a load balancer "
+                            "(GET /ready and /load are for it)",
+    "--api-server-count": "one HTTP server shares the process with the engine: run replicas behind a load "
+                          "balancer for more",
+    "--model-impl": "the architectures README.md lists run llmserve's own model code",
+    "--config-format": "a model folder's config.json (or a GGUF file's metadata) is read",
+    "--preemption-mode": "a sequence preempted when the KV cache runs out recomputes its tokens",
+    "--logprobs-mode": "logprobs are the model's raw ones, before logit_bias, penalties and temperature "
+                       "(vLLM's raw_logprobs)",
+    "--num-scheduler-steps": "each step is planned on its own (--async-scheduling plans one ahead)",
+    "--enable-sleep-mode": "there is no sleep mode: stop the server to free its memory (it starts again in "
+                           "seconds for small models)",
+    "--trust-request-chat-template": "a request never brings its own chat template: set the server's with "
+                                     "--chat-template",
+    "--reasoning-config": "the thinking is read between <think> and </think> (--reasoning-parser); "
+                          "thinking_token_budget closes it after as many tokens",
+    "--structured-outputs-config": "structured output always runs on llguidance, with no options",
+    "--speculative-config": "there is no speculative decoding",
+    "--cpu-offload-gb": "the weights stay on the device: --dtype, or a GGUF file's quantization, makes them smaller",
+    "--middleware": "mount llmserve's ASGI app in your own and add the middleware there",
+    "--allowed-local-media-path": "llmserve serves text models: images, audio and video in a request are a 400",
+    "--limit-mm-per-prompt": "llmserve serves text models: images, audio and video in a request are a 400",
+    "--mm-processor-kwargs": "llmserve serves text models: images, audio and video in a request are a 400",
+    "--compilation-config": "nothing is compiled with torch.compile; CUDA decode steps replay CUDA graphs unless "
+                            "--enforce-eager",
+    "-O": "nothing is compiled with torch.compile; CUDA decode steps replay CUDA graphs unless --enforce-eager",
+    "--enable-prompt-embeds": "prompts are text or token ids",
+    "--kv-transfer-config": "one process prefills and decodes; there is no KV transfer between instances",
+    "--otlp-traces-endpoint": "there is no tracing: /metrics has Prometheus metrics, --enable-log-requests logs "
+                              "each request",
+    "--num-gpu-blocks-override": "--num-kv-blocks sets how many KV-cache blocks there are",
+    "--scheduler-cls": "the scheduler is built in; --scheduling-policy picks fcfs or priority",
+    "--stream-interval": "every step's tokens are streamed as they come",
+    "--max-num-partial-prefills": "long prompts are prefilled in chunks of --max-num-batched-tokens",
+    "--long-prefill-token-threshold": "long prompts are prefilled in chunks of --max-num-batched-tokens",
+    "--hf-token": "set HF_TOKEN in the environment (huggingface_hub reads it)",
+    "--tool-server": "built-in tools (web search, code interpreter, ...) are not run here: clients run "
+                     "function tools",
+    "--max-seq-len-to-capture": "CUDA graphs capture decode steps of up to --max-num-seqs sequences",
+    "--log-config-file": "LLMSERVE_LOG_LEVEL sets the log level, --uvicorn-log-level uvicorn's",
 }
 
 
@@ -266,6 +319,8 @@ def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: l
     lines = [f"unrecognized arguments: {' '.join(unknown)}"]
     for arg in unknown:
         flag = arg.split("=", 1)[0]
+        if re.fullmatch(r"-O[0-9]", flag):   # (vLLM's -O3: the level joined to the flag)
+            flag = "-O"
         if flag in _VLLM_HINTS:
             lines.append(f"  {flag} is vLLM's: {_VLLM_HINTS[flag]}")
     parser.error("\n".join(lines))

@@ -221,6 +221,17 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         "--response-role assistant has no effect: an answer's role is always OpenAI's `assistant`",
         "--log-error-stack has no effect: an unexpected error (a 500) is always logged with its stack",
     ])
+    _logs(caplog, ["--data-parallel-size", "1", "--preemption-mode", "recompute", "--logprobs-mode", "raw_logprobs",
+                   "--enable-reasoning", "--exclude-tools-when-tool-choice-none", "--max-parallel-loading-workers",
+                   "2", "--use-tqdm-on-load"], [
+        "--data-parallel-size 1 has no effect: one process serves one model on one device",
+        "--preemption-mode recompute has no effect: a sequence preempted when the KV cache runs out recomputes",
+        "--logprobs-mode raw_logprobs has no effect: logprobs are the model's raw ones",
+        "--enable-reasoning has no effect: the reasoning parser is on whenever the chat template opens <think>",
+        '--exclude-tools-when-tool-choice-none has no effect: under tool_choice "none" the tools are never rendered',
+        "--max-parallel-loading-workers has no effect: the weights are read in one pass",
+        "--use-tqdm-on-load has no effect: ",
+    ])
     # served: a Unix socket, and request ids on every response
     assert (_config([]).server.uds, _config(["--uds", "/tmp/s.sock"]).server.uds) == (None, "/tmp/s.sock")
     assert _config(["--enable-request-id-headers"]).server.enable_request_id_headers is True
@@ -254,6 +265,12 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--response-role", "user"], "--response-role is vLLM's: an answer's role is always OpenAI's `assistant`"),
     (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin is vLLM's: the tool-call parsers are built in"),
     (["--disable-sliding-window"], "--disable-sliding-window is vLLM's: sliding-window layers attend over"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode is vLLM's: there is no sleep mode"),
+    (["--speculative-config", "{}"], "--speculative-config is vLLM's: there is no speculative decoding"),
+    (["--preemption-mode", "swap"], "--preemption-mode is vLLM's: a sequence preempted when the KV cache runs out"),
+    (["-O3"], "-O is vLLM's: nothing is compiled with torch.compile"),
+    (["--limit-mm-per-prompt", "{}"], "--limit-mm-per-prompt is vLLM's: llmserve serves text models"),
+    (["--reasoning-config", "{}"], "--reasoning-config is vLLM's: the thinking is read between <think> and"),
     (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests (as vLLM's does)"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
     (["--ssl-certfile", "missing.pem"], "--ssl-certfile 'missing.pem' is not a file"),
