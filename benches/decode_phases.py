@@ -1,6 +1,6 @@
 """Where a single-stream decode token's time goes, on the default model (or another).
 
-    GOMP_SPINCOUNT=10000 python benches/decode_phases.py [--model M] [--threads 2] [--tokens 256] [--repeats 3]
+    GOMP_SPINCOUNT=100000 python benches/decode_phases.py [--model M] [--threads 2] [--tokens 256] [--repeats 3]
 
 (`llmserve run` sets that GOMP_SPINCOUNT itself; an offline process must set it before torch
 loads, see README.)

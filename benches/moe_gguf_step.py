@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 # (as `llmserve run` sets it before torch loads: OpenMP workers sleep soon after each op)
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

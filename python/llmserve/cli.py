@@ -342,17 +342,21 @@ def _after_keys(argv: list[str]) -> list[str]:
 
 
 def _short_openmp_spin() -> None:
-    """Before torch loads: torch's OpenMP workers wait ~10k spins (not libgomp's default
+    """Before torch loads: torch's OpenMP workers wait 100k spins (not libgomp's default
     300k) before sleeping after each parallel op, unless the environment says otherwise.
 
     NOTE: the Rust kernels (attention, the quantized GEMV) run between torch's ops on their
-    own threads, and a worker still spinning holds the core one of them needs. On SmolLM2,
-    64 requests x 128 tokens offline on 2 cores went from ~265 to ~300 tok/s, prompts ~9%
-    faster, single-stream decode unchanged within noise; 1k spins, 0 and 100k were all
-    slower than 10k. Only the CLI sets it: an embedding application owns its process's
-    environment (and has usually loaded torch already)."""
+    own threads, and a worker still spinning holds the core one of them needs; one that
+    sleeps too soon makes each of a step's torch ops wait for it to wake. Measured on SmolLM2
+    on 2 cores (2026-12-05, alternating runs, bf16 matmuls in steps of more than 24
+    sequences): 64 streams x 128 tokens over HTTP ~600 tok/s with 100k spins, ~555 with
+    300k, ~490 with 10k (offline 513/551 vs 492/514 vs 410/406); 16 streams, single-stream
+    decode and a 1,000-token prompt within noise of each other (prompts ~3% slower than with
+    10k). 10k was best on 2026-11-30, before those steps ran bf16 matmuls. Only the CLI sets
+    it: an embedding application owns its process's environment (and has usually loaded
+    torch already)."""
     if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+        os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 
 def _env_keys(variable: str, flag: str, given: tuple[str, ...]) -> tuple[str, ...] | None:

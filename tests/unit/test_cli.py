@@ -24,7 +24,7 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cli._short_openmp_spin()
-    assert cli.os.environ["GOMP_SPINCOUNT"] == "10000"
+    assert cli.os.environ["GOMP_SPINCOUNT"] == "100000"
     monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     cli._short_openmp_spin()
     assert cli.os.environ["GOMP_SPINCOUNT"] == "5"
