@@ -41,6 +41,20 @@ def _f(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+def _json_object(text: str | None, flag: str, example: str) -> dict:
+    """A flag's JSON object as a dict ({} when the flag is not given); ValueError naming the
+    flag otherwise."""
+    if text is None:
+        return {}
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} must be a JSON object: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{flag} must be a JSON object such as '{example}'")
+    return values
+
+
 def _kind_error(value: object, tp: object) -> str | None:
     """What `value` should have been, if it is not of the field type `tp` (`int | None`,
     `tuple[str, ...]`, ...): ints pass as floats, bools never as numbers."""
@@ -297,41 +311,18 @@ class ModelConfig(_Checked):
 
     def config_overrides(self) -> dict:
         """--hf-overrides as a dict (ValueError unless it is a JSON object)."""
-        if self.hf_overrides is None:
-            return {}
-        try:
-            values = json.loads(self.hf_overrides)
-        except ValueError as exc:
-            raise ValueError(f"--hf-overrides must be a JSON object: {exc}") from None
-        if not isinstance(values, dict):
-            raise ValueError("--hf-overrides must be a JSON object such as '{\"max_position_embeddings\": 4096}'")
-        return values
+        return _json_object(self.hf_overrides, "--hf-overrides", '{"max_position_embeddings": 4096}')
 
     def template_kwargs(self) -> dict:
         """--default-chat-template-kwargs as a dict (ValueError unless it is a JSON object)."""
-        if self.default_chat_template_kwargs is None:
-            return {}
-        flag = "--default-chat-template-kwargs"
-        try:
-            values = json.loads(self.default_chat_template_kwargs)
-        except ValueError as exc:
-            raise ValueError(f"{flag} must be a JSON object: {exc}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{flag} must be a JSON object such as '{{\"enable_thinking\": false}}'")
-        return values
+        return _json_object(self.default_chat_template_kwargs, "--default-chat-template-kwargs",
+                            '{"enable_thinking": false}')
 
     def generation_overrides(self) -> dict:
         """--override-generation-config as a dict of generation_config.json keys, each value
         in the range a request's field takes (ValueError naming what is wrong otherwise)."""
-        if self.override_generation_config is None:
-            return {}
         flag = "--override-generation-config"
-        try:
-            values = json.loads(self.override_generation_config)
-        except ValueError as exc:
-            raise ValueError(f"{flag} must be a JSON object: {exc}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{flag} must be a JSON object such as '{{\"temperature\": 0.5}}'")
+        values = _json_object(self.override_generation_config, flag, '{"temperature": 0.5}')
         for key, value in values.items():
             check = _GENERATION_KEYS.get(key)
             if check is None:
