@@ -343,10 +343,13 @@ impl ThinkingBudget {
 
     /// Inside the block after `n` tokens: closing once they reach the budget.
     fn enter(&mut self, n: u32) {
-        self.phase = if n >= self.budget { Phase::Closing(0) } else { Phase::Inside(n) };
-        if self.close.is_empty() && n >= self.budget {
-            self.phase = Phase::Done;
-        }
+        self.phase = if n < self.budget {
+            Phase::Inside(n)
+        } else if self.close.is_empty() {
+            Phase::Done // (nothing spells the close: there is nothing to force)
+        } else {
+            Phase::Closing(0)
+        };
     }
 
     fn keep_tail(&mut self, window: &[u8]) {
