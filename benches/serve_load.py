@@ -6,7 +6,9 @@
 
 Streams completions with `include_usage` and `ignore_eos` (fixed output lengths); output
 tokens are counted from `usage`. Prompts differ from each other (prefix caching would
-otherwise flatter the numbers). Prints request throughput, output and total token
+otherwise flatter the numbers). Before the measured requests, `--warmup N` (default 8) short
+requests of other prompts run untimed, over HTTP or offline alike, so a figure is the
+engine's steady state rather than its first allocations (`--warmup 0` measures a cold start). Prints request throughput, output and total token
 throughput, and TTFT / TPOT / ITL / E2EL as mean, median and p99.
 """
 
@@ -135,10 +137,22 @@ def generated_tokens(url: str) -> float | None:
     return sum(values) if values else None
 
 
-def run_offline(model: str | None, texts: list[str], max_tokens: int, threads: int | None) -> dict:
+def warmup_texts(n: int, words: int) -> list[str]:
+    """Prompts for the untimed warm-up: none shares a prefix block with the measured ones
+    (another seed, and "Warm-up" where those say "Request")."""
+    return [t.replace("Request", "Warm-up", 1) for t in prompts(n, words, seed=1)]
+
+
+WARMUP_TOKENS = 8
+
+
+def run_offline(model: str | None, texts: list[str], max_tokens: int, threads: int | None,
+                warmup: list[str] = ()) -> dict:
     from llmserve import LLM
 
     llm = LLM(model, threads=threads, max_model_len=2048, kv_cache_memory="1GiB")
+    if warmup:
+        llm.generate(list(warmup), {"max_tokens": WARMUP_TOKENS, "ignore_eos": True, "temperature": 0})
     start = time.perf_counter()
     results = llm.generate(texts, {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
     wall = time.perf_counter() - start
@@ -157,13 +171,15 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed short requests first (0: a cold start)")
     args = ap.parse_args()
 
     words, max_tokens, default_n = WORKLOADS.get(args.workload, WORKLOADS["load"])
     n = args.num_prompts or default_n
     texts = prompts(n, words)
     if args.workload == "offline":
-        print(orjson.dumps(run_offline(args.model, texts, max_tokens, args.threads),
+        warmup = warmup_texts(args.warmup, words)
+        print(orjson.dumps(run_offline(args.model, texts, max_tokens, args.threads, warmup),
                            option=orjson.OPT_INDENT_2).decode())
         return
 
@@ -180,6 +196,8 @@ def main() -> None:
         url = server.url
     try:
         model = args.served_name or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        if args.warmup:
+            asyncio.run(run_http(url, model, warmup_texts(args.warmup, words), WARMUP_TOKENS, args.warmup))
         for c in args.concurrency:
             before = generated_tokens(url)
             results, wall = asyncio.run(run_http(url, model, texts, max_tokens, c))
