@@ -46,7 +46,7 @@ VALID = {
         "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "stop_token_ids": [2],
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
             "type": "object", "properties": {"a": {"type": "integer"}}}}},
-        "chat_template_kwargs": {"a": 1}, "priority": 0, "parallel_tool_calls": True},
+        "chat_template_kwargs": {"a": 1}, "priority": 0, "parallel_tool_calls": True, "thinking_token_budget": 2},
     "/v1/completions": {
         "model": MODEL, "prompt": "Hello", "max_tokens": 4, "echo": True, "logprobs": 2, "n": 1, "best_of": 1,
         "stop": "x", "temperature": 1.0, "seed": 3, "logit_bias": {"7": -1}, "prompt_logprobs": 1},
@@ -62,7 +62,7 @@ VALID = {
         "model": MODEL, "max_tokens": 4, "system": "s", "stop_sequences": ["x"], "temperature": 0.5, "top_k": 3,
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
         "tools": [{"name": "w", "input_schema": {"type": "object", "properties": {"c": {"type": "string"}}}}],
-        "tool_choice": {"type": "auto"}},
+        "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 2}},
     "/tokenize": {"model": MODEL, "prompt": "hello", "add_special_tokens": True},
     "/detokenize": {"model": MODEL, "tokens": [1, 2, 3]},
     "/v1/score": {"model": MODEL, "text_1": "a", "text_2": ["b", "c"]},
