@@ -31,11 +31,59 @@ fn prepare_detects_the_parser_and_an_opened_block() {
     assert_eq!(chat(&forced, json!({})).unwrap().reasoning, plan(false));
     // Completions are never parsed.
     assert_eq!(completion(&r, json!({})).unwrap().reasoning, None);
-    // `reasoning_effort: "none"` asks for nothing only where no thinking comes (audit 79)
+}
+
+/// `reasoning_effort` reaches a template that reads it; `"none"` switches off a parsed think
+/// block that the template switches with `enable_thinking`; elsewhere it asks for nothing only
+/// where no thinking comes (audit 79), and is reported.
+#[test]
+fn reasoning_effort_reaches_the_template_or_is_reported() {
+    let ignored = |p: &llmserve_router::protocol::Prepared| header(p, "llmserve-ignored-fields").map(String::from);
+    let r = router_with(json!({}), Some(THINK_TEMPLATE));
     let none = json!({"reasoning_effort": "none"});
-    assert_eq!(header(&chat(&r, none.clone()).unwrap(), "llmserve-ignored-fields"), Some("reasoning_effort"));
+    let p = chat(&r, none.clone()).unwrap();
+    assert!(p.prompt_texts[0].ends_with("</think>\n\n"), "{:?}", p.prompt_texts[0]);
+    assert_eq!((p.reasoning, ignored(&p)), (plan(false), None));
+    // the request's own switch wins, and the thinking it asks for makes "none" unheeded
+    let on = json!({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}});
+    let p = chat(&r, on).unwrap();
+    assert_eq!((p.reasoning, ignored(&p).as_deref()), (plan(true), Some("reasoning_effort")));
     let closed = json!({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": false}});
-    assert_eq!(header(&chat(&r, closed).unwrap(), "llmserve-ignored-fields"), None);
+    assert_eq!(ignored(&chat(&r, closed).unwrap()), None);
+    // over a server default that turns thinking on
+    let default_on =
+        router_with(json!({"default_chat_template_kwargs": {"enable_thinking": true}}), Some(THINK_TEMPLATE));
+    assert_eq!(chat(&default_on, none.clone()).unwrap().reasoning, plan(false));
+    // a level is no switch: the template thinks as it would, and the level is reported
+    for level in ["low", "high", "minimal"] {
+        let p = chat(&r, json!({"reasoning_effort": level})).unwrap();
+        assert_eq!((p.reasoning, ignored(&p).as_deref()), (plan(true), Some("reasoning_effort")), "{level}");
+    }
+    // a think block the template cannot switch: "none" is reported
+    let unswitched = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n";
+    let p = chat(&router_with(json!({}), Some(unswitched)), none.clone()).unwrap();
+    assert_eq!((p.reasoning, ignored(&p).as_deref()), (plan(true), Some("reasoning_effort")));
+    // no thinking at all: "none" asks for what comes, a level is reported
+    assert_eq!(ignored(&chat(&router(), none.clone()).unwrap()), None);
+    assert_eq!(
+        ignored(&chat(&router(), json!({"reasoning_effort": "low"})).unwrap()).as_deref(),
+        Some("reasoning_effort")
+    );
+    // a template that reads it (gpt-oss's does) gets it, every level, over a kwarg of its name
+    let reads = "{% for m in messages %}{{ m.content }}{% endfor %} effort={{ reasoning_effort | default('unset') }}";
+    let r = router_with(json!({}), Some(reads));
+    for level in ["none", "low", "high", "xhigh"] {
+        let p =
+            chat(&r, json!({"reasoning_effort": level, "chat_template_kwargs": {"reasoning_effort": "kw"}})).unwrap();
+        assert!(p.prompt_texts[0].ends_with(&format!("effort={level}")), "{:?}", p.prompt_texts[0]);
+        assert_eq!(ignored(&p), None);
+    }
+    let p = chat(&r, json!({"chat_template_kwargs": {"reasoning_effort": "kw"}})).unwrap();
+    assert!(p.prompt_texts[0].ends_with("effort=kw"), "{:?}", p.prompt_texts[0]);
+    assert!(chat(&r, json!({"reasoning_effort": null})).unwrap().prompt_texts[0].ends_with("effort=unset"));
+    assert_eq!(shape(chat(&r, json!({"reasoning_effort": 5}))), (400, "invalid_type", Some("reasoning_effort".into())));
+    let strict = router_with(json!({"strict_fields": true}), Some(reads));
+    chat(&strict, json!({"reasoning_effort": "high"})).unwrap();
 }
 
 #[test]

@@ -754,10 +754,34 @@ fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
     assert_eq!(header(&responses(&router(), image).unwrap(), "llmserve-ignored-fields"), None);
     let image = json!({"input": "hello", "image": {"context_compression": "off"}});
     assert_eq!(header(&responses(&router(), image).unwrap(), "llmserve-ignored-fields"), Some("image"));
+    // a think block the template switches: "none" switches it off
     let think = router_with(json!({}), Some(THINK_TEMPLATE));
-    let p = responses(&think, none).unwrap();
+    let p = responses(&think, none.clone()).unwrap();
+    assert!(p.prompt_texts[0].ends_with("</think>\n\n"), "{:?}", p.prompt_texts[0]);
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // one it cannot switch: reported, in the Responses request's terms
+    let unswitched =
+        router_with(json!({"reasoning_parser": "think"}), Some("{% for m in messages %}{{ m.content }}{% endfor %}"));
+    let p = responses(&unswitched, none).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning.effort"));
+    let high = json!({"input": "hello", "reasoning": {"effort": "high", "summary": "auto"}});
+    let p = responses(&think, high.clone()).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning.effort, reasoning.summary"));
     let strict = router_with(json!({"strict_fields": true}), Some(THINK_TEMPLATE));
-    let e = responses(&strict, json!({"input": "hello", "reasoning": {"effort": "none"}})).unwrap_err();
+    let e = responses(&strict, high).unwrap_err();
+    assert_eq!(e.param(), Some("reasoning.summary"));
+    let e = responses(&strict, json!({"input": "hello", "reasoning": {"effort": "high"}})).unwrap_err();
     assert_eq!(e.param(), Some("reasoning.effort"));
+    let e = responses(&think, json!({"input": "hello", "reasoning": {"effort": 5}})).unwrap_err();
+    assert_eq!((e.status(), e.param()), (400, Some("reasoning.effort")));
+    // a template that reads it gets it
+    let reads =
+        router_with(json!({}), Some("{% for m in messages %}{{ m.content }}{% endfor %}:{{ reasoning_effort }}"));
+    let p = responses(&reads, json!({"input": "hello", "reasoning": {"effort": "low"}})).unwrap();
+    assert!(p.prompt_texts[0].ends_with(":low"), "{:?}", p.prompt_texts[0]);
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // chat's name for it is no Responses field
+    let p = responses(&reads, json!({"input": "hello", "reasoning_effort": "low"})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning_effort"));
+    assert!(p.prompt_texts[0].ends_with(':'), "{:?}", p.prompt_texts[0]);
 }

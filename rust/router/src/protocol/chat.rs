@@ -18,6 +18,7 @@ use super::common::{
 use super::{constrained, Checked, Endpoint, Prepared};
 use crate::content_format::ContentFormat;
 use crate::error::ApiError;
+use crate::reasoning::ReasoningParser;
 use crate::router::Router;
 use crate::structured::GrammarSource;
 use crate::template::{ChatTemplate, RenderInput, Rendered};
@@ -88,6 +89,37 @@ pub(crate) fn generation_flags(add: Option<bool>, cont: Option<bool>) -> Result<
         ));
     }
     Ok((add, cont))
+}
+
+/// Whether `template` switches a think block that is parsed out of the output with its
+/// `enable_thinking` variable (Qwen3's), so a request's switch for thinking can set it.
+pub(crate) fn switches_thinking(router: &Router, template: &ChatTemplate) -> bool {
+    let parsed = router.config.reasoning_parser.unwrap_or_else(|| ReasoningParser::detect(template.source()));
+    template.reads("enable_thinking") && parsed == ReasoningParser::Think
+}
+
+/// The template kwargs that carry out `reasoning_effort` (the request's `chat_template_kwargs`
+/// beside them), or None when it asks for nothing `template` can do:
+/// - a template that reads `reasoning_effort` gets it, over a kwarg of that name (as vLLM
+///   passes it; gpt-oss's template reads it);
+/// - `"none"` on a template that switches a parsed think block with `enable_thinking` sets it
+///   false, unless the request's own kwargs set it (as Anthropic's `thinking: disabled` does).
+fn effort_kwargs(
+    router: &Router,
+    template: &ChatTemplate,
+    value: &Value,
+    kwargs: Option<&Map<String, Value>>,
+) -> Option<Map<String, Value>> {
+    let effort = value.get("reasoning_effort")?.as_str()?;
+    let mut all = kwargs.cloned().unwrap_or_default();
+    if template.reads("reasoning_effort") {
+        all.insert("reasoning_effort".into(), Value::from(effort));
+    } else if effort == "none" && switches_thinking(router, template) && !all.contains_key("enable_thinking") {
+        all.insert("enable_thinking".into(), Value::Bool(false));
+    } else {
+        return None;
+    }
+    Some(all)
 }
 
 /// Renders through the template chosen by whether tools are rendered.
@@ -1061,18 +1093,21 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     }
     let (add_generation_prompt, continue_final_message) =
         generation_flags(chat.add_generation_prompt, chat.continue_final_message)?;
+    let effort = template.and_then(|t| effort_kwargs(router, t, value, chat.chat_template_kwargs.as_ref()));
+    if effort.is_some() {
+        ignored.retain(|k| k != "reasoning_effort");
+    }
     let input = ChatRender {
         messages: &value["messages"],
         tools: if with_tools { value.get("tools") } else { None },
         documents: value.get("documents").filter(|d| !d.is_null()),
         add_generation_prompt,
         continue_final_message,
-        kwargs: chat.chat_template_kwargs.as_ref(),
+        kwargs: effort.as_ref().or(chat.chat_template_kwargs.as_ref()),
     };
     let (rendered, template) = render(router, &input)?;
     ignored.extend(unread_message_keys(&rendered));
-    let mut reasoning =
-        crate::reasoning::ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
+    let mut reasoning = ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     if let Some(budget) = chat.thinking_token_budget {
         match reasoning.as_mut() {
             Some(plan) if params.beam_search.is_none() => plan.budget = Some(budget),

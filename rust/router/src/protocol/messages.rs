@@ -61,7 +61,6 @@ use super::common::{
 };
 use super::{chat, Checked, Endpoint, Handled};
 use crate::error::ApiError;
-use crate::reasoning::ReasoningParser;
 use crate::router::Router;
 
 mod rules;
@@ -635,9 +634,8 @@ fn enable_thinking(router: &Router, obj: &Map<String, Value>, with_tools: bool) 
         _ => return None,
     };
     let template = router.templates().select(with_tools)?;
-    let parsed = router.config.reasoning_parser.unwrap_or_else(|| ReasoningParser::detect(template.source()));
     let sent = set(obj, "chat_template_kwargs").and_then(|k| k.get("enable_thinking")).is_some();
-    (template.reads("enable_thinking") && parsed == ReasoningParser::Think && !sent).then_some(on)
+    (super::chat::switches_thinking(router, template) && !sent).then_some(on)
 }
 
 /// The keys of a block (a tool, a system block) that mean nothing here, with its

@@ -302,6 +302,7 @@ impl Origins {
             "tool_choice.function.name" => "tool_choice.name".into(),
             "tool_choice.function" => "tool_choice".into(),
             "logprobs" => "include".into(),
+            "reasoning_effort" => "reasoning.effort".into(),
             other => other.into(),
         }
     }
@@ -1067,13 +1068,13 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         }
         ignored.extend(unknown_keys_in(text_obj, &["format", "verbosity"], "text"));
     }
-    // (`effort: "none"` asks for nothing where no thinking comes: settled once the chat
-    // request's reasoning is known, below)
-    let mut effort_none = false;
     if let Some(reasoning) = set(obj, "reasoning") {
         let r = as_object(reasoning, "reasoning", "`reasoning`")?;
-        effort_none = r.get("effort") == Some(&json!("none"));
-        let asks = |(k, v): &(&String, &Value)| !(v.is_null() || (effort_none && k.as_str() == "effort"));
+        // (chat's `reasoning_effort`, which says whether it did anything; reported as ours)
+        if let Some(effort) = set(r, "effort") {
+            chat.insert("reasoning_effort".into(), effort.clone());
+        }
+        let asks = |(k, v): &(&String, &Value)| !v.is_null() && k.as_str() != "effort";
         ignored.extend(r.iter().filter(asks).map(|(k, _)| format!("reasoning.{k}")));
     }
     if let Some(options) = set(obj, "stream_options") {
@@ -1098,7 +1099,12 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         ignored.push("max_tool_calls".into());
     }
 
-    const OWN: [&str; 19] = [
+    // (chat's name for `reasoning.effort`, not a Responses field)
+    if set(obj, "reasoning_effort").is_some() {
+        ignored.push("reasoning_effort".into());
+    }
+    const OWN: [&str; 20] = [
+        "reasoning_effort",
         "input",
         "instructions",
         "max_output_tokens",
@@ -1172,14 +1178,8 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         done => done?,
     };
 
-    let thinks = checked.prepared.reasoning.is_some()
-        && !checked.prepared.prompt_texts.first().is_some_and(|t| crate::reasoning::prompt_closes(t));
-    let late = settle_ignored(
-        if effort_none && thinks { vec!["reasoning.effort".to_string()] } else { Vec::new() },
-        router.config.strict_fields,
-    )?;
     let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
-    let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).chain(late).collect();
+    let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
     let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
     checked.adopt(all, Endpoint::Responses, "resp", named);
     let prepared = &mut checked.prepared;
