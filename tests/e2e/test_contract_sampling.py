@@ -557,3 +557,97 @@ def test_a_stop_string_cuts_a_beam_as_it_cuts_a_sample(tiny_server):
     cut = _ok(tiny_server, "/v1/completions", {**request, "stop": [stop]})["choices"][0]
     assert cut["text"] == full[:full.index(stop)]
     assert cut["finish_reason"] == "stop"
+
+
+# vLLM's `repetition_detection`: a choice ends once its output ends in `min_count` back-to-back
+# copies of one pattern of `min_pattern_size..max_pattern_size` tokens.
+
+def _repetition_end(ids: list[int], smallest: int, largest: int, count: int, min_tokens: int = 0) -> int | None:
+    """How many of `ids` a choice keeps under the rule (vLLM's check after each token), or
+    None when it never fires."""
+    for n in range(max(min_tokens, 1), len(ids) + 1):
+        for k in range(max(smallest, 1), largest + 1):
+            if k * count > n:
+                break
+            tail = ids[n - k * count:n]
+            if all(t == tail[i % k] for i, t in enumerate(tail)):
+                return n
+    return None
+
+
+def test_repetition_detection_cuts_greedy_loops_where_an_independent_check_does(tiny_server):
+    rule = {"min_pattern_size": 1, "max_pattern_size": 8, "min_count": 3}
+    fired = 0
+    for prompt in ("The quick brown", "a b c", "Once upon a time", "1 2 3 4", "hello there"):
+        body = {"prompt": prompt, "max_tokens": 96, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        free = _ok(tiny_server, "/v1/completions", body)["choices"][0]
+        end = _repetition_end(free["token_ids"], 1, 8, 3)
+        r = _post(tiny_server, "/v1/completions", {**body, "repetition_detection": rule})
+        assert r.status_code == 200 and "llmserve-ignored-fields" not in r.headers
+        cut = r.json()["choices"][0]
+        if end is None:
+            assert (cut["finish_reason"], cut["token_ids"]) == ("length", free["token_ids"])
+            continue
+        fired += 1
+        # the repeated tokens are kept, up to the one that completed the repetition
+        assert cut["token_ids"] == free["token_ids"][:end], (prompt, end)
+        assert (cut["finish_reason"], cut["stop_reason"]) == ("repetition", "repetition_detected")
+        assert free["text"].startswith(cut["text"])
+        assert r.json()["usage"]["completion_tokens"] == end
+        chunks = _stream_chunks(tiny_server, "/v1/completions", {**body, "repetition_detection": rule})
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == cut["text"]
+        assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["repetition"]
+    assert fired, "no greedy output of the tiny model looped: the test checks nothing"
+
+
+def test_repetition_detection_on_chat_with_min_tokens_and_n(client, tiny_server):
+    token = _tokenize(tiny_server, "a")[0]
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+    one = {"allowed_token_ids": [token], "return_token_ids": True}
+    rule = {"max_pattern_size": 1, "min_count": 5}
+    r = client.chat.completions.create(**base, extra_body={**one, "repetition_detection": rule})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("repetition", 5)
+    assert r.choices[0].model_extra["stop_reason"] == "repetition_detected"
+    # a run of one token is also a run of its pairs: three pairs take six tokens
+    pairs = {"min_pattern_size": 2, "max_pattern_size": 2, "min_count": 3}
+    r = client.chat.completions.create(**base, extra_body={**one, "repetition_detection": pairs})
+    assert r.usage.completion_tokens == 6
+    # not before min_tokens (as vLLM, which checks nothing earlier)
+    r = client.chat.completions.create(**base, extra_body={**one, "repetition_detection": rule, "min_tokens": 9})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("repetition", 9)
+    # max_tokens on the same token wins
+    r = client.chat.completions.create(**{**base, "max_tokens": 5}, extra_body={**one, "repetition_detection": rule})
+    assert r.choices[0].finish_reason == "length"
+    # each sampled choice is watched on its own; streamed alike
+    r = client.chat.completions.create(**base, n=3, temperature=1.0, seed=3,
+                                       extra_body={**one, "repetition_detection": rule})
+    assert [(c.finish_reason, len(c.model_extra["token_ids"])) for c in r.choices] == [("repetition", 5)] * 3
+    stream = client.chat.completions.create(**base, n=2, stream=True, extra_body={**one, "repetition_detection": rule})
+    ends = [(c.index, c.finish_reason, c.model_extra.get("stop_reason")) for chunk in stream for c in chunk.choices
+            if c.finish_reason]
+    assert sorted(ends) == [(0, "repetition", "repetition_detected"), (1, "repetition", "repetition_detected")]
+    load = httpx.get(tiny_server.url + "/load", timeout=10).json()
+    assert (load["running"], load["waiting"], load["kv_blocks_used"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/completions", {"prompt": "a", "repetition_detection": {"min_pattern_size": 2}},
+     "repetition_detection.min_pattern_size"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "repetition_detection": {"max_pattern_size": 4, "min_count": 1}},
+     "repetition_detection.min_count"),
+    ("/v1/completions", {"prompt": "a", "repetition_detection": {"max_pattern_size": -1}},
+     "repetition_detection.max_pattern_size"),
+    ("/v1/completions", {"prompt": "a", "repetition_detection": [4, 2]}, "repetition_detection"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "use_beam_search": True,
+                         "repetition_detection": {"max_pattern_size": 4, "min_count": 2}}, "repetition_detection"),
+    ("/v1/responses", {"input": "a", "repetition_detection": {"max_pattern_size": 4, "min_count": 2}},
+     "repetition_detection"),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "a"}],
+                      "repetition_detection": {"max_pattern_size": 4, "min_count": 2}}, "repetition_detection"),
+])
+def test_repetition_detection_is_checked(tiny_server, route, body, param):
+    r = _post(tiny_server, route, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error

@@ -49,7 +49,8 @@ VALID = {
         "chat_template_kwargs": {"a": 1}, "priority": 0, "parallel_tool_calls": True, "thinking_token_budget": 2},
     "/v1/completions": {
         "model": MODEL, "prompt": "Hello", "max_tokens": 4, "echo": True, "logprobs": 2, "n": 1, "best_of": 1,
-        "stop": "x", "temperature": 1.0, "seed": 3, "logit_bias": {"7": -1}, "prompt_logprobs": 1},
+        "stop": "x", "temperature": 1.0, "seed": 3, "logit_bias": {"7": -1}, "prompt_logprobs": 1,
+        "repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 1, "min_count": 2}},
     "/v1/responses": {
         "model": MODEL, "max_output_tokens": 4, "instructions": "be",
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],

@@ -19,6 +19,7 @@ pub mod json_guard;
 pub mod lora;
 pub mod protocol;
 pub mod reasoning;
+pub mod repetition;
 pub mod response;
 pub mod response_store;
 pub mod router;

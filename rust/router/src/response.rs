@@ -53,6 +53,8 @@ pub enum FinishReason {
     Stop,
     Length,
     ToolCalls,
+    /// vLLM's `repetition_detection` ended it (`crate::repetition`).
+    Repetition,
 }
 
 impl FinishReason {
@@ -61,6 +63,7 @@ impl FinishReason {
             Self::Stop => "stop",
             Self::Length => "length",
             Self::ToolCalls => "tool_calls",
+            Self::Repetition => "repetition",
         }
     }
 }
@@ -1273,8 +1276,8 @@ impl ResponseBuilder {
     /// cut off, must hold JSON arguments, or (under "auto") the whole text is the content.
     fn resolved<'s>(&self, c: &'s ChoiceState) -> (&'s str, &'s [ToolCall], Option<FinishReason>) {
         let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
-        let cut =
-            c.finish == Some(FinishReason::Length) || (c.finish == Some(FinishReason::Stop) && c.stop_reason.is_some());
+        let cut = matches!(c.finish, Some(FinishReason::Length | FinishReason::Repetition))
+            || (c.finish == Some(FinishReason::Stop) && c.stop_reason.is_some());
         let broken = !forced && c.tool_calls.iter().any(|t| (t.ended || !cut) && !t.parses());
         if broken {
             let finish = c.finish.map(|f| if f == FinishReason::ToolCalls { FinishReason::Stop } else { f });

@@ -35,6 +35,7 @@ fn params(n: u32, logprobs: Option<u32>) -> SamplingParams {
         allowed_token_ids: None,
         beam_search: None,
         logprobs,
+        repetition: None,
     }
 }
 

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use super::{BeamSearch, SamplingParams};
 use crate::error::ApiError;
+use crate::repetition::RepetitionDetection;
 use crate::router::RouterConfig;
 use crate::tokenizer::Tokenizer;
 
@@ -253,6 +254,8 @@ pub struct CommonFields {
     pub logit_bias: Option<BTreeMap<String, f64>>,
     /// vLLM's: words whose tokens are never generated in that order.
     pub bad_words: Option<Value>,
+    /// vLLM's: `{max_pattern_size, min_pattern_size, min_count}`
+    pub repetition_detection: Option<Value>,
     /// vLLM's: the only tokens that may be generated.
     pub allowed_token_ids: Option<Vec<u32>>,
     /// vLLM's: beam search over `n` beams instead of sampling.
@@ -459,6 +462,14 @@ impl CommonFields {
         }
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
         let bad_words = bad_words(self.bad_words.as_ref(), tokenizer)?;
+        let repetition = RepetitionDetection::parse(self.repetition_detection.as_ref(), &mut inert)?;
+        if repetition.is_some() && beam_search.is_some() {
+            return Err(unsupported(
+                "repetition_detection",
+                "`use_beam_search` cannot be combined with `repetition_detection`: beams are ranked to the \
+                 end, and one cut short by a repetition could not be ranked with the others.",
+            ));
+        }
         let allowed_token_ids = match self.allowed_token_ids {
             None => None,
             // (vLLM refuses an empty list too: nothing could be generated)
@@ -566,6 +577,7 @@ impl CommonFields {
             allowed_token_ids,
             beam_search,
             logprobs: None,
+            repetition,
         };
         Ok(Common {
             model: self.model,

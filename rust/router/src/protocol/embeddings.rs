@@ -297,5 +297,6 @@ fn prompt_only_params() -> SamplingParams {
         allowed_token_ids: None,
         beam_search: None,
         logprobs: None,
+        repetition: None,
     }
 }

@@ -66,7 +66,7 @@ use crate::router::Router;
 mod rules;
 
 /// OpenAI fields, and what to send to this route instead.
-const OPENAI_ONLY: [(&str, &str); 15] = [
+const OPENAI_ONLY: [(&str, &str); 16] = [
     ("max_completion_tokens", "send `max_tokens`"),
     ("stop", "send `stop_sequences`"),
     ("response_format", "send `output_config.format`"),
@@ -80,6 +80,10 @@ const OPENAI_ONLY: [(&str, &str); 15] = [
     ("return_token_ids", "a `message` has no token ids"),
     ("return_tokens_as_token_ids", "a `message` has no logprobs"),
     ("echo", "the Messages API has no echo"),
+    (
+        "repetition_detection",
+        "a `message`'s `stop_reason` has no value for a repetition (vLLM's field is on chat and completions)",
+    ),
     ("stream_options", "a Messages stream always ends with the message's usage"),
     ("continuous_usage_stats", "a Messages stream always ends with the message's usage"),
 ];

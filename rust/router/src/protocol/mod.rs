@@ -269,6 +269,8 @@ pub struct SamplingParams {
     pub beam_search: Option<BeamSearch>,
     /// None: no logprobs; Some(k): chosen token + k top alternatives.
     pub logprobs: Option<u32>,
+    /// vLLM's `repetition_detection`: the choice ends once its output loops. None: off.
+    pub repetition: Option<crate::repetition::RepetitionDetection>,
 }
 
 /// vLLM's beam search. Each step ranks, for every beam, its `2 * n` likeliest next tokens by

@@ -858,7 +858,8 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
             return Err(unsupported(key, format!("`{key}` is a Chat Completions field: {why}.")));
         }
     }
-    for key in ["return_token_ids", "prompt_logprobs"] {
+    // (a `response`'s status has no value for vLLM's "repetition" finish either)
+    for key in ["return_token_ids", "prompt_logprobs", "repetition_detection"] {
         if set(obj, key).is_some_and(|v| *v != Value::Bool(false)) {
             return Err(unsupported(
                 key,
