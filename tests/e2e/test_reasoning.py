@@ -133,6 +133,17 @@ def test_thinking_is_split_from_content(think_server):
     held = _post(think_server, "/v1/chat/completions", {**body, "stop": ["</answer>"]}).json()
     assert held["choices"][0]["message"] == msg
     assert held["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
+    # vLLM's include_reasoning: false returns the same answer without its thinking, which
+    # still counts; the logprobs list the answer's tokens alone
+    hidden = {**body, "include_reasoning": False}
+    resp = _post(think_server, "/v1/chat/completions", {**hidden, "logprobs": True})
+    assert "llmserve-ignored-fields" not in resp.headers
+    quiet = resp.json()
+    assert quiet["choices"][0]["message"] == {**msg, "reasoning": None, "reasoning_content": None}
+    assert quiet["usage"] == r["usage"]
+    # (the answer's tokens: those after the one that closed the block)
+    assert len(quiet["choices"][0]["logprobs"]["content"]) == 12 - thinking - 1
+    assert _stream(think_server, hidden) == ("", after, usage)
 
 
 def test_unterminated_thinking_is_all_reasoning(think_server):

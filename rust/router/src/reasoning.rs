@@ -57,7 +57,9 @@ impl ReasoningParser {
     pub fn plan(configured: Option<Self>, template_source: &str, prompt: &str) -> Option<ReasoningPlan> {
         match configured.unwrap_or_else(|| Self::detect(template_source)) {
             Self::Off => None,
-            parser @ Self::Think => Some(ReasoningPlan { parser, prompt_opened: prompt_opens(prompt), budget: None }),
+            parser @ Self::Think => {
+                Some(ReasoningPlan { parser, prompt_opened: prompt_opens(prompt), budget: None, hidden: false })
+            }
         }
     }
 }
@@ -81,6 +83,9 @@ pub struct ReasoningPlan {
     pub prompt_opened: bool,
     /// `thinking_token_budget`: the most tokens a choice may think ([`ThinkingBudget`]).
     pub budget: Option<u32>,
+    /// `include_reasoning: false` (vLLM's): the thinking is split off the content, counted in
+    /// usage, and not returned (neither its text nor its tokens' logprobs).
+    pub hidden: bool,
 }
 
 /// What a push or the finish produced, in order: reasoning comes before content.
@@ -375,7 +380,7 @@ mod tests {
     use super::*;
 
     fn plan(prompt_opened: bool) -> ReasoningPlan {
-        ReasoningPlan { parser: ReasoningParser::Think, prompt_opened, budget: None }
+        ReasoningPlan { parser: ReasoningParser::Think, prompt_opened, budget: None, hidden: false }
     }
 
     /// Runs `pieces` through a splitter and finishes it.

@@ -457,6 +457,8 @@ struct ChoiceState {
 pub struct ResponseBuilder {
     tokenizer: Arc<Tokenizer>,
     chat: bool,
+    /// `include_reasoning: false`: the thinking is split off and counted, never sent.
+    hide_reasoning: bool,
     id: String,
     created: u64,
     model: String,
@@ -578,6 +580,7 @@ impl ResponseBuilder {
             } else {
                 Vec::new()
             },
+            hide_reasoning: prepared.reasoning.is_some_and(|p| p.hidden) && chat,
             choices: (0..count)
                 .map(|_| ChoiceState {
                     parser: prepared.tools.as_ref().map(ToolParsing::parser),
@@ -877,9 +880,10 @@ impl ResponseBuilder {
                     self.push_reasoning(choice, &split.reasoning);
                 }
                 // A Responses message's logprobs cover its text alone (the reasoning item has
-                // none); chat's list every token, as vLLM's.
-                let tokens = match (&self.responses, &self.choices[idx].reasoning) {
-                    (Some(_), Some(r)) => {
+                // none), as do those of chat's hidden thinking; chat's list every token, as vLLM's.
+                let text_only = self.responses.is_some() || self.hide_reasoning;
+                let tokens = match &self.choices[idx].reasoning {
+                    Some(r) if text_only => {
                         content_tokens = delta.tokens.iter().filter(|t| r.in_content(t.text_offset)).cloned().collect();
                         &content_tokens[..]
                     }
@@ -903,7 +907,8 @@ impl ResponseBuilder {
         if self.whole {
             self.choices[idx].reasoning_text.push_str(text);
         }
-        if !self.stream {
+        // (hidden: its ids and usage go out with the next chunk that does)
+        if !self.stream || self.hide_reasoning {
             return;
         }
         let first = !self.choices[idx].started;
@@ -1431,10 +1436,9 @@ impl ResponseBuilder {
                 .enumerate()
                 .map(|(i, c)| {
                     let (text, calls, finish) = self.resolved(c);
-                    let reasoning = c
-                        .reasoning
-                        .is_some()
-                        .then(|| (!c.reasoning_text.is_empty()).then_some(c.reasoning_text.as_str()));
+                    let reasoning = c.reasoning.is_some().then(|| {
+                        (!c.reasoning_text.is_empty() && !self.hide_reasoning).then_some(c.reasoning_text.as_str())
+                    });
                     ChatChoice {
                         index: i as u32,
                         message: Message {

@@ -352,6 +352,14 @@ fn fields_without_effect_are_reported_in_the_messages_terms() {
              messages[2].content[0].is_error, messages[2].content[0].tool_use_id, metadata.tier, service_tier, thinking"
         )
     );
+    // vLLM's chat switch for the thinking: a message returns it as its blocks
+    let think = router_with(json!({}), Some(THINK_TEMPLATE));
+    let hello = json!([{"role": "user", "content": "hello"}]);
+    let p = messages(&think, json!({"messages": hello, "include_reasoning": false})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("include_reasoning"));
+    assert!(!p.reasoning.unwrap().hidden);
+    let p = messages(&think, json!({"messages": hello, "include_reasoning": true})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
     // what asks for nothing is not reported
     let p = messages(
         &r,

@@ -12,7 +12,7 @@ use protocol_fixture::*;
 use serde_json::{json, Value};
 
 fn plan(opened: bool) -> Option<ReasoningPlan> {
-    Some(ReasoningPlan { parser: ReasoningParser::Think, prompt_opened: opened, budget: None })
+    Some(ReasoningPlan { parser: ReasoningParser::Think, prompt_opened: opened, budget: None, hidden: false })
 }
 
 #[test]
@@ -255,4 +255,67 @@ fn without_a_parser_the_message_has_no_reasoning_field() {
     assert!(body["choices"][0]["message"].get("reasoning_content").is_none());
     assert!(body["choices"][0]["message"].get("reasoning").is_none());
     assert_eq!(body["choices"][0]["message"]["content"], "<think>a</think>b");
+}
+
+/// Runs `pieces` (one token each, with their offsets; the last finishes) through the builder
+/// of a chat request with `extra` on the think template (the prompt opens the block).
+fn run_request(extra: Value, pieces: &[&str]) -> Vec<u8> {
+    let r = router_with(json!({}), Some(THINK_TEMPLATE));
+    let p = chat(&r, extra).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    let (mut out, mut offset) = (Vec::new(), 0);
+    for (i, piece) in pieces.iter().enumerate() {
+        let finish = (i + 1 == pieces.len()).then_some(FinishReason::Length);
+        let token = TokenOut { id: i as u32, logprob: -0.5, top: vec![], text_offset: offset };
+        b.push(0, &ChoiceDelta { text: piece, tokens: &[token], ids: &[i as u32], finish, stop_reason: None });
+        offset += piece.chars().count();
+        out.extend(b.take());
+    }
+    out.extend(b.finish());
+    out
+}
+
+#[test]
+fn include_reasoning_false_counts_the_thinking_and_returns_none_of_it() {
+    let pieces = ["let me", " see", "</think>", "\n\nIt", " is 4."];
+    let hidden = json!({"include_reasoning": false, "logprobs": true});
+    let p = chat(&router_with(json!({}), Some(THINK_TEMPLATE)), hidden.clone()).unwrap();
+    assert_eq!((p.reasoning.map(|r| r.hidden), header(&p, "llmserve-ignored-fields")), (Some(true), None));
+    let body: Value = serde_json::from_slice(&run_request(hidden.clone(), &pieces)).unwrap();
+    let choice = &body["choices"][0];
+    assert_eq!(
+        (&choice["message"]["reasoning"], &choice["message"]["reasoning_content"]),
+        (&Value::Null, &Value::Null)
+    );
+    assert_eq!(choice["message"]["content"], "\n\nIt is 4.");
+    // the thinking's tokens (and the close) are counted, not listed
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+    assert_eq!(body["usage"]["completion_tokens_details"]["reasoning_tokens"], 2);
+    assert_eq!(choice["logprobs"]["content"].as_array().unwrap().len(), 2, "{}", choice["logprobs"]);
+    // shown, the same request lists every token
+    let shown: Value = serde_json::from_slice(&run_request(json!({"logprobs": true}), &pieces)).unwrap();
+    assert_eq!(shown["choices"][0]["message"]["reasoning"], "let me see");
+    assert_eq!(shown["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), 5);
+    // streamed: no chunk holds thinking, the role comes with the first content, usage alike
+    let stream = json!({"include_reasoning": false, "stream": true, "stream_options": {"include_usage": true}});
+    let (reasoning, content, tokens, chunks) = streamed(&run_request(stream, &pieces));
+    assert_eq!((reasoning.as_str(), content.as_str(), tokens), ("", "\n\nIt is 4.", 5));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let deltas = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap().iter().map(|ch| &ch["delta"]));
+    assert!(deltas.all(|d| d.get("reasoning").is_none() && d.get("reasoning_content").is_none()), "{chunks:?}");
+    // cut off while thinking: nothing to say, content null as when the thinking is shown
+    let body: Value = serde_json::from_slice(&run_request(hidden, &["let me", " see"])).unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], Value::Null);
+    // true, or no parser to split the thinking off: nothing to hide, nothing reported
+    assert!(
+        !chat(&router_with(json!({}), Some(THINK_TEMPLATE)), json!({"include_reasoning": true}))
+            .unwrap()
+            .reasoning
+            .unwrap()
+            .hidden
+    );
+    let p = chat(&router(), json!({"include_reasoning": false})).unwrap();
+    assert_eq!((p.reasoning, header(&p, "llmserve-ignored-fields")), (None, None));
+    let (status, _, param) = shape(chat(&router(), json!({"include_reasoning": "no"})));
+    assert_eq!((status, param.as_deref()), (400, Some("include_reasoning")));
 }

@@ -780,6 +780,12 @@ fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
     let p = responses(&reads, json!({"input": "hello", "reasoning": {"effort": "low"}})).unwrap();
     assert!(p.prompt_texts[0].ends_with(":low"), "{:?}", p.prompt_texts[0]);
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    // nor is vLLM's chat switch for the thinking (a response has its reasoning item)
+    let p = responses(&think, json!({"input": "hello", "include_reasoning": false})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("include_reasoning"));
+    assert!(!p.reasoning.unwrap().hidden);
+    let p = responses(&think, json!({"input": "hello", "include_reasoning": true})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
     // chat's name for it is no Responses field
     let p = responses(&reads, json!({"input": "hello", "reasoning_effort": "low"})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning_effort"));

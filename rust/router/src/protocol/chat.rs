@@ -60,6 +60,8 @@ pub struct ChatFields {
     /// vLLM's: the most tokens each choice may think before its think block is closed for
     /// it ([`crate::reasoning::ThinkingBudget`]).
     pub thinking_token_budget: Option<u32>,
+    /// vLLM's: false leaves the thinking out of the answer
+    pub include_reasoning: Option<bool>,
     /// Per-request templates are refused (see `prepare`).
     pub chat_template: Option<Value>,
     #[serde(flatten)]
@@ -1108,6 +1110,10 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     let (rendered, template) = render(router, &input)?;
     ignored.extend(unread_message_keys(&rendered));
     let mut reasoning = ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
+    // (false without a parser asks for what happens: no thinking is returned)
+    if let (Some(false), Some(plan)) = (chat.include_reasoning, reasoning.as_mut()) {
+        plan.hidden = true;
+    }
     if let Some(budget) = chat.thinking_token_budget {
         match reasoning.as_mut() {
             Some(plan) if params.beam_search.is_none() => plan.budget = Some(budget),

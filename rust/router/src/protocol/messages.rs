@@ -738,7 +738,13 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
     rules::check_turns(obj, tools.is_some())?;
     ignored.extend(conv.ignored.iter().cloned());
 
-    const OWN: [&str; 13] = [
+    // (vLLM's chat switch for returning the thinking: a message returns it as its `thinking`
+    // blocks)
+    if set(obj, "include_reasoning").is_some_and(|v| *v != Value::Bool(true)) {
+        ignored.push("include_reasoning".into());
+    }
+    const OWN: [&str; 14] = [
+        "include_reasoning",
         "messages",
         "system",
         "max_tokens",

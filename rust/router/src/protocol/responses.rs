@@ -1100,12 +1100,17 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         ignored.push("max_tool_calls".into());
     }
 
-    // (chat's name for `reasoning.effort`, not a Responses field)
+    // (chat's name for `reasoning.effort`, and vLLM's chat switch for returning the thinking,
+    // which a response returns as its reasoning item: no Responses fields)
     if set(obj, "reasoning_effort").is_some() {
         ignored.push("reasoning_effort".into());
     }
-    const OWN: [&str; 20] = [
+    if set(obj, "include_reasoning").is_some_and(|v| *v != Value::Bool(true)) {
+        ignored.push("include_reasoning".into());
+    }
+    const OWN: [&str; 21] = [
         "reasoning_effort",
+        "include_reasoning",
         "input",
         "instructions",
         "max_output_tokens",
