@@ -301,7 +301,7 @@ fn include_reasoning_false_counts_the_thinking_and_returns_none_of_it() {
     let (reasoning, content, tokens, chunks) = streamed(&run_request(stream, &pieces));
     assert_eq!((reasoning.as_str(), content.as_str(), tokens), ("", "\n\nIt is 4.", 5));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let deltas = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap().iter().map(|ch| &ch["delta"]));
+    let mut deltas = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap().iter().map(|ch| &ch["delta"]));
     assert!(deltas.all(|d| d.get("reasoning").is_none() && d.get("reasoning_content").is_none()), "{chunks:?}");
     // cut off while thinking: nothing to say, content null as when the thinking is shown
     let body: Value = serde_json::from_slice(&run_request(hidden, &["let me", " see"])).unwrap();
