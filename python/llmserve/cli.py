@@ -55,6 +55,12 @@ _VLLM_NO_OPS = {
     "--use-tqdm-on-load": "the start logs what it loads, without progress bars",
     "--disable-cascade-attn": "llmserve has no cascade attention",
     "--disable-mm-preprocessor-cache": "llmserve serves text models: there is no multimodal preprocessor",
+    "--skip-mm-profiling": "llmserve serves text models: nothing multimodal is profiled",
+    "--disable-chunked-mm-input": "llmserve serves text models: there is no multimodal input to chunk",
+    "--disable-hybrid-kv-cache-manager": "one KV-cache manager serves every layer (sliding-window layers keep "
+                                         "their blocks as the others do)",
+    "--enable-offline-docs": "llmserve serves no API docs pages",
+    "--calculate-kv-scales": "the KV cache has the model's dtype: there are no fp8 scales to calculate",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
@@ -66,6 +72,10 @@ _VLLM_VALUE_NO_OPS = {
     "--guided-decoding-backend": "structured output always runs on llguidance (response_format, structured_outputs, "
                                  "forced tool calls)",
     "--max-parallel-loading-workers": "the weights are read in one pass",
+    "--prefix-caching-hash-algo": "a cached block is reused only when its tokens, and every token before "
+                                  "them, match exactly: the hash only finds the candidates",
+    "--mm-processor-cache-gb": "llmserve serves text models: there is no multimodal preprocessor cache",
+    "--code-revision": "llmserve runs no code from model repositories",
 }
 # ... and those accepted only with the value that asks for what llmserve does anyway (any other
 # value stops it with the flag's _VLLM_HINTS line).
@@ -75,6 +85,10 @@ _VLLM_NEUTRAL = {
     "--response-role": "assistant",
     "--data-parallel-size": "1", "--preemption-mode": "recompute", "--logprobs-mode": "raw_logprobs",
     "--num-scheduler-steps": "1",
+    # (every model serves generation and pooling alike: /v1/embeddings, /score and /rerank pool
+    # its hidden states, --pooling says how)
+    "--runner": ("auto", "generate", "pooling"), "--convert": ("auto", "none", "embed"),
+    "--task": ("auto", "generate", "embed", "embedding"),
 }
 # NOTE: --model-impl, --api-server-count and --config-format stop it even at vLLM's defaults:
 # taken, they would change what argparse reads an abbreviation as (`--model` would be
@@ -138,6 +152,28 @@ _VLLM_HINTS = {
                      "function tools",
     "--max-seq-len-to-capture": "CUDA graphs capture decode steps of up to --max-num-seqs sequences",
     "--log-config-file": "LLMSERVE_LOG_LEVEL sets the log level, --uvicorn-log-level uvicorn's",
+    "--runner": "every model serves generation (chat, completions) and pooling (/v1/embeddings, /score, "
+                "/rerank, pooled as --pooling says) at once; there is no draft model",
+    "--convert": "/v1/embeddings pools any model's final hidden states (--pooling); there are no "
+                 "classification or reward heads",
+    "--task": "every model serves generation (chat, completions) and pooling (/v1/embeddings, /score, "
+              "/rerank) at once; there are no classification, reward or transcription heads",
+    "--headless": "the engine and the HTTP server run in one process: there is no engine without it",
+    "--attention-backend": "attention runs on llmserve's own kernels on CUDA (csrc/) and torch on CPU",
+    "--logits-processors": "there are no logits-processor plugins: logit_bias, allowed_token_ids, bad_words "
+                           "and structured output shape the logits",
+    "--reasoning-parser-plugin": "the reasoning parser is built in (--reasoning-parser think)",
+    "--max-long-partial-prefills": "long prompts are prefilled in chunks of --max-num-batched-tokens",
+    "--enable-tokenizer-info-endpoint": "POST /tokenize and /detokenize serve the tokenizer; GET /v1/models "
+                                        "gives max_model_len",
+    "--kv-offloading-size": "the KV cache stays on the device; a preempted sequence recomputes",
+    "--kv-offloading-backend": "the KV cache stays on the device; a preempted sequence recomputes",
+    "--skip-tokenizer-init": "the tokenizer always loads: prompts are rendered and answers detokenized here",
+    "--tokens-only": "the tokenizer always loads: prompts are rendered and answers detokenized here",
+    "--distributed-executor-backend": "llmserve runs a model on one device, in one process",
+    "--mamba-ssm-cache-dtype": "llmserve serves no Mamba models",
+    "--mamba-cache-dtype": "llmserve serves no Mamba models",
+    "--pooler-config": "--pooling says how /v1/embeddings pools (last or mean)",
 }
 
 
@@ -239,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, why in _VLLM_VALUE_NO_OPS.items():
             vllm.add_argument(flag, dest=f"vllm_value/{flag}", metavar="N", help=why)
         for flag, value in _VLLM_NEUTRAL.items():
-            vllm.add_argument(flag, dest=f"vllm_neutral/{flag}", metavar=value.upper(),
-                              help=f"only {value}: {_VLLM_HINTS[flag]}")
+            metavar = value.upper() if isinstance(value, str) else "{" + ",".join(value) + "}"
+            vllm.add_argument(flag, dest=f"vllm_neutral/{flag}", metavar=metavar,
+                              help=f"only {_neutral(flag)}: {_VLLM_HINTS[flag]}")
     return parser
 
 
@@ -309,6 +346,12 @@ def config_from_args(ns: argparse.Namespace) -> Config:
                                            "flag is --allow-runtime-lora-updating)", _ENV_VLLM_RUNTIME_LORA)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, allow_runtime_lora_updating=True))
     return cfg
+
+
+def _neutral(flag: str) -> str:
+    """The values of a _VLLM_NEUTRAL flag that are taken, as the help and errors write them."""
+    neutral = _VLLM_NEUTRAL[flag]
+    return neutral if isinstance(neutral, str) else ", ".join(neutral)
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: list[str]) -> None:
@@ -456,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
             args.run_parser.error(_ONE_KEY)
         for flag, neutral in _VLLM_NEUTRAL.items():
             value = vars(args).get(f"vllm_neutral/{flag}")
-            if value is not None and value != neutral:
-                args.run_parser.error(f"{flag} {value}: {flag} is vLLM's: {_VLLM_HINTS[flag]} (only {neutral} is taken)")
+            if value is not None and value not in ((neutral,) if isinstance(neutral, str) else neutral):
+                args.run_parser.error(f"{flag} {value}: {flag} is vLLM's: {_VLLM_HINTS[flag]} (only {_neutral(flag)} "
+                                      f"{'is' if isinstance(neutral, str) else 'are'} taken)")
         try:
             cfg = config_from_args(args)
         except ValueError as exc:

@@ -367,9 +367,11 @@ class ModelConfig(_Checked):
 @dataclass(frozen=True)
 class CacheConfig(_Checked):
     block_size: int = _f(16, "Tokens per KV-cache block.", min=1)
-    kv_cache_memory: str = _f(
-        "2GiB", "Memory for the KV cache (e.g. 512MiB, 4GiB) when --num-kv-blocks is not given.",
-        memory=True, above=0,
+    kv_cache_memory: str | None = _f(
+        None, "Memory for the KV cache (512MiB, 4GiB, or bytes: 4G and 4g are vLLM's 2^30 and 10^9 "
+        "times 4) when --num-kv-blocks is not given. Default: 2GiB on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves, which a size given here replaces.",
+        memory=True, above=0, alias="--kv-cache-memory-bytes",
     )
     num_kv_blocks: int | None = _f(None, "KV-cache blocks (overrides --kv-cache-memory).", min=1)
     gpu_memory_utilization: float = _f(
@@ -380,6 +382,10 @@ class CacheConfig(_Checked):
     )
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.")
 
+
+# The KV cache on CPU when --kv-cache-memory is not given (on CUDA, --gpu-memory-utilization
+# sizes it).
+DEFAULT_CPU_KV_CACHE = "2GiB"
 
 # The step token budget when --max-num-batched-tokens is not given. NOTE: 2048 keeps a CPU step
 # (two cores) short enough to interleave prompts with decoding; on a GPU a step of 2048 tokens
@@ -428,6 +434,32 @@ class DeviceConfig(_Checked):
         "CUDA only: run every step eagerly, capturing no CUDA graphs (vLLM's flag): a faster "
         "start and less GPU memory, slower steps.",
     )
+    cudagraph_capture_sizes: tuple[int, ...] = _f(
+        (), "CUDA only: the decode batch sizes captured as CUDA graphs (vLLM's flag; several after the flag, "
+        "or the flag repeated); a decode step runs at the smallest one that holds its sequences, padded, "
+        "and one of more sequences than the largest runs eagerly. Default: 1, 2, 4, 8, then every 16 up "
+        "to --max-cudagraph-capture-size.", append=True, several=True,
+    )
+    max_cudagraph_capture_size: int | None = _f(
+        None, "CUDA only: the largest decode batch the default sizes capture (vLLM's flag); larger steps "
+        "run eagerly. Default: --max-num-seqs.", min=1,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.cudagraph_capture_sizes):
+            raise ValueError(f"--cudagraph-capture-sizes must be whole numbers of at least 1; got "
+                             f"{list(self.cudagraph_capture_sizes)}")
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int] | None:
+        """The decode batch sizes to capture: those --cudagraph-capture-sizes names up to
+        `max_num_seqs` (no step holds more; empty when none is), else None for the default sizes
+        up to --max-cudagraph-capture-size (or `max_num_seqs`)."""
+        if self.cudagraph_capture_sizes:
+            return sorted(b for b in self.cudagraph_capture_sizes if b <= max_num_seqs)
+        if self.max_cudagraph_capture_size is None:
+            return None
+        return default_capture_sizes(min(self.max_cudagraph_capture_size, max_num_seqs))
 
 
 @dataclass(frozen=True)
@@ -466,6 +498,9 @@ class ServerConfig(_Checked):
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).",
                           off_alias="--disable-uvicorn-access-log")
+    disable_access_log_for_endpoints: str | None = _f(
+        None, "Paths whose requests the access log leaves out, comma separated and matched exactly, without "
+        "the query (vLLM's flag): '/health,/metrics,/ping' for a load balancer's probes.")
     enable_log_requests: bool = _f(
         False, "Log what each generation request asks for, as vLLM's flag does: its id, prompt text, resolved "
         "sampling parameters, prompt token ids and the model name it asked for (at INFO, logger llmserve.requests). Prompts are "
@@ -530,6 +565,15 @@ class ServerConfig(_Checked):
                 raise ValueError(
                     f"--allowed-origins {origin!r} is not an origin as browsers send it (scheme://host or "
                     f"scheme://host:port, lowercase, no path or default port){hint}")
+        for path in self.quiet_paths():
+            if not path.startswith("/") or "?" in path:
+                raise ValueError(f"--disable-access-log-for-endpoints {path!r} is not a path (such as /health; "
+                                 "matched without the query)")
+
+    def quiet_paths(self) -> frozenset[str]:
+        """The paths the access log leaves out (--disable-access-log-for-endpoints)."""
+        text = self.disable_access_log_for_endpoints or ""
+        return frozenset(p.strip() for p in text.split(",") if p.strip())
 
 
 def _as_origin(text: str) -> str | None:
@@ -564,8 +608,17 @@ class Config:
                                 f"got {type(getattr(self, f.name)).__name__}")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_VLLM_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes CUDA graphs capture by default: 1, 2, 4, 8, then every 16 up to
+    max_num_seqs (padding wastes at most 15 rows)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
 
 
 def env_switch(name: str) -> bool:
@@ -578,9 +631,12 @@ def env_switch(name: str) -> bool:
 
 
 def parse_bytes(text: str | int) -> int:
-    """'2GiB' -> 2147483648. Plain numbers are bytes (also as an int)."""
+    """'2GiB' -> 2147483648. Plain numbers are bytes (also as an int); vLLM's one-letter suffixes
+    are powers of 1000 in lower case (4g) and of 1024 in upper case (4G)."""
     if isinstance(text, int):
         return text
+    if m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)([kmgtKMGT])\s*", text):
+        return int(float(m.group(1)) * _VLLM_SUFFIXES[m.group(2)])
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (try 512MiB or 4GiB)")

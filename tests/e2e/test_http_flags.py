@@ -72,16 +72,23 @@ def test_root_path_serves_behind_a_proxy_that_strips_it(tiny_model):
 
 
 def test_enable_log_requests_logs_each_prompt_and_its_parameters(tiny_model):
+    # (and --disable-access-log-for-endpoints keeps the probes out of the access log)
     server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--enable-log-requests",
-                           "--max-log-len", "6", env={"LLMSERVE_LOG_LEVEL": "INFO"})
+                           "--max-log-len", "6", "--disable-access-log-for-endpoints", "/health,/metrics",
+                           env={"LLMSERVE_LOG_LEVEL": "INFO"})
     try:
         with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
             client.completions.create(model="tiny", prompt=["hello world", "bye"], max_tokens=2,
                                       temperature=0.5, extra_body={"request_id": "logme"})
             client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=1)
+        for path in ("/health", "/metrics", "/health?probe=1", "/load", "/healthz"):
+            httpx.get(server.url + path, timeout=10)
         logs = server.logs()
     finally:
         server.stop()
+    access = [line.split('"')[1] for line in logs.splitlines() if "llmserve.access" in line]
+    # (the test harness waits on /ready at start)
+    assert access == ["GET /ready", "POST /v1/completions", "POST /v1/completions", "GET /load", "GET /healthz"], access
     lines = [line for line in logs.splitlines() if "llmserve.requests" in line]
     assert len(lines) == 3, logs
     first, second, third = lines

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from llmserve import cli
-from llmserve.config import CacheConfig, Config, ModelConfig, ServerConfig
+from llmserve.config import CacheConfig, Config, ModelConfig, ServerConfig, parse_bytes
 
 
 def test_the_cli_module_does_not_load_torch():
@@ -232,6 +232,36 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
         "--max-parallel-loading-workers has no effect: the weights are read in one pass",
         "--use-tqdm-on-load has no effect: ",
     ])
+    _logs(caplog, ["--runner", "pooling", "--convert", "embed", "--task", "generate", "--skip-mm-profiling",
+                   "--prefix-caching-hash-algo", "xxhash", "--disable-hybrid-kv-cache-manager"], [
+        "--runner pooling has no effect: every model serves generation (chat, completions) and pooling",
+        "--convert embed has no effect: /v1/embeddings pools any model's final hidden states",
+        "--task generate has no effect: ",
+        "--skip-mm-profiling has no effect: llmserve serves text models",
+        "--prefix-caching-hash-algo has no effect: a cached block is reused only when its tokens",
+        "--disable-hybrid-kv-cache-manager has no effect: ",
+    ])
+    # vLLM's --kv-cache-memory-bytes is --kv-cache-memory, with vLLM's suffixes (G 2^30, g 10^9);
+    # unset, the device sizes the cache (2GiB on CPU, --gpu-memory-utilization on CUDA)
+    assert _config([]).cache.kv_cache_memory is None
+    for text, size in (("4G", 4 << 30), ("4g", 4 * 10**9), ("512M", 512 << 20), ("1.5g", 1_500_000_000),
+                       ("4GiB", 4 << 30), ("1000", 1000), ("1TiB", 1 << 40)):
+        assert parse_bytes(_config(["--kv-cache-memory-bytes", text]).cache.kv_cache_memory) == size, text
+    assert _config(["--kv-cache-memory", "1G"]).cache.kv_cache_memory == "1G"
+    # CUDA graphs: the sizes captured, as vLLM's flags name them (those above --max-num-seqs never run)
+    device = _config(["--cudagraph-capture-sizes", "1", "2", "4", "--cudagraph-capture-sizes", "512"]).device
+    assert (device.cudagraph_capture_sizes, device.capture_sizes(256)) == ((1, 2, 4, 512), [1, 2, 4])
+    assert _config(["--max-cudagraph-capture-size", "40"]).device.capture_sizes(256) == [1, 2, 4, 8, 16, 32, 40]
+    assert _config(["--max-cudagraph-capture-size", "512"]).device.capture_sizes(64)[-1] == 64
+    assert _config([]).device.capture_sizes(64) is None
+    with pytest.raises(ValueError, match="--cudagraph-capture-sizes must be whole numbers of at least 1"):
+        _config(["--cudagraph-capture-sizes", "0"])
+    # the access log leaves out a load balancer's probes
+    quiet = _config(["--disable-access-log-for-endpoints", "/health, /metrics"]).server.quiet_paths()
+    assert quiet == frozenset({"/health", "/metrics"})
+    assert _config([]).server.quiet_paths() == frozenset()
+    with pytest.raises(ValueError, match="'health' is not a path"):
+        _config(["--disable-access-log-for-endpoints", "health"])
     # served: a Unix socket, and request ids on every response
     assert (_config([]).server.uds, _config(["--uds", "/tmp/s.sock"]).server.uds) == (None, "/tmp/s.sock")
     assert _config(["--enable-request-id-headers"]).server.enable_request_id_headers is True
@@ -280,6 +310,13 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--max-model-len", "1.5k5"], "'1.5k5' is not a whole number (such as 4096, 32k or 32K)"),
     (["--max-model-len", "1e3k"], "'1e3k' is not a whole number"),
     (["--max-model-len", "0.3K"], "'0.3K' is not a whole number"),
+    (["--runner", "draft"], "--runner is vLLM's: every model serves generation (chat, completions) and pooling"),
+    (["--task", "classify"], "there are no classification, reward or transcription heads (only auto, generate, "
+                             "embed, embedding are taken)"),
+    (["--convert", "reward"], "--convert is vLLM's: /v1/embeddings pools any model's final hidden states"),
+    (["--headless"], "--headless is vLLM's: the engine and the HTTP server run in one process"),
+    (["--logits-processors", "m.P"], "--logits-processors is vLLM's: there are no logits-processor plugins"),
+    (["--kv-cache-memory-bytes", "4X"], "not a memory size: '4X'"),
 ])
 def test_vllm_flags_llmserve_lacks_say_what_to_do(monkeypatch, capsys, args, says):
     monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: pytest.fail("served"), raising=False)

@@ -22,7 +22,7 @@ import torch
 
 from llmserve._core import Core, Router
 from llmserve._core import __version__ as core_version, numerics_revision
-from llmserve.config import DEFAULT_BATCHED_TOKENS, Config, parse_bytes
+from llmserve.config import DEFAULT_BATCHED_TOKENS, DEFAULT_CPU_KV_CACHE, Config, parse_bytes
 from llmserve.engine.adapters import Adapters, adapter_fingerprint, read_adapter
 from llmserve.loaders.checkpoint import LazyWeights, LoadError
 from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
@@ -330,6 +330,13 @@ def build_engine(cfg: Config) -> Engine:
     per_block = kv_block_bytes(hf, block_size, dtype)
     if cfg.cache.num_kv_blocks:
         num_blocks = cfg.cache.num_kv_blocks
+    elif cfg.cache.kv_cache_memory is not None:
+        size = parse_bytes(cfg.cache.kv_cache_memory)
+        if device.type == "cuda" and size > (free := torch.cuda.mem_get_info(device)[0]):
+            raise SetupError(f"--kv-cache-memory {cfg.cache.kv_cache_memory} is more than the {free / 2**30:.1f} "
+                             "GiB the GPU has free: lower it, or leave it out to size the cache by "
+                             "--gpu-memory-utilization")
+        num_blocks = size // per_block
     elif device.type == "cuda":
         from llmserve.worker.cuda_graphs import (activation_reserve_bytes, kv_blocks_from_free_memory,
                                                  piecewise_requested)
@@ -341,13 +348,13 @@ def build_engine(cfg: Config) -> Engine:
         num_blocks = kv_blocks_from_free_memory(device, per_block, cfg.cache.gpu_memory_utilization,
                                                 reserve)
     else:
-        num_blocks = parse_bytes(cfg.cache.kv_cache_memory) // per_block
+        num_blocks = parse_bytes(DEFAULT_CPU_KV_CACHE) // per_block
     needed = math.ceil(max_model_len / block_size)
     if num_blocks - 1 < needed:
         # the flag that set the size (--num-kv-blocks overrides the others)
         if cfg.cache.num_kv_blocks:
             raise_it = f"--num-kv-blocks to at least {needed + 1}"
-        elif device.type == "cuda":
+        elif device.type == "cuda" and cfg.cache.kv_cache_memory is None:
             raise_it = "--gpu-memory-utilization"
         else:
             raise_it = "--kv-cache-memory"
@@ -441,10 +448,17 @@ def build_engine(cfg: Config) -> Engine:
     if device.type == "cuda":
         from llmserve.worker.cuda_graphs import make_cuda_runner
 
+        capture_sizes = cfg.device.capture_sizes(cfg.scheduler.max_num_seqs)
+        if capture_sizes == []:
+            raise SetupError(f"--cudagraph-capture-sizes {' '.join(map(str, cfg.device.cudagraph_capture_sizes))}: "
+                             f"none is at most --max-num-seqs {cfg.scheduler.max_num_seqs}, the most sequences a "
+                             "step holds")
+
         runner = make_cuda_runner(model, num_blocks, block_size, dtype, device,
                                   max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
                                   max_num_batched_tokens=batched_tokens(cfg, device),
-                                  graphs=not cfg.device.enforce_eager)
+                                  graphs=not cfg.device.enforce_eager,
+                                  capture_sizes=capture_sizes)
     else:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")

@@ -188,7 +188,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
         # (outside the key check and CORS: their own answers get the header too)
         app.add_middleware(RequestIdMiddleware)
     if config.server.access_log:
-        app.add_middleware(AccessLogMiddleware)
+        app.add_middleware(AccessLogMiddleware, quiet=config.server.quiet_paths())
     return app
 
 

@@ -135,13 +135,15 @@ class RequestIdMiddleware:
 
 
 class AccessLogMiddleware:
-    """One line per request: client, method, path, status, `user` when sent, duration."""
+    """One line per request: client, method, path, status, `user` when sent, duration; none for
+    the `quiet` paths (--disable-access-log-for-endpoints)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, quiet: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.quiet = quiet
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.quiet:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = 0

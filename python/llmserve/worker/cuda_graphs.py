@@ -31,20 +31,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from llmserve.config import env_switch
+from llmserve.config import default_capture_sizes, env_switch
 from llmserve.worker import cuda_attention
 from llmserve.worker.cuda_attention import CudaAttentionMetadata
 from llmserve.worker.runner import Launched, ModelRunner, Resolved, fill_placeholders_, has_placeholders
 from llmserve.worker.sampler import as_tensor, pinned_for, to_device
 
 log = logging.getLogger("llmserve.worker")
-
-
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_num_seqs (padding wastes at most 15 rows)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 class DecodeGraphs:
@@ -422,10 +415,11 @@ class CudaModelRunner(ModelRunner):
 def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, *, max_num_seqs: int, max_model_len: int,
                      max_num_batched_tokens: int = 8192, seed: int | None = None,
-                     graphs: bool = True) -> ModelRunner:
+                     graphs: bool = True, capture_sizes: Sequence[int] | None = None) -> ModelRunner:
     """The runner for a CUDA device: CudaModelRunner when our kernels serve this model here,
     else (with a warning saying why) the torch reference path, which runs on CUDA too.
-    `graphs` False (--enforce-eager): no CUDA graphs of any kind."""
+    `graphs` False (--enforce-eager): no CUDA graphs of any kind. `capture_sizes`: the decode
+    batch sizes captured (None: `default_capture_sizes`)."""
     from llmserve import kernels
 
     why = kernels_unused_because(model, block_size, dtype)
@@ -442,7 +436,8 @@ def make_cuda_runner(model, num_blocks: int, block_size: int, dtype: torch.dtype
         log.info("mixture-of-experts layers: decode steps run eagerly, not as CUDA graphs")
     return CudaModelRunner(model, num_blocks, block_size, dtype, device, seed=seed, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, ops=kernels, cuda_graphs=graphs,
-                           piecewise=None if graphs else False, max_num_batched_tokens=max_num_batched_tokens)
+                           piecewise=None if graphs else False, max_num_batched_tokens=max_num_batched_tokens,
+                           capture_sizes=capture_sizes)
 
 
 def kernels_unused_because(model, block_size: int, dtype: torch.dtype) -> str | None:
