@@ -303,6 +303,21 @@ fn include_reasoning_false_counts_the_thinking_and_returns_none_of_it() {
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut deltas = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap().iter().map(|ch| &ch["delta"]));
     assert!(deltas.all(|d| d.get("reasoning").is_none() && d.get("reasoning_content").is_none()), "{chunks:?}");
+    // the thinking's ids go out with the answer's first chunk (every sampled id is listed)
+    let ids = json!({"include_reasoning": false, "stream": true, "return_token_ids": true});
+    let chunks = frames(&run_request(ids, &pieces));
+    let listed: Vec<u64> = chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap().iter())
+        .flat_map(|ch| ch["token_ids"].as_array().into_iter().flatten().map(|t| t.as_u64().unwrap()))
+        .collect();
+    assert_eq!(listed, [0, 1, 2, 3, 4], "{chunks:?}");
+    // ... or with the finish, when the answer never came
+    let ids = json!({"include_reasoning": false, "stream": true, "return_token_ids": true});
+    let chunks = frames(&run_request(ids, &["let me", " see"]));
+    let last = chunks.last().unwrap()["choices"][0].clone();
+    assert_eq!((&last["finish_reason"], &last["token_ids"]), (&json!("length"), &json!([0, 1])), "{chunks:?}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     // cut off while thinking: nothing to say, content null as when the thinking is shown
     let body: Value = serde_json::from_slice(&run_request(hidden, &["let me", " see"])).unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], Value::Null);
