@@ -389,7 +389,6 @@ def build_engine(cfg: Config) -> Engine:
         "model_root": cfg.model.model or ck.name,
         "embeddings": _embeddings(cfg, ck),
         "fim": cfg.model.fim,
-        "prefix_caching": cfg.cache.enable_prefix_caching,
         # (the path as given: a hub id stays one)
         "lora_adapters": [{"name": a.name, "path": path, "parent": parent,
                            "system_fingerprint": adapter_fingerprint(fingerprint, a)}

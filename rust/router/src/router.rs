@@ -98,10 +98,6 @@ pub struct RouterConfig {
     /// ([`crate::fim`]); false refuses it.
     #[serde(default = "default_true")]
     pub fim: bool,
-    /// `--enable-prefix-caching` (on by default): every prompt's full KV blocks are kept for
-    /// any later request that starts the same, which OpenAI's `prompt_cache_key` asks for.
-    #[serde(default = "default_true")]
-    pub prefix_caching: bool,
     /// `--lora-modules`: the LoRA adapters served beside the base model, each under its own
     /// name (a request's `model`); adapter i runs as index i + 1 in the scheduler's plans.
     /// The router moves them into its [`LoraTable`](crate::lora::LoraTable), which runtime

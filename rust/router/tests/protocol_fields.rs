@@ -105,20 +105,10 @@ fn inert_openai_fields_must_have_their_kind() {
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
         Some(
-            "audio, modalities, prediction, prompt_cache_retention, reasoning_effort, safety_identifier, \
-             verbosity, web_search_options"
+            "audio, modalities, prediction, prompt_cache_key, prompt_cache_retention, \
+             reasoning_effort, safety_identifier, verbosity, web_search_options"
         )
     );
-    // the prefix cache keeps every prompt's blocks, in memory, for any request that starts the
-    // same: a cache key asks for nothing more, nor does in-memory retention; without the cache
-    // (--no-enable-prefix-caching) both are reported, as is 24h retention always
-    let cache = json!({"prompt_cache_key": "k", "prompt_cache_retention": "in_memory"});
-    assert_eq!(header(&chat(&r, cache.clone()).unwrap(), "llmserve-ignored-fields"), None);
-    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
-    chat(&strict, cache.clone()).unwrap();
-    let uncached = router_with(json!({"prefix_caching": false}), Some(TEMPLATE));
-    let p = chat(&uncached, cache).unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("prompt_cache_key, prompt_cache_retention"));
     for (field, bad) in [
         ("reasoning_effort", json!(5)),
         ("verbosity", json!(["low"])),

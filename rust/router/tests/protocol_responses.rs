@@ -786,9 +786,6 @@ fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
     assert!(!p.reasoning.unwrap().hidden);
     let p = responses(&think, json!({"input": "hello", "include_reasoning": true})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);
-    // (Codex sends a prompt_cache_key with every turn: the prefix cache serves it)
-    let p = responses(&think, json!({"input": "hello", "prompt_cache_key": "conv-1"})).unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
     // chat's name for it is no Responses field
     let p = responses(&reads, json!({"input": "hello", "reasoning_effort": "low"})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning_effort"));

@@ -999,7 +999,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     let config = &router.config;
 
     let unknown = unknown_keys(&common.extra, &chat.extra, value).cloned().collect();
-    let mut ignored: Vec<String> = vllm_unsupported(unknown, value, config)?;
+    let mut ignored: Vec<String> = vllm_unsupported(unknown, value)?;
     let c = common.resolve(config, &router.tokenizer, false)?;
     ignored.extend(c.inert.iter().cloned());
 

@@ -809,14 +809,6 @@ const OPENAI_NO_OPS: [(&str, AsksNothing); 2] = [
     ("image", |v| *v == serde_json::json!({"context_compression": "auto"})),
 ];
 
-/// OpenAI's prompt-cache fields at the values the prefix cache serves (when it is on): it
-/// keeps every prompt's full KV blocks, in memory, for any later request that starts the same,
-/// so a `prompt_cache_key` (which groups requests for cache hits at OpenAI) asks for nothing
-/// more, nor does `prompt_cache_retention: "in_memory"`; `"24h"` asks for a lifetime the cache
-/// does not promise and is reported.
-const PROMPT_CACHE_NO_OPS: [(&str, AsksNothing); 2] =
-    [("prompt_cache_key", |v| v.is_string()), ("prompt_cache_retention", |v| *v == serde_json::json!("in_memory"))];
-
 /// The 400 for `value` at `name` when it does not have `shape` (an array's first wrong item
 /// is named: `modalities[1]`).
 fn misshapen(name: &str, shape: &Shape, value: &Value) -> Option<ApiError> {
@@ -839,7 +831,7 @@ fn misshapen(name: &str, shape: &Shape, value: &Value) -> Option<ApiError> {
 /// Sorts a request's unknown keys (set ones, from [`unknown_keys`]): vLLM's fields of
 /// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; OpenAI's
 /// fields of [`OPENAI_INERT`] must have their shape; the rest stay to be reported.
-pub fn vllm_unsupported(unknown: Vec<String>, body: &Value, config: &RouterConfig) -> Result<Vec<String>, ApiError> {
+pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String>, ApiError> {
     let mut rest = Vec::with_capacity(unknown.len());
     for key in unknown {
         let value = &body[key.as_str()];
@@ -848,8 +840,7 @@ pub fn vllm_unsupported(unknown: Vec<String>, body: &Value, config: &RouterConfi
                 return Err(err);
             }
         }
-        let no_op = |(name, asks_nothing): &(&str, AsksNothing)| *name == key && asks_nothing(value);
-        if OPENAI_NO_OPS.iter().any(no_op) || (config.prefix_caching && PROMPT_CACHE_NO_OPS.iter().any(no_op)) {
+        if OPENAI_NO_OPS.iter().any(|(name, asks_nothing)| *name == key && asks_nothing(value)) {
             continue;
         }
         match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {

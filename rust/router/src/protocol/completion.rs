@@ -263,7 +263,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let vocab_size = router.tokenizer.vocab_size();
 
     let unknown = unknown_keys(&common.extra, &comp.extra, &value).cloned().collect();
-    let mut ignored: Vec<String> = vllm_unsupported(unknown, &value, &router.config)?;
+    let mut ignored: Vec<String> = vllm_unsupported(unknown, &value)?;
     // NOTE: `echo` with `max_tokens: 0` returns the prompt alone (with its logprobs when
     // asked): how clients score a text's likelihood (vLLM and OpenAI's legacy API take it).
     let c = common.resolve(config, &router.tokenizer, comp.echo == Some(true))?;
