@@ -321,7 +321,9 @@ fn include_reasoning_false_counts_the_thinking_and_returns_none_of_it() {
     // cut off while thinking: nothing to say, content null as when the thinking is shown
     let body: Value = serde_json::from_slice(&run_request(hidden, &["let me", " see"])).unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], Value::Null);
-    // true, or no parser to split the thinking off: nothing to hide, nothing reported
+    // true asks for what happens; false with no parser to split the thinking off does nothing
+    // (thinking the model writes stays in the content), so it is reported
+    assert_eq!(header(&chat(&router(), json!({"include_reasoning": true})).unwrap(), "llmserve-ignored-fields"), None);
     assert!(
         !chat(&router_with(json!({}), Some(THINK_TEMPLATE)), json!({"include_reasoning": true}))
             .unwrap()
@@ -330,7 +332,7 @@ fn include_reasoning_false_counts_the_thinking_and_returns_none_of_it() {
             .hidden
     );
     let p = chat(&router(), json!({"include_reasoning": false})).unwrap();
-    assert_eq!((p.reasoning, header(&p, "llmserve-ignored-fields")), (None, None));
+    assert_eq!((p.reasoning, header(&p, "llmserve-ignored-fields")), (None, Some("include_reasoning")));
     let (status, _, param) = shape(chat(&router(), json!({"include_reasoning": "no"})));
     assert_eq!((status, param.as_deref()), (400, Some("include_reasoning")));
 }

@@ -1110,9 +1110,12 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     let (rendered, template) = render(router, &input)?;
     ignored.extend(unread_message_keys(&rendered));
     let mut reasoning = ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
-    // (false without a parser asks for what happens: no thinking is returned)
-    if let (Some(false), Some(plan)) = (chat.include_reasoning, reasoning.as_mut()) {
-        plan.hidden = true;
+    // (false without a parser does nothing: nothing is split off, so any thinking the model
+    // writes stays in the content)
+    match (chat.include_reasoning, reasoning.as_mut()) {
+        (Some(false), Some(plan)) => plan.hidden = true,
+        (Some(false), None) => ignored.push("include_reasoning".into()),
+        _ => {}
     }
     if let Some(budget) = chat.thinking_token_budget {
         match reasoning.as_mut() {
