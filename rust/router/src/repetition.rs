@@ -56,6 +56,10 @@ impl RepetitionDetection {
             ));
         }
         if max_size == 0 {
+            // (off, as vLLM reads it; a count beside it does nothing, which the client is told)
+            if min_count > 0 {
+                reported.push(P.to_string());
+            }
             return Ok(None);
         }
         if min_count < 2 {
@@ -147,9 +151,14 @@ mod tests {
             parse(json!({"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 2})).unwrap(),
             Some(on(2, 4, 2))
         );
-        // off: max 0, with or without the others
+        // off: max 0, with or without the others (a count beside it does nothing: reported)
         assert_eq!(parse(json!({})).unwrap(), None);
         assert_eq!(parse(json!({"min_count": 5})).unwrap(), None);
+        let mut reported = Vec::new();
+        RepetitionDetection::parse(Some(&json!({"min_count": 5})), &mut reported).unwrap();
+        assert_eq!(reported, ["repetition_detection"]);
+        RepetitionDetection::parse(Some(&json!({"max_pattern_size": 0, "min_count": 0})), &mut reported).unwrap();
+        assert_eq!(reported.len(), 1);
         assert_eq!(parse(json!({"max_pattern_size": 0, "min_pattern_size": null})).unwrap(), None);
         assert_eq!(RepetitionDetection::parse(Some(&Value::Null), &mut Vec::new()).unwrap(), None);
         let param = |v: Value| parse(v).unwrap_err().param().map(String::from);
