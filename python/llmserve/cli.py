@@ -13,7 +13,7 @@ import types
 import typing
 from fractions import Fraction
 
-from llmserve.config import Config
+from llmserve.config import VLLM_SUFFIXES, Config
 
 _ENV_API_KEY = "LLMSERVE_API_KEY"
 _ENV_ADMIN_API_KEY = "LLMSERVE_ADMIN_API_KEY"
@@ -199,11 +199,10 @@ class _Several(argparse.Action):
 
 
 def _human_int(text: str) -> int:
-    """An integer, or one with vLLM's suffixes: k/m/g are powers of 1000, K/M/G of 1024 (25.6k is
-    25600)."""
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgKMG]?)", text)
-    value = Fraction(m.group(1)) * scale.get(m.group(2), 1) if m else None   # (exact: 32.2k is 32200)
+    """An integer, or one with vLLM's suffixes: k/m/g/t are powers of 1000, K/M/G/T of 1024 (25.6k
+    is 25600)."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmgtKMGT]?)", text)
+    value = Fraction(m.group(1)) * VLLM_SUFFIXES.get(m.group(2), 1) if m else None   # (exact: 32.2k is 32200)
     if value is None or value.denominator != 1:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number (such as 4096, 32k or 32K)")
     return int(value)

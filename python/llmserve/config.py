@@ -610,7 +610,9 @@ class Config:
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_VLLM_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# vLLM's one-letter size suffixes (its human_readable_int): powers of 1000 in lower case, of 1024
+# in upper case.
+VLLM_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -636,7 +638,7 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int):
         return text
     if m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)([kmgtKMGT])\s*", text):
-        return int(float(m.group(1)) * _VLLM_SUFFIXES[m.group(2)])
+        return int(float(m.group(1)) * VLLM_SUFFIXES[m.group(2)])
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (try 512MiB or 4GiB)")
