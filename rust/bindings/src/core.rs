@@ -24,7 +24,7 @@ use llmserve_router::json_guard::JsonGuard;
 use llmserve_router::protocol::embeddings::Pooling;
 use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::reasoning::{ThinkingBudget, CLOSE};
-use llmserve_router::repetition::{self, RepetitionDetection};
+use llmserve_router::repetition::{self, RepetitionWatch};
 use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
@@ -92,12 +92,9 @@ struct RequestState {
     /// sequence's think block once spent, by forcing `</think>` through its row's mask); else
     /// empty.
     budgets: Vec<ThinkingBudget>,
-    /// `repetition_detection`: its rule, and each sequence's tokens so far, indexed as
-    /// `detoks`; else None and empty.
-    repetition: Option<RepetitionDetection>,
-    histories: Vec<Vec<u32>>,
-    /// Tokens each sequence makes before repetition is looked for (`min_tokens`, as vLLM).
-    min_tokens: u32,
+    /// `repetition_detection`: one watch per sequence, indexed as `detoks` (each says when its
+    /// sequence's output ends in a repetition); else empty.
+    repeats: Vec<RepetitionWatch>,
     /// `allowed_token_ids`: the packed mask of the only tokens its rows may sample (as
     /// `masks` packs them); it is the same at every step.
     allowed: Option<Vec<i32>>,
@@ -340,7 +337,8 @@ impl CoreState {
             sched_ids.push(id);
         }
         let builder = ResponseBuilder::new(&prepared, tokenizer);
-        let histories = if p.repetition.is_some() { vec![Vec::new(); detoks.len()] } else { Vec::new() };
+        let repeats =
+            p.repetition.map_or_else(Vec::new, |rule| vec![RepetitionWatch::new(rule, p.min_tokens); detoks.len()]);
         self.requests.insert(
             handle,
             RequestState {
@@ -354,9 +352,7 @@ impl CoreState {
                 guards,
                 grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
                 budgets,
-                repetition: p.repetition,
-                histories,
-                min_tokens: p.min_tokens,
+                repeats,
                 allowed: p.allowed_token_ids.as_ref().map(|ids| {
                     let mut bits = vec![0i32; self.mask_vocab.div_ceil(32)];
                     for &t in ids.iter().filter(|&&t| (t as usize) < self.mask_vocab) {
@@ -763,13 +759,7 @@ fn deliver(
         budget.push(id, &bytes);
     }
     // (an end the scheduler gave, by eos, a stop token or length, comes first, as in vLLM)
-    let repeated = match (state.repetition, state.histories.get_mut(d)) {
-        (Some(rule), Some(history)) if finish.is_none() => {
-            history.push(id);
-            history.len() >= state.min_tokens as usize && rule.ends_in_repetition(history)
-        }
-        _ => false,
-    };
+    let repeated = finish.is_none() && state.repeats.get_mut(d).is_some_and(|w| w.push(id));
     let detok = &mut state.detoks[d];
     let text_offset = detok.decoded_len();
     let token = TokenOut { id, logprob, top, text_offset };

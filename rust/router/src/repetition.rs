@@ -88,6 +88,28 @@ impl RepetitionDetection {
     }
 }
 
+/// One sequence under a [`RepetitionDetection`]: its tokens so far, and whether the last one
+/// ended them in a repetition.
+#[derive(Clone, Debug)]
+pub struct RepetitionWatch {
+    rule: RepetitionDetection,
+    /// Tokens a sequence makes before repetition is looked for (`min_tokens`, as vLLM).
+    after: usize,
+    tokens: Vec<u32>,
+}
+
+impl RepetitionWatch {
+    pub fn new(rule: RepetitionDetection, min_tokens: u32) -> Self {
+        Self { rule, after: min_tokens as usize, tokens: Vec::new() }
+    }
+
+    /// Takes the sequence's next token: whether the output now ends in a repetition.
+    pub fn push(&mut self, id: u32) -> bool {
+        self.tokens.push(id);
+        self.tokens.len() >= self.after && self.rule.ends_in_repetition(&self.tokens)
+    }
+}
+
 fn size(obj: &Map<String, Value>, key: &str) -> Result<u32, ApiError> {
     let p = format!("repetition_detection.{key}");
     match obj.get(key) {
@@ -140,6 +162,15 @@ mod tests {
         // a huge range costs nothing past the lengths that fit
         assert!(!on(1, u32::MAX, u32::MAX).ends_in_repetition(&[7; 100]));
         assert!(on(1, u32::MAX, 100).ends_in_repetition(&[7; 100]));
+    }
+
+    #[test]
+    fn a_watch_looks_once_min_tokens_have_come() {
+        let mut w = RepetitionWatch::new(on(1, 1, 3), 5);
+        let fired: Vec<bool> = [7; 6].iter().map(|&t| w.push(t)).collect();
+        assert_eq!(fired, [false, false, false, false, true, true]);
+        let mut w = RepetitionWatch::new(on(1, 1, 3), 0);
+        assert_eq!([7, 7, 7].map(|t| w.push(t)), [false, false, true]);
     }
 
     #[test]
