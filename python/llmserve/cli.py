@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, why in _VLLM_VALUE_NO_OPS.items():
             vllm.add_argument(flag, dest=f"vllm_value/{flag}", metavar="N", help=why)
         for flag, value in _VLLM_NEUTRAL.items():
-            metavar = value.upper() if isinstance(value, str) else "{" + ",".join(value) + "}"
+            taken = _taken(flag)
+            metavar = taken[0].upper() if len(taken) == 1 else "{" + ",".join(taken) + "}"
             vllm.add_argument(flag, dest=f"vllm_neutral/{flag}", metavar=metavar,
                               help=f"only {_neutral(flag)}: {_VLLM_HINTS[flag]}")
     return parser
@@ -347,10 +348,15 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return cfg
 
 
+def _taken(flag: str) -> tuple[str, ...]:
+    """The values of a _VLLM_NEUTRAL flag that are taken."""
+    neutral = _VLLM_NEUTRAL[flag]
+    return (neutral,) if isinstance(neutral, str) else neutral
+
+
 def _neutral(flag: str) -> str:
     """The values of a _VLLM_NEUTRAL flag that are taken, as the help and errors write them."""
-    neutral = _VLLM_NEUTRAL[flag]
-    return neutral if isinstance(neutral, str) else ", ".join(neutral)
+    return ", ".join(_taken(flag))
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: list[str]) -> None:
@@ -496,11 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
             args.run_parser.error(_ONE_KEY)
-        for flag, neutral in _VLLM_NEUTRAL.items():
+        for flag in _VLLM_NEUTRAL:
             value = vars(args).get(f"vllm_neutral/{flag}")
-            if value is not None and value not in ((neutral,) if isinstance(neutral, str) else neutral):
+            if value is not None and value not in _taken(flag):
                 args.run_parser.error(f"{flag} {value}: {flag} is vLLM's: {_VLLM_HINTS[flag]} (only {_neutral(flag)} "
-                                      f"{'is' if isinstance(neutral, str) else 'are'} taken)")
+                                      f"{'is' if len(_taken(flag)) == 1 else 'are'} taken)")
         try:
             cfg = config_from_args(args)
         except ValueError as exc:
@@ -511,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         for flag, why in _VLLM_VALUE_NO_OPS.items():
             if vars(args).get(f"vllm_value/{flag}") is not None:
                 logging.getLogger("llmserve").info("%s has no effect: %s", flag, why)
-        for flag, neutral in _VLLM_NEUTRAL.items():
+        for flag in _VLLM_NEUTRAL:
             value = vars(args).get(f"vllm_neutral/{flag}")
             if value is not None:
                 logging.getLogger("llmserve").info("%s %s has no effect: %s", flag, value, _VLLM_HINTS[flag])
