@@ -1,10 +1,12 @@
 //! `cargo bench -p llmserve-kernels`: the decode kernel at SmolLM2-135M's attention shape
 //! (9 query heads, 3 kv heads, head_dim 64, block 16), batch 64 x 257 tokens (or
-//! `cargo bench -p llmserve-kernels --bench decode -- BATCH TOKENS`), 1 and 2 threads.
+//! `cargo bench -p llmserve-kernels --bench decode -- BATCH TOKENS`), 1 and 2 threads, for
+//! each KV cache type (f32, bf16, fp8 E4M3 and E5M2: the same random values, narrowed).
 //! Prints the median and the minimum of 30 calls (the minimum is the steadier figure on a
-//! shared machine) and the K/V bytes read per second at the median.
+//! shared machine), the cache bytes read per second at the median, and the median's ratio to
+//! f32's at the same thread count.
 
-use llmserve_kernels::{paged_decode_attention, DecodeShape};
+use llmserve_kernels::{paged_decode_attention, Bf16, DecodeShape, Fp8E4M3, Fp8E5M2, KvElem};
 use std::time::Instant;
 
 fn main() {
@@ -42,23 +44,47 @@ fn main() {
         window: 0,
         softcap: 0.0,
     };
+    let mut f32_medians = [0f64; 2];
+    bench::<f32>(&q, &k, &v, &tables, &lens, shape, &mut f32_medians);
+    bench::<Bf16>(&q, &k, &v, &tables, &lens, shape, &mut f32_medians);
+    bench::<Fp8E4M3>(&q, &k, &v, &tables, &lens, shape, &mut f32_medians);
+    bench::<Fp8E5M2>(&q, &k, &v, &tables, &lens, shape, &mut f32_medians);
+}
+
+fn bench<E: KvElem>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    tables: &[i32],
+    lens: &[i32],
+    shape: DecodeShape,
+    f32_medians: &mut [f64; 2],
+) {
+    let (k, v): (Vec<E>, Vec<E>) =
+        (k.iter().map(|&x| E::narrow(x)).collect(), v.iter().map(|&x| E::narrow(x)).collect());
     let mut out = vec![0f32; q.len()];
-    let bytes = (seqs * len * kvh * d * 4 * 2) as f64;
+    let len = lens[0] as usize;
+    let bytes = (shape.num_seqs * len * shape.num_kv_heads * shape.head_dim * std::mem::size_of::<E>() * 2) as f64;
     for threads in [1, 2] {
         let mut times: Vec<f64> = (0..30)
             .map(|_| {
                 let t0 = Instant::now();
-                paged_decode_attention(&mut out, &q, &k, &v, &tables, &lens, shape, threads).unwrap();
+                paged_decode_attention(&mut out, q, &k, &v, tables, lens, shape, threads).unwrap();
                 t0.elapsed().as_secs_f64()
             })
             .collect();
         times.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let med = times[times.len() / 2];
+        if E::NAME == "float32" {
+            f32_medians[threads - 1] = med;
+        }
         println!(
-            "threads {threads}: median {:.3} ms, min {:.3} ms, {:.1} GB/s of K/V at the median",
+            "{:>9} threads {threads}: median {:.3} ms, min {:.3} ms, {:.1} GB/s of K/V at the median, {:.2}x f32's speed",
+            E::NAME,
             med * 1e3,
             times[0] * 1e3,
-            bytes / med / 1e9
+            bytes / med / 1e9,
+            f32_medians[threads - 1] / med
         );
     }
 }

@@ -22,6 +22,7 @@
 
 use std::sync::Mutex;
 
+use crate::kv_elem::KvElem;
 use crate::simd;
 
 mod avx2;
@@ -60,7 +61,7 @@ pub(crate) enum Isa {
 impl Isa {
     pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             return Isa::Avx2Fma;
         }
         Isa::Generic
@@ -68,18 +69,19 @@ impl Isa {
 }
 
 /// out = softmax(scale * q k^T) v per (sequence, query head), over the sequence's first
-/// `seq_lens[s]` cached tokens. `num_threads` (>= 1; 0 counts as 1) threads share the work;
-/// the result is the same for any thread count.
+/// `seq_lens[s]` cached tokens. The caches hold any [`KvElem`], widened exactly to f32 a block
+/// at a time: the arithmetic is the f32 cache's. `num_threads` (>= 1; 0 counts as 1) threads
+/// share the work; the result is the same for any thread count.
 ///
 /// Errors (nothing is written): any slice whose length does not match `shape`, heads not a
 /// multiple of kv heads, a zero size, a non-finite scale, a seq_len of 0 or beyond the block
 /// table, a block id outside `0..num_blocks`.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention(
+pub fn paged_decode_attention<E: KvElem>(
     out: &mut [f32],
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     seq_lens: &[i32],
     shape: DecodeShape,
@@ -89,10 +91,10 @@ pub fn paged_decode_attention(
 }
 
 /// The argument checks of [`paged_decode_attention`] alone (nothing is computed).
-pub(crate) fn check(
+pub(crate) fn check<E: KvElem>(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     seq_lens: &[i32],
     shape: DecodeShape,
@@ -101,11 +103,11 @@ pub(crate) fn check(
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run(
+pub(crate) fn run<E: KvElem>(
     out: &mut [f32],
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     seq_lens: &[i32],
     shape: DecodeShape,
@@ -141,10 +143,10 @@ pub(crate) fn run(
 }
 
 /// Validated views of one call's arguments.
-struct Ctx<'a> {
+struct Ctx<'a, E> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    k: &'a [E],
+    v: &'a [E],
     tables: &'a [i32],
     seq_lens: Vec<usize>,
     shape: DecodeShape,
@@ -155,11 +157,11 @@ fn mul(a: usize, b: usize, what: &str) -> Result<usize, String> {
     a.checked_mul(b).ok_or_else(|| format!("{what} overflows"))
 }
 
-impl<'a> Ctx<'a> {
+impl<'a, E: KvElem> Ctx<'a, E> {
     fn validate(
         q: &'a [f32],
-        k: &'a [f32],
-        v: &'a [f32],
+        k: &'a [E],
+        v: &'a [E],
         tables: &'a [i32],
         seq_lens: &[i32],
         s: DecodeShape,
@@ -218,19 +220,19 @@ impl<'a> Ctx<'a> {
     }
 }
 
-fn run_items(ctx: &Ctx<'_>, first: usize, out: &mut [f32], isa: Isa) {
+fn run_items<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32], isa: Isa) {
     match isa {
-        Isa::Generic => items_impl::<false>(ctx, first, out),
+        Isa::Generic => items_impl::<E, false>(ctx, first, out),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2Fma is only constructed after is_x86_feature_detected! found both.
+        // SAFETY: Isa::Avx2Fma is only constructed after is_x86_feature_detected! found all three.
         Isa::Avx2Fma => unsafe { items_avx2(ctx, first, out) },
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn items_avx2(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
-    items_impl::<true>(ctx, first, out)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn items_avx2<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
+    items_impl::<E, true>(ctx, first, out)
 }
 
 /// Work items first.. (as many as `out` holds), out = their [group, head_dim] outputs.
@@ -241,7 +243,7 @@ unsafe fn items_avx2(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
 /// at a 768-byte stride once per kv head. Each item's arithmetic, in token order, is the same
 /// whichever items share its run, so the result still does not depend on the threads.
 #[inline(always)]
-fn items_impl<const FMA: bool>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
+fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
     let s = &ctx.shape;
     let item_len = ctx.group * s.head_dim;
     // per-thread scratch, sized for all heads of a sequence and reused across runs
@@ -251,6 +253,9 @@ fn items_impl<const FMA: bool>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
         scores: vec![0f32; s.num_heads * s.block_size],
         m: vec![0f32; s.num_heads],
         l: vec![0f32; s.num_heads],
+        // (a block's rows widened to f32, where the cache holds another type)
+        keys: Vec::new(),
+        vals: Vec::new(),
     };
     let items = out.len() / item_len;
     let mut i = 0;
@@ -258,7 +263,7 @@ fn items_impl<const FMA: bool>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
         let (seq, h0) = ((first + i) / s.num_kv_heads, (first + i) % s.num_kv_heads);
         let h1 = s.num_kv_heads.min(h0 + items - i);
         let o = &mut out[i * item_len..(i + h1 - h0) * item_len];
-        attend_run::<FMA>(ctx, seq, h0, h1, o, &mut scratch);
+        attend_run::<E, FMA>(ctx, seq, h0, h1, o, &mut scratch);
         i += h1 - h0;
     }
 }
@@ -269,11 +274,20 @@ struct Scratch {
     scores: Vec<f32>, // [heads, block_size] one tile's scores, then weights
     m: Vec<f32>,      // [heads] running max
     l: Vec<f32>,      // [heads] running sum of weights
+    keys: Vec<f32>,   // one tile's key rows as f32 (a cache of another type only)
+    vals: Vec<f32>,   // its value rows
 }
 
 /// Sequence `seq`, kv heads h0..h1 with their query heads; out = [(h1 - h0) * group, d].
 #[inline(always)]
-fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, out: &mut [f32], sc: &mut Scratch) {
+fn attend_run<E: KvElem, const FMA: bool>(
+    ctx: &Ctx<'_, E>,
+    seq: usize,
+    h0: usize,
+    h1: usize,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
     let s = &ctx.shape;
     let (d, g, bs) = (s.head_dim, ctx.group, s.block_size);
     let nh = (h1 - h0) * g; // query heads in the run
@@ -317,6 +331,19 @@ fn attend_run<const FMA: bool>(ctx: &Ctx<'_>, seq: usize, h0: usize, h1: usize, 
             span.start += skip * row_stride;
         }
         let (keys, vals) = (&ctx.k[span.clone()], &ctx.v[span]);
+        let (keys, vals) = match (E::as_f32(keys), E::as_f32(vals)) {
+            (Some(k), Some(v)) => (k, v),
+            _ => {
+                // NOTE: widened into a buffer that stays in L1 (one block of the run's heads),
+                // then the f32 loops below: the cache traffic, the bound of this kernel, is
+                // what a narrow type shrinks.
+                sc.keys.resize(keys.len(), 0.0);
+                sc.vals.resize(vals.len(), 0.0);
+                E::widen(keys, &mut sc.keys, FMA);
+                E::widen(vals, &mut sc.vals, FMA);
+                (&sc.keys[..keys.len()], &sc.vals[..vals.len()])
+            }
+        };
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
         tile_scores::<FMA>(qs, keys, tile, scores);
         if s.softcap > 0.0 {

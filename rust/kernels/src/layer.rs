@@ -28,6 +28,7 @@
 //! thread count (the kernels compute each output element on one thread).
 
 use crate::decode::{check as check_decode, paged_decode_attention, DecodeShape};
+use crate::kv_elem::KvElem;
 use crate::quant::{quant_matmul, PackedWeights};
 
 /// The sizes shared by every layer of a model.
@@ -144,14 +145,14 @@ impl LayerWeights<'_> {
 }
 
 /// Checks every size of one layer call (nothing has been written yet when this fails).
-fn validate(
+fn validate<E: KvElem>(
     h: &[f32],
     tokens: usize,
     w: &LayerWeights,
     s: &LayerShape,
     step: &DecodeTokens,
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
 ) -> Result<(), String> {
     w.check(s)?;
     let d = s.head_dim;
@@ -260,16 +261,17 @@ fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) {
 }
 
 /// Runs one decoder layer on `tokens` decode tokens: `h` [T, H] is updated in place, and the
-/// tokens' K/V are written to the caches. `threads` bounds the GEMV and attention threads.
+/// tokens' K/V are written to the caches (narrowed to the caches' element type, see
+/// `kv_elem`). `threads` bounds the GEMV and attention threads.
 #[allow(clippy::too_many_arguments)]
-pub fn decoder_layer(
+pub fn decoder_layer<E: KvElem>(
     h: &mut [f32],
     tokens: usize,
     w: &LayerWeights,
     s: &LayerShape,
     step: &DecodeTokens,
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    k_cache: &mut [E],
+    v_cache: &mut [E],
     scratch: &mut Scratch,
     threads: usize,
 ) -> Result<(), String> {
@@ -320,8 +322,9 @@ pub fn decoder_layer(
     check_decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, attn_shape)?;
     for (t, row) in qkv.chunks_exact(width).enumerate() {
         let slot = step.slots[t] as usize * nkv * d;
-        k_cache[slot..][..nkv * d].copy_from_slice(&row[nh * d..][..nkv * d]);
-        v_cache[slot..][..nkv * d].copy_from_slice(&row[(nh + nkv) * d..][..nkv * d]);
+        let (k, v) = (&row[nh * d..][..nkv * d], &row[(nh + nkv) * d..][..nkv * d]);
+        k_cache[slot..][..nkv * d].iter_mut().zip(k).for_each(|(c, &x)| *c = E::narrow(x));
+        v_cache[slot..][..nkv * d].iter_mut().zip(v).for_each(|(c, &x)| *c = E::narrow(x));
     }
     let attn = sized(&mut scratch.attn, tokens * nh * d);
     paged_decode_attention(attn, q, k_cache, v_cache, step.block_tables, step.seq_lens, attn_shape, threads)?;

@@ -2,7 +2,8 @@
 //!
 //! - [`paged_decode_attention`]: attention of one query token per sequence over that
 //!   sequence's keys and values, read in place through its block table from the paged KV cache
-//!   (no gather copy); bound in `rust/bindings/src/kernels.rs`.
+//!   (no gather copy), which holds f32, bfloat16 or fp8 ([`kv_elem`]); bound in
+//!   `rust/bindings/src/kernels.rs`.
 //! - [`apply_token_bitmask`]: a grammar's packed token bitmask applied to logits rows in place
 //!   (forbidden tokens -> -inf); bound in `rust/bindings/src/kernels.rs`.
 //! - [`quant`]: matrix-vector products over GGUF quantized blocks (see its module doc).
@@ -16,10 +17,12 @@
 //! - The result does not depend on the thread count (each (sequence, kv head) work item is
 //!   computed by one thread, in token order).
 //! - SIMD is chosen at run time: the crate is built for generic x86_64 and uses its AVX2+FMA
-//!   code only where `is_x86_feature_detected!` says the CPU has both.
+//!   code only where `is_x86_feature_detected!` says the CPU has both (the decode kernel also
+//!   F16C, which widens fp8 caches).
 
 mod bitmask;
 mod decode;
+pub mod kv_elem;
 pub mod layer;
 mod pool;
 pub mod quant;
@@ -41,6 +44,7 @@ pub use bitmask::apply_token_bitmask;
 /// sequences (steps with prompt tokens used its fp32 weights).
 pub const NUMERICS_REVISION: u32 = 4;
 pub use decode::{paged_decode_attention, DecodeShape};
+pub use kv_elem::{Bf16, Fp8E4M3, Fp8E5M2, KvElem};
 
 #[cfg(test)]
 mod tests;

@@ -133,20 +133,20 @@ pub(crate) fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
 /// the kernel stalled on those loads. Prefetching the next block while computing this one
 /// hides most of that latency.
 #[inline(always)]
-pub(crate) fn prefetch(x: &[f32]) {
+pub(crate) fn prefetch<T>(x: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        const LINE: usize = 64 / std::mem::size_of::<f32>();
+        let line = 64 / std::mem::size_of::<T>().max(1);
         let mut i = 0;
         while i < x.len() {
             // SAFETY: a prefetch never faults, and the address is inside `x` anyway.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(x.as_ptr().add(i) as *const i8) };
-            i += LINE;
+            i += line;
         }
         if let Some(last) = x.last() {
             // the final line when x does not start on a line boundary
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(last as *const f32 as *const i8) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(last as *const T as *const i8) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -296,3 +296,34 @@ fn padded_table_entries_beyond_the_length_are_not_read() {
     let want = reference(&c);
     assert!(max_abs_diff(&run_case(&c, 1, Isa::Generic), &want) < 1e-5);
 }
+
+/// A cache of another element type is read as the f32 values it holds: the kernel on the
+/// narrowed cache gives exactly what it gives on an f32 cache of those values (widening is
+/// exact, the arithmetic is the f32 path's), on both instruction sets and with a window and a
+/// soft cap too.
+fn narrow_reads_as_widened<E: crate::KvElem>() {
+    for (seed, window, softcap) in [(1, 0, 0.0), (2, 7, 0.0), (3, 0, 0.8)] {
+        let mut c = make_case(seed, 9, 3, 64, 16, &[1, 15, 16, 17, 40, 300]);
+        c.shape.window = window;
+        c.shape.softcap = softcap;
+        let (k, v): (Vec<E>, Vec<E>) =
+            (c.k.iter().map(|&x| E::narrow(x)).collect(), c.v.iter().map(|&x| E::narrow(x)).collect());
+        c.k = k.iter().map(|x| x.to_f32()).collect();
+        c.v = v.iter().map(|x| x.to_f32()).collect();
+        for isa in isas() {
+            let want = run_case(&c, 1, isa);
+            for threads in [1, 3] {
+                let mut got = vec![f32::NAN; c.q.len()];
+                run(&mut got, &c.q, &k, &v, &c.tables, &c.lens, c.shape, threads, isa).unwrap();
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{} {isa:?}", E::NAME);
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_and_fp8_caches_read_as_their_f32_values() {
+    narrow_reads_as_widened::<crate::Bf16>();
+    narrow_reads_as_widened::<crate::Fp8E4M3>();
+    narrow_reads_as_widened::<crate::Fp8E5M2>();
+}

@@ -151,6 +151,11 @@ fn norm_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 
 /// The layer written out plainly, one token at a time.
 fn reference(m: &Model, st: &mut Step) -> Vec<f32> {
+    reference_rounding(m, st, |x| x)
+}
+
+/// `reference` with a cache that keeps each written value as `round` makes it.
+fn reference_rounding(m: &Model, st: &mut Step, round: impl Fn(f32) -> f32) -> Vec<f32> {
     let s = m.s;
     let w = m.weights();
     let (hd, d, nh, nkv) = (s.hidden, s.head_dim, s.num_heads, s.num_kv_heads);
@@ -187,8 +192,9 @@ fn reference(m: &Model, st: &mut Step) -> Vec<f32> {
         }
         let slot = st.slots[t] as usize;
         for j in 0..nkv {
-            st.k[(slot * nkv + j) * d..][..d].copy_from_slice(&heads[nh + j]);
-            st.v[(slot * nkv + j) * d..][..d].copy_from_slice(&heads[nh + nkv + j]);
+            let (k, v) = (&heads[nh + j], &heads[nh + nkv + j]);
+            st.k[(slot * nkv + j) * d..][..d].iter_mut().zip(k).for_each(|(c, &x)| *c = round(x));
+            st.v[(slot * nkv + j) * d..][..d].iter_mut().zip(v).for_each(|(c, &x)| *c = round(x));
         }
         let len = st.lens[t] as usize;
         let mut attn = vec![0f32; nh * d];
@@ -319,4 +325,33 @@ fn numerics_revision_pins_the_layer_bits() {
         PINNED,
         "the decoder layer's bits changed: bump NUMERICS_REVISION and pin the new hash {got:#x}"
     );
+}
+
+/// With a bfloat16 or fp8 cache, the layer writes each new K/V value narrowed, and attends over
+/// the narrowed cache: as the reference does with a cache that rounds what it keeps.
+fn narrow_cache_layer<E: KvElem + PartialEq + std::fmt::Debug>() {
+    let m = model(7, false, true);
+    let lens = [1, 6, 13];
+    let round = |x: &[f32]| x.iter().map(|&x| E::narrow(x).to_f32()).collect::<Vec<f32>>();
+    let mut want = step(7, &lens);
+    (want.k, want.v) = (round(&want.k), round(&want.v));
+    let expect_h = reference_rounding(&m, &mut want, |x| E::narrow(x).to_f32());
+    let mut st = step(7, &lens);
+    let narrow = |x: &[f32]| x.iter().map(|&x| E::narrow(x)).collect::<Vec<E>>();
+    let (mut k, mut v) = (narrow(&st.k), narrow(&st.v));
+    let step =
+        DecodeTokens { cos: &st.cos, sin: &st.sin, slots: &st.slots, block_tables: &st.tables, seq_lens: &st.lens };
+    decoder_layer(&mut st.h, lens.len(), &m.weights(), &m.s, &step, &mut k, &mut v, &mut Scratch::default(), 2)
+        .unwrap();
+    assert_eq!(k, narrow(&want.k), "{}", E::NAME);
+    assert_eq!(v, narrow(&want.v), "{}", E::NAME);
+    let err = max_rel(&st.h, &expect_h);
+    assert!(err < 1e-4, "{}: {err}", E::NAME);
+}
+
+#[test]
+fn narrow_caches_are_written_rounded() {
+    narrow_cache_layer::<crate::Bf16>();
+    narrow_cache_layer::<crate::Fp8E4M3>();
+    narrow_cache_layer::<crate::Fp8E5M2>();
 }
