@@ -220,13 +220,14 @@ def greedy_steps(paged: Paged, seqs: dict[int, list[int]], last: dict, steps: in
 
 def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]],
                  num_blocks: int = 40, block_size: int = 4, step_flags: bool = False,
-                 loras: dict[int, int] | None = None):
+                 loras: dict[int, int] | None = None, kv_dtype=None):
     """Runs `schedule` (seq_id -> tokens per step) on `model` through a fresh ModelRunner, blocks
     handed out in a shuffled order. Before each later step, a sequence scheduled for 1 token
     that has computed all its tokens gets a new one (11 + step + seq_id). Returns every step's
     logits and the runner. `step_flags`: each step runs under the flags ModelRunner.execute
     gives it (worker/threads.py: cpu_step); without, linears decide by their row count alone.
-    `loras`: seq_id -> the LoRA adapter its tokens run through (models/lora.py)."""
+    `loras`: seq_id -> the LoRA adapter its tokens run through (models/lora.py). `kv_dtype`:
+    what the KV cache holds (None: float32)."""
     import contextlib
     import random
 
@@ -235,7 +236,7 @@ def run_schedule(model, prompts: dict[int, list[int]], schedule: list[dict[int, 
     from llmserve.worker import ModelRunner
     from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens
 
-    runner = ModelRunner(model, num_blocks, block_size, torch.float32, "cpu", seed=0)
+    runner = ModelRunner(model, num_blocks, block_size, kv_dtype or torch.float32, "cpu", seed=0)
     paged = Paged(num_blocks, block_size)
     random.Random(1).shuffle(paged.free)          # blocks out of order
     for sid, p in prompts.items():

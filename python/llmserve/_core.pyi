@@ -199,6 +199,9 @@ class Plan:
 
 # (a type alias of this stub, not a name of the module)
 _StepOutput: TypeAlias = tuple[int, bytes, str | None, bool, int, list[tuple[str, int]]]
+# a KV cache as the kernels take it: float32, or the bits of bfloat16 (uint16) or fp8 (uint8),
+# as `kv_dtype` says
+_KvCacheArray: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.uint16] | npt.NDArray[np.uint8]
 
 @final
 class Core:
@@ -228,14 +231,15 @@ class Core:
 def paged_decode_attention(
     out: npt.NDArray[np.float32],
     q: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32],
-    v_cache: npt.NDArray[np.float32],
+    k_cache: _KvCacheArray,
+    v_cache: _KvCacheArray,
     block_tables: npt.NDArray[np.int32],
     seq_lens: npt.NDArray[np.int32],
     scale: float,
     num_threads: int,
     window: int = 0,
     softcap: float = 0.0,
+    kv_dtype: str = "float32",
 ) -> None: ...
 def quant_pack(w_raw: npt.NDArray[np.uint8], ggml_type: int) -> npt.NDArray[np.uint8]: ...
 def quant_matmul(
@@ -268,9 +272,10 @@ class CpuDecoder:
         slots: npt.NDArray[np.int64],
         block_tables: npt.NDArray[np.int32],
         seq_lens: npt.NDArray[np.int32],
-        k_caches: list[npt.NDArray[np.float32]],
-        v_caches: list[npt.NDArray[np.float32]],
+        k_caches: list[_KvCacheArray],
+        v_caches: list[_KvCacheArray],
         num_threads: int,
+        kv_dtype: str = "float32",
     ) -> None: ...
 
 def dequantize_packed(

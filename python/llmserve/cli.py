@@ -81,7 +81,7 @@ _VLLM_VALUE_NO_OPS = {
 # value stops it with the flag's _VLLM_HINTS line).
 _VLLM_NEUTRAL = {
     "--tensor-parallel-size": "1", "-tp": "1", "--pipeline-parallel-size": "1",
-    "--kv-cache-dtype": "auto", "--lora-dtype": "auto", "--load-format": "auto", "--tokenizer-mode": "auto",
+    "--lora-dtype": "auto", "--load-format": "auto", "--tokenizer-mode": "auto",
     "--response-role": "assistant",
     "--data-parallel-size": "1", "--preemption-mode": "recompute", "--logprobs-mode": "raw_logprobs",
     "--num-scheduler-steps": "1",
@@ -100,7 +100,6 @@ _VLLM_HINTS = {
     "-tp": "llmserve runs a model on one device",
     "--pipeline-parallel-size": "llmserve runs a model on one device",
     "--quantization": "GGUF files are served in their own blocks (K-quant/Q5 ones converted to Q8_0/Q4_1 at load); there is no switch",
-    "--kv-cache-dtype": "the KV cache has the model's dtype",
     "--lora-dtype": "LoRA adapters compute in the model's dtype (--dtype)",
     "--load-format": "the weights are read in the format of the model's files (safetensors or GGUF)",
     "--no-enable-chunked-prefill": "prompts longer than --max-num-batched-tokens are always prefilled in "

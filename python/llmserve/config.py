@@ -374,6 +374,13 @@ class CacheConfig(_Checked):
         memory=True, above=0, alias="--kv-cache-memory-bytes",
     )
     num_kv_blocks: int | None = _f(None, "KV-cache blocks (overrides --kv-cache-memory).", min=1)
+    kv_cache_dtype: str = _f(
+        "auto", "What the KV cache holds: auto (the model's dtype), or, on CPU, bfloat16, fp8 (E4M3), "
+        "fp8_e4m3 or fp8_e5m2: the same memory then holds 2x (bfloat16) or 4x (fp8, against float32) "
+        "the tokens, and decode attention reads less, at some precision (values are rounded with no "
+        "scale, as vLLM's default of 1.0).",
+        choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    )
     gpu_memory_utilization: float = _f(
         0.9,
         "CUDA only: fraction of the GPU's memory this server may use (weights, activations, "

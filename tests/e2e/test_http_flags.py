@@ -3,7 +3,8 @@
 before the model loads, saying why; `--root-path` serves behind a proxy that strips it;
 `--enable-log-requests` logs what each request asks for, `--max-log-len` bounding it, and
 `--enable-log-outputs` what it answered; `--uds`
-serves on a Unix socket; `--enable-request-id-headers` names every response."""
+serves on a Unix socket; `--enable-request-id-headers` names every response. Also
+`--kv-cache-dtype`, seen from outside: the SDK's requests and /metrics."""
 
 from __future__ import annotations
 
@@ -148,3 +149,35 @@ def test_uds_serves_on_a_unix_socket_and_request_id_headers_name_every_response(
     finally:
         server.stop()
     assert not os.path.exists(path), "the socket file is removed at exit"
+
+
+def test_kv_cache_dtype_fp8_serves_with_four_times_the_blocks(tiny_model):
+    """`--kv-cache-dtype fp8` (vLLM's flag): the official SDK's requests are served from an fp8
+    cache, streamed and not, and /metrics reports the dtype and 4x the blocks a float32 cache of
+    the same --kv-cache-memory has (the tiny model is float32)."""
+    def blocks_and_dtype(server):
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith("llmserve:cache_config_info{"))
+        labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.index("}")].split(","))
+        return int(labels["num_gpu_blocks"].strip('"')), labels["cache_dtype"].strip('"')
+
+    counts = {}
+    for dtype in ("auto", "fp8"):
+        server = ServerProcess(str(tiny_model), "--served-model-name", "tiny", "--kv-cache-memory", "8MiB",
+                               "--kv-cache-dtype", dtype)
+        try:
+            counts[dtype] = blocks_and_dtype(server)
+            if dtype == "fp8":
+                with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+                    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=5, temperature=0,
+                                                         extra_body={"ignore_eos": True})
+                    assert out.usage.completion_tokens == 5
+                    stream = client.completions.create(model="tiny", prompt="hello " * 40, max_tokens=5, stream=True,
+                                                       temperature=0, stream_options={"include_usage": True},
+                                                       extra_body={"ignore_eos": True})
+                    assert [c.usage.completion_tokens for c in stream if c.usage] == [5]
+        finally:
+            server.stop()
+    assert counts["auto"][1] == "auto" and counts["fp8"][1] == "fp8"
+    assert 0 <= counts["fp8"][0] - 4 * counts["auto"][0] < 4     # (each count is rounded down)

@@ -94,3 +94,36 @@ def test_hf_overrides_replace_config_keys_before_the_build(tiny_model):
     assert fingerprints[0] != fingerprints[1]
     with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
         ModelConfig(hf_overrides="[1]")
+
+
+def test_kv_cache_dtype_holds_more_tokens_in_the_same_memory(tiny_model):
+    """--kv-cache-dtype: the cache holds bfloat16 or fp8 values, so the same --kv-cache-memory
+    makes 2x or 4x the blocks of the float32 model's own (counted here from config.json); the
+    requests run, the fingerprint tells the setups apart (a narrow cache moves the numbers), and
+    vLLM's `fp8` is E4M3."""
+    import torch
+
+    from llmserve.config import CacheConfig
+
+    hf = json.loads((tiny_model / "config.json").read_text())
+    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_block_fp32 = 2 * hf["num_hidden_layers"] * 16 * kv_heads * head_dim * 4
+
+    def engine(kv_cache_dtype):
+        return build_engine(Config(model=ModelConfig(model=str(tiny_model), served_model_name=("tiny",)),
+                                   cache=CacheConfig(kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype),
+                                   device=DeviceConfig(threads=1)))
+
+    fingerprints = []
+    for name, dtype, size in [("auto", torch.float32, 4), ("bfloat16", torch.bfloat16, 2),
+                              ("fp8", torch.float8_e4m3fn, 1), ("fp8_e5m2", torch.float8_e5m2, 1)]:
+        e = engine(name)
+        assert e.num_blocks == 4 * 2**20 // (per_block_fp32 // 4 * size), name
+        assert {t.dtype for t in (*e.runner.kv_cache.key, *e.runner.kv_cache.value)} == {dtype}
+        sse = serve(e, [{"prompt": "hi", "max_tokens": 4, "stream": True, "ignore_eos": True,
+                         "stream_options": {"include_usage": True}}])[0][0].decode()
+        events = [json.loads(x.removeprefix("data: ")) for x in sse.split("\n\n") if x.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 4
+        fingerprints.append(events[0]["system_fingerprint"])
+    assert len(set(fingerprints)) == 4

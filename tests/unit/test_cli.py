@@ -196,19 +196,19 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config(["--download-dir", "/models"]).model.download_dir == "/models"
     assert _config(["--tokenizer", "org/tok"]).model.tokenizer == "org/tok"
     assert _config(["--tokenizer-revision", "v2"]).model.tokenizer_revision == "v2"
+    assert [_config(a).cache.kv_cache_dtype for a in ([], ["--kv-cache-dtype", "fp8"])] == ["auto", "fp8"]
     # vLLM's name for --no-access-log
     assert (_config([]).server.access_log, _config(["--disable-uvicorn-access-log"]).server.access_log) == (True, False)
     overrides = _config(["--override-generation-config", '{"temperature": 0.2}']).model.generation_overrides()
     assert overrides == {"temperature": 0.2}
     # the values that ask for what llmserve does anyway are taken, and said to do nothing
-    _logs(caplog, ["--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1", "--kv-cache-dtype",
-                   "auto", "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
+    _logs(caplog, ["--tensor-parallel-size", "1", "-tp", "1", "--pipeline-parallel-size=1",
+                   "--lora-dtype", "auto", "--disable-log-stats", "--load-format", "auto",
                    "--enable-chunked-prefill", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
                    "--disable-fastapi-docs", "--disable-custom-all-reduce", "--swap-space", "4",
                    "--disable-frontend-multiprocessing", "--guided-decoding-backend", "xgrammar",
                    "--tokenizer-mode", "auto", "--response-role", "assistant", "--log-error-stack"], [
         "--tensor-parallel-size 1 has no effect: llmserve runs a model on one device",
-        "--kv-cache-dtype auto has no effect: the KV cache has the model's dtype",
         "--disable-log-stats has no effect: nothing is logged periodically",
         "--load-format auto has no effect: the weights are read in the format of the model's files",
         "--enable-chunked-prefill has no effect: prompts longer than a step's token budget",
@@ -283,7 +283,7 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: llmserve runs a model on one device"),
     (["--lora-dtype", "bfloat16"], "--lora-dtype is vLLM's: LoRA adapters compute in the model's dtype"),
     (["-tp", "2"], "-tp is vLLM's: llmserve runs a model on one device (only 1 is taken)"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: --kv-cache-dtype is vLLM's: the KV cache has the model's"),
+    (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
     (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),

@@ -16,6 +16,7 @@ from llmserve import _core
 from llmserve.models import build_model
 from llmserve.worker import attention
 from llmserve.worker.attention import AttentionMetadata, paged_attention
+from llmserve.worker.kv_cache import narrowed, write_kv
 
 torch.set_num_threads(1)
 
@@ -222,3 +223,89 @@ def test_binding_rejects_other_dtypes():
     args[2] = args[2].astype(np.float64)
     with pytest.raises(TypeError):
         _core.paged_decode_attention(*args)
+
+
+NARROW = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("q_lens,ctx", [([1] * 7, [0, 4, 15, 16, 31, 100, 257]),
+                                        ([1, 9, 1, 5, 1], [40, 0, 3, 20, 70])])
+def test_narrow_caches_read_as_their_float32_values(monkeypatch, kernel_calls, dtype, q_lens, ctx):
+    """A bfloat16 or fp8 cache (--kv-cache-dtype) through the kernel gives exactly what a float32
+    cache holding the same values gives (the kernel widens exactly, then computes as for
+    float32), on decode-only and mixed steps; and the torch path, which gathers and widens,
+    agrees with it."""
+    rng = np.random.default_rng(len(q_lens))
+    meta, q, k, v, k_cache, v_cache = _random_step(rng, 9, 3, 64, 16, q_lens, ctx)
+    k, v = narrowed(k, dtype).float(), narrowed(v, dtype).float()       # (written exactly)
+    k_narrow, v_narrow = narrowed(k_cache, dtype), narrowed(v_cache, dtype)
+    want = paged_attention(q, k, v, k_narrow.float(), v_narrow.float(), meta, 0.125)
+    kc, vc = k_narrow.clone(), v_narrow.clone()
+    got = paged_attention(q, k, v, kc, vc, meta, 0.125)
+    assert kernel_calls == [sum(q_lens)] * 2
+    assert torch.equal(got, want)
+    # the step's K/V landed in the narrow cache, rounded as a cast rounds them
+    slots = meta.slot_mapping
+    assert torch.equal(kc.view(-1, 3, 64)[slots].float(), k)
+    assert torch.equal(vc.view(-1, 3, 64)[slots].float(), v)
+    ref, got = _both_ways(monkeypatch, meta, q, k, v, k_narrow, v_narrow, 0.125)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,top", [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0),
+                                       (torch.bfloat16, None)])
+def test_writes_round_to_nearest_and_saturate_8_bit_floats(dtype, top):
+    """write_kv rounds as torch's cast does, but an 8-bit float saturates at its largest finite
+    value where the cast would give infinity (E5M2) or where a value lies past it."""
+    cache = torch.zeros(2, 4, 1, 4, dtype=dtype)
+    x = torch.tensor([[[1e6, -1e6, 1.0625, 3e-3]], [[0.1, -0.2, 7.5, 1e-9]]])
+    write_kv(cache, cache.clone(), torch.tensor([5, 2]), x, x)
+    got = cache.view(-1, 1, 4)[torch.tensor([5, 2])].float()
+    want = x.to(dtype).float()
+    if top is not None:
+        want[0, 0, :2] = torch.tensor([top, -top])
+    assert torch.equal(got, want)
+
+
+def test_binding_checks_the_cache_dtype():
+    args = _args()
+    with pytest.raises(ValueError, match='kv_dtype "fp16" is none of'):
+        _core.paged_decode_attention(*args, 0, 0.0, "fp16")
+    with pytest.raises(TypeError, match="k_cache must be a 4-d numpy array of u8 for kv_dtype fp8_e5m2"):
+        _core.paged_decode_attention(*args, 0, 0.0, "fp8_e5m2")
+    with pytest.raises(TypeError, match="v_cache must be a 4-d numpy array of u16 for kv_dtype bfloat16"):
+        bits = torch.from_numpy(args[2]).bfloat16().view(torch.uint16).numpy()
+        _core.paged_decode_attention(*args[:2], bits, args[3], *args[4:], 0, 0.0, "bfloat16")
+    widened = torch.from_numpy(args[2]).bfloat16().float().numpy()
+    _core.paged_decode_attention(*args[:2], widened, widened.copy(), *args[4:])
+    want = args[0].copy()
+    _core.paged_decode_attention(*args[:2], bits, bits.copy(), *args[4:], 0, 0.0, "bfloat16")
+    assert np.array_equal(args[0], want)
+
+
+def test_runner_logits_with_a_narrow_cache(monkeypatch, kernel_calls):
+    """Whole steps through ModelRunner with a narrow cache: the same logits both ways (kernel
+    and torch path, as closely as the comment below says), and the fewer mantissa bits a type keeps, the further they are from the
+    float32 cache's (bfloat16 7, E4M3 3, E5M2 2)."""
+    model = build_model(CONFIG, tiny_weights(CONFIG, scale=0.3), torch.float32, "cpu")
+    prompts = {0: list(range(3, 24)), 1: [5, 7, 9], 2: list(range(40, 77))}
+    schedule = [{0: 21, 1: 3, 2: 10}, {0: 1, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 10},
+                {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
+    full = run_schedule(model, prompts, schedule)[0]
+    scale = max(x.abs().max().item() for x in full)
+    distance = []
+    for dtype in NARROW:
+        monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", True)
+        narrow = run_schedule(model, prompts, schedule, kv_dtype=dtype)[0]
+        monkeypatch.setattr(attention, "USE_CPU_DECODE_KERNEL", False)
+        torch_path = run_schedule(model, prompts, schedule, kv_dtype=dtype)[0]
+        # (both paths agree to float32 rounding, but the next layer's K/V then differ in the last
+        # bits, and now and then that moves a value across a rounding boundary of the narrow
+        # type: a whole step of it, ~12% of the value in fp8. So: nearly all within float32
+        # rounding, none far.)
+        diffs = torch.cat([(got - ref).abs().flatten() for ref, got in zip(torch_path, narrow)])
+        assert diffs.median().item() < 1e-5 * scale and diffs.max().item() < 0.02 * scale
+        distance.append(max((a - b).abs().max().item() for a, b in zip(full, narrow)) / scale)
+    assert 0 < distance[0] < distance[1] < distance[2]
+    assert kernel_calls == [34, 34, 19, 19, 12, 12, 3, 3, 3, 3] * 3 + [34] * 2 + [19] * 2 + [12] * 2 + [3] * 4

@@ -95,11 +95,12 @@ SCHEDULE = [{0: 21, 1: 3, 2: 10}, {0: 1, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 10},
             {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
 
 
-def _run_steps(model, on: bool, monkeypatch):
-    """Logits of every step and the final K caches, with the Rust decoder on or off."""
+def _run_steps(model, on: bool, monkeypatch, kv_dtype=None):
+    """Logits of every step and the final K caches (as float32), with the Rust decoder on or
+    off."""
     monkeypatch.setattr(cpu_decoder, "USE_CPU_DECODER", on)
-    steps, runner = run_schedule(model, PROMPTS, SCHEDULE)
-    return steps, [k.clone() for k in runner.kv_cache.key]
+    steps, runner = run_schedule(model, PROMPTS, SCHEDULE, kv_dtype=kv_dtype)
+    return steps, [k.float() for k in runner.kv_cache.key]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -110,6 +111,20 @@ def test_logits_and_cache_match_the_torch_layers(monkeypatch, path_calls, family
     assert path_calls == []
     got_logits, got_cache = _run_steps(model, True, monkeypatch)
     # steps 1-2 hold a prompt chunk (torch layers); steps 3-5 decode three sequences
+    assert path_calls == [3, 3, 3]
+    for n, (ref, got) in enumerate(zip(ref_logits, got_logits)):
+        _agree(got, ref, f"logits of step {n}")
+    for layer, (ref, got) in enumerate(zip(ref_cache, got_cache)):
+        _agree(got, ref, f"K cache of layer {layer}")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_narrow_caches_match_the_torch_layers(monkeypatch, path_calls, kv_dtype):
+    """--kv-cache-dtype: the Rust decoder writes each K/V value narrowed as the torch path's
+    write_kv does (the same rounding and saturation), and reads the cache as it does."""
+    model = quantized_model("qwen3")
+    ref_logits, ref_cache = _run_steps(model, False, monkeypatch, kv_dtype)
+    got_logits, got_cache = _run_steps(model, True, monkeypatch, kv_dtype)
     assert path_calls == [3, 3, 3]
     for n, (ref, got) in enumerate(zip(ref_logits, got_logits)):
         _agree(got, ref, f"logits of step {n}")

@@ -313,7 +313,7 @@ class AsyncEngine:
         cfg = engine.config
         self.metrics.bind(engine.router.served_model_names[0], {
             "block_size": cfg.cache.block_size, "num_gpu_blocks": engine.num_blocks,
-            "cache_dtype": cfg.model.dtype,
+            "cache_dtype": cfg.cache.kv_cache_dtype,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "gpu_memory_utilization": cfg.cache.gpu_memory_utilization},
             max_lora=max(len(cfg.model.lora_adapters()), int(cfg.model.allow_runtime_lora_updating)),

@@ -25,6 +25,7 @@ from llmserve._core import __version__ as core_version, numerics_revision
 from llmserve.config import DEFAULT_BATCHED_TOKENS, DEFAULT_CPU_KV_CACHE, Config, parse_bytes
 from llmserve.engine.adapters import Adapters, adapter_fingerprint, read_adapter
 from llmserve.loaders.checkpoint import LazyWeights, LoadError
+from llmserve.worker.kv_cache import kv_cache_dtype
 from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
 
 log = logging.getLogger("llmserve.engine")
@@ -258,6 +259,11 @@ def build_engine(cfg: Config) -> Engine:
     start = time.perf_counter()
     device = resolve_device(cfg.device.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
+    kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
+    if device.type != "cpu" and kv_dtype != dtype:
+        raise SetupError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype} is served on CPU only: on "
+                         f"{device.type} the KV cache holds the model's dtype "
+                         f"({str(dtype).removeprefix('torch.')}), which the attention kernels read")
     if cfg.device.threads:
         torch.set_num_threads(cfg.device.threads)
     torch.manual_seed(cfg.device.seed)
@@ -297,6 +303,8 @@ def build_engine(cfg: Config) -> Engine:
                                      # (prompt steps' bf16 matmuls run as a GGUF model's: layers.py)
                                      *(("bf16-rows",) if dtype == torch.bfloat16 and device.type == "cpu" else ()),
                                      *(ck.conversions if has_blocks else ()),
+                                     # (a narrow KV cache rounds every cached key and value)
+                                     *((f"kv-cache:{kv_dtype}",) if kv_dtype != dtype else ()),
                                      # (the shape or positions the overrides change move the output)
                                      *((f"hf-overrides:{json.dumps(overrides, sort_keys=True)}",) if overrides else ()))
     log.info("model %s built on %s as %s", ck.name, device, str(dtype).removeprefix("torch."))
@@ -327,7 +335,7 @@ def build_engine(cfg: Config) -> Engine:
                     "how many it has", max_model_len, native_len)
 
     block_size = cfg.cache.block_size
-    per_block = kv_block_bytes(hf, block_size, dtype)
+    per_block = kv_block_bytes(hf, block_size, kv_dtype)
     if cfg.cache.num_kv_blocks:
         num_blocks = cfg.cache.num_kv_blocks
     elif cfg.cache.kv_cache_memory is not None:
@@ -362,8 +370,8 @@ def build_engine(cfg: Config) -> Engine:
             f"the KV cache holds {max(0, num_blocks - 1) * block_size} tokens, less than one request of "
             f"--max-model-len {max_model_len}: raise {raise_it} or lower --max-model-len"
         )
-    log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d",
-             num_blocks, block_size, num_blocks * per_block / 2**20, max_model_len)
+    log.info("KV cache: %d blocks of %d tokens (%.0f MiB of %s), max_model_len %d", num_blocks, block_size,
+             num_blocks * per_block / 2**20, str(kv_dtype).removeprefix("torch."), max_model_len)
 
     names = list(cfg.model.served_model_name) or [ck.name]
     if clash := next((a.name for a, _, _ in adapters if a.name in names), None):
@@ -460,7 +468,7 @@ def build_engine(cfg: Config) -> Engine:
                                   graphs=not cfg.device.enforce_eager,
                                   capture_sizes=capture_sizes)
     else:
-        runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+        runner = ModelRunner(model, num_blocks, block_size, kv_dtype, device)
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")
     log.info("engine ready in %.1f s (served as %s; async scheduling %s)", time.perf_counter() - start,
              ", ".join(names), "on" if plan_ahead else "off")

@@ -26,6 +26,7 @@ import torch
 
 from llmserve import _core
 from llmserve.worker.attention import AttentionMetadata
+from llmserve.worker.kv_cache import kernel_kv_dtype, kernel_view
 from llmserve.worker.threads import kernel_threads, quantized_step_allowed
 
 # Tests flip this to compare the two paths in one process.
@@ -65,7 +66,7 @@ class CpuDecodePath:
         self.decoder = _core.CpuDecoder(shape, layers, _vector(model.norm.weight))
         self._embed = model.embed_tokens.weight.detach().numpy()   # [V, H], no copy
         self._rope = model.rope
-        self._caches = None   # (the kv_caches object, [K views], [V views])
+        self._caches = None   # (the kv_caches object, [K views], [V views], the kernels' kv_dtype)
 
     @staticmethod
     def available(model) -> bool:
@@ -89,20 +90,21 @@ class CpuDecodePath:
                 and attn.num_decode == num_tokens and attn.decode_token_idx is None
                 and attn.decode_tables_np is not None)
 
-    def _views(self, kv_caches) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _views(self, kv_caches) -> tuple[list[np.ndarray], list[np.ndarray], str | None]:
         # NOTE: the runner's KV cache lives as long as the runner; its numpy views are made
         # once, not 2 x layers times per step.
         if self._caches is None or self._caches[0] is not kv_caches:
             pairs = [kv_caches[i] for i in range(len(kv_caches))]
-            self._caches = (kv_caches, [k.numpy() for k, _ in pairs], [v.numpy() for _, v in pairs])
-        return self._caches[1], self._caches[2]
+            self._caches = (kv_caches, [kernel_view(k) for k, _ in pairs], [kernel_view(v) for _, v in pairs],
+                            kernel_kv_dtype(pairs[0][0]))
+        return self._caches[1], self._caches[2], self._caches[3]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches) -> torch.Tensor:
         """input_ids, positions [T] int64 -> the final-normed hidden states [T, H]; K/V written."""
         h = self._embed[input_ids.numpy()]              # a new [T, H] array
         cos, sin = self._rope.cos_sin_host(positions.numpy())
-        ks, vs = self._views(kv_caches)
+        ks, vs, kv_dtype = self._views(kv_caches)
         self.decoder.forward(h, cos, sin, attn.slot_mapping.numpy(), attn.decode_tables_np,
-                             attn.decode_lens_np, ks, vs, kernel_threads())
+                             attn.decode_lens_np, ks, vs, kernel_threads(), kv_dtype)
         return torch.from_numpy(h)

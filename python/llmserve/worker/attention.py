@@ -13,7 +13,8 @@ its block table. Two groups, decided once per step in `AttentionMetadata.build`:
 
 On CPU, float32 rows skip the gather: the Rust kernel `llmserve._core.paged_decode_attention`
 (rust/kernels) reads K/V in place through the block tables, one work item per (row, kv head),
-online softmax in f32 (BENCH.md: the gather + padded SDPA read KV at ~5 GB/s). Decode rows
+online softmax in f32 (BENCH.md: the gather + padded SDPA read KV at ~5 GB/s). It reads a
+float32, bfloat16 or fp8 cache (--kv-cache-dtype), widening each block to f32 as it goes. Decode rows
 use it always; in a step with prompt rows, every token is its own row of it (each with its
 sequence's block table and its own position + 1 as length), because its result for a token
 depends only on that token and its context, while SDPA's shifts in the last bits with the
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmserve.worker.kv_cache import write_kv
+from llmserve.worker.kv_cache import kernel_kv_dtype, kernel_view, narrowed, write_kv
 from llmserve.worker.threads import kernel_threads
 
 try:
@@ -227,19 +228,20 @@ def _kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    meta: AttentionMetadata) -> bool:
     return (USE_CPU_DECODE_KERNEL and _cpu_decode is not None and meta.decode_lens_np is not None
             and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and kernel_kv_dtype(k_cache) is not None
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def _decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    tables: np.ndarray, lens: np.ndarray, scale: float, window: int,
                    softcap: float) -> torch.Tensor:
-    """q [R, heads, d] fp32 -> [R, heads, d], K/V read in place (numpy views, no copy); row r
-    attends over the first lens[r] tokens of block table tables[r] (the last `window` of them)."""
+    """q [R, heads, d] fp32 -> [R, heads, d], K/V read in place (numpy views, no copy; a
+    bfloat16 or fp8 cache is widened to f32 a block at a time); row r attends over the first
+    lens[r] tokens of block table tables[r] (the last `window` of them)."""
     q = q.contiguous()
     out = torch.empty_like(q)
-    _cpu_decode(out.numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(), tables, lens, scale,
-                CPU_DECODE_THREADS or kernel_threads(), window, softcap)
+    _cpu_decode(out.numpy(), q.numpy(), kernel_view(k_cache), kernel_view(v_cache), tables, lens, scale,
+                CPU_DECODE_THREADS or kernel_threads(), window, softcap, kernel_kv_dtype(k_cache))
     return out
 
 
@@ -277,12 +279,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # where full attention is the same (engine/build.py).
         return meta.attend(q, k, v, k_cache, v_cache, scale)
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    kernel = _kernel_serves(q, k_cache, v_cache, meta)    # (float32 models: before q is widened below)
     if batch_invariant or meta.prefills:
         # Every token as its own kernel row, so a token's result does not depend on the rest of
         # the step: a prompt computes the same however it was split into steps (a prefix-cache
         # hit computes only the tail; worker/threads.py). SDPA's results shift in the last bits
         # with the query count.
-        if _kernel_serves(q, k_cache, v_cache, meta):
+        if kernel:
             return _decode_kernel(q, k_cache, v_cache, *meta.per_token_tables, scale, window, softcap)
         if batch_invariant:
             raise RuntimeError("batch-invariant attention needs the CPU decode kernel "
@@ -292,7 +295,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     q, k, v = q.float(), k.float(), v.float()
     if meta.num_decode:
         idx = meta.decode_token_idx
-        if _kernel_serves(q, k_cache, v_cache, meta):
+        if kernel:
             od = _decode_kernel(q if idx is None else q[idx], k_cache, v_cache,
                                 meta.decode_tables_np, meta.decode_lens_np, scale, window, softcap)
         else:
@@ -310,8 +313,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for i, p in enumerate(meta.prefills):
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)                  # [1, heads, Tq, d]
         if p.context_len == 0:
-            # whole context is in this step: use the fresh K/V, no gather
+            # whole context is in this step: use the fresh K/V, no gather (rounded as the cache
+            # keeps them, so that a token computes the same as when its prefix is cached)
             kp, vp = k[p.start:p.end], v[p.start:p.end]
+            if k_cache.dtype != torch.float32:
+                kp, vp = narrowed(kp, k_cache.dtype).float(), narrowed(vp, v_cache.dtype).float()
         else:
             kp = _gather(k_cache, p.block_ids, meta.workspace, "k")[:p.seq_len].float()
             vp = _gather(v_cache, p.block_ids, meta.workspace, "v")[:p.seq_len].float()

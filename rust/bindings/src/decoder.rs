@@ -9,22 +9,24 @@
 //! - `final_norm` (optional): the model's norm after the last layer, f32 [H].
 //!
 //! The decoder keeps references to those arrays (no copy); it reads them, never writes them.
-//! `forward(h, cos, sin, slots, block_tables, seq_lens, k_caches, v_caches, num_threads)` runs
-//! every layer on h [T, H] in place (layouts as in rust/kernels/src/layer.rs), then the final
-//! norm if there is one. Every check runs before the first layer writes anything; a bad
+//! `forward(h, cos, sin, slots, block_tables, seq_lens, k_caches, v_caches, num_threads,
+//! kv_dtype="float32")` runs every layer on h [T, H] in place (layouts as in
+//! rust/kernels/src/layer.rs), then the final norm if there is one; the caches hold `kv_dtype`
+//! (the arrays `paged_decode_attention` takes for it). Every check runs before the first layer writes anything; a bad
 //! argument is a ValueError.
 
 use std::sync::Mutex;
 
 use llmserve_kernels::layer::{decoder_layer, rms_norm_rows, DecodeTokens, LayerShape, LayerWeights, Scratch};
 use llmserve_kernels::quant::{PackedWeights, QuantType};
-use numpy::{PyArray1, PyArray2, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use llmserve_kernels::{Bf16, Fp8E4M3, Fp8E5M2, KvElem};
+use numpy::{Element, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::kernels::writeable;
+use crate::kernels::{kv_cache_bits, writeable};
 
 fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
     Err(PyValueError::new_err(format!("CpuDecoder: {what}")))
@@ -192,7 +194,9 @@ impl PyCpuDecoder {
     }
 
     /// Runs every layer on h [T, H] in place, then the final norm if the decoder has one, and
-    /// writes the tokens' K/V to the caches.
+    /// writes the tokens' K/V to the caches, which hold `kv_dtype` (as `paged_decode_attention`
+    /// takes them).
+    #[pyo3(signature = (h, cos, sin, slots, block_tables, seq_lens, k_caches, v_caches, num_threads, kv_dtype="float32"))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -203,11 +207,50 @@ impl PyCpuDecoder {
         slots: PyReadonlyArray1<'_, i64>,
         block_tables: PyReadonlyArray2<'_, i32>,
         seq_lens: PyReadonlyArray1<'_, i32>,
-        k_caches: Vec<Bound<'_, PyArray4<f32>>>,
-        v_caches: Vec<Bound<'_, PyArray4<f32>>>,
+        k_caches: Vec<Bound<'_, PyAny>>,
+        v_caches: Vec<Bound<'_, PyAny>>,
         num_threads: usize,
+        kv_dtype: &str,
     ) -> PyResult<()> {
+        let step = StepArrays { h, cos, sin, slots, block_tables, seq_lens };
+        match kv_dtype {
+            "float32" => self.forward_as::<f32>(py, step, &k_caches, &v_caches, num_threads),
+            "bfloat16" => self.forward_as::<Bf16>(py, step, &k_caches, &v_caches, num_threads),
+            "fp8_e4m3" => self.forward_as::<Fp8E4M3>(py, step, &k_caches, &v_caches, num_threads),
+            "fp8_e5m2" => self.forward_as::<Fp8E5M2>(py, step, &k_caches, &v_caches, num_threads),
+            other => bad(format!("kv_dtype {other:?} is none of float32, bfloat16, fp8_e4m3, fp8_e5m2")),
+        }
+    }
+}
+
+/// `forward`'s arrays but the caches.
+struct StepArrays<'a, 'py> {
+    h: &'a Bound<'py, PyArray2<f32>>,
+    cos: PyReadonlyArray2<'py, f32>,
+    sin: PyReadonlyArray2<'py, f32>,
+    slots: PyReadonlyArray1<'py, i64>,
+    block_tables: PyReadonlyArray2<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+}
+
+impl PyCpuDecoder {
+    fn forward_as<'py, E: KvElem>(
+        &self,
+        py: Python<'py>,
+        step: StepArrays<'_, 'py>,
+        k_caches: &[Bound<'py, PyAny>],
+        v_caches: &[Bound<'py, PyAny>],
+        num_threads: usize,
+    ) -> PyResult<()>
+    where
+        E::Bits: Element,
+    {
         const NAME: &str = "CpuDecoder.forward";
+        let StepArrays { h, cos, sin, slots, block_tables, seq_lens } = step;
+        let typed = |caches: &[Bound<'py, PyAny>], name: &str| {
+            caches.iter().map(|c| kv_cache_bits::<E>(c, NAME, name)).collect::<PyResult<Vec<_>>>()
+        };
+        let (k_caches, v_caches) = (typed(k_caches, "k_caches")?, typed(v_caches, "v_caches")?);
         if k_caches.len() != self.layers.len() || v_caches.len() != self.layers.len() {
             return bad(format!(
                 "{} layers, but {} K and {} V caches",
@@ -235,11 +278,11 @@ impl PyCpuDecoder {
         let h = h.as_slice_mut().map_err(|_| contiguous("h"))?;
         let mut ks = ks
             .iter_mut()
-            .map(|c| c.as_slice_mut().map_err(|_| contiguous("k_caches")))
+            .map(|c| c.as_slice_mut().map(E::from_bits_mut).map_err(|_| contiguous("k_caches")))
             .collect::<PyResult<Vec<_>>>()?;
         let mut vs = vs
             .iter_mut()
-            .map(|c| c.as_slice_mut().map_err(|_| contiguous("v_caches")))
+            .map(|c| c.as_slice_mut().map(E::from_bits_mut).map_err(|_| contiguous("v_caches")))
             .collect::<PyResult<Vec<_>>>()?;
         let step = DecodeTokens {
             cos: cos.as_slice().map_err(|_| contiguous("cos"))?,

@@ -5,7 +5,8 @@
 //! they compute.
 //!
 //! Shapes of paged_decode_attention: out, q [S, heads, head_dim] f32; k_cache, v_cache
-//! [num_blocks, block_size, kv_heads, head_dim] f32; block_tables [S, W] i32; seq_lens [S] i32.
+//! [num_blocks, block_size, kv_heads, head_dim] of the `kv_dtype`'s bits (f32; uint16 for
+//! bfloat16; uint8 for fp8_e4m3 and fp8_e5m2); block_tables [S, W] i32; seq_lens [S] i32.
 //! Shapes of apply_token_bitmask: logits [R, V] f32 (written in place); rows [Rm] i64; bitmask
 //! [Rm, W] i32. Shapes of rope_rows: x [T, W] f32 (its first heads * head_dim columns written in
 //! place); cos, sin [T, head_dim / 2] f32.
@@ -13,12 +14,12 @@
 //! Every array must be C-contiguous. A shape mismatch, a non-contiguous array, a bad length,
 //! block id or row index is a ValueError (nothing written); a wrong dtype is numpy's TypeError.
 
-use llmserve_kernels::DecodeShape;
+use llmserve_kernels::{Bf16, DecodeShape, Fp8E4M3, Fp8E5M2, KvElem};
 use numpy::{
-    Element, PyArray, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
-    PyReadonlyArray4, PyReadwriteArray, PyUntypedArrayMethods,
+    Element, PyArray, PyArray2, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArray3, PyReadwriteArray, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 fn contiguous<T>(r: Result<T, numpy::NotContiguousError>, name: &str) -> PyResult<T> {
@@ -44,57 +45,110 @@ pub(crate) fn writeable<'py, T: Element, D: numpy::ndarray::Dimension>(
 /// out = softmax(scale * q k^T) v for one query token per sequence, read through the block
 /// tables; `num_threads` threads (the engine passes torch's thread count). `window` > 0: each
 /// sequence attends over its last `window` tokens only (sliding-window attention). `softcap` > 0:
-/// each scaled score s is softcap * tanh(s / softcap) (Gemma 2's soft-capping).
+/// each scaled score s is softcap * tanh(s / softcap) (Gemma 2's soft-capping). `kv_dtype`: what
+/// the caches hold (`kv_cache_bits` says which numpy dtype carries each).
 #[pyfunction]
-#[pyo3(signature = (out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_threads, window=0, softcap=0.0))]
+#[pyo3(signature = (out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_threads, window=0, softcap=0.0, kv_dtype="float32"))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
     out: &Bound<'_, PyArray3<f32>>,
     q: PyReadonlyArray3<'_, f32>,
-    k_cache: PyReadonlyArray4<'_, f32>,
-    v_cache: PyReadonlyArray4<'_, f32>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     block_tables: PyReadonlyArray2<'_, i32>,
     seq_lens: PyReadonlyArray1<'_, i32>,
     scale: f32,
     num_threads: usize,
     window: usize,
     softcap: f32,
+    kv_dtype: &str,
 ) -> PyResult<()> {
-    let mut out = writeable(out, "paged_decode_attention", "out")?;
-    let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
-    let bad = |what: String| Err(PyValueError::new_err(format!("paged_decode_attention: {what}")));
-    if out.shape() != qs.as_slice() {
-        return bad(format!("out {:?} must have q's shape {qs:?}", out.shape()));
+    let args = DecodeArgs { out, q, block_tables, seq_lens, scale, num_threads, window, softcap };
+    match kv_dtype {
+        "float32" => args.run::<f32>(py, k_cache, v_cache),
+        "bfloat16" => args.run::<Bf16>(py, k_cache, v_cache),
+        "fp8_e4m3" => args.run::<Fp8E4M3>(py, k_cache, v_cache),
+        "fp8_e5m2" => args.run::<Fp8E5M2>(py, k_cache, v_cache),
+        other => Err(PyValueError::new_err(format!(
+            "paged_decode_attention: kv_dtype {other:?} is none of float32, bfloat16, fp8_e4m3, fp8_e5m2"
+        ))),
     }
-    if v_cache.shape() != ks.as_slice() {
-        return bad(format!("v_cache {:?} must have k_cache's shape {ks:?}", v_cache.shape()));
+}
+
+/// A KV cache array of element type `E`: numpy's array of `E`'s bits (f32, uint16 for bfloat16,
+/// uint8 for fp8); another dtype or rank is a TypeError.
+pub(crate) fn kv_cache_bits<'py, E: KvElem>(
+    a: &Bound<'py, PyAny>,
+    func: &str,
+    name: &str,
+) -> PyResult<Bound<'py, PyArray4<E::Bits>>>
+where
+    E::Bits: Element,
+{
+    a.cast::<PyArray4<E::Bits>>().cloned().map_err(|_| {
+        let bits = std::any::type_name::<E::Bits>();
+        PyTypeError::new_err(format!("{func}: {name} must be a 4-d numpy array of {bits} for kv_dtype {}", E::NAME))
+    })
+}
+
+/// paged_decode_attention's arguments but the caches, whose type the dtype decides.
+struct DecodeArgs<'a, 'py> {
+    out: &'a Bound<'py, PyArray3<f32>>,
+    q: PyReadonlyArray3<'py, f32>,
+    block_tables: PyReadonlyArray2<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+    scale: f32,
+    num_threads: usize,
+    window: usize,
+    softcap: f32,
+}
+
+impl DecodeArgs<'_, '_> {
+    fn run<E: KvElem>(self, py: Python<'_>, k_cache: &Bound<'_, PyAny>, v_cache: &Bound<'_, PyAny>) -> PyResult<()>
+    where
+        E::Bits: Element,
+    {
+        const NAME: &str = "paged_decode_attention";
+        let k_cache = kv_cache_bits::<E>(k_cache, NAME, "k_cache")?;
+        let v_cache = kv_cache_bits::<E>(v_cache, NAME, "v_cache")?;
+        let (k_cache, v_cache) = (k_cache.readonly(), v_cache.readonly());
+        let DecodeArgs { out, q, block_tables, seq_lens, scale, num_threads, window, softcap } = self;
+        let mut out = writeable(out, NAME, "out")?;
+        let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
+        let bad = |what: String| Err(PyValueError::new_err(format!("{NAME}: {what}")));
+        if out.shape() != qs.as_slice() {
+            return bad(format!("out {:?} must have q's shape {qs:?}", out.shape()));
+        }
+        if v_cache.shape() != ks.as_slice() {
+            return bad(format!("v_cache {:?} must have k_cache's shape {ks:?}", v_cache.shape()));
+        }
+        if ks[3] != qs[2] {
+            return bad(format!("head_dim differs: q {qs:?}, k_cache {ks:?}"));
+        }
+        if ts[0] != qs[0] {
+            return bad(format!("block_tables {ts:?} must have one row per sequence of q {qs:?}"));
+        }
+        let shape = DecodeShape {
+            num_seqs: qs[0],
+            num_heads: qs[1],
+            num_kv_heads: ks[2],
+            head_dim: qs[2],
+            block_size: ks[1],
+            block_table_width: ts[1],
+            scale,
+            window,
+            softcap,
+        };
+        let out = contiguous(out.as_slice_mut(), "out")?;
+        let q = contiguous(q.as_slice(), "q")?;
+        let k = E::from_bits(contiguous(k_cache.as_slice(), "k_cache")?);
+        let v = E::from_bits(contiguous(v_cache.as_slice(), "v_cache")?);
+        let tables = contiguous(block_tables.as_slice(), "block_tables")?;
+        let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
+        py.detach(|| llmserve_kernels::paged_decode_attention(out, q, k, v, tables, lens, shape, num_threads))
+            .map_err(|e| PyValueError::new_err(format!("{NAME}: {e}")))
     }
-    if ks[3] != qs[2] {
-        return bad(format!("head_dim differs: q {qs:?}, k_cache {ks:?}"));
-    }
-    if ts[0] != qs[0] {
-        return bad(format!("block_tables {ts:?} must have one row per sequence of q {qs:?}"));
-    }
-    let shape = DecodeShape {
-        num_seqs: qs[0],
-        num_heads: qs[1],
-        num_kv_heads: ks[2],
-        head_dim: qs[2],
-        block_size: ks[1],
-        block_table_width: ts[1],
-        scale,
-        window,
-        softcap,
-    };
-    let out = contiguous(out.as_slice_mut(), "out")?;
-    let q = contiguous(q.as_slice(), "q")?;
-    let k = contiguous(k_cache.as_slice(), "k_cache")?;
-    let v = contiguous(v_cache.as_slice(), "v_cache")?;
-    let tables = contiguous(block_tables.as_slice(), "block_tables")?;
-    let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
-    py.detach(|| llmserve_kernels::paged_decode_attention(out, q, k, v, tables, lens, shape, num_threads))
-        .map_err(|e| PyValueError::new_err(format!("paged_decode_attention: {e}")))
 }
 
 /// Sets logits[rows[i], t] = -inf for every token t that bitmask row i forbids (bit t % 32 of
