@@ -126,27 +126,30 @@ pub(crate) fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
     sum + acc.iter().sum::<f32>()
 }
 
-/// Asks the CPU to start loading the cache lines of `x` (no effect on the result).
+/// Asks the CPU to start loading the cache lines of `x` into L2 (no effect on the result).
 ///
 /// NOTE: a (sequence, kv head) reads 16-row blocks scattered over the cache, each row a
 /// strided 256 bytes: the hardware prefetchers lose the stream at every block boundary, and
 /// the kernel stalled on those loads. Prefetching the next block while computing this one
-/// hides most of that latency.
+/// hides most of that latency. Into L2, not L1: the decode kernel asks for 4 blocks ahead, 96
+/// KiB of SmolLM2's f32 K and V, twice an L1. Measured with `cargo bench --bench decode` (2
+/// threads, medians of 30): at 256 x 1025 tokens (the cache from memory) f32 1.04x and
+/// bfloat16 1.11x faster than into L1, at 64 x 257 f32 the same and bfloat16 1.1x.
 #[inline(always)]
 pub(crate) fn prefetch<T>(x: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let line = 64 / std::mem::size_of::<T>().max(1);
         let mut i = 0;
         while i < x.len() {
             // SAFETY: a prefetch never faults, and the address is inside `x` anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(x.as_ptr().add(i) as *const i8) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(x.as_ptr().add(i) as *const i8) };
             i += line;
         }
         if let Some(last) = x.last() {
             // the final line when x does not start on a line boundary
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(last as *const T as *const i8) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(last as *const T as *const i8) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
