@@ -19,14 +19,14 @@ use std::sync::Mutex;
 
 use llmserve_kernels::layer::{decoder_layer, rms_norm_rows, DecodeTokens, LayerShape, LayerWeights, Scratch};
 use llmserve_kernels::quant::{PackedWeights, QuantType};
-use llmserve_kernels::{Bf16, Fp8E4M3, Fp8E5M2, KvElem};
+use llmserve_kernels::KvElem;
 use numpy::{Element, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::kernels::{kv_cache_bits, writeable};
+use crate::kernels::{kv_cache_bits, with_kv_elem, writeable};
 
 fn bad<T>(what: impl std::fmt::Display) -> PyResult<T> {
     Err(PyValueError::new_err(format!("CpuDecoder: {what}")))
@@ -213,13 +213,7 @@ impl PyCpuDecoder {
         kv_dtype: &str,
     ) -> PyResult<()> {
         let step = StepArrays { h, cos, sin, slots, block_tables, seq_lens };
-        match kv_dtype {
-            "float32" => self.forward_as::<f32>(py, step, &k_caches, &v_caches, num_threads),
-            "bfloat16" => self.forward_as::<Bf16>(py, step, &k_caches, &v_caches, num_threads),
-            "fp8_e4m3" => self.forward_as::<Fp8E4M3>(py, step, &k_caches, &v_caches, num_threads),
-            "fp8_e5m2" => self.forward_as::<Fp8E5M2>(py, step, &k_caches, &v_caches, num_threads),
-            other => bad(format!("kv_dtype {other:?} is none of float32, bfloat16, fp8_e4m3, fp8_e5m2")),
-        }
+        with_kv_elem!(kv_dtype, "CpuDecoder.forward", E => self.forward_as::<E>(py, step, &k_caches, &v_caches, num_threads))
     }
 }
 

@@ -14,7 +14,7 @@
 //! Every array must be C-contiguous. A shape mismatch, a non-contiguous array, a bad length,
 //! block id or row index is a ValueError (nothing written); a wrong dtype is numpy's TypeError.
 
-use llmserve_kernels::{Bf16, DecodeShape, Fp8E4M3, Fp8E5M2, KvElem};
+use llmserve_kernels::{DecodeShape, KvElem};
 use numpy::{
     Element, PyArray, PyArray2, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyReadonlyArray3, PyReadwriteArray, PyUntypedArrayMethods,
@@ -65,16 +65,38 @@ pub fn paged_decode_attention(
     kv_dtype: &str,
 ) -> PyResult<()> {
     let args = DecodeArgs { out, q, block_tables, seq_lens, scale, num_threads, window, softcap };
-    match kv_dtype {
-        "float32" => args.run::<f32>(py, k_cache, v_cache),
-        "bfloat16" => args.run::<Bf16>(py, k_cache, v_cache),
-        "fp8_e4m3" => args.run::<Fp8E4M3>(py, k_cache, v_cache),
-        "fp8_e5m2" => args.run::<Fp8E5M2>(py, k_cache, v_cache),
-        other => Err(PyValueError::new_err(format!(
-            "paged_decode_attention: kv_dtype {other:?} is none of float32, bfloat16, fp8_e4m3, fp8_e5m2"
-        ))),
-    }
+    with_kv_elem!(kv_dtype, "paged_decode_attention", E => args.run::<E>(py, k_cache, v_cache))
 }
+
+/// `$body` with the type `$E` the [`KvElem`] that `$name` names (its `NAME`), or a ValueError
+/// from `$func` for a name none has.
+macro_rules! with_kv_elem {
+    ($name:expr, $func:expr, $E:ident => $body:expr) => {
+        match $name {
+            "float32" => {
+                type $E = f32;
+                $body
+            }
+            "bfloat16" => {
+                type $E = llmserve_kernels::Bf16;
+                $body
+            }
+            "fp8_e4m3" => {
+                type $E = llmserve_kernels::Fp8E4M3;
+                $body
+            }
+            "fp8_e5m2" => {
+                type $E = llmserve_kernels::Fp8E5M2;
+                $body
+            }
+            other => Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "{}: kv_dtype {other:?} is none of float32, bfloat16, fp8_e4m3, fp8_e5m2",
+                $func
+            ))),
+        }
+    };
+}
+pub(crate) use with_kv_elem;
 
 /// A KV cache array of element type `E`: numpy's array of `E`'s bits (f32, uint16 for bfloat16,
 /// uint8 for fp8); another dtype or rank is a TypeError.

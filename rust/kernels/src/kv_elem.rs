@@ -22,10 +22,42 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     fn narrow(x: f32) -> Self;
     fn to_f32(self) -> f32;
     /// The cache itself when it already holds f32 (then nothing is widened).
-    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
     /// dst[i] = src[i] as f32 (`dst` at least as long as `src`), with AVX2 where `simd` is true
     /// (only inside code run after AVX2 and F16C were detected).
-    fn widen(src: &[Self], dst: &mut [f32], simd: bool);
+    fn widen(src: &[Self], dst: &mut [f32], simd: bool) {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: `simd` is only true after AVX2 and F16C were detected.
+            unsafe { Self::widen_avx2(src, dst) };
+            return;
+        }
+        let _ = simd;
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    }
+    /// `widen` 8 at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]);
+}
+
+/// `Bits` and its views for a repr(transparent) wrapper of `$bits`.
+macro_rules! transparent_bits {
+    ($bits:ty) => {
+        type Bits = $bits;
+        fn from_bits(s: &[$bits]) -> &[Self] {
+            // SAFETY: Self is a repr(transparent) wrapper of the bits.
+            unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
+        }
+        fn from_bits_mut(s: &mut [$bits]) -> &mut [Self] {
+            // SAFETY: as above; the borrow is moved, not copied.
+            unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
+        }
+    };
 }
 
 impl KvElem for f32 {
@@ -49,6 +81,10 @@ impl KvElem for f32 {
     fn widen(src: &[Self], dst: &mut [f32], _: bool) {
         dst[..src.len()].copy_from_slice(src);
     }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
+        dst[..src.len()].copy_from_slice(src);
+    }
 }
 
 /// bfloat16: the top half of an f32's bits.
@@ -68,15 +104,7 @@ pub struct Fp8E5M2(pub u8);
 
 impl KvElem for Bf16 {
     const NAME: &'static str = "bfloat16";
-    type Bits = u16;
-    fn from_bits(s: &[u16]) -> &[Self] {
-        // SAFETY: Bf16 is a repr(transparent) u16.
-        unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
-    }
-    fn from_bits_mut(s: &mut [u16]) -> &mut [Self] {
-        // SAFETY: as above; the borrow is moved, not copied.
-        unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
-    }
+    transparent_bits!(u16);
     fn narrow(x: f32) -> Self {
         if x.is_nan() {
             return Bf16(0x7FC0);
@@ -87,18 +115,9 @@ impl KvElem for Bf16 {
     fn to_f32(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
     }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32], simd: bool) {
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: `simd` is only true after AVX2 was detected.
-            unsafe { widen_bf16_avx2(src, dst) };
-            return;
-        }
-        let _ = simd;
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
+        widen_bf16_avx2(src, dst)
     }
 }
 
@@ -126,15 +145,7 @@ fn fp8_narrow<const MAN: u32, const BIAS: i32>(x: f32, max: f32) -> u8 {
 
 impl KvElem for Fp8E4M3 {
     const NAME: &'static str = "fp8_e4m3";
-    type Bits = u8;
-    fn from_bits(s: &[u8]) -> &[Self] {
-        // SAFETY: Fp8E4M3 is a repr(transparent) u8.
-        unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
-    }
-    fn from_bits_mut(s: &mut [u8]) -> &mut [Self] {
-        // SAFETY: as above; the borrow is moved, not copied.
-        unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
-    }
+    transparent_bits!(u8);
     fn narrow(x: f32) -> Self {
         Fp8E4M3(fp8_narrow::<3, 7>(x, 448.0))
     }
@@ -147,32 +158,15 @@ impl KvElem for Fp8E4M3 {
         };
         f32::from_bits(magnitude.to_bits() | sign)
     }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32], simd: bool) {
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: `simd` is only true after AVX2 and F16C were detected.
-            unsafe { widen_fp8_avx2::<true>(as_bytes(src), dst) };
-            return;
-        }
-        let _ = simd;
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
+        widen_fp8_avx2::<true>(as_bytes(src), dst)
     }
 }
 
 impl KvElem for Fp8E5M2 {
     const NAME: &'static str = "fp8_e5m2";
-    type Bits = u8;
-    fn from_bits(s: &[u8]) -> &[Self] {
-        // SAFETY: Fp8E5M2 is a repr(transparent) u8.
-        unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
-    }
-    fn from_bits_mut(s: &mut [u8]) -> &mut [Self] {
-        // SAFETY: as above; the borrow is moved, not copied.
-        unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
-    }
+    transparent_bits!(u8);
     fn narrow(x: f32) -> Self {
         Fp8E5M2(fp8_narrow::<2, 15>(x, 57344.0))
     }
@@ -186,18 +180,9 @@ impl KvElem for Fp8E5M2 {
         };
         f32::from_bits(magnitude.to_bits() | sign)
     }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32], simd: bool) {
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: as for E4M3.
-            unsafe { widen_fp8_avx2::<false>(as_bytes(src), dst) };
-            return;
-        }
-        let _ = simd;
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
+        widen_fp8_avx2::<false>(as_bytes(src), dst)
     }
 }
 
