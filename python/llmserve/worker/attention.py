@@ -14,10 +14,10 @@ its block table. Two groups, decided once per step in `AttentionMetadata.build`:
 On CPU, float32 rows skip the gather: the Rust kernel `llmserve._core.paged_decode_attention`
 (rust/kernels) reads K/V in place through the block tables, one work item per (row, kv head),
 online softmax in f32 (BENCH.md: the gather + padded SDPA read KV at ~5 GB/s). It reads a
-float32, bfloat16 or fp8 cache (--kv-cache-dtype), widening each block to f32 as it goes. Decode rows
-use it always; in a step with prompt rows, every token is its own row of it (each with its
-sequence's block table and its own position + 1 as length), because its result for a token
-depends only on that token and its context, while SDPA's shifts in the last bits with the
+float32, bfloat16 or fp8 cache (--kv-cache-dtype), widening each block to f32 as it goes.
+Decode rows use it always; in a step with prompt rows, every token is its own row of it (each
+with its sequence's block table and its own position + 1 as length), because its result for a
+token depends only on that token and its context, while SDPA's shifts in the last bits with the
 query count: a prompt must compute the same whether or not the prefix cache held its start
 (worker/threads.py). The torch path stays the reference and the fallback (other dtypes or
 devices, an extension without the kernel); `USE_CPU_DECODE_KERNEL = False` forces it.
