@@ -309,3 +309,23 @@ def test_runner_logits_with_a_narrow_cache(monkeypatch, kernel_calls):
         distance.append(max((a - b).abs().max().item() for a, b in zip(full, narrow)) / scale)
     assert 0 < distance[0] < distance[1] < distance[2]
     assert kernel_calls == [34, 34, 19, 19, 12, 12, 3, 3, 3, 3] * 3 + [34] * 2 + [19] * 2 + [12] * 2 + [3] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *NARROW])
+def test_forked_blocks_are_copied_in_every_cache_type(dtype):
+    """KVCache.copy_blocks (a beam or an n > 1 choice forking its last block) copies whole
+    blocks in every layer whatever the cache holds (8-bit floats as their bytes), and nothing
+    else."""
+    from llmserve.worker.kv_cache import KVCache
+
+    cache = KVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
+                    device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    for t in (*cache.key, *cache.value):
+        write_kv(t, t.clone(), torch.arange(24), torch.randn(24, 2, 8, generator=gen), torch.zeros(24, 2, 8))
+    before = [t.float().clone() for t in (*cache.key, *cache.value)]
+    cache.copy_blocks(torch.tensor([1, 4]), torch.tensor([3, 5]))
+    for old, new in zip(before, (*cache.key, *cache.value)):
+        want = old.clone()
+        want[[3, 5]] = old[[1, 4]]
+        assert new.dtype == dtype and torch.equal(new.float(), want)
