@@ -37,7 +37,7 @@ pub trait KvElem: Copy + Send + Sync + 'static {
         let _ = simd;
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
     }
-    /// `widen` 8 at a time.
+    /// `widen` with AVX2 (8 or 16 values a step).
     ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.
