@@ -37,12 +37,15 @@ pub trait KvElem: Copy + Send + Sync + 'static {
         let _ = simd;
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
     }
-    /// `widen` with AVX2 (8 or 16 values a step).
+    /// `widen` with AVX2 (8 or 16 values a step); by default the scalar loop (f32's `widen`
+    /// copies and never calls it).
     ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]);
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    }
 }
 
 /// `Bits` and its views for a repr(transparent) wrapper of `$bits`.
@@ -81,10 +84,6 @@ impl KvElem for f32 {
     fn widen(src: &[Self], dst: &mut [f32], _: bool) {
         dst[..src.len()].copy_from_slice(src);
     }
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
-        dst[..src.len()].copy_from_slice(src);
-    }
 }
 
 /// bfloat16: the top half of an f32's bits.
@@ -121,6 +120,23 @@ impl KvElem for Bf16 {
     }
 }
 
+/// The value of an 8-bit float's `code`, with `MAN` mantissa bits and exponent bias `BIAS`;
+/// `top(mantissa)` is the value of a code with the top exponent, where it is not a number
+/// (None: it is one).
+#[inline]
+fn fp8_value<const MAN: u32, const BIAS: i32>(code: u8, top: impl Fn(u32) -> Option<f32>) -> f32 {
+    let top_exponent = (1 << (7 - MAN)) - 1;
+    let (e, m) = (u32::from(code >> MAN) & top_exponent, u32::from(code) & ((1 << MAN) - 1));
+    let normal = || f32::from_bits(((e as i32 - BIAS + 127) as u32) << 23 | m << (23 - MAN));
+    let magnitude = match e {
+        // a subnormal: m steps of 2^(1 - BIAS - MAN), exact in f32
+        0 => m as f32 * f32::from_bits(((127 + 1 - BIAS - MAN as i32) as u32) << 23),
+        _ if e == top_exponent => top(m).unwrap_or_else(normal),
+        _ => normal(),
+    };
+    f32::from_bits(magnitude.to_bits() | u32::from(code >> 7) << 31)
+}
+
 /// An 8-bit float with `MAN` mantissa bits and exponent bias `BIAS`, saturated at `max`.
 #[inline]
 fn fp8_narrow<const MAN: u32, const BIAS: i32>(x: f32, max: f32) -> u8 {
@@ -150,13 +166,7 @@ impl KvElem for Fp8E4M3 {
         Fp8E4M3(fp8_narrow::<3, 7>(x, 448.0))
     }
     fn to_f32(self) -> f32 {
-        let (sign, e, m) = (u32::from(self.0 >> 7) << 31, u32::from((self.0 >> 3) & 0xF), u32::from(self.0 & 7));
-        let magnitude = match (e, m) {
-            (15, 7) => f32::NAN,
-            (0, _) => m as f32 / 512.0,
-            _ => f32::from_bits((e + 127 - 7) << 23 | m << 20),
-        };
-        f32::from_bits(magnitude.to_bits() | sign)
+        fp8_value::<3, 7>(self.0, |m| (m == 7).then_some(f32::NAN))
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
@@ -171,14 +181,7 @@ impl KvElem for Fp8E5M2 {
         Fp8E5M2(fp8_narrow::<2, 15>(x, 57344.0))
     }
     fn to_f32(self) -> f32 {
-        let (sign, e, m) = (u32::from(self.0 >> 7) << 31, u32::from((self.0 >> 2) & 0x1F), u32::from(self.0 & 3));
-        let magnitude = match (e, m) {
-            (31, 0) => f32::INFINITY,
-            (31, _) => f32::NAN,
-            (0, _) => m as f32 / 65536.0,
-            _ => f32::from_bits((e + 127 - 15) << 23 | m << 21),
-        };
-        f32::from_bits(magnitude.to_bits() | sign)
+        fp8_value::<2, 15>(self.0, |m| Some(if m == 0 { f32::INFINITY } else { f32::NAN }))
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
