@@ -316,7 +316,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             # whole context is in this step: use the fresh K/V, no gather (rounded as the cache
             # keeps them, so that a token computes the same as when its prefix is cached)
             kp, vp = k[p.start:p.end], v[p.start:p.end]
-            if k_cache.dtype != torch.float32:
+            if k_cache.dtype != out_dtype:   # (a cache of the model's own dtype keeps them exactly)
                 kp, vp = narrowed(kp, k_cache.dtype).float(), narrowed(vp, v_cache.dtype).float()
         else:
             kp = _gather(k_cache, p.block_ids, meta.workspace, "k")[:p.seq_len].float()
