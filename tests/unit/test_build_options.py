@@ -127,3 +127,15 @@ def test_kv_cache_dtype_holds_more_tokens_in_the_same_memory(tiny_model):
         assert events[-1]["usage"]["completion_tokens"] == 4
         fingerprints.append(events[0]["system_fingerprint"])
     assert len(set(fingerprints)) == 4
+
+
+def test_kv_cache_dtype_choices_are_the_types_the_cache_takes():
+    """config.py (torch-free, for the CLI) names --kv-cache-dtype's choices; worker/kv_cache.py
+    maps them to torch dtypes: the two lists must be the same."""
+    from dataclasses import fields
+
+    from llmserve.config import CacheConfig
+    from llmserve.worker.kv_cache import KV_CACHE_DTYPES
+
+    field = next(f for f in fields(CacheConfig) if f.name == "kv_cache_dtype")
+    assert field.metadata["choices"] == ("auto", *KV_CACHE_DTYPES)
