@@ -61,10 +61,14 @@ def kernel_view(cache: torch.Tensor):
     return (cache if bits is None else cache.view(bits)).numpy()
 
 
+def _fp8(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1 and dtype.is_floating_point
+
+
 def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in the cache's dtype: an 8-bit float saturates at its largest finite value (torch's
     E5M2 cast would make an infinity; the Rust kernels' writes round the same way)."""
-    if dtype.itemsize == 1 and dtype.is_floating_point:
+    if _fp8(dtype):
         limit = torch.finfo(dtype).max
         x = x.clamp(-limit, limit)
     return x.to(dtype)
@@ -72,7 +76,7 @@ def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _copyable(t: torch.Tensor) -> torch.Tensor:
     # (torch has no index_copy_ for 8-bit floats on the CPU: their bytes are copied instead)
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+    return t.view(torch.uint8) if _fp8(t.dtype) else t
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

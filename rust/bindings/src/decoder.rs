@@ -12,8 +12,8 @@
 //! `forward(h, cos, sin, slots, block_tables, seq_lens, k_caches, v_caches, num_threads,
 //! kv_dtype="float32")` runs every layer on h [T, H] in place (layouts as in
 //! rust/kernels/src/layer.rs), then the final norm if there is one; the caches hold `kv_dtype`
-//! (the arrays `paged_decode_attention` takes for it). Every check runs before the first layer writes anything; a bad
-//! argument is a ValueError.
+//! (the arrays `paged_decode_attention` takes for it). Every check runs before the first layer
+//! writes anything; a bad argument is a ValueError.
 
 use std::sync::Mutex;
 
@@ -212,26 +212,24 @@ impl PyCpuDecoder {
         num_threads: usize,
         kv_dtype: &str,
     ) -> PyResult<()> {
-        let step = StepArrays { h, cos, sin, slots, block_tables, seq_lens };
-        with_kv_elem!(kv_dtype, "CpuDecoder.forward", E => self.forward_as::<E>(py, step, &k_caches, &v_caches, num_threads))
+        with_kv_elem!(kv_dtype, "CpuDecoder.forward", E => self.forward_as::<E>(
+            py, h, cos, sin, slots, block_tables, seq_lens, &k_caches, &v_caches, num_threads
+        ))
     }
 }
 
-/// `forward`'s arrays but the caches.
-struct StepArrays<'a, 'py> {
-    h: &'a Bound<'py, PyArray2<f32>>,
-    cos: PyReadonlyArray2<'py, f32>,
-    sin: PyReadonlyArray2<'py, f32>,
-    slots: PyReadonlyArray1<'py, i64>,
-    block_tables: PyReadonlyArray2<'py, i32>,
-    seq_lens: PyReadonlyArray1<'py, i32>,
-}
-
 impl PyCpuDecoder {
+    /// `forward` with the caches' element type `E`.
+    #[allow(clippy::too_many_arguments)]
     fn forward_as<'py, E: KvElem>(
         &self,
         py: Python<'py>,
-        step: StepArrays<'_, 'py>,
+        h: &Bound<'py, PyArray2<f32>>,
+        cos: PyReadonlyArray2<'py, f32>,
+        sin: PyReadonlyArray2<'py, f32>,
+        slots: PyReadonlyArray1<'py, i64>,
+        block_tables: PyReadonlyArray2<'py, i32>,
+        seq_lens: PyReadonlyArray1<'py, i32>,
         k_caches: &[Bound<'py, PyAny>],
         v_caches: &[Bound<'py, PyAny>],
         num_threads: usize,
@@ -240,7 +238,6 @@ impl PyCpuDecoder {
         E::Bits: Element,
     {
         const NAME: &str = "CpuDecoder.forward";
-        let StepArrays { h, cos, sin, slots, block_tables, seq_lens } = step;
         let typed = |caches: &[Bound<'py, PyAny>], name: &str| {
             caches.iter().map(|c| kv_cache_bits::<E>(c, NAME, name)).collect::<PyResult<Vec<_>>>()
         };

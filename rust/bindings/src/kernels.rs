@@ -64,8 +64,9 @@ pub fn paged_decode_attention(
     softcap: f32,
     kv_dtype: &str,
 ) -> PyResult<()> {
-    let args = DecodeArgs { out, q, block_tables, seq_lens, scale, num_threads, window, softcap };
-    with_kv_elem!(kv_dtype, "paged_decode_attention", E => args.run::<E>(py, k_cache, v_cache))
+    with_kv_elem!(kv_dtype, "paged_decode_attention", E => decode_as::<E>(
+        py, out, q, k_cache, v_cache, block_tables, seq_lens, scale, num_threads, window, softcap
+    ))
 }
 
 /// `$body` with the type `$E` the [`KvElem`] that `$name` names (its `NAME`), or a ValueError
@@ -114,63 +115,62 @@ where
     })
 }
 
-/// paged_decode_attention's arguments but the caches, whose type the dtype decides.
-struct DecodeArgs<'a, 'py> {
-    out: &'a Bound<'py, PyArray3<f32>>,
-    q: PyReadonlyArray3<'py, f32>,
-    block_tables: PyReadonlyArray2<'py, i32>,
-    seq_lens: PyReadonlyArray1<'py, i32>,
+/// `paged_decode_attention` with the caches' element type `E`.
+#[allow(clippy::too_many_arguments)]
+fn decode_as<E: KvElem>(
+    py: Python<'_>,
+    out: &Bound<'_, PyArray3<f32>>,
+    q: PyReadonlyArray3<'_, f32>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
     scale: f32,
     num_threads: usize,
     window: usize,
     softcap: f32,
-}
-
-impl DecodeArgs<'_, '_> {
-    fn run<E: KvElem>(self, py: Python<'_>, k_cache: &Bound<'_, PyAny>, v_cache: &Bound<'_, PyAny>) -> PyResult<()>
-    where
-        E::Bits: Element,
-    {
-        const NAME: &str = "paged_decode_attention";
-        let k_cache = kv_cache_bits::<E>(k_cache, NAME, "k_cache")?;
-        let v_cache = kv_cache_bits::<E>(v_cache, NAME, "v_cache")?;
-        let (k_cache, v_cache) = (k_cache.readonly(), v_cache.readonly());
-        let DecodeArgs { out, q, block_tables, seq_lens, scale, num_threads, window, softcap } = self;
-        let mut out = writeable(out, NAME, "out")?;
-        let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
-        let bad = |what: String| Err(PyValueError::new_err(format!("{NAME}: {what}")));
-        if out.shape() != qs.as_slice() {
-            return bad(format!("out {:?} must have q's shape {qs:?}", out.shape()));
-        }
-        if v_cache.shape() != ks.as_slice() {
-            return bad(format!("v_cache {:?} must have k_cache's shape {ks:?}", v_cache.shape()));
-        }
-        if ks[3] != qs[2] {
-            return bad(format!("head_dim differs: q {qs:?}, k_cache {ks:?}"));
-        }
-        if ts[0] != qs[0] {
-            return bad(format!("block_tables {ts:?} must have one row per sequence of q {qs:?}"));
-        }
-        let shape = DecodeShape {
-            num_seqs: qs[0],
-            num_heads: qs[1],
-            num_kv_heads: ks[2],
-            head_dim: qs[2],
-            block_size: ks[1],
-            block_table_width: ts[1],
-            scale,
-            window,
-            softcap,
-        };
-        let out = contiguous(out.as_slice_mut(), "out")?;
-        let q = contiguous(q.as_slice(), "q")?;
-        let k = E::from_bits(contiguous(k_cache.as_slice(), "k_cache")?);
-        let v = E::from_bits(contiguous(v_cache.as_slice(), "v_cache")?);
-        let tables = contiguous(block_tables.as_slice(), "block_tables")?;
-        let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
-        py.detach(|| llmserve_kernels::paged_decode_attention(out, q, k, v, tables, lens, shape, num_threads))
-            .map_err(|e| PyValueError::new_err(format!("{NAME}: {e}")))
+) -> PyResult<()>
+where
+    E::Bits: Element,
+{
+    const NAME: &str = "paged_decode_attention";
+    let k_cache = kv_cache_bits::<E>(k_cache, NAME, "k_cache")?;
+    let v_cache = kv_cache_bits::<E>(v_cache, NAME, "v_cache")?;
+    let (k_cache, v_cache) = (k_cache.readonly(), v_cache.readonly());
+    let mut out = writeable(out, NAME, "out")?;
+    let (qs, ks, ts) = (q.shape().to_vec(), k_cache.shape().to_vec(), block_tables.shape().to_vec());
+    let bad = |what: String| Err(PyValueError::new_err(format!("{NAME}: {what}")));
+    if out.shape() != qs.as_slice() {
+        return bad(format!("out {:?} must have q's shape {qs:?}", out.shape()));
     }
+    if v_cache.shape() != ks.as_slice() {
+        return bad(format!("v_cache {:?} must have k_cache's shape {ks:?}", v_cache.shape()));
+    }
+    if ks[3] != qs[2] {
+        return bad(format!("head_dim differs: q {qs:?}, k_cache {ks:?}"));
+    }
+    if ts[0] != qs[0] {
+        return bad(format!("block_tables {ts:?} must have one row per sequence of q {qs:?}"));
+    }
+    let shape = DecodeShape {
+        num_seqs: qs[0],
+        num_heads: qs[1],
+        num_kv_heads: ks[2],
+        head_dim: qs[2],
+        block_size: ks[1],
+        block_table_width: ts[1],
+        scale,
+        window,
+        softcap,
+    };
+    let out = contiguous(out.as_slice_mut(), "out")?;
+    let q = contiguous(q.as_slice(), "q")?;
+    let k = E::from_bits(contiguous(k_cache.as_slice(), "k_cache")?);
+    let v = E::from_bits(contiguous(v_cache.as_slice(), "v_cache")?);
+    let tables = contiguous(block_tables.as_slice(), "block_tables")?;
+    let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
+    py.detach(|| llmserve_kernels::paged_decode_attention(out, q, k, v, tables, lens, shape, num_threads))
+        .map_err(|e| PyValueError::new_err(format!("{NAME}: {e}")))
 }
 
 /// Sets logits[rows[i], t] = -inf for every token t that bitmask row i forbids (bit t % 32 of
