@@ -87,3 +87,19 @@ def test_lines_name_each_choice_and_bound_the_text():
     thought = {"choices": [{"index": 0, "message": {"content": "yes", "reasoning_content": "abcdef"}}]}
     assert log_lines("c", "chat", False, json.dumps(thought).encode(), [("stop", 9)], 3) == [
         "Generated response c: reasoning: 'abc', output: 'yes', finish_reason: stop, completion_tokens: 9"]
+
+
+def test_generate_answers_are_their_token_ids():
+    body = {"request_id": "generate-tokens-1", "choices": [
+        {"index": 1, "token_ids": [7, 8], "finish_reason": "length"},
+        {"index": 0, "token_ids": [5], "finish_reason": "stop"}]}
+    found = answers("generate", False, json.dumps(body).encode())
+    assert [a.ids for a in found] == [[5], [7, 8]]
+    stream = _sse(
+        {"request_id": "r", "choices": [{"index": 0, "token_ids": [5, 6]}]},
+        {"request_id": "r", "choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]},
+        {"request_id": "r", "choices": [], "usage": {"completion_tokens": 3}})
+    (answer,) = answers("generate", True, stream)
+    assert answer.ids == [5, 6, 7]
+    assert log_lines("r", "generate", True, stream, [("length", 3)], 2) == [
+        "Generated response r: output token_ids: [5, 6], finish_reason: length, completion_tokens: 3"]

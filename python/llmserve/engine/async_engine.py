@@ -266,7 +266,7 @@ async def _on_daemon_thread(fn, *args):
 
 
 # The endpoints `submit` takes (the others are answered by `handle`).
-GENERATING = ("chat", "completion", "responses", "messages", "embeddings", "score", "rerank")
+GENERATING = ("chat", "completion", "responses", "messages", "generate", "embeddings", "score", "rerank")
 # The endpoints whose prompts are inputs to embed (none generates a token).
 EMBEDDING = ("embeddings", "score", "rerank")
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
@@ -437,8 +437,8 @@ class AsyncEngine:
 
     async def submit(self, endpoint: str, body: bytes, request_id: str | None = None) -> RequestStream:
         """Validate and queue a chat ("chat"), completion ("completion"), Responses API
-        ("responses"), Anthropic Messages ("messages"), embeddings ("embeddings") or scoring
-        ("score", "rerank") request.
+        ("responses"), Anthropic Messages ("messages"), vLLM's tokens in, tokens out ("generate"),
+        embeddings ("embeddings") or scoring ("score", "rerank") request.
         `request_id` (an HTTP `X-Request-Id`) names it when the body's `request_id` does not."""
         if endpoint not in GENERATING:
             raise ValueError(f"submit takes {' or '.join(map(repr, GENERATING))}, not {endpoint!r} (see handle)")

@@ -14,12 +14,13 @@ _RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed"
 
 class Answer:
     """One choice's output: its text, a reasoning model's thinking, and its tool calls
-    (`name(arguments)`)."""
+    (`name(arguments)`); or, from the tokens-in, tokens-out route, its token ids."""
 
     def __init__(self) -> None:
         self.text = ""
         self.reasoning = ""
         self.calls: dict[int, list[str]] = {}     # call index -> [name, arguments]
+        self.ids: list[int] | None = None
 
     def call(self, index: int, name: str | None = None, arguments: str | None = None) -> None:
         parts = self.calls.setdefault(index, ["", ""])
@@ -29,6 +30,8 @@ class Answer:
     def describe(self, max_len: int | None) -> str:
         def cut(text: str) -> str:
             return text if max_len is None else text[:max_len]
+        if self.ids is not None:
+            return f"output token_ids: {self.ids if max_len is None else self.ids[:max_len]}"
         line = f"reasoning: {cut(self.reasoning)!r}, " if self.reasoning else ""
         line += f"output: {cut(self.text)!r}"
         if self.calls:
@@ -38,7 +41,7 @@ class Answer:
 
 def answers(endpoint: str, streamed: bool, sent: bytes) -> list[Answer]:
     """Each choice's output (in choice order) from all the bytes a request of `endpoint`
-    ("chat", "completion", "responses", "messages") sent."""
+    ("chat", "completion", "responses", "messages", "generate") sent."""
     if not streamed:
         try:
             body = orjson.loads(sent)
@@ -55,6 +58,9 @@ def answers(endpoint: str, streamed: bool, sent: bytes) -> list[Answer]:
         else:
             for choice in event.get("choices") or ():
                 answer = found.setdefault(choice.get("index", 0), Answer())
+                if endpoint == "generate":
+                    answer.ids = (answer.ids or []) + (choice.get("token_ids") or [])
+                    continue
                 if endpoint == "completion":
                     answer.text += choice.get("text") or ""
                     continue
@@ -104,11 +110,13 @@ def _message_event(answer: Answer, event: dict) -> None:
 
 def _from_body(endpoint: str, body: dict) -> list[Answer]:
     """Each choice's output from a whole answer."""
-    if endpoint in ("chat", "completion"):
+    if endpoint in ("chat", "completion", "generate"):
         out = []
         for choice in sorted(body.get("choices") or (), key=lambda c: c.get("index", 0)):
             answer = Answer()
-            if endpoint == "completion":
+            if endpoint == "generate":
+                answer.ids = choice.get("token_ids") or []
+            elif endpoint == "completion":
                 answer.text = choice.get("text") or ""
             else:
                 message = choice.get("message") or {}

@@ -92,6 +92,7 @@ ROUTES = [
     *(Route(path, routes.score, methods=["POST"]) for path in ("/score", "/v1/score")),
     *(Route(path, routes.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     Route("/v1/messages", routes.messages, methods=["POST"]),
+    Route("/inference/v1/generate", routes.generate, methods=["POST"]),   # vLLM's tokens in, tokens out
     Route("/v1/messages/count_tokens", routes.messages_count_tokens, methods=["POST"]),
     Route("/v1/responses/input_tokens", routes.responses_input_tokens, methods=["POST"]),
     Route("/v1/responses/compact", routes.compact_response, methods=["POST"]),

@@ -259,6 +259,12 @@ async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
 
 
+async def generate(request: Request) -> Response:
+    """POST /inference/v1/generate: vLLM's tokens-in, tokens-out route (token ids and a
+    `sampling_params` object in; token ids, no text, out)."""
+    return await _generate(request, "generate")
+
+
 async def responses(request: Request) -> Response:
     return await _generate(request, "responses")
 

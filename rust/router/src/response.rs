@@ -32,6 +32,7 @@
 //! tool calls). Reasoning tokens count as completion tokens.
 
 mod embeddings;
+mod generate;
 mod messages;
 mod responses;
 
@@ -499,6 +500,8 @@ pub struct ResponseBuilder {
     embeddings: Option<embeddings::Embeddings>,
     /// An Anthropic Messages request: (streamed) its events so far.
     messages: Option<messages::EventStream>,
+    /// vLLM's tokens-in, tokens-out route: token ids out, no text (`generate`).
+    generate: bool,
     /// `store: true` on a chat request: keeps the finished completion.
     keep: Option<Arc<crate::chat_store::Keep>>,
     /// The choices' text, reasoning and calls are gathered as they come (not streaming, or
@@ -532,7 +535,7 @@ impl ResponseBuilder {
         let tokenizer_ref = tokenizer.clone();
         let tokenizer = &tokenizer_ref;
         let count = prepared.prompts.len() * n as usize;
-        let chat = prepared.endpoint != Endpoint::Completion && prepared.endpoint != Endpoint::CompletionRender;
+        let chat = !matches!(prepared.endpoint, Endpoint::Completion | Endpoint::CompletionRender | Endpoint::Generate);
         let mut builder = Self {
             tokenizer: tokenizer.clone(),
             chat,
@@ -601,6 +604,7 @@ impl ResponseBuilder {
                 .map(|plan| embeddings::Embeddings::new(plan, prepared.prompts.len())),
             messages: (prepared.endpoint == Endpoint::Messages)
                 .then(|| messages::EventStream::new(&prepared.id, &prepared.model)),
+            generate: prepared.endpoint == Endpoint::Generate,
             keep: prepared.keep.clone(),
             whole: !(prepared.stream || prepared.background()) || prepared.keep.is_some(),
             best_of: prepared.best_of,
@@ -863,6 +867,9 @@ impl ResponseBuilder {
         if self.return_token_ids {
             self.choices[idx].token_ids.extend_from_slice(delta.ids);
         }
+        if self.generate {
+            return self.push_generate(choice, delta);
+        }
         let split = self.choices[idx].reasoning.as_mut().map(|r| {
             let mut split = r.push_tokens(delta.text, delta.tokens.iter().map(|t| t.text_offset));
             if delta.finish.is_some() {
@@ -898,6 +905,70 @@ impl ResponseBuilder {
             return self.push_with_tools(choice, delta);
         }
         self.push_plain(choice, delta);
+    }
+
+    /// vLLM's tokens-in, tokens-out route: records a choice's ids (`token_ids`, kept by
+    /// `return_token_ids`), logprobs (`held_lp`) and finish; streaming, sends the ids that have
+    /// their logprobs (a token held back for a possible stop string gets them later; every
+    /// token gets them, as the route keeps the stop string's) and, at the finish, all the rest.
+    fn push_generate(&mut self, choice: u32, delta: &ChoiceDelta) {
+        let idx = choice as usize;
+        let lps = if self.logprobs { self.chat_logprobs(delta.tokens) } else { Vec::new() };
+        let c = &mut self.choices[idx];
+        c.started = true;
+        c.finish = delta.finish;
+        c.stop_reason = delta.stop_reason.map(OwnedStop::of);
+        c.held_lp.extend(lps);
+        if !self.stream {
+            return;
+        }
+        let ready = match delta.finish {
+            None if self.logprobs => c.token_ids.len().min(c.held_lp.len()),
+            _ => c.token_ids.len(),
+        };
+        if ready == 0 && delta.finish.is_none() {
+            return;
+        }
+        let ids: Vec<u32> = c.token_ids.drain(..ready).collect();
+        let lp_count = if delta.finish.is_some() { c.held_lp.len() } else { ready.min(c.held_lp.len()) };
+        let lps: Vec<ChatLogprob> = c.held_lp.drain(..lp_count).collect();
+        let usage = self.chunk_usage();
+        let chunk = generate::Chunk {
+            request_id: &self.id,
+            choices: vec![generate::Choice {
+                index: choice,
+                logprobs: generate::logprobs(self.logprobs, lps),
+                finish_reason: delta.finish.map(FinishReason::as_str),
+                stop_reason: delta.finish.and(delta.stop_reason),
+                token_ids: &ids,
+            }],
+            usage,
+        };
+        generate::frame(&mut self.pending, &chunk);
+    }
+
+    /// The body of a tokens-in, tokens-out request not streamed.
+    fn generate_body(&self) -> Vec<u8> {
+        let choices = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| generate::Choice {
+                index: i as u32,
+                logprobs: generate::logprobs(self.logprobs, c.held_lp.clone()),
+                finish_reason: c.finish.map(FinishReason::as_str),
+                stop_reason: c.stop_reason.as_ref().map(OwnedStop::as_ref),
+                token_ids: &c.token_ids,
+            })
+            .collect();
+        let body = generate::Body {
+            request_id: &self.id,
+            choices,
+            usage: self.usage(),
+            prompt_logprobs: self.prompt_entries.first().map(Vec::as_slice),
+            kv_transfer_params: None,
+        };
+        serde_json::to_vec(&body).expect("bodies serialize")
     }
 
     /// Records a chat choice's reasoning text; streamed, it goes out as its own
@@ -1394,7 +1465,10 @@ impl ResponseBuilder {
                 // (OpenAI's Responses stream ends with its last event, without `[DONE]`)
                 return self.take();
             }
-            if self.include_usage {
+            if self.include_usage && self.generate {
+                let chunk = generate::Chunk { request_id: &self.id, choices: Vec::new(), usage: Some(self.usage()) };
+                generate::frame(&mut self.pending, &chunk);
+            } else if self.include_usage {
                 let usage = self.usage();
                 self.frame::<ChatChunkChoice>(Vec::new(), Some(usage));
             }
@@ -1413,6 +1487,9 @@ impl ResponseBuilder {
         }
         if let Some(e) = &self.embeddings {
             return e.body(&self.id, self.created, &self.model, self.prompt_tokens);
+        }
+        if self.generate {
+            return self.generate_body();
         }
         let body = self.whole_body();
         if let Some(keep) = &self.keep {

@@ -11,7 +11,8 @@ use serde_json::{json, Value};
 use crate::error::ApiError;
 use crate::lora::LoraTable;
 use crate::protocol::{
-    chat, common::unix_now, completion, embeddings, messages, responses, score, tokenize, Endpoint, Handled, Prepared,
+    chat, common::unix_now, completion, embeddings, generate, messages, responses, score, tokenize, Endpoint, Handled,
+    Prepared,
 };
 use crate::template::TemplateSet;
 use crate::tokenizer::Tokenizer;
@@ -273,6 +274,7 @@ impl Router {
             Endpoint::Completion => completion::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Responses => responses::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Messages => messages::prepare(self, body, header_id).map(|c| c.prepared),
+            Endpoint::Generate => generate::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Embeddings => embeddings::prepare(self, body, header_id).map(|c| c.prepared),
             Endpoint::Score => score::prepare_score(self, body, header_id).map(|c| c.prepared),
             Endpoint::Rerank => score::prepare_rerank(self, body, header_id).map(|c| c.prepared),

@@ -36,6 +36,7 @@ pub mod constrained;
 pub mod conversations;
 pub mod embeddings;
 pub(crate) mod functions;
+pub mod generate;
 pub mod messages;
 pub mod responses;
 mod schema_check;
@@ -57,6 +58,9 @@ pub enum Endpoint {
     /// Anthropic's Messages API (`/v1/messages`): validated and rendered as a chat request,
     /// answered as a `message` object (or its stream of events).
     Messages,
+    /// vLLM's tokens-in, tokens-out route (`/inference/v1/generate`): validated as a completion
+    /// of token ids, answered with token ids (see [`generate`]).
+    Generate,
     /// `/v1/messages/count_tokens`: the prompt's token count, answered at once.
     MessagesCountTokens,
     /// `/v1/responses/input_tokens`: the Responses request's prompt token count, at once.
@@ -75,7 +79,7 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The names the bindings use: "chat", "completion", "responses", "messages",
+    /// The names the bindings use: "chat", "completion", "responses", "messages", "generate",
     /// "messages_count_tokens", "responses_input_tokens", "embeddings", "score", "rerank", "tokenize",
     /// "detokenize", "chat_render", "completion_render".
     pub fn from_name(s: &str) -> Option<Self> {
@@ -84,6 +88,7 @@ impl Endpoint {
             "completion" => Self::Completion,
             "responses" => Self::Responses,
             "messages" => Self::Messages,
+            "generate" => Self::Generate,
             "messages_count_tokens" => Self::MessagesCountTokens,
             "responses_input_tokens" => Self::ResponsesInputTokens,
             "embeddings" => Self::Embeddings,
@@ -103,6 +108,7 @@ impl Endpoint {
             Self::Completion => "completion",
             Self::Responses => "responses",
             Self::Messages => "messages",
+            Self::Generate => "generate",
             Self::MessagesCountTokens => "messages_count_tokens",
             Self::ResponsesInputTokens => "responses_input_tokens",
             Self::Embeddings => "embeddings",
