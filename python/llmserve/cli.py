@@ -168,7 +168,8 @@ _VLLM_HINTS = {
     "--kv-offloading-size": "the KV cache stays on the device; a preempted sequence recomputes",
     "--kv-offloading-backend": "the KV cache stays on the device; a preempted sequence recomputes",
     "--skip-tokenizer-init": "the tokenizer always loads: prompts are rendered and answers detokenized here",
-    "--tokens-only": "the tokenizer always loads: prompts are rendered and answers detokenized here",
+    "--tokens-only": "the tokenizer always loads; POST /inference/v1/generate (tokens in, tokens out) is "
+                     "always served",
     "--distributed-executor-backend": "llmserve runs a model on one device, in one process",
     "--mamba-ssm-cache-dtype": "llmserve serves no Mamba models",
     "--mamba-cache-dtype": "llmserve serves no Mamba models",
