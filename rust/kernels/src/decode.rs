@@ -240,12 +240,15 @@ unsafe fn items_avx2<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32])
 /// Consecutive items of one sequence (its kv heads h0..h1) are computed together, block by
 /// block: a token's K (and V) rows of those heads are adjacent in the cache, so each block is
 /// read as one contiguous stretch the hardware prefetchers follow, instead of 256-byte pieces
-/// at a 768-byte stride once per kv head. Each item's arithmetic, in token order, is the same
-/// whichever items share its run, so the result still does not depend on the threads.
+/// at a 768-byte stride once per kv head. Consecutive whole rows that read the same blocks (a
+/// prompt's tokens, each a row of its own: [`shared_rows`]) are computed together too, each
+/// block once for all of them ([`attend_rows`]). Each item's arithmetic, in token order, is the
+/// same whichever items share its run, so the result still does not depend on the threads.
 #[inline(always)]
 fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
     let s = &ctx.shape;
     let item_len = ctx.group * s.head_dim;
+    let row_len = s.num_heads * s.head_dim;
     // per-thread scratch, sized for all heads of a sequence and reused across runs
     let mut scratch = Scratch {
         qs: vec![0f32; s.num_heads * s.head_dim],
@@ -261,6 +264,15 @@ fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &
     let mut i = 0;
     while i < items {
         let (seq, h0) = ((first + i) / s.num_kv_heads, (first + i) % s.num_kv_heads);
+        if h0 == 0 && s.window == 0 {
+            let rows = shared_rows(ctx, seq, (items - i) / s.num_kv_heads);
+            if rows > 1 {
+                let o = &mut out[i * item_len..][..rows * row_len];
+                attend_rows::<E, FMA>(ctx, seq, rows, o, &mut scratch);
+                i += rows * s.num_kv_heads;
+                continue;
+            }
+        }
         let h1 = s.num_kv_heads.min(h0 + items - i);
         let o = &mut out[i * item_len..(i + h1 - h0) * item_len];
         attend_run::<E, FMA>(ctx, seq, h0, h1, o, &mut scratch);
@@ -268,12 +280,140 @@ fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &
     }
 }
 
+/// The most rows grouped by [`attend_rows`]: one block of a prompt's tokens.
+const ROWS: usize = 16;
+
+/// How many rows from `seq` on (at most `avail`, and [`ROWS`]) read the same blocks: each row's
+/// blocks are the first of the next one's, as a prompt's consecutive tokens' are.
+fn shared_rows<E>(ctx: &Ctx<'_, E>, seq: usize, avail: usize) -> usize {
+    let s = &ctx.shape;
+    let blocks = |r: usize| &ctx.tables[r * s.block_table_width..][..ctx.seq_lens[r].div_ceil(s.block_size)];
+    let mut rows = 1;
+    while rows < avail.min(ROWS) {
+        let (prev, next) = (blocks(seq + rows - 1), blocks(seq + rows));
+        if ctx.seq_lens[seq + rows] < ctx.seq_lens[seq + rows - 1] || !next.starts_with(prev) {
+            break;
+        }
+        rows += 1;
+    }
+    rows
+}
+
+/// Rows seq..seq + rows (all their kv heads), which [`shared_rows`] found reading the same
+/// blocks, the last the longest: each block is read (and widened) once for all of them, and
+/// each row computes it exactly as [`attend_run`] alone would (the same tiles, in the same
+/// order), so its result is the same bits. out = [rows, num_heads, d].
+#[inline(always)]
+fn attend_rows<E: KvElem, const FMA: bool>(
+    ctx: &Ctx<'_, E>,
+    seq: usize,
+    rows: usize,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    let s = &ctx.shape;
+    let (d, g, bs, nh) = (s.head_dim, ctx.group, s.block_size, s.num_heads);
+    let row_stride = s.num_kv_heads * d;
+    let block_stride = bs * row_stride;
+    let last = seq + rows - 1;
+    let table = &ctx.tables[last * s.block_table_width..][..ctx.seq_lens[last].div_ceil(bs)];
+    let row_len = nh * d;
+    sc.qs.resize(rows * row_len, 0.0);
+    sc.acc.resize(rows * row_len, 0.0);
+    sc.m.resize(rows * nh, 0.0);
+    sc.l.resize(rows * nh, 0.0);
+    let (qs, acc) = (&mut sc.qs[..rows * row_len], &mut sc.acc[..rows * row_len]);
+    let (m, l, scores) = (&mut sc.m[..rows * nh], &mut sc.l[..rows * nh], &mut sc.scores[..nh * bs]);
+    for (dst, src) in qs.iter_mut().zip(&ctx.q[seq * row_len..][..rows * row_len]) {
+        *dst = src * s.scale;
+    }
+    acc.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let span = |b: usize, n: usize| {
+        let base = table[b] as usize * block_stride;
+        base..base + (n - 1) * row_stride + row_stride
+    };
+    let prefetch = |b: usize| {
+        if b < table.len() {
+            for r in span(b, bs.min(ctx.seq_lens[last] - b * bs)).step_by(row_stride) {
+                simd::prefetch(&ctx.k[r..r + row_stride]);
+                simd::prefetch(&ctx.v[r..r + row_stride]);
+            }
+        }
+    };
+    (0..AHEAD).for_each(prefetch);
+    for b in 0..table.len() {
+        prefetch(b + AHEAD);
+        let widest = bs.min(ctx.seq_lens[last] - b * bs);
+        let whole = span(b, widest);
+        let (keys, vals) = (&ctx.k[whole.clone()], &ctx.v[whole]);
+        let (keys, vals) = match (E::as_f32(keys), E::as_f32(vals)) {
+            (Some(k), Some(v)) => (k, v),
+            _ => {
+                sc.keys.resize(keys.len(), 0.0);
+                sc.vals.resize(vals.len(), 0.0);
+                E::widen(keys, &mut sc.keys, FMA);
+                E::widen(vals, &mut sc.vals, FMA);
+                (&sc.keys[..keys.len()], &sc.vals[..vals.len()])
+            }
+        };
+        for r in 0..rows {
+            let len = ctx.seq_lens[seq + r];
+            if len <= b * bs {
+                continue;
+            }
+            let n = bs.min(len - b * bs);
+            let tile = avx2::Tile { n, row_stride, d, kvs: s.num_kv_heads, g, bs };
+            let used = (n - 1) * row_stride + row_stride;
+            let (qs, acc) = (&qs[r * row_len..][..row_len], &mut acc[r * row_len..][..row_len]);
+            let (m, l) = (&mut m[r * nh..][..nh], &mut l[r * nh..][..nh]);
+            tile_scores::<FMA>(qs, &keys[..used], tile, scores);
+            online_softmax(scores, tile, s.softcap, m, l, acc);
+            tile_accumulate::<FMA>(scores, &vals[..used], tile, acc);
+        }
+    }
+    for (j, o) in out.chunks_exact_mut(d).enumerate() {
+        let inv = 1.0 / l[j];
+        for (dst, a) in o.iter_mut().zip(&acc[j * d..(j + 1) * d]) {
+            *dst = a * inv;
+        }
+    }
+}
+
+/// One tile's scores of every query head (soft-capped with a cap) into weights, with each
+/// head's running max `m` and sum `l` updated and its accumulator rescaled to a new max.
+#[inline(always)]
+fn online_softmax(scores: &mut [f32], tile: avx2::Tile, softcap: f32, m: &mut [f32], l: &mut [f32], acc: &mut [f32]) {
+    let avx2::Tile { n, d, kvs, g, bs, .. } = tile;
+    let nh = kvs * g;
+    if softcap > 0.0 {
+        for j in 0..nh {
+            for x in &mut scores[j * bs..j * bs + n] {
+                *x = softcap * (*x / softcap).tanh();
+            }
+        }
+    }
+    for j in 0..nh {
+        let tile = &mut scores[j * bs..j * bs + n];
+        let new_m = m[j].max(simd::max(tile));
+        if new_m > m[j] {
+            // rescale what was accumulated under the old max (0 on the first tile)
+            let c = simd::exp_neg(m[j] - new_m);
+            l[j] *= c;
+            simd::scale(&mut acc[j * d..(j + 1) * d], c);
+            m[j] = new_m;
+        }
+        l[j] += simd::exp_sub_sum(tile, new_m);
+    }
+}
+
 struct Scratch {
-    qs: Vec<f32>,     // [heads, d] the run's queries, pre-scaled
-    acc: Vec<f32>,    // [heads, d] unnormalized outputs
+    qs: Vec<f32>,     // [heads, d] the run's queries, pre-scaled (rows x that, grouped rows)
+    acc: Vec<f32>,    // [heads, d] unnormalized outputs (likewise)
     scores: Vec<f32>, // [heads, block_size] one tile's scores, then weights
-    m: Vec<f32>,      // [heads] running max
-    l: Vec<f32>,      // [heads] running sum of weights
+    m: Vec<f32>,      // [heads] running max (likewise)
+    l: Vec<f32>,      // [heads] running sum of weights (likewise)
     keys: Vec<f32>,   // one tile's key rows as f32 (a cache of another type only)
     vals: Vec<f32>,   // its value rows
 }
@@ -346,25 +486,7 @@ fn attend_run<E: KvElem, const FMA: bool>(
         };
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
         tile_scores::<FMA>(qs, keys, tile, scores);
-        if s.softcap > 0.0 {
-            for j in 0..nh {
-                for x in &mut scores[j * bs..j * bs + n] {
-                    *x = s.softcap * (*x / s.softcap).tanh();
-                }
-            }
-        }
-        for j in 0..nh {
-            let tile = &mut scores[j * bs..j * bs + n];
-            let new_m = m[j].max(simd::max(tile));
-            if new_m > m[j] {
-                // rescale what was accumulated under the old max (0 on the first tile)
-                let c = simd::exp_neg(m[j] - new_m);
-                l[j] *= c;
-                simd::scale(&mut acc[j * d..(j + 1) * d], c);
-                m[j] = new_m;
-            }
-            l[j] += simd::exp_sub_sum(tile, new_m);
-        }
+        online_softmax(scores, tile, s.softcap, m, l, acc);
         tile_accumulate::<FMA>(scores, vals, tile, acc);
     }
     for j in 0..nh {

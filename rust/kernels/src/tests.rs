@@ -327,3 +327,55 @@ fn bf16_and_fp8_caches_read_as_their_f32_values() {
     narrow_reads_as_widened::<crate::Fp8E4M3>();
     narrow_reads_as_widened::<crate::Fp8E5M2>();
 }
+
+/// A prompt's tokens as rows of their own (how the engine runs prompt rows): rows of one
+/// sequence whose blocks are each a prefix of the next's are computed together, each block read
+/// once for all of them (`attend_rows`). Every row must still get exactly the bits it gets
+/// alone, on both instruction sets and any thread count, with a soft cap, and on a narrow cache.
+fn prompt_rows_compute_as_alone<E: crate::KvElem>() {
+    for softcap in [0.0, 0.8] {
+        let base = make_case(7, 9, 3, 64, 16, &[76, 30]);
+        let w = base.shape.block_table_width;
+        let (seq0, seq1) = (&base.tables[..w], &base.tables[w..2 * w]);
+        // seq 0's tokens at lengths 41..=76 (across three blocks), one row of seq 1 between,
+        // then seq 0 again: shorter rows after a longer one, and a last lone row
+        let mut lens: Vec<i32> = (41..=60).collect();
+        lens.push(30);
+        lens.extend(61..=76);
+        lens.extend([10, 11, 12, 5, 76]);
+        let tables: Vec<i32> =
+            lens.iter().enumerate().flat_map(|(i, _)| if i == 20 { seq1 } else { seq0 }).copied().collect();
+        let mut shape = base.shape;
+        shape.num_seqs = lens.len();
+        shape.softcap = softcap;
+        let q = Rng(11).vec(lens.len() * 9 * 64, 2.0);
+        let (k, v): (Vec<E>, Vec<E>) =
+            (base.k.iter().map(|&x| E::narrow(x)).collect(), base.v.iter().map(|&x| E::narrow(x)).collect());
+        let row_len = 9 * 64;
+        for isa in isas() {
+            let alone: Vec<f32> = (0..lens.len())
+                .flat_map(|r| {
+                    let mut one = shape;
+                    one.num_seqs = 1;
+                    let mut out = vec![f32::NAN; row_len];
+                    let (q, t) = (&q[r * row_len..][..row_len], &tables[r * w..][..w]);
+                    run(&mut out, q, &k, &v, t, &lens[r..r + 1], one, 1, isa).unwrap();
+                    out
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let mut got = vec![f32::NAN; q.len()];
+                run(&mut got, &q, &k, &v, &tables, &lens, shape, threads, isa).unwrap();
+                let same = got.iter().zip(&alone).position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(same, None, "{} {isa:?} threads {threads} softcap {softcap}", E::NAME);
+            }
+        }
+    }
+}
+
+#[test]
+fn prompt_rows_read_blocks_once_and_compute_as_alone() {
+    prompt_rows_compute_as_alone::<f32>();
+    prompt_rows_compute_as_alone::<crate::Bf16>();
+    prompt_rows_compute_as_alone::<crate::Fp8E4M3>();
+}
