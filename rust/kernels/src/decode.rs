@@ -347,17 +347,7 @@ fn attend_rows<E: KvElem, const FMA: bool>(
         prefetch(b + AHEAD);
         let widest = bs.min(ctx.seq_lens[last] - b * bs);
         let whole = span(b, widest);
-        let (keys, vals) = (&ctx.k[whole.clone()], &ctx.v[whole]);
-        let (keys, vals) = match (E::as_f32(keys), E::as_f32(vals)) {
-            (Some(k), Some(v)) => (k, v),
-            _ => {
-                sc.keys.resize(keys.len(), 0.0);
-                sc.vals.resize(vals.len(), 0.0);
-                E::widen(keys, &mut sc.keys, FMA);
-                E::widen(vals, &mut sc.vals, FMA);
-                (&sc.keys[..keys.len()], &sc.vals[..vals.len()])
-            }
-        };
+        let (keys, vals) = as_f32::<E, FMA>(&ctx.k[whole.clone()], &ctx.v[whole], &mut sc.keys, &mut sc.vals);
         for r in 0..rows {
             let len = ctx.seq_lens[seq + r];
             if len <= b * bs {
@@ -379,6 +369,28 @@ fn attend_rows<E: KvElem, const FMA: bool>(
             *dst = a * inv;
         }
     }
+}
+
+/// A block's key and value rows as f32: themselves for an f32 cache, else widened into
+/// `kbuf` and `vbuf`.
+///
+/// NOTE: widened into buffers that stay in L1 (one block of the run's heads), then the f32
+/// loops: the cache traffic, the bound of this kernel, is what a narrow type shrinks.
+#[inline(always)]
+fn as_f32<'s, E: KvElem, const FMA: bool>(
+    keys: &'s [E],
+    vals: &'s [E],
+    kbuf: &'s mut Vec<f32>,
+    vbuf: &'s mut Vec<f32>,
+) -> (&'s [f32], &'s [f32]) {
+    if let (Some(k), Some(v)) = (E::as_f32(keys), E::as_f32(vals)) {
+        return (k, v);
+    }
+    kbuf.resize(keys.len(), 0.0);
+    vbuf.resize(vals.len(), 0.0);
+    E::widen(keys, kbuf, FMA);
+    E::widen(vals, vbuf, FMA);
+    (&kbuf[..keys.len()], &vbuf[..vals.len()])
 }
 
 /// One tile's scores of every query head (soft-capped with a cap) into weights, with each
@@ -470,20 +482,7 @@ fn attend_run<E: KvElem, const FMA: bool>(
             n -= skip;
             span.start += skip * row_stride;
         }
-        let (keys, vals) = (&ctx.k[span.clone()], &ctx.v[span]);
-        let (keys, vals) = match (E::as_f32(keys), E::as_f32(vals)) {
-            (Some(k), Some(v)) => (k, v),
-            _ => {
-                // NOTE: widened into a buffer that stays in L1 (one block of the run's heads),
-                // then the f32 loops below: the cache traffic, the bound of this kernel, is
-                // what a narrow type shrinks.
-                sc.keys.resize(keys.len(), 0.0);
-                sc.vals.resize(vals.len(), 0.0);
-                E::widen(keys, &mut sc.keys, FMA);
-                E::widen(vals, &mut sc.vals, FMA);
-                (&sc.keys[..keys.len()], &sc.vals[..vals.len()])
-            }
-        };
+        let (keys, vals) = as_f32::<E, FMA>(&ctx.k[span.clone()], &ctx.v[span], &mut sc.keys, &mut sc.vals);
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
         tile_scores::<FMA>(qs, keys, tile, scores);
         online_softmax(scores, tile, s.softcap, m, l, acc);

@@ -102,6 +102,13 @@ fn rename_known(quoted: &str) -> Option<String> {
     (head == "prompt" || PASSED.contains(&head) || TOP.contains(&head)).then(|| rename(quoted))
 }
 
+/// `obj[key]`, or the 400 that names it as required (`what` it is).
+fn required<'a>(obj: &'a Map<String, Value>, key: &str, what: &str) -> Result<&'a Value, ApiError> {
+    set(obj, key).ok_or_else(|| {
+        ApiError::with_code("missing_required_parameter", Some(key.into()), format!("`{key}` is required ({what})."))
+    })
+}
+
 /// The completion request `obj` means, and the fields reported as having no effect.
 fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<String>), ApiError> {
     let mut ignored = Vec::new();
@@ -111,35 +118,20 @@ fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<St
             "`features` (multimodal inputs) is not supported: the models served here read text only.",
         ));
     }
-    let token_ids = match obj.get("token_ids") {
-        None | Some(Value::Null) => {
-            return Err(ApiError::with_code(
-                "missing_required_parameter",
-                Some("token_ids".into()),
-                "`token_ids` is required: the prompt's token ids.",
-            ))
-        }
-        Some(Value::Array(ids)) if ids.is_empty() => {
+    let token_ids = match required(obj, "token_ids", "the prompt's token ids")? {
+        Value::Array(ids) if ids.is_empty() => {
             return Err(ApiError::invalid("token_ids", "`token_ids` must hold at least one token id."))
         }
-        Some(v @ Value::Array(_)) => v.clone(),
-        Some(other) => {
+        v @ Value::Array(_) => v.clone(),
+        other => {
             return Err(invalid_type(
                 "token_ids",
                 format!("`token_ids` must be an array of token ids, not {}.", kind_of(other)),
             ))
         }
     };
-    let params = match obj.get("sampling_params") {
-        None | Some(Value::Null) => {
-            return Err(ApiError::with_code(
-                "missing_required_parameter",
-                Some("sampling_params".into()),
-                "`sampling_params` is required (an object; `{}` samples with the defaults).",
-            ))
-        }
-        Some(v) => as_object(v, "sampling_params", "`sampling_params`")?,
-    };
+    let params = required(obj, "sampling_params", "an object; `{}` samples with the defaults")?;
+    let params = as_object(params, "sampling_params", "`sampling_params`")?;
     let model = match obj.get("model") {
         None | Some(Value::Null) => json!(router.config.served_model_names.first().cloned().unwrap_or_default()),
         Some(v) => v.clone(),
