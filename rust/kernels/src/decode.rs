@@ -332,7 +332,7 @@ fn attend_rows<E: KvElem, const FMA: bool>(
     l.fill(0.0);
     let span = |b: usize, n: usize| {
         let base = table[b] as usize * block_stride;
-        base..base + (n - 1) * row_stride + row_stride
+        base..base + n * row_stride
     };
     let prefetch = |b: usize| {
         if b < table.len() {
@@ -355,7 +355,7 @@ fn attend_rows<E: KvElem, const FMA: bool>(
             }
             let n = bs.min(len - b * bs);
             let tile = avx2::Tile { n, row_stride, d, kvs: s.num_kv_heads, g, bs };
-            let used = (n - 1) * row_stride + row_stride;
+            let used = n * row_stride;
             let (qs, acc) = (&qs[r * row_len..][..row_len], &mut acc[r * row_len..][..row_len]);
             let (m, l) = (&mut m[r * nh..][..nh], &mut l[r * nh..][..nh]);
             tile_scores::<FMA>(qs, &keys[..used], tile, scores);
@@ -363,9 +363,15 @@ fn attend_rows<E: KvElem, const FMA: bool>(
             tile_accumulate::<FMA>(scores, &vals[..used], tile, acc);
         }
     }
-    for (j, o) in out.chunks_exact_mut(d).enumerate() {
-        let inv = 1.0 / l[j];
-        for (dst, a) in o.iter_mut().zip(&acc[j * d..(j + 1) * d]) {
+    normalize(out, acc, l, d);
+}
+
+/// out[j] = acc[j] / l[j] for each query head j (rows of `d`): the softmax's division, once.
+#[inline(always)]
+fn normalize(out: &mut [f32], acc: &[f32], l: &[f32], d: usize) {
+    for ((o, a), &l) in out.chunks_exact_mut(d).zip(acc.chunks_exact(d)).zip(l) {
+        let inv = 1.0 / l;
+        for (dst, a) in o.iter_mut().zip(a) {
             *dst = a * inv;
         }
     }
@@ -488,12 +494,7 @@ fn attend_run<E: KvElem, const FMA: bool>(
         online_softmax(scores, tile, s.softcap, m, l, acc);
         tile_accumulate::<FMA>(scores, vals, tile, acc);
     }
-    for j in 0..nh {
-        let inv = 1.0 / l[j];
-        for (dst, a) in out[j * d..(j + 1) * d].iter_mut().zip(&acc[j * d..(j + 1) * d]) {
-            *dst = a * inv;
-        }
-    }
+    normalize(out, acc, l, d);
 }
 
 /// `scores[j * bs + t] = qs[j] . k_t` for the tile's keys and every query head of its kv

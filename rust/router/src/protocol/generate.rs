@@ -38,6 +38,7 @@
 
 use serde_json::{json, Map, Value};
 
+use super::chat::missing;
 use super::common::{as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, set, settle_ignored};
 use super::{completion, Checked, Endpoint};
 use crate::error::ApiError;
@@ -102,13 +103,6 @@ fn rename_known(quoted: &str) -> Option<String> {
     (head == "prompt" || PASSED.contains(&head) || TOP.contains(&head)).then(|| rename(quoted))
 }
 
-/// `obj[key]`, or the 400 that names it as required (`what` it is).
-fn required<'a>(obj: &'a Map<String, Value>, key: &str, what: &str) -> Result<&'a Value, ApiError> {
-    set(obj, key).ok_or_else(|| {
-        ApiError::with_code("missing_required_parameter", Some(key.into()), format!("`{key}` is required ({what})."))
-    })
-}
-
 /// The completion request `obj` means, and the fields reported as having no effect.
 fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<String>), ApiError> {
     let mut ignored = Vec::new();
@@ -118,7 +112,7 @@ fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<St
             "`features` (multimodal inputs) is not supported: the models served here read text only.",
         ));
     }
-    let token_ids = match required(obj, "token_ids", "the prompt's token ids")? {
+    let token_ids = match set(obj, "token_ids").ok_or_else(|| missing("token_ids".into()))? {
         Value::Array(ids) if ids.is_empty() => {
             return Err(ApiError::invalid("token_ids", "`token_ids` must hold at least one token id."))
         }
@@ -130,7 +124,7 @@ fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<St
             ))
         }
     };
-    let params = required(obj, "sampling_params", "an object; `{}` samples with the defaults")?;
+    let params = set(obj, "sampling_params").ok_or_else(|| missing("sampling_params".into()))?;
     let params = as_object(params, "sampling_params", "`sampling_params`")?;
     let model = match obj.get("model") {
         None | Some(Value::Null) => json!(router.config.served_model_names.first().cloned().unwrap_or_default()),
