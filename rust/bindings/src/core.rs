@@ -31,7 +31,7 @@ use llmserve_router::structured::Matcher;
 use llmserve_router::ApiError;
 use llmserve_scheduler::{
     FinishReason as SeqFinish, NewRequest, Plan, Policy, Pooling as SeqPooling, Scheduler, SchedulerConfig,
-    SeqSampling, StopRules,
+    SeqSampling, Speculation, StopRules,
 };
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -60,6 +60,18 @@ struct CoreConfig {
     policy: String,
     #[serde(default)]
     max_loras: usize,
+    /// N-gram speculation (`Speculation`'s fields); absent: off.
+    #[serde(default)]
+    speculation: Option<SpecConfig>,
+}
+
+/// `Speculation` as Python sends it.
+#[derive(Deserialize)]
+struct SpecConfig {
+    num_tokens: usize,
+    lookup_min: usize,
+    lookup_max: usize,
+    max_step_tokens: usize,
 }
 
 fn yes() -> bool {
@@ -332,6 +344,8 @@ impl CoreState {
                     Pooling::Last => SeqPooling::Last,
                     Pooling::Mean => SeqPooling::Mean,
                 }),
+                // (a grammar's or a thinking budget's next mask needs the token before it)
+                speculate: prepared.grammar.is_none() && budget.is_none(),
             });
             self.owners.insert(id, (handle, i as u32));
             sched_ids.push(id);
@@ -568,9 +582,12 @@ impl CoreState {
         // (handle, prompt, scheduler request id, sequence, row) of each beam search row
         let mut beam_rows: Vec<(u64, u32, u64, u32, usize)> = Vec::new();
         let mut failed: Vec<(u64, String)> = plan.mask_failures;
+        // Sequences this commit ended here: a sequence with drafts may have updates after the
+        // token a stop string (or the like) ended it at, which are dropped.
+        let mut ended: Vec<(u64, u32)> = Vec::new();
         for u in updates {
             let Some(&(handle, prompt_idx)) = self.owners.get(&u.req_id) else { continue };
-            if failed.iter().any(|(h, _)| *h == handle) {
+            if failed.iter().any(|(h, _)| *h == handle) || ended.contains(&(u.req_id, u.seq_index)) {
                 continue;
             }
             let Some(state) = self.requests.get_mut(&handle) else { continue };
@@ -609,7 +626,10 @@ impl CoreState {
             let finish = u.finish.map(finish_reason);
             match deliver(state, &self.router, prompt_idx, u.seq_index, u.token, logprob, top, finish) {
                 Delivery::Going => {}
-                Delivery::Ended => self.scheduler.finish_seq(u.req_id, u.seq_index),
+                Delivery::Ended => {
+                    self.scheduler.finish_seq(u.req_id, u.seq_index);
+                    ended.push((u.req_id, u.seq_index));
+                }
                 Delivery::Failed(message) => failed.push((handle, message)),
             }
         }
@@ -924,6 +944,19 @@ impl PyCore {
                 c.max_model_len
             )));
         }
+        let speculation = match c.speculation {
+            Some(sc) if sc.num_tokens == 0 || sc.lookup_min == 0 || sc.lookup_min > sc.lookup_max => {
+                return Err(PyValueError::new_err(
+                    "speculation needs num_tokens >= 1 and 1 <= lookup_min <= lookup_max",
+                ));
+            }
+            sc => sc.map(|sc| Speculation {
+                num_tokens: sc.num_tokens,
+                lookup_min: sc.lookup_min,
+                lookup_max: sc.lookup_max,
+                max_step_tokens: sc.max_step_tokens,
+            }),
+        };
         let max_model_len = c.max_model_len as u32;
         let mask_vocab = router.inner.grammars().vocab_size();
         let eos = router.inner.config().eos_token_ids.first().copied();
@@ -937,6 +970,7 @@ impl PyCore {
             cache_decoded_blocks: c.cache_decoded_blocks,
             max_loras: c.max_loras,
             policy,
+            speculation,
         });
         Ok(Self {
             state: CoreState {
@@ -1107,6 +1141,10 @@ impl PyCore {
         d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
         d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
         d.set_item("preemptions", s.preemptions)?;
+        d.set_item("spec_drafts", s.spec_drafts)?;
+        d.set_item("spec_draft_tokens", s.spec_draft_tokens)?;
+        d.set_item("spec_accepted_tokens", s.spec_accepted_tokens)?;
+        d.set_item("spec_accepted_per_pos", s.spec_accepted_per_pos)?;
         d.set_item("requests", self.state.requests.len())?;
         // (vLLM's lora_requests_info: which adapters run and wait; only with adapters)
         let router = &self.state.router;

@@ -22,6 +22,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
         cache_decoded_blocks: true,
         max_loras: 0,
         policy: Policy::Fcfs,
+        speculation: None,
     });
     for id in 0..SEQS as u64 {
         let prompt: Vec<u32> = (0..120 + (id % 17) as u32).map(|i| (i * 31 + id as u32 * 7919) % 32000).collect();
@@ -43,6 +44,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
             lora: 0,
             prompt_logprobs: None,
             pooling: None,
+            speculate: false,
         });
     }
     let mut tokens = vec![0u32; SEQS];

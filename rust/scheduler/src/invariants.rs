@@ -41,6 +41,17 @@ impl Scheduler {
                     }
                 }
             }
+            if seq.drafts > 0 {
+                let row = self.inflight.iter().find_map(|p| {
+                    p.rows.iter().find(|row| row.slot == slot as u32 && row.gen == seq.gen && row.drafts > 0)
+                });
+                if seq.state != State::Running
+                    || row.is_none_or(|row| row.drafts as usize != seq.drafts)
+                    || seq.tokens.len() <= seq.prompt_len + seq.drafts
+                {
+                    return Err(format!("slot {slot}: drafts without their awaiting rows"));
+                }
+            }
             if let Some(r) = seq.pending {
                 let row = self.inflight.front().and_then(|p| p.rows.get(r as usize));
                 if seq.state != State::Running

@@ -24,10 +24,13 @@ pub mod block_pool;
 mod invariants;
 pub mod plan;
 mod scheduler;
+mod speculate;
 mod step;
 pub mod types;
 
 pub use block_pool::{BlockPool, NULL_BLOCK};
 pub use plan::Plan;
 pub use scheduler::Scheduler;
-pub use types::{FinishReason, NewRequest, Policy, Pooling, SchedulerConfig, SeqSampling, SeqUpdate, Stats, StopRules};
+pub use types::{
+    FinishReason, NewRequest, Policy, Pooling, SchedulerConfig, SeqSampling, SeqUpdate, Speculation, Stats, StopRules,
+};

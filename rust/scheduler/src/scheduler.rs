@@ -70,6 +70,12 @@ pub(crate) struct Seq {
     /// (while running it holds its blocks, all its tokens computed; preempted, it waits
     /// without being admitted) until the search has every beam's row.
     pub awaits_pick: bool,
+    /// Drafts at the end of `tokens`, computed by the plan awaiting commit (speculation):
+    /// `commit` keeps those its samples confirm.
+    pub drafts: usize,
+    /// Most drafts its next step may carry: one more than its last step with drafts
+    /// confirmed, up to the speculation's `num_tokens` (where it starts).
+    pub draft_limit: usize,
 }
 
 #[derive(Debug)]
@@ -106,6 +112,9 @@ pub(crate) struct Req {
     pub cached_prompt_tokens: Option<u32>,
     /// The LoRA adapter its tokens run through (0: none).
     pub lora: u32,
+    /// Its decode steps may carry drafts (`NewRequest::speculate`, when the scheduler
+    /// speculates).
+    pub speculate: bool,
 }
 
 impl Req {
@@ -132,12 +141,26 @@ pub(crate) struct PendingCopy {
 }
 
 /// One sampling row of the last Plan. `fork_n` is n on the first row of a fork group (the
-/// next n - 1 rows belong to it and carry 0), 1 on an ordinary row.
+/// next n - 1 rows belong to it and carry 0), 1 on an ordinary row. `drafts` is k on the
+/// first row of a sequence's k + 1 rows in a step with drafts (the next k rows carry
+/// `fork_n` 0), else 0.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Row {
     pub slot: u32,
     pub gen: u32,
     pub fork_n: u32,
+    pub drafts: u32,
+}
+
+impl Row {
+    /// The rows this one heads: its fork's, its drafts' (and its own), or itself.
+    pub(crate) fn group(&self) -> usize {
+        if self.drafts > 0 {
+            self.drafts as usize + 1
+        } else {
+            self.fork_n.max(1) as usize
+        }
+    }
 }
 
 /// A Plan handed out and not yet committed: its rows, which `commit` answers, and what
@@ -186,6 +209,9 @@ pub struct Scheduler {
     pub(crate) prefix_hit_tokens: u64,
     pub(crate) prefix_query_tokens: u64,
     pub(crate) preemptions: u64,
+    pub(crate) spec_drafts: u64,
+    pub(crate) spec_draft_tokens: u64,
+    pub(crate) spec_accepted_per_pos: Vec<u64>,
 }
 
 /// The token id a placeholder holds until `commit` replaces it (never a vocabulary id).
@@ -211,6 +237,7 @@ impl Scheduler {
         );
         Scheduler {
             pool: BlockPool::new(config.num_blocks, config.block_size),
+            spec_accepted_per_pos: vec![0; config.speculation.as_ref().map_or(0, |s| s.num_tokens)],
             cfg: config,
             seqs: Vec::new(),
             free_seqs: Vec::new(),
@@ -229,6 +256,8 @@ impl Scheduler {
             prefix_hit_tokens: 0,
             prefix_query_tokens: 0,
             preemptions: 0,
+            spec_drafts: 0,
+            spec_draft_tokens: 0,
         }
     }
 
@@ -272,6 +301,7 @@ impl Scheduler {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let root = if self.cfg.enable_prefix_caching { root_hash(req.cache_salt.as_deref(), req.lora) } else { 0 };
+        let speculate = req.speculate && !req.sampling.beam && self.cfg.speculation.is_some();
         let record = Req {
             id: req.id,
             n: req.n,
@@ -296,6 +326,7 @@ impl Scheduler {
             prompt_len: req.prompt.len(),
             cached_prompt_tokens: None,
             lora: req.lora,
+            speculate,
         };
         let req_slot = match self.free_reqs.pop() {
             Some(s) => {
@@ -350,6 +381,10 @@ impl Scheduler {
             prefix_hit_tokens: self.prefix_hit_tokens,
             prefix_query_tokens: self.prefix_query_tokens,
             preemptions: self.preemptions,
+            spec_drafts: self.spec_drafts,
+            spec_draft_tokens: self.spec_draft_tokens,
+            spec_accepted_tokens: self.spec_accepted_per_pos.iter().sum(),
+            spec_accepted_per_pos: self.spec_accepted_per_pos.clone(),
         }
     }
 
@@ -442,6 +477,8 @@ impl Scheduler {
                     decoded_from: usize::MAX,
                     pending: None,
                     awaits_pick: false,
+                    drafts: 0,
+                    draft_limit: 0,
                 });
                 (self.seqs.len() - 1) as u32
             }
@@ -459,6 +496,8 @@ impl Scheduler {
         seq.decoded_from = usize::MAX;
         seq.pending = None;
         seq.awaits_pick = false;
+        seq.drafts = 0;
+        seq.draft_limit = self.cfg.speculation.as_ref().map_or(0, |s| s.num_tokens);
         self.req_mut(req_slot).seqs.push(slot);
         slot
     }
@@ -520,6 +559,7 @@ impl Scheduler {
         seq.gen = seq.gen.wrapping_add(1);
         seq.tokens = Vec::new();
         seq.pending = None;
+        seq.drafts = 0;
         self.free_seqs.push(slot);
     }
 

@@ -15,6 +15,7 @@ use std::ops::Bound::{Excluded, Unbounded};
 use crate::block_pool::{hash_block, BlockPool};
 use crate::plan::{mix_seed, Plan};
 use crate::scheduler::{blocks_for, Inflight, Key, PendingCopy, Req, Row, Scheduler, Seq, State, PLACEHOLDER};
+use crate::speculate::propose;
 use crate::types::{FinishReason, Pooling, SeqUpdate, StopRules};
 
 impl Scheduler {
@@ -42,9 +43,9 @@ impl Scheduler {
     /// scheduled at all.
     ///
     /// Not planned ahead (empty): unless exactly one plan awaits commit; when one of its rows
-    /// forks (n > 1), has penalties or bad words of several tokens, or runs beam search (their
-    /// next rows need the token itself); when the running sequences would not fit in the free
-    /// blocks (this never preempts).
+    /// forks (n > 1), has penalties or bad words of several tokens, runs beam search or carries
+    /// drafts (their next rows need the token itself, or how many drafts it confirms); when
+    /// the running sequences would not fit in the free blocks (this never preempts).
     pub fn schedule_ahead(&mut self) -> Plan {
         if self.inflight.len() != 1 || !self.rows_plan_ahead() {
             return Plan::default();
@@ -74,7 +75,11 @@ impl Scheduler {
             let live = seq.gen == row.gen && seq.state == State::Running;
             !live || {
                 let req = self.req(seq.req);
-                row.fork_n <= 1 && !req.penalized && !req.sampling.reads_output() && !req.sampling.beam
+                row.fork_n <= 1
+                    && row.drafts == 0
+                    && !req.penalized
+                    && !req.sampling.reads_output()
+                    && !req.sampling.beam
             }
         })
     }
@@ -163,6 +168,9 @@ impl Scheduler {
     fn schedule_running(&mut self, budget: &mut usize, may_preempt: bool) -> bool {
         let bs = self.cfg.block_size;
         let mut preempted = false;
+        // Drafts fill what the step's own tokens leave of the speculation's step size.
+        let mut draft_room =
+            self.cfg.speculation.as_ref().map_or(0, |s| s.max_step_tokens.saturating_sub(self.running.len()));
         let mut i = 0;
         while i < self.running.len() && *budget > 0 && self.scheduled.len() < self.cfg.max_num_seqs {
             let slot = self.running[i].slot;
@@ -191,11 +199,49 @@ impl Scheduler {
                 break;
             }
             self.grow(slot, need);
-            self.scheduled.push((slot, num_new));
-            *budget -= num_new;
+            let drafts =
+                if draft_room > 0 && num_new == 1 { self.draft(slot, (*budget - 1).min(draft_room)) } else { 0 };
+            draft_room -= drafts;
+            self.scheduled.push((slot, num_new + drafts));
+            *budget -= num_new + drafts;
             i += 1;
         }
         preempted
+    }
+
+    /// Append up to `room` n-gram drafts to a decoding sequence whose blocks hold its next
+    /// token (`Speculation`), growing its blocks for them while free ones last; returns how
+    /// many. None for a sequence that may not speculate, or whose drafts would run past
+    /// max_tokens or max_model_len (tokens sampled there would be dropped). At most its
+    /// `draft_limit`: a sequence whose drafts keep failing checks one at a time (a failed
+    /// draft costs a token's compute in a step), and grows back as they are confirmed.
+    fn draft(&mut self, slot: u32, room: usize) -> usize {
+        let Some(spec) = &self.cfg.speculation else { return 0 };
+        let bs = self.cfg.block_size;
+        let seq = &self.seqs[slot as usize];
+        let req = self.req(seq.req);
+        let len = seq.tokens.len();
+        if !req.speculate || seq.pending.is_some() || len <= seq.prompt_len || seq.num_computed + 1 != len {
+            return 0;
+        }
+        // Row j samples output len - prompt_len + j + 1; every row's token must be one a
+        // decode step could keep.
+        let outputs_left = (req.stop.max_tokens as usize).saturating_sub(len - seq.prompt_len);
+        let room = room.min(outputs_left.saturating_sub(1)).min(self.cfg.max_model_len.saturating_sub(len + 1));
+        let drafts = propose(&seq.tokens, spec.lookup_min, spec.lookup_max, room.min(seq.draft_limit));
+        // (no preemption for drafts: only the blocks that are free)
+        let fit = (blocks_for(len + drafts.len(), bs) - seq.blocks.len()).min(self.pool.num_free());
+        let k = drafts.len().min((seq.blocks.len() + fit) * bs - len);
+        if k == 0 {
+            return 0;
+        }
+        let drafts = drafts[..k].to_vec();
+        let need = blocks_for(len + k, bs) - seq.blocks.len();
+        self.grow(slot, need);
+        let seq = &mut self.seqs[slot as usize];
+        seq.tokens.extend_from_slice(&drafts);
+        seq.drafts = k;
+        k
     }
 
     fn schedule_waiting(&mut self, budget: &mut usize) {
@@ -402,21 +448,32 @@ impl Scheduler {
             // decode step (worker/runner.py: decode_sequences; worker/threads.py:
             // holds_prompt_tokens): on CPU those steps compute with other numerics, and
             // `decoded_from` keeps the prefix cache from reusing the K/V they wrote.
-            if num_new == 1 && start >= seq.prompt_len && end == seq.tokens.len() {
+            if num_new == 1 + seq.drafts && start >= seq.prompt_len && end == seq.tokens.len() {
                 seq.decoded_from = seq.decoded_from.min(start);
             }
             if self.cfg.enable_prefix_caching {
                 let cacheable = if self.cfg.cache_decoded_blocks { usize::MAX } else { seq.decoded_from };
                 register_full_blocks(&mut self.pool, seq, bs, cacheable, &mut cur.registered);
             }
-            if end == seq.tokens.len() {
+            if seq.drafts > 0 {
+                // One row per token: its last token's and each draft's; row j follows the
+                // tokens up to draft j, as the step that samples after it would.
+                let last = plan.input_ids.len() as i64 - 1;
+                let k = seq.drafts;
+                for j in 0..=k {
+                    let upto = end - k + j;
+                    push_row(plan, req, seq, upto, seq.index, last - (k - j) as i64);
+                    let (fork_n, drafts) = if j == 0 { (1, k as u32) } else { (0, 0) };
+                    cur.rows.push(Row { slot, gen: seq.gen, fork_n, drafts });
+                }
+            } else if end == seq.tokens.len() {
                 let logits_index = plan.input_ids.len() as i64 - 1;
                 let n = if seq.fork_pending { req.n } else { 1 };
                 for k in 0..n {
                     let index = if seq.fork_pending { k } else { seq.index };
-                    push_row(plan, req, seq, index, logits_index);
+                    push_row(plan, req, seq, seq.tokens.len(), index, logits_index);
                     let fork_n = if k == 0 { n } else { 0 };
-                    cur.rows.push(Row { slot, gen: seq.gen, fork_n });
+                    cur.rows.push(Row { slot, gen: seq.gen, fork_n, drafts: 0 });
                 }
             }
         }
@@ -443,7 +500,7 @@ impl Scheduler {
         let mut i = 0;
         while i < rows.len() {
             let row = rows[i];
-            let group = row.fork_n.max(1) as usize;
+            let group = row.group();
             let seq = &self.seqs[row.slot as usize];
             let live = seq.gen == row.gen && seq.state == State::Running;
             if live && self.req(seq.req).sampling.beam {
@@ -460,6 +517,8 @@ impl Scheduler {
                     sample_row: i,
                     cached_prompt_tokens: first.then(|| req.cached_prompt_tokens.unwrap_or(0)),
                 });
+            } else if live && row.drafts > 0 {
+                self.accept(row.slot, &tokens[i..i + group], i, &mut out);
             } else if live {
                 let mark = out.len();
                 if row.fork_n > 1 {
@@ -500,8 +559,10 @@ impl Scheduler {
                 self.pool.forget(b);
             }
             for &(slot, gen) in &plan.planned {
-                let seq = &self.seqs[slot as usize];
+                let seq = &mut self.seqs[slot as usize];
                 if seq.gen == gen && seq.state == State::Running {
+                    let kept = seq.tokens.len() - std::mem::take(&mut seq.drafts);
+                    seq.tokens.truncate(kept);
                     let key = self.key(slot);
                     let pos = self.running.binary_search(&key).expect("running sequence is in the running list");
                     self.running.remove(pos);
@@ -511,6 +572,41 @@ impl Scheduler {
             }
             plan.clear();
             self.spare = plan;
+        }
+    }
+
+    /// Apply a sequence's samples from a step with drafts (one per row: after its last token,
+    /// then after each draft): each sample is appended, while it equals the draft the next row
+    /// followed; the sequence then has computed all but its last token, and gives back the
+    /// blocks it grew for drafts beyond that.
+    fn accept(&mut self, slot: u32, samples: &[u32], base_row: usize, out: &mut Vec<SeqUpdate>) {
+        let seq = &mut self.seqs[slot as usize];
+        let gen = seq.gen;
+        let k = std::mem::take(&mut seq.drafts);
+        debug_assert_eq!(samples.len(), k + 1);
+        let drafts = seq.tokens.split_off(seq.tokens.len() - k);
+        self.spec_drafts += 1;
+        self.spec_draft_tokens += k as u64;
+        let mut confirmed = 0;
+        for (j, &token) in samples.iter().enumerate() {
+            self.append(slot, token, base_row + j, out);
+            let seq = &self.seqs[slot as usize];
+            if seq.gen != gen || j == k || drafts[j] != token {
+                break;
+            }
+            self.spec_accepted_per_pos[j] += 1;
+            confirmed += 1;
+        }
+        let seq = &mut self.seqs[slot as usize];
+        if seq.gen != gen {
+            return; // (finished: its blocks are gone)
+        }
+        let most = self.cfg.speculation.as_ref().map_or(0, |s| s.num_tokens);
+        seq.draft_limit = (confirmed + 1).min(most);
+        seq.num_computed = seq.tokens.len() - 1;
+        let keep = blocks_for(seq.num_computed, self.cfg.block_size);
+        for b in seq.blocks.drain(keep..).rev() {
+            self.pool.free(b);
         }
     }
 
@@ -679,7 +775,7 @@ pub(crate) fn stop_reason(
 /// the prefix cache (not one that holds a placeholder: its hash is not known yet; it is
 /// passed once the token is).
 fn register_full_blocks(pool: &mut BlockPool, seq: &mut Seq, bs: usize, cacheable: usize, registered: &mut Vec<u32>) {
-    let known = seq.tokens.len() - usize::from(seq.pending.is_some());
+    let known = seq.tokens.len() - usize::from(seq.pending.is_some()) - seq.drafts;
     while seq.num_hashed < seq.num_computed.min(known).min(cacheable) / bs {
         let i = seq.num_hashed;
         let chunk = &seq.tokens[i * bs..(i + 1) * bs];
@@ -692,9 +788,10 @@ fn register_full_blocks(pool: &mut BlockPool, seq: &mut Seq, bs: usize, cacheabl
     }
 }
 
-fn push_row(plan: &mut Plan, req: &Req, seq: &Seq, index: u32, logits_index: i64) {
+/// A sampling row of sequence `seq` (as its fork `index`) after its first `upto` tokens.
+fn push_row(plan: &mut Plan, req: &Req, seq: &Seq, upto: usize, index: u32, logits_index: i64) {
     let s = &req.sampling;
-    let gen = seq.tokens.len() - seq.prompt_len;
+    let gen = upto - seq.prompt_len;
     plan.logits_indices.push(logits_index);
     plan.temperature.push(s.temperature);
     plan.top_p.push(s.top_p);
@@ -722,7 +819,7 @@ fn push_row(plan: &mut Plan, req: &Req, seq: &Seq, index: u32, logits_index: i64
         }
     }
     // (a bias and a ban of the same token add up to -inf)
-    let output = &seq.tokens[seq.prompt_len..];
+    let output = &seq.tokens[seq.prompt_len..upto];
     for word in &s.bad_words {
         if let Some((&last, head)) = word.split_last() {
             if output.ends_with(head) {
@@ -733,7 +830,7 @@ fn push_row(plan: &mut Plan, req: &Req, seq: &Seq, index: u32, logits_index: i64
     }
     plan.bias_offsets.push(plan.bias_token_ids.len() as i32);
     if req.penalized {
-        plan.hist_tokens.extend(seq.tokens.iter().map(|&t| i64::from(t)));
+        plan.hist_tokens.extend(seq.tokens[..upto].iter().map(|&t| i64::from(t)));
         plan.hist_prompt_lens.push(seq.prompt_len as i32);
     } else {
         plan.hist_prompt_lens.push(0);

@@ -34,6 +34,27 @@ pub struct SchedulerConfig {
     /// The base model (adapter 0) does not count.
     pub max_loras: usize,
     pub policy: Policy,
+    /// N-gram speculative decoding (prompt lookup); None: off.
+    pub speculation: Option<Speculation>,
+}
+
+/// N-gram speculative decoding (vLLM's `"method": "ngram"`): a decoding sequence whose last
+/// tokens also occur earlier in its prompt or output proposes the tokens that followed them
+/// there as drafts. The step computes its last token and the drafts together, one sampling
+/// row each; `commit` keeps the samples while each equals the draft it followed (the first
+/// sample always, then one more per confirmed draft). Each row samples as the sequence's next
+/// step would (its own `gen_index`, history, bans), so the kept tokens are the ones decoding
+/// without drafts samples, and a step can only add tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Speculation {
+    /// Most drafts per sequence and step (>= 1).
+    pub num_tokens: usize,
+    /// The n-gram lengths looked up, longest first: `lookup_min..=lookup_max` (>= 1).
+    pub lookup_min: usize,
+    pub lookup_max: usize,
+    /// Most tokens a step may hold with drafts: one per running sequence comes first, drafts
+    /// fill the rest in policy order (the engine sets the size its fast few-token path takes).
+    pub max_step_tokens: usize,
 }
 
 /// Per-sequence sampling parameters, copied into the Plan's sampling columns.
@@ -132,6 +153,10 @@ pub struct NewRequest {
     /// The LoRA adapter the request's tokens run through (0: none, the base model). The
     /// Plan lists it per scheduled sequence; blocks are shared only within one adapter.
     pub lora: u32,
+    /// Its decode steps may carry drafts when the scheduler speculates. The caller clears it
+    /// for requests whose next row needs the token before it (a grammar's mask, a thinking
+    /// budget); beam searches never speculate.
+    pub speculate: bool,
     /// Some(k): the Plan asks for the logprob of every prompt token after the first given
     /// the ones before it, plus k alternatives (completions `echo` with `logprobs`). Such a
     /// prompt does not reuse prefix-cache blocks until each of those positions has run.
@@ -188,4 +213,11 @@ pub struct Stats {
     /// as vLLM's `prefix_cache_queries`).
     pub prefix_query_tokens: u64,
     pub preemptions: u64,
+    /// Speculation: sequence steps that carried drafts, the drafts, and those confirmed
+    /// (vLLM's `spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`).
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    /// Confirmed drafts by position (index 0: the first draft), `num_tokens` long.
+    pub spec_accepted_per_pos: Vec<u64>,
 }

@@ -2,7 +2,9 @@
 //! placeholder rules, then a property test that drives one scheduler step by step and a
 //! twin that plans ahead whenever it can, with tokens that depend only on (request,
 //! sequence, output index), and requires the same outputs, the same sampling columns for
-//! every output, and model inputs that spell each sequence's true tokens.
+//! every output, and model inputs that spell each sequence's true tokens. The same twins
+//! check speculation (n-gram drafts): a twin that speculates, with or without planning
+//! ahead, gives the same outputs and columns as one that does not.
 
 mod common;
 
@@ -217,11 +219,13 @@ struct Arrival {
     priority: i32,
     penalized: bool,
     logprobs: bool,
+    speculate: bool,
 }
 
 fn arrival() -> impl Strategy<Value = Arrival> {
-    (1usize..20, any::<bool>(), 1u32..4, 1u32..12, 0u32..3, 0i32..3, prop::bool::weighted(0.2), any::<bool>()).prop_map(
-        |(prompt_len, shared, n, max_tokens, min_tokens, priority, penalized, logprobs)| Arrival {
+    let shape = (1usize..20, any::<bool>(), 1u32..4, 1u32..12, 0u32..3, 0i32..3);
+    (shape, prop::bool::weighted(0.2), any::<bool>(), prop::bool::weighted(0.8)).prop_map(
+        |((prompt_len, shared, n, max_tokens, min_tokens, priority), penalized, logprobs, speculate)| Arrival {
             prompt_len,
             shared,
             n,
@@ -230,15 +234,17 @@ fn arrival() -> impl Strategy<Value = Arrival> {
             priority,
             penalized,
             logprobs,
+            speculate,
         },
     )
 }
 
 /// What a row's sequence samples: a function of (request, sequence, output index) alone, so
 /// every schedule gives the same outputs. 0 is eos and 1 a stop id; 2 makes the "router"
-/// end the sequence (a stop string).
+/// end the sequence (a stop string). Outputs repeat every 4 tokens, so n-gram drafts are
+/// often right.
 fn token(id: u64, index: u32, gen: i64) -> u32 {
-    let x = id.wrapping_mul(0x9E37_79B9).wrapping_add(u64::from(index) * 7919 + gen as u64 * 104_729);
+    let x = id.wrapping_mul(0x9E37_79B9).wrapping_add(u64::from(index) * 7919 + (gen % 4) as u64 * 104_729);
     ((x ^ (x >> 7)) % 23) as u32
 }
 
@@ -256,6 +262,8 @@ struct Record {
     columns: HashMap<(u64, u32, i64), Columns>,
     prompts: HashMap<u64, Vec<u32>>,
     ahead_plans: usize,
+    /// Drafts the samples confirmed.
+    accepted: u64,
 }
 
 impl Record {
@@ -271,7 +279,13 @@ impl Record {
     }
 
     fn apply(&mut self, s: &mut Scheduler, updates: &[SeqUpdate], columns: &[Columns]) {
+        // (a sequence with drafts may have more updates after the one the router ended it at:
+        // the router drops them)
+        let mut ended = Vec::new();
         for u in updates {
+            if ended.contains(&(u.req_id, u.seq_index)) {
+                continue;
+            }
             let cols = columns[u.sample_row].clone();
             let gen = self.outputs.get(&(u.req_id, u.seq_index)).map_or(0, Vec::len) as i64;
             assert!(self.columns.insert((u.req_id, u.seq_index, gen), cols).is_none(), "one output twice");
@@ -279,13 +293,14 @@ impl Record {
             if finish.is_none() && u.token == 2 {
                 s.finish_seq(u.req_id, u.seq_index);
                 finish = Some(FinishReason::Stop);
+                ended.push((u.req_id, u.seq_index));
             }
             self.outputs.entry((u.req_id, u.seq_index)).or_default().push((u.token, finish));
         }
     }
 
     /// The model inputs of `plan` (placeholders resolved with `prev`) are the sequences'
-    /// true tokens at their positions.
+    /// true tokens at their positions (drafts, past the known tokens, are not known yet).
     fn check_inputs(&self, plan: &Plan, prev: &[u32]) {
         let ids = resolve(plan, prev);
         for sq in 0..plan.num_seqs {
@@ -294,7 +309,11 @@ impl Record {
             let outs = self.outputs.get(&(id, idx)).map_or(&[][..], Vec::as_slice);
             for t in plan.token_range(sq) {
                 let pos = plan.positions[t] as usize;
-                let truth = if pos < prompt.len() { prompt[pos] } else { outs[pos - prompt.len()].0 };
+                let truth = match pos.checked_sub(prompt.len()) {
+                    None => prompt[pos],
+                    Some(o) if o < outs.len() => outs[o].0,
+                    Some(_) => continue,
+                };
                 assert_eq!(ids[t], i64::from(truth), "request {id} seq {idx} position {pos}");
             }
         }
@@ -326,6 +345,7 @@ fn add(s: &mut Scheduler, rec: &mut Record, id: u64, a: &Arrival) {
         priority: a.priority,
         prompt_logprobs: a.logprobs.then_some(1),
         pooling: None,
+        speculate: a.speculate,
         cache_salt: None,
         lora: 0,
     });
@@ -376,7 +396,17 @@ fn run(cfg: SchedulerConfig, arrivals: &[Vec<Arrival>], ahead: bool) -> Record {
     }
     assert!(!s.has_work() && inflight.is_none(), "work left after many steps");
     assert_eq!(s.stats().used_blocks, 0);
+    rec.accepted = s.stats().spec_accepted_tokens;
     rec
+}
+
+fn speculation() -> impl Strategy<Value = Speculation> {
+    (1usize..5, 1usize..3, 0usize..2, 1usize..16).prop_map(|(num_tokens, min, more, step)| Speculation {
+        num_tokens,
+        lookup_min: min,
+        lookup_max: min + more,
+        max_step_tokens: step,
+    })
 }
 
 proptest! {
@@ -397,12 +427,58 @@ proptest! {
             cache_decoded_blocks: true,
             max_loras: 0,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
+            speculation: None,
         };
         let sync = run(cfg.clone(), &arrivals, false);
         let ahead = run(cfg, &arrivals, true);
         prop_assert_eq!(&sync.outputs, &ahead.outputs);
         prop_assert_eq!(&sync.columns, &ahead.columns);
     }
+
+    #[test]
+    fn speculation_changes_no_output(
+        (num_blocks, seqs, budget, caching, prio) in (9usize..24, 1usize..6, 4usize..24, any::<bool>(), any::<bool>()),
+        spec in speculation(),
+        ahead in any::<bool>(),
+        arrivals in prop::collection::vec(prop::collection::vec(arrival(), 0..3), 1..30),
+    ) {
+        let cfg = SchedulerConfig {
+            enable_prefix_caching: caching,
+            policy: if prio { Policy::Priority } else { Policy::Fcfs },
+            max_model_len: 32,
+            ..config(num_blocks, 4, seqs, budget)
+        };
+        let plain = run(cfg.clone(), &arrivals, false);
+        let drafted = run(SchedulerConfig { speculation: Some(spec), ..cfg }, &arrivals, ahead);
+        prop_assert_eq!(&plain.outputs, &drafted.outputs);
+        prop_assert_eq!(&plain.columns, &drafted.columns);
+    }
+}
+
+#[test]
+fn the_twin_runs_actually_speculate() {
+    let arrivals: Vec<Vec<Arrival>> = (0..10)
+        .map(|k| {
+            vec![Arrival {
+                prompt_len: 3 + k,
+                shared: false,
+                n: 1 + (k % 2) as u32,
+                max_tokens: 11,
+                min_tokens: 0,
+                priority: 0,
+                penalized: k % 3 == 0,
+                logprobs: false,
+                speculate: true,
+            }]
+        })
+        .collect();
+    let spec = Speculation { num_tokens: 3, lookup_min: 1, lookup_max: 2, max_step_tokens: 24 };
+    let cfg = config(65, 4, 8, 32);
+    let plain = run(cfg.clone(), &arrivals, false);
+    let drafted = run(SchedulerConfig { speculation: Some(spec), ..cfg }, &arrivals, false);
+    assert_eq!(plain.outputs, drafted.outputs);
+    assert_eq!(plain.columns, drafted.columns);
+    assert!(drafted.accepted > 10, "only {} drafts were confirmed", drafted.accepted);
 }
 
 #[test]
@@ -418,6 +494,7 @@ fn the_twin_runs_actually_plan_ahead() {
                 priority: 0,
                 penalized: false,
                 logprobs: false,
+                speculate: false,
             }]
         })
         .collect();
@@ -471,6 +548,7 @@ proptest! {
             cache_decoded_blocks: true,
             max_loras: 0,
             policy: Policy::Priority,
+            speculation: None,
         };
         let mut s = Scheduler::new(cfg);
         let mut rec = Record::default();

@@ -57,9 +57,16 @@ fn op(allow_abort: bool) -> impl Strategy<Value = Op> {
     }
 }
 
+fn speculation_strategy() -> impl Strategy<Value = Option<Speculation>> {
+    prop::option::of((1usize..5, 1usize..3, 0usize..2, 1usize..12).prop_map(|(num_tokens, min, more, step)| {
+        Speculation { num_tokens, lookup_min: min, lookup_max: min + more, max_step_tokens: step }
+    }))
+}
+
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
-    (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>(), 0usize..3).prop_map(
-        |(num_blocks, seqs, tokens, caching, prio, decoded, max_loras)| SchedulerConfig {
+    let shape = (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>(), 0usize..3);
+    (shape, speculation_strategy()).prop_map(
+        |((num_blocks, seqs, tokens, caching, prio, decoded, max_loras), speculation)| SchedulerConfig {
             num_blocks,
             block_size: BS,
             max_num_seqs: seqs,
@@ -69,6 +76,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
             cache_decoded_blocks: decoded,
             max_loras,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
+            speculation,
         },
     )
 }
@@ -130,6 +138,7 @@ impl Harness {
                     cache_salt: salt.map(|x| x.to_string()),
                     // (the base model and three adapters)
                     lora: (id % 4) as u32,
+                    speculate: !id.is_multiple_of(7),
                 });
                 self.ids.push(id);
                 self.live.insert(id, (n, prompt_len, HashSet::new()));
@@ -182,17 +191,45 @@ impl Harness {
             assert!(self.s.commit(&[]).is_empty());
             return;
         }
+        // A row followed by the next row of its sequence checks a draft: the input token of
+        // that row. Half the time it is sampled, so drafts are confirmed too.
+        let drafted = |r: usize| {
+            let same_seq = r + 1 < plan.num_rows
+                && plan.row_req_ids[r + 1] == plan.row_req_ids[r]
+                && plan.row_seq_index[r + 1] == plan.row_seq_index[r]
+                && plan.logits_indices[r + 1] == plan.logits_indices[r] + 1;
+            same_seq.then(|| plan.input_ids[plan.logits_indices[r] as usize + 1] as u32)
+        };
         let mut x = seed | 1;
         let tokens: Vec<u32> = (0..plan.num_rows)
-            .map(|_| {
+            .map(|r| {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                (x % 12) as u32
+                match drafted(r) {
+                    Some(d) if x.is_multiple_of(2) => d,
+                    _ => (x % 12) as u32,
+                }
             })
             .collect();
         let updates = self.s.commit(&tokens);
-        assert_eq!(updates.len(), plan.num_rows, "no abort between schedule and commit here");
+        // Every row gives its update, but for a sequence's rows after a draft its sample did
+        // not confirm, or after it finished: those give none.
+        let mut expected = Vec::new();
+        let mut r = 0;
+        while r < plan.num_rows {
+            expected.push(r);
+            let ends = |u: &SeqUpdate| u.sample_row == r && u.finish.is_some();
+            if drafted(r).is_some_and(|d| d != tokens[r]) || updates.iter().any(ends) {
+                // skip the rest of this sequence's rows
+                while drafted(r).is_some() {
+                    r += 1;
+                }
+            }
+            r += 1;
+        }
+        let rows: Vec<usize> = updates.iter().map(|u| u.sample_row).collect();
+        assert_eq!(rows, expected, "no abort between schedule and commit here");
         for u in &updates {
             assert_eq!(u.token, tokens[u.sample_row]);
             if u.finish.is_some() {
@@ -202,7 +239,9 @@ impl Harness {
         // The router side may end one sequence by a stop string.
         if let Some(k) = finish {
             if let Some(u) = updates.get(k % updates.len().max(1)) {
-                if u.finish.is_none() {
+                // (a later update of a sequence with drafts may have ended it)
+                let ended = self.live.get(&u.req_id).is_none_or(|(_, _, f)| f.contains(&u.seq_index));
+                if u.finish.is_none() && !ended {
                     self.s.finish_seq(u.req_id, u.seq_index);
                     self.mark_finished(u.req_id, u.seq_index);
                 }
@@ -284,6 +323,7 @@ proptest! {
             cache_decoded_blocks: true,
             max_loras: 0,
             policy: Policy::Fcfs,
+            speculation: None,
         };
         let mut h = Harness::new(cfg);
         let mut prompt_lens = HashMap::new();
@@ -317,6 +357,7 @@ fn fcfs_does_not_starve_under_constant_arrivals() {
         cache_decoded_blocks: true,
         max_loras: 0,
         policy: Policy::Fcfs,
+        speculation: None,
     };
     let mut h = Harness::new(cfg);
     let mut finished_at = HashMap::new();

@@ -14,6 +14,7 @@ pub fn config(num_blocks: usize, block_size: usize, max_num_seqs: usize, max_bat
         cache_decoded_blocks: true,
         max_loras: 0,
         policy: Policy::Fcfs,
+        speculation: None,
     }
 }
 
@@ -29,6 +30,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
         lora: 0,
         prompt_logprobs: None,
         pooling: None,
+        speculate: false,
     }
 }
 
