@@ -128,7 +128,6 @@ _VLLM_HINTS = {
     "--reasoning-config": "the thinking is read between <think> and </think> (--reasoning-parser); "
                           "thinking_token_budget closes it after as many tokens",
     "--structured-outputs-config": "structured output always runs on llguidance, with no options",
-    "--speculative-config": "there is no speculative decoding",
     "--cpu-offload-gb": "the weights stay on the device: --dtype, or a GGUF file's quantization, makes them smaller",
     "--middleware": "mount llmserve's ASGI app in your own and add the middleware there",
     "--allowed-local-media-path": "llmserve serves text models: images, audio and video in a request are a 400",

@@ -422,6 +422,61 @@ class SchedulerConfig(_Checked):
         choices=("auto", "on", "off"),
         bare="on",   # (`--async-scheduling` alone, and `--no-async-scheduling`, as vLLM's flag)
     )
+    speculative_config: str | None = _f(
+        None, "Speculative decoding as JSON, vLLM's flag, with its n-gram (prompt lookup) method: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2}'. A decoding sequence whose last n tokens (n from max down to min; "
+        "both 5 when neither is given, one copies the other) occurred before in its prompt or output "
+        "drafts the up to num_speculative_tokens that followed them, and one step checks them all: "
+        "each draft the model's own sample confirms saves a step. Output is unchanged (each token is "
+        "sampled as decoding would sample it); it pays off where the output repeats its input (edits, "
+        "extraction, code), for few streams at a time. Requests with a grammar (response_format, "
+        "forced tools) or thinking_token_budget, and beam search, decode without drafts. No draft "
+        "model: other methods are refused.")
+
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.speculation()   # (checked now: a bad one stops the start)
+
+    def speculation(self) -> dict | None:
+        """--speculative-config as {"num_tokens", "lookup_min", "lookup_max"}, or None when it
+        is not given; ValueError naming what is wrong otherwise (vLLM's rules for the n-gram
+        method)."""
+        flag = "--speculative-config"
+        values = _json_object(self.speculative_config, flag, '{"method": "ngram", "num_speculative_tokens": 4}')
+        if not values:
+            return None
+        method, model = values.get("method"), values.get("model")
+        if method is None and model in ("ngram", "[ngram]"):
+            method = "ngram"      # (vLLM's older form)
+        elif model is not None:
+            raise ValueError(f"{flag}: `model` {model!r}: there is no draft model; the n-gram method drafts "
+                             "from the sequence's own tokens")
+        if method != "ngram":
+            raise ValueError(f"{flag}: `method` {method!r}: only \"ngram\" (prompt lookup) is served; there is "
+                             "no draft model (eagle, medusa, mtp, ...)")
+        if unread := set(values) - {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                                    "prompt_lookup_min"}:
+            raise ValueError(f"{flag}: {', '.join(sorted(unread))}: the n-gram method reads only method, "
+                             "num_speculative_tokens, prompt_lookup_max and prompt_lookup_min")
+
+        def whole(key: str) -> int | None:
+            v = values.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{flag}: {key} must be a whole number of at least 1, got {v!r}")
+            return v
+
+        num = whole("num_speculative_tokens")
+        if num is None:
+            raise ValueError(f"{flag}: num_speculative_tokens is required (how many drafts a step checks)")
+        high, low = whole("prompt_lookup_max"), whole("prompt_lookup_min")
+        if high is None and low is None:
+            high = low = 5
+        high, low = high or low, low or high
+        if low > high:
+            raise ValueError(f"{flag}: prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
+        return {"num_tokens": num, "lookup_min": low, "lookup_max": high}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from llmserve.config import DEFAULT_BATCHED_TOKENS, DEFAULT_CPU_KV_CACHE, Config
 from llmserve.engine.adapters import Adapters, adapter_fingerprint, read_adapter
 from llmserve.loaders.checkpoint import LazyWeights, LoadError
 from llmserve.worker.kv_cache import kv_cache_dtype
-from llmserve.worker.threads import bf16_tile_rows, cpu_signature, native_bf16, reproducible_blas
+from llmserve.worker.threads import (QUANT_MAX_TOKENS, bf16_tile_rows, cpu_signature, native_bf16,
+                                     reproducible_blas)
 
 log = logging.getLogger("llmserve.engine")
 
@@ -440,6 +441,15 @@ def build_engine(cfg: Config) -> Engine:
                  tool_format or "forced only (json format; 'auto' answers in text)", reasoning)
     if fim := router.fim_tokens():
         log.info("fill-in-the-middle: completions' suffix laid out as %s prompt %s suffix %s", *fim)
+    speculation = cfg.scheduler.speculation()
+    if speculation is not None:
+        # NOTE: on CPU a step of more than QUANT_MAX_TOKENS tokens leaves the quantized GEMV (and
+        # is bound by arithmetic, not by reading weights, so drafts there cost what they save).
+        speculation["max_step_tokens"] = (QUANT_MAX_TOKENS if device.type == "cpu"
+                                          else max(batched_tokens(cfg, device), block_size))
+        log.info("speculative decoding: n-gram drafts, up to %d a step (n-grams of %d to %d tokens; steps of up to "
+                 "%d tokens)", speculation["num_tokens"], speculation["lookup_min"], speculation["lookup_max"],
+                 speculation["max_step_tokens"])
     core = Core(router, json.dumps({
         "num_blocks": num_blocks,
         "block_size": block_size,
@@ -452,6 +462,7 @@ def build_engine(cfg: Config) -> Engine:
         "cache_decoded_blocks": device.type != "cpu" or cfg.device.batch_invariant,
         "policy": cfg.scheduler.scheduling_policy,
         "max_loras": cfg.model.max_loras,
+        "speculation": speculation,
     }))
     if device.type == "cuda":
         from llmserve.worker.cuda_graphs import make_cuda_runner

@@ -107,6 +107,20 @@ class Metrics:
         self._families["aborted"] = counter(
             "llmserve:request_aborted",
             "Sequences (each choice of each prompt) whose client left before they finished.")
+        # Speculation (--speculative-config): vLLM's spec_decode counters, each step's drafts as the
+        # engine checked them; the per-position one labelled by the draft's place (0 = first).
+        self._families["spec_drafts"] = counter(
+            "llmserve:spec_decode_num_drafts", "Sequence steps that checked drafts (speculative decoding).")
+        self._families["spec_draft_tokens"] = counter(
+            "llmserve:spec_decode_num_draft_tokens", "Draft tokens checked.")
+        self._families["spec_accepted_tokens"] = counter(
+            "llmserve:spec_decode_num_accepted_tokens",
+            "Draft tokens the model's samples confirmed (the acceptance rate is these / draft tokens).")
+        self._spec_per_pos = Counter("llmserve:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens confirmed, by their place among a step's drafts.",
+                                     ["model_name", "position"], registry=r)
+        self._last_spec: dict[str, int] = {}
+        self._last_spec_pos: list[int] = []
         self._cache_config = Gauge("llmserve:cache_config_info",
                                    "The KV cache's configuration (as labels; the value is 1).",
                                    ["model_name", *CACHE_CONFIG_LABELS], registry=r)
@@ -153,6 +167,17 @@ class Metrics:
         self._last_hits = stats["prefix_hit_tokens"]
         self.prefix_queries.inc(max(0, stats["prefix_query_tokens"] - self._last_queries))
         self._last_queries = stats["prefix_query_tokens"]
+        for key in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"):
+            value = stats.get(key, 0)
+            if value != self._last_spec.get(key, 0):
+                getattr(self, key).inc(max(0, value - self._last_spec.get(key, 0)))
+                self._last_spec[key] = value
+        per_pos = stats.get("spec_accepted_per_pos", ())
+        for pos, value in enumerate(per_pos):
+            last = self._last_spec_pos[pos] if pos < len(self._last_spec_pos) else 0
+            if value != last or pos >= len(self._last_spec_pos):
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(max(0, value - last))
+        self._last_spec_pos = list(per_pos)
         if seconds > 0:
             self.step_time.observe(seconds)
         if self._max_lora:

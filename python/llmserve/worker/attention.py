@@ -6,7 +6,9 @@ its block table. Two groups, decided once per step in `AttentionMetadata.build`:
 
 - decode group: sequences with exactly one query token. Their blocks are gathered into one
   [S, W * block_size] key window and run as ONE SDPA call with a key-padding mask, so a batch
-  of 64 decodes costs one call per layer, not 64.
+  of 64 decodes costs one call per layer, not 64. In a step of generated tokens alone
+  (`generated`: with speculation a sequence computes its sampled token and the drafts after
+  it) every token is a decode row of its own, over its sequence's blocks up to its position.
 - prefill group: sequences with several query tokens (a prompt, or a chunk of one). One SDPA
   per sequence; a chunk that continues a cached prefix uses the lower-right causal alignment
   (query i at absolute position p sees keys 0..p).
@@ -160,26 +162,25 @@ class AttentionMetadata:
         """Every query token as a kernel row (steps with prompt rows, batch-invariant mode) ->
         (block tables [T, W] int32, its sequence's block table; seq lens [T] int32, its
         position + 1)."""
-        qsl, lens = self.query_start_loc_np, self.seq_lens_np
-        q_lens = np.diff(qsl)
-        seq_of = np.repeat(np.arange(len(lens)), q_lens)
-        # token j of sequence s (rows qsl[s]..qsl[s+1]) sits at lens[s] - (qsl[s+1] - j)
-        token_lens = lens[seq_of] - (qsl[1:][seq_of] - np.arange(int(qsl[-1])) - 1)
-        width = int(-(-token_lens.max() // self.block_size)) if len(token_lens) else 0
-        tables = self.block_tables_np[seq_of, :width]
-        return (np.ascontiguousarray(tables, dtype=np.int32),
-                np.ascontiguousarray(token_lens, dtype=np.int32))
+        return _token_rows(self.query_start_loc_np, self.seq_lens_np, self.block_tables_np, self.block_size)
 
     @classmethod
     def build(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
               slot_mapping: torch.Tensor, block_size: int, device: torch.device,
-              workspace: GatherWorkspace | None = None) -> "AttentionMetadata":
-        """From the Plan columns: query_start_loc [S+1], seq_lens [S], block_tables [S, W]."""
+              workspace: GatherWorkspace | None = None, generated: bool = False) -> "AttentionMetadata":
+        """From the Plan columns: query_start_loc [S+1], seq_lens [S], block_tables [S, W].
+        `generated`: the step holds no prompt tokens (every token a decode row; module doc)."""
         # NOTE: copies (small): the Rust Plan's arrays are read-only, which torch.from_numpy rejects
         qsl = np.array(query_start_loc, dtype=np.int64)
         lens = np.array(seq_lens, dtype=np.int64)
         tables = np.array(block_tables, dtype=np.int64).reshape(len(lens), -1)
         q_lens = np.diff(qsl)
+        if generated and len(q_lens) and q_lens.max() > 1:
+            # each token as the sequence it would be in its own decode step: its own position + 1
+            # keys of its sequence's blocks (their K/V is written for every token first)
+            tables, lens = _token_rows(qsl, lens, tables, block_size)
+            qsl = np.arange(len(lens) + 1, dtype=np.int64)
+            q_lens = np.ones(len(lens), np.int64)
         is_decode = q_lens == 1
 
         dec = np.flatnonzero(is_decode)
@@ -208,6 +209,20 @@ class AttentionMetadata:
                    decode_tables_np=np.ascontiguousarray(tables[dec, :width], dtype=np.int32),
                    decode_lens_np=dec_lens.astype(np.int32), query_start_loc_np=qsl,
                    seq_lens_np=lens, block_tables_np=tables)
+
+
+def _token_rows(qsl: np.ndarray, lens: np.ndarray, tables: np.ndarray,
+                block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every query token as a row of its own: (block tables [T, W] int32, its sequence's; seq
+    lens [T] int32, its position + 1), from query_start_loc [S+1], seq_lens [S] and block
+    tables [S, W]."""
+    q_lens = np.diff(qsl)
+    seq_of = np.repeat(np.arange(len(lens)), q_lens)
+    # token j of sequence s (rows qsl[s]..qsl[s+1]) sits at lens[s] - (qsl[s+1] - j)
+    token_lens = lens[seq_of] - (qsl[1:][seq_of] - np.arange(int(qsl[-1])) - 1)
+    width = int(-(-token_lens.max() // block_size)) if len(token_lens) else 0
+    return (np.ascontiguousarray(tables[seq_of, :width], dtype=np.int32),
+            np.ascontiguousarray(token_lens, dtype=np.int32))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: GatherWorkspace | None,

@@ -22,7 +22,8 @@ import torch
 from llmserve.worker.attention import AttentionMetadata, GatherWorkspace
 from llmserve.worker.kv_cache import KVCache
 from llmserve.worker.sampler import DeviceSample, Sampler, SampleOutput, as_tensor, to_device
-from llmserve.worker.threads import QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens, set_engine_threads
+from llmserve.worker.threads import (QUANT_MAX_TOKENS, cpu_step, holds_prompt_tokens, in_prompt_step, in_runner_step,
+                                     set_engine_threads)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters
@@ -130,12 +131,15 @@ def row_sequences(plan) -> np.ndarray:
 
 
 def decode_sequences(plan) -> np.ndarray:
-    """Indices of the plan's sequences that compute one generated token (the one they
-    sampled in an earlier step), as opposed to prompt tokens."""
-    qsl = np.asarray(plan.query_start_loc, np.int64)
+    """Indices of the plan's sequences that compute generated tokens (the one they sampled in
+    an earlier step, and with speculation the drafts after it: each token sampled by a row of
+    its own), as opposed to prompt tokens."""
+    q_lens = np.diff(np.asarray(plan.query_start_loc, np.int64))
     seq = row_sequences(plan)
-    one_token = (qsl[seq + 1] - qsl[seq]) == 1
-    return np.unique(seq[one_token & (np.asarray(plan.gen_index, np.int64) >= 1)])
+    rows = np.bincount(seq, minlength=len(q_lens))
+    prompt_rows = np.bincount(seq, weights=np.asarray(plan.gen_index, np.int64) < 1, minlength=len(q_lens))
+    # (a fork's n rows share its prompt's last token, at gen_index 0)
+    return np.flatnonzero((rows == q_lens) & (prompt_rows == 0))
 
 
 def sub_plan(plan, seqs: np.ndarray):
@@ -210,7 +214,8 @@ class ModelRunner:
             prompt = holds_prompt_tokens(plan)
             if prompt and self.kernel_steps and not getattr(self.model, "batch_invariant", False):
                 decode = decode_sequences(plan)
-                if 0 < len(decode) <= QUANT_MAX_TOKENS:
+                decode_tokens = int(np.diff(np.asarray(plan.query_start_loc, np.int64))[decode].sum())
+                if 0 < decode_tokens <= QUANT_MAX_TOKENS:
                     return finished(self._execute_split(plan, decode))
             quantized = self.kernel_steps and not prompt and num_tokens <= QUANT_MAX_TOKENS
             with cpu_step(prompt, quantized):
@@ -324,7 +329,8 @@ class ModelRunner:
         seq_lens = np.asarray(plan.seq_lens)
         block_tables = np.asarray(plan.block_tables).reshape(len(seq_lens), -1)
         attn = AttentionMetadata.build(np.asarray(plan.query_start_loc), seq_lens, block_tables,
-                                       slot_mapping, self.block_size, dev, self.workspace)
+                                       slot_mapping, self.block_size, dev, self.workspace,
+                                       generated=in_runner_step() and not in_prompt_step())
         return self.forward(plan, input_ids, positions, attn)
 
     def forward(self, plan, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

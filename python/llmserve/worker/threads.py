@@ -74,6 +74,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import torch
 
 # Decode steps of at most this many tokens read a linear's GGUF blocks when it has them (and
@@ -110,11 +111,13 @@ _step = threading.local()
 
 def holds_prompt_tokens(plan) -> bool:
     """Whether some token of `plan` is a prompt token: anything but every sequence computing
-    the one token it sampled in an earlier step."""
+    the one token it sampled in an earlier step (and, with speculation, the drafts after it),
+    each token sampled by one row of its own."""
     n = len(plan.input_ids)
     gen = plan.gen_index
-    return not (n > 0 and len(plan.query_start_loc) == n + 1 and len(plan.logits_indices) == n
-                and len(gen) == n and int(min(gen)) >= 1)
+    if not (n > 0 and len(plan.logits_indices) == n and len(gen) == n and int(min(gen)) >= 1):
+        return True
+    return len(plan.query_start_loc) != n + 1 and not np.array_equal(plan.logits_indices, np.arange(n))
 
 
 def _flags() -> tuple[bool, bool] | None:
