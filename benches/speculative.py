@@ -8,7 +8,10 @@ Workloads, each a batch of requests run to completion (greedy, fixed lengths):
   input: where prompt lookup pays), 100 tokens;
 - `story`: one chat that writes a story, sampled (temperature 0.8, a seed), 128 tokens with
   `ignore_eos`: output that seldom repeats itself (the cost of trying);
-- `copy x4`: four `copy` chats at once (drafts share a step's 24 tokens with the others).
+- `copy x4`: four `copy` chats at once (drafts share a step's 24 tokens with the others);
+- `predicted`, `edited`: the `copy` chat with a `prediction` (OpenAI's Predicted Outputs) of
+  its answer, exactly and with a few edits (drafts from the prediction come with or without
+  --speculative-config: compare them with `copy` at 0 drafts).
 Per setting the median of the repeats' tok/s and the ratio to no drafts measured in the same
 run; the acceptance rate is confirmed / proposed drafts, and `tok/step` the output tokens a
 sequence's step gave (1 + confirmed drafts per step with drafts). Engines are built one after
@@ -37,6 +40,12 @@ def _run(llm: LLM, workload: str) -> tuple[int, float]:
         results = [llm.chat(COPY, {"max_tokens": 100, "temperature": 0})]
     elif workload == "copy x4":
         results = llm.chat([COPY] * 4, {"max_tokens": 100, "temperature": 0})
+    elif workload in ("predicted", "edited"):
+        answer = "```python\n" + CODE + "```"
+        if workload == "edited":
+            answer = answer.replace("a - b", "b - a").replace("def mul", "def times").replace("a % b", "a % 7")
+        results = [llm.chat(COPY, {"max_tokens": 100, "temperature": 0,
+                                   "prediction": {"type": "content", "content": answer}})]
     else:
         story = [{"role": "user", "content": "Write a short story about a dragon who learns to cook."}]
         results = [llm.chat(story, {"max_tokens": 128, "temperature": 0.8, "seed": 7, "ignore_eos": True})]

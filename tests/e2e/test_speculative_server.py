@@ -96,3 +96,25 @@ def test_stops_and_lengths_end_a_choice_where_they_would(smol, client):
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0.8, seed=3, n=3)
     assert [c.text for c in r.choices] == [c.text for c in again.choices]
     assert r.usage.completion_tokens <= 90
+
+
+def test_a_prediction_through_the_sdk(client):
+    """OpenAI's Predicted Outputs: the SDK's `prediction` argument; the answer is the one
+    without it, and usage counts the prediction's tokens it holds."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0)
+    exact = "```python\n" + CODE + "```"
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                       prediction={"type": "content", "content": exact})
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 40 and details.rejected_prediction_tokens <= 2
+    assert plain.usage.completion_tokens_details is None
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, stream=True,
+        stream_options={"include_usage": True}, prediction={"type": "content", "content": exact}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == details.accepted_prediction_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       prediction={"type": "content"})
+    assert err.value.body["param"] == "prediction.content"

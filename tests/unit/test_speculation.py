@@ -123,3 +123,35 @@ def test_drafts_beside_prompt_chunks_change_no_output():
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                        "prompt_lookup_min": 1})
     assert _batch() == _batch(speculative_config=spec)
+
+
+def test_a_predicted_output_drafts_without_changing_the_answer():
+    """Chat's `prediction` (OpenAI's Predicted Outputs): with no --speculative-config the
+    engine drafts from it, the answer is the one without it, and usage counts the
+    prediction's tokens the answer holds (accepted) and the rest (rejected)."""
+    from llmserve import LLM
+
+    llm = LLM(None, threads=1, max_model_len=512, num_kv_blocks=128)
+    messages = [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}]
+    params = {"max_tokens": 60, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    plain = llm.chat(messages, params)
+    before = llm.engine.core.stats()["spec_accepted_tokens"]
+    exact = "```python\n" + CODE + "```"
+    edited = CODE.replace("a - b", "b - a").replace("def mul", "def times")
+    answers = {}
+    for name, prediction in (("exact", exact), ("edited", edited), ("unrelated", "Bonjour, le monde !"),
+                             ("parts", [{"type": "text", "text": exact[:20]}, {"type": "text", "text": exact[20:]}])):
+        result = llm.chat(messages, {**params, "prediction": {"type": "content", "content": prediction}})
+        assert result.body["choices"] == plain.body["choices"], name
+        assert result.usage["completion_tokens"] == plain.usage["completion_tokens"]
+        answers[name] = result.usage["completion_tokens_details"]
+    exact_len = answers["exact"]["accepted_prediction_tokens"] + answers["exact"]["rejected_prediction_tokens"]
+    assert answers["parts"] == answers["exact"]
+    assert answers["exact"]["rejected_prediction_tokens"] <= 2 < answers["exact"]["accepted_prediction_tokens"]
+    assert answers["edited"]["rejected_prediction_tokens"] > answers["exact"]["rejected_prediction_tokens"]
+    assert answers["unrelated"]["accepted_prediction_tokens"] <= 2
+    assert exact_len > 40
+    assert "completion_tokens_details" not in plain.usage
+    stats = llm.engine.core.stats()
+    assert stats["spec_accepted_tokens"] - before > 20, stats
+    assert stats["used_blocks"] == 0

@@ -442,14 +442,14 @@ def build_engine(cfg: Config) -> Engine:
     if fim := router.fim_tokens():
         log.info("fill-in-the-middle: completions' suffix laid out as %s prompt %s suffix %s", *fim)
     speculation = cfg.scheduler.speculation()
+    # Drafts (n-gram ones, and those of a chat request's `prediction`) fill steps up to this many
+    # tokens. NOTE: on CPU a step of more than QUANT_MAX_TOKENS tokens leaves the quantized GEMV
+    # (and is bound by arithmetic, not by reading weights, so drafts there cost what they save).
+    draft_step_tokens = QUANT_MAX_TOKENS if device.type == "cpu" else max(batched_tokens(cfg, device), block_size)
     if speculation is not None:
-        # NOTE: on CPU a step of more than QUANT_MAX_TOKENS tokens leaves the quantized GEMV (and
-        # is bound by arithmetic, not by reading weights, so drafts there cost what they save).
-        speculation["max_step_tokens"] = (QUANT_MAX_TOKENS if device.type == "cpu"
-                                          else max(batched_tokens(cfg, device), block_size))
         log.info("speculative decoding: n-gram drafts, up to %d a step (n-grams of %d to %d tokens; steps of up to "
                  "%d tokens)", speculation["num_tokens"], speculation["lookup_min"], speculation["lookup_max"],
-                 speculation["max_step_tokens"])
+                 draft_step_tokens)
     core = Core(router, json.dumps({
         "num_blocks": num_blocks,
         "block_size": block_size,
@@ -463,6 +463,7 @@ def build_engine(cfg: Config) -> Engine:
         "policy": cfg.scheduler.scheduling_policy,
         "max_loras": cfg.model.max_loras,
         "speculation": speculation,
+        "draft_step_tokens": draft_step_tokens,
     }))
     if device.type == "cuda":
         from llmserve.worker.cuda_graphs import make_cuda_runner

@@ -63,6 +63,9 @@ struct CoreConfig {
     /// N-gram speculation (`Speculation`'s fields); absent: off.
     #[serde(default)]
     speculation: Option<SpecConfig>,
+    /// `SchedulerConfig::draft_step_tokens`; absent: no drafts.
+    #[serde(default)]
+    draft_step_tokens: usize,
 }
 
 /// `Speculation` as Python sends it.
@@ -71,7 +74,6 @@ struct SpecConfig {
     num_tokens: usize,
     lookup_min: usize,
     lookup_max: usize,
-    max_step_tokens: usize,
 }
 
 fn yes() -> bool {
@@ -346,6 +348,7 @@ impl CoreState {
                 }),
                 // (a grammar's or a thinking budget's next mask needs the token before it)
                 speculate: prepared.grammar.is_none() && budget.is_none(),
+                prediction: prepared.prediction.clone(),
             });
             self.owners.insert(id, (handle, i as u32));
             sched_ids.push(id);
@@ -954,7 +957,6 @@ impl PyCore {
                 num_tokens: sc.num_tokens,
                 lookup_min: sc.lookup_min,
                 lookup_max: sc.lookup_max,
-                max_step_tokens: sc.max_step_tokens,
             }),
         };
         let max_model_len = c.max_model_len as u32;
@@ -971,6 +973,7 @@ impl PyCore {
             max_loras: c.max_loras,
             policy,
             speculation,
+            draft_step_tokens: c.draft_step_tokens,
         });
         Ok(Self {
             state: CoreState {

@@ -17,6 +17,7 @@ pub mod fim;
 pub mod item_log;
 pub mod json_guard;
 pub mod lora;
+pub mod prediction;
 pub mod protocol;
 pub mod reasoning;
 pub mod repetition;

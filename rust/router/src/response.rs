@@ -234,15 +234,21 @@ struct Usage {
     completion_tokens: u64,
     total_tokens: u64,
     prompt_tokens_details: PromptTokensDetails,
-    /// Chat with a reasoning parser active (vLLM's rule): the thinking among the tokens.
+    /// Chat with a reasoning parser active (vLLM's rule), or with a `prediction`.
     #[serde(skip_serializing_if = "Option::is_none")]
     completion_tokens_details: Option<CompletionTokensDetails>,
 }
 
-/// OpenAI's breakdown of `completion_tokens`: those spent inside the think block.
+/// OpenAI's breakdown of `completion_tokens`: those spent inside the think block; with a
+/// `prediction`, the prediction's tokens the output holds and the rest of them
+/// ([`crate::prediction`]), each choice's summed.
 #[derive(Serialize, Clone, Copy, Debug, Default)]
 struct CompletionTokensDetails {
     reasoning_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    accepted_prediction_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rejected_prediction_tokens: Option<u64>,
 }
 
 /// OpenAI's breakdown of `prompt_tokens`: those whose K/V the prefix cache already held.
@@ -451,6 +457,10 @@ struct ChoiceState {
     sent_prompt_ids: bool,
     /// `best_of`: the sum of the sampled tokens' logprobs, and their count.
     score: (f64, u32),
+    /// Chat's `prediction`: how much of it the choice's tokens hold so far, and what the
+    /// current push added (a role chunk's usage is the usage before it).
+    predicted: Option<crate::prediction::Alignment>,
+    predicted_gain: u64,
 }
 
 /// One per request, covering all its choices (`prompts.len() * n`; choice index =
@@ -511,6 +521,8 @@ pub struct ResponseBuilder {
     best_of: Option<crate::protocol::BestOf>,
     /// Chat's `echo`: the text each choice's content starts with.
     echo_message: Option<String>,
+    /// Chat's `prediction` (its match masks; each choice aligns its tokens with it).
+    prediction: Option<crate::prediction::Predicted>,
 }
 
 /// A background Responses request's `response` object as it is queued: no output yet.
@@ -535,6 +547,8 @@ impl ResponseBuilder {
         let tokenizer_ref = tokenizer.clone();
         let tokenizer = &tokenizer_ref;
         let count = prepared.prompts.len() * n as usize;
+        let prediction =
+            (!prepared.prediction.is_empty()).then(|| crate::prediction::Predicted::new(&prepared.prediction));
         let chat = !matches!(prepared.endpoint, Endpoint::Completion | Endpoint::CompletionRender | Endpoint::Generate);
         let mut builder = Self {
             tokenizer: tokenizer.clone(),
@@ -588,6 +602,7 @@ impl ResponseBuilder {
                 .map(|_| ChoiceState {
                     parser: prepared.tools.as_ref().map(ToolParsing::parser),
                     reasoning: prepared.reasoning.filter(|_| chat).map(ReasoningSplitter::new),
+                    predicted: prediction.as_ref().map(crate::prediction::Predicted::start),
                     ..ChoiceState::default()
                 })
                 .collect(),
@@ -609,6 +624,7 @@ impl ResponseBuilder {
             whole: !(prepared.stream || prepared.background()) || prepared.keep.is_some(),
             best_of: prepared.best_of,
             echo_message: prepared.echo_message.clone(),
+            prediction,
         };
         if let (true, Some((echo, events))) = (builder.stream, builder.responses.as_mut()) {
             let object = match &echo.background {
@@ -651,7 +667,11 @@ impl ResponseBuilder {
             total_tokens: self.prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens: self.cached_prompt_tokens },
             // every choice has a splitter when a reasoning parser is active (chat), none otherwise
-            completion_tokens_details: self.choices.first().is_some_and(|c| c.reasoning.is_some()).then(|| {
+            completion_tokens_details: (self.choices.first().is_some_and(|c| c.reasoning.is_some())
+                || self.prediction.is_some())
+            .then(|| {
+                let accepted: u64 = (0..self.choices.len()).map(|i| self.predicted(i)).sum();
+                let predicted = self.prediction.as_ref().map(|p| p.len() as u64 * self.choices.len() as u64);
                 CompletionTokensDetails {
                     reasoning_tokens: self
                         .choices
@@ -659,8 +679,18 @@ impl ResponseBuilder {
                         .filter_map(|c| c.reasoning.as_ref())
                         .map(|r| r.reasoning_tokens())
                         .sum(),
+                    accepted_prediction_tokens: predicted.map(|_| accepted),
+                    rejected_prediction_tokens: predicted.map(|all| all - accepted),
                 }
             }),
+        }
+    }
+
+    /// The prediction's tokens choice `idx` holds so far (0 without a prediction).
+    fn predicted(&self, idx: usize) -> u64 {
+        match (&self.prediction, &self.choices[idx].predicted) {
+            (Some(p), Some(a)) => a.common(p),
+            _ => 0,
         }
     }
 
@@ -864,6 +894,11 @@ impl ResponseBuilder {
         // carries usage that includes its token, and the first chunk to go out its ids.
         self.choices[idx].completion_tokens += delta.ids.len() as u64;
         let generated = self.choices[idx].completion_tokens;
+        let predicted_before = self.predicted(idx);
+        if let (Some(p), Some(a)) = (&self.prediction, self.choices[idx].predicted.as_mut()) {
+            delta.ids.iter().for_each(|&t| a.push(p, t));
+        }
+        self.choices[idx].predicted_gain = self.predicted(idx) - predicted_before;
         if self.return_token_ids {
             self.choices[idx].token_ids.extend_from_slice(delta.ids);
         }
@@ -1080,12 +1115,15 @@ impl ResponseBuilder {
                 // is the choice's first push, so all it counted came from this one).
                 let before = delta.ids.len() as u64;
                 let reasoned = self.choices[idx].reasoning.as_ref().map_or(0, ReasoningSplitter::reasoning_tokens);
+                let gained = self.choices[idx].predicted_gain;
                 let usage = self.chunk_usage().map(|u| Usage {
                     completion_tokens: u.completion_tokens - before,
                     total_tokens: u.total_tokens - before,
-                    completion_tokens_details: u
-                        .completion_tokens_details
-                        .map(|d| CompletionTokensDetails { reasoning_tokens: d.reasoning_tokens - reasoned }),
+                    completion_tokens_details: u.completion_tokens_details.map(|d| CompletionTokensDetails {
+                        reasoning_tokens: d.reasoning_tokens - reasoned,
+                        accepted_prediction_tokens: d.accepted_prediction_tokens.map(|a| a - gained),
+                        rejected_prediction_tokens: d.rejected_prediction_tokens.map(|r| r + gained),
+                    }),
                     ..u
                 });
                 let prompt = self.take_prompt(idx);

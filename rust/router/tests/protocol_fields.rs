@@ -98,14 +98,14 @@ fn inert_openai_fields_must_have_their_kind() {
     let p = chat(
         &r,
         json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text", "audio"], "audio": {"voice": "x"},
-               "prediction": {"type": "content", "content": "a"}, "web_search_options": {},
+               "web_search_options": {},
                "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s"}),
     )
     .unwrap();
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
         Some(
-            "audio, modalities, prediction, prompt_cache_key, prompt_cache_retention, \
+            "audio, modalities, prompt_cache_key, prompt_cache_retention, \
              reasoning_effort, safety_identifier, verbosity, web_search_options"
         )
     );
@@ -115,7 +115,6 @@ fn inert_openai_fields_must_have_their_kind() {
         ("modalities", json!("text")),
         ("modalities[1]", json!(["text", 5])),
         ("audio", json!("x")),
-        ("prediction", json!("x")),
         ("web_search_options", json!(true)),
         ("prompt_cache_key", json!(5)),
         ("safety_identifier", json!({})),
@@ -375,6 +374,43 @@ fn strict_fields_turn_ignored_fields_into_400() {
     // a template kwarg the template never reads has no effect either
     let got = shape(chat(&r, json!({"chat_template_kwargs": {"zzz": 1}})));
     assert_eq!(got, (400, "unsupported_parameter", Some("chat_template_kwargs.zzz".to_string())));
+}
+
+/// Chat's `prediction` (OpenAI's Predicted Outputs) is read: its text, tokenized as output,
+/// drafts the answer (the scheduler's), and usage counts what the answer holds of it. Its
+/// shape is checked as OpenAI documents it; other keys are reported.
+#[test]
+fn a_prediction_is_read_and_checked() {
+    let r = router();
+    let ids = |text: &str| r.tokenizer().encode(text, false);
+    let p = chat(&r, json!({"prediction": {"type": "content", "content": "def f():\n    return 1"}})).unwrap();
+    assert_eq!(p.prediction, ids("def f():\n    return 1"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    let parts = json!([{"type": "text", "text": "def f():"}, {"type": "text", "text": "\n    return 1", "x": 1}]);
+    let p = chat(&r, json!({"prediction": {"type": "content", "content": parts, "zzz": true}})).unwrap();
+    assert_eq!(p.prediction, ids("def f():\n    return 1"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("prediction.content[1].x, prediction.zzz"));
+    assert!(chat(&r, json!({"prediction": null})).unwrap().prediction.is_empty());
+    assert!(chat(&r, json!({})).unwrap().prediction.is_empty());
+    for (bad, want) in [
+        (json!("x"), ("invalid_type", "prediction")),
+        (json!({"content": "a"}), ("missing_required_parameter", "prediction.type")),
+        (json!({"type": "text", "content": "a"}), ("invalid_value", "prediction.type")),
+        (json!({"type": "content"}), ("missing_required_parameter", "prediction.content")),
+        (json!({"type": "content", "content": 5}), ("invalid_type", "prediction.content")),
+        (
+            json!({"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}),
+            ("invalid_value", "prediction.content[1]"),
+        ),
+        (json!({"type": "content", "content": ["a"]}), ("invalid_type", "prediction.content[0]")),
+    ] {
+        let got = shape(chat(&r, json!({"prediction": bad.clone()})));
+        assert_eq!(got, (400, want.0, Some(want.1.to_string())), "{bad}");
+    }
+    // completions have no `prediction` (OpenAI's is chat's): reported
+    let p = completion(&r, json!({"prediction": {"type": "content", "content": "a"}})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("prediction"));
+    assert!(p.prediction.is_empty());
 }
 
 #[test]

@@ -70,6 +70,7 @@ fn prepared(endpoint: Endpoint, prompts: Vec<Vec<u32>>, texts: &[&str], n: u32, 
         embedding: None,
         best_of: None,
         echo_message: None,
+        prediction: Vec::new(),
     }
 }
 
@@ -157,6 +158,60 @@ fn chat_role_chunk_usage_counts_no_completion_tokens() {
     let used: Vec<u64> = frames(&all).iter().map(|c| c["usage"]["completion_tokens"].as_u64().unwrap()).collect();
     // role chunk (before any token), "a", "b" + finish
     assert_eq!(used, [0, 1, 2]);
+}
+
+/// A `prediction`'s tokens the output holds (as a subsequence) are `accepted_prediction_tokens`,
+/// the rest of it `rejected_prediction_tokens`, each choice's summed; streamed with continuous
+/// usage, each chunk's counts are those of the tokens up to it (the role chunk's none).
+#[test]
+fn a_predictions_tokens_the_output_holds_are_counted_in_usage() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 2, None);
+    p.prediction = vec![5, 6, 7, 8];
+    let mut b = builder(&p);
+    let toks = [tok(1), tok(1)];
+    // choice 0 writes 5 9 7 8 (holds 5 7 8); choice 1 writes 8 (holds 8)
+    b.push(0, &ChoiceDelta { text: "ab", tokens: &toks, ids: &[5, 9], finish: None, stop_reason: None });
+    b.push(
+        0,
+        &ChoiceDelta { text: "cd", tokens: &toks, ids: &[7, 8], finish: Some(FinishReason::Stop), stop_reason: None },
+    );
+    b.push(
+        1,
+        &ChoiceDelta {
+            text: "e",
+            tokens: &toks[..1],
+            ids: &[8],
+            finish: Some(FinishReason::Length),
+            stop_reason: None,
+        },
+    );
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(
+        body["usage"]["completion_tokens_details"],
+        json!({"reasoning_tokens": 0, "accepted_prediction_tokens": 4, "rejected_prediction_tokens": 4})
+    );
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, None);
+    p.prediction = vec![5, 6];
+    (p.stream, p.include_usage, p.continuous_usage_stats) = (true, true, true);
+    let mut b = builder(&p);
+    b.push(0, &ChoiceDelta { text: "ab", tokens: &toks[..1], ids: &[5], finish: None, stop_reason: None });
+    b.push(
+        0,
+        &ChoiceDelta { text: "cd", tokens: &toks[..1], ids: &[6], finish: Some(FinishReason::Stop), stop_reason: None },
+    );
+    let mut out = b.take();
+    out.extend(b.finish());
+    let details: Vec<Value> = String::from_utf8(out)
+        .unwrap()
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: ").filter(|d| *d != "[DONE]"))
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["usage"]["completion_tokens_details"].clone())
+        .collect();
+    let counts = |a: u64, r: u64| json!({"reasoning_tokens": 0, "accepted_prediction_tokens": a, "rejected_prediction_tokens": r});
+    // role chunk, "ab", "cd", the usage chunk
+    assert_eq!(details, vec![counts(0, 2), counts(1, 1), counts(2, 0), counts(2, 0)]);
 }
 
 #[test]

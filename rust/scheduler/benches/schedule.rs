@@ -23,6 +23,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
         max_loras: 0,
         policy: Policy::Fcfs,
         speculation: None,
+        draft_step_tokens: 0,
     });
     for id in 0..SEQS as u64 {
         let prompt: Vec<u32> = (0..120 + (id % 17) as u32).map(|i| (i * 31 + id as u32 * 7919) % 32000).collect();
@@ -45,6 +46,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
             prompt_logprobs: None,
             pooling: None,
             speculate: false,
+            prediction: Vec::new(),
         });
     }
     let mut tokens = vec![0u32; SEQS];

@@ -113,8 +113,10 @@ pub(crate) struct Req {
     /// The LoRA adapter its tokens run through (0: none).
     pub lora: u32,
     /// Its decode steps may carry drafts (`NewRequest::speculate`, when the scheduler
-    /// speculates).
+    /// speculates or it has a prediction).
     pub speculate: bool,
+    /// `NewRequest::prediction`.
+    pub prediction: Vec<u32>,
 }
 
 impl Req {
@@ -217,6 +219,9 @@ pub struct Scheduler {
 /// The token id a placeholder holds until `commit` replaces it (never a vocabulary id).
 pub(crate) const PLACEHOLDER: u32 = u32::MAX;
 
+/// The most drafts a sequence with a predicted output checks in one step.
+pub(crate) const PREDICTION_DRAFTS: usize = 8;
+
 pub(crate) fn blocks_for(tokens: usize, block_size: usize) -> usize {
     tokens.div_ceil(block_size)
 }
@@ -301,7 +306,10 @@ impl Scheduler {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let root = if self.cfg.enable_prefix_caching { root_hash(req.cache_salt.as_deref(), req.lora) } else { 0 };
-        let speculate = req.speculate && !req.sampling.beam && self.cfg.speculation.is_some();
+        let speculate = req.speculate
+            && !req.sampling.beam
+            && self.cfg.draft_step_tokens > 0
+            && (self.cfg.speculation.is_some() || !req.prediction.is_empty());
         let record = Req {
             id: req.id,
             n: req.n,
@@ -327,6 +335,7 @@ impl Scheduler {
             cached_prompt_tokens: None,
             lora: req.lora,
             speculate,
+            prediction: req.prediction,
         };
         let req_slot = match self.free_reqs.pop() {
             Some(s) => {
@@ -483,6 +492,7 @@ impl Scheduler {
                 (self.seqs.len() - 1) as u32
             }
         };
+        let most_drafts = self.most_drafts(req_slot);
         let seq = &mut self.seqs[slot as usize];
         debug_assert!(seq.state == State::Free && seq.blocks.is_empty());
         seq.req = req_slot;
@@ -497,7 +507,7 @@ impl Scheduler {
         seq.pending = None;
         seq.awaits_pick = false;
         seq.drafts = 0;
-        seq.draft_limit = self.cfg.speculation.as_ref().map_or(0, |s| s.num_tokens);
+        seq.draft_limit = most_drafts;
         self.req_mut(req_slot).seqs.push(slot);
         slot
     }
@@ -561,6 +571,14 @@ impl Scheduler {
         seq.pending = None;
         seq.drafts = 0;
         self.free_seqs.push(slot);
+    }
+
+    /// The most drafts a step of request `req_slot`'s sequences may carry: the speculation's
+    /// `num_tokens`, or PREDICTION_DRAFTS where the request has a prediction if more.
+    pub(crate) fn most_drafts(&self, req_slot: u32) -> usize {
+        let ngram = self.cfg.speculation.as_ref().map_or(0, |s| s.num_tokens);
+        let predicted = if self.req(req_slot).prediction.is_empty() { 0 } else { PREDICTION_DRAFTS };
+        ngram.max(predicted)
     }
 
     /// The sequences these stand for, a request not yet forked counting each of its own.

@@ -33,9 +33,59 @@ pub(crate) fn propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &
     &[]
 }
 
+/// The longest run of a sequence's last output tokens that `from_prediction` aligns.
+const MAX_ALIGN: usize = 16;
+
+/// Up to `k` drafts from a predicted output (OpenAI's `prediction`) for a sequence that has
+/// generated `output`: the tokens after the place in `prediction` where the output's last
+/// tokens are. That place is where the longest run of them (up to MAX_ALIGN) ends in the
+/// prediction, of equally long ones the nearest to the output's own length (an edited copy
+/// stays near its place). The prediction's first tokens while there is no output. Empty when
+/// the output's last token is nowhere in the prediction, or only at its end.
+pub(crate) fn from_prediction<'a>(prediction: &'a [u32], output: &[u32], k: usize) -> &'a [u32] {
+    let Some(&last) = output.last() else {
+        return &prediction[..k.min(prediction.len())];
+    };
+    // (run length, where it ends in the prediction)
+    let mut best: Option<(usize, usize)> = None;
+    for (i, _) in prediction.iter().enumerate().filter(|&(_, &t)| t == last) {
+        let run = 1
+            + (1..MAX_ALIGN.min(output.len()).min(i + 1))
+                .take_while(|&l| prediction[i - l] == output[output.len() - 1 - l])
+                .count();
+        let end = i + 1;
+        let better =
+            best.is_none_or(|(r, e)| run > r || (run == r && end.abs_diff(output.len()) < e.abs_diff(output.len())));
+        if better {
+            best = Some((run, end));
+        }
+    }
+    best.map_or(&[], |(_, end)| &prediction[end..(end + k).min(prediction.len())])
+}
+
 #[cfg(test)]
 mod tests {
-    use super::propose;
+    use super::{from_prediction, propose};
+
+    #[test]
+    fn a_prediction_drafts_from_where_the_output_is() {
+        //               0  1  2  3  4  5  6  7  8  9
+        let predicted = [5, 6, 7, 8, 5, 6, 9, 8, 5, 6];
+        // nothing yet: its start
+        assert_eq!(from_prediction(&predicted, &[], 3), &[5, 6, 7]);
+        // the output so far is its start: what follows
+        assert_eq!(from_prediction(&predicted, &[5, 6], 3), &[7, 8, 5]);
+        // "8 5 6" ends at 6 and at 10: the longer run decides ("7 8 5 6" only at 6)
+        assert_eq!(from_prediction(&predicted, &[7, 8, 5, 6], 2), &[9, 8]);
+        // the run "9 8 5 6" ends the prediction: nothing follows
+        assert_eq!(from_prediction(&predicted, &[1, 1, 1, 1, 1, 9, 8, 5, 6], 2), &[] as &[u32]);
+        // equal runs ("8 5" ends at 5 and at 9): the place nearest the output's length
+        assert_eq!(from_prediction(&predicted, &[1, 1, 8, 5], 3), &[6, 9, 8]);
+        assert_eq!(from_prediction(&predicted, &[1, 1, 1, 1, 1, 1, 1, 8, 5], 3), &[6]);
+        // an edit: the output's last token is not in the prediction
+        assert_eq!(from_prediction(&predicted, &[5, 6, 42], 3), &[] as &[u32]);
+        assert_eq!(from_prediction(&[], &[5], 3), &[] as &[u32]);
+    }
 
     #[test]
     fn drafts_follow_the_latest_longest_match() {

@@ -15,7 +15,7 @@ use std::ops::Bound::{Excluded, Unbounded};
 use crate::block_pool::{hash_block, BlockPool};
 use crate::plan::{mix_seed, Plan};
 use crate::scheduler::{blocks_for, Inflight, Key, PendingCopy, Req, Row, Scheduler, Seq, State, PLACEHOLDER};
-use crate::speculate::propose;
+use crate::speculate::{from_prediction, propose};
 use crate::types::{FinishReason, Pooling, SeqUpdate, StopRules};
 
 impl Scheduler {
@@ -169,8 +169,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let mut preempted = false;
         // Drafts fill what the step's own tokens leave of the speculation's step size.
-        let mut draft_room =
-            self.cfg.speculation.as_ref().map_or(0, |s| s.max_step_tokens.saturating_sub(self.running.len()));
+        let mut draft_room = self.cfg.draft_step_tokens.saturating_sub(self.running.len());
         let mut i = 0;
         while i < self.running.len() && *budget > 0 && self.scheduled.len() < self.cfg.max_num_seqs {
             let slot = self.running[i].slot;
@@ -209,14 +208,13 @@ impl Scheduler {
         preempted
     }
 
-    /// Append up to `room` n-gram drafts to a decoding sequence whose blocks hold its next
-    /// token (`Speculation`), growing its blocks for them while free ones last; returns how
-    /// many. None for a sequence that may not speculate, or whose drafts would run past
+    /// Append up to `room` drafts to a decoding sequence whose blocks hold its next token
+    /// (from its request's prediction, else n-gram ones: `Speculation`), growing its blocks for
+    /// them while free ones last; returns how many. None for a sequence that may not speculate, or whose drafts would run past
     /// max_tokens or max_model_len (tokens sampled there would be dropped). At most its
     /// `draft_limit`: a sequence whose drafts keep failing checks one at a time (a failed
     /// draft costs a token's compute in a step), and grows back as they are confirmed.
     fn draft(&mut self, slot: u32, room: usize) -> usize {
-        let Some(spec) = &self.cfg.speculation else { return 0 };
         let bs = self.cfg.block_size;
         let seq = &self.seqs[slot as usize];
         let req = self.req(seq.req);
@@ -228,7 +226,11 @@ impl Scheduler {
         // decode step could keep.
         let outputs_left = (req.stop.max_tokens as usize).saturating_sub(len - seq.prompt_len);
         let room = room.min(outputs_left.saturating_sub(1)).min(self.cfg.max_model_len.saturating_sub(len + 1));
-        let drafts = propose(&seq.tokens, spec.lookup_min, spec.lookup_max, room.min(seq.draft_limit));
+        let k = room.min(seq.draft_limit);
+        let mut drafts = from_prediction(&req.prediction, &seq.tokens[seq.prompt_len..], k);
+        if let (true, Some(spec)) = (drafts.is_empty(), &self.cfg.speculation) {
+            drafts = propose(&seq.tokens, spec.lookup_min, spec.lookup_max, k);
+        }
         // (no preemption for drafts: only the blocks that are free)
         let fit = (blocks_for(len + drafts.len(), bs) - seq.blocks.len()).min(self.pool.num_free());
         let k = drafts.len().min((seq.blocks.len() + fit) * bs - len);
@@ -594,14 +596,17 @@ impl Scheduler {
             if seq.gen != gen || j == k || drafts[j] != token {
                 break;
             }
+            if self.spec_accepted_per_pos.len() <= j {
+                self.spec_accepted_per_pos.resize(j + 1, 0); // (a prediction's drafts may be more)
+            }
             self.spec_accepted_per_pos[j] += 1;
             confirmed += 1;
         }
-        let seq = &mut self.seqs[slot as usize];
-        if seq.gen != gen {
+        if self.seqs[slot as usize].gen != gen {
             return; // (finished: its blocks are gone)
         }
-        let most = self.cfg.speculation.as_ref().map_or(0, |s| s.num_tokens);
+        let most = self.most_drafts(self.seqs[slot as usize].req);
+        let seq = &mut self.seqs[slot as usize];
         seq.draft_limit = (confirmed + 1).min(most);
         seq.num_computed = seq.tokens.len() - 1;
         let keep = blocks_for(seq.num_computed, self.cfg.block_size);

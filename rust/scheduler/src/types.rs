@@ -36,14 +36,19 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// N-gram speculative decoding (prompt lookup); None: off.
     pub speculation: Option<Speculation>,
+    /// Most tokens a step may hold with drafts (n-gram ones, or from a request's predicted
+    /// output): one per running sequence comes first, drafts fill the rest in policy order
+    /// (the engine sets the size its fast few-token path takes). 0: no drafts.
+    pub draft_step_tokens: usize,
 }
 
 /// N-gram speculative decoding (vLLM's `"method": "ngram"`): a decoding sequence whose last
 /// tokens also occur earlier in its prompt or output proposes the tokens that followed them
-/// there as drafts. The step computes its last token and the drafts together, one sampling
-/// row each; `commit` keeps the samples while each equals the draft it followed (the first
-/// sample always, then one more per confirmed draft). Each row samples as the sequence's next
-/// step would (its own `gen_index`, history, bans), so the kept tokens are the ones decoding
+/// there as drafts. (A request's predicted output, `NewRequest::prediction`, gives drafts the
+/// same way.) The step computes its last token and the drafts together, one sampling row
+/// each; `commit` keeps the samples while each equals the draft it followed (the first sample
+/// always, then one more per confirmed draft). Each row samples as the sequence's next step
+/// would (its own `gen_index`, history, bans), so the kept tokens are the ones decoding
 /// without drafts samples, and a step can only add tokens.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Speculation {
@@ -52,9 +57,6 @@ pub struct Speculation {
     /// The n-gram lengths looked up, longest first: `lookup_min..=lookup_max` (>= 1).
     pub lookup_min: usize,
     pub lookup_max: usize,
-    /// Most tokens a step may hold with drafts: one per running sequence comes first, drafts
-    /// fill the rest in policy order (the engine sets the size its fast few-token path takes).
-    pub max_step_tokens: usize,
 }
 
 /// Per-sequence sampling parameters, copied into the Plan's sampling columns.
@@ -153,10 +155,14 @@ pub struct NewRequest {
     /// The LoRA adapter the request's tokens run through (0: none, the base model). The
     /// Plan lists it per scheduled sequence; blocks are shared only within one adapter.
     pub lora: u32,
-    /// Its decode steps may carry drafts when the scheduler speculates. The caller clears it
-    /// for requests whose next row needs the token before it (a grammar's mask, a thinking
-    /// budget); beam searches never speculate.
+    /// Its decode steps may carry drafts when the scheduler speculates or it has a
+    /// `prediction`. The caller clears it for requests whose next row needs the token before
+    /// it (a grammar's mask, a thinking budget); beam searches never speculate.
     pub speculate: bool,
+    /// OpenAI's predicted output (`prediction`), tokenized: each sequence drafts the tokens
+    /// that follow the place its output has reached in it (`speculate::from_prediction`).
+    /// Empty: none.
+    pub prediction: Vec<u32>,
     /// Some(k): the Plan asks for the logprob of every prompt token after the first given
     /// the ones before it, plus k alternatives (completions `echo` with `logprobs`). Such a
     /// prompt does not reuse prefix-cache blocks until each of those positions has run.

@@ -346,6 +346,12 @@ fn add(s: &mut Scheduler, rec: &mut Record, id: u64, a: &Arrival) {
         prompt_logprobs: a.logprobs.then_some(1),
         pooling: None,
         speculate: a.speculate,
+        // (a prediction of the first sequence's true outputs, a wrong one, or none)
+        prediction: match id % 3 {
+            0 => (0..12).map(|g| token(id, 0, g)).collect(),
+            1 => vec![3, 4, 5, 3, 4, 5],
+            _ => Vec::new(),
+        },
         cache_salt: None,
         lora: 0,
     });
@@ -400,12 +406,10 @@ fn run(cfg: SchedulerConfig, arrivals: &[Vec<Arrival>], ahead: bool) -> Record {
     rec
 }
 
-fn speculation() -> impl Strategy<Value = Speculation> {
-    (1usize..5, 1usize..3, 0usize..2, 1usize..16).prop_map(|(num_tokens, min, more, step)| Speculation {
-        num_tokens,
-        lookup_min: min,
-        lookup_max: min + more,
-        max_step_tokens: step,
+/// A speculation and the step size for drafts.
+fn speculation() -> impl Strategy<Value = (Speculation, usize)> {
+    (1usize..5, 1usize..3, 0usize..2, 1usize..16).prop_map(|(num_tokens, min, more, step)| {
+        (Speculation { num_tokens, lookup_min: min, lookup_max: min + more }, step)
     })
 }
 
@@ -428,6 +432,7 @@ proptest! {
             max_loras: 0,
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
             speculation: None,
+            draft_step_tokens: 0,
         };
         let sync = run(cfg.clone(), &arrivals, false);
         let ahead = run(cfg, &arrivals, true);
@@ -438,7 +443,7 @@ proptest! {
     #[test]
     fn speculation_changes_no_output(
         (num_blocks, seqs, budget, caching, prio) in (9usize..24, 1usize..6, 4usize..24, any::<bool>(), any::<bool>()),
-        spec in speculation(),
+        (spec, step) in speculation(),
         ahead in any::<bool>(),
         arrivals in prop::collection::vec(prop::collection::vec(arrival(), 0..3), 1..30),
     ) {
@@ -449,7 +454,7 @@ proptest! {
             ..config(num_blocks, 4, seqs, budget)
         };
         let plain = run(cfg.clone(), &arrivals, false);
-        let drafted = run(SchedulerConfig { speculation: Some(spec), ..cfg }, &arrivals, ahead);
+        let drafted = run(SchedulerConfig { speculation: Some(spec), draft_step_tokens: step, ..cfg }, &arrivals, ahead);
         prop_assert_eq!(&plain.outputs, &drafted.outputs);
         prop_assert_eq!(&plain.columns, &drafted.columns);
     }
@@ -472,10 +477,10 @@ fn the_twin_runs_actually_speculate() {
             }]
         })
         .collect();
-    let spec = Speculation { num_tokens: 3, lookup_min: 1, lookup_max: 2, max_step_tokens: 24 };
+    let spec = Speculation { num_tokens: 3, lookup_min: 1, lookup_max: 2 };
     let cfg = config(65, 4, 8, 32);
     let plain = run(cfg.clone(), &arrivals, false);
-    let drafted = run(SchedulerConfig { speculation: Some(spec), ..cfg }, &arrivals, false);
+    let drafted = run(SchedulerConfig { speculation: Some(spec), draft_step_tokens: 24, ..cfg }, &arrivals, false);
     assert_eq!(plain.outputs, drafted.outputs);
     assert_eq!(plain.columns, drafted.columns);
     assert!(drafted.accepted > 10, "only {} drafts were confirmed", drafted.accepted);
@@ -549,6 +554,7 @@ proptest! {
             max_loras: 0,
             policy: Policy::Priority,
             speculation: None,
+            draft_step_tokens: 0,
         };
         let mut s = Scheduler::new(cfg);
         let mut rec = Record::default();

@@ -58,25 +58,30 @@ fn op(allow_abort: bool) -> impl Strategy<Value = Op> {
 }
 
 fn speculation_strategy() -> impl Strategy<Value = Option<Speculation>> {
-    prop::option::of((1usize..5, 1usize..3, 0usize..2, 1usize..12).prop_map(|(num_tokens, min, more, step)| {
-        Speculation { num_tokens, lookup_min: min, lookup_max: min + more, max_step_tokens: step }
+    prop::option::of((1usize..5, 1usize..3, 0usize..2).prop_map(|(num_tokens, min, more)| Speculation {
+        num_tokens,
+        lookup_min: min,
+        lookup_max: min + more,
     }))
 }
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
     let shape = (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>(), 0usize..3);
-    (shape, speculation_strategy()).prop_map(
-        |((num_blocks, seqs, tokens, caching, prio, decoded, max_loras), speculation)| SchedulerConfig {
-            num_blocks,
-            block_size: BS,
-            max_num_seqs: seqs,
-            max_num_batched_tokens: tokens,
-            max_model_len: 32,
-            enable_prefix_caching: caching,
-            cache_decoded_blocks: decoded,
-            max_loras,
-            policy: if prio { Policy::Priority } else { Policy::Fcfs },
-            speculation,
+    (shape, speculation_strategy(), 0usize..12).prop_map(
+        |((num_blocks, seqs, tokens, caching, prio, decoded, max_loras), speculation, draft_step_tokens)| {
+            SchedulerConfig {
+                num_blocks,
+                block_size: BS,
+                max_num_seqs: seqs,
+                max_num_batched_tokens: tokens,
+                max_model_len: 32,
+                enable_prefix_caching: caching,
+                cache_decoded_blocks: decoded,
+                max_loras,
+                policy: if prio { Policy::Priority } else { Policy::Fcfs },
+                speculation,
+                draft_step_tokens,
+            }
         },
     )
 }
@@ -139,6 +144,12 @@ impl Harness {
                     // (the base model and three adapters)
                     lora: (id % 4) as u32,
                     speculate: !id.is_multiple_of(7),
+                    // (some predict outputs of the harness's small vocabulary)
+                    prediction: if id % 3 == 1 {
+                        (0..8).map(|i| (i * 5 + id as u32) % 12).collect()
+                    } else {
+                        Vec::new()
+                    },
                 });
                 self.ids.push(id);
                 self.live.insert(id, (n, prompt_len, HashSet::new()));
@@ -324,6 +335,7 @@ proptest! {
             max_loras: 0,
             policy: Policy::Fcfs,
             speculation: None,
+            draft_step_tokens: 0,
         };
         let mut h = Harness::new(cfg);
         let mut prompt_lens = HashMap::new();
@@ -358,6 +370,7 @@ fn fcfs_does_not_starve_under_constant_arrivals() {
         max_loras: 0,
         policy: Policy::Fcfs,
         speculation: None,
+        draft_step_tokens: 0,
     };
     let mut h = Harness::new(cfg);
     let mut finished_at = HashMap::new();

@@ -7,10 +7,10 @@ mod common;
 use common::{check_plan, config, request};
 use llmserve_scheduler::*;
 
-const SPEC: Speculation = Speculation { num_tokens: 3, lookup_min: 1, lookup_max: 2, max_step_tokens: 24 };
+const SPEC: Speculation = Speculation { num_tokens: 3, lookup_min: 1, lookup_max: 2 };
 
 fn speculating(num_blocks: usize, spec: Speculation) -> Scheduler {
-    Scheduler::new(SchedulerConfig { speculation: Some(spec), ..config(num_blocks, 4, 8, 64) })
+    Scheduler::new(SchedulerConfig { speculation: Some(spec), draft_step_tokens: 24, ..config(num_blocks, 4, 8, 64) })
 }
 
 fn drafting(id: u64, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
@@ -100,7 +100,8 @@ fn drafts_stop_short_of_max_tokens_and_the_step_size() {
     s.validate().unwrap();
 
     // A step of 2 tokens with one running sequence: one draft.
-    let mut s = speculating(33, Speculation { max_step_tokens: 2, ..SPEC });
+    let mut s =
+        Scheduler::new(SchedulerConfig { speculation: Some(SPEC), draft_step_tokens: 2, ..config(33, 4, 8, 64) });
     after_first_token(&mut s, 20);
     assert_eq!(s.schedule().input_ids, vec![12, 13]);
 }
@@ -185,4 +186,28 @@ fn a_sequence_whose_drafts_fail_checks_fewer_until_they_are_confirmed() {
         plan = s.schedule();
         assert_eq!(plan.num_tokens - 1, want, "{:?}", plan.input_ids);
     }
+}
+
+#[test]
+fn a_predicted_output_gives_drafts_without_the_ngram_speculation() {
+    let mut s = Scheduler::new(SchedulerConfig { draft_step_tokens: 24, ..config(65, 4, 8, 64) });
+    s.add(NewRequest { prediction: (50..70).collect(), ..drafting(1, vec![10, 11, 12], 30) });
+    // no prediction, no speculation: no drafts
+    s.add(drafting(2, vec![10, 11, 12], 30));
+    let _ = s.schedule();
+    s.commit(&[50, 7]);
+    let plan = s.schedule();
+    // request 1 drafts the prediction's next 8 (PREDICTION_DRAFTS); request 2 none
+    assert_eq!(plan.input_ids, [50].into_iter().chain(51..59).chain([7]).collect::<Vec<i64>>());
+    let samples: Vec<u32> = (51..60).chain([8]).collect();
+    let u = s.commit(&samples);
+    assert_eq!(u.len(), 10, "all 8 drafts and the token after them, and request 2's");
+    s.validate().unwrap();
+    assert_eq!(s.seq_progress(1, 0), Some((13, 12)));
+    // off without a draft step size
+    let mut s = Scheduler::new(config(65, 4, 8, 64));
+    s.add(NewRequest { prediction: (50..70).collect(), ..drafting(1, vec![10, 11, 12], 30) });
+    let _ = s.schedule();
+    s.commit(&[50]);
+    assert_eq!(s.schedule().num_tokens, 1);
 }

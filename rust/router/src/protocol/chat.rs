@@ -64,6 +64,8 @@ pub struct ChatFields {
     pub include_reasoning: Option<bool>,
     /// Per-request templates are refused (see `prepare`).
     pub chat_template: Option<Value>,
+    /// OpenAI's Predicted Outputs (`prediction_ids`).
+    pub prediction: Option<Value>,
     #[serde(flatten)]
     pub extra: BTreeMap<String, IgnoredAny>,
 }
@@ -76,6 +78,61 @@ pub(crate) struct ChatRender<'a> {
     pub add_generation_prompt: bool,
     pub continue_final_message: bool,
     pub kwargs: Option<&'a Map<String, Value>>,
+}
+
+/// OpenAI's `prediction` (Predicted Outputs): `{"type": "content", "content": TEXT}`, the text
+/// a string or an array of text parts, tokenized as an output would spell it (no special
+/// tokens added). The output does not depend on it: the scheduler drafts from it, and usage
+/// reports how much of it the output holds. Empty when absent or null; its other keys are
+/// reported (`prediction.<key>`).
+fn prediction_ids(router: &Router, value: Option<&Value>, ignored: &mut Vec<String>) -> Result<Vec<u32>, ApiError> {
+    let Some(value) = value.filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+    let obj = as_object(value, "prediction", "`prediction`")?;
+    match obj.get("type") {
+        Some(Value::String(t)) if t == "content" => {}
+        None => return Err(missing("prediction.type".into())),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "prediction.type",
+                format!("`prediction.type` must be \"content\", got {other}."),
+            ))
+        }
+    }
+    let text = match obj.get("content") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (i, part) in parts.iter().enumerate() {
+                let param = format!("prediction.content[{i}]");
+                let part = as_object(part, &param, "A prediction's content part")?;
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            param,
+                            "A prediction's content parts are `{\"type\": \"text\", \"text\": ...}`.",
+                        ))
+                    }
+                }
+                ignored.extend(
+                    part.keys()
+                        .filter(|k| !PART_KEYS.contains(&k.as_str()))
+                        .map(|k| format!("prediction.content[{i}].{k}")),
+                );
+            }
+            text
+        }
+        None => return Err(missing("prediction.content".into())),
+        Some(other) => {
+            return Err(invalid_type(
+                "prediction.content",
+                format!("`prediction.content` must be a string or an array of text parts, not {}.", kind_of(other)),
+            ))
+        }
+    };
+    ignored
+        .extend(obj.keys().filter(|k| !["type", "content"].contains(&k.as_str())).map(|k| format!("prediction.{k}")));
+    Ok(router.tokenizer.encode(&text, false))
 }
 
 /// `add_generation_prompt` defaults to true unless `continue_final_message` is set (then
@@ -1148,6 +1205,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     let header_id = header_id.filter(|id| !keeping || path_safe(id));
     check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
     ignored.extend(unused_kwarg_fields(&rendered.unused_kwargs));
+    let prediction = prediction_ids(router, chat.prediction.as_ref(), &mut ignored)?;
     let ignored = settle_ignored(ignored, config.strict_fields)?;
     let (mut tools, tool_grammar) =
         if with_tools { tool_plan(router, &chat, template, &forced, allowed.as_deref())? } else { (None, None) };
@@ -1242,6 +1300,7 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
         embedding: None,
         best_of: None,
         echo_message,
+        prediction,
     };
     Ok(Checked {
         prepared,

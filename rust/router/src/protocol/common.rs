@@ -782,12 +782,11 @@ enum Shape {
 /// is a 400 there, so it is here too, though the field does nothing. Only the kind is
 /// checked: the values (`reasoning_effort`'s levels, ...) grow with OpenAI's models, and a
 /// value this server does not know is still only reported.
-const OPENAI_INERT: [(&str, Shape); 13] = [
+const OPENAI_INERT: [(&str, Shape); 12] = [
     ("reasoning_effort", Shape::One(STRING)),
     ("verbosity", Shape::One(STRING)),
     ("modalities", Shape::ArrayOf(STRING)),
     ("audio", Shape::One(OBJECT)),
-    ("prediction", Shape::One(OBJECT)),
     ("web_search_options", Shape::One(OBJECT)),
     ("prompt_cache_key", Shape::One(STRING)),
     ("prompt_cache_retention", Shape::One(STRING)),

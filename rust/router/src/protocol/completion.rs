@@ -342,6 +342,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         embedding: None,
         best_of,
         echo_message: None,
+        prediction: Vec::new(),
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

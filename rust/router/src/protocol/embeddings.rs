@@ -239,6 +239,7 @@ pub(crate) fn inputs_prepared(
         embedding: Some(plan),
         best_of: None,
         echo_message: None,
+        prediction: Vec::new(),
     };
     Ok(Checked { prepared, template: None, unused_kwargs: Vec::new(), ignored })
 }

@@ -188,6 +188,10 @@ pub struct Prepared {
     /// Chat's `echo` (vLLM's): the last message's text, when it is the assistant's, which
     /// each choice's content starts with.
     pub echo_message: Option<String>,
+    /// Chat's `prediction` (OpenAI's Predicted Outputs), tokenized: the scheduler drafts from
+    /// it, and usage says how much of it each output holds ([`crate::prediction`]). Empty:
+    /// none.
+    pub prediction: Vec<u32>,
 }
 
 /// Completions' `best_of` above `n` (OpenAI's legacy API): each prompt runs `best_of`

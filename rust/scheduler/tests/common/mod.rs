@@ -15,6 +15,7 @@ pub fn config(num_blocks: usize, block_size: usize, max_num_seqs: usize, max_bat
         max_loras: 0,
         policy: Policy::Fcfs,
         speculation: None,
+        draft_step_tokens: 0,
     }
 }
 
@@ -31,6 +32,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
         prompt_logprobs: None,
         pooling: None,
         speculate: false,
+        prediction: Vec::new(),
     }
 }
 
