@@ -9,16 +9,18 @@
 //! request was batched.
 //!
 //! Cost: bit-parallel LCS (Allison and Dix; Hyyrö's form), one pass per output token over
-//! ceil(m / 64) words for a prediction of m tokens; the prediction's match masks are made once
-//! per request.
+//! ceil(m / 64) words for a prediction of m tokens (the router takes at most max_model_len);
+//! the prediction's match masks are made once per request, sparse: O(m) memory whatever its
+//! vocabulary.
 
 use std::collections::HashMap;
 
-/// A tokenized prediction and, per distinct token, the bit mask of its positions.
+/// A tokenized prediction and, per distinct token, the bit mask of its positions, as its
+/// non-zero words: (word index, bits), ascending.
 #[derive(Debug)]
 pub struct Predicted {
     len: usize,
-    masks: HashMap<u32, Vec<u64>>,
+    masks: HashMap<u32, Vec<(usize, u64)>>,
 }
 
 /// One choice's progress against a [`Predicted`]: the LCS bit vector (a 0 bit per prediction
@@ -30,10 +32,13 @@ pub struct Alignment {
 
 impl Predicted {
     pub fn new(ids: &[u32]) -> Self {
-        let words = ids.len().div_ceil(64);
-        let mut masks: HashMap<u32, Vec<u64>> = HashMap::new();
+        let mut masks: HashMap<u32, Vec<(usize, u64)>> = HashMap::new();
         for (i, &t) in ids.iter().enumerate() {
-            masks.entry(t).or_insert_with(|| vec![0; words])[i / 64] |= 1 << (i % 64);
+            let words = masks.entry(t).or_default();
+            match words.last_mut() {
+                Some((w, bits)) if *w == i / 64 => *bits |= 1 << (i % 64),
+                _ => words.push((i / 64, 1 << (i % 64))),
+            }
         }
         Predicted { len: ids.len(), masks }
     }
@@ -57,9 +62,19 @@ impl Alignment {
     /// The output's next token.
     pub fn push(&mut self, p: &Predicted, token: u32) {
         let Some(mask) = p.masks.get(&token) else { return };
-        // V = (V + (V & M)) | (V & !M), the sum carried across words
+        // V = (V + (V & M)) | (V & !M), the sum carried across words (M's zero words too: a
+        // carry runs on through them)
         let mut carry = false;
-        for (v, &m) in self.v.iter_mut().zip(mask) {
+        let mut words = mask.iter().peekable();
+        for (w, v) in self.v.iter_mut().enumerate() {
+            let m = match words.peek() {
+                Some(&&(at, bits)) if at == w => {
+                    words.next();
+                    bits
+                }
+                _ if !carry => continue, // (no bits, no carry: the word stays)
+                _ => 0,
+            };
             let u = *v & m;
             let (sum, c1) = v.overflowing_add(u);
             let (sum, c2) = sum.overflowing_add(u64::from(carry));

@@ -407,6 +407,10 @@ fn a_prediction_is_read_and_checked() {
         let got = shape(chat(&r, json!({"prediction": bad.clone()})));
         assert_eq!(got, (400, want.0, Some(want.1.to_string())), "{bad}");
     }
+    // longer than the context: no answer could hold it
+    let long = "word ".repeat(r.config().max_model_len as usize + 1);
+    let got = shape(chat(&r, json!({"prediction": {"type": "content", "content": long}})));
+    assert_eq!(got, (400, "invalid_value", Some("prediction.content".to_string())));
     // completions have no `prediction` (OpenAI's is chat's): reported
     let p = completion(&r, json!({"prediction": {"type": "content", "content": "a"}})).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("prediction"));

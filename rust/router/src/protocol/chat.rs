@@ -132,7 +132,16 @@ fn prediction_ids(router: &Router, value: Option<&Value>, ignored: &mut Vec<Stri
     };
     ignored
         .extend(obj.keys().filter(|k| !["type", "content"].contains(&k.as_str())).map(|k| format!("prediction.{k}")));
-    Ok(router.tokenizer.encode(&text, false))
+    let ids = router.tokenizer.encode(&text, false);
+    // (no answer is longer than the context; this also bounds what usage keeps per choice)
+    let most = router.config.max_model_len as usize;
+    if ids.len() > most {
+        return Err(ApiError::invalid(
+            "prediction.content",
+            format!("The prediction is {} tokens; an answer holds at most {most} (the context length).", ids.len()),
+        ));
+    }
+    Ok(ids)
 }
 
 /// `add_generation_prompt` defaults to true unless `continue_final_message` is set (then
