@@ -427,9 +427,10 @@ class SchedulerConfig(_Checked):
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
         "\"prompt_lookup_min\": 2}'. A decoding sequence whose last n tokens (n from max down to min; "
         "both 5 when neither is given, one copies the other) occurred before in its prompt or output "
-        "drafts the up to num_speculative_tokens that followed them, and one step checks them all: "
-        "each draft the model's own sample confirms saves a step. Output is unchanged (each token is "
-        "sampled as decoding would sample it); it pays off where the output repeats its input (edits, "
+        "drafts the up to num_speculative_tokens (at most 64) that followed them, and one step checks them "
+        "all: each draft the model's own sample confirms saves a step. Each token is sampled as decoding "
+        "would sample it (the same output bit for bit on CPU with a GGUF model, such as the default); it "
+        "pays off where the output repeats its input (edits, "
         "extraction, code), for few streams at a time. Requests with a grammar (response_format, "
         "forced tools) or thinking_token_budget, and beam search, decode without drafts. No draft "
         "model: other methods are refused.")
@@ -470,6 +471,8 @@ class SchedulerConfig(_Checked):
         num = whole("num_speculative_tokens")
         if num is None:
             raise ValueError(f"{flag}: num_speculative_tokens is required (how many drafts a step checks)")
+        if num > 64:
+            raise ValueError(f"{flag}: num_speculative_tokens is at most 64 here (a step checks them all), got {num}")
         high, low = whole("prompt_lookup_max"), whole("prompt_lookup_min")
         if high is None and low is None:
             high = low = 5

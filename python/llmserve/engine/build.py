@@ -445,7 +445,12 @@ def build_engine(cfg: Config) -> Engine:
     # Drafts (n-gram ones, and those of a chat request's `prediction`) fill steps up to this many
     # tokens. NOTE: on CPU a step of more than QUANT_MAX_TOKENS tokens leaves the quantized GEMV
     # (and is bound by arithmetic, not by reading weights, so drafts there cost what they save).
-    draft_step_tokens = QUANT_MAX_TOKENS if device.type == "cpu" else max(batched_tokens(cfg, device), block_size)
+    # On CUDA a step with drafts runs eagerly, its whole batch without the decode graph: there
+    # only --speculative-config turns drafts on (a request's `prediction` alone drafts nothing).
+    if device.type == "cpu":
+        draft_step_tokens = QUANT_MAX_TOKENS
+    else:
+        draft_step_tokens = max(batched_tokens(cfg, device), block_size) if speculation is not None else 0
     if speculation is not None:
         log.info("speculative decoding: n-gram drafts, up to %d a step (n-grams of %d to %d tokens; steps of up to "
                  "%d tokens)", speculation["num_tokens"], speculation["lookup_min"], speculation["lookup_max"],

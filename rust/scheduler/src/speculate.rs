@@ -13,10 +13,7 @@ pub(crate) fn propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &
     if k == 0 {
         return &[];
     }
-    for n in (min_n.max(1)..=max_n).rev() {
-        if n >= len {
-            continue;
-        }
+    for n in (min_n.max(1)..=max_n.min(len.saturating_sub(1))).rev() {
         let tail = &tokens[len - n..];
         // windows starting before len - n: each is followed by at least one token
         let mut earliest = None;

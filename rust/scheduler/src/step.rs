@@ -147,6 +147,7 @@ impl Scheduler {
         // NOTE: as vLLM, admit nothing in a step that had to preempt: memory is short, and a
         // just-preempted sequence must not bounce straight back in.
         if !preempted {
+            self.schedule_drafts(&mut budget);
             self.schedule_waiting(&mut budget);
         }
         if may_preempt {
@@ -168,8 +169,6 @@ impl Scheduler {
     fn schedule_running(&mut self, budget: &mut usize, may_preempt: bool) -> bool {
         let bs = self.cfg.block_size;
         let mut preempted = false;
-        // Drafts fill what the step's own tokens leave of the speculation's step size.
-        let mut draft_room = self.cfg.draft_step_tokens.saturating_sub(self.running.len());
         let mut i = 0;
         while i < self.running.len() && *budget > 0 && self.scheduled.len() < self.cfg.max_num_seqs {
             let slot = self.running[i].slot;
@@ -198,14 +197,30 @@ impl Scheduler {
                 break;
             }
             self.grow(slot, need);
-            let drafts =
-                if draft_room > 0 && num_new == 1 { self.draft(slot, (*budget - 1).min(draft_room)) } else { 0 };
-            draft_room -= drafts;
-            self.scheduled.push((slot, num_new + drafts));
-            *budget -= num_new + drafts;
+            self.scheduled.push((slot, num_new));
+            *budget -= num_new;
             i += 1;
         }
         preempted
+    }
+
+    /// Drafts for the running sequences just scheduled, in policy order, from what serving
+    /// every one of them left: of the budget, of the free blocks, and of the draft step size
+    /// (`draft_step_tokens`, the running sequences' own tokens counted first).
+    fn schedule_drafts(&mut self, budget: &mut usize) {
+        let mut room = self.cfg.draft_step_tokens.saturating_sub(self.running.len());
+        for i in 0..self.scheduled.len() {
+            if room == 0 || *budget == 0 {
+                break;
+            }
+            let (slot, num_new) = self.scheduled[i];
+            if num_new == 1 {
+                let drafts = self.draft(slot, room.min(*budget));
+                self.scheduled[i].1 += drafts;
+                *budget -= drafts;
+                room -= drafts;
+            }
+        }
     }
 
     /// Append up to `room` drafts to a decoding sequence whose blocks hold its next token

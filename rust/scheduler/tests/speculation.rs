@@ -211,3 +211,31 @@ fn a_predicted_output_gives_drafts_without_the_ngram_speculation() {
     s.commit(&[50]);
     assert_eq!(s.schedule().num_tokens, 1);
 }
+
+#[test]
+fn drafts_take_only_what_serving_every_running_sequence_left() {
+    let predicted = |id, prompt: Vec<u32>| NewRequest { prediction: (50..70).collect(), ..drafting(id, prompt, 30) };
+    // 4 usable blocks of 4 tokens. A (7 tokens, computing position 6) holds two, B (4 + 1
+    // tokens) one and needs a second for position 4: B gets the free block, A's drafts only
+    // the free slot of its own last block; nothing is preempted.
+    let mut s = Scheduler::new(SchedulerConfig { draft_step_tokens: 24, ..config(5, 4, 8, 64) });
+    s.add(predicted(1, vec![10, 11, 12, 13, 14, 15]));
+    s.add(drafting(2, vec![20, 21, 22, 23], 30));
+    let _ = s.schedule();
+    s.commit(&[50, 7]);
+    let plan = s.schedule();
+    assert_eq!(plan.input_ids, vec![50, 51, 7]);
+    assert_eq!(s.stats().preemptions, 0);
+    s.validate().unwrap();
+
+    // A budget of 4 tokens and three decoding sequences: each gets its token, drafts the rest.
+    let mut s = Scheduler::new(SchedulerConfig { draft_step_tokens: 24, ..config(65, 4, 8, 4) });
+    for id in 1..=3 {
+        s.add(predicted(id, vec![10 + id as u32]));
+    }
+    let _ = s.schedule();
+    s.commit(&[50, 50, 50]);
+    let plan = s.schedule();
+    assert_eq!(plan.seq_req_ids, vec![1, 2, 3]);
+    assert_eq!(plan.input_ids, vec![50, 51, 50, 50]);
+}
