@@ -3,7 +3,7 @@ and without drafts, side by side, through the offline engine on the default mode
 
     python benches/speculative.py [--drafts 0 2 4 6] [--repeats 3] [--threads 2]
 
-Workloads, each a batch of requests run to completion (greedy, fixed lengths):
+Workloads, each a batch of requests run to completion (greedy unless said):
 - `copy`: one chat that repeats a ~110-token block of code it is given (output that copies its
   input: where prompt lookup pays), 100 tokens;
 - `story`: one chat that writes a story, sampled (temperature 0.8, a seed), 128 tokens with

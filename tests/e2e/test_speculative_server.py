@@ -60,6 +60,9 @@ def test_a_streamed_answer_is_the_whole_one_and_drafts_are_confirmed(smol, clien
     assert [(t.token, t.logprob) for t in streamed_lp] == [(t.token, t.logprob) for t in choice.logprobs.content]
     assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # CONTRACT.md's stream shape holds with several tokens a step: one id, one finish chunk
+    assert len({c.id for c in chunks}) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert _metric(smol, "llmserve:spec_decode_num_accepted_tokens_total") > before
     drafts = _metric(smol, "llmserve:spec_decode_num_draft_tokens_total")
     assert drafts >= _metric(smol, "llmserve:spec_decode_num_accepted_tokens_total")

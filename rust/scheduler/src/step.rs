@@ -225,8 +225,8 @@ impl Scheduler {
 
     /// Append up to `room` drafts to a decoding sequence whose blocks hold its next token
     /// (from its request's prediction, else n-gram ones: `Speculation`), growing its blocks for
-    /// them while free ones last; returns how many. None for a sequence that may not speculate, or whose drafts would run past
-    /// max_tokens or max_model_len (tokens sampled there would be dropped). At most its
+    /// them while free ones last; returns how many. 0 for a sequence that may not speculate; never
+    /// past max_tokens or max_model_len (tokens sampled there would be dropped). At most its
     /// `draft_limit`: a sequence whose drafts keep failing checks one at a time (a failed
     /// draft costs a token's compute in a step), and grows back as they are confirmed.
     fn draft(&mut self, slot: u32, room: usize) -> usize {
