@@ -142,7 +142,6 @@ _VLLM_HINTS = {
                               "each request",
     "--num-gpu-blocks-override": "--num-kv-blocks sets how many KV-cache blocks there are",
     "--scheduler-cls": "the scheduler is built in; --scheduling-policy picks fcfs or priority",
-    "--stream-interval": "every step's tokens are streamed as they come",
     "--max-num-partial-prefills": "long prompts are prefilled in chunks of --max-num-batched-tokens",
     "--long-prefill-token-threshold": "long prompts are prefilled in chunks of --max-num-batched-tokens",
     "--hf-token": "set HF_TOKEN in the environment (huggingface_hub reads it)",

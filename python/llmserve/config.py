@@ -422,6 +422,11 @@ class SchedulerConfig(_Checked):
         choices=("auto", "on", "off"),
         bare="on",   # (`--async-scheduling` alone, and `--no-async-scheduling`, as vLLM's flag)
     )
+    stream_interval: int = _f(
+        1, "Streams send a chunk once this many tokens have come since the last one (vLLM's flag): "
+        "a stream's first tokens and its end go at once, and a step's tokens always go together, one "
+        "chunk per choice. More than 1 sends fewer, larger chunks: less server work per token at many "
+        "streams, at a coarser pace.", min=1)
     speculative_config: str | None = _f(
         None, "Speculative decoding as JSON, vLLM's flag, with its n-gram (prompt lookup) method: "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "

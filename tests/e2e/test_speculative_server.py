@@ -1,7 +1,7 @@
 """`llmserve run --speculative-config` (n-gram drafts) on the default model, through the
 official `openai` SDK: answers that copy their prompt confirm drafts (the spec_decode metrics
 count them), a streamed answer is the answer sent whole (a step may now bring several tokens,
-each its own chunk),
+one chunk for them, and `--stream-interval 3` makes each chunk after the first wait for 3),
 logprobs list every token once and in order, and stop strings, max_tokens and n end a choice
 where they would without drafts. (tests/unit/test_speculation.py checks that the output is
 the same bit for bit as without speculation.)"""
@@ -27,7 +27,7 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def smol():
     server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
-                           "--speculative-config", json.dumps(SPEC))
+                           "--speculative-config", json.dumps(SPEC), "--stream-interval", "3")
     yield server
     server.stop()
 
@@ -60,6 +60,10 @@ def test_a_streamed_answer_is_the_whole_one_and_drafts_are_confirmed(smol, clien
     assert [(t.token, t.logprob) for t in streamed_lp] == [(t.token, t.logprob) for t in choice.logprobs.content]
     assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # the first token goes at once, then each chunk waits for 3 (a step brings up to 5), the last
+    # one brings the rest
+    sizes = [len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sizes[0] == 1 and min(sizes[1:-1]) >= 3 and sum(sizes) == 60, sizes
     # CONTRACT.md's stream shape holds with several tokens a step: one id, one finish chunk
     assert len({c.id for c in chunks}) == 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]

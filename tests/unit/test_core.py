@@ -359,3 +359,78 @@ def test_a_finished_request_reports_each_choice_end(router):
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop", "length"]
     assert body["usage"]["completion_tokens"] == 6 + 3 + 6
     assert ends == [[("length", 6), ("stop", 3), ("length", 6)]]
+
+
+def chunks_of(data: list[bytes]) -> list[dict]:
+    """The JSON chunks of an SSE body (not [DONE])."""
+    frames = b"".join(data).decode().split("\n\n")
+    return [json.loads(f.removeprefix("data: ")) for f in frames if f.startswith("data: {")]
+
+
+def choice_pieces(chunks: list[dict], index: int) -> list[tuple[str, list[int], str | None]]:
+    """Choice `index`'s chunks after its role chunk: (content, token ids, finish_reason)."""
+    out = []
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            if c["index"] == index and not c["delta"].get("role"):
+                out.append((c["delta"].get("content") or "", c.get("token_ids") or [], c["finish_reason"]))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_interval_sends_a_chunk_per_interval(router, n):
+    """--stream-interval 4: a choice's first token goes at once, then each chunk waits for 4
+    tokens, and the last brings the rest with the finish. The content, ids and logprobs are
+    those of a stream with interval 1, and a body not streamed is the same whatever the
+    interval."""
+    script = router.prepare("completion", orjson.dumps(
+        {"model": "m", "prompt": " the cat sat on the mat and the dog sat on the log"})).prompt_token_ids[0]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 11, "n": n,
+            "temperature": 1.0, "seed": 5, "logprobs": True, "return_token_ids": True}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+    def answer(interval, request):
+        core = make_core(router, stream_interval=interval)
+        handle = core.add(router.prepare("chat", orjson.dumps(request)))
+        out, _ = run(core, ScriptRunner(router.vocab_size, script))
+        assert core.stats()["used_blocks"] == 0
+        return out[handle]
+
+    for index in range(n):
+        one = choice_pieces(chunks_of(answer(1, streamed)), index)
+        four = choice_pieces(chunks_of(answer(4, streamed)), index)
+        assert [len(ids) for _, ids, _ in one] == [1] * 11
+        assert [len(ids) for _, ids, _ in four] == [1, 4, 4, 2]
+        assert [f for *_, f in four] == [None, None, None, "length"]
+        assert "".join(t for t, *_ in four) == "".join(t for t, *_ in one)
+        assert sum((ids for _, ids, _ in four), []) == script[:11]
+    usage = [c["usage"]["completion_tokens"] for c in chunks_of(answer(4, streamed)) if c["choices"]]
+    assert usage == sorted(usage) and usage[-1] == 11 * n
+    four, one = ({k: v for k, v in orjson.loads(b"".join(answer(interval, body))).items() if k not in ("id", "created")}
+                 for interval in (4, 1))
+    assert four == one
+
+
+def test_a_step_with_drafts_streams_one_chunk_per_choice(router):
+    """A step that confirms several drafts sends its tokens in one chunk, as vLLM does: one
+    chunk per step, with the text and ids of a stream without drafts."""
+    script = router.prepare("completion", orjson.dumps(
+        {"model": "m", "prompt": " the cat the cat the cat the cat the cat the cat the cat"})).prompt_token_ids[0]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 14,
+            "return_token_ids": True, "stream": True}
+
+    def pieces(**config):
+        core = make_core(router, **config)
+        handle = core.add(router.prepare("chat", orjson.dumps(body)))
+        runner = ScriptRunner(router.vocab_size, script)
+        out, _ = run(core, runner)
+        steps = sum(1 for plan in runner.steps if plan.num_rows)
+        return choice_pieces(chunks_of(out[handle]), 0), steps
+
+    plain, _ = pieces()
+    drafted, steps = pieces(speculation={"num_tokens": 4, "lookup_min": 1, "lookup_max": 2}, draft_step_tokens=24)
+    assert [len(ids) for _, ids, _ in plain] == [1] * 14
+    assert len(drafted) == steps < 14 and max(len(ids) for _, ids, _ in drafted) > 1
+    assert "".join(t for t, *_ in drafted) == "".join(t for t, *_ in plain)
+    assert sum((ids for _, ids, _ in drafted), []) == script[:14]
+    assert drafted[-1][2] == "length" and [f for *_, f in drafted[:-1]] == [None] * (steps - 1)

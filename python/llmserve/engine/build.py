@@ -469,6 +469,7 @@ def build_engine(cfg: Config) -> Engine:
         "max_loras": cfg.model.max_loras,
         "speculation": speculation,
         "draft_step_tokens": draft_step_tokens,
+        "stream_interval": cfg.scheduler.stream_interval,
     }))
     if device.type == "cuda":
         from llmserve.worker.cuda_graphs import make_cuda_runner

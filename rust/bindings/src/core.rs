@@ -25,7 +25,7 @@ use llmserve_router::protocol::embeddings::Pooling;
 use llmserve_router::protocol::{Endpoint, Prepared};
 use llmserve_router::reasoning::{ThinkingBudget, CLOSE};
 use llmserve_router::repetition::{self, RepetitionWatch};
-use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut};
+use llmserve_router::response::{ChoiceDelta, FinishReason, ResponseBuilder, StopReason, TokenOut, UnsentDelta};
 use llmserve_router::router::Router;
 use llmserve_router::structured::Matcher;
 use llmserve_router::ApiError;
@@ -66,6 +66,9 @@ struct CoreConfig {
     /// `SchedulerConfig::draft_step_tokens`; absent: no drafts.
     #[serde(default)]
     draft_step_tokens: usize,
+    /// `--stream-interval`: the tokens a stream's chunk waits for (after its first); absent: 1.
+    #[serde(default = "one")]
+    stream_interval: usize,
 }
 
 /// `Speculation` as Python sends it.
@@ -78,6 +81,9 @@ struct SpecConfig {
 
 fn yes() -> bool {
     true
+}
+fn one() -> usize {
+    1
 }
 fn priority() -> String {
     "priority".into()
@@ -95,6 +101,8 @@ struct RequestState {
     detoks: Vec<Detokenizer>,
     /// Tokens whose text each detokenizer still holds back, indexed as `detoks`.
     held: Vec<HeldTokens>,
+    /// Output each sequence has not pushed to its choices yet, indexed as `detoks`.
+    unsent: Vec<UnsentDelta>,
     /// Constrained requests: one matcher per sequence, indexed as `detoks`; else empty.
     matchers: Vec<Matcher>,
     /// JSON schema and forced-call requests: one JSON guard per sequence, indexed as `detoks` (keeps
@@ -167,6 +175,28 @@ impl RequestState {
             (false, true) => err.to_anthropic_json(),
         }
     }
+
+    /// Pushes what sequence `d` (indexed as `detoks`) has not sent to the choices it answers.
+    fn send(&mut self, d: usize) {
+        let (prompt, seq) = (d as u32 / self.seqs_per_prompt, d as u32 % self.seqs_per_prompt);
+        let choices = self.choices_of(prompt, seq);
+        let delta = self.unsent[d].delta();
+        for c in choices {
+            self.builder.push(c, &delta);
+        }
+        self.unsent[d].clear();
+    }
+
+    /// Pushes each sequence's unsent output that is due: all of it when not streaming; when
+    /// streaming, a sequence's first tokens, its finish, and at least `interval` tokens.
+    fn send_due(&mut self, interval: usize) {
+        let interval = if self.builder.streams() { interval } else { 1 };
+        for d in 0..self.unsent.len() {
+            if self.unsent[d].due(interval) {
+                self.send(d);
+            }
+        }
+    }
 }
 
 /// One sequence's tokens whose text its detokenizer still holds back for a possible stop
@@ -222,6 +252,8 @@ struct CoreState {
     mask_vocab: usize,
     /// The EOS id allowed when a matcher has failed, so its sequence ends.
     eos: Option<u32>,
+    /// `--stream-interval` (at least 1).
+    stream_interval: usize,
 }
 
 /// What `commit` (or `fail_plan`) needs of a plan awaiting commit.
@@ -363,6 +395,7 @@ impl CoreState {
                 sched_ids,
                 seqs_per_prompt,
                 n: p.n,
+                unsent: detoks.iter().map(|_| UnsentDelta::default()).collect(),
                 detoks,
                 held,
                 matchers,
@@ -653,6 +686,7 @@ impl CoreState {
         }
         for handle in touched {
             let state = self.requests.get_mut(&handle).expect("touched requests exist");
+            state.send_due(self.stream_interval);
             let mut bytes = state.builder.take();
             let finished = state.builder.all_finished();
             if finished {
@@ -865,12 +899,15 @@ fn deliver(
     // NOTE: greedy n > 1 computes one sequence for n choices: each choice's token counts, as
     // in usage (and as vLLM, which runs n sequences, counts them).
     state.new_tokens += choices.len() as u32;
-    for c in choices {
-        state.builder.push(c, &delta);
-    }
-    // The builder ended the choice itself (its one allowed tool call is complete).
-    if finish.is_none() && state.builder.choice_finished(first_choice) {
-        ended = true;
+    // (the step's other tokens join it; `commit` pushes them to the choices)
+    state.unsent[d].add(&delta);
+    // The builder may end the choice itself (its one allowed tool call complete): it reads
+    // each token as it comes.
+    if state.builder.may_end_choice(first_choice) {
+        state.send(d);
+        if finish.is_none() && state.builder.choice_finished(first_choice) {
+            ended = true;
+        }
     }
     if ended {
         Delivery::Ended
@@ -989,6 +1026,7 @@ impl PyCore {
                 first_scheduled: Vec::new(),
                 mask_vocab,
                 eos,
+                stream_interval: c.stream_interval.max(1),
             },
         })
     }

@@ -129,6 +129,64 @@ impl OwnedStop {
     }
 }
 
+/// A sequence's output not yet pushed to its choices. The tokens one step brings (several when
+/// it confirmed drafts) go out together, one chunk per choice, as vLLM sends a step's tokens;
+/// with `--stream-interval` a stream also waits for that many tokens between chunks.
+#[derive(Debug, Default)]
+pub struct UnsentDelta {
+    text: String,
+    tokens: Vec<TokenOut>,
+    ids: Vec<u32>,
+    finish: Option<FinishReason>,
+    stop_reason: Option<OwnedStop>,
+    /// Whether a push has gone out for this sequence (a stream's first tokens go at once).
+    sent: bool,
+    /// Its finish went out: nothing more is added.
+    closed: bool,
+}
+
+impl UnsentDelta {
+    /// Appends a token's delta (nothing once the sequence has finished).
+    pub fn add(&mut self, d: &ChoiceDelta) {
+        if self.closed || self.finish.is_some() {
+            return;
+        }
+        self.text.push_str(d.text);
+        self.tokens.extend_from_slice(d.tokens);
+        self.ids.extend_from_slice(d.ids);
+        self.finish = d.finish;
+        self.stop_reason = d.stop_reason.map(OwnedStop::of);
+    }
+
+    /// Whether it should go out now: it holds something, and the sequence finished, or
+    /// nothing went out before, or it holds at least `interval` tokens.
+    pub fn due(&self, interval: usize) -> bool {
+        let held = !self.ids.is_empty() || self.finish.is_some();
+        held && (self.finish.is_some() || !self.sent || self.ids.len() >= interval)
+    }
+
+    /// What it holds, as one delta.
+    pub fn delta(&self) -> ChoiceDelta<'_> {
+        ChoiceDelta {
+            text: &self.text,
+            tokens: &self.tokens,
+            ids: &self.ids,
+            finish: self.finish,
+            stop_reason: self.stop_reason.as_ref().map(OwnedStop::as_ref),
+        }
+    }
+
+    /// Empties it once its delta went out.
+    pub fn clear(&mut self) {
+        self.text.clear();
+        self.tokens.clear();
+        self.ids.clear();
+        self.sent = true;
+        self.closed |= self.finish.take().is_some();
+        self.stop_reason = None;
+    }
+}
+
 /// A logprob as the wire shows it: -inf (a banned token) becomes -9999, as vLLM does, since
 /// JSON has no infinity.
 fn wire_lp(x: f32) -> f32 {
@@ -1358,6 +1416,19 @@ impl ResponseBuilder {
         }
     }
 
+    /// Whether the builder may end `choice` itself, at its one allowed tool call's end
+    /// (`parallel_tool_calls: false`): its tokens are then pushed one by one, so that its
+    /// sequence stops at that token.
+    pub fn may_end_choice(&self, choice: u32) -> bool {
+        let parallel = self.tools.as_ref().is_some_and(|t| t.parallel);
+        !parallel && self.choices.get(choice as usize).is_some_and(|c| c.parser.is_some())
+    }
+
+    /// Whether the output goes out as it comes (SSE, or a background response's events).
+    pub fn streams(&self) -> bool {
+        self.stream
+    }
+
     /// Whether a choice has ended (the builder may end one itself: a completed tool call
     /// under `parallel_tool_calls: false`).
     pub fn choice_finished(&self, choice: u32) -> bool {
@@ -1715,4 +1786,41 @@ struct Body<'a, C> {
     /// each choice's).
     #[serde(skip_serializing_if = "Option::is_none")]
     prompt_logprobs: Option<&'a [Option<PromptEntry>]>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token(id: u32, text_offset: usize) -> TokenOut {
+        TokenOut { id, logprob: -1.0, top: Vec::new(), text_offset }
+    }
+
+    fn push(u: &mut UnsentDelta, id: u32, text: &str, finish: Option<FinishReason>) {
+        let t = [token(id, id as usize)];
+        let stop = finish.map(|_| StopReason::Text("."));
+        u.add(&ChoiceDelta { text, tokens: &t, ids: &[id], finish, stop_reason: stop });
+    }
+
+    #[test]
+    fn unsent_output_goes_first_then_by_interval_then_at_the_end() {
+        let mut u = UnsentDelta::default();
+        assert!(!u.due(1), "nothing held");
+        push(&mut u, 1, "a", None);
+        assert!(u.due(4), "the first tokens go at once");
+        u.clear();
+        push(&mut u, 2, "b", None);
+        push(&mut u, 3, "", None); // (text held back: the token still counts)
+        assert!(!u.due(4) && u.due(2));
+        push(&mut u, 4, "cd", None);
+        let d = u.delta();
+        assert_eq!((d.text, d.ids, d.tokens.len(), d.finish), ("bcd", &[2, 3, 4][..], 3, None));
+        push(&mut u, 5, "e", Some(FinishReason::Stop));
+        assert!(u.due(100), "the finish goes at once");
+        let d = u.delta();
+        assert_eq!((d.text, d.ids.len(), d.finish, d.stop_reason), ("bcde", 4, Some(FinishReason::Stop), Some(StopReason::Text("."))));
+        u.clear();
+        push(&mut u, 6, "f", None);
+        assert!(!u.due(1) && u.delta().ids.is_empty(), "nothing is added after the finish went out");
+    }
 }
