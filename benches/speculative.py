@@ -11,7 +11,9 @@ Workloads, each a batch of requests run to completion (greedy unless said):
 - `copy x4`: four `copy` chats at once (drafts share a step's 24 tokens with the others);
 - `predicted`, `edited`: the `copy` chat with a `prediction` (OpenAI's Predicted Outputs) of
   its answer, exactly and with a few edits (drafts from the prediction come with or without
-  --speculative-config: compare them with `copy` at 0 drafts).
+  --speculative-config: compare them with `copy` at 0 drafts);
+- `json`: one chat whose answer a JSON schema constrains, an array of six {name, age} objects
+  (a grammar masks each draft row after the drafts before it), 120 tokens.
 Per setting the median of the repeats' tok/s and the ratio to no drafts measured in the same
 run; the acceptance rate is confirmed / proposed drafts, and `tok/step` the output tokens a
 sequence's step gave (1 + confirmed drafts per step with drafts). Engines are built one after
@@ -31,6 +33,9 @@ CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\
         "def mul(a, b):\n    return a * b\n\ndef div(a, b):\n    return a / b\n\n"
         "def mod(a, b):\n    return a % b\n")
 COPY = [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}]
+PEOPLE = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"], "additionalProperties": False}}
 
 
 def _run(llm: LLM, workload: str) -> tuple[int, float]:
@@ -46,6 +51,10 @@ def _run(llm: LLM, workload: str) -> tuple[int, float]:
             answer = answer.replace("a - b", "b - a").replace("def mul", "def times").replace("a % b", "a % 7")
         results = [llm.chat(COPY, {"max_tokens": 100, "temperature": 0,
                                    "prediction": {"type": "content", "content": answer}})]
+    elif workload == "json":
+        ask = [{"role": "user", "content": "List six people with their name and age as JSON."}]
+        results = [llm.chat(ask, {"max_tokens": 120, "temperature": 0, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "people", "schema": PEOPLE}}})]
     else:
         story = [{"role": "user", "content": "Write a short story about a dragon who learns to cook."}]
         results = [llm.chat(story, {"max_tokens": 128, "temperature": 0.8, "seed": 7, "ignore_eos": True})]

@@ -435,9 +435,9 @@ class SchedulerConfig(_Checked):
         "drafts the up to num_speculative_tokens (at most 64) that followed them, and one step checks them "
         "all: each draft the model's own sample confirms saves a step. Each token is sampled as decoding "
         "would sample it (the same output bit for bit on CPU with a GGUF model, such as the default); it "
-        "pays off where the output repeats its input (edits, extraction, code), for few streams at a time. Requests with a grammar (response_format, "
-        "forced tools) or thinking_token_budget, and beam search, decode without drafts. No draft "
-        "model: other methods are refused.")
+        "pays off where the output repeats its input (edits, extraction, code), for few streams at a time. A grammar (response_format, "
+        "forced tools) masks each draft row after the drafts before it; requests with thinking_token_budget, "
+        "and beam search, decode without drafts. No draft model: other methods are refused.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -125,3 +125,21 @@ def test_a_prediction_through_the_sdk(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
                                        prediction={"type": "content"})
     assert err.value.body["param"] == "prediction.content"
+
+
+def test_a_schema_answer_drafts_inside_its_grammar(smol, client):
+    """Drafts for a constrained answer: each draft row is masked after the drafts before it, so
+    the answer validates, streamed or not, and its repeated structure confirms drafts."""
+    schema = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "List four people with their name and age."}],
+               max_tokens=100, temperature=0,
+               response_format={"type": "json_schema", "json_schema": {"name": "people", "schema": schema}})
+    before = _metric(smol, "llmserve:spec_decode_num_accepted_tokens_total")
+    whole = client.chat.completions.create(**ask)
+    people = json.loads(whole.choices[0].message.content)
+    assert len(people) == 4 and all(set(p) == {"name", "age"} and isinstance(p["age"], int) for p in people)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True))
+    assert streamed == whole.choices[0].message.content
+    assert _metric(smol, "llmserve:spec_decode_num_accepted_tokens_total") - before > 20

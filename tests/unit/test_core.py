@@ -434,3 +434,70 @@ def test_a_step_with_drafts_streams_one_chunk_per_choice(router):
     assert "".join(t for t, *_ in drafted) == "".join(t for t, *_ in plain)
     assert sum((ids for _, ids, _ in drafted), []) == script[:14]
     assert drafted[-1][2] == "length" and [f for *_, f in drafted[:-1]] == [None] * (steps - 1)
+
+
+class MaskRunner(FakeRunner):
+    """Each row samples the script's token at its gen_index when its mask allows it, else the
+    lowest token its mask allows. Records each constrained row as (gen_index, the input token
+    at its logits position, its mask), per plan."""
+
+    def __init__(self, vocab: int, script: list[int]):
+        super().__init__(vocab)
+        self.script = script
+        self.rows = []
+
+    def execute(self, plan):
+        tokens, lps, tids, tlps = super().execute(plan)
+        masks = {int(r): np.asarray(plan.token_bitmask[i]) for i, r in enumerate(plan.mask_rows)}
+        rows = []
+        for r in range(plan.num_rows):
+            g = int(plan.gen_index[r])
+            want = self.script[min(g, len(self.script) - 1)]
+            mask = masks.get(r)
+            if mask is not None:
+                allowed = np.flatnonzero((mask[:, None] >> np.arange(32)) & 1)
+                tokens[r] = want if want in allowed else allowed[0]
+                rows.append((g, int(plan.input_ids[plan.logits_indices[r]]), mask.copy()))
+        self.rows.append(rows)
+        return tokens, lps, tids, tlps
+
+
+def test_a_grammar_masks_each_draft_row_after_the_drafts_before_it(router):
+    """With drafts, a constrained sequence's draft rows are masked as decoding would mask
+    them once the drafts before them are taken; after a draft the row before may not sample,
+    the rows copy that row's mask (none of them can be kept). The answer is the one without
+    drafts."""
+    text = '{"a": [1, 2, 1, 2, 1, 2], "b": [1, 2, 1, 2, 1, 2, 1, 2]}'
+    script = router.prepare("completion", orjson.dumps({"model": "m", "prompt": text})).prompt_token_ids[0]
+    script = script[:9] + [script[3]] + script[9:]          # a token the grammar refuses there
+    body = {"model": "m", "prompt": text[:20], "max_tokens": 50, "response_format": {"type": "json_object"}}
+
+    def answer(**config):
+        core = make_core(router, **config)
+        handle = core.add(router.prepare("completion", orjson.dumps(body)))
+        runner = MaskRunner(router.vocab_size, script)
+        out, _ = run(core, runner)
+        assert core.stats()["used_blocks"] == 0
+        return orjson.loads(b"".join(out[handle]))["choices"][0], runner, core.stats()
+
+    plain, reference, _ = answer()
+    drafted, runner, stats = answer(speculation={"num_tokens": 4, "lookup_min": 1, "lookup_max": 2},
+                                    draft_step_tokens=24)
+    assert drafted == plain
+    assert stats["spec_accepted_tokens"] > 10
+    ref_masks = {g: m for rows in reference.rows for g, _, m in rows}
+    ref_tokens = router.prepare("completion", orjson.dumps({"model": "m", "prompt": plain["text"]})).prompt_token_ids[0]
+    live = dead = 0
+    for rows in runner.rows:
+        first = rows[0][0]
+        alive = True
+        for j, (g, draft, mask) in enumerate(rows[1:], 1):
+            before = rows[j - 1][2]
+            alive = alive and bool((before[draft // 32] >> (draft % 32)) & 1)
+            if not alive:
+                assert (mask == before).all()
+                dead += 1
+            elif draft == ref_tokens[g - 1] and all(r[1] == ref_tokens[r[0] - 1] for r in rows[1:j]):
+                assert (mask == ref_masks[g]).all(), (first, j)
+                live += 1
+    assert live > 5 and dead > 0, (live, dead)

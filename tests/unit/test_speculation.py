@@ -66,6 +66,12 @@ def test_the_spec_decode_counters_follow_the_engines_counts():
 
 # Text the answer copies (drafts come from the prompt) and repeats (drafts from the output).
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
+PEOPLE = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"], "additionalProperties": False}}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string"}}},
+    "required": ["cities"]}}}
 REQUESTS = [
     # (kind, body)
     ("chat", {"messages": [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}],
@@ -79,20 +85,29 @@ REQUESTS = [
                     "stop": ["def mul"], "logprobs": 2}),
     ("completion", {"prompt": "a b c a b c a b c a b", "max_tokens": 30, "temperature": 0.9, "seed": 5,
                     "bad_words": ["c a"], "min_p": 0.05}),
-    # a grammar's request decodes without drafts, beside the others
+    # grammars: each draft row is masked after the drafts before it (a schema whose output repeats
+    # itself confirms drafts; a forced call's arguments)
     ("chat", {"messages": [{"role": "user", "content": "Give me a JSON object with a key a."}],
               "max_tokens": 30, "temperature": 0, "response_format": {"type": "json_object"}}),
+    ("chat", {"messages": [{"role": "user", "content": "List four people with their name and age as JSON."}],
+              "max_tokens": 80, "temperature": 0, "logprobs": True, "response_format": {
+                  "type": "json_schema", "json_schema": {"name": "people", "schema": PEOPLE}}}),
+    ("chat", {"messages": [{"role": "user", "content": "What is the weather in Paris and in Rome?"}],
+              "max_tokens": 60, "temperature": 0.6, "seed": 3, "tools": [WEATHER],
+              "tool_choice": {"type": "function", "function": {"name": "weather"}}}),
 ]
 
 
-def _answers(**options) -> tuple[list[dict], dict]:
+def _answers(requests=REQUESTS, **options) -> tuple[list[dict], dict]:
     from llmserve import LLM
 
     llm = LLM(None, threads=1, max_model_len=512, num_kv_blocks=128, **options)
     bodies = []
-    for kind, body in REQUESTS:
+    for kind, body in requests:
         result = (llm.chat(body["messages"], {k: v for k, v in body.items() if k != "messages"}) if kind == "chat"
                   else llm.generate(body["prompt"], {k: v for k, v in body.items() if k != "prompt"})[0])
+        for call in (c for choice in result.body["choices"] for c in (choice.get("message") or {}).get("tool_calls") or []):
+            call["id"] = "call"     # (random)
         bodies.append({"choices": result.body["choices"], "usage": result.body["usage"]})
     return bodies, llm.engine.core.stats()
 
@@ -107,6 +122,18 @@ def test_speculation_changes_no_output_on_the_default_model():
     assert stats["spec_drafts"] > 20 and stats["spec_accepted_tokens"] > 20, stats
     assert stats["spec_accepted_tokens"] == sum(stats["spec_accepted_per_pos"])
     assert stats["used_blocks"] == 0
+
+
+def test_a_grammar_request_confirms_drafts():
+    """A schema's answer that repeats its own structure confirms drafts (each draft row masked
+    after the drafts before it), and is the answer without them."""
+    people = [r for r in REQUESTS if "json_schema" in str(r[1].get("response_format"))]
+    plain, _ = _answers(people)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    drafted, stats = _answers(people, speculative_config=spec)
+    assert drafted == plain
+    assert json.loads(plain[0]["choices"][0]["message"]["content"])
+    assert stats["spec_accepted_tokens"] > 20, stats
 
 
 def _batch(**options) -> list[dict]:

@@ -379,7 +379,7 @@ impl CoreState {
                     Pooling::Mean => SeqPooling::Mean,
                 }),
                 // (a grammar's or a thinking budget's next mask needs the token before it)
-                speculate: prepared.grammar.is_none() && budget.is_none(),
+                speculate: budget.is_none(),
                 prediction: prepared.prediction.clone(),
             });
             self.owners.insert(id, (handle, i as u32));
@@ -497,10 +497,23 @@ impl CoreState {
         let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
         let mut failures = Vec::new();
         let mut masked = false;
+        // The grammar rows of the sequence before: its draft rows follow it.
+        let mut chain: Option<DraftChain> = None;
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
             let d = (prompt_idx * state.seqs_per_prompt + seq) as usize;
+            // A row after the sequence's first in the plan samples after a draft: its mask is
+            // the grammar's once the drafts before it are taken.
+            if let Some(c) = chain.as_mut().filter(|c| c.row_of == (req_id, seq) && !state.matchers.is_empty()) {
+                let draft = plan.input_ids[plan.logits_indices[row] as usize] as u32;
+                let start = masks.bits.len();
+                c.mask_after(draft, state, d, &mut masks.bits, width);
+                c.last = start;
+                masks.rows.push(row as i64);
+                continue;
+            }
+            chain = None;
             let budget = state.budgets.get(d);
             masked |= budget.is_some_and(ThinkingBudget::may_force_soon);
             let forced = budget.and_then(ThinkingBudget::forced);
@@ -521,6 +534,7 @@ impl CoreState {
             };
             masked = true;
             let start = masks.bits.len();
+            chain = Some(DraftChain { row_of: (req_id, seq), last: start, grammar: None, dead: false });
             masks.bits.resize(start + width, 0);
             let out = &mut masks.bits[start..];
             match matcher.compute_mask_or_eos() {
@@ -782,6 +796,54 @@ impl CoreState {
             .into_iter()
             .filter_map(|h| self.forget(h).map(|mut s| (h, s.error_bytes(&err), Some("error"), true, 0, Vec::new())))
             .collect()
+    }
+}
+
+/// A constrained sequence's rows in one plan: the first samples after the tokens it has, each
+/// after it after one more of the step's drafts. Each draft row's mask is computed on a copy
+/// of the sequence's matcher (and JSON guard) that has taken the drafts before it; once a
+/// draft is one the row before may not sample, no later row can be kept (its sample never
+/// equals that draft), and they copy that row's mask. The sequence's own matcher is never
+/// touched: `deliver` feeds it the tokens the step keeps.
+struct DraftChain {
+    /// (scheduler request id, sequence) of the rows.
+    row_of: (u64, u32),
+    /// Where the mask of the chain's last row starts in the plan's mask bits.
+    last: usize,
+    /// The copies, once a draft row needed them.
+    grammar: Option<(Matcher, Option<JsonGuard>)>,
+    /// A draft the row before may not sample (or that the copy could not take) came.
+    dead: bool,
+}
+
+impl DraftChain {
+    /// Appends the mask of the row after `draft` (sequence `d` of `state`) to `bits`.
+    fn mask_after(&mut self, draft: u32, state: &RequestState, d: usize, bits: &mut Vec<i32>, width: usize) {
+        let start = bits.len();
+        let last = self.last;
+        let allowed = (draft as usize) < width * 32 && bits[last + draft as usize / 32] & (1 << (draft % 32)) != 0;
+        self.dead |= !allowed;
+        if !self.dead {
+            let (matcher, guard) =
+                self.grammar.get_or_insert_with(|| (state.matchers[d].clone(), state.guards.get(d).cloned()));
+            let taken = matcher.try_consume_tokens(&[draft]).is_ok_and(|n| n == 1);
+            if let Some(guard) = guard.as_mut().filter(|_| taken) {
+                guard.push(draft);
+            }
+            match matcher.compute_mask_or_eos() {
+                Ok(vob) if taken => {
+                    bits.extend(vob.as_slice().iter().map(|&w| w as i32));
+                    bits.resize(start + width, 0);
+                    if let Some(guard) = guard {
+                        guard.restrict(&mut bits[start..]);
+                    }
+                    return;
+                }
+                // (the sequence's own matcher meets any failure when it gets there)
+                _ => self.dead = true,
+            }
+        }
+        bits.extend_from_within(last..last + width);
     }
 }
 

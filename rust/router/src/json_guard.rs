@@ -128,7 +128,7 @@ impl Default for Lexer {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Frame {
     object: bool,
     /// An object's next string is a key (after `{` and `,`, until the key ends).
@@ -330,6 +330,7 @@ fn decode(raw: &[u8]) -> String {
 }
 
 /// One sequence's view of the JSON it has generated so far (see the module note).
+#[derive(Clone)]
 pub struct JsonGuard {
     tokens: Arc<TokenBytes>,
     phase: Phase,

@@ -1818,7 +1818,10 @@ mod tests {
         push(&mut u, 5, "e", Some(FinishReason::Stop));
         assert!(u.due(100), "the finish goes at once");
         let d = u.delta();
-        assert_eq!((d.text, d.ids.len(), d.finish, d.stop_reason), ("bcde", 4, Some(FinishReason::Stop), Some(StopReason::Text("."))));
+        assert_eq!(
+            (d.text, d.ids.len(), d.finish, d.stop_reason),
+            ("bcde", 4, Some(FinishReason::Stop), Some(StopReason::Text(".")))
+        );
         u.clear();
         push(&mut u, 6, "f", None);
         assert!(!u.due(1) && u.delta().ids.is_empty(), "nothing is added after the finish went out");

@@ -157,7 +157,7 @@ pub struct NewRequest {
     pub lora: u32,
     /// Its decode steps may carry drafts when the scheduler speculates or it has a
     /// `prediction`. The caller clears it for requests whose next row needs the token before
-    /// it (a grammar's mask, a thinking budget); beam searches never speculate.
+    /// it (a thinking budget's forced `</think>`); beam searches never speculate.
     pub speculate: bool,
     /// OpenAI's predicted output (`prediction`), tokenized: each sequence drafts the tokens
     /// that follow the place its output has reached in it (`speculate::from_prediction`).
