@@ -436,8 +436,8 @@ class SchedulerConfig(_Checked):
         "all: each draft the model's own sample confirms saves a step. Each token is sampled as decoding "
         "would sample it (the same output bit for bit on CPU with a GGUF model, such as the default); it "
         "pays off where the output repeats its input (edits, extraction, code), for few streams at a time. A grammar (response_format, "
-        "forced tools) masks each draft row after the drafts before it; requests with thinking_token_budget, "
-        "and beam search, decode without drafts. No draft model: other methods are refused.")
+        "forced tools) and thinking_token_budget mask each draft row after the drafts before it; beam "
+        "search decodes without drafts. No draft model: other methods are refused.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -438,8 +438,8 @@ def test_a_step_with_drafts_streams_one_chunk_per_choice(router):
 
 class MaskRunner(FakeRunner):
     """Each row samples the script's token at its gen_index when its mask allows it, else the
-    lowest token its mask allows. Records each constrained row as (gen_index, the input token
-    at its logits position, its mask), per plan."""
+    lowest token its mask allows. Records each plan's rows as (gen_index, the input token at
+    its logits position, its mask or None)."""
 
     def __init__(self, vocab: int, script: list[int]):
         super().__init__(vocab)
@@ -448,7 +448,7 @@ class MaskRunner(FakeRunner):
 
     def execute(self, plan):
         tokens, lps, tids, tlps = super().execute(plan)
-        masks = {int(r): np.asarray(plan.token_bitmask[i]) for i, r in enumerate(plan.mask_rows)}
+        masks = {int(r): np.asarray(plan.token_bitmask[i]).copy() for i, r in enumerate(plan.mask_rows)}
         rows = []
         for r in range(plan.num_rows):
             g = int(plan.gen_index[r])
@@ -457,9 +457,33 @@ class MaskRunner(FakeRunner):
             if mask is not None:
                 allowed = np.flatnonzero((mask[:, None] >> np.arange(32)) & 1)
                 tokens[r] = want if want in allowed else allowed[0]
-                rows.append((g, int(plan.input_ids[plan.logits_indices[r]]), mask.copy()))
+            else:
+                tokens[r] = want
+            rows.append((g, int(plan.input_ids[plan.logits_indices[r]]), mask))
         self.rows.append(rows)
         return tokens, lps, tids, tlps
+
+
+def check_draft_masks(runner: MaskRunner, reference: MaskRunner, ref_tokens: list[int]) -> tuple[int, int]:
+    """Each plan's draft rows (one sequence): a row whose drafts are the reference answer's
+    tokens has the mask decoding gave that token (`reference`, run without drafts); after a
+    draft the row before may not sample, each row has that row's mask. Returns how many rows
+    of each kind there were."""
+    same = lambda a, b: (a is None and b is None) or (a is not None and b is not None and (a == b).all())  # noqa: E731
+    ref_masks = {g: m for rows in reference.rows for g, _, m in rows}
+    live = dead = 0
+    for rows in runner.rows:
+        alive = True
+        for j, (g, draft, mask) in enumerate(rows[1:], 1):
+            before = rows[j - 1][2]
+            alive = alive and (before is None or bool((before[draft // 32] >> (draft % 32)) & 1))
+            if not alive:
+                assert same(mask, before), (g, j)
+                dead += 1
+            elif all(r[1] == ref_tokens[r[0] - 1] for r in rows[1:j + 1]):
+                assert same(mask, ref_masks[g]), (g, j)
+                live += 1
+    return live, dead
 
 
 def test_a_grammar_masks_each_draft_row_after_the_drafts_before_it(router):
@@ -485,19 +509,58 @@ def test_a_grammar_masks_each_draft_row_after_the_drafts_before_it(router):
                                     draft_step_tokens=24)
     assert drafted == plain
     assert stats["spec_accepted_tokens"] > 10
-    ref_masks = {g: m for rows in reference.rows for g, _, m in rows}
     ref_tokens = router.prepare("completion", orjson.dumps({"model": "m", "prompt": plain["text"]})).prompt_token_ids[0]
-    live = dead = 0
-    for rows in runner.rows:
-        first = rows[0][0]
-        alive = True
-        for j, (g, draft, mask) in enumerate(rows[1:], 1):
-            before = rows[j - 1][2]
-            alive = alive and bool((before[draft // 32] >> (draft % 32)) & 1)
-            if not alive:
-                assert (mask == before).all()
-                dead += 1
-            elif draft == ref_tokens[g - 1] and all(r[1] == ref_tokens[r[0] - 1] for r in rows[1:j]):
-                assert (mask == ref_masks[g]).all(), (first, j)
-                live += 1
+    live, dead = check_draft_masks(runner, reference, ref_tokens)
     assert live > 5 and dead > 0, (live, dead)
+
+
+@pytest.fixture(scope="module")
+def think_router(tmp_path_factory):
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("think") / "tokenizer.json"
+    build_tokenizer(path)
+    tok = Tokenizer.from_file(str(path))
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                    AddedToken("</think>", special=False, normalized=False)])
+    tok.save(str(path))
+    config = {"served_model_names": ["m"], "max_model_len": 256, "eos_token": "<|im_end|>",
+              "eos_token_ids": [EOS], "reasoning_parser": "think"}
+    sources = {"cli": None, "folder_jinja": None, "tokenizer_config": CHATML, "gguf": None}
+    return _core.Router(str(path), None, json.dumps(sources), json.dumps(config)), tok
+
+
+@pytest.mark.parametrize("grammar", [False, True])
+def test_a_thinking_budget_masks_each_draft_row_after_the_drafts_before_it(think_router, grammar):
+    """thinking_token_budget with drafts: a draft row past the budget is forced to `</think>`
+    as decoding would force it (here the step after `<think>` and four thought tokens drafts
+    across the budget) (and, with a grammar after the thinking, masked by it); the
+    answer, its thinking and usage are those without drafts."""
+    router, tok = think_router
+    thought, answer_text = " a b a b a b a b a b a b", ' {"a": [1, 2, 1, 2, 1, 2, 1, 2]}'
+    script = tok.encode("<think>" + thought + "</think>" + answer_text, add_special_tokens=False).ids
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40,
+            "thinking_token_budget": 5, "return_token_ids": True}
+    if grammar:
+        body["response_format"] = {"type": "json_object"}
+
+    def answer(**config):
+        core = make_core(router, **config)
+        handle = core.add(router.prepare("chat", orjson.dumps(body)))
+        runner = MaskRunner(router.vocab_size, script)
+        out, _ = run(core, runner)
+        assert core.stats()["used_blocks"] == 0
+        return orjson.loads(b"".join(out[handle])), runner, core.stats()
+
+    plain, reference, _ = answer()
+    drafted, runner, stats = answer(speculation={"num_tokens": 4, "lookup_min": 1, "lookup_max": 2},
+                                    draft_step_tokens=24)
+    assert drafted["choices"] == plain["choices"] and drafted["usage"] == plain["usage"]
+    ids = plain["choices"][0]["token_ids"]
+    assert ids[6] == tok.token_to_id("</think>") and plain["usage"]["completion_tokens_details"]["reasoning_tokens"] == 5
+    assert stats["spec_accepted_tokens"] > 5
+    live, _ = check_draft_masks(runner, reference, ids)
+    close = tok.token_to_id("</think>")
+    forced = [g for rows in runner.rows for g, _, m in rows[1:]
+              if m is not None and np.flatnonzero((m[:, None] >> np.arange(32)) & 1).tolist() == [close]]
+    assert live > 3 and forced == [6], (live, forced)

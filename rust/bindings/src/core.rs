@@ -379,7 +379,7 @@ impl CoreState {
                     Pooling::Mean => SeqPooling::Mean,
                 }),
                 // (a grammar's or a thinking budget's next mask needs the token before it)
-                speculate: budget.is_none(),
+                speculate: true,
                 prediction: prepared.prediction.clone(),
             });
             self.owners.insert(id, (handle, i as u32));
@@ -504,16 +504,21 @@ impl CoreState {
             let Some(state) = self.requests.get_mut(&handle) else { continue };
             let d = (prompt_idx * state.seqs_per_prompt + seq) as usize;
             // A row after the sequence's first in the plan samples after a draft: its mask is
-            // the grammar's once the drafts before it are taken.
-            if let Some(c) = chain.as_mut().filter(|c| c.row_of == (req_id, seq) && !state.matchers.is_empty()) {
+            // the grammar's (and the thinking budget's) once the drafts before it are taken.
+            if let Some(c) = chain.as_mut().filter(|c| c.row_of == (req_id, seq)) {
                 let draft = plan.input_ids[plan.logits_indices[row] as usize] as u32;
-                let start = masks.bits.len();
-                c.mask_after(draft, state, d, &mut masks.bits, width);
-                c.last = start;
-                masks.rows.push(row as i64);
+                if c.mask_after(draft, state, d, &self.router, &mut masks.bits, width) {
+                    masks.rows.push(row as i64);
+                }
                 continue;
             }
-            chain = None;
+            // (a sequence whose masks follow its tokens)
+            chain = (!state.matchers.is_empty() || !state.budgets.is_empty()).then(|| DraftChain {
+                row_of: (req_id, seq),
+                last: None,
+                copies: None,
+                dead: false,
+            });
             let budget = state.budgets.get(d);
             masked |= budget.is_some_and(ThinkingBudget::may_force_soon);
             let forced = budget.and_then(ThinkingBudget::forced);
@@ -529,12 +534,17 @@ impl CoreState {
                         force(&mut masks.bits[start..], t);
                     }
                     masks.rows.push(row as i64);
+                    if let Some(c) = chain.as_mut() {
+                        c.last = Some(start);
+                    }
                 }
                 continue;
             };
             masked = true;
             let start = masks.bits.len();
-            chain = Some(DraftChain { row_of: (req_id, seq), last: start, grammar: None, dead: false });
+            if let Some(c) = chain.as_mut() {
+                c.last = Some(start);
+            }
             masks.bits.resize(start + width, 0);
             let out = &mut masks.bits[start..];
             match matcher.compute_mask_or_eos() {
@@ -799,51 +809,96 @@ impl CoreState {
     }
 }
 
-/// A constrained sequence's rows in one plan: the first samples after the tokens it has, each
-/// after it after one more of the step's drafts. Each draft row's mask is computed on a copy
-/// of the sequence's matcher (and JSON guard) that has taken the drafts before it; once a
-/// draft is one the row before may not sample, no later row can be kept (its sample never
-/// equals that draft), and they copy that row's mask. The sequence's own matcher is never
-/// touched: `deliver` feeds it the tokens the step keeps.
+/// The rows one plan holds of a sequence whose masks follow its tokens (a grammar's, a
+/// thinking budget's): the first samples after the tokens it has, each after it after one
+/// more of the step's drafts. Each draft row's mask is computed on copies of the sequence's
+/// matcher, JSON guard and budget that have taken the drafts before it; once a draft is one
+/// the row before may not sample, no later row can be kept (its sample never equals that
+/// draft), and they copy that row's mask. The sequence's own state is never touched:
+/// `deliver` feeds it the tokens the step keeps.
 struct DraftChain {
     /// (scheduler request id, sequence) of the rows.
     row_of: (u64, u32),
-    /// Where the mask of the chain's last row starts in the plan's mask bits.
-    last: usize,
+    /// Where the mask of the chain's last row starts in the plan's mask bits; None when that
+    /// row may sample any token.
+    last: Option<usize>,
     /// The copies, once a draft row needed them.
-    grammar: Option<(Matcher, Option<JsonGuard>)>,
-    /// A draft the row before may not sample (or that the copy could not take) came.
+    copies: Option<(Option<Matcher>, Option<JsonGuard>, Option<ThinkingBudget>)>,
+    /// A draft the row before may not sample (or that a copy could not take) came.
     dead: bool,
 }
 
 impl DraftChain {
-    /// Appends the mask of the row after `draft` (sequence `d` of `state`) to `bits`.
-    fn mask_after(&mut self, draft: u32, state: &RequestState, d: usize, bits: &mut Vec<i32>, width: usize) {
+    /// Appends the mask of the row after `draft` (sequence `d` of `state`) to `bits`; false
+    /// when that row may sample any token (nothing appended).
+    fn mask_after(
+        &mut self,
+        draft: u32,
+        state: &RequestState,
+        d: usize,
+        router: &Router,
+        bits: &mut Vec<i32>,
+        width: usize,
+    ) -> bool {
         let start = bits.len();
-        let last = self.last;
-        let allowed = (draft as usize) < width * 32 && bits[last + draft as usize / 32] & (1 << (draft % 32)) != 0;
-        self.dead |= !allowed;
+        let allowed =
+            |last: usize| (draft as usize) < width * 32 && bits[last + draft as usize / 32] & (1 << (draft % 32)) != 0;
+        self.dead |= !self.last.is_none_or(allowed);
         if !self.dead {
-            let (matcher, guard) =
-                self.grammar.get_or_insert_with(|| (state.matchers[d].clone(), state.guards.get(d).cloned()));
-            let taken = matcher.try_consume_tokens(&[draft]).is_ok_and(|n| n == 1);
-            if let Some(guard) = guard.as_mut().filter(|_| taken) {
-                guard.push(draft);
+            let (matcher, guard, budget) = self.copies.get_or_insert_with(|| {
+                (state.matchers.get(d).cloned(), state.guards.get(d).cloned(), state.budgets.get(d).cloned())
+            });
+            let mut taken = true;
+            if let Some(m) = matcher.as_mut() {
+                taken = m.try_consume_tokens(&[draft]).is_ok_and(|n| n == 1);
             }
-            match matcher.compute_mask_or_eos() {
-                Ok(vob) if taken => {
-                    bits.extend(vob.as_slice().iter().map(|&w| w as i32));
-                    bits.resize(start + width, 0);
-                    if let Some(guard) = guard {
-                        guard.restrict(&mut bits[start..]);
+            if let Some(g) = guard.as_mut().filter(|_| taken) {
+                g.push(draft);
+            }
+            if let Some(b) = budget.as_mut() {
+                let bytes = if b.reads_text() { router.tokenizer().token_bytes(draft) } else { Vec::new() };
+                b.push(draft, &bytes);
+            }
+            let forced = budget.as_ref().and_then(ThinkingBudget::forced);
+            let base = match matcher.as_mut() {
+                Some(m) => match m.compute_mask_or_eos() {
+                    Ok(vob) if taken => Some(Some(vob)),
+                    // (the sequence's own matcher meets any failure when it gets there)
+                    _ => None,
+                },
+                None => Some(None),
+            };
+            if let Some(vob) = base {
+                match (vob, &state.allowed) {
+                    (Some(vob), _) => bits.extend(vob.as_slice().iter().map(|&w| w as i32)),
+                    (None, Some(allowed)) => bits.extend_from_slice(allowed),
+                    (None, None) if forced.is_some() => {}
+                    (None, None) => {
+                        self.last = None;
+                        return false;
                     }
-                    return;
                 }
-                // (the sequence's own matcher meets any failure when it gets there)
-                _ => self.dead = true,
+                bits.resize(start + width, if matcher.is_some() || state.allowed.is_some() { 0 } else { -1 });
+                if let Some(g) = guard.as_ref() {
+                    g.restrict(&mut bits[start..]);
+                }
+                if let Some(t) = forced {
+                    force(&mut bits[start..], t);
+                }
+                self.last = Some(start);
+                return true;
             }
+            self.dead = true;
         }
-        bits.extend_from_within(last..last + width);
+        // (no later row is kept: the last row's mask, or none, keeps their samples possible)
+        match self.last {
+            Some(last) => {
+                bits.extend_from_within(last..last + width);
+                self.last = Some(start);
+                true
+            }
+            None => false,
+        }
     }
 }
 

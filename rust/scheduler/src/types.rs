@@ -156,8 +156,7 @@ pub struct NewRequest {
     /// Plan lists it per scheduled sequence; blocks are shared only within one adapter.
     pub lora: u32,
     /// Its decode steps may carry drafts when the scheduler speculates or it has a
-    /// `prediction`. The caller clears it for requests whose next row needs the token before
-    /// it (a thinking budget's forced `</think>`); beam searches never speculate.
+    /// `prediction` (false: they never do). Beam searches never speculate.
     pub speculate: bool,
     /// OpenAI's predicted output (`prediction`), tokenized: each sequence drafts the tokens
     /// that follow the place its output has reached in it (`speculate::from_prediction`).
