@@ -486,6 +486,23 @@ def check_draft_masks(runner: MaskRunner, reference: MaskRunner, ref_tokens: lis
     return live, dead
 
 
+def answers_with_and_without_drafts(router, kind: str, body: dict, script: list[int]):
+    """`body` run by a MaskRunner on `script`, without drafts then with n-gram drafts: (the
+    body, its runner) for each, and the stats of the run with drafts."""
+    def answer(**config):
+        core = make_core(router, **config)
+        handle = core.add(router.prepare(kind, orjson.dumps(body)))
+        runner = MaskRunner(router.vocab_size, script)
+        out, _ = run(core, runner)
+        assert core.stats()["used_blocks"] == 0
+        return orjson.loads(b"".join(out[handle])), runner, core.stats()
+
+    plain, reference, _ = answer()
+    drafted, runner, stats = answer(speculation={"num_tokens": 4, "lookup_min": 1, "lookup_max": 2},
+                                    draft_step_tokens=24)
+    return (plain, reference), (drafted, runner), stats
+
+
 def test_a_grammar_masks_each_draft_row_after_the_drafts_before_it(router):
     """With drafts, a constrained sequence's draft rows are masked as decoding would mask
     them once the drafts before them are taken; after a draft the row before may not sample,
@@ -495,21 +512,11 @@ def test_a_grammar_masks_each_draft_row_after_the_drafts_before_it(router):
     script = router.prepare("completion", orjson.dumps({"model": "m", "prompt": text})).prompt_token_ids[0]
     script = script[:9] + [script[3]] + script[9:]          # a token the grammar refuses there
     body = {"model": "m", "prompt": text[:20], "max_tokens": 50, "response_format": {"type": "json_object"}}
-
-    def answer(**config):
-        core = make_core(router, **config)
-        handle = core.add(router.prepare("completion", orjson.dumps(body)))
-        runner = MaskRunner(router.vocab_size, script)
-        out, _ = run(core, runner)
-        assert core.stats()["used_blocks"] == 0
-        return orjson.loads(b"".join(out[handle]))["choices"][0], runner, core.stats()
-
-    plain, reference, _ = answer()
-    drafted, runner, stats = answer(speculation={"num_tokens": 4, "lookup_min": 1, "lookup_max": 2},
-                                    draft_step_tokens=24)
-    assert drafted == plain
+    (plain, reference), (drafted, runner), stats = answers_with_and_without_drafts(router, "completion", body, script)
+    assert drafted["choices"] == plain["choices"]
     assert stats["spec_accepted_tokens"] > 10
-    ref_tokens = router.prepare("completion", orjson.dumps({"model": "m", "prompt": plain["text"]})).prompt_token_ids[0]
+    text = plain["choices"][0]["text"]
+    ref_tokens = router.prepare("completion", orjson.dumps({"model": "m", "prompt": text})).prompt_token_ids[0]
     live, dead = check_draft_masks(runner, reference, ref_tokens)
     assert live > 5 and dead > 0, (live, dead)
 
@@ -534,8 +541,8 @@ def think_router(tmp_path_factory):
 def test_a_thinking_budget_masks_each_draft_row_after_the_drafts_before_it(think_router, grammar):
     """thinking_token_budget with drafts: a draft row past the budget is forced to `</think>`
     as decoding would force it (here the step after `<think>` and four thought tokens drafts
-    across the budget) (and, with a grammar after the thinking, masked by it); the
-    answer, its thinking and usage are those without drafts."""
+    across the budget), and with a grammar after the thinking also masked by it; the answer,
+    its thinking and usage are those without drafts."""
     router, tok = think_router
     thought, answer_text = " a b a b a b a b a b a b", ' {"a": [1, 2, 1, 2, 1, 2, 1, 2]}'
     script = tok.encode("<think>" + thought + "</think>" + answer_text, add_special_tokens=False).ids
@@ -543,18 +550,7 @@ def test_a_thinking_budget_masks_each_draft_row_after_the_drafts_before_it(think
             "thinking_token_budget": 5, "return_token_ids": True}
     if grammar:
         body["response_format"] = {"type": "json_object"}
-
-    def answer(**config):
-        core = make_core(router, **config)
-        handle = core.add(router.prepare("chat", orjson.dumps(body)))
-        runner = MaskRunner(router.vocab_size, script)
-        out, _ = run(core, runner)
-        assert core.stats()["used_blocks"] == 0
-        return orjson.loads(b"".join(out[handle])), runner, core.stats()
-
-    plain, reference, _ = answer()
-    drafted, runner, stats = answer(speculation={"num_tokens": 4, "lookup_min": 1, "lookup_max": 2},
-                                    draft_step_tokens=24)
+    (plain, reference), (drafted, runner), stats = answers_with_and_without_drafts(router, "chat", body, script)
     assert drafted["choices"] == plain["choices"] and drafted["usage"] == plain["usage"]
     ids = plain["choices"][0]["token_ids"]
     assert ids[6] == tok.token_to_id("</think>") and plain["usage"]["completion_tokens_details"]["reasoning_tokens"] == 5
