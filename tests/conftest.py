@@ -30,6 +30,16 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol():
+    """`llmserve run` on the default model (SmolLM2-135M-Instruct), shared by the end-to-end
+    modules that need nothing else of it: a test must not assume what the others left in its
+    prefix cache or counters (measure before and after instead)."""
+    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_model):
     server = ServerProcess(str(tiny_model), "--served-model-name", "tiny",
                            "--served-model-name", "tiny-alias", "--num-kv-blocks", "200",

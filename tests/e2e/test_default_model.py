@@ -12,16 +12,8 @@ import httpx
 import openai
 import pytest
 
-from server import ServerProcess
 
 _TEXTS = ["Hello, world!", "Café naïve 東京 😀", "def f(x):\n\treturn x  *  2\n", "  spaces   and\n\nnewlines 12345"]
-
-
-@pytest.fixture(scope="module")
-def smol_server():
-    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +27,13 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def test_served_name_and_context(smol_server):
-    data = httpx.get(smol_server.url + "/v1/models").json()["data"]
+def test_served_name_and_context(smol):
+    data = httpx.get(smol.url + "/v1/models").json()["data"]
     assert [m["id"] for m in data] == ["SmolLM2-135M-Instruct"]
     assert data[0]["max_model_len"] == 2048
 
 
-def test_tokenize_matches_tokenizers(smol_server, hf_tokenizer):
+def test_tokenize_matches_tokenizers(smol, hf_tokenizer):
     from tokenizers import pre_tokenizers
 
     # NOTE: the GGUF's pre-tokenizer "smollm" splits digits one by one (SmolLM2's own
@@ -53,29 +45,29 @@ def test_tokenize_matches_tokenizers(smol_server, hf_tokenizer):
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     for text in _TEXTS:
-        ours = httpx.post(smol_server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+        ours = httpx.post(smol.url + "/tokenize", json={"prompt": text}).json()["tokens"]
         assert ours == ref.encode(text, add_special_tokens=True).ids, text
 
 
-def test_render_matches_apply_chat_template(smol_server, hf_tokenizer):
+def test_render_matches_apply_chat_template(smol, hf_tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
-    ours = httpx.post(smol_server.url + "/v1/chat/completions/render",
+    ours = httpx.post(smol.url + "/v1/chat/completions/render",
                       json={"model": "SmolLM2-135M-Instruct", "messages": messages}).json()
     ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours["prompt"] == ref
     # OpenAI's `developer` role is system instructions: SmolLM2's template never names it, so
     # it renders as `system` (replacing the default system prompt), not as a role of its own
     developer = [{"role": "developer", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
-    ours = httpx.post(smol_server.url + "/v1/chat/completions/render",
+    ours = httpx.post(smol.url + "/v1/chat/completions/render",
                       json={"model": "SmolLM2-135M-Instruct", "messages": developer}).json()
     assert ours["prompt"] == ref
 
 
-def test_text_parts_join_for_a_string_template(smol_server):
+def test_text_parts_join_for_a_string_template(smol):
     # SmolLM2's template concatenates `content`: list-of-parts content is joined with "\n"
     # (detected from the template), not printed as a list.
     def render(content):
-        return httpx.post(smol_server.url + "/v1/chat/completions/render", json={
+        return httpx.post(smol.url + "/v1/chat/completions/render", json={
             "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}]}).json()
 
     parts = render([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
@@ -83,8 +75,8 @@ def test_text_parts_join_for_a_string_template(smol_server):
     assert "'type'" not in parts["prompt"]
 
 
-def test_chat_answers(smol_server):
-    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+def test_chat_answers(smol):
+    with openai.OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0) as c:
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
         text = r.choices[0].message.content
@@ -96,13 +88,13 @@ def test_chat_answers(smol_server):
         assert "".join(parts) == text
 
 
-def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
+def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol):
     """CONTRACT: the same prompt and parameters give the same tokens run after run. The second
     and third runs find the prompt's first block in the prefix cache and compute only its
     short tail: every prompt token must compute to the same bits either way (worker/
     threads.py), or the int8-activation decode steps amplify the difference."""
     prompt = "In a quiet village by the sea, an old fisherman named Tobias told stories every night about"
-    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+    with openai.OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0) as c:
         runs = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8,
                                      temperature=0, logprobs=1) for _ in range(3)]
         chats = [c.chat.completions.create(
@@ -129,14 +121,14 @@ def test_greedy_answers_repeat_with_a_warm_prefix_cache(smol_server):
     assert lp[1] == lp[0]
 
 
-def test_the_next_turn_answers_the_same_whatever_the_cache_holds(smol_server):
+def test_the_next_turn_answers_the_same_whatever_the_cache_holds(smol):
     """A prompt that holds an earlier request's answer (a chat's next turn) gets the same tokens
     whether that answer's K/V is still cached or not: on CPU a decode step computes K/V with
     other numerics than a prompt step, so blocks a decode step computed are not reused (audit
     10 saw turn 2 flip from "Carrots" to "Tomatoes"). `cache_salt` gives the uncached run."""
     model = "SmolLM2-135M-Instruct"
     prompt = "The engineers met on Monday to discuss the broken bridge. First, they"
-    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+    with openai.OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0) as c:
         first = c.completions.create(model=model, prompt=prompt, max_tokens=64, temperature=0,
                                      extra_body={"ignore_eos": True})
         follow = prompt + first.choices[0].text + " Then"
@@ -149,7 +141,7 @@ def test_the_next_turn_answers_the_same_whatever_the_cache_holds(smol_server):
     assert runs[0].choices[0].logprobs.token_logprobs == runs[1].choices[0].logprobs.token_logprobs
 
 
-def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf_tokenizer):
+def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol, hf_tokenizer):
     """vLLM's `return_token_ids`, as RL rollout clients read it: chat's `prompt_token_ids` are
     the rendered prompt's ids (checked against transformers' template and tokenizer), each
     choice's `token_ids` are every token sampled, the closing <|im_end|> included, so they
@@ -159,7 +151,7 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol_server, hf
     in `token_ids`."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     im_end = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0) as c:
+    with openai.OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0) as c:
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
                                       messages=messages, extra_body={"return_token_ids": True})
         chunks = list(c.chat.completions.create(

@@ -28,13 +28,6 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
-    yield server
-    server.stop()
-
-
 def _client(server, key: str = "x") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=120)
 

@@ -23,13 +23,6 @@ from test_tool_formats import HERMES, TIME, WEATHER
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
-    yield server
-    server.stop()
-
-
 def _client(server) -> OpenAI:
     return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 

@@ -19,16 +19,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server import ServerProcess
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

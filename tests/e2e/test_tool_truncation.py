@@ -22,7 +22,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server import ServerProcess, tiny_template_server
+from server import tiny_template_server
 from test_tool_formats import ASK, HERMES, TIME, WEATHER
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
@@ -33,11 +33,9 @@ def tools(n: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(None, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
-    with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+def smol_client(smol):
+    with OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         yield client
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +67,14 @@ def collect(stream):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f1"}}],
                          ids=["required", "named"])
-def test_forced_call_cut_off_keeps_its_name(smol, choice):
+def test_forced_call_cut_off_keeps_its_name(smol_client, choice):
     named = isinstance(choice, dict)
-    req = dict(model=model_of(smol), messages=[{"role": "user", "content": "Call a function."}],
+    req = dict(model=model_of(smol_client), messages=[{"role": "user", "content": "Call a function."}],
                tools=tools(20), tool_choice=choice, temperature=0)
     # Cut before the name is complete: nothing at all (the JSON is not content either), and
     # content null as for any forced turn, as the stream's deltas (none) sum to. A named
     # call in the default JSON format is its arguments alone: the call is there from the start.
-    early = smol.chat.completions.create(**req, max_tokens=2).choices[0]
+    early = smol_client.chat.completions.create(**req, max_tokens=2).choices[0]
     assert (early.finish_reason, early.message.content) == ("length", None)
     if named:
         assert [t.function.name for t in early.message.tool_calls] == ["f1"]
@@ -85,7 +83,7 @@ def test_forced_call_cut_off_keeps_its_name(smol, choice):
         assert early.message.tool_calls is None
     # the audit's cut: just after the name (a named call's arguments: inside them)
     req["max_tokens"] = 4 if named else 16
-    whole = smol.chat.completions.create(**req).choices[0]
+    whole = smol_client.chat.completions.create(**req).choices[0]
     assert whole.finish_reason == "length", whole
     assert not whole.message.content, whole.message.content
     assert whole.message.tool_calls, whole
@@ -96,20 +94,20 @@ def test_forced_call_cut_off_keeps_its_name(smol, choice):
     # Whatever was generated of the arguments is a prefix of an arguments object.
     assert call.function.arguments == "" or call.function.arguments.startswith("{")
 
-    content, calls, finish = collect(smol.chat.completions.create(**req, stream=True))
+    content, calls, finish = collect(smol_client.chat.completions.create(**req, stream=True))
     assert (content, finish) == ("", "length")
     assert [(n, a) for _, n, a in calls] == [(t.function.name, t.function.arguments)
                                              for t in whole.message.tool_calls]
 
 
-def test_named_choice_finishes_stop(smol):
-    req = dict(model=model_of(smol), messages=[{"role": "user", "content": "Call f3."}], tools=tools(5),
+def test_named_choice_finishes_stop(smol_client):
+    req = dict(model=model_of(smol_client), messages=[{"role": "user", "content": "Call f3."}], tools=tools(5),
                tool_choice={"type": "function", "function": {"name": "f3"}}, max_tokens=200, temperature=0)
-    whole = smol.chat.completions.create(**req).choices[0]
+    whole = smol_client.chat.completions.create(**req).choices[0]
     assert whole.finish_reason == "stop", whole
     assert [t.function.name for t in whole.message.tool_calls] == ["f3"]
     json.loads(whole.message.tool_calls[0].function.arguments)
-    _, calls, finish = collect(smol.chat.completions.create(**req, stream=True))
+    _, calls, finish = collect(smol_client.chat.completions.create(**req, stream=True))
     assert finish == "stop" and [c[1] for c in calls] == ["f3"]
     # (arguments the grammar bounds: a free string lets this model write on to max_tokens
     # on some CPUs, whose kernels tip its near-ties)
@@ -117,19 +115,19 @@ def test_named_choice_finishes_stop(smol):
              "required": ["a"]}
     req.update(tool_choice="required", parallel_tool_calls=False,
                tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": digit}} for i in range(5)])
-    assert smol.chat.completions.create(**req).choices[0].finish_reason == "tool_calls"
+    assert smol_client.chat.completions.create(**req).choices[0].finish_reason == "tool_calls"
 
 
-def test_too_many_tools_for_a_forced_call_is_a_400(smol):
-    model = model_of(smol)
+def test_too_many_tools_for_a_forced_call_is_a_400(smol_client):
+    model = model_of(smol_client)
     with pytest.raises(openai.BadRequestError) as e:
-        smol.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+        smol_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                      tools=tools(2000), tool_choice="required", max_tokens=16)
     err = e.value.body
     assert err["param"] == "tools" and err["code"] == "invalid_value", err
     assert "2000" in err["message"], err
     # Auto does not constrain: the tools are fine there.
-    r = smol.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+    r = smol_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                      tools=tools(2000), max_tokens=4)
     assert r.choices[0].finish_reason in ("stop", "length")
 
