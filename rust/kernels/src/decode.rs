@@ -130,8 +130,16 @@ pub(crate) fn run<E: KvElem>(
     }
     // NOTE: items are handed out a few at a time from a shared queue rather than split in
     // fixed ranges: on a shared machine one thread can be descheduled mid-call (or start
-    // late), and a static split would make the whole call wait for it.
-    let grain = (items / (threads * 8)).max(1);
+    // late), and a static split would make the whole call wait for it. Where rows begin with
+    // the same block (a prompt's tokens, forks of one prompt), whole rows go out, at least two
+    // at a time, so that `attend_rows` reads their shared blocks once.
+    let w = shape.block_table_width;
+    let shares = shape.window == 0 && (1..shape.num_seqs).any(|r| ctx.tables[r * w] == ctx.tables[(r - 1) * w]);
+    let grain = if shares {
+        (shape.num_seqs / (threads * 8)).max(2) * shape.num_kv_heads
+    } else {
+        (items / (threads * 8)).max(1)
+    };
     let queue = Mutex::new(out.chunks_mut(grain * item_len).enumerate());
     let work = || loop {
         let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
@@ -280,29 +288,24 @@ fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &
     }
 }
 
-/// The most rows grouped by [`attend_rows`]: one block of a prompt's tokens.
+/// The most rows grouped by [`attend_rows`]: one block of a prompt's tokens (and at most
+/// the bits of a `u16`).
 const ROWS: usize = 16;
 
-/// How many rows from `seq` on (at most `avail`, and [`ROWS`]) read the same blocks: each row's
-/// blocks are the first of the next one's, as a prompt's consecutive tokens' are.
+/// How many rows from `seq` on (at most `avail`, and [`ROWS`]) begin with the same block: a
+/// prompt's consecutive tokens (each row's blocks the first of the next one's), or sequences
+/// forked from one prompt (`n` > 1) or sharing a cached prefix, whose blocks part after it.
 fn shared_rows<E>(ctx: &Ctx<'_, E>, seq: usize, avail: usize) -> usize {
-    let s = &ctx.shape;
-    let blocks = |r: usize| &ctx.tables[r * s.block_table_width..][..ctx.seq_lens[r].div_ceil(s.block_size)];
-    let mut rows = 1;
-    while rows < avail.min(ROWS) {
-        let (prev, next) = (blocks(seq + rows - 1), blocks(seq + rows));
-        if ctx.seq_lens[seq + rows] < ctx.seq_lens[seq + rows - 1] || !next.starts_with(prev) {
-            break;
-        }
-        rows += 1;
-    }
-    rows
+    let w = ctx.shape.block_table_width;
+    let first = ctx.tables[seq * w];
+    1 + (seq + 1..seq + avail.min(ROWS)).take_while(|&r| ctx.tables[r * w] == first).count()
 }
 
-/// Rows seq..seq + rows (all their kv heads), which [`shared_rows`] found reading the same
-/// blocks, the last the longest: each block is read (and widened) once for all of them, and
-/// each row computes it exactly as [`attend_run`] alone would (the same tiles, in the same
-/// order), so its result is the same bits. out = [rows, num_heads, d].
+/// Rows seq..seq + rows (all their kv heads), which [`shared_rows`] found beginning with the
+/// same block: block by block, each distinct block the rows hold there is read (and widened)
+/// once for all the rows that hold it, and each row computes it exactly as [`attend_run`]
+/// alone would (the same tiles, in the same order), so its result is the same bits.
+/// out = [rows, num_heads, d].
 #[inline(always)]
 fn attend_rows<E: KvElem, const FMA: bool>(
     ctx: &Ctx<'_, E>,
@@ -315,8 +318,10 @@ fn attend_rows<E: KvElem, const FMA: bool>(
     let (d, g, bs, nh) = (s.head_dim, ctx.group, s.block_size, s.num_heads);
     let row_stride = s.num_kv_heads * d;
     let block_stride = bs * row_stride;
-    let last = seq + rows - 1;
-    let table = &ctx.tables[last * s.block_table_width..][..ctx.seq_lens[last].div_ceil(bs)];
+    let lens = &ctx.seq_lens[seq..seq + rows];
+    let tables: Vec<&[i32]> =
+        (0..rows).map(|r| &ctx.tables[(seq + r) * s.block_table_width..][..lens[r].div_ceil(bs)]).collect();
+    let blocks = tables.iter().map(|t| t.len()).max().unwrap_or(0);
     let row_len = nh * d;
     sc.qs.resize(rows * row_len, 0.0);
     sc.acc.resize(rows * row_len, 0.0);
@@ -330,37 +335,40 @@ fn attend_rows<E: KvElem, const FMA: bool>(
     acc.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     l.fill(0.0);
-    let span = |b: usize, n: usize| {
-        let base = table[b] as usize * block_stride;
+    let span = |id: i32, n: usize| {
+        let base = id as usize * block_stride;
         base..base + n * row_stride
     };
+    // (the rows that hold block b and the first of them to hold each one: its readers)
+    let holds = |r: usize, b: usize| tables[r].get(b).copied();
+    let first_reader = |r: usize, b: usize| holds(r, b).is_some() && (0..r).all(|o| holds(o, b) != holds(r, b));
+    let used = |r: usize, b: usize| bs.min(lens[r] - b * bs);
+    let widest = |r: usize, b: usize| (r..rows).filter(|&o| holds(o, b) == holds(r, b)).map(|o| used(o, b)).max();
     let prefetch = |b: usize| {
-        if b < table.len() {
-            for r in span(b, bs.min(ctx.seq_lens[last] - b * bs)).step_by(row_stride) {
-                simd::prefetch(&ctx.k[r..r + row_stride]);
-                simd::prefetch(&ctx.v[r..r + row_stride]);
+        for r in (0..rows).filter(|&r| first_reader(r, b)) {
+            for x in span(tables[r][b], widest(r, b).unwrap_or(0)).step_by(row_stride) {
+                simd::prefetch(&ctx.k[x..x + row_stride]);
+                simd::prefetch(&ctx.v[x..x + row_stride]);
             }
         }
     };
     (0..AHEAD).for_each(prefetch);
-    for b in 0..table.len() {
+    for b in 0..blocks {
         prefetch(b + AHEAD);
-        let widest = bs.min(ctx.seq_lens[last] - b * bs);
-        let whole = span(b, widest);
-        let (keys, vals) = as_f32::<E, FMA>(&ctx.k[whole.clone()], &ctx.v[whole], &mut sc.keys, &mut sc.vals);
-        for r in 0..rows {
-            let len = ctx.seq_lens[seq + r];
-            if len <= b * bs {
-                continue;
+        for first in (0..rows).filter(|&r| first_reader(r, b)) {
+            let id = tables[first][b];
+            let whole = span(id, widest(first, b).unwrap_or(0));
+            let (keys, vals) = as_f32::<E, FMA>(&ctx.k[whole.clone()], &ctx.v[whole], &mut sc.keys, &mut sc.vals);
+            for r in (first..rows).filter(|&r| holds(r, b) == Some(id)) {
+                let n = used(r, b);
+                let tile = avx2::Tile { n, row_stride, d, kvs: s.num_kv_heads, g, bs };
+                let used = n * row_stride;
+                let (qs, acc) = (&qs[r * row_len..][..row_len], &mut acc[r * row_len..][..row_len]);
+                let (m, l) = (&mut m[r * nh..][..nh], &mut l[r * nh..][..nh]);
+                tile_scores::<FMA>(qs, &keys[..used], tile, scores);
+                online_softmax(scores, tile, s.softcap, m, l, acc);
+                tile_accumulate::<FMA>(scores, &vals[..used], tile, acc);
             }
-            let n = bs.min(len - b * bs);
-            let tile = avx2::Tile { n, row_stride, d, kvs: s.num_kv_heads, g, bs };
-            let used = n * row_stride;
-            let (qs, acc) = (&qs[r * row_len..][..row_len], &mut acc[r * row_len..][..row_len]);
-            let (m, l) = (&mut m[r * nh..][..nh], &mut l[r * nh..][..nh]);
-            tile_scores::<FMA>(qs, &keys[..used], tile, scores);
-            online_softmax(scores, tile, s.softcap, m, l, acc);
-            tile_accumulate::<FMA>(scores, &vals[..used], tile, acc);
         }
     }
     normalize(out, acc, l, d);

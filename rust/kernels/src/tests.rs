@@ -373,6 +373,60 @@ fn prompt_rows_compute_as_alone<E: crate::KvElem>() {
     }
 }
 
+/// Sequences forked from one prompt (or sharing a cached prefix) share their first blocks and
+/// part after them; grouped, each still computes as alone.
+fn forked_rows_compute_as_alone<E: crate::KvElem>() {
+    let lens = [70, 53, 70, 48, 33, 70, 70];
+    let base = make_case(5, 9, 3, 64, 16, &lens);
+    let w = base.shape.block_table_width;
+    let mut tables = base.tables.clone();
+    let own = |r: usize, b: usize| base.tables[r * w + b];
+    // rows 1..=4 share row 0's first three blocks (row 3 ends there, row 4 holds a part of
+    // it); row 2 is row 0 again; row 5 shares one block; row 6 its own
+    for r in 1..=4 {
+        for b in 0..3.min((lens[r] as usize).div_ceil(16)) {
+            tables[r * w + b] = own(0, b);
+        }
+    }
+    for b in 0..5 {
+        tables[2 * w + b] = own(0, b);
+    }
+    tables[5 * w] = own(0, 0);
+    let (k, v): (Vec<E>, Vec<E>) =
+        (base.k.iter().map(|&x| E::narrow(x)).collect(), base.v.iter().map(|&x| E::narrow(x)).collect());
+    let q = Rng(3).vec(lens.len() * 9 * 64, 2.0);
+    let row_len = 9 * 64;
+    for softcap in [0.0, 0.8] {
+        let mut shape = base.shape;
+        shape.softcap = softcap;
+        for isa in isas() {
+            let alone: Vec<f32> = (0..lens.len())
+                .flat_map(|r| {
+                    let mut one = shape;
+                    one.num_seqs = 1;
+                    let mut out = vec![f32::NAN; row_len];
+                    let (q, t) = (&q[r * row_len..][..row_len], &tables[r * w..][..w]);
+                    run(&mut out, q, &k, &v, t, &lens[r..r + 1], one, 1, isa).unwrap();
+                    out
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let mut got = vec![f32::NAN; q.len()];
+                run(&mut got, &q, &k, &v, &tables, &lens, shape, threads, isa).unwrap();
+                let same = got.iter().zip(&alone).position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(same, None, "{} {isa:?} threads {threads} softcap {softcap}", E::NAME);
+            }
+        }
+    }
+}
+
+#[test]
+fn forked_rows_read_shared_blocks_once_and_compute_as_alone() {
+    forked_rows_compute_as_alone::<f32>();
+    forked_rows_compute_as_alone::<crate::Bf16>();
+    forked_rows_compute_as_alone::<crate::Fp8E4M3>();
+}
+
 #[test]
 fn prompt_rows_read_blocks_once_and_compute_as_alone() {
     prompt_rows_compute_as_alone::<f32>();
