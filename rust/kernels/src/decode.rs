@@ -356,7 +356,7 @@ fn attend_rows<E: KvElem, const FMA: bool>(
     for b in 0..blocks {
         prefetch(b + AHEAD);
         for first in (0..rows).filter(|&r| first_reader(r, b)) {
-            let id = tables[first][b];
+            let Some(id) = holds(first, b) else { continue };
             let whole = span(id, widest(first, b).unwrap_or(0));
             let (keys, vals) = as_f32::<E, FMA>(&ctx.k[whole.clone()], &ctx.v[whole], &mut sc.keys, &mut sc.vals);
             for r in (first..rows).filter(|&r| holds(r, b) == Some(id)) {
