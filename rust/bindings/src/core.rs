@@ -176,6 +176,18 @@ impl RequestState {
         }
     }
 
+    /// The bytes that end this request with `err`, after what a stream still held unsent (the
+    /// output before the failure reaches the client as it would have token by token).
+    fn failure(&mut self, err: &ApiError) -> Vec<u8> {
+        if self.builder.streams() {
+            self.send_due(1);
+        }
+        let mut bytes = self.builder.take();
+        self.started |= !bytes.is_empty();
+        bytes.extend(self.error_bytes(err));
+        bytes
+    }
+
     /// Pushes what sequence `d` (indexed as `detoks`) has not sent to the choices it answers.
     fn send(&mut self, d: usize) {
         let (prompt, seq) = (d as u32 / self.seqs_per_prompt, d as u32 % self.seqs_per_prompt);
@@ -268,6 +280,9 @@ struct PlanState {
     /// Requests whose grammar could not compute a mask for it, with why: the step lets
     /// only EOS through on their rows, and commit fails them.
     mask_failures: Vec<(u64, String)>,
+    /// Draft rows whose mask the grammar failed to compute, with why (`DraftChain::failed`):
+    /// a request whose sample from such a row is kept fails.
+    draft_failures: Vec<(usize, String)>,
     /// Some row has a grammar mask, or a thinking budget that may close its block within two
     /// steps: the next plan cannot be made before its tokens are known.
     masked: bool,
@@ -378,7 +393,7 @@ impl CoreState {
                     Pooling::Last => SeqPooling::Last,
                     Pooling::Mean => SeqPooling::Mean,
                 }),
-                // (a grammar's or a thinking budget's next mask needs the token before it)
+                // (a grammar's and a thinking budget's draft rows are masked by `DraftChain`)
                 speculate: true,
                 prediction: prepared.prediction.clone(),
             });
@@ -471,7 +486,7 @@ impl CoreState {
                 }
             }
         }
-        let (masks, mask_failures, masked) = self.masks(&plan);
+        let (masks, mask_failures, draft_failures, masked) = self.masks(&plan);
         self.inflight.push_back(PlanState {
             reqs: plan.seq_req_ids.clone(),
             prompt_lp: plan
@@ -482,6 +497,7 @@ impl CoreState {
                 .collect(),
             pool: plan.pool_req_ids.clone(),
             mask_failures,
+            draft_failures,
             masked,
         });
         Some((plan, masks))
@@ -492,13 +508,15 @@ impl CoreState {
     /// row is set when token `t` may be sampled. Also the requests whose matcher could not
     /// compute one, with why, and whether the next plan must wait for this one's tokens (a
     /// grammar's next mask needs them, as may a thinking budget's).
-    fn masks(&mut self, plan: &Plan) -> (Masks, Vec<(u64, String)>, bool) {
+    #[allow(clippy::type_complexity)]
+    fn masks(&mut self, plan: &Plan) -> (Masks, Vec<(u64, String)>, Vec<(usize, String)>, bool) {
         let width = self.mask_vocab.div_ceil(32);
         let mut masks = Masks { rows: Vec::new(), bits: Vec::new(), width };
         let mut failures = Vec::new();
         let mut masked = false;
         // The grammar rows of the sequence before: its draft rows follow it.
         let mut chain: Option<DraftChain> = None;
+        let mut draft_failures = Vec::new();
         for (row, (&req_id, &seq)) in plan.row_req_ids.iter().zip(&plan.row_seq_index).enumerate() {
             let Some(&(handle, prompt_idx)) = self.owners.get(&req_id) else { continue };
             let Some(state) = self.requests.get_mut(&handle) else { continue };
@@ -510,6 +528,9 @@ impl CoreState {
                 if c.mask_after(draft, state, d, &self.router, &mut masks.bits, width) {
                     masks.rows.push(row as i64);
                 }
+                if let Some(why) = c.failed.take() {
+                    draft_failures.push((row, why));
+                }
                 continue;
             }
             // (a sequence whose masks follow its tokens)
@@ -518,6 +539,7 @@ impl CoreState {
                 last: None,
                 copies: None,
                 dead: false,
+                failed: None,
             });
             let budget = state.budgets.get(d);
             masked |= budget.is_some_and(ThinkingBudget::may_force_soon);
@@ -567,9 +589,7 @@ impl CoreState {
                     if let Some(eos) = self.eos {
                         out[eos as usize / 32] |= 1 << (eos % 32);
                     }
-                    let why = e.to_string();
-                    let why = why.lines().next().unwrap_or_default().to_string();
-                    failures.push((handle, format!("Constrained decoding failed: {why}")));
+                    failures.push((handle, grammar_failure(&e)));
                     if let Some(key) = &state.grammar_key {
                         self.router.grammars().evict(key);
                     }
@@ -577,7 +597,7 @@ impl CoreState {
             }
             masks.rows.push(row as i64);
         }
-        (masks, failures, masked)
+        (masks, failures, draft_failures, masked)
     }
 
     /// Hand a plan's prompt logprobs (`entries`, as `PlanState::prompt_lp`) to their
@@ -650,6 +670,10 @@ impl CoreState {
             if failed.iter().any(|(h, _)| *h == handle) || ended.contains(&(u.req_id, u.seq_index)) {
                 continue;
             }
+            if let Some((_, why)) = plan.draft_failures.iter().find(|(row, _)| *row == u.sample_row) {
+                failed.push((handle, why.clone()));
+                continue;
+            }
             let Some(state) = self.requests.get_mut(&handle) else { continue };
             if !touched.contains(&handle) {
                 touched.push(handle);
@@ -698,14 +722,7 @@ impl CoreState {
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
             if let Some(mut state) = self.forget(handle) {
-                out.push((
-                    handle,
-                    state.error_bytes(&ApiError::Internal { message }),
-                    Some("error"),
-                    true,
-                    0,
-                    Vec::new(),
-                ));
+                out.push((handle, state.failure(&ApiError::Internal { message }), Some("error"), true, 0, Vec::new()));
             }
         }
         for handle in touched {
@@ -804,7 +821,7 @@ impl CoreState {
         handles.dedup();
         handles
             .into_iter()
-            .filter_map(|h| self.forget(h).map(|mut s| (h, s.error_bytes(&err), Some("error"), true, 0, Vec::new())))
+            .filter_map(|h| self.forget(h).map(|mut s| (h, s.failure(&err), Some("error"), true, 0, Vec::new())))
             .collect()
     }
 }
@@ -826,6 +843,9 @@ struct DraftChain {
     copies: Option<(Option<Matcher>, Option<JsonGuard>, Option<ThinkingBudget>)>,
     /// A draft the row before may not sample (or that a copy could not take) came.
     dead: bool,
+    /// Why the copies could not mask the last row (the grammar failed after its drafts): the
+    /// request fails if that row's sample is kept, as it would have failed without drafts.
+    failed: Option<String>,
 }
 
 impl DraftChain {
@@ -850,7 +870,13 @@ impl DraftChain {
             });
             let mut taken = true;
             if let Some(m) = matcher.as_mut() {
-                taken = m.try_consume_tokens(&[draft]).is_ok_and(|n| n == 1);
+                taken = match m.try_consume_tokens(&[draft]) {
+                    Ok(n) => n == 1,
+                    Err(e) => {
+                        self.failed = Some(grammar_failure(&e));
+                        false
+                    }
+                };
             }
             if let Some(g) = guard.as_mut().filter(|_| taken) {
                 g.push(draft);
@@ -861,11 +887,14 @@ impl DraftChain {
             }
             let forced = budget.as_ref().and_then(ThinkingBudget::forced);
             let base = match matcher.as_mut() {
-                Some(m) => match m.compute_mask_or_eos() {
-                    Ok(vob) if taken => Some(Some(vob)),
-                    // (the sequence's own matcher meets any failure when it gets there)
-                    _ => None,
+                Some(m) if taken => match m.compute_mask_or_eos() {
+                    Ok(vob) => Some(Some(vob)),
+                    Err(e) => {
+                        self.failed = Some(grammar_failure(&e));
+                        None
+                    }
                 },
+                Some(_) => None,
                 None => Some(None),
             };
             if let Some(vob) = base {
@@ -900,6 +929,13 @@ impl DraftChain {
             None => false,
         }
     }
+}
+
+/// A grammar's failure as a request's error says it: the first line of llguidance's message
+/// (its parser state follows).
+fn grammar_failure(e: &dyn std::fmt::Display) -> String {
+    let why = e.to_string();
+    format!("Constrained decoding failed: {}", why.lines().next().unwrap_or_default())
 }
 
 /// What `deliver` made of a token.
@@ -1018,9 +1054,9 @@ fn deliver(
     state.new_tokens += choices.len() as u32;
     // (the step's other tokens join it; `commit` pushes them to the choices)
     state.unsent[d].add(&delta);
-    // The builder may end the choice itself (its one allowed tool call complete): it reads
-    // each token as it comes.
-    if state.builder.may_end_choice(first_choice) {
+    // A tool-call parser reads each token as it comes: the builder may end the choice at its
+    // one allowed call, and it sends a push's content before its call pieces.
+    if state.builder.pushes_each_token(first_choice) {
         state.send(d);
         if finish.is_none() && state.builder.choice_finished(first_choice) {
             ended = true;

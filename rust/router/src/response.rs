@@ -1416,12 +1416,14 @@ impl ResponseBuilder {
         }
     }
 
-    /// Whether the builder may end `choice` itself, at its one allowed tool call's end
-    /// (`parallel_tool_calls: false`): its tokens are then pushed one by one, so that its
-    /// sequence stops at that token.
-    pub fn may_end_choice(&self, choice: u32) -> bool {
-        let parallel = self.tools.as_ref().is_some_and(|t| t.parallel);
-        !parallel && self.choices.get(choice as usize).is_some_and(|c| c.parser.is_some())
+    /// Whether `choice`'s tokens must be pushed one by one: a tool-call parser reads its
+    /// output. The builder may end such a choice itself, at its one allowed call's end
+    /// (`parallel_tool_calls: false`), and its sequence must stop at that token; and a push
+    /// sends its content before its call pieces, so text after a call's end in the same push
+    /// would go out ahead of the call's last arguments (Messages and Responses events close the
+    /// call's block at that text).
+    pub fn pushes_each_token(&self, choice: u32) -> bool {
+        self.choices.get(choice as usize).is_some_and(|c| c.parser.is_some())
     }
 
     /// Whether the output goes out as it comes (SSE, or a background response's events).
