@@ -248,9 +248,9 @@ unsafe fn items_avx2<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32])
 /// Consecutive items of one sequence (its kv heads h0..h1) are computed together, block by
 /// block: a token's K (and V) rows of those heads are adjacent in the cache, so each block is
 /// read as one contiguous stretch the hardware prefetchers follow, instead of 256-byte pieces
-/// at a 768-byte stride once per kv head. Consecutive whole rows that read the same blocks (a
-/// prompt's tokens, each a row of its own: [`shared_rows`]) are computed together too, each
-/// block once for all of them ([`attend_rows`]). Each item's arithmetic, in token order, is the
+/// at a 768-byte stride once per kv head. Consecutive whole rows that begin with the same block
+/// (a prompt's tokens, each a row of its own, or forks of one prompt: [`shared_rows`]) are
+/// computed together too, each block they share once for all of them ([`attend_rows`]). Each item's arithmetic, in token order, is the
 /// same whichever items share its run, so the result still does not depend on the threads.
 #[inline(always)]
 fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
