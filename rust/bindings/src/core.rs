@@ -176,14 +176,15 @@ impl RequestState {
         }
     }
 
-    /// The bytes that end this request with `err`, after what a stream still held unsent (the
-    /// output before the failure reaches the client as it would have token by token).
+    /// The bytes that end this request with `err`: once its stream has begun, what it still
+    /// held unsent first (the output before the failure reaches the client as it would have
+    /// token by token); before that, the error alone (a 500: nothing has gone out).
     fn failure(&mut self, err: &ApiError) -> Vec<u8> {
-        if self.builder.streams() {
+        let mut bytes = Vec::new();
+        if self.started && self.builder.streams() {
             self.send_due(1);
+            bytes = self.builder.take();
         }
-        let mut bytes = self.builder.take();
-        self.started |= !bytes.is_empty();
         bytes.extend(self.error_bytes(err));
         bytes
     }
