@@ -328,6 +328,37 @@ fn bf16_and_fp8_caches_read_as_their_f32_values() {
     narrow_reads_as_widened::<crate::Fp8E5M2>();
 }
 
+/// Every row of one call (`shape.num_seqs` of them) gets exactly the bits it gets run alone,
+/// on each instruction set and with 1 to 3 threads.
+fn rows_compute_as_alone<E: crate::KvElem>(
+    q: &[f32],
+    k: &[E],
+    v: &[E],
+    tables: &[i32],
+    lens: &[i32],
+    shape: DecodeShape,
+) {
+    let (w, row_len) = (shape.block_table_width, shape.num_heads * shape.head_dim);
+    for isa in isas() {
+        let alone: Vec<f32> = (0..lens.len())
+            .flat_map(|r| {
+                let mut one = shape;
+                one.num_seqs = 1;
+                let mut out = vec![f32::NAN; row_len];
+                let (q, t) = (&q[r * row_len..][..row_len], &tables[r * w..][..w]);
+                run(&mut out, q, k, v, t, &lens[r..r + 1], one, 1, isa).unwrap();
+                out
+            })
+            .collect();
+        for threads in [1, 2, 3] {
+            let mut got = vec![f32::NAN; q.len()];
+            run(&mut got, q, k, v, tables, lens, shape, threads, isa).unwrap();
+            let same = got.iter().zip(&alone).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(same, None, "{} {isa:?} threads {threads} softcap {}", E::NAME, shape.softcap);
+        }
+    }
+}
+
 /// A prompt's tokens as rows of their own (how the engine runs prompt rows): rows of one
 /// sequence whose blocks are each a prefix of the next's are computed together, each block read
 /// once for all of them (`attend_rows`). Every row must still get exactly the bits it gets
@@ -351,25 +382,7 @@ fn prompt_rows_compute_as_alone<E: crate::KvElem>() {
         let q = Rng(11).vec(lens.len() * 9 * 64, 2.0);
         let (k, v): (Vec<E>, Vec<E>) =
             (base.k.iter().map(|&x| E::narrow(x)).collect(), base.v.iter().map(|&x| E::narrow(x)).collect());
-        let row_len = 9 * 64;
-        for isa in isas() {
-            let alone: Vec<f32> = (0..lens.len())
-                .flat_map(|r| {
-                    let mut one = shape;
-                    one.num_seqs = 1;
-                    let mut out = vec![f32::NAN; row_len];
-                    let (q, t) = (&q[r * row_len..][..row_len], &tables[r * w..][..w]);
-                    run(&mut out, q, &k, &v, t, &lens[r..r + 1], one, 1, isa).unwrap();
-                    out
-                })
-                .collect();
-            for threads in [1, 2, 3] {
-                let mut got = vec![f32::NAN; q.len()];
-                run(&mut got, &q, &k, &v, &tables, &lens, shape, threads, isa).unwrap();
-                let same = got.iter().zip(&alone).position(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(same, None, "{} {isa:?} threads {threads} softcap {softcap}", E::NAME);
-            }
-        }
+        rows_compute_as_alone(&q, &k, &v, &tables, &lens, shape);
     }
 }
 
@@ -395,28 +408,10 @@ fn forked_rows_compute_as_alone<E: crate::KvElem>() {
     let (k, v): (Vec<E>, Vec<E>) =
         (base.k.iter().map(|&x| E::narrow(x)).collect(), base.v.iter().map(|&x| E::narrow(x)).collect());
     let q = Rng(3).vec(lens.len() * 9 * 64, 2.0);
-    let row_len = 9 * 64;
     for softcap in [0.0, 0.8] {
         let mut shape = base.shape;
         shape.softcap = softcap;
-        for isa in isas() {
-            let alone: Vec<f32> = (0..lens.len())
-                .flat_map(|r| {
-                    let mut one = shape;
-                    one.num_seqs = 1;
-                    let mut out = vec![f32::NAN; row_len];
-                    let (q, t) = (&q[r * row_len..][..row_len], &tables[r * w..][..w]);
-                    run(&mut out, q, &k, &v, t, &lens[r..r + 1], one, 1, isa).unwrap();
-                    out
-                })
-                .collect();
-            for threads in [1, 2, 3] {
-                let mut got = vec![f32::NAN; q.len()];
-                run(&mut got, &q, &k, &v, &tables, &lens, shape, threads, isa).unwrap();
-                let same = got.iter().zip(&alone).position(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(same, None, "{} {isa:?} threads {threads} softcap {softcap}", E::NAME);
-            }
-        }
+        rows_compute_as_alone(&q, &k, &v, &tables, &lens, shape);
     }
 }
 
