@@ -1047,14 +1047,13 @@ fn deliver(
         state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
     };
     let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
-    let delta = ChoiceDelta { text: &text, tokens: &tokens_out, ids: std::slice::from_ref(&id), finish, stop_reason };
     let choices = state.choices_of(prompt_idx, seq);
     let first_choice = choices.start;
     // NOTE: greedy n > 1 computes one sequence for n choices: each choice's token counts, as
     // in usage (and as vLLM, which runs n sequences, counts them).
     state.new_tokens += choices.len() as u32;
     // (the step's other tokens join it; `commit` pushes them to the choices)
-    state.unsent[d].add(&delta);
+    state.unsent[d].add(&text, tokens_out, std::slice::from_ref(&id), finish, stop_reason);
     // A tool-call parser reads each token as it comes: the builder may end the choice at its
     // one allowed call, and it sends a push's content before its call pieces.
     if state.builder.pushes_each_token(first_choice) {

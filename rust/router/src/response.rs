@@ -146,16 +146,24 @@ pub struct UnsentDelta {
 }
 
 impl UnsentDelta {
-    /// Appends a token's delta (nothing once the sequence has finished).
-    pub fn add(&mut self, d: &ChoiceDelta) {
+    /// Appends a token's delta, as [`ChoiceDelta`]'s fields (nothing once the sequence has
+    /// finished).
+    pub fn add(
+        &mut self,
+        text: &str,
+        mut tokens: Vec<TokenOut>,
+        ids: &[u32],
+        finish: Option<FinishReason>,
+        stop_reason: Option<StopReason>,
+    ) {
         if self.closed || self.finish.is_some() {
             return;
         }
-        self.text.push_str(d.text);
-        self.tokens.extend_from_slice(d.tokens);
-        self.ids.extend_from_slice(d.ids);
-        self.finish = d.finish;
-        self.stop_reason = d.stop_reason.map(OwnedStop::of);
+        self.text.push_str(text);
+        self.tokens.append(&mut tokens);
+        self.ids.extend_from_slice(ids);
+        self.finish = finish;
+        self.stop_reason = stop_reason.map(OwnedStop::of);
     }
 
     /// Whether it should go out now: it holds something, and the sequence finished, or
@@ -1799,9 +1807,8 @@ mod tests {
     }
 
     fn push(u: &mut UnsentDelta, id: u32, text: &str, finish: Option<FinishReason>) {
-        let t = [token(id, id as usize)];
         let stop = finish.map(|_| StopReason::Text("."));
-        u.add(&ChoiceDelta { text, tokens: &t, ids: &[id], finish, stop_reason: stop });
+        u.add(text, vec![token(id, id as usize)], &[id], finish, stop);
     }
 
     #[test]
