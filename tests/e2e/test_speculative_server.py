@@ -140,6 +140,7 @@ def test_a_schema_answer_drafts_inside_its_grammar(smol, client):
     whole = client.chat.completions.create(**ask)
     people = json.loads(whole.choices[0].message.content)
     assert len(people) == 4 and all(set(p) == {"name", "age"} and isinstance(p["age"], int) for p in people)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True))
+    with client.chat.completions.create(**ask, stream=True) as stream:
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream)
     assert streamed == whole.choices[0].message.content
     assert _metric(smol, "llmserve:spec_decode_num_accepted_tokens_total") - before > 20

@@ -1054,8 +1054,8 @@ fn deliver(
     state.new_tokens += choices.len() as u32;
     // (the step's other tokens join it; `commit` pushes them to the choices)
     state.unsent[d].add(&text, tokens_out, std::slice::from_ref(&id), finish, stop_reason);
-    // A tool-call parser reads each token as it comes: the builder may end the choice at its
-    // one allowed call, and it sends a push's content before its call pieces.
+    // The builder may end the choice itself (its one allowed tool call complete): it reads
+    // each token as it comes.
     if state.builder.pushes_each_token(first_choice) {
         state.send(d);
         if finish.is_none() && state.builder.choice_finished(first_choice) {

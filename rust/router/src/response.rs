@@ -1287,11 +1287,14 @@ impl ResponseBuilder {
                 _ => None,
             })
             .collect();
-        // Content (and logprobs) first, then the calls' pieces, then the finish on its own
-        // chunk. Tokens that are only call markup carry their logprobs on the first piece they
-        // send (as vLLM), or on the finishing chunk, not on an empty chunk before it.
+        // Content and the calls' pieces in the order of the text (a push may hold a call's end
+        // and the text after it), then the finish on its own chunk. The push's logprobs ride on
+        // its first content; tokens that are only call markup carry theirs on the first piece
+        // they send (as vLLM), or on the finishing chunk, not on an empty chunk before it.
         let pieces = |e: &ToolEvent| matches!(e, ToolEvent::Start { .. } | ToolEvent::Args(_));
         let mut pending_lp = None;
+        // (the push's tokens, for the first content that goes out)
+        let mut content_tokens = None;
         if self.stream && self.logprobs && text.is_empty() && !delta.tokens.is_empty() {
             let mut lps = std::mem::take(&mut self.choices[idx].held_lp);
             let these = self.chat_logprobs(delta.tokens);
@@ -1306,10 +1309,31 @@ impl ResponseBuilder {
             } else {
                 self.choices[idx].held_lp = lps;
             }
+        } else if text.is_empty() {
+            self.push_plain(choice, &ChoiceDelta { text: "", finish: None, stop_reason: None, ..*delta });
         } else {
-            self.push_plain(choice, &ChoiceDelta { text: &text, finish: None, stop_reason: None, ..*delta });
+            if !self.choices[idx].started {
+                // (the role chunk before anything else)
+                let none = ChoiceDelta { text: "", tokens: &[], finish: None, stop_reason: None, ..*delta };
+                self.push_plain(choice, &none);
+            }
+            content_tokens = Some(delta.tokens);
         }
+        // Content gathered since the last piece, sent before the next one (or at the end).
+        let mut run = String::new();
+        let mut send_run = |this: &mut Self, run: &mut String| {
+            if !run.is_empty() {
+                let tokens = content_tokens.take().unwrap_or(&[]);
+                this.push_plain(choice, &ChoiceDelta { text: run, tokens, finish: None, stop_reason: None, ..*delta });
+                run.clear();
+            }
+        };
         for event in merge_args(events) {
+            if let ToolEvent::Content(c) = &event {
+                run.push_str(c);
+                continue;
+            }
+            send_run(self, &mut run);
             let state = &mut self.choices[idx];
             match &event {
                 ToolEvent::Content(_) => continue,
@@ -1356,6 +1380,7 @@ impl ResponseBuilder {
             let usage = self.chunk_usage();
             self.frame(vec![c], usage);
         }
+        send_run(self, &mut run);
         if let (true, Some(f)) = (self.stream, finish) {
             // an auto answer that ended with neither text nor calls: its content is "", as
             // the non-streamed message's (the role chunk held it back)
@@ -1424,14 +1449,12 @@ impl ResponseBuilder {
         }
     }
 
-    /// Whether `choice`'s tokens must be pushed one by one: a tool-call parser reads its
-    /// output. The builder may end such a choice itself, at its one allowed call's end
-    /// (`parallel_tool_calls: false`), and its sequence must stop at that token; and a push
-    /// sends its content before its call pieces, so text after a call's end in the same push
-    /// would go out ahead of the call's last arguments (Messages and Responses events close the
-    /// call's block at that text).
+    /// Whether `choice`'s tokens must be pushed one by one: the builder may end it itself, at
+    /// its one allowed tool call's end (`parallel_tool_calls: false`), and its sequence must
+    /// stop at that token.
     pub fn pushes_each_token(&self, choice: u32) -> bool {
-        self.choices.get(choice as usize).is_some_and(|c| c.parser.is_some())
+        let parallel = self.tools.as_ref().is_some_and(|t| t.parallel);
+        !parallel && self.choices.get(choice as usize).is_some_and(|c| c.parser.is_some())
     }
 
     /// Whether the output goes out as it comes (SSE, or a background response's events).
