@@ -593,6 +593,27 @@ def test_text_after_a_call_never_cuts_its_arguments_short(tmp_path, config):
         else:
             args = next(e["arguments"] for e in events if e.get("type") == "response.function_call_arguments.done")
         assert json.loads(args) == {"x": 1}, (kind, args)
+    # chat: the merged stream sums to the stream of one token a push, each call's id and name
+    # before its arguments
+    chat = {"model": "m", "max_tokens": 120, "stream": True, "messages": [{"role": "user", "content": text}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+
+    def summed(**config):
+        core = make_core(router, **config)
+        handle = core.add(router.prepare("chat", orjson.dumps(chat)))
+        out, _ = run(core, ScriptRunner(router.vocab_size, script))
+        content, calls, finish = "", {}, []
+        for chunk in chunks_of(out[handle]):
+            for c in chunk["choices"]:
+                content += c["delta"].get("content") or ""
+                for t in c["delta"].get("tool_calls") or []:
+                    assert t["index"] in calls or t.get("id"), "arguments before the call's id"
+                    name, args = calls.get(t["index"], ("", ""))
+                    calls[t["index"]] = (name + (t["function"].get("name") or ""), args + t["function"]["arguments"])
+                finish += [c["finish_reason"]] if c["finish_reason"] else []
+        return content, calls, finish
+
+    assert summed(**config) == summed() == ("a b a b a b hellobye. the end", {0: ("f", '{"x": 1}')}, ["tool_calls"])
 
 
 def test_a_failed_stream_sends_what_it_held_first(router):

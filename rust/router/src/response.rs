@@ -1280,13 +1280,7 @@ impl ResponseBuilder {
         if finish == Some(FinishReason::Stop) && parser.calls_started() > 0 && !cut_short {
             finish = Some(call_finish);
         }
-        let text: String = events
-            .iter()
-            .filter_map(|e| match e {
-                ToolEvent::Content(c) => Some(c.as_str()),
-                _ => None,
-            })
-            .collect();
+        let has_text = events.iter().any(|e| matches!(e, ToolEvent::Content(c) if !c.is_empty()));
         // Content and the calls' pieces in the order of the text (a push may hold a call's end
         // and the text after it), then the finish on its own chunk. The push's logprobs ride on
         // its first content; tokens that are only call markup carry theirs on the first piece
@@ -1295,7 +1289,7 @@ impl ResponseBuilder {
         let mut pending_lp = None;
         // (the push's tokens, for the first content that goes out)
         let mut content_tokens = None;
-        if self.stream && self.logprobs && text.is_empty() && !delta.tokens.is_empty() {
+        if self.stream && self.logprobs && !has_text && !delta.tokens.is_empty() {
             let mut lps = std::mem::take(&mut self.choices[idx].held_lp);
             let these = self.chat_logprobs(delta.tokens);
             if self.whole {
@@ -1309,7 +1303,7 @@ impl ResponseBuilder {
             } else {
                 self.choices[idx].held_lp = lps;
             }
-        } else if text.is_empty() {
+        } else if !has_text {
             self.push_plain(choice, &ChoiceDelta { text: "", finish: None, stop_reason: None, ..*delta });
         } else {
             if !self.choices[idx].started {
@@ -1336,7 +1330,7 @@ impl ResponseBuilder {
             send_run(self, &mut run);
             let state = &mut self.choices[idx];
             match &event {
-                ToolEvent::Content(_) => continue,
+                ToolEvent::Content(_) => continue, // (gathered into `run` above)
                 ToolEvent::End => {
                     if let Some(call) = state.tool_calls.last_mut() {
                         call.ended = true;
