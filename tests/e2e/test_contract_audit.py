@@ -78,20 +78,20 @@ def smol_server():
 
 
 def test_tool_round_trip_with_null_content(smol_server):
-    client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
-    model = client.models.list().data[0].id
-    messages = [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c", "content": "20C"},
-    ]
-    r = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
-    assert r.choices[0].finish_reason in ("length", "stop")
-    # No `content` at all is the same as null.
-    del messages[1]["content"]
-    r = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
-    assert r.usage.completion_tokens == 1
+    with openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x") as client:
+        model = client.models.list().data[0].id
+        messages = [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "20C"},
+        ]
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")
+        # No `content` at all is the same as null.
+        del messages[1]["content"]
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
+        assert r.usage.completion_tokens == 1
 
 
 def test_smollm2_template_reads_no_tools(smol_server):

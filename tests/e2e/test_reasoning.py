@@ -180,30 +180,30 @@ def test_reasoning_effort_none_switches_the_thinking_off(think_server):
     # OpenAI's "no reasoning" is the template's own switch (Qwen3's enable_thinking: false)
     from openai import OpenAI
 
-    client = OpenAI(base_url=think_server.url + "/v1", api_key="x", max_retries=0)
-    render = _post(think_server, "/v1/chat/completions/render", {"messages": MESSAGES, "reasoning_effort": "none"})
-    assert render.json()["prompt"].endswith("<think>\n\n</think>\n\n")
-    gen = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
-           "extra_body": {"ignore_eos": True, "logit_bias": {str(think_server.close_id - 1): -100}}}
-    raw = client.chat.completions.with_raw_response.create(reasoning_effort="none", **gen)
-    off = raw.parse()
-    assert raw.headers.get("llmserve-ignored-fields") is None
-    assert off.choices[0].message.content and off.usage.completion_tokens_details.reasoning_tokens == 0
-    # the same tokens as the template's own switch
-    switched = client.chat.completions.create(**{**gen, "extra_body": {
-        **gen["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}})
-    assert off.choices[0].message.content == switched.choices[0].message.content
-    # a level thinks as the model does, and is reported: no amount of thinking follows from it
-    raw = client.chat.completions.with_raw_response.create(reasoning_effort="low", **gen)
-    assert raw.headers.get("llmserve-ignored-fields") == "reasoning_effort"
-    assert raw.parse().usage.completion_tokens_details.reasoning_tokens == 6
-    # Responses' reasoning.effort alike: no reasoning item
-    resp = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, temperature=0,
-                                   reasoning={"effort": "none"},
-                                   extra_body={"ignore_eos": True,
-                                               "logit_bias": {str(think_server.close_id - 1): -100}})
-    assert [item.type for item in resp.output] == ["message"]
-    assert resp.output_text == off.choices[0].message.content
+    with OpenAI(base_url=think_server.url + "/v1", api_key="x", max_retries=0) as client:
+        render = _post(think_server, "/v1/chat/completions/render", {"messages": MESSAGES, "reasoning_effort": "none"})
+        assert render.json()["prompt"].endswith("<think>\n\n</think>\n\n")
+        gen = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+               "extra_body": {"ignore_eos": True, "logit_bias": {str(think_server.close_id - 1): -100}}}
+        raw = client.chat.completions.with_raw_response.create(reasoning_effort="none", **gen)
+        off = raw.parse()
+        assert raw.headers.get("llmserve-ignored-fields") is None
+        assert off.choices[0].message.content and off.usage.completion_tokens_details.reasoning_tokens == 0
+        # the same tokens as the template's own switch
+        switched = client.chat.completions.create(**{**gen, "extra_body": {
+            **gen["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}})
+        assert off.choices[0].message.content == switched.choices[0].message.content
+        # a level thinks as the model does, and is reported: no amount of thinking follows from it
+        raw = client.chat.completions.with_raw_response.create(reasoning_effort="low", **gen)
+        assert raw.headers.get("llmserve-ignored-fields") == "reasoning_effort"
+        assert raw.parse().usage.completion_tokens_details.reasoning_tokens == 6
+        # Responses' reasoning.effort alike: no reasoning item
+        resp = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, temperature=0,
+                                       reasoning={"effort": "none"},
+                                       extra_body={"ignore_eos": True,
+                                                   "logit_bias": {str(think_server.close_id - 1): -100}})
+        assert [item.type for item in resp.output] == ["message"]
+        assert resp.output_text == off.choices[0].message.content
 
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
