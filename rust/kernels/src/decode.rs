@@ -19,6 +19,11 @@
 //! tile's weights. Threads of the kernels' pool (`pool.rs`) take items a few at a time from a shared
 //! queue; an item is always computed whole by one thread, so the result does not depend on the
 //! thread count.
+//!
+//! How a score is summed depends on the instruction set, never on the batch or the threads: on
+//! AVX2 in 8 lanes of partial sums, then a tree; on AVX-512 as two running sums, with the tile's
+//! keys transposed into lanes (a key per lane), which needs no horizontal sums and lets every
+//! query vector that reads the tile (all rows of a prompt's group) share one transposition.
 
 use std::sync::Mutex;
 
@@ -26,6 +31,7 @@ use crate::kv_elem::KvElem;
 use crate::simd;
 
 mod avx2;
+mod avx512;
 
 /// How many blocks ahead of the one being computed to prefetch.
 ///
@@ -56,15 +62,37 @@ pub(crate) enum Isa {
     Generic,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
+    /// AVX-512F (with AVX2, FMA and F16C): scores with a tile's keys in lanes, two running sums
+    /// each in head-dim order (AVX2's are 8 lanes of sums, then a tree), and the softmax 16
+    /// lanes at a time; the values' sums are AVX2's, bit for bit, more of them per instruction.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Isa {
     pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
             return Isa::Avx2Fma;
         }
         Isa::Generic
+    }
+
+    /// This CPU's instruction sets, the detected one last (for tests that run every path).
+    #[cfg(test)]
+    pub(crate) fn supported() -> Vec<Isa> {
+        let mut v = vec![Isa::Generic];
+        #[cfg(target_arch = "x86_64")]
+        if Isa::detect() != Isa::Generic {
+            v.push(Isa::Avx2Fma);
+            if Isa::detect() == Isa::Avx512 {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
     }
 }
 
@@ -87,7 +115,18 @@ pub fn paged_decode_attention<E: KvElem>(
     shape: DecodeShape,
     num_threads: usize,
 ) -> Result<(), String> {
-    run(out, q, k_cache, v_cache, block_tables, seq_lens, shape, num_threads, Isa::detect())
+    #[cfg(test)]
+    let isa = FORCED_ISA.get().unwrap_or_else(Isa::detect);
+    #[cfg(not(test))]
+    let isa = Isa::detect();
+    run(out, q, k_cache, v_cache, block_tables, seq_lens, shape, num_threads, isa)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests' choice of instruction set for [`paged_decode_attention`] called on this thread (as
+    /// a whole decoder layer calls it); None: the detected one.
+    pub(crate) static FORCED_ISA: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
 
 /// The argument checks of [`paged_decode_attention`] alone (nothing is computed).
@@ -230,17 +269,26 @@ impl<'a, E: KvElem> Ctx<'a, E> {
 
 fn run_items<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32], isa: Isa) {
     match isa {
-        Isa::Generic => items_impl::<E, false>(ctx, first, out),
+        Isa::Generic => items_impl::<E, false, false>(ctx, first, out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Isa::Avx2Fma is only constructed after is_x86_feature_detected! found all three.
         Isa::Avx2Fma => unsafe { items_avx2(ctx, first, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx512 is only constructed after is_x86_feature_detected! found all four.
+        Isa::Avx512 => unsafe { items_avx512(ctx, first, out) },
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn items_avx2<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
-    items_impl::<E, true>(ctx, first, out)
+    items_impl::<E, true, false>(ctx, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn items_avx512<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
+    items_impl::<E, true, true>(ctx, first, out)
 }
 
 /// Work items first.. (as many as `out` holds), out = their [group, head_dim] outputs.
@@ -253,7 +301,7 @@ unsafe fn items_avx2<E: KvElem>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32])
 /// computed together too, each block they share once for all of them ([`attend_rows`]). Each item's arithmetic, in token order, is the
 /// same whichever items share its run, so the result still does not depend on the threads.
 #[inline(always)]
-fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
+fn items_impl<E: KvElem, const FMA: bool, const WIDE: bool>(ctx: &Ctx<'_, E>, first: usize, out: &mut [f32]) {
     let s = &ctx.shape;
     let item_len = ctx.group * s.head_dim;
     let row_len = s.num_heads * s.head_dim;
@@ -267,6 +315,8 @@ fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &
         // (a block's rows widened to f32, where the cache holds another type)
         keys: Vec::new(),
         vals: Vec::new(),
+        kt: Vec::new(),
+        jobs: Vec::new(),
     };
     let items = out.len() / item_len;
     let mut i = 0;
@@ -276,14 +326,14 @@ fn items_impl<E: KvElem, const FMA: bool>(ctx: &Ctx<'_, E>, first: usize, out: &
             let rows = shared_rows(ctx, seq, (items - i) / s.num_kv_heads);
             if rows > 1 {
                 let o = &mut out[i * item_len..][..rows * row_len];
-                attend_rows::<E, FMA>(ctx, seq, rows, o, &mut scratch);
+                attend_rows::<E, FMA, WIDE>(ctx, seq, rows, o, &mut scratch);
                 i += rows * s.num_kv_heads;
                 continue;
             }
         }
         let h1 = s.num_kv_heads.min(h0 + items - i);
         let o = &mut out[i * item_len..(i + h1 - h0) * item_len];
-        attend_run::<E, FMA>(ctx, seq, h0, h1, o, &mut scratch);
+        attend_run::<E, FMA, WIDE>(ctx, seq, h0, h1, o, &mut scratch);
         i += h1 - h0;
     }
 }
@@ -307,7 +357,7 @@ fn shared_rows<E>(ctx: &Ctx<'_, E>, seq: usize, avail: usize) -> usize {
 /// alone would (the same tiles, in the same order), so its result is the same bits.
 /// out = [rows, num_heads, d].
 #[inline(always)]
-fn attend_rows<E: KvElem, const FMA: bool>(
+fn attend_rows<E: KvElem, const FMA: bool, const WIDE: bool>(
     ctx: &Ctx<'_, E>,
     seq: usize,
     rows: usize,
@@ -328,7 +378,10 @@ fn attend_rows<E: KvElem, const FMA: bool>(
     sc.m.resize(rows * nh, 0.0);
     sc.l.resize(rows * nh, 0.0);
     let (qs, acc) = (&mut sc.qs[..rows * row_len], &mut sc.acc[..rows * row_len]);
-    let (m, l, scores) = (&mut sc.m[..rows * nh], &mut sc.l[..rows * nh], &mut sc.scores[..nh * bs]);
+    let lanes = keys_in_lanes::<WIDE>(s);
+    // (with keys in lanes, every row's scores of a tile are computed at once, then used row by row)
+    sc.scores.resize(if lanes { rows } else { 1 } * nh * bs, 0.0);
+    let (m, l, scores) = (&mut sc.m[..rows * nh], &mut sc.l[..rows * nh], &mut sc.scores[..]);
     for (dst, src) in qs.iter_mut().zip(&ctx.q[seq * row_len..][..rows * row_len]) {
         *dst = src * s.scale;
     }
@@ -359,15 +412,27 @@ fn attend_rows<E: KvElem, const FMA: bool>(
             let Some(id) = holds(first, b) else { continue };
             let whole = span(id, widest(first, b).unwrap_or(0));
             let (keys, vals) = as_f32::<E, FMA>(&ctx.k[whole.clone()], &ctx.v[whole], &mut sc.keys, &mut sc.vals);
-            for r in (first..rows).filter(|&r| holds(r, b) == Some(id)) {
+            let readers = || (first..rows).filter(move |&r| holds(r, b) == Some(id));
+            if lanes {
+                let tile = avx2::Tile { n: widest(first, b).unwrap_or(0), row_stride, d, kvs: s.num_kv_heads, g, bs };
+                let rows_of = readers().map(|r| (r, used(r, b)));
+                lanes_scores(qs, row_len, rows_of, keys, tile, scores, &mut sc.kt, &mut sc.jobs);
+            }
+            for r in readers() {
                 let n = used(r, b);
                 let tile = avx2::Tile { n, row_stride, d, kvs: s.num_kv_heads, g, bs };
                 let used = n * row_stride;
                 let (qs, acc) = (&qs[r * row_len..][..row_len], &mut acc[r * row_len..][..row_len]);
                 let (m, l) = (&mut m[r * nh..][..nh], &mut l[r * nh..][..nh]);
-                tile_scores::<FMA>(qs, &keys[..used], tile, scores);
-                online_softmax(scores, tile, s.softcap, m, l, acc);
-                tile_accumulate::<FMA>(scores, &vals[..used], tile, acc);
+                let scores = match lanes {
+                    true => &mut scores[r * nh * bs..][..nh * bs],
+                    false => {
+                        tile_scores::<FMA>(qs, &keys[..used], tile, scores);
+                        &mut scores[..nh * bs]
+                    }
+                };
+                softmax::<WIDE>(scores, tile, s.softcap, m, l, acc);
+                tile_accumulate::<FMA, WIDE>(scores, &vals[..used], tile, acc);
             }
         }
     }
@@ -407,6 +472,28 @@ fn as_f32<'s, E: KvElem, const FMA: bool>(
     (&kbuf[..keys.len()], &vbuf[..vals.len()])
 }
 
+/// [`online_softmax`], or its AVX-512 form where scores are computed with keys in lanes and
+/// not soft-capped (every tile of a call takes the same one).
+#[inline(always)]
+fn softmax<const WIDE: bool>(
+    scores: &mut [f32],
+    tile: avx2::Tile,
+    softcap: f32,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+) {
+    let avx2::Tile { n, d, bs, .. } = tile;
+    #[cfg(target_arch = "x86_64")]
+    if WIDE && softcap == 0.0 && bs <= 16 && d.is_multiple_of(16) {
+        // SAFETY: WIDE is true only inside `items_avx512`, after AVX-512F was detected; the
+        // sizes are the tile's (checked by the callee).
+        unsafe { avx512::online_softmax(scores, n, bs, m, l, acc) };
+        return;
+    }
+    online_softmax(scores, tile, softcap, m, l, acc);
+}
+
 /// One tile's scores of every query head (soft-capped with a cap) into weights, with each
 /// head's running max `m` and sum `l` updated and its accumulator rescaled to a new max.
 #[inline(always)]
@@ -442,11 +529,16 @@ struct Scratch {
     l: Vec<f32>,      // [heads] running sum of weights (likewise)
     keys: Vec<f32>,   // one tile's key rows as f32 (a cache of another type only)
     vals: Vec<f32>,   // its value rows
+    kt: Vec<f32>,     // [kv heads, head_dim, 16] the tile's keys in lanes (AVX-512)
+    #[cfg(target_arch = "x86_64")]
+    jobs: Vec<avx512::Job>, // the query vectors scored against one kv head's `kt`
+    #[cfg(not(target_arch = "x86_64"))]
+    jobs: Vec<()>,
 }
 
 /// Sequence `seq`, kv heads h0..h1 with their query heads; out = [(h1 - h0) * group, d].
 #[inline(always)]
-fn attend_run<E: KvElem, const FMA: bool>(
+fn attend_run<E: KvElem, const FMA: bool, const WIDE: bool>(
     ctx: &Ctx<'_, E>,
     seq: usize,
     h0: usize,
@@ -498,11 +590,70 @@ fn attend_run<E: KvElem, const FMA: bool>(
         }
         let (keys, vals) = as_f32::<E, FMA>(&ctx.k[span.clone()], &ctx.v[span], &mut sc.keys, &mut sc.vals);
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
-        tile_scores::<FMA>(qs, keys, tile, scores);
-        online_softmax(scores, tile, s.softcap, m, l, acc);
-        tile_accumulate::<FMA>(scores, vals, tile, acc);
+        if keys_in_lanes::<WIDE>(s) {
+            lanes_scores(qs, 0, [(0, n)].into_iter(), keys, tile, scores, &mut sc.kt, &mut sc.jobs);
+        } else {
+            tile_scores::<FMA>(qs, keys, tile, scores);
+        }
+        softmax::<WIDE>(scores, tile, s.softcap, m, l, acc);
+        tile_accumulate::<FMA, WIDE>(scores, vals, tile, acc);
     }
     normalize(out, acc, l, d);
+}
+
+/// Whether scores are computed with the tile's keys in lanes ([`lanes_scores`]): AVX-512 (WIDE,
+/// only inside `items_avx512`), head dims a multiple of 16 and blocks of at most 16 tokens.
+#[inline(always)]
+fn keys_in_lanes<const WIDE: bool>(s: &DecodeShape) -> bool {
+    cfg!(target_arch = "x86_64") && WIDE && s.head_dim.is_multiple_of(16) && s.block_size <= 16
+}
+
+/// The scores of a tile for several rows at once: `scores[(r * heads + j) * bs + t] = q_rj . k_t`
+/// for each (row r, its key count n) of `rows`, the query heads j of the tile's kv heads, and
+/// t < n; `qs` holds row r's queries from `r * row_len`, `keys` the tile's widest rows. The keys
+/// are laid out in lanes once ([`avx512::transpose_keys`]), then every query vector of a kv
+/// head is scored against them ([`avx512::score_jobs`]): each score's sum is the same whichever
+/// rows share the tile.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn lanes_scores(
+    qs: &[f32],
+    row_len: usize,
+    rows: impl Iterator<Item = (usize, usize)> + Clone,
+    keys: &[f32],
+    tile: avx2::Tile,
+    scores: &mut [f32],
+    kt: &mut Vec<f32>,
+    #[cfg(target_arch = "x86_64")] jobs: &mut Vec<avx512::Job>,
+    #[cfg(not(target_arch = "x86_64"))] jobs: &mut Vec<()>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2::Tile { n, row_stride, d, kvs, g, bs } = tile;
+        let nh = kvs * g;
+        assert!(keys.len() >= (n - 1) * row_stride + kvs * d && kvs * d <= row_stride);
+        kt.resize(kvs * d * 16, 0.0);
+        for kv in 0..kvs {
+            let kt = &mut kt[kv * d * 16..][..d * 16];
+            // SAFETY: WIDE (keys_in_lanes) is true only inside `items_avx512`, after AVX-512F was
+            // detected; `keys` holds n rows of kvs heads from kv * d (asserted above).
+            unsafe { avx512::transpose_keys(keys.as_ptr().add(kv * d), n, row_stride, d, kt.as_mut_ptr()) };
+            jobs.clear();
+            let out = scores.as_mut_ptr();
+            for (r, n) in rows.clone() {
+                for j in kv * g..(kv + 1) * g {
+                    let (q, at) = (&qs[r * row_len + j * d..][..d], (r * nh + j) * bs);
+                    assert!(n <= bs && at + n <= scores.len());
+                    // SAFETY: in bounds (asserted)
+                    jobs.push(avx512::Job { q: q.as_ptr(), out: unsafe { out.add(at) }, n });
+                }
+            }
+            // SAFETY: as above; each job's q holds d elements and out n <= bs <= 16.
+            unsafe { avx512::score_jobs(kt.as_ptr(), jobs, d) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (qs, row_len, rows, keys, tile, scores, kt, jobs);
 }
 
 /// `scores[j * bs + t] = qs[j] . k_t` for the tile's keys and every query head of its kv
@@ -527,11 +678,23 @@ fn tile_scores<const FMA: bool>(qs: &[f32], keys: &[f32], tile: avx2::Tile, scor
     }
 }
 
-/// `acc[j] += sum_t weights[j * bs + t] * v_t`, in key order: the AVX2 loops where they
-/// apply (as for `tile_scores`), else one axpy per (key, query head).
+/// `acc[j] += sum_t weights[j * bs + t] * v_t`, in key order: the AVX-512 or AVX2 loops where
+/// they apply (as for `tile_scores`; WIDE is true only inside `items_avx512`, the same bits),
+/// else one axpy per (key, query head).
 #[inline(always)]
-fn tile_accumulate<const FMA: bool>(weights: &[f32], vals: &[f32], tile: avx2::Tile, acc: &mut [f32]) {
+fn tile_accumulate<const FMA: bool, const WIDE: bool>(
+    weights: &[f32],
+    vals: &[f32],
+    tile: avx2::Tile,
+    acc: &mut [f32],
+) {
     let avx2::Tile { n, row_stride, d, kvs, g, bs } = tile;
+    #[cfg(target_arch = "x86_64")]
+    if WIDE && d % 64 == 0 {
+        // SAFETY: as for the AVX2 loops, after AVX-512F was detected.
+        unsafe { avx512::accumulate(weights, vals, tile, acc) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if FMA && d % 64 == 0 {
         // SAFETY: as for the scores, with `vals` spanning the tile's rows.

@@ -18,7 +18,8 @@
 //!   computed by one thread, in token order).
 //! - SIMD is chosen at run time: the crate is built for generic x86_64 and uses its AVX2+FMA
 //!   code only where `is_x86_feature_detected!` says the CPU has both (the decode kernel also
-//!   F16C, which widens fp8 caches).
+//!   F16C, which widens fp8 caches), and the decode kernel its AVX-512 code only where the CPU
+//!   also has AVX-512F.
 
 mod bitmask;
 mod decode;
@@ -41,8 +42,11 @@ pub use bitmask::apply_token_bitmask;
 /// block's integer sum converts to f32 once. 3: `CpuDecoder` applies the model's final norm
 /// (f64 sum of squares, as the layers' norms) in place of torch's `rms_norm`. 4: the rows a
 /// step samples read the LM head's GGUF blocks in every step but decode steps of more than 24
-/// sequences (steps with prompt tokens used its fp32 weights).
-pub const NUMERICS_REVISION: u32 = 4;
+/// sequences (steps with prompt tokens used its fp32 weights). 5: on CPUs with AVX-512, attention
+/// scores are two running sums each (even and odd head-dim positions), with a tile's keys in lanes, and a tile's
+/// softmax weights are computed 16 lanes at a time with fused multiply-adds (AVX2 CPUs keep
+/// revision 4's bits).
+pub const NUMERICS_REVISION: u32 = 5;
 pub use decode::{paged_decode_attention, DecodeShape};
 pub use kv_elem::{Bf16, Fp8E4M3, Fp8E5M2, KvElem};
 

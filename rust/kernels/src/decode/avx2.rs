@@ -56,9 +56,15 @@ pub(super) unsafe fn scores(qs: &[f32], keys: &[f32], tile: Tile, scores: &mut [
                 }
                 let sums = hsum8(&acc);
                 let m = (n - t0).min(8);
-                let mut lanes = [0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
-                scores[j * bs + t0..j * bs + t0 + m].copy_from_slice(&lanes[..m]);
+                let dst = &mut scores[j * bs + t0..j * bs + t0 + m];
+                if m == 8 {
+                    _mm256_storeu_ps(dst.as_mut_ptr(), sums);
+                } else {
+                    // (a short group: a copy of 8 floats is a memmove call, so only here)
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
+                    dst.copy_from_slice(&lanes[..m]);
+                }
                 t0 += 8;
             }
         }

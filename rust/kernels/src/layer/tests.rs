@@ -309,22 +309,34 @@ fn numerics_revision_pins_the_layer_bits() {
     // As tests/quant.rs pins the quantized GEMV: a whole layer (norms, the GEMVs, RoPE, the KV
     // write, paged attention, SiLU) must give these bits at this NUMERICS_REVISION; a change
     // that moves them bumps it (rust/kernels/src/lib.rs) and pins the new hash in the same
-    // commit. Attention's bits depend on the instruction set, so the pin is for AVX2+FMA,
-    // which every x86-64 machine that runs llmserve's CI has.
-    if crate::decode::Isa::detect() == crate::decode::Isa::Generic {
-        eprintln!("no AVX2+FMA: the pinned bits are those of the AVX2 path; not checked");
-        return;
+    // commit. Attention's bits depend on the instruction set: each x86-64 path this CPU has is
+    // pinned (every machine that runs llmserve's CI has AVX2+FMA; AVX-512 where it has that).
+    use crate::decode::{Isa, FORCED_ISA};
+    const PINNED: u32 = 5;
+    let pins = [
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2Fma, 0xceea_9de2_548d_669fu64),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, 0x824c_b09f_e43b_10ea),
+    ];
+    let supported = Isa::supported();
+    for (isa, pinned) in pins.into_iter().filter(|(isa, _)| supported.contains(isa)) {
+        let m = model(6, true, true);
+        let mut st = step(6, &[1, 6, 13, 40]);
+        FORCED_ISA.set(Some(isa));
+        let ran = run(&m, &mut st, 2);
+        FORCED_ISA.set(None);
+        ran.unwrap();
+        let got = bits_hash(&st.h) ^ bits_hash(&st.k).rotate_left(1) ^ bits_hash(&st.v).rotate_left(2);
+        assert_eq!(
+            (crate::NUMERICS_REVISION, got),
+            (PINNED, pinned),
+            "the decoder layer's bits on {isa:?} changed: bump NUMERICS_REVISION and pin the new hash {got:#x}"
+        );
     }
-    const PINNED: (u32, u64) = (4, 0xceea_9de2_548d_669f);
-    let m = model(6, true, true);
-    let mut st = step(6, &[1, 6, 13, 40]);
-    run(&m, &mut st, 2).unwrap();
-    let got = bits_hash(&st.h) ^ bits_hash(&st.k).rotate_left(1) ^ bits_hash(&st.v).rotate_left(2);
-    assert_eq!(
-        (crate::NUMERICS_REVISION, got),
-        PINNED,
-        "the decoder layer's bits changed: bump NUMERICS_REVISION and pin the new hash {got:#x}"
-    );
+    if !supported.iter().any(|isa| pins.iter().any(|(p, _)| p == isa)) {
+        eprintln!("no AVX2+FMA: the pinned bits are those of the x86-64 paths; not checked");
+    }
 }
 
 /// With a bfloat16 or fp8 cache, the layer writes each new K/V value narrowed, and attends over
