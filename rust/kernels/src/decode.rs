@@ -522,18 +522,15 @@ fn online_softmax(scores: &mut [f32], tile: avx2::Tile, softcap: f32, m: &mut [f
 }
 
 struct Scratch {
-    qs: Vec<f32>,     // [heads, d] the run's queries, pre-scaled (rows x that, grouped rows)
-    acc: Vec<f32>,    // [heads, d] unnormalized outputs (likewise)
-    scores: Vec<f32>, // [heads, block_size] one tile's scores, then weights
-    m: Vec<f32>,      // [heads] running max (likewise)
-    l: Vec<f32>,      // [heads] running sum of weights (likewise)
-    keys: Vec<f32>,   // one tile's key rows as f32 (a cache of another type only)
-    vals: Vec<f32>,   // its value rows
-    kt: Vec<f32>,     // [kv heads, head_dim, 16] the tile's keys in lanes (AVX-512)
-    #[cfg(target_arch = "x86_64")]
+    qs: Vec<f32>,           // [heads, d] the run's queries, pre-scaled (rows x that, grouped rows)
+    acc: Vec<f32>,          // [heads, d] unnormalized outputs (likewise)
+    scores: Vec<f32>,       // [heads, block_size] one tile's scores, then weights
+    m: Vec<f32>,            // [heads] running max (likewise)
+    l: Vec<f32>,            // [heads] running sum of weights (likewise)
+    keys: Vec<f32>,         // one tile's key rows as f32 (a cache of another type only)
+    vals: Vec<f32>,         // its value rows
+    kt: Vec<f32>,           // [kv heads, head_dim, 16] the tile's keys in lanes (AVX-512)
     jobs: Vec<avx512::Job>, // the query vectors scored against one kv head's `kt`
-    #[cfg(not(target_arch = "x86_64"))]
-    jobs: Vec<()>,
 }
 
 /// Sequence `seq`, kv heads h0..h1 with their query heads; out = [(h1 - h0) * group, d].
@@ -624,8 +621,7 @@ fn lanes_scores(
     tile: avx2::Tile,
     scores: &mut [f32],
     kt: &mut Vec<f32>,
-    #[cfg(target_arch = "x86_64")] jobs: &mut Vec<avx512::Job>,
-    #[cfg(not(target_arch = "x86_64"))] jobs: &mut Vec<()>,
+    jobs: &mut Vec<avx512::Job>,
 ) {
     #[cfg(target_arch = "x86_64")]
     {

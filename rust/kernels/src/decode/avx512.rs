@@ -1,11 +1,16 @@
-//! AVX-512 loops of one decode tile, for head dims that are a multiple of 64: the values' half
-//! (the weighted sum of V rows). Each output lane is the AVX2 loop's sum in the same order (the
-//! lane's running sum, one fused multiply-add per key in key order), so the bits are the AVX2
-//! path's; only more of them are computed per instruction.
+//! AVX-512 loops of one decode tile (`Isa::Avx512`):
+//! - the scores, with the tile's keys transposed into lanes ([`transpose_keys`], then
+//!   [`score_jobs`]): no horizontal sum per score, and one transposition for every query
+//!   vector that reads the tile. These sums are this path's own (decode.rs's module doc);
+//! - the tile's online softmax, 16 lanes at a time ([`online_softmax`]);
+//! - the values' half, the weighted sum of V rows ([`accumulate`]), for head dims that are a
+//!   multiple of 64. Each output lane is the AVX2 loop's sum in the same order (the lane's
+//!   running sum, one fused multiply-add per key in key order), so those bits are the AVX2
+//!   path's; only more of them are computed per instruction.
 //!
-//! NOTE: the AVX2 loop keeps one query head's 64 output lanes in 8 registers and loads every V
-//! row once per head: a load for each fused multiply-add. Here the 32 registers hold 64 lanes
-//! of 3 query heads at once, so each V row is loaded once for the 3 (2 loads per 3 FMAs).
+//! NOTE: the AVX2 V loop keeps one query head's 64 output lanes in 8 registers and loads every
+//! V row once per head (9 loads per 8 fused multiply-adds). Here the 32 registers hold 64 lanes
+//! of 3 query heads at once, so each V row is loaded once for the 3 (7 loads per 12).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
