@@ -431,7 +431,7 @@ fn attend_rows<E: KvElem, const FMA: bool, const WIDE: bool>(
                         &mut scores[..nh * bs]
                     }
                 };
-                softmax::<WIDE>(scores, tile, s.softcap, m, l, acc);
+                softmax(lanes, scores, tile, s.softcap, m, l, acc);
                 tile_accumulate::<FMA, WIDE>(scores, &vals[..used], tile, acc);
             }
         }
@@ -472,10 +472,11 @@ fn as_f32<'s, E: KvElem, const FMA: bool>(
     (&kbuf[..keys.len()], &vbuf[..vals.len()])
 }
 
-/// [`online_softmax`], or its AVX-512 form where scores are computed with keys in lanes and
-/// not soft-capped (every tile of a call takes the same one).
+/// [`online_softmax`], or its AVX-512 form where scores are computed with keys in lanes
+/// (`lanes`: [`keys_in_lanes`]) and not soft-capped (every tile of a call takes the same one).
 #[inline(always)]
-fn softmax<const WIDE: bool>(
+fn softmax(
+    lanes: bool,
     scores: &mut [f32],
     tile: avx2::Tile,
     softcap: f32,
@@ -483,12 +484,11 @@ fn softmax<const WIDE: bool>(
     l: &mut [f32],
     acc: &mut [f32],
 ) {
-    let avx2::Tile { n, d, bs, .. } = tile;
     #[cfg(target_arch = "x86_64")]
-    if WIDE && softcap == 0.0 && bs <= 16 && d.is_multiple_of(16) {
-        // SAFETY: WIDE is true only inside `items_avx512`, after AVX-512F was detected; the
+    if lanes && softcap == 0.0 {
+        // SAFETY: `lanes` holds only inside `items_avx512`, after AVX-512F was detected; the
         // sizes are the tile's (checked by the callee).
-        unsafe { avx512::online_softmax(scores, n, bs, m, l, acc) };
+        unsafe { avx512::online_softmax(scores, tile.n, tile.bs, m, l, acc) };
         return;
     }
     online_softmax(scores, tile, softcap, m, l, acc);
@@ -524,12 +524,12 @@ fn online_softmax(scores: &mut [f32], tile: avx2::Tile, softcap: f32, m: &mut [f
 struct Scratch {
     qs: Vec<f32>,           // [heads, d] the run's queries, pre-scaled (rows x that, grouped rows)
     acc: Vec<f32>,          // [heads, d] unnormalized outputs (likewise)
-    scores: Vec<f32>,       // [heads, block_size] one tile's scores, then weights
+    scores: Vec<f32>,       // [heads, block_size] one tile's scores, then weights (rows x that with keys in lanes)
     m: Vec<f32>,            // [heads] running max (likewise)
     l: Vec<f32>,            // [heads] running sum of weights (likewise)
     keys: Vec<f32>,         // one tile's key rows as f32 (a cache of another type only)
     vals: Vec<f32>,         // its value rows
-    kt: Vec<f32>,           // [kv heads, head_dim, 16] the tile's keys in lanes (AVX-512)
+    kt: Vec<f32>,           // [head_dim, 16] a kv head's keys of the tile, in lanes (AVX-512)
     jobs: Vec<avx512::Job>, // the query vectors scored against one kv head's `kt`
 }
 
@@ -549,6 +549,7 @@ fn attend_run<E: KvElem, const FMA: bool, const WIDE: bool>(
     let row_stride = s.num_kv_heads * d; // between tokens of a block
     let block_stride = bs * row_stride;
     let len = ctx.seq_lens[seq];
+    let lanes = keys_in_lanes::<WIDE>(s);
     let (qs, acc, scores) = (&mut sc.qs[..nh * d], &mut sc.acc[..nh * d], &mut sc.scores[..nh * bs]);
     let (m, l) = (&mut sc.m[..nh], &mut sc.l[..nh]);
     let q0 = (seq * s.num_heads + h0 * g) * d; // the run's query heads are contiguous
@@ -587,12 +588,12 @@ fn attend_run<E: KvElem, const FMA: bool, const WIDE: bool>(
         }
         let (keys, vals) = as_f32::<E, FMA>(&ctx.k[span.clone()], &ctx.v[span], &mut sc.keys, &mut sc.vals);
         let tile = avx2::Tile { n, row_stride, d, kvs: h1 - h0, g, bs };
-        if keys_in_lanes::<WIDE>(s) {
+        if lanes {
             lanes_scores(qs, 0, [(0, n)].into_iter(), keys, tile, scores, &mut sc.kt, &mut sc.jobs);
         } else {
             tile_scores::<FMA>(qs, keys, tile, scores);
         }
-        softmax::<WIDE>(scores, tile, s.softcap, m, l, acc);
+        softmax(lanes, scores, tile, s.softcap, m, l, acc);
         tile_accumulate::<FMA, WIDE>(scores, vals, tile, acc);
     }
     normalize(out, acc, l, d);
@@ -628,9 +629,8 @@ fn lanes_scores(
         let avx2::Tile { n, row_stride, d, kvs, g, bs } = tile;
         let nh = kvs * g;
         assert!(keys.len() >= (n - 1) * row_stride + kvs * d && kvs * d <= row_stride);
-        kt.resize(kvs * d * 16, 0.0);
+        kt.resize(d * 16, 0.0); // (one kv head's at a time: it is scored before the next one)
         for kv in 0..kvs {
-            let kt = &mut kt[kv * d * 16..][..d * 16];
             // SAFETY: WIDE (keys_in_lanes) is true only inside `items_avx512`, after AVX-512F was
             // detected; `keys` holds n rows of kvs heads from kv * d (asserted above).
             unsafe { avx512::transpose_keys(keys.as_ptr().add(kv * d), n, row_stride, d, kt.as_mut_ptr()) };
