@@ -269,6 +269,75 @@ def test_vllm_structured_outputs_and_guided_fields(client):
     assert e.value.body["param"] == "structured_outputs.regex"
 
 
+_CITY = _obj({"city": _s(16)})
+
+
+def _tagged(text: str) -> list[tuple[str, dict]]:
+    """The `<function=NAME>{json}</function>` tags in `text`, each parsed."""
+    found = re.findall(r"<function=(\w+)>(.*?)</function>", text, flags=re.S)
+    return [(name, json.loads(body)) for name, body in found]
+
+
+def test_structural_tags(client):
+    """vLLM's `structural_tag` (xgrammar's format): free text in which each trigger opens a
+    tag whose content follows its schema; streamed as it is not; the legacy shape and
+    `structured_outputs.structural_tag` (JSON text) too."""
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    one_call = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"begin": "<function=get_weather>", "content": {"type": "json_schema", "json_schema": _CITY},
+                  "end": "</function>"}]}}
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=40, temperature=0,
+                                       response_format=one_call)
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", content
+    assert content.startswith("<function=get_weather>") and content.endswith("</function>"), content
+    [(name, args)] = _tagged(content)
+    jsonschema.validate(args, _CITY)
+    streamed = client.chat.completions.create(model=model, messages=msgs, max_tokens=40, temperature=0,
+                                              response_format=one_call, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
+
+    # free text around the tags: whatever a sampled model writes, every tag it opens is whole
+    legacy = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": _CITY, "end": "</function>"}]}
+    prompt = "Call <function=get_weather>{\"city\": \"Rome\"}</function> for Rome's weather, then say thanks."
+    for seed in range(3):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=48, temperature=1.0, seed=seed, response_format=legacy)
+        text = r.choices[0].message.content
+        closed = text if r.choices[0].finish_reason == "stop" else text.rsplit("<function=", 1)[0]
+        for name, args in _tagged(closed):
+            assert name == "get_weather"
+            jsonschema.validate(args, _CITY)
+        assert closed.count("<function=") == len(_tagged(closed)), text
+
+    r = client.completions.create(model=model, prompt="The weather call:", max_tokens=40, temperature=0,
+                                  extra_body={"structured_outputs": {"structural_tag": json.dumps(one_call)}})
+    assert [name for name, _ in _tagged(r.choices[0].text)] == ["get_weather"], r.choices[0].text
+
+    # a think block of free text, then an answer from a regex
+    think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"},
+        {"type": "const_string", "value": "Answer: "}, {"type": "regex", "pattern": "(yes|no)"}]}}
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is Paris in France?"}],
+                                       max_tokens=120, temperature=0, response_format=think)
+    text = r.choices[0].message.content
+    assert text.startswith("<think>"), text
+    # (cut off by max_tokens, it is a beginning of that shape)
+    _, closed, answer = text.partition("</think>")
+    assert not closed or any(a.startswith(answer) for a in ("Answer: yes", "Answer: no")), text
+    if r.choices[0].finish_reason == "stop":
+        assert re.fullmatch(r"<think>.*?</think>Answer: (yes|no)", text, flags=re.S), text
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=5, response_format={
+            "type": "structural_tag", "triggers": ["<call="], "structures": [
+                {"begin": "<function=get_weather>", "schema": _CITY, "end": "</function>"}]})
+    assert e.value.body["param"] == "response_format.structures[0].begin"
+
+
 @pytest.mark.parametrize("regex", ["a{100000}", "a{1000000}"])
 def test_a_huge_counted_repetition_is_followed(client, regex):
     """Its forced text runs llguidance's lexer out of budget when computed at once; that

@@ -47,6 +47,9 @@ pub enum GrammarSource {
     /// that holds no JSON punctuation but balanced brackets (`<tool_call>`, `[TOOL_CALLS]`,
     /// `; `), so the output's JSON can be followed from its start (see `json_guard`).
     Calls(String),
+    /// A structural tag (`response_format` `{"type": "structural_tag"}`): free text and tagged
+    /// structures as one Lark grammar, with the JSON schemas it inlines.
+    Tagged(crate::protocol::structural_tag::Tagged),
     /// `body`, after the model's reasoning: free text up to `</think>` (and whitespace)
     /// comes first, opened by `<think>` unless the prompt `opened` the block; a model that
     /// does not think starts `body` at once (only when the prompt did not open the block).
@@ -61,6 +64,7 @@ impl GrammarSource {
             Self::Lark(_) => "lark",
             // (a Lark grammar to whoever reads the key; its hash sets it apart from a client's)
             Self::Calls(_) => "lark",
+            Self::Tagged(_) => "structural_tag",
             Self::AfterThinking { .. } => "after_thinking",
         }
     }
@@ -94,6 +98,15 @@ impl GrammarSource {
         }
     }
 
+    /// The JSON schemas a structural tag inlines, each with its param (after any reasoning).
+    fn tagged_schemas(&self) -> &[(String, Value)] {
+        match self {
+            Self::Tagged(t) => &t.schemas,
+            Self::AfterThinking { body, .. } => body.tagged_schemas(),
+            _ => &[],
+        }
+    }
+
     /// The client's regex, when this source is one (after any reasoning).
     fn regex(&self) -> Option<&str> {
         match self {
@@ -108,6 +121,7 @@ impl GrammarSource {
             Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
             Self::Regex(s) | Self::Lark(s) => s.clone(),
             Self::Calls(s) => format!("calls\n{s}"),
+            Self::Tagged(t) => t.lark.clone(),
             Self::AfterThinking { opened, body } => format!("{opened}:{}", body.key()),
         };
         let digest = Sha256::digest(text.as_bytes());
@@ -127,6 +141,7 @@ impl GrammarSource {
                 TopLevelGrammar::from_grammar(g)
             }
             Self::Lark(g) | Self::Calls(g) => TopLevelGrammar::from_lark(g.clone()),
+            Self::Tagged(t) => TopLevelGrammar::from_lark(t.lark.clone()),
             Self::AfterThinking { opened, body } => {
                 let mut body = body.to_top_level();
                 for g in &mut body.grammars[..1] {
@@ -270,6 +285,10 @@ impl Grammars {
         let parser = factory.create_parser(source.to_top_level());
         let matcher = Matcher::new(parser);
         if let Some(err) = matcher.get_error() {
+            // (a structural tag's JSON schema that fails alone is blamed at its own param)
+            for (at, schema) in source.tagged_schemas() {
+                self.compile(&GrammarSource::JsonSchema(schema.clone()), at)?;
+            }
             let cause = if param == "tools" { without_grammar_position(&first_line(&err)) } else { first_line(&err) };
             return Err(ApiError::invalid(
                 param,
@@ -380,7 +399,7 @@ pub(crate) fn lark_literal(text: &str) -> String {
 /// settings. A malformed regex is then told in the client's terms, what is wrong and where in
 /// the regex, not at llguidance's place in the grammar it wraps the regex in; and what that
 /// wrapping (`regex_to_lark`) would drop without a word, a trailing lone backslash, is refused.
-fn check_regex(rx: &str, what: &str) -> Result<(), String> {
+pub(crate) fn check_regex(rx: &str, what: &str) -> Result<(), String> {
     let (kind, span) = match regex_syntax::Parser::new().parse(rx) {
         Ok(_) => return Ok(()),
         Err(regex_syntax::Error::Parse(e)) => (e.kind().to_string(), *e.span()),
@@ -430,7 +449,7 @@ pub fn parameters_pattern_error(parameters: &Value, param: String) -> Option<Api
 /// lone backslash) before its engine parses them. Walks the subschema keywords only, so data
 /// (`const`, `enum`, `default`, `examples`) is never read as a pattern. `at` is the JSON pointer
 /// of `schema`, named in the error.
-fn check_patterns(schema: &Value, at: &mut String) -> Result<(), String> {
+pub(crate) fn check_patterns(schema: &Value, at: &mut String) -> Result<(), String> {
     let Value::Object(obj) = schema else { return Ok(()) };
     let place = |at: &str| if at.is_empty() { "the schema's root".to_string() } else { at.to_string() };
     if let Some(Value::String(rx)) = obj.get("pattern") {
@@ -478,6 +497,7 @@ fn describe(source: &GrammarSource) -> &'static str {
         GrammarSource::JsonSchema(_) => "JSON schema",
         GrammarSource::Regex(_) => "regular expression",
         GrammarSource::Lark(_) | GrammarSource::Calls(_) => "grammar",
+        GrammarSource::Tagged(_) => "structural tag",
         GrammarSource::AfterThinking { body, .. } => describe(body),
     }
 }

@@ -1023,6 +1023,15 @@ fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
     .unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("parallel_tool_calls, tools"));
     assert!(p.tools.is_none());
+    // A structural tag spells the calls itself: they are read from its output, and the strict
+    // schema it alone decides is reported.
+    let call = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    let tag = json!({"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
+        {"begin": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ", "schema": call, "end": "}\n</tool_call>"}]});
+    let p = chat(&lenient, json!({"tools": tools(true), "response_format": tag})).unwrap();
+    assert_eq!(kind(&p).as_deref(), Some("structural_tag"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tools[0].function.strict"));
+    assert!(p.tools.is_some());
 
     // `strict` is a boolean; a strict tool's schema the engine refuses is named; more tools
     // than the engine can choose between are not enforced (reported), never a 500 later.

@@ -353,8 +353,40 @@ fn structured_outputs_constrain_like_response_format() {
         (
             json!({"structured_outputs": {"structural_tag": {"type": "structural_tag"}}}),
             400,
-            "unsupported_parameter",
+            "missing_required_parameter",
+            p("structured_outputs.structural_tag.format"),
+        ),
+        (
+            json!({"structured_outputs": {"structural_tag": "{\"format\": "}}),
+            400,
+            "invalid_value",
             p("structured_outputs.structural_tag"),
+        ),
+        (
+            json!({"structured_outputs": {"structural_tag": {"type": "json", "format": {}}}}),
+            400,
+            "invalid_value",
+            p("structured_outputs.structural_tag.type"),
+        ),
+        (
+            json!({"response_format": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                "content": {"type": "json_schema", "json_schema": {"type": "array", "uniqueItems": true}}}}}),
+            400,
+            "invalid_value",
+            p("response_format.format.content.json_schema"),
+        ),
+        (
+            json!({"response_format": {"type": "structural_tag", "triggers": ["<f="],
+                "structures": [{"begin": "<g=a>", "schema": {}, "end": "</g>"}]}}),
+            400,
+            "invalid_value",
+            p("response_format.structures[0].begin"),
+        ),
+        (
+            json!({"response_format": {"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= \"a\""}}}),
+            400,
+            "unsupported_parameter",
+            p("response_format.format.type"),
         ),
         (json!({"structured_outputs": "json"}), 400, "invalid_type", p("structured_outputs")),
         (

@@ -794,6 +794,20 @@ fn auto_shape(
     if answer.is_none() && allowed.is_none() && !tools.iter().any(is_strict) {
         return Ok(AutoShape::Free);
     }
+    // A structural tag shapes the whole output, calls included (a client spells the model's
+    // call format with it, as vLLM's users do): the output is read for calls in `format`,
+    // and what the tag alone decides (the strict tools' arguments, `allowed_tools`) is
+    // reported.
+    if let Some((tagged @ GrammarSource::Tagged(_), param)) = answer {
+        router.grammars.compile(tagged, param)?;
+        ignored.extend(
+            tools.iter().enumerate().filter(|(_, t)| is_strict(t)).map(|(i, _)| format!("tools[{i}].function.strict")),
+        );
+        if allowed.is_some() {
+            ignored.push("tool_choice.allowed_tools".into());
+        }
+        return Ok(AutoShape::Grammar(tagged.clone()));
+    }
     let schema = match answer {
         None => None,
         Some((GrammarSource::JsonSchema(schema), _)) => Some(schema),

@@ -488,7 +488,7 @@ impl CommonFields {
                 Some(ids)
             }
         };
-        let response_format = super::constrained::response_format_source(self.response_format.as_ref())?;
+        let response_format = super::constrained::response_format_source(self.response_format.as_ref(), &mut inert)?;
         inert.extend(super::constrained::response_format_unknown_keys(self.response_format.as_ref()));
         let guided = super::constrained::Guided {
             structured_outputs: self.structured_outputs.as_ref(),

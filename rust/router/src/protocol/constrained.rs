@@ -1,8 +1,9 @@
 //! `response_format` and forced `tool_choice`: the grammar a request's output must follow.
 //!
 //! Accepted formats: `text`; `json_object`; `json_schema` (`name`, `schema`, `strict`, and
-//! `description`, which no prompt holds: reported when non-empty); and two extensions,
-//! `{"type": "regex", "regex": ...}` and `{"type": "grammar", "grammar": <Lark>}`. Every
+//! `description`, which no prompt holds: reported when non-empty); and three extensions,
+//! `{"type": "regex", "regex": ...}`, `{"type": "grammar", "grammar": <Lark>}` and vLLM's
+//! `{"type": "structural_tag", ...}` (see [`super::structural_tag`]). Every
 //! constrained format is compiled here, at prepare time (see [`crate::structured`]), so what
 //! the engine cannot enforce is a 400.
 //!
@@ -59,6 +60,8 @@ pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
     // Each type reads its own key: `regex` with type "regex", and so on; a key of another
     // type (a `json_schema` next to type "json_object") has no effect and is reported.
     let known: &[&str] = match rf.get("type").and_then(Value::as_str) {
+        // (a structural tag reports its own keys as it is read: `structural_tag::parse`)
+        Some("structural_tag") => return Vec::new(),
         Some("json_schema") => &["type", "json_schema"],
         Some("regex") => &["type", "regex"],
         Some("grammar") => &["type", "grammar"],
@@ -81,8 +84,12 @@ pub fn response_format_unknown_keys(v: Option<&Value>) -> Vec<String> {
 }
 
 /// Validates `response_format`; returns the grammar source it asks for (None: free text)
-/// and the param path the source came from.
-pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
+/// and the param path the source came from. A structural tag's keys that mean nothing are
+/// reported into `inert`.
+pub fn response_format_source(
+    v: Option<&Value>,
+    inert: &mut Vec<String>,
+) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
     let obj = match v {
         None | Some(Value::Null) => return Ok(None),
         Some(v) => as_object(v, "response_format", "`response_format`")?,
@@ -135,11 +142,15 @@ pub fn response_format_source(v: Option<&Value>) -> Result<Option<(GrammarSource
             let g = string_field(obj, "grammar", "response_format.grammar")?;
             Ok(Some((GrammarSource::Lark(g), "response_format.grammar")))
         }
+        "structural_tag" => {
+            let tagged = super::structural_tag::parse(obj, "response_format", inert)?;
+            Ok(Some((GrammarSource::Tagged(tagged), "response_format")))
+        }
         other => Err(ApiError::invalid(
             "response_format.type",
             format!(
                 "Unknown `response_format.type` {other:?}: expected `text`, `json_object`, `json_schema`, \
-                 `regex` or `grammar`."
+                 `structural_tag`, `regex` or `grammar`."
             ),
         )),
     }
@@ -159,18 +170,20 @@ pub struct Guided<'a> {
 }
 
 /// The keys of `structured_outputs` that constrain the output (exactly one may be set).
-const STRUCTURED: [(&str, &str); 5] = [
+const STRUCTURED: [(&str, &str); 6] = [
     ("json", "structured_outputs.json"),
     ("regex", "structured_outputs.regex"),
     ("choice", "structured_outputs.choice"),
     ("grammar", "structured_outputs.grammar"),
     ("json_object", "structured_outputs.json_object"),
+    ("structural_tag", "structured_outputs.structural_tag"),
 ];
 
 impl<'a> Guided<'a> {
     /// The grammar asked for (None: none) and the param it came from. Keys of
     /// `structured_outputs` that tune vLLM's backends (`whitespace_pattern`,
-    /// `disable_fallback`, ...) are reported into `inert`; `structural_tag` is refused.
+    /// `disable_fallback`, ...) are reported into `inert`, as are a structural tag's keys that
+    /// mean nothing.
     pub fn source(&self, inert: &mut Vec<String>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
         fn set(v: Option<&Value>) -> Option<&Value> {
             v.filter(|v| !v.is_null())
@@ -183,14 +196,6 @@ impl<'a> Guided<'a> {
             for (key, v) in so.iter().filter(|(k, v)| !off(k, v)) {
                 match STRUCTURED.iter().find(|(k, _)| k == key) {
                     Some(&(kind, param)) => asked.push((kind, param, v)),
-                    None if key == "structural_tag" => {
-                        return Err(ApiError::with_code(
-                            "unsupported_parameter",
-                            Some("structured_outputs.structural_tag".into()),
-                            "`structured_outputs.structural_tag` is not supported: send `json`, `regex`, \
-                             `choice`, `grammar` or `json_object`.",
-                        ))
-                    }
                     None => inert.push(format!("structured_outputs.{key}")),
                 }
             }
@@ -199,8 +204,8 @@ impl<'a> Guided<'a> {
                 // as vLLM: the object is sent to constrain, and tuning keys alone do not
                 return Err(ApiError::invalid(
                     "structured_outputs",
-                    "`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar` or \
-                     `json_object: true`.",
+                    "`structured_outputs` must set one of `json`, `regex`, `choice`, `grammar`, \
+                     `structural_tag` or `json_object: true`.",
                 ));
             }
         }
@@ -252,6 +257,7 @@ impl<'a> Guided<'a> {
                 }
             },
             "choice" => GrammarSource::Lark(choice_grammar(v, param)?),
+            "structural_tag" => GrammarSource::Tagged(structural_tag(v, param, inert)?),
             _ => unreachable!("STRUCTURED and the legacy fields name no other kind"),
         };
         Ok(Some((source, param)))
@@ -260,7 +266,7 @@ impl<'a> Guided<'a> {
 
 /// A 400 for a schema with a `$ref` that leads only through refs back to itself: the
 /// grammar engine compiles it, but generation would stop at the dead end with a 500.
-fn refuse_looping_ref(schema: &Value, param: &str) -> Result<(), ApiError> {
+pub(super) fn refuse_looping_ref(schema: &Value, param: &str) -> Result<(), ApiError> {
     match super::schema_edit::looping_ref(schema) {
         Some(r) => Err(ApiError::invalid(
             param,
@@ -268,6 +274,32 @@ fn refuse_looping_ref(schema: &Value, param: &str) -> Result<(), ApiError> {
         )),
         None => Ok(()),
     }
+}
+
+/// `structured_outputs.structural_tag`: the structural tag object, or its JSON text (as vLLM
+/// takes it); its `type`, when sent, is "structural_tag".
+fn structural_tag(v: &Value, param: &str, inert: &mut Vec<String>) -> Result<super::structural_tag::Tagged, ApiError> {
+    let parsed;
+    let v = match v {
+        Value::String(s) => {
+            parsed = serde_json::from_str::<Value>(s)
+                .map_err(|e| ApiError::invalid(param, format!("`{param}` is not valid JSON: {e}.")))?;
+            &parsed
+        }
+        v => v,
+    };
+    let obj = as_object(v, param, &format!("`{param}`"))?;
+    match obj.get("type") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if t == "structural_tag" => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                format!("{param}.type"),
+                format!("`{param}.type` must be \"structural_tag\"."),
+            ))
+        }
+    }
+    super::structural_tag::parse(obj, param, inert)
 }
 
 /// Most choices a `choice` list may hold: the grammar engine chooses between at most 2000

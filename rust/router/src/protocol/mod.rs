@@ -43,6 +43,7 @@ mod schema_check;
 pub(crate) mod schema_edit;
 pub mod score;
 pub mod stored_chat;
+pub mod structural_tag;
 pub mod tokenize;
 
 /// The routes the router understands. `Chat` and `Completion` generate (see

@@ -1,0 +1,744 @@
+//! `response_format` `{"type": "structural_tag"}` (vLLM's, in xgrammar's terms): free text and
+//! tagged structures, compiled to one grammar in llguidance's Lark dialect.
+//!
+//! Two shapes are accepted, as vLLM accepts them:
+//! - `{"format": <format>}`: a tree of formats (`const_string`, `json_schema`, `regex`,
+//!   `any_text`, `sequence`, `or`, `tag`, `triggered_tags`, `tags_with_separator`);
+//! - the legacy `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free text in
+//!   which each trigger opens one of the structures that begin with it.
+//!
+//! xgrammar's `grammar` format (its own EBNF dialect) and `qwen_xml_parameter` are refused.
+//!
+//! NOTE: llguidance lexes greedily: free text (`any_text`, the text around triggered tags)
+//! would swallow whatever a later element starts with, so free text must end its sequence,
+//! unless it is a tag's content, which then ends lazily at the tag's `end`. Text between
+//! triggered tags is lazy up to its first trigger (`pre` rules), and the text after the last
+//! tag holds no trigger, so a trigger always opens a tag.
+
+use serde_json::{Map, Value};
+
+use super::common::{as_object, invalid_type, kind_of, unsupported};
+use crate::error::ApiError;
+use crate::structured::{check_patterns, check_regex, for_generation, lark_literal};
+
+/// How deeply formats may nest (a body limit alone would allow thousands of levels).
+const MAX_DEPTH: usize = 32;
+
+/// A structural tag as a grammar: its Lark text, and the JSON schemas inlined in it with the
+/// param of each (a schema the engine refuses is blamed at its own param).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tagged {
+    pub lark: String,
+    pub schemas: Vec<(String, Value)>,
+}
+
+/// `obj` (a `response_format` of type `structural_tag`, or `structured_outputs.structural_tag`)
+/// as a grammar. Keys that mean nothing are reported into `inert`.
+pub fn parse(obj: &Map<String, Value>, param: &str, inert: &mut Vec<String>) -> Result<Tagged, ApiError> {
+    let mut t = Translator { rules: Vec::new(), schemas: Vec::new(), inert };
+    let format = obj.get("format").filter(|v| !v.is_null());
+    let structures = obj.get("structures").filter(|v| !v.is_null());
+    let start = match (format, structures) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                format!("{param}.structures"),
+                "Send either `format` or the legacy `structures` and `triggers`, not both.",
+            ))
+        }
+        (Some(f), None) => {
+            unknown_keys(obj, &["type", "format"], param, t.inert);
+            let expr = t.format(f, &format!("{param}.format"), 0)?;
+            if let Some(at) = open_before_end(f, &format!("{param}.format")) {
+                return Err(swallowed(&at));
+            }
+            expr
+        }
+        (None, Some(s)) => {
+            unknown_keys(obj, &["type", "structures", "triggers"], param, t.inert);
+            t.legacy(s, obj.get("triggers"), param)?
+        }
+        (None, None) => {
+            return Err(ApiError::with_code(
+                "missing_required_parameter",
+                Some(format!("{param}.format")),
+                format!("Missing required parameter: `{param}.format` (or the legacy `structures` and `triggers`)."),
+            ))
+        }
+    };
+    let mut lark = format!("start: {start}\n");
+    for rule in &t.rules {
+        lark.push_str(rule);
+        lark.push('\n');
+    }
+    Ok(Tagged { lark, schemas: t.schemas })
+}
+
+fn unknown_keys(obj: &Map<String, Value>, known: &[&str], param: &str, inert: &mut Vec<String>) {
+    inert.extend(obj.keys().filter(|k| !known.contains(&k.as_str())).map(|k| format!("{param}.{k}")));
+}
+
+fn swallowed(at: &str) -> ApiError {
+    ApiError::invalid(
+        at,
+        format!(
+            "`{at}` is free text (`any_text`, or the text around `triggered_tags`) followed by more of the \
+             sequence, which the text would swallow: free text must end its sequence, or be a tag's content \
+             (which ends at the tag's `end`)."
+        ),
+    )
+}
+
+struct Translator<'a> {
+    /// Rules after `start`, one line each.
+    rules: Vec<String>,
+    schemas: Vec<(String, Value)>,
+    inert: &'a mut Vec<String>,
+}
+
+/// A tag: what its output begins with, the expression of its content, what it ends with.
+struct Tag {
+    begin: String,
+    content: String,
+    end: String,
+}
+
+impl Translator<'_> {
+    /// A new rule with body `body`; its name.
+    fn rule(&mut self, body: &str) -> String {
+        let name = format!("st{}", self.rules.len());
+        self.rules.push(format!("{name}: {body}"));
+        name
+    }
+
+    /// A new terminal (a single lexeme: `&` and `~` combine only those) with body `body`; its name.
+    fn terminal(&mut self, body: &str) -> String {
+        let name = format!("ST{}", self.rules.len());
+        self.rules.push(format!("{name}: {body}"));
+        name
+    }
+
+    /// A new lazy rule (it ends as soon as its text matches) of the regex terminal `body`.
+    fn lazy_rule(&mut self, body: &str) -> String {
+        let name = format!("st{}", self.rules.len());
+        self.rules.push(format!("{name}[lazy]: {body}"));
+        name
+    }
+
+    fn format(&mut self, v: &Value, at: &str, depth: usize) -> Result<String, ApiError> {
+        if depth > MAX_DEPTH {
+            return Err(ApiError::invalid(at, format!("Formats may nest at most {MAX_DEPTH} deep.")));
+        }
+        let obj = as_object(v, at, &format!("`{at}`"))?;
+        let kind = match obj.get("type") {
+            Some(Value::String(t)) => t.as_str(),
+            None | Some(Value::Null) => return Err(missing(&format!("{at}.type"))),
+            Some(other) => {
+                return Err(invalid_type(
+                    format!("{at}.type"),
+                    format!("`{at}.type` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        };
+        match kind {
+            "const_string" => {
+                unknown_keys(obj, &["type", "value"], at, self.inert);
+                Ok(lark_literal(&string(obj, "value", at)?))
+            }
+            "json_schema" => {
+                unknown_keys(obj, &["type", "json_schema"], at, self.inert);
+                self.json_schema(obj.get("json_schema"), &format!("{at}.json_schema"))
+            }
+            "regex" => {
+                unknown_keys(obj, &["type", "pattern"], at, self.inert);
+                let param = format!("{at}.pattern");
+                let rx = string(obj, "pattern", at)?;
+                check_regex(&rx, "regex").map_err(|cause| {
+                    ApiError::invalid(
+                        &param,
+                        format!("The regular expression cannot be used to constrain generation: {cause}"),
+                    )
+                })?;
+                Ok(self.rule(&format!("/{}/", llguidance::regex_to_lark(&rx, "dw"))))
+            }
+            "any_text" => {
+                unknown_keys(obj, &["type", "excluded_str"], at, self.inert);
+                let excluded = excluded(obj, at)?;
+                Ok(self.terminal(&free_text(&excluded)))
+            }
+            "sequence" | "or" => {
+                unknown_keys(obj, &["type", "elements"], at, self.inert);
+                let elements = list(obj, "elements", at)?;
+                let mut exprs = Vec::with_capacity(elements.len());
+                for (i, e) in elements.iter().enumerate() {
+                    exprs.push(self.format(e, &format!("{at}.elements[{i}]"), depth + 1)?);
+                }
+                let body = if kind == "sequence" { exprs.join(" ") } else { exprs.join(" | ") };
+                Ok(self.rule(&body))
+            }
+            "tag" => {
+                unknown_keys(obj, &["type", "begin", "content", "end"], at, self.inert);
+                let tag = self.tag(obj, at, depth)?;
+                Ok(self.rule(&tag_body(&tag, "")))
+            }
+            "triggered_tags" => {
+                let keys = ["type", "triggers", "tags", "at_least_one", "stop_after_first"];
+                unknown_keys(obj, &keys, at, self.inert);
+                let triggers = strings(obj.get("triggers"), &format!("{at}.triggers"))?;
+                let tags = self.tags(obj, at, depth)?;
+                let (at_least_one, stop_after_first) =
+                    (flag(obj, "at_least_one", at)?, flag(obj, "stop_after_first", at)?);
+                self.triggered(&triggers, &tags, at, &format!("{at}.tags"), at_least_one, stop_after_first)
+            }
+            "tags_with_separator" => {
+                let keys = ["type", "tags", "separator", "at_least_one", "stop_after_first"];
+                unknown_keys(obj, &keys, at, self.inert);
+                let tags = self.tags(obj, at, depth)?;
+                let separator = string(obj, "separator", at)?;
+                let (at_least_one, stop_after_first) =
+                    (flag(obj, "at_least_one", at)?, flag(obj, "stop_after_first", at)?);
+                let one = self.rule(&tags.iter().map(|t| tag_body(t, "")).collect::<Vec<_>>().join(" | "));
+                let body = match (at_least_one, stop_after_first) {
+                    (false, true) => format!("{one}?"),
+                    (true, true) => one,
+                    (least, false) => {
+                        let sep = match separator.is_empty() {
+                            true => String::new(),
+                            false => format!("{} ", lark_literal(&separator)),
+                        };
+                        let many = format!("{one} ({sep}{one})*");
+                        if least {
+                            many
+                        } else {
+                            format!("({many})?")
+                        }
+                    }
+                };
+                Ok(self.rule(&body))
+            }
+            "grammar" | "qwen_xml_parameter" => Err(unsupported(
+                format!("{at}.type"),
+                format!(
+                    "Structural tag format {kind:?} is not supported here (xgrammar's own dialect): a Lark grammar \
+                     goes in `response_format` {{\"type\": \"grammar\"}}, and a tag's content may be `json_schema`, \
+                     `regex`, `const_string`, `any_text` or a nested format."
+                ),
+            )),
+            other => Err(ApiError::invalid(
+                format!("{at}.type"),
+                format!(
+                    "Unknown structural tag format {other:?}: expected `const_string`, `json_schema`, `regex`, \
+                     `any_text`, `sequence`, `or`, `tag`, `triggered_tags` or `tags_with_separator`."
+                ),
+            )),
+        }
+    }
+
+    /// A JSON schema inlined as llguidance's `%json`, edited as `response_format`'s are.
+    fn json_schema(&mut self, v: Option<&Value>, param: &str) -> Result<String, ApiError> {
+        let mut schema = match v {
+            None | Some(Value::Null) => return Err(missing(param)),
+            Some(s) => Value::Object(as_object(s, param, &format!("`{param}`"))?.clone()),
+        };
+        super::constrained::refuse_looping_ref(&schema, param)?;
+        super::schema_edit::close_objects(&mut schema);
+        check_patterns(&schema, &mut String::new()).map_err(|cause| {
+            ApiError::invalid(param, format!("The JSON schema cannot be used to constrain generation: {cause}"))
+        })?;
+        let body = format!("%json {}", for_generation(&schema));
+        self.schemas.push((param.to_string(), schema));
+        Ok(self.rule(&body))
+    }
+
+    /// A tag object's parts (`type`, when present, must be "tag").
+    fn tag(&mut self, obj: &Map<String, Value>, at: &str, depth: usize) -> Result<Tag, ApiError> {
+        let (begin, end) = (string(obj, "begin", at)?, string(obj, "end", at)?);
+        let content_at = format!("{at}.content");
+        let Some(content) = obj.get("content").filter(|v| !v.is_null()) else { return Err(missing(&content_at)) };
+        // Free text that the tag's end closes: lazy, up to the first `end`.
+        let is_any_text = content.get("type").and_then(Value::as_str) == Some("any_text");
+        if is_any_text && !end.is_empty() {
+            let obj = as_object(content, &content_at, &format!("`{content_at}`"))?;
+            unknown_keys(obj, &["type", "excluded_str"], &content_at, self.inert);
+            let excluded = excluded(obj, &content_at)?;
+            // (the lazy text writes the end itself: the tag then ends with nothing more)
+            let upto = format!("/(?s:.*){}/", regex_literal(&end));
+            let body = match excluded.is_empty() {
+                true => upto,
+                false => format!("{upto} & ~{}", containing(&excluded)),
+            };
+            return Ok(Tag { begin, content: self.lazy_rule(&body), end: String::new() });
+        }
+        let inner = open_before_end(content, &content_at);
+        if let Some(inner) = inner.or_else(|| open(content, &content_at).filter(|_| !end.is_empty())) {
+            return Err(swallowed(&inner));
+        }
+        let content = self.format(content, &content_at, depth + 1)?;
+        Ok(Tag { begin, content, end })
+    }
+
+    /// The `tags` of a `triggered_tags` or `tags_with_separator` format.
+    fn tags(&mut self, obj: &Map<String, Value>, at: &str, depth: usize) -> Result<Vec<Tag>, ApiError> {
+        let items = list(obj, "tags", at)?;
+        let mut tags = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let tag_at = format!("{at}.tags[{i}]");
+            let tag = as_object(item, &tag_at, &format!("`{tag_at}`"))?;
+            match tag.get("type") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(t)) if t == "tag" => {}
+                Some(_) => return Err(ApiError::invalid(format!("{tag_at}.type"), "A tag's `type` must be \"tag\".")),
+            }
+            unknown_keys(tag, &["type", "begin", "content", "end"], &tag_at, self.inert);
+            tags.push(self.tag(tag, &tag_at, depth + 1)?);
+        }
+        Ok(tags)
+    }
+
+    /// Free text in which each trigger opens one of the tags that begin with it.
+    /// `tags_at`: the list the tags came from (their `begin` is blamed there).
+    fn triggered(
+        &mut self,
+        triggers: &[String],
+        tags: &[Tag],
+        at: &str,
+        tags_at: &str,
+        at_least_one: bool,
+        stop_after_first: bool,
+    ) -> Result<String, ApiError> {
+        if let Some(i) = triggers.iter().position(String::is_empty) {
+            return Err(ApiError::invalid(format!("{at}.triggers[{i}]"), "A trigger must not be empty."));
+        }
+        // each tag's trigger: the one its begin starts with
+        let mut of_trigger: Vec<Vec<&Tag>> = vec![Vec::new(); triggers.len()];
+        for (i, tag) in tags.iter().enumerate() {
+            let starts: Vec<usize> = (0..triggers.len()).filter(|&j| tag.begin.starts_with(&triggers[j])).collect();
+            match starts.as_slice() {
+                [j] => of_trigger[*j].push(tag),
+                _ => {
+                    return Err(ApiError::invalid(
+                        format!("{tags_at}[{i}].begin"),
+                        format!(
+                        "A triggered tag's `begin` must start with exactly one of the `triggers`; {:?} starts with {}.",
+                        tag.begin,
+                        match starts.len() {
+                            0 => "none".to_string(),
+                            n => format!("{n}"),
+                        }
+                    ),
+                    ))
+                }
+            }
+        }
+        let any_tag = self.rule(&tags.iter().map(|t| tag_body(t, "")).collect::<Vec<_>>().join(" | "));
+        if at_least_one && stop_after_first {
+            return Ok(any_tag);
+        }
+        // text up to (and with) its first trigger, then the rest of a tag that trigger opens
+        let mut segments = Vec::new();
+        for (trigger, tags) in triggers.iter().zip(&of_trigger).filter(|(_, tags)| !tags.is_empty()) {
+            let pre = self.lazy_rule(&format!("/(?s:.*){}/", regex_literal(trigger)));
+            let rests: Vec<String> = tags.iter().map(|t| tag_body(t, trigger)).collect();
+            segments.push(format!("{pre} ({})", rests.join(" | ")));
+        }
+        let segment = self.rule(&segments.join(" | "));
+        let tail = self.terminal(&free_text(triggers));
+        let body = match (at_least_one, stop_after_first) {
+            (false, false) => format!("{segment}* {tail}"),
+            (true, false) => format!("{any_tag} {segment}* {tail}"),
+            (false, true) => format!("{tail} | {segment}"),
+            (true, true) => unreachable!("returned above"),
+        };
+        Ok(self.rule(&body))
+    }
+
+    /// The legacy shape: free text in which each trigger opens one of the structures.
+    fn legacy(&mut self, structures: &Value, triggers: Option<&Value>, param: &str) -> Result<String, ApiError> {
+        let s_at = format!("{param}.structures");
+        let Value::Array(items) = structures else {
+            return Err(invalid_type(&s_at, format!("`{s_at}` must be a list, not {}.", kind_of(structures))));
+        };
+        if items.is_empty() {
+            return Err(ApiError::invalid(&s_at, format!("`{s_at}` must list at least one structure.")));
+        }
+        let mut tags = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let at = format!("{s_at}[{i}]");
+            let obj = as_object(item, &at, &format!("`{at}`"))?;
+            unknown_keys(obj, &["begin", "schema", "end"], &at, self.inert);
+            let (begin, end) = (string(obj, "begin", &at)?, string(obj, "end", &at)?);
+            let content = self.json_schema(obj.get("schema"), &format!("{at}.schema"))?;
+            tags.push(Tag { begin, content, end });
+        }
+        let triggers = strings(triggers, &format!("{param}.triggers"))?;
+        self.triggered(&triggers, &tags, param, &s_at, false, false)
+    }
+}
+
+/// `begin content end` of a tag, `begin` without its first `skip` (its trigger, which the text
+/// before it wrote).
+fn tag_body(tag: &Tag, skip: &str) -> String {
+    let begin = &tag.begin[skip.len()..];
+    let parts = [
+        (!begin.is_empty()).then(|| lark_literal(begin)),
+        Some(tag.content.clone()),
+        (!tag.end.is_empty()).then(|| lark_literal(&tag.end)),
+    ];
+    let body: Vec<String> = parts.into_iter().flatten().collect();
+    format!("({})", body.join(" "))
+}
+
+/// Text that holds none of `excluded` (any text when it is empty): greedy.
+fn free_text(excluded: &[String]) -> String {
+    match excluded.is_empty() {
+        true => "/(?s:.*)/".into(),
+        false => format!("/(?s:.*)/ & ~{}", containing(excluded)),
+    }
+}
+
+/// The regex terminal of text that holds one of `strings`.
+fn containing(strings: &[String]) -> String {
+    let any: Vec<String> = strings.iter().map(|s| regex_literal(s)).collect();
+    format!("/(?s:.*)({})(?s:.*)/", any.join("|"))
+}
+
+/// `text` matched literally, inside a Lark `/regex/`.
+fn regex_literal(text: &str) -> String {
+    llguidance::regex_to_lark(&regex_syntax::escape(text), "")
+}
+
+/// Where `v` (at `at`) ends in free text: any text that a following element would be
+/// swallowed by (its path), if it does.
+fn open(v: &Value, at: &str) -> Option<String> {
+    let kind = v.get("type").and_then(Value::as_str)?;
+    match kind {
+        "any_text" => Some(at.to_string()),
+        "triggered_tags" => {
+            let on = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+            (!(on("at_least_one") && on("stop_after_first"))).then(|| at.to_string())
+        }
+        "sequence" => {
+            let elements = v.get("elements")?.as_array()?;
+            let last = elements.len().checked_sub(1)?;
+            open(&elements[last], &format!("{at}.elements[{last}]"))
+        }
+        "or" => {
+            let elements = v.get("elements")?.as_array()?;
+            elements.iter().enumerate().find_map(|(i, e)| open(e, &format!("{at}.elements[{i}]")))
+        }
+        "tag" => {
+            let content = v.get("content")?;
+            let end_empty = v.get("end").and_then(Value::as_str).is_some_and(str::is_empty);
+            end_empty.then(|| open(content, &format!("{at}.content"))).flatten()
+        }
+        _ => None,
+    }
+}
+
+/// Where free text inside `v` is followed by more of its sequence (the path of that text).
+fn open_before_end(v: &Value, at: &str) -> Option<String> {
+    let kind = v.get("type").and_then(Value::as_str)?;
+    let elements = v.get("elements").and_then(Value::as_array);
+    match (kind, elements) {
+        ("sequence", Some(elements)) => elements.iter().enumerate().find_map(|(i, e)| {
+            let e_at = format!("{at}.elements[{i}]");
+            let inner = open_before_end(e, &e_at);
+            inner.or_else(|| (i + 1 < elements.len()).then(|| open(e, &e_at)).flatten())
+        }),
+        ("or", Some(elements)) => {
+            elements.iter().enumerate().find_map(|(i, e)| open_before_end(e, &format!("{at}.elements[{i}]")))
+        }
+        _ => None,
+    }
+}
+
+fn missing(param: &str) -> ApiError {
+    ApiError::with_code(
+        "missing_required_parameter",
+        Some(param.to_string()),
+        format!("Missing required parameter: `{param}`."),
+    )
+}
+
+fn string(obj: &Map<String, Value>, key: &str, at: &str) -> Result<String, ApiError> {
+    let param = format!("{at}.{key}");
+    match obj.get(key) {
+        None | Some(Value::Null) => Err(missing(&param)),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(invalid_type(&param, format!("`{param}` must be a string, not {}.", kind_of(other)))),
+    }
+}
+
+/// A non-empty list at `key`.
+fn list<'v>(obj: &'v Map<String, Value>, key: &str, at: &str) -> Result<&'v Vec<Value>, ApiError> {
+    let param = format!("{at}.{key}");
+    match obj.get(key) {
+        None | Some(Value::Null) => Err(missing(&param)),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(ApiError::invalid(&param, format!("`{param}` must list at least one item.")))
+        }
+        Some(Value::Array(items)) => Ok(items),
+        Some(other) => Err(invalid_type(&param, format!("`{param}` must be a list, not {}.", kind_of(other)))),
+    }
+}
+
+/// A non-empty list of strings (at `param`).
+fn strings(v: Option<&Value>, param: &str) -> Result<Vec<String>, ApiError> {
+    let items = match v {
+        None | Some(Value::Null) => return Err(missing(param)),
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(ApiError::invalid(param, format!("`{param}` must list at least one item.")))
+        }
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(invalid_type(param, format!("`{param}` must be a list, not {}.", kind_of(other)))),
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            Value::String(s) => Ok(s.clone()),
+            other => Err(invalid_type(
+                format!("{param}[{i}]"),
+                format!("`{param}[{i}]` must be a string, not {}.", kind_of(other)),
+            )),
+        })
+        .collect()
+}
+
+/// `any_text`'s `excluded_str`: strings its text must not hold (none when absent).
+fn excluded(obj: &Map<String, Value>, at: &str) -> Result<Vec<String>, ApiError> {
+    if obj.get("excluded_str").is_none_or(Value::is_null) {
+        return Ok(Vec::new());
+    }
+    let param = format!("{at}.excluded_str");
+    let Value::Array(items) = &obj["excluded_str"] else {
+        return Err(invalid_type(
+            &param,
+            format!("`{param}` must be a list of strings, not {}.", kind_of(&obj["excluded_str"])),
+        ));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, v) in items.iter().enumerate() {
+        match v {
+            Value::String(s) if !s.is_empty() => out.push(s.clone()),
+            Value::String(_) => {
+                return Err(ApiError::invalid(format!("{param}[{i}]"), "An excluded string must not be empty."))
+            }
+            other => {
+                return Err(invalid_type(
+                    format!("{param}[{i}]"),
+                    format!("`{param}[{i}]` must be a string, not {}.", kind_of(other)),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A boolean option (false when absent or null).
+fn flag(obj: &Map<String, Value>, key: &str, at: &str) -> Result<bool, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => {
+            Err(invalid_type(format!("{at}.{key}"), format!("`{at}.{key}` must be a boolean, not {}.", kind_of(other))))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::structured::tests::byte_tokenizer;
+    use crate::structured::{Grammar, GrammarSource, Grammars};
+    use crate::tokenizer::Tokenizer;
+
+    fn compile(g: &Grammars, tag: Value) -> Grammar {
+        let mut inert = Vec::new();
+        let tagged = parse(tag.as_object().unwrap(), "response_format", &mut inert).unwrap();
+        assert!(inert.is_empty(), "{inert:?}");
+        g.compile(&GrammarSource::Tagged(tagged), "response_format").unwrap()
+    }
+
+    /// Whether `text` is a whole output of the grammar (every token allowed, and it may end).
+    fn whole(grammar: &Grammar, tok: &Tokenizer, text: &str) -> bool {
+        let mut m = grammar.matcher();
+        for id in tok.encode(text, false) {
+            if m.is_stopped() || !m.compute_mask().unwrap().is_allowed(id) {
+                return false;
+            }
+            m.consume_token(id).unwrap();
+        }
+        m.is_stopped() || m.is_accepting().unwrap()
+    }
+
+    fn point() -> Value {
+        json!({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    }
+
+    #[test]
+    fn triggers_open_tags_in_free_text() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let legacy = json!({"type": "structural_tag", "triggers": ["<function="], "structures": [
+            {"begin": "<function=f>", "schema": point(), "end": "</function>"},
+            {"begin": "<function=g>", "schema": {"type": "string"}, "end": "</function>"}]});
+        let format = json!({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="],
+            "tags": [{"begin": "<function=f>", "content": {"type": "json_schema", "json_schema": point()}, "end": "</function>"},
+                     {"type": "tag", "begin": "<function=g>", "content": {"type": "json_schema", "json_schema": {"type": "string"}},
+                      "end": "</function>"}]}});
+        for tag in [legacy, format] {
+            let grammar = compile(&g, tag);
+            for text in [
+                "",
+                "just text",
+                "a <function=f>{\"x\": 1}</function> b",
+                "<function=g>\"s\"</function><function=f>{\"x\": 2}</function>",
+                "<func <function=f>{\"x\": 1}</function>",
+            ] {
+                assert!(whole(&grammar, &tok, text), "{text}");
+            }
+            // a trigger must open a tag, whose content follows its schema and which must close
+            for text in
+                ["<function=h>", "<function=f>{\"y\": 1}", "<function=f>{\"x\": 1, \"y\": 1}", "<function=f>{\"x\": 1}"]
+            {
+                assert!(!whole(&grammar, &tok, text), "{text}");
+            }
+        }
+    }
+
+    #[test]
+    fn at_least_one_and_stop_after_first_shape_the_tags() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let shaped = |least: bool, first: bool| {
+            let tags = json!([{"begin": "<a>", "content": {"type": "const_string", "value": "1"}, "end": "</a>"}]);
+            compile(
+                &g,
+                json!({"format": {"type": "triggered_tags", "triggers": ["<a>"], "tags": tags,
+                "at_least_one": least, "stop_after_first": first}}),
+            )
+        };
+        let cases: [(bool, bool, &[&str], &[&str]); 4] = [
+            (false, false, &["", "x", "x<a>1</a>y<a>1</a>"], &[]),
+            (true, false, &["<a>1</a>", "<a>1</a>y<a>1</a>z"], &["", "x<a>1</a>"]),
+            (false, true, &["", "x", "x<a>1</a>"], &["x<a>1</a>y", "<a>1</a><a>1</a>"]),
+            (true, true, &["<a>1</a>"], &["", "x<a>1</a>", "<a>1</a>x"]),
+        ];
+        for (least, first, ok, bad) in cases {
+            let grammar = shaped(least, first);
+            for text in ok {
+                assert!(whole(&grammar, &tok, text), "{least} {first} {text:?}");
+            }
+            for text in bad {
+                assert!(!whole(&grammar, &tok, text), "{least} {first} {text:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn tags_with_a_separator_and_nothing_else() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let tags = json!([{"begin": "{\"n\": ", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "}"},
+                          {"begin": "<b>", "content": {"type": "regex", "pattern": "\\d{2}"}, "end": ""}]);
+        let grammar = compile(
+            &g,
+            json!({"format": {"type": "sequence", "elements": [
+            {"type": "const_string", "value": "["},
+            {"type": "tags_with_separator", "tags": tags, "separator": ", ", "at_least_one": true},
+            {"type": "const_string", "value": "]"}]}}),
+        );
+        for text in ["[{\"n\": 1}]", "[{\"n\": 1}, <b>12, {\"n\": 3}]"] {
+            assert!(whole(&grammar, &tok, text), "{text}");
+        }
+        for text in ["[]", "[{\"n\": 1},{\"n\": 2}]", "[<b>1]", "[x]"] {
+            assert!(!whole(&grammar, &tok, text), "{text}");
+        }
+    }
+
+    #[test]
+    fn any_text_in_a_tag_ends_at_the_end_and_skips_excluded_strings() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let grammar = compile(
+            &g,
+            json!({"format": {"type": "sequence", "elements": [
+            {"type": "tag", "begin": "<think>", "content": {"type": "any_text", "excluded_str": ["<tool>"]}, "end": "</think>"},
+            {"type": "or", "elements": [{"type": "const_string", "value": "yes"}, {"type": "any_text"}]}]}}),
+        );
+        for text in ["<think></think>yes", "<think>a < b</think>anything", "<think>x</think>"] {
+            assert!(whole(&grammar, &tok, text), "{text}");
+        }
+        for text in ["<think>a<tool>b</think>", "x"] {
+            assert!(!whole(&grammar, &tok, text), "{text}");
+        }
+    }
+
+    fn refused(tag: Value) -> ApiError {
+        parse(tag.as_object().unwrap(), "response_format", &mut Vec::new()).unwrap_err()
+    }
+
+    #[test]
+    fn what_cannot_be_enforced_is_refused_where_it_is() {
+        let text = json!({"type": "any_text"});
+        let one = json!({"type": "const_string", "value": "1"});
+        let cases = [
+            (json!({"type": "structural_tag"}), "response_format.format"),
+            (json!({"format": {"type": "sequence", "elements": [text, one]}}), "response_format.format.elements[0]"),
+            (
+                json!({"format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {"type": "sequence",
+                "elements": [one, {"type": "triggered_tags", "triggers": ["<"], "tags": [{"begin": "<b>", "content": one, "end": ""}]}]}}}),
+                "response_format.format.content.elements[1]",
+            ),
+            (json!({"format": {"type": "grammar", "grammar": "root ::= \"a\""}}), "response_format.format.type"),
+            (json!({"format": {"type": "qwen_xml_parameter", "json_schema": {}}}), "response_format.format.type"),
+            (json!({"format": {"type": "nope"}}), "response_format.format.type"),
+            (
+                json!({"format": {"type": "triggered_tags", "triggers": ["<a", "<ab"], "tags": [{"begin": "<abc>", "content": one, "end": ""}]}}),
+                "response_format.format.tags[0].begin",
+            ),
+            (
+                json!({"format": {"type": "triggered_tags", "triggers": ["<x"], "tags": [{"begin": "<a>", "content": one, "end": ""}]}}),
+                "response_format.format.tags[0].begin",
+            ),
+            (
+                json!({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": ["<b"]}),
+                "response_format.structures[0].begin",
+            ),
+            (json!({"structures": [{"begin": "<a>", "schema": {}, "end": ""}]}), "response_format.triggers"),
+            (json!({"format": one, "structures": []}), "response_format.structures"),
+            (json!({"format": {"type": "regex", "pattern": "("}}), "response_format.format.pattern"),
+            (json!({"format": {"type": "sequence", "elements": []}}), "response_format.format.elements"),
+            (
+                json!({"format": {"type": "json_schema", "json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}),
+                "response_format.format.json_schema",
+            ),
+        ];
+        for (tag, param) in cases {
+            let err = refused(tag.clone());
+            assert_eq!(err.param(), Some(param), "{tag}: {err:?}");
+        }
+    }
+
+    #[test]
+    fn a_schema_the_engine_refuses_is_blamed_at_its_param() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok, vec![0]);
+        let tag = json!({"format": {"type": "sequence", "elements": [{"type": "const_string", "value": "a"},
+            {"type": "json_schema", "json_schema": {"type": "array", "uniqueItems": true}}]}});
+        let tagged = parse(tag.as_object().unwrap(), "response_format", &mut Vec::new()).unwrap();
+        let err = g.compile(&GrammarSource::Tagged(tagged), "response_format").unwrap_err();
+        assert_eq!(err.param(), Some("response_format.format.elements[1].json_schema"), "{err:?}");
+    }
+
+    #[test]
+    fn keys_that_mean_nothing_are_reported() {
+        let mut inert = Vec::new();
+        let tag = json!({"type": "structural_tag", "x": 1, "format": {"type": "tag", "begin": "a", "end": "b", "y": 2,
+            "content": {"type": "any_text", "z": 3}}});
+        parse(tag.as_object().unwrap(), "response_format", &mut inert).unwrap();
+        assert_eq!(inert, ["response_format.x", "response_format.format.y", "response_format.format.content.z"]);
+    }
+}
