@@ -264,6 +264,64 @@ def test_random_schemas_are_followed(tiny_server, seed):
     assert ended >= 30, f"only {ended} answers ended: too few to check"
 
 
+def _tags_in(text: str, tags: list[dict], triggers: list[str]) -> list[str]:
+    """What is wrong with the tags in a finished `text` of free text and triggered tags: each
+    trigger must open a tag whose JSON follows that tag's schema and which then closes."""
+    problems, at, decoder = [], 0, json.JSONDecoder()
+    while (found := min(((text.find(t, at), t) for t in triggers if t in text[at:]), default=None)) is not None:
+        start = found[0]
+        tag = next((t for t in tags if text.startswith(t["begin"], start)), None)
+        if tag is None:
+            return problems + [f"a trigger opens no tag at {start}: {text[start:start + 20]!r}"]
+        body = start + len(tag["begin"])
+        try:
+            value, end = decoder.raw_decode(text, body)
+        except ValueError as exc:
+            return problems + [f"no JSON after {tag['begin']!r}: {exc}"]
+        try:
+            jsonschema.validate(value, tag["content"]["json_schema"], format_checker=jsonschema.FormatChecker())
+        except jsonschema.ValidationError as exc:
+            problems.append(f"{json.dumps(tag['content']['json_schema'])} -> {value!r}: {str(exc).splitlines()[0]}")
+        if not text.startswith(tag["end"], end):
+            return problems + [f"{tag['end']!r} does not follow the JSON at {end}: {text[end:end + 20]!r}"]
+        at = end + len(tag["end"])
+    return problems
+
+
+@pytest.mark.parametrize("seed", [41])
+def test_random_structural_tags_are_followed(tiny_server, seed):
+    """`structural_tag`s of 1 to 3 triggered tags with random schemas, each option at random:
+    in every answer that ends `stop`, each trigger opens a whole tag whose JSON validates."""
+    rng = random.Random(seed)
+    problems, tagged = [], 0
+    with tiny_server.http(timeout=120) as http:
+        for i in range(50):
+            names = rng.sample("abc", rng.randint(1, 3))
+            triggers = ["<"] if rng.random() < 0.5 else [f"<{n}" for n in names]
+            tags = [{"begin": f"<{n}>", "content": {"type": "json_schema", "json_schema": _schema(rng)},
+                     "end": f"</{n}>"} for n in names]
+            least, first = rng.random() < 0.7, rng.random() < 0.5
+            fmt = {"type": "triggered_tags", "triggers": triggers, "tags": tags,
+                   "at_least_one": least, "stop_after_first": first}
+            r = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Tag it."}], "max_tokens": 160,
+                "temperature": 1, "seed": i, "response_format": {"type": "structural_tag", "format": fmt}})
+            if r.status_code == 400:     # (a keyword the grammar engine cannot enforce)
+                assert r.json()["error"]["param"].startswith("response_format.format.tags["), r.text
+                continue
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            if choice["finish_reason"] != "stop":
+                continue
+            text = choice["message"]["content"]
+            tagged += any(t in text for t in triggers)
+            problems += [f"{text!r}: {p}" for p in _tags_in(text, tags, triggers)]
+            if least and not text.startswith(tuple(t["begin"] for t in tags)):
+                problems.append(f"{text!r}: at_least_one, yet it does not open with a tag")
+    assert not problems, "\n".join(problems[:5])
+    assert tagged >= 12, f"only {tagged} finished answers held a tag: too few to check"
+
+
 @pytest.mark.parametrize("seed", [31, 32])
 def test_random_tool_parameters_are_followed(tiny_server, seed):
     """Forced calls among 1 to 3 tools of random `parameters`, streamed or not: each call's
