@@ -20,7 +20,7 @@ use crate::error::ApiError;
 use crate::router::Router;
 use crate::structured::{Grammar, GrammarSource};
 
-fn missing(param: &str) -> ApiError {
+pub(super) fn missing(param: &str) -> ApiError {
     ApiError::with_code(
         "missing_required_parameter",
         Some(param.to_string()),

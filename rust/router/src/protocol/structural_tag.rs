@@ -18,10 +18,11 @@
 use serde_json::{Map, Value};
 
 use super::common::{as_object, invalid_type, kind_of, unsupported};
+use super::constrained::missing;
 use crate::error::ApiError;
 use crate::structured::{check_patterns, check_regex, for_generation, lark_literal};
 
-/// How deeply formats may nest (a body limit alone would allow thousands of levels).
+/// How deeply formats may nest (the translation recurses once per level).
 const MAX_DEPTH: usize = 32;
 
 /// A structural tag as a grammar: its Lark text, and the JSON schemas inlined in it with the
@@ -105,22 +106,22 @@ struct Tag {
 impl Translator<'_> {
     /// A new rule with body `body`; its name.
     fn rule(&mut self, body: &str) -> String {
-        let name = format!("st{}", self.rules.len());
-        self.rules.push(format!("{name}: {body}"));
-        name
+        self.define("st", "", body)
     }
 
     /// A new terminal (a single lexeme: `&` and `~` combine only those) with body `body`; its name.
     fn terminal(&mut self, body: &str) -> String {
-        let name = format!("ST{}", self.rules.len());
-        self.rules.push(format!("{name}: {body}"));
-        name
+        self.define("ST", "", body)
     }
 
     /// A new lazy rule (it ends as soon as its text matches) of the regex terminal `body`.
     fn lazy_rule(&mut self, body: &str) -> String {
-        let name = format!("st{}", self.rules.len());
-        self.rules.push(format!("{name}[lazy]: {body}"));
+        self.define("st", "[lazy]", body)
+    }
+
+    fn define(&mut self, prefix: &str, attributes: &str, body: &str) -> String {
+        let name = format!("{prefix}{}", self.rules.len());
+        self.rules.push(format!("{name}{attributes}: {body}"));
         name
     }
 
@@ -215,13 +216,15 @@ impl Translator<'_> {
                 };
                 Ok(self.rule(&body))
             }
-            "grammar" | "qwen_xml_parameter" => Err(unsupported(
+            "grammar" => Err(unsupported(
                 format!("{at}.type"),
-                format!(
-                    "Structural tag format {kind:?} is not supported here (xgrammar's own dialect): a Lark grammar \
-                     goes in `response_format` {{\"type\": \"grammar\"}}, and a tag's content may be `json_schema`, \
-                     `regex`, `const_string`, `any_text` or a nested format."
-                ),
+                "Structural tag format \"grammar\" (xgrammar's EBNF dialect) is not supported: a Lark grammar goes \
+                 in `response_format` {\"type\": \"grammar\"}, or build the tag from the other formats.",
+            )),
+            "qwen_xml_parameter" => Err(unsupported(
+                format!("{at}.type"),
+                "Structural tag format \"qwen_xml_parameter\" is not supported: Qwen3-Coder's XML calls are \
+                 constrained by `tools` with `tool_choice` (`--tool-call-format qwen3_xml`).",
             )),
             other => Err(ApiError::invalid(
                 format!("{at}.type"),
@@ -249,7 +252,7 @@ impl Translator<'_> {
         Ok(self.rule(&body))
     }
 
-    /// A tag object's parts (`type`, when present, must be "tag").
+    /// A tag object's parts: `begin`, `content` (as a grammar expression) and `end`.
     fn tag(&mut self, obj: &Map<String, Value>, at: &str, depth: usize) -> Result<Tag, ApiError> {
         let (begin, end) = (string(obj, "begin", at)?, string(obj, "end", at)?);
         let content_at = format!("{at}.content");
@@ -329,13 +332,20 @@ impl Translator<'_> {
                 }
             }
         }
+        // (a trigger that opens no tag could appear nowhere: the text never holds a trigger)
+        if let Some(i) = of_trigger.iter().position(Vec::is_empty) {
+            return Err(ApiError::invalid(
+                format!("{at}.triggers[{i}]"),
+                format!("The trigger {:?} opens none of the tags: no tag's `begin` starts with it.", triggers[i]),
+            ));
+        }
         let any_tag = self.rule(&tags.iter().map(|t| tag_body(t, "")).collect::<Vec<_>>().join(" | "));
         if at_least_one && stop_after_first {
             return Ok(any_tag);
         }
         // text up to (and with) its first trigger, then the rest of a tag that trigger opens
         let mut segments = Vec::new();
-        for (trigger, tags) in triggers.iter().zip(&of_trigger).filter(|(_, tags)| !tags.is_empty()) {
+        for (trigger, tags) in triggers.iter().zip(&of_trigger) {
             let pre = self.lazy_rule(&format!("/(?s:.*){}/", regex_literal(trigger)));
             let rests: Vec<String> = tags.iter().map(|t| tag_body(t, trigger)).collect();
             segments.push(format!("{pre} ({})", rests.join(" | ")));
@@ -449,14 +459,6 @@ fn open_before_end(v: &Value, at: &str) -> Option<String> {
         }
         _ => None,
     }
-}
-
-fn missing(param: &str) -> ApiError {
-    ApiError::with_code(
-        "missing_required_parameter",
-        Some(param.to_string()),
-        format!("Missing required parameter: `{param}`."),
-    )
 }
 
 fn string(obj: &Map<String, Value>, key: &str, at: &str) -> Result<String, ApiError> {
@@ -708,6 +710,10 @@ mod tests {
                 "response_format.structures[0].begin",
             ),
             (json!({"structures": [{"begin": "<a>", "schema": {}, "end": ""}]}), "response_format.triggers"),
+            (
+                json!({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": ["<a", "<b"]}),
+                "response_format.triggers[1]",
+            ),
             (json!({"format": one, "structures": []}), "response_format.structures"),
             (json!({"format": {"type": "regex", "pattern": "("}}), "response_format.format.pattern"),
             (json!({"format": {"type": "sequence", "elements": []}}), "response_format.format.elements"),
