@@ -210,6 +210,30 @@ def test_response_format_beside_tools_under_auto(fmt_server, client):
             assert choice.finish_reason == "length" and choice.message.content.startswith("{"), choice
 
 
+def test_a_structural_tag_that_spells_the_calls_is_read_for_them(fmt_server, client):
+    """vLLM's use of `structural_tag`: the client writes the model's call format as tags; under
+    `tool_choice` "auto" the output follows the tag and its calls come back as `tool_calls`."""
+    if fmt_server.format != "hermes":
+        pytest.skip("the tag spells Hermes calls")
+    schema = SCHEMAS["get_weather"]
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"begin": '<tool_call>\n{"name": "get_weather", "arguments": ',
+                  "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}]}}
+    req = dict(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=200, temperature=1.0, response_format=tag)
+    render = httpx.post(fmt_server.url + "/v1/chat/completions/render", timeout=30, json=req).json()
+    assert render["grammar"].startswith("structural_tag:")
+    ended = 0
+    for seed in range(3):
+        choice = client.chat.completions.create(**req, seed=seed).choices[0]
+        if choice.finish_reason == "length":
+            continue
+        ended += 1
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        _valid(choice.message.tool_calls, {"get_weather"})
+    assert ended, "no answer ended within max_tokens"
+
+
 def test_deprecated_functions_are_answered_as_function_call(fmt_server, client):
     """OpenAI's deprecated `functions` / `function_call`, sent by the SDK's own parameters:
     run as the tools they became (the same prompt and call as `tools`), answered as
