@@ -15,7 +15,7 @@
 //! triggered tags is lazy up to its first trigger (`pre` rules), and the text after the last
 //! tag holds no trigger, so a trigger always opens a tag.
 
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 use super::common::{as_object, invalid_type, kind_of, unsupported};
 use super::constrained::missing;
@@ -236,10 +236,25 @@ impl Translator<'_> {
         }
     }
 
-    /// A JSON schema inlined as llguidance's `%json`, edited as `response_format`'s are.
+    /// A JSON schema inlined as llguidance's `%json`, edited as `response_format`'s are. As
+    /// xgrammar takes it: an object, `true` (any JSON value), or its JSON text (the legacy
+    /// `schema`); `false` matches nothing and is refused.
     fn json_schema(&mut self, v: Option<&Value>, param: &str) -> Result<String, ApiError> {
+        let parsed;
+        let v = match v {
+            Some(Value::String(text)) => {
+                parsed = serde_json::from_str::<Value>(text)
+                    .map_err(|e| ApiError::invalid(param, format!("`{param}` is not valid JSON: {e}.")))?;
+                Some(&parsed)
+            }
+            v => v,
+        };
         let mut schema = match v {
             None | Some(Value::Null) => return Err(missing(param)),
+            Some(Value::Bool(true)) => json!({}),
+            Some(Value::Bool(false)) => {
+                return Err(ApiError::invalid(param, format!("`{param}` is `false`: no value matches it.")))
+            }
             Some(s) => Value::Object(as_object(s, param, &format!("`{param}`"))?.clone()),
         };
         super::constrained::refuse_looping_ref(&schema, param)?;
@@ -737,6 +752,26 @@ mod tests {
         let tagged = parse(tag.as_object().unwrap(), "response_format", &mut Vec::new()).unwrap();
         let err = g.compile(&GrammarSource::Tagged(tagged), "response_format").unwrap_err();
         assert_eq!(err.param(), Some("response_format.format.elements[1].json_schema"), "{err:?}");
+    }
+
+    #[test]
+    fn schemas_as_xgrammar_takes_them() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let any = compile(
+            &g,
+            json!({"format": {"type": "tag", "begin": "<a>", "end": "</a>",
+            "content": {"type": "json_schema", "json_schema": true}}}),
+        );
+        assert!(whole(&any, &tok, "<a>[1, \"x\"]</a>") && whole(&any, &tok, "<a>null</a>"));
+        let text = compile(
+            &g,
+            json!({"triggers": ["<a"], "structures": [{"begin": "<a>", "end": "</a>",
+            "schema": "{\"type\": \"integer\"}"}]}),
+        );
+        assert!(whole(&text, &tok, "x<a>12</a>") && !whole(&text, &tok, "x<a>\"12\"</a>"));
+        let nothing = json!({"format": {"type": "json_schema", "json_schema": false}});
+        assert_eq!(refused(nothing).param(), Some("response_format.format.json_schema"));
     }
 
     #[test]
