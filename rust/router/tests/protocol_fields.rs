@@ -160,6 +160,15 @@ fn vllm_fields_pass_at_their_default_and_are_refused_otherwise() {
     ] {
         assert_eq!(got, (400, "unsupported_parameter", Some("logits_processors".to_string())));
     }
+    // a prompt as embeddings (vLLM too refuses it unless started with --enable-prompt-embeds)
+    for embeds in [json!("AAAA"), json!(["AAAA"])] {
+        let got = shape(completion(&r, json!({"prompt_embeds": embeds})));
+        assert_eq!(got, (400, "unsupported_parameter", Some("prompt_embeds".to_string())));
+        // (without a prompt too: what is refused is what was sent)
+        let alone = json!({"model": "tiny", "prompt_embeds": embeds}).to_string();
+        let got = shape(r.prepare(llmserve_router::protocol::Endpoint::Completion, alone.as_bytes()));
+        assert_eq!(got, (400, "unsupported_parameter", Some("prompt_embeds".to_string())));
+    }
 }
 
 /// vLLM's beam search: `n` beams, `length_penalty` read; fields that reshape the distribution

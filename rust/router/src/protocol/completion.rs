@@ -256,6 +256,15 @@ fn fim_prompts(
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
+    // NOTE: a prompt sent as embeddings (vLLM's `prompt_embeds`, which it too refuses unless
+    // started with --enable-prompt-embeds) cannot be read: answering the text `prompt` instead,
+    // or nothing, would answer another question than the one asked.
+    if value.get("prompt_embeds").is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(unsupported(
+            "prompt_embeds",
+            "`prompt_embeds` is not supported: send the prompt as text or token ids.",
+        ));
+    }
     let common: CommonFields = from_value(&value)?;
     let comp: CompletionFields = from_value(&value)?;
     let lora = router.check_model(&common.model)?;
