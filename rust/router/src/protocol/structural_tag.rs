@@ -10,8 +10,10 @@
 //! xgrammar's `grammar` format (its own EBNF dialect) and `qwen_xml_parameter` are refused.
 //!
 //! NOTE: llguidance lexes greedily: free text (`any_text`, the text around triggered tags)
-//! would swallow whatever a later element starts with, so free text must end its sequence,
-//! unless it is a tag's content, which then ends lazily at the tag's `end`. Text between
+//! would swallow whatever a later element starts with, so free text must end what holds it
+//! (its sequence, its tag, the tags after it), unless it is a tag's content, which then ends
+//! lazily at the tag's `end`. Each translated format says where its output may end in free
+//! text ([`Expr::open`]), and what would follow such text is refused. Text between
 //! triggered tags is lazy up to its first trigger (`pre` rules), and the text after the last
 //! tag holds no trigger, so a trigger always opens a tag.
 
@@ -48,11 +50,7 @@ pub fn parse(obj: &Map<String, Value>, param: &str, inert: &mut Vec<String>) -> 
         }
         (Some(f), None) => {
             unknown_keys(obj, &["type", "format"], param, t.inert);
-            let expr = t.format(f, &format!("{param}.format"), 0)?;
-            if let Some(at) = open_before_end(f, &format!("{param}.format")) {
-                return Err(swallowed(&at));
-            }
-            expr
+            t.format(f, &format!("{param}.format"), 0)?.text
         }
         (None, Some(s)) => {
             unknown_keys(obj, &["type", "structures", "triggers"], param, t.inert);
@@ -82,9 +80,9 @@ fn swallowed(at: &str) -> ApiError {
     ApiError::invalid(
         at,
         format!(
-            "`{at}` is free text (`any_text`, or the text around `triggered_tags`) followed by more of the \
-             sequence, which the text would swallow: free text must end its sequence, or be a tag's content \
-             (which ends at the tag's `end`)."
+            "`{at}` is free text (`any_text`, or the text around `triggered_tags`) with more output after it (the \
+             rest of its sequence, its tag's `end`, or more tags), which the text would swallow: free text must \
+             come last, or be a tag's whole content (which then ends at the tag's `end`)."
         ),
     )
 }
@@ -96,11 +94,27 @@ struct Translator<'a> {
     inert: &'a mut Vec<String>,
 }
 
-/// A tag: what its output begins with, the expression of its content, what it ends with.
+/// A format as a grammar expression.
+struct Expr {
+    text: String,
+    /// Where its output may end in free text (the param of that text), which would swallow
+    /// anything after it.
+    open: Option<String>,
+}
+
+impl Expr {
+    fn closed(text: String) -> Self {
+        Expr { text, open: None }
+    }
+}
+
+/// A tag: what its output begins with, the expression of its content, what it ends with, and
+/// where it may end in free text (its content's, when it has no `end`).
 struct Tag {
     begin: String,
     content: String,
     end: String,
+    open: Option<String>,
 }
 
 impl Translator<'_> {
@@ -125,7 +139,7 @@ impl Translator<'_> {
         name
     }
 
-    fn format(&mut self, v: &Value, at: &str, depth: usize) -> Result<String, ApiError> {
+    fn format(&mut self, v: &Value, at: &str, depth: usize) -> Result<Expr, ApiError> {
         if depth > MAX_DEPTH {
             return Err(ApiError::invalid(at, format!("Formats may nest at most {MAX_DEPTH} deep.")));
         }
@@ -143,11 +157,11 @@ impl Translator<'_> {
         match kind {
             "const_string" => {
                 unknown_keys(obj, &["type", "value"], at, self.inert);
-                Ok(lark_literal(&string(obj, "value", at)?))
+                Ok(Expr::closed(lark_literal(&string(obj, "value", at)?)))
             }
             "json_schema" => {
                 unknown_keys(obj, &["type", "json_schema"], at, self.inert);
-                self.json_schema(obj.get("json_schema"), &format!("{at}.json_schema"))
+                self.json_schema(obj.get("json_schema"), &format!("{at}.json_schema")).map(Expr::closed)
             }
             "regex" => {
                 unknown_keys(obj, &["type", "pattern"], at, self.inert);
@@ -159,12 +173,12 @@ impl Translator<'_> {
                         format!("The regular expression cannot be used to constrain generation: {cause}"),
                     )
                 })?;
-                Ok(self.rule(&format!("/{}/", llguidance::regex_to_lark(&rx, "dw"))))
+                Ok(Expr::closed(self.rule(&format!("/{}/", llguidance::regex_to_lark(&rx, "dw")))))
             }
             "any_text" => {
                 unknown_keys(obj, &["type", "excluded_str"], at, self.inert);
                 let excluded = excluded(obj, at)?;
-                Ok(self.terminal(&free_text(&excluded)))
+                Ok(Expr { text: self.terminal(&free_text(&excluded)), open: Some(at.to_string()) })
             }
             "sequence" | "or" => {
                 unknown_keys(obj, &["type", "elements"], at, self.inert);
@@ -173,13 +187,22 @@ impl Translator<'_> {
                 for (i, e) in elements.iter().enumerate() {
                     exprs.push(self.format(e, &format!("{at}.elements[{i}]"), depth + 1)?);
                 }
-                let body = if kind == "sequence" { exprs.join(" ") } else { exprs.join(" | ") };
-                Ok(self.rule(&body))
+                let texts: Vec<&str> = exprs.iter().map(|e| e.text.as_str()).collect();
+                let (body, open) = if kind == "sequence" {
+                    // (free text only at the end: it would swallow the elements after it)
+                    if let Some(open) = exprs[..exprs.len() - 1].iter().find_map(|e| e.open.as_deref()) {
+                        return Err(swallowed(open));
+                    }
+                    (texts.join(" "), exprs.last().and_then(|e| e.open.clone()))
+                } else {
+                    (texts.join(" | "), exprs.iter().find_map(|e| e.open.clone()))
+                };
+                Ok(Expr { text: self.rule(&body), open })
             }
             "tag" => {
                 unknown_keys(obj, &["type", "begin", "content", "end"], at, self.inert);
                 let tag = self.tag(obj, at, depth)?;
-                Ok(self.rule(&tag_body(&tag, "")))
+                Ok(Expr { text: self.rule(&tag_body(&tag, "")), open: tag.open })
             }
             "triggered_tags" => {
                 let keys = ["type", "triggers", "tags", "at_least_one", "stop_after_first"];
@@ -197,6 +220,9 @@ impl Translator<'_> {
                 let separator = string(obj, "separator", at)?;
                 let (at_least_one, stop_after_first) =
                     (flag(obj, "at_least_one", at)?, flag(obj, "stop_after_first", at)?);
+                if let Some(open) = tags.iter().find_map(|t| t.open.as_deref()).filter(|_| !stop_after_first) {
+                    return Err(swallowed(open));
+                }
                 let one = self.rule(&tags.iter().map(|t| tag_body(t, "")).collect::<Vec<_>>().join(" | "));
                 let body = match (at_least_one, stop_after_first) {
                     (false, true) => format!("{one}?"),
@@ -214,7 +240,8 @@ impl Translator<'_> {
                         }
                     }
                 };
-                Ok(self.rule(&body))
+                let open = tags.iter().find_map(|t| t.open.clone());
+                Ok(Expr { text: self.rule(&body), open })
             }
             "grammar" => Err(unsupported(
                 format!("{at}.type"),
@@ -284,14 +311,13 @@ impl Translator<'_> {
                 true => upto,
                 false => format!("{upto} & ~{}", containing(&excluded)),
             };
-            return Ok(Tag { begin, content: self.lazy_rule(&body), end: String::new() });
-        }
-        let inner = open_before_end(content, &content_at);
-        if let Some(inner) = inner.or_else(|| open(content, &content_at).filter(|_| !end.is_empty())) {
-            return Err(swallowed(&inner));
+            return Ok(Tag { begin, content: self.lazy_rule(&body), end: String::new(), open: None });
         }
         let content = self.format(content, &content_at, depth + 1)?;
-        Ok(Tag { begin, content, end })
+        match (content.open, end.is_empty()) {
+            (Some(open), false) => Err(swallowed(&open)),
+            (open, _) => Ok(Tag { begin, content: content.text, end, open }),
+        }
     }
 
     /// The `tags` of a `triggered_tags` or `tags_with_separator` format.
@@ -322,7 +348,7 @@ impl Translator<'_> {
         tags_at: &str,
         at_least_one: bool,
         stop_after_first: bool,
-    ) -> Result<String, ApiError> {
+    ) -> Result<Expr, ApiError> {
         if let Some(i) = triggers.iter().position(String::is_empty) {
             return Err(ApiError::invalid(format!("{at}.triggers[{i}]"), "A trigger must not be empty."));
         }
@@ -356,7 +382,11 @@ impl Translator<'_> {
         }
         let any_tag = self.rule(&tags.iter().map(|t| tag_body(t, "")).collect::<Vec<_>>().join(" | "));
         if at_least_one && stop_after_first {
-            return Ok(any_tag);
+            return Ok(Expr { text: any_tag, open: tags.iter().find_map(|t| t.open.clone()) });
+        }
+        // (a tag ending in free text would swallow the triggers after it)
+        if let Some(open) = tags.iter().find_map(|t| t.open.as_deref()).filter(|_| !stop_after_first) {
+            return Err(swallowed(open));
         }
         // text up to (and with) its first trigger, then the rest of a tag that trigger opens
         let mut segments = Vec::new();
@@ -373,7 +403,7 @@ impl Translator<'_> {
             (false, true) => format!("{tail} | {segment}"),
             (true, true) => unreachable!("returned above"),
         };
-        Ok(self.rule(&body))
+        Ok(Expr { text: self.rule(&body), open: Some(at.to_string()) })
     }
 
     /// The legacy shape: free text in which each trigger opens one of the structures.
@@ -392,10 +422,10 @@ impl Translator<'_> {
             unknown_keys(obj, &["begin", "schema", "end"], &at, self.inert);
             let (begin, end) = (string(obj, "begin", &at)?, string(obj, "end", &at)?);
             let content = self.json_schema(obj.get("schema"), &format!("{at}.schema"))?;
-            tags.push(Tag { begin, content, end });
+            tags.push(Tag { begin, content, end, open: None });
         }
         let triggers = strings(triggers, &format!("{param}.triggers"))?;
-        self.triggered(&triggers, &tags, param, &s_at, false, false)
+        Ok(self.triggered(&triggers, &tags, param, &s_at, false, false)?.text)
     }
 }
 
@@ -429,51 +459,6 @@ fn containing(strings: &[String]) -> String {
 /// `text` matched literally, inside a Lark `/regex/`.
 fn regex_literal(text: &str) -> String {
     llguidance::regex_to_lark(&regex_syntax::escape(text), "")
-}
-
-/// Where `v` (at `at`) ends in free text: any text that a following element would be
-/// swallowed by (its path), if it does.
-fn open(v: &Value, at: &str) -> Option<String> {
-    let kind = v.get("type").and_then(Value::as_str)?;
-    match kind {
-        "any_text" => Some(at.to_string()),
-        "triggered_tags" => {
-            let on = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
-            (!(on("at_least_one") && on("stop_after_first"))).then(|| at.to_string())
-        }
-        "sequence" => {
-            let elements = v.get("elements")?.as_array()?;
-            let last = elements.len().checked_sub(1)?;
-            open(&elements[last], &format!("{at}.elements[{last}]"))
-        }
-        "or" => {
-            let elements = v.get("elements")?.as_array()?;
-            elements.iter().enumerate().find_map(|(i, e)| open(e, &format!("{at}.elements[{i}]")))
-        }
-        "tag" => {
-            let content = v.get("content")?;
-            let end_empty = v.get("end").and_then(Value::as_str).is_some_and(str::is_empty);
-            end_empty.then(|| open(content, &format!("{at}.content"))).flatten()
-        }
-        _ => None,
-    }
-}
-
-/// Where free text inside `v` is followed by more of its sequence (the path of that text).
-fn open_before_end(v: &Value, at: &str) -> Option<String> {
-    let kind = v.get("type").and_then(Value::as_str)?;
-    let elements = v.get("elements").and_then(Value::as_array);
-    match (kind, elements) {
-        ("sequence", Some(elements)) => elements.iter().enumerate().find_map(|(i, e)| {
-            let e_at = format!("{at}.elements[{i}]");
-            let inner = open_before_end(e, &e_at);
-            inner.or_else(|| (i + 1 < elements.len()).then(|| open(e, &e_at)).flatten())
-        }),
-        ("or", Some(elements)) => {
-            elements.iter().enumerate().find_map(|(i, e)| open_before_end(e, &format!("{at}.elements[{i}]")))
-        }
-        _ => None,
-    }
 }
 
 fn string(obj: &Map<String, Value>, key: &str, at: &str) -> Result<String, ApiError> {
@@ -708,6 +693,17 @@ mod tests {
                 json!({"format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {"type": "sequence",
                 "elements": [one, {"type": "triggered_tags", "triggers": ["<"], "tags": [{"begin": "<b>", "content": one, "end": ""}]}]}}}),
                 "response_format.format.content.elements[1]",
+            ),
+            // (a tag without an end that ends in free text, followed by more tags)
+            (
+                json!({"format": {"type": "tags_with_separator", "separator": ",",
+                "tags": [{"begin": "<a>", "content": text, "end": ""}]}}),
+                "response_format.format.tags[0].content",
+            ),
+            (
+                json!({"format": {"type": "triggered_tags", "triggers": ["<a"],
+                "tags": [{"begin": "<a>", "content": text, "end": ""}]}}),
+                "response_format.format.tags[0].content",
             ),
             (json!({"format": {"type": "grammar", "grammar": "root ::= \"a\""}}), "response_format.format.type"),
             (json!({"format": {"type": "qwen_xml_parameter", "json_schema": {}}}), "response_format.format.type"),
