@@ -1,10 +1,12 @@
 """Cost of grammar-constrained decoding per step, at 64 constrained sequences.
 
-    python benches/mask_bench.py [--seqs 64] [--steps 20] [--device auto]
+    python benches/mask_bench.py [--seqs 64] [--steps 20] [--device auto] [--format json_schema]
 
 Runs the real engine pieces (default SmolLM2-135M model, Router, Core, ModelRunner) over
 decode steps of `--seqs` concurrent chat requests, twice: unconstrained, then each with a
-`json_schema` response_format. Reports per step (medians):
+`response_format`: `--format json_schema` (the default), or `structural_tag` (free text in
+which `<function=` opens a tag of JSON: the model writes text, so this is a lazy lexeme's
+mask per token). Reports per step (medians):
 - `schedule`: Core.schedule(); the constrained run includes computing every row's token
   mask (llguidance), so the difference is the mask computation;
 - `execute`: ModelRunner.execute(plan) (forward + sampling; the constrained run includes
@@ -40,13 +42,17 @@ SCHEMA = {
 }
 
 
-def run(engine, model: str, seqs: int, steps: int, constrained: bool) -> dict[str, float]:
+TAG = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+    {"begin": "<function=describe_film>", "schema": SCHEMA, "end": "</function>"}]}
+
+
+def run(engine, model: str, seqs: int, steps: int, response_format: dict | None) -> dict[str, float]:
     core, router, runner = engine.core, engine.router, engine.runner
     for i in range(seqs):
         body = {"model": model, "max_tokens": 400, "temperature": 0.8, "seed": i,
                 "messages": [{"role": "user", "content": f"Describe film number {i} as JSON."}]}
-        if constrained:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "film", "schema": SCHEMA}}
+        if response_format:
+            body["response_format"] = response_format
         core.add(router.prepare("chat", orjson.dumps(body)))
     times: dict[str, list[float]] = {"schedule": [], "execute": [], "commit": [], "rows": [], "masked": []}
     done = 0
@@ -79,15 +85,19 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--format", choices=["json_schema", "structural_tag"], default="json_schema")
     args = ap.parse_args()
+    response_format = {"type": "json_schema", "json_schema": {"name": "film", "schema": SCHEMA}}
+    if args.format == "structural_tag":
+        response_format = TAG
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = Config(model=ModelConfig(max_model_len=1024), cache=CacheConfig(kv_cache_memory="512MiB"),
                  scheduler=SchedulerConfig(max_num_seqs=args.seqs, max_num_batched_tokens=8192),
                  device=DeviceConfig(device=args.device))
     engine = build_engine(cfg)
     model = engine.model_name
-    base = run(engine, model, args.seqs, args.steps, constrained=False)
-    cons = run(engine, model, args.seqs, args.steps, constrained=True)
+    base = run(engine, model, args.seqs, args.steps, None)
+    cons = run(engine, model, args.seqs, args.steps, response_format)
 
     # The sampler's share alone: the mask applied to [seqs, V] logits, both paths.
     vocab = engine.router.vocab_size
@@ -108,7 +118,7 @@ def main() -> None:
 
     def total(r): return r["schedule"] + r["execute"] + r["commit"]
     print(f"device {engine.device}, {args.seqs} sequences, vocab {vocab}, {args.steps} decode steps (medians)")
-    for name, r in (("unconstrained", base), ("json_schema", cons)):
+    for name, r in (("unconstrained", base), (args.format, cons)):
         print(f"  {name:14s} schedule {r['schedule'] * 1e3:7.2f} ms  execute {r['execute'] * 1e3:7.2f} ms  "
               f"commit {r['commit'] * 1e3:6.2f} ms  step {total(r) * 1e3:7.2f} ms  masked rows {r['masked']:.0f}")
     mask = cons["schedule"] - base["schedule"]
