@@ -28,7 +28,7 @@ pub(super) fn missing(param: &str) -> ApiError {
     )
 }
 
-fn string_field(obj: &serde_json::Map<String, Value>, key: &str, param: &'static str) -> Result<String, ApiError> {
+pub(super) fn string_field(obj: &serde_json::Map<String, Value>, key: &str, param: &str) -> Result<String, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Err(missing(param)),
         Some(Value::String(s)) => Ok(s.clone()),

@@ -20,7 +20,7 @@
 use serde_json::{json, Map, Value};
 
 use super::common::{as_object, invalid_type, kind_of, unsupported};
-use super::constrained::missing;
+use super::constrained::{missing, string_field};
 use crate::error::ApiError;
 use crate::structured::{check_patterns, check_regex, for_generation, lark_literal};
 
@@ -52,9 +52,9 @@ pub fn parse(obj: &Map<String, Value>, param: &str, inert: &mut Vec<String>) -> 
             unknown_keys(obj, &["type", "format"], param, t.inert);
             t.format(f, &format!("{param}.format"), 0)?.text
         }
-        (None, Some(s)) => {
+        (None, Some(_)) => {
             unknown_keys(obj, &["type", "structures", "triggers"], param, t.inert);
-            t.legacy(s, obj.get("triggers"), param)?
+            t.legacy(obj, param)?
         }
         (None, None) => {
             return Err(ApiError::with_code(
@@ -157,7 +157,7 @@ impl Translator<'_> {
         match kind {
             "const_string" => {
                 unknown_keys(obj, &["type", "value"], at, self.inert);
-                Ok(Expr::closed(lark_literal(&string(obj, "value", at)?)))
+                Ok(Expr::closed(lark_literal(&string_field(obj, "value", &format!("{at}.value"))?)))
             }
             "json_schema" => {
                 unknown_keys(obj, &["type", "json_schema"], at, self.inert);
@@ -166,7 +166,7 @@ impl Translator<'_> {
             "regex" => {
                 unknown_keys(obj, &["type", "pattern"], at, self.inert);
                 let param = format!("{at}.pattern");
-                let rx = string(obj, "pattern", at)?;
+                let rx = string_field(obj, "pattern", &param)?;
                 check_regex(&rx, "regex").map_err(|cause| {
                     ApiError::invalid(
                         &param,
@@ -217,7 +217,7 @@ impl Translator<'_> {
                 let keys = ["type", "tags", "separator", "at_least_one", "stop_after_first"];
                 unknown_keys(obj, &keys, at, self.inert);
                 let tags = self.tags(obj, at, depth)?;
-                let separator = string(obj, "separator", at)?;
+                let separator = string_field(obj, "separator", &format!("{at}.separator"))?;
                 let (at_least_one, stop_after_first) =
                     (flag(obj, "at_least_one", at)?, flag(obj, "stop_after_first", at)?);
                 if let Some(open) = tags.iter().find_map(|t| t.open.as_deref()).filter(|_| !stop_after_first) {
@@ -296,7 +296,8 @@ impl Translator<'_> {
 
     /// A tag object's parts: `begin`, `content` (as a grammar expression) and `end`.
     fn tag(&mut self, obj: &Map<String, Value>, at: &str, depth: usize) -> Result<Tag, ApiError> {
-        let (begin, end) = (string(obj, "begin", at)?, string(obj, "end", at)?);
+        let (begin, end) =
+            (string_field(obj, "begin", &format!("{at}.begin"))?, string_field(obj, "end", &format!("{at}.end"))?);
         let content_at = format!("{at}.content");
         let Some(content) = obj.get("content").filter(|v| !v.is_null()) else { return Err(missing(&content_at)) };
         // Free text that the tag's end closes: lazy, up to the first `end`.
@@ -407,24 +408,20 @@ impl Translator<'_> {
     }
 
     /// The legacy shape: free text in which each trigger opens one of the structures.
-    fn legacy(&mut self, structures: &Value, triggers: Option<&Value>, param: &str) -> Result<String, ApiError> {
+    fn legacy(&mut self, obj: &Map<String, Value>, param: &str) -> Result<String, ApiError> {
         let s_at = format!("{param}.structures");
-        let Value::Array(items) = structures else {
-            return Err(invalid_type(&s_at, format!("`{s_at}` must be a list, not {}.", kind_of(structures))));
-        };
-        if items.is_empty() {
-            return Err(ApiError::invalid(&s_at, format!("`{s_at}` must list at least one structure.")));
-        }
+        let items = list(obj, "structures", param)?;
         let mut tags = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
             let at = format!("{s_at}[{i}]");
             let obj = as_object(item, &at, &format!("`{at}`"))?;
             unknown_keys(obj, &["begin", "schema", "end"], &at, self.inert);
-            let (begin, end) = (string(obj, "begin", &at)?, string(obj, "end", &at)?);
+            let (begin, end) =
+                (string_field(obj, "begin", &format!("{at}.begin"))?, string_field(obj, "end", &format!("{at}.end"))?);
             let content = self.json_schema(obj.get("schema"), &format!("{at}.schema"))?;
             tags.push(Tag { begin, content, end, open: None });
         }
-        let triggers = strings(triggers, &format!("{param}.triggers"))?;
+        let triggers = strings(obj.get("triggers"), &format!("{param}.triggers"))?;
         Ok(self.triggered(&triggers, &tags, param, &s_at, false, false)?.text)
     }
 }
@@ -459,15 +456,6 @@ fn containing(strings: &[String]) -> String {
 /// `text` matched literally, inside a Lark `/regex/`.
 fn regex_literal(text: &str) -> String {
     llguidance::regex_to_lark(&regex_syntax::escape(text), "")
-}
-
-fn string(obj: &Map<String, Value>, key: &str, at: &str) -> Result<String, ApiError> {
-    let param = format!("{at}.{key}");
-    match obj.get(key) {
-        None | Some(Value::Null) => Err(missing(&param)),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(other) => Err(invalid_type(&param, format!("`{param}` must be a string, not {}.", kind_of(other)))),
-    }
 }
 
 /// A non-empty list at `key`.
