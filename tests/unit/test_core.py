@@ -271,6 +271,35 @@ def test_logprobs_never_show_text_a_stop_string_trimmed(router, stream):
     assert usage["completion_tokens"] == len(script[:script.index(81) + 1])  # through the "o"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_of_half_a_character_follow_its_text(router, stream):
+    """A token that ends inside a character has no text of its own yet: its logprobs go out
+    with the token that completes the character, and not at all when a stop string trims that
+    character away (the listed bytes spell the content, streamed or not)."""
+    script = router.prepare("completion", orjson.dumps({"model": "m", "prompt": " 東京 🎉🎉 end"})).prompt_token_ids[0]
+    core = make_core(router)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30,
+            "logprobs": True, "stop": ["🎉 e"], "stream": stream}
+    handle = core.add(router.prepare("chat", orjson.dumps(body)))
+    out, _ = run(core, ScriptRunner(router.vocab_size, script))
+    if stream:
+        chunks = [json.loads(f.removeprefix("data: ")) for f in b"".join(out[handle]).decode().split("\n\n")
+                  if f.startswith("data: {")]
+        content, shown = "", b""
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            content += choice["delta"].get("content") or ""
+            listed = (choice["logprobs"] or {}).get("content", [])
+            shown += b"".join(bytes(t["bytes"]) for t in listed)
+            assert content.encode().startswith(shown)
+            assert not listed or choice["delta"].get("content"), "logprobs ahead of their text"
+    else:
+        choice = orjson.loads(b"".join(out[handle]))["choices"][0]
+        content = choice["message"]["content"]
+        shown = b"".join(bytes(t["bytes"]) for t in choice["logprobs"]["content"])
+    assert content == " 東京 🎉" and shown == content.encode()
+
+
 @pytest.mark.parametrize("shown", [False, True])
 def test_a_stopping_token_is_listed_only_when_its_text_is_shown(router, shown):
     """EOS (or a stop_token_ids token) ends the choice: counted in usage, but listed in

@@ -212,19 +212,28 @@ impl RequestState {
     }
 }
 
-/// One sequence's tokens whose text its detokenizer still holds back for a possible stop
-/// string, each with the char offset where its text ends. A token's logprobs go out with the
-/// last of its text, and a token whose text a stop string trimmed away entirely never goes
-/// out: no stop text reaches the client through logprobs either. `usage` still counts every
-/// generated token.
+/// One sequence's tokens whose text its detokenizer still holds back (for a possible stop
+/// string, or as half a character), each with the char offset where its text ends. A token's
+/// logprobs go out with the last of its text, and a token whose text a stop string trimmed
+/// away entirely never goes out: no stop text reaches the client through logprobs either.
+/// `usage` still counts every generated token.
 #[derive(Default)]
 struct HeldTokens(Vec<(TokenOut, usize)>);
 
 impl HeldTokens {
-    /// Queues `token` (its text ends at char `end`); returns the queued tokens whose text has
-    /// all been sent (the first `sent` chars).
-    fn push(&mut self, token: TokenOut, end: usize, sent: usize) -> Vec<TokenOut> {
-        self.0.push((token, end));
+    /// Where a token's text ends while it has none yet (see `Detokenizer::awaits_text`).
+    const NO_TEXT_YET: usize = usize::MAX;
+
+    /// Queues `token`, whose text ends at char `end` (None: it has no text yet, and its text
+    /// ends where the next token with text ends); returns the queued tokens whose text has all
+    /// been sent (the first `sent` chars).
+    fn push(&mut self, token: TokenOut, end: Option<usize>, sent: usize) -> Vec<TokenOut> {
+        if let Some(end) = end {
+            for waiting in self.0.iter_mut().rev().take_while(|(_, e)| *e == Self::NO_TEXT_YET) {
+                waiting.1 = end;
+            }
+        }
+        self.0.push((token, end.unwrap_or(Self::NO_TEXT_YET)));
         let ready = self.0.iter().take_while(|(_, end)| *end <= sent).count();
         self.0.drain(..ready).map(|(t, _)| t).collect()
     }
@@ -1044,7 +1053,8 @@ fn deliver(
         }
         out
     } else {
-        state.held[d].push(token, detok.decoded_len(), detok.emitted_len())
+        let end = (!detok.awaits_text()).then(|| detok.decoded_len());
+        state.held[d].push(token, end, detok.emitted_len())
     };
     let stop_reason = stop_reason.or(stop_text.as_deref().map(StopReason::Text));
     let choices = state.choices_of(prompt_idx, seq);

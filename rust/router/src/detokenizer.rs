@@ -142,6 +142,12 @@ impl Detokenizer {
         self.emitted_chars
     }
 
+    /// Whether the last tokens pushed have no text yet: they end inside a character (or show
+    /// nothing alone), and their text comes with a later token's.
+    pub fn awaits_text(&self) -> bool {
+        self.read < self.ids.len()
+    }
+
     /// Chars decoded so far, sent or held back for a possible stop string: where the next
     /// token's text starts in the untrimmed output (completions `text_offset`, counted as
     /// vLLM counts it, so a trimmed stop string's tokens point past the returned text
