@@ -97,7 +97,7 @@ fn inert_openai_fields_must_have_their_kind() {
     let r = router();
     let p = chat(
         &r,
-        json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text", "audio"], "audio": {"voice": "x"},
+        json!({"reasoning_effort": "ultra", "verbosity": "low", "modalities": ["text", "image"],
                "web_search_options": {},
                "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s"}),
     )
@@ -105,7 +105,7 @@ fn inert_openai_fields_must_have_their_kind() {
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
         Some(
-            "audio, modalities, prompt_cache_key, prompt_cache_retention, \
+            "modalities, prompt_cache_key, prompt_cache_retention, \
              reasoning_effort, safety_identifier, verbosity, web_search_options"
         )
     );
@@ -128,6 +128,11 @@ fn inert_openai_fields_must_have_their_kind() {
         body[field.split('[').next().unwrap()] = bad.clone();
         assert_eq!(shape(chat(&r, body.clone())), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
         assert_eq!(shape(completion(&r, body)), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
+    }
+    // audio output, which the answer would lack, is refused rather than reported
+    for body in [json!({"modalities": ["text", "audio"]}), json!({"audio": {"voice": "alloy", "format": "wav"}})] {
+        let field = body.as_object().unwrap().keys().next().unwrap().clone();
+        assert_eq!(shape(chat(&r, body)), (400, "unsupported_parameter", Some(field)));
     }
     // the values that ask for what every request here gets pass without a word (audit 79)
     let p = chat(&r, json!({"modalities": ["text"], "reasoning_effort": "none"})).unwrap();
@@ -527,6 +532,10 @@ fn request_values_are_resolved() {
     assert_eq!(s.stop, vec!["a".to_string()]);
     assert_eq!(s.stop_token_ids, vec![1, 19]);
     assert_eq!((s.max_tokens, s.min_tokens), (Some(9), 2));
+    // max_completion_tokens won: the other value did nothing, and the client is told
+    assert!(p.ignored.contains(&"max_tokens".to_string()), "{:?}", p.ignored);
+    let same = completion(&r, json!({"max_tokens": 9, "max_completion_tokens": 9})).unwrap();
+    assert!(same.ignored.is_empty(), "{:?}", same.ignored);
     assert_eq!(s.logit_bias, vec![(9, 5.5), (10, -100.0), (13, 100.0)]);
     assert!(s.ignore_eos && s.include_stop_str_in_output && !s.skip_special_tokens);
     assert!(p.stream && p.include_usage && p.continuous_usage_stats && p.echo);

@@ -158,6 +158,20 @@ fn messages_shape() {
             "missing_required_parameter",
             p("messages[1].tool_calls[0].function.arguments"),
         ),
+        (
+            m(
+                json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": null, "tool_calls": [{"id": 5, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+            ),
+            400,
+            "invalid_type",
+            p("messages[1].tool_calls[0].id"),
+        ),
+        (
+            m(json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "refusal": 5}])),
+            400,
+            "invalid_type",
+            p("messages[1].refusal"),
+        ),
     ]);
 }
 

@@ -444,7 +444,7 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
     if !ROLES.contains(&role) {
         return Err(ApiError::invalid(
             format!("{p}.role"),
-            format!("Unknown role {role:?}: expected one of {}.", ROLES.join(", ")),
+            format!("Unknown role {role:?}: expected one of {} (or the legacy `function`).", ROLES.join(", ")),
         ));
     }
     // Assistant turns may be content-less (a tool call, or an empty turn to continue).
@@ -467,9 +467,9 @@ fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
         }
         Some(content) => validate_content(&format!("{p}.content"), content, role == "assistant")?,
     }
-    if let Some(name) = obj.get("name") {
-        if !name.is_string() && !name.is_null() {
-            return Err(invalid_type(format!("{p}.name"), "`name` must be a string."));
+    for key in ["name", "refusal"] {
+        if obj.get(key).is_some_and(|v| !v.is_string() && !v.is_null()) {
+            return Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string.")));
         }
     }
     match obj.get("tool_calls") {
@@ -563,6 +563,14 @@ fn validate_content(p: &str, content: &Value, assistant: bool) -> Result<(), Api
 
 fn validate_tool_call(p: &str, call: &Value) -> Result<(), ApiError> {
     let obj = as_object(call, p, "A tool call")?;
+    // NOTE: OpenAI requires an `id`; templates that never show one (Llama 3's) do without, so
+    // a call without one passes, but one of another type is a mistake.
+    match obj.get("id") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(other) => {
+            return Err(invalid_type(format!("{p}.id"), format!("`id` must be a string, not {}.", kind_of(other))))
+        }
+    }
     match obj.get("type") {
         None | Some(Value::Null) => {}
         Some(Value::String(t)) if t == "function" => {}

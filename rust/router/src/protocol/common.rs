@@ -369,6 +369,13 @@ impl CommonFields {
             (None, Some(m)) => (Some(m), Some("max_tokens")),
             (None, None) => (None, None),
         };
+        // (the same value in both, as clients that send both for old and new servers do,
+        // loses nothing)
+        if self.max_tokens.is_some_and(|m| Some(m) != self.max_completion_tokens)
+            && max_tokens_param == Some("max_completion_tokens")
+        {
+            inert.push("max_tokens".into());
+        }
         if let (Some(0), Some(p)) = (max_tokens, max_tokens_param) {
             if !prompt_only_ok {
                 return Err(ApiError::invalid(p, format!("`{p}` must be at least 1, got 0.")));
@@ -808,6 +815,18 @@ const OPENAI_NO_OPS: [(&str, AsksNothing); 2] = [
     ("image", |v| *v == serde_json::json!({"context_compression": "auto"})),
 ];
 
+/// OpenAI's fields at values that ask for output this server never makes: answering them with
+/// text alone would leave the client looking for what it asked for, so they are 400
+/// `unsupported_parameter` rather than reported.
+const OPENAI_REFUSED: [(&str, AsksNothing, &str); 2] = [
+    (
+        "modalities",
+        |v| !v.as_array().is_some_and(|m| m.iter().any(|x| x == "audio")),
+        "this server writes text only: audio output is not supported (send `[\"text\"]` or leave it out)",
+    ),
+    ("audio", |_| false, "this server writes text only: audio output is not supported"),
+];
+
 /// The 400 for `value` at `name` when it does not have `shape` (an array's first wrong item
 /// is named: `modalities[1]`).
 fn misshapen(name: &str, shape: &Shape, value: &Value) -> Option<ApiError> {
@@ -838,6 +857,9 @@ pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String
             if let Some(err) = misshapen(name, shape, value) {
                 return Err(err);
             }
+        }
+        if let Some((name, _, why)) = OPENAI_REFUSED.iter().find(|(name, ok, _)| *name == key && !ok(value)) {
+            return Err(unsupported(*name, format!("`{name}` is not supported: {why}.")));
         }
         if OPENAI_NO_OPS.iter().any(|(name, asks_nothing)| *name == key && asks_nothing(value)) {
             continue;
