@@ -41,6 +41,7 @@ fn a_request_prepares_its_chat_equivalent() {
                 {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                {"type": "function_call_output", "call_id": "c2", "output": "z"},
                 {"role": "developer", "content": [{"type": "input_text", "text": "y"}]},
             ],
             "max_output_tokens": 3,
@@ -61,6 +62,7 @@ fn a_request_prepares_its_chat_equivalent() {
                 {"role": "user", "content": "hello"},
                 {"role": "assistant", "content": [{"type": "text", "text": "world"}], "tool_calls": calls},
                 {"role": "tool", "tool_call_id": "c1", "content": "x", "name": "get_weather"},
+                {"role": "tool", "tool_call_id": "c2", "content": "z", "name": "get_weather"},
                 {"role": "developer", "content": [{"type": "text", "text": "y"}]},
             ],
             "max_completion_tokens": 3,
@@ -141,6 +143,22 @@ fn errors_are_named_in_the_responses_terms() {
         err(json!({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]})),
         (400, "invalid_type", Some("input[0].output".into()))
     );
+    // OpenAI's rule: each call has one output after it, and each output a call before it
+    let call = |id: &str| json!({"type": "function_call", "call_id": id, "name": "f", "arguments": "{}"});
+    let output = |id: &str| json!({"type": "function_call_output", "call_id": id, "output": "x"});
+    let user = json!({"role": "user", "content": "hello"});
+    for (input, param) in [
+        (json!([user, output("c")]), "input[1].call_id"),
+        (json!([user, output("c"), call("c")]), "input[1].call_id"),
+        (json!([user, call("c"), output("c"), output("c")]), "input[3].call_id"),
+        (json!([user, call("c"), user]), "input[1]"),
+        (json!([user, call("c"), call("d"), output("d")]), "input[1]"),
+    ] {
+        let e = responses(&r, json!({"input": input})).unwrap_err();
+        assert_eq!((e.code(), e.param()), ("invalid_value", Some(param)), "{input}");
+        assert!(e.message().contains("\"c\""), "{}", e.message());
+    }
+    responses(&r, json!({"input": [user, call("c"), call("d"), output("d"), output("c")]})).unwrap();
     let unsupported = |param: &str| (400, "unsupported_parameter", Some(param.to_string()));
     for (body, param) in [
         (json!({"input": "hello", "max_tokens": 3}), "max_tokens"),
@@ -442,10 +460,11 @@ fn audit71_names_and_defaults() {
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
             {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            {"type": "function_call_output", "call_id": "c2", "output": "y"},
         ]}),
     )
     .unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("input[2], input[3], input[4].call_id"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("input[2], input[3], input[4].call_id, input[5].call_id"));
     // a tool result's content is its `output` (A71-5)
     let out = json!({"input": [
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},

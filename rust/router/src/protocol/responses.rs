@@ -723,7 +723,46 @@ fn conversation(
             ))
         }
     }
+    calls_answered(&conv)?;
     Ok(conv)
+}
+
+/// OpenAI's rule for a conversation's function calls: each `function_call` has one
+/// `function_call_output` after it, and each output answers a call before it (else a 400:
+/// the model would read a result of nothing, or a call that never returned).
+fn calls_answered(conv: &Conversation) -> Result<(), ApiError> {
+    // the calls not answered yet: (call_id, the path of their item)
+    let mut open: Vec<(&str, &str)> = Vec::new();
+    for (m, origin) in conv.messages.iter().zip(&conv.origins.messages) {
+        let calls = m["tool_calls"].as_array().map(Vec::as_slice).unwrap_or_default();
+        for (call, path) in calls.iter().zip(&origin.calls) {
+            open.push((call["id"].as_str().unwrap_or_default(), path));
+        }
+        if m["role"] == "tool" {
+            let id = m["tool_call_id"].as_str().unwrap_or_default();
+            let Some(k) = open.iter().position(|(call, _)| *call == id) else {
+                let at = if origin.previous { origin.path.clone() } else { format!("{}.call_id", origin.path) };
+                return Err(ApiError::invalid(
+                    at,
+                    format!(
+                        "No function call found for the function call output with call_id {id:?}: an output \
+                         answers a `function_call` item before it, once."
+                    ),
+                ));
+            };
+            open.remove(k);
+        }
+    }
+    match open.first() {
+        Some((id, at)) => Err(ApiError::invalid(
+            *at,
+            format!(
+                "No function call output found for the function call {id:?}: each `function_call` item needs \
+                 a `function_call_output` item after it with its `call_id`."
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Where `truncation: "auto"` may cut a conversation (`previous`, then `input`): before each of
