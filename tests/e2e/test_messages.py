@@ -191,6 +191,9 @@ def test_both_sdks_list_the_models(client, openai_client):
     assert listed[0].type == "model" and listed[0].display_name == MODEL and listed[0].created_at.year >= 2025
     assert listed[0].max_input_tokens == listed[0].max_tokens == 2048   # (--max-model-len)
     assert client.models.retrieve(MODEL).id == MODEL
+    # (the SDK builds its objects without validating them: each has every field it requires)
+    raw = client.models.with_raw_response.retrieve(MODEL).http_response.json()
+    assert anthropic.types.ModelInfo.model_validate(raw).lifecycle == "active"
 
 
 def test_context_overflow_names_max_tokens(client):

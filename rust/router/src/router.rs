@@ -335,8 +335,8 @@ impl Router {
     /// A model object in vLLM's shape (its clients read `root`, `parent` and `permission`):
     /// `root` is the model as loaded, the same for every alias; a LoRA adapter's is its path,
     /// and its `parent` the base model's root name. It also has the keys of
-    /// Anthropic's model object (`type`, `display_name`, `created_at`, `max_input_tokens`,
-    /// `max_tokens`).
+    /// Anthropic's model object (`type`, `display_name`, `created_at`, `lifecycle`,
+    /// `max_input_tokens`, `max_tokens`).
     fn model_object(&self, id: &str, loras: &LoraTable) -> Value {
         use std::hash::{Hash, Hasher};
         let adapter = loras.index_of(id).and_then(|i| loras.get(i));
@@ -352,6 +352,7 @@ impl Router {
             "type": "model",
             "display_name": id,
             "created_at": created_at,
+            "lifecycle": "active",
             // (Anthropic's limits: the context holds prompt and output together)
             "max_input_tokens": self.config.max_model_len,
             "max_tokens": self.config.max_model_len,

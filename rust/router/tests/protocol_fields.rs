@@ -708,6 +708,7 @@ fn models_routes() {
         assert!(m["created"].as_u64().unwrap() > 1_700_000_000);
         // Anthropic's keys: its SDK lists the same page
         assert_eq!((m["type"].as_str(), m["display_name"].as_str()), (Some("model"), Some(id)));
+        assert_eq!(m["lifecycle"], "active");
         let at = m["created_at"].as_str().unwrap();
         assert!(at.len() == 20 && at.ends_with('Z') && at.as_bytes()[10] == b'T', "{at}");
         assert_eq!((m["max_input_tokens"].clone(), m["max_tokens"].clone()), (json!(32), json!(32)));
