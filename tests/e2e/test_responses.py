@@ -143,6 +143,17 @@ def test_logprobs_come_with_the_text(client):
     # without them, the part says nothing of logprobs
     plain = client.responses.create(model=MODEL, input="Say hi.", temperature=0, max_output_tokens=8)
     assert plain.output[0].content[0].logprobs is None
+    # read back, the stored response shows them when `include` asks, as OpenAI's retrieve does;
+    # query keys the route does not read are reported
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs is None
+    asked = client.responses.retrieve(r.id, include=["message.output_text.logprobs"])
+    assert asked.output[0].content[0].logprobs == lps
+    raw = httpx.get(f"{client.base_url}responses/{r.id}", params={"foo": "1", "stream": "false"}, timeout=30)
+    assert (raw.status_code, raw.headers["llmserve-ignored-fields"]) == (200, "foo")
+    follow = client.responses.create(model=MODEL, previous_response_id=r.id, input="Again.", max_output_tokens=1)
+    listed = client.responses.input_items.list(follow.id, order="asc", include=["message.output_text.logprobs"])
+    assert listed.data[1].content[0].logprobs == lps
+    assert client.responses.input_items.list(follow.id, order="asc").data[1].content[0].logprobs is None
 
 
 def test_fields_without_effect_are_reported(smol, client):

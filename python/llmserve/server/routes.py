@@ -347,10 +347,11 @@ async def stored_response(request: Request) -> Response:
         body = router.delete_response(response_id)
         _backgrounds(request).stop(response_id)
         return Response(body, media_type=JSON)
-    body = router.stored_response(response_id)   # (404 first, for an unknown id)
     query = request.query_params
+    # (404 first, for an unknown id)
+    body, headers = router.read_response(response_id, False, list(query.multi_items()))
     if query.get("stream", "false").lower() == "false":
-        return Response(body, media_type=JSON)
+        return Response(body, media_type=JSON, headers=dict(headers))
     after = query.get("starting_after", "-1")
     if not after.lstrip("-").isdigit() or int(after) < -1:
         raise Router.error("invalid_request", f"`starting_after` must be an event's sequence number (an integer "
@@ -363,15 +364,15 @@ async def stored_response(request: Request) -> Response:
                else "only background responses (`background: true`) can be streamed again")
         raise Router.error("invalid_request", f"Response {response_id!r} cannot be streamed: {why}. Read it "
                            "without `stream`.", param="stream")
-    return _events(request, Reader(run, int(after)), {})
+    return _events(request, Reader(run, int(after)), dict(headers))
 
 
 async def response_input_items(request: Request) -> Response:
-    """GET /v1/responses/{id}/input_items?order=&limit=&after=: the conversation it answered."""
-    query = request.query_params
-    page = _engine(request).router.response_input_items(
-        request.path_params["response_id"], query.get("order", "desc"), query.get("limit"), query.get("after"))
-    return Response(page, media_type=JSON)
+    """GET /v1/responses/{id}/input_items?order=&limit=&after=&include=: the conversation it
+    answered."""
+    page, headers = _engine(request).router.read_response(
+        request.path_params["response_id"], True, list(request.query_params.multi_items()))
+    return Response(page, media_type=JSON, headers=dict(headers))
 
 
 async def cancel_response(request: Request) -> Response:

@@ -129,19 +129,20 @@ impl PyRouter {
         self.inner.responses().delete(id).map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
     }
 
-    /// `GET /v1/responses/{id}/input_items`: a page of the conversation it answered (`limit`
-    /// as the query has it: an integer 1..=100, 20 when None).
-    #[pyo3(signature = (id, order = "desc", limit = None, after = None))]
-    fn response_input_items<'py>(
+    /// `GET /v1/responses/{id}` (the response as stored) or, with `items`, `GET
+    /// /v1/responses/{id}/input_items` (a page of the conversation it answered), with the
+    /// query's pairs. Returns (body, headers), or raises ApiError (404 for an unknown id).
+    fn read_response<'py>(
         &self,
         py: Python<'py>,
         id: &str,
-        order: &str,
-        limit: Option<&str>,
-        after: Option<&str>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let page = self.inner.responses().input_items(id, order, limit, after);
-        page.map(|b| PyBytes::new(py, &b)).map_err(|e| errors::to_py(py, &e))
+        items: bool,
+        query: Vec<(String, String)>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Headers)> {
+        match self.inner.stored_response_route(id, items, &query) {
+            Ok(out) => Ok((PyBytes::new(py, &out.body), out.headers)),
+            Err(e) => Err(errors::to_py(py, &e)),
+        }
     }
 
     /// A `/v1/conversations` route: `method` on the conversation `conversation_id` (None: the

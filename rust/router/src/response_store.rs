@@ -296,6 +296,11 @@ impl ResponseStore {
         let stored = self.get(id)?;
         page(stored.input.values(), order, limit, after)
     }
+
+    /// The items of the conversation the response `id` answered, oldest first.
+    pub fn input_values(&self, id: &str) -> Result<Vec<Value>, ApiError> {
+        Ok(self.get(id)?.input.values())
+    }
 }
 
 /// A background response's hold on its entry in the store, from its request's `prepare` until

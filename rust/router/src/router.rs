@@ -196,6 +196,16 @@ impl Router {
         crate::protocol::stored_chat::handle(self, method, target, query, body)
     }
 
+    /// `GET /v1/responses/{id}` or, with `items`, `GET /v1/responses/{id}/input_items`.
+    pub fn stored_response_route(
+        &self,
+        id: &str,
+        items: bool,
+        query: &[(String, String)],
+    ) -> Result<crate::protocol::Handled, ApiError> {
+        crate::protocol::responses::read_stored(self, id, items, query)
+    }
+
     /// A `/v1/conversations` route: `method` on `target`, with the query's pairs and the body.
     pub fn conversation_route(
         &self,

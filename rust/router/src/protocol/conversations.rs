@@ -62,28 +62,8 @@ pub fn handle(
         });
     }
     let mut ignored = Vec::new();
-    // `include` asks for output logprobs, which items keep when their response made them (any
-    // other value names fields of built-in tool calls, which never occur here)
-    let includes: Vec<&str> =
-        query.iter().filter(|(k, _)| k.strip_suffix("[]").unwrap_or(k) == "include").map(|(_, v)| v.as_str()).collect();
-    let logprobs = includes.contains(&responses::LOGPROBS_INCLUDE);
-    if includes.iter().any(|v| *v != responses::LOGPROBS_INCLUDE) {
-        ignored.push("include".to_string());
-    }
-    let mut read = |keys: &[&str]| -> Map<String, Value> {
-        let mut known = Map::new();
-        for (k, v) in query {
-            let key = k.strip_suffix("[]").unwrap_or(k);
-            if key == "include" {
-                continue;
-            } else if keys.contains(&key) {
-                known.insert(key.to_string(), Value::String(v.clone()));
-            } else {
-                ignored.push(key.to_string());
-            }
-        }
-        known
-    };
+    let logprobs = includes_logprobs(query, &mut ignored);
+    let mut read = |keys: &[&str]| query_keys(query, keys, &mut ignored);
     let object = match (method, target) {
         ("POST", Target::All) => {
             read(&[]);
@@ -171,8 +151,37 @@ pub fn handle(
     answer(&object, &ignored)
 }
 
+/// Whether a query's `include` asks for output logprobs, which items keep when their response
+/// made them; any other value names fields of built-in tool calls, which never occur here, and
+/// is reported as `include`.
+pub(crate) fn includes_logprobs(query: &[(String, String)], ignored: &mut Vec<String>) -> bool {
+    let includes: Vec<&str> =
+        query.iter().filter(|(k, _)| k.strip_suffix("[]").unwrap_or(k) == "include").map(|(_, v)| v.as_str()).collect();
+    if includes.iter().any(|v| *v != responses::LOGPROBS_INCLUDE) {
+        ignored.push("include".to_string());
+    }
+    includes.contains(&responses::LOGPROBS_INCLUDE)
+}
+
+/// The query's values of `keys` (the last of a repeated one); keys neither there nor `include`
+/// are reported.
+pub(crate) fn query_keys(query: &[(String, String)], keys: &[&str], ignored: &mut Vec<String>) -> Map<String, Value> {
+    let mut known = Map::new();
+    for (k, v) in query {
+        let key = k.strip_suffix("[]").unwrap_or(k);
+        if key == "include" {
+            continue;
+        } else if keys.contains(&key) {
+            known.insert(key.to_string(), Value::String(v.clone()));
+        } else {
+            ignored.push(key.to_string());
+        }
+    }
+    known
+}
+
 /// `items` as listed: their output text's `logprobs` only when `include` asks for them.
-fn shown(mut items: Vec<Value>, logprobs: bool) -> Vec<Value> {
+pub(crate) fn shown(mut items: Vec<Value>, logprobs: bool) -> Vec<Value> {
     if !logprobs {
         for part in items.iter_mut().filter_map(|i| i.get_mut("content")?.as_array_mut()).flatten() {
             if let Some(part) = part.as_object_mut() {
@@ -188,7 +197,7 @@ fn top(path: String) -> String {
     path.trim_start_matches('.').to_string()
 }
 
-fn answer(object: &Value, ignored: &[String]) -> Result<Handled, ApiError> {
+pub(crate) fn answer(object: &Value, ignored: &[String]) -> Result<Handled, ApiError> {
     let body = serde_json::to_vec(object).expect("JSON values serialize");
     Ok(Handled { body, headers: ignored_header(ignored).into_iter().collect() })
 }

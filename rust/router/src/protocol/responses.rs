@@ -57,7 +57,7 @@ use super::common::{
     as_object, check_metadata, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, set,
     settle_ignored, unsupported,
 };
-use super::{chat, Checked, Endpoint};
+use super::{chat, Checked, Endpoint, Handled};
 use crate::conversation_store::Lease;
 use crate::error::ApiError;
 use crate::item_log::{Item, Log};
@@ -725,6 +725,38 @@ fn conversation(
     }
     calls_answered(&conv)?;
     Ok(conv)
+}
+
+/// `GET /v1/responses/{id}` (`items` false; its `stream` and `starting_after` are read by the
+/// caller) or `GET /v1/responses/{id}/input_items` (`items`: `order`, `limit`, `after`), with
+/// the query's pairs as sent: output text's `logprobs` only when `include` asks for them, as
+/// OpenAI's retrieve shows them; keys these routes do not read are reported.
+pub fn read_stored(router: &Router, id: &str, items: bool, query: &[(String, String)]) -> Result<Handled, ApiError> {
+    use super::conversations::{answer, includes_logprobs, query_keys, shown};
+    let store = router.responses();
+    let mut ignored = Vec::new();
+    let logprobs = includes_logprobs(query, &mut ignored);
+    let object = if items {
+        let keys = query_keys(query, &["order", "limit", "after"], &mut ignored);
+        let text = |k: &str| keys.get(k).and_then(Value::as_str);
+        let values = shown(store.input_values(id)?, logprobs);
+        let (page, has_more) =
+            crate::response_store::page_of(values, text("order").unwrap_or("desc"), text("limit"), text("after"))?;
+        crate::response_store::list_body(page, has_more)
+    } else {
+        let keys = query_keys(query, &["stream", "starting_after", "include_obfuscation"], &mut ignored);
+        // (no event here carries obfuscation: asking for it asks for what never comes)
+        if keys.get("include_obfuscation").is_some_and(|v| v != "false") {
+            ignored.push("include_obfuscation".into());
+        }
+        let mut object: Value = serde_json::from_slice(&store.body(id)?).expect("stored bodies are JSON");
+        if let Some(Value::Array(output)) = object.get_mut("output") {
+            *output = shown(std::mem::take(output), logprobs);
+        }
+        object
+    };
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+    answer(&object, &ignored)
 }
 
 /// OpenAI's rule for a conversation's function calls: each `function_call` has one
