@@ -1037,10 +1037,10 @@ fn auto_calls_follow_strict_schemas_and_answers_the_response_format() {
     let p = chat(
         &lenient,
         json!({"tools": tools(true), "structured_outputs": {"regex": "a+"},
-                                 "parallel_tool_calls": false}),
+                                 "parallel_tool_calls": false, "tool_choice": "auto"}),
     )
     .unwrap();
-    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("parallel_tool_calls, tools"));
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("parallel_tool_calls, tool_choice, tools"));
     assert!(p.tools.is_none());
     // A structural tag spells the calls itself: they are read from its output, and the strict
     // schema it alone decides is reported.
@@ -1147,9 +1147,11 @@ fn tools_a_template_never_reads_are_reported_unless_forced() {
     let plain = "{% for m in messages %}{{ m.role }} : {{ m.content }} </s> {% endfor %}";
     let r = router_with(json!({}), Some(plain));
     let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
-    for choice in [json!(null), json!("auto"), json!("none")] {
+    // (an `"auto"` sent chooses between calls and an answer: with no calls, it chooses nothing)
+    for (choice, reported) in [(json!(null), "tools"), (json!("auto"), "tool_choice, tools"), (json!("none"), "tools")]
+    {
         let p = chat(&r, json!({"tools": tools, "tool_choice": choice})).unwrap();
-        assert_eq!(header(&p, "llmserve-ignored-fields"), Some("tools"), "tool_choice {choice}");
+        assert_eq!(header(&p, "llmserve-ignored-fields"), Some(reported), "tool_choice {choice}");
     }
     // Forced calls use the tools (in a grammar): never reported. NOTE: the fixture's word
     // vocabulary may not spell JSON, so the forced grammar itself may be refused, but not as

@@ -1178,6 +1178,10 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools || no_calls) {
         ignored.push("parallel_tool_calls".into());
     }
+    // (with the tools reported, the choice between calling them and answering is no choice)
+    if no_calls && chat.tool_choice.as_ref().is_some_and(|c| c == "auto") {
+        ignored.push("tool_choice".into());
+    }
     if let Some((_, param)) = c.constraint.as_ref().filter(|_| forced != Forced::No) {
         ignored.push(param.split('.').next().unwrap_or(param).into());
     }
