@@ -18,7 +18,7 @@ build: deps
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
 serve: build
-	llmserve run
+	$(PYTHON) -m llmserve run
 
 test: deps-test build test-rs test-py
 

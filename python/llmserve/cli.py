@@ -346,6 +346,26 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return cfg
 
 
+def vllm_option(name: str, value: object) -> str:
+    """vLLM's engine option `name` (an `LLM(...)` keyword: a flag's name with underscores) that
+    has no effect here, as its flag has none on `llmserve run`: why not. ValueError for a value
+    that asks for what llmserve does not do (`tensor_parallel_size=2`), and TypeError for a
+    vLLM option llmserve does not take (`quantization`), each with what to do instead."""
+    flag = "--" + name.replace("_", "-")
+    if flag in _VLLM_NO_OPS:
+        return _VLLM_NO_OPS[flag]
+    if flag in _VLLM_VALUE_NO_OPS:
+        return _VLLM_VALUE_NO_OPS[flag]
+    if flag in _VLLM_NEUTRAL:
+        if str(value).lower() not in _taken(flag):
+            raise ValueError(f"{name}={value!r}: {_VLLM_HINTS[flag]} (only {_neutral(flag)} "
+                             f"{'is' if len(_taken(flag)) == 1 else 'are'} taken)")
+        return _VLLM_HINTS[flag]
+    if flag in _VLLM_HINTS:
+        raise TypeError(f"option {name!r} is vLLM's: {_VLLM_HINTS[flag]}")
+    raise TypeError(f"unknown option {name!r}")
+
+
 def _taken(flag: str) -> tuple[str, ...]:
     """The values of a _VLLM_NEUTRAL flag that are taken."""
     neutral = _VLLM_NEUTRAL[flag]

@@ -84,6 +84,9 @@ _VLLM_VALUES = {
     ("generation_config", "vllm"): "none",
     ("reasoning_parser", "deepseek_r1"): "think",
     ("reasoning_parser", "qwen3"): "think",
+}
+# vLLM's other names for a value, which mean exactly it: taken as it.
+_SYNONYMS = {
     ("dtype", "half"): "float16",
     ("dtype", "float"): "float32",
 }
@@ -127,6 +130,9 @@ class _Checked:
                     twice = next(v for i, v in enumerate(value) if v in value[:i])
                     raise ValueError(f"{flag} {shown(twice)} is given more than once")
                 continue
+            if (f.name, value) in _SYNONYMS:
+                value = _SYNONYMS[f.name, value]
+                object.__setattr__(self, f.name, value)
             choices = meta.get("choices")
             if choices is not None and value not in choices:
                 ours = _VLLM_VALUES.get((f.name, value))

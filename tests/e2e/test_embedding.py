@@ -285,6 +285,41 @@ def test_server_options_are_told_to_have_no_effect_offline(tiny_model):
         LLM(str(tiny_model), num_kv_blocks=64, port=9, max_waiting=2)
 
 
+def test_vllm_options_are_taken_as_their_flags_are():
+    """`LLM(...)` takes vLLM's engine options that `llmserve run` takes as flags with no effect,
+    saying why, and refuses the others as the flags are refused (before anything loads)."""
+    with pytest.warns(UserWarning, match=r"no effect: trust_remote_code \(llmserve runs no code.*; "
+                                         r"tensor_parallel_size \(llmserve runs a model on one device\)"):
+        make_config(None, trust_remote_code=True, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: llmserve runs a model on one device \(only 1"):
+        make_config(None, tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="option 'quantization' is vLLM's: GGUF files are served in their own"):
+        make_config(None, quantization="awq")
+    with pytest.raises(TypeError, match="unknown option 'bogus'"):
+        make_config(None, bogus=1)
+    assert make_config(None, dtype="half").model.dtype == "float16"
+
+
+def test_params_may_be_one_per_prompt(llm):
+    """As vLLM takes one SamplingParams per prompt: a list of params, one per prompt."""
+    both = llm.generate(["Hello", "Hi"], [{"max_tokens": 2, "temperature": 0}, {"max_tokens": 3, "temperature": 0}])
+    assert [r.usage["completion_tokens"] for r in both] == [2, 3]
+    assert both[1].text == llm.generate("Hi", {"max_tokens": 3, "temperature": 0})[0].text
+    chats = llm.chat([[{"role": "user", "content": "a"}]] * 2, [{"max_tokens": 1}, {"max_tokens": 2}])
+    assert [r.usage["completion_tokens"] for r in chats] == [1, 2]
+    with pytest.raises(TypeError, match="params holds 1 dicts for 2 prompts: give one per prompt"):
+        llm.generate(["a", "b"], [{"max_tokens": 1}])
+
+    class SamplingParams:
+        max_tokens = 2
+    with pytest.raises(TypeError, match="params must be a dict of request fields .*; got SamplingParams"):
+        llm.generate("a", SamplingParams())
+    with pytest.raises(TypeError, match=r"params\[1\] must be a dict"):
+        llm.generate(["a", "b"], [{}, 5])
+    with pytest.raises(TypeError, match=r"pass the prompt as the first argument"):
+        llm.generate(["a", "b"], [{}, {"prompt": "c"}])
+
+
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):
     engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 50, "ignore_eos": true, "stream": true}'

@@ -20,6 +20,11 @@ def test_the_cli_module_does_not_load_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_python_dash_m_runs_the_command():
+    out = subprocess.run([sys.executable, "-m", "llmserve", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("llmserve ")
+
+
 def test_short_openmp_spin_respects_the_environment(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -197,6 +202,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config(["--tokenizer", "org/tok"]).model.tokenizer == "org/tok"
     assert _config(["--tokenizer-revision", "v2"]).model.tokenizer_revision == "v2"
     assert [_config(a).cache.kv_cache_dtype for a in ([], ["--kv-cache-dtype", "fp8"])] == ["auto", "fp8"]
+    # vLLM's other names for a dtype are that dtype
+    assert [_config(["--dtype", d]).model.dtype for d in ("half", "float")] == ["float16", "float32"]
     # vLLM's name for --no-access-log
     assert (_config([]).server.access_log, _config(["--disable-uvicorn-access-log"]).server.access_log) == (True, False)
     overrides = _config(["--override-generation-config", '{"temperature": 0.2}']).model.generation_overrides()
@@ -287,7 +294,6 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
     (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
-    (["--dtype", "half"], "got 'half' (vLLM's 'half' is 'float16' here)"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--load-format", "safetensors"], "--load-format is vLLM's: the weights are read in the format of the model's"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),

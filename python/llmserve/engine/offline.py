@@ -49,10 +49,16 @@ class Result:
 
 
 def make_config(model: str | None = None, **options: Any) -> Config:
-    """A Config with `options` given by field name (`max_model_len=...`, `num_kv_blocks=...`)."""
+    """A Config with `options` given by field name (`max_model_len=...`, `num_kv_blocks=...`).
+    vLLM's options that have no effect here, as their `llmserve run` flags have none
+    (`trust_remote_code`, `tensor_parallel_size=1`, ...), are taken with a warning saying why;
+    TypeError for an unknown one."""
+    from llmserve.cli import vllm_option
+
     cfg = Config()
     sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     options = {"model": model, **options}
+    no_effect = []
     for name, value in options.items():
         for sname, section in sections.items():
             if name in {f.name for f in dataclasses.fields(section)}:
@@ -61,12 +67,16 @@ def make_config(model: str | None = None, **options: Any) -> Config:
                 sections[sname] = dataclasses.replace(section, **{name: value})
                 break
         else:
-            raise TypeError(f"unknown option {name!r}")
+            no_effect.append(f"{name} ({vllm_option(name, value)})")
+    if no_effect:
+        warnings.warn(f"llmserve: these options have no effect: {'; '.join(no_effect)}", stacklevel=3)
     return Config(**sections)
 
 
 Prompt = Union[str, list[int]]
 Message = dict[str, Any]
+# A request's fields by OpenAI's names (`max_tokens`, `temperature`, ...), or None for none.
+Params = Union[dict[str, Any], None]
 
 # Options of the server alone: offline calls run on the caller's thread, with no HTTP, no queue
 # limit and no step planned ahead.
@@ -89,30 +99,33 @@ class LLM:
         self._lock = threading.Lock()
 
     def generate(self, prompts: Prompt | list[str] | list[list[int]],
-                 params: dict[str, Any] | None = None) -> list[Result]:
-        """Complete each prompt (a string or token ids: a list, tuple or 1-D array of integers)."""
+                 params: Params | list[Params] = None) -> list[Result]:
+        """Complete each prompt (a string or token ids: a list, tuple or 1-D array of integers).
+        `params` apply to every prompt, or (a list, as vLLM takes one `SamplingParams` per
+        prompt) one to each."""
         prompts = _prompt_list(prompts)
-        _own_argument(params, "prompt")
-        bodies = [{"model": self.model_name, **(params or {}), "prompt": p} for p in prompts]
-        # Homogeneous prompts are also a valid single request (the server's shape), whose
-        # errors name the prompt as the server would (`prompt[2]`, `prompt[2][1]`).
-        same_kind = len({isinstance(p, str) for p in prompts}) == 1
+        each = _params_each(params, len(prompts), "prompt")
+        bodies = [{"model": self.model_name, **q, "prompt": p} for p, q in zip(prompts, each)]
+        # Homogeneous prompts with shared params are also a valid single request (the server's
+        # shape), whose errors name the prompt as the server would (`prompt[2]`, `prompt[2][1]`).
+        same_kind = len({isinstance(p, str) for p in prompts}) == 1 and not isinstance(params, (list, tuple))
         whole = {"model": self.model_name, **(params or {}), "prompt": prompts} if same_kind else None
         return self._run("completion", bodies, whole)
 
     @overload
-    def chat(self, messages: list[Message], params: dict[str, Any] | None = None) -> Result: ...
+    def chat(self, messages: list[Message], params: Params = None) -> Result: ...
 
     @overload
-    def chat(self, messages: list[list[Message]], params: dict[str, Any] | None = None) -> list[Result]: ...
+    def chat(self, messages: list[list[Message]], params: Params | list[Params] = None) -> list[Result]: ...
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             params: dict[str, Any] | None = None) -> Result | list[Result]:
-        """Answer one conversation (a list of messages) or several (a list of such lists)."""
+             params: Params | list[Params] = None) -> Result | list[Result]:
+        """Answer one conversation (a list of messages) or several (a list of such lists);
+        `params` apply to every conversation, or (a list) one to each."""
         many = bool(messages) and isinstance(messages[0], list)
         convs = messages if many else [messages]
-        _own_argument(params, "messages")
-        bodies = [{"model": self.model_name, **(params or {}), "messages": m} for m in convs]
+        each = _params_each(params, len(convs), "messages", "conversation")
+        bodies = [{"model": self.model_name, **q, "messages": m} for m, q in zip(convs, each)]
         results = self._run("chat", bodies)
         return results if many else results[0]
 
@@ -259,6 +272,7 @@ def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
             router.prepare(endpoint, _encode(router, whole))
         except ApiError as named:
             if named.param is not None and named.param.startswith(f"prompt[{index}]"):
+                named.add_note(f"(in prompt {index} of the call, counting from 0)")
                 raise named from None
     kind = "conversation" if endpoint == "chat" else "prompt"
     err.add_note(f"(in {kind} {index} of the call, counting from 0)")
@@ -312,6 +326,23 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
             raise TypeError(f"prompts[{i}] must be a str or token ids (integers); got {kind}")
         out.append(item)
     return out
+
+
+def _params_each(params: object, count: int, name: str, item: str = "prompt") -> list[dict[str, Any]]:
+    """The params of each of `count` requests: `params` for all, or a list of one per request
+    (each a dict or None). TypeError for anything else, or a list of another length."""
+    def checked(p: object, where: str) -> dict[str, Any]:
+        if p is not None and not isinstance(p, dict):
+            raise TypeError(f"params{where} must be a dict of request fields by OpenAI's names (max_tokens, "
+                            f"temperature, ...) or None; got {type(p).__name__}")
+        _own_argument(p, name)
+        return p or {}
+    if isinstance(params, (list, tuple)):
+        if len(params) != count:
+            raise TypeError(f"params holds {len(params)} dicts for {count} {item}s: give one per {item}, or one "
+                            f"dict for all")
+        return [checked(p, f"[{i}]") for i, p in enumerate(params)]
+    return [checked(params, "")] * count
 
 
 def _own_argument(params: dict[str, Any] | None, name: str, position: str = "first") -> None:
