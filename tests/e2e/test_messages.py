@@ -172,7 +172,9 @@ def test_errors_have_anthropics_shape(smol, body, status, kind, param):
     r = httpx.post(smol.url + "/v1/messages", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()
-    assert error["type"] == "error" and set(error) == {"type", "error"}
+    assert error["type"] == "error" and set(error) == {"type", "error", "request_id"}
+    assert error["request_id"] == r.headers["request-id"]   # (as Anthropic's bodies name it)
+    anthropic.types.ErrorResponse.model_validate(error)
     assert (error["error"]["type"], error["error"]["param"]) == (kind, param)
     assert error["error"]["message"]
     # the SDK raises it as the status's error, with the message it carries (sent as it is: the

@@ -52,7 +52,7 @@ def _error_response(err: ApiError, request: Request, headers=None) -> Response:
         headers["request-id"] = headers["x-request-id"]   # (Anthropic's name: its SDK's `error.request_id`)
     if err.retry_after:
         headers["retry-after"] = str(err.retry_after)
-    return Response(error_body(err, route_path(request.scope)), status_code=err.status,
+    return Response(error_body(err, route_path(request.scope), headers["x-request-id"]), status_code=err.status,
                     media_type="application/json", headers=headers)
 
 

@@ -11,6 +11,8 @@ import logging
 import time
 import uuid
 
+import orjson
+
 from llmserve._core import Router
 
 access_log = logging.getLogger("llmserve.access")
@@ -50,9 +52,12 @@ def anthropic_route(path: str) -> bool:
     return path.rstrip("/") in ("/v1/messages", "/v1/messages/count_tokens")
 
 
-def error_body(err, path: str) -> bytes:
-    """The body of `err` (an ApiError) as the route at `path` answers it."""
-    return err.anthropic_body if anthropic_route(path) else err.body
+def error_body(err, path: str, request_id: str) -> bytes:
+    """The body of `err` (an ApiError) as the route at `path` answers it: Anthropic's also
+    names its `request_id` (the `request-id` header's), as Anthropic's error bodies do."""
+    if not anthropic_route(path):
+        return err.body
+    return orjson.dumps({**orjson.loads(err.anthropic_body), "request_id": request_id})
 
 
 class ApiKeyMiddleware:
@@ -98,7 +103,7 @@ class ApiKeyMiddleware:
         if anthropic_route(route_path(scope)):
             headers.append((b"request-id", request_id))   # (Anthropic's name for it)
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": error_body(err, route_path(scope))})
+        await send({"type": "http.response.body", "body": error_body(err, route_path(scope), request_id.decode())})
 
 
 def _known(token: bytes, keys: list[bytes]) -> bool:
