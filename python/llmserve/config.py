@@ -413,9 +413,10 @@ class SchedulerConfig(_Checked):
         None, "Most tokens in one step (long prompts are chunked); default: 2048 on CPU, 8192 on CUDA "
         "(vLLM's for an API server on H100-class GPUs).", min=1)
     max_waiting: int = _f(
-        2048, "Sequences waiting to start (one per prompt, sampled choice or embeddings input) that new "
-        "requests may not push past: they get 503 + Retry-After (400 if one request alone needs more). "
-        "The default takes one request of OpenAI's most embeddings inputs (2048).", min=1)
+        2048, "Sequences waiting to start (one per prompt, sampled choice or embeddings input), beyond the "
+        "step's free slots (--max-num-seqs less those running), that new requests may not push past: they "
+        "get 503 + Retry-After (400 if one request alone needs more than this plus --max-num-seqs). The "
+        "default takes one request of OpenAI's most embeddings inputs (2048).", min=1)
     scheduling_policy: str = _f(
         "priority", "fcfs or priority (the request field `priority`; lower runs first).",
         choices=("fcfs", "priority"),

@@ -124,32 +124,46 @@ def test_full_queue_is_503_with_retry_after(one_slot):
     _wait_idle(one_slot)
 
 
+def test_a_burst_fills_the_free_slots_and_the_queue(one_slot):
+    """Requests that arrive together, before a step starts any of them, wait for the free slot
+    as well as in the queue: on an idle server 1 + 4 of them are taken, not 4."""
+    async def main():
+        async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
+            burst = [c.post("/v1/completions", json={"model": "tiny", "prompt": f"burst {i}", "max_tokens": 2})
+                     for i in range(5)]
+            done = await asyncio.gather(*burst)
+            assert [r.status_code for r in done] == [200] * 5, [r.text for r in done]
+
+    asyncio.run(main())
+    _wait_idle(one_slot)
+
+
 def test_the_queue_counts_sequences_not_requests(one_slot):
-    """--max-waiting 4 counts every prompt and sampled choice: a request that alone needs
-    more is a 400 naming the field, one that needs more than the room left is a 503, and a
-    greedy n (run once) needs one."""
+    """--max-waiting 4 counts every prompt and sampled choice waiting beyond the free slot: a
+    request that alone needs more than both (5) is a 400 naming the field, one that needs more
+    than the room left is a 503, and a greedy n (run once) needs one."""
     def completion(c, **fields):
         return c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **fields})
 
     async def main():
         async with httpx.AsyncClient(base_url=one_slot.url, timeout=120) as c:
-            too_many = [await completion(c, prompt=["a", "b", "c", "d", "e"]),
-                        await completion(c, prompt="a", n=5, temperature=1.0),
+            too_many = [await completion(c, prompt=["a", "b", "c", "d", "e", "f"]),
+                        await completion(c, prompt="a", n=6, temperature=1.0),
                         # fewer prompts would not help: n is the one to lower
-                        await completion(c, prompt=["a", "b"], n=5, temperature=1.0)]
+                        await completion(c, prompt=["a", "b"], n=6, temperature=1.0)]
             for r, param in zip(too_many, ["prompt", "n", "n"]):
                 assert r.status_code == 400, r.text
                 err = r.json()["error"]
                 assert (err["param"], err["code"]) == (param, "invalid_value")
                 assert "sequences" in err["message"] and "--max-waiting" in err["message"]
             # an embeddings input waits as one sequence too: the field to shorten is `input`
-            r = await c.post("/v1/embeddings", json={"model": "tiny", "input": ["a", "b", "c", "d", "e"]})
+            r = await c.post("/v1/embeddings", json={"model": "tiny", "input": ["a", "b", "c", "d", "e", "f"]})
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert (err["param"], err["code"]) == ("input", "invalid_value")
-            assert "5 inputs" in err["message"] and "--max-waiting" in err["message"]
+            assert "6 inputs" in err["message"] and "--max-waiting" in err["message"]
             # and so does each text of a rerank (the query's included)
-            r = await c.post("/rerank", json={"model": "tiny", "query": "q", "documents": ["a", "b", "c", "d"]})
+            r = await c.post("/rerank", json={"model": "tiny", "query": "q", "documents": ["a", "b", "c", "d", "e"]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
             hold = await _hold_slot(c, one_slot)
             first = asyncio.ensure_future(completion(c, prompt="one", n=3, temperature=0))

@@ -498,30 +498,37 @@ class AsyncEngine:
         return self.engine.adapters.unload(self.router, body)
 
     def _admit(self, prepared: Prepared, endpoint: str) -> None:
-        """--max-waiting caps the sequences waiting to start, this request's included: one
-        that could never fit is refused for good (400), one that fits later gets 503."""
-        need, limit = prepared.num_seqs, self.config.scheduler.max_waiting
-        if need > limit and endpoint in EMBEDDING:
+        """--max-waiting caps the sequences waiting to start beyond the step's free slots
+        (--max-num-seqs less those running), this request's included: one that could never fit
+        is refused for good (400), one that fits later gets 503. (A burst arrives between steps,
+        before any of it runs: counted against the waiting alone, it would be refused while
+        slots were free.)"""
+        sched = self.config.scheduler
+        need, limit, slots = prepared.num_seqs, sched.max_waiting, sched.max_num_seqs
+        room = limit + slots
+        if need > room and endpoint in EMBEDDING:
             param = {"embeddings": "input", "score": "text_2", "rerank": "documents"}[endpoint]
             noun = "inputs" if endpoint == "embeddings" else "texts to score"
             raise Router.error(
-                "invalid_request", f"This request has {need} {noun} and the server queues at most {limit} "
-                "(--max-waiting); send fewer per request.", param=param)
-        if need > limit:
+                "invalid_request", f"This request has {need} {noun} and the server takes at most {room} at once "
+                f"({slots} running, --max-num-seqs, and {limit} waiting, --max-waiting); send fewer per request.",
+                param=param)
+        if need > room:
             prompts = len(prepared.prompt_lens)
             per_prompt = need // prompts
             # fewer prompts per request help only if one prompt's choices fit
-            advice, param = ("a smaller n", "n") if per_prompt > limit else ("fewer prompts per request", "prompt")
+            advice, param = ("a smaller n", "n") if per_prompt > room else ("fewer prompts per request", "prompt")
             raise Router.error(
                 "invalid_request",
-                f"This request would queue {need} sequences ({prompts} prompt{'s' * (prompts > 1)}, "
-                f"{per_prompt} per prompt) and the server queues at most {limit} (--max-waiting); "
-                f"send {advice}.",
+                f"This request would need {need} sequences ({prompts} prompt{'s' * (prompts > 1)}, "
+                f"{per_prompt} per prompt) and the server takes at most {room} at once ({slots} running, "
+                f"--max-num-seqs, and {limit} waiting, --max-waiting); send {advice}.",
                 param=param)
-        waiting = self.load()["waiting"]
-        if waiting + need > limit:
-            raise self.unavailable(f"The queue is full ({waiting} of {limit} sequences waiting, this request "
-                                   f"needs {need}); try again shortly.")
+        load = self.load()
+        free = max(0, slots - load["running"])
+        if load["waiting"] + need > limit + free:
+            raise self.unavailable(f"The queue is full ({load['waiting']} sequences waiting for {free} free slots, "
+                                   f"at most {limit} beyond them; this request needs {need}); try again shortly.")
 
     async def handle(self, endpoint: str, body: bytes) -> tuple[bytes, list[tuple[str, str]]]:
         """tokenize / detokenize / render routes: no generation, no engine thread. Returns
