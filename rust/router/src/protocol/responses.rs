@@ -727,38 +727,6 @@ fn conversation(
     Ok(conv)
 }
 
-/// `GET /v1/responses/{id}` (`items` false; its `stream` and `starting_after` are read by the
-/// caller) or `GET /v1/responses/{id}/input_items` (`items`: `order`, `limit`, `after`), with
-/// the query's pairs as sent: output text's `logprobs` only when `include` asks for them, as
-/// OpenAI's retrieve shows them; keys these routes do not read are reported.
-pub fn read_stored(router: &Router, id: &str, items: bool, query: &[(String, String)]) -> Result<Handled, ApiError> {
-    use super::conversations::{answer, includes_logprobs, query_keys, shown};
-    let store = router.responses();
-    let mut ignored = Vec::new();
-    let logprobs = includes_logprobs(query, &mut ignored);
-    let object = if items {
-        let keys = query_keys(query, &["order", "limit", "after"], &mut ignored);
-        let text = |k: &str| keys.get(k).and_then(Value::as_str);
-        let values = shown(store.input_values(id)?, logprobs);
-        let (page, has_more) =
-            crate::response_store::page_of(values, text("order").unwrap_or("desc"), text("limit"), text("after"))?;
-        crate::response_store::list_body(page, has_more)
-    } else {
-        let keys = query_keys(query, &["stream", "starting_after", "include_obfuscation"], &mut ignored);
-        // (no event here carries obfuscation: asking for it asks for what never comes)
-        if keys.get("include_obfuscation").is_some_and(|v| v != "false") {
-            ignored.push("include_obfuscation".into());
-        }
-        let mut object: Value = serde_json::from_slice(&store.body(id)?).expect("stored bodies are JSON");
-        if let Some(Value::Array(output)) = object.get_mut("output") {
-            *output = shown(std::mem::take(output), logprobs);
-        }
-        object
-    };
-    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
-    answer(&object, &ignored)
-}
-
 /// OpenAI's rule for a conversation's function calls: each `function_call` has one
 /// `function_call_output` after it, and each output answers a call before it (else a 400:
 /// the model would read a result of nothing, or a call that never returned).
@@ -1299,6 +1267,38 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     }
     prepared.responses = Some(Arc::new(echo));
     Ok(checked)
+}
+
+/// `GET /v1/responses/{id}` (`items` false; its `stream` and `starting_after` are read by the
+/// caller) or `GET /v1/responses/{id}/input_items` (`items`: `order`, `limit`, `after`), with
+/// the query's pairs as sent: output text's `logprobs` only when `include` asks for them, as
+/// OpenAI's retrieve shows them; keys these routes do not read are reported.
+pub fn read_stored(router: &Router, id: &str, items: bool, query: &[(String, String)]) -> Result<Handled, ApiError> {
+    use super::conversations::{answer, includes_logprobs, query_keys, shown};
+    let store = router.responses();
+    let mut ignored = Vec::new();
+    let logprobs = includes_logprobs(query, &mut ignored);
+    let object = if items {
+        let keys = query_keys(query, &["order", "limit", "after"], &mut ignored);
+        let text = |k: &str| keys.get(k).and_then(Value::as_str);
+        let values = shown(store.input_values(id)?, logprobs);
+        let (page, has_more) =
+            crate::response_store::page_of(values, text("order").unwrap_or("desc"), text("limit"), text("after"))?;
+        crate::response_store::list_body(page, has_more)
+    } else {
+        let keys = query_keys(query, &["stream", "starting_after", "include_obfuscation"], &mut ignored);
+        // (no event here carries obfuscation: asking for it asks for what never comes)
+        if keys.get("include_obfuscation").is_some_and(|v| v != "false") {
+            ignored.push("include_obfuscation".into());
+        }
+        let mut object: Value = serde_json::from_slice(&store.body(id)?).expect("stored bodies are JSON");
+        if let Some(Value::Array(output)) = object.get_mut("output") {
+            *output = shown(std::mem::take(output), logprobs);
+        }
+        object
+    };
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
+    answer(&object, &ignored)
 }
 
 /// `POST /v1/responses/input_tokens`: `{"object": "response.input_tokens", "input_tokens": N}`,
