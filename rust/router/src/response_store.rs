@@ -283,21 +283,8 @@ impl ResponseStore {
         Ok(self.get(id)?.body.clone())
     }
 
-    /// The `GET /v1/responses/{id}/input_items` body: a page of the conversation's items,
-    /// `order` "desc" (newest first, OpenAI's default) or "asc", at most `limit` (the query's
-    /// text, an integer 1..=100; 20 when not given) after the item with id `after`.
-    pub fn input_items(
-        &self,
-        id: &str,
-        order: &str,
-        limit: Option<&str>,
-        after: Option<&str>,
-    ) -> Result<Vec<u8>, ApiError> {
-        let stored = self.get(id)?;
-        page(stored.input.values(), order, limit, after)
-    }
-
-    /// The items of the conversation the response `id` answered, oldest first.
+    /// The items of the conversation the response `id` answered, oldest first (the
+    /// `GET /v1/responses/{id}/input_items` route pages them with [`page_of`]).
     pub fn input_values(&self, id: &str) -> Result<Vec<Value>, ApiError> {
         Ok(self.get(id)?.input.values())
     }
@@ -572,11 +559,13 @@ mod tests {
         chain(&store, turns, &text);
         // every response lists its whole conversation...
         let last: Value =
-            serde_json::from_slice(&store.input_items("resp_199", "asc", Some("100"), None).unwrap()).unwrap();
+            serde_json::from_slice(&page(store.input_values("resp_199").unwrap(), "asc", Some("100"), None).unwrap())
+                .unwrap();
         assert_eq!(last["data"][0]["id"], "msg_in0");
         assert_eq!(last["data"][1]["id"], "msg_out0");
         assert_eq!(store.get("resp_199").unwrap().input.len(), 2 * turns - 1);
-        let first: Value = serde_json::from_slice(&store.input_items("resp_0", "asc", None, None).unwrap()).unwrap();
+        let first: Value =
+            serde_json::from_slice(&page(store.input_values("resp_0").unwrap(), "asc", None, None).unwrap()).unwrap();
         assert_eq!(first["data"].as_array().unwrap().len(), 1);
         // ...while the store holds each of its 2 x 200 items once: linear, not N²/2
         let held = store.lock().total();
@@ -640,19 +629,23 @@ mod tests {
         let input: Vec<Value> =
             (0..5).map(|i| json!({"id": format!("msg_{i}"), "role": "user", "content": "x"})).collect();
         store.put("r", answer(&json!({}), log(&input)));
-        let page = |order: &str, limit: &str, after: Option<&str>| -> Value {
-            serde_json::from_slice(&store.input_items("r", order, Some(limit), after).unwrap()).unwrap()
+        let listed = |order: &str, limit: &str, after: Option<&str>| -> Value {
+            serde_json::from_slice(&page(store.input_values("r").unwrap(), order, Some(limit), after).unwrap()).unwrap()
         };
         let ids = |v: &Value| v["data"].as_array().unwrap().iter().map(|i| i["id"].clone()).collect::<Vec<_>>();
-        let first = page("desc", "2", None);
+        let first = listed("desc", "2", None);
         assert_eq!(ids(&first), [json!("msg_4"), json!("msg_3")]);
         assert_eq!((first["has_more"].clone(), first["last_id"].clone()), (json!(true), json!("msg_3")));
-        let last = page("desc", "2", Some("msg_1"));
+        let last = listed("desc", "2", Some("msg_1"));
         assert_eq!((ids(&last), last["has_more"].clone()), (vec![json!("msg_0")], json!(false)));
-        assert_eq!(ids(&page("asc", "20", None)).len(), 5);
-        assert_eq!(store.input_items("r", "up", None, None).unwrap_err().param(), Some("order"));
+        assert_eq!(ids(&listed("asc", "20", None)).len(), 5);
+        assert_eq!(page(store.input_values("r").unwrap(), "up", None, None).unwrap_err().param(), Some("order"));
         for bad in ["0", "101", "-1", "99999999999999999999", "2.0", "x"] {
-            assert_eq!(store.input_items("r", "asc", Some(bad), None).unwrap_err().param(), Some("limit"), "{bad}");
+            assert_eq!(
+                page(store.input_values("r").unwrap(), "asc", Some(bad), None).unwrap_err().param(),
+                Some("limit"),
+                "{bad}"
+            );
         }
     }
 }

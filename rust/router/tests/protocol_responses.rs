@@ -573,7 +573,8 @@ fn a_stored_response_is_continued_by_its_id() {
     assert_eq!(next.responses.as_ref().unwrap().fields["previous_response_id"], json!(p.id));
     // nothing of the continued response is reported, and its items are listed with ids
     assert_eq!(header(&next, "llmserve-ignored-fields"), None);
-    let items: Value = serde_json::from_slice(&r.responses().input_items(&p.id, "asc", None, None).unwrap()).unwrap();
+    let query = [("order".to_string(), "asc".to_string())];
+    let items: Value = serde_json::from_slice(&r.stored_response_route(&p.id, true, &query).unwrap().body).unwrap();
     assert_eq!(items["data"][0]["content"], json!([{"type": "input_text", "text": "hello"}]));
     assert!(items["data"][0]["id"].as_str().unwrap().starts_with("msg_"));
 
