@@ -186,6 +186,14 @@ def test_errors_have_anthropics_shape(smol, body, status, kind, param):
     assert raised.value.request_id.startswith("req_")
 
 
+def test_a_messages_route_not_served_answers_in_anthropics_shape(client):
+    """Anthropic's Message Batches are not served: the SDK gets a 404 in Anthropic's shape."""
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        client.messages.batches.retrieve("msgbatch_1")
+    assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "not_found_error"
+    assert raised.value.body["request_id"] == raised.value.request_id
+
+
 def test_both_sdks_list_the_models(client, openai_client):
     """GET /v1/models is one page that both SDKs read: OpenAI's list, Anthropic's page."""
     listed = list(client.models.list())

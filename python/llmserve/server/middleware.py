@@ -47,9 +47,11 @@ def route_path(scope) -> str:
 
 
 def anthropic_route(path: str) -> bool:
-    """Whether `path` (inside the app) is one of Anthropic's Messages routes, whose errors
-    take Anthropic's shape (`ApiError.anthropic_body`)."""
-    return path.rstrip("/") in ("/v1/messages", "/v1/messages/count_tokens")
+    """Whether `path` (inside the app) is under Anthropic's Messages routes, whose errors take
+    Anthropic's shape (`ApiError.anthropic_body`): also the 404 of one not served here (its
+    Message Batches, `/v1/messages/batches`), which the `anthropic` SDK reads."""
+    path = path.rstrip("/")
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def error_body(err, path: str, request_id: str) -> bytes:
