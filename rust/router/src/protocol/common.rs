@@ -371,9 +371,7 @@ impl CommonFields {
         };
         // (the same value in both, as clients that send both for old and new servers do,
         // loses nothing)
-        if self.max_tokens.is_some_and(|m| Some(m) != self.max_completion_tokens)
-            && max_tokens_param == Some("max_completion_tokens")
-        {
+        if matches!((self.max_completion_tokens, self.max_tokens), (Some(c), Some(m)) if c != m) {
             inert.push("max_tokens".into());
         }
         if let (Some(0), Some(p)) = (max_tokens, max_tokens_param) {
