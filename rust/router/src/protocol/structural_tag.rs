@@ -544,6 +544,12 @@ mod tests {
     use crate::structured::{Grammar, GrammarSource, Grammars};
     use crate::tokenizer::Tokenizer;
 
+    /// A byte-level tokenizer and a grammar engine over it (EOS is token 0).
+    fn engine() -> (std::sync::Arc<Tokenizer>, Grammars) {
+        let tok = byte_tokenizer();
+        (tok.clone(), Grammars::new(tok, vec![0]))
+    }
+
     fn compile(g: &Grammars, tag: Value) -> Grammar {
         let mut inert = Vec::new();
         let tagged = parse(tag.as_object().unwrap(), "response_format", &mut inert).unwrap();
@@ -569,8 +575,7 @@ mod tests {
 
     #[test]
     fn triggers_open_tags_in_free_text() {
-        let tok = byte_tokenizer();
-        let g = Grammars::new(tok.clone(), vec![0]);
+        let (tok, g) = engine();
         let legacy = json!({"type": "structural_tag", "triggers": ["<function="], "structures": [
             {"begin": "<function=f>", "schema": point(), "end": "</function>"},
             {"begin": "<function=g>", "schema": {"type": "string"}, "end": "</function>"}]});
@@ -600,8 +605,7 @@ mod tests {
 
     #[test]
     fn at_least_one_and_stop_after_first_shape_the_tags() {
-        let tok = byte_tokenizer();
-        let g = Grammars::new(tok.clone(), vec![0]);
+        let (tok, g) = engine();
         let shaped = |least: bool, first: bool| {
             let tags = json!([{"begin": "<a>", "content": {"type": "const_string", "value": "1"}, "end": "</a>"}]);
             compile(
@@ -629,8 +633,7 @@ mod tests {
 
     #[test]
     fn tags_with_a_separator_and_nothing_else() {
-        let tok = byte_tokenizer();
-        let g = Grammars::new(tok.clone(), vec![0]);
+        let (tok, g) = engine();
         let tags = json!([{"begin": "{\"n\": ", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "}"},
                           {"begin": "<b>", "content": {"type": "regex", "pattern": "\\d{2}"}, "end": ""}]);
         let grammar = compile(
@@ -650,8 +653,7 @@ mod tests {
 
     #[test]
     fn any_text_in_a_tag_ends_at_the_end_and_skips_excluded_strings() {
-        let tok = byte_tokenizer();
-        let g = Grammars::new(tok.clone(), vec![0]);
+        let (tok, g) = engine();
         let grammar = compile(
             &g,
             json!({"format": {"type": "sequence", "elements": [
@@ -740,8 +742,7 @@ mod tests {
 
     #[test]
     fn schemas_as_xgrammar_takes_them() {
-        let tok = byte_tokenizer();
-        let g = Grammars::new(tok.clone(), vec![0]);
+        let (tok, g) = engine();
         let any = compile(
             &g,
             json!({"format": {"type": "tag", "begin": "<a>", "end": "</a>",
