@@ -81,7 +81,6 @@ def _kind_error(value: object, tp: object) -> str | None:
 
 # vLLM's values of flags llmserve has, and what llmserve calls them (named when refused).
 _VLLM_VALUES = {
-    ("generation_config", "vllm"): "none",
     ("reasoning_parser", "deepseek_r1"): "think",
     ("reasoning_parser", "qwen3"): "think",
 }
@@ -89,6 +88,7 @@ _VLLM_VALUES = {
 _SYNONYMS = {
     ("dtype", "half"): "float16",
     ("dtype", "float"): "float32",
+    ("generation_config", "vllm"): "none",   # (no file: the defaults of the server, OpenAI's here)
 }
 
 
@@ -216,8 +216,10 @@ class ModelConfig(_Checked):
     )
     generation_config: str = _f(
         "auto",
-        "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' ignores it.",
-        choices=("auto", "none"),
+        "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' (vLLM's 'vllm') "
+        "ignores it, or a folder: its generation_config.json in place of the model's (vLLM's flag). Its "
+        "sampling keys are read (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
+        "the model's EOS ids stay the model's.",
     )
     override_generation_config: str | None = _f(
         None, "Sampling defaults as JSON, vLLM's flag ('{\"temperature\": 0.5, \"max_new_tokens\": 256}'): "
@@ -303,7 +305,8 @@ class ModelConfig(_Checked):
         # it is a path that does not exist (a typo), not a template.
         if t is not None and not os.path.isfile(t) and not any(m in t for m in ("{{", "{%", "{#")):
             raise ValueError(f"--chat-template {t!r} is neither a readable file nor a Jinja template")
-        self.generation_overrides()   # (checked now: a bad one stops the start, not a request)
+        self.generation_file()        # (checked now: a bad one stops the start, not a request)
+        self.generation_overrides()
         self.config_overrides()
         self.template_kwargs()
         if t is not None and os.path.isfile(t):
@@ -323,6 +326,28 @@ class ModelConfig(_Checked):
         """--default-chat-template-kwargs as a dict (ValueError unless it is a JSON object)."""
         return _json_object(self.default_chat_template_kwargs, "--default-chat-template-kwargs",
                             '{"enable_thinking": false}')
+
+    def generation_file(self) -> dict | None:
+        """The generation_config.json of the folder --generation-config names, as a dict; None
+        for 'auto' and 'none' (ValueError naming what is wrong with the folder or its file)."""
+        folder = self.generation_config
+        if folder in ("auto", "none"):
+            return None
+        flag = "--generation-config"
+        if not os.path.isdir(folder):
+            raise ValueError(f"{flag} must be auto, none or a folder holding a generation_config.json; "
+                             f"{folder!r} is not a folder")
+        path = os.path.join(folder, "generation_config.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                values = json.load(fh)
+        except FileNotFoundError:
+            raise ValueError(f"{flag}: the folder {folder!r} has no generation_config.json") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{flag}: {path!r} cannot be read as JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{flag}: {path!r} must hold a JSON object")
+        return values
 
     def generation_overrides(self) -> dict:
         """--override-generation-config as a dict of generation_config.json keys, each value

@@ -73,6 +73,25 @@ def test_override_generation_config_sets_the_sampling_defaults(tiny_model, gener
     assert plain.prepare("completion", json.dumps(body).encode()).max_tokens != 7
 
 
+def test_generation_config_folder_replaces_the_models_file(tiny_model, tmp_path):
+    """vLLM's --generation-config FOLDER: that folder's generation_config.json gives the sampling
+    defaults in place of the model's (--override-generation-config still over it); a folder
+    without one, or a file that is not a JSON object, stops the start with the flag named."""
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 5, "temperature": 0.4}')
+    body = json.dumps({"model": "tiny", "prompt": "hi"}).encode()
+    router = _router(tiny_model, served_model_name=("tiny",), generation_config=str(tmp_path))
+    assert router.prepare("completion", body).max_tokens == 5
+    over = _router(tiny_model, served_model_name=("tiny",), generation_config=str(tmp_path),
+                   override_generation_config='{"max_new_tokens": 9}')
+    assert over.prepare("completion", body).max_tokens == 9
+    (tmp_path / "generation_config.json").write_text("[5]")
+    with pytest.raises(ValueError, match="generation_config.json' must hold a JSON object"):
+        ModelConfig(generation_config=str(tmp_path))
+    (tmp_path / "generation_config.json").unlink()
+    with pytest.raises(ValueError, match="--generation-config: the folder .* has no generation_config.json"):
+        ModelConfig(generation_config=str(tmp_path))
+
+
 def test_hf_overrides_replace_config_keys_before_the_build(tiny_model):
     """vLLM's --hf-overrides: config.json keys replaced before the model is built (here its
     positions, which bound the context); the fingerprint tells the two setups apart; a value

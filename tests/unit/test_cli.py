@@ -52,7 +52,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--kv-cache-memory", "0"], {}, "--kv-cache-memory must be greater than 0"),
     (["--kv-cache-memory", "12XB"], {}, "--kv-cache-memory: not a memory size"),
     (["--device", "tpu"], {}, "--device must be one of auto, cpu, cuda"),
-    (["--generation-config", "foo"], {}, "--generation-config must be one of auto, none"),
+    (["--generation-config", "foo"], {}, "--generation-config must be auto, none or a folder holding a "
+                                         "generation_config.json; 'foo' is not a folder"),
     (["--scheduling-policy", "lifo"], {}, "--scheduling-policy must be one of fcfs, priority"),
     (["--api-key", ""], {}, "--api-key must not be empty"),
     (["--served-model-name", " "], {}, "--served-model-name must not be empty"),
@@ -204,6 +205,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert [_config(a).cache.kv_cache_dtype for a in ([], ["--kv-cache-dtype", "fp8"])] == ["auto", "fp8"]
     # vLLM's other names for a dtype are that dtype
     assert [_config(["--dtype", d]).model.dtype for d in ("half", "float")] == ["float16", "float32"]
+    # and vLLM's `vllm` (no generation_config.json: the server's own defaults) is `none`
+    assert _config(["--generation-config", "vllm"]).model.generation_config == "none"
     # vLLM's name for --no-access-log
     assert (_config([]).server.access_log, _config(["--disable-uvicorn-access-log"]).server.access_log) == (True, False)
     overrides = _config(["--override-generation-config", '{"temperature": 0.2}']).model.generation_overrides()
@@ -292,7 +295,6 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["-tp", "2"], "-tp is vLLM's: llmserve runs a model on one device (only 1 is taken)"),
     (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
     (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
-    (["--generation-config", "vllm"], "got 'vllm' (vLLM's 'vllm' is 'none' here)"),
     (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--load-format", "safetensors"], "--load-format is vLLM's: the weights are read in the format of the model's"),

@@ -104,14 +104,19 @@ def _embeddings(cfg: Config, ck) -> dict | None:
 
 
 def _generation_defaults(cfg: Config, gen: dict) -> dict:
-    """The sampling defaults: generation_config.json's (unless --generation-config none), then
-    --override-generation-config's over them (vLLM's order)."""
-    gen = {} if cfg.model.generation_config == "none" else dict(gen)
+    """The sampling defaults: the model's generation_config.json (the folder's that
+    --generation-config names, or none), then --override-generation-config's over them (vLLM's
+    order)."""
+    folder = cfg.model.generation_file()
+    if folder is not None:
+        gen, source = folder, os.path.join(cfg.model.generation_config, "generation_config.json")
+    else:
+        gen, source = ({} if cfg.model.generation_config == "none" else dict(gen)), "generation_config.json"
     overrides = cfg.model.generation_overrides()
-    gen.update(overrides)
+    gen = {**gen, **overrides}
     out = {ours: gen[theirs] for theirs, ours in _GEN_KEYS.items() if gen.get(theirs) is not None}
     if out:
-        source = "generation_config.json" + (" and --override-generation-config" if overrides else "")
+        source += " and --override-generation-config" if overrides else ""
         log.info("sampling defaults from %s (request values win): %s", source, out)
     return out
 
