@@ -206,11 +206,24 @@ def test_both_sdks_list_the_models(client, openai_client):
     assert anthropic.types.ModelInfo.model_validate(raw).lifecycle == "active"
 
 
-def test_context_overflow_names_max_tokens(client):
+def test_context_overflow_in_anthropics_words(client):
+    """An overflow reads as Anthropic's API words it, which clients match on (LangChain's
+    ChatAnthropic raises ContextOverflowError on "prompt is too long"), with both counts and
+    the limit; the code stays context_length_exceeded."""
     with pytest.raises(anthropic.BadRequestError) as raised:
         client.messages.create(model=MODEL, max_tokens=4000, messages=ASK)
     error = raised.value.body["error"]
-    assert error["code"] == "context_length_exceeded" and "`max_tokens`" in error["message"]
+    prompt = client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens
+    assert error["code"] == "context_length_exceeded" and error["message"] == (
+        f"input length and `max_tokens` exceed context limit: {prompt} + 4000 > 2048, decrease input length or "
+        "`max_tokens` and try again")
+    long = [{"role": "user", "content": "hello " * 2100}]
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model=MODEL, max_tokens=8, messages=long)
+    # (count_tokens counts a prompt past the context too: the count a client trims by)
+    prompt = client.messages.count_tokens(model=MODEL, messages=long).input_tokens
+    assert prompt > 2048
+    assert raised.value.body["error"]["message"] == f"prompt is too long: {prompt} tokens > 2048 maximum"
 
 
 def test_the_sdks_tool_runner_works_without_threads(client):

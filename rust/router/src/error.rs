@@ -12,8 +12,9 @@ use std::fmt;
 pub enum ApiError {
     /// 400: malformed JSON, wrong type, missing field, out-of-range or conflicting values.
     InvalidRequest { message: String, param: Option<String>, code: &'static str },
-    /// 400: prompt (plus requested tokens) does not fit the context window.
-    ContextLengthExceeded { message: String, param: Option<String> },
+    /// 400: prompt (plus requested tokens) does not fit the context window (`sizes`: the
+    /// numbers, where a route that words it its own way needs them).
+    ContextLengthExceeded { message: String, param: Option<String>, sizes: Option<Overflow> },
     /// 404: a `model` that is not served (`served`: the names that are, said in the message).
     ModelNotFound { model: String, served: Vec<String> },
     /// 404: a route or resource that does not exist.
@@ -31,6 +32,15 @@ pub enum ApiError {
     Unavailable { message: String, retry_after: Option<u32> },
     /// 500: the engine failed. The message is meant for clients: no internal detail.
     Internal { message: String },
+}
+
+/// The numbers of a context overflow: the prompt's tokens, the completion's budget the
+/// request asked for (None: no `max_tokens`), and the context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overflow {
+    pub prompt: u64,
+    pub max_tokens: Option<u64>,
+    pub limit: u64,
 }
 
 /// Most characters of an error's `param`, and of its message: both can echo what the client

@@ -2,7 +2,7 @@
 //! asks for (`max_tokens`, `min_tokens`) must fit in `max_model_len` with every prompt.
 
 use super::SamplingParams;
-use crate::error::ApiError;
+use crate::error::{ApiError, Overflow};
 
 /// The context budget of one prompt: the prompt must leave room for at least one token (or
 /// fill the context exactly when it asks for none, `max_tokens` 0), and
@@ -31,6 +31,7 @@ pub fn check_context(
                  which leaves no room for the completion. Please shorten the {noun}."
             ),
             param: Some(prompt_param.to_string()),
+            sizes: Some(Overflow { prompt: p, max_tokens: max_tokens.map(u64::from), limit }),
         });
     }
     if let (Some(m), Some(param)) = (max_tokens, max_tokens_param) {
@@ -44,6 +45,7 @@ pub fn check_context(
                     p + m
                 ),
                 param: Some(param.to_string()),
+                sizes: Some(Overflow { prompt: p, max_tokens: Some(m), limit }),
             });
         }
     }
@@ -70,6 +72,7 @@ pub fn settle_budget(
                 params.min_tokens
             ),
             param: Some("min_tokens".into()),
+            sizes: None,
         });
     }
     if max_tokens_param.is_none() {

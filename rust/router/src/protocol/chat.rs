@@ -1063,11 +1063,23 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 /// `functions`, `function_call` and `function` messages are read as the tools they became
 /// ([`super::functions`]).
 pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
+    prepare_for(router, value, header_id, false)
+}
+
+/// `prepare_value` of a request whose prompt is only counted (Anthropic's
+/// `/v1/messages/count_tokens`, `/v1/responses/input_tokens`): a prompt longer than the
+/// context is counted too, since that count is what a client asks for to trim it.
+pub(crate) fn prepare_to_count(router: &Router, value: &Value) -> Result<Checked, ApiError> {
+    prepare_for(router, value, None, true)
+}
+
+fn prepare_for(router: &Router, value: &Value, header_id: Option<&str>, counting: bool) -> Result<Checked, ApiError> {
     let Some(legacy) = super::functions::translate(value)? else {
-        return prepare_chat(router, value, value, header_id);
+        return prepare_chat(router, value, value, header_id, counting);
     };
     let ours = settle_ignored(legacy.reported.clone(), router.config.strict_fields)?;
-    let mut checked = prepare_chat(router, &legacy.body, value, header_id).map_err(|e| legacy.rename_error(e))?;
+    let mut checked =
+        prepare_chat(router, &legacy.body, value, header_id, counting).map_err(|e| legacy.rename_error(e))?;
     let ignored = checked.ignored.iter().filter_map(|p| legacy.rename_reported(p)).chain(ours).collect();
     checked.report(ignored);
     if legacy.functions {
@@ -1079,8 +1091,14 @@ pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&s
 }
 
 /// `prepare_value` of a chat request in today's terms; `sent` is the body as the client sent
-/// it (what `store: true` keeps).
-fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
+/// it (what `store: true` keeps); `counting`: its prompt is only counted (no context budget).
+fn prepare_chat(
+    router: &Router,
+    value: &Value,
+    sent: &Value,
+    header_id: Option<&str>,
+    counting: bool,
+) -> Result<Checked, ApiError> {
     let common: CommonFields = from_value(value)?;
     let chat: ChatFields = from_value(value)?;
     let lora = router.check_model(&common.model)?;
@@ -1276,8 +1294,10 @@ fn prepare_chat(router: &Router, value: &Value, sent: &Value, header_id: Option<
     } else {
         rendered.text
     };
-    check_context(prompt.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, "messages")?;
-    settle_budget(&mut params, c.max_tokens_param, std::iter::once(prompt.len()), config.max_model_len)?;
+    if !counting {
+        check_context(prompt.len(), params.max_tokens, c.max_tokens_param, config.max_model_len, "messages")?;
+        settle_budget(&mut params, c.max_tokens_param, std::iter::once(prompt.len()), config.max_model_len)?;
+    }
 
     let mut headers = Vec::new();
     headers.extend(ignored_header(&ignored));

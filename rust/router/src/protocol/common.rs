@@ -902,9 +902,11 @@ pub(crate) fn rename_error(
         ApiError::InvalidRequest { message, param: p, code } => {
             ApiError::InvalidRequest { message: words(message, p.as_deref()), param: p.map(|p| param(&p)), code }
         }
-        ApiError::ContextLengthExceeded { message, param: p } => {
-            ApiError::ContextLengthExceeded { message: words(message, p.as_deref()), param: p.map(|p| param(&p)) }
-        }
+        ApiError::ContextLengthExceeded { message, param: p, sizes } => ApiError::ContextLengthExceeded {
+            message: words(message, p.as_deref()),
+            param: p.map(|p| param(&p)),
+            sizes,
+        },
         other => other,
     }
 }

@@ -204,6 +204,7 @@ pub(crate) fn inputs_prepared(
                     ids.len()
                 ),
                 param: Some(param.clone()),
+                sizes: None,
             });
         }
     }

@@ -60,7 +60,7 @@ use super::common::{
     AsksNothing,
 };
 use super::{chat, Checked, Endpoint, Handled};
-use crate::error::ApiError;
+use crate::error::{ApiError, Overflow};
 use crate::router::Router;
 
 mod rules;
@@ -891,6 +891,29 @@ fn thinking_budget(obj: &Map<String, Value>) -> Option<u32> {
     on.then(|| t.get("budget_tokens")?.as_u64()).flatten().map(|b| u32::try_from(b).unwrap_or(u32::MAX))
 }
 
+/// A context overflow in the words of Anthropic's API, which clients match on (LangChain's
+/// ChatAnthropic raises its ContextOverflowError on "prompt is too long"): "prompt is too long:
+/// N tokens > M maximum", or for a prompt that fits but leaves too little room for
+/// `max_tokens`, "input length and `max_tokens` exceed context limit: N + K > M, ...". Other
+/// errors as they are.
+fn anthropic_overflow(err: ApiError) -> ApiError {
+    let ApiError::ContextLengthExceeded { param, sizes: Some(sizes), .. } = err else {
+        return err;
+    };
+    let Overflow { prompt, max_tokens, limit } = sizes;
+    let message = match max_tokens {
+        Some(m) if prompt <= limit => format!(
+            "input length and `max_tokens` exceed context limit: {prompt} + {m} > {limit}, decrease input length \
+             or `max_tokens` and try again"
+        ),
+        // (a prompt that fills the context leaves no room for a token: one fewer is the most)
+        _ => {
+            format!("prompt is too long: {prompt} tokens > {} maximum", if prompt > limit { limit } else { limit - 1 })
+        }
+    };
+    ApiError::ContextLengthExceeded { message, param, sizes: Some(sizes) }
+}
+
 /// Validates a Messages request and prepares the chat request it means.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
@@ -899,7 +922,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // ours first: under strict field checking they are the 400
     let mut ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let mut checked = chat::prepare_value(router, &chat, header_id)
-        .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
+        .map_err(|e| anthropic_overflow(rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p))))?;
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
     if let (Some(budget), Some(plan)) = (thinking_budget(obj), checked.prepared.reasoning.as_mut()) {
@@ -926,7 +949,7 @@ pub(crate) fn count_tokens(router: &Router, body: &[u8]) -> Result<Handled, ApiE
     let obj = value.as_object().expect("parse_body checks");
     let Translated { chat, conv, ignored, switched } = translate(router, obj, true)?;
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
-    let checked = chat::prepare_value(router, &chat, None)
+    let checked = chat::prepare_to_count(router, &chat)
         .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     let chat_ignored = checked.ignored.iter().flat_map(|p| conv.reported(p));
@@ -935,4 +958,29 @@ pub(crate) fn count_tokens(router: &Router, body: &[u8]) -> Result<Handled, ApiE
     let tokens = checked.prepared.prompts.first().map_or(0, Vec::len);
     let body = serde_json::to_vec(&json!({"input_tokens": tokens})).expect("bodies serialize");
     Ok(Handled { body, headers: super::common::ignored_header(&ignored).into_iter().collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::budget::check_context;
+
+    fn worded(prompt: usize, max_tokens: Option<u32>) -> String {
+        let param = max_tokens.map(|_| "max_completion_tokens");
+        anthropic_overflow(check_context(prompt, max_tokens, param, 100, "messages").unwrap_err()).message()
+    }
+
+    #[test]
+    fn overflows_read_as_anthropics_api_words_them() {
+        assert_eq!(worded(120, Some(8)), "prompt is too long: 120 tokens > 100 maximum");
+        assert_eq!(
+            worded(100, Some(8)),
+            "input length and `max_tokens` exceed context limit: 100 + 8 > 100, decrease input length or \
+             `max_tokens` and try again"
+        );
+        // (a prompt that fills the context leaves no room: 99 tokens is the most)
+        assert_eq!(worded(100, None), "prompt is too long: 100 tokens > 99 maximum");
+        let other = ApiError::invalid("top_k", "no");
+        assert_eq!(anthropic_overflow(other.clone()), other);
+    }
 }

@@ -1210,7 +1210,13 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     let mut chat = Value::Object(chat);
     let mut attempt = |conv: Conversation| {
         chat["messages"] = Value::Array(conv.messages);
-        match chat::prepare_value(router, &chat, header_id) {
+        // (with `truncation: auto` the count is of what a response would read: the items that fit)
+        let checked = if counting && !truncate {
+            chat::prepare_to_count(router, &chat)
+        } else {
+            chat::prepare_value(router, &chat, header_id)
+        };
+        match checked {
             Ok(checked) => Ok((checked, conv.origins)),
             Err(e) => Err(conv.origins.rename_error(e)),
         }
