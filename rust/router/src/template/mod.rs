@@ -655,14 +655,19 @@ impl TrackedMessage {
         Some(Arc::new(Self { fields, read }))
     }
 
-    /// The keys that were never looked up.
+    /// The keys that were never looked up, but for those holding an empty list, which say
+    /// nothing a prompt could lose (an echoed reply's `annotations: []`, `tool_calls: []`).
     fn unread(&self) -> impl Iterator<Item = &str> {
         self.fields
             .iter()
             .zip(&self.read)
-            .filter(|(_, read)| !read.load(Ordering::Relaxed))
+            .filter(|((_, v), read)| !read.load(Ordering::Relaxed) && !is_empty_list(v))
             .map(|((k, _), _)| k.as_str())
     }
+}
+
+fn is_empty_list(v: &Value) -> bool {
+    v.kind() == minijinja::value::ValueKind::Seq && v.len() == Some(0)
 }
 
 impl Object for TrackedMessage {
@@ -809,7 +814,7 @@ mod tests {
         // elsewhere (a tool's `.name` is not the message's).
         let messages = json!([
             {"role": "user", "content": "a", "name": "ann", "weight": 1, "extra": null},
-            {"role": "tool", "content": "b", "name": "fn", "tool_call_id": "c1"},
+            {"role": "tool", "content": "b", "name": "fn", "tool_call_id": "c1", "annotations": []},
         ]);
         let unread = |tmpl: &str| render(tmpl, messages.clone()).unwrap().unread_keys;
         let keys = |list: &[(usize, &str)]| list.iter().map(|&(i, k)| (i, k.to_string())).collect::<Vec<_>>();
@@ -826,7 +831,7 @@ mod tests {
         let calls_null = json!([{"role": "assistant", "content": "a", "tool_calls": null, "extra": null}]);
         assert_eq!(render(t, calls_null).unwrap().text, "False");
         assert_eq!(unread("{% for m in messages %}{% for k, v in m.items() %}{% endfor %}{% endfor %}"), keys(&[]));
-        // a message the template never reaches has every key unread (null ones aside)
+        // a message the template never reaches has every key unread (null ones and empty lists aside)
         let last = "{{ messages[-1].content }}{{ messages[-1].role }}";
         assert_eq!(
             unread(last),
