@@ -120,6 +120,25 @@ def test_an_unbounded_integer_closes(client):
     assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
 
 
+def test_fractional_seconds_end(client):
+    # the date-time and time formats allow any number of digits after the seconds' point: left
+    # to them, this model wrote "at": "1234-12-12T00:00:00.0000000000... until max_tokens cut the
+    # JSON off. The fraction is held to nine digits (nanoseconds), so a pydantic datetime parses.
+    import datetime as dt
+
+    class When(BaseModel):
+        at: dt.datetime
+        t: dt.time
+
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "Reply with JSON only."}, {"role": "user", "content": "Give an example"}]
+    r = client.chat.completions.parse(model=model, messages=messages, response_format=When, max_tokens=64,
+                                      temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.parsed is not None
+    fractions = re.findall(r"\.([0-9]+)", r.choices[0].message.content)
+    assert all(len(f) <= 9 for f in fractions), r.choices[0].message.content
+
+
 def test_every_number_ends(smol, client):
     # JSON's number grammar limits neither digits nor exponent: this model once wrote
     # "ratio": 0.2976500155266768E3128138884... until max_tokens cut the JSON off. A bias that

@@ -160,10 +160,11 @@ impl GrammarSource {
 
 /// `schema` as its grammar is compiled: llguidance's options for the JSON it generates (fixed
 /// separators and no free whitespace, see the module's NOTE), under any `x-guidance` options
-/// the schema has, and its open integers bounded (`schema_edit::bound_integers`).
+/// the schema has, and its open integers and fractional seconds bounded
+/// (`schema_edit::bound_values`).
 pub(crate) fn for_generation(schema: &Value) -> Value {
     let mut schema = schema.clone();
-    crate::protocol::schema_edit::bound_integers(&mut schema);
+    crate::protocol::schema_edit::bound_values(&mut schema);
     if let Value::Object(obj) = &mut schema {
         let mut opts = json!({
             "whitespace_flexible": false,
@@ -708,6 +709,33 @@ pub(crate) mod tests {
         assert!(!digits_allowed(&format!("{{\"n\": 1{}", "0".repeat(15))), "a 17th digit");
         assert!(!digits_allowed(&format!("{{\"n\": -9{}", "0".repeat(15))), "below -(2^53 - 1)");
         assert!(drive(&grammar, &tok, "{\"n\": -9007199254740991}").is_stopped());
+    }
+
+    #[test]
+    fn fractional_seconds_end_within_nine_digits() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let zero = tok.encode("0", false)[0];
+        for (format, head) in [("time", "\"20:30:11."), ("date-time", "\"2024-02-29T20:30:11.")] {
+            let schema = json!({"type": "object", "properties": {"t": {"type": "string", "format": format}},
+                                "required": ["t"]});
+            let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+            let digit_allowed = |text: &str| drive(&grammar, &tok, text).compute_mask().unwrap().is_allowed(zero);
+            let at = format!("{{\"t\": {head}");
+            assert!(digit_allowed(&format!("{at}{}", "1".repeat(8))), "{format}");
+            assert!(!digit_allowed(&format!("{at}{}", "1".repeat(9))), "{format}: a 10th digit");
+            assert!(drive(&grammar, &tok, &format!("{at}123456789Z\"}}")).is_stopped());
+            // (without a fraction, and with an offset, as the format has them)
+            let whole = format!("{{\"t\": {}+01:00\"}}", head.trim_end_matches('.'));
+            assert!(drive(&grammar, &tok, &whole).is_stopped(), "{whole}");
+        }
+        // a pattern of the client's own is left to say what it says
+        let own = json!({"type": "string", "format": "time", "pattern": "^.*$"});
+        let grammar = g.compile(&GrammarSource::JsonSchema(own), "p").unwrap();
+        assert!(drive(&grammar, &tok, &format!("\"00:00:00.{}", "1".repeat(12)))
+            .compute_mask()
+            .unwrap()
+            .is_allowed(zero));
     }
 
     #[test]

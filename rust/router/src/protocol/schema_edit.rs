@@ -22,6 +22,11 @@
 //!   with `enum` or `const` are left alone, and so is everything under `allOf` (another part
 //!   bounds the same instance) and every schema holding `not` or `if` (narrowing there widens
 //!   what the whole accepts).
+//! - **Bounding fractional seconds:** the `date-time` and `time` formats allow any number of
+//!   digits after the seconds' point, and a small model writes `00:00:00.0000000000...` until
+//!   `max_tokens` cuts the JSON off. Such a string without a `pattern` of its own gets one
+//!   that holds the fraction to [`MAX_FRACTION_DIGITS`] digits, under the same rules as the
+//!   integers' bounds.
 
 use std::collections::HashSet;
 
@@ -338,12 +343,17 @@ impl Targets {
 /// JSON's interoperable integer range (RFC 8259 §6) is -`SAFE_INTEGER`..=`SAFE_INTEGER`.
 pub const SAFE_INTEGER: i64 = (1 << 53) - 1;
 
+/// Digits the fractional seconds of a `date-time` or `time` string may have: nanoseconds, more
+/// than its readers keep (Python's datetime and pydantic hold microseconds).
+pub const MAX_FRACTION_DIGITS: usize = 9;
+
 /// Keywords under which an integer schema is not bounded (see the module note).
 const UNBOUNDED: [&str; 5] = ["allOf", "not", "if", "then", "else"];
 
-/// Close every open side of the `integer` schemas in `schema` at ±`SAFE_INTEGER` (see the
-/// module note).
-pub fn bound_integers(schema: &mut Value) {
+/// Close every open side of the `integer` schemas in `schema` at ±`SAFE_INTEGER`, and hold
+/// the fractional seconds of its `date-time` and `time` strings to `MAX_FRACTION_DIGITS` (see
+/// the module note).
+pub fn bound_values(schema: &mut Value) {
     if holds_keyword(schema, &["not", "if"]) {
         return;
     }
@@ -368,6 +378,13 @@ fn bound_at(schema: &mut Value) {
         if upper.is_none() && lower.is_none_or(|l| l <= safe) {
             obj.insert("maximum".into(), Value::from(SAFE_INTEGER));
         }
+    }
+    let timed = matches!(obj.get("format").and_then(Value::as_str), Some("date-time" | "time"));
+    if timed && !obj.contains_key("pattern") && !obj.contains_key("enum") && !obj.contains_key("const") {
+        // (the formats have one point at most, before the fraction, and a time zone after it:
+        // the pattern narrows what they accept to the fractions of up to so many digits)
+        let pattern = format!("^[^.]*(\\.[0-9]{{1,{MAX_FRACTION_DIGITS}}}[^0-9.][^.]*)?$");
+        obj.insert("pattern".into(), Value::from(pattern));
     }
     for (key, v) in obj.iter_mut() {
         match (key.as_str(), v) {
@@ -574,11 +591,13 @@ mod tests {
                 "type": {"type": "integer", "const": 3},
                 "list": {"type": "array", "items": {"type": "integer"}},
                 "part": {"allOf": [{"type": "integer"}, {"minimum": 1e17}]},
+                "at": {"type": "string", "format": "date-time"},
+                "own": {"type": "string", "format": "time", "pattern": "^1"},
             },
             "$defs": {"N": {"type": "integer", "maximum": 5}},
             "default": {"type": "integer"},
         });
-        bound_integers(&mut s);
+        bound_values(&mut s);
         let p = &s["properties"];
         assert_eq!((&p["age"]["minimum"], &p["age"]["maximum"]), (&json!(-safe), &json!(safe)));
         assert_eq!((&p["count"]["minimum"], &p["count"]["maximum"]), (&json!(0), &json!(safe)));
@@ -590,13 +609,16 @@ mod tests {
         }
         assert_eq!(p["part"]["allOf"][0], json!({"type": "integer"}));
         assert_eq!(p["list"]["items"]["minimum"], json!(-safe));
+        // fractional seconds: at most nine digits, unless the client's pattern says otherwise
+        assert_eq!(p["at"]["pattern"], json!("^[^.]*(\\.[0-9]{1,9}[^0-9.][^.]*)?$"));
+        assert_eq!(p["own"]["pattern"], json!("^1"));
         assert_eq!(s["$defs"]["N"], json!({"type": "integer", "maximum": 5, "minimum": -safe}));
         assert_eq!(s["default"], json!({"type": "integer"}), "data is not a schema");
         // narrowing under `not` widens what the whole accepts: nothing is bounded then
         let mut neg = json!({"properties": {"a": {"type": "integer"}, "b": {"not": {"$ref": "#/$defs/I"}}},
                              "$defs": {"I": {"type": "integer"}}});
         let sent = neg.clone();
-        bound_integers(&mut neg);
+        bound_values(&mut neg);
         assert_eq!(neg, sent);
     }
 }
