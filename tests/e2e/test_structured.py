@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -45,7 +46,7 @@ def _obj(props: dict, required: list[str] | None = None) -> dict:
 SCHEMAS: list[tuple[str, dict]] = [
     ("Describe a person named Alice who is 30.", _obj({"name": _s(), "age": {"type": "integer", "minimum": 0, "maximum": 120}})),
     ("Is the sky blue?", _obj({"answer": {"type": "boolean"}})),
-    ("Pick a color.", _obj({"color": {"enum": ["red", "green", "blue"]}})),
+    ("Pick a unit.", _obj({"color": {"enum": ["red", "green", "blue"]}})),
     ("List up to three fruits.", _obj({"fruits": {"type": "array", "items": _s(10), "minItems": 1, "maxItems": 3}})),
     ("Give a city and its country.", _obj({"city": _s(), "country": _s()})),
     ("Rate this movie from 1 to 5.", _obj({"stars": {"type": "integer", "minimum": 1, "maximum": 5}, "ok": {"type": "boolean"}})),
@@ -137,6 +138,24 @@ def test_fractional_seconds_end(client):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.parsed is not None
     fractions = re.findall(r"\.([0-9]+)", r.choices[0].message.content)
     assert all(len(f) <= 9 for f in fractions), r.choices[0].message.content
+
+
+def test_a_parsed_reply_goes_back_as_it_came(client):
+    # the SDK's usual loop appends the parse() reply to the messages; its `parsed` (the content
+    # again, as an object) is sent along and means nothing new: it is not reported
+    class Pick(BaseModel):
+        unit: Unit
+
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Pick a unit."}]
+    r = client.chat.completions.parse(model=model, messages=messages, response_format=Pick, max_tokens=16,
+                                      temperature=0)
+    assert r.choices[0].message.parsed is not None
+    messages += [r.choices[0].message, {"role": "user", "content": "Again."}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # (pydantic's, on the SDK serializing `parsed`)
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=1)
+    assert "parsed" not in raw.headers.get("llmserve-ignored-fields", ""), raw.headers.get("llmserve-ignored-fields")
 
 
 def test_every_number_ends(smol, client):

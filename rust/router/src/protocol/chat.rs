@@ -337,12 +337,20 @@ pub(crate) fn validate_documents(documents: &[Value]) -> Result<(), ApiError> {
 }
 
 /// Message keys the render never looked up, as `messages[i].key` (null values are as good
-/// as absent: clients echo back `refusal: null` and the like), after `ALWAYS_READ_KEYS`.
-pub(crate) fn unread_message_keys(rendered: &Rendered) -> impl Iterator<Item = String> + '_ {
+/// as absent: clients echo back `refusal: null` and the like), after `ALWAYS_READ_KEYS` and an
+/// assistant message's `parsed`: the openai SDK's `parse()` and `stream()` helpers keep the
+/// reply's content as an object there, which is sent back with the message and repeats its
+/// content.
+pub(crate) fn unread_message_keys<'a>(
+    rendered: &'a Rendered,
+    messages: &'a Value,
+) -> impl Iterator<Item = String> + 'a {
+    let assistant = |i: usize| messages.get(i).and_then(|m| m.get("role")).and_then(Value::as_str) == Some("assistant");
     rendered
         .unread_keys
         .iter()
         .filter(|(_, k)| !ALWAYS_READ_KEYS.contains(&k.as_str()))
+        .filter(move |(i, k)| !(k == "parsed" && assistant(*i)))
         .map(|(i, k)| format!("messages[{i}].{k}"))
 }
 
@@ -1218,7 +1226,7 @@ fn prepare_chat(
         kwargs: effort.as_ref().or(chat.chat_template_kwargs.as_ref()),
     };
     let (rendered, template) = render(router, &input)?;
-    ignored.extend(unread_message_keys(&rendered));
+    ignored.extend(unread_message_keys(&rendered, &value["messages"]));
     let mut reasoning = ReasoningParser::plan(config.reasoning_parser, template.source(), &rendered.text);
     // (false without a parser does nothing: nothing is split off, so any thinking the model
     // writes stays in the content)

@@ -128,7 +128,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
                 kwargs: req.chat_template_kwargs.as_ref(),
             };
             let (rendered, _) = render(router, &input)?;
-            ignored.extend(unread_message_keys(&rendered));
+            ignored.extend(unread_message_keys(&rendered, &value["messages"]));
             // The template writes BOS itself; adding special tokens again would double it.
             (router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false)), rendered.unused_kwargs)
         }
