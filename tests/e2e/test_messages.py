@@ -15,6 +15,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from openai import NotFoundError as OpenAINotFoundError
 from openai import OpenAI
 
 from server import ServerProcess
@@ -204,6 +205,16 @@ def test_both_sdks_list_the_models(client, openai_client):
     # (the SDK builds its objects without validating them: each has every field it requires)
     raw = client.models.with_raw_response.retrieve(MODEL).http_response.json()
     assert anthropic.types.ModelInfo.model_validate(raw).lifecycle == "active"
+    # an unknown id is a 404 in Anthropic's shape for Anthropic's SDK (it sends anthropic-version),
+    # in OpenAI's for OpenAI's
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        client.models.retrieve("nope")
+    body = raised.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+    assert body["request_id"] == raised.value.request_id is not None
+    with pytest.raises(OpenAINotFoundError) as missing:
+        openai_client.models.retrieve("nope")
+    assert missing.value.body["code"] == "model_not_found" and "request_id" not in missing.value.response.json()
 
 
 def test_context_overflow_in_anthropics_words(client):

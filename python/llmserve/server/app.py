@@ -35,8 +35,8 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
-from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, anthropic_route,
-                                        error_body, error_request_id, route_path)
+from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, anthropic_errors,
+                                        error_body, error_request_id)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
@@ -48,11 +48,11 @@ log = logging.getLogger("llmserve.server")
 def _error_response(err: ApiError, request: Request, headers=None) -> Response:
     headers = dict(headers or {})
     headers["x-request-id"] = error_request_id(request.headers.get("x-request-id"))
-    if anthropic_route(route_path(request.scope)):
+    if anthropic_errors(request.scope):
         headers["request-id"] = headers["x-request-id"]   # (Anthropic's name: its SDK's `error.request_id`)
     if err.retry_after:
         headers["retry-after"] = str(err.retry_after)
-    return Response(error_body(err, route_path(request.scope), headers["x-request-id"]), status_code=err.status,
+    return Response(error_body(err, request.scope, headers["x-request-id"]), status_code=err.status,
                     media_type="application/json", headers=headers)
 
 

@@ -46,18 +46,23 @@ def route_path(scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-def anthropic_route(path: str) -> bool:
-    """Whether `path` (inside the app) is under Anthropic's Messages routes, whose errors take
-    Anthropic's shape (`ApiError.anthropic_body`): also the 404 of one not served here (its
-    Message Batches, `/v1/messages/batches`), which the `anthropic` SDK reads."""
-    path = path.rstrip("/")
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
+def anthropic_errors(scope) -> bool:
+    """Whether the request's errors take Anthropic's shape (`ApiError.anthropic_body`): those of
+    Anthropic's Messages routes (also the 404 of one not served here, its Message Batches,
+    `/v1/messages/batches`, which the `anthropic` SDK reads), and those of the models routes,
+    which both SDKs call, when the request says it is Anthropic's (the `anthropic-version`
+    header its SDK always sends)."""
+    path = route_path(scope).rstrip("/")
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return True
+    models = path == "/v1/models" or path.startswith("/v1/models/")
+    return models and _header(scope, b"anthropic-version") is not None
 
 
-def error_body(err, path: str, request_id: str) -> bytes:
-    """The body of `err` (an ApiError) as the route at `path` answers it: Anthropic's also
+def error_body(err, scope, request_id: str) -> bytes:
+    """The body of `err` (an ApiError) as the request's route answers it: Anthropic's also
     names its `request_id` (the `request-id` header's), as Anthropic's error bodies do."""
-    if not anthropic_route(path):
+    if not anthropic_errors(scope):
         return err.body
     return orjson.dumps({**orjson.loads(err.anthropic_body), "request_id": request_id})
 
@@ -102,10 +107,10 @@ class ApiKeyMiddleware:
         request_id = error_request_id(_header(scope, b"x-request-id")).encode()
         headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
                    (b"x-request-id", request_id)]
-        if anthropic_route(route_path(scope)):
+        if anthropic_errors(scope):
             headers.append((b"request-id", request_id))   # (Anthropic's name for it)
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": error_body(err, route_path(scope), request_id.decode())})
+        await send({"type": "http.response.body", "body": error_body(err, scope, request_id.decode())})
 
 
 def _known(token: bytes, keys: list[bytes]) -> bool:
