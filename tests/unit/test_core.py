@@ -4,6 +4,7 @@ driven by a deterministic fake runner (no model, no torch)."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import orjson
@@ -222,6 +223,71 @@ def test_load_counts_a_request_while_its_first_step_runs(router):
         assert done.wait(10)
     finally:
         runner.release.set()
+        thread.stop()
+
+
+def test_a_client_gone_from_the_queue_frees_its_place_at_once(router):
+    """A waiting request whose client left stops counting against --max-waiting when the
+    abort is posted, not when the step running ends: one still posted leaves the inbox, one
+    waiting in the Core is no longer counted (the Core drops it after the step); one the
+    plan already started counts as it runs until its abort applies."""
+    import threading
+    from types import SimpleNamespace
+
+    from llmserve.engine.loop import EngineThread
+
+    class GatedRunner(FakeRunner):
+        """Each step waits for a permit; `entered` counts the steps begun."""
+
+        def __init__(self, vocab):
+            super().__init__(vocab)
+            self.permits, self.entered = threading.Semaphore(0), threading.Semaphore(0)
+
+        def execute(self, plan):
+            self.entered.release()
+            assert self.permits.acquire(timeout=10)
+            tokens, lps, tids, tlps = super().execute(plan)
+            return SimpleNamespace(tokens=tokens, logprobs=lps, top_ids=tids, top_logprobs=tlps)
+
+    def add(token, n=1, max_tokens=4):
+        body = {"model": "m", "prompt": token, "n": n, "temperature": 1, "max_tokens": max_tokens}
+        thread.post(("add", router.prepare("completion", orjson.dumps(body)), token))
+
+    runner = GatedRunner(router.vocab_size)
+    finished = []
+    thread = EngineThread(make_core(router, max_num_seqs=1), runner,
+                          lambda outs: finished.extend((o[0], o[3]) for o in outs if o[2]))
+    thread.start()
+    try:
+        def waiting():
+            stats, unpublished = thread.snapshot()
+            return stats["waiting"] + unpublished
+
+        add("runs")
+        assert runner.entered.acquire(timeout=10)          # step 1 runs "runs" (one slot)
+        add("queued", n=2)                                 # posted while it runs
+        add("left-inbox")
+        assert waiting() == 3
+        thread.post(("abort", "left-inbox"))               # still posted: leaves the inbox
+        assert waiting() == 2
+        runner.permits.release()
+        assert runner.entered.acquire(timeout=10)          # step 2: "queued" waits in the Core
+        assert thread.stats["waiting"] == 2 and waiting() == 2
+        thread.post(("abort", "queued"))                   # its client left mid-step
+        assert waiting() == 0 and thread.stats["waiting"] == 2
+        add("next")
+        assert waiting() == 1                              # counted; the gone request is not
+        for _ in range(12):
+            runner.permits.release()
+        deadline = time.monotonic() + 10
+        while not (thread.stats["waiting"] == 0 and thread.stats["running"] == 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (thread.stats["waiting"], thread.stats["running"], waiting()) == (0, 0, 0)
+        assert sorted(finished) == [("next", False), ("runs", False)]   # (and neither failed)
+        assert not thread._unstarted and not thread._abandoned   # (nothing left behind)
+    finally:
+        for _ in range(20):
+            runner.permits.release()
         thread.stop()
 
 

@@ -405,7 +405,7 @@ class AsyncEngine:
         return {
             "state": self.state,
             "running": stats.get("running", 0),
-            "waiting": stats.get("waiting", 0) + pending,
+            "waiting": max(0, stats.get("waiting", 0) + pending),
             "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
             "kv_blocks_used": stats.get("used_blocks", 0),
             # blocks requests can hold (the pool's block 0 pads block tables, never held), so

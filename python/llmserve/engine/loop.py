@@ -168,6 +168,13 @@ class EngineThread:
         # `stats` was last read from it: both wait, and /load and --max-waiting count them.
         self._posted_seqs = 0
         self._unpublished_seqs = 0
+        # The sequences of each request posted and not yet scheduled (token -> count), and of
+        # those whose client left while they waited (counted as waiting until the Core has
+        # dropped them and `stats` says so; `_dropped`: those whose abort the Core has applied).
+        # A client gone from the queue frees its place at once, not once the step running ends.
+        self._unstarted: dict[object, int] = {}
+        self._abandoned: dict[object, int] = {}
+        self._dropped: list[object] = []
         self._cv = threading.Condition()
         self._stopping = False
         self._handles: dict[object, int] = {}
@@ -188,19 +195,38 @@ class EngineThread:
 
     def post(self, op: tuple) -> None:
         with self._cv:
+            if op[0] == "abort" and self._forget_waiting(op[1]):
+                return
             self._inbox.append(op)
             if op[0] == "add":
                 self._posted_seqs += op[1].num_seqs
+                self._unstarted[op[2]] = op[1].num_seqs
             self._cv.notify()
+
+    def _forget_waiting(self, token) -> bool:
+        """(under the lock) A request whose client left: one still in the inbox leaves it
+        (nothing is left to abort: True); one waiting in the Core stops counting as waiting."""
+        seqs = self._unstarted.pop(token, None)
+        if seqs is None:
+            return False
+        at = next((i for i, op in enumerate(self._inbox) if op[0] == "add" and op[2] == token), None)
+        if at is not None:
+            del self._inbox[at]
+            self._posted_seqs -= seqs
+            return True
+        self._abandoned[token] = seqs
+        return False
 
     def snapshot(self) -> tuple[dict, int]:
         """`stats`, and the sequences waiting that `stats` does not count yet: those of
         requests posted and not yet handed to the Core, or handed over since `stats` was last
-        read (counted as the Core counts its waiting ones; queued aborts do not count). Read
-        together, so no sequence is counted twice or missed while the engine thread hands
+        read (counted as the Core counts its waiting ones; queued aborts do not count), less
+        those of waiting requests whose clients left (the Core drops them after its step: so
+        the count may be negative, and only its sum with `stats["waiting"]` is a count).
+        Read together, so no sequence is counted twice or missed while the engine thread hands
         requests over or publishes."""
         with self._cv:
-            return self.stats, self._posted_seqs + self._unpublished_seqs
+            return self.stats, self._posted_seqs + self._unpublished_seqs - sum(self._abandoned.values())
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the loop once its current step ends, waiting up to `timeout` seconds (None:
@@ -229,6 +255,8 @@ class EngineThread:
                     handle = self._core.add(prepared)
                 except Exception as exc:  # an ApiError from Core.add (e.g. priority under fcfs)
                     failed.append((token, exc, "error", True, 0, None))
+                    with self._cv:
+                        self._unstarted.pop(token, None)
                     continue
                 self._handles[token] = handle
                 self._tokens[handle] = token
@@ -242,22 +270,36 @@ class EngineThread:
                 if handle is not None:
                     self._tokens.pop(handle, None)
                     self._core.abort(handle)
+                with self._cv:
+                    self._unstarted.pop(op[1], None)
+                    if op[1] in self._abandoned:
+                        self._dropped.append(op[1])
         return failed
 
     def _scheduled(self) -> None:
         """A plan was made: refresh the counts, and say which requests it started."""
-        self._publish(0.0)
-        if self._on_first_scheduled is not None:
-            started = [t for h in self._core.first_scheduled() if (t := self._tokens.get(h)) is not None]
-            if started:
-                self._on_first_scheduled(started, time.perf_counter())
+        started = [t for h in self._core.first_scheduled() if (t := self._tokens.get(h)) is not None]
+        self._publish(0.0, started)
+        if self._on_first_scheduled is not None and started:
+            self._on_first_scheduled(started, time.perf_counter())
 
-    def _publish(self, step_seconds: float) -> None:
-        """Refresh the counts /load reads, and the metrics (`step_seconds` 0: no step time)."""
+    def _publish(self, step_seconds: float, started: list = (), ended: list = ()) -> None:
+        """Refresh the counts /load reads, and the metrics (`step_seconds` 0: no step time);
+        `started`: the requests the plan just made runs for the first time, no longer waiting;
+        `ended`: those the step finished (one that never started, failed, is forgotten too)."""
         stats = self._core.stats()
         with self._cv:
             self.stats = stats
             self._unpublished_seqs = 0
+            for token in ended:
+                self._unstarted.pop(token, None)
+            for token in started:
+                self._unstarted.pop(token, None)
+                # (its client left as the plan took it: it runs until the abort applies)
+                self._abandoned.pop(token, None)
+            for token in self._dropped:
+                self._abandoned.pop(token, None)
+            self._dropped.clear()
         if self._on_stats is not None:
             self._on_stats(self.stats, step_seconds)
         if self._retired:
@@ -334,7 +376,7 @@ class EngineThread:
                     # Work exists but none could be scheduled this instant; don't spin.
                     time.sleep(0.001)
                     continue
-                mapped = []
+                mapped, ended = [], []
                 for handle, data, finished, error, ntok, ends in outputs:
                     token = self._tokens.get(handle)
                     if token is None:
@@ -342,9 +384,10 @@ class EngineThread:
                     if finished:
                         del self._tokens[handle]
                         self._handles.pop(token, None)
+                        ended.append(token)
                     mapped.append((token, data, finished, error, ntok, ends))
                 # the counts first: a client that got its answer must not see itself running
-                self._publish(time.perf_counter() - t0)
+                self._publish(time.perf_counter() - t0, ended=ended)
                 if mapped:
                     self._deliver(mapped)
         except BaseException:
@@ -357,6 +400,8 @@ class EngineThread:
                 resets = [op[1] for op in self._inbox if op[0] == "reset_prefix_cache"]
                 self._inbox = []
                 self._posted_seqs = 0
+                self._unstarted.clear()
+                self._abandoned.clear()
             self._release()
             for done in resets:
                 done(None)
