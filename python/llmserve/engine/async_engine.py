@@ -96,7 +96,6 @@ class RequestStream:
         self.scheduled: float | None = None
         self.first_token: float | None = None
         self._last_token = 0.0
-        self.generated = 0
         self.finished = False
         # Whether the response has begun (its bytes, or a streamed response's status and a
         # keep-alive comment, went out): an error is then an SSE frame, not an HTTP error.
@@ -123,7 +122,6 @@ class RequestStream:
             else:
                 self._engine.metrics.on_tokens(now - self._last_token)
             self._last_token = now
-        self.generated += ntok
         if error and not isinstance(data, ApiError) and not (self.stream and _is_sse_frame(data)):
             # NOTE: the Core hands over its error as bytes (a body, or an SSE frame once it
             # thinks the stream began); passed through, a body would go out as a 200. As an
@@ -317,7 +315,7 @@ class AsyncEngine:
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "gpu_memory_utilization": cfg.cache.gpu_memory_utilization},
             max_lora=max(len(cfg.model.lora_adapters()), int(cfg.model.allow_runtime_lora_updating)),
-            lora_bound=cfg.model.max_loras)
+            lora_bound=cfg.model.max_loras, max_model_len=engine.max_model_len)
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
                                     self._first_scheduled, plan_ahead=engine.plan_ahead,
                                     adapters=engine.adapters, router=engine.router)
@@ -557,10 +555,9 @@ class AsyncEngine:
         if stream not in self._open:
             return
         self._open.discard(stream)
-        self.metrics.on_finish(reason=reason, prompt_lens=stream.prompt_lens, generated=stream.generated,
-                               submitted=stream.submitted, scheduled=stream.scheduled,
-                               first_token=stream.first_token, finished=time.perf_counter(), n=stream.n,
-                               max_tokens=stream.max_tokens, ends=ends)
+        self.metrics.on_finish(reason=reason, prompt_lens=stream.prompt_lens, submitted=stream.submitted,
+                               scheduled=stream.scheduled, first_token=stream.first_token,
+                               finished=time.perf_counter(), n=stream.n, max_tokens=stream.max_tokens, ends=ends)
 
     @staticmethod
     def _first_scheduled(streams: list, when: float) -> None:
@@ -576,15 +573,20 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._dispatch, items)
 
     def _dispatch(self, items: list) -> None:
-        """One step's outputs, in the event loop. The step's tokens as vLLM's
-        iteration_tokens_total counts them: those generated, and the prompt of each request
-        whose first token came (its whole prompt, cached or not)."""
-        step_tokens = 0
+        """One step's outputs, in the event loop, and its counts as vLLM's engine keeps them:
+        the tokens generated, and the prompt of each request whose first token came (its whole
+        prompt, cached or not, once per choice) with its time to that token."""
+        prompt_tokens = generated = 0
+        waits: list[float] = []
         gaps: list[float] = []
         for stream, data, finished, error, ntok, ends in items:
+            first = ntok and stream in self._open and stream.first_token is None
             if ntok and stream in self._open:
-                step_tokens += ntok + (stream.prompt_tokens if stream.first_token is None else 0)
+                generated += ntok
             stream._push(data, finished, error, ntok, ends, gaps)
+            if first:
+                prompt_tokens += sum(stream.prompt_lens) * stream.n
+                waits.append(stream.first_token - stream.submitted)
         self.metrics.on_token_gaps(gaps)
-        if step_tokens:
-            self.metrics.on_iteration(step_tokens)
+        if generated:
+            self.metrics.on_iteration(prompt_tokens, generated, waits)

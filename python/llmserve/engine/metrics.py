@@ -12,10 +12,37 @@ from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-_TPOT = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
-_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# vLLM's bucket bounds, so a dashboard's or an alert's `le` matches a series: time to first
+# token; the gap between a request's outputs (and per output token); a request's latencies
+# (end to end, queue, prefill, decode, inference); tokens per step.
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+         20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+         40.0, 80.0)
+_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+            240.0, 480.0, 960.0, 1920.0, 7680.0)
 _STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# (an engine step takes a token's time: the inter-token bounds)
+_STEP_SECONDS = _TPOT
+# The finish reasons request_success has a series for from the start (at 0), as vLLM's: a
+# rate over the first one of each then counts it.
+_REASONS = ("stop", "length", "error")
+
+
+def buckets_1_2_5(most: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `most` (vLLM's bounds of its token-count histograms,
+    `most` the context length)."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > most:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
+
+
+# Token-count histograms' bounds before the model (and its context length) is known.
+_TOKENS = buckets_1_2_5(32768)
 
 
 # vLLM's `cache_config_info` label names (of its CacheConfig) that mean something here.
@@ -52,10 +79,10 @@ class Metrics:
             "prefix_queries": counter("llmserve:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache (the hit "
                                       "rate is hits / queries)."),
-            "prompt_tokens": counter("llmserve:prompt_tokens", "Prompt tokens processed."),
-            "generation_tokens": counter("llmserve:generation_tokens", "Tokens generated."),
-            "ttft": histogram("llmserve:time_to_first_token_seconds", "Time to first token.",
-                              _LATENCY),
+            "prompt_tokens": counter("llmserve:prompt_tokens",
+                                     "Prompt tokens processed (each choice's, as its first token comes)."),
+            "generation_tokens": counter("llmserve:generation_tokens", "Tokens generated (as they come)."),
+            "ttft": histogram("llmserve:time_to_first_token_seconds", "Time to first token.", _TTFT),
             # vLLM's older name for inter_token_latency_seconds: observed at the same times
             # (each gap between a request's outputs), not once a request as request_tpot is
             "tpot": histogram("llmserve:time_per_output_token_seconds",
@@ -83,7 +110,7 @@ class Metrics:
                                         "Prompt tokens per request.", _TOKENS),
             "request_generation": histogram("llmserve:request_generation_tokens",
                                             "Generated tokens per request.", _TOKENS),
-            "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _TPOT),
+            "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _STEP_SECONDS),
             "iteration_tokens": histogram("llmserve:iteration_tokens_total",
                                           "Tokens per engine step: those generated, and the prompts of "
                                           "the requests whose first token came (as vLLM counts them).",
@@ -139,19 +166,35 @@ class Metrics:
         self._last_hits = 0
         self._last_queries = 0
 
+    # The token-count histograms, whose bounds run up to the context length (vLLM's).
+    _TOKEN_COUNTS = ("request_prompt", "request_generation", "request_max_generation", "params_max_tokens")
+
+    def _count_tokens_to(self, max_model_len: int) -> None:
+        for key in self._TOKEN_COUNTS:
+            old = self._families[key]
+            self.registry.unregister(old)
+            self._families[key] = Histogram(old._name, old._documentation, ["model_name"],
+                                            buckets=buckets_1_2_5(max_model_len), registry=self.registry)
+
     def bind(self, model_name: str, cache_config: dict | None = None, max_lora: int = 0,
-             lora_bound: int = 0) -> None:
+             lora_bound: int = 0, max_model_len: int | None = None) -> None:
         """Once the model is loaded: every series gets its `model_name`, and
         `cache_config_info` the values of CACHE_CONFIG_LABELS in `cache_config`. Before,
         /metrics lists the metrics with no samples, and nothing calls on_step or on_finish (no
         engine runs). `max_lora`: the LoRA adapters served at start (0, without runtime loading:
         none, and no lora_requests_info); the published stats' `loras_served` then updates it.
-        `lora_bound`: --max-loras, which the `max_lora` label then says (as vLLM's does)."""
+        `lora_bound`: --max-loras, which the `max_lora` label then says (as vLLM's does).
+        `max_model_len`: the context length, up to which the token-count histograms' bounds
+        run (1, 2, 5, 10, ...)."""
         self.model_name = model_name
+        if max_model_len is not None:
+            self._count_tokens_to(max_model_len)
         self._max_lora = max_lora
         self._lora_bound = lora_bound
         for attr, family in self._families.items():
             setattr(self, attr, family.labels(model_name))
+        for reason in _REASONS:
+            self._requests.labels(model_name, reason)
         if cache_config is not None:
             self._cache_config.labels(model_name, *(str(cache_config[k]) for k in CACHE_CONFIG_LABELS)).set(1)
 
@@ -189,9 +232,18 @@ class Metrics:
                 self._lora_labels = labels
             self._lora_info.labels(*labels).set_to_current_time()
 
-    def on_iteration(self, num_tokens: int) -> None:
-        """Event loop: a step's outputs came, `num_tokens` tokens as iteration_tokens_total counts them."""
-        self.iteration_tokens.observe(num_tokens)
+    def on_iteration(self, prompt_tokens: int, generated: int, first_token_waits: list[float]) -> None:
+        """Event loop: a step's outputs came: `generated` new tokens, and the first tokens of
+        requests that waited `first_token_waits` seconds for them (since they arrived), whose
+        prompts were `prompt_tokens` tokens, each choice's counted (as vLLM counts a sequence's).
+        Counted as they come, as vLLM's engine counts them each step: a long generation moves
+        the counters while it runs."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        for wait in first_token_waits:
+            self.ttft.observe(wait)
+        if prompt_tokens + generated:
+            self.iteration_tokens.observe(prompt_tokens + generated)
 
     def on_tokens(self, since_last: float) -> None:
         """Event loop: a request got new tokens, `since_last` seconds after its previous ones."""
@@ -208,7 +260,7 @@ class Metrics:
             observe_many(self.itl, gaps)
             observe_many(self.tpot, gaps)
 
-    def on_finish(self, *, reason: str, prompt_lens: list[int], generated: int, submitted: float,
+    def on_finish(self, *, reason: str, prompt_lens: list[int], submitted: float,
                   scheduled: float | None, first_token: float | None, finished: float,
                   n: int = 1, max_tokens: int | None = None,
                   ends: list[tuple[str, int]] | None = None) -> None:
@@ -217,20 +269,15 @@ class Metrics:
         completions list has several, each answered by `n` choices); `ends` each choice's
         (finish reason, completion tokens) when it ended normally, in order (prompt-major),
         else None. `scheduled` is None when no step ever held it (aborted in the queue);
-        `first_token` None when it produced none; `generated` counts all its choices' tokens.
+        `first_token` None when it produced none. (Its tokens and its time to first token
+        were counted as they came: `on_iteration`.)
 
         vLLM runs each choice of each prompt as a request of its own, so the counts by
-        request (request_success, the prompt and generation tokens per request, the prompt
-        tokens processed, and max_tokens) count each choice; n and the longest choice, which
-        vLLM observes once per prompt, are observed per prompt. The latency histograms
-        count the request once: its choices share one queue, one schedule and one end."""
+        request (request_success, the prompt and generation tokens per request, and
+        max_tokens) count each choice; n and the longest choice, which vLLM observes once per
+        prompt, are observed per prompt. The latency histograms count the request once: its
+        choices share one queue, one schedule and one end."""
         sequences = len(prompt_lens) * n
-        if scheduled is not None:
-            # "processed": a prompt aborted while it waited never was (as vLLM counts)
-            self.prompt_tokens.inc(sum(prompt_lens) * n)
-        self.generation_tokens.inc(generated)
-        if first_token is not None:
-            self.ttft.observe(first_token - submitted)
         if reason == "abort":
             self.aborted.inc(sequences)
             return
