@@ -123,6 +123,22 @@ fn unknown_fields_are_reported_or_refused_under_strict_fields() {
     assert_eq!((e.param(), e.code()), (Some("stream"), "unsupported_parameter"));
     // `stream: false` asks for nothing: not a word, also under strict fields
     assert!(embed(&strict, json!({"stream": false})).unwrap().ignored.is_empty());
+    // nor do vLLM's defaults, which its clients send; a right-side cut is refused
+    let defaults = json!({"embed_dtype": "float32", "endianness": "native", "truncation_side": "left"});
+    assert!(embed(&strict, defaults).unwrap().ignored.is_empty());
+    assert_eq!(embed(&r, json!({"embed_dtype": "float16"})).unwrap().ignored, vec!["embed_dtype".to_string()]);
+    let e = err(&r, json!({"truncation_side": "right"}));
+    assert_eq!((e.param(), e.code()), (Some("truncation_side"), "unsupported_parameter"));
+}
+
+#[test]
+fn use_activation_is_vllms_newer_normalize() {
+    let r = r();
+    let normalized = |body| embed(&r, body).unwrap().embedding.unwrap().normalize;
+    assert!(!normalized(json!({"use_activation": false})));
+    assert!(normalized(json!({"use_activation": true, "normalize": true})));
+    let e = err(&r, json!({"use_activation": false, "normalize": true}));
+    assert_eq!((e.param(), e.code()), (Some("use_activation"), "invalid_value"));
 }
 
 #[test]

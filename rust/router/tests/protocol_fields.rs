@@ -299,17 +299,27 @@ fn allowed_token_ids_are_checked_and_kept_sorted() {
 
 /// vLLM's `return_token_ids` and `return_tokens_as_token_ids` are implemented
 /// (protocol_response.rs has their shapes): true is taken on both routes, under
-/// `--strict-fields` too, and each must be a boolean.
+/// `--strict-fields` too, and each must be a boolean. `return_tokens_as_token_ids` names the
+/// tokens of logprobs: without logprobs it does nothing, and is reported.
 #[test]
 fn token_id_fields_are_booleans_both_routes_take() {
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     for value in [json!(true), json!(false), Value::Null] {
         let on = value == json!(true);
         let body = json!({"return_token_ids": value, "return_tokens_as_token_ids": value});
-        for p in [chat(&strict, body.clone()).unwrap(), completion(&strict, body).unwrap()] {
+        let (mut chat_body, mut completion_body) = (body.clone(), body);
+        merge(&mut chat_body, json!({"logprobs": true}));
+        merge(&mut completion_body, json!({"logprobs": 1}));
+        for p in [chat(&strict, chat_body).unwrap(), completion(&strict, completion_body).unwrap()] {
             assert_eq!((p.return_token_ids, p.tokens_as_ids), (on, on));
         }
     }
+    let r = router();
+    let body = json!({"return_tokens_as_token_ids": true});
+    for p in [chat(&r, body.clone()).unwrap(), completion(&r, body.clone()).unwrap()] {
+        assert_eq!(header(&p, "llmserve-ignored-fields"), Some("return_tokens_as_token_ids"));
+    }
+    assert_eq!(shape(chat(&strict, body)), (400, "unsupported_parameter", Some("return_tokens_as_token_ids".into())));
     let r = router();
     for field in ["return_token_ids", "return_tokens_as_token_ids"] {
         let body = json!({field: "yes"});
@@ -1192,5 +1202,26 @@ fn prompt_logprobs_are_bounded_and_not_streamed() {
     ] {
         assert_eq!(shape(chat(&r, body.clone())), (400, code, Some("prompt_logprobs".into())), "{body}");
         assert_eq!(shape(completion(&r, body.clone())), (400, code, Some("prompt_logprobs".into())), "{body}");
+    }
+}
+
+/// vLLM's defaults, which clients that send its whole default set send, ask for nothing here:
+/// they pass without a word, also under `--strict-fields`; other values are reported, and a
+/// right-side truncation, which would cut the prompt's other end, is refused.
+#[test]
+fn vllms_default_values_ask_for_nothing() {
+    let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    let defaults = json!({"spaces_between_special_tokens": true, "return_token_offsets": false,
+                          "return_mm_kwargs": true, "routed_experts_prompt_start": 0, "watermarking": false,
+                          "truncation_side": "left"});
+    for p in [chat(&strict, defaults.clone()).unwrap(), completion(&strict, defaults).unwrap()] {
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None);
+    }
+    let r = router();
+    let p = chat(&r, json!({"spaces_between_special_tokens": false, "watermarking": true})).unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("spaces_between_special_tokens, watermarking"));
+    let right = json!({"truncation_side": "right", "truncate_prompt_tokens": 2});
+    for result in [chat(&r, right.clone()), completion(&r, right)] {
+        assert_eq!(shape(result), (400, "unsupported_parameter", Some("truncation_side".into())));
     }
 }

@@ -94,10 +94,12 @@ fn thinking_token_budget_bounds_the_thinking_of_a_parsed_model() {
     assert_eq!((budget(&p), header(&p, "llmserve-ignored-fields")), (Some(7), None));
     assert_eq!(budget(&chat(&r, json!({"thinking_token_budget": 0})).unwrap()), Some(0));
     assert_eq!(budget(&chat(&r, json!({"thinking_token_budget": null})).unwrap()), None);
+    // -1 is vLLM's "no bound": as if not sent (below it, a 400: below)
+    assert_eq!(budget(&chat(&r, json!({"thinking_token_budget": -1})).unwrap()), None);
     // (the prompt closed the block, but the model may open one: still bounded)
     let closed = json!({"thinking_token_budget": 3, "chat_template_kwargs": {"enable_thinking": false}});
     assert_eq!(budget(&chat(&r, closed).unwrap()), Some(3));
-    for bad in [json!(-1), json!(1.5), json!("4")] {
+    for bad in [json!(-2), json!(1.5), json!("4")] {
         let (status, _, param) = shape(chat(&r, json!({"thinking_token_budget": bad})));
         assert_eq!((status, param.as_deref()), (400, Some("thinking_token_budget")), "{bad}");
     }

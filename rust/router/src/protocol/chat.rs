@@ -58,8 +58,8 @@ pub struct ChatFields {
     /// assistant's (a continued final message, read whole).
     pub echo: Option<bool>,
     /// vLLM's: the most tokens each choice may think before its think block is closed for
-    /// it ([`crate::reasoning::ThinkingBudget`]).
-    pub thinking_token_budget: Option<u32>,
+    /// it ([`crate::reasoning::ThinkingBudget`]); -1 is vLLM's "no bound", as if not sent.
+    pub thinking_token_budget: Option<i64>,
     /// vLLM's: false leaves the thinking out of the answer
     pub include_reasoning: Option<bool>,
     /// Per-request templates are refused (see `prepare`).
@@ -1144,6 +1144,10 @@ fn prepare_chat(
         }
         (_, None) => None,
     };
+    if params.logprobs.is_none() && super::common::asks_tokens_as_ids(value) {
+        // (it names the tokens of logprobs, and none are asked for)
+        ignored.push("return_tokens_as_token_ids".into());
+    }
 
     let (with_tools, forced, allowed) = tools_rendered(chat.tools.as_deref(), chat.tool_choice.as_ref())?;
     let template = router.templates.select(with_tools);
@@ -1235,7 +1239,18 @@ fn prepare_chat(
         (Some(false), None) => ignored.push("include_reasoning".into()),
         _ => {}
     }
-    if let Some(budget) = chat.thinking_token_budget {
+    let budget = match chat.thinking_token_budget {
+        None | Some(-1) => None,
+        Some(b) if b < 0 => {
+            return Err(ApiError::invalid(
+                "thinking_token_budget",
+                format!("`thinking_token_budget` must be a non-negative integer, or -1 for no bound; got {b}."),
+            ))
+        }
+        // (more tokens than any context holds is no bound either)
+        Some(b) => Some(u32::try_from(b).unwrap_or(u32::MAX)),
+    };
+    if let Some(budget) = budget {
         match reasoning.as_mut() {
             Some(plan) if params.beam_search.is_none() => plan.budget = Some(budget),
             Some(_) => {

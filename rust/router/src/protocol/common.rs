@@ -766,8 +766,28 @@ type NoOp = fn(&Value) -> bool;
 /// false`, as some clients send vLLM's whole default set) they are dropped silently, as
 /// `store: false` is; sent otherwise they change vLLM's output, so they are refused rather
 /// than reported, as `best_of` is.
-const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 1] =
-    [("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported")];
+const VLLM_UNSUPPORTED: [(&str, NoOp, &str); 2] = [
+    ("logits_processors", |v| v.as_array().is_some_and(Vec::is_empty), "custom logits processors are not supported"),
+    (
+        "truncation_side",
+        |v| v == "left",
+        "`truncate_prompt_tokens` keeps a prompt's last tokens (`\"left\"`, vLLM's default); cutting off its end \
+         is not supported",
+    ),
+];
+
+/// vLLM's fields at their default values, which clients that send vLLM's whole default set
+/// send, and which ask for nothing this server does not do anyway: text as the tokenizer
+/// decodes it (vLLM's default; its fast detokenizer decodes so too), no offsets, no
+/// multimodal inputs to return, no expert routing, no watermark. They pass without a word,
+/// also under `--strict-fields`; other values stay reported.
+const VLLM_NO_OPS: [(&str, AsksNothing); 5] = [
+    ("spaces_between_special_tokens", |v| *v == Value::Bool(true)),
+    ("return_token_offsets", |v| *v == Value::Bool(false)),
+    ("return_mm_kwargs", Value::is_boolean),
+    ("routed_experts_prompt_start", |v| *v == serde_json::json!(0)),
+    ("watermarking", |v| *v == Value::Bool(false)),
+];
 
 /// The JSON kind a field must have, and its description.
 type Kind = (fn(&Value) -> bool, &'static str);
@@ -844,6 +864,12 @@ fn misshapen(name: &str, shape: &Shape, value: &Value) -> Option<ApiError> {
     }
 }
 
+/// Whether the request itself sends `return_tokens_as_token_ids: true` (which names the tokens
+/// of logprobs: a request that asks for none is told it did nothing).
+pub(crate) fn asks_tokens_as_ids(body: &Value) -> bool {
+    body.get("return_tokens_as_token_ids") == Some(&Value::Bool(true))
+}
+
 /// Sorts a request's unknown keys (set ones, from [`unknown_keys`]): vLLM's fields of
 /// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; OpenAI's
 /// fields of [`OPENAI_INERT`] must have their shape; the rest stay to be reported.
@@ -859,7 +885,7 @@ pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String
         if let Some((name, _, why)) = OPENAI_REFUSED.iter().find(|(name, ok, _)| *name == key && !ok(value)) {
             return Err(unsupported(*name, format!("`{name}` is not supported: {why}.")));
         }
-        if OPENAI_NO_OPS.iter().any(|(name, asks_nothing)| *name == key && asks_nothing(value)) {
+        if OPENAI_NO_OPS.iter().chain(&VLLM_NO_OPS).any(|(name, asks_nothing)| *name == key && asks_nothing(value)) {
             continue;
         }
         match VLLM_UNSUPPORTED.iter().find(|(name, ..)| *name == key) {

@@ -277,6 +277,10 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // asked): how clients score a text's likelihood (vLLM and OpenAI's legacy API take it).
     let c = common.resolve(config, &router.tokenizer, comp.echo == Some(true))?;
     ignored.extend(c.inert.iter().cloned());
+    if comp.logprobs.is_none() && super::common::asks_tokens_as_ids(&value) {
+        // (it names the tokens of logprobs, and none are asked for)
+        ignored.push("return_tokens_as_token_ids".into());
+    }
     let ignored = settle_ignored(ignored, config.strict_fields)?;
 
     let fim = match comp.suffix.as_ref().filter(|s| !s.is_null()) {

@@ -88,6 +88,8 @@ struct EmbeddingFields {
     truncate_prompt_tokens: Option<i64>,
     add_special_tokens: Option<bool>,
     normalize: Option<bool>,
+    /// vLLM's newer name for `normalize` on embeddings (its pooler's activation).
+    use_activation: Option<bool>,
     priority: Option<i32>,
     request_id: Option<String>,
     cache_salt: Option<String>,
@@ -103,7 +105,22 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let f: EmbeddingFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
     let embed = embedder(router, &f.model)?;
-    let mut ignored: Vec<String> = set_keys(&f.extra, &value).cloned().collect();
+    if value.get("truncation_side").is_some_and(|side| side != "left" && !side.is_null()) {
+        return Err(unsupported(
+            "truncation_side",
+            "`truncate_prompt_tokens` keeps an input's last tokens (`\"left\"`, vLLM's default); cutting off its \
+             end is not supported.",
+        ));
+    }
+    // (vLLM's defaults, which ask for what every answer here is: float32 values, in this
+    // machine's byte order when base64, cut on the left)
+    let neutral = |key: &str| match key {
+        "embed_dtype" => value[key] == "float32",
+        "endianness" => value[key] == "native" || value[key] == "little",
+        "truncation_side" => true,
+        _ => false,
+    };
+    let mut ignored: Vec<String> = set_keys(&f.extra, &value).filter(|k| !neutral(k)).cloned().collect();
     if f.stream == Some(true) {
         // (nothing to stream: one answer holds every vector; `false` asks for nothing)
         ignored.push("stream".into());
@@ -130,7 +147,15 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
     let plan = EmbeddingPlan {
         pooling: embed.pooling,
-        normalize: f.normalize.unwrap_or(embed.normalize),
+        normalize: match (f.normalize, f.use_activation) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(ApiError::invalid(
+                    "use_activation",
+                    "`use_activation` (vLLM's newer name for `normalize`) and `normalize` disagree: send one.",
+                ))
+            }
+            (normalize, use_activation) => normalize.or(use_activation).unwrap_or(embed.normalize),
+        },
         dimensions,
         base64,
         scoring: None,

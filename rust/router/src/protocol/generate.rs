@@ -171,7 +171,9 @@ fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<St
     // and logprobs named by id.
     out.insert("include_stop_str_in_output".into(), json!(true));
     out.insert("return_token_ids".into(), json!(true));
-    out.insert("return_tokens_as_token_ids".into(), json!(true));
+    if out.get("logprobs").is_some_and(|k| !k.is_null()) {
+        out.insert("return_tokens_as_token_ids".into(), json!(true));
+    }
     Ok((Value::Object(out), ignored))
 }
 
