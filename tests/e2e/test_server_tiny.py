@@ -302,6 +302,8 @@ def test_dropped_streams_free_their_blocks(tiny_server):
                         load = (await client.get("/load")).json()
                         assert load["kv_blocks_used"] > 0
                         assert load["kv_cache_usage"] == pytest.approx(load["kv_blocks_used"] / load["kv_blocks_total"])
+                        # (vLLM's name for the requests open, which its routers read)
+                        assert load["server_load"] == load["requests"] > 0
                     if n >= 3:
                         break  # leave mid-way: closing the response drops the connection
 

@@ -410,6 +410,8 @@ class AsyncEngine:
             # kv_cache_usage == kv_blocks_used / kv_blocks_total
             "kv_blocks_total": max(0, stats.get("num_blocks", 0) - 1),
             "requests": len(self._open),
+            # (vLLM's name for it, with --enable-server-load-tracking: what its routers read)
+            "server_load": len(self._open),
         }
 
     # -- errors ------------------------------------------------------------------------

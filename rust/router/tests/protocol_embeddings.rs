@@ -132,6 +132,16 @@ fn unknown_fields_are_reported_or_refused_under_strict_fields() {
 }
 
 #[test]
+fn a_conversation_is_not_embedded() {
+    let mut body =
+        serde_json::to_value(json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
+    let e = r().prepare(Endpoint::Embeddings, &serde_json::to_vec(&body).unwrap()).unwrap_err();
+    assert_eq!((e.param(), e.code()), (Some("messages"), "unsupported_parameter"));
+    body["input"] = json!("hi"); // (beside an `input`, `messages` is only reported)
+    assert!(r().prepare(Endpoint::Embeddings, &serde_json::to_vec(&body).unwrap()).is_ok());
+}
+
+#[test]
 fn use_activation_is_vllms_newer_normalize() {
     let r = r();
     let normalized = |body| embed(&r, body).unwrap().embedding.unwrap().normalize;

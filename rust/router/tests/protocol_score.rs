@@ -73,6 +73,9 @@ fn bad_fields_are_refused_with_their_path() {
     let many: Vec<Value> = (0..=MAX_INPUTS).map(|_| json!("a")).collect();
     let cases = [
         (Endpoint::Score, json!({"text_1": "a"}), "text_2", "missing_required_parameter"),
+        // (newer vLLM's names for the pair are said not to be read, not "missing `text_1`")
+        (Endpoint::Score, json!({"queries": "a", "documents": ["b"]}), "queries", "unsupported_parameter"),
+        (Endpoint::Score, json!({"data_1": "a", "data_2": "b"}), "data_1", "unsupported_parameter"),
         (Endpoint::Score, json!({"text_1": "", "text_2": "b"}), "text_1", "invalid_value"),
         (Endpoint::Score, json!({"text_1": "a", "text_2": []}), "text_2", "invalid_value"),
         (Endpoint::Score, json!({"text_1": "a", "text_2": ["b", 5]}), "text_2[1]", "invalid_type"),

@@ -102,6 +102,13 @@ struct EmbeddingFields {
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
+    if value.get("input").is_none() && value.get("messages").is_some() {
+        return Err(unsupported(
+            "messages",
+            "Embedding a conversation (`messages`, vLLM's chat-form embeddings) is not supported: send its text \
+             as `input`.",
+        ));
+    }
     let f: EmbeddingFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
     let embed = embedder(router, &f.model)?;

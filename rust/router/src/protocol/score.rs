@@ -24,7 +24,7 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::common::{from_value, invalid_type, kind_of, parse_body, set_keys, settle_ignored};
+use super::common::{from_value, invalid_type, kind_of, parse_body, set_keys, settle_ignored, unsupported};
 use super::completion::PromptIn;
 use super::embeddings::{embedder, inputs_prepared, EmbeddingPlan, Inputs, Pooling, MAX_INPUTS};
 use super::{Checked, Endpoint};
@@ -75,6 +75,18 @@ struct RerankFields {
 /// `/score`.
 pub(crate) fn prepare_score(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
+    // (newer vLLM's names for the pair: said so, rather than "missing `text_1`")
+    if value.get("text_1").is_none() {
+        if let Some(name) = ["queries", "data_1"].into_iter().find(|k| value.get(*k).is_some()) {
+            return Err(unsupported(
+                name,
+                format!(
+                    "`{name}` is not read here: `/score` takes `text_1` and `text_2` (a string or an array of \
+                     strings each), and `/rerank` takes `query` and `documents`."
+                ),
+            ));
+        }
+    }
     let f: ScoreFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
     let pooling = embedder(router, &f.model)?.pooling;
