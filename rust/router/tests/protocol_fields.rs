@@ -1197,11 +1197,15 @@ fn prompt_logprobs_are_bounded_and_not_streamed() {
         (json!({"prompt_logprobs": 21}), "invalid_value"),
         (json!({"prompt_logprobs": -1}), "invalid_value"),
         (json!({"prompt_logprobs": 1, "stream": true}), "invalid_value"),
-        (json!({"prompt_logprobs": 0, "stream": true}), "invalid_value"),
         (json!({"prompt_logprobs": "1"}), "invalid_type"),
     ] {
         assert_eq!(shape(chat(&r, body.clone())), (400, code, Some("prompt_logprobs".into())), "{body}");
         assert_eq!(shape(completion(&r, body.clone())), (400, code, Some("prompt_logprobs".into())), "{body}");
+    }
+    // k = 0 on a stream: vLLM takes it and shows it nowhere; here it is reported
+    let zero = json!({"prompt_logprobs": 0, "stream": true});
+    for p in [chat(&r, zero.clone()).unwrap(), completion(&r, zero).unwrap()] {
+        assert_eq!((p.prompt_logprobs(), header(&p, "llmserve-ignored-fields")), (None, Some("prompt_logprobs")));
     }
 }
 

@@ -529,9 +529,14 @@ impl CommonFields {
             check_request_id(id)?;
         }
         let truncate_prompt_tokens = truncate_prompt_tokens(self.truncate_prompt_tokens, config.max_model_len)?;
-        // NOTE: vLLM refuses them on streams too (they would come before any token).
+        // NOTE: vLLM refuses them on streams too (they would come before any token), but for
+        // k = 0, which it takes and shows nowhere: reported here.
         let prompt_logprobs = match self.prompt_logprobs {
             None => None,
+            Some(0) if stream => {
+                inert.push("prompt_logprobs".into());
+                None
+            }
             Some(_) if stream => {
                 return Err(ApiError::invalid(
                     "prompt_logprobs",
