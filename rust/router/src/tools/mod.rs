@@ -362,9 +362,15 @@ fn args_schema(function: &Value, defs: &mut Map<String, Value>) -> Value {
     params
 }
 
-/// A new call id: `call_` and 24 hex digits.
-pub(crate) fn call_id() -> String {
-    format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24])
+/// A new call id: `call_` and 24 hex digits; in the Mistral format 9 of them alone, since
+/// Mistral's chat templates refuse any other id when the call comes back (vLLM's ids there
+/// are 9 characters too).
+pub(crate) fn call_id(format: ToolCallFormat) -> String {
+    let hex = uuid::Uuid::new_v4().simple().to_string();
+    match format {
+        ToolCallFormat::Mistral => hex[..9].to_string(),
+        _ => format!("call_{}", &hex[..24]),
+    }
 }
 
 #[cfg(test)]

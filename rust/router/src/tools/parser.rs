@@ -230,7 +230,7 @@ impl ToolCallParser {
                         true
                     }
                     Some(c) if c == want => {
-                        let reader = CallReader { forced: self.forced, ..CallReader::default() };
+                        let reader = CallReader::new(self.format, self.forced, self.parameters.clone());
                         self.state = State::Call { given, reader, then };
                         true
                     }
@@ -422,7 +422,7 @@ impl ToolCallParser {
     }
 
     fn start_call(&mut self, name: String) {
-        self.out.push(ToolEvent::Start { id: call_id(), name });
+        self.out.push(ToolEvent::Start { id: call_id(self.format), name });
         self.began_call();
     }
 
@@ -480,16 +480,21 @@ impl ToolCallParser {
 }
 
 /// Reads one JSON call object `{"name": ..., "arguments": {...}}` as its text arrives.
-#[derive(Default)]
 struct CallReader {
     /// The object's text so far, from its `{`.
     text: String,
     scan: Brackets,
     phase: Phase,
+    /// The format's ids ([`call_id`]).
+    format: ToolCallFormat,
     /// Forced choice: the call's Start goes out once its name is complete.
     forced: bool,
     /// Start has gone out (at the name, forced; else at the arguments' `{`).
     started: bool,
+    /// The functions the request offers (none listed: any name is one): under `"auto"` an
+    /// object naming another is no call, and is given back as content, as the name is not
+    /// one the client can run (OpenAI never answers a name outside `tools`).
+    offered: Arc<HashMap<String, Value>>,
 }
 
 #[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
@@ -506,6 +511,18 @@ enum Phase {
 }
 
 impl CallReader {
+    fn new(format: ToolCallFormat, forced: bool, offered: Arc<HashMap<String, Value>>) -> Self {
+        Self {
+            text: String::new(),
+            scan: Brackets::default(),
+            phase: Phase::Head,
+            format,
+            forced,
+            started: false,
+            offered,
+        }
+    }
+
     fn committed(&self) -> bool {
         self.started
     }
@@ -523,15 +540,17 @@ impl CallReader {
         if self.phase == Phase::Head {
             let (head, name) = head(&self.text);
             if let (true, false, Some(name)) = (self.forced, self.started, name) {
-                out.push(ToolEvent::Start { id: call_id(), name });
+                out.push(ToolEvent::Start { id: call_id(self.format), name });
                 self.started = true;
             }
             match head {
                 Head::Pending => {}
                 Head::Whole => self.phase = Phase::Whole,
+                // (not offered: read it whole, and give it back when it closes)
+                Head::Commit { name, .. } if !self.started && !self.offers(&name) => self.phase = Phase::Whole,
                 Head::Commit { name, args_at } => {
                     if !self.started {
-                        out.push(ToolEvent::Start { id: call_id(), name });
+                        out.push(ToolEvent::Start { id: call_id(self.format), name });
                         self.started = true;
                     }
                     self.phase = Phase::Args { sent: args_at };
@@ -576,7 +595,11 @@ impl CallReader {
 
     /// A whole (not streamed) object read as a call: name and compact arguments.
     fn whole_call(&self) -> Option<(String, String)> {
-        call_from_value(&serde_json::from_str(&self.text).ok()?)
+        call_from_value(&serde_json::from_str(&self.text).ok()?).filter(|(name, _)| self.offers(name))
+    }
+
+    fn offers(&self, name: &str) -> bool {
+        self.forced || self.offered.is_empty() || self.offered.contains_key(name)
     }
 }
 
@@ -735,7 +758,12 @@ pub(crate) mod tests {
         let weather = json!({"type": "object", "properties": {
             "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
             "hours": {"type": "array", "items": {"type": "integer"}}, "zip": {"type": "string"}}});
-        Arc::new(HashMap::from([("get_weather".to_string(), weather)]))
+        let mut tools = HashMap::from([("get_weather".to_string(), weather)]);
+        // (the other functions the recorded outputs call)
+        for name in ["a", "b", "echo", "f", "f1", "f2", "g", "get_time"] {
+            tools.insert(name.to_string(), json!({"type": "object"}));
+        }
+        Arc::new(tools)
     }
 
     /// Content and the calls as (name, concatenated arguments); checks the event order.
@@ -764,7 +792,9 @@ pub(crate) mod tests {
             match e {
                 ToolEvent::Content(c) => content.push_str(&c),
                 ToolEvent::Start { id, name } => {
-                    assert!(id.starts_with("call_") && id.len() == 29);
+                    // (Mistral's templates take ids of 9 characters alone)
+                    let mistral = id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric());
+                    assert!((id.starts_with("call_") && id.len() == 29) || mistral, "{id}");
                     calls.push((name, String::new()));
                     open = true;
                 }
@@ -882,6 +912,38 @@ pub(crate) mod tests {
                 vec![],
             ),
         ]
+    }
+
+    #[test]
+    fn mistral_calls_have_the_nine_character_ids_its_templates_take() {
+        let ids = |format, text: &str| {
+            let mut p = ToolCallParser::new(format, params());
+            let mut events = p.push(text);
+            events.extend(p.finish());
+            events.into_iter().filter_map(|e| if let ToolEvent::Start { id, .. } = e { Some(id) } else { None })
+        };
+        let call = "{\"name\": \"f\", \"arguments\": {}}";
+        for id in ids(ToolCallFormat::Mistral, &format!("[TOOL_CALLS] [{call}, {call}]")) {
+            assert!(id.len() == 9 && id.chars().all(|c| c.is_ascii_alphanumeric()), "{id}");
+        }
+        assert!(ids(ToolCallFormat::Hermes, &format!("<tool_call>{call}</tool_call>")).all(|id| id.len() == 29));
+    }
+
+    #[test]
+    fn a_function_not_offered_is_no_call_under_auto() {
+        // (OpenAI never answers a name outside `tools`: an agent that dispatches by name would
+        // fail on it) the text is content, streamed or not, however it is split
+        let unknown = "<tool_call>\n{\"name\": \"unknown_fn\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        for pieces in [vec![unknown], unknown.split_inclusive(['{', '"', ':']).collect()] {
+            assert_eq!(run(ToolCallFormat::Hermes, &pieces), (unknown.to_string(), vec![]));
+        }
+        let llama = "{\"name\": \"lookup\", \"parameters\": {\"q\": \"x\"}}";
+        assert_eq!(run(ToolCallFormat::Llama3Json, &[llama]), (llama.to_string(), vec![]));
+        let mistral = "[TOOL_CALLS] [{\"name\": \"lookup\", \"arguments\": {}}]";
+        assert_eq!(run(ToolCallFormat::Mistral, &[mistral]).1, vec![]);
+        // an offered one beside it is still a call
+        let both = format!("{unknown}\n<tool_call>\n{{\"name\": \"f\", \"arguments\": {{}}}}\n</tool_call>");
+        assert_eq!(run(ToolCallFormat::Hermes, &[&both]).1, vec![("f".to_string(), "{}".to_string())]);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
-use super::{call_id, ToolEvent, Unenforceable, CLOSE, OPEN};
+use super::{call_id, ToolCallFormat, ToolEvent, Unenforceable, CLOSE, OPEN};
 use crate::protocol::schema_edit;
 use crate::structured::{lark_literal, GrammarSource};
 
@@ -91,7 +91,7 @@ impl XmlReader {
             if name.is_empty() || name.contains(['<', '\n']) {
                 return XmlProgress::NotACall;
             }
-            out.push(ToolEvent::Start { id: call_id(), name: name.to_string() });
+            out.push(ToolEvent::Start { id: call_id(ToolCallFormat::Qwen3Xml), name: name.to_string() });
             self.name = Some(name.to_string());
             self.at = lead + FUNCTION.len() + end + 1;
         }
