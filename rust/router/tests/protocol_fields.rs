@@ -1229,3 +1229,20 @@ fn vllms_default_values_ask_for_nothing() {
         assert_eq!(shape(result), (400, "unsupported_parameter", Some("truncation_side".into())));
     }
 }
+
+/// minijinja panics on a reversed slice of an empty string or list (`''[::-1]`; Python gives
+/// `''`): the request gets a template error that says so, and no other shape of the messages
+/// is tried, since that render would be another prompt (it rendered `P:hi;P:;` here, as if
+/// every message had parts).
+#[test]
+fn a_render_the_engine_fails_in_is_an_error_not_another_prompt() {
+    let template = "{% for m in messages %}{% if m.content is string %}S:{{ m.content[::-1] }}{% else %}P:\
+                    {% for p in m.content %}{{ p.text }}{% endfor %}{% endif %};{% endfor %}";
+    let r = router_with(json!({}), Some(template));
+    let two = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": ""}]});
+    let e = chat(&r, two).unwrap_err();
+    assert_eq!((e.code(), e.param()), ("template_error", Some("messages")));
+    assert!(e.message().contains("`[::-1]`"), "{}", e.message());
+    // (a string that is not empty reverses as Python's does)
+    assert!(chat(&r, json!({})).is_ok());
+}

@@ -256,6 +256,10 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
     // if the render fails or leaves out some of the messages' text, the other shape is tried,
     // and kept if it renders where the first failed, or shows all of it (content_format.rs).
     let rendered = render_messages(&shaped(template.content_format(), false));
+    if rendered.as_ref().is_err_and(crate::template::engine_failed) {
+        // (the engine, not the template, failed: another shape's render would be another prompt)
+        return rendered.map(|r| (r, template));
+    }
     let texts = crate::content_format::message_texts(input.messages);
     let shows_all = |r: &Rendered| crate::content_format::shows_all(&r.text, &texts);
     if rendered.as_ref().is_ok_and(shows_all) {

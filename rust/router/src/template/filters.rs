@@ -11,6 +11,11 @@ pub fn register(env: &mut Environment<'static>) {
     env.add_filter("int", int);
     env.add_filter("float", float);
     env.add_filter("replace", replace);
+    env.add_filter("length", length);
+    env.add_filter("count", length);
+    env.add_filter("round", round);
+    env.add_filter("title", title);
+    env.add_filter("wordcount", wordcount);
     env.add_test("iterable", is_iterable);
     env.add_test("sequence", is_sequence);
 }
@@ -224,4 +229,66 @@ fn replace(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
         }
     };
     Ok(Value::from(out))
+}
+
+/// `length` (and `count`): an undefined value has none (Jinja2's `Undefined.__len__` is 0;
+/// minijinja's refuses it), so `m.tool_calls|length > 0` reads a message without calls.
+fn length(value: &Value) -> Result<Value, Error> {
+    if value.is_undefined() {
+        return Ok(Value::from(0));
+    }
+    minijinja::filters::length(value).map(Value::from)
+}
+
+/// `round(precision=0, method='common')`: `common` is Python's `round`, ties to even on the
+/// value's exact binary digits (`2.5|round` is 2.0, `2.675|round(2)` 2.67); `floor` and `ceil`
+/// round down and up. A float either way, as Jinja2's.
+fn round(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let precision = arg(&args, &kwargs, 0, "precision")?.map(i32::try_from).transpose()?.unwrap_or(0);
+    let method = arg(&args, &kwargs, 1, "method")?;
+    kwargs.assert_all_used()?;
+    let x = f64::try_from(value.clone())
+        .map_err(|_| Error::new(ErrorKind::InvalidOperation, format!("cannot round a {}", type_name(&value))))?;
+    let scale = 10f64.powi(precision);
+    let out = match method.as_ref().and_then(Value::as_str).unwrap_or("common") {
+        // (Rust formats the exact binary value correctly rounded, ties to even, as Python rounds)
+        "common" if precision >= 0 => format!("{x:.prec$}", prec = precision as usize).parse().unwrap_or(x),
+        "common" => (x / 10f64.powi(-precision)).round_ties_even() * 10f64.powi(-precision),
+        "floor" => (x * scale).floor() / scale,
+        "ceil" => (x * scale).ceil() / scale,
+        other => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("method must be 'common', 'ceil' or 'floor', not {other:?}"),
+            ))
+        }
+    };
+    Ok(Value::from(out))
+}
+
+/// `title`: each word's first letter upper and the rest lower, words split at whitespace,
+/// `-`, `(`, `{`, `[` and `<` as Jinja2's `do_title` splits them (so `what's` stays `What's`).
+fn title(value: &Value) -> Result<Value, Error> {
+    let s = py_str(value)?;
+    let mut out = String::with_capacity(s.len());
+    let mut word_start = true;
+    for c in s.chars() {
+        if c.is_whitespace() || matches!(c, '-' | '(' | '{' | '[' | '<') {
+            word_start = true;
+            out.push(c);
+        } else if word_start {
+            out.extend(c.to_uppercase());
+            word_start = false;
+        } else {
+            out.extend(c.to_lowercase());
+        }
+    }
+    Ok(Value::from(out))
+}
+
+/// `wordcount`: the words in the string, as Jinja2 counts them (runs of word characters).
+fn wordcount(value: &Value) -> Result<Value, Error> {
+    let s = py_str(value)?;
+    let words = s.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).count();
+    Ok(Value::from(words))
 }

@@ -298,6 +298,24 @@ fn py_methods(state: &minijinja::State, value: &Value, method: &str, args: &[Val
                 };
                 return Ok(Value::from(parts.iter().map(|p| Value::from(*p)).collect::<Vec<_>>()));
             }
+            ("title", 0) => {
+                // Python's: a cased letter after an uncased character (or none) is upper, after a
+                // cased one lower (`4th` -> `4Th`, `what's` -> `What'S`)
+                let mut out = String::with_capacity(s.len());
+                let mut after_cased = false;
+                for c in s.chars() {
+                    let cased = c.is_lowercase() || c.is_uppercase();
+                    if cased && !after_cased {
+                        out.extend(c.to_uppercase());
+                    } else if cased {
+                        out.extend(c.to_lowercase());
+                    } else {
+                        out.push(c);
+                    }
+                    after_cased = cased;
+                }
+                return Ok(Value::from(out));
+            }
             ("zfill", 1) => {
                 let width = usize::try_from(args[0].clone()).map_err(|_| bad("zfill takes an integer"))?;
                 let (sign, digits) = match s.strip_prefix(['+', '-']) {
@@ -461,8 +479,9 @@ impl ChatTemplate {
         env.set_fuel(input.fuel);
         let tmpl = env.get_template(NAME).map_err(template_error)?;
         // NOTE: minijinja panics on a few constructs it parses (a `{% break %}` inside a
-        // `{% with %}` inside a loop, which `{% generation %}` becomes); the request gets a
-        // template error, and nothing it holds outlives the render.
+        // `{% with %}` inside a loop, which `{% generation %}` becomes; a reversed slice,
+        // `[::-1]`, of an empty list or string); the request gets a template error, and
+        // nothing it holds outlives the render.
         let rendered = quietly_caught(|| tmpl.render(Value::from_iter(ctx)));
         let text = match rendered {
             Ok(r) => r.map_err(template_error)?,
@@ -470,8 +489,10 @@ impl ChatTemplate {
                 return Err(ApiError::with_code(
                     "template_error",
                     Some("messages".into()),
-                    "chat template failed to render: the template engine stopped on a construct it cannot \
-                     run (a loop's `break`/`continue` inside a `with` or `generation` block?)",
+                    format!(
+                        "{ENGINE_FAILED}: it fails on a reversed slice (`[::-1]`) of an empty list or string, and on \
+                         a loop's `break`/`continue` inside a `with` or `generation` block"
+                    ),
                 ))
             }
         };
@@ -566,6 +587,15 @@ fn alias_reasoning(messages: &Json) -> Json {
 thread_local! {
     /// Set while `quietly_caught` runs on this thread.
     static CATCHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// How the error of a render the template engine itself failed in (a panic) begins.
+const ENGINE_FAILED: &str = "chat template failed to render: the template engine (minijinja) failed inside it";
+
+/// Whether `err` is a render the template engine itself failed in: not the template's answer
+/// to these messages, so no other shape of them is tried (it would be another prompt).
+pub fn engine_failed(err: &ApiError) -> bool {
+    err.code() == "template_error" && err.message().starts_with(ENGINE_FAILED)
 }
 
 /// `f()` under `catch_unwind`, its panic not printed: the request gets an error that says what
@@ -789,6 +819,23 @@ mod tests {
         let t = "{% for m in messages %}\n  {% if m.role %}\n{{ m.role }}\n  {% endif %}\n{% endfor %}\n";
         let out = render(t, json!([{"role": "user"}, {"role": "assistant"}])).unwrap();
         assert_eq!(out.text, "user\nassistant\n");
+    }
+
+    #[test]
+    fn filters_and_methods_read_as_jinja2_and_python_do() {
+        let text = |t: &str| render(t, json!([{"role": "user", "content": "a"}])).unwrap().text;
+        // an undefined value has no length (Jinja2's Undefined), as a message without calls
+        assert_eq!(text("{{ messages[0].tool_calls|length }} {{ nope|count }}"), "0 0");
+        // Python's round: ties to even on the exact binary value; floor and ceil
+        assert_eq!(
+            text("{{ 2.5|round }} {{ 0.5|round }} {{ 2.675|round(2) }} {{ 2.7|round(0, 'floor') }}"),
+            "2.0 0.0 2.67 2.0"
+        );
+        assert_eq!(text("{{ 1234|round(-2) }} {{ 2.1|round(method='ceil') }}"), "1200.0 3.0");
+        // Jinja2's title filter splits words at spaces and brackets; Python's str.title() at
+        // anything uncased
+        assert_eq!(text("{{ \"what's 4th\"|title }}|{{ '4th 3.14continue'.title() }}"), "What's 4th|4Th 3.14Continue");
+        assert_eq!(text("{{ 'one two_three, four'|wordcount }}"), "3");
     }
 
     #[test]
