@@ -41,7 +41,16 @@ def buckets_1_2_5(most: int) -> tuple[int, ...]:
         scale *= 10
 
 
-# Token-count histograms' bounds before the model (and its context length) is known.
+# The token-count histograms (key: name, help), whose bounds run 1, 2, 5, ... up to the
+# context length, as vLLM's; these bounds until the model (and its context length) is known.
+_TOKEN_COUNTS = {
+    "request_prompt": ("llmserve:request_prompt_tokens", "Prompt tokens per request."),
+    "request_generation": ("llmserve:request_generation_tokens", "Generated tokens per request."),
+    "request_max_generation": ("llmserve:request_max_num_generation_tokens",
+                               "Generated tokens of a request's longest choice."),
+    "params_max_tokens": ("llmserve:request_params_max_tokens",
+                          "The max_tokens of each request, as resolved (the rest of the context when not sent)."),
+}
 _TOKENS = buckets_1_2_5(32768)
 
 
@@ -106,24 +115,16 @@ class Metrics:
             "inference": histogram("llmserve:request_inference_time_seconds",
                                    "Time from the first step that holds the request to its end.",
                                    _LATENCY),
-            "request_prompt": histogram("llmserve:request_prompt_tokens",
-                                        "Prompt tokens per request.", _TOKENS),
-            "request_generation": histogram("llmserve:request_generation_tokens",
-                                            "Generated tokens per request.", _TOKENS),
             "step_time": histogram("llmserve:engine_step_seconds", "One engine step.", _STEP_SECONDS),
             "iteration_tokens": histogram("llmserve:iteration_tokens_total",
                                           "Tokens per engine step: those generated, and the prompts of "
                                           "the requests whose first token came (as vLLM counts them).",
                                           _STEP_TOKENS),
-            "request_max_generation": histogram(
-                "llmserve:request_max_num_generation_tokens",
-                "Generated tokens of a request's longest choice.", _TOKENS),
             "params_n": histogram("llmserve:request_params_n", "The n (choices per prompt) of each request.",
                                   (1, 2, 5, 10, 20)),
-            "params_max_tokens": histogram("llmserve:request_params_max_tokens",
-                                           "The max_tokens of each request, as resolved (the rest of the "
-                                           "context when not sent).", _TOKENS),
         }
+        for key in _TOKEN_COUNTS:
+            self._count_tokens(key, _TOKENS)
         # NOTE: labelled as vLLM labels it, by the engine's finish reason ("stop", "length",
         # "error": a choice that ended in a tool call stopped, as vLLM's engine sees it), counting
         # each choice of each prompt as vLLM counts each sequence; a request whose client left
@@ -166,15 +167,12 @@ class Metrics:
         self._last_hits = 0
         self._last_queries = 0
 
-    # The token-count histograms, whose bounds run up to the context length (vLLM's).
-    _TOKEN_COUNTS = ("request_prompt", "request_generation", "request_max_generation", "params_max_tokens")
-
-    def _count_tokens_to(self, max_model_len: int) -> None:
-        for key in self._TOKEN_COUNTS:
-            old = self._families[key]
-            self.registry.unregister(old)
-            self._families[key] = Histogram(old._name, old._documentation, ["model_name"],
-                                            buckets=buckets_1_2_5(max_model_len), registry=self.registry)
+    def _count_tokens(self, key: str, buckets: tuple) -> None:
+        """(Re)make the token-count histogram `key` of _TOKEN_COUNTS with these bounds."""
+        if key in self._families:
+            self.registry.unregister(self._families[key])
+        name, doc = _TOKEN_COUNTS[key]
+        self._families[key] = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
 
     def bind(self, model_name: str, cache_config: dict | None = None, max_lora: int = 0,
              lora_bound: int = 0, max_model_len: int | None = None) -> None:
@@ -188,7 +186,8 @@ class Metrics:
         run (1, 2, 5, 10, ...)."""
         self.model_name = model_name
         if max_model_len is not None:
-            self._count_tokens_to(max_model_len)
+            for key in _TOKEN_COUNTS:
+                self._count_tokens(key, buckets_1_2_5(max_model_len))
         self._max_lora = max_lora
         self._lora_bound = lora_bound
         for attr, family in self._families.items():

@@ -23,7 +23,7 @@ use serde::Deserialize;
 
 use super::common::{
     check_cache_salt, check_request_id, from_value, ignored_header, new_id, parse_body, set_keys, settle_ignored,
-    truncate_prompt_tokens, unix_now, unsupported,
+    truncate_prompt_tokens, unix_now, unsupported, vllm_unsupported,
 };
 use super::completion::{parse_prompts, tokenize_prompts, PromptIn};
 use super::{Checked, Endpoint, Prepared, SamplingParams};
@@ -112,22 +112,15 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let f: EmbeddingFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
     let embed = embedder(router, &f.model)?;
-    if value.get("truncation_side").is_some_and(|side| side != "left" && !side.is_null()) {
-        return Err(unsupported(
-            "truncation_side",
-            "`truncate_prompt_tokens` keeps an input's last tokens (`\"left\"`, vLLM's default); cutting off its \
-             end is not supported.",
-        ));
-    }
-    // (vLLM's defaults, which ask for what every answer here is: float32 values, in this
-    // machine's byte order when base64, cut on the left)
+    // (vLLM's embedding defaults, which ask for what every answer here is: float32 values, in
+    // this machine's byte order when base64; its other fields as on completions)
     let neutral = |key: &str| match key {
         "embed_dtype" => value[key] == "float32",
         "endianness" => value[key] == "native" || value[key] == "little",
-        "truncation_side" => true,
         _ => false,
     };
-    let mut ignored: Vec<String> = set_keys(&f.extra, &value).filter(|k| !neutral(k)).cloned().collect();
+    let unknown = set_keys(&f.extra, &value).filter(|k| !neutral(k)).cloned().collect();
+    let mut ignored = vllm_unsupported(unknown, &value)?;
     if f.stream == Some(true) {
         // (nothing to stream: one answer holds every vector; `false` asks for nothing)
         ignored.push("stream".into());
