@@ -180,6 +180,48 @@ def test_folder_special_tokens_from_special_tokens_map(tmp_path):
     assert ckpt.eos_token_ids == [3]
 
 
+def test_templates_see_every_special_token_as_transformers_passes_them(tmp_path):
+    """apply_chat_template passes the tokenizer's special tokens by name: unk/pad/..., a
+    model's own (`image_token`, an `extra_special_tokens` dict), from an older save's
+    special_tokens_map.json too (whose entries win); one the tokenizer lacks stays undefined.
+    The render equals transformers'; a newer save (added_tokens_decoder) is read alone."""
+    import json as _json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from llmserve import _core
+
+    _, folder = make_folder(tmp_path, chat_template=None)
+    template = ("{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}|{{ image_token }}|"
+                "{{ audio_token }}|{{ mask_token }}|{{ cls_token is defined }}|"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(_json.dumps({
+        "bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+        "pad_token": "<|im_end|>",
+        "image_token": "w1", "extra_special_tokens": {"audio_token": "w2"}, "add_bos_token": False,
+        "chat_template": template}))
+    (folder / "special_tokens_map.json").write_text(_json.dumps(
+        {"unk_token": {"content": "<unk>"}, "mask_token": "w3", "pad_token": "w4"}))
+    ckpt = load_checkpoint(str(folder))
+    assert ckpt.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "w4",
+                                   "unk_token": "<unk>", "mask_token": "w3", "image_token": "w1",
+                                   "audio_token": "w2"}
+    router = _core.Router(ckpt.tokenizer_json, None, _json.dumps(ckpt.template_sources), _json.dumps({
+        "served_model_names": ["m"], "max_model_len": 64, "eos_token_ids": ckpt.eos_token_ids,
+        "bos_token": ckpt.bos_token, "eos_token": ckpt.eos_token, "special_tokens": ckpt.special_tokens}))
+    messages = [{"role": "user", "content": "w1 w2"}]
+    body = _json.loads(router.handle("chat_render", _json.dumps({"model": "m", "messages": messages}).encode())[0])
+    reference = PreTrainedTokenizerFast.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
+    assert body["prompt"] == reference == "<s>|</s>|w4|<unk>|w1|w2|w3|False|w1 w2"
+
+    config = _json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(_json.dumps({**config, "added_tokens_decoder": {}}))
+    (folder / "special_tokens_map.json").write_text(_json.dumps({"pad_token": "w5", "sep_token": "w5"}))
+    saved = load_checkpoint(str(folder)).special_tokens
+    assert saved["pad_token"] == "<|im_end|>" and "sep_token" not in saved
+    assert PreTrainedTokenizerFast.from_pretrained(folder).pad_token == "<|im_end|>"
+
+
 def test_folder_template_from_chat_template_json_is_named_so(tmp_path):
     _, folder = make_folder(tmp_path, chat_template=None)
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))

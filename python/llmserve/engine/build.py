@@ -393,6 +393,7 @@ def build_engine(cfg: Config) -> Engine:
         "responses_store_bytes": cfg.server.responses_store_mib * 2**20,
         "bos_token": ck.bos_token,
         "eos_token": ck.eos_token,
+        "special_tokens": ck.special_tokens,
         "eos_token_ids": list(ck.eos_token_ids),
         "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
         "tool_call_format": cfg.model.tool_call_format,

@@ -187,6 +187,9 @@ class Checkpoint:
     eos_token: str | None
     eos_token_ids: list[int]
     generation_config: dict = field(default_factory=dict)
+    # Every special token a chat template sees by name (transformers' special_tokens_map, with
+    # a model's own such as image_token): bos_token and eos_token, unk_token, pad_token, ...
+    special_tokens: dict = field(default_factory=dict)
     # GGUF linear weights in Q8_0/Q4_0/Q4_1 (as the file holds them, or converted from its
     # other block types: gguf_convert.py), by HF name, Q/K rows un-permuted like `weights`,
     # whose values are these blocks' values; read by the quantized GEMV of few-token steps.

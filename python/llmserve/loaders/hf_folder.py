@@ -123,6 +123,8 @@ class TokenizerFiles:
     templates: dict
     bos_token: str | None
     eos_token: str | None
+    # every special token a template sees by name, bos_token and eos_token too (_special_tokens)
+    special_tokens: dict[str, str]
 
     def eos_token_id(self) -> int | None:
         """The EOS token's id in tokenizer.json (read when asked: the file can be megabytes)."""
@@ -155,10 +157,29 @@ def read_tokenizer(folder: Path) -> TokenizerFiles:
             templates["tokenizer_config_file"] = "chat_template.json"
     # Older checkpoints name their special tokens in special_tokens_map.json only;
     # transformers reads both (tokenizer_config.json first).
-    special = _read_json(folder / "special_tokens_map.json") or {}
-    bos_token = _token_text(tok_config.get("bos_token")) or _token_text(special.get("bos_token"))
-    eos_token = _token_text(tok_config.get("eos_token")) or _token_text(special.get("eos_token"))
-    return TokenizerFiles(tokenizer_json, templates, bos_token, eos_token)
+    special = _special_tokens(tok_config, _read_json(folder / "special_tokens_map.json") or {})
+    return TokenizerFiles(tokenizer_json, templates, special.get("bos_token"), special.get("eos_token"), special)
+
+
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES)
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _special_tokens(tok_config: dict, special_map: dict) -> dict[str, str]:
+    """The special tokens transformers' apply_chat_template passes to a template by name: the
+    named ones, and a model's own (an `extra_special_tokens` dict, or any other `*_token` key
+    holding a token, as Gemma 3's `image_token`). As transformers reads them: a
+    tokenizer_config.json with `added_tokens_decoder` (a newer save) says them all; an older
+    one's special_tokens_map.json is read too, and wins where both name a token."""
+    found: dict[str, str] = {}
+    sources = (tok_config,) if "added_tokens_decoder" in tok_config else (tok_config, special_map)
+    for source in sources:
+        extra = source.get("extra_special_tokens")
+        named = {**source, **(extra if isinstance(extra, dict) else {})}
+        for key, value in named.items():
+            if key.endswith("_token") and (text := _token_text(value)) is not None:
+                found[key] = text
+    return found
 
 
 def tokenizer_tokens(tokenizer_json: Path) -> list[str | None]:
@@ -221,6 +242,7 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
         template_sources=tok.templates,
         bos_token=tok.bos_token,
         eos_token=tok.eos_token,
+        special_tokens=tok.special_tokens,
         eos_token_ids=eos_ids,
         generation_config=generation_config,
         sentence_transformers=sentence_transformers(folder),

@@ -10,6 +10,7 @@ use llmserve_router::detokenizer::{Detokenizer, StopConfig};
 use llmserve_router::template::{ChatTemplate, RenderInput};
 use llmserve_router::tokenizer::{GgufVocab, Tokenizer};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -121,6 +122,10 @@ fn renders_match_transformers() {
         let name = case["name"].as_str().unwrap();
         let t = ChatTemplate::new(case["template"].as_str().unwrap(), "test").unwrap_or_else(|e| panic!("{name}: {e}"));
         let opt = |k: &str| if case[k].is_null() { None } else { Some(&case[k]) };
+        let tokens: BTreeMap<String, String> = ["bos_token", "eos_token"]
+            .into_iter()
+            .filter_map(|name| Some((name.to_string(), case[name].as_str()?.to_string())))
+            .collect();
         let result = t.render(&RenderInput {
             messages: &case["messages"],
             tools: opt("tools"),
@@ -128,8 +133,7 @@ fn renders_match_transformers() {
             add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
             continue_final_message: case["continue_final_message"].as_bool().unwrap(),
             kwargs: case["kwargs"].as_object(),
-            bos_token: case["bos_token"].as_str(),
-            eos_token: case["eos_token"].as_str(),
+            special_tokens: &tokens,
             fuel: Some(1_000_000),
         });
         match (&result, case["expected"].as_str(), case["error"].as_str()) {

@@ -3,10 +3,14 @@
 
 use llmserve_router::template::{RenderInput, TemplateSet, TemplateSources};
 use serde_json::json;
+use std::collections::BTreeMap;
 
 const SMOLLM: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 fn input<'a>(messages: &'a serde_json::Value, gen: bool, cont: bool) -> RenderInput<'a> {
+    static TOKENS: std::sync::LazyLock<BTreeMap<String, String>> = std::sync::LazyLock::new(|| {
+        [("bos_token", "<|im_start|>"), ("eos_token", "<|im_end|>")].map(|(n, t)| (n.to_string(), t.to_string())).into()
+    });
     RenderInput {
         messages,
         tools: None,
@@ -14,8 +18,7 @@ fn input<'a>(messages: &'a serde_json::Value, gen: bool, cont: bool) -> RenderIn
         add_generation_prompt: gen,
         continue_final_message: cont,
         kwargs: None,
-        bos_token: Some("<|im_start|>"),
-        eos_token: Some("<|im_end|>"),
+        special_tokens: &TOKENS,
         fuel: Some(100_000),
     }
 }

@@ -240,8 +240,7 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
             add_generation_prompt: input.add_generation_prompt,
             continue_final_message: input.continue_final_message,
             kwargs,
-            bos_token: config.bos_token.as_deref(),
-            eos_token: config.eos_token.as_deref(),
+            special_tokens: &config.special_tokens,
             fuel: Some(config.template_fuel),
         })?;
         rendered.unused_kwargs.retain(|k| input.kwargs.is_some_and(|sent| sent.contains_key(k)));

@@ -446,8 +446,10 @@ impl ChatTemplate {
 
         let json = pyvalue::from_json;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
-        ctx.insert("bos_token".into(), Value::from(input.bos_token));
-        ctx.insert("eos_token".into(), Value::from(input.eos_token));
+        // (a token the tokenizer lacks stays undefined, as in transformers)
+        for (name, token) in input.special_tokens {
+            ctx.insert(name.clone(), Value::from(token.as_str()));
+        }
         let mut unused_kwargs = Vec::new();
         if let Some(kwargs) = input.kwargs {
             for (k, v) in kwargs {
@@ -647,8 +649,9 @@ pub struct RenderInput<'a> {
     pub continue_final_message: bool,
     /// chat_template_kwargs
     pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
-    pub bos_token: Option<&'a str>,
-    pub eos_token: Option<&'a str>,
+    /// The special tokens the template sees by name (`bos_token`, `eos_token`, `pad_token`, ...);
+    /// `kwargs` override them.
+    pub special_tokens: &'a BTreeMap<String, String>,
     pub fuel: Option<u64>,
 }
 
@@ -730,6 +733,10 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn tokens(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(name, token)| (name.to_string(), token.to_string())).collect()
+    }
+
     fn render(tmpl: &str, messages: Json) -> Result<Rendered, ApiError> {
         let t = ChatTemplate::new(tmpl, "test").unwrap();
         t.render(&RenderInput {
@@ -739,8 +746,7 @@ mod tests {
             add_generation_prompt: false,
             continue_final_message: false,
             kwargs: None,
-            bos_token: Some("<s>"),
-            eos_token: Some("</s>"),
+            special_tokens: &tokens(&[("bos_token", "<s>"), ("eos_token", "</s>")]),
             fuel: Some(100_000),
         })
     }
@@ -911,8 +917,7 @@ mod tests {
             add_generation_prompt: false,
             continue_final_message: false,
             kwargs: kwargs.as_object(),
-            bos_token: Some("<s>"),
-            eos_token: None,
+            special_tokens: &tokens(&[("bos_token", "<s>")]),
             fuel: None,
         };
         let out = t.render(&input).unwrap();
@@ -936,8 +941,7 @@ mod tests {
                 add_generation_prompt: false,
                 continue_final_message: true,
                 kwargs: None,
-                bos_token: None,
-                eos_token: None,
+                special_tokens: &BTreeMap::new(),
                 fuel: None,
             })
             .unwrap();
@@ -952,8 +956,7 @@ mod tests {
                 add_generation_prompt: false,
                 continue_final_message: true,
                 kwargs: None,
-                bos_token: None,
-                eos_token: None,
+                special_tokens: &BTreeMap::new(),
                 fuel: None,
             })
             .unwrap_err();
