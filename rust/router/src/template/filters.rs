@@ -7,6 +7,13 @@ use minijinja::value::{Kwargs, Rest, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
 pub fn register(env: &mut Environment<'static>) {
+    // Jinja2's that minijinja keeps apart
+    env.add_filter("striptags", minijinja_contrib::filters::striptags);
+    env.add_filter("filesizeformat", minijinja_contrib::filters::filesizeformat);
+    env.add_function("joiner", minijinja_contrib::globals::joiner);
+    env.add_function("cycler", |items: Rest<Value>| minijinja_contrib::globals::cycler(items.0));
+    env.add_filter("truncate", truncate);
+    env.add_filter("urlencode", urlencode);
     env.add_filter("join", join);
     env.add_filter("int", int);
     env.add_filter("float", float);
@@ -16,6 +23,7 @@ pub fn register(env: &mut Environment<'static>) {
     env.add_filter("round", round);
     env.add_filter("title", title);
     env.add_filter("wordcount", wordcount);
+    env.add_filter("center", center);
     env.add_test("iterable", is_iterable);
     env.add_test("sequence", is_sequence);
 }
@@ -284,6 +292,87 @@ fn title(value: &Value) -> Result<Value, Error> {
         }
     }
     Ok(Value::from(out))
+}
+
+/// `center(width=80)`: Python's `str.center`.
+fn center(value: &Value, width: Option<usize>) -> Result<Value, Error> {
+    Ok(Value::from(pad(&py_str(value)?, width.unwrap_or(80), ' ', "center")))
+}
+
+/// `truncate(length=255, killwords=False, end='...', leeway=5)`, positional or by name: a
+/// string longer than `length + leeway` characters cut to `length` with `end`, at the last
+/// space unless `killwords`.
+fn truncate(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let names = ["length", "killwords", "end", "leeway"];
+    if args.len() > names.len() {
+        return Err(Error::new(ErrorKind::TooManyArguments, "truncate takes at most 4 arguments"));
+    }
+    let arg = |i: usize| -> Result<Option<Value>, Error> {
+        Ok(args.get(i).cloned().or(kwargs.get::<Option<Value>>(names[i])?).filter(|v| !v.is_none()))
+    };
+    let count = |v: Option<Value>, default: usize| v.map_or(Ok(default), usize::try_from);
+    let length = count(arg(0)?, 255)?;
+    let killwords = arg(1)?.is_some_and(|v| v.is_true());
+    let end = arg(2)?.map_or_else(|| "...".to_string(), |v| v.to_string());
+    let leeway = count(arg(3)?, 5)?;
+    kwargs.assert_all_used()?;
+    let s = py_str(value)?;
+    let chars: Vec<char> = s.chars().collect();
+    let end_len = end.chars().count();
+    if length < end_len {
+        return Err(Error::new(ErrorKind::InvalidOperation, format!("expected length >= {end_len}, got {length}")));
+    }
+    if chars.len() <= length + leeway {
+        return Ok(Value::from(s));
+    }
+    let kept: String = chars[..length - end_len].iter().collect();
+    let kept = if killwords { kept.as_str() } else { kept.rsplit_once(' ').map_or(kept.as_str(), |(head, _)| head) };
+    Ok(Value::from(format!("{kept}{end}")))
+}
+
+/// `urlencode`: a string (or any non-iterable) percent-encoded as UTF-8 keeping `/`; a dict's
+/// items or a list's pairs as a query string (`k=v&...`, spaces as `+`), as Jinja2's.
+fn urlencode(value: &Value) -> Result<Value, Error> {
+    let quote = |v: &Value, query: bool| -> Result<String, Error> {
+        let mut out = String::new();
+        for b in py_str(v)?.bytes() {
+            match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'_' | b'.' | b'-' | b'~' => out.push(b as char),
+                b'/' if !query => out.push('/'),
+                b' ' if query => out.push('+'),
+                _ => out.push_str(&format!("%{b:02X}")),
+            }
+        }
+        Ok(out)
+    };
+    let pairs: Vec<(Value, Value)> = match value.kind() {
+        ValueKind::Map => {
+            value.try_iter()?.map(|k| (value.get_item(&k).unwrap_or_default(), k)).map(|(v, k)| (k, v)).collect()
+        }
+        ValueKind::Seq | ValueKind::Iterable => value
+            .try_iter()?
+            .map(|pair| Ok((pair.get_item_by_index(0)?, pair.get_item_by_index(1)?)))
+            .collect::<Result<_, Error>>()?,
+        _ => return Ok(Value::from(quote(value, false)?)),
+    };
+    let encoded: Vec<String> = pairs
+        .iter()
+        .map(|(k, v)| Ok(format!("{}={}", quote(k, true)?, quote(v, true)?)))
+        .collect::<Result<_, Error>>()?;
+    Ok(Value::from(encoded.join("&")))
+}
+
+/// Python's `str.ljust`, `str.rjust` and `str.center` (`how`): `s` padded with `fill` to
+/// `width` characters; centred, the odd one goes left when `width` is odd, as CPython's.
+pub(super) fn pad(s: &str, width: usize, fill: char, how: &str) -> String {
+    let margin = width.saturating_sub(s.chars().count());
+    let left = match how {
+        "ljust" => 0,
+        "rjust" => margin,
+        _ => margin / 2 + (margin & width & 1),
+    };
+    let fill = |n: usize| std::iter::repeat_n(fill, n);
+    fill(left).chain(s.chars()).chain(fill(margin - left)).collect()
 }
 
 /// `wordcount`: the words in the string, as Jinja2 counts them (runs of word characters).

@@ -316,6 +316,33 @@ fn py_methods(state: &minijinja::State, value: &Value, method: &str, args: &[Val
                 }
                 return Ok(Value::from(out));
             }
+            ("ljust" | "rjust" | "center", 1..=2) => {
+                let width = usize::try_from(args[0].clone()).map_err(|_| bad("the width must be an integer"))?;
+                let fill = match args.get(1) {
+                    None => ' ',
+                    Some(f) => {
+                        let mut chars = f.as_str().map(str::chars).ok_or_else(|| bad("the fill must be a string"))?;
+                        match (chars.next(), chars.next()) {
+                            (Some(c), None) => c,
+                            _ => return Err(bad("the fill character must be exactly one character long")),
+                        }
+                    }
+                };
+                return Ok(Value::from(filters::pad(s, width, fill, method)));
+            }
+            ("swapcase", 0) => {
+                let mut out = String::with_capacity(s.len());
+                for c in s.chars() {
+                    if c.is_uppercase() {
+                        out.extend(c.to_lowercase());
+                    } else if c.is_lowercase() {
+                        out.extend(c.to_uppercase());
+                    } else {
+                        out.push(c);
+                    }
+                }
+                return Ok(Value::from(out));
+            }
             ("zfill", 1) => {
                 let width = usize::try_from(args[0].clone()).map_err(|_| bad("zfill takes an integer"))?;
                 let (sign, digits) = match s.strip_prefix(['+', '-']) {
@@ -829,7 +856,9 @@ mod tests {
 
     #[test]
     fn filters_and_methods_read_as_jinja2_and_python_do() {
-        let text = |t: &str| render(t, json!([{"role": "user", "content": "a"}])).unwrap().text;
+        let text = |t: &str| {
+            render(t, json!([{"role": "user", "content": "a"}])).unwrap_or_else(|e| panic!("{t}: {e:?}")).text
+        };
         // an undefined value has no length (Jinja2's Undefined), as a message without calls
         assert_eq!(text("{{ messages[0].tool_calls|length }} {{ nope|count }}"), "0 0");
         // Python's round: ties to even on the exact binary value; floor and ceil
@@ -842,6 +871,32 @@ mod tests {
         // anything uncased
         assert_eq!(text("{{ \"what's 4th\"|title }}|{{ '4th 3.14continue'.title() }}"), "What's 4th|4Th 3.14Continue");
         assert_eq!(text("{{ 'one two_three, four'|wordcount }}"), "3");
+        // (each expected text is Jinja2 3.1's render of the same template)
+        let centred = format!("   ab  | abc  |{}x{}|", " ".repeat(39), " ".repeat(40));
+        assert_eq!(text("{{ 'ab'|center(7) }}|{{ 'abc'|center(6) }}|{{ 'x'|center }}|"), centred);
+        assert_eq!(
+            text("{{ 'ab'.ljust(5, '*') }}|{{ 'ab'.rjust(5) }}|{{ 'abc'.center(6, '-') }}|{{ 'ab'.center(7, '.') }}|{{ 'toolong'.center(3) }}"),
+            "ab***|   ab|-abc--|...ab..|toolong"
+        );
+        assert_eq!(text("{{ 'Hello ÄÖ ß'.swapcase() }}"), "hELLO äö SS");
+        assert_eq!(text("{{ '<b>bold</b>  and <i>it</i>'|striptags }}"), "bold and it");
+        assert_eq!(
+            text("{{ 'a b c d e f g h i j k l m n o p'|truncate(9) }}|{{ 'hello world foo'|truncate(11, True) }}|{{ 'short'|truncate(20) }}"),
+            "a b c...|hello world foo|short"
+        );
+        assert_eq!(
+            text("{{ 1000|filesizeformat }}|{{ 123456789|filesizeformat }}|{{ 1024|filesizeformat(true) }}"),
+            "1.0 kB|123.5 MB|1.0 KiB"
+        );
+        assert_eq!(
+            text("{{ 'a b&c/d?é'|urlencode }}|{{ {'q': 'x y', 'n': 1}|urlencode }}"),
+            "a%20b%26c/d%3F%C3%A9|q=x+y&n=1"
+        );
+        assert_eq!(
+            text("{% set c = cycler('a','b') %}{% for i in range(3) %}{{ c.next() }}{% endfor %}|{% set j = joiner(', ') %}{% for i in range(3) %}{{ j() }}{{ i }}{% endfor %}"),
+            "aba|0, 1, 2"
+        );
+        assert!(render("{{ 'ab'.center(5, '--') }}", json!([])).is_err());
     }
 
     #[test]
