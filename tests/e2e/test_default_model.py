@@ -206,3 +206,33 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol, hf_tokeni
     assert e.text == "The capital of France is" + comp.choices[0].text
     prompt_len = len(e.model_extra["prompt_token_ids"])
     assert len(e.logprobs.tokens) == prompt_len + len(e.model_extra["token_ids"])
+
+
+def test_characters_split_across_tokens(smol, hf_tokenizer):
+    """Byte-level tokens split a character: a prompt of token ids ending inside one leaves the
+    character to the completion whose first token completes it (its text was lost), and
+    text_offset puts a token holding only a character's later bytes where the character
+    starts (after the space a token shares with its first byte). References: transformers'
+    decode of the same ids."""
+    ids = hf_tokenizer.encode("Story: \U0001F469", add_special_tokens=False)
+    cut = next(i for i in range(len(ids)) if hf_tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    assert cut < len(ids) - 1, "the character must span several tokens"
+    prompt, rest = ids[:cut], ids[cut:]
+    whole = hf_tokenizer.decode(prompt).rstrip("\ufffd")
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True}
+    # (its next token is forced, one token per request, each continuing the last)
+    for token in rest:
+        c = httpx.post(smol.url + "/v1/completions", json={**body, "logit_bias": {str(token): 100}}).json()
+        assert c["choices"][0]["token_ids"] == [token]
+        assert c["choices"][0]["text"] == hf_tokenizer.decode(prompt + [token])[len(whole):].rstrip("\ufffd")
+        body["prompt"] = prompt = prompt + [token]
+    assert c["choices"][0]["text"] == "\U0001F469"
+
+    text = "a \u65e5 b"
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    c = httpx.post(smol.url + "/v1/completions", json={
+        "model": "SmolLM2-135M-Instruct", "prompt": text, "echo": True, "logprobs": 0, "max_tokens": 1}).json()
+    offsets = c["choices"][0]["logprobs"]["text_offset"][:len(ids)]
+    assert offsets == [len(hf_tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert len(set(offsets)) < len(ids), "a character spans several tokens"

@@ -188,10 +188,13 @@ def test_prompt_scoring_may_fill_the_context(tiny_server):
     assert httpx.get(tiny_server.url + "/load").json()["running"] == 0
 
 
-def test_prompt_offsets_of_multibyte_characters(tiny_server):
+def test_prompt_offsets_of_multibyte_characters(tiny_model, tiny_server):
     """A character that takes several byte-level tokens: each of its tokens starts where the
     character does (its text is decoded only once whole), so the offsets index the echoed
-    text and never go backwards."""
+    text and never go backwards; a token holding a space and a character's first byte starts
+    at the space. Checked against the `tokenizers` package's decode of each token's prefix."""
+    from tokenizers import Tokenizer
+
     prompt = "a😀🎉 日本語 b"
     ids = _tokenize(tiny_server, prompt)
     assert len(ids) > len(prompt), "the characters must span several tokens"
@@ -205,6 +208,9 @@ def test_prompt_offsets_of_multibyte_characters(tiny_server):
     tokens = c["logprobs"]["tokens"][:len(ids)]
     whole = [(t, o) for t, o in zip(tokens, offsets) if "\ufffd" not in t]
     assert len(whole) >= 3 and all(c["text"][o:].startswith(t) for t, o in whole), list(zip(tokens, offsets))
+    # (the text before a token, less the U+FFFD of a character it is inside of)
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    assert offsets[:len(ids)] == [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
 
 
 @pytest.fixture(scope="module")

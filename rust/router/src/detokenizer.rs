@@ -153,7 +153,16 @@ impl Detokenizer {
     /// vLLM counts it, so a trimmed stop string's tokens point past the returned text
     /// rather than into it).
     pub fn decoded_len(&self) -> usize {
-        self.emitted_chars + self.pending.chars().count()
+        let decoded = self.emitted_chars + self.pending.chars().count();
+        if !self.awaits_text() {
+            return decoded;
+        }
+        // Tokens ending inside a character wait for its last bytes; the whole characters
+        // before it (a space in the token that starts it) are decoded already.
+        let skip = self.config.skip_special_tokens;
+        let prefix_text = self.tokenizer.decode(&self.ids[self.prefix..self.read], skip);
+        let full_text = self.tokenizer.decode(&self.ids[self.prefix..], skip);
+        decoded + after_context(&prefix_text, &full_text).trim_end_matches('\u{FFFD}').chars().count()
     }
 
     /// The text the ids after `read` add, once it is whole (or at the end, whatever it is).
@@ -168,12 +177,7 @@ impl Detokenizer {
             // Half a character (or nothing visible yet): wait for the next token.
             return String::new();
         }
-        let mut new = match full_text.strip_prefix(prefix_text.as_str()) {
-            Some(rest) => rest.to_string(),
-            // The decoder rewrote the context (a completed character replacing U+FFFD):
-            // fall back to counting chars.
-            None => full_text.chars().skip(prefix_text.chars().count()).collect(),
-        };
+        let mut new = after_context(&prefix_text, &full_text).to_string();
         // At the end, the first bytes of a character the output stops inside (max_tokens cut
         // it off) decode to U+FFFD: drop it, as vLLM does. The model never wrote that
         // character; a U+FFFD it did write is whole and stays.
@@ -250,6 +254,20 @@ impl Detokenizer {
         }
         0
     }
+}
+
+/// What `full` (the context's ids and new ones, decoded) adds to `context` (the context's
+/// ids decoded). A context that ends inside a character decodes it as U+FFFD, which the new
+/// ids turn into the character (so `context` is no prefix of `full`): the text after what the
+/// two share is new, that whole character included (the text of a prompt that ends inside a
+/// character starts with the character the first token completes).
+fn after_context<'a>(context: &str, full: &'a str) -> &'a str {
+    if let Some(rest) = full.strip_prefix(context) {
+        return rest;
+    }
+    let shared =
+        context.char_indices().zip(full.chars()).find(|((_, a), b)| a != b).map_or(full.len(), |((i, _), _)| i);
+    &full[shared.min(full.len())..]
 }
 
 /// Whether `bytes` end with the first bytes of a UTF-8 character (not with bytes no
@@ -426,6 +444,21 @@ mod tests {
         assert!(!ends_inside_a_char(b"a\x80"), "no character starts with a continuation byte");
         assert!(!ends_inside_a_char(b"\xf0\x9fz"), "text after it");
         assert!(!ends_inside_a_char(b""));
+    }
+
+    #[test]
+    fn a_prompt_that_ends_inside_a_character_leaves_it_to_the_output() {
+        // The prompt holds 2 of the 4 bytes of U+1F469; the output's first tokens complete
+        // it: the output's text starts with that character (it was lost, as the context's
+        // U+FFFD was counted as a character of the prompt's).
+        let woman = ids("\u{1F469}");
+        let mut prompt = ids("story: \u{1F600}");
+        prompt.extend(&woman[..2]);
+        let mut d = Detokenizer::new(bytes_tokenizer(), &prompt, StopConfig::default());
+        assert_eq!(d.push(woman[2]).text, "");
+        assert_eq!(d.decoded_len(), 0);
+        assert_eq!(d.push(woman[3]).text, "\u{1F469}");
+        assert_eq!(run(&mut d, "\u{1F469}!").0 + &d.flush(), "\u{1F469}!");
     }
 
     #[test]
