@@ -1224,7 +1224,9 @@ impl ResponseBuilder {
             if text.is_empty() && finish.is_none() && !has_lp {
                 return;
             }
-            let logprobs = has_lp.then(|| {
+            // (every chunk of a choice with logprobs has them, empty ones too, as a non-streamed
+            // answer that ends without tokens has them and vLLM's chunks do)
+            let logprobs = self.logprobs.then(|| {
                 let mut lps = prompt_lp.unwrap_or_default();
                 lps.extend(self.completion_logprobs(delta.tokens, shift));
                 lps

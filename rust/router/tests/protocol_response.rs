@@ -590,6 +590,20 @@ fn completion_stream_sends_prompt_logprobs_with_the_echo() {
 }
 
 #[test]
+fn a_completion_chunk_without_tokens_has_empty_logprobs() {
+    // A stop string's tokens send no text: the finishing chunk has no tokens, and its
+    // logprobs are empty lists (as a non-streamed answer's), not null.
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, Some(1));
+    p.stream = true;
+    let mut b = builder(&p);
+    b.push(0, &ChoiceDelta { text: "", tokens: &[], ids: &[], finish: Some(FinishReason::Stop), stop_reason: None });
+    let f = frames(&[b.take(), b.finish()].concat());
+    let c = &f[0]["choices"][0];
+    assert_eq!(c["finish_reason"], "stop");
+    assert_eq!(c["logprobs"], json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}));
+}
+
+#[test]
 fn builder_round_trips_a_prepared_request() {
     // The Prepared a real request produces drives the builder end to end.
     let r = router();
