@@ -787,9 +787,10 @@ impl ResponseBuilder {
         if let Some(events) = &self.messages {
             // (the usage only for `message_start`: not summed again on every later chunk)
             let counts = (!events.started()).then(|| self.message_counts());
+            let calls = messages_calls(&self.choices[0].tool_calls);
             if let Some(events) = self.messages.as_mut() {
                 for c in choices.iter().filter_map(ChunkChoice::as_chat) {
-                    events.on_chunk(&mut self.pending, c, counts);
+                    events.on_chunk(&mut self.pending, c, counts, calls);
                 }
             }
             return;
@@ -1568,7 +1569,7 @@ impl ResponseBuilder {
         }
         content.extend(calls.iter().map(|t| messages::tool_use_block(&t.id, &t.name, Some(&t.arguments))));
         let finish = finish.map_or("stop", FinishReason::as_str);
-        let stop = messages::stop(finish, c.stop_reason.as_ref().map(OwnedStop::as_ref), !calls.is_empty());
+        let stop = messages::stop(finish, c.stop_reason.as_ref().map(OwnedStop::as_ref), messages_calls(calls));
         let usage = messages::usage(self.message_counts());
         let object = messages::message_object(&self.id, &self.model, content, Some(stop), usage);
         serde_json::to_vec(&object).expect("bodies serialize")
@@ -1790,6 +1791,15 @@ fn shown(tokenizer: &Tokenizer, id: u32, as_id: bool) -> String {
         format!("token_id:{id}")
     } else {
         tokenizer.token_str(id)
+    }
+}
+
+/// What a Messages answer's calls are, for its `stop_reason`.
+fn messages_calls(calls: &[ToolCall]) -> messages::Calls {
+    match calls {
+        [] => messages::Calls::None,
+        _ if calls.iter().all(|t| t.ended) => messages::Calls::Whole,
+        _ => messages::Calls::Cut,
     }
 }
 

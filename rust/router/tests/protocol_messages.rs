@@ -599,6 +599,27 @@ fn tool_calls_are_tool_use_blocks_streamed_or_not() {
 }
 
 #[test]
+fn a_stop_sequence_that_cuts_a_call_is_the_stop_not_tool_use() {
+    // `tool_use` tells a client its calls are whole (an agent loop runs them): a call a stop
+    // sequence cut is `stop_sequence`, naming it; one after whole calls is still `tool_use`.
+    let r = hermes();
+    let body = json!({"messages": [{"role": "user", "content": "hello"}], "tools": [weather()], "max_tokens": 20,
+                      "stop_sequences": ["Paris", "Obs"]});
+    let cut = ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \""];
+    let whole = ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>\n"];
+    for stream in [false, true] {
+        let out = answer(&r, body.clone(), &cut, FinishReason::Stop, Some("Paris"), stream);
+        let m = if stream { accumulate(&sse_events(&out)) } else { serde_json::from_slice(&out).unwrap() };
+        assert_eq!((m["stop_reason"].clone(), m["stop_sequence"].clone()), (json!("stop_sequence"), json!("Paris")));
+        assert_eq!(m["content"][0]["type"], "tool_use", "{m}");
+        let out = answer(&r, body.clone(), &whole, FinishReason::Stop, Some("Obs"), stream);
+        let m = if stream { accumulate(&sse_events(&out)) } else { serde_json::from_slice(&out).unwrap() };
+        assert_eq!((m["stop_reason"].clone(), m["stop_sequence"].clone()), (json!("tool_use"), Value::Null));
+        assert_eq!(m["content"][0]["input"], json!({"city": "Rome"}));
+    }
+}
+
+#[test]
 fn count_tokens_counts_the_prompt_the_request_renders() {
     let r = hermes();
     let body = json!({"model": "tiny", "system": "a", "messages": [{"role": "user", "content": "hello"}], "tools": [weather()]});

@@ -70,14 +70,24 @@ pub(super) fn tool_use_block(id: &str, name: &str, arguments: Option<&str>) -> V
     json!({"type": "tool_use", "id": id, "name": name, "input": input})
 }
 
+/// What a choice's answer holds of tool calls, for its `stop_reason`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Calls {
+    None,
+    /// Every call it opened ended.
+    Whole,
+    /// A call it opened never ended (a stop sequence or `max_tokens` cut it).
+    Cut,
+}
+
 /// `stop_reason` and `stop_sequence` of a choice that ended with the chat finish `finish`
-/// ("stop", "length", "tool_calls") and chat's `stop_reason`, given whether its answer holds
-/// a tool call.
-pub(super) fn stop(finish: &str, matched: Option<StopReason>, calls: bool) -> (&'static str, Value) {
+/// ("stop", "length", "tool_calls") and chat's `stop_reason`, given the calls its answer
+/// holds: `tool_use` says the calls are whole, so a stop sequence that cut one is the stop.
+pub(super) fn stop(finish: &str, matched: Option<StopReason>, calls: Calls) -> (&'static str, Value) {
     match (finish, matched) {
         ("length", _) => ("max_tokens", Value::Null),
-        (_, _) if calls => ("tool_use", Value::Null),
-        (_, Some(StopReason::Text(s))) => ("stop_sequence", json!(s)),
+        (_, Some(StopReason::Text(s))) if calls != Calls::Whole => ("stop_sequence", json!(s)),
+        _ if calls != Calls::None => ("tool_use", Value::Null),
         _ => ("end_turn", Value::Null),
     }
 }
@@ -191,7 +201,8 @@ impl EventStream {
 
     /// One chat chunk of the choice, as events (`counts`: the usage so far, which
     /// `message_start` carries when this chunk is the first; None once it has gone out).
-    pub(super) fn on_chunk(&mut self, out: &mut Vec<u8>, c: &ChatChunkChoice, counts: Option<Counts>) {
+    /// `calls`: what the answer holds of calls so far.
+    pub(super) fn on_chunk(&mut self, out: &mut Vec<u8>, c: &ChatChunkChoice, counts: Option<Counts>, calls: Calls) {
         if let Some(counts) = counts {
             self.start(out, counts);
         }
@@ -213,7 +224,6 @@ impl EventStream {
         }
         if let Some(finish) = c.finish_reason {
             self.close(out);
-            let calls = self.blocks.contains(&Kind::ToolUse);
             let (reason, sequence) = stop(finish, c.stop_reason.flatten(), calls);
             self.finish = Some((reason, sequence));
         }
