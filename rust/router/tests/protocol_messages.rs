@@ -312,6 +312,11 @@ fn anthropics_conversation_rules_are_400s() {
     assert_eq!(err(thinking.clone()), bad("invalid_type", "thinking.budget_tokens"));
     thinking["thinking"] = json!({"type": "adaptive", "budget_tokens": null}); // (none asked for)
     assert!(r.prepare(Endpoint::Messages, &serde_json::to_vec(&thinking).unwrap()).is_ok());
+    // a budget of the wrong kind is refused on a model without thinking too
+    for budget in [json!("x"), json!(-5), json!(1.5), json!(true)] {
+        thinking["thinking"] = json!({"type": "enabled", "budget_tokens": budget});
+        assert_eq!(err(thinking.clone()), bad("invalid_type", "thinking.budget_tokens"));
+    }
     // chat's messages quote the Messages fields
     let mut schema = with(json!([ask]));
     schema["tools"] = json!([{"name": "f", "input_schema": "x"}]);
@@ -596,6 +601,21 @@ fn tool_calls_are_tool_use_blocks_streamed_or_not() {
     // the arguments came as pieces of JSON
     let pieces = evs.iter().filter(|(_, e)| e["delta"]["type"] == "input_json_delta").count();
     assert!(pieces >= 2, "{evs:?}");
+}
+
+#[test]
+fn an_empty_system_is_none() {
+    let r = router();
+    let prompt = |system: Option<Value>| {
+        let mut body = json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]});
+        if let Some(system) = system {
+            body["system"] = system;
+        }
+        messages(&r, body).unwrap().prompts[0].clone()
+    };
+    assert_eq!(prompt(Some(json!(""))), prompt(None));
+    assert_eq!(prompt(Some(json!([]))), prompt(None));
+    assert_ne!(prompt(Some(json!("a"))), prompt(None));
 }
 
 #[test]

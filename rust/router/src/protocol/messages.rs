@@ -467,6 +467,9 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
     let mut conv = Conversation::default();
     match set(obj, "system") {
         None => {}
+        // (no system prompt, as `[]`: a client that always sends one gets the template's
+        // default, as one that leaves it out)
+        Some(Value::String(s)) if s.is_empty() => {}
         Some(Value::String(s)) => {
             conv.messages.push(json!({"role": "system", "content": s}));
             conv.origins.push(Origin { path: "system".into(), ..Origin::default() });
@@ -856,15 +859,16 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
             Some(_) => {}
         }
     }
+    // (checked whatever the model: a request is refused or not alike on every one)
+    if set(t, "budget_tokens").is_some_and(|b| !b.is_u64()) {
+        return Err(invalid_type("thinking.budget_tokens", "`budget_tokens` must be a non-negative integer."));
+    }
     match kind {
         "disabled" if reasoning && !switched => out.push("thinking".into()),
         "disabled" => {}
         "enabled" | "adaptive" | "between_tools" if !reasoning => out.push("thinking".into()),
         "enabled" | "adaptive" | "between_tools" => {
             // (`budget_tokens` bounds the thinking: see `thinking_budget`)
-            if set(t, "budget_tokens").is_some_and(|b| !b.is_u64()) {
-                return Err(invalid_type("thinking.budget_tokens", "`budget_tokens` must be a non-negative integer."));
-            }
             if set(t, "display").is_some_and(|d| d != "summarized") {
                 out.push("thinking.display".into());
             }
