@@ -649,6 +649,36 @@ fn truncation_auto_drops_the_first_turns_until_the_prompt_fits() {
     assert!(p.prompts[0].len() + 12 <= MAX_LEN as usize);
 }
 
+/// An input item whose id an item before it has (a continued response's, by reference or sent
+/// back whole, or another input item) is OpenAI's 400: it would stand twice in the prompt.
+#[test]
+fn duplicate_items_are_refused() {
+    let r = router();
+    let p = responses(&r, json!({"input": [{"role": "user", "content": "hello", "id": "msg_hello"}]})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "world", Some(FinishReason::Stop));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let output = body["output"][0].clone();
+    let ask = json!({"role": "user", "content": "x"});
+    let dup = |input: Value, previous: bool| {
+        let mut req = json!({"input": input});
+        if previous {
+            req["previous_response_id"] = body["id"].clone();
+        }
+        shape(responses(&r, req))
+    };
+    let refused = |i: usize| (400, "invalid_value", Some(format!("input[{i}]")));
+    let reference = json!({"type": "item_reference", "id": output["id"]});
+    assert_eq!(dup(json!([reference, ask]), true), refused(0));
+    assert_eq!(dup(json!([output, ask]), true), refused(0));
+    assert_eq!(dup(json!([ask, reference, reference]), false), refused(2));
+    let e = responses(&r, json!({"input": [reference, reference]})).unwrap_err();
+    assert!(e.message().starts_with("Duplicate item found with id msg_"), "{}", e.message());
+    // once each is fine
+    assert!(responses(&r, json!({"input": [reference, ask]})).is_ok());
+    assert!(responses(&r, json!({"input": [ask], "previous_response_id": body["id"]})).is_ok());
+}
+
 /// An `item_reference` input item is the stored item with that id, from a stored response's
 /// conversation or its output: the request prepares as if the item itself had been sent, and
 /// the new response lists it under the same id.

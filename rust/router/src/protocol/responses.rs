@@ -644,6 +644,25 @@ fn resolve_references(
     Ok(Some((Value::Array(out), shared)))
 }
 
+/// OpenAI's 400 for an input item whose `id` an item before it has (the items continued, a
+/// reference to one of them, or an output item sent back beside `previous_response_id`): it
+/// would stand twice in the prompt and the listed input.
+fn refuse_duplicates(previous: &[Value], input: Option<&Value>) -> Result<(), ApiError> {
+    let id = |item: &Value| item.get("id").and_then(Value::as_str).map(str::to_string);
+    let mut seen: std::collections::HashSet<String> = previous.iter().filter_map(id).collect();
+    for (i, item) in input.and_then(Value::as_array).into_iter().flatten().enumerate() {
+        if let Some(id) = id(item) {
+            if !seen.insert(id.clone()) {
+                return Err(ApiError::invalid(
+                    format!("input[{i}]"),
+                    format!("Duplicate item found with id {id}. Remove duplicate items from your input and try again."),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Items as a conversation keeps them (`/v1/conversations`): `items` checked as input items
 /// are (references resolved, errors at `items[i]`) and each listed with its `id`; what they
 /// carry that means nothing here is reported in `ignored`.
@@ -1056,6 +1075,7 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         None => {}
     }
     let from = if joins.is_some() { "conversation" } else { "previous_response_id" };
+    refuse_duplicates(&previous, input)?;
     let conv = conversation(obj, input, &previous, from, 0)?;
     ignored.extend(conv.ignored.iter().cloned());
 
