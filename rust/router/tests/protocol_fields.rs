@@ -295,6 +295,25 @@ fn allowed_token_ids_are_checked_and_kept_sorted() {
         assert_eq!(shape(chat(&r, body.clone())), (400, code, Some(param.to_string())), "{body}");
     }
     assert_eq!(shape(chat(&r, json!({"allowed_token_ids": "3"}))).0, 400);
+
+    // bans of the request's own that leave no allowed token: a one-token bad word always, the
+    // eos (1 here) and stop_token_ids before min_tokens
+    let words = chat(&r, json!({"bad_words": ["hello"]})).unwrap().params.bad_words;
+    let word = words.iter().find(|w| w.len() == 1).expect("a one-token word")[0];
+    let refused = |body: Value| shape(completion(&r, body));
+    let nothing = (400, "invalid_value", Some("allowed_token_ids".to_string()));
+    assert_eq!(refused(json!({"allowed_token_ids": [word], "bad_words": ["hello"]})), nothing);
+    let early = (400, "invalid_value", Some("min_tokens".to_string()));
+    assert_eq!(refused(json!({"allowed_token_ids": [1], "min_tokens": 2})), early);
+    assert_eq!(refused(json!({"allowed_token_ids": [1, 5], "stop_token_ids": [5], "min_tokens": 1})), early);
+    assert_eq!(refused(json!({"allowed_token_ids": [1, word], "bad_words": ["hello"], "min_tokens": 1})), early);
+    for fine in [
+        json!({"allowed_token_ids": [1], "min_tokens": 2, "ignore_eos": true}),
+        json!({"allowed_token_ids": [1, 5], "min_tokens": 2}),
+        json!({"allowed_token_ids": [1], "stop_token_ids": [1]}),
+    ] {
+        assert!(completion(&r, fine.clone()).is_ok(), "{fine}");
+    }
 }
 
 /// vLLM's `return_token_ids` and `return_tokens_as_token_ids` are implemented

@@ -589,6 +589,7 @@ impl CommonFields {
             logprobs: None,
             repetition,
         };
+        check_allowed_tokens(&params, &config.eos_token_ids)?;
         Ok(Common {
             model: self.model,
             params,
@@ -1003,6 +1004,29 @@ fn beam_search(f: &CommonFields, vocab_size: usize, inert: &mut Vec<String>) -> 
     ];
     inert.extend(unused.iter().filter(|(_, set)| *set).map(|(k, _)| k.to_string()));
     Ok(Some(BeamSearch { length_penalty: length_penalty.unwrap_or(1.0) }))
+}
+
+/// A 400 for `allowed_token_ids` that the request's own bans leave nothing of (the sampler
+/// would have no token to choose): a one-token `bad_words` entry bans its token always, and
+/// before `min_tokens` the eos (unless `ignore_eos`) and `stop_token_ids` are banned.
+fn check_allowed_tokens(p: &SamplingParams, eos: &[u32]) -> Result<(), ApiError> {
+    let Some(allowed) = &p.allowed_token_ids else { return Ok(()) };
+    let bad_word = |t: u32| p.bad_words.iter().any(|w| w.as_slice() == [t]);
+    if allowed.iter().all(|&t| bad_word(t)) {
+        return Err(ApiError::invalid(
+            "allowed_token_ids",
+            "Every token of `allowed_token_ids` is a word of `bad_words`: no token could be generated.",
+        ));
+    }
+    let ends = |t: u32| p.stop_token_ids.contains(&t) || (!p.ignore_eos && eos.contains(&t));
+    if p.min_tokens > 0 && allowed.iter().all(|&t| bad_word(t) || ends(t)) {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            "`min_tokens` bans the tokens that end the output (eos, `stop_token_ids`) until that many are \
+             generated, and `allowed_token_ids` allows no other: no token could be generated.",
+        ));
+    }
+    Ok(())
 }
 
 /// vLLM's `bad_words` as the token sequences to ban, as vLLM tokenizes them: each word
