@@ -777,6 +777,26 @@ fn input_tokens_count_the_prompt_the_request_reads() {
     );
     assert_eq!(shape(count(json!({"input": []}))), (400, "invalid_value", Some("input".into())));
     assert_eq!(shape(count(json!({"input": "x", "model": "nope"}))).1, "model_not_found");
+    // sampling fields shape no prompt: reported, still checked
+    let handled = count(json!({"input": "hello", "temperature": 0.3, "stop": ["x"], "seed": 1, "metadata": {"a": "b"},
+                               "include": ["message.output_text.logprobs"], "top_k": 2}))
+    .unwrap();
+    assert_eq!(
+        handled.headers,
+        [("llmserve-ignored-fields".to_string(), "include, metadata, seed, stop, temperature, top_k".to_string())]
+    );
+    assert_eq!(shape(count(json!({"input": "hello", "temperature": 5}))).2, Some("temperature".into()));
+    // `model` may be left out (the served model's); a continued response needs no new input
+    let plain = r.handle(Endpoint::ResponsesInputTokens, &serde_json::to_vec(&json!({"input": "hello"})).unwrap());
+    let with_model = count(json!({"input": "hello"})).unwrap();
+    assert_eq!(plain.unwrap().body, with_model.body);
+    let p = responses(&r, json!({"input": "hello"})).unwrap();
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "world", Some(FinishReason::Stop));
+    let id = serde_json::from_slice::<Value>(&b.finish()).unwrap()["id"].clone();
+    let continued: Value = serde_json::from_slice(&count(json!({"previous_response_id": id})).unwrap().body).unwrap();
+    assert!(continued["input_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(shape(count(json!({}))), (400, "missing_required_parameter", Some("input".into())));
 }
 
 /// `stream_options` without `stream: true` is a 400, as on chat (audit 79).

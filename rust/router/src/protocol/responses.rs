@@ -720,6 +720,9 @@ fn conversation(
     conv.ignored.clear();
     conv.reasoning = None;
     match input {
+        // (a continued response or conversation may be answered without new input: after the
+        // outputs of its calls, say)
+        None | Some(Value::Null) if !previous.is_empty() => {}
         None | Some(Value::Null) => return Err(missing("input".into())),
         Some(Value::String(s)) => conv.push(json!({"role": "user", "content": s}), "input".into()),
         Some(Value::Array(items)) => {
@@ -1327,11 +1330,45 @@ pub fn read_stored(router: &Router, id: &str, items: bool, query: &[(String, Str
     answer(&object, &ignored)
 }
 
+/// The fields of a Responses request (and chat's sampling extensions it passes on) that shape
+/// only its generation, not its prompt: a count reports them.
+const GENERATION_ONLY: [&str; 27] = [
+    "temperature",
+    "top_p",
+    "top_logprobs",
+    "seed",
+    "stop",
+    "user",
+    "metadata",
+    "service_tier",
+    "include",
+    "safety_identifier",
+    "prompt_cache_key",
+    "max_tool_calls",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "priority",
+    "request_id",
+];
+
 /// `POST /v1/responses/input_tokens`: `{"object": "response.input_tokens", "input_tokens": N}`,
 /// the tokens the request's prompt comes to (its instructions, a continued response's
 /// conversation, its input and tools, through the chat template), as `POST /v1/responses`
 /// would read the same body. The fields that only shape a generation (`max_output_tokens`,
-/// `stream`, `stream_options`, `store`, `background`) ask for nothing here and are reported.
+/// `stream`, `store`, `temperature`, `include`, ...) ask for nothing here and are reported
+/// (checked as `POST /v1/responses` checks them). `model` may be left out (OpenAI's count
+/// takes it so): the served model's.
 pub(crate) fn input_tokens(router: &Router, body: &[u8]) -> Result<super::Handled, ApiError> {
     let mut value = parse_body(body)?;
     let obj = value.as_object_mut().expect("parse_body checks");
@@ -1341,11 +1378,18 @@ pub(crate) fn input_tokens(router: &Router, body: &[u8]) -> Result<super::Handle
             ignored.push(key.to_string());
         }
     }
+    ignored.extend(GENERATION_ONLY.iter().filter(|k| set(obj, k).is_some()).map(|k| k.to_string()));
+    if set(obj, "model").is_none() {
+        obj.insert("model".into(), json!(router.config.served_model_names[0]));
+    }
     // (counted, not answered: nothing of it is stored)
     obj.insert("store".into(), Value::Bool(false));
     let body = serde_json::to_vec(&value).expect("JSON values serialize");
     let checked = prepare_as(router, &body, None, true)?;
-    let ignored = settle_ignored(ignored.into_iter().chain(checked.ignored).collect(), router.config.strict_fields)?;
+    let mut all: Vec<String> = ignored.into_iter().chain(checked.ignored).collect();
+    let mut seen = std::collections::HashSet::new();
+    all.retain(|k| seen.insert(k.clone()));
+    let ignored = settle_ignored(all, router.config.strict_fields)?;
     let tokens = checked.prepared.prompts.first().map_or(0, Vec::len);
     let body = serde_json::to_vec(&json!({"object": "response.input_tokens", "input_tokens": tokens}))
         .expect("bodies serialize");
