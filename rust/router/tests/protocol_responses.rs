@@ -844,6 +844,7 @@ fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
     assert_eq!(e.param(), Some("reasoning.effort"));
     let e = responses(&think, json!({"input": "hello", "reasoning": {"effort": 5}})).unwrap_err();
     assert_eq!((e.status(), e.param()), (400, Some("reasoning.effort")));
+    assert!(e.message().contains("`reasoning.effort`") && !e.message().contains("reasoning_effort"), "{}", e.message());
     // a template that reads it gets it
     let reads =
         router_with(json!({}), Some("{% for m in messages %}{{ m.content }}{% endfor %}:{{ reasoning_effort }}"));

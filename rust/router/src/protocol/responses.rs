@@ -314,7 +314,14 @@ impl Origins {
         if param.is_some_and(|p| p.starts_with("chat_template_kwargs")) {
             return message.replace("send it as a request field", "send it as the request's own field");
         }
-        let chat_fields = ["messages", "tools[", "tool_choice.function", "response_format", "max_completion_tokens"];
+        let chat_fields = [
+            "messages",
+            "tools[",
+            "tool_choice.function",
+            "response_format",
+            "max_completion_tokens",
+            "reasoning_effort",
+        ];
         let out =
             rename_quoted(&message, |part| chat_fields.iter().any(|f| part.starts_with(f)).then(|| self.rename(part)));
         let (have, shorten) = match self.continued() {
