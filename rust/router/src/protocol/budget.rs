@@ -25,10 +25,16 @@ pub fn check_context(
     // A prompt may fill the context only when it asks for no completion (`echo` with
     // `max_tokens` 0: prompt scoring).
     if p > limit || (p == limit && max_tokens != Some(0)) {
+        // (a prompt that asks for no completion only has to fit)
+        let room = if max_tokens == Some(0) {
+            "which is more than the context holds"
+        } else {
+            "which leaves no room for the completion"
+        };
         return Err(ApiError::ContextLengthExceeded {
             message: format!(
                 "This model's maximum context length is {limit} tokens, but the {noun} {verb} {p} tokens, \
-                 which leaves no room for the completion. Please shorten the {noun}."
+                 {room}. Please shorten the {noun}."
             ),
             param: Some(prompt_param.to_string()),
             sizes: Some(Overflow { prompt: p, max_tokens: max_tokens.map(u64::from), limit }),

@@ -111,6 +111,7 @@ fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
     // so name only what is certain, the side the value is out of.
     if range.starts_with("between 0 and ") && whole {
         let bits = if *hi > f64::from(u32::MAX) { 64 } else { 32 };
+        // (a field whose own bounds start above 0, as max_tokens' at 1, is checked later)
         let what = if got.starts_with('-') {
             "a non-negative integer".to_string()
         } else {
