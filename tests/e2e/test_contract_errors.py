@@ -106,7 +106,8 @@ def test_malformed_and_non_object_bodies(tiny_server):
 
 def test_a_body_declared_as_not_json_is_refused(tiny_server):
     """A browser page can POST text/plain or a form to localhost without a CORS preflight;
-    JSON is read only when the request says JSON (or says nothing), as vLLM does."""
+    JSON is read only when the request says JSON (or says nothing, but from a web page), as
+    vLLM does."""
     body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1})
     for path in ("/v1/completions", "/tokenize"):
         for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
@@ -118,6 +119,12 @@ def test_a_body_declared_as_not_json_is_refused(tiny_server):
             headers = {"content-type": ctype} if ctype else {}
             r = httpx.post(tiny_server.url + path, content=body, headers=headers)
             assert r.status_code == 200, (ctype, r.text)
+        # a web page may send raw bytes with no Content-Type and no preflight: its Origin shows it
+        err = _error(httpx.post(tiny_server.url + path, content=body, headers={"origin": "https://a.example"}), 400)
+        assert (err["code"], err["param"]) == ("unsupported_media_type", None)
+        r = httpx.post(tiny_server.url + path, content=body,
+                       headers={"origin": "https://a.example", "content-type": "application/json"})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path,body", [

@@ -44,12 +44,17 @@ async def read_body(request: Request) -> bytes:
     NOTE: as vLLM does. A web page may POST `text/plain` or a form to any origin without a
     CORS preflight: without this check, any page a local user opens could make a keyless
     llmserve on localhost generate. A request without a Content-Type is still read as JSON
-    (clients that send raw bytes)."""
+    (clients that send raw bytes), but not from a web page (a browser sends `Origin` with
+    every POST, and may send raw bytes with no Content-Type without a preflight too)."""
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json(content_type):
         raise Router.error("unsupported_media_type",
                            f"Unsupported media type {content_type!r}: the body must be JSON "
                            f"(Content-Type: {JSON}).")
+    if content_type is None and "origin" in request.headers:
+        raise Router.error("unsupported_media_type",
+                           f"A request from a web page (it has an Origin header) must say its body is "
+                           f"JSON (Content-Type: {JSON}).")
     limit = request.app.state.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
