@@ -31,7 +31,7 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
         let msg = e.to_string();
         // (serde_json's depth limit: valid JSON, but more than this server reads)
         let message = if msg.starts_with("recursion limit exceeded") {
-            format!("The request body nests JSON more than 128 levels deep, which this server does not read ({msg}).")
+            format!("The request body nests JSON 128 levels deep or more, which this server does not read ({msg}).")
         } else if msg.contains("hex escape") || msg.contains("surrogate") {
             format!(
                 "The request body is not valid JSON: a \\u escape is not a character (a lone UTF-16 surrogate, \
