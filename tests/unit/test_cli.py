@@ -272,6 +272,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert _config([]).server.quiet_paths() == frozenset()
     with pytest.raises(ValueError, match="'health' is not a path"):
         _config(["--disable-access-log-for-endpoints", "health"])
+    # (the access log matches them as the routes name them: under --root-path too)
+    from llmserve.server.middleware import _route_path
+    assert _route_path({"path": "/p/health", "root_path": "/p"}) == "/health"
+    assert (_route_path({"path": "/p", "root_path": "/p"}), _route_path({"path": "/health"})) == ("/", "/health")
     # served: a Unix socket, and request ids on every response
     assert (_config([]).server.uds, _config(["--uds", "/tmp/s.sock"]).server.uds) == (None, "/tmp/s.sock")
     assert _config(["--enable-request-id-headers"]).server.enable_request_id_headers is True

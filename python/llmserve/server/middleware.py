@@ -146,16 +146,23 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_wrapper)
 
 
+def _route_path(scope) -> str:
+    """The request's path as the routes name it: without the --root-path the ASGI path holds."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
 class AccessLogMiddleware:
     """One line per request: client, method, path, status, `user` when sent, duration; none for
-    the `quiet` paths (--disable-access-log-for-endpoints)."""
+    the `quiet` paths (--disable-access-log-for-endpoints, as the routes name them: under
+    --root-path too)."""
 
     def __init__(self, app, quiet: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.quiet = quiet
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.quiet:
+        if scope["type"] != "http" or _route_path(scope) in self.quiet:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = 0
