@@ -127,6 +127,16 @@ fn unknown_fields_are_reported_or_refused_under_strict_fields() {
     let defaults = json!({"embed_dtype": "float32", "endianness": "native", "truncation_side": "left"});
     assert!(embed(&strict, defaults).unwrap().ignored.is_empty());
     assert_eq!(embed(&r, json!({"embed_dtype": "float16"})).unwrap().ignored, vec!["embed_dtype".to_string()]);
+    // beside base64, where a client would decode what it asked for from float32 bytes: 400
+    for (key, v) in [("embed_dtype", "float16"), ("embed_dtype", "bfloat16"), ("endianness", "big")] {
+        let e = err(&r, json!({"encoding_format": "base64", key: v}));
+        assert_eq!((e.param(), e.code()), (Some(key), "unsupported_parameter"), "{key} {v}");
+    }
+    assert!(embed(&r, json!({"encoding_format": "base64", "embed_dtype": "float32", "endianness": "little"})).is_ok());
+    for (key, v) in [("embed_dtype", json!("binary")), ("endianness", json!("middle")), ("embed_dtype", json!(4))] {
+        let e = err(&r, json!({key: v}));
+        assert_eq!((e.param(), e.code()), (Some(key), "invalid_value"), "{key} {v}");
+    }
     let e = err(&r, json!({"truncation_side": "right"}));
     assert_eq!((e.param(), e.code()), (Some("truncation_side"), "unsupported_parameter"));
 }

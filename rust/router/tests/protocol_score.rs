@@ -65,6 +65,9 @@ fn rerank_puts_the_query_first_and_keeps_what_to_return() {
     // a cross-encoder's switch changes nothing in a cosine: reported
     let p = prepare(&r, Endpoint::Rerank, json!({"query": "q", "documents": ["a"], "use_activation": true})).unwrap();
     assert_eq!(p.ignored, vec!["use_activation".to_string()]);
+    // a Cohere document's other keys are neither ranked nor echoed: reported
+    let docs = json!({"query": "q", "documents": ["a", {"text": "b", "title": "T", "id": null}]});
+    assert_eq!(prepare(&r, Endpoint::Rerank, docs).unwrap().ignored, vec!["documents[1].title".to_string()]);
 }
 
 #[test]

@@ -119,6 +119,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         "endianness" => value[key] == "native" || value[key] == "little",
         _ => false,
     };
+    check_encoding(&value)?;
     let unknown = set_keys(&f.extra, &value).filter(|k| !neutral(k)).cloned().collect();
     let mut ignored = vllm_unsupported(unknown, &value)?;
     if f.stream == Some(true) {
@@ -170,6 +171,31 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         user: f.user,
     };
     inputs_prepared(router, Endpoint::Embeddings, "embd", f.model, lora, inputs, plan, ignored, header_id)
+}
+
+/// vLLM's `embed_dtype` and `endianness`, which say how base64 vectors are encoded: a value
+/// vLLM does not know is 400 `invalid_value`; one it knows but this server does not encode
+/// (float16, bfloat16, fp8, big-endian) is 400 `unsupported_parameter` beside base64, where a
+/// client would decode what it asked for from what it did not get (beside floats they encode
+/// nothing, and are reported as ignored).
+fn check_encoding(value: &serde_json::Value) -> Result<(), ApiError> {
+    let base64 = value.get("encoding_format").and_then(serde_json::Value::as_str) == Some("base64");
+    for (key, known, served) in [
+        ("embed_dtype", &["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"][..], &["float32"][..]),
+        ("endianness", &["native", "little", "big"][..], &["native", "little"][..]),
+    ] {
+        let Some(v) = value.get(key).filter(|v| !v.is_null()) else { continue };
+        let Some(text) = v.as_str().filter(|t| known.contains(t)) else {
+            return Err(ApiError::invalid(key, format!("`{key}` must be one of {}, got {v}.", known.join(", "))));
+        };
+        if base64 && !served.contains(&text) {
+            return Err(unsupported(
+                key,
+                format!("`{key}` {text:?} is not supported: base64 embeddings are little-endian float32 here."),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// How the server's model embeds, or the 400 `model` of a model that does not.

@@ -125,13 +125,14 @@ pub(crate) fn prepare_rerank(router: &Router, body: &[u8], header_id: Option<&st
     let f: RerankFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
     let pooling = embedder(router, &f.model)?.pooling;
-    let ignored = settle_ignored(set_keys(&f.extra, &value).cloned().collect(), router.config.strict_fields)?;
+    let mut ignored: Vec<String> = set_keys(&f.extra, &value).cloned().collect();
+    let documents = documents(&f.documents, &mut ignored)?;
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let query = match &f.query {
         Value::String(s) if s.is_empty() => return Err(ApiError::invalid("query", "The query must not be empty.")),
         Value::String(s) => (PromptIn::Text(s.clone()), "query".to_string()),
         other => return Err(invalid_type("query", format!("`query` must be a string, not {}.", kind_of(other)))),
     };
-    let documents = documents(&f.documents)?;
     let top_n = match f.top_n {
         None => 0,
         Some(n) if n >= 0 => n as usize,
@@ -194,7 +195,9 @@ fn texts(v: &Value, field: &str) -> Result<Vec<(PromptIn, String)>, ApiError> {
 }
 
 /// `documents`: a non-empty array of strings or `{"text": ...}` objects; (text, param) each.
-fn documents(v: &Value) -> Result<Vec<(String, String)>, ApiError> {
+/// An object's other keys (Cohere's `title`, ...) are neither ranked nor echoed: reported in
+/// `ignored`.
+fn documents(v: &Value, ignored: &mut Vec<String>) -> Result<Vec<(String, String)>, ApiError> {
     let Value::Array(items) = v else {
         return Err(invalid_type("documents", format!("`documents` must be an array of strings, not {}.", kind_of(v))));
     };
@@ -202,7 +205,22 @@ fn documents(v: &Value) -> Result<Vec<(String, String)>, ApiError> {
         return Err(ApiError::invalid("documents", "`documents` must hold at least one document."));
     }
     if items.len() >= MAX_INPUTS {
-        return Err(too_many("documents", items.len()));
+        return Err(ApiError::invalid(
+            "documents",
+            format!(
+                "At most {} documents may be ranked in one request (they and the query are at most {MAX_INPUTS} \
+                 texts), got {}.",
+                MAX_INPUTS - 1,
+                items.len()
+            ),
+        ));
+    }
+    for (i, item) in items.iter().enumerate() {
+        if let Value::Object(o) = item {
+            ignored.extend(
+                o.iter().filter(|(k, v)| *k != "text" && !v.is_null()).map(|(k, _)| format!("documents[{i}].{k}")),
+            );
+        }
     }
     items
         .iter()
@@ -236,5 +254,5 @@ fn documents(v: &Value) -> Result<Vec<(String, String)>, ApiError> {
 }
 
 fn too_many(field: &str, got: usize) -> ApiError {
-    ApiError::invalid(field, format!("At most {MAX_INPUTS} texts may be scored in one request, got {got}."))
+    ApiError::invalid(field, format!("At most {MAX_INPUTS} texts may be scored in `{field}`, got {got}."))
 }
