@@ -12,6 +12,7 @@ pub mod chat_store;
 pub mod content_format;
 pub mod conversation_store;
 pub mod detokenizer;
+pub mod engine_limits;
 pub mod error;
 pub mod fim;
 pub mod item_log;

@@ -107,6 +107,25 @@ impl GrammarSource {
         }
     }
 
+    /// The Lark text this source compiles as, when it is one (after any reasoning).
+    fn grammar_text(&self) -> Option<&str> {
+        match self {
+            Self::Lark(g) | Self::Calls(g) => Some(g),
+            Self::Tagged(t) => Some(&t.lark),
+            Self::AfterThinking { body, .. } => body.grammar_text(),
+            _ => None,
+        }
+    }
+
+    /// The client's Lark grammar, when this source is one (after any reasoning).
+    fn lark(&self) -> Option<&str> {
+        match self {
+            Self::Lark(g) => Some(g),
+            Self::AfterThinking { body, .. } => body.lark(),
+            _ => None,
+        }
+    }
+
     /// The client's regex, when this source is one (after any reasoning).
     fn regex(&self) -> Option<&str> {
         match self {
@@ -276,6 +295,11 @@ impl Grammars {
             (_, Some(schema)) => check_patterns(schema, &mut String::new()),
             _ => Ok(()),
         };
+        // (what would end the process in the engine: every schema the source holds)
+        let inlined = source.grammar_text().map(crate::engine_limits::inlined_schemas).unwrap_or_default();
+        let checked = checked
+            .and_then(|()| source.json_schema().into_iter().chain(&inlined).try_for_each(crate::engine_limits::check))
+            .and_then(|()| source.lark().map_or(Ok(()), crate::engine_limits::check_lark));
         if let Err(cause) = checked {
             return Err(ApiError::invalid(
                 param,
@@ -624,6 +648,41 @@ pub(crate) mod tests {
             m.consume_token(id).expect("consume");
         }
         false
+    }
+
+    /// Schemas that ended the process inside llguidance (audit: a stack overflow, a recursion
+    /// that never ends) are 400s, as a schema, inlined in a grammar, or a forced call's.
+    #[test]
+    fn schemas_the_engine_would_die_on_are_refused() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let int =
+            json!({"type": "object", "properties": {"v": {"type": "integer", "minimum": -1e19, "maximum": -1e19}}});
+        let mut defs = serde_json::Map::new();
+        for i in 0..1000 {
+            let next = json!({"$ref": format!("#/$defs/A{}", i + 1)});
+            defs.insert(format!("A{i}"), json!({"type": "object", "properties": {"a": next}, "required": ["a"]}));
+        }
+        defs.insert("A1000".into(), json!({"type": "integer"}));
+        let deep = json!({"$defs": defs, "$ref": "#/$defs/A0"});
+        for schema in [int, deep] {
+            let text = serde_json::to_string(&schema).unwrap();
+            for source in [
+                GrammarSource::JsonSchema(schema.clone()),
+                GrammarSource::Lark(format!("start: %json {text}")),
+                GrammarSource::Calls(format!("start: \"<tool_call>\" %json {text} \"</tool_call>\"")),
+            ] {
+                let e = g.compile(&source, "p").unwrap_err();
+                assert_eq!((e.status(), e.param()), (400, Some("p")), "{}", e.message());
+            }
+        }
+        // a Lark grammar whose rules chain 5000 deep (8 MB of stack held ~2500)
+        let mut lark = String::from("start: r0\n");
+        for i in 0..5000 {
+            lark.push_str(&format!("r{i}: \"a\" r{}\n", i + 1));
+        }
+        lark.push_str("r5000: \"b\"\n");
+        let e = g.compile(&GrammarSource::Lark(lark), "p").unwrap_err();
+        assert!(e.message().contains("more than the 500"), "{}", e.message());
     }
 
     #[test]

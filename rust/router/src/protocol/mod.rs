@@ -39,7 +39,7 @@ pub(crate) mod functions;
 pub mod generate;
 pub mod messages;
 pub mod responses;
-mod schema_check;
+pub(crate) mod schema_check;
 pub(crate) mod schema_edit;
 pub mod score;
 pub mod stored_chat;

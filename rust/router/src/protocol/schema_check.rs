@@ -116,7 +116,7 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
 }
 
 /// A URI fragment with its %XX escapes decoded (invalid escapes are kept as they are).
-fn percent_decoded(fragment: &str) -> String {
+pub(crate) fn percent_decoded(fragment: &str) -> String {
     let bytes = fragment.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
