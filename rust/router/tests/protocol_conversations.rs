@@ -160,6 +160,19 @@ fn what_the_routes_cannot_take_is_a_clear_error() {
         (400, "unsupported_parameter", Some("items[0].type".into()))
     );
     assert_eq!(bad("POST", Target::All, json!({"items": "a"})), (400, "invalid_type", Some("items".into())));
+    // what a response's input could not hold (every later response would be refused)
+    for (item, param) in [
+        (json!({"type": "message", "role": "user", "content": []}), "items[1].content"),
+        (json!({"role": "developer", "content": []}), "items[1].content"),
+        (json!({"type": "function_call_output", "call_id": "c", "output": []}), "items[1].output"),
+    ] {
+        let items = json!([{"role": "user", "content": "a"}, item]);
+        assert_eq!(
+            bad("POST", Target::Items(&id), json!({"items": items})),
+            (400, "invalid_value", Some(param.into()))
+        );
+        assert_eq!(bad("POST", Target::All, json!({"items": items})).2, Some(param.into()));
+    }
     let many: Vec<Value> = (0..21).map(|_| json!({"role": "user", "content": "a"})).collect();
     assert_eq!(bad("POST", Target::All, json!({"items": many})), (400, "invalid_value", Some("items".into())));
     assert_eq!(

@@ -796,6 +796,15 @@ fn input_tokens_count_the_prompt_the_request_reads() {
     let id = serde_json::from_slice::<Value>(&b.finish()).unwrap()["id"].clone();
     let continued: Value = serde_json::from_slice(&count(json!({"previous_response_id": id})).unwrap().body).unwrap();
     assert!(continued["input_tokens"].as_u64().unwrap() > 0);
+    // answered without input, only its output joins the conversation (no empty user turn)
+    let p = responses(&r, json!({"previous_response_id": id})).unwrap();
+    let (_, kept) = p.responses.as_ref().unwrap().store.clone().unwrap();
+    let roles: Vec<Value> = kept.values().iter().map(|i| i["role"].clone()).collect();
+    assert_eq!(roles, [json!("user"), json!("assistant")]);
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "again", Some(FinishReason::Stop));
+    let next = serde_json::from_slice::<Value>(&b.finish()).unwrap()["id"].clone();
+    assert!(responses(&r, json!({"previous_response_id": next, "input": "x"})).is_ok());
     assert_eq!(shape(count(json!({}))), (400, "missing_required_parameter", Some("input".into())));
 }
 

@@ -684,6 +684,11 @@ pub(crate) fn conversation_items(
     for (i, item) in list.iter().enumerate() {
         conv.item(i, item)?;
     }
+    // (as the chat request of a response checks them: a conversation holding an item that
+    // every later response would refuse could never be answered again)
+    if !conv.messages.is_empty() {
+        chat::validate_messages(&conv.messages).map_err(|e| conv.origins.rename_error(e))?;
+    }
     ignored.extend(conv.ignored);
     Ok(list.iter().map(listed).collect())
 }
@@ -1072,6 +1077,8 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
             .enumerate()
             .map(|(i, item)| shared.get(i).cloned().flatten().unwrap_or_else(|| Item::new(&listed(item))))
             .collect(),
+        // (no input: only the output joins what is continued)
+        None | Some(Value::Null) => Vec::new(),
         other => vec![Item::new(&listed(&json!({"type": "message", "role": "user", "content": other})))],
     };
     // a conversation is held from here until the response's items have joined it
