@@ -685,6 +685,34 @@ pub(crate) mod tests {
         assert!(e.message().contains("more than the 500"), "{}", e.message());
     }
 
+    /// A number under an exclusive bound never reads back as the bound (llguidance compared
+    /// the digits as text: `0` passed `exclusiveMinimum: 0` with `maximum: 0.5`, and
+    /// `1.0000000000000001`, a double's 1, passed `exclusiveMinimum: 1`).
+    #[test]
+    fn exclusive_number_bounds_hold_as_doubles() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let ends = |schema: Value, text: &str| {
+            let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+            let mut m = grammar.matcher();
+            for id in tok.encode(text, false) {
+                if !m.compute_mask().expect("mask").is_allowed(id) {
+                    return false;
+                }
+                m.consume_token(id).expect("consume");
+            }
+            m.compute_mask().is_ok_and(|mask| mask.is_allowed(0))
+        };
+        let above_zero = json!({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5});
+        assert!(!ends(above_zero.clone(), "0") && !ends(above_zero.clone(), "0.0"));
+        assert!(ends(above_zero, "0.25"));
+        let below_zero = json!({"type": "number", "exclusiveMaximum": 0, "minimum": -0.5});
+        assert!(!ends(below_zero.clone(), "-0") && ends(below_zero, "-0.25"));
+        let above_one = json!({"type": "number", "exclusiveMinimum": 1, "maximum": 2});
+        assert!(!ends(above_one.clone(), "1.0000000000000001") && !ends(above_one.clone(), "1"));
+        assert!(ends(above_one.clone(), "1.0000000000000002") && ends(above_one, "1.5"));
+    }
+
     #[test]
     fn json_schema_accepts_valid_and_stops_when_complete() {
         let tok = byte_tokenizer();

@@ -379,6 +379,29 @@ fn bound_at(schema: &mut Value) {
             obj.insert("maximum".into(), Value::from(SAFE_INTEGER));
         }
     }
+    if is_number(obj) {
+        // llguidance compares a number's digits with an exclusive bound's as text, and lets
+        // through numbers that read back as the bound (`0` under `exclusiveMinimum: 0` with a
+        // maximum below 1, `1.0000000000000001`, a double's 1, over 1): the bound becomes the
+        // inclusive one of the nearest double inside it (1e-17, the least fraction the number
+        // grammar writes without an exponent, for 0), whose every text is inside.
+        for (exclusive, inclusive, up) in
+            [("exclusiveMinimum", "minimum", true), ("exclusiveMaximum", "maximum", false)]
+        {
+            let Some(x) = obj.get(exclusive).and_then(Value::as_f64) else { continue };
+            let inside = match (x == 0.0, up) {
+                (true, true) => 1e-17,
+                (true, false) => -1e-17,
+                (false, true) => x.next_up(),
+                (false, false) => x.next_down(),
+            };
+            let kept = obj.get(inclusive).and_then(Value::as_f64);
+            if kept.is_none_or(|k| if up { inside > k } else { inside < k }) {
+                obj.insert(inclusive.into(), Value::from(inside));
+            }
+            obj.remove(exclusive);
+        }
+    }
     let timed = matches!(obj.get("format").and_then(Value::as_str), Some("date-time" | "time"));
     if timed && !obj.contains_key("pattern") && !obj.contains_key("enum") && !obj.contains_key("const") {
         // (the formats have one point at most, before the fraction, and a time zone after it:
@@ -401,6 +424,15 @@ fn is_integer(obj: &Map<String, Value>) -> bool {
     match obj.get("type") {
         Some(Value::String(t)) => t == "integer",
         Some(Value::Array(types)) => types.contains(&Value::from("integer")) && !types.contains(&Value::from("number")),
+        _ => false,
+    }
+}
+
+/// `type: "number"`, or a list of types with `number`.
+fn is_number(obj: &Map<String, Value>) -> bool {
+    match obj.get("type") {
+        Some(Value::String(t)) => t == "number",
+        Some(Value::Array(types)) => types.contains(&Value::from("number")),
         _ => false,
     }
 }
