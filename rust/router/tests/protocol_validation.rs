@@ -431,6 +431,11 @@ fn structured_outputs_constrain_like_response_format() {
     assert_eq!(rx.grammar, same.grammar);
     let legacy = completion(&r, json!({"guided_regex": "[a-z]+"})).unwrap();
     assert_eq!(legacy.grammar, same.grammar);
+    // a schema as JSON text that does not parse says why
+    let e = chat(&r, json!({"structured_outputs": {"json": "{\"type\": \"object\","}})).unwrap_err();
+    assert!(e.message().contains("does not parse: EOF while parsing"), "{}", e.message());
+    let e = chat(&r, json!({"guided_json": "[1]"})).unwrap_err();
+    assert!(e.message().ends_with("must be a JSON Schema object, not an array."), "{}", e.message());
     let obj = chat(&r, json!({"structured_outputs": {"json_object": true}})).unwrap();
     assert_eq!(obj.grammar, chat(&r, json!({"response_format": {"type": "json_object"}})).unwrap().grammar);
     let schema = json!({"type": "object", "properties": {"a": {"enum": [1, 2]}}});

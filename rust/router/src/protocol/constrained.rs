@@ -235,7 +235,19 @@ impl<'a> Guided<'a> {
                     // vLLM takes the schema as JSON text too
                     Value::String(s) => match serde_json::from_str::<Value>(s) {
                         Ok(schema @ Value::Object(_)) => schema,
-                        _ => return Err(ApiError::invalid(param, format!("`{param}` must be a JSON Schema object."))),
+                        Ok(other) => {
+                            return Err(ApiError::invalid(
+                                param,
+                                format!("`{param}` must be a JSON Schema object, not {}.", kind_of(&other)),
+                            ))
+                        }
+                        // (serde_json's message says where, and names its 128-level depth limit)
+                        Err(e) => {
+                            return Err(ApiError::invalid(
+                                param,
+                                format!("`{param}` must be a JSON Schema object; its JSON text does not parse: {e}."),
+                            ))
+                        }
                     },
                     other => {
                         return Err(invalid_type(
