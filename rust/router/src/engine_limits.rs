@@ -34,9 +34,10 @@ const DATA: [&str; 4] = ["const", "enum", "default", "examples"];
 /// The bounds an `integer` schema may hold: within 64-bit integers (-2^63 excluded).
 const INTEGER_BOUND: f64 = 9_223_372_036_854_775_808.0;
 
-/// Ok, or why the grammar engine cannot compile `schema` (naming where, as a JSON pointer).
-pub fn check(schema: &Value) -> Result<(), String> {
-    integer_bounds(schema, &mut String::new())?;
+/// Ok, or why the grammar engine cannot compile `schema`: it nests deeper than
+/// `MAX_SCHEMA_DEPTH` (its integer bounds are checked with its other keywords,
+/// `structured::check_keywords`).
+pub fn check_depth(schema: &Value) -> Result<(), String> {
     let mut walk = Depth { root: schema, heights: HashMap::new(), open: Vec::new() };
     match walk.height(schema, 1) {
         Some(_) => Ok(()),
@@ -81,42 +82,15 @@ pub fn inlined_schemas(lark: &str) -> Vec<Value> {
         .collect()
 }
 
-fn integer_bounds(schema: &Value, at: &mut String) -> Result<(), String> {
-    match schema {
-        Value::Object(obj) => {
-            let integer = match obj.get("type") {
-                Some(Value::String(t)) => t == "integer",
-                Some(Value::Array(types)) => types.iter().any(|t| t == "integer"),
-                _ => false,
-            };
-            for key in ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"] {
-                if obj.get(key).filter(|_| integer).is_some_and(beyond_64_bits) {
-                    let place = if at.is_empty() { "the schema's root" } else { at.as_str() };
-                    return Err(format!(
-                        "`{key}` {} at {place} is beyond the integers the grammar engine holds (-2^63 < n < 2^63)",
-                        obj[key]
-                    ));
-                }
-            }
-            for (key, sub) in obj.iter().filter(|(k, _)| !DATA.contains(&k.as_str())) {
-                let len = at.len();
-                at.push('/');
-                at.push_str(&key.replace('~', "~0").replace('/', "~1"));
-                let result = integer_bounds(sub, at);
-                at.truncate(len);
-                result?;
-            }
-            Ok(())
-        }
-        Value::Array(items) => items.iter().enumerate().try_for_each(|(i, sub)| {
-            let len = at.len();
-            at.push_str(&format!("/{i}"));
-            let result = integer_bounds(sub, at);
-            at.truncate(len);
-            result
-        }),
-        _ => Ok(()),
-    }
+/// The first bound of an `integer` schema that is at or past ±2^63, if any.
+pub fn bound_past_64_bits(obj: &serde_json::Map<String, Value>) -> Option<&'static str> {
+    let integer = match obj.get("type") {
+        Some(Value::String(t)) => t == "integer",
+        Some(Value::Array(types)) => types.iter().any(|t| t == "integer"),
+        _ => false,
+    };
+    let keys = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+    keys.into_iter().filter(|_| integer).find(|key| obj.get(*key).is_some_and(beyond_64_bits))
 }
 
 /// Whether a number is at or past ±2^63 (integers compared exactly; a float as it is).
@@ -210,6 +184,7 @@ mod tests {
 
     #[test]
     fn integer_bounds_past_64_bits_are_refused() {
+        let check = crate::structured::check_for_engine;
         for bound in [json!(-1e19), json!(i64::MIN), json!(9_223_372_036_854_775_808u64), json!(1e300)] {
             let s = json!({"type": "object", "properties": {"v": {"type": "integer", "minimum": bound, "maximum": 5}}});
             let err = check(&s).unwrap_err();
@@ -229,6 +204,7 @@ mod tests {
 
     #[test]
     fn schemas_deeper_than_the_engine_follows_are_refused() {
+        let check = check_depth;
         assert_eq!(check(&chain(100)), Ok(()));
         assert!(check(&chain(1000)).unwrap_err().contains("more than 512 levels"));
         // a recursive model (a tree) refers back to itself: no deeper for that
@@ -261,6 +237,6 @@ mod tests {
         let lark = "start: \"<call>\" body\nbody: %json {\"type\": \"integer\", \"minimum\": -1e19}\nx: %json oops";
         let found = inlined_schemas(lark);
         assert_eq!(found, vec![json!({"type": "integer", "minimum": -1e19})]);
-        assert!(check(&found[0]).is_err());
+        assert!(crate::structured::check_for_engine(&found[0]).is_err());
     }
 }

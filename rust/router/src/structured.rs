@@ -107,11 +107,10 @@ impl GrammarSource {
         }
     }
 
-    /// The Lark text this source compiles as, when it is one (after any reasoning).
+    /// The Lark text of a client's grammar or a forced call's (after any reasoning).
     fn grammar_text(&self) -> Option<&str> {
         match self {
             Self::Lark(g) | Self::Calls(g) => Some(g),
-            Self::Tagged(t) => Some(&t.lark),
             Self::AfterThinking { body, .. } => body.grammar_text(),
             _ => None,
         }
@@ -290,16 +289,14 @@ impl Grammars {
         // client's, so its errors name that and leave our grammar's text out.
         let what =
             if param == "tools" { "`parameters` schema of a forced or strict tool call" } else { describe(source) };
-        let checked = match (source.regex(), source.json_schema()) {
-            (Some(rx), _) => check_regex(rx, "regex"),
-            (_, Some(schema)) => check_patterns(schema, &mut String::new()),
-            _ => Ok(()),
-        };
-        // (what would end the process in the engine: every schema the source holds)
+        // (every schema the source holds: its own, or those its grammar inlines; a structural
+        // tag's were checked as it was built, each at its own param)
         let inlined = source.grammar_text().map(crate::engine_limits::inlined_schemas).unwrap_or_default();
-        let checked = checked
-            .and_then(|()| source.json_schema().into_iter().chain(&inlined).try_for_each(crate::engine_limits::check))
-            .and_then(|()| source.lark().map_or(Ok(()), crate::engine_limits::check_lark));
+        let checked = match source.regex() {
+            Some(rx) => check_regex(rx, "regex"),
+            None => source.json_schema().into_iter().chain(&inlined).try_for_each(check_for_engine),
+        }
+        .and_then(|()| source.lark().map_or(Ok(()), crate::engine_limits::check_lark));
         if let Err(cause) = checked {
             return Err(ApiError::invalid(
                 param,
@@ -456,11 +453,12 @@ const SUBSCHEMA: [&str; 15] = [
 ];
 const SUBSCHEMA_MAPS: [&str; 5] = ["properties", "$defs", "definitions", "dependentSchemas", "patternProperties"];
 
-/// The 400 at `param` for a tool's `parameters` holding a malformed `pattern`, its place a
-/// pointer into those `parameters` (the forced call's grammar wraps them in a call object, a
-/// place the client never wrote); None when the patterns are well formed.
-pub fn parameters_pattern_error(parameters: &Value, param: String) -> Option<ApiError> {
-    let cause = check_patterns(parameters, &mut String::new()).err()?;
+/// The 400 at `param` for a tool's `parameters` holding a malformed `pattern` or an integer
+/// bound the engine cannot hold, its place a pointer into those `parameters` (the forced
+/// call's grammar wraps them in a call object, a place the client never wrote); None when
+/// their keywords are well formed.
+pub fn parameters_keyword_error(parameters: &Value, param: String) -> Option<ApiError> {
+    let cause = check_keywords(parameters, &mut String::new()).err()?;
     Some(ApiError::invalid(
         param,
         format!(
@@ -469,14 +467,29 @@ pub fn parameters_pattern_error(parameters: &Value, param: String) -> Option<Api
     ))
 }
 
+/// Ok, or why the grammar engine cannot take `schema`: its keywords (`check_keywords`), and
+/// its depth (`engine_limits::check_depth`).
+pub(crate) fn check_for_engine(schema: &Value) -> Result<(), String> {
+    check_keywords(schema, &mut String::new())?;
+    crate::engine_limits::check_depth(schema)
+}
+
 /// Every `pattern` and `patternProperties` key in `schema` checked as `check_regex` checks a
 /// regex: llguidance rewrites them as it rewrites a `regex` constraint (dropping a trailing
-/// lone backslash) before its engine parses them. Walks the subschema keywords only, so data
-/// (`const`, `enum`, `default`, `examples`) is never read as a pattern. `at` is the JSON pointer
-/// of `schema`, named in the error.
-pub(crate) fn check_patterns(schema: &Value, at: &mut String) -> Result<(), String> {
+/// lone backslash) before its engine parses them; and every integer schema's bounds within
+/// what the engine holds (`engine_limits::bound_past_64_bits`). Walks the subschema keywords
+/// only, so data (`const`, `enum`, `default`, `examples`) is never read as a schema. `at` is
+/// the JSON pointer of `schema`, named in the error.
+pub(crate) fn check_keywords(schema: &Value, at: &mut String) -> Result<(), String> {
     let Value::Object(obj) = schema else { return Ok(()) };
     let place = |at: &str| if at.is_empty() { "the schema's root".to_string() } else { at.to_string() };
+    if let Some(key) = crate::engine_limits::bound_past_64_bits(obj) {
+        return Err(format!(
+            "`{key}` {} at {} is beyond the integers the grammar engine holds (-2^63 < n < 2^63)",
+            obj[key],
+            place(at)
+        ));
+    }
     if let Some(Value::String(rx)) = obj.get("pattern") {
         check_regex(rx, "pattern").map_err(|cause| format!("`pattern` at {}: {cause}", place(at)))?;
     }
@@ -491,7 +504,7 @@ pub(crate) fn check_patterns(schema: &Value, at: &mut String) -> Result<(), Stri
         let len = at.len();
         at.push('/');
         at.push_str(path);
-        let result = check_patterns(sub, at);
+        let result = check_keywords(sub, at);
         at.truncate(len);
         result
     };

@@ -389,6 +389,14 @@ fn structured_outputs_constrain_like_response_format() {
             p("response_format.format.content.json_schema"),
         ),
         (
+            // (a schema the grammar engine would die on, blamed where it was sent)
+            json!({"response_format": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": -1e19}}}}}),
+            400,
+            "invalid_value",
+            p("response_format.format.content.json_schema"),
+        ),
+        (
             json!({"response_format": {"type": "structural_tag", "triggers": ["<f="],
                 "structures": [{"begin": "<g=a>", "schema": {}, "end": "</g>"}]}}),
             400,

@@ -313,7 +313,7 @@ pub(crate) fn unused_kwarg_fields(unused: &[String]) -> impl Iterator<Item = Str
 /// The 400 at `param` for a function whose `parameters` a forced call's grammar refused
 /// (`err`): a malformed `pattern` is named by its place in those `parameters`.
 fn blame_parameters(function: &Value, param: String, err: &ApiError) -> ApiError {
-    crate::structured::parameters_pattern_error(&function["parameters"], param.clone())
+    crate::structured::parameters_keyword_error(&function["parameters"], param.clone())
         .unwrap_or_else(|| ApiError::invalid(param, err.message()))
 }
 

@@ -22,7 +22,7 @@ use serde_json::{json, Map, Value};
 use super::common::{as_object, invalid_type, kind_of, unsupported};
 use super::constrained::{missing, string_field};
 use crate::error::ApiError;
-use crate::structured::{check_patterns, check_regex, for_generation, lark_literal};
+use crate::structured::{check_for_engine, check_regex, for_generation, lark_literal};
 
 /// How deeply formats may nest (the translation recurses once per level).
 const MAX_DEPTH: usize = 32;
@@ -286,7 +286,7 @@ impl Translator<'_> {
         };
         super::constrained::refuse_looping_ref(&schema, param)?;
         super::schema_edit::close_objects(&mut schema);
-        check_patterns(&schema, &mut String::new()).map_err(|cause| {
+        check_for_engine(&schema).map_err(|cause| {
             ApiError::invalid(param, format!("The JSON schema cannot be used to constrain generation: {cause}"))
         })?;
         let body = format!("%json {}", for_generation(&schema));
