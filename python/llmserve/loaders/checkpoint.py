@@ -183,13 +183,11 @@ class Checkpoint:
     gguf_vocab: dict | None            # GgufVocab (rust/router tokenizer.rs) as a dict (GGUF files);
                                        # the tokenizer unless tokenizer_json is set
     template_sources: dict             # TemplateSources (rust/router template/mod.rs) as a dict
-    bos_token: str | None
-    eos_token: str | None
-    eos_token_ids: list[int]
-    generation_config: dict = field(default_factory=dict)
     # Every special token a chat template sees by name (transformers' special_tokens_map, with
     # a model's own such as image_token): bos_token and eos_token, unk_token, pad_token, ...
-    special_tokens: dict = field(default_factory=dict)
+    special_tokens: dict
+    eos_token_ids: list[int]
+    generation_config: dict = field(default_factory=dict)
     # GGUF linear weights in Q8_0/Q4_0/Q4_1 (as the file holds them, or converted from its
     # other block types: gguf_convert.py), by HF name, Q/K rows un-permuted like `weights`,
     # whose values are these blocks' values; read by the quantized GEMV of few-token steps.
@@ -202,6 +200,14 @@ class Checkpoint:
     # its embeddings are made: {"pooling": "last" | "mean" | <another mode>, "normalize": bool,
     # "unsupported": why they cannot be served as said}; empty without those files.
     sentence_transformers: dict = field(default_factory=dict)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
 
     def __repr__(self) -> str:
         # The default repr would print every tensor; this is what a log line wants.

@@ -695,8 +695,6 @@ def load_gguf(path: Path, name: str, log: logging.Logger, quantized_decode: bool
         tokenizer_json=None,
         gguf_vocab=vocab,
         template_sources=sources,
-        bos_token=token(vocab["bos_token_id"]),
-        eos_token=token(vocab["eos_token_id"]),
         special_tokens={name: text for name in ("bos_token", "eos_token", "unk_token", "pad_token")
                         if (text := token(vocab[f"{name}_id"])) is not None},
         eos_token_ids=eos_ids,

@@ -121,10 +121,16 @@ class TokenizerFiles:
 
     tokenizer_json: Path
     templates: dict
-    bos_token: str | None
-    eos_token: str | None
     # every special token a template sees by name, bos_token and eos_token too (_special_tokens)
     special_tokens: dict[str, str]
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
 
     def eos_token_id(self) -> int | None:
         """The EOS token's id in tokenizer.json (read when asked: the file can be megabytes)."""
@@ -158,11 +164,7 @@ def read_tokenizer(folder: Path) -> TokenizerFiles:
     # Older checkpoints name their special tokens in special_tokens_map.json only;
     # transformers reads both (tokenizer_config.json first).
     special = _special_tokens(tok_config, _read_json(folder / "special_tokens_map.json") or {})
-    return TokenizerFiles(tokenizer_json, templates, special.get("bos_token"), special.get("eos_token"), special)
-
-
-# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES)
-_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    return TokenizerFiles(tokenizer_json, templates, special)
 
 
 def _special_tokens(tok_config: dict, special_map: dict) -> dict[str, str]:
@@ -240,8 +242,6 @@ def load_folder(folder: Path, name: str, log: logging.Logger) -> Checkpoint:
         tokenizer_json=str(tok.tokenizer_json),
         gguf_vocab=None,
         template_sources=tok.templates,
-        bos_token=tok.bos_token,
-        eos_token=tok.eos_token,
         special_tokens=tok.special_tokens,
         eos_token_ids=eos_ids,
         generation_config=generation_config,

@@ -94,7 +94,6 @@ def with_tokenizer(ckpt: Checkpoint, spec: str, log: logging.Logger = LOG,
         eos_ids.append(eos)
     log.info("tokenizer: %s (--tokenizer %s)", tok.tokenizer_json, spec)
     return replace(ckpt, tokenizer_json=str(tok.tokenizer_json), template_sources=templates,
-                   bos_token=tok.bos_token or ckpt.bos_token, eos_token=tok.eos_token or ckpt.eos_token,
                    special_tokens={**ckpt.special_tokens, **tok.special_tokens},
                    eos_token_ids=eos_ids)
 
