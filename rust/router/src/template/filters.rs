@@ -24,6 +24,9 @@ pub fn register(env: &mut Environment<'static>) {
     env.add_filter("title", title);
     env.add_filter("wordcount", wordcount);
     env.add_filter("center", center);
+    env.add_filter("max", |value: Value, args: Rest<Value>, kwargs: Kwargs| extreme(value, &args, &kwargs, true));
+    env.add_filter("min", |value: Value, args: Rest<Value>, kwargs: Kwargs| extreme(value, &args, &kwargs, false));
+    env.add_filter("xmlattr", xmlattr);
     env.add_test("iterable", is_iterable);
     env.add_test("sequence", is_sequence);
 }
@@ -380,4 +383,83 @@ fn wordcount(value: &Value) -> Result<Value, Error> {
     let s = py_str(value)?;
     let words = s.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).count();
     Ok(Value::from(words))
+}
+
+/// `max`/`min(case_sensitive=False, attribute=None)`: the first largest (smallest) item,
+/// compared by its `attribute` when one is named and with strings lower-cased unless
+/// `case_sensitive`; undefined for an empty sequence, as Jinja2's.
+fn extreme(value: Value, args: &[Value], kwargs: &Kwargs, largest: bool) -> Result<Value, Error> {
+    let case_sensitive = arg(args, kwargs, 0, "case_sensitive")?.is_some_and(|v| v.is_true());
+    let path = arg(args, kwargs, 1, "attribute")?;
+    kwargs.assert_all_used()?;
+    if value.is_undefined() {
+        return Ok(Value::UNDEFINED);
+    }
+    if !iterable(&value) {
+        return Err(Error::new(ErrorKind::InvalidOperation, format!("'{}' object is not iterable", type_name(&value))));
+    }
+    let key = |item: &Value| {
+        let k = path.as_ref().map_or_else(|| item.clone(), |p| attribute(item, p));
+        match k.as_str() {
+            Some(s) if !case_sensitive => Value::from(s.to_lowercase()),
+            _ => k,
+        }
+    };
+    let mut best: Option<(Value, Value)> = None;
+    for item in value.try_iter()? {
+        let k = key(&item);
+        let better = best.as_ref().is_none_or(|(b, _)| if largest { k > *b } else { k < *b });
+        if better {
+            best = Some((k, item));
+        }
+    }
+    Ok(best.map_or(Value::UNDEFINED, |(_, item)| item))
+}
+
+/// `xmlattr(autospace=True)`: a dict's items as XML attributes, `key="value"` HTML-escaped,
+/// none and undefined values left out, a space before them unless `autospace` is false; a key
+/// with whitespace, `/`, `>` or `=` is refused, as Jinja2 3.1.4's.
+fn xmlattr(value: &Value, autospace: Option<bool>) -> Result<Value, Error> {
+    let escape = |s: &str| {
+        let mut out = String::with_capacity(s.len());
+        for c in s.chars() {
+            match c {
+                '&' => out.push_str("&amp;"),
+                '<' => out.push_str("&lt;"),
+                '>' => out.push_str("&gt;"),
+                '\'' => out.push_str("&#39;"),
+                '"' => out.push_str("&#34;"),
+                c => out.push(c),
+            }
+        }
+        out
+    };
+    if value.kind() != ValueKind::Map {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("'{}' object has no attribute 'items'", type_name(value)),
+        ));
+    }
+    let mut items = Vec::new();
+    for key in value.try_iter()? {
+        let item = value.get_item(&key)?;
+        if item.is_none() || item.is_undefined() {
+            continue;
+        }
+        let Some(name) = key.as_str() else {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("expected string or bytes-like object, got '{}'", type_name(&key)),
+            ));
+        };
+        if name.chars().any(|c| matches!(c, ' ' | '\t' | '\n' | '\r' | '\x0b' | '\x0c' | '/' | '>' | '=')) {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("Invalid character in attribute name: {name:?}"),
+            ));
+        }
+        items.push(format!("{}=\"{}\"", escape(name), escape(&py_str(&item)?)));
+    }
+    let attrs = items.join(" ");
+    Ok(Value::from(if autospace.unwrap_or(true) && !attrs.is_empty() { format!(" {attrs}") } else { attrs }))
 }

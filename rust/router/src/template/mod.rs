@@ -897,6 +897,22 @@ mod tests {
             "aba|0, 1, 2"
         );
         assert!(render("{{ 'ab'.center(5, '--') }}", json!([])).is_err());
+        // Jinja2's max/min: case-insensitive unless asked, by attribute, the first of equals
+        assert_eq!(
+            text("{{ ['b','A','a','C']|max }}|{{ ['b','A','a','C']|min }}|{{ ['b','A','a','C']|max(true) }}|{{ ['b','A','a','C']|min(case_sensitive=true) }}"),
+            "C|A|b|A"
+        );
+        assert_eq!(
+            text("{{ ([{'n': 2, 'k': 'x'}, {'n': 5, 'k': 'y'}, {'n': 5, 'k': 'z'}]|max(attribute='n')).k }}|{{ [[1, 'b'], [0, 'c']]|max(attribute='1') }}|{{ []|max is undefined }}|{{ [3, 1.5, 2]|min }}"),
+            "y|[0, 'c']|True|1.5"
+        );
+        assert_eq!(
+            text("<x{{ {'id': 'a&b', 'title': '\"q\" <t>', 'n': none, 'on': true, 'l': [1, 'x']}|xmlattr }}>|<y{{ {'a': 1}|xmlattr(false) }}>|<z{{ {}|xmlattr }}>"),
+            "<x id=\"a&amp;b\" title=\"&#34;q&#34; &lt;t&gt;\" on=\"True\" l=\"[1, &#39;x&#39;]\">|<ya=\"1\">|<z>"
+        );
+        for refused in ["{{ {'a b': 1}|xmlattr }}", "{{ none|max }}", "{{ {1: 2}|xmlattr }}"] {
+            assert!(render(refused, json!([])).is_err(), "{refused}");
+        }
     }
 
     #[test]
