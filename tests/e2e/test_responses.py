@@ -8,6 +8,7 @@ which raises on any inconsistency) and add up to the non-streamed `response`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -416,6 +417,24 @@ def test_background_responses_run_without_their_client(smol, client):
     r = httpx.get(f"{smol.url}/v1/responses/{response_id}", params={"stream": "true", "starting_after": "x"},
                   timeout=30)
     assert (r.status_code, r.json()["error"]["param"]) == (400, "starting_after")
+
+
+def test_a_background_request_id_sent_twice_at_once_runs_once(smol, client):
+    """Background responses sent at once under one `request_id`: each replaces the one before,
+    whose generation stops even if it had not started yet (it ran on, out of reach of cancel);
+    the cancel then stops the one left."""
+    body = dict(model=MODEL, input="Write a long story about a dragon.", max_output_tokens=1500, background=True,
+                ignore_eos=True, request_id="twice")
+
+    async def send_all() -> list[int]:
+        async with httpx.AsyncClient(base_url=smol.url, timeout=60) as c:
+            sent = await asyncio.gather(*(c.post("/v1/responses", json=body) for _ in range(5)))
+        return [r.status_code for r in sent]
+
+    assert asyncio.run(send_all()) == [200] * 5
+    assert client.responses.cancel("resp_twice").status == "cancelled"
+    _until(lambda: _running(smol) == 0, timeout=30)
+    assert httpx.get(smol.url + "/load", timeout=30).json()["kv_blocks_used"] == 0
 
 
 def test_conversations_hold_the_turns_of_their_responses(client):

@@ -199,6 +199,10 @@ class RequestStream:
     async def aclose(self) -> None:
         """Abort the request if it has not finished (reading with `next()`, call this, or use
         the stream as `async with`, when the reader may stop early or be cancelled)."""
+        self.close()
+
+    def close(self) -> None:
+        """`aclose`, for code that cannot await."""
         if not self.finished:
             self.finished = True
             self._engine.abort(self)

@@ -40,6 +40,9 @@ class Run:
         self.ended: float | None = None
         self._changed = asyncio.get_running_loop().create_future()
         self.task = asyncio.ensure_future(self._run())
+        # (a task cancelled before its first step never runs `_run`, nor its `finally`: a
+        # `request_id` sent twice at once replaces a run that has not started)
+        self.task.add_done_callback(lambda _: self._end())
 
     async def _run(self) -> None:
         try:
@@ -55,7 +58,13 @@ class Run:
         except Exception:
             log.exception("background response %s failed", self.id)
         finally:
-            await self.stream.aclose()
+            self._end()
+
+    def _end(self) -> None:
+        """Its generation is aborted if it still runs (its KV blocks freed), and readers see
+        the end."""
+        if self.ended is None:
+            self.stream.close()
             self.ended = time.monotonic()
             self._wake()
 
