@@ -236,3 +236,46 @@ def test_characters_split_across_tokens(smol, hf_tokenizer):
     offsets = c["choices"][0]["logprobs"]["text_offset"][:len(ids)]
     assert offsets == [len(hf_tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
     assert len(set(offsets)) < len(ids), "a character spans several tokens"
+
+
+def _token_bytes(hf_tokenizer) -> list[bytes]:
+    """Each token's bytes (GPT-2's byte-level spelling undone)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return [bytes(byte_of.get(c, 0) for c in token) for token in hf_tokenizer.convert_ids_to_tokens(
+        list(range(len(hf_tokenizer))))]
+
+
+def test_bytes_that_form_no_character(smol, hf_tokenizer):
+    """A lone continuation byte decodes to a U+FFFD that no later byte changes: the tokens after
+    it start after it (text_offset), whereas the first bytes of a character wait for the rest.
+    A stop string in text held back that way (a token of a space and half a character) still
+    ends the choice `stop` when max_tokens ends it there."""
+    import codecs
+
+    def inside_a_char(data: bytes) -> bool:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(data)
+        return decoder.getstate()[0] != b""
+
+    vocab = _token_bytes(hf_tokenizer)
+    lone, start = vocab.index(b"\x89"), vocab.index(b"\xe6")
+    ids = [lone] + hf_tokenizer.encode("Hello", add_special_tokens=False) + [start, lone, lone]
+    ids += hf_tokenizer.encode(" there", add_special_tokens=False)
+    c = httpx.post(smol.url + "/v1/completions", json={
+        "model": "SmolLM2-135M-Instruct", "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1}).json()
+    reference = []
+    for i in range(len(ids)):
+        text = hf_tokenizer.decode(ids[:i])
+        reference.append(len(text) - inside_a_char(b"".join(vocab[t] for t in ids[:i])))
+    assert c["choices"][0]["logprobs"]["text_offset"][:len(ids)] == reference
+    assert reference[1] == 1, "the lone byte is a character of the text"
+
+    space_half = next(i for i, b in enumerate(vocab) if len(b) == 2 and b[0] == 0x20 and b[1] >= 0xC2)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 1, "allowed_token_ids": [space_half]}
+    for include in (False, True):
+        c = httpx.post(smol.url + "/v1/completions", json={**body, "stop": [" "],
+                                                           "include_stop_str_in_output": include}).json()
+        choice = c["choices"][0]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (" " * include, "stop", " ")

@@ -1028,17 +1028,26 @@ fn deliver(
             ended = finish.is_none();
             finish = Some(FinishReason::Stop);
             stop_text = Some(s);
-        } else if grammar_done {
-            ended = finish.is_none();
-            finish = Some(FinishReason::Stop);
-            text.push_str(&detok.flush());
-        } else if repeated {
-            ended = true;
-            finish = Some(FinishReason::Repetition);
-            stop_reason = Some(StopReason::Text(repetition::STOP_REASON));
-            text.push_str(&detok.flush());
-        } else if finish.is_some() {
-            text.push_str(&detok.flush());
+        } else {
+            if grammar_done {
+                ended = finish.is_none();
+                finish = Some(FinishReason::Stop);
+            } else if repeated {
+                ended = true;
+                finish = Some(FinishReason::Repetition);
+                stop_reason = Some(StopReason::Text(repetition::STOP_REASON));
+            }
+            if finish.is_some() {
+                // Text held back as half a character was not searched for stop strings: one
+                // found there now ends the sequence, as if it had been seen in time.
+                let rest = detok.flush();
+                text.push_str(&rest.text);
+                if let Some(s) = rest.stop {
+                    finish = Some(FinishReason::Stop);
+                    stop_reason = None;
+                    stop_text = Some(s);
+                }
+            }
         }
     }
     let tokens_out = if finish.is_some() {

@@ -97,16 +97,18 @@ impl Detokenizer {
         self.release(false)
     }
 
-    /// Generation ended without a stop string: the held-back text.
-    pub fn flush(&mut self) -> String {
+    /// Generation ended (no stop string matched yet): the held-back text, and a stop string
+    /// only it holds (text held back as half a character was not searched; the generation
+    /// then ends by that stop string, whatever ended it).
+    pub fn flush(&mut self) -> DetokStep {
         if self.stopped {
-            return String::new();
+            return DetokStep::default();
         }
         let rest = self.decode_new(true);
         self.append(&rest);
         let step = self.release(true);
         self.stopped = true;
-        step.text
+        step
     }
 
     /// Generation ended on a token id (eos or a `stop_token_ids` entry): the held-back text,
@@ -124,7 +126,7 @@ impl Detokenizer {
                 return text;
             }
         }
-        text.push_str(&self.flush());
+        text.push_str(&self.flush().text);
         text
     }
 
@@ -158,11 +160,16 @@ impl Detokenizer {
             return decoded;
         }
         // Tokens ending inside a character wait for its last bytes; the whole characters
-        // before it (a space in the token that starts it) are decoded already.
+        // before it (a space in the token that starts it) are decoded already, and so are
+        // U+FFFDs of bytes no character can hold (a lone continuation byte), which are final.
         let skip = self.config.skip_special_tokens;
         let prefix_text = self.tokenizer.decode(&self.ids[self.prefix..self.read], skip);
         let full_text = self.tokenizer.decode(&self.ids[self.prefix..], skip);
-        decoded + after_context(&prefix_text, &full_text).trim_end_matches('\u{FFFD}').chars().count()
+        let mut awaiting = after_context(&prefix_text, &full_text);
+        if self.ends_inside_a_char() {
+            awaiting = awaiting.strip_suffix('\u{FFFD}').unwrap_or(awaiting);
+        }
+        decoded + awaiting.chars().count()
     }
 
     /// The text the ids after `read` add, once it is whole (or at the end, whatever it is).
@@ -295,7 +302,7 @@ mod tests {
     use crate::tokenizer::GgufVocab;
 
     /// Bytes as tokens, plus two specials: ids 0 "<|endoftext|>", 1 "<|im_end|>", then
-    /// byte b is id b + 2.
+    /// byte b is id b + 2, then [`SPACE_HALF`].
     fn bytes_tokenizer() -> Arc<Tokenizer> {
         let table: Vec<char> = {
             // GPT-2 alphabet, built the same way as the tokenizer does.
@@ -314,6 +321,8 @@ mod tests {
         };
         let mut tokens = vec!["<|endoftext|>".to_string(), "<|im_end|>".to_string()];
         tokens.extend(table.iter().map(|c| c.to_string()));
+        // id 258: a space and the first byte of a 4-byte character, as one token
+        tokens.push(format!("{}{}", table[b' ' as usize], table[0xF0]));
         let mut types = vec![3, 3];
         types.resize(tokens.len(), 1);
         let v = GgufVocab {
@@ -333,6 +342,9 @@ mod tests {
         };
         Arc::new(Tokenizer::from_gguf(&v).unwrap())
     }
+
+    /// " " and the first byte of a 4-byte character.
+    const SPACE_HALF: u32 = 258;
 
     fn ids(s: &str) -> Vec<u32> {
         s.bytes().map(|b| b as u32 + 2).collect()
@@ -375,7 +387,7 @@ mod tests {
         // Without a later stop, everything comes out, the ignored stop text included.
         let mut d = Detokenizer::new(t.clone(), &[], cfg(9));
         let (out, stop) = run(&mut d, "x.y.");
-        assert_eq!((out + &d.flush(), stop), ("x.y.".to_string(), None));
+        assert_eq!((out + &d.flush().text, stop), ("x.y.".to_string(), None));
     }
 
     #[test]
@@ -468,7 +480,7 @@ mod tests {
         assert_eq!(d.push(woman[2]).text, "");
         assert_eq!(d.decoded_len(), 0);
         assert_eq!(d.push(woman[3]).text, "\u{1F469}");
-        assert_eq!(run(&mut d, "\u{1F469}!").0 + &d.flush(), "\u{1F469}!");
+        assert_eq!(run(&mut d, "\u{1F469}!").0 + &d.flush().text, "\u{1F469}!");
     }
 
     #[test]
@@ -479,15 +491,15 @@ mod tests {
         let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
         assert_eq!(run(&mut d, "a\u{1F600}b").0, "a\u{1F600}b");
         assert_eq!(d.push(emoji[0]).text + &d.push(emoji[1]).text, "");
-        assert_eq!(d.flush(), "");
+        assert_eq!(d.flush().text, "");
         // Bytes that can no longer complete a character (text follows them) stay visible.
         let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
         assert_eq!(d.push(emoji[0]).text, "");
-        assert_eq!(d.push(ids("z")[0]).text + &d.flush(), "\u{FFFD}z");
+        assert_eq!(d.push(ids("z")[0]).text + &d.flush().text, "\u{FFFD}z");
         // A U+FFFD the model wrote is whole, and stays.
         let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
         let (text, _) = run(&mut d, "x\u{FFFD}");
-        assert_eq!(text + &d.flush(), "x\u{FFFD}");
+        assert_eq!(text + &d.flush().text, "x\u{FFFD}");
     }
 
     #[test]
@@ -504,7 +516,7 @@ mod tests {
             }
         }
         assert_eq!(out, "abENx");
-        assert_eq!(d.flush(), "");
+        assert_eq!(d.flush().text, "");
         assert_eq!(d.push(ids("z")[0]), DetokStep::default());
     }
 
@@ -521,6 +533,41 @@ mod tests {
     }
 
     #[test]
+    fn decoded_len_counts_bytes_no_character_can_hold() {
+        // A lone continuation byte is a final U+FFFD (held back with the text after it only
+        // while that ends inside a character): the next token's text starts after it.
+        let emoji = ids("\u{1F600}");
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
+        d.push(ids("a")[0]);
+        d.push(0x89 + 2);
+        assert_eq!(d.decoded_len(), 2);
+        d.push(emoji[0]);
+        assert_eq!(d.decoded_len(), 2, "the emoji's first byte is no character yet");
+        d.push(ids("b")[0]);
+        assert_eq!(d.decoded_len(), 4);
+        assert_eq!(d.emitted_len(), 4);
+    }
+
+    #[test]
+    fn flush_reports_a_stop_string_in_text_held_as_half_a_character() {
+        // "x", then " " and half a character in one token, which waits for the rest; then
+        // max_tokens ends it: the half character is dropped, and the stop string before it,
+        // found only now, is reported.
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], stops(&[" "], false));
+        assert_eq!(d.push(ids("x")[0]).text, "x");
+        assert_eq!(d.push(SPACE_HALF), DetokStep::default());
+        assert_eq!(d.flush(), DetokStep { text: String::new(), stop: Some(" ".into()) });
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], stops(&["x "], true));
+        d.push(ids("x")[0]);
+        d.push(SPACE_HALF);
+        assert_eq!(d.flush(), DetokStep { text: "x ".into(), stop: Some("x ".into()) });
+        // (no stop string there: the text only)
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], stops(&["!"], false));
+        d.push(SPACE_HALF);
+        assert_eq!(d.flush(), DetokStep { text: " ".into(), stop: None });
+    }
+
+    #[test]
     fn flush_returns_a_held_back_partial_stop() {
         let t = bytes_tokenizer();
         let mut d = Detokenizer::new(t, &[], stops(&["</s>"], false));
@@ -529,7 +576,7 @@ mod tests {
             out.push_str(&d.push(id).text);
         }
         assert_eq!(out, "ok ");
-        assert_eq!(d.flush(), "</");
+        assert_eq!(d.flush().text, "</");
         assert_eq!(d.emitted_len(), 5);
     }
 

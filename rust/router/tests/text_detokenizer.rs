@@ -31,10 +31,10 @@ fn run(t: &Arc<Tokenizer>, ids: &[u32], cfg: StopConfig) -> (Vec<String>, Option
         let step = d.push(id);
         steps.push(step.text);
         if step.stop.is_some() {
-            return (steps, step.stop, d.flush());
+            return (steps, step.stop, d.flush().text);
         }
     }
-    let rest = d.flush();
+    let rest = d.flush().text;
     (steps, None, rest)
 }
 
