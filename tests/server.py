@@ -92,10 +92,13 @@ class ServerProcess:
         transport = httpx.HTTPTransport(uds=self.uds, verify=self.verify) if self.uds else None
         return httpx.Client(base_url=self.url, transport=transport, verify=self.verify, **kwargs)
 
-    def logs(self) -> str:
+    def logs(self, whole: bool = False) -> str:
+        """The server's output: its last 5000 characters (for an assertion's message), or
+        `whole`."""
         self._log.flush()
         with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-5000:]
+            text = f.read().decode(errors="replace")
+        return text if whole else text[-5000:]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -46,7 +46,7 @@ def test_template_header_names_source_and_hash(tiny_server):
     assert digest == "sha256:" + hashlib.sha256(CHATML.encode()).hexdigest()[:16]
     rendered = _render(tiny_server, messages=MSG)
     assert rendered["template"] == {"origin": origin, "hash": digest}
-    streamed = httpx.post(tiny_server.url + "/v1/chat/completions", json={
+    streamed = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": MSG, "max_tokens": 2, "stream": True})
     assert streamed.headers["llmserve-chat-template"] == f"{origin} {digest}"
 
@@ -132,7 +132,7 @@ def test_ignored_fields_header_names_inert_and_unknown(tiny_server):
                                                    "priority": 0, "request_id": "r-1", "cache_salt": "s"})
     assert "llmserve-ignored-fields" not in clean.headers
     assert clean.json()["id"] == clean.headers["x-request-id"] == "cmpl-r-1"
-    traced = httpx.post(tiny_server.url + "/v1/chat/completions", headers={"x-request-id": "trace-9"},
+    traced = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, headers={"x-request-id": "trace-9"},
                         json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
     assert traced.json()["id"] == traced.headers["x-request-id"] == "chatcmpl-trace-9"
     # the id goes back in a header: one a header cannot carry is a 400, and the server goes on

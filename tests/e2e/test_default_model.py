@@ -223,7 +223,7 @@ def test_characters_split_across_tokens(smol, hf_tokenizer):
             "return_token_ids": True}
     # (its next token is forced, one token per request, each continuing the last)
     for token in rest:
-        c = httpx.post(smol.url + "/v1/completions", json={**body, "logit_bias": {str(token): 100}}).json()
+        c = httpx.post(smol.url + "/v1/completions", timeout=60, json={**body, "logit_bias": {str(token): 100}}).json()
         assert c["choices"][0]["token_ids"] == [token]
         assert c["choices"][0]["text"] == hf_tokenizer.decode(prompt + [token])[len(whole):].rstrip("\ufffd")
         body["prompt"] = prompt = prompt + [token]
@@ -231,7 +231,7 @@ def test_characters_split_across_tokens(smol, hf_tokenizer):
 
     text = "a \u65e5 b"
     ids = hf_tokenizer.encode(text, add_special_tokens=False)
-    c = httpx.post(smol.url + "/v1/completions", json={
+    c = httpx.post(smol.url + "/v1/completions", timeout=60, json={
         "model": "SmolLM2-135M-Instruct", "prompt": text, "echo": True, "logprobs": 0, "max_tokens": 1}).json()
     offsets = c["choices"][0]["logprobs"]["text_offset"][:len(ids)]
     assert offsets == [len(hf_tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
@@ -263,7 +263,7 @@ def test_bytes_that_form_no_character(smol, hf_tokenizer):
     lone, start = vocab.index(b"\x89"), vocab.index(b"\xe6")
     ids = [lone] + hf_tokenizer.encode("Hello", add_special_tokens=False) + [start, lone, lone]
     ids += hf_tokenizer.encode(" there", add_special_tokens=False)
-    c = httpx.post(smol.url + "/v1/completions", json={
+    c = httpx.post(smol.url + "/v1/completions", timeout=60, json={
         "model": "SmolLM2-135M-Instruct", "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1}).json()
     reference = []
     for i in range(len(ids)):
@@ -275,7 +275,7 @@ def test_bytes_that_form_no_character(smol, hf_tokenizer):
     space_half = next(i for i, b in enumerate(vocab) if len(b) == 2 and b[0] == 0x20 and b[1] >= 0xC2)
     body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 1, "allowed_token_ids": [space_half]}
     for include in (False, True):
-        c = httpx.post(smol.url + "/v1/completions", json={**body, "stop": [" "],
-                                                           "include_stop_str_in_output": include}).json()
+        c = httpx.post(smol.url + "/v1/completions", timeout=60,
+                       json={**body, "stop": [" "], "include_stop_str_in_output": include}).json()
         choice = c["choices"][0]
         assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (" " * include, "stop", " ")

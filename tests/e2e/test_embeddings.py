@@ -48,12 +48,12 @@ def test_the_sdks_default_base64_and_floats_carry_the_same_vectors(client):
 
 
 def test_raw_base64_is_little_endian_float32(tiny_server):
-    r = httpx.post(tiny_server.url + "/v1/embeddings",
+    r = httpx.post(tiny_server.url + "/v1/embeddings", timeout=60,
                    json={"model": "tiny", "input": "Hello", "encoding_format": "base64"})
     assert r.status_code == 200, r.text
     raw = base64.b64decode(r.json()["data"][0]["embedding"])
     assert len(raw) == 64 * 4
-    floats = httpx.post(tiny_server.url + "/v1/embeddings",
+    floats = httpx.post(tiny_server.url + "/v1/embeddings", timeout=60,
                         json={"model": "tiny", "input": "Hello"}).json()["data"][0]["embedding"]
     np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), np.array(floats, np.float32))
     assert r.headers["x-request-id"].startswith("embd-")
@@ -110,7 +110,7 @@ def test_an_unknown_model_is_a_404_and_unknown_fields_are_reported(client, tiny_
     with pytest.raises(openai.NotFoundError) as err:
         client.embeddings.create(model="nope", input="a")
     assert err.value.body["code"] == "model_not_found"
-    r = httpx.post(tiny_server.url + "/v1/embeddings", json={"model": "tiny", "input": "a", "stream": True})
+    r = httpx.post(tiny_server.url + "/v1/embeddings", timeout=60, json={"model": "tiny", "input": "a", "stream": True})
     assert r.status_code == 200 and r.headers["llmserve-ignored-fields"] == "stream"
 
 

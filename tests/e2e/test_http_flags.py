@@ -13,6 +13,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -84,7 +85,12 @@ def test_enable_log_requests_logs_each_prompt_and_its_parameters(tiny_model):
             client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9, 10, 11, 12], max_tokens=1)
         for path in ("/health", "/metrics", "/health?probe=1", "/load", "/healthz"):
             httpx.get(server.url + path, timeout=10)
-        logs = server.logs()
+        # (a request's access line is written after its response is sent)
+        deadline = time.monotonic() + 30
+        while '"GET /healthz' not in server.logs():
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.05)
+        logs = server.logs(whole=True)
     finally:
         server.stop()
     access = [line.split('"')[1] for line in logs.splitlines() if "llmserve.access" in line]
@@ -115,7 +121,7 @@ def test_enable_log_outputs_logs_what_each_generation_answered(tiny_model):
                 model="tiny", prompt="hello", max_tokens=4, temperature=0, stream=True,
                 extra_body={"request_id": "flow", "ignore_eos": True}) if chunk.choices)
             client.embeddings.create(model="tiny", input="not a generation")
-        logs = server.logs()
+        logs = server.logs(whole=True)
     finally:
         server.stop()
     lines = [line.split("llmserve.requests: ", 1)[1] for line in logs.splitlines() if "Generated response" in line]

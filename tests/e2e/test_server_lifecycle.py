@@ -102,7 +102,7 @@ def test_a_stop_with_a_request_running_exits_0_without_a_traceback(tiny_model, s
     async def request_and_stop():
         async with httpx.AsyncClient(base_url=url, timeout=EXIT_WITHIN_S) as c:
             sent = asyncio.ensure_future(c.post("/v1/completions", json={
-                "model": "tiny", "prompt": "hi", "max_tokens": 200, "ignore_eos": True}))
+                "model": "tiny", "prompt": "hi", "max_tokens": 500, "ignore_eos": True}))
             while (await c.get("/load")).json()["running"] == 0:
                 await asyncio.sleep(0.02)
             for sig in signals:

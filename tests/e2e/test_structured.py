@@ -407,7 +407,7 @@ def test_a_huge_counted_repetition_is_followed(client, regex):
 ])
 def test_bad_schema_is_400(smol, body, param):
     model = httpx.get(smol.url + "/v1/models").json()["data"][0]["id"]
-    r = httpx.post(smol.url + "/v1/chat/completions",
+    r = httpx.post(smol.url + "/v1/chat/completions", timeout=60,
                    json={"model": model, "messages": [{"role": "user", "content": "hi"}], **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]

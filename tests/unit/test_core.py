@@ -280,7 +280,9 @@ def test_a_client_gone_from_the_queue_frees_its_place_at_once(router):
         for _ in range(12):
             runner.permits.release()
         deadline = time.monotonic() + 10
-        while not (thread.stats["waiting"] == 0 and thread.stats["running"] == 0) and time.monotonic() < deadline:
+        # (a step publishes its counts before it delivers its outputs)
+        while not (thread.stats["waiting"] == 0 and thread.stats["running"] == 0 and len(finished) == 2) \
+                and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (thread.stats["waiting"], thread.stats["running"], waiting()) == (0, 0, 0)
         assert sorted(finished) == [("next", False), ("runs", False)]   # (and neither failed)

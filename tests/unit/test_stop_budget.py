@@ -13,7 +13,7 @@ def test_the_step_wait_is_cut_to_what_is_left_of_the_stop_budget():
     assert app._step_wait(state) == app.ENGINE_STOP_TIMEOUT_S          # no signal: the bound
     state.stop_deadline = now + app.STOP_BUDGET_S                       # a signal just now
     assert app._step_wait(state) == app.ENGINE_STOP_TIMEOUT_S
-    state.stop_deadline = now + 3                                       # the drain took 26 s
+    state.stop_deadline = time.monotonic() + 3                          # the drain took 26 s
     assert 2 < app._step_wait(state) <= 3
     state.stop_deadline = now - 5                                       # nothing left: a moment
     assert app._step_wait(state) == 0.5
