@@ -35,8 +35,8 @@ def timeit(fn, repeats: int) -> float:
 
 def default_router(max_model_len: int = 4096) -> tuple[Router, list[int]]:
     ck = load_checkpoint(None)
-    config = {"served_model_names": ["m"], "max_model_len": max_model_len, "bos_token": ck.bos_token,
-              "eos_token": ck.eos_token, "eos_token_ids": ck.eos_token_ids}
+    config = {"served_model_names": ["m"], "max_model_len": max_model_len, "special_tokens": ck.special_tokens,
+              "eos_token_ids": ck.eos_token_ids}
     router = Router(None, json.dumps(ck.gguf_vocab), json.dumps(ck.template_sources), json.dumps(config))
     return router, ck.eos_token_ids
 

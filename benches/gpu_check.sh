@@ -63,7 +63,7 @@ tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 tok.save_pretrained(str(out))
 tc = json.loads((out / "tokenizer_config.json").read_text())
 tc["chat_template"] = ck.template_sources.get("gguf") or tc.get("chat_template")
-tc["eos_token"] = ck.eos_token
+tc["eos_token"] = ck.special_tokens.get("eos_token")
 (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
 print("model folder (no weights):", out, sorted(p.name for p in out.iterdir()))
 EOF

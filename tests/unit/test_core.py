@@ -20,7 +20,7 @@ EOS = SPECIALS.index("<|im_end|>")
 def router(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     build_tokenizer(path)
-    config = {"served_model_names": ["m"], "max_model_len": 256, "eos_token": "<|im_end|>",
+    config = {"served_model_names": ["m"], "max_model_len": 256, "special_tokens": {"eos_token": "<|im_end|>"},
               "eos_token_ids": [EOS]}
     sources = {"cli": None, "folder_jinja": None, "tokenizer_config": CHATML, "gguf": None}
     return _core.Router(str(path), None, json.dumps(sources), json.dumps(config))
@@ -628,7 +628,7 @@ def router_with(folder, added: list[str], **config):
     tok = Tokenizer.from_file(str(path))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.save(str(path))
-    config = {"served_model_names": ["m"], "max_model_len": 256, "eos_token": "<|im_end|>",
+    config = {"served_model_names": ["m"], "max_model_len": 256, "special_tokens": {"eos_token": "<|im_end|>"},
               "eos_token_ids": [EOS], **config}
     sources = {"cli": None, "folder_jinja": None, "tokenizer_config": CHATML, "gguf": None}
     return _core.Router(str(path), None, json.dumps(sources), json.dumps(config)), tok

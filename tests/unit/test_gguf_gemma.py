@@ -184,8 +184,8 @@ def test_the_tokenizer_is_transformers_gemma_conversion(gemma_file):
     arch, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
     theirs, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
     ckpt = load_checkpoint(str(path))
-    config = {"served_model_names": ["g"], "max_model_len": 256, "eos_token": "<eos>", "eos_token_ids": [1],
-              "bos_token": "<bos>"}
+    config = {"served_model_names": ["g"], "max_model_len": 256, "eos_token_ids": [1],
+              "special_tokens": {"bos_token": "<bos>", "eos_token": "<eos>"}}
     sources = {"cli": None, "folder_jinja": None, "tokenizer_config": None, "gguf": TEMPLATE}
     router = _core.Router(None, json.dumps(ckpt.gguf_vocab), json.dumps(sources), json.dumps(config))
 

@@ -108,7 +108,7 @@ def test_folder_single_file(tmp_path):
         "cli": None, "folder_jinja": JINJA, "folder_named": {}, "tokenizer_config": TEMPLATE,
         "tokenizer_config_file": None, "gguf": None,
     }
-    assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "</s>")
+    assert (ckpt.special_tokens.get("bos_token"), ckpt.special_tokens.get("eos_token")) == ("<s>", "</s>")
     # generation_config's ids first, then config.json's (2 again: not repeated)
     assert ckpt.eos_token_ids == [2, 3]
     assert ckpt.generation_config == {"eos_token_id": [2, 3], "temperature": 0.6, "top_p": 0.9}
@@ -154,7 +154,7 @@ def test_folder_named_templates_as_transformers_saves_them(tmp_path):
     assert ckpt.template_sources["folder_named"] == {"tool_use": TOOL_TEMPLATE}
     router = _core.Router(ckpt.tokenizer_json, None, _json.dumps(ckpt.template_sources), _json.dumps({
         "served_model_names": ["m"], "max_model_len": 64, "eos_token_ids": ckpt.eos_token_ids,
-        "bos_token": ckpt.bos_token, "eos_token": ckpt.eos_token}))
+        "special_tokens": ckpt.special_tokens}))
     assert router.template_names() == ["default", "tool_use"]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "w1 w2"}]
@@ -176,7 +176,7 @@ def test_folder_special_tokens_from_special_tokens_map(tmp_path):
     (folder / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": {"content": "<s>"}, "eos_token": "<|im_end|>"}))
     ckpt = load_checkpoint(str(folder))
-    assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "<|im_end|>")
+    assert (ckpt.special_tokens.get("bos_token"), ckpt.special_tokens.get("eos_token")) == ("<s>", "<|im_end|>")
     assert ckpt.eos_token_ids == [3]
 
 
@@ -208,7 +208,7 @@ def test_templates_see_every_special_token_as_transformers_passes_them(tmp_path)
                                    "audio_token": "w2"}
     router = _core.Router(ckpt.tokenizer_json, None, _json.dumps(ckpt.template_sources), _json.dumps({
         "served_model_names": ["m"], "max_model_len": 64, "eos_token_ids": ckpt.eos_token_ids,
-        "bos_token": ckpt.bos_token, "eos_token": ckpt.eos_token, "special_tokens": ckpt.special_tokens}))
+        "special_tokens": ckpt.special_tokens}))
     messages = [{"role": "user", "content": "w1 w2"}]
     body = _json.loads(router.handle("chat_render", _json.dumps({"model": "m", "messages": messages}).encode())[0])
     reference = PreTrainedTokenizerFast.from_pretrained(folder).apply_chat_template(messages, tokenize=False)
@@ -246,7 +246,7 @@ def test_folder_eos_from_tokenizer_when_configs_have_none(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     ckpt = load_checkpoint(str(folder))
-    assert ckpt.eos_token == "<|im_end|>"
+    assert ckpt.special_tokens.get("eos_token") == "<|im_end|>"
     assert ckpt.eos_token_ids == [3]
 
 
@@ -458,7 +458,7 @@ def test_gguf_f32_gives_original_weights(tmp_path, tie):
     assert ckpt.tokenizer_json is None
     assert ckpt.template_sources == {"cli": None, "folder_jinja": None, "folder_named": {}, "tokenizer_config": None,
                                      "tokenizer_config_file": None, "gguf": TEMPLATE}
-    assert (ckpt.bos_token, ckpt.eos_token) == ("<s>", "</s>")
+    assert (ckpt.special_tokens.get("bos_token"), ckpt.special_tokens.get("eos_token")) == ("<s>", "</s>")
     assert ckpt.eos_token_ids == [2, 3]  # eos, then the end-of-turn token
 
 
@@ -699,7 +699,8 @@ def test_default_model():
     assert ckpt.gguf_vocab["model"] == "gpt2" and ckpt.gguf_vocab["pre"] == "smollm"
     assert len(ckpt.gguf_vocab["tokens"]) == 49152
     assert ckpt.gguf_vocab["token_types"].count(3) == 17  # the control tokens
-    assert (ckpt.bos_token, ckpt.eos_token, ckpt.eos_token_ids) == ("<|im_start|>", "<|im_end|>", [2])
+    assert (ckpt.special_tokens.get("bos_token"), ckpt.special_tokens.get("eos_token"), ckpt.eos_token_ids) \
+        == ("<|im_start|>", "<|im_end|>", [2])
     assert "<|im_start|>" in ckpt.template_sources["gguf"]
     assert ckpt.weights["model.embed_tokens.weight"].shape == (49152, 576)
     assert ckpt.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
@@ -786,7 +787,7 @@ def test_gguf_with_the_tokenizer_it_was_made_from(tmp_path, offline_hub):
     assert ckpt.tokenizer_json == str(folder / "tokenizer.json")
     assert ckpt.gguf_vocab == own.gguf_vocab   # (still a GGUF model: it computes as one)
     assert ckpt.template_sources["tokenizer_config"] == JINJA and ckpt.template_sources["gguf"] == TEMPLATE
-    assert ckpt.eos_token_ids == own.eos_token_ids + [3] and ckpt.eos_token == "<|im_end|>"
+    assert ckpt.eos_token_ids == own.eos_token_ids + [3] and ckpt.special_tokens.get("eos_token") == "<|im_end|>"
     assert_weights_equal(ckpt, tiny_llama())
     # a Hub id: its tokenizer files, from the cache here (offline)
     repo = _cache_snapshot(offline_hub, folder)

@@ -391,8 +391,6 @@ def build_engine(cfg: Config) -> Engine:
         "return_tokens_as_token_ids": cfg.server.return_tokens_as_token_ids,
         "max_logprobs": cfg.model.max_logprobs if cfg.model.max_logprobs >= 0 else int(hf["vocab_size"]),
         "responses_store_bytes": cfg.server.responses_store_mib * 2**20,
-        "bos_token": ck.bos_token,
-        "eos_token": ck.eos_token,
         "special_tokens": ck.special_tokens,
         "eos_token_ids": list(ck.eos_token_ids),
         "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),

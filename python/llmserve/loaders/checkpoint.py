@@ -201,14 +201,6 @@ class Checkpoint:
     # "unsupported": why they cannot be served as said}; empty without those files.
     sentence_transformers: dict = field(default_factory=dict)
 
-    @property
-    def bos_token(self) -> str | None:
-        return self.special_tokens.get("bos_token")
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.special_tokens.get("eos_token")
-
     def __repr__(self) -> str:
         # The default repr would print every tensor; this is what a log line wants.
         n_params = sum(int(np.prod(weight_shape(self.weights, n))) for n in self.weights)

@@ -56,11 +56,9 @@ pub struct RouterConfig {
     /// vLLM's `--return-tokens-as-token-ids`: the default of the request field of that name.
     #[serde(default)]
     pub return_tokens_as_token_ids: bool,
-    pub bos_token: Option<String>,
-    pub eos_token: Option<String>,
     /// Every special token a chat template sees by name, as transformers passes its
-    /// `special_tokens_map` (`unk_token`, `pad_token`, a model's own such as `image_token`);
-    /// [`Router::new`] adds `bos_token` and `eos_token` where it lacks them.
+    /// `special_tokens_map`: `bos_token`, `eos_token`, `unk_token`, `pad_token`, a model's own
+    /// such as `image_token`.
     #[serde(default)]
     pub special_tokens: std::collections::BTreeMap<String, String>,
     #[serde(default)]
@@ -154,11 +152,6 @@ pub struct Router {
 impl Router {
     pub fn new(tokenizer: Tokenizer, templates: TemplateSet, mut config: RouterConfig) -> Self {
         let loras = RwLock::new(LoraTable::new(std::mem::take(&mut config.lora_adapters)));
-        for (name, token) in [("bos_token", &config.bos_token), ("eos_token", &config.eos_token)] {
-            if let Some(token) = token {
-                config.special_tokens.entry(name.into()).or_insert_with(|| token.clone());
-            }
-        }
         let tokenizer = Arc::new(tokenizer);
         let grammars = crate::structured::Grammars::new(tokenizer.clone(), config.eos_token_ids.clone());
         let responses = Arc::new(crate::response_store::ResponseStore::new(config.responses_store_bytes));

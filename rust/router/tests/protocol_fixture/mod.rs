@@ -81,8 +81,7 @@ pub fn config(extra: Value) -> RouterConfig {
     let mut base = json!({
         "served_model_names": ["tiny", "tiny-alias"],
         "max_model_len": MAX_LEN,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
+        "special_tokens": {"bos_token": "<s>", "eos_token": "</s>"},
         "eos_token_ids": [1],
     });
     merge(&mut base, extra);
