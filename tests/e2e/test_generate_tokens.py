@@ -131,6 +131,10 @@ def test_errors_and_ignored_fields_in_this_routes_terms(tiny_server):
         ({"sampling_params": {}}, "token_ids"),
         ({"token_ids": [1, 2]}, "sampling_params"),
         ({"token_ids": [1, 10**9], "sampling_params": {}}, "token_ids[1]"),
+        # one prompt of ids: no text, no batch of prompts
+        ({"token_ids": ["a"], "sampling_params": {}}, "token_ids[0]"),
+        ({"token_ids": [1, [2, 3]], "sampling_params": {}}, "token_ids[1]"),
+        ({"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": -1}}, "sampling_params.prompt_logprobs"),
         ({"token_ids": [1, 2], "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
         ({"token_ids": [1, 2], "sampling_params": {"logprobs": 100}}, "sampling_params.logprobs"),
         ({"token_ids": [1, 2], "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens"),
@@ -141,6 +145,7 @@ def test_errors_and_ignored_fields_in_this_routes_terms(tiny_server):
         error = r.json()["error"]
         assert error["param"] == param, (body, error)
         assert error["type"] == "invalid_request_error"
+        assert "`prompt" not in error["message"], error
     r = _generate(tiny_server, {"model": "nope", "token_ids": [1, 2], "sampling_params": {}})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 

@@ -86,7 +86,8 @@ const TOP: [&str; 5] = ["stream", "stream_options", "priority", "cache_salt", "r
 
 /// A completion field's path in this route's terms.
 fn rename(path: &str) -> String {
-    if let Some(rest) = path.strip_prefix("prompt") {
+    // (`prompt` and its elements, not `prompt_logprobs`)
+    if let Some(rest) = path.strip_prefix("prompt").filter(|r| r.is_empty() || r.starts_with(['.', '['])) {
         return format!("token_ids{rest}");
     }
     let head = path.split(['.', '[']).next().unwrap_or(path);
@@ -116,7 +117,16 @@ fn translate(router: &Router, obj: &Map<String, Value>) -> Result<(Value, Vec<St
         Value::Array(ids) if ids.is_empty() => {
             return Err(ApiError::invalid("token_ids", "`token_ids` must hold at least one token id."))
         }
-        v @ Value::Array(_) => v.clone(),
+        // (one prompt of ids: the completion would take strings and nested lists as prompts)
+        Value::Array(ids) => {
+            if let Some((i, v)) = ids.iter().enumerate().find(|(_, v)| !v.is_number()) {
+                return Err(invalid_type(
+                    format!("token_ids[{i}]"),
+                    format!("`token_ids[{i}]` must be a token id (an integer), not {}.", kind_of(v)),
+                ));
+            }
+            Value::Array(ids.clone())
+        }
         other => {
             return Err(invalid_type(
                 "token_ids",
@@ -207,6 +217,8 @@ mod tests {
         assert_eq!(rename("prompt"), "token_ids");
         assert_eq!(rename("prompt[2]"), "token_ids[2]");
         assert_eq!(rename("temperature"), "sampling_params.temperature");
+        assert_eq!(rename("prompt_logprobs"), "sampling_params.prompt_logprobs");
+        assert_eq!(rename_known("prompt_logprobs"), Some("sampling_params.prompt_logprobs".into()));
         assert_eq!(rename("structured_outputs.json"), "sampling_params.structured_outputs.json");
         assert_eq!(rename("stream_options.include_usage"), "stream_options.include_usage");
         assert_eq!(rename("model"), "model");
