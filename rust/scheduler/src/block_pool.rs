@@ -35,15 +35,16 @@ pub fn root_hash(cache_salt: Option<&str>, lora: u32) -> u64 {
     // which is all an in-memory cache needs.
     let mut h = DefaultHasher::new();
     h.write(b"llmserve-prefix-root");
+    // Fixed-width fields first and the salt's length before its bytes: a salt ending in
+    // bytes that spell an adapter index must not give another adapter's root.
+    h.write_u32(lora);
     match cache_salt {
         Some(salt) => {
             h.write_u8(1);
+            h.write_u64(salt.len() as u64);
             h.write(salt.as_bytes());
         }
         None => h.write_u8(0),
-    }
-    if lora != 0 {
-        h.write_u32(lora);
     }
     h.finish()
 }
@@ -517,6 +518,14 @@ mod tests {
         assert_ne!(root_hash(Some("a"), 0), root_hash(Some("b"), 0));
         assert_ne!(root_hash(None, 0), root_hash(None, 1));
         assert_ne!(root_hash(Some("a"), 1), root_hash(Some("a"), 2));
+        // (a salt's tail spelling an adapter index, as the bytes of a u32 on either end)
+        for lora in [1u32, 7, 0x0100_0000] {
+            for bytes in [lora.to_le_bytes(), lora.to_be_bytes()] {
+                let tail = String::from_utf8(bytes.to_vec()).unwrap_or_default();
+                assert_ne!(root_hash(Some("s"), lora), root_hash(Some(&format!("s{tail}")), 0));
+                assert_ne!(root_hash(Some(&format!("s{tail}")), 0), root_hash(Some("s"), lora));
+            }
+        }
         assert_ne!(hash_block(root_hash(None, 0), &t), hash_block(root_hash(Some("a"), 0), &t));
         assert_eq!(hash_block(7, &t), hash_block(7, &t));
     }
