@@ -172,7 +172,9 @@ def test_a_path_not_found_is_said_in_one_line(monkeypatch):
 def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
     """--lora-resolver-dir (vLLM's filesystem resolver): a request naming a subfolder whose
     adapter is made for this model loads it, and it is served from then on; a subfolder made
-    for another model, a name reaching out of the folder, or none at all stay 404s."""
+    for another model, a name reaching out of the folder, another spelling of a loaded
+    subfolder's path, or none at all stay 404s; an adapter that cannot be served is a 400 at
+    `model`."""
     import shutil
 
     from tiny import write_peft_adapter
@@ -183,6 +185,8 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
     write_peft_adapter(tmp_path / "other", config, ["q_proj"], config={"base_model_name_or_path": "someone/else"})
     write_peft_adapter(tmp_path.parent / "outside", config, ["q_proj"])
     write_peft_adapter(tmp_path / "odd", config, ["q_proj"], config={"base_model_name_or_path": ["tiny"]})
+    write_peft_adapter(tmp_path / "team" / "nested", config, ["q_proj"])
+    write_peft_adapter(tmp_path / "dora", config, ["q_proj"], config={"use_dora": True})
     engine = AsyncEngine(make_config(str(folder), served_model_name=["tiny"], num_kv_blocks=64, threads=1,
                                      lora_resolver_dir=str(tmp_path)))
 
@@ -194,10 +198,16 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
         assert got["choices"][0]["token_ids"] != base["choices"][0]["token_ids"]
         again = orjson.loads(await (await engine.submit("completion", _body("sql"))).read_all())
         assert again["choices"][0]["token_ids"] == got["choices"][0]["token_ids"]
-        for name in ("other", "odd", "../outside", str(tmp_path / "sql"), "missing", ""):
+        nested = orjson.loads(await (await engine.submit("completion", _body("team/nested"))).read_all())
+        assert nested["model"] == "team/nested"
+        for name in ("other", "odd", "../outside", str(tmp_path / "sql"), "missing", "", "sql/", "./sql", "sql/.",
+                     "team//nested", "team/../sql", "team\\nested", "team"):
             with pytest.raises(NotFoundError):
                 await engine.submit("completion", _body(name))
-        assert engine.router.lora_names() == ["sql"]
+        with pytest.raises(BadRequestError) as e:
+            await engine.submit("completion", _body("dora"))
+        assert e.value.param == "model" and "dora" in e.value.message.lower(), e.value.message
+        assert engine.router.lora_names() == ["sql", "team/nested"]
         await engine.drain()
 
     asyncio.run(main())

@@ -120,12 +120,19 @@ class Adapters:
         and `folder` (--lora-resolver-dir) holds a subfolder `name` whose adapter_config.json is
         a LoRA made for one of `bases` (base_model_name_or_path): it is loaded and served under
         `name`. Whether it now is (False: the name stays unknown, a 404). An adapter found but
-        that cannot be served raises its 400, as a load does."""
-        from llmserve._core import BadRequestError
+        that cannot be served raises its 400 at `model`, as a load does at `lora_path`.
 
+        `name` must be the subfolder's path as written plainly (`org/adapter`, not `adapter/`,
+        `./adapter` or `x/../adapter`): every other spelling of a folder would load its weights
+        again under another name."""
+        from llmserve._core import BadRequestError, Router
+
+        parts = name.split("/")
+        if os.path.isabs(name) or "\\" in name or any(p in ("", ".", "..") for p in parts):
+            return False
         root = os.path.realpath(folder)
-        path = os.path.realpath(os.path.join(root, name))
-        if os.path.isabs(name) or os.path.commonpath([root, path]) != root or path == root:
+        path = os.path.realpath(os.path.join(root, *parts))
+        if os.path.commonpath([root, path]) != root or path == root:
             return False
         try:
             with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
@@ -139,7 +146,11 @@ class Adapters:
         try:
             await self.load(router, body)
         except BadRequestError as exc:
-            if exc.code != "lora_adapter_exists":   # (another request loaded it meanwhile)
+            if exc.code == "lora_adapter_exists":   # (another request loaded it meanwhile)
+                pass
+            elif exc.param == "lora_path":   # (the client named no path: its `model` cannot be served)
+                raise Router.error("invalid_request", exc.message, param="model") from None
+            else:
                 raise
         log.info("LoRA adapter %r resolved from %s", name, path)
         return True
