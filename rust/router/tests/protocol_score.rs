@@ -44,6 +44,17 @@ fn score_pairs_one_text_with_each_or_two_lists_pair_by_pair() {
     let p =
         prepare(&r, Endpoint::Score, json!({"text_1": "a", "text_2": "b", "request_id": "x", "priority": 2})).unwrap();
     assert_eq!((p.id.as_str(), p.priority, scoring(&p)), ("score-x", 2, Scoring::Pairs(vec![(0, 1)])));
+    // newer vLLM's names for the pair mean the same
+    let want = prepare(&r, Endpoint::Score, json!({"text_1": "hello", "text_2": ["a b", "foo"]})).unwrap();
+    for body in [
+        json!({"queries": "hello", "documents": ["a b", "foo"]}),
+        json!({"queries": "hello", "items": ["a b", "foo"]}),
+        json!({"data_1": "hello", "data_2": ["a b", "foo"]}),
+    ] {
+        let p = prepare(&r, Endpoint::Score, body.clone()).unwrap();
+        assert_eq!((&p.prompts, scoring(&p)), (&want.prompts, scoring(&want)), "{body}");
+        assert!(p.ignored.is_empty(), "{body}: {:?}", p.ignored);
+    }
 }
 
 #[test]
@@ -76,9 +87,13 @@ fn bad_fields_are_refused_with_their_path() {
     let many: Vec<Value> = (0..=MAX_INPUTS).map(|_| json!("a")).collect();
     let cases = [
         (Endpoint::Score, json!({"text_1": "a"}), "text_2", "missing_required_parameter"),
-        // (newer vLLM's names for the pair are said not to be read, not "missing `text_1`")
-        (Endpoint::Score, json!({"queries": "a", "documents": ["b"]}), "queries", "unsupported_parameter"),
-        (Endpoint::Score, json!({"data_1": "a", "data_2": "b"}), "data_1", "unsupported_parameter"),
+        // (newer vLLM's names for the pair: errors name the fields as sent; one pair only)
+        (Endpoint::Score, json!({"queries": "a"}), "documents", "missing_required_parameter"),
+        (Endpoint::Score, json!({"data_1": "a", "text_2": "b"}), "data_2", "missing_required_parameter"),
+        (Endpoint::Score, json!({"queries": "a", "items": [""]}), "items[0]", "invalid_value"),
+        (Endpoint::Score, json!({"queries": ["a", "b"], "documents": ["c", "d", "e"]}), "documents", "invalid_value"),
+        (Endpoint::Score, json!({"queries": "a", "documents": ["b"], "items": ["c"]}), "items", "invalid_value"),
+        (Endpoint::Score, json!({"text_1": "a", "text_2": "b", "queries": "c"}), "queries", "invalid_value"),
         (Endpoint::Score, json!({"text_1": "", "text_2": "b"}), "text_1", "invalid_value"),
         (Endpoint::Score, json!({"text_1": "a", "text_2": []}), "text_2", "invalid_value"),
         (Endpoint::Score, json!({"text_1": "a", "text_2": ["b", 5]}), "text_2[1]", "invalid_type"),

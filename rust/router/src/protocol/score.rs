@@ -9,7 +9,9 @@
 //! that ran.
 //!
 //! Fields: `/score` takes `text_1` and `text_2` (a string or an array of strings each; one
-//! `text_1` against many `text_2`, or two arrays of one length, scored pair by pair); `/rerank`
+//! `text_1` against many `text_2`, or two arrays of one length, scored pair by pair), or the
+//! same pair under newer vLLM's names, `queries` and `documents` (or `items`), or `data_1` and
+//! `data_2`; `/rerank`
 //! takes `query` (a string) and `documents` (strings, or `{"text": ...}` objects as Cohere's
 //! v1 API sends them), `top_n` (the best n; 0 or absent: all) and `return_documents` (Jina's and
 //! Cohere's; default true, as vLLM always returns them). Both take vLLM's
@@ -22,9 +24,10 @@ use std::sync::Arc;
 
 use serde::de::IgnoredAny;
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::common::{from_value, invalid_type, kind_of, parse_body, set_keys, settle_ignored, unsupported};
+use super::chat::missing;
+use super::common::{from_value, invalid_type, kind_of, parse_body, set_keys, settle_ignored};
 use super::completion::PromptIn;
 use super::embeddings::{embedder, inputs_prepared, EmbeddingPlan, Inputs, Pooling, MAX_INPUTS};
 use super::{Checked, Endpoint};
@@ -72,36 +75,57 @@ struct RerankFields {
     extra: BTreeMap<String, IgnoredAny>,
 }
 
+/// The names `/score`'s pair goes by: vLLM's first ones, then its newer ones.
+const PAIR_NAMES: [(&str, &[&str]); 3] =
+    [("text_1", &["text_2"]), ("queries", &["documents", "items"]), ("data_1", &["data_2"])];
+
+/// Which names the pair was sent under, (first, second): one pair only (else 400 at the
+/// second name sent), `text_1`/`text_2` when none is.
+fn pair_names(obj: &Map<String, Value>) -> Result<(&'static str, &'static str), ApiError> {
+    let sent = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    let mut firsts = PAIR_NAMES.iter().filter(|(first, _)| sent(first));
+    let Some(&(first, seconds)) = firsts.next() else { return Ok(("text_1", "text_2")) };
+    if let Some((other, _)) = firsts.next() {
+        return Err(ApiError::invalid(*other, format!("Send one pair of texts: `{first}` or `{other}`, not both.")));
+    }
+    let mut given = seconds.iter().filter(|k| sent(k));
+    let second = given.next().copied().unwrap_or(seconds[0]);
+    if let Some(other) = given.next() {
+        return Err(ApiError::invalid(*other, format!("Send `{second}` or `{other}`, not both.")));
+    }
+    Ok((first, second))
+}
+
 /// `/score`.
 pub(crate) fn prepare_score(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
-    let value = parse_body(body)?;
-    // (newer vLLM's names for the pair: said so, rather than "missing `text_1`")
-    if value.get("text_1").is_none() {
-        if let Some(name) = ["queries", "data_1"].into_iter().find(|k| value.get(*k).is_some()) {
-            return Err(unsupported(
-                name,
-                format!(
-                    "`{name}` is not read here: `/score` takes `text_1` and `text_2` (a string or an array of \
-                     strings each), and `/rerank` takes `query` and `documents`."
-                ),
-            ));
+    let mut value = parse_body(body)?;
+    let obj = value.as_object_mut().expect("parse_body checks");
+    let (name_1, name_2) = pair_names(obj)?;
+    // (read as `text_1`/`text_2`; errors name the fields as sent)
+    for (name, field) in [(name_1, "text_1"), (name_2, "text_2")] {
+        match obj.remove(name) {
+            Some(v) => {
+                obj.insert(field.into(), v);
+            }
+            None if name != field => return Err(missing(name.into())),
+            None => {}
         }
     }
     let f: ScoreFields = from_value(&value)?;
     let lora = router.check_model(&f.model)?;
     let pooling = embedder(router, &f.model)?.pooling;
     let ignored = settle_ignored(set_keys(&f.extra, &value).cloned().collect(), router.config.strict_fields)?;
-    let first = texts(&f.text_1, "text_1")?;
-    let second = texts(&f.text_2, "text_2")?;
+    let first = texts(&f.text_1, name_1)?;
+    let second = texts(&f.text_2, name_2)?;
     let pairs: Vec<(usize, usize)> = match (first.len(), second.len()) {
         (1, m) => (0..m).map(|j| (0, 1 + j)).collect(),
         (n, m) if n == m => (0..n).map(|i| (i, n + i)).collect(),
         (n, m) => {
             return Err(ApiError::invalid(
-                "text_2",
+                name_2,
                 format!(
-                    "`text_1` holds {n} texts and `text_2` {m}: one `text_1` is scored against every `text_2`, \
-                     several pair by pair, which needs as many of each."
+                    "`{name_1}` holds {n} texts and `{name_2}` {m}: one `{name_1}` is scored against every \
+                     `{name_2}`, several pair by pair, which needs as many of each."
                 ),
             ))
         }
@@ -161,7 +185,8 @@ fn scoring_plan(pooling: Pooling, scoring: Scoring) -> EmbeddingPlan {
     EmbeddingPlan { pooling, normalize: false, dimensions: None, base64: false, scoring: Some(Arc::new(scoring)) }
 }
 
-/// `text_1` / `text_2`: a string or a non-empty array of strings, none empty.
+/// `text_1` / `text_2` (under the name `field` sent): a string or a non-empty array of strings,
+/// none empty.
 fn texts(v: &Value, field: &str) -> Result<Vec<(PromptIn, String)>, ApiError> {
     let one = |s: &str, param: String| {
         if s.is_empty() {
