@@ -484,3 +484,21 @@ def test_offline_reset_prefix_cache_leaves_nothing_to_find(llm):
     assert llm.generate(prompt, params)[0].usage["prompt_tokens_details"] == {"cached_tokens": 32}
     assert llm.reset_prefix_cache() >= 2
     assert llm.generate(prompt, params)[0].usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_close_releases_the_engine_and_later_calls_say_so(tiny_model):
+    """`close()` (or leaving a `with` block) frees the model and KV cache at once, however many
+    references to the LLM remain; a later call raises rather than serving a freed engine."""
+    import gc
+    import weakref
+
+    with LLM(str(tiny_model), num_kv_blocks=40) as llm:
+        assert llm.generate("Hi", {"max_tokens": 2, "ignore_eos": True})[0].usage["completion_tokens"] == 2
+        runner = weakref.ref(llm.engine.runner)
+    gc.collect()
+    assert runner() is None, "the model and its KV cache outlived close()"
+    for call in (lambda: llm.generate("Hi"), lambda: llm.chat([{"role": "user", "content": "Hi"}]),
+                 llm.reset_prefix_cache):
+        with pytest.raises(RuntimeError, match="this LLM was closed"):
+            call()
+    llm.close()   # (twice is fine)

@@ -220,7 +220,8 @@ class RequestStream:
 
 # The name of the thread that loads the model (`AsyncEngine.loading`).
 LOAD_THREAD = "llmserve-load"
-_OTHER_LOOP = "this AsyncEngine serves the event loop that started it, not this one"
+_OTHER_LOOP = ("this AsyncEngine serves the event loop that started it, not this one (Starlette's TestClient "
+               "runs each request on a new loop unless used as `with TestClient(app) as client:`)")
 
 
 # How long an exit waits for a model load to end (a download from the hub may take longer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import numbers
@@ -23,7 +24,7 @@ import orjson
 
 from llmserve._core import ApiError, Router
 from llmserve.config import Config
-from llmserve.engine.build import build_engine
+from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
 
 
@@ -88,15 +89,36 @@ SERVER_ONLY = ("host", "port", "uds", "api_key", "max_body_bytes", "sse_keep_ali
 class LLM:
     """Offline generation on the calling thread. Calls from several threads run one at a
     time. `params` take the OpenAI field names and defaults: without `max_tokens` a request
-    may run to the end of the context, as on the server."""
+    may run to the end of the context, as on the server. `close()` (or leaving a `with`
+    block) releases the model and its KV cache at once, rather than when the last reference
+    to the LLM goes."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         config = make_config(model, **options)
         if unused := [name for name in options if name in SERVER_ONLY]:
             warnings.warn(f"llmserve: these options have no effect offline: {', '.join(unused)}", stacklevel=2)
-        self.engine = build_engine(config)
-        self.model_name = self.engine.model_name
+        self._engine: Engine | None = build_engine(config)
+        self.model_name = self._engine.model_name
         self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was closed")
+        return self._engine
+
+    def close(self) -> None:
+        """Release the model, its KV cache and its tokenizer now (a call in progress on
+        another thread ends first); later calls raise RuntimeError. Closing twice is fine."""
+        with self._lock:
+            self._engine = None
+        gc.collect()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | list[str] | list[list[int]],
                  params: Params | list[Params] = None) -> list[Result]:
@@ -193,11 +215,13 @@ class LLM:
                 warnings.warn(f"llmserve: these request fields had no effect: {', '.join(fields)}", stacklevel=3)
         buffers: list[list[bytes]] = [[] for _ in prepared]
         # (interrupted, by an error or Ctrl-C, the call's other requests are aborted)
-        with self._lock, contextlib.closing(run_to_end(core, runner, prepared)) as outputs:
-            for i, data, _, error in outputs:
-                if error:
-                    raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
-                buffers[i].append(data)
+        with self._lock:
+            self.engine   # (raises if it was closed while this call waited)
+            with contextlib.closing(run_to_end(core, runner, prepared)) as outputs:
+                for i, data, _, error in outputs:
+                    if error:
+                        raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
+                    buffers[i].append(data)
         return [_result(endpoint, orjson.loads(b"".join(parts)), fields) for parts, fields in zip(buffers, ignored)]
 
 
