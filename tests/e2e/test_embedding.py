@@ -502,3 +502,28 @@ def test_close_releases_the_engine_and_later_calls_say_so(tiny_model):
         with pytest.raises(RuntimeError, match="this LLM was closed"):
             call()
     llm.close()   # (twice is fine)
+
+
+def test_a_program_that_ends_during_an_offline_call_on_a_daemon_thread_exits_cleanly(tiny_model, tmp_path):
+    """An interpreter that finalizes while a daemon thread is inside a step (inside torch)
+    aborts the process ("FATAL: exception not rethrown", SIGABRT): the exit waits for the
+    step and starts no other."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "daemon.py"
+    script.write_text(f"""
+import threading, time
+from llmserve import LLM
+llm = LLM({str(tiny_model)!r}, threads=1, num_kv_blocks=512)
+started = threading.Event()
+def work():
+    started.set()
+    llm.generate(["hi"] * 32, {{"max_tokens": 400, "ignore_eos": True}})
+threading.Thread(target=work, daemon=True).start()
+started.wait()
+time.sleep(0.5)
+""")
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]

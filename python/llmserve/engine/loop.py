@@ -12,6 +12,7 @@ false and /health answers 503.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -64,7 +65,8 @@ def run_to_end(core, runner, prepared: list) -> Iterator[tuple[int, bytes, bool,
         for i, p in enumerate(prepared):
             running[core.add(p)] = i
         while running:
-            outputs, ran = step(core, runner)
+            with _OFFLINE_STEPS.stepping():
+                outputs, ran = step(core, runner)
             if not ran and not core.has_work():
                 raise RuntimeError("the engine stopped with requests still pending")
             for handle, data, finished, error, *_ in outputs:
@@ -112,16 +114,51 @@ _STARTED: weakref.WeakSet[EngineThread] = weakref.WeakSet()
 EXIT_STEP_WAIT_S = 120.0
 
 
+class _OfflineSteps:
+    """The steps `run_to_end` runs now, on any thread. At exit no new one starts (a daemon
+    thread that would start one waits there for good) and the exit waits for those running:
+    a step runs inside torch, and an interpreter that finalizes around it aborts the process
+    (an offline `LLM.generate` on a daemon thread when the program ends)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.exiting = False
+        self.changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        with self.changed:
+            while self.exiting:
+                self.changed.wait()   # (for good: the process is ending)
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.running -= 1
+                self.changed.notify_all()
+
+    def stop(self, timeout: float) -> bool:
+        """No step starts from now on; whether those running ended within `timeout` seconds."""
+        with self.changed:
+            self.exiting = True
+            return self.changed.wait_for(lambda: self.running == 0, timeout)
+
+
+_OFFLINE_STEPS = _OfflineSteps()
+
+
 @atexit.register
 def _stop_at_exit() -> None:
-    """Stop the engine loops an application left running (an AsyncEngine it never drained),
-    each once its step ends: a loop runs inside torch, and an interpreter that finalizes
-    around such a thread aborts the process."""
-    for thread in list(_STARTED):
-        if thread.stop(0.5):
+    """Stop the engine loops an application left running (an AsyncEngine it never drained,
+    an offline call on a daemon thread), each once its step ends: a loop runs inside torch,
+    and an interpreter that finalizes around such a thread aborts the process."""
+    stops = [thread.stop for thread in list(_STARTED)] + [_OFFLINE_STEPS.stop]
+    for stop in stops:
+        if stop(0.5):
             continue
         log.warning("waiting up to %.0f s for the engine's step to end before exiting", EXIT_STEP_WAIT_S)
-        if not thread.stop(EXIT_STEP_WAIT_S):
+        if not stop(EXIT_STEP_WAIT_S):
             # (finalizing around it would abort the process: end it here instead)
             log.error("the engine's step did not end within %.0f s; exiting without it", EXIT_STEP_WAIT_S)
             hard_exit(1)
