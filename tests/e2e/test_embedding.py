@@ -30,6 +30,17 @@ def test_generate_batch_and_token_prompts(llm):
                            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+def test_generate_takes_vllms_prompt_dicts(llm):
+    params = {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    want = [r.text for r in llm.generate(["Hello world", [5, 6, 7]], params)]
+    got = llm.generate([{"prompt": "Hello world"}, {"prompt_token_ids": [5, 6, 7]}], params)
+    assert [r.text for r in got] == want
+    assert llm.generate({"prompt_token_ids": (5, 6, 7)}, params)[0].text == want[1]
+    for bad in ({"prompt": "a", "multi_modal_data": {}}, {"prompt_token_ids": ["a"]}, {"prompt": 5}):
+        with pytest.raises(TypeError, match=r"prompts\[1\] must be .*'prompt_token_ids'"):
+            llm.generate(["a", bad])
+
+
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(llm):
     # 40 tokens: the second request finds the first one's two full blocks of 16 (the block
     # holding the last prompt token is always computed)

@@ -317,10 +317,13 @@ def _token_ids(p: object) -> list[int] | None:
 
 
 def _prompt_list(prompts: object) -> list[str | list[int]]:
-    """`generate`'s prompts as a list of prompts: one prompt (a str or token ids), or a list of
-    them. TypeError naming the first that is neither."""
+    """`generate`'s prompts as a list of prompts: one prompt (a str, token ids, or vLLM's
+    `{"prompt": str}` / `{"prompt_token_ids": ids}`), or a list of them. TypeError naming the
+    first that is none of these."""
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, dict):
+        return [_vllm_prompt(prompts, "prompts")]
     if isinstance(prompts, np.ndarray) and prompts.ndim == 1 and prompts.dtype.kind not in "UO":
         # one prompt (an empty one is refused as the server refuses it)
         if (ids := _token_ids(prompts)) is None:
@@ -342,6 +345,9 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
                         "prompt's token ids (integers only), or a list of prompts (strs or lists of token ids)")
     out: list[str | list[int]] = []
     for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            out.append(_vllm_prompt(p, f"prompts[{i}]"))
+            continue
         item = p if isinstance(p, str) else _token_ids(p)
         if item is None:
             kind = type(p).__name__
@@ -350,6 +356,16 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
             raise TypeError(f"prompts[{i}] must be a str or token ids (integers); got {kind}")
         out.append(item)
     return out
+
+
+def _vllm_prompt(p: dict, where: str) -> str | list[int]:
+    """vLLM's TextPrompt (`{"prompt": str}`) or TokensPrompt (`{"prompt_token_ids": ids}`)."""
+    if set(p) == {"prompt"} and isinstance(p["prompt"], str):
+        return p["prompt"]
+    if set(p) == {"prompt_token_ids"} and (ids := _token_ids(p["prompt_token_ids"])) is not None:
+        return ids
+    raise TypeError(f"{where} must be {{'prompt': str}} or {{'prompt_token_ids': token ids}} (vLLM's text and "
+                    f"tokens prompts; other keys, such as multi_modal_data, are not taken); got keys {sorted(p)}")
 
 
 def _params_each(params: object, count: int, name: str, item: str = "prompt") -> list[dict[str, Any]]:
