@@ -201,7 +201,7 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
         nested = orjson.loads(await (await engine.submit("completion", _body("team/nested"))).read_all())
         assert nested["model"] == "team/nested"
         for name in ("other", "odd", "../outside", str(tmp_path / "sql"), "missing", "", "sql/", "./sql", "sql/.",
-                     "team//nested", "team/../sql", "team\\nested", "team"):
+                     "team//nested", "team/../sql", "team\\nested", "team", "sql\0"):
             with pytest.raises(NotFoundError):
                 await engine.submit("completion", _body(name))
         with pytest.raises(BadRequestError) as e:

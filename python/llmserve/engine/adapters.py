@@ -128,7 +128,7 @@ class Adapters:
         from llmserve._core import BadRequestError, Router
 
         parts = name.split("/")
-        if os.path.isabs(name) or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        if os.path.isabs(name) or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
             return False
         root = os.path.realpath(folder)
         path = os.path.realpath(os.path.join(root, *parts))

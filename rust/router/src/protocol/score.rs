@@ -11,13 +11,12 @@
 //! Fields: `/score` takes `text_1` and `text_2` (a string or an array of strings each; one
 //! `text_1` against many `text_2`, or two arrays of one length, scored pair by pair), or the
 //! same pair under newer vLLM's names, `queries` and `documents` (or `items`), or `data_1` and
-//! `data_2`; `/rerank`
-//! takes `query` (a string) and `documents` (strings, or `{"text": ...}` objects as Cohere's
-//! v1 API sends them), `top_n` (the best n; 0 or absent: all) and `return_documents` (Jina's and
-//! Cohere's; default true, as vLLM always returns them). Both take vLLM's
-//! `truncate_prompt_tokens`, `priority`, `request_id` and `cache_salt`. vLLM's cross-encoder
-//! switches (`use_activation`, `activation`, `softmax`) change nothing in a cosine and are
-//! reported, as unknown fields are.
+//! `data_2`; `/rerank` takes `query` (a string) and `documents` (strings, or `{"text": ...}`
+//! objects as Cohere's v1 API sends them), `top_n` (the best n; 0 or absent: all) and
+//! `return_documents` (Jina's and Cohere's; default true, as vLLM always returns them). Both
+//! take vLLM's `truncate_prompt_tokens`, `priority`, `request_id` and `cache_salt`. vLLM's
+//! cross-encoder switches (`use_activation`, `activation`, `softmax`) change nothing in a
+//! cosine and are reported, as unknown fields are.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
