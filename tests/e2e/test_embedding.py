@@ -230,10 +230,10 @@ def test_a_failed_load_is_said_on_every_route(tmp_path):
 
 
 def test_bad_arguments_are_clear_type_errors(llm, tiny_model):
-    for bad, says in ((5, "prompts must be a str, token ids, or a list of either; got int"),
-                      ({"a": 1}, "got dict"), ([1.5], r"token ids must be integers; prompts\[0\] is float"),
+    for bad, says in ((5, "prompts must be a str, token ids, a vLLM prompt dict, or a list of these; got int"),
+                      ({"a": 1}, r"prompts must be \{'prompt': str\} or .*; got keys \['a'\]"), ([1.5], r"token ids must be integers; prompts\[0\] is float"),
                       ([3, True], r"token ids must be integers; prompts\[1\] is bool"),
-                      (["a", [3, 4.0]], r"prompts\[1\] must be a str or token ids \(integers\); got a list holding a float"),
+                      (["a", [3, 4.0]], r"prompts\[1\] must be a str, token ids \(integers\) or a vLLM prompt dict; got a list holding a float"),
                       ([["a"]], r"prompts\[0\] .*; got a list holding a str"),
                       ([1, [2]], r"prompts mixes token ids with other items \(prompts\[0\] is an integer\)"),
                       (np.array(5), "got a 0-d array"), (np.array([1.0, 2.0]), "token ids must be integers; "

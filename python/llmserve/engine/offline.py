@@ -333,7 +333,7 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
         prompts = prompts.tolist()   # (strs: a list of prompts, as a DataFrame column gives them)
     if not isinstance(prompts, (list, tuple, np.ndarray)) or (isinstance(prompts, np.ndarray) and prompts.ndim != 2):
         kind = f"a {prompts.ndim}-d array" if isinstance(prompts, np.ndarray) else type(prompts).__name__
-        raise TypeError(f"prompts must be a str, token ids, or a list of either; got {kind}")
+        raise TypeError(f"prompts must be a str, token ids, a vLLM prompt dict, or a list of these; got {kind}")
     if len(prompts) and (ids := _token_ids(prompts)) is not None:
         return [ids]
     if len(prompts) and all(isinstance(t, numbers.Number) for t in prompts):
@@ -353,7 +353,7 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
             kind = type(p).__name__
             if isinstance(p, (list, tuple)):
                 kind = next(f"a {type(p).__name__} holding a {type(t).__name__}" for t in p if not _integer(t))
-            raise TypeError(f"prompts[{i}] must be a str or token ids (integers); got {kind}")
+            raise TypeError(f"prompts[{i}] must be a str, token ids (integers) or a vLLM prompt dict; got {kind}")
         out.append(item)
     return out
 
