@@ -214,6 +214,10 @@ class ModelConfig(_Checked):
         "template detected as walking parts gets string content as sent if it shows it, else as one part).",
         choices=("auto", "string", "openai"),
     )
+    parse_special_tokens_in_messages: bool = _f(
+        False, "A special token's text in a chat message (such as '<|im_end|>') is that token, as "
+        "transformers and vLLM tokenize a rendered chat. By default it is text, as OpenAI reads message "
+        "content: a message cannot end its turn or open another role's.")
     generation_config: str = _f(
         "auto",
         "Sampling defaults: 'auto' uses the model's generation_config.json, 'none' (vLLM's 'vllm') "

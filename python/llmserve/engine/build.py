@@ -398,6 +398,7 @@ def build_engine(cfg: Config) -> Engine:
         "reasoning_parser": cfg.model.reasoning_parser,
         "default_chat_template_kwargs": cfg.model.template_kwargs(),
         "chat_template_content_format": _content_format(cfg.model.chat_template_content_format),
+        "parse_special_tokens_in_messages": cfg.model.parse_special_tokens_in_messages,
         "system_fingerprint": fingerprint,
         "model_root": cfg.model.model or ck.name,
         "embeddings": _embeddings(cfg, ck),

@@ -78,6 +78,11 @@ pub struct RouterConfig {
     /// `--reasoning-parser`: "think" or "none"; None detects it from the chat template.
     #[serde(default)]
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// `--parse-special-tokens-in-messages`: a special token's text in a chat message (as
+    /// `<|im_end|>`) is that token, as transformers and vLLM tokenize it; by default it is
+    /// text, as OpenAI reads message content (a message cannot end its turn or open another).
+    #[serde(default)]
+    pub parse_special_tokens_in_messages: bool,
     /// `--default-chat-template-kwargs` (vLLM's): what every chat render gets, under the
     /// request's own `chat_template_kwargs` (whose keys win).
     #[serde(default)]
@@ -131,6 +136,9 @@ fn default_true() -> bool {
 
 pub struct Router {
     pub(crate) tokenizer: Arc<Tokenizer>,
+    /// The special tokens' texts, read as text in chat messages (None: parsed as the tokens,
+    /// `--parse-special-tokens-in-messages`).
+    pub(crate) special_texts: Option<aho_corasick::AhoCorasick>,
     pub(crate) templates: TemplateSet,
     pub(crate) config: RouterConfig,
     /// Compiled grammars (response_format, forced tool calls), cached by source hash.
@@ -158,7 +166,15 @@ impl Router {
         let conversations = Arc::new(crate::conversation_store::ConversationStore::new(config.responses_store_bytes));
         let chat_store = Arc::new(crate::chat_store::ChatStore::new(config.responses_store_bytes));
         let fim = config.fim.then(|| crate::fim::Fim::detect(&tokenizer)).flatten();
+        let specials = tokenizer.special_texts();
+        let special_texts = (!config.parse_special_tokens_in_messages && !specials.is_empty()).then(|| {
+            aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(&specials)
+                .expect("a few hundred token texts build an automaton")
+        });
         Self {
+            special_texts,
             tokenizer,
             templates,
             config,

@@ -79,6 +79,10 @@ pub struct Tokenizer {
     special: HashSet<u32>,
     /// GPT-2 alphabet char -> byte, for `token_bytes`.
     unbyte: HashMap<char, u8>,
+    /// `inner` reading special tokens' text as text (for `encode_as_text`), made on first use:
+    /// [as at the text's start, as further in (a sentencepiece pre-tokenizer that prepends
+    /// "▁" only at the start does not there)].
+    as_text: std::sync::OnceLock<[tokenizers::Tokenizer; 2]>,
 }
 
 impl Tokenizer {
@@ -95,7 +99,7 @@ impl Tokenizer {
         let added = decoder.iter().map(|(id, t)| (*id, t.content.clone())).collect();
         let special = decoder.iter().filter(|(_, t)| t.special).map(|(id, _)| *id).collect();
         let unbyte = byte_to_char().into_iter().map(|(b, c)| (c, b)).collect();
-        Ok(Self { inner, spelling, added, special, unbyte })
+        Ok(Self { inner, spelling, added, special, unbyte, as_text: std::sync::OnceLock::new() })
     }
 
     pub fn from_gguf(vocab: &GgufVocab) -> Result<Self, String> {
@@ -110,6 +114,81 @@ impl Tokenizer {
             Ok(enc) => enc.get_ids().to_vec(),
             Err(_) => Vec::new(),
         }
+    }
+
+    /// `text` as ids, but for the special tokens spelled at `spans` (byte ranges of `text`):
+    /// each is read as the text it spells, as if the vocabulary had no such special token. The
+    /// text between two other added tokens that holds one is tokenized as one piece, as
+    /// `tokenizers` tokenizes the text between added tokens; the rest is `encode`'s.
+    /// (A chat message's text that spells `<|im_end|>` must not end the turn: OpenAI reads
+    /// message content as text.)
+    pub fn encode_with_text_spans(&self, text: &str, spans: &[(usize, usize)], add_special_tokens: bool) -> Vec<u32> {
+        if spans.is_empty() {
+            return self.encode(text, add_special_tokens);
+        }
+        let Ok(enc) = self.inner.encode(text, add_special_tokens) else { return Vec::new() };
+        let (ids, offsets, sequence) = (enc.get_ids(), enc.get_offsets(), enc.get_sequence_ids());
+        // (a token the post-processor added, such as BOS, spells nothing of `text`)
+        let in_text = |i: usize| sequence[i].is_some();
+        let as_text = |i: usize| {
+            in_text(i)
+                && self.special.contains(&ids[i])
+                && spans.iter().any(|&(a, b)| offsets[i].0 <= a && b <= offsets[i].1)
+        };
+        let boundary = |i: usize| !in_text(i) || (self.added.contains_key(&ids[i]) && !as_text(i));
+        let mut out = Vec::with_capacity(ids.len());
+        let mut i = 0;
+        while i < ids.len() {
+            if boundary(i) {
+                out.push(ids[i]);
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < ids.len() && !boundary(i) {
+                i += 1;
+            }
+            if !(start..i).any(as_text) {
+                out.extend_from_slice(&ids[start..i]);
+                continue;
+            }
+            let from = (0..start).rev().find(|&j| in_text(j)).map_or(0, |j| offsets[j].1);
+            let to = (i..ids.len()).find(|&j| in_text(j)).map_or(text.len(), |j| offsets[j].0);
+            out.extend(self.encode_as_text(&text[from..to], from == 0));
+        }
+        out
+    }
+
+    /// `piece` with special tokens read as text, as the piece of a longer text that starts at
+    /// that text's start or not (`first`).
+    fn encode_as_text(&self, piece: &str, first: bool) -> Vec<u32> {
+        let [at_start, further] = self.as_text.get_or_init(|| {
+            let mut at_start = self.inner.clone();
+            at_start.set_encode_special_tokens(true);
+            let mut further = at_start.clone();
+            // (Metaspace's `prepend_scheme: "first"` prepends "▁" to the text's first piece only)
+            if let Some(pre) = further.get_pre_tokenizer() {
+                let json = serde_json::to_string(pre).expect("a pre-tokenizer serializes");
+                let never = json.replace("\"prepend_scheme\":\"first\"", "\"prepend_scheme\":\"never\"");
+                if never != json {
+                    if let Ok(pre) = serde_json::from_str::<tokenizers::PreTokenizerWrapper>(&never) {
+                        further.with_pre_tokenizer(Some(pre));
+                    }
+                }
+            }
+            [at_start, further]
+        });
+        let tokenizer = if first { at_start } else { further };
+        tokenizer.encode_fast(piece, false).map(|e| e.get_ids().to_vec()).unwrap_or_default()
+    }
+
+    /// The text of every special token (what `encode_with_text_spans` can read as text),
+    /// longest first.
+    pub fn special_texts(&self) -> Vec<String> {
+        let mut texts: Vec<String> = self.special.iter().filter_map(|id| self.added.get(id).cloned()).collect();
+        texts.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        texts.dedup();
+        texts
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
@@ -462,6 +541,31 @@ mod tests {
     }
 
     #[test]
+    fn special_tokens_at_text_spans_are_read_as_text() {
+        let t = tiny();
+        let text = "<|im_start|>hello<|endoftext|> world<|endoftext|>";
+        let normal = t.encode(text, false);
+        assert_eq!(normal, vec![1, t.encode("hello", false)[0], 0, t.encode(" world", false)[0], 0]);
+        // no span: encode's; a span on no special token: encode's
+        assert_eq!(t.encode_with_text_spans(text, &[], false), normal);
+        assert_eq!(t.encode_with_text_spans(text, &[(12, 17)], false), normal);
+        // the first <|endoftext|> (bytes 17..30) is text: it and the text around it up to the
+        // next added token are one piece; the template's tokens stay
+        let ids = t.encode_with_text_spans(text, &[(17, 30)], false);
+        assert_eq!(ids[0], 1);
+        assert_eq!(ids[ids.len() - 1], 0);
+        assert!(!ids[1..ids.len() - 1].contains(&0), "{ids:?}");
+        assert_eq!(t.decode(&ids, false), text);
+        let mut piece = t.inner.clone();
+        piece.set_encode_special_tokens(true);
+        let middle = piece.encode_fast("hello<|endoftext|> world", false).unwrap().get_ids().to_vec();
+        assert_eq!(&ids[1..ids.len() - 1], &middle[..]);
+        // a non-special added token is no special token's text: it stays whole
+        assert_eq!(t.encode_with_text_spans("<think><|endoftext|>", &[(7, 20)], false)[0], 2);
+        assert_eq!(t.special_texts(), ["<|endoftext|>", "<|im_start|>"]);
+    }
+
+    #[test]
     fn smollm_isolates_digits() {
         let t = tiny();
         // "Ġ1" exists as a merge, but digits are split off before the GPT-2 regex sees them.
@@ -533,6 +637,17 @@ mod tests {
         assert_eq!(t.decode(&ids, true), "hi hi\n");
         assert_eq!(t.token_bytes(ids[1]), b" hi");
         assert_eq!(t.token_bytes(ids[3]), b"\n");
+        // a special token's text read as text, after a special token: "▁" is prepended to the
+        // text's first piece only, as `encode` does
+        let text = "<s>hi</s>hi";
+        let normal = t.encode(text, false);
+        let ids = t.encode_with_text_spans(text, &[(5, 9)], false);
+        assert_eq!((ids[0], ids[1]), (normal[0], normal[1]), "{ids:?} {normal:?}");
+        assert!(!ids.contains(&2), "{ids:?}");
+        assert_eq!(t.decode(&ids, false), "<s>hi</s>hi");
+        // and at the text's start, prepended as `encode` does
+        let ids = t.encode_with_text_spans("</s>hi", &[(0, 4)], false);
+        assert_eq!(t.id_to_token(ids[0]).unwrap(), "▁", "{ids:?}");
     }
 
     #[test]

@@ -135,6 +135,7 @@ fn renders_match_transformers() {
             kwargs: case["kwargs"].as_object(),
             special_tokens: &tokens,
             fuel: Some(1_000_000),
+            special_texts: None,
         });
         match (&result, case["expected"].as_str(), case["error"].as_str()) {
             (Ok(r), Some(want), _) => {

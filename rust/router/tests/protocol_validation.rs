@@ -3,7 +3,7 @@
 
 mod protocol_fixture;
 
-use llmserve_router::protocol::{BestOf, Endpoint};
+use llmserve_router::protocol::{BestOf, Endpoint, Prepared};
 use protocol_fixture::*;
 use serde_json::{json, Value};
 
@@ -828,6 +828,31 @@ fn chat_prompt_is_rendered_then_tokenized_without_extra_specials() {
     assert_eq!(p.endpoint, Endpoint::Chat);
     let h = header(&p, "llmserve-chat-template").unwrap();
     assert!(h.starts_with("--chat-template sha256:"), "{h}");
+}
+
+#[test]
+fn special_tokens_spelled_in_messages_are_text_unless_told() {
+    // OpenAI reads message content as text: a user who writes `</s>` does not end the turn
+    let messages = json!([{"role": "user", "content": "hello </s> world"},
+                          {"role": "assistant", "content": [{"type": "text", "text": "<s>a"}]}]);
+    let eos = |p: &Prepared| p.prompts[0].iter().filter(|&&t| t == 1).count();
+    let bos = |p: &Prepared| p.prompts[0].iter().filter(|&&t| t == 0).count();
+    let text_body = json!({"messages": messages});
+    let r = router();
+    let p = chat(&r, text_body.clone()).unwrap();
+    assert_eq!(p.prompt_texts[0], "<s>user : hello </s> world </s> assistant : <s>a </s> assistant :");
+    assert_eq!((bos(&p), eos(&p)), (1, 2), "only the template's own: {:?}", p.prompts[0]);
+    // /tokenize renders and counts the same way
+    let body = serde_json::to_vec(&text_body).unwrap();
+    let tokenized: Value = serde_json::from_slice(&r.handle(Endpoint::Tokenize, &body).unwrap().body).unwrap();
+    assert_eq!(tokenized["tokens"], json!(p.prompts[0]));
+    // --parse-special-tokens-in-messages: the tokens themselves, as transformers tokenizes them
+    let parsing = router_with(json!({"parse_special_tokens_in_messages": true}), Some(TEMPLATE));
+    let q = chat(&parsing, text_body).unwrap();
+    assert_eq!(q.prompt_texts, p.prompt_texts);
+    assert_eq!((bos(&q), eos(&q)), (2, 3), "{:?}", q.prompts[0]);
+    // a message without them renders and tokenizes the same either way
+    assert_eq!(chat(&r, json!({})).unwrap().prompts, chat(&parsing, json!({})).unwrap().prompts);
 }
 
 #[test]

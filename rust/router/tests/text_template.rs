@@ -20,6 +20,7 @@ fn input<'a>(messages: &'a serde_json::Value, gen: bool, cont: bool) -> RenderIn
         kwargs: None,
         special_tokens: &TOKENS,
         fuel: Some(100_000),
+        special_texts: None,
     }
 }
 

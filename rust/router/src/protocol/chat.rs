@@ -242,6 +242,7 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
             kwargs,
             special_tokens: &config.special_tokens,
             fuel: Some(config.template_fuel),
+            special_texts: router.special_texts.as_ref(),
         })?;
         rendered.unused_kwargs.retain(|k| input.kwargs.is_some_and(|sent| sent.contains_key(k)));
         Ok::<_, ApiError>(rendered)
@@ -1311,7 +1312,8 @@ fn prepare_chat(
     }
     // NOTE: the template writes the special tokens (BOS); `add_special_tokens` adds the
     // tokenizer's too, as vLLM does when asked.
-    let mut prompt = router.tokenizer.encode(&rendered.text, c.add_special_tokens.unwrap_or(false));
+    let add_special_tokens = c.add_special_tokens.unwrap_or(false);
+    let mut prompt = router.tokenizer.encode_with_text_spans(&rendered.text, &rendered.text_spans, add_special_tokens);
     if prompt.is_empty() {
         return Err(ApiError::invalid("messages", "The messages render to an empty prompt."));
     }

@@ -130,7 +130,11 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
             let (rendered, _) = render(router, &input)?;
             ignored.extend(unread_message_keys(&rendered, &value["messages"]));
             // The template writes BOS itself; adding special tokens again would double it.
-            (router.tokenizer.encode(&rendered.text, req.add_special_tokens.unwrap_or(false)), rendered.unused_kwargs)
+            let add_special_tokens = req.add_special_tokens.unwrap_or(false);
+            (
+                router.tokenizer.encode_with_text_spans(&rendered.text, &rendered.text_spans, add_special_tokens),
+                rendered.unused_kwargs,
+            )
         }
     };
     check_unused_kwargs(&unused_kwargs, router.config.strict_fields)?;

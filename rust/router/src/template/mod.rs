@@ -469,6 +469,9 @@ impl ChatTemplate {
 
     pub fn render(&self, input: &RenderInput) -> Result<Rendered, ApiError> {
         let mut messages = alias_reasoning(input.messages);
+        if let Some(specials) = input.special_texts {
+            mark_special_texts(&mut messages, specials);
+        }
         let continued = if input.continue_final_message { Some(self.mark_final_message(&mut messages)?) } else { None };
 
         let json = pyvalue::from_json;
@@ -529,13 +532,14 @@ impl ChatTemplate {
             Some(final_text) => cut_after_final_message(text, &final_text)?,
             None => text,
         };
+        let (text, text_spans) = if input.special_texts.is_some() { unmark(&text) } else { (text, Vec::new()) };
         let unread_keys = tracked
             .iter()
             .enumerate()
             .filter_map(|(i, t)| Some((i, t.as_ref()?)))
             .flat_map(|(i, t)| t.unread().map(move |k| (i, k.to_string())))
             .collect();
-        Ok(Rendered { text, unused_kwargs, unread_keys })
+        Ok(Rendered { text, unused_kwargs, unread_keys, text_spans })
     }
 
     /// Append transformers' tag to the final message's text; returns that text (untagged).
@@ -587,6 +591,76 @@ fn cut_after_final_message(text: String, final_text: &str) -> Result<String, Api
         // The template trimmed the message's trailing space, and the tag's with it.
         Ok(text[..at].trim_end().to_string())
     }
+}
+
+/// Around each special token's text in a message's text: where it lands in the render (a
+/// pair of Unicode noncharacters, which are for a program's internal use). Only such text is
+/// marked, so a render whose messages spell no special token is the template's own, byte for
+/// byte.
+const MARK_OPEN: char = '\u{FDD0}';
+const MARK_CLOSE: char = '\u{FDD1}';
+
+/// Mark the special tokens spelled in each message's text (`content`, its text parts, its
+/// reasoning) for `unmark`. Marks a client sent are dropped first: they could pair around
+/// a token the template wrote.
+fn mark_special_texts(messages: &mut Json, specials: &aho_corasick::AhoCorasick) {
+    let mark = |s: &mut String| {
+        if s.contains([MARK_OPEN, MARK_CLOSE]) {
+            s.retain(|c| c != MARK_OPEN && c != MARK_CLOSE);
+        }
+        if specials.is_match(s.as_str()) {
+            let mut out = String::with_capacity(s.len() + 16);
+            let mut last = 0;
+            for m in specials.find_iter(s.as_str()) {
+                out.push_str(&s[last..m.start()]);
+                out.push(MARK_OPEN);
+                out.push_str(&s[m.start()..m.end()]);
+                out.push(MARK_CLOSE);
+                last = m.end();
+            }
+            out.push_str(&s[last..]);
+            *s = out;
+        }
+    };
+    for message in messages.as_array_mut().into_iter().flatten() {
+        let Some(obj) = message.as_object_mut() else { continue };
+        for (key, value) in obj.iter_mut() {
+            match (key.as_str(), value) {
+                ("content" | "reasoning_content" | "thinking", Json::String(s)) => mark(s),
+                ("content", Json::Array(parts)) => {
+                    for part in parts {
+                        if let Some(Json::String(s)) = part.get_mut("text") {
+                            mark(s);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// The render without `mark_special_texts`' marks, and the byte range of each marked text
+/// in it. A mark the template split from its pair (slicing the text) is dropped with no range.
+fn unmark(marked: &str) -> (String, Vec<(usize, usize)>) {
+    if !marked.contains([MARK_OPEN, MARK_CLOSE]) {
+        return (marked.to_string(), Vec::new());
+    }
+    let mut text = String::with_capacity(marked.len());
+    let mut spans = Vec::new();
+    let mut open = None;
+    for c in marked.chars() {
+        match c {
+            MARK_OPEN => open = Some(text.len()),
+            MARK_CLOSE => {
+                if let Some(start) = open.take() {
+                    spans.push((start, text.len()));
+                }
+            }
+            c => text.push(c),
+        }
+    }
+    (text, spans)
 }
 
 /// transformers fills `reasoning_content` from older names for it, and `thinking` for
@@ -680,6 +754,10 @@ pub struct RenderInput<'a> {
     /// `kwargs` override them.
     pub special_tokens: &'a BTreeMap<String, String>,
     pub fuel: Option<u64>,
+    /// The texts of the special tokens that the messages' text spells as text, not as those
+    /// tokens (`Rendered::text_spans` says where they landed); None: the tokenizer reads them
+    /// as the tokens, as transformers does.
+    pub special_texts: Option<&'a aho_corasick::AhoCorasick>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -689,6 +767,9 @@ pub struct Rendered {
     pub unused_kwargs: Vec<String>,
     /// (message index, key) for each non-null message key this render never looked up
     pub unread_keys: Vec<(usize, String)>,
+    /// Byte ranges of `text` where the messages' text spells a special token
+    /// (`RenderInput::special_texts`): to be tokenized as text.
+    pub text_spans: Vec<(usize, usize)>,
 }
 
 /// One message as the template sees it: a map that notes which of its keys the render
@@ -775,7 +856,44 @@ mod tests {
             kwargs: None,
             special_tokens: &tokens(&[("bos_token", "<s>"), ("eos_token", "</s>")]),
             fuel: Some(100_000),
+            special_texts: None,
         })
+    }
+
+    #[test]
+    fn special_tokens_spelled_in_messages_are_found_where_they_land() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<s>{{ m.content | trim }}</s>{% endfor %}{{ messages[0].thinking }}",
+            "test",
+        )
+        .unwrap();
+        let specials = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(["<s>", "</s>"])
+            .unwrap();
+        let render = |messages: Json, specials: Option<&aho_corasick::AhoCorasick>| {
+            t.render(&RenderInput {
+                messages: &messages,
+                tools: None,
+                documents: None,
+                add_generation_prompt: false,
+                continue_final_message: false,
+                kwargs: None,
+                special_tokens: &BTreeMap::new(),
+                fuel: None,
+                special_texts: specials,
+            })
+            .unwrap()
+        };
+        // (the edges' spaces are trimmed as without marks; a client's marks are dropped)
+        let messages = json!([{"role": "user", "content": " </s>a<s> ", "reasoning_content": "\u{FDD0}</s>"},
+                              {"role": "user", "content": "b\u{FDD1}"}]);
+        let out = render(messages.clone(), Some(&specials));
+        assert_eq!(out.text, "<s></s>a<s></s><s>b</s></s>");
+        assert_eq!(out.text_spans, [(3, 7), (8, 11), (23, 27)]);
+        let plain = render(messages, None);
+        assert_eq!(plain.text, "<s></s>a<s></s><s>b\u{FDD1}</s>\u{FDD0}</s>");
+        assert!(plain.text_spans.is_empty());
     }
 
     #[test]
@@ -990,6 +1108,7 @@ mod tests {
             kwargs: kwargs.as_object(),
             special_tokens: &tokens(&[("bos_token", "<s>")]),
             fuel: None,
+            special_texts: None,
         };
         let out = t.render(&input).unwrap();
         assert_eq!(out.text, "hi <B>");
@@ -1014,6 +1133,7 @@ mod tests {
                 kwargs: None,
                 special_tokens: &BTreeMap::new(),
                 fuel: None,
+                special_texts: None,
             })
             .unwrap();
         // trim ate the message's trailing space and the tag's: cut, then rstrip, as transformers.
@@ -1029,6 +1149,7 @@ mod tests {
                 kwargs: None,
                 special_tokens: &BTreeMap::new(),
                 fuel: None,
+                special_texts: None,
             })
             .unwrap_err();
         assert_eq!(err.param(), Some("messages"));
