@@ -846,6 +846,14 @@ mod tests {
     }
 
     fn render(tmpl: &str, messages: Json) -> Result<Rendered, ApiError> {
+        render_with(tmpl, messages, None)
+    }
+
+    fn render_with(
+        tmpl: &str,
+        messages: Json,
+        special_texts: Option<&aho_corasick::AhoCorasick>,
+    ) -> Result<Rendered, ApiError> {
         let t = ChatTemplate::new(tmpl, "test").unwrap();
         t.render(&RenderInput {
             messages: &messages,
@@ -856,35 +864,18 @@ mod tests {
             kwargs: None,
             special_tokens: &tokens(&[("bos_token", "<s>"), ("eos_token", "</s>")]),
             fuel: Some(100_000),
-            special_texts: None,
+            special_texts,
         })
     }
 
     #[test]
     fn special_tokens_spelled_in_messages_are_found_where_they_land() {
-        let t = ChatTemplate::new(
-            "{% for m in messages %}<s>{{ m.content | trim }}</s>{% endfor %}{{ messages[0].thinking }}",
-            "test",
-        )
-        .unwrap();
+        let tmpl = "{% for m in messages %}<s>{{ m.content | trim }}</s>{% endfor %}{{ messages[0].thinking }}";
         let specials = aho_corasick::AhoCorasick::builder()
             .match_kind(aho_corasick::MatchKind::LeftmostLongest)
             .build(["<s>", "</s>"])
             .unwrap();
-        let render = |messages: Json, specials: Option<&aho_corasick::AhoCorasick>| {
-            t.render(&RenderInput {
-                messages: &messages,
-                tools: None,
-                documents: None,
-                add_generation_prompt: false,
-                continue_final_message: false,
-                kwargs: None,
-                special_tokens: &BTreeMap::new(),
-                fuel: None,
-                special_texts: specials,
-            })
-            .unwrap()
-        };
+        let render = |messages: Json, specials| render_with(tmpl, messages, specials).unwrap();
         // (the edges' spaces are trimmed as without marks; a client's marks are dropped)
         let messages = json!([{"role": "user", "content": " </s>a<s> ", "reasoning_content": "\u{FDD0}</s>"},
                               {"role": "user", "content": "b\u{FDD1}"}]);
