@@ -80,9 +80,9 @@ pub struct Tokenizer {
     /// GPT-2 alphabet char -> byte, for `token_bytes`.
     unbyte: HashMap<char, u8>,
     /// `inner` reading special tokens' text as text (for `encode_as_text`), made on first use:
-    /// [as at the text's start, as further in (a sentencepiece pre-tokenizer that prepends
-    /// "▁" only at the start does not there)].
-    as_text: std::sync::OnceLock<[tokenizers::Tokenizer; 2]>,
+    /// as at the text's start, and, for a sentencepiece pre-tokenizer that prepends "▁" only
+    /// there, as further in.
+    as_text: std::sync::OnceLock<(tokenizers::Tokenizer, Option<tokenizers::Tokenizer>)>,
 }
 
 impl Tokenizer {
@@ -162,23 +162,22 @@ impl Tokenizer {
     /// `piece` with special tokens read as text, as the piece of a longer text that starts at
     /// that text's start or not (`first`).
     fn encode_as_text(&self, piece: &str, first: bool) -> Vec<u32> {
-        let [at_start, further] = self.as_text.get_or_init(|| {
+        let (at_start, further) = self.as_text.get_or_init(|| {
             let mut at_start = self.inner.clone();
             at_start.set_encode_special_tokens(true);
-            let mut further = at_start.clone();
             // (Metaspace's `prepend_scheme: "first"` prepends "▁" to the text's first piece only)
-            if let Some(pre) = further.get_pre_tokenizer() {
+            let further = at_start.get_pre_tokenizer().and_then(|pre| {
                 let json = serde_json::to_string(pre).expect("a pre-tokenizer serializes");
                 let never = json.replace("\"prepend_scheme\":\"first\"", "\"prepend_scheme\":\"never\"");
-                if never != json {
-                    if let Ok(pre) = serde_json::from_str::<tokenizers::PreTokenizerWrapper>(&never) {
-                        further.with_pre_tokenizer(Some(pre));
-                    }
-                }
-            }
-            [at_start, further]
+                let pre =
+                    serde_json::from_str::<tokenizers::PreTokenizerWrapper>(&never).ok().filter(|_| never != json)?;
+                let mut further = at_start.clone();
+                further.with_pre_tokenizer(Some(pre));
+                Some(further)
+            });
+            (at_start, further)
         });
-        let tokenizer = if first { at_start } else { further };
+        let tokenizer = if first { at_start } else { further.as_ref().unwrap_or(at_start) };
         tokenizer.encode_fast(piece, false).map(|e| e.get_ids().to_vec()).unwrap_or_default()
     }
 
