@@ -49,6 +49,11 @@ _LAZY = {
 }
 
 
+def __dir__() -> list[str]:
+    # (the lazy names too, for completion and `help(llmserve)`)
+    return sorted({*globals(), *_LAZY})
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

@@ -20,6 +20,12 @@ def test_the_cli_module_does_not_load_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_package_lists_its_lazy_names_without_loading_torch():
+    code = "import sys, llmserve; print(set(llmserve.__all__) <= set(dir(llmserve)), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
+
+
 def test_python_dash_m_runs_the_command():
     out = subprocess.run([sys.executable, "-m", "llmserve", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("llmserve ")
