@@ -264,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(Config)
     for command in (run, batch):
         command.set_defaults(run_parser=command)
+        # (read by `_config_file` before parsing; listed here for --help)
+        command.add_argument("--config", metavar="FILE.yaml",
+                             help="vLLM's: flags from a YAML mapping of flag names to values (`port: 8001`, "
+                                  "`served-model-name: [a, b]`, `async-scheduling: false`); the command line's "
+                                  "own flags win")
         for f in dataclasses.fields(Config):
             _add_section(command, f.name, hints[f.name])
         vllm = command.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
