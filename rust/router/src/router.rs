@@ -69,7 +69,8 @@ pub struct RouterConfig {
     pub max_logprobs: u32,
     #[serde(default = "default_template_fuel")]
     pub template_fuel: u64,
-    /// `--tool-call-format`: "json", "hermes", "llama3_json" or "mistral"; None detects it from the chat template.
+    /// `--tool-call-format`: "json", "hermes", "llama3_json", "mistral" or "qwen3_xml" (alias "qwen3_coder"); None
+    /// detects it from the chat template.
     #[serde(default)]
     pub tool_call_format: Option<crate::tools::ToolCallFormat>,
     /// Overrides the detected message-content format of the template (`--chat-template-content-format`).
