@@ -389,7 +389,21 @@ def test_a_huge_counted_repetition_is_followed(client, regex):
         assert set(r.choices[0].message.content) == {"a"} and len(r.choices[0].message.content) >= 6
 
 
+def _ref_chain(links, mark, spell):
+    """`links` `$defs`, each an object whose property refers to the next, marked by `mark(i)`
+    and referred to as `spell(i)`: a thousand links overflowed the grammar engine's stack."""
+    defs = {f"A{i}": {**mark(i), "type": "object", "properties": {"a": {"$ref": spell(i + 1)}}, "required": ["a"]}
+            for i in range(links)}
+    defs[f"A{links}"] = {**mark(links), "type": "integer"}
+    return {"$defs": defs, "$ref": spell(0)}
+
+
 @pytest.mark.parametrize("body, param", [
+    # chains followed by anchor and by `$id`, as the engine follows them (they ended the process)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _ref_chain(
+        1000, lambda i: {"$anchor": f"a{i}"}, lambda i: f"#a{i}")}}}, "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": _ref_chain(1000, lambda i: {"$id": f"urn:x:a{i}"}, lambda i: f"urn:x:a{i}")}},
+     "structured_outputs.json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}},
