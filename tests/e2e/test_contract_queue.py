@@ -154,8 +154,10 @@ def test_the_queue_counts_sequences_not_requests(one_slot):
             too_many = [await completion(c, prompt=["a", "b", "c", "d", "e", "f"]),
                         await completion(c, prompt="a", n=6, temperature=1.0),
                         # fewer prompts would not help: n is the one to lower
-                        await completion(c, prompt=["a", "b"], n=6, temperature=1.0)]
-            for r, param in zip(too_many, ["prompt", "n", "n"]):
+                        await completion(c, prompt=["a", "b"], n=6, temperature=1.0),
+                        # the candidates best_of samples are what the client chose
+                        await completion(c, prompt="a", best_of=6, temperature=1.0)]
+            for r, param in zip(too_many, ["prompt", "n", "n", "best_of"]):
                 assert r.status_code == 400, r.text
                 err = r.json()["error"]
                 assert (err["param"], err["code"]) == (param, "invalid_value")

@@ -522,7 +522,8 @@ class AsyncEngine:
             prompts = len(prepared.prompt_lens)
             per_prompt = need // prompts
             # fewer prompts per request help only if one prompt's choices fit
-            advice, param = ("a smaller n", "n") if per_prompt > room else ("fewer prompts per request", "prompt")
+            choices = "best_of" if prepared.best_of is not None else "n"
+            advice, param = (f"a smaller {choices}", choices) if per_prompt > room else ("fewer prompts per request", "prompt")
             raise Router.error(
                 "invalid_request",
                 f"This request would need {need} sequences ({prompts} prompt{'s' * (prompts > 1)}, "

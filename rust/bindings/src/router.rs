@@ -385,6 +385,13 @@ impl PyPrepared {
     fn n(&self) -> PyResult<u32> {
         Ok(self.get()?.params.n)
     }
+    /// Completions' `best_of` when above `n` (then `n` above is `best_of`: the candidates
+    /// sampled per prompt); else None.
+    #[getter]
+    fn best_of(&self) -> PyResult<Option<u32>> {
+        let prepared = self.get()?;
+        Ok(prepared.best_of.as_ref().map(|_| prepared.params.n))
+    }
     /// The sequences it queues: one per prompt and distinct choice (greedy choices run once).
     #[getter]
     fn num_seqs(&self) -> PyResult<usize> {
