@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -12,6 +13,7 @@ import sys
 import types
 import typing
 from fractions import Fraction
+from pathlib import Path
 
 from llmserve.config import VLLM_SUFFIXES, Config
 
@@ -269,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="vLLM's: flags from a YAML mapping of flag names to values (`port: 8001`, "
                                   "`served-model-name: [a, b]`, `async-scheduling: false`); the command line's "
                                   "own flags win")
+        # (the file's `model`, taken when the command line names none)
+        command.add_argument("--config-model", help=argparse.SUPPRESS)
         for f in dataclasses.fields(Config):
             _add_section(command, f.name, hints[f.name])
         vllm = command.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
@@ -467,9 +471,12 @@ def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     `-`; `model` is MODEL), placed before the command line's own flags, which win. A list gives
     the flag once per item, a mapping its JSON, `true` the bare flag, `false` its `--no-` form
     (where it has one)."""
-    at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
-    if at is None:
+    given = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not given:
         return argv
+    if len(given) > 1:
+        parser.error("--config is given more than once: put every flag in one file")
+    at = given[0]
     path = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else None)
     rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
     if not path:
@@ -490,8 +497,13 @@ def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     words: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if flag in ("--config", "--config-model"):
+            parser.error(f"--config {path}: `{key}`: a file cannot name another")
+        if value is None or value == [] or value == {}:
+            # (`api-key:` left empty would otherwise serve with no key at all)
+            parser.error(f"--config {path}: `{key}` holds no value")
         if flag == "--model":
-            words.insert(0, str(value))
+            words += ["--config-model", str(value)]
         elif value is True:
             words.append(flag)
         elif value is False:
@@ -521,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{_ENV_LOG_LEVEL} must be one of debug, info, warning, error, critical; got {level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in ("run", "run-batch"):
+        if vars(args).get("model.model") is None:
+            setattr(args, "model.model", args.config_model)
         model = vars(args).get("model.model")
         if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes
@@ -554,29 +568,51 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_batch(cfg: Config, input_file: str, output_file: str) -> int:
-    """`llmserve run-batch`: every line of `input_file` answered in `output_file` (0), or 1
-    when the model cannot be loaded or a file cannot be read or written."""
-    import contextlib
-
+    """`llmserve run-batch`: every line of `input_file` answered in `output_file` (0); 1 when
+    the input cannot be read, the output cannot be written or the model cannot be served,
+    130 when interrupted. The input is read whole and the files checked before the model
+    loads; the output file appears once every line is answered (written beside it, then
+    renamed: the input and the output may be one file, and a failed run leaves none)."""
     from llmserve.engine.batch import run_batch
-    from llmserve.engine.build import build_engine
+    from llmserve.engine.build import SetupError, build_engine
     from llmserve.loaders import LoadError
 
     log = logging.getLogger("llmserve")
+    partial = None
     try:
-        source = contextlib.nullcontext(sys.stdin) if input_file == "-" else open(input_file, encoding="utf-8")
-        with source as lines:
+        raw = sys.stdin.buffer.read() if input_file == "-" else Path(input_file).read_bytes()
+        try:
+            lines = raw.decode("utf-8").split("\n")   # (not splitlines: JSON strings may hold U+2028)
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise LoadError(f"{input_file}: line {line} is not UTF-8 text ({exc.reason})") from None
+        if output_file == "-":
+            out = sys.stdout
+        else:
+            if os.path.isdir(output_file):
+                raise LoadError(f"{output_file}: is a folder; -o names the file the answers go to")
+            partial = f"{output_file}.{os.getpid()}.partial"
+            out = os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8")
+        with out if partial else contextlib.nullcontext(out):
             engine = build_engine(cfg)
-            sink = contextlib.nullcontext(sys.stdout) if output_file == "-" else open(output_file, "w", encoding="utf-8")
             counts = {"ok": 0, "failed": 0}
-            with sink as out:
-                for answer in run_batch(engine, lines):
-                    ok = answer["error"] is None and answer["response"]["status_code"] == 200
-                    counts["ok" if ok else "failed"] += 1
-                    out.write(json.dumps(answer, ensure_ascii=False) + "\n")
-    except (OSError, LoadError) as exc:
+            for answer in run_batch(engine, lines):
+                ok = answer["error"] is None and answer["response"]["status_code"] == 200
+                counts["ok" if ok else "failed"] += 1
+                out.write(json.dumps(answer, ensure_ascii=False) + "\n")
+        if partial:
+            os.replace(partial, output_file)
+            partial = None
+    except (OSError, LoadError, SetupError) as exc:
         log.error("run-batch: %s", exc)
         return 1
+    except KeyboardInterrupt:
+        log.error("run-batch: interrupted; no output written")
+        return 130
+    finally:
+        if partial:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
     log.info("run-batch: %d requests answered, %d of them with an error", counts["ok"] + counts["failed"],
              counts["failed"])
     return 0

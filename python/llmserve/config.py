@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import types
@@ -18,6 +19,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 
+# The largest integer a flag without a bound of its own takes.
+_MOST = 2**31 - 1
+
 # generation_config.json's sampling keys that --override-generation-config may set: a check of
 # the value and what it must be (a request's range for the field it is the default of).
 _GENERATION_KEYS = {
@@ -25,8 +29,8 @@ _GENERATION_KEYS = {
     "top_p": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
     "top_k": (lambda v: isinstance(v, int) and (v == -1 or v >= 0), "an integer, -1 or 0 for off"),
     "min_p": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
-    "repetition_penalty": (lambda v: v > 0, "a number above 0"),
-    "max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer of at least 1"),
+    "repetition_penalty": (lambda v: v > 0, "a finite number above 0"),
+    "max_new_tokens": (lambda v: isinstance(v, int) and 1 <= v <= _MOST, f"an integer from 1 to {_MOST}"),
 }
 
 
@@ -128,6 +132,8 @@ class _Checked:
                     raise ValueError(f"{flag} must hold no control or invisible characters; got {shown(odd)}")
                 if len(set(value)) < len(value):
                     twice = next(v for i, v in enumerate(value) if v in value[:i])
+                    if meta.get("secret"):
+                        raise ValueError(f"{flag}: the same value is given more than once")
                     raise ValueError(f"{flag} {shown(twice)} is given more than once")
                 continue
             if (f.name, value) in _SYNONYMS:
@@ -147,6 +153,11 @@ class _Checked:
                 except ValueError as exc:
                     raise ValueError(f"{flag}: {exc}") from None
             low, high, above = meta.get("min"), meta.get("max"), meta.get("above")
+            if (high is None and isinstance(value, int) and not isinstance(value, bool) and not meta.get("memory")
+                    and value > _MOST):
+                # (counts and sizes go to the Rust core as 32-bit or machine integers)
+                raise ValueError(f"{flag} must be at most {_MOST}; got {value}")
+
             if ((low is not None and value < low) or (high is not None and value > high)
                     or (above is not None and not value > above)):
                 bounds = [f"at least {low}"] if low is not None else []
@@ -199,7 +210,8 @@ class ModelConfig(_Checked):
         min=-1,
     )
     max_model_len: int | None = _f(None, "Context length (prompt + output); default: the model's. As vLLM "
-                                   "takes it, 32k is 32000 and 32K 32768.", min=1, human=True)
+                                   "takes it, 32k is 32000 and 32K 32768; at least 2 (a prompt token and "
+                                   "an output).", min=2, human=True)
     dtype: str = _f(
         "auto", "Weight dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -362,7 +374,7 @@ class ModelConfig(_Checked):
             check = _GENERATION_KEYS.get(key)
             if check is None:
                 raise ValueError(f"{flag}: {key!r} is not one of {', '.join(_GENERATION_KEYS)}")
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or not check[0](value):
                 raise ValueError(f"{flag}: {key} must be {check[1]}, got {value!r}")
         return values
@@ -503,8 +515,8 @@ class SchedulerConfig(_Checked):
 
         def whole(key: str) -> int | None:
             v = values.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{flag}: {key} must be a whole number of at least 1, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MOST):
+                raise ValueError(f"{flag}: {key} must be a whole number from 1 to {_MOST}, got {v!r}")
             return v
 
         num = whole("num_speculative_tokens")
@@ -598,7 +610,7 @@ class ServerConfig(_Checked):
         "chat completions kept by `store: true`; 0 keeps none.", min=0,
     )
     sse_keep_alive: float | None = _f(
-        None, "Send an SSE comment on a stream idle this many seconds.", above=0
+        None, "Send an SSE comment on a stream idle this many seconds (at least 0.1).", min=0.1
     )
     access_log: bool = _f(True, "Log one line per request (with `user` when sent).",
                           off_alias="--disable-uvicorn-access-log")
@@ -656,6 +668,10 @@ class ServerConfig(_Checked):
         if self.ssl_certfile is None and (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs):
             raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (the "
                              "server's certificate)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            # (without them no client certificate checks out: every handshake would fail)
+            raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} needs --ssl-ca-certs: the CA certificates "
+                             "client certificates are checked against")
         for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile),
                            ("--ssl-ca-certs", self.ssl_ca_certs)):
             if path is not None and not os.path.isfile(path):

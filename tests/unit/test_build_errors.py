@@ -165,6 +165,16 @@ def test_a_cache_too_small_for_one_request_names_the_flag_that_sized_it(folder, 
         build_engine(config)
 
 
+@pytest.mark.parametrize("cache, flag", [(CacheConfig(kv_cache_memory="65536TiB"), "--kv-cache-memory"),
+                                         (CacheConfig(num_kv_blocks=2**31 - 1), "--num-kv-blocks")])
+def test_a_cpu_cache_beyond_the_machine_s_memory_is_refused(folder, cache, flag):
+    """Its pages are mapped as they are first written: it would start, then be killed once
+    requests filled it (or fail in mmap with a traceback, past what the system maps)."""
+    config = Config(model=ModelConfig(model=str(folder)), cache=cache, device=DeviceConfig(threads=1))
+    with pytest.raises(SetupError, match=f"more than this machine's .* GiB of memory: lower {flag}$"):
+        build_engine(config)
+
+
 def test_a_sliding_window_is_served_at_full_length_on_cpu(folder):
     """Mistral's sliding window is implemented on CPU: the model is served at its full length,
     every layer attending through the window."""

@@ -49,11 +49,15 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--block-size", "0"], {}, "--block-size must be at least 1; got 0"),
     (["--max-waiting", "-1"], {}, "--max-waiting must be at least 1"),
     (["--max-body-bytes", "0"], {}, "--max-body-bytes must be at least 1"),
-    (["--max-model-len", "0"], {}, "--max-model-len must be at least 1"),
+    (["--max-model-len", "1"], {}, "--max-model-len must be at least 2"),
+    # counts the core holds in 32 bits, and numbers past any machine's
+    (["--max-num-seqs", "99999999999999999999"], {}, "--max-num-seqs must be at most 2147483647"),
+    (["--num-kv-blocks", "1000000000000"], {}, "--num-kv-blocks must be at most 2147483647"),
+    (["--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"], {}, "--ssl-cert-reqs 2 needs --ssl-ca-certs"),
     (["--num-kv-blocks", "0"], {}, "--num-kv-blocks must be at least 1"),
     (["--threads", "0"], {}, "--threads must be at least 1"),
     (["--port", "99999"], {}, "--port must be at least 0 and at most 65535"),
-    (["--sse-keep-alive", "-1"], {}, "--sse-keep-alive must be greater than 0"),
+    (["--sse-keep-alive", "-1"], {}, "--sse-keep-alive must be at least 0.1"),
     (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization must be greater than 0 and at most 1"),
     (["--kv-cache-memory", "0"], {}, "--kv-cache-memory must be greater than 0"),
     (["--kv-cache-memory", "12XB"], {}, "--kv-cache-memory: not a memory size"),
@@ -64,7 +68,7 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--api-key", ""], {}, "--api-key must not be empty"),
     (["--served-model-name", " "], {}, "--served-model-name must not be empty"),
     (["--api-key", "k1 "], {}, "--api-key must not begin or end with whitespace; got a value"),
-    (["--api-key", "k1", "--api-key", "k1"], {}, "--api-key a value is given more than once"),
+    (["--api-key", "k1", "--api-key", "k1"], {}, "--api-key: the same value is given more than once"),
     (["--served-model-name", "a", "--served-model-name", "a"], {}, "--served-model-name 'a' is given more than once"),
     (["--served-model-name", "a\nb"], {}, "--served-model-name must hold no control or invisible characters; got 'a\\nb'"),
     (["--api-key", "k\x1b1"], {}, "--api-key must hold no control or invisible characters; got a value"),
@@ -89,6 +93,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--lora-modules", "{\"name\": \"a\"}"], {}, "the JSON form is {\"name\": NAME, \"path\": PATH}"),
     (["--override-generation-config", "{\"temp\": 1}"], {}, "'temp' is not one of temperature"),
     (["--override-generation-config", "{\"top_p\": 2}"], {}, "top_p must be a number from 0 to 1, got 2"),
+    (["--override-generation-config", "{\"repetition_penalty\": Infinity}"], {},
+     "repetition_penalty must be a finite number above 0, got inf"),
     (["--default-chat-template-kwargs", "enable_thinking=false"], {}, "--default-chat-template-kwargs must be a JSON "
                                                                      "object: Expecting value"),
     (["--default-chat-template-kwargs", "[1]"], {}, "must be a JSON object such as '{\"enable_thinking\": false}'"),
@@ -448,3 +454,24 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypa
         with pytest.raises(SystemExit) as exit_:
             cli.main(["run", f"--config={bad}"])
         assert exit_.value.code == 2
+    # the command line's model wins over the file's too
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"")
+    assert cli.main(["run", str(other), "--config", str(config)]) == 0
+    assert served[-1].model.model == str(other)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("api-key:\n", "`api-key` holds no value"),        # (would serve with no key at all)
+    ("api-key: []\n", "`api-key` holds no value"),
+    ("config: other.yaml\n", "`config`: a file cannot name another"),
+])
+def test_a_config_file_that_names_nothing_is_refused(tmp_path, capsys, text, says):
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--config", str(config)])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--config", str(config), "--config", str(config)])
+    assert "--config is given more than once" in capsys.readouterr().err

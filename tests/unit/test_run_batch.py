@@ -64,6 +64,39 @@ def test_errors_are_answered_as_the_server_would(answers):
         assert by_id[custom_id]["error"] is None
 
 
+def test_the_output_may_replace_the_input(tiny_model, tmp_path):
+    """The input is read whole before the output is written: one file for both is answered,
+    not emptied (it was, before the model had read a line)."""
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(_line("chat", "/v1/chat/completions", CHAT) + "\n")
+    assert cli.main(["run-batch", str(tiny_model), "--served-model-name", "tiny", "--threads", "1",
+                     "--num-kv-blocks", "64", "-i", str(batch), "-o", str(batch)]) == 0
+    (answer,) = [json.loads(line) for line in batch.read_text().splitlines()]
+    assert answer["custom_id"] == "chat" and answer["response"]["status_code"] == 200
+    assert [p.name for p in tmp_path.iterdir()] == ["batch.jsonl"]
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("not_utf8", "line 2 is not UTF-8 text"),
+    ("output_folder", "is a folder"),
+    ("no_model", "no_such_model"),
+])
+def test_a_run_that_cannot_be_done_writes_nothing(tmp_path, caplog, damage, says):
+    """One line in the log and status 1, before the model loads where the files are at fault;
+    no output file, whole or partial."""
+    batch = tmp_path / "in.jsonl"
+    batch.write_bytes(_line("a", "/v1/completions", COMPLETION).encode() + b"\n{\"x\": \"\xff\"}\n")
+    if damage != "not_utf8":
+        batch.write_text(_line("a", "/v1/completions", COMPLETION) + "\n")
+    out = tmp_path / "out.jsonl"
+    if damage == "output_folder":
+        out.mkdir()
+    model = str(tmp_path / "no_such_model")
+    assert cli.main(["run-batch", model, "--threads", "1", "-i", str(batch), "-o", str(out)]) == 1
+    assert says in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.jsonl"] + ["out.jsonl"] * (damage == "output_folder"))
+
+
 def test_answers_equal_the_offline_apis(answers, tiny_model):
     llm = LLM(str(tiny_model), served_model_name=("tiny",), threads=1, num_kv_blocks=64)
     by_id = {a["custom_id"]: a["response"]["body"] for a in answers if a["response"]}

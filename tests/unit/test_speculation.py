@@ -30,7 +30,7 @@ def test_the_flag_reads_as_vllm_reads_it(given, read):
 
 @pytest.mark.parametrize("given, says", [
     ({"method": "ngram"}, "num_speculative_tokens is required"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number of at least 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number from 1 to 2147483647"),
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "must be a whole number"),
     ({"method": "ngram", "num_speculative_tokens": 65}, "at most 64"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

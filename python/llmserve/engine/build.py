@@ -257,6 +257,36 @@ def batched_tokens(cfg: Config, device: torch.device) -> int:
     return given if given is not None else DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cpu"])
 
 
+def _check_cpu_memory(cfg: Config, size: int) -> None:
+    """A CPU KV cache larger than the machine's memory is refused (its pages are mapped
+    lazily, so it would start and be killed later, once requests filled it); one larger than
+    the memory free now is a warning."""
+    flag = "--num-kv-blocks" if cfg.cache.num_kv_blocks else "--kv-cache-memory"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if size > total:
+        raise SetupError(f"the KV cache {flag} asks for takes {size / 2**30:.1f} GiB, more than this machine's "
+                         f"{total / 2**30:.1f} GiB of memory: lower {flag}")
+    available = _available_memory()
+    if available is not None and size > available:
+        log.warning("the KV cache (%.1f GiB) is more than the %.1f GiB of memory free now: the server may be "
+                    "killed for memory once requests fill it; lower %s", size / 2**30, available / 2**30, flag)
+
+
+def _available_memory() -> int | None:
+    """Linux's MemAvailable in bytes, or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model, normalize_config
@@ -363,6 +393,8 @@ def build_engine(cfg: Config) -> Engine:
                                                 reserve)
     else:
         num_blocks = parse_bytes(DEFAULT_CPU_KV_CACHE) // per_block
+    if device.type == "cpu":
+        _check_cpu_memory(cfg, num_blocks * per_block)
     needed = math.ceil(max_model_len / block_size)
     if num_blocks - 1 < needed:
         # the flag that set the size (--num-kv-blocks overrides the others)

@@ -452,6 +452,8 @@ def serve(config: Config) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(uds)
     code = STARTUP_FAILURE if server.load_failed or not server.started else 0
+    if app.state.engine.loading():
+        log.info("stopped while the model was loading (exit status 0: a stop that was asked for)")
     if app.state.engine.busy():
         # Stopped while the model loads, or inside a step that outlasted the stop (a long
         # prompt on a CPU): that thread is inside torch, and an interpreter that finalizes
