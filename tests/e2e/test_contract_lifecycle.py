@@ -424,9 +424,22 @@ RESPONSES = {"model": "tiny", "input": "Hello", "ignore_eos": True, "stream": Tr
 
 def test_responses_stream_failure_is_the_error_frame_and_before_the_first_byte_a_500(failing_engine):
     """/v1/responses keeps the contract's two failure rows: a failure after its events began
-    is the error frame and [DONE] (which the SDK raises as an APIError: a frame with no event
-    name holding `error`), one in the first step a 500."""
+    is the error frame and [DONE] (which the SDK raises as an APIError: a frame holding
+    `error`), named `event: error` and holding OpenAI's `error` event fields, numbered after
+    the events before it; one in the first step a 500. A stream the server ends as it stops
+    (a drain run out) ends the same way."""
     engine, runners = failing_engine
+
+    def ends_with_the_error_event(text: str, code: str) -> None:
+        assert "response.completed" not in text
+        assert text.endswith("\n\ndata: [DONE]\n\n"), text
+        events = [f for f in text.split("\n\n") if f.startswith("event: ")]
+        kind, data = events[-1].removeprefix("event: ").split("\ndata: ")
+        error = json.loads(data)
+        assert (kind, error["type"], error["code"], error["error"]["code"]) == ("error", "error", code, code)
+        assert error["sequence_number"] == len(events) - 1 and error["message"] == error["error"]["message"]
+        assert error["error"]["type"] in ("server_error", "service_unavailable_error") and "secret" not in text
+        assert [json.loads(e.split("\ndata: ")[1])["sequence_number"] for e in events] == list(range(len(events)))
 
     async def main():
         async with _serving(engine) as c:
@@ -434,10 +447,15 @@ def test_responses_stream_failure_is_the_error_frame_and_before_the_first_byte_a
             r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 30})
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             assert "event: response.created" in r.text
-            assert "response.completed" not in r.text
-            frames = _sse_frames(r.text)   # (events start with `event:`: only the frame is bare)
-            assert frames[-1] == "[DONE]" and len(frames) == 2
-            assert json.loads(frames[0])["error"]["type"] == "server_error"
+            ends_with_the_error_event(r.text, "internal_error")
+            stream = await engine.submit("responses", json.dumps({**RESPONSES, "max_output_tokens": 480}).encode())
+            text = ""
+            while "response.output_text.delta" not in text:
+                text += (await stream.next()).decode()
+            assert engine.end_all() == 1
+            while (item := await stream.next()) is not None:
+                text += item.decode()
+            ends_with_the_error_event(text, "service_unavailable")
             runners[0].fail_in(1)
             r = await c.post("/v1/responses", json={**RESPONSES, "max_output_tokens": 5})
             _assert_error(r, 500, "server_error", "internal_error")

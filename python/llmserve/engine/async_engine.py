@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-from llmserve._core import ApiError, NotFoundError, Prepared, Router
+from llmserve._core import ApiError, NotFoundError, Prepared, Router, responses_error_event
 from llmserve.config import Config
 from llmserve.engine import output_log
 from llmserve.engine.build import Engine, SetupError, build_engine
@@ -69,13 +69,17 @@ def _error_message(body) -> str | None:
 class RequestStream:
     """One generation request's output, as an async iterator of wire-ready bytes."""
 
-    def __init__(self, engine: AsyncEngine, prepared, anthropic: bool = False, log_outputs: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, prepared, anthropic: bool = False, log_outputs: str | None = None,
+                 responses: bool = False) -> None:
         self._engine = engine
         # --enable-log-outputs: the request's endpoint, and everything it sent (read back at its end)
         self._log_endpoint = log_outputs
         self._sent = bytearray() if log_outputs else None
         # An Anthropic Messages request: its errors take Anthropic's shape.
         self.anthropic = anthropic
+        # A Responses request: the events it has sent (each frame's one `data:` line), which
+        # number the `error` event an error ends its stream with; None for other requests.
+        self._events: int | None = 0 if responses else None
         self.id: str = prepared.id
         # Whether its bytes are SSE (a background response's always are: its events).
         self.stream: bool = prepared.stream or prepared.background
@@ -179,7 +183,14 @@ class RequestStream:
             # (no bytes, no keep-alive comment) can still 500.
             if not (self.stream and self.started):
                 raise item
-            item = item.anthropic_sse if self.anthropic else item.sse
+            if self.anthropic:
+                item = item.anthropic_sse
+            elif self._events is not None:
+                item = responses_error_event(item, self._events)
+            else:
+                item = item.sse
+        elif self._events is not None and isinstance(item, bytes):
+            self._events += item.count(b"\ndata: ")
         self.started = True
         return item
 
@@ -465,7 +476,8 @@ class AsyncEngine:
             for line in prepared.log_lines(server.max_log_len):
                 request_log.info(line)
         logged = server.enable_log_outputs and endpoint not in EMBEDDING
-        stream = RequestStream(self, prepared, anthropic=endpoint == "messages", log_outputs=endpoint if logged else None)
+        stream = RequestStream(self, prepared, anthropic=endpoint == "messages", log_outputs=endpoint if logged else None,
+                               responses=endpoint == "responses")
         self._open.add(stream)
         self._thread.post(("add", prepared, stream))
         return stream

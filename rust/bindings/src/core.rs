@@ -169,7 +169,10 @@ impl RequestState {
             return failed;
         }
         match (self.started, self.anthropic) {
-            (true, false) => err.to_sse(),
+            (true, false) => match self.builder.responses_sequence() {
+                Some(sequence_number) => err.to_responses_sse(sequence_number),
+                None => err.to_sse(),
+            },
             (false, false) => err.to_json(),
             (true, true) => err.to_anthropic_sse(),
             (false, true) => err.to_anthropic_json(),

@@ -63,6 +63,16 @@ pub fn to_py(py: Python<'_>, e: &RouterError) -> PyErr {
     err
 }
 
+/// A Responses stream's `error` event for `err`, an ApiError already raised (the engine's
+/// 503 when it stops with the stream open), numbered `sequence_number`: the stream's next.
+#[pyfunction]
+pub fn responses_error_event<'py>(err: &Bound<'py, PyAny>, sequence_number: u64) -> PyResult<Bound<'py, PyBytes>> {
+    let body: Vec<u8> = err.getattr("body")?.extract()?;
+    let body = serde_json::from_slice(&body)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("not an error body: {e}")))?;
+    Ok(PyBytes::new(err.py(), &llmserve_router::error::responses_error_event(body, sequence_number)))
+}
+
 /// Build the router's error of a named kind from Python (the engine's 503s and 500s, the
 /// server's 401/404/413), so that every body is still made here.
 pub fn from_kind(

@@ -36,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::dequantize_packed, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::apply_token_bitmask, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::rope_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::responses_error_event, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("numerics_revision", llmserve_kernels::NUMERICS_REVISION)?;

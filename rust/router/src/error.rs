@@ -224,6 +224,11 @@ impl ApiError {
         out
     }
 
+    /// A Responses stream's frame for an error after it began ([`responses_error_event`]).
+    pub fn to_responses_sse(&self, sequence_number: u64) -> Vec<u8> {
+        responses_error_event(self.to_value(), sequence_number)
+    }
+
     /// The frame sent when an error happens after streaming began: the error, then `[DONE]`.
     pub fn to_sse(&self) -> Vec<u8> {
         let mut out = b"data: ".to_vec();
@@ -231,6 +236,24 @@ impl ApiError {
         out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
         out
     }
+}
+
+/// A Responses stream's frame for an error after it began, from its body `{"error": {...}}`:
+/// the contract's error frame and `[DONE]` (the openai SDK raises it as an APIError, as it
+/// raises any frame holding `error`), named `event: error` and holding OpenAI's `error` event
+/// fields beside `error` (`type: "error"`, `code`, `message`, `param`, and `sequence_number`,
+/// the stream's next), so a reader of the typed events sees one.
+pub fn responses_error_event(mut body: serde_json::Value, sequence_number: u64) -> Vec<u8> {
+    let error = body["error"].clone();
+    for key in ["code", "message", "param"] {
+        body[key] = error[key].clone();
+    }
+    body["type"] = json!("error");
+    body["sequence_number"] = json!(sequence_number);
+    let mut out = b"event: error\ndata: ".to_vec();
+    out.extend_from_slice(&serde_json::to_vec(&body).expect("errors serialize"));
+    out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    out
 }
 
 impl fmt::Display for ApiError {
@@ -275,6 +298,16 @@ mod tests {
         assert!(frame.starts_with("event: error\ndata: {"), "{frame}");
         assert!(frame.ends_with("}\n\n") && frame.contains("\"api_error\""), "{frame}");
         assert_eq!(ApiError::invalid("max_tokens", "bad").anthropic_type(), "invalid_request_error");
+        let frame = String::from_utf8(ApiError::Internal { message: "x".into() }.to_responses_sse(7)).unwrap();
+        let (data, done) = frame.strip_prefix("event: error\ndata: ").unwrap().split_once("\n\n").unwrap();
+        let data: serde_json::Value = serde_json::from_str(data).unwrap();
+        let error = json!({"message": "x", "type": "server_error", "param": null, "code": "internal_error"});
+        assert_eq!(
+            data,
+            json!({"error": error, "type": "error", "code": "internal_error", "message": "x",
+                                "param": null, "sequence_number": 7})
+        );
+        assert_eq!(done, "data: [DONE]\n\n");
     }
 
     #[test]

@@ -725,6 +725,12 @@ impl ResponseBuilder {
         Some(self.take())
     }
 
+    /// A streamed Responses request's next `sequence_number` (what an `error` event ending it
+    /// takes); None for other requests.
+    pub fn responses_sequence(&self) -> Option<u64> {
+        self.responses.as_ref().filter(|_| self.stream).map(|(_, events)| events.next_sequence())
+    }
+
     fn usage(&self) -> Usage {
         let completion_tokens = self.choices.iter().map(|c| c.completion_tokens).sum();
         Usage {

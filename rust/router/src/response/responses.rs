@@ -266,6 +266,11 @@ impl EventStream {
         true
     }
 
+    /// The `sequence_number` the next event gets.
+    pub(super) fn next_sequence(&self) -> u64 {
+        self.seq
+    }
+
     /// `response.failed`, with the failed `response`.
     pub(super) fn failed(&mut self, out: &mut Vec<u8>, response: Value) {
         self.event(out, "response.failed", json!({"response": response}));
