@@ -180,6 +180,8 @@ def test_the_queue_counts_sequences_not_requests(one_slot):
             assert r.status_code == 503, r.text
             third = asyncio.ensure_future(completion(c, prompt="z"))
             await _wait_load(one_slot, "waiting", 4)
+            # /metrics counts what /load counts (requests the engine thread has yet to take in too)
+            assert _scrape(one_slot)["llmserve:num_requests_waiting"] == 4
             await _release(hold)
             done = await asyncio.gather(first, second, third)
             assert [w.status_code for w in done] == [200] * 3

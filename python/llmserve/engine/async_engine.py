@@ -335,6 +335,9 @@ class AsyncEngine:
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
                                     self._first_scheduled, plan_ahead=engine.plan_ahead,
                                     adapters=engine.adapters, router=engine.router)
+        # (read as /metrics is scraped, as /load reads it: with the requests the engine thread
+        # has not taken in yet, which its own count leaves out)
+        self.metrics.waiting.set_function(lambda: self.load()["waiting"])
         if engine.adapters is not None:
             engine.adapters.retire = lambda index: self._thread.post(("retire", index))
         self._thread.start()

@@ -201,7 +201,6 @@ class Metrics:
         """Engine thread: each time it publishes its counts (every plan made, every step, and
         after aborts that emptied it); `seconds` is the step's time, 0 where none ran."""
         self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
         self.preemptions.inc(max(0, stats["preemptions"] - self._last_preemptions))
         self._last_preemptions = stats["preemptions"]
