@@ -456,7 +456,8 @@ class SchedulerConfig(_Checked):
     max_waiting: int = _f(
         2048, "Sequences waiting to start (one per prompt, sampled choice or embeddings input), beyond the "
         "step's free slots (--max-num-seqs less those running), that new requests may not push past: they "
-        "get 503 + Retry-After (400 if one request alone needs more than this plus --max-num-seqs). The "
+        "get 503 + Retry-After (400 if one request alone needs more than this plus --max-num-seqs), and the "
+        "room a refused request lacked is held 3 s for its retry. The "
         "default takes one request of OpenAI's most embeddings inputs (2048).", min=1)
     scheduling_policy: str = _f(
         "priority", "fcfs or priority (the request field `priority`; lower runs first).",

@@ -145,7 +145,8 @@ def test_a_burst_fills_the_free_slots_and_the_queue(one_slot):
 def test_the_queue_counts_sequences_not_requests(one_slot):
     """--max-waiting 4 counts every prompt and sampled choice waiting beyond the free slot: a
     request that alone needs more than both (5) is a 400 naming the field, one that needs more
-    than the room left is a 503, and a greedy n (run once) needs one."""
+    than the room left is a 503 (and holds that room for its retry), and a greedy n (run once)
+    needs one."""
     def completion(c, **fields):
         return c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **fields})
 
@@ -176,16 +177,22 @@ def test_the_queue_counts_sequences_not_requests(one_slot):
             await _wait_load(one_slot, "waiting", 1)
             second = asyncio.ensure_future(completion(c, prompt="two", n=2, temperature=1.0, seed=1))
             await _wait_load(one_slot, "waiting", 3)
+            # /metrics counts what /load counts (requests the engine thread has yet to take in too)
+            assert _scrape(one_slot)["llmserve:num_requests_waiting"] == 3
             r = await completion(c, prompt=["x", "y"])
             assert r.status_code == 503, r.text
-            third = asyncio.ensure_future(completion(c, prompt="z"))
-            await _wait_load(one_slot, "waiting", 4)
-            # /metrics counts what /load counts (requests the engine thread has yet to take in too)
-            assert _scrape(one_slot)["llmserve:num_requests_waiting"] == 4
+            # the place it lacked one of is held for its retry: a smaller request leaves it
+            # free (else single requests would take each place as it frees, and it would never run)
+            r = await completion(c, prompt="z")
+            assert r.status_code == 503 and "held for a larger request" in r.json()["error"]["message"], r.text
             await _release(hold)
-            done = await asyncio.gather(first, second, third)
-            assert [w.status_code for w in done] == [200] * 3
-            assert [len(w.json()["choices"]) for w in done] == [3, 2, 1]
+            done = await asyncio.gather(first, second)
+            assert [w.status_code for w in done] == [200] * 2
+            assert [len(w.json()["choices"]) for w in done] == [3, 2]
+            r = await completion(c, prompt=["x", "y"])
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+            r = await completion(c, prompt="z")
+            assert r.status_code == 200, r.text
 
     asyncio.run(main())
     _wait_idle(one_slot)

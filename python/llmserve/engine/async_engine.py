@@ -283,6 +283,9 @@ async def _on_daemon_thread(fn, *args):
 GENERATING = ("chat", "completion", "responses", "messages", "generate", "embeddings", "score", "rerank")
 # The endpoints whose prompts are inputs to embed (none generates a token).
 EMBEDDING = ("embeddings", "score", "rerank")
+# How long a request refused for want of room in the queue holds that room for its retry (its
+# 503 says Retry-After: 1).
+RESERVE_S = 3.0
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
 
 
@@ -298,6 +301,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open: set[RequestStream] = set()
         self._drain_deadline: float | None = None   # set when a drain begins
+        # The room a request refused for want of it holds in the queue (its sequences, and
+        # until when): see _admit.
+        self._reserved: tuple[int, float] = (0, 0.0)
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -522,7 +528,8 @@ class AsyncEngine:
         (--max-num-seqs less those running), this request's included: one that could never fit
         is refused for good (400), one that fits later gets 503. (A burst arrives between steps,
         before any of it runs: counted against the waiting alone, it would be refused while
-        slots were free.)"""
+        slots were free.) A request refused for want of room holds it for its retry
+        (RESERVE_S): smaller ones leave it free meanwhile."""
         sched = self.config.scheduler
         need, limit, slots = prepared.num_seqs, sched.max_waiting, sched.max_num_seqs
         room = limit + slots
@@ -547,9 +554,25 @@ class AsyncEngine:
                 param=param)
         load = self.load()
         free = max(0, slots - load["running"])
-        if load["waiting"] + need > limit + free:
-            raise self.unavailable(f"The queue is full ({load['waiting']} sequences waiting for {free} free slots, "
-                                   f"at most {limit} beyond them; this request needs {need}); try again shortly.")
+        left = limit + free - load["waiting"]
+        # NOTE: admission is whole or nothing, so a request of many sequences (n, prompts,
+        # inputs) would never find its room while single ones take each place that frees.
+        # Refused, it holds the room it needs for RESERVE_S: smaller requests leave that much
+        # free meanwhile, and the first that needs as much takes it.
+        reserved, until = self._reserved
+        now = time.monotonic()
+        if now >= until:
+            reserved = 0
+        held = reserved if need < reserved else 0
+        if need > left - held:
+            if need > left and need >= reserved:
+                self._reserved = (need, now + RESERVE_S)
+            raise self.unavailable(
+                f"The queue is full ({load['waiting']} sequences waiting for {free} free slots, at most {limit} "
+                f"beyond them{f', and {held} held for a larger request refused before' if held else ''}; this "
+                f"request needs {need}); try again shortly.")
+        if need >= reserved:
+            self._reserved = (0, 0.0)
 
     async def handle(self, endpoint: str, body: bytes) -> tuple[bytes, list[tuple[str, str]]]:
         """tokenize / detokenize / render routes: no generation, no engine thread. Returns
