@@ -254,9 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     # Defaults are written into each flag's help (none for flags without one).
-    run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).")
+    # (a short usage line: the generated one lists every flag, some 90 lines above each error)
+    run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).",
+                         usage="llmserve run [MODEL] [flags]   (llmserve run --help lists them)")
     batch = sub.add_parser(
         "run-batch", help="Run a file of OpenAI batch requests (JSONL) offline, as vllm run-batch.",
+        usage="llmserve run-batch [MODEL] -i FILE -o FILE [flags]   (llmserve run-batch --help lists them)",
         description="Each input line is {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} for "
                     "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score or /v1/rerank; each output "
                     "line answers the input line at the same place with {\"id\", \"custom_id\", \"response\": "

@@ -669,6 +669,8 @@ class ServerConfig(_Checked):
         if self.ssl_certfile is None and (self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs):
             raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (the "
                              "server's certificate)")
+        if self.uds == "":
+            raise ValueError("--uds must name the socket's path (left out, the server listens on --host/--port)")
         if self.ssl_cert_reqs and self.ssl_ca_certs is None:
             # (without them no client certificate checks out: every handshake would fail)
             raise ValueError(f"--ssl-cert-reqs {self.ssl_cert_reqs} needs --ssl-ca-certs: the CA certificates "

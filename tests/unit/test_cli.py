@@ -54,6 +54,7 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--max-num-seqs", "99999999999999999999"], {}, "--max-num-seqs must be at most 2147483647"),
     (["--num-kv-blocks", "1000000000000"], {}, "--num-kv-blocks must be at most 2147483647"),
     (["--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"], {}, "--ssl-cert-reqs 2 needs --ssl-ca-certs"),
+    (["--uds", ""], {}, "--uds must name the socket's path"),
     (["--num-kv-blocks", "0"], {}, "--num-kv-blocks must be at least 1"),
     (["--threads", "0"], {}, "--threads must be at least 1"),
     (["--port", "99999"], {}, "--port must be at least 0 and at most 65535"),
