@@ -207,6 +207,13 @@ pub struct Grammar {
     json: Option<(JsonStart, Arc<TokenBytes>)>,
 }
 
+/// `m`'s guard, poisoned or not: a cache entry and a matcher template are whole between calls
+/// (nothing mutates one in place), so a panic elsewhere while one was held leaves them usable,
+/// rather than failing every constrained request after it.
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Grammar {
     /// "<kind>:<first 32 hex chars of the source's sha256>".
     pub fn key(&self) -> &str {
@@ -215,7 +222,7 @@ impl Grammar {
 
     /// A fresh matcher for one sequence, at the grammar's start.
     pub fn matcher(&self) -> Matcher {
-        self.template.lock().expect("grammar lock").clone()
+        locked(&self.template).clone()
     }
 
     /// For a JSON schema's or forced call's grammar, a fresh guard that keeps one sequence's
@@ -282,7 +289,7 @@ impl Grammars {
     /// source came from, for the 400 when it does not compile.
     pub fn compile(&self, source: &GrammarSource, param: &str) -> Result<Grammar, ApiError> {
         let key = source.key();
-        if let Some(g) = self.cache.lock().expect("grammar cache").get(&key) {
+        if let Some(g) = locked(&self.cache).get(&key) {
             return Ok(g.clone());
         }
         // A forced (or strict) call's grammar is ours; only the `parameters` schema in it is the
@@ -337,7 +344,7 @@ impl Grammars {
         }
         let json = source.json_start().map(|start| (start, Arc::clone(self.token_bytes())));
         let grammar = Grammar { key: key.as_str().into(), template: Arc::new(Mutex::new(matcher)), json };
-        let mut cache = self.cache.lock().expect("grammar cache");
+        let mut cache = locked(&self.cache);
         if cache.len() >= CACHE_CAPACITY {
             cache.clear();
         }
@@ -398,12 +405,12 @@ impl Grammars {
     /// lexer (llguidance caches lexer states across them), which may now fail them all.
     /// The next request with the same grammar compiles it afresh.
     pub fn evict(&self, key: &str) {
-        self.cache.lock().expect("grammar cache").remove(key);
+        locked(&self.cache).remove(key);
     }
 
     /// Compiled grammars now cached.
     pub fn cached(&self) -> usize {
-        self.cache.lock().expect("grammar cache").len()
+        locked(&self.cache).len()
     }
 }
 
