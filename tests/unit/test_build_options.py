@@ -113,6 +113,13 @@ def test_hf_overrides_replace_config_keys_before_the_build(tiny_model):
     assert fingerprints[0] != fingerprints[1]
     with pytest.raises(ValueError, match="--hf-overrides must be a JSON object"):
         ModelConfig(hf_overrides="[1]")
+    # a value of another kind than the config's, or a size of 0, stops the start with one line
+    from llmserve.engine.build import SetupError
+    for overrides, says in (('{"hidden_size": "abc"}', "hidden_size: the model's config holds 64; 'abc' is not"),
+                            ('{"num_hidden_layers": 1.5}', "num_hidden_layers: the model's config holds"),
+                            ('{"max_position_embeddings": 0}', "max_position_embeddings: a size or count, 0")):
+        with pytest.raises(SetupError, match=says):
+            engine(hf_overrides=overrides)
 
 
 def test_kv_cache_dtype_holds_more_tokens_in_the_same_memory(tiny_model):

@@ -257,6 +257,27 @@ def batched_tokens(cfg: Config, device: torch.device) -> int:
     return given if given is not None else DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cpu"])
 
 
+def _check_overrides(hf_config: dict, overrides: dict) -> None:
+    """--hf-overrides replaces the config's values with values of their kind (an integer's
+    with an integer, a number's with a number, ...): another kind fails deep in the build,
+    or serves a model other than the one asked for (a size of 0)."""
+    def kind(v: object) -> str:
+        if isinstance(v, bool) or v is None:
+            return type(v).__name__
+        return {int: "number", float: "number"}.get(type(v), type(v).__name__)
+    for key, value in overrides.items():
+        old = hf_config.get(key)
+        if old is None:
+            continue
+        if kind(value) != kind(old) or (isinstance(old, int) and not isinstance(old, bool)
+                                         and isinstance(value, float) and not value.is_integer()):
+            raise SetupError(f"--hf-overrides {key}: the model's config holds {old!r}; {value!r} is not a value "
+                             "of that kind")
+        size = key.startswith("num_") or key.endswith(("_size", "_dim", "max_position_embeddings"))
+        if size and not isinstance(old, bool) and isinstance(old, int) and not value > 0:
+            raise SetupError(f"--hf-overrides {key}: a size or count, {value!r} is not above 0")
+
+
 def _check_cpu_memory(cfg: Config, size: int) -> None:
     """A CPU KV cache larger than the machine's memory is refused (its pages are mapped
     lazily, so it would start and be killed later, once requests filled it); one larger than
@@ -312,6 +333,7 @@ def build_engine(cfg: Config) -> Engine:
                          tokenizer_revision=cfg.model.tokenizer_revision)
     overrides = cfg.model.config_overrides()
     if overrides:
+        _check_overrides(ck.hf_config, overrides)
         log.info("config.json keys replaced (--hf-overrides): %s", ", ".join(overrides))
         ck = replace(ck, hf_config={**ck.hf_config, **overrides})
     # (the Llama-named keys this file reads, for a family that names its shape otherwise; a
