@@ -406,18 +406,36 @@ fn has_description(tool: &Value) -> bool {
     tool.pointer("/function/description").and_then(Value::as_str).is_some_and(|d| !d.is_empty())
 }
 
+/// The function names of the calls a history's assistant turns made, by call id (the latest
+/// call of an id wins), read as the history grows: each message once, and the last again (its
+/// calls may still grow), so a history of k calls and k results costs k lookups, not k^2.
+#[derive(Default)]
+pub(crate) struct CallNames {
+    names: std::collections::HashMap<String, Value>,
+    read: usize,
+}
+
+impl CallNames {
+    fn name(&mut self, history: &[Value], id: &str) -> Option<Value> {
+        for m in &history[self.read.saturating_sub(1).min(history.len())..] {
+            for call in m["tool_calls"].as_array().map(Vec::as_slice).unwrap_or_default() {
+                if let Some(call_id) = call["id"].as_str() {
+                    self.names.insert(call_id.to_string(), call["function"]["name"].clone());
+                }
+            }
+        }
+        self.read = history.len();
+        self.names.get(id).cloned()
+    }
+}
+
 /// A `tool` message answering call `id` with `content`, with the called function's `name` when
 /// one of `history`'s assistant turns made that call (templates that show a result with its
 /// function's name read it); and whether it got one. The Responses and Messages routes build
-/// their tool results with it.
-pub(crate) fn tool_message(history: &[Value], id: &str, content: Value) -> (Value, bool) {
+/// their tool results with it, `names` following their history.
+pub(crate) fn tool_message(history: &[Value], names: &mut CallNames, id: &str, content: Value) -> (Value, bool) {
     let mut message = json!({"role": "tool", "tool_call_id": id, "content": content});
-    let name = history
-        .iter()
-        .rev()
-        .filter_map(|m| m["tool_calls"].as_array())
-        .flatten()
-        .find_map(|c| (c["id"] == id).then(|| c["function"]["name"].clone()));
+    let name = names.name(history, id);
     let named = name.is_some();
     if let Some(name) = name {
         message["name"] = name;

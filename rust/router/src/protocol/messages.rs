@@ -54,7 +54,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::chat::{missing, require_str, tool_message, unknown_keys_in};
+use super::chat::{missing, require_str, tool_message, unknown_keys_in, CallNames};
 use super::common::{
     as_object, invalid_type, kind_of, parse_body, rename_error, rename_quoted, set, settle_ignored, unsupported,
     AsksNothing,
@@ -120,6 +120,8 @@ struct Origin {
 struct Conversation {
     messages: Vec<Value>,
     origins: Vec<Origin>,
+    /// The names of the calls `messages` made, for the results that answer them.
+    call_names: CallNames,
     ignored: Vec<String>,
     /// The last message is the client's assistant turn: a prefill the answer continues.
     prefill: bool,
@@ -331,7 +333,7 @@ impl Conversation {
                 ))
             }
         }
-        let (message, _) = tool_message(&self.messages, id, content);
+        let (message, _) = tool_message(&self.messages, &mut self.call_names, id, content);
         self.messages.push(message);
         self.origins.push(Origin { path: bp.to_string(), result: Some(bp.to_string()), ..Origin::default() });
         Ok(())

@@ -52,7 +52,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::chat::{missing, require_str, tool_message, unknown_keys_in};
+use super::chat::{missing, require_str, tool_message, unknown_keys_in, CallNames};
 use super::common::{
     as_object, check_metadata, invalid_type, kind_of, new_id, parse_body, rename_error, rename_quoted, set,
     settle_ignored, unsupported,
@@ -377,6 +377,8 @@ struct Conversation {
     /// The field its items are read from: `input` (or a conversation's `items`).
     root: &'static str,
     messages: Vec<Value>,
+    /// The names of the calls `messages` made, for the outputs that answer them.
+    call_names: CallNames,
     origins: Origins,
     /// A `reasoning` item's text, waiting for the assistant turn it belongs to (and its path).
     reasoning: Option<(String, String)>,
@@ -385,7 +387,14 @@ struct Conversation {
 
 impl Conversation {
     fn new(root: &'static str) -> Self {
-        Self { root, messages: Vec::new(), origins: Origins::default(), reasoning: None, ignored: Vec::new() }
+        Self {
+            root,
+            messages: Vec::new(),
+            call_names: CallNames::default(),
+            origins: Origins::default(),
+            reasoning: None,
+            ignored: Vec::new(),
+        }
     }
 
     fn push(&mut self, message: Value, path: String) {
@@ -459,7 +468,7 @@ impl Conversation {
                         ))
                     }
                 };
-                let (message, named) = tool_message(&self.messages, call_id, output);
+                let (message, named) = tool_message(&self.messages, &mut self.call_names, call_id, output);
                 if named {
                     self.origins.added.push(format!("messages[{}].name", self.messages.len()));
                 }
@@ -765,16 +774,20 @@ fn conversation(
 /// `function_call_output` after it, and each output answers a call before it (else a 400:
 /// the model would read a result of nothing, or a call that never returned).
 fn calls_answered(conv: &Conversation) -> Result<(), ApiError> {
-    // the calls not answered yet: (call_id, the path of their item)
-    let mut open: Vec<(&str, &str)> = Vec::new();
+    // the calls: (call_id, the path of their item, answered); the unanswered ones' places by id,
+    // earliest first (an output answers the earliest open call of its id)
+    let mut calls: Vec<(&str, &str, bool)> = Vec::new();
+    let mut open: std::collections::HashMap<&str, std::collections::VecDeque<usize>> = Default::default();
     for (m, origin) in conv.messages.iter().zip(&conv.origins.messages) {
-        let calls = m["tool_calls"].as_array().map(Vec::as_slice).unwrap_or_default();
-        for (call, path) in calls.iter().zip(&origin.calls) {
-            open.push((call["id"].as_str().unwrap_or_default(), path));
+        let made = m["tool_calls"].as_array().map(Vec::as_slice).unwrap_or_default();
+        for (call, path) in made.iter().zip(&origin.calls) {
+            let id = call["id"].as_str().unwrap_or_default();
+            open.entry(id).or_default().push_back(calls.len());
+            calls.push((id, path, false));
         }
         if m["role"] == "tool" {
             let id = m["tool_call_id"].as_str().unwrap_or_default();
-            let Some(k) = open.iter().position(|(call, _)| *call == id) else {
+            let Some(k) = open.get_mut(id).and_then(|places| places.pop_front()) else {
                 let at = if origin.previous { origin.path.clone() } else { format!("{}.call_id", origin.path) };
                 return Err(ApiError::invalid(
                     at,
@@ -784,11 +797,11 @@ fn calls_answered(conv: &Conversation) -> Result<(), ApiError> {
                     ),
                 ));
             };
-            open.remove(k);
+            calls[k].2 = true;
         }
     }
-    match open.first() {
-        Some((id, at)) => Err(ApiError::invalid(
+    match calls.iter().find(|(_, _, answered)| !answered) {
+        Some((id, at, _)) => Err(ApiError::invalid(
             *at,
             format!(
                 "No function call output found for the function call {id:?}: each `function_call` item needs \
