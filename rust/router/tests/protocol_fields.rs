@@ -264,6 +264,19 @@ fn bad_words_are_tokenized_as_vllm_does() {
     assert_eq!(p.params.bad_words, vec![vec![id("hello"), id("world")], vec![id("user")]]);
     let p = completion(&r, json!({"bad_words": ["user"]})).unwrap();
     assert_eq!(p.params.bad_words, vec![vec![id("user")]]);
+    // each word, stop string and stop token once: every prompt and sequence holds the lists,
+    // and checks them at every step (a million copies of one were seconds a step)
+    let p = completion(
+        &r,
+        json!({"bad_words": ["user", "user", " user"], "stop": ["a", "b", "a"],
+                                  "stop_token_ids": [3, 1, 3, 3]}),
+    )
+    .unwrap();
+    assert_eq!(p.params.bad_words, vec![vec![id("user")]]);
+    assert_eq!(
+        (p.params.stop.as_slice(), p.params.stop_token_ids.as_slice()),
+        (&["a".to_string(), "b".into()][..], &[3, 1][..])
+    );
     assert!(chat(&r, json!({"bad_words": []})).unwrap().params.bad_words.is_empty());
     for (bad, code, param) in [
         (json!("x"), "invalid_type", "bad_words"),

@@ -293,16 +293,18 @@ impl Scheduler {
         assert!(req.n >= 1, "request {}: n must be at least 1", req.id);
         assert!(!self.req_index.contains_key(&req.id), "request id {} is already live", req.id);
 
+        // (a set beside the list: a client's stop_token_ids may be long)
         let mut bans = Vec::new();
+        let mut banned = std::collections::HashSet::new();
         if req.stop.min_tokens > 0 {
             let eos: &[u32] = if req.stop.ignore_eos { &[] } else { &req.stop.eos_token_ids };
             for &t in eos.iter().chain(&req.stop.stop_token_ids) {
-                if !bans.contains(&t) {
+                if banned.insert(t) {
                     bans.push(t);
                 }
             }
         }
-        let bias_unbanned = req.sampling.logit_bias.iter().copied().filter(|(t, _)| !bans.contains(t)).collect();
+        let bias_unbanned = req.sampling.logit_bias.iter().copied().filter(|(t, _)| !banned.contains(t)).collect();
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let root = if self.cfg.enable_prefix_caching { root_hash(req.cache_salt.as_deref(), req.lora) } else { 0 };

@@ -466,6 +466,9 @@ impl CommonFields {
         for (i, &id) in stop_token_ids.iter().enumerate() {
             check_token_id(&format!("stop_token_ids[{i}]"), id as u64, vocab_size)?;
         }
+        // (each id once: the list is copied for every prompt, and checked at every token)
+        let mut seen = std::collections::HashSet::new();
+        let stop_token_ids: Vec<u32> = stop_token_ids.into_iter().filter(|id| seen.insert(*id)).collect();
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
         let bad_words = bad_words(self.bad_words.as_ref(), tokenizer)?;
         let repetition = RepetitionDetection::parse(self.repetition_detection.as_ref(), &mut inert)?;
@@ -688,7 +691,13 @@ fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
                     format!("Stop strings must be strings, not {}.", kind_of(other)),
                 )),
             })
-            .collect(),
+            .collect::<Result<Vec<String>, ApiError>>()
+            .map(|mut stop| {
+                // (each once: every sequence holds the list and searches each at every token)
+                let mut seen = std::collections::HashSet::new();
+                stop.retain(|s| seen.insert(s.clone()));
+                stop
+            }),
         Some(other) => Err(invalid_type(
             "stop",
             format!("`stop` must be a string or an array of strings, not {}.", kind_of(other)),
@@ -1045,6 +1054,9 @@ fn bad_words(words: Option<&Value>, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32
         }
     };
     let mut out: Vec<Vec<u32>> = Vec::with_capacity(words.len() * 2);
+    // (each word and each sequence once: the list is copied for every prompt, and every
+    // sequence is checked for every row at every step)
+    let mut words_seen = std::collections::HashSet::new();
     for (i, word) in words.iter().enumerate() {
         let Some(word) = word.as_str() else {
             return Err(invalid_type(
@@ -1056,6 +1068,9 @@ fn bad_words(words: Option<&Value>, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32
         if word.is_empty() {
             return Err(ApiError::invalid(format!("bad_words[{i}]"), "A bad word must hold some text."));
         }
+        if !words_seen.insert(word) {
+            continue;
+        }
         let alone = tokenizer.encode(word, false);
         let inside = tokenizer.encode(&format!(" {word}"), false);
         let differs = inside.len() == alone.len() && inside.first() != alone.first();
@@ -1064,7 +1079,8 @@ fn bad_words(words: Option<&Value>, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32
             out.push(inside);
         }
     }
-    out.retain(|w| !w.is_empty());
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|w| !w.is_empty() && seen.insert(w.clone()));
     Ok(out)
 }
 
