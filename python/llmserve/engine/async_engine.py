@@ -40,8 +40,9 @@ request_log = logging.getLogger("llmserve.requests")
 # large repeat count). A key can be spelled with JSON escapes ("structured_output\u0073"), so a
 # body holding any is sent off too.
 _INLINE_BODY_BYTES = 4 * 1024
+# (`previous_response_id` and `conversation` read a stored history, as long as the client made it)
 _OFF_LOOP_MARKERS = (b'"response_format"', b'"json_schema"', b'"structured_outputs"', b'"guided_', b'"tools"',
-                     b"\\u")
+                     b'"functions"', b'"previous_response_id"', b'"conversation"', b"\\u")
 
 
 def _off_loop(body: bytes) -> bool:

@@ -130,11 +130,14 @@ impl Tokenizer {
         let (ids, offsets, sequence) = (enc.get_ids(), enc.get_offsets(), enc.get_sequence_ids());
         // (a token the post-processor added, such as BOS, spells nothing of `text`)
         let in_text = |i: usize| sequence[i].is_some();
-        let as_text = |i: usize| {
-            in_text(i)
-                && self.special.contains(&ids[i])
-                && spans.iter().any(|&(a, b)| offsets[i].0 <= a && b <= offsets[i].1)
+        // (the spans in order, each found by a binary search: a message may spell thousands)
+        let mut spans = spans.to_vec();
+        spans.sort_unstable();
+        let spelled = |(start, end): (usize, usize)| {
+            let k = spans.partition_point(|&(a, _)| a < start);
+            spans.get(k).is_some_and(|&(_, b)| b <= end)
         };
+        let as_text = |i: usize| in_text(i) && self.special.contains(&ids[i]) && spelled(offsets[i]);
         let boundary = |i: usize| !in_text(i) || (self.added.contains_key(&ids[i]) && !as_text(i));
         let mut out = Vec::with_capacity(ids.len());
         let mut i = 0;
