@@ -157,7 +157,6 @@ class _Checked:
                     and value > _MOST):
                 # (counts and sizes go to the Rust core as 32-bit or machine integers)
                 raise ValueError(f"{flag} must be at most {_MOST}; got {value}")
-
             if ((low is not None and value < low) or (high is not None and value > high)
                     or (above is not None and not value > above)):
                 bounds = [f"at least {low}"] if low is not None else []

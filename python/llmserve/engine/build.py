@@ -267,8 +267,8 @@ def _check_overrides(hf_config: dict, overrides: dict) -> None:
         return {int: "number", float: "number"}.get(type(v), type(v).__name__)
     for key, value in overrides.items():
         old = hf_config.get(key)
-        if old is None:
-            continue
+        if old is None or (value is None and isinstance(old, dict)):
+            continue   # (a key the config lacks, or a section set to null: `"rope_scaling": null` is none)
         if kind(value) != kind(old) or (isinstance(old, int) and not isinstance(old, bool)
                                          and isinstance(value, float) and not value.is_integer()):
             raise SetupError(f"--hf-overrides {key}: the model's config holds {old!r}; {value!r} is not a value "
