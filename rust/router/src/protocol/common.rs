@@ -466,9 +466,7 @@ impl CommonFields {
         for (i, &id) in stop_token_ids.iter().enumerate() {
             check_token_id(&format!("stop_token_ids[{i}]"), id as u64, vocab_size)?;
         }
-        // (each id once: the list is copied for every prompt, and checked at every token)
-        let mut seen = std::collections::HashSet::new();
-        let stop_token_ids: Vec<u32> = stop_token_ids.into_iter().filter(|id| seen.insert(*id)).collect();
+        let stop_token_ids = first_of_each(stop_token_ids);
         let logit_bias = parse_logit_bias(self.logit_bias.unwrap_or_default(), vocab_size)?;
         let bad_words = bad_words(self.bad_words.as_ref(), tokenizer)?;
         let repetition = RepetitionDetection::parse(self.repetition_detection.as_ref(), &mut inert)?;
@@ -673,6 +671,15 @@ pub(crate) fn check_cache_salt(salt: Option<&str>) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// `items` with each value once, where it first came (the rest in their order). For the lists
+/// every prompt's sequences hold and check at every step (stop strings and ids, bad words): a
+/// client's million copies of one would be a million checks a token.
+fn first_of_each<T: std::hash::Hash + Eq + Clone>(mut items: Vec<T>) -> Vec<T> {
+    let mut seen = std::collections::HashSet::new();
+    items.retain(|item| seen.insert(item.clone()));
+    items
+}
+
 /// `stop`: a string or an array of non-empty strings (more than OpenAI's 4 is an extension).
 fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     let empty = |p: String| ApiError::invalid(p, "Stop strings must not be empty.");
@@ -692,12 +699,7 @@ fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
                 )),
             })
             .collect::<Result<Vec<String>, ApiError>>()
-            .map(|mut stop| {
-                // (each once: every sequence holds the list and searches each at every token)
-                let mut seen = std::collections::HashSet::new();
-                stop.retain(|s| seen.insert(s.clone()));
-                stop
-            }),
+            .map(first_of_each),
         Some(other) => Err(invalid_type(
             "stop",
             format!("`stop` must be a string or an array of strings, not {}.", kind_of(other)),
@@ -1054,8 +1056,7 @@ fn bad_words(words: Option<&Value>, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32
         }
     };
     let mut out: Vec<Vec<u32>> = Vec::with_capacity(words.len() * 2);
-    // (each word and each sequence once: the list is copied for every prompt, and every
-    // sequence is checked for every row at every step)
+    // (a word repeated is tokenized once)
     let mut words_seen = std::collections::HashSet::new();
     for (i, word) in words.iter().enumerate() {
         let Some(word) = word.as_str() else {
@@ -1079,9 +1080,8 @@ fn bad_words(words: Option<&Value>, tokenizer: &Tokenizer) -> Result<Vec<Vec<u32
             out.push(inside);
         }
     }
-    let mut seen = std::collections::HashSet::new();
-    out.retain(|w| !w.is_empty() && seen.insert(w.clone()));
-    Ok(out)
+    out.retain(|w| !w.is_empty());
+    Ok(first_of_each(out))
 }
 
 /// A fresh response id: `<prefix>-<uuid v4 as 32 hex chars>`.
