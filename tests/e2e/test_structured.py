@@ -418,6 +418,14 @@ def _ref_chain(links, mark, spell):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "grammar", "grammar": "start: a\na: a"}}, "response_format.grammar"),
+    # past the lexer's budget at the first token, whatever is generated (it was a 500 there)
+    ({"structured_outputs": {"regex": "(.{1,999}){1,999}"}}, "structured_outputs.regex"),
+    # more literals than compile in time (100,000 took 22 s of a prepare worker)
+    ({"structured_outputs": {"grammar": "start: " + " ".join(f"r{j}" for j in range(21)) + "\n" + "".join(
+        f"r{j}: " + " | ".join(f'"w{j}x{i}"' for i in range(1000)) + "\n" for j in range(21))}},
+     "structured_outputs.grammar"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": f"w{i}"} for i in range(20001)]}}}, "response_format"),
 ])
 def test_bad_schema_is_400(smol, body, param):
     model = httpx.get(smol.url + "/v1/models").json()["data"][0]["id"]

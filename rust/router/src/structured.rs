@@ -125,6 +125,16 @@ impl GrammarSource {
         }
     }
 
+    /// The Lark text that spells the client's literals: a client's grammar, a structural tag's.
+    fn client_lark(&self) -> Option<&str> {
+        match self {
+            Self::Lark(g) => Some(g),
+            Self::Tagged(t) => Some(&t.lark),
+            Self::AfterThinking { body, .. } => body.client_lark(),
+            _ => None,
+        }
+    }
+
     /// The client's regex, when this source is one (after any reasoning).
     fn regex(&self) -> Option<&str> {
         match self {
@@ -303,7 +313,8 @@ impl Grammars {
             Some(rx) => check_regex(rx, "regex"),
             None => source.json_schema().into_iter().chain(&inlined).try_for_each(check_for_engine),
         }
-        .and_then(|()| source.lark().map_or(Ok(()), crate::engine_limits::check_lark));
+        .and_then(|()| source.lark().map_or(Ok(()), crate::engine_limits::check_lark))
+        .and_then(|()| source.client_lark().map_or(Ok(()), crate::engine_limits::check_lark_literals));
         if let Err(cause) = checked {
             return Err(ApiError::invalid(
                 param,
@@ -372,8 +383,9 @@ impl Grammars {
         // lexer budget (the forced bytes of `a{1000000}`) would leave the lexer failed for
         // every request of this grammar.
         if let Err(e) = matcher.deep_clone().compute_mask() {
-            if !self.admits_text(source) {
-                return Err(e.to_string());
+            let e = e.to_string();
+            if beyond_limits(&e) || !self.admits_text(source) {
+                return Err(e);
             }
             return Ok(());
         }
@@ -412,6 +424,13 @@ impl Grammars {
     pub fn cached(&self) -> usize {
         locked(&self.cache).len()
     }
+}
+
+/// Whether a mask failed on one of llguidance's budgets (lexer fuel or states, parser items),
+/// which the same grammar meets again at the same place in every request: its first mask
+/// fails so for every vocabulary, not only for one that cannot spell the grammar's text.
+fn beyond_limits(err: &str) -> bool {
+    err.starts_with("lexer error:") || err.starts_with("parser error:")
 }
 
 /// Forced tokens `probe` walks: the start of a forced call (`[{"name": "`) is a few; a
@@ -548,10 +567,13 @@ fn describe(source: &GrammarSource) -> &'static str {
 }
 
 /// llguidance errors can carry a multi-line context dump (numbered lines of the grammar,
-/// `2 | block: ...`); the first lines before it name the cause. A regex syntax error names
-/// it on a line of its own after the pattern and a caret (`error: unclosed group`): kept too.
+/// `2 | block: ...`) or the parser's state and grammar (`<state>` lines); the first lines
+/// before it name the cause. A regex syntax error names it on a line of its own after the
+/// pattern and a caret (`error: unclosed group`): kept too.
 fn first_line(err: &str) -> String {
-    let is_context = |l: &str| l.trim_start().split_once(" | ").is_some_and(|(n, _)| n.parse::<u32>().is_ok());
+    let is_context = |l: &str| {
+        l.trim() == "<state>" || l.trim_start().split_once(" | ").is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+    };
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).take_while(|l| !is_context(l)).collect();
     let mut kept: Vec<&str> = lines.iter().take(3).copied().collect();
     kept.extend(lines.iter().skip(3).find(|l| l.trim_start().starts_with("error:")));
@@ -935,6 +957,20 @@ pub(crate) mod tests {
         let ok =
             g.compile(&json.forced_grammar(&fns.iter().collect::<Vec<_>>(), true, None).unwrap(), "tools").unwrap();
         assert!(drive(&ok, &tok, "[{\"name\": \"f1499\", \"arguments\": {\"a\": \"x\"}}]").is_stopped());
+    }
+
+    /// A grammar whose first mask runs past llguidance's lexer budget fails so in every
+    /// request: a 400 at prepare, not a 500 at its first token. (The budget is met by walking
+    /// the vocabulary, so a vocabulary of long tokens meets it where single bytes do not.)
+    #[test]
+    fn a_first_mask_past_the_lexer_budget_is_refused() {
+        let mut words: Vec<String> = std::iter::once(b'\n').chain(32u8..127).map(|c| (c as char).to_string()).collect();
+        words.extend((2..=256).map(|k| "a".repeat(k)));
+        let tok = char_tokenizer(&words);
+        let g = Grammars::new(tok, vec![0]);
+        let err = g.compile(&GrammarSource::Regex("(.{1,999}){1,999}".into()), "structured_outputs.regex").unwrap_err();
+        assert_eq!((err.status(), err.param()), (400, Some("structured_outputs.regex")));
+        assert!(err.message().ends_with("lexer error: too many expressions constructed."), "{}", err.message());
     }
 
     /// Compiling must not spend the lexer budget its requests share: the forced bytes of
