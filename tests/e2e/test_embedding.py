@@ -292,8 +292,9 @@ def test_params_json_cannot_hold_are_refused_as_over_http(llm):
 
 
 def test_server_options_are_told_to_have_no_effect_offline(tiny_model):
-    with pytest.warns(UserWarning, match="no effect offline: port, max_waiting"):
-        LLM(str(tiny_model), num_kv_blocks=64, port=9, max_waiting=2)
+    with pytest.warns(UserWarning, match="no effect offline: port, max_waiting, root_path, allow_credentials$"):
+        LLM(str(tiny_model), num_kv_blocks=64, port=9, max_waiting=2, root_path="/x", allow_credentials=True,
+            strict_fields=True)
 
 
 def test_vllm_options_are_taken_as_their_flags_are():

@@ -45,6 +45,22 @@ def _wait(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out.decode(errors="replace")
 
 
+def _until_ready(proc: subprocess.Popen, port: int) -> None:
+    """Wait for `/ready` to answer 200; a server that exits first, or is not ready within
+    EXIT_WITHIN_S, fails the test (a signal sent to a loading server tests another stop)."""
+    deadline = time.monotonic() + EXIT_WITHIN_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    out = proc.communicate()[0].decode(errors="replace")
+    pytest.fail(f"the server was not ready within {EXIT_WITHIN_S} s:\n{out}")
+
+
 def _port_closed(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
@@ -90,14 +106,7 @@ def test_a_stop_with_a_request_running_exits_0_without_a_traceback(tiny_model, s
     port = free_port()
     proc = _run(tiny_model, port, "--served-model-name", "tiny")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + EXIT_WITHIN_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    _until_ready(proc, port)
 
     async def request_and_stop():
         async with httpx.AsyncClient(base_url=url, timeout=EXIT_WITHIN_S) as c:
@@ -123,14 +132,7 @@ def test_a_second_sigint_on_an_idle_server_still_exits_0(tiny_model, gap):
     death by signal."""
     port = free_port()
     proc = _run(tiny_model, port, "--served-model-name", "tiny")
-    deadline = time.monotonic() + EXIT_WITHIN_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    _until_ready(proc, port)
     proc.send_signal(signal.SIGINT)
     time.sleep(gap)
     if proc.poll() is None:

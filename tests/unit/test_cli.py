@@ -286,9 +286,9 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     with pytest.raises(ValueError, match="'health' is not a path"):
         _config(["--disable-access-log-for-endpoints", "health"])
     # (the access log matches them as the routes name them: under --root-path too)
-    from llmserve.server.middleware import _route_path
-    assert _route_path({"path": "/p/health", "root_path": "/p"}) == "/health"
-    assert (_route_path({"path": "/p", "root_path": "/p"}), _route_path({"path": "/health"})) == ("/", "/health")
+    from llmserve.server.middleware import route_path
+    assert route_path({"path": "/p/health", "root_path": "/p"}) == "/health"
+    assert (route_path({"path": "/p", "root_path": "/p"}), route_path({"path": "/health"})) == ("/", "/health")
     # served: a Unix socket, and request ids on every response
     assert (_config([]).server.uds, _config(["--uds", "/tmp/s.sock"]).server.uds) == (None, "/tmp/s.sock")
     assert _config(["--enable-request-id-headers"]).server.enable_request_id_headers is True
@@ -431,7 +431,7 @@ def test_the_step_token_budget_defaults_by_device():
         SchedulerConfig(max_num_batched_tokens=0)
 
 
-def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypatch):
+def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypatch, capsys):
     """vLLM's `--config FILE`: the YAML's keys are flag names (`_` for `-` too, `model` is MODEL),
     lists repeat the flag, mappings are JSON, booleans the bare or `--no-` flag; the command
     line's own flags win."""
@@ -454,7 +454,7 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypa
             bad.write_text("- port\n")
         with pytest.raises(SystemExit) as exit_:
             cli.main(["run", f"--config={bad}"])
-        assert exit_.value.code == 2
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
     # the command line's model wins over the file's too
     other = tmp_path / "other.gguf"
     other.write_bytes(b"")

@@ -166,7 +166,7 @@ def test_a_prompt_steps_sampled_row_reads_the_lm_heads_blocks(monkeypatch):
     model = quantized_model("llama")
     embed = model.embed_tokens.weight
     blocks = np.ascontiguousarray(quantize(embed.numpy(), GT.Q8_0))
-    model.attach_quantized({"lm_head": QuantTensor(blocks, int(GT.Q8_0), *embed.shape)})
+    model.attach_head(QuantTensor(blocks, int(GT.Q8_0), *embed.shape), native_bf16())
     calls = []
     real = llama.quant_linear
 

@@ -471,7 +471,6 @@ class AsyncEngine:
         if not isinstance(body, bytes):
             raise TypeError(f"the request body must be bytes (its JSON), not {type(body).__name__}")
         self._check_serving()
-        router = self.router
         try:
             prepared = await self._prepare(endpoint, body, request_id)
         except NotFoundError as exc:

@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 
 from llmserve._core import ApiError, Router
-from llmserve.config import Config
+from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
 
@@ -79,11 +79,12 @@ Message = dict[str, Any]
 # A request's fields by OpenAI's names (`max_tokens`, `temperature`, ...), or None for none.
 Params = Union[dict[str, Any], None]
 
-# Options of the server alone: offline calls run on the caller's thread, with no HTTP, no queue
-# limit and no step planned ahead.
-SERVER_ONLY = ("host", "port", "uds", "api_key", "max_body_bytes", "sse_keep_alive", "access_log", "allowed_origins",
-               "max_waiting", "async_scheduling", "enable_log_requests", "enable_log_outputs", "max_log_len",
-               "enable_request_id_headers")
+# Options of the server alone: offline calls run on the caller's thread, with no HTTP, no
+# stream, no stored response, no queue limit and no step planned ahead. Of the server's section
+# only the router's reading of a request applies.
+SERVER_ONLY = frozenset(
+    {f.name for f in dataclasses.fields(ServerConfig)} - {"strict_fields", "return_tokens_as_token_ids"}
+    | {"max_waiting", "async_scheduling"})
 
 
 class LLM:

@@ -243,7 +243,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     decode steps of generated tokens (worker/threads.py says which) when `quant` holds the
     weight's blocks; in the runner's other steps, a bfloat16 matmul on `bf16_weight` when
     there is one (a GGUF model on a CPU with native bf16, see `Linear.bf16_weight`), and in any
-    float32 [T, in] call when a serving model released the fp32 weight (`attach_quantized`;
+    float32 [T, in] call when a serving model released the fp32 weight (`quantize_linear`;
     other inputs are then refused); a weight released with blocks and no bf16 copy (an MoE
     expert's) runs the GEMV in every decode step and the float32 of its blocks in prompt steps;
     else F.linear on the model's own weight (`_dense_linear`: row-stable in steps with prompt

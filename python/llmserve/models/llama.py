@@ -14,7 +14,7 @@ loading never pays for a random init. GGUF checkpoints' quantized blocks, fused 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import torch
 from torch import nn
@@ -477,30 +477,6 @@ class LlamaForCausalLM(nn.Module):
         model.requires_grad_(False)
         return model.eval()
 
-    def attach_quantized(self, fused: dict[str, QuantTensor] | Iterable[tuple[str, QuantTensor]],
-                         bf16: bool | None = None, release_fp32: bool = False) -> None:
-        """Give linears (names as `fuse_quantized` returns) their quantized blocks, and with
-        `bf16` (default: the CPU has native bf16) a bfloat16 copy of their weights for the
-        steps the quantized GEMV does not take (layers.Linear.bf16_weight), and of the LM head
-        for such decode steps (`compute_logits`: prompt logprobs keep it fp32).
-
-        `release_fp32`: a layer linear given both drops its float32 weight (4 bytes a weight:
-        SmolLM2's layers are 424 MB of it) for a meta tensor of its shape; `layers.linear`
-        then computes on the bf16 copy outside runner steps too. The LM head keeps float32."""
-        if bf16 is None:
-            bf16 = native_bf16()
-        head = None
-        for name, q in fused.items() if isinstance(fused, dict) else fused:
-            if name == "lm_head":
-                head = q
-                continue
-            module = self.get_submodule(name)
-            kept = quantize_linear(name, module, q, module.weight, bf16, release_fp32)
-            if kept is not module.weight:
-                module.weight = nn.Parameter(kept, requires_grad=False)
-            del q, kept   # (the fused blocks and the fp32 weight go now, not at the next one)
-        self.attach_head(head, bf16)
-
     @property
     def learned_positions(self) -> bool:
         """Positions are learned embeddings (GPT-2): none past the config's (build.py)."""
@@ -845,17 +821,6 @@ def fused_blocks(quantized: dict[str, QuantTensor], names: Sequence[str], take: 
     if any(p is None for p in parts):
         return None
     return parts[0] if len(parts) == 1 else QuantTensor.concat(parts)
-
-
-def fuse_quantized(c: DecoderConfig, quantized: dict[str, QuantTensor],
-                   take: bool = False) -> Iterator[tuple[str, QuantTensor]]:
-    """HF-named quantized weights -> (this module's linear name, blocks) pairs as
-    `attach_quantized` takes them, fused like `fuse_hf_weights`, one linear at a time."""
-    for name, parts in quantized_parts(c).items():
-        q = fused_blocks(quantized, parts, take)
-        if q is not None:
-            yield name, q
-        del q   # (so the consumer holds the only reference while the next linear fuses)
 
 
 def quantize_experts(name: str, mlp: MoEMLP, which: str, q: QuantTensor, weight: torch.Tensor,

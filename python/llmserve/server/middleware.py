@@ -1,6 +1,6 @@
 """Pure-ASGI middleware: API keys, request-id headers and the access log.
 
-Both sit outside Starlette's routing so a rejected request costs one header lookup.
+All three sit outside Starlette's routing, so a rejected request costs one header lookup.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _header(scope, name: bytes) -> str | None:
 
 
 def route_path(scope) -> str:
-    """The request's path inside this app: mounted under a prefix, the ASGI `path` keeps
-    the prefix, which `root_path` names."""
+    """The request's path as the routes name it: mounted under a prefix (--root-path), the
+    ASGI `path` keeps the prefix, which `root_path` names; the prefix alone is `/`."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
 def anthropic_errors(scope) -> bool:
@@ -146,12 +146,6 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_wrapper)
 
 
-def _route_path(scope) -> str:
-    """The request's path as the routes name it: without the --root-path the ASGI path holds."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return (path[len(root):] or "/") if root and path.startswith(root) else path
-
-
 class AccessLogMiddleware:
     """One line per request: client, method, path, status, `user` when sent, duration; none for
     the `quiet` paths (--disable-access-log-for-endpoints, as the routes name them: under
@@ -162,7 +156,7 @@ class AccessLogMiddleware:
         self.quiet = quiet
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or _route_path(scope) in self.quiet:
+        if scope["type"] != "http" or route_path(scope) in self.quiet:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = 0

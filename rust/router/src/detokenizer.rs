@@ -36,7 +36,7 @@ pub struct StopConfig {
 pub struct Detokenizer {
     tokenizer: Arc<Tokenizer>,
     config: StopConfig,
-    /// Ids from `prefix_offset` on; older ones are dropped as the window moves.
+    /// The ids the window still reads; older ones are dropped as it moves.
     ids: Vec<u32>,
     /// `ids[..read]` is text already produced; `ids[..prefix]` is the window's context.
     prefix: usize,
