@@ -110,6 +110,10 @@ class Router:
     @property
     def served_model_names(self) -> list[str]: ...
     @staticmethod
+    def invocation_endpoint(body: bytes) -> str: ...
+    @staticmethod
+    def replay_start(query: list[tuple[str, str]]) -> int | None: ...
+    @staticmethod
     def error(
         kind: str,
         message: str = ...,

@@ -301,29 +301,11 @@ async def messages(request: Request) -> Response:
     return await _generate(request, "messages")
 
 
-# What an /invocations body's keys make it, tried in order (vLLM's order: chat first).
-_INVOCATIONS = (("messages", "chat"), ("prompt", "completion"), ("input", "embeddings"), ("text_1", "score"),
-                ("query", "rerank"))
-
-
 async def invocations(request: Request) -> Response:
-    """POST /invocations (SageMaker's, as vLLM serves it): a chat (`messages`), completion
-    (`prompt`), embeddings (`input`), score (`text_1`) or rerank (`query`) request, answered as
-    its own route answers it. A body that is not a JSON object goes to chat, whose 400 says what
-    is wrong with it."""
+    """POST /invocations (SageMaker's, as vLLM serves it): a chat, completion, embeddings, score
+    or rerank request by its keys (the router says which), answered as its own route answers it."""
     body = await read_body(request)
-    try:
-        fields = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        fields = None
-    if not isinstance(fields, dict):
-        return await _generate(request, "chat", body)
-    endpoint = next((e for key, e in _INVOCATIONS if key in fields), None)
-    if endpoint is None:
-        raise Router.error("invalid_request", "An /invocations body is a chat request (`messages`), a completion "
-                           "(`prompt`), an embeddings request (`input`), a score (`text_1`) or a rerank "
-                           "(`query`).", param=None)
-    return await _generate(request, endpoint, body)
+    return await _generate(request, Router.invocation_endpoint(body), body)
 
 
 def _backgrounds(request: Request) -> Backgrounds:
@@ -352,15 +334,12 @@ async def stored_response(request: Request) -> Response:
         body = router.delete_response(response_id)
         _backgrounds(request).stop(response_id)
         return Response(body, media_type=JSON)
-    query = request.query_params
+    query = list(request.query_params.multi_items())
     # (404 first, for an unknown id)
-    body, headers = router.read_response(response_id, False, list(query.multi_items()))
-    if query.get("stream", "false").lower() == "false":
+    body, headers = router.read_response(response_id, False, query)
+    after = Router.replay_start(query)
+    if after is None:
         return Response(body, media_type=JSON, headers=dict(headers))
-    after = query.get("starting_after", "-1")
-    if not after.lstrip("-").isdigit() or int(after) < -1:
-        raise Router.error("invalid_request", f"`starting_after` must be an event's sequence number (an integer "
-                           f">= 0), not {after!r}.", param="starting_after")
     run = _backgrounds(request).get(response_id)
     if run is None:
         # OpenAI streams a stored response's events only for a background one
@@ -369,7 +348,7 @@ async def stored_response(request: Request) -> Response:
                else "only background responses (`background: true`) can be streamed again")
         raise Router.error("invalid_request", f"Response {response_id!r} cannot be streamed: {why}. Read it "
                            "without `stream`.", param="stream")
-    return _events(request, Reader(run, int(after)), dict(headers))
+    return _events(request, Reader(run, after), dict(headers))
 
 
 async def response_input_items(request: Request) -> Response:

@@ -289,6 +289,21 @@ impl PyRouter {
         self.inner.config().served_model_names.clone()
     }
 
+    /// The endpoint (a name `prepare` and `handle` take) an `/invocations` body is a request
+    /// of, by its keys; raises ApiError for a JSON object of none of them.
+    #[staticmethod]
+    fn invocation_endpoint(py: Python<'_>, body: &[u8]) -> PyResult<&'static str> {
+        llmserve_router::protocol::invocation_endpoint(body).map(|e| e.name()).map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Where a stored response's events are replayed from (`GET /v1/responses/{id}`): None
+    /// when `query` does not ask to stream, else the sequence number they start after (-1:
+    /// all); raises ApiError for a bad `stream` or `starting_after`.
+    #[staticmethod]
+    fn replay_start(py: Python<'_>, query: Vec<(String, String)>) -> PyResult<Option<i64>> {
+        llmserve_router::protocol::responses::replay_start(&query).map_err(|e| errors::to_py(py, &e))
+    }
+
     /// An `ApiError` exception of a named kind (`unavailable`, `internal`, `unauthorized`,
     /// `not_found`, `model_not_found`, `payload_too_large`, `request_timeout` (`limit` is its
     /// seconds), `invalid_request`, `unsupported_parameter`, `unsupported_media_type`), with

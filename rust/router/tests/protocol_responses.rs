@@ -871,3 +871,42 @@ fn reasoning_effort_none_is_reported_only_where_thinking_comes() {
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some("reasoning_effort"));
     assert!(p.prompt_texts[0].ends_with(':'), "{:?}", p.prompt_texts[0]);
 }
+
+#[test]
+fn a_stored_response_is_replayed_from_the_event_its_query_names() {
+    use llmserve_router::protocol::responses::replay_start;
+    let q = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    assert_eq!(replay_start(&q(&[])).unwrap(), None);
+    assert_eq!(replay_start(&q(&[("stream", "false"), ("starting_after", "x")])).unwrap(), None);
+    assert_eq!(replay_start(&q(&[("stream", "True")])).unwrap(), Some(-1));
+    assert_eq!(replay_start(&q(&[("stream", "true"), ("starting_after", "7")])).unwrap(), Some(7));
+    // (the last of a repeated key counts)
+    assert_eq!(replay_start(&q(&[("stream", "false"), ("stream", "1"), ("starting_after", "0")])).unwrap(), Some(0));
+    for (pairs, param) in [
+        (&[("stream", "yes")][..], "stream"),
+        (&[("stream", "true"), ("starting_after", "-1")], "starting_after"),
+        (&[("stream", "true"), ("starting_after", "1.5")], "starting_after"),
+    ] {
+        let e = replay_start(&q(pairs)).unwrap_err();
+        assert_eq!((e.status(), e.param()), (400, Some(param)), "{pairs:?}");
+    }
+}
+
+#[test]
+fn an_invocations_body_is_routed_by_its_keys() {
+    use llmserve_router::protocol::invocation_endpoint;
+    for (body, endpoint) in [
+        (json!({"messages": [], "prompt": "x"}), Endpoint::Chat),
+        (json!({"prompt": "x", "input": "y"}), Endpoint::Completion),
+        (json!({"input": "y"}), Endpoint::Embeddings),
+        (json!({"text_1": "a", "text_2": "b"}), Endpoint::Score),
+        (json!({"query": "q", "documents": []}), Endpoint::Rerank),
+        (json!([1, 2]), Endpoint::Chat),
+    ] {
+        assert_eq!(invocation_endpoint(body.to_string().as_bytes()).unwrap(), endpoint, "{body}");
+    }
+    assert_eq!(invocation_endpoint(b"{not json").unwrap(), Endpoint::Chat);
+    let e = invocation_endpoint(br#"{"model": "m"}"#).unwrap_err();
+    assert_eq!((e.status(), e.param()), (400, None));
+    assert!(e.message().contains("`text_1`"), "{}", e.message());
+}

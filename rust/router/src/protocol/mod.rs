@@ -46,6 +46,10 @@ pub mod stored_chat;
 pub mod structural_tag;
 pub mod tokenize;
 
+use serde_json::Value;
+
+use crate::error::ApiError;
+
 /// The routes the router understands. `Chat` and `Completion` generate (see
 /// [`crate::router::Router::prepare`]); the others are answered at once
 /// ([`crate::router::Router::handle`]).
@@ -121,6 +125,32 @@ impl Endpoint {
             Self::CompletionRender => "completion_render",
         }
     }
+}
+
+/// What an `/invocations` body's keys make it (SageMaker's route, as vLLM serves it), tried in
+/// vLLM's order, chat first.
+const INVOCATIONS: [(&str, Endpoint); 5] = [
+    ("messages", Endpoint::Chat),
+    ("prompt", Endpoint::Completion),
+    ("input", Endpoint::Embeddings),
+    ("text_1", Endpoint::Score),
+    ("query", Endpoint::Rerank),
+];
+
+/// The endpoint an `/invocations` body is a request of: chat (`messages`), completion
+/// (`prompt`), embeddings (`input`), score (`text_1`) or rerank (`query`). A body that is no
+/// JSON object goes to chat, whose 400 says what is wrong with it.
+pub fn invocation_endpoint(body: &[u8]) -> Result<Endpoint, ApiError> {
+    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else { return Ok(Endpoint::Chat) };
+    INVOCATIONS.iter().find(|(key, _)| fields.contains_key(*key)).map(|&(_, endpoint)| endpoint).ok_or_else(|| {
+        ApiError::InvalidRequest {
+            message: "An /invocations body is a chat request (`messages`), a completion (`prompt`), an embeddings \
+                      request (`input`), a score (`text_1`) or a rerank (`query`)."
+                .into(),
+            param: None,
+            code: "invalid_value",
+        }
+    })
 }
 
 /// A validated generation request, ready for the engine.

@@ -1357,6 +1357,30 @@ pub fn read_stored(router: &Router, id: &str, items: bool, query: &[(String, Str
     answer(&object, &ignored)
 }
 
+/// Where `GET /v1/responses/{id}` with `stream=true` replays a background response's events
+/// from: the sequence number its `starting_after` names (-1 when absent: every event), or
+/// None when the query does not ask to stream. The last value of a repeated key counts.
+pub fn replay_start(query: &[(String, String)]) -> Result<Option<i64>, ApiError> {
+    let last = |key: &str| query.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+    match last("stream").map(str::to_ascii_lowercase).as_deref() {
+        None | Some("false" | "0") => return Ok(None),
+        Some("true" | "1") => {}
+        Some(other) => {
+            return Err(ApiError::invalid("stream", format!("`stream` must be true or false, not {other:?}.")));
+        }
+    }
+    match last("starting_after") {
+        None => Ok(Some(-1)),
+        Some(after) => match after.parse::<i64>() {
+            Ok(n) if n >= 0 => Ok(Some(n)),
+            _ => Err(ApiError::invalid(
+                "starting_after",
+                format!("`starting_after` must be an event's sequence number (an integer >= 0), not {after:?}."),
+            )),
+        },
+    }
+}
+
 /// The fields of a Responses request (and chat's sampling extensions it passes on) that shape
 /// only its generation, not its prompt: a count reports them.
 const GENERATION_ONLY: [&str; 27] = [
