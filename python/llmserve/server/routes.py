@@ -368,27 +368,27 @@ async def cancel_response(request: Request) -> Response:
     return Response(body, media_type=JSON)
 
 
-async def _conversations(request: Request, items: bool) -> Response:
-    """OpenAI's Conversations API: the path's ids, the query and the body go to the router,
-    which answers them from its conversation store."""
-    path = request.path_params
+async def _store_route(request: Request, route, *args) -> Response:
+    """A stored-item route (the Conversations API, stored chat completions): the method, `args`
+    (the path's ids), the query and the body go to the router's `route`, which answers them
+    from its store."""
     body = await read_body(request) if request.method == "POST" else b""
     method = "GET" if request.method == "HEAD" else request.method   # (Starlette sends no body back)
-    out, headers = await asyncio.to_thread(
-        _engine(request).router.conversations, method, path.get("conversation_id"), path.get("item_id"),
-        items, list(request.query_params.multi_items()), body)
+    out, headers = await asyncio.to_thread(route, method, *args, list(request.query_params.multi_items()), body)
     return Response(out, media_type=JSON, headers=dict(headers))
+
+
+async def _conversations(request: Request, items: bool) -> Response:
+    """OpenAI's Conversations API."""
+    path = request.path_params
+    return await _store_route(request, _engine(request).router.conversations, path.get("conversation_id"),
+                              path.get("item_id"), items)
 
 
 async def _stored_chat(request: Request, messages: bool) -> Response:
-    """OpenAI's stored chat completions (`store: true`): the path's id, the query and the body
-    go to the router, which answers them from its store."""
-    body = await read_body(request) if request.method == "POST" else b""
-    method = "GET" if request.method == "HEAD" else request.method   # (Starlette sends no body back)
-    out, headers = await asyncio.to_thread(
-        _engine(request).router.stored_chat, method, request.path_params.get("completion_id"), messages,
-        list(request.query_params.multi_items()), body)
-    return Response(out, media_type=JSON, headers=dict(headers))
+    """OpenAI's stored chat completions (`store: true`)."""
+    return await _store_route(request, _engine(request).router.stored_chat, request.path_params.get("completion_id"),
+                              messages)
 
 
 async def stored_chat_completions(request: Request) -> Response:
