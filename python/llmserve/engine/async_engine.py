@@ -479,7 +479,7 @@ class AsyncEngine:
                 raise
             prepared = await self._prepare(endpoint, body, request_id)
         self._check_serving()
-        self._admit(prepared, endpoint)
+        self._admit(prepared)
         server = self.config.server
         if server.enable_log_requests:
             for line in prepared.log_lines(server.max_log_len):
@@ -523,7 +523,7 @@ class AsyncEngine:
         self._check_serving()
         return self.engine.adapters.unload(self.router, body)
 
-    def _admit(self, prepared: Prepared, endpoint: str) -> None:
+    def _admit(self, prepared: Prepared) -> None:
         """--max-waiting caps the sequences waiting to start beyond the step's free slots
         (--max-num-seqs less those running), this request's included: one that could never fit
         is refused for good (400), one that fits later gets 503. (A burst arrives between steps,
@@ -532,26 +532,7 @@ class AsyncEngine:
         (RESERVE_S): smaller ones leave it free meanwhile."""
         sched = self.config.scheduler
         need, limit, slots = prepared.num_seqs, sched.max_waiting, sched.max_num_seqs
-        room = limit + slots
-        if need > room and endpoint in EMBEDDING:
-            param = {"embeddings": "input", "score": "text_2", "rerank": "documents"}[endpoint]
-            noun = "inputs" if endpoint == "embeddings" else "texts to score"
-            raise Router.error(
-                "invalid_request", f"This request has {need} {noun} and the server takes at most {room} at once "
-                f"({slots} running, --max-num-seqs, and {limit} waiting, --max-waiting); send fewer per request.",
-                param=param)
-        if need > room:
-            prompts = len(prepared.prompt_lens)
-            per_prompt = need // prompts
-            # fewer prompts per request help only if one prompt's choices fit
-            choices = "best_of" if prepared.best_of is not None else "n"
-            advice, param = (f"a smaller {choices}", choices) if per_prompt > room else ("fewer prompts per request", "prompt")
-            raise Router.error(
-                "invalid_request",
-                f"This request would need {need} sequences ({prompts} prompt{'s' * (prompts > 1)}, "
-                f"{per_prompt} per prompt) and the server takes at most {room} at once ({slots} running, "
-                f"--max-num-seqs, and {limit} waiting, --max-waiting); send {advice}.",
-                param=param)
+        prepared.check_fits(slots, limit)
         load = self.load()
         free = max(0, slots - load["running"])
         left = limit + free - load["waiting"]

@@ -400,17 +400,15 @@ impl PyPrepared {
     fn n(&self) -> PyResult<u32> {
         Ok(self.get()?.params.n)
     }
-    /// Completions' `best_of` when above `n` (then `n` above is `best_of`: the candidates
-    /// sampled per prompt); else None.
-    #[getter]
-    fn best_of(&self) -> PyResult<Option<u32>> {
-        let prepared = self.get()?;
-        Ok(prepared.best_of.as_ref().map(|_| prepared.params.n))
-    }
     /// The sequences it queues: one per prompt and distinct choice (greedy choices run once).
     #[getter]
     fn num_seqs(&self) -> PyResult<usize> {
         Ok(self.get()?.num_seqs())
+    }
+    /// Raises ApiError (400) when its sequences could never all be admitted together: more
+    /// than `running` (--max-num-seqs) and `waiting` (--max-waiting) hold.
+    fn check_fits(&self, py: Python<'_>, running: usize, waiting: usize) -> PyResult<()> {
+        self.get()?.check_fits(running, waiting).map_err(|e| errors::to_py(py, &e))
     }
     /// The most tokens a choice may generate, as resolved (None: the rest of the context).
     #[getter]

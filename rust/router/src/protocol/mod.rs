@@ -259,6 +259,51 @@ impl Prepared {
         self.prompts.len() * self.params.seqs_per_prompt() as usize
     }
 
+    /// Ok, or the 400 of a request whose sequences could never all be admitted together: more
+    /// than `running` (--max-num-seqs) and `waiting` (--max-waiting) hold at once. It names
+    /// what to send less of: inputs or texts, choices (`n`, `best_of`) when one prompt's alone
+    /// are too many, else prompts.
+    pub fn check_fits(&self, running: usize, waiting: usize) -> Result<(), ApiError> {
+        let (need, room) = (self.num_seqs(), running + waiting);
+        if need <= room {
+            return Ok(());
+        }
+        let limits = format!(
+            "the server takes at most {room} at once ({running} running, --max-num-seqs, and {waiting} waiting, \
+             --max-waiting)"
+        );
+        let (param, message) = match self.endpoint {
+            Endpoint::Embeddings | Endpoint::Score | Endpoint::Rerank => {
+                let (param, noun) = match self.endpoint {
+                    Endpoint::Embeddings => ("input", "inputs"),
+                    Endpoint::Score => ("text_2", "texts to score"),
+                    _ => ("documents", "texts to score"),
+                };
+                (param, format!("This request has {need} {noun} and {limits}; send fewer per request."))
+            }
+            _ => {
+                let prompts = self.prompts.len();
+                let per_prompt = need / prompts;
+                let choices = if self.best_of.is_some() { "best_of" } else { "n" };
+                // (fewer prompts per request help only if one prompt's choices fit)
+                let (param, advice) = if per_prompt > room {
+                    (choices, format!("a smaller {choices}"))
+                } else {
+                    ("prompt", "fewer prompts per request".into())
+                };
+                let plural = if prompts > 1 { "s" } else { "" };
+                (
+                    param,
+                    format!(
+                        "This request would need {need} sequences ({prompts} prompt{plural}, {per_prompt} per prompt) \
+                         and {limits}; send {advice}."
+                    ),
+                )
+            }
+        };
+        Err(ApiError::invalid(param, message))
+    }
+
     /// Some(k): the response returns each prompt token's logprob and k alternatives
     /// (completions' `echo` with `logprobs` k, vLLM's `prompt_logprobs` k; the larger when
     /// both), which the scheduler must then compute.
