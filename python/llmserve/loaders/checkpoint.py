@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llmserve import _core
 
@@ -24,8 +25,10 @@ class LoadError(Exception):
 
 
 # ggml block formats llmserve's quantized GEMV reads (rust/kernels/src/quant/): type id ->
-# (name, bytes per block of 32 weights).
-QUANT_FORMATS: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+# (name, bytes per block of 32 weights), as the gguf package lists them.
+QUANT_FORMATS: dict[int, tuple[str, int]] = {
+    int(t): (t.name, GGML_QUANT_SIZES[t][1]) for t in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                                                       GGMLQuantizationType.Q8_0)}
 
 
 @dataclass(frozen=True)

@@ -29,23 +29,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
-_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K",
-          Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+_T = GGMLQuantizationType
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1), int(_T.Q8_0)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(_T.Q2_K), int(_T.Q3_K), int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 
 # ggml type -> the type its blocks become alone (a type the GEMV reads maps to itself), and
 # (weights, bytes) of one of its blocks.
 TARGET: dict[int, int] = {Q4_0: Q4_0, Q4_1: Q4_1, Q8_0: Q8_0, Q4_K: Q4_1, Q5_0: Q8_0, Q5_1: Q8_0,
                           Q5_K: Q8_0, Q6_K: Q8_0, Q2_K: Q8_0, Q3_K: Q8_0}
-_BLOCK: dict[int, tuple[int, int]] = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
-                                      Q8_0: (32, 34), Q2_K: (256, 84), Q3_K: (256, 110),
-                                      Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+_BLOCK: dict[int, tuple[int, int]] = {t: GGML_QUANT_SIZES[_T(t)] for t in TARGET}
 _CHUNK = 1 << 20   # weights converted at a time (bounds the float32 temporaries to a few MB)
 
 
 def type_name(ggml_type: int) -> str:
-    return _NAMES.get(ggml_type, str(ggml_type))
+    return _T(ggml_type).name if ggml_type in TARGET else str(ggml_type)
 
 
 def group_target(types: Sequence[int]) -> int | None:
