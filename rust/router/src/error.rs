@@ -7,6 +7,8 @@
 use serde_json::json;
 use std::fmt;
 
+use crate::response::{sse_frame, SSE_DONE};
+
 /// An error as the client sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ApiError {
@@ -218,9 +220,8 @@ impl ApiError {
     /// The frame sent when an error happens after a Messages stream began: Anthropic's
     /// `error` event (its streams have no `[DONE]`).
     pub fn to_anthropic_sse(&self) -> Vec<u8> {
-        let mut out = b"event: error\ndata: ".to_vec();
-        out.extend_from_slice(&self.to_anthropic_json());
-        out.extend_from_slice(b"\n\n");
+        let mut out = Vec::new();
+        sse_frame(&mut out, Some("error"), &self.to_anthropic_json());
         out
     }
 
@@ -231,9 +232,9 @@ impl ApiError {
 
     /// The frame sent when an error happens after streaming began: the error, then `[DONE]`.
     pub fn to_sse(&self) -> Vec<u8> {
-        let mut out = b"data: ".to_vec();
-        out.extend_from_slice(&self.to_json());
-        out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        let mut out = Vec::new();
+        sse_frame(&mut out, None, &self.to_json());
+        out.extend_from_slice(SSE_DONE);
         out
     }
 }
@@ -250,9 +251,9 @@ pub fn responses_error_event(mut body: serde_json::Value, sequence_number: u64) 
     }
     body["type"] = json!("error");
     body["sequence_number"] = json!(sequence_number);
-    let mut out = b"event: error\ndata: ".to_vec();
-    out.extend_from_slice(&serde_json::to_vec(&body).expect("errors serialize"));
-    out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+    let mut out = Vec::new();
+    sse_frame(&mut out, Some("error"), &serde_json::to_vec(&body).expect("errors serialize"));
+    out.extend_from_slice(SSE_DONE);
     out
 }
 

@@ -49,6 +49,22 @@ use crate::reasoning::ReasoningSplitter;
 use crate::tokenizer::Tokenizer;
 use crate::tools::{ToolCallParser, ToolChoice, ToolEvent, ToolParsing};
 
+/// One server-sent event: `event: <name>` when it has one, then `data: <data>` and the blank
+/// line that ends it.
+pub(crate) fn sse_frame(out: &mut Vec<u8>, event: Option<&str>, data: &[u8]) {
+    if let Some(name) = event {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(name.as_bytes());
+        out.push(b'\n');
+    }
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\n\n");
+}
+
+/// The frame that ends an OpenAI stream.
+pub(crate) const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     Stop,
@@ -826,10 +842,7 @@ impl ResponseBuilder {
             usage: if usage.is_some() || self.include_usage { Some(usage) } else { None },
             prompt_token_ids: prompt.and_then(|p| self.prompt_ids.get(p)).map(Vec::as_slice),
         };
-        let json = serde_json::to_vec(&chunk).expect("chunks serialize");
-        self.pending.extend_from_slice(b"data: ");
-        self.pending.extend_from_slice(&json);
-        self.pending.extend_from_slice(b"\n\n");
+        sse_frame(&mut self.pending, None, &serde_json::to_vec(&chunk).expect("chunks serialize"));
     }
 
     /// `return_token_ids`, streaming: the ids a choice's next chunk carries (those no chunk
@@ -1621,7 +1634,7 @@ impl ResponseBuilder {
                 keep.put(&self.id, self.whole_body(), self.created);
             }
             let mut out = self.take();
-            out.extend_from_slice(b"data: [DONE]\n\n");
+            out.extend_from_slice(SSE_DONE);
             return out;
         }
         if let Some((echo, _)) = &self.responses {

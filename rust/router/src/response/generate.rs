@@ -47,7 +47,5 @@ pub(super) fn logprobs(asked: bool, content: Vec<ChatLogprob>) -> Option<ChatLog
 
 /// One SSE frame.
 pub(super) fn frame(out: &mut Vec<u8>, chunk: &Chunk) {
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(&serde_json::to_vec(chunk).expect("chunks serialize"));
-    out.extend_from_slice(b"\n\n");
+    super::sse_frame(out, None, &serde_json::to_vec(chunk).expect("chunks serialize"));
 }

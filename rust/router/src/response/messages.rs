@@ -150,11 +150,7 @@ impl EventStream {
     /// Queues one event: `event: <type>` and its JSON with `type`.
     fn event(out: &mut Vec<u8>, kind: &str, mut data: Value) {
         data["type"] = json!(kind);
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: ");
-        out.extend_from_slice(&serde_json::to_vec(&data).expect("events serialize"));
-        out.extend_from_slice(b"\n\n");
+        super::sse_frame(out, Some(kind), &serde_json::to_vec(&data).expect("events serialize"));
     }
 
     /// `message_start`, once: the message with no content yet, and its input usage.

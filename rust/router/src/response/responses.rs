@@ -237,11 +237,7 @@ impl EventStream {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.seq);
         self.seq += 1;
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: ");
-        out.extend_from_slice(&serde_json::to_vec(&data).expect("events serialize"));
-        out.extend_from_slice(b"\n\n");
+        super::sse_frame(out, Some(kind), &serde_json::to_vec(&data).expect("events serialize"));
     }
 
     /// `response.created` and `response.in_progress`; for a response `queued` (background),
