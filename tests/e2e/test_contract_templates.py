@@ -49,6 +49,10 @@ def test_template_header_names_source_and_hash(tiny_server):
     streamed = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": MSG, "max_tokens": 2, "stream": True})
     assert streamed.headers["llmserve-chat-template"] == f"{origin} {digest}"
+    # /tokenize renders messages through it too (a prompt, through none)
+    counted = _post(tiny_server, "/tokenize", {"messages": MSG})
+    assert counted.headers["llmserve-chat-template"] == f"{origin} {digest}"
+    assert "llmserve-chat-template" not in _post(tiny_server, "/tokenize", {"prompt": "hi"}).headers
 
 
 def test_unused_template_kwargs_are_reported(tiny_server):

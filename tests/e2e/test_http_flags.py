@@ -149,10 +149,11 @@ def test_uds_serves_on_a_unix_socket_and_request_id_headers_name_every_response(
             assert http.get("/v1/models", headers={"X-Request-Id": "trace-7"}).headers["x-request-id"] == "trace-7"
             fresh = http.get("/health").headers["x-request-id"]
             assert fresh and fresh != http.get("/health").headers["x-request-id"]
-        # a second server on the same socket stops at once, saying why
-        done = subprocess.run([sys.executable, "-m", "llmserve.cli", "run", str(tiny_model), "--uds", path],
-                              capture_output=True, text=True, timeout=60)
+        # a second server on the same socket stops at once, saying why (and that --port does nothing)
+        done = subprocess.run([sys.executable, "-m", "llmserve.cli", "run", str(tiny_model), "--uds", path,
+                               "--port", "9123"], capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and f"another server listens on {path}" in done.stderr, done.stderr
+        assert "--host/--port (127.0.0.1:9123) are not used" in done.stderr, done.stderr
         assert "engine ready" not in done.stderr
     finally:
         server.stop()

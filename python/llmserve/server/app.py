@@ -413,6 +413,8 @@ def serve(config: Config) -> int:
     # Bind before anything loads: a taken port fails in milliseconds, not after loading the
     # model (uvicorn binds only after the lifespan has started the load, and the process
     # would then wait for the loading thread before it could exit).
+    if uds and (host, port) != (ServerConfig.host, ServerConfig.port):
+        log.warning("--host/--port (%s:%d) are not used: --uds serves on the socket alone", host, port)
     try:
         sock = _listen_unix(uds) if uds else _listen(host, port)
     except OSError as exc:

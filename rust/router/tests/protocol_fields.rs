@@ -509,9 +509,12 @@ fn unused_template_kwargs_are_reported() {
     // /tokenize's `messages` form renders the same way, and says the same (audit 44, A44-1)
     let body = br#"{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"enable_thinking": true, "foo": 1}}"#;
     let h = r.handle(Endpoint::Tokenize, body).unwrap();
-    let expected =
-        [("llmserve-ignored-fields", "chat_template_kwargs.foo"), ("llmserve-unused-template-kwargs", "foo")];
-    assert_eq!(h.headers, expected.map(|(k, v)| (k.to_string(), v.to_string())));
+    let names: Vec<&str> = h.headers.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(names, ["llmserve-ignored-fields", "llmserve-chat-template", "llmserve-unused-template-kwargs"]);
+    let value = |name: &str| h.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    assert_eq!(value("llmserve-ignored-fields"), Some("chat_template_kwargs.foo"));
+    assert_eq!(value("llmserve-unused-template-kwargs"), Some("foo"));
+    assert_eq!(value("llmserve-chat-template"), header(&p, "llmserve-chat-template"));
     // ...and under --strict-fields both refuse the key
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
     let refused = shape(chat(&strict, json!({"chat_template_kwargs": {"foo": 1}})));

@@ -893,6 +893,7 @@ fn context_budget() {
     completion(&r, json!({"min_tokens": 29})).unwrap();
     let e = completion(&r, json!({"min_tokens": 30})).unwrap_err();
     assert_eq!((e.code(), e.param()), ("context_length_exceeded", Some("min_tokens")));
+    assert!(e.message().contains("the prompt (3 tokens) leaves room for 29 tokens"), "{}", e.message());
 
     // Chat: 8 prompt tokens.
     chat(&r, json!({"max_tokens": 24})).unwrap();

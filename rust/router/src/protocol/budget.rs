@@ -68,13 +68,14 @@ pub fn settle_budget(
     prompt_lens: impl Iterator<Item = usize>,
     max_model_len: u32,
 ) -> Result<(), ApiError> {
-    let room = prompt_lens.map(|l| (max_model_len as usize).saturating_sub(l)).min().unwrap_or(0);
-    let room = room.min(u32::MAX as usize) as u32;
+    // (the longest prompt leaves the least room)
+    let longest = prompt_lens.max().unwrap_or(0);
+    let room = (max_model_len as usize).saturating_sub(longest).min(u32::MAX as usize) as u32;
     if params.min_tokens > room {
         return Err(ApiError::ContextLengthExceeded {
             message: format!(
-                "This model's maximum context length is {max_model_len} tokens; the prompt leaves room for \
-                 {room} tokens, fewer than `min_tokens` ({}).",
+                "This model's maximum context length is {max_model_len} tokens; the prompt ({longest} tokens) \
+                 leaves room for {room} tokens, fewer than `min_tokens` ({}).",
                 params.min_tokens
             ),
             param: Some("min_tokens".into()),

@@ -191,6 +191,13 @@ fn effort_kwargs(
 }
 
 /// Renders through the template chosen by whether tools are rendered.
+/// The `llmserve-chat-template` header of a response whose prompt `template` rendered: its
+/// origin and hash.
+pub(crate) fn template_header(template: &ChatTemplate) -> (String, String) {
+    // (a --chat-template file's path can hold any character)
+    ("llmserve-chat-template".into(), format!("{} {}", header_text(template.origin()), template.hash()))
+}
+
 pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rendered, &'r ChatTemplate), ApiError> {
     let template = router.templates.select(input.tools.is_some()).ok_or_else(|| {
         let names = router.templates.names();
@@ -1347,9 +1354,7 @@ fn prepare_chat(
 
     let mut headers = Vec::new();
     headers.extend(ignored_header(&ignored));
-    // (a --chat-template file's path can hold any character)
-    let origin = header_text(template.origin());
-    headers.push(("llmserve-chat-template".into(), format!("{origin} {}", template.hash())));
+    headers.push(template_header(template));
     if !rendered.unused_kwargs.is_empty() {
         headers.push(("llmserve-unused-template-kwargs".into(), header_list(&rendered.unused_kwargs)));
     }

@@ -448,11 +448,11 @@ impl CommonFields {
                 (None, None, Some(x)) if x.is_finite() && x.fract() == 0.0 => {
                     return Err(ApiError::invalid(
                         "seed",
-                        format!(
-                            "`seed` must fit in 64 bits: an integer between -9223372036854775808 and \
-                             18446744073709551615, got {num}."
-                        ),
-                    ))
+                        // (not echoed: read as a double, it is no longer the integer sent)
+                        "`seed` must fit in 64 bits: an integer between -9223372036854775808 and \
+                         18446744073709551615; this one is past them."
+                            .to_string(),
+                    ));
                 }
                 _ => return Err(invalid_type("seed", format!("`seed` must be an integer, got {num}."))),
             },

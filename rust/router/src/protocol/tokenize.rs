@@ -82,7 +82,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
         router.check_model(m)?;
     }
     let mut ignored: Vec<String> = set_keys(&req.extra, &value).cloned().collect();
-    let (tokens, unused_kwargs) = match (&req.prompt, &req.messages) {
+    let (tokens, unused_kwargs, template_header) = match (&req.prompt, &req.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid("messages", "Send either `prompt` or `messages`, not both."))
         }
@@ -98,7 +98,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
             ignored.extend(
                 CHAT_ONLY.iter().filter(|f| value.get(**f).is_some_and(|v| !v.is_null())).map(|f| f.to_string()),
             );
-            (router.tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true)), Vec::new())
+            (router.tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true)), Vec::new(), None)
         }
         (None, Some(messages)) => {
             validate_messages(messages)?;
@@ -127,13 +127,14 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
                 continue_final_message,
                 kwargs: req.chat_template_kwargs.as_ref(),
             };
-            let (rendered, _) = render(router, &input)?;
+            let (rendered, used) = render(router, &input)?;
             ignored.extend(unread_message_keys(&rendered, &value["messages"]));
             // The template writes BOS itself; adding special tokens again would double it.
             let add_special_tokens = req.add_special_tokens.unwrap_or(false);
             (
                 router.tokenizer.encode_with_text_spans(&rendered.text, &rendered.text_spans, add_special_tokens),
                 rendered.unused_kwargs,
+                Some(super::chat::template_header(used)),
             )
         }
     };
@@ -150,8 +151,9 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
         out["token_strs"] = json!(strs);
     }
     let mut handled = with_ignored(out, ignored);
+    // (as on chat: the template the messages rendered through, and the keys it never read)
+    handled.headers.extend(template_header);
     if !unused_kwargs.is_empty() {
-        // as on chat: the keys the template never read
         handled.headers.push(("llmserve-unused-template-kwargs".into(), header_list(&unused_kwargs)));
     }
     Ok(handled)
