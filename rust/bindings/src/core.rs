@@ -318,9 +318,20 @@ impl CoreState {
                 "`priority` needs the server started with --scheduling-policy priority",
             ));
         }
+        let seqs_per_prompt = p.seqs_per_prompt();
+        // (a beam search forks as it goes)
+        let sched_n = if p.beam_search.is_some_and(|_| p.max_tokens != Some(0)) { 1 } else { seqs_per_prompt };
+        let max_tokens_of =
+            |prompt: &[u32]| p.max_tokens.unwrap_or(self.max_model_len.saturating_sub(prompt.len() as u32));
+        // The router rules out what the scheduler cannot take; should one pass it, this request
+        // fails, not the engine loop (every prompt is checked before any is queued).
+        for prompt in &prepared.prompts {
+            if let Err(why) = self.scheduler.check(prompt.len(), max_tokens_of(prompt), sched_n) {
+                return Err(ApiError::Internal { message: format!("The engine cannot queue this request: {why}.") });
+            }
+        }
         let handle = self.next_handle;
         self.next_handle += 1;
-        let seqs_per_prompt = p.seqs_per_prompt();
         let tokenizer = self.router.tokenizer().clone();
         let stop = StopConfig {
             stop: p.stop.clone(),
@@ -345,7 +356,7 @@ impl CoreState {
         for (i, prompt) in prepared.prompts.iter().enumerate() {
             let id = self.next_sched_id;
             self.next_sched_id += 1;
-            let max_tokens = p.max_tokens.unwrap_or(self.max_model_len.saturating_sub(prompt.len() as u32));
+            let max_tokens = max_tokens_of(prompt);
             for _ in 0..seqs_per_prompt {
                 detoks.push(Detokenizer::new(tokenizer.clone(), prompt, stop.clone()));
                 held.push(HeldTokens::default());
@@ -388,8 +399,7 @@ impl CoreState {
             self.scheduler.add(NewRequest {
                 id,
                 prompt: prompt.clone(),
-                // (a beam search forks as it goes)
-                n: if beam_search.is_some() { 1 } else { seqs_per_prompt },
+                n: sched_n,
                 sampling,
                 stop: StopRules {
                     max_tokens,

@@ -274,23 +274,32 @@ impl Scheduler {
         &self.pool
     }
 
+    /// Ok, or why a request of a `prompt_len`-token prompt, `max_tokens` and `n` sequences
+    /// cannot be queued: an empty prompt, one that leaves no room under max_model_len (unless
+    /// it asks for none: `max_tokens` 0, prompt scoring), or n == 0. The router rules these
+    /// out; a caller checks every prompt of a request here before adding any of them.
+    pub fn check(&self, prompt_len: usize, max_tokens: u32, n: u32) -> Result<(), String> {
+        let max_model_len = self.cfg.max_model_len;
+        if prompt_len == 0 {
+            return Err("empty prompt".into());
+        }
+        if prompt_len > max_model_len || (prompt_len == max_model_len && max_tokens > 0) {
+            return Err(format!("a prompt of {prompt_len} tokens leaves no room under max_model_len {max_model_len}"));
+        }
+        if n == 0 {
+            return Err("n must be at least 1".into());
+        }
+        Ok(())
+    }
+
     /// Queue a request. Its prefix-cache lookup happens when it is admitted (so waiting
     /// requests pin no blocks, and a preempted sequence finds its own cached blocks again).
     ///
-    /// Panics on a usage error: empty prompt, a prompt that leaves no room under
-    /// max_model_len (unless it asks for none: `max_tokens` 0, prompt scoring), n == 0, or an
-    /// id that is already live (the router rules these out).
+    /// Panics on a usage error ([`Self::check`]), or an id that is already live.
     pub fn add(&mut self, req: NewRequest) {
-        assert!(!req.prompt.is_empty(), "request {}: empty prompt", req.id);
-        assert!(
-            req.prompt.len() < self.cfg.max_model_len
-                || (req.prompt.len() == self.cfg.max_model_len && req.stop.max_tokens == 0),
-            "request {}: a prompt of {} tokens leaves no room under max_model_len {}",
-            req.id,
-            req.prompt.len(),
-            self.cfg.max_model_len
-        );
-        assert!(req.n >= 1, "request {}: n must be at least 1", req.id);
+        if let Err(why) = self.check(req.prompt.len(), req.stop.max_tokens, req.n) {
+            panic!("request {}: {why}", req.id);
+        }
         assert!(!self.req_index.contains_key(&req.id), "request id {} is already live", req.id);
 
         // (a set beside the list: a client's stop_token_ids may be long)

@@ -894,3 +894,22 @@ fn pooled_positions_come_back_after_a_discarded_plan_but_not_after_preemption() 
     assert_eq!(listed.keys().collect::<Vec<_>>(), vec![&2]);
     assert_eq!(listed[&2], (0..5).collect::<Vec<i64>>(), "each position once");
 }
+
+/// What `add` would panic on is told by `check` first, so a caller can fail the request alone.
+#[test]
+fn check_names_what_add_cannot_queue() {
+    let s = Scheduler::new(config(5, 16, 8, 256)); // max_model_len 64
+    assert_eq!(s.check(63, 1, 1), Ok(()));
+    assert_eq!(s.check(64, 0, 1), Ok(())); // (asks for no token: prompt scoring)
+    assert!(s.check(0, 1, 1).unwrap_err().contains("empty prompt"));
+    assert!(s.check(64, 1, 1).unwrap_err().contains("leaves no room under max_model_len 64"));
+    assert!(s.check(65, 0, 1).unwrap_err().contains("a prompt of 65 tokens"));
+    assert!(s.check(8, 1, 0).unwrap_err().contains("n must be at least 1"));
+}
+
+#[test]
+#[should_panic(expected = "request 3: n must be at least 1")]
+fn add_panics_on_what_check_refuses() {
+    let mut s = Scheduler::new(config(5, 16, 8, 256));
+    s.add(NewRequest { n: 0, ..request(3, prompt(4, 1), 1) });
+}
