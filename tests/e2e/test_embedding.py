@@ -12,7 +12,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from llmserve import LLM, AsyncEngine, create_app
+from llmserve import LLM, AsyncEngine, BadRequestError, SamplingParams, create_app
 from llmserve.engine.offline import make_config
 
 
@@ -322,14 +322,40 @@ def test_params_may_be_one_per_prompt(llm):
     with pytest.raises(TypeError, match="params holds 1 dicts for 2 prompts: give one per prompt"):
         llm.generate(["a", "b"], [{"max_tokens": 1}])
 
-    class SamplingParams:
+    class Params:
         max_tokens = 2
-    with pytest.raises(TypeError, match="params must be a dict of request fields .*; got SamplingParams"):
-        llm.generate("a", SamplingParams())
+    with pytest.raises(TypeError, match="params must be a dict of request fields .*, a SamplingParams or None; got "
+                                        "Params"):
+        llm.generate("a", Params())
     with pytest.raises(TypeError, match=r"params\[1\] must be a dict"):
         llm.generate(["a", "b"], [{}, 5])
     with pytest.raises(TypeError, match=r"pass the prompt as the first argument"):
         llm.generate(["a", "b"], [{}, {"prompt": "c"}])
+
+
+def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
+    """Code written for vLLM's LLM: `SamplingParams` with vLLM's defaults (16 tokens), and
+    outputs read as `RequestOutput.outputs`, token ids included."""
+    out = llm.generate(["Hello", [5, 6, 7]], SamplingParams(temperature=0, ignore_eos=True))
+    assert [r.usage["completion_tokens"] for r in out] == [16, 16]
+    same = llm.generate("Hello", {"temperature": 0, "ignore_eos": True, "max_tokens": 16, "return_token_ids": True})[0]
+    first = out[0].outputs[0]
+    assert (first.index, first.text, first.finish_reason) == (0, same.text, "length")
+    assert first.token_ids == same.body["choices"][0]["token_ids"] and len(first.token_ids) == 16
+    # one per prompt, and `logprobs` k as each route takes it
+    two = llm.generate(["a", "b"], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2, n=2, seed=3)])
+    assert [len(r.outputs) for r in two] == [1, 2] and two[1].outputs[1].index == 1
+    scored = llm.generate("a", SamplingParams(max_tokens=2, logprobs=3, temperature=0))[0]
+    assert len(scored.body["choices"][0]["logprobs"]["top_logprobs"][0]) == 3
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, logprobs=2, stop=["zz"]))
+    assert len(chat.body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert chat.outputs[0].text == chat.text and len(chat.outputs[0].token_ids) == 2
+    # what vLLM's params ask that no request field does is told, as any field without effect
+    with pytest.warns(UserWarning, match="detokenize"):
+        told = llm.generate("a", SamplingParams(max_tokens=1, detokenize=False))[0]
+    assert "detokenize" in told.ignored_fields
+    with pytest.raises(BadRequestError, match="temperature"):
+        llm.generate("a", SamplingParams(temperature=-1))
 
 
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):

@@ -3,7 +3,8 @@
 Requests go through exactly the path the server uses (Router.prepare -> Core -> runner ->
 commit), run to completion on the calling thread, and come back as OpenAI response bodies
 wrapped in a small `Result`. `params` take the OpenAI field names (`max_tokens`,
-`temperature`, `stop`, `seed`, `n`, `logprobs`, the extensions such as `top_k`, ...).
+`temperature`, `stop`, `seed`, `n`, `logprobs`, the extensions such as `top_k`, ...), or are
+vLLM's `SamplingParams` (sampling_params.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
+from llmserve.engine.sampling_params import CompletionOutput, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,13 @@ class Result:
     @property
     def finish_reason(self) -> str | None:
         return self.finish_reasons[0]
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every choice as vLLM's `RequestOutput.outputs` holds it (`outputs[0].text`)."""
+        return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
+                                 c.get("token_ids") or [])
+                for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
 
 
 def make_config(model: str | None = None, **options: Any) -> Config:
@@ -76,8 +85,9 @@ def make_config(model: str | None = None, **options: Any) -> Config:
 
 Prompt = Union[str, list[int]]
 Message = dict[str, Any]
-# A request's fields by OpenAI's names (`max_tokens`, `temperature`, ...), or None for none.
-Params = Union[dict[str, Any], None]
+# A request's fields by OpenAI's names (`max_tokens`, `temperature`, ...), vLLM's
+# SamplingParams, or None for none.
+Params = Union[dict[str, Any], SamplingParams, None]
 
 # Options of the server alone: offline calls run on the caller's thread, with no HTTP, no
 # stream, no stored response, no queue limit and no step planned ahead. Of the server's section
@@ -127,6 +137,7 @@ class LLM:
         `params` apply to every prompt, or (a list, as vLLM takes one `SamplingParams` per
         prompt) one to each."""
         prompts = _prompt_list(prompts)
+        params = _fields(params, "completion")
         each = _params_each(params, len(prompts), "prompt")
         bodies = [{"model": self.model_name, **q, "prompt": p} for p, q in zip(prompts, each)]
         # Homogeneous prompts with shared params are also a valid single request (the server's
@@ -147,7 +158,7 @@ class LLM:
         `params` apply to every conversation, or (a list) one to each."""
         many = bool(messages) and isinstance(messages[0], list)
         convs = messages if many else [messages]
-        each = _params_each(params, len(convs), "messages", "conversation")
+        each = _params_each(_fields(params, "chat"), len(convs), "messages", "conversation")
         bodies = [{"model": self.model_name, **q, "messages": m} for m, q in zip(convs, each)]
         results = self._run("chat", bodies)
         return results if many else results[0]
@@ -369,13 +380,23 @@ def _vllm_prompt(p: dict, where: str) -> str | list[int]:
                     f"tokens prompts; other keys, such as multi_modal_data, are not taken); got keys {sorted(p)}")
 
 
+def _fields(params: object, endpoint: str) -> object:
+    """`params` with each SamplingParams as the request fields it stands for (see
+    SamplingParams.request_fields); anything else as it is, for _params_each to check."""
+    if isinstance(params, SamplingParams):
+        return params.request_fields(endpoint)
+    if isinstance(params, (list, tuple)):
+        return [p.request_fields(endpoint) if isinstance(p, SamplingParams) else p for p in params]
+    return params
+
+
 def _params_each(params: object, count: int, name: str, item: str = "prompt") -> list[dict[str, Any]]:
     """The params of each of `count` requests: `params` for all, or a list of one per request
     (each a dict or None). TypeError for anything else, or a list of another length."""
     def checked(p: object, where: str) -> dict[str, Any]:
         if p is not None and not isinstance(p, dict):
             raise TypeError(f"params{where} must be a dict of request fields by OpenAI's names (max_tokens, "
-                            f"temperature, ...) or None; got {type(p).__name__}")
+                            f"temperature, ...), a SamplingParams or None; got {type(p).__name__}")
         _own_argument(p, name)
         return p or {}
     if isinstance(params, (list, tuple)):

@@ -1,0 +1,90 @@
+"""vLLM's `SamplingParams` and per-choice outputs, for code written against vLLM's `LLM`.
+
+`LLM.generate(prompts, SamplingParams(temperature=0.8, max_tokens=64))` runs as it would on
+vLLM: a `SamplingParams` stands for the request fields of the HTTP API that hold the same
+values (vLLM's defaults included: 16 `max_tokens`, `temperature` 1.0), so what it asks is
+validated, and reported when it does nothing, exactly as a request to the server. Each
+`Result` then also reads as vLLM's `RequestOutput`: `result.outputs[0].text`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM's fields that shape its own outputs or callbacks, not the tokens: sent only when they
+# ask for something (then the request reports them as fields without effect, and the call warns).
+_INERT_DEFAULTS = {"detokenize": True, "spaces_between_special_tokens": True, "logits_processors": None,
+                   "extra_args": None}
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's `SamplingParams`, field for field with its defaults; each holds what the request
+    field of the same name holds (docs/FIELDS.md). `logprobs` k is completions' integer
+    `logprobs`, and on chat `logprobs: true` with `top_logprobs: k`."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list[Any] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+
+    def request_fields(self, endpoint: str) -> dict[str, Any]:
+        """The request fields that ask what these params ask, on `endpoint` ("completion" or
+        "chat"); every choice's token ids come back too (`return_token_ids`), as vLLM's
+        outputs hold them."""
+        fields: dict[str, Any] = {"return_token_ids": True}
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                     "top_k", "min_p", "ignore_eos", "min_tokens", "skip_special_tokens",
+                     "include_stop_str_in_output"):
+            fields[name] = getattr(self, name)
+        for name in ("best_of", "seed", "stop", "stop_token_ids", "bad_words", "max_tokens", "prompt_logprobs",
+                     "truncate_prompt_tokens", "structured_outputs", "logit_bias", "allowed_token_ids"):
+            if (value := getattr(self, name)) is not None:
+                fields[name] = value
+        if self.logprobs is not None:
+            if endpoint == "chat":
+                fields.update(logprobs=True, top_logprobs=self.logprobs)
+            else:
+                fields["logprobs"] = self.logprobs
+        for name, default in _INERT_DEFAULTS.items():
+            if (value := getattr(self, name)) != default:
+                fields[name] = value
+        return fields
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One choice, as vLLM's `CompletionOutput` names it: its `text`, `token_ids` (when the
+    request returned them: always under `SamplingParams`), `finish_reason` and `stop_reason`
+    (the stop string or token id that ended it, if one did)."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
