@@ -34,6 +34,11 @@ use crate::tokenizer::Tokenizer;
 /// practice, so a rare full reset costs less than LRU bookkeeping).
 const CACHE_CAPACITY: usize = 256;
 
+/// Source text the cached grammars may hold in all, a bound on their memory too: a compiled
+/// grammar took about 75 times its text here (a Lark grammar of 20,000 literals, 270 KB,
+/// about 20 MB), so 256 large ones would hold gigabytes. Past it the cache is cleared too.
+const CACHE_TEXT_BYTES: usize = 4 << 20;
+
 /// What a request asks the output to match.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GrammarSource {
@@ -144,17 +149,27 @@ impl GrammarSource {
         }
     }
 
-    fn key(&self) -> String {
-        let text = match self {
+    /// The text the grammar is compiled from, as its cache key names it.
+    fn text(&self) -> String {
+        match self {
             Self::JsonSchema(v) => serde_json::to_string(v).expect("JSON values serialize"),
             Self::Regex(s) | Self::Lark(s) => s.clone(),
             Self::Calls(s) => format!("calls\n{s}"),
             Self::Tagged(t) => t.lark.clone(),
-            Self::AfterThinking { opened, body } => format!("{opened}:{}", body.key()),
-        };
+            Self::AfterThinking { opened, body } => format!("{opened}:{}", body.text()),
+        }
+    }
+
+    /// The cache key: the kind and a hash of `text`.
+    fn key_of(&self, text: &str) -> String {
         let digest = Sha256::digest(text.as_bytes());
         let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
         format!("{}:{hex}", self.kind())
+    }
+
+    #[cfg(test)]
+    fn key(&self) -> String {
+        self.key_of(&self.text())
     }
 
     fn to_top_level(&self) -> TopLevelGrammar {
@@ -211,6 +226,8 @@ pub(crate) fn for_generation(schema: &Value) -> Value {
 #[derive(Clone)]
 pub struct Grammar {
     key: Arc<str>,
+    /// Its source text's bytes (what the cache counts).
+    size: usize,
     template: Arc<Mutex<Matcher>>,
     /// A JSON schema's or forced call's: where the JSON starts, and the vocabulary's bytes,
     /// for JSON guards.
@@ -264,7 +281,39 @@ pub struct Grammars {
     byte_factory: OnceLock<Result<ParserFactory, String>>,
     /// Every token's bytes, for the guards of JSON grammars.
     token_bytes: OnceLock<Arc<TokenBytes>>,
-    cache: Mutex<HashMap<String, Grammar>>,
+    cache: Mutex<Cache>,
+}
+
+/// The compiled grammars by key, and the bytes of source text they were compiled from, in all.
+#[derive(Default)]
+struct Cache {
+    grammars: HashMap<Arc<str>, Grammar>,
+    text_bytes: usize,
+}
+
+impl Cache {
+    /// Keeps `grammar`, first clearing the cache if it would then hold more than
+    /// CACHE_CAPACITY grammars or CACHE_TEXT_BYTES of text. (A grammar larger than that alone
+    /// is not kept: each request of it compiles it afresh.)
+    fn insert(&mut self, grammar: Grammar) {
+        if grammar.size > CACHE_TEXT_BYTES {
+            return;
+        }
+        if self.grammars.len() >= CACHE_CAPACITY || self.text_bytes + grammar.size > CACHE_TEXT_BYTES {
+            self.grammars.clear();
+            self.text_bytes = 0;
+        }
+        self.text_bytes += grammar.size;
+        if let Some(old) = self.grammars.insert(grammar.key.clone(), grammar) {
+            self.text_bytes -= old.size;
+        }
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Some(old) = self.grammars.remove(key) {
+            self.text_bytes -= old.size;
+        }
+    }
 }
 
 impl Grammars {
@@ -275,7 +324,7 @@ impl Grammars {
             factory: OnceLock::new(),
             byte_factory: OnceLock::new(),
             token_bytes: OnceLock::new(),
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::default()),
         }
     }
 
@@ -298,8 +347,9 @@ impl Grammars {
     /// Compiles `source` (or finds it in the cache). `param` names the request field the
     /// source came from, for the 400 when it does not compile.
     pub fn compile(&self, source: &GrammarSource, param: &str) -> Result<Grammar, ApiError> {
-        let key = source.key();
-        if let Some(g) = locked(&self.cache).get(&key) {
+        let text = source.text();
+        let key = source.key_of(&text);
+        if let Some(g) = locked(&self.cache).grammars.get(key.as_str()) {
             return Ok(g.clone());
         }
         // A forced (or strict) call's grammar is ours; only the `parameters` schema in it is the
@@ -354,12 +404,9 @@ impl Grammars {
             ));
         }
         let json = source.json_start().map(|start| (start, Arc::clone(self.token_bytes())));
-        let grammar = Grammar { key: key.as_str().into(), template: Arc::new(Mutex::new(matcher)), json };
-        let mut cache = locked(&self.cache);
-        if cache.len() >= CACHE_CAPACITY {
-            cache.clear();
-        }
-        cache.insert(key, grammar.clone());
+        let grammar =
+            Grammar { key: key.as_str().into(), size: text.len(), template: Arc::new(Mutex::new(matcher)), json };
+        locked(&self.cache).insert(grammar.clone());
         Ok(grammar)
     }
 
@@ -422,7 +469,7 @@ impl Grammars {
 
     /// Compiled grammars now cached.
     pub fn cached(&self) -> usize {
-        locked(&self.cache).len()
+        locked(&self.cache).grammars.len()
     }
 }
 
@@ -984,6 +1031,30 @@ pub(crate) mod tests {
         let m = drive(&grammar, &tok, "aaaaaaaaaa");
         assert!(!m.is_stopped() && !m.is_error());
         assert!(grammar.matcher().compute_mask().unwrap().is_allowed(tok.encode("a", false)[0]));
+    }
+
+    /// The cache holds at most CACHE_TEXT_BYTES of grammar text: past it, it starts afresh;
+    /// a grammar larger than that alone compiles but is not kept.
+    #[test]
+    fn the_cache_is_bounded_by_the_text_it_holds() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok, vec![0]);
+        // (Lark text padded by a comment)
+        let schema =
+            |tag: &str, bytes: usize| GrammarSource::Lark(format!("start: \"{tag}\"\n// {}", "x".repeat(bytes)));
+        let third = CACHE_TEXT_BYTES / 3;
+        for tag in ["a", "b"] {
+            g.compile(&schema(tag, third), "p").unwrap();
+        }
+        assert_eq!(g.cached(), 2);
+        g.compile(&schema("a", third), "p").unwrap(); // (found: nothing is added)
+        assert_eq!(g.cached(), 2);
+        g.compile(&schema("c", third + 1024), "p").unwrap();
+        assert_eq!(g.cached(), 1, "cleared, then kept");
+        g.evict(&schema("c", third + 1024).key());
+        assert_eq!((g.cached(), locked(&g.cache).text_bytes), (0, 0));
+        g.compile(&schema("d", CACHE_TEXT_BYTES), "p").unwrap();
+        assert_eq!(g.cached(), 0, "too large to keep");
     }
 
     /// A lexer failure in one matcher fails the grammar's other matchers (they share the
