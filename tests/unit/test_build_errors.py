@@ -211,3 +211,16 @@ def test_linear_rope_scaling_stretches_the_positions(folder):
     assert _build(folder).router.max_model_len == 1024
     with pytest.raises(SetupError, match="exceeds the model's 1024 positions"):
         _build(folder, max_model_len=1025)
+
+
+def test_more_threads_than_cores_are_warned_of(folder, monkeypatch, caplog):
+    """Torch's threads past the cores contend for them: every step slows (BENCH.md)."""
+    import llmserve.engine.build as build
+
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(build.torch, "set_num_threads", lambda n: None)   # (this process keeps its 1)
+    config = Config(model=ModelConfig(model=str(folder), max_model_len=256), cache=CacheConfig(num_kv_blocks=4),
+                    device=DeviceConfig(threads=2))
+    with caplog.at_level("WARNING", logger="llmserve.engine"), pytest.raises(SetupError):
+        build_engine(config)
+    assert "--threads 2 on 1 cores: torch's threads will contend for them" in caplog.text

@@ -322,6 +322,11 @@ def build_engine(cfg: Config) -> Engine:
                          f"{device.type} the KV cache holds the model's dtype "
                          f"({str(dtype).removeprefix('torch.')}), which the attention kernels read")
     if cfg.device.threads:
+        cores = len(os.sched_getaffinity(0))
+        if device.type == "cpu" and cfg.device.threads > cores:
+            # (2 torch threads beside another busy process made a step 8-22x slower: BENCH.md)
+            log.warning("--threads %d on %d cores: torch's threads will contend for them, and every step "
+                        "runs slower than with --threads %d", cfg.device.threads, cores, cores)
         torch.set_num_threads(cfg.device.threads)
     torch.manual_seed(cfg.device.seed)
 

@@ -143,13 +143,12 @@ const INVOCATIONS: [(&str, Endpoint); 5] = [
 pub fn invocation_endpoint(body: &[u8]) -> Result<Endpoint, ApiError> {
     let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else { return Ok(Endpoint::Chat) };
     INVOCATIONS.iter().find(|(key, _)| fields.contains_key(*key)).map(|&(_, endpoint)| endpoint).ok_or_else(|| {
-        ApiError::InvalidRequest {
-            message: "An /invocations body is a chat request (`messages`), a completion (`prompt`), an embeddings \
-                      request (`input`), a score (`text_1`) or a rerank (`query`)."
-                .into(),
-            param: None,
-            code: "invalid_value",
-        }
+        ApiError::with_code(
+            "invalid_value",
+            None,
+            "An /invocations body is a chat request (`messages`), a completion (`prompt`), an embeddings request \
+             (`input`), a score (`text_1`) or a rerank (`query`).",
+        )
     })
 }
 
