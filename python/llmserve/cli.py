@@ -453,6 +453,9 @@ def _env_keys(variable: str, flag: str, given: tuple[str, ...]) -> tuple[str, ..
         raise ValueError(f"{variable} is set but holds no key (keys are comma separated)")
     if len(set(keys)) < len(keys):
         raise ValueError(f"{variable} holds a key more than once")
+    if not all(k.isprintable() for k in keys):
+        # (as the flag's own check says it, with the variable's name)
+        raise ValueError(f"{variable} must hold no control or invisible characters")
     return keys
 
 

@@ -74,6 +74,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--served-model-name", "a\nb"], {}, "--served-model-name must hold no control or invisible characters; got 'a\\nb'"),
     (["--api-key", "k\x1b1"], {}, "--api-key must hold no control or invisible characters; got a value"),
     ([], {"LLMSERVE_API_KEY": "k1,k2,k1"}, "LLMSERVE_API_KEY holds a key more than once"),
+    ([], {"LLMSERVE_API_KEY": "k1,k\x012"}, "LLMSERVE_API_KEY must hold no control or invisible characters"),
+    ([], {"LLMSERVE_ADMIN_API_KEY": "a\u200bb"}, "LLMSERVE_ADMIN_API_KEY must hold no control or invisible"),
     (["--chat-template", "/no/such/template.jinja"], {}, "neither a readable file nor a Jinja template"),
     (["--allowed-origins", "http://a.example/"], {},
      "--allowed-origins 'http://a.example/' is not an origin as browsers send it"),
