@@ -1040,20 +1040,20 @@ pub(crate) mod tests {
         let tok = byte_tokenizer();
         let g = Grammars::new(tok, vec![0]);
         // (Lark text padded by a comment)
-        let schema =
+        let grammar =
             |tag: &str, bytes: usize| GrammarSource::Lark(format!("start: \"{tag}\"\n// {}", "x".repeat(bytes)));
         let third = CACHE_TEXT_BYTES / 3;
         for tag in ["a", "b"] {
-            g.compile(&schema(tag, third), "p").unwrap();
+            g.compile(&grammar(tag, third), "p").unwrap();
         }
         assert_eq!(g.cached(), 2);
-        g.compile(&schema("a", third), "p").unwrap(); // (found: nothing is added)
+        g.compile(&grammar("a", third), "p").unwrap(); // (found: nothing is added)
         assert_eq!(g.cached(), 2);
-        g.compile(&schema("c", third + 1024), "p").unwrap();
+        g.compile(&grammar("c", third + 1024), "p").unwrap();
         assert_eq!(g.cached(), 1, "cleared, then kept");
-        g.evict(&schema("c", third + 1024).key());
+        g.evict(&grammar("c", third + 1024).key());
         assert_eq!((g.cached(), locked(&g.cache).text_bytes), (0, 0));
-        g.compile(&schema("d", CACHE_TEXT_BYTES), "p").unwrap();
+        g.compile(&grammar("d", CACHE_TEXT_BYTES), "p").unwrap();
         assert_eq!(g.cached(), 0, "too large to keep");
     }
 
