@@ -342,6 +342,7 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     first = out[0].outputs[0]
     assert (first.index, first.text, first.finish_reason) == (0, same.text, "length")
     assert first.token_ids == same.body["choices"][0]["token_ids"] and len(first.token_ids) == 16
+    assert (out[1].prompt_token_ids, llm.generate("Hello", {"max_tokens": 1})[0].prompt_token_ids) == ([5, 6, 7], None)
     # one per prompt, and `logprobs` k as each route takes it
     two = llm.generate(["a", "b"], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2, n=2, seed=3)])
     assert [len(r.outputs) for r in two] == [1, 2] and two[1].outputs[1].index == 1
@@ -350,6 +351,7 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, logprobs=2, stop=["zz"]))
     assert len(chat.body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert chat.outputs[0].text == chat.text and len(chat.outputs[0].token_ids) == 2
+    assert chat.prompt_token_ids == chat.body["prompt_token_ids"] and len(chat.prompt_token_ids) > 3
     # what vLLM's params ask that no request field does is told, as any field without effect
     with pytest.warns(UserWarning, match="detokenize"):
         told = llm.generate("a", SamplingParams(max_tokens=1, detokenize=False))[0]

@@ -51,6 +51,13 @@ class Result:
         return self.finish_reasons[0]
 
     @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt's token ids, as vLLM's `RequestOutput` holds them, when the request
+        returned them (`return_token_ids`: always under SamplingParams); else None."""
+        choices = self.body.get("choices") or [{}]
+        return self.body.get("prompt_token_ids", choices[0].get("prompt_token_ids"))
+
+    @property
     def outputs(self) -> list[CompletionOutput]:
         """Every choice as vLLM's `RequestOutput.outputs` holds it (`outputs[0].text`)."""
         return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
