@@ -343,6 +343,7 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     assert (first.index, first.text, first.finish_reason) == (0, same.text, "length")
     assert first.token_ids == same.body["choices"][0]["token_ids"] and len(first.token_ids) == 16
     assert (out[1].prompt_token_ids, llm.generate("Hello", {"max_tokens": 1})[0].prompt_token_ids) == ([5, 6, 7], None)
+    assert (out[0].prompt, out[1].prompt) == ("Hello", None)   # (vLLM's quickstart prints it)
     # one per prompt, and `logprobs` k as each route takes it
     two = llm.generate(["a", "b"], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2, n=2, seed=3)])
     assert [len(r.outputs) for r in two] == [1, 2] and two[1].outputs[1].index == 1

@@ -34,13 +34,16 @@ from llmserve.engine.sampling_params import CompletionOutput, SamplingParams
 class Result:
     """One request's response: `text` is the first choice, `texts` every choice.
     `ignored_fields` names the request's fields that had no effect (the server's
-    `llmserve-ignored-fields` header; each call also warns about them)."""
+    `llmserve-ignored-fields` header; each call also warns about them). `prompt`: the text
+    `generate` was given for it (None for token ids and conversations), as vLLM's
+    `RequestOutput.prompt`."""
 
     texts: list[str]
     finish_reasons: list[str | None]
     usage: dict[str, Any]
     body: dict[str, Any] = field(repr=False)
     ignored_fields: tuple[str, ...] = ()
+    prompt: str | None = None
 
     @property
     def text(self) -> str:
@@ -151,7 +154,8 @@ class LLM:
         # shape), whose errors name the prompt as the server would (`prompt[2]`, `prompt[2][1]`).
         same_kind = len({isinstance(p, str) for p in prompts}) == 1 and not isinstance(params, (list, tuple))
         whole = {"model": self.model_name, **(params or {}), "prompt": prompts} if same_kind else None
-        return self._run("completion", bodies, whole)
+        results = self._run("completion", bodies, whole)
+        return [dataclasses.replace(r, prompt=p) if isinstance(p, str) else r for r, p in zip(results, prompts)]
 
     @overload
     def chat(self, messages: list[Message], params: Params = None) -> Result: ...
