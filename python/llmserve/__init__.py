@@ -25,7 +25,8 @@ _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 _ERRORS = ("ApiError", "BadRequestError", "AuthenticationError", "NotFoundError", "MethodNotAllowedError",
            "PayloadTooLargeError", "InternalServerError", "ServiceUnavailableError")
 
-__all__ = ["LLM", "Result", "SamplingParams", "AsyncEngine", "create_app", "Config", *_ERRORS, "LoadError", "__version__"]
+__all__ = ["LLM", "Result", "SamplingParams", "AsyncEngine", "create_app", "Config", *_ERRORS, "LoadError",
+           "__version__"]
 
 if TYPE_CHECKING:
     from llmserve._core import (ApiError, AuthenticationError, BadRequestError, InternalServerError,
