@@ -108,8 +108,6 @@ ROUTES = [
     Route("/v1/chat/completions/{completion_id}", routes.stored_chat_completions, methods=["GET", "POST", "DELETE"]),
     Route("/v1/chat/completions/{completion_id}/messages", routes.stored_chat_messages, methods=["GET"]),
     Route("/v1/completions/render", routes.completion_render, methods=["POST"]),
-    Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
-    Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
     Route("/v1/models", routes.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
     Route("/tokenize", routes.tokenize, methods=["POST"]),
@@ -121,6 +119,14 @@ ROUTES = [
     Route("/load", routes.load, methods=["GET"]),
     Route("/version", routes.version, methods=["GET"]),
     Route("/metrics", routes.metrics, methods=["GET"]),
+]
+# vLLM's routes that load and unload LoRA adapters: POST with --allow-runtime-lora-updating;
+# without it, every method on them gets the 404 that names the flag (a 405 for GET would say
+# they were open).
+_EVERY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+RUNTIME_LORA_ROUTES = [
+    Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
 ]
 # Mounted with --admin-api-key, behind those keys alone (middleware.ADMIN_PATHS).
 ADMIN_ROUTES = [
@@ -154,13 +160,15 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                 app.state.backgrounds.stop_all()
                 await engine.drain(stop_timeout=_step_wait(app.state))
 
-    routes = ROUTES
+    lora_routes = RUNTIME_LORA_ROUTES if config.model.allow_runtime_lora_updating else [
+        Route(r.path, routes.runtime_lora_off, methods=_EVERY_METHOD) for r in RUNTIME_LORA_ROUTES]
+    served = [*ROUTES, *lora_routes]
     if config.server.admin_api_key:
         if set(config.server.admin_api_key) & set(config.server.api_key):
             raise ValueError("an --admin-api-key must be a key of its own, not also an --api-key")
-        routes = [*ROUTES, *ADMIN_ROUTES]
+        served += ADMIN_ROUTES
     app = Starlette(
-        routes=routes,
+        routes=served,
         lifespan=lifespan,
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                             ClientDisconnect: _on_client_gone, Exception: _on_unexpected},

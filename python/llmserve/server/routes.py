@@ -445,24 +445,23 @@ async def messages_count_tokens(request: Request) -> Response:
     return Response(out, media_type=JSON, headers=named)
 
 
-def _runtime_lora(request: Request) -> AsyncEngine:
-    engine = _engine(request)
-    if not engine.config.model.allow_runtime_lora_updating:
-        raise Router.error("not_found", "Loading and unloading LoRA adapters while the server runs is off: start it "
-                           "with --allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true).")
-    return engine
+async def runtime_lora_off(request: Request) -> Response:
+    """The LoRA load and unload routes of a server started without --allow-runtime-lora-updating
+    (app.py mounts them so, for every method)."""
+    raise Router.error("not_found", "Loading and unloading LoRA adapters while the server runs is off: start it "
+                       "with --allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true).")
 
 
 async def load_lora_adapter(request: Request) -> Response:
     """vLLM's POST /v1/load_lora_adapter; its answer is text, as vLLM's."""
-    engine = _runtime_lora(request)
+    engine = _engine(request)
     text, headers = await engine.load_lora(await read_body(request))
     return Response(text, media_type="text/plain; charset=utf-8", headers=dict(headers))
 
 
 async def unload_lora_adapter(request: Request) -> Response:
     """vLLM's POST /v1/unload_lora_adapter."""
-    engine = _runtime_lora(request)
+    engine = _engine(request)
     text, headers = engine.unload_lora(await read_body(request))
     return Response(text, media_type="text/plain; charset=utf-8", headers=dict(headers))
 
