@@ -361,6 +361,47 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
         llm.generate("a", SamplingParams(temperature=-1))
 
 
+def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
+    """vLLM's `llm.get_tokenizer()` is a transformers tokenizer; ours answers its calls from the
+    engine's own tokenizer and template, each as transformers' tokenizer of the same folder."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(tiny_model))
+    tok = llm.get_tokenizer()
+    for text in ("Hello world", " two  spaces\nand 12345", "é😀"):
+        for specials in (True, False):
+            assert tok.encode(text, add_special_tokens=specials) == ref.encode(text, add_special_tokens=specials)
+    ids = ref.encode("Hello there, world", add_special_tokens=True) + [ref.eos_token_id]
+    for skip in (False, True):
+        assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert tok.decode(np.array(ids[1:3])) == ref.decode(ids[1:3]) and tok.decode(ids[2]) == ref.decode(ids[2])
+    assert tok.batch_decode([ids[:2], ids[2:]]) == ref.batch_decode([ids[:2], ids[2:]])
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    longer = chat + [{"role": "assistant", "content": "Hello"}]
+    for gen in (False, True):
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen) == \
+            ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+    assert tok.apply_chat_template(longer, tokenize=False, continue_final_message=True) == \
+        ref.apply_chat_template(longer, tokenize=False, continue_final_message=True)
+    # tokenized, as the engine tokenizes a rendered chat (the template's special tokens as such)
+    ours = tok.apply_chat_template(chat, add_generation_prompt=True)
+    text = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours == ref.encode(text, add_special_tokens=False)
+    assert tok.apply_chat_template([chat, longer], tokenize=False) == [
+        ref.apply_chat_template(c, tokenize=False) for c in (chat, longer)]
+    # the prompt it builds is the one chat builds
+    done = llm.chat(chat, {"max_tokens": 1, "return_token_ids": True})
+    assert done.prompt_token_ids == ours
+    with pytest.warns(UserWarning, match="chat_template_kwargs.no_such_kwarg"):
+        tok.apply_chat_template(chat, no_such_kwarg=True)
+    with pytest.raises(TypeError, match="return_tensors"):
+        tok.apply_chat_template(chat, return_tensors="pt")
+    with pytest.raises(TypeError, match="token_ids must be token ids"):
+        tok.decode(["a"])
+    with pytest.raises(BadRequestError, match="vocabulary"):
+        tok.decode([10**6])
+
+
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):
     engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 50, "ignore_eos": true, "stream": true}'

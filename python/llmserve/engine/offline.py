@@ -28,6 +28,7 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
 from llmserve.engine.sampling_params import CompletionOutput, SamplingParams
+from llmserve.engine.tokenizer import Tokenizer, integer, token_ids
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,12 @@ class LLM:
         body = {"model": self.model_name, **(params or {}), "query": query, "documents": documents}
         return self._run("rerank", [body])[0].body["results"]
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer and chat template, with the calls code written for vLLM makes
+        on its `get_tokenizer()` (transformers' `encode`, `decode`, `batch_decode`,
+        `apply_chat_template`): a prompt built with it is the one the engine builds."""
+        return Tokenizer(self.engine.router, self.model_name)
+
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache, as vLLM's `LLM.reset_prefix_cache` (a cold-cache run after
         warm ones); how many blocks it held."""
@@ -325,20 +332,6 @@ def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
     err.add_note(f"(in {kind} {index} of the call, counting from 0)")
 
 
-def _integer(t: object) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
-
-
-def _token_ids(p: object) -> list[int] | None:
-    """`p` as token ids (Python ints) when it is a list, tuple or 1-D array of integers (numpy's
-    too, not bools), else None."""
-    if isinstance(p, np.ndarray):
-        return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
-    if isinstance(p, (list, tuple)) and all(map(_integer, p)):
-        return [int(t) for t in p]
-    return None
-
-
 def _prompt_list(prompts: object) -> list[str | list[int]]:
     """`generate`'s prompts as a list of prompts: one prompt (a str, token ids, or vLLM's
     `{"prompt": str}` / `{"prompt_token_ids": ids}`), or a list of them. TypeError naming the
@@ -349,7 +342,7 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
         return [_vllm_prompt(prompts, "prompts")]
     if isinstance(prompts, np.ndarray) and prompts.ndim == 1 and prompts.dtype.kind not in "UO":
         # one prompt (an empty one is refused as the server refuses it)
-        if (ids := _token_ids(prompts)) is None:
+        if (ids := token_ids(prompts)) is None:
             raise TypeError(f"token ids must be integers; got an array of {prompts.dtype}")
         return [ids]
     if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
@@ -357,13 +350,13 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
     if not isinstance(prompts, (list, tuple, np.ndarray)) or (isinstance(prompts, np.ndarray) and prompts.ndim != 2):
         kind = f"a {prompts.ndim}-d array" if isinstance(prompts, np.ndarray) else type(prompts).__name__
         raise TypeError(f"prompts must be a str, token ids, a vLLM prompt dict, or a list of these; got {kind}")
-    if len(prompts) and (ids := _token_ids(prompts)) is not None:
+    if len(prompts) and (ids := token_ids(prompts)) is not None:
         return [ids]
     if len(prompts) and all(isinstance(t, numbers.Number) for t in prompts):
-        i, t = next((i, t) for i, t in enumerate(prompts) if not _integer(t))
+        i, t = next((i, t) for i, t in enumerate(prompts) if not integer(t))
         raise TypeError(f"token ids must be integers; prompts[{i}] is {type(t).__name__}")
-    if any(map(_integer, prompts)):
-        i = next(i for i, t in enumerate(prompts) if _integer(t))
+    if any(map(integer, prompts)):
+        i = next(i for i, t in enumerate(prompts) if integer(t))
         raise TypeError(f"prompts mixes token ids with other items (prompts[{i}] is an integer): give one "
                         "prompt's token ids (integers only), or a list of prompts (strs or lists of token ids)")
     out: list[str | list[int]] = []
@@ -371,11 +364,11 @@ def _prompt_list(prompts: object) -> list[str | list[int]]:
         if isinstance(p, dict):
             out.append(_vllm_prompt(p, f"prompts[{i}]"))
             continue
-        item = p if isinstance(p, str) else _token_ids(p)
+        item = p if isinstance(p, str) else token_ids(p)
         if item is None:
             kind = type(p).__name__
             if isinstance(p, (list, tuple)):
-                kind = next(f"a {type(p).__name__} holding a {type(t).__name__}" for t in p if not _integer(t))
+                kind = next(f"a {type(p).__name__} holding a {type(t).__name__}" for t in p if not integer(t))
             raise TypeError(f"prompts[{i}] must be a str, token ids (integers) or a vLLM prompt dict; got {kind}")
         out.append(item)
     return out
@@ -385,7 +378,7 @@ def _vllm_prompt(p: dict, where: str) -> str | list[int]:
     """vLLM's TextPrompt (`{"prompt": str}`) or TokensPrompt (`{"prompt_token_ids": ids}`)."""
     if set(p) == {"prompt"} and isinstance(p["prompt"], str):
         return p["prompt"]
-    if set(p) == {"prompt_token_ids"} and (ids := _token_ids(p["prompt_token_ids"])) is not None:
+    if set(p) == {"prompt_token_ids"} and (ids := token_ids(p["prompt_token_ids"])) is not None:
         return ids
     raise TypeError(f"{where} must be {{'prompt': str}} or {{'prompt_token_ids': token ids}} (vLLM's text and "
                     f"tokens prompts; other keys, such as multi_modal_data, are not taken); got keys {sorted(p)}")

@@ -1,0 +1,119 @@
+"""`LLM.get_tokenizer()`: the engine's own tokenizer and chat template, behind the calls that
+code written for vLLM makes on the tokenizer its `LLM.get_tokenizer()` returns (a transformers
+tokenizer): `encode`, `decode`, `batch_decode` and `apply_chat_template`, with transformers'
+arguments and defaults. Each call goes through the Router's `/tokenize`, `/detokenize` and
+chat render routes, so a prompt built here is exactly the one the engine builds for the same
+messages: no second tokenizer or template is loaded.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import Any
+
+import numpy as np
+import orjson
+
+from llmserve._core import Router
+
+# transformers' apply_chat_template arguments this tokenizer does not take (each would change
+# what comes back, so none is dropped silently); any other keyword goes to the template, as
+# there.
+_UNSUPPORTED = ("chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+class Tokenizer:
+    """The engine's tokenizer and chat template (see the module doc). It keeps the engine's
+    Router, and with it the tokenizer, after the `LLM` is closed."""
+
+    def __init__(self, router: Router, model_name: str) -> None:
+        self._router = router
+        self._model = model_name
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids; `add_special_tokens`: with the tokenizer's (BOS) around them, as a
+        completion prompt gets them."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str; got {type(text).__name__}")
+        return _warned(self._call("tokenize", {"prompt": text, "add_special_tokens": add_special_tokens}))["tokens"]
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids` (an id, or a list, tuple or 1-D array of ids), as the engine
+        detokenizes output; `skip_special_tokens` leaves out the special tokens' text."""
+        ids = [int(token_ids)] if integer(token_ids) else _ids(token_ids, "token_ids")
+        return _warned(self._call("detokenize", {"tokens": ids, "skip_special_tokens": skip_special_tokens}))["prompt"]
+
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
+        """`decode` of each sequence (a list of id lists, or a 2-D array)."""
+        return [self.decode(_ids(s, f"sequences[{i}]"), skip_special_tokens) for i, s in enumerate(sequences)]
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
+                            tools: list[dict[str, Any]] | None = None,
+                            documents: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, **kwargs: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """`conversation` (a list of messages, or a list of such lists) rendered through the
+        model's chat template as the chat route renders it: the prompt text, or (`tokenize`,
+        the default as in transformers) its token ids. Other keyword arguments reach the
+        template (`chat_template_kwargs`); one it never reads is warned about, as the offline
+        calls warn about fields without effect."""
+        if bad := [name for name in _UNSUPPORTED if name in kwargs]:
+            raise TypeError(f"apply_chat_template here does not take {', '.join(bad)} (it renders with the "
+                            f"engine's own template and returns a str or a list of token ids)")
+        many = isinstance(conversation, (list, tuple)) and bool(conversation) and isinstance(
+            conversation[0], (list, tuple))
+        body: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                                "continue_final_message": continue_final_message}
+        if tools is not None:
+            body["tools"] = tools
+        if documents is not None:
+            body["documents"] = documents
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        out = []
+        for messages in conversation if many else [conversation]:
+            if tokenize:
+                answer = self._call("tokenize", {**body, "messages": list(messages)})
+            else:
+                answer = self._call("chat_render", {**body, "model": self._model, "messages": list(messages)})
+            out.append(_warned(answer)["tokens" if tokenize else "prompt"])
+        return out if many else out[0]
+
+    def _call(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        data, _ = self._router.handle(endpoint, orjson.dumps(body))
+        return orjson.loads(data)
+
+
+def _warned(answer: dict[str, Any]) -> dict[str, Any]:
+    """`answer`, after warning the caller of the public method about its fields without
+    effect (a template kwarg the template never reads)."""
+    if ignored := answer.get("ignored_fields"):
+        warnings.warn(f"llmserve: these arguments had no effect: {', '.join(ignored)}", stacklevel=3)
+    return answer
+
+
+def integer(t: object) -> bool:
+    """An integer, numpy's too, not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def token_ids(p: object) -> list[int] | None:
+    """`p` as token ids (Python ints) when it is a list, tuple or 1-D array of integers (numpy's
+    too, not bools), else None."""
+    if isinstance(p, np.ndarray):
+        return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
+    if isinstance(p, (list, tuple)) and all(map(integer, p)):
+        return [int(t) for t in p]
+    return None
+
+
+def _ids(seq: Any, name: str) -> list[int]:
+    """`seq` (token ids, or a torch tensor of them) as a list of Python ints; TypeError naming
+    `name` otherwise."""
+    if not isinstance(seq, np.ndarray) and hasattr(seq, "numpy"):
+        seq = seq.numpy(force=True)   # (a torch tensor)
+    if (ids := token_ids(seq)) is None:
+        raise TypeError(f"{name} must be token ids: a list, tuple or 1-D array of integers; got {type(seq).__name__}")
+    return ids
