@@ -349,9 +349,19 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     assert [len(r.outputs) for r in two] == [1, 2] and two[1].outputs[1].index == 1
     scored = llm.generate("a", SamplingParams(max_tokens=2, logprobs=3, temperature=0))[0]
     assert len(scored.body["choices"][0]["logprobs"]["top_logprobs"][0]) == 3
+    # cumulative_logprob: the generated tokens' logprobs summed, with logprobs asked (else None)
+    token_logprobs = scored.body["choices"][0]["logprobs"]["token_logprobs"]
+    assert scored.outputs[0].cumulative_logprob == pytest.approx(sum(token_logprobs))
+    assert out[0].outputs[0].cumulative_logprob is None
+    # (an echoed prompt's logprobs come first and do not count)
+    plain, echoed = (llm.generate("a b c", {"max_tokens": 2, "logprobs": 0, "temperature": 0, "echo": echo})[0]
+                     for echo in (False, True))
+    assert echoed.outputs[0].cumulative_logprob == pytest.approx(plain.outputs[0].cumulative_logprob, rel=1e-4)
     chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, logprobs=2, stop=["zz"]))
     assert len(chat.body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert chat.outputs[0].text == chat.text and len(chat.outputs[0].token_ids) == 2
+    assert chat.outputs[0].cumulative_logprob == pytest.approx(
+        sum(e["logprob"] for e in chat.body["choices"][0]["logprobs"]["content"]))
     assert chat.prompt_token_ids == chat.body["prompt_token_ids"] and len(chat.prompt_token_ids) > 3
     # what vLLM's params ask that no request field does is told, as any field without effect
     with pytest.warns(UserWarning, match="detokenize"):

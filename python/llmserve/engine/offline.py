@@ -27,7 +27,7 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
-from llmserve.engine.sampling_params import CompletionOutput, SamplingParams
+from llmserve.engine.sampling_params import CompletionOutput, SamplingParams, cumulative_logprob
 from llmserve.engine.tokenizer import Tokenizer, integer, token_ids
 
 
@@ -65,7 +65,8 @@ class Result:
     def outputs(self) -> list[CompletionOutput]:
         """Every choice as vLLM's `RequestOutput.outputs` holds it (`outputs[0].text`)."""
         return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
-                                 c.get("token_ids") or [])
+                                 c.get("token_ids") or [],
+                                 cumulative_logprob(c.get("logprobs"), self.usage.get("prompt_tokens", 0)))
                 for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
 
 

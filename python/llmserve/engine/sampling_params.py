@@ -80,11 +80,28 @@ class SamplingParams:
 @dataclass(frozen=True)
 class CompletionOutput:
     """One choice, as vLLM's `CompletionOutput` names it: its `text`, `token_ids` (when the
-    request returned them: always under `SamplingParams`), `finish_reason` and `stop_reason`
-    (the stop string or token id that ended it, if one did)."""
+    request returned them: always under `SamplingParams`), `finish_reason`, `stop_reason`
+    (the stop string or token id that ended it, if one did) and `cumulative_logprob`, the sum
+    of its tokens' logprobs when the request asked for logprobs (else None, as in vLLM). vLLM's
+    per-token `logprobs` objects are not built: the OpenAI `logprobs` are in `Result.body`."""
 
     index: int
     text: str
     finish_reason: str | None
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+
+
+def cumulative_logprob(logprobs: dict[str, Any] | None, prompt_tokens: int) -> float | None:
+    """The sum of a choice's generated tokens' logprobs, from its OpenAI `logprobs` (chat's
+    `content` entries, or completions' `token_logprobs`, past the `prompt_tokens` an `echo`
+    lists first: their first entry, the prompt's first token, has none); None without them."""
+    if not logprobs:
+        return None
+    if "content" in logprobs:
+        return float(sum(entry["logprob"] for entry in logprobs["content"] or ()))
+    values = logprobs.get("token_logprobs") or []
+    if values and values[0] is None:
+        values = values[prompt_tokens:]
+    return float(sum(values))
