@@ -83,8 +83,6 @@ pub struct PyPlan {
     #[pyo3(get)]
     prompt_lp_targets: Py<PyAny>,
     #[pyo3(get)]
-    prompt_lp_req_ids: Py<PyAny>,
-    #[pyo3(get)]
     prompt_lp_num: Py<PyAny>,
     #[pyo3(get)]
     pool_indices: Py<PyAny>,
@@ -147,7 +145,6 @@ impl PyPlan {
             row_seq_index: arr(py, p.row_seq_index),
             prompt_lp_indices: arr(py, p.prompt_lp_indices),
             prompt_lp_targets: arr(py, p.prompt_lp_targets),
-            prompt_lp_req_ids: arr(py, p.prompt_lp_req_ids),
             prompt_lp_num: arr(py, p.prompt_lp_num),
             pool_indices: arr(py, p.pool_indices),
             mask_rows: arr(py, masks.rows),
