@@ -181,17 +181,12 @@ class AttentionMetadata:
             tables, lens = _token_rows(qsl, lens, tables, block_size)
             qsl = np.arange(len(lens) + 1, dtype=np.int64)
             q_lens = np.ones(len(lens), np.int64)
-        is_decode = q_lens == 1
-
-        dec = np.flatnonzero(is_decode)
-        num_tokens = int(qsl[-1]) if len(qsl) else 0
-        all_decode = len(dec) == len(lens) and num_tokens == len(dec)
+        dec, all_decode, width = decode_rows(qsl, lens, block_size)
         dec_lens = lens[dec]
-        width = int(-(-dec_lens.max() // block_size)) if len(dec) else 0
         dec_idx = None if all_decode else torch.from_numpy(qsl[dec]).to(device)
 
         prefills = []
-        for s in np.flatnonzero(~is_decode & (q_lens > 0)):
+        for s in np.flatnonzero(q_lens > 1):
             start, end, seq_len = int(qsl[s]), int(qsl[s + 1]), int(lens[s])
             ctx = seq_len - (end - start)
             nblk = -(-seq_len // block_size)
@@ -209,6 +204,18 @@ class AttentionMetadata:
                    decode_tables_np=np.ascontiguousarray(tables[dec, :width], dtype=np.int32),
                    decode_lens_np=dec_lens.astype(np.int32), query_start_loc_np=qsl,
                    seq_lens_np=lens, block_tables_np=tables)
+
+
+def decode_rows(qsl: np.ndarray, lens: np.ndarray, block_size: int) -> tuple[np.ndarray, bool, int]:
+    """A step's decode sequences (one query token each; the others are prompt chunks, or
+    scheduled with no token), from query_start_loc [S+1] and seq_lens [S]: (their indices,
+    whether they are the whole step, the block-table width their longest context needs). The
+    CPU and CUDA attention metadata split a step alike."""
+    dec = np.flatnonzero(np.diff(qsl) == 1)
+    num_tokens = int(qsl[-1]) if len(qsl) else 0
+    all_decode = len(dec) == len(lens) and num_tokens == len(dec)
+    width = int(-(-lens[dec].max() // block_size)) if len(dec) else 0
+    return dec, all_decode, width
 
 
 def _token_rows(qsl: np.ndarray, lens: np.ndarray, tables: np.ndarray,

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmserve.worker.attention import decode_rows
 from llmserve.worker.sampler import to_device
 
 
@@ -108,12 +109,8 @@ class CudaAttentionMetadata:
         lens = np.asarray(seq_lens, dtype=np.int64)
         tables = np.asarray(block_tables).reshape(len(lens), -1)
         q_lens = np.diff(qsl)
-        dec = np.flatnonzero(q_lens == 1)
-        num_tokens = int(qsl[-1]) if len(qsl) else 0
-        all_decode = len(dec) == len(lens) and num_tokens == len(dec)
-
+        dec, all_decode, width = decode_rows(qsl, lens, block_size)
         dec_lens = lens[dec]
-        width = int(-(-dec_lens.max() // block_size)) if len(dec) else 0
         # NOTE: to_device copies from pinned memory without waiting, so the step's only host
         # sync stays the read-back of the sampled tokens.
         dec_tables = to_device(torch.from_numpy(np.ascontiguousarray(tables[dec, :width], dtype=np.int32)), device)
