@@ -386,6 +386,8 @@ def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
         assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
     assert tok.decode(np.array(ids[1:3])) == ref.decode(ids[1:3]) and tok.decode(ids[2]) == ref.decode(ids[2])
     assert tok.batch_decode([ids[:2], ids[2:]]) == ref.batch_decode([ids[:2], ids[2:]])
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert (getattr(tok, name), getattr(tok, name + "_id")) == (getattr(ref, name), getattr(ref, name + "_id"))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     longer = chat + [{"role": "assistant", "content": "Hello"}]
     for gen in (False, True):

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,8 @@ class Engine:
     # The model's LoRA adapters, loaded and unloaded while it serves (None: a runner built
     # without the build, as tests do).
     adapters: Adapters | None = None
+    # The tokenizer's named special tokens (`bos_token`, `eos_token`, `pad_token`, ...: text).
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
 
 class SetupError(RuntimeError):
@@ -555,4 +557,5 @@ def build_engine(cfg: Config) -> Engine:
     log.info("engine ready in %.1f s (served as %s; async scheduling %s)", time.perf_counter() - start,
              ", ".join(names), "on" if plan_ahead else "off")
     adapters = Adapters(model, ck.hf_config, dtype, device, fingerprint)
-    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead, adapters)
+    return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead, adapters,
+                  dict(ck.special_tokens))

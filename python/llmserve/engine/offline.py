@@ -216,8 +216,9 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer and chat template, with the calls code written for vLLM makes
         on its `get_tokenizer()` (transformers' `encode`, `decode`, `batch_decode`,
-        `apply_chat_template`): a prompt built with it is the one the engine builds."""
-        return Tokenizer(self.engine.router, self.model_name)
+        `apply_chat_template`, `eos_token_id` and the other named special tokens): a prompt built
+        with it is the one the engine builds."""
+        return Tokenizer(self.engine.router, self.model_name, self.engine.special_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache, as vLLM's `LLM.reset_prefix_cache` (a cold-cache run after

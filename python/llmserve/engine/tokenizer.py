@@ -28,9 +28,27 @@ class Tokenizer:
     """The engine's tokenizer and chat template (see the module doc). It keeps the engine's
     Router, and with it the tokenizer, after the `LLM` is closed."""
 
-    def __init__(self, router: Router, model_name: str) -> None:
+    def __init__(self, router: Router, model_name: str, special_tokens: dict[str, Any] | None = None) -> None:
         self._router = router
         self._model = model_name
+        self._special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
+
+    # transformers' named special tokens: the text (None when the tokenizer names none) and,
+    # as `*_token_id`, its id
+    bos_token = property(lambda self: self._special.get("bos_token"))
+    eos_token = property(lambda self: self._special.get("eos_token"))
+    pad_token = property(lambda self: self._special.get("pad_token"))
+    unk_token = property(lambda self: self._special.get("unk_token"))
+    bos_token_id = property(lambda self: self._id_of(self.bos_token))
+    eos_token_id = property(lambda self: self._id_of(self.eos_token))
+    pad_token_id = property(lambda self: self._id_of(self.pad_token))
+    unk_token_id = property(lambda self: self._id_of(self.unk_token))
+
+    def _id_of(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        ids = self.encode(token, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids; `add_special_tokens`: with the tokenizer's (BOS) around them, as a
