@@ -10,8 +10,9 @@
 //! place on a prompt step's q and k heads) and `CpuDecoder` (every decoder layer of a few-token
 //! decode step in one call).
 //! Every call that takes time releases the GIL; data crosses once per step as flat buffers.
+//! Each wraps a type or function of the pure crates (router, core, scheduler, kernels), which
+//! hold the logic and its Rust tests.
 
-mod beam;
 mod core;
 mod decoder;
 mod errors;

@@ -7,6 +7,7 @@
 //! i32 [Rm, ceil(V/32)], each row's allowed tokens packed 32 to a word (bit t % 32 of word
 //! t / 32; V = the tokenizer's vocabulary, logits beyond it are never allowed).
 
+use llmserve_core::Masks;
 use llmserve_scheduler::Plan;
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
@@ -90,14 +91,6 @@ pub struct PyPlan {
     mask_rows: Py<PyAny>,
     #[pyo3(get)]
     token_bitmask: Py<PyAny>,
-}
-
-/// The constrained rows of a step and their packed masks (`bits` is rows.len() x width).
-#[derive(Default)]
-pub struct Masks {
-    pub rows: Vec<i64>,
-    pub bits: Vec<i32>,
-    pub width: usize,
 }
 
 fn arr<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> Py<PyAny> {
