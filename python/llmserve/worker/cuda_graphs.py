@@ -368,7 +368,9 @@ class CudaModelRunner(ModelRunner):
             self.graphs.capture()
         except RuntimeError as e:
             # NOTE: serving eagerly is slower but correct (the gpu tests check that capture works)
-            log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+            # (with its traceback: a failure inside a capture surfaces as capture_end's error,
+            # the first one only in the chain)
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", e, exc_info=True)
             self.graphs.graphs.clear()
             self.graphs.use_graphs = False
         self.pieces: PiecewiseGraphs | None = None
@@ -379,7 +381,7 @@ class CudaModelRunner(ModelRunner):
                 self.pieces.capture()
             except RuntimeError as e:
                 # (their eager static-buffer path would only be slower than the plain forward)
-                log.warning("piecewise CUDA graph capture failed, prompt steps run eagerly: %s", e)
+                log.warning("piecewise CUDA graph capture failed, prompt steps run eagerly: %s", e, exc_info=True)
                 self.pieces = None
 
     def with_inputs_from(self, plan, prev: Launched | None):
