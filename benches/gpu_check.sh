@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, in ONE call of a few minutes on a CUDA machine (an H200 when the device tool
 # lends one): build the csrc extension, run the gpu tests, run the kernel micro-benchmark,
-# profile decode and prefill steps (benches/step_profile.py), and serve BENCH.md's GPU `load`
-# workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128 out) with `llmserve run
-# --device cuda` at concurrency 1 / 64 / 256 (and once with ~100-token prompts), then side by
-# side with LLMSERVE_FUSED_OPS=1, with that and LLMSERVE_PIECEWISE_GRAPHS=1, and with those and
-# LLMSERVE_PREFILL_ATTENTION=varlen; print one summary table. `make gpu-check` runs it.
+# serve BENCH.md's GPU `load` workload (serve_load.py's `load-gpu`: ~1,024-token prompts, 128
+# out) with `llmserve run --device cuda` at concurrency 1 / 64 / 256 (and once with ~100-token
+# prompts), then side by side with LLMSERVE_FUSED_OPS=1, with that and
+# LLMSERVE_PIECEWISE_GRAPHS=1, and with those and LLMSERVE_PREFILL_ATTENTION=varlen, and last
+# profile decode and prefill steps (benches/step_profile.py) in what time is left; print one
+# summary table. `make gpu-check` runs it.
 # The first H200 run (2026-12-04) took 110 s of its 480. (It served 256 with
 # --async-scheduling off too: 12.0k out tok/s against 14.4k with it on, ~100-token prompts.)
 #
@@ -20,7 +21,7 @@
 #     The Rust core travels as the abi3 extension built here (one build serves 3.11 and 3.12).
 #
 # GPU_CHECK_STAGES="bench serve" (say) runs only those of the stages after the build: tests,
-# bench, profile, serve. GPU_CHECK_PREBUILT=1 loads the carried library instead of building.
+# bench, serve, profile. GPU_CHECK_PREBUILT=1 loads the carried library instead of building.
 #
 # The GPU machine reaches no network, and the default model (a 98 MB GGUF) does not fit the
 # 64 MiB a call may carry, so the serving benchmark uses SmolLM2-135M's exact shapes with
@@ -211,7 +212,7 @@ KERNELS=no
 grep -q "kernels loaded" "$RESULTS/build.log" && [[ "$BUILD" != FAILED ]] && KERNELS=yes
 
 # GPU_CHECK_STAGES picks the stages after the build, for a second, shorter call (default: all).
-stage() { [[ " ${GPU_CHECK_STAGES:-tests bench profile serve} " == *" $1 "* ]]; }
+stage() { [[ " ${GPU_CHECK_STAGES:-tests bench serve profile} " == *" $1 "* ]]; }
 if [ "$KERNELS" = yes ] && stage tests; then
   stamp "gpu tests"
   # One process per file, so a crash in one (the first H200 run segfaulted inside a kernel
@@ -262,17 +263,6 @@ if [ "$KERNELS" = yes ] && stage bench; then
     SKIPPED+=" kernel-bench"
   fi
 fi
-if [ "$KERNELS" = yes ] && stage profile; then
-  stamp "decode and prefill steps, profiled"
-  T=$(budget 90)
-  if (( T > 0 )) && [ -f "$CARRY/smollm2-shape/config.json" ]; then
-    timeout "$T" $PY benches/step_profile.py "$CARRY/smollm2-shape/config.json" > "$RESULTS/profile.log" 2>&1
-    grep -E "^== |one step ahead" "$RESULTS/profile.log" || tail -n 20 "$RESULTS/profile.log"
-  else
-    SKIPPED+=" step-profile"
-  fi
-fi
-
 # serve_runs LABEL "workload:c:n ..." [server flags]: one server, serve_load.py's workload at
 # each concurrency c with n prompts, rows appended to serve_load.jsonl with config LABEL;
 # "workload:c:n:warm" runs without keeping its row (a warm-up). BENCH.md's GPU `load` is serve_load's `load-gpu`
@@ -356,5 +346,17 @@ EOF
       "load-gpu:64:128:warm load-gpu:256:1000 load-gpu:1:32"
     LLMSERVE_FUSED_OPS=1 LLMSERVE_PIECEWISE_GRAPHS=1 LLMSERVE_PREFILL_ATTENTION=varlen serve_runs fused+pw+vl \
       "load-gpu:64:128:warm load-gpu:256:1000"
+  fi
+fi
+# Last: the step profile explains the figures above but is none of them, so it takes what
+# time the serving left.
+if [ "$KERNELS" = yes ] && stage profile; then
+  stamp "decode and prefill steps, profiled"
+  T=$(budget 90)
+  if (( T > 0 )) && [ -f "$CARRY/smollm2-shape/config.json" ]; then
+    timeout "$T" $PY benches/step_profile.py "$CARRY/smollm2-shape/config.json" > "$RESULTS/profile.log" 2>&1
+    grep -E "^== |one step ahead" "$RESULTS/profile.log" || tail -n 20 "$RESULTS/profile.log"
+  else
+    SKIPPED+=" step-profile"
   fi
 fi
