@@ -414,6 +414,29 @@ def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
         tok.decode([10**6])
 
 
+def test_vllms_keyword_arguments_are_taken(llm):
+    """vLLM's `LLM.generate(prompts, sampling_params=..., use_tqdm=False)` and `LLM.chat`'s
+    template keywords: each the request field of its name."""
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert llm.generate(["Hello"], sampling_params=sp, use_tqdm=False)[0].text == llm.generate("Hello", sp)[0].text
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    tok = llm.get_tokenizer()
+    fields = {"max_tokens": 1, "return_token_ids": True}
+    continued = llm.chat(chat, fields, continue_final_message=True, add_generation_prompt=False, use_tqdm=False)
+    assert continued.prompt_token_ids == tok.apply_chat_template(chat, continue_final_message=True)
+    with pytest.warns(UserWarning, match="chat_template_kwargs.unread"):
+        kw = llm.chat(chat[:1], sampling_params=fields, chat_template_kwargs={"unread": 1})
+    assert kw.prompt_token_ids == tok.apply_chat_template(chat[:1], add_generation_prompt=True)
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate("a", {"max_tokens": 1}, sampling_params=sp)
+    with pytest.raises(TypeError, match="tools"):
+        llm.chat(chat[:1], {"tools": []}, tools=[])
+    with pytest.raises(ValueError, match="LLM"):
+        llm.chat(chat[:1], chat_template_content_format="string")
+    with pytest.raises(BadRequestError, match="chat-template"):
+        llm.chat(chat[:1], chat_template="{{ messages }}")
+
+
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):
     engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 50, "ignore_eos": true, "stream": true}'

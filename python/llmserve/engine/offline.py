@@ -143,13 +143,14 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(self, prompts: Prompt | list[str] | list[list[int]],
-                 params: Params | list[Params] = None) -> list[Result]:
+    def generate(self, prompts: Prompt | list[str] | list[list[int]], params: Params | list[Params] = None, *,
+                 sampling_params: Params | list[Params] = None, use_tqdm: bool = True) -> list[Result]:
         """Complete each prompt (a string or token ids: a list, tuple or 1-D array of integers).
         `params` apply to every prompt, or (a list, as vLLM takes one `SamplingParams` per
-        prompt) one to each."""
+        prompt) one to each; vLLM's keyword for them, `sampling_params`, is taken too. So is
+        `use_tqdm`, vLLM's progress bar, which draws nothing here."""
         prompts = _prompt_list(prompts)
-        params = _fields(params, "completion")
+        params = _fields(_one_of(params, sampling_params), "completion")
         each = _params_each(params, len(prompts), "prompt")
         bodies = [{"model": self.model_name, **q, "prompt": p} for p, q in zip(prompts, each)]
         # Homogeneous prompts with shared params are also a valid single request (the server's
@@ -160,19 +161,40 @@ class LLM:
         return [dataclasses.replace(r, prompt=p) if isinstance(p, str) else r for r, p in zip(results, prompts)]
 
     @overload
-    def chat(self, messages: list[Message], params: Params = None) -> Result: ...
+    def chat(self, messages: list[Message], params: Params = None, **template: Any) -> Result: ...
 
     @overload
-    def chat(self, messages: list[list[Message]], params: Params | list[Params] = None) -> list[Result]: ...
+    def chat(self, messages: list[list[Message]], params: Params | list[Params] = None,
+             **template: Any) -> list[Result]: ...
 
-    def chat(self, messages: list[Message] | list[list[Message]],
-             params: Params | list[Params] = None) -> Result | list[Result]:
+    def chat(self, messages: list[Message] | list[list[Message]], params: Params | list[Params] = None, *,
+             sampling_params: Params | list[Params] = None, use_tqdm: bool = True,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
+             tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> Result | list[Result]:
         """Answer one conversation (a list of messages) or several (a list of such lists);
-        `params` apply to every conversation, or (a list) one to each."""
+        `params` apply to every conversation, or (a list) one to each. vLLM's keyword arguments
+        of `LLM.chat` are taken: `sampling_params` (the params), `use_tqdm` (draws nothing),
+        and the template's (`add_generation_prompt`, `continue_final_message`, `tools`,
+        `documents`, `chat_template_kwargs`), each sent as the chat request field of its name;
+        `chat_template` too, which the route refuses (the template is the LLM's:
+        `LLM(chat_template=...)`), as is a `chat_template_content_format` other than "auto"."""
+        if chat_template_content_format != "auto":
+            raise ValueError("chat_template_content_format is the LLM's: LLM(..., chat_template_content_format="
+                             f"{chat_template_content_format!r})")
+        fields = {name: value for name, value in (
+            ("chat_template", chat_template), ("add_generation_prompt", add_generation_prompt),
+            ("continue_final_message", continue_final_message), ("tools", tools), ("documents", documents),
+            ("chat_template_kwargs", chat_template_kwargs)) if value is not None}
         many = bool(messages) and isinstance(messages[0], list)
         convs = messages if many else [messages]
-        each = _params_each(_fields(params, "chat"), len(convs), "messages", "conversation")
-        bodies = [{"model": self.model_name, **q, "messages": m} for m, q in zip(convs, each)]
+        each = _params_each(_fields(_one_of(params, sampling_params), "chat"), len(convs), "messages",
+                            "conversation")
+        for q in each:
+            for name in fields:
+                _own_argument(q, name, "keyword")
+        bodies = [{"model": self.model_name, **q, **fields, "messages": m} for m, q in zip(convs, each)]
         results = self._run("chat", bodies)
         return results if many else results[0]
 
@@ -417,6 +439,13 @@ def _own_argument(params: dict[str, Any] | None, name: str, position: str = "fir
     """`params` may not also carry what the call's `position` argument gives."""
     if params and name in params:
         raise TypeError(f"pass the {name} as the {position} argument, not as params[{name!r}]")
+
+
+def _one_of(params: object, sampling_params: object) -> object:
+    """The call's params, given as `params` or by vLLM's keyword `sampling_params`, not both."""
+    if params is not None and sampling_params is not None:
+        raise TypeError("pass the params once: as params or as sampling_params (vLLM's name), not both")
+    return sampling_params if params is None else params
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:
