@@ -437,6 +437,29 @@ def test_vllms_keyword_arguments_are_taken(llm):
         llm.chat(chat[:1], chat_template="{{ messages }}")
 
 
+def test_beam_search_answers_as_vllms(llm):
+    """vLLM's `LLM.beam_search(prompts, BeamSearchParams(...))`: each prompt's best beams as
+    `BeamSearchSequence`s (prompt and beam tokens, the beam's text, its cumulative logprob),
+    the same beams the completion route's `use_beam_search` finds."""
+    from llmserve import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    out = llm.beam_search([{"prompt": "Hello"}, [5, 6, 7]], params)
+    same = llm.generate("Hello", {"use_beam_search": True, "n": 3, "max_tokens": 4, "ignore_eos": True,
+                                  "return_token_ids": True, "logprobs": 0})[0]
+    assert [s.text for s in out[0].sequences] == same.texts
+    first = out[0].sequences[0]
+    choice = same.body["choices"][0]
+    assert first.tokens == same.prompt_token_ids + choice["token_ids"] and len(choice["token_ids"]) == 4
+    assert first.cum_logprob == pytest.approx(sum(choice["logprobs"]["token_logprobs"]))
+    assert out[0].sequences[0].cum_logprob >= out[0].sequences[-1].cum_logprob   # (length_penalty 1, same lengths)
+    assert len(out[1].sequences) == 3 and out[1].sequences[0].tokens[:3] == [5, 6, 7]
+    with pytest.warns(UserWarning, match="temperature"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=1, temperature=0.5))
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        llm.beam_search("Hello", {"n": 2})
+
+
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):
     engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 50, "ignore_eos": true, "stream": true}'

@@ -27,7 +27,8 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
-from llmserve.engine.sampling_params import CompletionOutput, SamplingParams, cumulative_logprob
+from llmserve.engine.sampling_params import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
+                                             SamplingParams, cumulative_logprob)
 from llmserve.engine.tokenizer import Tokenizer, integer, token_ids
 
 
@@ -159,6 +160,22 @@ class LLM:
         whole = {"model": self.model_name, **(params or {}), "prompt": prompts} if same_kind else None
         results = self._run("completion", bodies, whole)
         return [dataclasses.replace(r, prompt=p) if isinstance(p, str) else r for r, p in zip(results, prompts)]
+
+    def beam_search(self, prompts: Prompt | list[str] | list[list[int]], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's best `params.beam_width` beams, best first,
+        as a completion request with `use_beam_search` finds them (docs/FIELDS.md); prompts as
+        `generate` takes them (vLLM's `{"prompt": ...}` dicts too). `use_tqdm` draws nothing."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams; got {type(params).__name__}")
+        outputs = []
+        for result in self.generate(prompts, params.request_fields()):
+            prompt = result.prompt_token_ids or []
+            outputs.append(BeamSearchOutput([BeamSearchSequence(prompt + out.token_ids, out.text,
+                                                                out.cumulative_logprob or 0.0, out.finish_reason,
+                                                                out.stop_reason)
+                                             for out in result.outputs]))
+        return outputs
 
     @overload
     def chat(self, messages: list[Message], params: Params = None, **template: Any) -> Result: ...

@@ -105,3 +105,50 @@ def cumulative_logprob(logprobs: dict[str, Any] | None, prompt_tokens: int) -> f
     if values and values[0] is None:
         values = values[prompt_tokens:]
     return float(sum(values))
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams` for `LLM.beam_search`, field for field with its defaults: the
+    request fields `use_beam_search` with `n` beams (`beam_width`), `max_tokens`,
+    `ignore_eos`, `length_penalty` and `include_stop_str_in_output` (docs/FIELDS.md). Beams
+    are ranked by logprobs alone, so a `temperature` other than 0 is reported as a field
+    without effect, as the route reports it."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def request_fields(self) -> dict[str, Any]:
+        """The completion request fields of this search; its beams' token ids and logprobs
+        come back too (for `BeamSearchSequence`)."""
+        fields: dict[str, Any] = {"use_beam_search": True, "n": self.beam_width, "max_tokens": self.max_tokens,
+                                  "ignore_eos": self.ignore_eos, "length_penalty": self.length_penalty,
+                                  "include_stop_str_in_output": self.include_stop_str_in_output,
+                                  "return_token_ids": True, "logprobs": 0}
+        if self.temperature != 0.0:
+            fields["temperature"] = self.temperature
+        return fields
+
+
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    """One returned beam, as vLLM's `BeamSearchSequence`: `tokens` (the prompt's then the
+    beam's), `text` (the beam's alone), `cum_logprob` (its tokens' raw logprobs summed),
+    `finish_reason` and `stop_reason`."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    """One prompt's search, as vLLM's `BeamSearchOutput`: its best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
