@@ -374,6 +374,7 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
 def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
     """vLLM's `llm.get_tokenizer()` is a transformers tokenizer; ours answers its calls from the
     engine's own tokenizer and template, each as transformers' tokenizer of the same folder."""
+    import torch
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(str(tiny_model))
@@ -385,6 +386,7 @@ def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
     for skip in (False, True):
         assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
     assert tok.decode(np.array(ids[1:3])) == ref.decode(ids[1:3]) and tok.decode(ids[2]) == ref.decode(ids[2])
+    assert tok.decode(torch.tensor(ids[2])) == ref.decode(ids[2]) and tok.decode(torch.tensor(ids)) == ref.decode(ids)
     assert tok.batch_decode([ids[:2], ids[2:]]) == ref.batch_decode([ids[:2], ids[2:]])
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         assert (getattr(tok, name), getattr(tok, name + "_id")) == (getattr(ref, name), getattr(ref, name + "_id"))

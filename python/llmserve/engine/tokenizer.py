@@ -58,8 +58,12 @@ class Tokenizer:
         return _warned(self._call("tokenize", {"prompt": text, "add_special_tokens": add_special_tokens}))["tokens"]
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
-        """The text of `token_ids` (an id, or a list, tuple or 1-D array of ids), as the engine
-        detokenizes output; `skip_special_tokens` leaves out the special tokens' text."""
+        """The text of `token_ids` (an id, or a list, tuple, 1-D array or tensor of ids), as the
+        engine detokenizes output; `skip_special_tokens` leaves out the special tokens' text."""
+        if not isinstance(token_ids, np.ndarray) and hasattr(token_ids, "numpy"):
+            token_ids = token_ids.numpy(force=True)   # (a torch tensor)
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 0:
+            token_ids = token_ids.item()
         ids = [int(token_ids)] if integer(token_ids) else _ids(token_ids, "token_ids")
         return _warned(self._call("detokenize", {"tokens": ids, "skip_special_tokens": skip_special_tokens}))["prompt"]
 
@@ -131,7 +135,7 @@ def _ids(seq: Any, name: str) -> list[int]:
     """`seq` (token ids, or a torch tensor of them) as a list of Python ints; TypeError naming
     `name` otherwise."""
     if not isinstance(seq, np.ndarray) and hasattr(seq, "numpy"):
-        seq = seq.numpy(force=True)   # (a torch tensor)
+        seq = seq.numpy(force=True)
     if (ids := token_ids(seq)) is None:
         raise TypeError(f"{name} must be token ids: a list, tuple or 1-D array of integers; got {type(seq).__name__}")
     return ids
