@@ -87,50 +87,24 @@ impl PyCore {
         prompt_ranks: Option<PyReadonlyArray1<'_, i64>>,
         pooled: Option<PyReadonlyArray2<'_, f32>>,
     ) -> PyResult<Vec<PyOutput>> {
-        let (listed_prompt, listed) = self.state.awaited_entries();
-        let pooled = match pooled {
-            Some(rows) if rows.shape()[0] == listed => {
-                Some((rows.as_array().iter().copied().collect::<Vec<f32>>(), rows.shape()[1]))
-            }
-            None if listed == 0 => None,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "pooled: the plan listed {listed} pooling entries; got {:?}",
-                    other.map(|r| r.shape().to_vec())
-                )))
-            }
-        };
+        let pooled = pooled.map(|rows| (rows.as_array().iter().copied().collect::<Vec<f32>>(), rows.shape()[1]));
         let prompt = match (prompt_logprobs, prompt_top_ids, prompt_top_logprobs) {
             (Some(lp), Some(ids), Some(tlp)) => {
-                let (p, k) = (ids.shape()[0], ids.shape()[1]);
-                let listed = listed_prompt;
-                if lp.len() != listed || p != lp.len() || tlp.shape() != ids.shape() {
+                if tlp.shape() != ids.shape() {
                     return Err(PyValueError::new_err(format!(
-                        "prompt logprobs: the plan listed {} entries; got logprobs {:?}, top_ids {:?}, top_logprobs {:?}",
-                        listed,
-                        lp.shape(),
+                        "prompt_top_ids {:?} and prompt_top_logprobs {:?} differ in shape",
                         ids.shape(),
                         tlp.shape()
                     )));
                 }
-                let ranks: Vec<u32> = match &prompt_ranks {
-                    None => Vec::new(),
-                    Some(r) if r.len() == p => {
-                        r.as_array().iter().map(|&r| r.clamp(1, i64::from(u32::MAX)) as u32).collect()
-                    }
-                    Some(r) => {
-                        return Err(PyValueError::new_err(format!(
-                            "prompt ranks: the plan listed {listed} entries; got {:?}",
-                            r.shape()
-                        )))
-                    }
-                };
                 Some(PromptLogprobs {
                     logprobs: lp.as_array().iter().copied().collect(),
                     top_ids: ids.as_array().iter().copied().collect(),
                     top_lps: tlp.as_array().iter().copied().collect(),
-                    k,
-                    ranks,
+                    k: ids.shape()[1],
+                    ranks: prompt_ranks
+                        .map(|r| r.as_array().iter().map(|&r| r.clamp(1, i64::from(u32::MAX)) as u32).collect())
+                        .unwrap_or_default(),
                 })
             }
             (None, None, None) => None,
@@ -151,7 +125,7 @@ impl PyCore {
         let state = &mut self.state;
         let pooled = pooled.as_ref().map(|(rows, width)| (rows.as_slice(), *width));
         let out = py.detach(|| state.commit(&toks, &lps, &tids, &tlps, k, prompt.as_ref(), pooled));
-        Ok(outputs(py, out))
+        Ok(outputs(py, out.map_err(PyValueError::new_err)?))
     }
 
     /// A step failed: end each request the plans awaiting commit touched with a 500 (or an
@@ -173,7 +147,7 @@ impl PyCore {
 
     /// Empty the prefix cache; how many blocks it held (`Scheduler::reset_prefix_cache`).
     fn reset_prefix_cache(&mut self) -> usize {
-        self.state.scheduler_mut().reset_prefix_cache()
+        self.state.reset_prefix_cache()
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -38,7 +38,7 @@ use serde::Deserialize;
 
 use crate::beam::{BeamEnd, BeamSearch, Limits};
 
-pub mod beam;
+mod beam;
 
 /// The constrained rows of a step and their packed masks (`bits` is rows.len() x width).
 #[derive(Debug, Default)]
@@ -382,8 +382,9 @@ impl Core {
         &self.scheduler
     }
 
-    pub fn scheduler_mut(&mut self) -> &mut Scheduler {
-        &mut self.scheduler
+    /// Empty the prefix cache; how many blocks it held (`Scheduler::reset_prefix_cache`).
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.scheduler.reset_prefix_cache()
     }
 
     /// Requests with output still to come.
@@ -760,10 +761,65 @@ impl Core {
         }
     }
 
-    /// Apply the oldest awaiting plan's samples (and its prompt logprobs and pooled hidden
-    /// states, when it listed any).
+    /// Apply the oldest awaiting plan's samples: per row its token, the token's logprob and
+    /// `k` top alternatives (`top_ids`/`top_lps` [rows, k], ids < 0 are padding); and its
+    /// prompt logprobs and pooled hidden states (`[Q, width]`), when it listed any. Err
+    /// (nothing is applied): inputs whose sizes do not match each other or the plan's
+    /// entries.
     #[allow(clippy::too_many_arguments)]
     pub fn commit(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[f32],
+        top_ids: &[i64],
+        top_lps: &[f32],
+        k: usize,
+        prompt: Option<&PromptLogprobs>,
+        pooled: Option<(&[f32], usize)>,
+    ) -> Result<Vec<Output>, String> {
+        let rows = tokens.len();
+        if logprobs.len() != rows || top_ids.len() != rows * k || top_lps.len() != rows * k {
+            return Err(format!(
+                "{rows} tokens need as many logprobs and {rows} x {k} top ids and logprobs; got {}, {} and {}",
+                logprobs.len(),
+                top_ids.len(),
+                top_lps.len()
+            ));
+        }
+        let (listed_prompt, listed_pool) = self.awaited_entries();
+        match pooled {
+            Some((rows, width)) if rows.len() == listed_pool * width && (width > 0 || listed_pool == 0) => {}
+            None if listed_pool == 0 => {}
+            other => {
+                return Err(format!(
+                    "pooled: the plan listed {listed_pool} pooling entries; got {:?}",
+                    other.map(|(rows, width)| (rows.len() / width.max(1), width))
+                ))
+            }
+        }
+        if let Some(p) = prompt {
+            let n = p.logprobs.len();
+            if n != listed_prompt
+                || p.top_ids.len() != n * p.k
+                || p.top_lps.len() != n * p.k
+                || !(p.ranks.is_empty() || p.ranks.len() == n)
+            {
+                return Err(format!(
+                    "prompt logprobs: the plan listed {listed_prompt} entries; got {n} logprobs, {} top ids and \
+                     {} top logprobs ({} each), {} ranks",
+                    p.top_ids.len(),
+                    p.top_lps.len(),
+                    p.k,
+                    p.ranks.len()
+                ));
+            }
+        }
+        Ok(self.apply(tokens, logprobs, top_ids, top_lps, k, prompt, pooled))
+    }
+
+    /// `commit`, its inputs checked.
+    #[allow(clippy::too_many_arguments)]
+    fn apply(
         &mut self,
         tokens: &[u32],
         logprobs: &[f32],

@@ -23,7 +23,9 @@ fn run(core: &mut Core, word: &str) -> Vec<Output> {
     let mut out = Vec::new();
     while let Some((plan, _masks)) = core.schedule() {
         let rows = plan.num_rows;
-        out.extend(core.commit(&vec![id; rows], &vec![-0.5; rows], &vec![-1; rows], &vec![0.0; rows], 1, None, None));
+        out.extend(
+            core.commit(&vec![id; rows], &vec![-0.5; rows], &vec![-1; rows], &vec![0.0; rows], 1, None, None).unwrap(),
+        );
     }
     out
 }
@@ -53,7 +55,7 @@ fn a_streamed_chat_ends_at_eos_with_done() {
     let out = run(&mut core, "</s>");
     let text: String = out.iter().filter(|o| o.0 == handle).map(|o| String::from_utf8(o.1.clone()).unwrap()).collect();
     assert!(text.starts_with("data: {") && text.ends_with("data: [DONE]\n\n"), "{text}");
-    assert!(text.contains(r#""finish_reason":"stop""#), "{text}");
+    assert!(text.contains(r#""finish_reason":"stop""#) && !text.contains("</s>"), "{text}");
     assert_eq!(out.last().unwrap().2, Some("stop"));
 }
 
@@ -64,10 +66,25 @@ fn an_aborted_request_gives_back_its_blocks_and_no_output() {
     let (plan, _) = core.schedule().unwrap();
     assert!(core.scheduler().stats().used_blocks > 0);
     assert!(core.abort(handle) && !core.abort(handle));
-    let out = core.commit(&vec![9; plan.num_rows], &vec![0.0; plan.num_rows], &[], &[], 0, None, None);
-    assert!(out.is_empty(), "{out:?}");
     assert_eq!((core.num_requests(), core.scheduler().stats().used_blocks), (0, 0));
+    let out = core.commit(&vec![9; plan.num_rows], &vec![0.0; plan.num_rows], &[], &[], 0, None, None).unwrap();
+    assert!(out.is_empty(), "{out:?}");
     assert!(core.schedule().is_none());
+}
+
+#[test]
+fn a_commit_whose_sizes_do_not_match_is_refused_and_applies_nothing() {
+    let mut core = core();
+    let handle = core.add(completion(core.router(), json!({"max_tokens": 1})).unwrap()).unwrap();
+    let (plan, _) = core.schedule().unwrap();
+    let rows = plan.num_rows;
+    let err = core.commit(&vec![9; rows], &vec![0.0; rows + 1], &[], &[], 0, None, None).unwrap_err();
+    assert!(err.contains("logprobs"), "{err}");
+    let err = core.commit(&vec![9; rows], &vec![0.0; rows], &[], &[], 0, None, Some((&[0.5; 4], 2))).unwrap_err();
+    assert!(err.contains("listed 0 pooling entries"), "{err}");
+    // (the plan still awaits its commit)
+    let out = core.commit(&vec![9; rows], &vec![0.0; rows], &[], &[], 0, None, None).unwrap();
+    assert_eq!(out.last().map(|o| (o.0, o.2)), Some((handle, Some("length"))));
 }
 
 #[test]
