@@ -388,6 +388,10 @@ def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
     assert tok.decode(np.array(ids[1:3])) == ref.decode(ids[1:3]) and tok.decode(ids[2]) == ref.decode(ids[2])
     assert tok.decode(torch.tensor(ids[2])) == ref.decode(ids[2]) and tok.decode(torch.tensor(ids)) == ref.decode(ids)
     assert tok.batch_decode([ids[:2], ids[2:]]) == ref.batch_decode([ids[:2], ids[2:]])
+    assert tok.decode([ids[:2], ids[2:]]) == ref.decode([ids[:2], ids[2:]])
+    for texts in ("Hello world", ["Hello", "two words"]):
+        ours, theirs = tok(texts), ref(texts)
+        assert (ours.input_ids, ours["attention_mask"]) == (theirs.input_ids, theirs["attention_mask"])
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         assert (getattr(tok, name), getattr(tok, name + "_id")) == (getattr(ref, name), getattr(ref, name + "_id"))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -401,6 +405,9 @@ def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
     ours = tok.apply_chat_template(chat, add_generation_prompt=True)
     text = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert ours == ref.encode(text, add_special_tokens=False)
+    as_dict = ref.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
+    assert dict(tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)) == {
+        "input_ids": as_dict["input_ids"], "attention_mask": as_dict["attention_mask"]}
     assert tok.apply_chat_template([chat, longer], tokenize=False) == [
         ref.apply_chat_template(c, tokenize=False) for c in (chat, longer)]
     # the prompt it builds is the one chat builds
@@ -449,10 +456,13 @@ def test_beam_search_answers_as_vllms(llm):
     out = llm.beam_search([{"prompt": "Hello"}, [5, 6, 7]], params)
     same = llm.generate("Hello", {"use_beam_search": True, "n": 3, "max_tokens": 4, "ignore_eos": True,
                                   "return_token_ids": True, "logprobs": 0})[0]
-    assert [s.text for s in out[0].sequences] == same.texts
     first = out[0].sequences[0]
     choice = same.body["choices"][0]
     assert first.tokens == same.prompt_token_ids + choice["token_ids"] and len(choice["token_ids"]) == 4
+    # (vLLM's text decodes every token, the prompt's too)
+    tok = llm.get_tokenizer()
+    assert [s.text for s in out[0].sequences] == [tok.decode(s.tokens) for s in out[0].sequences]
+    assert [s.text for s in out[0].sequences] == ["Hello" + text for text in same.texts]
     assert first.cum_logprob == pytest.approx(sum(choice["logprobs"]["token_logprobs"]))
     assert out[0].sequences[0].cum_logprob >= out[0].sequences[-1].cum_logprob   # (length_penalty 1, same lengths)
     assert len(out[1].sequences) == 3 and out[1].sequences[0].tokens[:3] == [5, 6, 7]
@@ -460,6 +470,9 @@ def test_beam_search_answers_as_vllms(llm):
         llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=1, temperature=0.5))
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search("Hello", {"n": 2})
+    with pytest.raises(BadRequestError) as refused:
+        llm.beam_search("Hello", BeamSearchParams(beam_width=0, max_tokens=1))
+    assert "beam_width is the request's `n`" in "".join(refused.value.__notes__)
 
 
 def test_streams_close_as_context_managers_and_endpoints_are_checked(tiny_model):

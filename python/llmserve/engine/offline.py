@@ -168,21 +168,35 @@ class LLM:
         `generate` takes them (vLLM's `{"prompt": ...}` dicts too). `use_tqdm` draws nothing."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams; got {type(params).__name__}")
+        try:
+            results = self.generate(prompts, params.request_fields())
+        except ApiError as err:
+            if err.param == "n":
+                err.add_note("(BeamSearchParams.beam_width is the request's `n`)")
+            raise
+        tokenizer = self.get_tokenizer()
         outputs = []
-        for result in self.generate(prompts, params.request_fields()):
-            prompt = result.prompt_token_ids or []
-            outputs.append(BeamSearchOutput([BeamSearchSequence(prompt + out.token_ids, out.text,
-                                                                out.cumulative_logprob or 0.0, out.finish_reason,
-                                                                out.stop_reason)
-                                             for out in result.outputs]))
+        for result in results:
+            seqs = [(result.prompt_token_ids or []) + out.token_ids for out in result.outputs]
+            outputs.append(BeamSearchOutput([
+                BeamSearchSequence(tokens, text, out.cumulative_logprob or 0.0, out.finish_reason, out.stop_reason)
+                for tokens, text, out in zip(seqs, tokenizer.batch_decode(seqs), result.outputs)]))
         return outputs
 
     @overload
-    def chat(self, messages: list[Message], params: Params = None, **template: Any) -> Result: ...
+    def chat(self, messages: list[Message], params: Params = None, *, sampling_params: Params = None,
+             use_tqdm: bool = True, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
+             tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> Result: ...
 
     @overload
-    def chat(self, messages: list[list[Message]], params: Params | list[Params] = None,
-             **template: Any) -> list[Result]: ...
+    def chat(self, messages: list[list[Message]], params: Params | list[Params] = None, *,
+             sampling_params: Params | list[Params] = None, use_tqdm: bool = True, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool | None = None,
+             continue_final_message: bool | None = None, tools: list[dict[str, Any]] | None = None,
+             documents: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[Result]: ...
 
     def chat(self, messages: list[Message] | list[list[Message]], params: Params | list[Params] = None, *,
              sampling_params: Params | list[Params] = None, use_tqdm: bool = True,
@@ -196,7 +210,9 @@ class LLM:
         and the template's (`add_generation_prompt`, `continue_final_message`, `tools`,
         `documents`, `chat_template_kwargs`), each sent as the chat request field of its name;
         `chat_template` too, which the route refuses (the template is the LLM's:
-        `LLM(chat_template=...)`), as is a `chat_template_content_format` other than "auto"."""
+        `LLM(chat_template=...)`), as is a `chat_template_content_format` other than "auto".
+        Calls the model writes with `tools` come back parsed, as the chat route returns them
+        (in `body`'s `tool_calls`; vLLM's `LLM.chat` leaves them in the text)."""
         if chat_template_content_format != "auto":
             raise ValueError("chat_template_content_format is the LLM's: LLM(..., chat_template_content_format="
                              f"{chat_template_content_format!r})")
@@ -257,7 +273,7 @@ class LLM:
         on its `get_tokenizer()` (transformers' `encode`, `decode`, `batch_decode`,
         `apply_chat_template`, `eos_token_id` and the other named special tokens): a prompt built
         with it is the one the engine builds."""
-        return Tokenizer(self.engine.router, self.model_name, self.engine.special_tokens)
+        return Tokenizer(self.engine.router, self.model_name, self.engine.special_tokens, _encode)
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache, as vLLM's `LLM.reset_prefix_cache` (a cold-cache run after

@@ -137,8 +137,9 @@ class BeamSearchParams:
 @dataclass(frozen=True)
 class BeamSearchSequence:
     """One returned beam, as vLLM's `BeamSearchSequence`: `tokens` (the prompt's then the
-    beam's), `text` (the beam's alone), `cum_logprob` (its tokens' raw logprobs summed),
-    `finish_reason` and `stop_reason`."""
+    beam's), `text` (all of them decoded, special tokens included, as vLLM decodes them),
+    `cum_logprob` (the beam's tokens' raw logprobs summed), `finish_reason` and
+    `stop_reason`."""
 
     tokens: list[int]
     text: str

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import orjson
@@ -20,18 +20,32 @@ from llmserve._core import Router
 # transformers' apply_chat_template arguments this tokenizer does not take (each would change
 # what comes back, so none is dropped silently); any other keyword goes to the template, as
 # there.
-_UNSUPPORTED = ("chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+_UNSUPPORTED = ("chat_template", "padding", "truncation", "max_length", "return_tensors",
                 "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+class Encoding(dict):
+    """transformers' `BatchEncoding` as far as `tokenizer(text)` is read: `input_ids` and
+    `attention_mask`, as keys or attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class Tokenizer:
     """The engine's tokenizer and chat template (see the module doc). It keeps the engine's
-    Router, and with it the tokenizer, after the `LLM` is closed."""
+    Router, and with it the tokenizer, after the `LLM` is closed. `encode_body` writes a
+    request body as the offline calls write theirs (their checks of what JSON cannot hold)."""
 
-    def __init__(self, router: Router, model_name: str, special_tokens: dict[str, Any] | None = None) -> None:
+    def __init__(self, router: Router, model_name: str, special_tokens: dict[str, Any],
+                 encode_body: Callable[[Router, dict[str, Any]], bytes]) -> None:
         self._router = router
         self._model = model_name
-        self._special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
+        self._special = {k: v for k, v in special_tokens.items() if isinstance(v, str)}
+        self._encode_body = encode_body
 
     # transformers' named special tokens: the text (None when the tokenizer names none) and,
     # as `*_token_id`, its id
@@ -57,30 +71,49 @@ class Tokenizer:
             raise TypeError(f"encode takes a str; got {type(text).__name__}")
         return _warned(self._call("tokenize", {"prompt": text, "add_special_tokens": add_special_tokens}))["tokens"]
 
-    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
+        """`encode` of a text (or of each of a list of texts) as transformers' `tokenizer(text)`
+        answers: `input_ids` and an all-ones `attention_mask` (no padding)."""
+        if isinstance(text, (list, tuple)):
+            each = [self.encode(t, add_special_tokens) for t in text]
+            return Encoding(input_ids=each, attention_mask=[[1] * len(ids) for ids in each])
+        ids = self.encode(text, add_special_tokens)
+        return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str | list[str]:
         """The text of `token_ids` (an id, or a list, tuple, 1-D array or tensor of ids), as the
-        engine detokenizes output; `skip_special_tokens` leaves out the special tokens' text."""
+        engine detokenizes output; `skip_special_tokens` leaves out the special tokens' text.
+        Several sequences (a list of id lists, a 2-D array) give one text each, as
+        transformers 5 decodes them."""
         if not isinstance(token_ids, np.ndarray) and hasattr(token_ids, "numpy"):
             token_ids = token_ids.numpy(force=True)   # (a torch tensor)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim == 0:
             token_ids = token_ids.item()
+        if (isinstance(token_ids, np.ndarray) and token_ids.ndim == 2) or (
+                isinstance(token_ids, (list, tuple)) and token_ids and isinstance(token_ids[0], (list, tuple))):
+            return self.batch_decode(token_ids, skip_special_tokens)
         ids = [int(token_ids)] if integer(token_ids) else _ids(token_ids, "token_ids")
         return _warned(self._call("detokenize", {"tokens": ids, "skip_special_tokens": skip_special_tokens}))["prompt"]
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
         """`decode` of each sequence (a list of id lists, or a 2-D array)."""
-        return [self.decode(_ids(s, f"sequences[{i}]"), skip_special_tokens) for i, s in enumerate(sequences)]
+        texts = []
+        for i, seq in enumerate(sequences):
+            body = {"tokens": _ids(seq, f"sequences[{i}]"), "skip_special_tokens": skip_special_tokens}
+            texts.append(self._call("detokenize", body)["prompt"])
+        return texts
 
     def apply_chat_template(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
                             tools: list[dict[str, Any]] | None = None,
                             documents: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = False, continue_final_message: bool = False,
-                            tokenize: bool = True, **kwargs: Any) -> str | list[int] | list[str] | list[list[int]]:
+                            tokenize: bool = True, return_dict: bool = False, **kwargs: Any) -> Any:
         """`conversation` (a list of messages, or a list of such lists) rendered through the
         model's chat template as the chat route renders it: the prompt text, or (`tokenize`,
-        the default as in transformers) its token ids. Other keyword arguments reach the
-        template (`chat_template_kwargs`); one it never reads is warned about, as the offline
-        calls warn about fields without effect."""
+        the default as in transformers) its token ids, as a list (transformers 4's default),
+        or with `return_dict` as an `Encoding` (transformers 5's default). Other keyword
+        arguments reach the template (`chat_template_kwargs`); one it never reads is warned
+        about, as the offline calls warn about fields without effect."""
         if bad := [name for name in _UNSUPPORTED if name in kwargs]:
             raise TypeError(f"apply_chat_template here does not take {', '.join(bad)} (it renders with the "
                             f"engine's own template and returns a str or a list of token ids)")
@@ -101,10 +134,13 @@ class Tokenizer:
             else:
                 answer = self._call("chat_render", {**body, "model": self._model, "messages": list(messages)})
             out.append(_warned(answer)["tokens" if tokenize else "prompt"])
+        if tokenize and return_dict:
+            masks = [[1] * len(ids) for ids in out]
+            return Encoding(input_ids=out if many else out[0], attention_mask=masks if many else masks[0])
         return out if many else out[0]
 
     def _call(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-        data, _ = self._router.handle(endpoint, orjson.dumps(body))
+        data, _ = self._router.handle(endpoint, self._encode_body(self._router, body))
         return orjson.loads(data)
 
 
