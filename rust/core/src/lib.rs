@@ -814,21 +814,6 @@ impl Core {
                 ));
             }
         }
-        Ok(self.apply(tokens, logprobs, top_ids, top_lps, k, prompt, pooled))
-    }
-
-    /// `commit`, its inputs checked.
-    #[allow(clippy::too_many_arguments)]
-    fn apply(
-        &mut self,
-        tokens: &[u32],
-        logprobs: &[f32],
-        top_ids: &[i64],
-        top_lps: &[f32],
-        k: usize,
-        prompt: Option<&PromptLogprobs>,
-        pooled: Option<(&[f32], usize)>,
-    ) -> Vec<Output> {
         let plan = self.inflight.pop_front().unwrap_or_default();
         if let Some(p) = prompt {
             self.push_prompt_logprobs(&plan.prompt_lp, p);
@@ -921,7 +906,7 @@ impl Core {
             }
             out.push((handle, bytes, reason, false, new_tokens, ends));
         }
-        out
+        Ok(out)
     }
 
     /// One step of each beam search that had rows in the plan just committed (`rows` as
