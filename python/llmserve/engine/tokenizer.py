@@ -1,9 +1,9 @@
 """`LLM.get_tokenizer()`: the engine's own tokenizer and chat template, behind the calls that
 code written for vLLM makes on the tokenizer its `LLM.get_tokenizer()` returns (a transformers
-tokenizer): `encode`, `decode`, `batch_decode` and `apply_chat_template`, with transformers'
-arguments and defaults. Each call goes through the Router's `/tokenize`, `/detokenize` and
-chat render routes, so a prompt built here is exactly the one the engine builds for the same
-messages: no second tokenizer or template is loaded.
+tokenizer): `encode`, `decode`, `batch_decode`, `tokenizer(text)`, `apply_chat_template` and
+the named special tokens, with transformers' arguments and defaults. Each call goes through the
+Router's `/tokenize`, `/detokenize` and chat render routes, so a prompt built here is exactly
+the one the engine builds for the same messages: no second tokenizer or template is loaded.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Tokenizer:
                 isinstance(token_ids, (list, tuple)) and token_ids and isinstance(token_ids[0], (list, tuple))):
             return self.batch_decode(token_ids, skip_special_tokens)
         ids = [int(token_ids)] if integer(token_ids) else _ids(token_ids, "token_ids")
-        return _warned(self._call("detokenize", {"tokens": ids, "skip_special_tokens": skip_special_tokens}))["prompt"]
+        return self._call("detokenize", {"tokens": ids, "skip_special_tokens": skip_special_tokens})["prompt"]
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]:
         """`decode` of each sequence (a list of id lists, or a 2-D array)."""
