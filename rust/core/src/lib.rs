@@ -578,6 +578,8 @@ impl Core {
         Some(state)
     }
 
+    /// The next step's plan and its grammar masks, or None when nothing can run. Discards any
+    /// plan still awaiting commit.
     pub fn schedule(&mut self) -> Option<(Plan, Masks)> {
         // (the scheduler discards any plan still awaiting commit)
         self.inflight.clear();
