@@ -423,6 +423,33 @@ def test_get_tokenizer_answers_as_transformers_tokenizer(llm, tiny_model):
         tok.decode([10**6])
 
 
+def test_get_tokenizer_vocabulary_is_transformers(llm, tiny_model):
+    """The vocabulary calls code written for vLLM makes (`convert_tokens_to_ids` for a stop
+    token, `convert_ids_to_tokens` to show pieces, `get_vocab`, `vocab_size`, `len`) answer as
+    transformers' tokenizer of the same folder."""
+    import torch
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(tiny_model))
+    tok = llm.get_tokenizer()
+    assert tok.get_vocab() == ref.get_vocab()
+    assert (tok.vocab_size, len(tok)) == (ref.vocab_size, len(ref))
+    ids = ref.encode("Hello there, world é😀", add_special_tokens=True) + [ref.eos_token_id]
+    for skip in (False, True):
+        assert tok.convert_ids_to_tokens(ids, skip_special_tokens=skip) == \
+            ref.convert_ids_to_tokens(ids, skip_special_tokens=skip)
+    assert tok.convert_ids_to_tokens(np.array(ids)) == tok.convert_ids_to_tokens(torch.tensor(ids)) == \
+        ref.convert_ids_to_tokens(ids)
+    assert tok.convert_ids_to_tokens(ids[1]) == ref.convert_ids_to_tokens(ids[1])
+    assert tok.convert_ids_to_tokens(10**6) is ref.convert_ids_to_tokens(10**6) is None
+    pieces = ref.convert_ids_to_tokens(ids)
+    assert tok.convert_tokens_to_ids(pieces) == ref.convert_tokens_to_ids(pieces) == ids
+    assert tok.convert_tokens_to_ids(ref.eos_token) == ref.eos_token_id
+    assert tok.convert_tokens_to_ids("no such piece") == ref.convert_tokens_to_ids("no such piece")
+    with pytest.raises(TypeError, match="convert_tokens_to_ids"):
+        tok.convert_tokens_to_ids([1])
+
+
 def test_vllms_keyword_arguments_are_taken(llm):
     """vLLM's `LLM.generate(prompts, sampling_params=..., use_tqdm=False)` and `LLM.chat`'s
     template keywords: each the request field of its name."""

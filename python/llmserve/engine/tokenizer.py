@@ -1,10 +1,11 @@
 """`LLM.get_tokenizer()`: the engine's own tokenizer and chat template, behind the calls that
 code written for vLLM makes on the tokenizer its `LLM.get_tokenizer()` returns (a transformers
-tokenizer): `encode`, `decode`, `batch_decode`, `tokenizer(text)`, `apply_chat_template` and
-the named special tokens, with transformers' arguments and defaults. Each call goes through the
-Router's `/tokenize`, `/detokenize` and chat render routes, so a prompt built here is exactly
-the one the engine builds for the same messages: no second tokenizer or template is loaded.
-"""
+tokenizer): `encode`, `decode`, `batch_decode`, `tokenizer(text)`, `apply_chat_template`, the
+named special tokens and the vocabulary (`convert_tokens_to_ids`, `convert_ids_to_tokens`,
+`get_vocab`, `vocab_size`, `len`), with transformers' arguments and defaults. Each call goes
+through the Router (its `/tokenize`, `/detokenize` and chat render routes, or its vocabulary),
+so a prompt built here is exactly the one the engine builds for the same messages: no second
+tokenizer or template is loaded."""
 
 from __future__ import annotations
 
@@ -138,6 +139,42 @@ class Tokenizer:
             masks = [[1] * len(ids) for ids in out]
             return Encoding(input_ids=out if many else out[0], attention_mask=masks if many else masks[0])
         return out if many else out[0]
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary without the tokens added to it, as transformers counts it
+        (`len(tokenizer)` counts them too)."""
+        return self._router.base_vocab_size
+
+    def __len__(self) -> int:
+        return self._router.vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        """Every raw vocabulary piece ("Ġthe", "<|im_end|>") and its id, added tokens included."""
+        return self._router.vocab()
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """The id of a raw vocabulary piece (or of each of a list); a piece not in the
+        vocabulary gives `unk_token_id` (None when the tokenizer has no unknown token), as in
+        transformers."""
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> str | None | list[str | None]:
+        """The raw vocabulary piece of an id (or of each of a list, array or tensor of ids,
+        leaving out the special tokens with `skip_special_tokens`); None for an id outside the
+        vocabulary, as in transformers."""
+        if integer(ids):
+            return self._router.id_to_token(int(ids))
+        return [self._router.id_to_token(i) for i in _ids(ids, "ids")
+                if not (skip_special_tokens and self._router.is_special(i))]
+
+    def _token_id(self, token: str) -> int | None:
+        if not isinstance(token, str):
+            raise TypeError(f"convert_tokens_to_ids takes a str or a list of them; got {type(token).__name__}")
+        found = self._router.token_to_id(token)
+        return self.unk_token_id if found is None else found
 
     def _call(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         data, _ = self._router.handle(endpoint, self._encode_body(self._router, body))

@@ -1,5 +1,6 @@
 //! `Router` and `Prepared`: the protocol side as Python sees it.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use llmserve_router::protocol::{Endpoint, Prepared};
@@ -277,6 +278,32 @@ impl PyRouter {
     #[getter]
     fn vocab_size(&self) -> usize {
         self.inner.tokenizer().vocab_size()
+    }
+
+    /// Without the added tokens (transformers' `vocab_size`; `vocab_size` counts them).
+    #[getter]
+    fn base_vocab_size(&self) -> usize {
+        self.inner.tokenizer().base_vocab_size()
+    }
+
+    /// Every raw vocabulary piece and its id, the added tokens included.
+    fn vocab(&self) -> HashMap<String, u32> {
+        self.inner.tokenizer().vocab()
+    }
+
+    /// The id of a raw vocabulary piece ("Ġthe", "<|im_end|>"), or None.
+    fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.tokenizer().token_to_id(token)
+    }
+
+    /// The raw vocabulary piece of `id`, or None outside the vocabulary.
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.tokenizer().id_to_token(id)
+    }
+
+    /// Whether `id` is one of the tokenizer's special tokens.
+    fn is_special(&self, id: u32) -> bool {
+        self.inner.tokenizer().is_special(id)
     }
 
     #[getter]

@@ -203,6 +203,16 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The model's own vocabulary, without the tokens added to it (transformers' `vocab_size`).
+    pub fn base_vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(false)
+    }
+
+    /// Every raw piece and its id, the added tokens included.
+    pub fn vocab(&self) -> HashMap<String, u32> {
+        self.inner.get_vocab(true)
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
@@ -574,6 +584,18 @@ mod tests {
         let ids = t.encode(" 1", false);
         let pieces: Vec<String> = ids.iter().map(|&i| t.id_to_token(i).unwrap()).collect();
         assert_eq!(pieces, ["Ġ", "1"]);
+    }
+
+    #[test]
+    fn vocab_lists_every_piece_and_counts_added_tokens_apart() {
+        let t = tiny();
+        let vocab = t.vocab();
+        assert_eq!(vocab.len(), t.vocab_size());
+        for (piece, &id) in &vocab {
+            assert_eq!(t.id_to_token(id).as_deref(), Some(piece.as_str()));
+        }
+        assert_eq!(vocab["Ġworld"], t.token_to_id("Ġworld").unwrap());
+        assert!(t.base_vocab_size() <= t.vocab_size());
     }
 
     #[test]
