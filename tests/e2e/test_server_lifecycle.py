@@ -202,5 +202,12 @@ def test_405_names_allowed_methods_in_openai_error_shape():
             r = await c.post("/v1/nope")
             assert r.status_code == 404 and "allow" not in r.headers
             assert r.json()["error"]["code"] == "not_found"
+            # a route's path with a slash added is no route either: a 404, not a redirect to
+            # a URL built from the client's Host header
+            for method, path in (("POST", "/v1/chat/completions/"), ("GET", "/health/"), ("POST", "/tokenize/")):
+                r = await c.request(method, path, headers={"host": "elsewhere.example"})
+                assert r.status_code == 404 and "location" not in r.headers, (path, r.headers)
+                assert r.json()["error"] == {"message": f"No route {method} {path}.", "type": "not_found_error",
+                                             "param": None, "code": "not_found"}
 
     asyncio.run(main())

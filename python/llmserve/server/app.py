@@ -173,6 +173,9 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                             ClientDisconnect: _on_client_gone, Exception: _on_unexpected},
     )
+    # A route's path with a slash added is a 404 as any unknown path, not Starlette's
+    # redirect, whose Location is built from the client's Host header.
+    app.router.redirect_slashes = False
     app.state.engine = engine
     app.state.backgrounds = Backgrounds.of(engine)
     app.state.max_body_bytes = config.server.max_body_bytes
