@@ -659,6 +659,13 @@ fn tokenize_route() {
         (400, "invalid_value", Some("tools".into()))
     );
     assert_eq!(t(b"{"), (400, "invalid_json", Some("body".into())));
+    // a per-request template is refused as on the chat route, not rendered past
+    assert_eq!(
+        t(br#"{"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ messages }}"}"#),
+        (400, "unsupported_parameter", Some("chat_template".into()))
+    );
+    handled(&r, Endpoint::Tokenize, br#"{"messages": [{"role": "user", "content": "a"}], "chat_template": null}"#)
+        .unwrap();
     assert_eq!(
         t(br#"{"messages": [{"role": "user", "content": "a"}], "documents": [1]}"#),
         (400, "invalid_type", Some("documents[0]".into()))

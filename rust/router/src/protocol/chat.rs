@@ -325,6 +325,19 @@ fn blame_parameters(function: &Value, param: String, err: &ApiError) -> ApiError
         .unwrap_or_else(|| ApiError::invalid(param, err.message()))
 }
 
+/// A `chat_template` sent with a request (vLLM's per-request template) is refused: a request
+/// must not inject template code.
+pub(crate) fn refuse_request_template(template: Option<&Value>) -> Result<(), ApiError> {
+    match template {
+        Some(t) if !t.is_null() => Err(unsupported(
+            "chat_template",
+            "Per-request chat templates are not accepted: a request must not inject template code. \
+             The server's template is set with `--chat-template`.",
+        )),
+        _ => Ok(()),
+    }
+}
+
 pub(crate) fn validate_messages(messages: &[Value]) -> Result<(), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` must contain at least one message."));
@@ -1146,13 +1159,7 @@ fn prepare_chat(
     let c = common.resolve(config, &router.tokenizer, false)?;
     ignored.extend(c.inert.iter().cloned());
 
-    if chat.chat_template.as_ref().is_some_and(|t| !t.is_null()) {
-        return Err(unsupported(
-            "chat_template",
-            "Per-request chat templates are not accepted: a request must not inject template code. \
-             The server's template is set with `--chat-template`.",
-        ));
-    }
+    refuse_request_template(chat.chat_template.as_ref())?;
     validate_messages(&chat.messages)?;
     validate_documents(chat.documents.as_deref().unwrap_or_default())?;
 

@@ -16,7 +16,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::chat::{check_unused_kwargs, unknown_part_keys, unread_message_keys, unused_kwarg_fields};
-use super::chat::{generation_flags, render, validate_documents, validate_messages, validate_tools, ChatRender};
+use super::chat::{generation_flags, refuse_request_template, render, validate_documents, validate_messages};
+use super::chat::{validate_tools, ChatRender};
 use super::common::{check_token_id, from_value, header_list, ignored_header, parse_body, set_keys, settle_ignored};
 use super::{Handled, Prepared};
 use crate::error::ApiError;
@@ -32,6 +33,8 @@ struct TokenizeBody {
     continue_final_message: Option<bool>,
     chat_template_kwargs: Option<Map<String, Value>>,
     tools: Option<Vec<Value>>,
+    /// Refused when set, as on the chat route.
+    chat_template: Option<Value>,
     /// Adds `token_strs` (the vocabulary pieces of the ids) to the response, as vLLM does.
     return_token_strs: Option<bool>,
     #[allow(dead_code)] // type-checked here; the template gets it from the body as sent
@@ -81,6 +84,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
     if let Some(m) = &req.model {
         router.check_model(m)?;
     }
+    refuse_request_template(req.chat_template.as_ref())?;
     let mut ignored: Vec<String> = set_keys(&req.extra, &value).cloned().collect();
     let (tokens, unused_kwargs, template_header) = match (&req.prompt, &req.messages) {
         (Some(_), Some(_)) => {
