@@ -68,6 +68,12 @@ CHAT_400 = [
     ({"model": "tiny", "messages": MSG, "min_tokens": 5, "max_tokens": 2}, "invalid_value", "min_tokens"),
     ({"model": "tiny", "messages": MSG, "add_generation_prompt": True, "continue_final_message": True},
      "invalid_value", "continue_final_message"),
+    # as at OpenAI, tool results answer the calls right before them, each call once
+    ({"model": "tiny", "messages": [*MSG, {"role": "tool", "tool_call_id": "c1", "content": "r"}]},
+     "invalid_value", "messages[1].role"),
+    ({"model": "tiny", "messages": [*MSG, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *MSG]},
+     "invalid_value", "messages[1].tool_calls[0]"),
 ]
 
 COMPLETION_400 = [

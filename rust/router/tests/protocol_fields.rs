@@ -856,15 +856,16 @@ fn unread_message_keys_are_reported() {
     let msgs = json!([
         {"role": "system", "content": "a", "name": "n", "refusal": null},
         {"role": "user", "content": "b", "weird": 1},
-        {"role": "assistant", "content": "c", "reasoning_content": "x", "refusal": "no"},
+        {"role": "assistant", "content": "c", "reasoning_content": "x", "refusal": "no",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "d"}
     ]);
     let p = chat(&r, json!({"messages": msgs, "store": true})).unwrap();
-    // (this template names `.name` only on tools: a message's name is dropped, as is a tool
-    // result's id)
+    // (this template names `.name` only on tools: a message's name is dropped, as are an
+    // assistant's calls and a tool result's id)
     assert_eq!(
         header(&p, "llmserve-ignored-fields"),
-        Some("messages[0].name, messages[1].weird, messages[2].refusal, messages[3].tool_call_id")
+        Some("messages[0].name, messages[1].weird, messages[2].refusal, messages[2].tool_calls, messages[3].tool_call_id")
     );
     // Nested keys with no meaning: in content parts, tools and response_format (vLLM-style
     // `schema` beside `json_object` would be dropped silently otherwise); unread documents.

@@ -956,11 +956,11 @@ fn tool_round_trip_with_null_content_renders_on_string_templates() {
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": null, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
-        {"role": "assistant", "tool_calls": []},
-        {"role": "tool", "tool_call_id": "c", "content": "z"}
+        {"role": "tool", "tool_call_id": "c", "content": "z"},
+        {"role": "assistant", "tool_calls": []}
     ]);
     let p = chat(&r, json!({"messages": msgs})).expect("null content renders as an empty string");
-    assert_eq!(p.prompt_texts[0], "user : x </s> assistant :  </s> assistant :  </s> tool : z </s> assistant :");
+    assert_eq!(p.prompt_texts[0], "user : x </s> assistant :  </s> tool : z </s> assistant :  </s> assistant :");
     // A template that walks parts sees an empty list.
     let walks =
         "{% for m in messages %}{{ m.role }}:{% for part in m.content %}{{ part.text }}{% endfor %};{% endfor %}";
@@ -1144,7 +1144,49 @@ fn a_non_object_is_named_with_its_kind() {
     // a valid assistant tool call passes the same checks
     assert!(chat(
         &r,
-        json!({"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "x"}]})
+        json!({"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c", "content": "r"}]})
     )
     .is_ok());
+}
+
+#[test]
+fn tool_results_answer_the_calls_right_before_them() {
+    let r = router();
+    let call = |id: Value| json!({"id": id, "type": "function", "function": {"name": "f", "arguments": "{}"}});
+    let asked = |calls: Vec<Value>| json!({"role": "assistant", "content": null, "tool_calls": calls});
+    let result = |id: &str| json!({"role": "tool", "tool_call_id": id, "content": "r"});
+    let user = json!({"role": "user", "content": "u"});
+    let with = |msgs: Vec<Value>| chat(&r, json!({"messages": msgs}));
+    // answered, in any order; a call without an id by any one result
+    assert!(with(vec![user.clone(), asked(vec![call(json!("a")), call(json!("b"))]), result("b"), result("a")]).is_ok());
+    assert!(with(vec![user.clone(), asked(vec![call(Value::Null)]), result("whatever"), user.clone()]).is_ok());
+    let cases = [
+        // a result of no call
+        (vec![user.clone(), result("a")], "messages[1].role"),
+        (vec![user.clone(), asked(vec![call(json!("a"))]), result("a"), user.clone(), result("a")], "messages[4].role"),
+        // a result naming a call that is not waiting for one
+        (vec![user.clone(), asked(vec![call(json!("a"))]), result("x")], "messages[2].tool_call_id"),
+        (
+            vec![user.clone(), asked(vec![call(json!("a")), call(json!("b"))]), result("a"), result("a")],
+            "messages[3].tool_call_id",
+        ),
+        // a call with no result: before the next message, or at the end
+        (vec![user.clone(), asked(vec![call(json!("a"))]), user.clone()], "messages[1].tool_calls[0]"),
+        (vec![user.clone(), asked(vec![call(json!("a")), call(json!("b"))]), result("a")], "messages[1].tool_calls[1]"),
+        (
+            vec![user.clone(), asked(vec![call(json!("a"))]), asked(vec![call(json!("b"))]), result("a")],
+            "messages[1].tool_calls[0]",
+        ),
+    ];
+    for (msgs, param) in cases {
+        let e = with(msgs.clone()).expect_err("expected an error");
+        assert_eq!((e.status(), e.code(), e.param()), (400, "invalid_value", Some(param)), "{msgs:?}");
+        // the same conversation tokenizes as it renders: refused alike
+        let body = serde_json::to_vec(&json!({"messages": msgs})).unwrap();
+        assert_eq!(r.handle(Endpoint::Tokenize, &body).unwrap_err().param(), Some(param));
+    }
+    // OpenAI's deprecated function messages are matched to their calls by name instead
+    let legacy = json!([user, {"role": "assistant", "content": null, "function_call": {"name": "f", "arguments": "{}"}},
+                        {"role": "function", "name": "f", "content": "r"}]);
+    assert!(with(legacy.as_array().unwrap().clone()).is_ok());
 }

@@ -1106,7 +1106,75 @@ pub(crate) fn path_safe(id: &str) -> bool {
 /// `header_id`: the request's `X-Request-Id`, which names it when the body's `request_id`
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
-    prepare_value(router, &parse_body(body)?, header_id)
+    let value = parse_body(body)?;
+    let checked = prepare_value(router, &value, header_id)?;
+    check_tool_turns(&value["messages"])?;
+    Ok(checked)
+}
+
+/// OpenAI's rule for a chat's tool calls: the `tool` messages that answer an assistant
+/// message's `tool_calls` come right after it, one for each call, each naming the `id` of the
+/// call it answers (a template renders a result of no call, or a call that never returned,
+/// without complaint). A call without an `id` (Llama 3's template shows none) is answered by
+/// any one `tool` message. Only a chat body's own messages are held to it: the Responses and
+/// Anthropic routes check their conversations by their own APIs' rules, and the deprecated
+/// `function` messages are matched to their calls by name.
+pub(crate) fn check_tool_turns(messages: &Value) -> Result<(), ApiError> {
+    let Some(list) = messages.as_array() else { return Ok(()) };
+    let mut open: Option<OpenCalls> = None;
+    for (i, m) in list.iter().enumerate() {
+        if m["role"] == "tool" {
+            let Some((a, calls)) = open.as_mut() else {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    "A message with role `tool` must answer a call of the assistant message with `tool_calls` \
+                     right before it (or before the `tool` messages that follow it).",
+                ));
+            };
+            let id = m["tool_call_id"].as_str();
+            let waiting = |k: &usize| !calls[*k].1;
+            let Some(k) = (0..calls.len())
+                .filter(waiting)
+                .find(|&k| calls[k].0.is_some() && calls[k].0 == id)
+                .or_else(|| (0..calls.len()).filter(waiting).find(|&k| calls[k].0.is_none()))
+            else {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_call_id"),
+                    format!(
+                        "`tool_call_id` {:?} answers no call of `messages[{a}].tool_calls` still waiting for its \
+                         result: each call is answered once, by the `tool` messages right after it.",
+                        id.unwrap_or_default()
+                    ),
+                ));
+            };
+            calls[k].1 = true;
+            continue;
+        }
+        unanswered(open.take())?;
+        let calls = m["tool_calls"].as_array().filter(|c| m["role"] == "assistant" && !c.is_empty());
+        open = calls.map(|c| (i, c.iter().map(|call| (call["id"].as_str(), false)).collect()));
+    }
+    unanswered(open)
+}
+
+/// The assistant message the `tool` messages since answer: its index, and its calls' ids with
+/// whether each was answered.
+type OpenCalls<'a> = (usize, Vec<(Option<&'a str>, bool)>);
+
+/// The 400 of an assistant message's call that no `tool` message answered.
+fn unanswered(open: Option<OpenCalls>) -> Result<(), ApiError> {
+    let Some((a, calls)) = open else { return Ok(()) };
+    match calls.iter().position(|(_, answered)| !answered) {
+        Some(j) => Err(ApiError::invalid(
+            format!("messages[{a}].tool_calls[{j}]"),
+            format!(
+                "The call {:?} has no result: an assistant message with `tool_calls` must be followed by a \
+                 `tool` message answering each call (its `tool_call_id` the call's `id`).",
+                calls[j].0.unwrap_or_default()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// `prepare` of a body already parsed (the Responses route builds one). OpenAI's deprecated

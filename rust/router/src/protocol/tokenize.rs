@@ -15,9 +15,9 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::chat::{check_tool_turns, generation_flags, refuse_request_template, render};
 use super::chat::{check_unused_kwargs, unknown_part_keys, unread_message_keys, unused_kwarg_fields};
-use super::chat::{generation_flags, refuse_request_template, render, validate_documents, validate_messages};
-use super::chat::{validate_tools, ChatRender};
+use super::chat::{validate_documents, validate_messages, validate_tools, ChatRender};
 use super::common::{check_token_id, from_value, header_list, ignored_header, parse_body, set_keys, settle_ignored};
 use super::{Handled, Prepared};
 use crate::error::ApiError;
@@ -106,6 +106,7 @@ pub(crate) fn tokenize(router: &Router, body: &[u8]) -> Result<Handled, ApiError
         }
         (None, Some(messages)) => {
             validate_messages(messages)?;
+            check_tool_turns(&value["messages"])?;
             validate_documents(req.documents.as_deref().unwrap_or_default())?;
             if let Some(tools) = &req.tools {
                 validate_tools(tools)?;
