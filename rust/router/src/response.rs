@@ -236,9 +236,12 @@ struct ChatLogprob {
     top_logprobs: Vec<ChatTop>,
 }
 
+/// Chat's `logprobs`: the content tokens', and OpenAI's `refusal`, which holds a refusal's
+/// tokens and is null here (no model's output is read as a refusal).
 #[derive(Serialize, Clone, Debug, Default)]
 struct ChatLogprobs {
     content: Vec<ChatLogprob>,
+    refusal: Option<Vec<ChatLogprob>>,
 }
 
 /// Completions' `top_logprobs` entry: token text -> logprob, most likely first, and the
@@ -1224,7 +1227,7 @@ impl ResponseBuilder {
             let logprobs = has_lp.then(|| {
                 let mut content = held;
                 content.extend(self.chat_logprobs(delta.tokens));
-                ChatLogprobs { content }
+                ChatLogprobs { content, refusal: None }
             });
             let c = ChatChunkChoice {
                 index: choice,
@@ -1321,7 +1324,7 @@ impl ResponseBuilder {
             lps.extend(these);
             self.push_plain(choice, &ChoiceDelta { text: "", tokens: &[], finish: None, stop_reason: None, ..*delta });
             if events.iter().any(pieces) || finish.is_some() {
-                pending_lp = Some(ChatLogprobs { content: lps });
+                pending_lp = Some(ChatLogprobs { content: lps, refusal: None });
             } else {
                 self.choices[idx].held_lp = lps;
             }

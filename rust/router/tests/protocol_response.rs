@@ -430,6 +430,8 @@ fn chat_logprobs_shape() {
     let v: Value = serde_json::from_slice(&b.finish()).unwrap();
     let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert_eq!(content.len(), 2);
+    // OpenAI's `refusal` beside `content`, null
+    assert_eq!(v["choices"][0]["logprobs"].as_object().unwrap().get("refusal"), Some(&Value::Null));
     let bytes = |id: u32| json!(t.token_bytes(id));
     assert_eq!(
         content[0],
@@ -453,6 +455,7 @@ fn chat_stream_logprobs_ride_on_empty_deltas() {
     assert_eq!(f.len(), 2, "role chunk, then the logprobs chunk");
     assert_eq!(f[1]["choices"][0]["delta"], json!({}));
     assert_eq!(f[1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"], json!([]));
+    assert_eq!(f[1]["choices"][0]["logprobs"].as_object().unwrap().get("refusal"), Some(&Value::Null));
 }
 
 #[test]

@@ -42,7 +42,7 @@ pub(super) struct Chunk<'a> {
 
 /// The logprobs a choice carries: None unless the request asked for them.
 pub(super) fn logprobs(asked: bool, content: Vec<ChatLogprob>) -> Option<ChatLogprobs> {
-    asked.then_some(ChatLogprobs { content })
+    asked.then_some(ChatLogprobs { content, refusal: None })
 }
 
 /// One SSE frame.
