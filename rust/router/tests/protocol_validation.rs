@@ -224,6 +224,8 @@ fn sampling_ranges() {
         (json!({"max_tokens": -1}), 400, "invalid_value", p("max_tokens")),
         (json!({"max_tokens": 1.5}), 400, "invalid_type", p("max_tokens")),
         (json!({"max_completion_tokens": 0, "max_tokens": 5}), 400, "invalid_value", p("max_completion_tokens")),
+        // the one overridden is checked too, 0 as -1 is
+        (json!({"max_completion_tokens": 5, "max_tokens": 0}), 400, "invalid_value", p("max_tokens")),
         (json!({"min_tokens": 6, "max_tokens": 5}), 400, "invalid_value", p("min_tokens")),
         (json!({"min_tokens": -1}), 400, "invalid_value", p("min_tokens")),
         (json!({"seed": 1.5}), 400, "invalid_type", p("seed")),

@@ -375,8 +375,9 @@ impl CommonFields {
         if matches!((self.max_completion_tokens, self.max_tokens), (Some(c), Some(m)) if c != m) {
             inert.push("max_tokens".into());
         }
-        if let (Some(0), Some(p)) = (max_tokens, max_tokens_param) {
-            if !prompt_only_ok {
+        // (each sent is checked, the one the other overrides too, as a negative one is)
+        for (p, sent) in [("max_completion_tokens", self.max_completion_tokens), ("max_tokens", self.max_tokens)] {
+            if sent == Some(0) && !prompt_only_ok {
                 return Err(ApiError::invalid(p, format!("`{p}` must be at least 1, got 0.")));
             }
         }
