@@ -915,6 +915,21 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn an_email_local_part_ends_within_sixty_four_characters() {
+        let tok = byte_tokenizer();
+        let g = Grammars::new(tok.clone(), vec![0]);
+        let (a, at) = (tok.encode("a", false)[0], tok.encode("@", false)[0]);
+        let schema = json!({"type": "object", "properties": {"e": {"type": "string", "format": "email"}},
+                            "required": ["e"]});
+        let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").unwrap();
+        let mask = |text: &str| drive(&grammar, &tok, text).compute_mask().unwrap();
+        assert!(mask(&format!("{{\"e\": \"{}", "a".repeat(63))).is_allowed(a));
+        let full = mask(&format!("{{\"e\": \"{}", "a".repeat(64)));
+        assert!(!full.is_allowed(a) && full.is_allowed(at), "a 65th character before the @");
+        assert!(drive(&grammar, &tok, "{\"e\": \"john.smith@example.com\"}").is_stopped());
+    }
+
+    #[test]
     fn a_json_guard_ends_every_number() {
         let tok = byte_tokenizer();
         let g = Grammars::new(tok.clone(), vec![0]);

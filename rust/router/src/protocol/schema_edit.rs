@@ -27,6 +27,12 @@
 //!   `max_tokens` cuts the JSON off. Such a string without a `pattern` of its own gets one
 //!   that holds the fraction to [`MAX_FRACTION_DIGITS`] digits, under the same rules as the
 //!   integers' bounds.
+//! - **Bounding email addresses:** the `email` format's local part (before the `@`) has no
+//!   length in its grammar, and a small model repeats a piece of it (`%20%20...`) until
+//!   `max_tokens` cuts the JSON off. Such a string without a `pattern` gets one that holds it
+//!   to RFC 5321's limits, [`MAX_EMAIL_LOCAL`] characters before the `@` and
+//!   [`MAX_EMAIL_DOMAIN`] after it. (`uri` and `duration` have no such limit to apply; they
+//!   are left as they are.)
 
 use std::collections::HashSet;
 
@@ -347,12 +353,17 @@ pub const SAFE_INTEGER: i64 = (1 << 53) - 1;
 /// than its readers keep (Python's datetime and pydantic hold microseconds).
 pub const MAX_FRACTION_DIGITS: usize = 9;
 
+/// The longest local part (before the `@`) and domain of an `email` address, in characters:
+/// RFC 5321's limits (§4.5.3.1.1-2, in octets).
+pub const MAX_EMAIL_LOCAL: usize = 64;
+pub const MAX_EMAIL_DOMAIN: usize = 255;
+
 /// Keywords under which an integer schema is not bounded (see the module note).
 const UNBOUNDED: [&str; 5] = ["allOf", "not", "if", "then", "else"];
 
-/// Close every open side of the `integer` schemas in `schema` at ±`SAFE_INTEGER`, and hold
-/// the fractional seconds of its `date-time` and `time` strings to `MAX_FRACTION_DIGITS` (see
-/// the module note).
+/// Close every open side of the `integer` schemas in `schema` at ±`SAFE_INTEGER`, hold the
+/// fractional seconds of its `date-time` and `time` strings to `MAX_FRACTION_DIGITS` and its
+/// `email` addresses to RFC 5321's lengths (see the module note).
 pub fn bound_values(schema: &mut Value) {
     if holds_keyword(schema, &["not", "if"]) {
         return;
@@ -402,11 +413,16 @@ fn bound_at(schema: &mut Value) {
             obj.remove(exclusive);
         }
     }
-    let timed = matches!(obj.get("format").and_then(Value::as_str), Some("date-time" | "time"));
-    if timed && !obj.contains_key("pattern") && !obj.contains_key("enum") && !obj.contains_key("const") {
+    let free = !obj.contains_key("pattern") && !obj.contains_key("enum") && !obj.contains_key("const");
+    let pattern = match obj.get("format").and_then(Value::as_str) {
         // (the formats have one point at most, before the fraction, and a time zone after it:
         // the pattern narrows what they accept to the fractions of up to so many digits)
-        let pattern = format!("^[^.]*(\\.[0-9]{{1,{MAX_FRACTION_DIGITS}}}[^0-9.][^.]*)?$");
+        Some("date-time" | "time") => Some(format!("^[^.]*(\\.[0-9]{{1,{MAX_FRACTION_DIGITS}}}[^0-9.][^.]*)?$")),
+        // (neither part holds an `@` in the format's grammar, no quoted local part)
+        Some("email") => Some(format!("^[^@]{{1,{MAX_EMAIL_LOCAL}}}@[^@]{{1,{MAX_EMAIL_DOMAIN}}}$")),
+        _ => None,
+    };
+    if let (Some(pattern), true) = (pattern, free) {
         obj.insert("pattern".into(), Value::from(pattern));
     }
     for (key, v) in obj.iter_mut() {
