@@ -35,8 +35,8 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
-from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, anthropic_errors,
-                                        error_body, error_request_id)
+from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, TrailingSlash,
+                                        anthropic_errors, error_body, error_request_id)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
@@ -173,8 +173,8 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                             ClientDisconnect: _on_client_gone, Exception: _on_unexpected},
     )
-    # A route's path with a slash added is a 404 as any unknown path, not Starlette's
-    # redirect, whose Location is built from the client's Host header.
+    # (TrailingSlash answers a route's path with a slash added; Starlette's redirect is not
+    # wanted)
     app.router.redirect_slashes = False
     app.state.engine = engine
     app.state.backgrounds = Backgrounds.of(engine)
@@ -184,6 +184,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     # the whole stop must be over (None: no such bound; `llmserve run` sets it at the signal)
     app.state.stop_timeout = None
     app.state.stop_deadline = None
+    app.add_middleware(TrailingSlash)
     app.add_middleware(StartOnFirstRequest, start=start_loading)
     app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key, admin_keys=config.server.admin_api_key)
     if config.server.allowed_origins:

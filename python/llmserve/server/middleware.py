@@ -1,6 +1,7 @@
-"""Pure-ASGI middleware: API keys, request-id headers and the access log.
+"""Pure-ASGI middleware: API keys, request-id headers, the access log, and a trailing slash
+read as the route without it.
 
-All three sit outside Starlette's routing, so a rejected request costs one header lookup.
+All sit outside Starlette's routing, so a rejected request costs one header lookup.
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def route_path(scope) -> str:
     ASGI `path` keeps the prefix, which `root_path` names; the prefix alone is `/`."""
     path, root = scope["path"], scope.get("root_path", "")
     return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+class TrailingSlash:
+    """A route's path with slashes added (`/v1/chat/completions/`, `/health/`) is that route,
+    answered as such. Starlette would redirect it instead, to a URL built from the client's
+    `Host` header, and a client that does not follow redirects (a POST's, most) would get an
+    empty 307."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
 
 
 def anthropic_errors(scope) -> bool:
