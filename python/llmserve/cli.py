@@ -358,6 +358,15 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return cfg
 
 
+def vllm_off(name: str, value: object) -> bool:
+    """Whether `value` of vLLM's engine option `name`, one llmserve does not take
+    (`quantization`, `cpu_offload_gb`, `enable_sleep_mode`), turns it off (None, False, 0),
+    asking for nothing that llmserve does not do."""
+    flag = "--" + name.replace("_", "-")
+    return flag in _VLLM_HINTS and flag not in _VLLM_NEUTRAL and (value is None or value is False or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0))
+
+
 def vllm_option(name: str, value: object) -> str:
     """vLLM's engine option `name` (an `LLM(...)` keyword: a flag's name with underscores) that
     has no effect here, as its flag has none on `llmserve run`: why not. ValueError for a value

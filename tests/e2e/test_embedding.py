@@ -310,6 +310,19 @@ def test_vllm_options_are_taken_as_their_flags_are():
     with pytest.raises(TypeError, match="unknown option 'bogus'"):
         make_config(None, bogus=1)
     assert make_config(None, dtype="half").model.dtype == "float16"
+    # vLLM's defaults, passed as config-driven code passes them: None keeps the option's default,
+    # and vLLM's options llmserve does not have are quiet at the value that turns them off
+    defaults = make_config(None)
+    assert make_config(None, seed=None, max_num_seqs=None, block_size=None, quantization=None, cpu_offload_gb=0,
+                       enable_sleep_mode=False, compilation_config=None) == defaults
+    with pytest.raises(TypeError, match="option 'cpu_offload_gb' is vLLM's"):
+        make_config(None, cpu_offload_gb=4)
+    # vLLM's LLM takes dicts for its JSON options, and its own name for the KV cache's size
+    cfg = make_config(None, hf_overrides={"max_position_embeddings": 4096}, override_generation_config={"top_k": 5},
+                      kv_cache_memory_bytes=2**30)
+    assert cfg.model.config_overrides() == {"max_position_embeddings": 4096}
+    assert cfg.model.generation_overrides() == {"top_k": 5}
+    assert cfg.cache.kv_cache_memory == 2**30
 
 
 def test_params_may_be_one_per_prompt(llm):

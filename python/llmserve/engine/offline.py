@@ -71,26 +71,42 @@ class Result:
                 for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
 
 
+# The options whose flags take a JSON object (which vLLM's `LLM` takes as a dict).
+_JSON_OPTIONS = frozenset({"hf_overrides", "override_generation_config", "default_chat_template_kwargs",
+                           "speculative_config"})
+
+
 def make_config(model: str | None = None, **options: Any) -> Config:
-    """A Config with `options` given by field name (`max_model_len=...`, `num_kv_blocks=...`).
-    vLLM's options that have no effect here, as their `llmserve run` flags have none
-    (`trust_remote_code`, `tensor_parallel_size=1`, ...), are taken with a warning saying why;
-    TypeError for an unknown one."""
-    from llmserve.cli import vllm_option
+    """A Config with `options` given by field name (`max_model_len=...`, `num_kv_blocks=...`),
+    or by vLLM's name for one (`kv_cache_memory_bytes`); an option given as None keeps its
+    default, as vLLM reads None. The JSON flags (`hf_overrides`, ...) take a dict, as vLLM's
+    `LLM` does, or its JSON text. vLLM's options that have no effect here, as their `llmserve
+    run` flags have none (`trust_remote_code`, `tensor_parallel_size=1`, ...), are taken with a
+    warning saying why, and those llmserve does not have, at the value that turns them off
+    (`quantization=None`, `cpu_offload_gb=0`, `enable_sleep_mode=False`), quietly; TypeError
+    for an unknown one."""
+    from llmserve.cli import vllm_off, vllm_option
 
     cfg = Config()
     sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    options = {"model": model, **options}
+    fields = {f.name: (sname, f) for sname, section in sections.items() for f in dataclasses.fields(section)}
+    aliases = {f.metadata["alias"].removeprefix("--").replace("-", "_"): name
+               for name, (_, f) in fields.items() if "alias" in f.metadata}
     no_effect = []
-    for name, value in options.items():
-        for sname, section in sections.items():
-            if name in {f.name for f in dataclasses.fields(section)}:
-                if isinstance(getattr(section, name), tuple) and isinstance(value, (list, str)):
-                    value = tuple([value] if isinstance(value, str) else value)
-                sections[sname] = dataclasses.replace(section, **{name: value})
-                break
-        else:
+    for name, value in {"model": model, **options}.items():
+        name = aliases.get(name, name)
+        if value is None or (name not in fields and vllm_off(name, value)):
+            continue
+        if name not in fields:
             no_effect.append(f"{name} ({vllm_option(name, value)})")
+            continue
+        sname, f = fields[name]
+        section = sections[sname]
+        if isinstance(getattr(section, name), tuple) and isinstance(value, (list, str)):
+            value = tuple([value] if isinstance(value, str) else value)
+        elif name in _JSON_OPTIONS and isinstance(value, dict):
+            value = json.dumps(value)
+        sections[sname] = dataclasses.replace(section, **{name: value})
     if no_effect:
         warnings.warn(f"llmserve: these options have no effect: {'; '.join(no_effect)}", stacklevel=3)
     return Config(**sections)
