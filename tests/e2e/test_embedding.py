@@ -14,6 +14,7 @@ from starlette.routing import Mount
 
 from llmserve import LLM, AsyncEngine, BadRequestError, SamplingParams, create_app
 from llmserve.engine.offline import make_config
+from llmserve.engine.sampling_params import Logprob
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,10 @@ def test_generate_greedy_is_deterministic(llm):
 def test_chat_one_and_many(llm):
     one = llm.chat([{"role": "user", "content": "Hi"}], {"max_tokens": 4, "ignore_eos": True})
     assert one.usage["completion_tokens"] == 4
+    # a list of its one Result, as vLLM's LLM.chat answers, that also reads as that Result
+    assert isinstance(one, list) and len(one) == 1 and [r.text for r in one] == [one.text]
+    assert one[0].outputs[0].text == one.outputs[0].text == one.text and one[0].finished
+    assert not hasattr(one, "no_such_field")
     many = llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
                     {"max_tokens": 2, "ignore_eos": True, "n": 2})
     assert [len(r.texts) for r in many] == [2, 2]
@@ -376,6 +381,14 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     assert chat.outputs[0].cumulative_logprob == pytest.approx(
         sum(e["logprob"] for e in chat.body["choices"][0]["logprobs"]["content"]))
     assert chat.prompt_token_ids == chat.body["prompt_token_ids"] and len(chat.prompt_token_ids) > 3
+    # vLLM's RequestOutput fields: request_id, finished, prompt_logprobs keyed by token id
+    scored = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert scored.request_id == scored.body["id"] and scored.finished
+    lps = scored.prompt_logprobs
+    assert lps[0] is None and len(lps) == 3 and 6 in lps[1] and 7 in lps[2]
+    sent = scored.body["choices"][0]["prompt_logprobs"][1]["6"]
+    assert lps[1][6] == Logprob(sent["logprob"], sent["rank"], sent["decoded_token"])
+    assert out[0].prompt_logprobs is None
     # what vLLM's params ask that no request field does is told, as any field without effect
     with pytest.warns(UserWarning, match="detokenize"):
         told = llm.generate("a", SamplingParams(max_tokens=1, detokenize=False))[0]

@@ -28,7 +28,7 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import run_to_end
 from llmserve.engine.sampling_params import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
-                                             SamplingParams, cumulative_logprob)
+                                             Logprob, SamplingParams, cumulative_logprob, prompt_logprobs)
 from llmserve.engine.tokenizer import Tokenizer, integer, token_ids
 
 
@@ -63,12 +63,40 @@ class Result:
         return self.body.get("prompt_token_ids", choices[0].get("prompt_token_ids"))
 
     @property
+    def request_id(self) -> str | None:
+        """The response's `id`, as vLLM's `RequestOutput.request_id` names the request."""
+        return self.body.get("id")
+
+    # (an offline call answers when every choice is done, as vLLM's `LLM` does)
+    finished = True
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt's logprobs when `prompt_logprobs` asked for them, as vLLM's
+        `RequestOutput.prompt_logprobs`: None for the first token, then each token's id ->
+        `Logprob(logprob, rank, decoded_token)`, the prompt's own token and its likeliest
+        alternatives; else None."""
+        choices = self.body.get("choices") or [{}]
+        return prompt_logprobs(self.body.get("prompt_logprobs", choices[0].get("prompt_logprobs")))
+
+    @property
     def outputs(self) -> list[CompletionOutput]:
         """Every choice as vLLM's `RequestOutput.outputs` holds it (`outputs[0].text`)."""
         return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
                                  c.get("token_ids") or [],
                                  cumulative_logprob(c.get("logprobs"), self.usage.get("prompt_tokens", 0)))
                 for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
+
+
+class OneResult(list):
+    """`LLM.chat`'s answer to one conversation: the list of its one `Result`, as vLLM's
+    `LLM.chat` answers every call (`outputs[0].outputs[0].text`, `for out in outputs`), which
+    also reads as that `Result` (`llm.chat(messages).text`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if not self or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self[0], name)
 
 
 # The options whose flags take a JSON object (which vLLM's `LLM` takes as a dict).
@@ -204,7 +232,7 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
              tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> Result: ...
+             chat_template_kwargs: dict[str, Any] | None = None) -> OneResult: ...
 
     @overload
     def chat(self, messages: list[list[Message]], params: Params | list[Params] = None, *,
@@ -219,8 +247,10 @@ class LLM:
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
              tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> Result | list[Result]:
-        """Answer one conversation (a list of messages) or several (a list of such lists);
+             chat_template_kwargs: dict[str, Any] | None = None) -> OneResult | list[Result]:
+        """Answer one conversation (a list of messages) or several (a list of such lists), each
+        with a `Result` in a list, as vLLM's `LLM.chat` answers (one conversation's list also
+        reads as its `Result`: `llm.chat(messages).text`);
         `params` apply to every conversation, or (a list) one to each. vLLM's keyword arguments
         of `LLM.chat` are taken: `sampling_params` (the params), `use_tqdm` (draws nothing),
         and the template's (`add_generation_prompt`, `continue_final_message`, `tools`,
@@ -245,7 +275,7 @@ class LLM:
                 _own_argument(q, name, "keyword")
         bodies = [{"model": self.model_name, **q, **fields, "messages": m} for m, q in zip(convs, each)]
         results = self._run("chat", bodies)
-        return results if many else results[0]
+        return results if many else OneResult(results)
 
     def embed(self, inputs: Prompt | list[str] | list[list[int]],
               params: dict[str, Any] | None = None) -> np.ndarray:

@@ -93,6 +93,25 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's logprob as vLLM's `Logprob` holds it: the value, its rank among the vocabulary
+    (1: the likeliest) and the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def prompt_logprobs(entries: list[dict[str, Any] | None] | None) -> list[dict[int, Logprob] | None] | None:
+    """A body's `prompt_logprobs` (None for the first token, then token id text -> `{logprob,
+    rank, decoded_token}`) as vLLM's `RequestOutput.prompt_logprobs`: keyed by int ids."""
+    if entries is None:
+        return None
+    return [None if e is None else {int(k): Logprob(v["logprob"], v.get("rank"), v.get("decoded_token"))
+                                    for k, v in e.items()} for e in entries]
+
+
 def cumulative_logprob(logprobs: dict[str, Any] | None, prompt_tokens: int) -> float | None:
     """The sum of a choice's generated tokens' logprobs, from its OpenAI `logprobs` (chat's
     `content` entries, or completions' `token_logprobs`, past the `prompt_tokens` an `echo`
