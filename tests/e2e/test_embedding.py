@@ -363,6 +363,10 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     assert (out[1].prompt_token_ids, llm.generate("Hello", {"max_tokens": 1})[0].prompt_token_ids) == ([5, 6, 7], None)
     assert (out[0].prompt, out[1].prompt) == ("Hello", None)   # (vLLM's quickstart prints it)
     # one per prompt, and `logprobs` k as each route takes it
+    params = SamplingParams(max_tokens=2, stop=["x"])
+    copied = params.clone()
+    copied.stop.append("y")
+    assert (params.stop, copied.stop) == (["x"], ["x", "y"])
     two = llm.generate(["a", "b"], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2, n=2, seed=3)])
     assert [len(r.outputs) for r in two] == [1, 2] and two[1].outputs[1].index == 1
     scored = llm.generate("a", SamplingParams(max_tokens=2, logprobs=3, temperature=0))[0]
@@ -474,6 +478,13 @@ def test_get_tokenizer_vocabulary_is_transformers(llm, tiny_model):
     assert tok.convert_tokens_to_ids("no such piece") == ref.convert_tokens_to_ids("no such piece")
     with pytest.raises(TypeError, match="convert_tokens_to_ids"):
         tok.convert_tokens_to_ids([1])
+    for text in ("Hello there, world é😀", " two  spaces"):
+        for specials in (False, True):
+            assert tok.tokenize(text, add_special_tokens=specials) == \
+                ref.tokenize(text, add_special_tokens=specials)
+        assert tok.convert_tokens_to_string(ref.tokenize(text)) == ref.convert_tokens_to_string(ref.tokenize(text))
+    with pytest.raises(ValueError, match="no such piece"):
+        tok.convert_tokens_to_string(["no such piece"])
 
 
 def test_vllms_keyword_arguments_are_taken(llm):

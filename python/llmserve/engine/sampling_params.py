@@ -9,6 +9,7 @@ validated, and reported when it does nothing, exactly as a request to the server
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's `SamplingParams.clone()` (its lists and dicts are the copy's
+        own)."""
+        return copy.deepcopy(self)
 
     def request_fields(self, endpoint: str) -> dict[str, Any]:
         """The request fields that ask what these params ask, on `endpoint` ("completion" or

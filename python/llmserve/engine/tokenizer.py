@@ -1,11 +1,11 @@
 """`LLM.get_tokenizer()`: the engine's own tokenizer and chat template, behind the calls that
 code written for vLLM makes on the tokenizer its `LLM.get_tokenizer()` returns (a transformers
 tokenizer): `encode`, `decode`, `batch_decode`, `tokenizer(text)`, `apply_chat_template`, the
-named special tokens and the vocabulary (`convert_tokens_to_ids`, `convert_ids_to_tokens`,
-`get_vocab`, `vocab_size`, `len`), with transformers' arguments and defaults. Each call goes
-through the Router (its `/tokenize`, `/detokenize` and chat render routes, or its vocabulary),
-so a prompt built here is exactly the one the engine builds for the same messages: no second
-tokenizer or template is loaded."""
+named special tokens and the vocabulary (`tokenize`, `convert_tokens_to_ids`,
+`convert_ids_to_tokens`, `convert_tokens_to_string`, `get_vocab`, `vocab_size`, `len`), with
+transformers' arguments and defaults. Each call goes through the Router (its `/tokenize`,
+`/detokenize` and chat render routes, or its vocabulary), so a prompt built here is exactly the
+one the engine builds for the same messages: no second tokenizer or template is loaded."""
 
 from __future__ import annotations
 
@@ -169,6 +169,20 @@ class Tokenizer:
             return self._router.id_to_token(int(ids))
         return [self._router.id_to_token(i) for i in _ids(ids, "ids")
                 if not (skip_special_tokens and self._router.is_special(i))]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """`text`'s raw vocabulary pieces ("Ġworld"), without the special tokens a prompt gets
+        around it unless `add_special_tokens`, as transformers' `tokenize`."""
+        piece = self._router.id_to_token
+        return [piece(i) or "" for i in self.encode(text, add_special_tokens)]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """The text of raw vocabulary pieces (`tokenize`'s), as the engine detokenizes their
+        ids; ValueError for a piece not in the vocabulary."""
+        ids = [self._router.token_to_id(t) for t in tokens]
+        if unknown := [t for t, i in zip(tokens, ids) if i is None]:
+            raise ValueError(f"not pieces of this vocabulary: {unknown}")
+        return self._call("detokenize", {"tokens": ids, "skip_special_tokens": False})["prompt"]
 
     def _token_id(self, token: str) -> int | None:
         if not isinstance(token, str):
