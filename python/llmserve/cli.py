@@ -144,8 +144,8 @@ _VLLM_HINTS = {
                               "each request",
     "--num-gpu-blocks-override": "--num-kv-blocks sets how many KV-cache blocks there are",
     "--scheduler-cls": "the scheduler is built in; --scheduling-policy picks fcfs or priority",
-    "--max-num-partial-prefills": "long prompts are prefilled in chunks of --max-num-batched-tokens",
-    "--long-prefill-token-threshold": "long prompts are prefilled in chunks of --max-num-batched-tokens",
+    "--max-num-partial-prefills": "prompts are prefilled side by side as --max-num-batched-tokens allows; "
+                                  "--long-prefill-token-threshold caps one prompt's share of a step",
     "--hf-token": "set HF_TOKEN in the environment (huggingface_hub reads it)",
     "--tool-server": "built-in tools (web search, code interpreter, ...) are not run here: clients run "
                      "function tools",

@@ -452,6 +452,11 @@ class SchedulerConfig(_Checked):
     max_num_batched_tokens: int | None = _f(
         None, "Most tokens in one step (long prompts are chunked); default: 2048 on CPU, 8192 on CUDA "
         "(vLLM's for an API server on H100-class GPUs).", min=1)
+    long_prefill_token_threshold: int = _f(
+        0, "Most of one prompt's tokens a step computes (vLLM's flag): a long prompt then takes several "
+        "steps of this many, and the rest of each step's --max-num-batched-tokens goes to the other prompts "
+        "waiting, which start (and answer their first token) beside it rather than after it. 0: a prompt "
+        "takes all the step has room for (fastest for the long prompt).", min=0)
     max_waiting: int = _f(
         2048, "Sequences waiting to start (one per prompt, sampled choice or embeddings input), beyond the "
         "step's free slots (--max-num-seqs less those running), that new requests may not push past: they "

@@ -330,6 +330,24 @@ def test_vllm_options_are_taken_as_their_flags_are():
     assert cfg.cache.kv_cache_memory == 2**30
 
 
+def test_a_capped_prefill_answers_as_a_whole_one(llm, tiny_model):
+    """`long_prefill_token_threshold`: a long prompt computed a few tokens a step beside short
+    ones gives the tokens and logprobs it gives computed whole."""
+    prompts = [[5 + i % 50 for i in range(150)], [7, 8, 9], [11 + i % 30 for i in range(40)]]
+    params = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2, "return_token_ids": True}
+    whole = llm.generate(prompts, params)
+    with LLM(str(tiny_model), num_kv_blocks=64, long_prefill_token_threshold=16) as capped:
+        runner, steps = capped.engine.runner, []
+        execute = runner.execute
+        runner.execute = lambda plan: steps.append(plan.num_tokens) or execute(plan)
+        chunked = capped.generate(prompts, params)
+    # (the first step: 16 tokens of each prompt but the 3-token one, which starts whole)
+    assert steps[0] == 16 + 3 + 16 and max(steps) <= 16 * 3
+    for a, b in zip(whole, chunked):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.body["choices"][0]["logprobs"] == b.body["choices"][0]["logprobs"]
+
+
 def test_params_may_be_one_per_prompt(llm):
     """As vLLM takes one SamplingParams per prompt: a list of params, one per prompt."""
     both = llm.generate(["Hello", "Hi"], [{"max_tokens": 2, "temperature": 0}, {"max_tokens": 3, "temperature": 0}])

@@ -526,6 +526,7 @@ def build_engine(cfg: Config) -> Engine:
         "block_size": block_size,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": max(batched_tokens(cfg, device), block_size),
+        "long_prefill_token_threshold": cfg.scheduler.long_prefill_token_threshold,
         "max_model_len": max_model_len,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         # NOTE: on CPU a decode step computes K/V with other numerics than a prompt step

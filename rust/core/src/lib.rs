@@ -70,6 +70,9 @@ struct CoreConfig {
     /// `SchedulerConfig::draft_step_tokens`; absent: no drafts.
     #[serde(default)]
     draft_step_tokens: usize,
+    /// `SchedulerConfig::long_prefill_token_threshold`; absent: no cap.
+    #[serde(default)]
+    long_prefill_token_threshold: usize,
     /// `--stream-interval`: the tokens a stream's chunk waits for (after its first); absent: 1.
     #[serde(default = "one")]
     stream_interval: usize,
@@ -356,6 +359,7 @@ impl Core {
             policy,
             speculation,
             draft_step_tokens: c.draft_step_tokens,
+            long_prefill_token_threshold: c.long_prefill_token_threshold,
         });
         Ok(Self {
             router,

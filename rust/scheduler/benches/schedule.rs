@@ -24,6 +24,7 @@ fn run(label: &str, prefix_caching: bool, penalized: bool) {
         policy: Policy::Fcfs,
         speculation: None,
         draft_step_tokens: 0,
+        long_prefill_token_threshold: 0,
     });
     for id in 0..SEQS as u64 {
         let prompt: Vec<u32> = (0..120 + (id % 17) as u32).map(|i| (i * 31 + id as u32 * 7919) % 32000).collect();

@@ -92,6 +92,15 @@ impl Scheduler {
                 || seq.tokens.len() >= self.cfg.max_model_len)
     }
 
+    /// How many of a sequence's `left` uncomputed tokens this step computes: what the
+    /// `budget` holds, and of a prompt no more than `long_prefill_token_threshold`.
+    fn chunk(&self, left: usize, budget: usize) -> usize {
+        match self.cfg.long_prefill_token_threshold {
+            0 => left.min(budget),
+            cap => left.min(budget).min(cap),
+        }
+    }
+
     /// Whether `schedule_running` would find the blocks for every running sequence it
     /// serves without preempting.
     fn fits_without_preemption(&self) -> bool {
@@ -105,7 +114,7 @@ impl Scheduler {
             if seq.awaits_pick || self.ends_by_length(seq) {
                 continue;
             }
-            let num_new = (seq.tokens.len() - seq.num_computed).min(budget);
+            let num_new = self.chunk(seq.tokens.len() - seq.num_computed, budget);
             let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
             if need > free {
                 return false;
@@ -177,7 +186,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let num_new = (seq.tokens.len() - seq.num_computed).min(*budget);
+            let num_new = self.chunk(seq.tokens.len() - seq.num_computed, *budget);
             debug_assert!(num_new > 0, "a running sequence always has a token to compute");
             let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
             if !may_preempt && self.pool.num_free() < need {
@@ -351,7 +360,7 @@ impl Scheduler {
         }
         let len = self.seqs[slot].tokens.len();
         let computed = self.hits.len() * bs;
-        let num_new = (len - computed).min(budget);
+        let num_new = self.chunk(len - computed, budget);
         let need = blocks_for(computed + num_new, bs) - self.hits.len();
         let revived = self.hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
         if self.pool.num_free() < revived + need {

@@ -40,6 +40,10 @@ pub struct SchedulerConfig {
     /// output): one per running sequence comes first, drafts fill the rest in policy order
     /// (the engine sets the size its fast few-token path takes). 0: no drafts.
     pub draft_step_tokens: usize,
+    /// Most of a prompt's tokens one step computes (vLLM's `--long-prefill-token-threshold`),
+    /// so a long prompt's chunks leave room in the step for other sequences' prompts; 0: as
+    /// many as the budget holds.
+    pub long_prefill_token_threshold: usize,
 }
 
 /// N-gram speculative decoding (vLLM's `"method": "ngram"`): a decoding sequence whose last

@@ -433,6 +433,7 @@ proptest! {
             policy: if prio { Policy::Priority } else { Policy::Fcfs },
             speculation: None,
             draft_step_tokens: 0,
+            long_prefill_token_threshold: 0,
         };
         let sync = run(cfg.clone(), &arrivals, false);
         let ahead = run(cfg, &arrivals, true);
@@ -555,6 +556,7 @@ proptest! {
             policy: Policy::Priority,
             speculation: None,
             draft_step_tokens: 0,
+            long_prefill_token_threshold: 0,
         };
         let mut s = Scheduler::new(cfg);
         let mut rec = Record::default();

@@ -67,8 +67,8 @@ fn speculation_strategy() -> impl Strategy<Value = Option<Speculation>> {
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
     let shape = (9usize..20, 1usize..6, 4usize..24, any::<bool>(), any::<bool>(), any::<bool>(), 0usize..3);
-    (shape, speculation_strategy(), 0usize..12).prop_map(
-        |((num_blocks, seqs, tokens, caching, prio, decoded, max_loras), speculation, draft_step_tokens)| {
+    (shape, speculation_strategy(), 0usize..12, 0usize..6).prop_map(
+        |((num_blocks, seqs, tokens, caching, prio, decoded, max_loras), speculation, draft_step_tokens, chunk)| {
             SchedulerConfig {
                 num_blocks,
                 block_size: BS,
@@ -81,6 +81,7 @@ fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
                 policy: if prio { Policy::Priority } else { Policy::Fcfs },
                 speculation,
                 draft_step_tokens,
+                long_prefill_token_threshold: chunk,
             }
         },
     )
@@ -336,6 +337,7 @@ proptest! {
             policy: Policy::Fcfs,
             speculation: None,
             draft_step_tokens: 0,
+            long_prefill_token_threshold: 0,
         };
         let mut h = Harness::new(cfg);
         let mut prompt_lens = HashMap::new();
@@ -371,6 +373,7 @@ fn fcfs_does_not_starve_under_constant_arrivals() {
         policy: Policy::Fcfs,
         speculation: None,
         draft_step_tokens: 0,
+        long_prefill_token_threshold: 0,
     };
     let mut h = Harness::new(cfg);
     let mut finished_at = HashMap::new();

@@ -34,6 +34,30 @@ fn long_prompt_is_chunked_and_samples_only_at_the_end() {
 }
 
 #[test]
+fn long_prefill_threshold_leaves_room_for_other_prompts() {
+    // The budget (256) holds the long prompt's first chunk alone; capped at 64 a step, it
+    // leaves room for a short prompt sent beside it, which then samples in the first step.
+    for (cap, short_first) in [(0, false), (64, true)] {
+        let mut s = Scheduler::new(SchedulerConfig { long_prefill_token_threshold: cap, ..config(101, 16, 8, 256) });
+        s.add(request(1, prompt(1000, 1), 2));
+        s.add(request(2, prompt(20, 2), 2));
+        let (plan, updates) = step(&mut s, 7);
+        assert_eq!(updates.iter().any(|u| u.req_id == 2), short_first, "cap {cap}");
+        if cap > 0 {
+            assert_eq!((plan.num_seqs, plan.num_tokens), (2, 64 + 20));
+            // the long prompt keeps its chunks at the cap until its last
+            let mut computed = 64;
+            while computed < 1000 {
+                let (plan, _) = step(&mut s, 7);
+                let long = plan.seq_lens[0] as usize - computed;
+                assert_eq!(long, (1000 - computed).min(64));
+                computed += long;
+            }
+        }
+    }
+}
+
+#[test]
 fn decode_runs_to_max_tokens_and_frees_blocks() {
     let mut s = Scheduler::new(config(17, 4, 8, 64));
     s.add(request(1, prompt(6, 1), 3));

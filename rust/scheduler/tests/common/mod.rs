@@ -16,6 +16,7 @@ pub fn config(num_blocks: usize, block_size: usize, max_num_seqs: usize, max_bat
         policy: Policy::Fcfs,
         speculation: None,
         draft_step_tokens: 0,
+        long_prefill_token_threshold: 0,
     }
 }
 
