@@ -128,7 +128,7 @@ def make_config(model: str | None = None, **options: Any) -> Config:
         if name not in fields:
             no_effect.append(f"{name} ({vllm_option(name, value)})")
             continue
-        sname, f = fields[name]
+        sname = fields[name][0]
         section = sections[sname]
         if isinstance(getattr(section, name), tuple) and isinstance(value, (list, str)):
             value = tuple([value] if isinstance(value, str) else value)

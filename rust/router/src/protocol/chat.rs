@@ -1168,9 +1168,9 @@ fn unanswered(open: Option<OpenCalls>) -> Result<(), ApiError> {
         Some(j) => Err(ApiError::invalid(
             format!("messages[{a}].tool_calls[{j}]"),
             format!(
-                "The call {:?} has no result: an assistant message with `tool_calls` must be followed by a \
-                 `tool` message answering each call (its `tool_call_id` the call's `id`).",
-                calls[j].0.unwrap_or_default()
+                "{} has no result: an assistant message with `tool_calls` must be followed by a `tool` message \
+                 answering each call (its `tool_call_id` the call's `id`).",
+                calls[j].0.map_or("The call".to_string(), |id| format!("The call {id:?}"))
             ),
         )),
         None => Ok(()),
