@@ -380,11 +380,12 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     assert first.token_ids == same.body["choices"][0]["token_ids"] and len(first.token_ids) == 16
     assert (out[1].prompt_token_ids, llm.generate("Hello", {"max_tokens": 1})[0].prompt_token_ids) == ([5, 6, 7], None)
     assert (out[0].prompt, out[1].prompt) == ("Hello", None)   # (vLLM's quickstart prints it)
-    # one per prompt, and `logprobs` k as each route takes it
+    # clone(): a deep copy, as vLLM's
     params = SamplingParams(max_tokens=2, stop=["x"])
     copied = params.clone()
     copied.stop.append("y")
     assert (params.stop, copied.stop) == (["x"], ["x", "y"])
+    # one per prompt, and `logprobs` k as each route takes it
     two = llm.generate(["a", "b"], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2, n=2, seed=3)])
     assert [len(r.outputs) for r in two] == [1, 2] and two[1].outputs[1].index == 1
     scored = llm.generate("a", SamplingParams(max_tokens=2, logprobs=3, temperature=0))[0]
