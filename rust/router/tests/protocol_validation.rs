@@ -1089,10 +1089,17 @@ fn out_of_range_integers_say_so() {
     }
     assert_eq!(raw(r#""top_k": -4.0"#).code(), "invalid_type");
     assert_eq!(raw(r#""top_k": 0.0"#).code(), "invalid_type");
-    // A negative count names no range the field does not have (n is 1..=128, not 0..2^32).
+    // A negative count names the field's own range (n is 1..=128, not 0..2^32), as 0 is told.
     let e = raw(r#""n": -1"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
-    assert_eq!(e.message(), "`n` must be a non-negative integer, got -1.");
+    assert_eq!(e.message(), "`n` must be between 1 and 128, got -1.");
+    for field in ["max_tokens", "max_completion_tokens"] {
+        let e = raw(&format!(r#""{field}": -1"#));
+        assert_eq!((e.code(), e.param()), ("invalid_value", Some(field)));
+        assert_eq!(e.message(), format!("`{field}` must be at least 1 (0 with `echo`), got -1."));
+    }
+    // (a field that takes 0 is told it must not be negative)
+    assert_eq!(raw(r#""min_tokens": -1"#).message(), "`min_tokens` must be a non-negative integer, got -1.");
 }
 
 #[test]

@@ -69,7 +69,7 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
         }
         let param = if path.is_empty() { None } else { Some(path) };
         let name = param.as_deref().unwrap_or("the request body");
-        if let Some((code, what)) = integer_out_of_range(&inner) {
+        if let Some((code, what)) = integer_out_of_range(&inner, param.as_deref()) {
             return ApiError::with_code(code, param.clone(), format!("`{name}` must be {what}."));
         }
         let code = if inner.starts_with("invalid type") { "invalid_type" } else { "invalid_value" };
@@ -83,7 +83,7 @@ pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
 /// 1e30"; or one written as a decimal (`2.0`), which OpenAI rejects too: "an integer,
 /// not a decimal number, got 2.0" (a type error, as a fraction is). Returns the error code
 /// and what the field must be.
-fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
+fn integer_out_of_range(inner: &str, param: Option<&str>) -> Option<(&'static str, String)> {
     const RANGES: [(&str, &str, f64, f64); 4] = [
         ("u32", "between 0 and 4294967295", 0.0, 4294967295.0),
         ("u64", "between 0 and 18446744073709551615", 0.0, 18446744073709551615.0),
@@ -108,12 +108,17 @@ fn integer_out_of_range(inner: &str) -> Option<(&'static str, String)> {
         return None;
     };
     // An unsigned field: its own bounds (max_tokens >= 1, n <= 128, ...) are checked later,
-    // so name only what is certain, the side the value is out of.
+    // so name only what is certain, the side the value is out of, or the field's own lower
+    // bound where it starts above 0 (`n: -1` is not told 0 would do).
     if range.starts_with("between 0 and ") && whole {
         let bits = if *hi > f64::from(u32::MAX) { 64 } else { 32 };
-        // (a field whose own bounds start above 0, as max_tokens' at 1, is checked later)
         let what = if got.starts_with('-') {
-            "a non-negative integer".to_string()
+            match param {
+                Some("n") => format!("between 1 and {MAX_N}"),
+                // (0 asks for the prompt alone on completions with `echo`)
+                Some("max_tokens" | "max_completion_tokens") => "at least 1 (0 with `echo`)".to_string(),
+                _ => "a non-negative integer".to_string(),
+            }
         } else {
             format!("an integer that fits in {bits} bits")
         };
