@@ -663,8 +663,9 @@ class ServerConfig(_Checked):
     allow_credentials: bool = _f(False, "Let those pages send cookies and HTTP authentication (CORS; vLLM's flag).")
     enable_request_id_headers: bool = _f(
         False, "Every response carries an `x-request-id` header (vLLM's flag): the client's own "
-        "`X-Request-Id` when it sent a plain one, else a fresh id. Without it, generation and error "
-        "responses carry one (the response id), and other routes none.")
+        "`X-Request-Id` when it sent a plain one (generations too), else the response id or a fresh "
+        "id. Without it, generation and error responses carry one (the response id), and other "
+        "routes none.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -145,6 +145,12 @@ def test_uds_serves_on_a_unix_socket_and_request_id_headers_name_every_response(
             out = raw.parse()
             assert out.usage.completion_tokens == 3
             assert raw.headers["x-request-id"] == out.id              # a generation keeps its own id
+            # ... unless the client named the request: then its id comes back as sent, as vLLM's
+            # flag echoes it (the response id is built from it)
+            raw = client.completions.with_raw_response.create(model="tiny", prompt="hello", max_tokens=1,
+                                                               extra_headers={"X-Request-Id": "trace-9"})
+            assert raw.headers.get_list("x-request-id") == ["trace-9"]
+            assert raw.parse().id == "cmpl-trace-9"
         with server.http() as http:
             assert http.get("/v1/models", headers={"X-Request-Id": "trace-7"}).headers["x-request-id"] == "trace-7"
             fresh = http.get("/health").headers["x-request-id"]

@@ -28,9 +28,13 @@ def error_request_id(sent: str | None) -> str:
     """The `x-request-id` of an error response: the client's own id if it sent a plain one,
     else a fresh one (a successful response is named by its response id instead), so the
     SDKs' `error.request_id` always names the failed call in logs."""
-    if sent and len(sent) <= 256 and sent.isascii() and sent.isprintable():
-        return sent
-    return f"req_{uuid.uuid4().hex}"
+    return plain_request_id(sent) or f"req_{uuid.uuid4().hex}"
+
+
+def plain_request_id(sent: str | None) -> str | None:
+    """The client's `X-Request-Id` if it is a plain one (printable ASCII, at most 256
+    characters): one a response header may carry back."""
+    return sent if sent and len(sent) <= 256 and sent.isascii() and sent.isprintable() else None
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -140,9 +144,10 @@ def _known(token: bytes, keys: list[bytes]) -> bool:
 
 
 class RequestIdMiddleware:
-    """--enable-request-id-headers: every response carries `x-request-id`. Responses that name
-    themselves (generations, by their id; errors) keep theirs; the others get the client's own
-    `X-Request-Id` when it is a plain one, else a fresh id."""
+    """--enable-request-id-headers: every response carries `x-request-id`: the client's own
+    `X-Request-Id` when it sent a plain one (as vLLM's flag echoes it, generations included, so
+    a proxy can match each response to its request), else the id a response names itself by
+    (a generation's response id) or a fresh one."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -154,9 +159,12 @@ class RequestIdMiddleware:
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", ()))
-                if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    sent = _header(scope, b"x-request-id")
-                    headers.append((b"x-request-id", error_request_id(sent).encode()))
+                own = [value for name, value in headers if name.lower() == b"x-request-id"]
+                sent = plain_request_id(_header(scope, b"x-request-id"))
+                named = sent or (own[0].decode("latin-1") if own else error_request_id(None))
+                if own != [named.encode()]:
+                    headers = [(n, v) for n, v in headers if n.lower() != b"x-request-id"]
+                    headers.append((b"x-request-id", named.encode()))
                     message = {**message, "headers": headers}
             await send(message)
 
