@@ -1019,6 +1019,18 @@ fn string_content_renders_through_parts_templates() {
                                        {"role": "assistant", "content": "<think>greet back</think>Hello!"},
                                        {"role": "user", "content": "Bye"}], "add_generation_prompt": false});
     assert_eq!(chat(&r, reasoned).unwrap().prompt_texts[0], "user: Hi;assistant: Hello!;user: Bye;");
+    // a template that refuses some content with `raise_exception` is answered with its refusal:
+    // the other shape, which it does not refuse, is not tried in its place
+    let refuses = "{% for m in messages %}{% if m.content is string and m.content == 'RAISE' %}\
+                   {{ raise_exception('content RAISE not allowed') }}{% endif %}{{ m.role }}:\
+                   {% for part in m.content %}{{ part.text }}{% endfor %};{% endfor %}";
+    let r = router_with(json!({}), Some(refuses));
+    let e = chat(&r, json!({"messages": [{"role": "user", "content": "RAISE"}]})).unwrap_err();
+    assert_eq!(
+        (e.code(), e.param(), e.message().as_str()),
+        ("invalid_value", Some("messages"), "content RAISE not allowed")
+    );
+    assert_eq!(chat(&r, body.clone()).unwrap().prompt_texts[0], "system:be brief;user:hello world;");
     // told that the template walks parts, every content is parts
     let told = router_with(json!({"chat_template_content_format": "openai"}), Some(mixed));
     assert_eq!(shape(chat(&told, body)), (400, "template_error", p("messages")));

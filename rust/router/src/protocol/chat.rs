@@ -21,7 +21,7 @@ use crate::error::ApiError;
 use crate::reasoning::ReasoningParser;
 use crate::router::Router;
 use crate::structured::GrammarSource;
-use crate::template::{ChatTemplate, RenderInput, Rendered};
+use crate::template::{ChatTemplate, RenderError, RenderInput, Rendered};
 use crate::tools::{ToolCallFormat, ToolChoice, ToolParsing};
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -239,8 +239,8 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
         }
         messages
     };
-    let render_messages = |messages: &Value| {
-        let mut rendered = template.render(&RenderInput {
+    let try_render = |messages: &Value| {
+        let mut rendered = template.try_render(&RenderInput {
             messages,
             tools: input.tools,
             documents: input.documents,
@@ -252,8 +252,9 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
             special_texts: router.special_texts.as_ref(),
         })?;
         rendered.unused_kwargs.retain(|k| input.kwargs.is_some_and(|sent| sent.contains_key(k)));
-        Ok::<_, ApiError>(rendered)
+        Ok::<_, RenderError>(rendered)
     };
+    let render_messages = |messages: &Value| try_render(messages).map_err(ApiError::from);
     if let Some(told) = config.chat_template_content_format {
         return Ok((render_messages(&shaped(told, told == ContentFormat::OpenAi))?, template));
     }
@@ -262,7 +263,12 @@ pub(crate) fn render<'r>(router: &'r Router, input: &ChatRender) -> Result<(Rend
     // template may reach the content in ways it does not see (an alias, a macro, a filter):
     // if the render fails or leaves out some of the messages' text, the other shape is tried,
     // and kept if it renders where the first failed, or shows all of it (content_format.rs).
-    let rendered = render_messages(&shaped(template.content_format(), false));
+    let rendered = match try_render(&shaped(template.content_format(), false)) {
+        // (the template refused these messages with its own words: no other shape of them
+        // is tried, as transformers raises them)
+        Err(RenderError::Raised(e)) => return Err(e),
+        other => other.map_err(ApiError::from),
+    };
     if rendered.as_ref().is_err_and(crate::template::engine_failed) {
         // (the engine, not the template, failed: another shape's render would be another prompt)
         return rendered.map(|r| (r, template));

@@ -468,6 +468,11 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, input: &RenderInput) -> Result<Rendered, ApiError> {
+        self.try_render(input).map_err(ApiError::from)
+    }
+
+    /// [`Self::render`], telling a template's `raise_exception` apart from other failures.
+    pub fn try_render(&self, input: &RenderInput) -> Result<Rendered, RenderError> {
         let mut messages = alias_reasoning(input.messages);
         if let Some(specials) = input.special_texts {
             mark_special_texts(&mut messages, specials);
@@ -487,7 +492,8 @@ impl ChatTemplate {
                     return Err(ApiError::invalid(
                         format!("chat_template_kwargs.{k}"),
                         format!("chat_template_kwargs may not set `{k}`; send it as a request field"),
-                    ));
+                    )
+                    .into());
                 }
                 if !self.declared.contains(k) {
                     unused_kwargs.push(k.clone());
@@ -525,7 +531,8 @@ impl ChatTemplate {
                         "{ENGINE_FAILED}: it fails on a reversed slice (`[::-1]`) of an empty list or string, and on \
                          a loop's `break`/`continue` inside a `with` or `generation` block"
                     ),
-                ))
+                )
+                .into())
             }
         };
         let text = match continued {
@@ -721,11 +728,34 @@ fn quietly_caught<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
     out
 }
 
-fn template_error(e: Error) -> ApiError {
+/// Why a render gave no prompt: the template's own `raise_exception` (its refusal of what the
+/// messages hold: a 400 with its words, as transformers raises it), or any other failure (the
+/// template failed on them, or the request's flags do not fit it).
+#[derive(Debug)]
+pub enum RenderError {
+    Raised(ApiError),
+    Failed(ApiError),
+}
+
+impl From<ApiError> for RenderError {
+    fn from(e: ApiError) -> Self {
+        Self::Failed(e)
+    }
+}
+
+impl From<RenderError> for ApiError {
+    fn from(e: RenderError) -> Self {
+        match e {
+            RenderError::Raised(e) | RenderError::Failed(e) => e,
+        }
+    }
+}
+
+fn template_error(e: Error) -> RenderError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
     while let Some(err) = source {
         if let Some(Raised(msg)) = err.downcast_ref::<Raised>() {
-            return ApiError::invalid("messages", msg.clone());
+            return RenderError::Raised(ApiError::invalid("messages", msg.clone()));
         }
         source = err.source();
     }
@@ -734,10 +764,12 @@ fn template_error(e: Error) -> ApiError {
             "template_error",
             Some("messages".into()),
             "chat template rendering exceeded its fuel limit",
-        );
+        )
+        .into();
     }
     // The template is the server's, but what it failed on is the request's messages.
     ApiError::with_code("template_error", Some("messages".into()), format!("chat template failed to render: {e}"))
+        .into()
 }
 
 pub struct RenderInput<'a> {
