@@ -67,10 +67,22 @@ def test_an_input_embeds_the_same_alone_or_in_a_batch(client):
         np.testing.assert_allclose(alone[0], batch[i], atol=1e-6)
 
 
+def _metrics(server, *names: str) -> list[float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+            for name in names]
+
+
 def test_usage_counts_the_input_tokens_as_tokenize_does(client, tiny_server):
+    """... and /metrics counts them where vLLM's engine counts a pooled prompt: its tokens, and
+    the time to its answer (its first output) as a time to first token."""
+    names = ("llmserve:prompt_tokens_total", "llmserve:time_to_first_token_seconds_count",
+             "llmserve:iteration_tokens_total_sum", "llmserve:request_prompt_tokens_sum")
+    before = _metrics(tiny_server, *names)
     ids = [[5, 6, 7, 8, 9], [10, 11]]
     r = client.embeddings.create(model="tiny", input=ids)
     assert (r.usage.prompt_tokens, r.usage.total_tokens) == (7, 7)
+    assert [a - b for a, b in zip(_metrics(tiny_server, *names), before)] == [7, 1, 7, 7]
     counts = [httpx.post(tiny_server.url + "/tokenize", json={"model": "tiny", "prompt": t}).json()["count"]
               for t in TEXTS]
     r = client.embeddings.create(model="tiny", input=TEXTS)

@@ -601,19 +601,23 @@ class AsyncEngine:
 
     def _dispatch(self, items: list) -> None:
         """One step's outputs, in the event loop, and its counts as vLLM's engine keeps them:
-        the tokens generated, and the prompt of each request whose first token came (its whole
-        prompt, cached or not, once per choice) with its time to that token."""
+        the tokens generated, and the prompt of each request whose first output came (its whole
+        prompt, cached or not, once per choice) with its time to that output: its first token,
+        or for a request that ends without one (an embedding, a score, an echo of the prompt
+        alone) its answer."""
         prompt_tokens = generated = 0
         waits: list[float] = []
         gaps: list[float] = []
         for stream, data, finished, error, ntok, ends in items:
-            first = ntok and stream in self._open and stream.first_token is None
+            first = stream in self._open and stream.first_token is None and (ntok or (finished and not error))
             if ntok and stream in self._open:
                 generated += ntok
+            if first and not ntok:
+                stream.first_token = time.perf_counter()
             stream._push(data, finished, error, ntok, ends, gaps)
             if first:
                 prompt_tokens += sum(stream.prompt_lens) * stream.n
                 waits.append(stream.first_token - stream.submitted)
         self.metrics.on_token_gaps(gaps)
-        if generated:
+        if generated or prompt_tokens:
             self.metrics.on_iteration(prompt_tokens, generated, waits)
