@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import types
 import typing
@@ -448,9 +449,10 @@ def _short_openmp_spin() -> None:
 
 def _env_keys(variable: str, flag: str, given: tuple[str, ...]) -> tuple[str, ...] | None:
     """The comma-separated keys `variable` holds, unless the flag already gave some (None then,
-    or when it is unset)."""
-    value = os.environ.get(variable, "")
-    if not value:
+    or when it is unset; set but empty, it is refused as one holding only commas is: an empty
+    variable is a secret that was not filled in, not a wish to serve without keys)."""
+    value = os.environ.get(variable)
+    if value is None:
         return None
     if given:
         logging.getLogger("llmserve").warning("%s is set, but %s is given: only the flag's keys are used",
@@ -459,7 +461,8 @@ def _env_keys(variable: str, flag: str, given: tuple[str, ...]) -> tuple[str, ..
     keys = tuple(k.strip() for k in value.split(",") if k.strip())
     if not keys:
         # NOTE: an operator who set it asked for keys: serving without any would be open.
-        raise ValueError(f"{variable} is set but holds no key (keys are comma separated)")
+        raise ValueError(f"{variable} is set but holds no key (keys are comma separated; unset it to serve "
+                         "without keys)")
     if len(set(keys)) < len(keys):
         raise ValueError(f"{variable} holds a key more than once")
     if not all(k.isprintable() for k in keys):
@@ -582,10 +585,20 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, as SIGINT raises KeyboardInterrupt (and, as
+    that one, past the engine's `except Exception` that fails a step's sequences)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
 def _run_batch(cfg: Config, input_file: str, output_file: str) -> int:
     """`llmserve run-batch`: every line of `input_file` answered in `output_file` (0); 1 when
     the input cannot be read, the output cannot be written or the model cannot be served,
-    130 when interrupted. The input is read whole and the files checked before the model
+    130 when interrupted (SIGINT), 143 when terminated (SIGTERM: `timeout`, systemd and
+    Kubernetes stop a job so). The input is read whole and the files checked before the model
     loads; the output file appears once every line is answered (written beside it, then
     renamed: the input and the output may be one file, and a failed run leaves none)."""
     from llmserve.engine.batch import run_batch
@@ -594,6 +607,7 @@ def _run_batch(cfg: Config, input_file: str, output_file: str) -> int:
 
     log = logging.getLogger("llmserve")
     partial = None
+    on_term = signal.signal(signal.SIGTERM, _terminated)
     try:
         raw = sys.stdin.buffer.read() if input_file == "-" else Path(input_file).read_bytes()
         try:
@@ -624,11 +638,16 @@ def _run_batch(cfg: Config, input_file: str, output_file: str) -> int:
     except KeyboardInterrupt:
         log.error("run-batch: interrupted; no output written")
         return 130
+    except _Terminated:
+        log.error("run-batch: terminated; no output written")
+        return 143
     finally:
+        signal.signal(signal.SIGTERM, on_term)
         if partial:
             with contextlib.suppress(OSError):
                 os.unlink(partial)
-    log.info("run-batch: %d requests answered, %d of them with an error", counts["ok"] + counts["failed"],
+    answered = counts["ok"] + counts["failed"]
+    log.info("run-batch: %d request%s answered, %d of them with an error", answered, "" if answered == 1 else "s",
              counts["failed"])
     return 0
 

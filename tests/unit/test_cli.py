@@ -82,6 +82,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--allowed-origins", "HTTPS://App.example:443"], {}, "did you mean 'https://app.example'?"),
     (["--allowed-origins", "app.example"], {}, "--allowed-origins 'app.example' is not an origin"),
     ([], {"LLMSERVE_API_KEY": " , "}, "LLMSERVE_API_KEY is set but holds no key"),
+    ([], {"LLMSERVE_API_KEY": ""}, "LLMSERVE_API_KEY is set but holds no key"),   # (a secret not filled in)
+    ([], {"LLMSERVE_ADMIN_API_KEY": ""}, "LLMSERVE_ADMIN_API_KEY is set but holds no key"),
     ([], {"LLMSERVE_ADMIN_API_KEY": "a,a"}, "LLMSERVE_ADMIN_API_KEY holds a key more than once"),
     (["--api-key", "k", "--admin-api-key", "k"], {}, "an --admin-api-key must be a key of its own"),
     ([], {"LLMSERVE_LOG_LEVEL": "bogus"}, "LLMSERVE_LOG_LEVEL must be one of"),

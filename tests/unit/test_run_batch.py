@@ -5,6 +5,10 @@ no request get an `error`; the answers equal the offline API's for the same requ
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -122,3 +126,27 @@ def test_a_run_closed_early_leaves_the_engine_as_before(tiny_model):
     run.close()
     assert not engine.core.has_work() and engine.core.stats()["used_blocks"] == 0
     assert llm.generate("The quick brown", {"max_tokens": 3})[0].usage["completion_tokens"] == 3
+
+
+def test_a_terminated_run_writes_nothing(tiny_model, tmp_path):
+    """SIGTERM (what `timeout`, systemd and Kubernetes send) ends a run as SIGINT does: status
+    143, one line saying so, and no output file, whole or partial."""
+    batch = tmp_path / "in.jsonl"
+    long = {**COMPLETION, "n": 8, "max_tokens": None, "ignore_eos": True}   # (each to the end of the context)
+    batch.write_text("".join(_line(f"long-{i}", "/v1/completions", long) + "\n" for i in range(500)))
+    with subprocess.Popen([sys.executable, "-m", "llmserve.cli", "run-batch", str(tiny_model), "--served-model-name",
+                            "tiny", "--threads", "1", "-i", str(batch), "-o", str(tmp_path / "out.jsonl")],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as run:
+        try:
+            deadline = time.monotonic() + 120
+            while "engine ready" not in (line := run.stderr.readline()):
+                assert line and time.monotonic() < deadline, "run-batch ended before its engine was ready"
+            time.sleep(1.0)
+            assert list(tmp_path.glob("out.jsonl.*.partial")) and run.poll() is None
+            run.send_signal(signal.SIGTERM)
+            _, err = run.communicate(timeout=60)
+        finally:
+            run.kill()
+    assert run.returncode == 143, err
+    assert "run-batch: terminated; no output written" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
