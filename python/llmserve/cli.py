@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Defaults are written into each flag's help (none for flags without one).
     # (a short usage line: the generated one lists every flag, some 90 lines above each error)
-    run = sub.add_parser("run", help="Serve a model over HTTP (OpenAI API).",
+    # (`serve`: vLLM's verb, which its users type)
+    run = sub.add_parser("run", aliases=["serve"], help="Serve a model over HTTP (OpenAI API).",
                          usage="llmserve run [MODEL] [flags]   (llmserve run --help lists them)")
     batch = sub.add_parser(
         "run-batch", help="Run a file of OpenAI batch requests (JSONL) offline, as vllm run-batch.",
@@ -508,7 +509,7 @@ def _config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         parser.error(f"--config {path}: {exc}")
     if not isinstance(values, dict):
         parser.error(f"--config {path}: the file must hold a mapping of flag names to values")
-    command = next((i for i, a in enumerate(rest) if a in ("run", "run-batch")), None)
+    command = next((i for i, a in enumerate(rest) if a in ("run", "serve", "run-batch")), None)
     if command is None:
         parser.error("--config goes with a command: llmserve run --config FILE")
     options = _negations()
@@ -544,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     argv = _config_file(parser, argv)
     args, unknown = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.command = "run"
     if unknown:
         _refuse_unknown(getattr(args, "run_parser", parser), argv, unknown)
     level = os.environ.get(_ENV_LOG_LEVEL, "INFO").upper()
@@ -578,11 +581,23 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger("llmserve").info("%s %s has no effect: %s", flag, value, _VLLM_HINTS[flag])
         _short_openmp_spin()
         if args.command == "run-batch":
+            for name in _HTTP_ONLY:
+                for flag in ("--" + name.replace("_", "-"), "--no-" + name.replace("_", "-")):
+                    if any(a == flag or a.startswith(flag + "=") for a in argv):
+                        logging.getLogger("llmserve").info("%s has no effect: run-batch serves no HTTP", flag)
             return _run_batch(cfg, args.input_file, args.output_file)
         from llmserve.server.app import serve
 
         return serve(cfg)
     return 2
+
+
+# The server section's flags about HTTP itself, which `run-batch` (it binds nothing) names as
+# doing nothing; the others (strict fields, usage, logging requests) shape its answers too.
+_HTTP_ONLY = ("host", "port", "uds", "api_key", "admin_api_key", "max_body_bytes", "sse_keep_alive", "access_log",
+              "disable_access_log_for_endpoints", "uvicorn_log_level", "root_path", "ssl_certfile", "ssl_keyfile",
+              "ssl_ca_certs", "ssl_cert_reqs", "allowed_origins", "allowed_methods", "allowed_headers",
+              "allow_credentials", "enable_request_id_headers")
 
 
 class _Terminated(BaseException):

@@ -480,3 +480,25 @@ def test_a_config_file_that_names_nothing_is_refused(tmp_path, capsys, text, say
     with pytest.raises(SystemExit):
         cli.main(["run", "--config", str(config), "--config", str(config)])
     assert "--config is given more than once" in capsys.readouterr().err
+
+
+def test_serve_is_run_and_flags_that_do_nothing_here_are_named(monkeypatch, caplog):
+    """`llmserve serve` (vLLM's verb) is `run`; run-batch names the HTTP flags it has no use
+    for, and a CPU engine the CUDA-only ones set away from their defaults."""
+    from llmserve.engine.build import cuda_only_flags_given
+
+    served = []
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: served.append(cfg) or 0, raising=False)
+    assert cli.main(["serve", "some/model", "--port", "8123"]) == 0
+    assert (served[0].model.model, served[0].server.port) == ("some/model", 8123)
+    monkeypatch.setattr(cli, "_run_batch", lambda cfg, i, o: 0)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llmserve"):
+        assert cli.main(["run-batch", "m", "-i", "in", "-o", "out", "--port", "9", "--no-access-log",
+                         "--strict-fields"]) == 0
+    assert "--port has no effect: run-batch serves no HTTP" in caplog.text
+    assert "--no-access-log has no effect: run-batch serves no HTTP" in caplog.text
+    assert "--strict-fields has no effect" not in caplog.text     # (it shapes the answers)
+    cfg = _config(["--enforce-eager", "--gpu-memory-utilization", "0.5", "--cudagraph-capture-sizes", "1", "2"])
+    assert cuda_only_flags_given(cfg) == ["--gpu-memory-utilization", "--enforce-eager", "--cudagraph-capture-sizes"]
+    assert cuda_only_flags_given(_config(["--gpu-memory-utilization", "0.9"])) == []   # (the default)

@@ -7,6 +7,7 @@ defaults, template origin) is logged once here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -310,6 +311,18 @@ def _available_memory() -> int | None:
     return None
 
 
+def cuda_only_flags_given(cfg: Config) -> list[str]:
+    """The flags whose help says "CUDA only" that are set away from their defaults: a CPU
+    engine names them as doing nothing, as the CLI names vLLM's flags that do nothing here."""
+    given = []
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            if f.metadata.get("help", "").startswith("CUDA only") and getattr(values, f.name) != f.default:
+                given.append("--" + f.name.replace("_", "-"))
+    return given
+
+
 def build_engine(cfg: Config) -> Engine:
     from llmserve.loaders import load_checkpoint
     from llmserve.models import build_model, normalize_config
@@ -323,6 +336,9 @@ def build_engine(cfg: Config) -> Engine:
         raise SetupError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype} is served on CPU only: on "
                          f"{device.type} the KV cache holds the model's dtype "
                          f"({str(dtype).removeprefix('torch.')}), which the attention kernels read")
+    if device.type == "cpu":
+        for flag in cuda_only_flags_given(cfg):
+            log.info("%s has no effect on CPU (CUDA only)", flag)
     if cfg.device.threads:
         cores = len(os.sched_getaffinity(0))
         if device.type == "cpu" and cfg.device.threads > cores:
