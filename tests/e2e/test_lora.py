@@ -172,3 +172,36 @@ def test_adapters_load_and_unload_while_the_server_runs(lora):
         # --lora-resolver-dir: the first request naming its subfolder loads it
         assert _tokens(client, "on-demand", stream=True) == want["a"]
         assert [m.id for m in client.models.list()] == ["tiny", "b", "a", "on-demand"]
+
+
+def test_offline_lora_request_runs_the_adapter_of_its_name(tmp_path):
+    """vLLM's `LLM.generate(..., lora_request=LoRARequest(name, id, path))` runs the adapter of
+    that name (served from `lora_modules`), one per prompt when a list is given; `priority`
+    (one per prompt) rides along; a name that is not served fails as the route's 404."""
+    import json
+    import types
+
+    from tiny import build_tiny_llama, write_peft_adapter
+
+    from llmserve import LLM
+    from llmserve._core import ApiError
+
+    (tmp_path / "m").mkdir()
+    folder = build_tiny_llama(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    pairs = write_peft_adapter(tmp_path / "a", config, ["q_proj", "v_proj"], r=4, alpha=8.0, seed=1)
+    base, merged = _merged_greedy(folder, [(pairs, 8.0 / 4)])
+    assert base != merged
+    request = types.SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(tmp_path / "a"))
+    params = {"max_tokens": STEPS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with LLM(str(folder), served_model_name=("tiny",), lora_modules=(f"a={tmp_path / 'a'}",), threads=1) as llm:
+        outs = llm.generate([PROMPT, PROMPT], params, lora_request=[request, None], priority=[0, 0])
+        assert [o.outputs[0].token_ids for o in outs] == [merged, base]
+        chat = llm.chat([{"role": "user", "content": "hi"}], {**params, "max_tokens": 2}, lora_request=request)
+        assert chat.body["model"] == "a"
+        with pytest.raises(ApiError, match="model"):
+            llm.generate(PROMPT, params, lora_request=types.SimpleNamespace(lora_name="b"))
+        with pytest.raises(ValueError, match="priority is a list of 1 for 2 prompts"):
+            llm.generate([PROMPT, PROMPT], params, priority=[0])
+        with pytest.raises(ValueError, match="LLM\\(model, chat_template=...\\)"):
+            llm.chat([{"role": "user", "content": "hi"}], params, chat_template="{{ messages }}")

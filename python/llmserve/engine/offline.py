@@ -189,18 +189,22 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | list[str] | list[list[int]], params: Params | list[Params] = None, *,
-                 sampling_params: Params | list[Params] = None, use_tqdm: bool = True) -> list[Result]:
+                 sampling_params: Params | list[Params] = None, use_tqdm: bool = True,
+                 lora_request: Any = None, priority: list[int] | None = None) -> list[Result]:
         """Complete each prompt (a string or token ids: a list, tuple or 1-D array of integers).
         `params` apply to every prompt, or (a list, as vLLM takes one `SamplingParams` per
         prompt) one to each; vLLM's keyword for them, `sampling_params`, is taken too. So is
-        `use_tqdm`, vLLM's progress bar, which draws nothing here."""
+        `use_tqdm`, vLLM's progress bar, which draws nothing here, and vLLM's `lora_request`
+        and `priority` (see `_routing`)."""
         prompts = _prompt_list(prompts)
         params = _fields(_one_of(params, sampling_params), "completion")
         each = _params_each(params, len(prompts), "prompt")
-        bodies = [{"model": self.model_name, **q, "prompt": p} for p, q in zip(prompts, each)]
+        routing = _routing(self.model_name, lora_request, priority, len(prompts), "prompt")
+        bodies = [{**r, **q, "prompt": p} for p, q, r in zip(prompts, each, routing)]
         # Homogeneous prompts with shared params are also a valid single request (the server's
         # shape), whose errors name the prompt as the server would (`prompt[2]`, `prompt[2][1]`).
-        same_kind = len({isinstance(p, str) for p in prompts}) == 1 and not isinstance(params, (list, tuple))
+        same_kind = (len({isinstance(p, str) for p in prompts}) == 1 and not isinstance(params, (list, tuple))
+                     and lora_request is None and priority is None)
         whole = {"model": self.model_name, **(params or {}), "prompt": prompts} if same_kind else None
         results = self._run("completion", bodies, whole)
         return [dataclasses.replace(r, prompt=p) if isinstance(p, str) else r for r, p in zip(results, prompts)]
@@ -232,7 +236,8 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
              tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> OneResult: ...
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: Any = None,
+             priority: list[int] | None = None) -> OneResult: ...
 
     @overload
     def chat(self, messages: list[list[Message]], params: Params | list[Params] = None, *,
@@ -240,30 +245,36 @@ class LLM:
              chat_template_content_format: str = "auto", add_generation_prompt: bool | None = None,
              continue_final_message: bool | None = None, tools: list[dict[str, Any]] | None = None,
              documents: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[Result]: ...
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: Any = None,
+             priority: list[int] | None = None) -> list[Result]: ...
 
     def chat(self, messages: list[Message] | list[list[Message]], params: Params | list[Params] = None, *,
              sampling_params: Params | list[Params] = None, use_tqdm: bool = True,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
              tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> OneResult | list[Result]:
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: Any = None,
+             priority: list[int] | None = None) -> OneResult | list[Result]:
         """Answer one conversation (a list of messages) or several (a list of such lists), each
         with a `Result` in a list, as vLLM's `LLM.chat` answers (one conversation's list also
         reads as its `Result`: `llm.chat(messages).text`);
         `params` apply to every conversation, or (a list) one to each. vLLM's keyword arguments
         of `LLM.chat` are taken: `sampling_params` (the params), `use_tqdm` (draws nothing),
         and the template's (`add_generation_prompt`, `continue_final_message`, `tools`,
-        `documents`, `chat_template_kwargs`), each sent as the chat request field of its name;
-        `chat_template` too, which the route refuses (the template is the LLM's:
-        `LLM(chat_template=...)`), as is a `chat_template_content_format` other than "auto".
+        `documents`, `chat_template_kwargs`), each sent as the chat request field of its name,
+        and `lora_request` and `priority` as `generate` takes them; not `chat_template` or a
+        `chat_template_content_format` other than "auto" (ValueError: the template is the
+        LLM's, `LLM(chat_template=...)`, as a server's is its `--chat-template`).
         Calls the model writes with `tools` come back parsed, as the chat route returns them
         (in `body`'s `tool_calls`; vLLM's `LLM.chat` leaves them in the text)."""
         if chat_template_content_format != "auto":
             raise ValueError("chat_template_content_format is the LLM's: LLM(..., chat_template_content_format="
                              f"{chat_template_content_format!r})")
+        if chat_template is not None:
+            raise ValueError("chat_template is the LLM's, set when it is made: LLM(model, chat_template=...) (a "
+                             "file or the template's text)")
         fields = {name: value for name, value in (
-            ("chat_template", chat_template), ("add_generation_prompt", add_generation_prompt),
+            ("add_generation_prompt", add_generation_prompt),
             ("continue_final_message", continue_final_message), ("tools", tools), ("documents", documents),
             ("chat_template_kwargs", chat_template_kwargs)) if value is not None}
         many = bool(messages) and isinstance(messages[0], list)
@@ -273,7 +284,8 @@ class LLM:
         for q in each:
             for name in fields:
                 _own_argument(q, name, "keyword")
-        bodies = [{"model": self.model_name, **q, **fields, "messages": m} for m, q in zip(convs, each)]
+        routing = _routing(self.model_name, lora_request, priority, len(convs), "conversation")
+        bodies = [{**r, **q, **fields, "messages": m} for m, q, r in zip(convs, each, routing)]
         results = self._run("chat", bodies)
         return results if many else OneResult(results)
 
@@ -508,10 +520,38 @@ def _params_each(params: object, count: int, name: str, item: str = "prompt") ->
         return p or {}
     if isinstance(params, (list, tuple)):
         if len(params) != count:
-            raise TypeError(f"params holds {len(params)} dicts for {count} {item}s: give one per {item}, or one "
-                            f"dict for all")
+            raise TypeError(f"params is a list of {len(params)} for {count} {item}s: give one per {item}, or one "
+                            f"for all")
         return [checked(p, f"[{i}]") for i, p in enumerate(params)]
     return [checked(params, "")] * count
+
+
+def _routing(model: str, lora_request: Any, priority: Any, count: int, item: str) -> list[dict[str, Any]]:
+    """Each request's `model` and `priority` from vLLM's keywords: `lora_request` (None, a
+    `LoRARequest` or anything with its `lora_name`, or a list of one per request) runs a
+    request on the LoRA adapter of that name, as the `model` field names one (served from
+    `LLM(lora_modules=[...])`, or found in its `lora_resolver_dir`; any other name fails as
+    the route's 404 does); `priority` (a list of one integer per request) is the request's
+    `priority` field."""
+    def per_request(value: Any, name: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise ValueError(f"{name} is a list of {len(value)} for {count} {item}s: give one per {item}")
+            return list(value)
+        return [value] * count
+    out = []
+    for lora, rank in zip(per_request(lora_request, "lora_request"), per_request(priority, "priority")):
+        body: dict[str, Any] = {"model": model}
+        if lora is not None:
+            name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
+            if not isinstance(name, str):
+                raise TypeError(f"lora_request must be a LoRARequest (with its lora_name) or None; got "
+                                f"{type(lora).__name__}")
+            body["model"] = name
+        if rank is not None:
+            body["priority"] = rank
+        out.append(body)
+    return out
 
 
 def _own_argument(params: dict[str, Any] | None, name: str, position: str = "first") -> None:
