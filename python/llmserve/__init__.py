@@ -6,7 +6,7 @@ may be vLLM's `SamplingParams`; `beam_search` takes its `BeamSearchParams`),
 mount or serve) and the `Config` both take; `ApiError` is the base of every request error
 (one subclass per status: `BadRequestError`, `AuthenticationError`, `NotFoundError`,
 `MethodNotAllowedError`, `PayloadTooLargeError`, `InternalServerError`,
-`ServiceUnavailableError`), `LoadError` a model that cannot be loaded. The Rust core lives in
+`ServiceUnavailableError`), `LoadError` a model that cannot be loaded or served as configured. The Rust core lives in
 the private `llmserve._core`.
 """
 

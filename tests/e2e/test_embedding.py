@@ -214,6 +214,8 @@ def test_an_engine_starts_once_and_serves_its_own_loop(tiny_model):
 
 
 def test_a_failed_load_is_said_on_every_route(tmp_path):
+    with pytest.raises(TypeError, match="create_app takes a llmserve.Config"):
+        create_app({"model": "x"})
     app = create_app(make_config(str(tmp_path / "missing.gguf")))
 
     async def main():

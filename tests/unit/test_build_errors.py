@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+import llmserve
 from llmserve.config import CacheConfig, Config, DeviceConfig, ModelConfig
 from llmserve.engine.build import SetupError, _within_the_window, build_engine, native_positions
 from llmserve.loaders import LoadError
@@ -84,6 +85,9 @@ def test_a_tokenizer_larger_than_the_embedding_table(folder):
 
 def test_a_context_beyond_the_model_positions(folder):
     with pytest.raises(SetupError, match="--max-model-len 1024 exceeds the model's 512 positions"):
+        _build(folder, max_model_len=1024)
+    # (the public LoadError catches it too: every reason an engine cannot be built)
+    with pytest.raises(llmserve.LoadError):
         _build(folder, max_model_len=1024)
 
 

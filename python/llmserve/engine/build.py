@@ -59,9 +59,10 @@ class Engine:
     special_tokens: dict[str, str] = field(default_factory=dict)
 
 
-class SetupError(RuntimeError):
+class SetupError(LoadError, RuntimeError):
     """The flags ask for what this machine or model cannot serve; the message says which and
-    what to change (reported without a traceback, as a LoadError is)."""
+    what to change (reported without a traceback, as a LoadError is, and caught as one:
+    `except llmserve.LoadError` catches every reason an engine cannot be built)."""
 
 
 def resolve_device(name: str) -> torch.device:

@@ -136,6 +136,8 @@ ADMIN_ROUTES = [
 
 def create_app(config: Config | None = None, engine: AsyncEngine | None = None) -> Starlette:
     """An ASGI app serving `config` (or an already started `engine`)."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"create_app takes a llmserve.Config (Config(model=...)), not a {type(config).__name__}")
     config = config or (engine.config if engine else Config())
     owns_engine = engine is None
     engine = engine or AsyncEngine(config)
