@@ -324,7 +324,8 @@ class DrainingServer(uvicorn.Server):
         if self._drain is not None or self._loop is None or self.engine.state != "ready":
             super().handle_exit(sig, frame)
             return
-        log.info("signal %d: draining (%d requests running)", sig, self.engine.load()["requests"])
+        running = self.engine.load()["requests"]
+        log.info("signal %d: draining (%d request%s running)", sig, running, "" if running == 1 else "s")
         # NOTE: a signal handler runs between bytecodes of the loop's thread: hand the work
         # to the loop instead of starting it here.
         self._drain = self._loop.create_task(self._drain_then_exit(sig))
@@ -440,7 +441,9 @@ def serve(config: Config) -> int:
     if uds:
         log.info("listening on %s over the Unix socket %s (OpenAI API under /v1)", scheme, uds)
     else:
-        log.info("listening on %s://%s:%d (OpenAI API under /v1)", scheme, host, sock.getsockname()[1])
+        # (an IPv6 address in a URL is bracketed: http://[::1]:8000)
+        log.info("listening on %s://%s:%d (OpenAI API under /v1)", scheme, f"[{host}]" if ":" in host else host,
+                 sock.getsockname()[1])
     if config.server.admin_api_key:
         log.info("admin routes (POST /reset_prefix_cache) mounted behind their own keys (%d)",
                  len(config.server.admin_api_key))
