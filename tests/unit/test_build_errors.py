@@ -228,3 +228,14 @@ def test_more_threads_than_cores_are_warned_of(folder, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="llmserve.engine"), pytest.raises(SetupError):
         build_engine(config)
     assert "--threads 2 on 1 cores: torch's threads will contend for them" in caplog.text
+
+
+def test_a_step_budget_below_a_block_is_said(folder, caplog):
+    """--max-num-batched-tokens under --block-size is raised to a block, and the log says so
+    (nothing is changed without a word)."""
+    from llmserve.config import SchedulerConfig
+
+    with caplog.at_level("INFO", logger="llmserve"):
+        build_engine(Config(model=ModelConfig(model=str(folder)), device=DeviceConfig(threads=1),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=4)))
+    assert "--max-num-batched-tokens 4 is below --block-size 16: a step computes up to 16 tokens" in caplog.text

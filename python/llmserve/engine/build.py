@@ -525,6 +525,11 @@ def build_engine(cfg: Config) -> Engine:
     if fim := router.fim_tokens():
         log.info("fill-in-the-middle: completions' suffix laid out as %s prompt %s suffix %s", *fim)
     speculation = cfg.scheduler.speculation()
+    # (the scheduler is given at least a block of tokens a step)
+    step_budget = max(batched_tokens(cfg, device), block_size)
+    if batched_tokens(cfg, device) < block_size:
+        log.info("--max-num-batched-tokens %d is below --block-size %d: a step computes up to %d tokens",
+                 batched_tokens(cfg, device), block_size, block_size)
     # Drafts (n-gram ones, and those of a chat request's `prediction`) fill steps up to this many
     # tokens. NOTE: on CPU a step of more than QUANT_MAX_TOKENS tokens leaves the quantized GEMV
     # (and is bound by arithmetic, not by reading weights, so drafts there cost what they save).
@@ -533,7 +538,7 @@ def build_engine(cfg: Config) -> Engine:
     if device.type == "cpu":
         draft_step_tokens = QUANT_MAX_TOKENS
     else:
-        draft_step_tokens = max(batched_tokens(cfg, device), block_size) if speculation is not None else 0
+        draft_step_tokens = step_budget if speculation is not None else 0
     if speculation is not None:
         log.info("speculative decoding: n-gram drafts, up to %d a step (n-grams of %d to %d tokens; steps of up to "
                  "%d tokens)", speculation["num_tokens"], speculation["lookup_min"], speculation["lookup_max"],
@@ -542,7 +547,7 @@ def build_engine(cfg: Config) -> Engine:
         "num_blocks": num_blocks,
         "block_size": block_size,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
-        "max_num_batched_tokens": max(batched_tokens(cfg, device), block_size),
+        "max_num_batched_tokens": step_budget,
         "long_prefill_token_threshold": cfg.scheduler.long_prefill_token_threshold,
         "max_model_len": max_model_len,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
