@@ -440,6 +440,24 @@ def test_bad_schema_is_400(smol, body, param):
             assert k in err["message"]
 
 
+def test_a_grammar_past_the_engines_limits_later_in_its_output_is_400(smol):
+    """A grammar that starts but runs past llguidance's lexer budget after its first tokens
+    fails so in every run of the request: a 400 at its field (a 500 made the SDK retry it
+    twice), or streamed, an error frame saying the same, then [DONE]."""
+    model = httpx.get(smol.url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Say a"}], "max_tokens": 20,
+            "response_format": {"type": "regex", "regex": "a(.{1,999}){1,999}"}}
+    r = httpx.post(smol.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_value", "response_format.regex")
+    assert err["message"].startswith("The grammar ran past the grammar engine's limits while generating (lexer error")
+    streamed = httpx.post(smol.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60).text
+    frames = [f.removeprefix("data: ") for f in streamed.split("\n\n") if f]
+    assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["param"] == "response_format.regex"
+    assert httpx.get(smol.url + "/load").json()["running"] == 0
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": _obj({"city": _s(16), "unit": {"enum": ["c", "f"]}})}}

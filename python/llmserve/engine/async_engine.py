@@ -22,7 +22,7 @@ from llmserve._core import ApiError, NotFoundError, Prepared, Router, responses_
 from llmserve.config import Config
 from llmserve.engine import output_log
 from llmserve.engine.build import Engine, SetupError, build_engine
-from llmserve.engine.loop import EngineThread, hard_exit
+from llmserve.engine.loop import EngineThread, core_error, hard_exit
 from llmserve.engine.metrics import Metrics
 from llmserve.loaders.checkpoint import LoadError
 
@@ -56,15 +56,6 @@ def _is_sse_frame(data) -> bool:
     """Whether `data` is wire-ready SSE (the mid-stream error frame: OpenAI's, or Anthropic's
     `error` event), not an error body."""
     return isinstance(data, (bytes, bytearray)) and data.startswith((b"data: ", b"event: "))
-
-
-def _error_message(body) -> str | None:
-    """The message of an OpenAI error body (bytes), or None if it is not one."""
-    try:
-        message = orjson.loads(body)["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    return message if isinstance(message, str) else None
 
 
 class RequestStream:
@@ -130,9 +121,9 @@ class RequestStream:
         if error and not isinstance(data, ApiError) and not (self.stream and _is_sse_frame(data)):
             # NOTE: the Core hands over its error as bytes (a body, or an SSE frame once it
             # thinks the stream began); passed through, a body would go out as a 200. As an
-            # ApiError it becomes a real 500, or its SSE frame if the stream began meanwhile.
-            # Only a streamed request can ever carry the frame. The Core's message stays.
-            data = self._engine.internal_error(_error_message(data))
+            # ApiError it becomes a real 500 (or 400), or its SSE frame if the stream began
+            # meanwhile. Only a streamed request can ever carry the frame. The Core's message stays.
+            data = core_error(data)
         if data:  # NOTE: steps that produced no bytes (held-back text, non-streamed) wake nobody
             self._put(data)
             if self._sent is not None and isinstance(data, (bytes, bytearray)):

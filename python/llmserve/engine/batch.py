@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from llmserve._core import ApiError
-from llmserve.engine.loop import run_to_end
+from llmserve.engine.loop import core_error, run_to_end
 
 # The batch API's urls and the router's endpoints that answer them.
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings",
@@ -108,8 +108,10 @@ def _run_window(core, runner, router, batch: list[tuple[int, str]]) -> list[dict
         for i, data, finished, error in outputs:
             place, custom_id = queued[i]
             if error:
-                # (an engine failure: its body is the error, as a 500 over HTTP)
-                out[place] = _answer(custom_id, 500, orjson.loads(data))
+                # (its body is the error, with the status it has over HTTP: a 500, or a 400
+                # for a grammar past the engine's limits)
+                err = core_error(data)
+                out[place] = _answer(custom_id, err.status, orjson.loads(err.body))
                 continue
             parts[i].append(data)
             if finished:

@@ -22,8 +22,9 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import orjson
 
-from llmserve._core import Router
+from llmserve._core import ApiError, Router
 
 log = logging.getLogger("llmserve.engine")
 
@@ -459,3 +460,18 @@ class EngineThread:
             self._publish(0.0)
         except Exception:  # noqa: BLE001 - the loop may have died of a broken Core
             log.exception("could not release the engine's sequences")
+
+
+def core_error(body: bytes) -> ApiError:
+    """The Core's error body as the ApiError that answers with it: a 400 where the request is
+    at fault (its grammar ran past the grammar engine's limits while generating:
+    `invalid_value` at its field), else a 500 with the Core's message."""
+    try:
+        err = orjson.loads(body)["error"]
+        if err.get("type") == "invalid_request_error" and err.get("code") == "invalid_value":
+            return Router.error("invalid_request", err["message"], err.get("param"))
+        message = err.get("message")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        message = None
+    return Router.error("internal", message if isinstance(message, str) and message
+                        else "The engine failed while running this request.")

@@ -26,7 +26,7 @@ import orjson
 from llmserve._core import ApiError, Router
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
-from llmserve.engine.loop import run_to_end
+from llmserve.engine.loop import core_error, run_to_end
 from llmserve.engine.sampling_params import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
                                              Logprob, SamplingParams, cumulative_logprob, prompt_logprobs)
 from llmserve.engine.tokenizer import Tokenizer, integer, token_ids
@@ -365,7 +365,7 @@ class LLM:
             with contextlib.closing(run_to_end(core, runner, prepared)) as outputs:
                 for i, data, _, error in outputs:
                     if error:
-                        raise RuntimeError(f"request failed: {data.decode(errors='replace')}")
+                        raise core_error(data)
                     buffers[i].append(data)
         return [_result(endpoint, orjson.loads(b"".join(parts)), fields) for parts, fields in zip(buffers, ignored)]
 

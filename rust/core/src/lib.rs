@@ -117,6 +117,9 @@ struct RequestState {
     guards: Vec<JsonGuard>,
     /// Constrained requests: their grammar's cache key (evicted when a matcher fails).
     grammar_key: Option<String>,
+    /// Constrained requests: the request field their grammar came from (a grammar that runs
+    /// past the engine's limits while generating is a 400 there).
+    grammar_param: Option<String>,
     /// `thinking_token_budget`: one budget per sequence, indexed as `detoks` (each closes its
     /// sequence's think block once spent, by forcing `</think>` through its row's mask); else
     /// empty.
@@ -544,6 +547,7 @@ impl Core {
                 matchers,
                 guards,
                 grammar_key: prepared.grammar.as_ref().map(|g| g.key().to_string()),
+                grammar_param: prepared.grammar.as_ref().map(|g| g.param().to_string()),
                 budgets,
                 repeats,
                 allowed: p.allowed_token_ids.as_ref().map(|ids| {
@@ -892,7 +896,8 @@ impl Core {
         for (handle, message) in failed {
             touched.retain(|&h| h != handle);
             if let Some(mut state) = self.forget(handle) {
-                out.push((handle, state.failure(&ApiError::Internal { message }), Some("error"), true, 0, Vec::new()));
+                let err = failure_error(message, state.grammar_param.as_deref());
+                out.push((handle, state.failure(&err), Some("error"), true, 0, Vec::new()));
             }
         }
         for handle in touched {
@@ -1102,10 +1107,32 @@ impl DraftChain {
 }
 
 /// A grammar's failure as a request's error says it: the first line of llguidance's message
-/// (its parser state follows).
+/// (its parser state follows). One of the engine's limits begins with [`GRAMMAR_LIMITS`].
 fn grammar_failure(e: &dyn std::fmt::Display) -> String {
     let why = e.to_string();
-    format!("Constrained decoding failed: {}", why.lines().next().unwrap_or_default())
+    let why = why.lines().next().unwrap_or_default();
+    if llmserve_router::structured::beyond_limits(why) {
+        format!(
+            "{GRAMMAR_LIMITS} while generating ({why}): a simpler grammar (fewer nested bounded repeats such as \
+             `(.{{1,999}}){{1,999}}`, fewer alternatives) stays within them."
+        )
+    } else {
+        format!("Constrained decoding failed: {why}")
+    }
+}
+
+/// How a grammar that ran past the grammar engine's limits while generating is said: the
+/// request's grammar, which does so in every run of it, so a 400 at its field (a client
+/// retries a 500).
+const GRAMMAR_LIMITS: &str = "The grammar ran past the grammar engine's limits";
+
+/// A request's failure as its error: one of the grammar engine's limits is a 400 at the
+/// grammar's field, anything else the server's (500).
+fn failure_error(message: String, grammar_param: Option<&str>) -> ApiError {
+    match grammar_param {
+        Some(param) if message.starts_with(GRAMMAR_LIMITS) => ApiError::invalid(param, message),
+        _ => ApiError::Internal { message },
+    }
 }
 
 /// What `deliver` made of a token.
@@ -1163,6 +1190,9 @@ fn deliver(
                 let why = why.lines().next().unwrap_or_default();
                 if let Some(key) = &state.grammar_key {
                     router.grammars().evict(key);
+                }
+                if llmserve_router::structured::beyond_limits(why) {
+                    return Delivery::Failed(grammar_failure(&why));
                 }
                 return Delivery::Failed(format!("Constrained decoding failed at token {id}: {why}"));
             }

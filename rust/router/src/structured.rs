@@ -226,6 +226,9 @@ pub(crate) fn for_generation(schema: &Value) -> Value {
 #[derive(Clone)]
 pub struct Grammar {
     key: Arc<str>,
+    /// The request field it came from (`response_format`, `structured_outputs`, `tools`, ...):
+    /// each request's own, as requests with the same source share the compiled grammar.
+    param: Arc<str>,
     /// Its source text's bytes (what the cache counts).
     size: usize,
     template: Arc<Mutex<Matcher>>,
@@ -245,6 +248,11 @@ impl Grammar {
     /// "<kind>:<first 32 hex chars of the source's sha256>".
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The request field this grammar came from, for an error about it.
+    pub fn param(&self) -> &str {
+        &self.param
     }
 
     /// A fresh matcher for one sequence, at the grammar's start.
@@ -350,7 +358,7 @@ impl Grammars {
         let text = source.text();
         let key = source.key_of(&text);
         if let Some(g) = locked(&self.cache).grammars.get(key.as_str()) {
-            return Ok(g.clone());
+            return Ok(Grammar { param: param.into(), ..g.clone() });
         }
         // A forced (or strict) call's grammar is ours; only the `parameters` schema in it is the
         // client's, so its errors name that and leave our grammar's text out.
@@ -404,8 +412,13 @@ impl Grammars {
             ));
         }
         let json = source.json_start().map(|start| (start, Arc::clone(self.token_bytes())));
-        let grammar =
-            Grammar { key: key.as_str().into(), size: text.len(), template: Arc::new(Mutex::new(matcher)), json };
+        let grammar = Grammar {
+            key: key.as_str().into(),
+            param: param.into(),
+            size: text.len(),
+            template: Arc::new(Mutex::new(matcher)),
+            json,
+        };
         locked(&self.cache).insert(grammar.clone());
         Ok(grammar)
     }
@@ -475,8 +488,9 @@ impl Grammars {
 
 /// Whether a mask failed on one of llguidance's budgets (lexer fuel or states, parser items),
 /// which the same grammar meets again at the same place in every request: its first mask
-/// fails so for every vocabulary, not only for one that cannot spell the grammar's text.
-fn beyond_limits(err: &str) -> bool {
+/// fails so for every vocabulary, not only for one that cannot spell the grammar's text (and,
+/// met while generating, in every run of the same request: the request's, not the server's).
+pub fn beyond_limits(err: &str) -> bool {
     err.starts_with("lexer error:") || err.starts_with("parser error:")
 }
 
