@@ -177,13 +177,19 @@ if ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 $PY -m pip show anyio h11 click 2>/dev/null | grep -E '^(Name|Version)' | paste -d ' ' - - | tr '\n' ';'; echo
-$PY -c "import llmserve._core" 2>/dev/null || echo "WARNING: llmserve._core is missing: carry python/llmserve/_core.abi3.so (the serving part needs it)"
+# Without the carried core and wheels every stage after the build fails on an import: stop now
+# rather than spend the device's minutes on ImportErrors.
+if ! $PY -c "import llmserve._core, orjson" 2>/dev/null; then
+  echo "ERROR: llmserve._core or orjson does not import: run 'bash benches/gpu_check.sh prepare' on the" \
+       "CPU machine, then carry target/gpu-carry and python/llmserve/_core.abi3.so"
+  exit 3
+fi
 
 load_kernels() {   # build (or load LLMSERVE_KERNELS_LIBRARY's) kernels in a fresh process
   local T
   T=$(budget 240)
   (( T > 0 )) || return 1
-  timeout "$T" $PY -c "
+  timeout -k 10 "$T" $PY -c "
 import time; t = time.time()
 from llmserve import kernels
 kernels.load()
@@ -230,16 +236,19 @@ if [ "$KERNELS" = yes ] && stage tests; then
     T=$(budget $cap)
     if (( T == 0 )); then SKIPPED+=" $(basename "$file")"; continue; fi
     echo "== $file" >> "$RESULTS/tests.log"
-    timeout "$T" $PY -m pytest -q -p no:cacheprovider -W default "$file" >> "$RESULTS/tests.log" 2>&1
+    from=$(( $(wc -l < "$RESULTS/tests.log") + 1 ))
+    timeout -k 10 "$T" $PY -m pytest -q -p no:cacheprovider -W default "$file" >> "$RESULTS/tests.log" 2>&1
     rc=$?
-    line=$(grep -E "passed|failed|error|skipped" "$RESULTS/tests.log" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
+    # (this file's own summary line: none when it ran no test)
+    line=$(tail -n +"$from" "$RESULTS/tests.log" | grep -E "passed|failed|error|skipped" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
+    [ -n "$line" ] || line="no summary (rc $rc)"
     if (( rc == 139 || rc == 134 )); then
       crashed=$(grep -oE "line [0-9]+ in test_[A-Za-z0-9_]+" "$RESULTS/tests.log" | tail -n 1 | awk '{print $4}')
       line="CRASHED (rc $rc) in ${crashed:-?}"
       T=$(budget 60)
       if [ -n "$crashed" ] && (( T > 0 )) && command -v cuda-gdb >/dev/null; then
         echo "== cuda-gdb backtrace of $file -k $crashed" >> "$RESULTS/tests.log"
-        timeout "$T" cuda-gdb -q -batch -ex run -ex bt --args $PY -m pytest -q -p no:cacheprovider \
+        timeout -k 10 "$T" cuda-gdb -q -batch -ex run -ex bt --args $PY -m pytest -q -p no:cacheprovider \
           -p no:faulthandler -W default "$file" -k "$crashed" 2>&1 | grep -vE "^\[(New )?Thread|Detaching" \
           | tail -n 60 >> "$RESULTS/tests.log"
       fi
@@ -257,7 +266,7 @@ if [ "$KERNELS" = yes ] && stage bench; then
   T=$(budget 150)
   if (( T > 0 )); then
     # (its table is kernel_bench.json; $OUT brings back 8 files at most)
-    if timeout "$T" $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1
+    if timeout -k 10 "$T" $PY benches/kernel_bench.py --json "$RESULTS/kernel_bench.json" "${STEP[@]}" 2>&1
     then BENCH=ok; else BENCH="FAILED or cut at $T s"; fi
   else
     SKIPPED+=" kernel-bench"
@@ -289,7 +298,7 @@ serve_runs() {
       T=$(budget 120)
       if (( T == 0 )); then SKIPPED+=" $workload@c$c($label)"; continue; fi
       stamp "$workload workload: concurrency $c, $n prompts${warm:+ (warm-up)}"
-      timeout "$T" $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
+      timeout -k 10 "$T" $PY benches/serve_load.py --url "http://127.0.0.1:$PORT" --served-name smollm2-shape \
         --workload "$workload" --concurrency "$c" --num-prompts "$n" > "$RESULTS/last_run.json" || SERVE=partial
       # (one file for every server's rows, each labelled: $OUT brings back 8 files at most)
       [ -n "$warm" ] || $PY - "$RESULTS/last_run.json" "$label" <<'EOF' | tee -a "$RESULTS/serve_load.jsonl"
@@ -354,7 +363,7 @@ if [ "$KERNELS" = yes ] && stage profile; then
   stamp "decode and prefill steps, profiled"
   T=$(budget 90)
   if (( T > 0 )) && [ -f "$CARRY/smollm2-shape/config.json" ]; then
-    timeout "$T" $PY benches/step_profile.py "$CARRY/smollm2-shape/config.json" > "$RESULTS/profile.log" 2>&1
+    timeout -k 10 "$T" $PY benches/step_profile.py "$CARRY/smollm2-shape/config.json" > "$RESULTS/profile.log" 2>&1
     grep -E "^== |one step ahead" "$RESULTS/profile.log" || tail -n 20 "$RESULTS/profile.log"
   else
     SKIPPED+=" step-profile"
