@@ -436,10 +436,6 @@ class AsyncEngine:
     def unavailable(message: str, retry_after: int | None = 1) -> ApiError:
         return Router.error("unavailable", message, retry_after=retry_after)
 
-    @staticmethod
-    def internal_error(message: str | None = None) -> ApiError:
-        return Router.error("internal", message or "The engine failed while running this request.")
-
     # -- requests ----------------------------------------------------------------------
     def _check_serving(self) -> None:
         if self._loop is not None and asyncio.get_running_loop() is not self._loop:
