@@ -247,12 +247,17 @@ def test_health_ready_load_version_metrics(tiny_server):
     # build info: the compiled core's profile, target and compiler (the commit when built in git)
     build = version["build"]
     assert build["profile"] in ("release", "debug") and build["target"] and build["rustc"].startswith("rustc ")
-    text = httpx.get(tiny_server.url + "/metrics").text
+    text = httpx.get(tiny_server.url + "/metrics", headers={"accept-encoding": "identity"}).text
     for name in ("llmserve:num_requests_running", "llmserve:num_requests_waiting",
                  "llmserve:kv_cache_usage_perc", "llmserve:time_to_first_token_seconds",
                  "llmserve:time_per_output_token_seconds", "llmserve:e2e_request_latency_seconds",
                  "llmserve:prompt_tokens_total", "llmserve:generation_tokens_total"):
         assert name in text, name
+    # gzip when the scraper asks (Prometheus does), plain text otherwise
+    zipped = httpx.get(tiny_server.url + "/metrics", headers={"accept-encoding": "gzip"})
+    assert zipped.headers["content-encoding"] == "gzip" and "llmserve:num_requests_running" in zipped.text
+    plain = httpx.get(tiny_server.url + "/metrics", headers={"accept-encoding": "identity"})
+    assert "content-encoding" not in plain.headers
 
 
 def _load(server) -> dict:
