@@ -146,7 +146,9 @@ class _Checked:
                 if meta.get("bare") and not ours and ("/" in str(value) or str(value).endswith(".gguf")):
                     # (`--flag MODEL`: the flag took the model)
                     hint = f" ({flag} alone is {meta['bare']}: give the model before it)"
-                raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
+                # (a vLLM user typed the flag's vLLM name: say both)
+                named = f"{flag} ({meta['alias']})" if meta.get("alias") else flag
+                raise ValueError(f"{named} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
             if meta.get("memory"):
                 try:
                     value = parse_bytes(value)

@@ -66,6 +66,8 @@ def test_short_openmp_spin_respects_the_environment(monkeypatch):
     (["--generation-config", "foo"], {}, "--generation-config must be auto, none or a folder holding a "
                                          "generation_config.json; 'foo' is not a folder"),
     (["--scheduling-policy", "lifo"], {}, "--scheduling-policy must be one of fcfs, priority"),
+    # (a value of vLLM's flag name is refused naming that name too)
+    (["--tool-call-parser", "pythonic"], {}, "--tool-call-format (--tool-call-parser) must be one of hermes"),
     (["--api-key", ""], {}, "--api-key must not be empty"),
     (["--served-model-name", " "], {}, "--served-model-name must not be empty"),
     (["--api-key", "k1 "], {}, "--api-key must not begin or end with whitespace; got a value"),
