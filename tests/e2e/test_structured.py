@@ -455,6 +455,18 @@ def test_a_grammar_past_the_engines_limits_later_in_its_output_is_400(smol):
     streamed = httpx.post(smol.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60).text
     frames = [f.removeprefix("data: ") for f in streamed.split("\n\n") if f]
     assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["param"] == "response_format.regex"
+    # the routes that translate to chat name the field in their own terms, as their other errors do
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a(.{1,999}){1,999}$"}},
+              "required": ["s"]}
+    for route, extra, param in (
+            ("/v1/responses", {"input": "Say a", "max_output_tokens": 20,
+                               "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}},
+             "text.format.schema"),
+            ("/v1/messages", {"messages": [{"role": "user", "content": "Say a"}], "max_tokens": 20,
+                              "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+             "output_config.format.schema")):
+        r = httpx.post(smol.url + route, json={"model": model, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
     assert httpx.get(smol.url + "/load").json()["running"] == 0
 
 

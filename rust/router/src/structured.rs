@@ -255,6 +255,12 @@ impl Grammar {
         &self.param
     }
 
+    /// Names the field in the terms of the route that translated the request (Responses'
+    /// `text.format.schema`, Messages' `output_config.format.schema`), as its own errors do.
+    pub(crate) fn rename_param(&mut self, rename: impl FnOnce(&str) -> String) {
+        self.param = rename(&self.param).into();
+    }
+
     /// A fresh matcher for one sequence, at the grammar's start.
     pub fn matcher(&self) -> Matcher {
         locked(&self.template).clone()

@@ -929,6 +929,10 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let mut ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let mut checked = chat::prepare_value(router, &chat, header_id)
         .map_err(|e| anthropic_overflow(rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p))))?;
+    // (a grammar that fails while generating is named as this route names its fields)
+    if let Some(grammar) = checked.prepared.grammar.as_mut() {
+        grammar.rename_param(|p| conv.rename(p));
+    }
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
     if let (Some(budget), Some(plan)) = (thinking_budget(obj), checked.prepared.reasoning.as_mut()) {

@@ -1279,6 +1279,10 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         done => done?,
     };
 
+    // (a grammar that fails while generating is named as this route names its fields)
+    if let Some(grammar) = checked.prepared.grammar.as_mut() {
+        grammar.rename_param(|p| origins.rename(p));
+    }
     let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
     let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
     let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
