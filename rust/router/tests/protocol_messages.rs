@@ -291,6 +291,17 @@ fn anthropics_conversation_rules_are_400s() {
     let looped = json!([ask, {"role": "assistant", "content": [call("t1"), call("t2")]},
                         {"role": "user", "content": [result("t2"), result("t1"), {"type": "text", "text": "?"}]}]);
     r.prepare(Endpoint::Messages, &serde_json::to_vec(&with(looped)).unwrap()).unwrap();
+    // a result with no content blocks is an empty result, as one without `content` or with ""
+    for content in [json!([]), json!(""), Value::Null] {
+        let empty = json!({"type": "tool_result", "tool_use_id": "t1", "content": content});
+        let turn = json!([ask, {"role": "assistant", "content": [call("t1")]}, {"role": "user", "content": [empty]}]);
+        r.prepare(Endpoint::Messages, &serde_json::to_vec(&with(turn)).unwrap()).unwrap();
+    }
+    // a negative max_tokens is told its bound, without chat's words about completions' `echo`
+    let mut negative = with(json!([ask]));
+    negative["max_tokens"] = json!(-1);
+    let e = r.prepare(Endpoint::Messages, &serde_json::to_vec(&negative).unwrap()).unwrap_err();
+    assert_eq!((e.param(), e.message().as_str()), (Some("max_tokens"), "`max_tokens` must be at least 1, got -1."));
     assert!(r
         .prepare(
             Endpoint::Messages,

@@ -176,6 +176,9 @@ fn errors_are_named_in_the_responses_terms() {
     let e = responses(&r, json!({"input": "hello", "prompt": {"id": "pmpt_1"}})).unwrap_err();
     assert_eq!(e.code(), "unsupported_parameter");
     assert!(!e.message().contains("stores no"), "{}", e.message());
+    // a negative max_output_tokens is told its bound, without chat's words about `echo`
+    let e = responses(&r, json!({"input": "hello", "max_output_tokens": -1})).unwrap_err();
+    assert_eq!(e.message(), "`max_output_tokens` must be at least 1, got -1.");
     // the message quotes the field the client sent
     let e = responses(&r, json!({"input": "hello", "max_output_tokens": 100})).unwrap_err();
     assert!(

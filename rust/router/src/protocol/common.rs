@@ -115,8 +115,10 @@ fn integer_out_of_range(inner: &str, param: Option<&str>) -> Option<(&'static st
         let what = if got.starts_with('-') {
             match param {
                 Some("n") => format!("between 1 and {MAX_N}"),
-                // (0 asks for the prompt alone on completions with `echo`)
-                Some("max_tokens" | "max_completion_tokens") => "at least 1 (0 with `echo`)".to_string(),
+                // (0 asks for the prompt alone on completions with `echo`; Responses and
+                // Messages, which have none, send theirs as max_completion_tokens)
+                Some("max_tokens") => "at least 1 (0 with `echo`, on /v1/completions)".to_string(),
+                Some("max_completion_tokens") => "at least 1".to_string(),
                 _ => "a non-negative integer".to_string(),
             }
         } else {

@@ -296,6 +296,8 @@ impl Conversation {
         let content = match obj.get("content") {
             None | Some(Value::Null) => Value::String(String::new()),
             Some(Value::String(s)) => Value::String(s.clone()),
+            // (no blocks: an empty result, as no `content` is; chat refuses an empty list of parts)
+            Some(Value::Array(blocks)) if blocks.is_empty() => Value::String(String::new()),
             Some(Value::Array(blocks)) => {
                 let mut parts = Vec::with_capacity(blocks.len());
                 for (k, block) in blocks.iter().enumerate() {
