@@ -406,6 +406,27 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     assert chat.outputs[0].cumulative_logprob == pytest.approx(
         sum(e["logprob"] for e in chat.body["choices"][0]["logprobs"]["content"]))
     assert chat.prompt_token_ids == chat.body["prompt_token_ids"] and len(chat.prompt_token_ids) > 3
+    # outputs' per-token logprobs, as vLLM's: the sampled token's id first, then its likeliest
+    # alternatives' ids, each -> Logprob(logprob, rank, decoded_token)
+    out0 = scored.outputs[0]
+    assert len(out0.logprobs) == 2
+    tokenizer = llm.get_tokenizer()
+    for step, (entry, token, value, top) in enumerate(zip(out0.logprobs, out0.token_ids, token_logprobs,
+                                                          scored.body["choices"][0]["logprobs"]["top_logprobs"])):
+        assert next(iter(entry)) == token and entry[token].logprob == pytest.approx(value)
+        assert entry[token].rank == 1                    # (greedy: the likeliest)
+        assert len(entry) == 3 and [lp.rank for lp in entry.values()] == [1, 2, 3]
+        assert {f"token_id:{i}": lp.logprob for i, lp in entry.items()} == pytest.approx(top)
+        assert all(lp.decoded_token == tokenizer.decode(i) for i, lp in entry.items())
+    assert out[0].outputs[0].logprobs is None
+    assert llm.generate("a", {"max_tokens": 1, "logprobs": 1})[0].outputs[0].logprobs is None   # (named by text)
+    # (sampled at temperature 1, the token may lie outside the top 2: its rank is then unknown)
+    for entry, token, content in zip(chat.outputs[0].logprobs, chat.outputs[0].token_ids,
+                                     chat.body["choices"][0]["logprobs"]["content"]):
+        assert next(iter(entry)) == token and entry[token].logprob == pytest.approx(content["logprob"])
+        alternatives = [int(t["token"].removeprefix("token_id:")) for t in content["top_logprobs"]]
+        assert entry[token].rank == (alternatives.index(token) + 1 if token in alternatives else None)
+        assert set(entry) == {token, *alternatives}
     # vLLM's RequestOutput fields: request_id, finished, prompt_logprobs keyed by token id
     scored = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     assert scored.request_id == scored.body["id"] and scored.finished

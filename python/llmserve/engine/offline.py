@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -18,7 +19,7 @@ import numbers
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Union, overload
+from typing import Any, Callable, Union, overload
 
 import numpy as np
 import orjson
@@ -28,7 +29,8 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import core_error, run_to_end
 from llmserve.engine.sampling_params import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
-                                             Logprob, SamplingParams, cumulative_logprob, prompt_logprobs)
+                                             Logprob, SamplingParams, cumulative_logprob, prompt_logprobs,
+                                             token_logprobs)
 from llmserve.engine.tokenizer import Tokenizer, integer, token_ids
 
 
@@ -46,6 +48,8 @@ class Result:
     body: dict[str, Any] = field(repr=False)
     ignored_fields: tuple[str, ...] = ()
     prompt: str | None = None
+    # (a token's text, for `outputs`' per-token logprobs: the LLM's detokenizer)
+    token_text: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def text(self) -> str:
@@ -82,9 +86,11 @@ class Result:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """Every choice as vLLM's `RequestOutput.outputs` holds it (`outputs[0].text`)."""
+        prompt_tokens = self.usage.get("prompt_tokens", 0)
         return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
-                                 c.get("token_ids") or [],
-                                 cumulative_logprob(c.get("logprobs"), self.usage.get("prompt_tokens", 0)))
+                                 c.get("token_ids") or [], cumulative_logprob(c.get("logprobs"), prompt_tokens),
+                                 None if self.token_text is None
+                                 else token_logprobs(c.get("logprobs"), prompt_tokens, self.token_text))
                 for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
 
 
@@ -367,7 +373,10 @@ class LLM:
                     if error:
                         raise core_error(data)
                     buffers[i].append(data)
-        return [_result(endpoint, orjson.loads(b"".join(parts)), fields) for parts, fields in zip(buffers, ignored)]
+        tokenizer = self.get_tokenizer()
+        token_text = functools.lru_cache(maxsize=None)(lambda i: str(tokenizer.decode(i)))
+        return [_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text)
+                for parts, fields in zip(buffers, ignored)]
 
 
 def _encode(router: Router, body: dict[str, Any]) -> bytes:
@@ -567,10 +576,12 @@ def _one_of(params: object, sampling_params: object) -> object:
     return sampling_params if params is None else params
 
 
-def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...]) -> Result:
+def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...],
+            token_text: Callable[[int], str] | None = None) -> Result:
     choices = body.get("choices", [])
     if endpoint == "chat":
         texts = [c["message"].get("content") or "" for c in choices]
     else:
         texts = [c["text"] for c in choices]
-    return Result(texts, [c.get("finish_reason") for c in choices], body.get("usage", {}), body, ignored)
+    return Result(texts, [c.get("finish_reason") for c in choices], body.get("usage", {}), body, ignored,
+                  token_text=token_text)

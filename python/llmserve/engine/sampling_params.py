@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 # vLLM's fields that shape its own outputs or callbacks, not the tokens: sent only when they
 # ask for something (then the request reports them as fields without effect, and the call warns).
@@ -62,7 +62,8 @@ class SamplingParams:
     def request_fields(self, endpoint: str) -> dict[str, Any]:
         """The request fields that ask what these params ask, on `endpoint` ("completion" or
         "chat"); every choice's token ids come back too (`return_token_ids`), as vLLM's
-        outputs hold them."""
+        outputs hold them, and logprobs name their tokens by id (`return_tokens_as_token_ids`),
+        which `CompletionOutput.logprobs` is keyed by."""
         fields: dict[str, Any] = {"return_token_ids": True}
         for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                      "top_k", "min_p", "ignore_eos", "min_tokens", "skip_special_tokens",
@@ -73,6 +74,7 @@ class SamplingParams:
             if (value := getattr(self, name)) is not None:
                 fields[name] = value
         if self.logprobs is not None:
+            fields["return_tokens_as_token_ids"] = True
             if endpoint == "chat":
                 fields.update(logprobs=True, top_logprobs=self.logprobs)
             else:
@@ -87,9 +89,13 @@ class SamplingParams:
 class CompletionOutput:
     """One choice, as vLLM's `CompletionOutput` names it: its `text`, `token_ids` (when the
     request returned them: always under `SamplingParams`), `finish_reason`, `stop_reason`
-    (the stop string or token id that ended it, if one did) and `cumulative_logprob`, the sum
-    of its tokens' logprobs when the request asked for logprobs (else None, as in vLLM). vLLM's
-    per-token `logprobs` objects are not built: the OpenAI `logprobs` are in `Result.body`."""
+    (the stop string or token id that ended it, if one did), `cumulative_logprob`, the sum
+    of its tokens' logprobs when the request asked for logprobs (else None, as in vLLM), and
+    `logprobs`, vLLM's per-token form of them when `SamplingParams.logprobs` asked (else None):
+    a dict per generated token, from its id and its likeliest alternatives' ids to
+    `Logprob(logprob, rank, decoded_token)`, the sampled token first. An alternative's rank is
+    its place among them (1: the likeliest); the sampled token's is known when it is one of
+    them, else None (vLLM counts it over the vocabulary; the engine does not return it)."""
 
     index: int
     text: str
@@ -97,6 +103,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,43 @@ def cumulative_logprob(logprobs: dict[str, Any] | None, prompt_tokens: int) -> f
     if values and values[0] is None:
         values = values[prompt_tokens:]
     return float(sum(values))
+
+
+def token_logprobs(logprobs: dict[str, Any] | None, prompt_tokens: int,
+                   token_text: Callable[[int], str]) -> list[dict[int, Logprob]] | None:
+    """A choice's OpenAI `logprobs` as vLLM's `CompletionOutput.logprobs` (see there), when
+    their tokens are named by id (`token_id:<id>`, as `SamplingParams` asks for them); else
+    None. `token_text(id)` is a token's text, each Logprob's `decoded_token`."""
+    if not logprobs:
+        return None
+    if "content" in logprobs:
+        steps = [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or ()])
+                 for e in logprobs["content"] or ()]
+    else:
+        named = zip(logprobs.get("tokens") or (), logprobs.get("token_logprobs") or (),
+                    logprobs.get("top_logprobs") or ())
+        steps = [(token, lp, list((top or {}).items())) for token, lp, top in named]
+        if steps and steps[0][1] is None:
+            steps = steps[prompt_tokens:]       # (an echoed prompt's entries come first)
+    out = []
+    for token, lp, top in steps:
+        sampled = _token_id(token)
+        if sampled is None:
+            return None
+        ranks = {_token_id(t): rank for rank, (t, _) in enumerate(top, 1)}
+        entry = {sampled: Logprob(float(lp), ranks.get(sampled), token_text(sampled))}
+        for rank, (t, alt_lp) in enumerate(top, 1):
+            alt = _token_id(t)
+            if alt is not None and alt not in entry:
+                entry[alt] = Logprob(float(alt_lp), rank, token_text(alt))
+        out.append(entry)
+    return out
+
+
+def _token_id(token: str) -> int | None:
+    """The id in a logprobs token named `token_id:<id>`; None for a token named by its text."""
+    prefix, _, rest = token.partition(":")
+    return int(rest) if prefix == "token_id" and rest.isdigit() else None
 
 
 @dataclass
