@@ -394,9 +394,11 @@ impl Grammars {
                 self.compile(&GrammarSource::JsonSchema(schema.clone()), at)?;
             }
             let cause = if param == "tools" { without_grammar_position(&first_line(&err)) } else { first_line(&err) };
+            let schemas: Vec<&Value> = source.json_schema().into_iter().chain(&inlined).collect();
+            let place = unimplemented_places(&cause, &schemas);
             return Err(ApiError::invalid(
                 param,
-                format!("The {what} cannot be used to constrain generation: {cause}"),
+                format!("The {what} cannot be used to constrain generation: {cause}{place}"),
             ));
         }
         if let Err(err) = self.probe(source, &matcher) {
@@ -592,35 +594,65 @@ pub(crate) fn check_keywords(schema: &Value, at: &mut String) -> Result<(), Stri
                 .map_err(|cause| format!("`patternProperties` key at {}: {cause}", place(at)))?;
         }
     }
-    // `path`: pointer segments below `at`, names already escaped
-    let descend = |at: &mut String, path: &str, sub: &Value| {
+    for (path, sub) in subschemas(obj) {
         let len = at.len();
         at.push('/');
-        at.push_str(path);
+        at.push_str(&path);
         let result = check_keywords(sub, at);
         at.truncate(len);
-        result
-    };
+        result?;
+    }
+    Ok(())
+}
+
+/// The subschemas a schema object holds, each with its pointer segments below the object
+/// (`properties/a~1b`, `anyOf/1`, `items`; names escaped). Data keywords (`const`, `enum`,
+/// `default`, `examples`) hold none.
+fn subschemas(obj: &serde_json::Map<String, Value>) -> Vec<(String, &Value)> {
+    let mut out = Vec::new();
     for (key, value) in obj {
         let key = key.as_str();
         if SUBSCHEMA.contains(&key) {
             match value {
-                Value::Array(items) => {
-                    for (i, sub) in items.iter().enumerate() {
-                        descend(at, &format!("{key}/{i}"), sub)?;
-                    }
-                }
-                sub => descend(at, key, sub)?,
+                Value::Array(items) => out.extend(items.iter().enumerate().map(|(i, sub)| (format!("{key}/{i}"), sub))),
+                sub => out.push((key.to_string(), sub)),
             }
-        } else if SUBSCHEMA_MAPS.contains(&key) {
-            if let Value::Object(map) = value {
-                for (name, sub) in map {
-                    descend(at, &format!("{key}/{}", name.replace('~', "~0").replace('/', "~1")), sub)?;
-                }
-            }
+        } else if let (true, Value::Object(map)) = (SUBSCHEMA_MAPS.contains(&key), value) {
+            out.extend(
+                map.iter().map(|(name, sub)| (format!("{key}/{}", name.replace('~', "~0").replace('/', "~1")), sub)),
+            );
         }
     }
-    Ok(())
+    out
+}
+
+/// The JSON pointer of the first subschema of `schema` that uses keyword `key` ("" for the
+/// root itself), or None.
+fn keyword_place(schema: &Value, key: &str) -> Option<String> {
+    let Value::Object(obj) = schema else { return None };
+    if obj.contains_key(key) {
+        return Some(String::new());
+    }
+    subschemas(obj).into_iter().find_map(|(path, sub)| keyword_place(sub, key).map(|below| format!("/{path}{below}")))
+}
+
+/// Where the keywords llguidance names as unimplemented (`Unimplemented keys: ["uniqueItems"]`)
+/// are used in `schemas`, which it does not say: ` (`uniqueItems` at /properties/tags)`, for
+/// the first one found; "" when the error names none or none is found.
+fn unimplemented_places(cause: &str, schemas: &[&Value]) -> String {
+    let Some(names) = cause.split_once("Unimplemented keys: ").and_then(|(_, rest)| {
+        let list = &rest[..=rest.find(']')?];
+        serde_json::from_str::<Vec<String>>(list).ok()
+    }) else {
+        return String::new();
+    };
+    names
+        .iter()
+        .find_map(|key| {
+            let at = schemas.iter().find_map(|schema| keyword_place(schema, key))?;
+            Some(format!(" (`{key}` at {})", if at.is_empty() { "the schema's root" } else { &at }))
+        })
+        .unwrap_or_default()
 }
 
 fn describe(source: &GrammarSource) -> &'static str {
@@ -1183,6 +1215,23 @@ pub(crate) mod tests {
         let fine = json!({"type": "object", "default": {"pattern": "x("}, "examples": [{"pattern": "("}],
             "properties": {"pattern": {"type": "string", "pattern": r"^\d+\\$"}}});
         assert_eq!(message(fine), None);
+    }
+
+    #[test]
+    fn an_unimplemented_keyword_is_told_with_its_place() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let message = |schema: Value| g.compile(&GrammarSource::JsonSchema(schema), "p").err().map(|e| e.message());
+        let deep = json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A":
+            {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+            "uniqueItems": true}}}}});
+        let deep = message(deep).unwrap();
+        assert!(deep.contains("uniqueItems"), "{deep}");
+        assert!(deep.ends_with("(`uniqueItems` at /$defs/A/properties/tags)"), "{deep}");
+        let root = message(json!({"type": "array", "items": {"type": "integer"}, "uniqueItems": true})).unwrap();
+        assert!(root.ends_with("(`uniqueItems` at the schema's root)"), "{root}");
+        // (a property of that name is no use of the keyword)
+        let named = json!({"type": "object", "properties": {"uniqueItems": {"type": "array", "uniqueItems": true}}});
+        assert!(message(named).unwrap().ends_with("(`uniqueItems` at /properties/uniqueItems)"));
     }
 
     #[test]
