@@ -594,7 +594,8 @@ class ServerConfig(_Checked):
         "sidecar on the same machine. Created at start (a stale socket file left there is replaced), "
         "mode 0666 as uvicorn makes it, and removed at exit.")
     api_key: tuple[str, ...] = _f(
-        (), "API key(s) required on every route but /health, /ready, /metrics (repeatable).",
+        (), "API key(s) required on every route but /health, /ready, /metrics (repeatable; also "
+        "LLMSERVE_API_KEY, comma separated, or vLLM's VLLM_API_KEY, one key).",
         append=True, secret=True,
     )
     admin_api_key: tuple[str, ...] = _f(

@@ -197,14 +197,17 @@ def test_tools_the_template_never_reads_are_reported(tiny_server):
 
 
 def test_tool_fields_without_effect_are_reported(tiny_server):
-    """`parallel_tool_calls` without tools (or with tool_choice "none") calls nothing; a
+    """`parallel_tool_calls: false` without tools (or with tool_choice "none") calls nothing; a
     response_format beside a forced tool_choice shapes no text, since the output is the call.
     OpenAI accepts both: they are reported, not refused."""
     r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": False, "max_tokens": 1})
     assert _ignored(r) == {"parallel_tool_calls"}
     r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "none",
-                                                  "parallel_tool_calls": True, "max_tokens": 1})
+                                                  "parallel_tool_calls": False, "max_tokens": 1})
     assert _ignored(r) == {"tools", "parallel_tool_calls"}
+    # (`true`, OpenAI's default that clients send on every request, asks for nothing)
+    r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": True, "max_tokens": 1})
+    assert _ignored(r) == set()
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     r = _ok(tiny_server, "/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": "required",
                                                   "parallel_tool_calls": False, "response_format": fmt,

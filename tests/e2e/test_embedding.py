@@ -419,6 +419,7 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
         assert {f"token_id:{i}": lp.logprob for i, lp in entry.items()} == pytest.approx(top)
         assert all(lp.decoded_token == tokenizer.decode(i) for i, lp in entry.items())
     assert out[0].outputs[0].logprobs is None
+    assert llm.generate("a", {"max_tokens": 1})[0].outputs[0].token_ids is None     # (not returned)
     assert llm.generate("a", {"max_tokens": 1, "logprobs": 1})[0].outputs[0].logprobs is None   # (named by text)
     # (sampled at temperature 1, the token may lie outside the top 2: its rank is then unknown)
     for entry, token, content in zip(chat.outputs[0].logprobs, chat.outputs[0].token_ids,

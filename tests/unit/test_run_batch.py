@@ -36,6 +36,7 @@ def answers(tiny_model, tmp_path_factory):
         _line("streamed", "/v1/completions", {**COMPLETION, "stream": True}),
         _line("unknown-model", "/v1/completions", {**COMPLETION, "model": "other"}),
         _line("rerank", "/v1/rerank", {"model": "tiny", "query": "q", "documents": ["a b", "c"]}),
+        _line("embed", "/v1/embeddings", {"model": "tiny", "input": "a b"}),
     ] + [_line(f"many-{i}", "/v1/completions", {**COMPLETION, "n": 1, "prompt": f"Numbers {i}"}) for i in range(5)]
     (folder / "in.jsonl").write_text("\n".join(lines) + "\n")
     status = cli.main(["run-batch", str(tiny_model), "--served-model-name", "tiny", "--threads", "1",
@@ -46,15 +47,17 @@ def answers(tiny_model, tmp_path_factory):
 
 def test_each_request_line_is_answered_in_its_place(answers):
     ids = [a["custom_id"] for a in answers]
-    assert ids == ["chat", "completion", None, "nowhere", "bad-max", "streamed", "unknown-model", "rerank",
+    assert ids == ["chat", "completion", None, "nowhere", "bad-max", "streamed", "unknown-model", "rerank", "embed",
                    *[f"many-{i}" for i in range(5)]]
     assert len({a["id"] for a in answers}) == len(answers) and all(a["id"].startswith("batch_req_") for a in answers)
     ok = {a["custom_id"]: a for a in answers if a["error"] is None and a["response"]["status_code"] == 200}
-    assert set(ok) == {"chat", "completion", "rerank", *[f"many-{i}" for i in range(5)]}
+    assert set(ok) == {"chat", "completion", "rerank", "embed", *[f"many-{i}" for i in range(5)]}
     chat = ok["chat"]["response"]
     assert chat["body"]["object"] == "chat.completion" and chat["request_id"] == chat["body"]["id"]
     assert len(ok["completion"]["response"]["body"]["choices"]) == 2
     assert sorted(r["index"] for r in ok["rerank"]["response"]["body"]["results"]) == [0, 1]
+    # (an embeddings body holds no id: its request's, as the server's x-request-id says)
+    assert ok["embed"]["response"]["request_id"].startswith("embd-")
 
 
 def test_errors_are_answered_as_the_server_would(answers):

@@ -39,8 +39,14 @@ def _line_error(custom_id: Any, code: str, message: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-def _answer(custom_id: Any, status: int, body: dict) -> dict:
-    request_id = body.get("id") if status == 200 and isinstance(body.get("id"), str) else _new_id("req")
+def _answer(custom_id: Any, status: int, body: dict, request_id: str | None = None) -> dict:
+    """`request_id`: the answered request's id, as the server's `x-request-id` carries it (an
+    embeddings body holds none of its own); errors get a fresh one."""
+    if status != 200:
+        request_id = _new_id("req")
+    elif isinstance(body.get("id"), str):
+        request_id = body["id"]
+    request_id = request_id or _new_id("req")
     return {"id": _new_id("batch_req"), "custom_id": custom_id,
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
@@ -104,6 +110,7 @@ def _run_window(core, runner, router, batch: list[tuple[int, str]]) -> list[dict
             continue
         queued.append((place, custom_id))
     parts: list[list[bytes]] = [[] for _ in prepared]
+    ids = [p.id for p in prepared]
     with contextlib.closing(run_to_end(core, runner, prepared)) as outputs:
         for i, data, finished, error in outputs:
             place, custom_id = queued[i]
@@ -115,5 +122,5 @@ def _run_window(core, runner, router, batch: list[tuple[int, str]]) -> list[dict
                 continue
             parts[i].append(data)
             if finished:
-                out[place] = _answer(custom_id, 200, orjson.loads(b"".join(parts[i])))
+                out[place] = _answer(custom_id, 200, orjson.loads(b"".join(parts[i])), ids[i])
     return [line for line in out if line is not None]

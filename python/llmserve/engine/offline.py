@@ -88,7 +88,7 @@ class Result:
         """Every choice as vLLM's `RequestOutput.outputs` holds it (`outputs[0].text`)."""
         prompt_tokens = self.usage.get("prompt_tokens", 0)
         return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
-                                 c.get("token_ids") or [], cumulative_logprob(c.get("logprobs"), prompt_tokens),
+                                 c.get("token_ids"), cumulative_logprob(c.get("logprobs"), prompt_tokens),
                                  None if self.token_text is None
                                  else token_logprobs(c.get("logprobs"), prompt_tokens, self.token_text))
                 for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
@@ -231,7 +231,7 @@ class LLM:
         tokenizer = self.get_tokenizer()
         outputs = []
         for result in results:
-            seqs = [(result.prompt_token_ids or []) + out.token_ids for out in result.outputs]
+            seqs = [(result.prompt_token_ids or []) + (out.token_ids or []) for out in result.outputs]
             outputs.append(BeamSearchOutput([
                 BeamSearchSequence(tokens, text, out.cumulative_logprob or 0.0, out.finish_reason, out.stop_reason)
                 for tokens, text, out in zip(seqs, tokenizer.batch_decode(seqs), result.outputs)]))

@@ -10,7 +10,7 @@ validated, and reported when it does nothing, exactly as a request to the server
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 # vLLM's fields that shape its own outputs or callbacks, not the tokens: sent only when they
@@ -88,7 +88,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class CompletionOutput:
     """One choice, as vLLM's `CompletionOutput` names it: its `text`, `token_ids` (when the
-    request returned them: always under `SamplingParams`), `finish_reason`, `stop_reason`
+    request returned them: always under `SamplingParams`; else None), `finish_reason`, `stop_reason`
     (the stop string or token id that ended it, if one did), `cumulative_logprob`, the sum
     of its tokens' logprobs when the request asked for logprobs (else None, as in vLLM), and
     `logprobs`, vLLM's per-token form of them when `SamplingParams.logprobs` asked (else None):
@@ -101,7 +101,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     stop_reason: str | int | None = None
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
 

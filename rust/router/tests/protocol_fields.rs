@@ -227,7 +227,7 @@ fn beam_search_is_checked_against_what_it_cannot_honour() {
 
 /// vLLM's chat `echo`: the reply's content starts with the last message's when that one is
 /// the assistant's (a continued final message, read whole); its parts joined with newlines;
-/// nothing otherwise. Beside a tool-call or reasoning parser, whose content is what they leave
+/// nothing otherwise (`echo` reported). Beside a tool-call or reasoning parser, whose content is what they leave
 /// of the output, a 400.
 #[test]
 fn chat_echo_starts_the_content_with_the_last_assistant_message() {
@@ -239,7 +239,9 @@ fn chat_echo_starts_the_content_with_the_last_assistant_message() {
     assert_eq!(chat(&r, cont(json!("hello world"))).unwrap().echo_message.as_deref(), Some("hello world"));
     let parts = json!([{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]);
     assert_eq!(chat(&r, cont(parts)).unwrap().echo_message.as_deref(), Some("hello\nworld"));
-    assert_eq!(chat(&r, json!({"echo": true})).unwrap().echo_message, None, "the last message is the user's");
+    let user_last = chat(&r, json!({"echo": true})).unwrap();
+    assert_eq!(user_last.echo_message, None, "the last message is the user's");
+    assert_eq!(header(&user_last, "llmserve-ignored-fields"), Some("echo"), "nothing to start the reply with");
     assert_eq!(chat(&r, json!({"echo": false})).unwrap().echo_message, None);
     let p = chat(&r, cont(json!("hello world"))).unwrap();
     assert_eq!(header(&p, "llmserve-ignored-fields"), None);

@@ -63,6 +63,12 @@ fn errors_and_reported_fields_name_the_fields_sent() {
     let strict = router_with(json!({"tool_call_format": "hermes", "strict_fields": true}), Some(TEMPLATE));
     let f = json!({"name": "f", "parameters": {"type": "object"}, "x": 1});
     assert_eq!(shape(chat(&strict, json!({"functions": [f]}))).2.as_deref(), Some("functions[0].x"));
+    // functions a template never shows: refused as `functions`, never as the
+    // `parallel_tool_calls: false` the translation added
+    let unread = router_with(json!({"strict_fields": true}), Some(THINK_TEMPLATE));
+    let err = chat(&unread, json!({"functions": [weather()]})).expect_err("strict");
+    assert_eq!(err.param(), Some("functions"));
+    assert!(err.message().starts_with("`functions` would have no effect"), "{}", err.message());
 }
 
 #[test]

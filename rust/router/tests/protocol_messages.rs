@@ -159,8 +159,15 @@ fn errors_are_named_in_the_messages_terms() {
     assert_eq!(err(json!({"stop_sequences": "c"})), bad("invalid_type", "stop_sequences"));
     assert_eq!(err(json!({"stop_sequences": ["c", 3]})), bad("invalid_type", "stop_sequences[1]"));
     assert_eq!(
-        err(json!({"messages": [{"role": "system", "content": "a"}]})),
+        err(json!({"messages": [{"role": "developer", "content": "a"}]})),
         bad("invalid_value", "messages[0].role")
+    );
+    // (a system message is a turn of the conversation, but not one to answer alone)
+    assert_eq!(err(json!({"messages": [{"role": "system", "content": "a"}]})), bad("invalid_value", "messages"));
+    let tool_use = json!({"type": "tool_use", "id": "t", "name": "get_weather", "input": {}});
+    assert_eq!(
+        err(json!({"messages": [{"role": "system", "content": [tool_use]}, {"role": "user", "content": "a"}]})),
+        bad("invalid_value", "messages[0].content[0].type")
     );
     assert_eq!(
         err(json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]})),
@@ -402,8 +409,29 @@ fn fields_without_effect_are_reported_in_the_messages_terms() {
     let beams = json!({"messages": [{"role": "user", "content": "hi"}], "use_beam_search": true,
                        "thinking": {"type": "enabled", "budget_tokens": 5}});
     assert_eq!(shape(messages(&thinks, beams)), (400, "unsupported_parameter", Some("thinking.budget_tokens".into())));
+    // asked for, but without effect here: `store` (no message is stored), citations in
+    // `system`, a disabled thinking's budget, a `user` that `metadata.user_id` replaces
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let cite = json!([{"type": "char_location", "cited_text": "x", "document_index": 0, "start_char_index": 0,
+                       "end_char_index": 1}]);
+    let p = messages(
+        &r,
+        json!({"messages": hi, "store": true, "system": [{"type": "text", "text": "Be nice.", "citations": cite}],
+               "thinking": {"type": "disabled", "budget_tokens": 2048}, "metadata": {"user_id": "a"}, "user": "b"}),
+    )
+    .unwrap();
+    assert_eq!(header(&p, "llmserve-ignored-fields"), Some("store, system[0].citations, thinking.budget_tokens, user"));
+    assert_eq!(
+        header(&messages(&r, json!({"messages": hi, "store": false})).unwrap(), "llmserve-ignored-fields"),
+        None
+    );
     // strict field checking refuses them, by their Messages name
     let strict = router_with(json!({"strict_fields": true}), Some(TEMPLATE));
+    // (in its words too: `disable_parallel_tool_use` is the field sent, `parallel_tool_calls` chat's)
+    let serial = json!({"messages": hi, "tool_choice": {"type": "none", "disable_parallel_tool_use": true}});
+    let err = messages(&strict, serial).expect_err("strict");
+    assert_eq!(err.param(), Some("tool_choice.disable_parallel_tool_use"));
+    assert!(!err.message().contains("parallel_tool_calls"), "{}", err.message());
     assert_eq!(
         shape(messages(&strict, json!({"messages": [{"role": "user", "content": "hello"}], "metadata": {"a": "b"}}))),
         (400, "unsupported_parameter", Some("metadata.a".into()))
@@ -612,6 +640,28 @@ fn tool_calls_are_tool_use_blocks_streamed_or_not() {
     // the arguments came as pieces of JSON
     let pieces = evs.iter().filter(|(_, e)| e["delta"]["type"] == "input_json_delta").count();
     assert!(pieces >= 2, "{evs:?}");
+}
+
+#[test]
+fn a_system_message_is_a_system_turn_where_it_stands() {
+    // (the anthropic SDK's `SystemMessageParam`)
+    let r = hermes();
+    let sent = messages(
+        &r,
+        json!({"system": "s", "messages": [{"role": "system", "content": [{"type": "text", "text": "t"}]},
+                                           {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                           {"role": "system", "content": "c"}, {"role": "user", "content": "d"}]}),
+    )
+    .unwrap();
+    let chat = chat_of(
+        &r,
+        json!({"max_completion_tokens": 4, "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "s"}, {"type": "text", "text": "t"}]},
+            {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "system", "content": "c"}, {"role": "user", "content": "d"}]}),
+    );
+    assert_eq!(sent.prompt_texts, chat.prompt_texts);
+    assert_eq!(sent.prompts, chat.prompts);
 }
 
 #[test]

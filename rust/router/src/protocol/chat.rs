@@ -1113,7 +1113,7 @@ pub(crate) fn path_safe(id: &str) -> bool {
 /// does not.
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
-    let checked = prepare_value(router, &value, header_id)?;
+    let checked = prepare_for(router, &value, header_id, false, router.config.strict_fields)?;
     check_tool_turns(&value["messages"])?;
     Ok(checked)
 }
@@ -1183,28 +1183,39 @@ fn unanswered(open: Option<OpenCalls>) -> Result<(), ApiError> {
     }
 }
 
-/// `prepare` of a body already parsed (the Responses route builds one). OpenAI's deprecated
-/// `functions`, `function_call` and `function` messages are read as the tools they became
-/// ([`super::functions`]).
+/// `prepare` of a chat body that another route translated its request into (Responses,
+/// Anthropic Messages). OpenAI's deprecated `functions`, `function_call` and `function`
+/// messages are read as the tools they became ([`super::functions`]). Fields without effect
+/// are reported, never refused here, whatever `--strict-fields` says: the caller settles them
+/// (`settle_ignored`) in its own request's terms, leaving out the fields its translation made.
 pub(crate) fn prepare_value(router: &Router, value: &Value, header_id: Option<&str>) -> Result<Checked, ApiError> {
-    prepare_for(router, value, header_id, false)
+    prepare_for(router, value, header_id, false, false)
 }
 
 /// `prepare_value` of a request whose prompt is only counted (Anthropic's
 /// `/v1/messages/count_tokens`, `/v1/responses/input_tokens`): a prompt longer than the
 /// context is counted too, since that count is what a client asks for to trim it.
 pub(crate) fn prepare_to_count(router: &Router, value: &Value) -> Result<Checked, ApiError> {
-    prepare_for(router, value, None, true)
+    prepare_for(router, value, None, true, false)
 }
 
-fn prepare_for(router: &Router, value: &Value, header_id: Option<&str>, counting: bool) -> Result<Checked, ApiError> {
+/// `strict`: fields without effect are a 400 (`--strict-fields`), named as the client sent
+/// them.
+fn prepare_for(
+    router: &Router,
+    value: &Value,
+    header_id: Option<&str>,
+    counting: bool,
+    strict: bool,
+) -> Result<Checked, ApiError> {
     let Some(legacy) = super::functions::translate(value)? else {
-        return prepare_chat(router, value, value, header_id, counting);
+        return prepare_chat(router, value, value, header_id, counting, strict);
     };
-    let ours = settle_ignored(legacy.reported.clone(), router.config.strict_fields)?;
+    // (settled once renamed: the tools' `parallel_tool_calls: false` is ours, not the client's)
     let mut checked =
-        prepare_chat(router, &legacy.body, value, header_id, counting).map_err(|e| legacy.rename_error(e))?;
-    let ignored = checked.ignored.iter().filter_map(|p| legacy.rename_reported(p)).chain(ours).collect();
+        prepare_chat(router, &legacy.body, value, header_id, counting, false).map_err(|e| legacy.rename_error(e))?;
+    let renamed = checked.ignored.iter().filter_map(|p| legacy.rename_reported(p));
+    let ignored = settle_ignored(legacy.reported.iter().cloned().chain(renamed).collect(), strict)?;
     checked.report(ignored);
     if legacy.functions {
         if let Some(tools) = checked.prepared.tools.as_mut() {
@@ -1215,13 +1226,15 @@ fn prepare_for(router: &Router, value: &Value, header_id: Option<&str>, counting
 }
 
 /// `prepare_value` of a chat request in today's terms; `sent` is the body as the client sent
-/// it (what `store: true` keeps); `counting`: its prompt is only counted (no context budget).
+/// it (what `store: true` keeps); `counting`: its prompt is only counted (no context budget);
+/// `strict`: fields without effect are a 400.
 fn prepare_chat(
     router: &Router,
     value: &Value,
     sent: &Value,
     header_id: Option<&str>,
     counting: bool,
+    strict: bool,
 ) -> Result<Checked, ApiError> {
     let common: CommonFields = from_value(value)?;
     let chat: ChatFields = from_value(value)?;
@@ -1315,7 +1328,8 @@ fn prepare_chat(
     // is the call, never the text a response_format (or structured_outputs) shapes (OpenAI
     // accepts both).
     let no_calls = unused_tools || matches!(auto, AutoShape::NoCalls);
-    if chat.parallel_tool_calls.is_some() && (chat.tools.is_none() || !with_tools || no_calls) {
+    // (`true`, OpenAI's default, asks for nothing where no call is made)
+    if chat.parallel_tool_calls == Some(false) && (chat.tools.is_none() || !with_tools || no_calls) {
         ignored.push("parallel_tool_calls".into());
     }
     // (with the tools reported, the choice between calling them and answering is no choice)
@@ -1392,7 +1406,11 @@ fn prepare_chat(
     check_unused_kwargs(&rendered.unused_kwargs, config.strict_fields)?;
     ignored.extend(unused_kwarg_fields(&rendered.unused_kwargs));
     let prediction = prediction_ids(router, chat.prediction.as_ref(), &mut ignored)?;
-    let ignored = settle_ignored(ignored, config.strict_fields)?;
+    // (vLLM's `echo` starts the reply with the last message only when it is the assistant's)
+    if chat.echo == Some(true) && echo_message(&chat.messages).is_none() {
+        ignored.push("echo".into());
+    }
+    let ignored = settle_ignored(ignored, strict)?;
     let (mut tools, tool_grammar) =
         if with_tools { tool_plan(router, &chat, template, &forced, allowed.as_deref())? } else { (None, None) };
     let mut requested = c.constraint;

@@ -162,18 +162,13 @@ impl Conversation {
         let obj = as_object(m, p.clone(), "Each message")?;
         self.ignored.extend(unknown_keys_in(obj, &["role", "content"], &p));
         let role = require_str(obj, "role", &p)?;
-        match role {
-            "user" | "assistant" => {}
-            "system" => return Err(ApiError::invalid(
+        // (a `system` message, the anthropic SDK's `SystemMessageParam`, is a system turn where
+        // it stands; right after the top-level `system`, one turn with it)
+        if !matches!(role, "user" | "assistant" | "system") {
+            return Err(ApiError::invalid(
                 format!("{p}.role"),
-                "Messages have the role \"user\" or \"assistant\": send the system prompt as the top-level `system`.",
-            )),
-            other => {
-                return Err(ApiError::invalid(
-                    format!("{p}.role"),
-                    format!("Unknown role {other:?}: expected \"user\" or \"assistant\"."),
-                ))
-            }
+                format!("Unknown role {role:?}: expected \"user\", \"assistant\" or \"system\"."),
+            ));
         }
         match obj.get("content") {
             None => Err(missing(format!("{p}.content"))),
@@ -212,12 +207,12 @@ impl Conversation {
         let obj = as_object(b, bp.to_string(), "Each content block")?;
         let kind = require_str(obj, "type", bp)?;
         let assistant = role == "assistant";
+        if role == "system" && kind != "text" {
+            return Err(ApiError::invalid(format!("{bp}.type"), "System messages hold text blocks only."));
+        }
         match kind {
             "text" => {
-                self.ignored.extend(block_keys(obj, &TEXT_KEYS, bp)?);
-                if set(obj, "citations").is_some_and(|c| c.as_array().is_none_or(|a| !a.is_empty())) {
-                    self.ignored.push(format!("{bp}.citations"));
-                }
+                self.ignored.extend(text_block_keys(obj, bp)?);
                 let text = require_str(obj, "text", bp)?;
                 let at = self.turn(role, p);
                 self.text(at, text, bp.to_string());
@@ -466,6 +461,16 @@ impl Origin {
     }
 }
 
+/// The keys of a text block (at `bp`) that mean nothing here: unknown ones, and its
+/// `citations` unless null or empty (no answer cites).
+fn text_block_keys(obj: &Map<String, Value>, bp: &str) -> Result<Vec<String>, ApiError> {
+    let mut out = block_keys(obj, &TEXT_KEYS, bp)?;
+    if set(obj, "citations").is_some_and(|c| c.as_array().is_none_or(|a| !a.is_empty())) {
+        out.push(format!("{bp}.citations"));
+    }
+    Ok(out)
+}
+
 /// The chat messages of `system` and `messages`.
 fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
     let mut conv = Conversation::default();
@@ -488,7 +493,7 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
                 if require_str(b, "type", &bp)? != "text" {
                     return Err(ApiError::invalid(format!("{bp}.type"), "System blocks have type \"text\"."));
                 }
-                conv.ignored.extend(block_keys(b, &TEXT_KEYS, &bp)?);
+                conv.ignored.extend(text_block_keys(b, &bp)?);
                 let text = require_str(b, "text", &bp)?;
                 conv.text(0, text, bp);
             }
@@ -508,6 +513,12 @@ fn conversation(obj: &Map<String, Value>) -> Result<Conversation, ApiError> {
             }
             for (i, m) in list.iter().enumerate() {
                 conv.message(i, m)?;
+            }
+            if list.iter().all(|m| m["role"] == "system") {
+                return Err(ApiError::invalid(
+                    "messages",
+                    "`messages` must hold a user or assistant message: system messages alone are nothing to answer.",
+                ));
             }
         }
         Some(other) => {
@@ -750,7 +761,12 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
     if set(obj, "include_reasoning").is_some_and(|v| *v != Value::Bool(true)) {
         ignored.push("include_reasoning".into());
     }
-    const OWN: [&str; 14] = [
+    // (OpenAI's stored completions are chat's: a message is not stored)
+    if set(obj, "store").is_some_and(|v| *v != Value::Bool(false)) {
+        ignored.push("store".into());
+    }
+    const OWN: [&str; 15] = [
+        "store",
         "include_reasoning",
         "messages",
         "system",
@@ -797,7 +813,10 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         match set(m, "user_id") {
             None => {}
             Some(Value::String(id)) => {
-                chat.insert("user".into(), Value::String(id.clone()));
+                // (a top-level `user`, vLLM's field, is what the request is logged by otherwise)
+                if chat.insert("user".into(), Value::String(id.clone())).is_some() {
+                    ignored.push("user".into());
+                }
             }
             Some(other) => {
                 return Err(invalid_type(
@@ -869,7 +888,8 @@ fn thinking_ignored(obj: &Map<String, Value>, reasoning: bool, switched: bool) -
     }
     match kind {
         "disabled" if reasoning && !switched => out.push("thinking".into()),
-        "disabled" => {}
+        // (a disabled config has only its `type`: a budget or display for it asks for nothing)
+        "disabled" => out.extend(["budget_tokens", "display"].iter().filter(|k| set(t, k).is_some()).map(|k| format!("thinking.{k}"))),
         "enabled" | "adaptive" | "between_tools" if !reasoning => out.push("thinking".into()),
         "enabled" | "adaptive" | "between_tools" => {
             // (`budget_tokens` bounds the thinking: see `thinking_budget`)
@@ -949,6 +969,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     }
 
     ignored.extend(checked.ignored.iter().flat_map(|p| conv.reported(p)));
+    let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
     checked.adopt(ignored, Endpoint::Messages, "msg", named);
     Ok(checked)

@@ -1285,6 +1285,7 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     }
     let chat_ignored = checked.ignored.iter().filter(|p| !origins.added.contains(p));
     let all: Vec<String> = chat_ignored.flat_map(|p| origins.rename_reported(p)).chain(ignored).collect();
+    let all = settle_ignored(all, router.config.strict_fields)?;
     let named = obj.get("request_id").is_some_and(Value::is_string) || header_id.is_some();
     checked.adopt(all, Endpoint::Responses, "resp", named);
     let prepared = &mut checked.prepared;
