@@ -814,9 +814,8 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
             None => {}
             Some(Value::String(id)) => {
                 // (a top-level `user`, vLLM's field, is what the request is logged by otherwise)
-                if chat.insert("user".into(), Value::String(id.clone())).is_some() {
-                    ignored.push("user".into());
-                }
+                let replaced = chat.insert("user".into(), Value::String(id.clone()));
+                ignored.extend(replaced.map(|_| "user".to_string()));
             }
             Some(other) => {
                 return Err(invalid_type(
