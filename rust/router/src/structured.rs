@@ -203,10 +203,12 @@ impl GrammarSource {
 
 /// `schema` as its grammar is compiled: llguidance's options for the JSON it generates (fixed
 /// separators and no free whitespace, see the module's NOTE), under any `x-guidance` options
-/// the schema has, and its open integers and fractional seconds bounded
-/// (`schema_edit::bound_values`).
+/// the schema has, its open integers and fractional seconds bounded
+/// (`schema_edit::bound_values`), and the formats the engine does not enforce left out
+/// (`schema_edit::drop_unenforced_formats`).
 pub(crate) fn for_generation(schema: &Value) -> Value {
     let mut schema = schema.clone();
+    crate::protocol::schema_edit::drop_unenforced_formats(&mut schema);
     crate::protocol::schema_edit::bound_values(&mut schema);
     if let Value::Object(obj) = &mut schema {
         let mut opts = json!({
@@ -394,6 +396,7 @@ impl Grammars {
                 self.compile(&GrammarSource::JsonSchema(schema.clone()), at)?;
             }
             let cause = if param == "tools" { without_grammar_position(&first_line(&err)) } else { first_line(&err) };
+            let cause = in_clients_terms(&cause);
             let schemas: Vec<&Value> = source.json_schema().into_iter().chain(&inlined).collect();
             let place = unimplemented_places(&cause, &schemas);
             return Err(ApiError::invalid(
@@ -677,6 +680,24 @@ fn first_line(err: &str) -> String {
     let mut kept: Vec<&str> = lines.iter().take(3).copied().collect();
     kept.extend(lines.iter().skip(3).find(|l| l.trim_start().starts_with("error:")));
     kept.join(" ")
+}
+
+/// llguidance's words for what a schema asks beyond it, in terms a client can act on: it
+/// names an option of its own for `oneOf`, and its size limits in its internal terms.
+fn in_clients_terms(cause: &str) -> String {
+    if cause.contains("oneOf constraints are not supported") {
+        return "`oneOf` is supported only where no value can match two of its branches (as with distinct `const` \
+                tags): the engine cannot hold a value to exactly one of them while generating; send `anyOf` if a \
+                value may match several"
+            .into();
+    }
+    if cause.contains("too big (limit for this grammar") {
+        return format!(
+            "{cause}: the grammar the schema compiles to is larger than the engine holds (optional properties make it \
+             grow fastest: several hundred of them in one object are too many)"
+        );
+    }
+    cause.into()
 }
 
 /// A Lark error without its place in the grammar (`at 3(7): `), which the client never saw.
@@ -1215,6 +1236,36 @@ pub(crate) mod tests {
         let fine = json!({"type": "object", "default": {"pattern": "x("}, "examples": [{"pattern": "("}],
             "properties": {"pattern": {"type": "string", "pattern": r"^\d+\\$"}}});
         assert_eq!(message(fine), None);
+    }
+
+    #[test]
+    fn formats_the_engine_does_not_enforce_are_annotations() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let tok = byte_tokenizer();
+        // (pydantic's SecretStr, bytes; OpenAPI's int64 on a string; JSON Schema's uri-reference)
+        for format in ["password", "binary", "int64", "uri-reference"] {
+            let schema = json!({"type": "object", "properties": {"a": {"type": "string", "format": format}},
+                                "required": ["a"]});
+            let grammar = g.compile(&GrammarSource::JsonSchema(schema), "p").expect(format);
+            assert!(drive(&grammar, &tok, r#"{"a": "x y"}"#).is_stopped(), "{format}");
+        }
+        // the enforced ones still hold
+        let date = json!({"type": "string", "format": "date"});
+        let grammar = g.compile(&GrammarSource::JsonSchema(date), "p").unwrap();
+        assert!(refuses(&grammar, &tok, r#""20x"#));
+        assert!(drive(&grammar, &tok, r#""2024-02-03""#).is_stopped());
+        // a property named "format" is no format
+        let named = json!({"type": "object", "properties": {"format": {"const": "x"}}, "required": ["format"]});
+        let grammar = g.compile(&GrammarSource::JsonSchema(named), "p").unwrap();
+        assert!(drive(&grammar, &tok, r#"{"format": "x"}"#).is_stopped());
+    }
+
+    #[test]
+    fn llguidances_limits_are_told_in_the_clients_terms() {
+        let g = Grammars::new(byte_tokenizer(), vec![0]);
+        let message = |schema: Value| g.compile(&GrammarSource::JsonSchema(schema), "p").err().map(|e| e.message());
+        let one_of = message(json!({"oneOf": [{"type": "integer"}, {"type": "number"}]})).unwrap();
+        assert!(one_of.contains("send `anyOf`") && !one_of.contains("coerce_one_of"), "{one_of}");
     }
 
     #[test]

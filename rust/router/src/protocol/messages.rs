@@ -643,6 +643,8 @@ struct Translated {
     ignored: Vec<String>,
     /// `thinking` switched the template's `enable_thinking` as it asked.
     switched: bool,
+    /// `max_tokens: 0`: the prompt is run to fill the prefix cache, and nothing generated.
+    warm_only: bool,
 }
 
 /// The value `thinking` gives a template's `enable_thinking`, when the template that renders
@@ -795,8 +797,11 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         chat.remove("stream");
     }
     chat.insert("messages".into(), Value::Array(conv.messages.clone()));
+    // (0, Anthropic's way to warm the prompt cache, is prepared as 1 and run as 0: chat takes
+    // no 0)
+    let warm_only = !count && set(obj, "max_tokens") == Some(&json!(0));
     if let Some(max) = set(obj, "max_tokens").filter(|_| !count) {
-        chat.insert("max_completion_tokens".into(), max.clone());
+        chat.insert("max_completion_tokens".into(), if warm_only { json!(1) } else { max.clone() });
     }
     if let Some(stop) = set(obj, "stop_sequences") {
         if !stop.is_array() {
@@ -860,7 +865,7 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         chat.entry("continue_final_message").or_insert(Value::Bool(true));
         chat.entry("add_generation_prompt").or_insert(Value::Bool(false));
     }
-    Ok(Translated { chat: Value::Object(chat), conv, ignored, switched })
+    Ok(Translated { chat: Value::Object(chat), conv, ignored, switched, warm_only })
 }
 
 /// What `thinking` asks for that this request will not do, given whether the model's
@@ -945,7 +950,7 @@ fn anthropic_overflow(err: ApiError) -> ApiError {
 pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> Result<Checked, ApiError> {
     let value = parse_body(body)?;
     let obj = value.as_object().expect("parse_body checks");
-    let Translated { chat, conv, ignored, switched } = translate(router, obj, false)?;
+    let Translated { chat, conv, ignored, switched, warm_only } = translate(router, obj, false)?;
     // ours first: under strict field checking they are the 400
     let mut ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let mut checked = chat::prepare_value(router, &chat, header_id)
@@ -953,6 +958,9 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     // (a grammar that fails while generating is named as this route names its fields)
     if let Some(grammar) = checked.prepared.grammar.as_mut() {
         grammar.rename_param(|p| conv.rename(p));
+    }
+    if warm_only {
+        checked.prepared.params.max_tokens = Some(0);
     }
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);
@@ -979,7 +987,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
 pub(crate) fn count_tokens(router: &Router, body: &[u8]) -> Result<Handled, ApiError> {
     let value = parse_body(body)?;
     let obj = value.as_object().expect("parse_body checks");
-    let Translated { chat, conv, ignored, switched } = translate(router, obj, true)?;
+    let Translated { chat, conv, ignored, switched, .. } = translate(router, obj, true)?;
     let ignored = settle_ignored(ignored, router.config.strict_fields)?;
     let checked = chat::prepare_to_count(router, &chat)
         .map_err(|e| rename_error(e, |p| conv.rename(p), |m, p| conv.words(m, p)))?;

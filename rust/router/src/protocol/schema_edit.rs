@@ -346,6 +346,34 @@ impl Targets {
     }
 }
 
+/// The string `format`s the grammar engine enforces (llguidance's own grammars for them); it
+/// refuses any other (`Unknown format`).
+pub const ENFORCED_FORMATS: [&str; 10] =
+    ["date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"];
+
+/// Leave out of `schema` every `format` the engine does not enforce (`password`, `binary`,
+/// `uri-reference`, `int64`, ...): JSON Schema 2020-12 makes every format an annotation unless a
+/// schema asserts it, and pydantic and OpenAPI write such formats for plain strings
+/// (`SecretStr`, `bytes`, `Path`), so a schema holding one still constrains all it can.
+pub fn drop_unenforced_formats(schema: &mut Value) {
+    match schema {
+        Value::Array(items) => items.iter_mut().for_each(drop_unenforced_formats),
+        Value::Object(obj) => {
+            if obj.get("format").and_then(Value::as_str).is_some_and(|f| !ENFORCED_FORMATS.contains(&f)) {
+                obj.remove("format");
+            }
+            for (key, v) in obj.iter_mut() {
+                match (key.as_str(), v) {
+                    (k, _) if DATA.contains(&k) => {}
+                    (k, Value::Object(map)) if MAPS.contains(&k) => map.values_mut().for_each(drop_unenforced_formats),
+                    (_, v) => drop_unenforced_formats(v),
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 /// JSON's interoperable integer range (RFC 8259 §6) is -`SAFE_INTEGER`..=`SAFE_INTEGER`.
 pub const SAFE_INTEGER: i64 = (1 << 53) - 1;
 
