@@ -102,6 +102,21 @@ def test_stop_sequences_and_max_tokens(client):
     assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)
 
 
+def test_max_tokens_0_warms_the_prompt_cache(client):
+    """Anthropic's `max_tokens: 0` runs the prompt into the cache and generates nothing; the
+    same prompt then reads it from the cache."""
+    long_ask = [{"role": "user", "content": "Tell me, in one word, the colour of the sky at noon on a clear day. " * 6}]
+    warm = client.messages.create(model=MODEL, max_tokens=0, messages=long_ask)
+    assert (warm.content, warm.stop_reason, warm.usage.output_tokens) == ([], "max_tokens", 0)
+    assert warm.usage.input_tokens > 60       # (the template's system prompt may be cached already)
+    events, final = _streamed(client, model=MODEL, max_tokens=0, messages=long_ask)
+    assert (final.content, final.stop_reason) == ([], "max_tokens")
+    assert [e.type for e in events] == ["message_start", "message_delta", "message_stop"]
+    answer = client.messages.create(model=MODEL, max_tokens=2, messages=long_ask)
+    assert answer.usage.cache_read_input_tokens >= warm.usage.cache_read_input_tokens + 48
+    assert _input(answer.usage) == _input(warm.usage)
+
+
 def test_a_last_assistant_message_is_continued(smol, client):
     prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
     m = client.messages.create(model=MODEL, max_tokens=8, messages=prefill, extra_body=GREEDY)
