@@ -80,6 +80,11 @@ def test_request_params_are_observed_as_vllm_names_them():
     assert _value(m, "llmserve:request_params_n_count") == 1
     assert _value(m, "llmserve:request_params_n_sum") == 3
     assert _value(m, "llmserve:request_params_max_tokens_count") == 3
+    # completions' best_of 4 for n 1: four candidates ran (and count), n is what was asked
+    m.on_finish(reason="stop", prompt_lens=[5], submitted=0.0, scheduled=0.1, first_token=0.2, finished=0.5,
+                n=4, returned_n=1, ends=[("stop", 1)] * 4)
+    assert _value(m, "llmserve:request_params_n_sum") == 4
+    assert _value(m, "llmserve:request_success_total", finished_reason="stop") == 7
 
 
 def test_time_per_output_token_is_per_choice():

@@ -83,6 +83,7 @@ class RequestStream:
         self.user: str | None = prepared.user
         self.prompt_tokens: int = prepared.prompt_tokens
         self.n: int = prepared.n
+        self.returned_n: int = prepared.returned_n     # (fewer than n under best_of)
         # per prompt (a completions list has several; each has n choices)
         self.prompt_lens: list[int] = prepared.prompt_lens
         self.max_tokens: int | None = prepared.max_tokens
@@ -571,7 +572,8 @@ class AsyncEngine:
         self._open.discard(stream)
         self.metrics.on_finish(reason=reason, prompt_lens=stream.prompt_lens, submitted=stream.submitted,
                                scheduled=stream.scheduled, first_token=stream.first_token,
-                               finished=time.perf_counter(), n=stream.n, max_tokens=stream.max_tokens, ends=ends)
+                               finished=time.perf_counter(), n=stream.n, returned_n=stream.returned_n,
+                               max_tokens=stream.max_tokens, ends=ends)
 
     @staticmethod
     def _first_scheduled(streams: list, when: float) -> None:

@@ -261,7 +261,7 @@ class Metrics:
     def on_finish(self, *, reason: str, prompt_lens: list[int], submitted: float,
                   scheduled: float | None, first_token: float | None, finished: float,
                   n: int = 1, max_tokens: int | None = None,
-                  ends: list[tuple[str, int]] | None = None) -> None:
+                  ends: list[tuple[str, int]] | None = None, returned_n: int | None = None) -> None:
         """A request ended: `reason` is "abort" when its client left, "error" when it failed,
         else its first choice's finish reason. `prompt_lens` holds each prompt's tokens (a
         completions list has several, each answered by `n` choices); `ends` each choice's
@@ -272,8 +272,10 @@ class Metrics:
 
         vLLM runs each choice of each prompt as a request of its own, so the counts by
         request (request_success, the prompt and generation tokens per request, and
-        max_tokens) count each choice; n and the longest choice, which vLLM observes once per
-        prompt, are observed per prompt. The latency histograms count the request once: its
+        max_tokens) count each choice (`n` per prompt: the sequences run, completions' `best_of`
+        candidates too); n and the longest choice, which vLLM observes once per prompt, are
+        observed per prompt (n as the request asked: `returned_n`, fewer than run under
+        `best_of`). The latency histograms count the request once: its
         choices share one queue, one schedule and one end."""
         sequences = len(prompt_lens) * n
         if reason == "abort":
@@ -290,7 +292,7 @@ class Metrics:
             for _ in range(sequences):
                 self.params_max_tokens.observe(max_tokens)
         for p in range(len(prompt_lens)):
-            self.params_n.observe(n)
+            self.params_n.observe(n if returned_n is None else returned_n)
             if ends:
                 self.request_max_generation.observe(max(t for _, t in ends[p * n:(p + 1) * n]))
         self.e2e.observe(finished - submitted)

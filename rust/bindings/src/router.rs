@@ -422,10 +422,16 @@ impl PyPrepared {
     fn prompt_token_ids(&self) -> PyResult<Vec<Vec<u32>>> {
         Ok(self.get()?.prompts.clone())
     }
-    /// Choices per prompt (`n`).
+    /// Sequences run per prompt (`n`, or completions' `best_of` above it).
     #[getter]
     fn n(&self) -> PyResult<u32> {
         Ok(self.get()?.params.n)
+    }
+    /// Choices returned per prompt (the request's `n`: fewer than run under `best_of`).
+    #[getter]
+    fn returned_n(&self) -> PyResult<u32> {
+        let p = self.get()?;
+        Ok(p.best_of.map_or(p.params.n, |b| b.n))
     }
     /// The sequences it queues: one per prompt and distinct choice (greedy choices run once).
     #[getter]
