@@ -534,12 +534,33 @@ fn chat_logprobs() {
 #[test]
 fn tools_and_tool_choice() {
     let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+    let object_enum = json!({"type": "function", "function": {"name": "f", "parameters": {"enum": [{"a": 1}]}}});
+    assert!(chat(&router(), json!({"tools": [object_enum]})).is_ok(), "an enum of objects admits arguments");
     let named = |name: &str| json!({"type": "function", "function": {"name": name}});
     let allowed = |mode: Value, tools: Value| json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}});
     let at = |rest: &str| p(&format!("tool_choice.allowed_tools{rest}"));
     check_chat(vec![
         (json!({"tools": []}), 400, "invalid_value", p("tools")),
         (json!({"tools": {}}), 400, "invalid_type", p("tools")),
+        // arguments are an object: a schema that admits none is refused by name, typed or not
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.parameters"),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": ["a", "b"]}}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.parameters"),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"const": 3}}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.parameters"),
+        ),
         (json!({"tool_choice": "auto"}), 400, "invalid_value", p("tool_choice")),
         (json!({"tool_choice": "none"}), 400, "invalid_value", p("tool_choice")),
         (json!({"tools": [tool], "tool_choice": "sometimes"}), 400, "invalid_value", p("tool_choice")),

@@ -710,6 +710,19 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                     ),
                 ));
             }
+            // (an `enum` or `const` of no object, without a `type`, admits no arguments either)
+            let values = params
+                .get("enum")
+                .and_then(Value::as_array)
+                .cloned()
+                .or_else(|| Some(vec![params.get("const")?.clone()]));
+            if values.is_some_and(|v| !v.is_empty() && v.iter().all(|x| !x.is_object())) {
+                return Err(ApiError::invalid(
+                    format!("{p}.function.parameters"),
+                    "`parameters` must be a JSON Schema of JSON objects: its `enum` or `const` holds none, and arguments \
+                     are a JSON object.",
+                ));
+            }
             if params.is_object() {
                 super::schema_check::check_schema(params).map_err(|e| {
                     ApiError::invalid(format!("{p}.function.parameters"), format!("Invalid JSON Schema: {e}."))
