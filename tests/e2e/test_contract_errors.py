@@ -248,3 +248,13 @@ def test_compressed_bodies_are_decoded_and_bounded_after_decoding(tiny_server):
     err = _error(httpx.post(tiny_server.url + "/tokenize", content=bomb,
                             headers={"content-type": "application/json", "content-encoding": "gzip"}), 413)
     assert err["code"] == "request_too_large"
+    # the work is bounded too: at most two codings (each may inflate to the limit), and many
+    # small members inflate in time proportional to the body (it was the square of it)
+    err = _error(httpx.post(tiny_server.url + "/v1/completions", content=gzip.compress(gzip.compress(body)),
+                            headers={"content-type": "application/json", "content-encoding": "gzip, gzip, gzip"}),
+                 400)
+    assert err["code"] == "unsupported_media_type" and "at most 2" in err["message"]
+    members = gzip.compress(body, mtime=0) + gzip.compress(b"", mtime=0) * 200_000
+    r = httpx.post(tiny_server.url + "/v1/completions", content=members, timeout=60,
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 200, r.text

@@ -79,7 +79,11 @@ async def read_body(request: Request) -> bytes:
     body = b"".join(parts)
     # (several field lines are one list, RFC 9110 5.3)
     encoding = ",".join(request.headers.getlist("content-encoding"))
-    return _decode(body, encoding, limit) if encoding else body
+    if not encoding:
+        return body
+    # (inflating takes time in proportion to the body, off the event loop that answers every
+    # other request)
+    return await asyncio.to_thread(_decode, body, encoding, limit)
 
 
 # Content-Encoding -> zlib's wbits: gzip, and HTTP's "deflate" (zlib-wrapped; a raw deflate
@@ -87,17 +91,26 @@ async def read_body(request: Request) -> bytes:
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
+# The most codings a body may carry: each is inflated up to --max-body-bytes, so their number
+# bounds the work (a client compresses once; a proxy may add one).
+MAX_CODINGS = 2
+
+
 def _decode(body: bytes, content_encoding: str, limit: int) -> bytes:
     """The body with its Content-Encoding undone (the codings are listed in the order they
     were applied); --max-body-bytes bounds the decoded size too, checked as it inflates, so a
     small compressed bomb is refused with 413 and never held whole."""
-    for coding in reversed([c.strip().lower() for c in content_encoding.split(",")]):
-        if coding in ("", "identity"):
-            continue
+    codings = [c for c in (c.strip().lower() for c in content_encoding.split(",")) if c not in ("", "identity")]
+    for coding in codings:
         if coding not in _WBITS:
             raise Router.error("unsupported_media_type",
                                f"Unsupported Content-Encoding {coding!r}: send the body as is, "
                                f"gzip or deflate.")
+    if len(codings) > MAX_CODINGS:
+        raise Router.error("unsupported_media_type",
+                           f"A body may carry at most {MAX_CODINGS} content codings; this one lists "
+                           f"{len(codings)} (Content-Encoding: {content_encoding[:100]!r}).")
+    for coding in reversed(codings):
         body = _inflate(body, coding, limit)
     return body
 
@@ -112,24 +125,35 @@ def _inflate(body: bytes, coding: str, limit: int) -> bytes:
                        param="body")
 
 
+# Compressed bytes handed to the inflater at a time: what it leaves unused past a member's end
+# (copied out by zlib) is at most this, so many small members cost time in proportion to the
+# body, not to its square.
+_INFLATE_WINDOW = 64 * 1024
+
+
 def _inflate_members(data: bytes, wbits: int, limit: int) -> bytes | None:
     """Every member of `data` inflated and joined (gzip allows several, RFC 1952 2.2; zero
     padding after the last is ignored, as gzip(1) does); None if it is not such data."""
-    parts, size = [], 0
+    view = memoryview(data)
+    parts, size, at = [], 0, 0
     while True:
         inflater = zlib.decompressobj(wbits)
-        try:
-            out = inflater.decompress(data, limit + 1 - size)
-        except zlib.error:
-            return None
-        size += len(out)
-        if size > limit:
-            raise Router.error("payload_too_large", limit=limit)
-        if not inflater.eof:
-            return None
-        parts.append(out)
-        data = inflater.unused_data
-        if not data.strip(b"\0"):
+        while not inflater.eof:
+            if at >= len(view):
+                return None               # (the data ends inside a member)
+            chunk = view[at:at + _INFLATE_WINDOW]
+            try:
+                out = inflater.decompress(chunk, limit + 1 - size)
+                while inflater.unconsumed_tail and not inflater.eof and size + len(out) <= limit:
+                    out += inflater.decompress(inflater.unconsumed_tail, limit + 1 - size - len(out))
+            except zlib.error:
+                return None
+            size += len(out)
+            if size > limit:
+                raise Router.error("payload_too_large", limit=limit)
+            parts.append(out)
+            at += len(chunk) - len(inflater.unused_data) - len(inflater.unconsumed_tail)
+        if at == len(view) or not any(view[at:]):
             return b"".join(parts)
         if wbits != _WBITS["gzip"]:  # only gzip has members
             return None
