@@ -8,6 +8,8 @@
 //! judge keywords it does not know (the llguidance compiler decides what it can enforce when a
 //! schema becomes a grammar).
 
+use std::cell::RefCell;
+
 use serde_json::{Map, Value};
 
 const TYPES: [&str; 7] = ["object", "array", "string", "number", "integer", "boolean", "null"];
@@ -27,10 +29,16 @@ const BOUNDS: [&str; 2] = ["exclusiveMinimum", "exclusiveMaximum"];
 
 /// Ok, or what is wrong and where (a JSON-pointer-like path inside the schema).
 pub(crate) fn check_schema(root: &Value) -> Result<(), String> {
-    walk(root, root, "")
+    walk(root, &Root { value: root, loops: RefCell::default() }, "")
 }
 
-fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
+/// The schema checked, and which of its refs loop (each followed once).
+struct Root<'a> {
+    value: &'a Value,
+    loops: RefCell<super::schema_edit::RefLoops>,
+}
+
+fn walk(schema: &Value, root: &Root<'_>, at: &str) -> Result<(), String> {
     let obj = match schema {
         Value::Bool(_) => return Ok(()),
         Value::Object(o) => o,
@@ -80,10 +88,10 @@ fn walk(schema: &Value, root: &Value, at: &str) -> Result<(), String> {
         let Some(r) = r.as_str() else { return Err(format!("{}/$ref must be a string", here(at))) };
         // Only JSON-pointer fragments are checked ("#foo" names an $anchor; other documents are
         // not fetched).
-        if (r == "#" || r.starts_with("#/")) && root.pointer(&percent_decoded(&r[1..])).is_none() {
+        if (r == "#" || r.starts_with("#/")) && root.value.pointer(&percent_decoded(&r[1..])).is_none() {
             return Err(format!("{}/$ref {r:?} points at nothing in the schema", here(at)));
         }
-        if super::schema_edit::ref_loops(root, r) {
+        if root.loops.borrow_mut().loops(root.value, r) {
             return Err(format!("{}/$ref {r:?} leads only through refs back to itself: no value matches it", here(at)));
         }
     }
@@ -136,7 +144,7 @@ pub(crate) fn percent_decoded(fragment: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn each(items: &[Value], root: &Value, at: &str) -> Result<(), String> {
+fn each(items: &[Value], root: &Root<'_>, at: &str) -> Result<(), String> {
     items.iter().enumerate().try_for_each(|(i, s)| walk(s, root, &format!("{at}/{i}")))
 }
 

@@ -34,7 +34,7 @@
 //!   [`MAX_EMAIL_DOMAIN`] after it. (`uri` and `duration` have no such limit to apply; they
 //!   are left as they are.)
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::{Map, Value};
 
@@ -145,30 +145,54 @@ const BESIDE_A_REF: [&str; 10] = [
 /// of them: no value can match it, and a grammar built from it has a dead end (a key whose
 /// value can never start) that generation would run into.
 pub fn ref_loops(root: &Value, reference: &str) -> bool {
-    let mut seen = HashSet::new();
-    let mut at = reference;
-    loop {
-        if !seen.insert(at) {
-            return true;
-        }
-        let Some(target) = at.strip_prefix('#').and_then(|p| root.pointer(p)) else { return false };
-        let pure = target.as_object().is_some_and(|o| o.keys().all(|k| BESIDE_A_REF.contains(&k.as_str())));
-        match target.get("$ref").and_then(Value::as_str) {
-            Some(next) if pure => at = next,
-            _ => return false,
-        }
+    RefLoops::default().loops(root, reference)
+}
+
+/// [`ref_loops`] for many refs of one schema, each ref's answer remembered: a schema's refs
+/// are followed once in all (a chain of n refs to refs took n² steps, minutes for a few MB).
+#[derive(Default)]
+pub struct RefLoops {
+    known: HashMap<String, bool>,
+}
+
+impl RefLoops {
+    /// Whether `reference` leads, in `root`, through schemas that are only refs, back to one
+    /// of them.
+    pub fn loops(&mut self, root: &Value, reference: &str) -> bool {
+        let mut path: Vec<&str> = Vec::new();
+        let mut on_path = HashSet::new();
+        let mut at = reference;
+        let answer = loop {
+            if let Some(&known) = self.known.get(at) {
+                break known;
+            }
+            if !on_path.insert(at) {
+                break true;
+            }
+            path.push(at);
+            let Some(target) = at.strip_prefix('#').and_then(|p| root.pointer(p)) else { break false };
+            let pure = target.as_object().is_some_and(|o| o.keys().all(|k| BESIDE_A_REF.contains(&k.as_str())));
+            match target.get("$ref").and_then(Value::as_str) {
+                Some(next) if pure => at = next,
+                _ => break false,
+            }
+        };
+        // (every ref on the way leads where this one does)
+        self.known.extend(path.into_iter().map(|r| (r.to_string(), answer)));
+        answer
     }
 }
 
 /// The first local `$ref` of `schema` that [`ref_loops`].
 pub fn looping_ref(schema: &Value) -> Option<String> {
-    let mut found = None;
+    let mut refs = Vec::new();
     visit_refs(&mut schema.clone(), &mut |r| {
-        if found.is_none() && r.starts_with('#') && ref_loops(schema, r) {
-            found = Some(r.clone());
+        if r.starts_with('#') {
+            refs.push(r.clone());
         }
     });
-    found
+    let mut loops = RefLoops::default();
+    refs.into_iter().find(|r| loops.loops(schema, r))
 }
 
 /// `schema`, or the schema its local `$ref`s lead to in `root` (a few hops at most; an
@@ -500,6 +524,28 @@ fn holds_keyword(schema: &Value, keywords: &[&str]) -> bool {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A chain of `n` refs to refs, from `a0` to `a{n}`, which is `last`.
+    fn chain(n: usize, last: Value) -> Value {
+        let mut defs: Map<String, Value> =
+            (0..n).map(|i| (format!("a{i}"), json!({"$ref": format!("#/$defs/a{}", i + 1)}))).collect();
+        defs.insert(format!("a{n}"), last);
+        json!({"$ref": "#/$defs/a0", "$defs": defs})
+    }
+
+    #[test]
+    fn refs_that_loop_are_found_along_long_chains() {
+        // (each ref is followed once: 20,000 of them took minutes when each walked its chain)
+        assert_eq!(looping_ref(&chain(20_000, json!({"type": "string"}))), None);
+        let into_a_loop = chain(20_000, json!({"$ref": "#/$defs/a19000"}));
+        assert_eq!(looping_ref(&into_a_loop).as_deref(), Some("#/$defs/a0"));
+        let mut loops = RefLoops::default();
+        assert!(loops.loops(&into_a_loop, "#/$defs/a19500") && loops.loops(&into_a_loop, "#/$defs/a3"));
+        // a ref beside other keywords ends the chain: no loop through it
+        let ended = chain(3, json!({"$ref": "#/$defs/a0", "description": "x", "minLength": 1}));
+        assert_eq!(looping_ref(&ended), None);
+        assert!(ref_loops(&chain(2, json!({"$ref": "#/$defs/a1"})), "#/$defs/a0"));
+    }
 
     #[test]
     fn refs_move_with_the_schema_and_data_is_untouched() {
