@@ -141,15 +141,11 @@ const BESIDE_A_REF: [&str; 10] = [
     "$schema",
 ];
 
-/// Whether the local ref `reference` leads, through schemas that are only refs, back to one
-/// of them: no value can match it, and a grammar built from it has a dead end (a key whose
-/// value can never start) that generation would run into.
-pub fn ref_loops(root: &Value, reference: &str) -> bool {
-    RefLoops::default().loops(root, reference)
-}
-
-/// [`ref_loops`] for many refs of one schema, each ref's answer remembered: a schema's refs
-/// are followed once in all (a chain of n refs to refs took n² steps, minutes for a few MB).
+/// Which local refs of a schema lead, through schemas that are only refs, back to one of them:
+/// no value can match such a ref, and a grammar built from it has a dead end (a key whose
+/// value can never start) that generation would run into. Each ref's answer is remembered, so
+/// a schema's refs are followed once in all (a chain of n refs to refs took n² steps, minutes
+/// for a few MB).
 #[derive(Default)]
 pub struct RefLoops {
     known: HashMap<String, bool>,
@@ -183,7 +179,7 @@ impl RefLoops {
     }
 }
 
-/// The first local `$ref` of `schema` that [`ref_loops`].
+/// The first local `$ref` of `schema` that loops ([`RefLoops`]).
 pub fn looping_ref(schema: &Value) -> Option<String> {
     let mut refs = Vec::new();
     visit_refs(&mut schema.clone(), &mut |r| {
@@ -544,7 +540,7 @@ mod tests {
         // a ref beside other keywords ends the chain: no loop through it
         let ended = chain(3, json!({"$ref": "#/$defs/a0", "description": "x", "minLength": 1}));
         assert_eq!(looping_ref(&ended), None);
-        assert!(ref_loops(&chain(2, json!({"$ref": "#/$defs/a1"})), "#/$defs/a0"));
+        assert!(RefLoops::default().loops(&chain(2, json!({"$ref": "#/$defs/a1"})), "#/$defs/a0"));
     }
 
     #[test]
