@@ -3,6 +3,8 @@ admin routes behind keys of their own."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import openai
 import pytest
@@ -39,6 +41,25 @@ def test_missing_and_wrong_key_are_401(keyed_server):
         assert e.value.request_id.startswith("req_")
     with openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="k1", max_retries=0) as c:
         assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_a_401_before_the_body_closes_the_connection(keyed_server):
+    """Without a key the body is never read: the connection is closed after the 401, so a
+    keyless client cannot make the server read (and drop) all it sends."""
+    host, port = keyed_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100000000000\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower(), answer
+        with pytest.raises(OSError):
+            for _ in range(1000):
+                s.sendall(b"x" * 65536)
+    # (a request without a body keeps its connection: nothing is left to read)
+    r = httpx.get(keyed_server.url + "/v1/models")
+    assert r.status_code == 401 and "connection" not in r.headers
 
 
 def test_x_api_key_is_a_key_too(keyed_server):

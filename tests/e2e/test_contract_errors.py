@@ -8,6 +8,7 @@ test_contract_lifecycle.py and test_contract_queue.py.)
 from __future__ import annotations
 
 import gzip
+import socket
 import json
 import re
 import zlib
@@ -212,6 +213,32 @@ def test_body_over_limit_is_413_on_both_routes(tiny_server):
         err = _error(httpx.post(tiny_server.url + path, content=big,
                                 headers={"content-type": "application/json"}, timeout=60), 413)
         assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "request_too_large", None)
+
+
+def _answer_then_eof(url: str, request: bytes) -> tuple[bytes, bool]:
+    """A raw request's answer, and whether the server then closed the connection while the
+    client still had its (declared) body to send."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += s.recv(65536)
+        try:
+            for _ in range(1000):           # (up to ~64 MB of the 100 GB declared)
+                s.sendall(b"x" * 65536)
+        except OSError:
+            return answer, True
+        return answer, False
+
+
+def test_a_refused_body_closes_its_connection(tiny_server):
+    """A 413 for a declared length over the limit is sent before the body is read; the
+    connection is then closed, so a client that keeps sending is not read on and on."""
+    answer, closed = _answer_then_eof(tiny_server.url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                      b"content-type: application/json\r\ncontent-length: 100000000000\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer
+    assert closed
 
 
 def test_compressed_bodies_are_decoded_and_bounded_after_decoding(tiny_server):

@@ -165,6 +165,9 @@ def test_adapters_load_and_unload_while_the_server_runs(lora):
         assert [m.id for m in client.models.list()] == ["tiny", "a", "b"]
         r = unload(lora_name="c")
         assert r.status_code == 404 and "loaded: a, b" in r.json()["error"]["message"], r.text
+        # a path that cannot be one here (a name longer than the file system holds) is no folder
+        r = load(lora_name="d", lora_path="a" * 300)
+        assert r.status_code == 404 and "cannot be a path" in r.json()["error"]["message"], r.text
         # an adapter given at start unloads too, and loads again under its name
         assert unload(lora_name="a").status_code == 200
         assert load(lora_name="a", lora_path=path_a).status_code == 200

@@ -118,7 +118,11 @@ def local_folder(spec: str, log: logging.Logger = LOG) -> Path:
     """A folder given as a path (`~` expanded) or a Hugging Face 'org/name' id (its snapshot,
     fetched as `load_checkpoint` fetches a model's); LoadError when it is neither."""
     path = Path(spec).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:          # (a name longer than the file system holds, ...)
+        raise LoadError(f"{spec[:200]!r} cannot be a path here: {exc.strerror}") from None
+    if exists:
         return path
     if _HUB_ID.match(spec):
         return download(spec, None, log)

@@ -45,6 +45,12 @@ EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs",
 log = logging.getLogger("llmserve.server")
 
 
+# Answers after which the connection is closed: the body was not read to its end (408, 413:
+# a client that keeps sending would have it read and thrown away), or the server failed (500:
+# uvicorn drops the connection then; the header tells the client so it does not reuse it).
+CLOSING_STATUSES = frozenset({408, 413, 500})
+
+
 def _error_response(err: ApiError, request: Request, headers=None) -> Response:
     headers = dict(headers or {})
     headers["x-request-id"] = error_request_id(request.headers.get("x-request-id"))
@@ -52,6 +58,8 @@ def _error_response(err: ApiError, request: Request, headers=None) -> Response:
         headers["request-id"] = headers["x-request-id"]   # (Anthropic's name: its SDK's `error.request_id`)
     if err.retry_after:
         headers["retry-after"] = str(err.retry_after)
+    if err.status in CLOSING_STATUSES:
+        headers["connection"] = "close"
     return Response(error_body(err, request.scope, headers["x-request-id"]), status_code=err.status,
                     media_type="application/json", headers=headers)
 

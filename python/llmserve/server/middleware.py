@@ -128,6 +128,9 @@ class ApiKeyMiddleware:
         request_id = error_request_id(_header(scope, b"x-request-id")).encode()
         headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
                    (b"x-request-id", request_id)]
+        if _header(scope, b"transfer-encoding") or _header(scope, b"content-length") not in (None, "0"):
+            # (the body goes unread: without this uvicorn reads, and drops, all a client sends)
+            headers.append((b"connection", b"close"))
         if anthropic_errors(scope):
             headers.append((b"request-id", request_id))   # (Anthropic's name for it)
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
