@@ -204,6 +204,7 @@ fn errors_are_named_in_the_messages_terms() {
         (json!({"n": 2}), "n"),
         (json!({"logprobs": true}), "logprobs"),
         (json!({"mcp_servers": [{"type": "url"}]}), "mcp_servers"),
+        (json!({"container": []}), "container"),
         (json!({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}), "tools[0].type"),
         (
             json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),

@@ -81,6 +81,21 @@ fn messages_shape() {
         (m(json!(["hello"])), 400, "invalid_type", p("messages[0]")),
         (m(json!([{"content": "x"}])), 400, "missing_required_parameter", p("messages[0].role")),
         (m(json!([{"role": 1, "content": "x"}])), 400, "invalid_type", p("messages[0].role")),
+        // an earlier reply's thinking is text (or null)
+        (
+            m(
+                json!([{"role": "assistant", "content": "x", "reasoning_content": true}, {"role": "user", "content": "y"}]),
+            ),
+            400,
+            "invalid_type",
+            p("messages[0].reasoning_content"),
+        ),
+        (
+            m(json!([{"role": "user", "content": "x", "reasoning": {"a": 1}}])),
+            400,
+            "invalid_type",
+            p("messages[0].reasoning"),
+        ),
         (m(json!([{"role": "robot", "content": "x"}])), 400, "invalid_value", p("messages[0].role")),
         // OpenAI's deprecated function-result turns are served (protocol_functions.rs); their
         // `name` is required

@@ -490,6 +490,12 @@ pub(crate) fn missing(param: String) -> ApiError {
 fn validate_message(i: usize, m: &Value) -> Result<(), ApiError> {
     let p = format!("messages[{i}]");
     let obj = as_object(m, p.clone(), "Each message")?;
+    // (read by templates as text, whatever they find: an earlier reply's thinking)
+    for key in ["reasoning_content", "reasoning", "thinking"] {
+        if let Some(v) = obj.get(key).filter(|v| !v.is_string() && !v.is_null()) {
+            return Err(invalid_type(format!("{p}.{key}"), format!("`{key}` must be a string, not {}.", kind_of(v))));
+        }
+    }
     let role = match obj.get("role") {
         None => return Err(missing(format!("{p}.role"))),
         Some(Value::String(r)) => r.as_str(),

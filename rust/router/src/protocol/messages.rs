@@ -719,8 +719,9 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
             return Err(unsupported(key, format!("`{key}` is not a Messages API field: {why}.")));
         }
     }
+    // (an empty `mcp_servers` list asks for none; `container` is a string or an object, never a list)
     for key in ["mcp_servers", "container"] {
-        if set(obj, key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+        if set(obj, key).is_some_and(|v| key == "container" || v.as_array().is_none_or(|a| !a.is_empty())) {
             return Err(unsupported(key, format!("`{key}` is not supported: this server runs no server tools.")));
         }
     }
