@@ -44,8 +44,9 @@ def test_missing_and_wrong_key_are_401(keyed_server):
 
 
 def test_a_401_before_the_body_closes_the_connection(keyed_server):
-    """Without a key the body is never read: the connection is closed after the 401, so a
-    keyless client cannot make the server read (and drop) all it sends."""
+    """Without a key the body is never read: declared far longer than --max-body-bytes, the
+    connection is closed after the 401, so a keyless client cannot make the server read (and
+    drop) all it sends; a shorter body is read to its end and the connection kept."""
     host, port = keyed_server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -57,8 +58,10 @@ def test_a_401_before_the_body_closes_the_connection(keyed_server):
         with pytest.raises(OSError):
             for _ in range(1000):
                 s.sendall(b"x" * 65536)
-    # (a request without a body keeps its connection: nothing is left to read)
+    # (a request without a body, or with one within the limit, keeps its connection)
     r = httpx.get(keyed_server.url + "/v1/models")
+    assert r.status_code == 401 and "connection" not in r.headers
+    r = httpx.post(keyed_server.url + "/v1/completions", content=b"x" * 1_000_000)
     assert r.status_code == 401 and "connection" not in r.headers
 
 

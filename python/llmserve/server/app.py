@@ -36,7 +36,7 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
 from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, TrailingSlash,
-                                        anthropic_errors, error_body, error_request_id)
+                                        anthropic_errors, declares_far_more_than, error_body, error_request_id)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",
@@ -45,10 +45,11 @@ EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs",
 log = logging.getLogger("llmserve.server")
 
 
-# Answers after which the connection is closed: the body was not read to its end (408, 413:
-# a client that keeps sending would have it read and thrown away), or the server failed (500:
-# uvicorn drops the connection then; the header tells the client so it does not reuse it).
-CLOSING_STATUSES = frozenset({408, 413, 500})
+# Answers after which the connection is closed: the body stopped arriving (408), or the
+# server failed (500: uvicorn drops the connection then; the header tells the client so it
+# does not reuse it). Any error before a body far longer than --max-body-bytes is read closes it
+# too (`declares_far_more_than`).
+CLOSING_STATUSES = frozenset({408, 500})
 
 
 def _error_response(err: ApiError, request: Request, headers=None) -> Response:
@@ -58,7 +59,8 @@ def _error_response(err: ApiError, request: Request, headers=None) -> Response:
         headers["request-id"] = headers["x-request-id"]   # (Anthropic's name: its SDK's `error.request_id`)
     if err.retry_after:
         headers["retry-after"] = str(err.retry_after)
-    if err.status in CLOSING_STATUSES:
+    limit = getattr(request.app.state, "max_body_bytes", None)
+    if err.status in CLOSING_STATUSES or declares_far_more_than(request.scope, limit):
         headers["connection"] = "close"
     return Response(error_body(err, request.scope, headers["x-request-id"]), status_code=err.status,
                     media_type="application/json", headers=headers)
@@ -196,7 +198,8 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     app.state.stop_deadline = None
     app.add_middleware(TrailingSlash)
     app.add_middleware(StartOnFirstRequest, start=start_loading)
-    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key, admin_keys=config.server.admin_api_key)
+    app.add_middleware(ApiKeyMiddleware, keys=config.server.api_key, admin_keys=config.server.admin_api_key,
+                       max_body_bytes=config.server.max_body_bytes)
     if config.server.allowed_origins:
         # Outside the key check: a browser's preflight (OPTIONS) carries no key. The pages of
         # these origins may then send JSON with their keys, and read the answers and our

@@ -37,6 +37,23 @@ def plain_request_id(sent: str | None) -> str | None:
     return sent if sent and len(sent) <= 256 and sent.isascii() and sent.isprintable() else None
 
 
+# How far past --max-body-bytes a declared body may go and still be read (and dropped) after an
+# answer sent before it, keeping the connection.
+UNREAD_BODY_FACTOR = 8
+
+
+def declares_far_more_than(scope, limit: int | None) -> bool:
+    """Whether the request declares a body longer than UNREAD_BODY_FACTOR x `limit`
+    (--max-body-bytes), which an answer sent before reading it leaves unread: the connection is
+    then closed after the answer (`Connection: close`), or uvicorn would read, and drop, all a
+    client sends (gigabytes a second). A shorter body is read to its end as usual, so its
+    connection stays open: closing one a client is still writing to can cost it the answer (a
+    reset), and a client that sends a little too much (a 413) should get its 413."""
+    declared = _header(scope, b"content-length")
+    return (limit is not None and declared is not None and declared.isdigit()
+            and int(declared) > UNREAD_BODY_FACTOR * limit)
+
+
 def _header(scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
@@ -93,10 +110,12 @@ class ApiKeyMiddleware:
     OpenAI clients send) or `x-api-key: <key>` (what Anthropic clients send); ADMIN_PATHS need
     one of `admin_keys` instead (and are not mounted without them)."""
 
-    def __init__(self, app, keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, app, keys: tuple[str, ...], admin_keys: tuple[str, ...] = (),
+                 max_body_bytes: int | None = None) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.admin_keys = [k.encode() for k in admin_keys]
+        self.max_body_bytes = max_body_bytes
 
     @staticmethod
     def _authorized(scope, keys: list[bytes]) -> bool:
@@ -128,8 +147,7 @@ class ApiKeyMiddleware:
         request_id = error_request_id(_header(scope, b"x-request-id")).encode()
         headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
                    (b"x-request-id", request_id)]
-        if _header(scope, b"transfer-encoding") or _header(scope, b"content-length") not in (None, "0"):
-            # (the body goes unread: without this uvicorn reads, and drops, all a client sends)
+        if declares_far_more_than(scope, self.max_body_bytes):
             headers.append((b"connection", b"close"))
         if anthropic_errors(scope):
             headers.append((b"request-id", request_id))   # (Anthropic's name for it)

@@ -128,7 +128,11 @@ def _inflate(body: bytes, coding: str, limit: int) -> bytes:
 # Compressed bytes handed to the inflater at a time: what it leaves unused past a member's end
 # (copied out by zlib) is at most this, so many small members cost time in proportion to the
 # body, not to its square.
-_INFLATE_WINDOW = 64 * 1024
+_INFLATE_WINDOW = 16 * 1024
+# The most gzip members a body may hold (a writer that flushes often makes one per flush): each
+# costs an inflater and a window's copy, so a small body of many empty ones, compressed again,
+# took seconds.
+MAX_GZIP_MEMBERS = 4096
 
 
 def _inflate_members(data: bytes, wbits: int, limit: int) -> bytes | None:
@@ -136,7 +140,7 @@ def _inflate_members(data: bytes, wbits: int, limit: int) -> bytes | None:
     padding after the last is ignored, as gzip(1) does); None if it is not such data."""
     view = memoryview(data)
     parts, size, at = [], 0, 0
-    while True:
+    for _ in range(MAX_GZIP_MEMBERS):
         inflater = zlib.decompressobj(wbits)
         while not inflater.eof:
             if at >= len(view):
@@ -157,6 +161,8 @@ def _inflate_members(data: bytes, wbits: int, limit: int) -> bytes | None:
             return b"".join(parts)
         if wbits != _WBITS["gzip"]:  # only gzip has members
             return None
+    raise Router.error("invalid_request", f"The request body holds more than {MAX_GZIP_MEMBERS} gzip members: "
+                                          f"compress it as one.", param="body")
 
 
 async def _until_disconnect(request: Request) -> None:

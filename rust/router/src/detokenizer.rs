@@ -180,11 +180,15 @@ impl Detokenizer {
         let skip = self.config.skip_special_tokens;
         let prefix_text = self.tokenizer.decode(&self.ids[self.prefix..self.read], skip);
         let full_text = self.tokenizer.decode(&self.ids[self.prefix..], skip);
-        if !at_end && (full_text.len() <= prefix_text.len() || full_text.ends_with('\u{FFFD}')) {
+        // (a U+FFFD the model wrote, or of bytes no character can hold, is final: not waited on)
+        let half = full_text.ends_with('\u{FFFD}') && self.window_ends_inside_a_char();
+        // (compared as text, not by length: a character that completes one the context
+        // started may be no longer than the U+FFFD the context alone decodes to)
+        let mut new = after_context(&prefix_text, &full_text).to_string();
+        if !at_end && (new.is_empty() || half) {
             // Half a character (or nothing visible yet): wait for the next token.
             return String::new();
         }
-        let mut new = after_context(&prefix_text, &full_text).to_string();
         // At the end, the first bytes of a character the output stops inside (max_tokens cut
         // it off) decode to U+FFFD: drop it, as vLLM does. The model never wrote that
         // character; a U+FFFD it did write is whole and stays.
@@ -200,6 +204,14 @@ impl Detokenizer {
             self.prefix = 0;
         }
         new
+    }
+
+    /// Whether the bytes of the window's ids (the context's, then those not yet decoded) end
+    /// inside a UTF-8 character: one the context started (a prompt that ends inside a
+    /// character) counts too.
+    fn window_ends_inside_a_char(&self) -> bool {
+        let bytes: Vec<u8> = self.ids[self.prefix..].iter().flat_map(|&id| self.tokenizer.token_bytes(id)).collect();
+        ends_inside_a_char(&bytes)
     }
 
     /// Whether the bytes of the ids not yet decoded end inside a UTF-8 character.
@@ -496,10 +508,20 @@ mod tests {
         let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
         assert_eq!(d.push(emoji[0]).text, "");
         assert_eq!(d.push(ids("z")[0]).text + &d.flush().text, "\u{FFFD}z");
-        // A U+FFFD the model wrote is whole, and stays.
+        // A U+FFFD the model wrote is whole, and stays: sent at once, not held for more.
         let mut d = Detokenizer::new(bytes_tokenizer(), &[], StopConfig::default());
         let (text, _) = run(&mut d, "x\u{FFFD}");
-        assert_eq!(text + &d.flush().text, "x\u{FFFD}");
+        assert_eq!(text, "x\u{FFFD}");
+        assert_eq!(d.flush().text, "");
+        // So is the U+FFFD of a byte no character can hold (a lone continuation byte)...
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[], stops(&["\u{FFFD}"], true));
+        let step = d.push(0x89 + 2);
+        assert_eq!((step.text.as_str(), step.stop.as_deref()), ("\u{FFFD}", Some("\u{FFFD}")));
+        // ... but the first bytes of one the prompt started wait for the rest of it
+        let e = "\u{8D64}".as_bytes(); // (3 bytes: the prompt holds the first)
+        let mut d = Detokenizer::new(bytes_tokenizer(), &[e[0] as u32 + 2], StopConfig::default());
+        assert_eq!(d.push(e[1] as u32 + 2).text, "");
+        assert_eq!(d.push(e[2] as u32 + 2).text, "\u{8D64}");
     }
 
     #[test]
