@@ -419,6 +419,18 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
         assert {f"token_id:{i}": lp.logprob for i, lp in entry.items()} == pytest.approx(top)
         assert all(lp.decoded_token == tokenizer.decode(i) for i, lp in entry.items())
     assert out[0].outputs[0].logprobs is None
+    # sampled freely, a token outside the k likeliest is listed beside them (as completions'
+    # top_logprobs list it) with its rank unknown; k 0 lists the sampled token alone
+    free = llm.generate("a", SamplingParams(max_tokens=16, logprobs=2, temperature=2.0, seed=5))[0].outputs[0]
+    for entry, token in zip(free.logprobs, free.token_ids):
+        alternatives = sorted((i for i in entry if i != token or entry[i].rank is not None),
+                              key=lambda i: -entry[i].logprob)
+        assert len(alternatives) == 2 and [entry[i].rank for i in alternatives] == [1, 2]
+        assert entry[token].rank == (alternatives.index(token) + 1 if token in alternatives else None)
+    assert any(entry[token].rank is None for entry, token in zip(free.logprobs, free.token_ids))
+    alone = llm.generate("a", SamplingParams(max_tokens=3, logprobs=0, temperature=0))[0].outputs[0]
+    assert [list(e) for e in alone.logprobs] == [[t] for t in alone.token_ids]
+    assert all(e[t].rank is None for e, t in zip(alone.logprobs, alone.token_ids))
     assert llm.generate("a", {"max_tokens": 1})[0].outputs[0].token_ids is None     # (not returned)
     assert llm.generate("a", {"max_tokens": 1, "logprobs": 1})[0].outputs[0].logprobs is None   # (named by text)
     # (sampled at temperature 1, the token may lie outside the top 2: its rank is then unknown)

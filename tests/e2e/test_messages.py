@@ -112,6 +112,10 @@ def test_max_tokens_0_warms_the_prompt_cache(client):
     events, final = _streamed(client, model=MODEL, max_tokens=0, messages=long_ask)
     assert (final.content, final.stop_reason) == ([], "max_tokens")
     assert [e.type for e in events] == ["message_start", "message_delta", "message_stop"]
+    tool = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
+    forced = client.messages.create(model=MODEL, max_tokens=0, messages=long_ask, tools=[tool],
+                                    tool_choice={"type": "tool", "name": "f"})
+    assert (forced.content, forced.stop_reason) == ([], "max_tokens")     # (no call was generated)
     answer = client.messages.create(model=MODEL, max_tokens=2, messages=long_ask)
     assert answer.usage.cache_read_input_tokens >= warm.usage.cache_read_input_tokens + 48
     assert _input(answer.usage) == _input(warm.usage)

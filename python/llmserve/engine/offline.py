@@ -48,8 +48,10 @@ class Result:
     body: dict[str, Any] = field(repr=False)
     ignored_fields: tuple[str, ...] = ()
     prompt: str | None = None
-    # (a token's text, for `outputs`' per-token logprobs: the LLM's detokenizer)
+    # (a token's text, for `outputs`' per-token logprobs: the LLM's detokenizer; and the
+    # alternatives per token the request asked for)
     token_text: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
+    logprobs_k: int = field(default=0, repr=False, compare=False)
 
     @property
     def text(self) -> str:
@@ -90,7 +92,7 @@ class Result:
         return [CompletionOutput(c.get("index", i), text, c.get("finish_reason"), c.get("stop_reason"),
                                  c.get("token_ids"), cumulative_logprob(c.get("logprobs"), prompt_tokens),
                                  None if self.token_text is None
-                                 else token_logprobs(c.get("logprobs"), prompt_tokens, self.token_text))
+                                 else token_logprobs(c.get("logprobs"), prompt_tokens, self.token_text, self.logprobs_k))
                 for i, (c, text) in enumerate(zip(self.body.get("choices", []), self.texts))]
 
 
@@ -375,8 +377,9 @@ class LLM:
                     buffers[i].append(data)
         tokenizer = self.get_tokenizer()
         token_text = functools.lru_cache(maxsize=None)(lambda i: str(tokenizer.decode(i)))
-        return [_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text)
-                for parts, fields in zip(buffers, ignored)]
+        asked = "top_logprobs" if endpoint == "chat" else "logprobs"
+        return [_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text, body.get(asked) or 0)
+                for parts, fields, body in zip(buffers, ignored, bodies)]
 
 
 def _encode(router: Router, body: dict[str, Any]) -> bytes:
@@ -577,11 +580,11 @@ def _one_of(params: object, sampling_params: object) -> object:
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...],
-            token_text: Callable[[int], str] | None = None) -> Result:
+            token_text: Callable[[int], str] | None = None, logprobs_k: int = 0) -> Result:
     choices = body.get("choices", [])
     if endpoint == "chat":
         texts = [c["message"].get("content") or "" for c in choices]
     else:
         texts = [c["text"] for c in choices]
     return Result(texts, [c.get("finish_reason") for c in choices], body.get("usage", {}), body, ignored,
-                  token_text=token_text)
+                  token_text=token_text, logprobs_k=logprobs_k)

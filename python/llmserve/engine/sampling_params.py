@@ -139,11 +139,13 @@ def cumulative_logprob(logprobs: dict[str, Any] | None, prompt_tokens: int) -> f
     return float(sum(values))
 
 
-def token_logprobs(logprobs: dict[str, Any] | None, prompt_tokens: int,
-                   token_text: Callable[[int], str]) -> list[dict[int, Logprob]] | None:
+def token_logprobs(logprobs: dict[str, Any] | None, prompt_tokens: int, token_text: Callable[[int], str],
+                   k: int) -> list[dict[int, Logprob]] | None:
     """A choice's OpenAI `logprobs` as vLLM's `CompletionOutput.logprobs` (see there), when
     their tokens are named by id (`token_id:<id>`, as `SamplingParams` asks for them); else
-    None. `token_text(id)` is a token's text, each Logprob's `decoded_token`."""
+    None. `token_text(id)` is a token's text, each Logprob's `decoded_token`; `k` the
+    alternatives asked for (completions' `top_logprobs` also hold the sampled token when it is
+    not among them: it is then no alternative, and its rank unknown)."""
     if not logprobs:
         return None
     if "content" in logprobs:
@@ -160,9 +162,10 @@ def token_logprobs(logprobs: dict[str, Any] | None, prompt_tokens: int,
         sampled = _token_id(token)
         if sampled is None:
             return None
-        ranks = {_token_id(t): rank for rank, (t, _) in enumerate(top, 1)}
+        likeliest = sorted(top, key=lambda t: -t[1])[:k]
+        ranks = {_token_id(t): rank for rank, (t, _) in enumerate(likeliest, 1)}
         entry = {sampled: Logprob(float(lp), ranks.get(sampled), token_text(sampled))}
-        for rank, (t, alt_lp) in enumerate(top, 1):
+        for rank, (t, alt_lp) in enumerate(likeliest, 1):
             alt = _token_id(t)
             if alt is not None and alt not in entry:
                 entry[alt] = Logprob(float(alt_lp), rank, token_text(alt))

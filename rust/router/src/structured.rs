@@ -205,10 +205,10 @@ impl GrammarSource {
 /// separators and no free whitespace, see the module's NOTE), under any `x-guidance` options
 /// the schema has, its open integers and fractional seconds bounded
 /// (`schema_edit::bound_values`), and the formats the engine does not enforce left out
-/// (`schema_edit::drop_unenforced_formats`).
+/// (`schema_edit::drop_unenforced_annotations`).
 pub(crate) fn for_generation(schema: &Value) -> Value {
     let mut schema = schema.clone();
-    crate::protocol::schema_edit::drop_unenforced_formats(&mut schema);
+    crate::protocol::schema_edit::drop_unenforced_annotations(&mut schema);
     crate::protocol::schema_edit::bound_values(&mut schema);
     if let Value::Object(obj) = &mut schema {
         let mut opts = json!({
@@ -642,7 +642,7 @@ fn keyword_place(schema: &Value, key: &str) -> Option<String> {
 /// Where the keywords llguidance names as unimplemented (`Unimplemented keys: ["uniqueItems"]`)
 /// are used in `schemas`, which it does not say: ` (`uniqueItems` at /properties/tags)`, for
 /// the first one found; "" when the error names none or none is found.
-fn unimplemented_places(cause: &str, schemas: &[&Value]) -> String {
+pub(crate) fn unimplemented_places(cause: &str, schemas: &[&Value]) -> String {
     let Some(names) = cause.split_once("Unimplemented keys: ").and_then(|(_, rest)| {
         let list = &rest[..=rest.find(']')?];
         serde_json::from_str::<Vec<String>>(list).ok()
@@ -686,9 +686,9 @@ fn first_line(err: &str) -> String {
 /// names an option of its own for `oneOf`, and its size limits in its internal terms.
 fn in_clients_terms(cause: &str) -> String {
     if cause.contains("oneOf constraints are not supported") {
-        return "`oneOf` is supported only where no value can match two of its branches (as with distinct `const` \
-                tags): the engine cannot hold a value to exactly one of them while generating; send `anyOf` if a \
-                value may match several"
+        return "`oneOf` is supported only where the engine can tell its branches apart (objects whose `const` \
+                string tags differ, as pydantic's discriminated unions): it cannot hold a value to exactly one of \
+                them while generating; send `anyOf` if a value may match several"
             .into();
     }
     if cause.contains("too big (limit for this grammar") {
@@ -1280,6 +1280,8 @@ pub(crate) mod tests {
         assert!(deep.ends_with("(`uniqueItems` at /$defs/A/properties/tags)"), "{deep}");
         let root = message(json!({"type": "array", "items": {"type": "integer"}, "uniqueItems": true})).unwrap();
         assert!(root.ends_with("(`uniqueItems` at the schema's root)"), "{root}");
+        // (`false`, the default, asks nothing: no refusal)
+        assert_eq!(message(json!({"type": "array", "uniqueItems": false})), None);
         // (a property of that name is no use of the keyword)
         let named = json!({"type": "object", "properties": {"uniqueItems": {"type": "array", "uniqueItems": true}}});
         assert!(message(named).unwrap().ends_with("(`uniqueItems` at /properties/uniqueItems)"));

@@ -551,6 +551,15 @@ fn tools_and_tool_choice() {
     let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
     let object_enum = json!({"type": "function", "function": {"name": "f", "parameters": {"enum": [{"a": 1}]}}});
     assert!(chat(&router(), json!({"tools": [object_enum]})).is_ok(), "an enum of objects admits arguments");
+    // a keyword the engine cannot enforce is placed within the tool's own `parameters`, under
+    // "required" (whose grammar wraps every tool's call) as under a named choice
+    let tagged = json!({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": true}}});
+    let tags = json!({"type": "function", "function": {"name": "t", "parameters": tagged}});
+    for choice in [json!("required"), json!({"type": "function", "function": {"name": "t"}})] {
+        let err = chat(&router(), json!({"tools": [tool, tags], "tool_choice": choice})).unwrap_err();
+        assert_eq!(err.param(), Some("tools[1].function.parameters"));
+        assert!(err.message().ends_with("(`uniqueItems` at /properties/tags)"), "{}", err.message());
+    }
     let named = |name: &str| json!({"type": "function", "function": {"name": name}});
     let allowed = |mode: Value, tools: Value| json!({"tools": [tool], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}});
     let at = |rest: &str| p(&format!("tool_choice.allowed_tools{rest}"));
@@ -566,6 +575,12 @@ fn tools_and_tool_choice() {
         ),
         (
             json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": ["a", "b"]}}}]}),
+            400,
+            "invalid_value",
+            p("tools[0].function.parameters"),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": []}}}]}),
             400,
             "invalid_value",
             p("tools[0].function.parameters"),

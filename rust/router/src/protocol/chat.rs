@@ -327,8 +327,18 @@ pub(crate) fn unused_kwarg_fields(unused: &[String]) -> impl Iterator<Item = Str
 /// The 400 at `param` for a function whose `parameters` a forced call's grammar refused
 /// (`err`): a malformed `pattern` is named by its place in those `parameters`.
 fn blame_parameters(function: &Value, param: String, err: &ApiError) -> ApiError {
-    crate::structured::parameters_keyword_error(&function["parameters"], param.clone())
-        .unwrap_or_else(|| ApiError::invalid(param, err.message()))
+    crate::structured::parameters_keyword_error(&function["parameters"], param.clone()).unwrap_or_else(|| {
+        // (a keyword's place was found in the grammar's own schema, which wraps the call: named
+        // again within these `parameters`)
+        let message = err.message();
+        let message = match message.rsplit_once(" (`").filter(|(_, place)| place.contains("` at ")) {
+            Some((cause, _)) => {
+                format!("{cause}{}", crate::structured::unimplemented_places(cause, &[&function["parameters"]]))
+            }
+            None => message,
+        };
+        ApiError::invalid(param, message)
+    })
 }
 
 /// A `chat_template` sent with a request (vLLM's per-request template) is refused: a request
@@ -722,7 +732,7 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                 .and_then(Value::as_array)
                 .cloned()
                 .or_else(|| Some(vec![params.get("const")?.clone()]));
-            if values.is_some_and(|v| !v.is_empty() && v.iter().all(|x| !x.is_object())) {
+            if values.is_some_and(|v| v.iter().all(|x| !x.is_object())) {
                 return Err(ApiError::invalid(
                     format!("{p}.function.parameters"),
                     "`parameters` must be a JSON Schema of JSON objects: its `enum` or `const` holds none, and arguments \

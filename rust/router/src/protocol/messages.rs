@@ -961,7 +961,9 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
         grammar.rename_param(|p| conv.rename(p));
     }
     if warm_only {
+        // (nothing is generated: no call either, not even a forced one's empty `input`)
         checked.prepared.params.max_tokens = Some(0);
+        checked.prepared.tools = None;
     }
     let thinking = thinking_ignored(obj, checked.prepared.reasoning.is_some(), switched)?;
     ignored.extend(settle_ignored(thinking, router.config.strict_fields)?);

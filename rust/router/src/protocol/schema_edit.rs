@@ -371,22 +371,28 @@ impl Targets {
 pub const ENFORCED_FORMATS: [&str; 10] =
     ["date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"];
 
-/// Leave out of `schema` every `format` the engine does not enforce (`password`, `binary`,
-/// `uri-reference`, `int64`, ...): JSON Schema 2020-12 makes every format an annotation unless a
-/// schema asserts it, and pydantic and OpenAPI write such formats for plain strings
-/// (`SecretStr`, `bytes`, `Path`), so a schema holding one still constrains all it can.
-pub fn drop_unenforced_formats(schema: &mut Value) {
+/// Leave out of `schema` what asks nothing the engine can enforce: every `format` it does not
+/// enforce (`password`, `binary`, `uri-reference`, `int64`, ...: JSON Schema 2020-12 makes every
+/// format an annotation unless a schema asserts it, and pydantic and OpenAPI write such formats
+/// for plain strings, `SecretStr`, `bytes`, `Path`), so a schema holding one still constrains
+/// all it can; and `uniqueItems: false`, the default (the engine refuses the keyword).
+pub fn drop_unenforced_annotations(schema: &mut Value) {
     match schema {
-        Value::Array(items) => items.iter_mut().for_each(drop_unenforced_formats),
+        Value::Array(items) => items.iter_mut().for_each(drop_unenforced_annotations),
         Value::Object(obj) => {
             if obj.get("format").and_then(Value::as_str).is_some_and(|f| !ENFORCED_FORMATS.contains(&f)) {
                 obj.remove("format");
             }
+            if obj.get("uniqueItems") == Some(&Value::Bool(false)) {
+                obj.remove("uniqueItems");
+            }
             for (key, v) in obj.iter_mut() {
                 match (key.as_str(), v) {
                     (k, _) if DATA.contains(&k) => {}
-                    (k, Value::Object(map)) if MAPS.contains(&k) => map.values_mut().for_each(drop_unenforced_formats),
-                    (_, v) => drop_unenforced_formats(v),
+                    (k, Value::Object(map)) if MAPS.contains(&k) => {
+                        map.values_mut().for_each(drop_unenforced_annotations)
+                    }
+                    (_, v) => drop_unenforced_annotations(v),
                 }
             }
         }
