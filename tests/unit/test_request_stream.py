@@ -26,7 +26,7 @@ class _Engine:
 
 def _stream(engine: _Engine) -> RequestStream:
     prepared = SimpleNamespace(id="cmpl-1", stream=True, background=False, headers=[], user=None, prompt_tokens=3,
-                               prompt_lens=[3], n=1, max_tokens=8)
+                               prompt_lens=[3], n=1, returned_n=1, max_tokens=8)
     stream = RequestStream(engine, prepared)
     engine._open.add(stream)
     return stream
