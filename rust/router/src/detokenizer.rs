@@ -166,7 +166,7 @@ impl Detokenizer {
         let prefix_text = self.tokenizer.decode(&self.ids[self.prefix..self.read], skip);
         let full_text = self.tokenizer.decode(&self.ids[self.prefix..], skip);
         let mut awaiting = after_context(&prefix_text, &full_text);
-        if self.ends_inside_a_char() {
+        if self.ends_inside_a_char(self.read) {
             awaiting = awaiting.strip_suffix('\u{FFFD}').unwrap_or(awaiting);
         }
         decoded + awaiting.chars().count()
@@ -181,7 +181,7 @@ impl Detokenizer {
         let prefix_text = self.tokenizer.decode(&self.ids[self.prefix..self.read], skip);
         let full_text = self.tokenizer.decode(&self.ids[self.prefix..], skip);
         // (a U+FFFD the model wrote, or of bytes no character can hold, is final: not waited on)
-        let half = full_text.ends_with('\u{FFFD}') && self.window_ends_inside_a_char();
+        let half = full_text.ends_with('\u{FFFD}') && self.ends_inside_a_char(self.prefix);
         // (compared as text, not by length: a character that completes one the context
         // started may be no longer than the U+FFFD the context alone decodes to)
         let mut new = after_context(&prefix_text, &full_text).to_string();
@@ -192,7 +192,7 @@ impl Detokenizer {
         // At the end, the first bytes of a character the output stops inside (max_tokens cut
         // it off) decode to U+FFFD: drop it, as vLLM does. The model never wrote that
         // character; a U+FFFD it did write is whole and stays.
-        if at_end && new.ends_with('\u{FFFD}') && self.ends_inside_a_char() {
+        if at_end && new.ends_with('\u{FFFD}') && self.ends_inside_a_char(self.read) {
             new.pop();
         }
         // Slide the window: what was just decoded becomes the context for the next token.
@@ -206,17 +206,11 @@ impl Detokenizer {
         new
     }
 
-    /// Whether the bytes of the window's ids (the context's, then those not yet decoded) end
-    /// inside a UTF-8 character: one the context started (a prompt that ends inside a
-    /// character) counts too.
-    fn window_ends_inside_a_char(&self) -> bool {
-        let bytes: Vec<u8> = self.ids[self.prefix..].iter().flat_map(|&id| self.tokenizer.token_bytes(id)).collect();
-        ends_inside_a_char(&bytes)
-    }
-
-    /// Whether the bytes of the ids not yet decoded end inside a UTF-8 character.
-    fn ends_inside_a_char(&self) -> bool {
-        let bytes: Vec<u8> = self.ids[self.read..].iter().flat_map(|&id| self.tokenizer.token_bytes(id)).collect();
+    /// Whether the bytes of the ids from `from` on end inside a UTF-8 character: from `read`,
+    /// those not yet decoded; from `prefix`, the window's (a character the context started, a
+    /// prompt that ends inside one, counts too).
+    fn ends_inside_a_char(&self, from: usize) -> bool {
+        let bytes: Vec<u8> = self.ids[from..].iter().flat_map(|&id| self.tokenizer.token_bytes(id)).collect();
         ends_inside_a_char(&bytes)
     }
 

@@ -727,12 +727,12 @@ pub(crate) fn validate_tools(tools: &[Value]) -> Result<Vec<String>, ApiError> {
                 ));
             }
             // (an `enum` or `const` of no object, without a `type`, admits no arguments either)
-            let values = params
-                .get("enum")
-                .and_then(Value::as_array)
-                .cloned()
-                .or_else(|| Some(vec![params.get("const")?.clone()]));
-            if values.is_some_and(|v| v.iter().all(|x| !x.is_object())) {
+            let no_object = match (params.get("enum"), params.get("const")) {
+                (Some(Value::Array(values)), _) => values.iter().all(|x| !x.is_object()),
+                (None, Some(value)) => !value.is_object(),
+                _ => false,
+            };
+            if no_object {
                 return Err(ApiError::invalid(
                     format!("{p}.function.parameters"),
                     "`parameters` must be a JSON Schema of JSON objects: its `enum` or `const` holds none, and arguments \
