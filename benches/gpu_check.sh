@@ -131,13 +131,14 @@ if kb.is_file():
     print(f"{'copy bandwidth (measured)':28} {data['copy_tbs']:.2f} TB/s")
     for r in data["rows"]:
         goal = "  goal >= 65% peak" if r["batch"] * r["ctx"] >= 64 * 1024 else ""
-        print(f"decode {r['shape']:13} {r['batch']:4d}x{r['ctx']:<5d} {r['us']:8.1f} us {r['tbs']:5.2f} TB/s "
+        table = f" (table {r['table']})" if r.get("table", r["ctx"]) > r["ctx"] else ""
+        print(f"decode {r['shape']:13} {r['batch']:4d}x{r['ctx']:<5d}{table} {r['us']:8.1f} us {r['tbs']:5.2f} TB/s "
               f"{r['pct_peak']:5.1f}% peak {r['pct_copy']:5.1f}% copy{goal}")
         if "pipelined_us" in r:
             print(f"  pipelined kernel (LLMSERVE_DECODE_PIPELINE=1): {r['pipelined_us']:.1f} us, "
                   f"{r['pipelined_pct_peak']:.1f}% peak")
-        if "best_partition" in r and r["best_partition"] != r["partition"]:
-            print(f"  (partition {r['partition']} chosen; {r['best_partition']} is faster: "
+        if "best_splits" in r and r["best_splits"] != r["splits"]:
+            print(f"  ({r['splits']} splits chosen; {r['best_splits']} are faster: "
                   f"{r['best_us']:.1f} us, {r['best_pct_peak']:.1f}% peak)")
     for r in data.get("steps", []):
         goal = "  goal <= 1.3 ms" if r["batch"] == 1 and r["graphs"] else ""

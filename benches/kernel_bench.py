@@ -12,8 +12,10 @@ an L2 flush (the H200's L2 is 60 MB, more than some cases' KV), timed alone with
 a figure is the median of the calls. The reference ceiling is measured in the same run: a
 device-to-device copy (bytes read + written), next to the datasheet's 4.8 TB/s. Also timed for
 scale: the torch path this kernel replaces (gather the blocks, SDPA with a padding mask). Each
-case also sweeps every split-K partition size the kernel takes (0 = none, 64 ... 2048) and
-reports the fastest, next to the one `choose_partition_size` picks.
+case also sweeps split-K counts (0 = none, 2 ... 128) and reports the fastest, next to the one
+`choose_num_splits` picks. The cases marked `table` > ctx give every sequence a block table as
+wide as a server's (`--max-model-len` tokens) around a shorter context: what a CUDA-graph step
+passes the kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ PEAK_TBS = 4.8
 BS = 16
 # (name, kv_heads, query heads per kv head, head_dim): SmolLM2-135M and a Llama-3-8B layer
 SHAPES = [("smollm2-135m", 3, 3, 64), ("llama3-8b", 8, 4, 128)]
-CASES = [(64, 1024), (1, 1024), (256, 1024), (1, 8192), (64, 4096)]
+# (batch, context, block-table width in tokens: 0 = the context's own)
+CASES = [(64, 1024, 0), (1, 1024, 0), (256, 1024, 0), (1, 8192, 0), (64, 4096, 0),
+         (64, 1024, 8192), (1, 1024, 32768), (8, 2048, 32768)]
 
 
 def timed(fn, reps: int, flush: torch.Tensor) -> float:
@@ -63,14 +67,19 @@ def copy_bandwidth(flush: torch.Tensor) -> float:
     return 2 * src.numel() / t / 1e12
 
 
-def make_case(batch: int, ctx: int, kvh: int, group: int, d: int, dtype=torch.bfloat16):
+def make_case(batch: int, ctx: int, kvh: int, group: int, d: int, dtype=torch.bfloat16, table: int = 0):
+    """`table`: the block tables' width in tokens (0: the context's own); columns past the
+    context hold block 0, as a server's padded tables do."""
     blocks_per_seq = -(-ctx // BS)
     num_blocks = batch * blocks_per_seq + 1
     k = torch.randn(num_blocks, BS, kvh, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     # shuffled blocks: a real cache after some churn is not laid out in order
     perm = torch.randperm(num_blocks - 1, device="cuda").to(torch.int32) + 1
-    tables = perm[:batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    used = perm[:batch * blocks_per_seq].view(batch, blocks_per_seq)
+    width = max(blocks_per_seq, -(-table // BS))
+    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    tables[:, :blocks_per_seq] = used
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, kvh * group, d, device="cuda", dtype=dtype)
     return q, k, v, tables, lens
@@ -165,49 +174,51 @@ def main() -> None:
     copy_tbs = copy_bandwidth(flush)
     print(f"{torch.cuda.get_device_name()}: measured copy {copy_tbs:.2f} TB/s (datasheet {PEAK_TBS} TB/s)")
     rows = []
-    header = (f"{'shape':14} {'batch':>5} {'ctx':>5} {'part':>4} {'us':>8} {'TB/s':>6} {'%peak':>6} {'%copy':>6} "
-              f"{'torch us':>9}   {'best part':>9} {'us':>8} {'%peak':>6}   {'pipelined us':>12} {'%peak':>6}")
+    header = (f"{'shape':14} {'batch':>5} {'ctx':>5} {'table':>6} {'split':>5} {'us':>8} {'TB/s':>6} {'%peak':>6} "
+              f"{'%copy':>6} {'torch us':>9}   {'best split':>10} {'us':>8} {'%peak':>6}   {'pipelined us':>12} "
+              f"{'%peak':>6}")
     print(header)
     for name, kvh, group, d in SHAPES:
-        for batch, ctx in CASES:
-            q, k, v, tables, lens = make_case(batch, ctx, kvh, group, d)
+        for batch, ctx, table in CASES:
+            q, k, v, tables, lens = make_case(batch, ctx, kvh, group, d, table=table)
             out = torch.empty_like(q)
             scale = d ** -0.5
-            part = kernels.choose_partition_size(batch, kvh, tables.shape[1] * BS)
+            splits = kernels.choose_num_splits(batch, kvh, tables.shape[1] * BS)
 
             def run():
-                kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, part)
+                kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, splits)
 
             for _ in range(3):
                 run()
             t = timed(run, args.reps, flush)
-            # every partition size the kernel takes here, to see what choose_partition_size misses
+            # split counts around the chosen one, to see what choose_num_splits misses
             sweep = {}
-            for p in [0, *(s for s in (64, 128, 256, 512, 1024, 2048) if s < tables.shape[1] * BS)]:
-                def run_p(p=p):
-                    kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, p)
-                run_p()
-                sweep[p] = timed(run_p, max(5, args.reps // 3), flush)
+            for n in [0, *(n for n in (2, 4, 8, 16, 32, 64, 128) if n * 64 < ctx)]:
+                def run_n(n=n):
+                    kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, n)
+                run_n()
+                sweep[n] = timed(run_n, max(5, args.reps // 3), flush)
             best = min(sweep, key=sweep.get)
-            # the software-pipelined kernel (LLMSERVE_DECODE_PIPELINE) at the chosen partition
+            # the software-pipelined kernel (LLMSERVE_DECODE_PIPELINE) at the chosen split
             def run_pipe():
-                kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, part, True)
+                kernels.paged_attention_decode(out, q, k, v, tables, lens, scale, splits, True)
             run_pipe()
             t_pipe = timed(run_pipe, args.reps, flush)
             t_torch = float("nan")
-            if batch * ctx <= 64 * 4096:
+            if batch * ctx <= 64 * 4096 and not table:   # (it gathers the whole table)
                 t_torch = timed(lambda: torch_path(q, k, v, tables, lens, scale), max(5, args.reps // 3), flush)
             nbytes = batch * ctx * kvh * d * 2 * q.element_size()
             tbs = nbytes / t / 1e12
             best_pct = 100 * nbytes / sweep[best] / 1e12 / PEAK_TBS
-            row = dict(shape=name, batch=batch, ctx=ctx, partition=part, us=t * 1e6, tbs=tbs,
-                       pct_peak=100 * tbs / PEAK_TBS, pct_copy=100 * tbs / copy_tbs, torch_us=t_torch * 1e6,
-                       best_partition=best, best_us=sweep[best] * 1e6, best_pct_peak=best_pct,
+            row = dict(shape=name, batch=batch, ctx=ctx, table=tables.shape[1] * BS, splits=splits, us=t * 1e6,
+                       tbs=tbs, pct_peak=100 * tbs / PEAK_TBS, pct_copy=100 * tbs / copy_tbs, torch_us=t_torch * 1e6,
+                       best_splits=best, best_us=sweep[best] * 1e6, best_pct_peak=best_pct,
                        sweep_us={str(k): v * 1e6 for k, v in sweep.items()}, pipelined_us=t_pipe * 1e6,
                        pipelined_pct_peak=100 * nbytes / t_pipe / 1e12 / PEAK_TBS)
             rows.append(row)
-            print(f"{name:14} {batch:5d} {ctx:5d} {part:4d} {t * 1e6:8.1f} {tbs:6.2f} {row['pct_peak']:6.1f} "
-                  f"{row['pct_copy']:6.1f} {t_torch * 1e6:9.1f}   {best:9d} {sweep[best] * 1e6:8.1f} {best_pct:6.1f}"
+            print(f"{name:14} {batch:5d} {ctx:5d} {row['table']:6d} {splits:5d} {t * 1e6:8.1f} {tbs:6.2f} "
+                  f"{row['pct_peak']:6.1f} {row['pct_copy']:6.1f} {t_torch * 1e6:9.1f}   {best:10d} "
+                  f"{sweep[best] * 1e6:8.1f} {best_pct:6.1f}"
                   f"   {t_pipe * 1e6:12.1f} {row['pipelined_pct_peak']:6.1f}",
                   flush=True)
             del q, k, v, tables, lens, out

@@ -49,7 +49,8 @@ def cuda_runner(graphs: bool, ops=None, prefill_attention: str = "sdpa", fused_o
                 piecewise: bool = False) -> CudaModelRunner:
     model = build_model(CONFIG, weights(), torch.bfloat16, torch.device("cuda"))
     runner = CudaModelRunner(model, NUM_BLOCKS, BLOCK, torch.bfloat16, "cuda", max_num_seqs=8,
-                             max_model_len=256, cuda_graphs=graphs, ops=ops, prefill_attention=prefill_attention,
+                             max_model_len=256, cuda_graphs=graphs, eager_padded=True, ops=ops,
+                             prefill_attention=prefill_attention,
                              fused_ops=fused_ops, piecewise=piecewise, max_num_batched_tokens=256)
     assert runner.fused_ops == fused_ops
     if piecewise and graphs:

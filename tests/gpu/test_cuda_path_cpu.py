@@ -41,7 +41,7 @@ def runners(prefill_attention: str | None = None):
     model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
     cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
     cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
-                                max_model_len=128, cuda_graphs=False, ops=reference,
+                                max_model_len=128, cuda_graphs=False, eager_padded=True, ops=reference,
                                 prefill_attention=prefill_attention)
     return cpu, cuda_path
 
@@ -65,6 +65,37 @@ def test_cuda_path_matches_cpu_path_step_by_step(prefill_attention):
         for a, b in zip(cpu.kv_cache.key + cpu.kv_cache.value, cuda_path.kv_cache.key + cuda_path.kv_cache.value):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert padded >= 15          # the decode-only steps went through the padded static buffers
+
+
+def test_decode_steps_no_graph_replays_run_at_their_own_size():
+    """Without graphs (--enforce-eager, MoE, a failed capture) a decode step is not padded to a
+    capture size: its attention sees only its own rows, as the CPU path's does."""
+    model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
+    cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
+    decode_rows = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(reference, name)
+
+        def paged_attention_decode(self, out, query, *args):
+            decode_rows.append(query.shape[0])
+            return reference.paged_attention_decode(out, query, *args)
+
+    eager = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
+                            max_model_len=128, cuda_graphs=False, ops=Recording())
+    unpadded = 0
+    for plan in scenario_plans(CONFIG["vocab_size"]):
+        decode_rows.clear()
+        with torch.inference_mode():
+            want, got = cpu.run_model(plan), eager.run_model(plan)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got[plan.logits_indices], want[plan.logits_indices], atol=1e-4, rtol=1e-4)
+        n = len(plan.seq_lens)
+        if len(plan.input_ids) == n:
+            assert decode_rows == [n] * CONFIG["num_hidden_layers"]
+            unpadded += n not in eager.graphs.sizes      # (a graph step would have padded it)
+    assert eager.graphs.sizes == [1, 2, 4, 8] and unpadded >= 3
 
 
 FUSED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
@@ -106,7 +137,7 @@ def test_the_fused_layer_ops_give_the_layers_results(arch, dtype):
     def runner(ops):
         model = build_model(config, tiny_weights(config=config), dtype, torch.device("cpu"))
         return CudaModelRunner(model, 64, BLOCK, dtype, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
-                               cuda_graphs=False, ops=ops, fused_ops=ops.calls is not None)
+                               cuda_graphs=False, eager_padded=True, ops=ops, fused_ops=ops.calls is not None)
 
     counting = CountingOps()
     plain_ops = CountingOps()
@@ -144,7 +175,7 @@ def test_piecewise_steps_give_the_plain_forwards_results(fused):
     def runner(piecewise):
         model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
         return CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
-                               cuda_graphs=False, ops=reference, fused_ops=fused, piecewise=piecewise,
+                               cuda_graphs=False, eager_padded=True, ops=reference, fused_ops=fused, piecewise=piecewise,
                                piece_sizes=[8, 16, 48, 64])
     plain, pieces = runner(False), runner(True)
     assert plain.pieces is None and pieces.pieces.sizes == [8, 16, 48, 64]
@@ -171,7 +202,7 @@ def test_piecewise_sizes_and_the_steps_they_take():
 
     model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
     runner = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
-                             cuda_graphs=False, ops=reference, piecewise=True, piece_sizes=[16, 32])
+                             cuda_graphs=False, eager_padded=True, ops=reference, piecewise=True, piece_sizes=[16, 32])
     def plan(schedule):
         paged = Paged(64, BLOCK)
         paged.add(0, list(range(40)))
@@ -243,7 +274,7 @@ def test_an_moe_model_runs_the_cuda_path_eagerly():
     model = build_model(moe, weights, torch.float32, torch.device("cpu"))
     cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
     cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
-                                max_model_len=128, cuda_graphs=False, ops=reference)
+                                max_model_len=128, cuda_graphs=False, eager_padded=True, ops=reference)
     padded = 0
     for plan in scenario_plans(CONFIG["vocab_size"]):
         padded += cuda_path.graphs.padded_size(plan) is not None
@@ -267,7 +298,7 @@ def test_steps_with_lora_rows_run_eagerly():
     lora.attach(model, [lora.Adapter("a", "/a", 4, 1.0, weights)], torch.float32, "cpu")
     cpu = ModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0)
     cuda_path = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
-                                max_model_len=128, cuda_graphs=False, ops=reference)
+                                max_model_len=128, cuda_graphs=False, eager_padded=True, ops=reference)
     padded = adapted = 0
     for plan in scenario_plans(CONFIG["vocab_size"], loras={4: 1}):   # (sequence 4 joins at step 8)
         through = cuda_path.graphs.padded_size(plan) is not None
@@ -324,16 +355,19 @@ def test_pooled_hidden_states_match_the_cpu_runner():
         assert cpu.execute(plan).pooled is None   # a plan that lists none returns none
 
 
-def test_capture_sizes_and_partitions():
+def test_capture_sizes_and_splits():
     assert default_capture_sizes(1) == [1]
     assert default_capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert default_capture_sizes(40)[-2:] == [32, 40]
     # 132 SMs: batch 1 splits its context; a big batch fills the GPU without splitting
-    assert kernels.choose_partition_size(1, 8, 8192, num_sms=132) == 256   # 32 x 8 CTAs ~ 2 waves
-    assert kernels.choose_partition_size(1, 3, 2048, num_sms=132) == 64     # as split as allowed
-    assert kernels.choose_partition_size(64, 3, 1024, num_sms=132) == 512
-    assert kernels.choose_partition_size(256, 3, 2048, num_sms=132) == 0
-    assert kernels.choose_partition_size(4, 2, 64, num_sms=132) == 0
+    assert kernels.choose_num_splits(1, 8, 8192, num_sms=132) == 33        # 33 x 8 CTAs ~ 2 waves
+    assert kernels.choose_num_splits(1, 3, 2048, num_sms=132) == 32        # 64-token partitions at most
+    assert kernels.choose_num_splits(64, 3, 1024, num_sms=132) == 2
+    assert kernels.choose_num_splits(256, 3, 2048, num_sms=132) == 0
+    assert kernels.choose_num_splits(4, 2, 64, num_sms=132) == 0
+    # the count follows the batch, not the table's width: a graph captured at --max-model-len
+    # 131072 splits batch 1 as one at 8192 does (the kernel sizes partitions per sequence)
+    assert kernels.choose_num_splits(1, 3, 131072, num_sms=132) == kernels.choose_num_splits(1, 3, 8192, num_sms=132)
 
 
 def test_the_runner_sizes_rope_for_every_position_it_can_be_given():
@@ -432,7 +466,7 @@ def test_a_plan_made_ahead_fills_its_placeholders_on_the_device(mixed, piecewise
     def cuda_runner():
         model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
         return CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8,
-                               max_model_len=128, cuda_graphs=False, ops=reference, piecewise=piecewise,
+                               max_model_len=128, cuda_graphs=False, eager_padded=True, ops=reference, piecewise=piecewise,
                                piece_sizes=[16, 32])
 
     known, ahead = cuda_runner(), cuda_runner()
@@ -537,7 +571,7 @@ def test_piecewise_capture_cuts_the_forward_at_each_attention(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     model = build_model(CONFIG, tiny_weights(), torch.float32, torch.device("cpu"))
     runner = CudaModelRunner(model, 64, BLOCK, torch.float32, "cpu", seed=0, max_num_seqs=8, max_model_len=128,
-                             cuda_graphs=False, ops=reference, piecewise=True, piece_sizes=[16, 64])
+                             cuda_graphs=False, eager_padded=True, ops=reference, piecewise=True, piece_sizes=[16, 64])
     pieces = runner.pieces
     pieces.use_graphs = True
     pieces.capture()

@@ -1,7 +1,7 @@
 """csrc ops against their torch reference (llmserve.kernels.reference): decode attention over
-dtype x head size x GQA ratio x split-K partition, with context lengths that are not multiples
-of the block size, mixed lengths in one batch, padding rows, strided inputs and CUDA-graph
-capture; the KV-cache write by slot mapping; the fused layer ops (RMSNorm alone and with the
+dtype x head size x GQA ratio x split-K count, with context lengths that are not multiples
+of the block size, mixed lengths in one batch, padding rows, block tables far wider than the
+contexts, strided inputs and CUDA-graph capture; the KV-cache write by slot mapping; the fused layer ops (RMSNorm alone and with the
 residual add, SwiGLU's product, RoPE in place); and the checks that reject unserved shapes."""
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def paged_case(lens: list[int], kv_heads: int, group: int, head_dim: int, dtype,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("partition", [None, 0, 128])
+@pytest.mark.parametrize("splits", [None, 0, 1, 3, 16])
 @pytest.mark.parametrize("pipeline", [False, True])
-def test_decode_matches_reference(dtype, head_dim, group, partition, pipeline):
+def test_decode_matches_reference(dtype, head_dim, group, splits, pipeline):
     lens = [1, 15, 17, 100, 333, 1000, 0, 64]     # 0: a padding row (zeros out)
     q, kc, vc, tables, seq_lens = paged_case(lens, kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, scale, partition, pipeline)
+    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, scale, splits, pipeline)
     want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale)
     torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
     assert torch.all(out[6] == 0)
@@ -71,18 +71,32 @@ def test_decode_group_sizes_between_buckets(group, pipeline):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_decode_with_more_partitions_than_merge_threads(head_dim, pipeline):
-    """Partitions of 64 tokens over ~9k: more partitions than the merge kernel has threads (one
-    per head dim), so each thread finds the max of several, and sequences of every length use
-    their own share of them."""
+    """200 splits over ~9k tokens (64-token partitions, 141 of them): more partitions than the
+    merge kernel has threads (one per head dim), so each thread finds the max of several, and
+    sequences of every length cut their own context into their own partitions."""
     q, kc, vc, tables, seq_lens = paged_case([9000, 4100, 64, 1], kv_heads=2, group=4, head_dim=head_dim,
                                              dtype=torch.bfloat16)
     scale = head_dim ** -0.5
-    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale, 64, pipeline)
+    out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale, 200, pipeline)
     want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale)
     torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
     # and with no split: one CTA walks each whole context, chunk after chunk
     out = kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, scale, 0, pipeline)
     torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("splits", [None, 2, 5, 88])
+def test_decode_with_tables_far_wider_than_the_contexts(splits):
+    """A CUDA-graph step passes tables as wide as --max-model-len: each sequence's partitions
+    follow its own length (uneven shares, partitions left empty), not the table's width."""
+    lens = [1, 70, 1000, 129, 0, 4097]
+    q, kc, vc, tables, seq_lens = paged_case(lens, kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16,
+                                             extra_cols=2048)
+    out = kernels.paged_attention_decode(torch.full_like(q, float("nan")), q, kc, vc, tables, seq_lens,
+                                         0.125, splits)
+    want = reference.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+    assert torch.all(out[4] == 0)
 
 
 def test_decode_large_batch_and_strided_query():
@@ -100,15 +114,17 @@ def test_decode_large_batch_and_strided_query():
 
 
 def test_decode_in_cuda_graph_follows_new_inputs():
+    # (a table as wide as a server's: the graph's split count fits any context it holds)
     q, kc, vc, tables, seq_lens = paged_case([40, 700, 3, 0], kv_heads=2, group=4, head_dim=128,
-                                             dtype=torch.bfloat16)
+                                             dtype=torch.bfloat16, extra_cols=500)
     out = torch.empty_like(q)
-    part = kernels.choose_partition_size(4, 2, tables.shape[1] * BS)
-    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.1, part)   # warm-up
+    splits = kernels.choose_num_splits(4, 2, tables.shape[1] * BS)
+    assert splits > 1
+    kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.1, splits)   # warm-up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.1, part)
+        kernels.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.1, splits)
     q.copy_(torch.randn_like(q.float()).to(q.dtype))
     seq_lens.copy_(torch.tensor([41, 12, 650, 1], dtype=torch.int32))
     graph.replay()
@@ -147,8 +163,8 @@ def test_unserved_shapes_are_rejected_clearly():
         kernels.paged_attention_decode(torch.empty_like(q16), q16, kc, vc, tables, lens, 0.1)
     with pytest.raises(RuntimeError, match="pipeline must be 0 or 1"):
         torch.ops.llmserve.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, 0, 2)
-    with pytest.raises(RuntimeError, match="partition_size"):
-        kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, 100)
+    with pytest.raises(RuntimeError, match="num_splits"):
+        kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables, lens, 0.1, -1)
     with pytest.raises(RuntimeError, match="int32"):
         kernels.paged_attention_decode(torch.empty_like(q), q, kc, vc, tables.long(), lens, 0.1)
 

@@ -9,7 +9,7 @@ namespace llmserve {
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t partition_size, int64_t pipeline);
+                            const at::Tensor& seq_lens, double scale, int64_t num_splits, int64_t pipeline);
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                     at::Tensor& value_cache, const at::Tensor& slot_mapping);
@@ -29,7 +29,7 @@ TORCH_LIBRARY(llmserve, m) {
   // block_tables [S, W] int32 and seq_lens [S] int32; pipeline 1: the software-pipelined kernel.
   m.def(
       "paged_attention_decode(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale, int partition_size, int pipeline=0) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, int num_splits, int pipeline=0) -> ()");
   // key/value [T, KVH, D] -> caches [N, block_size, KVH, D] at slot_mapping [T] int64 (-1 skips).
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "

@@ -3,10 +3,12 @@
 //
 // Work split (GQA-aware): one CTA per (kv head, sequence, partition). The CTA loads the kv
 // head's K/V once and serves every query head of its group from it, so K/V bytes are read
-// once per kv head, not once per query head. A sequence's context is cut into partitions of
-// `partition_size` tokens (split-K) so that a small batch still gives the GPU enough CTAs; a
-// second kernel merges the partitions' partial results by their log-sum-exp. With one
-// partition the first kernel writes the output directly.
+// once per kv head, not once per query head. A sequence's context is cut into `num_splits`
+// partitions (split-K) so that a small batch still gives the GPU enough CTAs; a second kernel
+// merges the partitions' partial results by their log-sum-exp. Each partition's length follows
+// the sequence's own length (partition_tokens), read on the device: the grid depends only on
+// the batch shape, so one CUDA graph serves every context. With one partition the first
+// kernel writes the output directly.
 //
 // Inside a CTA, 128 threads walk the partition in chunks with an online softmax in fp32:
 //   scores: each token's head row (head_dim elements) is read as head_dim / 8 16-byte vectors,
@@ -29,6 +31,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
+
 #include "dispatch.h"
 #include "paged_attention.h"
 
@@ -42,12 +46,13 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15)
 // out [S, H, D] (written); query [S, H, D] (rows may be strided, each head row contiguous);
 // key_cache/value_cache [num_blocks, 16, KVH, D]; block_tables [S, W] int32; seq_lens [S]
 // int32 (context length including this step's token, <= W * 16; 0 = padding row -> zeros);
-// partition_size: tokens per split-K partition, a multiple of 64, or 0 for no split;
+// num_splits: split-K partitions per sequence (0 or 1: no split; capped at what the widest
+// context, W * 16 tokens, fills with 64-token partitions);
 // pipeline: 1 runs the software-pipelined kernel (the next chunk's loads issued before this
 // chunk computes), 0 the one that loads each chunk and then computes it.
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t partition_size, int64_t pipeline) {
+                            const at::Tensor& seq_lens, double scale, int64_t num_splits, int64_t pipeline) {
   const char* name = "paged_attention_decode";
   TORCH_CHECK(out.is_cuda() && query.is_cuda() && key_cache.is_cuda() && value_cache.is_cuda() &&
                   block_tables.is_cuda() && seq_lens.is_cuda(),
@@ -88,17 +93,15 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
                   seq_lens.is_contiguous(),
               name, ": seq_lens must be a contiguous int32 [S]");
   TORCH_CHECK(pipeline == 0 || pipeline == 1, name, ": pipeline must be 0 or 1, got ", pipeline);
-  TORCH_CHECK(partition_size >= 0 && partition_size % kPartitionMultiple == 0, name, ": partition_size ",
-              partition_size, " must be 0 or a multiple of ", kPartitionMultiple);
+  TORCH_CHECK(num_splits >= 0 && num_splits <= 65535, name, ": num_splits ", num_splits,
+              " must be in [0, 65535]");
   if (num_seqs == 0) return;
 
+  // (no context is longer than the table is wide: more partitions than 64-token ones of
+  // W * 16 tokens would all stay empty)
   const int64_t max_context = block_tables.size(1) * kBlockSize;
-  int64_t num_partitions = partition_size > 0 ? (max_context + partition_size - 1) / partition_size : 1;
-  if (num_partitions <= 1) {
-    num_partitions = 1;
-    partition_size = 0;
-  }
-  TORCH_CHECK(num_partitions <= 65535, name, ": too many partitions (", num_partitions, ")");
+  const int64_t num_partitions =
+      std::max<int64_t>(1, std::min(num_splits, (max_context + kPartitionMultiple - 1) / kPartitionMultiple));
 
   const at::cuda::OptionalCUDAGuard guard(device_of(query));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -125,7 +128,6 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   p.num_heads = static_cast<int>(num_heads);
   p.num_kv_heads = static_cast<int>(num_kv_heads);
   p.group_size = static_cast<int>(group);
-  p.partition_size = static_cast<int>(partition_size);
   p.num_partitions = static_cast<int>(num_partitions);
   p.scale = static_cast<float>(scale);
 

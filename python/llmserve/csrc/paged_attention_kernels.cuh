@@ -21,13 +21,16 @@ constexpr int kWarps = kThreads / kWarpSize;
 template <int kGroup, bool kPipelined>
 constexpr int kMinBlocks = kGroup > 4 ? 2 : kPipelined ? 3 : 4;
 
-// grid: (num_kv_heads, num_seqs, num_partitions); block: kThreads.
+// grid: (num_kv_heads, num_seqs, num_partitions); block: kThreads. Partition `part` of a
+// sequence holds its tokens [part * L, (part + 1) * L) with L = partition_tokens(seq_len, P).
 // kPipelined: the loads of chunk c + 1 are issued before chunk c is computed, so the CTA's
 // loads stay in flight while it computes (software pipelining), instead of each chunk waiting
 // for its own loads. LLMSERVE_DECODE_PIPELINE=1 picks it (kernels.paged_attention_decode);
 // not yet measured on a GPU.
 template <typename scalar_t, int kHeadDim, int kGroup, bool kPipelined>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<kGroup, kPipelined>) paged_decode_kernel(const DecodeParams p) {
+// (the template-id is parenthesized: its comma would otherwise split __launch_bounds__'s
+// arguments, which only CUDA's variadic definition of the macro puts back together)
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<kGroup, kPipelined>)) paged_decode_kernel(const DecodeParams p) {
   constexpr int kVecs = kHeadDim / kVecElems;            // 16-byte vectors per head row: 8 | 16
   constexpr int kTokensPerPass = kThreads / kVecs;       // tokens the CTA covers per load: 16 | 8
   constexpr int kIters = 4;                              // loads in flight per thread per chunk
@@ -43,9 +46,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kGroup, kPipelined>) page
   const int group = p.group_size;
   const int head0 = kv_head * group;
   const int seq_len = p.seq_lens[seq];
-  const int start = p.partition_size > 0 ? part * p.partition_size : 0;
-  const int end = p.partition_size > 0 ? min(seq_len, start + p.partition_size) : seq_len;
   const bool split = p.num_partitions > 1;
+  const int part_len = split ? partition_tokens(seq_len, p.num_partitions) : seq_len;
+  const int start = part * part_len;
+  const int end = min(seq_len, start + part_len);
 
   if (start >= end) {
     // An empty partition (context shorter than this split) or a padding row.
@@ -279,7 +283,8 @@ __global__ void __launch_bounds__(kHeadDim) paged_decode_reduce_kernel(const Dec
   scalar_t* out = static_cast<scalar_t*>(p.out) + row * kHeadDim;
   const int seq_len = p.seq_lens[seq];
   // Only partitions that hold tokens were written with meaningful values.
-  const int used = min(p.num_partitions, (seq_len + p.partition_size - 1) / p.partition_size);
+  const int part_len = partition_tokens(seq_len, p.num_partitions);
+  const int used = min(p.num_partitions, (seq_len + part_len - 1) / part_len);
   if (used <= 0) {
     out[d] = from_float<scalar_t>(0.f);
     return;

@@ -28,14 +28,15 @@ import torch
 from llmserve.kernels.build import KernelsUnavailable, missing_toolchain
 
 __all__ = ["KernelsUnavailable", "available", "load", "load_library", "supports",
-           "paged_attention_decode", "write_kv_cache", "choose_partition_size", "check_fake_impls",
+           "paged_attention_decode", "write_kv_cache", "choose_num_splits", "check_fake_impls",
            "fused_unserved", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZE = 16
 MAX_GROUP_SIZE = 8
 DTYPES = (torch.float16, torch.bfloat16)
-PARTITION_MULTIPLE = 64
+PARTITION_MULTIPLE = 64        # split-K partitions hold whole 64-token chunks (csrc/paged_attention.h)
+MAX_SPLITS = 65535             # a grid's z extent
 
 _lock = threading.Lock()
 _loaded = False
@@ -109,13 +110,33 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("llmserve::paged_attention_decode")
     def _paged_attention_decode_fake(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                     scale, partition_size, pipeline=0):
+                                     scale, num_splits, pipeline=0):
+        # the checks of csrc/paged_attention.cpp that shapes, dtypes and arguments decide
+        what = "paged_attention_decode"
         torch._check(query.dim() == 3 and out.shape == query.shape,
-                     lambda: "paged_attention_decode: out must be shaped like query [S, H, D]")
+                     lambda: f"{what}: out must be shaped like query [S, H, D]")
         torch._check(key_cache.dim() == 4 and key_cache.shape == value_cache.shape,
-                     lambda: "paged_attention_decode: caches must be [N, block_size, KVH, D]")
-        torch._check(block_tables.dim() == 2 and block_tables.shape[0] == query.shape[0],
-                     lambda: "paged_attention_decode: block_tables must be [S, W]")
+                     lambda: f"{what}: caches must both be [num_blocks, block_size, kv_heads, head_dim]")
+        torch._check(key_cache.shape[1] == BLOCK_SIZE,
+                     lambda: f"{what}: block_size {key_cache.shape[1]} is not supported (16 only)")
+        torch._check(key_cache.shape[3] == query.shape[2] and query.shape[2] in HEAD_DIMS,
+                     lambda: f"{what}: head_dim {query.shape[2]} (cache {key_cache.shape[3]}) is not supported "
+                             "(64 or 128 only)")
+        kvh = key_cache.shape[2]
+        torch._check(kvh > 0 and query.shape[1] % kvh == 0 and query.shape[1] // kvh <= MAX_GROUP_SIZE,
+                     lambda: f"{what}: {query.shape[1]} query heads over {kvh} kv heads "
+                             f"(at most {MAX_GROUP_SIZE} per kv head)")
+        torch._check(query.dtype in DTYPES and out.dtype == query.dtype and key_cache.dtype == query.dtype
+                     and value_cache.dtype == query.dtype,
+                     lambda: f"{what}: query, out and caches must share one dtype, float16 or bfloat16")
+        torch._check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
+                     and block_tables.shape[0] == query.shape[0],
+                     lambda: f"{what}: block_tables must be int32 [S, W]")
+        torch._check(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.shape[0] == query.shape[0],
+                     lambda: f"{what}: seq_lens must be a contiguous int32 [S]")
+        torch._check(pipeline in (0, 1), lambda: f"{what}: pipeline must be 0 or 1, got {pipeline}")
+        torch._check(0 <= num_splits <= MAX_SPLITS,
+                     lambda: f"{what}: num_splits {num_splits} must be in [0, {MAX_SPLITS}]")
         return None
 
     @torch.library.register_fake("llmserve::write_kv_cache")
@@ -197,21 +218,22 @@ def decode_pipeline() -> bool:
 def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           partition_size: int | None = None, pipeline: bool | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, pipeline: bool | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context; writes and returns `out`.
 
     out, query [S, H, D]; caches [N, 16, KVH, D]; block_tables [S, W] int32; seq_lens [S] int32
     (tokens of context including this step's, <= W * 16; 0 marks a padding row, whose output is
-    zeros). partition_size: split-K partition in tokens (a multiple of 64; 0: no split); None
-    picks one from the batch shape (`choose_partition_size`). pipeline: run the
-    software-pipelined kernel (None: LLMSERVE_DECODE_PIPELINE)."""
+    zeros). num_splits: split-K partitions per sequence, each an even share of that sequence's
+    own context in whole 64-token chunks (0 or 1: no split); None picks it from the batch shape
+    (`choose_num_splits`). pipeline: run the software-pipelined kernel (None:
+    LLMSERVE_DECODE_PIPELINE)."""
     _require_loaded()
-    if partition_size is None:
-        partition_size = choose_partition_size(query.shape[0], key_cache.shape[2],
-                                               block_tables.shape[1] * key_cache.shape[1])
+    if num_splits is None:
+        num_splits = choose_num_splits(query.shape[0], key_cache.shape[2],
+                                       block_tables.shape[1] * key_cache.shape[1])
     pipe = decode_pipeline() if pipeline is None else pipeline
     torch.ops.llmserve.paged_attention_decode(out, query, key_cache, value_cache, block_tables,
-                                              seq_lens, float(scale), int(partition_size), int(pipe))
+                                              seq_lens, float(scale), int(num_splits), int(pipe))
     return out
 
 
@@ -251,22 +273,22 @@ def _sm_count() -> int:
     return _num_sms
 
 
-def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int,
-                          num_sms: int | None = None) -> int:
-    """Split-K partition (tokens) so that num_seqs * num_kv_heads * partitions CTAs fill about
-    two waves of the GPU; 0 (no split) when the batch alone does, or the context is short.
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
+                      num_sms: int | None = None) -> int:
+    """Split-K partitions per sequence so that num_seqs * num_kv_heads * splits CTAs fill about
+    two waves of the GPU; 0 (no split) when the batch alone does, or no context can be long
+    (`max_context`: the block table's width in tokens).
 
-    NOTE: depends only on the batch shape and the block-table width, never on the current
-    lengths, so a CUDA graph captured for a batch size stays valid for every context."""
+    NOTE: depends only on the batch shape, never on the current lengths (the kernel cuts each
+    sequence's own context into these many partitions on the device), so a CUDA graph captured
+    for a batch size serves every context, short or long."""
     sms = num_sms if num_sms is not None else _sm_count()
     ctas = max(1, num_seqs * num_kv_heads)
     target = 2 * sms
     if ctas >= target or max_context <= 2 * PARTITION_MULTIPLE:
         return 0
-    splits = -(-target // ctas)
-    part = -(-max_context // splits)
-    part = max(PARTITION_MULTIPLE, -(-part // PARTITION_MULTIPLE) * PARTITION_MULTIPLE)
-    return 0 if part >= max_context else part
+    splits = min(-(-target // ctas), -(-max_context // PARTITION_MULTIPLE), MAX_SPLITS)
+    return splits if splits > 1 else 0
 
 
 def check_fake_impls() -> None:
@@ -279,6 +301,14 @@ def check_fake_impls() -> None:
     tables = torch.empty(s, w, dtype=torch.int32, device=meta)
     lens = torch.empty(s, dtype=torch.int32, device=meta)
     torch.ops.llmserve.paged_attention_decode(out, q, cache, cache.clone(), tables, lens, 0.1, 0)
+    for bad in (dict(tables=tables.long()), dict(splits=-1), dict(q=q.float(), out=out.float())):
+        try:
+            torch.ops.llmserve.paged_attention_decode(bad.get("out", out), bad.get("q", q), cache, cache.clone(),
+                                                      bad.get("tables", tables), lens, 0.1, bad.get("splits", 4))
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError(f"paged_attention_decode's fake accepted {sorted(bad)} the op refuses")
     kv = torch.empty(t, kvh, d, dtype=torch.bfloat16, device=meta)
     slots = torch.empty(t, dtype=torch.int64, device=meta)
     torch.ops.llmserve.write_kv_cache(kv, kv.clone(), cache, cache.clone(), slots)

@@ -20,9 +20,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           partition_size: int | None = None, pipeline: bool | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, pipeline: bool | None = None) -> torch.Tensor:
     """out, query [S, H, D]; caches [N, bs, KVH, D]; block_tables [S, W]; seq_lens [S]
-    (0 -> zeros). partition_size and pipeline are accepted and ignored (they change no result)."""
+    (0 -> zeros). num_splits and pipeline are accepted and ignored (they change no result)."""
     num_seqs, heads, d = query.shape
     bs, kvh = key_cache.shape[1], key_cache.shape[2]
     group = heads // kvh
@@ -42,7 +42,7 @@ def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: to
     return out
 
 
-def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> int:
     return 0
 
 

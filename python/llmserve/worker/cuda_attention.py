@@ -93,7 +93,7 @@ class CudaAttentionMetadata:
     decode_token_idx: torch.Tensor | None   # [Sd] int64 rows of the decode tokens; None: rows 0..T-1, all decode
     block_tables: torch.Tensor              # [Sd, W] int32 (decode sequences)
     seq_lens: torch.Tensor                  # [Sd] int32, 0 = padding row (output zeros)
-    partition_size: int                     # split-K partition for the decode kernel (0: none)
+    num_splits: int                         # split-K partitions per sequence for the decode kernel (0: none)
     prefills: tuple[PrefillChunk, ...]
     ops: Any                                # write_kv_cache / paged_attention_decode provider
     varlen: VarlenPrefill | None = None     # the prefill chunks as one call (then `prefills` is empty)
@@ -116,7 +116,7 @@ class CudaAttentionMetadata:
         dec_tables = to_device(torch.from_numpy(np.ascontiguousarray(tables[dec, :width], dtype=np.int32)), device)
         dec_seq_lens = to_device(torch.from_numpy(dec_lens.astype(np.int32)), device)
         dec_idx = None if all_decode else to_device(torch.from_numpy(qsl[dec]), device)
-        partition = _choose_partition(ops, len(dec), num_kv_heads, width * block_size)
+        splits = _choose_splits(ops, len(dec), num_kv_heads, width * block_size)
 
         prefills, packed = [], None
         chunks = np.flatnonzero(q_lens > 1)
@@ -129,7 +129,7 @@ class CudaAttentionMetadata:
                 ids = to_device(torch.from_numpy(np.ascontiguousarray(tables[s, :nblk], dtype=np.int64)), device)
                 prefills.append(PrefillChunk(start, end, seq_len - (end - start), seq_len, ids))
         return cls(slot_mapping=slot_mapping, num_decode=len(dec), decode_token_idx=dec_idx,
-                   block_tables=dec_tables, seq_lens=dec_seq_lens, partition_size=partition,
+                   block_tables=dec_tables, seq_lens=dec_seq_lens, num_splits=splits,
                    prefills=tuple(prefills), ops=ops, varlen=packed)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -145,11 +145,11 @@ class CudaAttentionMetadata:
             idx = self.decode_token_idx
             if idx is None:       # every row is a decode token (CUDA-graph batches always are)
                 self.ops.paged_attention_decode(out, q, k_cache, v_cache, self.block_tables,
-                                                self.seq_lens, scale, self.partition_size)
+                                                self.seq_lens, scale, self.num_splits)
                 return out
             od = torch.empty((idx.numel(), *q.shape[1:]), dtype=q.dtype, device=q.device)
             self.ops.paged_attention_decode(od, q[idx], k_cache, v_cache, self.block_tables,
-                                            self.seq_lens, scale, self.partition_size)
+                                            self.seq_lens, scale, self.num_splits)
             out[idx] = od
         for p in self.prefills:
             out[p.start:p.end] = _prefill(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
@@ -209,8 +209,8 @@ def _varlen_prefill(ops: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return o.to(q.dtype)
 
 
-def _choose_partition(ops: Any, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
-    choose = getattr(ops, "choose_partition_size", None)
+def _choose_splits(ops: Any, num_seqs: int, num_kv_heads: int, max_context: int) -> int:
+    choose = getattr(ops, "choose_num_splits", None)
     return 0 if choose is None or num_seqs == 0 else int(choose(num_seqs, num_kv_heads, max_context))
 
 

@@ -66,11 +66,13 @@ class DecodeGraphs:
 
     def metadata(self, b: int) -> CudaAttentionMetadata:
         """Attention metadata over the first b static rows (all decode, padded)."""
-        choose = getattr(self.ops, "choose_partition_size", None)
-        part = int(choose(b, self.model.num_kv_heads, self.width * self.block_size)) if choose else 0
+        # (the split count follows the batch size alone: the kernel sizes each sequence's
+        # partitions from its length on the device, so the graph serves every context)
+        choose = getattr(self.ops, "choose_num_splits", None)
+        splits = int(choose(b, self.model.num_kv_heads, self.width * self.block_size)) if choose else 0
         return CudaAttentionMetadata(
             slot_mapping=self.slot_mapping[:b], num_decode=b, decode_token_idx=None,
-            block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b], partition_size=part,
+            block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b], num_splits=splits,
             prefills=(), ops=self.ops)
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -337,7 +339,7 @@ class CudaModelRunner(ModelRunner):
                  capture_sizes: Sequence[int] | None = None, ops: Any = None,
                  prefill_attention: str | None = None, fused_ops: bool | None = None,
                  piecewise: bool | None = None, max_num_batched_tokens: int = 8192,
-                 piece_sizes: Sequence[int] | None = None):
+                 piece_sizes: Sequence[int] | None = None, eager_padded: bool = False):
         """ops: the op provider (default: the compiled llmserve.kernels; tests pass
         llmserve.kernels.reference). cuda_graphs: capture decode graphs (needs a CUDA device).
         prefill_attention: "sdpa" or "varlen" (cuda_attention.py; default: LLMSERVE_PREFILL_ATTENTION).
@@ -346,7 +348,11 @@ class CudaModelRunner(ModelRunner):
         piecewise: run steps with prompt tokens as piecewise graphs (`PiecewiseGraphs`; default:
         LLMSERVE_PIECEWISE_GRAPHS), of `piece_sizes` tokens (default: `default_piece_sizes` of
         max_num_batched_tokens); captured when cuda_graphs is on, else run on their static
-        buffers eagerly (the CPU tests)."""
+        buffers eagerly (the CPU tests).
+        eager_padded: without decode graphs, still run decode-only steps padded on the graphs'
+        static buffers, the path a graph records (tests compare replays and the CPU path with it);
+        otherwise a step no graph replays (--enforce-eager, MoE, a failed capture, LoRA rows)
+        runs at its own size."""
         super().__init__(model, num_blocks, block_size, dtype, device, seed=seed)
         mode = prefill_attention or cuda_attention.prefill_attention()
         if mode not in cuda_attention.PREFILL_MODES:
@@ -364,6 +370,7 @@ class CudaModelRunner(ModelRunner):
         sizes = list(capture_sizes) if capture_sizes else default_capture_sizes(max_num_seqs)
         self.graphs = DecodeGraphs(model, self.kv_cache, block_size, max_model_len, sizes,
                                    self.device, ops, use_graphs=cuda_graphs)
+        self.eager_padded = eager_padded
         try:
             self.graphs.capture()
         except RuntimeError as e:
@@ -394,7 +401,8 @@ class CudaModelRunner(ModelRunner):
         return Resolved(plan, np.asarray(plan.input_ids), to_device(prev.device_tokens(), self.device))
 
     def run_model(self, plan) -> torch.Tensor:
-        b = self.graphs.padded_size(plan)
+        # (padding a step only pays when a graph replays it)
+        b = self.graphs.padded_size(plan) if self.graphs.use_graphs or self.eager_padded else None
         if b is not None:
             return self.graphs.run(plan, b)
         dev = self.device
