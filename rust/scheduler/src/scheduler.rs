@@ -392,9 +392,10 @@ impl Scheduler {
 
     pub fn stats(&self) -> Stats {
         Stats {
-            // a request that has not forked yet counts each sequence it will run
-            running: self.width(&self.running),
-            waiting: self.width(&self.waiting),
+            // a request that has not forked yet counts each sequence it will run: those
+            // without a place yet (`places`) as waiting
+            running: self.places_of(&self.running),
+            waiting: self.width(&self.waiting) + self.width(&self.running) - self.places_of(&self.running),
             num_blocks: self.cfg.num_blocks,
             used_blocks: self.pool.num_used(),
             cached_blocks: self.pool.num_cached_free(),
@@ -595,6 +596,24 @@ impl Scheduler {
     /// The sequences these stand for, a request not yet forked counting each of its own.
     pub(crate) fn width<'a>(&self, keys: impl IntoIterator<Item = &'a Key>) -> usize {
         keys.into_iter().map(|k| self.group_size(k.slot) as usize).sum()
+    }
+
+    /// The places in the running set these hold (`places`).
+    pub(crate) fn places_of<'a>(&self, keys: impl IntoIterator<Item = &'a Key>) -> usize {
+        keys.into_iter().map(|k| self.places(k.slot) as usize).sum()
+    }
+
+    /// The running places `slot` holds of the `max_num_seqs`: one, but a request not yet
+    /// forked holds one for each sequence it will run when nothing is cached. With the prefix
+    /// cache its children take the places free at the fork and the others wait, to recompute
+    /// only what the cache lacks of the prompt (its partial last block), as vLLM schedules
+    /// each of n choices on its own; without it they would recompute the whole prompt.
+    pub(crate) fn places(&self, slot: u32) -> u32 {
+        if self.cfg.enable_prefix_caching {
+            1
+        } else {
+            self.group_size(slot)
+        }
     }
 
     /// The sequences `slot` stands for: itself, or a whole request not yet forked.

@@ -271,8 +271,8 @@ impl Scheduler {
     }
 
     fn schedule_waiting(&mut self, budget: &mut usize) {
-        // A fork parent brings n sequences into the running set when its prompt ends.
-        let mut running = self.width(&self.running);
+        // (a fork parent holds one place, or the n its children take when its prompt ends)
+        let mut running = self.places_of(&self.running);
         // The adapters running, when `max_loras` bounds them. A sequence whose adapter would
         // pass the bound is passed over; from then on the ones behind it that run an adapter
         // wait too, so the running adapters drain and it is not starved. The base model's pass.
@@ -288,8 +288,8 @@ impl Scheduler {
             if self.seqs[key.slot as usize].awaits_pick {
                 continue; // (a preempted beam whose row is given: it runs once picked)
             }
-            let width = self.group_size(key.slot) as usize;
-            if running > 0 && running + width > self.cfg.max_num_seqs {
+            let places = self.places(key.slot) as usize;
+            if running > 0 && running + places > self.cfg.max_num_seqs {
                 break;
             }
             let lora = self.req(self.seqs[key.slot as usize].req).lora;
@@ -307,7 +307,7 @@ impl Scheduler {
                 Some(num_new) => {
                     self.scheduled.push((key.slot, num_new));
                     *budget -= num_new;
-                    running += width;
+                    running += places;
                 }
                 // Policy order is strict: a sequence that does not fit blocks the ones
                 // behind it (this is what keeps fcfs free of starvation).
@@ -664,12 +664,18 @@ impl Scheduler {
     }
 
     /// Create the n - 1 children of a parent whose prompt just completed (`spawn`), but for
-    /// those whose first token already ends them.
+    /// those whose first token already ends them. With the prefix cache, children beyond the
+    /// running places free wait with their first token (`places`).
     fn fork(&mut self, parent: u32, tokens: &[u32], base_row: usize, out: &mut Vec<SeqUpdate>) {
         let p = &mut self.seqs[parent as usize];
         p.fork_pending = false;
         let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
         debug_assert_eq!(computed, prompt_len, "a fork happens when the prompt completes");
+        let mut free = if self.cfg.enable_prefix_caching {
+            self.cfg.max_num_seqs.saturating_sub(self.places_of(&self.running))
+        } else {
+            usize::MAX // (the parent held a place for each)
+        };
         for (k, &token) in tokens.iter().enumerate().skip(1) {
             let req = self.req(req_slot);
             let finish = stop_reason(&req.stop, prompt_len + 1, prompt_len, token, self.cfg.max_model_len);
@@ -685,16 +691,20 @@ impl Scheduler {
                 self.req_mut(req_slot).unfinished -= 1;
                 continue;
             }
-            self.spawn(parent, k as u32, token);
+            let child = self.spawn(parent, k as u32, token, free > 0);
+            if self.seqs[child as usize].state == State::Running {
+                free -= 1;
+            }
         }
     }
 
     /// A new sequence `index` of `parent`'s request: the parent's tokens and `token`. It
     /// shares the parent's full blocks and gets a private copy of its partial last one
-    /// (copied by the runner before the next forward); with no block free for the copy, or a
-    /// parent that waits (a beam preempted while it awaited its pick), it waits to recompute
-    /// (with prefix caching it finds the parent's full blocks).
-    fn spawn(&mut self, parent: u32, index: u32, token: u32) -> u32 {
+    /// (copied by the runner before the next forward); without a running place (`placed`
+    /// false), with no block free for the copy, or a parent that waits (a beam preempted while
+    /// it awaited its pick), it waits to recompute (with prefix caching it finds the parent's
+    /// full blocks).
+    fn spawn(&mut self, parent: u32, index: u32, token: u32, placed: bool) -> u32 {
         let bs = self.cfg.block_size;
         let p = &self.seqs[parent as usize];
         let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
@@ -708,8 +718,8 @@ impl Scheduler {
         child_tokens.extend_from_slice(&p.tokens);
         child_tokens.push(token);
         let child = self.alloc_seq(req_slot, index, child_tokens, prompt_len);
-        let dst = if running && partial { self.pool.allocate() } else { None };
-        if !running || (partial && dst.is_none()) {
+        let dst = if running && placed && partial { self.pool.allocate() } else { None };
+        if !running || !placed || (partial && dst.is_none()) {
             self.enqueue_waiting(child);
             return child;
         }
@@ -755,7 +765,7 @@ impl Scheduler {
                 let index = req.next_index;
                 req.next_index += 1;
                 req.unfinished += 1;
-                self.spawn(slot, index, token);
+                self.spawn(slot, index, token, true);
                 indices.push(index);
             } else {
                 continued.push((slot, token));

@@ -528,6 +528,55 @@ fn an_unforked_request_counts_its_choices_against_max_num_seqs() {
 }
 
 #[test]
+fn with_the_prefix_cache_a_fork_starts_in_one_free_place_and_its_other_children_wait() {
+    // Three sequences run in four places: the n = 3 request starts at once instead of waiting
+    // for three free places. At its fork no place is free, so its children wait with their
+    // first tokens; as places free, each recomputes only the prompt's partial last block and
+    // that token.
+    let mut s = Scheduler::new(SchedulerConfig { enable_prefix_caching: true, ..config(65, 4, 4, 64) });
+    for id in 1..4 {
+        s.add(request(id, prompt(3, id as u32 + 10), 2 + id as u32));
+    }
+    step(&mut s, 7);
+    s.add(fork_request(9, 10, 3, 6));
+    assert_eq!((s.stats().running, s.stats().waiting), (3, 3));
+    let (plan, updates) = step(&mut s, 7);
+    assert_eq!((plan.num_seqs, plan.num_rows), (4, 3 + 3), "the fork's prompt ran beside the three");
+    assert_eq!(updates.iter().filter(|u| u.req_id == 9).count(), 3, "every choice has its first token");
+    assert_eq!((s.stats().running, s.stats().waiting), (4, 2), "no place was free for the children");
+    let mut first_steps = [None; 3];
+    while s.has_work() {
+        let (plan, _) = step(&mut s, 7);
+        assert!(s.stats().running <= 4);
+        for r in 0..plan.num_rows {
+            let index = plan.row_seq_index[r] as usize;
+            if plan.row_req_ids[r] == 9 && first_steps[index].is_none() {
+                // the tokens the step computed for that sequence
+                let t = plan.logits_indices[r] as i32;
+                let q = &plan.query_start_loc;
+                let seq = (0..plan.num_seqs).find(|&i| q[i] <= t && t < q[i + 1]).unwrap();
+                first_steps[index] = Some((q[seq + 1] - q[seq]) as usize);
+            }
+        }
+    }
+    assert_eq!(first_steps, [Some(1), Some(10 % 4 + 1), Some(10 % 4 + 1)]);
+    assert_eq!(s.stats().used_blocks, 0);
+}
+
+#[test]
+fn without_the_prefix_cache_a_fork_waits_for_a_place_per_choice() {
+    let mut s = Scheduler::new(config(65, 4, 4, 64));
+    for id in 1..4 {
+        s.add(request(id, prompt(3, id as u32 + 10), 4));
+    }
+    step(&mut s, 7);
+    s.add(fork_request(9, 10, 3, 6));
+    let (plan, _) = step(&mut s, 7);
+    assert_eq!(plan.num_seqs, 3, "three places are taken: the fork's three choices wait");
+    assert_eq!((s.stats().running, s.stats().waiting), (3, 3));
+}
+
+#[test]
 fn fork_of_block_aligned_prompt_needs_no_copy() {
     let mut s = Scheduler::new(config(33, 4, 8, 64));
     s.add(fork_request(1, 8, 2, 3));
