@@ -1156,13 +1156,20 @@ fn out_of_range_integers_say_so() {
     let e = raw(r#""n": -1"#);
     assert_eq!((e.code(), e.param()), ("invalid_value", Some("n")));
     assert_eq!(e.message(), "`n` must be between 1 and 128, got -1.");
-    for (field, bound) in
-        [("max_tokens", "at least 1 (0 with `echo`, on /v1/completions)"), ("max_completion_tokens", "at least 1")]
-    {
+    for field in ["max_tokens", "max_completion_tokens"] {
         let e = raw(&format!(r#""{field}": -1"#));
         assert_eq!((e.code(), e.param()), ("invalid_value", Some(field)));
-        assert_eq!(e.message(), format!("`{field}` must be {bound}, got -1."));
+        assert_eq!(e.message(), format!("`{field}` must be at least 1, got -1."));
     }
+    // 0 is told where `echo` would take it: on completions, not on chat
+    let r = router();
+    let message = |e: llmserve_router::ApiError| e.message();
+    assert_eq!(
+        message(completion(&r, json!({"max_tokens": 0})).err().unwrap()),
+        "`max_tokens` must be at least 1 (0 with `echo`: the prompt alone), got 0."
+    );
+    assert!(completion(&r, json!({"max_tokens": 0, "echo": true})).is_ok());
+    assert_eq!(message(chat(&r, json!({"max_tokens": 0})).err().unwrap()), "`max_tokens` must be at least 1, got 0.");
     // (a field that takes 0 is told it must not be negative)
     assert_eq!(raw(r#""min_tokens": -1"#).message(), "`min_tokens` must be a non-negative integer, got -1.");
 }

@@ -1272,7 +1272,7 @@ fn prepare_chat(
 
     let unknown = unknown_keys(&common.extra, &chat.extra, value).cloned().collect();
     let mut ignored: Vec<String> = vllm_unsupported(unknown, value)?;
-    let c = common.resolve(config, &router.tokenizer, false)?;
+    let c = common.resolve(config, &router.tokenizer, None)?;
     ignored.extend(c.inert.iter().cloned());
 
     refuse_request_template(chat.chat_template.as_ref())?;

@@ -115,10 +115,9 @@ fn integer_out_of_range(inner: &str, param: Option<&str>) -> Option<(&'static st
         let what = if got.starts_with('-') {
             match param {
                 Some("n") => format!("between 1 and {MAX_N}"),
-                // (0 asks for the prompt alone on completions with `echo`; Responses and
-                // Messages, which have none, send theirs as max_completion_tokens)
-                Some("max_tokens") => "at least 1 (0 with `echo`, on /v1/completions)".to_string(),
-                Some("max_completion_tokens") => "at least 1".to_string(),
+                // (the one route where 0 also does, completions with `echo`, says so when 0
+                // is sent: `CommonFields::resolve`)
+                Some("max_tokens" | "max_completion_tokens") => "at least 1".to_string(),
                 _ => "a non-negative integer".to_string(),
             }
         } else {
@@ -343,14 +342,10 @@ fn ranged(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f32>, 
 impl CommonFields {
     /// Validates and resolves defaults. `logprobs` is left None: its shape differs per
     /// endpoint.
-    /// `prompt_only_ok`: `max_tokens: 0` is allowed (completions with `echo`, which then return
-    /// the prompt alone, as vLLM does for prompt scoring).
-    pub fn resolve(
-        self,
-        config: &RouterConfig,
-        tokenizer: &Tokenizer,
-        prompt_only_ok: bool,
-    ) -> Result<Common, ApiError> {
+    /// `echo`: the route's `echo` (None where it has none). With `echo`, `max_tokens: 0` is
+    /// allowed: completions then return the prompt alone, as vLLM does for prompt scoring.
+    pub fn resolve(self, config: &RouterConfig, tokenizer: &Tokenizer, echo: Option<bool>) -> Result<Common, ApiError> {
+        let prompt_only_ok = echo == Some(true);
         let vocab_size = tokenizer.vocab_size();
         let d = &config.generation_defaults;
         let stream = self.stream.unwrap_or(false);
@@ -385,7 +380,8 @@ impl CommonFields {
         // (each sent is checked, the one the other overrides too, as a negative one is)
         for (p, sent) in [("max_completion_tokens", self.max_completion_tokens), ("max_tokens", self.max_tokens)] {
             if sent == Some(0) && !prompt_only_ok {
-                return Err(ApiError::invalid(p, format!("`{p}` must be at least 1, got 0.")));
+                let unless = if echo.is_some() { " (0 with `echo`: the prompt alone)" } else { "" };
+                return Err(ApiError::invalid(p, format!("`{p}` must be at least 1{unless}, got 0.")));
             }
         }
         let min_tokens = self.min_tokens.unwrap_or(0);

@@ -275,7 +275,7 @@ pub(crate) fn prepare(router: &Router, body: &[u8], header_id: Option<&str>) -> 
     let mut ignored: Vec<String> = vllm_unsupported(unknown, &value)?;
     // NOTE: `echo` with `max_tokens: 0` returns the prompt alone (with its logprobs when
     // asked): how clients score a text's likelihood (vLLM and OpenAI's legacy API take it).
-    let c = common.resolve(config, &router.tokenizer, comp.echo == Some(true))?;
+    let c = common.resolve(config, &router.tokenizer, Some(comp.echo == Some(true)))?;
     ignored.extend(c.inert.iter().cloned());
     if comp.logprobs.is_none() && super::common::asks_tokens_as_ids(&value) {
         // (it names the tokens of logprobs, and none are asked for)
