@@ -667,7 +667,8 @@ impl ResponseBuilder {
                 prepared
                     .prompts
                     .iter()
-                    .map(|p| {
+                    .zip(&prepared.prompt_texts)
+                    .map(|(p, text)| {
                         let first =
                             p.first().map(|&id| shown(tokenizer, id, prepared.tokens_as_ids)).unwrap_or_default();
                         let lp = CompletionLogprobs {
@@ -676,7 +677,7 @@ impl ResponseBuilder {
                             top_logprobs: vec![None],
                             text_offset: vec![0],
                         };
-                        (lp, prompt_offsets(tokenizer, p))
+                        (lp, prompt_offsets(tokenizer, p, text))
                     })
                     .collect()
             } else {
@@ -1792,15 +1793,23 @@ fn merge_args(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
     out
 }
 
-/// Where each prompt token's text starts in the echoed prompt, in chars: the text decoded
-/// before it, so the bytes of one multi-byte character (several byte-level tokens) all
-/// start where that character does, and offsets never run past the text or go backwards.
-fn prompt_offsets(tokenizer: &Arc<Tokenizer>, ids: &[u32]) -> Vec<usize> {
+/// Where each prompt token's text starts in the echoed prompt `text`, in chars: the text
+/// decoded before it, so the bytes of one multi-byte character (several byte-level tokens)
+/// all start where that character does, and offsets never run past the text or go backwards.
+/// A special token the text does not hold where it stands takes no width: one the tokenizer
+/// added around a text prompt (a BOS), which the echo, the prompt as sent, leaves out.
+fn prompt_offsets(tokenizer: &Arc<Tokenizer>, ids: &[u32], text: &str) -> Vec<usize> {
     let mut d = Detokenizer::new(tokenizer.clone(), &[], StopConfig::default());
     ids.iter()
         .map(|&id| {
             let at = d.decoded_len();
-            d.push(id);
+            let absent = tokenizer.is_special(id) && {
+                let rest = text.char_indices().nth(at).map_or("", |(i, _)| &text[i..]);
+                !rest.starts_with(&tokenizer.decode(&[id], false))
+            };
+            if !absent {
+                d.push(id);
+            }
             at
         })
         .collect()

@@ -546,8 +546,31 @@ fn completion_logprobs_shape_with_echo_offsets() {
     // Two alternatives with one text keep the likelier.
     assert_eq!(lp["top_logprobs"][3], json!({t.token_str(9): -0.75}));
     // Offsets count from the start of the returned text: prompt tokens by their texts, then
-    // the completion's after the echoed prompt ("hello").
-    assert_eq!(lp["text_offset"], json!([0, t.token_str(0).chars().count(), 5, 11]));
+    // the completion's after the echoed prompt ("hello"). The BOS the tokenizer added (<s>,
+    // id 0) is not in that text: it takes no width.
+    assert_eq!(lp["text_offset"], json!([0, 0, 5, 11]));
+}
+
+#[test]
+fn echo_offsets_give_a_special_token_its_width_where_the_text_holds_it() {
+    // a prompt sent as ids echoes its specials: "<s>" is the text's first 3 chars
+    let t = tokenizer();
+    let text = t.decode(&[0, 9], false);
+    assert!(text.starts_with("<s>"), "{text}");
+    let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &[&text], 1, Some(0));
+    p.echo = true;
+    let mut b = builder(&p);
+    b.push_prompt_logprobs(0, &[TokenOut { id: 9, logprob: -1.5, top: vec![], text_offset: 0 }], &[]);
+    let tok = [TokenOut { id: 10, logprob: -0.5, top: vec![], text_offset: 0 }];
+    let ids = [10];
+    b.push(
+        0,
+        &ChoiceDelta { text: " world", tokens: &tok, ids: &ids, finish: Some(FinishReason::Length), stop_reason: None },
+    );
+    let v: Value = serde_json::from_slice(&b.finish()).unwrap();
+    let offsets = &v["choices"][0]["logprobs"]["text_offset"];
+    let chars = text.chars().count();
+    assert_eq!(offsets, &json!([0, 3, chars]), "{text:?}");
 }
 
 #[test]
