@@ -98,7 +98,6 @@ _VLLM_NEUTRAL = {
 # --model-impl, `--api` ambiguous, `--conf` too).
 # `vllm serve` flags llmserve does not take, and what to do instead (said when one is given).
 _VLLM_HINTS = {
-    "--model": "give the model as the first argument: llmserve run MODEL",
     "--tensor-parallel-size": "llmserve runs a model on one device",
     "-tp": "llmserve runs a model on one device",
     "--pipeline-parallel-size": "llmserve runs a model on one device",
@@ -278,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "own flags win")
         # (the file's `model`, taken when the command line names none)
         command.add_argument("--config-model", help=argparse.SUPPRESS)
+        command.add_argument("--model", dest="model_flag", metavar="MODEL",
+                             help="vLLM's spelling of the MODEL argument (its Docker image's, and its API "
+                                  "server module's): the same model")
         for f in dataclasses.fields(Config):
             _add_section(command, f.name, hints[f.name])
         vllm = command.add_argument_group("vLLM's flags that have no effect here (accepted, and said so)")
@@ -415,6 +417,20 @@ def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str], unknown: l
     parser.error("\n".join(lines))
 
 
+def _dashed(argv: list[str]) -> list[str]:
+    """Flag names written with underscores (`--max_model_len 4096`, `--max_model_len=4096`) in
+    their dashed form, as vLLM's parser takes them; values and words after `--` as given."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            return out + argv[i:]
+        if a.startswith("--") and "_" in a.partition("=")[0]:
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
+
+
 def _after_keys(argv: list[str]) -> list[str]:
     """The words right after an --api-key flag's value in `argv` that are no flag (vLLM's
     `--api-key K1 K2` puts its second key there), for each spelling argparse takes:
@@ -542,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 2 for a bad flag or environment value (before anything binds or loads),
     else what `serve` returns."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _dashed(sys.argv[1:] if argv is None else argv)
     argv = _config_file(parser, argv)
     args, unknown = parser.parse_known_args(argv)
     if args.command == "serve":
@@ -554,8 +570,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{_ENV_LOG_LEVEL} must be one of debug, info, warning, error, critical; got {level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in ("run", "run-batch"):
-        if vars(args).get("model.model") is None:
-            setattr(args, "model.model", args.config_model)
+        named = vars(args).get("model.model")
+        if named is not None and args.model_flag is not None and named != args.model_flag:
+            args.run_parser.error(f"two models given: {named} (MODEL) and {args.model_flag} (--model); give one")
+        if named is None:
+            setattr(args, "model.model", args.model_flag or args.config_model)
         model = vars(args).get("model.model")
         if model and not os.path.exists(model) and "/" not in model and model in _after_keys(argv):
             # `llmserve run --api-key K1 K2`: vLLM's several-keys form put a key where MODEL goes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -83,7 +84,8 @@ def _kind_error(value: object, tp: object) -> str | None:
     return None
 
 
-# vLLM's values of flags llmserve has, and what llmserve calls them (named when refused).
+# vLLM's values of flags llmserve has that llmserve serves under its own name: taken as it,
+# and said so (a vLLM command line starts unchanged).
 _VLLM_VALUES = {
     ("reasoning_parser", "deepseek_r1"): "think",
     ("reasoning_parser", "qwen3"): "think",
@@ -139,11 +141,15 @@ class _Checked:
             if (f.name, value) in _SYNONYMS:
                 value = _SYNONYMS[f.name, value]
                 object.__setattr__(self, f.name, value)
+            elif (f.name, value) in _VLLM_VALUES:
+                ours = _VLLM_VALUES[f.name, value]
+                logging.getLogger("llmserve").info("%s %s: vLLM's name; served as %s here", flag, value, ours)
+                value = ours
+                object.__setattr__(self, f.name, value)
             choices = meta.get("choices")
             if choices is not None and value not in choices:
-                ours = _VLLM_VALUES.get((f.name, value))
-                hint = f" (vLLM's {value!r} is {ours!r} here)" if ours else ""
-                if meta.get("bare") and not ours and ("/" in str(value) or str(value).endswith(".gguf")):
+                hint = ""
+                if meta.get("bare") and ("/" in str(value) or str(value).endswith(".gguf")):
                     # (`--flag MODEL`: the flag took the model)
                     hint = f" ({flag} alone is {meta['bare']}: give the model before it)"
                 # (a vLLM user typed the flag's vLLM name: say both)
@@ -277,7 +283,7 @@ class ModelConfig(_Checked):
         None,
         "How chat output's reasoning is split out: 'think' (text between <think> and </think> "
         "goes to reasoning and reasoning_content, not content) or 'none'. Default: 'think' when the chat "
-        "template mentions <think>, else none.",
+        "template mentions <think>, else none. vLLM's 'deepseek_r1' and 'qwen3' are taken as 'think'.",
         choices=("think", "none"),
     )
     fim: bool = _f(

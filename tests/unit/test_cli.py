@@ -317,8 +317,8 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     (["--lora-dtype", "bfloat16"], "--lora-dtype is vLLM's: LoRA adapters compute in the model's dtype"),
     (["-tp", "2"], "-tp is vLLM's: llmserve runs a model on one device (only 1 is taken)"),
     (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
-    (["--model", "m"], "--model is vLLM's: give the model as the first argument: llmserve run MODEL"),
-    (["--reasoning-parser", "qwen3"], "got 'qwen3' (vLLM's 'qwen3' is 'think' here)"),
+    (["--reasoning-parser", "deepseek"], "--reasoning-parser must be one of"),
+    (["m", "--model", "n"], "two models given: m (MODEL) and n (--model); give one"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--load-format", "safetensors"], "--load-format is vLLM's: the weights are read in the format of the model's"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is vLLM's: prompts longer than"),
@@ -482,6 +482,27 @@ def test_a_config_file_that_names_nothing_is_refused(tmp_path, capsys, text, say
     with pytest.raises(SystemExit):
         cli.main(["run", "--config", str(config), "--config", str(config)])
     assert "--config is given more than once" in capsys.readouterr().err
+
+
+def test_vllm_command_lines_start_as_written(monkeypatch, caplog):
+    """What vLLM's own parser takes: `--model X` (its Docker image's form) for MODEL, flag names
+    with underscores, its reasoning parsers' names (served by `think`, and said so)."""
+    served = []
+    monkeypatch.setattr("llmserve.server.app.serve", lambda cfg: served.append(cfg) or 0, raising=False)
+    assert cli.main(["serve", "--model", "some/model", "--max_model_len=1024", "--max_num_seqs", "8"]) == 0
+    cfg = served.pop()
+    assert (cfg.model.model, cfg.model.max_model_len, cfg.scheduler.max_num_seqs) == ("some/model", 1024, 8)
+    assert cli.main(["run", "m", "--model", "m"]) == 0 and served.pop().model.model == "m"
+    # (only flag names change: a value with underscores, or words after `--`, stay as given)
+    assert cli.main(["run", "m", "--served-model-name", "a_b", "--api_key=k_1"]) == 0
+    cfg = served.pop()
+    assert (cfg.model.served_model_name, cfg.server.api_key) == (("a_b",), ("k_1",))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="llmserve"):
+        for name in ("qwen3", "deepseek_r1"):
+            assert cli.main(["run", "m", "--reasoning-parser", name]) == 0
+            assert served.pop().model.reasoning_parser == "think"
+    assert "--reasoning-parser qwen3: vLLM's name; served as think here" in caplog.text
 
 
 def test_serve_is_run_and_flags_that_do_nothing_here_are_named(monkeypatch, caplog):

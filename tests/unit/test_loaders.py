@@ -282,6 +282,27 @@ def test_folder_errors(tmp_path):
         load_checkpoint(str(empty / "notes.txt"))
 
 
+def test_a_gguf_link_is_served_under_its_own_name(tmp_path):
+    """The Hugging Face cache links snapshots/<rev>/<name>.gguf to blobs/<sha256> (no suffix):
+    the path as given says GGUF and names the model, as vLLM reads it."""
+    from llmserve.loaders.load import default_model_path
+
+    blob = tmp_path / "blobs" / "3f2a9c0d1e"
+    blob.parent.mkdir()
+    blob.symlink_to(default_model_path())
+    snapshot = tmp_path / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "smollm2-q4.gguf").symlink_to(blob)
+    assert load_checkpoint(str(snapshot / "smollm2-q4.gguf")).name == "smollm2-q4"
+    # (a link without the suffix to a .gguf file is one too, named by its target)
+    (tmp_path / "model").symlink_to(default_model_path())
+    assert load_checkpoint(str(tmp_path / "model")).name == default_model_path().name[:-len(".gguf")]
+    (tmp_path / "notes").symlink_to(tmp_path / "notes.txt")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(LoadError, match="notes is a file but not a .gguf"):
+        load_checkpoint(str(tmp_path / "notes"))
+
+
 # ---------------------------------------------------------------- Hub ids (offline)
 
 

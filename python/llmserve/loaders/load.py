@@ -148,11 +148,14 @@ def default_model_path() -> Path:
 
 
 def _load_path(path: Path, log: logging.Logger, quantized_decode: bool) -> Checkpoint:
-    path = path.resolve()
+    given, path = path, path.resolve()
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise LoadError(f"{path} is a file but not a .gguf file; pass a model folder or a .gguf file")
-        return load_gguf(path, path.name[: -len(".gguf")], log, quantized_decode)
+        # NOTE: the path as given names the model, and its suffix says GGUF: the Hugging Face
+        # cache links snapshots/<rev>/<name>.gguf to blobs/<sha256>, which has none
+        named = given if given.suffix == ".gguf" else path
+        if named.suffix != ".gguf":
+            raise LoadError(f"{given} is a file but not a .gguf file; pass a model folder or a .gguf file")
+        return load_gguf(path, named.name[: -len(".gguf")], log, quantized_decode)
     if (path / "config.json").is_file():
         return load_folder(path, path.name, log)
     ggufs = sorted(path.glob("*.gguf"))
