@@ -169,6 +169,11 @@ fn matryoshka_models_take_the_lengths_they_declare() {
     assert_eq!(embed(&listed, json!({"dimensions": 4})).unwrap().embedding.unwrap().dimensions, Some(4));
     let e = embed(&listed, json!({"dimensions": 3})).unwrap_err();
     assert_eq!((e.param(), e.code()), (Some("dimensions"), "unsupported_parameter"));
+    assert_eq!(e.message(), "This model's embeddings can be shortened to 2, 4, 8 dimensions, not 3.");
+    // (a list that has the full size names it once)
+    let full = embedding_router(json!({"hidden_size": 8, "matryoshka": [2, 8]}));
+    let e = embed(&full, json!({"dimensions": 3})).unwrap_err();
+    assert_eq!(e.message(), "This model's embeddings can be shortened to 2, 8 dimensions, not 3.");
     // defaults: last-token pooling, normalized
     let plan = embed(&any, json!({})).unwrap().embedding.unwrap();
     assert_eq!((plan.pooling, plan.normalize), (Pooling::Last, true));

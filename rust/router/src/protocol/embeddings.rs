@@ -318,10 +318,16 @@ fn check_dimensions(dimensions: Option<i64>, embed: &EmbeddingConfig) -> Result<
                  embedding size, {full}."
             ),
         )),
-        Some(allowed) if !allowed.is_empty() && !allowed.contains(&d) => Err(unsupported(
-            "dimensions",
-            format!("This model's embeddings can be shortened to {allowed:?} dimensions (or {full}), not {d}."),
-        )),
+        Some(allowed) if !allowed.is_empty() && !allowed.contains(&d) => {
+            // (the full size is always served; listed once, last, whether the model's list has it)
+            let mut sizes: Vec<u32> = allowed.iter().copied().filter(|&a| a != full).collect();
+            sizes.push(full);
+            let sizes: Vec<String> = sizes.iter().map(u32::to_string).collect();
+            Err(unsupported(
+                "dimensions",
+                format!("This model's embeddings can be shortened to {} dimensions, not {d}.", sizes.join(", ")),
+            ))
+        }
         Some(_) => Ok(Some(d as usize)),
     }
 }
