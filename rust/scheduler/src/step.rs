@@ -101,6 +101,19 @@ impl Scheduler {
         }
     }
 
+    /// How many of a sequence's tokens from `computed` on this step computes: `chunk`'s
+    /// count, but a fork's choice that recomputes its prompt (it waited for a place or for a
+    /// block to copy) leaves its first token to a step of its own. That token then runs as
+    /// its siblings' ran, in a decode step: prompt and decode steps round differently (on CPU
+    /// a prompt's matmuls run in bf16), and a seeded choice would otherwise depend on whether
+    /// it had to wait.
+    fn step_tokens(&self, seq: &Seq, computed: usize, budget: usize) -> usize {
+        let len = seq.tokens.len();
+        let n = self.chunk(len - computed, budget);
+        let first_apart = seq.index > 0 && len == seq.prompt_len + 1 && computed + 1 < len && computed + n == len;
+        n - usize::from(first_apart)
+    }
+
     /// Whether `schedule_running` would find the blocks for every running sequence it
     /// serves without preempting.
     fn fits_without_preemption(&self) -> bool {
@@ -114,7 +127,7 @@ impl Scheduler {
             if seq.awaits_pick || self.ends_by_length(seq) {
                 continue;
             }
-            let num_new = self.chunk(seq.tokens.len() - seq.num_computed, budget);
+            let num_new = self.step_tokens(seq, seq.num_computed, budget);
             let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
             if need > free {
                 return false;
@@ -186,7 +199,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let num_new = self.chunk(seq.tokens.len() - seq.num_computed, *budget);
+            let num_new = self.step_tokens(seq, seq.num_computed, *budget);
             debug_assert!(num_new > 0, "a running sequence always has a token to compute");
             let need = blocks_for(seq.num_computed + num_new, bs) - seq.blocks.len();
             if !may_preempt && self.pool.num_free() < need {
@@ -360,7 +373,7 @@ impl Scheduler {
         }
         let len = self.seqs[slot].tokens.len();
         let computed = self.hits.len() * bs;
-        let num_new = self.chunk(len - computed, budget);
+        let num_new = self.step_tokens(&self.seqs[slot], computed, budget);
         let need = blocks_for(computed + num_new, bs) - self.hits.len();
         let revived = self.hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
         if self.pool.num_free() < revived + need {

@@ -531,8 +531,8 @@ fn an_unforked_request_counts_its_choices_against_max_num_seqs() {
 fn with_the_prefix_cache_a_fork_starts_in_one_free_place_and_its_other_children_wait() {
     // Three sequences run in four places: the n = 3 request starts at once instead of waiting
     // for three free places. At its fork no place is free, so its children wait with their
-    // first tokens; as places free, each recomputes only the prompt's partial last block and
-    // that token.
+    // first tokens; as places free, each recomputes only the prompt's partial last block (the
+    // full ones are cached), and then that token alone, as a decode step (as its siblings').
     let mut s = Scheduler::new(SchedulerConfig { enable_prefix_caching: true, ..config(65, 4, 4, 64) });
     for id in 1..4 {
         s.add(request(id, prompt(3, id as u32 + 10), 2 + id as u32));
@@ -559,7 +559,8 @@ fn with_the_prefix_cache_a_fork_starts_in_one_free_place_and_its_other_children_
             }
         }
     }
-    assert_eq!(first_steps, [Some(1), Some(10 % 4 + 1), Some(10 % 4 + 1)]);
+    assert_eq!(first_steps, [Some(1), Some(1), Some(1)], "each choice samples from a decode step");
+    assert_eq!(s.stats().prefix_hit_tokens, 2 * 8, "the waiting choices found the prompt's full blocks");
     assert_eq!(s.stats().used_blocks, 0);
 }
 
