@@ -130,9 +130,10 @@ def _register_fakes() -> None:
                      and value_cache.dtype == query.dtype,
                      lambda: f"{what}: query, out and caches must share one dtype, float16 or bfloat16")
         torch._check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
-                     and block_tables.shape[0] == query.shape[0],
-                     lambda: f"{what}: block_tables must be int32 [S, W]")
-        torch._check(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.shape[0] == query.shape[0],
+                     and block_tables.shape[0] == query.shape[0] and block_tables.stride(1) == 1,
+                     lambda: f"{what}: block_tables must be int32 [S, W] with contiguous rows")
+        torch._check(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.shape[0] == query.shape[0]
+                     and seq_lens.is_contiguous(),
                      lambda: f"{what}: seq_lens must be a contiguous int32 [S]")
         torch._check(pipeline in (0, 1), lambda: f"{what}: pipeline must be 0 or 1, got {pipeline}")
         torch._check(0 <= num_splits <= MAX_SPLITS,

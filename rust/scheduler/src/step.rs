@@ -110,6 +110,7 @@ impl Scheduler {
     fn step_tokens(&self, seq: &Seq, computed: usize, budget: usize) -> usize {
         let len = seq.tokens.len();
         let n = self.chunk(len - computed, budget);
+        // (a beam spawned without a block for its copy too: its search waits a step for it)
         let first_apart = seq.index > 0 && len == seq.prompt_len + 1 && computed + 1 < len && computed + n == len;
         n - usize::from(first_apart)
     }
@@ -685,7 +686,11 @@ impl Scheduler {
         let (req_slot, prompt_len, computed) = (p.req, p.prompt_len, p.num_computed);
         debug_assert_eq!(computed, prompt_len, "a fork happens when the prompt completes");
         let mut free = if self.cfg.enable_prefix_caching {
-            self.cfg.max_num_seqs.saturating_sub(self.places_of(&self.running))
+            // (a parent its own first token ends gives its place up: `append` retires it next)
+            let stop = &self.req(req_slot).stop;
+            let parent_ends =
+                stop_reason(stop, prompt_len + 1, prompt_len, tokens[0], self.cfg.max_model_len).is_some();
+            (self.cfg.max_num_seqs + usize::from(parent_ends)).saturating_sub(self.places_of(&self.running))
         } else {
             usize::MAX // (the parent held a place for each)
         };

@@ -565,6 +565,24 @@ fn with_the_prefix_cache_a_fork_starts_in_one_free_place_and_its_other_children_
 }
 
 #[test]
+fn a_parent_its_first_token_ends_leaves_its_place_to_a_choice() {
+    let mut s = Scheduler::new(SchedulerConfig { enable_prefix_caching: true, ..config(65, 4, 4, 64) });
+    for id in 1..4 {
+        s.add(request(id, prompt(3, id as u32 + 10), 20));
+    }
+    step(&mut s, 7);
+    let mut r = fork_request(9, 10, 3, 6);
+    r.stop.eos_token_ids = vec![2];
+    s.add(r);
+    s.schedule();
+    // the three decodes, then the fork's rows: choice 0 draws eos, 1 and 2 go on
+    let updates = s.commit(&[7, 7, 7, 2, 5, 5]);
+    assert_eq!(updates.iter().filter(|u| u.req_id == 9).count(), 3);
+    s.validate().unwrap();
+    assert_eq!((s.stats().running, s.stats().waiting), (4, 1), "one choice took the place choice 0 left");
+}
+
+#[test]
 fn without_the_prefix_cache_a_fork_waits_for_a_place_per_choice() {
     let mut s = Scheduler::new(config(65, 4, 4, 64));
     for id in 1..4 {
