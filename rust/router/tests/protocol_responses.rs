@@ -104,6 +104,16 @@ fn logprobs_are_asked_for_by_include_and_counted_by_top_logprobs() {
     let ignored = |body: Value| responses(&r, body).unwrap().ignored;
     assert_eq!(ignored(json!({"input": "hello", "top_logprobs": 3})), ["top_logprobs"]);
     assert!(ignored(json!({"input": "hello", "top_logprobs": 0})).is_empty());
+    // out of range on either side is a range error; a decimal or a string is no integer
+    for (bad, code, message) in [
+        (json!(-1), "invalid_value", "`top_logprobs` must be between 0 and 20, got -1."),
+        (json!(21), "invalid_value", "`top_logprobs` must be between 0 and 20, got 21."),
+        (json!(1.5), "invalid_type", "`top_logprobs` must be an integer."),
+        (json!("3"), "invalid_type", "`top_logprobs` must be an integer."),
+    ] {
+        let e = responses(&r, json!({"input": "hello", "top_logprobs": bad})).unwrap_err();
+        assert_eq!((e.code(), e.param(), e.message().as_str()), (code, Some("top_logprobs"), message), "{bad}");
+    }
     // `tools: []` and `parallel_tool_calls` beside no tools, as agent SDKs send them (A72-1)
     let p = responses(&r, json!({"input": "hello", "tools": [], "tool_choice": "auto", "parallel_tool_calls": true}))
         .unwrap();

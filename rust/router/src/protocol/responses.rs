@@ -1127,12 +1127,14 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     // alternatives; alone, a non-zero one does nothing and is reported)
     if let Some(k) = set(obj, "top_logprobs") {
         let most = router.config.max_logprobs;
-        match k.as_u64() {
+        // (a negative integer is out of range, as one above the most is; anything else is no
+        // integer)
+        match k.as_i64().or_else(|| k.as_u64().map(|_| i64::MAX)) {
             None => return Err(invalid_type("top_logprobs", "`top_logprobs` must be an integer.")),
-            Some(n) if n > u64::from(most) => {
+            Some(n) if n < 0 || n > i64::from(most) => {
                 return Err(ApiError::invalid(
                     "top_logprobs",
-                    format!("`top_logprobs` must be between 0 and {most}, got {n}."),
+                    format!("`top_logprobs` must be between 0 and {most}, got {k}."),
                 ))
             }
             Some(_) => {}
