@@ -391,11 +391,12 @@ impl Scheduler {
     }
 
     pub fn stats(&self) -> Stats {
+        // a request that has not forked yet counts each sequence it will run: those without a
+        // place yet (`places`) as waiting
+        let placed = self.places_of(&self.running);
         Stats {
-            // a request that has not forked yet counts each sequence it will run: those
-            // without a place yet (`places`) as waiting
-            running: self.places_of(&self.running),
-            waiting: self.width(&self.waiting) + self.width(&self.running) - self.places_of(&self.running),
+            running: placed,
+            waiting: self.width(&self.waiting) + self.width(&self.running) - placed,
             num_blocks: self.cfg.num_blocks,
             used_blocks: self.pool.num_used(),
             cached_blocks: self.pool.num_cached_free(),
