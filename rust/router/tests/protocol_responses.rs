@@ -79,6 +79,14 @@ fn a_request_prepares_its_chat_equivalent() {
     assert_eq!((echo["temperature"].clone(), echo["top_p"].clone()), (json!(0.5), json!(0.9)));
     // stored by default, as OpenAI's
     assert_eq!((echo["store"].clone(), echo["max_output_tokens"].clone()), (json!(true), json!(3)));
+    // what the SDK's `Response` types: the tier that served it, and the keys as sent (or null)
+    assert_eq!(echo["service_tier"], "default");
+    assert_eq!((echo["prompt_cache_key"].clone(), echo["safety_identifier"].clone()), (json!(null), json!(null)));
+    let keys = json!({"input": "hi", "prompt_cache_key": "k1", "safety_identifier": "u-9", "service_tier": "flex"});
+    let keyed = responses(&r, keys).unwrap();
+    let echo = &keyed.responses.as_ref().unwrap().fields;
+    assert_eq!((echo["prompt_cache_key"].clone(), echo["safety_identifier"].clone()), (json!("k1"), json!("u-9")));
+    assert_eq!(echo["service_tier"], "default");
 
     // a string input is one user message; the client's request_id names the response
     let p = responses(&r, json!({"input": "hello world", "request_id": "abc"})).unwrap();

@@ -1301,10 +1301,14 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
     echo.insert("metadata".into(), sent("metadata").unwrap_or_else(|| json!({})));
     echo.insert("parallel_tool_calls".into(), sent("parallel_tool_calls").unwrap_or(Value::Bool(true)));
     echo.insert("previous_response_id".into(), sent("previous_response_id").unwrap_or(Value::Null));
+    echo.insert("prompt_cache_key".into(), sent("prompt_cache_key").unwrap_or(Value::Null));
     echo.insert("conversation".into(), joins.as_ref().map_or(Value::Null, |id| json!({"id": id})));
     let reasoning = set(obj, "reasoning").and_then(Value::as_object);
     let of = |k: &str| reasoning.and_then(|r| r.get(k)).cloned().unwrap_or(Value::Null);
     echo.insert("reasoning".into(), json!({"effort": of("effort"), "summary": of("summary")}));
+    echo.insert("safety_identifier".into(), sent("safety_identifier").unwrap_or(Value::Null));
+    // (the tier that served it: there is one, whatever `service_tier` asked for)
+    echo.insert("service_tier".into(), json!("default"));
     echo.insert("store".into(), Value::Bool(keep));
     echo.insert("temperature".into(), number(prepared.params.temperature));
     let format = set(obj, "text").and_then(|t| set(t.as_object()?, "format").cloned());
