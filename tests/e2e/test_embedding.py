@@ -115,6 +115,13 @@ def test_an_offline_batch_error_names_the_prompt_as_the_server_would(llm):
     with pytest.raises(BadRequestError) as info:
         llm.generate(["ok", [5, 10**6]], {"max_tokens": 2})
     assert "(in prompt 1 of the call, counting from 0)" in info.value.__notes__
+    # a field of one prompt's own params is noted too (one shared by all is not: above)
+    with pytest.raises(BadRequestError) as info:
+        llm.generate(["a", "b"], [{"max_tokens": 2}, {"max_tokens": 2, "top_p": 7}])
+    assert info.value.param == "top_p" and "(in prompt 1 of the call, counting from 0)" in info.value.__notes__
+    with pytest.raises(BadRequestError) as info:
+        llm.generate(["a", "b"], {"max_tokens": 2, "top_p": 7})
+    assert not getattr(info.value, "__notes__", None)
 
 
 def _idle(llm) -> dict:
@@ -452,6 +459,11 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     with pytest.warns(UserWarning, match="detokenize"):
         told = llm.generate("a", SamplingParams(max_tokens=1, detokenize=False))[0]
     assert "detokenize" in told.ignored_fields
+    # (logits processors, callables that would change the tokens, are refused by name, as the
+    # server refuses the field: audit B found a TypeError about JSON)
+    with pytest.raises(BadRequestError) as info:
+        llm.generate("a", SamplingParams(max_tokens=1, logits_processors=[lambda ids, logits: logits]))
+    assert info.value.param == "logits_processors"
     with pytest.raises(BadRequestError, match="temperature"):
         llm.generate("a", SamplingParams(temperature=-1))
 

@@ -83,6 +83,21 @@ def test_the_output_may_replace_the_input(tiny_model, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["batch.jsonl"]
 
 
+def test_fields_without_effect_are_logged_with_their_lines(tiny_model, tmp_path, caplog):
+    """The server names fields without effect in a header; a batch run logs them, each set once
+    with the lines (from 1) that sent it (audit B)."""
+    batch = tmp_path / "batch.jsonl"
+    lines = [_line("a", "/v1/completions", {**COMPLETION, "foo": 1}), _line("b", "/v1/completions", COMPLETION),
+             _line("c", "/v1/chat/completions", {**CHAT, "foo": 2})]
+    batch.write_text("\n".join(lines) + "\n")
+    assert cli.main(["run-batch", str(tiny_model), "--served-model-name", "tiny", "--threads", "1",
+                     "--num-kv-blocks", "64", "-i", str(batch), "-o", str(tmp_path / "out.jsonl")]) == 0
+    told = [r.getMessage() for r in caplog.records if "had no effect" in r.getMessage()]
+    assert told == ["these request fields had no effect: foo (lines 1, 3)"]
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [a["response"]["status_code"] for a in answers] == [200, 200, 200]
+
+
 @pytest.mark.parametrize("damage, says", [
     ("not_utf8", "line 2 is not UTF-8 text"),
     ("output_folder", "is a folder"),

@@ -5,7 +5,9 @@ Each input line is a request, `{"custom_id", "method": "POST", "url", "body"}`, 
 answers the input line at the same place: `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error": null}`, where `body` is what the server would have answered, an error body with its
 status included (a 400 names its `param`, as over HTTP). A line that is no such request gets
-`"response": null` and `"error": {"code", "message"}`, and the rest run on.
+`"response": null` and `"error": {"code", "message"}`, and the rest run on. Fields that have no
+effect, which the server names in its `llmserve-ignored-fields` header, are logged (a warning
+for each set of them, with the lines that sent it); with `--strict-fields` they are a 400.
 
 Requests go through the offline path (Router.prepare -> Core -> runner -> commit) a window at
 a time, so a window's requests share steps as a server's concurrent ones do.
@@ -14,6 +16,7 @@ a time, so a window's requests share steps as a server's concurrent ones do.
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -22,6 +25,8 @@ import orjson
 
 from llmserve._core import ApiError
 from llmserve.engine.loop import core_error, run_to_end
+
+log = logging.getLogger("llmserve")
 
 # The batch API's urls and the router's endpoints that answer them.
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings",
@@ -97,6 +102,7 @@ def _run_window(core, runner, router, batch: list[tuple[int, str]]) -> list[dict
     out: list[dict | None] = [None] * len(batch)
     queued: list[tuple[int, Any]] = []   # (place, custom_id) of each prepared request
     prepared = []
+    ignored: dict[tuple[str, ...], list[int]] = {}   # fields without effect -> the lines (from 1) that sent them
     for place, (index, line) in enumerate(batch):
         read = _read(index, line)
         if isinstance(read, dict):
@@ -109,6 +115,12 @@ def _run_window(core, runner, router, batch: list[tuple[int, str]]) -> list[dict
             out[place] = _answer(custom_id, err.status, orjson.loads(err.body))
             continue
         queued.append((place, custom_id))
+        if prepared[-1].ignored_fields:
+            ignored.setdefault(tuple(prepared[-1].ignored_fields), []).append(index + 1)
+    for fields, lines in ignored.items():
+        shown = ", ".join(map(str, lines[:20])) + (f" and {len(lines) - 20} more" if len(lines) > 20 else "")
+        log.warning("these request fields had no effect: %s (line%s %s)", ", ".join(fields),
+                    "s" if len(lines) > 1 else "", shown)
     parts: list[list[bytes]] = [[] for _ in prepared]
     ids = [p.id for p in prepared]
     with contextlib.closing(run_to_end(core, runner, prepared)) as outputs:

@@ -360,7 +360,7 @@ class LLM:
                 prepared.append(router.prepare(endpoint, _encode(router, body)))
             except ApiError as err:
                 if len(bodies) > 1:
-                    _name_the_request(router, endpoint, err, i, whole)
+                    _name_the_request(router, endpoint, err, i, whole, bodies)
                 raise
         ignored = [tuple(p.ignored_fields) for p in prepared]
         for fields in sorted(set(ignored)):
@@ -441,14 +441,16 @@ def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
 
 
 def _name_the_request(router: Router, endpoint: str, err: ApiError, index: int,
-                      whole: dict[str, Any] | None) -> None:
-    """Request `index` of a call failed with `err`, whose `param` speaks of that request alone.
-    Raise the error the call's prompts give as one request (it names the prompt: `prompt[2]`),
-    or else note which request it was (unless the error is about a field every request shares,
-    such as `temperature`)."""
-    if err.param is not None and err.param.split("[")[0].split(".")[0] not in ("prompt", "messages"):
-        return
-    if whole is not None:
+                      whole: dict[str, Any] | None, bodies: list[dict[str, Any]]) -> None:
+    """Request `index` of a call's `bodies` failed with `err`, whose `param` speaks of that
+    request alone. Raise the error the call's prompts give as one request (it names the prompt:
+    `prompt[2]`), or else note which request it was (unless the error is about a field every
+    request shares, such as one `temperature` for all)."""
+    field = None if err.param is None else err.param.split("[")[0].split(".")[0]
+    if field is not None and field not in ("prompt", "messages"):
+        if all(body.get(field) == bodies[index].get(field) for body in bodies):
+            return
+    elif whole is not None:
         try:
             router.prepare(endpoint, _encode(router, whole))
         except ApiError as named:

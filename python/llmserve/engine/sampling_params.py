@@ -13,8 +13,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# vLLM's fields that shape its own outputs or callbacks, not the tokens: sent only when they
-# ask for something (then the request reports them as fields without effect, and the call warns).
+# vLLM's fields that shape its own outputs or callbacks, not the tokens (and its logits
+# processors, which the request refuses): sent only when they ask for something; the request
+# then reports them as fields without effect (and the call warns), or refuses them.
 _INERT_DEFAULTS = {"detokenize": True, "spaces_between_special_tokens": True, "logits_processors": None,
                    "extra_args": None}
 
@@ -80,9 +81,21 @@ class SamplingParams:
             else:
                 fields["logprobs"] = self.logprobs
         for name, default in _INERT_DEFAULTS.items():
-            if (value := getattr(self, name)) != default:
-                fields[name] = value
+            if (value := getattr(self, name)) != default and value not in ([], {}):
+                fields[name] = _as_json(value)
         return fields
+
+
+def _as_json(value: Any) -> Any:
+    """A value JSON can carry, for a field the request only reports: a callable or other object
+    (a logits processor) by its name."""
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _as_json(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "__qualname__", type(value).__qualname__)
 
 
 @dataclass(frozen=True)
