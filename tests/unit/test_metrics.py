@@ -27,6 +27,20 @@ def test_a_request_its_client_left_is_no_success():
     assert _value(m, "llmserve:request_success_total", finished_reason="length") == 1
 
 
+def test_each_draft_position_has_its_series_from_the_start():
+    """--speculative-config: the per-position accepted-drafts counter has a series for each of
+    the step's draft places from the start, at 0, as vLLM's (audit D: none until the first
+    draft step); without speculation, none."""
+    m = Metrics()
+    m.bind("m", draft_positions=3)
+    name = "llmserve:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [m.registry.get_sample_value(name, {"model_name": "m", "position": str(p)}) for p in range(4)] == \
+        [0.0, 0.0, 0.0, None]
+    plain = Metrics()
+    plain.bind("m")
+    assert plain.registry.get_sample_value(name, {"model_name": "m", "position": "0"}) is None
+
+
 def test_tokens_and_first_token_times_count_as_they_come():
     """vLLM's engine counts the prompt and generated tokens, and the time to first token,
     each step: a long generation moves them while it runs, not at its end."""

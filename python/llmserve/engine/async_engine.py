@@ -330,7 +330,8 @@ class AsyncEngine:
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "gpu_memory_utilization": cfg.cache.gpu_memory_utilization},
             max_lora=max(len(cfg.model.lora_adapters()), int(cfg.model.allow_runtime_lora_updating)),
-            lora_bound=cfg.model.max_loras, max_model_len=engine.max_model_len)
+            lora_bound=cfg.model.max_loras, max_model_len=engine.max_model_len,
+            draft_positions=(cfg.scheduler.speculation() or {}).get("num_tokens", 0))
         self._thread = EngineThread(engine.core, engine.runner, self._deliver, self.metrics.on_step,
                                     self._first_scheduled, plan_ahead=engine.plan_ahead,
                                     adapters=engine.adapters, router=engine.router)

@@ -175,7 +175,7 @@ class Metrics:
         self._families[key] = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
 
     def bind(self, model_name: str, cache_config: dict | None = None, max_lora: int = 0,
-             lora_bound: int = 0, max_model_len: int | None = None) -> None:
+             lora_bound: int = 0, max_model_len: int | None = None, draft_positions: int = 0) -> None:
         """Once the model is loaded: every series gets its `model_name`, and
         `cache_config_info` the values of CACHE_CONFIG_LABELS in `cache_config`. Before,
         /metrics lists the metrics with no samples, and nothing calls on_step or on_finish (no
@@ -183,7 +183,8 @@ class Metrics:
         none, and no lora_requests_info); the published stats' `loras_served` then updates it.
         `lora_bound`: --max-loras, which the `max_lora` label then says (as vLLM's does).
         `max_model_len`: the context length, up to which the token-count histograms' bounds
-        run (1, 2, 5, 10, ...)."""
+        run (1, 2, 5, 10, ...). `draft_positions`: the drafts a speculative step checks at most,
+        whose per-position counter gets a series for each from the start (as vLLM's), at 0."""
         self.model_name = model_name
         if max_model_len is not None:
             for key in _TOKEN_COUNTS:
@@ -194,6 +195,8 @@ class Metrics:
             setattr(self, attr, family.labels(model_name))
         for reason in _REASONS:
             self._requests.labels(model_name, reason)
+        for pos in range(draft_positions):
+            self._spec_per_pos.labels(model_name, str(pos))
         if cache_config is not None:
             self._cache_config.labels(model_name, *(str(cache_config[k]) for k in CACHE_CONFIG_LABELS)).set(1)
 
