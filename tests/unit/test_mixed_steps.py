@@ -28,18 +28,20 @@ ALONE = [{0: 9, 1: 5}, *[{0: 1, 1: 1}] * 4]
 MIXED = [{0: 9, 1: 5}, {0: 1, 1: 1, 2: 6}, {0: 1, 1: 1, 2: 7}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]
 
 
-def _generate(model, schedule) -> dict[int, list[tuple[int, float]]]:
-    """Every sampled (token, logprob) of each sequence; sampled tokens are fed back."""
+def _generate(model, schedule, loras: dict[int, int] | None = None,
+              prompts: dict[int, list[int]] = PROMPTS) -> dict[int, list[tuple[int, float]]]:
+    """Every sampled (token, logprob) of each sequence; sampled tokens are fed back. `loras`:
+    seq_id -> its LoRA adapter's index."""
     runner = ModelRunner(model, 64, 4, torch.float32, "cpu", seed=0)
     paged = Paged(64, 4)
     for sid in schedule[0]:
-        paged.add(sid, PROMPTS[sid])
+        paged.add(sid, prompts[sid], (loras or {}).get(sid, 0))
     out: dict[int, list[tuple[int, float]]] = {}
     with torch.inference_mode():
         for sched in schedule:
             for sid in sched:
                 if sid not in paged.seqs:
-                    paged.add(sid, PROMPTS[sid])
+                    paged.add(sid, prompts[sid], (loras or {}).get(sid, 0))
             rows = {sid: Row(gen_index=len(s.tokens) - s.prompt_len, num_logprobs=0)
                     for sid, s in paged.seqs.items()}
             plan = paged.step(sched, rows)
@@ -74,3 +76,42 @@ def test_decode_sequences_are_those_computing_a_generated_token():
     plan = paged.step({2: 1, 0: 1}, {0: Row(gen_index=1)})
     assert list(decode_sequences(plan)) == [1]
     assert decode_sequences(plan).dtype == np.int64
+
+
+def _lora_model(tmp_path):
+    """The tiny quantized Llama with a LoRA adapter (index 1) on every projection."""
+    from test_cpu_decoder import FAMILIES
+    from tiny import write_peft_adapter
+
+    from llmserve.models import lora
+
+    c = FAMILIES["llama"]
+    write_peft_adapter(tmp_path / "a", c, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"], r=4, alpha=4.0)
+    model = quantized_model("llama", seed=5)
+    lora.attach(model, [lora.load_adapter("a", str(tmp_path / "a"), c)], torch.float32, "cpu")
+    return model
+
+
+def test_generated_tokens_do_not_depend_on_adapters_in_the_same_step(tmp_path):
+    """With LoRA adapters: a base sequence decoding beside adapter sequences computes what it
+    computes alone (its rows keep the Rust layers: the step runs in parts), and an adapter
+    sequence what it computes alone, however many rows of its adapter share its steps (the
+    delta's matmuls compute each row alone). Also when a prompt arrives in the same steps."""
+    model = _lora_model(tmp_path)
+    adapters = {1: 1, 3: 1}
+    prompts = {**PROMPTS, 3: [9, 4, 13, 21, 2, 30]}
+
+    def run(schedule):
+        return _generate(model, schedule, adapters, prompts)
+
+    alone = {}
+    for sid in (0, 1, 3):
+        alone.update(run([{sid: len(prompts[sid])}, *[{sid: 1}] * 4]))
+    together = run([{0: 9, 1: 5, 3: 6}, *[{0: 1, 1: 1, 3: 1}] * 4])
+    arriving = run([{0: 9, 1: 5, 3: 6}, {0: 1, 1: 1, 3: 1, 2: 6}, {0: 1, 1: 1, 3: 1, 2: 7},
+                    *[{0: 1, 1: 1, 3: 1, 2: 1}] * 2])
+    for sid in (0, 1, 3):
+        assert together[sid] == alone[sid], f"sequence {sid} beside the others"
+        assert arriving[sid] == alone[sid], f"sequence {sid} beside the others and a prompt"
+    assert alone[1] != _generate(model, [{1: 5}, *[{1: 1}] * 4])[1]   # (the adapter changes them)

@@ -159,6 +159,29 @@ def test_a_bf16_models_prompt_matmuls_compute_rows_independently_of_m():
                 assert torch.equal(part, whole[start:start + n]), (rows, cols, start, n)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_quantized_decode_steps_float_matmuls_compute_rows_independently_of_m(threads):
+    """The float matmuls of a decode step the quantized GEMV takes (a LoRA adapter's delta, an
+    LM head without GGUF blocks) compute each row as they would alone, so a generated token
+    does not change when other sequences decode beside it (audit C: an adapter's answer moved
+    when a second request for it arrived). MKL computes a lone row as a GEMV, whose sums
+    differ from any GEMM's at every one of these shapes: the rows are padded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    try:
+        with cpu_step(prompt_tokens=False, quantized=True):
+            for rows, cols in ((16, 576), (1536, 16), (576, 64), (49152, 576)):
+                w = torch.randn(rows, cols, generator=g)
+                x = torch.randn(QUANT_MAX_TOKENS, cols, generator=g)
+                whole = layers.linear(x, w, None, None)
+                for start, n in ((0, 1), (23, 1), (5, 2), (2, 7), (0, 24)):
+                    part = layers.linear(x[start:start + n], w, None, None)
+                    assert torch.equal(part, whole[start:start + n]), (rows, cols, start, n)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_prompt_steps_sampled_row_reads_the_lm_heads_blocks(monkeypatch):
     """The token a prompt step samples takes its logits from the LM head's GGUF blocks, as
     every later token does (a row alone, so the split cannot move it); prompt logprobs

@@ -374,11 +374,12 @@ def _padded_bf16(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear; in steps with prompt tokens on a CPU, each row's sums do not depend on how many
-    rows the step had (worker/threads.py says why that matters): a float32 matmul runs padded
-    with zero rows to a multiple of GEMM_ROW_MULTIPLE rows, a bfloat16 one (`--dtype bfloat16`)
-    as `_bf16_linear` runs a GGUF model's (a prompt whose prefix is cached computes its last
-    token alone, and M = 1 takes a GEMV whose sums differ)."""
+    """F.linear; in steps with prompt tokens on a CPU, and in the decode steps the quantized GEMV
+    takes (an LM head without blocks, LoRA deltas: `pads_small_gemms`), each row's sums do not
+    depend on how many rows the step had (worker/threads.py says why that matters): a float32
+    matmul runs padded with zero rows to a multiple of GEMM_ROW_MULTIPLE rows, a bfloat16 one
+    (`--dtype bfloat16`) as `_bf16_linear` runs a GGUF model's (a prompt whose prefix is cached
+    computes its last token alone, and M = 1 takes a GEMV whose sums differ)."""
     n = x.shape[0] if x.dim() == 2 else 0
     if n and x.device.type == "cpu" and pads_small_gemms():
         extra = -n % GEMM_ROW_MULTIPLE

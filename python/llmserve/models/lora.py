@@ -24,7 +24,8 @@ and A_q's columns, ...; zeros where a part is not targeted), so one pair of matm
 fused linear; B's rows then get the fused weight's row order (llama.rope_rows: Cohere's
 interleaved RoPE). Phi-3's natively fused `qkv_proj` and `gate_up_proj` LoRAs are taken as they
 are. Rows stay row-stable as the base linears are: the two matmuls go through `linear()`, so
-row by row with --batch-invariant, padded in prompt steps on CPU (layers._dense_linear).
+row by row with --batch-invariant, padded in prompt steps and quantized decode steps on CPU
+(layers._dense_linear).
 
 Targets: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, and on Phi-3
 (checkpoints fused natively) qkv_proj, o_proj, gate_up_proj, down_proj, in the decoder layers
@@ -38,7 +39,10 @@ so).
 A GGUF base whose linears hold quantized blocks is served too: the delta is added to what the
 quantized GEMV returns, and a step with adapter rows does not take the Rust layer stack of
 few-token decode steps (models/cpu_decoder.py), which never calls Linear.forward
-(`step_active`); base-model steps still do. Its Q/K rows are in HF's order (the loader
+(`step_active`); base-model steps still do, and so do the base rows of a decode step that mixes
+them with adapter rows (the runner runs it in two parts: worker/runner.py, ModelRunner._parts).
+In those steps the delta's matmuls are padded as a prompt step's are (worker/threads.py:
+pads_small_gemms), so an adapter row's bits do not depend on how many share its step. Its Q/K rows are in HF's order (the loader
 un-permutes llama.cpp's), as the adapters' are.
 
 NOTE: the step's grouping is module state (`set_step`), read by every adapted linear while the

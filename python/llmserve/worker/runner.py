@@ -212,11 +212,10 @@ class ModelRunner:
             if num_tokens == 0:
                 return finished(SampleOutput.empty())
             prompt = holds_prompt_tokens(plan)
-            if prompt and self.kernel_steps and not getattr(self.model, "batch_invariant", False):
-                decode = decode_sequences(plan)
-                decode_tokens = int(np.diff(np.asarray(plan.query_start_loc, np.int64))[decode].sum())
-                if 0 < decode_tokens <= QUANT_MAX_TOKENS:
-                    return finished(self._execute_split(plan, decode))
+            if self.kernel_steps and not getattr(self.model, "batch_invariant", False):
+                parts = self._parts(plan, prompt)
+                if parts:
+                    return finished(self._execute_split(plan, parts))
             quantized = self.kernel_steps and not prompt and num_tokens <= QUANT_MAX_TOKENS
             with cpu_step(prompt, quantized):
                 return self._execute(plan, num_rows)
@@ -225,18 +224,46 @@ class ModelRunner:
         """`plan` with its placeholders filled from `prev`'s tokens (here on the host)."""
         return resolve_placeholders(plan, None if prev is None else prev.result().tokens)
 
-    def _execute_split(self, plan, decode: np.ndarray) -> SampleOutput:
-        """A step that holds prompt tokens and up to QUANT_MAX_TOKENS generated ones: the
-        generated tokens run (forward and logits) as the decode step they would be alone,
-        the prompt tokens as the prompt step they would be alone.
+    def _parts(self, plan, prompt: bool) -> list[tuple[np.ndarray, bool, bool]] | None:
+        """How a CPU step of a quantized model runs in parts, each (its sequences, whether it
+        is a prompt step, whether it is a quantized decode step), when it does; None: in one.
+
+        A step that holds prompt tokens and up to QUANT_MAX_TOKENS generated ones runs the
+        generated tokens as the decode step they would be alone, the prompt tokens as the
+        prompt step they would be alone. A decode step of up to QUANT_MAX_TOKENS tokens that
+        holds both base-model and LoRA adapter rows runs each kind as a step of its own: the
+        base rows keep the Rust layers (models/cpu_decoder.py), which hold no adapter.
 
         NOTE: so a generated token computes the same bits whatever else the step holds (a
         request arriving mid-generation no longer moves its neighbours' tokens onto the bf16
-        path, where a near-tie could flip): with up to QUANT_MAX_TOKENS sequences decoding,
-        greedy and seeded output does not depend on the rest of the batch. Each part reads
-        its own copy of the weights; the prompt part dominates such steps."""
+        path, nor an adapter's request base rows onto the torch layers, where a near-tie could
+        flip): with up to QUANT_MAX_TOKENS sequences decoding, greedy and seeded output does
+        not depend on the rest of the batch. Each part reads its own copy of the weights; the
+        prompt part dominates such steps."""
         seqs = np.arange(len(plan.seq_lens))
-        parts = ((decode, False, True), (np.setdiff1d(seqs, decode), True, False))
+        if prompt:
+            decode = decode_sequences(plan)
+            decode_tokens = int(np.diff(np.asarray(plan.query_start_loc, np.int64))[decode].sum())
+            if not 0 < decode_tokens <= QUANT_MAX_TOKENS:
+                return None
+            rest = [(np.setdiff1d(seqs, decode), True, False)]
+        elif len(plan.input_ids) <= QUANT_MAX_TOKENS:
+            decode, rest = seqs, []
+        else:
+            return None
+        adapted = np.asarray(plan.lora_ids)[decode] != 0
+        if adapted.any() and not adapted.all() and self._rust_decode():
+            return [(decode[~adapted], False, True), (decode[adapted], False, True), *rest]
+        return [(decode, False, True), *rest] if rest else None
+
+    def _rust_decode(self) -> bool:
+        """Whether the model's few-token decode steps can run on the Rust layers."""
+        path = getattr(self.model, "cpu_decode_path", None)
+        return path is not None and path() is not None
+
+    def _execute_split(self, plan, parts: list[tuple[np.ndarray, bool, bool]]) -> SampleOutput:
+        """A step run in `parts` (`_parts`): each part's forward and logits as a step of its
+        own."""
         rows = np.asarray(plan.logits_indices, np.int64)
         row_seq = row_sequences(plan)
         hidden, logits = None, None
@@ -253,7 +280,7 @@ class ModelRunner:
                     if logits is None:
                         logits = lg.new_empty((len(rows), lg.shape[1]))
                     logits[torch.from_numpy(part_rows)] = lg
-        # the decode part always has rows: logits is set
+        # (the decode parts always have rows: logits is set)
         with cpu_step(True, False):
             prompt_lp = self.prompt_logprobs(hidden, plan)
             out = self.sampler.sample_plan(logits.cpu(), plan).to_host()

@@ -34,8 +34,11 @@ _short_openmp_spin), which gave the kernels their cores back sooner.
 A step that holds prompt tokens and at most QUANT_MAX_TOKENS generated ones (a request
 arriving while others generate) runs as two: the generated tokens as the decode step they
 would be alone, the prompt tokens as a prompt step (runner.py: ModelRunner._execute_split).
-So while at most QUANT_MAX_TOKENS sequences decode, a generated token computes the same bits
-whatever else the server is doing, and greedy or seeded output does not depend on it.
+A decode step that holds LoRA adapter rows beside base-model ones runs as two the same way
+(the base rows on the Rust layers, the adapter rows on the torch layers), and the float matmuls
+of quantized decode steps (LoRA deltas, an LM head without blocks) are padded as a prompt
+step's are. So while at most QUANT_MAX_TOKENS sequences decode, a generated token computes the
+same bits whatever else the server is doing, and greedy or seeded output does not depend on it.
 
 So the steps whose layers read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS
 generated tokens, where the quantized GEMV carries the linears) run torch single-threaded and
@@ -269,10 +272,13 @@ def in_big_decode_step() -> bool:
 
 
 def pads_small_gemms() -> bool:
-    """Whether the current step holds prompt tokens, whose fp32 matmuls are padded to a
-    multiple of GEMM_ROW_MULTIPLE rows."""
+    """Whether the current step's matmuls must compute each row as they would alone: a step
+    that holds prompt tokens, or a decode step the quantized GEMV takes (its float matmuls: an
+    LM head without blocks, LoRA deltas). Their fp32 matmuls are padded to a multiple of
+    GEMM_ROW_MULTIPLE rows (MKL computes a lone row as a GEMV, whose sums differ), their bf16
+    ones run as `layers._bf16_linear` says."""
     flags = _flags()
-    return flags is not None and flags[0]
+    return flags is not None and (flags[0] or flags[1])
 
 
 def set_engine_threads(n: int) -> None:
