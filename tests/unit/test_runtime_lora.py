@@ -169,7 +169,18 @@ def test_a_path_not_found_is_said_in_one_line(monkeypatch):
                             "ConnectError")
 
 
-def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
+def test_a_resolver_adapter_may_name_the_default_models_hub_repository():
+    """An adapter trained on the default model names its Hub repository as its base (PEFT
+    writes `HuggingFaceTB/SmolLM2-135M-Instruct`): the resolver takes it (audit C: a 404);
+    for a model given by path or id, that and the served names."""
+    from llmserve.engine.adapters import resolver_bases
+
+    assert resolver_bases(["SmolLM2-135M-Instruct"], None) == {"SmolLM2-135M-Instruct",
+                                                                 "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert resolver_bases(["tiny", "t2"], "/models/tiny") == {"tiny", "t2", "/models/tiny"}
+
+
+def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path, caplog):
     """--lora-resolver-dir (vLLM's filesystem resolver): a request naming a subfolder whose
     adapter is made for this model loads it, and it is served from then on; a subfolder made
     for another model, a name reaching out of the folder, another spelling of a loaded
@@ -208,6 +219,8 @@ def test_a_resolver_folder_loads_the_adapter_a_request_names(served, tmp_path):
             await engine.submit("completion", _body("dora"))
         assert e.value.param == "model" and "dora" in e.value.message.lower(), e.value.message
         assert engine.router.lora_names() == ["sql", "team/nested"]
+        # (whoever runs the server learns why a subfolder was not served)
+        assert "'other' in " in caplog.text and "base_model_name_or_path 'someone/else'" in caplog.text
         await engine.drain()
 
     asyncio.run(main())

@@ -62,6 +62,15 @@ def read_adapter(name: str, path: str, hf_config: dict):
     return adapter
 
 
+def resolver_bases(served_names: list[str], model: str | None) -> set[str]:
+    """The `base_model_name_or_path` values an adapter --lora-resolver-dir finds may name: the
+    served names and the model as given, or for the default model the Hub repository its
+    weights come from (what PEFT writes for an adapter trained on it)."""
+    from llmserve.loaders.load import DEFAULT_MODEL_REPO
+
+    return {*served_names, model or DEFAULT_MODEL_REPO}
+
+
 class AdapterMissing(LoraError):
     """An adapter path that is neither a folder here nor a Hugging Face id."""
 
@@ -139,8 +148,14 @@ class Adapters:
                 config = json.load(f)
         except (OSError, UnicodeDecodeError, ValueError):
             return False
-        base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
-        if not (isinstance(base, str) and base in bases and config.get("peft_type", "LORA") == "LORA"):
+        if not isinstance(config, dict):
+            return False
+        base, kind = config.get("base_model_name_or_path"), config.get("peft_type", "LORA")
+        if not (isinstance(base, str) and base in bases and kind == "LORA"):
+            # (the client gets vLLM's 404; whoever runs the server learns why)
+            log.warning("LoRA adapter %r in %s not served: its adapter_config.json has base_model_name_or_path "
+                        "%r and peft_type %r; this server serves LoRA adapters of %s", name, path, base, kind,
+                        ", ".join(sorted(bases)))
             return False
         body = json.dumps({"lora_name": name, "lora_path": path}).encode()
         try:

