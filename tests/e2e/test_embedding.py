@@ -464,6 +464,13 @@ def test_vllms_sampling_params_ask_what_the_same_request_fields_ask(llm):
     with pytest.raises(BadRequestError) as info:
         llm.generate("a", SamplingParams(max_tokens=1, logits_processors=[lambda ids, logits: logits]))
     assert info.value.param == "logits_processors"
+    # (vLLM's output_kind: a call returns whole outputs, so it is reported)
+    import enum
+
+    kind = enum.Enum("RequestOutputKind", "CUMULATIVE DELTA FINAL_ONLY")
+    with pytest.warns(UserWarning, match="output_kind"):
+        told = llm.generate("a", SamplingParams(max_tokens=1, output_kind=kind.DELTA))[0]
+    assert "output_kind" in told.ignored_fields
     with pytest.raises(BadRequestError, match="temperature"):
         llm.generate("a", SamplingParams(temperature=-1))
 

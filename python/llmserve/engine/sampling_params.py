@@ -17,7 +17,7 @@ from typing import Any, Callable
 # processors, which the request refuses): sent only when they ask for something; the request
 # then reports them as fields without effect (and the call warns), or refuses them.
 _INERT_DEFAULTS = {"detokenize": True, "spaces_between_special_tokens": True, "logits_processors": None,
-                   "extra_args": None}
+                   "extra_args": None, "output_kind": None}
 
 
 @dataclass
@@ -54,6 +54,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
+    # (vLLM's RequestOutputKind: how a streaming engine hands out outputs; a call here returns
+    # each output whole, so any value is reported)
+    output_kind: Any = None
 
     def clone(self) -> SamplingParams:
         """A deep copy, as vLLM's `SamplingParams.clone()` (its lists and dicts are the copy's
@@ -87,15 +90,15 @@ class SamplingParams:
 
 
 def _as_json(value: Any) -> Any:
-    """A value JSON can carry, for a field the request only reports: a callable or other object
-    (a logits processor) by its name."""
+    """A value JSON can carry, for a field the request only reports or refuses: a callable (a
+    logits processor) by its name, another object (an enum member) as its text."""
     if isinstance(value, (list, tuple)):
         return [_as_json(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _as_json(v) for k, v in value.items()}
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
-    return getattr(value, "__qualname__", type(value).__qualname__)
+    return value.__qualname__ if callable(value) and hasattr(value, "__qualname__") else str(value)
 
 
 @dataclass(frozen=True)
