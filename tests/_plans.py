@@ -66,6 +66,8 @@ class Plan:
     row_seq_index: np.ndarray
     # [S] each sequence's LoRA adapter (0: none)
     lora_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    # [S] how many of each sequence's tokens are its prompt's (None: all it computes)
+    prompt_lens: np.ndarray | None = None
 
 
 def sampling_columns(rows: list[Row]) -> dict[str, np.ndarray]:
@@ -131,6 +133,13 @@ class Paged:
     def append(self, seq_id: int, token: int) -> None:
         self.seqs[seq_id].tokens.append(int(token))
 
+    def preempt(self, seq_id: int) -> None:
+        """Frees the sequence's blocks, as preemption does: it recomputes all its tokens, those
+        past its prompt included."""
+        s = self.seqs[seq_id]
+        self.free = s.blocks + self.free
+        s.blocks, s.num_computed = [], 0
+
     def fork(self, src_id: int, new_id: int) -> None:
         """New sequence with the same tokens; its KV arrives by block copies in the next plan."""
         src = self.seqs[src_id]
@@ -143,7 +152,7 @@ class Paged:
         """schedule: seq_id -> how many of its uncomputed tokens to run this step. A sequence
         samples (gets a row) when the step reaches the end of its tokens."""
         rows = rows or {}
-        ids, pos, slots, qsl, lens, tables, logit_rows, row_specs, loras = [], [], [], [0], [], [], [], [], []
+        ids, pos, slots, qsl, lens, tables, logit_rows, row_specs, loras, plens = [], [], [], [0], [], [], [], [], [], []
         for sid, n in schedule.items():
             s = self.seqs[sid]
             start, end = s.num_computed, s.num_computed + n
@@ -157,6 +166,7 @@ class Paged:
             qsl.append(len(ids))
             lens.append(end)
             loras.append(s.lora)
+            plens.append(s.prompt_len)
             tables.append(list(s.blocks))
             s.num_computed = end
             if end == len(s.tokens):
@@ -172,7 +182,7 @@ class Paged:
         return Plan(
             input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
             query_start_loc=np.array(qsl, np.int32), seq_lens=np.array(lens, np.int32),
-            lora_ids=np.array(loras, np.uint32),
+            lora_ids=np.array(loras, np.uint32), prompt_lens=np.array(plens, np.int32),
             block_tables=bt, slot_mapping=np.array(slots, np.int64),
             copy_src=np.array([c[0] for c in copies], np.int64),
             copy_dst=np.array([c[1] for c in copies], np.int64),

@@ -115,3 +115,42 @@ def test_generated_tokens_do_not_depend_on_adapters_in_the_same_step(tmp_path):
         assert together[sid] == alone[sid], f"sequence {sid} beside the others"
         assert arriving[sid] == alone[sid], f"sequence {sid} beside the others and a prompt"
     assert alone[1] != _generate(model, [{1: 5}, *[{1: 1}] * 4])[1]   # (the adapter changes them)
+
+
+@pytest.mark.parametrize("chunks", [[18], [6, 12], [9, 9], [12, 6], [3, 3, 3, 9]])
+def test_a_preempted_sequence_recomputes_its_generated_tokens_as_decode_steps_did(chunks):
+    """A sequence that gives up its blocks (preempted, or a beam) recomputes all its tokens:
+    those past its prompt run as decode rows on the Rust layers (ModelRunner._parts), so what
+    it samples next is what it would have sampled had it kept its blocks, to the bit; also
+    when the recompute comes in chunks that cut the prompt or the generated tokens, and beside
+    another sequence decoding (audit A: beams and greedy output moved under KV pressure)."""
+    model = quantized_model("llama", seed=5)
+    schedule = [{0: 9, 1: 5}, *[{0: 1, 1: 1}] * 8]
+    kept = _generate(model, schedule + [{0: 1, 1: 1}] * 8)
+
+    runner = ModelRunner(model, 64, 4, torch.float32, "cpu", seed=0)
+    paged = Paged(64, 4)
+    for sid in (0, 1):
+        paged.add(sid, PROMPTS[sid])
+    out: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+
+    def run(sched):
+        rows = {sid: Row(gen_index=len(s.tokens) - s.prompt_len, num_logprobs=0) for sid, s in paged.seqs.items()}
+        sampled = runner.execute(paged.step(sched, rows))
+        ending = [sid for sid in sched if paged.seqs[sid].num_computed == len(paged.seqs[sid].tokens)]
+        for sid, tok, lp in zip(ending, sampled.tokens, sampled.logprobs):
+            out[sid].append((int(tok), float(lp)))
+            paged.append(sid, int(tok))
+
+    with torch.inference_mode():
+        for sched in schedule:
+            run(sched)
+        # sequence 0 (9 prompt + 9 generated tokens, the last not computed yet) loses its blocks
+        paged.preempt(0)
+        for n in chunks:
+            run({0: n, 1: 1})
+        for _ in range(3):
+            run({0: 1, 1: 1})
+    assert sum(chunks) == 18
+    assert out[0] == kept[0][:13] and len(out[0]) == 13
+    assert out[1] == kept[1][:len(out[1])] and len(out[1]) == 12 + len(chunks)

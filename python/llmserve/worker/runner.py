@@ -146,17 +146,24 @@ def sub_plan(plan, seqs: np.ndarray):
     """The forward columns of the plan's sequences `seqs` (sorted), and the indices of their
     tokens in the plan's token order."""
     qsl = np.asarray(plan.query_start_loc, np.int64)
-    lens = np.asarray(plan.seq_lens)
-    q_lens = np.diff(qsl)[seqs]
-    tokens = (np.concatenate([np.arange(qsl[s], qsl[s + 1]) for s in seqs]) if len(seqs)
+    return piece_plan(plan, [(int(s), int(qsl[s]), int(qsl[s + 1])) for s in seqs])
+
+
+def piece_plan(plan, pieces: list[tuple[int, int, int]]):
+    """The forward columns of `pieces`, each (a sequence of the plan, and a range [a, b) of the
+    plan's tokens that are among its), each piece a sequence of its own whose context ends at
+    its last token; and the indices of their tokens in the plan's token order."""
+    tokens = (np.concatenate([np.arange(a, b) for _, a, b in pieces]) if pieces
               else np.zeros(0, np.int64))
-    tables = np.asarray(plan.block_tables).reshape(len(lens), -1)
+    seqs = np.array([s for s, _, _ in pieces], np.int64)
+    positions = np.asarray(plan.positions)
+    tables = np.asarray(plan.block_tables).reshape(len(plan.seq_lens), -1)
     sub = _Forward(input_ids=np.asarray(plan.input_ids)[tokens],
-                   positions=np.asarray(plan.positions)[tokens],
+                   positions=positions[tokens],
                    slot_mapping=np.asarray(plan.slot_mapping)[tokens],
-                   query_start_loc=np.concatenate(([0], np.cumsum(q_lens))),
-                   seq_lens=lens[seqs], block_tables=tables[seqs],
-                   lora_ids=np.asarray(plan.lora_ids)[seqs])
+                   query_start_loc=np.concatenate(([0], np.cumsum([b - a for _, a, b in pieces], dtype=np.int64))),
+                   seq_lens=np.array([positions[b - 1] + 1 for _, _, b in pieces], np.int32),
+                   block_tables=tables[seqs], lora_ids=np.asarray(plan.lora_ids)[seqs])
     return sub, tokens
 
 
@@ -224,52 +231,82 @@ class ModelRunner:
         """`plan` with its placeholders filled from `prev`'s tokens (here on the host)."""
         return resolve_placeholders(plan, None if prev is None else prev.result().tokens)
 
-    def _parts(self, plan, prompt: bool) -> list[tuple[np.ndarray, bool, bool]] | None:
-        """How a CPU step of a quantized model runs in parts, each (its sequences, whether it
-        is a prompt step, whether it is a quantized decode step), when it does; None: in one.
+    def _parts(self, plan, prompt: bool) -> list[tuple[list[tuple[int, int, int]], bool, bool]] | None:
+        """How a CPU step of a quantized model runs in parts, in order, each (its pieces, as
+        `piece_plan` takes them; whether it is a prompt step; whether it is a quantized decode
+        step), when it does; None: in one.
 
-        A step that holds prompt tokens and up to QUANT_MAX_TOKENS generated ones runs the
-        generated tokens as the decode step they would be alone, the prompt tokens as the
-        prompt step they would be alone. A decode step of up to QUANT_MAX_TOKENS tokens that
-        holds both base-model and LoRA adapter rows runs each kind as a step of its own: the
-        base rows keep the Rust layers (models/cpu_decoder.py), which hold no adapter.
+        - A step that holds prompt tokens and up to QUANT_MAX_TOKENS generated ones runs the
+          generated tokens as the decode step they would be alone, the prompt tokens as the
+          prompt step they would be alone.
+        - A decode step of up to QUANT_MAX_TOKENS tokens that holds both base-model and LoRA
+          adapter rows runs each kind as a step of its own: the base rows keep the Rust layers
+          (models/cpu_decoder.py), which hold no adapter.
+        - A sequence that recomputes its tokens (preempted, or a beam that gave up its blocks)
+          computes those past its prompt (`prompt_lens`) after its prompt's, each as a decode
+          row of its own on the Rust layers, QUANT_MAX_TOKENS at a time: as its decode steps
+          computed them. The Rust layers write every row's K/V before any row attends, so a
+          row reads its sequence's earlier rows.
 
         NOTE: so a generated token computes the same bits whatever else the step holds (a
         request arriving mid-generation no longer moves its neighbours' tokens onto the bf16
         path, nor an adapter's request base rows onto the torch layers, where a near-tie could
-        flip): with up to QUANT_MAX_TOKENS sequences decoding, greedy and seeded output does
-        not depend on the rest of the batch. Each part reads its own copy of the weights; the
-        prompt part dominates such steps."""
+        flip), and whether or not the KV cache ran out meanwhile: with up to QUANT_MAX_TOKENS
+        sequences decoding, greedy and seeded output does not depend on the rest of the batch.
+        Each part reads its own copy of the weights; the prompt part dominates such steps."""
+        qsl = np.asarray(plan.query_start_loc, np.int64)
         seqs = np.arange(len(plan.seq_lens))
-        if prompt:
-            decode = decode_sequences(plan)
-            decode_tokens = int(np.diff(np.asarray(plan.query_start_loc, np.int64))[decode].sum())
-            if not 0 < decode_tokens <= QUANT_MAX_TOKENS:
+        whole = [(int(s), int(qsl[s]), int(qsl[s + 1])) for s in seqs]
+        lora = np.asarray(plan.lora_ids)
+        rust = self._rust_decode()
+        if not prompt:
+            if len(plan.input_ids) > QUANT_MAX_TOKENS or not rust or lora.all() or not lora.any():
                 return None
-            rest = [(np.setdiff1d(seqs, decode), True, False)]
-        elif len(plan.input_ids) <= QUANT_MAX_TOKENS:
-            decode, rest = seqs, []
-        else:
+            return [([whole[s] for s in seqs if not lora[s]], False, True),
+                    ([whole[s] for s in seqs if lora[s]], False, True)]
+        decode = decode_sequences(plan)
+        decode_tokens = int(np.diff(qsl)[decode].sum())
+        prompt_pieces, regen = [], []
+        prompt_lens = getattr(plan, "prompt_lens", None)
+        positions = np.asarray(plan.positions)
+        for s in np.setdiff1d(seqs, decode):
+            s, a, b = whole[s]
+            cut = b
+            if rust and prompt_lens is not None and not lora[s]:
+                # (a chunk's positions increase: those past the prompt are its last)
+                cut = a + int((positions[a:b] < prompt_lens[s]).sum())
+            if cut > a:
+                prompt_pieces.append((s, a, cut))
+            regen += [(s, t, t + 1) for t in range(cut, b)]
+        if not 0 < decode_tokens <= QUANT_MAX_TOKENS:
+            # (many decode rows: one bf16 step with the prompts, as without parts)
+            prompt_pieces = sorted(prompt_pieces + [whole[s] for s in decode])
+            decode = decode[:0]
+        if not regen and not len(decode):
             return None
-        adapted = np.asarray(plan.lora_ids)[decode] != 0
-        if adapted.any() and not adapted.all() and self._rust_decode():
-            return [(decode[~adapted], False, True), (decode[adapted], False, True), *rest]
-        return [(decode, False, True), *rest] if rest else None
+        parts = [] if not prompt_pieces else [(prompt_pieces, True, False)]
+        parts += [(regen[i:i + QUANT_MAX_TOKENS], False, True) for i in range(0, len(regen), QUANT_MAX_TOKENS)]
+        adapted = lora[decode] != 0
+        if adapted.any() and not adapted.all() and rust:
+            parts += [([whole[s] for s in decode[~adapted]], False, True),
+                      ([whole[s] for s in decode[adapted]], False, True)]
+        elif len(decode):
+            parts.append(([whole[s] for s in decode], False, True))
+        return parts
 
     def _rust_decode(self) -> bool:
         """Whether the model's few-token decode steps can run on the Rust layers."""
         path = getattr(self.model, "cpu_decode_path", None)
         return path is not None and path() is not None
 
-    def _execute_split(self, plan, parts: list[tuple[np.ndarray, bool, bool]]) -> SampleOutput:
-        """A step run in `parts` (`_parts`): each part's forward and logits as a step of its
-        own."""
+    def _execute_split(self, plan, parts: list[tuple[list[tuple[int, int, int]], bool, bool]]) -> SampleOutput:
+        """A step run in `parts` (`_parts`), in order: each part's forward and logits as a step
+        of its own."""
         rows = np.asarray(plan.logits_indices, np.int64)
-        row_seq = row_sequences(plan)
         hidden, logits = None, None
-        for part_seqs, prompt, quantized in parts:
-            sub, tokens = sub_plan(plan, part_seqs)
-            part_rows = np.flatnonzero(np.isin(row_seq, part_seqs))
+        for pieces, prompt, quantized in parts:
+            sub, tokens = piece_plan(plan, pieces)
+            part_rows = np.flatnonzero(np.isin(rows, tokens))
             with cpu_step(prompt, quantized):
                 h = self.run_model(sub)
                 if hidden is None:
@@ -280,10 +317,10 @@ class ModelRunner:
                     if logits is None:
                         logits = lg.new_empty((len(rows), lg.shape[1]))
                     logits[torch.from_numpy(part_rows)] = lg
-        # (the decode parts always have rows: logits is set)
         with cpu_step(True, False):
             prompt_lp = self.prompt_logprobs(hidden, plan)
-            out = self.sampler.sample_plan(logits.cpu(), plan).to_host()
+            # (a recompute chunk that does not reach its sequence's end samples nothing)
+            out = SampleOutput.empty() if logits is None else self.sampler.sample_plan(logits.cpu(), plan).to_host()
         return with_prompt_logprobs(out, prompt_lp, self.pooled(hidden, plan))
 
     def _execute(self, plan, num_rows: int) -> Launched:

@@ -37,8 +37,12 @@ would be alone, the prompt tokens as a prompt step (runner.py: ModelRunner._exec
 A decode step that holds LoRA adapter rows beside base-model ones runs as two the same way
 (the base rows on the Rust layers, the adapter rows on the torch layers), and the float matmuls
 of quantized decode steps (LoRA deltas, an LM head without blocks) are padded as a prompt
-step's are. So while at most QUANT_MAX_TOKENS sequences decode, a generated token computes the
-same bits whatever else the server is doing, and greedy or seeded output does not depend on it.
+step's are. A sequence that recomputes its tokens (preempted, or a beam that gave up its
+blocks) computes those past its prompt as decode rows on the Rust layers, as its decode steps
+did (the prefix cache takes none of them: `decoded_from` in the scheduler). So while at most
+QUANT_MAX_TOKENS sequences decode, a generated token computes the same bits whatever else the
+server is doing, the KV cache running out included, and greedy or seeded output does not
+depend on it.
 
 So the steps whose layers read GGUF blocks (decode steps of at most QUANT_MAX_TOKENS
 generated tokens, where the quantized GEMV carries the linears) run torch single-threaded and

@@ -33,6 +33,9 @@ pub struct PyPlan {
     /// `[S]` u32: the LoRA adapter each sequence's tokens run through (0: none).
     #[pyo3(get)]
     lora_ids: Py<PyAny>,
+    /// `[S]` i32: how many of each sequence's tokens are its prompt's.
+    #[pyo3(get)]
+    prompt_lens: Py<PyAny>,
     #[pyo3(get)]
     block_tables: Py<PyAny>,
     #[pyo3(get)]
@@ -113,6 +116,7 @@ impl PyPlan {
             query_start_loc: arr(py, p.query_start_loc),
             seq_lens: arr(py, p.seq_lens),
             lora_ids: arr(py, p.lora_ids),
+            prompt_lens: arr(py, p.prompt_lens),
             block_tables,
             slot_mapping: arr(py, p.slot_mapping),
             copy_src: arr(py, p.copy_src),

@@ -84,6 +84,10 @@ pub struct Plan {
     pub seq_indices: Vec<u32>,
     /// `[S]` the LoRA adapter each scheduled sequence's tokens run through (0: none).
     pub lora_ids: Vec<u32>,
+    /// `[S]` how many of each scheduled sequence's tokens are its prompt's: a sequence that
+    /// recomputes its tokens (preempted, a beam that gave up its blocks) computes those past it
+    /// as generated tokens (the runner: ModelRunner._parts).
+    pub prompt_lens: Vec<i32>,
 }
 
 impl Plan {
@@ -104,6 +108,7 @@ impl Plan {
             seq_req_ids: Vec::with_capacity(seqs),
             seq_indices: Vec::with_capacity(seqs),
             lora_ids: Vec::with_capacity(seqs),
+            prompt_lens: Vec::with_capacity(seqs),
             logits_indices: Vec::with_capacity(rows),
             temperature: Vec::with_capacity(rows),
             top_p: Vec::with_capacity(rows),

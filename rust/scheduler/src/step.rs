@@ -482,14 +482,16 @@ impl Scheduler {
             plan.seq_req_ids.push(req.id);
             plan.seq_indices.push(seq.index);
             plan.lora_ids.push(req.lora);
+            plan.prompt_lens.push(seq.prompt_len as i32);
             cur.planned.push((slot, seq.gen));
             seq.num_computed = end;
-            // A pure decode token of this sequence. NOTE: the same test as the runner's for a
-            // decode step (worker/runner.py: decode_sequences; worker/threads.py:
-            // holds_prompt_tokens): on CPU those steps compute with other numerics, and
-            // `decoded_from` keeps the prefix cache from reusing the K/V they wrote.
-            if num_new == 1 + seq.drafts && start >= seq.prompt_len && end == seq.tokens.len() {
-                seq.decoded_from = seq.decoded_from.min(start);
+            // Generated tokens: a decode step's, or those a sequence recomputes past its prompt
+            // (preempted, a beam that gave up its blocks), which the runner computes as the
+            // decode steps did (worker/runner.py: ModelRunner._parts). On CPU those compute with
+            // other numerics than prompt steps, and `decoded_from` keeps the prefix cache from
+            // reusing the K/V they wrote.
+            if end > seq.prompt_len {
+                seq.decoded_from = seq.decoded_from.min(start.max(seq.prompt_len));
             }
             if self.cfg.enable_prefix_caching {
                 let cacheable = if self.cfg.cache_decoded_blocks { usize::MAX } else { seq.decoded_from };

@@ -275,10 +275,11 @@ fn blocks_a_decode_step_computed_are_cached_only_when_asked() {
 }
 
 #[test]
-fn a_preempted_sequence_caches_what_it_recomputes_as_a_prompt() {
+fn a_preempted_sequence_caches_only_its_prompt_when_it_recomputes() {
     // 6 usable blocks of 4 tokens: two 8-token prompts that generate 12 outgrow them, and one
-    // is preempted. Its generated tokens are recomputed in one prompt step, and then its
-    // blocks up to its last decoded position may be cached.
+    // is preempted. Its generated tokens are recomputed as its decode steps computed them (the
+    // runner: ModelRunner._parts), with their numerics: like a decode step's K/V, theirs is not
+    // for the prefix cache (on CPU, a prompt holding them would compute them otherwise).
     let mut cfg = config(7, 4, 8, 64);
     cfg.enable_prefix_caching = true;
     cfg.cache_decoded_blocks = false;
@@ -295,12 +296,12 @@ fn a_preempted_sequence_caches_what_it_recomputes_as_a_prompt() {
         }
     }
     assert!(recomputed && s.stats().preemptions > 0);
-    // prompt(8, 2) + 9s: the preempted one's generated blocks came from its recompute
+    // prompt(8, 2) + 9s: only the prompt's blocks are found
     let mut tokens = prompt(8, 2);
     tokens.extend([9; 8]);
     s.add(request(3, tokens.clone(), 1));
     let (plan, _) = step(&mut s, 9);
-    assert!(plan.num_tokens < tokens.len() - 8, "hit past the prompt: {}", plan.num_tokens);
+    assert_eq!(plan.num_tokens, tokens.len() - 8, "hit only the prompt");
 }
 
 #[test]
@@ -347,7 +348,10 @@ fn preempted_sequence_recomputes_and_keeps_outputs() {
         if before > 0 && resumed_plan_tokens.is_none() && plan.seq_req_ids.contains(&2) && plan.num_tokens > 2 {
             let k = plan.seq_req_ids.iter().position(|&r| r == 2).unwrap();
             resumed_plan_tokens = Some((plan.token_range(k).len(), plan.positions[plan.token_range(k).start]));
+            // (the runner computes the tokens past the prompt as generated ones)
+            assert_eq!(plan.prompt_lens[k], 8);
         }
+        assert_eq!(plan.prompt_lens.len(), plan.num_seqs);
         // Request 1 is the earliest arrival: under fcfs it is never the victim.
         if let Some(blocks) = s.seq_blocks(1, 0) {
             assert!(!blocks.is_empty());
