@@ -309,7 +309,8 @@ fn anthropics_conversation_rules_are_400s() {
     let mut negative = with(json!([ask]));
     negative["max_tokens"] = json!(-1);
     let e = r.prepare(Endpoint::Messages, &serde_json::to_vec(&negative).unwrap()).unwrap_err();
-    assert_eq!((e.param(), e.message().as_str()), (Some("max_tokens"), "`max_tokens` must be at least 1, got -1."));
+    // (its bound is 0, which warms the prompt cache: audit M found chat's "at least 1")
+    assert_eq!((e.param(), e.message().as_str()), (Some("max_tokens"), "`max_tokens` must be at least 0, got -1."));
     assert!(r
         .prepare(
             Endpoint::Messages,
@@ -607,6 +608,26 @@ fn stop_reasons_and_cached_tokens() {
         (m["usage"]["input_tokens"].clone(), m["usage"]["cache_read_input_tokens"].clone()),
         (json!(3), json!(4))
     );
+}
+
+#[test]
+fn tools_render_as_their_chat_equivalent_where_a_template_writes_them_as_json() {
+    // (Hermes, Qwen and Llama 3.1 templates write each tool with `tojson`: its keys in chat's
+    // order, name, description, parameters; audit M found parameters before description)
+    let r = router_with(
+        json!({"max_model_len": 4096}),
+        Some("{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"),
+    );
+    let ask = json!([{"role": "user", "content": "hello"}]);
+    let tool = serde_json::from_str::<Value>(WEATHER).unwrap();
+    let p = messages(&r, json!({"messages": ask, "tools": [tool]})).unwrap();
+    let c = chat_of(
+        &r,
+        json!({"messages": ask, "max_completion_tokens": 4, "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "x", "parameters": tool["input_schema"]}}]}),
+    );
+    assert_eq!(p.prompt_texts, c.prompt_texts);
+    assert!(p.prompt_texts[0].contains(r#"{"name": "get_weather", "description": "x", "parameters""#));
 }
 
 #[test]

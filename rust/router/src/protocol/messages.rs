@@ -563,11 +563,16 @@ fn chat_tools(tools: &Value, ignored: &mut Vec<String>) -> Result<Value, ApiErro
             None | Some(Value::Null) => return Err(missing(format!("{p}.input_schema"))),
             Some(schema) => schema.clone(),
         };
-        let mut function = json!({"name": name, "parameters": schema});
-        for key in ["description", "strict"] {
-            if let Some(v) = set(obj, key) {
-                function[key] = v.clone();
-            }
+        // (in chat's order, `name`, `description`, `parameters`: templates that write the
+        // tools as JSON show them to the model so, and a Messages request renders as its chat
+        // equivalent)
+        let mut function = json!({"name": name});
+        if let Some(v) = set(obj, "description") {
+            function["description"] = v.clone();
+        }
+        function["parameters"] = schema;
+        if let Some(v) = set(obj, "strict") {
+            function["strict"] = v.clone();
         }
         out.push(json!({"type": "function", "function": function}));
     }
@@ -749,6 +754,10 @@ fn translate(router: &Router, obj: &Map<String, Value>, count: bool) -> Result<T
         None if !count => return Err(missing("max_tokens".into())),
         Some(Value::Null) if !count => {
             return Err(invalid_type("max_tokens", "`max_tokens` must be an integer, not null."))
+        }
+        // (chat's own check would say "at least 1": here 0 warms the prompt cache)
+        Some(Value::Number(n)) if !count && n.as_i64().is_some_and(|n| n < 0) => {
+            return Err(ApiError::invalid("max_tokens", format!("`max_tokens` must be at least 0, got {n}.")));
         }
         _ => {}
     }
