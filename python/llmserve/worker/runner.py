@@ -254,13 +254,15 @@ class ModelRunner:
         flip), and whether or not the KV cache ran out meanwhile: with up to QUANT_MAX_TOKENS
         sequences decoding, greedy and seeded output does not depend on the rest of the batch.
         Each part reads its own copy of the weights; the prompt part dominates such steps."""
+        lora = np.asarray(plan.lora_ids)
+        if not prompt and (len(plan.input_ids) > QUANT_MAX_TOKENS or lora.all() or not lora.any()):
+            return None   # (decode steps: the common case, decided first)
+        rust = self._rust_decode()
         qsl = np.asarray(plan.query_start_loc, np.int64)
         seqs = np.arange(len(plan.seq_lens))
         whole = [(int(s), int(qsl[s]), int(qsl[s + 1])) for s in seqs]
-        lora = np.asarray(plan.lora_ids)
-        rust = self._rust_decode()
         if not prompt:
-            if len(plan.input_ids) > QUANT_MAX_TOKENS or not rust or lora.all() or not lora.any():
+            if not rust:
                 return None
             return [([whole[s] for s in seqs if not lora[s]], False, True),
                     ([whole[s] for s in seqs if lora[s]], False, True)]
