@@ -42,8 +42,8 @@ few-token decode steps (models/cpu_decoder.py), which never calls Linear.forward
 (`step_active`); base-model steps still do, and so do the base rows of a decode step that mixes
 them with adapter rows (the runner runs it in two parts: worker/runner.py, ModelRunner._parts).
 In those steps the delta's matmuls are padded as a prompt step's are (worker/threads.py:
-pads_small_gemms), so an adapter row's bits do not depend on how many share its step. Its Q/K rows are in HF's order (the loader
-un-permutes llama.cpp's), as the adapters' are.
+pads_small_gemms), so an adapter row's bits do not depend on how many share its step. Its Q/K
+rows are in HF's order (the loader un-permutes llama.cpp's), as the adapters' are.
 
 NOTE: the step's grouping is module state (`set_step`), read by every adapted linear while the
 forward runs on the runner's thread. A CUDA graph holds no Python: one captured without

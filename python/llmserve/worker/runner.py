@@ -142,13 +142,6 @@ def decode_sequences(plan) -> np.ndarray:
     return np.flatnonzero((rows == q_lens) & (prompt_rows == 0))
 
 
-def sub_plan(plan, seqs: np.ndarray):
-    """The forward columns of the plan's sequences `seqs` (sorted), and the indices of their
-    tokens in the plan's token order."""
-    qsl = np.asarray(plan.query_start_loc, np.int64)
-    return piece_plan(plan, [(int(s), int(qsl[s]), int(qsl[s + 1])) for s in seqs])
-
-
 def piece_plan(plan, pieces: list[tuple[int, int, int]]):
     """The forward columns of `pieces`, each (a sequence of the plan, and a range [a, b) of the
     plan's tokens that are among its), each piece a sequence of its own whose context ends at
