@@ -331,3 +331,36 @@ def test_bytes_that_form_no_character(smol, hf_tokenizer):
                        json={**body, "stop": [" "], "include_stop_str_in_output": include}).json()
         choice = c["choices"][0]
         assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (" " * include, "stop", " ")
+
+
+def test_output_under_kv_pressure_is_the_output_without(smol):
+    """README: under KV pressure greedy, seeded and beam-search output stays the same on the
+    default model. A server with blocks for about one 112-token sequence and two places a step
+    preempts its beams and choices again and again (each recomputes its generated tokens as its
+    decode steps computed them); every answer, logprobs included, is the roomy server's."""
+    from server import ServerProcess
+
+    requests = [{"prompt": "Once upon a time", "max_tokens": 24, "use_beam_search": True, "n": 4, "logprobs": 1},
+                {"prompt": "The history of Rome", "max_tokens": 40, "temperature": 0, "logprobs": 1, "n": 2},
+                {"prompt": "List three fruits:", "max_tokens": 40, "temperature": 0.8, "seed": 7, "n": 3,
+                 "logprobs": 1}]
+
+    def answers(server) -> list:
+        out = []
+        for body in requests:
+            r = httpx.post(server.url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", **body},
+                           timeout=300)
+            assert r.status_code == 200, r.text
+            out.append([(c["text"], c["logprobs"]["token_logprobs"]) for c in r.json()["choices"]])
+        return out
+
+    roomy = answers(smol)
+    cramped = ServerProcess(None, "--max-num-seqs", "2", "--num-kv-blocks", "8", "--max-model-len", "112")
+    try:
+        assert answers(cramped) == roomy
+        metrics = httpx.get(cramped.url + "/metrics", timeout=10).text
+        preempted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                        if line.startswith("llmserve:num_preemptions_total"))
+        assert preempted > 10, metrics
+    finally:
+        cramped.stop()
