@@ -642,8 +642,10 @@ class ServerConfig(_Checked):
     max_log_len: int | None = _f(
         None, "With --enable-log-requests, log at most this many characters of a prompt and this many of its "
         "token ids (vLLM's flag); unset: all.", min=0)
-    uvicorn_log_level: str = _f(
-        "warning", "uvicorn's own log level (vLLM's flag); llmserve's is LLMSERVE_LOG_LEVEL.",
+    uvicorn_log_level: str | None = _f(
+        None, "uvicorn's own log level (vLLM's flag; default warning); llmserve's is LLMSERVE_LOG_LEVEL. "
+        "Given as warning or above, it also quiets the access log's lines, as it quiets uvicorn's "
+        "access log under vLLM.",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
     root_path: str = _f(
@@ -706,6 +708,11 @@ class ServerConfig(_Checked):
             if not path.startswith("/") or "?" in path:
                 raise ValueError(f"--disable-access-log-for-endpoints {path!r} is not a path (such as /health; "
                                  "matched without the query)")
+
+    def logs_access(self) -> bool:
+        """Whether requests get access-log lines: --access-log, unless --uvicorn-log-level was
+        given at warning or above (vLLM's access lines are uvicorn's, at info)."""
+        return self.access_log and self.uvicorn_log_level in (None, "info", "debug", "trace")
 
     def quiet_paths(self) -> frozenset[str]:
         """The paths the access log leaves out (--disable-access-log-for-endpoints)."""

@@ -304,6 +304,10 @@ def test_vllm_spellings_are_taken(monkeypatch, caplog, tmp_path):
     assert (logged.enable_log_requests, logged.max_log_len) == (True, 100)
     assert _config(["--enable-log-requests", "--disable-log-requests"]).server.enable_log_requests is False
     assert _config(["--uvicorn-log-level", "info"]).server.uvicorn_log_level == "info"
+    # given at warning or above it quiets the access lines too, as vLLM's (uvicorn's, at info)
+    assert [_config(args).server.logs_access() for args in (
+        [], ["--uvicorn-log-level", "info"], ["--uvicorn-log-level", "warning"], ["--uvicorn-log-level", "error"],
+        ["--disable-uvicorn-access-log"])] == [True, True, False, False, False]
     with pytest.raises((ValueError, SystemExit)):
         _config(["--uvicorn-log-level", "loud"])
     # --max-logprobs is served (vLLM's: -1 is the vocabulary)

@@ -213,7 +213,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     if config.server.enable_request_id_headers:
         # (outside the key check and CORS: their own answers get the header too)
         app.add_middleware(RequestIdMiddleware)
-    if config.server.access_log:
+    if config.server.logs_access():
         app.add_middleware(AccessLogMiddleware, quiet=config.server.quiet_paths())
     return app
 
@@ -470,7 +470,7 @@ def serve(config: Config) -> int:
     else:
         log.info("no API key: requests are not authenticated (only this machine can reach %s)", uds or host)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port,
-                                           access_log=False, log_level=config.server.uvicorn_log_level,
+                                           access_log=False, log_level=config.server.uvicorn_log_level or "warning",
                                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
                                            root_path=config.server.root_path, **tls),
                             app)
