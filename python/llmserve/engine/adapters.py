@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from llmserve.loaders.checkpoint import LoadError
+from llmserve.loaders.load import DEFAULT_MODEL_REPO
 from llmserve.models.lora import LoraError
 
 log = logging.getLogger("llmserve.engine")
@@ -66,8 +67,6 @@ def resolver_bases(served_names: list[str], model: str | None) -> set[str]:
     """The `base_model_name_or_path` values an adapter --lora-resolver-dir finds may name: the
     served names and the model as given, or for the default model the Hub repository its
     weights come from (what PEFT writes for an adapter trained on it)."""
-    from llmserve.loaders.load import DEFAULT_MODEL_REPO
-
     return {*served_names, model or DEFAULT_MODEL_REPO}
 
 
