@@ -1,7 +1,8 @@
 """llmserve: an OpenAI-compatible LLM inference server.
 
 The public Python API: `LLM` (offline generation and chat, answering `Result`s; its params
-may be vLLM's `SamplingParams`; `beam_search` takes its `BeamSearchParams`),
+may be vLLM's `SamplingParams`; `beam_search` takes its `BeamSearchParams`, `embed` and
+`score` its `PoolingParams`),
 `AsyncEngine` (submit request bytes, iterate response bytes), `create_app` (an ASGI app to
 mount or serve) and the `Config` both take; `ApiError` is the base of every request error
 (one subclass per status: `BadRequestError`, `AuthenticationError`, `NotFoundError`,
@@ -25,8 +26,8 @@ _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 _ERRORS = ("ApiError", "BadRequestError", "AuthenticationError", "NotFoundError", "MethodNotAllowedError",
            "PayloadTooLargeError", "InternalServerError", "ServiceUnavailableError")
 
-__all__ = ["LLM", "Result", "SamplingParams", "BeamSearchParams", "AsyncEngine", "create_app", "Config", *_ERRORS,
-           "LoadError", "__version__"]
+__all__ = ["LLM", "Result", "SamplingParams", "BeamSearchParams", "PoolingParams", "AsyncEngine", "create_app",
+           "Config", *_ERRORS, "LoadError", "__version__"]
 
 if TYPE_CHECKING:
     from llmserve._core import (ApiError, AuthenticationError, BadRequestError, InternalServerError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from llmserve.config import Config
     from llmserve.engine.async_engine import AsyncEngine
     from llmserve.engine.offline import LLM, Result
+    from llmserve.engine.pooling import PoolingParams
     from llmserve.engine.sampling_params import BeamSearchParams, SamplingParams
     from llmserve.loaders.checkpoint import LoadError
     from llmserve.server.app import create_app
@@ -45,6 +47,7 @@ _LAZY = {
     "Result": "llmserve.engine.offline",
     "SamplingParams": "llmserve.engine.sampling_params",
     "BeamSearchParams": "llmserve.engine.sampling_params",
+    "PoolingParams": "llmserve.engine.pooling",
     "AsyncEngine": "llmserve.engine.async_engine",
     "create_app": "llmserve.server.app",
     "Config": "llmserve.config",

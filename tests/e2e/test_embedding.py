@@ -758,12 +758,59 @@ def test_a_stream_read_from_another_loop_says_so(tiny_model):
         home.close()
 
 
+def test_offline_embed_answers_as_vllms(llm):
+    """vLLM's `LLM.embed`: an EmbeddingRequestOutput per prompt (`outputs.embedding`), its
+    pooled token ids; `PoolingParams` or a dict, and vLLM's keywords."""
+    from llmserve import PoolingParams
+
+    texts = ["Hello world", "The quick brown fox"]
+    out = llm.embed(texts)
+    assert [len(o.outputs.embedding) for o in out] == [o.outputs.hidden_size for o in out] == [64, 64]
+    assert all(isinstance(x, float) for x in out[0].outputs.embedding) and all(o.finished for o in out)
+    assert len({o.request_id for o in out}) == 2
+    tok = llm.get_tokenizer()
+    assert [o.prompt_token_ids for o in out] == [tok.encode(t) for t in texts]
+    # token ids, vLLM's prompt dicts and a mix of kinds, in order
+    mixed = llm.embed([out[1].prompt_token_ids, {"prompt": texts[0]}])
+    np.testing.assert_allclose(mixed, np.asarray(out)[::-1], atol=1e-6)
+    # the params: a PoolingParams, by vLLM's keyword or positionally, or the route's dict
+    raw = np.asarray(llm.embed(texts[:1], pooling_params=PoolingParams(normalize=False)))
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3
+    np.testing.assert_allclose(llm.embed(texts[:1], PoolingParams(use_activation=False)), raw, atol=0)
+    np.testing.assert_allclose(llm.embed(texts[:1], {"normalize": False}), raw, atol=0)
+    # vLLM's truncate_prompt_tokens keyword keeps the last k tokens, and the ids say so
+    cut = llm.embed(texts[1], truncate_prompt_tokens=2)[0]
+    assert cut.prompt_token_ids == out[1].prompt_token_ids[-2:]
+    np.testing.assert_allclose(cut, llm.embed([out[1].prompt_token_ids[-2:]])[0], atol=1e-6)
+    with pytest.raises(BadRequestError) as err:
+        llm.embed(texts, PoolingParams(normalize=True, use_activation=False))
+    assert err.value.param == "use_activation"
+    with pytest.raises(TypeError, match="as params or as pooling_params"):
+        llm.embed(texts, {}, pooling_params=PoolingParams())
+    with pytest.raises(TypeError, match="must be a PoolingParams"):
+        llm.embed(texts, SamplingParams())
+    with pytest.warns(UserWarning, match="had no effect: softmax"):
+        llm.embed(texts, PoolingParams(softmax=True))
+
+
 def test_offline_score_and_rerank_answer_as_the_routes(llm):
     docs = ["Hello, world!", "def add(a, b): return a + b", "Paris is in France."]
-    v = llm.embed(["Where is Paris?", *docs]).astype(np.float64)
+    v = np.asarray(llm.embed(["Where is Paris?", *docs]), np.float64)
     v /= np.linalg.norm(v, axis=1, keepdims=True)
     want = v[1:] @ v[0]
-    np.testing.assert_allclose(llm.score("Where is Paris?", docs), want, atol=1e-5)
+    scores = llm.score("Where is Paris?", docs)
+    np.testing.assert_allclose([s.outputs.score for s in scores], want, atol=1e-5)
+    # vLLM's ScoringRequestOutput: each pair's token ids, the first text's then the second's
+    ids = {t: e.prompt_token_ids for t, e in zip(["Where is Paris?", "Hello", *docs],
+                                                 llm.embed(["Where is Paris?", "Hello", *docs]))}
+    assert [s.prompt_token_ids for s in scores] == [ids["Where is Paris?"] + ids[d] for d in docs]
+    assert len({s.request_id for s in scores}) == 3 and all(s.finished for s in scores)
+    # pair by pair
+    hello = np.asarray(llm.embed("Hello")[0], np.float64)
+    pairs = llm.score(["Where is Paris?", "Hello"], docs[:2])
+    np.testing.assert_allclose([s.outputs.score for s in pairs], [want[0], hello @ v[2] / np.linalg.norm(hello)],
+                               atol=1e-5)
+    assert [s.prompt_token_ids for s in pairs] == [ids["Where is Paris?"] + ids[docs[0]], ids["Hello"] + ids[docs[1]]]
     ranked = llm.rerank("Where is Paris?", docs, {"top_n": 2})
     assert [r["index"] for r in ranked] == list(np.argsort(-want)[:2])
     with pytest.raises(TypeError, match="pass the documents as the second argument"):

@@ -57,9 +57,9 @@ def reference(folder):
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_pooled_hidden_states_match_transformers(folder, reference, pooling):
     llm = LLM(str(folder), pooling=pooling, num_kv_blocks=64)
-    got = llm.embed(TEXTS)
+    got = np.asarray(llm.embed(TEXTS))
     want = np.stack([reference(t, pooling) for t in TEXTS])
-    assert got.shape == (3, 64)
+    assert got.shape == (3, 64) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, atol=TOL)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     # each input alone gives what it gave in the batch
@@ -146,4 +146,4 @@ def test_a_folder_whose_embeddings_cannot_be_made_refuses_the_route(folder, tmp_
     # it still generates
     assert llm.generate(["Hello"], {"max_tokens": 2})[0].usage["completion_tokens"] >= 1
     # --pooling overrules the files (the Dense layer is then not applied)
-    assert LLM(str(dense), num_kv_blocks=64, pooling="mean").embed(TEXTS[:1]).shape == (1, 64)
+    assert np.asarray(LLM(str(dense), num_kv_blocks=64, pooling="mean").embed(TEXTS[:1])).shape == (1, 64)

@@ -28,6 +28,8 @@ from llmserve._core import ApiError, Router
 from llmserve.config import Config, ServerConfig
 from llmserve.engine.build import Engine, build_engine
 from llmserve.engine.loop import core_error, run_to_end
+from llmserve.engine.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, ScoringOutput,
+                                     ScoringRequestOutput)
 from llmserve.engine.sampling_params import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence, CompletionOutput,
                                              Logprob, SamplingParams, cumulative_logprob, prompt_logprobs,
                                              token_logprobs)
@@ -52,6 +54,9 @@ class Result:
     # alternatives per token the request asked for)
     token_text: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
     logprobs_k: int = field(default=0, repr=False, compare=False)
+    # (the request as the engine ran it: its id and prompts' token ids, for the pooling outputs)
+    engine_id: str = field(default="", repr=False, compare=False)
+    prompt_token_lists: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def text(self) -> str:
@@ -297,33 +302,56 @@ class LLM:
         results = self._run("chat", bodies)
         return results if many else OneResult(results)
 
-    def embed(self, inputs: Prompt | list[str] | list[list[int]],
-              params: dict[str, Any] | None = None) -> np.ndarray:
-        """Embed each input (a string or token ids), as /v1/embeddings does: float32 [N, D],
-        in input order. `params` take that route's fields (`normalize`, `dimensions`,
-        `truncate_prompt_tokens`, ...)."""
-        inputs = _prompt_list(inputs)
-        _own_argument(params, "input")
-        fields = {"model": self.model_name, **(params or {}), "encoding_format": "float"}
+    def embed(self, prompts: Prompt | list[str] | list[list[int]], params: PoolingParams | dict[str, Any] | None = None,
+              *, pooling_params: PoolingParams | dict[str, Any] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: Any = None) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (a string or token ids, or vLLM's prompt dicts), as /v1/embeddings
+        does, answering as vLLM's `LLM.embed`: an `EmbeddingRequestOutput` per prompt, in
+        order (`outputs.embedding`; `np.asarray(result)` is them all, float32 [N, D]).
+        `params` (or vLLM's keyword `pooling_params`): a `PoolingParams` or a dict of that
+        route's fields (`normalize`, `dimensions`, `truncate_prompt_tokens`, ...); vLLM's
+        `truncate_prompt_tokens` keyword is that field too; `use_tqdm` draws nothing;
+        `lora_request` names the model as `generate`'s does."""
+        prompts = _prompt_list(prompts)
+        fields = _pooling_fields(params, pooling_params, truncate_prompt_tokens, "input")
+        fields = {**_routing(self.model_name, lora_request, None, 1, "call")[0], **fields, "encoding_format": "float"}
         # One request per kind of input: a request may not mix strings and token ids. (No
         # input at all is one request too, which the route refuses as empty.)
-        kinds = [isinstance(p, str) for p in inputs]
+        kinds = [isinstance(p, str) for p in prompts]
         if len(set(kinds)) <= 1:
-            bodies = [{**fields, "input": inputs}]
+            bodies = [{**fields, "input": prompts}]
         else:
-            bodies = [{**fields, "input": [p]} for p in inputs]
-        rows = [item["embedding"] for r in self._run("embeddings", bodies) for item in r.body["data"]]
-        return np.asarray(rows, np.float32)
+            bodies = [{**fields, "input": [p]} for p in prompts]
+        outputs = []
+        for result in self._run("embeddings", bodies):
+            for item in result.body["data"]:
+                i = item["index"]
+                outputs.append(EmbeddingRequestOutput(f"{result.engine_id}-{i}", EmbeddingOutput(item["embedding"]),
+                                                      result.prompt_token_lists[i]))
+        return outputs
 
     def score(self, text_1: str | list[str], text_2: str | list[str],
-              params: dict[str, Any] | None = None) -> list[float]:
+              params: PoolingParams | dict[str, Any] | None = None, *,
+              pooling_params: PoolingParams | dict[str, Any] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: Any = None) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score` for an embedding model, as /score answers: the cosine similarity
         of `text_1`'s embedding with each `text_2`'s (one text against each), or pair by pair
-        (two lists of one length)."""
-        _own_argument(params, "text_1")
-        _own_argument(params, "text_2", "second")
-        body = {"model": self.model_name, **(params or {}), "text_1": text_1, "text_2": text_2}
-        return [item["score"] for item in self._run("score", [body])[0].body["data"]]
+        (two lists of one length); a `ScoringRequestOutput` per pair (`outputs.score`), with
+        the pair's token ids (the first text's, then the second's). Keywords as `embed`'s."""
+        fields = _pooling_fields(params, pooling_params, truncate_prompt_tokens, "text_1")
+        _own_argument(fields, "text_2", "second")
+        fields = {**_routing(self.model_name, lora_request, None, 1, "call")[0], **fields}
+        result = self._run("score", [{**fields, "text_1": text_1, "text_2": text_2}])[0]
+        ids = result.prompt_token_lists
+        firsts = 1 if isinstance(text_1, str) else len(text_1)
+        outputs = []
+        for item in result.body["data"]:
+            i = item["index"]
+            pair = ids[0 if firsts == 1 else i] + ids[firsts + i]
+            outputs.append(ScoringRequestOutput(f"{result.engine_id}-{i}", ScoringOutput(item["score"]), pair))
+        return outputs
 
     def rerank(self, query: str, documents: list[str],
                params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -367,6 +395,7 @@ class LLM:
             if fields:
                 warnings.warn(f"llmserve: these request fields had no effect: {', '.join(fields)}", stacklevel=3)
         buffers: list[list[bytes]] = [[] for _ in prepared]
+        ran = [(p.id, p.prompt_token_ids) for p in prepared]
         # (interrupted, by an error or Ctrl-C, the call's other requests are aborted)
         with self._lock:
             self.engine   # (raises if it was closed while this call waited)
@@ -378,8 +407,10 @@ class LLM:
         tokenizer = self.get_tokenizer()
         token_text = functools.lru_cache(maxsize=None)(lambda i: str(tokenizer.decode(i)))
         asked = "top_logprobs" if endpoint == "chat" else "logprobs"
-        return [_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text, body.get(asked) or 0)
-                for parts, fields, body in zip(buffers, ignored, bodies)]
+        return [dataclasses.replace(_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text,
+                                            body.get(asked) or 0),
+                                    engine_id=engine_id, prompt_token_lists=ids)
+                for parts, fields, body, (engine_id, ids) in zip(buffers, ignored, bodies, ran)]
 
 
 def _encode(router: Router, body: dict[str, Any]) -> bytes:
@@ -574,11 +605,29 @@ def _own_argument(params: dict[str, Any] | None, name: str, position: str = "fir
         raise TypeError(f"pass the {name} as the {position} argument, not as params[{name!r}]")
 
 
-def _one_of(params: object, sampling_params: object) -> object:
-    """The call's params, given as `params` or by vLLM's keyword `sampling_params`, not both."""
-    if params is not None and sampling_params is not None:
-        raise TypeError("pass the params once: as params or as sampling_params (vLLM's name), not both")
-    return sampling_params if params is None else params
+def _pooling_fields(params: object, pooling_params: object, truncate_prompt_tokens: int | None,
+                    first: str) -> dict[str, Any]:
+    """The request fields of `embed`'s or `score`'s params (a `PoolingParams` or a dict, given
+    as `params` or by vLLM's keyword `pooling_params`) and vLLM's `truncate_prompt_tokens`
+    keyword; `first` names the call's first argument, which the params may not also carry."""
+    params = _one_of(params, pooling_params, "pooling_params")
+    if isinstance(params, PoolingParams):
+        params = params.request_fields()
+    if params is not None and not isinstance(params, dict):
+        raise TypeError(f"params must be a PoolingParams, a dict of request fields or None; got {type(params).__name__}")
+    fields = dict(params or {})
+    _own_argument(fields, first)
+    if truncate_prompt_tokens is not None:
+        _own_argument(fields, "truncate_prompt_tokens", "keyword")
+        fields["truncate_prompt_tokens"] = truncate_prompt_tokens
+    return fields
+
+
+def _one_of(params: object, keyword: object, name: str = "sampling_params") -> object:
+    """The call's params, given as `params` or by vLLM's keyword for them (`name`), not both."""
+    if params is not None and keyword is not None:
+        raise TypeError(f"pass the params once: as params or as {name} (vLLM's name), not both")
+    return keyword if params is None else params
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...],
