@@ -546,6 +546,33 @@ def test_stored_chat_completions_are_read_back(client):
         client.chat.completions.retrieve(unkept.id)
 
 
+def test_the_sdks_pages_follow_a_client_that_deletes_what_it_lists(client):
+    """The SDK's paginators name the last id of a page as the next page's `after`: a loop that
+    deletes (or edits out of its filter) each item it is given still sees every item once."""
+    question = [{"role": "user", "content": "Hi"}]
+    made = [client.chat.completions.create(model=MODEL, messages=question, max_tokens=1, store=True,
+                                           metadata={"sweep": "pending"}).id for _ in range(5)]
+    marked = []
+    for c in client.chat.completions.list(metadata={"sweep": "pending"}, limit=2):
+        client.chat.completions.update(c.id, metadata={"sweep": "done"})
+        marked.append(c.id)
+    assert marked == made
+    deleted = []
+    for c in client.chat.completions.list(metadata={"sweep": "done"}, limit=2, order="desc"):
+        client.chat.completions.delete(c.id)
+        deleted.append(c.id)
+    assert deleted == made[::-1]
+
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": str(i)}
+                                              for i in range(5)])
+    texts = []
+    for item in client.conversations.items.list(conv.id, limit=2):
+        client.conversations.items.delete(item.id, conversation_id=conv.id)
+        texts.append(item.content[0].text)
+    assert texts == ["4", "3", "2", "1", "0"]
+    assert not client.conversations.items.list(conv.id).data
+
+
 # --- tools, on a tiny model whose template is in Hermes' shape ---------------------------
 
 def _flat(tool: dict) -> dict:

@@ -26,6 +26,8 @@ pub struct StoredChat {
     metadata: Map<String, Value>,
     /// Its `created` (lists are ordered by it, as OpenAI's).
     created: u64,
+    /// When it was kept, in the store's count (the order of those created in one second).
+    seq: u64,
 }
 
 impl StoredChat {
@@ -68,6 +70,7 @@ impl Keep {
             model: self.model.clone(),
             metadata: self.metadata.clone(),
             created,
+            seq: 0,
         };
         self.store.put(id, stored);
     }
@@ -95,12 +98,21 @@ fn listed(id: &str, i: usize, message: &Value) -> Value {
     Value::Object(out)
 }
 
+/// How many removed completions keep their place in the list (for a cursor naming one).
+const GONE_KEPT: usize = 4096;
+
 #[derive(Default)]
 pub struct Inner {
     map: HashMap<String, (Arc<StoredChat>, usize)>,
     /// Ids, oldest first.
     order: VecDeque<String>,
     bytes: usize,
+    /// Completions kept so far (each one's `seq`).
+    kept: u64,
+    /// The places (`created`, `seq`) of the newest removed completions, oldest first: a client
+    /// paging through a list while it deletes or edits what it lists (`for c in list():
+    /// delete(c.id)`) names one as the next page's `after`.
+    gone: VecDeque<(String, (u64, u64))>,
 }
 
 impl Inner {
@@ -113,10 +125,20 @@ impl Inner {
     }
 
     fn remove(&mut self, id: &str) -> bool {
-        let Some((_, size)) = self.map.remove(id) else { return false };
+        let Some((gone, size)) = self.map.remove(id) else { return false };
         self.bytes -= size;
         self.order.retain(|k| k != id);
+        if self.gone.len() == GONE_KEPT {
+            self.gone.pop_front();
+        }
+        self.gone.push_back((id.to_string(), (gone.created, gone.seq)));
         true
+    }
+
+    /// The place in the list of completion `id`, kept or recently removed.
+    fn place(&self, id: &str) -> Option<(u64, u64)> {
+        let kept = self.map.get(id).map(|(s, _)| (s.created, s.seq));
+        kept.or_else(|| self.gone.iter().rev().find(|(g, _)| g == id).map(|(_, place)| *place))
     }
 }
 
@@ -135,10 +157,12 @@ fn not_found(id: &str) -> ApiError {
 impl ChatStore {
     /// Keeps `stored` under `id` (replacing one of that id), forgetting the oldest past the
     /// bound; one larger than the whole bound is not kept (and the id then names nothing).
-    pub fn put(&self, id: &str, stored: StoredChat) {
+    pub fn put(&self, id: &str, mut stored: StoredChat) {
         let size = stored.bytes();
         let mut inner = self.lock();
         inner.remove(id);
+        inner.kept += 1;
+        stored.seq = inner.kept;
         if size > self.capacity {
             return;
         }
@@ -169,6 +193,7 @@ impl ChatStore {
                 model: entry.model.clone(),
                 metadata,
                 created: entry.created,
+                seq: entry.seq,
             });
             let (before, after) = (*size, new.bytes());
             (*entry, *size) = (new.clone(), after);
@@ -189,7 +214,9 @@ impl ChatStore {
 
     /// `GET /v1/chat/completions`: a page of the kept completions of `model` (all when None)
     /// whose metadata holds every pair of `metadata`, oldest first with `order` "asc"
-    /// (OpenAI's default here).
+    /// (OpenAI's default here). `after` may name a completion the list no longer shows (deleted,
+    /// or its metadata edited out of the filter, while its client paged): the page starts after
+    /// its place.
     pub fn list(
         &self,
         model: Option<&str>,
@@ -198,22 +225,29 @@ impl ChatStore {
         limit: Option<&str>,
         after: Option<&str>,
     ) -> Result<Value, ApiError> {
-        let mut matching: Vec<(String, Arc<StoredChat>)> = {
+        let (mut matching, after) = {
             let inner = self.lock();
-            inner
+            let matching: Vec<((u64, u64), Arc<StoredChat>)> = inner
                 .order
                 .iter()
-                .filter_map(|id| Some((id.clone(), inner.map.get(id)?.0.clone())))
+                .filter_map(|id| inner.map.get(id).map(|(s, _)| ((s.created, s.seq), s.clone())))
                 .filter(|(_, s)| model.is_none_or(|m| s.model == m))
                 .filter(|(_, s)| metadata.iter().all(|(k, v)| s.metadata.get(k).and_then(Value::as_str) == Some(v)))
-                .collect()
+                .collect();
+            let after = match after {
+                None => None,
+                Some(id) => Some(inner.place(id).ok_or_else(|| {
+                    ApiError::invalid("after", format!("No stored chat completion with id {id:?} to list after."))
+                })?),
+            };
+            (matching, after)
         };
         // (by `created`, as OpenAI's; those created in one second as they were kept)
-        matching.sort_by_key(|(_, s)| s.created);
-        let ids: Vec<Value> = matching.iter().map(|(id, _)| json!({"id": id})).collect();
-        let (page, has_more) = crate::response_store::page_of(ids, order, limit, after)?;
-        let by_id: HashMap<&str, &Arc<StoredChat>> = matching.iter().map(|(id, s)| (id.as_str(), s)).collect();
-        let data: Vec<Value> = page.iter().filter_map(|i| Some(by_id.get(i["id"].as_str()?)?.object())).collect();
+        matching.sort_by_key(|(place, _)| *place);
+        // (each paged as its index: only the page's completions are read back from their JSON)
+        let places = matching.iter().enumerate().map(|(i, (place, _))| (*place, json!(i))).collect();
+        let (page, has_more) = crate::response_store::page_by_place(places, order, limit, after)?;
+        let data = page.iter().filter_map(|i| Some(matching[i.as_u64()? as usize].1.object())).collect();
         Ok(crate::response_store::list_body(data, has_more))
     }
 
@@ -276,6 +310,7 @@ mod tests {
             model: "m".into(),
             metadata: Map::new(),
             created: 0,
+            seq: 0,
         };
         let store = Arc::new(ChatStore::new(2 * one.bytes() + one.bytes() / 2));
         for id in ["c1", "c2", "c3"] {
@@ -295,9 +330,58 @@ mod tests {
             model: "m".into(),
             metadata: Map::new(),
             created: 0,
+            seq: 0,
         };
         store.put("c3", huge);
         assert_eq!(store.object("c3").unwrap_err().status(), 404);
+    }
+
+    #[test]
+    fn a_page_follows_one_whose_completions_were_deleted_or_edited_out_of_the_filter() {
+        let store = Arc::new(ChatStore::new(1 << 20));
+        for i in 0..7 {
+            keep(&store, &format!("c{i}"), "m", "pending");
+        }
+        let ids = |v: &Value| -> Vec<String> {
+            v["data"].as_array().unwrap().iter().map(|i| i["id"].as_str().unwrap().to_string()).collect()
+        };
+        let pending = [("tag".to_string(), "pending".to_string())];
+        // a client that marks each listed completion done while it pages through the pending ones
+        for order in ["asc", "desc"] {
+            let mut seen = Vec::new();
+            let mut after: Option<String> = None;
+            loop {
+                let page = store.list(None, &pending, order, Some("3"), after.as_deref()).unwrap();
+                for id in ids(&page) {
+                    let done: Map<String, Value> = [("tag".to_string(), json!(order))].into_iter().collect();
+                    store.update(&id, done).unwrap();
+                    seen.push(id);
+                }
+                after = page["last_id"].as_str().map(str::to_string);
+                if page["has_more"] == false {
+                    break;
+                }
+            }
+            assert_eq!(seen.len(), 7, "{order}: {seen:?}");
+            for (i, c) in
+                store.list(None, &[], "asc", None, None).unwrap()["data"].as_array().unwrap().iter().enumerate()
+            {
+                assert_eq!(c["metadata"]["tag"], if order == "asc" { "asc" } else { "desc" }, "c{i}");
+            }
+            let again: Map<String, Value> = [("tag".to_string(), json!("pending"))].into_iter().collect();
+            (0..7).for_each(|i| drop(store.update(&format!("c{i}"), again.clone()).unwrap()));
+        }
+        // and one that deletes each listed completion: newest first, then the rest oldest first
+        let first = store.list(None, &[], "desc", Some("3"), None).unwrap();
+        assert_eq!(ids(&first), ["c6", "c5", "c4"]);
+        ids(&first).iter().for_each(|id| drop(store.delete(id).unwrap()));
+        let next = store.list(None, &[], "desc", Some("3"), Some("c4")).unwrap();
+        assert_eq!(ids(&next), ["c3", "c2", "c1"]);
+        assert_eq!(next["has_more"], true);
+        store.delete("c0").unwrap();
+        assert_eq!(ids(&store.list(None, &[], "asc", None, Some("c0")).unwrap()), ["c1", "c2", "c3"]);
+        // a cursor the store never held is still a 400
+        assert_eq!(store.list(None, &[], "asc", None, Some("nope")).unwrap_err().param(), Some("after"));
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! on it, nor may items be added or deleted (400 `conversation_locked`): a second response
 //! would answer from a history the first is about to extend.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -34,6 +34,10 @@ struct Conversation {
     used: u64,
     /// A response is running on it (a [`Lease`] is held).
     busy: bool,
+    /// Its newest deleted items, oldest first, each with the id of the item before it when it
+    /// was deleted (None: it was the first), so a client paging through the items while it
+    /// deletes them can name one as the next page's `after`.
+    gone: VecDeque<(String, Option<String>)>,
 }
 
 impl Conversation {
@@ -50,7 +54,34 @@ impl Conversation {
     fn find(&self, item: &str) -> Option<Arc<Item>> {
         self.items.items().into_iter().rev().find(|e| e.id() == item)
     }
+
+    /// The place among `items` (its ids, oldest first) of item `item`: (i, 0) for the item at i,
+    /// (i, 1) for a deleted one that came after the item at i and before the next ((-1, 1):
+    /// before the first), None for an id it never held (or forgot).
+    fn place(&self, ids: &[&str], item: &str) -> Option<(i64, u8)> {
+        if let Some(i) = ids.iter().rposition(|id| *id == item) {
+            return Some((i as i64, 0));
+        }
+        // (the item before a deleted one may have been deleted too: follow them back to one
+        // still held, or to the start; each step goes to an earlier item, and an id deleted,
+        // added again and deleted again cannot loop it past one step per deletion kept)
+        let mut at = self.gone.iter().rposition(|(g, _)| g == item)?;
+        for _ in 0..self.gone.len() {
+            let Some(before) = &self.gone[at].1 else { break };
+            if let Some(i) = ids.iter().rposition(|id| id == before) {
+                return Some((i as i64, 1));
+            }
+            match self.gone.iter().rposition(|(g, _)| g == before) {
+                Some(earlier) => at = earlier,
+                None => break,
+            }
+        }
+        Some((-1, 1))
+    }
 }
+
+/// How many deleted items a conversation remembers the places of.
+const GONE_KEPT: usize = 1024;
 
 #[derive(Default)]
 pub struct Inner {
@@ -152,7 +183,8 @@ impl ConversationStore {
         let mut inner = self.lock();
         let used = inner.tick();
         let created_at = crate::protocol::common::unix_now();
-        let conversation = Conversation { created_at, metadata, items: Log::of(items), used, busy: false };
+        let conversation =
+            Conversation { created_at, metadata, items: Log::of(items), used, busy: false, gone: VecDeque::new() };
         let size = conversation.bytes();
         if size > self.capacity {
             return Err(too_large("items"));
@@ -233,6 +265,34 @@ impl ConversationStore {
         Ok(log.values())
     }
 
+    /// All its items, oldest first, each with its place, and the place of item `after` (one
+    /// it holds, or one deleted since a client listed it; a 400 for any other id), for a page.
+    #[allow(clippy::type_complexity)]
+    pub fn listing(
+        &self,
+        id: &str,
+        after: Option<&str>,
+    ) -> Result<(Vec<((i64, u8), Value)>, Option<(i64, u8)>), ApiError> {
+        let (log, after) = {
+            let mut inner = self.lock();
+            let conversation = inner.get(id)?;
+            let items = conversation.items.items();
+            let ids: Vec<&str> = items.iter().map(|e| e.id()).collect();
+            let after = match after {
+                None => None,
+                Some(item) => Some(conversation.place(&ids, item).ok_or_else(|| {
+                    ApiError::invalid(
+                        "after",
+                        format!("No item with id {item:?} in conversation {id:?} to list after."),
+                    )
+                })?),
+            };
+            (conversation.items.clone(), after)
+        };
+        // (parsed outside the lock)
+        Ok((log.values().into_iter().enumerate().map(|(i, v)| ((i as i64, 0), v)).collect(), after))
+    }
+
     /// Its item with id `item` (the last, should an id be there twice), or a 404.
     pub fn item(&self, id: &str, item: &str) -> Result<Value, ApiError> {
         let found = self.lock().get(id)?.find(item);
@@ -250,6 +310,12 @@ impl ConversationStore {
         if kept.len() == items.len() {
             return Err(item_not_found(id, item));
         }
+        let at = items.iter().position(|e| e.id() == item).expect("just found");
+        if conversation.gone.len() == GONE_KEPT {
+            conversation.gone.pop_front();
+        }
+        let previous = at.checked_sub(1).map(|i| items[i].id().to_string());
+        conversation.gone.push_back((item.to_string(), previous));
         // (a new log: the stored responses that answered the item keep the old one)
         conversation.items = Log::of(kept);
         let after = conversation.bytes();
@@ -350,6 +416,48 @@ mod tests {
     }
 
     #[test]
+    fn a_page_follows_one_whose_items_were_deleted() {
+        let store = ConversationStore::new(1 << 20);
+        let items: Vec<Value> = (0..8).map(|i| item(&format!("msg_{i}"), "x")).collect();
+        let page = |store: &ConversationStore, id: &str, order: &str, after: Option<&str>| -> (Vec<String>, bool) {
+            let (items, after) = store.listing(id, after).unwrap();
+            let (page, more) = crate::response_store::page_by_place(items, order, Some("3"), after).unwrap();
+            (page.iter().map(|i| i["id"].as_str().unwrap().to_string()).collect(), more)
+        };
+        for order in ["asc", "desc"] {
+            // a client deleting each item it lists sees every item once
+            let id = id_of(&store.create(Map::new(), &items).unwrap());
+            let (mut seen, mut after) = (Vec::new(), None::<String>);
+            loop {
+                let (ids, more) = page(&store, &id, order, after.as_deref());
+                ids.iter().for_each(|i| drop(store.delete_item(&id, i).unwrap()));
+                after = ids.last().cloned();
+                seen.extend(ids);
+                if !more {
+                    break;
+                }
+            }
+            let mut want: Vec<String> = (0..8).map(|i| format!("msg_{i}")).collect();
+            if order == "desc" {
+                want.reverse();
+            }
+            assert_eq!(seen, want);
+        }
+        // a deleted item whose predecessor went too: the page starts where they were
+        let id = id_of(&store.create(Map::new(), &items).unwrap());
+        for gone in ["msg_3", "msg_2", "msg_4"] {
+            store.delete_item(&id, gone).unwrap();
+        }
+        assert_eq!(page(&store, &id, "asc", Some("msg_3")).0, ["msg_5", "msg_6", "msg_7"]);
+        assert_eq!(page(&store, &id, "desc", Some("msg_3")).0, ["msg_1", "msg_0"]);
+        assert_eq!(page(&store, &id, "desc", Some("msg_4")).0, ["msg_1", "msg_0"]);
+        store.delete_item(&id, "msg_0").unwrap();
+        assert_eq!(page(&store, &id, "asc", Some("msg_0")).0, ["msg_1", "msg_5", "msg_6"]);
+        let err = store.listing(&id, Some("msg_9")).unwrap_err();
+        assert_eq!((err.status(), err.param()), (400, Some("after")));
+    }
+
+    #[test]
     fn items_are_kept_in_order_and_edited_by_id() {
         let store = ConversationStore::new(1 << 20);
         let conv = store.create(Map::new(), &[item("msg_a", "a")]).unwrap();
@@ -378,7 +486,7 @@ mod tests {
     /// The bytes a conversation of one item `item("m", "x")` counts.
     fn one_item_bytes() -> usize {
         let items = Log::of(vec![Item::new(&item("m", "x"))]);
-        Conversation { created_at: 0, metadata: Map::new(), items, used: 0, busy: false }.bytes()
+        Conversation { created_at: 0, metadata: Map::new(), items, used: 0, busy: false, gone: VecDeque::new() }.bytes()
     }
 
     #[test]

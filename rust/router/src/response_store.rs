@@ -373,19 +373,6 @@ impl Drop for BackgroundRun {
     }
 }
 
-/// A page of `items` (each with an `id`), as OpenAI's list routes answer: `order` "desc"
-/// (newest first) or "asc", at most `limit` (the query's text, an integer 1..=100; 20 when not
-/// given) after the item with id `after`.
-pub(crate) fn page(
-    items: Vec<Value>,
-    order: &str,
-    limit: Option<&str>,
-    after: Option<&str>,
-) -> Result<Vec<u8>, ApiError> {
-    let (page, has_more) = page_of(items, order, limit, after)?;
-    Ok(serde_json::to_vec(&list_body(page, has_more)).expect("JSON serializes"))
-}
-
 /// OpenAI's list object of `data` (each with an `id`).
 pub(crate) fn list_body(data: Vec<Value>, has_more: bool) -> Value {
     json!({
@@ -397,29 +384,18 @@ pub(crate) fn list_body(data: Vec<Value>, has_more: bool) -> Value {
     })
 }
 
-/// `page`'s items, and whether more come after them.
+/// A page of `items` (each with an `id`), as OpenAI's list routes answer: `order` "desc"
+/// (newest first) or "asc", at most `limit` (the query's text, an integer 1..=100; 20 when not
+/// given) after the item with id `after`; and whether more come after them.
 pub(crate) fn page_of(
     mut items: Vec<Value>,
     order: &str,
     limit: Option<&str>,
     after: Option<&str>,
 ) -> Result<(Vec<Value>, bool), ApiError> {
-    let limit = match limit.map(str::parse::<usize>) {
-        None => 20,
-        Some(Ok(n)) if (1..=100).contains(&n) => n,
-        _ => {
-            return Err(ApiError::invalid(
-                "limit",
-                format!("`limit` must be an integer between 1 and 100, got {:?}.", limit.unwrap_or_default()),
-            ))
-        }
-    };
-    match order {
-        "desc" => items.reverse(),
-        "asc" => {}
-        other => {
-            return Err(ApiError::invalid("order", format!("`order` must be \"asc\" or \"desc\", not {other:?}.")))
-        }
+    let limit = limit_of(limit)?;
+    if descending(order)? {
+        items.reverse();
     }
     let start = match after {
         None => 0,
@@ -430,15 +406,66 @@ pub(crate) fn page_of(
             at.ok_or_else(|| ApiError::invalid("after", format!("No item with id {after:?} in this list.")))? + 1
         }
     };
+    Ok(take_page(items, start, limit))
+}
+
+/// `page_of` for a list that changes between a client's pages (items deleted, or no longer
+/// matching its filter): `items` sorted by their places, oldest first, and `after` the place of
+/// the item the cursor names, which need not be among them, so a page follows the one before it
+/// wherever that one's last item has gone.
+pub(crate) fn page_by_place<K: Ord>(
+    mut items: Vec<(K, Value)>,
+    order: &str,
+    limit: Option<&str>,
+    after: Option<K>,
+) -> Result<(Vec<Value>, bool), ApiError> {
+    let limit = limit_of(limit)?;
+    let start = if descending(order)? {
+        items.reverse();
+        after.map_or(0, |after| items.partition_point(|(k, _)| *k >= after))
+    } else {
+        after.map_or(0, |after| items.partition_point(|(k, _)| *k <= after))
+    };
+    Ok(take_page(items.into_iter().map(|(_, v)| v).collect(), start, limit))
+}
+
+/// The query's `limit`: an integer 1..=100, 20 when not given.
+fn limit_of(limit: Option<&str>) -> Result<usize, ApiError> {
+    match limit.map(str::parse::<usize>) {
+        None => Ok(20),
+        Some(Ok(n)) if (1..=100).contains(&n) => Ok(n),
+        _ => Err(ApiError::invalid(
+            "limit",
+            format!("`limit` must be an integer between 1 and 100, got {:?}.", limit.unwrap_or_default()),
+        )),
+    }
+}
+
+/// Whether `order` is "desc" (else "asc").
+fn descending(order: &str) -> Result<bool, ApiError> {
+    match order {
+        "desc" => Ok(true),
+        "asc" => Ok(false),
+        other => Err(ApiError::invalid("order", format!("`order` must be \"asc\" or \"desc\", not {other:?}."))),
+    }
+}
+
+fn take_page(items: Vec<Value>, start: usize, limit: usize) -> (Vec<Value>, bool) {
     let total = items.len();
     let page: Vec<Value> = items.into_iter().skip(start).take(limit).collect();
     let has_more = start + page.len() < total;
-    Ok((page, has_more))
+    (page, has_more)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `page_of`'s page as the route's body.
+    fn page(items: Vec<Value>, order: &str, limit: Option<&str>, after: Option<&str>) -> Result<Vec<u8>, ApiError> {
+        let (page, has_more) = page_of(items, order, limit, after)?;
+        Ok(serde_json::to_vec(&list_body(page, has_more)).expect("JSON serializes"))
+    }
 
     fn log(items: &[Value]) -> Arc<Log> {
         Log::of(items.iter().map(Item::new).collect())

@@ -122,13 +122,13 @@ pub fn handle(
             let q = read(&["order", "limit", "after"]);
             let text = |k: &str| q.get(k).and_then(Value::as_str);
             let ignored = settle_ignored(ignored, router.config.strict_fields)?;
-            let page = crate::response_store::page(
-                shown(store.items(id)?, logprobs),
-                text("order").unwrap_or("desc"),
-                text("limit"),
-                text("after"),
-            )?;
-            return Ok(Handled { body: page, headers: ignored_header(&ignored).into_iter().collect() });
+            let (items, after) = store.listing(id, text("after"))?;
+            let (places, values): (Vec<_>, Vec<_>) = items.into_iter().unzip();
+            let items = places.into_iter().zip(shown(values, logprobs)).collect();
+            let (page, has_more) =
+                crate::response_store::page_by_place(items, text("order").unwrap_or("desc"), text("limit"), after)?;
+            let body = serde_json::to_vec(&crate::response_store::list_body(page, has_more)).expect("JSON serializes");
+            return Ok(Handled { body, headers: ignored_header(&ignored).into_iter().collect() });
         }
         ("GET", Target::Item(id, item)) => {
             read(&[]);
