@@ -307,6 +307,37 @@ def test_vllm_structured_outputs_and_guided_fields(client):
     assert e.value.body["param"] == "structured_outputs.regex"
 
 
+# vLLM's structured-outputs documentation writes its grammar example in GBNF (its default
+# backend's EBNF), indented, with blank lines between rules.
+_SQL_GBNF = """
+    root ::= select_statement
+
+    select_statement ::= "SELECT " column " from " table " where " condition
+
+    column ::= "col_1 " | "col_2 "
+    table ::= "table_1 " | "table_2 "  # comments are dropped
+    condition ::= column "= " number
+    number ::= [1-9] [0-9]{0,2} " "
+"""
+_SQL = r"SELECT (col_1|col_2)  from (table_1|table_2)  where (col_1|col_2) = [1-9][0-9]{0,2} "
+
+
+def test_a_gbnf_grammar_as_vllms_docs_write_it(client):
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Generate an SQL query."}]
+    for extra in ({"structured_outputs": {"grammar": _SQL_GBNF}}, {"guided_grammar": _SQL_GBNF},
+                  {"response_format": {"type": "grammar", "grammar": _SQL_GBNF}}):
+        for seed in (1, 2):
+            r = client.chat.completions.create(model=model, messages=msgs, max_tokens=40, temperature=1,
+                                               seed=seed, extra_body=extra)
+            assert re.fullmatch(_SQL, r.choices[0].message.content), (extra, r.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=4,
+                                       extra_body={"structured_outputs": {"grammar": 'root ::= "a" | b'}})
+    assert e.value.body["param"] == "structured_outputs.grammar"
+    assert "rule `root` uses `b` (line 1, column 16), which no rule defines" in e.value.body["message"]
+
+
 _CITY = _obj({"city": _s(16)})
 
 

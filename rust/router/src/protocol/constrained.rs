@@ -140,7 +140,7 @@ pub fn response_format_source(
         ))),
         "grammar" => {
             let g = string_field(obj, "grammar", "response_format.grammar")?;
-            Ok(Some((GrammarSource::Lark(g), "response_format.grammar")))
+            Ok(Some((GrammarSource::Lark(lark_of(g, "response_format.grammar")?), "response_format.grammar")))
         }
         "structural_tag" => {
             let tagged = super::structural_tag::parse(obj, "response_format", inert)?;
@@ -261,7 +261,7 @@ impl<'a> Guided<'a> {
                 GrammarSource::JsonSchema(schema)
             }
             "regex" => GrammarSource::Regex(text(v)?),
-            "grammar" => GrammarSource::Lark(text(v)?),
+            "grammar" => GrammarSource::Lark(lark_of(text(v)?, param)?),
             "json_object" => match v {
                 Value::Bool(true) => GrammarSource::JsonSchema(json!({"type": "object"})),
                 other => {
@@ -274,6 +274,18 @@ impl<'a> Guided<'a> {
         };
         Ok(Some((source, param)))
     }
+}
+
+/// A grammar as the engine compiles it: Lark as sent, GBNF (vLLM's default backend's format,
+/// `root ::= ...`) written as Lark ([`super::gbnf`]), or a 400 at `param` saying why it is
+/// neither.
+fn lark_of(grammar: String, param: &str) -> Result<String, ApiError> {
+    if !super::gbnf::is_gbnf(&grammar) {
+        return Ok(grammar);
+    }
+    super::gbnf::to_lark(&grammar).map_err(|why| {
+        ApiError::invalid(param, format!("`{param}` is a GBNF grammar (`root ::= ...`) that cannot be read: {why}."))
+    })
 }
 
 /// A 400 for a schema with a `$ref` that leads only through refs back to itself: the

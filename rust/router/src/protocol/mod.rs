@@ -36,6 +36,7 @@ pub mod constrained;
 pub mod conversations;
 pub mod embeddings;
 pub(crate) mod functions;
+pub mod gbnf;
 pub mod generate;
 pub mod messages;
 pub mod responses;
