@@ -89,6 +89,37 @@ fn the_ignored_fields_header_stays_printable_and_bounded() {
     assert_eq!(header(&p, "llmserve-ignored-fields"), Some(format!("x{}...", "\\u00e9".repeat(42)).as_str()));
 }
 
+/// vLLM's fields that do nothing here are reported (or pass, at their defaults), but a value of
+/// the wrong JSON kind is vLLM's 400 (audit K: `vllm_xargs: 5` was a 200).
+#[test]
+fn inert_vllm_fields_must_have_their_kind() {
+    let r = router();
+    let p = chat(
+        &r,
+        json!({"vllm_xargs": {"a": 1}, "kv_transfer_params": {}, "guided_decoding_backend": "xgrammar",
+                            "spaces_between_special_tokens": false, "mm_processor_kwargs": null}),
+    )
+    .unwrap();
+    assert_eq!(
+        header(&p, "llmserve-ignored-fields"),
+        Some("guided_decoding_backend, kv_transfer_params, spaces_between_special_tokens, vllm_xargs")
+    );
+    for (field, bad) in [
+        ("spaces_between_special_tokens", json!("x")),
+        ("return_token_offsets", json!(1)),
+        ("vllm_xargs", json!(5)),
+        ("kv_transfer_params", json!("x")),
+        ("mm_processor_kwargs", json!([])),
+        ("media_io_kwargs", json!(true)),
+        ("guided_decoding_backend", json!(1)),
+        ("guided_whitespace_pattern", json!({})),
+    ] {
+        let body = json!({field: bad});
+        assert_eq!(shape(chat(&r, body.clone())), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
+        assert_eq!(shape(completion(&r, body)), (400, "invalid_type", Some(field.to_string())), "{field}: {bad}");
+    }
+}
+
 /// OpenAI's fields that do nothing here are reported whatever their value, but a value of the
 /// wrong JSON kind is a 400, as OpenAI answers it (chat's deprecated `functions` and
 /// `function_call` are served, protocol_functions.rs; completions report them).

@@ -513,7 +513,11 @@ impl CommonFields {
             ("guided_decoding_backend", &self.guided_decoding_backend),
             ("guided_whitespace_pattern", &self.guided_whitespace_pattern),
         ] {
-            if v.as_ref().is_some_and(|v| !v.is_null()) {
+            if let Some(v) = v.as_ref().filter(|v| !v.is_null()) {
+                // (vLLM's schema: a string, or its 400)
+                if let Some(err) = misshapen(key, &Shape::One(STRING), v) {
+                    return Err(err);
+                }
                 inert.push(key.into());
             }
         }
@@ -844,6 +848,19 @@ const OPENAI_INERT: [(&str, Shape); 12] = [
     ("function_call", Shape::Either(STRING, OBJECT)),
 ];
 
+const BOOLEAN: Kind = (Value::is_boolean, "a boolean");
+
+/// vLLM's request fields that llmserve accepts without acting on them, with the JSON kind
+/// vLLM's schema gives them: a value of another kind is vLLM's 400, so it is here too.
+const VLLM_INERT: [(&str, Shape); 6] = [
+    ("spaces_between_special_tokens", Shape::One(BOOLEAN)),
+    ("return_token_offsets", Shape::One(BOOLEAN)),
+    ("vllm_xargs", Shape::One(OBJECT)),
+    ("kv_transfer_params", Shape::One(OBJECT)),
+    ("mm_processor_kwargs", Shape::One(OBJECT)),
+    ("media_io_kwargs", Shape::One(OBJECT)),
+];
+
 /// Whether a field's value asks for nothing.
 pub(crate) type AsksNothing = fn(&Value) -> bool;
 
@@ -893,13 +910,13 @@ pub(crate) fn asks_tokens_as_ids(body: &Value) -> bool {
 }
 
 /// Sorts a request's unknown keys (set ones, from [`unknown_keys`]): vLLM's fields of
-/// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; OpenAI's
-/// fields of [`OPENAI_INERT`] must have their shape; the rest stay to be reported.
+/// [`VLLM_UNSUPPORTED`] are dropped at their no-op value and refused otherwise; the fields of
+/// [`OPENAI_INERT`] and [`VLLM_INERT`] must have their shape; the rest stay to be reported.
 pub fn vllm_unsupported(unknown: Vec<String>, body: &Value) -> Result<Vec<String>, ApiError> {
     let mut rest = Vec::with_capacity(unknown.len());
     for key in unknown {
         let value = &body[key.as_str()];
-        if let Some((name, shape)) = OPENAI_INERT.iter().find(|(name, _)| *name == key) {
+        if let Some((name, shape)) = OPENAI_INERT.iter().chain(&VLLM_INERT).find(|(name, _)| *name == key) {
             if let Some(err) = misshapen(name, shape, value) {
                 return Err(err);
             }
