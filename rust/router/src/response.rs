@@ -1187,11 +1187,15 @@ impl ResponseBuilder {
                 // chunk's; `echo_message` is never set beside a parser)
                 let echo = self.echo_message.clone();
                 let content = echo.as_deref().unwrap_or("");
+                // (nor after hidden thinking, `include_reasoning: false`, as push_reasoning
+                // starts none: an answer cut off while thinking has no content)
+                let thought = self.choices[idx].reasoning.as_ref().is_some_and(|r| r.reasoning_tokens() > 0);
+                let silent = parsing || (thought && echo.is_none());
                 let role = ChatChunkChoice {
                     index: choice,
                     delta: Delta {
                         role: Some("assistant"),
-                        content: (!parsing).then_some(content),
+                        content: (!silent).then_some(content),
                         ..Delta::default()
                     },
                     logprobs: None,
@@ -1225,7 +1229,9 @@ impl ResponseBuilder {
                 return;
             }
             self.choices[idx].streamed_text |= !delta.text.is_empty();
-            let logprobs = has_lp.then(|| {
+            // (the finish carries them, empty ones too, so a choice that lists no token, cut by a
+            // stop string or ended by EOS at once, adds up to the non-streamed `content: []`)
+            let logprobs = (has_lp || (self.logprobs && finish.is_some())).then(|| {
                 let mut content = held;
                 content.extend(self.chat_logprobs(delta.tokens));
                 ChatLogprobs { content, refusal: None }
@@ -1406,11 +1412,12 @@ impl ResponseBuilder {
             // the non-streamed message's (the role chunk held it back)
             let state = &self.choices[idx];
             let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
-            let empty = !forced && !state.streamed_text && state.tool_calls.is_empty();
+            let thought = state.reasoning.as_ref().is_some_and(|r| r.reasoning_tokens() > 0);
+            let empty = !forced && !state.streamed_text && state.tool_calls.is_empty() && !thought;
             let c = ChatChunkChoice {
                 index: choice,
                 delta: Delta { content: empty.then_some(""), ..Delta::default() },
-                logprobs: pending_lp.take(),
+                logprobs: pending_lp.take().or_else(|| self.logprobs.then(ChatLogprobs::default)),
                 finish_reason: Some(self.finish_name(f)),
                 stop_reason: Some(stop_reason),
                 token_ids: self.take_ids(idx),
@@ -1542,16 +1549,21 @@ impl ResponseBuilder {
         if !c.reasoning_text.is_empty() {
             items.push(responses::Item::reasoning(&c.reasoning_text));
         }
+        let mut message = None;
         if !text.is_empty() || (calls.is_empty() && items.is_empty()) {
+            message = Some(items.len());
             items.push(responses::Item::message(text, c.chat_lp.content.clone()));
         }
+        let first_call = items.len();
         items.extend(calls.iter().map(|t| responses::Item::call(&t.id, &t.name, &t.arguments)));
         let logprobs = self.logprobs;
-        let last = items.len() - 1;
+        // The item being written when the output was cut off: a call not ended, else the
+        // message (the body lists it before the calls, wherever its text came), else the last.
+        let cut = calls.iter().rposition(|t| !t.ended).map(|i| first_call + i).or(message).unwrap_or(items.len() - 1);
         let output = items
             .iter()
             .enumerate()
-            .map(|(i, item)| item.to_value(if i == last { status } else { "completed" }, logprobs))
+            .map(|(i, item)| item.to_value(if i == cut { status } else { "completed" }, logprobs))
             .collect();
         let object = responses::response_object(
             &self.id,

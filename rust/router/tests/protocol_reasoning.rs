@@ -320,6 +320,9 @@ fn include_reasoning_false_counts_the_thinking_and_returns_none_of_it() {
     let last = chunks.last().unwrap()["choices"][0].clone();
     assert_eq!((&last["finish_reason"], &last["token_ids"]), (&json!("length"), &json!([0, 1])), "{chunks:?}");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    // and no delta holds content, so a client summing them ends with null, as the body (audit F)
+    let mut deltas = chunks.iter().flat_map(|c| c["choices"].as_array().unwrap().iter().map(|ch| &ch["delta"]));
+    assert!(deltas.all(|d| d.get("content").is_none()), "{chunks:?}");
     // cut off while thinking: nothing to say, content null as when the thinking is shown
     let body: Value = serde_json::from_slice(&run_request(hidden, &["let me", " see"])).unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], Value::Null);

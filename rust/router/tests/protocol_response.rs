@@ -124,6 +124,29 @@ fn chat_stream_golden_bytes() {
     assert!(b.finish().is_empty(), "[DONE] goes out once");
 }
 
+/// A chat choice that lists no token (a stop string trimmed all it wrote, or EOS came first)
+/// has `logprobs: {"content": []}` in the body; streamed, its finish carries the same empty
+/// list, so the SDK's accumulated choice has it too (audit F: it was null).
+#[test]
+fn a_chat_choice_without_listed_tokens_streams_empty_logprobs() {
+    let mut p = prepared(Endpoint::Chat, vec![vec![0, 3]], &["x"], 1, Some(0));
+    let mut b = builder(&p);
+    b.push(0, &delta("", &[], Some(FinishReason::Stop)));
+    let body: Value = serde_json::from_slice(&b.finish()).unwrap();
+    assert_eq!(body["choices"][0]["logprobs"], json!({"content": [], "refusal": null}));
+    p.stream = true;
+    let mut b = builder(&p);
+    b.push(0, &delta("", &[], Some(FinishReason::Stop)));
+    let chunks: Vec<Value> = String::from_utf8([b.take(), b.finish()].concat())
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()))
+        .collect();
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!((&last["finish_reason"], &last["logprobs"]), (&json!("stop"), &json!({"content": [], "refusal": null})));
+    assert_eq!(chunks[0]["choices"][0]["logprobs"], Value::Null, "the role chunk carries none");
+}
+
 #[test]
 fn completion_stream_golden_bytes_with_echo_and_continuous_usage() {
     let mut p = prepared(Endpoint::Completion, vec![vec![0, 9]], &["hello"], 1, None);

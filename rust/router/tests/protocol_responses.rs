@@ -311,6 +311,41 @@ fn a_streamed_answer_is_openais_event_sequence_and_adds_up_to_the_body() {
     }
 }
 
+/// A call made whole, then text that `max_output_tokens` cut: the body lists the message before
+/// the call (FIELDS), and the item cut off, `incomplete`, is the message, as the stream's final
+/// object has it, not the call by its place (audit F).
+#[test]
+fn the_item_cut_off_is_the_incomplete_one_wherever_the_body_lists_it() {
+    let r = router_with(json!({"tool_call_format": "hermes"}), Some(TEMPLATE));
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]);
+    let run = |stream: bool, pieces: &[&str]| {
+        let p =
+            responses(&r, json!({"input": "hi", "tools": tools, "stream": stream, "max_output_tokens": 9})).unwrap();
+        let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+        let mut out = b.take();
+        for (i, piece) in pieces.iter().enumerate() {
+            push(&mut b, piece, (i + 1 == pieces.len()).then_some(FinishReason::Length));
+            out.extend(b.take());
+        }
+        out.extend(b.finish());
+        out
+    };
+    let status = |output: &Value| -> Vec<(String, String)> {
+        let items = output.as_array().unwrap().iter();
+        items.map(|i| (i["type"].as_str().unwrap().into(), i["status"].as_str().unwrap().into())).collect()
+    };
+    let whole_call = ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>", "\n<tool"];
+    let body: Value = serde_json::from_slice(&run(false, &whole_call)).unwrap();
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(status(&body["output"]), [s("message", "incomplete"), s("function_call", "completed")]);
+    let streamed = sse_events(&run(true, &whole_call)).pop().unwrap().1;
+    assert_eq!(status(&streamed["response"]["output"]), [s("function_call", "completed"), s("message", "incomplete")]);
+    // a call cut inside its arguments is the one
+    let cut_call = ["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"ci"];
+    let body: Value = serde_json::from_slice(&run(false, &cut_call)).unwrap();
+    assert_eq!(status(&body["output"]), [s("function_call", "incomplete")]);
+}
+
 #[test]
 fn an_empty_answer_is_one_empty_message() {
     let r = router();
