@@ -280,24 +280,9 @@ fn lark_names<'a>(names: impl Iterator<Item = &'a str>) -> HashMap<&'a str, Stri
     out
 }
 
-/// `s` as a Lark string literal.
+/// `s` as a Lark string literal: JSON's (Lark's strings are), with DEL escaped too.
 fn lark_string(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 || c == '\x7f' => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
+    serde_json::to_string(s).expect("strings serialize").replace('\x7f', "\\u007f")
 }
 
 /// A character class as a Lark regex.
@@ -366,6 +351,8 @@ mod tests {
              item: /[a-zA-Z\\x{5f}]/ /[^\\x{5d}\\x{22}\\x{2f}]/* \"A\u{e9}\\n\" /(?s:.)/\n\
              ws: /[\\x{20}\\x{9}\\x{a}]/+ | \"\\\"\"{2}\nr2: ws{1,}\n"
         );
+        // control characters and DEL, which a Lark string may not hold as they are
+        assert_eq!(to_lark("root ::= \"\\x01\\x7f\"").unwrap(), "start: root\nroot: \"\\u0001\\u007f\"\n");
         // names Lark cannot hold, or that meet once lowercased
         let lark = to_lark("root ::= A a 9x start\nA ::= \"1\"\na ::= \"2\"\n9x ::= \"3\"\nstart ::= \"4\"").unwrap();
         assert!(
