@@ -1193,11 +1193,7 @@ impl ResponseBuilder {
                 let silent = parsing || (thought && echo.is_none());
                 let role = ChatChunkChoice {
                     index: choice,
-                    delta: Delta {
-                        role: Some("assistant"),
-                        content: (!silent).then_some(content),
-                        ..Delta::default()
-                    },
+                    delta: Delta { role: Some("assistant"), content: (!silent).then_some(content), ..Delta::default() },
                     logprobs: None,
                     finish_reason: None,
                     stop_reason: None,

@@ -134,6 +134,12 @@ fn errors_are_named_in_the_responses_terms() {
     let err = |body: Value| shape(responses(&r, body));
     let bad = |param: &str| (400, "invalid_value", Some(param.to_string()));
     assert_eq!(err(json!({"input": "hello", "temperature": 9})), bad("temperature"));
+    // a range error is invalid_value, a wrong kind invalid_type (audit R: -1 said invalid_type)
+    assert_eq!(err(json!({"input": "hello", "max_tool_calls": -1})), bad("max_tool_calls"));
+    assert_eq!(
+        err(json!({"input": "hello", "max_tool_calls": "3"})),
+        (400, "invalid_type", Some("max_tool_calls".into()))
+    );
     assert_eq!(
         err(json!({"input": "hello", "max_output_tokens": 100})),
         (400, "context_length_exceeded", Some("max_output_tokens".into()))

@@ -1184,8 +1184,12 @@ fn prepare_as(router: &Router, body: &[u8], header_id: Option<&str>, counting: b
         check_metadata(as_object(metadata, "metadata", "`metadata`")?)?;
     }
     if let Some(n) = set(obj, "max_tool_calls") {
+        if n.is_i64() && !n.is_u64() {
+            return Err(ApiError::invalid("max_tool_calls", "`max_tool_calls` must be at least 0."));
+        }
         if !n.is_u64() {
-            return Err(invalid_type("max_tool_calls", "`max_tool_calls` must be a non-negative integer."));
+            let message = format!("`max_tool_calls` must be an integer, not {}.", kind_of(n));
+            return Err(invalid_type("max_tool_calls", message));
         }
         // (it limits calls to built-in tools, of which this server runs none)
         ignored.push("max_tool_calls".into());
