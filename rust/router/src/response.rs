@@ -735,10 +735,27 @@ impl ResponseBuilder {
 
     /// A background Responses request failed with `err`: its stored entry becomes `failed`,
     /// and the bytes that end it are its `response.failed` event. None for any other request
-    /// (or one already cancelled or deleted), which ends with `err` as it is.
+    /// (or one already cancelled or deleted), which ends with `err` as it is; a streamed one
+    /// that asked to be stored, whose client holds its id from `response.created`, is kept
+    /// `failed` with the output it had (and joins no conversation, as OpenAI's failed ones).
     pub fn failed(&mut self, err: &ApiError) -> Option<Vec<u8>> {
+        let usage = self.responses.is_some().then(|| self.responses_usage());
         let (echo, events) = self.responses.as_mut()?;
         let error = json!({"code": "server_error", "message": err.message()});
+        if echo.background.is_none() {
+            if let (true, Some((store, input)), Some(usage)) = (self.stream, &echo.store, usage) {
+                let output = events.output_so_far();
+                let mut object =
+                    responses::response_object(&self.id, self.created, &self.model, echo, None, output, usage);
+                object["status"] = json!("failed");
+                object["error"] = error;
+                let items = object["output"]
+                    .as_array()
+                    .map_or_else(Vec::new, |o| o.iter().map(crate::item_log::Item::new).collect());
+                store.put(&self.id, crate::response_store::Stored::new(&object, input.clone(), items));
+            }
+            return None;
+        }
         let body = echo.background.as_ref()?.fail(error)?;
         let response: Value = serde_json::from_slice(&body).expect("stored bodies are JSON");
         events.failed(&mut self.pending, response);

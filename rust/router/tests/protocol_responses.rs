@@ -478,9 +478,22 @@ fn a_background_response_cancelled_failed_or_dropped_says_so() {
     assert_eq!(evs[0].1["response"], failed);
     assert_eq!(failed["status"], "failed");
     assert_eq!(failed["error"], json!({"code": "server_error", "message": "the step failed"}));
-    // a foreground request fails as it always has
+    // a foreground request ends with the error as it always has; streamed, its client holds
+    // its id, and it is kept `failed` with the output it had (audit V2: a 404)
     let p = responses(&r, json!({"input": "hello", "stream": true})).unwrap();
-    assert!(ResponseBuilder::new(&p, Arc::new(tokenizer())).failed(&err).is_none());
+    let mut b = ResponseBuilder::new(&p, Arc::new(tokenizer()));
+    push(&mut b, "a b", None);
+    assert!(b.failed(&err).is_none());
+    let kept = stored(&r, &p.id);
+    assert_eq!((kept["status"].as_str(), &kept["error"]), (Some("failed"), &failed["error"]));
+    assert_eq!(kept["output"][0]["content"][0]["text"], "a b");
+    assert_eq!(kept["output"][0]["status"], "incomplete");
+    // not streamed (the client gets the error, and no id), or not to be stored: nothing kept
+    for body in [json!({"input": "hello"}), json!({"input": "hello", "stream": true, "store": false})] {
+        let p = responses(&r, body).unwrap();
+        assert!(ResponseBuilder::new(&p, Arc::new(tokenizer())).failed(&err).is_none());
+        assert_eq!(r.responses().body(&p.id).unwrap_err().status(), 404);
+    }
     // dropped after the engine took it (a shutdown): failed
     let p = background(&r);
     drop(ResponseBuilder::new(&p, Arc::new(tokenizer())));

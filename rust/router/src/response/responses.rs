@@ -232,6 +232,16 @@ impl EventStream {
         Some(with(running, "output", Value::Array(items.collect())))
     }
 
+    /// The output so far, as a response that ended here lists it: the items closed as they
+    /// closed, the open one `incomplete` with what it holds.
+    pub(super) fn output_so_far(&self) -> Vec<Value> {
+        let open = self.open.then(|| self.index());
+        let items = self.items.iter().enumerate();
+        items
+            .map(|(i, item)| item.to_value(if Some(i) == open { "incomplete" } else { "completed" }, self.logprobs))
+            .collect()
+    }
+
     /// Queues one event: `event: <type>` and its JSON with `type` and `sequence_number`.
     fn event(&mut self, out: &mut Vec<u8>, kind: &str, mut data: Value) {
         data["type"] = json!(kind);
