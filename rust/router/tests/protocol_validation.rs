@@ -526,6 +526,19 @@ fn structured_outputs_constrain_like_response_format() {
         header(&tuned, "llmserve-ignored-fields"),
         Some("guided_decoding_backend, structured_outputs.disable_any_whitespace")
     );
+    // vLLM's StructuredOutputsParams passed whole: its tuning keys at their defaults ask nothing
+    // (audit T2: each call warned of them)
+    let whole = chat(
+        &r,
+        json!({"structured_outputs": {"choice": ["a", "b"], "disable_fallback": false, "disable_any_whitespace": false,
+               "disable_additional_properties": false, "whitespace_pattern": null, "_backend": null,
+               "_backend_was_auto": false, "regex": null}}),
+    )
+    .unwrap();
+    assert_eq!(header(&whole, "llmserve-ignored-fields"), None);
+    // a constraint at false is still no constraint's value
+    let (status, _, param) = shape(chat(&r, json!({"structured_outputs": {"regex": false}})));
+    assert_eq!((status, param.as_deref()), (400, Some("structured_outputs.regex")));
 }
 
 #[test]

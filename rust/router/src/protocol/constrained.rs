@@ -182,8 +182,8 @@ const STRUCTURED: [(&str, &str); 6] = [
 impl<'a> Guided<'a> {
     /// The grammar asked for (None: none) and the param it came from. Keys of
     /// `structured_outputs` that tune vLLM's backends (`whitespace_pattern`,
-    /// `disable_fallback`, ...) are reported into `inert`, as are a structural tag's keys that
-    /// mean nothing.
+    /// `disable_fallback`, ...) are reported into `inert` when they ask for something (not at
+    /// null or false), as are a structural tag's keys that mean nothing.
     pub fn source(&self, inert: &mut Vec<String>) -> Result<Option<(GrammarSource, &'static str)>, ApiError> {
         fn set(v: Option<&Value>) -> Option<&Value> {
             v.filter(|v| !v.is_null())
@@ -191,8 +191,11 @@ impl<'a> Guided<'a> {
         let mut asked: Vec<(&'static str, &'static str, &'a Value)> = Vec::new();
         if let Some(v) = set(self.structured_outputs) {
             let so = as_object(v, "structured_outputs", "`structured_outputs`")?;
-            // `json_object: false` asks for nothing, as null does
-            let off = |key: &str, v: &Value| v.is_null() || (key == "json_object" && *v == Value::Bool(false));
+            // `json_object: false` asks for nothing, as null does, and so does a tuning key at
+            // false (vLLM's StructuredOutputsParams sends `disable_fallback: false` and the rest of
+            // its defaults when a client builds it and passes it whole)
+            let tuning = |key: &str| key == "json_object" || !STRUCTURED.iter().any(|(k, _)| *k == key);
+            let off = |key: &str, v: &Value| v.is_null() || (*v == Value::Bool(false) && tuning(key));
             for (key, v) in so.iter().filter(|(k, v)| !off(k, v)) {
                 match STRUCTURED.iter().find(|(k, _)| k == key) {
                     Some(&(kind, param)) => asked.push((kind, param, v)),
