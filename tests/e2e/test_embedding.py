@@ -9,6 +9,7 @@ import dataclasses
 import httpx
 import numpy as np
 import pytest
+import torch
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
@@ -324,6 +325,9 @@ def test_vllm_options_are_taken_as_their_flags_are():
     with pytest.raises(TypeError, match="unknown option 'bogus'"):
         make_config(None, bogus=1)
     assert make_config(None, dtype="half").model.dtype == "float16"
+    # vLLM's types for two of them: a torch dtype, and a boolean where the flag is on/off/auto
+    assert make_config(None, dtype=torch.bfloat16).model.dtype == "bfloat16"
+    assert [make_config(None, async_scheduling=v).scheduler.async_scheduling for v in (True, False)] == ["on", "off"]
     # vLLM's defaults, passed as config-driven code passes them: None keeps the option's default,
     # and vLLM's options llmserve does not have are quiet at the value that turns them off
     defaults = make_config(None)
@@ -337,6 +341,21 @@ def test_vllm_options_are_taken_as_their_flags_are():
     assert cfg.model.config_overrides() == {"max_position_embeddings": 4096}
     assert cfg.model.generation_overrides() == {"top_k": 5}
     assert cfg.cache.kv_cache_memory == 2**30
+
+
+def test_default_sampling_params_are_the_models(tiny_model):
+    """vLLM's `get_default_sampling_params()`, which its example programs start from: the
+    model's sampling defaults (override_generation_config here), vLLM's for the rest; and a
+    request that leaves them out samples with them."""
+    llm = LLM(str(tiny_model), num_kv_blocks=64,
+              override_generation_config={"temperature": 0.5, "top_k": 7, "max_new_tokens": 9})
+    params = llm.get_default_sampling_params()
+    assert params == SamplingParams(temperature=0.5, top_k=7, max_tokens=9)
+    params.seed, params.ignore_eos = 3, True
+    out = llm.generate("Hello", params)[0]
+    assert len(out.outputs[0].token_ids) == 9
+    assert out.text == llm.generate("Hello", {"seed": 3, "ignore_eos": True})[0].text
+    assert LLM(str(tiny_model), num_kv_blocks=64).get_default_sampling_params() == SamplingParams()
 
 
 def test_a_capped_prefill_answers_as_a_whole_one(llm, tiny_model):

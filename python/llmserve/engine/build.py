@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,6 +58,9 @@ class Engine:
     adapters: Adapters | None = None
     # The tokenizer's named special tokens (`bos_token`, `eos_token`, `pad_token`, ...: text).
     special_tokens: dict[str, str] = field(default_factory=dict)
+    # The sampling defaults a request's fields fall back to (generation_config.json and
+    # --override-generation-config), by request field name.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 class SetupError(LoadError, RuntimeError):
@@ -461,6 +465,7 @@ def build_engine(cfg: Config) -> Engine:
     if clash := next((a.name for a, _, _ in adapters if a.name in names), None):
         raise SetupError(f"--lora-modules names {clash!r}, the base model's name: serve the model under "
                          "another name (--served-model-name) or name the adapter otherwise")
+    generation_defaults = _generation_defaults(cfg, ck.generation_config or {})
     router_config = {
         "served_model_names": names,
         "max_model_len": max_model_len,
@@ -471,7 +476,7 @@ def build_engine(cfg: Config) -> Engine:
         "responses_store_bytes": cfg.server.responses_store_mib * 2**20,
         "special_tokens": ck.special_tokens,
         "eos_token_ids": list(ck.eos_token_ids),
-        "generation_defaults": _generation_defaults(cfg, ck.generation_config or {}),
+        "generation_defaults": generation_defaults,
         "tool_call_format": cfg.model.tool_call_format,
         "reasoning_parser": cfg.model.reasoning_parser,
         "default_chat_template_kwargs": cfg.model.template_kwargs(),
@@ -581,4 +586,4 @@ def build_engine(cfg: Config) -> Engine:
              ", ".join(names), "on" if plan_ahead else "off")
     adapters = Adapters(model, ck.hf_config, dtype, device, fingerprint)
     return Engine(router, core, runner, cfg, names[0], max_model_len, num_blocks, device, plan_ahead, adapters,
-                  dict(ck.special_tokens))
+                  dict(ck.special_tokens), generation_defaults)

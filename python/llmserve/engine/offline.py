@@ -143,7 +143,14 @@ def make_config(model: str | None = None, **options: Any) -> Config:
             continue
         sname = fields[name][0]
         section = sections[sname]
-        if isinstance(getattr(section, name), tuple) and isinstance(value, (list, str)):
+        bare = fields[name][1].metadata.get("bare")
+        if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+            value = str(value).removeprefix("torch.")   # (vLLM's LLM takes a torch.dtype too)
+        elif bare and isinstance(value, bool):
+            # (vLLM's option is a boolean where the flag is ours, on/off/auto: True is the bare
+            # flag, False its `--no-` form, as on the command line)
+            value = bare if value else "off"
+        elif isinstance(getattr(section, name), tuple) and isinstance(value, (list, str)):
             value = tuple([value] if isinstance(value, str) else value)
         elif name in _JSON_OPTIONS and isinstance(value, dict):
             value = json.dumps(value)
@@ -223,14 +230,15 @@ class LLM:
         return [dataclasses.replace(r, prompt=p) if isinstance(p, str) else r for r, p in zip(results, prompts)]
 
     def beam_search(self, prompts: Prompt | list[str] | list[list[int]], params: BeamSearchParams, *,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, lora_request: Any = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's best `params.beam_width` beams, best first,
         as a completion request with `use_beam_search` finds them (docs/FIELDS.md); prompts as
-        `generate` takes them (vLLM's `{"prompt": ...}` dicts too). `use_tqdm` draws nothing."""
+        `generate` takes them (vLLM's `{"prompt": ...}` dicts too), and `lora_request` as it
+        does. `use_tqdm` draws nothing."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams; got {type(params).__name__}")
         try:
-            results = self.generate(prompts, params.request_fields())
+            results = self.generate(prompts, params.request_fields(), lora_request=lora_request)
         except ApiError as err:
             if err.param == "n":
                 err.add_note("(BeamSearchParams.beam_width is the request's `n`)")
@@ -361,6 +369,15 @@ class LLM:
         _own_argument(params, "documents", "second")
         body = {"model": self.model_name, **(params or {}), "query": query, "documents": documents}
         return self._run("rerank", [body])[0].body["results"]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's `LLM.get_default_sampling_params()`: a `SamplingParams` holding the model's
+        sampling defaults (its generation_config.json, and `override_generation_config` over
+        it: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`), vLLM's
+        defaults for the rest; what a request that leaves them out samples with, here and on the
+        server."""
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{k: v for k, v in self.engine.generation_defaults.items() if k in fields})
 
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer and chat template, with the calls code written for vLLM makes
