@@ -358,10 +358,18 @@ impl Scheduler {
         let owes = |r: &Req| r.owes_prompt_logprobs() || r.owes_pooled_positions();
         let looked_up = self.cfg.enable_prefix_caching && !owes(self.req(self.seqs[slot].req));
         if looked_up {
-            let tokens = &self.seqs[slot].tokens;
+            let seq = &self.seqs[slot];
             // Never the block holding the last token: at least one token is computed, so
-            // the step that samples never writes into a shared block.
-            for chunk in tokens[..tokens.len() - 1].chunks_exact(bs) {
+            // the step that samples never writes into a shared block. A sequence that
+            // recomputes its generated tokens (preempted, a beam that gave up its blocks)
+            // computes them as its decode steps did (see `decoded_from`): without
+            // `cache_decoded_blocks` it takes cached blocks of its prompt only, not blocks that
+            // another request's prompt step computed over the same tokens, with other numerics.
+            let mut end = seq.tokens.len() - 1;
+            if !self.cfg.cache_decoded_blocks {
+                end = end.min(seq.prompt_len);
+            }
+            for chunk in seq.tokens[..end].chunks_exact(bs) {
                 let h = hash_block(parent, chunk);
                 match self.pool.lookup(h, parent, chunk) {
                     Some(b) => {

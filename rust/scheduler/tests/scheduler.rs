@@ -305,6 +305,40 @@ fn a_preempted_sequence_caches_only_its_prompt_when_it_recomputes() {
 }
 
 #[test]
+fn a_recomputing_sequence_takes_no_block_another_prompt_computed_over_its_outputs() {
+    // V's prompt is 1..8 and it generates 9s; B's prompt is V's tokens so far and more, so B's
+    // prompt step computes blocks over V's generated tokens (audit Q: a continuation sent while
+    // the first request runs). V, preempted, recomputes its 9s as its decode steps computed them,
+    // not from B's blocks, which hold other numerics on CPU.
+    let mut cfg = config(9, 4, 8, 64);
+    cfg.enable_prefix_caching = true;
+    cfg.cache_decoded_blocks = false;
+    cfg.policy = Policy::Priority;
+    let mut s = Scheduler::new(cfg);
+    s.add(NewRequest { priority: 10, ..request(1, prompt(8, 1), 20) });
+    for _ in 0..9 {
+        step(&mut s, 9);
+    }
+    let mut continuation = prompt(8, 1);
+    continuation.extend([9; 8]);
+    continuation.push(7);
+    s.add(NewRequest { priority: -1, ..request(2, continuation, 20) });
+    // V's first row of more than one token, once it was preempted: its recompute
+    let mut recompute = None;
+    while recompute.is_none() && s.has_work() {
+        let (plan, _) = step(&mut s, 9);
+        let qsl = &plan.query_start_loc;
+        let v = (0..plan.num_seqs).find(|&q| plan.seq_req_ids[q] == 1 && qsl[q + 1] - qsl[q] > 1);
+        recompute = v.filter(|_| s.stats().preemptions > 0).map(|q| (plan.seq_lens[q], qsl[q + 1] - qsl[q]));
+    }
+    let (len, computed) = recompute.expect("V was preempted and recomputed");
+    assert_eq!(computed, len - 8, "V found its prompt's two blocks and nothing past them");
+    while s.has_work() {
+        step(&mut s, 9);
+    }
+}
+
+#[test]
 fn a_prompt_that_fills_the_context_is_scored_when_it_asks_for_nothing() {
     // max_model_len 32 (8 usable blocks of 4): max_tokens 0 computes the prompt's logits only
     let mut s = Scheduler::new(config(9, 4, 8, 64));
