@@ -421,10 +421,10 @@ fn structured_outputs_constrain_like_response_format() {
             p("response_format.structures[0].begin"),
         ),
         (
-            json!({"response_format": {"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= \"a\""}}}),
+            json!({"response_format": {"type": "structural_tag", "format": {"type": "grammar", "grammar": "root ::= \"a\" b"}}}),
             400,
-            "unsupported_parameter",
-            p("response_format.format.type"),
+            "invalid_value",
+            p("response_format.format.grammar"),
         ),
         (json!({"structured_outputs": "json"}), 400, "invalid_type", p("structured_outputs")),
         (

@@ -282,7 +282,7 @@ impl<'a> Guided<'a> {
 /// A grammar as the engine compiles it: Lark as sent, GBNF (vLLM's default backend's format,
 /// `root ::= ...`) written as Lark ([`super::gbnf`]), or a 400 at `param` saying why it is
 /// neither.
-fn lark_of(grammar: String, param: &str) -> Result<String, ApiError> {
+pub(super) fn lark_of(grammar: String, param: &str) -> Result<String, ApiError> {
     if !super::gbnf::is_gbnf(&grammar) {
         return Ok(grammar);
     }

@@ -243,11 +243,14 @@ impl Translator<'_> {
                 let open = tags.iter().find_map(|t| t.open.clone());
                 Ok(Expr { text: self.rule(&body), open })
             }
-            "grammar" => Err(unsupported(
-                format!("{at}.type"),
-                "Structural tag format \"grammar\" (xgrammar's EBNF dialect) is not supported: a Lark grammar goes \
-                 in `response_format` {\"type\": \"grammar\"}, or build the tag from the other formats.",
-            )),
+            "grammar" => {
+                // xgrammar's EBNF (GBNF: `root ::= ...`), or Lark, as `response_format`'s grammar:
+                // a grammar of its own inside this one (llguidance's `%lark { ... }`)
+                unknown_keys(obj, &["type", "grammar"], at, self.inert);
+                let param = format!("{at}.grammar");
+                let lark = super::constrained::lark_of(string_field(obj, "grammar", &param)?, &param)?;
+                Ok(Expr::closed(self.rule(&format!("%lark {{\n{lark}\n}}"))))
+            }
             "qwen_xml_parameter" => Err(unsupported(
                 format!("{at}.type"),
                 "Structural tag format \"qwen_xml_parameter\" is not supported: Qwen3-Coder's XML calls are \
@@ -257,7 +260,7 @@ impl Translator<'_> {
                 format!("{at}.type"),
                 format!(
                     "Unknown structural tag format {other:?}: expected `const_string`, `json_schema`, `regex`, \
-                     `any_text`, `sequence`, `or`, `tag`, `triggered_tags` or `tags_with_separator`."
+                     `grammar`, `any_text`, `sequence`, `or`, `tag`, `triggered_tags` or `tags_with_separator`."
                 ),
             )),
         }
@@ -574,6 +577,21 @@ mod tests {
     }
 
     #[test]
+    fn a_grammar_format_is_a_grammar_inside_the_tag() {
+        // xgrammar's EBNF (GBNF) or Lark, each a grammar of its own inside the tag's
+        let (tok, g) = engine();
+        for grammar in ["root ::= \"SELECT \" [a-c]+ (\",\" [a-c]+)*", "start: \"SELECT \" /[a-c]+(,[a-c]+)*/"] {
+            let tag = json!({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+                {"type": "const_string", "value": "Q: "}, {"type": "grammar", "grammar": grammar},
+                {"type": "const_string", "value": ";"}]}});
+            let grammar = compile(&g, tag);
+            assert!(whole(&grammar, &tok, "Q: SELECT ab,c;"), "{grammar:?}");
+            assert!(!whole(&grammar, &tok, "Q: SELECT ab,d;"));
+            assert!(!whole(&grammar, &tok, "Q: SELECT ab"));
+        }
+    }
+
+    #[test]
     fn triggers_open_tags_in_free_text() {
         let (tok, g) = engine();
         let legacy = json!({"type": "structural_tag", "triggers": ["<function="], "structures": [
@@ -695,7 +713,7 @@ mod tests {
                 "tags": [{"begin": "<a>", "content": text, "end": ""}]}}),
                 "response_format.format.tags[0].content",
             ),
-            (json!({"format": {"type": "grammar", "grammar": "root ::= \"a\""}}), "response_format.format.type"),
+            (json!({"format": {"type": "grammar", "grammar": "root ::= \"a"}}), "response_format.format.grammar"),
             (json!({"format": {"type": "qwen_xml_parameter", "json_schema": {}}}), "response_format.format.type"),
             (json!({"format": {"type": "nope"}}), "response_format.format.type"),
             (
