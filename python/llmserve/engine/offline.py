@@ -424,10 +424,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         token_text = functools.lru_cache(maxsize=None)(lambda i: str(tokenizer.decode(i)))
         asked = "top_logprobs" if endpoint == "chat" else "logprobs"
-        return [dataclasses.replace(_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text,
-                                            body.get(asked) or 0),
-                                    engine_id=engine_id, prompt_token_lists=ids)
-                for parts, fields, body, (engine_id, ids) in zip(buffers, ignored, bodies, ran)]
+        return [_result(endpoint, orjson.loads(b"".join(parts)), fields, token_text, body.get(asked) or 0, ran_as)
+                for parts, fields, body, ran_as in zip(buffers, ignored, bodies, ran)]
 
 
 def _encode(router: Router, body: dict[str, Any]) -> bytes:
@@ -648,11 +646,14 @@ def _one_of(params: object, keyword: object, name: str = "sampling_params") -> o
 
 
 def _result(endpoint: str, body: dict[str, Any], ignored: tuple[str, ...],
-            token_text: Callable[[int], str] | None = None, logprobs_k: int = 0) -> Result:
+            token_text: Callable[[int], str] | None = None, logprobs_k: int = 0,
+            ran_as: tuple[str, list[list[int]]] = ("", [])) -> Result:
+    """The Result of one request's response `body`; `ran_as`: the engine's id of the request and
+    its prompts' token ids."""
     choices = body.get("choices", [])
     if endpoint == "chat":
         texts = [c["message"].get("content") or "" for c in choices]
     else:
         texts = [c["text"] for c in choices]
     return Result(texts, [c.get("finish_reason") for c in choices], body.get("usage", {}), body, ignored,
-                  token_text=token_text, logprobs_k=logprobs_k)
+                  token_text=token_text, logprobs_k=logprobs_k, engine_id=ran_as[0], prompt_token_lists=ran_as[1])
