@@ -591,3 +591,32 @@ def test_messages_failures_are_anthropic_errors_and_free_every_block(failing_eng
         assert engine.engine.core.stats()["used_blocks"] == 0
 
     asyncio.run(main())
+
+
+def test_an_app_serves_again_when_its_lifespan_runs_again(tiny_model):
+    # A test suite that imports one module-level app opens `with TestClient(app)` per test:
+    # each lifespan (on an event loop of its own) loads an engine and drains it at its end,
+    # and the next one serves too, rather than answering with the drained engine.
+    from starlette.testclient import TestClient
+
+    app = create_app(_config(tiny_model))
+    served = []
+    for _ in range(2):
+        with TestClient(app) as c:
+            deadline = time.monotonic() + 120
+            while c.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline, c.get("/ready").text
+                time.sleep(0.05)
+            r = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+            served.append(app.state.engine)
+        assert served[-1].state == "stopped"
+    assert served[0] is not served[1]
+
+
+def test_create_app_takes_a_config_or_an_engine_not_two_that_differ(tiny_model):
+    engine = AsyncEngine(_config(tiny_model))
+    assert create_app(_config(tiny_model), engine=engine).state.engine is engine   # (the same config)
+    other = Config(model=ModelConfig(model="elsewhere.gguf"), server=ServerConfig(api_key=("k",)))
+    with pytest.raises(ValueError, match="not both"):
+        create_app(other, engine=engine)

@@ -6,6 +6,8 @@ pass `engine=` to share an AsyncEngine it already started. A mounted app's lifes
 run (Starlette runs the outer app's only): its first request then starts the load, and the
 host drains nothing at shutdown unless its own lifespan enters the mounted app's
 (`async with inner.router.lifespan_context(inner): yield`), which also loads at startup.
+Each lifespan of an app built from a config serves an engine of its own: the one its end
+drained is replaced by a new one, loaded by the next lifespan (or request).
 """
 
 from __future__ import annotations
@@ -148,15 +150,19 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     """An ASGI app serving `config` (or an already started `engine`)."""
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"create_app takes a llmserve.Config (Config(model=...)), not a {type(config).__name__}")
+    if config is not None and engine is not None and config != engine.config:
+        # (the engine was built from its own config: the app would serve its model under
+        # this config's keys and names, and neither would say so)
+        raise ValueError("create_app takes a config (and builds its engine) or an engine (and serves its "
+                         "config), not both: this config differs from the engine's")
     config = config or (engine.config if engine else Config())
     owns_engine = engine is None
-    engine = engine or AsyncEngine(config)
     loading: list[asyncio.Future] = []   # the load, once started
 
     def start_loading() -> None:
         # Load in the background: the server answers /health and /ready (503) meanwhile.
         if owns_engine and not loading:
-            task = asyncio.ensure_future(engine.start())
+            task = asyncio.ensure_future(app.state.engine.start())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             loading.append(task)
 
@@ -170,7 +176,12 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                 if not loading[0].done():
                     loading[0].cancel()
                 app.state.backgrounds.stop_all()
-                await engine.drain(stop_timeout=_step_wait(app.state))
+                await app.state.engine.drain(stop_timeout=_step_wait(app.state))
+                # A drained engine is done (it served the event loop that ended), so the app's
+                # next lifespan (a test suite's next `with TestClient(app)`) loads a new one
+                # rather than answering every request with the dead one's 503.
+                _serve_engine(app, AsyncEngine(config))
+                loading.clear()
 
     lora_routes = RUNTIME_LORA_ROUTES if config.model.allow_runtime_lora_updating else [
         Route(r.path, routes.runtime_lora_off, methods=_EVERY_METHOD) for r in RUNTIME_LORA_ROUTES]
@@ -188,8 +199,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     # (TrailingSlash answers a route's path with a slash added; Starlette's redirect is not
     # wanted)
     app.router.redirect_slashes = False
-    app.state.engine = engine
-    app.state.backgrounds = Backgrounds.of(engine)
+    _serve_engine(app, engine or AsyncEngine(config))
     app.state.max_body_bytes = config.server.max_body_bytes
     # how long the lifespan's drain waits for the engine's step in progress (None: until it
     # ends; `llmserve run` bounds it, then exits at once), and the time.monotonic() by which
@@ -216,6 +226,12 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     if config.server.logs_access():
         app.add_middleware(AccessLogMiddleware, quiet=config.server.quiet_paths())
     return app
+
+
+def _serve_engine(app: Starlette, engine: AsyncEngine) -> None:
+    """Makes `engine` the one the app's routes serve."""
+    app.state.engine = engine
+    app.state.backgrounds = Backgrounds.of(engine)
 
 
 def _step_wait(state) -> float | None:
@@ -482,9 +498,10 @@ def serve(config: Config) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(uds)
     code = STARTUP_FAILURE if server.load_failed or not server.started else 0
-    if app.state.engine.loading():
+    # (the DrainingServer's engine: the lifespan's end put a fresh one in the app's state)
+    if server.engine.loading():
         log.info("stopped while the model was loading (exit status 0: a stop that was asked for)")
-    if app.state.engine.busy():
+    if server.engine.busy():
         # Stopped while the model loads, or inside a step that outlasted the stop (a long
         # prompt on a CPU): that thread is inside torch, and an interpreter that finalizes
         # around it aborts the process. Every request has had its answer; nothing is left to
