@@ -3,6 +3,7 @@ admin routes behind keys of their own."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -177,3 +178,31 @@ def test_cors_methods_headers_and_credentials_are_vllms_flags():
     assert r.status_code == 400   # DELETE and x-custom are not allowed now
     r = asyncio.run(preflight(allowed_methods=("*",), allowed_headers=("x-custom",), allow_credentials=True))
     assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true"
+
+
+@pytest.mark.parametrize("admin_keys", [(), ("a1",)])
+def test_runtime_lora_routes_take_the_admin_keys_when_there_are_some(admin_keys):
+    # They read any folder the server can see: with --admin-api-key only an admin key opens
+    # them; without one, the API keys do, as vLLM's do.
+    from llmserve.server.middleware import ApiKeyMiddleware
+
+    async def served(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    app = ApiKeyMiddleware(served, keys=("k1",), admin_keys=admin_keys)
+    opens, shut = ("a1", "k1") if admin_keys else ("k1", "a1")
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmserve.test") as c:
+            for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                r = await c.post(path, json={}, headers={"authorization": f"Bearer {opens}"})
+                assert r.status_code == 200, (path, r.text)
+                r = await c.post(path, json={}, headers={"authorization": f"Bearer {shut}"})
+                assert r.status_code == 401, (path, r.text)
+            # the API itself stays behind the API keys alone
+            assert (await c.get("/v1/models", headers={"authorization": "Bearer a1"})).status_code == 401
+            assert (await c.get("/v1/models", headers={"authorization": "Bearer k1"})).status_code == 200
+
+    asyncio.run(main())

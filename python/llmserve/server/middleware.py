@@ -20,8 +20,11 @@ access_log = logging.getLogger("llmserve.access")
 
 # Probes and scrapes stay open so load balancers and Prometheus need no key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics"})
-# Routes that change the server (--admin-api-key mounts them): only an admin key opens them.
-ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+# Routes that change the server: with --admin-api-key, only an admin key opens them (and an
+# API key does not). /reset_prefix_cache exists only then; vLLM's runtime LoRA routes
+# (--allow-runtime-lora-updating, which read any folder the server sees) are behind the API
+# keys without admin keys, as vLLM's are.
+ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def error_request_id(sent: str | None) -> str:
@@ -108,7 +111,7 @@ def error_body(err, scope, request_id: str) -> bytes:
 class ApiKeyMiddleware:
     """Every route but OPEN_PATHS needs one of `keys`, as `Authorization: Bearer <key>` (what
     OpenAI clients send) or `x-api-key: <key>` (what Anthropic clients send); ADMIN_PATHS need
-    one of `admin_keys` instead (and are not mounted without them)."""
+    one of `admin_keys` instead, where there are some."""
 
     def __init__(self, app, keys: tuple[str, ...], admin_keys: tuple[str, ...] = (),
                  max_body_bytes: int | None = None) -> None:
