@@ -36,6 +36,12 @@ fn body_must_be_a_json_object() {
         assert_eq!(shape(r.prepare(ep, b"\xff\xfe")), (400, "invalid_json", Some("body".into())));
         assert_eq!(shape(r.prepare(ep, b"[1]")), (400, "invalid_type", Some("body".into())));
         assert_eq!(shape(r.prepare(ep, b"null")), (400, "invalid_type", Some("body".into())));
+        // a leading UTF-8 byte order mark is read past (RFC 8259 8.1), once; not one in the middle
+        let bom = |s: &str| [&b"\xef\xbb\xbf"[..], s.as_bytes()].concat();
+        let body = r#"{"model": "tiny", "prompt": "a", "messages": [{"role": "user", "content": "a"}]}"#;
+        assert!(r.prepare(ep, &bom(body)).is_ok());
+        assert_eq!(shape(r.prepare(ep, &bom(&String::from_utf8(bom(body)).unwrap()))).1, "invalid_json");
+        assert_eq!(shape(r.prepare(ep, &bom("[1]"))), (400, "invalid_type", Some("body".into())));
         // a lone surrogate is named as such, not as serde's "unexpected end of hex escape"
         for body in [&br#"{"prompt": "\ud800"}"#[..], br#"{"prompt": "\udc00x"}"#] {
             let err = r.prepare(ep, body).unwrap_err();

@@ -22,10 +22,17 @@ pub const MAX_N: u32 = 128;
 /// contract sets `param` on every 400 of that table row, and no field path names the body.
 pub const BODY_PARAM: &str = "body";
 
+/// The body without a leading UTF-8 byte order mark, which RFC 8259 (8.1) lets a parser
+/// ignore, and Python's `json.loads` (vLLM's parser) does: files written by some Windows
+/// tools and sent as they are begin with one.
+pub fn without_bom(body: &[u8]) -> &[u8] {
+    body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body)
+}
+
 /// Parses the raw body: malformed JSON is `invalid_json`, anything but an object is
 /// `invalid_type`; both name `param` "body".
 pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
+    let value: Value = serde_json::from_slice(without_bom(body)).map_err(|e| {
         // serde_json names a lone UTF-16 surrogate (`"\ud800"` with no partner) by what it
         // found after it; say what is wrong instead.
         let msg = e.to_string();

@@ -142,7 +142,9 @@ const INVOCATIONS: [(&str, Endpoint); 5] = [
 /// (`prompt`), embeddings (`input`), score (`text_1`) or rerank (`query`). A body that is no
 /// JSON object goes to chat, whose 400 says what is wrong with it.
 pub fn invocation_endpoint(body: &[u8]) -> Result<Endpoint, ApiError> {
-    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(body) else { return Ok(Endpoint::Chat) };
+    let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(common::without_bom(body)) else {
+        return Ok(Endpoint::Chat);
+    };
     INVOCATIONS.iter().find(|(key, _)| fields.contains_key(*key)).map(|&(_, endpoint)| endpoint).ok_or_else(|| {
         ApiError::with_code(
             "invalid_value",
