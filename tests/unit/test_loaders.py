@@ -655,6 +655,16 @@ def test_gguf_folder_with_one_file(tmp_path):
     ckpt = load_checkpoint(str(folder))
     assert ckpt.name == "gguf-model"
     assert_weights_equal(ckpt, model)
+    gguf_template = ckpt.template_sources["gguf"]
+    assert ckpt.template_sources["folder_jinja"] is None
+    # The folder is the model: templates beside the file are its folder's, ahead of the file's
+    # own (the contract's order), and a file passed by its path reads none of them.
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TOOL_TEMPLATE}))
+    sources = load_checkpoint(str(folder)).template_sources
+    assert (sources["folder_jinja"], sources["tokenizer_config"], sources["gguf"]) == (
+        TEMPLATE, TOOL_TEMPLATE, gguf_template)
+    assert load_checkpoint(str(folder / "m.gguf")).template_sources["folder_jinja"] is None
     write_gguf(folder / "other.gguf", model)
     with pytest.raises(LoadError, match="several .gguf files"):
         load_checkpoint(str(folder))

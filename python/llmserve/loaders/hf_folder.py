@@ -146,6 +146,20 @@ def read_tokenizer(folder: Path) -> TokenizerFiles:
             "supported: save the tokenizer with a fast tokenizer to get tokenizer.json)"
         )
     tok_config = _read_json(folder / "tokenizer_config.json") or {}
+    templates = read_templates(folder, tok_config)
+    # Older checkpoints name their special tokens in special_tokens_map.json only;
+    # transformers reads both (tokenizer_config.json first).
+    special = _special_tokens(tok_config, _read_json(folder / "special_tokens_map.json") or {})
+    return TokenizerFiles(tokenizer_json, templates, special)
+
+
+def read_templates(folder: Path, tok_config: dict | None = None) -> dict:
+    """The chat templates a model folder's files hold (TemplateSources; no "gguf" or "cli"):
+    `chat_template.jinja`, `additional_chat_templates/`, and `tokenizer_config.json`'s (or
+    `chat_template.json`'s) `chat_template`. Also read for a folder that holds a GGUF file,
+    whose templates come before the file's own."""
+    if tok_config is None:
+        tok_config = _read_json(folder / "tokenizer_config.json") or {}
     templates = empty_template_sources()
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
@@ -161,10 +175,7 @@ def read_tokenizer(folder: Path) -> TokenizerFiles:
         if legacy.get("chat_template") is not None:
             templates["tokenizer_config"] = legacy["chat_template"]
             templates["tokenizer_config_file"] = "chat_template.json"
-    # Older checkpoints name their special tokens in special_tokens_map.json only;
-    # transformers reads both (tokenizer_config.json first).
-    special = _special_tokens(tok_config, _read_json(folder / "special_tokens_map.json") or {})
-    return TokenizerFiles(tokenizer_json, templates, special)
+    return templates
 
 
 def _special_tokens(tok_config: dict, special_map: dict) -> dict[str, str]:

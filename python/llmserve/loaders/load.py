@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, LoadError
 from .gguf_file import load_gguf
-from .hf_folder import load_folder, read_tokenizer, tokenizer_tokens
+from .hf_folder import load_folder, read_templates, read_tokenizer, tokenizer_tokens
 
 LOG = logging.getLogger("llmserve.loaders")
 
@@ -163,7 +163,12 @@ def _load_path(path: Path, log: logging.Logger, quantized_decode: bool) -> Check
         return load_folder(path, path.name, log)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0], path.name, log, quantized_decode)
+        checkpoint = load_gguf(ggufs[0], path.name, log, quantized_decode)
+        # The folder is the model: a chat_template.jinja (or tokenizer_config.json) put beside
+        # the file comes before the file's own template, in the contract's order.
+        folder = read_templates(path)
+        checkpoint.template_sources.update({k: v for k, v in folder.items() if k != "gguf" and v})
+        return checkpoint
     if ggufs:
         names = ", ".join(p.name for p in ggufs)
         raise LoadError(f"{path} holds several .gguf files ({names}); pass the one to serve")
