@@ -141,6 +141,11 @@ def test_allowed_origins_get_cors_and_a_keyless_preflight(keyed_server, env_keye
     assert "POST" in r.headers["access-control-allow-methods"]
     other = httpx.options(keyed_server.url + "/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    # (in the OpenAI error shape, saying what was refused)
+    assert other.headers["content-type"] == "application/json"
+    err = other.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "cors_refused", None)
+    assert err["message"].startswith("Disallowed CORS origin"), err
     r = httpx.post(keyed_server.url + "/v1/completions", headers={"origin": page, "authorization": "Bearer k1"},
                    json={"model": "tiny", "prompt": "x", "max_tokens": 1, "store": True})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page

@@ -27,7 +27,6 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -37,8 +36,8 @@ from llmserve.config import Config, ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
-from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, RequestIdMiddleware, TrailingSlash,
-                                        anthropic_errors, declares_far_more_than, error_body, error_request_id)
+from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, CORSMiddleware, RequestIdMiddleware,
+                                        TrailingSlash, anthropic_errors, declares_far_more_than, error_body, error_request_id)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",

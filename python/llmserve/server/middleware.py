@@ -13,6 +13,8 @@ import time
 import uuid
 
 import orjson
+from starlette.middleware import cors
+from starlette.responses import Response
 
 from llmserve._core import Router
 
@@ -106,6 +108,21 @@ def error_body(err, scope, request_id: str) -> bytes:
     if not anthropic_errors(scope):
         return err.body
     return orjson.dumps({**orjson.loads(err.anthropic_body), "request_id": request_id})
+
+
+class CORSMiddleware(cors.CORSMiddleware):
+    """Starlette's CORS middleware, whose refused preflight (a 400 naming what it refused) is
+    answered in the OpenAI error shape rather than as plain text."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        refused = bytes(response.body).decode()   # "Disallowed CORS origin, method"
+        err = Router.error("cors_refused", f"{refused} (the server's --allowed-origins, --allowed-methods and "
+                                           "--allowed-headers say what a browser may send).")
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return Response(err.body, status_code=400, headers=headers, media_type="application/json")
 
 
 class ApiKeyMiddleware:

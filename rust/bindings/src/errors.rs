@@ -86,6 +86,8 @@ pub fn from_kind(
         "invalid_request" => RouterError::InvalidRequest { message, param, code: "invalid_value" },
         "unsupported_parameter" => RouterError::with_code("unsupported_parameter", param, message),
         "unsupported_media_type" => RouterError::with_code("unsupported_media_type", None, message),
+        // a browser's preflight (OPTIONS) from an origin, method or header --allowed-* does not list
+        "cors_refused" => RouterError::with_code("cors_refused", None, message),
         "unauthorized" => RouterError::Unauthorized { message },
         "not_found" => RouterError::NotFound { message },
         "method_not_allowed" => RouterError::MethodNotAllowed { message },
