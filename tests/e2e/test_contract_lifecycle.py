@@ -620,3 +620,23 @@ def test_create_app_takes_a_config_or_an_engine_not_two_that_differ(tiny_model):
     other = Config(model=ModelConfig(model="elsewhere.gguf"), server=ServerConfig(api_key=("k",)))
     with pytest.raises(ValueError, match="not both"):
         create_app(other, engine=engine)
+
+
+def test_a_cancelled_load_is_said_to_be_one(tiny_model):
+    # (not "the server's log says why": a cancelled load logs nothing)
+    async def main():
+        engine = AsyncEngine(_config(tiny_model))
+        load = asyncio.ensure_future(engine.start())
+        await asyncio.sleep(0)
+        load.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+        async with _client(create_app(engine=engine)) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 503 and "retry-after" not in r.headers, r.text
+            assert r.json()["error"]["message"].startswith("The model load was cancelled"), r.text
+            assert (await c.get("/ready")).json() == {"status": "failed"}
+        while AsyncEngine.loading():   # (the load's thread runs on; wait for it to end)
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())

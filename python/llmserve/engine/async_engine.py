@@ -281,6 +281,9 @@ EMBEDDING = ("embeddings", "score", "rerank")
 # 503 says Retry-After: 1).
 RESERVE_S = 3.0
 FAILED_LOAD = "The model failed to load (the server's log says why); this server cannot serve requests."
+CANCELLED_LOAD = ("The model load was cancelled before it ended: the server stopped, or the event loop that "
+                  "started it ended (Starlette's TestClient used without `with` runs each request on a loop "
+                  "of its own); this engine cannot serve requests.")
 
 
 class AsyncEngine:
@@ -298,6 +301,7 @@ class AsyncEngine:
         # The room a request refused for want of it holds in the queue (its sequences, and
         # until when): see _admit.
         self._reserved: tuple[int, float] = (0, 0.0)
+        self._failure = FAILED_LOAD   # what a request is told once the state is "failed"
 
     # -- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -310,6 +314,7 @@ class AsyncEngine:
             engine = await _on_daemon_thread(build_engine, self.config)
         except asyncio.CancelledError:
             self.state = "failed"   # the server stopped while loading
+            self._failure = CANCELLED_LOAD
             raise
         except BaseException as exc:
             self.state = "failed"
@@ -402,7 +407,7 @@ class AsyncEngine:
     def router(self) -> Router:
         if self.engine is None:
             if self.state == "failed":
-                raise self.unavailable(FAILED_LOAD, retry_after=None)
+                raise self.unavailable(self._failure, retry_after=None)
             raise self.unavailable("The model is still loading.", retry_after=5)
         return self.engine.router
 
@@ -447,7 +452,7 @@ class AsyncEngine:
         if self.state == "loading":
             raise self.unavailable("The model is still loading.", retry_after=5)
         if self.state == "failed":
-            raise self.unavailable(FAILED_LOAD, retry_after=None)
+            raise self.unavailable(self._failure, retry_after=None)
         if self.state != "ready" or not self.alive:
             raise self.unavailable("The server is not taking requests.", retry_after=5)
 
