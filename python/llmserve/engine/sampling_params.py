@@ -200,8 +200,8 @@ class BeamSearchParams:
     """vLLM's `BeamSearchParams` for `LLM.beam_search`, field for field with its defaults: the
     request fields `use_beam_search` with `n` beams (`beam_width`), `max_tokens`,
     `ignore_eos`, `length_penalty` and `include_stop_str_in_output` (docs/FIELDS.md). Beams
-    are ranked by logprobs alone, so a `temperature` other than 0 is reported as a field
-    without effect, as the route reports it."""
+    are ranked by logprobs alone, so a `temperature` other than 0 (vLLM's default) or 1 is
+    reported as a field without effect, as the route reports it."""
 
     beam_width: int
     max_tokens: int

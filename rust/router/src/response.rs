@@ -1241,10 +1241,12 @@ impl ResponseBuilder {
             if delta.text.is_empty() && finish.is_none() && !has_lp {
                 return;
             }
+            // A choice that sent nothing (a stop string cut all it wrote, or EOS came first)
+            // lists no token: its finish carries empty logprobs, adding up to the non-streamed
+            // `content: []`; any other finish without tokens carries null, as OpenAI's does.
+            let silent = !self.choices[idx].streamed_text && delta.text.is_empty();
             self.choices[idx].streamed_text |= !delta.text.is_empty();
-            // (the finish carries them, empty ones too, so a choice that lists no token, cut by a
-            // stop string or ended by EOS at once, adds up to the non-streamed `content: []`)
-            let logprobs = (has_lp || (self.logprobs && finish.is_some())).then(|| {
+            let logprobs = (has_lp || (self.logprobs && finish.is_some() && silent)).then(|| {
                 let mut content = held;
                 content.extend(self.chat_logprobs(delta.tokens));
                 ChatLogprobs { content, refusal: None }
@@ -1426,11 +1428,13 @@ impl ResponseBuilder {
             let state = &self.choices[idx];
             let forced = self.tools.as_ref().is_some_and(|t| t.choice.is_forced());
             let thought = state.reasoning.as_ref().is_some_and(|r| r.reasoning_tokens() > 0);
-            let empty = !forced && !state.streamed_text && state.tool_calls.is_empty() && !thought;
+            let silent = !state.streamed_text && state.tool_calls.is_empty();
+            let empty = !forced && silent && !thought;
             let c = ChatChunkChoice {
                 index: choice,
                 delta: Delta { content: empty.then_some(""), ..Delta::default() },
-                logprobs: pending_lp.take().or_else(|| self.logprobs.then(ChatLogprobs::default)),
+                // (empty ones for a choice that listed no token, as above)
+                logprobs: pending_lp.take().or_else(|| (self.logprobs && silent).then(ChatLogprobs::default)),
                 finish_reason: Some(self.finish_name(f)),
                 stop_reason: Some(stop_reason),
                 token_ids: self.take_ids(idx),

@@ -225,6 +225,10 @@ fn beam_search_is_checked_against_what_it_cannot_honour() {
         assert_eq!(header(&p, "llmserve-ignored-fields"), None);
         let p = prepare(&r, beam(json!({"temperature": 0.7, "seed": 3, "top_p": 0.9}))).unwrap();
         assert_eq!(header(&p, "llmserve-ignored-fields"), Some("seed, temperature, top_p"));
+        // the values that ask for nothing, OpenAI's default temperature among them, pass quietly
+        let p =
+            prepare(&r, beam(json!({"temperature": 1, "top_p": 1, "top_k": -1, "min_p": 0, "seed": null}))).unwrap();
+        assert_eq!(header(&p, "llmserve-ignored-fields"), None);
         let p = prepare(&r, json!({"length_penalty": 0.5})).unwrap();
         assert_eq!(p.params.beam_search, None);
         assert_eq!(header(&p, "llmserve-ignored-fields"), Some("length_penalty"));

@@ -145,6 +145,18 @@ fn a_chat_choice_without_listed_tokens_streams_empty_logprobs() {
     let last = &chunks.last().unwrap()["choices"][0];
     assert_eq!((&last["finish_reason"], &last["logprobs"]), (&json!("stop"), &json!({"content": [], "refusal": null})));
     assert_eq!(chunks[0]["choices"][0]["logprobs"], Value::Null, "the role chunk carries none");
+    // a choice that did stream a token finishes with null, as OpenAI's finishing chunk
+    let mut b = builder(&p);
+    b.push(0, &delta("Hi", &[tok(7)], None));
+    b.push(0, &delta("", &[], Some(FinishReason::Stop)));
+    let chunks: Vec<Value> = String::from_utf8([b.take(), b.finish()].concat())
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()))
+        .collect();
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!((&last["finish_reason"], &last["logprobs"]), (&json!("stop"), &Value::Null));
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["logprobs"]["content"].as_array().map(Vec::len), Some(1));
 }
 
 #[test]

@@ -1035,8 +1035,10 @@ fn beam_search(f: &CommonFields, vocab_size: usize, inert: &mut Vec<String>) -> 
     if let Some((param, _, what)) = conflicts.iter().find(|(_, set, _)| *set) {
         return Err(beam_conflict(param, what));
     }
+    // (the ranking reads the model's own logprobs, those temperature 1 samples from: 1, which
+    // clients send as OpenAI's default, asks for nothing)
     let unused = [
-        ("temperature", f.temperature.is_some()),
+        ("temperature", f.temperature.is_some_and(|t| t != 1.0)),
         ("top_p", f.top_p.is_some_and(|x| x != 1.0)),
         ("top_k", f.top_k.is_some_and(|k| k > 0)),
         ("min_p", f.min_p.is_some_and(|x| x != 0.0)),
