@@ -24,7 +24,9 @@ from test_tool_formats import HERMES, WEATHER
 from tiny import build_tiny_llama
 
 MODEL = "SmolLM2-135M-Instruct"
-ASK = [{"role": "user", "content": "What is the capital of France?"}]
+# ("What is the capital of France?" is a near tie between answers, which a CPU's arithmetic
+# settles: README, Talk to it)
+ASK = [{"role": "user", "content": "Name the capital of France."}]
 # (the SDK has no `temperature` argument any more: sampling fields go as extra_body)
 GREEDY = {"temperature": 0}
 

@@ -60,7 +60,9 @@ def _check_stream_matches(events, whole) -> None:
 
 
 def test_text_answer_is_the_chat_answer(client):
-    r = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+    # ("What is the capital of France?" is a near tie between answers, which a CPU's arithmetic
+    # settles: README, Talk to it)
+    r = client.responses.create(model=MODEL, input="Name the capital of France.", temperature=0,
                                 max_output_tokens=32)
     assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
     assert r.output_text == "The capital of France is Paris."
@@ -69,7 +71,7 @@ def test_text_answer_is_the_chat_answer(client):
     assert item.id.startswith("msg_") and item.content[0].type == "output_text"
     assert r.store is True and r.max_output_tokens == 32 and r.temperature == 0
     chat = client.chat.completions.create(model=MODEL, temperature=0, max_completion_tokens=32,
-                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                          messages=[{"role": "user", "content": "Name the capital of France."}])
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
@@ -518,7 +520,7 @@ def test_stored_chat_completions_are_read_back(client):
     """OpenAI's stored chat completions (`store: true`, `client.chat.completions.list/retrieve/
     update/delete` and `.messages.list`): a completion is kept as its non-streamed body, streamed
     or not, with its request's messages and metadata."""
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "Name the capital of France."}]
     kept = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=12,
                                           store=True, metadata={"run": "e2e"})
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=question, temperature=0,
@@ -536,7 +538,7 @@ def test_stored_chat_completions_are_read_back(client):
     listed = [c.id for c in client.chat.completions.list(metadata={"run": "e2e"})]
     assert listed[0] == kept.id and raw.parse().id in listed and chunks[0].id not in listed
     (message,) = client.chat.completions.messages.list(kept.id).data
-    assert (message.role, message.content) == ("user", "What is the capital of France?")
+    assert (message.role, message.content) == ("user", "Name the capital of France.")
     assert client.chat.completions.update(kept.id, metadata={"run": "x"}).metadata == {"run": "x"}
     assert client.chat.completions.delete(kept.id).deleted
     with pytest.raises(NotFoundError):
