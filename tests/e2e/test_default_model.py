@@ -201,7 +201,7 @@ def test_return_token_ids_are_the_prompt_and_every_sampled_token(smol, hf_tokeni
     the same list, and logprobs then list every one of them; `return_tokens_as_token_ids` names
     the logprobs' tokens by them. Completions give each choice both, and a stop string's trimmed tokens stay
     in `token_ids`."""
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     im_end = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
     with openai.OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0) as c:
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
