@@ -37,7 +37,8 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.server import routes
 from llmserve.server.background import Backgrounds
 from llmserve.server.middleware import (AccessLogMiddleware, ApiKeyMiddleware, CORSMiddleware, RequestIdMiddleware,
-                                        TrailingSlash, anthropic_errors, declares_far_more_than, error_body, error_request_id)
+                                        TrailingSlash, anthropic_errors, declares_far_more_than, error_body,
+                                        error_request_id)
 
 # What a page of an allowed origin may read of a response besides the CORS-safe headers.
 EXPOSED_HEADERS = ["llmserve-ignored-fields", "llmserve-unused-template-kwargs", "llmserve-chat-template",

@@ -85,6 +85,15 @@ fn delta<'a>(text: &'a str, tokens: &'a [TokenOut], finish: Option<FinishReason>
     ChoiceDelta { text, tokens, ids: &SAMPLED[..tokens.len()], finish, stop_reason: None }
 }
 
+/// The JSON of every `data:` frame the builder has sent and sends at its finish.
+fn chunks_of(b: &mut ResponseBuilder) -> Vec<Value> {
+    String::from_utf8([b.take(), b.finish()].concat())
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: ").filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()))
+        .collect()
+}
+
 fn builder(p: &Prepared) -> ResponseBuilder {
     ResponseBuilder::new(p, Arc::new(tokenizer()))
 }
@@ -137,11 +146,7 @@ fn a_chat_choice_without_listed_tokens_streams_empty_logprobs() {
     p.stream = true;
     let mut b = builder(&p);
     b.push(0, &delta("", &[], Some(FinishReason::Stop)));
-    let chunks: Vec<Value> = String::from_utf8([b.take(), b.finish()].concat())
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: ").filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()))
-        .collect();
+    let chunks = chunks_of(&mut b);
     let last = &chunks.last().unwrap()["choices"][0];
     assert_eq!((&last["finish_reason"], &last["logprobs"]), (&json!("stop"), &json!({"content": [], "refusal": null})));
     assert_eq!(chunks[0]["choices"][0]["logprobs"], Value::Null, "the role chunk carries none");
@@ -149,11 +154,7 @@ fn a_chat_choice_without_listed_tokens_streams_empty_logprobs() {
     let mut b = builder(&p);
     b.push(0, &delta("Hi", &[tok(7)], None));
     b.push(0, &delta("", &[], Some(FinishReason::Stop)));
-    let chunks: Vec<Value> = String::from_utf8([b.take(), b.finish()].concat())
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: ").filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()))
-        .collect();
+    let chunks = chunks_of(&mut b);
     let last = &chunks.last().unwrap()["choices"][0];
     assert_eq!((&last["finish_reason"], &last["logprobs"]), (&json!("stop"), &Value::Null));
     assert_eq!(chunks[chunks.len() - 2]["choices"][0]["logprobs"]["content"].as_array().map(Vec::len), Some(1));
