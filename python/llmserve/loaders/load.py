@@ -167,7 +167,7 @@ def _load_path(path: Path, log: logging.Logger, quantized_decode: bool) -> Check
         # The folder is the model: a chat_template.jinja (or tokenizer_config.json) put beside
         # the file comes before the file's own template, in the contract's order.
         folder = read_templates(path)
-        checkpoint.template_sources.update({k: v for k, v in folder.items() if k != "gguf" and v})
+        checkpoint.template_sources.update({k: v for k, v in folder.items() if v})
         return checkpoint
     if ggufs:
         names = ", ".join(p.name for p in ggufs)
