@@ -6,8 +6,8 @@ pass `engine=` to share an AsyncEngine it already started. A mounted app's lifes
 run (Starlette runs the outer app's only): its first request then starts the load, and the
 host drains nothing at shutdown unless its own lifespan enters the mounted app's
 (`async with inner.router.lifespan_context(inner): yield`), which also loads at startup.
-Each lifespan of an app built from a config serves an engine of its own: the one its end
-drained is replaced by a new one, loaded by the next lifespan (or request).
+Each lifespan of an app built from a config serves an engine of its own: a lifespan (or
+request) that finds the engine an earlier lifespan drained loads a new one.
 """
 
 from __future__ import annotations
@@ -162,6 +162,11 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
     def start_loading() -> None:
         # Load in the background: the server answers /health and /ready (503) meanwhile.
         if owns_engine and not loading:
+            if app.state.engine.state != "loading":
+                # An earlier lifespan drained it (it served the event loop that ended): this
+                # one (a test suite's next `with TestClient(app)`) loads a new engine rather
+                # than answering every request with the dead one's 503.
+                _serve_engine(app, AsyncEngine(config))
             task = asyncio.ensure_future(app.state.engine.start())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             loading.append(task)
@@ -177,11 +182,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                     loading[0].cancel()
                 app.state.backgrounds.stop_all()
                 await app.state.engine.drain(stop_timeout=_step_wait(app.state))
-                # A drained engine is done (it served the event loop that ended), so the app's
-                # next lifespan (a test suite's next `with TestClient(app)`) loads a new one
-                # rather than answering every request with the dead one's 503.
-                _serve_engine(app, AsyncEngine(config))
-                loading.clear()
+                loading.clear()   # (a next lifespan starts a new engine)
 
     lora_routes = RUNTIME_LORA_ROUTES if config.model.allow_runtime_lora_updating else [
         Route(r.path, routes.runtime_lora_off, methods=_EVERY_METHOD) for r in RUNTIME_LORA_ROUTES]
@@ -498,10 +499,9 @@ def serve(config: Config) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(uds)
     code = STARTUP_FAILURE if server.load_failed or not server.started else 0
-    # (the DrainingServer's engine: the lifespan's end put a fresh one in the app's state)
-    if server.engine.loading():
+    if app.state.engine.loading():
         log.info("stopped while the model was loading (exit status 0: a stop that was asked for)")
-    if server.engine.busy():
+    if app.state.engine.busy():
         # Stopped while the model loads, or inside a step that outlasted the stop (a long
         # prompt on a CPU): that thread is inside torch, and an interpreter that finalizes
         # around it aborts the process. Every request has had its answer; nothing is left to
