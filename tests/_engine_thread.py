@@ -3,6 +3,7 @@ Shared by the plan-ahead tests on CPU (tests/unit) and CUDA (tests/gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import orjson
@@ -32,10 +33,11 @@ BODIES = [
 
 
 class Spy:
-    """Wraps a runner: counts launches of plans made ahead, and can fail one launch."""
+    """Wraps a runner: counts launches of plans made ahead, and can fail one launch, or make
+    one step's samples a token short of its plan (`short_at`: the Core refuses them)."""
 
-    def __init__(self, runner, fail_at: int | None = None):
-        self.runner, self.fail_at = runner, fail_at
+    def __init__(self, runner, fail_at: int | None = None, short_at: int | None = None):
+        self.runner, self.fail_at, self.short_at = runner, fail_at, short_at
         self.launches = self.ahead = 0
 
     def launch(self, plan, prev=None):
@@ -43,19 +45,33 @@ class Spy:
         self.ahead += int((plan.input_ids < 0).any())
         if self.launches == self.fail_at:
             raise RuntimeError("injected step failure")
-        return self.runner.launch(plan, prev)
+        launched = self.runner.launch(plan, prev)
+        return _Short(launched) if self.launches == self.short_at else launched
 
     def execute(self, plan):
         return self.launch(plan).result()
 
 
-def serve(engine, bodies, abort_after: dict | None = None, fail_at: int | None = None):
+class _Short:
+    """A launched step whose samples lack their last row."""
+
+    def __init__(self, launched):
+        self.launched = launched
+
+    def result(self):
+        out = self.launched.result()
+        return dataclasses.replace(out, tokens=out.tokens[:-1], logprobs=out.logprobs[:-1],
+                                   top_ids=out.top_ids[:-1], top_logprobs=out.top_logprobs[:-1])
+
+
+def serve(engine, bodies, abort_after: dict | None = None, fail_at: int | None = None,
+          short_at: int | None = None):
     """Post every body at once to an EngineThread over `engine`; returns ({index: body or
     error}, the runner spy). `abort_after[i] = k`: abort request i once it has sent k chunks."""
     results: dict[int, list] = {i: [] for i in range(len(bodies))}
     done = threading.Event()
     finished: set[int] = set()
-    spy = Spy(engine.runner, fail_at)
+    spy = Spy(engine.runner, fail_at, short_at)
     thread: EngineThread
 
     def deliver(outputs):

@@ -48,11 +48,12 @@ def step(core, runner, on_scheduled: Callable[[], None] | None = None) -> tuple[
     if on_scheduled is not None:
         on_scheduled()
     try:
-        out = runner.execute(plan)
+        # (a step whose samples the Core refuses, their sizes not the plan's, failed too:
+        # Core.commit refuses before it applies anything)
+        return commit(core, runner.execute(plan)), True
     except Exception:  # noqa: BLE001 - any model failure becomes a 500 for this step only
         log.exception("model step failed; failing the %d sequences it held", plan.num_seqs)
         return core.fail_plan(FAILED), True
-    return commit(core, out), True
 
 
 def run_to_end(core, runner, prepared: list) -> Iterator[tuple[int, bytes, bool, bool]]:
@@ -374,11 +375,10 @@ class EngineThread:
                 log.exception("model step failed; failing the %d sequences it held", following.num_seqs)
                 failed_next = True
         try:
-            out = launched.result()
+            outputs = commit(core, launched.result())
         except Exception:  # noqa: BLE001 - fails this step's requests and the next's
             log.exception("model step failed; failing the sequences of the steps in flight")
             return core.fail_plan(FAILED), True
-        outputs = commit(core, out)
         if failed_next:
             outputs += core.fail_plan(FAILED)
         self._launched = queued

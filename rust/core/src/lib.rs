@@ -788,6 +788,10 @@ impl Core {
         pooled: Option<(&[f32], usize)>,
     ) -> Result<Vec<Output>, String> {
         let rows = tokens.len();
+        let awaited = self.scheduler.awaited_rows();
+        if rows != awaited {
+            return Err(format!("the plan awaiting commit has {awaited} rows; got {rows} tokens"));
+        }
         if logprobs.len() != rows || top_ids.len() != rows * k || top_lps.len() != rows * k {
             return Err(format!(
                 "{rows} tokens need as many logprobs and {rows} x {k} top ids and logprobs; got {}, {} and {}",

@@ -70,6 +70,9 @@ fn an_aborted_request_gives_back_its_blocks_and_no_output() {
     let out = core.commit(&vec![9; plan.num_rows], &vec![0.0; plan.num_rows], &[], &[], 0, None, None).unwrap();
     assert!(out.is_empty(), "{out:?}");
     assert!(core.schedule().is_none());
+    // (no plan awaits: tokens are refused, none is an empty commit)
+    assert!(core.commit(&[9], &[0.0], &[], &[], 0, None, None).unwrap_err().contains("has 0 rows"));
+    assert!(core.commit(&[], &[], &[], &[], 0, None, None).unwrap().is_empty());
 }
 
 #[test]
@@ -82,6 +85,11 @@ fn a_commit_whose_sizes_do_not_match_is_refused_and_applies_nothing() {
     assert!(err.contains("logprobs"), "{err}");
     let err = core.commit(&vec![9; rows], &vec![0.0; rows], &[], &[], 0, None, Some((&[0.5; 4], 2))).unwrap_err();
     assert!(err.contains("listed 0 pooling entries"), "{err}");
+    // (a token short, or one too many: refused before the scheduler, which would panic)
+    for n in [rows - 1, rows + 1] {
+        let err = core.commit(&vec![9; n], &vec![0.0; n], &[], &[], 0, None, None).unwrap_err();
+        assert!(err.contains(&format!("has {rows} rows; got {n} tokens")), "{err}");
+    }
     // (the plan still awaits its commit)
     let out = core.commit(&vec![9; rows], &vec![0.0; rows], &[], &[], 0, None, None).unwrap();
     assert_eq!(out.last().map(|o| (o.0, o.2)), Some((handle, Some("length"))));

@@ -532,13 +532,19 @@ impl Scheduler {
         plan.num_rows = cur.rows.len();
     }
 
+    /// The rows of the oldest Plan awaiting commit (0 when none awaits): the tokens its
+    /// `commit` takes.
+    pub fn awaited_rows(&self) -> usize {
+        self.inflight.front().map_or(0, |plan| plan.rows.len())
+    }
+
     /// Apply one sampled token per row of the oldest Plan awaiting commit, in row order:
     /// append (or replace the placeholder `schedule_ahead` gave it), check stop rules, free
     /// finished sequences, fork n > 1 prompts. Rows whose sequence was aborted or finished
     /// since `schedule` produce no update. A beam search's rows produce their update and
     /// nothing else: the caller answers them with `advance_beams` before the next `schedule`.
     ///
-    /// Panics unless `tokens.len()` equals that Plan's `num_rows`.
+    /// Panics unless `tokens.len()` equals that Plan's `num_rows` (`awaited_rows`).
     pub fn commit(&mut self, tokens: &[u32]) -> Vec<SeqUpdate> {
         let Some(mut done) = self.inflight.pop_front() else {
             assert!(tokens.is_empty(), "Scheduler::commit called with tokens but no Plan is awaiting them");
