@@ -173,6 +173,37 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(tiny_server, reference)
         assert e.status_code == 400 and e.json()["error"]["param"] == "max_tokens", e.text
 
 
+def test_a_continuation_the_model_ends_scores_with_its_eos(tiny_model, tiny_server, reference):
+    """lm-eval's `local-completions` loglikelihood: `echo`, `max_tokens: 1`, and the last entry
+    read as the sampled token (it sums `token_logprobs[ctxlen:-1]`). A sampled EOS is that
+    entry (vLLM's and OpenAI's legacy completions list it), with the model's raw logprob, at
+    the end of the text; usage counts it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tiny import SPECIALS
+
+    ids = reference[0]
+    eos = SPECIALS.index("<|im_end|>")
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0,
+            "logit_bias": {str(eos): 100}}
+    r = _post(tiny_server, body)
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert (c["text"], c["finish_reason"], r["usage"]["completion_tokens"]) == (PROMPT, "stop", 1)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(ids) + 1
+    assert lp["tokens"][-1] == "<|im_end|>" and lp["text_offset"][-1] == len(PROMPT)
+    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        last = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+    assert lp["token_logprobs"][-1] == pytest.approx(last[eos].item(), abs=1e-4)   # (before logit_bias)
+    with httpx.stream("POST", tiny_server.url + "/v1/completions",
+                      json={"model": "tiny", "stream": True, **body}, timeout=60) as s:
+        frames = [f.removeprefix("data: ") for f in s.read().decode().split("\n\n") if f.startswith("data: {")]
+    streamed = [t for f in frames for ch in json.loads(f)["choices"] for t in ch["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+
+
 def test_prompt_scoring_may_fill_the_context(tiny_server):
     """`echo` + `max_tokens: 0` asks for no completion, so a prompt of exactly max_model_len
     (512 here) tokens is scored; one token more, or any completion, is over the limit."""

@@ -387,6 +387,43 @@ def test_a_stopping_token_is_listed_only_when_its_text_is_shown(router, shown):
     assert listed == (" the cat<|im_end|>" if shown else " the cat")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_list_the_stopping_token(router, stream):
+    """On completions the token that ended the choice (EOS, a stop_token_ids id) is listed in
+    logprobs, as vLLM's and OpenAI's legacy completions list it, at the end of the text:
+    lm-eval's loglikelihood (`echo`, `max_tokens: 1`) reads the sampled token as the last
+    entry, and would otherwise score a continuation the model ends with EOS as 0."""
+    words = router.prepare("completion", orjson.dumps({"model": "m", "prompt": " the cat"})).prompt_token_ids[0]
+    base = {"model": "m", "prompt": "Hi there", "logprobs": 1, "stream": stream}
+
+    def answer(script, **fields):
+        core = make_core(router)
+        handle = core.add(router.prepare("completion", orjson.dumps({**base, **fields})))
+        out, _ = run(core, ScriptRunner(router.vocab_size, script))
+        assert core.stats()["used_blocks"] == 0
+        if not stream:
+            return orjson.loads(b"".join(out[handle]))["choices"][0]
+        frames = [orjson.loads(f[6:]) for f in b"".join(out[handle]).split(b"\n\n") if f.startswith(b"data: {")]
+        lps = {"tokens": [], "token_logprobs": [], "text_offset": []}
+        for c in (c for f in frames for c in f["choices"]):
+            for key in lps:
+                lps[key] += c["logprobs"][key]
+        return {"text": "".join(c["text"] for f in frames for c in f["choices"]), "logprobs": lps}
+
+    eos = answer([*words, EOS], max_tokens=10)
+    assert eos["text"] == " the cat"
+    tokens, offsets = eos["logprobs"]["tokens"], eos["logprobs"]["text_offset"]
+    assert len(tokens) == len(words) + 1 and "".join(tokens[:-1]) == " the cat" and tokens[-1] == "<|im_end|>"
+    assert offsets[-1] == offsets[0] + len(" the cat")
+    stop_id = answer([*words, EOS], max_tokens=10, stop_token_ids=[words[-1]])
+    assert stop_id["text"] == " the ca" and stop_id["logprobs"]["tokens"] == tokens[:-1]
+    echo = answer([EOS], max_tokens=1, echo=True)
+    assert echo["text"] == "Hi there"
+    # (the fake runner computes no prompt logprobs: the server's are in test_echo_logprobs)
+    assert echo["logprobs"]["tokens"][-1] == "<|im_end|>" and echo["logprobs"]["token_logprobs"][-1] == -0.5
+    assert echo["logprobs"]["text_offset"][-1] == len("Hi there")
+
+
 def test_a_token_the_stop_string_begins_inside_keeps_its_logprobs(router):
     """A token that holds text before the stop string as well as some of it is shown: its
     logprobs are part of the answer."""

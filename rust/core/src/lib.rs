@@ -136,9 +136,11 @@ struct RequestState {
     /// `stop_token_ids` that are not also an ending eos: a finish by one of these names it
     /// in `stop_reason` (vLLM's rule: eos checks first and gives none).
     stop_token_reasons: Vec<u32>,
-    /// `include_stop_str_in_output`: a token that ends a choice by id (eos, stop_token_ids)
-    /// shows its text, and so is listed in logprobs; otherwise it is only counted.
-    show_stop_tokens: bool,
+    /// A token that ends a choice by id (eos, stop_token_ids) is listed in logprobs: under
+    /// `include_stop_str_in_output` (which shows its text), and always on completions, as
+    /// vLLM's and OpenAI's legacy completions list it (lm-eval's loglikelihood reads the
+    /// sampled token as the last entry). Otherwise (chat, as OpenAI's) it is only counted.
+    list_stop_token: bool,
     /// `return_token_ids` or `return_tokens_as_token_ids` (clients that read the sampled tokens
     /// from logprobs): logprobs list every sampled token, as `token_ids` does (the one that
     /// ended the choice and those a stop string trimmed included), one entry per id, as vLLM's.
@@ -562,7 +564,7 @@ impl Core {
                     let eos = &self.router.config().eos_token_ids;
                     p.stop_token_ids.iter().copied().filter(|t| p.ignore_eos || !eos.contains(t)).collect()
                 },
-                show_stop_tokens: p.include_stop_str_in_output,
+                list_stop_token: p.include_stop_str_in_output || prepared.endpoint == Endpoint::Completion,
                 list_every_token: prepared.return_token_ids || prepared.tokens_as_ids,
                 started: false,
                 anthropic: prepared.endpoint == Endpoint::Messages,
@@ -1248,10 +1250,10 @@ fn deliver(
         let every = state.list_every_token;
         let cut = stop_text.as_ref().filter(|_| !every).map(|_| detok.emitted_len());
         let mut out = state.held[d].finish(token, cut);
-        // As for stop strings: a stopping token whose text is left out is counted in usage but
-        // not listed, so the listed tokens spell the content (unless the request reads the
-        // sampled tokens: `list_every_token`).
-        if by_token && !state.show_stop_tokens && !every {
+        // As for stop strings: on chat, a stopping token whose text is left out is counted in
+        // usage but not listed, so the listed tokens spell the content (unless the request
+        // reads the sampled tokens: `list_every_token`).
+        if by_token && !state.list_stop_token && !every {
             out.pop();
         }
         out
