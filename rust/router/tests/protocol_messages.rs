@@ -291,7 +291,12 @@ fn anthropics_conversation_rules_are_400s() {
     system["system"] = json!([{"type": "text", "text": ""}]);
     assert_eq!(err(system.clone()), bad("invalid_value", "system[0].text"));
     system["system"] = json!([{"type": "text", "text": "a"}, {"type": "text", "text": "  "}]);
-    assert_eq!(err(system), bad("invalid_value", "system[1].text"));
+    assert_eq!(err(system.clone()), bad("invalid_value", "system[1].text"));
+    // (a string is one block: blank, refused as one; "" is no system prompt)
+    system["system"] = json!(" \n");
+    assert_eq!(err(system.clone()), bad("invalid_value", "system"));
+    system["system"] = json!("");
+    r.prepare(Endpoint::Messages, &serde_json::to_vec(&system).unwrap()).unwrap();
     let blank =
         r.prepare(Endpoint::Messages, &serde_json::to_vec(&with(json!([{"role": "user", "content": " "}]))).unwrap());
     assert!(blank.unwrap_err().message().contains("non-whitespace text"));

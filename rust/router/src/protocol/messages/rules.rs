@@ -39,10 +39,15 @@ fn blocks_of(m: &Value, i: usize) -> Vec<(String, Block<'_>)> {
 /// Anthropic's rules for a conversation (see the module doc), on `messages` as sent (after
 /// `conversation` checked their shapes): a 400 naming the block that breaks one.
 pub(super) fn check_turns(obj: &Map<String, Value>, has_tools: bool) -> Result<(), ApiError> {
-    if let Some(Value::Array(system)) = set(obj, "system") {
-        if let Some(j) = system.iter().position(|b| b["text"].as_str().is_some_and(blank)) {
-            return Err(blank_text(format!("system[{j}].text")));
+    match set(obj, "system") {
+        Some(Value::Array(system)) => {
+            if let Some(j) = system.iter().position(|b| b["text"].as_str().is_some_and(blank)) {
+                return Err(blank_text(format!("system[{j}].text")));
+            }
         }
+        // (a string is one text block, as Anthropic reads it; "" is no system prompt, as `[]`)
+        Some(Value::String(s)) if !s.is_empty() && blank(s) => return Err(blank_text("system".into())),
+        _ => {}
     }
     let Some(Value::Array(list)) = obj.get("messages") else { return Ok(()) };
     let last = list.len() - 1;
