@@ -518,6 +518,8 @@ class SchedulerConfig(_Checked):
         elif model is not None:
             raise ValueError(f"{flag}: `model` {model!r}: there is no draft model; the n-gram method drafts "
                              "from the sequence's own tokens")
+        if method is None:
+            raise ValueError(f"{flag}: `method` is required: \"ngram\" (prompt lookup), the one method served")
         if method != "ngram":
             raise ValueError(f"{flag}: `method` {method!r}: only \"ngram\" (prompt lookup) is served; there is "
                              "no draft model (eagle, medusa, mtp, ...)")
@@ -526,17 +528,16 @@ class SchedulerConfig(_Checked):
             raise ValueError(f"{flag}: {', '.join(sorted(unread))}: the n-gram method reads only method, "
                              "num_speculative_tokens, prompt_lookup_max and prompt_lookup_min")
 
-        def whole(key: str) -> int | None:
+        def whole(key: str, most: int = _MOST) -> int | None:
             v = values.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MOST):
-                raise ValueError(f"{flag}: {key} must be a whole number from 1 to {_MOST}, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most):
+                raise ValueError(f"{flag}: {key} must be a whole number from 1 to {most}, got {v!r}")
             return v
 
-        num = whole("num_speculative_tokens")
+        # (at most 64 drafts: a step checks them all)
+        num = whole("num_speculative_tokens", 64)
         if num is None:
             raise ValueError(f"{flag}: num_speculative_tokens is required (how many drafts a step checks)")
-        if num > 64:
-            raise ValueError(f"{flag}: num_speculative_tokens is at most 64 here (a step checks them all), got {num}")
         high, low = whole("prompt_lookup_max"), whole("prompt_lookup_min")
         if high is None and low is None:
             high = low = 5

@@ -30,9 +30,12 @@ def test_the_flag_reads_as_vllm_reads_it(given, read):
 
 @pytest.mark.parametrize("given, says", [
     ({"method": "ngram"}, "num_speculative_tokens is required"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number from 1 to 2147483647"),
+    # (one range in every message: a step checks all its drafts, 64 at most)
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number from 1 to 64, got 0"),
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "must be a whole number"),
-    ({"method": "ngram", "num_speculative_tokens": 65}, "at most 64"),
+    ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens must be a whole number from 1 to 64, got 65"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be a whole number from 1 to 2147483647"),
+    ({"num_speculative_tokens": 4, "prompt_lookup_max": 3}, "`method` is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "only \"ngram\" (prompt lookup) is served"),
