@@ -10,6 +10,7 @@ on events out of order) and add up to the non-streamed `message`.
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -321,7 +322,8 @@ def test_forced_tool_calls_are_tool_use_blocks(hermes):
         m = client.messages.create(**req)
         assert m.stop_reason == "tool_use"
         (use,) = [b for b in m.content if b.type == "tool_use"]
-        assert use.name == "get_weather" and use.id
+        # (Anthropic's id shape: `toolu_` and 24 hex digits here)
+        assert use.name == "get_weather" and re.fullmatch(r"toolu_[0-9a-f]{24}", use.id)
         jsonschema.validate(use.input, TOOL["input_schema"])
         # the same call as chat's, from the same prompt
         chat = oai.chat.completions.create(model="tiny", messages=ask, tools=[CHAT_TOOL], temperature=0,
@@ -332,6 +334,7 @@ def test_forced_tool_calls_are_tool_use_blocks(hermes):
         events, final = _streamed(client, **req)
         starts = [e.content_block for e in events if e.type == "content_block_start"]
         assert [s.type for s in starts] == ["tool_use"] and starts[0].input == {}
+        assert re.fullmatch(r"toolu_[0-9a-f]{24}", starts[0].id)
         pieces = [e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
         assert len(pieces) > 1, "the input should arrive as it is generated"
         assert final.stop_reason == "tool_use"

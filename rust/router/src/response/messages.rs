@@ -61,12 +61,18 @@ pub(super) fn text_block(text: &str) -> Value {
 }
 
 /// A tool_use block; `arguments` is the call's JSON text (an object; anything else, as a
-/// call cut off by `max_tokens` leaves it, is an empty input).
+/// call cut off by `max_tokens` leaves it, is an empty input). The chat call's `call_` id
+/// is named as Anthropic names its calls, `toolu_`; a Mistral-format id (9 characters, the
+/// only ids its templates take back) stays as it is.
 pub(super) fn tool_use_block(id: &str, name: &str, arguments: Option<&str>) -> Value {
     let input = arguments
         .and_then(|a| serde_json::from_str::<Value>(a).ok())
         .filter(Value::is_object)
         .unwrap_or_else(|| json!({}));
+    let id = match id.strip_prefix("call_") {
+        Some(rest) => format!("toolu_{rest}"),
+        None => id.to_string(),
+    };
     json!({"type": "tool_use", "id": id, "name": name, "input": input})
 }
 
