@@ -63,7 +63,8 @@ _VLLM_NO_OPS = {
     "--disable-hybrid-kv-cache-manager": "one KV-cache manager serves every layer (sliding-window layers keep "
                                          "their blocks as the others do)",
     "--enable-offline-docs": "llmserve serves no API docs pages",
-    "--calculate-kv-scales": "the KV cache has the model's dtype: there are no fp8 scales to calculate",
+    "--calculate-kv-scales": "an fp8 KV cache (`--kv-cache-dtype fp8`) stores values unscaled (vLLM's default "
+                             "scale of 1.0): there are no scales to calculate",
 }
 # ... and those that take a value (a size or count that only bounds what vLLM serves).
 _VLLM_VALUE_NO_OPS = {
