@@ -351,7 +351,8 @@ def build_engine(cfg: Config) -> Engine:
             log.warning("--threads %d on %d cores: torch's threads will contend for them, and every step "
                         "runs slower than with --threads %d", cfg.device.threads, cores, cores)
         torch.set_num_threads(cfg.device.threads)
-    torch.manual_seed(cfg.device.seed)
+    # NOTE: the seed reaches the runner's own generators, never torch's global RNG: an engine
+    # built inside another program leaves that program's random stream as it was.
 
     # (the quantized GEMV runs float32 CPU steps only: a GGUF file's other block types are
     # converted for it then, and the weights are the converted blocks' values)
@@ -578,9 +579,9 @@ def build_engine(cfg: Config) -> Engine:
                                   max_num_seqs=cfg.scheduler.max_num_seqs, max_model_len=max_model_len,
                                   max_num_batched_tokens=batched_tokens(cfg, device),
                                   graphs=not cfg.device.enforce_eager,
-                                  capture_sizes=capture_sizes)
+                                  capture_sizes=capture_sizes, seed=cfg.device.seed)
     else:
-        runner = ModelRunner(model, num_blocks, block_size, kv_dtype, device)
+        runner = ModelRunner(model, num_blocks, block_size, kv_dtype, device, seed=cfg.device.seed)
     plan_ahead = {"on": True, "off": False}.get(cfg.scheduler.async_scheduling, device.type == "cuda")
     log.info("engine ready in %.1f s (served as %s; async scheduling %s)", time.perf_counter() - start,
              ", ".join(names), "on" if plan_ahead else "off")

@@ -260,8 +260,9 @@ def _mix_seed(seed: int, gen_index: int) -> int:
 
 class Sampler:
     def __init__(self, seed: int | None = None):
-        """seed: the shared generator of unseeded rows. None draws it from torch's global RNG,
-        so `torch.manual_seed(...)` before building the engine also fixes unseeded sampling."""
+        """seed: the shared generator of unseeded rows (the engine passes `--seed`). None draws
+        it from torch's global RNG, so `torch.manual_seed(...)` before building a runner
+        without a seed also fixes its unseeded sampling."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))
         self.seed = seed
