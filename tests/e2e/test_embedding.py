@@ -355,7 +355,17 @@ def test_default_sampling_params_are_the_models(tiny_model):
     out = llm.generate("Hello", params)[0]
     assert len(out.outputs[0].token_ids) == 9
     assert out.text == llm.generate("Hello", {"seed": 3, "ignore_eos": True})[0].text
-    assert LLM(str(tiny_model), num_kv_blocks=64).get_default_sampling_params() == SamplingParams()
+    plain = LLM(str(tiny_model), num_kv_blocks=64)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    # No params are these defaults, as vLLM reads them (a request without `max_tokens` would
+    # run to the end of the context); so is one prompt's None among params given per prompt.
+    for lm, most in ((plain, 16), (llm, 9)):
+        many = lm.generate(["Hello"] * 6, sampling_params=None)
+        assert max(r.usage["completion_tokens"] for r in many) == most
+        each = lm.generate(["Hello"] * 2, [None, {"max_tokens": 20, "ignore_eos": True}])
+        assert each[0].usage["completion_tokens"] <= most and each[1].usage["completion_tokens"] == 20
+        chats = lm.chat([[{"role": "user", "content": "Hi"}]] * 6)
+        assert max(r.usage["completion_tokens"] for r in chats) == most
 
 
 def test_a_capped_prefill_answers_as_a_whole_one(llm, tiny_model):

@@ -213,11 +213,12 @@ class LLM:
                  lora_request: Any = None, priority: list[int] | None = None) -> list[Result]:
         """Complete each prompt (a string or token ids: a list, tuple or 1-D array of integers).
         `params` apply to every prompt, or (a list, as vLLM takes one `SamplingParams` per
-        prompt) one to each; vLLM's keyword for them, `sampling_params`, is taken too. So is
-        `use_tqdm`, vLLM's progress bar, which draws nothing here, and vLLM's `lora_request`
-        and `priority` (see `_routing`)."""
+        prompt) one to each; None is vLLM's default, `get_default_sampling_params()` (16
+        tokens); vLLM's keyword for them, `sampling_params`, is taken too. So is `use_tqdm`,
+        vLLM's progress bar, which draws nothing here, and vLLM's `lora_request` and
+        `priority` (see `_routing`)."""
         prompts = _prompt_list(prompts)
-        params = _fields(_one_of(params, sampling_params), "completion")
+        params = _fields(self._or_defaults(_one_of(params, sampling_params)), "completion")
         each = _params_each(params, len(prompts), "prompt")
         routing = _routing(self.model_name, lora_request, priority, len(prompts), "prompt")
         bodies = [{**r, **q, "prompt": p} for p, q, r in zip(prompts, each, routing)]
@@ -300,8 +301,8 @@ class LLM:
             ("chat_template_kwargs", chat_template_kwargs)) if value is not None}
         many = bool(messages) and isinstance(messages[0], list)
         convs = messages if many else [messages]
-        each = _params_each(_fields(_one_of(params, sampling_params), "chat"), len(convs), "messages",
-                            "conversation")
+        params = self._or_defaults(_one_of(params, sampling_params))
+        each = _params_each(_fields(params, "chat"), len(convs), "messages", "conversation")
         for q in each:
             for name in fields:
                 _own_argument(q, name, "keyword")
@@ -378,6 +379,16 @@ class LLM:
         server."""
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         return SamplingParams(**{k: v for k, v in self.engine.generation_defaults.items() if k in fields})
+
+    def _or_defaults(self, params: object) -> object:
+        """`params`, with None (no params given, or one prompt's in a list) as vLLM reads it:
+        `get_default_sampling_params()`, whose 16 `max_tokens` bound an output that a request
+        without `max_tokens` would run to the end of the context."""
+        if params is None:
+            return self.get_default_sampling_params()
+        if isinstance(params, (list, tuple)):
+            return [self.get_default_sampling_params() if p is None else p for p in params]
+        return params
 
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer and chat template, with the calls code written for vLLM makes
