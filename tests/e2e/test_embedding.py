@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 
 import httpx
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from llmserve import LLM, AsyncEngine, BadRequestError, SamplingParams, create_app
+from llmserve import LLM, ApiError, AsyncEngine, BadRequestError, SamplingParams, create_app
 from llmserve.engine.offline import make_config
 from llmserve.engine.sampling_params import Logprob
 
@@ -703,6 +704,27 @@ def test_mounted_app_shares_a_started_engine(tiny_model):
     asyncio.run(main())
 
 
+def test_an_engine_never_started_says_so(tiny_model):
+    """An app serving an engine nobody started (`create_app(engine=...)`, whose host never
+    called `start()`) answers what to do, not "still loading" forever; and the engine too."""
+    engine = AsyncEngine(make_config(str(tiny_model), served_model_name=["tiny"], num_kv_blocks=64))
+    app = create_app(engine=engine)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            for r in (await c.post("/v1/chat/completions", json=chat), await c.post("/tokenize", json={
+                    "model": "tiny", "prompt": "hi"})):
+                assert r.status_code == 503 and "retry-after" not in r.headers, r.text
+                assert "await engine.start()" in r.json()["error"]["message"]
+        with pytest.raises(ApiError, match=r"never started: `await engine.start\(\)`"):
+            await engine.submit("completion", json.dumps({"model": "tiny", "prompt": "hi"}).encode())
+
+    asyncio.run(main())
+    assert engine.state == "loading" and not engine.busy()
+
+
 def test_mounted_app_loads_on_its_first_request_and_keeps_probes_open(tiny_model):
     """Starlette does not run a mounted app's lifespan: the first request starts the load
     (503 "loading" until it is done), and the open probes stay open under the mount prefix
@@ -718,6 +740,9 @@ def test_mounted_app_loads_on_its_first_request_and_keeps_probes_open(tiny_model
             assert (await c.get("/llm/health")).status_code == 200
             first = await c.get("/llm/ready")
             assert first.status_code == 503 and first.headers["retry-after"]
+            loading = await c.post("/llm/v1/completions", headers={"authorization": "Bearer k"},
+                                   json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+            assert loading.status_code == 503 and "still loading" in loading.json()["error"]["message"]
             for _ in range(600):
                 if (await c.get("/llm/ready")).status_code == 200:
                     break

@@ -284,6 +284,8 @@ FAILED_LOAD = "The model failed to load (the server's log says why); this server
 CANCELLED_LOAD = ("The model load was cancelled before it ended: the server stopped, or the event loop that "
                   "started it ended (Starlette's TestClient used without `with` runs each request on a loop "
                   "of its own); this engine cannot serve requests.")
+NOT_STARTED = ("This engine was never started: `await engine.start()` loads its model (an app made with "
+               "`create_app(engine=engine)` serves an engine its host starts; one made from a config starts its own).")
 
 
 class AsyncEngine:
@@ -307,9 +309,21 @@ class AsyncEngine:
     async def start(self) -> None:
         """Load the model on a worker thread (the server answers /ready 503 meanwhile). An
         engine starts once, and serves the event loop that started it."""
+        self._claim_loop()
+        await self._load()
+
+    def start_soon(self) -> asyncio.Future[None]:
+        """`start()` as a task of the running loop, which the engine serves from now on (a
+        request before the load ends is told the model is still loading)."""
+        self._claim_loop()
+        return asyncio.ensure_future(self._load())
+
+    def _claim_loop(self) -> None:
         if self._loop is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
+
+    async def _load(self) -> None:
         try:
             engine = await _on_daemon_thread(build_engine, self.config)
         except asyncio.CancelledError:
@@ -408,8 +422,14 @@ class AsyncEngine:
         if self.engine is None:
             if self.state == "failed":
                 raise self.unavailable(self._failure, retry_after=None)
+            self._check_started()
             raise self.unavailable("The model is still loading.", retry_after=5)
         return self.engine.router
+
+    def _check_started(self) -> None:
+        if self._loop is None:
+            # (a library's mistake, which no retry mends: said as what to do)
+            raise self.unavailable(NOT_STARTED, retry_after=None)
 
     async def reset_prefix_cache(self) -> int:
         """Empty the prefix cache between two steps (Scheduler::reset_prefix_cache); how many
@@ -450,6 +470,7 @@ class AsyncEngine:
             # its outputs are delivered to the loop that started it, and would never come
             raise RuntimeError(_OTHER_LOOP)
         if self.state == "loading":
+            self._check_started()
             raise self.unavailable("The model is still loading.", retry_after=5)
         if self.state == "failed":
             raise self.unavailable(self._failure, retry_after=None)

@@ -167,7 +167,7 @@ def create_app(config: Config | None = None, engine: AsyncEngine | None = None) 
                 # one (a test suite's next `with TestClient(app)`) loads a new engine rather
                 # than answering every request with the dead one's 503.
                 _serve_engine(app, AsyncEngine(config))
-            task = asyncio.ensure_future(app.state.engine.start())
+            task = app.state.engine.start_soon()
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             loading.append(task)
 
