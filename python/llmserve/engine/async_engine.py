@@ -285,7 +285,8 @@ CANCELLED_LOAD = ("The model load was cancelled before it ended: the server stop
                   "started it ended (Starlette's TestClient used without `with` runs each request on a loop "
                   "of its own); this engine cannot serve requests.")
 NOT_STARTED = ("This engine was never started: `await engine.start()` loads its model (an app made with "
-               "`create_app(engine=engine)` serves an engine its host starts; one made from a config starts its own).")
+               "`create_app(engine=engine)` serves an engine its host starts; one made from a config starts "
+               "its own).")
 
 
 class AsyncEngine:
