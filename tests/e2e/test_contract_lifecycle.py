@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 
 import httpx
@@ -104,10 +105,13 @@ def _sse_frames(text: str) -> list[str]:
     return [f.removeprefix("data: ") for f in text.split("\n\n") if f.startswith("data: ")]
 
 
-def test_503_while_loading(tiny_model):
-    engine = AsyncEngine(_config(tiny_model))  # never started: the load is held back
+def test_503_while_loading(tiny_model, monkeypatch):
+    engine = AsyncEngine(_config(tiny_model))
+    gate = threading.Event()   # the load is held back until the checks are done
+    monkeypatch.setattr(async_engine_mod, "build_engine", lambda cfg: gate.wait(60) and build_engine(cfg))
 
     async def main():
+        loading = engine.start_soon()
         async with _client(create_app(engine=engine)) as c:
             for path, body in (("/v1/chat/completions", CHAT),
                                ("/v1/completions", {"model": "tiny", "prompt": "x"}),
@@ -125,6 +129,10 @@ def test_503_while_loading(tiny_model):
             assert metrics.status_code == 200
             assert "# TYPE llmserve:num_requests_running gauge" in metrics.text
             assert "llmserve:num_requests_running{" not in metrics.text
+            gate.set()
+            await loading
+            assert (await c.get("/ready")).status_code == 200
+        await engine.drain()
 
     asyncio.run(main())
 
