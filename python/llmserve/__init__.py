@@ -5,7 +5,8 @@ may be vLLM's `SamplingParams`; `beam_search` takes its `BeamSearchParams`, `emb
 `score` its `PoolingParams`),
 `AsyncEngine` (submit request bytes, iterate response bytes), `create_app` (an ASGI app to
 mount or serve) and the `Config` both take; `ApiError` is the base of every request error
-(one subclass per status: `BadRequestError`, `AuthenticationError`, `NotFoundError`,
+(one subclass per status: `BadRequestError`, also a `ValueError` as vLLM's offline errors,
+`AuthenticationError`, `NotFoundError`,
 `MethodNotAllowedError`, `PayloadTooLargeError`, `InternalServerError`,
 `ServiceUnavailableError`), `LoadError` a model that cannot be loaded or served as configured. The Rust core lives in
 the private `llmserve._core`.

@@ -82,6 +82,13 @@ def test_offline_errors_are_api_errors(llm):
         llm.generate("x", {"model": "nope"})
     assert isinstance(info.value, ApiError) and info.value.status == 404
     assert ApiError.__name__ == "ApiError" and ApiError.__module__ == "llmserve._core"
+    # A 400 is also the ValueError vLLM's offline API raises for bad params and too-long
+    # prompts (code written for it catches `ValueError`); other statuses are not.
+    with pytest.raises(ValueError, match="maximum context length") as too_long:
+        llm.generate("x " * 5000, {"max_tokens": 1})
+    assert isinstance(too_long.value, BadRequestError) and too_long.value.status == 400
+    assert BadRequestError.__name__ == "BadRequestError" and BadRequestError.__module__ == "llmserve._core"
+    assert not isinstance(info.value, ValueError)
 
 
 @pytest.mark.parametrize("params, param", [

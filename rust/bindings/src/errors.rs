@@ -5,12 +5,12 @@
 
 use llmserve_router::ApiError as RouterError;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
 
 create_exception!(llmserve._core, ApiError, PyException, "An error in the OpenAI error shape.");
-create_exception!(llmserve._core, BadRequestError, ApiError, "400: the request is invalid.");
 create_exception!(llmserve._core, AuthenticationError, ApiError, "401: missing or wrong API key.");
 create_exception!(llmserve._core, NotFoundError, ApiError, "404: unknown model or resource.");
 create_exception!(llmserve._core, MethodNotAllowedError, ApiError, "405: the route does not serve this method.");
@@ -18,10 +18,27 @@ create_exception!(llmserve._core, PayloadTooLargeError, ApiError, "413: request 
 create_exception!(llmserve._core, InternalServerError, ApiError, "500: the engine failed.");
 create_exception!(llmserve._core, ServiceUnavailableError, ApiError, "503: try again later.");
 
+static BAD_REQUEST_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// 400: an `ApiError` that is also a `ValueError`, as vLLM's offline API raises bad params
+/// and too-long prompts, so code written for it (`except ValueError`) catches ours. Two bases,
+/// which `create_exception!` cannot give: made by `type()` once.
+fn bad_request_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    let ty = BAD_REQUEST_ERROR.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let bases = PyTuple::new(py, [py.get_type::<ApiError>(), py.get_type::<PyValueError>()])?;
+        let namespace = PyDict::new(py);
+        namespace.set_item("__module__", "llmserve._core")?;
+        namespace.set_item("__doc__", "400: the request is invalid.")?;
+        let made = py.get_type::<PyType>().call1(("BadRequestError", bases, namespace))?;
+        Ok(made.cast_into::<PyType>()?.unbind())
+    })?;
+    Ok(ty.bind(py))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("ApiError", py.get_type::<ApiError>())?;
-    m.add("BadRequestError", py.get_type::<BadRequestError>())?;
+    m.add("BadRequestError", bad_request_error(py)?)?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
     m.add("MethodNotAllowedError", py.get_type::<MethodNotAllowedError>())?;
@@ -35,7 +52,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub fn to_py(py: Python<'_>, e: &RouterError) -> PyErr {
     let msg = e.message();
     let err = match e.status() {
-        400 => BadRequestError::new_err(msg.clone()),
+        400 => match bad_request_error(py) {
+            Ok(ty) => PyErr::from_type(ty.clone(), msg.clone()),
+            Err(e) => return e,
+        },
         401 => AuthenticationError::new_err(msg.clone()),
         404 => NotFoundError::new_err(msg.clone()),
         405 => MethodNotAllowedError::new_err(msg.clone()),
